@@ -1,0 +1,47 @@
+# Two entry points (README): `make demo` and `make test`. Every pip install
+# here goes through constraints.txt, which pins torch to the CPU build.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
+PYTEST_ARGS ?=
+
+.PHONY: demo test install install-test test-servers lint typecheck bench clean
+
+$(VENV)/.created:
+	$(PY) -m venv $(VENV)
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt
+	$(PIP) torch==2.13.0
+	$(PIP) -e .
+	touch $@
+
+$(VENV)/.test-installed: $(VENV)/.installed
+	$(PIP) -e ".[test,s3,monitoring]"
+	touch $@
+
+install: $(VENV)/.installed
+
+install-test: $(VENV)/.test-installed
+
+# The real servers the tests use (Ceph RGW, Prometheus), installed from
+# Debian where we are root; the fixtures skip with that reason elsewhere.
+test-servers:
+	bash tools/install-test-servers.sh
+
+demo: install
+	$(VPY) -m bytecp.cli demo --out demo-out
+
+test: install-test test-servers
+	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+lint: install-test
+	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks
+	$(VENV)/bin/mypy
+
+bench: install-test
+	$(VPY) -m benchmarks.run
+
+clean:
+	rm -rf $(VENV) demo-out .pytest_cache

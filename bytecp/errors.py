@@ -1,0 +1,96 @@
+"""Typed errors raised by bytecp.
+
+Every error names what is at fault (the checkpoint URL, file, tensor, region,
+rank or setting) and what to do about it. Storage backends map their
+service errors onto :class:`StorageError` subclasses; distributed failures on
+any rank reach every rank as one :class:`DistributedCheckpointError`.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BytecpError",
+    "CheckpointNotFoundError",
+    "IncompleteCheckpointError",
+    "CheckpointExistsError",
+    "CorruptCheckpointError",
+    "FormatVersionError",
+    "StateMismatchError",
+    "PickleNotAllowedError",
+    "StorageError",
+    "StoragePermissionError",
+    "StorageNotFoundError",
+    "TransientStorageError",
+    "DistributedCheckpointError",
+    "ConfigError",
+]
+
+
+class BytecpError(Exception):
+    """Base class of every error bytecp raises on purpose."""
+
+
+class ConfigError(BytecpError, ValueError):
+    """A setting or argument is invalid; the message names it."""
+
+
+class CheckpointNotFoundError(BytecpError, FileNotFoundError):
+    """Nothing that looks like a checkpoint exists at the URL."""
+
+
+class IncompleteCheckpointError(CheckpointNotFoundError):
+    """Data files exist but ``metadata.json`` does not: an interrupted save.
+
+    Such a directory is not a checkpoint; ``latest`` and retention ignore it.
+    """
+
+
+class CheckpointExistsError(BytecpError, FileExistsError):
+    """A committed checkpoint already exists where a save was asked to write."""
+
+
+class CorruptCheckpointError(BytecpError):
+    """Stored bytes do not match what the checkpoint's index promises."""
+
+
+class FormatVersionError(BytecpError):
+    """The checkpoint was written by a newer (or unknown) format version."""
+
+
+class StateMismatchError(BytecpError, ValueError):
+    """The target state does not fit the checkpoint (keys, shapes, dtypes)."""
+
+
+class PickleNotAllowedError(BytecpError):
+    """Loading would unpickle arbitrary objects; pass ``allow_pickle=True``."""
+
+
+class StorageError(BytecpError, OSError):
+    """A storage operation failed (after retries where they apply)."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """Credentials were refused; retrying will not help."""
+
+
+class StorageNotFoundError(StorageError, FileNotFoundError):
+    """A file, object or bucket does not exist."""
+
+
+class TransientStorageError(StorageError):
+    """Throttling, 5xx, reset connections, timeouts: worth a retry."""
+
+
+class DistributedCheckpointError(BytecpError):
+    """One or more ranks failed; raised on every rank.
+
+    ``failures`` maps each failed rank to the text of its exception.
+    """
+
+    def __init__(self, operation: str, failures: dict[int, str]) -> None:
+        self.operation = operation
+        self.failures = dict(sorted(failures.items()))
+        lines = [f"{operation} failed on rank(s) {', '.join(map(str, self.failures))}:"]
+        for rank, msg in self.failures.items():
+            lines.append(f"  rank {rank}: {msg}")
+        super().__init__("\n".join(lines))

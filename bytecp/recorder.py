@@ -1,0 +1,267 @@
+"""Neutral recorder: the core's only view of monitoring.
+
+The core opens one :class:`Trace` per operation (save, load) on each rank and
+records phase spans into it (``plan``, ``stage``, ``write``, ``commit``,
+``wait_previous``, ``read``, ``apply``, ...), each with bytes and files. When
+the operation ends the trace becomes a :class:`CheckpointReport` that is
+handed to every registered :class:`Recorder`. Exporters (Prometheus, the gRPC
+push client) live in ``bytecp.monitoring`` and register themselves here; the
+core never imports them except through :func:`resolve_monitor`'s registry.
+
+The *stall* is first-class: the seconds the training loop was blocked by the
+operation (the whole call for a synchronous save or load, the staging part
+of an asynchronous one, waits for a previous save, lazy-mode waits in the
+optimizer hook).
+
+With no recorder registered, tracing is a few list appends per phase.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import importlib
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from typing import Any, Protocol, runtime_checkable
+
+__all__ = [
+    "Span",
+    "CheckpointReport",
+    "Recorder",
+    "Trace",
+    "add_recorder",
+    "remove_recorder",
+    "recorders",
+    "emit_event",
+    "resolve_monitor",
+    "PHASES",
+]
+
+log = logging.getLogger(__name__)
+
+#: phases the core records; exporters may see others from newer versions
+PHASES = (
+    "wait_previous",
+    "plan",
+    "stage",
+    "write",
+    "commit",
+    "read_metadata",
+    "read",
+    "apply",
+)
+
+
+@dataclasses.dataclass
+class Span:
+    """One phase on one rank: wall-clock start, duration, bytes and files."""
+
+    phase: str
+    start: float
+    duration: float
+    nbytes: int = 0
+    files: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class CheckpointReport:
+    """What one rank reports about one save or load when it ends."""
+
+    operation: str  # "save" | "load"
+    url: str
+    checkpoint_id: str  # the save id (unique per save), or the url for loads
+    rank: int
+    world_size: int
+    job: str
+    step: int | None
+    started: float
+    ended: float
+    stall_seconds: float
+    spans: list[Span]
+    ok: bool = True
+    error: str | None = None
+    nbytes: int = 0
+    retries: int = 0
+
+    @property
+    def duration(self) -> float:
+        return self.ended - self.started
+
+    def phase_seconds(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for s in self.spans:
+            out[s.phase] = out.get(s.phase, 0.0) + s.duration
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["spans"] = [s.to_json() for s in self.spans]
+        return d
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> CheckpointReport:
+        d = dict(d)
+        d["spans"] = [Span(**s) for s in d.get("spans", [])]
+        return cls(**d)
+
+
+@runtime_checkable
+class Recorder(Protocol):
+    """An exporter. Called from the thread that ends the operation; must not block."""
+
+    def on_report(self, report: CheckpointReport) -> None: ...
+
+    def on_event(self, name: str, value: float, labels: dict[str, str]) -> None: ...
+
+
+_recorders: list[Recorder] = []
+_lock = threading.Lock()
+
+
+def add_recorder(recorder: Recorder) -> Recorder:
+    with _lock:
+        if recorder not in _recorders:
+            _recorders.append(recorder)
+    return recorder
+
+
+def remove_recorder(recorder: Recorder) -> None:
+    with _lock:
+        if recorder in _recorders:
+            _recorders.remove(recorder)
+
+
+def recorders() -> list[Recorder]:
+    with _lock:
+        return list(_recorders)
+
+
+def emit_event(name: str, value: float = 1.0, **labels: str) -> None:
+    """Count something that is not a span (a storage retry, a dropped report)."""
+    for r in recorders():
+        try:
+            r.on_event(name, value, labels)
+        except Exception:  # an exporter must never fail a checkpoint
+            log.exception("bytecp recorder %r failed on event %s", r, name)
+
+
+class Trace:
+    """Spans of one operation on one rank; becomes a :class:`CheckpointReport`.
+
+    Created by the core at the start of ``save``/``load``/``async_save``; the
+    phases may run on background threads (spans are appended under a lock).
+    """
+
+    def __init__(
+        self,
+        operation: str,
+        url: str,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        step: int | None = None,
+        checkpoint_id: str | None = None,
+        extra_recorders: list[Recorder] | None = None,
+    ) -> None:
+        self.operation = operation
+        self.url = url
+        self.rank = rank
+        self.world_size = world_size
+        self.step = step
+        self.checkpoint_id = checkpoint_id or url
+        self.job = os.environ.get("BYTECP_JOB", os.environ.get("TORCHELASTIC_RUN_ID", "default"))
+        self.started = time.time()
+        self.spans: list[Span] = []
+        self.stall_seconds = 0.0
+        self.retries = 0
+        self._extra = list(extra_recorders or [])
+        self._lock = threading.Lock()
+        self._finished: CheckpointReport | None = None
+
+    @contextlib.contextmanager
+    def span(self, phase: str, nbytes: int = 0, files: int = 0) -> Iterator[Span]:
+        """Time a phase; the yielded span's ``nbytes``/``files`` may be set inside."""
+        start = time.time()
+        t0 = time.perf_counter()
+        s = Span(phase, start, 0.0, nbytes, files)
+        try:
+            yield s
+        finally:
+            s.duration = time.perf_counter() - t0
+            with self._lock:
+                self.spans.append(s)
+
+    def add_span(self, phase: str, start: float, duration: float, nbytes: int = 0, files: int = 0) -> None:
+        with self._lock:
+            self.spans.append(Span(phase, start, duration, nbytes, files))
+
+    def add_stall(self, seconds: float) -> None:
+        with self._lock:
+            self.stall_seconds += seconds
+
+    def finish(self, ok: bool = True, error: BaseException | str | None = None) -> CheckpointReport:
+        """End the trace once; hand the report to every recorder."""
+        with self._lock:
+            if self._finished is not None:
+                return self._finished
+            spans = sorted(self.spans, key=lambda s: s.start)
+            nbytes = sum(s.nbytes for s in spans if s.phase in ("write", "read"))
+            report = CheckpointReport(
+                operation=self.operation,
+                url=self.url,
+                checkpoint_id=self.checkpoint_id,
+                rank=self.rank,
+                world_size=self.world_size,
+                job=self.job,
+                step=self.step,
+                started=self.started,
+                ended=time.time(),
+                stall_seconds=self.stall_seconds,
+                spans=spans,
+                ok=ok,
+                error=None if error is None else str(error),
+                nbytes=nbytes,
+                retries=self.retries,
+            )
+            self._finished = report
+        for r in recorders() + self._extra:
+            try:
+                r.on_report(report)
+            except Exception:
+                log.exception("bytecp recorder %r failed on a %s report", r, self.operation)
+        return report
+
+
+# name -> "module:factory"; the factory takes the address string.
+_MONITOR_FACTORIES: dict[str, str] = {
+    "grpc": "bytecp.monitoring.push:PushRecorder",
+}
+_monitors_by_address: dict[str, Recorder] = {}
+
+
+def resolve_monitor(monitor: str | Recorder | None) -> Recorder | None:
+    """Turn ``monitor=`` (or ``$BYTECP_MONITOR``) into a recorder.
+
+    ``"host:port"`` (or ``"grpc://host:port"``) means: push reports to a
+    ``bytecp monitor serve`` collector. One push client per address per
+    process is reused. ``None`` with no environment variable means none.
+    """
+    if monitor is None:
+        monitor = os.environ.get("BYTECP_MONITOR") or None
+    if monitor is None or not isinstance(monitor, str):
+        return monitor
+    kind, _, addr = monitor.partition("://") if "://" in monitor else ("grpc", "", monitor)
+    with _lock:
+        rec = _monitors_by_address.get(monitor)
+        if rec is None:
+            module, _, attr = _MONITOR_FACTORIES[kind].partition(":")
+            rec = getattr(importlib.import_module(module), attr)(addr)
+            _monitors_by_address[monitor] = rec
+    return rec

@@ -1,0 +1,181 @@
+"""The storage protocol every backend implements, and the URL registry.
+
+Who calls what, and when (per checkpoint directory):
+
+Save
+  1. (all ranks, writer threads) ``write_file`` for each data and index file.
+     Writes go to names no committed checkpoint references, so a failed save
+     never damages an existing one.
+  2. (coordinator) ``commit("metadata.json", data)``: atomic publish of one
+     small file, only after every rank reported its files durable. On a
+     filesystem: temp file + fsync + rename + directory fsync; on an object
+     store: a single PUT.
+  3. (coordinator) ``delete`` of files an overwritten checkpoint no longer
+     references, and of a failed save's orphans.
+Load
+  1. (coordinator) ``read_bytes("metadata.json")`` and the index files.
+  2. (all ranks, reader threads) ``read_into`` for byte ranges.
+
+Backends live in ``bytecp.storage`` and register by URL protocol; the core
+only reaches them through :func:`open_storage`, which imports the module
+named in the registry lazily (a missing optional dependency surfaces as an
+error naming the extra to install).
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from .errors import ConfigError
+
+__all__ = ["Storage", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
+
+Buffer = bytes | bytearray | memoryview
+
+
+def split_protocol(url: str) -> tuple[str, str]:
+    """``"s3://b/k"`` -> ``("s3", "b/k")``; a plain path -> ``("file", path)``."""
+    if "://" in url:
+        proto, rest = url.split("://", 1)
+        return proto.lower(), rest
+    return "file", url
+
+
+def join(*parts: str) -> str:
+    """Join relative path parts with ``/`` (storage paths are always ``/``)."""
+    return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class Storage(abc.ABC):
+    """One checkpoint directory (or any prefix) on some storage system.
+
+    Paths passed to methods are relative to ``url`` and use ``/``. Every
+    method may be called from several threads at once.
+    """
+
+    #: the URL this storage is rooted at, as given by the user
+    url: str
+
+    # -- writing ---------------------------------------------------------
+    @abc.abstractmethod
+    def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
+        """Create (or replace) ``path`` with the concatenation of ``buffers``.
+
+        (all ranks, writer threads) The file MUST be durable when ``commit``
+        is later called for the checkpoint; backends that can, make it
+        durable before returning.
+        """
+
+    @abc.abstractmethod
+    def commit(self, path: str, data: bytes) -> None:
+        """Atomically publish a small file: readers see all of it or none.
+
+        (coordinator, once per checkpoint) Called last: this is what makes a
+        checkpoint exist.
+        """
+
+    @abc.abstractmethod
+    def delete(self, paths: Iterable[str]) -> None:
+        """Delete files; missing ones are ignored."""
+
+    def delete_prefix(self, prefix: str = "") -> None:
+        """Delete every file below ``prefix`` (the whole root when empty)."""
+        self.delete(self.list_files(prefix))
+
+    # -- reading ---------------------------------------------------------
+    @abc.abstractmethod
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        """Fill ``out`` with ``len(out)`` bytes of ``path`` from ``offset``.
+
+        (all ranks, reader threads) Raises :class:`CorruptCheckpointError` if
+        the file ends early and :class:`StorageNotFoundError` if it is missing.
+        """
+
+    def read_bytes(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        """Read ``nbytes`` (default: to the end) from ``offset``."""
+        if nbytes is None:
+            nbytes = self.size(path) - offset
+        buf = bytearray(nbytes)
+        if nbytes:
+            self.read_into(path, offset, memoryview(buf))
+        return bytes(buf)
+
+    @abc.abstractmethod
+    def size(self, path: str) -> int:
+        """Size of ``path`` in bytes; :class:`StorageNotFoundError` if missing."""
+
+    @abc.abstractmethod
+    def exists(self, path: str) -> bool:
+        """Whether the file ``path`` exists."""
+
+    @abc.abstractmethod
+    def list_files(self, prefix: str = "") -> list[str]:
+        """Every file below ``prefix``, recursively, as paths relative to the root."""
+
+    def list_children(self, prefix: str = "") -> list[str]:
+        """Names directly below ``prefix`` (files and directories), sorted."""
+        base = prefix.strip("/")
+        cut = len(base) + 1 if base else 0
+        return sorted({p[cut:].split("/", 1)[0] for p in self.list_files(prefix)})
+
+    def child(self, path: str) -> Storage:
+        """A storage rooted at ``path`` below this one (same backend, options)."""
+        return open_storage(self.url.rstrip("/") + "/" + path.strip("/"), **self.options())
+
+    def options(self) -> dict[str, Any]:
+        """The keyword options this storage was opened with (for :meth:`child`)."""
+        return {}
+
+    def close(self) -> None:
+        """Release connections and threads."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"
+
+
+StorageFactory = Callable[..., Storage]
+
+# URL protocol -> "module:attribute" (imported lazily) or a factory.
+_REGISTRY: dict[str, str | StorageFactory] = {
+    "file": "bytecp.storage.local:LocalStorage",
+    "local": "bytecp.storage.local:LocalStorage",
+    "memory": "bytecp.storage.memory:MemoryStorage",
+    "s3": "bytecp.storage.s3:S3Storage",
+    "s3a": "bytecp.storage.s3:S3Storage",
+    "hdfs": "bytecp.storage.hdfs:HDFSStorage",
+    "viewfs": "bytecp.storage.hdfs:HDFSStorage",
+}
+_FALLBACK = "bytecp.storage.fsspec_backend:FsspecStorage"
+_lock = threading.Lock()
+
+
+def register_storage(protocol: str, factory: str | StorageFactory) -> None:
+    """Register a backend for a URL protocol (``"module:attr"`` or a callable)."""
+    with _lock:
+        _REGISTRY[protocol.lower()] = factory
+
+
+def _resolve(entry: str | StorageFactory) -> StorageFactory:
+    if not isinstance(entry, str):
+        return entry
+    module, _, attr = entry.partition(":")
+    factory: StorageFactory = getattr(importlib.import_module(module), attr)
+    return factory
+
+
+def open_storage(url: str, **options: Any) -> Storage:
+    """Open the backend registered for ``url``'s protocol.
+
+    Protocols without a tuned backend fall back to the generic fsspec one,
+    so any fsspec URL works.
+    """
+    if not isinstance(url, str) or not url:
+        raise ConfigError(f"checkpoint URL must be a non-empty string, got {url!r}")
+    proto, _ = split_protocol(url)
+    with _lock:
+        entry = _REGISTRY.get(proto, _FALLBACK)
+    return _resolve(entry)(url, **options)

@@ -1,0 +1,1 @@
+"""(see module docstrings)"""
