@@ -1,0 +1,1 @@
+"""Modules generated from proto/ by grpcio-tools (checked in; see tests)."""
