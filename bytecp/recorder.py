@@ -39,6 +39,8 @@ __all__ = [
     "emit_event",
     "resolve_monitor",
     "PHASES",
+    "WAIT_PHASES",
+    "OPERATION_STARTED",
 ]
 
 log = logging.getLogger(__name__)
@@ -54,6 +56,14 @@ PHASES = (
     "read",
     "apply",
 )
+
+#: phases that are time spent waiting for something other than this
+#: checkpoint's own work on this rank; never named as a straggler's phase
+WAIT_PHASES = frozenset({"wait_previous"})
+
+#: event sent to every recorder when a :class:`Trace` opens, with labels
+#: ``operation``, ``job``, ``rank``; the matching report closes it (in-flight gauges)
+OPERATION_STARTED = "operation_started"
 
 
 @dataclasses.dataclass
@@ -184,6 +194,22 @@ class Trace:
         self._extra = list(extra_recorders or [])
         self._lock = threading.Lock()
         self._finished: CheckpointReport | None = None
+        targets = self._targets()
+        if targets:
+            labels = {"operation": operation, "job": self.job, "rank": str(rank)}
+            for r in targets:
+                try:
+                    r.on_event(OPERATION_STARTED, 1.0, labels)
+                except Exception:
+                    log.exception("bytecp recorder %r failed on event %s", r, OPERATION_STARTED)
+
+    def _targets(self) -> list[Recorder]:
+        """Global recorders plus this operation's own (``monitor=``), each once."""
+        out = recorders()
+        for r in self._extra:
+            if r not in out:
+                out.append(r)
+        return out
 
     @contextlib.contextmanager
     def span(self, phase: str, nbytes: int = 0, files: int = 0) -> Iterator[Span]:
@@ -231,7 +257,7 @@ class Trace:
                 retries=self.retries,
             )
             self._finished = report
-        for r in recorders() + self._extra:
+        for r in self._targets():
             try:
                 r.on_report(report)
             except Exception:
