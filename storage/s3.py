@@ -1,0 +1,626 @@
+"""S3 backend (``s3://bucket/prefix``, ``s3a://``) over s3fs/aiobotocore.
+
+Works with AWS S3 and any S3-compatible server (Ceph RADOS Gateway, MinIO,
+...) through ``endpoint_url``. Called by the engine's writer/reader threads;
+every request runs as a coroutine on fsspec's I/O event loop, so many
+threads share one connection pool and one bound on in-flight requests.
+
+- ``write_file``: one PUT for a small file; otherwise a multipart upload
+  whose parts (``part_size`` bytes, zero-copy slices of the caller's
+  buffers where a part lies inside one buffer) go up concurrently, at most
+  ``max_concurrency`` requests in flight per client. It returns only when
+  the object is complete; on failure the upload is aborted, so no orphaned
+  parts remain.
+- ``commit``: a single PUT of the small file, which S3 makes visible
+  atomically. The engine calls it after every ``write_file`` returned, so
+  ``metadata.json`` never exists before the data it describes.
+- ``read_into``: ranged GETs of ``read_part_size`` bytes in parallel,
+  each streamed straight into the caller's buffer.
+- Credentials come from the standard AWS chain (environment, ``~/.aws``,
+  instance/container roles) unless ``key``/``secret``/``token``/``profile``
+  are given; they never appear in logs, reprs or error messages.
+- Transient errors (throttling, 5xx, resets, timeouts) are retried with
+  backoff and jitter under a total deadline (:mod:`bytecp.storage._retry`);
+  botocore's and s3fs's own retries are switched off so there is exactly one
+  retry policy. Access denied, bad signatures and missing buckets fail at once.
+
+Fast-over-HTTP client settings are the default: no payload signing, and
+checksums only where the API requires them (botocore's default SHA-256
+payload hash and CRC32 checksums halve throughput on plain-HTTP endpoints).
+Set the region with ``region=`` or ``AWS_DEFAULT_REGION``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import threading
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from typing import Any, TypeVar
+
+from bytecp.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+)
+from bytecp.storage_api import Buffer, Storage, split_protocol
+
+from . import _retry
+from ._retry import NOT_FOUND, PERMANENT, PERMISSION, TRANSIENT, RetryPolicy, Verdict
+
+__all__ = ["S3Storage", "MIN_PART_SIZE", "MAX_PARTS"]
+
+log = logging.getLogger("bytecp.storage")
+T = TypeVar("T")
+
+MiB = 1 << 20
+#: S3's smallest allowed part (all but the last part of an upload)
+MIN_PART_SIZE = 5 * MiB
+#: S3's largest number of parts in one multipart upload
+MAX_PARTS = 10_000
+
+_THROTTLE_CODES = {
+    "SlowDown",
+    "Throttling",
+    "ThrottlingException",
+    "ThrottledException",
+    "RequestThrottled",
+    "RequestLimitExceeded",
+    "TooManyRequests",
+    "TooManyRequestsException",
+    "RequestTimeout",
+    "RequestTimeoutException",
+    "InternalError",
+    "ServiceUnavailable",
+    "ServerBusy",
+    "BandwidthLimitExceeded",
+}
+_PERMISSION_CODES = {
+    "AccessDenied",
+    "AllAccessDisabled",
+    "InvalidAccessKeyId",
+    "SignatureDoesNotMatch",
+    "ExpiredToken",
+    "InvalidToken",
+    "TokenRefreshRequired",
+    "InvalidSecurity",
+    "AccountProblem",
+    "UnauthorizedAccess",
+    "Forbidden",
+    "403",
+}
+_NOT_FOUND_CODES = {"NoSuchBucket", "NoSuchKey", "NotFound", "404", "NoSuchUpload"}
+
+
+def _client_error_info(exc: BaseException) -> tuple[str, int] | None:
+    resp = getattr(exc, "response", None)
+    if not isinstance(resp, dict):
+        return None
+    code = str((resp.get("Error") or {}).get("Code") or "")
+    status = int((resp.get("ResponseMetadata") or {}).get("HTTPStatusCode") or 0)
+    return code, status
+
+
+def _classify_s3(exc: BaseException) -> Verdict | None:
+    """Classifier for botocore/aiohttp errors (registered with :mod:`._retry`)."""
+    try:
+        import botocore.exceptions as bce
+    except ImportError:  # pragma: no cover - s3fs depends on botocore
+        return None
+    if isinstance(exc, bce.ClientError):
+        code, status = _client_error_info(exc) or ("", 0)
+        if code in _THROTTLE_CODES or status == 429 or status >= 500:
+            return Verdict(TRANSIENT, code or f"http_{status}")
+        if code in _PERMISSION_CODES or status in (401, 403):
+            return Verdict(PERMISSION, code or f"http_{status}")
+        if code in _NOT_FOUND_CODES or status == 404:
+            return Verdict(NOT_FOUND, code or "http_404")
+        return Verdict(PERMANENT, code or f"http_{status}")
+    if isinstance(exc, bce.NoCredentialsError | bce.PartialCredentialsError | bce.CredentialRetrievalError):
+        return Verdict(PERMISSION, "no_credentials")
+    if isinstance(exc, bce.ConnectionError | bce.HTTPClientError | bce.IncompleteReadError):
+        return Verdict(TRANSIENT, type(exc).__name__)
+    try:
+        import aiohttp
+    except ImportError:  # pragma: no cover
+        return None
+    if isinstance(exc, aiohttp.ClientPayloadError | aiohttp.ClientConnectionError):
+        return Verdict(TRANSIENT, type(exc).__name__)
+    return None
+
+
+_retry.register_classifier(_classify_s3)
+
+
+class _Client:
+    """One s3fs filesystem (session, connection pool) plus the request limiter.
+
+    Shared by every :class:`S3Storage` opened with the same options in this
+    process (children, other checkpoints), so connections are reused.
+    """
+
+    def __init__(self, fs: Any, max_concurrency: int) -> None:
+        self.fs = fs
+        self.max_concurrency = max_concurrency
+        self._sem: asyncio.Semaphore | None = None
+
+    @property
+    def sem(self) -> asyncio.Semaphore:
+        if self._sem is None:  # created on the event loop thread, on first use
+            self._sem = asyncio.Semaphore(self.max_concurrency)
+        return self._sem
+
+    async def s3(self) -> Any:
+        await self.fs.set_session()
+        return await self.fs.get_s3()
+
+
+_clients: dict[tuple, _Client] = {}
+_clients_lock = threading.Lock()
+
+
+def _get_client(fs_kwargs: dict[str, Any], max_concurrency: int) -> _Client:
+    import s3fs
+
+    key = (os.getpid(), max_concurrency, repr(sorted(fs_kwargs.items())))
+    with _clients_lock:
+        client = _clients.get(key)
+        if client is None:
+            fs = s3fs.S3FileSystem(skip_instance_cache=True, **fs_kwargs)
+            fs.retries = 1  # one retry policy: ours (s3fs's loop would retry again)
+            client = _clients[key] = _Client(fs, max_concurrency)
+        return client
+
+
+class S3Storage(Storage):
+    """A checkpoint prefix in an S3 bucket.
+
+    Options (keywords of :func:`bytecp.storage_api.open_storage`):
+
+    ``endpoint_url``: the S3 endpoint (Ceph RGW, MinIO, ...); default AWS, or
+    ``AWS_ENDPOINT_URL_S3``/``AWS_ENDPOINT_URL`` from the environment.
+    ``key``, ``secret``, ``token``, ``profile``: explicit credentials; default
+    the standard AWS chain. ``region``: default ``AWS_DEFAULT_REGION``.
+    ``part_size`` (16 MiB): multipart part size, >= 5 MiB; files up to
+    ``multipart_threshold`` (default ``part_size``) go up in one PUT.
+    ``max_concurrency`` (8): requests in flight per client (all threads).
+    ``read_part_size`` (16 MiB): size of each parallel ranged GET.
+    ``retry``: a :class:`~bytecp.storage._retry.RetryPolicy`, a dict of its
+    fields, or a deadline in seconds. ``connect_timeout`` (10 s) and
+    ``read_timeout`` (60 s): per request. ``s3fs_options``: extra keywords
+    for ``s3fs.S3FileSystem`` (advanced).
+    """
+
+    backend = "s3"
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        endpoint_url: str | None = None,
+        key: str | None = None,
+        secret: str | None = None,
+        token: str | None = None,
+        profile: str | None = None,
+        region: str | None = None,
+        part_size: int = 16 * MiB,
+        multipart_threshold: int | None = None,
+        max_concurrency: int = 8,
+        read_part_size: int = 16 * MiB,
+        retry: RetryPolicy | dict | float | None = None,
+        connect_timeout: float = 10.0,
+        read_timeout: float = 60.0,
+        s3fs_options: dict[str, Any] | None = None,
+    ) -> None:
+        proto, rest = split_protocol(url)
+        bucket, _, prefix = rest.partition("/")
+        if proto not in ("s3", "s3a") or not bucket:
+            raise ConfigError(f"{url!r} is not an S3 URL: expected s3://BUCKET[/PREFIX]")
+        if part_size < MIN_PART_SIZE:
+            raise ConfigError(
+                f"{url}: part_size={part_size} is below S3's minimum part size of 5 MiB ({MIN_PART_SIZE})"
+            )
+        if max_concurrency < 1 or read_part_size < 1:
+            raise ConfigError(
+                f"{url}: max_concurrency and read_part_size must be >= 1, "
+                f"got {max_concurrency} and {read_part_size}"
+            )
+        self.url = url
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        self.part_size = int(part_size)
+        self.multipart_threshold = int(multipart_threshold if multipart_threshold is not None else part_size)
+        self.max_concurrency = int(max_concurrency)
+        self.read_part_size = int(read_part_size)
+        self.retry = RetryPolicy.from_options(retry)
+        self._options: dict[str, Any] = {
+            "endpoint_url": endpoint_url,
+            "key": key,
+            "secret": secret,
+            "token": token,
+            "profile": profile,
+            "region": region,
+            "part_size": part_size,
+            "multipart_threshold": multipart_threshold,
+            "max_concurrency": max_concurrency,
+            "read_part_size": read_part_size,
+            "retry": retry,
+            "connect_timeout": connect_timeout,
+            "read_timeout": read_timeout,
+            "s3fs_options": s3fs_options,
+        }
+        endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
+        self.endpoint_url = endpoint_url
+        config_kwargs: dict[str, Any] = {
+            "s3": {"payload_signing_enabled": False},
+            "request_checksum_calculation": "when_required",
+            "response_checksum_validation": "when_required",
+            # one retry policy (ours): no hidden botocore retries under it
+            "retries": {"total_max_attempts": 1},
+            # lets memoryview slices of the caller's buffers be request bodies
+            "parameter_validation": False,
+            "max_pool_connections": max(10, 2 * self.max_concurrency),
+            "connect_timeout": connect_timeout,
+            "read_timeout": read_timeout,
+        }
+        fs_kwargs: dict[str, Any] = {"config_kwargs": config_kwargs}
+        if endpoint_url:
+            fs_kwargs["endpoint_url"] = endpoint_url
+        if key is not None or secret is not None:
+            fs_kwargs.update(key=key, secret=secret)
+        if token is not None:
+            fs_kwargs["token"] = token
+        if profile is not None:
+            fs_kwargs["profile"] = profile
+        if region is not None:
+            fs_kwargs["client_kwargs"] = {"region_name": region}
+        for k, v in (s3fs_options or {}).items():
+            if k == "config_kwargs":
+                config_kwargs.update(v)
+            else:
+                fs_kwargs[k] = v
+        try:
+            self._client = _get_client(fs_kwargs, self.max_concurrency)
+        except ImportError as e:
+            raise StorageError(
+                f"{url}: S3 support needs s3fs; install it with `pip install 'bytecp[s3]'` ({e})"
+            ) from e
+
+    # -- plumbing ----------------------------------------------------------
+    def options(self) -> dict[str, Any]:
+        return {k: v for k, v in self._options.items() if v is not None}
+
+    def __repr__(self) -> str:
+        where = f", endpoint_url={self.endpoint_url!r}" if self.endpoint_url else ""
+        return f"S3Storage({self.url!r}{where})"
+
+    def _key(self, path: str) -> str:
+        path = path.strip("/")
+        if not self.prefix:
+            return path
+        return f"{self.prefix}/{path}" if path else self.prefix
+
+    def _where(self, path: str, op: str) -> str:
+        return f"{self.url.rstrip('/')}/{path.strip('/')} ({op}, endpoint {self.endpoint_url or 'AWS'})"
+
+    def _run(self, fn: Callable[[], Awaitable[T]]) -> T:
+        import fsspec.asyn
+
+        return fsspec.asyn.sync(self._client.fs.loop, fn)
+
+    async def _call(self, method: str, where: str, *, limit: bool = True, **kwargs: Any) -> Any:
+        """One S3 API call with retries (and a place in the request limit)."""
+
+        async def attempt() -> Any:
+            s3 = await self._client.s3()
+            return await getattr(s3, method)(**kwargs)
+
+        async def limited() -> Any:
+            async with self._client.sem:
+                return await attempt()
+
+        return await _retry.acall(
+            limited if limit else attempt, policy=self.retry, where=where, backend=self.backend
+        )
+
+    def _error(self, exc: BaseException, path: str, op: str) -> BaseException:
+        """Name bucket problems plainly (they are the most common setup mistake)."""
+        cause = exc.__cause__ or exc
+        info = _client_error_info(cause)
+        if info and info[0] == "NoSuchBucket":
+            return StorageNotFoundError(
+                f"{self._where(path, op)}: bucket {self.bucket!r} does not exist at this endpoint; "
+                "create it first or fix the URL"
+            )
+        return exc
+
+    # -- writing -------------------------------------------------------------
+    def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if len(v)]
+        total = sum(len(v) for v in views)
+        try:
+            if total <= self.multipart_threshold:
+                body: Any = views[0] if len(views) == 1 else b"".join(views)
+                where = self._where(path, "put_object")
+                self._run(lambda: self._call("put_object", where, Bucket=self.bucket, Key=self._key(path), Body=body))
+            else:
+                self._run(lambda: self._multipart(path, views, total))
+        except StorageError as e:
+            raise self._error(e, path, "write") from e
+
+    def _part_size_for(self, total: int) -> int:
+        size = self.part_size
+        if -(-total // size) > MAX_PARTS:  # grow parts so the file fits in 10,000
+            size = -(-total // MAX_PARTS)
+        return size
+
+    async def _multipart(self, path: str, views: list[memoryview], total: int) -> None:
+        key = self._key(path)
+        part_size = self._part_size_for(total)
+        nparts = -(-total // part_size)
+        created = await self._call(
+            "create_multipart_upload", self._where(path, "create_multipart_upload"), Bucket=self.bucket, Key=key
+        )
+        upload_id = created["UploadId"]
+        # buffer start offsets, to slice part bodies out of the caller's views
+        starts = []
+        pos = 0
+        for v in views:
+            starts.append(pos)
+            pos += len(v)
+
+        def body(lo: int, hi: int) -> Any:
+            pieces = []
+            for v, s in zip(views, starts, strict=True):
+                e = s + len(v)
+                if e <= lo or s >= hi:
+                    continue
+                pieces.append(v[max(lo, s) - s : min(hi, e) - s])
+            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+        async def upload(n: int) -> dict[str, Any]:
+            lo = (n - 1) * part_size
+            hi = min(total, lo + part_size)
+            out = await self._call(
+                "upload_part",
+                self._where(path, f"upload_part {n}/{nparts}"),
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                PartNumber=n,
+                Body=body(lo, hi),
+            )
+            return {"PartNumber": n, "ETag": out["ETag"]}
+
+        tasks = [asyncio.ensure_future(upload(n)) for n in range(1, nparts + 1)]
+        try:
+            done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+            for t in pending:
+                t.cancel()
+            if pending:
+                await asyncio.gather(*pending, return_exceptions=True)
+            for t in done:
+                if t.exception() is not None:
+                    raise t.exception()  # type: ignore[misc]
+            parts = [t.result() for t in tasks]
+            await self._complete(path, key, upload_id, parts, total)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await self._abort(path, key, upload_id)
+            raise
+
+    async def _complete(self, path: str, key: str, upload_id: str, parts: list[dict[str, Any]], total: int) -> None:
+        where = self._where(path, "complete_multipart_upload")
+        try:
+            await self._call(
+                "complete_multipart_upload",
+                where,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+                MultipartUpload={"Parts": parts},
+            )
+        except StorageNotFoundError:
+            # a retried complete whose first attempt succeeded but whose answer
+            # was lost finds the upload gone: accept it if the object is there
+            head = await self._call("head_object", where, Bucket=self.bucket, Key=key)
+            if int(head["ContentLength"]) != total:
+                raise
+
+    async def _abort(self, path: str, key: str, upload_id: str) -> None:
+        try:
+            await self._call(
+                "abort_multipart_upload",
+                self._where(path, "abort_multipart_upload"),
+                limit=False,
+                Bucket=self.bucket,
+                Key=key,
+                UploadId=upload_id,
+            )
+        except StorageNotFoundError:
+            pass
+        except Exception as e:  # keep the original error; say what is left behind
+            log.warning(
+                "%s: could not abort multipart upload (%s); delete_prefix() or a bucket "
+                "lifecycle rule removes its parts",
+                self._where(path, "abort_multipart_upload"),
+                e,
+            )
+
+    def commit(self, path: str, data: bytes) -> None:
+        where = self._where(path, "commit put_object")
+        try:
+            self._run(lambda: self._call("put_object", where, Bucket=self.bucket, Key=self._key(path), Body=bytes(data)))
+        except StorageError as e:
+            raise self._error(e, path, "commit") from e
+
+    def delete(self, paths: Iterable[str]) -> None:
+        keys = [self._key(p) for p in paths]
+        if keys:
+            self._run(lambda: self._delete_keys(keys))
+
+    async def _delete_keys(self, keys: list[str]) -> None:
+        for i in range(0, len(keys), 1000):
+            batch = keys[i : i + 1000]
+            out = await self._call(
+                "delete_objects",
+                self._where(batch[0], f"delete_objects ({len(batch)} keys)"),
+                Bucket=self.bucket,
+                Delete={"Objects": [{"Key": k} for k in batch], "Quiet": True},
+            )
+            errors = [e for e in out.get("Errors", []) if e.get("Code") != "NoSuchKey"]
+            if errors:
+                first = errors[0]
+                raise StorageError(
+                    f"{self.url}: could not delete {len(errors)} object(s), first "
+                    f"s3://{self.bucket}/{first.get('Key')}: {first.get('Code')} {first.get('Message')}"
+                )
+
+    def delete_prefix(self, prefix: str = "") -> None:
+        """Delete every object below ``prefix`` and abort unfinished multipart uploads there."""
+        self.abort_incomplete_uploads(prefix)
+        self.delete(self.list_files(prefix))
+
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort multipart uploads below ``prefix`` (left by a killed writer); returns how many."""
+        return self._run(lambda: self._abort_all(prefix))
+
+    def list_incomplete_uploads(self, prefix: str = "") -> list[str]:
+        """Paths (relative to the root) with unfinished multipart uploads."""
+        return [rel for rel, _ in self._run(lambda: self._uploads(prefix))]
+
+    async def _uploads(self, prefix: str) -> list[tuple[str, str]]:
+        base = self._key(prefix)
+        base = f"{base}/" if base else ""
+        out: list[tuple[str, str]] = []
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
+        while True:
+            page = await self._call("list_multipart_uploads", self._where(prefix, "list_multipart_uploads"), **kw)
+            for u in page.get("Uploads", []) or []:
+                out.append((self._rel(u["Key"]), u["UploadId"]))
+            if not page.get("IsTruncated"):
+                return out
+            kw["KeyMarker"] = page.get("NextKeyMarker")
+            kw["UploadIdMarker"] = page.get("NextUploadIdMarker")
+
+    async def _abort_all(self, prefix: str) -> int:
+        uploads = await self._uploads(prefix)
+        for rel, upload_id in uploads:
+            await self._abort(rel, self._key(rel), upload_id)
+        return len(uploads)
+
+    # -- reading ---------------------------------------------------------------
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(view)
+        if n == 0:
+            return
+        try:
+            self._run(lambda: self._read_ranges(path, offset, view))
+        except StorageNotFoundError as e:
+            cause = e.__cause__ or e
+            raise StorageNotFoundError(
+                f"{self.url.rstrip('/')}/{path.strip('/')}: object is missing "
+                f"(bucket {self.bucket!r}, key {self._key(path)!r}, endpoint "
+                f"{self.endpoint_url or 'AWS'}: {type(cause).__name__}: {cause})"
+            ) from e
+
+    async def _read_ranges(self, path: str, offset: int, view: memoryview) -> None:
+        n = len(view)
+        step = self.read_part_size
+        chunks = [(lo, min(n, lo + step)) for lo in range(0, n, step)]
+        await asyncio.gather(*[self._read_range(path, offset, view, lo, hi) for lo, hi in chunks])
+
+    async def _read_range(self, path: str, offset: int, view: memoryview, lo: int, hi: int) -> None:
+        key = self._key(path)
+        first, last = offset + lo, offset + hi - 1
+        where = self._where(path, f"get_object bytes={first}-{last}")
+
+        async def attempt() -> None:
+            async with self._client.sem:
+                s3 = await self._client.s3()
+                try:
+                    resp = await s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}")
+                except Exception as e:
+                    info = _client_error_info(e)
+                    if info and (info[0] == "InvalidRange" or info[1] == 416):
+                        raise self._truncated(path, offset, len(view), None) from e
+                    raise
+                body = resp["Body"]
+                try:
+                    pos = lo
+                    while pos < hi:
+                        got = await body.readinto(view[pos:hi])
+                        if got == 0:
+                            break
+                        pos += got
+                finally:
+                    body.close()
+                if pos < hi:
+                    raise self._truncated(path, offset, len(view), offset + pos)
+
+        await _retry.acall(attempt, policy=self.retry, where=where, backend=self.backend)
+
+    def _truncated(self, path: str, offset: int, n: int, ends: int | None) -> CorruptCheckpointError:
+        at = f"the object ends at {ends}" if ends is not None else "the object is shorter"
+        return CorruptCheckpointError(
+            f"{self.url.rstrip('/')}/{path.strip('/')}: object is truncated: wanted bytes "
+            f"[{offset}, {offset + n}), {at}"
+        )
+
+    def size(self, path: str) -> int:
+        where = self._where(path, "head_object")
+        try:
+            head = self._run(lambda: self._call("head_object", where, Bucket=self.bucket, Key=self._key(path)))
+        except StorageNotFoundError as e:
+            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing ({e})") from e
+        return int(head["ContentLength"])
+
+    def exists(self, path: str) -> bool:
+        try:
+            self.size(path)
+        except StorageNotFoundError:
+            return False
+        return True
+
+    # -- listing ---------------------------------------------------------------
+    def _rel(self, key: str) -> str:
+        if not self.prefix:
+            return key
+        return key[len(self.prefix) :].lstrip("/")
+
+    def list_files(self, prefix: str = "") -> list[str]:
+        return sorted(rel for rel, _ in self._run(lambda: self._list(prefix, None)))
+
+    def list_children(self, prefix: str = "") -> list[str]:
+        found = self._run(lambda: self._list(prefix, "/"))
+        base = self._key(prefix)
+        cut = len(base) + 1 if base else 0
+        return sorted({k[cut:].strip("/") for _, k in found if k[cut:].strip("/")})
+
+    async def _list(self, prefix: str, delimiter: str | None) -> list[tuple[str, str]]:
+        """``(relative path, key)`` of objects (and, with a delimiter, common prefixes)."""
+        base = self._key(prefix)
+        base = f"{base}/" if base else ""
+        kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
+        if delimiter:
+            kw["Delimiter"] = delimiter
+        out: list[tuple[str, str]] = []
+        where = self._where(prefix, "list_objects_v2")
+        while True:
+            try:
+                page = await self._call("list_objects_v2", where, **kw)
+            except StorageError as e:
+                raise self._error(e, prefix, "list") from e
+            for obj in page.get("Contents", []) or []:
+                out.append((self._rel(obj["Key"]), obj["Key"]))
+            for cp in page.get("CommonPrefixes", []) or []:
+                out.append((self._rel(cp["Prefix"]), cp["Prefix"]))
+            token = page.get("NextContinuationToken")
+            if not page.get("IsTruncated") or not token:
+                return out
+            kw["ContinuationToken"] = token
