@@ -1,0 +1,112 @@
+"""What a framework adapter provides, and the registry that finds one.
+
+Adapters live in ``bytecp.adapters`` and are named here as
+``"module:Class"`` strings, imported only when needed; the core never
+imports a framework. Call order (all ranks):
+
+save: ``detect(state)`` -> ``save_tree(state, ctx)`` -> the core flattens,
+plans and writes the tree -> ``parallelism(state, ctx)`` is recorded in the
+metadata.
+load: ``detect`` -> the core reads the metadata -> ``load_tree(state, ctx,
+md)`` returns the target tree and a ``finalize`` callback -> the core fills
+the target tensors in place and rebuilds slots -> ``finalize(values)``
+hands modules/optimizers/stateful objects their loaded state.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+from .dist import DistContext
+from .errors import ConfigError
+from .format import Metadata
+
+__all__ = ["Adapter", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter"]
+
+Finalize = Callable[[dict[str, Any]], None]
+
+
+class LoadTarget:
+    """A target tree plus the callback that applies rebuilt values."""
+
+    def __init__(self, tree: Any, finalize: Finalize) -> None:
+        self.tree = tree
+        self.finalize = finalize
+
+
+class Adapter(abc.ABC):
+    """Turns one framework's training state into the core's state tree."""
+
+    #: the name recorded as the checkpoint's framework
+    name: str = "?"
+
+    @classmethod
+    @abc.abstractmethod
+    def detect(cls, state: dict[str, Any]) -> bool:
+        """Whether this adapter handles ``state`` (called on every rank)."""
+
+    @abc.abstractmethod
+    def save_tree(self, state: dict[str, Any], ctx: DistContext) -> Any:
+        """The state tree to save (views of the live tensors, no copies)."""
+
+    @abc.abstractmethod
+    def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
+        """Target tree whose tensors are filled in place, and the finalizer."""
+
+    def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
+        """How the saving job was parallelized (recorded, shown by ``inspect``)."""
+        return {"world_size": ctx.world_size}
+
+
+_ADAPTERS: dict[str, str | type[Adapter]] = {
+    "megatron": "bytecp.adapters.megatron:MegatronAdapter",
+    "fsdp1": "bytecp.adapters.fsdp1:FSDP1Adapter",
+    "fsdp2": "bytecp.adapters.fsdp2:FSDP2Adapter",
+    "ddp": "bytecp.adapters.ddp:DDPAdapter",
+    "plain": "bytecp.adapters.plain:PlainAdapter",
+}
+#: detection order: most specific first; "plain" accepts anything
+_ORDER = ["megatron", "fsdp1", "fsdp2", "ddp", "plain"]
+
+
+def register_adapter(name: str, adapter: str | type[Adapter], *, before: str | None = "plain") -> None:
+    """Add an adapter (``"module:Class"`` or a class), tried before ``before``."""
+    _ADAPTERS[name] = adapter
+    if name not in _ORDER:
+        _ORDER.insert(_ORDER.index(before) if before in _ORDER else len(_ORDER), name)
+
+
+def _resolve(name: str) -> type[Adapter] | None:
+    entry = _ADAPTERS[name]
+    if not isinstance(entry, str):
+        return entry
+    module, _, attr = entry.partition(":")
+    try:
+        cls: type[Adapter] = getattr(importlib.import_module(module), attr)
+    except ImportError:
+        return None  # the framework is not installed: it cannot be in use
+    _ADAPTERS[name] = cls
+    return cls
+
+
+def get_adapter(name: str) -> Adapter:
+    if name not in _ADAPTERS:
+        raise ConfigError(f"unknown framework {name!r}; known: {sorted(_ADAPTERS)}")
+    cls = _resolve(name)
+    if cls is None:
+        raise ConfigError(f"framework {name!r} is not available here (its package failed to import)")
+    return cls()
+
+
+def detect_adapter(state: dict[str, Any], framework: str | None = None) -> Adapter:
+    """The adapter for ``framework`` if given, else the first that detects ``state``."""
+    if framework is not None:
+        return get_adapter(framework)
+    for name in _ORDER:
+        cls = _resolve(name)
+        if cls is not None and cls.detect(state):
+            return cls()
+    raise ConfigError("no adapter accepts this state")  # pragma: no cover - plain accepts all

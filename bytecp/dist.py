@@ -1,0 +1,259 @@
+"""Every cross-rank operation bytecp performs lives here.
+
+The engine never calls ``torch.distributed`` directly: it asks a
+:class:`DistContext` to run a step on every rank and combine the results.
+Each step is *fail-together*: a rank whose local work raised still takes part
+in the collective, carrying its error, so every rank learns of the failure
+and raises one :class:`DistributedCheckpointError` naming each failed rank
+and its message -- no rank is left waiting in a collective. A rank that dies
+outright breaks the process group; the collectives then fail (gloo notices a
+closed connection at once, and every call is bounded by the group's timeout)
+and that failure is raised the same way.
+
+The coordinator role (the rank that plans and commits) is passed in once.
+Without an initialized process group (one process, evaluation jobs) every
+step runs locally and exceptions propagate unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import pickle
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from .errors import DistributedCheckpointError
+
+__all__ = ["DistContext", "CollectiveStats"]
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+
+@dataclasses.dataclass
+class _Failed:
+    """What a failed rank sends instead of its result."""
+
+    failures: dict[int, str]
+
+
+@dataclasses.dataclass
+class CollectiveStats:
+    """Counts of collectives issued and payload bytes sent by this rank."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+
+
+def _describe(e: BaseException) -> str:
+    text = f"{type(e).__name__}: {e}"
+    return text if len(text) < 4000 else text[:4000] + " ..."
+
+
+class DistContext:
+    """Rank, world size, coordinator and process group of one checkpoint operation.
+
+    Created once per ``save``/``load`` by the API (all ranks), passed to the
+    engine. ``group`` defaults to the default process group; asynchronous
+    saves pass their own group so background collectives never interleave
+    with training's.
+    """
+
+    def __init__(self, group: Any = None, coordinator: int = 0, *, local: bool = False) -> None:
+        self.enabled = not local and dist.is_available() and dist.is_initialized()
+        self.group = group
+        if self.enabled:
+            self.rank = dist.get_rank(group)
+            self.world_size = dist.get_world_size(group)
+            self.global_coordinator = dist.get_global_rank(group, coordinator) if group is not None else coordinator
+        else:
+            self.rank, self.world_size, self.global_coordinator = 0, 1, 0
+        if not 0 <= coordinator < self.world_size:
+            raise ValueError(f"coordinator rank {coordinator} outside a world of {self.world_size}")
+        self.coordinator = coordinator
+        self.stats = CollectiveStats()
+        self.device = self._collective_device()
+
+    @classmethod
+    def local(cls) -> DistContext:
+        """A one-process context, even inside a distributed job."""
+        return cls(local=True)
+
+    def _collective_device(self) -> torch.device:
+        if not self.enabled:
+            return torch.device("cpu")
+        backend = dist.get_backend(self.group)
+        if backend == "nccl" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device("cpu")
+
+    @property
+    def is_coordinator(self) -> bool:
+        return self.rank == self.coordinator
+
+    # -- raw collectives (every rank must call them in the same order) ----
+    def _count(self, obj: Any) -> None:
+        self.stats.calls += 1
+        try:
+            self.stats.bytes_sent += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        except Exception:
+            pass
+
+    def all_gather_object(self, obj: T) -> list[T]:
+        if not self.enabled:
+            return [obj]
+        self._count(obj)
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def gather_object(self, obj: T) -> list[T] | None:
+        if not self.enabled:
+            return [obj]
+        self._count(obj)
+        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
+        dist.gather_object(obj, out, dst=self.global_coordinator, group=self.group)
+        return out
+
+    def broadcast_object(self, obj: T | None) -> T:
+        if not self.enabled:
+            return obj  # type: ignore[return-value]
+        self._count(obj if self.is_coordinator else None)
+        box = [obj]
+        dist.broadcast_object_list(box, src=self.global_coordinator, group=self.group)
+        return box[0]  # type: ignore[return-value]
+
+    def scatter_object(self, objs: Sequence[T] | None) -> T:
+        if not self.enabled:
+            assert objs is not None
+            return objs[0]
+        self._count(objs if self.is_coordinator else None)
+        out: list[Any] = [None]
+        dist.scatter_object_list(
+            out, list(objs) if self.is_coordinator and objs is not None else None,
+            src=self.global_coordinator, group=self.group,
+        )
+        return out[0]  # type: ignore[no-any-return]
+
+    def barrier(self) -> None:
+        if self.enabled:
+            self.all_gather_object(None)
+
+    # -- fail-together steps ---------------------------------------------
+    def _local(self, fn: Callable[[], T]) -> tuple[Any, BaseException | None]:
+        try:
+            return fn(), None
+        except Exception as e:  # carried to every rank
+            if not self.enabled:
+                raise
+            return _Failed({self.rank: _describe(e)}), e
+
+    def _raise_if_failed(self, op: str, value: Any, local: BaseException | None) -> None:
+        if isinstance(value, _Failed):
+            raise DistributedCheckpointError(op, value.failures) from local
+
+    def all_gather(self, op: str, fn: Callable[[], T]) -> list[T]:
+        """Run ``fn`` on every rank; every rank gets every result, or every rank raises."""
+        value, err = self._local(fn)
+        if not self.enabled:
+            return [value]
+        return self._gather_checked(op, value, err)
+
+    def run(self, op: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on every rank and keep the local result; only success or
+        the error travels, so every rank raises if any rank failed."""
+        value, err = self._local(fn)
+        if not self.enabled:
+            return value
+        status = value if isinstance(value, _Failed) else None
+        self._gather_checked(op, status, err)
+        return value
+
+    def _gather_checked(self, op: str, value: Any, err: BaseException | None) -> list[Any]:
+        try:
+            results = self.all_gather_object(value)
+        except Exception as e:
+            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+        failures: dict[int, str] = {}
+        for r in results:
+            if isinstance(r, _Failed):
+                failures.update(r.failures)
+        if failures:
+            raise DistributedCheckpointError(op, failures) from err
+        return results
+
+    def reduce_scatter(
+        self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], Sequence[R]]
+    ) -> R:
+        """``local_fn`` on every rank, ``reduce_fn`` on the coordinator over all
+        results (in rank order), its i-th output back to rank i."""
+        value, err = self._local(local_fn)
+        if not self.enabled:
+            return reduce_fn([value])[0]
+        try:
+            gathered = self.gather_object(value)
+            out: list[Any] | None = None
+            if self.is_coordinator:
+                assert gathered is not None
+                out = self._coordinator_reduce(gathered, reduce_fn)
+            result = self.scatter_object(out)
+        except DistributedCheckpointError:
+            raise
+        except Exception as e:
+            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+        self._raise_if_failed(op, result, err)
+        return result  # type: ignore[no-any-return]
+
+    def all_reduce(self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R]) -> R:
+        """``local_fn`` everywhere, ``reduce_fn`` on the coordinator, its result to all."""
+        value, err = self._local(local_fn)
+        if not self.enabled:
+            return reduce_fn([value])
+        try:
+            gathered = self.gather_object(value)
+            out: Any = None
+            if self.is_coordinator:
+                assert gathered is not None
+                out = self._coordinator_reduce(gathered, lambda vs: [reduce_fn(vs)])[0]
+            result = self.broadcast_object(out)
+        except Exception as e:
+            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+        self._raise_if_failed(op, result, err)
+        return result  # type: ignore[no-any-return]
+
+    def broadcast(self, op: str, fn: Callable[[], T]) -> T:
+        """``fn`` on the coordinator only; its result (or error) to every rank."""
+        if not self.enabled:
+            return fn()
+        value: Any = None
+        err = None
+        if self.is_coordinator:
+            value, err = self._local(fn)
+        try:
+            result = self.broadcast_object(value)
+        except Exception as e:
+            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+        self._raise_if_failed(op, result, err)
+        return result
+
+    def _coordinator_reduce(self, gathered: list[Any], reduce_fn: Callable[[list[Any]], Sequence[Any]]) -> list[Any]:
+        failures: dict[int, str] = {}
+        for v in gathered:
+            if isinstance(v, _Failed):
+                failures.update(v.failures)
+        if failures:
+            return [_Failed(failures)] * self.world_size
+        try:
+            out = list(reduce_fn(gathered))
+        except Exception as e:
+            return [_Failed({self.rank: _describe(e)})] * self.world_size
+        return out
+
+
+def new_group_with_timeout(seconds: float, backend: str | None = None) -> Any:
+    """A new process group over all ranks with its own timeout (all ranks call it)."""
+    return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))

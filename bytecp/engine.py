@@ -1,0 +1,757 @@
+"""Executes plans: stage and write a rank's boxes, commit, and read them back.
+
+Called by :mod:`bytecp.api` on every rank, with the storage, the flattened
+state and a :class:`~bytecp.dist.DistContext`:
+
+save: ``local plan -> (coordinator) global plan -> stage -> write data files
+(writer threads, crc32c on the fly) -> write this rank's index -> (coordinator)
+commit metadata.json -> (coordinator) delete what an overwrite replaced``.
+Any failure on any rank reaches every rank; the coordinator then removes the
+failed save's files, so nothing but the earlier checkpoint remains.
+
+load: ``(coordinator) read metadata + index, broadcast -> match keys ->
+plan ranged reads -> read in parallel straight into the targets``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import logging
+import os
+import pickle
+import threading
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import crc32c as _crc32c
+import torch
+
+from . import format as fmt
+from .dist import DistContext
+from .dtypes import byte_view, dtype_from_name, dtype_name, itemsize
+from .errors import (
+    CheckpointExistsError,
+    CheckpointNotFoundError,
+    ConfigError,
+    CorruptCheckpointError,
+    IncompleteCheckpointError,
+    PickleNotAllowedError,
+    StateMismatchError,
+    StorageError,
+)
+from .planner import (
+    DEFAULT_SPLIT_BYTES,
+    LocalSavePlan,
+    ReadRequest,
+    WriteItem,
+    plan_fingerprint,
+    plan_load,
+    plan_save,
+)
+from .recorder import Trace
+from .regions import Region, row_major_strides
+from .state import FlatTree, TensorLeaf, build_from_skeleton, is_json_leaf, iter_skeleton
+from .storage_api import Storage
+
+__all__ = [
+    "SaveOptions",
+    "LoadOptions",
+    "LoadResult",
+    "save_flat",
+    "load_flat",
+    "read_checkpoint",
+    "read_metadata",
+    "read_chunks",
+]
+
+log = logging.getLogger(__name__)
+_ZEROS = bytes(fmt.ALIGNMENT)
+
+
+def crc32c(data: Any, value: int = 0) -> int:
+    return int(_crc32c.crc32c(data, value))
+
+
+def _fault(phase: str, rank: int) -> None:
+    """Test hook: ``BYTECP_FAULT_DELAY=phase:rank:seconds`` sleeps in that phase,
+    ``BYTECP_FAULT_ERROR=phase:rank`` raises there."""
+    spec = os.environ.get("BYTECP_FAULT_DELAY")
+    if spec:
+        for item in spec.split(","):
+            p, r, s = item.split(":")
+            if p == phase and int(r) == rank:
+                time.sleep(float(s))
+    spec = os.environ.get("BYTECP_FAULT_ERROR")
+    if spec:
+        for item in spec.split(","):
+            p, r = item.split(":")
+            if p == phase and int(r) == rank:
+                raise RuntimeError(f"injected failure in phase {phase!r} on rank {rank}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class SaveOptions:
+    """How a save runs (engine-level settings; the API fills them in)."""
+
+    #: replace a committed checkpoint at the same URL
+    overwrite: bool = False
+    #: store values that need full pickling (loading them needs allow_pickle too)
+    allow_pickle: bool = False
+    #: writer threads (and data files) per rank
+    io_threads: int = 4
+    #: replicated boxes at least this large are split across their replicas
+    split_bytes: int = DEFAULT_SPLIT_BYTES
+    #: write per-rank monitoring reports beside the checkpoint
+    write_reports: bool = True
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
+        if self.split_bytes < 1:
+            raise ConfigError(f"split_bytes must be >= 1, got {self.split_bytes}")
+
+
+@dataclasses.dataclass(kw_only=True)
+class LoadOptions:
+    """How a load runs."""
+
+    #: missing or unexpected keys are an error (else reported in the result)
+    strict: bool = True
+    #: check each chunk's crc32c when it is read whole
+    verify: bool = True
+    #: allow unpickling blobs saved with allow_pickle=True (runs code from the checkpoint)
+    allow_pickle: bool = False
+    #: reader threads per rank
+    io_threads: int = 8
+
+    def __post_init__(self) -> None:
+        if self.io_threads < 1:
+            raise ConfigError(f"io_threads must be >= 1, got {self.io_threads}")
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What a load found: keys the target wanted but the checkpoint lacks, and
+    keys the checkpoint has that the target did not ask for."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    metadata: fmt.Metadata
+    values: dict[str, Any]  # slot fqn -> rebuilt value
+
+
+# ----------------------------------------------------------------- plan cache
+class PlanCache:
+    """Global save plans by the fingerprints of every rank's local plan.
+
+    A later save whose local plans are unchanged exchanges only fingerprints.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[tuple[Any, str], tuple[tuple[str, ...], list[WriteItem]]] = {}
+
+    def get(self, key: Any, fp: str) -> tuple[tuple[str, ...], list[WriteItem]] | None:
+        with self._lock:
+            return self._plans.get((key, fp))
+
+    def put(self, key: Any, fp: str, all_fps: tuple[str, ...], mine: list[WriteItem]) -> None:
+        with self._lock:
+            self._plans[(key, fp)] = (all_fps, mine)
+            if len(self._plans) > 64:
+                self._plans.pop(next(iter(self._plans)))
+
+
+PLAN_CACHE = PlanCache()
+
+
+def _local_plan(flat: FlatTree, rank: int) -> LocalSavePlan:
+    items = []
+    for fqn, leaf in flat.tensors.items():
+        name = dtype_name(leaf.dtype)
+        size = itemsize(leaf.dtype)
+        for sh in leaf.shards:
+            items.append(WriteItem(fqn, sh.region, name, size, tuple(leaf.global_shape)))
+    return LocalSavePlan(rank, tuple(items))
+
+
+def _global_plan(flat: FlatTree, ctx: DistContext, opts: SaveOptions, trace: Trace) -> list[WriteItem]:
+    """This rank's share of the global plan, exchanging only fingerprints when cached."""
+    with trace.span("plan"):
+        local = _local_plan(flat, ctx.rank)
+        fp = plan_fingerprint(local)
+        cache_key = (ctx.world_size, ctx.rank, opts.split_bytes, id(ctx.group))
+        cached = PLAN_CACHE.get(cache_key, fp)
+        if ctx.enabled:
+            fps = tuple(ctx.all_gather("save plan", lambda: fp))
+            if cached is not None and cached[0] == fps:
+                return cached[1]
+            mine = ctx.reduce_scatter(
+                "save plan",
+                lambda: local,
+                lambda plans: plan_save(plans, split_bytes=opts.split_bytes),
+            )
+        else:
+            fps = (fp,)
+            if cached is not None:
+                return cached[1]
+            mine = plan_save([local], split_bytes=opts.split_bytes)[0]
+        PLAN_CACHE.put(cache_key, fp, fps, mine)
+        return mine
+
+
+# ----------------------------------------------------------------- staging
+def _source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
+    for sh in leaf.shards:
+        if sh.region.contains(region):
+            return sh.tensor[region.relative_to(sh.region).slices()]
+    raise ConfigError(f"tensor {fqn!r}: this rank holds no shard containing {region}")
+
+
+def _as_host_bytes(t: torch.Tensor) -> memoryview:
+    """The logical bytes of a tensor view, without copying when it is a
+    contiguous CPU tensor (never the whole underlying storage)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return memoryview(byte_view(t).numpy())
+
+
+@dataclasses.dataclass
+class _Staged:
+    item: WriteItem
+    data: memoryview
+
+
+def stage_items(flat: FlatTree, items: Sequence[WriteItem]) -> list[_Staged]:
+    """Views of the bytes to write (synchronous save: no copies when contiguous)."""
+    return [_Staged(it, _as_host_bytes(_source_view(flat.tensors[it.fqn], it.region, it.fqn))) for it in items]
+
+
+# ----------------------------------------------------------------- objects
+def _serialize_object(fqn: str, value: Any, allow_pickle: bool) -> tuple[Any, bytes | None, bool]:
+    """-> (json value or None, blob or None, needs_pickle)."""
+    if is_json_leaf(value):
+        return value, None, False
+    buf = io.BytesIO()
+    try:
+        torch.save(value, buf)
+    except Exception as e:
+        raise ConfigError(f"cannot serialize {fqn!r} ({type(value).__name__}): {e}") from e
+    blob = buf.getvalue()
+    try:
+        torch.load(io.BytesIO(blob), weights_only=True)
+        return None, blob, False
+    except Exception as e:
+        if not allow_pickle:
+            raise ConfigError(
+                f"{fqn!r} is a {type(value).__name__}, which can only be stored as an arbitrary "
+                f"pickle ({e.__class__.__name__}); convert it to tensors/JSON-able values, or pass "
+                "allow_pickle=True to save (and to load)"
+            ) from None
+        return None, blob, True
+
+
+# ----------------------------------------------------------------- writing
+@dataclasses.dataclass
+class _RankOutput:
+    chunks: list[fmt.ChunkRecord]
+    data_files: dict[str, int]
+    index_file: str | None
+    objects: dict[str, fmt.ObjectRecord]
+    per_rank: dict[str, fmt.ObjectRecord]
+
+
+def _split_files(staged: list[_Staged], blobs: list[tuple[str, bytes]], n: int) -> list[tuple[list[_Staged], list[tuple[str, bytes]]]]:
+    n = max(1, min(n, len(staged) + (1 if blobs else 0)))
+    bins: list[tuple[list[_Staged], list[tuple[str, bytes]]]] = [([], []) for _ in range(n)]
+    loads = [0] * n
+    for s in sorted(staged, key=lambda s: -len(s.data)):
+        i = loads.index(min(loads))
+        bins[i][0].append(s)
+        loads[i] += len(s.data)
+    i = loads.index(min(loads))
+    bins[i][1].extend(blobs)
+    for b in bins:
+        b[0].sort(key=lambda s: (s.item.fqn, s.item.region))
+    return [b for b in bins if b[0] or b[1]]
+
+
+def _write_one_file(
+    storage: Storage, path: str, staged: list[_Staged], blobs: list[tuple[str, bytes]]
+) -> tuple[list[fmt.ChunkRecord], dict[str, tuple[int, int, int]], int]:
+    buffers: list[Any] = []
+    chunks: list[fmt.ChunkRecord] = []
+    blob_pos: dict[str, tuple[int, int, int]] = {}
+    pos = 0
+
+    def append(data: Any) -> int:
+        nonlocal pos
+        start = pos
+        if len(data):
+            buffers.append(data)
+        pos += len(data)
+        pad = (-pos) % fmt.ALIGNMENT
+        if pad:
+            buffers.append(_ZEROS[:pad])
+            pos += pad
+        return start
+
+    for s in staged:
+        start = append(s.data)
+        it = s.item
+        chunks.append(
+            fmt.ChunkRecord(
+                it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
+                path, start, len(s.data), crc32c(s.data),
+            )
+        )
+    for fqn, blob in blobs:
+        start = append(blob)
+        blob_pos[fqn] = (start, len(blob), crc32c(blob))
+    storage.write_file(path, buffers)
+    return chunks, blob_pos, pos
+
+
+def write_rank(
+    storage: Storage,
+    save_id: str,
+    rank: int,
+    staged: list[_Staged],
+    objects: dict[str, Any],
+    per_rank: dict[str, Any],
+    opts: SaveOptions,
+    trace: Trace,
+    pool: concurrent.futures.Executor | None = None,
+) -> _RankOutput:
+    """Write this rank's data files and index; returns what the coordinator needs."""
+    obj_records: dict[str, fmt.ObjectRecord] = {}
+    rank_records: dict[str, fmt.ObjectRecord] = {}
+    blobs: list[tuple[str, bytes]] = []
+    blob_kind: dict[str, tuple[str, bool]] = {}
+    for kind, values in (("obj", objects), ("rank", per_rank)):
+        for fqn, value in values.items():
+            jv, blob, needs_pickle = _serialize_object(fqn, value, opts.allow_pickle)
+            if blob is None:
+                (obj_records if kind == "obj" else rank_records)[fqn] = fmt.ObjectRecord(json=jv)
+            else:
+                key = f"{kind}:{fqn}"
+                blobs.append((key, blob))
+                blob_kind[key] = (fqn, needs_pickle)
+
+    groups = _split_files(staged, blobs, opts.io_threads)
+    paths = [fmt.data_file(save_id, rank, i) for i in range(len(groups))]
+    with trace.span("write") as sp:
+        _fault("write", rank)
+        own_pool = pool is None and len(groups) > 1
+        ex = concurrent.futures.ThreadPoolExecutor(len(groups), "bytecp-write") if own_pool else pool
+        try:
+            if ex is None:
+                results = [_write_one_file(storage, p, g[0], g[1]) for p, g in zip(paths, groups, strict=True)]
+            else:
+                futs = [ex.submit(_write_one_file, storage, p, g[0], g[1]) for p, g in zip(paths, groups, strict=True)]
+                results = [f.result() for f in futs]
+        finally:
+            if own_pool and ex is not None:
+                ex.shutdown(wait=True)
+        chunks: list[fmt.ChunkRecord] = []
+        data_files: dict[str, int] = {}
+        for path, (ch, bpos, size) in zip(paths, results, strict=True):
+            chunks.extend(ch)
+            data_files[path] = size
+            for key, (off, n, crc) in bpos.items():
+                fqn, needs_pickle = blob_kind[key]
+                rec = fmt.ObjectRecord(file=path, byte_offset=off, nbytes=n, crc32c=crc, pickle=needs_pickle)
+                (obj_records if key.startswith("obj:") else rank_records)[fqn] = rec
+        index_path = None
+        if chunks:
+            index_path = fmt.index_file(save_id, rank)
+            data = fmt.write_index(chunks)
+            storage.write_file(index_path, [data])
+        sp.nbytes = sum(data_files.values())
+        sp.files = len(data_files) + (1 if index_path else 0)
+    return _RankOutput(chunks, data_files, index_path, obj_records, rank_records)
+
+
+def _existing_metadata(storage: Storage) -> fmt.Metadata | None:
+    if not storage.exists(fmt.METADATA_FILE):
+        return None
+    return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
+
+
+def save_flat(
+    storage: Storage,
+    flat: FlatTree,
+    ctx: DistContext,
+    *,
+    framework: str,
+    parallelism: dict[str, Any],
+    step: int | None,
+    user_metadata: dict[str, Any],
+    opts: SaveOptions,
+    trace: Trace,
+    stage: Callable[[list[WriteItem]], list[_Staged]] | None = None,
+    save_id: str | None = None,
+    bytecp_version: str = "",
+) -> fmt.Metadata:
+    """Save a flattened state; every rank calls it. Returns the committed metadata."""
+
+    def check_target() -> tuple[str, fmt.Metadata | None]:
+        old = None
+        if storage.exists(fmt.METADATA_FILE):
+            if not opts.overwrite:
+                raise CheckpointExistsError(
+                    f"{storage.url} already holds a committed checkpoint; pass overwrite=True "
+                    "to replace it (the old one stays intact until the new one commits)"
+                )
+            try:
+                old = _existing_metadata(storage)
+            except Exception:
+                old = None  # an unreadable old checkpoint is simply replaced
+        return save_id or fmt.new_save_id(), old
+
+    sid, old = ctx.broadcast("save", check_target)
+    trace.checkpoint_id = sid
+    mine = _global_plan(flat, ctx, opts, trace)
+
+    def write() -> _RankOutput:
+        with trace.span("stage") as sp:
+            staged = stage(mine) if stage is not None else stage_items(flat, mine)
+            sp.nbytes = sum(len(s.data) for s in staged)
+        objects = flat.objects if ctx.is_coordinator else {}
+        return write_rank(storage, sid, ctx.rank, staged, objects, flat.per_rank, opts, trace)
+
+    def commit(outputs: list[_RankOutput]) -> fmt.Metadata:
+        with trace.span("commit") as sp:
+            _fault("commit", ctx.rank)
+            skel = flat.skeleton
+            tensors = {
+                fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
+                for fqn, leaf in flat.tensors.items()
+            }
+            objects: dict[str, fmt.ObjectRecord] = {}
+            per_rank: dict[str, dict[int, fmt.ObjectRecord]] = {}
+            data_files: dict[str, int] = {}
+            index_files: list[str] = []
+            for r, out in enumerate(outputs):
+                objects.update(out.objects)
+                for fqn, rec in out.per_rank.items():
+                    per_rank.setdefault(fqn, {})[r] = rec
+                data_files.update(out.data_files)
+                if out.index_file:
+                    index_files.append(out.index_file)
+            md = fmt.Metadata(
+                save_id=sid,
+                world_size=ctx.world_size,
+                framework=framework,
+                parallelism=parallelism,
+                skeleton=skel,
+                tensors=tensors,
+                objects=objects,
+                per_rank=per_rank,
+                index_files=index_files,
+                data_files=data_files,
+                step=step,
+                user_metadata=user_metadata,
+                bytecp_version=bytecp_version,
+            )
+            data = md.to_bytes()
+            storage.commit(fmt.METADATA_FILE, data)
+            sp.nbytes = len(data)
+            sp.files = 1
+        return md
+
+    try:
+        md = ctx.all_reduce("save", write, commit)
+    except BaseException:
+        if ctx.is_coordinator:
+            _cleanup_save(storage, sid)
+        raise
+    if ctx.is_coordinator and old is not None:
+        stale = old.referenced_files() - md.referenced_files()
+        try:
+            storage.delete(sorted(stale))
+        except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
+            log.warning("bytecp: could not delete files of the replaced checkpoint at %s: %s", storage.url, e)
+    return md
+
+
+def _cleanup_save(storage: Storage, save_id: str) -> None:
+    for prefix in (f"data/{save_id}", f"index/{save_id}"):
+        try:
+            storage.delete_prefix(prefix)
+        except Exception as e:
+            log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
+
+
+# ----------------------------------------------------------------- reading
+def read_metadata(storage: Storage) -> fmt.Metadata:
+    """Read and validate ``metadata.json``; a typed error when there is none."""
+    try:
+        data = storage.read_bytes(fmt.METADATA_FILE)
+    except (FileNotFoundError, StorageError) as e:
+        if isinstance(e, StorageError) and not isinstance(e, FileNotFoundError):
+            raise
+        try:
+            leftovers = storage.list_files("")
+        except Exception:
+            leftovers = []
+        if leftovers:
+            raise IncompleteCheckpointError(
+                f"{storage.url} has no metadata.json but holds {len(leftovers)} file(s): an "
+                "interrupted or failed save; it is not a checkpoint (load an earlier one)"
+            ) from None
+        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
+    return fmt.Metadata.from_bytes(data, storage.url)
+
+
+def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
+    blobs = []
+    for f in md.index_files:
+        try:
+            blobs.append((f, storage.read_bytes(f)))
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"{storage.url}: index file {f} named in metadata.json is missing ({e})"
+            ) from e
+    return fmt.read_index(blobs)
+
+
+@dataclasses.dataclass
+class _Target:
+    fqn: str
+    box: Region
+    view: torch.Tensor
+
+
+def _read_object(storage: Storage, fqn: str, rec: fmt.ObjectRecord, opts: LoadOptions) -> Any:
+    if not rec.is_blob:
+        return rec.json
+    assert rec.file is not None
+    if rec.pickle and not opts.allow_pickle:
+        raise PickleNotAllowedError(
+            f"{storage.url}: {fqn!r} was saved as an arbitrary pickle (in {rec.file}); loading it "
+            "could run code from the checkpoint. Pass allow_pickle=True only if you trust it"
+        )
+    try:
+        blob = storage.read_bytes(rec.file, rec.byte_offset, rec.nbytes)
+    except FileNotFoundError as e:
+        raise CorruptCheckpointError(f"{storage.url}: data file {rec.file} holding {fqn!r} is missing") from e
+    if opts.verify and crc32c(blob) != rec.crc32c:
+        raise CorruptCheckpointError(
+            f"{storage.url}/{rec.file}: checksum mismatch in object {fqn!r} "
+            f"(bytes {rec.byte_offset}..{rec.byte_offset + rec.nbytes})"
+        )
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=not (rec.pickle and opts.allow_pickle))
+    except pickle.UnpicklingError as e:
+        raise PickleNotAllowedError(
+            f"{storage.url}: object {fqn!r} in {rec.file} holds types a safe load refuses ({e}); "
+            "pass allow_pickle=True only if you trust the checkpoint"
+        ) from e
+
+
+def _execute_reads(
+    storage: Storage,
+    chunks: Sequence[fmt.ChunkRecord],
+    targets: Sequence[_Target],
+    reqs: Sequence[ReadRequest],
+    opts: LoadOptions,
+    trace: Trace,
+) -> int:
+    def run(req: ReadRequest) -> int:
+        c = chunks[req.chunk]
+        t = targets[req.target]
+        dest = t.view[req.box.relative_to(t.box).slices()]
+        dtype = dest.dtype
+        direct = req.whole_chunk and dest.is_contiguous() and dest.device.type == "cpu"
+        try:
+            if direct:
+                raw = byte_view(dest)
+                storage.read_into(c.file, req.byte_offset, memoryview(raw.numpy()))
+            else:
+                raw = torch.empty(req.nbytes, dtype=torch.uint8)
+                storage.read_into(c.file, req.byte_offset, memoryview(raw.numpy()))
+            if opts.verify and req.whole_chunk and crc32c(memoryview(raw.numpy())) != c.crc32c:
+                raise CorruptCheckpointError(
+                    f"{storage.url}/{c.file}: checksum mismatch in tensor {c.fqn!r} region "
+                    f"{Region(c.offsets, c.lengths)} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})"
+                )
+        except CorruptCheckpointError as e:
+            if c.fqn in str(e):
+                raise
+            raise CorruptCheckpointError(f"{e} (reading tensor {c.fqn!r} region {req.box})") from e
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"{storage.url}: data file {c.file} holding tensor {c.fqn!r} region "
+                f"{Region(c.offsets, c.lengths)} is missing"
+            ) from e
+        if not direct:
+            typed = raw.view(dtype) if raw.numel() else raw
+            src = torch.as_strided(
+                typed, req.box.lengths, row_major_strides(c.lengths), 0
+            ) if req.box.numel else typed
+            dest.copy_(src.reshape(dest.shape))
+        return req.nbytes
+
+    with trace.span("read") as sp:
+        if len(reqs) <= 1 or opts.io_threads == 1:
+            total = sum(run(r) for r in reqs)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(opts.io_threads, "bytecp-read") as ex:
+                total = sum(ex.map(run, reqs))
+        sp.nbytes = total
+        sp.files = len({chunks[r.chunk].file for r in reqs})
+    return total
+
+
+def read_checkpoint(
+    storage: Storage, ctx: DistContext, trace: Trace
+) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
+    """(coordinator reads, every rank receives) the metadata and the chunk index."""
+
+    def read_meta() -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
+        with trace.span("read_metadata") as sp:
+            md = read_metadata(storage)
+            chunks = read_chunks(storage, md)
+            sp.files = 1 + len(md.index_files)
+        return md, chunks
+
+    md, chunks = ctx.broadcast("load", read_meta)
+    trace.checkpoint_id = md.save_id
+    trace.step = md.step
+    return md, chunks
+
+
+def load_flat(
+    storage: Storage,
+    target: FlatTree,
+    ctx: DistContext,
+    md: fmt.Metadata,
+    chunks: list[fmt.ChunkRecord],
+    opts: LoadOptions,
+    trace: Trace,
+) -> LoadResult:
+    """Fill ``target``'s tensors in place and rebuild its slots; every rank calls it."""
+    missing, unexpected, values = ctx.run(
+        "load", lambda: _load_local(storage, target, ctx, md, chunks, opts, trace)
+    )
+    return LoadResult(missing, unexpected, md, values)
+
+
+def _load_local(
+    storage: Storage,
+    target: FlatTree,
+    ctx: DistContext,
+    md: fmt.Metadata,
+    chunks: list[fmt.ChunkRecord],
+    opts: LoadOptions,
+    trace: Trace,
+) -> tuple[list[str], list[str], dict[str, Any]]:
+    nodes = dict(iter_skeleton(md.skeleton))
+    saved_leaves = set(md.tensors) | set(md.objects) | set(md.per_rank)
+
+    missing: list[str] = []
+    covered: set[str] = set()
+    for fqn in target.tensors:
+        if fqn in md.tensors:
+            covered.add(fqn)
+        else:
+            missing.append(fqn)
+    for fqn in target.slots:
+        node = nodes.get(fqn)
+        if node is None:
+            missing.append(fqn)
+            continue
+        for _sub, n in iter_skeleton(node, fqn):
+            for kind in ("tensor", "obj", "rank"):
+                if kind in n:
+                    covered.add(n[kind])
+    unexpected = sorted(saved_leaves - covered)
+    if opts.strict and (missing or unexpected):
+        parts = [f"state does not match the checkpoint at {storage.url}:"]
+        if missing:
+            parts.append(f"  missing from the checkpoint ({len(missing)}): {_keys(missing)}")
+        if unexpected:
+            parts.append(f"  in the checkpoint but not in the state ({len(unexpected)}): {_keys(unexpected)}")
+        parts.append("  pass strict=False to load the keys that match")
+        raise StateMismatchError("\n".join(parts))
+
+    targets: list[_Target] = []
+    mismatches: list[str] = []
+    for fqn, leaf in target.tensors.items():
+        info = md.tensors.get(fqn)
+        if info is None:
+            continue
+        shape, dt = tuple(info["shape"]), info["dtype"]
+        if shape != tuple(leaf.global_shape) or dt != dtype_name(leaf.dtype):
+            mismatches.append(
+                f"{fqn}: checkpoint has {dt} {list(shape)}, target is "
+                f"{dtype_name(leaf.dtype)} {list(leaf.global_shape)}"
+            )
+            continue
+        for sh in leaf.shards:
+            targets.append(_Target(fqn, sh.region, sh.tensor))
+    if mismatches:
+        raise StateMismatchError(
+            f"tensor shape or dtype differs from the checkpoint at {storage.url}:\n  "
+            + "\n  ".join(mismatches[:50])
+            + ("\n  ..." if len(mismatches) > 50 else "")
+        )
+
+    # slots: rebuild from the skeleton; their tensors are allocated whole and read too
+    same_world = md.world_size == ctx.world_size
+    warned: list[str] = []
+    values: dict[str, Any] = {}
+    objects_cache: dict[str, Any] = {}
+
+    def leaf(kind: str, fqn: str) -> Any:
+        if kind == "tensor":
+            info = md.tensors[fqn]
+            t = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
+            targets.append(_Target(fqn, Region(tuple(0 for _ in t.shape), tuple(t.shape)), t))
+            return t
+        if kind == "obj":
+            if fqn not in objects_cache:
+                objects_cache[fqn] = _read_object(storage, fqn, md.objects[fqn], opts)
+            return objects_cache[fqn]
+        recs = md.per_rank[fqn]
+        src = ctx.rank if same_world else ctx.rank % max(1, md.world_size)
+        if not same_world:
+            warned.append(fqn)
+        if src not in recs:
+            raise CorruptCheckpointError(f"{storage.url}: no per-rank value of {fqn!r} for rank {src}")
+        return _read_object(storage, f"{fqn}[rank {src}]", recs[src], opts)
+
+    for fqn, slot in target.slots.items():
+        node = nodes.get(fqn)
+        if node is None:
+            values[fqn] = slot.default
+            continue
+        values[fqn] = build_from_skeleton(node, leaf)
+    if warned:
+        warnings.warn(
+            f"checkpoint {storage.url} was saved by {md.world_size} ranks and is loaded by "
+            f"{ctx.world_size}: rank {ctx.rank} restores the per-rank state of saved rank "
+            f"{ctx.rank % max(1, md.world_size)} for {', '.join(sorted(set(warned))[:5])}",
+            stacklevel=3,
+        )
+
+    itemsizes = {fqn: itemsize(dtype_from_name(info["dtype"])) for fqn, info in md.tensors.items()}
+    with trace.span("plan"):
+        reqs = plan_load([(t.fqn, t.box) for t in targets], chunks, itemsizes=itemsizes)
+    _execute_reads(storage, chunks, targets, reqs, opts, trace)
+    return missing, unexpected, values
+
+
+def _keys(keys: Sequence[str], n: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in list(keys)[:n])
+    return shown + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")
+

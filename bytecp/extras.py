@@ -1,0 +1,66 @@
+"""Stateful helpers users put into ``state``: per-rank RNG and per-rank wrappers.
+
+``state["rng"] = bytecp.RNGState()`` saves every rank's torch, numpy, python
+(and CUDA, where present) generator states and restores them on the same rank;
+``bytecp.PerRankState(obj)`` does the same for any ``Stateful`` object (a
+dataloader, a sampler). Adapters recognise both and store them per rank.
+When a checkpoint is loaded by a different number of ranks, rank ``r``
+restores the state saved by rank ``r % saved_world_size`` and a warning says so.
+"""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+import torch
+
+__all__ = ["RNGState", "PerRankState"]
+
+
+class RNGState:
+    """The calling process's random generator states, as a ``Stateful``."""
+
+    def state_dict(self) -> dict[str, Any]:
+        np_state = np.random.get_state()
+        py_state = random.getstate()
+        out: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "numpy": {
+                "kind": str(np_state[0]),
+                "keys": torch.from_numpy(np.asarray(np_state[1], dtype=np.uint32).view(np.int32).copy()),
+                "pos": int(np_state[2]),
+                "has_gauss": int(np_state[3]),
+                "cached_gaussian": float(np_state[4]),
+            },
+            "python": [py_state[0], list(py_state[1]), py_state[2]],
+        }
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            out["cuda"] = torch.cuda.get_rng_state_all()
+        return out
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        torch.set_rng_state(sd["torch"])
+        n = sd["numpy"]
+        keys = n["keys"].numpy().view(np.uint32)
+        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
+        v, internal, gauss = sd["python"]
+        random.setstate((v, tuple(internal), gauss))
+        if "cuda" in sd and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(sd["cuda"])
+
+
+class PerRankState:
+    """Wrap a ``Stateful`` so each rank saves and restores its own state."""
+
+    def __init__(self, obj: Any) -> None:
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise TypeError(f"PerRankState needs an object with state_dict/load_state_dict, got {type(obj)}")
+        self.obj = obj
+
+    def state_dict(self) -> Any:
+        return self.obj.state_dict()
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.obj.load_state_dict(sd)

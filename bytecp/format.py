@@ -1,0 +1,287 @@
+"""The on-storage format (docs/FORMAT.md is the normative spec).
+
+```
+<checkpoint>/
+  data/<save_id>/<rank>-<n>.bin    raw little-endian bytes, chunk after chunk, 4 KiB aligned
+  index/<save_id>/<rank>.parquet   that rank's chunks (one row per chunk)
+  reports/<rank>.json              per-rank monitoring report (informational)
+  metadata.json                    written LAST, atomically: the commit point
+```
+
+Files of one save carry its ``save_id``, so a save onto an existing
+checkpoint (``overwrite=True``) never touches the files the committed
+``metadata.json`` references; they are deleted only after the new commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import time
+import uuid
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from .errors import CorruptCheckpointError, FormatVersionError
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "ALIGNMENT",
+    "INDEX_SCHEMA",
+    "ChunkRecord",
+    "ObjectRecord",
+    "Metadata",
+    "new_save_id",
+    "data_file",
+    "index_file",
+    "report_file",
+    "chunks_to_table",
+    "table_to_chunks",
+    "write_index",
+    "read_index",
+]
+
+FORMAT_NAME = "bytecp"
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+ALIGNMENT = 4096
+
+INDEX_SCHEMA = pa.schema(
+    [
+        ("fqn", pa.string()),
+        ("dtype", pa.string()),
+        ("global_shape", pa.list_(pa.int64())),
+        ("offsets", pa.list_(pa.int64())),
+        ("lengths", pa.list_(pa.int64())),
+        ("file", pa.string()),
+        ("byte_offset", pa.int64()),
+        ("nbytes", pa.int64()),
+        ("crc32c", pa.uint32()),
+    ],
+    metadata={b"bytecp.format_version": str(FORMAT_VERSION).encode()},
+)
+
+
+def new_save_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+
+
+def data_file(save_id: str, rank: int, n: int) -> str:
+    return f"data/{save_id}/{rank}-{n}.bin"
+
+
+def index_file(save_id: str, rank: int) -> str:
+    return f"index/{save_id}/{rank}.parquet"
+
+
+def report_file(rank: int) -> str:
+    return f"reports/{rank}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRecord:
+    """One box of one tensor, stored contiguously (row-major) in a data file."""
+
+    fqn: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: str
+    byte_offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectRecord:
+    """A non-tensor value: inline JSON, or a ``torch.save`` blob in a data file."""
+
+    json: Any = None
+    file: str | None = None
+    byte_offset: int = 0
+    nbytes: int = 0
+    crc32c: int = 0
+    pickle: bool = False  # True: the blob needs full unpickling (allow_pickle=True)
+
+    @property
+    def is_blob(self) -> bool:
+        return self.file is not None
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.is_blob:
+            return {"json": self.json}
+        return {
+            "file": self.file,
+            "byte_offset": self.byte_offset,
+            "nbytes": self.nbytes,
+            "crc32c": self.crc32c,
+            "pickle": self.pickle,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ObjectRecord:
+        if "json" in d:
+            return cls(json=d["json"])
+        return cls(
+            file=str(d["file"]),
+            byte_offset=int(d["byte_offset"]),
+            nbytes=int(d["nbytes"]),
+            crc32c=int(d["crc32c"]),
+            pickle=bool(d.get("pickle", False)),
+        )
+
+
+@dataclasses.dataclass
+class Metadata:
+    """Contents of ``metadata.json``: everything but the chunk index."""
+
+    save_id: str
+    world_size: int
+    framework: str
+    parallelism: dict[str, Any]
+    skeleton: Any
+    tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape"}
+    objects: dict[str, ObjectRecord]
+    per_rank: dict[str, dict[int, ObjectRecord]]
+    index_files: list[str]
+    data_files: dict[str, int]  # path -> size in bytes
+    step: int | None = None
+    user_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created: float = dataclasses.field(default_factory=time.time)
+    bytecp_version: str = ""
+    format_version: int = FORMAT_VERSION
+
+    def to_bytes(self) -> bytes:
+        d = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "bytecp_version": self.bytecp_version,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "framework": self.framework,
+            "parallelism": self.parallelism,
+            "step": self.step,
+            "user_metadata": self.user_metadata,
+            "index_files": self.index_files,
+            "data_files": self.data_files,
+            "tensors": self.tensors,
+            "objects": {k: v.to_json() for k, v in self.objects.items()},
+            "per_rank": {
+                k: {str(r): rec.to_json() for r, rec in v.items()} for k, v in self.per_rank.items()
+            },
+            "skeleton": self.skeleton,
+        }
+        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Metadata:
+        try:
+            d = json.loads(data)
+        except ValueError as e:
+            raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({e})") from e
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
+        version = d.get("format_version")
+        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+            raise FormatVersionError(
+                f"{where}: checkpoint format version {version!r} is not supported by this bytecp, "
+                f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
+            )
+        try:
+            return cls(
+                save_id=str(d["save_id"]),
+                world_size=int(d["world_size"]),
+                framework=str(d["framework"]),
+                parallelism=dict(d.get("parallelism") or {}),
+                skeleton=d["skeleton"],
+                tensors=dict(d["tensors"]),
+                objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
+                per_rank={
+                    k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()}
+                    for k, v in d.get("per_rank", {}).items()
+                },
+                index_files=[str(f) for f in d["index_files"]],
+                data_files={str(k): int(v) for k, v in d["data_files"].items()},
+                step=d.get("step"),
+                user_metadata=dict(d.get("user_metadata") or {}),
+                created=float(d.get("created", 0.0)),
+                bytecp_version=str(d.get("bytecp_version", "")),
+                format_version=version,
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r})") from e
+
+    def referenced_files(self) -> set[str]:
+        return set(self.index_files) | set(self.data_files)
+
+
+def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
+    cols: dict[str, list[Any]] = {f.name: [] for f in INDEX_SCHEMA}
+    for c in chunks:
+        cols["fqn"].append(c.fqn)
+        cols["dtype"].append(c.dtype)
+        cols["global_shape"].append(list(c.global_shape))
+        cols["offsets"].append(list(c.offsets))
+        cols["lengths"].append(list(c.lengths))
+        cols["file"].append(c.file)
+        cols["byte_offset"].append(c.byte_offset)
+        cols["nbytes"].append(c.nbytes)
+        cols["crc32c"].append(c.crc32c)
+    return pa.table(cols, schema=INDEX_SCHEMA)
+
+
+def table_to_chunks(table: pa.Table) -> list[ChunkRecord]:
+    d = table.to_pydict()
+    return [
+        ChunkRecord(
+            fqn,
+            dt,
+            tuple(gs),
+            tuple(of),
+            tuple(ln),
+            f,
+            int(bo),
+            int(nb),
+            int(crc),
+        )
+        for fqn, dt, gs, of, ln, f, bo, nb, crc in zip(
+            d["fqn"],
+            d["dtype"],
+            d["global_shape"],
+            d["offsets"],
+            d["lengths"],
+            d["file"],
+            d["byte_offset"],
+            d["nbytes"],
+            d["crc32c"],
+            strict=True,
+        )
+    ]
+
+
+def write_index(chunks: Sequence[ChunkRecord]) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(chunks_to_table(chunks), sink, compression="zstd")
+    return sink.getvalue()
+
+
+def read_index(blobs: Iterable[tuple[str, bytes]]) -> list[ChunkRecord]:
+    out: list[ChunkRecord] = []
+    for name, data in blobs:
+        try:
+            table = pq.read_table(pa.BufferReader(data))
+        except (pa.ArrowInvalid, OSError) as e:
+            raise CorruptCheckpointError(f"index file {name} is unreadable ({e})") from e
+        missing = [f.name for f in INDEX_SCHEMA if f.name not in table.column_names]
+        if missing:
+            raise CorruptCheckpointError(f"index file {name} lacks columns {missing}")
+        out.extend(table_to_chunks(table.select([f.name for f in INDEX_SCHEMA])))
+    return out
