@@ -1,109 +1,197 @@
 """Generic backend over any fsspec filesystem (the fallback for unknown protocols).
 
-Tuned backends (local, S3, HDFS, memory) subclass or replace it. Called by the
-core's engine from writer/reader threads; fsspec filesystems are thread-safe
-for the calls used here.
+``open_storage("gcs://...")``, ``"abfs://..."``, ``"sftp://..."`` and every
+other protocol fsspec knows land here. Tuned backends (memory, HDFS)
+subclass it. Called by the core's engine from writer/reader threads; fsspec
+filesystems are thread-safe for the calls used here. Every call goes
+through the retry policy of :mod:`bytecp.storage._retry`; errors are mapped
+onto :class:`~bytecp.errors.StorageError` subclasses naming the URL.
 """
 
 from __future__ import annotations
 
 import posixpath
 import uuid
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any, TypeVar
 
 import fsspec
 
 from bytecp.errors import CorruptCheckpointError, StorageError, StorageNotFoundError
-from bytecp.storage_api import Buffer, Storage
+from bytecp.storage_api import Buffer, Storage, split_protocol
+
+from . import _retry
+from ._retry import RetryPolicy
 
 __all__ = ["FsspecStorage"]
 
+T = TypeVar("T")
+
 
 class FsspecStorage(Storage):
-    """A checkpoint directory on any fsspec filesystem."""
+    """A checkpoint directory on any fsspec filesystem.
+
+    Options: ``retry`` (a :class:`~bytecp.storage._retry.RetryPolicy`, a dict
+    of its fields, or a deadline in seconds); every other keyword goes to the
+    fsspec filesystem's constructor.
+    """
 
     #: whether ``commit`` must go through temp + rename (filesystems) or a
     #: single PUT is already atomic (object stores)
     atomic_put = False
+    backend = "fsspec"
 
-    def __init__(self, url: str, **options: Any) -> None:
+    def __init__(self, url: str, *, retry: RetryPolicy | dict | float | None = None, **options: Any) -> None:
         self.url = url
+        self.retry = RetryPolicy.from_options(retry)
+        self._retry_option = retry
         self._options = dict(options)
+        self.fs, root = self._make_fs(url, options)
+        self.root = root.rstrip("/") if root not in ("/", "") else root
+
+    def _make_fs(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
+        proto, _ = split_protocol(url)
         try:
-            self.fs, root = fsspec.core.url_to_fs(url, **options)
-        except ImportError as e:
+            return fsspec.core.url_to_fs(url, **options)
+        except (ImportError, ValueError) as e:
             raise StorageError(
-                f"no fsspec implementation for {url!r}: {e}. Install the package for "
-                "that protocol (for example `pip install bytecp[s3]` or `bytecp[hdfs]`)."
+                f"no usable fsspec implementation for {url!r} (protocol {proto!r}): {e}. "
+                "Install the package that provides it (for example `pip install 'bytecp[s3]'`, "
+                "`pip install 'bytecp[hdfs]'`, gcsfs, adlfs)."
             ) from e
-        self.root = root.rstrip("/")
 
     def options(self) -> dict[str, Any]:
-        return dict(self._options)
+        opts = dict(self._options)
+        if self._retry_option is not None:
+            opts["retry"] = self._retry_option
+        return opts
+
+    def child(self, path: str) -> Storage:
+        # same class, not a registry look-up: the fallback serves protocols
+        # that may also have a tuned backend (file:// through fsspec)
+        return type(self)(self.url.rstrip("/") + "/" + path.strip("/"), **self.options())
 
     def _full(self, path: str) -> str:
         path = path.strip("/")
-        return f"{self.root}/{path}" if path else self.root
+        if not path:
+            return self.root
+        return f"{self.root.rstrip('/')}/{path}"
 
     def _rel(self, full: str) -> str:
         full = full.rstrip("/")
-        root = self.root.lstrip("/") if not full.startswith("/") else self.root
+        root = self.root.rstrip("/")
+        if not full.startswith("/"):
+            root = root.lstrip("/")
         return full[len(root) :].lstrip("/")
+
+    def _call(self, fn: Callable[[], T], path: str, op: str) -> T:
+        where = f"{self.url.rstrip('/')}/{path.strip('/')} ({op})"
+        return _retry.call(fn, policy=self.retry, where=where, backend=self.backend)
+
+    # -- writing -------------------------------------------------------------
+    def _makedirs(self, full_dir: str) -> None:
+        if full_dir and full_dir != "/":
+            self.fs.makedirs(full_dir, exist_ok=True)
 
     def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
         full = self._full(path)
-        self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
-        with self.fs.open(full, "wb") as f:
-            for b in buffers:
-                f.write(b)
+
+        def write() -> None:
+            self._makedirs(posixpath.dirname(full))
+            with self.fs.open(full, "wb") as f:
+                for b in buffers:
+                    if len(b):
+                        f.write(b)
+
+        self._call(write, path, "write")
 
     def commit(self, path: str, data: bytes) -> None:
         full = self._full(path)
-        self.fs.makedirs(posixpath.dirname(full), exist_ok=True)
         if self.atomic_put:
-            self.fs.pipe_file(full, data)
+
+            def put() -> None:
+                self._makedirs(posixpath.dirname(full))
+                self.fs.pipe_file(full, bytes(data))
+
+            self._call(put, path, "commit")
             return
         tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-        self.fs.pipe_file(tmp, data)
-        self.fs.mv(tmp, full)
+
+        def publish() -> None:
+            self._makedirs(posixpath.dirname(full))
+            self.fs.pipe_file(tmp, bytes(data))
+            self._rename_over(tmp, full)
+
+        self._call(publish, path, "commit")
+
+    def _rename_over(self, src: str, dst: str) -> None:
+        """Rename ``src`` to ``dst``, replacing it (atomic where the filesystem's rename is)."""
+        self.fs.mv(src, dst)
 
     def delete(self, paths: Iterable[str]) -> None:
         for p in paths:
-            try:
-                self.fs.rm(self._full(p))
-            except FileNotFoundError:
-                pass
+            full = self._full(p)
 
+            def rm(full: str = full) -> None:
+                try:
+                    self.fs.rm(full)
+                except FileNotFoundError:
+                    pass
+
+            self._call(rm, p, "delete")
+
+    # -- reading -------------------------------------------------------------
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        n = len(out)
-        if n == 0:
-            return
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        n = len(view)
         full = self._full(path)
+
+        def read() -> bytes:
+            if n == 0:
+                if not self.fs.isfile(full):
+                    raise FileNotFoundError(full)
+                return b""
+            return self.fs.cat_file(full, start=offset, end=offset + n)
+
         try:
-            data = self.fs.cat_file(full, start=offset, end=offset + n)
-        except FileNotFoundError as e:
-            raise StorageNotFoundError(f"{self.url}/{path}: missing ({e})") from e
+            data = self._call(read, path, f"read bytes [{offset}, {offset + n})")
+        except StorageNotFoundError as e:
+            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing ({e})") from e
         if len(data) != n:
             raise CorruptCheckpointError(
-                f"{self.url}/{path}: file is truncated: wanted bytes [{offset}, {offset + n}), "
-                f"got {len(data)} bytes"
+                f"{self.url.rstrip('/')}/{path.strip('/')}: file is truncated: wanted bytes "
+                f"[{offset}, {offset + n}), file ends at {offset + len(data)}"
             )
-        out[:] = data
+        view[:] = data
 
     def size(self, path: str) -> int:
+        full = self._full(path)
+
+        def size() -> int:
+            info = self.fs.info(full)
+            if info.get("type") == "directory":
+                raise FileNotFoundError(f"{full} is a directory")
+            return int(info["size"])
+
         try:
-            return int(self.fs.size(self._full(path)))
-        except FileNotFoundError as e:
-            raise StorageNotFoundError(f"{self.url}/{path}: missing") from e
+            return self._call(size, path, "size")
+        except StorageNotFoundError as e:
+            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing") from e
 
     def exists(self, path: str) -> bool:
-        return bool(self.fs.isfile(self._full(path)))
+        full = self._full(path)
+        return bool(self._call(lambda: self.fs.isfile(full), path, "exists"))
 
     def list_files(self, prefix: str = "") -> list[str]:
         base = self._full(prefix)
-        try:
-            found = self.fs.find(base)
-        except FileNotFoundError:
-            return []
+
+        def find() -> list[str]:
+            try:
+                if not self.fs.isdir(base):
+                    return []
+                return list(self.fs.find(base))
+            except FileNotFoundError:
+                return []
+
+        found = self._call(find, prefix, "list")
         return sorted(self._rel(f) for f in found)

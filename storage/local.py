@@ -1,25 +1,46 @@
 """Local-disk backend: ``pwritev`` writes, ``preadv`` reads, fsync, atomic rename.
 
 Called by the engine's writer/reader threads. ``write_file`` returns only
-when the file is durable (fsync), and ``commit`` publishes ``metadata.json``
-by temp file + fsync + ``rename`` + directory fsync, so a crash at any point
-leaves either the old or the new checkpoint, never a torn one.
+when the file's bytes are durable (fsync); ``commit`` first fsyncs every
+directory that gained a file since the last commit (so the data files'
+names are durable too), then publishes ``metadata.json`` by temp file +
+fsync + ``rename`` + directory fsync. A crash at any point leaves either the
+old or the new checkpoint, never a torn one.
+
+``direct=True`` opens files with ``O_DIRECT`` (bypassing the page cache, so
+a large save does not evict the training job's working set); I/O then goes
+through a page-aligned bounce buffer. Filesystems without ``O_DIRECT``
+(tmpfs, some network filesystems) fall back to buffered I/O with a warning.
 """
 
 from __future__ import annotations
 
 import errno
+import logging
+import mmap
 import os
+import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bytecp.errors import CorruptCheckpointError, StorageError, StorageNotFoundError, StoragePermissionError
+from bytecp.errors import (
+    ConfigError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
 from bytecp.storage_api import Buffer, Storage
 
 __all__ = ["LocalStorage"]
 
+log = logging.getLogger("bytecp.storage")
+
 _IOV_MAX = 1024
+_ALIGN = 4096
+_DIRECT_CHUNK = 8 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def _fsync_dir(path: str) -> None:
@@ -30,69 +51,175 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-class LocalStorage(Storage):
-    """A checkpoint directory on a local (or mounted) POSIX filesystem."""
+def _os_error(e: OSError, full: str, op: str) -> StorageError:
+    if isinstance(e, PermissionError):
+        return StoragePermissionError(f"{full}: permission denied while trying to {op} ({e})")
+    if isinstance(e, FileNotFoundError):
+        return StorageNotFoundError(f"{full}: missing ({e})")
+    if e.errno == errno.ENOSPC:
+        return StorageError(f"{full}: no space left on device while trying to {op}; free space or save elsewhere")
+    if e.errno == errno.EDQUOT:
+        return StorageError(f"{full}: disk quota exceeded while trying to {op}")
+    return StorageError(f"{full}: {op} failed ({e})")
 
-    def __init__(self, url: str, *, fsync: bool = True, **options: Any) -> None:
+
+class LocalStorage(Storage):
+    """A checkpoint directory on a local (or mounted) POSIX filesystem.
+
+    Options: ``fsync`` (default True): make files and directory entries
+    durable before ``commit`` returns; ``direct`` (default False): use
+    ``O_DIRECT`` for data files.
+    """
+
+    backend = "local"
+
+    def __init__(self, url: str, *, fsync: bool = True, direct: bool = False, **options: Any) -> None:
         if options:
-            raise StorageError(f"local storage {url!r}: unknown options {sorted(options)}")
+            raise ConfigError(
+                f"local storage {url!r}: unknown option(s) {sorted(options)}; "
+                "known: fsync, direct"
+            )
+        if direct and not _O_DIRECT:
+            raise ConfigError(f"local storage {url!r}: direct=True needs O_DIRECT, which this OS lacks")
         self.url = url
         path = url.split("://", 1)[1] if "://" in url else url
         self.root = os.path.abspath(os.path.expanduser(path))
         self.fsync = fsync
+        self.direct = direct
         self._made: set[str] = set()
+        self._dirty_dirs: set[str] = set()
+        self._lock = threading.Lock()
 
     def options(self) -> dict[str, Any]:
-        return {"fsync": self.fsync}
+        return {"fsync": self.fsync, "direct": self.direct}
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, *[p for p in path.split("/") if p])
 
     def _makedirs(self, d: str) -> None:
-        if d not in self._made:
+        if d in self._made:
+            return
+        missing = []
+        p = d
+        while not os.path.isdir(p):
+            missing.append(p)
+            parent = os.path.dirname(p)
+            if parent == p:
+                break
+            p = parent
+        try:
             os.makedirs(d, exist_ok=True)
+        except OSError as e:
+            raise _os_error(e, d, "create directory") from e
+        with self._lock:
             self._made.add(d)
+            # a new directory's entry lives in its parent
+            self._dirty_dirs.update(os.path.dirname(m) for m in missing)
 
+    # -- writing -------------------------------------------------------------
     def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
         full = self._full(path)
-        self._makedirs(os.path.dirname(full))
+        d = os.path.dirname(full)
+        self._makedirs(d)
+        views = [memoryview(b).cast("B") for b in buffers]
+        views = [v for v in views if len(v)]
+        direct = self.direct
         try:
-            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        except PermissionError as e:
-            raise StoragePermissionError(f"{full}: cannot write ({e})") from e
+            fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                log.warning("%s: O_DIRECT not supported here; using buffered writes", full)
+                self.direct = direct = False
+                return self.write_file(path, buffers)
+            raise _os_error(e, full, "create the file") from e
         try:
-            views = [memoryview(b).cast("B") for b in buffers if len(b)]
-            offset = 0
-            while views:
-                batch = views[:_IOV_MAX]
-                n = os.pwritev(fd, batch, offset)
-                offset += n
-                # drop fully written views, trim a partly written one
-                while n and views:
-                    if n >= len(views[0]):
-                        n -= len(views[0])
-                        views.pop(0)
-                    else:
-                        views[0] = views[0][n:]
-                        n = 0
+            if direct:
+                self._pwrite_direct(fd, views)
+            else:
+                self._pwritev(fd, views)
             if self.fsync:
                 os.fsync(fd)
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise StorageError(f"{full}: no space left on device") from e
-            raise StorageError(f"{full}: write failed ({e})") from e
+            raise _os_error(e, full, "write") from e
         finally:
             os.close(fd)
+        with self._lock:
+            self._dirty_dirs.add(d)
+
+    @staticmethod
+    def _pwritev(fd: int, views: list[memoryview]) -> None:
+        offset = 0
+        while views:
+            n = os.pwritev(fd, views[:_IOV_MAX], offset)
+            offset += n
+            # drop fully written views, trim a partly written one
+            while n and views:
+                if n >= len(views[0]):
+                    n -= len(views[0])
+                    views.pop(0)
+                else:
+                    views[0] = views[0][n:]
+                    n = 0
+
+    @staticmethod
+    def _pwrite_direct(fd: int, views: list[memoryview]) -> None:
+        """Write through an aligned bounce buffer; pad the tail, then truncate to size."""
+        total = sum(len(v) for v in views)
+        with mmap.mmap(-1, _DIRECT_CHUNK) as bounce:
+            buf = memoryview(bounce)
+            try:
+                filled = 0
+                offset = 0
+
+                def flush(nbytes: int) -> None:
+                    nonlocal offset
+                    done = 0
+                    while done < nbytes:
+                        done += os.pwrite(fd, buf[done:nbytes], offset + done)
+                    offset += nbytes
+
+                for v in views:
+                    pos = 0
+                    while pos < len(v):
+                        take = min(len(v) - pos, _DIRECT_CHUNK - filled)
+                        buf[filled : filled + take] = v[pos : pos + take]
+                        filled += take
+                        pos += take
+                        if filled == _DIRECT_CHUNK:
+                            flush(filled)
+                            filled = 0
+                if filled:
+                    padded = -(-filled // _ALIGN) * _ALIGN
+                    buf[filled:padded] = bytes(padded - filled)
+                    flush(padded)
+                os.ftruncate(fd, total)
+            finally:
+                buf.release()
 
     def commit(self, path: str, data: bytes) -> None:
         full = self._full(path)
         d = os.path.dirname(full)
         self._makedirs(d)
-        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-        self.write_file(os.path.relpath(tmp, self.root).replace(os.sep, "/"), [data])
-        os.replace(tmp, full)
-        if self.fsync:
-            _fsync_dir(d)
+        with self._lock:
+            dirty, self._dirty_dirs = self._dirty_dirs, set()
+        try:
+            if self.fsync:  # data files' directory entries durable before the commit point
+                for dd in sorted(dirty, key=len, reverse=True):
+                    if os.path.isdir(dd):
+                        _fsync_dir(dd)
+            tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                self._pwritev(fd, [memoryview(data).cast("B")] if len(data) else [])
+                if self.fsync:
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.replace(tmp, full)
+            if self.fsync:
+                _fsync_dir(d)
+        except OSError as e:
+            raise _os_error(e, full, "commit") from e
 
     def delete(self, paths: Iterable[str]) -> None:
         dirs = set()
@@ -103,6 +230,8 @@ class LocalStorage(Storage):
                 dirs.add(os.path.dirname(full))
             except FileNotFoundError:
                 pass
+            except OSError as e:
+                raise _os_error(e, full, "delete") from e
         # remove directories left empty (deepest first), never the root
         for d in sorted(dirs, key=len, reverse=True):
             while d.startswith(self.root + os.sep):
@@ -110,29 +239,71 @@ class LocalStorage(Storage):
                     os.rmdir(d)
                 except OSError:
                     break
-                self._made.discard(d)
+                with self._lock:
+                    self._made.discard(d)
                 d = os.path.dirname(d)
 
+    # -- reading -------------------------------------------------------------
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         full = self._full(path)
+        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        want = len(view)
+        if want == 0 and os.path.isfile(full):
+            return
+        direct = self.direct
         try:
-            fd = os.open(full, os.O_RDONLY)
+            fd = os.open(full, os.O_RDONLY | (_O_DIRECT if direct else 0))
         except FileNotFoundError as e:
             raise StorageNotFoundError(f"{full}: missing") from e
+        except OSError as e:
+            if direct and e.errno == errno.EINVAL:
+                self.direct = False
+                return self.read_into(path, offset, out)
+            raise _os_error(e, full, "open for reading") from e
         try:
-            want = len(out)
-            got = 0
-            view = out.cast("B") if out.format != "B" else out
-            while got < want:
-                n = os.preadv(fd, [view[got:]], offset + got)
-                if n == 0:
-                    raise CorruptCheckpointError(
-                        f"{full}: file is truncated: wanted bytes [{offset}, {offset + want}), "
-                        f"file ends at {offset + got}"
-                    )
-                got += n
+            got = self._pread_direct(fd, offset, view) if direct else self._preadv(fd, offset, view)
+        except OSError as e:
+            raise _os_error(e, full, "read") from e
         finally:
             os.close(fd)
+        if got < want:
+            raise CorruptCheckpointError(
+                f"{full}: file is truncated: wanted bytes [{offset}, {offset + want}), "
+                f"file ends at {offset + got}"
+            )
+
+    @staticmethod
+    def _preadv(fd: int, offset: int, view: memoryview) -> int:
+        got = 0
+        while got < len(view):
+            n = os.preadv(fd, [view[got:]], offset + got)
+            if n == 0:
+                break
+            got += n
+        return got
+
+    @staticmethod
+    def _pread_direct(fd: int, offset: int, view: memoryview) -> int:
+        want = len(view)
+        got = 0
+        with mmap.mmap(-1, _DIRECT_CHUNK) as bounce:
+            buf = memoryview(bounce)
+            try:
+                while got < want:
+                    pos = offset + got
+                    start = pos - pos % _ALIGN
+                    skip = pos - start
+                    n = os.preadv(fd, [buf], start)
+                    if n <= skip:
+                        break
+                    take = min(n - skip, want - got)
+                    view[got : got + take] = buf[skip : skip + take]
+                    got += take
+                    if n < _DIRECT_CHUNK:  # end of file
+                        break
+            finally:
+                buf.release()
+        return got
 
     def size(self, path: str) -> int:
         try:
@@ -155,5 +326,5 @@ class LocalStorage(Storage):
     def list_children(self, prefix: str = "") -> list[str]:
         try:
             return sorted(os.listdir(self._full(prefix)))
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return []

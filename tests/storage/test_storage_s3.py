@@ -1,0 +1,181 @@
+"""S3 backend: the contract against moto and a real Ceph RADOS Gateway, plus S3 specifics."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from bytecp.storage.s3 import S3Storage
+from storage_contract import MiB, StorageContract, StorageFixtures, payload
+
+from bytecp import recorder
+from bytecp.errors import ConfigError, StorageNotFoundError, StoragePermissionError
+from bytecp.storage_api import open_storage
+
+pytestmark = pytest.mark.s3
+
+SMALL_PARTS = {"part_size": 5 * MiB, "read_part_size": 1 * MiB, "max_concurrency": 4}
+
+
+class S3Fixtures(StorageFixtures):
+    large_size = 11 * MiB + 4321  # three 5 MiB parts, the last one short
+    server_fixture = ""
+    bucket_fixture = ""
+
+    @pytest.fixture
+    def server(self, request):
+        return request.getfixturevalue(self.server_fixture)
+
+    @pytest.fixture
+    def storage(self, request, server, unique_prefix):
+        bucket = request.getfixturevalue(self.bucket_fixture)
+        st = open_storage(f"s3://{bucket}/{unique_prefix}", **server.options(**SMALL_PARTS))
+        assert isinstance(st, S3Storage)
+        yield st
+        st.delete_prefix()
+
+
+class TestS3Moto(S3Fixtures, StorageContract):
+    server_fixture = "moto_s3"
+    bucket_fixture = "moto_bucket"
+
+
+@pytest.mark.ceph
+class TestS3Ceph(S3Fixtures, StorageContract):
+    server_fixture = "ceph_rgw"
+    bucket_fixture = "ceph_bucket"
+
+
+@pytest.fixture(params=["moto", pytest.param("ceph", marks=pytest.mark.ceph)])
+def s3(request):
+    """(server, bucket) for tests that run against both servers."""
+    if request.param == "moto":
+        return request.getfixturevalue("moto_s3"), request.getfixturevalue("moto_bucket")
+    return request.getfixturevalue("ceph_rgw"), request.getfixturevalue("ceph_bucket")
+
+
+class Events:
+    """A recorder that keeps the events it is sent."""
+
+    def __init__(self):
+        self.events = []
+
+    def on_report(self, report):
+        pass
+
+    def on_event(self, name, value, labels):
+        self.events.append((name, value, dict(labels)))
+
+    def on_start(self, *args, **kwargs):
+        pass
+
+
+@pytest.fixture
+def events():
+    rec = recorder.add_recorder(Events())
+    yield rec
+    recorder.remove_recorder(rec)
+
+
+def test_url_and_option_validation(moto_s3):
+    with pytest.raises(ConfigError, match="s3://BUCKET"):
+        S3Storage("s3://", **moto_s3.options())
+    with pytest.raises(ConfigError, match="5 MiB"):
+        S3Storage("s3://b/x", **moto_s3.options(part_size=1 * MiB))
+    with pytest.raises(ConfigError, match="max_concurrency"):
+        S3Storage("s3://b/x", **moto_s3.options(max_concurrency=0))
+
+
+def test_s3a_urls_and_child_share_the_client(moto_s3, moto_bucket):
+    st = open_storage(f"s3a://{moto_bucket}/a", **moto_s3.options())
+    assert isinstance(st, S3Storage)
+    child = st.child("b")
+    assert child.url.endswith("/a/b") and child._client is st._client
+    child.write_file("f", [b"x"])
+    assert st.list_files() == ["b/f"]
+    st.delete_prefix()
+
+
+def test_missing_bucket_fails_at_once_naming_it(s3, events):
+    server, _ = s3
+    st = open_storage("s3://no-such-bucket-bytecp/run", **server.options())
+    t0 = time.monotonic()
+    with pytest.raises(StorageNotFoundError, match=r"s3://no-such-bucket-bytecp/run/data.bin.*'no-such-bucket-bytecp' does not exist"):
+        st.write_file("data.bin", [b"abc"])
+    assert time.monotonic() - t0 < 5
+    assert not [e for e in events.events if e[0] == "storage_retry"]
+
+
+@pytest.mark.ceph
+def test_wrong_credentials_fail_at_once_without_retries(ceph_rgw, ceph_bucket, unique_prefix, events):
+    """The real server checks signatures (moto does not): a clear permission error, no retry storm."""
+    bad_secret = "not-the-secret-0123456789abcdefghijklmn"
+    for creds in ({"key": ceph_rgw.key, "secret": bad_secret}, {"key": "AKIANOSUCHKEY0000000", "secret": bad_secret}):
+        st = open_storage(f"s3://{ceph_bucket}/{unique_prefix}", endpoint_url=ceph_rgw.endpoint_url, **creds)
+        t0 = time.monotonic()
+        with pytest.raises(StoragePermissionError) as info:
+            st.write_file("data/0-0.bin", [payload(12 * MiB)])  # multipart: fails on the first request
+        with pytest.raises(StoragePermissionError):
+            st.read_bytes("metadata.json")
+        assert time.monotonic() - t0 < 5
+        msg = str(info.value)
+        assert f"s3://{ceph_bucket}/{unique_prefix}/data/0-0.bin" in msg
+        assert "SignatureDoesNotMatch" in msg or "InvalidAccessKeyId" in msg
+        assert bad_secret not in msg and bad_secret not in repr(st)
+    assert not [e for e in events.events if e[0] == "storage_retry"]
+
+
+@pytest.mark.ceph
+def test_credentials_from_the_standard_aws_chain(ceph_rgw, ceph_bucket, unique_prefix, monkeypatch):
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", ceph_rgw.key)
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", ceph_rgw.secret)
+    monkeypatch.setenv("AWS_ENDPOINT_URL_S3", ceph_rgw.endpoint_url)
+    st = open_storage(f"s3://{ceph_bucket}/{unique_prefix}")
+    st.write_file("x", [b"from the environment"])
+    assert st.read_bytes("x") == b"from the environment"
+    assert ceph_rgw.secret not in repr(st)
+    st.delete_prefix()
+
+
+def test_multipart_parts_and_zero_copy_slices(s3, unique_prefix):
+    """Parts cut across buffer edges still give the exact bytes; part count follows part_size."""
+    server, bucket = s3
+    st = open_storage(f"s3://{bucket}/{unique_prefix}", **server.options(**SMALL_PARTS))
+    data = payload(16 * MiB + 3, 11)
+    v = memoryview(data)
+    bufs = [v[: 5 * MiB], v[5 * MiB : 7 * MiB], v[7 * MiB : 7 * MiB + 1], v[7 * MiB + 1 :]]
+    st.write_file("f.bin", bufs)
+    head = server.boto3_client().head_object(Bucket=bucket, Key=f"{unique_prefix}/f.bin")
+    assert head["ETag"].strip('"').endswith("-4")  # a multipart object's ETag ends in -<parts>
+    assert st.read_bytes("f.bin") == data
+    st.delete_prefix()
+
+
+def test_part_size_grows_to_fit_ten_thousand_parts(moto_s3):
+    st = S3Storage("s3://b/x", **moto_s3.options(part_size=5 * MiB))
+    assert st._part_size_for(10 * MiB) == 5 * MiB
+    big = 10_000 * 5 * MiB + 1
+    assert -(-big // st._part_size_for(big)) <= 10_000
+
+
+def test_delete_prefix_aborts_unfinished_uploads(s3, unique_prefix):
+    """A writer killed mid-upload leaves parts; delete_prefix removes them."""
+    server, bucket = s3
+    st = open_storage(f"s3://{bucket}/{unique_prefix}", **server.options())
+    client = server.boto3_client()
+    up = client.create_multipart_upload(Bucket=bucket, Key=f"{unique_prefix}/data/0-0.bin")
+    client.upload_part(Bucket=bucket, Key=f"{unique_prefix}/data/0-0.bin", UploadId=up["UploadId"], PartNumber=1, Body=b"x" * 1000)
+    assert st.list_incomplete_uploads() == ["data/0-0.bin"]
+    st.delete_prefix()
+    assert st.list_incomplete_uploads() == []
+
+
+def test_listing_pages_past_one_thousand_keys(moto_s3, moto_bucket, unique_prefix):
+    st = open_storage(f"s3://{moto_bucket}/{unique_prefix}", **moto_s3.options())
+    client = moto_s3.boto3_client()
+    for i in range(1005):
+        client.put_object(Bucket=moto_bucket, Key=f"{unique_prefix}/d/{i:05d}", Body=b"")
+    files = st.list_files()
+    assert len(files) == 1005 and files[0] == "d/00000"
+    st.delete_prefix()
+    assert st.list_files() == []
