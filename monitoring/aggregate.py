@@ -221,20 +221,32 @@ class Aggregator:
         self.keep = keep
         self.on_finalize = on_finalize
         self._lock = threading.Lock()
-        self._items: OrderedDict[CheckpointKey, CheckpointAggregate] = OrderedDict()
+        self._items: OrderedDict[int, CheckpointAggregate] = OrderedDict()
+        self._latest: dict[CheckpointKey, CheckpointAggregate] = {}
+        self._seq = 0
 
     def add(self, report: CheckpointReport) -> bool:
-        """Store one rank's report; False if that rank had already reported."""
+        """Store one rank's report; False if that rank had already sent it.
+
+        A rank reporting the same checkpoint again with another start time is
+        a new operation (loading one checkpoint twice): it opens a new aggregate.
+        """
         key = CheckpointKey.of(report)
         done: CheckpointAggregate | None = None
         with self._lock:
-            agg = self._items.get(key)
-            if agg is None:
-                agg = self._items[key] = CheckpointAggregate(key, max(1, report.world_size))
-                while len(self._items) > self.keep:
-                    self._items.popitem(last=False)
-            if report.rank in agg.reports:
+            agg = self._latest.get(key)
+            seen = agg.reports.get(report.rank) if agg is not None else None
+            if seen is not None and seen.started == report.started:
                 return False
+            if agg is None or seen is not None:
+                agg = CheckpointAggregate(key, max(1, report.world_size))
+                self._seq += 1
+                self._items[self._seq] = agg
+                self._latest[key] = agg
+                while len(self._items) > self.keep:
+                    _, old = self._items.popitem(last=False)
+                    if self._latest.get(old.key) is old:
+                        del self._latest[old.key]
             agg.reports[report.rank] = report
             agg.world_size = max(agg.world_size, report.world_size)
             if agg.complete and not agg.finalized:

@@ -18,9 +18,13 @@ def format_size(nbytes: float) -> str:
 
 
 def ordered_phases(agg: CheckpointAggregate) -> list[str]:
-    """Phases present, in the core's order, unknown (newer) ones after."""
-    seen = {s.phase for r in agg.reports.values() for s in r.spans}
-    return [p for p in PHASES if p in seen] + sorted(seen - set(PHASES))
+    """Phases present, in the order they first started (the core's order on ties)."""
+    first: dict[str, float] = {}
+    for r in agg.reports.values():
+        for s in r.spans:
+            first[s.phase] = min(first.get(s.phase, s.start), s.start)
+    rank = {p: i for i, p in enumerate(PHASES)}
+    return sorted(first, key=lambda p: (first[p], rank.get(p, len(PHASES)), p))
 
 
 def format_table(agg: CheckpointAggregate) -> str:

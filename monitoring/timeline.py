@@ -39,6 +39,7 @@ PHASE_COLOURS: dict[str, str] = {
 _EXTRA_COLOURS = ("#000000", "#8C564B", "#7F7F7F", "#BCBD22", "#17BECF")
 STRAGGLER_COLOUR = "#D55E00"
 _STALL_COLOUR = "#404040"
+_WAIT_COLOUR = "#8a8a8a"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -106,6 +107,8 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
         if rep is None:
             ax.text(span_end * 0.01, y, "no report", va="center", ha="left", color="#777777", fontsize=9, style="italic")
             continue
+        # the whole call as a thin line: gaps between phases are waits on other ranks
+        ax.plot([rep.started - t0, rep.ended - t0], [y, y], color=_WAIT_COLOUR, lw=1.2, zorder=1, solid_capstyle="butt")
         for s in rep.spans:
             x = s.start - t0
             w = max(s.duration, span_end * 0.002)  # keep very short phases visible
@@ -116,6 +119,7 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
                 facecolors=colours[s.phase],
                 edgecolors=STRAGGLER_COLOUR if slow else "white",
                 linewidth=2.2 if slow else (0.4 if n <= 64 else 0),
+                zorder=3 if slow else 2,
             )
         if not rep.ok:
             ax.text(rep.ended - t0, y, "  FAILED", va="center", ha="left", color=STRAGGLER_COLOUR, fontsize=9, weight="bold")
@@ -197,7 +201,10 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
             f"finished {st.lag_seconds:.2f} s after the median rank   |   {agg.url}"
         )
     fig.text(0.085, 1.0 - 0.58 / height_in, sub, fontsize=9, color=STRAGGLER_COLOUR if straggler is not None else "#333333", va="top")
-    handles = [Patch(facecolor=colours[p], label=p) for p in phases]
+    from matplotlib.lines import Line2D
+
+    handles: list[Patch | Line2D] = [Patch(facecolor=colours[p], label=p) for p in phases]
+    handles.append(Line2D([], [], color=_WAIT_COLOUR, lw=1.2, label="in the call, no phase (waiting)"))
     if straggler is not None:
         handles.append(Patch(facecolor="white", edgecolor=STRAGGLER_COLOUR, lw=2, label="straggler's slow phase"))
     ax.legend(
