@@ -6,9 +6,9 @@ import socket
 from collections.abc import Iterator
 
 import pytest
+from bytecp.monitoring.server import CollectorServer
 
 from bytecp import recorder
-from bytecp.monitoring.server import CollectorServer
 
 
 def free_port() -> int:

@@ -8,10 +8,6 @@ from collections.abc import Callable
 
 import grpc
 import pytest
-from conftest import free_port
-from monsynth import make_reports
-from prometheus_client import CollectorRegistry
-
 from bytecp.monitoring._wire import report_to_pb
 from bytecp.monitoring.aggregate import Aggregator
 from bytecp.monitoring.client import CollectorClient
@@ -19,6 +15,10 @@ from bytecp.monitoring.generated import monitor_pb2 as pb
 from bytecp.monitoring.job_metrics import JOB_METRICS, JobMetrics
 from bytecp.monitoring.push import PushRecorder
 from bytecp.monitoring.server import CollectorServer, CollectorServicer
+from conftest import free_port
+from monsynth import make_reports
+from prometheus_client import CollectorRegistry
+
 from bytecp.errors import ConfigError
 
 

@@ -11,11 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from bytecp.monitoring.client import CollectorClient
+from bytecp.monitoring.push import PushRecorder
 from conftest import free_port
 
 import bytecp
-from bytecp.monitoring.client import CollectorClient
-from bytecp.monitoring.push import PushRecorder
 from bytecp.recorder import resolve_monitor
 
 

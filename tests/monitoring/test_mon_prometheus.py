@@ -5,11 +5,11 @@ from __future__ import annotations
 import urllib.request
 
 import pytest
+from bytecp.monitoring.prometheus import PROCESS_METRICS, PrometheusRecorder, enable_prometheus
 from monsynth import make_reports
 from prometheus_client import CollectorRegistry
 
 from bytecp import recorder
-from bytecp.monitoring.prometheus import PROCESS_METRICS, PrometheusRecorder, enable_prometheus
 
 
 def _v(reg: CollectorRegistry, name: str, **labels: str) -> float | None:

@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-from monsynth import make_reports
-
 from bytecp.monitoring.aggregate import Aggregator, CheckpointAggregate, find_straggler
+from monsynth import make_reports
 
 
 def test_slow_write_is_named_not_the_ranks_that_waited_for_it() -> None:
