@@ -59,6 +59,8 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if not t.is_contiguous():
         raise ValueError("byte_view needs a contiguous tensor")
     flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a size-1 dim may keep any stride
+        flat = flat.as_strided((flat.numel(),), (1,), flat.storage_offset())
     if flat.dtype == torch.uint8:
         return flat
     if flat.numel() == 0:

@@ -269,8 +269,13 @@ class _RankOutput:
     per_rank: dict[str, fmt.ObjectRecord]
 
 
+#: below this many bytes per file, more files (and writer threads) do not pay
+FILE_TARGET_BYTES = 32 << 20
+
+
 def _split_files(staged: list[_Staged], blobs: list[tuple[str, bytes]], n: int) -> list[tuple[list[_Staged], list[tuple[str, bytes]]]]:
-    n = max(1, min(n, len(staged) + (1 if blobs else 0)))
+    total = sum(len(s.data) for s in staged)
+    n = max(1, min(n, -(-total // FILE_TARGET_BYTES), len(staged)))
     bins: list[tuple[list[_Staged], list[tuple[str, bytes]]]] = [([], []) for _ in range(n)]
     loads = [0] * n
     for s in sorted(staged, key=lambda s: -len(s.data)):
@@ -585,7 +590,7 @@ def _execute_reads(
                     f"{Region(c.offsets, c.lengths)} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})"
                 )
         except CorruptCheckpointError as e:
-            if c.fqn in str(e):
+            if f"tensor {c.fqn!r}" in str(e):
                 raise
             raise CorruptCheckpointError(f"{e} (reading tensor {c.fqn!r} region {req.box})") from e
         except FileNotFoundError as e:

@@ -1,0 +1,137 @@
+"""The ``bytecp`` command: demo, inspect, verify, ls, monitor, bench.
+
+``monitor`` and ``bench`` live outside the core and are reached through the
+subcommand registry below (imported only when used).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import BytecpError
+from .storage_api import open_storage
+
+__all__ = ["main"]
+
+# subcommand -> "module:function(argv) -> int", for commands outside the core
+_EXTERNAL = {
+    "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
+    "bench": ("benchmarks.run:main", "benchmarks against torch.distributed.checkpoint"),
+}
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"  # pragma: no cover
+
+
+def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
+    return json.loads(args.storage_options) if getattr(args, "storage_options", None) else {}
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .inspect import summarize
+
+    info = summarize(open_storage(args.url, **_storage_options(args)))
+    if args.json:
+        print(json.dumps(info, indent=2))
+        return 0
+    t = info["totals"]
+    print(f"checkpoint   {info['url']}")
+    print(f"format       v{info['format_version']} (bytecp {info['bytecp_version']}), save {info['save_id']}, {info['created']}")
+    print(f"saved by     {info['framework']}, world size {info['world_size']}, parallelism {json.dumps(info['parallelism'])}")
+    print(f"step         {info['step']}")
+    if info["user_metadata"]:
+        print(f"metadata     {json.dumps(info['user_metadata'])}")
+    print()
+    rows = [(fqn, p["dtype"], "x".join(map(str, p["shape"])) or "scalar", _human(p["nbytes"]), str(p["chunks"]))
+            for fqn, p in info["tensors"].items()]
+    head = ("tensor", "dtype", "shape", "size", "chunks")
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+    if info["objects"]:
+        print()
+        print("objects: " + ", ".join(f"{k} ({v})" for k, v in info["objects"].items()))
+    if info["per_rank_objects"]:
+        print("per-rank objects: " + ", ".join(f"{k} (ranks {v})" for k, v in info["per_rank_objects"].items()))
+    print()
+    print(f"total        {t['tensors']} tensors, {_human(t['tensor_bytes'])} in {t['chunks']} chunks, "
+          f"{t['data_files']} data files ({_human(t['data_file_bytes'])})")
+    per_rank = ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items())
+    print(f"written      {per_rank}")
+    return 0
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    from .inspect import verify
+
+    nbytes, problems = verify(open_storage(args.url, **_storage_options(args)))
+    for p in problems:
+        print(f"FAIL {p}", file=sys.stderr)
+    if problems:
+        print(f"{args.url}: {len(problems)} problem(s) found", file=sys.stderr)
+        return 1
+    print(f"{args.url}: OK, {_human(nbytes)} checked")
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    from .manager import list_checkpoints
+
+    for c in list_checkpoints(args.url, storage_options=_storage_options(args)):
+        print(f"{c.name}\tstep={c.step}\t{c.created}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .demo import run_demo
+
+    return run_demo(args.out, world_size=args.world_size)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _EXTERNAL:
+        module, _, fn = _EXTERNAL[argv[0]][0].partition(":")
+        return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
+
+    p = argparse.ArgumentParser(prog="bytecp", description="Checkpoints for distributed PyTorch training.")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def url_cmd(name: str, help: str) -> argparse.ArgumentParser:
+        sp = sub.add_parser(name, help=help)
+        sp.add_argument("url", help="checkpoint URL (path, s3://, hdfs://, memory://, any fsspec URL)")
+        sp.add_argument("--storage-options", help="JSON dict of backend options (endpoint_url=...)")
+        return sp
+
+    sp = url_cmd("inspect", "tensors, shapes, dtypes, sizes, chunks, framework and world size")
+    sp.add_argument("--json", action="store_true", help="machine-readable output")
+    sp.set_defaults(fn=cmd_inspect)
+    url_cmd("verify", "read every chunk and check its crc32c").set_defaults(fn=cmd_verify)
+    url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
+    sp = sub.add_parser("demo", help="train a small model, checkpoint, reload and verify")
+    sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints")
+    sp.add_argument("--world-size", type=int, default=2, help="processes for the distributed part (0: skip)")
+    sp.set_defaults(fn=cmd_demo)
+    for name, (_, help) in _EXTERNAL.items():
+        sub.add_parser(name, help=help, add_help=False)
+
+    args = p.parse_args(argv)
+    try:
+        return int(args.fn(args))
+    except BytecpError as e:
+        print(f"bytecp {args.cmd}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,212 @@
+"""Bad input and safety: typed errors that name what is at fault; nothing is lost."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.cli import main as cli
+
+from .helpers import same_bits
+
+
+def small_state(seed: int = 0) -> dict:
+    torch.manual_seed(seed)
+    return {"model": nn.Linear(4, 3), "extra": {"step": seed}}
+
+
+def data_files(ck: Path) -> list[Path]:
+    return sorted((ck / "data").rglob("*.bin"))
+
+
+def test_no_checkpoint_and_interrupted_save(tmp_path: Path) -> None:
+    with pytest.raises(bytecp.CheckpointNotFoundError, match="no checkpoint at"):
+        bytecp.load(str(tmp_path / "nothing"), small_state())
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), small_state())
+    (ck / "metadata.json").unlink()
+    with pytest.raises(bytecp.IncompleteCheckpointError, match="interrupted or failed save"):
+        bytecp.load(str(ck), small_state())
+    with pytest.raises(bytecp.IncompleteCheckpointError):
+        bytecp.load_state_dict(str(ck))
+
+
+def test_corrupted_data_fails_load_and_verify_naming_file_tensor_region(tmp_path: Path, capsys) -> None:
+    ck = tmp_path / "ck"
+    state = {"w": torch.arange(2000, dtype=torch.float32).reshape(40, 50)}
+    bytecp.save(str(ck), state)
+    (f,) = data_files(ck)
+    raw = bytearray(f.read_bytes())
+    raw[100] ^= 0xFF
+    f.write_bytes(bytes(raw))
+    target = {"w": torch.zeros(40, 50)}
+    with pytest.raises(bytecp.CorruptCheckpointError) as ei:
+        bytecp.load(str(ck), target)
+    msg = str(ei.value)
+    assert f.name in msg and "'w'" in msg and "[0:40, 0:50]" in msg and "checksum" in msg
+    # verify names the same; exit code non-zero
+    assert cli(["verify", str(ck)]) == 1
+    err = capsys.readouterr().err
+    assert f.name in err and "w" in err and "[0:40, 0:50]" in err and "crc32c mismatch" in err
+    # checksums can be turned off for speed
+    bytecp.load(str(ck), target, verify=False)
+
+
+def test_truncated_data_file(tmp_path: Path, capsys) -> None:
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), {"w": torch.randn(3000)})
+    (f,) = data_files(ck)
+    f.write_bytes(f.read_bytes()[:5000])
+    with pytest.raises(bytecp.CorruptCheckpointError) as ei:
+        bytecp.load(str(ck), {"w": torch.zeros(3000)})
+    assert "truncated" in str(ei.value) and f.name in str(ei.value) and "'w'" in str(ei.value)
+    assert cli(["verify", str(ck)]) == 1
+    assert "truncated" in capsys.readouterr().err
+
+
+def test_missing_data_file_named(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), {"w": torch.randn(30)})
+    (f,) = data_files(ck)
+    f.unlink()
+    with pytest.raises(bytecp.CorruptCheckpointError, match=f"{f.name}.*missing|missing.*{f.name}"):
+        bytecp.load(str(ck), {"w": torch.zeros(30)})
+
+
+def test_shape_and_dtype_mismatch(tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    bytecp.save(ck, {"model": nn.Linear(4, 3)})
+    with pytest.raises(bytecp.StateMismatchError) as ei:
+        bytecp.load(ck, {"model": nn.Linear(5, 3)})
+    assert "model.weight" in str(ei.value) and "[3, 4]" in str(ei.value) and "[3, 5]" in str(ei.value)
+    with pytest.raises(bytecp.StateMismatchError, match="float64"):
+        bytecp.load(ck, {"model": nn.Linear(4, 3).double()})
+
+
+def test_missing_and_unexpected_keys(tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    bytecp.save(ck, {"model": nn.Linear(4, 3), "extra": {"a": 1}})
+    other = nn.Sequential(nn.Linear(4, 3))
+    with pytest.raises(bytecp.StateMismatchError) as ei:
+        bytecp.load(ck, {"model": other, "extra": {"a": 0, "b": 2}})
+    msg = str(ei.value)
+    assert "'model.0.weight'" in msg and "'extra.b'" in msg  # missing
+    assert "'model.weight'" in msg and "'model.bias'" in msg  # unexpected
+    extra = {"a": 0, "b": 2}
+    res = bytecp.load(ck, {"model": other, "extra": extra}, strict=False)
+    assert set(res.missing_keys) == {"model.0.weight", "model.0.bias", "extra.b"}
+    assert set(res.unexpected_keys) == {"model.weight", "model.bias"}
+    assert extra == {"a": 1, "b": 2}
+
+
+def test_overwrite_refused_then_allowed_and_failed_overwrite_keeps_old(tmp_path: Path, monkeypatch) -> None:
+    ck = tmp_path / "ck"
+    first = small_state(1)
+    bytecp.save(str(ck), first)
+    with pytest.raises(bytecp.CheckpointExistsError, match="overwrite=True"):
+        bytecp.save(str(ck), small_state(2))
+    # a save that fails half-way (after writing data) leaves the old checkpoint intact
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "commit:0")
+    with pytest.raises(RuntimeError, match="injected failure"):
+        bytecp.save(str(ck), small_state(3), overwrite=True)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    sd = bytecp.load_state_dict(str(ck))
+    assert same_bits(sd["model"]["weight"], first["model"].weight.detach()) and sd["extra"]["step"] == 1
+    assert cli(["verify", str(ck)]) == 0
+    # the failed save's files were removed; only the committed save's remain
+    saves = {p.name for p in (ck / "data").iterdir()}
+    assert len(saves) == 1
+    # a successful overwrite replaces it and removes the old files
+    second = small_state(4)
+    bytecp.save(str(ck), second, overwrite=True)
+    sd = bytecp.load_state_dict(str(ck))
+    assert same_bits(sd["model"]["weight"], second["model"].weight.detach()) and sd["extra"]["step"] == 4
+    assert len(list((ck / "data").iterdir())) == 1 and {p.name for p in (ck / "data").iterdir()} != saves
+
+
+def test_other_checkpoints_untouched_by_failed_save(tmp_path: Path, monkeypatch) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    bytecp.save(str(a), small_state(1))
+    before = {p: p.read_bytes() for p in a.rglob("*") if p.is_file()}
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
+    with pytest.raises(RuntimeError):
+        bytecp.save(str(b), small_state(2))
+    assert not (b / "metadata.json").exists()
+    assert {p: p.read_bytes() for p in a.rglob("*") if p.is_file()} == before
+
+
+class _Evil:
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self):  # runs on unpickling
+        return (os.system, (f"touch {self.path}",))
+
+
+def test_pickle_payload_does_not_run_without_allow_pickle(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    ck = str(tmp_path / "ck")
+    with pytest.raises(bytecp.ConfigError, match="allow_pickle=True"):
+        bytecp.save(ck, {"x": _Evil(str(marker))})
+    bytecp.save(ck, {"x": _Evil(str(marker))}, allow_pickle=True)
+    assert not marker.exists()
+    with pytest.raises(bytecp.PickleNotAllowedError, match="'x'"):
+        bytecp.load_state_dict(ck)
+    with pytest.raises(bytecp.PickleNotAllowedError):
+        bytecp.load(ck, {"x": None})
+    assert not marker.exists()
+    # a crafted checkpoint that claims the blob is safe is still loaded safely
+    md_path = Path(ck) / "metadata.json"
+    md = json.loads(md_path.read_text())
+    md["objects"]["x"]["pickle"] = False
+    md_path.write_text(json.dumps(md))
+    with pytest.raises(bytecp.PickleNotAllowedError):
+        bytecp.load_state_dict(ck)
+    assert not marker.exists()
+    # inspect and verify never unpickle either
+    assert cli(["inspect", ck]) == 0 and cli(["verify", ck]) == 0
+    assert not marker.exists()
+    # with explicit consent it runs (proving the payload was live)
+    md["objects"]["x"]["pickle"] = True
+    md_path.write_text(json.dumps(md))
+    bytecp.load_state_dict(ck, allow_pickle=True)
+    assert marker.exists()
+
+
+def test_unknown_future_format_version(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), small_state())
+    md = json.loads((ck / "metadata.json").read_text())
+    md["format_version"] = 99
+    (ck / "metadata.json").write_text(json.dumps(md))
+    with pytest.raises(bytecp.FormatVersionError) as ei:
+        bytecp.load(str(ck), small_state())
+    assert "99" in str(ei.value) and "1..1" in str(ei.value)
+
+
+def test_not_a_dict_and_bad_settings(tmp_path: Path) -> None:
+    with pytest.raises(bytecp.ConfigError, match="state must be a dict"):
+        bytecp.save(str(tmp_path / "x"), nn.Linear(2, 2))  # type: ignore[arg-type]
+    with pytest.raises(bytecp.ConfigError, match="io_threads"):
+        bytecp.save(str(tmp_path / "x"), {}, io_threads=0)
+
+
+def test_cli_inspect_json_and_console_script(tmp_path: Path) -> None:
+    ck = str(tmp_path / "ck")
+    bytecp.save(ck, {"model": nn.Linear(4, 3)}, step=7, metadata={"run": "r1"})
+    out = subprocess.run(
+        [sys.executable, "-m", "bytecp.cli", "inspect", ck, "--json"], capture_output=True, text=True, check=True
+    )
+    info = json.loads(out.stdout)
+    assert info["step"] == 7 and info["framework"] == "plain" and info["world_size"] == 1
+    assert info["tensors"]["model.weight"] == {"dtype": "float32", "shape": [3, 4], "nbytes": 48, "chunks": 1}
+    assert info["user_metadata"] == {"run": "r1"}
+    assert info["totals"]["tensor_bytes"] == 60
