@@ -101,7 +101,7 @@ def _single_process(out: str) -> str:
     more_b = train_steps(model2, opt2, 5, 3)
     if more_a != more_b:
         raise SystemExit(f"demo: resumed losses differ: {more_a} vs {more_b}")
-    _say(f"reloaded bitwise, resumed at step {extra['step']}: losses {['%.4f' % v for v in more_b]} match")
+    _say(f"reloaded bitwise, resumed at step {extra['step']}: losses {[round(v, 4) for v in more_b]} match")
     sd = load_state_dict(url)
     _say(f"load_state_dict: {len(sd['model'])} model tensors, optimizer state for {len(sd['optimizer']['state'])} params")
     if cli(["inspect", url]) != 0 or cli(["verify", url]) != 0:

@@ -19,6 +19,8 @@ from collections.abc import Iterator
 import pytest
 import s3_servers
 
+from bytecp import recorder
+
 
 def _ceph_required() -> bool:
     flag = os.environ.get("BYTECP_REQUIRE_CEPH")
@@ -63,6 +65,40 @@ def ceph_bucket(ceph_rgw: s3_servers.S3Server) -> str:
 @pytest.fixture(scope="session")
 def moto_bucket(moto_s3: s3_servers.S3Server) -> str:
     return moto_s3.new_bucket()
+
+
+@pytest.fixture(params=["moto", pytest.param("ceph", marks=pytest.mark.ceph)])
+def s3(request: pytest.FixtureRequest) -> tuple[s3_servers.S3Server, str]:
+    """(server, bucket) for tests that run against both S3 servers."""
+    if request.param == "moto":
+        return request.getfixturevalue("moto_s3"), request.getfixturevalue("moto_bucket")
+    return request.getfixturevalue("ceph_rgw"), request.getfixturevalue("ceph_bucket")
+
+
+class Events:
+    """A recorder that keeps the events it is sent (storage retries, ...)."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[str, float, dict[str, str]]] = []
+
+    def on_report(self, report: object) -> None:
+        pass
+
+    def on_start(self, *args: object, **kwargs: object) -> None:
+        pass
+
+    def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
+        self.events.append((name, value, dict(labels)))
+
+    def count(self, name: str) -> float:
+        return sum(v for n, v, _ in self.events if n == name)
+
+
+@pytest.fixture
+def events() -> Iterator[Events]:
+    rec = recorder.add_recorder(Events())
+    yield rec
+    recorder.remove_recorder(rec)
 
 
 @pytest.fixture

@@ -8,7 +8,6 @@ import pytest
 from bytecp.storage.s3 import S3Storage
 from storage_contract import MiB, StorageContract, StorageFixtures, payload
 
-from bytecp import recorder
 from bytecp.errors import ConfigError, StorageNotFoundError, StoragePermissionError
 from bytecp.storage_api import open_storage
 
@@ -44,37 +43,6 @@ class TestS3Moto(S3Fixtures, StorageContract):
 class TestS3Ceph(S3Fixtures, StorageContract):
     server_fixture = "ceph_rgw"
     bucket_fixture = "ceph_bucket"
-
-
-@pytest.fixture(params=["moto", pytest.param("ceph", marks=pytest.mark.ceph)])
-def s3(request):
-    """(server, bucket) for tests that run against both servers."""
-    if request.param == "moto":
-        return request.getfixturevalue("moto_s3"), request.getfixturevalue("moto_bucket")
-    return request.getfixturevalue("ceph_rgw"), request.getfixturevalue("ceph_bucket")
-
-
-class Events:
-    """A recorder that keeps the events it is sent."""
-
-    def __init__(self):
-        self.events = []
-
-    def on_report(self, report):
-        pass
-
-    def on_event(self, name, value, labels):
-        self.events.append((name, value, dict(labels)))
-
-    def on_start(self, *args, **kwargs):
-        pass
-
-
-@pytest.fixture
-def events():
-    rec = recorder.add_recorder(Events())
-    yield rec
-    recorder.remove_recorder(rec)
 
 
 def test_url_and_option_validation(moto_s3):
