@@ -231,6 +231,8 @@ class JobMetrics:
             ("reason",),
             registry=registry,
         )
+        for reason in ("unauthenticated", "duplicate"):
+            self._rejected.labels(reason)  # exported at 0 from the start
         self._last = _LastCheckpointCollector()
         registry.register(self._last)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from bytecp.monitoring.client import CollectorClient
 from bytecp.monitoring.push import PushRecorder
-from conftest import free_port
+from monsynth import free_port
 
 import bytecp
 from bytecp.recorder import resolve_monitor
