@@ -1,0 +1,317 @@
+"""Write the golden checkpoints of the current format version (run once per version).
+
+    python tests/golden/make_golden.py                # every case not yet written
+    python tests/golden/make_golden.py --only dtypes  # one case
+
+Each case is a directory ``tests/golden/v<N>/<case>/`` holding
+
+- ``checkpoint/``: a checkpoint exactly as ``bytecp.save`` wrote it;
+- ``expected.json``: what loading it must give, written without bytecp
+  (tensors as dtype name, shape and the hex of their little-endian row-major
+  bytes), the fields ``bytecp inspect --json`` must report, and the sha256 of
+  every checkpoint file (so a regenerated golden file is noticed).
+
+Golden files of a released format version are never regenerated: this script
+refuses to touch a case directory that exists. A new format version gets a
+new ``v<N>/`` directory next to the old ones, which keep loading.
+"""
+
+from __future__ import annotations
+
+import argparse
+import fractions
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.dtypes import SUPPORTED_DTYPES
+from bytecp.format import FORMAT_VERSION
+from bytecp.regions import Region
+from bytecp.state import Shard, TensorLeaf
+
+HERE = Path(__file__).resolve().parent
+
+
+# ----------------------------------------------------------------- encoding
+def tensor_bytes(t: torch.Tensor) -> bytes:
+    """The logical bytes of a tensor: little-endian, row-major, no padding."""
+    t = t.detach().cpu().contiguous()
+    if t.numel() == 0:
+        return b""
+    return bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def encode(v: Any) -> Any:
+    """A JSON form of a state tree that keeps every type (read by test_golden.decode)."""
+    if isinstance(v, torch.Tensor):
+        return {
+            "__tensor__": {
+                "dtype": dtype_name(v.dtype),
+                "shape": list(v.shape),
+                "hex": tensor_bytes(v).hex(),
+            }
+        }
+    if type(v) is dict:
+        return {"__dict__": [[k, encode(x)] for k, x in v.items()]}
+    if type(v) is tuple:
+        return {"__tuple__": [encode(x) for x in v]}
+    if type(v) is list:
+        return [encode(x) for x in v]
+    if type(v) is fractions.Fraction:
+        return {"__fraction__": [v.numerator, v.denominator]}
+    if type(v) is float and not math.isfinite(v):
+        return {"__float__": repr(v)}
+    if v is None or type(v) in (bool, int, float, str):
+        return v
+    raise TypeError(f"cannot encode {type(v).__name__} for expected.json")
+
+
+def pattern(shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
+    """A fixed bit pattern of any dtype (NaN and other special encodings included)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    n = math.prod(shape)
+    raw = (
+        torch.arange(n * size, dtype=torch.int64)
+        .mul(73)
+        .add(41 + salt)
+        .remainder(256)
+        .to(torch.uint8)
+    )
+    if dtype == torch.bool:
+        return (raw[:n] % 3 == 0).reshape(shape)
+    return raw.view(dtype).reshape(shape)
+
+
+# ----------------------------------------------------------------- cases
+def case_plain(url: str) -> tuple[Any, dict[str, Any]]:
+    """A model, its AdamW optimizer after one step, and extra values."""
+    torch.manual_seed(1234)
+    np.random.seed(1234)
+    random.seed(1234)
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.9, 0.99), weight_decay=0.1)
+    x = torch.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    model(x).square().mean().backward()
+    opt.step()
+    torch.manual_seed(99)  # the RNG states saved below
+    np.random.seed(99)
+    random.seed(99)
+    extra = {
+        "step": 7,
+        "epoch": 1.5,
+        "name": "golden",
+        "flags": [True, False, None],
+        "nested": {"a": [1, 2.5, "x"], "empty": {}, "none": []},
+        "pair": (3, "b", 0.25),
+        "by_id": {1: "one", 2: "two"},
+        "inf": float("inf"),  # not JSON: stored as a safe torch.save blob
+        "counts": torch.arange(5, dtype=torch.int32),
+        "rng": bytecp.RNGState(),
+    }
+    state = {"model": model, "optimizer": opt, "extra": extra}
+    rng_now = bytecp.RNGState().state_dict()
+    bytecp.save(url, state, step=7, metadata={"run": "golden", "format": FORMAT_VERSION})
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd = opt.state_dict()
+    groups = []
+    for g in osd["param_groups"]:
+        g2 = {k: v for k, v in g.items() if k != "params"}
+        g2["params"] = [names[id(params[i])] for i in g["params"]]
+        groups.append(g2)
+    expected = {
+        "model": dict(model.state_dict()),
+        "optimizer": {
+            "state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
+            "param_groups": groups,
+        },
+        "extra": {**{k: v for k, v in extra.items() if k != "rng"}, "rng": rng_now},
+    }
+    return expected, {
+        "framework": "plain",
+        "world_size": 1,
+        "step": 7,
+        "user_metadata": {"run": "golden", "format": FORMAT_VERSION},
+    }
+
+
+def case_dtypes(url: str) -> tuple[Any, dict[str, Any]]:
+    """One tensor of every supported dtype, a 0-dim and empty tensors, and views."""
+    state: dict[str, Any] = {
+        name: pattern((2, 3), dt, i) for i, (name, dt) in enumerate(SUPPORTED_DTYPES.items())
+    }
+    state["scalar_float64"] = torch.tensor(-0.0, dtype=torch.float64)
+    state["scalar_bfloat16"] = pattern((), torch.bfloat16, 5)
+    state["scalar_bool"] = torch.tensor(True)
+    state["empty_float32"] = torch.empty(0, 3, dtype=torch.float32)
+    state["empty_int8"] = torch.empty(4, 0, 2, dtype=torch.int8)
+    base = pattern((3, 4), torch.float32, 7)
+    state["transposed_float32"] = base.t()  # non-contiguous view
+    state["strided_int16"] = pattern((20,), torch.int16, 3)[::3]
+    state["narrow_complex64"] = pattern((3, 4), torch.complex64, 9)[1:, 1:3]
+    for k in ("transposed_float32", "strided_int16", "narrow_complex64"):
+        assert not state[k].is_contiguous(), k
+    bytecp.save(url, state, step=0)
+    expected = {k: v.clone() for k, v in state.items()}
+    return expected, {"framework": "plain", "world_size": 1, "step": 0, "user_metadata": {}}
+
+
+def _flat_leaf(t: torch.Tensor, cuts: list[int]) -> TensorLeaf:
+    """``t`` held as the flat ranges between ``cuts``, as FSDP1/ZeRO shards are."""
+    flat = t.reshape(-1)
+    bounds = [0, *cuts, flat.numel()]
+    shards: list[Shard] = []
+    for a, b in zip(bounds, bounds[1:], strict=False):
+        shards += TensorLeaf.from_flat(tuple(t.shape), t.dtype, a, flat[a:b]).shards
+    return TensorLeaf(tuple(t.shape), t.dtype, shards)
+
+
+def case_irregular(url: str) -> tuple[Any, dict[str, Any]]:
+    """Tensors stored as several boxes: flat ranges cut into row-major boxes, and a 2-d grid."""
+    a = pattern((3, 4, 5), torch.float32, 11)
+    b = pattern((4, 6), torch.int64, 13)
+    grid = [Shard(Region((r, c), (2, 3)), b[r : r + 2, c : c + 3]) for r in (0, 2) for c in (0, 3)]
+    state = {
+        "flat": _flat_leaf(a, [7, 53]),  # boxes: 1x1x5+1x1x2 | 1x2x5+1x4x5+... | ...
+        "grid": TensorLeaf((4, 6), torch.int64, grid),
+        "bf16": _flat_leaf(pattern((5, 3), torch.bfloat16, 17), [4, 11]),
+    }
+    bytecp.save(url, state, step=3)
+    expected = {"flat": a.clone(), "grid": b.clone(), "bf16": pattern((5, 3), torch.bfloat16, 17)}
+    return expected, {"framework": "plain", "world_size": 1, "step": 3, "user_metadata": {}}
+
+
+def case_pickle(url: str) -> tuple[Any, dict[str, Any]]:
+    """A value only a full unpickling restores (saved with allow_pickle=True)."""
+    state = {
+        "frac": fractions.Fraction(1, 3),
+        "w": pattern((2, 2), torch.float16, 19),
+        "note": "needs allow_pickle",
+    }
+    bytecp.save(url, state, step=1, allow_pickle=True)
+    return dict(state), {"framework": "plain", "world_size": 1, "step": 1, "user_metadata": {}}
+
+
+#: keyword arguments loading each case needs
+LOAD_OPTIONS: dict[str, dict[str, Any]] = {"pickle": {"allow_pickle": True}}
+
+CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
+    "plain": case_plain,
+    "dtypes": case_dtypes,
+    "irregular": case_irregular,
+    "pickle": case_pickle,
+}
+
+
+# ----------------------------------------------------------------- writing
+def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
+    """What ``bytecp inspect --json`` must report, computed from the files themselves."""
+    import pyarrow.parquet as pq
+
+    md = json.loads((ckpt / "metadata.json").read_bytes())
+    chunks: dict[str, int] = {}
+    n_chunks = 0
+    for f in md["index_files"]:
+        for fqn in pq.read_table(ckpt / f).column("fqn").to_pylist():
+            chunks[fqn] = chunks.get(fqn, 0) + 1
+            n_chunks += 1
+    tensors = {}
+    for fqn, info in md["tensors"].items():
+        size = torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()
+        tensors[fqn] = {
+            "dtype": info["dtype"],
+            "shape": info["shape"],
+            "nbytes": math.prod(info["shape"]) * size,
+            "chunks": chunks.get(fqn, 0),
+        }
+    return {
+        "format_version": FORMAT_VERSION,
+        **fields,
+        "save_id": md["save_id"],
+        "tensors": tensors,
+        "totals": {
+            "tensors": len(tensors),
+            "tensor_bytes": sum(t["nbytes"] for t in tensors.values()),
+            "chunks": n_chunks,
+            "data_files": len(md["data_files"]),
+            "data_file_bytes": sum(md["data_files"].values()),
+        },
+    }
+
+
+def write_case(root: Path, name: str) -> None:
+    case_dir = root / name
+    if case_dir.exists():
+        print(f"{case_dir} exists; golden files are never regenerated (skipped)")
+        return
+    tmp = root / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    cwd = os.getcwd()
+    os.chdir(tmp)  # a relative URL keeps machine paths out of the stored reports
+    try:
+        expected, fields = CASES[name]("checkpoint")
+    finally:
+        os.chdir(cwd)
+    ckpt = tmp / "checkpoint"
+    # the expected values must be what bytecp reads back (checked once, here)
+    got = bytecp.load_state_dict(str(ckpt), **LOAD_OPTIONS.get(name, {}))
+    if json.dumps(encode(got), sort_keys=True) != json.dumps(encode(expected), sort_keys=True):
+        raise SystemExit(
+            f"{name}: load_state_dict does not give back what was saved; not writing it"
+        )
+    files = {
+        p.relative_to(ckpt).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(ckpt.rglob("*"))
+        if p.is_file()
+    }
+    doc = {
+        "case": name,
+        "description": (CASES[name].__doc__ or "").strip(),
+        "format_version": FORMAT_VERSION,
+        "written_by": {"bytecp": bytecp.__version__, "torch": torch.__version__},
+        "load_options": LOAD_OPTIONS.get(name, {}),
+        "inspect": inspect_fields(ckpt, fields),
+        "files": files,
+        "state": encode(expected),
+    }
+    (tmp / "expected.json").write_text(json.dumps(doc, indent=1) + "\n")
+    tmp.rename(case_dir)
+    print(
+        f"wrote {case_dir} ({sum(p.stat().st_size for p in case_dir.rglob('*') if p.is_file())} bytes)"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--only", choices=sorted(CASES), action="append", help="write only this case")
+    p.add_argument(
+        "--root", type=Path, default=HERE / f"v{FORMAT_VERSION}", help="version directory"
+    )
+    args = p.parse_args(argv)
+    os.environ.setdefault("BYTECP_JOB", "golden")
+    args.root.mkdir(parents=True, exist_ok=True)
+    for name in args.only or list(CASES):
+        write_case(args.root, name)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

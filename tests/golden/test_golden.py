@@ -1,0 +1,393 @@
+"""Golden checkpoints of every released format version keep loading, bitwise.
+
+Each ``v<N>/<case>/`` holds a checkpoint written by the bytecp of that format
+version and an ``expected.json`` written without bytecp (see make_golden.py).
+The tests load every case with ``bytecp.load_state_dict`` and ``bytecp.load``,
+run ``bytecp verify`` and ``bytecp inspect --json`` on it, and read it a
+second time with the small reader below, which follows docs/FORMAT.md using
+only json, pyarrow, crc32c, numpy and torch -- so the spec alone is enough to
+read a checkpoint. The golden files are only ever read (a checksum test
+notices any change); anything that must be altered is copied first.
+"""
+
+from __future__ import annotations
+
+import fractions
+import hashlib
+import io
+import json
+import math
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.cli import main as cli
+
+HERE = Path(__file__).resolve().parent
+CASES = sorted(p.parent for p in HERE.glob("v*/*/expected.json"))
+IDS = [c.relative_to(HERE).as_posix() for c in CASES]
+ALIGNMENT = 4096
+
+
+def cases_where(pred: Any) -> Any:
+    """``parametrize`` over the cases for which ``pred(case)`` holds."""
+    chosen = [c for c in CASES if pred(c)]
+    return pytest.mark.parametrize(
+        "case", chosen, ids=[c.relative_to(HERE).as_posix() for c in chosen]
+    )
+
+
+def expected(case: Path) -> dict[str, Any]:
+    return json.loads((case / "expected.json").read_text())
+
+
+def ckpt(case: Path) -> str:
+    return str(case / "checkpoint")
+
+
+def needs_dtypes(case: Path) -> None:
+    """A golden file needing a dtype this torch lacks is a real gap, said out loud."""
+    md = json.loads((case / "checkpoint" / "metadata.json").read_text())
+    names = {info["dtype"] for info in md["tensors"].values()}
+    lacking = sorted(n for n in names if not isinstance(getattr(torch, n, None), torch.dtype))
+    if lacking:
+        pytest.xfail(f"torch {torch.__version__} lacks dtypes {lacking}")
+
+
+# ----------------------------------------------------------------- expected values
+def make_tensor(d: dict[str, Any]) -> torch.Tensor:
+    dtype = getattr(torch, d["dtype"])
+    raw = bytes.fromhex(d["hex"])
+    if not raw:
+        return torch.empty(d["shape"], dtype=dtype)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(d["shape"])
+
+
+def decode(v: Any) -> Any:
+    """The inverse of make_golden.encode."""
+    if isinstance(v, list):
+        return [decode(x) for x in v]
+    if isinstance(v, dict):
+        ((tag, body),) = v.items()
+        if tag == "__tensor__":
+            return make_tensor(body)
+        if tag == "__dict__":
+            return {k: decode(x) for k, x in body}
+        if tag == "__tuple__":
+            return tuple(decode(x) for x in body)
+        if tag == "__float__":
+            return float(body)
+        if tag == "__fraction__":
+            return fractions.Fraction(*body)
+        raise AssertionError(f"unknown tag {tag!r} in expected.json")
+    return v
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    t = t.detach().cpu().contiguous()
+    return b"" if t.numel() == 0 else t.reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+def assert_same(got: Any, want: Any, where: str = "state") -> None:
+    """Exact equality: types, dict keys, tensor dtype, shape and bits."""
+    assert type(got) is type(want) or (
+        isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
+    ), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), (
+            f"{where}: {got.dtype} {tuple(got.shape)} != {want.dtype} {tuple(want.shape)}"
+        )
+        assert raw_bytes(got) == raw_bytes(want), f"{where}: bits differ"
+    elif isinstance(want, dict):
+        assert list(got) == list(want) or set(got) == set(want), (
+            f"{where}: keys {list(got)} != {list(want)}"
+        )
+        for k in want:
+            assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
+        for i, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert_same(a, b, f"{where}.{i}")
+    elif isinstance(want, float) and math.isnan(want):
+        assert math.isnan(got), where
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+@pytest.fixture
+def keep_rng():
+    """Loading an RNGState sets this process's generators; put them back."""
+    states = torch.get_rng_state(), np.random.get_state(), random.getstate()
+    yield
+    torch.set_rng_state(states[0])
+    np.random.set_state(states[1])
+    random.setstate(states[2])
+
+
+# ----------------------------------------------------------------- the goldens exist
+def test_golden_cases_present() -> None:
+    assert {"v1/plain", "v1/dtypes", "v1/irregular", "v1/pickle"} <= set(IDS)
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_golden_files_unchanged(case: Path) -> None:
+    """Golden files are never rewritten: every file matches its recorded sha256."""
+    root = case / "checkpoint"
+    got = {
+        p.relative_to(root).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+    assert got == expected(case)["files"]
+
+
+# ----------------------------------------------------------------- bytecp reads them
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_load_state_dict_bitwise(case: Path) -> None:
+    needs_dtypes(case)
+    exp = expected(case)
+    sd = bytecp.load_state_dict(ckpt(case), **exp["load_options"])
+    assert_same(sd, decode(exp["state"]))
+
+
+def _blank(v: Any) -> Any:
+    """A load target shaped like ``v``: tensors filled with 0xA5 bytes, values None."""
+    if isinstance(v, torch.Tensor):
+        t = torch.empty(v.shape, dtype=v.dtype)
+        if t.numel():
+            t.reshape(-1).view(torch.uint8).fill_(0xA5)
+        return t
+    if type(v) is dict:
+        return {k: _blank(x) for k, x in v.items()}
+    return None
+
+
+@cases_where(lambda c: c.name != "plain")
+def test_load_in_place_bitwise(case: Path) -> None:
+    needs_dtypes(case)
+    exp = expected(case)
+    want = decode(exp["state"])
+    target = _blank(want)
+    tensors = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
+    res = bytecp.load(ckpt(case), target, **exp["load_options"])
+    assert res.missing_keys == [] and res.unexpected_keys == []
+    for k, t in tensors.items():
+        assert target[k] is t, f"{k}: not filled in place"
+    assert_same(target, want)
+
+
+@cases_where(lambda c: c.name == "plain")
+def test_load_model_optimizer_rng_in_place(case: Path, keep_rng: None) -> None:
+    want = decode(expected(case)["state"])
+    model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    extra: dict[str, Any] = {k: None for k in want["extra"]}
+    extra["counts"] = torch.zeros(5, dtype=torch.int32)
+    extra["rng"] = bytecp.RNGState()
+    torch.manual_seed(0)
+    bytecp.load(ckpt(case), {"model": model, "optimizer": opt, "extra": extra})
+
+    assert_same(dict(model.state_dict()), want["model"], "model")
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd = opt.state_dict()
+    assert_same(
+        {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
+        want["optimizer"]["state"],
+    )
+    for got, saved in zip(osd["param_groups"], want["optimizer"]["param_groups"], strict=True):
+        assert [names[id(params[i])] for i in got["params"]] == saved["params"]
+        for k, v in saved.items():
+            if k != "params":
+                assert_same(got[k], v, f"param_groups.{k}")
+    assert_same(
+        {k: v for k, v in extra.items() if k != "rng"},
+        {k: v for k, v in want["extra"].items() if k != "rng"},
+        "extra",
+    )
+    rng = want["extra"]["rng"]
+    assert raw_bytes(torch.get_rng_state()) == raw_bytes(rng["torch"])
+    np_state = np.random.get_state()
+    assert np_state[0] == rng["numpy"]["kind"] and np_state[2] == rng["numpy"]["pos"]
+    assert np.array_equal(
+        np.asarray(np_state[1], dtype=np.uint32).view(np.int32), rng["numpy"]["keys"].numpy()
+    )
+    assert list(random.getstate()[1]) == rng["python"][1]
+
+
+@cases_where(lambda c: expected(c)["load_options"].get("allow_pickle"))
+def test_pickle_blob_needs_allow_pickle(case: Path) -> None:
+    with pytest.raises(bytecp.PickleNotAllowedError):
+        bytecp.load_state_dict(ckpt(case))
+
+
+# ----------------------------------------------------------------- CLI
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_verify(case: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    needs_dtypes(case)
+    assert cli(["verify", ckpt(case)]) == 0
+    assert "OK" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_inspect_json(case: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    needs_dtypes(case)
+    assert cli(["inspect", "--json", ckpt(case)]) == 0
+    info = json.loads(capsys.readouterr().out)
+    want = expected(case)["inspect"]
+    for key, value in want.items():
+        if key == "totals":
+            for k, v in value.items():
+                assert info["totals"][k] == v, f"totals.{k}"
+        else:
+            assert info[key] == value, key
+    assert set(info["totals"]["bytes_written_per_rank"]) <= {
+        str(r) for r in range(want["world_size"])
+    }
+
+
+# ----------------------------------------------------------------- versioning
+def test_newer_format_version_is_refused(tmp_path: Path) -> None:
+    src = HERE / "v1" / "dtypes" / "checkpoint"
+    dst = tmp_path / "ck"
+    shutil.copytree(src, dst)
+    md = json.loads((dst / "metadata.json").read_text())
+    md["format_version"] = 2
+    (dst / "metadata.json").write_text(json.dumps(md))
+    with pytest.raises(bytecp.FormatVersionError) as e:
+        bytecp.load_state_dict(str(dst))
+    assert "2" in str(e.value) and "1" in str(e.value)
+
+
+def test_directory_without_metadata_is_not_a_checkpoint(tmp_path: Path) -> None:
+    dst = tmp_path / "ck"
+    shutil.copytree(HERE / "v1" / "dtypes" / "checkpoint", dst)
+    (dst / "metadata.json").unlink()
+    with pytest.raises(bytecp.IncompleteCheckpointError):
+        bytecp.load_state_dict(str(dst))
+
+
+# ----------------------------------------------------------------- a reader from the spec alone
+INDEX_TYPES = {
+    "fqn": pa.string(),
+    "dtype": pa.string(),
+    "global_shape": pa.list_(pa.int64()),
+    "offsets": pa.list_(pa.int64()),
+    "lengths": pa.list_(pa.int64()),
+    "file": pa.string(),
+    "byte_offset": pa.int64(),
+    "nbytes": pa.int64(),
+    "crc32c": pa.uint32(),
+}
+
+
+def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
+    """Read a format-v1 checkpoint following docs/FORMAT.md, without bytecp."""
+    md = json.loads((root / "metadata.json").read_bytes())
+    assert md["format"] == "bytecp" and md["format_version"] == 1
+    for f, size in md["data_files"].items():
+        assert (root / f).stat().st_size == size, f
+        assert size % ALIGNMENT == 0, f"{f}: a v1 writer pads every chunk, the last one too"
+    data = {f: (root / f).read_bytes() for f in md["data_files"]}
+
+    def itemsize(name: str) -> int:
+        return torch.empty((), dtype=getattr(torch, name)).element_size()
+
+    out: dict[str, bytearray] = {}
+    seen: dict[str, np.ndarray] = {}
+    for fqn, info in md["tensors"].items():
+        out[fqn] = bytearray(math.prod(info["shape"]) * itemsize(info["dtype"]))
+        seen[fqn] = np.zeros(info["shape"], dtype=np.int8)
+    used: dict[str, list[tuple[int, int]]] = {f: [] for f in data}
+    for f in md["index_files"]:
+        table = pq.read_table(root / f)
+        assert table.schema.metadata[b"bytecp.format_version"] == b"1"
+        for name, typ in INDEX_TYPES.items():
+            assert table.schema.field(name).type == typ, name
+        for row in table.to_pylist():
+            info = md["tensors"][row["fqn"]]
+            assert row["dtype"] == info["dtype"] and row["global_shape"] == info["shape"]
+            offs, lens = row["offsets"], row["lengths"]
+            assert len(offs) == len(lens) == len(info["shape"])
+            size = itemsize(row["dtype"])
+            assert row["nbytes"] == math.prod(lens) * size
+            assert row["byte_offset"] % ALIGNMENT == 0
+            blob = data[row["file"]][row["byte_offset"] : row["byte_offset"] + row["nbytes"]]
+            assert len(blob) == row["nbytes"] and crc32c.crc32c(blob) == row["crc32c"]
+            used[row["file"]].append((row["byte_offset"], row["nbytes"]))
+            box = tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))
+            whole = np.frombuffer(out[row["fqn"]], dtype=np.uint8).reshape(*info["shape"], size)
+            whole[box] = np.frombuffer(blob, dtype=np.uint8).reshape(*lens, size)
+            seen[row["fqn"]][box] += 1
+    for fqn, s in seen.items():
+        assert (s == 1).all(), f"{fqn}: chunks do not cover it exactly once"
+
+    def read_object(rec: dict[str, Any]) -> Any:
+        if "json" in rec:
+            return rec["json"]
+        blob = data[rec["file"]][rec["byte_offset"] : rec["byte_offset"] + rec["nbytes"]]
+        assert rec["byte_offset"] % ALIGNMENT == 0 and crc32c.crc32c(blob) == rec["crc32c"]
+        used[rec["file"]].append((rec["byte_offset"], rec["nbytes"]))
+        if rec["pickle"] and not allow_pickle:
+            raise PermissionError("needs allow_pickle")
+        return torch.load(io.BytesIO(blob), weights_only=not rec["pickle"])
+
+    objects = {k: read_object(r) for k, r in md["objects"].items()}
+    per_rank = {
+        k: {int(r): read_object(rec) for r, rec in v.items()} for k, v in md["per_rank"].items()
+    }
+    # everything between the stored items is zero padding
+    for f, spans in used.items():
+        buf = data[f]
+        spans.sort()
+        pos = 0
+        for off, n in spans:
+            assert off >= pos and not any(buf[pos:off]), f"{f}: non-zero bytes at {pos}..{off}"
+            pos = off + n
+        assert not any(buf[pos:]), f"{f}: non-zero bytes after the last item"
+
+    def tensor(fqn: str) -> torch.Tensor:
+        info = md["tensors"][fqn]
+        dtype = getattr(torch, info["dtype"])
+        if not out[fqn]:
+            return torch.empty(info["shape"], dtype=dtype)
+        return torch.frombuffer(out[fqn], dtype=torch.uint8).view(dtype).reshape(info["shape"])
+
+    def build(node: dict[str, Any]) -> Any:
+        ((kind, body),) = node.items()
+        if kind == "d":
+            return {k: build(child) for k, child in body}
+        if kind == "l":
+            return [build(child) for child in body]
+        if kind == "t":
+            return tuple(build(child) for child in body)
+        if kind == "tensor":
+            return tensor(body)
+        if kind == "obj":
+            return objects[body]
+        if kind == "rank":
+            return per_rank[body][0]
+        raise AssertionError(f"unknown skeleton node {node!r}")
+
+    return build(md["skeleton"])
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_spec_reader_reads_golden(case: Path) -> None:
+    needs_dtypes(case)
+    exp = expected(case)
+    got = spec_read(case / "checkpoint", allow_pickle=bool(exp["load_options"].get("allow_pickle")))
+    assert_same(got, decode(exp["state"]))
+    if exp["load_options"].get("allow_pickle"):
+        with pytest.raises(PermissionError):
+            spec_read(case / "checkpoint")
