@@ -1,0 +1,157 @@
+"""bytecp's side of the comparison: sync save, async save (eager and lazy), load.
+
+Every case passes the live module and optimizer (bytecp detects the
+framework); a save is durable when ``bytecp.save`` returns or the async
+handle's ``wait()`` returns (files and directory fsynced, then
+``metadata.json`` committed).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .harness import NOT_AVAILABLE, Case
+
+if TYPE_CHECKING:
+    from .harness import Ctx
+
+__all__ = ["CASES", "rank_bytes"]
+
+_ADAPTER_OF = {"fsdp2": "fsdp2", "fsdp1": "fsdp1", "ddp": "ddp", "plain": "plain"}
+
+
+def _adapter_missing(framework: str) -> str | None:
+    mod = f"bytecp.adapters.{_ADAPTER_OF[framework]}"
+    try:
+        found = importlib.util.find_spec(mod) is not None
+    except ModuleNotFoundError:
+        found = False
+    return None if found else f"{NOT_AVAILABLE}: no {mod}"
+
+
+def _async_missing(framework: str, *, lazy: bool = False) -> str | None:
+    import bytecp
+
+    fn = getattr(bytecp, "async_save", None)
+    if fn is None:
+        return f"{NOT_AVAILABLE}: no bytecp.async_save"
+    if lazy and "lazy" not in inspect.signature(fn).parameters:
+        return f"{NOT_AVAILABLE}: bytecp.async_save has no lazy mode"
+    return _adapter_missing(framework)
+
+
+def _state(ctx: Ctx) -> dict[str, Any]:
+    return {"model": ctx.model, "optimizer": ctx.optim}
+
+
+def _kwargs(fn: Any, **wanted: Any) -> dict[str, Any]:
+    params = inspect.signature(fn).parameters
+    return {k: v for k, v in wanted.items() if k in params}
+
+
+def save(ctx: Ctx) -> dict[str, Any]:
+    import bytecp
+
+    url = ctx.path("bytecp-save")
+    t0 = time.perf_counter()
+    bytecp.save(url, _state(ctx), overwrite=True)
+    t1 = time.perf_counter()
+    ctx.expected["bytecp"] = ctx.fingerprint()
+    ctx.load_from.setdefault("bytecp", url)
+    return {"blocking_s": t1 - t0, "total_s": t1 - t0, "path": url}
+
+
+def async_save(ctx: Ctx) -> dict[str, Any]:
+    import bytecp
+
+    url = ctx.path("bytecp-async")
+    fn = bytecp.async_save  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    handle = fn(url, _state(ctx), **_kwargs(fn, overwrite=True, lazy=False))
+    t1 = time.perf_counter()
+    handle.wait()
+    t2 = time.perf_counter()
+    return {"blocking_s": t1 - t0, "total_s": t2 - t0, "path": url}
+
+
+def lazy_save(ctx: Ctx) -> dict[str, Any]:
+    """Return at once, run one forward/backward, then the optimizer step.
+
+    Blocking = the call itself plus what the step waited for (bytecp's
+    pre-step hook runs before the hook registered here, which marks when
+    the step could go on). The total includes the overlapped forward/backward.
+    """
+    import bytecp
+
+    from .model import forward_backward
+
+    url = ctx.path("bytecp-lazy")
+    fn = bytecp.async_save  # type: ignore[attr-defined]
+    t0 = time.perf_counter()
+    handle = fn(url, _state(ctx), **_kwargs(fn, overwrite=True, lazy=True))
+    t1 = time.perf_counter()
+    forward_backward(ctx.model, ctx.cfg, seed=ctx.spec.seed)
+    mark: dict[str, float] = {}
+    hook = ctx.optim.register_step_pre_hook(lambda *a: mark.setdefault("t", time.perf_counter()))
+    t2 = time.perf_counter()
+    try:
+        ctx.optim.step()
+    finally:
+        hook.remove()
+        ctx.optim.zero_grad(set_to_none=True)
+    handle.wait()
+    t3 = time.perf_counter()
+    return {"blocking_s": (t1 - t0) + (mark.get("t", t2) - t2), "call_s": t1 - t0,
+            "step_wait_s": mark.get("t", t2) - t2, "total_s": t3 - t0, "path": url}
+
+
+def load(ctx: Ctx) -> dict[str, Any]:
+    import bytecp
+
+    url = ctx.load_from.get("bytecp") or ctx.path("bytecp-save")
+    t0 = time.perf_counter()
+    bytecp.load(url, _state(ctx))
+    t1 = time.perf_counter()
+    return {"blocking_s": t1 - t0, "total_s": t1 - t0, "verified": ctx.check_loaded("bytecp")}
+
+
+def rank_bytes(path: str, rank: int) -> int:
+    """Bytes of the data files of ``rank`` that the committed checkpoint at ``path`` references."""
+    root = Path(path)
+    md = json.loads((root / "metadata.json").read_text())
+    files: set[str] = set()
+
+    def walk(v: Any) -> None:  # any "data/<save_id>/<rank>-<n>.bin" string in the metadata
+        if isinstance(v, str) and v.startswith("data/") and v.endswith(".bin"):
+            files.add(v)
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                walk(k)
+                walk(x)
+        elif isinstance(v, list):
+            for x in v:
+                walk(x)
+
+    walk(md)
+    if not files:  # the index names the files: count this rank's under the newest save
+        saves = sorted((root / "data").iterdir(), key=lambda p: p.stat().st_mtime)
+        return sum(f.stat().st_size for f in saves[-1].glob(f"{rank}-*.bin"))
+    return sum((root / f).stat().st_size for f in files if Path(f).name.startswith(f"{rank}-"))
+
+
+CASES = {
+    c.name: c
+    for c in (
+        Case("bytecp.save", "bytecp", "save", save, unavailable=_adapter_missing),
+        Case("bytecp.async_save", "bytecp", "async", async_save, unavailable=_async_missing),
+        Case("bytecp.async_save lazy", "bytecp", "lazy", lazy_save,
+             unavailable=lambda fw: _async_missing(fw, lazy=True)),
+        Case("bytecp.load cold", "bytecp", "load", load, cold=True, unavailable=_adapter_missing),
+        Case("bytecp.load warm", "bytecp", "load", load, unavailable=_adapter_missing),
+    )
+}
