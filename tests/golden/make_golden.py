@@ -209,6 +209,72 @@ def case_pickle(url: str) -> tuple[Any, dict[str, Any]]:
     return dict(state), {"framework": "plain", "world_size": 1, "step": 1, "user_metadata": {}}
 
 
+def _two_rank_state(rank: int) -> dict[str, Any]:
+    """What rank ``rank`` of the 2-rank save holds (views of the full tensors)."""
+    full = _two_rank_full()
+    flat = full["sharded_flat"].reshape(-1)
+    cut = 13  # rank 0 holds elements [0, 13), rank 1 [13, 30): an FSDP1-style flat shard
+    lo, hi = (0, cut) if rank == 0 else (cut, flat.numel())
+    rows = full["sharded_rows"]
+    torch.manual_seed(100 + rank)
+    np.random.seed(100 + rank)
+    random.seed(100 + rank)
+    return {
+        "replicated": full["replicated"].clone(),  # the same on both ranks: stored once
+        "sharded_flat": TensorLeaf.from_flat((6, 5), torch.float32, lo, flat[lo:hi].clone()),
+        "sharded_rows": TensorLeaf(
+            (4, 3),
+            torch.int32,
+            [Shard(Region((2 * rank, 0), (2, 3)), rows[2 * rank : 2 * rank + 2].clone())],
+        ),
+        "extra": {"step": 11, "rng": bytecp.RNGState()},
+    }
+
+
+def _two_rank_full() -> dict[str, torch.Tensor]:
+    return {
+        "replicated": pattern((3, 7), torch.float16, 23),
+        "sharded_flat": pattern((6, 5), torch.float32, 29),
+        "sharded_rows": pattern((4, 3), torch.int32, 31),
+    }
+
+
+def _two_rank_worker(rank: int, workdir: str, init_file: str) -> None:
+    import torch.distributed as dist
+
+    os.chdir(workdir)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        bytecp.save("checkpoint", _two_rank_state(rank), step=11, metadata={"ranks": 2})
+    finally:
+        dist.destroy_process_group()
+
+
+def case_two_ranks(url: str) -> tuple[Any, dict[str, Any]]:
+    """Two processes (gloo): a replicated tensor, a flat-range shard, a row shard, per-rank RNG."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    assert url == "checkpoint"
+    with tempfile.TemporaryDirectory() as td:
+        mp.spawn(
+            _two_rank_worker, args=(os.getcwd(), os.path.join(td, "init")), nprocs=2, join=True
+        )
+    rng = []
+    for r in (0, 1):
+        _two_rank_state(r)
+        rng.append(bytecp.RNGState().state_dict())
+    expected = {**_two_rank_full(), "extra": {"step": 11, "rng": rng[0]}}
+    return expected, {
+        "framework": "plain",
+        "world_size": 2,
+        "step": 11,
+        "user_metadata": {"ranks": 2},
+        "per_rank": {"extra.rng": {"0": encode(rng[0]), "1": encode(rng[1])}},
+    }
+
+
 #: keyword arguments loading each case needs
 LOAD_OPTIONS: dict[str, dict[str, Any]] = {"pickle": {"allow_pickle": True}}
 
@@ -217,6 +283,7 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "dtypes": case_dtypes,
     "irregular": case_irregular,
     "pickle": case_pickle,
+    "two_ranks": case_two_ranks,
 }
 
 
@@ -270,6 +337,7 @@ def write_case(root: Path, name: str) -> None:
         expected, fields = CASES[name]("checkpoint")
     finally:
         os.chdir(cwd)
+    per_rank = fields.pop("per_rank", {})
     ckpt = tmp / "checkpoint"
     # the expected values must be what bytecp reads back (checked once, here)
     got = bytecp.load_state_dict(str(ckpt), **LOAD_OPTIONS.get(name, {}))
@@ -291,6 +359,7 @@ def write_case(root: Path, name: str) -> None:
         "inspect": inspect_fields(ckpt, fields),
         "files": files,
         "state": encode(expected),
+        "per_rank": per_rank,
     }
     (tmp / "expected.json").write_text(json.dumps(doc, indent=1) + "\n")
     tmp.rename(case_dir)

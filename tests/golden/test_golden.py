@@ -37,6 +37,7 @@ HERE = Path(__file__).resolve().parent
 CASES = sorted(p.parent for p in HERE.glob("v*/*/expected.json"))
 IDS = [c.relative_to(HERE).as_posix() for c in CASES]
 ALIGNMENT = 4096
+pytestmark = pytest.mark.filterwarnings("ignore:ComplexHalf support is experimental:UserWarning")
 
 
 def cases_where(pred: Any) -> Any:
@@ -136,7 +137,7 @@ def keep_rng():
 
 # ----------------------------------------------------------------- the goldens exist
 def test_golden_cases_present() -> None:
-    assert {"v1/plain", "v1/dtypes", "v1/irregular", "v1/pickle"} <= set(IDS)
+    assert {"v1/plain", "v1/dtypes", "v1/irregular", "v1/pickle", "v1/two_ranks"} <= set(IDS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -156,34 +157,108 @@ def test_golden_files_unchanged(case: Path) -> None:
 def test_load_state_dict_bitwise(case: Path) -> None:
     needs_dtypes(case)
     exp = expected(case)
-    sd = bytecp.load_state_dict(ckpt(case), **exp["load_options"])
+    if _saved_per_rank(case) and exp["inspect"]["world_size"] != 1:
+        with pytest.warns(UserWarning, match="rank 0 restores the per-rank state of saved rank 0"):
+            sd = bytecp.load_state_dict(ckpt(case), **exp["load_options"])
+    else:
+        sd = bytecp.load_state_dict(ckpt(case), **exp["load_options"])
     assert_same(sd, decode(exp["state"]))
 
 
-def _blank(v: Any) -> Any:
-    """A load target shaped like ``v``: tensors filled with 0xA5 bytes, values None."""
+class _Holder:
+    """A ``Stateful`` that keeps what it is loaded with."""
+
+    value: Any = None
+
+    def state_dict(self) -> Any:
+        return self.value
+
+    def load_state_dict(self, sd: Any) -> None:
+        self.value = sd
+
+
+def _blank(v: Any, fqn: str, per_rank: set[str]) -> Any:
+    """A load target shaped like ``v``: tensors filled with 0xA5 bytes, per-rank
+    values as a ``PerRankState``, other values None (replaced by the load)."""
+    if fqn in per_rank:
+        return bytecp.PerRankState(_Holder())
     if isinstance(v, torch.Tensor):
         t = torch.empty(v.shape, dtype=v.dtype)
         if t.numel():
             t.reshape(-1).view(torch.uint8).fill_(0xA5)
         return t
     if type(v) is dict:
-        return {k: _blank(x) for k, x in v.items()}
+        return {k: _blank(x, f"{fqn}.{k}" if fqn else str(k), per_rank) for k, x in v.items()}
     return None
 
 
-@cases_where(lambda c: c.name != "plain")
+def _unwrap(v: Any) -> Any:
+    if isinstance(v, bytecp.PerRankState):
+        return v.obj.value
+    if type(v) is dict:
+        return {k: _unwrap(x) for k, x in v.items()}
+    return v
+
+
+def _saved_per_rank(case: Path) -> dict[str, Any]:
+    return json.loads((case / "checkpoint" / "metadata.json").read_text()).get("per_rank", {})
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_load_in_place_bitwise(case: Path) -> None:
+    """Every tensor is filled where it lives; every value is replaced from the checkpoint."""
     needs_dtypes(case)
     exp = expected(case)
     want = decode(exp["state"])
-    target = _blank(want)
+    target = _blank(want, "", set(_saved_per_rank(case)))
     tensors = {k: v for k, v in target.items() if isinstance(v, torch.Tensor)}
-    res = bytecp.load(ckpt(case), target, **exp["load_options"])
+    if _saved_per_rank(case) and exp["inspect"]["world_size"] != 1:
+        with pytest.warns(UserWarning, match="saved by"):
+            res = bytecp.load(ckpt(case), target, **exp["load_options"])
+    else:
+        res = bytecp.load(ckpt(case), target, **exp["load_options"])
     assert res.missing_keys == [] and res.unexpected_keys == []
     for k, t in tensors.items():
         assert target[k] is t, f"{k}: not filled in place"
-    assert_same(target, want)
+    assert_same(_unwrap(target), want)
+
+
+def _with_rank_values(v: Any, fqn: str, values: dict[str, Any]) -> Any:
+    """``v`` with each per-rank position replaced by ``values[fqn]``."""
+    if fqn in values:
+        return values[fqn]
+    if type(v) is dict:
+        return {
+            k: _with_rank_values(x, f"{fqn}.{k}" if fqn else str(k), values) for k, x in v.items()
+        }
+    return v
+
+
+def _load_worker(rank: int, world: int, init_file: str, case_dir: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
+    try:
+        case = Path(case_dir)
+        exp = expected(case)
+        want = decode(exp["state"])
+        target = _blank(want, "", set(_saved_per_rank(case)))
+        with pytest.warns(UserWarning, match=f"rank {rank} restores the per-rank state"):
+            bytecp.load(ckpt(case), target, **exp["load_options"])
+        saved = exp["inspect"]["world_size"]
+        mine = {fqn: decode(v[str(rank % saved)]) for fqn, v in exp["per_rank"].items()}
+        assert_same(_unwrap(target), _with_rank_values(want, "", mine), f"rank {rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@cases_where(lambda c: expected(c)["inspect"]["world_size"] > 1)
+def test_load_with_another_world_size(case: Path, tmp_path: Path) -> None:
+    """A multi-rank golden loads on 3 ranks: rank r gets saved rank r % W's per-rank values."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_load_worker, args=(3, str(tmp_path / "init"), str(case)), nprocs=3, join=True)
 
 
 @cases_where(lambda c: c.name == "plain")
@@ -379,15 +454,19 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
             return per_rank[body][0]
         raise AssertionError(f"unknown skeleton node {node!r}")
 
-    return build(md["skeleton"])
+    return build(md["skeleton"]), per_rank
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_spec_reader_reads_golden(case: Path) -> None:
     needs_dtypes(case)
     exp = expected(case)
-    got = spec_read(case / "checkpoint", allow_pickle=bool(exp["load_options"].get("allow_pickle")))
+    got, per_rank = spec_read(
+        case / "checkpoint", allow_pickle=bool(exp["load_options"].get("allow_pickle"))
+    )
     assert_same(got, decode(exp["state"]))
+    for fqn, values in exp.get("per_rank", {}).items():
+        assert_same(per_rank[fqn], {int(r): decode(v) for r, v in values.items()}, fqn)
     if exp["load_options"].get("allow_pickle"):
         with pytest.raises(PermissionError):
             spec_read(case / "checkpoint")
