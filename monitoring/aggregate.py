@@ -15,8 +15,9 @@ Call order (collector):
 3. ``list`` / ``get`` answer queries at any time, finalized or not.
 
 Straggler rule (see :func:`find_straggler`): for each phase, a rank's score
-is the smaller of (its seconds in the phase minus the median over ranks) and
-(how much later than the median rank it *finished* the phase). A rank that
+is the smaller of (its seconds in the phase minus the median of the other
+ranks) and (how much later than the other ranks' median it *finished* the
+phase). A rank that
 was slow scores on both; a rank that merely waited inside a collective for a
 slow peer (long ``commit`` that ends when everyone's ends) has no lag and
 scores nothing; a rank that started late because an earlier phase was slow
@@ -26,8 +27,8 @@ hosts, so they assume clocks synchronised well below the delays of interest.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
-import statistics
 import threading
 import time
 from collections import OrderedDict
@@ -66,9 +67,9 @@ class Straggler:
     seconds: float
     """The straggler's seconds in ``phase``."""
     median_seconds: float
-    """Median over ranks of the seconds in ``phase``."""
+    """Median over the other ranks of the seconds in ``phase``."""
     lag_seconds: float
-    """How much later than the median rank it finished ``phase`` (0 for one rank)."""
+    """How much later than the other ranks' median it finished ``phase`` (0 for one rank)."""
 
 
 def _phase_ends(report: CheckpointReport) -> dict[str, float]:
@@ -78,11 +79,27 @@ def _phase_ends(report: CheckpointReport) -> dict[str, float]:
     return ends
 
 
+def _median_without(ordered: list[float], value: float) -> float:
+    """Median of ``ordered`` (sorted) with one occurrence of ``value`` left out."""
+    i = bisect.bisect_left(ordered, value)
+    k = len(ordered) - 1
+
+    def at(pos: int) -> float:  # position in the list without index i
+        return ordered[pos if pos < i else pos + 1]
+
+    if k <= 0:
+        return value
+    if k % 2:
+        return at(k // 2)
+    return (at(k // 2 - 1) + at(k // 2)) / 2
+
+
 def find_straggler(reports: Iterable[CheckpointReport]) -> Straggler | None:
     """Name the rank and phase that held the checkpoint up (module docstring).
 
-    With one rank, or when no rank stands out, the rank with the most work
-    and its longest phase are named with a lag of zero. Phases in
+    Each rank is compared with the median of the *other* ranks. With one
+    rank, or when no rank stands out, the rank with the most work and its
+    longest phase are named with a lag of zero. Phases in
     :data:`~bytecp.recorder.WAIT_PHASES` are never named. ``None`` when no
     report has a span.
     """
@@ -95,19 +112,18 @@ def find_straggler(reports: Iterable[CheckpointReport]) -> Straggler | None:
     best: tuple[float, float, Straggler] | None = None
     if len(reps) > 1:
         for phase in phases:
-            durations = [secs[r.rank].get(phase, 0.0) for r in reps]
-            median = statistics.median(durations)
-            phase_ends = [ends[r.rank][phase] for r in reps if phase in ends[r.rank]]
-            median_end = statistics.median(phase_ends)
+            durations = sorted(secs[r.rank].get(phase, 0.0) for r in reps)
+            phase_ends = sorted(ends[r.rank][phase] for r in reps if phase in ends[r.rank])
             for r in reps:
                 if phase not in secs[r.rank]:
                     continue
                 sec = secs[r.rank][phase]
-                lag = ends[r.rank][phase] - median_end
+                median = _median_without(durations, sec)
+                end = ends[r.rank][phase]
+                lag = end - _median_without(phase_ends, end) if len(phase_ends) > 1 else 0.0
                 score = min(sec - median, lag)
-                cand = Straggler(r.rank, phase, sec, median, max(lag, 0.0))
                 if score > 0 and (best is None or (score, sec) > best[:2]):
-                    best = (score, sec, cand)
+                    best = (score, sec, Straggler(r.rank, phase, sec, median, lag))
     if best is not None:
         return best[2]
     # Nobody stands out: the rank with the most work, and its longest phase.
@@ -115,8 +131,8 @@ def find_straggler(reports: Iterable[CheckpointReport]) -> Straggler | None:
     if not secs[rank]:
         return None
     phase = max(secs[rank], key=lambda p: secs[rank][p])
-    median = statistics.median(secs[r.rank].get(phase, 0.0) for r in reps)
-    return Straggler(rank, phase, secs[rank][phase], median, 0.0)
+    durations = sorted(secs[r.rank].get(phase, 0.0) for r in reps)
+    return Straggler(rank, phase, secs[rank][phase], _median_without(durations, secs[rank][phase]), 0.0)
 
 
 class CheckpointAggregate:

@@ -156,7 +156,7 @@ class _LastCheckpointCollector(Collector):
         s_rank = fam("bytecp_job_straggler_rank", "Straggler rank of the last checkpoint")
         s_lag = fam(
             "bytecp_job_straggler_lag_seconds",
-            "How much later than the median rank the straggler finished its slow phase",
+            "How much later than the other ranks' median the straggler finished its slow phase",
         )
         s_info = fam(
             "bytecp_job_straggler_info",

@@ -52,7 +52,7 @@ def _describe(agg: CheckpointAggregate) -> str:
     if st is not None and agg.world_size > 1:
         where = (
             f"; straggler rank {st.rank} in {st.phase} "
-            f"({st.seconds:.3f}s vs median {st.median_seconds:.3f}s, finished {st.lag_seconds:.3f}s late)"
+            f"({st.seconds:.3f}s vs median {st.median_seconds:.3f}s, finished {st.lag_seconds:.3f}s after the other ranks' median)"
         )
     state = "ok" if agg.ok else f"FAILED on ranks {sorted(agg.errors())}"
     missing = "" if agg.complete else f", {agg.world_size - len(agg.reports)} rank(s) never reported"

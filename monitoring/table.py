@@ -45,7 +45,7 @@ def format_table(agg: CheckpointAggregate) -> str:
     if st is not None and agg.world_size > 1:
         lines.append(
             f"  straggler: rank {st.rank} in {st.phase}: {st.seconds:.3f} s vs median "
-            f"{st.median_seconds:.3f} s, finished {st.lag_seconds:.3f} s after the median rank"
+            f"{st.median_seconds:.3f} s, finished {st.lag_seconds:.3f} s after the other ranks' median"
         )
     elif st is not None:
         lines.append(f"  longest phase: {st.phase} ({st.seconds:.3f} s)")

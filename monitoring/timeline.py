@@ -6,7 +6,7 @@ a :class:`~.aggregate.CheckpointAggregate`. What a reader sees, left to right:
 * one row per rank (rank 0 on top), each phase a bar in its colour, on a
   time axis that starts when the first rank started;
 * the straggler's row shaded, its label marked, its slow phase outlined and
-  annotated with its seconds against the median rank's;
+  annotated with its seconds against the other ranks' median;
 * on the right, the stall of each rank (how long training was blocked) as a
   bar, since that is the figure that costs training time;
 * a title with the operation, step, job, ranks, bytes, duration, throughput.
@@ -128,7 +128,7 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
     if straggler is not None and st is not None and straggler in agg.reports:
         rep = agg.reports[straggler]
         slow_end = max((s.start + s.duration for s in rep.spans if s.phase == st.phase), default=rep.ended) - t0
-        label = f"straggler: {st.phase} {st.seconds:.2f} s (median {st.median_seconds:.2f} s)"
+        label = f"straggler: {st.phase} {st.seconds:.2f} s (others' median {st.median_seconds:.2f} s)"
         right_side = slow_end < span_end * 0.62
         ax.annotate(
             label,
@@ -198,7 +198,7 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
     if straggler is not None and st is not None:
         sub = (
             f"straggler: rank {st.rank}, {st.phase} took {st.seconds:.2f} s vs median {st.median_seconds:.2f} s, "
-            f"finished {st.lag_seconds:.2f} s after the median rank   |   {agg.url}"
+            f"finished {st.lag_seconds:.2f} s after the other ranks' median   |   {agg.url}"
         )
     fig.text(0.085, 1.0 - 0.58 / height_in, sub, fontsize=9, color=STRAGGLER_COLOUR if straggler is not None else "#333333", va="top")
     from matplotlib.lines import Line2D

@@ -102,3 +102,16 @@ def test_loading_one_checkpoint_twice_is_two_operations() -> None:
             assert aggr.add(r)
     assert len(done) == 2
     assert [a.started for a in aggr.list()] == [2000.0, 1000.0]
+
+
+def test_median_of_the_other_ranks() -> None:
+    from statistics import median
+
+    from bytecp.monitoring.aggregate import _median_without
+
+    for values in ([1.0], [1.0, 5.0], [3.0, 1.0, 2.0], [4.0, 4.0, 1.0, 9.0, 2.0], [0.5] * 6):
+        ordered = sorted(values)
+        for v in values:
+            rest = list(values)
+            rest.remove(v)
+            assert _median_without(ordered, v) == (median(rest) if rest else v)
