@@ -1,0 +1,71 @@
+"""The benchmark harness end to end on the tiny ``--quick`` config.
+
+Checks that one run produces every case of every group with numeric timings,
+the dd figures, the targets and the PNG; it asserts nothing about speed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _numeric(v: object) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v) and v >= 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_quick_run_reports_every_case(tmp_path: Path) -> None:
+    from benchmarks.run import LOAD_CASES, SAVE_CASES, SHORT_CASES
+
+    out, png = tmp_path / "bench.json", tmp_path / "bench.png"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--quick", "--dir", str(tmp_path / "data"),
+         "--out", str(out), "--png", str(png)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=400,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert png.stat().st_size > 10_000
+    assert "| group | case |" in proc.stdout
+
+    expected = {
+        "fsdp2": SAVE_CASES + LOAD_CASES,
+        "ddp": SHORT_CASES["ddp"],
+        "fsdp1": SHORT_CASES["fsdp1"],
+        "reshard 2->3": LOAD_CASES,
+        "reshard 2->1": LOAD_CASES,
+    }
+    assert set(res["groups"]) == set(expected)
+    for label, names in expected.items():
+        group = res["groups"][label]
+        assert set(group["cases"]) == set(names), label
+        for name, case in group["cases"].items():
+            if case["status"].startswith("n/a"):  # a feature not in this build, or no root for cold loads
+                continue
+            assert case["status"] == "ok", (label, name, case)
+            assert _numeric(case["blocking_s"]) and _numeric(case["total_s"]), (label, name, case)
+            assert case["blocking_s"] <= case["total_s"] + 1e-9, (label, name, case)
+            assert len(case["rss_peak_delta_per_rank"]) == group["world_size"]
+            if name.startswith(("bytecp.save", "dcp.save", "bytecp.async", "dcp.async")):
+                assert all(_numeric(b) for b in case["bytes_per_rank"]), (label, name, case)
+                assert case["bytes_total"] > 0
+            if "load" in name:
+                assert case.get("verified", True), (label, name, "loaded values differ from the saved ones")
+        ran = [n for n, c in group["cases"].items() if c["status"] == "ok"]
+        assert any(n.startswith("dcp.") for n in ran), label
+
+    for key in ("write_fdatasync_gbps", "write_parallel_gbps", "write_direct_gbps"):
+        assert _numeric(res["disk"][key]), key
+    assert res["ratios"], "no bytecp / DCP ratio was computed"
+    assert all(t["status"] in ("met", "missed", "n/a") for t in res["targets"])
