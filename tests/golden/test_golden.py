@@ -470,3 +470,53 @@ def test_spec_reader_reads_golden(case: Path) -> None:
     if exp["load_options"].get("allow_pickle"):
         with pytest.raises(PermissionError):
             spec_read(case / "checkpoint")
+
+
+# ----------------------------------------------------------------- known gaps (docs/FORMAT.md)
+def _tampered(tmp_path: Path, edit: Any) -> Path:
+    """A copy of the irregular golden whose metadata.json ``edit`` changed."""
+    dst = tmp_path / "ck"
+    shutil.copytree(HERE / "v1" / "irregular" / "checkpoint", dst)
+    md = json.loads((dst / "metadata.json").read_text())
+    edit(md)
+    (dst / "metadata.json").write_text(json.dumps(md))
+    return dst
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FORMAT.md §10: the writer deletes whatever paths a replaced metadata.json names, '..' included",
+)
+def test_overwrite_never_deletes_outside_the_checkpoint(tmp_path: Path) -> None:
+    victim = tmp_path / "victim.txt"
+    victim.write_text("keep me")
+    dst = _tampered(tmp_path, lambda md: md["data_files"].update({"../victim.txt": 7}))
+    try:
+        bytecp.save(str(dst), {"x": torch.zeros(2)}, overwrite=True)
+    except bytecp.BytecpError:
+        pass
+    assert victim.exists()
+
+
+def _retype_index(dst: Path, column: str, fn: Any) -> None:
+    for f in (dst / "index").rglob("*.parquet"):
+        table = pq.read_table(f)
+        cols = table.to_pydict()
+        cols[column] = [fn(v) for v in cols[column]]
+        pq.write_table(pa.table(cols, schema=table.schema), f)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FORMAT.md §7.2: the reader does not compare index rows with metadata.json",
+)
+@pytest.mark.parametrize(
+    "column, fn",
+    [("dtype", lambda d: "int16" if d == "bfloat16" else d), ("nbytes", lambda n: n + 2)],
+    ids=["dtype", "nbytes"],
+)
+def test_inconsistent_index_row_is_corrupt(tmp_path: Path, column: str, fn: Any) -> None:
+    dst = _tampered(tmp_path, lambda md: None)
+    _retype_index(dst, column, fn)
+    with pytest.raises(bytecp.CorruptCheckpointError):
+        bytecp.load_state_dict(str(dst))
