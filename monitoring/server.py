@@ -90,6 +90,7 @@ class CollectorServicer(monitor_pb2_grpc.CollectorServicer):
         agg = self.aggregator.get(request.checkpoint, request.job, request.operation)
         if agg is None:
             context.abort(grpc.StatusCode.NOT_FOUND, f"no checkpoint {request.checkpoint!r} known")
+            raise AssertionError("abort() raises")  # for type checkers
         return summary_to_pb(agg, with_reports=True)
 
 
@@ -165,19 +166,21 @@ class CollectorServer:
             raise ConfigError(f"could not bind the collector's gRPC port {self.grpc_address}")
         server.start()
         self._server = server
+        metrics = "(none)"
         if self.metrics_address:
             from prometheus_client import start_http_server
 
             mhost, mport = parse_address(self.metrics_address)
             self._http, _ = start_http_server(mport, mhost, registry=self.registry)
             self.metrics_port = self._http.server_port
+            metrics = f"{mhost}:{self.metrics_port}"
         self._timer = threading.Thread(target=self._expire_loop, name="bytecp-collector-timer", daemon=True)
         self._timer.start()
         log.info(
             "bytecp collector: gRPC on %s:%s, metrics on %s",
             host,
             self.grpc_port,
-            f"{self.metrics_address.rpartition(':')[0]}:{self.metrics_port}" if self._http else "(none)",
+            metrics,
         )
         return self
 

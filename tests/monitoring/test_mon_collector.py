@@ -160,3 +160,60 @@ def test_absent_collector_never_blocks_and_warns_once(caplog: pytest.LogCaptureF
     warnings = [r for r in caplog.records if "dropping reports" in r.getMessage()]
     assert len(warnings) == 1
     push.close(0)
+
+
+def _self_signed() -> tuple[bytes, bytes]:
+    """A certificate for 127.0.0.1/localhost and its key (PEM)."""
+    import datetime
+    import ipaddress
+
+    x509 = pytest.importorskip("cryptography.x509", reason="TLS test needs the cryptography package")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+    from cryptography.x509.oid import NameOID
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "bytecp-collector-test")])
+    now = datetime.datetime.now(datetime.timezone.utc)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    key_pem = key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+    )
+    return cert.public_bytes(serialization.Encoding.PEM), key_pem
+
+
+def test_tls_and_token_together() -> None:
+    cert, key = _self_signed()
+    server = CollectorServer(
+        "127.0.0.1:0", None, token="tok", tls_cert=cert, tls_key=key, registry=CollectorRegistry()
+    ).start()
+    try:
+        addr = f"127.0.0.1:{server.grpc_port}"
+        push = PushRecorder(addr, token="tok", root_certificates=cert)
+        for r in make_reports(2, job="tls"):
+            push.on_report(r)
+        assert push.flush(20) and push.sent == 2
+        with CollectorClient(addr, token="tok", root_certificates=cert) as client:
+            assert client.list(job="tls")[0].complete
+        # the same port refuses a client that does not speak TLS
+        with CollectorClient(addr, token="tok", timeout=3) as plain, pytest.raises(grpc.RpcError):
+            plain.list()
+        push.close(0)
+    finally:
+        server.stop(None)
