@@ -21,6 +21,7 @@ import signal
 import sys
 from pathlib import Path
 
+from bytecp.errors import ConfigError
 from bytecp.recorder import CheckpointReport
 
 from ._channel import TOKEN_ENV
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args))
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ConfigError) as e:
         print(f"bytecp monitor: {e}", file=sys.stderr)
         return 2
     except Exception as e:

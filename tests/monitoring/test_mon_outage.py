@@ -21,7 +21,8 @@ from bytecp.recorder import resolve_monitor
 
 def _start_collector(port: int) -> subprocess.Popen[str]:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "bytecp.monitoring.cli", "serve", "--grpc", f"127.0.0.1:{port}", "--metrics", "none"],
+        # through the `bytecp` command, as people run it
+        [sys.executable, "-m", "bytecp.cli", "monitor", "serve", "--grpc", f"127.0.0.1:{port}", "--metrics", "none"],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,

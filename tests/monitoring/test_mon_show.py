@@ -82,3 +82,8 @@ def test_show_a_real_single_process_save(tmp_path: Path, capsys: pytest.CaptureF
 def test_show_without_reports_says_where_it_looked(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["show", str(tmp_path / "nothing")]) == 2
     assert "no reports stored" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_public_address_without_a_token(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["serve", "--grpc", "0.0.0.0:0", "--metrics", "none"]) == 2
+    assert "without a token" in capsys.readouterr().err
