@@ -14,7 +14,8 @@ Save
      references, and of a failed save's orphans.
 Load
   1. (coordinator) ``read_bytes("metadata.json")`` and the index files.
-  2. (all ranks, reader threads) ``read_into`` for byte ranges.
+  2. (all ranks, reader threads) ``read_ranges`` (a batch of ranges of one
+     file, coalesced by object-store backends) or ``read_into`` for byte ranges.
 
 Backends live in ``bytecp.storage`` and register by URL protocol; the core
 only reaches them through :func:`open_storage`, which imports the module
@@ -94,6 +95,19 @@ class Storage(abc.ABC):
         (all ranks, reader threads) Raises :class:`CorruptCheckpointError` if
         the file ends early and :class:`StorageNotFoundError` if it is missing.
         """
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Fill each ``out`` of ``ranges`` with ``len(out)`` bytes of ``path`` from its offset.
+
+        (all ranks, reader threads) A batch of :meth:`read_into` calls on one
+        file, with the same errors. Backends whose requests carry a high fixed
+        cost (object stores: one GET each) coalesce nearby ranges into fewer,
+        larger requests and stream the bytes straight into the buffers, so
+        callers should hand over all the ranges they need from one file at
+        once, rather than one read per tensor.
+        """
+        for offset, out in ranges:
+            self.read_into(path, offset, out)
 
     def read_bytes(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
         """Read ``nbytes`` (default: to the end) from ``offset``."""

@@ -272,6 +272,30 @@ class LocalStorage(Storage):
                 f"file ends at {offset + got}"
             )
 
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        if self.direct:
+            return super().read_ranges(path, ranges)
+        full = self._full(path)
+        try:
+            fd = os.open(full, os.O_RDONLY)  # one open for the whole batch
+        except FileNotFoundError as e:
+            raise StorageNotFoundError(f"{full}: missing") from e
+        except OSError as e:
+            raise _os_error(e, full, "open for reading") from e
+        try:
+            for offset, out in ranges:
+                view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+                got = self._preadv(fd, offset, view)
+                if got < len(view):
+                    raise CorruptCheckpointError(
+                        f"{full}: file is truncated: wanted bytes [{offset}, {offset + len(view)}), "
+                        f"file ends at {offset + got}"
+                    )
+        except OSError as e:
+            raise _os_error(e, full, "read") from e
+        finally:
+            os.close(fd)
+
     @staticmethod
     def _preadv(fd: int, offset: int, view: memoryview) -> int:
         got = 0

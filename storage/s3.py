@@ -15,7 +15,10 @@ threads share one connection pool and one bound on in-flight requests.
   atomically. The engine calls it after every ``write_file`` returned, so
   ``metadata.json`` never exists before the data it describes.
 - ``read_into``: ranged GETs of ``read_part_size`` bytes in parallel,
-  each streamed straight into the caller's buffer.
+  each streamed straight into the caller's buffer. ``read_ranges`` (many
+  ranges of one object) first merges nearby ranges into GETs of up to
+  ``read_part_size``: on S3 a request costs milliseconds whatever its size,
+  so a checkpoint's many small tensors must not each cost one.
 - Credentials come from the standard AWS chain (environment, ``~/.aws``,
   instance/container roles) unless ``key``/``secret``/``token``/``profile``
   are given; they never appear in logs, reprs or error messages.
@@ -187,6 +190,8 @@ class S3Storage(Storage):
     ``multipart_threshold`` (default ``part_size``) go up in one PUT.
     ``max_concurrency`` (8): requests in flight per client (all threads).
     ``read_part_size`` (16 MiB): size of each parallel ranged GET.
+    ``coalesce_gap`` (1 MiB): ``read_ranges`` merges ranges of one object
+    whose gap is at most this into one GET (the gap bytes are read and dropped).
     ``retry``: a :class:`~bytecp.storage._retry.RetryPolicy`, a dict of its
     fields, or a deadline in seconds. ``connect_timeout`` (10 s) and
     ``read_timeout`` (60 s): per request. ``s3fs_options``: extra keywords
@@ -209,6 +214,7 @@ class S3Storage(Storage):
         multipart_threshold: int | None = None,
         max_concurrency: int = 8,
         read_part_size: int = 16 * MiB,
+        coalesce_gap: int = 1 * MiB,
         retry: RetryPolicy | dict | float | None = None,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
@@ -234,6 +240,7 @@ class S3Storage(Storage):
         self.multipart_threshold = int(multipart_threshold if multipart_threshold is not None else part_size)
         self.max_concurrency = int(max_concurrency)
         self.read_part_size = int(read_part_size)
+        self.coalesce_gap = int(coalesce_gap)
         self.retry = RetryPolicy.from_options(retry)
         self._options: dict[str, Any] = {
             "endpoint_url": endpoint_url,
@@ -246,6 +253,7 @@ class S3Storage(Storage):
             "multipart_threshold": multipart_threshold,
             "max_concurrency": max_concurrency,
             "read_part_size": read_part_size,
+            "coalesce_gap": coalesce_gap,
             "retry": retry,
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
@@ -522,12 +530,7 @@ class S3Storage(Storage):
         try:
             self._run(lambda: self._read_ranges(path, offset, view))
         except StorageNotFoundError as e:
-            cause = e.__cause__ or e
-            raise StorageNotFoundError(
-                f"{self.url.rstrip('/')}/{path.strip('/')}: object is missing "
-                f"(bucket {self.bucket!r}, key {self._key(path)!r}, endpoint "
-                f"{self.endpoint_url or 'AWS'}: {type(cause).__name__}: {cause})"
-            ) from e
+            raise self._missing(path, e) from e
 
     async def _read_ranges(self, path: str, offset: int, view: memoryview) -> None:
         n = len(view)
@@ -536,34 +539,103 @@ class S3Storage(Storage):
         await asyncio.gather(*[self._read_range(path, offset, view, lo, hi) for lo, hi in chunks])
 
     async def _read_range(self, path: str, offset: int, view: memoryview, lo: int, hi: int) -> None:
+        await self._read_span(path, offset + lo, offset + hi, [(offset + lo, view[lo:hi])], (offset, len(view)))
+
+    async def _read_span(
+        self,
+        path: str,
+        start: int,
+        end: int,
+        parts: list[tuple[int, memoryview]],
+        whole: tuple[int, int] | None = None,
+    ) -> None:
+        """One ranged GET of ``[start, end)`` streamed into ``parts`` (sorted, disjoint); gaps skipped."""
         key = self._key(path)
-        first, last = offset + lo, offset + hi - 1
-        where = self._where(path, f"get_object bytes={first}-{last}")
+        rng = f"bytes={start}-{end - 1}"
+        where = self._where(path, f"get_object {rng}")
+        report = whole or (start, end - start)
 
         async def attempt() -> None:
             async with self._client.sem:
                 s3 = await self._client.s3()
                 try:
-                    resp = await s3.get_object(Bucket=self.bucket, Key=key, Range=f"bytes={first}-{last}")
+                    resp = await s3.get_object(Bucket=self.bucket, Key=key, Range=rng)
                 except Exception as e:
                     info = _client_error_info(e)
                     if info and (info[0] == "InvalidRange" or info[1] == 416):
-                        raise self._truncated(path, offset, len(view), None) from e
+                        raise self._truncated(path, report[0], report[1], None) from e
                     raise
                 body = resp["Body"]
                 try:
-                    pos = lo
-                    while pos < hi:
-                        got = await body.readinto(view[pos:hi])
-                        if got == 0:
-                            break
-                        pos += got
+                    pos = start
+                    scratch: memoryview | None = None
+                    for off, v in parts:
+                        while pos < off:  # a gap between coalesced ranges: read and drop
+                            if scratch is None:
+                                scratch = memoryview(bytearray(min(MiB, off - pos)))
+                            got = await body.readinto(scratch[: min(len(scratch), off - pos)])
+                            if got == 0:
+                                raise self._truncated(path, report[0], report[1], pos)
+                            pos += got
+                        filled = 0
+                        while filled < len(v):
+                            got = await body.readinto(v[filled:])
+                            if got == 0:
+                                raise self._truncated(path, report[0], report[1], pos + filled)
+                            filled += got
+                        pos += filled
                 finally:
                     body.close()
-                if pos < hi:
-                    raise self._truncated(path, offset, len(view), offset + pos)
 
         await _retry.acall(attempt, policy=self.retry, where=where, backend=self.backend)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Coalesce nearby ranges (gaps up to ``coalesce_gap``) into GETs of up to ``read_part_size``."""
+        items = []
+        for offset, out in ranges:
+            v = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+            if len(v):
+                items.append((offset, v))
+        if not items:
+            return
+        items.sort(key=lambda it: it[0])
+        spans: list[list[Any]] = []  # [start, end, parts]
+        large: list[tuple[int, memoryview]] = []
+        for offset, v in items:
+            end = offset + len(v)
+            if len(v) >= self.read_part_size:
+                large.append((offset, v))  # split into parallel parts by _read_ranges
+                continue
+            last = spans[-1] if spans else None
+            if (
+                last is not None
+                and offset >= last[1]
+                and offset - last[1] <= self.coalesce_gap
+                and end - last[0] <= self.read_part_size
+            ):
+                last[1] = end
+                last[2].append((offset, v))
+            else:
+                spans.append([offset, end, [(offset, v)]])
+
+        async def run() -> None:
+            await asyncio.gather(
+                *[self._read_span(path, a, b, parts) for a, b, parts in spans],
+                *[self._read_ranges(path, off, v) for off, v in large],
+            )
+
+        try:
+            self._run(run)
+        except StorageNotFoundError as e:
+            raise self._missing(path, e) from e
+
+    def _missing(self, path: str, e: StorageNotFoundError) -> StorageNotFoundError:
+        cause = e.__cause__ or e
+        return StorageNotFoundError(
+            f"{self.url.rstrip('/')}/{path.strip('/')}: object is missing "
+            f"(bucket {self.bucket!r}, key {self._key(path)!r}, endpoint "
+            f"{self.endpoint_url or 'AWS'}: {type(cause).__name__}: {cause})"
+        )
 
     def _truncated(self, path: str, offset: int, n: int, ends: int | None) -> CorruptCheckpointError:
         at = f"the object ends at {ends}" if ends is not None else "the object is shorter"

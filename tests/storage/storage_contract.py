@@ -117,6 +117,23 @@ class WriteReadTests:
             off : off + (2 * MiB if n > off + 2 * MiB else n - off)
         ]
 
+    def test_read_ranges_batch(self, storage: Storage) -> None:
+        data = payload(300_000, 12)
+        storage.write_file("b.bin", [data])
+        spans = [(250_000, 10), (0, 100), (100, 50), (5_000, 7), (120_000, 60_000), (299_990, 10), (40, 30), (7, 0)]
+        outs = [(off, memoryview(bytearray(n))) for off, n in spans]
+        storage.read_ranges("b.bin", outs)
+        for off, v in outs:
+            assert bytes(v) == data[off : off + len(v)]
+        storage.read_ranges("b.bin", [])
+
+    def test_read_ranges_errors(self, storage: Storage) -> None:
+        storage.write_file("s.bin", [b"0123456789"])
+        with pytest.raises(CorruptCheckpointError, match="s.bin"):
+            storage.read_ranges("s.bin", [(0, memoryview(bytearray(4))), (8, memoryview(bytearray(4)))])
+        with pytest.raises(StorageNotFoundError, match="gone.bin"):
+            storage.read_ranges("gone.bin", [(0, memoryview(bytearray(4)))])
+
     def test_read_past_end_names_the_file(self, storage: Storage) -> None:
         storage.write_file("short.bin", [b"0123456789"])
         with pytest.raises(CorruptCheckpointError, match="short.bin"):

@@ -147,3 +147,24 @@ def test_listing_pages_past_one_thousand_keys(moto_s3, moto_bucket, unique_prefi
     assert len(files) == 1005 and files[0] == "d/00000"
     st.delete_prefix()
     assert st.list_files() == []
+
+
+def test_read_ranges_coalesces_into_few_gets(s3, unique_prefix):
+    """Many small ranges of one object cost a few GETs, not one each (a request costs ms on S3)."""
+    from fault_proxy import FaultProxy
+
+    server, bucket = s3
+    data = payload(6 * MiB, 13)
+    st = open_storage(f"s3://{bucket}/{unique_prefix}", **server.options(**SMALL_PARTS))
+    st.write_file("d.bin", [data])
+    spans = [(i * 20_000 + (i % 3) * 100, 4_000 + i) for i in range(150)]  # 3 MB of small tensors with gaps
+    spans.append((4 * MiB, 2 * MiB))  # a large one: split into read_part_size GETs
+    with FaultProxy(server.endpoint_url) as proxy:
+        via = open_storage(f"s3://{bucket}/{unique_prefix}", **{**server.options(**SMALL_PARTS), "endpoint_url": proxy.endpoint_url})
+        outs = [(off, memoryview(bytearray(n))) for off, n in spans]
+        via.read_ranges("d.bin", outs)
+        gets = [r for r in proxy.requests if r[0] == "GET"]
+    for off, v in outs:
+        assert bytes(v) == data[off : off + len(v)]
+    assert len(gets) <= 3 + 2, gets  # ~3 MB of small ranges in 1 MiB GETs + 2 parts of the large one
+    st.delete_prefix()
