@@ -105,3 +105,24 @@ def test_opt_in_http_endpoint_on_loopback() -> None:
     finally:
         rec.http_server.shutdown()
         rec.http_server.server_close()
+
+
+def test_a_save_with_nobody_listening_loads_no_exporter(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Zero cost when nothing listens: no gRPC, no Prometheus, no extra thread."""
+    import subprocess
+    import sys
+
+    code = f"""
+import sys, threading, torch, bytecp
+before = threading.active_count()
+bytecp.save({str(tmp_path / "ck")!r}, {{"w": torch.ones(4)}})
+bytecp.load({str(tmp_path / "ck")!r}, {{"w": torch.zeros(4)}})
+loaded = sorted(m for m in sys.modules if m.split(".")[0] in ("grpc", "prometheus_client")
+                or m.startswith("bytecp.monitoring"))
+assert not loaded, loaded
+assert threading.active_count() == before, threading.enumerate()
+print("quiet")
+"""
+    env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("BYTECP_MONITOR")}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0 and "quiet" in out.stdout, out.stderr
