@@ -55,8 +55,15 @@ class PlainAdapter(Adapter):
     def module_targets(self, module: nn.Module) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
         """Targets to fill in place, and what to do with the non-tensor values."""
         sd = module.state_dict()
-        target = {k: (v if isinstance(v, torch.Tensor) else Slot()) for k, v in sd.items()}
+        return self._targets_from(module, sd, dict(sd))
+
+    def _targets_from(
+        self, module: nn.Module, sd: dict[str, Any], target: dict[str, Any]
+    ) -> tuple[dict[str, Any], Callable[[dict[str, Any]], None]]:
+        """Non-tensor entries of ``sd`` become slots applied by ``load_state_dict``."""
         slots = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
+        for k in slots:
+            target[k] = Slot()
 
         def finalize(values: dict[str, Any]) -> None:
             if slots:

@@ -77,6 +77,12 @@ class DistContext:
         self.coordinator = coordinator
         self.stats = CollectiveStats()
         self.device = self._collective_device()
+        self._store = _default_store() if self.enabled else None
+        DistContext._instances += 1
+        self._uid = DistContext._instances
+        self._seq = 0
+
+    _instances = 0
 
     @classmethod
     def local(cls) -> DistContext:
@@ -94,6 +100,37 @@ class DistContext:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
+
+    # -- failure diagnosis ---------------------------------------------
+    def _arrive(self) -> str:
+        """Mark (in the group's store) that this rank reached the next collective."""
+        self._seq += 1
+        prefix = f"bytecp/{self._uid}/{self._seq}/"
+        if self._store is not None:
+            try:
+                self._store.set(prefix + str(self.rank), "1")
+            except Exception:
+                pass
+        return prefix
+
+    def _collective_failed(self, op: str, prefix: str, e: BaseException) -> DistributedCheckpointError:
+        """A collective broke (a rank died, or the timeout passed): name the
+        ranks that never reached it, when the store can still tell."""
+        missing: list[int] = []
+        if self._store is not None:
+            import time
+
+            time.sleep(1.0)  # let ranks that are merely late arrive
+            for r in range(self.world_size):
+                try:
+                    if not self._store.check([prefix + str(r)]):
+                        missing.append(r)
+                except Exception:  # the store lived in a dead rank
+                    break
+        failures = {r: f"never reached this step of {op} (the process died or hung)" for r in missing}
+        if not failures:
+            failures[self.rank] = f"collective failed: {_describe(e)}"
+        return DistributedCheckpointError(op, failures)
 
     # -- raw collectives (every rank must call them in the same order) ----
     def _count(self, obj: Any) -> None:
@@ -174,10 +211,11 @@ class DistContext:
         return value
 
     def _gather_checked(self, op: str, value: Any, err: BaseException | None) -> list[Any]:
+        prefix = self._arrive()
         try:
             results = self.all_gather_object(value)
         except Exception as e:
-            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+            raise self._collective_failed(op, prefix, e) from e
         failures: dict[int, str] = {}
         for r in results:
             if isinstance(r, _Failed):
@@ -194,6 +232,7 @@ class DistContext:
         value, err = self._local(local_fn)
         if not self.enabled:
             return reduce_fn([value])[0]
+        prefix = self._arrive()
         try:
             gathered = self.gather_object(value)
             out: list[Any] | None = None
@@ -204,7 +243,7 @@ class DistContext:
         except DistributedCheckpointError:
             raise
         except Exception as e:
-            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+            raise self._collective_failed(op, prefix, e) from e
         self._raise_if_failed(op, result, err)
         return result  # type: ignore[no-any-return]
 
@@ -213,6 +252,7 @@ class DistContext:
         value, err = self._local(local_fn)
         if not self.enabled:
             return reduce_fn([value])
+        prefix = self._arrive()
         try:
             gathered = self.gather_object(value)
             out: Any = None
@@ -221,7 +261,7 @@ class DistContext:
                 out = self._coordinator_reduce(gathered, lambda vs: [reduce_fn(vs)])[0]
             result = self.broadcast_object(out)
         except Exception as e:
-            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+            raise self._collective_failed(op, prefix, e) from e
         self._raise_if_failed(op, result, err)
         return result  # type: ignore[no-any-return]
 
@@ -233,10 +273,11 @@ class DistContext:
         err = None
         if self.is_coordinator:
             value, err = self._local(fn)
+        prefix = self._arrive()
         try:
             result = self.broadcast_object(value)
         except Exception as e:
-            raise DistributedCheckpointError(op, {-1: f"collective failed: {_describe(e)}"}) from e
+            raise self._collective_failed(op, prefix, e) from e
         self._raise_if_failed(op, result, err)
         return result
 
@@ -252,6 +293,15 @@ class DistContext:
         except Exception as e:
             return [_Failed({self.rank: _describe(e)})] * self.world_size
         return out
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
 
 
 def new_group_with_timeout(seconds: float, backend: str | None = None) -> Any:

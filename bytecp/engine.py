@@ -54,7 +54,15 @@ from .planner import (
 )
 from .recorder import Trace
 from .regions import Region, row_major_strides
-from .state import FlatTree, TensorLeaf, build_from_skeleton, is_json_leaf, iter_skeleton
+from .state import (
+    FlatTree,
+    TensorLeaf,
+    build_from_skeleton,
+    is_json_leaf,
+    iter_skeleton,
+    merge_skeletons,
+    skeleton_digest,
+)
 from .storage_api import Storage
 
 __all__ = [
@@ -78,7 +86,14 @@ def crc32c(data: Any, value: int = 0) -> int:
 
 def _fault(phase: str, rank: int) -> None:
     """Test hook: ``BYTECP_FAULT_DELAY=phase:rank:seconds`` sleeps in that phase,
-    ``BYTECP_FAULT_ERROR=phase:rank`` raises there."""
+    ``BYTECP_FAULT_ERROR=phase:rank`` raises there, ``BYTECP_FAULT_EXIT=phase:rank``
+    ends the process there (a rank dying mid-save)."""
+    spec = os.environ.get("BYTECP_FAULT_EXIT")
+    if spec:
+        for item in spec.split(","):
+            p, r = item.split(":")
+            if p == phase and int(r) == rank:
+                os._exit(17)
     spec = os.environ.get("BYTECP_FAULT_DELAY")
     if spec:
         for item in spec.split(","):
@@ -158,6 +173,10 @@ class PlanCache:
     def get(self, key: Any, fp: str) -> tuple[tuple[str, ...], list[WriteItem]] | None:
         with self._lock:
             return self._plans.get((key, fp))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
 
     def put(self, key: Any, fp: str, all_fps: tuple[str, ...], mine: list[WriteItem]) -> None:
         with self._lock:
@@ -267,6 +286,17 @@ class _RankOutput:
     index_file: str | None
     objects: dict[str, fmt.ObjectRecord]
     per_rank: dict[str, fmt.ObjectRecord]
+    #: this rank's skeleton and tensor specs, sent only when its skeleton
+    #: differs from the coordinator's
+    skeleton: Any = None
+    tensors: dict[str, dict[str, Any]] | None = None
+
+
+def _tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
+    return {
+        fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
+        for fqn, leaf in flat.tensors.items()
+    }
 
 
 #: below this many bytes per file, more files (and writer threads) do not pay
@@ -408,7 +438,9 @@ def save_flat(
 ) -> fmt.Metadata:
     """Save a flattened state; every rank calls it. Returns the committed metadata."""
 
-    def check_target() -> tuple[str, fmt.Metadata | None]:
+    digest = skeleton_digest(flat.skeleton)
+
+    def check_target() -> tuple[str, fmt.Metadata | None, str]:
         old = None
         if storage.exists(fmt.METADATA_FILE):
             if not opts.overwrite:
@@ -420,9 +452,9 @@ def save_flat(
                 old = _existing_metadata(storage)
             except Exception:
                 old = None  # an unreadable old checkpoint is simply replaced
-        return save_id or fmt.new_save_id(), old
+        return save_id or fmt.new_save_id(), old, digest
 
-    sid, old = ctx.broadcast("save", check_target)
+    sid, old, coordinator_digest = ctx.broadcast("save", check_target)
     trace.checkpoint_id = sid
     mine = _global_plan(flat, ctx, opts, trace)
 
@@ -431,16 +463,21 @@ def save_flat(
             staged = stage(mine) if stage is not None else stage_items(flat, mine)
             sp.nbytes = sum(len(s.data) for s in staged)
         objects = flat.objects if ctx.is_coordinator else {}
-        return write_rank(storage, sid, ctx.rank, staged, objects, flat.per_rank, opts, trace)
+        out = write_rank(storage, sid, ctx.rank, staged, objects, flat.per_rank, opts, trace)
+        if digest != coordinator_digest:
+            out.skeleton, out.tensors = flat.skeleton, _tensor_specs(flat)
+        return out
 
     def commit(outputs: list[_RankOutput]) -> fmt.Metadata:
         with trace.span("commit") as sp:
             _fault("commit", ctx.rank)
             skel = flat.skeleton
-            tensors = {
-                fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
-                for fqn, leaf in flat.tensors.items()
-            }
+            tensors = _tensor_specs(flat)
+            for out in outputs:
+                if out.skeleton is not None and out.tensors is not None:
+                    skel = merge_skeletons(skel, out.skeleton)
+                    for fqn, spec in out.tensors.items():
+                        tensors.setdefault(fqn, spec)
             objects: dict[str, fmt.ObjectRecord] = {}
             per_rank: dict[str, dict[int, fmt.ObjectRecord]] = {}
             data_files: dict[str, int] = {}
@@ -660,6 +697,7 @@ def _load_local(
     opts: LoadOptions,
     trace: Trace,
 ) -> tuple[list[str], list[str], dict[str, Any]]:
+    _fault("read", ctx.rank)
     nodes = dict(iter_skeleton(md.skeleton))
     saved_leaves = set(md.tensors) | set(md.objects) | set(md.per_rank)
 

@@ -25,6 +25,7 @@ import logging
 import os
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from typing import Any, Protocol, runtime_checkable
 
@@ -41,6 +42,7 @@ __all__ = [
     "PHASES",
     "WAIT_PHASES",
     "OPERATION_STARTED",
+    "STORAGE_RETRY",
 ]
 
 log = logging.getLogger(__name__)
@@ -153,8 +155,22 @@ def recorders() -> list[Recorder]:
         return list(_recorders)
 
 
+#: event storage backends emit per retry; also counted into every open Trace
+STORAGE_RETRY = "storage_retry"
+_open_traces: weakref.WeakSet[Trace] = weakref.WeakSet()  # a trace never finished is no leak
+
+
 def emit_event(name: str, value: float = 1.0, **labels: str) -> None:
-    """Count something that is not a span (a storage retry, a dropped report)."""
+    """Count something that is not a span (a storage retry, a dropped report).
+
+    A ``storage_retry`` is also added to ``retries`` of every operation open
+    in this process (backends do not know which operation they serve; with
+    one save or load at a time, the usual case, that is exact).
+    """
+    if name == STORAGE_RETRY and _open_traces:
+        with _lock:
+            for t in _open_traces:
+                t.retries += int(value)
     for r in recorders():
         try:
             r.on_event(name, value, labels)
@@ -194,6 +210,8 @@ class Trace:
         self._extra = list(extra_recorders or [])
         self._lock = threading.Lock()
         self._finished: CheckpointReport | None = None
+        with _lock:
+            _open_traces.add(self)
         targets = self._targets()
         if targets:
             labels = {"operation": operation, "job": self.job, "rank": str(rank)}
@@ -234,6 +252,8 @@ class Trace:
 
     def finish(self, ok: bool = True, error: BaseException | str | None = None) -> CheckpointReport:
         """End the trace once; hand the report to every recorder."""
+        with _lock:
+            _open_traces.discard(self)
         with self._lock:
             if self._finished is not None:
                 return self._finished

@@ -22,6 +22,8 @@ Every leaf has an FQN: the keys on its path joined by ``.``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +44,9 @@ __all__ = [
     "flatten_tree",
     "is_json_leaf",
     "iter_skeleton",
+    "merge_skeletons",
+    "skeleton_digest",
+    "build_from_skeleton",
 ]
 
 
@@ -223,6 +228,30 @@ def iter_skeleton(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
     elif "l" in node or "t" in node:
         for i, child in enumerate(node.get("l", node.get("t"))):
             yield from iter_skeleton(child, f"{prefix}.{i}" if prefix else str(i))
+
+
+def merge_skeletons(a: Any, b: Any) -> Any:
+    """Union of two skeletons (ranks may differ: optimizer state that exists only
+    where a rank holds elements of the parameter). Keys of ``a`` keep their order."""
+    if "d" in a and "d" in b:
+        items = [[k, node] for k, node in a["d"]]
+        pos = {json.dumps(k): i for i, (k, _) in enumerate(items)}
+        for k, node in b["d"]:
+            i = pos.get(json.dumps(k))
+            if i is None:
+                pos[json.dumps(k)] = len(items)
+                items.append([k, node])
+            else:
+                items[i][1] = merge_skeletons(items[i][1], node)
+        return {"d": items}
+    for kind in ("l", "t"):
+        if kind in a and kind in b and len(a[kind]) == len(b[kind]):
+            return {kind: [merge_skeletons(x, y) for x, y in zip(a[kind], b[kind], strict=True)]}
+    return a
+
+
+def skeleton_digest(skeleton: Any) -> str:
+    return hashlib.blake2b(json.dumps(skeleton, sort_keys=False).encode(), digest_size=16).hexdigest()
 
 
 def build_from_skeleton(node: Any, leaf: Any) -> Any:

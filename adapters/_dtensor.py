@@ -1,0 +1,57 @@
+"""DTensor <-> TensorLeaf, shared by the FSDP2 (and any DTensor-based) adapter.
+
+The box a rank holds comes from torch's own layout function, so every
+placement works: ``Shard``, ``Replicate`` (replicas hold identical boxes and
+the planner writes them once; HSDP), uneven and empty shards, and the
+``_StridedShard`` of FSDP2+TP (rectangular blocks, not in naive order).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from bytecp.regions import Region
+from bytecp.state import Shard, TensorLeaf
+
+__all__ = ["is_dtensor", "dtensor_region", "dtensor_leaf", "dtensor_target", "mesh_info"]
+
+
+def is_dtensor(t: Any) -> bool:
+    return isinstance(t, DTensor)
+
+
+def dtensor_region(t: DTensor) -> Region:
+    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    return Region.of(offset, local_shape)
+
+
+def dtensor_leaf(t: DTensor) -> TensorLeaf:
+    """The leaf for a DTensor: its global shape and this rank's box (a view)."""
+    local = t.to_local()
+    region = dtensor_region(t)
+    if tuple(local.shape) != region.lengths:
+        # FSDP2 may pad the local shard of uneven dims; the box is the unpadded part
+        local = local[tuple(slice(0, n) for n in region.lengths)]
+    return TensorLeaf(tuple(t.shape), t.dtype, [Shard(region, local.detach())])
+
+
+def dtensor_target(like: DTensor, dtype: torch.dtype) -> tuple[TensorLeaf, DTensor]:
+    """A fresh DTensor laid out like ``like`` (for optimizer state) and its leaf."""
+    region = dtensor_region(like)
+    local = torch.empty(region.lengths, dtype=dtype, device=like.to_local().device)
+    dt = DTensor.from_local(local, like.device_mesh, like.placements, run_check=False,
+                            shape=like.shape, stride=like.stride())
+    return TensorLeaf(tuple(like.shape), dtype, [Shard(region, local)]), dt
+
+
+def mesh_info(t: DTensor) -> dict[str, Any]:
+    mesh = t.device_mesh
+    return {
+        "mesh_shape": list(mesh.shape),
+        "mesh_dim_names": list(mesh.mesh_dim_names or []),
+        "placements": [str(p) for p in t.placements],
+    }

@@ -1,0 +1,298 @@
+"""Functions the worker pools run on every rank: build a model under a
+framework, train, save, load, and report full tensors as torch itself sees
+them (``get_model_state_dict``/``get_optimizer_state_dict`` with
+``full_state_dict=True``), the oracle the tests compare bytecp against."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import bytecp
+
+
+class Net(nn.Module):
+    """Shapes that do not divide evenly: a prime vocabulary, a 1-row tensor."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(37, 11)
+        self.row = nn.Parameter(torch.randn(1, 11))
+        self.l1 = nn.Linear(11, 13)
+        self.l2 = nn.Linear(13, 7)
+        self.norm = nn.LayerNorm(7)
+        self.out = nn.Linear(7, 5)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.embed(idx) + self.row
+        x = torch.relu(self.l1(x))
+        return self.out(self.norm(self.l2(x)))
+
+
+def build(framework: str, seed: int = 0, variant: str = "") -> tuple[nn.Module, torch.optim.Optimizer]:
+    """``framework`` in ddp, fsdp1, fsdp2, plain; ``variant`` selects options
+    (fsdp1: ``orig``/``flat``, ``hybrid``; fsdp2: ``hsdp``)."""
+    torch.manual_seed(seed)
+    model = Net()
+    world = dist.get_world_size()
+    if framework == "ddp":
+        model = nn.parallel.DistributedDataParallel(model)
+    elif framework == "fsdp2":
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        if variant == "hsdp" and world % 2 == 0:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        else:
+            mesh = init_device_mesh("cpu", (world,))
+        for m in (model.l1, model.l2):
+            fully_shard(m, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    elif framework == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp import ShardingStrategy
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        strategy = ShardingStrategy.FULL_SHARD
+        kwargs: dict[str, Any] = {}
+        if "hybrid" in variant and world % 2 == 0:
+            from torch.distributed.device_mesh import init_device_mesh
+
+            strategy = ShardingStrategy.HYBRID_SHARD
+            kwargs["device_mesh"] = init_device_mesh("cpu", (2, world // 2))
+        if "grad_op" in variant:
+            strategy = ShardingStrategy.SHARD_GRAD_OP
+        model = FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params="flat" not in variant,
+            sharding_strategy=strategy,
+            **kwargs,
+        )
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    return model, opt
+
+
+def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    x = torch.randint(0, 37, (6, 5), generator=g)
+    return x, (x * 7 + 3) % 5
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, start: int, n: int) -> list[float]:
+    losses = []
+    for step in range(start, start + n):
+        x, y = batch(step)
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        t = loss.detach().clone()
+        dist.all_reduce(t)
+        losses.append(float(t) / dist.get_world_size())
+    return losses
+
+
+def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any] | None:
+    """Full model and optimizer state by FQN, as torch reports it (rank 0)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    # (cpu_offload=True segfaults for FSDP1 on CPU in this torch; the full
+    # state is small here, so every rank gathers it)
+    o = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    msd = get_model_state_dict(model, options=o)
+    if _fsdp1_orig(model):
+        optim, groups = _fsdp1_orig_optim(model, opt)
+    else:
+        osd = get_optimizer_state_dict(model, opt, options=o)
+        optim = {f"{p}.{k}": v.clone() for p, st in osd["state"].items() for k, v in st.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in osd["param_groups"]]
+    if dist.get_rank() != 0:
+        return None
+    return {"model": {k: v.clone() for k, v in msd.items()}, "optim": optim, "groups": groups}
+
+
+def _fsdp1_orig(model: nn.Module) -> bool:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    return isinstance(model, FSDP) and bool(model._use_orig_params)
+
+
+def _fsdp1_orig_optim(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict[str, Any], list[Any]]:
+    """Full optimizer state of an FSDP1 use_orig_params model, assembled from
+    every rank's 1-D shards (torch's own full optimizer state dict refuses
+    models where a rank holds no elements of a parameter, as Adam then keeps
+    no state for it there)."""
+    import math
+
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    mine = []
+    for prefix, m in model.named_modules():
+        if not isinstance(m, FSDP) or m._handle is None:
+            continue
+        fp = m._handle.flat_param
+        base = clean_tensor_name(prefix)
+        for i, info in enumerate(fp._shard_param_infos):
+            p = fp._params[i]
+            if not info.in_shard or p not in opt.state:
+                continue
+            fqn = clean_tensor_name(f"{base}.{fp._fqns[i]}" if base else fp._fqns[i])
+            st = {k: v.clone() for k, v in opt.state[p].items()}
+            mine.append((fqn, tuple(fp._shapes[i]), info.intra_param_start_idx, st))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    full: dict[str, torch.Tensor] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
+    for lst in every:
+        for fqn, shape, start, st in lst:
+            for k, v in st.items():
+                key = f"{fqn}.{k}"
+                if v.dim() == 0:
+                    full[key] = v
+                    continue
+                t = full.setdefault(key, torch.zeros(math.prod(shape), dtype=v.dtype))
+                t[start : start + v.numel()] = v
+                shapes[key] = shape
+    for key, shape in shapes.items():
+        full[key] = full[key].reshape(shape)
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    return full, groups
+
+
+def save_case(framework: str, url: str, variant: str = "", steps: int = 2) -> dict[str, Any] | None:
+    model, opt = build(framework, seed=0, variant=variant)
+    train(model, opt, 0, steps)
+    state = {"model": model, "optimizer": opt, "extra": {"step": steps}, "rng": bytecp.RNGState()}
+    bytecp.save(url, state, step=steps)
+    return full_state(model, opt)
+
+
+def load_case(framework: str, url: str, variant: str = "", more_steps: int = 0) -> dict[str, Any] | None:
+    model, opt = build(framework, seed=123, variant=variant)
+    extra: dict[str, Any] = {"step": -1}
+    state = {"model": model, "optimizer": opt, "extra": extra, "rng": bytecp.RNGState()}
+    bytecp.load(url, state)
+    out = full_state(model, opt)
+    losses = train(model, opt, extra["step"], more_steps) if more_steps else []
+    if out is not None:
+        out["step"] = extra["step"]
+        out["losses"] = losses
+    return out
+
+
+def continuous_case(framework: str, variant: str = "", steps: int = 2, more_steps: int = 3) -> list[float]:
+    model, opt = build(framework, seed=0, variant=variant)
+    train(model, opt, 0, steps)
+    return train(model, opt, steps, more_steps)
+
+
+def fixed_loss(model: nn.Module) -> float:
+    g = torch.Generator().manual_seed(7)
+    x = torch.randint(0, 37, (32, 5), generator=g)
+    with torch.no_grad():
+        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), ((x * 7 + 3) % 5).flatten())
+    t = loss.detach().clone()
+    dist.all_reduce(t)
+    return float(t) / dist.get_world_size()
+
+
+def resume_decreases(framework: str, url: str, variant: str = "", more_steps: int = 6) -> tuple[float, float]:
+    model, opt = build(framework, seed=123, variant=variant)
+    extra: dict[str, Any] = {"step": -1}
+    bytecp.load(url, {"model": model, "optimizer": opt, "extra": extra, "rng": bytecp.RNGState()})
+    before = fixed_loss(model)
+    train(model, opt, extra["step"], more_steps)
+    return before, fixed_loss(model)
+
+
+def failing_save(url: str, fault: str, kind: str = "ERROR") -> tuple[str, float]:
+    """Save with a fault injected on one rank; return the error text and seconds to fail."""
+    import time
+
+    model, opt = build("fsdp2", seed=0)
+    os.environ[f"BYTECP_FAULT_{kind}"] = fault
+    t0 = time.perf_counter()
+    try:
+        bytecp.save(url, {"model": model, "optimizer": opt})
+    except bytecp.DistributedCheckpointError as e:
+        return str(e), time.perf_counter() - t0
+    finally:
+        os.environ.pop(f"BYTECP_FAULT_{kind}", None)
+    return "no error", time.perf_counter() - t0
+
+
+def failing_load(url: str, fault: str) -> tuple[str, float]:
+    import time
+
+    model, opt = build("fsdp2", seed=5)
+    os.environ["BYTECP_FAULT_ERROR"] = fault
+    t0 = time.perf_counter()
+    try:
+        bytecp.load(url, {"model": model, "optimizer": opt}, strict=False)
+    except bytecp.DistributedCheckpointError as e:
+        return str(e), time.perf_counter() - t0
+    finally:
+        os.environ.pop("BYTECP_FAULT_ERROR", None)
+    return "no error", time.perf_counter() - t0
+
+
+def mismatched_load(url: str) -> str:
+    class Wider(Net):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = nn.Linear(11, 17)
+
+    model = nn.parallel.DistributedDataParallel(Wider())
+    try:
+        bytecp.load(url, {"model": model}, strict=False)
+    except bytecp.DistributedCheckpointError as e:
+        return str(e)
+    return "no error"
+
+
+def plan_cache_stats(url: str) -> list[tuple[int, int]]:
+    """(collectives, bytes sent) of the plan step for three saves of one model."""
+    from bytecp import dist as bdist
+    from bytecp import engine
+
+    engine.PLAN_CACHE.clear()
+    model, opt = build("ddp", seed=0)
+    train(model, opt, 0, 1)
+    out = []
+    orig = bdist.DistContext.__init__
+
+    captured: list[Any] = []
+
+    def spy(self: Any, *a: Any, **k: Any) -> None:
+        orig(self, *a, **k)
+        captured.append(self)
+
+    bdist.DistContext.__init__ = spy  # type: ignore[method-assign]
+    try:
+        for i in range(3):
+            captured.clear()
+            bytecp.save(f"{url}-{i}", {"model": model, "optimizer": opt})
+            s = captured[0].stats
+            out.append((s.calls, s.bytes_sent))
+    finally:
+        bdist.DistContext.__init__ = orig  # type: ignore[method-assign]
+    return out
+
+
+def rank() -> int:
+    return dist.get_rank()
+
+
+def env(name: str) -> str | None:
+    return os.environ.get(name)

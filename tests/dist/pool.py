@@ -1,0 +1,123 @@
+"""A pool of spawned gloo ranks that runs test functions on every rank.
+
+Spawning and importing torch costs 10-40 s per group on 2 cores, so each
+world size gets one pool per test session and every check reuses it. Every
+call is bounded by a timeout: a hang kills the pool and fails the test,
+never the suite.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import multiprocessing as mp
+import os
+import queue
+import socket
+import traceback
+from typing import Any
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class WorkerError(RuntimeError):
+    """One or more ranks raised; the message holds each rank's traceback."""
+
+    def __init__(self, failures: dict[int, str]) -> None:
+        self.failures = failures
+        super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
+
+
+def _worker(rank: int, world: int, port: int, inq: Any, outq: Any, env: dict[str, str]) -> None:
+    os.environ.update(env)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
+    outq.put((rank, True, "ready"))
+    while True:
+        task = inq.get()
+        if task is None:
+            break
+        module, name, args, kwargs = task
+        try:
+            fn = getattr(importlib.import_module(module), name)
+            outq.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            outq.put((rank, False, traceback.format_exc()))
+    try:
+        dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+class WorkerPool:
+    """``world_size`` ranks on gloo; ``run(fn, ...)`` calls ``fn`` on all of them."""
+
+    def __init__(self, world_size: int, *, start_timeout: float = 180, env: dict[str, str] | None = None) -> None:
+        self.world_size = world_size
+        ctx = mp.get_context("spawn")
+        self._inq = [ctx.Queue() for _ in range(world_size)]
+        self._outq = ctx.Queue()
+        port = free_port()
+        self.procs = [
+            ctx.Process(target=_worker, args=(r, world_size, port, self._inq[r], self._outq, env or {}), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+        self._collect(start_timeout)
+
+    def _collect(self, timeout: float) -> list[Any]:
+        import time
+
+        deadline = time.monotonic() + timeout
+        results: dict[int, Any] = {}
+        failures: dict[int, str] = {}
+        while len(results) + len(failures) < self.world_size:
+            left = deadline - time.monotonic()
+            dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in results and r not in failures]
+            try:
+                rank, ok, val = self._outq.get(timeout=max(0.05, min(left, 1.0)))
+            except queue.Empty:
+                if dead and left < timeout - 5:
+                    for r in dead:
+                        failures[r] = f"process exited with code {self.procs[r].exitcode}"
+                if left <= 0:
+                    self.close(kill=True)
+                    missing = sorted(set(range(self.world_size)) - set(results) - set(failures))
+                    raise TimeoutError(f"ranks {missing} did not finish within {timeout} s") from None
+                continue
+            (results if ok else failures)[rank] = val
+        if failures:
+            raise WorkerError(failures)
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Any, *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
+        for q in self._inq:
+            q.put((fn.__module__, fn.__qualname__, args, kwargs))
+        return self._collect(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def close(self, kill: bool = False) -> None:
+        if not kill:
+            for q in self._inq:
+                try:
+                    q.put(None)
+                except Exception:
+                    pass
+            for p in self.procs:
+                p.join(timeout=10)
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
