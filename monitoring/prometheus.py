@@ -23,7 +23,7 @@ from typing import Any
 
 from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
 
-from bytecp.recorder import OPERATION_STARTED, CheckpointReport, add_recorder
+from bytecp.recorder import OPERATION_STARTED, STORAGE_RETRY, CheckpointReport, add_recorder
 
 __all__ = ["PrometheusRecorder", "enable_prometheus", "PROCESS_METRICS", "SECONDS_BUCKETS"]
 
@@ -99,8 +99,8 @@ class PrometheusRecorder:
         )
         self.storage_retries = Counter(
             "bytecp_storage_retries",
-            "Storage retries as the backends report them",
-            ("job", "rank"), **kw,
+            "Storage retries as the backends report them, by backend and reason",
+            ("job", "rank", "backend", "reason"), **kw,
         )
         self.nbytes = Counter("bytecp_bytes", "Bytes written by saves, read by loads", _BASE, **kw)
         self.throughput = Gauge(
@@ -146,8 +146,9 @@ class PrometheusRecorder:
             with self._lock:
                 self._open[key] = self._open.get(key, 0) + 1
             self.in_flight.labels(*key).inc()
-        elif name == "storage_retry":
-            self.storage_retries.labels(job, rank).inc(value)
+        elif name == STORAGE_RETRY:
+            backend, reason = labels.get("backend", "unknown"), labels.get("reason", "unknown")
+            self.storage_retries.labels(job, rank, backend, reason).inc(value)
         elif name == "monitor_report_dropped":
             self.dropped.labels(job, rank).inc(value)
 

@@ -53,9 +53,12 @@ def test_failures_retries_events_and_drops() -> None:
         rec.on_report(r)
     assert _v(reg, "bytecp_failures_total", job="j", rank="1", operation="save") == 1.0
     assert _v(reg, "bytecp_failures_total", job="j", rank="0", operation="save") == 0.0
-    rec.on_event("storage_retry", 1.0, {"backend": "s3"})
+    rec.on_event("storage_retry", 1.0, {"backend": "s3", "reason": "throttled"})
+    rec.on_event("storage_retry", 1.0, {"backend": "s3", "reason": "throttled"})
     rec.on_event("storage_retry", 1.0, {})
-    assert _v(reg, "bytecp_storage_retries_total", job="j", rank="1") == 2.0
+    lab = {"job": "j", "rank": "1"}
+    assert _v(reg, "bytecp_storage_retries_total", backend="s3", reason="throttled", **lab) == 2.0
+    assert _v(reg, "bytecp_storage_retries_total", backend="unknown", reason="unknown", **lab) == 1.0
     rec.on_event("monitor_report_dropped", 1.0, {"job": "j", "rank": "1"})
     assert _v(reg, "bytecp_monitor_reports_dropped_total", job="j", rank="1") == 1.0
     # a report whose start this recorder never saw leaves the gauge alone
@@ -126,3 +129,19 @@ print("quiet")
     env = {k: v for k, v in __import__("os").environ.items() if not k.startswith("BYTECP_MONITOR")}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0 and "quiet" in out.stdout, out.stderr
+
+
+def test_storage_retries_count_into_the_open_operation() -> None:
+    reg = CollectorRegistry()
+    recorder.add_recorder(PrometheusRecorder(reg, job="r", rank=0))  # removed by the autouse fixture
+    trace = recorder.Trace("save", "memory://retry", rank=0)
+    recorder.emit_event(recorder.STORAGE_RETRY, 1, backend="s3", reason="throttled")
+    recorder.emit_event(recorder.STORAGE_RETRY, 1, backend="s3", reason="5xx")
+    report = trace.finish()
+    recorder.emit_event(recorder.STORAGE_RETRY, 1, backend="s3", reason="5xx")  # after: not this save's
+    assert report.retries == 2
+    lab = {"job": report.job, "rank": "0", "operation": "save"}
+    assert reg.get_sample_value("bytecp_retries_total", lab) == 2.0
+    assert reg.get_sample_value(
+        "bytecp_storage_retries_total", {"job": "r", "rank": "0", "backend": "s3", "reason": "5xx"}
+    ) == 2.0
