@@ -71,6 +71,7 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
 
     matplotlib.use("Agg", force=False)
     from matplotlib import pyplot as plt
+    from matplotlib.collections import LineCollection, PolyCollection
     from matplotlib.patches import Patch
 
     ranks = list(range(agg.world_size)) or sorted(agg.reports)
@@ -98,31 +99,42 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
     bar_h = 0.72 if n <= 64 else 0.9
 
     if straggler is not None and straggler in row_of:
+        half = max(0.5, n / 300)  # stays visible when rows are thinner than a pixel
         for a in (ax, ax_stall):
-            a.axhspan(row_of[straggler] - 0.5, row_of[straggler] + 0.5, color=STRAGGLER_COLOUR, alpha=0.10, lw=0)
+            a.axhspan(row_of[straggler] - half, row_of[straggler] + half, color=STRAGGLER_COLOUR, alpha=0.12, lw=0)
 
+    # One collection per phase (not one artist per bar): thousands of ranks draw in seconds.
+    boxes: dict[str, list[list[tuple[float, float]]]] = {p: [] for p in phases}
+    slow_boxes: list[list[tuple[float, float]]] = []
+    waits: list[list[tuple[float, float]]] = []
     for r in ranks:
         y = row_of[r]
         rep = agg.reports.get(r)
         if rep is None:
-            ax.text(span_end * 0.01, y, "no report", va="center", ha="left", color="#777777", fontsize=9, style="italic")
+            if n <= 64:
+                ax.text(span_end * 0.01, y, "no report", va="center", ha="left", color="#777777", fontsize=9, style="italic")
             continue
         # the whole call as a thin line: gaps between phases are waits on other ranks
-        ax.plot([rep.started - t0, rep.ended - t0], [y, y], color=_WAIT_COLOUR, lw=1.2, zorder=1, solid_capstyle="butt")
+        waits.append([(rep.started - t0, y), (rep.ended - t0, y)])
+        lo, hi = y - bar_h / 2, y + bar_h / 2
         for s in rep.spans:
             x = s.start - t0
             w = max(s.duration, span_end * 0.002)  # keep very short phases visible
-            slow = straggler == r and st is not None and s.phase == st.phase
-            ax.broken_barh(
-                [(x, w)],
-                (y - bar_h / 2, bar_h),
-                facecolors=colours[s.phase],
-                edgecolors=STRAGGLER_COLOUR if slow else "white",
-                linewidth=2.2 if slow else (0.4 if n <= 64 else 0),
-                zorder=3 if slow else 2,
-            )
-        if not rep.ok:
-            ax.text(rep.ended - t0, y, "  FAILED", va="center", ha="left", color=STRAGGLER_COLOUR, fontsize=9, weight="bold")
+            box = [(x, lo), (x + w, lo), (x + w, hi), (x, hi)]
+            boxes[s.phase].append(box)
+            if straggler == r and st is not None and s.phase == st.phase:
+                slow_boxes.append(box)
+    ax.add_collection(LineCollection(waits, colors=_WAIT_COLOUR, linewidths=1.2 if n <= 64 else 0.5, zorder=1))
+    edge = 0.4 if n <= 64 else 0.0
+    for phase, polys in boxes.items():
+        ax.add_collection(PolyCollection(polys, facecolors=colours[phase], edgecolors="white", linewidths=edge, zorder=2))
+    if slow_boxes:
+        ax.add_collection(
+            PolyCollection(slow_boxes, facecolors="none", edgecolors=STRAGGLER_COLOUR, linewidths=2.2, zorder=3)
+        )
+    failed = [row_of[r] for r in ranks if r in agg.reports and not agg.reports[r].ok]
+    if failed and n > 64:
+        ax.scatter([span_end * 1.02] * len(failed), failed, marker="x", color=STRAGGLER_COLOUR, s=12, zorder=4)
 
     # straggler annotation, placed after its slow phase
     if straggler is not None and st is not None and straggler in agg.reports:
@@ -147,14 +159,17 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
 
     # y labels: every rank when they fit, else a sample plus the straggler
     step = 1 if n <= 40 else max(1, n // 24)
-    ticks = sorted({row_of[r] for r in ranks[::step]} | ({row_of[straggler]} if straggler is not None else set()))
+    ticks = sorted({row_of[r] for r in ranks[::step]} | set(failed[:16]) | ({row_of[straggler]} if straggler is not None else set()))
     ax.set_yticks(ticks)
     labels = []
     for t in ticks:
         r = ranks[t]
-        labels.append(f"rank {r}")
+        bad = r in agg.reports and not agg.reports[r].ok
+        labels.append(f"FAILED rank {r}" if bad else f"rank {r}")
     ax.set_yticklabels(labels, fontsize=9 if n <= 40 else 7)
     for tick, t in zip(ax.get_yticklabels(), ticks, strict=True):
+        if ranks[t] in agg.reports and not agg.reports[ranks[t]].ok:
+            tick.set_color(STRAGGLER_COLOUR)
         if ranks[t] == straggler:
             tick.set_color(STRAGGLER_COLOUR)
             tick.set_fontweight("bold")
