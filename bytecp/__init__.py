@@ -6,6 +6,7 @@ docs/ for the guide and docs/FORMAT.md for the on-storage format.
 """
 
 from .api import LoadResult, __version__, load, load_state_dict, save
+from .async_save import SaveHandle, async_save, wait_for_pending_save
 from .errors import (
     BytecpError,
     CheckpointExistsError,
@@ -23,6 +24,9 @@ from .extras import PerRankState, RNGState
 
 __all__ = [
     "save",
+    "async_save",
+    "SaveHandle",
+    "wait_for_pending_save",
     "load",
     "load_state_dict",
     "LoadResult",

@@ -89,11 +89,13 @@ def save(
     t0 = time.perf_counter()
     _check_state(state)
     opts = engine.SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, io_threads=io_threads)
+    from .async_save import _raise_previous
     ctx = DistContext(process_group, coordinator_rank)
     storage = _storage(url, storage_options)
     trace = Trace("save", storage.url, rank=ctx.rank, world_size=ctx.world_size, step=step,
                   extra_recorders=_recorders(monitor))
     try:
+        _raise_previous(trace)  # one save in flight per process
         adapter = detect_adapter(state, framework)
         with trace.span("plan"):
             flat = flatten_tree(adapter.save_tree(state, ctx))

@@ -201,6 +201,7 @@ def _local_plan(flat: FlatTree, rank: int) -> LocalSavePlan:
 def _global_plan(flat: FlatTree, ctx: DistContext, opts: SaveOptions, trace: Trace) -> list[WriteItem]:
     """This rank's share of the global plan, exchanging only fingerprints when cached."""
     with trace.span("plan"):
+        _fault("plan", ctx.rank)
         local = _local_plan(flat, ctx.rank)
         fp = plan_fingerprint(local)
         cache_key = (ctx.world_size, ctx.rank, opts.split_bytes, id(ctx.group))
@@ -365,8 +366,10 @@ def write_rank(
     opts: SaveOptions,
     trace: Trace,
     pool: concurrent.futures.Executor | None = None,
+    first_file: int = 0,
 ) -> _RankOutput:
-    """Write this rank's data files and index; returns what the coordinator needs."""
+    """Write data files ``first_file``, ``first_file+1``... of this rank (one
+    per writer thread); returns their chunks and object records."""
     obj_records: dict[str, fmt.ObjectRecord] = {}
     rank_records: dict[str, fmt.ObjectRecord] = {}
     blobs: list[tuple[str, bytes]] = []
@@ -382,7 +385,7 @@ def write_rank(
                 blob_kind[key] = (fqn, needs_pickle)
 
     groups = _split_files(staged, blobs, opts.io_threads)
-    paths = [fmt.data_file(save_id, rank, i) for i in range(len(groups))]
+    paths = [fmt.data_file(save_id, rank, first_file + i) for i in range(len(groups))]
     with trace.span("write") as sp:
         _fault("write", rank)
         own_pool = pool is None and len(groups) > 1
@@ -405,14 +408,9 @@ def write_rank(
                 fqn, needs_pickle = blob_kind[key]
                 rec = fmt.ObjectRecord(file=path, byte_offset=off, nbytes=n, crc32c=crc, pickle=needs_pickle)
                 (obj_records if key.startswith("obj:") else rank_records)[fqn] = rec
-        index_path = None
-        if chunks:
-            index_path = fmt.index_file(save_id, rank)
-            data = fmt.write_index(chunks)
-            storage.write_file(index_path, [data])
         sp.nbytes = sum(data_files.values())
-        sp.files = len(data_files) + (1 if index_path else 0)
-    return _RankOutput(chunks, data_files, index_path, obj_records, rank_records)
+        sp.files = len(data_files)
+    return _RankOutput(chunks, data_files, None, obj_records, rank_records)
 
 
 def _existing_metadata(storage: Storage) -> fmt.Metadata | None:
@@ -421,23 +419,26 @@ def _existing_metadata(storage: Storage) -> fmt.Metadata | None:
     return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
 
 
-def save_flat(
+@dataclasses.dataclass
+class PreparedSave:
+    """A save after its target check and plan: what this rank must write."""
+
+    save_id: str
+    old: fmt.Metadata | None
+    items: list[WriteItem]
+    digest: str
+    coordinator_digest: str
+
+
+def prepare_save(
     storage: Storage,
     flat: FlatTree,
     ctx: DistContext,
-    *,
-    framework: str,
-    parallelism: dict[str, Any],
-    step: int | None,
-    user_metadata: dict[str, Any],
     opts: SaveOptions,
     trace: Trace,
-    stage: Callable[[list[WriteItem]], list[_Staged]] | None = None,
     save_id: str | None = None,
-    bytecp_version: str = "",
-) -> fmt.Metadata:
-    """Save a flattened state; every rank calls it. Returns the committed metadata."""
-
+) -> PreparedSave:
+    """(all ranks) Refuse to overwrite unless asked, pick the save id, plan."""
     digest = skeleton_digest(flat.skeleton)
 
     def check_target() -> tuple[str, fmt.Metadata | None, str]:
@@ -456,15 +457,50 @@ def save_flat(
 
     sid, old, coordinator_digest = ctx.broadcast("save", check_target)
     trace.checkpoint_id = sid
-    mine = _global_plan(flat, ctx, opts, trace)
+    items = _global_plan(flat, ctx, opts, trace)
+    return PreparedSave(sid, old, items, digest, coordinator_digest)
 
-    def write() -> _RankOutput:
-        with trace.span("stage") as sp:
-            staged = stage(mine) if stage is not None else stage_items(flat, mine)
-            sp.nbytes = sum(len(s.data) for s in staged)
-        objects = flat.objects if ctx.is_coordinator else {}
-        out = write_rank(storage, sid, ctx.rank, staged, objects, flat.per_rank, opts, trace)
-        if digest != coordinator_digest:
+
+def merge_outputs(outputs: Sequence[_RankOutput]) -> _RankOutput:
+    """One rank's outputs of several write batches as one."""
+    out = _RankOutput([], {}, None, {}, {})
+    for o in outputs:
+        out.chunks += o.chunks
+        out.data_files.update(o.data_files)
+        out.objects.update(o.objects)
+        out.per_rank.update(o.per_rank)
+    return out
+
+
+def write_index(storage: Storage, save_id: str, rank: int, out: _RankOutput) -> _RankOutput:
+    if out.chunks:
+        out.index_file = fmt.index_file(save_id, rank)
+        storage.write_file(out.index_file, [fmt.write_index(out.chunks)])
+    return out
+
+
+def commit_save(
+    storage: Storage,
+    flat: FlatTree,
+    ctx: DistContext,
+    prep: PreparedSave,
+    write: Callable[[], _RankOutput],
+    *,
+    framework: str,
+    parallelism: dict[str, Any],
+    step: int | None,
+    user_metadata: dict[str, Any],
+    trace: Trace,
+    bytecp_version: str = "",
+) -> fmt.Metadata:
+    """(all ranks) Run ``write`` (this rank's data files and index), then the
+    coordinator commits ``metadata.json``; a failure anywhere fails every rank
+    and removes the save's files."""
+    sid = prep.save_id
+
+    def write_step() -> _RankOutput:
+        out = write()
+        if prep.digest != prep.coordinator_digest:
             out.skeleton, out.tensors = flat.skeleton, _tensor_specs(flat)
         return out
 
@@ -511,18 +547,51 @@ def save_flat(
         return md
 
     try:
-        md = ctx.all_reduce("save", write, commit)
+        md = ctx.all_reduce("save", write_step, commit)
     except BaseException:
         if ctx.is_coordinator:
             _cleanup_save(storage, sid)
         raise
-    if ctx.is_coordinator and old is not None:
-        stale = old.referenced_files() - md.referenced_files()
+    if ctx.is_coordinator and prep.old is not None:
+        stale = prep.old.referenced_files() - md.referenced_files()
         try:
             storage.delete(sorted(stale))
         except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
             log.warning("bytecp: could not delete files of the replaced checkpoint at %s: %s", storage.url, e)
     return md
+
+
+def save_flat(
+    storage: Storage,
+    flat: FlatTree,
+    ctx: DistContext,
+    *,
+    framework: str,
+    parallelism: dict[str, Any],
+    step: int | None,
+    user_metadata: dict[str, Any],
+    opts: SaveOptions,
+    trace: Trace,
+    save_id: str | None = None,
+    bytecp_version: str = "",
+) -> fmt.Metadata:
+    """Synchronous save of a flattened state; every rank calls it. Contiguous
+    tensors are written straight from their memory (no staging copy)."""
+    prep = prepare_save(storage, flat, ctx, opts, trace, save_id)
+
+    def write() -> _RankOutput:
+        with trace.span("stage") as sp:
+            staged = stage_items(flat, prep.items)
+            sp.nbytes = sum(len(s.data) for s in staged)
+        objects = flat.objects if ctx.is_coordinator else {}
+        out = write_rank(storage, prep.save_id, ctx.rank, staged, objects, flat.per_rank, opts, trace)
+        return write_index(storage, prep.save_id, ctx.rank, out)
+
+    return commit_save(
+        storage, flat, ctx, prep, write,
+        framework=framework, parallelism=parallelism, step=step,
+        user_metadata=user_metadata, trace=trace, bytecp_version=bytecp_version,
+    )
 
 
 def _cleanup_save(storage: Storage, save_id: str) -> None:

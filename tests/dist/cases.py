@@ -290,6 +290,19 @@ def plan_cache_stats(url: str) -> list[tuple[int, int]]:
     return out
 
 
+def async_case(framework: str, url: str, lazy: bool, variant: str = "") -> dict[str, Any] | None:
+    """async_save while training (with its own collectives) goes on; returns
+    the full state at the moment of the call."""
+    model, opt = build(framework, seed=0, variant=variant)
+    train(model, opt, 0, 2)
+    ref = full_state(model, opt)
+    state = {"model": model, "optimizer": opt, "extra": {"step": 2}, "rng": bytecp.RNGState()}
+    h = bytecp.async_save(url, state, lazy=lazy, step=2)
+    train(model, opt, 2, 3)
+    h.wait(timeout=120)
+    return ref
+
+
 def rank() -> int:
     return dist.get_rank()
 

@@ -135,6 +135,14 @@ def test_plan_cache_second_save_exchanges_only_fingerprints(pools, tmp_path: Pat
         assert (c2, b2) == (c3, b3)
 
 
+@pytest.mark.parametrize("fw,lazy", [("ddp", False), ("fsdp2", True), ("fsdp1", False)])
+def test_async_save_while_training_runs_collectives(pools, tmp_path: Path, fw: str, lazy: bool) -> None:
+    url = str(tmp_path / "ck")
+    ref = pools(2).run(cases.async_case, fw, url, lazy, variant_for(fw, 2))[0]
+    got = pools(3).run(cases.load_case, fw, url, variant_for(fw, 3))[0]
+    assert_same_state(ref, got, f"async {fw} lazy={lazy} 2->3")
+
+
 def test_failure_on_one_rank_reaches_every_rank_during_save(pools, tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
     results = pools(2).run(cases.failing_save, url, "write:1")

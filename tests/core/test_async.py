@@ -1,0 +1,140 @@
+"""async_save and lazy mode in one process: returns before the bytes are on
+storage, snapshots the state at the call, reuses staging memory, never loses
+a background failure."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.staging import POOL
+
+from .helpers import same_bits
+
+
+def model_and_opt(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(64, 129), nn.ReLU(), nn.Linear(129, 3))
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    step(m, opt)
+    return m, opt
+
+
+def step(m: nn.Module, opt: torch.optim.Optimizer) -> None:
+    m(torch.randn(8, 64)).pow(2).mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def snapshot(m: nn.Module, opt: torch.optim.Optimizer) -> dict:
+    return {
+        "model": {k: v.clone() for k, v in m.state_dict().items()},
+        "optim": {(i, k): v.clone() for i, st in opt.state_dict()["state"].items() for k, v in st.items()},
+    }
+
+
+def assert_loaded_equals(url: str, snap: dict) -> None:
+    m2, opt2 = model_and_opt(seed=5)
+    bytecp.load(url, {"model": m2, "optimizer": opt2})
+    for k, v in snap["model"].items():
+        assert same_bits(v, m2.state_dict()[k]), k
+    for (i, k), v in snap["optim"].items():
+        assert same_bits(v, opt2.state_dict()["state"][i][k]), (i, k)
+
+
+def test_async_returns_before_bytes_are_on_storage(tmp_path: Path, monkeypatch) -> None:
+    m, opt = model_and_opt()
+    snap = snapshot(m, opt)
+    url = str(tmp_path / "ck")
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "write:0:1.0")
+    h = bytecp.async_save(url, {"model": m, "optimizer": opt})
+    assert h.staged() and not h.done()
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+    step(m, opt)  # training goes on: the staged copy is what gets written
+    md = h.wait(timeout=60)
+    assert h.done() and md.save_id and (tmp_path / "ck" / "metadata.json").exists()
+    assert_loaded_equals(url, snap)
+
+
+def test_lazy_checkpoint_is_the_state_at_the_call(tmp_path: Path, monkeypatch) -> None:
+    m, opt = model_and_opt()
+    snap = snapshot(m, opt)
+    url = str(tmp_path / "ck")
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "plan:0:0.5")  # staging starts late
+    h = bytecp.async_save(url, {"model": m, "optimizer": opt}, lazy=True)
+    assert not h.staged()
+    for _ in range(3):  # the first step waits in the pre-step hook, then training runs on
+        step(m, opt)
+    h.wait(timeout=60)
+    assert not same_bits(snap["model"]["0.weight"], m.state_dict()["0.weight"])
+    assert_loaded_equals(url, snap)
+
+
+def test_staging_memory_is_reused_across_saves(tmp_path: Path) -> None:
+    m, opt = model_and_opt()
+    bytecp.async_save(str(tmp_path / "a"), {"model": m, "optimizer": opt}).wait()
+    before = POOL.allocations
+    for i in range(3):
+        step(m, opt)
+        bytecp.async_save(str(tmp_path / f"b{i}"), {"model": m, "optimizer": opt}).wait()
+    assert POOL.allocations == before
+
+
+def test_memory_budget_stages_in_batches(tmp_path: Path) -> None:
+    m, opt = model_and_opt()
+    snap = snapshot(m, opt)
+    url = str(tmp_path / "ck")
+    h = bytecp.async_save(url, {"model": m, "optimizer": opt}, memory_budget_bytes=40_000)
+    step(m, opt)
+    h.wait(timeout=60)
+    assert len(list((tmp_path / "ck" / "data").rglob("*.bin"))) >= 3
+    assert_loaded_equals(url, snap)
+
+
+def test_one_save_in_flight_and_failures_are_never_lost(tmp_path: Path, monkeypatch, caplog) -> None:
+    m, opt = model_and_opt()
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
+    with caplog.at_level(logging.ERROR, logger="bytecp"):
+        h = bytecp.async_save(str(tmp_path / "bad"), {"model": m, "optimizer": opt})
+        with pytest.raises(RuntimeError, match="injected failure"):
+            h.wait(timeout=60)
+    assert any("async save" in r.message and "failed" in r.message for r in caplog.records)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    # seen by wait(): the next save proceeds
+    bytecp.async_save(str(tmp_path / "ok"), {"model": m, "optimizer": opt}).wait()
+    # unseen: the next save (sync or async) raises it once
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
+    bytecp.async_save(str(tmp_path / "bad2"), {"model": m, "optimizer": opt})
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    with pytest.raises(bytecp.BytecpError, match="previous async save .* failed"):
+        bytecp.save(str(tmp_path / "next"), {"model": m})
+    bytecp.save(str(tmp_path / "next"), {"model": m})
+    assert not (tmp_path / "bad" / "metadata.json").exists()
+
+
+def test_a_new_save_waits_for_the_previous(tmp_path: Path, monkeypatch) -> None:
+    m, opt = model_and_opt()
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "write:0:0.6")
+    first = bytecp.async_save(str(tmp_path / "a"), {"model": m, "optimizer": opt})
+    second = bytecp.async_save(str(tmp_path / "b"), {"model": m, "optimizer": opt})
+    assert first.done()  # the second call waited for it
+    second.wait(timeout=60)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: pinned staging and side-stream copies need a GPU")
+def test_cuda_state_is_staged_through_pinned_memory(tmp_path: Path) -> None:
+    m = nn.Linear(256, 257).cuda()
+    want = {k: v.cpu() for k, v in m.state_dict().items()}
+    h = bytecp.async_save(str(tmp_path / "ck"), {"model": m})
+    with torch.no_grad():
+        m.weight.add_(1)
+    h.wait(timeout=60)
+    sd = bytecp.load_state_dict(str(tmp_path / "ck"))
+    for k, v in want.items():
+        assert same_bits(v, sd["model"][k])
