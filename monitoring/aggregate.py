@@ -229,12 +229,17 @@ class Aggregator:
         *,
         complete_after: float = 120.0,
         keep: int = 1000,
+        max_reports: int = 500_000,
         on_finalize: Callable[[CheckpointAggregate], None] | None = None,
     ) -> None:
-        if complete_after <= 0 or keep <= 0:
-            raise ValueError("complete_after and keep must be positive")
+        if complete_after <= 0 or keep <= 0 or max_reports <= 0:
+            raise ValueError("complete_after, keep and max_reports must be positive")
         self.complete_after = complete_after
+        #: at most this many checkpoints, and this many rank reports in all, are kept
+        #: (oldest forgotten first): memory stays bounded at thousands of ranks
         self.keep = keep
+        self.max_reports = max_reports
+        self._nreports = 0
         self.on_finalize = on_finalize
         self._lock = threading.Lock()
         self._items: OrderedDict[int, CheckpointAggregate] = OrderedDict()
@@ -259,11 +264,13 @@ class Aggregator:
                 self._seq += 1
                 self._items[self._seq] = agg
                 self._latest[key] = agg
-                while len(self._items) > self.keep:
-                    _, old = self._items.popitem(last=False)
-                    if self._latest.get(old.key) is old:
-                        del self._latest[old.key]
             agg.reports[report.rank] = report
+            self._nreports += 1
+            while len(self._items) > 1 and (len(self._items) > self.keep or self._nreports > self.max_reports):
+                _, old = self._items.popitem(last=False)
+                self._nreports -= len(old.reports)
+                if self._latest.get(old.key) is old:
+                    del self._latest[old.key]
             agg.world_size = max(agg.world_size, report.world_size)
             if agg.complete and not agg.finalized:
                 agg.finalized = True

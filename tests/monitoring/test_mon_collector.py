@@ -217,3 +217,19 @@ def test_tls_and_token_together() -> None:
         push.close(0)
     finally:
         server.stop(None)
+
+
+def test_ls_and_show_ask_the_collector(collector: CollectorServer, capsys: pytest.CaptureFixture[str]) -> None:
+    from bytecp.monitoring.cli import main
+
+    addr = f"127.0.0.1:{collector.grpc_port}"
+    with CollectorClient(addr) as client:
+        for r in make_reports(3, job="cli", slow={(1, "stage"): 0.6}):
+            client.report(report_to_pb(r))
+    assert main(["ls", "--collector", addr]) == 0
+    [line] = [x for x in capsys.readouterr().out.splitlines() if x.startswith("cli")]
+    assert "step 100" in line and "3/3 ranks" in line and "straggler rank 1 stage" in line
+    assert main(["show", "ckpt-100", "--collector", addr, "--job", "cli"]) == 0
+    assert "straggler: rank 1 in stage" in capsys.readouterr().out
+    assert main(["show", "nope", "--collector", addr]) == 2
+    assert "NOT_FOUND" in capsys.readouterr().err

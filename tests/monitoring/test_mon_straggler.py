@@ -115,3 +115,13 @@ def test_median_of_the_other_ranks() -> None:
             rest = list(values)
             rest.remove(v)
             assert _median_without(ordered, v) == (median(rest) if rest else v)
+
+
+def test_memory_is_bounded_by_reports_too() -> None:
+    aggr = Aggregator(keep=100, max_reports=10)
+    for i in range(5):
+        for r in make_reports(4, checkpoint_id=f"c{i}", t0=1000.0 + i):
+            aggr.add(r)
+    kept = aggr.list()
+    assert [a.key.checkpoint_id for a in kept] == ["c4", "c3"]
+    assert sum(len(a.reports) for a in kept) <= 10
