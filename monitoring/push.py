@@ -137,20 +137,30 @@ class PushRecorder:
             self._thread.start()
 
     def _run(self) -> None:
-        channel = open_channel(self.address, root_certificates=self._root_certificates)
-        stub = monitor_pb2_grpc.CollectorStub(channel)
         q = self._queue
+        channel: grpc.Channel | None = None
+        stub: monitor_pb2_grpc.CollectorStub | None = None
+        broken = ""
+        try:
+            channel = open_channel(self.address, root_certificates=self._root_certificates)
+            stub = monitor_pb2_grpc.CollectorStub(channel)
+        except Exception as e:  # a bad CA file, say: keep draining so nothing waits on us
+            broken = f"cannot open a channel: {type(e).__name__}: {e}"
         try:
             while True:
                 report = q.get()
                 try:
                     if report is None:
                         return
-                    self._send(stub, report)
+                    if stub is None:
+                        self._drop(report, broken)
+                    else:
+                        self._send(stub, report)
                 finally:
                     q.task_done()
         finally:
-            channel.close()
+            if channel is not None:
+                channel.close()
 
     def _send(self, stub: monitor_pb2_grpc.CollectorStub, report: CheckpointReport) -> None:
         try:
@@ -167,13 +177,15 @@ class PushRecorder:
         except Exception as e:
             self._drop(report, f"{type(e).__name__}: {e}")
             return
-        self.sent += 1
+        with self._lock:
+            self.sent += 1
         if self._warned:
             self._warned = False
             log.warning("bytecp monitor: collector at %s reachable again; reports resume", self.address)
 
     def _drop(self, report: CheckpointReport, why: str) -> None:
-        self.dropped += 1
+        with self._lock:
+            self.dropped += 1
         if not self._warned:
             self._warned = True
             log.warning(

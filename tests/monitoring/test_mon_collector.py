@@ -233,3 +233,13 @@ def test_ls_and_show_ask_the_collector(collector: CollectorServer, capsys: pytes
     assert "straggler: rank 1 in stage" in capsys.readouterr().out
     assert main(["show", "nope", "--collector", addr]) == 2
     assert "NOT_FOUND" in capsys.readouterr().err
+
+
+def test_an_unusable_tls_setup_drops_reports_instead_of_stalling(tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("BYTECP_MONITOR_CA", str(tmp_path / "missing-ca.pem"))
+    push = PushRecorder(f"127.0.0.1:{free_port()}")
+    for r in make_reports(2):
+        push.on_report(r)
+    assert push.flush(10)
+    assert push.dropped == 2 and push.sent == 0
+    push.close(0)
