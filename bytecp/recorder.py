@@ -57,11 +57,12 @@ PHASES = (
     "read_metadata",
     "read",
     "apply",
+    "lazy_wait",
 )
 
 #: phases that are time spent waiting for something other than this
 #: checkpoint's own work on this rank; never named as a straggler's phase
-WAIT_PHASES = frozenset({"wait_previous"})
+WAIT_PHASES = frozenset({"wait_previous", "lazy_wait"})
 
 #: event sent to every recorder when a :class:`Trace` opens, with labels
 #: ``operation``, ``job``, ``rank``; the matching report closes it (in-flight gauges)

@@ -7,8 +7,10 @@ a :class:`~.aggregate.CheckpointAggregate`. What a reader sees, left to right:
   time axis that starts when the first rank started;
 * the straggler's row shaded, its label marked, its slow phase outlined and
   annotated with its seconds against the other ranks' median;
-* on the right, the stall of each rank (how long training was blocked) as a
-  bar, since that is the figure that costs training time;
+* under each row, a dark line while that rank's training was blocked by
+  the call (for an asynchronous save, only its start), and on the right the
+  stall of each rank as a bar, since that is the figure that costs training
+  time;
 * a title with the operation, step, job, ranks, bytes, duration, throughput.
 
 Colours are the Okabe-Ito palette (safe for colour-blind readers); the
@@ -27,7 +29,8 @@ from .table import format_size, ordered_phases
 __all__ = ["render_timeline", "TimelineLayout", "PHASE_COLOURS", "STRAGGLER_COLOUR"]
 
 PHASE_COLOURS: dict[str, str] = {
-    "wait_previous": "#999999",
+    "wait_previous": "#BBBBBB",
+    "lazy_wait": "#666666",
     "plan": "#E69F00",
     "stage": "#56B4E9",
     "write": "#0072B2",
@@ -107,6 +110,7 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
     boxes: dict[str, list[list[tuple[float, float]]]] = {p: [] for p in phases}
     slow_boxes: list[list[tuple[float, float]]] = []
     waits: list[list[tuple[float, float]]] = []
+    blocked: list[list[tuple[float, float]]] = []
     for r in ranks:
         y = row_of[r]
         rep = agg.reports.get(r)
@@ -117,6 +121,11 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
         # the whole call as a thin line: gaps between phases are waits on other ranks
         waits.append([(rep.started - t0, y), (rep.ended - t0, y)])
         lo, hi = y - bar_h / 2, y + bar_h / 2
+        # training blocked: the call itself (stall less lazy-mode waits, drawn as their own phase)
+        in_call = rep.stall_seconds - sum(sp.duration for sp in rep.spans if sp.phase == "lazy_wait")
+        if in_call > 0:
+            end = min(rep.started + in_call, rep.ended) - t0
+            blocked.append([(rep.started - t0, hi + 0.07), (end, hi + 0.07)])
         for s in rep.spans:
             x = s.start - t0
             w = max(s.duration, span_end * 0.002)  # keep very short phases visible
@@ -125,6 +134,8 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
             if straggler == r and st is not None and s.phase == st.phase:
                 slow_boxes.append(box)
     ax.add_collection(LineCollection(waits, colors=_WAIT_COLOUR, linewidths=1.2 if n <= 64 else 0.5, zorder=1))
+    if n <= 64:
+        ax.add_collection(LineCollection(blocked, colors=_STALL_COLOUR, linewidths=2.6, zorder=2, capstyle="butt"))
     edge = 0.4 if n <= 64 else 0.0
     for phase, polys in boxes.items():
         ax.add_collection(PolyCollection(polys, facecolors=colours[phase], edgecolors="white", linewidths=edge, zorder=2))
@@ -185,7 +196,7 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
         range(n),
         stalls,
         height=bar_h * 0.8,
-        color=[STRAGGLER_COLOUR if r == straggler else _STALL_COLOUR for r in ranks],
+        color=_STALL_COLOUR,
     )
     max_stall = max(stalls, default=0.0)
     ax_stall.set_xlim(0, max(max_stall * 1.35, 1e-3))
@@ -219,7 +230,9 @@ def render_timeline(agg: CheckpointAggregate, path: str | Path, *, dpi: int = 11
     from matplotlib.lines import Line2D
 
     handles: list[Patch | Line2D] = [Patch(facecolor=colours[p], label=p) for p in phases]
-    handles.append(Line2D([], [], color=_WAIT_COLOUR, lw=1.2, label="in the call, no phase (waiting)"))
+    handles.append(Line2D([], [], color=_WAIT_COLOUR, lw=1.2, label="no phase (waiting for other ranks)"))
+    if n <= 64:
+        handles.append(Line2D([], [], color=_STALL_COLOUR, lw=2.6, label="training blocked (stall)"))
     if straggler is not None:
         handles.append(Patch(facecolor="white", edgecolor=STRAGGLER_COLOUR, lw=2, label="straggler's slow phase"))
     ax.legend(
