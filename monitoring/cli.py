@@ -176,7 +176,9 @@ def _parser() -> argparse.ArgumentParser:
     sh.add_argument("checkpoint", help="checkpoint URL (reads its stored reports) or, with --collector, a URL or id")
     sh.add_argument("--collector", default=None, help="ask this collector (host:port) instead of storage")
     sh.add_argument("--job", default="")
-    sh.add_argument("--operation", default="", choices=("", "save", "load"))
+    sh.add_argument(
+        "--operation", default="save", choices=("save", "load"), help="with --collector: which operation (default %(default)s)"
+    )
     sh.add_argument("--png", help="write the timeline picture to this PNG file")
     sh.add_argument("--json", action="store_true", help="print the raw per-rank reports as JSON")
     auth(sh)
