@@ -19,6 +19,7 @@ import logging
 import os
 import signal
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bytecp.errors import ConfigError
@@ -50,8 +51,14 @@ def load_stored_reports(url: str) -> CheckpointAggregate:
 
     storage = open_storage(url)
     try:
-        names = [p for p in storage.list_files("reports") if p.endswith(".json")]
-        reports = [CheckpointReport.from_json(json.loads(storage.read_bytes(p))) for p in sorted(names)]
+        names = sorted(p for p in storage.list_files("reports") if p.endswith(".json"))
+
+        def read(path: str) -> CheckpointReport:
+            return CheckpointReport.from_json(json.loads(storage.read_bytes(path)))
+
+        # one small file per rank: read them in parallel (thousands of GETs on object stores)
+        with ThreadPoolExecutor(max_workers=min(32, max(1, len(names)))) as pool:
+            reports = list(pool.map(read, names))
     finally:
         storage.close()
     if not reports:
