@@ -87,3 +87,11 @@ def test_show_without_reports_says_where_it_looked(tmp_path: Path, capsys: pytes
 def test_serve_refuses_a_public_address_without_a_token(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["serve", "--grpc", "0.0.0.0:0", "--metrics", "none"]) == 2
     assert "without a token" in capsys.readouterr().err
+
+
+def test_show_reads_reports_through_any_storage_backend(capsys: pytest.CaptureFixture[str]) -> None:
+    url = "memory://monitoring-show/step-9"
+    bytecp.save(url, {"w": torch.arange(1000.0)}, step=9)
+    assert main(["show", url]) == 0
+    out = capsys.readouterr().out
+    assert "save step 9" in out and "1/1 ranks reported" in out
