@@ -20,6 +20,7 @@ import socket
 import threading
 import time
 import traceback
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -153,6 +154,8 @@ class Ctx:
         self.load_from = dict(spec.load_from)
         self.expected = dict(spec.expected)
         self.scratch: dict[str, Any] = {}
+        #: resident bytes of the trained process before any checkpointing
+        self.rss_train = 0
         self._fingerprint = fingerprint
 
     def path(self, name: str) -> str:
@@ -218,6 +221,7 @@ def _run_case(ctx: Ctx, case: Case, repeat: int, sampler: RssSampler) -> dict[st
             rec["bytes_written"] = bytes_written(case.lib, out["path"], ctx.rank)
         rec["rss_base"] = base
         rec["rss_peak_delta"] = max(0, peak - base)
+        rec["rss_over_train"] = max(0, peak - ctx.rss_train)
     except Exception as e:  # recorded; the other ranks see the same failure or a timeout
         rec["error"] = f"{type(e).__name__}: {e}"
         rec["traceback"] = traceback.format_exc()[-4000:]
@@ -250,6 +254,7 @@ def worker_main(rank: int, spec_json: str) -> None:
     import torch
     import torch.distributed as dist
 
+    warnings.filterwarnings("ignore")  # torch's deprecation notes, once per rank and call
     spec = GroupSpec(**json.loads(spec_json))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // spec.world_size))
     os.environ["RANK"] = str(rank)
@@ -263,6 +268,8 @@ def worker_main(rank: int, spec_json: str) -> None:
     ctx = None
     try:
         ctx = Ctx(spec, rank)
+        gc.collect()
+        ctx.rss_train = sampler.reset()
         result.update(build_s=ctx.build_s, state_bytes=ctx.state_bytes)
         cases = _all_cases()
         for r in range(spec.repeats):
