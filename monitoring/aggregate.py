@@ -17,11 +17,10 @@ Call order (collector):
 Straggler rule (see :func:`find_straggler`): for each phase, a rank's score
 is the smaller of (its seconds in the phase minus the median of the other
 ranks) and (how much later than the other ranks' median it *finished* the
-phase). A rank that
-was slow scores on both; a rank that merely waited inside a collective for a
-slow peer (long ``commit`` that ends when everyone's ends) has no lag and
-scores nothing; a rank that started late because an earlier phase was slow
-has no excess in the later phase. Finish times compare wall clocks across
+phase). A rank that was slow scores on both; a rank that merely waited
+inside a collective for a slow peer (long ``commit`` that ends when
+everyone's ends) has no lag and scores nothing; a rank that started late
+because an earlier phase was slow has no excess in the later phase. Finish times compare wall clocks across
 hosts, so they assume clocks synchronised well below the delays of interest.
 """
 
@@ -148,6 +147,7 @@ class CheckpointAggregate:
         self.reports: dict[int, CheckpointReport] = {}
         self.first_seen = time.monotonic()
         self.finalized = False
+        self._straggler: tuple[int, Straggler | None] | None = None
 
     @classmethod
     def from_reports(cls, reports: Iterable[CheckpointReport]) -> CheckpointAggregate:
@@ -211,7 +211,11 @@ class CheckpointAggregate:
         return self.nbytes / self.duration if self.duration > 0 else 0.0
 
     def straggler(self) -> Straggler | None:
-        return find_straggler(self.reports.values())
+        """:func:`find_straggler` over the reports so far (cached until another arrives)."""
+        n = len(self.reports)
+        if self._straggler is None or self._straggler[0] != n:
+            self._straggler = (n, find_straggler(list(self.reports.values())))
+        return self._straggler[1]
 
     def errors(self) -> dict[int, str]:
         return {r.rank: r.error or "failed" for r in self.ranked() if not r.ok}
