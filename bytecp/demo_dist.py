@@ -52,8 +52,8 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
     )
 
     o = StateDictOptions(full_state_dict=True)
-    out = {f"model.{k}": v for k, v in get_model_state_dict(model, options=o).items()}
-    osd = get_optimizer_state_dict(model, opt, options=o)
+    out: dict[str, Any] = {f"model.{k}": v for k, v in get_model_state_dict(model, options=o).items()}
+    osd: Any = get_optimizer_state_dict(model, opt, options=o)
     out.update({f"optim.{p}.{k}": v for p, st in osd["state"].items() for k, v in st.items()})
     return out
 

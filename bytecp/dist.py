@@ -174,7 +174,7 @@ class DistContext:
             out, list(objs) if self.is_coordinator and objs is not None else None,
             src=self.global_coordinator, group=self.group,
         )
-        return out[0]  # type: ignore[no-any-return]
+        return out[0]
 
     def barrier(self) -> None:
         if self.enabled:
@@ -245,7 +245,7 @@ class DistContext:
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
         self._raise_if_failed(op, result, err)
-        return result  # type: ignore[no-any-return]
+        return result
 
     def all_reduce(self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R]) -> R:
         """``local_fn`` everywhere, ``reduce_fn`` on the coordinator, its result to all."""
@@ -263,7 +263,7 @@ class DistContext:
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
         self._raise_if_failed(op, result, err)
-        return result  # type: ignore[no-any-return]
+        return result
 
     def broadcast(self, op: str, fn: Callable[[], T]) -> T:
         """``fn`` on the coordinator only; its result (or error) to every rank."""

@@ -8,12 +8,13 @@ Bytes are little-endian, row-major, with no padding between elements.
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import torch
 
 from .errors import CorruptCheckpointError
 
-__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "SUPPORTED_DTYPES"]
+__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "SUPPORTED_DTYPES"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in practice
     raise ImportError("bytecp stores little-endian bytes and runs on little-endian hosts only")
@@ -66,3 +67,11 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     if flat.numel() == 0:
         return torch.empty(0, dtype=torch.uint8, device=t.device)
     return flat.view(torch.uint8)
+
+
+def host_memoryview(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    arr: Any = byte_view(t).numpy()
+    return memoryview(arr)

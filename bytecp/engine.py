@@ -32,7 +32,7 @@ import torch
 
 from . import format as fmt
 from .dist import DistContext
-from .dtypes import byte_view, dtype_from_name, dtype_name, itemsize
+from .dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview, itemsize
 from .errors import (
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -241,7 +241,7 @@ def _as_host_bytes(t: torch.Tensor) -> memoryview:
         t = t.contiguous()
     if t.numel() == 0:
         return memoryview(b"")
-    return memoryview(byte_view(t).numpy())
+    return host_memoryview(t)
 
 
 @dataclasses.dataclass
@@ -686,11 +686,11 @@ def _execute_reads(
         try:
             if direct:
                 raw = byte_view(dest)
-                storage.read_into(c.file, req.byte_offset, memoryview(raw.numpy()))
+                storage.read_into(c.file, req.byte_offset, host_memoryview(raw))
             else:
                 raw = torch.empty(req.nbytes, dtype=torch.uint8)
-                storage.read_into(c.file, req.byte_offset, memoryview(raw.numpy()))
-            if opts.verify and req.whole_chunk and crc32c(memoryview(raw.numpy())) != c.crc32c:
+                storage.read_into(c.file, req.byte_offset, host_memoryview(raw))
+            if opts.verify and req.whole_chunk and crc32c(host_memoryview(raw)) != c.crc32c:
                 raise CorruptCheckpointError(
                     f"{storage.url}/{c.file}: checksum mismatch in tensor {c.fqn!r} region "
                     f"{Region(c.offsets, c.lengths)} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})"
@@ -824,7 +824,7 @@ def _load_local(
     values: dict[str, Any] = {}
     objects_cache: dict[str, Any] = {}
 
-    def leaf(kind: str, fqn: str) -> Any:
+    def rebuild_leaf(kind: str, fqn: str) -> Any:
         if kind == "tensor":
             info = md.tensors[fqn]
             t = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
@@ -847,7 +847,7 @@ def _load_local(
         if node is None:
             values[fqn] = slot.default
             continue
-        values[fqn] = build_from_skeleton(node, leaf)
+        values[fqn] = build_from_skeleton(node, rebuild_leaf)
     if warned:
         warnings.warn(
             f"checkpoint {storage.url} was saved by {md.world_size} ranks and is loaded by "

@@ -23,7 +23,7 @@ class RNGState:
     """The calling process's random generator states, as a ``Stateful``."""
 
     def state_dict(self) -> dict[str, Any]:
-        np_state = np.random.get_state()
+        np_state: Any = np.random.get_state()
         py_state = random.getstate()
         out: dict[str, Any] = {
             "torch": torch.get_rng_state(),

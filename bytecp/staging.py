@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .dtypes import byte_view, dtype_from_name
+from .dtypes import dtype_from_name, host_memoryview
 from .engine import _source_view, _Staged
 from .planner import WriteItem
 from .state import FlatTree
@@ -73,7 +73,7 @@ class StagingPool:
                 if n:
                     dst = raw.view(dtype_from_name(it.dtype)).view(it.region.lengths)
                     dst.copy_(src, non_blocking=src.device.type == "cuda")
-                out.append(_Staged(it, memoryview(byte_view(raw).numpy()) if n else memoryview(b"")))
+                out.append(_Staged(it, host_memoryview(raw[:n])))
                 pos += _aligned(n)
         finally:
             if ctx is not None:
