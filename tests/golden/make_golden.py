@@ -82,6 +82,22 @@ def encode(v: Any) -> Any:
     raise TypeError(f"cannot encode {type(v).__name__} for expected.json")
 
 
+def canonical(v: Any) -> str:
+    """The encoded tree as text with dict entries sorted (key order is not compared)."""
+
+    def sort(x: Any) -> Any:
+        if isinstance(x, list):
+            return [sort(i) for i in x]
+        if isinstance(x, dict):
+            if "__dict__" in x:
+                pairs = [[k, sort(i)] for k, i in x["__dict__"]]
+                return {"__dict__": sorted(pairs, key=lambda kv: json.dumps(kv[0]))}
+            return {k: sort(i) for k, i in x.items()}
+        return x
+
+    return json.dumps(sort(v), sort_keys=True)
+
+
 def pattern(shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
     """A fixed bit pattern of any dtype (NaN and other special encodings included)."""
     size = torch.empty((), dtype=dtype).element_size()
@@ -275,6 +291,160 @@ def case_two_ranks(url: str) -> tuple[Any, dict[str, Any]]:
     }
 
 
+class Tiny(nn.Module):
+    """A model whose tensors do not split evenly over 2 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 3)
+        self.norm = nn.LayerNorm(3)
+        self.l2 = nn.Linear(3, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.l2(self.norm(torch.relu(self.l1(x))))
+
+
+def _wrap(framework: str, model: nn.Module) -> nn.Module:
+    if framework == "ddp":
+        return nn.parallel.DistributedDataParallel(model)
+    if framework == "fsdp1":
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        return FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+            use_orig_params=True,
+        )
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2,))
+    for m in (model.l1, model.l2):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    full = getattr(t, "full_tensor", None)  # an FSDP2 DTensor
+    return (full() if full is not None else t).detach().clone()
+
+
+def _fsdp1_full_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full parameters and optimizer state of an FSDP1 (use_orig_params) model,
+    assembled from every rank's flat shards with torch's own bookkeeping."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    with FSDP.summon_full_params(model, writeback=False):
+        params = {clean_tensor_name(n): p.detach().clone() for n, p in model.named_parameters()}
+    mine = []
+    for prefix, m in model.named_modules():
+        if not isinstance(m, FSDP) or m._handle is None:
+            continue
+        fp = m._handle.flat_param
+        base = clean_tensor_name(prefix)
+        for i, info in enumerate(fp._shard_param_infos):
+            p = fp._params[i]
+            if info.in_shard and p in opt.state:
+                fqn = clean_tensor_name(f"{base}.{fp._fqns[i]}" if base else fp._fqns[i])
+                st = {k: v.clone() for k, v in opt.state[p].items()}
+                mine.append((fqn, tuple(fp._shapes[i]), info.intra_param_start_idx, st))
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    state: dict[str, dict[str, torch.Tensor]] = {}
+    for lst in every:
+        for fqn, shape, start, st in lst:
+            entry = state.setdefault(fqn, {})
+            for k, v in st.items():
+                if v.dim() == 0:
+                    entry[k] = v
+                    continue
+                flat = entry.setdefault(k, torch.zeros(shape, dtype=v.dtype)).view(-1)
+                flat[start : start + v.numel()] = v
+    return params, state
+
+
+def _framework_worker(rank: int, framework: str, workdir: str, init_file: str) -> None:
+    import torch.distributed as dist
+
+    os.chdir(workdir)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        torch.manual_seed(5)
+        model = _wrap(framework, Tiny())
+        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
+        x = torch.linspace(-2.0, 2.0, 20).reshape(4, 5) + rank
+        model(x).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        bytecp.save("checkpoint", {"model": model, "optimizer": opt, "extra": {"step": 1}}, step=1)
+        # the oracle: full tensors as torch itself holds them
+        if framework == "fsdp1":
+            params, ostate = _fsdp1_full_state(model, opt)
+            names = None
+        else:
+            inner = model.module if framework == "ddp" else model
+            params = {n: _full(p) for n, p in inner.named_parameters()}
+            names = {id(p): n for n, p in inner.named_parameters()}
+            ostate = {
+                names[id(p)]: {k: _full(v) for k, v in st.items()} for p, st in opt.state.items()
+            }
+        if framework == "fsdp1":
+            from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+            order = [clean_tensor_name(n) for n, _ in model.named_parameters()]
+        else:
+            order = [names[id(p)] for g in opt.param_groups for p in g["params"]]  # type: ignore[index]
+        groups = []
+        for g in opt.param_groups:
+            g2 = {k: v for k, v in g.items() if k != "params"}
+            g2["params"] = order[: len(g["params"])]
+            order = order[len(g["params"]) :]
+            groups.append(g2)
+        if rank == 0:
+            torch.save({"params": params, "state": ostate, "groups": groups}, "oracle.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def _framework_case(framework: str) -> Callable[[str], tuple[Any, dict[str, Any]]]:
+    def case(url: str) -> tuple[Any, dict[str, Any]]:
+        import tempfile
+
+        import torch.multiprocessing as mp
+
+        assert url == "checkpoint"
+        with tempfile.TemporaryDirectory() as td:
+            mp.spawn(
+                _framework_worker,
+                args=(framework, os.getcwd(), os.path.join(td, "init")),
+                nprocs=2,
+                join=True,
+            )
+        oracle = torch.load("oracle.pt", weights_only=True)
+        os.remove("oracle.pt")
+        expected = {
+            "model": oracle["params"],
+            "optimizer": {"state": oracle["state"], "param_groups": oracle["groups"]},
+            "extra": {"step": 1},
+        }
+        md = json.loads(Path("checkpoint/metadata.json").read_text())
+        return expected, {
+            "framework": framework,
+            "world_size": 2,
+            "step": 1,
+            "user_metadata": {},
+            "parallelism": md["parallelism"],
+        }
+
+    case.__doc__ = f"A 2-rank {framework} save (gloo): model and AdamW state after one step."
+    return case
+
+
 #: keyword arguments loading each case needs
 LOAD_OPTIONS: dict[str, dict[str, Any]] = {"pickle": {"allow_pickle": True}}
 
@@ -284,6 +454,9 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "irregular": case_irregular,
     "pickle": case_pickle,
     "two_ranks": case_two_ranks,
+    "ddp": _framework_case("ddp"),
+    "fsdp1": _framework_case("fsdp1"),
+    "fsdp2": _framework_case("fsdp2"),
 }
 
 
@@ -341,7 +514,7 @@ def write_case(root: Path, name: str) -> None:
     ckpt = tmp / "checkpoint"
     # the expected values must be what bytecp reads back (checked once, here)
     got = bytecp.load_state_dict(str(ckpt), **LOAD_OPTIONS.get(name, {}))
-    if json.dumps(encode(got), sort_keys=True) != json.dumps(encode(expected), sort_keys=True):
+    if canonical(encode(got)) != canonical(encode(expected)):
         raise SystemExit(
             f"{name}: load_state_dict does not give back what was saved; not writing it"
         )

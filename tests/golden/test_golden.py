@@ -137,7 +137,8 @@ def keep_rng():
 
 # ----------------------------------------------------------------- the goldens exist
 def test_golden_cases_present() -> None:
-    assert {"v1/plain", "v1/dtypes", "v1/irregular", "v1/pickle", "v1/two_ranks"} <= set(IDS)
+    want = {"plain", "dtypes", "irregular", "pickle", "two_ranks", "ddp", "fsdp1", "fsdp2"}
+    assert {f"v1/{c}" for c in want} <= set(IDS)
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -234,31 +235,84 @@ def _with_rank_values(v: Any, fqn: str, values: dict[str, Any]) -> Any:
     return v
 
 
-def _load_worker(rank: int, world: int, init_file: str, case_dir: str) -> None:
+class Tiny(nn.Module):
+    """The model of the framework goldens (make_golden.Tiny)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 3)
+        self.norm = nn.LayerNorm(3)
+        self.l2 = nn.Linear(3, 2)
+
+
+def _load_as_plain(case: Path, rank: int) -> None:
+    """Into full tensors on every rank; per-rank values come from saved rank r % W."""
+    exp = expected(case)
+    want = decode(exp["state"])
+    target = _blank(want, "", set(_saved_per_rank(case)))
+    if exp["per_rank"]:
+        with pytest.warns(UserWarning, match=f"rank {rank} restores the per-rank state"):
+            bytecp.load(ckpt(case), target, **exp["load_options"])
+    else:
+        bytecp.load(ckpt(case), target, **exp["load_options"])
+    saved = exp["inspect"]["world_size"]
+    mine = {fqn: decode(v[str(rank % saved)]) for fqn, v in exp["per_rank"].items()}
+    assert_same(_unwrap(target), _with_rank_values(want, "", mine), f"{case.name} on rank {rank}")
+
+
+def _load_as_fsdp2(case: Path, world: int) -> None:
+    """Into an FSDP2 model and AdamW sharded over ``world`` ranks, then compare
+    the full tensors (DTensor.full_tensor) with the expected ones."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    want = decode(expected(case)["state"])
+    model = Tiny()
+    mesh = init_device_mesh("cpu", (world,))
+    for m in (model.l1, model.l2):
+        fully_shard(m, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.5)
+    extra = {"step": 0}
+    bytecp.load(ckpt(case), {"model": model, "optimizer": opt, "extra": extra})
+
+    def full(t: torch.Tensor) -> torch.Tensor:
+        return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert_same(
+        {n: full(p.detach()) for n, p in model.named_parameters()}, want["model"], case.name
+    )
+    got_state = {names[id(p)]: {k: full(v) for k, v in st.items()} for p, st in opt.state.items()}
+    assert_same(got_state, want["optimizer"]["state"], f"{case.name} optimizer")
+    assert opt.param_groups[0]["lr"] == want["optimizer"]["param_groups"][0]["lr"]
+    assert extra == want["extra"]
+
+
+def _load_worker(rank: int, world: int, init_file: str, case_dirs: list[str]) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     try:
-        case = Path(case_dir)
-        exp = expected(case)
-        want = decode(exp["state"])
-        target = _blank(want, "", set(_saved_per_rank(case)))
-        with pytest.warns(UserWarning, match=f"rank {rank} restores the per-rank state"):
-            bytecp.load(ckpt(case), target, **exp["load_options"])
-        saved = exp["inspect"]["world_size"]
-        mine = {fqn: decode(v[str(rank % saved)]) for fqn, v in exp["per_rank"].items()}
-        assert_same(_unwrap(target), _with_rank_values(want, "", mine), f"rank {rank}")
+        for case_dir in case_dirs:
+            case = Path(case_dir)
+            _load_as_plain(case, rank)
+            if expected(case)["inspect"]["framework"] in ("ddp", "fsdp1", "fsdp2"):
+                _load_as_fsdp2(case, world)
     finally:
         dist.destroy_process_group()
 
 
 @pytest.mark.slow
-@cases_where(lambda c: expected(c)["inspect"]["world_size"] > 1)
-def test_load_with_another_world_size(case: Path, tmp_path: Path) -> None:
-    """A multi-rank golden loads on 3 ranks: rank r gets saved rank r % W's per-rank values."""
+def test_multi_rank_goldens_load_on_3_ranks(tmp_path: Path) -> None:
+    """Every multi-rank golden loads on 3 gloo ranks: into full tensors (per-rank
+    values from saved rank r % W) and, for DDP/FSDP1/FSDP2 goldens, resharded
+    into an FSDP2 model and optimizer."""
     import torch.multiprocessing as mp
 
-    mp.spawn(_load_worker, args=(3, str(tmp_path / "init"), str(case)), nprocs=3, join=True)
+    cases = [str(c) for c in CASES if expected(c)["inspect"]["world_size"] > 1]
+    assert cases
+    mp.spawn(_load_worker, args=(3, str(tmp_path / "init"), cases), nprocs=3, join=True)
 
 
 @cases_where(lambda c: c.name == "plain")
