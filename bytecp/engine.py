@@ -669,6 +669,10 @@ def _read_object(storage: Storage, fqn: str, rec: fmt.ObjectRecord, opts: LoadOp
         ) from e
 
 
+#: reads smaller than this per file are not split across threads
+READ_BATCH_MIN_BYTES = 8 << 20
+
+
 def _execute_reads(
     storage: Storage,
     chunks: Sequence[fmt.ChunkRecord],
@@ -677,49 +681,75 @@ def _execute_reads(
     opts: LoadOptions,
     trace: Trace,
 ) -> int:
-    def run(req: ReadRequest) -> int:
-        c = chunks[req.chunk]
+    def prepare(req: ReadRequest) -> tuple[torch.Tensor, torch.Tensor, bool]:
         t = targets[req.target]
         dest = t.view[req.box.relative_to(t.box).slices()]
-        dtype = dest.dtype
         direct = req.whole_chunk and dest.is_contiguous() and dest.device.type == "cpu"
+        raw = byte_view(dest) if direct else torch.empty(req.nbytes, dtype=torch.uint8)
+        return dest, raw, direct
+
+    def finish(req: ReadRequest, dest: torch.Tensor, raw: torch.Tensor, direct: bool) -> None:
+        c = chunks[req.chunk]
+        if opts.verify and req.whole_chunk and crc32c(host_memoryview(raw)) != c.crc32c:
+            raise CorruptCheckpointError(
+                f"{storage.url}/{c.file}: checksum mismatch in tensor {c.fqn!r} region "
+                f"{Region(c.offsets, c.lengths)} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})"
+            )
+        if not direct and req.box.numel:
+            typed = raw.view(dest.dtype)
+            src = torch.as_strided(typed, req.box.lengths, row_major_strides(c.lengths), 0)
+            dest.copy_(src)
+
+    def run(batch: list[ReadRequest]) -> int:
+        """One ranged-read call per batch (all from one file): backends coalesce."""
+        bufs = [prepare(r) for r in batch]
+        file = chunks[batch[0].chunk].file
         try:
-            if direct:
-                raw = byte_view(dest)
-                storage.read_into(c.file, req.byte_offset, host_memoryview(raw))
-            else:
-                raw = torch.empty(req.nbytes, dtype=torch.uint8)
-                storage.read_into(c.file, req.byte_offset, host_memoryview(raw))
-            if opts.verify and req.whole_chunk and crc32c(host_memoryview(raw)) != c.crc32c:
-                raise CorruptCheckpointError(
-                    f"{storage.url}/{c.file}: checksum mismatch in tensor {c.fqn!r} region "
-                    f"{Region(c.offsets, c.lengths)} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})"
-                )
+            storage.read_ranges(file, [(r.byte_offset, host_memoryview(raw)) for r, (_, raw, _) in zip(batch, bufs, strict=True)])
         except CorruptCheckpointError as e:
-            if f"tensor {c.fqn!r}" in str(e):
-                raise
-            raise CorruptCheckpointError(f"{e} (reading tensor {c.fqn!r} region {req.box})") from e
+            names = sorted({chunks[r.chunk].fqn for r in batch})
+            raise CorruptCheckpointError(f"{e} (reading tensor {names[0]!r} and {len(names) - 1} more from {file}; "
+                                         f"first region {batch[0].box})" if len(names) > 1 else
+                                         f"{e} (reading tensor {names[0]!r} region {batch[0].box})") from e
         except FileNotFoundError as e:
+            c = chunks[batch[0].chunk]
             raise CorruptCheckpointError(
                 f"{storage.url}: data file {c.file} holding tensor {c.fqn!r} region "
                 f"{Region(c.offsets, c.lengths)} is missing"
             ) from e
-        if not direct:
-            typed = raw.view(dtype) if raw.numel() else raw
-            src = torch.as_strided(
-                typed, req.box.lengths, row_major_strides(c.lengths), 0
-            ) if req.box.numel else typed
-            dest.copy_(src.reshape(dest.shape))
-        return req.nbytes
+        for r, (dest, raw, direct) in zip(batch, bufs, strict=True):
+            finish(r, dest, raw, direct)
+        return sum(r.nbytes for r in batch)
+
+    # batches: the requests of one file in offset order, cut so that every
+    # reader thread has work (about io_threads batches per file at least)
+    by_file: dict[str, list[ReadRequest]] = {}
+    for r in reqs:
+        by_file.setdefault(chunks[r.chunk].file, []).append(r)
+    batches: list[list[ReadRequest]] = []
+    for file_reqs in by_file.values():
+        file_reqs.sort(key=lambda r: r.byte_offset)
+        total = sum(r.nbytes for r in file_reqs)
+        cap = max(READ_BATCH_MIN_BYTES, -(-total // opts.io_threads))
+        cur: list[ReadRequest] = []
+        size = 0
+        for r in file_reqs:
+            if cur and size + r.nbytes > cap:
+                batches.append(cur)
+                cur, size = [], 0
+            cur.append(r)
+            size += r.nbytes
+        if cur:
+            batches.append(cur)
 
     with trace.span("read") as sp:
-        if len(reqs) <= 1 or opts.io_threads == 1:
-            total = sum(run(r) for r in reqs)
+        if len(batches) <= 1 or opts.io_threads == 1:
+            total = sum(run(b) for b in batches)
         else:
             with concurrent.futures.ThreadPoolExecutor(opts.io_threads, "bytecp-read") as ex:
-                total = sum(ex.map(run, reqs))
+                total = sum(ex.map(run, batches))
         sp.nbytes = total
-        sp.files = len({chunks[r.chunk].file for r in reqs})
+        sp.files = len(by_file)
     return total
 
 
