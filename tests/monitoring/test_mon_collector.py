@@ -243,3 +243,23 @@ def test_an_unusable_tls_setup_drops_reports_instead_of_stalling(tmp_path, monke
     assert push.flush(10)
     assert push.dropped == 2 and push.sent == 0
     push.close(0)
+
+
+def test_bytecp_monitor_environment_variable_is_enough(
+    collector: CollectorServer, tmp_path, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    import torch
+
+    import bytecp
+    from bytecp.recorder import resolve_monitor
+
+    addr = f"127.0.0.1:{collector.grpc_port}"
+    monkeypatch.setenv("BYTECP_MONITOR", addr)
+    monkeypatch.setenv("BYTECP_JOB", "env")
+    bytecp.save(str(tmp_path / "ck"), {"w": torch.ones(8)}, step=5)  # no monitor= argument
+    push = resolve_monitor(None)
+    assert isinstance(push, PushRecorder) and push.address == addr
+    assert push.flush(20)
+    _until(lambda: collector.aggregator.list(job="env"))
+    [agg] = collector.aggregator.list(job="env")
+    assert agg.step == 5 and agg.complete
