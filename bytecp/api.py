@@ -44,6 +44,14 @@ def _check_state(state: Any) -> dict[str, Any]:
     return state
 
 
+def _check_json(name: str, value: Any) -> dict[str, Any]:
+    try:
+        json.dumps(value, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{name} must be JSON-serializable without NaN/inf: {e}") from None
+    return dict(value or {})
+
+
 def _storage(url: str | Storage, storage_options: dict[str, Any] | None) -> Storage:
     if isinstance(url, Storage):
         return url
@@ -88,6 +96,7 @@ def save(
     """
     t0 = time.perf_counter()
     _check_state(state)
+    _check_json("metadata", metadata)
     opts = engine.SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, io_threads=io_threads)
     from .async_save import _raise_previous
     ctx = DistContext(process_group, coordinator_rank)
@@ -103,7 +112,8 @@ def save(
         md = engine.save_flat(
             storage, flat, ctx,
             framework=adapter.name, parallelism=parallelism, step=step,
-            user_metadata=dict(metadata or {}), opts=opts, trace=trace, bytecp_version=__version__,
+            user_metadata=_check_json("metadata", metadata), opts=opts, trace=trace,
+            bytecp_version=__version__,
         )
     except BaseException as e:
         trace.add_stall(time.perf_counter() - t0)
@@ -125,6 +135,7 @@ def load(
     verify: bool = True,
     allow_pickle: bool = False,
     io_threads: int = 8,
+    zero_redundancy: bool | None = None,
     process_group: Any = None,
     coordinator_rank: int = 0,
     storage_options: dict[str, Any] | None = None,
@@ -137,10 +148,14 @@ def load(
     ``Stateful`` objects get their state through ``load_state_dict``; plain
     values in ``state``'s dicts are replaced. With ``strict=False`` missing
     and unexpected keys are reported in the result instead of raising.
+    ``zero_redundancy`` (default: on for remote storage) reads boxes that
+    every rank needs once, spread over the ranks, and exchanges them over
+    the process group.
     """
     t0 = time.perf_counter()
     _check_state(state)
-    opts = engine.LoadOptions(strict=strict, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads)
+    opts = engine.LoadOptions(strict=strict, verify=verify, allow_pickle=allow_pickle,
+                              io_threads=io_threads, zero_redundancy=zero_redundancy)
     ctx = DistContext(process_group, coordinator_rank)
     storage = _storage(url, storage_options)
     trace = Trace("load", storage.url, rank=ctx.rank, world_size=ctx.world_size,

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import engine
 from . import format as fmt
 from .adapter_api import detect_adapter
-from .api import __version__, _check_state, _recorders, _storage, _write_report
+from .api import __version__, _check_json, _check_state, _recorders, _storage, _write_report
 from .dist import DistContext
 from .errors import BytecpError, ConfigError
 from .recorder import Recorder, Trace
@@ -165,6 +165,7 @@ def async_save(
     global _inflight
     t0 = time.perf_counter()
     _check_state(state)
+    _check_json("metadata", metadata)
     if memory_budget_bytes is not None and memory_budget_bytes < 1:
         raise ConfigError(f"memory_budget_bytes must be positive, got {memory_budget_bytes}")
     if lazy and memory_budget_bytes is not None:
@@ -226,7 +227,7 @@ def _eager(
     batches = batches_within(prep.items, budget)
     done: list[engine._RankOutput] = []
     files = 0
-    objects = flat.objects if ctx.is_coordinator else {}
+    objects = engine.objects_to_write(flat, ctx, prep)
     per_rank = flat.per_rank
     # every batch but the last is staged and written now: the arena is reused
     for batch in batches[:-1]:
@@ -281,7 +282,7 @@ def _lazy(
             handle._staged.set()
 
         def write() -> engine._RankOutput:
-            objects = flat.objects if ctx.is_coordinator else {}
+            objects = engine.objects_to_write(flat, ctx, prep)
             out = engine.write_rank(storage, prep.save_id, ctx.rank, staged, objects, flat.per_rank, opts, trace)
             return engine.write_index(storage, prep.save_id, ctx.rank, out)
 

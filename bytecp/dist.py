@@ -176,6 +176,26 @@ class DistContext:
         )
         return out[0]
 
+    def broadcast_tensor(self, op: str, tensor: torch.Tensor, src: int) -> None:
+        """Broadcast ``tensor`` (CPU bytes) from group rank ``src`` in place."""
+        if not self.enabled:
+            return
+        prefix = self._arrive()
+        self.stats.calls += 1
+        if self.rank == src:
+            self.stats.bytes_sent += tensor.numel() * tensor.element_size()
+        try:
+            global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
+            if self.device.type != "cpu":
+                moved = tensor.to(self.device)
+                dist.broadcast(moved, src=global_src, group=self.group)
+                if self.rank != src:
+                    tensor.copy_(moved.cpu())
+            else:
+                dist.broadcast(tensor, src=global_src, group=self.group)
+        except Exception as e:
+            raise self._collective_failed(op, prefix, e) from e
+
     def barrier(self) -> None:
         if self.enabled:
             self.all_gather_object(None)

@@ -19,6 +19,7 @@ import concurrent.futures
 import dataclasses
 import io
 import logging
+import math
 import os
 import pickle
 import threading
@@ -51,6 +52,7 @@ from .planner import (
     plan_fingerprint,
     plan_load,
     plan_save,
+    plan_shared_reads,
 )
 from .recorder import Trace
 from .regions import Region, row_major_strides
@@ -142,6 +144,10 @@ class LoadOptions:
     allow_pickle: bool = False
     #: reader threads per rank
     io_threads: int = 8
+    #: boxes every rank needs (replicated targets: DDP, plain tensors) are read
+    #: once, in pieces spread over the ranks, and exchanged over the process
+    #: group; None: on for remote storage (object stores, HDFS), off for local
+    zero_redundancy: bool | None = None
 
     def __post_init__(self) -> None:
         if self.io_threads < 1:
@@ -461,6 +467,15 @@ def prepare_save(
     return PreparedSave(sid, old, items, digest, coordinator_digest)
 
 
+def objects_to_write(flat: FlatTree, ctx: DistContext, prep: PreparedSave) -> dict[str, Any]:
+    """Replicated objects are written by the coordinator; a rank whose state
+    tree differs from the coordinator's writes its own too (the coordinator
+    keeps its records and adds only the missing ones)."""
+    if ctx.is_coordinator or prep.digest != prep.coordinator_digest:
+        return flat.objects
+    return {}
+
+
 def merge_outputs(outputs: Sequence[_RankOutput]) -> _RankOutput:
     """One rank's outputs of several write batches as one."""
     out = _RankOutput([], {}, None, {}, {})
@@ -518,8 +533,10 @@ def commit_save(
             per_rank: dict[str, dict[int, fmt.ObjectRecord]] = {}
             data_files: dict[str, int] = {}
             index_files: list[str] = []
+            for r in [ctx.coordinator, *(r for r in range(len(outputs)) if r != ctx.coordinator)]:
+                for fqn, rec in outputs[r].objects.items():
+                    objects.setdefault(fqn, rec)
             for r, out in enumerate(outputs):
-                objects.update(out.objects)
                 for fqn, rec in out.per_rank.items():
                     per_rank.setdefault(fqn, {})[r] = rec
                 data_files.update(out.data_files)
@@ -554,6 +571,7 @@ def commit_save(
         raise
     if ctx.is_coordinator and prep.old is not None:
         stale = prep.old.referenced_files() - md.referenced_files()
+        stale |= {fmt.report_file(r) for r in range(ctx.world_size, prep.old.world_size)}
         try:
             storage.delete(sorted(stale))
         except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
@@ -583,8 +601,8 @@ def save_flat(
         with trace.span("stage") as sp:
             staged = stage_items(flat, prep.items)
             sp.nbytes = sum(len(s.data) for s in staged)
-        objects = flat.objects if ctx.is_coordinator else {}
-        out = write_rank(storage, prep.save_id, ctx.rank, staged, objects, flat.per_rank, opts, trace)
+        out = write_rank(storage, prep.save_id, ctx.rank, staged, objects_to_write(flat, ctx, prep),
+                         flat.per_rank, opts, trace)
         return write_index(storage, prep.save_id, ctx.rank, out)
 
     return commit_save(
@@ -623,6 +641,31 @@ def read_metadata(storage: Storage) -> fmt.Metadata:
     return fmt.Metadata.from_bytes(data, storage.url)
 
 
+def check_chunks(storage: Storage, md: fmt.Metadata, chunks: list[fmt.ChunkRecord]) -> None:
+    """Index rows must agree with metadata.json: a tampered or mixed-up index
+    is corrupt, never trusted."""
+    for c in chunks:
+        where = f"{storage.url}: index row of tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}"
+        info = md.tensors.get(c.fqn)
+        if info is None:
+            raise CorruptCheckpointError(f"{where}: tensor not listed in metadata.json")
+        if c.dtype != info["dtype"] or list(c.global_shape) != list(info["shape"]):
+            raise CorruptCheckpointError(
+                f"{where}: says {c.dtype} {list(c.global_shape)}, metadata.json {info['dtype']} {info['shape']}"
+            )
+        if len(c.offsets) != len(c.global_shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, c.global_shape, strict=True)
+        ):
+            raise CorruptCheckpointError(f"{where}: region outside the tensor's shape {list(c.global_shape)}")
+        if c.nbytes != math.prod(c.lengths) * itemsize(dtype_from_name(c.dtype)):
+            raise CorruptCheckpointError(f"{where}: {c.nbytes} bytes do not match the region's size")
+        fmt.check_path(c.file, "data", storage.url)
+        if c.file not in md.data_files:
+            raise CorruptCheckpointError(f"{where}: data file {c.file} is not listed in metadata.json")
+        if c.byte_offset < 0 or c.byte_offset + c.nbytes > md.data_files[c.file]:
+            raise CorruptCheckpointError(f"{where}: bytes outside data file {c.file}")
+
+
 def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
     blobs = []
     for f in md.index_files:
@@ -632,7 +675,9 @@ def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
             raise CorruptCheckpointError(
                 f"{storage.url}: index file {f} named in metadata.json is missing ({e})"
             ) from e
-    return fmt.read_index(blobs)
+    chunks = fmt.read_index(blobs)
+    check_chunks(storage, md, chunks)
+    return chunks
 
 
 @dataclasses.dataclass
@@ -781,21 +826,98 @@ def load_flat(
     trace: Trace,
 ) -> LoadResult:
     """Fill ``target``'s tensors in place and rebuild its slots; every rank calls it."""
-    missing, unexpected, values = ctx.run(
-        "load", lambda: _load_local(storage, target, ctx, md, chunks, opts, trace)
+    missing, unexpected, values, targets = ctx.run(
+        "load", lambda: _resolve_targets(storage, target, ctx, md, opts)
     )
+    itemsizes = {fqn: itemsize(dtype_from_name(info["dtype"])) for fqn, info in md.tensors.items()}
+    shared: list[list[tuple[str, Region, Region]]] = []
+    zero = opts.zero_redundancy
+    if zero is None:
+        zero = not _is_local(storage)
+    if zero and ctx.enabled and ctx.world_size > 1:
+        specs = ctx.all_gather("load", lambda: [(t.fqn, t.box) for t in targets])
+        with trace.span("plan"):
+            shared = plan_shared_reads(specs, itemsizes)
+    own, mine, views = _split_shared(targets, shared, ctx.rank)
+
+    def read() -> None:
+        with trace.span("plan"):
+            reqs = plan_load([(t.fqn, t.box) for t in own], chunks, itemsizes=itemsizes)
+        _execute_reads(storage, chunks, own, reqs, opts, trace)
+
+    ctx.run("load", read)
+    if shared:
+        _exchange(ctx, shared, views, trace)
     return LoadResult(missing, unexpected, md, values)
 
 
-def _load_local(
+def _is_local(storage: Storage) -> bool:
+    proto = storage.url.split("://", 1)[0].lower() if "://" in storage.url else "file"
+    return proto in ("file", "local", "memory")
+
+
+def _split_shared(
+    targets: list[_Target], shared: list[list[tuple[str, Region, Region]]], rank: int
+) -> tuple[list[_Target], set[tuple[str, Region]], dict[tuple[str, Region], list[torch.Tensor]]]:
+    """This rank's own reads: targets not shared, plus its pieces of shared boxes."""
+    if not shared:
+        return targets, set(), {}
+    keys = {(fqn, box) for per in shared for fqn, box, _ in per}
+    views: dict[tuple[str, Region], list[torch.Tensor]] = {}
+    own: list[_Target] = []
+    for t in targets:
+        k = (t.fqn, t.box)
+        if k in keys:
+            views.setdefault(k, []).append(t.view)
+        else:
+            own.append(t)
+    for fqn, box, piece in shared[rank]:
+        own.append(_Target(fqn, piece, views[(fqn, box)][0][piece.relative_to(box).slices()]))
+    return own, keys, views
+
+
+def _exchange(
+    ctx: DistContext,
+    shared: list[list[tuple[str, Region, Region]]],
+    views: dict[tuple[str, Region], list[torch.Tensor]],
+    trace: Trace,
+) -> None:
+    """Every rank broadcasts the pieces it read (one packed buffer per rank)."""
+    with trace.span("exchange") as sp:
+        for src, pieces in enumerate(shared):
+            parts = [views[(fqn, box)][0][piece.relative_to(box).slices()] for fqn, box, piece in pieces]
+            sizes = [p.numel() * p.element_size() for p in parts]
+            total = sum(sizes)
+            if total == 0:
+                continue
+            buf = torch.empty(total, dtype=torch.uint8)
+            pos = 0
+            if ctx.rank == src:
+                for part, n in zip(parts, sizes, strict=True):
+                    buf[pos : pos + n].copy_(byte_view(part.contiguous()))
+                    pos += n
+            ctx.broadcast_tensor("load", buf, src)
+            sp.nbytes += total
+            if ctx.rank != src:
+                for part, n in zip(parts, sizes, strict=True):
+                    if n:
+                        part.copy_(buf[pos : pos + n].view(part.dtype).view(part.shape))
+                    pos += n
+        # a rank that targets the same box twice gets the copies too
+        for vs in views.values():
+            for extra in vs[1:]:
+                extra.copy_(vs[0])
+
+
+def _resolve_targets(
     storage: Storage,
     target: FlatTree,
     ctx: DistContext,
     md: fmt.Metadata,
-    chunks: list[fmt.ChunkRecord],
     opts: LoadOptions,
-    trace: Trace,
-) -> tuple[list[str], list[str], dict[str, Any]]:
+) -> tuple[list[str], list[str], dict[str, Any], list[_Target]]:
+    """Match the target against the checkpoint (keys, shapes, dtypes), rebuild
+    slots (their tensors become targets too) and list every box to fill."""
     _fault("read", ctx.rank)
     nodes = dict(iter_skeleton(md.skeleton))
     saved_leaves = set(md.tensors) | set(md.objects) | set(md.per_rank)
@@ -883,14 +1005,25 @@ def _load_local(
             f"checkpoint {storage.url} was saved by {md.world_size} ranks and is loaded by "
             f"{ctx.world_size}: rank {ctx.rank} restores the per-rank state of saved rank "
             f"{ctx.rank % max(1, md.world_size)} for {', '.join(sorted(set(warned))[:5])}",
-            stacklevel=3,
+            stacklevel=_caller_stacklevel(),
         )
 
-    itemsizes = {fqn: itemsize(dtype_from_name(info["dtype"])) for fqn, info in md.tensors.items()}
-    with trace.span("plan"):
-        reqs = plan_load([(t.fqn, t.box) for t in targets], chunks, itemsizes=itemsizes)
-    _execute_reads(storage, chunks, targets, reqs, opts, trace)
-    return missing, unexpected, values
+    return missing, unexpected, values, targets
+
+
+def _caller_stacklevel() -> int:
+    """The stacklevel that points a warning at the first frame outside bytecp."""
+    import sys
+
+    pkg = os.path.dirname(os.path.abspath(__file__))
+    root = os.path.dirname(pkg)
+    level, f = 1, sys._getframe(1)
+    while f is not None:
+        path = os.path.abspath(f.f_code.co_filename)
+        if not (path.startswith(pkg + os.sep) or path.startswith(os.path.join(root, "adapters") + os.sep)):
+            return level
+        f, level = f.f_back, level + 1  # type: ignore[assignment]
+    return level
 
 
 def _keys(keys: Sequence[str], n: int = 20) -> str:

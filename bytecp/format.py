@@ -68,6 +68,26 @@ INDEX_SCHEMA = pa.schema(
 )
 
 
+def check_path(path: str, kind: str, where: str) -> str:
+    """A file name taken from a checkpoint: relative, below ``data/`` or
+    ``index/``, with no ``..``/empty parts -- so a tampered checkpoint can
+    never make a reader read, or an overwrite delete, anything outside it."""
+    parts = path.split("/")
+    prefix = {"data": "data", "index": "index"}[kind]
+    if (
+        not isinstance(path, str)
+        or path.startswith("/")
+        or "\\" in path
+        or parts[0] != prefix
+        or len(parts) < 2
+        or any(p in ("", ".", "..") for p in parts)
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: refusing file name {path!r}: checkpoint files must be relative paths below {prefix}/"
+        )
+    return path
+
+
 def new_save_id() -> str:
     return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
 
@@ -190,7 +210,7 @@ class Metadata:
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
         version = d.get("format_version")
-        if not isinstance(version, int) or version > FORMAT_VERSION or version < 1:
+        if type(version) is not int or version > FORMAT_VERSION or version < 1:
             raise FormatVersionError(
                 f"{where}: checkpoint format version {version!r} is not supported by this bytecp, "
                 f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
@@ -215,9 +235,20 @@ class Metadata:
                 created=float(d.get("created", 0.0)),
                 bytecp_version=str(d.get("bytecp_version", "")),
                 format_version=version,
-            )
+            ).validate(where)
         except (KeyError, TypeError, ValueError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r})") from e
+
+    def validate(self, where: str) -> Metadata:
+        """Every file name the metadata holds is safe (see :func:`check_path`)."""
+        for f in self.index_files:
+            check_path(f, "index", where)
+        for f in self.data_files:
+            check_path(f, "data", where)
+        for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
+            if rec.file is not None:
+                check_path(rec.file, "data", where)
+        return self
 
     def referenced_files(self) -> set[str]:
         return set(self.index_files) | set(self.data_files)

@@ -9,16 +9,18 @@ interrupted save and is never picked, nor counted by retention).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import re
 import time
 from typing import Any
 
 from . import format as fmt
-from .errors import ConfigError
+from .errors import ConfigError, FormatVersionError
 from .storage_api import open_storage
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
 
+log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
 
 
@@ -38,7 +40,10 @@ def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = N
         if root.exists(f"{name}/{fmt.METADATA_FILE}"):
             try:
                 md = fmt.Metadata.from_bytes(root.read_bytes(f"{name}/{fmt.METADATA_FILE}"), f"{run_url}/{name}")
-            except Exception:
+            except FormatVersionError:
+                raise  # never resume silently from an older checkpoint than the newest
+            except Exception as e:
+                log.warning("bytecp: skipping %s/%s: unreadable metadata.json (%s)", run_url, name, e)
                 continue
             m = _STEP.match(name)
             step = md.step if md.step is not None else (int(m.group(1)) if m else None)

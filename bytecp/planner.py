@@ -38,6 +38,7 @@ __all__ = [
     "ReadRequest",
     "plan_load",
     "DEFAULT_SPLIT_BYTES",
+    "plan_shared_reads",
 ]
 
 DEFAULT_SPLIT_BYTES = 4 * 1024 * 1024
@@ -225,3 +226,42 @@ def _reads_for(
     # too much waste: split along the first dimension longer than one
     for piece in inter.split(inter.lengths[dim0]):
         _reads_for(reqs, ti, ci, c, cbox, piece, size, max_waste, max_gap)
+
+
+def plan_shared_reads(
+    specs: Sequence[Sequence[tuple[str, Region]]],
+    itemsizes: dict[str, int],
+    *,
+    split_bytes: int = DEFAULT_SPLIT_BYTES,
+) -> list[list[tuple[str, Region, Region]]]:
+    """Zero-redundancy load plan for boxes that *every* rank targets.
+
+    ``specs[r]`` are rank ``r``'s target boxes. Each box all ranks want is read
+    once: a large one is split into one piece per rank, a small one goes whole
+    to the least-loaded rank. Returns, per rank, ``(fqn, box, piece)`` to read
+    and then send to every other rank.
+    """
+    world = len(specs)
+    if world < 2:
+        return [[] for _ in range(world)]
+    common = set(specs[0])
+    for s in specs[1:]:
+        common &= set(s)
+    load = [0] * world
+    out: list[list[tuple[str, Region, Region]]] = [[] for _ in range(world)]
+    keys = sorted(common, key=lambda k: (-k[1].numel * itemsizes[k[0]], k[0], k[1]))
+    for fqn, box in keys:
+        nbytes = box.numel * itemsizes[fqn]
+        if nbytes == 0:
+            continue
+        pieces = box.split(world) if nbytes >= split_bytes else [box]
+        pool = [(load[r], r) for r in range(world)]
+        heapq.heapify(pool)
+        for piece in sorted(pieces, key=lambda p: -p.numel):
+            ld, r = heapq.heappop(pool)
+            out[r].append((fqn, box, piece))
+            load[r] += piece.numel * itemsizes[fqn]
+            heapq.heappush(pool, (load[r], r))
+    for items in out:
+        items.sort(key=lambda t: (t[0], t[1], t[2]))
+    return out

@@ -303,6 +303,43 @@ def async_case(framework: str, url: str, lazy: bool, variant: str = "") -> dict[
     return ref
 
 
+def zero_redundancy_load(framework: str, url: str, zero: bool) -> tuple[dict[str, Any] | None, int, int]:
+    """Load with or without zero-redundancy; return the full state (rank 0),
+    the bytes this rank read from storage and the bytes it broadcast."""
+    from bytecp.recorder import add_recorder, remove_recorder
+
+    reports: list[Any] = []
+
+    class Keep:
+        def on_report(self, report: Any) -> None:
+            reports.append(report)
+
+        def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
+            pass
+
+    rec = add_recorder(Keep())
+    try:
+        model, opt = build(framework, seed=123)
+        bytecp.load(url, {"model": model, "optimizer": opt}, strict=False, zero_redundancy=zero)
+    finally:
+        remove_recorder(rec)
+    (rep,) = [r for r in reports if r.operation == "load"]
+    read = sum(s.nbytes for s in rep.spans if s.phase == "read")
+    exchanged = sum(s.nbytes for s in rep.spans if s.phase == "exchange")
+    return full_state(model, opt), read, exchanged
+
+
+def uneven_objects(url: str) -> Any:
+    """Ranks whose state trees differ: values only some ranks hold are saved too."""
+    r = dist.get_rank()
+    extra: dict[str, Any] = {"common": 1, f"only{r}": {"value": r, "t": torch.full((3,), float(r))}}
+    if r == 1:
+        extra["blob"] = (1, 2)
+    bytecp.save(url, {"extra": extra})
+    dist.barrier()
+    return bytecp.load_state_dict(url) if r == 0 else None
+
+
 def rank() -> int:
     return dist.get_rank()
 

@@ -143,6 +143,27 @@ def test_async_save_while_training_runs_collectives(pools, tmp_path: Path, fw: s
     assert_same_state(ref, got, f"async {fw} lazy={lazy} 2->3")
 
 
+def test_zero_redundancy_load_reads_each_replicated_byte_once(saved, pools) -> None:
+    url, ref = saved[("ddp", 2)]
+    plain = pools(3).run(cases.zero_redundancy_load, "ddp", url, False)
+    zero = pools(3).run(cases.zero_redundancy_load, "ddp", url, True)
+    assert_same_state(ref, zero[0][0], "ddp 2->3 zero-redundancy")
+    assert_same_state(ref, plain[0][0], "ddp 2->3 plain")
+    everything = plain[0][1]  # without it, every rank reads the whole state
+    assert all(r[1] == everything for r in plain)
+    reads = [r[1] for r in zero]
+    assert sum(reads) < everything * 1.05  # each byte read about once in all
+    assert max(reads) < everything / 2  # spread over the ranks
+
+
+def test_values_held_only_by_some_ranks_are_saved(pools, tmp_path: Path) -> None:
+    sd = pools(2).run(cases.uneven_objects, str(tmp_path / "ck"))[0]
+    extra = sd["extra"]
+    assert extra["common"] == 1 and extra["blob"] == (1, 2)
+    assert extra["only0"]["value"] == 0 and extra["only1"]["value"] == 1
+    assert torch.equal(extra["only1"]["t"], torch.full((3,), 1.0))
+
+
 def test_failure_on_one_rank_reaches_every_rank_during_save(pools, tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
     results = pools(2).run(cases.failing_save, url, "write:1")
