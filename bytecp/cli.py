@@ -92,6 +92,16 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from .export import export_safetensors, export_torch
+
+    fn = export_safetensors if args.format == "safetensors" else export_torch
+    n = fn(open_storage(args.url, **_storage_options(args)), args.out, prefix=args.prefix,
+           strip_prefix=not args.keep_prefix)
+    print(f"wrote {args.out} ({_human(n)})")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -118,6 +128,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_inspect)
     url_cmd("verify", "read every chunk and check its crc32c").set_defaults(fn=cmd_verify)
     url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
+    sp = url_cmd("export", "write full tensors to one safetensors file or torch state dict (streamed)")
+    sp.add_argument("out", help="output file")
+    sp.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
+    sp.add_argument("--prefix", default="model.", help="export tensors whose FQN starts with this ('' for all)")
+    sp.add_argument("--keep-prefix", action="store_true", help="keep the prefix in the exported names")
+    sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("demo", help="train a small model, checkpoint, reload and verify")
     sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints")
     sp.add_argument("--world-size", type=int, default=2, help="processes for the distributed part (0: skip)")

@@ -59,3 +59,26 @@ def test_newer_format_stops_resume_instead_of_skipping_it(tmp_path: Path) -> Non
     (run / "step-2" / "metadata.json").write_text(json.dumps(md))
     with pytest.raises(bytecp.FormatVersionError):
         mgr.restore({"x": torch.zeros(1)})
+
+
+def test_export_safetensors_and_torch(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 5)).to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters())
+    url = str(tmp_path / "ck")
+    bytecp.save(url, {"model": model, "optimizer": opt})
+    out = str(tmp_path / "model.safetensors")
+    assert cli(["export", url, out]) == 0
+    st = load_file(out)
+    assert set(st) == set(model.state_dict())
+    for k, v in model.state_dict().items():
+        assert torch.equal(st[k], v) and st[k].dtype == torch.bfloat16
+    pt = str(tmp_path / "model.pt")
+    assert cli(["export", url, pt, "--format", "torch"]) == 0
+    sd = torch.load(pt, weights_only=True)
+    fresh = nn.Sequential(nn.Embedding(7, 3), nn.Linear(3, 5)).to(torch.bfloat16)
+    fresh.load_state_dict(sd)
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
+    assert cli(["export", url, out, "--prefix", "nope."]) == 2
