@@ -37,7 +37,7 @@ test: install-test test-servers
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
 
 lint: install-test
-	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks
+	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto
 	$(VENV)/bin/mypy
 
 bench: install-test

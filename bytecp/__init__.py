@@ -1,12 +1,18 @@
 """bytecp: checkpointing for large distributed PyTorch training.
 
-Save from any parallelism (DDP, FSDP1, FSDP2, Megatron-Core), load into any
-other or into one process; storage is any fsspec URL. See README.md and
-docs/ for the guide and docs/FORMAT.md for the on-storage format.
+Save from any parallelism (DDP, FSDP1, FSDP2), load into any other or into
+one process; storage is any fsspec URL. See README.md and docs/ for the guide
+and docs/FORMAT.md for the on-storage format.
+
+The API is imported on first use, so tools that need no torch (the
+monitoring collector, ``bytecp monitor``) start without importing it.
 """
 
-from .api import LoadResult, __version__, load, load_state_dict, save
-from .async_save import SaveHandle, async_save, wait_for_pending_save
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     BytecpError,
     CheckpointExistsError,
@@ -20,7 +26,42 @@ from .errors import (
     StateMismatchError,
     StorageError,
 )
-from .extras import PerRankState, RNGState
+
+try:
+    from importlib.metadata import version as _pkg_version
+
+    __version__ = _pkg_version("bytecp")
+except Exception:  # pragma: no cover - running from a source tree
+    __version__ = "0.0.0"
+
+if TYPE_CHECKING:
+    from .api import LoadResult, load, load_state_dict, save
+    from .async_save import SaveHandle, async_save, wait_for_pending_save
+    from .extras import PerRankState, RNGState
+    from .manager import CheckpointManager
+
+_LAZY = {
+    "save": ".api",
+    "load": ".api",
+    "load_state_dict": ".api",
+    "LoadResult": ".api",
+    "async_save": ".async_save",
+    "SaveHandle": ".async_save",
+    "wait_for_pending_save": ".async_save",
+    "RNGState": ".extras",
+    "PerRankState": ".extras",
+    "CheckpointManager": ".manager",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bytecp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value
+    return value
+
 
 __all__ = [
     "save",
@@ -30,6 +71,7 @@ __all__ = [
     "load",
     "load_state_dict",
     "LoadResult",
+    "CheckpointManager",
     "RNGState",
     "PerRankState",
     "BytecpError",

@@ -14,7 +14,7 @@ import logging
 import time
 from typing import Any
 
-from . import engine
+from . import __version__, engine
 from . import format as fmt
 from .adapter_api import detect_adapter
 from .dist import DistContext
@@ -27,13 +27,6 @@ __all__ = ["save", "load", "load_state_dict", "LoadResult"]
 
 log = logging.getLogger("bytecp")
 LoadResult = engine.LoadResult
-
-try:
-    from importlib.metadata import version as _pkg_version
-
-    __version__ = _pkg_version("bytecp")
-except Exception:  # pragma: no cover - running from a source tree
-    __version__ = "0.0.0"
 
 
 def _check_state(state: Any) -> dict[str, Any]:
@@ -94,7 +87,7 @@ def save(
     :class:`~bytecp.errors.CheckpointExistsError` if a committed checkpoint
     is at ``url`` and ``overwrite`` is false.
     """
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
     _check_json("metadata", metadata)
     opts = engine.SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, io_threads=io_threads)
@@ -102,7 +95,7 @@ def save(
     ctx = DistContext(process_group, coordinator_rank)
     storage = _storage(url, storage_options)
     trace = Trace("save", storage.url, rank=ctx.rank, world_size=ctx.world_size, step=step,
-                  extra_recorders=_recorders(monitor))
+                  extra_recorders=_recorders(monitor), started=wall0)
     try:
         _raise_previous(trace)  # one save in flight per process
         adapter = detect_adapter(state, framework)
@@ -152,14 +145,14 @@ def load(
     every rank needs once, spread over the ranks, and exchanges them over
     the process group.
     """
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
     opts = engine.LoadOptions(strict=strict, verify=verify, allow_pickle=allow_pickle,
                               io_threads=io_threads, zero_redundancy=zero_redundancy)
     ctx = DistContext(process_group, coordinator_rank)
     storage = _storage(url, storage_options)
     trace = Trace("load", storage.url, rank=ctx.rank, world_size=ctx.world_size,
-                  extra_recorders=_recorders(monitor))
+                  extra_recorders=_recorders(monitor), started=wall0)
     try:
         adapter = detect_adapter(state, framework)
         md, chunks = engine.read_checkpoint(storage, ctx, trace)
@@ -196,9 +189,13 @@ def load_state_dict(
     storage = _storage(url, storage_options)
     ctx = DistContext.local()
     trace = Trace("load", storage.url)
-    md, chunks = engine.read_checkpoint(storage, ctx, trace)
-    flat = flatten_tree(Slot(), target=True)
-    result = engine.load_flat(storage, flat, ctx, md, chunks, opts, trace)
+    try:
+        md, chunks = engine.read_checkpoint(storage, ctx, trace)
+        flat = flatten_tree(Slot(), target=True)
+        result = engine.load_flat(storage, flat, ctx, md, chunks, opts, trace)
+    except BaseException as e:
+        trace.finish(ok=False, error=e)
+        raise
     trace.finish(ok=True)
     value = result.values[""]
     if not isinstance(value, dict):  # pragma: no cover - save always takes a dict

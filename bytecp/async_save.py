@@ -163,7 +163,7 @@ def async_save(
     batch is staged.
     """
     global _inflight
-    t0 = time.perf_counter()
+    t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
     _check_json("metadata", metadata)
     if memory_budget_bytes is not None and memory_budget_bytes < 1:
@@ -174,7 +174,7 @@ def async_save(
     opts = engine.SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, io_threads=io_threads)
     probe = DistContext(process_group, coordinator_rank)
     trace = Trace("save", storage.url, rank=probe.rank, world_size=probe.world_size, step=step,
-                  extra_recorders=_recorders(monitor))
+                  extra_recorders=_recorders(monitor), started=wall0)
     handle = SaveHandle(storage.url)
     try:
         _raise_previous(trace)

@@ -196,7 +196,10 @@ class Trace:
         step: int | None = None,
         checkpoint_id: str | None = None,
         extra_recorders: list[Recorder] | None = None,
+        started: float | None = None,
     ) -> None:
+        """``started``: wall-clock start of the user's call (default: now), so
+        the work before the trace existed counts in its duration as in its stall."""
         self.operation = operation
         self.url = url
         self.rank = rank
@@ -204,7 +207,7 @@ class Trace:
         self.step = step
         self.checkpoint_id = checkpoint_id or url
         self.job = os.environ.get("BYTECP_JOB", os.environ.get("TORCHELASTIC_RUN_ID", "default"))
-        self.started = time.time()
+        self.started = time.time() if started is None else started
         self.spans: list[Span] = []
         self.stall_seconds = 0.0
         self.retries = 0

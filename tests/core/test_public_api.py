@@ -1,0 +1,21 @@
+"""The public import paths stay stable (and `import bytecp` does not import torch)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import bytecp
+
+
+def test_public_names_resolve() -> None:
+    for name in bytecp.__all__:
+        assert getattr(bytecp, name) is not None, name
+    for module in ("bytecp.storage", "bytecp.adapters", "bytecp.monitoring", "bytecp.manager", "bytecp.cli"):
+        __import__(module)
+
+
+def test_import_does_not_pull_torch() -> None:
+    code = "import sys, bytecp, bytecp.monitoring; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
