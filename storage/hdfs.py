@@ -240,6 +240,20 @@ class HDFSStorage(FsspecStorage):
             opts["filesystem"] = self._filesystem
         return opts
 
+    def child(self, path: str) -> HDFSStorage:
+        # share this client (no new connection, no second probe)
+        c = type(self)(
+            self.url.rstrip("/") + "/" + path.strip("/"),
+            client=self.client,
+            probe_timeout=self.probe_timeout,
+            config=self.config,
+            filesystem=self.fs,
+            retry=self._retry_option,
+            **self._fs_options,
+        )
+        c.client_name = self.client_name
+        return c
+
     def _make_fs(self, url: str, options: dict[str, Any]) -> tuple[Any, str]:
         u = self.hdfs_url
         if self._filesystem is not None:

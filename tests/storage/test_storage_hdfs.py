@@ -14,6 +14,7 @@ from __future__ import annotations
 import builtins
 import os
 import socket
+import sys
 import time
 import uuid
 
@@ -160,3 +161,66 @@ def test_commit_replaces_through_rename(tmp_path):
     assert st.read_bytes("metadata.json") == b"two"
     assert st.list_files() == ["metadata.json"]
     assert st.child("sub").options()["filesystem"] is st.fs
+
+
+class RecordingHdfsFS(LocalFileSystem):
+    """Stands in for hdfs_native.fsspec.HdfsFileSystem: records its arguments, stores on local disk."""
+
+    made: list = []
+    moves: list = []
+
+    def __init__(self, host=None, port=None, **options):
+        super().__init__(auto_mkdir=True)
+        RecordingHdfsFS.made.append((host, port, options))
+
+    def mv(self, path1, path2, **kwargs):
+        RecordingHdfsFS.moves.append(kwargs)
+        if kwargs.get("overwrite"):
+            os.replace(path1, path2)
+        else:
+            super().mv(path1, path2)
+
+
+@pytest.fixture
+def fake_hdfs_native(monkeypatch):
+    import types
+
+    pkg = types.ModuleType("hdfs_native")
+    mod = types.ModuleType("hdfs_native.fsspec")
+    mod.HdfsFileSystem = mod.ViewfsFileSystem = RecordingHdfsFS
+    pkg.fsspec = mod
+    monkeypatch.setitem(sys.modules, "hdfs_native", pkg)
+    monkeypatch.setitem(sys.modules, "hdfs_native.fsspec", mod)
+    RecordingHdfsFS.made.clear()
+    RecordingHdfsFS.moves.clear()
+    return RecordingHdfsFS
+
+
+def test_client_options_reach_hdfs_native(fake_hdfs_native, tmp_path):
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        port = srv.getsockname()[1]
+        st = open_storage(
+            f"hdfs://127.0.0.1:{port}{tmp_path}/ck",
+            config={"dfs.client.use.datanode.hostname": "true"},
+            retry=7,
+        )
+    assert st.client_name == "hdfs-native"
+    assert fake_hdfs_native.made == [("127.0.0.1", port, {"dfs.client.use.datanode.hostname": "true"})]
+    assert st.root == f"{tmp_path}/ck"
+    st.write_file("data/0.bin", [b"abc"])
+    st.commit("metadata.json", b"1")
+    st.commit("metadata.json", b"2")
+    assert st.read_bytes("metadata.json") == b"2"
+    assert fake_hdfs_native.moves == [{"overwrite": True}] * 2  # one NameNode rename with overwrite
+    child = st.child("data")
+    assert child.options()["config"] == {"dfs.client.use.datanode.hostname": "true"}
+    assert child.options()["retry"] == 7
+    assert child.retry.deadline == 7
+
+
+def test_viewfs_uses_hdfs_native_without_probe(fake_hdfs_native):
+    st = open_storage("viewfs://cluster/user/x")
+    assert st.client_name == "hdfs-native"
+    assert fake_hdfs_native.made[0][:2] == ("cluster", None)
