@@ -74,14 +74,28 @@ def ceph_missing() -> list[str]:
     return [b for b in CEPH_BINARIES if shutil.which(b) is None]
 
 
-def start_ceph_rgw(*, timeout: float = 180.0, memstore_bytes: int = 3 << 30) -> S3Server:
-    """Start Ceph (memstore) + RGW on free loopback ports; raise with the log tail on failure."""
+def start_ceph_rgw(*, timeout: float = 180.0, memstore_bytes: int = 3 << 30, attempts: int = 2) -> S3Server:
+    """Start Ceph (memstore) + RGW on free loopback ports; raise with the log tail on failure.
+
+    A failed start (say, a port taken between choosing and binding it) is
+    retried once on new ports.
+    """
     missing = ceph_missing()
     if missing:
         raise FileNotFoundError(
             f"Ceph binaries not installed: {', '.join(missing)} "
             "(as root on Debian: bash tools/install-test-servers.sh)"
         )
+    for attempt in range(attempts):
+        try:
+            return _start_ceph_once(timeout, memstore_bytes)
+        except (RuntimeError, subprocess.TimeoutExpired):
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
+def _start_ceph_once(timeout: float, memstore_bytes: int) -> S3Server:
     work = tempfile.mkdtemp(prefix="bytecp-ceph-")
     env = dict(
         os.environ,
@@ -90,9 +104,13 @@ def start_ceph_rgw(*, timeout: float = 180.0, memstore_bytes: int = 3 << 30) -> 
         OSD_STORE="memstore",
         MEMSTORE_BYTES=str(memstore_bytes),
     )
-    proc = subprocess.run(
-        ["bash", CEPH_START, work], env=env, capture_output=True, text=True, timeout=timeout
-    )
+    try:
+        proc = subprocess.run(
+            ["bash", CEPH_START, work], env=env, capture_output=True, text=True, timeout=timeout
+        )
+    except subprocess.TimeoutExpired:
+        subprocess.run(["bash", CEPH_STOP, work], capture_output=True, timeout=60)
+        raise
     if proc.returncode != 0:
         subprocess.run(["bash", CEPH_STOP, work], capture_output=True, timeout=60)
         raise RuntimeError(f"tools/ceph/start_rgw.sh failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
