@@ -230,19 +230,27 @@ def _run_case(ctx: Ctx, case: Case, repeat: int, sampler: RssSampler) -> dict[st
 
 
 def _order(names: list[str], repeat: int, cases: dict[str, Case]) -> list[str]:
-    """Alternate which library goes first: pair bytecp and DCP cases of the same kind."""
+    """Alternate which library goes first in odd repeats.
+
+    Adjacent bytecp/DCP cases of the same family (saves, or loads at the same
+    cache temperature) swap places; a case without a partner keeps its slot.
+    """
     if repeat % 2 == 0:
         return list(names)
+
+    def family(c: Case) -> tuple[str, bool]:
+        return ("load" if c.kind == "load" else "save", c.cold)
+
     out: list[str] = []
     i = 0
     while i < len(names):
-        a = names[i]
-        b = names[i + 1] if i + 1 < len(names) else None
-        if b is not None and cases[a].lib != cases[b].lib:
-            out += [b, a]
+        a = cases[names[i]]
+        b = cases[names[i + 1]] if i + 1 < len(names) else None
+        if b is not None and a.lib != b.lib and family(a) == family(b):
+            out += [b.name, a.name]
             i += 2
         else:
-            out.append(a)
+            out.append(a.name)
             i += 1
     return out
 

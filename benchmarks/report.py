@@ -29,7 +29,7 @@ def _case_summary(records: list[dict[str, Any]], world: int) -> dict[str, Any]:
         out["status"] = "failed" if errors else "not run"
         return out
     out["status"] = "ok"
-    for key in ("blocking_s", "total_s", "call_s", "step_wait_s"):
+    for key in ("blocking_s", "total_s", "call_s", "step_wait_s", "compute_s"):
         vals = [max(r[key] for r in rs) for rs in good if all(key in r for r in rs)]
         if vals:
             out[key] = statistics.median(vals)
@@ -176,8 +176,8 @@ def _fmt(v: float | None, spec: str = ".2f") -> str:
 
 def table(result: dict[str, Any]) -> str:
     """The results as Markdown tables (cases, dd figures, targets)."""
-    lines = ["| group | case | blocking s | total s | GB/s | GB written per rank | peak RSS rise GB | RSS over training GB | vs DCP |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| group | case | blocking s | total s | total range s | GB/s | GB written per rank | peak RSS rise GB | RSS over training GB | vs DCP |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     rat: dict[tuple[str, str], list[str]] = {}
     for r in result["ratios"]:
         short = "blk" if r["figure"] == "blocking_s" else "tot"
@@ -186,15 +186,17 @@ def table(result: dict[str, Any]) -> str:
     for label, g in result["groups"].items():
         for name, c in g["cases"].items():
             if c.get("status") != "ok":
-                lines.append(f"| {label} | {name} | {c.get('status')} | | | | | | |")
+                lines.append(f"| {label} | {name} | {c.get('status')} | | | | | | | |")
                 continue
             per = c.get("bytes_per_rank")
             rss = c.get("rss_peak_delta_per_rank") or [0]
             over = [x for x in c.get("rss_over_train_per_rank") or [] if x is not None] or [0]
             vs = rat.get((label, name), [])
+            tot = c.get("total_s_all") or []
+            rng = f"{min(tot):.2f}-{max(tot):.2f}" if len(tot) > 1 else ""
             ok = "" if c.get("verified", True) else " (LOADED VALUES DIFFER)"
             lines.append(
-                f"| {label} | {name}{ok} | {_fmt(c.get('blocking_s'))} | {_fmt(c.get('total_s'))} | "
+                f"| {label} | {name}{ok} | {_fmt(c.get('blocking_s'))} | {_fmt(c.get('total_s'))} | {rng} | "
                 f"{_fmt(c.get('write_gbps'))} | {' / '.join(_fmt(x / GB) for x in per) if per else ''} | "
                 f"{_fmt(max(rss) / GB)} | {_fmt(max(over) / GB)} | {'; '.join(vs)} |")
     d = result["disk"]
@@ -237,13 +239,15 @@ def plot(result: dict[str, Any], path: str) -> None:
         ax.barh(names, blk, color=colors, label="blocking")
         for y, (b, tt) in enumerate(zip(blk, total, strict=True)):
             ax.text(tt, y, f" {b:.2f} / {tt:.2f} s", va="center", fontsize=7)
-        ax.set_title(f"{lbl} (world {result['groups'][lbl]['world_size']})", fontsize=9, loc="left")
+        ax.set_title(f"{lbl} (world {result['groups'][lbl]['world_size']}); lazy total includes one overlapped forward/backward"
+                     if any("lazy" in n for n in names) else f"{lbl} (world {result['groups'][lbl]['world_size']})",
+                     fontsize=9, loc="left")
         ax.tick_params(axis="y", labelsize=7)
         ax.set_xlim(0, max(total) * 1.3 if max(total) > 0 else 1)
     axes[-1, 0].set_xlabel("seconds (median of the slowest rank); solid = blocking, pale = total")
     cfg = result.get("config", {})
     fig.suptitle(f"bytecp (blue) vs torch.distributed.checkpoint (orange): {cfg.get('state_gb', '?')} GB state, "
                  f"{result.get('world_size')} ranks, gloo/CPU", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -25,7 +25,7 @@ def _numeric(v: object) -> bool:
 @pytest.mark.slow
 @pytest.mark.timeout(420)
 def test_quick_run_reports_every_case(tmp_path: Path) -> None:
-    from benchmarks.run import LOAD_CASES, SAVE_CASES, SHORT_CASES
+    from benchmarks.run import LAST_CASES, LOAD_CASES, SAVE_CASES, SHORT_CASES
 
     out, png = tmp_path / "bench.json", tmp_path / "bench.png"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
@@ -40,7 +40,7 @@ def test_quick_run_reports_every_case(tmp_path: Path) -> None:
     assert "| group | case |" in proc.stdout
 
     expected = {
-        "fsdp2": SAVE_CASES + LOAD_CASES,
+        "fsdp2": SAVE_CASES + LOAD_CASES + LAST_CASES,
         "ddp": SHORT_CASES["ddp"],
         "fsdp1": SHORT_CASES["fsdp1"],
         "reshard 2->3": LOAD_CASES,
