@@ -78,7 +78,8 @@ class DistContext:
         self.stats = CollectiveStats()
         self.device = self._collective_device()
         self._store = _default_store() if self.enabled else None
-        DistContext._instances += 1
+        if self.enabled:  # every rank creates its distributed contexts in the same order
+            DistContext._instances += 1
         self._uid = DistContext._instances
         self._seq = 0
 
