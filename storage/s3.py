@@ -53,7 +53,7 @@ from bytecp.storage_api import Buffer, Storage, split_protocol
 from . import _retry
 from ._retry import NOT_FOUND, PERMANENT, PERMISSION, TRANSIENT, RetryPolicy, Verdict
 
-__all__ = ["S3Storage", "MIN_PART_SIZE", "MAX_PARTS"]
+__all__ = ["S3Storage", "MIN_PART_SIZE", "MAX_PARTS", "plan_parts"]
 
 log = logging.getLogger("bytecp.storage")
 T = TypeVar("T")
@@ -135,6 +135,85 @@ def _classify_s3(exc: BaseException) -> Verdict | None:
 
 
 _retry.register_classifier(_classify_s3)
+
+
+def plan_parts(views: Sequence[memoryview], part_size: int) -> list[list[memoryview]]:
+    """Cut a file given as buffers into multipart parts, zero-copy where possible.
+
+    Each part is a list of slices of the buffers (concatenated, they are the
+    file). A buffer of at least ``part_size`` bytes starts a part of its own
+    (the current part is closed early when it already has ``MIN_PART_SIZE``,
+    or topped up to that from the buffer's head) and is cut into slices of ``part_size``, a short tail going into the last
+    slice or, from ``MIN_PART_SIZE`` up, into a part of its own: large tensors
+    go up without a copy. Runs of small buffers are packed into parts of about
+    ``part_size`` (joined when sent). Every part but the last has at least
+    ``MIN_PART_SIZE`` bytes, and there are at most ``MAX_PARTS`` parts.
+    """
+    parts: list[list[memoryview]] = []
+    cur: list[memoryview] = []
+    cur_len = 0
+    if len(views) > 4 * MAX_PARTS:  # keep planning cheap for absurd buffer counts
+        return _fixed_parts(views, part_size)
+
+    def flush() -> None:
+        nonlocal cur, cur_len
+        if cur:
+            parts.append(cur)
+            cur, cur_len = [], 0
+
+    for v in views:
+        n = len(v)
+        if n >= part_size and cur_len >= MIN_PART_SIZE:
+            flush()
+        pos = 0
+        while pos < n:
+            left = n - pos
+            if cur_len == 0 and left >= MIN_PART_SIZE:
+                take = part_size if left >= part_size else left
+                if 0 < left - take < MIN_PART_SIZE:
+                    take = left  # no tiny tail: the last slice grows a little
+                parts.append([v[pos : pos + take]])
+                pos += take
+                continue
+            if n >= part_size:  # top a short part up to the minimum, then go zero-copy
+                take = min(left, MIN_PART_SIZE - cur_len)
+            else:
+                take = min(part_size - cur_len, left)
+            cur.append(v[pos : pos + take])
+            cur_len += take
+            pos += take
+            if cur_len >= part_size or (n >= part_size and cur_len >= MIN_PART_SIZE):
+                flush()
+    flush()
+    # a short part may only be last: merge any short part into its successor
+    merged: list[list[memoryview]] = []
+    carry: list[memoryview] = []
+    for p in parts:
+        carry = carry + p
+        if sum(len(x) for x in carry) >= MIN_PART_SIZE:
+            merged.append(carry)
+            carry = []
+    if carry:
+        merged.append(carry)  # the last part may be short
+    if len(merged) > MAX_PARTS:  # many mid-sized buffers: fall back to fixed offsets
+        return _fixed_parts(views, part_size)
+    return merged
+
+
+def _fixed_parts(views: Sequence[memoryview], part_size: int) -> list[list[memoryview]]:
+    parts: list[list[memoryview]] = [[]]
+    room = part_size
+    for v in views:
+        pos = 0
+        while pos < len(v):
+            if room == 0:
+                parts.append([])
+                room = part_size
+            take = min(room, len(v) - pos)
+            parts[-1].append(v[pos : pos + take])
+            pos += take
+            room -= take
+    return [p for p in parts if p]
 
 
 class _Client:
@@ -367,40 +446,32 @@ class S3Storage(Storage):
 
     async def _multipart(self, path: str, views: list[memoryview], total: int) -> None:
         key = self._key(path)
-        part_size = self._part_size_for(total)
-        nparts = -(-total // part_size)
+        plan = plan_parts(views, self._part_size_for(total))
+        nparts = len(plan)
         created = await self._call(
             "create_multipart_upload", self._where(path, "create_multipart_upload"), Bucket=self.bucket, Key=key
         )
         upload_id = created["UploadId"]
-        # buffer start offsets, to slice part bodies out of the caller's views
-        starts = []
-        pos = 0
-        for v in views:
-            starts.append(pos)
-            pos += len(v)
-
-        def body(lo: int, hi: int) -> Any:
-            pieces = []
-            for v, s in zip(views, starts, strict=True):
-                e = s + len(v)
-                if e <= lo or s >= hi:
-                    continue
-                pieces.append(v[max(lo, s) - s : min(hi, e) - s])
-            return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+        where_ = self._where
 
         async def upload(n: int) -> dict[str, Any]:
-            lo = (n - 1) * part_size
-            hi = min(total, lo + part_size)
-            out = await self._call(
-                "upload_part",
-                self._where(path, f"upload_part {n}/{nparts}"),
-                Bucket=self.bucket,
-                Key=key,
-                UploadId=upload_id,
-                PartNumber=n,
-                Body=body(lo, hi),
+            pieces = plan[n - 1]
+            body: Any = None
+
+            async def attempt() -> Any:
+                nonlocal body
+                async with self._client.sem:
+                    if body is None:  # joined only while in flight: memory stays bounded
+                        body = pieces[0] if len(pieces) == 1 else b"".join(pieces)
+                    s3 = await self._client.s3()
+                    return await s3.upload_part(
+                        Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body
+                    )
+
+            out = await _retry.acall(
+                attempt, policy=self.retry, where=where_(path, f"upload_part {n}/{nparts}"), backend=self.backend
             )
+            body = None
             return {"PartNumber": n, "ETag": out["ETag"]}
 
         tasks = [asyncio.ensure_future(upload(n)) for n in range(1, nparts + 1)]

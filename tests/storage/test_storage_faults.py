@@ -216,4 +216,4 @@ def test_retries_are_not_hidden_inside_botocore(moto_s3):
     st = S3Storage("s3://b/x", **moto_s3.options())
     assert st._client.fs.retries == 1
     cfg = st._client.fs.config_kwargs if hasattr(st._client.fs, "config_kwargs") else {}
-    assert cfg.get("retries") == {"total_max_attempts": 1}
+    assert cfg["retries"]["total_max_attempts"] == 1
