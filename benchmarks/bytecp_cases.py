@@ -38,11 +38,25 @@ def _async_missing(framework: str, *, lazy: bool = False) -> str | None:
     import bytecp
 
     fn = getattr(bytecp, "async_save", None)
+    fn = fn if fn is None or callable(fn) else getattr(fn, "async_save", None)
     if fn is None:
         return f"{NOT_AVAILABLE}: no bytecp.async_save"
     if lazy and "lazy" not in inspect.signature(fn).parameters:
         return f"{NOT_AVAILABLE}: bytecp.async_save has no lazy mode"
     return _adapter_missing(framework)
+
+
+def _async_fn() -> Any:
+    """``bytecp.async_save``, the function.
+
+    Once ``bytecp.async_save`` the submodule has been imported (``bytecp.save``
+    imports it), the package attribute of that name can be the module rather
+    than the lazily exported function; take the function from the module then.
+    """
+    import bytecp
+
+    fn = bytecp.async_save  # type: ignore[attr-defined]
+    return fn if callable(fn) else fn.async_save
 
 
 def _state(ctx: Ctx) -> dict[str, Any]:
@@ -67,10 +81,9 @@ def save(ctx: Ctx) -> dict[str, Any]:
 
 
 def async_save(ctx: Ctx) -> dict[str, Any]:
-    import bytecp
 
     url = ctx.path("bytecp-async")
-    fn = bytecp.async_save  # type: ignore[attr-defined]
+    fn = _async_fn()
     t0 = time.perf_counter()
     handle = fn(url, _state(ctx), **_kwargs(fn, overwrite=True, lazy=False))
     t1 = time.perf_counter()
@@ -88,12 +101,11 @@ def lazy_save(ctx: Ctx) -> dict[str, Any]:
     figure does not depend on hook order. The total includes the overlapped
     forward/backward.
     """
-    import bytecp
 
     from .model import forward_backward
 
     url = ctx.path("bytecp-lazy")
-    fn = bytecp.async_save  # type: ignore[attr-defined]
+    fn = _async_fn()
     t0 = time.perf_counter()
     handle = fn(url, _state(ctx), **_kwargs(fn, overwrite=True, lazy=True))
     t1 = time.perf_counter()
