@@ -251,3 +251,21 @@ def plot(result: dict[str, Any], path: str) -> None:
     fig.tight_layout(rect=(0, 0, 1, 0.98))
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The run's conditions followed by :func:`table` (for docs/benchmarks.md)."""
+    cfg = result.get("config", {})
+    host = result.get("host", {})
+    la0 = host.get("loadavg_start") or []
+    la1 = host.get("loadavg_end") or []
+    head = (
+        f"Run {result.get('started', '?')}: {cfg.get('params', 0) / 1e6:.1f}M parameters, "
+        f"{cfg.get('state_gb', '?')} GB of parameters + Adam state, {result.get('world_size')} ranks, "
+        f"{result.get('repeats')} repeats, torch {result.get('torch', '?')}, {host.get('cpus', '?')} CPUs; "
+        f"whole run {result.get('wall_s', 0) / 60:.1f} min; 1-minute load average "
+        f"{la0[0] if la0 else float('nan'):.1f} at start, {la1[0] if la1 else float('nan'):.1f} at end, "
+        f"mean {host.get('loadavg_1m_mean', float('nan')):.1f} and max {host.get('loadavg_1m_max', float('nan')):.1f} "
+        f"during the run (the benchmark's own ranks count; on this machine other jobs ran too)."
+    )
+    return head + "\n\n" + table(result)

@@ -116,6 +116,31 @@ def _loadavg() -> list[float] | None:
         return None
 
 
+class _LoadSampler:
+    """The 1-minute load average every 5 s while the benchmark runs (ours included)."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while True:
+            la = _loadavg()
+            if la:
+                self.samples.append(la[0])
+            if self._stop.wait(5):
+                return
+
+    def stop(self) -> dict[str, float]:
+        self._stop.set()
+        s = self.samples
+        return {"loadavg_1m_mean": sum(s) / len(s), "loadavg_1m_max": max(s)} if s else {}
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the benchmark; 0 when every case that can run here ran, else 1."""
     args = parse_args(sys.argv[1:] if argv is None else argv)
@@ -147,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
                                             "loadavg_start": _loadavg()},
         "folder": str(work),
     }
+    loads = _LoadSampler()
     try:
         out["disk"] = {} if args.no_dd else disk.measure(str(work), int(cfg.state_gb * 1e9), w)
         groups: dict[str, Any] = {}
@@ -177,6 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         out["ratios"] = report.ratios(groups)
         out["targets"] = report.targets(groups, out["disk"], args.frameworks[0] if args.frameworks else "", w)
         out["host"]["loadavg_end"] = _loadavg()
+        out["host"].update(loads.stop())
         out["wall_s"] = time.perf_counter() - t_start
         if args.out:  # first, so a failure below still leaves the figures
             Path(args.out).write_text(json.dumps(out, indent=1))
