@@ -195,3 +195,22 @@ def test_plan_parts_is_exact_and_valid(seed):
         if len(v) >= part:
             shared = [x for p in parts if len(p) > 1 for x in p if x.obj is v.obj]
             assert sum(len(x) for x in shared) <= 2 * MIN_PART_SIZE, [len(x) for x in shared]
+
+
+@pytest.mark.ceph
+def test_credentials_never_logged(ceph_rgw, ceph_bucket, unique_prefix, caplog):
+    """Even at DEBUG, through botocore, s3fs and bytecp, with good and bad credentials."""
+    import logging
+
+    caplog.set_level(logging.DEBUG)
+    good = open_storage(f"s3://{ceph_bucket}/{unique_prefix}", **ceph_rgw.options())
+    good.write_file("a", [b"x"])
+    good.read_bytes("a")
+    wrong_secret = "wrong-secret-that-must-not-leak-0123456789"
+    bad = open_storage(f"s3://{ceph_bucket}/{unique_prefix}", endpoint_url=ceph_rgw.endpoint_url, key=ceph_rgw.key, secret=wrong_secret)
+    with pytest.raises(StoragePermissionError) as info:
+        bad.write_file("b", [b"y"])
+    text = caplog.text + str(info.value) + repr(bad) + repr(good)
+    assert caplog.records  # logging was on
+    assert ceph_rgw.secret not in text and wrong_secret not in text
+    good.delete_prefix()
