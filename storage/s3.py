@@ -6,11 +6,12 @@ every request runs as a coroutine on fsspec's I/O event loop, so many
 threads share one connection pool and one bound on in-flight requests.
 
 - ``write_file``: one PUT for a small file; otherwise a multipart upload
-  whose parts (``part_size`` bytes, zero-copy slices of the caller's
-  buffers where a part lies inside one buffer) go up concurrently, at most
-  ``max_concurrency`` requests in flight per client. It returns only when
-  the object is complete; on failure the upload is aborted, so no orphaned
-  parts remain.
+  whose parts go up concurrently, at most ``max_concurrency`` requests in
+  flight per client. Parts follow the buffers' edges (:func:`plan_parts`):
+  a large tensor goes up as zero-copy slices of ``part_size``, runs of small
+  ones are joined into one part only while it is in flight. It returns only
+  when the object is complete; on failure the upload is aborted, so no
+  orphaned parts remain.
 - ``commit``: a single PUT of the small file, which S3 makes visible
   atomically. The engine calls it after every ``write_file`` returned, so
   ``metadata.json`` never exists before the data it describes.
