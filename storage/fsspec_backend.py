@@ -164,6 +164,35 @@ class FsspecStorage(Storage):
             )
         view[:] = data
 
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """One ``cat_ranges`` call: async filesystems (gcsfs, adlfs, ...) fetch the ranges concurrently."""
+        items = [(off, out.cast("B") if out.format != "B" or out.ndim != 1 else out) for off, out in ranges]
+        items = [(off, v) for off, v in items if len(v)]
+        if not items:
+            return
+        full = self._full(path)
+
+        def read() -> list[bytes]:
+            return list(
+                self.fs.cat_ranges(
+                    [full] * len(items), [off for off, _ in items], [off + len(v) for off, v in items], on_error="raise"
+                )
+            )
+
+        try:
+            datas = self._call(read, path, f"read {len(items)} ranges")
+        except StorageNotFoundError as e:
+            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing ({e})") from e
+        for (off, v), data in zip(items, datas, strict=True):
+            if isinstance(data, BaseException):
+                raise data
+            if len(data) != len(v):
+                raise CorruptCheckpointError(
+                    f"{self.url.rstrip('/')}/{path.strip('/')}: file is truncated: wanted bytes "
+                    f"[{off}, {off + len(v)}), file ends at {off + len(data)}"
+                )
+            v[:] = data
+
     def size(self, path: str) -> int:
         full = self._full(path)
 
