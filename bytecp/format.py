@@ -248,6 +248,22 @@ class Metadata:
         for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
             if rec.file is not None:
                 check_path(rec.file, "data", where)
+        tables: dict[str, dict[str, Any]] = {"tensor": self.tensors, "obj": self.objects, "rank": self.per_rank}
+        stack = [self.skeleton]
+        while stack:
+            node = stack.pop()
+            if not isinstance(node, dict) or len(node) != 1:
+                raise CorruptCheckpointError(f"{where}: malformed skeleton node {node!r:.80}")
+            ((kind, val),) = node.items()
+            if kind == "d":
+                stack.extend(child for _, child in val)
+            elif kind in ("l", "t"):
+                stack.extend(val)
+            elif kind in tables:
+                if val not in tables[kind]:
+                    raise CorruptCheckpointError(f"{where}: skeleton names {kind} {val!r}, which metadata.json lacks")
+            else:
+                raise CorruptCheckpointError(f"{where}: unknown skeleton node kind {kind!r}")
         return self
 
     def referenced_files(self) -> set[str]:
@@ -308,7 +324,10 @@ def read_index(blobs: Iterable[tuple[str, bytes]]) -> list[ChunkRecord]:
     out: list[ChunkRecord] = []
     for name, data in blobs:
         try:
-            table = pq.read_table(pa.BufferReader(data))
+            # ParquetFile.read without threads: read_table's dataset scanner
+            # leaves threads that can abort the interpreter at exit when torch
+            # is loaded (apache/arrow#34314)
+            table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
         except (pa.ArrowInvalid, OSError) as e:
             raise CorruptCheckpointError(f"index file {name} is unreadable ({e})") from e
         missing = [f.name for f in INDEX_SCHEMA if f.name not in table.column_names]

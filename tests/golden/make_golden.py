@@ -469,7 +469,7 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
     chunks: dict[str, int] = {}
     n_chunks = 0
     for f in md["index_files"]:
-        for fqn in pq.read_table(ckpt / f).column("fqn").to_pylist():
+        for fqn in pq.ParquetFile(ckpt / f).read(use_threads=False).column("fqn").to_pylist():
             chunks[fqn] = chunks.get(fqn, 0) + 1
             n_chunks += 1
     tensors = {}

@@ -439,7 +439,7 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
         seen[fqn] = np.zeros(info["shape"], dtype=np.int8)
     used: dict[str, list[tuple[int, int]]] = {f: [] for f in data}
     for f in md["index_files"]:
-        table = pq.read_table(root / f)
+        table = pq.ParquetFile(root / f).read(use_threads=False)
         assert table.schema.metadata[b"bytecp.format_version"] == b"1"
         for name, typ in INDEX_TYPES.items():
             assert table.schema.field(name).type == typ, name
@@ -550,7 +550,7 @@ def test_overwrite_never_deletes_outside_the_checkpoint(tmp_path: Path) -> None:
 
 def _retype_index(dst: Path, column: str, fn: Any) -> None:
     for f in (dst / "index").rglob("*.parquet"):
-        table = pq.read_table(f)
+        table = pq.ParquetFile(f).read(use_threads=False)
         cols = table.to_pydict()
         cols[column] = [fn(v) for v in cols[column]]
         pq.write_table(pa.table(cols, schema=table.schema), f)
