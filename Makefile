@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test test-servers lint typecheck bench clean
+.PHONY: demo test install install-test test-servers lint typecheck bench bench-s3 clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -42,6 +42,9 @@ lint: install-test
 
 bench: install-test
 	$(VPY) -m benchmarks.run
+
+bench-s3: install-test test-servers
+	$(VPY) -m benchmarks.s3_bench
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

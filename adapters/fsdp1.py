@@ -20,11 +20,12 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._common_utils import clean_tensor_name
+from torch.distributed.fsdp._flat_param import FlatParameter
 
 from bytecp.adapter_api import LoadTarget
 from bytecp.dist import DistContext
 from bytecp.dtypes import dtype_from_name
-from bytecp.errors import ConfigError
+from bytecp.errors import ConfigError, StateMismatchError
 from bytecp.format import Metadata
 from bytecp.state import Slot, TensorLeaf, Whole
 
@@ -83,6 +84,14 @@ class FSDP1Adapter(PlainAdapter):
                     pieces[id(orig[i])] = [dataclasses.replace(p, offset=0)]
             pieces[id(fp)] = mine
             flats.append((mine[0].fqn if mine else base, fp))
+        # parameters FSDP does not manage (ignored_modules / ignored_states)
+        # are full on every rank: one piece covering each
+        for name, p in root.named_parameters():
+            if id(p) in pieces or isinstance(p, FlatParameter):
+                continue
+            fqn = clean_tensor_name(name)
+            pieces[id(p)] = [_Piece(fqn, tuple(p.shape), 0, 0, p.numel())]
+            flats.append((fqn, p))
         return pieces, flats
 
     def _leaf(self, piece: _Piece, flat: torch.Tensor, dtype: torch.dtype) -> TensorLeaf:
@@ -203,9 +212,14 @@ class FSDP1Adapter(PlainAdapter):
             saved_groups = values.get(f"{key}.param_groups")
             if saved_groups is None:
                 return
+            if len(saved_groups) != len(opt.param_groups):
+                raise StateMismatchError(
+                    f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
+                    f"the optimizer {len(opt.param_groups)}"
+                )
             groups = []
             pos = 0
-            for sg, cg in zip(saved_groups, opt.param_groups, strict=False):
+            for sg, cg in zip(saved_groups, opt.param_groups, strict=True):
                 g = {k: v for k, v in sg.items() if k != "params"}
                 g["params"] = list(range(pos, pos + len(cg["params"])))
                 groups.append(g)

@@ -35,8 +35,8 @@ except Exception:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 if TYPE_CHECKING:
+    from ._async import SaveHandle, async_save, wait_for_pending_save
     from .api import LoadResult, load, load_state_dict, save
-    from .async_save import SaveHandle, async_save, wait_for_pending_save
     from .extras import PerRankState, RNGState
     from .manager import CheckpointManager
 
@@ -45,9 +45,9 @@ _LAZY = {
     "load": ".api",
     "load_state_dict": ".api",
     "LoadResult": ".api",
-    "async_save": ".async_save",
-    "SaveHandle": ".async_save",
-    "wait_for_pending_save": ".async_save",
+    "async_save": "._async",
+    "SaveHandle": "._async",
+    "wait_for_pending_save": "._async",
     "RNGState": ".extras",
     "PerRankState": ".extras",
     "CheckpointManager": ".manager",

@@ -91,17 +91,21 @@ def save(
     _check_state(state)
     _check_json("metadata", metadata)
     opts = engine.SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, io_threads=io_threads)
-    from .async_save import _raise_previous
+    from ._async import _raise_previous
     ctx = DistContext(process_group, coordinator_rank)
     storage = _storage(url, storage_options)
     trace = Trace("save", storage.url, rank=ctx.rank, world_size=ctx.world_size, step=step,
                   extra_recorders=_recorders(monitor), started=wall0)
     try:
-        _raise_previous(trace)  # one save in flight per process
-        adapter = detect_adapter(state, framework)
-        with trace.span("plan"):
-            flat = flatten_tree(adapter.save_tree(state, ctx))
-            parallelism = adapter.parallelism(state, ctx)
+        def describe() -> tuple[Any, Any, dict[str, Any]]:
+            _raise_previous(trace)  # one save in flight per process
+            adapter = detect_adapter(state, framework)
+            with trace.span("plan"):
+                return adapter, flatten_tree(adapter.save_tree(state, ctx)), adapter.parallelism(state, ctx)
+
+        # fail-together: an error on one rank (a bad state, an earlier async
+        # failure only it saw) reaches every rank instead of leaving them waiting
+        adapter, flat, parallelism = ctx.run("save", describe)
         md = engine.save_flat(
             storage, flat, ctx,
             framework=adapter.name, parallelism=parallelism, step=step,
@@ -141,6 +145,9 @@ def load(
     ``Stateful`` objects get their state through ``load_state_dict``; plain
     values in ``state``'s dicts are replaced. With ``strict=False`` missing
     and unexpected keys are reported in the result instead of raising.
+    ``verify`` checks the crc32c of every chunk that is read whole (loads at
+    the saving topology); a resharded load reads parts of chunks, which a
+    chunk checksum cannot cover -- ``bytecp verify`` checks everything.
     ``zero_redundancy`` (default: on for remote storage) reads boxes that
     every rank needs once, spread over the ranks, and exchanges them over
     the process group.
@@ -154,11 +161,15 @@ def load(
     trace = Trace("load", storage.url, rank=ctx.rank, world_size=ctx.world_size,
                   extra_recorders=_recorders(monitor), started=wall0)
     try:
-        adapter = detect_adapter(state, framework)
+        adapter = ctx.run("load", lambda: detect_adapter(state, framework))
         md, chunks = engine.read_checkpoint(storage, ctx, trace)
+
+        def describe() -> tuple[Any, Any]:
+            target = adapter.load_tree(state, ctx, md)
+            return target, flatten_tree(target.tree, target=True)
+
         with trace.span("plan"):
-            target = ctx.run("load", lambda: adapter.load_tree(state, ctx, md))
-            flat = flatten_tree(target.tree, target=True)
+            target, flat = ctx.run("load", describe)
         result = engine.load_flat(storage, flat, ctx, md, chunks, opts, trace)
         with trace.span("apply"):
             ctx.run("load", lambda: target.finalize(result.values))

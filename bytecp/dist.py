@@ -76,6 +76,8 @@ class DistContext:
             raise ValueError(f"coordinator rank {coordinator} outside a world of {self.world_size}")
         self.coordinator = coordinator
         self.stats = CollectiveStats()
+        #: also count payload bytes in ``stats`` (costs a second pickling)
+        self.count_bytes = False
         self.device = self._collective_device()
         self._store = _default_store() if self.enabled else None
         if self.enabled:  # every rank creates its distributed contexts in the same order
@@ -136,10 +138,19 @@ class DistContext:
     # -- raw collectives (every rank must call them in the same order) ----
     def _count(self, obj: Any) -> None:
         self.stats.calls += 1
-        try:
-            self.stats.bytes_sent += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-        except Exception:
-            pass
+        if self.count_bytes:  # pickles the payload a second time: tests and diagnostics only
+            try:
+                self.stats.bytes_sent += len(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            except Exception:
+                pass
+
+    def _left(self, prefix: str) -> None:
+        """The collective after ``_arrive`` succeeded: drop this rank's marker."""
+        if self._store is not None:
+            try:
+                self._store.delete_key(prefix + str(self.rank))
+            except Exception:
+                pass
 
     def all_gather_object(self, obj: T) -> list[T]:
         if not self.enabled:
@@ -196,6 +207,7 @@ class DistContext:
                 dist.broadcast(tensor, src=global_src, group=self.group)
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
+        self._left(prefix)
 
     def barrier(self) -> None:
         if self.enabled:
@@ -237,6 +249,7 @@ class DistContext:
             results = self.all_gather_object(value)
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
+        self._left(prefix)
         failures: dict[int, str] = {}
         for r in results:
             if isinstance(r, _Failed):
@@ -265,6 +278,7 @@ class DistContext:
             raise
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
+        self._left(prefix)
         self._raise_if_failed(op, result, err)
         return result
 
@@ -283,6 +297,7 @@ class DistContext:
             result = self.broadcast_object(out)
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
+        self._left(prefix)
         self._raise_if_failed(op, result, err)
         return result
 
@@ -299,6 +314,7 @@ class DistContext:
             result = self.broadcast_object(value)
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
+        self._left(prefix)
         self._raise_if_failed(op, result, err)
         return result
 

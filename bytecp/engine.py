@@ -49,6 +49,7 @@ from .planner import (
     LocalSavePlan,
     ReadRequest,
     WriteItem,
+    find_overlap,
     plan_fingerprint,
     plan_load,
     plan_save,
@@ -194,6 +195,12 @@ class PlanCache:
 PLAN_CACHE = PlanCache()
 
 
+def _digest(fps: tuple[str, ...]) -> str:
+    import hashlib
+
+    return hashlib.blake2b("|".join(fps).encode(), digest_size=16).hexdigest()
+
+
 def _local_plan(flat: FlatTree, rank: int) -> LocalSavePlan:
     items = []
     for fqn, leaf in flat.tensors.items():
@@ -213,8 +220,13 @@ def _global_plan(flat: FlatTree, ctx: DistContext, opts: SaveOptions, trace: Tra
         cache_key = (ctx.world_size, ctx.rank, opts.split_bytes, id(ctx.group))
         cached = PLAN_CACHE.get(cache_key, fp)
         if ctx.enabled:
-            fps = tuple(ctx.all_gather("save plan", lambda: fp))
-            if cached is not None and cached[0] == fps:
+            # every rank sends its fingerprint and the digest of the fingerprints
+            # its cached plan was made for; the plan is reused only if every rank
+            # holds one made for exactly this set (decided alike on all ranks)
+            have = _digest(cached[0]) if cached is not None else None
+            gathered = ctx.all_gather("save plan", lambda: (fp, have))
+            fps = tuple(g[0] for g in gathered)
+            if cached is not None and all(g[1] == _digest(fps) for g in gathered):
                 return cached[1]
             mine = ctx.reduce_scatter(
                 "save plan",
@@ -563,11 +575,20 @@ def commit_save(
             sp.files = 1
         return md
 
+    committed = False
+
+    def commit_once(outputs: list[_RankOutput]) -> fmt.Metadata:
+        nonlocal committed
+        md = commit(outputs)
+        committed = True  # from here on the files belong to a checkpoint
+        _fault("committed", ctx.rank)
+        return md
+
     try:
-        md = ctx.all_reduce("save", write_step, commit)
+        md = ctx.all_reduce("save", write_step, commit_once)
     except BaseException:
-        if ctx.is_coordinator:
-            _cleanup_save(storage, sid)
+        if ctx.is_coordinator and not committed:
+            cleanup_save(storage, sid)
         raise
     if ctx.is_coordinator and prep.old is not None:
         stale = prep.old.referenced_files() - md.referenced_files()
@@ -612,8 +633,8 @@ def save_flat(
     )
 
 
-def _cleanup_save(storage: Storage, save_id: str) -> None:
-    for prefix in (f"data/{save_id}", f"index/{save_id}"):
+def cleanup_save(storage: Storage, save_id: str) -> None:
+    for prefix in (f"data/{save_id}/", f"index/{save_id}/"):
         try:
             storage.delete_prefix(prefix)
         except Exception as e:
@@ -642,28 +663,47 @@ def read_metadata(storage: Storage) -> fmt.Metadata:
 
 
 def check_chunks(storage: Storage, md: fmt.Metadata, chunks: list[fmt.ChunkRecord]) -> None:
-    """Index rows must agree with metadata.json: a tampered or mixed-up index
-    is corrupt, never trusted."""
+    """Index rows must agree with metadata.json, and each tensor's chunks must
+    tile it exactly (no gap, no overlap): a tampered or mixed-up index is
+    corrupt, never trusted."""
+    sizes: dict[str, int] = {}
+    boxes: dict[str, list[Region]] = {}
+
+    def bad(c: fmt.ChunkRecord, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{storage.url}: index row of tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}: {why}"
+        )
+
     for c in chunks:
-        where = f"{storage.url}: index row of tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}"
         info = md.tensors.get(c.fqn)
         if info is None:
-            raise CorruptCheckpointError(f"{where}: tensor not listed in metadata.json")
-        if c.dtype != info["dtype"] or list(c.global_shape) != list(info["shape"]):
-            raise CorruptCheckpointError(
-                f"{where}: says {c.dtype} {list(c.global_shape)}, metadata.json {info['dtype']} {info['shape']}"
-            )
-        if len(c.offsets) != len(c.global_shape) or any(
-            o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, c.global_shape, strict=True)
+            raise bad(c, "tensor not listed in metadata.json")
+        shape = info["shape"]
+        if c.dtype != info["dtype"] or list(c.global_shape) != shape:
+            raise bad(c, f"says {c.dtype} {list(c.global_shape)}, metadata.json {info['dtype']} {shape}")
+        if len(c.offsets) != len(shape) or len(c.lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, shape, strict=True)
         ):
-            raise CorruptCheckpointError(f"{where}: region outside the tensor's shape {list(c.global_shape)}")
-        if c.nbytes != math.prod(c.lengths) * itemsize(dtype_from_name(c.dtype)):
-            raise CorruptCheckpointError(f"{where}: {c.nbytes} bytes do not match the region's size")
-        fmt.check_path(c.file, "data", storage.url)
-        if c.file not in md.data_files:
-            raise CorruptCheckpointError(f"{where}: data file {c.file} is not listed in metadata.json")
-        if c.byte_offset < 0 or c.byte_offset + c.nbytes > md.data_files[c.file]:
-            raise CorruptCheckpointError(f"{where}: bytes outside data file {c.file}")
+            raise bad(c, f"region outside the tensor's shape {shape}")
+        size = sizes.get(c.dtype)
+        if size is None:
+            size = sizes[c.dtype] = itemsize(dtype_from_name(c.dtype))
+        if c.nbytes != math.prod(c.lengths) * size:
+            raise bad(c, f"{c.nbytes} bytes do not match the region's size")
+        file_size = md.data_files.get(c.file)
+        if file_size is None:
+            fmt.check_path(c.file, "data", storage.url)
+            raise bad(c, f"data file {c.file} is not listed in metadata.json")
+        if c.byte_offset < 0 or c.byte_offset + c.nbytes > file_size:
+            raise bad(c, f"bytes outside data file {c.file}")
+        boxes.setdefault(c.fqn, []).append(Region(c.offsets, c.lengths))
+    for fqn, bs in boxes.items():
+        total = math.prod(md.tensors[fqn]["shape"])
+        held = sum(b.numel for b in bs)
+        pair = find_overlap(bs) if held >= total and len(bs) > 1 else None
+        if held != total or pair is not None:
+            what = f"chunks {pair[0]} and {pair[1]} overlap" if pair else f"chunks hold {held} of {total} elements"
+            raise CorruptCheckpointError(f"{storage.url}: tensor {fqn!r}: {what}")
 
 
 def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
@@ -835,7 +875,13 @@ def load_flat(
     if zero is None:
         zero = not _is_local(storage)
     if zero and ctx.enabled and ctx.world_size > 1:
-        specs = ctx.all_gather("load", lambda: [(t.fqn, t.box) for t in targets])
+        # only whole tensors can be wanted by every rank (DDP, plain values):
+        # sharded targets are never gathered
+        def candidates() -> list[tuple[str, Region]]:
+            return [(t.fqn, t.box) for t in targets
+                    if t.box.lengths == tuple(md.tensors[t.fqn]["shape"]) and t.box.numel]
+
+        specs = ctx.all_gather("load", candidates)
         with trace.span("plan"):
             shared = plan_shared_reads(specs, itemsizes)
     own, mine, views = _split_shared(targets, shared, ctx.rank)
@@ -887,22 +933,23 @@ def _exchange(
         for src, pieces in enumerate(shared):
             parts = [views[(fqn, box)][0][piece.relative_to(box).slices()] for fqn, box, piece in pieces]
             sizes = [p.numel() * p.element_size() for p in parts]
-            total = sum(sizes)
+            slots = [(n + 15) // 16 * 16 for n in sizes]  # every part 16-byte aligned
+            total = sum(slots)
             if total == 0:
                 continue
             buf = torch.empty(total, dtype=torch.uint8)
             pos = 0
             if ctx.rank == src:
-                for part, n in zip(parts, sizes, strict=True):
+                for part, n, slot in zip(parts, sizes, slots, strict=True):
                     buf[pos : pos + n].copy_(byte_view(part.contiguous()))
-                    pos += n
+                    pos += slot
             ctx.broadcast_tensor("load", buf, src)
             sp.nbytes += total
             if ctx.rank != src:
-                for part, n in zip(parts, sizes, strict=True):
+                for part, n, slot in zip(parts, sizes, slots, strict=True):
                     if n:
                         part.copy_(buf[pos : pos + n].view(part.dtype).view(part.shape))
-                    pos += n
+                    pos += slot
         # a rank that targets the same box twice gets the copies too
         for vs in views.values():
             for extra in vs[1:]:

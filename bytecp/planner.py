@@ -19,6 +19,7 @@ Tests run these for thousands of simulated ranks in one process.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import hashlib
 import heapq
@@ -39,9 +40,13 @@ __all__ = [
     "plan_load",
     "DEFAULT_SPLIT_BYTES",
     "plan_shared_reads",
+    "find_overlap",
+    "MIN_PIECE_BYTES",
 ]
 
 DEFAULT_SPLIT_BYTES = 4 * 1024 * 1024
+#: a replicated box is never split into pieces smaller than this
+MIN_PIECE_BYTES = 1024 * 1024
 
 
 @dataclasses.dataclass(frozen=True, order=True)
@@ -65,6 +70,22 @@ class LocalSavePlan:
 
     rank: int
     items: tuple[WriteItem, ...]
+
+
+def find_overlap(boxes: Sequence[Region]) -> tuple[Region, Region] | None:
+    """Two distinct boxes that overlap, or ``None`` (sweep along dimension 0)."""
+    if len(boxes) < 2 or not boxes[0].ndim:
+        return (boxes[0], boxes[1]) if len(boxes) > 1 else None
+    order = sorted(boxes, key=lambda b: b.offsets[0])
+    active: list[Region] = []
+    for b in order:
+        active = [a for a in active if a.offsets[0] + a.lengths[0] > b.offsets[0]]
+        for a in active:
+            if a.intersect(b) is not None:
+                return a, b
+        if b.numel:
+            active.append(b)
+    return None
 
 
 def plan_fingerprint(plan: LocalSavePlan) -> str:
@@ -108,16 +129,16 @@ def plan_save(
             if not holders[key] or holders[key][-1] != rank:
                 holders[key].append(rank)
 
-    covered: dict[str, int] = defaultdict(int)
-    for (fqn, region), _ in holders.items():
-        covered[fqn] += region.numel
+    boxes: dict[str, list[Region]] = defaultdict(list)
+    for fqn, region in holders:
+        boxes[fqn].append(region)
     for fqn, (it, _) in meta.items():
         total = math.prod(it.global_shape)
-        if covered[fqn] != total:
-            raise ConfigError(
-                f"tensor {fqn!r} of shape {list(it.global_shape)}: the ranks' shards hold "
-                f"{covered[fqn]} of its {total} elements (missing or overlapping shards)"
-            )
+        held = sum(b.numel for b in boxes[fqn])
+        pair = find_overlap(boxes[fqn]) if held >= total and len(boxes[fqn]) > 1 else None
+        if held != total or pair is not None:
+            what = f"shards {pair[0]} and {pair[1]} overlap" if pair else f"the ranks' shards hold {held} of its {total} elements"
+            raise ConfigError(f"tensor {fqn!r} of shape {list(it.global_shape)}: {what}")
 
     load = [0] * world
     out: list[list[WriteItem]] = [[] for _ in range(world)]
@@ -126,8 +147,13 @@ def plan_save(
     for key in keys:
         it = first[key]
         ranks = holders[key]
-        if len(ranks) > 1 and it.nbytes >= split_bytes:
-            pieces = it.region.split(len(ranks))
+        if len(ranks) == 1:  # held by one rank: nothing to decide
+            out[ranks[0]].append(it)
+            load[ranks[0]] += it.nbytes
+            continue
+        if it.nbytes >= split_bytes:
+            # one piece per replica, but no piece below MIN_PIECE_BYTES
+            pieces = it.region.split(min(len(ranks), max(1, it.nbytes // MIN_PIECE_BYTES)))
         else:
             pieces = [it.region]
         # the least-loaded holders take the pieces, biggest piece first
@@ -173,16 +199,14 @@ def plan_load(
     :class:`StateMismatchError` for a target box the checkpoint does not fully
     cover and :class:`CorruptCheckpointError` for overlapping chunks.
     """
-    by_fqn: dict[str, list[int]] = defaultdict(list)
-    for i, c in enumerate(chunks):
-        by_fqn[c.fqn].append(i)
+    index = _ChunkIndex(chunks)
     reqs: list[ReadRequest] = []
     for ti, (fqn, box) in enumerate(targets):
         if box.numel == 0:
             continue
         size = itemsizes[fqn]
         got = 0
-        for ci in by_fqn.get(fqn, ()):
+        for ci in index.overlapping(fqn, box):
             c = chunks[ci]
             cbox = Region(c.offsets, c.lengths)
             inter = cbox.intersect(box)
@@ -197,6 +221,43 @@ def plan_load(
                 f"elements of target region {box}"
             )
     return reqs
+
+
+class _ChunkIndex:
+    """Chunks of each tensor sorted by their start along dimension 0, with a
+    running maximum of their ends: the chunks that may overlap a target box
+    are found by bisection instead of scanning every chunk of the tensor."""
+
+    def __init__(self, chunks: Sequence[ChunkRecord]) -> None:
+        by_fqn: dict[str, list[int]] = defaultdict(list)
+        for i, c in enumerate(chunks):
+            by_fqn[c.fqn].append(i)
+        self._starts: dict[str, list[int]] = {}
+        self._maxend: dict[str, list[int]] = {}
+        self._ids: dict[str, list[int]] = {}
+        for fqn, ids in by_fqn.items():
+            if not chunks[ids[0]].offsets:  # 0-dim
+                self._ids[fqn] = ids
+                continue
+            ids.sort(key=lambda i: chunks[i].offsets[0])
+            self._ids[fqn] = ids
+            self._starts[fqn] = [chunks[i].offsets[0] for i in ids]
+            run, ends = 0, []
+            for i in ids:
+                run = max(run, chunks[i].offsets[0] + chunks[i].lengths[0])
+                ends.append(run)
+            self._maxend[fqn] = ends
+
+    def overlapping(self, fqn: str, box: Region) -> list[int]:
+        ids = self._ids.get(fqn, [])
+        starts = self._starts.get(fqn)
+        if starts is None or not box.ndim:
+            return ids
+        lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
+        j = bisect.bisect_left(starts, hi)  # chunks starting before the box ends
+        # earliest chunk whose running max end passes the box start
+        k = bisect.bisect_right(self._maxend[fqn], lo, 0, j)
+        return ids[k:j]
 
 
 def _reads_for(

@@ -1,6 +1,6 @@
 """Host staging buffers reused across saves.
 
-Called by :mod:`bytecp.async_save` on the caller's thread (or, in lazy mode,
+Called by :func:`bytecp.async_save` on the caller's thread (or, in lazy mode,
 on the save's background thread): the boxes this rank writes are copied into
 one arena that lives as long as the process, because on typical hosts a copy
 into freshly allocated memory runs several times slower than into a reused
@@ -57,14 +57,19 @@ class StagingPool:
         """Copy the boxes ``items`` name into the arena; views of it come back."""
         total = sum(_aligned(it.nbytes) for it in items)
         srcs = [_source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
-        cuda = any(s.device.type == "cuda" for s in srcs)
-        arena = self.arena(total, pinned=cuda)
-        stream = torch.cuda.Stream() if cuda else None
+        devices = {s.device for s in srcs if s.device.type == "cuda"}
+        if len(devices) > 1:
+            raise ValueError(f"staging tensors of several CUDA devices at once: {sorted(map(str, devices))}")
+        device = next(iter(devices), None)
+        arena = self.arena(total, pinned=device is not None)
+        # a side stream on the tensors' own device (a background thread's
+        # current device is 0 whatever the rank's is)
+        stream = torch.cuda.Stream(device=device) if device is not None else None
         out: list[_Staged] = []
         pos = 0
         ctx = torch.cuda.stream(stream) if stream is not None else None
         if ctx is not None:
-            stream.wait_stream(torch.cuda.current_stream())  # type: ignore[union-attr]
+            stream.wait_stream(torch.cuda.current_stream(device))  # type: ignore[union-attr]
             ctx.__enter__()
         try:
             for it, src in zip(items, srcs, strict=True):

@@ -245,8 +245,11 @@ def merge_skeletons(a: Any, b: Any) -> Any:
                 items[i][1] = merge_skeletons(items[i][1], node)
         return {"d": items}
     for kind in ("l", "t"):
-        if kind in a and kind in b and len(a[kind]) == len(b[kind]):
-            return {kind: [merge_skeletons(x, y) for x, y in zip(a[kind], b[kind], strict=True)]}
+        if kind in a and kind in b:
+            n = min(len(a[kind]), len(b[kind]))
+            merged = [merge_skeletons(x, y) for x, y in zip(a[kind][:n], b[kind][:n], strict=True)]
+            longer = a[kind] if len(a[kind]) >= len(b[kind]) else b[kind]
+            return {kind: merged + list(longer[n:])}
     return a
 
 

@@ -210,3 +210,48 @@ def test_cli_inspect_json_and_console_script(tmp_path: Path) -> None:
     assert info["tensors"]["model.weight"] == {"dtype": "float32", "shape": [3, 4], "nbytes": 48, "chunks": 1}
     assert info["user_metadata"] == {"run": "r1"}
     assert info["totals"]["tensor_bytes"] == 60
+
+
+def test_failure_after_commit_never_removes_the_committed_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    ck = str(tmp_path / "ck")
+    state = small_state(5)
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "committed:0")
+    with pytest.raises(RuntimeError, match="injected"):
+        bytecp.save(ck, state)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    sd = bytecp.load_state_dict(ck)  # committed, so intact
+    assert same_bits(sd["model"]["weight"], state["model"].weight.detach())
+    assert cli(["verify", ck]) == 0
+
+
+def test_overlapping_or_missing_shards_are_refused() -> None:
+    from bytecp.planner import LocalSavePlan, WriteItem, plan_save
+    from bytecp.regions import Region
+
+    def item(o: int, n: int) -> WriteItem:
+        return WriteItem("w", Region((o, 0), (n, 4)), "float32", 4, (10, 4))
+
+    ok = plan_save([LocalSavePlan(0, (item(0, 5),)), LocalSavePlan(1, (item(5, 5),))])
+    assert [len(x) for x in ok] == [1, 1]
+    # same element count, but rows 4..5 twice and row 9 never
+    with pytest.raises(bytecp.ConfigError, match="overlap"):
+        plan_save([LocalSavePlan(0, (item(0, 6),)), LocalSavePlan(1, (item(4, 5),))])
+    with pytest.raises(bytecp.ConfigError, match="hold 36 of its 40"):
+        plan_save([LocalSavePlan(0, (item(0, 5),)), LocalSavePlan(1, (item(6, 4),))])
+
+
+def test_index_whose_chunks_overlap_is_corrupt(tmp_path: Path) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), {"w": torch.arange(20.0).reshape(10, 2)}, io_threads=1)
+    (f,) = list((ck / "index").rglob("*.parquet"))
+    cols = pq.ParquetFile(f).read(use_threads=False).to_pydict()
+    for k in cols:  # one more row: the same chunk claimed again at rows 0..4
+        cols[k].append(cols[k][0])
+    cols["lengths"][-1] = [5, 2]
+    cols["nbytes"][-1] = 40
+    pq.write_table(pa.table(cols, schema=pq.read_schema(f)), f)
+    with pytest.raises(bytecp.CorruptCheckpointError, match="overlap"):
+        bytecp.load_state_dict(str(ck))

@@ -19,3 +19,10 @@ def test_import_does_not_pull_torch() -> None:
     code = "import sys, bytecp, bytecp.monitoring; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+def test_async_save_stays_callable_after_save(tmp_path) -> None:
+    import torch
+
+    bytecp.save(str(tmp_path / "a"), {"x": torch.zeros(1)})
+    bytecp.async_save(str(tmp_path / "b"), {"x": torch.zeros(1)}).wait()

@@ -276,6 +276,7 @@ def plan_cache_stats(url: str) -> list[tuple[int, int]]:
 
     def spy(self: Any, *a: Any, **k: Any) -> None:
         orig(self, *a, **k)
+        self.count_bytes = True
         captured.append(self)
 
     bdist.DistContext.__init__ = spy  # type: ignore[method-assign]
@@ -338,6 +339,65 @@ def uneven_objects(url: str) -> Any:
     bytecp.save(url, {"extra": extra})
     dist.barrier()
     return bytecp.load_state_dict(url) if r == 0 else None
+
+
+def bad_state_on_one_rank(url: str) -> tuple[str, float]:
+    """Rank 1's state is invalid (two entries map to one key): every rank must
+    raise at once instead of waiting in a collective."""
+    import time
+
+    state: dict[str, Any] = {"a.b": torch.zeros(2), "a": {"b": torch.zeros(2)}} if dist.get_rank() == 1 else {
+        "a": {"b": torch.zeros(2)}}
+    t0 = time.perf_counter()
+    try:
+        bytecp.save(url, state)
+    except bytecp.DistributedCheckpointError as e:
+        return str(e), time.perf_counter() - t0
+    return "no error", time.perf_counter() - t0
+
+
+def cache_on_one_rank_only(url: str) -> list[float]:
+    """Rank 0 forgets its cached plans between two saves; both still agree."""
+    from bytecp import engine
+
+    model, opt = build("fsdp2", seed=0)
+    bytecp.save(f"{url}-a", {"model": model, "optimizer": opt})
+    if dist.get_rank() == 0:
+        engine.PLAN_CACHE.clear()
+    bytecp.save(f"{url}-b", {"model": model, "optimizer": opt})
+    return [float(v.to_local().sum()) for v in model.state_dict().values()][:1]
+
+
+def mixed_dtype_zero_redundancy(url: str) -> bool:
+    state = {"a": torch.arange(3, dtype=torch.bfloat16), "b": torch.arange(4, dtype=torch.float32),
+             "c": torch.ones(1, dtype=torch.float32), "d": torch.arange(5, dtype=torch.int16)}
+    bytecp.save(url, state)
+    fresh = {k: torch.zeros_like(v) for k, v in state.items()}
+    bytecp.load(url, fresh, zero_redundancy=True)
+    return all(torch.equal(fresh[k], state[k]) for k in state)
+
+
+def fsdp1_ignored_modules(url: str, world_to: int | None = None) -> dict[str, torch.Tensor] | None:
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    torch.manual_seed(0 if world_to is None else 9)
+    net = Net()
+    model = FSDP(net, device_id=torch.device("cpu"), ignored_modules=[net.out], use_orig_params=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    if world_to is None:
+        train(model, opt, 0, 2)
+        # FSDP leaves ignored modules unsynchronized; like a user wrapping them
+        # in DDP, make the replicas agree (bytecp writes replicas once)
+        with torch.no_grad():
+            for p in net.out.parameters():
+                dist.broadcast(p.data, 0)
+                for v in opt.state[p].values():
+                    dist.broadcast(v, 0)
+        bytecp.save(url, {"model": model, "optimizer": opt})
+    else:
+        bytecp.load(url, {"model": model, "optimizer": opt})
+    return {k: v.detach().clone() for k, v in net.out.state_dict().items()} | {
+        f"exp_avg.{i}": opt.state[p]["exp_avg"].clone() for i, p in enumerate(net.out.parameters())}
 
 
 def rank() -> int:

@@ -164,6 +164,30 @@ def test_values_held_only_by_some_ranks_are_saved(pools, tmp_path: Path) -> None
     assert torch.equal(extra["only1"]["t"], torch.full((3,), 1.0))
 
 
+def test_invalid_state_on_one_rank_fails_every_rank_at_once(pools, tmp_path: Path) -> None:
+    for msg, seconds in pools(2).run(cases.bad_state_on_one_rank, str(tmp_path / "ck")):
+        assert "rank 1" in msg and "same key" in msg and seconds < 20
+
+
+def test_plan_cache_held_by_some_ranks_only(pools, tmp_path: Path) -> None:
+    a, b = pools(2).run(cases.cache_on_one_rank_only, str(tmp_path / "ck"), timeout=120)
+    assert (tmp_path / "ck-b" / "metadata.json").exists()
+
+
+def test_zero_redundancy_with_mixed_dtypes(pools, tmp_path: Path) -> None:
+    assert all(pools(2).run(cases.mixed_dtype_zero_redundancy, str(tmp_path / "ck")))
+
+
+def test_fsdp1_parameters_of_ignored_modules_are_saved(pools, tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    want = pools(2).run(cases.fsdp1_ignored_modules, url)[0]
+    sd = bytecp.load_state_dict(url)
+    assert torch.equal(sd["model"]["out.weight"], want["weight"])
+    got = pools(2).run(cases.fsdp1_ignored_modules, url, 2)[0]
+    for k, v in want.items():
+        assert torch.equal(v, got[k]), k
+
+
 def test_failure_on_one_rank_reaches_every_rank_during_save(pools, tmp_path: Path) -> None:
     url = str(tmp_path / "ck")
     results = pools(2).run(cases.failing_save, url, "write:1")

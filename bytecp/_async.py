@@ -177,16 +177,21 @@ def async_save(
                   extra_recorders=_recorders(monitor), started=wall0)
     handle = SaveHandle(storage.url)
     try:
-        _raise_previous(trace)
+        def describe() -> tuple[Any, FlatTree, dict[str, Any]]:
+            _raise_previous(trace)
+            adapter = detect_adapter(state, framework)
+            with trace.span("plan"):
+                flat = flatten_tree(adapter.save_tree(state, probe))
+                parallelism = adapter.parallelism(state, probe)
+                # objects are small: snapshot them now, tensors are staged below
+                flat = FlatTree(flat.skeleton, flat.tensors, copy.deepcopy(flat.objects),
+                                copy.deepcopy(flat.per_rank), {})
+            return adapter, flat, parallelism
+
+        # fail-together on training's group: every rank gets here or raises
+        adapter, flat, parallelism = probe.run("save", describe)
         group = _checkpoint_group(process_group)
         ctx = DistContext(group, coordinator_rank) if group is not None else probe
-        adapter = detect_adapter(state, framework)
-        with trace.span("plan"):
-            flat = flatten_tree(adapter.save_tree(state, ctx))
-            parallelism = adapter.parallelism(state, ctx)
-            # objects are small: snapshot them now, tensors are staged below
-            flat = FlatTree(flat.skeleton, flat.tensors, copy.deepcopy(flat.objects),
-                            copy.deepcopy(flat.per_rank), {})
         common = dict(framework=adapter.name, parallelism=parallelism, step=step,
                       user_metadata=dict(metadata or {}), trace=trace, bytecp_version=__version__)
         if lazy:
@@ -225,23 +230,33 @@ def _eager(
 ) -> Callable[[], fmt.Metadata]:
     prep = engine.prepare_save(storage, flat, ctx, opts, trace)
     batches = batches_within(prep.items, budget)
-    done: list[engine._RankOutput] = []
-    files = 0
-    objects = engine.objects_to_write(flat, ctx, prep)
-    per_rank = flat.per_rank
-    # every batch but the last is staged and written now: the arena is reused
-    for batch in batches[:-1]:
+
+    def foreground() -> tuple[list[engine._RankOutput], int, list[Any], dict[str, Any], dict[str, Any]]:
+        done: list[engine._RankOutput] = []
+        files = 0
+        objects = engine.objects_to_write(flat, ctx, prep)
+        per_rank = flat.per_rank
+        # every batch but the last is staged and written now: the arena is reused
+        for batch in batches[:-1]:
+            with trace.span("stage") as sp:
+                staged = POOL.stage(flat, batch)
+                sp.nbytes = sum(len(s.data) for s in staged)
+            out = engine.write_rank(storage, prep.save_id, ctx.rank, staged, objects, per_rank, opts, trace,
+                                    first_file=files)
+            objects, per_rank = {}, {}
+            files += len(out.data_files)
+            done.append(out)
         with trace.span("stage") as sp:
-            staged = POOL.stage(flat, batch)
-            sp.nbytes = sum(len(s.data) for s in staged)
-        out = engine.write_rank(storage, prep.save_id, ctx.rank, staged, objects, per_rank, opts, trace,
-                                first_file=files)
-        objects, per_rank = {}, {}
-        files += len(out.data_files)
-        done.append(out)
-    with trace.span("stage") as sp:
-        last = POOL.stage(flat, batches[-1])
-        sp.nbytes = sum(len(s.data) for s in last)
+            last = POOL.stage(flat, batches[-1])
+            sp.nbytes = sum(len(s.data) for s in last)
+        return done, files, last, objects, per_rank
+
+    try:
+        done, files, last, objects, per_rank = ctx.run("save", foreground)
+    except BaseException:
+        if ctx.is_coordinator:
+            engine.cleanup_save(storage, prep.save_id)
+        raise
     handle._staged.set()
 
     def write() -> engine._RankOutput:
@@ -275,9 +290,19 @@ def _lazy(
     def run() -> fmt.Metadata:
         try:
             prep = engine.prepare_save(storage, flat, ctx, opts, trace)
-            with trace.span("stage") as sp:
-                staged = POOL.stage(flat, prep.items)
-                sp.nbytes = sum(len(s.data) for s in staged)
+
+            def stage() -> list[Any]:
+                with trace.span("stage") as sp:
+                    staged = POOL.stage(flat, prep.items)
+                    sp.nbytes = sum(len(s.data) for s in staged)
+                return staged
+
+            try:
+                staged = ctx.run("save", stage)
+            except BaseException:
+                if ctx.is_coordinator:
+                    engine.cleanup_save(storage, prep.save_id)
+                raise
         finally:
             handle._staged.set()
 
