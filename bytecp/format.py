@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import re
 import time
 import uuid
 from collections.abc import Iterable, Sequence
@@ -68,22 +69,23 @@ INDEX_SCHEMA = pa.schema(
 )
 
 
+_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+
+
 def check_path(path: str, kind: str, where: str) -> str:
     """A file name taken from a checkpoint: relative, below ``data/`` or
     ``index/``, with no ``..``/empty parts -- so a tampered checkpoint can
     never make a reader read, or an overwrite delete, anything outside it."""
-    parts = path.split("/")
-    prefix = {"data": "data", "index": "index"}[kind]
-    if (
-        not isinstance(path, str)
-        or path.startswith("/")
-        or "\\" in path
-        or parts[0] != prefix
-        or len(parts) < 2
-        or any(p in ("", ".", "..") for p in parts)
+    parts = path.split("/") if isinstance(path, str) else []
+    if not (
+        len(parts) == 3
+        and parts[0] == kind
+        and all(_SEGMENT.fullmatch(p) and p not in (".", "..") for p in parts)
+        and parts[2].endswith(".bin" if kind == "data" else ".parquet")
     ):
         raise CorruptCheckpointError(
-            f"{where}: refusing file name {path!r}: checkpoint files must be relative paths below {prefix}/"
+            f"{where}: refusing file name {path!r}: checkpoint files must be {kind}/<save_id>/<name> "
+            "relative to the checkpoint (see FORMAT.md, security)"
         )
     return path
 
