@@ -51,8 +51,8 @@ def test_quick_run_reports_every_case(tmp_path: Path) -> None:
         group = res["groups"][label]
         assert set(group["cases"]) == set(names), label
         for name, case in group["cases"].items():
-            if case["status"].startswith("n/a"):  # a feature not in this build, or no root for cold loads
-                continue
+            if case["status"].startswith("n/a") and name.endswith("cold") and os.geteuid() != 0:
+                continue  # dropping the page cache needs root
             assert case["status"] == "ok", (label, name, case)
             assert _numeric(case["blocking_s"]) and _numeric(case["total_s"]), (label, name, case)
             assert case["blocking_s"] <= case["total_s"] + 1e-9, (label, name, case)
