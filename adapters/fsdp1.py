@@ -196,7 +196,15 @@ class FSDP1Adapter(PlainAdapter):
                         if tuple(info["shape"]) == piece.shape and len(piece.shape) > 0:
                             local = put.setdefault(i, {}).get(k)
                             if local is None:
-                                local = torch.zeros(p.shape, dtype=dtype, device=p.device)
+                                existing = opt.state.get(p, {}).get(k)
+                                if (
+                                    isinstance(existing, torch.Tensor)
+                                    and existing.dtype == dtype
+                                    and existing.shape == p.shape
+                                ):
+                                    local = existing  # fill the optimizer's own state in place
+                                else:
+                                    local = torch.zeros(p.shape, dtype=dtype, device=p.device)
                                 put[i][k] = local
                             entries[k] = self._leaf(piece, local, dtype)
                         else:

@@ -193,9 +193,17 @@ class PlainAdapter(Adapter):
             for k, child in node["d"]:
                 if "tensor" in child:
                     info = self._md.tensors[child["tensor"]]
-                    leaf, t = self.optim_target(
-                        params[i], tuple(info["shape"]), dtype_from_name(info["dtype"])
-                    )
+                    shape, dtype = tuple(info["shape"]), dtype_from_name(info["dtype"])
+                    existing = opt.state.get(params[i], {}).get(k)
+                    if (
+                        isinstance(existing, torch.Tensor)
+                        and existing.dtype == dtype
+                        and tuple(existing.shape) == shape
+                    ):
+                        # fill the optimizer's own state in place: no new memory
+                        leaf, t = self.optim_leaf(params[i], existing), existing
+                    else:
+                        leaf, t = self.optim_target(params[i], shape, dtype)
                     entries[k] = leaf
                     put.setdefault(i, {})[k] = t
                 else:

@@ -178,8 +178,12 @@ def save_case(framework: str, url: str, variant: str = "", steps: int = 2) -> di
     return full_state(model, opt)
 
 
-def load_case(framework: str, url: str, variant: str = "", more_steps: int = 0) -> dict[str, Any] | None:
+def load_case(
+    framework: str, url: str, variant: str = "", more_steps: int = 0, pretrain: bool = False
+) -> dict[str, Any] | None:
     model, opt = build(framework, seed=123, variant=variant)
+    if pretrain:  # the optimizer already holds state: the load fills it in place
+        train(model, opt, 50, 1)
     extra: dict[str, Any] = {"step": -1}
     state = {"model": model, "optimizer": opt, "extra": extra, "rng": bytecp.RNGState()}
     bytecp.load(url, state)

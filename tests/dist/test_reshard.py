@@ -82,6 +82,13 @@ def test_cross_framework(saved, pools, src: tuple[str, int], dst: tuple[str, int
     assert_same_state(ref, got, f"{src} -> {dst}")
 
 
+@pytest.mark.parametrize("fw", FRAMEWORKS)
+def test_load_into_an_optimizer_that_already_has_state(saved, pools, fw: str) -> None:
+    url, ref = saved[(fw, 2)]
+    got = pools(3).run(cases.load_case, fw, url, variant_for(fw, 3), pretrain=True)[0]
+    assert_same_state(ref, got, f"{fw} 2->3 into a trained optimizer")
+
+
 def test_metadata_records_framework_and_world(saved) -> None:
     from bytecp.inspect import summarize
     from bytecp.storage_api import open_storage
