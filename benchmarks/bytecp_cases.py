@@ -129,7 +129,7 @@ def lazy_save(ctx: Ctx) -> dict[str, Any]:
 def load(ctx: Ctx) -> dict[str, Any]:
     import bytecp
 
-    url = ctx.load_from.get("bytecp") or ctx.path("bytecp-save")
+    url = ctx.load_path("bytecp")
     t0 = time.perf_counter()
     bytecp.load(url, _state(ctx))
     t1 = time.perf_counter()

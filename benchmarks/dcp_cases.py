@@ -109,7 +109,7 @@ def load(ctx: Ctx) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
-    path = ctx.load_from.get("dcp") or ctx.path("dcp-save")
+    path = ctx.load_path("dcp")
     t0 = time.perf_counter()
     sd = _state_dict(ctx)
     dcp.load(sd, checkpoint_id=path)

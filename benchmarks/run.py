@@ -55,6 +55,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="tiny config (~50 MB) for smoke tests")
     p.add_argument("--all-cases", action="store_true",
                    help="every save and load case for every framework (default: the full set for the first only)")
+    p.add_argument("--cases", default=None,
+                   help="comma-separated case names to run (default: all for the framework)")
     p.add_argument("--no-reshard", action="store_true", help="skip the W -> W+1 and W -> 1 loads")
     p.add_argument("--no-dd", action="store_true", help="skip the dd figures")
     p.add_argument("--group-timeout", type=float, default=None, help="seconds per spawned group")
@@ -65,6 +67,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.repeats = args.repeats or 1
     args.repeats = args.repeats or 3
     args.frameworks = [f.strip() for f in args.frameworks.split(",") if f.strip()]
+    args.cases = [c.strip() for c in args.cases.split(",") if c.strip()] if args.cases else None
+    known = SAVE_CASES + LOAD_CASES + LAST_CASES
+    if args.cases and [c for c in args.cases if c not in known]:
+        p.error(f"unknown cases {[c for c in args.cases if c not in known]}; known: {known}")
     bad = [f for f in args.frameworks if f not in ("fsdp2", "ddp", "fsdp1")]
     if bad:
         p.error(f"unknown frameworks {bad}; choose from fsdp2, ddp, fsdp1")
@@ -178,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
         groups: dict[str, Any] = {}
         for i, fw in enumerate(args.frameworks):
             wanted = SAVE_CASES + LOAD_CASES + LAST_CASES if (i == 0 or args.all_cases) else SHORT_CASES[fw]
+            if args.cases:
+                wanted = [c for c in wanted if c in args.cases]
             run, skip = _split(wanted, fw, cold)
             spec = GroupSpec(label=fw, framework=fw, world_size=w, gb=args.gb, cases=run,
                              repeats=args.repeats, root=str(work / fw), result_dir=str(results_dir))
@@ -192,7 +200,8 @@ def main(argv: list[str] | None = None) -> int:
             missing = {f"{lib}.load {t}": f"n/a (no {lib} checkpoint from {src})"
                        for lib in ("bytecp", "dcp") if lib not in load_from for t in ("cold", "warm")}
             for label, fw, ws in ((f"reshard {w}->{w + 1}", src, w + 1), (f"reshard {w}->1", "plain", 1)):
-                run, skip = _split(LOAD_CASES, fw, {**cold, **missing})
+                wanted = [c for c in LOAD_CASES if not args.cases or c in args.cases]
+                run, skip = _split(wanted, fw, {**cold, **missing})
                 spec = GroupSpec(label=label, framework=fw, world_size=ws, gb=args.gb, cases=run,
                                  repeats=args.repeats, root=str(work / label.replace(" ", "_")),
                                  result_dir=str(results_dir), load_from=load_from, expected=expected)
