@@ -1,4 +1,4 @@
-"""The ``bytecp`` command: demo, inspect, verify, ls, monitor, bench.
+"""The ``bytecp`` command: demo, inspect, verify, ls, gc, export, monitor, bench.
 
 ``monitor`` and ``bench`` live outside the core and are reached through the
 subcommand registry below (imported only when used).
@@ -102,6 +102,19 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_gc(args: argparse.Namespace) -> int:
+    from .gc import collect_garbage
+
+    res = collect_garbage(open_storage(args.url, **_storage_options(args)), dry_run=args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for p in res.removed:
+        print(f"{verb} {p}")
+    if res.kept_newer:
+        print(f"kept {len(res.kept_newer)} file(s) of saves newer than the committed one (maybe still running)")
+    print(f"{args.url}: {verb} {len(res.removed)} unreferenced file(s)")
+    return 0
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
@@ -128,6 +141,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.set_defaults(fn=cmd_inspect)
     url_cmd("verify", "read every chunk and check its crc32c").set_defaults(fn=cmd_verify)
     url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
+    sp = url_cmd("gc", "remove files of failed saves that the committed checkpoint does not reference")
+    sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
+    sp.set_defaults(fn=cmd_gc)
     sp = url_cmd("export", "write full tensors to one safetensors file or torch state dict (streamed)")
     sp.add_argument("out", help="output file")
     sp.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")

@@ -82,3 +82,28 @@ def test_export_safetensors_and_torch(tmp_path: Path) -> None:
     fresh.load_state_dict(sd)
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), model.state_dict().values(), strict=True))
     assert cli(["export", url, out, "--prefix", "nope."]) == 2
+
+
+def test_gc_removes_only_leftovers_of_older_saves(tmp_path: Path, capsys) -> None:
+    import os
+    import shutil
+
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), {"w": torch.ones(3)})
+    first = next((ck / "data").iterdir()).name
+    # a crashed earlier save left its files behind (simulated: copy the committed ones)
+    old = "20000101T000000-deadbeef"
+    shutil.copytree(ck / "data" / first, ck / "data" / old)
+    shutil.copytree(ck / "index" / first, ck / "index" / old)
+    # a save that started later may still be running: never touched
+    new = "29990101T000000-cafecafe"
+    os.makedirs(ck / "data" / new)
+    (ck / "data" / new / "0-0.bin").write_bytes(b"x")
+    assert cli(["gc", str(ck), "--dry-run"]) == 0
+    assert (ck / "data" / old).exists()
+    assert cli(["gc", str(ck)]) == 0
+    out = capsys.readouterr().out
+    assert f"data/{old}/0-0.bin" in out and "kept 1 file" in out
+    assert not (ck / "data" / old).exists() and not (ck / "index" / old).exists()
+    assert (ck / "data" / new / "0-0.bin").exists()
+    assert cli(["verify", str(ck)]) == 0
