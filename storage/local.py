@@ -63,17 +63,26 @@ def _os_error(e: OSError, full: str, op: str) -> StorageError:
     return StorageError(f"{full}: {op} failed ({e})")
 
 
+#: with ``direct=None``, files at least this large are written with O_DIRECT
+DIRECT_MIN_BYTES = 16 << 20
+
+
 class LocalStorage(Storage):
     """A checkpoint directory on a local (or mounted) POSIX filesystem.
 
     Options: ``fsync`` (default True): make files and directory entries
-    durable before ``commit`` returns; ``direct`` (default False): use
-    ``O_DIRECT`` for data files.
+    durable before ``commit`` returns; ``direct``: ``True`` writes every file
+    with ``O_DIRECT``, ``False`` never, ``None`` (default) files of at least
+    :data:`DIRECT_MIN_BYTES` -- on disks where buffered writes plus fsync are
+    slower than direct ones (measured: about 2x on a virtio disk), and
+    without filling the page cache with checkpoint data. Filesystems that
+    refuse O_DIRECT (tmpfs, some network mounts) fall back to buffered
+    writes, with one warning.
     """
 
     backend = "local"
 
-    def __init__(self, url: str, *, fsync: bool = True, direct: bool = False, **options: Any) -> None:
+    def __init__(self, url: str, *, fsync: bool = True, direct: bool | None = None, **options: Any) -> None:
         if options:
             raise ConfigError(
                 f"local storage {url!r}: unknown option(s) {sorted(options)}; "
@@ -85,7 +94,7 @@ class LocalStorage(Storage):
         path = url.split("://", 1)[1] if "://" in url else url
         self.root = os.path.abspath(os.path.expanduser(path))
         self.fsync = fsync
-        self.direct = direct
+        self.direct = direct if _O_DIRECT else False
         self._made: set[str] = set()
         self._dirty_dirs: set[str] = set()
         self._lock = threading.Lock()
@@ -124,6 +133,8 @@ class LocalStorage(Storage):
         views = [memoryview(b).cast("B") for b in buffers]
         views = [v for v in views if len(v)]
         direct = self.direct
+        if direct is None:
+            direct = sum(len(v) for v in views) >= DIRECT_MIN_BYTES
         try:
             fd = os.open(full, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | (_O_DIRECT if direct else 0), 0o644)
         except OSError as e:
@@ -132,6 +143,7 @@ class LocalStorage(Storage):
                 self.direct = direct = False
                 return self.write_file(path, buffers)
             raise _os_error(e, full, "create the file") from e
+        refused = False
         try:
             if direct:
                 self._pwrite_direct(fd, views)
@@ -140,9 +152,15 @@ class LocalStorage(Storage):
             if self.fsync:
                 os.fsync(fd)
         except OSError as e:
-            raise _os_error(e, full, "write") from e
+            if not (direct and e.errno == errno.EINVAL):
+                raise _os_error(e, full, "write") from e
+            refused = True  # opened with O_DIRECT, but writes refuse it
         finally:
             os.close(fd)
+        if refused:
+            log.warning("%s: O_DIRECT writes refused here; using buffered writes", full)
+            self.direct = False
+            return self.write_file(path, buffers)
         with self._lock:
             self._dirty_dirs.add(d)
 
