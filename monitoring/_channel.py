@@ -42,6 +42,10 @@ CHANNEL_OPTIONS = (
     ("grpc.min_reconnect_backoff_ms", 200),
     ("grpc.max_reconnect_backoff_ms", 2000),
     ("grpc.enable_retries", 0),
+    # each channel keeps its own connections: with gRPC's process-wide pool a
+    # new client would inherit another channel's failed-connection backoff
+    # (a query right after a collector restart failed with "connection refused")
+    ("grpc.use_local_subchannel_pool", 1),
 )
 
 
