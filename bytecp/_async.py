@@ -56,6 +56,16 @@ class SaveHandle:
         self._metadata: fmt.Metadata | None = None
         self._error_seen = False
         self.thread: threading.Thread | None = None
+        #: lazy mode's optimizer pre-step hooks; no-ops once staged, removed
+        #: from the caller's thread (wait(), the next save), never from inside
+        #: optimizer.step(), which is iterating them
+        self._hooks: list[Any] = []
+
+    def _remove_hooks(self) -> None:
+        if self._staged.is_set():
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
 
     def done(self) -> bool:
         """Whether the save has committed or failed."""
@@ -69,6 +79,7 @@ class SaveHandle:
         """Block until committed; raise the save's error (from any rank)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"async save to {self.url} not finished after {timeout} s")
+        self._remove_hooks()
         return self.result()
 
     def result(self) -> fmt.Metadata:
@@ -107,6 +118,7 @@ def _raise_previous(trace: Trace) -> None:
         return
     with trace.span("wait_previous"):
         prev._done.wait()
+    prev._remove_hooks()
     with _inflight_lock:
         if _inflight is prev:
             _inflight = None
@@ -272,8 +284,6 @@ def _lazy(
     storage: Any, flat: FlatTree, ctx: DistContext, opts: engine.SaveOptions, trace: Trace,
     handle: SaveHandle, optimizers: list[torch.optim.Optimizer], common: dict[str, Any],
 ) -> Callable[[], fmt.Metadata]:
-    hooks: list[Any] = []
-
     def wait_staged(*_: Any) -> None:
         if not handle._staged.is_set():
             t = time.perf_counter()
@@ -281,11 +291,8 @@ def _lazy(
             waited = time.perf_counter() - t
             trace.add_stall(waited)
             trace.add_span("lazy_wait", time.time() - waited, waited)
-        for h in hooks:
-            h.remove()
-        hooks.clear()
 
-    hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
+    handle._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
 
     def run() -> fmt.Metadata:
         try:

@@ -75,6 +75,21 @@ def test_lazy_checkpoint_is_the_state_at_the_call(tmp_path: Path, monkeypatch) -
     assert_loaded_equals(url, snap)
 
 
+def test_lazy_hook_coexists_with_hooks_registered_after_it(tmp_path: Path) -> None:
+    m, opt = model_and_opt()
+    snap = snapshot(m, opt)
+    h = bytecp.async_save(str(tmp_path / "ck"), {"model": m, "optimizer": opt}, lazy=True)
+    calls = []
+    later = opt.register_step_pre_hook(lambda *a: calls.append(1))
+    for _ in range(2):
+        step(m, opt)  # must not break the optimizer's hook iteration
+    h.wait(timeout=60)
+    later.remove()
+    assert calls == [1, 1]
+    assert len(opt._optimizer_step_pre_hooks) == 0  # bytecp's hook is gone after wait()
+    assert_loaded_equals(str(tmp_path / "ck"), snap)
+
+
 def test_staging_memory_is_reused_across_saves(tmp_path: Path) -> None:
     m, opt = model_and_opt()
     bytecp.async_save(str(tmp_path / "a"), {"model": m, "optimizer": opt}).wait()
