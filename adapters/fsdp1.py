@@ -25,11 +25,11 @@ from torch.distributed.fsdp._flat_param import FlatParameter
 from bytecp.adapter_api import LoadTarget
 from bytecp.dist import DistContext
 from bytecp.dtypes import dtype_from_name
-from bytecp.errors import ConfigError, StateMismatchError
+from bytecp.errors import ConfigError
 from bytecp.format import Metadata
 from bytecp.state import Slot, TensorLeaf, Whole
 
-from .plain import PlainAdapter
+from .plain import PlainAdapter, param_groups_for_load
 
 __all__ = ["FSDP1Adapter"]
 
@@ -220,18 +220,11 @@ class FSDP1Adapter(PlainAdapter):
             saved_groups = values.get(f"{key}.param_groups")
             if saved_groups is None:
                 return
-            if len(saved_groups) != len(opt.param_groups):
-                raise StateMismatchError(
-                    f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
-                    f"the optimizer {len(opt.param_groups)}"
-                )
-            groups = []
-            pos = 0
-            for sg, cg in zip(saved_groups, opt.param_groups, strict=True):
-                g = {k: v for k, v in sg.items() if k != "params"}
-                g["params"] = list(range(pos, pos + len(cg["params"])))
-                groups.append(g)
-                pos += len(cg["params"])
+            current = [
+                [piece.fqn for p in g["params"] for piece in self._all_pieces.get(id(p), [])]
+                for g in opt.param_groups
+            ]
+            groups = param_groups_for_load(key, saved_groups, opt, current)
             osd_state: dict[int, dict[str, Any]] = {}
             for i in set(put) | set(slot_keys):
                 st: dict[str, Any] = dict(put.get(i, {}))

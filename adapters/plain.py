@@ -24,7 +24,7 @@ from bytecp.extras import PerRankState, RNGState
 from bytecp.format import Metadata
 from bytecp.state import PerRank, Slot, Whole, iter_skeleton
 
-__all__ = ["PlainAdapter", "is_stateful", "is_per_rank"]
+__all__ = ["PlainAdapter", "is_stateful", "is_per_rank", "param_groups_for_load"]
 
 
 def is_stateful(v: Any) -> bool:
@@ -36,6 +36,33 @@ def is_per_rank(v: Any) -> bool:
     if isinstance(v, (RNGState, PerRankState)):
         return True
     return is_stateful(v) and "dataloader" in type(v).__name__.lower()
+
+
+def param_groups_for_load(
+    key: str, saved_groups: list[dict[str, Any]], opt: torch.optim.Optimizer, current: list[list[str]]
+) -> list[dict[str, Any]]:
+    """Saved param groups (parameters named by FQN) as ``opt.load_state_dict``
+    wants them: hyperparameters from the checkpoint, parameters by position.
+    ``current[j]`` are the FQNs group ``j`` of ``opt`` holds now."""
+    if len(saved_groups) != len(opt.param_groups):
+        raise StateMismatchError(
+            f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
+            f"the optimizer {len(opt.param_groups)}"
+        )
+    groups = []
+    pos = 0
+    for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        if sorted(sg["params"]) != sorted(current[j]):
+            raise StateMismatchError(
+                f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
+                f"{sorted(set(sg['params']) - set(current[j]))[:5]} the optimizer lacks and lacks "
+                f"{sorted(set(current[j]) - set(sg['params']))[:5]}"
+            )
+        g = {k: v for k, v in sg.items() if k != "params"}
+        g["params"] = list(range(pos, pos + len(cg["params"])))
+        groups.append(g)
+        pos += len(cg["params"])
+    return groups
 
 
 class PlainAdapter(Adapter):
@@ -214,25 +241,11 @@ class PlainAdapter(Adapter):
             saved_groups = values.get(f"{key}.param_groups")
             if saved_groups is None:
                 return
-            if len(saved_groups) != len(opt.param_groups):
-                raise StateMismatchError(
-                    f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
-                    f"the optimizer {len(opt.param_groups)}"
-                )
-            groups = []
-            pos = 0
-            for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
-                cur = fqns[pos : pos + len(cg["params"])]
-                if sorted(sg["params"]) != sorted(cur):
-                    raise StateMismatchError(
-                        f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
-                        f"{sorted(set(sg['params']) - set(cur))[:5]} the optimizer lacks and lacks "
-                        f"{sorted(set(cur) - set(sg['params']))[:5]}"
-                    )
-                g = {k: v for k, v in sg.items() if k != "params"}
-                g["params"] = list(range(pos, pos + len(cg["params"])))
-                groups.append(g)
-                pos += len(cg["params"])
+            per_group, pos = [], 0
+            for g in opt.param_groups:
+                per_group.append(fqns[pos : pos + len(g["params"])])
+                pos += len(g["params"])
+            groups = param_groups_for_load(key, saved_groups, opt, per_group)
             osd_state: dict[int, dict[str, Any]] = {}
             for f, entries in target_state.items():
                 i = index[f]
