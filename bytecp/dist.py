@@ -17,10 +17,11 @@ step runs locally and exceptions propagate unchanged.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import pickle
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
@@ -144,6 +145,20 @@ class DistContext:
             except Exception:
                 pass
 
+    @contextlib.contextmanager
+    def _collective(self, op: str) -> Iterator[None]:
+        """Bracket raw collectives: mark arrival, turn a broken group into a
+        :class:`DistributedCheckpointError` naming the missing ranks, and
+        drop the marker after success."""
+        prefix = self._arrive()
+        try:
+            yield
+        except DistributedCheckpointError:
+            raise
+        except Exception as e:
+            raise self._collective_failed(op, prefix, e) from e
+        self._left(prefix)
+
     def _left(self, prefix: str) -> None:
         """The collective after ``_arrive`` succeeded: drop this rank's marker."""
         if self._store is not None:
@@ -192,11 +207,10 @@ class DistContext:
         """Broadcast ``tensor`` (CPU bytes) from group rank ``src`` in place."""
         if not self.enabled:
             return
-        prefix = self._arrive()
         self.stats.calls += 1
         if self.rank == src:
             self.stats.bytes_sent += tensor.numel() * tensor.element_size()
-        try:
+        with self._collective(op):
             global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
             if self.device.type != "cpu":
                 moved = tensor.to(self.device)
@@ -205,9 +219,6 @@ class DistContext:
                     tensor.copy_(moved.cpu())
             else:
                 dist.broadcast(tensor, src=global_src, group=self.group)
-        except Exception as e:
-            raise self._collective_failed(op, prefix, e) from e
-        self._left(prefix)
 
     def barrier(self) -> None:
         if self.enabled:
@@ -244,12 +255,8 @@ class DistContext:
         return value
 
     def _gather_checked(self, op: str, value: Any, err: BaseException | None) -> list[Any]:
-        prefix = self._arrive()
-        try:
+        with self._collective(op):
             results = self.all_gather_object(value)
-        except Exception as e:
-            raise self._collective_failed(op, prefix, e) from e
-        self._left(prefix)
         failures: dict[int, str] = {}
         for r in results:
             if isinstance(r, _Failed):
@@ -266,19 +273,13 @@ class DistContext:
         value, err = self._local(local_fn)
         if not self.enabled:
             return reduce_fn([value])[0]
-        prefix = self._arrive()
-        try:
+        with self._collective(op):
             gathered = self.gather_object(value)
             out: list[Any] | None = None
             if self.is_coordinator:
                 assert gathered is not None
                 out = self._coordinator_reduce(gathered, reduce_fn)
             result = self.scatter_object(out)
-        except DistributedCheckpointError:
-            raise
-        except Exception as e:
-            raise self._collective_failed(op, prefix, e) from e
-        self._left(prefix)
         self._raise_if_failed(op, result, err)
         return result
 
@@ -287,17 +288,13 @@ class DistContext:
         value, err = self._local(local_fn)
         if not self.enabled:
             return reduce_fn([value])
-        prefix = self._arrive()
-        try:
+        with self._collective(op):
             gathered = self.gather_object(value)
             out: Any = None
             if self.is_coordinator:
                 assert gathered is not None
                 out = self._coordinator_reduce(gathered, lambda vs: [reduce_fn(vs)])[0]
             result = self.broadcast_object(out)
-        except Exception as e:
-            raise self._collective_failed(op, prefix, e) from e
-        self._left(prefix)
         self._raise_if_failed(op, result, err)
         return result
 
@@ -309,12 +306,8 @@ class DistContext:
         err = None
         if self.is_coordinator:
             value, err = self._local(fn)
-        prefix = self._arrive()
-        try:
+        with self._collective(op):
             result = self.broadcast_object(value)
-        except Exception as e:
-            raise self._collective_failed(op, prefix, e) from e
-        self._left(prefix)
         self._raise_if_failed(op, result, err)
         return result
 
