@@ -236,6 +236,14 @@ def async_save(
     return handle
 
 
+def _stage(flat: FlatTree, items: list[Any], trace: Trace) -> list[Any]:
+    """Copy ``items`` into the reused staging arena, as a ``stage`` span."""
+    with trace.span("stage") as sp:
+        staged = POOL.stage(flat, items)
+        sp.nbytes = sum(len(s.data) for s in staged)
+    return staged
+
+
 def _eager(
     storage: Any, flat: FlatTree, ctx: DistContext, opts: engine.SaveOptions, trace: Trace,
     handle: SaveHandle, budget: int | None, common: dict[str, Any],
@@ -243,39 +251,19 @@ def _eager(
     prep = engine.prepare_save(storage, flat, ctx, opts, trace)
     batches = batches_within(prep.items, budget)
 
-    def foreground() -> tuple[list[engine._RankOutput], int, list[Any], dict[str, Any], dict[str, Any]]:
-        done: list[engine._RankOutput] = []
-        files = 0
-        objects = engine.objects_to_write(flat, ctx, prep)
-        per_rank = flat.per_rank
+    def foreground() -> tuple[list[engine._RankOutput], list[Any]]:
         # every batch but the last is staged and written now: the arena is reused
+        done: list[engine._RankOutput] = []
         for batch in batches[:-1]:
-            with trace.span("stage") as sp:
-                staged = POOL.stage(flat, batch)
-                sp.nbytes = sum(len(s.data) for s in staged)
-            out = engine.write_rank(storage, prep.save_id, ctx.rank, staged, objects, per_rank, opts, trace,
-                                    first_file=files)
-            objects, per_rank = {}, {}
-            files += len(out.data_files)
-            done.append(out)
-        with trace.span("stage") as sp:
-            last = POOL.stage(flat, batches[-1])
-            sp.nbytes = sum(len(s.data) for s in last)
-        return done, files, last, objects, per_rank
+            staged = _stage(flat, batch, trace)
+            done.append(engine.write_batch(storage, prep, ctx, flat, staged, opts, trace, done))
+        return done, _stage(flat, batches[-1], trace)
 
-    try:
-        done, files, last, objects, per_rank = ctx.run("save", foreground)
-    except BaseException:
-        if ctx.is_coordinator:
-            engine.cleanup_save(storage, prep.save_id)
-        raise
+    done, last = engine.run_or_clean_up(storage, ctx, prep, foreground)
     handle._staged.set()
 
     def write() -> engine._RankOutput:
-        out = engine.write_rank(storage, prep.save_id, ctx.rank, last, objects, per_rank, opts, trace,
-                                first_file=files)
-        merged = engine.merge_outputs([*done, out])
-        return engine.write_index(storage, prep.save_id, ctx.rank, merged)
+        return engine.write_last_batch(storage, prep, ctx, flat, last, opts, trace, done)
 
     return lambda: engine.commit_save(storage, flat, ctx, prep, write, **common)
 
@@ -297,26 +285,12 @@ def _lazy(
     def run() -> fmt.Metadata:
         try:
             prep = engine.prepare_save(storage, flat, ctx, opts, trace)
-
-            def stage() -> list[Any]:
-                with trace.span("stage") as sp:
-                    staged = POOL.stage(flat, prep.items)
-                    sp.nbytes = sum(len(s.data) for s in staged)
-                return staged
-
-            try:
-                staged = ctx.run("save", stage)
-            except BaseException:
-                if ctx.is_coordinator:
-                    engine.cleanup_save(storage, prep.save_id)
-                raise
+            staged = engine.run_or_clean_up(storage, ctx, prep, lambda: _stage(flat, prep.items, trace))
         finally:
             handle._staged.set()
 
         def write() -> engine._RankOutput:
-            objects = engine.objects_to_write(flat, ctx, prep)
-            out = engine.write_rank(storage, prep.save_id, ctx.rank, staged, objects, flat.per_rank, opts, trace)
-            return engine.write_index(storage, prep.save_id, ctx.rank, out)
+            return engine.write_last_batch(storage, prep, ctx, flat, staged, opts, trace)
 
         return engine.commit_save(storage, flat, ctx, prep, write, **common)
 

@@ -26,7 +26,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import crc32c as _crc32c
 import torch
@@ -80,6 +80,7 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 _ZEROS = bytes(fmt.ALIGNMENT)
 
 
@@ -383,7 +384,6 @@ def write_rank(
     per_rank: dict[str, Any],
     opts: SaveOptions,
     trace: Trace,
-    pool: concurrent.futures.Executor | None = None,
     first_file: int = 0,
 ) -> _RankOutput:
     """Write data files ``first_file``, ``first_file+1``... of this rank (one
@@ -406,17 +406,12 @@ def write_rank(
     paths = [fmt.data_file(save_id, rank, first_file + i) for i in range(len(groups))]
     with trace.span("write") as sp:
         _fault("write", rank)
-        own_pool = pool is None and len(groups) > 1
-        ex = concurrent.futures.ThreadPoolExecutor(len(groups), "bytecp-write") if own_pool else pool
-        try:
-            if ex is None:
-                results = [_write_one_file(storage, p, g[0], g[1]) for p, g in zip(paths, groups, strict=True)]
-            else:
-                futs = [ex.submit(_write_one_file, storage, p, g[0], g[1]) for p, g in zip(paths, groups, strict=True)]
-                results = [f.result() for f in futs]
-        finally:
-            if own_pool and ex is not None:
-                ex.shutdown(wait=True)
+        jobs = list(zip(paths, groups, strict=True))
+        if len(jobs) == 1:
+            results = [_write_one_file(storage, jobs[0][0], *jobs[0][1])]
+        else:
+            with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
+                results = list(ex.map(lambda j: _write_one_file(storage, j[0], *j[1]), jobs))
         chunks: list[fmt.ChunkRecord] = []
         data_files: dict[str, int] = {}
         for path, (ch, bpos, size) in zip(paths, results, strict=True):
@@ -429,12 +424,6 @@ def write_rank(
         sp.nbytes = sum(data_files.values())
         sp.files = len(data_files)
     return _RankOutput(chunks, data_files, None, obj_records, rank_records)
-
-
-def _existing_metadata(storage: Storage) -> fmt.Metadata | None:
-    if not storage.exists(fmt.METADATA_FILE):
-        return None
-    return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
 
 
 @dataclasses.dataclass
@@ -468,7 +457,7 @@ def prepare_save(
                     "to replace it (the old one stays intact until the new one commits)"
                 )
             try:
-                old = _existing_metadata(storage)
+                old = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
             except Exception:
                 old = None  # an unreadable old checkpoint is simply replaced
         return save_id or fmt.new_save_id(), old, digest
@@ -499,11 +488,53 @@ def merge_outputs(outputs: Sequence[_RankOutput]) -> _RankOutput:
     return out
 
 
-def write_index(storage: Storage, save_id: str, rank: int, out: _RankOutput) -> _RankOutput:
+def write_batch(
+    storage: Storage,
+    prep: PreparedSave,
+    ctx: DistContext,
+    flat: FlatTree,
+    staged: list[_Staged],
+    opts: SaveOptions,
+    trace: Trace,
+    earlier: Sequence[_RankOutput] = (),
+) -> _RankOutput:
+    """Write one staged batch of this rank into the next data files; the
+    objects go with the first batch."""
+    return write_rank(
+        storage, prep.save_id, ctx.rank, staged,
+        objects_to_write(flat, ctx, prep) if not earlier else {},
+        flat.per_rank if not earlier else {}, opts, trace,
+        first_file=sum(len(o.data_files) for o in earlier),
+    )
+
+
+def write_last_batch(
+    storage: Storage,
+    prep: PreparedSave,
+    ctx: DistContext,
+    flat: FlatTree,
+    staged: list[_Staged],
+    opts: SaveOptions,
+    trace: Trace,
+    earlier: Sequence[_RankOutput] = (),
+) -> _RankOutput:
+    """Write this rank's last (or only) batch, then its index over every batch."""
+    out = merge_outputs([*earlier, write_batch(storage, prep, ctx, flat, staged, opts, trace, earlier)])
     if out.chunks:
-        out.index_file = fmt.index_file(save_id, rank)
+        out.index_file = fmt.index_file(prep.save_id, ctx.rank)
         storage.write_file(out.index_file, [fmt.write_index(out.chunks)])
     return out
+
+
+def run_or_clean_up(storage: Storage, ctx: DistContext, prep: PreparedSave, fn: Callable[[], T]) -> T:
+    """A fail-together step of a save; if any rank fails, the coordinator
+    removes the save's files before the error propagates."""
+    try:
+        return ctx.run("save", fn)
+    except BaseException:
+        if ctx.is_coordinator:
+            cleanup_save(storage, prep.save_id)
+        raise
 
 
 def commit_save(
@@ -622,9 +653,7 @@ def save_flat(
         with trace.span("stage") as sp:
             staged = stage_items(flat, prep.items)
             sp.nbytes = sum(len(s.data) for s in staged)
-        out = write_rank(storage, prep.save_id, ctx.rank, staged, objects_to_write(flat, ctx, prep),
-                         flat.per_rank, opts, trace)
-        return write_index(storage, prep.save_id, ctx.rank, out)
+        return write_last_batch(storage, prep, ctx, flat, staged, opts, trace)
 
     return commit_save(
         storage, flat, ctx, prep, write,
