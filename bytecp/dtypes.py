@@ -52,7 +52,7 @@ def dtype_from_name(name: str) -> torch.dtype:
 
 
 def itemsize(dtype: torch.dtype) -> int:
-    return torch.empty((), dtype=dtype).element_size()
+    return int(dtype.itemsize)
 
 
 def byte_view(t: torch.Tensor) -> torch.Tensor:

@@ -315,7 +315,8 @@ def plan_shared_reads(
         nbytes = box.numel * itemsizes[fqn]
         if nbytes == 0:
             continue
-        pieces = box.split(world) if nbytes >= split_bytes else [box]
+        # as on save: one piece per rank, none below MIN_PIECE_BYTES
+        pieces = box.split(min(world, max(1, nbytes // MIN_PIECE_BYTES))) if nbytes >= split_bytes else [box]
         pool = [(load[r], r) for r in range(world)]
         heapq.heapify(pool)
         for piece in sorted(pieces, key=lambda p: -p.numel):
