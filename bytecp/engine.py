@@ -902,7 +902,7 @@ def load_flat(
     shared: list[list[tuple[str, Region, Region]]] = []
     zero = opts.zero_redundancy
     if zero is None:
-        zero = not _is_local(storage)
+        zero = storage.remote
     if zero and ctx.enabled and ctx.world_size > 1:
         # only whole tensors can be wanted by every rank (DDP, plain values):
         # sharded targets are never gathered
@@ -924,11 +924,6 @@ def load_flat(
     if shared:
         _exchange(ctx, shared, views, trace)
     return LoadResult(missing, unexpected, md, values)
-
-
-def _is_local(storage: Storage) -> bool:
-    proto = storage.url.split("://", 1)[0].lower() if "://" in storage.url else "file"
-    return proto in ("file", "local", "memory")
 
 
 def _split_shared(

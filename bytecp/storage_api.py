@@ -61,6 +61,11 @@ class Storage(abc.ABC):
     #: the URL this storage is rooted at, as given by the user
     url: str
 
+    #: whether reads cross a network (object stores, HDFS, unknown fsspec
+    #: protocols): loads then read replicated data once and exchange it
+    #: between ranks instead of every rank reading it (zero-redundancy)
+    remote: bool = True
+
     # -- writing ---------------------------------------------------------
     @abc.abstractmethod
     def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:

@@ -81,6 +81,7 @@ class LocalStorage(Storage):
     """
 
     backend = "local"
+    remote = False
 
     def __init__(self, url: str, *, fsync: bool = True, direct: bool | None = None, **options: Any) -> None:
         if options:

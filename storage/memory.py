@@ -13,6 +13,7 @@ class MemoryStorage(FsspecStorage):
     """In-process storage; every ``memory://`` URL in a process shares one store."""
 
     atomic_put = True  # a dict assignment under fsspec's lock
+    remote = False
 
     def __init__(self, url: str, **options: Any) -> None:
         super().__init__(url, **options)

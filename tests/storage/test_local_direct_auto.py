@@ -26,3 +26,13 @@ def test_default_is_auto_and_large_saves_round_trip(tmp_path: Path) -> None:
     sd = bytecp.load_state_dict(url)
     assert torch.equal(sd["big"], state["big"]) and torch.equal(sd["small"], state["small"])
     assert bytecp.cli.main(["verify", url]) == 0
+
+
+def test_backends_say_whether_reads_cross_a_network(tmp_path: Path) -> None:
+    """The engine turns zero-redundancy loading on by default for remote backends only."""
+    from bytecp.storage.s3 import S3Storage
+    from bytecp.storage_api import open_storage
+
+    assert open_storage(str(tmp_path)).remote is False
+    assert open_storage("memory://remote-flag").remote is False
+    assert S3Storage.remote is True
