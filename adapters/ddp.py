@@ -9,11 +9,16 @@ from typing import Any
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from bytecp.adapter_api import AdapterCall
 from bytecp.dist import DistContext
 
-from .plain import PlainAdapter
+from .plain import Finalize, PlainAdapter
 
 __all__ = ["DDPAdapter"]
+
+
+def _inner(module: nn.Module) -> nn.Module:
+    return module.module if isinstance(module, DistributedDataParallel) else module
 
 
 class DDPAdapter(PlainAdapter):
@@ -23,18 +28,14 @@ class DDPAdapter(PlainAdapter):
     def detect(cls, state: dict[str, Any]) -> bool:
         return any(isinstance(v, DistributedDataParallel) for v in state.values())
 
-    @staticmethod
-    def _inner(module: nn.Module) -> nn.Module:
-        return module.module if isinstance(module, DistributedDataParallel) else module
+    def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
+        return super().module_leaves(call, _inner(module))
 
-    def module_leaves(self, module: nn.Module) -> dict[str, Any]:
-        return super().module_leaves(self._inner(module))
-
-    def module_targets(self, module: nn.Module):  # type: ignore[no-untyped-def]
-        return super().module_targets(self._inner(module))
+    def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
+        return super().module_targets(call, _inner(module))
 
     def param_names(self, module: nn.Module) -> dict[int, str]:
-        return super().param_names(self._inner(module))
+        return super().param_names(_inner(module))
 
     def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
         return {"world_size": ctx.world_size, "data_parallel": ctx.world_size}

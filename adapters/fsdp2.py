@@ -10,16 +10,22 @@ from typing import Any
 import torch
 from torch import nn
 
+from bytecp.adapter_api import AdapterCall
 from bytecp.dist import DistContext
 
 from ._dtensor import dtensor_leaf, dtensor_target, is_dtensor, mesh_info
-from .plain import PlainAdapter
+from ._optim import ParamState
+from .plain import Finalize, PlainAdapter
 
 __all__ = ["FSDP2Adapter"]
 
 
 def _modules(state: dict[str, Any]) -> list[nn.Module]:
     return [v for v in state.values() if isinstance(v, nn.Module)]
+
+
+def _leaf(v: torch.Tensor) -> Any:
+    return dtensor_leaf(v) if is_dtensor(v) else v  # type: ignore[arg-type]
 
 
 class FSDP2Adapter(PlainAdapter):
@@ -29,23 +35,25 @@ class FSDP2Adapter(PlainAdapter):
     def detect(cls, state: dict[str, Any]) -> bool:
         return any(is_dtensor(p) for m in _modules(state) for p in m.parameters())
 
-    def module_leaves(self, module: nn.Module) -> dict[str, Any]:
-        return {k: dtensor_leaf(v) if is_dtensor(v) else v for k, v in module.state_dict().items()}
+    def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
+        return {k: _leaf(v) if isinstance(v, torch.Tensor) else v for k, v in module.state_dict().items()}
 
-    def module_targets(self, module: nn.Module):  # type: ignore[no-untyped-def]
+    def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
         sd = module.state_dict()
-        target: dict[str, Any] = {}
-        for k, v in sd.items():
-            target[k] = dtensor_leaf(v) if is_dtensor(v) else v
-        return super()._targets_from(module, sd, target)
+        return self._targets_from(module, sd, {k: _leaf(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()})
 
-    def optim_leaf(self, param: torch.Tensor, value: torch.Tensor) -> Any:
-        return dtensor_leaf(value) if is_dtensor(value) else value
-
-    def optim_target(self, param: torch.Tensor, shape: tuple[int, ...], dtype: torch.dtype):  # type: ignore[no-untyped-def]
-        if is_dtensor(param) and tuple(shape) == tuple(param.shape):
-            return dtensor_target(param, dtype)  # type: ignore[arg-type]
-        return super().optim_target(param, shape, dtype)
+    def param_state(self, call: AdapterCall, index: int, param: torch.Tensor) -> list[ParamState]:
+        """A DTensor parameter's state is a DTensor laid out like it: its box is saved."""
+        (place,) = super().param_state(call, index, param)
+        if not is_dtensor(param):
+            return [place]
+        return [ParamState(
+            fqn=place.fqn,
+            shape=place.shape,
+            leaf=_leaf,
+            new=lambda dtype: dtensor_target(param, dtype)[1],  # type: ignore[arg-type]
+            fits=lambda t, dtype: is_dtensor(t) and t.dtype == dtype and tuple(t.shape) == place.shape,
+        )]
 
     def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
         out: dict[str, Any] = {"world_size": ctx.world_size}

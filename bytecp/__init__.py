@@ -1,6 +1,6 @@
 """bytecp: checkpointing for large distributed PyTorch training.
 
-Save from any parallelism (DDP, FSDP1, FSDP2), load into any other or into
+Save from any parallelism (DDP, FSDP1, FSDP2, ...), load into any other or into
 one process; storage is any fsspec URL. See README.md and docs/ for the guide
 and docs/FORMAT.md for the on-storage format.
 
@@ -35,9 +35,9 @@ except Exception:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 if TYPE_CHECKING:
-    from ._async import SaveHandle, async_save, wait_for_pending_save
-    from .api import LoadResult, load, load_state_dict, save
+    from .api import LoadResult, async_save, load, load_state_dict, save
     from .extras import PerRankState, RNGState
+    from .handles import SaveHandle, wait_for_pending_save
     from .manager import CheckpointManager
 
 _LAZY = {
@@ -45,9 +45,9 @@ _LAZY = {
     "load": ".api",
     "load_state_dict": ".api",
     "LoadResult": ".api",
-    "async_save": "._async",
-    "SaveHandle": "._async",
-    "wait_for_pending_save": "._async",
+    "async_save": ".api",
+    "SaveHandle": ".handles",
+    "wait_for_pending_save": ".handles",
     "RNGState": ".extras",
     "PerRankState": ".extras",
     "CheckpointManager": ".manager",

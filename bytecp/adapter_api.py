@@ -16,6 +16,7 @@ hands modules/optimizers/stateful objects their loaded state.
 from __future__ import annotations
 
 import abc
+import dataclasses
 import importlib
 from collections.abc import Callable
 from typing import Any
@@ -23,8 +24,9 @@ from typing import Any
 from .dist import DistContext
 from .errors import ConfigError
 from .format import Metadata
+from .skeleton import Node
 
-__all__ = ["Adapter", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter"]
+__all__ = ["Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter"]
 
 Finalize = Callable[[dict[str, Any]], None]
 
@@ -37,8 +39,31 @@ class LoadTarget:
         self.finalize = finalize
 
 
+@dataclasses.dataclass
+class AdapterCall:
+    """The per-call state of an adapter: one save or load on one rank.
+
+    Adapters are stateless between calls (one instance may serve several
+    saves, even concurrently with a background save): everything a call
+    learns about the live state lives here and dies with the call.
+    Framework adapters subclass it for their own per-call facts.
+    """
+
+    state: dict[str, Any]
+    dist: DistContext
+    #: the checkpoint being loaded (None on save)
+    md: Metadata | None = None
+    #: its skeleton by FQN (empty on save)
+    nodes: dict[str, Node] = dataclasses.field(default_factory=dict)
+    #: ``id(param) -> FQN`` for the parameters an optimizer may hold
+    param_names: dict[int, str] = dataclasses.field(default_factory=dict)
+
+
 class Adapter(abc.ABC):
-    """Turns one framework's training state into the core's state tree."""
+    """Turns one framework's training state into the core's state tree.
+
+    Implementations keep no per-call state on ``self`` (see :class:`AdapterCall`).
+    """
 
     #: the name recorded as the checkpoint's framework
     name: str = "?"

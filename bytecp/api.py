@@ -1,32 +1,32 @@
-"""The public entry points: ``save``, ``load``, ``load_state_dict``.
+"""The public entry points: ``save``, ``async_save``, ``load``, ``load_state_dict``.
 
-Called by training code on every rank (``save``/``load``) or by one process
-with no ``torch.distributed`` (``load_state_dict``). Each call picks the
-framework adapter, opens the storage by URL, creates a
-:class:`~bytecp.dist.DistContext` and a :class:`~bytecp.recorder.Trace`, and
-hands the flattened state to the engine.
+Called by training code on every rank (``save``/``async_save``/``load``) or
+by one process with no ``torch.distributed`` (``load_state_dict``). Each call
+validates its arguments into a :class:`~bytecp.options.SaveOptions` /
+:class:`~bytecp.options.LoadOptions` (where every keyword argument is
+documented), opens the storage, and runs a
+:class:`~bytecp.save_pipeline.SavePipeline` or
+:class:`~bytecp.load_pipeline.LoadPipeline`; nothing else happens here.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 import time
 from typing import Any
 
-from . import __version__, engine
+from . import __version__
 from . import format as fmt
-from .adapter_api import detect_adapter
 from .dist import DistContext
 from .errors import ConfigError
+from .handles import SaveHandle, checkpoint_group, optimizers_in
+from .load_pipeline import LoadPipeline, LoadResult
+from .options import LoadOptions, SaveOptions
 from .recorder import Recorder, Trace, resolve_monitor
-from .state import Slot, flatten_tree
+from .save_pipeline import SavePipeline
+from .staging import ArenaStager, ViewStager
 from .storage_api import Storage, open_storage
 
-__all__ = ["save", "load", "load_state_dict", "LoadResult"]
-
-log = logging.getLogger("bytecp")
-LoadResult = engine.LoadResult
+__all__ = ["save", "async_save", "load", "load_state_dict", "LoadResult"]
 
 
 def _check_state(state: Any) -> dict[str, Any]:
@@ -37,30 +37,15 @@ def _check_state(state: Any) -> dict[str, Any]:
     return state
 
 
-def _check_json(name: str, value: Any) -> dict[str, Any]:
-    try:
-        json.dumps(value, allow_nan=False)
-    except (TypeError, ValueError) as e:
-        raise ConfigError(f"{name} must be JSON-serializable without NaN/inf: {e}") from None
-    return dict(value or {})
+def _storage(url: str | Storage, opts: SaveOptions | LoadOptions) -> Storage:
+    return url if isinstance(url, Storage) else open_storage(url, **opts.storage_options)
 
 
-def _storage(url: str | Storage, storage_options: dict[str, Any] | None) -> Storage:
-    if isinstance(url, Storage):
-        return url
-    return open_storage(url, **(storage_options or {}))
-
-
-def _recorders(monitor: str | Recorder | None) -> list[Recorder]:
-    rec = resolve_monitor(monitor)
-    return [rec] if rec is not None else []
-
-
-def _write_report(storage: Storage, report: Any) -> None:
-    try:
-        storage.write_file(fmt.report_file(report.rank), [json.dumps(report.to_json()).encode()])
-    except Exception as e:  # informational only
-        log.warning("bytecp: could not store the monitoring report at %s: %s", storage.url, e)
+def _trace(operation: str, storage: Storage, ctx: DistContext, opts: SaveOptions | LoadOptions,
+           wall0: float, step: int | None = None) -> Trace:
+    rec = resolve_monitor(opts.monitor)
+    return Trace(operation, storage.url, rank=ctx.rank, world_size=ctx.world_size, step=step,
+                 extra_recorders=[rec] if rec is not None else [], started=wall0)
 
 
 def save(
@@ -81,46 +66,89 @@ def save(
     """Save ``state`` to ``url``; every rank of the job calls it.
 
     ``state`` maps names to modules, optimizers, ``Stateful`` objects,
-    tensors and plain values. The framework (DDP, FSDP1, FSDP2, Megatron,
-    plain) is detected from the objects unless ``framework=`` names it.
-    Returns the committed metadata. Raises
-    :class:`~bytecp.errors.CheckpointExistsError` if a committed checkpoint
-    is at ``url`` and ``overwrite`` is false.
+    tensors and plain values; the framework (DDP, FSDP1, FSDP2, plain) is
+    detected from the objects. The keyword arguments are described on
+    :class:`~bytecp.options.SaveOptions`. Returns the committed metadata.
+    Raises :class:`~bytecp.errors.CheckpointExistsError` if a committed
+    checkpoint is at ``url`` and ``overwrite`` is false.
     """
+    return _save(url, state, SaveOptions(
+        framework=framework, step=step, metadata=metadata or {}, overwrite=overwrite,
+        allow_pickle=allow_pickle, io_threads=io_threads, process_group=process_group,
+        coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
+    ))
+
+
+def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.Metadata:
     t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
-    _check_json("metadata", metadata)
-    opts = engine.SaveOptions(overwrite=overwrite, allow_pickle=allow_pickle, io_threads=io_threads)
-    from ._async import _raise_previous
-    ctx = DistContext(process_group, coordinator_rank)
-    storage = _storage(url, storage_options)
-    trace = Trace("save", storage.url, rank=ctx.rank, world_size=ctx.world_size, step=step,
-                  extra_recorders=_recorders(monitor), started=wall0)
-    try:
-        def describe() -> tuple[Any, Any, dict[str, Any]]:
-            _raise_previous(trace)  # one save in flight per process
-            adapter = detect_adapter(state, framework)
-            with trace.span("plan"):
-                return adapter, flatten_tree(adapter.save_tree(state, ctx)), adapter.parallelism(state, ctx)
-
-        # fail-together: an error on one rank (a bad state, an earlier async
-        # failure only it saw) reaches every rank instead of leaving them waiting
-        adapter, flat, parallelism = ctx.run("save", describe)
-        md = engine.save_flat(
-            storage, flat, ctx,
-            framework=adapter.name, parallelism=parallelism, step=step,
-            user_metadata=_check_json("metadata", metadata), opts=opts, trace=trace,
-            bytecp_version=__version__,
-        )
-    except BaseException as e:
-        trace.add_stall(time.perf_counter() - t0)
-        trace.finish(ok=False, error=e)
-        raise
+    ctx = DistContext(opts.process_group, opts.coordinator_rank)
+    storage = _storage(url, opts)
+    trace = _trace("save", storage, ctx, opts, wall0, opts.step)
+    pipeline = SavePipeline(storage, state, opts, ctx, trace, ViewStager(), version=__version__)
+    with trace.failing(blocked_since=t0):
+        md = pipeline.run()
     trace.add_stall(time.perf_counter() - t0)
-    report = trace.finish(ok=True)
-    if opts.write_reports:
-        _write_report(storage, report)
+    pipeline.report()
     return md
+
+
+def async_save(
+    url: str | Storage,
+    state: dict[str, Any],
+    *,
+    lazy: bool = False,
+    memory_budget_bytes: int | None = None,
+    **options: Any,
+) -> SaveHandle:
+    """Save ``state`` in the background; every rank calls it.
+
+    Returns once this rank's data is staged in reused host memory (or at
+    once with ``lazy=True``: then each optimizer in ``state`` waits in a
+    pre-step hook until staging is done, so no tensor changes under the
+    copy). ``memory_budget_bytes`` bounds the staging memory: larger states
+    are staged and written in batches, and the call blocks until the last
+    batch is staged. The other keyword arguments are those of :func:`save`.
+    Planning (eager mode), writing and the commit run on a process group of
+    their own, so they never interleave with training's collectives.
+    """
+    t0, wall0 = time.perf_counter(), time.time()
+    try:
+        opts = SaveOptions(lazy=lazy, memory_budget_bytes=memory_budget_bytes, **options)
+    except TypeError as e:
+        raise ConfigError(f"async_save: {e}") from None
+    _check_state(state)
+    storage = _storage(url, opts)
+    group = checkpoint_group(opts.process_group)
+    ctx = DistContext(group, opts.coordinator_rank)  # no group: one process
+    trace = _trace("save", storage, ctx, opts, wall0, opts.step)
+    pipeline = SavePipeline(storage, state, opts, ctx, trace, ArenaStager(memory_budget_bytes), version=__version__)
+    handle = SaveHandle(storage.url)
+    with trace.failing(blocked_since=t0):
+        pipeline.describe()
+        if lazy:
+            handle.block_optimizers_until_staged(optimizers_in(state), trace)
+        else:
+            pipeline.plan()
+            pipeline.stage()
+            handle.mark_staged()
+
+    def background() -> fmt.Metadata:
+        with trace.failing():
+            if lazy:
+                try:
+                    pipeline.plan()
+                    pipeline.stage()
+                finally:
+                    handle.mark_staged()
+            pipeline.write()
+            md = pipeline.commit()
+        pipeline.report()
+        return md
+
+    handle.start(background)
+    trace.add_stall(time.perf_counter() - t0)
+    return handle
 
 
 def load(
@@ -137,46 +165,28 @@ def load(
     coordinator_rank: int = 0,
     storage_options: dict[str, Any] | None = None,
     monitor: str | Recorder | None = None,
-) -> engine.LoadResult:
+) -> LoadResult:
     """Load the checkpoint at ``url`` into ``state`` in place; every rank calls it.
 
     Tensors are filled where they live (any world size or parallelism: each
     rank reads only the byte ranges its shards need). Modules, optimizers and
     ``Stateful`` objects get their state through ``load_state_dict``; plain
-    values in ``state``'s dicts are replaced. With ``strict=False`` missing
-    and unexpected keys are reported in the result instead of raising.
-    ``verify`` checks the crc32c of every chunk that is read whole (loads at
-    the saving topology); a resharded load reads parts of chunks, which a
-    chunk checksum cannot cover -- ``bytecp verify`` checks everything.
-    ``zero_redundancy`` (default: on for remote storage) reads boxes that
-    every rank needs once, spread over the ranks, and exchanges them over
-    the process group.
+    values in ``state``'s dicts are replaced. The keyword arguments are
+    described on :class:`~bytecp.options.LoadOptions`; with ``strict=False``
+    missing and unexpected keys are reported in the result instead of raising.
     """
     t0, wall0 = time.perf_counter(), time.time()
+    opts = LoadOptions(
+        framework=framework, strict=strict, verify=verify, allow_pickle=allow_pickle,
+        io_threads=io_threads, zero_redundancy=zero_redundancy, process_group=process_group,
+        coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
+    )
     _check_state(state)
-    opts = engine.LoadOptions(strict=strict, verify=verify, allow_pickle=allow_pickle,
-                              io_threads=io_threads, zero_redundancy=zero_redundancy)
-    ctx = DistContext(process_group, coordinator_rank)
-    storage = _storage(url, storage_options)
-    trace = Trace("load", storage.url, rank=ctx.rank, world_size=ctx.world_size,
-                  extra_recorders=_recorders(monitor), started=wall0)
-    try:
-        adapter = ctx.run("load", lambda: detect_adapter(state, framework))
-        md, chunks = engine.read_checkpoint(storage, ctx, trace)
-
-        def describe() -> tuple[Any, Any]:
-            target = adapter.load_tree(state, ctx, md)
-            return target, flatten_tree(target.tree, target=True)
-
-        with trace.span("plan"):
-            target, flat = ctx.run("load", describe)
-        result = engine.load_flat(storage, flat, ctx, md, chunks, opts, trace)
-        with trace.span("apply"):
-            ctx.run("load", lambda: target.finalize(result.values))
-    except BaseException as e:
-        trace.add_stall(time.perf_counter() - t0)
-        trace.finish(ok=False, error=e)
-        raise
+    ctx = DistContext(opts.process_group, opts.coordinator_rank)
+    storage = _storage(url, opts)
+    trace = _trace("load", storage, ctx, opts, wall0)
+    with trace.failing(blocked_since=t0):
+        result = LoadPipeline(storage, state, opts, ctx, trace).run()
     trace.add_stall(time.perf_counter() - t0)
     trace.finish(ok=True)
     return result
@@ -196,19 +206,12 @@ def load_state_dict(
     saved it. ``sd["model"]`` is a plain module state dict; optimizer state is
     keyed by parameter FQN.
     """
-    opts = engine.LoadOptions(strict=True, verify=verify, allow_pickle=allow_pickle, io_threads=io_threads)
-    storage = _storage(url, storage_options)
-    ctx = DistContext.local()
+    opts = LoadOptions(verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
+                       storage_options=storage_options or {})
+    storage = _storage(url, opts)
     trace = Trace("load", storage.url)
-    try:
-        md, chunks = engine.read_checkpoint(storage, ctx, trace)
-        flat = flatten_tree(Slot(), target=True)
-        result = engine.load_flat(storage, flat, ctx, md, chunks, opts, trace)
-    except BaseException as e:
-        trace.finish(ok=False, error=e)
-        raise
+    pipeline = LoadPipeline(storage, None, opts, DistContext.local(), trace)
+    with trace.failing():
+        pipeline.run()
     trace.finish(ok=True)
-    value = result.values[""]
-    if not isinstance(value, dict):  # pragma: no cover - save always takes a dict
-        raise ConfigError(f"{storage.url}: the checkpoint's root is not a dict")
-    return value
+    return pipeline.whole()

@@ -1,6 +1,6 @@
 """Every cross-rank operation bytecp performs lives here.
 
-The engine never calls ``torch.distributed`` directly: it asks a
+The pipelines never call ``torch.distributed`` directly: it asks a
 :class:`DistContext` to run a step on every rank and combine the results.
 Each step is *fail-together*: a rank whose local work raised still takes part
 in the collective, carrying its error, so every rank learns of the failure
@@ -40,6 +40,9 @@ class _Failed:
     """What a failed rank sends instead of its result."""
 
     failures: dict[int, str]
+    #: the phase that failed, when it is not the step's own label (the
+    #: coordinator's reduce of a gather-then-reduce step)
+    op: str | None = None
 
 
 @dataclasses.dataclass
@@ -51,7 +54,10 @@ class CollectiveStats:
 
 
 def _describe(e: BaseException) -> str:
-    text = f"{type(e).__name__}: {e}"
+    """One rank's failure as text: the phase it failed in (when the pipeline
+    kept it for this step), the exception type and message."""
+    phase = getattr(e, "bytecp_phase", None)
+    text = f"{phase + ': ' if phase else ''}{type(e).__name__}: {e}"
     return text if len(text) < 4000 else text[:4000] + " ..."
 
 
@@ -59,7 +65,7 @@ class DistContext:
     """Rank, world size, coordinator and process group of one checkpoint operation.
 
     Created once per ``save``/``load`` by the API (all ranks), passed to the
-    engine. ``group`` defaults to the default process group; asynchronous
+    pipelines. ``group`` defaults to the default process group; asynchronous
     saves pass their own group so background collectives never interleave
     with training's.
     """
@@ -235,7 +241,7 @@ class DistContext:
 
     def _raise_if_failed(self, op: str, value: Any, local: BaseException | None) -> None:
         if isinstance(value, _Failed):
-            raise DistributedCheckpointError(op, value.failures) from local
+            raise DistributedCheckpointError(value.op or op, value.failures) from local
 
     def all_gather(self, op: str, fn: Callable[[], T]) -> list[T]:
         """Run ``fn`` on every rank; every rank gets every result, or every rank raises."""
@@ -266,10 +272,12 @@ class DistContext:
         return results
 
     def reduce_scatter(
-        self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], Sequence[R]]
+        self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], Sequence[R]],
+        *, reduce_op: str | None = None,
     ) -> R:
         """``local_fn`` on every rank, ``reduce_fn`` on the coordinator over all
-        results (in rank order), its i-th output back to rank i."""
+        results (in rank order), its i-th output back to rank i. A failure of
+        ``reduce_fn`` is reported as ``reduce_op`` (default ``op``)."""
         value, err = self._local(local_fn)
         if not self.enabled:
             return reduce_fn([value])[0]
@@ -278,13 +286,17 @@ class DistContext:
             out: list[Any] | None = None
             if self.is_coordinator:
                 assert gathered is not None
-                out = self._coordinator_reduce(gathered, reduce_fn)
+                out = self._coordinator_reduce(gathered, reduce_fn, reduce_op)
             result = self.scatter_object(out)
         self._raise_if_failed(op, result, err)
         return result
 
-    def all_reduce(self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R]) -> R:
-        """``local_fn`` everywhere, ``reduce_fn`` on the coordinator, its result to all."""
+    def all_reduce(
+        self, op: str, local_fn: Callable[[], T], reduce_fn: Callable[[list[T]], R],
+        *, reduce_op: str | None = None,
+    ) -> R:
+        """``local_fn`` everywhere, ``reduce_fn`` on the coordinator, its result
+        to all. A failure of ``reduce_fn`` is reported as ``reduce_op`` (default ``op``)."""
         value, err = self._local(local_fn)
         if not self.enabled:
             return reduce_fn([value])
@@ -293,7 +305,7 @@ class DistContext:
             out: Any = None
             if self.is_coordinator:
                 assert gathered is not None
-                out = self._coordinator_reduce(gathered, lambda vs: [reduce_fn(vs)])[0]
+                out = self._coordinator_reduce(gathered, lambda vs: [reduce_fn(vs)], reduce_op)[0]
             result = self.broadcast_object(out)
         self._raise_if_failed(op, result, err)
         return result
@@ -311,7 +323,9 @@ class DistContext:
         self._raise_if_failed(op, result, err)
         return result
 
-    def _coordinator_reduce(self, gathered: list[Any], reduce_fn: Callable[[list[Any]], Sequence[Any]]) -> list[Any]:
+    def _coordinator_reduce(
+        self, gathered: list[Any], reduce_fn: Callable[[list[Any]], Sequence[Any]], reduce_op: str | None
+    ) -> list[Any]:
         failures: dict[int, str] = {}
         for v in gathered:
             if isinstance(v, _Failed):
@@ -321,7 +335,7 @@ class DistContext:
         try:
             out = list(reduce_fn(gathered))
         except Exception as e:
-            return [_Failed({self.rank: _describe(e)})] * self.world_size
+            return [_Failed({self.rank: _describe(e)}, reduce_op)] * self.world_size
         return out
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import torch
 
 from .dtypes import dtype_from_name, host_memoryview, itemsize
-from .engine import LoadOptions, _execute_reads, _Target, read_chunks, read_metadata
 from .errors import ConfigError
 from .planner import plan_load
+from .reader import Target, execute_reads, read_chunks, read_metadata
 from .recorder import Trace
 from .regions import full_region
 from .storage_api import Storage
@@ -43,9 +43,9 @@ def _select(md: Any, prefix: str, strip: bool) -> list[tuple[str, str]]:
 def _read_full(storage: Storage, md: Any, chunks: list[Any], fqn: str) -> torch.Tensor:
     info = md.tensors[fqn]
     t = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
-    target = _Target(fqn, full_region(t.shape), t)
+    target = Target(fqn, full_region(t.shape), t)
     reqs = plan_load([(fqn, target.box)], chunks, itemsizes={fqn: itemsize(t.dtype)})
-    _execute_reads(storage, chunks, [target], reqs, LoadOptions(), Trace("export", storage.url))
+    execute_reads(storage, chunks, [target], reqs, io_threads=8, verify=True, trace=Trace("export", storage.url))
     return t
 
 

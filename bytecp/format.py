@@ -28,6 +28,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from .errors import CorruptCheckpointError, FormatVersionError
+from .skeleton import Node
 
 __all__ = [
     "FORMAT_NAME",
@@ -168,7 +169,7 @@ class Metadata:
     world_size: int
     framework: str
     parallelism: dict[str, Any]
-    skeleton: Any
+    skeleton: Node
     tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape"}
     objects: dict[str, ObjectRecord]
     per_rank: dict[str, dict[int, ObjectRecord]]
@@ -199,7 +200,7 @@ class Metadata:
             "per_rank": {
                 k: {str(r): rec.to_json() for r, rec in v.items()} for k, v in self.per_rank.items()
             },
-            "skeleton": self.skeleton,
+            "skeleton": self.skeleton.to_json(),
         }
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
@@ -223,7 +224,7 @@ class Metadata:
                 world_size=int(d["world_size"]),
                 framework=str(d["framework"]),
                 parallelism=dict(d.get("parallelism") or {}),
-                skeleton=d["skeleton"],
+                skeleton=Node.from_json(d["skeleton"], f"{where}/metadata.json"),
                 tensors=dict(d["tensors"]),
                 objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
                 per_rank={
@@ -251,21 +252,11 @@ class Metadata:
             if rec.file is not None:
                 check_path(rec.file, "data", where)
         tables: dict[str, dict[str, Any]] = {"tensor": self.tensors, "obj": self.objects, "rank": self.per_rank}
-        stack = [self.skeleton]
-        while stack:
-            node = stack.pop()
-            if not isinstance(node, dict) or len(node) != 1:
-                raise CorruptCheckpointError(f"{where}: malformed skeleton node {node!r:.80}")
-            ((kind, val),) = node.items()
-            if kind == "d":
-                stack.extend(child for _, child in val)
-            elif kind in ("l", "t"):
-                stack.extend(val)
-            elif kind in tables:
-                if val not in tables[kind]:
-                    raise CorruptCheckpointError(f"{where}: skeleton names {kind} {val!r}, which metadata.json lacks")
-            else:
-                raise CorruptCheckpointError(f"{where}: unknown skeleton node kind {kind!r}")
+        for leaf in self.skeleton.leaves():
+            if leaf.name not in tables[leaf.kind]:
+                raise CorruptCheckpointError(
+                    f"{where}: skeleton names {leaf.kind} {leaf.name!r}, which metadata.json lacks"
+                )
         return self
 
     def referenced_files(self) -> set[str]:

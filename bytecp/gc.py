@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .engine import read_metadata
+from .reader import read_metadata
 from .storage_api import Storage
 
 __all__ = ["GcResult", "collect_garbage"]

@@ -11,8 +11,9 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from .checksum import crc32c
 from .dtypes import dtype_from_name, itemsize
-from .engine import crc32c, read_chunks, read_metadata
+from .reader import read_chunks, read_metadata
 from .regions import Region
 from .storage_api import Storage
 

@@ -1,6 +1,6 @@
 """Save and load planning: pure functions over regions, no I/O, no torch.distributed.
 
-Save (called by the engine: every rank builds its :class:`LocalSavePlan`, the
+Save (called by the save pipeline: every rank builds its :class:`LocalSavePlan`, the
 coordinator runs :func:`plan_save` over all of them and scatters back):
 
 - regions held by several ranks (replicas: DDP, HSDP, Megatron's DP) are

@@ -254,6 +254,21 @@ class Trace:
         with self._lock:
             self.stall_seconds += seconds
 
+    @contextlib.contextmanager
+    def failing(self, blocked_since: float | None = None) -> Iterator[None]:
+        """Finish the trace as failed if the block raises, then re-raise.
+
+        ``blocked_since`` (a ``perf_counter`` value): the caller was blocked
+        from then on, so the time until the failure counts as stall.
+        """
+        try:
+            yield
+        except BaseException as e:
+            if blocked_since is not None:
+                self.add_stall(time.perf_counter() - blocked_since)
+            self.finish(ok=False, error=e)
+            raise
+
     def finish(self, ok: bool = True, error: BaseException | str | None = None) -> CheckpointReport:
         """End the trace once; hand the report to every recorder."""
         with _lock:

@@ -1,7 +1,7 @@
 """Boxes in a tensor's global index space (pure functions, no torch).
 
 A :class:`Region` is an n-d box (``offsets``, ``lengths``). Everything the
-planner, the format and the engine handle is a box. Irregular shards — a flat
+planner, the format and the pipelines handle is a box. Irregular shards — a flat
 ``[start, end)`` range of a row-major tensor, as FSDP1 flat parameters, ZeRO
 and Megatron's distributed optimizer produce — are decomposed by
 :func:`flat_range_to_boxes` into at most ``2*ndim-1`` boxes, each contiguous

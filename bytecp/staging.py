@@ -1,27 +1,33 @@
-"""Host staging buffers reused across saves.
+"""Staging: how the boxes a rank writes become bytes that the writer can
+take while training goes on.
 
-Called by :func:`bytecp.async_save` on the caller's thread (or, in lazy mode,
-on the save's background thread): the boxes this rank writes are copied into
-one arena that lives as long as the process, because on typical hosts a copy
-into freshly allocated memory runs several times slower than into a reused
-buffer (first-touch page faults). CUDA tensors are staged into pinned memory
-with non-blocking copies on a side stream; ``stage`` waits for those copies
-before it returns.
+The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
+
+- :class:`ViewStager` (``bytecp.save``): no copy; views of the live tensors
+  (a non-contiguous or device tensor is copied to a contiguous host tensor);
+- :class:`ArenaStager` (``bytecp.async_save``, eager on the caller's thread,
+  lazy on the save's background thread): the boxes are copied into one host
+  arena that lives as long as the process, because on typical hosts a copy
+  into freshly allocated memory runs several times slower than into a reused
+  buffer (first-touch page faults). CUDA tensors are staged into pinned
+  memory with non-blocking copies on a side stream, waited for before the
+  stage returns. A memory budget splits the boxes into batches.
 """
 
 from __future__ import annotations
 
 import threading
 from collections.abc import Sequence
+from typing import Protocol
 
 import torch
 
 from .dtypes import dtype_from_name, host_memoryview
-from .engine import _source_view, _Staged
 from .planner import WriteItem
 from .state import FlatTree
+from .writer import Staged, as_host_bytes, source_view
 
-__all__ = ["StagingPool", "POOL", "batches_within"]
+__all__ = ["Stager", "ViewStager", "ArenaStager", "StagingPool", "POOL", "batches_within"]
 
 _ALIGN = 64
 
@@ -53,10 +59,10 @@ class StagingPool:
         with self._lock:
             self._arena = None
 
-    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[_Staged]:
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
         """Copy the boxes ``items`` name into the arena; views of it come back."""
         total = sum(_aligned(it.nbytes) for it in items)
-        srcs = [_source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
+        srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
         devices = {s.device for s in srcs if s.device.type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"staging tensors of several CUDA devices at once: {sorted(map(str, devices))}")
@@ -65,7 +71,7 @@ class StagingPool:
         # a side stream on the tensors' own device (a background thread's
         # current device is 0 whatever the rank's is)
         stream = torch.cuda.Stream(device=device) if device is not None else None
-        out: list[_Staged] = []
+        out: list[Staged] = []
         pos = 0
         ctx = torch.cuda.stream(stream) if stream is not None else None
         if ctx is not None:
@@ -78,7 +84,7 @@ class StagingPool:
                 if n:
                     dst = raw.view(dtype_from_name(it.dtype)).view(it.region.lengths)
                     dst.copy_(src, non_blocking=src.device.type == "cuda")
-                out.append(_Staged(it, host_memoryview(raw[:n])))
+                out.append(Staged(it, host_memoryview(raw[:n])))
                 pos += _aligned(n)
         finally:
             if ctx is not None:
@@ -106,3 +112,47 @@ def batches_within(items: Sequence[WriteItem], budget: int | None) -> list[list[
         out[-1].append(it)
         used += n
     return out
+
+
+class Stager(Protocol):
+    """How the stage phase turns this rank's planned boxes into bytes to write."""
+
+    #: whether the staged bytes are a copy (the live tensors may change after staging)
+    copies: bool
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        """The items in the batches that are staged and written in turn."""
+        ...
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        """Bytes for ``items`` (one batch)."""
+        ...
+
+
+class ViewStager:
+    """Synchronous saves: the writer reads the live tensors (no copy)."""
+
+    copies = False
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return [list(items)]
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        return [Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))) for it in items]
+
+
+class ArenaStager:
+    """Asynchronous saves: copies into the process's reused arena, in batches
+    of at most ``budget`` bytes (None: one batch)."""
+
+    copies = True
+
+    def __init__(self, budget: int | None = None, pool: StagingPool = POOL) -> None:
+        self.budget = budget
+        self.pool = pool
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return batches_within(items, self.budget)
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        return self.pool.stage(flat, items)

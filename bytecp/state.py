@@ -22,10 +22,7 @@ Every leaf has an FQN: the keys on its path joined by ``.``
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import json
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,6 +30,7 @@ import torch
 from .dtypes import dtype_name
 from .errors import ConfigError
 from .regions import Region, flat_range_to_boxes, full_region
+from .skeleton import MAX_DEPTH, Node
 
 __all__ = [
     "Shard",
@@ -43,10 +41,6 @@ __all__ = [
     "FlatTree",
     "flatten_tree",
     "is_json_leaf",
-    "iter_skeleton",
-    "merge_skeletons",
-    "skeleton_digest",
-    "build_from_skeleton",
 ]
 
 
@@ -142,9 +136,9 @@ def is_json_leaf(v: Any) -> bool:
 
 @dataclasses.dataclass
 class FlatTree:
-    """A tree flattened into its skeleton (JSON) and leaves by FQN."""
+    """A tree flattened into its skeleton and leaves by FQN."""
 
-    skeleton: Any
+    skeleton: Node
     tensors: dict[str, TensorLeaf]
     objects: dict[str, Any]  # fqn -> value stored as one object (JSON or blob)
     per_rank: dict[str, Any]  # fqn -> this rank's value
@@ -156,14 +150,12 @@ def _key_ok(k: Any) -> bool:
 
 
 def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
-    """Walk a state tree into skeleton + leaves.
-
-    Skeleton nodes: ``{"d": [[key, node], ...]}`` (dict, keys kept with their
-    JSON type), ``{"l": [...]}`` (list), ``{"t": [...]}`` (tuple), and leaves
-    ``{"tensor": fqn}``, ``{"obj": fqn}``, ``{"rank": fqn}``. With
-    ``target=True`` (a load target) non-tensor leaves become slots.
+    """Walk a state tree into its :class:`~bytecp.skeleton.Node` skeleton and
+    leaves by FQN (dicts with JSON-able keys, lists and tuples are containers;
+    everything else is a leaf). With ``target=True`` (a load target)
+    non-tensor leaves become slots.
     """
-    out = FlatTree(None, {}, {}, {}, {})
+    out = FlatTree(Node.container("dict", ()), {}, {}, {}, {})
     seen: set[str] = set()
 
     def claim(fqn: str) -> str:
@@ -175,10 +167,12 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
         seen.add(fqn)
         return fqn
 
-    def walk(v: Any, fqn: str) -> Any:
+    def walk(v: Any, fqn: str, depth: int) -> Node:
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{fqn!r}: the state is nested deeper than {MAX_DEPTH} levels")
         if isinstance(v, TensorLeaf):
             out.tensors[claim(fqn)] = v
-            return {"tensor": fqn}
+            return Node.leaf("tensor", fqn)
         if isinstance(v, torch.Tensor):
             if type(v) not in (torch.Tensor, torch.nn.Parameter):
                 raise ConfigError(
@@ -188,84 +182,34 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
                 )
             dtype_name(v.dtype)  # fails early for unsupported dtypes
             out.tensors[claim(fqn)] = TensorLeaf.full(v.detach())
-            return {"tensor": fqn}
+            return Node.leaf("tensor", fqn)
         if isinstance(v, Slot):
             out.slots[claim(fqn)] = v
-            return {"rank" if v.per_rank else "obj": fqn}
+            return Node.leaf("rank" if v.per_rank else "obj", fqn)
         if isinstance(v, PerRank):
             if target:
                 out.slots[claim(fqn)] = Slot(per_rank=True)
             else:
                 out.per_rank[claim(fqn)] = v.value
-            return {"rank": fqn}
+            return Node.leaf("rank", fqn)
         if isinstance(v, Whole):
             if target:
                 out.slots[claim(fqn)] = Slot()
             else:
                 out.objects[claim(fqn)] = v.value
-            return {"obj": fqn}
+            return Node.leaf("obj", fqn)
         if type(v) is dict and all(_key_ok(k) for k in v):
-            return {"d": [[k, walk(x, f"{fqn}.{k}" if fqn else str(k))] for k, x in v.items()]}
+            return Node.container(
+                "dict", [(k, walk(x, f"{fqn}.{k}" if fqn else str(k), depth + 1)) for k, x in v.items()]
+            )
         if type(v) in (list, tuple):
-            node = [walk(x, f"{fqn}.{i}" if fqn else str(i)) for i, x in enumerate(v)]
-            return {"l": node} if type(v) is list else {"t": node}
+            items = [(i, walk(x, f"{fqn}.{i}" if fqn else str(i), depth + 1)) for i, x in enumerate(v)]
+            return Node.container("list" if type(v) is list else "tuple", items)
         if target:
             out.slots[claim(fqn)] = Slot()
         else:
             out.objects[claim(fqn)] = v
-        return {"obj": fqn}
+        return Node.leaf("obj", fqn)
 
-    out.skeleton = walk(tree, "")
+    out.skeleton = walk(tree, "", 0)
     return out
-
-
-def iter_skeleton(node: Any, prefix: str = "") -> Iterator[tuple[str, Any]]:
-    """Yield ``(fqn, node)`` for every node of a skeleton, parents first."""
-    yield prefix, node
-    if "d" in node:
-        for k, child in node["d"]:
-            yield from iter_skeleton(child, f"{prefix}.{k}" if prefix else str(k))
-    elif "l" in node or "t" in node:
-        for i, child in enumerate(node.get("l", node.get("t"))):
-            yield from iter_skeleton(child, f"{prefix}.{i}" if prefix else str(i))
-
-
-def merge_skeletons(a: Any, b: Any) -> Any:
-    """Union of two skeletons (ranks may differ: optimizer state that exists only
-    where a rank holds elements of the parameter). Keys of ``a`` keep their order."""
-    if "d" in a and "d" in b:
-        items = [[k, node] for k, node in a["d"]]
-        pos = {json.dumps(k): i for i, (k, _) in enumerate(items)}
-        for k, node in b["d"]:
-            i = pos.get(json.dumps(k))
-            if i is None:
-                pos[json.dumps(k)] = len(items)
-                items.append([k, node])
-            else:
-                items[i][1] = merge_skeletons(items[i][1], node)
-        return {"d": items}
-    for kind in ("l", "t"):
-        if kind in a and kind in b:
-            n = min(len(a[kind]), len(b[kind]))
-            merged = [merge_skeletons(x, y) for x, y in zip(a[kind][:n], b[kind][:n], strict=True)]
-            longer = a[kind] if len(a[kind]) >= len(b[kind]) else b[kind]
-            return {kind: merged + list(longer[n:])}
-    return a
-
-
-def skeleton_digest(skeleton: Any) -> str:
-    return hashlib.blake2b(json.dumps(skeleton, sort_keys=False).encode(), digest_size=16).hexdigest()
-
-
-def build_from_skeleton(node: Any, leaf: Any) -> Any:
-    """Rebuild a tree from a skeleton; ``leaf(kind, fqn)`` gives each leaf's value."""
-    if "d" in node:
-        return {k: build_from_skeleton(child, leaf) for k, child in node["d"]}
-    if "l" in node:
-        return [build_from_skeleton(c, leaf) for c in node["l"]]
-    if "t" in node:
-        return tuple(build_from_skeleton(c, leaf) for c in node["t"])
-    for kind in ("tensor", "obj", "rank"):
-        if kind in node:
-            return leaf(kind, node[kind])
-    raise ValueError(f"bad skeleton node {node!r}")

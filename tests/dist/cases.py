@@ -268,9 +268,9 @@ def mismatched_load(url: str) -> str:
 def plan_cache_stats(url: str) -> list[tuple[int, int]]:
     """(collectives, bytes sent) of the plan step for three saves of one model."""
     from bytecp import dist as bdist
-    from bytecp import engine
+    from bytecp import plan_exchange
 
-    engine.PLAN_CACHE.clear()
+    plan_exchange.PLAN_CACHE.clear()
     model, opt = build("ddp", seed=0)
     train(model, opt, 0, 1)
     out = []
@@ -362,12 +362,12 @@ def bad_state_on_one_rank(url: str) -> tuple[str, float]:
 
 def cache_on_one_rank_only(url: str) -> list[float]:
     """Rank 0 forgets its cached plans between two saves; both still agree."""
-    from bytecp import engine
+    from bytecp import plan_exchange
 
     model, opt = build("fsdp2", seed=0)
     bytecp.save(f"{url}-a", {"model": model, "optimizer": opt})
     if dist.get_rank() == 0:
-        engine.PLAN_CACHE.clear()
+        plan_exchange.PLAN_CACHE.clear()
     bytecp.save(f"{url}-b", {"model": model, "optimizer": opt})
     return [float(v.to_local().sum()) for v in model.state_dict().values()][:1]
 

@@ -103,7 +103,7 @@ def test_metadata_records_framework_and_world(saved) -> None:
 def test_ddp_replicas_are_written_once_by_every_rank(saved) -> None:
     """DDP: all 4 ranks write (their share of the replicated state), and every
     tensor byte is stored exactly once (balance itself: tests/core/test_planner.py)."""
-    from bytecp.engine import read_chunks, read_metadata
+    from bytecp.reader import read_chunks, read_metadata
     from bytecp.storage_api import open_storage
 
     url, _ = saved[("ddp", 4)]
@@ -148,6 +148,7 @@ def test_plan_cache_second_save_exchanges_only_fingerprints(pools, tmp_path: Pat
         (c1, b1), (c2, b2), (c3, b3) = calls_bytes
         assert c2 < c1 and b2 < b1 / 2  # no plan gather/scatter the second time
         assert (c2, b2) == (c3, b3)
+        assert c2 <= 4  # a cached save: plan all-gather, commit gather + broadcast
 
 
 @pytest.mark.parametrize("fw,lazy", [("ddp", False), ("fsdp2", True), ("fsdp1", False)])

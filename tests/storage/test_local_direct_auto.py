@@ -29,8 +29,9 @@ def test_default_is_auto_and_large_saves_round_trip(tmp_path: Path) -> None:
 
 
 def test_backends_say_whether_reads_cross_a_network(tmp_path: Path) -> None:
-    """The engine turns zero-redundancy loading on by default for remote backends only."""
+    """The load pipeline turns zero-redundancy loading on by default for remote backends only."""
     from bytecp.storage.s3 import S3Storage
+
     from bytecp.storage_api import open_storage
 
     assert open_storage(str(tmp_path)).remote is False

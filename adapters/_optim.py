@@ -1,0 +1,162 @@
+"""Optimizer state keyed by parameter FQN, shared by every adapter.
+
+``optim.state.<param fqn>.<key>`` in the checkpoint, whatever framework
+saved it, so optimizer state reshards like the parameters and loads under
+any other framework. Each adapter answers one question through
+:class:`ParamState`: *where does this parameter's state live* -- under which
+FQN(s), as which leaf (a full tensor, a DTensor's box, a flat shard cut into
+the original parameters' ranges), and how to allocate a local state tensor
+when the optimizer has none yet. Everything else -- walking
+``optimizer.state_dict()``, param groups named by FQN, filling the
+optimizer's existing state tensors in place on load -- is written once here.
+
+Called by the adapters' ``save_tree`` (:func:`optimizer_tree`) and
+``load_tree`` (:func:`optimizer_target`), on every rank.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bytecp.dtypes import dtype_from_name
+from bytecp.errors import StateMismatchError
+from bytecp.format import Metadata
+from bytecp.skeleton import Node
+from bytecp.state import Slot, Whole
+
+__all__ = ["ParamState", "optimizer_tree", "optimizer_target", "param_groups_for_load"]
+
+Finalize = Callable[[dict[str, Any]], None]
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamState:
+    """Where the optimizer state of one parameter lives in the checkpoint.
+
+    A parameter may map to several entries (an FSDP1 flat parameter holds
+    pieces of several original parameters); their state tensors are views
+    of the same local tensor.
+    """
+
+    #: the FQN the checkpoint stores this state under
+    fqn: str
+    #: the global shape of that parameter: state tensors saved with this
+    #: shape are sharded like it (and filled in place on load)
+    shape: tuple[int, ...]
+    #: a local state tensor of the parameter -> the leaf saved for this entry
+    leaf: Callable[[torch.Tensor], Any]
+    #: a fresh local state tensor for the parameter (when the optimizer has
+    #: none of the right shape and dtype)
+    new: Callable[[torch.dtype], torch.Tensor]
+    #: whether an existing local state tensor can be filled in place
+    fits: Callable[[torch.Tensor, torch.dtype], bool]
+
+
+Places = Callable[[int, torch.Tensor], list[ParamState]]
+
+
+def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    return [p for g in opt.param_groups for p in g["params"]]
+
+
+def optimizer_tree(opt: torch.optim.Optimizer, places: Places) -> dict[str, Any]:
+    """(every rank, save) ``{"state": {fqn: {key: leaf}}, "param_groups": [...]}``
+    with parameters named by FQN; ``places(i, param)`` says where parameter
+    ``i`` of the optimizer's state dict lives."""
+    osd = opt.state_dict()
+    params = _params(opt)
+    state: dict[str, Any] = {}
+    for i, st in osd["state"].items():
+        for place in places(i, params[i]):
+            state[place.fqn] = {k: place.leaf(v) if isinstance(v, torch.Tensor) else v for k, v in st.items()}
+    groups = []
+    for g in osd["param_groups"]:
+        g2 = {k: v for k, v in g.items() if k != "params"}
+        g2["params"] = [place.fqn for i in g["params"] for place in places(i, params[i])]
+        groups.append(g2)
+    return {"state": state, "param_groups": Whole(groups)}
+
+
+def optimizer_target(
+    opt: torch.optim.Optimizer, key: str, md: Metadata, nodes: dict[str, Node], places: Places
+) -> tuple[dict[str, Any], Finalize]:
+    """(every rank, load) The target tree for optimizer ``key`` and the
+    finalizer that calls ``opt.load_state_dict``. State tensors shaped like
+    their parameter are read straight into the optimizer's existing state
+    (in place, no new memory) or into fresh ones; other entries (``step``,
+    hyperparameters) are rebuilt from the checkpoint."""
+    params = _params(opt)
+    per_param = [places(i, p) for i, p in enumerate(params)]
+    target: dict[str, Any] = {}
+    local: dict[int, dict[str, torch.Tensor]] = {}  # param index -> key -> local state tensor
+    rebuilt: dict[int, dict[str, str]] = {}  # param index -> key -> fqn of the rebuilt value
+    for i, p in enumerate(params):
+        for place in per_param[i]:
+            node = nodes.get(f"{key}.state.{place.fqn}")
+            if node is None or node.kind != "dict":
+                continue
+            entries: dict[str, Any] = {}
+            for k, child in node.items:
+                info = md.tensors.get(child.name) if child.kind == "tensor" else None
+                if info is not None and tuple(info["shape"]) == place.shape and place.shape:
+                    t = local.setdefault(i, {}).get(k)
+                    if t is None:
+                        dtype = dtype_from_name(info["dtype"])
+                        existing = opt.state.get(p, {}).get(k)
+                        t = existing if isinstance(existing, torch.Tensor) and place.fits(existing, dtype) else place.new(dtype)
+                        local[i][k] = t
+                    entries[k] = place.leaf(t)
+                else:
+                    entries[k] = Slot()
+                    rebuilt.setdefault(i, {}).setdefault(k, f"{key}.state.{place.fqn}.{k}")
+            target[place.fqn] = entries
+
+    def finalize(values: dict[str, Any]) -> None:
+        saved_groups = values.get(f"{key}.param_groups")
+        if saved_groups is None:
+            return
+        current, pos = [], 0
+        for g in opt.param_groups:
+            current.append([place.fqn for j in range(pos, pos + len(g["params"])) for place in per_param[j]])
+            pos += len(g["params"])
+        groups = param_groups_for_load(key, saved_groups, opt, current)
+        osd_state: dict[int, dict[str, Any]] = {}
+        for i in set(local) | set(rebuilt):
+            st: dict[str, Any] = dict(local.get(i, {}))
+            for k, fqn in rebuilt.get(i, {}).items():
+                st[k] = values[fqn]
+            osd_state[i] = st
+        opt.load_state_dict({"state": osd_state, "param_groups": groups})
+
+    return {"state": target, "param_groups": Slot()}, finalize
+
+
+def param_groups_for_load(
+    key: str, saved_groups: list[dict[str, Any]], opt: torch.optim.Optimizer, current: list[list[str]]
+) -> list[dict[str, Any]]:
+    """Saved param groups (parameters named by FQN) as ``opt.load_state_dict``
+    wants them: hyperparameters from the checkpoint, parameters by position.
+    ``current[j]`` are the FQNs group ``j`` of ``opt`` holds now."""
+    if len(saved_groups) != len(opt.param_groups):
+        raise StateMismatchError(
+            f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
+            f"the optimizer {len(opt.param_groups)}"
+        )
+    groups = []
+    pos = 0
+    for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
+        if sorted(sg["params"]) != sorted(current[j]):
+            raise StateMismatchError(
+                f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
+                f"{sorted(set(sg['params']) - set(current[j]))[:5]} the optimizer lacks and lacks "
+                f"{sorted(set(current[j]) - set(sg['params']))[:5]}"
+            )
+        g = {k: v for k, v in sg.items() if k != "params"}
+        g["params"] = list(range(pos, pos + len(cg["params"])))
+        groups.append(g)
+        pos += len(cg["params"])
+    return groups

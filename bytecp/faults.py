@@ -1,0 +1,42 @@
+"""Fault injection for tests: make one rank fail, stall or die in one phase.
+
+The pipelines call :func:`inject` at the start of each phase (all ranks).
+It does nothing unless one of these environment variables names the phase
+and this rank (comma-separated lists allowed):
+
+- ``BYTECP_FAULT_DELAY=phase:rank:seconds`` sleeps there;
+- ``BYTECP_FAULT_ERROR=phase:rank`` raises ``RuntimeError`` there;
+- ``BYTECP_FAULT_EXIT=phase:rank`` ends the process there (a rank dying mid-save).
+
+Phases: ``plan``, ``stage``, ``write``, ``commit``, ``committed`` (just
+after metadata.json is written), ``read`` (load: before matching).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+__all__ = ["inject"]
+
+
+def _matches(var: str, phase: str, rank: int) -> list[list[str]]:
+    spec = os.environ.get(var)
+    if not spec:
+        return []
+    out = []
+    for item in spec.split(","):
+        parts = item.split(":")
+        if parts[0] == phase and int(parts[1]) == rank:
+            out.append(parts)
+    return out
+
+
+def inject(phase: str, rank: int) -> None:
+    """(all ranks) Apply the faults the environment asks for in ``phase`` on ``rank``."""
+    if _matches("BYTECP_FAULT_EXIT", phase, rank):
+        os._exit(17)
+    for parts in _matches("BYTECP_FAULT_DELAY", phase, rank):
+        time.sleep(float(parts[2]))
+    if _matches("BYTECP_FAULT_ERROR", phase, rank):
+        raise RuntimeError(f"injected failure in phase {phase!r} on rank {rank}")

@@ -1,0 +1,181 @@
+"""Saves in flight: the handle ``async_save`` returns, the one-save-in-flight
+rule, the background thread and the checkpoint process group.
+
+Used by :mod:`bytecp.api` (``async_save`` starts a handle's background
+thread; every save first waits for the previous one) and by the save
+pipeline's describe phase (:func:`wait_for_previous`). A background failure
+is never lost: ``handle.wait()``/``result()`` raise it, the next save raises
+it once, and it is logged.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from . import format as fmt
+from .errors import BytecpError
+from .recorder import Trace
+
+__all__ = ["SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "optimizers_in"]
+
+log = logging.getLogger("bytecp")
+
+
+class SaveHandle:
+    """The state of one asynchronous save on this rank."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self._staged = threading.Event()
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._metadata: fmt.Metadata | None = None
+        self._error_seen = False
+        self.thread: threading.Thread | None = None
+        #: lazy mode's optimizer pre-step hooks; no-ops once staged, removed
+        #: from the caller's thread (wait(), the next save), never from inside
+        #: optimizer.step(), which is iterating them
+        self._hooks: list[Any] = []
+
+    def done(self) -> bool:
+        """Whether the save has committed or failed."""
+        return self._done.is_set()
+
+    def staged(self) -> bool:
+        """Whether this rank's data has been copied (the state may change now)."""
+        return self._staged.is_set()
+
+    def wait(self, timeout: float | None = None) -> fmt.Metadata:
+        """Block until committed; raise the save's error (from any rank)."""
+        if not self._done.wait(timeout):
+            raise TimeoutError(f"async save to {self.url} not finished after {timeout} s")
+        self._remove_hooks()
+        return self.result()
+
+    def result(self) -> fmt.Metadata:
+        if not self._done.is_set():
+            raise BytecpError(f"async save to {self.url} is still running; call wait()")
+        if self._error is not None:
+            self._error_seen = True
+            raise self._error
+        assert self._metadata is not None
+        return self._metadata
+
+    # -- used by the API and the pipeline ------------------------------------
+    def mark_staged(self) -> None:
+        self._staged.set()
+
+    def block_optimizers_until_staged(self, optimizers: list[torch.optim.Optimizer], trace: Trace) -> None:
+        """Lazy mode: each optimizer's ``step()`` waits until this rank is staged."""
+
+        def wait_staged(*_: Any) -> None:
+            if not self._staged.is_set():
+                t = time.perf_counter()
+                self._staged.wait()
+                waited = time.perf_counter() - t
+                trace.add_stall(waited)
+                trace.add_span("lazy_wait", time.time() - waited, waited)
+
+        self._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
+
+    def start(self, run: Callable[[], fmt.Metadata]) -> None:
+        """Run ``run`` (the rest of the save) on a background thread; this
+        handle becomes the one in flight."""
+        global _inflight
+
+        def background() -> None:
+            try:
+                md = run()
+            except BaseException as e:
+                log.error("bytecp: async save to %s failed: %s", self.url, e)
+                self._finish(None, e)
+                return
+            self._finish(md, None)
+
+        with _inflight_lock:
+            _inflight = self
+        self.thread = threading.Thread(target=background, name="bytecp-async-save", daemon=True)
+        self.thread.start()
+
+    def _remove_hooks(self) -> None:
+        if self._staged.is_set():
+            for h in self._hooks:
+                h.remove()
+            self._hooks.clear()
+
+    def _finish(self, md: fmt.Metadata | None, error: BaseException | None) -> None:
+        self._metadata, self._error = md, error
+        self._staged.set()
+        self._done.set()
+
+
+_inflight: SaveHandle | None = None
+_inflight_lock = threading.Lock()
+_groups: dict[Any, Any] = {}
+
+
+def wait_for_pending_save(timeout: float | None = None) -> None:
+    """Block until this process's in-flight async save (if any) has ended."""
+    h = _inflight
+    if h is not None:
+        h._done.wait(timeout)
+
+
+def wait_for_previous(trace: Trace) -> None:
+    """(every rank, first thing of every save) Wait for the previous save;
+    raise its error once if nobody saw it."""
+    global _inflight
+    with _inflight_lock:
+        prev = _inflight
+    if prev is None:
+        return
+    with trace.span("wait_previous"):
+        prev._done.wait()
+    prev._remove_hooks()
+    with _inflight_lock:
+        if _inflight is prev:
+            _inflight = None
+    if prev._error is not None and not prev._error_seen:
+        prev._error_seen = True
+        raise BytecpError(f"the previous async save to {prev.url} failed: {prev._error}") from prev._error
+
+
+def checkpoint_group(process_group: Any) -> Any:
+    """(every rank, collectively the first time) A gloo group over the same
+    ranks, created once, for the collectives of background saves: they never
+    interleave with training's collectives. None without torch.distributed."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    key = id(process_group)
+    if key not in _groups:
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        _groups[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return _groups[key]
+
+
+def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
+    """Every optimizer in a state (nested dicts, lists and tuples)."""
+    if isinstance(state, torch.optim.Optimizer):
+        return [state]
+    if isinstance(state, dict):
+        return [o for v in state.values() for o in optimizers_in(v)]
+    if isinstance(state, (list, tuple)):
+        return [o for v in state for o in optimizers_in(v)]
+    return []
+
+
+@atexit.register
+def _drain() -> None:
+    """Let an in-flight save finish before the interpreter tears threads down."""
+    h = _inflight
+    if h is not None and not h.done():
+        log.warning("bytecp: waiting for the async save to %s before exit", h.url)
+        h._done.wait()

@@ -1,0 +1,110 @@
+"""How a save or a load runs: the keyword arguments of the public functions.
+
+``bytecp.save``/``async_save``/``load``/``load_state_dict`` build one of
+these once from their keyword arguments (so every argument is validated and
+documented here, in one place) and hand it to the pipelines; nothing below
+the API takes loose keyword arguments.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from .errors import ConfigError
+from .planner import DEFAULT_SPLIT_BYTES
+
+__all__ = ["SaveOptions", "LoadOptions"]
+
+
+def _positive(name: str, value: int | None) -> None:
+    if value is not None and (type(value) is not int or value < 1):
+        raise ConfigError(f"{name} must be a positive integer, got {value!r}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Common:
+    #: framework adapter by name (``"fsdp2"``, ``"ddp"``, ``"plain"``, ...);
+    #: None detects it from the objects in ``state``
+    framework: str | None = None
+    #: process group of the ranks taking part (None: the default group)
+    process_group: Any = None
+    #: group rank that plans, reads the metadata and commits
+    coordinator_rank: int = 0
+    #: backend options (``endpoint_url=``, credentials, ``direct=``, ...)
+    storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: where reports go: a collector address (``host:port``), a Recorder, or
+    #: None for the ``BYTECP_MONITOR`` environment variable (unset: nowhere)
+    monitor: Any = None
+    #: unpickle blobs saved as arbitrary pickles (on save: allow storing them);
+    #: runs code from the checkpoint, so only for checkpoints you trust
+    allow_pickle: bool = False
+
+    def __post_init__(self) -> None:
+        if type(self.coordinator_rank) is not int or self.coordinator_rank < 0:
+            raise ConfigError(f"coordinator_rank must be a rank (int >= 0), got {self.coordinator_rank!r}")
+        if not isinstance(self.storage_options, dict):
+            raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SaveOptions(_Common):
+    """Keyword arguments of ``bytecp.save`` and ``bytecp.async_save``."""
+
+    #: the training step, recorded in the metadata (and used by retention)
+    step: int | None = None
+    #: JSON-able user metadata stored in ``metadata.json`` (no NaN/inf)
+    metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: replace a committed checkpoint at the same URL (the old one stays
+    #: loadable until the new one commits); without it a save to a URL that
+    #: holds a committed checkpoint raises CheckpointExistsError
+    overwrite: bool = False
+    #: writer threads (and data files) per rank
+    io_threads: int = 4
+    #: replicated boxes at least this large are split across their replicas
+    split_bytes: int = DEFAULT_SPLIT_BYTES
+    #: write per-rank monitoring reports beside the checkpoint
+    write_reports: bool = True
+    #: async only: return at once; each optimizer in the state blocks in a
+    #: pre-step hook until this rank's data is staged
+    lazy: bool = False
+    #: async only: bound on the staging memory; larger states are staged and
+    #: written in batches (the call returns once the last batch is staged)
+    memory_budget_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("io_threads", self.io_threads)
+        _positive("split_bytes", self.split_bytes)
+        _positive("memory_budget_bytes", self.memory_budget_bytes)
+        if self.step is not None and type(self.step) is not int:
+            raise ConfigError(f"step must be an int or None, got {self.step!r}")
+        if self.lazy and self.memory_budget_bytes is not None:
+            raise ConfigError("lazy=True stages in the background and takes no memory_budget_bytes")
+        try:
+            json.dumps(self.metadata, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise ConfigError(f"metadata must be JSON-serializable without NaN/inf: {e}") from None
+        if not isinstance(self.metadata, dict):
+            raise ConfigError(f"metadata must be a dict, got {type(self.metadata).__name__}")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoadOptions(_Common):
+    """Keyword arguments of ``bytecp.load`` and ``bytecp.load_state_dict``."""
+
+    #: missing or unexpected keys are an error (else reported in the result)
+    strict: bool = True
+    #: check the crc32c of every chunk that is read whole
+    verify: bool = True
+    #: reader threads per rank
+    io_threads: int = 8
+    #: boxes every rank needs (replicated targets: DDP, plain tensors) are
+    #: read once, in pieces spread over the ranks, and exchanged over the
+    #: process group; None: on for remote storage, off for local disk
+    zero_redundancy: bool | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _positive("io_threads", self.io_threads)

@@ -1,0 +1,333 @@
+"""The save sequence, written once: describe -> plan -> stage -> write -> commit.
+
+Built by :mod:`bytecp.api` on every rank for every save:
+
+- ``bytecp.save`` runs :meth:`SavePipeline.run` on the caller's thread
+  (stager: views of the live tensors, no copy);
+- ``bytecp.async_save`` runs describe, plan and stage on the caller's
+  thread (stager: the reused arena) and write + commit on the background
+  thread, on a process group of its own;
+- ``bytecp.async_save(lazy=True)`` runs describe on the caller's thread and
+  everything else on the background thread; optimizers wait in a pre-step
+  hook until the stage phase is done.
+
+Collectives (every rank, in this order): the plan phase's all-gather (plus a
+gather and a scatter when the plan is not cached), and the commit's gather
+and broadcast: 3 on a cached save, 5 on the first. The local phases
+(describe, stage, write) never raise on their own in a distributed job: a
+failure is kept and travels with the next collective, so every rank learns
+of it (:class:`~bytecp.errors.DistributedCheckpointError` names each failed
+rank and its phase) and nobody waits. If the save fails anywhere before
+``metadata.json`` is written, the coordinator removes its files.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from . import faults
+from . import format as fmt
+from .adapter_api import detect_adapter
+from .dist import DistContext
+from .dtypes import dtype_name
+from .errors import CheckpointExistsError
+from .handles import wait_for_previous
+from .options import SaveOptions
+from .plan_exchange import PLAN_CACHE, PlanVote, local_plan, reusable
+from .planner import WriteItem, plan_fingerprint, plan_save
+from .recorder import Trace
+from .skeleton import Node
+from .staging import Stager
+from .state import FlatTree, flatten_tree
+from .storage_api import Storage
+from .writer import RankOutput, Staged, write_data_files, write_index
+
+__all__ = ["SavePipeline"]
+
+log = logging.getLogger("bytecp")
+
+
+class SavePipeline:
+    """One save on one rank. Call the phases in order on every rank (or :meth:`run`)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        state: dict[str, Any],
+        opts: SaveOptions,
+        ctx: DistContext,
+        trace: Trace,
+        stager: Stager,
+        *,
+        version: str = "",
+    ) -> None:
+        self.storage, self.state, self.opts, self.ctx = storage, state, opts, ctx
+        self.trace, self.stager, self.version = trace, stager, version
+        self.flat = FlatTree(Node.container("dict", ()), {}, {}, {}, {})
+        self.framework = ""
+        self.parallelism: dict[str, Any] = {}
+        #: decided by the coordinator in the plan phase
+        self.save_id = ""
+        #: the boxes this rank writes, in the batches the stager stages in turn
+        self.batches: list[list[WriteItem]] = []
+        self.output = RankOutput()
+        self._skeleton_differs = False
+        self._staged: list[Staged] = []
+        self._replaced: fmt.Metadata | None = None  # coordinator: what an overwrite replaces
+        self._kept: BaseException | None = None
+
+    # -- the phases -----------------------------------------------------------
+    def run(self) -> fmt.Metadata:
+        """(every rank) The whole save on the caller's thread."""
+        self.describe()
+        self.plan()
+        self.stage()
+        self.write()
+        return self.commit()
+
+    def describe(self) -> None:
+        """(every rank, local) Wait for the previous save, pick the framework
+        adapter and flatten the state into views of the live tensors (no
+        copy); a stager that copies also snapshots the non-tensor values now."""
+
+        def describe() -> None:
+            wait_for_previous(self.trace)
+            adapter = detect_adapter(self.state, self.opts.framework)
+            with self.trace.span("plan"):
+                flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
+                self.parallelism = adapter.parallelism(self.state, self.ctx)
+            if self.stager.copies:  # objects are small: copy them now, tensors are staged later
+                flat = FlatTree(flat.skeleton, flat.tensors, copy.deepcopy(flat.objects),
+                                copy.deepcopy(flat.per_rank), {})
+            self.flat, self.framework = flat, adapter.name
+
+        self._keep_failure("save/describe", describe)
+
+    def plan(self) -> None:
+        """(every rank; one all-gather, plus a gather and a scatter when the
+        plan is not cached) Every rank sends its plan's fingerprint; the
+        coordinator checks the target URL and names the save. Reuses the
+        cached plan when every rank agrees, else the coordinator plans."""
+        ctx, rank = self.ctx, self.ctx.rank
+        key = (ctx.world_size, rank, self.opts.split_bytes, id(ctx.group))
+        mine: dict[str, Any] = {}
+
+        def vote() -> PlanVote:
+            self._raise_kept()
+            faults.inject("plan", rank)
+            plan = mine["plan"] = local_plan(self.flat, rank)
+            fp = mine["fp"] = plan_fingerprint(plan)
+            cached = mine["cached"] = PLAN_CACHE.get(key, fp)
+            save_id = None
+            if ctx.is_coordinator:
+                self._replaced = self._check_target()
+                save_id = fmt.new_save_id()
+            return PlanVote(fp, cached[0] if cached else None, self.flat.skeleton.digest(), save_id)
+
+        with self.trace.span("plan"):
+            votes = ctx.all_gather("save/plan", vote)
+            coordinator = votes[ctx.coordinator]
+            assert coordinator.save_id is not None
+            self.save_id = self.trace.checkpoint_id = coordinator.save_id
+            self._skeleton_differs = votes[rank].skeleton != coordinator.skeleton
+            digest, reuse = reusable(votes)
+            if reuse:
+                items = mine["cached"][1]
+            else:
+                split = self.opts.split_bytes
+                items = ctx.reduce_scatter("save/plan", lambda: mine["plan"],
+                                           lambda plans: plan_save(plans, split_bytes=split))
+                PLAN_CACHE.put(key, mine["fp"], digest, items)
+            self.batches = self.stager.batches(items)
+
+    def stage(self) -> None:
+        """(every rank, local) The stager makes this rank's boxes writable
+        (views, or copies into the reused arena). With a memory budget, every
+        batch but the last is staged and written now, reusing the arena."""
+
+        def stage() -> None:
+            faults.inject("stage", self.ctx.rank)
+            for batch in self.batches[:-1]:
+                self._stage_batch(batch)
+                self._write_batch()
+            self._stage_batch(self.batches[-1] if self.batches else [])
+
+        self._keep_failure("save/stage", stage)
+
+    def write(self) -> None:
+        """(every rank, local) Write the staged boxes into this rank's data
+        files (the non-tensor values go with the first), then its index."""
+
+        def write() -> None:
+            self._write_batch()
+            write_index(self.storage, self.save_id, self.ctx.rank, self.output)
+
+        self._keep_failure("save/write", write)
+
+    def commit(self) -> fmt.Metadata:
+        """(every rank; a gather, then a broadcast) Every rank's output -- or
+        its kept failure -- goes to the coordinator, which writes
+        ``metadata.json`` only if every rank succeeded; the outcome comes back
+        to every rank. After an overwrite the coordinator removes the files of
+        the replaced checkpoint; after a failure, those of this save."""
+        ctx = self.ctx
+        committed: list[bool] = []
+
+        def output() -> RankOutput:
+            self._raise_kept()
+            if self._skeleton_differs:
+                self.output.skeleton = self.flat.skeleton.to_json()
+                self.output.tensors = _tensor_specs(self.flat)
+            return self.output
+
+        def commit(outputs: list[RankOutput]) -> fmt.Metadata:
+            with self.trace.span("commit") as sp:
+                faults.inject("commit", ctx.rank)
+                md = self._metadata(outputs)
+                data = md.to_bytes()
+                self.storage.commit(fmt.METADATA_FILE, data)
+                committed.append(True)  # from here on the files belong to a checkpoint
+                sp.nbytes, sp.files = len(data), 1
+            faults.inject("committed", ctx.rank)
+            return md
+
+        try:
+            md = ctx.all_reduce("save/write", output, commit, reduce_op="save/commit")
+        except BaseException:
+            if ctx.is_coordinator and not committed and self.save_id:
+                self._remove_files_of(self.save_id)
+            raise
+        if ctx.is_coordinator and self._replaced is not None:
+            self._remove_replaced(md)
+        return md
+
+    def report(self) -> None:
+        """(every rank, after a successful commit) Finish the trace and store
+        this rank's report beside the checkpoint (informational)."""
+        report = self.trace.finish(ok=True)
+        if not self.opts.write_reports:
+            return
+        try:
+            self.storage.write_file(fmt.report_file(report.rank), [json.dumps(report.to_json()).encode()])
+        except Exception as e:
+            log.warning("bytecp: could not store the monitoring report at %s: %s", self.storage.url, e)
+
+    # -- helpers ----------------------------------------------------------------
+    def _keep_failure(self, phase: str, fn: Callable[[], None]) -> None:
+        """Run a local phase unless an earlier one failed; in a distributed job
+        keep its failure for the next collective, else raise it at once."""
+        if self._kept is not None:
+            return
+        try:
+            fn()
+        except Exception as e:
+            if not self.ctx.enabled:
+                raise
+            e.bytecp_phase = phase  # type: ignore[attr-defined]  # named in the error every rank sees
+            self._kept = e
+
+    def _raise_kept(self) -> None:
+        if self._kept is not None:
+            raise self._kept
+
+    def _check_target(self) -> fmt.Metadata | None:
+        """(coordinator) Refuse a committed checkpoint unless overwriting; the one replaced."""
+        if not self.storage.exists(fmt.METADATA_FILE):
+            return None
+        if not self.opts.overwrite:
+            raise CheckpointExistsError(
+                f"{self.storage.url} already holds a committed checkpoint; pass overwrite=True "
+                "to replace it (the old one stays intact until the new one commits)"
+            )
+        try:
+            return fmt.Metadata.from_bytes(self.storage.read_bytes(fmt.METADATA_FILE), self.storage.url)
+        except Exception:
+            return None  # an unreadable old checkpoint is simply replaced
+
+    def _stage_batch(self, batch: Sequence[WriteItem]) -> None:
+        with self.trace.span("stage") as sp:
+            self._staged = self.stager.stage(self.flat, batch)
+            sp.nbytes = sum(len(s.data) for s in self._staged)
+
+    def _write_batch(self) -> None:
+        """Write the staged batch into the next data files of this rank."""
+        first = not self.output.data_files
+        # replicated values are written by the coordinator; a rank whose state
+        # tree differs from the coordinator's writes its own too
+        objects = self.flat.objects if first and (self.ctx.is_coordinator or self._skeleton_differs) else {}
+        with self.trace.span("write") as sp:
+            faults.inject("write", self.ctx.rank)
+            out = write_data_files(
+                self.storage, self.save_id, self.ctx.rank, self._staged, objects,
+                self.flat.per_rank if first else {}, io_threads=self.opts.io_threads,
+                allow_pickle=self.opts.allow_pickle, first_file=len(self.output.data_files),
+            )
+            sp.nbytes, sp.files = sum(out.data_files.values()), len(out.data_files)
+        self.output.extend(out)
+        self._staged = []
+
+    def _metadata(self, outputs: list[RankOutput]) -> fmt.Metadata:
+        """(coordinator) metadata.json from every rank's output."""
+        ctx = self.ctx
+        skeleton = self.flat.skeleton
+        tensors = _tensor_specs(self.flat)
+        for out in outputs:
+            if out.skeleton is not None and out.tensors is not None:
+                skeleton = skeleton.merge(Node.from_json(out.skeleton))
+                for fqn, spec in out.tensors.items():
+                    tensors.setdefault(fqn, spec)
+        objects: dict[str, fmt.ObjectRecord] = {}
+        for r in [ctx.coordinator, *(r for r in range(len(outputs)) if r != ctx.coordinator)]:
+            for fqn, rec in outputs[r].objects.items():
+                objects.setdefault(fqn, rec)
+        per_rank: dict[str, dict[int, fmt.ObjectRecord]] = {}
+        data_files: dict[str, int] = {}
+        for r, out in enumerate(outputs):
+            for fqn, rec in out.per_rank.items():
+                per_rank.setdefault(fqn, {})[r] = rec
+            data_files.update(out.data_files)
+        return fmt.Metadata(
+            save_id=self.save_id,
+            world_size=ctx.world_size,
+            framework=self.framework,
+            parallelism=self.parallelism,
+            skeleton=skeleton,
+            tensors=tensors,
+            objects=objects,
+            per_rank=per_rank,
+            index_files=[out.index_file for out in outputs if out.index_file],
+            data_files=data_files,
+            step=self.opts.step,
+            user_metadata=dict(self.opts.metadata),
+            bytecp_version=self.version,
+        )
+
+    def _remove_files_of(self, save_id: str) -> None:
+        """(coordinator) Remove a failed save's files (never a committed checkpoint's)."""
+        for prefix in (f"data/{save_id}/", f"index/{save_id}/"):
+            try:
+                self.storage.delete_prefix(prefix)
+            except Exception as e:
+                log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
+
+    def _remove_replaced(self, md: fmt.Metadata) -> None:
+        """(coordinator, after an overwrite committed) The replaced checkpoint's files."""
+        old = self._replaced
+        assert old is not None
+        stale = old.referenced_files() - md.referenced_files()
+        stale |= {fmt.report_file(r) for r in range(self.ctx.world_size, old.world_size)}
+        try:
+            self.storage.delete(sorted(stale))
+        except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
+            log.warning("bytecp: could not delete files of the replaced checkpoint at %s: %s", self.storage.url, e)
+
+
+def _tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
+    return {
+        fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
+        for fqn, leaf in flat.tensors.items()
+    }
