@@ -1,6 +1,6 @@
 """Side-by-side benchmarks of bytecp and ``torch.distributed.checkpoint``.
 
-One entry point: ``python -m benchmarks.run`` (also ``bytecp bench``). See
+One entry point: ``python -m benchmarks.run`` (``make bench``). See
 docs/benchmarks.md for what each figure means.
 """
 

@@ -1,4 +1,4 @@
-"""``python -m benchmarks.run`` / ``bytecp bench``: bytecp against DCP in one run.
+"""``python -m benchmarks.run`` / ``make bench``: bytecp against DCP in one run.
 
 Spawns W gloo ranks per framework (DDP, FSDP1, FSDP2), builds a GPT-like model
 whose parameters + Adam state take ``--gb`` GB, and measures, alternating the
@@ -42,7 +42,7 @@ SHORT_CASES = {
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bytecp bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m benchmarks.run", description=__doc__.split("\n\n")[0])
     p.add_argument("--world-size", type=int, default=2, help="ranks per group (default 2)")
     p.add_argument("--gb", type=float, default=2.0, help="parameters + Adam state in GB (default 2.0)")
     p.add_argument("--frameworks", default="fsdp2,ddp,fsdp1",

@@ -1,7 +1,8 @@
-"""The ``bytecp`` command: demo, inspect, verify, ls, gc, export, monitor, bench.
+"""The ``bytecp`` command: demo, inspect, verify, ls, gc, export, monitor.
 
-``monitor`` and ``bench`` live outside the core and are reached through the
-subcommand registry below (imported only when used).
+``monitor`` lives outside the core (``bytecp.monitoring``) and is reached
+through the subcommand registry below (imported only when used). The
+benchmarks ship with the source tree, not the package: ``make bench``.
 """
 
 from __future__ import annotations
@@ -10,7 +11,6 @@ import argparse
 import importlib
 import importlib.util
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -23,7 +23,6 @@ __all__ = ["main"]
 # subcommand -> "module:function(argv) -> int", for commands outside the core
 _EXTERNAL = {
     "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
-    "bench": ("benchmarks.run:main", "benchmarks against torch.distributed.checkpoint"),
 }
 
 
@@ -127,13 +126,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _EXTERNAL:
         module, _, fn = _EXTERNAL[argv[0]][0].partition(":")
-        if module.startswith("benchmarks.") and importlib.util.find_spec("benchmarks") is None:
-            # benchmarks/ ships with the source tree, not the wheel
-            root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-            if not os.path.isdir(os.path.join(root, "benchmarks")):
-                print("bytecp bench: needs a source checkout of bytecp (benchmarks/ is not installed)", file=sys.stderr)
-                return 2
-            sys.path.insert(0, root)
         return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
 
     p = argparse.ArgumentParser(prog="bytecp", description="Checkpoints for distributed PyTorch training.")

@@ -11,7 +11,8 @@ import bytecp
 def test_public_names_resolve() -> None:
     for name in bytecp.__all__:
         assert getattr(bytecp, name) is not None, name
-    for module in ("bytecp.storage", "bytecp.adapters", "bytecp.monitoring", "bytecp.manager", "bytecp.cli"):
+    for module in ("bytecp.storage", "bytecp.storage.testing", "bytecp.adapters", "bytecp.monitoring",
+                   "bytecp.manager", "bytecp.cli", "bytecp.demo", "bytecp.options"):
         __import__(module)
 
 

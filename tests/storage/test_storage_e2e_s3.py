@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from storage_contract import MiB
+from bytecp.storage.testing import MiB
 
 import bytecp
 from bytecp.errors import IncompleteCheckpointError

@@ -14,8 +14,8 @@ import urllib.parse
 import pytest
 import torch
 from bytecp.storage.s3 import S3Storage
+from bytecp.storage.testing import MiB, payload
 from fault_proxy import FaultProxy, Rule
-from storage_contract import MiB, payload
 
 import bytecp
 from bytecp.errors import (

@@ -27,9 +27,9 @@ from bytecp.storage.hdfs import (
     parse_hdfs_url,
     probe_namenode,
 )
+from bytecp.storage.testing import StorageContract, StorageFixtures
 from fsspec.implementations.local import LocalFileSystem
 from s3_servers import free_port
-from storage_contract import StorageContract, StorageFixtures
 
 from bytecp.errors import ConfigError, StorageError
 from bytecp.storage_api import open_storage

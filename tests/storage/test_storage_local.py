@@ -6,7 +6,7 @@ import os
 
 import pytest
 from bytecp.storage.local import LocalStorage
-from storage_contract import StorageContract, StorageFixtures
+from bytecp.storage.testing import StorageContract, StorageFixtures
 
 from bytecp.errors import ConfigError, StoragePermissionError
 from bytecp.storage_api import open_storage

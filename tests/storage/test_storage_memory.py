@@ -8,8 +8,8 @@ import fsspec
 import pytest
 from bytecp.storage.fsspec_backend import FsspecStorage
 from bytecp.storage.memory import MemoryStorage
+from bytecp.storage.testing import StorageContract, StorageFixtures
 from fsspec.implementations.memory import MemoryFileSystem
-from storage_contract import StorageContract, StorageFixtures
 
 from bytecp.errors import StorageError
 from bytecp.storage_api import open_storage

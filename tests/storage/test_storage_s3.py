@@ -6,7 +6,7 @@ import time
 
 import pytest
 from bytecp.storage.s3 import S3Storage
-from storage_contract import MiB, StorageContract, StorageFixtures, payload
+from bytecp.storage.testing import MiB, StorageContract, StorageFixtures, payload
 
 from bytecp.errors import ConfigError, StorageNotFoundError, StoragePermissionError
 from bytecp.storage_api import open_storage

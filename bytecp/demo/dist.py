@@ -1,7 +1,7 @@
 """The distributed half of ``bytecp demo``, also a torchrun example.
 
-    torchrun --nproc_per_node 2 -m bytecp.demo_dist --ckpt /tmp/run --phase train
-    torchrun --nproc_per_node 3 -m bytecp.demo_dist --ckpt /tmp/run --phase resume
+    torchrun --nproc_per_node 2 -m bytecp.demo.dist --ckpt /tmp/run --phase train
+    torchrun --nproc_per_node 3 -m bytecp.demo.dist --ckpt /tmp/run --phase resume
 
 ``train``: FSDP2 on a CPU device mesh (gloo), 4 steps, an asynchronous
 checkpoint at step 2 taken while training goes on, a synchronous one at 4.
@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 import bytecp
 
-from .demo import TinyGPT, _say, train_steps
-from .manager import CheckpointManager
+from ..manager import CheckpointManager, list_checkpoints
+from .model import TinyGPT, say, train_steps
 
 __all__ = ["main", "run_distributed_demo"]
 
@@ -60,7 +60,7 @@ def _full(model: torch.nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch
 
 def _rank0(msg: str) -> None:
     if dist.get_rank() == 0:
-        _say(msg)
+        say(msg)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _torchrun(n: int, ckpt: str, phase: str) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={n}",
-           "-m", "bytecp.demo_dist", "--ckpt", ckpt, "--phase", phase]
+           "-m", "bytecp.demo.dist", "--ckpt", ckpt, "--phase", phase]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     subprocess.run(cmd, check=True, env=env, timeout=600)
 
@@ -116,20 +116,19 @@ def _torchrun(n: int, ckpt: str, phase: str) -> None:
 def run_distributed_demo(out: str, world_size: int) -> None:
     """``bytecp demo``'s second half: torchrun with W ranks, then W+1 and 1."""
     ckpt = os.path.join(out, "fsdp2-run")
-    _say(f"torchrun: FSDP2 training on {world_size} processes (gloo)")
+    say(f"torchrun: FSDP2 training on {world_size} processes (gloo)")
     _torchrun(world_size, ckpt, "train")
-    _say(f"torchrun: resume on {world_size + 1} processes (load-time resharding)")
+    say(f"torchrun: resume on {world_size + 1} processes (load-time resharding)")
     _torchrun(world_size + 1, ckpt, "resume")
     latest = CheckpointManager(ckpt).latest()
     assert latest is not None
     sd = bytecp.load_state_dict(latest.url)
     model = TinyGPT()
     model.load_state_dict(sd["model"])
-    _say(f"one process, no torch.distributed: load_state_dict({latest.url}) -> {len(sd['model'])} tensors, "
+    say(f"one process, no torch.distributed: load_state_dict({latest.url}) -> {len(sd['model'])} tensors, "
          f"plain model evaluates: {json.dumps(round(float(model(torch.zeros(1, 4, dtype=torch.long)).sum()), 4))}")
-    from .cli import main as cli
-
-    cli(["ls", ckpt])
+    for c in list_checkpoints(ckpt):
+        say(f"committed: {c.name}  step={c.step}  {c.created}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,21 @@
-"""The storage contract: mixin test classes every backend runs.
+# mypy: disable-error-code="arg-type"
+"""The storage contract (``bytecp.storage.testing``): pytest mixin classes
+every backend runs -- bytecp's own and third-party ones.
 
-A backend's test module combines a fixtures base (a subclass of
+A third-party backend's test module::
+
+    import pytest
+    from bytecp.storage.testing import StorageContract, StorageFixtures
+
+    class MyFixtures(StorageFixtures):
+        @pytest.fixture
+        def storage(self, tmp_path):
+            yield MyStorage(...)          # a fresh, empty bytecp.storage_api.Storage
+
+    class TestMyBackend(MyFixtures, StorageContract):
+        pass
+
+Needs pytest (bytecp's ``test`` extra). A backend's test module combines a fixtures base (a subclass of
 :class:`StorageFixtures` whose ``storage`` fixture yields a fresh, empty
 :class:`~bytecp.storage_api.Storage`) with :class:`StorageContract` (or a
 subset of the mixins). A backend's real gap is declared in ``xfail`` (test
@@ -19,6 +34,11 @@ import torch
 
 from bytecp.errors import CorruptCheckpointError, StorageError, StorageNotFoundError
 from bytecp.storage_api import Storage
+
+__all__ = [
+    "StorageFixtures", "StorageContract", "WriteReadTests", "ListDeleteTests", "CommitTests",
+    "ConcurrencyTests", "ErrorTests", "MiB", "payload",
+]
 
 MiB = 1 << 20
 
@@ -47,6 +67,7 @@ class StorageFixtures:
 
 
 class WriteReadTests:
+    large_size: int  # from the fixtures base
     def test_roundtrip_one_buffer(self, storage: Storage) -> None:
         data = payload(1000)
         storage.write_file("data/0-0.bin", [data])

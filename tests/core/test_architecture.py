@@ -1,0 +1,78 @@
+"""The core's shape: no import cycles (not even through imports inside
+functions), no direct import of adapters, storage backends or monitoring
+exporters (only the registries reach them), and no module that grows into
+a room of its own."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+CORE = Path(__file__).resolve().parents[2] / "bytecp"
+OUTSIDE = ("bytecp.adapters", "bytecp.storage", "bytecp.monitoring")
+
+
+def _module(path: Path) -> str:
+    rel = path.relative_to(CORE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Every bytecp module ``path`` imports, at any depth of the file."""
+    mod = _module(path)
+    package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - (node.level - 1)]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if node.module is None or node.level and not node.module:
+                out.update(f"{target}.{a.name}" for a in node.names)
+            out.add(target)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+    return {m for m in out if m == "bytecp" or m.startswith("bytecp.")}
+
+
+def _graph() -> dict[str, set[str]]:
+    files = {_module(p): p for p in CORE.rglob("*.py")}
+    return {m: {t for t in _imports(p) if t in files and t != m and t != "bytecp"} for m, p in files.items()}
+
+
+def test_core_has_no_import_cycle() -> None:
+    graph = _graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for t in graph[m]:
+            if state.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join(path[path.index(t):] + [t]))
+            if t not in state:
+                visit(t)
+        path.pop()
+        state[m] = 2
+
+    for m in graph:
+        if m not in state:
+            visit(m)
+
+
+def test_core_reaches_adapters_storage_and_monitoring_only_through_registries() -> None:
+    for path in CORE.rglob("*.py"):
+        bad = sorted(m for m in _imports(path) if any(m == o or m.startswith(o + ".") for o in OUTSIDE))
+        assert not bad, f"{path.name} imports {bad}; use the registries (adapter_api, storage_api, recorder)"
+
+
+def test_no_core_module_is_a_room_of_its_own() -> None:
+    sizes = {p.name: len(p.read_text().splitlines()) for p in CORE.rglob("*.py")}
+    assert max(sizes.values()) <= 400, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
