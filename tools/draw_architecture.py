@@ -26,6 +26,15 @@ def arrow(ax, x0, y0, x1, y1):  # type: ignore[no-untyped-def]
     ax.annotate("", xy=(x1, y1), xytext=(x0, y0), arrowprops=dict(arrowstyle="->", color="#333333", lw=1))
 
 
+def pipeline(ax, phases, x0, step, width):  # type: ignore[no-untyped-def]
+    """One row of phase boxes joined by arrows."""
+    for i, (t, c) in enumerate(phases):
+        x = x0 + i * step
+        box(ax, x, 5.35, width, 1.3, t, c, 8)
+        if i:
+            arrow(ax, x - (step - width), 6.0, x, 6.0)
+
+
 def main() -> None:
     fig, ax = plt.subplots(figsize=(13, 8.2))
     ax.set_xlim(0, 13)
@@ -40,22 +49,14 @@ def main() -> None:
     save = [("describe\nadapter -> views", LOCAL), ("plan\nALL-GATHER\n(+gather/scatter\non cache miss)", COLL),
             ("stage\nStager: views |\nreused arena", LOCAL), ("write\ndata files,\ncrc32c, index", LOCAL),
             ("commit\nGATHER; the\ncoordinator writes\nmetadata.json;\nBROADCAST", COLL)]
-    for i, (t, c) in enumerate(save):
-        x = 0.3 + i * 1.3
-        box(ax, x, 5.35, 1.15, 1.3, t, c, 8)
-        if i:
-            arrow(ax, x - 0.15, 6.0, x, 6.0)
+    pipeline(ax, save, 0.3, 1.3, 1.15)
 
     # load pipeline
     ax.text(6.9, 6.85, "LoadPipeline (every rank)", fontsize=11, fontweight="bold")
     load = [("metadata\nBROADCAST\n(coordinator\nreads, validates)", COLL), ("match\nRUN\nkeys, shapes", COLL),
             ("plan\n[ALL-GATHER:\nzero-\nredundancy]", COLL), ("read\nRUN\nranged reads\ninto targets", COLL),
             ("apply\nRUN\nadapter", COLL)]
-    for i, (t, c) in enumerate(load):
-        x = 6.9 + i * 1.18
-        box(ax, x, 5.35, 1.05, 1.3, t, c, 8)
-        if i:
-            arrow(ax, x - 0.13, 6.0, x, 6.0)
+    pipeline(ax, load, 6.9, 1.18, 1.05)
 
     # async threads
     ax.text(0.3, 4.75, "async_save: the threads", fontsize=11, fontweight="bold")
