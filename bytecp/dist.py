@@ -1,14 +1,15 @@
 """Every cross-rank operation bytecp performs lives here.
 
-The pipelines never call ``torch.distributed`` directly: it asks a
+The pipelines never call ``torch.distributed`` directly: they ask a
 :class:`DistContext` to run a step on every rank and combine the results.
 Each step is *fail-together*: a rank whose local work raised still takes part
 in the collective, carrying its error, so every rank learns of the failure
 and raises one :class:`DistributedCheckpointError` naming each failed rank
 and its message -- no rank is left waiting in a collective. A rank that dies
 outright breaks the process group; the collectives then fail (gloo notices a
-closed connection at once, and every call is bounded by the group's timeout)
-and that failure is raised the same way.
+closed connection at once, and every call is bounded by the group's timeout);
+the survivors then answer a roll call in the group's store and every one of
+them raises an error naming the ranks that did not answer (died or hung).
 
 The coordinator role (the rank that plans and commits) is passed in once.
 Without an initialized process group (one process, evaluation jobs) every
@@ -112,35 +113,46 @@ class DistContext:
         return self.rank == self.coordinator
 
     # -- failure diagnosis ---------------------------------------------
-    def _arrive(self) -> str:
-        """Mark (in the group's store) that this rank reached the next collective."""
+    #: how long survivors of a broken collective wait for each other's answer
+    ROLL_CALL_SECONDS = 3.0
+
+    def _next_step(self) -> str:
+        """The store prefix of this rank's next collective (alike on every rank:
+        contexts and collectives are created in the same order everywhere)."""
         self._seq += 1
-        prefix = f"bytecp/{self._uid}/{self._seq}/"
-        if self._store is not None:
-            try:
-                self._store.set(prefix + str(self.rank), "1")
-            except Exception:
-                pass
-        return prefix
+        return f"bytecp/{self.global_coordinator}x{self.world_size}/{self._uid}/{self._seq}/"
 
     def _collective_failed(self, op: str, prefix: str, e: BaseException) -> DistributedCheckpointError:
-        """A collective broke (a rank died, or the timeout passed): name the
-        ranks that never reached it, when the store can still tell."""
-        missing: list[int] = []
-        if self._store is not None:
-            import time
+        """A collective broke (a rank died or hung, or the timeout passed).
 
-            time.sleep(1.0)  # let ranks that are merely late arrive
-            for r in range(self.world_size):
-                try:
-                    if not self._store.check([prefix + str(r)]):
-                        missing.append(r)
-                except Exception:  # the store lived in a dead rank
-                    break
-        failures = {r: f"never reached this step of {op} (the process died or hung)" for r in missing}
-        if not failures:
-            failures[self.rank] = f"collective failed: {_describe(e)}"
-        return DistributedCheckpointError(op, failures)
+        The survivors answer a roll call in the group's store -- each one
+        append, one add, one bounded wait and one get, O(1) per rank and
+        nothing at all while collectives succeed -- and the ranks that do not
+        answer within :attr:`ROLL_CALL_SECONDS` are named on every survivor.
+        """
+        store = self._store
+        if store is None:
+            return DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
+        try:
+            store.append(prefix + "alive", f"{self.rank},")
+            if store.add(prefix + "answers", 1) >= self.world_size:
+                store.set(prefix + "all", "1")
+            with contextlib.suppress(Exception):  # a timeout: someone did not answer
+                store.wait([prefix + "all"], datetime.timedelta(seconds=self.ROLL_CALL_SECONDS))
+            alive = {int(r) for r in store.get(prefix + "alive").decode().split(",") if r}
+        except Exception as se:
+            return DistributedCheckpointError(op, {self.rank: (
+                f"collective failed: {_describe(e)}; the group's rendezvous store is unreachable too "
+                f"({type(se).__name__}): the process hosting it (rank 0 when the job was initialised "
+                "with env:// or tcp://) has probably died"
+            )})
+        missing = sorted(set(range(self.world_size)) - alive)
+        if not missing:
+            return DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
+        return DistributedCheckpointError(op, {
+            r: f"did not answer after this step broke (the process died or hung; seen by rank {self.rank})"
+            for r in missing
+        })
 
     # -- raw collectives (every rank must call them in the same order) ----
     def _count(self, obj: Any) -> None:
@@ -153,25 +165,15 @@ class DistContext:
 
     @contextlib.contextmanager
     def _collective(self, op: str) -> Iterator[None]:
-        """Bracket raw collectives: mark arrival, turn a broken group into a
-        :class:`DistributedCheckpointError` naming the missing ranks, and
-        drop the marker after success."""
-        prefix = self._arrive()
+        """Bracket raw collectives: turn a broken group into a
+        :class:`DistributedCheckpointError` naming the ranks that are gone."""
+        prefix = self._next_step()
         try:
             yield
         except DistributedCheckpointError:
             raise
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
-        self._left(prefix)
-
-    def _left(self, prefix: str) -> None:
-        """The collective after ``_arrive`` succeeded: drop this rank's marker."""
-        if self._store is not None:
-            try:
-                self._store.delete_key(prefix + str(self.rank))
-            except Exception:
-                pass
 
     def all_gather_object(self, obj: T) -> list[T]:
         if not self.enabled:

@@ -22,6 +22,7 @@ __all__ = [
     "StorageNotFoundError",
     "TransientStorageError",
     "DistributedCheckpointError",
+    "CommittedWithErrorsWarning",
     "ConfigError",
 ]
 
@@ -94,3 +95,9 @@ class DistributedCheckpointError(BytecpError):
         for rank, msg in self.failures.items():
             lines.append(f"  rank {rank}: {msg}")
         super().__init__("\n".join(lines))
+
+
+class CommittedWithErrorsWarning(UserWarning):
+    """A save committed, but a rank was lost (or a collective broke) after
+    ``metadata.json`` was written. The checkpoint is complete and loads; the
+    job itself has lost a rank."""

@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import json
 import logging
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -34,7 +35,7 @@ from . import format as fmt
 from .adapter_api import detect_adapter
 from .dist import DistContext
 from .dtypes import dtype_name
-from .errors import CheckpointExistsError
+from .errors import CheckpointExistsError, CommittedWithErrorsWarning, DistributedCheckpointError
 from .handles import wait_for_previous
 from .options import SaveOptions
 from .plan_exchange import PLAN_CACHE, PlanVote, local_plan, reusable
@@ -175,7 +176,7 @@ class SavePipeline:
         to every rank. After an overwrite the coordinator removes the files of
         the replaced checkpoint; after a failure, those of this save."""
         ctx = self.ctx
-        committed: list[bool] = []
+        committed: list[fmt.Metadata] = []
 
         def output() -> RankOutput:
             self._raise_kept()
@@ -190,13 +191,20 @@ class SavePipeline:
                 md = self._metadata(outputs)
                 data = md.to_bytes()
                 self.storage.commit(fmt.METADATA_FILE, data)
-                committed.append(True)  # from here on the files belong to a checkpoint
+                committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1
             faults.inject("committed", ctx.rank)
             return md
 
         try:
             md = ctx.all_reduce("save/write", output, commit, reduce_op="save/commit")
+        except DistributedCheckpointError as e:
+            # the outcome is what storage says: once metadata.json of this save
+            # is written, the save succeeded, whoever was lost afterwards
+            done = self._committed_after(e, committed[0] if committed else None)
+            if done is None:
+                raise
+            md = done
         except BaseException:
             if ctx.is_coordinator and not committed and self.save_id:
                 self._remove_files_of(self.save_id)
@@ -217,6 +225,29 @@ class SavePipeline:
             log.warning("bytecp: could not store the monitoring report at %s: %s", self.storage.url, e)
 
     # -- helpers ----------------------------------------------------------------
+    def _committed_after(self, error: DistributedCheckpointError, committed_here: fmt.Metadata | None) -> fmt.Metadata | None:
+        """After the commit step broke: this save's metadata if it was committed
+        (here, or by the coordinator as storage shows; a warning names the
+        ranks lost after the commit), else None -- and the coordinator removes
+        the failed save's files."""
+        md = committed_here
+        if md is None and self.save_id:
+            try:
+                found = fmt.Metadata.from_bytes(self.storage.read_bytes(fmt.METADATA_FILE), self.storage.url)
+                md = found if found.save_id == self.save_id else None
+            except Exception:
+                md = None
+        if md is None:
+            if self.ctx.is_coordinator and self.save_id:
+                self._remove_files_of(self.save_id)
+            return None
+        lost = ", ".join(f"rank {r}: {msg}" for r, msg in error.failures.items())
+        text = (f"checkpoint {self.storage.url} is committed (save {self.save_id}); after the commit "
+                f"the {error.operation} step broke: {lost}")
+        log.warning("bytecp: %s", text)
+        warnings.warn(CommittedWithErrorsWarning(text), stacklevel=2)
+        return md
+
     def _keep_failure(self, phase: str, fn: Callable[[], None]) -> None:
         """Run a local phase unless an earlier one failed; in a distributed job
         keep its failure for the next collective, else raise it at once."""
