@@ -62,6 +62,7 @@ def save(
     coordinator_rank: int = 0,
     storage_options: dict[str, Any] | None = None,
     monitor: str | Recorder | None = None,
+    verify_replicas: bool | None = None,
 ) -> fmt.Metadata:
     """Save ``state`` to ``url``; every rank of the job calls it.
 
@@ -76,6 +77,7 @@ def save(
         framework=framework, step=step, metadata=metadata or {}, overwrite=overwrite,
         allow_pickle=allow_pickle, io_threads=io_threads, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
+        verify_replicas=verify_replicas,
     ))
 
 

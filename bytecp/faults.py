@@ -6,7 +6,10 @@ and this rank (comma-separated lists allowed):
 
 - ``BYTECP_FAULT_DELAY=phase:rank:seconds`` sleeps there;
 - ``BYTECP_FAULT_ERROR=phase:rank`` raises ``RuntimeError`` there;
-- ``BYTECP_FAULT_EXIT=phase:rank`` ends the process there (a rank dying mid-save).
+- ``BYTECP_FAULT_EXIT=phase:rank`` ends the process there (a rank dying mid-save);
+- ``BYTECP_FAULT_KILL=phase:rank:seconds`` sends the process SIGKILL that
+  many seconds after it enters the phase (from a timer thread: the save goes
+  on meanwhile, so the kill lands at an arbitrary point of what follows).
 
 Phases: ``plan``, ``stage``, ``write``, ``commit``, ``committed`` (just
 after metadata.json is written), ``read`` (load: before matching).
@@ -15,6 +18,8 @@ after metadata.json is written), ``read`` (load: before matching).
 from __future__ import annotations
 
 import os
+import signal
+import threading
 import time
 
 __all__ = ["inject"]
@@ -36,6 +41,11 @@ def inject(phase: str, rank: int) -> None:
     """(all ranks) Apply the faults the environment asks for in ``phase`` on ``rank``."""
     if _matches("BYTECP_FAULT_EXIT", phase, rank):
         os._exit(17)
+    for parts in _matches("BYTECP_FAULT_KILL", phase, rank):
+        delay = float(parts[2]) if len(parts) > 2 else 0.0
+        if delay <= 0:
+            os.kill(os.getpid(), signal.SIGKILL)
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     for parts in _matches("BYTECP_FAULT_DELAY", phase, rank):
         time.sleep(float(parts[2]))
     if _matches("BYTECP_FAULT_ERROR", phase, rank):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 from typing import Any
 
 from .errors import ConfigError
@@ -72,6 +73,10 @@ class SaveOptions(_Common):
     #: async only: bound on the staging memory; larger states are staged and
     #: written in batches (the call returns once the last batch is staged)
     memory_budget_bytes: int | None = None
+    #: compare the checksums of replicated boxes across ranks and refuse to
+    #: commit when replicas differ (costs a crc32c pass over every box a rank
+    #: holds); None: on when the environment variable BYTECP_VERIFY_REPLICAS=1
+    verify_replicas: bool | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -80,6 +85,8 @@ class SaveOptions(_Common):
         _positive("memory_budget_bytes", self.memory_budget_bytes)
         if self.step is not None and type(self.step) is not int:
             raise ConfigError(f"step must be an int or None, got {self.step!r}")
+        if self.verify_replicas is None:
+            object.__setattr__(self, "verify_replicas", os.environ.get("BYTECP_VERIFY_REPLICAS") == "1")
         if self.lazy and self.memory_budget_bytes is not None:
             raise ConfigError("lazy=True stages in the background and takes no memory_budget_bytes")
         try:

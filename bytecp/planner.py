@@ -41,6 +41,7 @@ __all__ = [
     "DEFAULT_SPLIT_BYTES",
     "plan_shared_reads",
     "find_overlap",
+    "check_replicas",
     "MIN_PIECE_BYTES",
 ]
 
@@ -86,6 +87,26 @@ def find_overlap(boxes: Sequence[Region]) -> tuple[Region, Region] | None:
         if b.numel:
             active.append(b)
     return None
+
+
+def check_replicas(held: Sequence[dict[tuple[str, Region], int] | None]) -> None:
+    """``held[r]``: rank ``r``'s checksum of every box it holds. Raise
+    :class:`ConfigError` naming the first box whose replicas differ, with
+    the ranks on each side (a replica must be bitwise the same everywhere)."""
+    first: dict[tuple[str, Region], tuple[int, int]] = {}
+    for rank, crcs in enumerate(held):
+        for key, crc in (crcs or {}).items():
+            seen = first.setdefault(key, (rank, crc))
+            if seen[1] != crc:
+                fqn, region = key
+                same = [r for r, c in enumerate(held) if c and c.get(key) == seen[1]]
+                other = [r for r, c in enumerate(held) if c and key in c and c[key] != seen[1]]
+                raise ConfigError(
+                    f"tensor {fqn!r} region {region}: the ranks hold it as a replica but their copies "
+                    f"differ (ranks {same} vs {other}); replicas must be identical -- diverged "
+                    "data-parallel weights, or a model-parallel tensor saved through a framework "
+                    "adapter that does not know its sharding (pass framework=)"
+                )
 
 
 def plan_fingerprint(plan: LocalSavePlan) -> str:

@@ -39,13 +39,13 @@ from .errors import CheckpointExistsError, CommittedWithErrorsWarning, Distribut
 from .handles import wait_for_previous
 from .options import SaveOptions
 from .plan_exchange import PLAN_CACHE, PlanVote, local_plan, reusable
-from .planner import WriteItem, plan_fingerprint, plan_save
+from .planner import WriteItem, check_replicas, plan_fingerprint, plan_save
 from .recorder import Trace
 from .skeleton import Node
 from .staging import Stager
 from .state import FlatTree, flatten_tree
 from .storage_api import Storage
-from .writer import RankOutput, Staged, write_data_files, write_index
+from .writer import RankOutput, Staged, held_checksums, write_data_files, write_index
 
 __all__ = ["SavePipeline"]
 
@@ -80,6 +80,7 @@ class SavePipeline:
         self._staged: list[Staged] = []
         self._replaced: fmt.Metadata | None = None  # coordinator: what an overwrite replaces
         self._kept: BaseException | None = None
+        self._held: Sequence[WriteItem] = ()  # every box this rank holds (its local plan)
 
     # -- the phases -----------------------------------------------------------
     def run(self) -> fmt.Metadata:
@@ -121,6 +122,7 @@ class SavePipeline:
             self._raise_kept()
             faults.inject("plan", rank)
             plan = mine["plan"] = local_plan(self.flat, rank)
+            self._held = plan.items
             fp = mine["fp"] = plan_fingerprint(plan)
             cached = mine["cached"] = PLAN_CACHE.get(key, fp)
             save_id = None
@@ -152,6 +154,8 @@ class SavePipeline:
 
         def stage() -> None:
             faults.inject("stage", self.ctx.rank)
+            if self.opts.verify_replicas:  # while the state is the one being saved
+                self.output.replica_crcs = held_checksums(self._held, self.flat)
             for batch in self.batches[:-1]:
                 self._stage_batch(batch)
                 self._write_batch()
@@ -304,6 +308,8 @@ class SavePipeline:
     def _metadata(self, outputs: list[RankOutput]) -> fmt.Metadata:
         """(coordinator) metadata.json from every rank's output."""
         ctx = self.ctx
+        if self.opts.verify_replicas:
+            check_replicas([out.replica_crcs for out in outputs])
         skeleton = self.flat.skeleton
         tensors = _tensor_specs(self.flat)
         for out in outputs:

@@ -35,6 +35,7 @@ __all__ = [
     "as_host_bytes",
     "write_data_files",
     "write_index",
+    "held_checksums",
     "FILE_TARGET_BYTES",
 ]
 
@@ -64,6 +65,8 @@ class RankOutput:
     #: skeleton differs from the coordinator's
     skeleton: Any = None
     tensors: dict[str, dict[str, Any]] | None = None
+    #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
+    replica_crcs: dict[tuple[str, Region], int] | None = None
 
     def extend(self, other: RankOutput) -> None:
         """Add a later write batch of the same rank."""
@@ -79,6 +82,13 @@ def source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
         if sh.region.contains(region):
             return sh.tensor[region.relative_to(sh.region).slices()]
     raise ConfigError(f"tensor {fqn!r}: this rank holds no shard containing {region}")
+
+
+def held_checksums(items: Sequence[WriteItem], flat: Any) -> dict[tuple[str, Region], int]:
+    """crc32c of every box this rank holds (``items``: its local plan), for
+    comparing replicas across ranks."""
+    return {(it.fqn, it.region): crc32c(as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn)))
+            for it in items}
 
 
 def as_host_bytes(t: torch.Tensor) -> memoryview:

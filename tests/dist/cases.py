@@ -410,3 +410,31 @@ def rank() -> int:
 
 def env(name: str) -> str | None:
     return os.environ.get(name)
+
+
+def replica_checks(url: str) -> dict[str, str]:
+    """Saves the generic path must refuse: replicas whose shapes differ, and
+    (verify_replicas) replicas whose contents differ; each error text, seen on
+    this rank, by case."""
+    rank = dist.get_rank()
+    out: dict[str, str] = {}
+
+    def attempt(name: str, state: dict[str, Any], **kw: Any) -> None:
+        try:
+            bytecp.save(f"{url}-{name}", state, **kw)
+            out[name] = "saved"
+        except bytecp.DistributedCheckpointError as e:
+            out[name] = str(e)
+
+    # a tensor-parallel shard taken for a replica: same key, other shape
+    attempt("shape", {"model": {"embed": torch.zeros(64 + 64 * rank, 8)}})
+    # same shape, other contents (a TP shard of a [128, 8] tensor, or diverged DDP weights)
+    attempt("contents", {"model": {"embed": torch.full((64, 8), float(rank))}}, verify_replicas=True)
+    model, opt = build("ddp", seed=0)
+    train(model, opt, 0, 1)
+    if rank == 1:
+        with torch.no_grad():
+            model.module.l1.weight.add_(1e-3)  # DDP ranks that diverged
+    attempt("ddp", {"model": model, "optimizer": opt}, verify_replicas=True)
+    attempt("ddp-unchecked", {"model": model, "optimizer": opt}, verify_replicas=False)
+    return out

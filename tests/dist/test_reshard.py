@@ -239,3 +239,15 @@ def test_rank_killed_mid_save_is_named_and_nothing_commits(tmp_path: Path) -> No
     finally:
         pool.close(kill=True)
     assert not (tmp_path / "ck" / "metadata.json").exists()
+
+
+def test_replicas_that_differ_are_refused_on_every_rank(pools, tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    for got in pools(2).run(cases.replica_checks, url):
+        assert "'model.embed'" in got["shape"] and "rank 0" in got["shape"] and "rank 1" in got["shape"]
+        assert "'model.embed'" in got["contents"] and "ranks [0] vs [1]" in got["contents"]
+        assert "'model.l1.weight'" in got["ddp"] and "ranks [0] vs [1]" in got["ddp"]
+        assert got["ddp-unchecked"] == "saved"  # off: replicas are trusted, as DCP does
+    for name in ("shape", "contents", "ddp"):
+        assert not (tmp_path / f"ck-{name}" / "metadata.json").exists()
+        assert not list((tmp_path / f"ck-{name}").rglob("*.bin"))
