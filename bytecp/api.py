@@ -105,14 +105,15 @@ def async_save(
 ) -> SaveHandle:
     """Save ``state`` in the background; every rank calls it.
 
-    Returns once this rank's data is staged in reused host memory (or at
-    once with ``lazy=True``: then each optimizer in ``state`` waits in a
-    pre-step hook until staging is done, so no tensor changes under the
-    copy). ``memory_budget_bytes`` bounds the staging memory: larger states
-    are staged and written in batches, and the call blocks until the last
-    batch is staged. The other keyword arguments are those of :func:`save`.
-    Planning (eager mode), writing and the commit run on a process group of
-    their own, so they never interleave with training's collectives.
+    Returns once this rank's boxes are copied into reused host memory (the
+    plan, the write and the commit run on a background thread, on a process
+    group of their own, so they never interleave with training's
+    collectives), or at once with ``lazy=True``: then each optimizer in
+    ``state`` waits in a pre-step hook until the copy is done, so no tensor
+    changes under it. ``memory_budget_bytes`` bounds the staging memory:
+    larger states are planned, staged and written in batches, and the call
+    blocks until the last batch is staged. The other keyword arguments are
+    those of :func:`save`.
     """
     t0, wall0 = time.perf_counter(), time.time()
     try:
@@ -126,10 +127,16 @@ def async_save(
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
     pipeline = SavePipeline(storage, state, opts, ctx, trace, ArenaStager(memory_budget_bytes), version=__version__)
     handle = SaveHandle(storage.url)
+    # eager: the caller waits only for the copy (with a memory budget also
+    # for the plan and the batches written before the last); lazy: for nothing
+    snapshot = not lazy and memory_budget_bytes is None
     with trace.failing(blocked_since=t0):
         pipeline.describe()
         if lazy:
             handle.block_optimizers_until_staged(optimizers_in(state), trace)
+        elif snapshot:
+            pipeline.snapshot()
+            handle.mark_staged()
         else:
             pipeline.plan()
             pipeline.stage()
@@ -143,6 +150,9 @@ def async_save(
                     pipeline.stage()
                 finally:
                     handle.mark_staged()
+            elif snapshot:
+                pipeline.plan()
+                pipeline.stage()
             pipeline.write()
             md = pipeline.commit()
         pipeline.report()

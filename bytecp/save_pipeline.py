@@ -39,10 +39,10 @@ from .errors import CheckpointExistsError, CommittedWithErrorsWarning, Distribut
 from .handles import wait_for_previous
 from .options import SaveOptions
 from .plan_exchange import PLAN_CACHE, PlanVote, local_plan, reusable
-from .planner import WriteItem, check_replicas, plan_fingerprint, plan_save
+from .planner import LocalSavePlan, WriteItem, check_replicas, plan_fingerprint, plan_save
 from .recorder import Trace
 from .skeleton import Node
-from .staging import Stager
+from .staging import POOL, Stager, StagingPool, ViewStager
 from .state import FlatTree, flatten_tree
 from .storage_api import Storage
 from .writer import RankOutput, Staged, held_checksums, write_data_files, write_index
@@ -80,7 +80,8 @@ class SavePipeline:
         self._staged: list[Staged] = []
         self._replaced: fmt.Metadata | None = None  # coordinator: what an overwrite replaces
         self._kept: BaseException | None = None
-        self._held: Sequence[WriteItem] = ()  # every box this rank holds (its local plan)
+        self._local: LocalSavePlan | None = None  # every box this rank holds
+        self._fingerprint = ""  # of ``_local``, once a snapshot has replaced the live tensors
 
     # -- the phases -----------------------------------------------------------
     def run(self) -> fmt.Metadata:
@@ -109,21 +110,47 @@ class SavePipeline:
 
         self._keep_failure("save/describe", describe)
 
+    def snapshot(self, pool: StagingPool = POOL) -> None:
+        """(every rank, local; eager async saves) Copy every box this rank may
+        write into the reused arena -- its share of the cached plan when it
+        has one for this state, else every box it holds -- and go on with
+        the copy: the plan, the write and the commit then run in the
+        background while training changes the live tensors. The copy is all
+        the caller waits for."""
+
+        def snapshot() -> None:
+            self._local = local_plan(self.flat, self.ctx.rank)
+            self._fingerprint = plan_fingerprint(self._local)
+            cached = PLAN_CACHE.get(self._cache_key(), self._fingerprint)
+            items = cached[1] if cached is not None else self._local.items
+            if self.opts.verify_replicas:  # of every box held, while it is the state being saved
+                self.output.replica_crcs = held_checksums(self._local.items, self.flat)
+            with self.trace.span("stage") as sp:
+                faults.inject("stage", self.ctx.rank)
+                self.flat = pool.snapshot(self.flat, items)
+                sp.nbytes = sum(it.nbytes for it in items)
+            self.stager = ViewStager()  # later phases read the copy
+
+        self._keep_failure("save/stage", snapshot)
+
     def plan(self) -> None:
         """(every rank; one all-gather, plus a gather and a scatter when the
         plan is not cached) Every rank sends its plan's fingerprint; the
         coordinator checks the target URL and names the save. Reuses the
         cached plan when every rank agrees, else the coordinator plans."""
         ctx, rank = self.ctx, self.ctx.rank
-        key = (ctx.world_size, rank, self.opts.split_bytes, id(ctx.group))
+        key = self._cache_key()
         mine: dict[str, Any] = {}
 
         def vote() -> PlanVote:
             self._raise_kept()
             faults.inject("plan", rank)
+            # after a snapshot: the fingerprint of every box held (the cache's
+            # key), the boxes copied as what this rank can write
             plan = mine["plan"] = local_plan(self.flat, rank)
-            self._held = plan.items
-            fp = mine["fp"] = plan_fingerprint(plan)
+            fp = mine["fp"] = self._fingerprint or plan_fingerprint(plan)
+            if self._local is None:
+                self._local = plan
             cached = mine["cached"] = PLAN_CACHE.get(key, fp)
             save_id = None
             if ctx.is_coordinator:
@@ -154,8 +181,9 @@ class SavePipeline:
 
         def stage() -> None:
             faults.inject("stage", self.ctx.rank)
-            if self.opts.verify_replicas:  # while the state is the one being saved
-                self.output.replica_crcs = held_checksums(self._held, self.flat)
+            if self.opts.verify_replicas and self.output.replica_crcs is None and self._local is not None:
+                # while the state is the one being saved
+                self.output.replica_crcs = held_checksums(self._local.items, self.flat)
             for batch in self.batches[:-1]:
                 self._stage_batch(batch)
                 self._write_batch()
@@ -229,6 +257,10 @@ class SavePipeline:
             log.warning("bytecp: could not store the monitoring report at %s: %s", self.storage.url, e)
 
     # -- helpers ----------------------------------------------------------------
+    def _cache_key(self) -> tuple[Any, ...]:
+        """Plans of different groups, world sizes or split sizes never mix."""
+        return (self.ctx.world_size, self.ctx.rank, self.opts.split_bytes, id(self.ctx.group))
+
     def _committed_after(self, error: DistributedCheckpointError, committed_here: fmt.Metadata | None) -> fmt.Metadata | None:
         """After the commit step broke: this save's metadata if it was committed
         (here, or by the coordinator as storage shows; a warning names the

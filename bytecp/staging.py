@@ -24,7 +24,7 @@ import torch
 
 from .dtypes import dtype_from_name, host_memoryview
 from .planner import WriteItem
-from .state import FlatTree
+from .state import FlatTree, Shard, TensorLeaf
 from .writer import Staged, as_host_bytes, source_view
 
 __all__ = ["Stager", "ViewStager", "ArenaStager", "StagingPool", "POOL", "batches_within"]
@@ -61,6 +61,23 @@ class StagingPool:
 
     def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
         """Copy the boxes ``items`` name into the arena; views of it come back."""
+        return [Staged(it, host_memoryview(raw)) for it, _, raw in self._copy(flat, items)]
+
+    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem]) -> FlatTree:
+        """Copy the boxes ``items`` name into the arena; the same tree comes
+        back with its tensors replaced by those copies (host tensors), so the
+        rest of a save can run on it while training changes the live ones."""
+        tensors: dict[str, TensorLeaf] = {}
+        for it, dst, _ in self._copy(flat, items):
+            leaf = flat.tensors[it.fqn]
+            tensors.setdefault(it.fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [])).shards.append(
+                Shard(it.region, dst))
+        for fqn, leaf in flat.tensors.items():  # tensors this rank writes nothing of
+            tensors.setdefault(fqn, TensorLeaf(leaf.global_shape, leaf.dtype, []))
+        return FlatTree(flat.skeleton, tensors, flat.objects, flat.per_rank, flat.slots)
+
+    def _copy(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[tuple[WriteItem, torch.Tensor, torch.Tensor]]:
+        """Copy each box into the arena: (item, typed view, raw bytes) each."""
         total = sum(_aligned(it.nbytes) for it in items)
         srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
         devices = {s.device for s in srcs if s.device.type == "cuda"}
@@ -71,7 +88,7 @@ class StagingPool:
         # a side stream on the tensors' own device (a background thread's
         # current device is 0 whatever the rank's is)
         stream = torch.cuda.Stream(device=device) if device is not None else None
-        out: list[Staged] = []
+        out: list[tuple[WriteItem, torch.Tensor, torch.Tensor]] = []
         pos = 0
         ctx = torch.cuda.stream(stream) if stream is not None else None
         if ctx is not None:
@@ -81,10 +98,10 @@ class StagingPool:
             for it, src in zip(items, srcs, strict=True):
                 n = it.nbytes
                 raw = arena[pos : pos + n]
+                dst = raw.view(dtype_from_name(it.dtype)).view(it.region.lengths)
                 if n:
-                    dst = raw.view(dtype_from_name(it.dtype)).view(it.region.lengths)
                     dst.copy_(src, non_blocking=src.device.type == "cuda")
-                out.append(Staged(it, host_memoryview(raw[:n])))
+                out.append((it, dst, raw))
                 pos += _aligned(n)
         finally:
             if ctx is not None:

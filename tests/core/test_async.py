@@ -125,6 +125,7 @@ def test_one_save_in_flight_and_failures_are_never_lost(tmp_path: Path, monkeypa
     # unseen: the next save (sync or async) raises it once
     monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
     bytecp.async_save(str(tmp_path / "bad2"), {"model": m, "optimizer": opt})
+    bytecp.wait_for_pending_save(60)  # the write (and its fault) run in the background
     monkeypatch.delenv("BYTECP_FAULT_ERROR")
     with pytest.raises(bytecp.BytecpError, match="previous async save .* failed"):
         bytecp.save(str(tmp_path / "next"), {"model": m})

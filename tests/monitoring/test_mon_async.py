@@ -1,7 +1,8 @@
 """Asynchronous and lazy saves: the stall is only what training waited for.
 
-One process; the core's fault hook slows the plan (0.6 s, blocking) and the
-background write (0.8 s) so the phases are measurable.
+One process; the core's fault hook slows the staging copy (0.6 s, the only
+blocking phase of an eager async save) and the background write (0.8 s) so
+the phases are measurable.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ def test_async_and_lazy_saves_report_their_stall_and_waits(
     collector: CollectorServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("BYTECP_JOB", "async")
-    monkeypatch.setenv("BYTECP_FAULT_DELAY", "plan:0:0.6,write:0:0.8")
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "stage:0:0.6,write:0:0.8")
     reg = CollectorRegistry()
     recorder.add_recorder(PrometheusRecorder(reg))
     reports: list[recorder.CheckpointReport] = []
@@ -51,13 +52,13 @@ def test_async_and_lazy_saves_report_their_stall_and_waits(
 
     second = bytecp.async_save(str(tmp_path / "s2"), state, step=2, lazy=True, monitor=push)
     model(torch.randn(4, 256)).sum().backward()
-    opt.step()  # the lazy pre-step hook waits for staging, behind a 0.6 s plan
+    opt.step()  # the lazy pre-step hook waits for a staging slowed by 0.6 s
     second.wait()
     assert push.flush(20)
 
     s1, s2 = sorted(reports, key=lambda r: r.step or 0)
     p1, p2 = s1.phase_seconds(), s2.phase_seconds()
-    assert p1["plan"] >= 0.6 and p1["write"] >= 0.8
+    assert p1["stage"] >= 0.6 and p1["write"] >= 0.8
     assert s1.stall_seconds >= 0.6 and s1.stall_seconds < s1.duration - 0.5
     assert p2["wait_previous"] > 0.2 and p2["lazy_wait"] > 0.2
     assert s2.stall_seconds >= p2["wait_previous"] + p2["lazy_wait"] - 0.05
