@@ -1,0 +1,674 @@
+"""Megatron-Core: tensor, pipeline and data parallelism, and the distributed optimizer.
+
+Input is Megatron's own description of its state: ``model.sharded_state_dict()``
+and the optimizer's ``sharded_state_dict(model_sd, metadata=...)``, so any model
+Megatron itself can checkpoint works. Each entry maps to the core's tree:
+
+- ``ShardedTensor`` -> a :class:`~bytecp.state.TensorLeaf` keyed by its
+  checkpoint key, with one box per local piece: ``global_offset`` and the local
+  shape with ``prepend_axis_num`` axes of length 1 (layer-stacked keys); a view
+  of the live tensor, never a copy. Replicas (``replica_id`` != 0: DP ranks,
+  TP ranks of a replicated layernorm) describe the same box, so the planner
+  writes it once and balances the writers over the replicas.
+- ``ShardedObject`` -> one object keyed by its ``unique_key`` (``key/shard_...``);
+  replicas share the key and are written once.
+- ``ShardedTensorFactory`` (gated MLP, fused QKV, ...) -> built on save; on
+  load the built pieces are filled and the factory's ``merge_fn`` gives the
+  tensor, copied into the live one in place.
+- ``LocalNonpersistentObject`` -> not saved; on load the local value is used.
+- anything else in the dict (Megatron's "common" state: optimizer param
+  groups, the sharding type) -> one object, written by the coordinator, as
+  Megatron writes it from rank 0.
+
+Loading fills the live tensors in place (model) or the tensors the optimizer's
+``sharded_state_dict(is_loading=True)`` asks for, then hands the optimizer the
+state dict Megatron's own loader would (``optimizer.load_state_dict``). A
+tensor with ``allow_shape_mismatch`` (padded vocabulary) whose saved first
+dimension differs from the target's loads the rows both have; other rows keep
+their values.
+
+The distributed optimizer's layout is Megatron's ``fully_reshardable`` by
+default (model-space tensors: any TP/PP/DP change reloads); pass the optimizer
+as ``OptimizerLayout(opt, "dp_reshardable")`` to save Megatron's per-bucket
+flat layout instead (DP changes only, no gather at save). The layout is
+recorded and a load uses the saved one.
+
+This module imports Megatron only when the state may hold Megatron objects
+(``megatron.core`` already imported), so detection costs nothing elsewhere.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from bytecp.adapter_api import Adapter, LoadTarget
+from bytecp.dist import DistContext
+from bytecp.errors import ConfigError, StateMismatchError
+from bytecp.extras import PerRankState, RNGState
+from bytecp.format import Metadata
+from bytecp.regions import Region
+from bytecp.state import PerRank, Shard, Slot, TensorLeaf, Whole
+
+__all__ = [
+    "MegatronAdapter",
+    "OptimizerLayout",
+    "DEFAULT_OPTIMIZER_LAYOUT",
+    "Translation",
+    "translate",
+    "sharded_tensor_region",
+    "sharded_tensor_view",
+    "clip_to_saved",
+    "rebuild",
+]
+
+#: the distributed optimizer layout saved unless the caller picks another:
+#: model-space tensors that reload under any TP, PP and DP
+DEFAULT_OPTIMIZER_LAYOUT = "fully_reshardable"
+#: layouts Megatron 0.16 offers for the distributed optimizer that bytecp saves
+LAYOUTS = ("fully_reshardable", "dp_reshardable")
+#: the tree key of the common (non-sharded) part of one sharded state dict
+COMMON = "__common__"
+
+
+@dataclasses.dataclass
+class OptimizerLayout:
+    """A Megatron optimizer with the distributed-optimizer layout to save it in."""
+
+    optimizer: Any
+    layout: str = DEFAULT_OPTIMIZER_LAYOUT
+
+    def __post_init__(self) -> None:
+        if self.layout not in LAYOUTS:
+            raise ConfigError(
+                f"distributed optimizer layout {self.layout!r} is not supported; use one of {list(LAYOUTS)}"
+            )
+
+
+# ------------------------------------------------------------------ megatron types
+def _megatron_loaded() -> bool:
+    return "megatron.core" in sys.modules
+
+
+@dataclasses.dataclass(frozen=True)
+class _Types:
+    ShardedBase: type
+    ShardedTensor: type
+    ShardedObject: type
+    ShardedTensorFactory: type
+    LocalNonpersistentObject: type
+    MegatronModule: type
+    DataParallel: type
+    MegatronOptimizer: type
+
+
+def _types() -> _Types:
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedBase,
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
+    from megatron.core.distributed.data_parallel_base import _BaseDataParallel
+    from megatron.core.optimizer import MegatronOptimizer
+    from megatron.core.transformer.module import MegatronModule
+
+    return _Types(
+        ShardedBase, ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonpersistentObject,
+        MegatronModule, _BaseDataParallel, MegatronOptimizer,
+    )
+
+
+# ------------------------------------------------------------------ pure translation
+def sharded_tensor_region(
+    key: str,
+    global_shape: tuple[int, ...],
+    global_offset: tuple[int, ...],
+    local_shape: tuple[int, ...],
+    prepend_axis_num: int,
+) -> Region:
+    """The box a ShardedTensor's local data covers in its global tensor."""
+    lengths = (1,) * prepend_axis_num + tuple(int(n) for n in local_shape)
+    if len(lengths) != len(global_shape) or len(global_offset) != len(global_shape):
+        raise ConfigError(
+            f"Megatron sharded tensor {key!r}: local shape {list(local_shape)} with {prepend_axis_num} "
+            f"prepended axes and offset {list(global_offset)} do not match global shape "
+            f"{list(global_shape)}; the model's sharded_state_dict() is inconsistent"
+        )
+    region = Region.of(global_offset, lengths)
+    if any(e > g for e, g in zip(region.ends, global_shape, strict=True)):
+        raise ConfigError(
+            f"Megatron sharded tensor {key!r}: box {region} lies outside its global shape "
+            f"{list(global_shape)}"
+        )
+    return region
+
+
+def sharded_tensor_view(data: torch.Tensor, prepend_axis_num: int) -> torch.Tensor:
+    """The local data as a view with the prepended (layer) axes; never a copy."""
+    t = data.detach()
+    for _ in range(prepend_axis_num):
+        t = t.unsqueeze(0)
+    return t
+
+
+def clip_to_saved(
+    leaf: TensorLeaf, saved_shape: tuple[int, ...]
+) -> TensorLeaf:
+    """A target leaf of a padded tensor (``allow_shape_mismatch``) clipped to the
+    saved global shape: each box keeps the part the checkpoint holds."""
+    full = Region((0,) * len(saved_shape), tuple(saved_shape))
+    shards = []
+    for sh in leaf.shards:
+        part = sh.region.intersect(full)
+        if part is None:
+            continue
+        shards.append(Shard(part, sh.tensor[part.relative_to(sh.region).slices()]))
+    return TensorLeaf(tuple(saved_shape), leaf.dtype, shards)
+
+
+Path = tuple[Any, ...]
+
+
+@dataclasses.dataclass
+class _Binding:
+    """Where a value of the sharded state dict goes back after a load."""
+
+    path: Path
+    kind: str  # "tensor" | "object" | "local" | "factory"
+    ref: Any  # ShardedTensor | unique key | local value | (factory, sub-translation)
+
+
+@dataclasses.dataclass
+class Translation:
+    """One sharded state dict as the core's tree, and how to put values back.
+
+    ``tensors``: checkpoint key -> leaf (views of the local data);
+    ``objects``: ShardedObject unique key -> data; ``common``: the dict with
+    every sharded entry removed (``None`` when nothing is left);
+    ``duplicates``: (kept view, other view) pairs of one box held twice on this
+    rank (filled once, copied on load).
+    """
+
+    tensors: dict[str, TensorLeaf]
+    objects: dict[str, Any]
+    common: Any
+    bindings: list[_Binding]
+    asm: set[str]  # keys whose ShardedTensors allow a shape mismatch (padding)
+    duplicates: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def tree(self, *, target: bool) -> dict[str, Any]:
+        out: dict[str, Any] = dict(self.tensors)
+        for k, v in self.objects.items():
+            out[k] = Slot() if target else Whole(v)
+        if self.common is not None:
+            out[COMMON] = Slot() if target else Whole(self.common)
+        return out
+
+
+def _path_str(path: Path) -> str:
+    return ".".join(str(p) for p in path) or "<root>"
+
+
+def translate(sd: Any, types: _Types, *, where: str) -> Translation:
+    """Walk a Megatron sharded state dict (dicts and lists) into a
+    :class:`Translation`. ``where`` names the state entry in errors."""
+    tr = Translation({}, {}, None, [], set(), [])
+    _walk_into(tr, sd, (), types, where)
+    tr.common = _strip(sd, types)
+    return tr
+
+
+def _walk_into(tr: Translation, node: Any, path: Path, types: _Types, where: str) -> None:
+    if isinstance(node, dict):
+        for k, v in node.items():
+            _walk_into(tr, v, (*path, k), types, where)
+        return
+    if isinstance(node, list):
+        for i, v in enumerate(node):
+            _walk_into(tr, v, (*path, i), types, where)
+        return
+    if isinstance(node, types.ShardedTensor):
+        _add_tensor(tr, node, path, where)
+        tr.bindings.append(_Binding(path, "tensor", node))
+        return
+    if isinstance(node, types.ShardedObject):
+        key = node.unique_key
+        tr.objects.setdefault(key, node.data)
+        tr.bindings.append(_Binding(path, "object", key))
+        return
+    if isinstance(node, types.ShardedTensorFactory):
+        try:
+            built = node.build()
+        except Exception as e:
+            raise ConfigError(
+                f"{where}: Megatron ShardedTensorFactory {node.key!r} at {_path_str(path)} failed to "
+                f"build its tensors ({type(e).__name__}: {e}); bytecp saves what the factory builds, "
+                "so the model's sharded_state_dict() must produce a factory that builds"
+            ) from e
+        sub = Translation(tr.tensors, tr.objects, None, [], tr.asm, tr.duplicates)
+        _walk_into(sub, built, (), types, f"{where} (factory {node.key!r})")
+        if _strip(built, types) is not None:
+            raise ConfigError(
+                f"{where}: Megatron ShardedTensorFactory {node.key!r} at {_path_str(path)} builds "
+                "plain values besides sharded tensors/objects; bytecp cannot merge those back on "
+                "load. Save this model with Megatron's dist_checkpointing, or report the factory"
+            )
+        tr.bindings.append(_Binding(path, "factory", (node, built, sub)))
+        return
+    if isinstance(node, types.LocalNonpersistentObject):
+        tr.bindings.append(_Binding(path, "local", node))
+        return
+    if isinstance(node, types.ShardedBase):
+        raise ConfigError(
+            f"{where}: entry {_path_str(path)} is a Megatron {type(node).__name__} "
+            f"(key {getattr(node, 'key', '?')!r}), which bytecp does not know how to save; "
+            "it handles ShardedTensor, ShardedObject, ShardedTensorFactory and "
+            "LocalNonpersistentObject. Build that entry as one of those, or save with "
+            "Megatron's dist_checkpointing"
+        )
+    # anything else is common state (kept by _strip)
+
+
+def _add_tensor(tr: Translation, st: Any, path: Path, where: str) -> None:
+    if st.data is None:
+        raise ConfigError(f"{where}: Megatron sharded tensor {st.key!r} at {_path_str(path)} has no data")
+    if getattr(st, "flattened_range", None) is not None:
+        raise ConfigError(
+            f"{where}: Megatron sharded tensor {st.key!r} uses flattened_range, which Megatron-Core "
+            "0.16 no longer supports; use the fully_reshardable or dp_reshardable optimizer layout"
+        )
+    region = sharded_tensor_region(
+        st.key, tuple(st.global_shape), tuple(st.global_offset), tuple(st.local_shape), st.prepend_axis_num
+    )
+    view = sharded_tensor_view(st.data, st.prepend_axis_num)
+    leaf = tr.tensors.get(st.key)
+    if leaf is None:
+        leaf = tr.tensors[st.key] = TensorLeaf(tuple(st.global_shape), st.dtype, [])
+    elif (leaf.global_shape, leaf.dtype) != (tuple(st.global_shape), st.dtype):
+        raise ConfigError(
+            f"{where}: Megatron sharded tensor {st.key!r} appears twice on this rank with "
+            f"different global shapes/dtypes ({list(leaf.global_shape)} {leaf.dtype} and "
+            f"{list(st.global_shape)} {st.dtype})"
+        )
+    for sh in leaf.shards:
+        if sh.region == region:
+            if sh.tensor.data_ptr() != view.data_ptr():
+                tr.duplicates.append((sh.tensor, view))
+            return
+    leaf.shards.append(Shard(region, view))
+    if st.allow_shape_mismatch:
+        tr.asm.add(st.key)
+
+
+def _strip(node: Any, types: _Types) -> Any:
+    """``node`` without its sharded entries (Megatron's "common" state), or None."""
+    sharded = (types.ShardedBase, types.LocalNonpersistentObject)
+    if isinstance(node, dict):
+        out = {}
+        for k, v in node.items():
+            if isinstance(v, sharded):
+                continue
+            s = _strip(v, types)
+            if s is not None or not isinstance(v, (dict, list)):
+                out[k] = s
+        return out or None
+    if isinstance(node, list):
+        items = [_strip(v, types) for v in node if not isinstance(v, sharded)]
+        kept = [s for s, v in zip(items, [v for v in node if not isinstance(v, sharded)], strict=True)
+                if s is not None or not isinstance(v, (dict, list))]
+        return kept or None
+    return node
+
+
+def _set_path(root: Any, path: Path, value: Any) -> Any:
+    if not path:
+        return value
+    node = root
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return root
+
+
+def _skeleton(node: Any, types: _Types) -> Any:
+    """A copy of the dict/list structure of a sharded state dict (leaves kept)."""
+    if isinstance(node, dict):
+        return {k: _skeleton(v, types) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_skeleton(v, types) for v in node]
+    return node
+
+
+def _merge_common(structure: Any, common: Any) -> Any:
+    """Megatron's merge: saved common values overwrite the structure's plain values."""
+    if isinstance(structure, dict) and isinstance(common, dict):
+        for k, v in common.items():
+            structure[k] = _merge_common(structure[k], v) if k in structure else v
+        return structure
+    if isinstance(structure, list) and isinstance(common, list) and len(structure) == len(common):
+        return [_merge_common(s, c) for s, c in zip(structure, common, strict=True)]
+    return common
+
+
+def rebuild(sd: Any, tr: Translation, objects: dict[str, Any], common: Any, types: _Types) -> Any:
+    """The loaded state dict Megatron's own loader returns: the sharded dict's
+    structure with tensors (already filled in place), loaded objects, merged
+    factories, local values, and the saved common values."""
+    out = _skeleton(sd, types)
+    if common is not None:
+        out = _merge_common(out, copy.deepcopy(common))
+    with torch.no_grad():
+        for kept, other in tr.duplicates:  # one box held twice on this rank: filled once
+            other.copy_(kept)
+    for b in tr.bindings:
+        out = _set_path(out, b.path, _bound_value(b, objects, types))
+    return out
+
+
+def _bound_value(b: _Binding, objects: dict[str, Any], types: _Types) -> Any:
+    if b.kind == "tensor":
+        return b.ref.data
+    if b.kind == "object":
+        return objects[b.ref]
+    if b.kind == "local":
+        return b.ref.unwrap()
+    factory, built, sub = b.ref
+    loaded = _skeleton(built, types)
+    for sb in sub.bindings:
+        loaded = _set_path(loaded, sb.path, _bound_value(sb, objects, types))
+    return factory.merge_fn(loaded)
+
+
+# ------------------------------------------------------------------ the adapter
+def _unwrap(module: Any, types: _Types) -> Any:
+    while isinstance(module, types.DataParallel):
+        module = module.module
+    return module
+
+
+def _model_chunks(v: Any, types: _Types) -> list[Any] | None:
+    """The Megatron model chunks ``v`` is (a module, a DDP-wrapped one, or a
+    list of virtual-pipeline chunks), or None."""
+    if isinstance(v, types.MegatronModule):
+        return [_unwrap(v, types)]
+    if isinstance(v, (list, tuple)) and v and all(isinstance(c, types.MegatronModule) for c in v):
+        return [_unwrap(c, types) for c in v]
+    return None
+
+
+def _is_optimizer(v: Any, types: _Types) -> bool:
+    return isinstance(v, OptimizerLayout) or isinstance(v, types.MegatronOptimizer)
+
+
+def _model_sharded(chunks: list[Any]) -> Any:
+    """The model's sharded state dict as Megatron's training loop builds it
+    (``model0``, ``model1``, ... for virtual pipeline chunks)."""
+    if len(chunks) == 1:
+        return chunks[0].sharded_state_dict()
+    from megatron.core import parallel_state
+
+    out = {}
+    for i, c in enumerate(chunks):
+        parallel_state.set_virtual_pipeline_model_parallel_rank(i)
+        out[f"model{i}"] = c.sharded_state_dict()
+    parallel_state.set_virtual_pipeline_model_parallel_rank(0)
+    return out
+
+
+@dataclasses.dataclass
+class _Entry:
+    key: str
+    kind: str  # "model" | "optimizer" | "other"
+    value: Any
+    chunks: list[Any] | None = None
+    sd: Any = None
+    tr: Translation | None = None
+    layout: str | None = None
+
+
+def _entries(state: dict[str, Any], types: _Types) -> list[_Entry]:
+    out = []
+    for k, v in state.items():
+        chunks = _model_chunks(v, types)
+        if chunks is not None:
+            out.append(_Entry(str(k), "model", v, chunks))
+        elif _is_optimizer(v, types):
+            out.append(_Entry(str(k), "optimizer", v))
+        else:
+            out.append(_Entry(str(k), "other", v))
+    models = [e for e in out if e.kind == "model"]
+    if any(e.kind == "optimizer" for e in out) and len(models) != 1:
+        raise ConfigError(
+            "a Megatron optimizer is saved from the model's sharded state dict: pass exactly one "
+            f"Megatron model (or list of virtual-pipeline chunks) beside it; found {len(models)}"
+        )
+    return out
+
+
+def _optimizer_sharded(entry: _Entry, model_sd: Any, layout: str, *, loading: bool) -> Any:
+    opt = entry.value.optimizer if isinstance(entry.value, OptimizerLayout) else entry.value
+    return opt.sharded_state_dict(
+        model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": layout}
+    )
+
+
+def _optimizer_of(v: Any) -> Any:
+    return v.optimizer if isinstance(v, OptimizerLayout) else v
+
+
+class MegatronAdapter(Adapter):
+    """Megatron-Core models (TP/PP/DP, virtual pipeline chunks) and optimizers."""
+
+    name = "megatron"
+
+    @classmethod
+    def detect(cls, state: dict[str, Any]) -> bool:
+        if not _megatron_loaded():
+            return False
+        try:
+            types = _types()
+        except ImportError:
+            return False
+        return any(_model_chunks(v, types) is not None or _is_optimizer(v, types) for v in state.values())
+
+    # ------------------------------------------------------------- save
+    def save_tree(self, state: dict[str, Any], ctx: DistContext) -> Any:
+        """(all ranks) The tree of every entry; the optimizer's sharded dict may
+        run collectives (fully_reshardable gathers over DP), so all ranks call it."""
+        types = _types()
+        entries = _entries(state, types)
+        tree: dict[str, Any] = {}
+        model_sd = None
+        for e in entries:
+            if e.kind == "model":
+                assert e.chunks is not None
+                model_sd = _model_sharded(e.chunks)
+                tree[e.key] = translate(model_sd, types, where=e.key).tree(target=False)
+        for e in entries:
+            if e.kind == "optimizer":
+                layout = e.value.layout if isinstance(e.value, OptimizerLayout) else DEFAULT_OPTIMIZER_LAYOUT
+                sd = _optimizer_sharded(e, model_sd, layout, loading=False)
+                tree[e.key] = translate(sd, types, where=e.key).tree(target=False)
+            elif e.kind == "other":
+                tree[e.key] = _plain_save(e.value)
+        return {k: tree[str(k)] for k in state}
+
+    def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
+        out: dict[str, Any] = {"world_size": ctx.world_size}
+        try:
+            from megatron.core import parallel_state
+
+            if parallel_state.model_parallel_is_initialized():
+                out["tensor_parallel"] = parallel_state.get_tensor_model_parallel_world_size()
+                out["pipeline_parallel"] = parallel_state.get_pipeline_model_parallel_world_size()
+                out["data_parallel"] = parallel_state.get_data_parallel_world_size()
+        except Exception:  # pragma: no cover - informational only
+            pass
+        types = _types()
+        layouts = {
+            str(k): (v.layout if isinstance(v, OptimizerLayout) else DEFAULT_OPTIMIZER_LAYOUT)
+            for k, v in state.items()
+            if _is_optimizer(v, types)
+        }
+        if layouts:
+            out["optimizer_layout"] = layouts
+        return out
+
+    # ------------------------------------------------------------- load
+    def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
+        """(all ranks) Targets: the live model tensors and the tensors the
+        optimizer's loading sharded dict holds; ``finalize`` applies factories,
+        objects and common values (model) and ``optimizer.load_state_dict``."""
+        types = _types()
+        entries = _entries(state, types)
+        saved_layouts = md.parallelism.get("optimizer_layout") or {}
+        tree: dict[str, Any] = {}
+        finalizers: list[Callable[[dict[str, Any]], None]] = []
+        model_sd = None
+        for e in entries:
+            if e.kind == "model":
+                assert e.chunks is not None
+                model_sd = _model_sharded(e.chunks)
+                e.sd = model_sd
+        for e in entries:
+            if e.kind == "model":
+                e.tr = translate(e.sd, types, where=e.key)
+            elif e.kind == "optimizer":
+                e.layout = _load_layout(e, saved_layouts)
+                e.sd = _optimizer_sharded(e, model_sd, e.layout, loading=True)
+                e.tr = translate(e.sd, types, where=e.key)
+            if e.tr is not None:
+                tree[e.key] = _target_tree(e.key, e.tr, md)
+                finalizers.append(_finalizer(e, types))
+            else:
+                tree[e.key] = _plain_target(e.key, e.value, state, finalizers)
+
+        def finalize(values: dict[str, Any]) -> None:
+            for f in finalizers:
+                f(values)
+
+        return LoadTarget({k: tree[str(k)] for k in state}, finalize)
+
+
+def _load_layout(e: _Entry, saved: dict[str, Any]) -> str:
+    saved_layout = saved.get(e.key)
+    if isinstance(e.value, OptimizerLayout):
+        if saved_layout is not None and saved_layout != e.value.layout:
+            raise ConfigError(
+                f"optimizer {e.key!r}: the checkpoint holds the {saved_layout!r} distributed-optimizer "
+                f"layout, not {e.value.layout!r}; load it with OptimizerLayout(opt, {saved_layout!r}) "
+                "or the plain optimizer"
+            )
+        return e.value.layout
+    return str(saved_layout or DEFAULT_OPTIMIZER_LAYOUT)
+
+
+def _target_tree(key: str, tr: Translation, md: Metadata) -> dict[str, Any]:
+    tree = tr.tree(target=True)
+    for k in tr.asm:
+        info = md.tensors.get(f"{key}.{k}")
+        if info is None:
+            continue
+        saved = tuple(info["shape"])
+        leaf = tr.tensors[k]
+        if saved != leaf.global_shape and len(saved) == len(leaf.global_shape) and saved[1:] == leaf.global_shape[1:]:
+            tree[k] = clip_to_saved(leaf, saved)
+    return tree
+
+
+def _finalizer(e: _Entry, types: _Types) -> Callable[[dict[str, Any]], None]:
+    tr = e.tr
+    assert tr is not None
+
+    def objects_of(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+        objs = {k: values[f"{e.key}.{k}"] for k in tr.objects if f"{e.key}.{k}" in values}
+        missing = [k for k in tr.objects if k not in objs]
+        if missing:
+            raise StateMismatchError(
+                f"{e.key}: the checkpoint lacks Megatron objects {missing[:5]}; was it saved "
+                "from the same model?"
+            )
+        return objs, values.get(f"{e.key}.{COMMON}")
+
+    if e.kind == "optimizer":
+        def finalize_optimizer(values: dict[str, Any]) -> None:
+            objs, common = objects_of(values)
+            loaded = rebuild(e.sd, tr, objs, common, types)
+            _optimizer_of(e.value).load_state_dict(loaded)
+
+        return finalize_optimizer
+
+    def finalize_model(values: dict[str, Any]) -> None:
+        objs, common = objects_of(values)
+        loaded = rebuild(e.sd, tr, objs, common, types)
+        with torch.no_grad():
+            for b in tr.bindings:
+                if b.kind == "factory":
+                    factory = b.ref[0]
+                    merged = _get_path(loaded, b.path)
+                    if isinstance(merged, torch.Tensor) and merged.data_ptr() != factory.data.data_ptr():
+                        factory.data.detach().copy_(merged)
+        # non-tensor entries (extra state, common values) through the modules
+        # themselves; tensors are already in place
+        assert e.chunks is not None
+        parts = [loaded] if len(e.chunks) == 1 else [loaded[f"model{i}"] for i in range(len(e.chunks))]
+        for chunk, part in zip(e.chunks, parts, strict=True):
+            own = set(chunk.state_dict(keep_vars=True))
+            rest = {k: v for k, v in part.items() if k in own and not isinstance(v, torch.Tensor)}
+            if rest:
+                chunk.load_state_dict(rest, strict=False)
+
+    return finalize_model
+
+
+def _get_path(root: Any, path: Path) -> Any:
+    for p in path:
+        root = root[p]
+    return root
+
+
+# ------------------------------------------------------------------ other entries
+def _is_stateful(v: Any) -> bool:
+    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
+
+
+def _is_per_rank(v: Any) -> bool:
+    if isinstance(v, (RNGState, PerRankState)):
+        return True
+    return _is_stateful(v) and "dataloader" in type(v).__name__.lower()
+
+
+def _plain_save(v: Any) -> Any:
+    """Entries beside the Megatron ones (RNG, dataloader, step counters):
+    per-rank values per rank, stateful objects by their state dict, the rest as is."""
+    if _is_per_rank(v):
+        return PerRank(v.state_dict())
+    if _is_stateful(v):
+        return v.state_dict()
+    return v
+
+
+def _plain_target(
+    key: str, v: Any, parent: dict[str, Any], finalizers: list[Callable[[dict[str, Any]], None]]
+) -> Any:
+    if _is_stateful(v):
+        def apply(values: dict[str, Any]) -> None:
+            if key in values:
+                v.load_state_dict(values[key])
+
+        finalizers.append(apply)
+        return Slot(per_rank=_is_per_rank(v))
+
+    def put(values: dict[str, Any]) -> None:
+        if key in values:
+            parent[key] = values[key]
+
+    finalizers.append(put)
+    return Slot(default=v)
