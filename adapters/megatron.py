@@ -463,6 +463,26 @@ def _optimizer_of(v: Any) -> Any:
     return v.optimizer if isinstance(v, OptimizerLayout) else v
 
 
+def _init_fresh_state(opt: Any) -> None:
+    """(load, all ranks) Give a never-stepped optimizer its state, as Megatron's
+    ``init_state_fn`` does, plus torch Adam's ``step``: Megatron 0.16 without
+    Apex/TE cannot describe an optimizer whose state is empty (its
+    ``state_dict`` reads every parameter's ``step``). The values are
+    overwritten by the load."""
+    for o in getattr(opt, "chained_optimizers", None) or [opt]:
+        inner = getattr(o, "optimizer", None)
+        init = getattr(o, "init_state_fn", None)
+        if inner is None or init is None or not isinstance(inner, torch.optim.Optimizer):
+            continue
+        params = [p for g in inner.param_groups for p in g["params"]]
+        if not any(len(inner.state[p]) == 0 for p in params):
+            continue
+        init(inner, getattr(o, "config", None))
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            for p in params:
+                inner.state[p].setdefault("step", torch.tensor(0.0))
+
+
 class MegatronAdapter(Adapter):
     """Megatron-Core models (TP/PP/DP, virtual pipeline chunks) and optimizers."""
 
@@ -542,6 +562,7 @@ class MegatronAdapter(Adapter):
                 e.tr = translate(e.sd, types, where=e.key)
             elif e.kind == "optimizer":
                 e.layout = _load_layout(e, saved_layouts)
+                _init_fresh_state(_optimizer_of(e.value))
                 e.sd = _optimizer_sharded(e, model_sd, e.layout, loading=True)
                 e.tr = translate(e.sd, types, where=e.key)
             if e.tr is not None:
@@ -601,7 +622,7 @@ def _finalizer(e: _Entry, types: _Types) -> Callable[[dict[str, Any]], None]:
         def finalize_optimizer(values: dict[str, Any]) -> None:
             objs, common = objects_of(values)
             loaded = rebuild(e.sd, tr, objs, common, types)
-            _optimizer_of(e.value).load_state_dict(loaded)
+            _load_optimizer(_optimizer_of(e.value), loaded)
 
         return finalize_optimizer
 
@@ -626,6 +647,48 @@ def _finalizer(e: _Entry, types: _Types) -> Callable[[dict[str, Any]], None]:
                 chunk.load_state_dict(rest, strict=False)
 
     return finalize_model
+
+
+def _load_optimizer(opt: Any, loaded: Any) -> None:
+    """(all ranks) ``opt.load_state_dict(loaded)``, as Megatron's own loader
+    calls it, except for one Megatron 0.16 defect: with torch's Adam (no
+    Apex/TE) the distributed optimizer keeps ``step`` in every parameter's
+    state and its parameter-state loaders then look for a ``step`` tensor the
+    checkpoint format never holds (KeyError), and all parameters share one
+    ``step`` tensor (so the next step advances it once per parameter). There
+    the non-parameter state is loaded first (it sets ``step`` from the param
+    groups), the parameter state with ``step`` set aside, and every parameter
+    gets its own ``step``."""
+    subs = getattr(opt, "chained_optimizers", None)
+    if subs is not None:
+        if len(subs) == 1:
+            _load_optimizer(subs[0], loaded)
+            return
+        parts = (v for _, v in sorted(loaded.items())) if isinstance(loaded, dict) else loaded
+        with torch.no_grad():
+            for sub, part in zip(subs, parts, strict=True):
+                _load_optimizer(sub, part)
+        sync = getattr(opt, "_synchronize_steps", None)
+        if callable(sync):
+            sync()
+        return
+    inner = getattr(opt, "optimizer", None)
+    kind = loaded.get("param_state_sharding_type") if isinstance(loaded, dict) else None
+    load_params = getattr(opt, f"load_parameter_state_from_{kind}", None) if kind else None
+    if load_params is None or not isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+        opt.load_state_dict(loaded)
+        return
+    rest = {k: v for k, v in loaded.items() if k not in ("param_state", "param_state_sharding_type")}
+    opt.load_state_dict(rest)
+    steps = {p: st.pop("step") for p, st in inner.state.items() if "step" in st}
+    try:
+        with torch.no_grad():
+            load_params(loaded["param_state"])
+    finally:
+        # one tensor per parameter: Megatron hands every parameter the same
+        # step tensor, which torch's Adam then increments once per parameter
+        for p, step in steps.items():
+            inner.state[p]["step"] = step.detach().clone()
 
 
 def _get_path(root: Any, path: Path) -> Any:

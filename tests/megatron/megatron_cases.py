@@ -226,7 +226,8 @@ def save(url: str, with_optimizer: bool = False, **kw: Any) -> None:
     state: dict[str, Any] = {"model": _STATE.get("ddp", _STATE["model"])}
     if with_optimizer:
         state["optimizer"] = _STATE["optimizer"]
-    bytecp.save(url, state, **kw)
+    with CpuDeviceMode():
+        bytecp.save(url, state, **kw)
 
 
 def load(url: str, with_optimizer: bool = False, **kw: Any) -> None:
@@ -283,4 +284,56 @@ def load_and_report(url: str, **build_kw: Any) -> dict[str, Any]:
     out = {"model": full_model_state(), "before": before}
     if build_kw.get("pp", 1) == 1:
         out["logits"] = forward()
+    return out
+
+
+def full_optimizer_state() -> dict[str, torch.Tensor]:
+    """(all ranks) The distributed optimizer's state (fp32 main params, Adam
+    moments) as full model-space tensors, from Megatron's fully_reshardable
+    description gathered over all ranks; plus the step of each param group."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    opt = _STATE["optimizer"]
+    with CpuDeviceMode():
+        osd = opt.sharded_state_dict(
+            _STATE["model"].sharded_state_dict(), metadata={"distrib_optim_sharding_type": "fully_reshardable"}
+        )
+    out = _global_full([v for v in nested_values(osd) if isinstance(v, ShardedTensor)])
+    steps = {
+        float(st["step"])
+        for o in getattr(opt, "chained_optimizers", [opt])
+        for st in o.optimizer.state.values()
+        if "step" in st
+    }
+    out["__steps__"] = torch.tensor(sorted(steps))
+    return out
+
+
+def save_optimizer_reference(url: str, layout: str | None = None, **build_kw: Any) -> dict[str, Any]:
+    """(all ranks) Build with the distributed optimizer, train two steps, save
+    model and optimizer, then train two more steps: the losses a resumed run
+    must reproduce."""
+    build(dist_opt=True, **build_kw)
+    train_step(1)
+    train_step(2)
+    ref = {"model": full_model_state(), "optim": full_optimizer_state()}
+    state: dict[str, Any] = {"model": _STATE["ddp"], "optimizer": _STATE["optimizer"]}
+    if layout is not None:
+        from bytecp.adapters.megatron import OptimizerLayout
+
+        state["optimizer"] = OptimizerLayout(_STATE["optimizer"], layout)
+    with CpuDeviceMode():
+        bytecp.save(url, state)
+    ref["losses"] = [train_step(3), train_step(4)]
+    return ref
+
+
+def load_optimizer_and_report(url: str, **build_kw: Any) -> dict[str, Any]:
+    """(all ranks) Build with other weights and a fresh distributed optimizer,
+    load ``url``, report the state, then train the same two steps."""
+    build(dist_opt=True, seed=99, **build_kw)
+    load(url, with_optimizer=True)
+    out = {"model": full_model_state(), "optim": full_optimizer_state()}
+    out["losses"] = [train_step(3), train_step(4)]
     return out
