@@ -337,3 +337,62 @@ def load_optimizer_and_report(url: str, **build_kw: Any) -> dict[str, Any]:
     out = {"model": full_model_state(), "optim": full_optimizer_state()}
     out["losses"] = [train_step(3), train_step(4)]
     return out
+
+
+def save_with_bad_entry(url: str, kind: str) -> str:
+    """(all ranks) Save a model whose sharded state dict holds an entry bytecp
+    cannot handle; returns the error bytecp raised (type: message)."""
+    from megatron.core.dist_checkpointing.mapping import ShardedBase, ShardedTensorFactory
+
+    model = _STATE["model"]
+    real = model.sharded_state_dict
+
+    class CustomSharded(ShardedBase):  # a ShardedBase kind bytecp does not know
+        key = "custom.thing"
+        data = None
+        replica_id = 0
+
+        def validate_metadata_integrity(self) -> None:
+            pass
+
+        def without_data(self) -> Any:
+            return self
+
+    def broken_build(key: str, data: Any, replica_id: Any, flattened_range: Any) -> Any:
+        raise RuntimeError("this factory cannot build")
+
+    def patched(*a: Any, **k: Any) -> Any:
+        sd = real(*a, **k)
+        if kind == "unknown":
+            sd["decoder.custom"] = CustomSharded()
+        else:
+            sd["decoder.broken"] = ShardedTensorFactory(
+                "decoder.broken.weight", torch.zeros(2), broken_build, lambda x: x
+            )
+        return sd
+
+    model.sharded_state_dict = patched
+    try:
+        save(url)
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    finally:
+        del model.sharded_state_dict
+    return "no error"
+
+
+def save_load_dp_reshardable(url: str) -> dict[str, Any]:
+    """(all ranks) Megatron's per-bucket flat layout: save at DP=2, reload at
+    DP=2 into a fresh optimizer; full state before and after."""
+    ref = save_optimizer_reference(url, layout="dp_reshardable", tp=1)
+    got = load_optimizer_and_report(url, tp=1)
+    return {"ref": ref, "got": got}
+
+
+def load_padded(url: str, vocab: int) -> dict[str, Any]:
+    """(all ranks) Load into a TP=1 model whose vocabulary is padded to
+    ``vocab`` rows; report the embedding and output rows before and after."""
+    build(1, seed=99, vocab=vocab)
+    before = full_model_state()
+    load(url)
+    return {"before": before, "model": full_model_state()}

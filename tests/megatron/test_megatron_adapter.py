@@ -1,0 +1,200 @@
+"""Megatron-Core on real gloo ranks: a tiny GPTModel saved at one TP/PP/DP
+layout and loaded at another, every tensor compared bitwise with the full
+tensors assembled from Megatron's own sharding description of the saving job.
+
+One pool of two spawned ranks serves every check (spawning and importing
+Megatron costs 10-20 s per process here); each case rebuilds Megatron's
+model-parallel groups on it. The CPU patches are in ``megatron_cases``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import bytecp
+from bytecp import engine
+from bytecp.storage_api import open_storage
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed (make test installs it)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import megatron_cases as mc  # noqa: E402
+from dist.pool import WorkerPool  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+EMB = "embedding.word_embeddings.weight"
+OUT = "output_layer.weight"
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    p = WorkerPool(2, env={"PYTHONWARNINGS": "ignore"})
+    yield p
+    p.close()
+
+
+def assert_model_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:
+    assert set(ref) == set(got), what
+    for k, v in ref.items():
+        assert not torch.isnan(v).any(), f"{what}: reference {k} not fully covered"
+        assert torch.equal(v, got[k]), f"{what}: {k} differs"
+
+
+def assert_reloaded(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    # the fresh model really differed: the load did the work
+    assert any(not torch.equal(ref["model"][k], got["before"][k]) for k in ref["model"]), what
+    assert_model_equal(ref["model"], got["model"], what)
+
+
+def saved_bytes(url: str) -> tuple[int, int]:
+    """(bytes in the checkpoint's chunks, bytes of its tensors' global shapes)."""
+    storage = open_storage(url)
+    md = engine.read_metadata(storage)
+    chunks = engine.read_chunks(storage, md)
+    written = sum(c.nbytes for c in chunks)
+    tensors = 0
+    for info in md.tensors.values():
+        n = 1
+        for s in info["shape"]:
+            n *= s
+        tensors += n * torch.tensor([], dtype=getattr(torch, info["dtype"])).element_size()
+    return written, tensors
+
+
+def test_gpt_tp2_reloads_at_tp2_and_tp1_and_in_one_process(pool: WorkerPool, tmp_path: Path) -> None:
+    url = str(tmp_path / "tp2")
+    ref = pool.run(mc.save_reference, url, tp=2)[0]
+
+    md = engine.read_metadata(open_storage(url))
+    assert md.framework == "megatron"
+    assert md.parallelism["tensor_parallel"] == 2 and md.parallelism["data_parallel"] == 1
+    # replicated tensors (layernorms, position embeddings: one copy per TP
+    # rank) are written once: the checkpoint holds each element exactly once
+    written, total = saved_bytes(url)
+    assert written == total
+
+    same = pool.run(mc.load_and_report, url, tp=2, seed=99)[0]
+    assert_reloaded(ref, same, "TP=2 -> TP=2")
+    assert torch.equal(ref["logits"], same["logits"])
+
+    fewer = pool.run(mc.load_and_report, url, tp=1, seed=99)[0]
+    assert_reloaded(ref, fewer, "TP=2 -> TP=1 (DP=2)")
+    torch.testing.assert_close(ref["logits"], fewer["logits"], atol=1e-6, rtol=0)
+
+    # the evaluation hand-off: one process, no torch.distributed, full tensors
+    sd = bytecp.load_state_dict(url)["model"]
+    tensors = {k: v for k, v in sd.items() if isinstance(v, torch.Tensor)}
+    assert_model_equal(ref["model"], tensors, "load_state_dict")
+    assert tensors[EMB].shape == (mc.VOCAB, mc.HIDDEN)
+    # the only other entries are Megatron's (empty) extra states
+    assert all("_extra_state/shard_" in k for k in set(sd) - set(tensors))
+
+
+def test_swiglu_factory_tp2_to_tp1(pool: WorkerPool, tmp_path: Path) -> None:
+    """The gated MLP's fc1 is a ShardedTensorFactory: [gate_r; up_r] locally,
+    two boxes of the global [gate; up]."""
+    url = str(tmp_path / "swiglu")
+    ref = pool.run(mc.save_reference, url, tp=2, swiglu=True)[0]
+    got = pool.run(mc.load_and_report, url, tp=1, swiglu=True, seed=99)[0]
+    assert_reloaded(ref, got, "SwiGLU TP=2 -> TP=1")
+    torch.testing.assert_close(ref["logits"], got["logits"], atol=1e-6, rtol=0)
+    again = pool.run(mc.load_and_report, url, tp=2, swiglu=True, seed=99)[0]
+    assert_reloaded(ref, again, "SwiGLU TP=2 -> TP=2")
+    assert torch.equal(ref["logits"], again["logits"])
+
+
+@pytest.mark.slow
+def test_pp2_to_pp1(pool: WorkerPool, tmp_path: Path) -> None:
+    """Layer-stacked keys: each pipeline stage holds its layers at their global offsets."""
+    url = str(tmp_path / "pp2")
+    ref = pool.run(mc.save_reference, url, tp=1, pp=2)[0]
+    got = pool.run(mc.load_and_report, url, tp=1, pp=1, seed=99)[0]
+    assert_reloaded(ref, got, "PP=2 -> PP=1")
+    md = engine.read_metadata(open_storage(url))
+    assert md.parallelism["pipeline_parallel"] == 2
+
+
+def assert_optimizer_equal(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    assert_model_equal(ref["model"], got["model"], what)
+    assert set(ref["optim"]) == set(got["optim"]), what
+    for k, v in ref["optim"].items():
+        assert torch.equal(v, got["optim"][k]), f"{what}: optimizer {k} differs"
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_reshards_across_tp_and_dp(pool: WorkerPool, tmp_path: Path) -> None:
+    """fully_reshardable (the default): the fp32 main params and Adam moments
+    of a DP=2 job reload at TP=2/DP=1 and of a TP=2 job at TP=1/DP=2, equal
+    to the saved ones; training resumes with the same losses (bitwise at the
+    same layout, within float noise of the TP all-reduce otherwise)."""
+    url = str(tmp_path / "dp2")
+    ref = pool.run(mc.save_optimizer_reference, url, tp=1)[0]
+    assert len(ref["optim"]) > 3 * 10
+    got = pool.run(mc.load_optimizer_and_report, url, tp=2)[0]
+    assert_optimizer_equal(ref, got, "TP=1 DP=2 -> TP=2 DP=1")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+
+    url = str(tmp_path / "tp2")
+    ref = pool.run(mc.save_optimizer_reference, url, tp=2)[0]
+    got = pool.run(mc.load_optimizer_and_report, url, tp=1)[0]
+    assert_optimizer_equal(ref, got, "TP=2 DP=1 -> TP=1 DP=2")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+    same = pool.run(mc.load_optimizer_and_report, url, tp=2)[0]
+    assert_optimizer_equal(ref, same, "TP=2 -> TP=2")
+    assert same["losses"] == ref["losses"]
+
+    # one process: the optimizer state as full model-space tensors
+    sd = bytecp.load_state_dict(url)["optimizer"]
+    for k, v in ref["optim"].items():
+        if k != "__steps__":
+            assert torch.equal(v, sd[k]), k
+
+
+@pytest.mark.slow
+def test_distributed_optimizer_dp_reshardable_layout(pool: WorkerPool, tmp_path: Path) -> None:
+    url = str(tmp_path / "dpr")
+    out = pool.run(mc.save_load_dp_reshardable, url)[0]
+    assert_optimizer_equal(out["ref"], out["got"], "dp_reshardable DP=2 -> DP=2")
+    assert out["got"]["losses"] == out["ref"]["losses"]
+    md = engine.read_metadata(open_storage(url))
+    assert md.parallelism["optimizer_layout"] == {"optimizer": "dp_reshardable"}
+
+
+def test_padded_vocabulary_loads_common_rows(pool: WorkerPool, tmp_path: Path) -> None:
+    """allow_shape_mismatch: a 128-row vocabulary loads into a model padded to
+    136 rows; the rows past the saved ones keep their values."""
+    url = str(tmp_path / "vocab")
+    ref = pool.run(mc.save_reference, url, tp=2)[0]
+    got = pool.run(mc.load_padded, url, 136)[0]
+    for k in (EMB, OUT):
+        assert got["model"][k].shape == (136, mc.HIDDEN)
+        assert torch.equal(got["model"][k][: mc.VOCAB], ref["model"][k])
+        assert torch.equal(got["model"][k][mc.VOCAB :], got["before"][k][mc.VOCAB :])
+
+
+@pytest.mark.parametrize("kind,words", [
+    ("unknown", ["ConfigError", "decoder.custom", "CustomSharded", "custom.thing", "ShardedTensor"]),
+    ("factory", ["ConfigError", "decoder.broken", "decoder.broken.weight", "cannot build"]),
+])
+def test_unsupported_entries_fail_loudly_on_every_rank(
+    pool: WorkerPool, tmp_path: Path, kind: str, words: list[str]
+) -> None:
+    pool.run(mc.build, 2)
+    url = str(tmp_path / kind)
+    errors = pool.run(mc.save_with_bad_entry, url, kind)
+    for rank, err in enumerate(errors):
+        for w in words:
+            assert w in err, f"rank {rank}: {w!r} not in {err}"
+    assert not os.path.exists(os.path.join(url, "metadata.json"))
