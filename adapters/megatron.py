@@ -97,14 +97,16 @@ def _megatron_loaded() -> bool:
 
 @dataclasses.dataclass(frozen=True)
 class _Types:
-    ShardedBase: type
-    ShardedTensor: type
-    ShardedObject: type
-    ShardedTensorFactory: type
-    LocalNonpersistentObject: type
-    MegatronModule: type
-    DataParallel: type
-    MegatronOptimizer: type
+    """Megatron's classes, imported on first use (typed ``Any``: Megatron ships no stubs)."""
+
+    ShardedBase: Any
+    ShardedTensor: Any
+    ShardedObject: Any
+    ShardedTensorFactory: Any
+    LocalNonpersistentObject: Any
+    MegatronModule: Any
+    DataParallel: Any
+    MegatronOptimizer: Any
 
 
 def _types() -> _Types:
