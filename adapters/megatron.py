@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -49,10 +50,11 @@ import torch
 
 from bytecp.adapter_api import Adapter, LoadTarget
 from bytecp.dist import DistContext
+from bytecp.dtypes import dtype_from_name
 from bytecp.errors import ConfigError, StateMismatchError
 from bytecp.extras import PerRankState, RNGState
 from bytecp.format import Metadata
-from bytecp.regions import Region
+from bytecp.regions import Region, flat_range_to_boxes
 from bytecp.state import PerRank, Shard, Slot, TensorLeaf, Whole
 
 __all__ = [
@@ -68,10 +70,14 @@ __all__ = [
 ]
 
 #: the distributed optimizer layout saved unless the caller picks another:
-#: model-space tensors that reload under any TP, PP and DP
-DEFAULT_OPTIMIZER_LAYOUT = "fully_reshardable"
+#: model-space tensors that reload under any TP, PP and DP, written by each
+#: DP rank from its own flat ranges (no gather); the same tensors and keys as
+#: Megatron's "fully_reshardable", which gathers every DP rank's state first
+DEFAULT_OPTIMIZER_LAYOUT = "model_space"
 #: layouts Megatron 0.16 offers for the distributed optimizer that bytecp saves
-LAYOUTS = ("fully_reshardable", "dp_reshardable")
+LAYOUTS = ("model_space", "fully_reshardable", "dp_reshardable")
+#: layouts whose checkpoints hold the same tensors (each loads the other)
+_MODEL_SPACE = ("model_space", "fully_reshardable")
 #: the tree key of the common (non-sharded) part of one sharded state dict
 COMMON = "__common__"
 
@@ -388,6 +394,199 @@ def _bound_value(b: _Binding, objects: dict[str, Any], types: _Types) -> Any:
     return factory.merge_fn(loaded)
 
 
+# ------------------------------------------------------------------ model-space flat ranges
+def flat_range_boxes(
+    local_shape: tuple[int, ...],
+    global_offset: tuple[int, ...],
+    prepend_axis_num: int,
+    start: int,
+    end: int,
+) -> list[tuple[Region, int]]:
+    """Elements ``[start, end)`` of a ShardedTensor's row-major local data as
+    boxes of its global tensor, each with its position in the flat range."""
+    out = []
+    pos = 0
+    lead = tuple(global_offset[:prepend_axis_num])
+    inner = tuple(global_offset[prepend_axis_num:])
+    for box in flat_range_to_boxes(local_shape, start, end):
+        region = Region(
+            lead + tuple(o + b for o, b in zip(inner, box.offsets, strict=True)),
+            (1,) * prepend_axis_num + box.lengths,
+        )
+        out.append((region, pos))
+        pos += box.numel
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Piece:
+    """Local elements ``[first, first+numel)`` of a model parameter are the
+    row-major data of a ShardedTensor (``key``, box at ``global_offset``)."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    global_offset: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    prepend_axis_num: int
+    first: int
+    numel: int
+    allow_shape_mismatch: bool = False
+
+
+def _pieces(meta: Any, types: _Types, where: str) -> list[_Piece]:
+    """The ShardedTensors a parameter's local data forms: itself, or what its
+    factory builds. A factory is built on a tensor of element indices, so its
+    pieces say which local elements each built box holds; each must be a
+    contiguous run of them (chunks along the first dimension are)."""
+    if isinstance(meta, types.ShardedTensor):
+        sts = [meta]
+        firsts = [0]
+    else:
+        index = torch.arange(meta.data.numel(), dtype=torch.int64).view(meta.data.shape)
+        built = dataclasses.replace(meta, data=index).build()
+        sts, firsts = [], []
+        stack = [built]
+        while stack:
+            node = stack.pop()
+            if isinstance(node, dict):
+                stack.extend(node.values())
+            elif isinstance(node, list):
+                stack.extend(node)
+            elif isinstance(node, types.ShardedTensor):
+                flat = node.data.reshape(-1)
+                first = int(flat[0]) if flat.numel() else 0
+                if flat.numel() and not torch.equal(flat, torch.arange(first, first + flat.numel())):
+                    raise ConfigError(
+                        f"{where}: the factory of {meta.key!r} builds {node.key!r} from elements of "
+                        "the parameter that are not one contiguous run; save this optimizer with "
+                        "OptimizerLayout(opt, 'fully_reshardable')"
+                    )
+                sts.append(node)
+                firsts.append(first)
+    return [
+        _Piece(st.key, tuple(st.global_shape), tuple(st.global_offset), tuple(st.local_shape),
+               st.prepend_axis_num, first, math.prod(st.local_shape), bool(st.allow_shape_mismatch))
+        for st, first in zip(sts, firsts, strict=True)
+    ]
+
+
+def model_space_leaves(
+    pieces: list[_Piece], start: int, flat: torch.Tensor, prefix: str, leaves: dict[str, TensorLeaf],
+    asm: set[str],
+) -> None:
+    """Add the boxes that ``flat`` -- elements ``[start, start+numel)`` of a
+    parameter's local data -- covers, under ``prefix + piece key``, as views."""
+    end = start + flat.numel()
+    for pc in pieces:
+        lo, hi = max(start, pc.first), min(end, pc.first + pc.numel)
+        if hi <= lo:
+            continue
+        key = prefix + pc.key
+        if pc.allow_shape_mismatch:
+            asm.add(key)
+        leaf = leaves.get(key)
+        if leaf is None:
+            leaf = leaves[key] = TensorLeaf(pc.global_shape, flat.dtype, [])
+        base = lo - start
+        for region, pos in flat_range_boxes(pc.local_shape, pc.global_offset, pc.prepend_axis_num,
+                                            lo - pc.first, hi - pc.first):
+            n = region.numel
+            leaf.shards.append(Shard(region, flat[base + pos : base + pos + n].view(region.lengths)))
+
+
+@dataclasses.dataclass
+class _FlatState:
+    """A distributed optimizer's state as model-space leaves of this rank's ranges."""
+
+    leaves: dict[str, TensorLeaf]
+    common: dict[str, Any]
+    live: list[tuple[Any, str, torch.Tensor]]  # (model param, state name, tensor in the leaves)
+    asm: set[str]  # keys of padded tensors (allow_shape_mismatch)
+    model_keys: set[str]  # model keys of every parameter the optimizer's buffers hold
+
+
+def _single_distributed(opt: Any) -> Any:
+    """The one DistributedOptimizer ``opt`` is (or chains), on its standard path; else None."""
+    try:
+        from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    except ImportError:  # pragma: no cover - megatron without the distributed optimizer
+        return None
+    subs = getattr(opt, "chained_optimizers", None)
+    if subs is not None:
+        if len(subs) != 1:
+            return None
+        opt = subs[0]
+    if not isinstance(opt, DistributedOptimizer):
+        return None
+    cfg = getattr(opt, "config", None)
+    if getattr(cfg, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+        return None
+    if getattr(getattr(opt, "ddp_config", None), "use_megatron_fsdp", False):
+        return None
+    return opt
+
+
+def _flat_state(d: Any, model_sd: Any, types: _Types, where: str) -> _FlatState:
+    """(all ranks, no communication) Each parameter range this DP rank owns,
+    for the main parameter and every optimizer state tensor, as boxes of the
+    model-space tensors Megatron's fully_reshardable layout names
+    ``optimizer.state.<name>.<model key>``."""
+    meta: dict[int, Any] = {}
+    stack = [model_sd]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        elif isinstance(node, (types.ShardedTensor, types.ShardedTensorFactory)) and node.data is not None:
+            meta[id(node.data)] = node
+    leaves: dict[str, TensorLeaf] = {}
+    asm: set[str] = set()
+    live: list[tuple[Any, str, torch.Tensor]] = []
+    model_keys: set[str] = set()
+    for buffer in d.buffers:
+        for param in buffer.param_index_map:
+            m = meta.get(id(param))
+            if m is not None:
+                model_keys.update(pc.key for pc in _pieces(m, types, where))
+    for gbuf_range_maps in d.gbuf_ranges:
+        for buckets in gbuf_range_maps.values():
+            for bucket in buckets:
+                for param, ranges in bucket["param_map"].items():
+                    m = meta.get(id(param))
+                    if m is None:
+                        raise ConfigError(
+                            f"{where}: a parameter of the distributed optimizer (shape "
+                            f"{list(param.shape)}) is not in the model's sharded_state_dict(); pass "
+                            "the model whose parameters the optimizer holds"
+                        )
+                    pieces = _pieces(m, types, where)
+                    r = ranges["param"]
+                    for name, t in d._get_main_param_and_optimizer_states(param).items():
+                        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != r.end - r.start:
+                            continue  # "step" and other per-parameter scalars live in the common state
+                        flat = t.detach()
+                        model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm)
+                        live.append((param, name, flat))
+    common = dict(d.state_dict())
+    common["param_state_sharding_type"] = "fully_reshardable"
+    return _FlatState(leaves, common, live, asm, model_keys)
+
+
+def _add_unowned(key: str, fs: _FlatState, md: Metadata) -> None:
+    """(load) Empty leaves for the saved state of parameters this DP rank owns
+    no range of, so the strict key check sees the whole model on every rank."""
+    prefix = f"{key}.optimizer.state."
+    for fqn, info in md.tensors.items():
+        if not fqn.startswith(prefix):
+            continue
+        name, _, model_key = fqn[len(prefix):].partition(".")
+        leaf_key = fqn[len(key) + 1 :]
+        if model_key in fs.model_keys and leaf_key not in fs.leaves:
+            fs.leaves[leaf_key] = TensorLeaf(tuple(info["shape"]), dtype_from_name(info["dtype"]), [])
+
+
 # ------------------------------------------------------------------ the adapter
 def _unwrap(module: Any, types: _Types) -> Any:
     while isinstance(module, types.DataParallel):
@@ -515,8 +714,14 @@ class MegatronAdapter(Adapter):
                 tree[e.key] = translate(model_sd, types, where=e.key).tree(target=False)
         for e in entries:
             if e.kind == "optimizer":
-                layout = e.value.layout if isinstance(e.value, OptimizerLayout) else DEFAULT_OPTIMIZER_LAYOUT
-                sd = _optimizer_sharded(e, model_sd, layout, loading=False)
+                layout = _save_layout(e.value)
+                d = _single_distributed(_optimizer_of(e.value))
+                if layout == "model_space" and d is not None:
+                    fs = _flat_state(d, model_sd, types, e.key)
+                    tree[e.key] = {**fs.leaves, COMMON: Whole(fs.common)}
+                    continue
+                megatron_layout = "fully_reshardable" if layout == "model_space" else layout
+                sd = _optimizer_sharded(e, model_sd, megatron_layout, loading=False)
                 tree[e.key] = translate(sd, types, where=e.key).tree(target=False)
             elif e.kind == "other":
                 tree[e.key] = _plain_save(e.value)
@@ -534,11 +739,7 @@ class MegatronAdapter(Adapter):
         except Exception:  # pragma: no cover - informational only
             pass
         types = _types()
-        layouts = {
-            str(k): (v.layout if isinstance(v, OptimizerLayout) else DEFAULT_OPTIMIZER_LAYOUT)
-            for k, v in state.items()
-            if _is_optimizer(v, types)
-        }
+        layouts = {str(k): _save_layout(v) for k, v in state.items() if _is_optimizer(v, types)}
         if layouts:
             out["optimizer_layout"] = layouts
         return out
@@ -564,11 +765,20 @@ class MegatronAdapter(Adapter):
                 e.tr = translate(e.sd, types, where=e.key)
             elif e.kind == "optimizer":
                 e.layout = _load_layout(e, saved_layouts)
-                _init_fresh_state(_optimizer_of(e.value))
-                e.sd = _optimizer_sharded(e, model_sd, e.layout, loading=True)
+                opt = _optimizer_of(e.value)
+                _init_fresh_state(opt)
+                d = _single_distributed(opt)
+                if e.layout == "model_space" and d is not None:
+                    fs = _flat_state(d, model_sd, types, e.key)
+                    _add_unowned(e.key, fs, md)
+                    tree[e.key] = _clip_padded(e.key, {**fs.leaves, COMMON: Slot()}, fs.leaves, fs.asm, md)
+                    finalizers.append(_flat_finalizer(e.key, d, fs))
+                    continue
+                megatron_layout = "fully_reshardable" if e.layout == "model_space" else e.layout
+                e.sd = _optimizer_sharded(e, model_sd, megatron_layout, loading=True)
                 e.tr = translate(e.sd, types, where=e.key)
             if e.tr is not None:
-                tree[e.key] = _target_tree(e.key, e.tr, md)
+                tree[e.key] = _clip_padded(e.key, e.tr.tree(target=True), e.tr.tensors, e.tr.asm, md)
                 finalizers.append(_finalizer(e, types))
             else:
                 tree[e.key] = _plain_target(e.key, e.value, state, finalizers)
@@ -580,30 +790,68 @@ class MegatronAdapter(Adapter):
         return LoadTarget({k: tree[str(k)] for k in state}, finalize)
 
 
+def _save_layout(v: Any) -> str:
+    return v.layout if isinstance(v, OptimizerLayout) else DEFAULT_OPTIMIZER_LAYOUT
+
+
 def _load_layout(e: _Entry, saved: dict[str, Any]) -> str:
+    """The layout to load with: the caller's if given (it must read what the
+    checkpoint holds), else the saved one; model_space and fully_reshardable
+    hold the same tensors, and both load the model_space way when possible."""
     saved_layout = saved.get(e.key)
     if isinstance(e.value, OptimizerLayout):
-        if saved_layout is not None and saved_layout != e.value.layout:
+        want = e.value.layout
+        if saved_layout is not None and saved_layout != want and not (
+            saved_layout in _MODEL_SPACE and want in _MODEL_SPACE
+        ):
             raise ConfigError(
                 f"optimizer {e.key!r}: the checkpoint holds the {saved_layout!r} distributed-optimizer "
-                f"layout, not {e.value.layout!r}; load it with OptimizerLayout(opt, {saved_layout!r}) "
-                "or the plain optimizer"
+                f"layout, which {want!r} cannot read; load it with OptimizerLayout(opt, "
+                f"{saved_layout!r}) or the plain optimizer"
             )
-        return e.value.layout
-    return str(saved_layout or DEFAULT_OPTIMIZER_LAYOUT)
+        return want
+    layout = str(saved_layout or DEFAULT_OPTIMIZER_LAYOUT)
+    return "model_space" if layout in _MODEL_SPACE else layout
 
 
-def _target_tree(key: str, tr: Translation, md: Metadata) -> dict[str, Any]:
-    tree = tr.tree(target=True)
-    for k in tr.asm:
+def _clip_padded(
+    key: str, tree: dict[str, Any], leaves: dict[str, TensorLeaf], asm: set[str], md: Metadata
+) -> dict[str, Any]:
+    """Padded tensors (allow_shape_mismatch) whose saved first dimension differs
+    load the rows both have."""
+    for k in asm:
         info = md.tensors.get(f"{key}.{k}")
         if info is None:
             continue
         saved = tuple(info["shape"])
-        leaf = tr.tensors[k]
+        leaf = leaves[k]
         if saved != leaf.global_shape and len(saved) == len(leaf.global_shape) and saved[1:] == leaf.global_shape[1:]:
             tree[k] = clip_to_saved(leaf, saved)
     return tree
+
+
+def _flat_finalizer(key: str, d: Any, fs: _FlatState) -> Callable[[dict[str, Any]], None]:
+    """(all ranks) After the model-space ranges are read into the optimizer's
+    own tensors: the non-parameter state (param groups, step, grad scaler)."""
+
+    def finalize(values: dict[str, Any]) -> None:
+        common = values.get(f"{key}.{COMMON}")
+        if common is None:
+            raise StateMismatchError(f"optimizer {key!r}: the checkpoint holds no optimizer param groups")
+        rest = {k: v for k, v in common.items() if k != "param_state_sharding_type"}
+        d.load_state_dict(rest)
+        inner = getattr(d, "optimizer", None)
+        if isinstance(inner, torch.optim.Optimizer):
+            for st in inner.state.values():  # one step tensor per parameter (see _load_optimizer)
+                if isinstance(st.get("step"), torch.Tensor):
+                    st["step"] = st["step"].detach().clone()
+        with torch.no_grad():
+            for param, name, t in fs.live:
+                cur = d._get_main_param_and_optimizer_states(param).get(name)
+                if isinstance(cur, torch.Tensor) and cur.data_ptr() != t.data_ptr():
+                    cur.copy_(t)  # the optimizer replaced the tensor we filled
+
+    return finalize
 
 
 def _finalizer(e: _Entry, types: _Types) -> Callable[[dict[str, Any]], None]:

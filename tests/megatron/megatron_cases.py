@@ -292,14 +292,20 @@ def full_optimizer_state() -> dict[str, torch.Tensor]:
     moments) as full model-space tensors, from Megatron's fully_reshardable
     description gathered over all ranks; plus the step of each param group."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
-    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     opt = _STATE["optimizer"]
     with CpuDeviceMode():
         osd = opt.sharded_state_dict(
             _STATE["model"].sharded_state_dict(), metadata={"distrib_optim_sharding_type": "fully_reshardable"}
         )
-    out = _global_full([v for v in nested_values(osd) if isinstance(v, ShardedTensor)])
+    sts: list[Any] = []
+    for v in nested_values(osd):
+        if isinstance(v, ShardedTensorFactory):
+            sts += [x for x in nested_values(v.build()) if isinstance(x, ShardedTensor)]
+        elif isinstance(v, ShardedTensor):
+            sts.append(v)
+    out = _global_full(sts)
     steps = {
         float(st["step"])
         for o in getattr(opt, "chained_optimizers", [opt])
@@ -329,11 +335,17 @@ def save_optimizer_reference(url: str, layout: str | None = None, **build_kw: An
     return ref
 
 
-def load_optimizer_and_report(url: str, **build_kw: Any) -> dict[str, Any]:
+def load_optimizer_and_report(url: str, layout: str | None = None, **build_kw: Any) -> dict[str, Any]:
     """(all ranks) Build with other weights and a fresh distributed optimizer,
     load ``url``, report the state, then train the same two steps."""
     build(dist_opt=True, seed=99, **build_kw)
-    load(url, with_optimizer=True)
+    state: dict[str, Any] = {"model": _STATE["ddp"], "optimizer": _STATE["optimizer"]}
+    if layout is not None:
+        from bytecp.adapters.megatron import OptimizerLayout
+
+        state["optimizer"] = OptimizerLayout(_STATE["optimizer"], layout)
+    with CpuDeviceMode():
+        bytecp.load(url, state)
     out = {"model": full_model_state(), "optim": full_optimizer_state()}
     out["losses"] = [train_step(3), train_step(4)]
     return out
@@ -385,7 +397,7 @@ def save_load_dp_reshardable(url: str) -> dict[str, Any]:
     """(all ranks) Megatron's per-bucket flat layout: save at DP=2, reload at
     DP=2 into a fresh optimizer; full state before and after."""
     ref = save_optimizer_reference(url, layout="dp_reshardable", tp=1)
-    got = load_optimizer_and_report(url, tp=1)
+    got = load_optimizer_and_report(url, layout="dp_reshardable", tp=1)
     return {"ref": ref, "got": got}
 
 

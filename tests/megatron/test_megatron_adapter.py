@@ -135,24 +135,27 @@ def assert_optimizer_equal(ref: dict[str, Any], got: dict[str, Any], what: str) 
 
 @pytest.mark.slow
 def test_distributed_optimizer_reshards_across_tp_and_dp(pool: WorkerPool, tmp_path: Path) -> None:
-    """fully_reshardable (the default): the fp32 main params and Adam moments
-    of a DP=2 job reload at TP=2/DP=1 and of a TP=2 job at TP=1/DP=2, equal
-    to the saved ones; training resumes with the same losses (bitwise at the
-    same layout, within float noise of the TP all-reduce otherwise)."""
+    """The default model_space layout (each DP rank writes its own flat ranges
+    as boxes, no gather): the fp32 main params and Adam moments of a DP=2 job
+    reload at TP=2/DP=1, and of a TP=2 SwiGLU job (factories) at TP=1/DP=2,
+    equal to the saved ones; training resumes with the same losses (bitwise
+    at the same layout, within float noise of the TP all-reduce otherwise)."""
     url = str(tmp_path / "dp2")
     ref = pool.run(mc.save_optimizer_reference, url, tp=1)[0]
     assert len(ref["optim"]) > 3 * 10
+    md = engine.read_metadata(open_storage(url))
+    assert md.parallelism["optimizer_layout"] == {"optimizer": "model_space"}
     got = pool.run(mc.load_optimizer_and_report, url, tp=2)[0]
     assert_optimizer_equal(ref, got, "TP=1 DP=2 -> TP=2 DP=1")
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
 
     url = str(tmp_path / "tp2")
-    ref = pool.run(mc.save_optimizer_reference, url, tp=2)[0]
-    got = pool.run(mc.load_optimizer_and_report, url, tp=1)[0]
-    assert_optimizer_equal(ref, got, "TP=2 DP=1 -> TP=1 DP=2")
+    ref = pool.run(mc.save_optimizer_reference, url, tp=2, swiglu=True)[0]
+    got = pool.run(mc.load_optimizer_and_report, url, tp=1, swiglu=True)[0]
+    assert_optimizer_equal(ref, got, "SwiGLU TP=2 DP=1 -> TP=1 DP=2")
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
-    same = pool.run(mc.load_optimizer_and_report, url, tp=2)[0]
-    assert_optimizer_equal(ref, same, "TP=2 -> TP=2")
+    same = pool.run(mc.load_optimizer_and_report, url, tp=2, swiglu=True)[0]
+    assert_optimizer_equal(ref, same, "SwiGLU TP=2 -> TP=2")
     assert same["losses"] == ref["losses"]
 
     # one process: the optimizer state as full model-space tensors
@@ -160,6 +163,28 @@ def test_distributed_optimizer_reshards_across_tp_and_dp(pool: WorkerPool, tmp_p
     for k, v in ref["optim"].items():
         if k != "__steps__":
             assert torch.equal(v, sd[k]), k
+
+
+@pytest.mark.slow
+def test_megatron_fully_reshardable_holds_the_same_tensors(pool: WorkerPool, tmp_path: Path) -> None:
+    """Megatron's own fully_reshardable producer (it gathers over DP) saves
+    exactly the tensors of the model_space layout, and loads the model_space
+    way (each rank reads its own ranges) at another TP."""
+    url = str(tmp_path / "gathered")
+    ref = pool.run(mc.save_optimizer_reference, url, layout="fully_reshardable", tp=1)[0]
+    got = pool.run(mc.load_optimizer_and_report, url, tp=2)[0]
+    assert_optimizer_equal(ref, got, "fully_reshardable TP=1 DP=2 -> TP=2")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+
+    native = str(tmp_path / "native")
+    pool.run(mc.save_optimizer_reference, native, tp=1)
+    a = bytecp.load_state_dict(url)["optimizer"]
+    b = bytecp.load_state_dict(native)["optimizer"]
+    tensors = sorted(k for k, v in a.items() if isinstance(v, torch.Tensor))
+    assert tensors == sorted(k for k, v in b.items() if isinstance(v, torch.Tensor))
+    for k in tensors:
+        assert torch.equal(a[k], b[k]), k
+    assert a["__common__"] == b["__common__"]
 
 
 @pytest.mark.slow

@@ -5,6 +5,7 @@ core's leaves and back (no torch.distributed, no model)."""
 from __future__ import annotations
 
 import importlib.util
+import warnings
 
 import pytest
 import torch
@@ -13,13 +14,16 @@ if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("meg
     pytest.skip("megatron-core is not installed (make test installs it)", allow_module_level=True)
 
 from bytecp.adapters import megatron as mg  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import (  # noqa: E402
-    LocalNonpersistentObject,
-    ShardedBase,
-    ShardedObject,
-    ShardedTensor,
-    ShardedTensorFactory,
-)
+
+with warnings.catch_warnings():  # Megatron warns at import that Apex/TE are missing
+    warnings.simplefilter("ignore")
+    from megatron.core.dist_checkpointing.mapping import (
+        LocalNonpersistentObject,
+        ShardedBase,
+        ShardedObject,
+        ShardedTensor,
+        ShardedTensorFactory,
+    )
 
 from bytecp.errors import ConfigError  # noqa: E402
 from bytecp.regions import Region  # noqa: E402
@@ -141,3 +145,32 @@ def test_clip_to_saved_keeps_the_saved_rows() -> None:
 def test_optimizer_layout_is_checked() -> None:
     with pytest.raises(ConfigError, match="fully_reshardable"):
         mg.OptimizerLayout(object(), "fully_sharded_model_space")
+
+
+def test_flat_range_of_a_layer_stacked_tensor_as_global_boxes() -> None:
+    # local (3, 4) block of layer 1 at rows 4..7 of a (2, 12, 4) tensor; elements [2, 9)
+    boxes = mg.flat_range_boxes((3, 4), (1, 4, 0), 1, 2, 9)
+    assert boxes == [
+        (Region((1, 4, 2), (1, 1, 2)), 0),
+        (Region((1, 5, 0), (1, 1, 4)), 2),
+        (Region((1, 6, 0), (1, 1, 1)), 6),
+    ]
+
+
+def test_model_space_leaves_follow_factory_pieces() -> None:
+    """A DP rank's flat range of a gated fc1 ([gate_r; up_r] locally) lands in
+    both halves of the global tensor, as views of the optimizer's flat shard."""
+    pieces = [
+        mg._Piece("fc1", (16,), (0,), (4,), 0, 0, 4),
+        mg._Piece("fc1", (16,), (8,), (4,), 0, 4, 4),
+    ]
+    flat = torch.arange(4.0)  # local elements [2, 6)
+    leaves: dict[str, TensorLeaf] = {}
+    asm: set[str] = set()
+    mg.model_space_leaves(pieces, 2, flat, "optimizer.state.exp_avg.", leaves, asm)
+    leaf = leaves["optimizer.state.exp_avg.fc1"]
+    assert [s.region for s in leaf.shards] == [Region((2,), (2,)), Region((8,), (2,))]
+    assert [s.tensor.tolist() for s in leaf.shards] == [[0.0, 1.0], [2.0, 3.0]]
+    leaf.shards[1].tensor.fill_(9.0)
+    assert flat.tolist() == [0.0, 1.0, 9.0, 9.0]
+    assert not asm
