@@ -27,11 +27,18 @@ tensor with ``allow_shape_mismatch`` (padded vocabulary) whose saved first
 dimension differs from the target's loads the rows both have; other rows keep
 their values.
 
-The distributed optimizer's layout is Megatron's ``fully_reshardable`` by
-default (model-space tensors: any TP/PP/DP change reloads); pass the optimizer
-as ``OptimizerLayout(opt, "dp_reshardable")`` to save Megatron's per-bucket
-flat layout instead (DP changes only, no gather at save). The layout is
-recorded and a load uses the saved one.
+The distributed optimizer is saved in the ``model_space`` layout by default:
+each DP rank writes the flat ranges of the parameters it owns (main params,
+Adam moments) as boxes of the model-space tensors
+``optimizer.state.<name>.<model key>`` (the core's flat-range decomposition;
+factories such as the gated fc1 are followed piece by piece), with no gather
+and no full-size copy; a load reads only the ranges each rank owns, straight
+into the optimizer's shards. The tensors and keys are those of Megatron's
+``fully_reshardable`` layout (which gathers the state over DP first), so a
+checkpoint of either loads the other, under any TP, PP and DP. Pass
+``OptimizerLayout(opt, "fully_reshardable")`` or ``"dp_reshardable"``
+(Megatron's per-bucket flat buffers: DP changes only) to use Megatron's own
+producers. The layout is recorded; a load uses the saved one.
 
 This module imports Megatron only when the state may hold Megatron objects
 (``megatron.core`` already imported), so detection costs nothing elsewhere.
