@@ -66,7 +66,7 @@ class CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def setup(tp: int, pp: int = 1, seed: int = 1234) -> None:
+def setup(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None) -> None:
     """(all ranks) Fresh model-parallel groups of TP x PP on the pool's gloo group."""
     import warnings
 
@@ -77,7 +77,8 @@ def setup(tp: int, pp: int = 1, seed: int = 1234) -> None:
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
     )
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     _STATE.clear()
@@ -214,7 +215,9 @@ def full_model_state() -> dict[str, torch.Tensor]:
     from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 
     sts: list[Any] = []
-    for v in nested_values(_STATE["model"].sharded_state_dict()):
+    model = _STATE["model"]
+    chunks = model if isinstance(model, list) else [model]
+    for v in (x for c in chunks for x in nested_values(c.sharded_state_dict())):
         if isinstance(v, ShardedTensorFactory):
             sts += [x for x in nested_values(v.build()) if isinstance(x, ShardedTensor)]
         elif isinstance(v, ShardedTensor):
@@ -408,3 +411,37 @@ def load_padded(url: str, vocab: int) -> dict[str, Any]:
     before = full_model_state()
     load(url)
     return {"before": before, "model": full_model_state()}
+
+
+def build_vpp(seed: int = 1234) -> None:
+    """(all ranks) PP=2 with two virtual pipeline chunks per rank (4 layers:
+    rank 0 holds layers 0 and 2, rank 1 layers 1 and 3)."""
+    setup(1, 2, seed, vpp=2)
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    torch.manual_seed(seed)
+    cfg = TransformerConfig(
+        num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=128,
+        use_cpu_initialization=True, pipeline_dtype=torch.float32, hidden_dropout=0.0,
+        attention_dropout=0.0, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+    )
+    chunks = []
+    for i in range(2):
+        chunks.append(GPTModel(
+            config=cfg, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+            max_sequence_length=SEQ,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i),
+            parallel_output=False, vp_stage=i,
+        ))
+    _STATE["model"] = chunks
+
+
+def save_vpp_reference(url: str) -> dict[str, Any]:
+    build_vpp()
+    ref = {"model": full_model_state()}
+    save(url)
+    return ref

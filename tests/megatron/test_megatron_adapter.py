@@ -126,6 +126,16 @@ def test_pp2_to_pp1(pool: WorkerPool, tmp_path: Path) -> None:
     assert md.parallelism["pipeline_parallel"] == 2
 
 
+@pytest.mark.slow
+def test_virtual_pipeline_chunks_to_tp2(pool: WorkerPool, tmp_path: Path) -> None:
+    """A list of virtual-pipeline chunks (PP=2 x VPP=2: rank 0 holds layers 0
+    and 2) reloads into one TP=2 model holding all four layers."""
+    url = str(tmp_path / "vpp")
+    ref = pool.run(mc.save_vpp_reference, url)[0]
+    got = pool.run(mc.load_and_report, url, tp=2, layers=4, seed=99)[0]
+    assert_reloaded(ref, got, "PP=2 x VPP=2 -> TP=2")
+
+
 def assert_optimizer_equal(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
     assert_model_equal(ref["model"], got["model"], what)
     assert set(ref["optim"]) == set(got["optim"]), what
