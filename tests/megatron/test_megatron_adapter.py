@@ -101,6 +101,15 @@ def test_gpt_tp2_reloads_at_tp2_and_tp1_and_in_one_process(pool: WorkerPool, tmp
     # the only other entries are Megatron's (empty) extra states
     assert all("_extra_state/shard_" in k for k in set(sd) - set(tensors))
 
+    # and `bytecp export` works on it like on any checkpoint
+    from safetensors.torch import load_file
+
+    from bytecp.export import export_safetensors
+
+    out = str(tmp_path / "model.safetensors")
+    export_safetensors(open_storage(url), out, prefix="model.")
+    assert_model_equal(ref["model"], load_file(out), "safetensors export")
+
 
 def test_swiglu_factory_tp2_to_tp1(pool: WorkerPool, tmp_path: Path) -> None:
     """The gated MLP's fc1 is a ShardedTensorFactory: [gate_r; up_r] locally,
