@@ -93,6 +93,9 @@ def build(
     seed: int = 1234,
     dist_opt: bool = False,
     vocab: int = VOCAB,
+    hidden: int = HIDDEN,
+    ffn: int = 128,
+    heads: int = 4,
 ) -> None:
     """(all ranks) A tiny GPTModel (and, with ``dist_opt``, Megatron DDP and the
     distributed optimizer) at TP x PP; the same seed gives the same full weights
@@ -106,9 +109,9 @@ def build(
     torch.manual_seed(seed)
     cfg = TransformerConfig(
         num_layers=layers,
-        hidden_size=HIDDEN,
-        num_attention_heads=4,
-        ffn_hidden_size=128,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        ffn_hidden_size=ffn,
         use_cpu_initialization=True,
         pipeline_dtype=torch.float32,
         hidden_dropout=0.0,
