@@ -101,6 +101,18 @@ def test_gpt_tp2_reloads_at_tp2_and_tp1_and_in_one_process(pool: WorkerPool, tmp
     # the only other entries are Megatron's (empty) extra states
     assert all("_extra_state/shard_" in k for k in set(sd) - set(tensors))
 
+    # the mapping spec: the same checkpoint as a plain PyTorch GPT, same logits
+    from bytecp.adapters.megatron_gpt import MEGATRON_GPT_TO_PLAIN
+    from plain_gpt import PlainGPT
+
+    from bytecp.mapping import convert_state_dict
+
+    plain = PlainGPT(mc.VOCAB, mc.SEQ, mc.HIDDEN, heads=4, ffn=128, layers=2)
+    plain.load_state_dict(convert_state_dict(sd, MEGATRON_GPT_TO_PLAIN, heads=4, vocab_size=mc.VOCAB))
+    tokens, pos, _ = mc.batch()
+    with torch.no_grad():
+        torch.testing.assert_close(plain(tokens, pos), ref["logits"], atol=1e-5, rtol=0)
+
     # and `bytecp export` works on it like on any checkpoint
     from safetensors.torch import load_file
 
