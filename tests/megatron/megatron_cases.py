@@ -448,3 +448,20 @@ def save_vpp_reference(url: str) -> dict[str, Any]:
     ref = {"model": full_model_state()}
     save(url)
     return ref
+
+
+def lazy_save_then_step(url: str) -> dict[str, Any]:
+    """(all ranks) A lazy asynchronous save of model + distributed optimizer,
+    then at once a training step: the step must wait until the state is
+    staged, so the checkpoint holds the state before the step."""
+    build(1, dist_opt=True)
+    train_step(1)
+    ref = {"model": full_model_state(), "optim": full_optimizer_state()}
+    state: dict[str, Any] = {"model": _STATE["ddp"], "optimizer": _STATE["optimizer"]}
+    with CpuDeviceMode():
+        handle = bytecp.async_save(url, state, lazy=True)
+    train_step(2)
+    handle.wait(timeout=120)
+    moved = not torch.equal(full_model_state()["output_layer.weight"], ref["model"]["output_layer.weight"])
+    got = load_optimizer_and_report(url, tp=2)
+    return {"ref": ref, "got": got, "moved": moved}

@@ -219,6 +219,18 @@ def test_megatron_fully_reshardable_holds_the_same_tensors(pool: WorkerPool, tmp
 
 
 @pytest.mark.slow
+def test_lazy_async_save_waits_in_megatron_optimizer_step(pool: WorkerPool, tmp_path: Path) -> None:
+    """Lazy mode hooks the torch optimizer inside Megatron's optimizer: a step
+    taken right after the call waits for staging, so the checkpoint holds
+    the state before the step."""
+    out = pool.run(mc.lazy_save_then_step, str(tmp_path / "lazy"))[0]
+    assert out["moved"]  # the step did change the weights afterwards
+    assert_model_equal(out["ref"]["model"], out["got"]["model"], "lazy save")
+    for k, v in out["ref"]["optim"].items():
+        assert torch.equal(v, out["got"]["optim"][k]), k
+
+
+@pytest.mark.slow
 def test_distributed_optimizer_dp_reshardable_layout(pool: WorkerPool, tmp_path: Path) -> None:
     url = str(tmp_path / "dpr")
     out = pool.run(mc.save_load_dp_reshardable, url)[0]
