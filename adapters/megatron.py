@@ -74,6 +74,8 @@ __all__ = [
     "sharded_tensor_view",
     "clip_to_saved",
     "rebuild",
+    "flat_range_boxes",
+    "model_space_leaves",
 ]
 
 #: the distributed optimizer layout saved unless the caller picks another:
@@ -81,7 +83,7 @@ __all__ = [
 #: DP rank from its own flat ranges (no gather); the same tensors and keys as
 #: Megatron's "fully_reshardable", which gathers every DP rank's state first
 DEFAULT_OPTIMIZER_LAYOUT = "model_space"
-#: layouts Megatron 0.16 offers for the distributed optimizer that bytecp saves
+#: the layouts bytecp saves a distributed optimizer in
 LAYOUTS = ("model_space", "fully_reshardable", "dp_reshardable")
 #: layouts whose checkpoints hold the same tensors (each loads the other)
 _MODEL_SPACE = ("model_space", "fully_reshardable")
