@@ -67,6 +67,7 @@ from bytecp.state import PerRank, Shard, Slot, TensorLeaf, Whole
 __all__ = [
     "MegatronAdapter",
     "OptimizerLayout",
+    "MegatronModel",
     "DEFAULT_OPTIMIZER_LAYOUT",
     "Translation",
     "translate",
@@ -103,6 +104,23 @@ class OptimizerLayout:
             raise ConfigError(
                 f"distributed optimizer layout {self.layout!r} is not supported; use one of {list(LAYOUTS)}"
             )
+
+
+@dataclasses.dataclass
+class MegatronModel:
+    """A Megatron model (module, DDP-wrapped module or list of virtual-pipeline
+    chunks) and its real vocabulary size: tensors Megatron marks
+    ``allow_shape_mismatch`` (embedding, output layer and their optimizer
+    state) are saved with their first ``vocab_size`` rows only, so the
+    checkpoint holds unpadded tensors; a load into any padded target fills
+    those rows and leaves the padding rows as they are."""
+
+    model: Any
+    vocab_size: int
+
+    def __post_init__(self) -> None:
+        if int(self.vocab_size) < 1:
+            raise ConfigError(f"vocab_size must be positive, got {self.vocab_size}")
 
 
 # ------------------------------------------------------------------ megatron types
@@ -606,6 +624,8 @@ def _unwrap(module: Any, types: _Types) -> Any:
 def _model_chunks(v: Any, types: _Types) -> list[Any] | None:
     """The Megatron model chunks ``v`` is (a module, a DDP-wrapped one, or a
     list of virtual-pipeline chunks), or None."""
+    if isinstance(v, MegatronModel):
+        return _model_chunks(v.model, types)
     if isinstance(v, types.MegatronModule):
         return [_unwrap(v, types)]
     if isinstance(v, (list, tuple)) and v and all(isinstance(c, types.MegatronModule) for c in v):
@@ -641,6 +661,23 @@ class _Entry:
     sd: Any = None
     tr: Translation | None = None
     layout: str | None = None
+
+
+def _vocab_size(entries: list[_Entry]) -> int | None:
+    """The real vocabulary size a ``MegatronModel`` entry declares, if any."""
+    sizes = {int(e.value.vocab_size) for e in entries if isinstance(e.value, MegatronModel)}
+    return sizes.pop() if sizes else None
+
+
+def _unpad(tree: dict[str, Any], leaves: dict[str, TensorLeaf], asm: set[str], vocab: int | None) -> dict[str, Any]:
+    """(save) Padded tensors keep their first ``vocab`` rows."""
+    if vocab is None:
+        return tree
+    for k in asm:
+        leaf = leaves[k]
+        if leaf.global_shape and leaf.global_shape[0] > vocab:
+            tree[k] = clip_to_saved(leaf, (vocab, *leaf.global_shape[1:]))
+    return tree
 
 
 def _entries(state: dict[str, Any], types: _Types) -> list[_Entry]:
@@ -715,23 +752,26 @@ class MegatronAdapter(Adapter):
         types = _types()
         entries = _entries(state, types)
         tree: dict[str, Any] = {}
+        vocab = _vocab_size(entries)
         model_sd = None
         for e in entries:
             if e.kind == "model":
                 assert e.chunks is not None
                 model_sd = _model_sharded(e.chunks)
-                tree[e.key] = translate(model_sd, types, where=e.key).tree(target=False)
+                tr = translate(model_sd, types, where=e.key)
+                tree[e.key] = _unpad(tr.tree(target=False), tr.tensors, tr.asm, vocab)
         for e in entries:
             if e.kind == "optimizer":
                 layout = _save_layout(e.value)
                 d = _single_distributed(_optimizer_of(e.value))
                 if layout == "model_space" and d is not None:
                     fs = _flat_state(d, model_sd, types, e.key)
-                    tree[e.key] = {**fs.leaves, COMMON: Whole(fs.common)}
+                    tree[e.key] = _unpad({**fs.leaves, COMMON: Whole(fs.common)}, fs.leaves, fs.asm, vocab)
                     continue
                 megatron_layout = "fully_reshardable" if layout == "model_space" else layout
                 sd = _optimizer_sharded(e, model_sd, megatron_layout, loading=False)
-                tree[e.key] = translate(sd, types, where=e.key).tree(target=False)
+                tr = translate(sd, types, where=e.key)
+                tree[e.key] = _unpad(tr.tree(target=False), tr.tensors, tr.asm, vocab)
             elif e.kind == "other":
                 tree[e.key] = _plain_save(e.value)
         return {k: tree[str(k)] for k in state}
@@ -749,6 +789,9 @@ class MegatronAdapter(Adapter):
             pass
         types = _types()
         layouts = {str(k): _save_layout(v) for k, v in state.items() if _is_optimizer(v, types)}
+        vocab = {int(v.vocab_size) for v in state.values() if isinstance(v, MegatronModel)}
+        if vocab:
+            out["vocab_size"] = vocab.pop()
         if layouts:
             out["optimizer_layout"] = layouts
         return out

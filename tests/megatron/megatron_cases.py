@@ -326,11 +326,16 @@ def save_optimizer_reference(url: str, layout: str | None = None, **build_kw: An
     """(all ranks) Build with the distributed optimizer, train two steps, save
     model and optimizer, then train two more steps: the losses a resumed run
     must reproduce."""
+    vocab_size = build_kw.pop("vocab_size", None)
     build(dist_opt=True, **build_kw)
     train_step(1)
     train_step(2)
     ref = {"model": full_model_state(), "optim": full_optimizer_state()}
     state: dict[str, Any] = {"model": _STATE["ddp"], "optimizer": _STATE["optimizer"]}
+    if vocab_size is not None:
+        from bytecp.adapters.megatron import MegatronModel
+
+        state["model"] = MegatronModel(_STATE["ddp"], vocab_size)
     if layout is not None:
         from bytecp.adapters.megatron import OptimizerLayout
 

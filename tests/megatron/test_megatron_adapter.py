@@ -266,3 +266,32 @@ def test_unsupported_entries_fail_loudly_on_every_rank(
         for w in words:
             assert w in err, f"rank {rank}: {w!r} not in {err}"
     assert not os.path.exists(os.path.join(url, "metadata.json"))
+
+
+@pytest.mark.slow
+def test_unpadded_vocabulary_saved_and_padding_reapplied(pool: WorkerPool, tmp_path: Path) -> None:
+    """MegatronModel(model, vocab_size=120): the 128-row padded embedding,
+    output layer and their optimizer state are saved with 120 rows
+    (load_state_dict gives unpadded tensors); loading into a padded model at
+    another TP fills the 120 rows and leaves the padding rows alone."""
+    url = str(tmp_path / "unpadded")
+    ref = pool.run(mc.save_optimizer_reference, url, vocab_size=120, tp=2)[0]
+    md = engine.read_metadata(open_storage(url))
+    assert md.parallelism["vocab_size"] == 120
+    sd = bytecp.load_state_dict(url)
+    for k in (EMB, OUT):
+        assert torch.equal(sd["model"][k], ref["model"][k][:120])
+        for name in ("param", "exp_avg", "exp_avg_sq"):
+            full = ref["optim"][f"optimizer.state.{name}.{k}"]
+            assert torch.equal(sd["optimizer"][f"optimizer.state.{name}.{k}"], full[:120])
+    got = pool.run(mc.load_optimizer_and_report, url, tp=1)[0]
+    for k, v in ref["model"].items():
+        if k in (EMB, OUT):
+            assert torch.equal(got["model"][k][:120], v[:120]), k
+        else:
+            assert torch.equal(got["model"][k], v), k
+    for k, v in ref["optim"].items():
+        if k.endswith((EMB, OUT)):
+            assert torch.equal(got["optim"][k][:120], v[:120]), k
+        else:
+            assert torch.equal(got["optim"][k], v), k
