@@ -317,7 +317,7 @@ def _add_tensor(tr: Translation, st: Any, path: Path, where: str) -> None:
     if getattr(st, "flattened_range", None) is not None:
         raise ConfigError(
             f"{where}: Megatron sharded tensor {st.key!r} uses flattened_range, which Megatron-Core "
-            "0.16 no longer supports; use the fully_reshardable or dp_reshardable optimizer layout"
+            "0.16 no longer supports; use the model_space, fully_reshardable or dp_reshardable optimizer layout"
         )
     region = sharded_tensor_region(
         st.key, tuple(st.global_shape), tuple(st.global_offset), tuple(st.local_shape), st.prepend_axis_num

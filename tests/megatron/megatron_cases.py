@@ -92,6 +92,7 @@ def build(
     layers: int = 2,
     seed: int = 1234,
     dist_opt: bool = False,
+    plain_opt: bool = False,
     vocab: int = VOCAB,
     hidden: int = HIDDEN,
     ffn: int = 128,
@@ -133,18 +134,18 @@ def build(
     )
     _STATE["model"] = model
     _STATE["config"] = cfg
-    if dist_opt:
+    if dist_opt or plain_opt:
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         with CpuDeviceMode():
             ddp = DistributedDataParallel(
                 cfg,
-                DistributedDataParallelConfig(use_distributed_optimizer=True, bucket_size=None),
+                DistributedDataParallelConfig(use_distributed_optimizer=dist_opt, bucket_size=None),
                 model,
             )
             opt = get_megatron_optimizer(
-                OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=True, bf16=False, fp16=False),
+                OptimizerConfig(optimizer="adam", lr=1e-2, use_distributed_optimizer=dist_opt, bf16=False, fp16=False),
                 [ddp],
             )
         _STATE["ddp"] = ddp
@@ -327,7 +328,7 @@ def save_optimizer_reference(url: str, layout: str | None = None, **build_kw: An
     model and optimizer, then train two more steps: the losses a resumed run
     must reproduce."""
     vocab_size = build_kw.pop("vocab_size", None)
-    build(dist_opt=True, **build_kw)
+    build(**{"dist_opt": not build_kw.get("plain_opt"), **build_kw})
     train_step(1)
     train_step(2)
     ref = {"model": full_model_state(), "optim": full_optimizer_state()}
@@ -349,7 +350,7 @@ def save_optimizer_reference(url: str, layout: str | None = None, **build_kw: An
 def load_optimizer_and_report(url: str, layout: str | None = None, **build_kw: Any) -> dict[str, Any]:
     """(all ranks) Build with other weights and a fresh distributed optimizer,
     load ``url``, report the state, then train the same two steps."""
-    build(dist_opt=True, seed=99, **build_kw)
+    build(**{"dist_opt": not build_kw.get("plain_opt"), "seed": 99, **build_kw})
     state: dict[str, Any] = {"model": _STATE["ddp"], "optimizer": _STATE["optimizer"]}
     if layout is not None:
         from bytecp.adapters.megatron import OptimizerLayout

@@ -219,6 +219,18 @@ def test_megatron_fully_reshardable_holds_the_same_tensors(pool: WorkerPool, tmp
 
 
 @pytest.mark.slow
+def test_non_distributed_megatron_optimizer_tp2_to_tp1(pool: WorkerPool, tmp_path: Path) -> None:
+    """Megatron's plain (non-distributed) optimizer goes through its own
+    sharded_state_dict: Adam moments keyed by the model's keys, resharded."""
+    url = str(tmp_path / "plain-opt")
+    ref = pool.run(mc.save_optimizer_reference, url, tp=2, plain_opt=True)[0]
+    assert any(k.startswith("optimizer.state.exp_avg.") for k in ref["optim"])
+    got = pool.run(mc.load_optimizer_and_report, url, tp=1, plain_opt=True)[0]
+    assert_optimizer_equal(ref, got, "non-distributed optimizer TP=2 -> TP=1")
+    torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
 def test_lazy_async_save_waits_in_megatron_optimizer_step(pool: WorkerPool, tmp_path: Path) -> None:
     """Lazy mode hooks the torch optimizer inside Megatron's optimizer: a step
     taken right after the call waits for staging, so the checkpoint holds
