@@ -176,6 +176,11 @@ def test_distributed_optimizer_reshards_across_tp_and_dp(pool: WorkerPool, tmp_p
     assert len(ref["optim"]) > 3 * 10
     md = engine.read_metadata(open_storage(url))
     assert md.parallelism["optimizer_layout"] == {"optimizer": "model_space"}
+    # the model is replicated over DP: the planner spreads its writing over both ranks
+    chunks = engine.read_chunks(open_storage(url), md)
+    per_rank = [sum(c.nbytes for c in chunks if c.fqn.startswith("model.") and c.file.split("/")[-1].startswith(f"{r}-"))
+                for r in range(2)]
+    assert min(per_rank) > 0.35 * sum(per_rank), per_rank
     got = pool.run(mc.load_optimizer_and_report, url, tp=2)[0]
     assert_optimizer_equal(ref, got, "TP=1 DP=2 -> TP=2 DP=1")
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), atol=1e-5, rtol=0)
