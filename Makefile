@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test test-servers lint typecheck bench bench-s3 clean
+.PHONY: demo test install install-test megatron-install test-servers lint typecheck bench bench-s3 clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -19,7 +19,13 @@ $(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt
 
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) -e ".[test,s3,monitoring]"
+	$(MAKE) megatron-install
 	touch $@
+
+# Megatron-Core (adapter tests): --no-deps so it can never pull torch or CUDA
+# wheels; its other requirements (numpy, packaging, psutil) are pinned here.
+megatron-install: $(VENV)/.installed
+	$(PIP) --no-deps megatron-core packaging psutil
 
 install: $(VENV)/.installed
 

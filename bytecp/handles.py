@@ -162,14 +162,32 @@ def checkpoint_group(process_group: Any) -> Any:
 
 
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
-    """Every optimizer in a state (nested dicts, lists and tuples)."""
-    if isinstance(state, torch.optim.Optimizer):
-        return [state]
-    if isinstance(state, dict):
-        return [o for v in state.values() for o in optimizers_in(v)]
-    if isinstance(state, (list, tuple)):
-        return [o for v in state for o in optimizers_in(v)]
-    return []
+    """The torch optimizers ``state`` holds or drives, each once: also those
+    inside optimizer wrappers (``.optimizer``, ``.chained_optimizers``:
+    Megatron's optimizers, bytecp's Megatron ``OptimizerLayout``)."""
+    found: dict[int, torch.optim.Optimizer] = {}
+
+    def walk(v: Any, depth: int) -> None:
+        if depth > 8 or isinstance(v, torch.nn.Module):
+            return
+        if isinstance(v, torch.optim.Optimizer):
+            found.setdefault(id(v), v)
+        elif isinstance(v, dict):
+            for x in v.values():
+                walk(x, depth + 1)
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x, depth + 1)
+        else:
+            chained = getattr(v, "chained_optimizers", None)
+            if isinstance(chained, (list, tuple)):
+                walk(chained, depth + 1)
+            inner = getattr(v, "optimizer", None)
+            if inner is not None and inner is not v:
+                walk(inner, depth + 1)
+
+    walk(state, 0)
+    return list(found.values())
 
 
 @atexit.register
