@@ -435,6 +435,8 @@ class PreparedSave:
     items: list[WriteItem]
     digest: str
     coordinator_digest: str
+    #: commit only if nothing committed at the URL meanwhile (a save without overwrite)
+    exclusive: bool = True
 
 
 def prepare_save(
@@ -465,7 +467,7 @@ def prepare_save(
     sid, old, coordinator_digest = ctx.broadcast("save", check_target)
     trace.checkpoint_id = sid
     items = _global_plan(flat, ctx, opts, trace)
-    return PreparedSave(sid, old, items, digest, coordinator_digest)
+    return PreparedSave(sid, old, items, digest, coordinator_digest, exclusive=not opts.overwrite)
 
 
 def objects_to_write(flat: FlatTree, ctx: DistContext, prep: PreparedSave) -> dict[str, Any]:
@@ -601,7 +603,7 @@ def commit_save(
                 bytecp_version=bytecp_version,
             )
             data = md.to_bytes()
-            storage.commit(fmt.METADATA_FILE, data)
+            storage.commit(fmt.METADATA_FILE, data, exclusive=prep.exclusive)
             sp.nbytes = len(data)
             sp.files = 1
         return md

@@ -6,10 +6,15 @@ Save
   1. (all ranks, writer threads) ``write_file`` for each data and index file.
      Writes go to names no committed checkpoint references, so a failed save
      never damages an existing one.
-  2. (coordinator) ``commit("metadata.json", data)``: atomic publish of one
-     small file, only after every rank reported its files durable. On a
-     filesystem: temp file + fsync + rename + directory fsync; on an object
-     store: a single PUT.
+  2. (coordinator) ``commit("metadata.json", data, exclusive=not overwrite)``:
+     atomic publish of one small file, only after every rank reported its
+     files durable. On a filesystem: temp file + fsync + rename + directory
+     fsync; on an object store: a single PUT. ``exclusive=True`` makes the
+     publish fail with :class:`~bytecp.errors.CheckpointExistsError` if the
+     file exists by then (another job committed first): a hard link or
+     no-replace rename on filesystems, a conditional PUT (``If-None-Match:
+     *``) on object stores. Backends that cannot make that one atomic step
+     say so in their docstring and in ``exclusive_commit``.
   3. (coordinator) ``delete`` of files an overwritten checkpoint no longer
      references, and of a failed save's orphans.
 Load
@@ -76,12 +81,22 @@ class Storage(abc.ABC):
         durable before returning.
         """
 
+    #: how ``commit(..., exclusive=True)`` refuses an existing file:
+    #: ``"atomic"`` (the existence check and the publish are one step) or
+    #: ``"check-then-publish"`` (a window between the two remains, named in
+    #: the backend's docstring)
+    exclusive_commit: str = "atomic"
+
     @abc.abstractmethod
-    def commit(self, path: str, data: bytes) -> None:
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """Atomically publish a small file: readers see all of it or none.
 
         (coordinator, once per checkpoint) Called last: this is what makes a
-        checkpoint exist.
+        checkpoint exist. ``exclusive=False`` replaces an existing file (its
+        old contents stay readable until the new ones are complete);
+        ``exclusive=True`` raises :class:`~bytecp.errors.CheckpointExistsError`
+        naming the file if it exists, leaving it untouched and no temporary
+        behind.
         """
 
     @abc.abstractmethod
