@@ -21,7 +21,6 @@ import io
 import logging
 import math
 import os
-import pickle
 import threading
 import time
 import warnings
@@ -32,6 +31,7 @@ import crc32c as _crc32c
 import torch
 
 from . import format as fmt
+from . import limits
 from .dist import DistContext
 from .dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview, itemsize
 from .errors import (
@@ -746,7 +746,7 @@ def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
             raise CorruptCheckpointError(
                 f"{storage.url}: index file {f} named in metadata.json is missing ({e})"
             ) from e
-    chunks = fmt.read_index(blobs)
+    chunks = fmt.read_index(blobs, where=storage.url, row_budget=lambda: limits.max_index_rows(md, limits.real_data_sizes(storage, md)))
     check_chunks(storage, md, chunks)
     return chunks
 
@@ -776,13 +776,7 @@ def _read_object(storage: Storage, fqn: str, rec: fmt.ObjectRecord, opts: LoadOp
             f"{storage.url}/{rec.file}: checksum mismatch in object {fqn!r} "
             f"(bytes {rec.byte_offset}..{rec.byte_offset + rec.nbytes})"
         )
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=not (rec.pickle and opts.allow_pickle))
-    except pickle.UnpicklingError as e:
-        raise PickleNotAllowedError(
-            f"{storage.url}: object {fqn!r} in {rec.file} holds types a safe load refuses ({e}); "
-            "pass allow_pickle=True only if you trust the checkpoint"
-        ) from e
+    return limits.load_blob(blob, f"{storage.url}: object {fqn!r} in {rec.file}", safe=not (rec.pickle and opts.allow_pickle))
 
 
 #: reads smaller than this per file are not split across threads
@@ -878,6 +872,7 @@ def read_checkpoint(
         with trace.span("read_metadata") as sp:
             md = read_metadata(storage)
             chunks = read_chunks(storage, md)
+            limits.check_sizes(storage, md, chunks)  # before any tensor is allocated
             sp.files = 1 + len(md.index_files)
         return md, chunks
 

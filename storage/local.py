@@ -27,6 +27,7 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
@@ -400,11 +401,18 @@ class LocalStorage(Storage):
                 os.close(dfd)
                 dfd = nfd
             try:
-                return os.open(parts[-1], os.O_RDONLY | _O_NOFOLLOW | flags, dir_fd=dfd)
+                # O_NONBLOCK: a FIFO planted in the checkpoint must not block the open
+                fd = os.open(parts[-1], os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK | flags, dir_fd=dfd)
             except OSError as e:
                 if e.errno == errno.ELOOP:
                     raise _symlink_refused(self._full(path)) from e
                 raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"{self._full(path)} is not a regular file; refusing to read it as part of a checkpoint"
+                )
+            return fd
         finally:
             os.close(dfd)
 
@@ -493,9 +501,15 @@ class LocalStorage(Storage):
 
     def size(self, path: str) -> int:
         try:
-            return os.stat(self._full(path)).st_size
+            fd = self._open_read(path)  # the same no-link, regular-file rules as reads
         except FileNotFoundError as e:
             raise StorageNotFoundError(f"{self._full(path)}: missing") from e
+        except OSError as e:
+            raise _os_error(e, self._full(path), "stat") from e
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(self._full(path))

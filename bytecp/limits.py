@@ -1,0 +1,307 @@
+"""The hostile-input budget: checks on every size a checkpoint declares,
+made before anything is allocated from it.
+
+A checkpoint is data someone else may have written. Its ``metadata.json``
+and index say how large tensors, chunks, blobs and files are; a reader that
+believed them could be made to allocate terabytes from a few kilobytes, or
+to recurse until the interpreter gives up. These functions turn every such
+claim into either a checked fact or a :class:`~bytecp.errors.CorruptCheckpointError`
+that names the file and the entry at fault. The budget they enforce:
+
+- structure: a skeleton at most :data:`MAX_SKELETON_DEPTH` deep, tensors of
+  at most :data:`MAX_NDIM` dimensions with non-negative integer sizes and a
+  known dtype, object records with non-negative offsets and sizes;
+- sizes: every data file's declared size equals its real size on storage;
+  every chunk and blob lies inside its file; the tensors' total bytes do not
+  exceed the data files' total (each element is stored at least once);
+- the index: at most ``FIXED_ROWS`` rows plus one per 4096-byte block of real
+  data (chunks are 4096-aligned, FORMAT.md 4.2) plus the empty chunks that
+  zero-element tensors may have, list cells of at most :data:`MAX_NDIM`
+  values, and column data that decodes to at most
+  ``MAX_INDEX_EXPANSION`` times the file's size (plus ``FIXED_BYTES``);
+- blobs: a ``torch.save`` zip whose entries are stored uncompressed and
+  together no larger than the blob, so the (restricted) loader never
+  inflates anything.
+
+So reading a checkpoint allocates at most a small multiple of its real
+size plus a fixed allowance, and deep nesting fails as a typed error.
+
+Who calls what: :meth:`bytecp.format.Metadata.validate` calls
+:func:`check_structure` (every reader, on every ``metadata.json``);
+:func:`bytecp.format.read_index` calls :func:`check_index_metadata` before
+decoding an index file; the load path and ``inspect`` call
+:func:`check_sizes` (coordinator) before any tensor is allocated; the object
+reader and ``verify`` call :func:`check_blob` before a blob is unpickled.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import io
+import math
+import zipfile
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from .dtypes import SUPPORTED_DTYPES
+from .errors import CorruptCheckpointError, PickleNotAllowedError
+
+if TYPE_CHECKING:  # pragma: no cover
+    import pyarrow.parquet as pq
+
+    from .format import ChunkRecord, Metadata
+    from .storage_api import Storage
+
+__all__ = [
+    "MAX_SKELETON_DEPTH",
+    "MAX_NDIM",
+    "FIXED_ROWS",
+    "FIXED_BYTES",
+    "MAX_INDEX_EXPANSION",
+    "check_structure",
+    "check_sizes",
+    "real_data_sizes",
+    "max_index_rows",
+    "check_index_metadata",
+    "check_blob",
+    "load_blob",
+]
+
+#: deepest nesting of the state tree a checkpoint may have (real ones: < 20)
+MAX_SKELETON_DEPTH = 256
+#: most dimensions a tensor may have (torch's own limit is 25 for most ops)
+MAX_NDIM = 64
+#: index rows every checkpoint may have, whatever its data size
+FIXED_ROWS = 1 << 16
+#: bytes of decoded index data every checkpoint may have, whatever its size
+FIXED_BYTES = 64 << 20
+#: decoded index data per byte of index file (Parquet with zstd on real indexes: < 20)
+MAX_INDEX_EXPANSION = 256
+#: the blocks chunks are aligned to (FORMAT.md 4.2)
+_ALIGN = 4096
+_KEY_TYPES = (str, int, bool, type(None))
+
+
+def _bad(where: str, what: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(f"{where}: metadata.json {what}; the checkpoint is corrupt or was tampered with")
+
+
+# ----------------------------------------------------------------- structure
+def check_structure(md: Metadata, where: str) -> None:
+    """(every reader) Shapes, dtypes, object records and the skeleton's depth
+    are well-formed; no recursion and no allocation depend on their values."""
+    if not isinstance(md.world_size, int) or md.world_size < 1:
+        raise _bad(where, f"says world_size {md.world_size!r}")
+    for fqn, info in md.tensors.items():
+        if not isinstance(info, Mapping):
+            raise _bad(where, f"describes tensor {fqn!r} as {info!r:.80}, not an object")
+        dtype, shape = info.get("dtype"), info.get("shape")
+        if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+            raise _bad(where, f"gives tensor {fqn!r} the unknown dtype {dtype!r:.40}")
+        if (
+            not isinstance(shape, list)
+            or len(shape) > MAX_NDIM
+            or not all(type(n) is int and n >= 0 for n in shape)
+        ):
+            raise _bad(
+                where,
+                f"gives tensor {fqn!r} the shape {shape!r:.80} (want at most {MAX_NDIM} "
+                "non-negative integers)",
+            )
+    for name, rec in _object_records(md):
+        if rec.is_blob and (rec.byte_offset < 0 or rec.nbytes < 0):
+            raise _bad(
+                where,
+                f"places {name} at byte {rec.byte_offset} with {rec.nbytes} bytes in {rec.file} "
+                "(offsets and sizes must be non-negative)",
+            )
+    for path, size in md.data_files.items():
+        if size < 0:
+            raise _bad(where, f"says data file {path} has {size} bytes")
+    _check_skeleton(md.skeleton, where)
+
+
+def _object_records(md: Metadata) -> list[tuple[str, Any]]:
+    out = [(f"object {k!r}", r) for k, r in md.objects.items()]
+    out += [(f"object {k!r} of rank {rank}", r) for k, v in md.per_rank.items() for rank, r in v.items()]
+    return out
+
+
+def _check_skeleton(skeleton: Any, where: str) -> None:
+    """Iterative walk: depth and key types bounded before any recursive code sees it."""
+    stack: list[tuple[Any, int]] = [(skeleton, 1)]
+    while stack:
+        node, depth = stack.pop()
+        if depth > MAX_SKELETON_DEPTH:
+            raise _bad(where, f"has a state tree nested deeper than {MAX_SKELETON_DEPTH} levels")
+        if not isinstance(node, dict) or len(node) != 1:
+            continue  # Metadata.validate names malformed nodes
+        ((kind, val),) = node.items()
+        if kind == "d" and isinstance(val, list):
+            for item in val:
+                if not isinstance(item, list) or len(item) != 2 or type(item[0]) not in _KEY_TYPES:
+                    raise _bad(where, f"has a malformed dict entry {item!r:.80} in its state tree")
+                stack.append((item[1], depth + 1))
+        elif kind in ("l", "t") and isinstance(val, list):
+            stack.extend((child, depth + 1) for child in val)
+        elif kind in ("l", "t", "d"):
+            raise _bad(where, f"has a malformed {kind!r} node {val!r:.80} in its state tree")
+
+
+# ----------------------------------------------------------------- sizes
+def real_data_sizes(storage: Storage, md: Metadata, io_threads: int = 16) -> dict[str, int | None]:
+    """(coordinator) The real size of every data file metadata.json lists (None: missing)."""
+
+    def size(path: str) -> int | None:
+        try:
+            return storage.size(path)
+        except FileNotFoundError:
+            return None
+
+    paths = sorted(md.data_files)
+    if len(paths) <= 1:
+        return {p: size(p) for p in paths}
+    with concurrent.futures.ThreadPoolExecutor(min(io_threads, len(paths)), "bytecp-size") as ex:
+        return dict(zip(paths, ex.map(size, paths), strict=True))
+
+
+def check_sizes(
+    storage: Storage,
+    md: Metadata,
+    chunks: list[ChunkRecord],
+    real: Mapping[str, int | None] | None = None,
+) -> None:
+    """(coordinator, before any tensor is allocated) Declared sizes are real.
+
+    Every data file exists with the size metadata.json declares; every object
+    blob lies inside its file; the tensors' total size is at most the data
+    files' total. Chunks were checked against the declared sizes already
+    (:func:`bytecp.engine.check_chunks`), so they are inside the real files too.
+    """
+    if real is None:
+        real = real_data_sizes(storage, md)
+    holds: dict[str, set[str]] = {}
+    for c in chunks:
+        names = holds.setdefault(c.file, set())
+        if len(names) < 3:
+            names.add(c.fqn)
+    for path, declared in md.data_files.items():
+        got = real.get(path)
+        if got == declared:
+            continue
+        what = f" (holding {', '.join(repr(n) for n in sorted(holds[path]))})" if holds.get(path) else ""
+        if got is None:
+            raise CorruptCheckpointError(f"{storage.url}: data file {path}{what} is missing")
+        state = "is truncated" if got < declared else "is larger than recorded"
+        raise CorruptCheckpointError(
+            f"{storage.url}: data file {path}{what} {state}: {got} bytes on storage, "
+            f"metadata.json says {declared}"
+        )
+    for name, rec in _object_records(md):
+        if not rec.is_blob:
+            continue
+        size = md.data_files.get(rec.file)
+        if size is None:
+            raise CorruptCheckpointError(
+                f"{storage.url}: {name} is stored in {rec.file}, which metadata.json does not list"
+            )
+        if rec.byte_offset + rec.nbytes > size:
+            raise CorruptCheckpointError(
+                f"{storage.url}: {name} claims bytes [{rec.byte_offset}, {rec.byte_offset + rec.nbytes}) "
+                f"of {rec.file}, which has {size} bytes"
+            )
+    data_total = sum(md.data_files.values())
+    tensor_total = 0
+    for fqn, info in md.tensors.items():
+        tensor_total += math.prod(info["shape"]) * SUPPORTED_DTYPES[info["dtype"]].itemsize
+        if tensor_total > data_total:
+            raise CorruptCheckpointError(
+                f"{storage.url}: metadata.json declares tensors (up to {fqn!r}, shape "
+                f"{info['shape']}) larger in total than all its data files ({data_total} bytes); "
+                "refusing to allocate them"
+            )
+
+
+# ----------------------------------------------------------------- index
+def max_index_rows(md: Metadata, real: Mapping[str, int | None] | None = None) -> int:
+    """Rows the index may have: the fixed allowance, one per aligned block of
+    data (real sizes when known, else declared), and the empty chunks of
+    zero-element tensors (one per rank at most)."""
+    sizes = real if real is not None else md.data_files
+    blocks = sum((s or 0) // _ALIGN + 1 for s in sizes.values())
+    empty = sum(1 for info in md.tensors.values() if 0 in info["shape"])
+    return FIXED_ROWS + blocks + empty * min(md.world_size, FIXED_ROWS)
+
+
+def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows: int | None) -> None:
+    """(before an index file is decoded) Row count, list sizes and decoded bytes
+    within the budget; ``meta`` is the Parquet footer, ``nbytes`` the file size."""
+    if max_rows is not None and meta.num_rows > max_rows:
+        raise CorruptCheckpointError(
+            f"index file {name} has {meta.num_rows} rows, more than the {max_rows} chunks the "
+            "checkpoint's data files can hold"
+        )
+    decoded = 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        for c in range(rg.num_columns):
+            col = rg.column(c)
+            decoded += max(0, int(col.total_uncompressed_size))
+            if col.num_values > max(1, rg.num_rows) * MAX_NDIM:
+                raise CorruptCheckpointError(
+                    f"index file {name}: column {col.path_in_schema} has {col.num_values} values "
+                    f"for {rg.num_rows} rows (at most {MAX_NDIM} per row)"
+                )
+    if decoded > MAX_INDEX_EXPANSION * nbytes + FIXED_BYTES:
+        raise CorruptCheckpointError(
+            f"index file {name} decodes to {decoded} bytes from {nbytes}: refusing (a compression bomb?)"
+        )
+
+
+# ----------------------------------------------------------------- blobs
+def check_blob(blob: bytes, where: str) -> None:
+    """A ``torch.save`` blob is a zip whose entries are stored (not compressed)
+    and fit in the blob, so loading it inflates nothing."""
+    try:
+        with zipfile.ZipFile(io.BytesIO(blob)) as zf:
+            infos = zf.infolist()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, ValueError, OSError, EOFError) as e:
+        raise CorruptCheckpointError(f"{where}: not a torch.save archive ({e})") from e
+    total = 0
+    for info in infos:
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CorruptCheckpointError(
+                f"{where}: archive entry {info.filename!r} is compressed; torch.save writes stored "
+                "entries only (refusing to inflate it)"
+            )
+        total += info.file_size
+        if info.file_size > len(blob) or total > len(blob):
+            raise CorruptCheckpointError(
+                f"{where}: archive entries claim {total} bytes in a blob of {len(blob)}"
+            )
+
+
+
+def load_blob(blob: bytes, where: str, *, safe: bool) -> Any:
+    """(object readers, ``verify``) Decode a ``torch.save`` blob after :func:`check_blob`.
+
+    ``safe``: the restricted (``weights_only``) unpickler, whose refusal is a
+    :class:`~bytecp.errors.PickleNotAllowedError`; any other failure to
+    decode is a :class:`~bytecp.errors.CorruptCheckpointError` naming ``where``.
+    """
+    import pickle
+
+    import torch
+
+    check_blob(blob, where)
+    try:
+        return torch.load(io.BytesIO(blob), weights_only=safe)
+    except pickle.UnpicklingError as e:
+        if not safe:
+            raise CorruptCheckpointError(f"{where}: the blob does not unpickle ({e})") from e
+        raise PickleNotAllowedError(
+            f"{where}: holds types a safe load refuses ({str(e).splitlines()[0]}); "
+            "pass allow_pickle=True only if you trust the checkpoint"
+        ) from e
+    except Exception as e:  # noqa: BLE001 - any decoding failure of stored bytes is corruption
+        raise CorruptCheckpointError(f"{where}: the blob does not decode ({type(e).__name__}: {e})") from e
