@@ -376,7 +376,9 @@ def read_index(
                     f"{' with nulls' if nulls else ''}, expected {f.type}"
                 )
         try:
-            out.extend(table_to_chunks(table))
+            chunks = table_to_chunks(table)
         except (pa.ArrowException, ValueError, TypeError, IndexError) as e:
             raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+        limits.check_chunk_records(label, chunks)
+        out.extend(chunks)
     return out

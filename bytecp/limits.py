@@ -16,9 +16,11 @@ that names the file and the entry at fault. The budget they enforce:
   exceed the data files' total (each element is stored at least once);
 - the index: at most ``FIXED_ROWS`` rows plus one per 4096-byte block of real
   data (chunks are 4096-aligned, FORMAT.md 4.2) plus the empty chunks that
-  zero-element tensors may have, list cells of at most :data:`MAX_NDIM`
-  values, and column data that decodes to at most
-  ``MAX_INDEX_EXPANSION`` times the file's size (plus ``FIXED_BYTES``);
+  zero-element tensors may have, row groups whose recorded size is at most
+  ``MAX_INDEX_EXPANSION`` times the file's size (plus ``FIXED_BYTES``), and
+  rows with at most :data:`MAX_NDIM` dimensions (checked once decoded:
+  a footer that lies about its pages' value counts is not caught before
+  decoding -- a known limit);
 - blobs: a ``torch.save`` zip whose entries are stored uncompressed and
   together no larger than the blob, so the (restricted) loader never
   inflates anything.
@@ -63,6 +65,7 @@ __all__ = [
     "real_data_sizes",
     "max_index_rows",
     "check_index_metadata",
+    "check_chunk_records",
     "check_blob",
     "load_blob",
 ]
@@ -71,6 +74,8 @@ __all__ = [
 MAX_SKELETON_DEPTH = 256
 #: most dimensions a tensor may have (torch's own limit is 25 for most ops)
 MAX_NDIM = 64
+#: most ranks a checkpoint may say saved it
+MAX_WORLD_SIZE = 1 << 20
 #: index rows every checkpoint may have, whatever its data size
 FIXED_ROWS = 1 << 16
 #: bytes of decoded index data every checkpoint may have, whatever its size
@@ -90,8 +95,10 @@ def _bad(where: str, what: str) -> CorruptCheckpointError:
 def check_structure(md: Metadata, where: str) -> None:
     """(every reader) Shapes, dtypes, object records and the skeleton's depth
     are well-formed; no recursion and no allocation depend on their values."""
-    if not isinstance(md.world_size, int) or md.world_size < 1:
-        raise _bad(where, f"says world_size {md.world_size!r}")
+    if not isinstance(md.world_size, int) or not 1 <= md.world_size <= MAX_WORLD_SIZE:
+        raise _bad(where, f"says world_size {md.world_size!r:.40} (want 1..{MAX_WORLD_SIZE})")
+    if not (isinstance(md.created, float) and 0 <= md.created < 2**33):  # finite, before year 2242
+        raise _bad(where, f"says it was created at {md.created!r:.40} (seconds since 1970)")
     for fqn, info in md.tensors.items():
         if not isinstance(info, Mapping):
             raise _bad(where, f"describes tensor {fqn!r} as {info!r:.80}, not an object")
@@ -233,6 +240,27 @@ def max_index_rows(md: Metadata, real: Mapping[str, int | None] | None = None) -
     return FIXED_ROWS + blocks + empty * min(md.world_size, FIXED_ROWS)
 
 
+def check_chunk_records(name: str, chunks: list[ChunkRecord]) -> None:
+    """(after an index file is decoded) Each row's box is well-formed: as many
+    offsets and lengths as dimensions (at most :data:`MAX_NDIM`), all
+    non-negative, and a non-negative byte range."""
+    for c in chunks:
+        nd = len(c.global_shape)
+        if (
+            nd > MAX_NDIM
+            or len(c.offsets) != nd
+            or len(c.lengths) != nd
+            or min((*c.global_shape, *c.offsets, *c.lengths), default=0) < 0
+            or c.byte_offset < 0
+            or c.nbytes < 0
+        ):
+            raise CorruptCheckpointError(
+                f"index file {name}: row of tensor {c.fqn!r:.80} has a malformed box or byte range "
+                f"(shape {list(c.global_shape)[:8]}, offsets {list(c.offsets)[:8]}, lengths "
+                f"{list(c.lengths)[:8]}, bytes {c.byte_offset}+{c.nbytes})"
+            )
+
+
 def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows: int | None) -> None:
     """(before an index file is decoded) Row count, list sizes and decoded bytes
     within the budget; ``meta`` is the Parquet footer, ``nbytes`` the file size."""
@@ -241,17 +269,12 @@ def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows
             f"index file {name} has {meta.num_rows} rows, more than the {max_rows} chunks the "
             "checkpoint's data files can hold"
         )
+    # row-group totals only: pyarrow aborts the process (an uncaught C++
+    # exception) when a damaged footer's column-chunk metadata is accessed
     decoded = 0
     for g in range(meta.num_row_groups):
         rg = meta.row_group(g)
-        for c in range(rg.num_columns):
-            col = rg.column(c)
-            decoded += max(0, int(col.total_uncompressed_size))
-            if col.num_values > max(1, rg.num_rows) * MAX_NDIM:
-                raise CorruptCheckpointError(
-                    f"index file {name}: column {col.path_in_schema} has {col.num_values} values "
-                    f"for {rg.num_rows} rows (at most {MAX_NDIM} per row)"
-                )
+        decoded += max(0, int(rg.total_byte_size))
     if decoded > MAX_INDEX_EXPANSION * nbytes + FIXED_BYTES:
         raise CorruptCheckpointError(
             f"index file {name} decodes to {decoded} bytes from {nbytes}: refusing (a compression bomb?)"
