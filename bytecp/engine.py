@@ -30,16 +30,14 @@ from typing import Any, TypeVar
 import crc32c as _crc32c
 import torch
 
+from . import diagnose, limits
 from . import format as fmt
-from . import limits
 from .dist import DistContext
 from .dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview, itemsize
 from .errors import (
     CheckpointExistsError,
-    CheckpointNotFoundError,
     ConfigError,
     CorruptCheckpointError,
-    IncompleteCheckpointError,
     PickleNotAllowedError,
     StateMismatchError,
     StorageError,
@@ -678,18 +676,8 @@ def read_metadata(storage: Storage) -> fmt.Metadata:
     try:
         data = storage.read_bytes(fmt.METADATA_FILE)
     except (FileNotFoundError, StorageError) as e:
-        if isinstance(e, StorageError) and not isinstance(e, FileNotFoundError):
-            raise
-        try:
-            leftovers = storage.list_files("")
-        except Exception:
-            leftovers = []
-        if leftovers:
-            raise IncompleteCheckpointError(
-                f"{storage.url} has no metadata.json but holds {len(leftovers)} file(s): an "
-                "interrupted or failed save; it is not a checkpoint (load an earlier one)"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
+        # a file, a run directory, an interrupted save, nothing: say which
+        diagnose.raise_not_a_checkpoint(storage, e)
     return fmt.Metadata.from_bytes(data, storage.url)
 
 

@@ -64,6 +64,12 @@ class FsspecStorage(Storage):
         try:
             return fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError) as e:
+            if proto not in fsspec.available_protocols():
+                raise StorageError(
+                    f"{url}: unknown URL scheme {proto + '://'!r}: neither bytecp nor fsspec knows it; "
+                    "check the URL for a typo (bytecp takes paths, file://, s3://, hdfs://, memory:// "
+                    "and any fsspec protocol), or `pip install` the package that provides it"
+                ) from e
             raise StorageError(
                 f"no usable fsspec implementation for {url!r} (protocol {proto!r}): {e}. "
                 "Install the package that provides it (for example `pip install 'bytecp[s3]'`, "
