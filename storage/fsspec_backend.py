@@ -159,9 +159,13 @@ class FsspecStorage(Storage):
     def exclusive_commit(self) -> str:  # type: ignore[override]
         """``"atomic"`` on fsspec's local and memory filesystems; elsewhere the
         generic path checks, then renames (a window of one rename)."""
-        if self.atomic_put or isinstance(self.fs, LocalFileSystem):
+        if self.atomic_put or self._links_locally():
             return "atomic"
         return "check-then-publish"
+
+    def _links_locally(self) -> bool:
+        """Whether exclusive commits publish with a local hard link (fsspec's local filesystem)."""
+        return isinstance(self.fs, LocalFileSystem)
 
     def _exists(self, path: str) -> CheckpointExistsError:
         return CheckpointExistsError(
@@ -190,7 +194,7 @@ class FsspecStorage(Storage):
         tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         self.fs.pipe_file(tmp, payload)
         try:
-            if isinstance(self.fs, LocalFileSystem):
+            if self._links_locally():
                 from .local import _publish_exclusive
 
                 try:

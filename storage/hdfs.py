@@ -302,6 +302,10 @@ class HDFSStorage(FsspecStorage):
             return "atomic"
         return super().exclusive_commit
 
+    def _links_locally(self) -> bool:
+        # a real client renames on the NameNode, whatever filesystem class stands in
+        return getattr(self, "client_name", "") not in ("hdfs-native", "pyarrow") and super()._links_locally()
+
     def _rename_new(self, src: str, dst: str, path: str) -> None:
         """A NameNode rename without overwrite: fails if ``dst`` exists (atomic)."""
         name = getattr(self, "client_name", "")
