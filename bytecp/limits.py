@@ -38,7 +38,6 @@ reader and ``verify`` call :func:`check_blob` before a blob is unpickled.
 
 from __future__ import annotations
 
-import concurrent.futures
 import io
 import math
 import zipfile
@@ -156,20 +155,24 @@ def _check_skeleton(skeleton: Any, where: str) -> None:
 
 
 # ----------------------------------------------------------------- sizes
-def real_data_sizes(storage: Storage, md: Metadata, io_threads: int = 16) -> dict[str, int | None]:
-    """(coordinator) The real size of every data file metadata.json lists (None: missing)."""
+def real_data_sizes(storage: Storage, md: Metadata) -> dict[str, int | None]:
+    """(coordinator) The real size of every data file metadata.json lists (None: missing).
 
-    def size(path: str) -> int | None:
-        try:
-            return storage.size(path)
-        except FileNotFoundError:
-            return None
-
-    paths = sorted(md.data_files)
-    if len(paths) <= 1:
-        return {p: size(p) for p in paths}
-    with concurrent.futures.ThreadPoolExecutor(min(io_threads, len(paths)), "bytecp-size") as ex:
-        return dict(zip(paths, ex.map(size, paths), strict=True))
+    One listing of ``data/`` (:meth:`~bytecp.storage_api.Storage.file_sizes`);
+    a file the listing lacks is asked for directly, so an eventually
+    consistent listing never makes a present file look missing.
+    """
+    listed = storage.file_sizes("data")
+    out: dict[str, int | None] = {}
+    for path in md.data_files:
+        size = listed.get(path)
+        if size is None:
+            try:
+                size = storage.size(path)
+            except FileNotFoundError:
+                size = None
+        out[path] = size
+    return out
 
 
 def check_sizes(

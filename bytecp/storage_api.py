@@ -36,7 +36,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, CorruptCheckpointError
 
 __all__ = ["Storage", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
 
@@ -149,6 +149,21 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list_files(self, prefix: str = "") -> list[str]:
         """Every file below ``prefix``, recursively, as paths relative to the root."""
+
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every file below ``prefix`` with its size in bytes (paths as :meth:`list_files`).
+
+        (coordinator, when a checkpoint is opened for reading) Backends that
+        can (object stores: a listing carries the sizes) answer in one listing
+        instead of one request per file.
+        """
+        out = {}
+        for p in self.list_files(prefix):
+            try:
+                out[p] = self.size(p)
+            except (FileNotFoundError, CorruptCheckpointError):
+                pass  # deleted meanwhile, or not a regular file (a reader refuses it by name)
+        return out
 
     def list_children(self, prefix: str = "") -> list[str]:
         """Names directly below ``prefix`` (files and directories), sorted."""

@@ -304,6 +304,25 @@ class FsspecStorage(Storage):
         full = self._full(path)
         return bool(self._call(lambda: self.fs.isfile(full), path, "exists"))
 
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        """One ``find(detail=True)``: the listing carries the sizes."""
+        base = self._full(prefix)
+
+        def find() -> dict[str, Any]:
+            try:
+                if not self.fs.isdir(base):
+                    return {}
+                return dict(self.fs.find(base, detail=True))
+            except FileNotFoundError:
+                return {}
+
+        found = self._call(find, prefix, "list")
+        return {
+            self._rel(f): int(info.get("size") or 0)
+            for f, info in found.items()
+            if info.get("type", "file") != "directory"
+        }
+
     def list_files(self, prefix: str = "") -> list[str]:
         base = self._full(prefix)
 

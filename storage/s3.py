@@ -910,8 +910,17 @@ class S3Storage(Storage):
         cut = len(base) + 1 if base else 0
         return sorted({k[cut:].strip("/") for _, k in found if k[cut:].strip("/")})
 
-    async def _list(self, prefix: str, delimiter: str | None) -> list[tuple[str, str]]:
-        """``(relative path, key)`` of objects (and, with a delimiter, common prefixes)."""
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        """One listing (1,000 objects per request) instead of a HEAD per object."""
+        sizes: dict[str, int] = {}
+        self._run(lambda: self._list(prefix, None, sizes))
+        return sizes
+
+    async def _list(
+        self, prefix: str, delimiter: str | None, sizes: dict[str, int] | None = None
+    ) -> list[tuple[str, str]]:
+        """``(relative path, key)`` of objects (and, with a delimiter, common
+        prefixes); ``sizes`` (if given) receives each object's size."""
         base = self._key(prefix)
         base = f"{base}/" if base else ""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
@@ -926,6 +935,8 @@ class S3Storage(Storage):
                 raise self._error(e, prefix, "list") from e
             for obj in page.get("Contents", []) or []:
                 out.append((self._rel(obj["Key"]), obj["Key"]))
+                if sizes is not None:
+                    sizes[self._rel(obj["Key"])] = int(obj.get("Size", 0))
             for cp in page.get("CommonPrefixes", []) or []:
                 out.append((self._rel(cp["Prefix"]), cp["Prefix"]))
             token = page.get("NextContinuationToken")

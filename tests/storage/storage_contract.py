@@ -169,6 +169,14 @@ class ListDeleteTests:
         assert storage.list_files("data") == ["data/0-0.bin", "data/1-0.bin", "data/sub/x"]
         assert storage.list_files("data/") == storage.list_files("data")
 
+    def test_file_sizes_in_one_listing(self, storage: Storage) -> None:
+        files = {"data/s1/0-0.bin": 4096 * 3, "data/s1/1-0.bin": 7, "data/s2/0-0.bin": 0, "index/s1/0.parquet": 5}
+        for p, n in files.items():
+            storage.write_file(p, [payload(n)])
+        assert storage.file_sizes("data") == {p: n for p, n in files.items() if p.startswith("data/")}
+        assert storage.file_sizes() == files
+        assert storage.file_sizes("nothing") == {}
+
     def test_list_missing_prefix_is_empty(self, storage: Storage) -> None:
         assert storage.list_files() == []
         assert storage.list_files("nothing/here") == []
