@@ -355,7 +355,7 @@ def read_index(
             rows = pf.metadata.num_rows
             if rows > limits.FIXED_ROWS and row_budget is not None and budget is None:
                 budget = row_budget()
-            limits.check_index_metadata(label, pf.metadata, len(data), budget)
+            limits.check_index_metadata(label, pf.metadata, len(data), budget, data)
             missing = [f.name for f in INDEX_SCHEMA if f.name not in pf.schema_arrow.names]
             if missing:
                 raise CorruptCheckpointError(f"index file {label} lacks columns {missing}")
