@@ -245,7 +245,7 @@ def _reset_peak() -> bool:
 @pytest.mark.timeout(240)
 @pytest.mark.filterwarnings("ignore::UserWarning")
 def test_mutated_checkpoints_fail_with_bytecp_errors_within_budget(tmp_path: Path) -> None:
-    rng = random.Random(20261123)
+    rng = random.Random(int(os.environ.get("BYTECP_FUZZ_SEED", "20261123")))
     golden = {case: _files(case) for case in SOURCES}
     # steady state: every reader once on each pristine checkpoint
     for case, files in golden.items():
