@@ -18,7 +18,9 @@ Save
   3. (coordinator) ``delete`` of files an overwritten checkpoint no longer
      references, and of a failed save's orphans.
 Load
-  1. (coordinator) ``read_bytes("metadata.json")`` and the index files.
+  1. (coordinator) ``read_bytes("metadata.json")`` and the index files, and
+     ``file_sizes("data")`` to check every size the checkpoint declares
+     against the real files before anything is allocated.
   2. (all ranks, reader threads) ``read_ranges`` (a batch of ranges of one
      file, coalesced by object-store backends) or ``read_into`` for byte ranges.
 
