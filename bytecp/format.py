@@ -21,12 +21,13 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from . import limits
 from .errors import CorruptCheckpointError, FormatVersionError
 from .skeleton import Node
 
@@ -208,8 +209,8 @@ class Metadata:
     def from_bytes(cls, data: bytes, where: str) -> Metadata:
         try:
             d = json.loads(data)
-        except ValueError as e:
-            raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({e})") from e
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+            raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({str(e)[:200]})") from e
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
         version = d.get("format_version")
@@ -239,11 +240,14 @@ class Metadata:
                 bytecp_version=str(d.get("bytecp_version", "")),
                 format_version=version,
             ).validate(where)
-        except (KeyError, TypeError, ValueError) as e:
-            raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r})") from e
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
 
     def validate(self, where: str) -> Metadata:
-        """Every file name the metadata holds is safe (see :func:`check_path`)."""
+        """Every file name the metadata holds is safe (see :func:`check_path`),
+        and every size and shape is within the hostile-input budget
+        (:func:`bytecp.limits.check_structure`)."""
+        limits.check_structure(self, where)
         for f in self.index_files:
             check_path(f, "index", where)
         for f in self.data_files:
@@ -278,8 +282,18 @@ def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
     return pa.table(cols, schema=INDEX_SCHEMA)
 
 
+def _column(table: pa.Table, name: str) -> list[Any]:
+    """A column as Python values; dictionary-encoded strings stay shared
+    (one ``str`` per distinct value, not one per row)."""
+    col = table.column(name).combine_chunks()
+    if pa.types.is_dictionary(col.type):
+        values = col.dictionary.to_pylist()
+        return [None if i is None else values[i] for i in col.indices.to_pylist()]
+    return col.to_pylist()
+
+
 def table_to_chunks(table: pa.Table) -> list[ChunkRecord]:
-    d = table.to_pydict()
+    cols = [_column(table, f.name) for f in INDEX_SCHEMA]
     return [
         ChunkRecord(
             fqn,
@@ -292,18 +306,7 @@ def table_to_chunks(table: pa.Table) -> list[ChunkRecord]:
             int(nb),
             int(crc),
         )
-        for fqn, dt, gs, of, ln, f, bo, nb, crc in zip(
-            d["fqn"],
-            d["dtype"],
-            d["global_shape"],
-            d["offsets"],
-            d["lengths"],
-            d["file"],
-            d["byte_offset"],
-            d["nbytes"],
-            d["crc32c"],
-            strict=True,
-        )
+        for fqn, dt, gs, of, ln, f, bo, nb, crc in zip(*cols, strict=True)
     ]
 
 
@@ -313,18 +316,60 @@ def write_index(chunks: Sequence[ChunkRecord]) -> bytes:
     return sink.getvalue()
 
 
-def read_index(blobs: Iterable[tuple[str, bytes]]) -> list[ChunkRecord]:
+_STRING_COLUMNS = ("fqn", "dtype", "file")
+
+
+def read_index(
+    blobs: Iterable[tuple[str, bytes]],
+    *,
+    where: str = "",
+    row_budget: Callable[[], int] | None = None,
+) -> list[ChunkRecord]:
+    """Decode index files (``(name, bytes)`` pairs) into chunk records.
+
+    (coordinator) ``where`` (the checkpoint URL) prefixes file names in
+    errors. Each file's footer is checked against the hostile-input budget
+    (:func:`bytecp.limits.check_index_metadata`) before any column is
+    decoded; ``row_budget`` gives the most rows the checkpoint may have, and
+    is called only for indexes above :data:`bytecp.limits.FIXED_ROWS` rows
+    (it may look up the data files' real sizes).
+    """
     out: list[ChunkRecord] = []
+    budget: int | None = None
     for name, data in blobs:
+        label = f"{where.rstrip('/')}/{name}" if where else name
         try:
             # ParquetFile.read without threads: read_table's dataset scanner
             # leaves threads that can abort the interpreter at exit when torch
             # is loaded (apache/arrow#34314)
-            table = pq.ParquetFile(pa.BufferReader(data)).read(use_threads=False)
-        except (pa.ArrowInvalid, OSError) as e:
-            raise CorruptCheckpointError(f"index file {name} is unreadable ({e})") from e
-        missing = [f.name for f in INDEX_SCHEMA if f.name not in table.column_names]
-        if missing:
-            raise CorruptCheckpointError(f"index file {name} lacks columns {missing}")
-        out.extend(table_to_chunks(table.select([f.name for f in INDEX_SCHEMA])))
+            pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(_STRING_COLUMNS))
+            rows = pf.metadata.num_rows
+            if rows > limits.FIXED_ROWS and row_budget is not None and budget is None:
+                budget = row_budget()
+            limits.check_index_metadata(label, pf.metadata, len(data), budget, data)
+            missing = [f.name for f in INDEX_SCHEMA if f.name not in pf.schema_arrow.names]
+            if missing:
+                raise CorruptCheckpointError(f"index file {label} lacks columns {missing}")
+            table = pf.read(columns=[f.name for f in INDEX_SCHEMA], use_threads=False)
+        except CorruptCheckpointError:
+            raise
+        except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
+            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+        for f in INDEX_SCHEMA:
+            got = table.schema.field(f.name).type
+            if pa.types.is_dictionary(got) and f.name in _STRING_COLUMNS:
+                got = got.value_type
+            col = table.column(f.name)
+            nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
+            if got != f.type or nulls:
+                raise CorruptCheckpointError(
+                    f"index file {label}: column {f.name!r} is {got}"
+                    f"{' with nulls' if nulls else ''}, expected {f.type}"
+                )
+        try:
+            chunks = table_to_chunks(table)
+        except (pa.ArrowException, ValueError, TypeError, IndexError) as e:
+            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+        limits.check_chunk_records(label, chunks)
+        out.extend(chunks)
     return out

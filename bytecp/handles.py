@@ -44,6 +44,33 @@ class SaveHandle:
         #: from the caller's thread (wait(), the next save), never from inside
         #: optimizer.step(), which is iterating them
         self._hooks: list[Any] = []
+        self._callbacks: list[Callable[[SaveHandle], None]] = []
+        self._callbacks_lock = threading.Lock()
+
+    def add_done_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        """Call ``fn(handle)`` once the save has committed or failed.
+
+        Runs on the background thread that ran the save (off the training
+        thread), or at once on the caller's thread if the save has ended
+        already. Exceptions from ``fn`` are logged, never raised.
+        (CheckpointManager applies retention this way.)
+        """
+        with self._callbacks_lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        self._run_callback(fn)
+
+    def exception(self) -> BaseException | None:
+        """The save's error once it has ended (None: committed or still running);
+        unlike :meth:`result`, this does not count as the error being seen."""
+        return self._error if self._done.is_set() else None
+
+    def _run_callback(self, fn: Callable[[SaveHandle], None]) -> None:
+        try:
+            fn(self)
+        except Exception as e:  # a callback must not break the save's thread
+            log.warning("bytecp: a done-callback of the async save to %s failed: %s", self.url, e)
 
     def done(self) -> bool:
         """Whether the save has committed or failed."""
@@ -115,6 +142,10 @@ class SaveHandle:
         self._metadata, self._error = md, error
         self._staged.set()
         self._done.set()
+        with self._callbacks_lock:
+            callbacks, self._callbacks = self._callbacks, []
+        for fn in callbacks:
+            self._run_callback(fn)
 
 
 _inflight: SaveHandle | None = None

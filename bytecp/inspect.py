@@ -11,8 +11,10 @@ import time
 from collections import defaultdict
 from typing import Any
 
+from . import limits
 from .checksum import crc32c
 from .dtypes import dtype_from_name, itemsize
+from .errors import BytecpError
 from .reader import read_chunks, read_metadata
 from .regions import Region
 from .storage_api import Storage
@@ -24,6 +26,7 @@ def summarize(storage: Storage) -> dict[str, Any]:
     """A JSON-able description of the checkpoint (what ``bytecp inspect`` prints)."""
     md = read_metadata(storage)
     chunks = read_chunks(storage, md)
+    limits.check_sizes(storage, md, chunks)  # never report sizes the files do not have
     per: dict[str, dict[str, Any]] = {}
     counts: dict[str, int] = defaultdict(int)
     stored: dict[str, int] = defaultdict(int)
@@ -40,8 +43,8 @@ def summarize(storage: Storage) -> dict[str, Any]:
         }
     writers: dict[int, int] = defaultdict(int)
     for path, size in md.data_files.items():
-        rank = int(path.rsplit("/", 1)[-1].split("-", 1)[0])
-        writers[rank] += size
+        head = path.rsplit("/", 1)[-1].split("-", 1)[0]
+        writers[int(head) if head.isdigit() else -1] += size
     return {
         "url": storage.url,
         "format_version": md.format_version,
@@ -79,7 +82,8 @@ class VerifyProblem:
 
 
 def verify(storage: Storage, *, io_threads: int = 8) -> tuple[int, list[VerifyProblem]]:
-    """Read every chunk and object blob, check sizes and crc32c.
+    """Read every chunk and object blob, check sizes and crc32c, and decode
+    every blob saved without ``allow_pickle`` with the safe loader.
 
     Returns ``(bytes checked, problems)``; no problems means the checkpoint is intact.
     """
@@ -98,15 +102,18 @@ def verify(storage: Storage, *, io_threads: int = 8) -> tuple[int, list[VerifyPr
             problems.append(VerifyProblem(path, "data file", "", f"size {sizes[path]} B, metadata says {want} B"))
 
     items: list[tuple[str, str, str, int, int, int]] = []
+    blobs: dict[tuple[str, int, int], bool] = {}  # (file, offset, nbytes) -> decode safely
     for c in chunks:
         items.append((c.file, c.fqn, str(Region(c.offsets, c.lengths)), c.byte_offset, c.nbytes, c.crc32c))
     for name, rec in md.objects.items():
         if rec.is_blob and rec.file:
             items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
+            blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
     for name, recs in md.per_rank.items():
         for r, rec in recs.items():
             if rec.is_blob and rec.file:
                 items.append((rec.file, f"object {name!r} of rank {r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
+                blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
 
     def check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
         file, what, region, off, n, crc = item
@@ -122,6 +129,11 @@ def verify(storage: Storage, *, io_threads: int = 8) -> tuple[int, list[VerifyPr
         got = crc32c(data)
         if got != crc:
             return VerifyProblem(file, what, region, f"crc32c mismatch: stored {crc:#010x}, read {got:#010x}")
+        if blobs.get((file, off, n)):  # an object saved without allow_pickle must load without it
+            try:
+                limits.load_blob(data, what, safe=True)
+            except BytecpError as e:
+                return VerifyProblem(file, what, region, f"does not load with the safe loader: {e}")
         return None
 
     with concurrent.futures.ThreadPoolExecutor(io_threads, "bytecp-verify") as ex:

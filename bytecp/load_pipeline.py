@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import faults
+from . import faults, limits
 from . import format as fmt
 from .adapter_api import LoadTarget, detect_adapter
 from .dist import DistContext
@@ -81,6 +81,7 @@ class LoadPipeline:
             with self.trace.span("read_metadata") as sp:
                 md = read_metadata(self.storage)
                 chunks = read_chunks(self.storage, md)
+                limits.check_sizes(self.storage, md, chunks)  # before any tensor is allocated
                 sp.files = 1 + len(md.index_files)
             return md, chunks
 

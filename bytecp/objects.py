@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import pickle
 from typing import Any
 
 import torch
 
 from . import format as fmt
+from . import limits
 from .checksum import crc32c
 from .errors import ConfigError, CorruptCheckpointError, PickleNotAllowedError
 from .state import is_json_leaf
@@ -80,10 +80,5 @@ def read_object(
             f"{storage.url}/{rec.file}: checksum mismatch in object {fqn!r} "
             f"(bytes {rec.byte_offset}..{rec.byte_offset + rec.nbytes})"
         )
-    try:
-        return torch.load(io.BytesIO(blob), weights_only=not (rec.pickle and allow_pickle))
-    except pickle.UnpicklingError as e:
-        raise PickleNotAllowedError(
-            f"{storage.url}: object {fqn!r} in {rec.file} holds types a safe load refuses ({e}); "
-            "pass allow_pickle=True only if you trust the checkpoint"
-        ) from e
+    return limits.load_blob(blob, f"{storage.url}: object {fqn!r} in {rec.file}",
+                            safe=not (rec.pickle and allow_pickle))

@@ -17,15 +17,11 @@ from collections.abc import Sequence
 
 import torch
 
+from . import diagnose, limits
 from . import format as fmt
 from .checksum import crc32c
 from .dtypes import byte_view, dtype_from_name, host_memoryview, itemsize
-from .errors import (
-    CheckpointNotFoundError,
-    CorruptCheckpointError,
-    IncompleteCheckpointError,
-    StorageError,
-)
+from .errors import CorruptCheckpointError, StorageError
 from .planner import ReadRequest, find_overlap
 from .recorder import Trace
 from .regions import Region, row_major_strides
@@ -51,18 +47,8 @@ def read_metadata(storage: Storage) -> fmt.Metadata:
     try:
         data = storage.read_bytes(fmt.METADATA_FILE)
     except (FileNotFoundError, StorageError) as e:
-        if isinstance(e, StorageError) and not isinstance(e, FileNotFoundError):
-            raise
-        try:
-            leftovers = storage.list_files("")
-        except Exception:
-            leftovers = []
-        if leftovers:
-            raise IncompleteCheckpointError(
-                f"{storage.url} has no metadata.json but holds {len(leftovers)} file(s): an "
-                "interrupted or failed save; it is not a checkpoint (load an earlier one)"
-            ) from None
-        raise CheckpointNotFoundError(f"no checkpoint at {storage.url}") from None
+        # a file, a run directory, an interrupted save, nothing: say which
+        diagnose.raise_not_a_checkpoint(storage, e)
     return fmt.Metadata.from_bytes(data, storage.url)
 
 
@@ -119,7 +105,10 @@ def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
             raise CorruptCheckpointError(
                 f"{storage.url}: index file {f} named in metadata.json is missing ({e})"
             ) from e
-    chunks = fmt.read_index(blobs)
+    chunks = fmt.read_index(
+        blobs, where=storage.url,
+        row_budget=lambda: limits.max_index_rows(md, limits.real_data_sizes(storage, md)),
+    )
     check_chunks(storage, md, chunks)
     return chunks
 

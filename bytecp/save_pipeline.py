@@ -222,7 +222,7 @@ class SavePipeline:
                 faults.inject("commit", ctx.rank)
                 md = self._metadata(outputs)
                 data = md.to_bytes()
-                self.storage.commit(fmt.METADATA_FILE, data)
+                self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
                 committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1
             faults.inject("committed", ctx.rank)

@@ -6,14 +6,21 @@ Save
   1. (all ranks, writer threads) ``write_file`` for each data and index file.
      Writes go to names no committed checkpoint references, so a failed save
      never damages an existing one.
-  2. (coordinator) ``commit("metadata.json", data)``: atomic publish of one
-     small file, only after every rank reported its files durable. On a
-     filesystem: temp file + fsync + rename + directory fsync; on an object
-     store: a single PUT.
+  2. (coordinator) ``commit("metadata.json", data, exclusive=not overwrite)``:
+     atomic publish of one small file, only after every rank reported its
+     files durable. On a filesystem: temp file + fsync + rename + directory
+     fsync; on an object store: a single PUT. ``exclusive=True`` makes the
+     publish fail with :class:`~bytecp.errors.CheckpointExistsError` if the
+     file exists by then (another job committed first): a hard link or
+     no-replace rename on filesystems, a conditional PUT (``If-None-Match:
+     *``) on object stores. Backends that cannot make that one atomic step
+     say so in their docstring and in ``exclusive_commit``.
   3. (coordinator) ``delete`` of files an overwritten checkpoint no longer
      references, and of a failed save's orphans.
 Load
-  1. (coordinator) ``read_bytes("metadata.json")`` and the index files.
+  1. (coordinator) ``read_bytes("metadata.json")`` and the index files, and
+     ``file_sizes("data")`` to check every size the checkpoint declares
+     against the real files before anything is allocated.
   2. (all ranks, reader threads) ``read_ranges`` (a batch of ranges of one
      file, coalesced by object-store backends) or ``read_into`` for byte ranges.
 
@@ -31,7 +38,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .errors import ConfigError
+from .errors import ConfigError, CorruptCheckpointError
 
 __all__ = ["Storage", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
 
@@ -76,12 +83,22 @@ class Storage(abc.ABC):
         durable before returning.
         """
 
+    #: how ``commit(..., exclusive=True)`` refuses an existing file:
+    #: ``"atomic"`` (the existence check and the publish are one step) or
+    #: ``"check-then-publish"`` (a window between the two remains, named in
+    #: the backend's docstring)
+    exclusive_commit: str = "atomic"
+
     @abc.abstractmethod
-    def commit(self, path: str, data: bytes) -> None:
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         """Atomically publish a small file: readers see all of it or none.
 
         (coordinator, once per checkpoint) Called last: this is what makes a
-        checkpoint exist.
+        checkpoint exist. ``exclusive=False`` replaces an existing file (its
+        old contents stay readable until the new ones are complete);
+        ``exclusive=True`` raises :class:`~bytecp.errors.CheckpointExistsError`
+        naming the file if it exists, leaving it untouched and no temporary
+        behind.
         """
 
     @abc.abstractmethod
@@ -134,6 +151,21 @@ class Storage(abc.ABC):
     @abc.abstractmethod
     def list_files(self, prefix: str = "") -> list[str]:
         """Every file below ``prefix``, recursively, as paths relative to the root."""
+
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        """Every file below ``prefix`` with its size in bytes (paths as :meth:`list_files`).
+
+        (coordinator, when a checkpoint is opened for reading) Backends that
+        can (object stores: a listing carries the sizes) answer in one listing
+        instead of one request per file.
+        """
+        out = {}
+        for p in self.list_files(prefix):
+            try:
+                out[p] = self.size(p)
+            except (FileNotFoundError, CorruptCheckpointError):
+                pass  # deleted meanwhile, or not a regular file (a reader refuses it by name)
+        return out
 
     def list_children(self, prefix: str = "") -> list[str]:
         """Names directly below ``prefix`` (files and directories), sorted."""

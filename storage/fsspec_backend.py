@@ -11,19 +11,29 @@ onto :class:`~bytecp.errors.StorageError` subclasses naming the URL.
 from __future__ import annotations
 
 import posixpath
+import threading
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 import fsspec
+from fsspec.implementations.local import LocalFileSystem
 
-from bytecp.errors import CorruptCheckpointError, StorageError, StorageNotFoundError
+from bytecp.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+)
 from bytecp.storage_api import Buffer, Storage, split_protocol
 
 from . import _retry
 from ._retry import RetryPolicy
 
 __all__ = ["FsspecStorage"]
+
+#: serialises exclusive puts on filesystems whose put is atomic (memory)
+_PUT_LOCK = threading.Lock()
 
 T = TypeVar("T")
 
@@ -54,6 +64,12 @@ class FsspecStorage(Storage):
         try:
             return fsspec.core.url_to_fs(url, **options)
         except (ImportError, ValueError) as e:
+            if proto not in fsspec.available_protocols():
+                raise StorageError(
+                    f"{url}: unknown URL scheme {proto + '://'!r}: neither bytecp nor fsspec knows it; "
+                    "check the URL for a typo (bytecp takes paths, file://, s3://, hdfs://, memory:// "
+                    "and any fsspec protocol), or `pip install` the package that provides it"
+                ) from e
             raise StorageError(
                 f"no usable fsspec implementation for {url!r} (protocol {proto!r}): {e}. "
                 "Install the package that provides it (for example `pip install 'bytecp[s3]'`, "
@@ -105,13 +121,28 @@ class FsspecStorage(Storage):
 
         self._call(write, path, "write")
 
-    def commit(self, path: str, data: bytes) -> None:
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         full = self._full(path)
+        payload = bytes(data)
+        if exclusive:
+
+            def publish_new() -> None:
+                self._makedirs(posixpath.dirname(full))
+                if self.fs.isfile(full):
+                    # a retried attempt whose first try published (its answer lost)
+                    # finds its own bytes: that is success, not a conflict
+                    if self.fs.cat_file(full) == payload:
+                        return
+                    raise self._exists(path)
+                self._publish_exclusive(full, payload, path)
+
+            self._call(publish_new, path, "exclusive commit")
+            return
         if self.atomic_put:
 
             def put() -> None:
                 self._makedirs(posixpath.dirname(full))
-                self.fs.pipe_file(full, bytes(data))
+                self.fs.pipe_file(full, payload)
 
             self._call(put, path, "commit")
             return
@@ -119,13 +150,75 @@ class FsspecStorage(Storage):
 
         def publish() -> None:
             self._makedirs(posixpath.dirname(full))
-            self.fs.pipe_file(tmp, bytes(data))
+            self.fs.pipe_file(tmp, payload)
             self._rename_over(tmp, full)
 
         self._call(publish, path, "commit")
 
+    @property
+    def exclusive_commit(self) -> str:  # type: ignore[override]
+        """``"atomic"`` on fsspec's local and memory filesystems; elsewhere the
+        generic path checks, then renames (a window of one rename)."""
+        if self.atomic_put or self._links_locally():
+            return "atomic"
+        return "check-then-publish"
+
+    def _links_locally(self) -> bool:
+        """Whether exclusive commits publish with a local hard link (fsspec's local filesystem)."""
+        return isinstance(self.fs, LocalFileSystem)
+
+    def _exists(self, path: str) -> CheckpointExistsError:
+        return CheckpointExistsError(
+            f"{self.url.rstrip('/')}/{path.strip('/')} already exists: another save committed here "
+            "first; pass overwrite=True to replace it, or save to another URL"
+        )
+
+    def _publish_exclusive(self, full: str, payload: bytes, path: str) -> None:
+        """Publish ``payload`` at ``full`` unless something is there (it was absent a moment ago).
+
+        - memory (``atomic_put``): check and put under one process-wide lock
+          (a memory filesystem is visible to this process only): atomic;
+        - fsspec's local filesystem: temp file, then a hard link that refuses
+          to replace (as the local backend): atomic;
+        - any other filesystem: temp file, a second existence check, then a
+          rename -- a save committing between that check and the rename is
+          replaced (the window is one rename; use a tuned backend where it
+          matters).
+        """
+        if self.atomic_put:
+            with _PUT_LOCK:
+                if self.fs.isfile(full):
+                    raise self._exists(path)
+                self.fs.pipe_file(full, payload)
+            return
+        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        self.fs.pipe_file(tmp, payload)
+        try:
+            if self._links_locally():
+                from .local import _publish_exclusive
+
+                try:
+                    _publish_exclusive(self.fs._strip_protocol(tmp), self.fs._strip_protocol(full))
+                except CheckpointExistsError:
+                    raise self._exists(path) from None
+                return
+            self._rename_new(tmp, full, path)
+        except BaseException:
+            try:
+                self.fs.rm(tmp)
+            except Exception:  # noqa: BLE001 - best effort; the original error matters
+                pass
+            raise
+
     def _rename_over(self, src: str, dst: str) -> None:
         """Rename ``src`` to ``dst``, replacing it (atomic where the filesystem's rename is)."""
+        self.fs.mv(src, dst)
+
+    def _rename_new(self, src: str, dst: str, path: str) -> None:
+        """Rename ``src`` to ``dst``, which must not exist (check-then-rename here;
+        backends whose rename can refuse to replace override this)."""
+        if self.fs.isfile(dst):
+            raise self._exists(path)
         self.fs.mv(src, dst)
 
     def delete(self, paths: Iterable[str]) -> None:
@@ -210,6 +303,25 @@ class FsspecStorage(Storage):
     def exists(self, path: str) -> bool:
         full = self._full(path)
         return bool(self._call(lambda: self.fs.isfile(full), path, "exists"))
+
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        """One ``find(detail=True)``: the listing carries the sizes."""
+        base = self._full(prefix)
+
+        def find() -> dict[str, Any]:
+            try:
+                if not self.fs.isdir(base):
+                    return {}
+                return dict(self.fs.find(base, detail=True))
+            except FileNotFoundError:
+                return {}
+
+        found = self._call(find, prefix, "list")
+        return {
+            self._rel(f): int(info.get("size") or 0)
+            for f, info in found.items()
+            if info.get("type", "file") != "directory"
+        }
 
     def list_files(self, prefix: str = "") -> list[str]:
         base = self._full(prefix)

@@ -19,7 +19,10 @@ library's own retries (over 100 s for hdfs-native against a closed port).
 Writes stream each file through the client; ``commit`` writes a temporary
 file and renames it over ``metadata.json`` (HDFS renames are atomic on the
 NameNode; hdfs-native renames with overwrite in one call, pyarrow deletes
-the old file first). Java exception names in error messages are mapped:
+the old file first). An exclusive commit (a save without ``overwrite``)
+renames without overwrite: the NameNode refuses to replace an existing
+file, so two jobs racing to one URL cannot both commit (atomic with both
+clients). Java exception names in error messages are mapped:
 ``StandbyException``/``RetriableException``/``SafeModeException`` and
 connection errors are retried, ``AccessControlException`` is a permission
 error, ``FileNotFoundException`` means missing.
@@ -292,6 +295,32 @@ class HDFSStorage(FsspecStorage):
             self.client_name = "pyarrow"
             return ArrowFSWrapper(hfs), u.path
         raise _install_hint(url, "; ".join(errors))  # pragma: no cover - client validated above
+
+    @property
+    def exclusive_commit(self) -> str:  # type: ignore[override]
+        if getattr(self, "client_name", "") in ("hdfs-native", "pyarrow"):
+            return "atomic"
+        return super().exclusive_commit
+
+    def _links_locally(self) -> bool:
+        # a real client renames on the NameNode, whatever filesystem class stands in
+        return getattr(self, "client_name", "") not in ("hdfs-native", "pyarrow") and super()._links_locally()
+
+    def _rename_new(self, src: str, dst: str, path: str) -> None:
+        """A NameNode rename without overwrite: fails if ``dst`` exists (atomic)."""
+        name = getattr(self, "client_name", "")
+        if name not in ("hdfs-native", "pyarrow"):
+            super()._rename_new(src, dst, path)
+            return
+        try:
+            if name == "hdfs-native":
+                self.fs.mv(src, dst, overwrite=False)
+            else:
+                self.fs.mv(src, dst)  # libhdfs's rename never replaces
+        except Exception:
+            if self.fs.isfile(dst):
+                raise self._exists(path) from None
+            raise
 
     def _rename_over(self, src: str, dst: str) -> None:
         if getattr(self, "client_name", "") == "hdfs-native":

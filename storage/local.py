@@ -5,7 +5,15 @@ when the file's bytes are durable (fsync); ``commit`` first fsyncs every
 directory that gained a file since the last commit (so the data files'
 names are durable too), then publishes ``metadata.json`` by temp file +
 fsync + ``rename`` + directory fsync. A crash at any point leaves either the
-old or the new checkpoint, never a torn one.
+old or the new checkpoint, never a torn one. An exclusive commit (a save
+without ``overwrite``) publishes the durable temp file with a hard link
+(``renameat2(RENAME_NOREPLACE)`` where hard links are refused), which
+fails atomically if another save committed first.
+
+Reads never follow a symbolic link inside the checkpoint: every path
+component below the root is opened with ``O_NOFOLLOW`` (relative to its
+parent's descriptor), so a crafted checkpoint cannot make a reader open a
+file outside it. The root itself may be a link.
 
 ``direct=True`` opens files with ``O_DIRECT`` (bypassing the page cache, so
 a large save does not evict the training job's working set); I/O then goes
@@ -19,12 +27,14 @@ import errno
 import logging
 import mmap
 import os
+import stat
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import (
+    CheckpointExistsError,
     ConfigError,
     CorruptCheckpointError,
     StorageError,
@@ -41,6 +51,15 @@ _IOV_MAX = 1024
 _ALIGN = 4096
 _DIRECT_CHUNK = 8 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
+_O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def _symlink_refused(full: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{full} is a symbolic link; bytecp never follows links inside a checkpoint (a crafted "
+        "checkpoint could point them at files outside it). Copy the real file in its place"
+    )
 
 
 def _fsync_dir(path: str) -> None:
@@ -61,6 +80,91 @@ def _os_error(e: OSError, full: str, op: str) -> StorageError:
     if e.errno == errno.EDQUOT:
         return StorageError(f"{full}: disk quota exceeded while trying to {op}")
     return StorageError(f"{full}: {op} failed ({e})")
+
+
+def _exists(full: str) -> CheckpointExistsError:
+    return CheckpointExistsError(
+        f"{full} already exists: another save committed here first; pass overwrite=True to "
+        "replace it, or save to another URL"
+    )
+
+
+def _holds(full: str, data: bytes) -> bool:
+    """Whether the regular file ``full`` has exactly ``data`` (never follows a link)."""
+    try:
+        fd = os.open(full, os.O_RDONLY | _O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != len(data):
+            return False
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read() == bytes(data)
+    finally:
+        os.close(fd)
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+_RENAME_NOREPLACE = 1
+_renameat2: Any = None
+
+
+def _rename_noreplace(src: str, dst: str) -> None:
+    """``renameat2(RENAME_NOREPLACE)`` (Linux >= 3.15; ext4, xfs, btrfs, tmpfs)."""
+    global _renameat2
+    if _renameat2 is None:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = getattr(libc, "renameat2", None)
+        if fn is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not available in this C library")
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _renameat2 = fn
+    import ctypes
+
+    at_fdcwd = -100
+    if _renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), _RENAME_NOREPLACE) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), dst)
+
+
+def _publish_exclusive(tmp: str, full: str) -> None:
+    """Give the durable ``tmp`` the name ``full`` only if nothing has that name.
+
+    A hard link is atomic and refuses to replace (POSIX, NFS included); where
+    the filesystem has no hard links, ``renameat2(RENAME_NOREPLACE)``. Both
+    fail with EEXIST when another save committed first. ``tmp`` is gone
+    afterwards either way.
+    """
+    try:
+        os.link(tmp, full)
+    except FileExistsError:
+        raise _exists(full) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+            raise
+        try:
+            _rename_noreplace(tmp, full)
+        except FileExistsError:
+            raise _exists(full) from None
+        except OSError as e2:
+            raise OSError(
+                e2.errno,
+                f"this filesystem supports neither hard links ({e.strerror}) nor "
+                f"renameat2(RENAME_NOREPLACE) ({e2.strerror}), so an exclusive commit is impossible "
+                "here; save with overwrite=True (no protection against a concurrent save) or elsewhere",
+            ) from e2
+        return
+    os.unlink(tmp)  # the link holds the data now
 
 
 #: with ``direct=None``, files at least this large are written with O_DIRECT
@@ -215,29 +319,40 @@ class LocalStorage(Storage):
             finally:
                 buf.release()
 
-    def commit(self, path: str, data: bytes) -> None:
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         full = self._full(path)
         d = os.path.dirname(full)
         self._makedirs(d)
         with self._lock:
             dirty, self._dirty_dirs = self._dirty_dirs, set()
+        tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         try:
             if self.fsync:  # data files' directory entries durable before the commit point
                 for dd in sorted(dirty, key=len, reverse=True):
                     if os.path.isdir(dd):
                         _fsync_dir(dd)
-            tmp = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            if exclusive and os.path.lexists(full):  # cheap early answer; the publish below decides
+                raise _exists(full)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
             try:
                 self._pwritev(fd, [memoryview(data).cast("B")] if len(data) else [])
                 if self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
-            os.replace(tmp, full)
+            if exclusive:
+                _publish_exclusive(tmp, full)
+            else:
+                os.replace(tmp, full)
             if self.fsync:
                 _fsync_dir(d)
+        except CheckpointExistsError:
+            _unlink_quietly(tmp)
+            if _holds(full, data):  # the same commit again (a caller's retry): not a conflict
+                return
+            raise
         except OSError as e:
+            _unlink_quietly(tmp)
             raise _os_error(e, full, "commit") from e
 
     def delete(self, paths: Iterable[str]) -> None:
@@ -263,15 +378,51 @@ class LocalStorage(Storage):
                 d = os.path.dirname(d)
 
     # -- reading -------------------------------------------------------------
+    def _open_read(self, path: str, flags: int = 0) -> int:
+        """Open ``path`` for reading without following any link below the root.
+
+        (reader threads) Each directory component is opened with
+        ``O_NOFOLLOW | O_DIRECTORY`` relative to its parent, the file with
+        ``O_NOFOLLOW``: a symlink anywhere inside the checkpoint is refused
+        with :class:`CorruptCheckpointError` before anything is read.
+        """
+        parts = [p for p in path.split("/") if p]
+        if not parts or any(p in (".", "..") for p in parts):
+            raise CorruptCheckpointError(f"{self._full(path)}: refusing path {path!r} (not a file below the checkpoint)")
+        dfd = os.open(self.root, os.O_RDONLY | _O_DIRECTORY)
+        try:
+            for i, part in enumerate(parts[:-1]):
+                try:
+                    nfd = os.open(part, os.O_RDONLY | _O_DIRECTORY | _O_NOFOLLOW, dir_fd=dfd)
+                except OSError as e:
+                    if e.errno in (errno.ELOOP, errno.ENOTDIR) and os.path.islink(self._full("/".join(parts[: i + 1]))):
+                        raise _symlink_refused(self._full("/".join(parts[: i + 1]))) from e
+                    raise
+                os.close(dfd)
+                dfd = nfd
+            try:
+                # O_NONBLOCK: a FIFO planted in the checkpoint must not block the open
+                fd = os.open(parts[-1], os.O_RDONLY | _O_NOFOLLOW | os.O_NONBLOCK | flags, dir_fd=dfd)
+            except OSError as e:
+                if e.errno == errno.ELOOP:
+                    raise _symlink_refused(self._full(path)) from e
+                raise
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise CorruptCheckpointError(
+                    f"{self._full(path)} is not a regular file; refusing to read it as part of a checkpoint"
+                )
+            return fd
+        finally:
+            os.close(dfd)
+
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
         full = self._full(path)
         view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
         want = len(view)
-        if want == 0 and os.path.isfile(full):
-            return
         direct = self.direct
         try:
-            fd = os.open(full, os.O_RDONLY | (_O_DIRECT if direct else 0))
+            fd = self._open_read(path, _O_DIRECT if direct else 0)
         except FileNotFoundError as e:
             raise StorageNotFoundError(f"{full}: missing") from e
         except OSError as e:
@@ -296,7 +447,7 @@ class LocalStorage(Storage):
             return super().read_ranges(path, ranges)
         full = self._full(path)
         try:
-            fd = os.open(full, os.O_RDONLY)  # one open for the whole batch
+            fd = self._open_read(path)  # one open for the whole batch
         except FileNotFoundError as e:
             raise StorageNotFoundError(f"{full}: missing") from e
         except OSError as e:
@@ -350,9 +501,15 @@ class LocalStorage(Storage):
 
     def size(self, path: str) -> int:
         try:
-            return os.stat(self._full(path)).st_size
+            fd = self._open_read(path)  # the same no-link, regular-file rules as reads
         except FileNotFoundError as e:
             raise StorageNotFoundError(f"{self._full(path)}: missing") from e
+        except OSError as e:
+            raise _os_error(e, self._full(path), "stat") from e
+        try:
+            return os.fstat(fd).st_size
+        finally:
+            os.close(fd)
 
     def exists(self, path: str) -> bool:
         return os.path.isfile(self._full(path))

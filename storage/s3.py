@@ -14,7 +14,16 @@ threads share one connection pool and one bound on in-flight requests.
   orphaned parts remain.
 - ``commit``: a single PUT of the small file, which S3 makes visible
   atomically. The engine calls it after every ``write_file`` returned, so
-  ``metadata.json`` never exists before the data it describes.
+  ``metadata.json`` never exists before the data it describes. An
+  exclusive commit (a save without ``overwrite``) is a conditional PUT,
+  ``If-None-Match: *``: the server refuses it (412) if the object exists,
+  so of two jobs racing to one URL exactly one commits (AWS S3 since
+  August 2024, Ceph RGW, MinIO, moto). ``conditional_put=None`` (default)
+  checks once per bucket and process that the server honours the header
+  (two conditional PUTs of a probe object); where it does not, or with
+  ``conditional_put=False``, the commit falls back to HEAD, PUT, then a
+  read-back: a save committing between the HEAD and the PUT is replaced
+  (a window of one request), and is told so only if the read-back sees it.
 - ``read_into``: ranged GETs of ``read_part_size`` bytes in parallel,
   each streamed straight into the caller's buffer. ``read_ranges`` (many
   ranges of one object) first merges nearby ranges into GETs of up to
@@ -40,14 +49,17 @@ import asyncio
 import logging
 import os
 import threading
+import uuid
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
 from bytecp.errors import (
+    CheckpointExistsError,
     ConfigError,
     CorruptCheckpointError,
     StorageError,
     StorageNotFoundError,
+    TransientStorageError,
 )
 from bytecp.storage_api import Buffer, Storage, split_protocol
 
@@ -96,6 +108,10 @@ _PERMISSION_CODES = {
     "403",
 }
 _NOT_FOUND_CODES = {"NoSuchBucket", "NoSuchKey", "NotFound", "404", "NoSuchUpload"}
+
+
+class _ConditionalPutUnsupported(StorageError):
+    """The server answered a conditional PUT with 501 Not Implemented."""
 
 
 def _client_error_info(exc: BaseException) -> tuple[str, int] | None:
@@ -228,6 +244,8 @@ class _Client:
         self.fs = fs
         self.max_concurrency = max_concurrency
         self._sem: asyncio.Semaphore | None = None
+        #: bucket -> whether the server honours ``If-None-Match: *`` on PUT
+        self.conditional_put: dict[str, bool] = {}
 
     @property
     def sem(self) -> asyncio.Semaphore:
@@ -274,8 +292,12 @@ class S3Storage(Storage):
     whose gap is at most this into one GET (the gap bytes are read and dropped).
     ``retry``: a :class:`~bytecp.storage._retry.RetryPolicy`, a dict of its
     fields, or a deadline in seconds. ``connect_timeout`` (10 s) and
-    ``read_timeout`` (60 s): per request. ``s3fs_options``: extra keywords
-    for ``s3fs.S3FileSystem`` (advanced).
+    ``read_timeout`` (60 s): per request. ``conditional_put``: how an
+    exclusive commit refuses an existing object -- ``None`` (default) a
+    conditional PUT after checking once per bucket that the server honours
+    it, ``True`` a conditional PUT without the check, ``False`` HEAD, PUT
+    and read-back (for servers without conditional writes; not atomic).
+    ``s3fs_options``: extra keywords for ``s3fs.S3FileSystem`` (advanced).
     """
 
     backend = "s3"
@@ -298,6 +320,7 @@ class S3Storage(Storage):
         retry: RetryPolicy | dict | float | None = None,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        conditional_put: bool | None = None,
         s3fs_options: dict[str, Any] | None = None,
     ) -> None:
         proto, rest = split_protocol(url)
@@ -337,8 +360,10 @@ class S3Storage(Storage):
             "retry": retry,
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
+            "conditional_put": conditional_put,
             "s3fs_options": s3fs_options,
         }
+        self.conditional_put = conditional_put
         endpoint_url = endpoint_url or os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         self.endpoint_url = endpoint_url
         config_kwargs: dict[str, Any] = {
@@ -531,12 +556,151 @@ class S3Storage(Storage):
                 e,
             )
 
-    def commit(self, path: str, data: bytes) -> None:
-        where = self._where(path, "commit put_object")
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        payload = bytes(data)
         try:
-            self._run(lambda: self._call("put_object", where, Bucket=self.bucket, Key=self._key(path), Body=bytes(data)))
+            if not exclusive:
+                where = self._where(path, "commit put_object")
+                self._run(lambda: self._call("put_object", where, Bucket=self.bucket, Key=self._key(path), Body=payload))
+            elif self._conditional_put_works():
+                self._run(lambda: self._put_if_absent(path, payload))
+            else:
+                self._run(lambda: self._check_then_put(path, payload))
         except StorageError as e:
             raise self._error(e, path, "commit") from e
+
+    @property
+    def exclusive_commit(self) -> str:  # type: ignore[override]
+        if self.conditional_put is False or self._client.conditional_put.get(self.bucket) is False:
+            return "check-then-publish"
+        return "atomic"
+
+    def _exists(self, path: str) -> CheckpointExistsError:
+        return CheckpointExistsError(
+            f"{self.url.rstrip('/')}/{path.strip('/')} already exists: another save committed here "
+            "first; pass overwrite=True to replace it, or save to another URL"
+        )
+
+    async def _holds(self, path: str, payload: bytes) -> bool:
+        """Whether the object at ``path`` has exactly ``payload`` (missing: False)."""
+        where = self._where(path, "get_object (exclusive commit)")
+
+        async def attempt() -> bytes | None:
+            async with self._client.sem:
+                s3 = await self._client.s3()
+                try:
+                    resp = await s3.get_object(Bucket=self.bucket, Key=self._key(path))
+                except Exception as e:
+                    info = _client_error_info(e)
+                    if info and (info[0] in _NOT_FOUND_CODES or info[1] == 404):
+                        return None
+                    raise
+                body = resp["Body"]
+                try:
+                    return bytes(await body.read())
+                finally:
+                    body.close()
+
+        return await _retry.acall(attempt, policy=self.retry, where=where, backend=self.backend) == payload
+
+    async def _put_if_absent(self, path: str, payload: bytes) -> None:
+        """``PUT`` with ``If-None-Match: *``; 412 means another commit won, unless
+        the object is this very payload (a retry whose first answer was lost)."""
+        key = self._key(path)
+        where = self._where(path, "commit put_object If-None-Match")
+
+        async def attempt() -> Any:
+            async with self._client.sem:
+                s3 = await self._client.s3()
+                try:
+                    return await s3.put_object(Bucket=self.bucket, Key=key, Body=payload, IfNoneMatch="*")
+                except Exception as e:
+                    info = _client_error_info(e)
+                    if info and info[0] == "ConditionalRequestConflict":  # AWS: a racing conditional write; retry
+                        raise TransientStorageError(f"{where}: {info[0]}") from e
+                    if info and (info[0] == "NotImplemented" or info[1] == 501):
+                        raise _ConditionalPutUnsupported(f"{where}: the server does not implement conditional PUTs ({e}); pass the storage option conditional_put=False to commit by HEAD + PUT instead") from e
+                    raise
+
+        try:
+            await _retry.acall(attempt, policy=self.retry, where=where, backend=self.backend)
+        except StorageError as e:
+            info = _client_error_info(e.__cause__) if e.__cause__ is not None else None
+            if info and (info[0] == "PreconditionFailed" or info[1] == 412):
+                if await self._holds(path, payload):
+                    return
+                raise self._exists(path) from None
+            if isinstance(e, _ConditionalPutUnsupported) and self.conditional_put is None:
+                log.warning("%s; falling back to HEAD + PUT (not atomic)", e)
+                self._client.conditional_put[self.bucket] = False
+                await self._check_then_put(path, payload)
+                return
+            raise
+
+    async def _check_then_put(self, path: str, payload: bytes) -> None:
+        """Fallback for servers without conditional PUTs: HEAD, PUT, read back.
+
+        A commit landing between the HEAD and the PUT is replaced (the window
+        is one request); one landing after the PUT but before the read-back is
+        detected and reported as :class:`CheckpointExistsError` to this caller.
+        """
+        key = self._key(path)
+        where = self._where(path, "commit head_object")
+        try:
+            await self._call("head_object", where, Bucket=self.bucket, Key=key)
+        except StorageNotFoundError:
+            pass
+        else:
+            if await self._holds(path, payload):
+                return
+            raise self._exists(path)
+        await self._call("put_object", self._where(path, "commit put_object"), Bucket=self.bucket, Key=key, Body=payload)
+        if not await self._holds(path, payload):
+            raise CheckpointExistsError(
+                f"{self.url.rstrip('/')}/{path.strip('/')} was replaced by another save right after this "
+                "one committed (this server has no conditional PUT, so the commit is not atomic); "
+                "the other save owns the URL now"
+            )
+
+    def _conditional_put_works(self) -> bool:
+        """Whether to use ``If-None-Match: *`` (checked once per bucket and process)."""
+        if self.conditional_put is not None:
+            return self.conditional_put
+        known = self._client.conditional_put.get(self.bucket)
+        if known is None:
+            known = self._client.conditional_put[self.bucket] = self._run(self._probe_conditional_put)
+            if not known:
+                log.warning(
+                    "bytecp: s3://%s at %s ignores If-None-Match on PUT; exclusive commits fall back "
+                    "to HEAD + PUT (two jobs saving to one URL at the same moment may both commit)",
+                    self.bucket, self.endpoint_url or "AWS",
+                )
+        return known
+
+    async def _probe_conditional_put(self) -> bool:
+        """Two conditional PUTs of one probe object: the second must be refused."""
+        probe = f".bytecp-conditional-put-probe-{uuid.uuid4().hex}"
+        key = self._key(probe)
+        where = self._where(probe, "conditional put probe")
+        honoured = False
+        try:
+            for n in range(2):
+                try:
+                    await self._call("put_object", where, Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
+                except StorageError as e:
+                    info = _client_error_info(e.__cause__) if e.__cause__ is not None else None
+                    if info and (info[0] == "PreconditionFailed" or info[1] == 412) and n == 1:
+                        honoured = True
+                    elif info and (info[0] == "NotImplemented" or info[1] in (400, 501)):
+                        return False
+                    else:
+                        raise
+        finally:
+            try:
+                await self._call("delete_object", where, limit=False, Bucket=self.bucket, Key=key)
+            except Exception as e:  # noqa: BLE001 - a leftover probe object is harmless
+                log.debug("%s: could not delete the probe object: %s", where, e)
+        return honoured
 
     def delete(self, paths: Iterable[str]) -> None:
         keys = [self._key(p) for p in paths]
@@ -746,8 +910,17 @@ class S3Storage(Storage):
         cut = len(base) + 1 if base else 0
         return sorted({k[cut:].strip("/") for _, k in found if k[cut:].strip("/")})
 
-    async def _list(self, prefix: str, delimiter: str | None) -> list[tuple[str, str]]:
-        """``(relative path, key)`` of objects (and, with a delimiter, common prefixes)."""
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        """One listing (1,000 objects per request) instead of a HEAD per object."""
+        sizes: dict[str, int] = {}
+        self._run(lambda: self._list(prefix, None, sizes))
+        return sizes
+
+    async def _list(
+        self, prefix: str, delimiter: str | None, sizes: dict[str, int] | None = None
+    ) -> list[tuple[str, str]]:
+        """``(relative path, key)`` of objects (and, with a delimiter, common
+        prefixes); ``sizes`` (if given) receives each object's size."""
         base = self._key(prefix)
         base = f"{base}/" if base else ""
         kw: dict[str, Any] = {"Bucket": self.bucket, "Prefix": base}
@@ -762,6 +935,8 @@ class S3Storage(Storage):
                 raise self._error(e, prefix, "list") from e
             for obj in page.get("Contents", []) or []:
                 out.append((self._rel(obj["Key"]), obj["Key"]))
+                if sizes is not None:
+                    sizes[self._rel(obj["Key"])] = int(obj.get("Size", 0))
             for cp in page.get("CommonPrefixes", []) or []:
                 out.append((self._rel(cp["Prefix"]), cp["Prefix"]))
             token = page.get("NextContinuationToken")

@@ -32,7 +32,12 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from bytecp.errors import CorruptCheckpointError, StorageError, StorageNotFoundError
+from bytecp.errors import (
+    CheckpointExistsError,
+    CorruptCheckpointError,
+    StorageError,
+    StorageNotFoundError,
+)
 from bytecp.storage_api import Storage
 
 __all__ = [
@@ -185,6 +190,14 @@ class ListDeleteTests:
         assert storage.list_files("data") == ["data/0-0.bin", "data/1-0.bin", "data/sub/x"]
         assert storage.list_files("data/") == storage.list_files("data")
 
+    def test_file_sizes_in_one_listing(self, storage: Storage) -> None:
+        files = {"data/s1/0-0.bin": 4096 * 3, "data/s1/1-0.bin": 7, "data/s2/0-0.bin": 0, "index/s1/0.parquet": 5}
+        for p, n in files.items():
+            storage.write_file(p, [payload(n)])
+        assert storage.file_sizes("data") == {p: n for p, n in files.items() if p.startswith("data/")}
+        assert storage.file_sizes() == files
+        assert storage.file_sizes("nothing") == {}
+
     def test_list_missing_prefix_is_empty(self, storage: Storage) -> None:
         assert storage.list_files() == []
         assert storage.list_files("nothing/here") == []
@@ -266,6 +279,62 @@ class CommitTests:
         assert seen and all(s in versions for s in seen)
 
 
+class ExclusiveCommitTests:
+    """``commit(..., exclusive=True)``: publish only if nothing is there yet."""
+
+    def test_exclusive_commit_publishes_when_absent(self, storage: Storage) -> None:
+        storage.write_file("data/0.bin", [b"d"])
+        storage.commit("metadata.json", b'{"v": 1}', exclusive=True)
+        assert storage.read_bytes("metadata.json") == b'{"v": 1}'
+        assert storage.list_files() == ["data/0.bin", "metadata.json"]  # no temporaries
+
+    def test_exclusive_commit_refuses_an_existing_file(self, storage: Storage) -> None:
+        storage.commit("metadata.json", b"first", exclusive=True)
+        with pytest.raises(CheckpointExistsError, match="metadata.json"):
+            storage.commit("metadata.json", b"second", exclusive=True)
+        assert storage.read_bytes("metadata.json") == b"first"
+        assert storage.list_files() == ["metadata.json"]
+        assert isinstance(CheckpointExistsError("x"), FileExistsError)
+
+    def test_exclusive_commit_of_the_same_bytes_is_idempotent(self, storage: Storage) -> None:
+        """A retried commit whose first attempt landed (its answer lost) is not a conflict."""
+        storage.commit("metadata.json", b"mine", exclusive=True)
+        storage.commit("metadata.json", b"mine", exclusive=True)
+        assert storage.read_bytes("metadata.json") == b"mine"
+
+    def test_overwrite_commit_still_replaces(self, storage: Storage) -> None:
+        storage.commit("metadata.json", b"old", exclusive=True)
+        storage.commit("metadata.json", b"new", exclusive=False)
+        assert storage.read_bytes("metadata.json") == b"new"
+
+    def test_exclusive_commits_racing_from_threads_one_wins(self, storage: Storage) -> None:
+        """Eight threads commit different bytes at once, 5 rounds: exactly one
+        succeeds each round and the file holds the winner's bytes."""
+        if storage.exclusive_commit != "atomic":
+            pytest.xfail(
+                f"{type(storage).__name__} commits exclusively by check-then-publish here: "
+                "a commit between the check and the publish is replaced"
+            )
+        n = 8
+        for rnd in range(5):
+            path = f"round-{rnd}/metadata.json"
+            barrier = threading.Barrier(n)
+
+            def one(i: int, path: str = path, barrier: threading.Barrier = barrier, rnd: int = rnd) -> str:
+                barrier.wait()
+                try:
+                    storage.commit(path, f"writer {i} of round {rnd}".encode(), exclusive=True)
+                    return "won"
+                except CheckpointExistsError:
+                    return "lost"
+
+            with ThreadPoolExecutor(n) as pool:
+                outcomes = list(pool.map(one, range(n)))
+            assert outcomes.count("won") == 1, outcomes
+            assert storage.read_bytes(path) == f"writer {outcomes.index('won')} of round {rnd}".encode()
+            assert storage.list_files(f"round-{rnd}") == [path]
+
+
 class ConcurrencyTests:
     def test_many_threads_write_and_read(self, storage: Storage) -> None:
         files = {f"data/{i}-0.bin": payload(50_000 + i, i) for i in range(12)}
@@ -302,5 +371,7 @@ class ErrorTests:
         assert storage.url in repr(storage)
 
 
-class StorageContract(WriteReadTests, ListDeleteTests, CommitTests, ConcurrencyTests, ErrorTests):
+class StorageContract(
+    WriteReadTests, ListDeleteTests, CommitTests, ExclusiveCommitTests, ConcurrencyTests, ErrorTests
+):
     """Every mixin: what a backend must pass."""

@@ -171,8 +171,8 @@ def test_pickle_payload_does_not_run_without_allow_pickle(tmp_path: Path) -> Non
     with pytest.raises(bytecp.PickleNotAllowedError):
         bytecp.load_state_dict(ck)
     assert not marker.exists()
-    # inspect and verify never unpickle either
-    assert cli(["inspect", ck]) == 0 and cli(["verify", ck]) == 0
+    # inspect and verify never unpickle either; verify reports the blob the safe loader refuses
+    assert cli(["inspect", ck]) == 0 and cli(["verify", ck]) == 1
     assert not marker.exists()
     # with explicit consent it runs (proving the payload was live)
     md["objects"]["x"]["pickle"] = True

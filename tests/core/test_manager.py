@@ -4,6 +4,7 @@ from the latest committed checkpoint (never an interrupted one)."""
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -107,3 +108,103 @@ def test_gc_removes_only_leftovers_of_older_saves(tmp_path: Path, capsys) -> Non
     assert not (ck / "data" / old).exists() and not (ck / "index" / old).exists()
     assert (ck / "data" / new / "0-0.bin").exists()
     assert cli(["verify", str(ck)]) == 0
+
+
+# -- asynchronous saves: the same retention rules, deletion off the training thread
+
+
+def committed_steps(run: str) -> list[int | None]:
+    return [c.step for c in list_checkpoints(run)]
+
+
+@pytest.mark.parametrize("lazy", [False, True], ids=["eager", "lazy"])
+def test_async_manager_retention(tmp_path: Path, monkeypatch, lazy: bool) -> None:
+    """keep_last=2 with saves slowed down (BYTECP_FAULT_DELAY) so each is still
+    in flight when the test looks: the in-flight save is never counted, the
+    newest committed one survives until a newer one commits, and every
+    deletion happens on the save's background thread."""
+    import threading
+
+    run = str(tmp_path / "run")
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "commit:0:0.4")
+    deleted_on: list[str] = []
+    real_retain = CheckpointManager._retain
+
+    def retain(self: CheckpointManager) -> None:
+        before = set(committed_steps(run))
+        real_retain(self)
+        if before - set(committed_steps(run)):
+            deleted_on.append(threading.current_thread().name)
+
+    monkeypatch.setattr(CheckpointManager, "_retain", retain)
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    mgr = CheckpointManager(run, every_n_steps=1, keep_last=2, async_save=True, lazy=lazy)
+    expected = {}
+    for step in range(1, 6):
+        model(torch.randn(2, 4)).sum().backward()
+        opt.step()  # a lazy save still staging blocks here, before the weights change
+        opt.zero_grad()
+        before = committed_steps(run)
+        handle = mgr.save(step, {"model": model, "optimizer": opt, "extra": {"step": step}})
+        assert handle is not None and not handle.done()  # in flight: commit is 0.4 s away
+        while not handle.staged():  # lazy: staging runs in the background
+            time.sleep(0.01)
+        expected[step] = {k: v.clone() for k, v in model.state_dict().items()}
+        if not handle.done():
+            # the in-flight checkpoint is not counted and nothing was deleted for it
+            assert committed_steps(run) == before
+        mgr.wait(30)
+        now = committed_steps(run)
+        assert now == sorted(set(before) | {step})[-2:], (step, before, now)
+    assert committed_steps(run) == [4, 5]
+    assert deleted_on and all(name != threading.main_thread().name for name in deleted_on), deleted_on
+    # the latest loads bitwise
+    fresh = nn.Linear(4, 3)
+    extra = {"step": 0}
+    state = {"model": fresh, "optimizer": torch.optim.SGD(fresh.parameters(), lr=0.1), "extra": extra}
+    assert mgr.restore(state) == 5 and extra["step"] == 5
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, expected[5][k]), k
+
+
+def test_async_manager_never_deletes_the_last_committed_while_the_next_is_in_flight(tmp_path: Path, monkeypatch) -> None:
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run, every_n_steps=1, keep_last=1, async_save=True)
+    mgr.save(1, {"x": torch.ones(3)})
+    mgr.wait(30)
+    assert committed_steps(run) == [1]
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "commit:0:0.5")
+    handle = mgr.save(2, {"x": torch.full((3,), 2.0)})
+    assert handle is not None
+    seen = []
+    while not handle.done():
+        seen.append(committed_steps(run))
+        time.sleep(0.05)
+    assert seen and all(s == [1] for s in seen), seen  # step 1 stays until step 2 has committed
+    mgr.wait(30)
+    assert committed_steps(run) == [2]
+    assert torch.equal(bytecp.load_state_dict(f"{run}/step-2")["x"], torch.full((3,), 2.0))
+
+
+def test_async_manager_failed_save_deletes_nothing_and_reports(tmp_path: Path, monkeypatch) -> None:
+    run = str(tmp_path / "run")
+    mgr = CheckpointManager(run, every_n_steps=1, keep_last=1, async_save=True)
+    mgr.save(1, {"x": torch.ones(3)})
+    mgr.wait(30)
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "commit:0")
+    mgr.save(2, {"x": torch.zeros(3)})
+    with pytest.raises(RuntimeError, match="injected failure"):
+        mgr.wait(30)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    assert committed_steps(run) == [1]
+    assert not list((Path(run) / "step-2").rglob("*.bin"))  # the failed save's data was removed
+    mgr.save(3, {"x": torch.full((3,), 3.0)})  # the error was seen through wait(): not raised again
+    mgr.wait(30)
+    assert committed_steps(run) == [3]
+
+
+def test_lazy_needs_async(tmp_path: Path) -> None:
+    with pytest.raises(bytecp.ConfigError, match="lazy=True needs async_save=True"):
+        CheckpointManager(str(tmp_path), lazy=True)

@@ -14,7 +14,10 @@ the real server, except that a rule may instead:
 
 Faults are drawn with a seeded RNG for a fraction of the requests that a
 predicate selects; ``fail_always`` makes a predicate's requests fail every
-time (a persistent fault). Counters record what happened.
+time (a persistent fault). ``drop_headers`` names request headers the proxy
+removes (a server that ignores them, e.g. ``If-None-Match``; only against
+servers that do not check signatures, such as moto). Counters record what
+happened.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ class Rule:
 class FaultProxy:
     """A threaded proxy on 127.0.0.1; use as a context manager."""
 
-    def __init__(self, upstream: str, *, seed: int = 0) -> None:
+    def __init__(self, upstream: str, *, seed: int = 0, drop_headers: tuple[str, ...] = ()) -> None:
         u = urllib.parse.urlsplit(upstream)
+        drop = {h.lower() for h in drop_headers}
         self.upstream = (u.hostname or "127.0.0.1", u.port or 80)
         self.rules: list[Rule] = []
         self.fail_always: list[tuple[Predicate, str]] = []
@@ -114,7 +118,7 @@ class FaultProxy:
                 try:
                     conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                     for k, v in self.headers.items():
-                        if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length":
+                        if k.lower() not in _HOP_BY_HOP and k.lower() != "content-length" and k.lower() not in drop:
                             conn.putheader(k, v)
                     if body or self.command in ("PUT", "POST"):
                         conn.putheader("Content-Length", str(len(body)))

@@ -31,7 +31,7 @@ from bytecp.storage.testing import StorageContract, StorageFixtures
 from fsspec.implementations.local import LocalFileSystem
 from s3_servers import free_port
 
-from bytecp.errors import ConfigError, StorageError
+from bytecp.errors import CheckpointExistsError, ConfigError, StorageError
 from bytecp.storage_api import open_storage
 
 HDFS_URL = os.environ.get("BYTECP_TEST_HDFS_URL")
@@ -177,6 +177,8 @@ class RecordingHdfsFS(LocalFileSystem):
         RecordingHdfsFS.moves.append(kwargs)
         if kwargs.get("overwrite"):
             os.replace(path1, path2)
+        elif os.path.exists(path2):  # a NameNode rename without overwrite refuses
+            raise FileExistsError(f"org.apache.hadoop.fs.FileAlreadyExistsException: {path2}")
         else:
             super().mv(path1, path2)
 
@@ -218,6 +220,32 @@ def test_client_options_reach_hdfs_native(fake_hdfs_native, tmp_path):
     assert child.options()["config"] == {"dfs.client.use.datanode.hostname": "true"}
     assert child.options()["retry"] == 7
     assert child.retry.deadline == 7
+
+
+def test_exclusive_commit_is_a_rename_without_overwrite(fake_hdfs_native, tmp_path, monkeypatch):
+    with socket.socket() as srv:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen()
+        st = open_storage(f"hdfs://127.0.0.1:{srv.getsockname()[1]}{tmp_path}/ck")
+    assert st.exclusive_commit == "atomic"
+    st.commit("metadata.json", b"first", exclusive=True)
+    with pytest.raises(CheckpointExistsError, match="metadata.json already exists"):
+        st.commit("metadata.json", b"second", exclusive=True)  # seen up front: no rename
+    assert fake_hdfs_native.moves == [{"overwrite": False}]
+    # another job commits between the up-front check and the rename: the NameNode refuses
+    real_isfile = st.fs.isfile
+    checks = []
+
+    def isfile_missing_once(p):
+        checks.append(p)
+        return False if len(checks) == 1 else real_isfile(p)
+
+    monkeypatch.setattr(st.fs, "isfile", isfile_missing_once)
+    with pytest.raises(CheckpointExistsError, match="metadata.json already exists"):
+        st.commit("metadata.json", b"third", exclusive=True)
+    assert fake_hdfs_native.moves == [{"overwrite": False}] * 2
+    assert st.read_bytes("metadata.json") == b"first"
+    assert st.list_files() == ["metadata.json"]  # the refused temp file is gone
 
 
 def test_viewfs_uses_hdfs_native_without_probe(fake_hdfs_native):

@@ -55,5 +55,5 @@ class TestFsspecOnLocalDisk(StorageFixtures, StorageContract):
 
 
 def test_unknown_protocol_names_the_url_and_what_to_install():
-    with pytest.raises(StorageError, match=r"nosuchproto://b/x.*pip install"):
+    with pytest.raises(StorageError, match=r"nosuchproto://b/x: unknown URL scheme 'nosuchproto://'.*typo.*pip install"):
         open_storage("nosuchproto://b/x")

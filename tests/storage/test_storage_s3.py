@@ -8,7 +8,12 @@ import pytest
 from bytecp.storage.s3 import S3Storage
 from bytecp.storage.testing import MiB, StorageContract, StorageFixtures, payload
 
-from bytecp.errors import ConfigError, StorageNotFoundError, StoragePermissionError
+from bytecp.errors import (
+    CheckpointExistsError,
+    ConfigError,
+    StorageNotFoundError,
+    StoragePermissionError,
+)
 from bytecp.storage_api import open_storage
 
 pytestmark = pytest.mark.s3
@@ -214,3 +219,83 @@ def test_credentials_never_logged(ceph_rgw, ceph_bucket, unique_prefix, caplog):
     assert caplog.records  # logging was on
     assert ceph_rgw.secret not in text and wrong_secret not in text
     good.delete_prefix()
+
+
+# -- exclusive commits: conditional PUT, its lost-answer retry, and the fallback
+
+
+def test_exclusive_commit_is_a_conditional_put(s3, unique_prefix):
+    """The server itself refuses the second commit (If-None-Match: *), and the probe said so."""
+    from fault_proxy import FaultProxy
+
+    server, bucket = s3
+    with FaultProxy(server.endpoint_url) as proxy:
+        st = open_storage(f"s3://{bucket}/{unique_prefix}", **{**server.options(), "endpoint_url": proxy.endpoint_url})
+        st.commit("metadata.json", b"first", exclusive=True)
+        with pytest.raises(CheckpointExistsError, match=rf"s3://{bucket}/{unique_prefix}/metadata.json already exists"):
+            st.commit("metadata.json", b"second", exclusive=True)
+        assert st.exclusive_commit == "atomic"
+        puts = [r for r in proxy.requests if r[0] == "PUT" and "metadata.json" in r[1]]
+        assert len(puts) == 2  # no HEAD-then-PUT: one conditional PUT per commit
+    assert st.read_bytes("metadata.json") == b"first"
+    st.delete_prefix()
+
+
+def test_exclusive_commit_whose_answer_was_lost_succeeds(s3, unique_prefix):
+    """The first PUT lands but its answer is lost; the retry gets 412 for its
+    own bytes, which is success, not 'another save committed'."""
+    from fault_proxy import FaultProxy
+
+    server, bucket = s3
+    hit = []
+
+    def first_metadata_put(method: str, path: str) -> bool:
+        if method == "PUT" and path.split("?")[0].endswith("/metadata.json") and not hit:
+            hit.append(path)
+            return True
+        return False
+
+    with FaultProxy(server.endpoint_url) as proxy:
+        proxy.fail_always.append((first_metadata_put, "reset_after"))
+        st = open_storage(f"s3://{bucket}/{unique_prefix}", **{**server.options(), "endpoint_url": proxy.endpoint_url})
+        st.commit("metadata.json", b"mine", exclusive=True)
+        assert proxy.counts["reset_after"] == 1
+        puts = [r for r in proxy.requests if r[0] == "PUT" and r[1].split("?")[0].endswith("/metadata.json")]
+        assert len(puts) == 2  # the lost one and the retry the server refused (412)
+    assert st.read_bytes("metadata.json") == b"mine"
+    st.delete_prefix()
+
+
+def test_server_ignoring_if_none_match_falls_back_to_head_put_readback(moto_s3, moto_bucket, unique_prefix, caplog):
+    """A server that drops the condition (simulated: a proxy strips the header
+    before moto) is found by the probe; commits then go HEAD + PUT + read-back."""
+    from fault_proxy import FaultProxy
+
+    with FaultProxy(moto_s3.endpoint_url, drop_headers=("If-None-Match",)) as proxy:
+        st = open_storage(f"s3://{moto_bucket}/{unique_prefix}", **{**moto_s3.options(), "endpoint_url": proxy.endpoint_url})
+        st.commit("metadata.json", b"first", exclusive=True)
+        assert st.exclusive_commit == "check-then-publish"
+        assert "ignores If-None-Match" in caplog.text
+        with pytest.raises(CheckpointExistsError, match="metadata.json already exists"):
+            st.commit("metadata.json", b"second", exclusive=True)
+        st.commit("metadata.json", b"first", exclusive=True)  # its own bytes: idempotent
+        assert not [k for k in st.list_files() if "probe" in k]  # the probe object is gone
+    assert st.read_bytes("metadata.json") == b"first"
+    st.delete_prefix()
+
+
+def test_conditional_put_false_uses_the_fallback_without_probing(moto_s3, moto_bucket, unique_prefix):
+    from fault_proxy import FaultProxy
+
+    with FaultProxy(moto_s3.endpoint_url) as proxy:
+        st = open_storage(
+            f"s3://{moto_bucket}/{unique_prefix}",
+            **{**moto_s3.options(), "endpoint_url": proxy.endpoint_url, "conditional_put": False},
+        )
+        st.commit("metadata.json", b"a", exclusive=True)
+        with pytest.raises(CheckpointExistsError):
+            st.commit("metadata.json", b"b", exclusive=True)
+        assert st.exclusive_commit == "check-then-publish"
+        assert not [r for r in proxy.requests if "probe" in r[1]]
+        assert st.child("x").options()["conditional_put"] is False
+    st.delete_prefix()

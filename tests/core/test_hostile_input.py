@@ -1,0 +1,301 @@
+"""Crafted checkpoints: every size is checked before anything is allocated,
+nesting is bounded, links out of the checkpoint are refused, and every
+failure is a typed error naming the file and the entry at fault."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import zipfile
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import bytecp
+from bytecp import format as fmt
+from bytecp import limits
+from bytecp.cli import main as cli
+from bytecp.errors import CorruptCheckpointError
+from bytecp.inspect import summarize, verify
+from bytecp.storage_api import open_storage
+
+
+def saved(tmp_path: Path, state: dict | None = None) -> Path:
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), state or {"w": torch.arange(6, dtype=torch.float32), "opt": {"lr": 0.5, "betas": (0.9, 0.99)}})
+    return ck
+
+
+def md_of(ck: Path) -> dict:
+    return json.loads((ck / "metadata.json").read_text())
+
+
+def write_md(ck: Path, md: dict) -> None:
+    (ck / "metadata.json").write_text(json.dumps(md))
+
+
+def index_path(ck: Path) -> Path:
+    (p,) = (ck / "index").rglob("*.parquet")
+    return p
+
+
+def readers(ck: Path) -> list:
+    st = open_storage(str(ck))
+    return [
+        ("load_state_dict", lambda: bytecp.load_state_dict(str(ck))),
+        ("inspect", lambda: summarize(st)),
+        ("verify", lambda: verify(st)),
+    ]
+
+
+def all_refuse(ck: Path, match: str) -> None:
+    for name, fn in readers(ck):
+        with pytest.raises(CorruptCheckpointError, match=match):
+            fn()
+        assert name
+
+
+def test_a_consistent_terabyte_shape_is_refused_before_allocation(tmp_path: Path) -> None:
+    """metadata, index and data_files agree on a 10^12-element tensor; only the
+    real file size tells: a typed error, no 4 TB allocation."""
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    md = md_of(ck)
+    n = 10**12
+    md["tensors"]["w"]["shape"] = [n]
+    (data_file,) = md["data_files"]
+    md["data_files"][data_file] = 4 * n
+    write_md(ck, md)
+    (c,) = fmt.read_index([("i", index_path(ck).read_bytes())])
+    big = fmt.ChunkRecord(c.fqn, c.dtype, (n,), (0,), (n,), c.file, 0, 4 * n, c.crc32c)
+    index_path(ck).write_bytes(fmt.write_index([big]))
+    for name, fn in readers(ck)[:2]:
+        with pytest.raises(CorruptCheckpointError, match=rf"{data_file}.*'w'.*truncated.*{4 * n}"):
+            fn()
+        assert name
+    _, problems = verify(open_storage(str(ck)))
+    text = "\n".join(map(str, problems))
+    assert "size 4096 B, metadata says 4000000000000 B" in text
+
+
+def test_tensors_larger_than_all_data_are_refused(tmp_path: Path) -> None:
+    """A tensor with no chunks at all (the index cannot tile-check it) still cannot be allocated."""
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    md = md_of(ck)
+    md["tensors"]["ghost"] = {"dtype": "float32", "shape": [10**6, 10**6]}
+    write_md(ck, md)
+    with pytest.raises(CorruptCheckpointError, match="'ghost'.*larger in total than all its data files"):
+        bytecp.load_state_dict(str(ck))
+
+
+def test_blob_claiming_a_terabyte_names_the_object(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4), "o": {"f": 1.5, "t": (1, float("inf"))}})
+    md = md_of(ck)
+    name = next(k for k, v in md["objects"].items() if "file" in v)
+    md["objects"][name]["nbytes"] = 10**12
+    write_md(ck, md)
+    for _, fn in readers(ck)[:2]:
+        with pytest.raises(CorruptCheckpointError, match=rf"object '{name}' claims bytes"):
+            fn()
+    assert verify(open_storage(str(ck)))[1]
+
+
+def test_negative_blob_offset_names_the_object(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4), "o": {"t": (1, float("inf"))}})
+    md = md_of(ck)
+    name = next(k for k, v in md["objects"].items() if "file" in v)
+    md["objects"][name]["byte_offset"] = -4096
+    write_md(ck, md)
+    all_refuse(ck, rf"object '{name}' at byte -4096")
+
+
+def test_data_file_size_of_a_petabyte_is_not_reported(tmp_path: Path) -> None:
+    """inspect used to print 909.5 TiB for a data_files entry nobody checked."""
+    ck = saved(tmp_path)
+    md = md_of(ck)
+    (f,) = md["data_files"]
+    md["data_files"][f] = 10**15
+    write_md(ck, md)
+    with pytest.raises(CorruptCheckpointError, match=rf"{f}.*truncated.*10{{15}}|{f}.*{10**15}"):
+        summarize(open_storage(str(ck)))
+    with pytest.raises(CorruptCheckpointError, match=f):
+        bytecp.load_state_dict(str(ck))
+    assert cli(["inspect", str(ck)]) == 2
+
+
+@pytest.mark.parametrize("depth", [300, 100_000])
+def test_deep_skeleton_is_a_typed_error_not_a_recursion_error(tmp_path: Path, depth: int) -> None:
+    ck = saved(tmp_path)
+    md = md_of(ck)
+    node: dict = {"obj": "leaf"}
+    md["objects"]["leaf"] = {"json": 1}
+    for _ in range(depth):
+        node = {"l": [node]}
+    md["skeleton"] = node
+    raw = json.dumps(md, check_circular=False) if depth < 900 else _deep_json(md, depth)
+    (ck / "metadata.json").write_text(raw)
+    all_refuse(ck, "nested deeper than 256|not valid JSON")
+    assert cli(["verify", str(ck)]) == 2 and cli(["inspect", str(ck)]) == 2
+
+
+def _deep_json(md: dict, depth: int) -> str:
+    """json.dumps recurses too: write the nesting by hand."""
+    md = dict(md)
+    md["skeleton"] = "SKELETON"
+    return json.dumps(md).replace('"SKELETON"', '{"l": [' * depth + '{"obj": "leaf"}' + "]}" * depth)
+
+
+def test_nesting_within_the_budget_round_trips(tmp_path: Path) -> None:
+    tree: dict = {"leaf": torch.ones(2)}
+    for i in range(limits.MAX_SKELETON_DEPTH - 8):
+        tree = {f"k{i % 3}": tree}
+    ck = tmp_path / "deep"
+    bytecp.save(str(ck), {"t": tree})
+    sd = bytecp.load_state_dict(str(ck))
+    node = sd["t"]
+    while "leaf" not in node:
+        (node,) = node.values()
+    assert torch.equal(node["leaf"], torch.ones(2))
+
+
+def test_bad_tensor_specs(tmp_path: Path) -> None:
+    for spec, match in [
+        ({"dtype": "float32", "shape": [-1]}, "shape"),
+        ({"dtype": "float32", "shape": [1] * 65}, "shape"),
+        ({"dtype": "float32", "shape": ["4"]}, "shape"),
+        ({"dtype": "evil", "shape": [4]}, "unknown dtype"),
+        ({"dtype": ["float32"], "shape": [4]}, "unknown dtype"),
+        ([4], "not an object"),
+    ]:
+        ck = saved(tmp_path / str(len(os.listdir(tmp_path))))
+        md = md_of(ck)
+        md["tensors"]["w"] = spec
+        write_md(ck, md)
+        all_refuse(ck, match)
+
+
+def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    (c,) = fmt.read_index([("i", index_path(ck).read_bytes())])
+    n = 3_000_000
+    cols = {
+        "fqn": pa.array(["w"] * n).dictionary_encode(),
+        "dtype": ["float32"] * n,
+        "global_shape": [[4]] * n,
+        "offsets": [[0]] * n,
+        "lengths": [[4]] * n,
+        "file": [c.file] * n,
+        "byte_offset": [0] * n,
+        "nbytes": [16] * n,
+        "crc32c": pa.array([c.crc32c] * n, pa.uint32()),
+    }
+    cols["fqn"] = cols["fqn"].cast(pa.string())
+    sink = io.BytesIO()
+    pq.write_table(pa.table(cols, schema=fmt.INDEX_SCHEMA), sink, compression="zstd")
+    assert len(sink.getvalue()) < 200_000
+    index_path(ck).write_bytes(sink.getvalue())
+    all_refuse(ck, rf"{index_path(ck).name} has {n} rows, more than the")
+
+
+def test_index_with_a_huge_list_cell(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    (c,) = fmt.read_index([("i", index_path(ck).read_bytes())])
+    bad = fmt.ChunkRecord(c.fqn, c.dtype, (4,), (0,) * 1_000_000, (4,), c.file, 0, 16, c.crc32c)
+    index_path(ck).write_bytes(fmt.write_index([bad]))
+    all_refuse(ck, "a column holds 1000000 values for 1 rows")  # from the footer, before decoding
+
+
+def test_index_with_wrong_column_types_names_the_file(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    table = pq.read_table(io.BytesIO(index_path(ck).read_bytes()))
+    table = table.set_column(table.schema.get_field_index("nbytes"), "nbytes", pa.array(["16"]))
+    sink = io.BytesIO()
+    pq.write_table(table, sink)
+    index_path(ck).write_bytes(sink.getvalue())
+    all_refuse(ck, rf"{index_path(ck).name}: column 'nbytes' is string")
+    index_path(ck).write_bytes(b"PAR1 this is not parquet PAR1")
+    all_refuse(ck, rf"{index_path(ck).name} is unreadable")
+
+
+def test_malformed_json_names_metadata_json(tmp_path: Path) -> None:
+    ck = saved(tmp_path)
+    for raw in [b"{not json", b'{"format": "bytecp", "format_version": 1, "objects": []}', b"\xff\xfe"]:
+        (ck / "metadata.json").write_bytes(raw)
+        all_refuse(ck, "metadata.json")
+
+
+def test_compressed_blob_archive_is_not_inflated(tmp_path: Path) -> None:
+    """A blob whose zip entries are deflated could inflate to any size: refused."""
+    ck = saved(tmp_path, {"w": torch.zeros(4), "o": {"t": (1, float("inf"))}})
+    md = md_of(ck)
+    name, rec = next((k, v) for k, v in md["objects"].items() if "file" in v)
+    bomb = io.BytesIO()
+    with zipfile.ZipFile(bomb, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr("archive/data.pkl", b"\0" * (50 << 20))
+    blob = bomb.getvalue()
+    assert len(blob) < 100_000
+    f = ck / rec["file"]
+    raw = bytearray(f.read_bytes())
+    raw[rec["byte_offset"] : rec["byte_offset"] + len(blob)] = blob
+    f.write_bytes(bytes(raw))
+    md["data_files"][rec["file"]] = len(raw)
+    rec["nbytes"] = len(blob)
+    import crc32c as _crc
+
+    rec["crc32c"] = _crc.crc32c(blob)
+    write_md(ck, md)
+    with pytest.raises(CorruptCheckpointError, match=rf"object '{name}'.*compressed"):
+        bytecp.load_state_dict(str(ck))
+    _, problems = verify(open_storage(str(ck)))
+    assert any("compressed" in str(p) for p in problems)
+
+
+@pytest.mark.timeout(60)
+def test_symlinked_data_file_is_never_opened(tmp_path: Path) -> None:
+    """The link points at a FIFO: following it would block forever, so passing
+    proves the open never happened."""
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    (f,) = (ck / "data").rglob("*.bin")
+    fifo = tmp_path / "outside.fifo"
+    os.mkfifo(fifo)
+    size = f.stat().st_size
+    f.unlink()
+    f.symlink_to(fifo)
+    md = md_of(ck)
+    md["data_files"][next(iter(md["data_files"]))] = size
+    for _, fn in readers(ck):
+        with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+            r = fn()
+            if isinstance(r, tuple) and r[1]:  # verify reports instead of raising
+                raise CorruptCheckpointError(str(r[1][0]))
+
+
+@pytest.mark.timeout(60)
+def test_fifo_inside_the_checkpoint_is_refused_without_blocking(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    (f,) = (ck / "data").rglob("*.bin")
+    f.unlink()
+    os.mkfifo(f)
+    with pytest.raises(CorruptCheckpointError, match="not a regular file"):
+        bytecp.load_state_dict(str(ck))
+
+
+def test_symlinked_directory_inside_the_checkpoint_is_refused(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.zeros(4)})
+    (d,) = (ck / "data").iterdir()
+    moved = tmp_path / "elsewhere"
+    d.rename(moved)
+    d.symlink_to(moved, target_is_directory=True)
+    with pytest.raises(CorruptCheckpointError, match="symbolic link"):
+        bytecp.load_state_dict(str(ck))
+
+
+def test_checkpoint_root_may_be_a_link(tmp_path: Path) -> None:
+    ck = saved(tmp_path, {"w": torch.arange(4.0)})
+    link = tmp_path / "latest"
+    link.symlink_to(ck, target_is_directory=True)
+    assert torch.equal(bytecp.load_state_dict(str(link))["w"], torch.arange(4.0))
+
