@@ -100,7 +100,7 @@ def _is_a_file(storage: Storage) -> bool:
 
 def _latest_committed(storage: Storage) -> str | None:
     """The committed checkpoint directly below the URL with the highest step, if any."""
-    from .manager import list_checkpoints
+    from .catalog import list_checkpoints
 
     try:
         found = list_checkpoints(storage.url, storage_options=storage.options())

@@ -46,6 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from .dtypes import SUPPORTED_DTYPES
 from .errors import CorruptCheckpointError, PickleNotAllowedError
+from .skeleton import MAX_DEPTH
 
 if TYPE_CHECKING:  # pragma: no cover
     import pyarrow.parquet as pq
@@ -70,7 +71,7 @@ __all__ = [
 ]
 
 #: deepest nesting of the state tree a checkpoint may have (real ones: < 20)
-MAX_SKELETON_DEPTH = 256
+MAX_SKELETON_DEPTH = MAX_DEPTH  # enforced while the skeleton is parsed (bytecp.skeleton)
 #: most dimensions a tensor may have (torch's own limit is 25 for most ops)
 MAX_NDIM = 64
 #: most ranks a checkpoint may say saved it
@@ -124,7 +125,6 @@ def check_structure(md: Metadata, where: str) -> None:
     for path, size in md.data_files.items():
         if size < 0:
             raise _bad(where, f"says data file {path} has {size} bytes")
-    _check_skeleton(md.skeleton, where)
 
 
 def _object_records(md: Metadata) -> list[tuple[str, Any]]:
@@ -133,28 +133,6 @@ def _object_records(md: Metadata) -> list[tuple[str, Any]]:
     return out
 
 
-def _check_skeleton(skeleton: Any, where: str) -> None:
-    """Iterative walk: depth and key types bounded before any recursive code sees it."""
-    stack: list[tuple[Any, int]] = [(skeleton, 1)]
-    while stack:
-        node, depth = stack.pop()
-        if depth > MAX_SKELETON_DEPTH:
-            raise _bad(where, f"has a state tree nested deeper than {MAX_SKELETON_DEPTH} levels")
-        if not isinstance(node, dict) or len(node) != 1:
-            continue  # Metadata.validate names malformed nodes
-        ((kind, val),) = node.items()
-        if kind == "d" and isinstance(val, list):
-            for item in val:
-                if not isinstance(item, list) or len(item) != 2 or type(item[0]) not in _KEY_TYPES:
-                    raise _bad(where, f"has a malformed dict entry {item!r:.80} in its state tree")
-                stack.append((item[1], depth + 1))
-        elif kind in ("l", "t") and isinstance(val, list):
-            stack.extend((child, depth + 1) for child in val)
-        elif kind in ("l", "t", "d"):
-            raise _bad(where, f"has a malformed {kind!r} node {val!r:.80} in its state tree")
-
-
-# ----------------------------------------------------------------- sizes
 def real_data_sizes(storage: Storage, md: Metadata) -> dict[str, int | None]:
     """(coordinator) The real size of every data file metadata.json lists (None: missing).
 

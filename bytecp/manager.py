@@ -17,15 +17,14 @@ thread. A failed save deletes nothing; its error is raised by the next
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import re
 import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 from . import format as fmt
-from .errors import ConfigError, FormatVersionError
+from .catalog import CheckpointInfo, list_checkpoints
+from .errors import ConfigError
 from .storage_api import open_storage
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -35,36 +34,6 @@ __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
 
 log = logging.getLogger(__name__)
 _STEP = re.compile(r"^step-(\d+)$")
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointInfo:
-    name: str
-    url: str
-    step: int | None
-    created: str
-
-
-def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints directly below ``run_url``, oldest step first."""
-    root = open_storage(run_url, **(storage_options or {}))
-    out = []
-    for name in root.list_children(""):
-        if root.exists(f"{name}/{fmt.METADATA_FILE}"):
-            try:
-                # read through the checkpoint's own storage: a step folder may be a link
-                md = fmt.Metadata.from_bytes(root.child(name).read_bytes(fmt.METADATA_FILE), f"{run_url}/{name}")
-            except FormatVersionError:
-                raise  # never resume silently from an older checkpoint than the newest
-            except Exception as e:
-                log.warning("bytecp: skipping %s/%s: unreadable metadata.json (%s)", run_url, name, e)
-                continue
-            m = _STEP.match(name)
-            step = md.step if md.step is not None else (int(m.group(1)) if m else None)
-            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(md.created))
-            out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created))
-    out.sort(key=lambda c: (c.step is None, c.step or 0, c.created))
-    return out
 
 
 class CheckpointManager:

@@ -31,7 +31,7 @@ NodeKind = Literal["dict", "list", "tuple", "tensor", "obj", "rank"]
 LEAF_KINDS: tuple[NodeKind, ...] = ("tensor", "obj", "rank")
 #: containers nested deeper than this are refused (a crafted checkpoint must
 #: not exhaust the stack); real training states are rarely 10 deep
-MAX_DEPTH = 200
+MAX_DEPTH = 256
 
 _TO_JSON: dict[NodeKind, str] = {"dict": "d", "list": "l", "tuple": "t"}
 _FROM_JSON: dict[str, NodeKind] = {v: k for k, v in _TO_JSON.items()}
