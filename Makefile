@@ -48,6 +48,7 @@ lint: install-test
 
 bench: install-test
 	$(VPY) -m benchmarks.run
+	$(VPY) -m benchmarks.training --out training.json --png training.png
 
 bench-s3: install-test test-servers
 	$(VPY) -m benchmarks.s3_bench
