@@ -59,10 +59,11 @@ from bytecp.adapter_api import Adapter, LoadTarget
 from bytecp.dist import DistContext
 from bytecp.dtypes import dtype_from_name
 from bytecp.errors import ConfigError, StateMismatchError
-from bytecp.extras import PerRankState, RNGState
 from bytecp.format import Metadata
 from bytecp.regions import Region, flat_range_to_boxes
 from bytecp.state import PerRank, Shard, Slot, TensorLeaf, Whole
+
+from .plain import is_per_rank, is_stateful
 
 __all__ = [
     "MegatronAdapter",
@@ -472,14 +473,8 @@ def _pieces(meta: Any, types: _Types, where: str) -> list[_Piece]:
         index = torch.arange(meta.data.numel(), dtype=torch.int64).view(meta.data.shape)
         built = dataclasses.replace(meta, data=index).build()
         sts, firsts = [], []
-        stack = [built]
-        while stack:
-            node = stack.pop()
-            if isinstance(node, dict):
-                stack.extend(node.values())
-            elif isinstance(node, list):
-                stack.extend(node)
-            elif isinstance(node, types.ShardedTensor):
+        for node in _leaves(built):
+            if isinstance(node, types.ShardedTensor):
                 flat = node.data.reshape(-1)
                 first = int(flat[0]) if flat.numel() else 0
                 if flat.numel() and not torch.equal(flat, torch.arange(first, first + flat.numel())):
@@ -559,14 +554,8 @@ def _flat_state(d: Any, model_sd: Any, types: _Types, where: str) -> _FlatState:
     model-space tensors Megatron's fully_reshardable layout names
     ``optimizer.state.<name>.<model key>``."""
     meta: dict[int, Any] = {}
-    stack = [model_sd]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, dict):
-            stack.extend(node.values())
-        elif isinstance(node, list):
-            stack.extend(node)
-        elif isinstance(node, (types.ShardedTensor, types.ShardedTensorFactory)) and node.data is not None:
+    for node in _leaves(model_sd):
+        if isinstance(node, (types.ShardedTensor, types.ShardedTensorFactory)) and node.data is not None:
             meta[id(node.data)] = node
     leaves: dict[str, TensorLeaf] = {}
     asm: set[str] = set()
@@ -999,23 +988,29 @@ def _get_path(root: Any, path: Path) -> Any:
     return root
 
 
+def _leaves(tree: Any) -> list[Any]:
+    """Every leaf of nested dicts and lists (a sharded state dict), iteratively."""
+    out, stack = [], [tree]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            stack.extend(node.values())
+        elif isinstance(node, list):
+            stack.extend(node)
+        else:
+            out.append(node)
+    return out
+
+
 # ------------------------------------------------------------------ other entries
-def _is_stateful(v: Any) -> bool:
-    return callable(getattr(v, "state_dict", None)) and callable(getattr(v, "load_state_dict", None))
-
-
-def _is_per_rank(v: Any) -> bool:
-    if isinstance(v, (RNGState, PerRankState)):
-        return True
-    return _is_stateful(v) and "dataloader" in type(v).__name__.lower()
 
 
 def _plain_save(v: Any) -> Any:
     """Entries beside the Megatron ones (RNG, dataloader, step counters):
     per-rank values per rank, stateful objects by their state dict, the rest as is."""
-    if _is_per_rank(v):
+    if is_per_rank(v):
         return PerRank(v.state_dict())
-    if _is_stateful(v):
+    if is_stateful(v):
         return v.state_dict()
     return v
 
@@ -1023,13 +1018,13 @@ def _plain_save(v: Any) -> Any:
 def _plain_target(
     key: str, v: Any, parent: dict[str, Any], finalizers: list[Callable[[dict[str, Any]], None]]
 ) -> Any:
-    if _is_stateful(v):
+    if is_stateful(v):
         def apply(values: dict[str, Any]) -> None:
             if key in values:
                 v.load_state_dict(values[key])
 
         finalizers.append(apply)
-        return Slot(per_rank=_is_per_rank(v))
+        return Slot(per_rank=is_per_rank(v))
 
     def put(values: dict[str, Any]) -> None:
         if key in values:

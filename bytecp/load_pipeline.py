@@ -80,8 +80,9 @@ class LoadPipeline:
         def read() -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
             with self.trace.span("read_metadata") as sp:
                 md = read_metadata(self.storage)
-                chunks = read_chunks(self.storage, md)
-                limits.check_sizes(self.storage, md, chunks)  # before any tensor is allocated
+                real = limits.real_data_sizes(self.storage, md)  # one listing serves both checks
+                chunks = read_chunks(self.storage, md, real)
+                limits.check_sizes(self.storage, md, chunks, real)  # before any tensor is allocated
                 sp.files = 1 + len(md.index_files)
             return md, chunks
 

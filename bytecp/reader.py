@@ -13,7 +13,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import torch
 
@@ -96,7 +96,10 @@ def check_chunks(storage: Storage, md: fmt.Metadata, chunks: list[fmt.ChunkRecor
             raise CorruptCheckpointError(f"{storage.url}: tensor {fqn!r}: {what}")
 
 
-def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
+def read_chunks(
+    storage: Storage, md: fmt.Metadata, real: Mapping[str, int | None] | None = None
+) -> list[fmt.ChunkRecord]:
+    """The validated chunk index; ``real``: the data files' real sizes when the caller listed them already."""
     blobs = []
     for f in md.index_files:
         try:
@@ -107,7 +110,7 @@ def read_chunks(storage: Storage, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
             ) from e
     chunks = fmt.read_index(
         blobs, where=storage.url,
-        row_budget=lambda: limits.max_index_rows(md, limits.real_data_sizes(storage, md)),
+        row_budget=lambda: limits.max_index_rows(md, real if real is not None else limits.real_data_sizes(storage, md)),
     )
     check_chunks(storage, md, chunks)
     return chunks
