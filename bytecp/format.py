@@ -181,6 +181,10 @@ class Metadata:
     created: float = dataclasses.field(default_factory=time.time)
     bytecp_version: str = ""
     format_version: int = FORMAT_VERSION
+    #: tensors that shared storage in the saved state (tied embeddings, shared
+    #: layers): alias FQN -> the FQN in ``tensors`` whose data it shares; the
+    #: alias is stored once, under its canonical name
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         d = {
@@ -203,6 +207,8 @@ class Metadata:
             },
             "skeleton": self.skeleton.to_json(),
         }
+        if self.aliases:
+            d["aliases"] = self.aliases
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -239,6 +245,7 @@ class Metadata:
                 created=float(d.get("created", 0.0)),
                 bytecp_version=str(d.get("bytecp_version", "")),
                 format_version=version,
+                aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
@@ -255,7 +262,14 @@ class Metadata:
         for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
             if rec.file is not None:
                 check_path(rec.file, "data", where)
-        tables: dict[str, dict[str, Any]] = {"tensor": self.tensors, "obj": self.objects, "rank": self.per_rank}
+        for alias, canonical in self.aliases.items():
+            if alias in self.tensors or canonical not in self.tensors:
+                raise CorruptCheckpointError(
+                    f"{where}: metadata.json aliases tensor {alias!r} to {canonical!r}; an alias must name "
+                    "a tensor stored under another name, and no stored tensor"
+                )
+        tables: dict[str, Any] = {"tensor": self.tensors.keys() | self.aliases.keys(), "obj": self.objects,
+                                  "rank": self.per_rank}
         for leaf in self.skeleton.leaves():
             if leaf.name not in tables[leaf.kind]:
                 raise CorruptCheckpointError(
