@@ -108,9 +108,14 @@ class _Rows:
         self.O[mask] = cat("offsets", np.int64)
         self.L[mask] = cat("lengths", np.int64)
         self.mask = mask
+        # each chunk's first element, as a row-major index into its tensor
+        strides = np.ones_like(self.shape)
+        for d in range(self.D - 2, -1, -1):
+            strides[:, d] = strides[:, d + 1] * self.shape[:, d + 1]
+        self.lin = (self.O * strides[self.fid]).sum(axis=1)
 
     def take(self, keep: np.ndarray) -> None:
-        for k in ("rank", "ndim", "byte_offset", "nbytes", "crc", "file", "fid", "O", "L", "mask"):
+        for k in ("rank", "ndim", "byte_offset", "nbytes", "crc", "file", "fid", "O", "L", "mask", "lin"):
             setattr(self, k, getattr(self, k)[keep])
 
 
@@ -185,19 +190,18 @@ def _check_tiling(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]]) 
     contiguous = ~gt1.any(axis=1) | after[np.arange(len(numel)), k + 1]
     boxy = np.zeros(nf, bool)
     boxy[rows.fid[~contiguous]] = True
-    lin = ~boxy[rows.fid]
-    if bool(lin.any()):
-        strides = np.ones_like(S[lin])
-        for d in range(rows.D - 2, -1, -1):
-            strides[:, d] = strides[:, d + 1] * S[lin][:, d + 1]
-        start = (rows.O[lin] * strides).sum(axis=1)
-        fid, n, idx = rows.fid[lin], numel[lin], np.flatnonzero(lin)
-        order = np.lexsort((start, fid))
-        clash = (fid[order][1:] == fid[order][:-1]) & (start[order][1:] < start[order][:-1] + n[order][:-1])
+    lin = np.flatnonzero(~boxy[rows.fid])
+    if len(lin):
+        # one key orders by tensor, then by start: each tensor's elements
+        # numbered after the previous tensors'
+        base = np.concatenate([[0], np.cumsum(rows.shape.prod(axis=1))[:-1]])
+        start = base[rows.fid[lin]] + rows.lin[lin]
+        order = np.argsort(start, kind="stable")
+        s_, n_, f_ = start[order], numel[lin][order], rows.fid[lin][order]
+        clash = (f_[1:] == f_[:-1]) & (s_[1:] < s_[:-1] + n_[:-1])
         if bool(clash.any()):
             j = int(np.flatnonzero(clash)[0])
-            a, b = idx[order[j]], idx[order[j + 1]]
-            _overlap(rows, names, a, b)
+            _overlap(rows, names, lin[order[j]], lin[order[j + 1]])
     for f in np.flatnonzero(boxy):
         ids = np.flatnonzero(rows.fid == f)
         boxes = [_region(rows, int(i)) for i in ids]
@@ -242,18 +246,22 @@ def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: 
     rep = np.repeat(bi, span[bi])
     first = np.repeat(np.cumsum(span[bi]) - span[bi], span[bi])
     bucket = np.repeat(lo[bi], span[bi]) + (np.arange(len(rep)) - first)
-    order = np.lexsort((*(rows.O[rep, j] for j in range(rows.D - 1, -1, -1)), rows.fid[rep], bucket))
+    order = np.lexsort((rows.lin[rep], bucket * nf + rows.fid[rep]))
     rep, bucket = rep[order], bucket[order]
     cuts = np.flatnonzero(np.diff(bucket)) + 1
     band_groups = [(int(bucket[s]), g) for s, g in zip(np.concatenate([[0], cuts]).astype(int), np.split(rep, cuts), strict=True) if len(g)]
     # wide segments: by name, WIDE_ROWS at a time
     wi = np.flatnonzero(is_wide)
-    wi = wi[np.lexsort((*(rows.O[wi, j] for j in range(rows.D - 1, -1, -1)), rows.fid[wi]))]
+    wi = wi[np.lexsort((rows.lin[wi], rows.fid[wi]))]
     wide_groups = [wi[s : s + WIDE_ROWS] for s in range(0, len(wi), WIDE_ROWS)]
 
-    groups = [g for _, g in band_groups] + wide_groups
+    # one table of every row in file order; each segment is a slice of it
+    order = np.concatenate([rep, *wide_groups]) if len(rep) or wide_groups else np.zeros(0, np.int64)
+    table = _table(rows, names, order)
+    bounds = np.cumsum([0, *(len(g) for _, g in band_groups), *(len(g) for g in wide_groups)])
+    slices = [(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     with concurrent.futures.ThreadPoolExecutor(max(1, threads), "bytecp-index") as ex:
-        blobs = list(ex.map(lambda g: _encode(rows, names, g), groups))
+        blobs = list(ex.map(lambda sl: _encode(table.slice(*sl)), slices))
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     crcs = [crc32c(b) for b in blobs]
     nb = len(band_groups)
@@ -272,25 +280,27 @@ def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: 
     return BuiltIndex(blobs, directory, band_dims)
 
 
-def _encode(rows: _Rows, names: list[str], idx: np.ndarray) -> bytes:
-    """One segment: the rows ``idx`` as a complete Parquet file."""
-    fids, finv = np.unique(rows.fid[idx], return_inverse=True)
-    files, linv = np.unique(rows.file[idx], return_inverse=True)
+def _table(rows: _Rows, names: list[str], idx: np.ndarray) -> pa.Table:
+    """The rows ``idx`` (in this order) as one Arrow table of the index schema."""
     nd = rows.ndim[idx]
-    ptr = pa.array(np.concatenate([[0], np.cumsum(nd)]).astype(np.int32))
+    ptr = pa.array(np.concatenate([[0], np.cumsum(nd)]).astype(np.int64))
     mask = rows.mask[idx]
-    table = pa.table(
+    return pa.table(
         [
-            pa.DictionaryArray.from_arrays(pa.array(finv.astype(np.int32)), pa.array([names[f] for f in fids])),
-            pa.ListArray.from_arrays(ptr, pa.array(rows.O[idx][mask])),
-            pa.ListArray.from_arrays(ptr, pa.array(rows.L[idx][mask])),
-            pa.DictionaryArray.from_arrays(pa.array(linv.astype(np.int32)), pa.array([rows.files[f] for f in files])),
+            pa.DictionaryArray.from_arrays(pa.array(rows.fid[idx].astype(np.int32)), pa.array(names)).cast(pa.string()),
+            pa.LargeListArray.from_arrays(ptr, pa.array(rows.O[idx][mask])).cast(pa.list_(pa.int64())),
+            pa.LargeListArray.from_arrays(ptr, pa.array(rows.L[idx][mask])).cast(pa.list_(pa.int64())),
+            pa.DictionaryArray.from_arrays(pa.array(rows.file[idx]), pa.array(rows.files, pa.string())).cast(pa.string()),
             pa.array(rows.byte_offset[idx]),
             pa.array(rows.nbytes[idx]),
             pa.array(rows.crc[idx]),
         ],
-        names=INDEX_SCHEMA_V2.names,
-    ).replace_schema_metadata(INDEX_SCHEMA_V2.metadata)
+        schema=INDEX_SCHEMA_V2,
+    )
+
+
+def _encode(table: pa.Table) -> bytes:
+    """One segment: a complete Parquet file (strings dictionary-encoded by the writer)."""
     sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd")
+    pq.write_table(table, sink, compression="zstd", write_statistics=False)  # the directory says what is where
     return sink.getvalue()

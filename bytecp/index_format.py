@@ -43,9 +43,9 @@ __all__ = [
 ]
 
 #: rows of the index per band, aimed at when the number of bands is chosen
-ROWS_PER_BUCKET = 256
+ROWS_PER_BUCKET = 512
 #: most bands a checkpoint cuts each banded tensor into
-MAX_BUCKETS = 4096
+MAX_BUCKETS = 1024
 #: a tensor with a chunk spanning more bands than this is wide
 MAX_SPAN = 8
 #: most rows of one wide segment
