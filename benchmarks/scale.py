@@ -40,7 +40,6 @@ from typing import Any
 
 from bytecp import format as fmt
 from bytecp import index_read
-from bytecp.chunk_batch import ChunkBatch
 from bytecp.index_build import build_index
 from bytecp.plan_exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.planner import assign_shared, plan_load

@@ -30,8 +30,8 @@ from bytecp.chunk_batch import ChunkBatch, fqn_hash
 from bytecp.format import ALIGNMENT
 from bytecp.plan_exchange import PlanVote
 from bytecp.regions import Region
-from bytecp.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
 from bytecp.skeleton import Node
+from bytecp.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
 
 __all__ = [
     "llama7b",

@@ -230,9 +230,15 @@ def decide(votes: Sequence[PlanVote]) -> PlanDecision:
     return PlanDecision(digest, False, bad, base, coordinated)
 
 
-def planned_locally(plan: LocalSavePlan, decision: PlanDecision, *, split_bytes: int) -> list[WriteItem]:
+def planned_locally(
+    plan: LocalSavePlan, decision: PlanDecision, *, split_bytes: int,
+    shared: dict[tuple[str, str], dict[int, list[WriteItem]]] | None = None,
+) -> list[WriteItem]:
     """(every rank) The boxes this rank writes of those planned without the
-    coordinator: its own boxes, and its share of every sound replica set."""
+    coordinator: its own boxes, and its share of every sound replica set.
+    ``shared``: plans of replica sets already made, by (set key, fingerprint
+    of its boxes) -- every member makes the same one, so a simulation of many
+    ranks in one process makes each once."""
     mine: list[WriteItem] = []
     by_set: dict[str, tuple[ReplicaSet, list[WriteItem]]] = {}
     for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
@@ -242,8 +248,13 @@ def planned_locally(plan: LocalSavePlan, decision: PlanDecision, *, split_bytes:
             mine.append(it)
         else:
             by_set.setdefault(rs.key, (rs, []))[1].append(it)
-    for rs, items in by_set.values():
-        share = plan_replicated(items, rs.ranks, decision.base_load, split_bytes=split_bytes)
+    for key, (rs, items) in by_set.items():
+        memo = (key, hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest()) if shared is not None else None
+        share = shared.get(memo) if shared is not None and memo is not None else None
+        if share is None:
+            share = plan_replicated(items, rs.ranks, decision.base_load, split_bytes=split_bytes)
+            if shared is not None and memo is not None:
+                shared[memo] = share
         mine.extend(share.get(plan.rank, []))
     return mine
 

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 import bytecp
-from bytecp.format import FORMAT_VERSION
 from bytecp.cli import main as cli
+from bytecp.format import FORMAT_VERSION
 
 from .helpers import same_bits
 

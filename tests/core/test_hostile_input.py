@@ -18,9 +18,9 @@ import torch
 import bytecp
 from bytecp import format as fmt
 from bytecp import limits
-from bytecp.index_format import INDEX_SCHEMA_V2
 from bytecp.cli import main as cli
 from bytecp.errors import CorruptCheckpointError
+from bytecp.index_format import INDEX_SCHEMA_V2
 from bytecp.inspect import summarize, verify
 from bytecp.storage_api import open_storage
 

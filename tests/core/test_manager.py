@@ -13,8 +13,8 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.manager import CheckpointManager, list_checkpoints
 from bytecp.format import FORMAT_VERSION
+from bytecp.manager import CheckpointManager, list_checkpoints
 
 
 def test_every_n_steps_retention_and_resume(tmp_path: Path, capsys) -> None:
