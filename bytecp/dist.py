@@ -222,7 +222,8 @@ class DistContext:
             works.append(dist.irecv(buf, src=self._global(r), group=self.group))
             bufs.append(buf)
         for w in works:
-            w.wait()
+            if w is not None:
+                w.wait()
         return [obj if r == self.rank else _from_bytes(b) for r, b in enumerate(bufs)]
 
     def _gather_sizes(self, n: int) -> list[int] | None:
@@ -262,13 +263,14 @@ class DistContext:
             works = [dist.isend(d.to(self.device), dst=self._global(r), group=self.group)
                      for r, d in enumerate(datas) if r != self.rank and len(d)]
             for w in works:
-                w.wait()
+                if w is not None:
+                    w.wait()
             return objs[self.rank]
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n:
             dist.recv(buf, src=self.global_coordinator, group=self.group)
-        return _from_bytes(buf)  # type: ignore[no-any-return]
+        return _from_bytes(buf)
 
     def broadcast_tensor(self, op: str, tensor: torch.Tensor, src: int) -> None:
         """Broadcast ``tensor`` (CPU bytes) from group rank ``src`` in place."""

@@ -65,8 +65,11 @@ class _Rows:
         counts = [len(b) for b in batches]
         n = sum(counts)
         self.rank = np.repeat(np.arange(len(batches), dtype=np.int32), counts)
-        cat = (lambda attr, dt: np.concatenate([getattr(b, attr) for b in batches]).astype(dt, copy=False)
-               if batches else np.zeros(0, dt))
+
+        def cat(attr: str, dt: Any) -> np.ndarray:
+            parts = [getattr(b, attr) for b in batches]
+            return np.concatenate(parts).astype(dt, copy=False) if parts else np.zeros(0, dt)
+
         hashes = cat("fqn_hash", np.uint64)
         self.ndim = cat("ndim", np.int64)
         self.byte_offset = cat("byte_offset", np.int64)
