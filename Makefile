@@ -18,7 +18,7 @@ $(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PIP) -e ".[test,s3,monitoring]"
+	$(PIP) -e ".[test,s3,monitoring,lightning]"
 	$(MAKE) megatron-install
 	touch $@
 
