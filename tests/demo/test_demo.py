@@ -13,8 +13,10 @@ outcome checked from its ``summary.json`` and from storage itself:
   bytecp's checkpoint code or torch.distributed in that process;
 - no process left behind.
 
-And the launcher's last resort on its own: a survivor that does not stop
-within the grace period is killed, and the outcome says so.
+And on their own: the launcher's last resort (a survivor that does not stop
+within the grace period is killed, and the outcome says so), and the
+evaluation job reading both export layouts (a sharded Hugging Face
+directory with its index, a single ``model.safetensors``).
 """
 
 from __future__ import annotations
@@ -31,8 +33,6 @@ from safetensors.torch import load_file
 
 import bytecp
 from bytecp.manager import list_checkpoints
-
-pytestmark = pytest.mark.slow
 
 
 def _alive(pid: int) -> bool:
@@ -53,6 +53,7 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     return out, json.loads((out / "summary.json").read_text()), p.stdout
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_demo_story_holds(demo: tuple[Path, dict, str]) -> None:
     out, s, stdout = demo
@@ -62,6 +63,7 @@ def test_demo_story_holds(demo: tuple[Path, dict, str]) -> None:
     assert s["seconds"] < 240, s["seconds"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_killed_rank_and_the_in_flight_checkpoint(demo: tuple[Path, dict, str]) -> None:
     out, s, _ = demo
@@ -82,6 +84,7 @@ def test_killed_rank_and_the_in_flight_checkpoint(demo: tuple[Path, dict, str]) 
             assert not _alive(e["pid"]), e
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_restarts_use_the_latest_committed_checkpoint_bitwise(demo: tuple[Path, dict, str]) -> None:
     _, s, _ = demo
@@ -96,6 +99,7 @@ def test_restarts_use_the_latest_committed_checkpoint_bitwise(demo: tuple[Path, 
         assert check["tensors"] > 0 and check["differ"] == [], check
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_the_loss_continues(demo: tuple[Path, dict, str]) -> None:
     _, s, _ = demo
@@ -112,6 +116,7 @@ def test_the_loss_continues(demo: tuple[Path, dict, str]) -> None:
         assert abs(before - after) < 1e-4
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_one_stall_row_per_checkpoint_from_every_rank(demo: tuple[Path, dict, str]) -> None:
     out, s, _ = demo
@@ -129,6 +134,7 @@ def test_one_stall_row_per_checkpoint_from_every_rank(demo: tuple[Path, dict, st
     assert [c.name for c in list_checkpoints(str(out / "run"))] == s["kept"]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(360)
 def test_export_and_evaluation_job(demo: tuple[Path, dict, str]) -> None:
     out, s, _ = demo
@@ -146,6 +152,7 @@ def test_export_and_evaluation_job(demo: tuple[Path, dict, str]) -> None:
         assert torch.equal(exported[k], v), k
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_launcher_kills_a_survivor_past_the_grace_period(tmp_path: Path) -> None:
     from bytecp.demo.launch import run_job
@@ -156,3 +163,39 @@ def test_launcher_kills_a_survivor_past_the_grace_period(tmp_path: Path) -> None
     assert o.exits[0].how == "killed after the grace period", o.exits
     assert not any(_alive(e.pid) for e in o.exits)
     assert list_checkpoints(str(tmp_path / "run")) == []
+
+
+def test_evaluation_job_reads_the_sharded_and_the_single_file_layouts(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from bytecp.demo.evaluate import main, read_exported
+    from bytecp.demo.model import TinyGPT
+
+    torch.manual_seed(3)
+    sd = {k: v.contiguous() for k, v in TinyGPT().state_dict().items()}
+    names = sorted(sd)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}
+    sharded, single = tmp_path / "sharded", tmp_path / "single"
+    sharded.mkdir()
+    single.mkdir()
+    for file, keys in shards.items():
+        save_file({k: sd[k] for k in keys}, str(sharded / file))
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(
+        {"metadata": {}, "weight_map": {k: f for f, keys in shards.items() for k in keys}}))
+    save_file(sd, str(single / "model.safetensors"))
+    for where in (sharded, single, single / "model.safetensors"):
+        got, files = read_exported(str(where))
+        assert sorted(got) == names and all(torch.equal(got[k], sd[k]) for k in names), where
+    assert len(read_exported(str(sharded))[1]) == 2
+    losses = []
+    threads = torch.get_num_threads()
+    try:
+        for where in (sharded, single):
+            assert main([str(where), "--json", str(tmp_path / "ev.json")]) == 0
+            losses.append(json.loads((tmp_path / "ev.json").read_text())["loss"])
+    finally:
+        torch.set_num_threads(threads)  # the job sets one thread, as the training processes do
+    assert losses[0] == losses[1]
+    with pytest.raises(SystemExit, match="no model.safetensors.index.json or model.safetensors"):
+        read_exported(str(tmp_path / "nothing-here"))
