@@ -119,7 +119,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.out, world_size=args.world_size)
+    return run_demo(args.out)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -151,9 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     sp.add_argument("--prefix", default="model.", help="export tensors whose FQN starts with this ('' for all)")
     sp.add_argument("--keep-prefix", action="store_true", help="keep the prefix in the exported names")
     sp.set_defaults(fn=cmd_export)
-    sp = sub.add_parser("demo", help="train a small model, checkpoint, reload and verify")
-    sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints")
-    sp.add_argument("--world-size", type=int, default=2, help="processes for the distributed part (0: skip)")
+    sp = sub.add_parser("demo", help="a training job's life: a killed rank, elastic restarts, export, evaluation")
+    sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints, logs and summary.json")
     sp.set_defaults(fn=cmd_demo)
     for name, (_, help) in _EXTERNAL.items():
         sub.add_parser(name, help=help, add_help=False)

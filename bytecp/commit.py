@@ -20,7 +20,7 @@ from .dtypes import dtype_name
 from .errors import ConfigError
 from .index_build import BuiltIndex, build_index
 from .skeleton import Node
-from .state import FlatTree
+from .state import FlatTree, merge_aliases
 from .writer import RankOutput
 
 __all__ = ["build_metadata", "tensor_specs"]
@@ -64,6 +64,8 @@ def build_metadata(
                     f"rank {r} has dtype {spec['dtype']} shape {spec['shape']}; every rank must describe the "
                     "same global tensor"
                 )
+    aliases = merge_aliases(flat.aliases, [(r, out.aliases) for r, out in enumerate(outputs)
+                                           if out.aliases is not None], tensors, coordinator)
     objects: dict[str, fmt.ObjectRecord] = {}
     for r in [coordinator, *(r for r in range(len(outputs)) if r != coordinator)]:
         for fqn, rec in outputs[r].objects.items():
@@ -92,5 +94,6 @@ def build_metadata(
         user_metadata=user_metadata,
         bytecp_version=version,
         index=index.directory,
+        aliases=aliases,
     )
     return md, index

@@ -166,8 +166,9 @@ def _resolve(
 
 
 def specs_digest(flat: FlatTree) -> str:
-    """The state's skeleton and its tensors' names, dtypes and shapes, as one digest."""
-    h = hashlib.blake2b(flat.skeleton.digest().encode(), digest_size=16)
+    """The state's skeleton and aliases and its tensors' names, dtypes and
+    shapes, as one digest."""
+    h = hashlib.blake2b(flat.digest().encode(), digest_size=16)
     for fqn, leaf in flat.tensors.items():
         h.update(f"{fqn}|{dtype_name(leaf.dtype)}|{tuple(leaf.global_shape)};".encode())
     return h.hexdigest()

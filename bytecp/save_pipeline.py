@@ -24,6 +24,7 @@ rank and its phase) and nobody waits. If the save fails anywhere before
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import warnings
@@ -118,8 +119,8 @@ class SavePipeline:
                 flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
                 self.parallelism = adapter.parallelism(self.state, self.ctx)
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
-                flat = FlatTree(flat.skeleton, flat.tensors, copy.deepcopy(flat.objects),
-                                copy.deepcopy(flat.per_rank), {})
+                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
+                                           per_rank=copy.deepcopy(flat.per_rank))
             self.flat, self.framework = flat, adapter.name
 
         self._keep_failure("save/describe", describe)
@@ -239,6 +240,7 @@ class SavePipeline:
             if self._skeleton_differs:
                 self.output.skeleton = self.flat.skeleton.to_json()
                 self.output.tensors = tensor_specs(self.flat)
+                self.output.aliases = dict(self.flat.aliases)
             return for_commit(self.output)
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
