@@ -105,6 +105,9 @@ class PlanVote:
     sets: tuple[tuple[str, int, str], ...] = ()
     #: whether this rank holds boxes without a replica hint
     unknown: bool = False
+    #: the coordinator's only: the names of the non-tensor values it writes
+    #: (a rank whose state tree differs writes only the others)
+    objects: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)

@@ -89,6 +89,7 @@ class SavePipeline:
         self.batches: list[list[WriteItem]] = []
         self.output = RankOutput()
         self._skeleton_differs = False
+        self._coordinator_objects: frozenset[str] = frozenset()  # the names of the values the coordinator writes
         self._staged: list[Staged] = []
         self._replaced: fmt.Metadata | None = None  # coordinator: what an overwrite replaces
         self._kept: BaseException | None = None
@@ -173,8 +174,11 @@ class SavePipeline:
             if ctx.is_coordinator:
                 self._replaced = self._check_target()
                 save_id = fmt.new_save_id()
-            return vote_for(self._held or self._local, self._fingerprint, cached[0] if cached else None,
-                            specs_digest(self.flat), save_id)
+            v = vote_for(self._held or self._local, self._fingerprint, cached[0] if cached else None,
+                         specs_digest(self.flat), save_id)
+            if ctx.is_coordinator and self.flat.objects:  # what a rank whose tree differs need not write
+                v = dataclasses.replace(v, objects=tuple(self.flat.objects))
+            return v
 
         with self.trace.span("plan"):
             votes = ctx.all_gather("save/plan", vote)
@@ -182,6 +186,7 @@ class SavePipeline:
             assert coordinator.save_id is not None
             self.save_id = self.trace.checkpoint_id = coordinator.save_id
             self._skeleton_differs = votes[rank].skeleton != coordinator.skeleton
+            self._coordinator_objects = frozenset(coordinator.objects)
             decision = decide(votes)
             if decision.reuse:
                 items = mine["cached"][1]
@@ -351,8 +356,12 @@ class SavePipeline:
         """Write the staged batch into the next data files of this rank."""
         first = not self.output.data_files
         # replicated values are written by the coordinator; a rank whose state
-        # tree differs from the coordinator's writes its own too
-        objects = self.flat.objects if first and (self.ctx.is_coordinator or self._skeleton_differs) else {}
+        # tree differs from the coordinator's writes those the coordinator lacks
+        objects: dict[str, Any] = {}
+        if first and self.ctx.is_coordinator:
+            objects = self.flat.objects
+        elif first and self._skeleton_differs:
+            objects = {k: v for k, v in self.flat.objects.items() if k not in self._coordinator_objects}
         with self.trace.span("write") as sp:
             faults.inject("write", self.ctx.rank)
             out = write_data_files(

@@ -215,15 +215,15 @@ def case_irregular(url: str) -> tuple[Any, dict[str, Any]]:
 
 
 def case_banded(url: str) -> tuple[Any, dict[str, Any]]:
-    """Version 2's index at work: 1,200 row boxes over several bands, column
+    """Version 2's index at work: 600 row boxes over two bands, column
     boxes banded along dimension 1, a box meeting every band (listed in each
     band segment) and a 0-dim tensor (a wide segment)."""
-    rows = pattern((1200, 3), torch.float32, 37)
+    rows = pattern((600, 3), torch.float32, 37)
     cols = pattern((4, 600), torch.int16, 41)
     tall = pattern((40, 2), torch.float64, 43)
     state = {
-        "rows": TensorLeaf((1200, 3), torch.float32,
-                           [Shard(Region((i, 0), (1, 3)), rows[i : i + 1]) for i in range(1200)]),
+        "rows": TensorLeaf((600, 3), torch.float32,
+                           [Shard(Region((i, 0), (1, 3)), rows[i : i + 1]) for i in range(600)]),
         "cols": TensorLeaf((4, 600), torch.int16,
                            [Shard(Region((0, j), (4, 50)), cols[:, j : j + 50]) for j in range(0, 600, 50)]),
         "tall": TensorLeaf((40, 2), torch.float64,
@@ -236,6 +236,46 @@ def case_banded(url: str) -> tuple[Any, dict[str, Any]]:
     assert md["tensors"]["cols"]["band_dim"] == 1
     expected = {"rows": rows.clone(), "cols": cols.clone(), "tall": tall.clone(), "scalar": torch.tensor(3.5)}
     return expected, {"framework": "plain", "world_size": 1, "step": 5, "user_metadata": {}}
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output head, and one block registered twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.block = nn.Linear(4, 4)
+        self.again = self.block
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.again(torch.relu(self.block(self.embed(x)))))
+
+
+def case_tied(url: str) -> tuple[Any, dict[str, Any]]:
+    """Tensors sharing memory (a tied embedding and head, a block used twice)
+    stored once, the other names as aliases; AdamW state after one step."""
+    torch.manual_seed(21)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.arange(6).reshape(2, 3)).square().mean().backward()
+    opt.step()
+    bytecp.save(url, {"model": model, "optimizer": opt}, step=2)
+    md = json.loads(Path(url, "metadata.json").read_text())
+    assert md["aliases"] == {"model.again.bias": "model.block.bias", "model.again.weight": "model.block.weight",
+                             "model.head.weight": "model.embed.weight"}, md["aliases"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd = opt.state_dict()
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    expected = {
+        "model": dict(model.state_dict()),
+        "optimizer": {"state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
+                      "param_groups": groups},
+    }
+    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
 
 
 def case_pickle(url: str) -> tuple[Any, dict[str, Any]]:
@@ -478,6 +518,7 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "irregular": case_irregular,
     "pickle": case_pickle,
     "banded": case_banded,
+    "tied": case_tied,
     "two_ranks": case_two_ranks,
     "ddp": _framework_case("ddp"),
     "fsdp1": _framework_case("fsdp1"),
