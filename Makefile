@@ -55,6 +55,7 @@ lint: install-test
 bench: install-test
 	$(VPY) -m benchmarks.run
 	$(VPY) -m benchmarks.training --out training.json --png training.png
+	$(VPY) -m benchmarks.scale --out scale.json
 
 bench-s3: install-test test-servers
 	$(VPY) -m benchmarks.s3_bench

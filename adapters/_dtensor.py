@@ -8,6 +8,7 @@ the planner writes them once; HSDP), uneven and empty shards, and the
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -15,9 +16,9 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from bytecp.regions import Region
-from bytecp.state import Shard, TensorLeaf
+from bytecp.state import ReplicaSet, Shard, TensorLeaf
 
-__all__ = ["is_dtensor", "dtensor_region", "dtensor_leaf", "dtensor_target", "mesh_info"]
+__all__ = ["is_dtensor", "dtensor_region", "dtensor_leaf", "dtensor_replicas", "dtensor_target", "mesh_info"]
 
 
 def is_dtensor(t: Any) -> bool:
@@ -29,14 +30,30 @@ def dtensor_region(t: DTensor) -> Region:
     return Region.of(offset, local_shape)
 
 
+def dtensor_replicas(t: DTensor) -> ReplicaSet | None:
+    """The ranks holding the same box as this rank: those whose mesh
+    coordinates differ only along ``Replicate`` dimensions (HSDP's replicate
+    dimension; a set of one rank for FSDP's pure sharding)."""
+    return _replicas(t.device_mesh, tuple(t.placements))
+
+
+@functools.lru_cache(maxsize=256)
+def _replicas(mesh: Any, placements: tuple[Any, ...]) -> ReplicaSet | None:
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return None
+    index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(placements, coord, strict=True))
+    return ReplicaSet.of(tuple(int(r) for r in mesh.mesh[index].flatten().tolist()))
+
+
 def dtensor_leaf(t: DTensor) -> TensorLeaf:
-    """The leaf for a DTensor: its global shape and this rank's box (a view)."""
+    """The leaf for a DTensor: its global shape, this rank's box (a view) and its replicas."""
     local = t.to_local()
     region = dtensor_region(t)
     if tuple(local.shape) != region.lengths:
         # FSDP2 may pad the local shard of uneven dims; the box is the unpadded part
         local = local[tuple(slice(0, n) for n in region.lengths)]
-    return TensorLeaf(tuple(t.shape), t.dtype, [Shard(region, local.detach())])
+    return TensorLeaf(tuple(t.shape), t.dtype, [Shard(region, local.detach())], dtensor_replicas(t))
 
 
 def dtensor_target(like: DTensor, dtype: torch.dtype) -> tuple[TensorLeaf, DTensor]:

@@ -18,6 +18,7 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp._flat_param import FlatParameter
@@ -26,7 +27,7 @@ from bytecp.adapter_api import AdapterCall
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import Metadata
-from bytecp.state import TensorLeaf
+from bytecp.state import EVERY_RANK, ReplicaSet, TensorLeaf
 
 from ._names import ModuleNames
 from ._optim import ParamState
@@ -45,6 +46,23 @@ class _Piece:
     start: int
     offset: int
     numel: int
+    #: the ranks holding the same elements (None: unknown)
+    replicas: ReplicaSet | None = None
+
+
+def _replicas(m: FSDP) -> ReplicaSet | None:
+    """Who holds the same shard of ``m``'s flat parameter (global ranks):
+    this rank alone when it is sharded, its replicas across HSDP's
+    replicate group, everyone of FSDP's group with NO_SHARD."""
+    if not dist.is_initialized():
+        return EVERY_RANK
+    name = m.sharding_strategy.name
+    if name in ("FULL_SHARD", "SHARD_GRAD_OP"):
+        return ReplicaSet.of((dist.get_rank(),))
+    group = getattr(m, "_inter_node_pg", None) if "HYBRID" in name else m.process_group
+    if group is None:
+        return None
+    return ReplicaSet.of(tuple(dist.get_process_group_ranks(group)))
 
 
 def _roots(state: dict[str, Any]) -> list[tuple[str, nn.Module]]:
@@ -75,6 +93,7 @@ def _layout(
         if not isinstance(m, FSDP) or m._handle is None:
             continue
         fp = m._handle.flat_param
+        replicas = _replicas(m)
 
         def clean(name: str, prefix: str = prefix) -> str:
             return names.clean(f"{prefix}.{name}" if prefix else name)
@@ -90,9 +109,10 @@ def _layout(
             if info.in_shard:
                 assert info.offset_in_shard is not None and info.numel_in_shard is not None
                 assert info.intra_param_start_idx is not None
-                p = _Piece(fqn, shape, info.intra_param_start_idx, info.offset_in_shard, info.numel_in_shard)
+                p = _Piece(fqn, shape, info.intra_param_start_idx, info.offset_in_shard, info.numel_in_shard,
+                           replicas)
             else:
-                p = _Piece(fqn, shape, 0, 0, 0)
+                p = _Piece(fqn, shape, 0, 0, 0, replicas)
             mine.append(p)
             if orig is not None:
                 pieces[id(orig[i])] = [dataclasses.replace(p, offset=0)]
@@ -104,7 +124,7 @@ def _layout(
         if id(param) in pieces or isinstance(param, FlatParameter):
             continue
         fqn = names.clean(name)
-        pieces[id(param)] = [_Piece(fqn, tuple(param.shape), 0, 0, param.numel())]
+        pieces[id(param)] = [_Piece(fqn, tuple(param.shape), 0, 0, param.numel(), EVERY_RANK)]
         flats.append((fqn, param))
     return flats
 
@@ -112,9 +132,9 @@ def _layout(
 def _leaf(piece: _Piece, flat: torch.Tensor, dtype: torch.dtype) -> TensorLeaf:
     """The piece's elements of a local flat tensor, as the original parameter's boxes."""
     if piece.numel == 0:
-        return TensorLeaf(piece.shape, dtype, [])
+        return TensorLeaf(piece.shape, dtype, [], piece.replicas)
     view = flat.detach().reshape(-1)[piece.offset : piece.offset + piece.numel]
-    return TensorLeaf.from_flat(piece.shape, dtype, piece.start, view)
+    return TensorLeaf.from_flat(piece.shape, dtype, piece.start, view, piece.replicas)
 
 
 def _join(prefix: str, name: str) -> str:

@@ -92,6 +92,8 @@ class DistContext:
             DistContext._instances += 1
         self._uid = DistContext._instances
         self._seq = 0
+        self._members: dict[int, int] | None = None
+        self._identity = False
 
     _instances = 0
 
@@ -111,6 +113,19 @@ class DistContext:
     @property
     def is_coordinator(self) -> bool:
         return self.rank == self.coordinator
+
+    def group_ranks(self, global_ranks: tuple[int, ...]) -> tuple[int, ...] | None:
+        """These global ranks as ranks of this context's group (adapters name
+        replicas by global rank); None when one of them is not in the group."""
+        if not self.enabled or self.group is None:
+            return global_ranks
+        if self._members is None:
+            self._members = {g: i for i, g in enumerate(dist.get_process_group_ranks(self.group))}
+            self._identity = all(g == i for g, i in self._members.items())
+        if self._identity:
+            return global_ranks if all(r < self.world_size for r in global_ranks[-1:]) else None
+        out = tuple(self._members.get(r, -1) for r in global_ranks)
+        return None if -1 in out else tuple(sorted(out))
 
     # -- failure diagnosis ---------------------------------------------
     #: how long survivors of a broken collective wait for each other's answer
@@ -184,12 +199,41 @@ class DistContext:
         return out
 
     def gather_object(self, obj: T) -> list[T] | None:
+        """Every rank's ``obj`` to the coordinator, unpadded: the sizes travel
+        in one fixed-size gather, then each payload point to point (a padded
+        gather would cost the coordinator W times the largest payload)."""
         if not self.enabled:
             return [obj]
         self._count(obj)
-        out: list[Any] | None = [None] * self.world_size if self.is_coordinator else None
-        dist.gather_object(obj, out, dst=self.global_coordinator, group=self.group)
-        return out
+        data = _to_bytes(obj)
+        sizes = self._gather_sizes(len(data))
+        if not self.is_coordinator:
+            if len(data):
+                dist.send(data.to(self.device), dst=self.global_coordinator, group=self.group)
+            return None
+        assert sizes is not None
+        bufs: list[torch.Tensor | None] = []
+        works = []
+        for r, n in enumerate(sizes):
+            if r == self.rank or n == 0:
+                bufs.append(None)
+                continue
+            buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+            works.append(dist.irecv(buf, src=self._global(r), group=self.group))
+            bufs.append(buf)
+        for w in works:
+            if w is not None:
+                w.wait()
+        return [obj if r == self.rank else _from_bytes(b) for r, b in enumerate(bufs)]
+
+    def _gather_sizes(self, n: int) -> list[int] | None:
+        mine = torch.tensor([n], dtype=torch.int64, device=self.device)
+        out = [torch.empty_like(mine) for _ in range(self.world_size)] if self.is_coordinator else None
+        dist.gather(mine, out, dst=self.global_coordinator, group=self.group)
+        return [int(t.item()) for t in out] if out is not None else None
+
+    def _global(self, group_rank: int) -> int:
+        return dist.get_global_rank(self.group, group_rank) if self.group is not None else group_rank
 
     def broadcast_object(self, obj: T | None) -> T:
         if not self.enabled:
@@ -200,16 +244,33 @@ class DistContext:
         return box[0]  # type: ignore[return-value]
 
     def scatter_object(self, objs: Sequence[T] | None) -> T:
+        """The coordinator's ``objs[r]`` to rank ``r``, unpadded (sizes in one
+        fixed-size scatter, then each payload point to point)."""
         if not self.enabled:
             assert objs is not None
             return objs[0]
         self._count(objs if self.is_coordinator else None)
-        out: list[Any] = [None]
-        dist.scatter_object_list(
-            out, list(objs) if self.is_coordinator and objs is not None else None,
-            src=self.global_coordinator, group=self.group,
-        )
-        return out[0]
+        datas: list[torch.Tensor] = []
+        sizes_in: list[torch.Tensor] | None = None
+        if self.is_coordinator:
+            assert objs is not None and len(objs) == self.world_size
+            datas = [_to_bytes(o) for o in objs]
+            sizes_in = [torch.tensor([len(d)], dtype=torch.int64, device=self.device) for d in datas]
+        size = torch.empty(1, dtype=torch.int64, device=self.device)
+        dist.scatter(size, sizes_in, src=self.global_coordinator, group=self.group)
+        if self.is_coordinator:
+            assert objs is not None
+            works = [dist.isend(d.to(self.device), dst=self._global(r), group=self.group)
+                     for r, d in enumerate(datas) if r != self.rank and len(d)]
+            for w in works:
+                if w is not None:
+                    w.wait()
+            return objs[self.rank]
+        n = int(size.item())
+        buf = torch.empty(n, dtype=torch.uint8, device=self.device)
+        if n:
+            dist.recv(buf, src=self.global_coordinator, group=self.group)
+        return _from_bytes(buf)
 
     def broadcast_tensor(self, op: str, tensor: torch.Tensor, src: int) -> None:
         """Broadcast ``tensor`` (CPU bytes) from group rank ``src`` in place."""
@@ -339,6 +400,16 @@ class DistContext:
         except Exception as e:
             return [_Failed({self.rank: _describe(e)}, reduce_op)] * self.world_size
         return out
+
+
+def _to_bytes(obj: Any) -> torch.Tensor:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def _from_bytes(buf: torch.Tensor | None) -> Any:
+    # payloads come from this job's own ranks (as with torch.distributed's object collectives)
+    return None if buf is None else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def _default_store() -> Any:

@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 
 from . import limits
 from .errors import CorruptCheckpointError, FormatVersionError
+from .index_format import INDEX_FILE_NAME, IndexDirectory
 from .skeleton import Node
 
 __all__ = [
@@ -48,10 +49,12 @@ __all__ = [
     "table_to_chunks",
     "write_index",
     "read_index",
+    "column_values",
+    "IndexDirectory",
 ]
 
 FORMAT_NAME = "bytecp"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
@@ -83,7 +86,7 @@ def check_path(path: str, kind: str, where: str) -> str:
         len(parts) == 3
         and parts[0] == kind
         and all(_SEGMENT.fullmatch(p) and p not in (".", "..") for p in parts)
-        and parts[2].endswith(".bin" if kind == "data" else ".parquet")
+        and (parts[2].endswith(".bin") if kind == "data" else parts[2].endswith(".parquet") or parts[2] == INDEX_FILE_NAME)
     ):
         raise CorruptCheckpointError(
             f"{where}: refusing file name {path!r}: checkpoint files must be {kind}/<save_id>/<name> "
@@ -100,8 +103,9 @@ def data_file(save_id: str, rank: int, n: int) -> str:
     return f"data/{save_id}/{rank}-{n}.bin"
 
 
-def index_file(save_id: str, rank: int) -> str:
-    return f"index/{save_id}/{rank}.parquet"
+def index_file(save_id: str, rank: int | None = None) -> str:
+    """Version 1: rank ``rank``'s index; version 2 (``rank=None``): the one index file."""
+    return f"index/{save_id}/{INDEX_FILE_NAME if rank is None else f'{rank}.parquet'}"
 
 
 def report_file(rank: int) -> str:
@@ -171,10 +175,10 @@ class Metadata:
     framework: str
     parallelism: dict[str, Any]
     skeleton: Node
-    tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape"}
+    tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape"[, "band_dim"]}
     objects: dict[str, ObjectRecord]
     per_rank: dict[str, dict[int, ObjectRecord]]
-    index_files: list[str]
+    index_files: list[str]  # version 1: one index file per rank (version 2: empty)
     data_files: dict[str, int]  # path -> size in bytes
     step: int | None = None
     user_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -185,6 +189,8 @@ class Metadata:
     #: layers): alias FQN -> the FQN in ``tensors`` whose data it shares; the
     #: alias is stored once, under its canonical name
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: version 2: the one index file's segments (None: a version-1 checkpoint)
+    index: IndexDirectory | None = None
 
     def to_bytes(self) -> bytes:
         d = {
@@ -209,6 +215,8 @@ class Metadata:
         }
         if self.aliases:
             d["aliases"] = self.aliases
+        if self.index is not None:
+            d["index"] = self.index.to_json()
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -246,6 +254,7 @@ class Metadata:
                 bytecp_version=str(d.get("bytecp_version", "")),
                 format_version=version,
                 aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
+                index=IndexDirectory.from_json(d["index"], where) if version >= 2 else None,
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
@@ -257,6 +266,10 @@ class Metadata:
         limits.check_structure(self, where)
         for f in self.index_files:
             check_path(f, "index", where)
+        if self.index is not None:
+            check_path(self.index.file, "index", where)
+            if self.index_files:
+                raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
         for f in self.data_files:
             check_path(f, "data", where)
         for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
@@ -278,7 +291,8 @@ class Metadata:
         return self
 
     def referenced_files(self) -> set[str]:
-        return set(self.index_files) | set(self.data_files)
+        extra = {self.index.file} if self.index is not None else set()
+        return set(self.index_files) | set(self.data_files) | extra
 
 
 def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
@@ -296,7 +310,7 @@ def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
     return pa.table(cols, schema=INDEX_SCHEMA)
 
 
-def _column(table: pa.Table, name: str) -> list[Any]:
+def column_values(table: pa.Table, name: str) -> list[Any]:
     """A column as Python values; dictionary-encoded strings stay shared
     (one ``str`` per distinct value, not one per row)."""
     col = table.column(name).combine_chunks()
@@ -307,7 +321,7 @@ def _column(table: pa.Table, name: str) -> list[Any]:
 
 
 def table_to_chunks(table: pa.Table) -> list[ChunkRecord]:
-    cols = [_column(table, f.name) for f in INDEX_SCHEMA]
+    cols = [column_values(table, f.name) for f in INDEX_SCHEMA]
     return [
         ChunkRecord(
             fqn,

@@ -41,11 +41,12 @@ from __future__ import annotations
 import io
 import math
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from .dtypes import SUPPORTED_DTYPES
 from .errors import CorruptCheckpointError, PickleNotAllowedError
+from .parquet_footer import footer_row_groups
 from .skeleton import MAX_DEPTH
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -64,6 +65,7 @@ __all__ = [
     "check_sizes",
     "real_data_sizes",
     "max_index_rows",
+    "check_index_file",
     "check_index_metadata",
     "check_chunk_records",
     "check_blob",
@@ -115,6 +117,9 @@ def check_structure(md: Metadata, where: str) -> None:
                 f"gives tensor {fqn!r} the shape {shape!r:.80} (want at most {MAX_NDIM} "
                 "non-negative integers)",
             )
+        band = info.get("band_dim")
+        if band is not None and not (type(band) is int and 0 <= band < len(shape) and shape[band] > 0):
+            raise _bad(where, f"gives tensor {fqn!r} of shape {shape} the band dimension {band!r:.40}")
     for name, rec in _object_records(md):
         if rec.is_blob and (rec.byte_offset < 0 or rec.nbytes < 0):
             raise _bad(
@@ -156,7 +161,7 @@ def real_data_sizes(storage: Storage, md: Metadata) -> dict[str, int | None]:
 def check_sizes(
     storage: Storage,
     md: Metadata,
-    chunks: list[ChunkRecord],
+    chunks: list[ChunkRecord] | Callable[[], list[ChunkRecord]],
     real: Mapping[str, int | None] | None = None,
 ) -> None:
     """(coordinator, before any tensor is allocated) Declared sizes are real.
@@ -165,19 +170,23 @@ def check_sizes(
     blob lies inside its file; the tensors' total size is at most the data
     files' total. Chunks were checked against the declared sizes already
     (:func:`bytecp.reader.check_chunks`), so they are inside the real files too.
+    ``chunks`` (or a function reading them, called only to name the tensors
+    a bad file holds) name the tensors in the error.
     """
     if real is None:
         real = real_data_sizes(storage, md)
-    holds: dict[str, set[str]] = {}
-    for c in chunks:
-        names = holds.setdefault(c.file, set())
-        if len(names) < 3:
-            names.add(c.fqn)
     for path, declared in md.data_files.items():
         got = real.get(path)
         if got == declared:
             continue
-        what = f" (holding {', '.join(repr(n) for n in sorted(holds[path]))})" if holds.get(path) else ""
+        holds: set[str] = set()
+        try:
+            for c in chunks() if callable(chunks) else chunks:
+                if c.file == path and len(holds) < 3:
+                    holds.add(c.fqn)
+        except CorruptCheckpointError:
+            pass  # the file's own error is the one to report
+        what = f" (holding {', '.join(repr(n) for n in sorted(holds))})" if holds else ""
         if got is None:
             raise CorruptCheckpointError(f"{storage.url}: data file {path}{what} is missing")
         state = "is truncated" if got < declared else "is larger than recorded"
@@ -208,6 +217,20 @@ def check_sizes(
                 f"{info['shape']}) larger in total than all its data files ({data_total} bytes); "
                 "refusing to allocate them"
             )
+
+
+def check_index_file(storage: Storage, md: Metadata) -> None:
+    """(coordinator, version 2) The index file exists with the size its directory declares."""
+    d = md.index
+    if d is None:
+        return
+    try:
+        got: int | None = storage.size(d.file)
+    except FileNotFoundError:
+        got = None
+    if got != d.nbytes:
+        state = "is missing" if got is None else f"has {got} bytes, metadata.json says {d.nbytes}"
+        raise CorruptCheckpointError(f"{storage.url}: index file {d.file} {state}")
 
 
 # ----------------------------------------------------------------- index
@@ -255,7 +278,7 @@ def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows
     # aborts the process (an uncaught C++ exception) when a damaged footer's
     # column-chunk metadata is accessed through its Python API.
     decoded = 0
-    for rows, columns in _footer_row_groups(name, data) if data else []:
+    for rows, columns in footer_row_groups(name, data) if data else []:
         for num_values, uncompressed in columns:
             if num_values > max(1, rows) * MAX_NDIM or num_values < 0:
                 raise CorruptCheckpointError(
@@ -268,128 +291,6 @@ def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows
         raise CorruptCheckpointError(
             f"index file {name} decodes to {decoded} bytes from {nbytes}: refusing (a compression bomb?)"
         )
-
-
-# Parquet's footer is a Thrift (compact protocol) FileMetaData struct; only
-# row_groups[*].num_rows and their columns' meta_data num_values /
-# total_uncompressed_size are needed.
-_T_STOP, _T_TRUE, _T_FALSE, _T_BYTE, _T_I16, _T_I32, _T_I64, _T_DOUBLE = 0, 1, 2, 3, 4, 5, 6, 7
-_T_BINARY, _T_LIST, _T_SET, _T_MAP, _T_STRUCT, _T_UUID = 8, 9, 10, 11, 12, 13
-
-
-class _Thrift:
-    """A bounded reader of Thrift compact-protocol values into plain Python values."""
-
-    def __init__(self, buf: bytes) -> None:
-        self.buf = buf
-        self.pos = 0
-
-    def byte(self) -> int:
-        if self.pos >= len(self.buf):
-            raise ValueError("footer ends early")
-        b = self.buf[self.pos]
-        self.pos += 1
-        return b
-
-    def varint(self) -> int:
-        shift = out = 0
-        while True:
-            b = self.byte()
-            out |= (b & 0x7F) << shift
-            if not b & 0x80:
-                return out
-            shift += 7
-            if shift > 70:
-                raise ValueError("varint too long")
-
-    def zigzag(self) -> int:
-        n = self.varint()
-        return (n >> 1) ^ -(n & 1)
-
-    def skip(self, n: int) -> None:
-        if n < 0 or self.pos + n > len(self.buf):
-            raise ValueError("footer ends early")
-        self.pos += n
-
-    def value(self, t: int, depth: int) -> Any:
-        if depth > 32:
-            raise ValueError("footer nested too deeply")
-        if t in (_T_TRUE, _T_FALSE):
-            return t == _T_TRUE
-        if t == _T_BYTE:
-            return self.byte()
-        if t in (_T_I16, _T_I32, _T_I64):
-            return self.zigzag()
-        if t == _T_DOUBLE:
-            self.skip(8)
-            return None
-        if t == _T_UUID:
-            self.skip(16)
-            return None
-        if t == _T_BINARY:
-            self.skip(self.varint())
-            return None
-        if t in (_T_LIST, _T_SET):
-            head = self.byte()
-            size, et = head >> 4, head & 0x0F
-            if size == 15:
-                size = self.varint()
-            if size > len(self.buf) - self.pos:  # every element takes at least a byte
-                raise ValueError("list longer than the footer")
-            if et in (_T_TRUE, _T_FALSE):  # booleans in lists take one byte each
-                self.skip(size)
-                return [None] * size
-            return [self.value(et, depth + 1) for _ in range(size)]
-        if t == _T_MAP:
-            size = self.varint()
-            if size > len(self.buf) - self.pos:
-                raise ValueError("map longer than the footer")
-            if size:
-                kv = self.byte()
-                for _ in range(size):
-                    self.value(kv >> 4, depth + 1)
-                    self.value(kv & 0x0F, depth + 1)
-            return None
-        if t == _T_STRUCT:
-            return self.struct(depth + 1)
-        raise ValueError(f"unknown Thrift type {t}")
-
-    def struct(self, depth: int = 0) -> dict[int, Any]:
-        out: dict[int, Any] = {}
-        fid = 0
-        while True:
-            head = self.byte()
-            t = head & 0x0F
-            if t == _T_STOP:
-                return out
-            delta = head >> 4
-            fid = fid + delta if delta else self.zigzag()
-            out[fid] = self.value(t, depth)
-
-
-def _footer_row_groups(name: str, data: bytes) -> list[tuple[int, list[tuple[int, int]]]]:
-    """``[(num_rows, [(num_values, total_uncompressed_size) per column])]`` per row group."""
-    try:
-        if len(data) < 12 or data[-4:] != b"PAR1":
-            raise ValueError("not a Parquet file (no PAR1 trailer)")
-        n = int.from_bytes(data[-8:-4], "little")
-        if n <= 0 or n > len(data) - 12:
-            raise ValueError(f"footer length {n} does not fit the file")
-        meta = _Thrift(data[-8 - n : -8]).struct()
-        out = []
-        for rg in meta.get(4) or []:
-            if not isinstance(rg, dict):
-                raise ValueError("malformed row group")
-            cols = []
-            for cc in rg.get(1) or []:
-                md = cc.get(3) if isinstance(cc, dict) else None
-                if not isinstance(md, dict):
-                    raise ValueError("column chunk without metadata")
-                cols.append((int(md.get(5) or 0), int(md.get(6) or 0)))
-            out.append((int(rg.get(3) or 0), cols))
-        return out
-    except (ValueError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"index file {name}: the Parquet footer is unreadable ({e})") from e
 
 
 # ----------------------------------------------------------------- blobs

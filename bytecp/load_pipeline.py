@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from . import faults, limits
+from . import faults, index_read, limits
 from . import format as fmt
 from .adapter_api import LoadTarget, detect_adapter
 from .dist import DistContext
@@ -26,12 +26,19 @@ from .dtypes import dtype_from_name, itemsize
 from .errors import ConfigError
 from .matching import Match, match_target
 from .options import LoadOptions
-from .planner import plan_load, plan_shared_reads
-from .reader import Target, execute_reads, read_chunks, read_metadata
+from .planner import assign_shared, plan_load
+from .reader import Target, check_rows, execute_reads, read_chunks, read_metadata
 from .recorder import Trace
+from .regions import Region
 from .state import Slot, flatten_tree
 from .storage_api import Storage
-from .zero_redundancy import SharedPlan, exchange, shared_candidates, split_targets
+from .zero_redundancy import (
+    SharedPlan,
+    candidates_digest,
+    exchange,
+    shared_candidates,
+    split_targets,
+)
 
 __all__ = ["LoadPipeline", "LoadResult"]
 
@@ -55,7 +62,8 @@ class LoadPipeline:
     ) -> None:
         self.storage, self.state, self.opts, self.ctx, self.trace = storage, state, opts, ctx, trace
         self.md: fmt.Metadata | None = None
-        self.chunks: list[fmt.ChunkRecord] = []
+        self.chunks: list[fmt.ChunkRecord] = []  # version 1: the whole index, from the coordinator
+        self._budget: int | None = None  # version 2: rows the index may hold
         self.matched: Match | None = None
         self.target: LoadTarget | None = None
         self.own: list[Target] = []
@@ -75,18 +83,27 @@ class LoadPipeline:
 
     def read_metadata(self) -> None:
         """(coordinator reads, every rank receives; one broadcast) The
-        validated metadata and chunk index."""
+        validated metadata -- and for a version-1 checkpoint the whole chunk
+        index. A version-2 index is never broadcast: each rank reads the
+        segments its own targets meet in :meth:`read`."""
 
-        def read() -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
+        def read() -> tuple[fmt.Metadata, list[fmt.ChunkRecord], int | None]:
             with self.trace.span("read_metadata") as sp:
                 md = read_metadata(self.storage)
                 real = limits.real_data_sizes(self.storage, md)  # one listing serves both checks
-                chunks = read_chunks(self.storage, md, real)
-                limits.check_sizes(self.storage, md, chunks, real)  # before any tensor is allocated
-                sp.files = 1 + len(md.index_files)
-            return md, chunks
+                if md.index is None:
+                    chunks = read_chunks(self.storage, md, real)
+                    limits.check_sizes(self.storage, md, chunks, real)  # before any tensor is allocated
+                    sp.files = 1 + len(md.index_files)
+                    return md, chunks, None
+                limits.check_sizes(self.storage, md, lambda: read_chunks(self.storage, md, md.data_files), real)
+                limits.check_index_file(self.storage, md)
+                budget = index_read.max_rows(md, real)
+                index_read.check_budget(self.storage, md, budget)
+                sp.files = 1
+            return md, [], budget
 
-        self.md, self.chunks = self.ctx.broadcast("load/metadata", read)
+        self.md, self.chunks, self._budget = self.ctx.broadcast("load/metadata", read)
         self.trace.checkpoint_id = self.md.save_id
         self.trace.step = self.md.step
 
@@ -112,36 +129,57 @@ class LoadPipeline:
             self.target, self.matched = self.ctx.run("load/match", match)
 
     def plan(self) -> None:
-        """(every rank; one all-gather with zero-redundancy loading) Which
-        boxes this rank reads: its own targets, or with zero redundancy its
-        pieces of the boxes every rank needs (assigned alike on every rank)."""
+        """(every rank; one all-gather of a digest with zero-redundancy
+        loading) Which boxes this rank reads: its own targets, or with zero
+        redundancy its pieces of the whole tensors every rank wants. The
+        ranks compare only a digest of the whole tensors they want; when
+        every rank wants the same ones (DDP, replicated values), each
+        computes the same assignment alone (O(W) data exchanged in all).
+        When they differ, each rank reads its own targets."""
         md, matched, ctx = self.md, self.matched, self.ctx
         assert md is not None and matched is not None
         zero = self.opts.zero_redundancy
         if zero is None:
             zero = self.storage.remote
         if zero and ctx.enabled and ctx.world_size > 1:
-            specs = ctx.all_gather("load/plan", lambda: shared_candidates(matched.targets, md))
-            with self.trace.span("plan"):
-                itemsizes = {fqn: itemsize(dtype_from_name(info["dtype"])) for fqn, info in md.tensors.items()}
-                self.shared = plan_shared_reads(specs, itemsizes)
+            mine = shared_candidates(matched.targets, md)
+            digests = ctx.all_gather("load/plan", lambda: candidates_digest(mine))
+            if mine and all(d == digests[0] for d in digests):
+                with self.trace.span("plan"):
+                    itemsizes = {fqn: itemsize(dtype_from_name(md.tensors[fqn]["dtype"])) for fqn, _ in mine}
+                    self.shared = assign_shared(mine, ctx.world_size, itemsizes)
         self.own, self._shared_views = split_targets(matched.targets, self.shared, ctx.rank)
 
     def read(self) -> None:
-        """(every rank; fail-together) Ranged reads of only the bytes this
-        rank needs, straight into its target tensors."""
+        """(every rank; fail-together) The index segments this rank's boxes
+        meet (version 2), then ranged reads of only the bytes it needs,
+        straight into its target tensors."""
         md = self.md
         assert md is not None
 
         def read() -> None:
             faults.inject("read", self.ctx.rank)
             with self.trace.span("plan"):
+                chunks = self.chunks if md.index is None else self._own_chunks(md)
                 itemsizes = {t.fqn: itemsize(t.view.dtype) for t in self.own}
-                reqs = plan_load([(t.fqn, t.box) for t in self.own], self.chunks, itemsizes=itemsizes)
-            execute_reads(self.storage, self.chunks, self.own, reqs, io_threads=self.opts.io_threads,
+                reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
+            execute_reads(self.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
                           verify=self.opts.verify, trace=self.trace)
 
         self.ctx.run("load/read", read)
+
+    def _own_chunks(self, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
+        """(version 2) The chunks of this rank's boxes: only their segments are read."""
+        wanted: dict[str, list[Region]] = {}
+        for t in self.own:
+            if t.box.numel:
+                wanted.setdefault(t.fqn, []).append(t.box)
+        with self.trace.span("read_metadata") as sp:
+            segments = index_read.wanted_segments(md, wanted)
+            chunks = index_read.read_segments(self.storage, md, segments, fqns=set(wanted), budget=self._budget)
+            check_rows(self.storage, md, chunks)
+            sp.files = len(segments)
+        return chunks
 
     def exchange(self) -> None:
         """(every rank, zero-redundancy loads only) Send the pieces read to every rank."""

@@ -25,21 +25,25 @@ import hashlib
 import heapq
 import math
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from typing import Any
 
 from .errors import ConfigError, CorruptCheckpointError, StateMismatchError
 from .format import ChunkRecord
 from .regions import Region, element_span
+from .state import ReplicaSet
 
 __all__ = [
     "WriteItem",
     "LocalSavePlan",
     "plan_save",
+    "plan_replicated",
     "plan_fingerprint",
     "ReadRequest",
     "plan_load",
     "DEFAULT_SPLIT_BYTES",
     "plan_shared_reads",
+    "assign_shared",
     "find_overlap",
     "check_replicas",
     "MIN_PIECE_BYTES",
@@ -67,20 +71,29 @@ class WriteItem:
 
 @dataclasses.dataclass(frozen=True)
 class LocalSavePlan:
-    """Every box this rank holds, for every tensor of the state."""
+    """Every box this rank holds, for every tensor of the state.
+
+    ``sets`` (parallel to ``items``, or empty: no hints) is the replica set
+    each box belongs to -- the ranks that hold the very same box -- as the
+    adapter knows it; ``None`` where it does not. Plans made for thousands
+    of ranks use the hints instead of comparing every rank's boxes
+    (:mod:`bytecp.plan_exchange`).
+    """
 
     rank: int
     items: tuple[WriteItem, ...]
+    sets: tuple[ReplicaSet | None, ...] = ()
 
 
-def find_overlap(boxes: Sequence[Region]) -> tuple[Region, Region] | None:
-    """Two distinct boxes that overlap, or ``None`` (sweep along dimension 0)."""
+def find_overlap(boxes: Sequence[Region], dim: int = 0) -> tuple[Region, Region] | None:
+    """Two distinct boxes that overlap, or ``None`` (sweep along ``dim``: pick
+    the dimension the boxes are split along, so few are active at once)."""
     if len(boxes) < 2 or not boxes[0].ndim:
         return (boxes[0], boxes[1]) if len(boxes) > 1 else None
-    order = sorted(boxes, key=lambda b: b.offsets[0])
+    order = sorted(boxes, key=lambda b: b.offsets[dim])
     active: list[Region] = []
     for b in order:
-        active = [a for a in active if a.offsets[0] + a.lengths[0] > b.offsets[0]]
+        active = [a for a in active if a.offsets[dim] + a.lengths[dim] > b.offsets[dim]]
         for a in active:
             if a.intersect(b) is not None:
                 return a, b
@@ -120,9 +133,18 @@ def plan_fingerprint(plan: LocalSavePlan) -> str:
 
 
 def plan_save(
-    plans: Sequence[LocalSavePlan], *, split_bytes: int = DEFAULT_SPLIT_BYTES
+    plans: Sequence[LocalSavePlan],
+    *,
+    split_bytes: int = DEFAULT_SPLIT_BYTES,
+    base_load: Sequence[int] | None = None,
+    check_coverage: bool = True,
 ) -> list[list[WriteItem]]:
     """Global save plan: for each rank, the boxes it writes.
+
+    Replicas are found by comparing every rank's boxes: the plan for boxes
+    without a replica hint. ``base_load[r]``: bytes rank ``r`` writes
+    anyway (balanced around). ``check_coverage=False`` when the plans hold
+    only part of the state (the rest is checked at commit).
 
     Raises :class:`ConfigError` when ranks disagree on a tensor's dtype or
     global shape, or when the boxes held do not cover a tensor exactly.
@@ -153,7 +175,7 @@ def plan_save(
     boxes: dict[str, list[Region]] = defaultdict(list)
     for fqn, region in holders:
         boxes[fqn].append(region)
-    for fqn, (it, _) in meta.items():
+    for fqn, (it, _) in meta.items() if check_coverage else ():
         total = math.prod(it.global_shape)
         held = sum(b.numel for b in boxes[fqn])
         pair = find_overlap(boxes[fqn]) if held >= total and len(boxes[fqn]) > 1 else None
@@ -161,34 +183,81 @@ def plan_save(
             what = f"shards {pair[0]} and {pair[1]} overlap" if pair else f"the ranks' shards hold {held} of its {total} elements"
             raise ConfigError(f"tensor {fqn!r} of shape {list(it.global_shape)}: {what}")
 
-    load = [0] * world
+    load = list(base_load) if base_load is not None else [0] * world
     out: list[list[WriteItem]] = [[] for _ in range(world)]
-    # largest first, then by name for determinism
-    keys = sorted(holders, key=lambda k: (-first[k].nbytes, k[0], k[1]))
-    for key in keys:
-        it = first[key]
-        ranks = holders[key]
-        if len(ranks) == 1:  # held by one rank: nothing to decide
-            out[ranks[0]].append(it)
-            load[ranks[0]] += it.nbytes
-            continue
-        if it.nbytes >= split_bytes:
-            # one piece per replica, but no piece below MIN_PIECE_BYTES
-            pieces = it.region.split(min(len(ranks), max(1, it.nbytes // MIN_PIECE_BYTES)))
-        else:
-            pieces = [it.region]
-        # the least-loaded holders take the pieces, biggest piece first
-        pool = [(load[r], r) for r in ranks]
-        heapq.heapify(pool)
-        for piece in sorted(pieces, key=lambda p: -p.numel):
-            ld, r = heapq.heappop(pool)
-            w = dataclasses.replace(it, region=piece)
-            out[r].append(w)
-            load[r] += w.nbytes
-            heapq.heappush(pool, (load[r], r))
+    _assign([(first[k], holders[k]) for k in holders], load, out, split_bytes)
     for items in out:
         items.sort(key=lambda w: (w.fqn, w.region))
     return out
+
+
+def plan_replicated(
+    items: Sequence[WriteItem],
+    ranks: Sequence[int],
+    base_load: Sequence[int],
+    *,
+    split_bytes: int = DEFAULT_SPLIT_BYTES,
+) -> dict[int, list[WriteItem]]:
+    """The boxes of one replica set -- ``items``, held identically by every
+    rank in ``ranks`` -- spread over those ranks as :func:`plan_save` would
+    (large boxes split, least-loaded rank first, starting from
+    ``base_load[r]``). Pure and deterministic: every member computes the same
+    answer from the same inputs, so no rank has to send its boxes anywhere.
+    Returns ``{rank: boxes it writes}`` for the ranks that write something."""
+    load = {r: base_load[r] for r in ranks}
+    out: dict[int, list[WriteItem]] = {}
+    _assign([(it, ranks) for it in items], load, out, split_bytes)
+    for mine in out.values():
+        mine.sort(key=lambda w: (w.fqn, w.region))
+    return out
+
+
+def _assign(
+    held: Sequence[tuple[WriteItem, Sequence[int]]],
+    load: Any,
+    out: Any,
+    split_bytes: int,
+) -> None:
+    """Give each box to one of its holders: largest first, a replicated box of
+    at least ``split_bytes`` cut into one piece per holder (none below
+    :data:`MIN_PIECE_BYTES`), each piece to the least-loaded holder (ties:
+    the lowest rank). ``load`` and ``out`` are indexed by rank (lists or
+    dicts) and updated in place. Each holder set keeps one heap of its ranks
+    (stale entries are refreshed when popped), so a box costs O(pieces log
+    holders), not O(holders)."""
+    heaps: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for it, ranks in sorted(held, key=lambda h: (-h[0].nbytes, h[0].fqn, h[0].region)):
+        if len(ranks) == 1:  # held by one rank: nothing to decide
+            r = ranks[0]
+            _put(out, r, it)
+            load[r] += it.nbytes
+            continue
+        key = tuple(ranks)
+        heap = heaps.get(key)
+        if heap is None:
+            heap = heaps[key] = [(load[r], r) for r in ranks]
+            heapq.heapify(heap)
+        if it.nbytes >= split_bytes:
+            pieces = it.region.split(min(len(ranks), max(1, it.nbytes // MIN_PIECE_BYTES)))
+        else:
+            pieces = [it.region]
+        for piece in sorted(pieces, key=lambda p: -p.numel):
+            while True:  # the least-loaded holder, refreshing entries other sets made stale
+                ld, r = heapq.heappop(heap)
+                if ld == load[r]:
+                    break
+                heapq.heappush(heap, (load[r], r))
+            w = it if len(pieces) == 1 else dataclasses.replace(it, region=piece)
+            _put(out, r, w)
+            load[r] += w.nbytes
+            heapq.heappush(heap, (load[r], r))
+
+
+def _put(out: Any, rank: int, it: WriteItem) -> None:
+    if isinstance(out, dict):
+        out.setdefault(rank, []).append(it)
+    else:
+        out[rank].append(it)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -236,8 +305,12 @@ def plan_load(
             got += inter.numel
             _reads_for(reqs, ti, ci, c, cbox, inter, size, max_waste, max_gap_bytes)
         if got != box.numel:
-            kind = StateMismatchError if got < box.numel else CorruptCheckpointError
-            raise kind(
+            if got > box.numel:
+                raise CorruptCheckpointError(
+                    f"tensor {fqn!r}: the checkpoint's chunks overlap: they cover {got} of the {box.numel} "
+                    f"elements of target region {box}"
+                )
+            raise StateMismatchError(
                 f"tensor {fqn!r}: the checkpoint's chunks cover {got} of the {box.numel} "
                 f"elements of target region {box}"
             )
@@ -329,22 +402,35 @@ def plan_shared_reads(
     common = set(specs[0])
     for s in specs[1:]:
         common &= set(s)
-    load = [0] * world
+    return assign_shared(common, world, itemsizes, split_bytes=split_bytes)
+
+
+def assign_shared(
+    common: Iterable[tuple[str, Region]],
+    world: int,
+    itemsizes: dict[str, int],
+    *,
+    split_bytes: int = DEFAULT_SPLIT_BYTES,
+) -> list[list[tuple[str, Region, Region]]]:
+    """The pieces of the boxes ``common`` -- wanted by every one of ``world``
+    ranks -- each rank reads (see :func:`plan_shared_reads`). Pure and
+    deterministic: ranks that know every rank wants the same boxes compute it
+    alike, without exchanging them. O(pieces log world)."""
     out: list[list[tuple[str, Region, Region]]] = [[] for _ in range(world)]
-    keys = sorted(common, key=lambda k: (-k[1].numel * itemsizes[k[0]], k[0], k[1]))
+    if world < 2:
+        return out
+    heap = [(0, r) for r in range(world)]  # (bytes assigned, rank): already a heap
+    keys = sorted(set(common), key=lambda k: (-k[1].numel * itemsizes[k[0]], k[0], k[1]))
     for fqn, box in keys:
         nbytes = box.numel * itemsizes[fqn]
         if nbytes == 0:
             continue
         # as on save: one piece per rank, none below MIN_PIECE_BYTES
         pieces = box.split(min(world, max(1, nbytes // MIN_PIECE_BYTES))) if nbytes >= split_bytes else [box]
-        pool = [(load[r], r) for r in range(world)]
-        heapq.heapify(pool)
         for piece in sorted(pieces, key=lambda p: -p.numel):
-            ld, r = heapq.heappop(pool)
+            ld, r = heapq.heappop(heap)
             out[r].append((fqn, box, piece))
-            load[r] += piece.numel * itemsizes[fqn]
-            heapq.heappush(pool, (load[r], r))
+            heapq.heappush(heap, (ld + piece.numel * itemsizes[fqn], r))
     for items in out:
         items.sort(key=lambda t: (t[0], t[1], t[2]))
     return out

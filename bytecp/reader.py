@@ -17,7 +17,7 @@ from collections.abc import Mapping, Sequence
 
 import torch
 
-from . import diagnose, limits
+from . import diagnose, index_read, limits
 from . import format as fmt
 from .checksum import crc32c
 from .dtypes import byte_view, dtype_from_name, host_memoryview, itemsize
@@ -27,7 +27,9 @@ from .recorder import Trace
 from .regions import Region, row_major_strides
 from .storage_api import Storage
 
-__all__ = ["Target", "read_metadata", "read_chunks", "check_chunks", "execute_reads", "READ_BATCH_MIN_BYTES"]
+__all__ = [
+    "Target", "read_metadata", "read_chunks", "check_chunks", "check_rows", "execute_reads", "READ_BATCH_MIN_BYTES",
+]
 
 #: reads smaller than this per file are not split across threads
 READ_BATCH_MIN_BYTES = 8 << 20
@@ -56,8 +58,28 @@ def check_chunks(storage: Storage, md: fmt.Metadata, chunks: list[fmt.ChunkRecor
     """Index rows must agree with metadata.json, and each tensor's chunks must
     tile it exactly (no gap, no overlap): a tampered or mixed-up index is
     corrupt, never trusted."""
-    sizes: dict[str, int] = {}
+    check_rows(storage, md, chunks)
     boxes: dict[str, list[Region]] = {}
+    for c in chunks:
+        if math.prod(c.lengths) or not md.index:  # version 2 lists no empty chunks
+            boxes.setdefault(c.fqn, []).append(Region(c.offsets, c.lengths))
+    for fqn, info in md.tensors.items():
+        bs = boxes.get(fqn, [])
+        total = math.prod(info["shape"])
+        held = sum(b.numel for b in bs)
+        if not bs and (total == 0 or md.index is None):
+            continue  # version 1 lists only tensors it saved chunks of
+        pair = find_overlap(bs, dim=int(info.get("band_dim", 0))) if held >= total and len(bs) > 1 else None
+        if held != total or pair is not None:
+            what = f"chunks {pair[0]} and {pair[1]} overlap" if pair else f"chunks hold {held} of {total} elements"
+            raise CorruptCheckpointError(f"{storage.url}: tensor {fqn!r}: {what}")
+
+
+def check_rows(storage: Storage, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) -> None:
+    """Each index row agrees with metadata.json: a listed tensor, its dtype
+    and shape, a box inside it, the bytes the box needs, inside a listed data
+    file (every rank checks the rows it reads)."""
+    sizes: dict[str, int] = {}
 
     def bad(c: fmt.ChunkRecord, why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -86,20 +108,21 @@ def check_chunks(storage: Storage, md: fmt.Metadata, chunks: list[fmt.ChunkRecor
             raise bad(c, f"data file {c.file} is not listed in metadata.json")
         if c.byte_offset < 0 or c.byte_offset + c.nbytes > file_size:
             raise bad(c, f"bytes outside data file {c.file}")
-        boxes.setdefault(c.fqn, []).append(Region(c.offsets, c.lengths))
-    for fqn, bs in boxes.items():
-        total = math.prod(md.tensors[fqn]["shape"])
-        held = sum(b.numel for b in bs)
-        pair = find_overlap(bs) if held >= total and len(bs) > 1 else None
-        if held != total or pair is not None:
-            what = f"chunks {pair[0]} and {pair[1]} overlap" if pair else f"chunks hold {held} of {total} elements"
-            raise CorruptCheckpointError(f"{storage.url}: tensor {fqn!r}: {what}")
 
 
 def read_chunks(
     storage: Storage, md: fmt.Metadata, real: Mapping[str, int | None] | None = None
 ) -> list[fmt.ChunkRecord]:
-    """The validated chunk index; ``real``: the data files' real sizes when the caller listed them already."""
+    """(one-process tools; the version-1 load's coordinator) The whole
+    validated chunk index; ``real``: the data files' real sizes when the
+    caller listed them already."""
+    if md.index is not None:
+        if real is None:
+            real = limits.real_data_sizes(storage, md)
+        chunks = index_read.read_segments(storage, md, index_read.all_segments(md),
+                                          budget=index_read.max_rows(md, real))
+        check_chunks(storage, md, chunks)
+        return chunks
     blobs = []
     for f in md.index_files:
         try:

@@ -34,19 +34,30 @@ from typing import Any
 from . import faults
 from . import format as fmt
 from .adapter_api import detect_adapter
+from .commit import build_metadata, tensor_specs
 from .dist import DistContext
-from .dtypes import dtype_name
 from .errors import CheckpointExistsError, CommittedWithErrorsWarning, DistributedCheckpointError
 from .handles import wait_for_previous
+from .index_build import BuiltIndex
 from .options import SaveOptions
-from .plan_exchange import PLAN_CACHE, PlanVote, local_plan, reusable
-from .planner import LocalSavePlan, WriteItem, check_replicas, plan_fingerprint, plan_save
+from .plan_exchange import (
+    PLAN_CACHE,
+    PlanVote,
+    decide,
+    local_plan,
+    needs_coordinator,
+    plan_key,
+    planned_locally,
+    specs_digest,
+    vote_for,
+)
+from .planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from .recorder import Trace
 from .skeleton import Node
 from .staging import POOL, Stager, StagingPool, ViewStager
-from .state import FlatTree, flatten_tree, merge_aliases
+from .state import FlatTree, flatten_tree
 from .storage_api import Storage
-from .writer import RankOutput, Staged, held_checksums, write_data_files, write_index
+from .writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 
 __all__ = ["SavePipeline"]
 
@@ -78,11 +89,15 @@ class SavePipeline:
         self.batches: list[list[WriteItem]] = []
         self.output = RankOutput()
         self._skeleton_differs = False
+        self._coordinator_objects: frozenset[str] = frozenset()  # the names of the values the coordinator writes
         self._staged: list[Staged] = []
         self._replaced: fmt.Metadata | None = None  # coordinator: what an overwrite replaces
         self._kept: BaseException | None = None
         self._local: LocalSavePlan | None = None  # every box this rank holds
         self._fingerprint = ""  # of ``_local``, once a snapshot has replaced the live tensors
+        #: after a snapshot of the cached share only: the boxes copied (without
+        #: replica hints), which is what a new plan may give this rank
+        self._held: LocalSavePlan | None = None
 
     # -- the phases -----------------------------------------------------------
     def run(self) -> fmt.Metadata:
@@ -120,10 +135,12 @@ class SavePipeline:
         the caller waits for."""
 
         def snapshot() -> None:
-            self._local = local_plan(self.flat, self.ctx.rank)
-            self._fingerprint = plan_fingerprint(self._local)
+            self._local = local_plan(self.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
+            self._fingerprint = plan_key(self._local)
             cached = PLAN_CACHE.get(self._cache_key(), self._fingerprint)
             items = cached[1] if cached is not None else self._local.items
+            if cached is not None:  # only the cached share is copied: all this rank can write now
+                self._held = LocalSavePlan(self.ctx.rank, tuple(items))
             if self.opts.verify_replicas:  # of every box held, while it is the state being saved
                 self.output.replica_crcs = held_checksums(self._local.items, self.flat)
             with self.trace.span("stage") as sp:
@@ -135,10 +152,13 @@ class SavePipeline:
         self._keep_failure("save/stage", snapshot)
 
     def plan(self) -> None:
-        """(every rank; one all-gather, plus a gather and a scatter when the
-        plan is not cached) Every rank sends its plan's fingerprint; the
-        coordinator checks the target URL and names the save. Reuses the
-        cached plan when every rank agrees, else the coordinator plans."""
+        """(every rank; one all-gather, plus a gather and a scatter only when
+        some boxes have no replica hint) Every rank votes with fingerprints of
+        what it holds; the coordinator checks the target URL and names the
+        save. Each rank then writes its own boxes and its share of every sound
+        replica set, computed locally and alike on every member; the
+        coordinator plans the rest (:mod:`bytecp.plan_exchange`). A cached plan
+        is reused when every rank's was made for exactly these fingerprints."""
         ctx, rank = self.ctx, self.ctx.rank
         key = self._cache_key()
         mine: dict[str, Any] = {}
@@ -146,18 +166,19 @@ class SavePipeline:
         def vote() -> PlanVote:
             self._raise_kept()
             faults.inject("plan", rank)
-            # after a snapshot: the fingerprint of every box held (the cache's
-            # key), the boxes copied as what this rank can write
-            plan = mine["plan"] = local_plan(self.flat, rank)
-            fp = mine["fp"] = self._fingerprint or plan_fingerprint(plan)
-            if self._local is None:
-                self._local = plan
-            cached = mine["cached"] = PLAN_CACHE.get(key, fp)
+            if self._local is None:  # else a snapshot described the live state already
+                self._local = local_plan(self.flat, rank, ctx.world_size, ctx.group_ranks)
+                self._fingerprint = plan_key(self._local)
+            cached = mine["cached"] = PLAN_CACHE.get(key, self._fingerprint)
             save_id = None
             if ctx.is_coordinator:
                 self._replaced = self._check_target()
                 save_id = fmt.new_save_id()
-            return PlanVote(fp, cached[0] if cached else None, self.flat.digest(), save_id)
+            v = vote_for(self._held or self._local, self._fingerprint, cached[0] if cached else None,
+                         specs_digest(self.flat), save_id)
+            if ctx.is_coordinator and self.flat.objects:  # what a rank whose tree differs need not write
+                v = dataclasses.replace(v, objects=tuple(self.flat.objects))
+            return v
 
         with self.trace.span("plan"):
             votes = ctx.all_gather("save/plan", vote)
@@ -165,14 +186,22 @@ class SavePipeline:
             assert coordinator.save_id is not None
             self.save_id = self.trace.checkpoint_id = coordinator.save_id
             self._skeleton_differs = votes[rank].skeleton != coordinator.skeleton
-            digest, reuse = reusable(votes)
-            if reuse:
+            self._coordinator_objects = frozenset(coordinator.objects)
+            decision = decide(votes)
+            if decision.reuse:
                 items = mine["cached"][1]
             else:
+                held = self._held or self._local
+                assert held is not None
                 split = self.opts.split_bytes
-                items = ctx.reduce_scatter("save/plan", lambda: mine["plan"],
-                                           lambda plans: plan_save(plans, split_bytes=split))
-                PLAN_CACHE.put(key, mine["fp"], digest, items)
+                items = planned_locally(held, decision, split_bytes=split)
+                if decision.coordinated:
+                    base = list(decision.base_load)
+                    items = items + ctx.reduce_scatter(
+                        "save/plan", lambda: needs_coordinator(held, decision),
+                        lambda plans: plan_save(plans, split_bytes=split, base_load=base, check_coverage=False),
+                    )
+                PLAN_CACHE.put(key, self._fingerprint, decision.digest, items)
             self.batches = self.stager.batches(items)
 
     def stage(self) -> None:
@@ -194,11 +223,11 @@ class SavePipeline:
 
     def write(self) -> None:
         """(every rank, local) Write the staged boxes into this rank's data
-        files (the non-tensor values go with the first), then its index."""
+        files (the non-tensor values go with the first). The index is
+        written by the coordinator at commit."""
 
         def write() -> None:
             self._write_batch()
-            write_index(self.storage, self.save_id, self.ctx.rank, self.output)
 
         self._keep_failure("save/write", write)
 
@@ -215,14 +244,15 @@ class SavePipeline:
             self._raise_kept()
             if self._skeleton_differs:
                 self.output.skeleton = self.flat.skeleton.to_json()
-                self.output.tensors = _tensor_specs(self.flat)
+                self.output.tensors = tensor_specs(self.flat)
                 self.output.aliases = dict(self.flat.aliases)
-            return self.output
+            return for_commit(self.output)
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
-                md = self._metadata(outputs)
+                md, index = self._metadata(outputs)
+                self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
                 data = md.to_bytes()
                 self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
                 committed.append(md)  # from here on the files belong to a checkpoint
@@ -326,8 +356,12 @@ class SavePipeline:
         """Write the staged batch into the next data files of this rank."""
         first = not self.output.data_files
         # replicated values are written by the coordinator; a rank whose state
-        # tree differs from the coordinator's writes its own too
-        objects = self.flat.objects if first and (self.ctx.is_coordinator or self._skeleton_differs) else {}
+        # tree differs from the coordinator's writes those the coordinator lacks
+        objects: dict[str, Any] = {}
+        if first and self.ctx.is_coordinator:
+            objects = self.flat.objects
+        elif first and self._skeleton_differs:
+            objects = {k: v for k, v in self.flat.objects.items() if k not in self._coordinator_objects}
         with self.trace.span("write") as sp:
             faults.inject("write", self.ctx.rank)
             out = write_data_files(
@@ -339,45 +373,15 @@ class SavePipeline:
         self.output.extend(out)
         self._staged = []
 
-    def _metadata(self, outputs: list[RankOutput]) -> fmt.Metadata:
-        """(coordinator) metadata.json from every rank's output."""
-        ctx = self.ctx
+    def _metadata(self, outputs: list[RankOutput]) -> tuple[fmt.Metadata, BuiltIndex]:
+        """(coordinator) metadata.json and the index from every rank's output."""
         if self.opts.verify_replicas:
             check_replicas([out.replica_crcs for out in outputs])
-        skeleton = self.flat.skeleton
-        tensors = _tensor_specs(self.flat)
-        for out in outputs:
-            if out.skeleton is not None and out.tensors is not None:
-                skeleton = skeleton.merge(Node.from_json(out.skeleton))
-                for fqn, spec in out.tensors.items():
-                    tensors.setdefault(fqn, spec)
-        aliases = merge_aliases(self.flat.aliases, [(r, out.aliases) for r, out in enumerate(outputs)
-                                                    if out.aliases is not None], tensors, ctx.coordinator)
-        objects: dict[str, fmt.ObjectRecord] = {}
-        for r in [ctx.coordinator, *(r for r in range(len(outputs)) if r != ctx.coordinator)]:
-            for fqn, rec in outputs[r].objects.items():
-                objects.setdefault(fqn, rec)
-        per_rank: dict[str, dict[int, fmt.ObjectRecord]] = {}
-        data_files: dict[str, int] = {}
-        for r, out in enumerate(outputs):
-            for fqn, rec in out.per_rank.items():
-                per_rank.setdefault(fqn, {})[r] = rec
-            data_files.update(out.data_files)
-        return fmt.Metadata(
-            save_id=self.save_id,
-            world_size=ctx.world_size,
-            framework=self.framework,
-            parallelism=self.parallelism,
-            skeleton=skeleton,
-            tensors=tensors,
-            objects=objects,
-            per_rank=per_rank,
-            index_files=[out.index_file for out in outputs if out.index_file],
-            data_files=data_files,
-            step=self.opts.step,
-            user_metadata=dict(self.opts.metadata),
-            bytecp_version=self.version,
-            aliases=aliases,
+        return build_metadata(
+            outputs, self.flat, self.ctx.coordinator,
+            save_id=self.save_id, world_size=self.ctx.world_size, framework=self.framework,
+            parallelism=self.parallelism, step=self.opts.step, user_metadata=dict(self.opts.metadata),
+            version=self.version,
         )
 
     def _remove_files_of(self, save_id: str) -> None:
@@ -398,10 +402,3 @@ class SavePipeline:
             self.storage.delete(sorted(stale))
         except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
             log.warning("bytecp: could not delete files of the replaced checkpoint at %s: %s", self.storage.url, e)
-
-
-def _tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
-    return {
-        fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
-        for fqn, leaf in flat.tensors.items()
-    }

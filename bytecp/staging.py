@@ -71,10 +71,10 @@ class StagingPool:
         tensors: dict[str, TensorLeaf] = {}
         for it, dst, _ in self._copy(flat, items):
             leaf = flat.tensors[it.fqn]
-            tensors.setdefault(it.fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [])).shards.append(
+            tensors.setdefault(it.fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas)).shards.append(
                 Shard(it.region, dst))
         for fqn, leaf in flat.tensors.items():  # tensors this rank writes nothing of
-            tensors.setdefault(fqn, TensorLeaf(leaf.global_shape, leaf.dtype, []))
+            tensors.setdefault(fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas))
         return dataclasses.replace(flat, tensors=tensors)
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[tuple[WriteItem, torch.Tensor, torch.Tensor]]:

@@ -31,6 +31,7 @@ Every leaf has an FQN: the keys on its path joined by ``.``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -46,6 +47,8 @@ from .skeleton import MAX_DEPTH, Node
 
 __all__ = [
     "Shard",
+    "ReplicaSet",
+    "EVERY_RANK",
     "TensorLeaf",
     "PerRank",
     "Whole",
@@ -71,22 +74,70 @@ class Shard:
             )
 
 
+@dataclasses.dataclass(frozen=True)
+class ReplicaSet:
+    """The ranks (of the checkpoint's process group) that hold the very same
+    boxes of a tensor: an adapter's hint that lets the save plan be made
+    without gathering every rank's boxes (see :mod:`bytecp.plan_exchange`).
+
+    ``ranks`` is sorted; ``()`` means *every rank of the group* (resolved
+    with the world size when the plan is made). A hint is verified: the
+    members compare what they hold, and a set whose members disagree is
+    planned by the coordinator as if there were no hint. A set of one rank
+    means the boxes are this rank's alone (FSDP shards).
+    """
+
+    ranks: tuple[int, ...]
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A digest naming the set (alike on every rank)."""
+        return hashlib.blake2b(repr(self.ranks).encode(), digest_size=12).hexdigest()
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def of(ranks: tuple[int, ...]) -> ReplicaSet:
+        """The (cached) set of these ranks."""
+        return ReplicaSet(tuple(sorted(set(ranks))))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def world(world_size: int) -> ReplicaSet:
+        return ReplicaSet(tuple(range(world_size)))
+
+
+#: the hint of a full tensor handed over as a plain ``torch.Tensor``: replicated on every rank
+EVERY_RANK = ReplicaSet(())
+
+
 @dataclasses.dataclass
 class TensorLeaf:
-    """A (possibly sharded) tensor: global shape, dtype and this rank's boxes."""
+    """A (possibly sharded) tensor: global shape, dtype and this rank's boxes.
+
+    ``replicas``: which ranks hold the same boxes as this rank (a
+    :class:`ReplicaSet` hint from the adapter), or ``None`` when the adapter
+    does not know -- the coordinator then finds the replicas by comparing
+    every rank's boxes.
+    """
 
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     shards: list[Shard]
+    replicas: ReplicaSet | None = None
 
     @classmethod
-    def full(cls, t: torch.Tensor) -> TensorLeaf:
+    def full(cls, t: torch.Tensor, replicas: ReplicaSet | None = EVERY_RANK) -> TensorLeaf:
         shape = tuple(t.shape)
-        return cls(shape, t.dtype, [Shard(full_region(shape), t)])
+        return cls(shape, t.dtype, [Shard(full_region(shape), t)], replicas)
 
     @classmethod
     def from_flat(
-        cls, global_shape: tuple[int, ...], dtype: torch.dtype, start: int, flat: torch.Tensor
+        cls, global_shape: tuple[int, ...], dtype: torch.dtype, start: int, flat: torch.Tensor,
+        replicas: ReplicaSet | None = None,
     ) -> TensorLeaf:
         """An irregular shard: ``flat`` holds elements ``[start, start+numel)``
         of the row-major tensor; it is cut into contiguous boxes (no copy)."""
@@ -98,7 +149,7 @@ class TensorLeaf:
             n = box.numel
             shards.append(Shard(box, flat[pos : pos + n].view(box.lengths)))
             pos += n
-        return cls(tuple(global_shape), dtype, shards)
+        return cls(tuple(global_shape), dtype, shards, replicas)
 
     @property
     def nbytes_local(self) -> int:

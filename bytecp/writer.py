@@ -20,6 +20,7 @@ import torch
 
 from . import format as fmt
 from .checksum import crc32c
+from .chunk_batch import ChunkBatch
 from .dtypes import host_memoryview
 from .errors import ConfigError
 from .objects import serialize
@@ -34,7 +35,7 @@ __all__ = [
     "source_view",
     "as_host_bytes",
     "write_data_files",
-    "write_index",
+    "for_commit",
     "held_checksums",
     "FILE_TARGET_BYTES",
 ]
@@ -54,11 +55,13 @@ class Staged:
 
 @dataclasses.dataclass
 class RankOutput:
-    """What one rank wrote: the commit turns every rank's output into metadata.json."""
+    """What one rank wrote: the commit turns every rank's output into the
+    index and metadata.json. Its chunk records travel as one
+    :class:`~bytecp.chunk_batch.ChunkBatch` (``batch``), not as objects."""
 
     chunks: list[fmt.ChunkRecord] = dataclasses.field(default_factory=list)
     data_files: dict[str, int] = dataclasses.field(default_factory=dict)
-    index_file: str | None = None
+    batch: ChunkBatch | None = None
     objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     #: this rank's skeleton (JSON), tensor specs and aliases, sent only when
@@ -206,8 +209,7 @@ def write_data_files(
     return out
 
 
-def write_index(storage: Storage, save_id: str, rank: int, out: RankOutput) -> None:
-    """(every rank that wrote chunks) This rank's Parquet chunk index, after its data files."""
-    if out.chunks:
-        out.index_file = fmt.index_file(save_id, rank)
-        storage.write_file(out.index_file, [fmt.write_index(out.chunks)])
+def for_commit(out: RankOutput) -> RankOutput:
+    """(every rank, at commit) The output as sent to the coordinator: chunk
+    records as columns."""
+    return dataclasses.replace(out, chunks=[], batch=ChunkBatch.of(out.chunks))

@@ -5,13 +5,15 @@ Called by the load pipeline on every rank (when ``zero_redundancy`` is on,
 the default for remote storage): :func:`shared_candidates` lists this rank's
 whole-tensor targets (only whole tensors can be wanted by every rank: DDP,
 plain values -- sharded targets are never gathered), the ranks all-gather
-them and :func:`~bytecp.planner.plan_shared_reads` assigns the pieces alike
-on every rank; :func:`split_targets` turns that into this rank's own reads;
+a digest of them (:func:`candidates_digest`) and, when every rank wants the
+same, :func:`~bytecp.planner.assign_shared` assigns the pieces alike on
+every rank without any list being exchanged; :func:`split_targets` turns that into this rank's own reads;
 after the reads, :func:`exchange` broadcasts each rank's pieces.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 
 import torch
@@ -23,7 +25,7 @@ from .reader import Target
 from .recorder import Trace
 from .regions import Region
 
-__all__ = ["SharedPlan", "shared_candidates", "split_targets", "exchange"]
+__all__ = ["SharedPlan", "shared_candidates", "candidates_digest", "split_targets", "exchange"]
 
 #: per rank, ``(fqn, box, piece)``: read ``piece`` of the shared ``box`` and send it to every rank
 SharedPlan = list[list[tuple[str, Region, Region]]]
@@ -31,8 +33,19 @@ _Views = dict[tuple[str, Region], list[torch.Tensor]]
 
 
 def shared_candidates(targets: Sequence[Target], md: fmt.Metadata) -> list[tuple[str, Region]]:
-    """(every rank) This rank's targets that are whole, non-empty tensors."""
-    return [(t.fqn, t.box) for t in targets if t.box.lengths == tuple(md.tensors[t.fqn]["shape"]) and t.box.numel]
+    """(every rank) This rank's targets that are whole, non-empty tensors (each once, sorted)."""
+    return sorted({(t.fqn, t.box) for t in targets
+                   if t.box.lengths == tuple(md.tensors[t.fqn]["shape"]) and t.box.numel})
+
+
+def candidates_digest(candidates: Sequence[tuple[str, Region]]) -> str:
+    """(every rank) One digest of the whole tensors this rank wants: equal
+    digests on every rank mean the same boxes, so the assignment can be
+    computed locally."""
+    h = hashlib.blake2b(digest_size=16)
+    for fqn, box in candidates:
+        h.update(f"{fqn}|{box.lengths};".encode())
+    return h.hexdigest()
 
 
 def split_targets(targets: list[Target], shared: SharedPlan, rank: int) -> tuple[list[Target], _Views]:

@@ -20,8 +20,11 @@ from bytecp import format as fmt
 from bytecp import limits
 from bytecp.cli import main as cli
 from bytecp.errors import CorruptCheckpointError
+from bytecp.index_format import INDEX_SCHEMA_V2
 from bytecp.inspect import summarize, verify
 from bytecp.storage_api import open_storage
+
+from .index_tools import index_file, index_rows, rewrite_index
 
 
 def saved(tmp_path: Path, state: dict | None = None) -> Path:
@@ -39,8 +42,21 @@ def write_md(ck: Path, md: dict) -> None:
 
 
 def index_path(ck: Path) -> Path:
-    (p,) = (ck / "index").rglob("*.parquet")
-    return p
+    return index_file(ck)
+
+
+def only_chunk(ck: Path) -> fmt.ChunkRecord:
+    (row,) = index_rows(ck).to_pylist()
+    info = md_of(ck)["tensors"][row["fqn"]]
+    return fmt.ChunkRecord(row["fqn"], info["dtype"], tuple(info["shape"]), tuple(row["offsets"]),
+                           tuple(row["lengths"]), row["file"], row["byte_offset"], row["nbytes"], row["crc32c"])
+
+
+def rows_of(*chunks: fmt.ChunkRecord) -> dict:
+    return {"fqn": [c.fqn for c in chunks], "offsets": [list(c.offsets) for c in chunks],
+            "lengths": [list(c.lengths) for c in chunks], "file": [c.file for c in chunks],
+            "byte_offset": [c.byte_offset for c in chunks], "nbytes": [c.nbytes for c in chunks],
+            "crc32c": pa.array([c.crc32c for c in chunks], pa.uint32())}
 
 
 def readers(ck: Path) -> list:
@@ -69,9 +85,9 @@ def test_a_consistent_terabyte_shape_is_refused_before_allocation(tmp_path: Path
     (data_file,) = md["data_files"]
     md["data_files"][data_file] = 4 * n
     write_md(ck, md)
-    (c,) = fmt.read_index([("i", index_path(ck).read_bytes())])
+    c = only_chunk(ck)
     big = fmt.ChunkRecord(c.fqn, c.dtype, (n,), (0,), (n,), c.file, 0, 4 * n, c.crc32c)
-    index_path(ck).write_bytes(fmt.write_index([big]))
+    rewrite_index(ck, rows_of(big))
     for name, fn in readers(ck)[:2]:
         with pytest.raises(CorruptCheckpointError, match=rf"{data_file}.*'w'.*truncated.*{4 * n}"):
             fn()
@@ -179,12 +195,10 @@ def test_bad_tensor_specs(tmp_path: Path) -> None:
 
 def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
     ck = saved(tmp_path, {"w": torch.zeros(4)})
-    (c,) = fmt.read_index([("i", index_path(ck).read_bytes())])
+    c = only_chunk(ck)
     n = 3_000_000
     cols = {
         "fqn": pa.array(["w"] * n).dictionary_encode(),
-        "dtype": ["float32"] * n,
-        "global_shape": [[4]] * n,
         "offsets": [[0]] * n,
         "lengths": [[4]] * n,
         "file": [c.file] * n,
@@ -194,30 +208,36 @@ def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
     }
     cols["fqn"] = cols["fqn"].cast(pa.string())
     sink = io.BytesIO()
-    pq.write_table(pa.table(cols, schema=fmt.INDEX_SCHEMA), sink, compression="zstd")
+    pq.write_table(pa.table(cols, schema=INDEX_SCHEMA_V2), sink, compression="zstd")
     assert len(sink.getvalue()) < 200_000
-    index_path(ck).write_bytes(sink.getvalue())
-    all_refuse(ck, rf"{index_path(ck).name} has {n} rows, more than the")
+    rewrite_index(ck, sink.getvalue(), nrows=n)
+    all_refuse(ck, rf"{index_path(ck).name}: the index directory lists {n} rows, more than the")
+    rewrite_index(ck, sink.getvalue(), nrows=1)  # the directory lies too
+    all_refuse(ck, rf"{index_path(ck).name} segment 0 .* has {n} rows, the directory says 1")
 
 
 def test_index_with_a_huge_list_cell(tmp_path: Path) -> None:
     ck = saved(tmp_path, {"w": torch.zeros(4)})
-    (c,) = fmt.read_index([("i", index_path(ck).read_bytes())])
+    c = only_chunk(ck)
     bad = fmt.ChunkRecord(c.fqn, c.dtype, (4,), (0,) * 1_000_000, (4,), c.file, 0, 16, c.crc32c)
-    index_path(ck).write_bytes(fmt.write_index([bad]))
+    rewrite_index(ck, rows_of(bad))
     all_refuse(ck, "a column holds 1000000 values for 1 rows")  # from the footer, before decoding
 
 
 def test_index_with_wrong_column_types_names_the_file(tmp_path: Path) -> None:
     ck = saved(tmp_path, {"w": torch.zeros(4)})
-    table = pq.read_table(io.BytesIO(index_path(ck).read_bytes()))
+    table = index_rows(ck)
     table = table.set_column(table.schema.get_field_index("nbytes"), "nbytes", pa.array(["16"]))
     sink = io.BytesIO()
     pq.write_table(table, sink)
-    index_path(ck).write_bytes(sink.getvalue())
-    all_refuse(ck, rf"{index_path(ck).name}: column 'nbytes' is string")
-    index_path(ck).write_bytes(b"PAR1 this is not parquet PAR1")
-    all_refuse(ck, rf"{index_path(ck).name} is unreadable")
+    rewrite_index(ck, sink.getvalue(), nrows=1)
+    all_refuse(ck, rf"{index_path(ck).name} segment 0 .*: column 'nbytes' is string")
+    rewrite_index(ck, b"PAR1 this is not parquet PAR1", nrows=1)
+    all_refuse(ck, rf"{index_path(ck).name} segment 0 .* is unreadable")
+    raw = bytearray(index_path(ck).read_bytes())
+    raw[5] ^= 1  # damaged after the directory was written: the checksum tells
+    index_path(ck).write_bytes(bytes(raw))
+    all_refuse(ck, rf"{index_path(ck).name} segment 0 .*: checksum mismatch")
 
 
 def test_malformed_json_names_metadata_json(tmp_path: Path) -> None:

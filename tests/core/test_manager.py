@@ -13,6 +13,7 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
+from bytecp.format import FORMAT_VERSION
 from bytecp.manager import CheckpointManager, list_checkpoints
 
 
@@ -56,7 +57,7 @@ def test_newer_format_stops_resume_instead_of_skipping_it(tmp_path: Path) -> Non
     mgr.save(1, {"x": torch.zeros(1)})
     mgr.save(2, {"x": torch.ones(1)})
     md = json.loads((run / "step-2" / "metadata.json").read_text())
-    md["format_version"] = 2
+    md["format_version"] = FORMAT_VERSION + 1
     (run / "step-2" / "metadata.json").write_text(json.dumps(md))
     with pytest.raises(bytecp.FormatVersionError):
         mgr.restore({"x": torch.zeros(1)})

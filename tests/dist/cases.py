@@ -265,8 +265,10 @@ def mismatched_load(url: str) -> str:
     return "no error"
 
 
-def plan_cache_stats(url: str) -> list[tuple[int, int]]:
-    """(collectives, bytes sent) of the plan step for three saves of one model."""
+def plan_cache_stats(url: str, uneven: bool = False) -> list[tuple[int, int]]:
+    """(collectives, bytes sent) of three saves of one model; ``uneven``: each
+    rank also holds a tensor the other lacks, so the replica hints of plain
+    tensors ("every rank holds it") do not hold and the coordinator plans."""
     from bytecp import dist as bdist
     from bytecp import plan_exchange
 
@@ -287,7 +289,8 @@ def plan_cache_stats(url: str) -> list[tuple[int, int]]:
     try:
         for i in range(3):
             captured.clear()
-            bytecp.save(f"{url}-{i}", {"model": model, "optimizer": opt})
+            extra = {f"only{dist.get_rank()}": torch.zeros(3)} if uneven else {}
+            bytecp.save(f"{url}-{i}", {"model": model, "optimizer": opt, "extra": extra})
             s = captured[0].stats
             out.append((s.calls, s.bytes_sent))
     finally:

@@ -143,13 +143,18 @@ def test_hsdp_and_hybrid_shard_replicas_write_once(pools, tmp_path: Path) -> Non
 
 
 def test_plan_cache_second_save_exchanges_only_fingerprints(pools, tmp_path: Path) -> None:
-    stats = pools(2).run(cases.plan_cache_stats, str(tmp_path / "ck"))
-    for calls_bytes in stats:
+    # replica hints that hold (DDP: every rank holds the model): no plan is
+    # ever gathered, the first save exchanges fingerprints only
+    for calls_bytes in pools(2).run(cases.plan_cache_stats, str(tmp_path / "hinted")):
         (c1, b1), (c2, b2), (c3, b3) = calls_bytes
-        # no plan gather/scatter the second time: two collectives and their payload fewer
-        assert c2 == c1 - 2 and b2 < b1
-        assert (c2, b2) == (c3, b3)
-        assert c2 <= 4  # a cached save: plan all-gather, commit gather + broadcast
+        assert c1 == c2 == c3 == 3  # plan all-gather, commit gather + broadcast
+        assert abs(b2 - b1) < 256 and abs(b3 - b2) < 256  # ids and sizes of a few digits differ
+    # hints that do not hold (a tensor on one rank only): the coordinator
+    # plans the first save, the cached plan serves the next ones
+    for calls_bytes in pools(2).run(cases.plan_cache_stats, str(tmp_path / "uneven"), True):
+        (c1, b1), (c2, b2), (c3, b3) = calls_bytes
+        assert c2 == c1 - 2 and b2 < b1  # no plan gather/scatter the second time
+        assert c2 == c3 == 3 and abs(b3 - b2) < 256
 
 
 @pytest.mark.parametrize("fw,lazy", [("ddp", False), ("fsdp2", True), ("fsdp1", False)])

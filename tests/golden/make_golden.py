@@ -214,6 +214,70 @@ def case_irregular(url: str) -> tuple[Any, dict[str, Any]]:
     return expected, {"framework": "plain", "world_size": 1, "step": 3, "user_metadata": {}}
 
 
+def case_banded(url: str) -> tuple[Any, dict[str, Any]]:
+    """Version 2's index at work: 600 row boxes over two bands, column
+    boxes banded along dimension 1, a box meeting every band (listed in each
+    band segment) and a 0-dim tensor (a wide segment)."""
+    rows = pattern((600, 3), torch.float32, 37)
+    cols = pattern((4, 600), torch.int16, 41)
+    tall = pattern((40, 2), torch.float64, 43)
+    state = {
+        "rows": TensorLeaf((600, 3), torch.float32,
+                           [Shard(Region((i, 0), (1, 3)), rows[i : i + 1]) for i in range(600)]),
+        "cols": TensorLeaf((4, 600), torch.int16,
+                           [Shard(Region((0, j), (4, 50)), cols[:, j : j + 50]) for j in range(0, 600, 50)]),
+        "tall": TensorLeaf((40, 2), torch.float64,
+                           [Shard(Region((0, 0), (39, 2)), tall[:39]), Shard(Region((39, 0), (1, 2)), tall[39:])]),
+        "scalar": torch.tensor(3.5),
+    }
+    bytecp.save(url, state, step=5)
+    md = json.loads(Path(url, "metadata.json").read_text())
+    assert md["index"]["buckets"] > 1 and md["index"]["wide"]["first"] == ["scalar"]
+    assert md["tensors"]["cols"]["band_dim"] == 1
+    expected = {"rows": rows.clone(), "cols": cols.clone(), "tall": tall.clone(), "scalar": torch.tensor(3.5)}
+    return expected, {"framework": "plain", "world_size": 1, "step": 5, "user_metadata": {}}
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to the output head, and one block registered twice."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(10, 4)
+        self.block = nn.Linear(4, 4)
+        self.again = self.block
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.embed.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.again(torch.relu(self.block(self.embed(x)))))
+
+
+def case_tied(url: str) -> tuple[Any, dict[str, Any]]:
+    """Tensors sharing memory (a tied embedding and head, a block used twice)
+    stored once, the other names as aliases; AdamW state after one step."""
+    torch.manual_seed(21)
+    model = TiedLM()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.arange(6).reshape(2, 3)).square().mean().backward()
+    opt.step()
+    bytecp.save(url, {"model": model, "optimizer": opt}, step=2)
+    md = json.loads(Path(url, "metadata.json").read_text())
+    assert md["aliases"] == {"model.again.bias": "model.block.bias", "model.again.weight": "model.block.weight",
+                             "model.head.weight": "model.embed.weight"}, md["aliases"]
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd = opt.state_dict()
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    expected = {
+        "model": dict(model.state_dict()),
+        "optimizer": {"state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
+                      "param_groups": groups},
+    }
+    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
+
+
 def case_pickle(url: str) -> tuple[Any, dict[str, Any]]:
     """A value only a full unpickling restores (saved with allow_pickle=True)."""
     state = {
@@ -453,6 +517,8 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "dtypes": case_dtypes,
     "irregular": case_irregular,
     "pickle": case_pickle,
+    "banded": case_banded,
+    "tied": case_tied,
     "two_ranks": case_two_ranks,
     "ddp": _framework_case("ddp"),
     "fsdp1": _framework_case("fsdp1"),
@@ -463,15 +529,23 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
 # ----------------------------------------------------------------- writing
 def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
     """What ``bytecp inspect --json`` must report, computed from the files themselves."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     md = json.loads((ckpt / "metadata.json").read_bytes())
     chunks: dict[str, int] = {}
     n_chunks = 0
-    for f in md["index_files"]:
-        for fqn in pq.ParquetFile(ckpt / f).read(use_threads=False).column("fqn").to_pylist():
-            chunks[fqn] = chunks.get(fqn, 0) + 1
-            n_chunks += 1
+    if md["format_version"] == 1:
+        rows = [row for f in md["index_files"] for row in pq.ParquetFile(ckpt / f).read(use_threads=False).to_pylist()]
+    else:  # every segment; a chunk meeting several bands is listed in each
+        raw = (ckpt / md["index"]["file"]).read_bytes()
+        found = {json.dumps(row, sort_keys=True): row for col in (md["index"]["band"], md["index"]["wide"])
+                 for off, n in zip(col["offset"], col["nbytes"], strict=True)
+                 for row in pq.ParquetFile(pa.BufferReader(raw[off : off + n])).read(use_threads=False).to_pylist()}
+        rows = list(found.values())
+    for row in rows:
+        chunks[row["fqn"]] = chunks.get(row["fqn"], 0) + 1
+        n_chunks += 1
     tensors = {}
     for fqn, info in md["tensors"].items():
         size = torch.empty((), dtype=getattr(torch, info["dtype"])).element_size()

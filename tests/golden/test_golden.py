@@ -32,6 +32,7 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
+from bytecp.format import FORMAT_VERSION
 
 HERE = Path(__file__).resolve().parent
 CASES = sorted(p.parent for p in HERE.glob("v*/*/expected.json"))
@@ -391,11 +392,11 @@ def test_newer_format_version_is_refused(tmp_path: Path) -> None:
     dst = tmp_path / "ck"
     shutil.copytree(src, dst)
     md = json.loads((dst / "metadata.json").read_text())
-    md["format_version"] = 2
+    md["format_version"] = FORMAT_VERSION + 1
     (dst / "metadata.json").write_text(json.dumps(md))
     with pytest.raises(bytecp.FormatVersionError) as e:
         bytecp.load_state_dict(str(dst))
-    assert "2" in str(e.value) and "1" in str(e.value)
+    assert f"version {FORMAT_VERSION + 1} " in str(e.value) and f"1..{FORMAT_VERSION}" in str(e.value)
 
 
 def test_directory_without_metadata_is_not_a_checkpoint(tmp_path: Path) -> None:
@@ -409,8 +410,6 @@ def test_directory_without_metadata_is_not_a_checkpoint(tmp_path: Path) -> None:
 # ----------------------------------------------------------------- a reader from the spec alone
 INDEX_TYPES = {
     "fqn": pa.string(),
-    "dtype": pa.string(),
-    "global_shape": pa.list_(pa.int64()),
     "offsets": pa.list_(pa.int64()),
     "lengths": pa.list_(pa.int64()),
     "file": pa.string(),
@@ -418,15 +417,65 @@ INDEX_TYPES = {
     "nbytes": pa.int64(),
     "crc32c": pa.uint32(),
 }
+V1_TYPES = {"dtype": pa.string(), "global_shape": pa.list_(pa.int64())}
+
+
+def spec_index_rows(root: Path, md: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every chunk row, each once: version 1's index files (§5.5) or version
+    2's segments found through the directory (§5.3, §5.4)."""
+    if md["format_version"] == 1:
+        tables = [pq.ParquetFile(root / f).read(use_threads=False) for f in md["index_files"]]
+        types = INDEX_TYPES | V1_TYPES
+    else:
+        assert md["index_files"] == []
+        d = md["index"]
+        raw = (root / d["file"]).read_bytes()
+        assert len(raw) == d["nbytes"]
+        tables, spans = [], []
+        for col in (d["band"], d["wide"]):
+            for off, n, rows, crc in zip(col["offset"], col["nbytes"], col["rows"], col["crc32c"], strict=True):
+                seg = raw[off : off + n]
+                assert seg[:4] == seg[-4:] == b"PAR1" and crc32c.crc32c(seg) == crc
+                tables.append(pq.ParquetFile(io.BytesIO(seg)).read(use_threads=False))
+                assert tables[-1].num_rows == rows
+                spans.append((off, n))
+        spans.sort()
+        assert [o for o, _ in spans] == [0, *[o + n for o, n in spans[:-1]]] and sum(n for _, n in spans) == len(raw)
+        assert d["band"]["bucket"] == sorted(set(d["band"]["bucket"]))
+        types = INDEX_TYPES
+    rows, seen = [], set()
+    for table in tables:
+        assert table.schema.metadata[b"bytecp.format_version"] == str(md["format_version"]).encode()
+        for name, typ in types.items():
+            got = table.schema.field(name).type
+            assert (got.value_type if pa.types.is_dictionary(got) else got) == typ, name
+        for row in table.to_pylist():
+            key = json.dumps(row, sort_keys=True)
+            if key not in seen:  # version 2 lists a chunk in each band it meets
+                seen.add(key)
+                rows.append(row)
+    if md["format_version"] == 2:  # each chunk is in the segments its box names (§5.4)
+        d = md["index"]
+        for row in rows:
+            info = md["tensors"][row["fqn"]]
+            assert math.prod(row["lengths"]) > 0
+            if "band_dim" in info:
+                k, size = info["band_dim"], info["shape"][info["band_dim"]]
+                o, n = row["offsets"][k], row["lengths"][k]
+                for b in range(o * d["buckets"] // size, (o + n - 1) * d["buckets"] // size + 1):
+                    assert b in d["band"]["bucket"], (row["fqn"], b)
+            else:
+                assert any(f <= row["fqn"] <= la for f, la in zip(d["wide"]["first"], d["wide"]["last"], strict=True))
+    return rows
 
 
 def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
-    """Read a format-v1 checkpoint following docs/FORMAT.md, without bytecp."""
+    """Read a format-v1 or v2 checkpoint following docs/FORMAT.md, without bytecp."""
     md = json.loads((root / "metadata.json").read_bytes())
-    assert md["format"] == "bytecp" and md["format_version"] == 1
+    assert md["format"] == "bytecp" and md["format_version"] in (1, 2)
     for f, size in md["data_files"].items():
         assert (root / f).stat().st_size == size, f
-        assert size % ALIGNMENT == 0, f"{f}: a v1 writer pads every chunk, the last one too"
+        assert size % ALIGNMENT == 0, f"{f}: the writer pads every chunk, the last one too"
     data = {f: (root / f).read_bytes() for f in md["data_files"]}
 
     def itemsize(name: str) -> int:
@@ -438,26 +487,22 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
         out[fqn] = bytearray(math.prod(info["shape"]) * itemsize(info["dtype"]))
         seen[fqn] = np.zeros(info["shape"], dtype=np.int8)
     used: dict[str, list[tuple[int, int]]] = {f: [] for f in data}
-    for f in md["index_files"]:
-        table = pq.ParquetFile(root / f).read(use_threads=False)
-        assert table.schema.metadata[b"bytecp.format_version"] == b"1"
-        for name, typ in INDEX_TYPES.items():
-            assert table.schema.field(name).type == typ, name
-        for row in table.to_pylist():
-            info = md["tensors"][row["fqn"]]
+    for row in spec_index_rows(root, md):
+        info = md["tensors"][row["fqn"]]
+        if md["format_version"] == 1:
             assert row["dtype"] == info["dtype"] and row["global_shape"] == info["shape"]
-            offs, lens = row["offsets"], row["lengths"]
-            assert len(offs) == len(lens) == len(info["shape"])
-            size = itemsize(row["dtype"])
-            assert row["nbytes"] == math.prod(lens) * size
-            assert row["byte_offset"] % ALIGNMENT == 0
-            blob = data[row["file"]][row["byte_offset"] : row["byte_offset"] + row["nbytes"]]
-            assert len(blob) == row["nbytes"] and crc32c.crc32c(blob) == row["crc32c"]
-            used[row["file"]].append((row["byte_offset"], row["nbytes"]))
-            box = tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))
-            whole = np.frombuffer(out[row["fqn"]], dtype=np.uint8).reshape(*info["shape"], size)
-            whole[box] = np.frombuffer(blob, dtype=np.uint8).reshape(*lens, size)
-            seen[row["fqn"]][box] += 1
+        offs, lens = row["offsets"], row["lengths"]
+        assert len(offs) == len(lens) == len(info["shape"])
+        size = itemsize(info["dtype"])
+        assert row["nbytes"] == math.prod(lens) * size
+        assert row["byte_offset"] % ALIGNMENT == 0
+        blob = data[row["file"]][row["byte_offset"] : row["byte_offset"] + row["nbytes"]]
+        assert len(blob) == row["nbytes"] and crc32c.crc32c(blob) == row["crc32c"]
+        used[row["file"]].append((row["byte_offset"], row["nbytes"]))
+        box = tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))
+        whole = np.frombuffer(out[row["fqn"]], dtype=np.uint8).reshape(*info["shape"], size)
+        whole[box] = np.frombuffer(blob, dtype=np.uint8).reshape(*lens, size)
+        seen[row["fqn"]][box] += 1
     for fqn, s in seen.items():
         assert (s == 1).all(), f"{fqn}: chunks do not cover it exactly once"
 
