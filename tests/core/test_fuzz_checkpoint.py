@@ -1,9 +1,11 @@
 """Seeded mutation fuzzing of golden checkpoints against every reader.
 
-Each case copies a small golden checkpoint (tests/golden/v1), mutates one
-of its files -- metadata.json (values set to hostile sizes, keys removed,
-deep nesting, raw byte damage), the Parquet index (rows rewritten with
-hostile sizes, shapes agreeing with metadata.json, raw byte damage) or a data
+Each case copies a small golden checkpoint (tests/golden/v1 and v2), mutates
+one of its files -- metadata.json (values set to hostile sizes, keys removed,
+deep nesting, raw byte damage), the index (version 1: rows rewritten with
+hostile sizes, shapes agreeing with metadata.json, raw byte damage; version
+2: a segment's rows rewritten, with the directory's size and checksum
+updated as a crafted checkpoint would, or raw damage the checksum catches) or a data
 file (bytes flipped, truncated, extended, replaced by a link out of the
 checkpoint) -- and runs ``load_state_dict``, ``inspect`` and ``verify``.
 Each must succeed or raise a :class:`~bytecp.errors.BytecpError`; none may
@@ -15,6 +17,7 @@ error), or hang (the test's timeout).
 from __future__ import annotations
 
 import copy
+import io
 import json
 import os
 import random
@@ -26,16 +29,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 
 import bytecp
 from bytecp import format as fmt
+from bytecp.checksum import crc32c as crc32c_of
 from bytecp.errors import BytecpError
+from bytecp.index_format import INDEX_SCHEMA_V2
 from bytecp.inspect import summarize, verify
 from bytecp.storage_api import open_storage
 
-GOLDEN = Path(__file__).resolve().parents[1] / "golden" / "v1"
-SOURCES = ["plain", "two_ranks", "irregular"]
+GOLDEN = Path(__file__).resolve().parents[1] / "golden"
+SOURCES = ["v1/plain", "v1/two_ranks", "v1/irregular", "v2/plain", "v2/two_ranks", "v2/irregular", "v2/tied"]
 CASES = int(os.environ.get("BYTECP_FUZZ_CASES", "1000"))
 #: resident memory a case may add on top of the reader's steady state
 RSS_ALLOWANCE = 64 << 20
@@ -121,6 +128,8 @@ def mutate_metadata(rng: random.Random, files: dict[str, bytes]) -> str:
 
 def mutate_index(rng: random.Random, files: dict[str, bytes]) -> str:
     name = rng.choice([f for f in files if f.startswith("index/")])
+    if name.endswith("index.bin"):
+        return mutate_segments(rng, files, name)
     if rng.random() < 0.5:
         return mutate_bytes(rng, files, name)
     chunks = fmt.read_index([(name, files[name])])
@@ -156,6 +165,59 @@ def mutate_index(rng: random.Random, files: dict[str, bytes]) -> str:
     chunks[i] = c
     files[name] = fmt.write_index(chunks)
     return f"index {name} row {i} {field} -> {getattr(c, field)!r:.60}"
+
+
+def mutate_segments(rng: random.Random, files: dict[str, bytes], name: str) -> str:
+    """Version 2: damage the index file, or rewrite one segment's rows (and,
+    as a crafted checkpoint would, the directory's size and checksum)."""
+    md = json.loads(files["metadata.json"])
+    d = md["index"]
+    segs = [(col, k) for col in (d["band"], d["wide"]) for k in range(len(col["offset"]))]
+    col, k = rng.choice(segs)
+    off, n = col["offset"][k], col["nbytes"][k]
+    raw = files[name]
+    op = rng.random()
+    if op < 0.3:  # raw damage, the directory left as it was: the checksum tells
+        return mutate_bytes(rng, files, name)
+    table = pq.ParquetFile(pa.BufferReader(raw[off : off + n])).read(use_threads=False).cast(INDEX_SCHEMA_V2)
+    rows = table.to_pylist()
+    i = rng.randrange(len(rows))
+    field = rng.choice(["offsets", "lengths", "byte_offset", "nbytes", "file", "fqn", "duplicate", "raw"])
+    big = max(min(rng.choice(HUGE), 2**63 - 1), -(2**63))
+    if field in ("byte_offset", "nbytes"):
+        rows[i][field] = big
+    elif field in ("offsets", "lengths"):
+        dims = list(rows[i][field]) or [0]
+        dims = dims * rng.choice([2, 100, 5000]) if rng.random() < 0.2 else dims
+        dims[rng.randrange(len(dims))] = big
+        rows[i][field] = dims
+    elif field == "file":
+        rows[i]["file"] = rng.choice(["data/x/0-0.bin", "../metadata.json", "index/a/index.bin", rows[i]["file"] + "x"])
+    elif field == "fqn":
+        rows[i]["fqn"] = rng.choice(["nope", "", rows[i]["fqn"] + ".x", *md["tensors"]])
+    elif field == "duplicate":
+        rows.append(dict(rows[i], lengths=[max(1, x) for x in rows[i]["lengths"]]))
+    cols = {f.name: [r[f.name] for r in rows] for f in INDEX_SCHEMA_V2}
+    seg = rng.randbytes(rng.choice([10, 100])) if field == "raw" else _encode(cols)
+    files[name] = raw[:off] + seg + raw[off + n :]
+    shift = len(seg) - n
+    for c in (d["band"], d["wide"]):
+        c["offset"] = [o + shift if o > off else o for o in c["offset"]]
+    col["nbytes"][k], col["crc32c"][k] = len(seg), crc32c_of(seg)
+    if rng.random() < 0.8:
+        col["rows"][k] = len(rows)
+    d["nbytes"] = len(files[name])
+    files["metadata.json"] = json.dumps(md).encode()
+    return f"index segment {k} row {i} {field} -> {rows[i].get(field, '')!r:.60} (directory updated)"
+
+
+def _encode(cols: dict[str, list[Any]]) -> bytes:
+    sink = io.BytesIO()
+    try:
+        pq.write_table(pa.table(cols, schema=INDEX_SCHEMA_V2), sink)
+    except (pa.ArrowException, OverflowError, TypeError):
+        return b"PAR1 not parquet PAR1"
+    return sink.getvalue()
 
 
 def mutate_data(rng: random.Random, files: dict[str, bytes]) -> str:
