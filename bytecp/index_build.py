@@ -263,8 +263,11 @@ def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: 
     table = _table(rows, names, order)
     bounds = np.cumsum([0, *(len(g) for _, g in band_groups), *(len(g) for g in wide_groups)])
     slices = [(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
-    with concurrent.futures.ThreadPoolExecutor(max(1, threads), "bytecp-index") as ex:
-        blobs = list(ex.map(lambda sl: _encode(table.slice(*sl)), slices))
+    if len(slices) < 64 or threads <= 1:  # small indexes: no threads (nothing to gain)
+        blobs = [_encode(table.slice(*sl)) for sl in slices]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads, "bytecp-index") as ex:
+            blobs = list(ex.map(lambda sl: _encode(table.slice(*sl)), slices))
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     crcs = [crc32c(b) for b in blobs]
     nb = len(band_groups)
