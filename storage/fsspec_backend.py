@@ -121,6 +121,53 @@ class FsspecStorage(Storage):
 
         self._call(write, path, "write")
 
+    def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
+        """fsspec's buffered file writer, into a temporary name renamed over
+        ``path`` (straight to ``path`` where a put is atomic: memory). Not
+        retried as a whole (the pieces cannot be replayed); errors name the URL."""
+        full = self._full(path)
+        target = full if self.atomic_put else f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        where = f"{self.url.rstrip('/')}/{path.strip('/')} (write)"
+        total = 0
+        f: Any = None
+        try:
+            try:
+                self._makedirs(posixpath.dirname(full))
+                f = self.fs.open(target, "wb")
+            except Exception as e:
+                raise _retry.to_storage_error(e, where) from e
+            for piece in pieces:  # errors of the producer propagate unchanged
+                view = memoryview(piece).cast("B")
+                try:
+                    f.write(view)
+                except Exception as e:
+                    raise _retry.to_storage_error(e, where) from e
+                total += len(view)
+            try:
+                f.close()
+                f = None
+                if target != full:
+                    self._rename_over(target, full)
+            except Exception as e:
+                raise _retry.to_storage_error(e, where) from e
+        except BaseException:
+            # an unfinished file is dropped, never closed into place: closing
+            # publishes it where a put is atomic (memory), so only the
+            # temporary of other filesystems is closed, then removed
+            if f is not None and target != full:
+                try:
+                    f.discard() if hasattr(f, "discard") else f.close()
+                except Exception:  # noqa: BLE001 - best effort; the original error matters
+                    pass
+            if target != full:
+                try:
+                    if self.fs.exists(target):
+                        self.fs.rm(target)
+                except Exception:  # noqa: BLE001
+                    pass
+            raise
+        return total
+
     def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         full = self._full(path)
         payload = bytes(data)
