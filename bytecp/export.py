@@ -113,13 +113,16 @@ class ExportResult:
         return dataclasses.asdict(self)
 
 
-def open_checkpoint(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
-    """The validated metadata and index; every declared size checked against the real files."""
+def open_checkpoint(src: str | Storage) -> tuple[Storage, fmt.Metadata, list[fmt.ChunkRecord]]:
+    """The checkpoint's storage (``src`` itself, or a URL opened with no
+    options), its validated metadata and index; every declared size checked
+    against the real files."""
+    storage = src if isinstance(src, Storage) else open_storage(src)
     md = read_metadata(storage)
     real = limits.real_data_sizes(storage, md)
     chunks = read_chunks(storage, md, real)
     limits.check_sizes(storage, md, chunks, real)
-    return md, chunks
+    return storage, md, chunks
 
 
 def _top_level_keys(md: fmt.Metadata) -> str:
@@ -131,14 +134,16 @@ def _top_level_keys(md: fmt.Metadata) -> str:
 
 
 def select_tensors(
-    md: fmt.Metadata, where: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None
+    md: fmt.Metadata, where: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    safetensors: bool = True,
 ) -> tuple[list[ExportTensor], list[str]]:
     """The tensors whose FQN starts with ``prefix`` (a trailing ``.`` is
     implied: ``model`` means ``model.``), in the saved order, and the aliases
     left out. A tied alias (``md.aliases``) is written once, under its stored
     name, as ``safetensors.torch.save_model`` and ``save_pretrained`` do; an
     alias whose stored tensor lies outside ``prefix`` is written under the
-    alias's name. ``dtype`` casts floating tensors (see :data:`CAST_DTYPES`)."""
+    alias's name. ``dtype`` casts floating tensors (see :data:`CAST_DTYPES`);
+    ``safetensors``: refuse dtypes safetensors cannot hold (complex)."""
     if prefix and not prefix.endswith("."):
         prefix += "."
     out_dtype = None
@@ -167,12 +172,10 @@ def select_tensors(
             f"{_top_level_keys(md)}. Pass --prefix KEY (prefix= in Python) to export the tensors saved "
             "under KEY, or --prefix '' for every tensor"
         )
-    bad = [(t.name, t.out_dtype) for t in items if t.out_dtype not in SAFETENSORS_DTYPES or not t.name]
-    if bad and bad[0][0]:
-        name, dt = bad[0]
-        raise ConfigError(f"{where}: safetensors has no dtype for tensor {name!r} ({dt}); use --format torch")
-    if bad:
-        raise ConfigError(f"{where}: prefix {prefix!r} is a whole tensor's name; pass the prefix of a module")
+    bad = next((t for t in items if t.out_dtype not in SAFETENSORS_DTYPES), None)
+    if safetensors and bad is not None:
+        raise ConfigError(f"{where}: safetensors has no dtype for tensor {bad.fqn!r} ({bad.out_dtype}); "
+                          "export it with --format torch")
     return items, omitted
 
 
@@ -289,12 +292,12 @@ def _single_file_target(out: str, out_options: dict[str, Any] | None, overwrite:
 
 
 def export_safetensors(
-    storage: Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
     overwrite: bool = False, out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
 ) -> ExportResult:
     """Write the selected tensors to ONE safetensors file at ``out`` (any URL),
     streamed (about one tensor in memory) and published atomically."""
-    md, chunks = open_checkpoint(storage)
+    storage, md, chunks = open_checkpoint(src)
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
     parent, name = _single_file_target(out, out_options, overwrite)
     header = safetensors_header(items, safetensors_metadata(md))
@@ -334,7 +337,7 @@ class _QueueWriter:
 
 
 def export_torch(
-    storage: Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
     overwrite: bool = False, out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
 ) -> ExportResult:
     """``torch.save`` a flat ``{name: tensor}`` dict to ``out`` (loads with ``weights_only=True``).
@@ -342,8 +345,9 @@ def export_torch(
     Memory: every exported tensor at once (``torch.save`` needs them
     together), plus a few pieces of the file while it is uploaded; use the
     safetensors formats for states larger than memory."""
-    md, chunks = open_checkpoint(storage)
-    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
+    storage, md, chunks = open_checkpoint(src)
+    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
+                                    safetensors=False)
     parent, name = _single_file_target(out, out_options, overwrite)
     total = sum(it.nbytes for it in items)
     progress.start(total)

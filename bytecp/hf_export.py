@@ -237,19 +237,20 @@ def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[st
 
 
 def export_hf(
-    storage: Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True,
+    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True,
     max_shard_size: int | str | None = None, dtype: str | None = None,
     config: str | Path | dict[str, Any] | None = None, overwrite: bool = False,
     out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
 ) -> ExportResult:
-    """Export the checkpoint at ``storage`` to the Hugging Face layout at ``out`` (any URL bytecp writes).
+    """Export the checkpoint at ``src`` (a URL or an opened storage) to the
+    Hugging Face layout at ``out`` (any URL bytecp writes).
 
     ``prefix``/``strip_prefix``/``dtype`` select and cast as
     :func:`bytecp.export.select_tensors`; ``config`` as :func:`resolve_config`;
     ``max_shard_size``: see :func:`parse_size` (default :data:`DEFAULT_MAX_SHARD_SIZE`);
     ``out_options``: storage options of the output (default: none)."""
     max_bytes = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
-    md, chunks = open_checkpoint(storage)
+    storage, md, chunks = open_checkpoint(src)
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
     config_bytes, config_source = resolve_config(md, storage.url, config, dtype)
     options = dict(out_options or {})

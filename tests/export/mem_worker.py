@@ -31,7 +31,7 @@ def main() -> None:
     elif mode == "baseline":
         from bytecp.export import open_checkpoint, select_tensors
 
-        md, _ = open_checkpoint(open_storage(ck))
+        _, md, _ = open_checkpoint(open_storage(ck))
         select_tensors(md, ck)
     else:
         from bytecp.hf_export import export_hf

@@ -265,15 +265,20 @@ def test_torch_format_and_plain_state_dict(model: Any, tmp_path: Path) -> None:
     assert cli(["export", str(ck), str(pt), "--prefix", ""]) == 2  # exists
     assert cli(["export", str(ck), str(pt), "--prefix", "", "--overwrite"]) == 0
     assert torch.load(pt, weights_only=True)["lm_head.weight"].dtype == torch.float32
+    # complex tensors: torch only, and the safetensors error says so
+    z = torch.randn(3, 2, dtype=torch.complex64)
+    bytecp.save(str(tmp_path / "cz"), {"model": {"z": z}})
+    assert cli(["export", str(tmp_path / "cz"), str(tmp_path / "z.safetensors")]) == 2
+    assert cli(["export", str(tmp_path / "cz"), str(tmp_path / "z.pt")]) == 0
+    assert torch.equal(torch.load(tmp_path / "z.pt", weights_only=True)["z"], z)
 
 
 def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
     from bytecp.export import open_checkpoint, select_tensors
-    from bytecp.storage_api import open_storage
 
-    md, _ = open_checkpoint(open_storage(str(ck)))
+    _, md, _ = open_checkpoint(str(ck))
     items, _ = select_tensors(md, str(ck))
     sd = model.state_dict()
     assert [it.name for it in items] == list(sd)  # the saved order is the state dict's
