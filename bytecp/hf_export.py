@@ -9,9 +9,11 @@ huggingface_hub's ``split_torch_state_dict_into_shards`` cuts them: tensors
 in saved order, a new shard when the next tensor would pass
 ``max_shard_size``, a larger tensor alone.
 
-Called by the CLI and by user code, in one process. Every shard is
-streamed (:mod:`bytecp.export`: about one tensor plus the write buffer in
-memory) through ``Storage.write_stream``. The commit:
+Called by the CLI and by user code, in one process; with ``workers > 1``
+the shards are written by that many spawned processes (:func:`_write_shard`),
+the commit staying here. Every shard is streamed (:mod:`bytecp.export`:
+about one tensor plus the write buffer in memory) through
+``Storage.write_stream``. The commit:
 
 - **filesystems** (``Storage.atomic_rename``): everything is written into a
   hidden sibling ``.<name>.bytecp-export-<id>/``, then renamed to OUT in one
@@ -32,6 +34,7 @@ Without ``overwrite``, an output that holds any file is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 import uuid
@@ -183,23 +186,84 @@ def resolve_config(md: fmt.Metadata, where: str, config: str | Path | dict[str, 
     return raw, source
 
 
-def _write_all(target: Storage, base: str, files: list[tuple[str, Any]], progress: Progress) -> dict[str, int]:
-    """Write ``files`` (name, bytes or (header, items, reader)) in order below ``base``."""
+@dataclasses.dataclass(frozen=True)
+class _Shard:
+    """One shard file to write: where (``out_url``/``path``, with its storage
+    options) and what; picklable, for worker processes."""
+
+    src_url: str
+    src_options: dict[str, Any]
+    out_url: str
+    out_options: dict[str, Any]
+    path: str
+    header: bytes
+    items: tuple[ExportTensor, ...]
+
+    @property
+    def size(self) -> int:
+        return len(self.header) + sum(it.nbytes for it in self.items)
+
+
+#: (worker process) the checkpoint each worker opened, by URL: read once per process
+_OPENED: dict[str, tuple[Storage, TensorReader]] = {}
+
+
+def _write_shard(shard: _Shard, reader: TensorReader | None = None, progress: Progress = NO_PROGRESS) -> int:
+    """Write one shard (in this process, or in a worker of ``workers > 1``)."""
+    if reader is None:
+        if shard.src_url not in _OPENED:
+            storage, _, chunks = open_checkpoint(open_storage(shard.src_url, **shard.src_options))
+            _OPENED[shard.src_url] = (storage, TensorReader(storage, chunks))
+        reader = _OPENED[shard.src_url][1]
+    target = open_storage(shard.out_url, **shard.out_options)
+    return target.write_stream(shard.path, safetensors_pieces(shard.header, shard.items, reader, progress),
+                               size_hint=shard.size)
+
+
+def _write_parallel(shards: list[_Shard], workers: int, progress: Progress) -> list[int]:
+    """Shards in ``workers`` spawned processes; on any failure every worker is
+    stopped before the error is raised (so the caller's clean-up runs last)."""
+    import multiprocessing as mp
+
+    pool = mp.get_context("spawn").Pool(min(workers, len(shards)))
+    try:
+        sizes = []
+        for shard, n in zip(shards, pool.imap(_write_shard, shards), strict=True):
+            sizes.append(n)
+            progress.advance(shard.size - len(shard.header))
+        pool.close()
+        pool.join()
+        return sizes
+    except BaseException:
+        pool.terminate()
+        pool.join()
+        raise
+
+
+def _write_all(target: Storage, base: str, files: list[tuple[str, Any]], reader: TensorReader, workers: int,
+               progress: Progress) -> dict[str, int]:
+    """Write ``files`` (name, bytes or a :class:`_Shard`) below ``base``: the
+    shards (in parallel with ``workers > 1``), then the small files, in order."""
     sizes: dict[str, int] = {}
+    shards = [(n, f) for n, f in files if isinstance(f, _Shard)]
+    rooted = [(n, dataclasses.replace(f, out_url=target.url, out_options=target.options(),
+                                      path=f"{base}/{n}" if base else n)) for n, f in shards]
+    if workers > 1 and len(rooted) > 1:
+        sizes.update(zip([n for n, _ in rooted], _write_parallel([f for _, f in rooted], workers, progress),
+                         strict=True))
+    todo = dict(rooted)
     for name, what in files:
         path = f"{base}/{name}" if base else name
         if isinstance(what, bytes):
             target.commit(path, what)
             sizes[name] = len(what)
-        else:
-            header, items, reader = what
-            sizes[name] = target.write_stream(path, safetensors_pieces(header, items, reader, progress),
-                                              size_hint=len(header) + sum(it.nbytes for it in items))
+        elif name not in sizes:
+            sizes[name] = _write_shard(todo[name], reader, progress)
     return sizes
 
 
 def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, Any]], overwrite: bool,
-                     progress: Progress) -> dict[str, int]:
+                     reader: TensorReader, workers: int, progress: Progress) -> dict[str, int]:
     parent_url, name = split_url(out)
     parent = open_storage(parent_url, **options)
     occupied = name in parent.list_children("")
@@ -208,7 +272,7 @@ def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, A
                                     "(or a name ending in .safetensors for one file), or --overwrite to replace it")
     stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
     try:
-        sizes = _write_all(parent, stage, files, progress)
+        sizes = _write_all(parent, stage, files, reader, workers, progress)
         try:
             parent.rename(stage, name, replace=occupied)
         except CheckpointExistsError:
@@ -221,13 +285,17 @@ def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, A
 
 
 def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[str, Any]],
-                      progress: Progress) -> dict[str, int]:
+                      reader: TensorReader, workers: int, progress: Progress) -> dict[str, int]:
     target.delete([f for f in (INDEX_NAME, WEIGHTS_NAME) if f in existing])  # withdraw the old output first
     sizes: dict[str, int] = {}
     try:
-        sizes = _write_all(target, "", files, progress)
+        sizes = _write_all(target, "", files, reader, workers, progress)
     except BaseException:
         try:
+            # a stopped worker may leave an unfinished multipart upload (S3)
+            abort = getattr(target, "abort_incomplete_uploads", None)
+            if abort is not None:
+                abort()
             target.delete([n for n, _ in files if n not in existing])
         except Exception:  # noqa: BLE001 - best effort; the original error matters
             pass
@@ -240,7 +308,7 @@ def export_hf(
     src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True,
     max_shard_size: int | str | None = None, dtype: str | None = None,
     config: str | Path | dict[str, Any] | None = None, overwrite: bool = False,
-    out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
+    out_options: dict[str, Any] | None = None, workers: int = 1, progress: Progress = NO_PROGRESS,
 ) -> ExportResult:
     """Export the checkpoint at ``src`` (a URL or an opened storage) to the
     Hugging Face layout at ``out`` (any URL bytecp writes).
@@ -248,7 +316,11 @@ def export_hf(
     ``prefix``/``strip_prefix``/``dtype`` select and cast as
     :func:`bytecp.export.select_tensors`; ``config`` as :func:`resolve_config`;
     ``max_shard_size``: see :func:`parse_size` (default :data:`DEFAULT_MAX_SHARD_SIZE`);
-    ``out_options``: storage options of the output (default: none)."""
+    ``out_options``: storage options of the output (default: none);
+    ``workers``: processes writing disjoint shards at once (each holds
+    about one tensor; the commit stays in this process)."""
+    if workers < 1:
+        raise ConfigError(f"workers must be at least 1, got {workers}")
     max_bytes = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     storage, md, chunks = open_checkpoint(src)
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
@@ -264,7 +336,10 @@ def export_hf(
     names = shard_names(len(shards))
     reader = TensorReader(storage, chunks)
     meta = safetensors_metadata(md)
-    weights = [(n, (safetensors_header(s, meta), s, reader)) for n, s in zip(names, shards, strict=True)]
+    weights: list[tuple[str, Any]] = [
+        (n, _Shard(storage.url, storage.options(), "", {}, "", safetensors_header(s, meta), tuple(s)))
+        for n, s in zip(names, shards, strict=True)
+    ]
     config_file = [(CONFIG_NAME, config_bytes)] if config_bytes is not None else []
     if len(shards) == 1:  # the one shard is the commit file: after the config
         files: list[tuple[str, Any]] = config_file + weights
@@ -272,7 +347,7 @@ def export_hf(
         files = weights + config_file + [(INDEX_NAME, index_json(shards, names))]
     progress.start(sum(it.nbytes for it in items))
     if target.atomic_rename:
-        sizes = _publish_renamed(out, options, files, overwrite, progress)
+        sizes = _publish_renamed(out, options, files, overwrite, reader, workers, progress)
     else:
-        sizes = _publish_in_place(target, existing, files, progress)
+        sizes = _publish_in_place(target, existing, files, reader, workers, progress)
     return ExportResult(out, "hf", sizes, len(items), sum(it.nbytes for it in items), omitted, config_source)

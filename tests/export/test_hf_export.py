@@ -42,15 +42,6 @@ def ck(model: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-@pytest.fixture(scope="module")
-def tied_ck(ck: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The same checkpoint with GPT-2's tie (lm_head.weight is transformer.wte.weight) recorded as an alias."""
-    path = tmp_path_factory.mktemp("tied") / "step-1"
-    shutil.copytree(ck, path)
-    record_alias(path, "model.lm_head.weight", "model.transformer.wte.weight")
-    return path
-
-
 def from_pretrained(out: Path, **kw: Any) -> Any:
     from transformers import GPT2LMHeadModel
 
@@ -114,10 +105,18 @@ def test_default_size_is_one_model_safetensors_without_index(model: Any, ck: Pat
     assert torch.equal(logits(from_pretrained(out)), logits(model))
 
 
-def test_tied_weights_written_once(model: Any, tied_ck: Path, tmp_path: Path, capsys: Any) -> None:
+@pytest.mark.parametrize("stored", ["transformer.wte.weight", "lm_head.weight"])
+def test_tied_weights_written_once(model: Any, ck: Path, stored: str, tmp_path: Path, capsys: Any) -> None:
+    """GPT-2's tie (lm_head.weight is transformer.wte.weight) recorded as an
+    alias, either way round (a no-op where the save recorded it already)."""
     from safetensors.torch import load_file, load_model
 
     from .helpers import gpt2_config
+
+    tied_ck = tmp_path / "tied"
+    shutil.copytree(ck, tied_ck)
+    alias = ({"transformer.wte.weight", "lm_head.weight"} - {stored}).pop()
+    record_alias(tied_ck, f"model.{alias}", f"model.{stored}")
 
     one = tmp_path / "model.safetensors"
     assert cli(["export", str(tied_ck), str(one)]) == 0
@@ -290,3 +289,19 @@ def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
         assert [[it.name for it in s] for s in got] == list(want.filename_to_tensors.values()), size
     assert parse_size("2GiB") == 2 << 30 and parse_size(123) == 123 and parse_size("1.5MB") == 1_500_000
     assert re.fullmatch(r"\d+", str(parse_size("5GB")))
+
+
+def test_parallel_workers_write_the_same_files(ck: Path, tmp_path: Path, capsys: Any) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    assert cli(["export", str(ck), str(one), "--max-shard-size", "300KB"]) == 0
+    assert cli(["export", str(ck), str(two), "--max-shard-size", "300KB", "--workers", "2"]) == 0
+    files = sorted(os.listdir(one))
+    assert len(files) >= 4 and sorted(os.listdir(two)) == files
+    assert all((one / f).read_bytes() == (two / f).read_bytes() for f in files)
+    # a worker's failure stops the others and leaves nothing behind
+    bad = tmp_path / "bad-ck"
+    shutil.copytree(ck, bad)
+    damage(bad, "model.transformer.h.1.mlp.c_proj.weight")
+    assert cli(["export", str(bad), str(tmp_path / "three"), "--max-shard-size", "300KB", "--workers", "2"]) == 2
+    assert "checksum mismatch" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-ck", "one", "two"]

@@ -45,7 +45,7 @@ def test_export_to_s3_loads_back(s3: Any, tmp_path: Path, unique_prefix: str, ca
     options = server.options(part_size=5 * MiB)
     out = f"s3://{bucket}/{unique_prefix}/hf"
     opts = ["--out-storage-options", json.dumps(options)]
-    assert cli(["export", str(ck), out, "--max-shard-size", "2MB", *opts]) == 0
+    assert cli(["export", str(ck), out, "--max-shard-size", "2MB", "--workers", "2", *opts]) == 0
     names = download(out, options, tmp_path / "a")
     shards = [n for n in names if n.startswith("model-")]
     assert len(shards) >= 2 and "model.safetensors.index.json" in names and "config.json" in names
