@@ -123,11 +123,24 @@ class FsspecStorage(Storage):
 
     def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
         """fsspec's buffered file writer, into a temporary name renamed over
-        ``path`` (straight to ``path`` where a put is atomic: memory). Not
-        retried as a whole (the pieces cannot be replayed); errors name the URL."""
+        ``path``. Where a put is atomic (memory, whose files are visible while
+        they are written) the pieces are joined and put at once: the bytes
+        live in memory there anyway. Not retried as a whole (the pieces
+        cannot be replayed); errors name the URL."""
         full = self._full(path)
-        target = full if self.atomic_put else f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         where = f"{self.url.rstrip('/')}/{path.strip('/')} (write)"
+        if self.atomic_put:
+            data = bytearray()
+            for piece in pieces:
+                data += memoryview(piece).cast("B")
+
+            def put() -> None:
+                self._makedirs(posixpath.dirname(full))
+                self.fs.pipe_file(full, bytes(data))
+
+            self._call(put, path, "write")
+            return len(data)
+        target = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
         total = 0
         f: Any = None
         try:
@@ -146,25 +159,20 @@ class FsspecStorage(Storage):
             try:
                 f.close()
                 f = None
-                if target != full:
-                    self._rename_over(target, full)
+                self._rename_over(target, full)
             except Exception as e:
                 raise _retry.to_storage_error(e, where) from e
         except BaseException:
-            # an unfinished file is dropped, never closed into place: closing
-            # publishes it where a put is atomic (memory), so only the
-            # temporary of other filesystems is closed, then removed
-            if f is not None and target != full:
+            if f is not None:
                 try:
                     f.discard() if hasattr(f, "discard") else f.close()
                 except Exception:  # noqa: BLE001 - best effort; the original error matters
                     pass
-            if target != full:
-                try:
-                    if self.fs.exists(target):
-                        self.fs.rm(target)
-                except Exception:  # noqa: BLE001
-                    pass
+            try:
+                if self.fs.exists(target):
+                    self.fs.rm(target)
+            except Exception:  # noqa: BLE001
+                pass
             raise
         return total
 
