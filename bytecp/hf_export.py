@@ -208,14 +208,17 @@ class _Shard:
 _OPENED: dict[str, tuple[Storage, TensorReader]] = {}
 
 
-def _write_shard(shard: _Shard, reader: TensorReader | None = None, progress: Progress = NO_PROGRESS) -> int:
-    """Write one shard (in this process, or in a worker of ``workers > 1``)."""
+def _write_shard(shard: _Shard, reader: TensorReader | None = None, progress: Progress = NO_PROGRESS,
+                 target: Storage | None = None) -> int:
+    """Write one shard (in this process, or in a worker of ``workers > 1``,
+    which opens the checkpoint and the output from the shard's URLs)."""
     if reader is None:
         if shard.src_url not in _OPENED:
             storage, _, chunks = open_checkpoint(open_storage(shard.src_url, **shard.src_options))
             _OPENED[shard.src_url] = (storage, TensorReader(storage, chunks))
         reader = _OPENED[shard.src_url][1]
-    target = open_storage(shard.out_url, **shard.out_options)
+    if target is None:
+        target = open_storage(shard.out_url, **shard.out_options)
     return target.write_stream(shard.path, safetensors_pieces(shard.header, shard.items, reader, progress),
                                size_hint=shard.size)
 
@@ -258,7 +261,7 @@ def _write_all(target: Storage, base: str, files: list[tuple[str, Any]], reader:
             target.commit(path, what)
             sizes[name] = len(what)
         elif name not in sizes:
-            sizes[name] = _write_shard(todo[name], reader, progress)
+            sizes[name] = _write_shard(todo[name], reader, progress, target)
     return sizes
 
 
