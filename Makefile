@@ -17,8 +17,12 @@ $(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt
 	$(PIP) -e .
 	touch $@
 
+$(VENV)/.demo-installed: $(VENV)/.installed
+	$(PIP) -e ".[demo]"
+	touch $@
+
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PIP) -e ".[test,s3,monitoring]"
+	$(PIP) -e ".[test,s3,monitoring,lightning]"
 	$(MAKE) megatron-install
 	touch $@
 
@@ -36,7 +40,9 @@ install-test: $(VENV)/.test-installed
 test-servers:
 	bash tools/install-test-servers.sh
 
-demo: install
+# the whole story (README): FSDP2 on 2 processes, one killed mid-save, restarts
+# on 1 (FSDP2) and 3 (DDP), stall table, export, evaluation job; a minute or two
+demo: $(VENV)/.demo-installed
 	$(VPY) -m bytecp.cli demo --out demo-out
 
 test: install-test test-servers

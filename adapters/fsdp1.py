@@ -7,7 +7,9 @@ boxes. Works for ``use_orig_params`` True and False and every sharding
 strategy (FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD — whose replicas write
 once —, NO_SHARD). Optimizer state of a flat parameter is cut the same way
 and keyed by the original parameters' FQNs, so it loads under any framework.
-Buffers are full on every rank (replicated).
+Buffers are full on every rank (replicated). A parameter shared by several
+modules of one FSDP unit (tied embeddings) is flattened once; its other
+names are saved as aliases of the first.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-from torch.distributed.fsdp._common_utils import clean_tensor_name
 from torch.distributed.fsdp._flat_param import FlatParameter
 
 from bytecp.adapter_api import AdapterCall
@@ -27,6 +28,7 @@ from bytecp.errors import ConfigError
 from bytecp.format import Metadata
 from bytecp.state import TensorLeaf
 
+from ._names import ModuleNames
 from ._optim import ParamState
 from .plain import Finalize, PlainAdapter
 
@@ -56,22 +58,34 @@ class _Call(AdapterCall):
 
     pieces: dict[int, list[_Piece]] = dataclasses.field(default_factory=dict)
     flats: dict[int, list[tuple[str, torch.Tensor]]] = dataclasses.field(default_factory=dict)
+    #: per root module (by ``id``): (name of a shared parameter, the name FSDP flattened it under)
+    shared: dict[int, list[tuple[str, str]]] = dataclasses.field(default_factory=dict)
 
 
-def _layout(root: nn.Module, pieces: dict[int, list[_Piece]]) -> list[tuple[str, torch.Tensor]]:
+def _layout(
+    root: nn.Module, pieces: dict[int, list[_Piece]], shared: list[tuple[str, str]]
+) -> list[tuple[str, torch.Tensor]]:
     """Add the pieces of every local flat tensor of ``root`` (by ``id`` of the
-    flat param and of each original param) to ``pieces``; return the flat
-    params with a representative name."""
+    flat param and of each original param) to ``pieces``, and the names of
+    shared (tied) parameters with the name they share storage with to
+    ``shared``; return the flat params with a representative name."""
+    names = ModuleNames(root)
     flats: list[tuple[str, torch.Tensor]] = []
     for prefix, m in root.named_modules():
         if not isinstance(m, FSDP) or m._handle is None:
             continue
         fp = m._handle.flat_param
-        base = clean_tensor_name(prefix)
+
+        def clean(name: str, prefix: str = prefix) -> str:
+            return names.clean(f"{prefix}.{name}" if prefix else name)
+
         mine: list[_Piece] = []
         orig = fp._params if getattr(fp, "_params", None) else None
+        for spi in fp._shared_param_infos:  # a parameter FSDP flattened once, under its first name
+            shared.append((clean(_join(spi.module_name, spi.param_name)),
+                           clean(_join(spi.prim_module_name, spi.prim_param_name))))
         for i, info in enumerate(fp._shard_param_infos):
-            fqn = clean_tensor_name(f"{base}.{fp._fqns[i]}" if base else fp._fqns[i])
+            fqn = clean(fp._fqns[i])
             shape = tuple(fp._shapes[i])
             if info.in_shard:
                 assert info.offset_in_shard is not None and info.numel_in_shard is not None
@@ -83,15 +97,15 @@ def _layout(root: nn.Module, pieces: dict[int, list[_Piece]]) -> list[tuple[str,
             if orig is not None:
                 pieces[id(orig[i])] = [dataclasses.replace(p, offset=0)]
         pieces[id(fp)] = mine
-        flats.append((mine[0].fqn if mine else base, fp))
+        flats.append((mine[0].fqn if mine else names.clean(prefix), fp))
     # parameters FSDP does not manage (ignored_modules / ignored_states)
     # are full on every rank: one piece covering each
-    for name, p in root.named_parameters():
-        if id(p) in pieces or isinstance(p, FlatParameter):
+    for name, param in root.named_parameters():
+        if id(param) in pieces or isinstance(param, FlatParameter):
             continue
-        fqn = clean_tensor_name(name)
-        pieces[id(p)] = [_Piece(fqn, tuple(p.shape), 0, 0, p.numel())]
-        flats.append((fqn, p))
+        fqn = names.clean(name)
+        pieces[id(param)] = [_Piece(fqn, tuple(param.shape), 0, 0, param.numel())]
+        flats.append((fqn, param))
     return flats
 
 
@@ -103,13 +117,18 @@ def _leaf(piece: _Piece, flat: torch.Tensor, dtype: torch.dtype) -> TensorLeaf:
     return TensorLeaf.from_flat(piece.shape, dtype, piece.start, view)
 
 
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
 def _buffers(root: nn.Module) -> dict[str, torch.Tensor]:
+    names = ModuleNames(root)
     out = {}
     for mname, mod in root.named_modules():
         for bname, buf in mod.named_buffers(recurse=False):
             if buf is None or bname in mod._non_persistent_buffers_set:
                 continue
-            out[clean_tensor_name(f"{mname}.{bname}" if mname else bname)] = buf
+            out[names.clean(_join(mname, bname))] = buf
     return out
 
 
@@ -128,15 +147,21 @@ class FSDP1Adapter(PlainAdapter):
             )
         call = _Call(state, ctx, md, md.skeleton.index() if md is not None else {})
         for _, r in _roots(state):
-            call.flats[id(r)] = _layout(r, call.pieces)
+            call.flats[id(r)] = _layout(r, call.pieces, call.shared.setdefault(id(r), []))
         return call
 
     def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
+        """Each original parameter's piece of the local flat shards; a shared
+        (tied) parameter's other names hold the very leaf of its first name,
+        so it is stored once and recorded as an alias."""
         assert isinstance(call, _Call)
         out: dict[str, Any] = {}
         for _, fp in call.flats[id(module)]:
             for p in call.pieces[id(fp)]:
                 out[p.fqn] = _leaf(p, fp, fp.dtype)
+        for name, first in call.shared[id(module)]:
+            if first in out:
+                out[name] = out[first]
         out.update(_buffers(module))
         return out
 
@@ -154,8 +179,10 @@ class FSDP1Adapter(PlainAdapter):
             return ParamState(
                 fqn=piece.fqn,
                 shape=piece.shape,
-                # state tensors sharded like the flat param are cut; scalars (step) stay whole
-                leaf=lambda v: _leaf(piece, v, v.dtype) if v.dim() > 0 and v.numel() == numel else v,
+                # state tensors sharded like the flat param are cut; the others (step)
+                # are copied for each original parameter: one tensor shared by the
+                # pieces of a flat parameter is FSDP's layout, not a tie between them
+                leaf=lambda v: _leaf(piece, v, v.dtype) if v.dim() > 0 and v.numel() == numel else v.detach().clone(),
                 new=lambda dtype: torch.zeros(flat_shape, dtype=dtype, device=param.device),
                 fits=lambda t, dtype: t.dtype == dtype and tuple(t.shape) == flat_shape,
             )

@@ -15,7 +15,7 @@ from bytecp.dist import DistContext
 
 from ._dtensor import dtensor_leaf, dtensor_target, is_dtensor, mesh_info
 from ._optim import ParamState
-from .plain import Finalize, PlainAdapter
+from .plain import PlainAdapter
 
 __all__ = ["FSDP2Adapter"]
 
@@ -35,12 +35,10 @@ class FSDP2Adapter(PlainAdapter):
     def detect(cls, state: dict[str, Any]) -> bool:
         return any(is_dtensor(p) for m in _modules(state) for p in m.parameters())
 
-    def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
-        return {k: _leaf(v) if isinstance(v, torch.Tensor) else v for k, v in module.state_dict().items()}
-
-    def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
-        sd = module.state_dict()
-        return self._targets_from(module, sd, {k: _leaf(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()})
+    def tensor_leaf(self, t: torch.Tensor) -> Any:
+        """A DTensor's box on this rank (tied parameters share one leaf object:
+        see :meth:`PlainAdapter.module_leaves`)."""
+        return _leaf(t)
 
     def param_state(self, call: AdapterCall, index: int, param: torch.Tensor) -> list[ParamState]:
         """A DTensor parameter's state is a DTensor laid out like it: its box is saved."""

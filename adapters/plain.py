@@ -23,6 +23,7 @@ from bytecp.extras import PerRankState, RNGState
 from bytecp.format import Metadata
 from bytecp.state import PerRank, Slot
 
+from ._names import ModuleNames
 from ._optim import ParamState, optimizer_target, optimizer_tree, param_groups_for_load
 
 __all__ = ["PlainAdapter", "is_stateful", "is_per_rank", "param_groups_for_load"]
@@ -60,32 +61,42 @@ class PlainAdapter(Adapter):
                 call.param_names[pid] = n if len(mods) == 1 else f"{k}.{n}"
         return call
 
+    def tensor_leaf(self, t: torch.Tensor) -> Any:
+        """What a tensor of a module's state dict is saved as (a full tensor;
+        framework adapters return a :class:`~bytecp.state.TensorLeaf` of a sharded one)."""
+        return t
+
     def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
-        """The module's state as FQN -> tensor / TensorLeaf / value (views, no copies)."""
-        return dict(module.state_dict())
+        """The module's state as FQN -> tensor / TensorLeaf / value (views, no
+        copies), named without wrapper prefixes, tied tensors as one object."""
+        names = ModuleNames(module)
+        sd, _ = names.state_dict()
+        return names.tie({k: self.tensor_leaf(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()})
 
     def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
-        """Targets to fill in place, and what to do with the non-tensor values."""
-        sd = module.state_dict()
-        return self._targets_from(module, sd, dict(sd))
-
-    def _targets_from(self, module: nn.Module, sd: dict[str, Any], target: dict[str, Any]) -> tuple[dict[str, Any], Finalize]:
-        """Non-tensor entries of ``sd`` become slots applied by ``load_state_dict``."""
+        """Targets to fill in place, and what to do with the non-tensor values
+        (slots applied through ``load_state_dict`` under the module's own keys)."""
+        names = ModuleNames(module)
+        sd, raw = names.state_dict()
+        target = names.tie({k: self.tensor_leaf(v) if isinstance(v, torch.Tensor) else v for k, v in sd.items()})
         slots = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
         for k in slots:
             target[k] = Slot()
 
         def finalize(values: dict[str, Any]) -> None:
             if slots:
+                live = module.state_dict()
                 for k in slots:
-                    sd[k] = values[k]
-                module.load_state_dict(sd)
+                    live[raw[k]] = values[k]
+                module.load_state_dict(live)
 
         return target, finalize
 
     def param_names(self, module: nn.Module) -> dict[int, str]:
-        """``id(param) -> FQN`` for the parameters an optimizer may hold."""
-        return {id(p): n for n, p in module.named_parameters()}
+        """``id(param) -> FQN`` for the parameters an optimizer may hold
+        (named like the module's tensors: no wrapper prefix, a tied
+        parameter by its first name)."""
+        return ModuleNames(module).params()
 
     def param_state(self, call: AdapterCall, index: int, param: torch.Tensor) -> list[ParamState]:
         """Where the optimizer state of ``param`` (its ``index`` in the

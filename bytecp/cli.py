@@ -237,7 +237,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .demo import run_demo
 
-    return run_demo(args.out, world_size=args.world_size)
+    return run_demo(args.out)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -285,9 +285,8 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--out-storage-options", help="JSON dict of the output's backend options (default: "
                     "--storage-options when both URLs have the same protocol)")
     sp.set_defaults(fn=cmd_export)
-    sp = sub.add_parser("demo", help="train a small model, checkpoint, reload and verify")
-    sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints")
-    sp.add_argument("--world-size", type=int, default=2, help="processes for the distributed part (0: skip)")
+    sp = sub.add_parser("demo", help="a training job's life: a killed rank, elastic restarts, export, evaluation")
+    sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints, logs and summary.json")
     sp.set_defaults(fn=cmd_demo)
     for name, (_, help) in _EXTERNAL.items():
         sub.add_parser(name, help=help, add_help=False)

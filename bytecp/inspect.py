@@ -58,6 +58,7 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "step": md.step,
         "user_metadata": md.user_metadata,
         "tensors": per,
+        "aliases": md.aliases,  # tied tensors: alias -> the stored tensor whose data it shares
         "objects": {k: ("json" if not r.is_blob else f"blob {r.nbytes} B") for k, r in md.objects.items()},
         "per_rank_objects": {k: sorted(v) for k, v in md.per_rank.items()},
         "totals": {

@@ -50,7 +50,8 @@ def match_target(
     :class:`~bytecp.errors.StateMismatchError` naming every difference
     (missing/unexpected keys only when ``opts.strict``)."""
     nodes = md.skeleton.index()
-    missing, unexpected = _compare_keys(target, md, nodes)
+    sources = _sources(target, md)
+    missing, unexpected = _compare_keys(target, md, nodes, sources)
     if opts.strict and (missing or unexpected):
         parts = [f"state does not match the checkpoint at {storage.url}:"]
         if missing:
@@ -59,18 +60,42 @@ def match_target(
             parts.append(f"  in the checkpoint but not in the state ({len(unexpected)}): {_keys(unexpected)}")
         parts.append("  pass strict=False to load the keys that match")
         raise StateMismatchError("\n".join(parts))
-    targets = _tensor_targets(storage, target, md)
+    targets = _tensor_targets(storage, target, md, sources)
     rebuild = _SlotBuilder(storage, md, opts, rank, world_size, targets)
     values = {fqn: rebuild(nodes.get(fqn), slot.default) for fqn, slot in target.slots.items()}
     rebuild.warn_if_resharded_per_rank()
     return Match(missing, unexpected, values, targets)
 
 
-def _compare_keys(target: FlatTree, md: fmt.Metadata, nodes: dict[str, Node]) -> tuple[list[str], list[str]]:
+def _sources(target: FlatTree, md: fmt.Metadata) -> dict[str, str]:
+    """Target tensor FQN -> the stored tensor it is read from.
+
+    A name the checkpoint records as an alias reads its stored tensor. The
+    target's own ties (names sharing memory, :attr:`FlatTree.aliases`) form a
+    group filled once, from the first of its names the checkpoint has (stored
+    or aliased): a tied target loads an untied checkpoint, and an untied
+    target gets the data under each name.
+    """
+    names = {fqn: [fqn] for fqn in target.tensors}
+    for alias, first in target.aliases.items():
+        names[first].append(alias)
+    out: dict[str, str] = {}
+    for fqn, group in names.items():
+        for name in group:
+            src = name if name in md.tensors else md.aliases.get(name)
+            if src is not None:
+                out[fqn] = src
+                break
+    return out
+
+
+def _compare_keys(
+    target: FlatTree, md: fmt.Metadata, nodes: dict[str, Node], sources: dict[str, str]
+) -> tuple[list[str], list[str]]:
     missing: list[str] = []
     covered: set[str] = set()
-    for fqn in target.tensors:
-        if fqn in md.tensors:
+    for fqn in [*target.tensors, *target.aliases]:
+        if fqn in sources or target.aliases.get(fqn) in sources:  # a tie: filled with its group
             covered.add(fqn)
         else:
             missing.append(fqn)
@@ -80,27 +105,29 @@ def _compare_keys(target: FlatTree, md: fmt.Metadata, nodes: dict[str, Node]) ->
             missing.append(fqn)
         else:
             covered.update(leaf.name for leaf in node.leaves())
-    saved = set(md.tensors) | set(md.objects) | set(md.per_rank)
+    saved = set(md.tensors) | set(md.aliases) | set(md.objects) | set(md.per_rank)
     return missing, sorted(saved - covered)
 
 
-def _tensor_targets(storage: Storage, target: FlatTree, md: fmt.Metadata) -> list[Target]:
-    """The boxes of the target's tensors that the checkpoint holds; any shape
-    or dtype difference is an error naming the tensor and both sides."""
+def _tensor_targets(storage: Storage, target: FlatTree, md: fmt.Metadata, sources: dict[str, str]) -> list[Target]:
+    """The boxes of the target's tensors that the checkpoint holds (an alias
+    of the target shares its group's memory and is not read again); any
+    shape or dtype difference is an error naming the tensor and both sides."""
     targets: list[Target] = []
     mismatches: list[str] = []
     for fqn, leaf in target.tensors.items():
-        info = md.tensors.get(fqn)
-        if info is None:
+        src = sources.get(fqn)
+        if src is None:
             continue
+        info = md.tensors[src]
         shape, dt = tuple(info["shape"]), info["dtype"]
         if shape != tuple(leaf.global_shape) or dt != dtype_name(leaf.dtype):
             mismatches.append(
-                f"{fqn}: checkpoint has {dt} {list(shape)}, target is "
-                f"{dtype_name(leaf.dtype)} {list(leaf.global_shape)}"
+                f"{fqn}{'' if src == fqn else f' (stored as {src})'}: checkpoint has {dt} {list(shape)}, "
+                f"target is {dtype_name(leaf.dtype)} {list(leaf.global_shape)}"
             )
             continue
-        targets.extend(Target(fqn, sh.region, sh.tensor) for sh in leaf.shards)
+        targets.extend(Target(src, sh.region, sh.tensor) for sh in leaf.shards)
     if mismatches:
         raise StateMismatchError(
             f"tensor shape or dtype differs from the checkpoint at {storage.url}:\n  "
@@ -123,16 +150,20 @@ class _SlotBuilder:
         self.rank, self.world_size = rank, world_size
         self.src = rank if md.world_size == world_size else rank % max(1, md.world_size)
         self._objects: dict[str, Any] = {}
+        self._tensors: dict[str, torch.Tensor] = {}  # stored FQN -> the tensor rebuilt for it
         self._resharded: set[str] = set()
 
     def __call__(self, node: Node | None, default: Any) -> Any:
         return default if node is None else node.build(self._leaf)
 
     def _leaf(self, kind: NodeKind, fqn: str) -> Any:
-        if kind == "tensor":
-            info = self.md.tensors[fqn]
-            t = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
-            self.targets.append(Target(fqn, Region(tuple(0 for _ in t.shape), tuple(t.shape)), t))
+        if kind == "tensor":  # an alias is the very tensor of its stored name: the tie is kept
+            src = fqn if fqn in self.md.tensors else self.md.aliases[fqn]
+            t = self._tensors.get(src)
+            if t is None:
+                info = self.md.tensors[src]
+                t = self._tensors[src] = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
+                self.targets.append(Target(src, Region(tuple(0 for _ in t.shape), tuple(t.shape)), t))
             return t
         if kind == "obj":
             if fqn not in self._objects:

@@ -24,6 +24,7 @@ rank and its phase) and nobody waits. If the save fails anywhere before
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import logging
 import warnings
@@ -43,7 +44,7 @@ from .planner import LocalSavePlan, WriteItem, check_replicas, plan_fingerprint,
 from .recorder import Trace
 from .skeleton import Node
 from .staging import POOL, Stager, StagingPool, ViewStager
-from .state import FlatTree, flatten_tree
+from .state import FlatTree, flatten_tree, merge_aliases
 from .storage_api import Storage
 from .writer import RankOutput, Staged, held_checksums, write_data_files, write_index
 
@@ -104,8 +105,8 @@ class SavePipeline:
                 flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
                 self.parallelism = adapter.parallelism(self.state, self.ctx)
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
-                flat = FlatTree(flat.skeleton, flat.tensors, copy.deepcopy(flat.objects),
-                                copy.deepcopy(flat.per_rank), {})
+                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
+                                           per_rank=copy.deepcopy(flat.per_rank))
             self.flat, self.framework = flat, adapter.name
 
         self._keep_failure("save/describe", describe)
@@ -156,7 +157,7 @@ class SavePipeline:
             if ctx.is_coordinator:
                 self._replaced = self._check_target()
                 save_id = fmt.new_save_id()
-            return PlanVote(fp, cached[0] if cached else None, self.flat.skeleton.digest(), save_id)
+            return PlanVote(fp, cached[0] if cached else None, self.flat.digest(), save_id)
 
         with self.trace.span("plan"):
             votes = ctx.all_gather("save/plan", vote)
@@ -215,6 +216,7 @@ class SavePipeline:
             if self._skeleton_differs:
                 self.output.skeleton = self.flat.skeleton.to_json()
                 self.output.tensors = _tensor_specs(self.flat)
+                self.output.aliases = dict(self.flat.aliases)
             return self.output
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
@@ -349,6 +351,8 @@ class SavePipeline:
                 skeleton = skeleton.merge(Node.from_json(out.skeleton))
                 for fqn, spec in out.tensors.items():
                     tensors.setdefault(fqn, spec)
+        aliases = merge_aliases(self.flat.aliases, [(r, out.aliases) for r, out in enumerate(outputs)
+                                                    if out.aliases is not None], tensors, ctx.coordinator)
         objects: dict[str, fmt.ObjectRecord] = {}
         for r in [ctx.coordinator, *(r for r in range(len(outputs)) if r != ctx.coordinator)]:
             for fqn, rec in outputs[r].objects.items():
@@ -373,6 +377,7 @@ class SavePipeline:
             step=self.opts.step,
             user_metadata=dict(self.opts.metadata),
             bytecp_version=self.version,
+            aliases=aliases,
         )
 
     def _remove_files_of(self, save_id: str) -> None:

@@ -16,6 +16,7 @@ The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Sequence
 from typing import Protocol
@@ -74,7 +75,7 @@ class StagingPool:
                 Shard(it.region, dst))
         for fqn, leaf in flat.tensors.items():  # tensors this rank writes nothing of
             tensors.setdefault(fqn, TensorLeaf(leaf.global_shape, leaf.dtype, []))
-        return FlatTree(flat.skeleton, tensors, flat.objects, flat.per_rank, flat.slots)
+        return dataclasses.replace(flat, tensors=tensors)
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[tuple[WriteItem, torch.Tensor, torch.Tensor]]:
         """Copy each box into the arena: (item, typed view, raw bytes) each."""

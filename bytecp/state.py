@@ -11,6 +11,15 @@ leaves are:
 - :class:`Whole` -- a value stored as one object however nested;
 - any other value -- JSON when it is JSON-able, else a ``torch.save`` blob.
 
+Tensors that share storage (tied embeddings, a layer used twice, a parameter
+registered under two names) are stored once: a tensor leaf that is the same
+object as an earlier one, or a full tensor with exactly the same memory
+(device, data pointer, shape, strides and dtype; not empty) as an earlier
+one, becomes an *alias* of the first FQN (:attr:`FlatTree.aliases`). Views
+of different parts of one buffer (other offsets, shapes or strides) are not
+aliases: each is stored as its own tensor. Adapters give tied tensors of a
+sharded model the same :class:`TensorLeaf` object.
+
 For loading, adapters build a target tree of the same shape whose leaves are
 destination tensors / :class:`TensorLeaf` views to fill in place, and
 :class:`Slot` for everything rebuilt from the checkpoint.
@@ -22,7 +31,10 @@ Every leaf has an FQN: the keys on its path joined by ``.``
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -41,6 +53,7 @@ __all__ = [
     "FlatTree",
     "flatten_tree",
     "is_json_leaf",
+    "merge_aliases",
 ]
 
 
@@ -143,10 +156,28 @@ class FlatTree:
     objects: dict[str, Any]  # fqn -> value stored as one object (JSON or blob)
     per_rank: dict[str, Any]  # fqn -> this rank's value
     slots: dict[str, Slot]  # load targets only
+    #: alias FQN -> the FQN in ``tensors`` whose memory it shares (first seen
+    #: in tree order); aliases are tensor leaves of the skeleton, not in ``tensors``
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def digest(self) -> str:
+        """Equal digests mean equal skeletons and equal aliases."""
+        if not self.aliases:
+            return self.skeleton.digest()
+        return self.skeleton.digest() + ":" + hashlib.blake2b(
+            json.dumps(sorted(self.aliases.items())).encode(), digest_size=16).hexdigest()
 
 
 def _key_ok(k: Any) -> bool:
     return type(k) in (str, int, bool) or k is None
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What identifies exactly the elements a full tensor shows (None: never
+    an alias by memory, only by identity: empty and meta tensors)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
 
 
 def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
@@ -157,6 +188,26 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
     """
     out = FlatTree(Node.container("dict", ()), {}, {}, {}, {})
     seen: set[str] = set()
+    # the first FQN of each tensor object and of each full tensor's memory
+    by_id: dict[int, str] = {}
+    by_memory: dict[tuple[Any, ...], str] = {}
+    keep: list[Any] = []  # ids stay unique while the walk runs
+
+    def tensor(v: Any, fqn: str) -> Node:
+        """A tensor leaf; an alias when ``v`` shares its memory with an earlier one."""
+        mem = _memory(v) if isinstance(v, torch.Tensor) else None
+        first = by_id.get(id(v))
+        if first is None and mem is not None:
+            first = by_memory.get(mem)
+        if first is not None:
+            out.aliases[claim(fqn)] = first
+            return Node.leaf("tensor", fqn)
+        by_id[id(v)] = fqn
+        keep.append(v)
+        if mem is not None:
+            by_memory[mem] = fqn
+        out.tensors[claim(fqn)] = v if isinstance(v, TensorLeaf) else TensorLeaf.full(v.detach())
+        return Node.leaf("tensor", fqn)
 
     def claim(fqn: str) -> str:
         if fqn in seen:
@@ -171,8 +222,7 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
         if depth > MAX_DEPTH:
             raise ConfigError(f"{fqn!r}: the state is nested deeper than {MAX_DEPTH} levels")
         if isinstance(v, TensorLeaf):
-            out.tensors[claim(fqn)] = v
-            return Node.leaf("tensor", fqn)
+            return tensor(v, fqn)
         if isinstance(v, torch.Tensor):
             if type(v) not in (torch.Tensor, torch.nn.Parameter):
                 raise ConfigError(
@@ -181,8 +231,7 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
                     "or pass framework= explicitly"
                 )
             dtype_name(v.dtype)  # fails early for unsupported dtypes
-            out.tensors[claim(fqn)] = TensorLeaf.full(v.detach())
-            return Node.leaf("tensor", fqn)
+            return tensor(v, fqn)
         if isinstance(v, Slot):
             out.slots[claim(fqn)] = v
             return Node.leaf("rank" if v.per_rank else "obj", fqn)
@@ -212,4 +261,31 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
         return Node.leaf("obj", fqn)
 
     out.skeleton = walk(tree, "", 0)
+    return out
+
+
+def merge_aliases(
+    mine: dict[str, str], others: list[tuple[int, dict[str, str]]], stored: Collection[str], coordinator: int
+) -> dict[str, str]:
+    """(coordinator, at commit) The checkpoint's aliases: the coordinator's
+    and those of every rank whose tree differs (``others``: rank, aliases).
+
+    A tensor one rank stores and another rank saves as an alias would have
+    only some of its boxes written, so such a save is refused (ties come from
+    the model's structure and are the same on every rank; only a state built
+    differently per rank can disagree).
+    """
+    out = dict(mine)
+    for _, theirs in others:
+        for alias, first in theirs.items():
+            out.setdefault(alias, first)
+    conflicts = sorted(a for a in out if a in stored)
+    if conflicts:
+        ranks = sorted({coordinator for a in conflicts if a in mine}
+                       | {r for r, theirs in others for a in conflicts if a in theirs})
+        raise ConfigError(
+            f"tensor(s) {conflicts[:5]} share memory with another tensor of the state on rank(s) {ranks} "
+            "but are separate tensors on other ranks; build the state alike on every rank (the same "
+            "tied parameters everywhere) or save the differing tensors under their own keys"
+        )
     return out

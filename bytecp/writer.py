@@ -61,10 +61,11 @@ class RankOutput:
     index_file: str | None = None
     objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
-    #: this rank's skeleton (JSON) and tensor specs, sent only when its
-    #: skeleton differs from the coordinator's
+    #: this rank's skeleton (JSON), tensor specs and aliases, sent only when
+    #: its skeleton or aliases differ from the coordinator's
     skeleton: Any = None
     tensors: dict[str, dict[str, Any]] | None = None
+    aliases: dict[str, str] | None = None
     #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
     replica_crcs: dict[tuple[str, Region], int] | None = None
 

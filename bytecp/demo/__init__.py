@@ -1,35 +1,28 @@
-"""``bytecp demo`` / ``make demo``: the main job, end to end, on this machine.
+"""``bytecp demo`` / ``make demo``: a training job's whole life, on this machine.
 
-1. one process (:mod:`bytecp.demo._single`): train a small GPT-like model
-   with AdamW, checkpoint it, reload into a fresh model and optimizer, check
-   every tensor bitwise, continue training identically, inspect and verify
-   the checkpoint;
-2. (``world_size`` > 0, :mod:`bytecp.demo.dist`) the distributed story: the
-   same model under FSDP2 on ``world_size`` processes (gloo), saved,
-   reloaded on ``world_size + 1`` processes, and loaded in one process with
-   ``load_state_dict``.
+- :mod:`bytecp.demo.model`: the model and data, plain torch;
+- :mod:`bytecp.demo.train`: the training job (one process per rank; runs
+  under ``torchrun`` too): FSDP2 or DDP, lazy asynchronous checkpoints
+  through :class:`~bytecp.CheckpointManager`, resume from the latest
+  committed one;
+- :mod:`bytecp.demo.launch`: starts a job's processes, kills one on cue,
+  cleans up the survivors;
+- :mod:`bytecp.demo.evaluate`: the evaluation job (plain torch and
+  ``safetensors``, no bytecp, no torch.distributed);
+- :mod:`bytecp.demo.story`: :func:`run_demo`, the stages in order, told in
+  words, with a JSON summary of what happened.
 
-The demo uses only bytecp's public API and tools, never the CLI module.
+Importing this package imports none of them (the evaluation job stays free
+of bytecp's training code).
 """
 
 from __future__ import annotations
 
-import os
-import shutil
-
-from ._single import single_process
-from .model import TinyGPT, say, train_steps
-
-__all__ = ["TinyGPT", "run_demo", "train_steps"]
+__all__ = ["run_demo"]
 
 
-def run_demo(out: str, world_size: int = 2) -> int:
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out, exist_ok=True)
-    single_process(out)
-    if world_size > 0:
-        from .dist import run_distributed_demo
+def run_demo(out: str) -> int:
+    """Run every stage of the demo under ``out`` (wiped first); 0 when the story held."""
+    from .story import run_demo as run
 
-        run_distributed_demo(out, world_size)
-    say(f"done; checkpoints are under {out}/ (try: bytecp inspect {out}/single/step-5)")
-    return 0
+    return run(out)

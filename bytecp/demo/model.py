@@ -1,12 +1,38 @@
-"""The demo's model and data: a small GPT-like model with shapes that do not
-divide evenly, and a learnable next-token map so the loss visibly falls."""
+"""The demo's model and data, in plain torch (no bytecp, no torch.distributed).
+
+Used by the training job (:mod:`bytecp.demo.train`), the uninterrupted
+reference run (:mod:`bytecp.demo.story`) and the evaluation job
+(:mod:`bytecp.demo.evaluate`), so all three compute the same thing.
+
+The data is a fixed set of token sequences and a learnable task (each token
+maps to another), so the loss visibly falls in a few steps. The sampler is
+keyed by the *global* step: step ``s`` always trains on the same
+``GLOBAL_BATCH`` sequences, split evenly over however many processes run it
+(1, 2, 3, 4, 6 or 12), so a job resumed at step ``s`` on another number of
+processes sees exactly the data the interrupted one would have seen.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-__all__ = ["TinyGPT", "batch", "train_steps", "say"]
+__all__ = [
+    "TinyGPT",
+    "GLOBAL_BATCH",
+    "DATASET_SIZE",
+    "global_batch",
+    "local_batch",
+    "eval_batch",
+    "loss_of",
+    "say",
+]
+
+VOCAB, SEQ = 97, 13
+#: sequences per optimizer step, over all processes
+GLOBAL_BATCH = 12
+#: sequences in the training set (an epoch is DATASET_SIZE // GLOBAL_BATCH steps)
+DATASET_SIZE = 240
 
 
 class Block(nn.Module):
@@ -26,7 +52,7 @@ class Block(nn.Module):
 class TinyGPT(nn.Module):
     """A small GPT-like model with shapes that do not divide evenly."""
 
-    def __init__(self, vocab: int = 97, dim: int = 30, layers: int = 2, heads: int = 2, seq: int = 13) -> None:
+    def __init__(self, vocab: int = VOCAB, dim: int = 30, layers: int = 2, heads: int = 2, seq: int = SEQ) -> None:
         super().__init__()
         self.embed = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(torch.randn(1, seq, dim) * 0.02)
@@ -41,25 +67,43 @@ class TinyGPT(nn.Module):
         return self.head(self.ln(x))
 
 
-def batch(step: int, vocab: int = 97, seq: int = 13, n: int = 4) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 + step)
-    x = torch.randint(0, vocab, (n, seq), generator=g)
-    return x, (x * 3 + 1) % vocab  # a learnable map, so the loss visibly falls
+def _sequences(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+    return x, (x * 3 + 1) % VOCAB  # the task: a token-to-token map the model learns
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, start: int, n: int) -> list[float]:
-    losses = []
-    for step in range(start, start + n):
-        x, y = batch(step)
-        loss = nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(loss))
-    return losses
+_TRAIN = _sequences(1234, DATASET_SIZE)
+
+
+def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``GLOBAL_BATCH`` training sequences of global step ``step`` (1-based):
+    a seeded shuffle per epoch, so the order depends on the step alone."""
+    per_epoch = DATASET_SIZE // GLOBAL_BATCH
+    epoch, pos = divmod(step - 1, per_epoch)
+    order = torch.randperm(DATASET_SIZE, generator=torch.Generator().manual_seed(5000 + epoch))
+    idx = order[pos * GLOBAL_BATCH : (pos + 1) * GLOBAL_BATCH]
+    return _TRAIN[0][idx], _TRAIN[1][idx]
+
+
+def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's equal slice of :func:`global_batch`."""
+    if GLOBAL_BATCH % world:
+        raise ValueError(f"the demo's global batch of {GLOBAL_BATCH} does not split over {world} processes")
+    n = GLOBAL_BATCH // world
+    x, y = global_batch(step)
+    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+
+
+def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:
+    """Held-out sequences (never trained on) for the evaluation loss."""
+    return _sequences(999, 24)
+
+
+def loss_of(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of the next-token predictions."""
+    return nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
 def say(msg: str) -> None:
     print(f"[demo] {msg}", flush=True)
-
-

@@ -500,8 +500,8 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
             return [build(child) for child in body]
         if kind == "t":
             return tuple(build(child) for child in body)
-        if kind == "tensor":
-            return tensor(body)
+        if kind == "tensor":  # an alias reads the tensor it names (FORMAT.md §6.6)
+            return tensor(md.get("aliases", {}).get(body, body))
         if kind == "obj":
             return objects[body]
         if kind == "rank":
@@ -571,13 +571,16 @@ def test_inconsistent_index_row_is_corrupt(tmp_path: Path, column: str, fn: Any)
 # ----------------------------------------------------------------- every write path follows the spec
 def _fresh_state() -> dict[str, Any]:
     g = torch.Generator().manual_seed(3)
-    return {
+    state: dict[str, Any] = {
         "a": torch.randn(300, 7, generator=g),  # larger than one batch of the small budget below
         "b": torch.randint(0, 9, (5, 0), generator=g),
         "c": torch.randn(4, 6, generator=g).t(),
+        "c_tied": None,  # the same tensor as "c": stored once, as an alias
         "s": torch.tensor(2.5, dtype=torch.bfloat16),
         "extra": {"step": 3, "pair": (1, "x"), "inf": float("-inf")},
     }
+    state["c_tied"] = state["c"]
+    return state
 
 
 @pytest.mark.parametrize(
@@ -599,3 +602,4 @@ def test_fresh_checkpoints_follow_the_spec(tmp_path: Path, how: str) -> None:
     got, per_rank = spec_read(tmp_path / "ck")
     assert per_rank == {}
     assert_same(got, state)
+    assert json.loads((tmp_path / "ck" / "metadata.json").read_text())["aliases"] == {"c_tied": "c"}

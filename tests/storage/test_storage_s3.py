@@ -43,6 +43,15 @@ class TestS3Moto(S3Fixtures, StorageContract):
     server_fixture = "moto_s3"
     bucket_fixture = "moto_bucket"
 
+    @pytest.mark.xfail(
+        strict=False,
+        reason="moto's conditional PUT checks If-None-Match and then stores the object "
+        "(moto/s3/responses.py), so two racing commits can both succeed on a loaded machine; "
+        "the same race against Ceph RGW (TestS3Ceph) must have exactly one winner",
+    )
+    def test_exclusive_commits_racing_from_threads_one_wins(self, storage):  # type: ignore[no-untyped-def]
+        super().test_exclusive_commits_racing_from_threads_one_wins(storage)
+
 
 @pytest.mark.ceph
 class TestS3Ceph(S3Fixtures, StorageContract):
