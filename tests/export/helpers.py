@@ -55,3 +55,11 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     del md.tensors[alias]
     md.aliases[alias] = stored
     (ck / fmt.METADATA_FILE).write_bytes(md.to_bytes())
+
+
+def untied(ck: Path, model: Any, prefix: str = "model.") -> dict[str, torch.Tensor]:
+    """``model``'s state dict without the tied aliases the checkpoint at ``ck``
+    records below ``prefix`` (what an export writes: one copy of each tie)."""
+    md = fmt.Metadata.from_bytes((ck / fmt.METADATA_FILE).read_bytes(), str(ck))
+    aliases = {a[len(prefix):] for a in md.aliases if a.startswith(prefix)}
+    return {k: v for k, v in model.state_dict().items() if k not in aliases}

@@ -21,7 +21,7 @@ import bytecp
 from bytecp.cli import main as cli
 from bytecp.hf_export import INDEX_NAME, parse_size, plan_shards
 
-from .helpers import config_dict, logits, record_alias, tiny_gpt2
+from .helpers import config_dict, logits, record_alias, tiny_gpt2, untied
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -81,7 +81,7 @@ def test_sharded_export_loads_with_from_pretrained_logits_equal(model: Any, ck: 
     raw = (out / INDEX_NAME).read_text()
     index = json.loads(raw)
     assert raw == json.dumps(index, indent=2, sort_keys=True) + "\n"  # as save_pretrained writes it
-    sd = model.state_dict()
+    sd = untied(ck, model)  # the save records GPT-2's tie: one copy
     assert set(index["weight_map"]) == set(sd)
     assert index["metadata"] == {"total_size": sum(v.numel() * v.element_size() for v in sd.values()),
                                  "total_parameters": sum(v.numel() for v in sd.values())}
@@ -246,10 +246,10 @@ def test_prefix_rules(model: Any, tmp_path: Path, capsys: Any) -> None:
     for prefix in ("net", "net."):  # the dot is implied
         out = tmp_path / f"{prefix}.safetensors"
         assert cli(["export", str(ck), str(out), "--prefix", prefix]) == 0
-        assert set(load_file(str(out))) == set(model.state_dict())
+        assert set(load_file(str(out))) == set(untied(ck, model, "net."))
     out = tmp_path / "keep.safetensors"
     assert cli(["export", str(ck), str(out), "--prefix", "net", "--keep-prefix"]) == 0
-    assert set(load_file(str(out))) == {f"net.{k}" for k in model.state_dict()}
+    assert set(load_file(str(out))) == {f"net.{k}" for k in untied(ck, model, "net.")}
 
 
 def test_torch_format_and_plain_state_dict(model: Any, tmp_path: Path) -> None:
@@ -258,12 +258,12 @@ def test_torch_format_and_plain_state_dict(model: Any, tmp_path: Path) -> None:
     pt = tmp_path / "model.pt"
     assert cli(["export", str(ck), str(pt), "--prefix", "", "--dtype", "fp16"]) == 0
     sd = torch.load(pt, weights_only=True)
-    assert set(sd) == set(model.state_dict())
-    for k, v in model.state_dict().items():
+    assert set(sd) == set(untied(ck, model, ""))
+    for k, v in untied(ck, model, "").items():
         assert torch.equal(sd[k], v.to(torch.float16)), k
     assert cli(["export", str(ck), str(pt), "--prefix", ""]) == 2  # exists
     assert cli(["export", str(ck), str(pt), "--prefix", "", "--overwrite"]) == 0
-    assert torch.load(pt, weights_only=True)["lm_head.weight"].dtype == torch.float32
+    assert torch.load(pt, weights_only=True)["transformer.wpe.weight"].dtype == torch.float32
     # complex tensors: torch only, and the safetensors error says so
     z = torch.randn(3, 2, dtype=torch.complex64)
     bytecp.save(str(tmp_path / "cz"), {"model": {"z": z}})
@@ -279,7 +279,7 @@ def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
 
     _, md, _ = open_checkpoint(str(ck))
     items, _ = select_tensors(md, str(ck))
-    sd = model.state_dict()
+    sd = untied(ck, model)
     assert [it.name for it in items] == list(sd)  # the saved order is the state dict's
     for size in ("30KB", "100KB", "300KB", "5GB"):
         want = split_torch_state_dict_into_shards(
