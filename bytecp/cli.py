@@ -3,27 +3,63 @@
 ``monitor`` lives outside the core (``bytecp.monitoring``) and is reached
 through the subcommand registry below (imported only when used). The
 benchmarks ship with the source tree, not the package: ``make bench``.
+
+Every command follows the same exit codes (docs/guide.md, "Command line"):
+0 success; 1 the command ran and found problems (``verify``); 2 a usage
+error or a checkpoint that cannot be used (bad arguments, not a checkpoint,
+corrupt or too new, an output that exists); 3 a storage error (unreachable,
+permission denied, missing bucket, no space); 70 an internal error (a bug:
+the traceback is printed); 130 interrupted. Errors are one line on stderr;
+with ``--json`` the command also prints ``{"error": ..., "exit_code": ...}``
+on stdout. Progress bars (``verify``, ``export``, ``gc``) go to stderr, only
+when it is a terminal.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import importlib.util
 import json
 import sys
+import traceback
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from .errors import BytecpError
+from .errors import BytecpError, ConfigError, StorageError
 from .storage_api import open_storage
 
-__all__ = ["main"]
+if TYPE_CHECKING:
+    from .progress import Progress
+
+__all__ = ["main", "exit_code", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "EXIT_STORAGE", "EXIT_INTERNAL",
+           "EXIT_INTERRUPTED"]
+
+EXIT_OK = 0
+EXIT_PROBLEMS = 1  # the command ran and found problems (verify)
+EXIT_USAGE = 2  # bad arguments, or a checkpoint/output that cannot be used as asked
+EXIT_STORAGE = 3  # the storage failed: unreachable, permission denied, missing bucket, no space
+EXIT_INTERNAL = 70  # a bug (EX_SOFTWARE): the traceback is printed
+EXIT_INTERRUPTED = 130
 
 # subcommand -> "module:function(argv) -> int", for commands outside the core
 _EXTERNAL = {
     "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
 }
+
+
+def exit_code(e: BaseException) -> int:
+    """The exit code for an exception that ended a command."""
+    if isinstance(e, KeyboardInterrupt):
+        return EXIT_INTERRUPTED
+    if isinstance(e, StorageError):
+        return EXIT_STORAGE
+    if isinstance(e, BytecpError):
+        return EXIT_USAGE
+    if isinstance(e, OSError):
+        return EXIT_STORAGE
+    return EXIT_INTERNAL
 
 
 def _human(n: float) -> str:
@@ -34,8 +70,20 @@ def _human(n: float) -> str:
     return f"{n} B"  # pragma: no cover
 
 
+def _json_options(text: str | None, flag: str) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        opts = json.loads(text)
+    except ValueError as e:
+        raise ConfigError(f"{flag}: not valid JSON ({e}); pass a JSON object such as '{{\"endpoint_url\": ...}}'") from e
+    if not isinstance(opts, dict):
+        raise ConfigError(f"{flag}: pass a JSON object, not {type(opts).__name__}")
+    return opts
+
+
 def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
-    return json.loads(args.storage_options) if getattr(args, "storage_options", None) else {}
+    return _json_options(getattr(args, "storage_options", None), "--storage-options")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -44,7 +92,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     info = summarize(open_storage(args.url, **_storage_options(args)))
     if args.json:
         print(json.dumps(info, indent=2))
-        return 0
+        return EXIT_OK
     t = info["totals"]
     print(f"checkpoint   {info['url']}")
     print(f"format       v{info['format_version']} (bytecp {info['bytecp_version']}), save {info['save_id']}, {info['created']}")
@@ -69,51 +117,121 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{t['data_files']} data files ({_human(t['data_file_bytes'])})")
     per_rank = ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items())
     print(f"written      {per_rank}")
-    return 0
+    return EXIT_OK
+
+
+def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> Progress:
+    from .progress import terminal_bar
+
+    return terminal_bar(desc, unit, enabled=False if args.no_progress else None)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
     from .inspect import verify
 
-    nbytes, problems = verify(open_storage(args.url, **_storage_options(args)))
+    bar = _bar(args, "verify")
+    try:
+        nbytes, problems = verify(open_storage(args.url, **_storage_options(args)), progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({"url": args.url, "ok": not problems, "bytes_checked": nbytes,
+                          "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     if problems:
         print(f"{args.url}: {len(problems)} problem(s) found", file=sys.stderr)
-        return 1
-    print(f"{args.url}: OK, {_human(nbytes)} checked")
-    return 0
+        return EXIT_PROBLEMS
+    if not args.json:
+        print(f"{args.url}: OK, {_human(nbytes)} checked")
+    return EXIT_OK
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
     from .manager import list_checkpoints
 
-    for c in list_checkpoints(args.url, storage_options=_storage_options(args)):
+    found = list_checkpoints(args.url, storage_options=_storage_options(args))
+    if args.json:
+        print(json.dumps([dataclasses.asdict(c) for c in found], indent=2))
+        return EXIT_OK
+    for c in found:
         print(f"{c.name}\tstep={c.step}\t{c.created}")
-    return 0
+    return EXIT_OK
+
+
+def _export_format(args: argparse.Namespace) -> str:
+    if args.format:
+        return str(args.format)
+    out = args.out.rstrip("/").lower()
+    if out.endswith(".safetensors"):
+        return "safetensors"
+    return "torch" if out.endswith((".pt", ".pth")) else "hf"
+
+
+def _out_options(args: argparse.Namespace) -> dict[str, Any]:
+    """``--out-storage-options``; by default the input's options when both URLs share a protocol."""
+    from .storage_api import split_protocol
+
+    if args.out_storage_options:
+        return _json_options(args.out_storage_options, "--out-storage-options")
+    same = split_protocol(args.url)[0] == split_protocol(args.out)[0]
+    return _storage_options(args) if same else {}
 
 
 def cmd_export(args: argparse.Namespace) -> int:
     from .export import export_safetensors, export_torch
+    from .hf_export import export_hf
 
-    fn = export_safetensors if args.format == "safetensors" else export_torch
-    n = fn(open_storage(args.url, **_storage_options(args)), args.out, prefix=args.prefix,
-           strip_prefix=not args.keep_prefix)
-    print(f"wrote {args.out} ({_human(n)})")
-    return 0
+    fmt = _export_format(args)
+    common: dict[str, Any] = dict(prefix=args.prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
+                                  overwrite=args.overwrite, out_options=_out_options(args))
+    if fmt != "hf" and (args.config or args.max_shard_size or args.workers != 1):
+        raise ConfigError("--config, --max-shard-size and --workers belong to the Hugging Face layout; "
+                          f"drop them or --format {fmt} (OUT a directory)")
+    storage = open_storage(args.url, **_storage_options(args))
+    bar = _bar(args, "export")
+    try:
+        if fmt == "hf":
+            res = export_hf(storage, args.out, max_shard_size=args.max_shard_size,
+                            config=args.config, workers=args.workers, progress=bar, **common)
+        else:
+            fn = export_safetensors if fmt == "safetensors" else export_torch
+            res = fn(storage, args.out, progress=bar, **common)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps(res.to_json(), indent=2))
+        return EXIT_OK
+    what = {"hf": "Hugging Face layout", "safetensors": "safetensors", "torch": "torch state dict"}[fmt]
+    print(f"wrote {args.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
+    if fmt == "hf":
+        print(f"  files: {', '.join(res.files)}")
+        print(f"  config.json from {res.config}" if res.config else
+              "  no config.json: pass --config FILE (or save with metadata={'hf_config': config.to_dict()}) "
+              "before from_pretrained")
+    if res.omitted_aliases:
+        print(f"  tied tensors written once (aliases left out): {', '.join(res.omitted_aliases)}")
+    return EXIT_OK
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
     from .gc import collect_garbage
 
-    res = collect_garbage(open_storage(args.url, **_storage_options(args)), dry_run=args.dry_run)
+    bar = _bar(args, "gc", "files")
+    try:
+        res = collect_garbage(open_storage(args.url, **_storage_options(args)), dry_run=args.dry_run, progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({"url": args.url, "dry_run": args.dry_run, **dataclasses.asdict(res)}, indent=2))
+        return EXIT_OK
     verb = "would remove" if args.dry_run else "removed"
     for p in res.removed:
         print(f"{verb} {p}")
     if res.kept_newer:
         print(f"kept {len(res.kept_newer)} file(s) of saves newer than the committed one (maybe still running)")
     print(f"{args.url}: {verb} {len(res.removed)} unreferenced file(s)")
-    return 0
+    return EXIT_OK
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -122,47 +240,81 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.out)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] in _EXTERNAL:
-        module, _, fn = _EXTERNAL[argv[0]][0].partition(":")
-        return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
-
-    p = argparse.ArgumentParser(prog="bytecp", description="Checkpoints for distributed PyTorch training.")
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="bytecp", description="Checkpoints for distributed PyTorch training.",
+        epilog="exit codes: 0 ok, 1 problems found, 2 usage or checkpoint error, 3 storage error, "
+               "70 internal error, 130 interrupted")
     sub = p.add_subparsers(dest="cmd", required=True)
 
-    def url_cmd(name: str, help: str) -> argparse.ArgumentParser:
+    def url_cmd(name: str, help: str, *, progress: bool = False) -> argparse.ArgumentParser:
         sp = sub.add_parser(name, help=help)
         sp.add_argument("url", help="checkpoint URL (path, s3://, hdfs://, memory://, any fsspec URL)")
         sp.add_argument("--storage-options", help="JSON dict of backend options (endpoint_url=...)")
+        sp.add_argument("--json", action="store_true", help="machine-readable output on stdout")
+        if progress:
+            sp.add_argument("--no-progress", action="store_true",
+                            help="no progress bar (it is shown only when stderr is a terminal)")
         return sp
 
-    sp = url_cmd("inspect", "tensors, shapes, dtypes, sizes, chunks, framework and world size")
-    sp.add_argument("--json", action="store_true", help="machine-readable output")
-    sp.set_defaults(fn=cmd_inspect)
-    url_cmd("verify", "read every chunk and check its crc32c").set_defaults(fn=cmd_verify)
+    url_cmd("inspect", "tensors, shapes, dtypes, sizes, chunks, framework and world size").set_defaults(fn=cmd_inspect)
+    url_cmd("verify", "read every chunk and check its crc32c (exit 1 if any problem)",
+            progress=True).set_defaults(fn=cmd_verify)
     url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
-    sp = url_cmd("gc", "remove files of failed saves that the committed checkpoint does not reference")
+    sp = url_cmd("gc", "remove files of failed saves that the committed checkpoint does not reference", progress=True)
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sp.set_defaults(fn=cmd_gc)
-    sp = url_cmd("export", "write full tensors to one safetensors file or torch state dict (streamed)")
-    sp.add_argument("out", help="output file")
-    sp.add_argument("--format", choices=["safetensors", "torch"], default="safetensors")
-    sp.add_argument("--prefix", default="model.", help="export tensors whose FQN starts with this ('' for all)")
+    sp = url_cmd("export", "full tensors in the Hugging Face layout (sharded safetensors + index + config.json), "
+                 "one safetensors file, or a torch state dict; streamed", progress=True)
+    sp.add_argument("out", help="output directory (Hugging Face layout), or a file ending in .safetensors / .pt; "
+                    "any URL bytecp writes")
+    sp.add_argument("--format", choices=["hf", "safetensors", "torch"],
+                    help="default: hf, or safetensors/torch when OUT ends in .safetensors/.pt/.pth. torch holds "
+                         "every exported tensor in memory at once (torch.save needs them together); the others "
+                         "hold about one tensor")
+    sp.add_argument("--prefix", default="model.",
+                    help="export tensors whose name starts with this key (default 'model'; '' for all)")
     sp.add_argument("--keep-prefix", action="store_true", help="keep the prefix in the exported names")
+    sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
+    sp.add_argument("--max-shard-size", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB, as huggingface_hub)")
+    sp.add_argument("--config", help="JSON file written as config.json (default: the hf_config saved with the "
+                    "checkpoint, if any)")
+    sp.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    sp.add_argument("--workers", type=int, default=1,
+                    help="processes writing disjoint shards in parallel (Hugging Face layout; default 1)")
+    sp.add_argument("--out-storage-options", help="JSON dict of the output's backend options (default: "
+                    "--storage-options when both URLs have the same protocol)")
     sp.set_defaults(fn=cmd_export)
     sp = sub.add_parser("demo", help="a training job's life: a killed rank, elastic restarts, export, evaluation")
     sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints, logs and summary.json")
     sp.set_defaults(fn=cmd_demo)
     for name, (_, help) in _EXTERNAL.items():
         sub.add_parser(name, help=help, add_help=False)
+    return p
 
-    args = p.parse_args(argv)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns its exit code (see the module docstring)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in _EXTERNAL:
+        module, _, fn = _EXTERNAL[argv[0]][0].partition(":")
+        return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
+    args = _parser().parse_args(argv)  # usage errors exit 2 (argparse)
     try:
         return int(args.fn(args))
-    except BytecpError as e:
-        print(f"bytecp {args.cmd}: {e}", file=sys.stderr)
-        return 2
+    except (Exception, KeyboardInterrupt) as e:
+        code = exit_code(e)
+        if code == EXIT_INTERNAL:
+            traceback.print_exc()
+            msg = f"internal error ({type(e).__name__}: {e}); please report it with the traceback above"
+        elif code == EXIT_INTERRUPTED:
+            msg = "interrupted"
+        else:
+            msg = str(e) if isinstance(e, BytecpError) else f"{type(e).__name__}: {e}"
+        print(f"bytecp {args.cmd}: {msg}", file=sys.stderr)
+        if getattr(args, "json", False):
+            print(json.dumps({"error": msg, "exit_code": code}))
+        return code
 
 
 if __name__ == "__main__":

@@ -1,29 +1,57 @@
-"""``bytecp export``: a checkpoint as one safetensors file or a plain torch
-state dict, for evaluation and serving jobs.
+"""``bytecp export``: a checkpoint's tensors for evaluation and serving jobs,
+in one safetensors file or a torch state dict; the Hugging Face layout
+(sharded safetensors, index, config) is :mod:`bytecp.hf_export`, built on
+the pieces here.
 
-The safetensors writer streams: the header is computed from the metadata,
-then each tensor is assembled from its chunks (ranged reads) and appended,
-so memory holds one tensor at a time, whatever the checkpoint's size.
+Called by the CLI (``bytecp export``) and by user code, in one process with
+no ``torch.distributed``:
+
+1. :func:`open_checkpoint` reads and checks the metadata and index (sizes
+   checked against the real files before anything is allocated);
+2. :func:`select_tensors` decides which tensors, under which names and in
+   which dtype (``prefix``, tied aliases, ``dtype`` casts);
+3. :class:`TensorReader` reads them a group at a time (memory: one group of
+   small tensors up to :data:`GROUP_BYTES`, or one larger tensor);
+4. :func:`safetensors_pieces` turns them into a safetensors file as a stream
+   of pieces that ``Storage.write_stream`` publishes atomically, casting in
+   blocks of :data:`CAST_ELEMENTS` elements.
+
+So a safetensors export holds about one tensor plus the storage's write
+buffer in memory, whatever the checkpoint's size. ``--format torch`` cannot:
+``torch.save`` needs every tensor at once, so it holds the whole exported
+state in memory (said in its docstring and the CLI's help).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
+import queue
 import struct
+import threading
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 
+from . import format as fmt
+from . import limits
 from .dtypes import dtype_from_name, host_memoryview, itemsize
-from .errors import ConfigError
+from .errors import CheckpointExistsError, ConfigError
 from .planner import plan_load
+from .progress import NO_PROGRESS, Progress
 from .reader import Target, execute_reads, read_chunks, read_metadata
 from .recorder import Trace
 from .regions import full_region
-from .storage_api import Storage
+from .storage_api import Storage, open_storage, split_protocol
 
-__all__ = ["export_safetensors", "export_torch", "SAFETENSORS_DTYPES"]
+__all__ = [
+    "SAFETENSORS_DTYPES", "CAST_DTYPES", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
+    "open_checkpoint", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
+    "safetensors_pieces",
+    "split_url", "export_safetensors", "export_torch",
+]  # fmt: skip
 
 SAFETENSORS_DTYPES = {
     "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
@@ -32,58 +60,322 @@ SAFETENSORS_DTYPES = {
     "float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2",
 }  # fmt: skip
 
-
-def _select(md: Any, prefix: str, strip: bool) -> list[tuple[str, str]]:
-    names = sorted(f for f in md.tensors if f.startswith(prefix))
-    if not names:
-        raise ConfigError(f"no tensor of the checkpoint starts with {prefix!r}")
-    return [(f, f[len(prefix):] if strip else f) for f in names]
-
-
-def _read_full(storage: Storage, md: Any, chunks: list[Any], fqn: str) -> torch.Tensor:
-    info = md.tensors[fqn]
-    t = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
-    target = Target(fqn, full_region(t.shape), t)
-    reqs = plan_load([(fqn, target.box)], chunks, itemsizes={fqn: itemsize(t.dtype)})
-    execute_reads(storage, chunks, [target], reqs, io_threads=8, verify=True, trace=Trace("export", storage.url))
-    return t
+#: ``dtype=`` values: the dtype floating tensors are cast to
+CAST_DTYPES = {
+    "bf16": "bfloat16", "bfloat16": "bfloat16", "fp16": "float16", "float16": "float16",
+    "fp32": "float32", "float32": "float32",
+}  # fmt: skip
+#: the dtypes a cast applies to (float8 and integer tensors are written as stored)
+_CASTABLE = ("float64", "float32", "float16", "bfloat16")
+#: small tensors are read together, up to this many bytes per group
+GROUP_BYTES = 64 << 20
+#: a cast converts this many elements at a time
+CAST_ELEMENTS = 4 << 20
 
 
-def export_safetensors(storage: Storage, out_path: str, *, prefix: str = "", strip_prefix: bool = True) -> int:
-    """Write the tensors whose FQN starts with ``prefix`` to ``out_path``; returns bytes written."""
+@dataclasses.dataclass(frozen=True)
+class ExportTensor:
+    """One exported tensor: its output ``name``, the stored tensor ``fqn`` it is read from."""
+
+    name: str
+    fqn: str
+    dtype: str  # as stored
+    out_dtype: str  # as written
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written."""
+        return self.numel * itemsize(dtype_from_name(self.out_dtype))
+
+    @property
+    def stored_nbytes(self) -> int:
+        return self.numel * itemsize(dtype_from_name(self.dtype))
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What an export wrote (``bytecp export --json`` prints :meth:`to_json`)."""
+
+    out: str
+    format: str  # "hf", "safetensors" or "torch"
+    files: dict[str, int]  # file -> bytes, relative to ``out`` for the Hugging Face layout
+    tensors: int
+    tensor_bytes: int
+    omitted_aliases: list[str] = dataclasses.field(default_factory=list)
+    config: str | None = None  # where config.json came from
+
+    def to_json(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def open_checkpoint(src: str | Storage) -> tuple[Storage, fmt.Metadata, list[fmt.ChunkRecord]]:
+    """The checkpoint's storage (``src`` itself, or a URL opened with no
+    options), its validated metadata and index; every declared size checked
+    against the real files."""
+    storage = src if isinstance(src, Storage) else open_storage(src)
     md = read_metadata(storage)
-    chunks = read_chunks(storage, md)
-    names = _select(md, prefix, strip_prefix)
-    header: dict[str, Any] = {"__metadata__": {"format": "pt", "bytecp_save_id": md.save_id,
-                                                "step": str(md.step)}}
+    real = limits.real_data_sizes(storage, md)
+    chunks = read_chunks(storage, md, real)
+    limits.check_sizes(storage, md, chunks, real)
+    return storage, md, chunks
+
+
+def _top_level_keys(md: fmt.Metadata) -> str:
+    counts: dict[str, int] = {}
+    for key, node in md.skeleton.items:
+        counts[str(key)] = sum(1 for leaf in node.leaves() if leaf.kind == "tensor") if not node.is_leaf else int(
+            node.kind == "tensor")
+    return ", ".join(f"{k!r} ({n} tensor{'s' if n != 1 else ''})" for k, n in counts.items()) or "none"
+
+
+def select_tensors(
+    md: fmt.Metadata, where: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    safetensors: bool = True,
+) -> tuple[list[ExportTensor], list[str]]:
+    """The tensors whose FQN starts with ``prefix`` (a trailing ``.`` is
+    implied: ``model`` means ``model.``), in the saved order, and the aliases
+    left out. A tied alias (``md.aliases``) is written once, under its stored
+    name, as ``safetensors.torch.save_model`` and ``save_pretrained`` do; an
+    alias whose stored tensor lies outside ``prefix`` is written under the
+    alias's name. ``dtype`` casts floating tensors (see :data:`CAST_DTYPES`);
+    ``safetensors``: refuse dtypes safetensors cannot hold (complex)."""
+    if prefix and not prefix.endswith("."):
+        prefix += "."
+    out_dtype = None
+    if dtype is not None:
+        out_dtype = CAST_DTYPES.get(dtype)
+        if out_dtype is None:
+            raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(CAST_DTYPES)}")
+
+    def item(fqn: str, stored: str) -> ExportTensor:
+        info = md.tensors[stored]
+        cast = out_dtype if out_dtype and info["dtype"] in _CASTABLE else info["dtype"]
+        name = fqn[len(prefix):] if strip_prefix else fqn
+        return ExportTensor(name, stored, info["dtype"], cast, tuple(info["shape"]))
+
+    items = [item(f, f) for f in md.tensors if f.startswith(prefix)]
+    omitted: list[str] = []
+    for alias, stored in md.aliases.items():
+        if alias.startswith(prefix):
+            if stored.startswith(prefix):
+                omitted.append(alias)
+            else:
+                items.append(item(alias, stored))
+    if not items:
+        raise ConfigError(
+            f"{where}: no tensor of the checkpoint starts with {prefix!r}; its top-level keys are "
+            f"{_top_level_keys(md)}. Pass --prefix KEY (prefix= in Python) to export the tensors saved "
+            "under KEY, or --prefix '' for every tensor"
+        )
+    bad = next((t for t in items if t.out_dtype not in SAFETENSORS_DTYPES), None)
+    if safetensors and bad is not None:
+        raise ConfigError(f"{where}: safetensors has no dtype for tensor {bad.fqn!r} ({bad.out_dtype}); "
+                          "export it with --format torch")
+    return items, omitted
+
+
+class TensorReader:
+    """Reads exported tensors from a checkpoint, in order, a group at a time.
+
+    Consecutive tensors are read together (one planned batch of ranged reads,
+    coalesced per file) up to :data:`GROUP_BYTES`; a larger tensor is a group
+    of its own. Every chunk's crc32c is checked. The generator drops each
+    tensor once the consumer asks for the next.
+    """
+
+    def __init__(self, storage: Storage, chunks: Sequence[fmt.ChunkRecord], *, io_threads: int = 8,
+                 group_bytes: int = GROUP_BYTES) -> None:
+        self.storage, self.io_threads, self.group_bytes = storage, io_threads, group_bytes
+        self.by_fqn: dict[str, list[fmt.ChunkRecord]] = {}
+        for c in chunks:
+            self.by_fqn.setdefault(c.fqn, []).append(c)
+        self.trace = Trace("export", storage.url)
+
+    def read(self, items: Iterable[ExportTensor]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
+        group: list[ExportTensor] = []
+        size = 0
+        for it in items:
+            if group and size + it.stored_nbytes > self.group_bytes:
+                yield from self._group(group)
+                group, size = [], 0
+            group.append(it)
+            size += it.stored_nbytes
+        if group:
+            yield from self._group(group)
+
+    def _group(self, group: list[ExportTensor]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
+        full = [torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) for it in group]
+        targets = [Target(it.fqn, full_region(it.shape), t) for it, t in zip(group, full, strict=True)]
+        tensors: list[torch.Tensor | None] = list(full)
+        del full
+        chunks: list[fmt.ChunkRecord] = []
+        for fqn in dict.fromkeys(it.fqn for it in group):
+            chunks.extend(self.by_fqn.get(fqn, []))
+        sizes = {it.fqn: itemsize(dtype_from_name(it.dtype)) for it in group}
+        reqs = plan_load([(t.fqn, t.box) for t in targets], chunks, itemsizes=sizes)
+        execute_reads(self.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=True, trace=self.trace)
+        del targets
+        for i, it in enumerate(group):
+            t, tensors[i] = tensors[i], None
+            assert t is not None
+            yield it, t
+            del t
+
+
+def safetensors_header(items: Sequence[ExportTensor], metadata: dict[str, str]) -> bytes:
+    """The 8-byte length and the JSON header (space-padded to 8 bytes, as safetensors does)."""
+    header: dict[str, Any] = {"__metadata__": metadata}
     pos = 0
-    for fqn, name in names:
-        info = md.tensors[fqn]
-        code = SAFETENSORS_DTYPES.get(info["dtype"])
-        if code is None:
-            raise ConfigError(f"safetensors has no dtype for {fqn!r} ({info['dtype']}); use --format torch")
-        n = math.prod(info["shape"]) * itemsize(dtype_from_name(info["dtype"]))
-        header[name] = {"dtype": code, "shape": info["shape"], "data_offsets": [pos, pos + n]}
-        pos += n
+    for it in items:
+        header[it.name] = {"dtype": SAFETENSORS_DTYPES[it.out_dtype], "shape": list(it.shape),
+                           "data_offsets": [pos, pos + it.nbytes]}
+        pos += it.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * ((-len(raw)) % 8)
-    chunks_by = [c for c in chunks if c.fqn.startswith(prefix)]
-    with open(out_path, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)))
-        f.write(raw)
-        for fqn, _ in names:
-            t = _read_full(storage, md, chunks_by, fqn)
-            if t.numel():
-                f.write(host_memoryview(t))
-    return 8 + len(raw) + pos
+    return struct.pack("<Q", len(raw)) + raw
 
 
-def export_torch(storage: Storage, out_path: str, *, prefix: str = "", strip_prefix: bool = True) -> int:
-    """``torch.save`` a flat ``{name: tensor}`` dict (loads with ``weights_only=True``)."""
-    md = read_metadata(storage)
-    chunks = read_chunks(storage, md)
-    sd = {name: _read_full(storage, md, chunks, fqn) for fqn, name in _select(md, prefix, strip_prefix)}
-    torch.save(sd, out_path)
-    return sum(t.numel() * t.element_size() for t in sd.values())
+def _cast_pieces(t: torch.Tensor, out_dtype: str) -> Iterator[memoryview]:
+    if t.numel() == 0:
+        return
+    want = dtype_from_name(out_dtype)
+    if t.dtype == want:
+        yield host_memoryview(t)
+        return
+    flat = t.reshape(-1)
+    for lo in range(0, flat.numel(), CAST_ELEMENTS):
+        yield host_memoryview(flat[lo : lo + CAST_ELEMENTS].to(want))
 
+
+def safetensors_pieces(header: bytes, items: Sequence[ExportTensor], reader: TensorReader,
+                       progress: Progress = NO_PROGRESS) -> Iterator[memoryview]:
+    """A safetensors file as a stream of pieces, for ``Storage.write_stream``."""
+    yield memoryview(header)
+    for it, t in reader.read(items):
+        yield from _cast_pieces(t, it.out_dtype)
+        progress.advance(it.nbytes)
+
+
+def split_url(url: str) -> tuple[str, str]:
+    """``"s3://b/run/model.safetensors"`` -> ``("s3://b/run", "model.safetensors")``;
+    a bare local name's parent is ``"."``."""
+    u = url.rstrip("/")
+    proto, rest = split_protocol(u)
+    if "/" not in rest:
+        if proto == "file" and "://" not in u and u not in ("", "."):
+            return ".", u
+        raise ConfigError(f"output {url!r} names no file or directory below a parent; add a name")
+    parent, name = u.rsplit("/", 1)
+    if name in (".", ".."):
+        raise ConfigError(f"output {url!r} must end in a name, not {name!r}")
+    return (parent or "/"), name
+
+
+def safetensors_metadata(md: fmt.Metadata) -> dict[str, str]:
+    """The header's ``__metadata__``: ``format: pt`` (what transformers writes) and the save's provenance."""
+    return {"format": "pt", "bytecp_save_id": md.save_id, "step": str(md.step)}
+
+
+def _single_file_target(out: str, out_options: dict[str, Any] | None, overwrite: bool) -> tuple[Storage, str]:
+    parent_url, name = split_url(out)
+    parent = open_storage(parent_url, **(out_options or {}))
+    if parent.list_files(name):
+        raise ConfigError(f"{out} is a directory; name the output file (or drop --format for the Hugging Face layout)")
+    if not overwrite and parent.exists(name):
+        raise CheckpointExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
+    return parent, name
+
+
+def export_safetensors(
+    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    overwrite: bool = False, out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
+) -> ExportResult:
+    """Write the selected tensors to ONE safetensors file at ``out`` (any URL),
+    streamed (about one tensor in memory) and published atomically."""
+    storage, md, chunks = open_checkpoint(src)
+    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
+    parent, name = _single_file_target(out, out_options, overwrite)
+    header = safetensors_header(items, safetensors_metadata(md))
+    total = sum(it.nbytes for it in items)
+    progress.start(total)
+    n = parent.write_stream(name, safetensors_pieces(header, items, TensorReader(storage, chunks), progress),
+                            size_hint=len(header) + total)
+    return ExportResult(out, "safetensors", {name: n}, len(items), total, omitted)
+
+
+class _QueueWriter:
+    """A write-only file for ``torch.save`` whose bytes are consumed from another thread."""
+
+    def __init__(self) -> None:
+        self.q: queue.Queue[bytes | BaseException | None] = queue.Queue(maxsize=4)
+        self.closed = threading.Event()  # the consumer stopped: the producer must too
+
+    def write(self, b: Any) -> int:
+        data = bytes(b)  # the view is only valid during the call
+        while True:
+            if self.closed.is_set():
+                raise OSError("the export's output stopped accepting bytes")
+            try:
+                self.q.put(data, timeout=0.5)
+                return len(data)
+            except queue.Full:
+                continue
+
+    def flush(self) -> None:
+        pass
+
+    def pieces(self) -> Iterator[bytes]:
+        while (item := self.q.get()) is not None:
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+
+
+def export_torch(
+    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    overwrite: bool = False, out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
+) -> ExportResult:
+    """``torch.save`` a flat ``{name: tensor}`` dict to ``out`` (loads with ``weights_only=True``).
+
+    Memory: every exported tensor at once (``torch.save`` needs them
+    together), plus a few pieces of the file while it is uploaded; use the
+    safetensors formats for states larger than memory."""
+    storage, md, chunks = open_checkpoint(src)
+    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
+                                    safetensors=False)
+    parent, name = _single_file_target(out, out_options, overwrite)
+    total = sum(it.nbytes for it in items)
+    progress.start(total)
+    sd: dict[str, torch.Tensor] = {}
+    for it, t in TensorReader(storage, chunks).read(items):
+        sd[it.name] = t.to(dtype_from_name(it.out_dtype))
+        progress.advance(it.nbytes)
+    writer = _QueueWriter()
+
+    def save() -> None:
+        try:
+            torch.save(sd, writer)  # type: ignore[arg-type]  # write() and flush() are all it uses
+            end: BaseException | None = None
+        except BaseException as e:  # handed to the consumer, raised there
+            end = e
+        while not writer.closed.is_set():
+            try:
+                writer.q.put(end, timeout=0.5)
+                return
+            except queue.Full:
+                continue
+
+    th = threading.Thread(target=save, name="bytecp-export-torch", daemon=True)
+    th.start()
+    try:
+        n = parent.write_stream(name, writer.pieces())
+    finally:
+        writer.closed.set()
+        th.join()
+    return ExportResult(out, "torch", {name: n}, len(items), total, omitted)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .progress import NO_PROGRESS, Progress
 from .reader import read_metadata
 from .storage_api import Storage
 
@@ -24,8 +25,14 @@ class GcResult:
     kept_newer: list[str]  # files of saves that may still be running
 
 
-def collect_garbage(storage: Storage, *, dry_run: bool = False) -> GcResult:
-    """Delete unreferenced data/index files of saves older than the committed one."""
+#: files deleted per storage call (one S3 DeleteObjects request holds 1,000)
+DELETE_BATCH = 1000
+
+
+def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progress = NO_PROGRESS) -> GcResult:
+    """Delete unreferenced data/index files of saves older than the committed one.
+
+    ``progress`` hears the files as they are deleted (batches of :data:`DELETE_BATCH`)."""
     md = read_metadata(storage)
     keep = md.referenced_files()
     removed: list[str] = []
@@ -39,7 +46,11 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False) -> GcResult:
         else:
             removed.append(path)
     if removed and not dry_run:
-        storage.delete(removed)
+        progress.start(len(removed))
+        for i in range(0, len(removed), DELETE_BATCH):
+            batch = removed[i : i + DELETE_BATCH]
+            storage.delete(batch)
+            progress.advance(len(batch))
     return GcResult(removed, newer)
 
 

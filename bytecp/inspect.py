@@ -15,6 +15,7 @@ from . import limits
 from .checksum import crc32c
 from .dtypes import dtype_from_name, itemsize
 from .errors import BytecpError
+from .progress import NO_PROGRESS, Progress
 from .reader import read_chunks, read_metadata
 from .regions import Region
 from .storage_api import Storage
@@ -82,11 +83,12 @@ class VerifyProblem:
         return f"{self.file}: {self.what} {self.region}: {self.message}"
 
 
-def verify(storage: Storage, *, io_threads: int = 8) -> tuple[int, list[VerifyProblem]]:
+def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PROGRESS) -> tuple[int, list[VerifyProblem]]:
     """Read every chunk and object blob, check sizes and crc32c, and decode
     every blob saved without ``allow_pickle`` with the safe loader.
 
-    Returns ``(bytes checked, problems)``; no problems means the checkpoint is intact.
+    Returns ``(bytes checked, problems)``; no problems means the checkpoint
+    is intact. ``progress`` hears the bytes as they are checked.
     """
     md = read_metadata(storage)
     chunks = read_chunks(storage, md)
@@ -117,6 +119,12 @@ def verify(storage: Storage, *, io_threads: int = 8) -> tuple[int, list[VerifyPr
                 blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
 
     def check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
+        try:
+            return _check(item)
+        finally:
+            progress.advance(item[4])
+
+    def _check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
         file, what, region, off, n, crc = item
         size = sizes.get(file, -1)
         if size is None:
@@ -137,6 +145,7 @@ def verify(storage: Storage, *, io_threads: int = 8) -> tuple[int, list[VerifyPr
                 return VerifyProblem(file, what, region, f"does not load with the safe loader: {e}")
         return None
 
+    progress.start(sum(i[4] for i in items))
     with concurrent.futures.ThreadPoolExecutor(io_threads, "bytecp-verify") as ex:
         for p in ex.map(check, items):
             if p is not None:

@@ -23,6 +23,11 @@ Load
      against the real files before anything is allocated.
   2. (all ranks, reader threads) ``read_ranges`` (a batch of ranges of one
      file, coalesced by object-store backends) or ``read_into`` for byte ranges.
+Export (``bytecp export``, one process)
+  1. ``write_stream`` for each file larger than memory (safetensors shards),
+     atomic per file; ``commit`` for the small ones, the commit file last.
+  2. Where ``atomic_rename`` holds (filesystems), the whole output is staged
+     beside its destination and published with one ``rename``.
 
 Backends live in ``bytecp.storage`` and register by URL protocol; the core
 only reaches them through :func:`open_storage`, which imports the module
@@ -100,6 +105,43 @@ class Storage(abc.ABC):
         naming the file if it exists, leaving it untouched and no temporary
         behind.
         """
+
+    def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
+        """Create (or replace) ``path`` from ``pieces``, consumed one at a time; returns its size.
+
+        (one process: ``bytecp export``) For files larger than memory: a piece
+        may be overwritten or freed by the producer as soon as the next one is
+        requested, so the backend writes (or copies) each piece before it pulls
+        the next, and memory holds about one piece plus the backend's write
+        buffer. ``size_hint`` (the file's size, when known) lets object stores
+        choose their part size. The publish is atomic: readers see the old
+        file (or none) or the whole new one, never a part -- filesystems write
+        a temporary file and rename it, object stores complete a multipart
+        upload. If ``pieces`` raises, the exception propagates and nothing is
+        published or left behind.
+
+        This default collects every piece first (memory: the whole file);
+        bytecp's backends override it.
+        """
+        data = [bytes(memoryview(p).cast("B")) for p in pieces]
+        self.write_file(path, data)
+        return sum(len(d) for d in data)
+
+    #: whether :meth:`rename` works here: one atomic rename of a file or a
+    #: whole directory (filesystems). Object stores have none; callers then
+    #: publish file by file, the commit file last.
+    atomic_rename: bool = False
+
+    def rename(self, src: str, dst: str, *, replace: bool = False) -> None:
+        """Rename the file or directory ``src`` to ``dst`` in one atomic step.
+
+        (one process: ``bytecp export`` publishing a staged directory) Only
+        where :attr:`atomic_rename` is true. ``replace=False`` raises
+        :class:`~bytecp.errors.CheckpointExistsError` if ``dst`` exists (and
+        changes nothing); ``replace=True`` swaps an existing ``dst`` out and
+        deletes it afterwards.
+        """
+        raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
 
     @abc.abstractmethod
     def delete(self, paths: Iterable[str]) -> None:

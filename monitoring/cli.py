@@ -199,16 +199,22 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
         return int(args.func(args))
-    except (FileNotFoundError, ConfigError) as e:
-        print(f"bytecp monitor: {e}", file=sys.stderr)
-        return 2
-    except Exception as e:
-        import grpc
+    except (Exception, KeyboardInterrupt) as e:  # the exit codes of every bytecp command (bytecp.cli)
+        from bytecp.cli import EXIT_INTERNAL, EXIT_STORAGE, EXIT_USAGE, exit_code
 
-        if isinstance(e, grpc.RpcError) and isinstance(e, grpc.Call):
+        try:
+            import grpc
+        except ImportError:  # pragma: no cover - grpcio is part of the monitoring extra
+            grpc = None
+        if grpc is not None and isinstance(e, grpc.RpcError) and isinstance(e, grpc.Call):
             print(f"bytecp monitor: collector said {e.code().name}: {e.details()}", file=sys.stderr)
-            return 2
-        raise
+            unreachable = e.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+            return EXIT_STORAGE if unreachable else EXIT_USAGE
+        code = EXIT_USAGE if isinstance(e, FileNotFoundError | ConfigError) else exit_code(e)
+        if code == EXIT_INTERNAL:
+            raise
+        print(f"bytecp monitor: {e or type(e).__name__}", file=sys.stderr)
+        return code
 
 
 if __name__ == "__main__":

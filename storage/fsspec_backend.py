@@ -121,6 +121,61 @@ class FsspecStorage(Storage):
 
         self._call(write, path, "write")
 
+    def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
+        """fsspec's buffered file writer, into a temporary name renamed over
+        ``path``. Where a put is atomic (memory, whose files are visible while
+        they are written) the pieces are joined and put at once: the bytes
+        live in memory there anyway. Not retried as a whole (the pieces
+        cannot be replayed); errors name the URL."""
+        full = self._full(path)
+        where = f"{self.url.rstrip('/')}/{path.strip('/')} (write)"
+        if self.atomic_put:
+            data = bytearray()
+            for piece in pieces:
+                data += memoryview(piece).cast("B")
+
+            def put() -> None:
+                self._makedirs(posixpath.dirname(full))
+                self.fs.pipe_file(full, bytes(data))
+
+            self._call(put, path, "write")
+            return len(data)
+        target = f"{full}.tmp-{uuid.uuid4().hex[:8]}"
+        total = 0
+        f: Any = None
+        try:
+            try:
+                self._makedirs(posixpath.dirname(full))
+                f = self.fs.open(target, "wb")
+            except Exception as e:
+                raise _retry.to_storage_error(e, where) from e
+            for piece in pieces:  # errors of the producer propagate unchanged
+                view = memoryview(piece).cast("B")
+                try:
+                    f.write(view)
+                except Exception as e:
+                    raise _retry.to_storage_error(e, where) from e
+                total += len(view)
+            try:
+                f.close()
+                f = None
+                self._rename_over(target, full)
+            except Exception as e:
+                raise _retry.to_storage_error(e, where) from e
+        except BaseException:
+            if f is not None:
+                try:
+                    f.discard() if hasattr(f, "discard") else f.close()
+                except Exception:  # noqa: BLE001 - best effort; the original error matters
+                    pass
+            try:
+                if self.fs.exists(target):
+                    self.fs.rm(target)
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        return total
+
     def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         full = self._full(path)
         payload = bytes(data)

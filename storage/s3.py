@@ -464,6 +464,99 @@ class S3Storage(Storage):
         except StorageError as e:
             raise self._error(e, path, "write") from e
 
+    #: parts of one ``write_stream`` in flight at once (each holds a part in memory)
+    STREAM_WINDOW = 4
+
+    def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
+        """A multipart upload fed as the pieces come: each full part goes up
+        while the next one fills, at most :attr:`STREAM_WINDOW` parts in
+        flight (memory: that many parts, whatever the file's size). A file
+        that fits in one part is one PUT. The object appears only when the
+        upload completes; on any error (the producer's included) the upload
+        is aborted, so no object and no orphaned parts remain."""
+        import concurrent.futures
+
+        part = self._part_size_for(size_hint) if size_hint else self.part_size
+        window = max(1, min(self.max_concurrency, self.STREAM_WINDOW))
+        key = self._key(path)
+        loop = self._client.fs.loop
+        buf = bytearray(part)
+        filled = total = 0
+        upload_id: str | None = None
+        futures: list[concurrent.futures.Future[dict[str, Any]]] = []
+
+        def s3op(fn: Callable[[], T]) -> T:
+            try:
+                return fn()
+            except StorageError as e:
+                raise self._error(e, path, "write") from e
+
+        def send(body: Any) -> None:
+            nonlocal upload_id
+            if upload_id is None:
+                where = self._where(path, "create_multipart_upload")
+                created = s3op(lambda: self._run(lambda: self._call(
+                    "create_multipart_upload", where, Bucket=self.bucket, Key=key)))
+                upload_id = created["UploadId"]
+            n = len(futures) + 1
+            if n > MAX_PARTS:
+                raise StorageError(
+                    f"{self._where(path, 'write')}: more than {MAX_PARTS} parts of {part} B; "
+                    "give write_stream the file's size (size_hint) or a larger part_size"
+                )
+            futures.append(asyncio.run_coroutine_threadsafe(self._upload_part(path, key, upload_id, n, body), loop))
+            while sum(not f.done() for f in futures) >= window:
+                concurrent.futures.wait(futures, return_when=concurrent.futures.FIRST_COMPLETED)
+            for f in futures:  # fail fast: an upload error stops the producer
+                if f.done() and f.exception() is not None:
+                    s3op(f.result)
+
+        try:
+            for piece in pieces:  # errors of the producer propagate unchanged
+                view = memoryview(piece).cast("B")
+                while len(view):
+                    if filled == part:  # a full part and more to come: send it
+                        send(buf)
+                        buf, filled = bytearray(part), 0
+                    take = min(part - filled, len(view))
+                    buf[filled : filled + take] = view[:take]
+                    filled += take
+                    total += take
+                    view = view[take:]
+            if upload_id is None:  # it all fits in one part: one PUT
+                body = memoryview(buf)[:filled]
+                where = self._where(path, "put_object")
+                s3op(lambda: self._run(lambda: self._call(
+                    "put_object", where, Bucket=self.bucket, Key=key, Body=body)))
+                return total
+            if filled:
+                send(memoryview(buf)[:filled])
+            done = [s3op(f.result) for f in futures]
+            uid = upload_id
+            s3op(lambda: self._run(lambda: self._complete(path, key, uid, done, total)))
+            return total
+        except BaseException:
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures, timeout=30)
+            if upload_id is not None:
+                uid = upload_id
+                self._run(lambda: self._abort(path, key, uid))
+            raise
+
+    async def _upload_part(self, path: str, key: str, upload_id: str, n: int, body: Any) -> dict[str, Any]:
+        """One part of a streamed upload, with retries; its ``{"PartNumber", "ETag"}``."""
+
+        async def attempt() -> Any:
+            async with self._client.sem:
+                s3 = await self._client.s3()
+                return await s3.upload_part(Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=n, Body=body)
+
+        out = await _retry.acall(
+            attempt, policy=self.retry, where=self._where(path, f"upload_part {n}"), backend=self.backend
+        )
+        return {"PartNumber": n, "ETag": out["ETag"]}
+
     def _part_size_for(self, total: int) -> int:
         size = self.part_size
         if -(-total // size) > MAX_PARTS:  # grow parts so the file fits in 10,000

@@ -27,6 +27,7 @@ from __future__ import annotations
 import array
 import random
 import threading
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -42,7 +43,7 @@ from bytecp.storage_api import Storage
 
 __all__ = [
     "StorageFixtures", "StorageContract", "WriteReadTests", "ListDeleteTests", "CommitTests",
-    "ConcurrencyTests", "ErrorTests", "MiB", "payload",
+    "StreamTests", "RenameTests", "ConcurrencyTests", "ErrorTests", "MiB", "payload",
 ]
 
 MiB = 1 << 20
@@ -335,6 +336,78 @@ class ExclusiveCommitTests:
             assert storage.list_files(f"round-{rnd}") == [path]
 
 
+class StreamTests:
+    """``write_stream``: files larger than memory, published whole or not at all."""
+
+    large_size: int  # from the fixtures base
+
+    @staticmethod
+    def _reused(data: bytes, step: int) -> Iterator[memoryview]:
+        """Yield ``data`` in pieces through ONE reused buffer (the producer
+        overwrites a piece as soon as the next is asked for)."""
+        buf = bytearray(step)
+        for off in range(0, len(data), step):
+            n = min(step, len(data) - off)
+            buf[:n] = data[off : off + n]
+            yield memoryview(buf)[:n]
+
+    def test_stream_roundtrip_with_reused_buffer(self, storage: Storage) -> None:
+        data = payload(self.large_size, 21)
+        n = storage.write_stream("out/big.safetensors", self._reused(data, 1_000_003), size_hint=len(data))
+        assert n == len(data)
+        assert storage.read_bytes("out/big.safetensors") == data
+        assert storage.list_files() == ["out/big.safetensors"]  # no temporaries
+
+    def test_stream_of_pieces_of_every_kind_and_none(self, storage: Storage) -> None:
+        t = torch.arange(100, dtype=torch.float32)
+        parts = [b"head", b"", bytearray(b"-x-"), memoryview(t.numpy()), array.array("d", [1.5])]
+        expected = b"".join(bytes(memoryview(p).cast("B")) for p in parts)
+        assert storage.write_stream("mixed.bin", iter(parts)) == len(expected)
+        assert storage.read_bytes("mixed.bin") == expected
+        assert storage.write_stream("empty.bin", iter([])) == 0
+        assert storage.read_bytes("empty.bin") == b""
+
+    def test_failing_producer_publishes_nothing_and_keeps_the_old_file(self, storage: Storage) -> None:
+        storage.write_file("keep.bin", [b"old contents"])
+        data = payload(self.large_size, 22)
+
+        def broken() -> Iterator[memoryview]:
+            yield from self._reused(data[: len(data) // 2 + 1], 1_000_003)
+            raise RuntimeError("producer failed")
+
+        with pytest.raises(RuntimeError, match="producer failed"):
+            storage.write_stream("keep.bin", broken(), size_hint=len(data))
+        with pytest.raises(RuntimeError, match="producer failed"):
+            storage.write_stream("new.bin", broken(), size_hint=len(data))
+        assert storage.read_bytes("keep.bin") == b"old contents"
+        assert storage.list_files() == ["keep.bin"]
+        uploads = getattr(storage, "list_incomplete_uploads", None)
+        assert uploads is None or uploads() == []
+
+
+class RenameTests:
+    """``rename`` where ``atomic_rename`` holds: staged directories published in one step."""
+
+    def test_rename_directory_new_and_replace(self, storage: Storage) -> None:
+        if not storage.atomic_rename:
+            with pytest.raises(NotImplementedError):
+                storage.rename("a", "b")
+            return
+        storage.write_file("stage/x.bin", [b"new x"])
+        storage.write_file("stage/sub/y.bin", [b"new y"])
+        storage.rename("stage", "out")
+        assert storage.list_files() == ["out/sub/y.bin", "out/x.bin"]
+        storage.write_file("stage2/z.bin", [b"z"])
+        with pytest.raises(CheckpointExistsError, match="out"):
+            storage.rename("stage2", "out")
+        assert storage.list_files() == ["out/sub/y.bin", "out/x.bin", "stage2/z.bin"]
+        storage.rename("stage2", "out", replace=True)
+        assert storage.list_files() == ["out/z.bin"]
+        storage.write_file("f.bin", [b"f"])
+        storage.rename("f.bin", "g.bin")
+        assert storage.read_bytes("g.bin") == b"f" and not storage.exists("f.bin")
+
+
 class ConcurrencyTests:
     def test_many_threads_write_and_read(self, storage: Storage) -> None:
         files = {f"data/{i}-0.bin": payload(50_000 + i, i) for i in range(12)}
@@ -372,6 +445,7 @@ class ErrorTests:
 
 
 class StorageContract(
-    WriteReadTests, ListDeleteTests, CommitTests, ExclusiveCommitTests, ConcurrencyTests, ErrorTests
+    WriteReadTests, ListDeleteTests, CommitTests, ExclusiveCommitTests, StreamTests, RenameTests,
+    ConcurrencyTests, ErrorTests,
 ):
     """Every mixin: what a backend must pass."""

@@ -1,0 +1,95 @@
+"""The command line's contract: ``--json`` on every command, the exit codes
+(0 ok, 1 problems found, 2 usage or checkpoint error, 3 storage error), one
+line per error. Progress bars: tests/export/test_cli_progress.py."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.cli import EXIT_INTERNAL, EXIT_STORAGE, exit_code
+from bytecp.cli import main as cli
+from bytecp.errors import CorruptCheckpointError, StoragePermissionError
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    bytecp.save(str(tmp_path / "run" / "step-1"), {"model": model, "extra": {"step": 1}}, step=1)
+    bytecp.save(str(tmp_path / "run" / "step-2"), {"model": model, "extra": {"step": 2}}, step=2)
+    return tmp_path / "run"
+
+
+def leftover(ck: Path) -> str:
+    """Files of an older crashed save beside the committed one (what gc removes)."""
+    first = next((ck / "data").iterdir()).name
+    old = "20000101T000000-deadbeef"
+    shutil.copytree(ck / "data" / first, ck / "data" / old)
+    return old
+
+
+def json_out(capsys: Any) -> Any:
+    return json.loads(capsys.readouterr().out)
+
+
+def test_json_on_every_command(run: Path, tmp_path: Path, capsys: Any) -> None:
+    ck = run / "step-2"
+    assert cli(["ls", str(run), "--json"]) == 0
+    assert [(c["name"], c["step"]) for c in json_out(capsys)] == [("step-1", 1), ("step-2", 2)]
+    assert cli(["inspect", str(ck), "--json"]) == 0
+    assert json_out(capsys)["step"] == 2
+    assert cli(["verify", str(ck), "--json"]) == 0
+    res = json_out(capsys)
+    assert res["ok"] is True and res["problems"] == [] and res["bytes_checked"] > 64 * 64 * 4
+    old = leftover(ck)
+    assert cli(["gc", str(ck), "--dry-run", "--json"]) == 0
+    res = json_out(capsys)
+    assert res["dry_run"] is True and any(old in p for p in res["removed"]) and res["kept_newer"] == []
+    assert cli(["gc", str(ck), "--json"]) == 0
+    assert json_out(capsys)["removed"] and not (ck / "data" / old).exists()
+    assert cli(["export", str(ck), str(tmp_path / "hf"), "--json"]) == 0
+    res = json_out(capsys)
+    assert res["format"] == "hf" and res["files"] == {"model.safetensors": (tmp_path / "hf" / "model.safetensors").stat().st_size}
+    assert res["tensors"] == 4 and res["config"] is None
+    assert cli(["export", str(ck), str(tmp_path / "m.safetensors"), "--json"]) == 0
+    assert json_out(capsys)["format"] == "safetensors"
+
+
+def test_exit_codes_and_one_line_errors(run: Path, tmp_path: Path, capsys: Any) -> None:
+    ck = run / "step-2"
+    # 1: verify found a problem (and says so in JSON too)
+    data = next((ck / "data").rglob("*.bin"))
+    raw = bytearray(data.read_bytes())
+    raw[10] ^= 0xFF
+    data.write_bytes(bytes(raw))
+    assert cli(["verify", str(ck), "--json"]) == 1
+    out = capsys.readouterr()
+    res = json.loads(out.out)
+    assert res["ok"] is False and "crc32c mismatch" in res["problems"][0]["message"]
+    assert "1 problem(s) found" in out.err
+    # 2: not a checkpoint, a bad option, a usage error; JSON callers get the error as JSON
+    for args in (["inspect", str(run), "--json"], ["verify", str(tmp_path / "nothing"), "--json"],
+                 ["ls", str(run), "--storage-options", "{bad", "--json"]):
+        assert cli(args) == 2, args
+        out = capsys.readouterr()
+        assert json.loads(out.out)["exit_code"] == 2 and len(out.err.strip().splitlines()) == 1, out.err
+    with pytest.raises(SystemExit) as e:
+        cli(["verify"])
+    assert e.value.code == 2
+    capsys.readouterr()
+    # 3: the storage failed (the output's parent is a file)
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert cli(["export", str(run / "step-1"), str(afile / "out"), "--json"]) == 3
+    out = capsys.readouterr()
+    assert json.loads(out.out)["exit_code"] == 3 and len(out.err.strip().splitlines()) == 1
+    assert exit_code(StoragePermissionError("x")) == EXIT_STORAGE and exit_code(CorruptCheckpointError("x")) == 2
+    assert exit_code(KeyboardInterrupt()) == 130 and exit_code(TypeError("bug")) == EXIT_INTERNAL
