@@ -211,13 +211,12 @@ class _Story:
     def handoff(self, final: JobOutcome) -> None:
         ckpt = f"{self.run}/step-{TOTAL_STEPS}"
         export_dir = os.path.join(self.out, "export")
-        target = os.path.join(export_dir, "model.safetensors")  # the Hugging Face layout form: target = export_dir
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        tell("Hand-off to evaluation: export the final checkpoint as safetensors; then an evaluation job (one "
-             "process, plain torch + safetensors: no bytecp, no torch.distributed) rebuilds the model and "
-             "evaluates it.", "6/6  ")
-        say(f"{_W}$ bytecp export {ckpt} {target}")
-        self._tool("export", [sys.executable, "-m", "bytecp.cli", "export", ckpt, target])
+        target = export_dir  # the Hugging Face layout: shards + model.safetensors.index.json
+        tell("Hand-off to evaluation: export the final checkpoint in the Hugging Face layout (safetensors shards "
+             "and their index, cut small here to show the sharding); then an evaluation job (one process, plain "
+             "torch + safetensors: no bytecp, no torch.distributed) rebuilds the model and evaluates it.", "6/6  ")
+        say(f"{_W}$ bytecp export {ckpt} {target} --max-shard-size 64KB")
+        self._tool("export", [sys.executable, "-m", "bytecp.cli", "export", ckpt, target, "--max-shard-size", "64KB"])
         result = os.path.join(self.work, "eval.json")
         say(f"{_W}$ python -m bytecp.demo.evaluate {export_dir}")
         self._tool("eval job", [sys.executable, "-m", "bytecp.demo.evaluate", export_dir, "--json", result])
