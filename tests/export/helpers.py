@@ -48,12 +48,20 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     if md.aliases.get(alias) == stored or md.aliases.get(stored) == alias:
         return  # the save recorded the tie already (either way round)
     assert alias in md.tensors and stored in md.tensors, (alias, stored, list(md.tensors))
-    for name in md.index_files:
-        path = ck / name
-        chunks = fmt.read_index([(name, path.read_bytes())])
-        path.write_bytes(fmt.write_index([c for c in chunks if c.fqn != alias]))
+    from bytecp.chunk_batch import ChunkBatch
+    from bytecp.index_build import build_index
+    from bytecp.reader import read_chunks
+    from bytecp.storage_api import open_storage
+
+    chunks = [c for c in read_chunks(open_storage(str(ck)), md) if c.fqn != alias]
     del md.tensors[alias]
     md.aliases[alias] = stored
+    specs = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in md.tensors.items()}
+    built = build_index([ChunkBatch.of(chunks)], specs, md.data_files, md.save_id)  # the index without it
+    md.tensors = {k: {**v, **({"band_dim": built.band_dims[k]} if k in built.band_dims else {})}
+                  for k, v in specs.items()}
+    md.index = built.directory
+    (ck / built.directory.file).write_bytes(b"".join(built.blobs))
     (ck / fmt.METADATA_FILE).write_bytes(md.to_bytes())
 
 

@@ -53,8 +53,10 @@ def damage(ck: Path, fqn: str) -> None:
     from bytecp import format as fmt
 
     md = fmt.Metadata.from_bytes((ck / fmt.METADATA_FILE).read_bytes(), str(ck))
-    chunks = fmt.read_index([(n, (ck / n).read_bytes()) for n in md.index_files])
-    c = next(c for c in chunks if c.fqn == fqn)
+    from bytecp.reader import read_chunks
+    from bytecp.storage_api import open_storage
+
+    c = next(c for c in read_chunks(open_storage(str(ck)), md) if c.fqn == fqn)
     data = ck / c.file
     raw = bytearray(data.read_bytes())
     raw[c.byte_offset + c.nbytes // 2] ^= 0xFF
