@@ -98,10 +98,12 @@ def read_segments(
     nb = len(d.band["bucket"])
     where = f"{storage.url.rstrip('/')}/{d.file}"
     spans = []
+    places: list[_Place] = []
     for s in segments:
         col = d.band if s < nb else d.wide
         k = s if s < nb else s - nb
         spans.append((col["offset"][k], col["nbytes"][k], col["rows"][k], col["crc32c"][k]))
+        places.append((d.band["bucket"][k], None, None) if s < nb else (None, d.wide["first"][k], d.wide["last"][k]))
     if budget is not None:
         check_budget(storage, md, budget, sum(sp[2] for sp in spans))
     bufs = [bytearray(n) for _, n, _, _ in spans]
@@ -112,18 +114,24 @@ def read_segments(
             raise CorruptCheckpointError(f"{where}: the index file named in metadata.json is missing or short ({e})") from e
     seen: set[fmt.ChunkRecord] = set()
     out: list[fmt.ChunkRecord] = []
-    for s, (off, n, rows, crc), buf in zip(segments, spans, bufs, strict=True):
+    for s, (off, n, rows, crc), buf, place in zip(segments, spans, bufs, places, strict=True):
         label = f"{where} segment {s} (bytes {off}..{off + n})"
         if crc32c(buf) != crc:
             raise CorruptCheckpointError(f"{label}: checksum mismatch; the index is damaged")
-        for c in _decode(label, bytes(buf), rows, md, fqns):
+        for c in _decode(label, bytes(buf), rows, md, fqns, place):
             if c not in seen:  # a chunk meeting several bands is listed, the same, in each
                 seen.add(c)
                 out.append(c)
     return out
 
 
-def _decode(label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
+#: where a segment's rows belong: (its band, None, None) or (None, first name, last name)
+_Place = tuple[int | None, str | None, str | None]
+
+
+def _decode(
+    label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str] | None, place: _Place
+) -> list[fmt.ChunkRecord]:
     """One segment's rows (of the tensors in ``fqns``) as chunk records."""
     try:
         pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(_STRINGS))
@@ -154,14 +162,14 @@ def _decode(label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str]
             keep = np.isin(names.indices.to_numpy(zero_copy_only=False),
                            [i for i, v in enumerate(values) if v in fqns])
             table = table.filter(pa.array(keep))
-        return _records(table, md, label)
+        return _records(table, md, label, place)
     except CorruptCheckpointError:
         raise
     except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as e:
         raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
 
 
-def _records(table: pa.Table, md: fmt.Metadata, label: str) -> list[fmt.ChunkRecord]:
+def _records(table: pa.Table, md: fmt.Metadata, label: str, place: _Place) -> list[fmt.ChunkRecord]:
     cols = [fmt.column_values(table, name) for name in INDEX_SCHEMA_V2.names]
     out = []
     for fqn, of, ln, f, bo, nb, crc in zip(*cols, strict=True):
@@ -171,4 +179,29 @@ def _records(table: pa.Table, md: fmt.Metadata, label: str) -> list[fmt.ChunkRec
         out.append(fmt.ChunkRecord(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
                                    int(bo), int(nb), int(crc)))
     limits.check_chunk_records(label, out)
+    _check_place(label, md, out, place)
     return out
+
+
+def _check_place(label: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord], place: _Place) -> None:
+    """Every row is where §5.4 puts it: a band segment lists chunks of banded
+    tensors that meet its band, a wide segment chunks of wide tensors named
+    within its range. (A misplaced row would make a load depend on which
+    other segments a rank happens to read.)"""
+    assert md.index is not None
+    band, first, last = place
+    for c in chunks:
+        dim = md.tensors[c.fqn].get("band_dim")
+        shape = md.tensors[c.fqn]["shape"]
+        if band is None:
+            ok = dim is None and first is not None and last is not None and first <= c.fqn <= last
+        else:
+            ok = (dim is not None and len(c.offsets) == len(c.lengths) == len(shape) and c.lengths[dim] > 0
+                  and bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)[0] <= band
+                  <= bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)[1])
+        if not ok:
+            where = f"band {band}" if band is not None else f"the wide segment of names {first!r}..{last!r}"
+            raise CorruptCheckpointError(
+                f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} "
+                f"does not belong in {where} (FORMAT.md §5.4); the index is corrupt"
+            )

@@ -96,8 +96,8 @@ class LoadPipeline:
                     limits.check_sizes(self.storage, md, chunks, real)  # before any tensor is allocated
                     sp.files = 1 + len(md.index_files)
                     return md, chunks, None
+                limits.check_index_file(self.storage, md)  # before the index names tensors in errors
                 limits.check_sizes(self.storage, md, lambda: read_chunks(self.storage, md, md.data_files), real)
-                limits.check_index_file(self.storage, md)
                 budget = index_read.max_rows(md, real)
                 index_read.check_budget(self.storage, md, budget)
                 sp.files = 1

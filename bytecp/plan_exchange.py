@@ -268,4 +268,4 @@ def needs_coordinator(plan: LocalSavePlan, decision: PlanDecision) -> LocalSaveP
     those of unsound replica sets (as a plan without hints)."""
     sets = plan.sets or (None,) * len(plan.items)
     items = tuple(it for it, rs in zip(plan.items, sets, strict=True) if rs is None or rs.key in decision.bad_sets)
-    return LocalSavePlan(plan.rank, items)
+    return LocalSavePlan(plan.rank, items, fixed=plan.fixed)

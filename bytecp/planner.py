@@ -1,7 +1,9 @@
 """Save and load planning: pure functions over regions, no I/O, no torch.distributed.
 
-Save (called by the save pipeline: every rank builds its :class:`LocalSavePlan`, the
-coordinator runs :func:`plan_save` over all of them and scatters back):
+Save (called through :mod:`bytecp.plan_exchange`: every rank builds its
+:class:`LocalSavePlan`; each member of a replica set runs
+:func:`plan_replicated` alone; the coordinator runs :func:`plan_save` over
+the boxes without a sound replica hint and scatters back):
 
 - regions held by several ranks (replicas: DDP, HSDP, Megatron's DP) are
   written once; a replicated region of at least ``split_bytes`` is cut along
@@ -9,17 +11,16 @@ coordinator runs :func:`plan_save` over all of them and scatters back):
   length), so under DDP every rank writes about 1/W of the bytes;
 - each piece goes to the least-loaded rank that holds it (largest first).
 
-Load (every rank, on its own targets): :func:`plan_load` intersects target
-boxes with saved chunks and turns each intersection into ranged reads of only
-the needed bytes; a sub-box that is not contiguous in its chunk is read as
-one span when the waste is small, else split row by row.
+Load (every rank, on its own targets): :func:`plan_load` (in
+:mod:`bytecp.load_plan`, re-exported here) turns target boxes into ranged
+reads; :func:`assign_shared` spreads the whole tensors every rank wants over
+the ranks for zero-redundancy loading.
 
 Tests run these for thousands of simulated ranks in one process.
 """
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import hashlib
 import heapq
@@ -28,9 +29,9 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .errors import ConfigError, CorruptCheckpointError, StateMismatchError
-from .format import ChunkRecord
-from .regions import Region, element_span
+from .errors import ConfigError
+from .load_plan import ReadRequest, plan_load
+from .regions import Region
 from .state import ReplicaSet
 
 __all__ = [
@@ -83,6 +84,10 @@ class LocalSavePlan:
     rank: int
     items: tuple[WriteItem, ...]
     sets: tuple[ReplicaSet | None, ...] = ()
+    #: the rank writes exactly these boxes, as they are (an eager snapshot
+    #: copied them and nothing else); the planner gives other holders only
+    #: what they leave uncovered
+    fixed: bool = False
 
 
 def find_overlap(boxes: Sequence[Region], dim: int = 0) -> tuple[Region, Region] | None:
@@ -185,7 +190,24 @@ def plan_save(
 
     load = list(base_load) if base_load is not None else [0] * world
     out: list[list[WriteItem]] = [[] for _ in range(world)]
-    _assign([(first[k], holders[k]) for k in holders], load, out, split_bytes)
+    cuts: dict[str, list[Region]] = defaultdict(list)
+    for plan in plans:
+        if plan.fixed:  # written as they are; the others' boxes lose these parts
+            out[plan.rank].extend(plan.items)
+            for it in plan.items:
+                load[plan.rank] += it.nbytes
+                cuts[it.fqn].append(it.region)
+    held: list[tuple[WriteItem, list[int]]] = []
+    for k, ranks in holders.items():
+        free = [r for r in ranks if not plans[r].fixed]
+        if not free:
+            continue
+        it = first[k]
+        parts = [it.region]
+        for cut in cuts.get(it.fqn, ()):
+            parts = [p for part in parts for p in part.subtract(cut)]
+        held += [(it if p == it.region else dataclasses.replace(it, region=p), free) for p in parts]
+    _assign(held, load, out, split_bytes)
     for items in out:
         items.sort(key=lambda w: (w.fqn, w.region))
     return out
@@ -258,129 +280,6 @@ def _put(out: Any, rank: int, it: WriteItem) -> None:
         out.setdefault(rank, []).append(it)
     else:
         out[rank].append(it)
-
-
-@dataclasses.dataclass(frozen=True)
-class ReadRequest:
-    """Read ``nbytes`` at ``byte_offset`` of ``chunk.file``, holding chunk
-    elements ``[span_first, span_first + nbytes/itemsize)``, and copy the
-    sub-box ``box`` (global coordinates) into target ``target``'s view."""
-
-    target: int
-    chunk: int
-    box: Region
-    byte_offset: int
-    nbytes: int
-    span_first: int
-    whole_chunk: bool
-
-
-def plan_load(
-    targets: Sequence[tuple[str, Region]],
-    chunks: Sequence[ChunkRecord],
-    *,
-    itemsizes: dict[str, int],
-    max_waste: float = 0.5,
-    max_gap_bytes: int = 1 << 20,
-) -> list[ReadRequest]:
-    """Ranged reads that fill every target box from the saved chunks.
-
-    ``targets`` are ``(fqn, box)`` in global coordinates. Raises
-    :class:`StateMismatchError` for a target box the checkpoint does not fully
-    cover and :class:`CorruptCheckpointError` for overlapping chunks.
-    """
-    index = _ChunkIndex(chunks)
-    reqs: list[ReadRequest] = []
-    for ti, (fqn, box) in enumerate(targets):
-        if box.numel == 0:
-            continue
-        size = itemsizes[fqn]
-        got = 0
-        for ci in index.overlapping(fqn, box):
-            c = chunks[ci]
-            cbox = Region(c.offsets, c.lengths)
-            inter = cbox.intersect(box)
-            if inter is None:
-                continue
-            got += inter.numel
-            _reads_for(reqs, ti, ci, c, cbox, inter, size, max_waste, max_gap_bytes)
-        if got != box.numel:
-            if got > box.numel:
-                raise CorruptCheckpointError(
-                    f"tensor {fqn!r}: the checkpoint's chunks overlap: they cover {got} of the {box.numel} "
-                    f"elements of target region {box}"
-                )
-            raise StateMismatchError(
-                f"tensor {fqn!r}: the checkpoint's chunks cover {got} of the {box.numel} "
-                f"elements of target region {box}"
-            )
-    return reqs
-
-
-class _ChunkIndex:
-    """Chunks of each tensor sorted by their start along dimension 0, with a
-    running maximum of their ends: the chunks that may overlap a target box
-    are found by bisection instead of scanning every chunk of the tensor."""
-
-    def __init__(self, chunks: Sequence[ChunkRecord]) -> None:
-        by_fqn: dict[str, list[int]] = defaultdict(list)
-        for i, c in enumerate(chunks):
-            by_fqn[c.fqn].append(i)
-        self._starts: dict[str, list[int]] = {}
-        self._maxend: dict[str, list[int]] = {}
-        self._ids: dict[str, list[int]] = {}
-        for fqn, ids in by_fqn.items():
-            if not chunks[ids[0]].offsets:  # 0-dim
-                self._ids[fqn] = ids
-                continue
-            ids.sort(key=lambda i: chunks[i].offsets[0])
-            self._ids[fqn] = ids
-            self._starts[fqn] = [chunks[i].offsets[0] for i in ids]
-            run, ends = 0, []
-            for i in ids:
-                run = max(run, chunks[i].offsets[0] + chunks[i].lengths[0])
-                ends.append(run)
-            self._maxend[fqn] = ends
-
-    def overlapping(self, fqn: str, box: Region) -> list[int]:
-        ids = self._ids.get(fqn, [])
-        starts = self._starts.get(fqn)
-        if starts is None or not box.ndim:
-            return ids
-        lo, hi = box.offsets[0], box.offsets[0] + box.lengths[0]
-        j = bisect.bisect_left(starts, hi)  # chunks starting before the box ends
-        # earliest chunk whose running max end passes the box start
-        k = bisect.bisect_right(self._maxend[fqn], lo, 0, j)
-        return ids[k:j]
-
-
-def _reads_for(
-    reqs: list[ReadRequest],
-    ti: int,
-    ci: int,
-    c: ChunkRecord,
-    cbox: Region,
-    inter: Region,
-    size: int,
-    max_waste: float,
-    max_gap: int,
-) -> None:
-    local = inter.relative_to(cbox)
-    first, end = element_span(local, cbox.lengths)
-    span_bytes = (end - first) * size
-    need = inter.numel * size
-    waste = span_bytes - need
-    dim0 = next((d for d, n in enumerate(inter.lengths) if n > 1), None)
-    if waste <= max(max_waste * need, 0) or waste <= max_gap or dim0 is None:
-        reqs.append(
-            ReadRequest(
-                ti, ci, inter, c.byte_offset + first * size, span_bytes, first, inter == cbox
-            )
-        )
-        return
-    # too much waste: split along the first dimension longer than one
-    for piece in inter.split(inter.lengths[dim0]):
-        _reads_for(reqs, ti, ci, c, cbox, piece, size, max_waste, max_gap)
 
 
 def plan_shared_reads(

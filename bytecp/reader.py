@@ -67,8 +67,8 @@ def check_chunks(storage: Storage, md: fmt.Metadata, chunks: list[fmt.ChunkRecor
         bs = boxes.get(fqn, [])
         total = math.prod(info["shape"])
         held = sum(b.numel for b in bs)
-        if not bs and (total == 0 or md.index is None):
-            continue  # version 1 lists only tensors it saved chunks of
+        if not bs and total == 0:
+            continue  # no elements: no chunk (version 2), or one empty chunk or none (version 1)
         pair = find_overlap(bs, dim=int(info.get("band_dim", 0))) if held >= total and len(bs) > 1 else None
         if held != total or pair is not None:
             what = f"chunks {pair[0]} and {pair[1]} overlap" if pair else f"chunks hold {held} of {total} elements"
@@ -117,6 +117,7 @@ def read_chunks(
     validated chunk index; ``real``: the data files' real sizes when the
     caller listed them already."""
     if md.index is not None:
+        limits.check_index_file(storage, md)  # before any buffer is sized from the directory
         if real is None:
             real = limits.real_data_sizes(storage, md)
         chunks = index_read.read_segments(storage, md, index_read.all_segments(md),

@@ -85,6 +85,26 @@ class Region:
     def slices(self) -> tuple[slice, ...]:
         return tuple(slice(o, o + n) for o, n in zip(self.offsets, self.lengths, strict=True))
 
+    def subtract(self, other: Region) -> list[Region]:
+        """This box without ``other``: at most ``2*ndim`` disjoint boxes (none
+        when ``other`` covers it, itself when they do not overlap)."""
+        if self.numel == 0:
+            return []
+        inter = self.intersect(other) if self.ndim else (other if other.ndim == 0 else None)
+        if inter is None:
+            return [self]
+        out: list[Region] = []
+        offs, lens = list(self.offsets), list(self.lengths)
+        for d in range(self.ndim):
+            lo, hi = offs[d], offs[d] + lens[d]
+            ilo, ihi = inter.offsets[d], inter.offsets[d] + inter.lengths[d]
+            if ilo > lo:
+                out.append(Region(tuple(offs[:d] + [lo] + offs[d + 1 :]), tuple(lens[:d] + [ilo - lo] + lens[d + 1 :])))
+            if ihi < hi:
+                out.append(Region(tuple(offs[:d] + [ihi] + offs[d + 1 :]), tuple(lens[:d] + [hi - ihi] + lens[d + 1 :])))
+            offs[d], lens[d] = ilo, ihi - ilo
+        return out
+
     def split(self, parts: int) -> list[Region]:
         """Split along the first dimension longer than 1 into up to ``parts`` boxes."""
         for d, n in enumerate(self.lengths):

@@ -4,16 +4,17 @@ Built by :mod:`bytecp.api` on every rank for every save:
 
 - ``bytecp.save`` runs :meth:`SavePipeline.run` on the caller's thread
   (stager: views of the live tensors, no copy);
-- ``bytecp.async_save`` runs describe, plan and stage on the caller's
-  thread (stager: the reused arena) and write + commit on the background
-  thread, on a process group of its own;
+- ``bytecp.async_save`` runs describe and a snapshot of the rank's boxes
+  into the reused arena on the caller's thread, and plan, write and commit
+  on the background thread, on a process group of its own;
 - ``bytecp.async_save(lazy=True)`` runs describe on the caller's thread and
   everything else on the background thread; optimizers wait in a pre-step
   hook until the stage phase is done.
 
 Collectives (every rank, in this order): the plan phase's all-gather (plus a
-gather and a scatter when the plan is not cached), and the commit's gather
-and broadcast: 3 on a cached save, 5 on the first. The local phases
+gather and a scatter when some boxes have no replica hint every holder agrees
+on, and the plan is not cached), and the commit's gather and broadcast: 3,
+or 5 when the coordinator plans. The local phases
 (describe, stage, write) never raise on their own in a distributed job: a
 failure is kept and travels with the next collective, so every rank learns
 of it (:class:`~bytecp.errors.DistributedCheckpointError` names each failed
@@ -95,9 +96,10 @@ class SavePipeline:
         self._kept: BaseException | None = None
         self._local: LocalSavePlan | None = None  # every box this rank holds
         self._fingerprint = ""  # of ``_local``, once a snapshot has replaced the live tensors
-        #: after a snapshot of the cached share only: the boxes copied (without
-        #: replica hints), which is what a new plan may give this rank
+        #: after a snapshot of the cached share only: the boxes copied (fixed:
+        #: a new plan gives this rank exactly these, the other holders the rest)
         self._held: LocalSavePlan | None = None
+        self._cache_entry: tuple[Any, str, str, list[WriteItem]] | None = None  # put once committed
 
     # -- the phases -----------------------------------------------------------
     def run(self) -> fmt.Metadata:
@@ -140,7 +142,7 @@ class SavePipeline:
             cached = PLAN_CACHE.get(self._cache_key(), self._fingerprint)
             items = cached[1] if cached is not None else self._local.items
             if cached is not None:  # only the cached share is copied: all this rank can write now
-                self._held = LocalSavePlan(self.ctx.rank, tuple(items))
+                self._held = LocalSavePlan(self.ctx.rank, tuple(items), fixed=True)
             if self.opts.verify_replicas:  # of every box held, while it is the state being saved
                 self.output.replica_crcs = held_checksums(self._local.items, self.flat)
             with self.trace.span("stage") as sp:
@@ -201,7 +203,8 @@ class SavePipeline:
                         "save/plan", lambda: needs_coordinator(held, decision),
                         lambda plans: plan_save(plans, split_bytes=split, base_load=base, check_coverage=False),
                     )
-                PLAN_CACHE.put(key, self._fingerprint, decision.digest, items)
+                # cached once the save commits: a plan that failed is never reused
+                self._cache_entry = (key, self._fingerprint, decision.digest, items)
             self.batches = self.stager.batches(items)
 
     def stage(self) -> None:
@@ -273,6 +276,8 @@ class SavePipeline:
             if ctx.is_coordinator and not committed and self.save_id:
                 self._remove_files_of(self.save_id)
             raise
+        if self._cache_entry is not None:
+            PLAN_CACHE.put(*self._cache_entry)
         if ctx.is_coordinator and self._replaced is not None:
             self._remove_replaced(md)
         return md

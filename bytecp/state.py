@@ -89,6 +89,11 @@ class ReplicaSet:
 
     ranks: tuple[int, ...]
 
+    def __post_init__(self) -> None:
+        ranks = tuple(sorted(set(int(r) for r in self.ranks)))
+        if ranks != self.ranks:
+            object.__setattr__(self, "ranks", ranks)
+
     @functools.cached_property
     def key(self) -> str:
         """A digest naming the set (alike on every rank)."""
@@ -102,7 +107,7 @@ class ReplicaSet:
     @functools.lru_cache(maxsize=4096)
     def of(ranks: tuple[int, ...]) -> ReplicaSet:
         """The (cached) set of these ranks."""
-        return ReplicaSet(tuple(sorted(set(ranks))))
+        return ReplicaSet(tuple(ranks))
 
     @staticmethod
     @functools.lru_cache(maxsize=64)
@@ -327,9 +332,13 @@ def merge_aliases(
     differently per rank can disagree).
     """
     out = dict(mine)
-    for _, theirs in others:
+    for r, theirs in others:
         for alias, first in theirs.items():
-            out.setdefault(alias, first)
+            if out.setdefault(alias, first) != first:
+                raise ConfigError(
+                    f"tensor {alias!r} shares memory with {out[alias]!r} on rank {coordinator} but with {first!r} "
+                    f"on rank {r}; build the state alike on every rank (the same tied parameters everywhere)"
+                )
     conflicts = sorted(a for a in out if a in stored)
     if conflicts:
         ranks = sorted({coordinator for a in conflicts if a in mine}

@@ -150,3 +150,23 @@ def test_shared_reads_split_every_common_box_once_across_ranks() -> None:
     loads = [sum(p.numel * 4 for _, _, p in per) for per in plan]
     total = sum(loads)
     assert max(abs(x - total / world) for x in loads) <= 0.1 * total / world  # each reads ~1/W
+
+
+def test_fixed_pieces_stay_and_the_other_holders_get_the_rest() -> None:
+    # rank 0 copied only its earlier share of "big" (an eager snapshot); rank 1
+    # and 2 hold all of it: rank 0 writes exactly its piece, the rest is split
+    shape = (4096, 1024)
+    mine = Region((0, 0), (1365, 1024))
+    plans = [
+        LocalSavePlan(0, (item("big", shape, mine),), fixed=True),
+        LocalSavePlan(1, (item("big", shape, full_region(shape)), item("small", (7,), full_region((7,))))),
+        LocalSavePlan(2, (item("big", shape, full_region(shape)), item("small", (7,), full_region((7,))))),
+    ]
+    out = plan_save(plans, check_coverage=False)
+    assert [it.region for it in out[0]] == [mine]
+    written = defaultdict(list)
+    for items in out:
+        for it in items:
+            written[it.fqn].append(it.region)
+    assert_tiles(written, {"big": shape, "small": (7,)})
+    assert {it.fqn for it in out[1]} | {it.fqn for it in out[2]} == {"big", "small"}

@@ -85,3 +85,19 @@ def test_zero_dim_and_errors() -> None:
         assert "13" in str(e)
     else:  # pragma: no cover
         raise AssertionError("out-of-range flat range accepted")
+
+
+
+def cells(r: Region) -> set[tuple[int, ...]]:
+    return set(itertools.product(*[range(o, o + n) for o, n in zip(r.offsets, r.lengths, strict=True)]))
+
+
+@given(st.lists(st.integers(1, 5), min_size=0, max_size=3).map(tuple).flatmap(
+    lambda shape: st.tuples(box_in(shape), box_in(shape))))
+def test_subtract_leaves_exactly_the_elements_outside(boxes: tuple[Region, Region]) -> None:
+    a, b = boxes
+    parts = a.subtract(b)
+    got = [cells(p) for p in parts]
+    want = cells(a) - cells(b)
+    assert all(p.numel for p in parts) and len(parts) <= 2 * max(1, a.ndim)
+    assert sum(len(g) for g in got) == len(want) and set().union(*got) == want  # disjoint, exact

@@ -348,6 +348,30 @@ def uneven_objects(url: str) -> Any:
     return bytecp.load_state_dict(url) if r == 0 else None
 
 
+def state_changes_on_one_rank_between_async_saves(url: str) -> list[Any]:
+    """Eager async saves of a replicated tensor (split between the ranks);
+    from the second save on, rank 1 also holds a tensor of its own, so its
+    plan fingerprint changes while rank 0's cached plan (and its snapshot of
+    only its share) still holds. Every save must commit and load bitwise."""
+    from bytecp import plan_exchange
+
+    plan_exchange.PLAN_CACHE.clear()
+    r = dist.get_rank()
+    x = torch.arange(2 << 20, dtype=torch.float32)  # 8 MiB: split between the 2 ranks
+    state: dict[str, Any] = {"model": {"x": x}, "extra": {}}
+    out = []
+    for step in range(4):
+        if step == 1 and r == 1:
+            state["extra"]["y"] = torch.ones(3)
+        x.add_(1.0)
+        bytecp.async_save(f"{url}-{step}", state).wait()
+        dist.barrier()
+        if r == 0:
+            sd = bytecp.load_state_dict(f"{url}-{step}")
+            out.append((torch.equal(sd["model"]["x"], x), sorted(sd["extra"])))
+    return out
+
+
 def bad_state_on_one_rank(url: str) -> tuple[str, float]:
     """Rank 1's state is invalid (two entries map to one key): every rank must
     raise at once instead of waiting in a collective."""

@@ -186,6 +186,13 @@ def test_values_held_only_by_some_ranks_are_saved(pools, tmp_path: Path) -> None
     assert torch.equal(extra["only1"]["t"], torch.full((3,), 1.0))
 
 
+def test_a_state_changing_on_one_rank_keeps_async_saves_committing(pools, tmp_path: Path) -> None:
+    # rank 0 snapshots only its cached share while rank 1's plan changed: the
+    # new plan keeps rank 0's share as it is and gives rank 1 the rest
+    got = pools(2).run(cases.state_changes_on_one_rank_between_async_saves, str(tmp_path / "ck"))[0]
+    assert got == [(True, [])] + [(True, ["y"])] * 3
+
+
 def test_invalid_state_on_one_rank_fails_every_rank_at_once(pools, tmp_path: Path) -> None:
     for msg, seconds in pools(2).run(cases.bad_state_on_one_rank, str(tmp_path / "ck")):
         assert "rank 1" in msg and "same key" in msg and seconds < 20
