@@ -197,7 +197,7 @@ def plan_save(
             for it in plan.items:
                 load[plan.rank] += it.nbytes
                 cuts[it.fqn].append(it.region)
-    held: list[tuple[WriteItem, list[int]]] = []
+    todo: list[tuple[WriteItem, list[int]]] = []
     for k, ranks in holders.items():
         free = [r for r in ranks if not plans[r].fixed]
         if not free:
@@ -206,8 +206,8 @@ def plan_save(
         parts = [it.region]
         for cut in cuts.get(it.fqn, ()):
             parts = [p for part in parts for p in part.subtract(cut)]
-        held += [(it if p == it.region else dataclasses.replace(it, region=p), free) for p in parts]
-    _assign(held, load, out, split_bytes)
+        todo += [(it if p == it.region else dataclasses.replace(it, region=p), free) for p in parts]
+    _assign(todo, load, out, split_bytes)
     for items in out:
         items.sort(key=lambda w: (w.fqn, w.region))
     return out
