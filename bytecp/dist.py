@@ -209,22 +209,28 @@ class DistContext:
         sizes = self._gather_sizes(len(data))
         if not self.is_coordinator:
             if len(data):
-                dist.send(data.to(self.device), dst=self.global_coordinator, group=self.group)
+                self._p2p([dist.P2POp(dist.isend, data.to(self.device), self.global_coordinator, self.group)])
             return None
         assert sizes is not None
         bufs: list[torch.Tensor | None] = []
-        works = []
+        ops = []
         for r, n in enumerate(sizes):
             if r == self.rank or n == 0:
                 bufs.append(None)
                 continue
             buf = torch.empty(n, dtype=torch.uint8, device=self.device)
-            works.append(dist.irecv(buf, src=self._global(r), group=self.group))
+            ops.append(dist.P2POp(dist.irecv, buf, self._global(r), self.group))
             bufs.append(buf)
-        for w in works:
-            if w is not None:
-                w.wait()
+        self._p2p(ops)
         return [obj if r == self.rank else _from_bytes(b) for r, b in enumerate(bufs)]
+
+    @staticmethod
+    def _p2p(ops: list[Any]) -> None:
+        """Run point-to-point operations as one batch: on NCCL they share the
+        group's communicator instead of opening one per pair of ranks."""
+        if ops:
+            for w in dist.batch_isend_irecv(ops):
+                w.wait()
 
     def _gather_sizes(self, n: int) -> list[int] | None:
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
@@ -260,16 +266,13 @@ class DistContext:
         dist.scatter(size, sizes_in, src=self.global_coordinator, group=self.group)
         if self.is_coordinator:
             assert objs is not None
-            works = [dist.isend(d.to(self.device), dst=self._global(r), group=self.group)
-                     for r, d in enumerate(datas) if r != self.rank and len(d)]
-            for w in works:
-                if w is not None:
-                    w.wait()
+            self._p2p([dist.P2POp(dist.isend, d.to(self.device), self._global(r), self.group)
+                       for r, d in enumerate(datas) if r != self.rank and len(d)])
             return objs[self.rank]
         n = int(size.item())
         buf = torch.empty(n, dtype=torch.uint8, device=self.device)
         if n:
-            dist.recv(buf, src=self.global_coordinator, group=self.group)
+            self._p2p([dist.P2POp(dist.irecv, buf, self.global_coordinator, self.group)])
         return _from_bytes(buf)
 
     def broadcast_tensor(self, op: str, tensor: torch.Tensor, src: int) -> None:
