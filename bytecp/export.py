@@ -27,6 +27,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import queue
 import struct
 import threading
@@ -49,8 +50,7 @@ from .storage_api import Storage, open_storage, split_protocol
 __all__ = [
     "SAFETENSORS_DTYPES", "CAST_DTYPES", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
     "open_checkpoint", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
-    "safetensors_pieces",
-    "split_url", "export_safetensors", "export_torch",
+    "safetensors_pieces", "split_url", "refuse_nested", "export_safetensors", "export_torch",
 ]  # fmt: skip
 
 SAFETENSORS_DTYPES = {
@@ -281,9 +281,22 @@ def safetensors_metadata(md: fmt.Metadata) -> dict[str, str]:
     return {"format": "pt", "bytecp_save_id": md.save_id, "step": str(md.step)}
 
 
-def _single_file_target(out: str, out_options: dict[str, Any] | None, overwrite: bool) -> tuple[Storage, str]:
+def refuse_nested(src: str, out: str) -> None:
+    """The output is neither the checkpoint nor inside it nor above it: an
+    export (or its overwrite) must never touch a checkpoint's files."""
+    def norm(u: str) -> str:
+        return (os.path.realpath(u) if "://" not in u else u).rstrip("/") + "/"
+
+    a, b = norm(src), norm(out)
+    if a.startswith(b) or b.startswith(a):
+        raise ConfigError(f"the export output {out} {'is' if a == b else 'contains or is inside'} the checkpoint "
+                          f"{src}; choose an output outside it")
+
+
+def _single_file_target(src: str, out: str, out_options: dict[str, Any] | None, overwrite: bool) -> tuple[Storage, str]:
     parent_url, name = split_url(out)
     parent = open_storage(parent_url, **(out_options or {}))
+    refuse_nested(src, parent.url.rstrip("/") + "/" + name)
     if parent.list_files(name):
         raise ConfigError(f"{out} is a directory; name the output file (or drop --format for the Hugging Face layout)")
     if not overwrite and parent.exists(name):
@@ -299,7 +312,7 @@ def export_safetensors(
     streamed (about one tensor in memory) and published atomically."""
     storage, md, chunks = open_checkpoint(src)
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
-    parent, name = _single_file_target(out, out_options, overwrite)
+    parent, name = _single_file_target(storage.url, out, out_options, overwrite)
     header = safetensors_header(items, safetensors_metadata(md))
     total = sum(it.nbytes for it in items)
     progress.start(total)
@@ -348,7 +361,7 @@ def export_torch(
     storage, md, chunks = open_checkpoint(src)
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
                                     safetensors=False)
-    parent, name = _single_file_target(out, out_options, overwrite)
+    parent, name = _single_file_target(storage.url, out, out_options, overwrite)
     total = sum(it.nbytes for it in items)
     progress.start(total)
     sd: dict[str, torch.Tensor] = {}

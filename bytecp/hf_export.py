@@ -50,6 +50,7 @@ from .export import (
     ExportTensor,
     TensorReader,
     open_checkpoint,
+    refuse_nested,
     safetensors_header,
     safetensors_metadata,
     safetensors_pieces,
@@ -307,6 +308,10 @@ def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[st
     return sizes
 
 
+#: the files of an export (what --overwrite may replace)
+_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json")
+
+
 def export_hf(
     src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True,
     max_shard_size: int | str | None = None, dtype: str | None = None,
@@ -330,11 +335,20 @@ def export_hf(
     config_bytes, config_source = resolve_config(md, storage.url, config, dtype)
     options = dict(out_options or {})
     target = open_storage(out, **options)
+    refuse_nested(storage.url, target.url)
     existing = target.list_files("")
     if existing and not overwrite:
         shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
         raise CheckpointExistsError(f"{out} already holds files ({shown}); pass --overwrite (overwrite=True) "
                                     "to replace them, or choose another output")
+    foreign = [f for f in existing if not _EXPORT_FILE.fullmatch(f)]
+    if foreign:  # --overwrite replaces an earlier export, never anything else
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise CheckpointExistsError(
+            f"{out} holds files that are not part of a Hugging Face export ({shown}); --overwrite replaces only "
+            "an earlier export (model*.safetensors, model.safetensors.index.json, config.json): move those "
+            "files away or choose another output"
+        )
     shards = plan_shards(items, max_bytes)
     names = shard_names(len(shards))
     reader = TensorReader(storage, chunks)

@@ -452,8 +452,15 @@ class LocalStorage(Storage):
                         raise
                     old = f"{d}.bytecp-old-{uuid.uuid4().hex[:8]}"
                     os.rename(d, old)
-                    os.rename(s, d)
-                _remove_tree(old)
+                    try:
+                        os.rename(s, d)
+                    except OSError:
+                        os.rename(old, d)  # put the old one back: a failed replacement changes nothing
+                        raise
+                try:
+                    _remove_tree(old)
+                except OSError as e:  # the new tree is in place: leftovers are only garbage
+                    log.warning("bytecp: replaced %s, but could not remove the old tree %s: %s", d, old, e)
             if self.fsync:
                 for dd in {os.path.dirname(s), os.path.dirname(d)}:
                     _fsync_dir(dd)

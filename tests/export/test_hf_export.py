@@ -307,3 +307,28 @@ def test_parallel_workers_write_the_same_files(ck: Path, tmp_path: Path, capsys:
     assert cli(["export", str(bad), str(tmp_path / "three"), "--max-shard-size", "300KB", "--workers", "2"]) == 2
     assert "checksum mismatch" in capsys.readouterr().err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-ck", "one", "two"]
+
+
+def test_overwrite_never_touches_a_checkpoint_or_files_of_other_kinds(tmp_path: Path, capsys: Any) -> None:
+    run = tmp_path / "run"
+    for step in (1, 2):
+        bytecp.save(str(run / f"ck-{step}"), {"model": {"w": torch.full((3,), float(step))}})
+    ck = run / "ck-2"
+    # the checkpoint itself, a folder above it, a file inside it: refused, whatever the format
+    for out, extra in [(run, []), (ck, []), (ck / "metadata.json", ["--format", "safetensors"]),
+                       (ck / "sub", []), (ck / "m.pt", ["--format", "torch"])]:
+        assert cli(["export", str(ck), str(out), "--overwrite", *extra]) == 2, out
+        assert "choose an output outside it" in capsys.readouterr().err
+    # an output holding anything but an earlier export's files
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    (other / "model.safetensors").write_bytes(b"x")
+    assert cli(["export", str(ck), str(other), "--overwrite"]) == 2
+    assert "not part of a Hugging Face export (notes.txt)" in capsys.readouterr().err
+    assert (other / "notes.txt").read_text() == "mine"
+    for step in (1, 2):  # both checkpoints intact
+        assert torch.equal(bytecp.load_state_dict(str(run / f"ck-{step}"))["model"]["w"], torch.full((3,), float(step)))
+    # an earlier export is replaced
+    assert cli(["export", str(ck), str(tmp_path / "hf")]) == 0
+    assert cli(["export", str(ck), str(tmp_path / "hf"), "--overwrite"]) == 0
