@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -113,12 +114,14 @@ class SaveHandle:
 
         self._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
 
-    def start(self, run: Callable[[], fmt.Metadata]) -> None:
-        """Run ``run`` (the rest of the save) on a background thread; this
-        handle becomes the one in flight."""
+    def start(self, run: Callable[[], fmt.Metadata], nice: int = 0) -> None:
+        """Run ``run`` (the rest of the save) on a background thread, ``nice``
+        steps below the caller's scheduling priority (the threads it starts
+        inherit it); this handle becomes the one in flight."""
         global _inflight
 
         def background() -> None:
+            _lower_priority(nice)
             try:
                 md = run()
             except BaseException as e:
@@ -146,6 +149,19 @@ class SaveHandle:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             self._run_callback(fn)
+
+
+def _lower_priority(nice: int) -> None:
+    """(a save's background thread) Raise this thread's nice value by ``nice``
+    (Linux: per thread), so its copies, checksums and writes take the cores
+    only when training leaves them idle. Never fails a save."""
+    if nice <= 0 or not hasattr(os, "setpriority"):
+        return
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+    except OSError as e:  # pragma: no cover - a sandbox refusing it
+        log.debug("bytecp: could not lower the background save's priority: %s", e)
 
 
 _inflight: SaveHandle | None = None

@@ -42,7 +42,7 @@ from .plan_exchange import PLAN_CACHE, PlanVote, local_plan, reusable
 from .planner import LocalSavePlan, WriteItem, check_replicas, plan_fingerprint, plan_save
 from .recorder import Trace
 from .skeleton import Node
-from .staging import POOL, Stager, StagingPool, ViewStager
+from .staging import ArenaStager, Stager
 from .state import FlatTree, flatten_tree
 from .storage_api import Storage
 from .writer import RankOutput, Staged, held_checksums, write_data_files, write_index
@@ -110,8 +110,9 @@ class SavePipeline:
 
         self._keep_failure("save/describe", describe)
 
-    def snapshot(self, pool: StagingPool = POOL) -> None:
-        """(every rank, local; eager async saves) Copy every box this rank may
+    def snapshot(self) -> None:
+        """(every rank, local; eager async saves, whose stager is an
+        :class:`~bytecp.staging.ArenaStager`) Copy every box this rank may
         write into the reused arena -- its share of the cached plan when it
         has one for this state, else every box it holds -- and go on with
         the copy: the plan, the write and the commit then run in the
@@ -119,17 +120,26 @@ class SavePipeline:
         the caller waits for."""
 
         def snapshot() -> None:
+            arena = self.stager
+            assert isinstance(arena, ArenaStager)
             self._local = local_plan(self.flat, self.ctx.rank)
             self._fingerprint = plan_fingerprint(self._local)
             cached = PLAN_CACHE.get(self._cache_key(), self._fingerprint)
             items = cached[1] if cached is not None else self._local.items
-            if self.opts.verify_replicas:  # of every box held, while it is the state being saved
-                self.output.replica_crcs = held_checksums(self._local.items, self.flat)
+            verify = self.opts.verify_replicas
+            live = self.flat
             with self.trace.span("stage") as sp:
                 faults.inject("stage", self.ctx.rank)
-                self.flat = pool.snapshot(self.flat, items)
+                # with replica checks the copy also sums what it copies
+                self.flat, copied = arena.snapshot(live, items, checksums=verify or None)
                 sp.nbytes = sum(it.nbytes for it in items)
-            self.stager = ViewStager()  # later phases read the copy
+            self.stager = copied  # later phases write the copy
+            if verify:  # of every box held, while it is the state being saved
+                summed = copied.checksums()
+                held = [(it.fqn, it.region) for it in self._local.items]
+                crcs = held_checksums([it for it in self._local.items if (it.fqn, it.region) not in summed], live)
+                crcs.update((k, summed[k]) for k in held if k in summed)
+                self.output.replica_crcs = crcs
 
         self._keep_failure("save/stage", snapshot)
 

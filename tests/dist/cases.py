@@ -430,11 +430,25 @@ def replica_checks(url: str) -> dict[str, str]:
     attempt("shape", {"model": {"embed": torch.zeros(64 + 64 * rank, 8)}})
     # same shape, other contents (a TP shard of a [128, 8] tensor, or diverged DDP weights)
     attempt("contents", {"model": {"embed": torch.full((64, 8), float(rank))}}, verify_replicas=True)
+    def attempt_async(name: str, state: dict[str, Any], **kw: Any) -> None:
+        try:
+            bytecp.async_save(f"{url}-{name}", state, **kw).wait(timeout=60)
+            out[name] = "saved"
+        except bytecp.DistributedCheckpointError as e:
+            out[name] = str(e)
+
     model, opt = build("ddp", seed=0)
     train(model, opt, 0, 1)
+    # eager async saves sum what they copy: a first save (every held box
+    # copied), then one with the plan cached (this rank's share copied, the
+    # other boxes summed from the live tensors)
+    attempt_async("ddp-async-first", {"model": model, "optimizer": opt}, verify_replicas=True)
     if rank == 1:
         with torch.no_grad():
             model.module.l1.weight.add_(1e-3)  # DDP ranks that diverged
     attempt("ddp", {"model": model, "optimizer": opt}, verify_replicas=True)
     attempt("ddp-unchecked", {"model": model, "optimizer": opt}, verify_replicas=False)
+    attempt_async("ddp-async", {"model": model, "optimizer": opt}, verify_replicas=True)
+    attempt_async("ddp-async-uncached", {"model": model}, verify_replicas=True)
+    attempt_async("ddp-lazy", {"model": model, "optimizer": opt}, verify_replicas=True, lazy=True)
     return out

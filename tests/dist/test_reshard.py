@@ -248,6 +248,9 @@ def test_replicas_that_differ_are_refused_on_every_rank(pools, tmp_path: Path) -
         assert "'model.embed'" in got["contents"] and "ranks [0] vs [1]" in got["contents"]
         assert "'model.l1.weight'" in got["ddp"] and "ranks [0] vs [1]" in got["ddp"]
         assert got["ddp-unchecked"] == "saved"  # off: replicas are trusted, as DCP does
-    for name in ("shape", "contents", "ddp"):
+        assert got["ddp-async-first"] == "saved"
+        for name in ("ddp-async", "ddp-async-uncached", "ddp-lazy"):
+            assert "'model.l1.weight'" in got[name] and "ranks [0] vs [1]" in got[name], (name, got[name])
+    for name in ("shape", "contents", "ddp", "ddp-async", "ddp-async-uncached", "ddp-lazy"):
         assert not (tmp_path / f"ck-{name}" / "metadata.json").exists()
         assert not list((tmp_path / f"ck-{name}").rglob("*.bin"))

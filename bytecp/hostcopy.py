@@ -1,0 +1,179 @@
+"""Copies of tensors into host memory for staging: large GIL-free pieces,
+optionally checksummed on the way.
+
+Called by :mod:`bytecp.staging` when an asynchronous save copies the boxes
+it writes into its reused arena (eager saves on the caller's thread, lazy
+saves on the save's background thread). A contiguous CPU source of the
+destination's dtype is copied with the C library's ``memcpy`` through
+``ctypes``, which releases the GIL for the call: the training thread's
+Python keeps running beside a background copy, and several copy threads run
+in parallel. For large sizes glibc's ``memcpy`` uses non-temporal stores
+(no read of the destination's old contents), measured about 1.3x faster
+than torch's copy kernel on the benchmark host. Everything else (strided
+views, CUDA tensors, a platform without a C library) goes through
+``Tensor.copy_``.
+
+With ``checksums=True`` the crc32c of each box is computed piece by piece
+right after the piece is copied, while it is still in the CPU cache (the
+writer then reuses it instead of reading the bytes again); the ``crc32c``
+package releases the GIL for large buffers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import itertools
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from .checksum import crc32c
+from .dtypes import host_memoryview
+
+__all__ = ["copy_boxes", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES"]
+
+#: pieces a copy without checksums is split into (spread over the threads)
+PIECE_BYTES = 16 << 20
+#: pieces of a checksummed copy: small enough to be in cache when summed
+CRC_PIECE_BYTES = 256 << 10
+
+
+def _load_memcpy() -> Callable[[int, int, int], Any] | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        fn = libc.memcpy
+    except (OSError, AttributeError, TypeError):  # pragma: no cover - hosts without a C library
+        return None
+    fn.restype = ctypes.c_void_p
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t]
+    return fn
+
+
+_memcpy = _load_memcpy()
+
+
+def fast_copy_available() -> bool:
+    """Whether contiguous host copies go through ``memcpy`` here."""
+    return _memcpy is not None
+
+
+def _bytes_at(addr: int, n: int) -> memoryview:
+    """``n`` bytes of host memory at ``addr`` (kept alive by the caller's tensors)."""
+    return memoryview((ctypes.c_char * n).from_address(addr)).cast("B")
+
+
+def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
+    """Whether ``src`` can be copied into ``dst`` as raw bytes."""
+    return (
+        _memcpy is not None
+        and src.device.type == "cpu"
+        and dst.device.type == "cpu"
+        and src.dtype == dst.dtype
+        and src.shape == dst.shape
+        and src.is_contiguous()
+        and dst.is_contiguous()
+        and not src.is_conj()
+        and not src.is_neg()
+    )
+
+
+class _Box:
+    """One box being copied: where, how many bytes, and its running crc32c."""
+
+    __slots__ = ("dst", "src", "nbytes", "fast", "crc")
+
+    def __init__(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.dst, self.src = dst, src
+        self.nbytes = dst.numel() * dst.element_size()
+        self.fast = _plain(dst, src)
+        self.crc: int | None = None
+
+
+def _pieces(boxes: list[_Box], checksums: bool, split: bool) -> list[tuple[int, int, int]]:
+    """(box index, start, length) units of work: whole boxes, or pieces of
+    large boxes when ``split`` (for several threads; never when summing: a
+    crc32c runs over a box front to back). One ``memcpy`` per box where
+    possible: glibc switches to non-temporal stores only above a size
+    threshold (about 20 MB here), and copies below it ran up to 2x slower."""
+    out = []
+    for i, b in enumerate(boxes):
+        if not split or not b.fast or b.nbytes <= PIECE_BYTES or checksums:
+            out.append((i, 0, b.nbytes))  # one unit; split inside when summed
+        else:
+            out.extend((i, o, min(PIECE_BYTES, b.nbytes - o)) for o in range(0, b.nbytes, PIECE_BYTES))
+    return out
+
+
+def _run(b: _Box, start: int, length: int, checksums: bool) -> None:
+    if b.nbytes == 0:
+        b.crc = crc32c(b"") if checksums else None
+        return
+    if not b.fast:  # synchronous: any CUDA copy is the caller's business (its stream)
+        b.dst.copy_(b.src)
+        if checksums:
+            b.crc = crc32c(host_memoryview(b.dst))
+        return
+    assert _memcpy is not None
+    d, s = b.dst.data_ptr() + start, b.src.data_ptr() + start
+    if not checksums:
+        _memcpy(d, s, length)
+        return
+    crc = 0
+    for o in range(0, length, CRC_PIECE_BYTES):
+        k = min(CRC_PIECE_BYTES, length - o)
+        _memcpy(d + o, s + o, k)
+        crc = crc32c(_bytes_at(d + o, k), crc)
+    b.crc = crc
+
+
+def copy_boxes(
+    pairs: Sequence[tuple[torch.Tensor, torch.Tensor]], *, threads: int = 1, checksums: bool = False
+) -> list[int | None]:
+    """Copy each ``(dst, src)`` pair (same shape) with ``threads`` threads
+    (the calling one included); -> the crc32c of each destination's bytes
+    when ``checksums``, else Nones. Meant for host destinations; a device
+    source is copied synchronously (stage CUDA tensors on a side stream
+    instead, see :mod:`bytecp.staging`).
+
+    Raises the first error of any thread after every thread has stopped.
+    """
+    boxes = [_Box(d, s) for d, s in pairs]
+    units = _pieces(boxes, checksums, split=threads > 1)
+    workers = max(1, min(threads, len(units)))
+    if workers == 1:
+        for i, start, length in units:
+            _run(boxes[i], start, length, checksums)
+    else:
+        # largest first, so the threads end together; a shared counter hands them out
+        units.sort(key=lambda u: -u[2])
+        counter = itertools.count()
+
+        def work() -> None:
+            for k in iter(counter.__next__, None):
+                if k >= len(units):
+                    return
+                i, start, length = units[k]
+                _run(boxes[i], start, length, checksums)
+
+        # threads of this call: they inherit the calling thread's scheduling
+        # priority (a background save's lower one); starting one costs ~0.1 ms
+        errors: list[BaseException] = []
+
+        def guarded() -> None:
+            try:
+                work()
+            except BaseException as e:
+                errors.append(e)
+
+        helpers = [threading.Thread(target=guarded, name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
+        for t in helpers:
+            t.start()
+        guarded()
+        for t in helpers:
+            t.join()
+        if errors:
+            raise errors[0]
+    return [b.crc for b in boxes]
