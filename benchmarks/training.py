@@ -1,29 +1,37 @@
 """What a checkpoint costs training, end to end (``python -m benchmarks.training``).
 
-FSDP2 on W gloo ranks trains a stack of Linear+GELU blocks; every
-``--every`` steps it checkpoints, and the last checkpoint is waited for
-before the clock stops. Modes, alternated round by round in the same
-processes (medians of the rounds):
+FSDP2 on W gloo ranks trains a stack of Linear+GELU blocks. The unit of
+measure is a *window*, what a training loop pays for one checkpoint: the
+call, the next ``--every`` steps (the save runs in the background) and the
+wait for the save to end before the next checkpoint (one save in flight, as
+a loop keeps it). A round runs one window per mode, in an order rotated
+round by round, in the same processes:
 
 - ``none``: no checkpoint (the baseline);
 - ``dcp``: DCP's best practice: ``dcp.async_save`` with one reused
-  ``DefaultStager`` and its own gloo group, the previous save waited for
-  before the next;
+  ``DefaultStager`` and its own gloo group;
 - ``bytecp eager``: ``bytecp.async_save``;
-- ``bytecp lazy``: ``bytecp.async_save(lazy=True)``.
+- ``bytecp lazy``: ``bytecp.async_save(lazy=True)``;
+- variants for ``--modes`` (``bytecp lazy nice``, ...).
 
-Reported: the added training time per checkpoint, ``(T_mode - T_none) /
-checkpoints`` (each round against its own ``none`` run), the blocking time
-of the call, the load average before and after, and a picture: the added
-time and blocking per mode, and a timeline of one round (rank 0) with every
-training step, the call that blocked, and the checkpoint's background
-phases (bytecp's traced phases; DCP's background until its future is done).
-The floor on a machine is the rank's bytes copied once into a reused buffer
-plus their crc32c (measured here, one thread as a rank has).
+Each mode's window is compared with the ``none`` window of its round: the
+added training time per checkpoint is the median over rounds of that
+difference. Alternating at this grain keeps the comparison fair on a
+machine whose load drifts. Also reported: the blocking time (the call, plus
+for lazy saves what ``optimizer.step()`` waited in bytecp's pre-step hook),
+the CPU seconds the checkpoint used on all ranks (every thread but the
+training thread's steps, over the baseline's; steadier than wall time on a
+shared machine), the first checkpoint of the process (untimed warm-up), the
+load average before and after, and a picture: the added time and blocking
+per mode, and the windows of the last round (rank 0) with the call, the
+steps, the wait and the checkpoint's background phases (bytecp's traced
+phases; DCP's background until its future is done). The floor on a machine
+is the rank's bytes copied once into a reused buffer plus their crc32c
+(measured here with one thread, as a rank has).
 
 One command writes the table (stdout), the JSON and the PNG::
 
-    python -m benchmarks.training --rounds 5 --out training.json --png training.png
+    python -m benchmarks.training --rounds 12 --out training.json --png training.png
 """
 
 from __future__ import annotations
@@ -49,6 +57,7 @@ KNOWN: dict[str, Any] = {
     "bytecp eager nice": {"lazy": False, "background_nice": 10},
     "bytecp lazy nice": {"lazy": True, "background_nice": 10},
     "bytecp lazy 2 threads": {"lazy": True, "staging_threads": 2},
+    "bytecp eager 2 threads": {"lazy": False, "staging_threads": 2},
 }
 MODES = ["none", "dcp", "bytecp eager", "bytecp lazy"]
 
@@ -78,6 +87,10 @@ class _Spans:
 
     def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
         pass
+
+
+def _hook_wait(phases: list[tuple[str, float, float]]) -> float:
+    return sum(d for ph, _, d in phases if ph == "lazy_wait")
 
 
 def _cpu_seconds() -> float:
@@ -163,49 +176,55 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
             waiter, c0, c1 = checkpoint(mode, os.path.join(root, f"warmup-{mode.replace(' ', '-')}"), {})
             first[mode] = c1 - c0
             wait(waiter)
+    # a round: one window per mode, in an order rotated round by round; a
+    # window is what a training loop pays for one checkpoint: the call, the
+    # next ``every`` steps (the save runs in the background) and the wait for
+    # it before the next checkpoint (as a loop with one save in flight does)
     for rnd in range(args["rounds"]):
         order = modes[rnd % len(modes):] + modes[: rnd % len(modes)]
         for mode in order:
             dist.barrier()
-            pending = None
             steps: list[tuple[float, float]] = []
-            calls: list[tuple[str, float, float]] = []
             done: dict[str, float] = {}
             t_start, w_start, cpu_start = time.perf_counter(), time.time(), _cpu_seconds()
-            waits: list[tuple[float, float]] = []
-            for s in range(args["steps"]):
-                w0 = time.time()
+            pending, path, call = None, "", (w_start, w_start)
+            if KNOWN[mode] is not None:
+                path = os.path.join(root, f"r{rnd}-{mode.replace(' ', '-')}")
+                pending, c0, c1 = checkpoint(mode, path, done)
+                call = (c0, c1)
+            train_cpu = 0.0  # CPU seconds of the training thread inside step()
+            for _ in range(args["every"]):
+                w0, c0 = time.time(), time.thread_time()
                 step()
-                w1 = time.time()
-                steps.append((w0, w1))
-                if KNOWN[mode] is not None and (s + 1) % args["every"] == 0:
-                    wait(pending)  # one save in flight, as a training loop does
-                    waits.append((w1, time.time()))
-                    path = os.path.join(root, f"r{rnd}-{mode.replace(' ', '-')}-s{s}")
-                    pending, c0, c1 = checkpoint(mode, path, done)
-                    calls.append((path, c0, c1))
+                steps.append((w0, time.time()))
+                train_cpu += time.thread_time() - c0
             w1 = time.time()
             wait(pending)
-            waits.append((w1, time.time()))
+            waited = (w1, time.time())
             total = time.perf_counter() - t_start
             t = torch.tensor([total])
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-            cpu = torch.tensor([_cpu_seconds() - cpu_start])
+            cpu = torch.tensor([_cpu_seconds() - cpu_start, train_cpu])
             dist.all_reduce(cpu, op=dist.ReduceOp.SUM)
+
             def rel(w: float, w_start: float = w_start) -> float:
                 return w - w_start
 
+            phases = spans.by_url.get(path, [])
             results.append({
-                "round": rnd, "mode": mode, "total_s": float(t), "cpu_s": float(cpu),
-                "blocking_s": [c1 - c0 for _, c0, c1 in calls],
+                "round": rnd, "mode": mode, "total_s": float(t), "cpu_s": float(cpu[0]),
+                "train_cpu_s": float(cpu[1]),
+                # the call, plus (lazy) what optimizer.step() waited in bytecp's pre-step hook
+                "blocking_s": call[1] - call[0] + _hook_wait(phases) if pending is not None else None,
+                "hook_wait_s": _hook_wait(phases),
                 "step_s": [b - a for a, b in steps],
                 "steps": [(rel(a), rel(b)) for a, b in steps],
-                "waits": [(rel(a), rel(b)) for a, b in waits],
-                "checkpoints": [{
-                    "call": (rel(c0), rel(c1)),
-                    "done": rel(done[p]) if p in done else None,
-                    "phases": [(ph, rel(st), d) for ph, st, d in spans.by_url.get(p, [])],
-                } for p, c0, c1 in calls],
+                "wait": (rel(waited[0]), rel(waited[1])),
+                "checkpoint": None if pending is None else {
+                    "call": (rel(call[0]), rel(call[1])),
+                    "done": rel(done[path]) if path in done else None,
+                    "phases": [(ph, rel(st), d) for ph, st, d in phases],
+                },
             })
             dist.barrier()
             if rank == 0:
@@ -213,11 +232,44 @@ def _worker(rank: int, world: int, port: int, args: dict[str, Any], out: str) ->
 
                 for name in os.listdir(root):
                     shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+    floor = _floor_together(model, opt)
     if rank == 0:
         with open(out, "w") as f:
-            json.dump({"rounds": results, "first_blocking_s": first}, f)
+            json.dump({"rounds": results, "first_blocking_s": first, "floor_together": floor}, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _floor_together(model: Any, opt: Any) -> dict[str, float]:
+    """(every rank at once) Seconds to copy this rank's own state tensors into
+    reused buffers of their own, every rank at the same time as in a
+    checkpoint: ``memcpy`` (bytecp's copy without its bookkeeping) and
+    torch's copy kernel; medians of 5, slowest rank."""
+    import torch
+    import torch.distributed as dist
+
+    from bytecp.hostcopy import copy_boxes
+
+    srcs = []
+    for p in model.parameters():
+        srcs.append(getattr(p, "_local_tensor", p).detach())
+        srcs.extend(v for v in opt.state[p].values() if isinstance(v, torch.Tensor))
+    srcs = [getattr(t, "_local_tensor", t) for t in srcs]
+    dsts = [torch.zeros_like(t) for t in srcs]
+    pairs = list(zip(dsts, srcs, strict=True))
+    out = {}
+    for name, fn in (("memcpy_s", lambda: copy_boxes(pairs, threads=torch.get_num_threads())),
+                     ("copy_s", lambda: torch._foreach_copy_(dsts, srcs))):
+        ts = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        t = torch.tensor([statistics.median(ts)])
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        out[name] = float(t)
+    return out
 
 
 def _floor(nbytes: int, threads: int) -> dict[str, float]:
@@ -252,27 +304,30 @@ def _floor(nbytes: int, threads: int) -> dict[str, float]:
     }
 
 
-def summarize(results: list[dict[str, Any]], checkpoints: int, modes: list[str]) -> dict[str, Any]:
-    by_mode: dict[str, list[float]] = {}
-    blocking: dict[str, list[float]] = {}
-    for r in results:
-        by_mode.setdefault(r["mode"], []).append(r["total_s"])
-        blocking.setdefault(r["mode"], []).extend(r["blocking_s"])
-    base = statistics.median(by_mode["none"])
-    out: dict[str, Any] = {"none_total_s": base, "modes": {}}
-    per_round_none = {r["round"]: r["total_s"] for r in results if r["mode"] == "none"}
-    cpu_none = {r["round"]: r["cpu_s"] for r in results if r["mode"] == "none"}
+def summarize(results: list[dict[str, Any]], modes: list[str]) -> dict[str, Any]:
+    """Medians over rounds; every window against the ``none`` window of its round."""
+    none = {r["round"]: r for r in results if r["mode"] == "none"}
+    out: dict[str, Any] = {"none_window_s": statistics.median(r["total_s"] for r in none.values()), "modes": {}}
     for mode in modes:
         if mode == "none":
             continue
-        added = [(r["total_s"] - per_round_none[r["round"]]) / checkpoints for r in results if r["mode"] == mode]
-        cpu = [(r["cpu_s"] - cpu_none[r["round"]]) / checkpoints for r in results if r["mode"] == mode]
+        rs = [r for r in results if r["mode"] == mode]
+        added = [r["total_s"] - none[r["round"]]["total_s"] for r in rs]
+        cpu = [r["cpu_s"] - none[r["round"]]["cpu_s"] for r in rs]
+        # every thread but the training thread's steps, over the baseline's
+        own = [(r["cpu_s"] - r["train_cpu_s"]) - (none[r["round"]]["cpu_s"] - none[r["round"]]["train_cpu_s"])
+               for r in rs]
+        blocking = [r["blocking_s"] for r in rs]
         out["modes"][mode] = {
             "added_per_checkpoint_s": statistics.median(added),
             "added_rounds_s": added,
+            "blocking_median_s": statistics.median(blocking),
+            "blocking_rounds_s": blocking,
+            "hook_wait_median_s": statistics.median(r["hook_wait_s"] for r in rs),
             "added_cpu_per_checkpoint_s": statistics.median(cpu),
-            "blocking_median_s": statistics.median(blocking[mode]) if blocking[mode] else 0.0,
-            "total_s": statistics.median(by_mode[mode]),
+            "checkpoint_cpu_per_checkpoint_s": statistics.median(own),
+            "checkpoint_cpu_rounds_s": own,
+            "window_s": statistics.median(r["total_s"] for r in rs),
         }
     dcp = out["modes"].get("dcp")
     for mode, m in out["modes"].items():
@@ -325,10 +380,11 @@ def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: str) -> N
     for x, m in zip(xs, modes, strict=True):
         rounds = summary["modes"][m]["added_rounds_s"]
         a.plot([x - 0.2] * len(rounds), rounds, "k.", markersize=4)
-    floor = summary.get("floor")
-    if floor:
-        a.axhline(floor["memcpy_s"] + floor["crc_s"], color="k", ls="--", lw=0.8,
-                  label="floor: copy + crc32c of the rank's bytes")
+    floor, together = summary.get("floor"), summary.get("floor_together")
+    if floor and together:
+        a.axhline(together["memcpy_s"] + floor["crc_s"], color="k", ls="--", lw=0.8,
+                  label="floor: the ranks' copies at once + crc32c")
+        a.axhline(together["memcpy_s"], color="tab:orange", ls=":", lw=0.8, label="floor of blocking: the copy")
     a.set_xticks(xs, modes, fontsize=8)
     a.set_ylabel("seconds")
     a.legend(fontsize=7)
@@ -340,24 +396,27 @@ def plot(results: list[dict[str, Any]], summary: dict[str, Any], path: str) -> N
     for y, r in enumerate(reversed(lanes)):
         for i, (s0, s1) in enumerate(r["steps"]):
             b.barh(y + 0.15, s1 - s0, left=s0, height=0.45, color="0.80" if i % 2 else "0.65", edgecolor="white")
-        for w0, w1 in r.get("waits", []):
-            if w1 - w0 > 0.002:
-                b.barh(y + 0.15, w1 - w0, left=w0, height=0.45, color="darkred")
-        for c in r.get("checkpoints", []):
-            c0, c1 = c["call"]
-            b.barh(y + 0.15, max(c1 - c0, 0.01), left=c0, height=0.45, color="tab:red")
-            if c["phases"]:
-                for ph, st, d in c["phases"]:
-                    if ph in _PHASE_COLORS and d > 0:
-                        b.barh(y - 0.22, max(d, 0.005), left=st, height=0.22, color=_PHASE_COLORS[ph])
-            elif c["done"] is not None:
-                b.barh(y - 0.22, c["done"] - c1, left=c1, height=0.22, color="tab:purple")
+        w0, w1 = r["wait"]
+        if w1 - w0 > 0.002:
+            b.barh(y + 0.15, w1 - w0, left=w0, height=0.45, color="darkred")
+        c = r["checkpoint"]
+        if c is None:
+            continue
+        c0, c1 = c["call"]
+        b.barh(y + 0.15, max(c1 - c0, 0.002), left=c0, height=0.45, color="tab:red")
+        if c["phases"]:
+            for ph, st, d in c["phases"]:
+                if ph in _PHASE_COLORS and d > 0:
+                    b.barh(y - 0.22, max(d, 0.005), left=st, height=0.22, color=_PHASE_COLORS[ph])
+        elif c["done"] is not None:
+            b.barh(y - 0.22, c["done"] - c1, left=c1, height=0.22, color="tab:purple")
     b.set_yticks(range(len(lanes)), [r["mode"] for r in reversed(lanes)], fontsize=8)
-    b.set_xlabel("seconds since the start of the round (rank 0)")
-    b.set_title(f"round {last}: training steps (grey), the call that blocked (red), the checkpoint in the "
-                "background (below)", fontsize=10)
+    b.set_xlabel("seconds since the checkpoint call (rank 0)")
+    b.set_title(f"round {last}: the call (red), the training steps (grey), the wait before the next "
+                "checkpoint (dark red); the checkpoint's phases below", fontsize=10)
     b.legend(handles=[Patch(color="0.7", label="training step"), Patch(color="tab:red", label="call blocks"),
-                      Patch(color="darkred", label="waits for the previous save"),
+                      Patch(color="darkred", label="wait for the save to end"),
+                      Patch(color="tab:red", label="lazy: optimizer.step() waits (below)"),
                       Patch(color="tab:orange", label="stage (copy)"), Patch(color="tab:blue", label="write"),
                       Patch(color="tab:green", label="commit"), Patch(color="tab:gray", label="plan"),
                       Patch(color="tab:purple", label="DCP background")],
@@ -372,9 +431,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blocks", type=int, default=12)
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--batch", type=int, default=96)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--every", type=int, default=2)
-    p.add_argument("--rounds", type=int, default=None, help="alternating rounds of every mode (default 3, --quick 1)")
+    p.add_argument("--every", type=int, default=2, help="training steps between two checkpoints")
+    p.add_argument("--rounds", type=int, default=None,
+                   help="rounds; each runs one checkpoint window per mode (default 12, --quick 2)")
     p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {list(KNOWN)} (none is always run)")
     p.add_argument("--dir", default=None, help="folder on the disk under test (default: system temp)")
     p.add_argument("--out", default="training.json", help="write the JSON results here ('' for none)")
@@ -382,9 +441,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a tiny config for smoke tests")
     a = p.parse_args(argv)
     if a.quick:
-        a.blocks, a.dim, a.batch, a.steps = 2, 256, 8, 4
+        a.blocks, a.dim, a.batch = 2, 256, 8
     if a.rounds is None:
-        a.rounds = 1 if a.quick else 3
+        a.rounds = 2 if a.quick else 12
     modes = ["none"] + [m.strip() for m in a.modes.split(",") if m.strip() and m.strip() != "none"]
     unknown = [m for m in modes if m not in KNOWN]
     if unknown:
@@ -394,7 +453,7 @@ def main(argv: list[str] | None = None) -> int:
     load_before = _loadavg()
     t0 = time.time()
     with tempfile.TemporaryDirectory(dir=a.dir) as tmp:
-        args = {"dim": a.dim, "blocks": a.blocks, "batch": a.batch, "steps": a.steps, "every": a.every,
+        args = {"dim": a.dim, "blocks": a.blocks, "batch": a.batch, "every": a.every,
                 "rounds": a.rounds, "dir": tmp, "modes": modes}
         out = os.path.join(tmp, "results.json")
         mp.start_processes(_worker, args=(a.world_size, _free_port(), args, out), nprocs=a.world_size,
@@ -402,10 +461,10 @@ def main(argv: list[str] | None = None) -> int:
         with open(out) as f:
             raw = json.load(f)
     results = raw["rounds"]
-    checkpoints = a.steps // a.every
-    summary = summarize(results, checkpoints, modes)
+    summary = summarize(results, modes)
     for mode, b in raw["first_blocking_s"].items():
         summary["modes"][mode]["first_blocking_s"] = b
+    summary["floor_together"] = raw["floor_together"]
     nbytes = 3 * a.blocks * (a.dim * a.dim + a.dim) * 4 // a.world_size  # params + Adam moments per rank
     summary["floor"] = _floor(nbytes, max(1, (os.cpu_count() or 2) // a.world_size))
     summary["config"] = vars(a) | {"rank_state_bytes": nbytes, "modes": modes}
@@ -424,24 +483,27 @@ def main(argv: list[str] | None = None) -> int:
 def _print(summary: dict[str, Any]) -> None:
     c = summary["config"]
     print(f"FSDP2, {c['world_size']} ranks, {c['blocks']} x Linear({c['dim']})+GELU, batch {c['batch']}, "
-          f"{c['steps']} steps, a checkpoint every {c['every']}, {c['rounds']} rounds; "
+          f"a checkpoint every {c['every']} steps, {c['rounds']} rounds; "
           f"{c['rank_state_bytes'] / 1e9:.2f} GB of state per rank; load average before "
           f"{summary['loadavg_before']}, after {summary['loadavg_after']}; {summary['wall_s']:.0f} s")
-    print(f"no checkpoint: {summary['none_total_s']:.2f} s for {c['steps']} steps")
-    print("| mode | added training time per checkpoint (median) | rounds | blocking (call) | vs DCP added | "
-          "vs DCP blocking | added CPU per checkpoint, all ranks |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"no checkpoint: {summary['none_window_s']:.2f} s for {c['every']} steps (median window)")
+    print("| mode | added training time per checkpoint (median) | rounds (min, max) | blocking | vs DCP added | "
+          "vs DCP blocking | CPU of the checkpoint, all ranks | added CPU, all ranks |")
+    print("|---|---|---|---|---|---|---|---|")
     for mode, m in summary["modes"].items():
         ratio, bratio = m.get("vs_dcp_added"), m.get("vs_dcp_blocking")
-        rounds = " / ".join(f"{x:.2f}" for x in m["added_rounds_s"])
+        rounds = f"{min(m['added_rounds_s']):.2f}, {max(m['added_rounds_s']):.2f}"
         print(f"| {mode} | {m['added_per_checkpoint_s']:.3f} s | {rounds} | {m['blocking_median_s']:.3f} s | "
               f"{'' if ratio is None else f'{ratio:.2f}x'} | {'' if bratio is None else f'{bratio:.2f}x'} | "
-              f"{m['added_cpu_per_checkpoint_s']:.3f} s |")
+              f"{m['checkpoint_cpu_per_checkpoint_s']:.3f} s | {m['added_cpu_per_checkpoint_s']:.3f} s |")
     print("first checkpoint of the process (untimed warm-up), blocking: " + ", ".join(
         f"{mode} {m['first_blocking_s']:.3f} s" for mode, m in summary["modes"].items() if "first_blocking_s" in m))
     f = summary["floor"]
-    print(f"floor here (one rank's bytes): copy {f['copy_s']:.3f} s (torch) / {f['memcpy_s']:.3f} s (memcpy), "
-          f"crc32c {f['crc_s']:.3f} s, memcpy with fused crc32c {f['memcpy_crc_fused_s']:.3f} s")
+    print(f"floor here (one rank's bytes, alone): copy {f['copy_s']:.3f} s (torch) / {f['memcpy_s']:.3f} s "
+          f"(memcpy), crc32c {f['crc_s']:.3f} s, memcpy with fused crc32c {f['memcpy_crc_fused_s']:.3f} s")
+    g = summary["floor_together"]
+    print(f"floor, every rank copying its own state tensors at once (slowest rank): memcpy {g['memcpy_s']:.3f} s, "
+          f"torch copy {g['copy_s']:.3f} s")
     for t in summary["targets"]:
         v = "n/a" if t["value"] is None else f"{t['value']:.3f}"
         print(f"target: {t['target']} = {v} (limit {t['limit']}): {t['status']}")

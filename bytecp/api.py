@@ -20,7 +20,7 @@ from . import __version__
 from . import format as fmt
 from .dist import DistContext
 from .errors import ConfigError
-from .handles import SaveHandle, checkpoint_group, optimizers_in
+from .handles import SaveHandle, checkpoint_group, gc_paused, optimizers_in
 from .load_pipeline import LoadPipeline, LoadResult
 from .options import LoadOptions, SaveOptions
 from .recorder import Recorder, Trace, resolve_monitor
@@ -136,7 +136,7 @@ def async_save(
     # eager: the caller waits only for the copy (with a memory budget also
     # for the plan and the batches written before the last); lazy: for nothing
     snapshot = not lazy and memory_budget_bytes is None
-    with trace.failing(blocked_since=t0):
+    with trace.failing(blocked_since=t0), gc_paused():
         pipeline.describe()
         if lazy:
             handle.block_optimizers_until_staged(optimizers_in(state), trace)

@@ -11,11 +11,13 @@ it once, and it is logged.
 from __future__ import annotations
 
 import atexit
+import contextlib
+import gc
 import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -25,7 +27,9 @@ from . import format as fmt
 from .errors import BytecpError
 from .recorder import Trace
 
-__all__ = ["SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "optimizers_in"]
+__all__ = [
+    "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "optimizers_in", "gc_paused",
+]
 
 log = logging.getLogger("bytecp")
 
@@ -193,6 +197,22 @@ def wait_for_previous(trace: Trace) -> None:
     if prev._error is not None and not prev._error_seen:
         prev._error_seen = True
         raise BytecpError(f"the previous async save to {prev.url} failed: {prev._error}") from prev._error
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """(the caller's thread, while an async save blocks it) No cyclic garbage
+    collection meanwhile: describing and copying a state of thousands of
+    tensors allocates enough objects to start collections of the training
+    process's whole heap, measured at about half of such a call. The
+    collector is on again (if it was) when the block ends; nothing is lost."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def checkpoint_group(process_group: Any) -> Any:

@@ -39,7 +39,7 @@ from . import format as fmt
 from .dtypes import dtype_from_name, host_memoryview
 from .hostcopy import copy_boxes
 from .planner import WriteItem
-from .regions import Region
+from .regions import Region, row_major_strides
 from .state import FlatTree, Shard, TensorLeaf
 from .writer import Staged, as_host_bytes, source_view
 
@@ -49,6 +49,7 @@ __all__ = [
 ]
 
 _ALIGN = 64
+_ZEROS = bytes(fmt.ALIGNMENT)
 #: boxes this large are laid out in the arena as in a data file (page-aligned, zero-padded)
 DIRECT_MIN_BYTES = 64 << 10
 
@@ -78,10 +79,12 @@ class _Layout:
     def __init__(self, items: Sequence[WriteItem], base: int) -> None:
         pos = (-base) % fmt.ALIGNMENT  # the arena's first page boundary
         self.starts: list[int] = []
+        self.sizes: list[int] = []
         for it in items:
             n = it.nbytes
             pos = _up(pos, fmt.ALIGNMENT if n >= DIRECT_MIN_BYTES else _ALIGN)
             self.starts.append(pos)
+            self.sizes.append(n)
             pos += _slot(n)
         self.end = pos
 
@@ -148,12 +151,25 @@ class StagingPool:
             raise ValueError(f"staging tensors of several CUDA devices at once: {sorted(map(str, devices))}")
         device = next(iter(devices), None)
         arena, layout = self.arena(items, pinned=device is not None)
+        raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
+        typed: dict[str, torch.Tensor] = {}
         dsts: list[torch.Tensor] = []
-        for it, pos in zip(items, layout.starts, strict=True):
-            n = it.nbytes
-            dsts.append(arena[pos : pos + n].view(dtype_from_name(it.dtype)).view(it.region.lengths))
-            if n >= DIRECT_MIN_BYTES and _slot(n) > n:
-                arena[pos + n : pos + _slot(n)].zero_()  # the file's padding
+        datas: list[memoryview] = []
+        padded: list[memoryview | None] = []
+        for it, pos, n in zip(items, layout.starts, layout.sizes, strict=True):
+            t = typed.get(it.dtype)
+            if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
+                t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
+                    dtype_from_name(it.dtype))
+            shape = it.region.lengths
+            dsts.append(t.as_strided(shape, row_major_strides(shape), pos // it.itemsize))
+            datas.append(raw[pos : pos + n])
+            if n >= DIRECT_MIN_BYTES:
+                end = pos + _slot(n)
+                raw[pos + n : end] = _ZEROS[: end - pos - n]  # the file's padding
+                padded.append(raw[pos:end])
+            else:
+                padded.append(None)
         cuda = [k for k, s in enumerate(srcs) if s.device.type == "cuda"]
         if cuda:
             # non-blocking copies on a side stream of the tensors' own device
@@ -166,18 +182,14 @@ class StagingPool:
                     if items[k].nbytes:
                         dsts[k].copy_(srcs[k], non_blocking=True)
         host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
-        crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums)
+        crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
+                          views=[datas[k] for k in host])
         crc: list[int | None] = [None] * len(items)
         for k, c in zip(host, crcs, strict=True):
             crc[k] = c
         if cuda:
             stream.synchronize()
-        out = []
-        for k, (it, pos) in enumerate(zip(items, layout.starts, strict=True)):
-            n = it.nbytes
-            padded = host_memoryview(arena[pos : pos + _slot(n)]) if n >= DIRECT_MIN_BYTES else None
-            out.append((Staged(it, host_memoryview(arena[pos : pos + n]), crc=crc[k], padded=padded), dsts[k]))
-        return out
+        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k]), dsts[k]) for k, it in enumerate(items)]
 
 
 POOL = StagingPool()

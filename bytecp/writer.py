@@ -85,6 +85,8 @@ class RankOutput:
 def source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
     """The live tensor view holding ``region`` of ``leaf`` on this rank."""
     for sh in leaf.shards:
+        if sh.region == region:  # the whole shard (most boxes): no indexing
+            return sh.tensor
         if sh.region.contains(region):
             return sh.tensor[region.relative_to(sh.region).slices()]
     raise ConfigError(f"tensor {fqn!r}: this rank holds no shard containing {region}")

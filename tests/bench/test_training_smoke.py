@@ -50,14 +50,16 @@ def test_quick_training_run_reports_every_mode(tmp_path: Path) -> None:
         "eager blocking / DCP blocking", "lazy added time / DCP added time", "lazy added time - eager added time (s)"]
     assert all(t["status"] in ("met", "missed") for t in summary["targets"])
     assert all(_numeric(v) and v > 0 for v in summary["floor"].values())
-    # every bytecp checkpoint of every round has its traced phases; DCP's its end
+    assert set(summary["floor_together"]) == {"memcpy_s", "copy_s"}
+    assert all(_numeric(v) and v > 0 for v in summary["floor_together"].values())
+    # every window of every round; bytecp checkpoints with their traced phases, DCP's with its end
     rounds = [r for r in res["results"] if r["mode"] != "none"]
     assert len(rounds) == 2 * (len(MODES) - 1)
     for r in rounds:
-        assert len(r["checkpoints"]) == 2 and len(r["steps"]) == 4
-        for c in r["checkpoints"]:
-            assert c["done"] is not None and c["done"] >= c["call"][1]
-            if r["mode"].startswith("bytecp"):
-                assert {"stage", "write", "commit"} <= {p[0] for p in c["phases"]}, (r["mode"], c)
+        c = r["checkpoint"]
+        assert len(r["steps"]) == 2 and c["call"][0] <= c["call"][1] <= r["steps"][0][0] + 1e-3
+        assert c["done"] is not None and c["done"] >= c["call"][1]
+        if r["mode"].startswith("bytecp"):
+            assert {"stage", "write", "commit"} <= {p[0] for p in c["phases"]}, (r["mode"], c)
     # nothing of the checkpoints is left in the folder under test
     assert sorted(p.name for p in tmp_path.iterdir()) == ["training.json", "training.png"]

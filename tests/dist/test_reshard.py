@@ -254,3 +254,12 @@ def test_replicas_that_differ_are_refused_on_every_rank(pools, tmp_path: Path) -
     for name in ("shape", "contents", "ddp", "ddp-async", "ddp-async-uncached", "ddp-lazy"):
         assert not (tmp_path / f"ck-{name}" / "metadata.json").exists()
         assert not list((tmp_path / f"ck-{name}").rglob("*.bin"))
+
+
+def test_saves_follow_tensors_that_changed_identity_or_shape(pools, tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    refs = pools(2).run(cases.saves_follow_changed_tensors, url)[0]
+    for i, ref in enumerate(refs):
+        assert_matches_full(ref, bytecp.load_state_dict(f"{url}-{i}"), f"save {i}")
+    assert not torch.equal(refs[0]["model"]["l1.weight"], refs[1]["model"]["l1.weight"])
+    assert refs[2]["model"]["l1.weight"].shape == (29, 11)
