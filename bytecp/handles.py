@@ -204,8 +204,9 @@ def gc_paused() -> Iterator[None]:
     """(the caller's thread, while an async save blocks it) No cyclic garbage
     collection meanwhile: describing and copying a state of thousands of
     tensors allocates enough objects to start collections of the training
-    process's whole heap, measured at about half of such a call. The
-    collector is on again (if it was) when the block ends; nothing is lost."""
+    process's whole heap (8,000 tensors: 0.54-0.61 s per call paused, against
+    0.74-0.80 s). The collector is on again (if it was) when the block ends;
+    nothing is lost."""
     was = gc.isenabled()
     gc.disable()
     try:

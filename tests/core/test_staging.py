@@ -35,6 +35,7 @@ def _sources() -> list[torch.Tensor]:
     big = torch.randn(3 << 20, generator=g)  # 12 MiB: split into pieces with several threads
     return [
         big,
+        torch.randn(9 << 20, generator=g),  # 36 MiB: copied whole, then summed
         torch.randn(33, 77, generator=g),
         torch.randn(40, 30, generator=g).t(),  # not contiguous: torch's copy
         torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=g),
