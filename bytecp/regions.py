@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True, order=True, slots=True)
 class Region:
     """An n-d box: ``offsets[d] <= i[d] < offsets[d] + lengths[d]``."""
 

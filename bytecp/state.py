@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Shard:
     """A box of a tensor's global index space and the local tensor holding it."""
 
@@ -58,7 +58,7 @@ class Shard:
             )
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TensorLeaf:
     """A (possibly sharded) tensor: global shape, dtype and this rank's boxes."""
 

@@ -45,7 +45,7 @@ _ZEROS = bytes(fmt.ALIGNMENT)
 FILE_TARGET_BYTES = 32 << 20
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Staged:
     """A box to write and its bytes (a view of the live tensor or of the staging arena)."""
 
