@@ -134,8 +134,10 @@ def async_save(
     pipeline = SavePipeline(storage, state, opts, ctx, trace, stager, version=__version__)
     handle = SaveHandle(storage.url)
     # eager: the caller waits only for the copy (with a memory budget also
-    # for the plan and the batches written before the last); lazy: for nothing
-    snapshot = not lazy and memory_budget_bytes is None
+    # for the plan and the batches written before the last); lazy: for
+    # nothing, the background copies first. Both copy before the plan, so
+    # the copy never waits for the other ranks.
+    snapshot = memory_budget_bytes is None  # (lazy takes no budget)
     with trace.failing(blocked_since=t0), gc_paused():
         pipeline.describe()
         if lazy:
@@ -152,11 +154,10 @@ def async_save(
         with trace.failing():
             if lazy:
                 try:
-                    pipeline.plan()
-                    pipeline.stage()
+                    pipeline.snapshot()
                 finally:
                     handle.mark_staged()
-            elif snapshot:
+            if snapshot:
                 pipeline.plan()
                 pipeline.stage()
             pipeline.write()

@@ -4,12 +4,14 @@ Built by :mod:`bytecp.api` on every rank for every save:
 
 - ``bytecp.save`` runs :meth:`SavePipeline.run` on the caller's thread
   (stager: views of the live tensors, no copy);
-- ``bytecp.async_save`` runs describe, plan and stage on the caller's
-  thread (stager: the reused arena) and write + commit on the background
-  thread, on a process group of its own;
+- ``bytecp.async_save`` runs describe and :meth:`SavePipeline.snapshot`
+  (the copy into the reused arena) on the caller's thread, then plan,
+  stage (of the copy), write and commit on the background thread, on a
+  process group of its own (with a memory budget: describe, plan and the
+  staged batches on the caller's thread);
 - ``bytecp.async_save(lazy=True)`` runs describe on the caller's thread and
-  everything else on the background thread; optimizers wait in a pre-step
-  hook until the stage phase is done.
+  everything else, snapshot first, on the background thread; optimizers
+  wait in a pre-step hook until the snapshot is done.
 
 Collectives (every rank, in this order): the plan phase's all-gather (plus a
 gather and a scatter when the plan is not cached), and the commit's gather
@@ -111,13 +113,15 @@ class SavePipeline:
         self._keep_failure("save/describe", describe)
 
     def snapshot(self) -> None:
-        """(every rank, local; eager async saves, whose stager is an
-        :class:`~bytecp.staging.ArenaStager`) Copy every box this rank may
-        write into the reused arena -- its share of the cached plan when it
-        has one for this state, else every box it holds -- and go on with
-        the copy: the plan, the write and the commit then run in the
-        background while training changes the live tensors. The copy is all
-        the caller waits for."""
+        """(every rank, local; async saves without a memory budget, whose
+        stager is an :class:`~bytecp.staging.ArenaStager`: eager saves on
+        the caller's thread, lazy ones first thing on the background thread)
+        Copy every box this rank may write into the reused arena -- its
+        share of the cached plan when it has one for this state, else every
+        box it holds -- and go on with the copy: the plan, the write and the
+        commit then run while training changes the live tensors. The copy is
+        all an eager caller, or a lazy save's optimizer hook, waits for; it
+        never waits for another rank."""
 
         def snapshot() -> None:
             arena = self.stager

@@ -70,9 +70,9 @@ def main() -> None:
     for i, t in enumerate(["describe", "return"]):
         box(ax, 1.75 + i * 1.05, 2.7, 0.95, 0.5, t, LOCAL, 8)
     box(ax, 0.3, 2.05, 1.3, 0.5, "background", THREAD, 8, True)
-    for i, t in enumerate(["plan", "stage\n+crc32c", "write", "commit"]):
+    for i, t in enumerate(["snapshot\n+crc32c", "plan", "write", "commit"]):
         box(ax, 3.85 + i * 1.05, 2.05, 0.95, 0.5, t, COLL if t in ("plan", "commit") else LOCAL, 8)
-    ax.text(9.3, 2.2, "optimizer.step() waits in a pre-step\nhook only while stage is unfinished", fontsize=8)
+    ax.text(9.3, 2.2, "optimizer.step() waits in a pre-step\nhook only while the snapshot is unfinished", fontsize=8)
     ax.text(9.3, 3.45, "own gloo group: never interleaves\nwith training's collectives", fontsize=8)
 
     # registries
