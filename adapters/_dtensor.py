@@ -25,9 +25,25 @@ def is_dtensor(t: Any) -> bool:
     return isinstance(t, DTensor)
 
 
-def dtensor_region(t: DTensor) -> Region:
-    local_shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+@functools.lru_cache(maxsize=8192)
+def _region(shape: tuple[int, ...], mesh: Any, placements: tuple[tuple[type, Any], ...]) -> Region:
+    """This rank's box of a DTensor laid out so: a pure function of the
+    global shape, the mesh (whose coordinate for this rank never changes)
+    and the placements, cached because torch's layout function costs tens
+    of microseconds per tensor and every save describes every tensor."""
+    local_shape, offset = compute_local_shape_and_global_offset(shape, mesh, [p for _, p in placements])
     return Region.of(offset, local_shape)
+
+
+def dtensor_region(t: DTensor) -> Region:
+    # the placement's type is part of the key: placements of different types may compare equal
+    return _region(tuple(t.shape), t.device_mesh, tuple((type(p), p) for p in t.placements))
+
+
+def _local(t: DTensor) -> torch.Tensor:
+    """The local tensor of a DTensor (no autograd: saves read values only)."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t.to_local()
 
 
 def dtensor_replicas(t: DTensor) -> ReplicaSet | None:
@@ -48,7 +64,7 @@ def _replicas(mesh: Any, placements: tuple[Any, ...]) -> ReplicaSet | None:
 
 def dtensor_leaf(t: DTensor) -> TensorLeaf:
     """The leaf for a DTensor: its global shape, this rank's box (a view) and its replicas."""
-    local = t.to_local()
+    local = _local(t)
     region = dtensor_region(t)
     if tuple(local.shape) != region.lengths:
         # FSDP2 may pad the local shard of uneven dims; the box is the unpadded part

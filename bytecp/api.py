@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from . import __version__
 from . import format as fmt
 from .dist import DistContext
 from .errors import ConfigError
-from .handles import SaveHandle, checkpoint_group, optimizers_in
+from .handles import SaveHandle, checkpoint_group, gc_paused, optimizers_in
 from .load_pipeline import LoadPipeline, LoadResult
 from .options import LoadOptions, SaveOptions
 from .recorder import Recorder, Trace, resolve_monitor
@@ -112,8 +114,9 @@ def async_save(
     ``state`` waits in a pre-step hook until the copy is done, so no tensor
     changes under it. ``memory_budget_bytes`` bounds the staging memory:
     larger states are planned, staged and written in batches, and the call
-    blocks until the last batch is staged. The other keyword arguments are
-    those of :func:`save`.
+    blocks until the last batch is staged. ``staging_threads`` sets the
+    copy threads (see :class:`~bytecp.options.SaveOptions`). The other
+    keyword arguments are those of :func:`save`.
     """
     t0, wall0 = time.perf_counter(), time.time()
     try:
@@ -125,12 +128,17 @@ def async_save(
     group = checkpoint_group(opts.process_group)
     ctx = DistContext(group, opts.coordinator_rank)  # no group: one process
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
-    pipeline = SavePipeline(storage, state, opts, ctx, trace, ArenaStager(memory_budget_bytes), version=__version__)
+    # a lazy copy runs beside forward/backward: one thread, checksums summed on the way
+    threads = opts.staging_threads or (1 if lazy else min(8, torch.get_num_threads()))
+    stager = ArenaStager(memory_budget_bytes, threads=threads, checksums=lazy)
+    pipeline = SavePipeline(storage, state, opts, ctx, trace, stager, version=__version__)
     handle = SaveHandle(storage.url)
     # eager: the caller waits only for the copy (with a memory budget also
-    # for the plan and the batches written before the last); lazy: for nothing
-    snapshot = not lazy and memory_budget_bytes is None
-    with trace.failing(blocked_since=t0):
+    # for the plan and the batches written before the last); lazy: for
+    # nothing, the background copies first. Both copy before the plan, so
+    # the copy never waits for the other ranks.
+    snapshot = memory_budget_bytes is None  # (lazy takes no budget)
+    with trace.failing(blocked_since=t0), gc_paused():
         pipeline.describe()
         if lazy:
             handle.block_optimizers_until_staged(optimizers_in(state), trace)
@@ -146,11 +154,10 @@ def async_save(
         with trace.failing():
             if lazy:
                 try:
-                    pipeline.plan()
-                    pipeline.stage()
+                    pipeline.snapshot()
                 finally:
                     handle.mark_staged()
-            elif snapshot:
+            if snapshot:
                 pipeline.plan()
                 pipeline.stage()
             pipeline.write()
@@ -158,7 +165,7 @@ def async_save(
         pipeline.report()
         return md
 
-    handle.start(background)
+    handle.start(background, nice=opts.background_nice)
     trace.add_stall(time.perf_counter() - t0)
     return handle
 

@@ -73,6 +73,16 @@ class SaveOptions(_Common):
     #: async only: bound on the staging memory; larger states are staged and
     #: written in batches (the call returns once the last batch is staged)
     memory_budget_bytes: int | None = None
+    #: async only: threads that copy into the staging memory; None: as many as
+    #: torch's intra-op threads (at most 8) for an eager save, whose caller
+    #: waits for the copy, and 1 for a lazy save, whose copy runs beside
+    #: forward/backward
+    staging_threads: int | None = None
+    #: async only: how many steps below the caller's scheduling priority
+    #: (Unix nice value) the save's background thread and the threads it
+    #: starts run, so they take the cores only when training leaves them
+    #: idle; 0 keeps the caller's priority
+    background_nice: int = 0
     #: compare the checksums of replicated boxes across ranks and refuse to
     #: commit when replicas differ (costs a crc32c pass over every box a rank
     #: holds); None: on when the environment variable BYTECP_VERIFY_REPLICAS=1
@@ -83,6 +93,9 @@ class SaveOptions(_Common):
         _positive("io_threads", self.io_threads)
         _positive("split_bytes", self.split_bytes)
         _positive("memory_budget_bytes", self.memory_budget_bytes)
+        _positive("staging_threads", self.staging_threads)
+        if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
+            raise ConfigError(f"background_nice must be an int from 0 to 19, got {self.background_nice!r}")
         if self.step is not None and type(self.step) is not int:
             raise ConfigError(f"step must be an int or None, got {self.step!r}")
         if self.verify_replicas is None:

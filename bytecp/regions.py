@@ -24,7 +24,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass(frozen=True, order=True)
+@dataclasses.dataclass(frozen=True, order=True, slots=True)
 class Region:
     """An n-d box: ``offsets[d] <= i[d] < offsets[d] + lengths[d]``."""
 
@@ -34,7 +34,8 @@ class Region:
     def __post_init__(self) -> None:
         if len(self.offsets) != len(self.lengths):
             raise ValueError(f"region rank mismatch: offsets {self.offsets} vs lengths {self.lengths}")
-        if any(o < 0 for o in self.offsets) or any(n < 0 for n in self.lengths):
+        # min() of a tuple runs in C: every save builds a region per tensor
+        if self.lengths and (min(self.offsets) < 0 or min(self.lengths) < 0):
             raise ValueError(f"negative offset or length in region {self}")
 
     @classmethod

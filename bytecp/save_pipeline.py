@@ -4,12 +4,14 @@ Built by :mod:`bytecp.api` on every rank for every save:
 
 - ``bytecp.save`` runs :meth:`SavePipeline.run` on the caller's thread
   (stager: views of the live tensors, no copy);
-- ``bytecp.async_save`` runs describe and a snapshot of the rank's boxes
-  into the reused arena on the caller's thread, and plan, write and commit
-  on the background thread, on a process group of its own;
+- ``bytecp.async_save`` runs describe and :meth:`SavePipeline.snapshot`
+  (the copy into the reused arena) on the caller's thread, then plan,
+  stage (of the copy), write and commit on the background thread, on a
+  process group of its own (with a memory budget: describe, plan and the
+  staged batches on the caller's thread);
 - ``bytecp.async_save(lazy=True)`` runs describe on the caller's thread and
-  everything else on the background thread; optimizers wait in a pre-step
-  hook until the stage phase is done.
+  everything else, snapshot first, on the background thread; optimizers
+  wait in a pre-step hook until the snapshot is done.
 
 Collectives (every rank, in this order): the plan phase's all-gather (plus a
 gather and a scatter when some boxes have no replica hint every holder agrees
@@ -55,7 +57,7 @@ from .plan_exchange import (
 from .planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from .recorder import Trace
 from .skeleton import Node
-from .staging import POOL, Stager, StagingPool, ViewStager
+from .staging import ArenaStager, Stager
 from .state import FlatTree, flatten_tree
 from .storage_api import Storage
 from .writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
@@ -128,28 +130,40 @@ class SavePipeline:
 
         self._keep_failure("save/describe", describe)
 
-    def snapshot(self, pool: StagingPool = POOL) -> None:
-        """(every rank, local; eager async saves) Copy every box this rank may
-        write into the reused arena -- its share of the cached plan when it
-        has one for this state, else every box it holds -- and go on with
-        the copy: the plan, the write and the commit then run in the
-        background while training changes the live tensors. The copy is all
-        the caller waits for."""
+    def snapshot(self) -> None:
+        """(every rank, local; async saves without a memory budget, whose
+        stager is an :class:`~bytecp.staging.ArenaStager`: eager saves on
+        the caller's thread, lazy ones first thing on the background thread)
+        Copy every box this rank may write into the reused arena -- its
+        share of the cached plan when it has one for this state, else every
+        box it holds -- and go on with the copy: the plan, the write and the
+        commit then run while training changes the live tensors. The copy is
+        all an eager caller, or a lazy save's optimizer hook, waits for; it
+        never waits for another rank."""
 
         def snapshot() -> None:
+            arena = self.stager
+            assert isinstance(arena, ArenaStager)
             self._local = local_plan(self.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
             self._fingerprint = plan_key(self._local)
             cached = PLAN_CACHE.get(self._cache_key(), self._fingerprint)
             items = cached[1] if cached is not None else self._local.items
             if cached is not None:  # only the cached share is copied: all this rank can write now
                 self._held = LocalSavePlan(self.ctx.rank, tuple(items), fixed=True)
-            if self.opts.verify_replicas:  # of every box held, while it is the state being saved
-                self.output.replica_crcs = held_checksums(self._local.items, self.flat)
+            verify = self.opts.verify_replicas
+            live = self.flat
             with self.trace.span("stage") as sp:
                 faults.inject("stage", self.ctx.rank)
-                self.flat = pool.snapshot(self.flat, items)
+                # with replica checks the copy also sums what it copies
+                self.flat, copied = arena.snapshot(live, items, checksums=verify or None)
                 sp.nbytes = sum(it.nbytes for it in items)
-            self.stager = ViewStager()  # later phases read the copy
+            self.stager = copied  # later phases write the copy
+            if verify:  # of every box held, while it is the state being saved
+                summed = copied.checksums()
+                held = [(it.fqn, it.region) for it in self._local.items]
+                crcs = held_checksums([it for it in self._local.items if (it.fqn, it.region) not in summed], live)
+                crcs.update((k, summed[k]) for k in held if k in summed)
+                self.output.replica_crcs = crcs
 
         self._keep_failure("save/stage", snapshot)
 

@@ -9,32 +9,85 @@ The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
   lazy on the save's background thread): the boxes are copied into one host
   arena that lives as long as the process, because on typical hosts a copy
   into freshly allocated memory runs several times slower than into a reused
-  buffer (first-touch page faults). CUDA tensors are staged into pinned
-  memory with non-blocking copies on a side stream, waited for before the
-  stage returns. A memory budget splits the boxes into batches.
+  buffer (first-touch page faults; a new arena is faulted in by the kernel
+  at allocation, ``MAP_POPULATE``). Host copies go through
+  :mod:`bytecp.hostcopy` (GIL-free ``memcpy`` pieces on ``threads`` threads,
+  crc32c fused with the copy when ``checksums``). CUDA tensors are staged
+  into pinned memory with non-blocking copies on a side stream, waited for
+  before the stage returns. A memory budget splits the boxes into batches;
+- :class:`SnapshotStager` (eager ``async_save`` after
+  :meth:`StagingPool.snapshot`): the boxes were copied on the caller's
+  thread; the background write takes those copies.
+
+Boxes of at least :data:`DIRECT_MIN_BYTES` start at a multiple of
+:data:`~bytecp.format.ALIGNMENT` in the arena and are followed by zeros up
+to the next multiple, exactly as the data file lays them out: the writer
+hands storage that padded view whole, and local ``O_DIRECT`` writes take it
+without a bounce copy.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import threading
 from collections.abc import Sequence
 from typing import Protocol
 
 import torch
 
+from . import format as fmt
 from .dtypes import dtype_from_name, host_memoryview
+from .hostcopy import copy_boxes
 from .planner import WriteItem
+from .regions import Region, row_major_strides
 from .state import FlatTree, Shard, TensorLeaf
 from .writer import Staged, as_host_bytes, source_view
 
-__all__ = ["Stager", "ViewStager", "ArenaStager", "StagingPool", "POOL", "batches_within"]
+__all__ = [
+    "Stager", "ViewStager", "ArenaStager", "SnapshotStager", "StagingPool", "POOL", "batches_within",
+    "DIRECT_MIN_BYTES",
+]
 
 _ALIGN = 64
+_ZEROS = bytes(fmt.ALIGNMENT)
+#: boxes this large are laid out in the arena as in a data file (page-aligned, zero-padded)
+DIRECT_MIN_BYTES = 64 << 10
 
 
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+def _up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _slot(n: int) -> int:
+    """Arena bytes a box of ``n`` bytes takes (with its padding)."""
+    return _up(n, fmt.ALIGNMENT) if n >= DIRECT_MIN_BYTES else _up(n, _ALIGN)
+
+
+def _host_arena(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of page-aligned host memory, faulted in now where the OS
+    allows (pinned: CUDA host memory)."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=flags)
+    return torch.frombuffer(buf, dtype=torch.uint8)  # keeps ``buf`` alive
+
+
+class _Layout:
+    """Where each box goes in an arena whose first byte is at address ``base``."""
+
+    def __init__(self, items: Sequence[WriteItem], base: int) -> None:
+        pos = (-base) % fmt.ALIGNMENT  # the arena's first page boundary
+        self.starts: list[int] = []
+        self.sizes: list[int] = []
+        for it in items:
+            n = it.nbytes
+            pos = _up(pos, fmt.ALIGNMENT if n >= DIRECT_MIN_BYTES else _ALIGN)
+            self.starts.append(pos)
+            self.sizes.append(n)
+            pos += _slot(n)
+        self.end = pos
 
 
 class StagingPool:
@@ -45,71 +98,99 @@ class StagingPool:
         self._arena: torch.Tensor | None = None
         self.allocations = 0  # how many times an arena was allocated (tests)
 
-    def arena(self, nbytes: int, pinned: bool) -> torch.Tensor:
+    def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
+        """The arena (grown if needed) and where ``items`` go in it."""
+        pinned = pinned and torch.cuda.is_available()
         with self._lock:
             a = self._arena
-            if a is None or a.numel() < nbytes or (pinned and not a.is_pinned()):
-                size = max(nbytes, int((a.numel() if a is not None else 0) * 1.25))
-                self._arena = None
-                a = torch.empty(size, dtype=torch.uint8, pin_memory=pinned and torch.cuda.is_available())
-                self._arena = a
-                self.allocations += 1
-            return a
+            if a is not None and (not pinned or a.is_pinned()):
+                layout = _Layout(items, a.data_ptr())
+                if layout.end <= a.numel():
+                    return a, layout
+            # room for the layout at any base address (<= one page more)
+            need = _Layout(items, 0).end + fmt.ALIGNMENT
+            size = max(need, int((a.numel() if a is not None else 0) * 1.25))
+            self._arena = None
+            a = _host_arena(size, pinned)
+            self._arena = a
+            self.allocations += 1
+            return a, _Layout(items, a.data_ptr())
 
     def release(self) -> None:
         with self._lock:
             self._arena = None
 
-    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
-        """Copy the boxes ``items`` name into the arena; views of it come back."""
-        return [Staged(it, host_memoryview(raw)) for it, _, raw in self._copy(flat, items)]
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
+              checksums: bool = False) -> list[Staged]:
+        """Copy the boxes ``items`` name into the arena; views of it come back
+        (with their crc32c when ``checksums``)."""
+        return [st for st, _ in self._copy(flat, items, threads, checksums)]
 
-    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem]) -> FlatTree:
+    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
+                 checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
         """Copy the boxes ``items`` name into the arena; the same tree comes
         back with its tensors replaced by those copies (host tensors), so the
-        rest of a save can run on it while training changes the live ones."""
+        rest of a save can run on it while training changes the live ones,
+        with the stager that hands the writer those copies."""
+        copied = self._copy(flat, items, threads, checksums)
         tensors: dict[str, TensorLeaf] = {}
-        for it, dst, _ in self._copy(flat, items):
+        for st, dst in copied:
+            it = st.item
             leaf = flat.tensors[it.fqn]
             tensors.setdefault(it.fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas)).shards.append(
                 Shard(it.region, dst))
         for fqn, leaf in flat.tensors.items():  # tensors this rank writes nothing of
             tensors.setdefault(fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas))
-        return dataclasses.replace(flat, tensors=tensors)
+        return dataclasses.replace(flat, tensors=tensors), SnapshotStager([st for st, _ in copied])
 
-    def _copy(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[tuple[WriteItem, torch.Tensor, torch.Tensor]]:
-        """Copy each box into the arena: (item, typed view, raw bytes) each."""
-        total = sum(_aligned(it.nbytes) for it in items)
+    def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int,
+              checksums: bool) -> list[tuple[Staged, torch.Tensor]]:
+        """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
         srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
         devices = {s.device for s in srcs if s.device.type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"staging tensors of several CUDA devices at once: {sorted(map(str, devices))}")
         device = next(iter(devices), None)
-        arena = self.arena(total, pinned=device is not None)
-        # a side stream on the tensors' own device (a background thread's
-        # current device is 0 whatever the rank's is)
-        stream = torch.cuda.Stream(device=device) if device is not None else None
-        out: list[tuple[WriteItem, torch.Tensor, torch.Tensor]] = []
-        pos = 0
-        ctx = torch.cuda.stream(stream) if stream is not None else None
-        if ctx is not None:
-            stream.wait_stream(torch.cuda.current_stream(device))  # type: ignore[union-attr]
-            ctx.__enter__()
-        try:
-            for it, src in zip(items, srcs, strict=True):
-                n = it.nbytes
-                raw = arena[pos : pos + n]
-                dst = raw.view(dtype_from_name(it.dtype)).view(it.region.lengths)
-                if n:
-                    dst.copy_(src, non_blocking=src.device.type == "cuda")
-                out.append((it, dst, raw))
-                pos += _aligned(n)
-        finally:
-            if ctx is not None:
-                ctx.__exit__(None, None, None)
-        if stream is not None:
+        arena, layout = self.arena(items, pinned=device is not None)
+        raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
+        typed: dict[str, torch.Tensor] = {}
+        dsts: list[torch.Tensor] = []
+        datas: list[memoryview] = []
+        padded: list[memoryview | None] = []
+        for it, pos, n in zip(items, layout.starts, layout.sizes, strict=True):
+            t = typed.get(it.dtype)
+            if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
+                t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
+                    dtype_from_name(it.dtype))
+            shape = it.region.lengths
+            dsts.append(t.as_strided(shape, row_major_strides(shape), pos // it.itemsize))
+            datas.append(raw[pos : pos + n])
+            if n >= DIRECT_MIN_BYTES:
+                end = pos + _slot(n)
+                raw[pos + n : end] = _ZEROS[: end - pos - n]  # the file's padding
+                padded.append(raw[pos:end])
+            else:
+                padded.append(None)
+        cuda = [k for k, s in enumerate(srcs) if s.device.type == "cuda"]
+        if cuda:
+            # non-blocking copies on a side stream of the tensors' own device
+            # (a background thread's current device is 0 whatever the rank's
+            # is), launched first so the host copies below overlap them
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for k in cuda:
+                    if items[k].nbytes:
+                        dsts[k].copy_(srcs[k], non_blocking=True)
+        host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
+        crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
+                          views=[datas[k] for k in host])
+        crc: list[int | None] = [None] * len(items)
+        for k, c in zip(host, crcs, strict=True):
+            crc[k] = c
+        if cuda:
             stream.synchronize()
-        return out
+        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k]), dsts[k]) for k, it in enumerate(items)]
 
 
 POOL = StagingPool()
@@ -123,12 +204,12 @@ def batches_within(items: Sequence[WriteItem], budget: int | None) -> list[list[
     out: list[list[WriteItem]] = [[]]
     used = 0
     for it in items:
-        n = _aligned(it.nbytes)
-        if out[-1] and used + n > budget:
+        end = _up(used, fmt.ALIGNMENT if it.nbytes >= DIRECT_MIN_BYTES else _ALIGN) + _slot(it.nbytes)
+        if out[-1] and end > budget:
             out.append([])
-            used = 0
+            end = _slot(it.nbytes)
         out[-1].append(it)
-        used += n
+        used = end
     return out
 
 
@@ -161,16 +242,56 @@ class ViewStager:
 
 class ArenaStager:
     """Asynchronous saves: copies into the process's reused arena, in batches
-    of at most ``budget`` bytes (None: one batch)."""
+    of at most ``budget`` bytes (None: one batch), with ``threads`` copy
+    threads, each box's crc32c computed on the way when ``checksums``."""
 
     copies = True
 
-    def __init__(self, budget: int | None = None, pool: StagingPool = POOL) -> None:
+    def __init__(self, budget: int | None = None, pool: StagingPool = POOL, *, threads: int = 1,
+                 checksums: bool = False) -> None:
         self.budget = budget
         self.pool = pool
+        self.threads = threads
+        self.checksums = checksums
 
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return batches_within(items, self.budget)
 
     def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
-        return self.pool.stage(flat, items)
+        return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums)
+
+    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *,
+                 checksums: bool | None = None) -> tuple[FlatTree, SnapshotStager]:
+        """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`)."""
+        return self.pool.snapshot(flat, items, threads=self.threads,
+                                  checksums=self.checksums if checksums is None else checksums)
+
+
+class SnapshotStager:
+    """Eager async saves, after the snapshot: the boxes were copied on the
+    caller's thread; the write takes those copies (with any crc32c computed
+    on the way). A planned box that is not one of them -- a piece of a
+    copied box, when the plan was made after the copy -- is a view of the
+    copied tree."""
+
+    copies = False  # the tree it reads is the copy already
+
+    def __init__(self, staged: Sequence[Staged]) -> None:
+        self._staged = {(s.item.fqn, s.item.region): s for s in staged}
+
+    def checksums(self) -> dict[tuple[str, Region], int]:
+        """crc32c of the copied boxes whose sum was computed during the copy."""
+        return {k: s.crc for k, s in self._staged.items() if s.crc is not None}
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return [list(items)]
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        out = []
+        for it in items:
+            s = self._staged.get((it.fqn, it.region))
+            if s is not None and s.item.dtype == it.dtype:
+                out.append(Staged(it, s.data, crc=s.crc, padded=s.padded))
+            else:
+                out.append(Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))))
+        return out

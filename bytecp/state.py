@@ -60,7 +60,7 @@ __all__ = [
 ]
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Shard:
     """A box of a tensor's global index space and the local tensor holding it."""
 
@@ -119,7 +119,7 @@ class ReplicaSet:
 EVERY_RANK = ReplicaSet(())
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class TensorLeaf:
     """A (possibly sharded) tensor: global shape, dtype and this rank's boxes.
 

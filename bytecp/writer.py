@@ -4,7 +4,8 @@ Called by the save pipeline's write phase (every rank, on the caller's
 thread for a sync save, on the background thread for an async one): the
 staged boxes are packed into up to ``io_threads`` data files, each written
 by its own thread as one sequence of buffers (no copy), 4 KiB aligned, the
-crc32c of every chunk computed on the way. What was written comes back as a
+crc32c of every chunk computed on the way (unless the stager computed it
+during its copy). What was written comes back as a
 :class:`RankOutput` (chunk records, file sizes, object records) for the
 commit.
 """
@@ -45,12 +46,17 @@ _ZEROS = bytes(fmt.ALIGNMENT)
 FILE_TARGET_BYTES = 32 << 20
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(slots=True)
 class Staged:
     """A box to write and its bytes (a view of the live tensor or of the staging arena)."""
 
     item: WriteItem
     data: memoryview
+    #: crc32c of ``data`` when the stager computed it on the way (else the writer does)
+    crc: int | None = None
+    #: ``data`` followed by zeros up to a multiple of :data:`~bytecp.format.ALIGNMENT`
+    #: (page-aligned in the staging arena): written whole in place of data + padding
+    padded: memoryview | None = None
 
 
 @dataclasses.dataclass
@@ -83,6 +89,8 @@ class RankOutput:
 def source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
     """The live tensor view holding ``region`` of ``leaf`` on this rank."""
     for sh in leaf.shards:
+        if sh.region == region:  # the whole shard (most boxes): no indexing
+            return sh.tensor
         if sh.region.contains(region):
             return sh.tensor[region.relative_to(sh.region).slices()]
     raise ConfigError(f"tensor {fqn!r}: this rank holds no shard containing {region}")
@@ -149,12 +157,17 @@ def _write_one_file(
         return start
 
     for s in staged:
-        start = append(s.data)
+        if s.padded is not None and len(s.padded) == len(s.data) + (-len(s.data)) % fmt.ALIGNMENT:
+            start = pos  # aligned: every append ends on a multiple of ALIGNMENT
+            buffers.append(s.padded)
+            pos += len(s.padded)
+        else:
+            start = append(s.data)
         it = s.item
         chunks.append(
             fmt.ChunkRecord(
                 it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
-                path, start, len(s.data), crc32c(s.data),
+                path, start, len(s.data), crc32c(s.data) if s.crc is None else s.crc,
             )
         )
     for blob in blobs:

@@ -61,18 +61,18 @@ def main() -> None:
     # async threads
     ax.text(0.3, 4.75, "async_save: the threads", fontsize=11, fontweight="bold")
     box(ax, 0.3, 4.0, 1.3, 0.5, "caller (eager)", THREAD, 8, True)
-    for i, t in enumerate(["describe", "plan", "stage (copy)", "return"]):
-        box(ax, 1.75 + i * 1.05, 4.0, 0.95, 0.5, t, LOCAL if t != "plan" else COLL, 8)
+    for i, t in enumerate(["describe", "snapshot\n(copy)", "return"]):
+        box(ax, 1.75 + i * 1.05, 4.0, 0.95, 0.5, t, LOCAL, 8)
     box(ax, 0.3, 3.35, 1.3, 0.5, "background", THREAD, 8, True)
-    for i, t in enumerate(["write", "commit", "report"]):
-        box(ax, 5.95 + i * 1.05, 3.35, 0.95, 0.5, t, LOCAL if t != "commit" else COLL, 8)
+    for i, t in enumerate(["plan", "write", "commit", "report"]):
+        box(ax, 4.9 + i * 1.05, 3.35, 0.95, 0.5, t, LOCAL if t not in ("plan", "commit") else COLL, 8)
     box(ax, 0.3, 2.7, 1.3, 0.5, "caller (lazy)", THREAD, 8, True)
     for i, t in enumerate(["describe", "return"]):
         box(ax, 1.75 + i * 1.05, 2.7, 0.95, 0.5, t, LOCAL, 8)
     box(ax, 0.3, 2.05, 1.3, 0.5, "background", THREAD, 8, True)
-    for i, t in enumerate(["plan", "stage", "write", "commit"]):
+    for i, t in enumerate(["snapshot\n+crc32c", "plan", "write", "commit"]):
         box(ax, 3.85 + i * 1.05, 2.05, 0.95, 0.5, t, COLL if t in ("plan", "commit") else LOCAL, 8)
-    ax.text(9.3, 2.2, "optimizer.step() waits in a pre-step\nhook only while stage is unfinished", fontsize=8)
+    ax.text(9.3, 2.2, "optimizer.step() waits in a pre-step\nhook only while the snapshot is unfinished", fontsize=8)
     ax.text(9.3, 3.45, "own gloo group: never interleaves\nwith training's collectives", fontsize=8)
 
     # registries

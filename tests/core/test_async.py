@@ -65,7 +65,7 @@ def test_lazy_checkpoint_is_the_state_at_the_call(tmp_path: Path, monkeypatch) -
     m, opt = model_and_opt()
     snap = snapshot(m, opt)
     url = str(tmp_path / "ck")
-    monkeypatch.setenv("BYTECP_FAULT_DELAY", "plan:0:0.5")  # staging starts late
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "stage:0:0.5")  # the copy starts late
     h = bytecp.async_save(url, {"model": m, "optimizer": opt}, lazy=True)
     assert not h.staged()
     for _ in range(3):  # the first step waits in the pre-step hook, then training runs on

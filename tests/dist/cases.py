@@ -457,11 +457,61 @@ def replica_checks(url: str) -> dict[str, str]:
     attempt("shape", {"model": {"embed": torch.zeros(64 + 64 * rank, 8)}})
     # same shape, other contents (a TP shard of a [128, 8] tensor, or diverged DDP weights)
     attempt("contents", {"model": {"embed": torch.full((64, 8), float(rank))}}, verify_replicas=True)
+    def attempt_async(name: str, state: dict[str, Any], **kw: Any) -> None:
+        try:
+            bytecp.async_save(f"{url}-{name}", state, **kw).wait(timeout=60)
+            out[name] = "saved"
+        except bytecp.DistributedCheckpointError as e:
+            out[name] = str(e)
+
     model, opt = build("ddp", seed=0)
     train(model, opt, 0, 1)
+    # eager async saves sum what they copy: a first save (every held box
+    # copied), then one with the plan cached (this rank's share copied, the
+    # other boxes summed from the live tensors)
+    attempt_async("ddp-async-first", {"model": model, "optimizer": opt}, verify_replicas=True)
     if rank == 1:
         with torch.no_grad():
             model.module.l1.weight.add_(1e-3)  # DDP ranks that diverged
     attempt("ddp", {"model": model, "optimizer": opt}, verify_replicas=True)
     attempt("ddp-unchecked", {"model": model, "optimizer": opt}, verify_replicas=False)
+    attempt_async("ddp-async", {"model": model, "optimizer": opt}, verify_replicas=True)
+    attempt_async("ddp-async-uncached", {"model": model}, verify_replicas=True)
+    attempt_async("ddp-lazy", {"model": model, "optimizer": opt}, verify_replicas=True, lazy=True)
     return out
+
+
+def saves_follow_changed_tensors(url: str) -> list[dict[str, Any] | None]:
+    """FSDP2 saves (eager, then eager and lazy) of states whose tensors
+    changed identity (the optimizer's state tensors replaced by
+    ``load_state_dict``) or shape (same FQNs, wider layers) since the last
+    save: cached DTensor boxes and plans must never describe the old
+    tensors. Returns the full state at each call (rank 0)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    refs = []
+    model, opt = build("fsdp2", seed=0)
+    train(model, opt, 0, 2)
+    refs.append(full_state(model, opt))
+    bytecp.async_save(f"{url}-0", {"model": model, "optimizer": opt}).wait(timeout=60)
+    opt.load_state_dict(opt.state_dict())  # new state tensors, same values
+    train(model, opt, 2, 1)
+    refs.append(full_state(model, opt))
+    bytecp.async_save(f"{url}-1", {"model": model, "optimizer": opt}).wait(timeout=60)
+    torch.manual_seed(1)
+    wide = Net()
+    wide.l1, wide.l2 = nn.Linear(11, 29), nn.Linear(29, 7)  # same names, other shapes
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for m in (wide.l1, wide.l2):
+        fully_shard(m, mesh=mesh)
+    fully_shard(wide, mesh=mesh)
+    wopt = torch.optim.AdamW(wide.parameters(), lr=0.01)
+    train(wide, wopt, 0, 1)
+    refs.append(full_state(wide, wopt))
+    bytecp.async_save(f"{url}-2", {"model": wide, "optimizer": wopt}).wait(timeout=60)
+    h = bytecp.async_save(f"{url}-3", {"model": wide, "optimizer": wopt}, lazy=True)
+    refs.append(full_state(wide, wopt))  # collectives on the training group meanwhile
+    train(wide, wopt, 1, 1)
+    h.wait(timeout=60)
+    return refs

@@ -260,6 +260,18 @@ def test_replicas_that_differ_are_refused_on_every_rank(pools, tmp_path: Path) -
         assert "'model.embed'" in got["contents"] and "ranks [0] vs [1]" in got["contents"]
         assert "'model.l1.weight'" in got["ddp"] and "ranks [0] vs [1]" in got["ddp"]
         assert got["ddp-unchecked"] == "saved"  # off: replicas are trusted, as DCP does
-    for name in ("shape", "contents", "ddp"):
+        assert got["ddp-async-first"] == "saved"
+        for name in ("ddp-async", "ddp-async-uncached", "ddp-lazy"):
+            assert "'model.l1.weight'" in got[name] and "ranks [0] vs [1]" in got[name], (name, got[name])
+    for name in ("shape", "contents", "ddp", "ddp-async", "ddp-async-uncached", "ddp-lazy"):
         assert not (tmp_path / f"ck-{name}" / "metadata.json").exists()
         assert not list((tmp_path / f"ck-{name}").rglob("*.bin"))
+
+
+def test_saves_follow_tensors_that_changed_identity_or_shape(pools, tmp_path: Path) -> None:
+    url = str(tmp_path / "ck")
+    refs = pools(2).run(cases.saves_follow_changed_tensors, url)[0]
+    for i, ref in enumerate(refs):
+        assert_matches_full(ref, bytecp.load_state_dict(f"{url}-{i}"), f"save {i}")
+    assert not torch.equal(refs[0]["model"]["l1.weight"], refs[1]["model"]["l1.weight"])
+    assert refs[2]["model"]["l1.weight"].shape == (29, 11)

@@ -1,0 +1,200 @@
+"""Staging for async saves: GIL-free host copies (bitwise, any thread count,
+crc32c fused with the copy), the arena laid out as the data files are
+(page-aligned, zero-padded boxes written by O_DIRECT without a bounce
+copy), and the options that steer it."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from bytecp.storage.local import LocalStorage
+from torch import nn
+
+import bytecp
+from bytecp import format as fmt
+from bytecp.checksum import crc32c
+from bytecp.dtypes import dtype_name, host_memoryview
+from bytecp.hostcopy import copy_boxes, fast_copy_available
+from bytecp.inspect import verify
+from bytecp.planner import WriteItem
+from bytecp.regions import full_region
+from bytecp.skeleton import Node
+from bytecp.staging import DIRECT_MIN_BYTES, StagingPool
+from bytecp.state import FlatTree, TensorLeaf
+from bytecp.storage_api import open_storage
+
+from .helpers import same_bits
+
+
+def _sources() -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    big = torch.randn(3 << 20, generator=g)  # 12 MiB: split into pieces with several threads
+    return [
+        big,
+        torch.randn(9 << 20, generator=g),  # 36 MiB: copied whole, then summed
+        torch.randn(33, 77, generator=g),
+        torch.randn(40, 30, generator=g).t(),  # not contiguous: torch's copy
+        torch.randint(0, 255, (1000,), dtype=torch.uint8, generator=g),
+        torch.randn(16, dtype=torch.complex64, generator=g).conj(),  # a lazy conjugate view
+        torch.empty(0, 5),
+        torch.arange(10, dtype=torch.int64)[2:9],  # storage offset
+    ]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("checksums", [False, True])
+def test_copy_boxes_is_bitwise_and_sums_what_it_copied(threads: int, checksums: bool) -> None:
+    srcs = _sources()
+    dsts = [torch.full(s.shape, 7, dtype=s.dtype) if s.numel() else torch.empty(s.shape, dtype=s.dtype)
+            for s in srcs]
+    crcs = copy_boxes(list(zip(dsts, srcs, strict=True)), threads=threads, checksums=checksums)
+    for d, s in zip(dsts, srcs, strict=True):
+        assert same_bits(d, s.resolve_conj())
+    if checksums:
+        assert crcs == [crc32c(host_memoryview(d.contiguous())) for d in dsts]
+    else:
+        assert crcs == [None] * len(srcs)
+
+
+def test_copy_errors_reach_the_caller_from_any_thread() -> None:
+    srcs = [torch.randn(1 << 20), torch.randn(1 << 20), torch.randn(3, 3)]
+    dsts = [torch.empty(1 << 20), torch.empty(1 << 20), torch.empty(3, 4)]  # the last one does not fit
+    with pytest.raises(RuntimeError):
+        copy_boxes(list(zip(dsts, srcs, strict=True)), threads=3)
+
+
+def test_fast_copies_release_the_gil() -> None:
+    if not fast_copy_available():
+        pytest.skip("no C library memcpy on this platform: torch's copy is used")
+    src, dst = torch.randn(64 << 20 // 4), torch.empty(64 << 20 // 4)
+    ticks = 0
+    stop = threading.Event()
+
+    def count() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=count)
+    t.start()
+    try:
+        for _ in range(5):
+            copy_boxes([(dst, src)], threads=1, checksums=True)
+    finally:
+        stop.set()
+        t.join()
+    assert same_bits(dst, src)
+    assert ticks > 1000  # the other thread ran Python while the copies ran
+
+
+def _flat(tensors: dict[str, torch.Tensor]) -> tuple[FlatTree, list[WriteItem]]:
+    leaves = {k: TensorLeaf.full(v) for k, v in tensors.items()}
+    items = [WriteItem(k, full_region(tuple(v.shape)), dtype_name(v.dtype), v.element_size(), tuple(v.shape))
+             for k, v in tensors.items()]
+    return FlatTree(Node.container("dict", ()), leaves, {}, {}, {}), items
+
+
+def test_large_boxes_are_laid_out_in_the_arena_as_in_a_data_file() -> None:
+    pool = StagingPool()
+    a = {"big": torch.randn(DIRECT_MIN_BYTES // 4 + 3), "small": torch.randn(5), "big2": torch.randn(100_000)}
+    flat, items = _flat(a)
+    # the arena first holds other bytes, so its padding must be written as zeros
+    other, other_items = _flat({"x": torch.full((400_000,), -1.0)})
+    pool.stage(other, other_items)
+    for s in pool.stage(flat, items, checksums=True):
+        t = a[s.item.fqn]
+        assert bytes(s.data) == bytes(host_memoryview(t))
+        assert s.crc == crc32c(s.data)
+        if s.item.nbytes >= DIRECT_MIN_BYTES:
+            assert s.padded is not None
+            assert len(s.padded) % fmt.ALIGNMENT == 0 and len(s.padded) - len(s.data) < fmt.ALIGNMENT
+            addr = torch.frombuffer(s.padded, dtype=torch.uint8).data_ptr()
+            assert addr % fmt.ALIGNMENT == 0
+            assert bytes(s.padded[len(s.data):]) == bytes(len(s.padded) - len(s.data))
+        else:
+            assert s.padded is None
+    assert pool.allocations == 1
+
+
+def test_aligned_buffers_are_written_direct_without_a_bounce_copy(tmp_path: Path, monkeypatch) -> None:
+    st = LocalStorage(str(tmp_path), direct=True)
+    flat, items = _flat({"w": torch.randn(300_000), "b": torch.randn(3)})
+    staged = StagingPool().stage(flat, items)
+    aligned = staged[0].padded
+    assert aligned is not None
+    unaligned = memoryview(b"\x01" * 1000)
+    tail = memoryview(bytes(range(256)) * 5)
+    calls: list[tuple[int, int]] = []
+    real = os.pwrite
+
+    def pwrite(fd: int, data: object, offset: int) -> int:
+        mv = memoryview(data)  # type: ignore[arg-type]
+        calls.append((offset, len(mv)))
+        return real(fd, mv, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    st.write_file("data/f.bin", [unaligned, memoryview(bytes((-1000) % 4096)), aligned, tail])
+    if not st.direct:
+        pytest.skip("this filesystem refuses O_DIRECT: buffered writes were used")
+    want = b"\x01" * 1000 + bytes((-1000) % 4096) + bytes(aligned) + bytes(tail)
+    assert (tmp_path / "data" / "f.bin").read_bytes() == want
+    # the bounced first page, then the aligned view in one write of its own
+    assert calls[:2] == [(0, 4096), (4096, len(aligned))]
+
+
+def test_async_save_writes_the_same_files_as_a_sync_save(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(300, 301), nn.ReLU(), nn.Linear(301, 7))
+    opt = torch.optim.Adam(m.parameters())
+    m(torch.randn(4, 300)).sum().backward()
+    opt.step()
+    state = {"model": m, "optimizer": opt}
+    bytecp.save(str(tmp_path / "sync"), state)
+    bytecp.async_save(str(tmp_path / "eager"), state).wait(timeout=60)
+    bytecp.async_save(str(tmp_path / "lazy"), state, lazy=True).wait(timeout=60)
+    # the second eager save copies the cached plan's share, summed on the way
+    bytecp.async_save(str(tmp_path / "eager2"), state, verify_replicas=True).wait(timeout=60)
+
+    def contents(name: str) -> list[bytes]:
+        return sorted(p.read_bytes() for p in (tmp_path / name / "data").rglob("*.bin"))
+
+    want = contents("sync")
+    for name in ("eager", "lazy", "eager2"):
+        assert contents(name) == want, name
+        checked, problems = verify(open_storage(str(tmp_path / name)))
+        assert checked and not problems, (name, problems)
+
+
+def test_staging_options_are_validated() -> None:
+    m = nn.Linear(2, 2)
+    for kw in ({"staging_threads": 0}, {"background_nice": -1}, {"background_nice": 20}):
+        with pytest.raises(bytecp.ConfigError, match=next(iter(kw))):
+            bytecp.async_save("/tmp/never", {"model": m}, **kw)
+
+
+class _Priority:
+    """A recorder noting the scheduling priority of the thread that ends a save."""
+
+    def __init__(self) -> None:
+        self.seen: list[int] = []
+
+    def on_report(self, report: object) -> None:
+        self.seen.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+
+    def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
+        pass
+
+
+@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no per-thread nice values on this OS")
+def test_the_background_thread_runs_at_the_lower_priority_asked_for(tmp_path: Path) -> None:
+    m = nn.Linear(8, 8)
+    rec = _Priority()
+    for nice in (0, 5):
+        bytecp.async_save(str(tmp_path / f"n{nice}"), {"model": m}, background_nice=nice, monitor=rec).wait(60)
+    mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    assert rec.seen == [mine, min(19, mine + 5)]
+    assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched
