@@ -33,6 +33,17 @@ class Net(nn.Module):
         return self.out(self.norm(self.l2(x)))
 
 
+def assert_same_state(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    """(test process) Every model and optimizer tensor of ``got`` equals ``ref``'s bitwise."""
+    assert set(ref["model"]) == set(got["model"]), what
+    for k, v in ref["model"].items():
+        assert torch.equal(v, got["model"][k]), f"{what}: model {k}"
+    assert set(ref["optim"]) == set(got["optim"]), f"{what}: optimizer keys"
+    for k, v in ref["optim"].items():
+        assert torch.equal(v, got["optim"][k]), f"{what}: optimizer {k}"
+    assert ref["groups"] == got["groups"], f"{what}: param groups"
+
+
 def build(framework: str, seed: int = 0, variant: str = "") -> tuple[nn.Module, torch.optim.Optimizer]:
     """``framework`` in ddp, fsdp1, fsdp2, plain; ``variant`` selects options
     (fsdp1: ``orig``/``flat``, ``hybrid``; fsdp2: ``hsdp``)."""

@@ -16,6 +16,7 @@ import torch
 import bytecp
 
 from . import cases
+from .cases import assert_same_state
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -27,16 +28,6 @@ def variant_for(framework: str, world: int) -> str:
     if framework == "fsdp1":
         return "orig" if world % 2 == 0 else "flat"
     return ""
-
-
-def assert_same_state(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
-    assert set(ref["model"]) == set(got["model"]), what
-    for k, v in ref["model"].items():
-        assert torch.equal(v, got["model"][k]), f"{what}: model {k}"
-    assert set(ref["optim"]) == set(got["optim"]), f"{what}: optimizer keys"
-    for k, v in ref["optim"].items():
-        assert torch.equal(v, got["optim"][k]), f"{what}: optimizer {k}"
-    assert ref["groups"] == got["groups"], f"{what}: param groups"
 
 
 def assert_matches_full(ref: dict[str, Any], sd: dict[str, Any], what: str) -> None:

@@ -18,21 +18,12 @@ from bytecp.reader import read_chunks, read_metadata
 from bytecp.storage_api import open_storage
 
 from . import tie_cases
+from .cases import assert_same_state
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.timeout(600)
 
 HEAD, WTE = "lm_head.weight", "transformer.wte.weight"
-
-
-def assert_same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
-    assert set(ref["model"]) == set(got["model"]), what
-    for k, v in ref["model"].items():
-        assert torch.equal(v, got["model"][k]), f"{what}: model {k}"
-    assert set(ref["optim"]) == set(got["optim"]), f"{what}: optimizer keys"
-    for k, v in ref["optim"].items():
-        assert torch.equal(v, got["optim"][k]), f"{what}: optimizer {k}"
-    assert ref["groups"] == got["groups"], f"{what}: param groups"
 
 
 def assert_stored_once(url: str, ref: dict[str, Any]) -> None:
@@ -79,15 +70,15 @@ def test_fsdp2_resumes_exactly_and_reshards_into_ddp_and_fsdp1(fsdp2_saved, pool
     url, ref = fsdp2_saved
     # same job shape, plain (not compiled) model: the loss goes on exactly
     got = pools(2).run(tie_cases.load, "fsdp2", url, "", more_steps=2)[0]
-    assert_same(ref, got, "fsdp2 2 -> fsdp2 2")
+    assert_same_state(ref, got, "fsdp2 2 -> fsdp2 2")
     assert got["tied"] and (got["missing"], got["unexpected"]) == ([], [])
     assert got["losses"] == pools(2).run(tie_cases.continuous, "fsdp2")[0]
     # another framework and world size
     got = pools(3).run(tie_cases.load, "ddp", url)[0]
-    assert_same(ref, got, "fsdp2 2 -> ddp 3")
+    assert_same_state(ref, got, "fsdp2 2 -> ddp 3")
     assert got["tied"]
     got = pools(2).run(tie_cases.load, "fsdp1", url, "ckpt")[0]
-    assert_same(ref, got, "fsdp2 2 -> fsdp1 2 (activation checkpointing)")
+    assert_same_state(ref, got, "fsdp2 2 -> fsdp1 2 (activation checkpointing)")
     assert got["tied"]
 
 
@@ -101,10 +92,10 @@ def test_fsdp1_tied_embedding_is_stored_once_and_reshards(pools, tmp_path: Path,
     assert_stored_once(url, ref)
     assert_matches_one_process(url, ref)
     got = pools(2).run(tie_cases.load, "fsdp2", url, "compiled")[0]
-    assert_same(ref, got, f"fsdp1/{variant} 2 -> fsdp2 2 (compiled)")
+    assert_same_state(ref, got, f"fsdp1/{variant} 2 -> fsdp2 2 (compiled)")
     assert got["tied"] and (got["missing"], got["unexpected"]) == ([], [])
     got = pools(2).run(tie_cases.load, "fsdp1", url, variant, more_steps=2)[0]
-    assert_same(ref, got, f"fsdp1/{variant} 2 -> fsdp1 2")
+    assert_same_state(ref, got, f"fsdp1/{variant} 2 -> fsdp1 2")
     assert got["losses"] == pools(2).run(tie_cases.continuous, "fsdp1", variant)[0]
 
 
