@@ -42,7 +42,7 @@ from .index_format import (
     WIDE_ROWS,
     IndexDirectory,
 )
-from .planner import find_overlap
+from .planner import contiguous_boxes, find_overlap
 from .regions import Region
 
 __all__ = ["BuiltIndex", "build_index"]
@@ -184,13 +184,7 @@ def _check_tiling(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]]) 
         return
     # chunks contiguous in row-major order (row slabs, flat-range pieces,
     # whole tensors) are checked as 1-d ranges, the others as boxes
-    S = rows.shape[rows.fid]
-    full = (rows.O == 0) & (rows.L == S)
-    after = np.ones((len(numel), rows.D + 1), bool)
-    after[:, : rows.D] = np.logical_and.accumulate(full[:, ::-1], axis=1)[:, ::-1]
-    gt1 = rows.L > 1
-    k = np.argmax(gt1, axis=1)
-    contiguous = ~gt1.any(axis=1) | after[np.arange(len(numel)), k + 1]
+    contiguous = contiguous_boxes(rows.O, rows.L, rows.shape[rows.fid])
     boxy = np.zeros(nf, bool)
     boxy[rows.fid[~contiguous]] = True
     lin = np.flatnonzero(~boxy[rows.fid])

@@ -29,9 +29,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import numpy as np
+
 from .errors import ConfigError
 from .load_plan import ReadRequest, plan_load
-from .regions import Region
+from .regions import Region, row_major_strides
 from .state import ReplicaSet
 
 __all__ = [
@@ -46,6 +48,8 @@ __all__ = [
     "plan_shared_reads",
     "assign_shared",
     "find_overlap",
+    "contiguous_boxes",
+    "tiling_error",
     "check_replicas",
     "MIN_PIECE_BYTES",
 ]
@@ -107,6 +111,46 @@ def find_overlap(boxes: Sequence[Region], dim: int = 0) -> tuple[Region, Region]
     return None
 
 
+def contiguous_boxes(offs: np.ndarray, lens: np.ndarray, shapes: np.ndarray) -> np.ndarray:
+    """Per box (rows of offsets ``offs`` and lengths ``lens``, in tensors of
+    ``shapes``, one row each or broadcast): whether it is one range of its tensor
+    in row-major order (row slabs, flat-range pieces, whole tensors), so
+    that overlaps can be found as 1-d ranges."""
+    full = (offs == 0) & (lens == shapes)
+    after = np.ones((len(offs), offs.shape[1] + 1), bool)
+    after[:, : offs.shape[1]] = np.logical_and.accumulate(full[:, ::-1], axis=1)[:, ::-1]
+    gt1 = lens > 1
+    k = np.argmax(gt1, axis=1)
+    out: np.ndarray = ~gt1.any(axis=1) | after[np.arange(len(offs)), k + 1]
+    return out
+
+
+def tiling_error(shape: tuple[int, ...], boxes: Sequence[Region]) -> str | None:
+    """Why ``boxes`` (distinct) do not tile a tensor of ``shape`` exactly, or
+    ``None``: vectorized for boxes that are row-major ranges (the usual
+    shards), a sweep (:func:`find_overlap`) for the others."""
+    total = math.prod(shape)
+    n, nd = len(boxes), len(shape)
+    offs = np.array([b.offsets for b in boxes], np.int64).reshape(n, nd)
+    lens = np.array([b.lengths for b in boxes], np.int64).reshape(n, nd)
+    numel = lens.prod(axis=1)
+    held = int(numel.sum())
+    if held < total or n < 2:  # (more than the tensor: the overlap is named below)
+        return f"the ranks' shards hold {held} of its {total} elements" if held != total else None
+    if bool(contiguous_boxes(offs, lens, np.asarray(shape, np.int64)).all()):
+        some = np.flatnonzero(numel > 0)
+        start = (offs[some] * np.asarray(row_major_strides(shape) or (1,), np.int64)[:nd]).sum(axis=1)
+        order = np.argsort(start, kind="stable")
+        s, m = start[order], numel[some][order]
+        clash = np.flatnonzero(s[1:] < s[:-1] + m[:-1])
+        pair = (boxes[some[order[clash[0]]]], boxes[some[order[clash[0] + 1]]]) if len(clash) else None
+    else:
+        pair = find_overlap(boxes, dim=int(np.argmax((offs > 0).sum(axis=0))) if nd else 0)
+    if pair is not None:
+        return f"shards {pair[0]} and {pair[1]} overlap"
+    return f"the ranks' shards hold {held} of its {total} elements" if held != total else None
+
+
 def check_replicas(held: Sequence[dict[tuple[str, Region], int] | None]) -> None:
     """``held[r]``: rank ``r``'s checksum of every box it holds. Raise
     :class:`ConfigError` naming the first box whose replicas differ, with
@@ -155,8 +199,9 @@ def plan_save(
     global shape, or when the boxes held do not cover a tensor exactly.
     """
     world = len(plans)
-    holders: dict[tuple[str, Region], list[int]] = defaultdict(list)
-    first: dict[tuple[str, Region], WriteItem] = {}
+    # keyed by plain tuples (hashed in C): this loop runs once per box of every rank
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
+    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], WriteItem] = {}
     meta: dict[str, tuple[WriteItem, int]] = {}
     for rank, plan in enumerate(plans):
         if plan.rank != rank:
@@ -165,28 +210,28 @@ def plan_save(
             seen = meta.get(it.fqn)
             if seen is None:
                 meta[it.fqn] = (it, rank)
-            elif (seen[0].dtype, seen[0].global_shape) != (it.dtype, it.global_shape):
+            elif seen[0].dtype != it.dtype or seen[0].global_shape != it.global_shape:
                 raise ConfigError(
                     f"tensor {it.fqn!r}: rank {seen[1]} has dtype {seen[0].dtype} shape "
                     f"{list(seen[0].global_shape)} but rank {rank} has dtype {it.dtype} shape "
                     f"{list(it.global_shape)}; every rank must describe the same global tensor"
                 )
-            key = (it.fqn, it.region)
-            if key not in first:
+            key = (it.fqn, it.region.offsets, it.region.lengths)
+            ranks = holders.get(key)
+            if ranks is None:
+                holders[key] = [rank]
                 first[key] = it
-            if not holders[key] or holders[key][-1] != rank:
-                holders[key].append(rank)
+            elif ranks[-1] != rank:
+                ranks.append(rank)
 
-    boxes: dict[str, list[Region]] = defaultdict(list)
-    for fqn, region in holders:
-        boxes[fqn].append(region)
-    for fqn, (it, _) in meta.items() if check_coverage else ():
-        total = math.prod(it.global_shape)
-        held = sum(b.numel for b in boxes[fqn])
-        pair = find_overlap(boxes[fqn]) if held >= total and len(boxes[fqn]) > 1 else None
-        if held != total or pair is not None:
-            what = f"shards {pair[0]} and {pair[1]} overlap" if pair else f"the ranks' shards hold {held} of its {total} elements"
-            raise ConfigError(f"tensor {fqn!r} of shape {list(it.global_shape)}: {what}")
+    if check_coverage:
+        boxes: dict[str, list[Region]] = defaultdict(list)
+        for key, it in first.items():
+            boxes[key[0]].append(it.region)
+        for fqn, (it, _) in meta.items():
+            error = tiling_error(it.global_shape, boxes[fqn])
+            if error is not None:
+                raise ConfigError(f"tensor {fqn!r} of shape {list(it.global_shape)}: {error}")
 
     load = list(base_load) if base_load is not None else [0] * world
     out: list[list[WriteItem]] = [[] for _ in range(world)]
@@ -199,18 +244,27 @@ def plan_save(
                 cuts[it.fqn].append(it.region)
     todo: list[tuple[WriteItem, list[int]]] = []
     for k, ranks in holders.items():
+        it = first[k]
+        if len(ranks) == 1 and not cuts:  # one holder (a sharded box): nothing to decide
+            r = ranks[0]
+            out[r].append(it)
+            load[r] += it.region.numel * it.itemsize
+            continue
         free = [r for r in ranks if not plans[r].fixed]
         if not free:
             continue
-        it = first[k]
         parts = [it.region]
         for cut in cuts.get(it.fqn, ()):
             parts = [p for part in parts for p in part.subtract(cut)]
         todo += [(it if p == it.region else dataclasses.replace(it, region=p), free) for p in parts]
     _assign(todo, load, out, split_bytes)
     for items in out:
-        items.sort(key=lambda w: (w.fqn, w.region))
+        items.sort(key=_order)
     return out
+
+
+def _order(w: WriteItem) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    return w.fqn, w.region.offsets, w.region.lengths
 
 
 def plan_replicated(

@@ -170,3 +170,46 @@ def test_fixed_pieces_stay_and_the_other_holders_get_the_rest() -> None:
             written[it.fqn].append(it.region)
     assert_tiles(written, {"big": shape, "small": (7,)})
     assert {it.fqn for it in out[1]} | {it.fqn for it in out[2]} == {"big", "small"}
+
+
+def test_tiling_error_agrees_with_counting_every_element() -> None:
+    """Random sets of boxes (row slabs, flat-range pieces, column blocks,
+    empty boxes) in small tensors: the vectorized check finds an overlap or
+    a gap exactly when counting each element's owners does."""
+    import itertools
+    import random
+
+    from bytecp.planner import tiling_error
+    from bytecp.regions import flat_range_to_boxes
+
+    rng = random.Random(7)
+    for case in range(600):
+        shape = tuple(rng.randint(1, 4) for _ in range(rng.randint(0, 3)))
+        total = math.prod(shape)
+        kind = case % 3
+        if kind == 0 and shape:  # slabs along dim 0, perhaps overlapping
+            cuts = sorted(rng.randint(0, shape[0]) for _ in range(rng.randint(1, 3)))
+            edges = [0, *cuts, shape[0]]
+            boxes = [Region((a, *[0] * (len(shape) - 1)), (b - a, *shape[1:])) for a, b in zip(edges, edges[1:])]
+        elif kind == 1:  # flat-range pieces
+            cuts = sorted(rng.randint(0, total) for _ in range(rng.randint(1, 3)))
+            edges = [0, *cuts, total]
+            boxes = [bx for a, b in zip(edges, edges[1:]) for bx in flat_range_to_boxes(shape, a, b)]
+        else:  # arbitrary boxes
+            boxes = []
+            for _ in range(rng.randint(1, 4)):
+                offs = tuple(rng.randint(0, n - 1) for n in shape)
+                boxes.append(Region(offs, tuple(rng.randint(0, n - o) for o, n in zip(offs, shape))))
+        if rng.random() < 0.3 and boxes:  # a box twice, shifted, or dropped
+            b = rng.choice(boxes)
+            boxes.append(Region(b.offsets, tuple(max(0, n - rng.randint(0, 1)) for n in b.lengths)))
+        boxes = list(dict.fromkeys(boxes))  # the planner passes distinct boxes
+        owners: dict[tuple[int, ...], int] = defaultdict(int)
+        for b in boxes:
+            for idx in itertools.product(*(range(o, o + n) for o, n in zip(b.offsets, b.lengths))):
+                owners[idx] += 1
+        exact = len(owners) == total and all(v == 1 for v in owners.values())
+        error = tiling_error(shape, boxes)
+        assert (error is None) == exact, (shape, boxes, error)
+        if sum(owners.values()) >= total and any(v > 1 for v in owners.values()):
+            assert error is not None and "overlap" in error, (shape, boxes, error)
