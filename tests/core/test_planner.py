@@ -190,23 +190,23 @@ def test_tiling_error_agrees_with_counting_every_element() -> None:
         if kind == 0 and shape:  # slabs along dim 0, perhaps overlapping
             cuts = sorted(rng.randint(0, shape[0]) for _ in range(rng.randint(1, 3)))
             edges = [0, *cuts, shape[0]]
-            boxes = [Region((a, *[0] * (len(shape) - 1)), (b - a, *shape[1:])) for a, b in zip(edges, edges[1:])]
+            boxes = [Region((a, *[0] * (len(shape) - 1)), (b - a, *shape[1:])) for a, b in zip(edges, edges[1:], strict=False)]
         elif kind == 1:  # flat-range pieces
             cuts = sorted(rng.randint(0, total) for _ in range(rng.randint(1, 3)))
             edges = [0, *cuts, total]
-            boxes = [bx for a, b in zip(edges, edges[1:]) for bx in flat_range_to_boxes(shape, a, b)]
+            boxes = [bx for a, b in zip(edges, edges[1:], strict=False) for bx in flat_range_to_boxes(shape, a, b)]
         else:  # arbitrary boxes
             boxes = []
             for _ in range(rng.randint(1, 4)):
                 offs = tuple(rng.randint(0, n - 1) for n in shape)
-                boxes.append(Region(offs, tuple(rng.randint(0, n - o) for o, n in zip(offs, shape))))
+                boxes.append(Region(offs, tuple(rng.randint(0, n - o) for o, n in zip(offs, shape, strict=True))))
         if rng.random() < 0.3 and boxes:  # a box twice, shifted, or dropped
             b = rng.choice(boxes)
             boxes.append(Region(b.offsets, tuple(max(0, n - rng.randint(0, 1)) for n in b.lengths)))
         boxes = list(dict.fromkeys(boxes))  # the planner passes distinct boxes
         owners: dict[tuple[int, ...], int] = defaultdict(int)
         for b in boxes:
-            for idx in itertools.product(*(range(o, o + n) for o, n in zip(b.offsets, b.lengths))):
+            for idx in itertools.product(*(range(o, o + n) for o, n in zip(b.offsets, b.lengths, strict=True))):
                 owners[idx] += 1
         exact = len(owners) == total and all(v == 1 for v in owners.values())
         error = tiling_error(shape, boxes)
