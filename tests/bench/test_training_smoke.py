@@ -8,19 +8,12 @@ it asserts nothing about speed.
 from __future__ import annotations
 
 import json
-import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _numeric(v: object) -> bool:
-    return isinstance(v, (int, float)) and math.isfinite(v)
+from .helpers import numeric as _numeric
+from .helpers import run_benchmark
 
 
 @pytest.mark.slow
@@ -29,13 +22,8 @@ def test_quick_training_run_reports_every_mode(tmp_path: Path) -> None:
     from benchmarks.training import MODES
 
     out, png = tmp_path / "training.json", tmp_path / "training.png"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.training", "--quick", "--rounds", "2", "--dir", str(tmp_path),
-         "--out", str(out), "--png", str(png)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=280,
-    )
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_benchmark("training", ["--quick", "--rounds", "2", "--dir", str(tmp_path), "--out", str(out),
+                                      "--png", str(png)], timeout=280)
     assert "| mode | added training time per checkpoint" in proc.stdout
     assert png.stat().st_size > 10_000
     res = json.loads(out.read_text())
