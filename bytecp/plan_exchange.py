@@ -57,6 +57,9 @@ class PlanCache:
 
     Each entry remembers the digest of every rank's fingerprints it was made
     for; an entry is reused only if every rank agrees (see :func:`decide`).
+    The entry of the last committed save (per key) is also the one an async
+    snapshot may copy alone (:meth:`latest`): every rank's latest entry
+    belongs to the same global plan, so the shares copied are disjoint.
     """
 
     MAX_ENTRIES = 64
@@ -64,21 +67,44 @@ class PlanCache:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._plans: dict[tuple[Any, str], tuple[str, list[WriteItem]]] = {}
+        self._latest: dict[Any, str] = {}
 
     def get(self, key: Any, fp: str) -> tuple[str, list[WriteItem]] | None:
         """(digest of all ranks' fingerprints, this rank's items) or None."""
         with self._lock:
             return self._plans.get((key, fp))
 
+    def latest(self, key: Any, fp: str) -> tuple[str, list[WriteItem]] | None:
+        """The entry for ``fp`` only if it is the plan of the last save
+        committed under ``key`` (what the other ranks' latest entries belong
+        to as well)."""
+        with self._lock:
+            return self._plans.get((key, fp)) if self._latest.get(key) == fp else None
+
     def put(self, key: Any, fp: str, digest: str, mine: list[WriteItem]) -> None:
+        """(after a commit) This rank's share of the plan just committed."""
         with self._lock:
             self._plans[(key, fp)] = (digest, mine)
+            self._latest[key] = fp
             if len(self._plans) > self.MAX_ENTRIES:
                 self._plans.pop(next(iter(self._plans)))
+
+    def touch(self, key: Any, fp: str) -> None:
+        """(after a commit that reused the entry for ``fp``) It is the latest."""
+        with self._lock:
+            if (key, fp) in self._plans:
+                self._latest[key] = fp
+
+    def forget(self, key: Any) -> None:
+        """(after a failed save) No entry is the latest: the next async
+        snapshot copies every box the rank holds."""
+        with self._lock:
+            self._latest.pop(key, None)
 
     def clear(self) -> None:
         with self._lock:
             self._plans.clear()
+            self._latest.clear()
 
 
 #: one cache per process (plans of different groups/world sizes never mix: see the key)

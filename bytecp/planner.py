@@ -236,12 +236,20 @@ def plan_save(
     load = list(base_load) if base_load is not None else [0] * world
     out: list[list[WriteItem]] = [[] for _ in range(world)]
     cuts: dict[str, list[Region]] = defaultdict(list)
+    for it in (it for plan in plans if plan.fixed for it in plan.items):
+        cuts[it.fqn].append(it.region)
+    # fixed shares that overlap (cached from different plans): the lowest rank's wins
+    clash = {f for f, regions in cuts.items() if len(regions) > 1 and find_overlap(regions) is not None}
+    done: dict[str, list[Region]] = defaultdict(list)
     for plan in plans:
         if plan.fixed:  # written as they are; the others' boxes lose these parts
-            out[plan.rank].extend(plan.items)
             for it in plan.items:
-                load[plan.rank] += it.nbytes
-                cuts[it.fqn].append(it.region)
+                parts = _minus([it.region], done[it.fqn]) if it.fqn in clash else [it.region]
+                done[it.fqn].append(it.region)
+                for p in parts:
+                    w = it if p == it.region else dataclasses.replace(it, region=p)
+                    out[plan.rank].append(w)
+                    load[plan.rank] += w.nbytes
     todo: list[tuple[WriteItem, list[int]]] = []
     for k, ranks in holders.items():
         it = first[k]
@@ -251,16 +259,20 @@ def plan_save(
             load[r] += it.region.numel * it.itemsize
             continue
         free = [r for r in ranks if not plans[r].fixed]
-        if not free:
+        if not free:  # (rows only fixed ranks hold and none copied fail the commit's tiling check)
             continue
-        parts = [it.region]
-        for cut in cuts.get(it.fqn, ()):
-            parts = [p for part in parts for p in part.subtract(cut)]
+        parts = _minus([it.region], cuts.get(it.fqn, []))
         todo += [(it if p == it.region else dataclasses.replace(it, region=p), free) for p in parts]
     _assign(todo, load, out, split_bytes)
     for items in out:
         items.sort(key=_order)
     return out
+
+
+def _minus(parts: list[Region], cuts: Sequence[Region]) -> list[Region]:
+    for cut in cuts:
+        parts = [p for part in parts for p in part.subtract(cut)]
+    return parts
 
 
 def _order(w: WriteItem) -> tuple[str, tuple[int, ...], tuple[int, ...]]:

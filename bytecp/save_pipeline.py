@@ -26,12 +26,13 @@ rank and its phase) and nobody waits. If the save fails anywhere before
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
 import logging
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from . import faults
@@ -102,6 +103,7 @@ class SavePipeline:
         #: a new plan gives this rank exactly these, the other holders the rest)
         self._held: LocalSavePlan | None = None
         self._cache_entry: tuple[Any, str, str, list[WriteItem]] | None = None  # put once committed
+        self._reused = False  # the cached plan was reused (it becomes the latest once committed)
 
     # -- the phases -----------------------------------------------------------
     def run(self) -> fmt.Metadata:
@@ -146,7 +148,8 @@ class SavePipeline:
             assert isinstance(arena, ArenaStager)
             self._local = local_plan(self.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
             self._fingerprint = plan_key(self._local)
-            cached = PLAN_CACHE.get(self._cache_key(), self._fingerprint)
+            # the last committed plan's share only: every rank's is from that same plan
+            cached = PLAN_CACHE.latest(self._cache_key(), self._fingerprint)
             items = cached[1] if cached is not None else self._local.items
             if cached is not None:  # only the cached share is copied: all this rank can write now
                 self._held = LocalSavePlan(self.ctx.rank, tuple(items), fixed=True)
@@ -196,7 +199,7 @@ class SavePipeline:
                 v = dataclasses.replace(v, objects=tuple(self.flat.objects))
             return v
 
-        with self.trace.span("plan"):
+        with self.trace.span("plan"), self._forget_plan_on_failure():
             votes = ctx.all_gather("save/plan", vote)
             coordinator = votes[ctx.coordinator]
             assert coordinator.save_id is not None
@@ -206,6 +209,7 @@ class SavePipeline:
             decision = decide(votes)
             if decision.reuse:
                 items = mine["cached"][1]
+                self._reused = True
             else:
                 held = self._held or self._local
                 assert held is not None
@@ -278,20 +282,24 @@ class SavePipeline:
             return md
 
         try:
-            md = ctx.all_reduce("save/write", output, commit, reduce_op="save/commit")
-        except DistributedCheckpointError as e:
-            # the outcome is what storage says: once metadata.json of this save
-            # is written, the save succeeded, whoever was lost afterwards
-            done = self._committed_after(e, committed[0] if committed else None)
-            if done is None:
-                raise
-            md = done
+            with self._forget_plan_on_failure():
+                try:
+                    md = ctx.all_reduce("save/write", output, commit, reduce_op="save/commit")
+                except DistributedCheckpointError as e:
+                    # the outcome is what storage says: once metadata.json of this save
+                    # is written, the save succeeded, whoever was lost afterwards
+                    done = self._committed_after(e, committed[0] if committed else None)
+                    if done is None:
+                        raise
+                    md = done
         except BaseException:
             if ctx.is_coordinator and not committed and self.save_id:
                 self._remove_files_of(self.save_id)
             raise
         if self._cache_entry is not None:
             PLAN_CACHE.put(*self._cache_entry)
+        elif self._reused and self._fingerprint is not None:
+            PLAN_CACHE.touch(self._cache_key(), self._fingerprint)
         if ctx.is_coordinator and self._replaced is not None:
             self._remove_replaced(md)
         return md
@@ -308,6 +316,18 @@ class SavePipeline:
             log.warning("bytecp: could not store the monitoring report at %s: %s", self.storage.url, e)
 
     # -- helpers ----------------------------------------------------------------
+    @contextlib.contextmanager
+    def _forget_plan_on_failure(self) -> Iterator[None]:
+        """A save that fails after planning leaves no cached plan marked as
+        the latest: the next async snapshot copies every box this rank holds
+        instead of a share that may not fit the other ranks' (see
+        :meth:`~bytecp.plan_exchange.PlanCache.latest`)."""
+        try:
+            yield
+        except BaseException:
+            PLAN_CACHE.forget(self._cache_key())
+            raise
+
     def _cache_key(self) -> tuple[Any, ...]:
         """Plans of different groups, world sizes or split sizes never mix."""
         return (self.ctx.world_size, self.ctx.rank, self.opts.split_bytes, id(self.ctx.group))

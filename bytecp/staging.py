@@ -133,14 +133,10 @@ class StagingPool:
         rest of a save can run on it while training changes the live ones,
         with the stager that hands the writer those copies."""
         copied = self._copy(flat, items, threads, checksums)
-        tensors: dict[str, TensorLeaf] = {}
+        # in the live tree's order (the specs digest every rank compares depends on it)
+        tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas) for fqn, leaf in flat.tensors.items()}
         for st, dst in copied:
-            it = st.item
-            leaf = flat.tensors[it.fqn]
-            tensors.setdefault(it.fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas)).shards.append(
-                Shard(it.region, dst))
-        for fqn, leaf in flat.tensors.items():  # tensors this rank writes nothing of
-            tensors.setdefault(fqn, TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas))
+            tensors[st.item.fqn].shards.append(Shard(st.item.region, dst))
         return dataclasses.replace(flat, tensors=tensors), SnapshotStager([st for st, _ in copied])
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int,

@@ -213,3 +213,30 @@ def test_tiling_error_agrees_with_counting_every_element() -> None:
         assert (error is None) == exact, (shape, boxes, error)
         if sum(owners.values()) >= total and any(v > 1 for v in owners.values()):
             assert error is not None and "overlap" in error, (shape, boxes, error)
+
+
+def test_fixed_shares_that_overlap_are_written_once() -> None:
+    """Fixed plans (an async snapshot copied only a cached share) from
+    different earlier plans: the lowest rank keeps the overlapping rows, the
+    other writes the rest of its share, a free holder nothing more."""
+    shape = (10, 4)
+    part = lambda o, n: item("w", shape, Region((o, 0), (n, 4)))  # noqa: E731
+    plans = [LocalSavePlan(0, (part(0, 6),), fixed=True), LocalSavePlan(1, (part(4, 6),), fixed=True),
+             LocalSavePlan(2, (item("w", shape, full_region(shape)),))]
+    out = plan_save(plans, check_coverage=False)
+    rows = sorted((it.region.offsets[0], it.region.lengths[0], r) for r, items in enumerate(out) for it in items)
+    assert rows == [(0, 6, 0), (6, 4, 1)]
+
+
+def test_plan_cache_latest_is_the_last_committed_plan_only() -> None:
+    from bytecp.plan_exchange import PlanCache
+
+    cache, w = PlanCache(), [item("w", (4,), full_region((4,)))]
+    cache.put("k", "fp-a", "d1", w)
+    cache.put("k", "fp-b", "d2", [])
+    assert cache.get("k", "fp-a") == ("d1", w) and cache.latest("k", "fp-a") is None
+    assert cache.latest("k", "fp-b") == ("d2", [])
+    cache.touch("k", "fp-a")  # a commit that reused fp-a's entry
+    assert cache.latest("k", "fp-a") == ("d1", w) and cache.latest("k", "fp-b") is None
+    cache.forget("k")  # a failed save
+    assert cache.latest("k", "fp-a") is None and cache.get("k", "fp-a") == ("d1", w)

@@ -198,3 +198,15 @@ def test_the_background_thread_runs_at_the_lower_priority_asked_for(tmp_path: Pa
     mine = os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
     assert rec.seen == [mine, min(19, mine + 5)]
     assert os.getpriority(os.PRIO_PROCESS, threading.get_native_id()) == mine  # the caller's is untouched
+
+
+def test_a_snapshot_keeps_the_tensors_in_the_live_trees_order() -> None:
+    """The copy of a cached share comes in plan order; the snapshot's tree
+    must keep the live order (every rank compares a digest of its specs)."""
+    from bytecp.plan_exchange import specs_digest
+
+    flat, items = _flat({"a": torch.randn(4), "b": torch.randn(3), "c": torch.randn(2)})
+    copy, _ = StagingPool().snapshot(flat, [items[2], items[0]])
+    assert list(copy.tensors) == ["a", "b", "c"] and not copy.tensors["b"].shards
+    assert specs_digest(copy) == specs_digest(flat)
+    assert torch.equal(copy.tensors["c"].shards[0].tensor, flat.tensors["c"].shards[0].tensor)

@@ -383,6 +383,29 @@ def state_changes_on_one_rank_between_async_saves(url: str) -> list[Any]:
     return out
 
 
+def rank_local_tensor_moves_between_async_saves(url: str) -> list[Any]:
+    """Eager async saves of a 10 MiB tensor every rank holds (split between
+    them) while a tensor of one rank's own moves: on rank 0 at the first
+    save, rank 1 at the second, nowhere after. The ranks' cached shares then
+    come from different earlier plans; every save must still commit and load
+    bitwise (never two ranks writing the same rows, never rows nobody copied)."""
+    from bytecp import plan_exchange
+
+    plan_exchange.PLAN_CACHE.clear()
+    r = dist.get_rank()
+    w = torch.arange(10 * (1 << 18), dtype=torch.float32).reshape(10, 1 << 18)
+    out = []
+    for step, owner in enumerate([0, 1, None, None, None]):
+        state: dict[str, Any] = {"w": w, "extra": {"x": torch.full((1 << 20,), float(step))} if r == owner else {}}
+        w.add_(1.0)
+        bytecp.async_save(f"{url}-{step}", state).wait()
+        dist.barrier()
+        if r == 0:
+            sd = bytecp.load_state_dict(f"{url}-{step}")
+            out.append((torch.equal(sd["w"], w), sorted(sd["extra"])))
+    return out
+
+
 def bad_state_on_one_rank(url: str) -> tuple[str, float]:
     """Rank 1's state is invalid (two entries map to one key): every rank must
     raise at once instead of waiting in a collective."""

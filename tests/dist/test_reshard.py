@@ -184,6 +184,13 @@ def test_a_state_changing_on_one_rank_keeps_async_saves_committing(pools, tmp_pa
     assert got == [(True, [])] + [(True, ["y"])] * 3
 
 
+def test_cached_shares_of_different_plans_never_overlap(pools, tmp_path: Path) -> None:
+    # ranks whose fingerprints match entries of different earlier plans copy
+    # only the latest committed plan's share, so every save still tiles
+    got = pools(3).run(cases.rank_local_tensor_moves_between_async_saves, str(tmp_path / "ck"), timeout=240)[0]
+    assert got == [(True, ["x"]), (True, ["x"]), (True, []), (True, []), (True, [])]
+
+
 def test_invalid_state_on_one_rank_fails_every_rank_at_once(pools, tmp_path: Path) -> None:
     for msg, seconds in pools(2).run(cases.bad_state_on_one_rank, str(tmp_path / "ck")):
         assert "rank 1" in msg and "same key" in msg and seconds < 20
