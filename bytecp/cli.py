@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from .errors import BytecpError, ConfigError, StorageError
-from .storage_api import open_storage
+from .storage_api import open_storage, split_protocol
 
 if TYPE_CHECKING:
     from .progress import Progress
@@ -170,8 +170,6 @@ def _export_format(args: argparse.Namespace) -> str:
 
 def _out_options(args: argparse.Namespace) -> dict[str, Any]:
     """``--out-storage-options``; by default the input's options when both URLs share a protocol."""
-    from .storage_api import split_protocol
-
     if args.out_storage_options:
         return _json_options(args.out_storage_options, "--out-storage-options")
     same = split_protocol(args.url)[0] == split_protocol(args.out)[0]

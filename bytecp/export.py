@@ -128,8 +128,7 @@ def open_checkpoint(src: str | Storage) -> tuple[Storage, fmt.Metadata, list[fmt
 def _top_level_keys(md: fmt.Metadata) -> str:
     counts: dict[str, int] = {}
     for key, node in md.skeleton.items:
-        counts[str(key)] = sum(1 for leaf in node.leaves() if leaf.kind == "tensor") if not node.is_leaf else int(
-            node.kind == "tensor")
+        counts[str(key)] = sum(1 for leaf in node.leaves() if leaf.kind == "tensor")  # (a leaf is its own)
     return ", ".join(f"{k!r} ({n} tensor{'s' if n != 1 else ''})" for k, n in counts.items()) or "none"
 
 
@@ -285,7 +284,9 @@ def refuse_nested(src: str, out: str) -> None:
     """The output is neither the checkpoint nor inside it nor above it: an
     export (or its overwrite) must never touch a checkpoint's files."""
     def norm(u: str) -> str:
-        return (os.path.realpath(u) if "://" not in u else u).rstrip("/") + "/"
+        proto, rest = split_protocol(u)
+        local = proto in ("file", "local")
+        return (os.path.realpath(os.path.expanduser(rest)) if local else u).rstrip("/") + "/"
 
     a, b = norm(src), norm(out)
     if a.startswith(b) or b.startswith(a):

@@ -297,9 +297,7 @@ def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[st
     except BaseException:
         try:
             # a stopped worker may leave an unfinished multipart upload (S3)
-            abort = getattr(target, "abort_incomplete_uploads", None)
-            if abort is not None:
-                abort()
+            target.abort_incomplete_uploads()
             target.delete([n for n, _ in files if n not in existing])
         except Exception:  # noqa: BLE001 - best effort; the original error matters
             pass
@@ -362,9 +360,10 @@ def export_hf(
         files: list[tuple[str, Any]] = config_file + weights
     else:
         files = weights + config_file + [(INDEX_NAME, index_json(shards, names))]
-    progress.start(sum(it.nbytes for it in items))
+    total = sum(it.nbytes for it in items)
+    progress.start(total)
     if target.atomic_rename:
         sizes = _publish_renamed(out, options, files, overwrite, reader, workers, progress)
     else:
         sizes = _publish_in_place(target, existing, files, reader, workers, progress)
-    return ExportResult(out, "hf", sizes, len(items), sum(it.nbytes for it in items), omitted, config_source)
+    return ExportResult(out, "hf", sizes, len(items), total, omitted, config_source)

@@ -191,14 +191,15 @@ def _check_place(label: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]
     assert md.index is not None
     band, first, last = place
     for c in chunks:
-        dim = md.tensors[c.fqn].get("band_dim")
-        shape = md.tensors[c.fqn]["shape"]
+        info = md.tensors[c.fqn]
+        dim, shape = info.get("band_dim"), info["shape"]
         if band is None:
             ok = dim is None and first is not None and last is not None and first <= c.fqn <= last
+        elif dim is None or not len(c.offsets) == len(c.lengths) == len(shape) or c.lengths[dim] <= 0:
+            ok = False
         else:
-            ok = (dim is not None and len(c.offsets) == len(c.lengths) == len(shape) and c.lengths[dim] > 0
-                  and bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)[0] <= band
-                  <= bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)[1])
+            lo, hi = bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)
+            ok = lo <= band <= hi
         if not ok:
             where = f"band {band}" if band is not None else f"the wide segment of names {first!r}..{last!r}"
             raise CorruptCheckpointError(

@@ -128,7 +128,9 @@ def contiguous_boxes(offs: np.ndarray, lens: np.ndarray, shapes: np.ndarray) -> 
 def tiling_error(shape: tuple[int, ...], boxes: Sequence[Region]) -> str | None:
     """Why ``boxes`` (distinct) do not tile a tensor of ``shape`` exactly, or
     ``None``: vectorized for boxes that are row-major ranges (the usual
-    shards), a sweep (:func:`find_overlap`) for the others."""
+    shards), a sweep (:func:`find_overlap`) for the others. The check of
+    :func:`plan_save` when it is given every rank's boxes; a save checks the
+    tiling of what was written at commit (:mod:`bytecp.index_build`)."""
     total = math.prod(shape)
     n, nd = len(boxes), len(shape)
     offs = np.array([b.offsets for b in boxes], np.int64).reshape(n, nd)
@@ -199,9 +201,9 @@ def plan_save(
     global shape, or when the boxes held do not cover a tensor exactly.
     """
     world = len(plans)
-    # keyed by plain tuples (hashed in C): this loop runs once per box of every rank
-    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], list[int]] = {}
-    first: dict[tuple[str, tuple[int, ...], tuple[int, ...]], WriteItem] = {}
+    # box -> (its first item, the ranks holding it), keyed by plain tuples
+    # (hashed in C): this loop runs once per box of every rank
+    holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WriteItem, list[int]]] = {}
     meta: dict[str, tuple[WriteItem, int]] = {}
     for rank, plan in enumerate(plans):
         if plan.rank != rank:
@@ -217,17 +219,16 @@ def plan_save(
                     f"{list(it.global_shape)}; every rank must describe the same global tensor"
                 )
             key = (it.fqn, it.region.offsets, it.region.lengths)
-            ranks = holders.get(key)
-            if ranks is None:
-                holders[key] = [rank]
-                first[key] = it
-            elif ranks[-1] != rank:
-                ranks.append(rank)
+            entry = holders.get(key)
+            if entry is None:
+                holders[key] = (it, [rank])
+            elif entry[1][-1] != rank:
+                entry[1].append(rank)
 
     if check_coverage:
         boxes: dict[str, list[Region]] = defaultdict(list)
-        for key, it in first.items():
-            boxes[key[0]].append(it.region)
+        for it, _ in holders.values():
+            boxes[it.fqn].append(it.region)
         for fqn, (it, _) in meta.items():
             error = tiling_error(it.global_shape, boxes[fqn])
             if error is not None:
@@ -244,19 +245,19 @@ def plan_save(
     for plan in plans:
         if plan.fixed:  # written as they are; the others' boxes lose these parts
             for it in plan.items:
-                parts = _minus([it.region], done[it.fqn]) if it.fqn in clash else [it.region]
-                done[it.fqn].append(it.region)
+                parts = [it.region]
+                if it.fqn in clash:
+                    parts = _minus(parts, done[it.fqn])
+                    done[it.fqn].append(it.region)
                 for p in parts:
                     w = it if p == it.region else dataclasses.replace(it, region=p)
                     out[plan.rank].append(w)
                     load[plan.rank] += w.nbytes
     todo: list[tuple[WriteItem, list[int]]] = []
-    for k, ranks in holders.items():
-        it = first[k]
+    for it, ranks in holders.values():
         if len(ranks) == 1 and not cuts:  # one holder (a sharded box): nothing to decide
-            r = ranks[0]
-            out[r].append(it)
-            load[r] += it.region.numel * it.itemsize
+            out[ranks[0]].append(it)
+            load[ranks[0]] += it.nbytes
             continue
         free = [r for r in ranks if not plans[r].fixed]
         if not free:  # (rows only fixed ranks hold and none copied fail the commit's tiling check)

@@ -153,12 +153,12 @@ class SavePipeline:
             items = cached[1] if cached is not None else self._local.items
             if cached is not None:  # only the cached share is copied: all this rank can write now
                 self._held = LocalSavePlan(self.ctx.rank, tuple(items), fixed=True)
-            verify = self.opts.verify_replicas
+            verify = bool(self.opts.verify_replicas)
             live = self.flat
             with self.trace.span("stage") as sp:
                 faults.inject("stage", self.ctx.rank)
                 # with replica checks the copy also sums what it copies
-                self.flat, copied = arena.snapshot(live, items, checksums=verify or None)
+                self.flat, copied = arena.snapshot(live, items, checksums=verify)
                 sp.nbytes = sum(it.nbytes for it in items)
             self.stager = copied  # later phases write the copy
             if verify:  # of every box held, while it is the state being saved
@@ -298,7 +298,7 @@ class SavePipeline:
             raise
         if self._cache_entry is not None:
             PLAN_CACHE.put(*self._cache_entry)
-        elif self._reused and self._fingerprint is not None:
+        elif self._reused:
             PLAN_CACHE.touch(self._cache_key(), self._fingerprint)
         if ctx.is_coordinator and self._replaced is not None:
             self._remove_replaced(md)

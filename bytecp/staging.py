@@ -19,7 +19,7 @@ The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
   :meth:`StagingPool.snapshot`): the boxes were copied on the caller's
   thread; the background write takes those copies.
 
-Boxes of at least :data:`DIRECT_MIN_BYTES` start at a multiple of
+Boxes of at least :data:`PAGE_ALIGN_MIN_BYTES` start at a multiple of
 :data:`~bytecp.format.ALIGNMENT` in the arena and are followed by zeros up
 to the next multiple, exactly as the data file lays them out: the writer
 hands storage that padded view whole, and local ``O_DIRECT`` writes take it
@@ -42,17 +42,16 @@ from .hostcopy import copy_boxes
 from .planner import WriteItem
 from .regions import Region, row_major_strides
 from .state import FlatTree, Shard, TensorLeaf
-from .writer import Staged, as_host_bytes, source_view
+from .writer import PAD_ZEROS, Staged, as_host_bytes, source_view
 
 __all__ = [
     "Stager", "ViewStager", "ArenaStager", "SnapshotStager", "StagingPool", "POOL", "batches_within",
-    "DIRECT_MIN_BYTES",
+    "PAGE_ALIGN_MIN_BYTES",
 ]
 
 _ALIGN = 64
-_ZEROS = bytes(fmt.ALIGNMENT)
 #: boxes this large are laid out in the arena as in a data file (page-aligned, zero-padded)
-DIRECT_MIN_BYTES = 64 << 10
+PAGE_ALIGN_MIN_BYTES = 64 << 10
 
 
 def _up(n: int, a: int) -> int:
@@ -61,7 +60,7 @@ def _up(n: int, a: int) -> int:
 
 def _slot(n: int) -> int:
     """Arena bytes a box of ``n`` bytes takes (with its padding)."""
-    return _up(n, fmt.ALIGNMENT) if n >= DIRECT_MIN_BYTES else _up(n, _ALIGN)
+    return _up(n, fmt.ALIGNMENT) if n >= PAGE_ALIGN_MIN_BYTES else _up(n, _ALIGN)
 
 
 def _host_arena(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -83,7 +82,7 @@ class _Layout:
         self.sizes: list[int] = []
         for it in items:
             n = it.nbytes
-            pos = _up(pos, fmt.ALIGNMENT if n >= DIRECT_MIN_BYTES else _ALIGN)
+            pos = _up(pos, fmt.ALIGNMENT if n >= PAGE_ALIGN_MIN_BYTES else _ALIGN)
             self.starts.append(pos)
             self.sizes.append(n)
             pos += _slot(n)
@@ -161,9 +160,9 @@ class StagingPool:
             shape = it.region.lengths
             dsts.append(t.as_strided(shape, row_major_strides(shape), pos // it.itemsize))
             datas.append(raw[pos : pos + n])
-            if n >= DIRECT_MIN_BYTES:
+            if n >= PAGE_ALIGN_MIN_BYTES:
                 end = pos + _slot(n)
-                raw[pos + n : end] = _ZEROS[: end - pos - n]  # the file's padding
+                raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
                 padded.append(raw[pos:end])
             else:
                 padded.append(None)
@@ -200,7 +199,7 @@ def batches_within(items: Sequence[WriteItem], budget: int | None) -> list[list[
     out: list[list[WriteItem]] = [[]]
     used = 0
     for it in items:
-        end = _up(used, fmt.ALIGNMENT if it.nbytes >= DIRECT_MIN_BYTES else _ALIGN) + _slot(it.nbytes)
+        end = _up(used, fmt.ALIGNMENT if it.nbytes >= PAGE_ALIGN_MIN_BYTES else _ALIGN) + _slot(it.nbytes)
         if out[-1] and end > budget:
             out.append([])
             end = _slot(it.nbytes)
@@ -257,10 +256,10 @@ class ArenaStager:
         return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums)
 
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *,
-                 checksums: bool | None = None) -> tuple[FlatTree, SnapshotStager]:
-        """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`)."""
-        return self.pool.snapshot(flat, items, threads=self.threads,
-                                  checksums=self.checksums if checksums is None else checksums)
+                 checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
+        """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`),
+        summed when this stager sums its copies or ``checksums`` asks to."""
+        return self.pool.snapshot(flat, items, threads=self.threads, checksums=self.checksums or checksums)
 
 
 class SnapshotStager:

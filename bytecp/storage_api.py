@@ -151,6 +151,12 @@ class Storage(abc.ABC):
         """Delete every file below ``prefix`` (the whole root when empty)."""
         self.delete(self.list_files(prefix))
 
+    def abort_incomplete_uploads(self, prefix: str = "") -> int:
+        """Abort unfinished uploads below ``prefix`` a stopped writer left
+        (object stores' multipart uploads); returns how many. Nothing to do
+        where a file is written in place."""
+        return 0
+
     # -- reading ---------------------------------------------------------
     @abc.abstractmethod
     def read_into(self, path: str, offset: int, out: memoryview) -> None:

@@ -31,6 +31,7 @@ from .state import TensorLeaf
 from .storage_api import Storage
 
 __all__ = [
+    "PAD_ZEROS",
     "Staged",
     "RankOutput",
     "source_view",
@@ -41,7 +42,8 @@ __all__ = [
     "FILE_TARGET_BYTES",
 ]
 
-_ZEROS = bytes(fmt.ALIGNMENT)
+#: zero bytes that pad a box to the data files' alignment (writer and staging arena)
+PAD_ZEROS = bytes(fmt.ALIGNMENT)
 #: below this many bytes per file, more files (and writer threads) do not pay
 FILE_TARGET_BYTES = 32 << 20
 
@@ -152,7 +154,7 @@ def _write_one_file(
         pos += len(data)
         pad = (-pos) % fmt.ALIGNMENT
         if pad:
-            buffers.append(_ZEROS[:pad])
+            buffers.append(PAD_ZEROS[:pad])
             pos += pad
         return start
 

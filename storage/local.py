@@ -24,6 +24,7 @@ through a page-aligned bounce buffer. Filesystems without ``O_DIRECT``
 from __future__ import annotations
 
 import ctypes
+import ctypes.util
 import errno
 import logging
 import mmap
@@ -121,9 +122,6 @@ def _rename_flags(src: str, dst: str, flags: int) -> None:
     """``renameat2(src, dst, flags)`` (Linux >= 3.15; ext4, xfs, btrfs, tmpfs)."""
     global _renameat2
     if _renameat2 is None:
-        import ctypes
-        import ctypes.util
-
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
         fn = getattr(libc, "renameat2", None)
         if fn is None:
@@ -131,8 +129,6 @@ def _rename_flags(src: str, dst: str, flags: int) -> None:
         fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
         fn.restype = ctypes.c_int
         _renameat2 = fn
-    import ctypes
-
     at_fdcwd = -100
     if _renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) != 0:
         err = ctypes.get_errno()

@@ -254,3 +254,24 @@ def test_index_whose_chunks_overlap_is_corrupt(tmp_path: Path) -> None:
     rewrite_index(ck, cols)
     with pytest.raises(bytecp.CorruptCheckpointError, match="overlap"):
         bytecp.load_state_dict(str(ck))
+
+
+def test_index_rows_in_the_wrong_band_segment_are_corrupt(tmp_path: Path) -> None:
+    """FORMAT.md §5.4: a band segment lists only chunks that meet its band.
+    The two band segments' bytes swapped in the directory (each entry still
+    names a checksummed segment) put rows in the wrong band: refused, not
+    loaded from whichever segments a rank happens to read."""
+    import shutil
+
+    src = Path(__file__).parents[1] / "golden" / "v2" / "banded" / "checkpoint"
+    ck = tmp_path / "ck"
+    shutil.copytree(src, ck)
+    assert bytecp.load_state_dict(str(ck))  # as shipped: loads
+    md = json.loads((ck / "metadata.json").read_text())
+    band = md["index"]["band"]
+    assert band["bucket"] == [0, 1]
+    for col in ("offset", "nbytes", "rows", "crc32c"):
+        band[col] = band[col][::-1]
+    (ck / "metadata.json").write_text(json.dumps(md))
+    with pytest.raises(bytecp.CorruptCheckpointError, match=r"does not belong in band"):
+        bytecp.load_state_dict(str(ck))

@@ -23,7 +23,7 @@ from bytecp.inspect import verify
 from bytecp.planner import WriteItem
 from bytecp.regions import full_region
 from bytecp.skeleton import Node
-from bytecp.staging import DIRECT_MIN_BYTES, StagingPool
+from bytecp.staging import PAGE_ALIGN_MIN_BYTES, StagingPool
 from bytecp.state import FlatTree, TensorLeaf
 from bytecp.storage_api import open_storage
 
@@ -100,7 +100,7 @@ def _flat(tensors: dict[str, torch.Tensor]) -> tuple[FlatTree, list[WriteItem]]:
 
 def test_large_boxes_are_laid_out_in_the_arena_as_in_a_data_file() -> None:
     pool = StagingPool()
-    a = {"big": torch.randn(DIRECT_MIN_BYTES // 4 + 3), "small": torch.randn(5), "big2": torch.randn(100_000)}
+    a = {"big": torch.randn(PAGE_ALIGN_MIN_BYTES // 4 + 3), "small": torch.randn(5), "big2": torch.randn(100_000)}
     flat, items = _flat(a)
     # the arena first holds other bytes, so its padding must be written as zeros
     other, other_items = _flat({"x": torch.full((400_000,), -1.0)})
@@ -109,7 +109,7 @@ def test_large_boxes_are_laid_out_in_the_arena_as_in_a_data_file() -> None:
         t = a[s.item.fqn]
         assert bytes(s.data) == bytes(host_memoryview(t))
         assert s.crc == crc32c(s.data)
-        if s.item.nbytes >= DIRECT_MIN_BYTES:
+        if s.item.nbytes >= PAGE_ALIGN_MIN_BYTES:
             assert s.padded is not None
             assert len(s.padded) % fmt.ALIGNMENT == 0 and len(s.padded) - len(s.data) < fmt.ALIGNMENT
             addr = torch.frombuffer(s.padded, dtype=torch.uint8).data_ptr()

@@ -332,3 +332,18 @@ def test_overwrite_never_touches_a_checkpoint_or_files_of_other_kinds(tmp_path: 
     # an earlier export is replaced
     assert cli(["export", str(ck), str(tmp_path / "hf")]) == 0
     assert cli(["export", str(ck), str(tmp_path / "hf"), "--overwrite"]) == 0
+
+
+def test_an_output_inside_the_checkpoint_is_refused_however_the_path_is_spelled(tmp_path: Path,
+                                                                               monkeypatch: Any) -> None:
+    """``file://`` URLs and ``~`` name the same folders as plain paths."""
+    from bytecp.errors import ConfigError
+    from bytecp.export import refuse_nested
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    ck = tmp_path / "ck"
+    for src, out in [(f"file://{ck}", f"{ck}/out"), (str(ck), f"file://{ck}/out"), ("~/ck", f"{ck}/out"),
+                     (str(ck), "~/ck"), (f"file://{ck}/out", "~")]:
+        with pytest.raises(ConfigError, match="choose an output outside it"):
+            refuse_nested(src, out)
+    refuse_nested(f"file://{ck}", f"{tmp_path}/ck-export")  # a sibling is fine
