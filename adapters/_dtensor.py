@@ -15,8 +15,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from bytecp.regions import Region
-from bytecp.state import ReplicaSet, Shard, TensorLeaf
+from bytecp.tree.regions import Region
+from bytecp.tree.state import ReplicaSet, Shard, TensorLeaf
 
 __all__ = ["is_dtensor", "dtensor_region", "dtensor_leaf", "dtensor_replicas", "dtensor_target", "mesh_info"]
 

@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 
-from bytecp.dtypes import dtype_from_name
 from bytecp.errors import StateMismatchError
-from bytecp.format import Metadata
-from bytecp.skeleton import Node
-from bytecp.state import Slot, Whole
+from bytecp.format.metadata import Metadata
+from bytecp.tree.dtypes import dtype_from_name
+from bytecp.tree.skeleton import Node
+from bytecp.tree.state import Slot, Whole
 
 __all__ = ["ParamState", "optimizer_tree", "optimizer_target", "param_groups_for_load"]
 

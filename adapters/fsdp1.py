@@ -26,8 +26,8 @@ from torch.distributed.fsdp._flat_param import FlatParameter
 from bytecp.adapter_api import AdapterCall
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
-from bytecp.format import Metadata
-from bytecp.state import EVERY_RANK, ReplicaSet, TensorLeaf
+from bytecp.format.metadata import Metadata
+from bytecp.tree.state import EVERY_RANK, ReplicaSet, TensorLeaf
 
 from ._names import ModuleNames
 from ._optim import ParamState

@@ -67,12 +67,12 @@ except ImportError as e:  # pragma: no cover - exercised only without the packag
     ) from e
 
 import bytecp
-from bytecp import format as fmt
 from bytecp.catalog import list_checkpoints
 from bytecp.errors import BytecpError, ConfigError, StateMismatchError
-from bytecp.handles import SaveHandle
-from bytecp.state import Whole
+from bytecp.format import metadata as fmt
+from bytecp.saving.handles import SaveHandle
 from bytecp.storage_api import open_storage
+from bytecp.tree.state import Whole
 
 __all__ = [
     "BytecpCheckpointIO",

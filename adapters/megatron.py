@@ -4,7 +4,7 @@ Input is Megatron's own description of its state: ``model.sharded_state_dict()``
 and the optimizer's ``sharded_state_dict(model_sd, metadata=...)``, so any model
 Megatron itself can checkpoint works. Each entry maps to the core's tree:
 
-- ``ShardedTensor`` -> a :class:`~bytecp.state.TensorLeaf` keyed by its
+- ``ShardedTensor`` -> a :class:`~bytecp.tree.state.TensorLeaf` keyed by its
   checkpoint key, with one box per local piece: ``global_offset`` and the local
   shape with ``prepend_axis_num`` axes of length 1 (layer-stacked keys); a view
   of the live tensor, never a copy. Replicas (``replica_id`` != 0: DP ranks,
@@ -57,11 +57,11 @@ import torch
 
 from bytecp.adapter_api import Adapter, LoadTarget
 from bytecp.dist import DistContext
-from bytecp.dtypes import dtype_from_name
 from bytecp.errors import ConfigError, StateMismatchError
-from bytecp.format import Metadata
-from bytecp.regions import Region, flat_range_to_boxes
-from bytecp.state import PerRank, Shard, Slot, TensorLeaf, Whole
+from bytecp.format.metadata import Metadata
+from bytecp.tree.dtypes import dtype_from_name
+from bytecp.tree.regions import Region, flat_range_to_boxes
+from bytecp.tree.state import PerRank, Shard, Slot, TensorLeaf, Whole
 
 from .plain import is_per_rank, is_stateful
 

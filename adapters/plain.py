@@ -20,8 +20,8 @@ from torch import nn
 from bytecp.adapter_api import Adapter, AdapterCall, LoadTarget
 from bytecp.dist import DistContext
 from bytecp.extras import PerRankState, RNGState
-from bytecp.format import Metadata
-from bytecp.state import PerRank, Slot
+from bytecp.format.metadata import Metadata
+from bytecp.tree.state import PerRank, Slot
 
 from ._names import ModuleNames
 from ._optim import ParamState, optimizer_target, optimizer_tree, param_groups_for_load
@@ -63,7 +63,7 @@ class PlainAdapter(Adapter):
 
     def tensor_leaf(self, t: torch.Tensor) -> Any:
         """What a tensor of a module's state dict is saved as (a full tensor;
-        framework adapters return a :class:`~bytecp.state.TensorLeaf` of a sharded one)."""
+        framework adapters return a :class:`~bytecp.tree.state.TensorLeaf` of a sharded one)."""
         return t
 
     def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:

@@ -38,16 +38,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bytecp import format as fmt
-from bytecp import index_read
-from bytecp.index_build import build_index
-from bytecp.plan_exchange import decide, local_plan, plan_key, planned_locally, vote_for
-from bytecp.planner import assign_shared, plan_load
-from bytecp.reader import check_rows
-from bytecp.regions import Region, full_region
-from bytecp.skeleton import Node
+from bytecp.format import index_read
+from bytecp.format import metadata as fmt
+from bytecp.format.index_build import build_index
+from bytecp.loading.reader import check_rows
+from bytecp.loading.zero_redundancy import candidates_digest
+from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
+from bytecp.plan.planner import assign_shared, plan_load
 from bytecp.storage_api import open_storage
-from bytecp.zero_redundancy import candidates_digest
+from bytecp.tree.regions import Region, full_region
+from bytecp.tree.skeleton import Node
 
 from . import scale_sim as sim
 

@@ -12,7 +12,7 @@ size. Nothing here starts a process group.
 - :func:`fsdp_votes` -- every rank's plan vote, synthesized without
   building every rank's plan;
 - :func:`fsdp_batches` -- every rank's chunk records after its write, as
-  :class:`~bytecp.chunk_batch.ChunkBatch` columns (NumPy, no objects);
+  :class:`~bytecp.format.chunk_batch.ChunkBatch` columns (NumPy, no objects);
 - :func:`ddp_model` -- a DDP job's tensors (every rank holds them all).
 """
 
@@ -26,12 +26,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from bytecp.chunk_batch import ChunkBatch, fqn_hash
-from bytecp.format import ALIGNMENT
-from bytecp.plan_exchange import PlanVote
-from bytecp.regions import Region
-from bytecp.skeleton import Node
-from bytecp.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
+from bytecp.format.chunk_batch import ChunkBatch, fqn_hash
+from bytecp.format.metadata import ALIGNMENT
+from bytecp.plan.exchange import PlanVote
+from bytecp.tree.regions import Region
+from bytecp.tree.skeleton import Node
+from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
 
 __all__ = [
     "llama7b",
@@ -101,7 +101,7 @@ def _hex(*parts: Any) -> str:
 
 def fsdp_votes(model: dict[str, tuple[int, ...]], world: int, *, adam: bool = True,
                cached: str | None = None) -> list[PlanVote]:
-    """Every rank's vote as :func:`bytecp.plan_exchange.vote_for` makes it
+    """Every rank's vote as :func:`bytecp.plan.exchange.vote_for` makes it
     (fingerprints differ per rank; ``step`` tensors form one world set)."""
     every = ReplicaSet.world(world)
     steps = _hex("steps", sorted(model)) if adam else None

@@ -248,7 +248,7 @@ def _floor_together(model: Any, opt: Any) -> dict[str, float]:
     import torch
     import torch.distributed as dist
 
-    from bytecp.hostcopy import copy_boxes
+    from bytecp.saving.hostcopy import copy_boxes
 
     srcs = []
     for p in model.parameters():
@@ -278,9 +278,9 @@ def _floor(nbytes: int, threads: int) -> dict[str, float]:
     medians of 5."""
     import torch
 
-    from bytecp.checksum import crc32c
-    from bytecp.dtypes import host_memoryview
-    from bytecp.hostcopy import copy_boxes
+    from bytecp.format.checksum import crc32c
+    from bytecp.saving.hostcopy import copy_boxes
+    from bytecp.tree.dtypes import host_memoryview
 
     torch.set_num_threads(threads)
     src = torch.randn(nbytes // 4)

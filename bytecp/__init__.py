@@ -13,7 +13,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .errors import (
+from bytecp.errors import (
     BytecpError,
     CheckpointExistsError,
     CheckpointNotFoundError,
@@ -36,10 +36,10 @@ except Exception:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 if TYPE_CHECKING:
-    from .api import LoadResult, async_save, load, load_state_dict, save
-    from .extras import PerRankState, RNGState
-    from .handles import SaveHandle, wait_for_pending_save
-    from .manager import CheckpointManager
+    from bytecp.api import LoadResult, async_save, load, load_state_dict, save
+    from bytecp.extras import PerRankState, RNGState
+    from bytecp.manager import CheckpointManager
+    from bytecp.saving.handles import SaveHandle, wait_for_pending_save
 
 _LAZY = {
     "save": ".api",
@@ -47,8 +47,8 @@ _LAZY = {
     "load_state_dict": ".api",
     "LoadResult": ".api",
     "async_save": ".api",
-    "SaveHandle": ".handles",
-    "wait_for_pending_save": ".handles",
+    "SaveHandle": ".saving.handles",
+    "wait_for_pending_save": ".saving.handles",
     "RNGState": ".extras",
     "PerRankState": ".extras",
     "CheckpointManager": ".manager",

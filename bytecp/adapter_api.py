@@ -21,10 +21,10 @@ import importlib
 from collections.abc import Callable
 from typing import Any
 
-from .dist import DistContext
-from .errors import ConfigError
-from .format import Metadata
-from .skeleton import Node
+from bytecp.dist import DistContext
+from bytecp.errors import ConfigError
+from bytecp.format.metadata import Metadata
+from bytecp.tree.skeleton import Node
 
 __all__ = ["Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter"]
 

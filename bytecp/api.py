@@ -5,8 +5,8 @@ by one process with no ``torch.distributed`` (``load_state_dict``). Each call
 validates its arguments into a :class:`~bytecp.options.SaveOptions` /
 :class:`~bytecp.options.LoadOptions` (where every keyword argument is
 documented), opens the storage, and runs a
-:class:`~bytecp.save_pipeline.SavePipeline` or
-:class:`~bytecp.load_pipeline.LoadPipeline`; nothing else happens here.
+:class:`~bytecp.saving.pipeline.SavePipeline` or
+:class:`~bytecp.loading.pipeline.LoadPipeline`; nothing else happens here.
 """
 
 from __future__ import annotations
@@ -16,17 +16,17 @@ from typing import Any
 
 import torch
 
-from . import __version__
-from . import format as fmt
-from .dist import DistContext
-from .errors import ConfigError
-from .handles import SaveHandle, checkpoint_group, gc_paused, optimizers_in
-from .load_pipeline import LoadPipeline, LoadResult
-from .options import LoadOptions, SaveOptions
-from .recorder import Recorder, Trace, resolve_monitor
-from .save_pipeline import SavePipeline
-from .staging import ArenaStager, ViewStager
-from .storage_api import Storage, open_storage
+from bytecp import __version__
+from bytecp.dist import DistContext
+from bytecp.errors import ConfigError
+from bytecp.format import metadata as fmt
+from bytecp.loading.pipeline import LoadPipeline, LoadResult
+from bytecp.options import LoadOptions, SaveOptions
+from bytecp.recorder import Recorder, Trace, resolve_monitor
+from bytecp.saving.handles import SaveHandle, checkpoint_group, gc_paused, optimizers_in
+from bytecp.saving.pipeline import SavePipeline
+from bytecp.saving.staging import ArenaStager, ViewStager
+from bytecp.storage_api import Storage, open_storage
 
 __all__ = ["save", "async_save", "load", "load_state_dict", "LoadResult"]
 

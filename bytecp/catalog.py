@@ -13,9 +13,9 @@ import re
 import time
 from typing import Any
 
-from . import format as fmt
-from .errors import FormatVersionError
-from .storage_api import open_storage
+from bytecp.errors import FormatVersionError
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import open_storage
 
 __all__ = ["CheckpointInfo", "list_checkpoints"]
 

@@ -27,11 +27,11 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from .errors import BytecpError, ConfigError, StorageError
-from .storage_api import open_storage, split_protocol
+from bytecp.errors import BytecpError, ConfigError, StorageError
+from bytecp.storage_api import open_storage, split_protocol
 
 if TYPE_CHECKING:
-    from .progress import Progress
+    from bytecp.tools.progress import Progress
 
 __all__ = ["main", "exit_code", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "EXIT_STORAGE", "EXIT_INTERNAL",
            "EXIT_INTERRUPTED"]
@@ -87,7 +87,7 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .inspect import summarize
+    from bytecp.tools.inspect import summarize
 
     info = summarize(open_storage(args.url, **_storage_options(args)))
     if args.json:
@@ -121,13 +121,13 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> Progress:
-    from .progress import terminal_bar
+    from bytecp.tools.progress import terminal_bar
 
     return terminal_bar(desc, unit, enabled=False if args.no_progress else None)
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
-    from .inspect import verify
+    from bytecp.tools.inspect import verify
 
     bar = _bar(args, "verify")
     try:
@@ -148,7 +148,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from .manager import list_checkpoints
+    from bytecp.manager import list_checkpoints
 
     found = list_checkpoints(args.url, storage_options=_storage_options(args))
     if args.json:
@@ -177,8 +177,8 @@ def _out_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from .export import export_safetensors, export_torch
-    from .hf_export import export_hf
+    from bytecp.export import export_safetensors, export_torch
+    from bytecp.hf_export import export_hf
 
     fmt = _export_format(args)
     common: dict[str, Any] = dict(prefix=args.prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
@@ -213,7 +213,7 @@ def cmd_export(args: argparse.Namespace) -> int:
 
 
 def cmd_gc(args: argparse.Namespace) -> int:
-    from .gc import collect_garbage
+    from bytecp.tools.gc import collect_garbage
 
     bar = _bar(args, "gc", "files")
     try:
@@ -233,7 +233,7 @@ def cmd_gc(args: argparse.Namespace) -> int:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
-    from .demo import run_demo
+    from bytecp.demo import run_demo
 
     return run_demo(args.out)
 

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedCheckpointError
+from bytecp.errors import DistributedCheckpointError
 
 __all__ = ["DistContext", "CollectiveStats"]
 

@@ -36,16 +36,16 @@ from typing import Any
 
 import torch
 
-from . import format as fmt
-from . import limits
-from .dtypes import dtype_from_name, host_memoryview, itemsize
-from .errors import CheckpointExistsError, ConfigError
-from .planner import plan_load
-from .progress import NO_PROGRESS, Progress
-from .reader import Target, execute_reads, read_chunks, read_metadata
-from .recorder import Trace
-from .regions import full_region
-from .storage_api import Storage, open_storage, split_protocol
+from bytecp.errors import CheckpointExistsError, ConfigError
+from bytecp.format import limits
+from bytecp.format import metadata as fmt
+from bytecp.loading.reader import Target, execute_reads, read_chunks, read_metadata
+from bytecp.plan.planner import plan_load
+from bytecp.recorder import Trace
+from bytecp.storage_api import Storage, open_storage, split_protocol
+from bytecp.tools.progress import NO_PROGRESS, Progress
+from bytecp.tree.dtypes import dtype_from_name, host_memoryview, itemsize
+from bytecp.tree.regions import full_region
 
 __all__ = [
     "SAFETENSORS_DTYPES", "CAST_DTYPES", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",

@@ -42,9 +42,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from . import format as fmt
-from .errors import CheckpointExistsError, ConfigError
-from .export import (
+from bytecp.errors import CheckpointExistsError, ConfigError
+from bytecp.export import (
     CAST_DTYPES,
     ExportResult,
     ExportTensor,
@@ -57,8 +56,9 @@ from .export import (
     select_tensors,
     split_url,
 )
-from .progress import NO_PROGRESS, Progress
-from .storage_api import Storage, open_storage
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import Storage, open_storage
+from bytecp.tools.progress import NO_PROGRESS, Progress
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "CONFIG_NAME", "parse_size", "plan_shards",

@@ -22,13 +22,13 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
-from . import format as fmt
-from .catalog import CheckpointInfo, list_checkpoints
-from .errors import ConfigError
-from .storage_api import open_storage
+from bytecp.catalog import CheckpointInfo, list_checkpoints
+from bytecp.errors import ConfigError
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import open_storage
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .handles import SaveHandle
+    from bytecp.saving.handles import SaveHandle
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
 
@@ -102,12 +102,12 @@ class CheckpointManager:
         here), and retention runs when this one commits.
         """
         if not self.async_save:
-            from .api import save
+            from bytecp.api import save
 
             save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
             self._retain()
             return None
-        from .api import async_save
+        from bytecp.api import async_save
 
         handle = async_save(
             self.url_for(step), state, lazy=self.lazy, step=step,
@@ -138,10 +138,10 @@ class CheckpointManager:
             raise TimeoutError(f"retention after the save to {handle.url} not finished after {timeout} s")
 
     def restore(self, state: dict[str, Any], **load_kwargs: Any) -> int | None:
-        from .api import load
+        from bytecp.api import load
 
         if self._pending is not None:  # never list while a save or its retention is in flight
-            from .handles import wait_for_pending_save
+            from bytecp.saving.handles import wait_for_pending_save
 
             wait_for_pending_save()
             self._retained.wait()
@@ -157,7 +157,7 @@ class CheckpointManager:
         ``keep_last`` committed checkpoints. Only committed checkpoints are
         listed, so an in-flight save is never counted, and the newest
         committed one is always kept."""
-        from .dist import DistContext
+        from bytecp.dist import DistContext
 
         if self.keep_last is None or not DistContext().is_coordinator:
             return

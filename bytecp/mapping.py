@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from .errors import ConfigError, StateMismatchError
+from bytecp.errors import ConfigError, StateMismatchError
 
 __all__ = ["convert_state_dict", "split_interleaved_qkv"]
 

@@ -13,8 +13,8 @@ import json
 import os
 from typing import Any
 
-from .errors import ConfigError
-from .planner import DEFAULT_SPLIT_BYTES
+from bytecp.errors import ConfigError
+from bytecp.plan.planner import DEFAULT_SPLIT_BYTES
 
 __all__ = ["SaveOptions", "LoadOptions"]
 

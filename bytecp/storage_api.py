@@ -43,7 +43,7 @@ import threading
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from .errors import ConfigError, CorruptCheckpointError
+from bytecp.errors import ConfigError, CorruptCheckpointError
 
 __all__ = ["Storage", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
 

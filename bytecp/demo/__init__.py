@@ -23,6 +23,6 @@ __all__ = ["run_demo"]
 
 def run_demo(out: str) -> int:
     """Run every stage of the demo under ``out`` (wiped first); 0 when the story held."""
-    from .story import run_demo as run
+    from bytecp.demo.story import run_demo as run
 
     return run(out)

@@ -22,7 +22,7 @@ import sys
 import torch
 from safetensors.torch import load_file
 
-from .model import TinyGPT, eval_batch, loss_of
+from bytecp.demo.model import TinyGPT, eval_batch, loss_of
 
 __all__ = ["read_exported", "main"]
 

@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from ..catalog import list_checkpoints
-from ..manager import CheckpointManager
-from .launch import JobOutcome, run_job
-from .model import TinyGPT, global_batch, loss_of, say
-from .tables import collect_checkpoints, format_costs, format_losses, job_label
-from .train import EXIT_STOPPED, LR
+from bytecp.catalog import list_checkpoints
+from bytecp.demo.launch import JobOutcome, run_job
+from bytecp.demo.model import TinyGPT, global_batch, loss_of, say
+from bytecp.demo.tables import collect_checkpoints, format_costs, format_losses, job_label
+from bytecp.demo.train import EXIT_STOPPED, LR
+from bytecp.manager import CheckpointManager
 
 __all__ = ["run_demo", "TOTAL_STEPS", "KILL_AT"]
 

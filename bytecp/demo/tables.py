@@ -13,10 +13,10 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from .. import format as fmt
-from ..catalog import list_checkpoints
-from ..recorder import CheckpointReport
-from ..storage_api import open_storage
+from bytecp.catalog import list_checkpoints
+from bytecp.format import metadata as fmt
+from bytecp.recorder import CheckpointReport
+from bytecp.storage_api import open_storage
 
 __all__ = ["collect_checkpoints", "format_costs", "format_losses", "job_label"]
 

@@ -38,9 +38,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..errors import BytecpError
-from ..manager import CheckpointManager
-from .model import TinyGPT, eval_batch, local_batch, loss_of
+from bytecp.demo.model import TinyGPT, eval_batch, local_batch, loss_of
+from bytecp.errors import BytecpError
+from bytecp.manager import CheckpointManager
 
 __all__ = ["main", "full_state", "EXIT_STOPPED"]
 

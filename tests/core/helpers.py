@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from bytecp.dtypes import byte_view
+from bytecp.tree.dtypes import byte_view
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:

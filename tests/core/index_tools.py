@@ -18,8 +18,8 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bytecp.checksum import crc32c
-from bytecp.index_format import INDEX_SCHEMA_V2
+from bytecp.format.checksum import crc32c
+from bytecp.format.index_schema import INDEX_SCHEMA_V2
 
 __all__ = ["index_rows", "rewrite_index", "index_file", "encode_rows", "metadata"]
 

@@ -14,9 +14,9 @@ from torch import nn
 
 import bytecp
 from bytecp.errors import ConfigError
-from bytecp.reader import read_chunks, read_metadata
-from bytecp.state import flatten_tree, merge_aliases
+from bytecp.loading.reader import read_chunks, read_metadata
 from bytecp.storage_api import open_storage
+from bytecp.tree.state import flatten_tree, merge_aliases
 
 from .helpers import same_bits
 

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import bytecp
-from bytecp.staging import POOL
+from bytecp.saving.staging import POOL
 
 from .helpers import same_bits
 

@@ -14,7 +14,7 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.format import FORMAT_VERSION
+from bytecp.format.metadata import FORMAT_VERSION
 
 from .helpers import same_bits
 
@@ -226,8 +226,8 @@ def test_failure_after_commit_never_removes_the_committed_checkpoint(tmp_path: P
 
 
 def test_overlapping_or_missing_shards_are_refused() -> None:
-    from bytecp.planner import LocalSavePlan, WriteItem, plan_save
-    from bytecp.regions import Region
+    from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_save
+    from bytecp.tree.regions import Region
 
     def item(o: int, n: int) -> WriteItem:
         return WriteItem("w", Region((o, 0), (n, 4)), "float32", 4, (10, 4))

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from torch import nn
 
 import bytecp
-from bytecp.dtypes import SUPPORTED_DTYPES
-from bytecp.format import ALIGNMENT
+from bytecp.format.metadata import ALIGNMENT
+from bytecp.tree.dtypes import SUPPORTED_DTYPES
 
 from .helpers import random_tensor, same_bits
 from .index_tools import index_rows

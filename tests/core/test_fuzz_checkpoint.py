@@ -34,12 +34,12 @@ import pyarrow.parquet as pq
 import pytest
 
 import bytecp
-from bytecp import format as fmt
-from bytecp.checksum import crc32c as crc32c_of
 from bytecp.errors import BytecpError
-from bytecp.index_format import INDEX_SCHEMA_V2
-from bytecp.inspect import summarize, verify
+from bytecp.format import metadata as fmt
+from bytecp.format.checksum import crc32c as crc32c_of
+from bytecp.format.index_schema import INDEX_SCHEMA_V2
 from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import summarize, verify
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SOURCES = ["v1/plain", "v1/two_ranks", "v1/irregular", "v2/plain", "v2/two_ranks", "v2/irregular", "v2/tied"]

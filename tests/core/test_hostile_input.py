@@ -16,13 +16,13 @@ import pytest
 import torch
 
 import bytecp
-from bytecp import format as fmt
-from bytecp import limits
 from bytecp.cli import main as cli
 from bytecp.errors import CorruptCheckpointError
-from bytecp.index_format import INDEX_SCHEMA_V2
-from bytecp.inspect import summarize, verify
+from bytecp.format import limits
+from bytecp.format import metadata as fmt
+from bytecp.format.index_schema import INDEX_SCHEMA_V2
 from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import summarize, verify
 
 from .index_tools import index_file, index_rows, rewrite_index
 

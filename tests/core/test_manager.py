@@ -13,7 +13,7 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.format import FORMAT_VERSION
+from bytecp.format.metadata import FORMAT_VERSION
 from bytecp.manager import CheckpointManager, list_checkpoints
 
 

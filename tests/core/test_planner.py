@@ -6,8 +6,8 @@ import math
 import time
 from collections import defaultdict
 
-from bytecp.format import ChunkRecord
-from bytecp.planner import (
+from bytecp.format.metadata import ChunkRecord
+from bytecp.plan.planner import (
     MIN_PIECE_BYTES,
     LocalSavePlan,
     WriteItem,
@@ -16,7 +16,7 @@ from bytecp.planner import (
     plan_save,
     plan_shared_reads,
 )
-from bytecp.regions import Region, full_region
+from bytecp.tree.regions import Region, full_region
 
 
 def item(fqn: str, shape: tuple[int, ...], box: Region, size: int = 4) -> WriteItem:
@@ -179,8 +179,8 @@ def test_tiling_error_agrees_with_counting_every_element() -> None:
     import itertools
     import random
 
-    from bytecp.planner import tiling_error
-    from bytecp.regions import flat_range_to_boxes
+    from bytecp.plan.planner import tiling_error
+    from bytecp.tree.regions import flat_range_to_boxes
 
     rng = random.Random(7)
     for case in range(600):
@@ -229,7 +229,7 @@ def test_fixed_shares_that_overlap_are_written_once() -> None:
 
 
 def test_plan_cache_latest_is_the_last_committed_plan_only() -> None:
-    from bytecp.plan_exchange import PlanCache
+    from bytecp.plan.exchange import PlanCache
 
     cache, w = PlanCache(), [item("w", (4,), full_region((4,)))]
     cache.put("k", "fp-a", "d1", w)

@@ -8,7 +8,7 @@ import math
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bytecp.regions import Region, element_span, flat_range_to_boxes, row_major_strides
+from bytecp.tree.regions import Region, element_span, flat_range_to_boxes, row_major_strides
 
 shapes = st.lists(st.integers(0, 5), min_size=0, max_size=4).map(tuple)
 

@@ -14,10 +14,10 @@ import pytest
 import torch
 
 from benchmarks import scale_sim as sim
-from bytecp import format as fmt
-from bytecp import index_read
-from bytecp.index_build import build_index
-from bytecp.plan_exchange import (
+from bytecp.format import index_read
+from bytecp.format import metadata as fmt
+from bytecp.format.index_build import build_index
+from bytecp.plan.exchange import (
     decide,
     local_plan,
     needs_coordinator,
@@ -25,7 +25,7 @@ from bytecp.plan_exchange import (
     planned_locally,
     vote_for,
 )
-from bytecp.planner import (
+from bytecp.plan.planner import (
     WriteItem,
     assign_shared,
     find_overlap,
@@ -33,10 +33,10 @@ from bytecp.planner import (
     plan_save,
     plan_shared_reads,
 )
-from bytecp.regions import Region, full_region
-from bytecp.skeleton import Node
-from bytecp.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
 from bytecp.storage_api import open_storage
+from bytecp.tree.regions import Region, full_region
+from bytecp.tree.skeleton import Node
+from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
 
 SMALL = sim.llama7b(layers=1, hidden=512, ffn=1376, vocab=4000)
 

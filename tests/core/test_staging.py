@@ -15,17 +15,17 @@ from bytecp.storage.local import LocalStorage
 from torch import nn
 
 import bytecp
-from bytecp import format as fmt
-from bytecp.checksum import crc32c
-from bytecp.dtypes import dtype_name, host_memoryview
-from bytecp.hostcopy import copy_boxes, fast_copy_available
-from bytecp.inspect import verify
-from bytecp.planner import WriteItem
-from bytecp.regions import full_region
-from bytecp.skeleton import Node
-from bytecp.staging import PAGE_ALIGN_MIN_BYTES, StagingPool
-from bytecp.state import FlatTree, TensorLeaf
+from bytecp.format import metadata as fmt
+from bytecp.format.checksum import crc32c
+from bytecp.plan.planner import WriteItem
+from bytecp.saving.hostcopy import copy_boxes, fast_copy_available
+from bytecp.saving.staging import PAGE_ALIGN_MIN_BYTES, StagingPool
 from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import verify
+from bytecp.tree.dtypes import dtype_name, host_memoryview
+from bytecp.tree.regions import full_region
+from bytecp.tree.skeleton import Node
+from bytecp.tree.state import FlatTree, TensorLeaf
 
 from .helpers import same_bits
 
@@ -203,7 +203,7 @@ def test_the_background_thread_runs_at_the_lower_priority_asked_for(tmp_path: Pa
 def test_a_snapshot_keeps_the_tensors_in_the_live_trees_order() -> None:
     """The copy of a cached share comes in plan order; the snapshot's tree
     must keep the live order (every rank compares a digest of its specs)."""
-    from bytecp.plan_exchange import specs_digest
+    from bytecp.plan.exchange import specs_digest
 
     flat, items = _flat({"a": torch.randn(4), "b": torch.randn(3), "c": torch.randn(2)})
     copy, _ = StagingPool().snapshot(flat, [items[2], items[0]])

@@ -16,9 +16,9 @@ from bytecp.errors import (
     IncompleteCheckpointError,
     StorageError,
 )
-from bytecp.inspect import summarize, verify
 from bytecp.manager import CheckpointManager
 from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import summarize, verify
 
 
 def every_reader(url: str) -> list:

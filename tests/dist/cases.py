@@ -281,7 +281,7 @@ def plan_cache_stats(url: str, uneven: bool = False) -> list[tuple[int, int]]:
     rank also holds a tensor the other lacks, so the replica hints of plain
     tensors ("every rank holds it") do not hold and the coordinator plans."""
     from bytecp import dist as bdist
-    from bytecp import plan_exchange
+    from bytecp.plan import exchange as plan_exchange
 
     plan_exchange.PLAN_CACHE.clear()
     model, opt = build("ddp", seed=0)
@@ -364,7 +364,7 @@ def state_changes_on_one_rank_between_async_saves(url: str) -> list[Any]:
     from the second save on, rank 1 also holds a tensor of its own, so its
     plan fingerprint changes while rank 0's cached plan (and its snapshot of
     only its share) still holds. Every save must commit and load bitwise."""
-    from bytecp import plan_exchange
+    from bytecp.plan import exchange as plan_exchange
 
     plan_exchange.PLAN_CACHE.clear()
     r = dist.get_rank()
@@ -389,7 +389,7 @@ def rank_local_tensor_moves_between_async_saves(url: str) -> list[Any]:
     save, rank 1 at the second, nowhere after. The ranks' cached shares then
     come from different earlier plans; every save must still commit and load
     bitwise (never two ranks writing the same rows, never rows nobody copied)."""
-    from bytecp import plan_exchange
+    from bytecp.plan import exchange as plan_exchange
 
     plan_exchange.PLAN_CACHE.clear()
     r = dist.get_rank()
@@ -423,7 +423,7 @@ def bad_state_on_one_rank(url: str) -> tuple[str, float]:
 
 def cache_on_one_rank_only(url: str) -> list[float]:
     """Rank 0 forgets its cached plans between two saves; both still agree."""
-    from bytecp import plan_exchange
+    from bytecp.plan import exchange as plan_exchange
 
     model, opt = build("fsdp2", seed=0)
     bytecp.save(f"{url}-a", {"model": model, "optimizer": opt})

@@ -82,7 +82,7 @@ def test_load_into_an_optimizer_that_already_has_state(saved, pools, fw: str) ->
 
 
 def test_metadata_records_framework_and_world(saved) -> None:
-    from bytecp.inspect import summarize
+    from bytecp.tools.inspect import summarize
     from bytecp.storage_api import open_storage
 
     for (fw, world), (url, _) in saved.items():
@@ -94,7 +94,7 @@ def test_metadata_records_framework_and_world(saved) -> None:
 def test_ddp_replicas_are_written_once_by_every_rank(saved) -> None:
     """DDP: all 4 ranks write (their share of the replicated state), and every
     tensor byte is stored exactly once (balance itself: tests/core/test_planner.py)."""
-    from bytecp.reader import read_chunks, read_metadata
+    from bytecp.loading.reader import read_chunks, read_metadata
     from bytecp.storage_api import open_storage
 
     url, _ = saved[("ddp", 4)]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp.reader import read_chunks, read_metadata
+from bytecp.loading.reader import read_chunks, read_metadata
 from bytecp.storage_api import open_storage
 
 from . import tie_cases

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from bytecp import format as fmt
+from bytecp.format import metadata as fmt
 
 VOCAB = 1000
 
@@ -48,9 +48,9 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     if md.aliases.get(alias) == stored or md.aliases.get(stored) == alias:
         return  # the save recorded the tie already (either way round)
     assert alias in md.tensors and stored in md.tensors, (alias, stored, list(md.tensors))
-    from bytecp.chunk_batch import ChunkBatch
-    from bytecp.index_build import build_index
-    from bytecp.reader import read_chunks
+    from bytecp.format.chunk_batch import ChunkBatch
+    from bytecp.format.index_build import build_index
+    from bytecp.loading.reader import read_chunks
     from bytecp.storage_api import open_storage
 
     chunks = [c for c in read_chunks(open_storage(str(ck)), md) if c.fqn != alias]

@@ -50,10 +50,10 @@ def from_pretrained(out: Path, **kw: Any) -> Any:
 
 def damage(ck: Path, fqn: str) -> None:
     """Flip one byte of tensor ``fqn``'s stored data."""
-    from bytecp import format as fmt
+    from bytecp.format import metadata as fmt
 
     md = fmt.Metadata.from_bytes((ck / fmt.METADATA_FILE).read_bytes(), str(ck))
-    from bytecp.reader import read_chunks
+    from bytecp.loading.reader import read_chunks
     from bytecp.storage_api import open_storage
 
     c = next(c for c in read_chunks(open_storage(str(ck)), md) if c.fqn == fqn)

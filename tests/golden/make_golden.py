@@ -36,10 +36,10 @@ import torch
 from torch import nn
 
 import bytecp
-from bytecp.dtypes import SUPPORTED_DTYPES
-from bytecp.format import FORMAT_VERSION
-from bytecp.regions import Region
-from bytecp.state import Shard, TensorLeaf
+from bytecp.format.metadata import FORMAT_VERSION
+from bytecp.tree.dtypes import SUPPORTED_DTYPES
+from bytecp.tree.regions import Region
+from bytecp.tree.state import Shard, TensorLeaf
 
 HERE = Path(__file__).resolve().parent
 

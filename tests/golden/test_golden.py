@@ -32,7 +32,7 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.format import FORMAT_VERSION
+from bytecp.format.metadata import FORMAT_VERSION
 
 HERE = Path(__file__).resolve().parent
 CASES = sorted(p.parent for p in HERE.glob("v*/*/expected.json"))

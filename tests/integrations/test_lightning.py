@@ -36,7 +36,7 @@ pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not instal
 from bytecp.adapters.lightning import BytecpCheckpointIO, latest_checkpoint  # noqa: E402
 
 import bytecp  # noqa: E402
-from bytecp.reader import read_chunks, read_metadata  # noqa: E402
+from bytecp.loading.reader import read_chunks, read_metadata  # noqa: E402
 from bytecp.storage_api import open_storage  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp import reader as engine
+from bytecp.loading import reader as engine
 from bytecp.storage_api import open_storage
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:

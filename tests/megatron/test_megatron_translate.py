@@ -26,8 +26,8 @@ with warnings.catch_warnings():  # Megatron warns at import that Apex/TE are mis
     )
 
 from bytecp.errors import ConfigError  # noqa: E402
-from bytecp.regions import Region  # noqa: E402
-from bytecp.state import Shard, TensorLeaf, Whole  # noqa: E402
+from bytecp.tree.regions import Region  # noqa: E402
+from bytecp.tree.state import Shard, TensorLeaf, Whole  # noqa: E402
 
 TYPES = mg._Types(
     ShardedBase, ShardedTensor, ShardedObject, ShardedTensorFactory, LocalNonpersistentObject,

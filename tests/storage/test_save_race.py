@@ -16,7 +16,7 @@ import race_worker
 import torch
 
 import bytecp
-from bytecp import format as fmt
+from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 
 WORKERS = 3

@@ -1,0 +1,71 @@
+"""One rank's chunk records as columns: what the save's commit gathers.
+
+Built by every rank after its write phase (:meth:`ChunkBatch.of`) and sent
+once to the coordinator in the commit's gather, which concatenates every
+rank's batch into the global index (:mod:`bytecp.format.index_build`). Tensor names
+travel as 64-bit hashes (:func:`fqn_hash`): a rank sends about 60 bytes per
+chunk, and the coordinator maps hashes back to the names it knows. Nothing
+here is stored; the stored form is the index of docs/FORMAT.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+from collections.abc import Sequence
+
+import numpy as np
+
+from bytecp.format.metadata import ChunkRecord
+
+__all__ = ["ChunkBatch", "fqn_hash"]
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def fqn_hash(fqn: str) -> int:
+    """A 64-bit digest of a tensor name (the same on every rank and process)."""
+    return int.from_bytes(hashlib.blake2b(fqn.encode(), digest_size=8).digest(), "little")
+
+
+@dataclasses.dataclass
+class ChunkBatch:
+    """Chunk records of one rank, one array element per chunk.
+
+    ``offsets``/``lengths`` hold each chunk's ``ndim`` values one after the
+    other; ``file`` indexes ``files``.
+    """
+
+    fqn_hash: np.ndarray  # uint64
+    ndim: np.ndarray  # uint8
+    offsets: np.ndarray  # int64, concatenated
+    lengths: np.ndarray  # int64, concatenated
+    file: np.ndarray  # int32, index into files
+    files: list[str]
+    byte_offset: np.ndarray  # int64
+    nbytes: np.ndarray  # int64
+    crc32c: np.ndarray  # uint32
+
+    def __len__(self) -> int:
+        return len(self.fqn_hash)
+
+    @classmethod
+    def of(cls, chunks: Sequence[ChunkRecord]) -> ChunkBatch:
+        """(every rank, before the commit) The columns of ``chunks``."""
+        files: dict[str, int] = {}
+        file_ids = [files.setdefault(c.file, len(files)) for c in chunks]
+        return cls(
+            fqn_hash=np.fromiter((fqn_hash(c.fqn) for c in chunks), np.uint64, len(chunks)),
+            ndim=np.fromiter((len(c.offsets) for c in chunks), np.uint8, len(chunks)),
+            offsets=np.fromiter((o for c in chunks for o in c.offsets), np.int64),
+            lengths=np.fromiter((n for c in chunks for n in c.lengths), np.int64),
+            file=np.asarray(file_ids, dtype=np.int32),
+            files=list(files),
+            byte_offset=np.fromiter((c.byte_offset for c in chunks), np.int64, len(chunks)),
+            nbytes=np.fromiter((c.nbytes for c in chunks), np.int64, len(chunks)),
+            crc32c=np.fromiter((c.crc32c for c in chunks), np.uint32, len(chunks)),
+        )
+
+    @classmethod
+    def empty(cls) -> ChunkBatch:
+        return cls.of([])

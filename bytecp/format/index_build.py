@@ -1,0 +1,306 @@
+"""The coordinator builds the version-2 index at commit: every rank's chunk
+records, checked and sorted into band and wide segments.
+
+Called by the save pipeline's commit (coordinator only) with the
+:class:`~bytecp.format.chunk_batch.ChunkBatch` of every rank. Everything is done on
+NumPy columns, never one Python object per chunk: a million chunks are
+checked and laid out in about a second. The checks are the ones a
+checkpoint must pass before it may be committed:
+
+- every chunk names a tensor of the state, with as many dimensions, inside
+  its shape, with the bytes its box needs, inside a data file;
+- the chunks of every tensor tile it exactly (their elements add up to the
+  tensor's and no two overlap), so a load never finds a gap or two answers.
+
+Then each tensor gets its band dimension (the one its chunks split most),
+the index its number of bands, and the segments are encoded as Parquet (in
+threads: pyarrow releases the GIL). docs/FORMAT.md section 5 is the spec.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import io
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bytecp.errors import ConfigError
+from bytecp.format.checksum import crc32c
+from bytecp.format.chunk_batch import ChunkBatch, fqn_hash
+from bytecp.format.index_schema import (
+    INDEX_SCHEMA_V2,
+    MAX_BUCKETS,
+    MAX_SPAN,
+    ROWS_PER_BUCKET,
+    WIDE_ROWS,
+    IndexDirectory,
+)
+from bytecp.plan.planner import contiguous_boxes, find_overlap
+from bytecp.tree.dtypes import SUPPORTED_DTYPES
+from bytecp.tree.regions import Region
+
+__all__ = ["BuiltIndex", "build_index"]
+
+
+@dataclasses.dataclass
+class BuiltIndex:
+    """What the commit writes: the segments (in file order) and their directory."""
+
+    blobs: list[bytes]
+    directory: IndexDirectory
+    #: fqn -> band dimension, for the banded tensors
+    band_dims: dict[str, int]
+
+
+class _Rows:
+    """Every rank's chunks as padded columns (``D`` = most dimensions of any tensor)."""
+
+    def __init__(self, batches: Sequence[ChunkBatch], names: list[str], shapes: list[tuple[int, ...]]) -> None:
+        counts = [len(b) for b in batches]
+        n = sum(counts)
+        self.rank = np.repeat(np.arange(len(batches), dtype=np.int32), counts)
+
+        def cat(attr: str, dt: Any) -> np.ndarray:
+            parts = [getattr(b, attr) for b in batches]
+            return np.concatenate(parts).astype(dt, copy=False) if parts else np.zeros(0, dt)
+
+        hashes = cat("fqn_hash", np.uint64)
+        self.ndim = cat("ndim", np.int64)
+        self.byte_offset = cat("byte_offset", np.int64)
+        self.nbytes = cat("nbytes", np.int64)
+        self.crc = cat("crc32c", np.uint32)
+        self.files: list[str] = []
+        ids: dict[str, int] = {}
+        per_rank = [np.asarray([ids.setdefault(f, len(ids)) for f in b.files] or [0], np.int32)[b.file] for b in batches]
+        self.files = list(ids)
+        self.file = np.concatenate(per_rank) if per_rank else np.zeros(0, np.int32)
+        # tensor ids by hash
+        table = np.fromiter((fqn_hash(f) for f in names), np.uint64, len(names))
+        order = np.argsort(table, kind="stable")
+        sorted_h = table[order]
+        if len(sorted_h) > 1 and bool((sorted_h[1:] == sorted_h[:-1]).any()):
+            i = int(np.flatnonzero(sorted_h[1:] == sorted_h[:-1])[0])
+            raise ConfigError(f"tensor names {names[order[i]]!r} and {names[order[i + 1]]!r} collide in the "
+                              "commit's 64-bit name hash; rename one of them")
+        pos = np.minimum(np.searchsorted(sorted_h, hashes), max(0, len(sorted_h) - 1))
+        known = sorted_h[pos] == hashes if len(sorted_h) else np.zeros(n, bool)
+        if not bool(known.all()):
+            r = int(self.rank[np.flatnonzero(~known)[0]])
+            raise ConfigError(f"rank {r} wrote chunks of a tensor missing from the state every rank described")
+        self.fid = order[pos].astype(np.int64)
+        self.D = max([1, *(len(s) for s in shapes)])
+        self.shape = np.ones((len(names), self.D), np.int64)
+        tnd = np.zeros(len(names), np.int64)
+        for i, s in enumerate(shapes):
+            self.shape[i, : len(s)] = s
+            tnd[i] = len(s)
+        wrong = self.ndim != tnd[self.fid]
+        if bool(wrong.any()):
+            i = int(np.flatnonzero(wrong)[0])
+            raise ConfigError(f"tensor {names[self.fid[i]]!r}: rank {self.rank[i]} wrote a {self.ndim[i]}-d chunk "
+                              f"of a tensor of shape {list(shapes[self.fid[i]])}")
+        mask = np.arange(self.D)[None, :] < self.ndim[:, None]
+        self.O = np.zeros((n, self.D), np.int64)
+        self.L = np.ones((n, self.D), np.int64)
+        self.O[mask] = cat("offsets", np.int64)
+        self.L[mask] = cat("lengths", np.int64)
+        self.mask = mask
+        # each chunk's first element, as a row-major index into its tensor
+        strides = np.ones_like(self.shape)
+        for d in range(self.D - 2, -1, -1):
+            strides[:, d] = strides[:, d + 1] * self.shape[:, d + 1]
+        self.lin = (self.O * strides[self.fid]).sum(axis=1)
+
+    def take(self, keep: np.ndarray) -> None:
+        for k in ("rank", "ndim", "byte_offset", "nbytes", "crc", "file", "fid", "O", "L", "mask", "lin"):
+            setattr(self, k, getattr(self, k)[keep])
+
+
+def build_index(
+    batches: Sequence[ChunkBatch],
+    tensors: Mapping[str, Mapping[str, Any]],
+    data_files: Mapping[str, int],
+    save_id: str,
+    *,
+    threads: int = 4,
+) -> BuiltIndex:
+    """(coordinator, at commit) Check every rank's chunks and lay out the
+    index. Raises :class:`ConfigError` naming the tensor, the rank and the
+    region at fault when the ranks' chunks do not make up the tensors."""
+    names = sorted(tensors)
+    shapes = [tuple(int(x) for x in tensors[n]["shape"]) for n in names]
+    rows = _Rows(batches, names, shapes)
+    _check_boxes(rows, names, shapes, tensors, data_files)
+    rows.take(rows.L.prod(axis=1) > 0)  # empty chunks hold nothing anyone reads
+    _check_tiling(rows, names, shapes)
+    band = _band_dims(rows, len(names))
+    return _layout(rows, names, shapes, band, save_id, threads)
+
+
+def _check_boxes(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]],
+                 tensors: Mapping[str, Mapping[str, Any]], data_files: Mapping[str, int]) -> None:
+    S = rows.shape[rows.fid]
+    outside = ((rows.O < 0) | (rows.L < 0) | (rows.O + rows.L > S)).any(axis=1)
+    if bool(outside.any()):
+        i = int(np.flatnonzero(outside)[0])
+        raise ConfigError(f"tensor {names[rows.fid[i]]!r}: rank {rows.rank[i]} wrote region "
+                          f"{_region(rows, i)} outside its shape {list(shapes[rows.fid[i]])}")
+    size = np.asarray([SUPPORTED_DTYPES[tensors[n]["dtype"]].itemsize for n in names] or [0], np.int64)
+    numel = rows.L.prod(axis=1)
+    wrong = rows.nbytes != numel * size[rows.fid]
+    if bool(wrong.any()):
+        i = int(np.flatnonzero(wrong)[0])
+        raise ConfigError(f"tensor {names[rows.fid[i]]!r}: rank {rows.rank[i]} recorded {rows.nbytes[i]} bytes "
+                          f"for region {_region(rows, i)}")
+    fsize = np.asarray([data_files.get(f, -1) for f in rows.files] or [0], np.int64)
+    past = (rows.byte_offset < 0) | (rows.byte_offset + rows.nbytes > fsize[rows.file])
+    if bool(past.any()):
+        i = int(np.flatnonzero(past)[0])
+        raise ConfigError(f"rank {rows.rank[i]}: chunk of tensor {names[rows.fid[i]]!r} lies outside data file "
+                          f"{rows.files[rows.file[i]]}")
+
+
+def _region(rows: _Rows, i: int) -> Region:
+    nd = int(rows.ndim[i])
+    return Region(tuple(int(x) for x in rows.O[i, :nd]), tuple(int(x) for x in rows.L[i, :nd]))
+
+
+def _check_tiling(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]]) -> None:
+    """Elements add up per tensor, and no two chunks overlap: exact tiling."""
+    nf = len(names)
+    numel = rows.L.prod(axis=1)
+    held = np.zeros(nf, np.int64)
+    np.add.at(held, rows.fid, numel)
+    for i in np.flatnonzero(held != np.asarray([math.prod(s) for s in shapes] or [0], np.int64)[:nf]):
+        raise ConfigError(f"tensor {names[i]!r} of shape {list(shapes[i])}: the ranks' shards hold "
+                          f"{int(held[i])} of its {math.prod(shapes[i])} elements")
+    if not len(numel):
+        return
+    # chunks contiguous in row-major order (row slabs, flat-range pieces,
+    # whole tensors) are checked as 1-d ranges, the others as boxes
+    contiguous = contiguous_boxes(rows.O, rows.L, rows.shape[rows.fid])
+    boxy = np.zeros(nf, bool)
+    boxy[rows.fid[~contiguous]] = True
+    lin = np.flatnonzero(~boxy[rows.fid])
+    if len(lin):
+        # one key orders by tensor, then by start: each tensor's elements
+        # numbered after the previous tensors'
+        base = np.concatenate([[0], np.cumsum(rows.shape.prod(axis=1))[:-1]])
+        start = base[rows.fid[lin]] + rows.lin[lin]
+        order = np.argsort(start, kind="stable")
+        s_, n_, f_ = start[order], numel[lin][order], rows.fid[lin][order]
+        clash = (f_[1:] == f_[:-1]) & (s_[1:] < s_[:-1] + n_[:-1])
+        if bool(clash.any()):
+            j = int(np.flatnonzero(clash)[0])
+            _overlap(rows, names, lin[order[j]], lin[order[j + 1]])
+    for f in np.flatnonzero(boxy):
+        ids = np.flatnonzero(rows.fid == f)
+        boxes = [_region(rows, int(i)) for i in ids]
+        pair = find_overlap(boxes, dim=int(np.argmax((rows.O[ids] > 0).sum(axis=0))))
+        if pair is not None:
+            raise ConfigError(f"tensor {names[f]!r} of shape {list(shapes[f])}: shards {pair[0]} and {pair[1]} overlap")
+
+
+def _overlap(rows: _Rows, names: list[str], a: int, b: int) -> None:
+    raise ConfigError(f"tensor {names[rows.fid[a]]!r}: shards {_region(rows, a)} (rank {rows.rank[a]}) and "
+                      f"{_region(rows, b)} (rank {rows.rank[b]}) overlap")
+
+
+def _band_dims(rows: _Rows, nf: int) -> np.ndarray:
+    """Per tensor, the dimension most of its chunks start inside of (ties: the first)."""
+    split = np.zeros((nf, rows.D), np.int64)
+    for d in range(rows.D):
+        np.add.at(split[:, d], rows.fid, (rows.O[:, d] > 0).astype(np.int64))
+    return np.argmax(split, axis=1)
+
+
+def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: np.ndarray,
+            save_id: str, threads: int) -> BuiltIndex:
+    n = len(rows.fid)
+    nf = len(names)
+    buckets = int(min(MAX_BUCKETS, max(1, -(-n // ROWS_PER_BUCKET))))
+    d = band[rows.fid]
+    ar = np.arange(n)
+    o, ln = rows.O[ar, d], rows.L[ar, d]
+    size = rows.shape[rows.fid, d]
+    lo = o * buckets // size
+    hi = (o + ln - 1) * buckets // size
+    span = hi - lo + 1
+    widest = np.zeros(nf, np.int64)
+    np.maximum.at(widest, rows.fid, span)
+    # wide: 0-d tensors, a chunk over too many bands, and tensors without
+    # chunks (no elements: nobody reads them)
+    wide_t = (widest > MAX_SPAN) | (widest == 0) | (np.asarray([len(s) for s in shapes] or [0], np.int64)[:nf] == 0)
+    is_wide = wide_t[rows.fid]
+    # band segments: each chunk in every band it meets
+    bi = np.flatnonzero(~is_wide)
+    rep = np.repeat(bi, span[bi])
+    first = np.repeat(np.cumsum(span[bi]) - span[bi], span[bi])
+    bucket = np.repeat(lo[bi], span[bi]) + (np.arange(len(rep)) - first)
+    order = np.lexsort((rows.lin[rep], bucket * nf + rows.fid[rep]))
+    rep, bucket = rep[order], bucket[order]
+    cuts = np.flatnonzero(np.diff(bucket)) + 1
+    band_groups = [(int(bucket[s]), g) for s, g in zip(np.concatenate([[0], cuts]).astype(int), np.split(rep, cuts), strict=True) if len(g)]
+    # wide segments: by name, WIDE_ROWS at a time
+    wi = np.flatnonzero(is_wide)
+    wi = wi[np.lexsort((rows.lin[wi], rows.fid[wi]))]
+    wide_groups = [wi[s : s + WIDE_ROWS] for s in range(0, len(wi), WIDE_ROWS)]
+
+    # one table of every row in file order; each segment is a slice of it
+    order = np.concatenate([rep, *wide_groups]) if len(rep) or wide_groups else np.zeros(0, np.int64)
+    table = _table(rows, names, order)
+    bounds = np.cumsum([0, *(len(g) for _, g in band_groups), *(len(g) for g in wide_groups)])
+    slices = [(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
+    if len(slices) < 64 or threads <= 1:  # small indexes: no threads (nothing to gain)
+        blobs = [_encode(table.slice(*sl)) for sl in slices]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(threads, "bytecp-index") as ex:
+            blobs = list(ex.map(lambda sl: _encode(table.slice(*sl)), slices))
+    offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
+    crcs = [crc32c(b) for b in blobs]
+    nb = len(band_groups)
+    directory = IndexDirectory(
+        file=f"index/{save_id}/index.bin",
+        nbytes=int(offsets[-1]),
+        buckets=buckets,
+        band={"bucket": [b for b, _ in band_groups], "offset": offsets[:nb],
+              "nbytes": [len(b) for b in blobs[:nb]], "rows": [len(g) for _, g in band_groups],
+              "crc32c": crcs[:nb]},
+        wide={"first": [names[rows.fid[g[0]]] for g in wide_groups], "last": [names[rows.fid[g[-1]]] for g in wide_groups],
+              "offset": offsets[nb:-1], "nbytes": [len(b) for b in blobs[nb:]],
+              "rows": [len(g) for g in wide_groups], "crc32c": crcs[nb:]},
+    )
+    band_dims = {names[f]: int(band[f]) for f in range(nf) if not wide_t[f]}
+    return BuiltIndex(blobs, directory, band_dims)
+
+
+def _table(rows: _Rows, names: list[str], idx: np.ndarray) -> pa.Table:
+    """The rows ``idx`` (in this order) as one Arrow table of the index schema."""
+    nd = rows.ndim[idx]
+    ptr = pa.array(np.concatenate([[0], np.cumsum(nd)]).astype(np.int64))
+    mask = rows.mask[idx]
+    return pa.table(
+        [
+            pa.DictionaryArray.from_arrays(pa.array(rows.fid[idx].astype(np.int32)), pa.array(names)).cast(pa.string()),
+            pa.LargeListArray.from_arrays(ptr, pa.array(rows.O[idx][mask])).cast(pa.list_(pa.int64())),
+            pa.LargeListArray.from_arrays(ptr, pa.array(rows.L[idx][mask])).cast(pa.list_(pa.int64())),
+            pa.DictionaryArray.from_arrays(pa.array(rows.file[idx]), pa.array(rows.files, pa.string())).cast(pa.string()),
+            pa.array(rows.byte_offset[idx]),
+            pa.array(rows.nbytes[idx]),
+            pa.array(rows.crc[idx]),
+        ],
+        schema=INDEX_SCHEMA_V2,
+    )
+
+
+def _encode(table: pa.Table) -> bytes:
+    """One segment: a complete Parquet file (strings dictionary-encoded by the writer)."""
+    sink = io.BytesIO()
+    pq.write_table(table, sink, compression="zstd", write_statistics=False)  # the directory says what is where
+    return sink.getvalue()

@@ -1,0 +1,208 @@
+"""Reading the version-2 index: the segments a rank's targets meet, and
+nothing else (docs/FORMAT.md section 5).
+
+Called by the load pipeline on every rank once it knows the boxes it reads
+(:func:`wanted_segments`, then :func:`read_segments`), and by the
+one-process tools (export, inspect, verify, gc) through
+:func:`bytecp.loading.reader.read_chunks`, which reads every segment. A rank whose
+targets are empty reads nothing. Every segment's crc32c (from
+``metadata.json``) is checked before it is decoded, and its footer against
+the hostile-input budget (:mod:`bytecp.format.limits`); rows are checked against
+``metadata.json`` by the caller.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Mapping, Sequence
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.format import limits
+from bytecp.format import metadata as fmt
+from bytecp.format.checksum import crc32c
+from bytecp.format.index_schema import INDEX_SCHEMA_V2, MAX_SPAN, bucket_range
+from bytecp.storage_api import Storage
+from bytecp.tree.regions import Region
+
+__all__ = ["wanted_segments", "read_segments", "all_segments", "max_rows", "check_budget"]
+
+_STRINGS = ("fqn", "file")
+
+
+def all_segments(md: fmt.Metadata) -> list[int]:
+    assert md.index is not None
+    return list(range(md.index.segments))
+
+
+def max_rows(md: fmt.Metadata, real: Mapping[str, int | None] | None) -> int:
+    """Rows the index may hold: a chunk is listed once per band it meets (at
+    most :data:`MAX_SPAN`), the distinct chunks bounded as in version 1."""
+    return MAX_SPAN * limits.max_index_rows(md, real)
+
+
+def check_budget(storage: Storage, md: fmt.Metadata, budget: int, rows: int | None = None) -> None:
+    """The directory lists at most ``budget`` rows (all of them, or ``rows``)."""
+    assert md.index is not None
+    n = md.index.rows if rows is None else rows
+    if n > budget:
+        raise CorruptCheckpointError(
+            f"{storage.url.rstrip('/')}/{md.index.file}: the index directory lists {n} rows, more than the "
+            f"{budget} the data files can hold"
+        )
+
+
+def wanted_segments(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> list[int]:
+    """(every rank) The segments that may list chunks of the boxes ``wanted``
+    (fqn -> boxes): for a banded tensor the bands its boxes meet along its
+    band dimension, for a wide one the wide segments its name falls in.
+    Segment numbers count the band segments first, then the wide ones."""
+    d = md.index
+    assert d is not None
+    bands = d.band["bucket"]
+    nb = len(bands)
+    out: set[int] = set()
+    for fqn, boxes in wanted.items():
+        info = md.tensors[fqn]
+        dim = info.get("band_dim")
+        if dim is None:
+            lo = bisect.bisect_left(d.wide["last"], fqn)
+            hi = bisect.bisect_right(d.wide["first"], fqn)
+            out.update(nb + k for k in range(lo, hi))
+            continue
+        size = info["shape"][dim]
+        for box in boxes:
+            if box.numel == 0:
+                continue
+            first, last = bucket_range(box.offsets[dim], box.lengths[dim], size, d.buckets)
+            out.update(range(bisect.bisect_left(bands, first), bisect.bisect_right(bands, last)))
+    return sorted(out)
+
+
+def read_segments(
+    storage: Storage,
+    md: fmt.Metadata,
+    segments: Sequence[int],
+    *,
+    fqns: set[str] | None = None,
+    budget: int | None = None,
+) -> list[fmt.ChunkRecord]:
+    """(every rank) The chunk records of ``segments``, each chunk once,
+    only those of tensors in ``fqns`` (None: all). One ranged read per
+    segment (backends coalesce neighbours); crc32c checked first."""
+    d = md.index
+    assert d is not None
+    nb = len(d.band["bucket"])
+    where = f"{storage.url.rstrip('/')}/{d.file}"
+    spans = []
+    places: list[_Place] = []
+    for s in segments:
+        col = d.band if s < nb else d.wide
+        k = s if s < nb else s - nb
+        spans.append((col["offset"][k], col["nbytes"][k], col["rows"][k], col["crc32c"][k]))
+        places.append((d.band["bucket"][k], None, None) if s < nb else (None, d.wide["first"][k], d.wide["last"][k]))
+    if budget is not None:
+        check_budget(storage, md, budget, sum(sp[2] for sp in spans))
+    bufs = [bytearray(n) for _, n, _, _ in spans]
+    if spans:
+        try:
+            storage.read_ranges(d.file, [(off, memoryview(b)) for (off, _, _, _), b in zip(spans, bufs, strict=True)])
+        except (FileNotFoundError, StorageError) as e:
+            raise CorruptCheckpointError(f"{where}: the index file named in metadata.json is missing or short ({e})") from e
+    seen: set[fmt.ChunkRecord] = set()
+    out: list[fmt.ChunkRecord] = []
+    for s, (off, n, rows, crc), buf, place in zip(segments, spans, bufs, places, strict=True):
+        label = f"{where} segment {s} (bytes {off}..{off + n})"
+        if crc32c(buf) != crc:
+            raise CorruptCheckpointError(f"{label}: checksum mismatch; the index is damaged")
+        for c in _decode(label, bytes(buf), rows, md, fqns, place):
+            if c not in seen:  # a chunk meeting several bands is listed, the same, in each
+                seen.add(c)
+                out.append(c)
+    return out
+
+
+#: where a segment's rows belong: (its band, None, None) or (None, first name, last name)
+_Place = tuple[int | None, str | None, str | None]
+
+
+def _decode(
+    label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str] | None, place: _Place
+) -> list[fmt.ChunkRecord]:
+    """One segment's rows (of the tensors in ``fqns``) as chunk records."""
+    try:
+        pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(_STRINGS))
+        if pf.metadata.num_rows != rows:
+            raise CorruptCheckpointError(f"{label} has {pf.metadata.num_rows} rows, the directory says {rows}")
+        limits.check_index_metadata(label, pf.metadata, len(data), rows, data)
+        missing = [f.name for f in INDEX_SCHEMA_V2 if f.name not in pf.schema_arrow.names]
+        if missing:
+            raise CorruptCheckpointError(f"{label} lacks columns {missing}")
+        table = pf.read(columns=INDEX_SCHEMA_V2.names, use_threads=False)
+    except CorruptCheckpointError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
+        raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
+    for f in INDEX_SCHEMA_V2:
+        col = table.column(f.name)
+        got = col.type.value_type if pa.types.is_dictionary(col.type) and f.name in _STRINGS else col.type
+        nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
+        if got != f.type or nulls:
+            raise CorruptCheckpointError(f"{label}: column {f.name!r} is {got}{' with nulls' if nulls else ''}, "
+                                         f"expected {f.type}")
+    try:
+        names = table.column("fqn").combine_chunks()
+        if not pa.types.is_dictionary(names.type):
+            names = names.dictionary_encode()
+        values = names.dictionary.to_pylist()
+        if fqns is not None:
+            keep = np.isin(names.indices.to_numpy(zero_copy_only=False),
+                           [i for i, v in enumerate(values) if v in fqns])
+            table = table.filter(pa.array(keep))
+        return _records(table, md, label, place)
+    except CorruptCheckpointError:
+        raise
+    except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as e:
+        raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
+
+
+def _records(table: pa.Table, md: fmt.Metadata, label: str, place: _Place) -> list[fmt.ChunkRecord]:
+    cols = [fmt.column_values(table, name) for name in INDEX_SCHEMA_V2.names]
+    out = []
+    for fqn, of, ln, f, bo, nb, crc in zip(*cols, strict=True):
+        info = md.tensors.get(fqn)
+        if info is None:
+            raise CorruptCheckpointError(f"{label}: a row names tensor {fqn!r:.80}, which metadata.json lacks")
+        out.append(fmt.ChunkRecord(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
+                                   int(bo), int(nb), int(crc)))
+    limits.check_chunk_records(label, out)
+    _check_place(label, md, out, place)
+    return out
+
+
+def _check_place(label: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord], place: _Place) -> None:
+    """Every row is where §5.4 puts it: a band segment lists chunks of banded
+    tensors that meet its band, a wide segment chunks of wide tensors named
+    within its range. (A misplaced row would make a load depend on which
+    other segments a rank happens to read.)"""
+    assert md.index is not None
+    band, first, last = place
+    for c in chunks:
+        info = md.tensors[c.fqn]
+        dim, shape = info.get("band_dim"), info["shape"]
+        if band is None:
+            ok = dim is None and first is not None and last is not None and first <= c.fqn <= last
+        elif dim is None or not len(c.offsets) == len(c.lengths) == len(shape) or c.lengths[dim] <= 0:
+            ok = False
+        else:
+            lo, hi = bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)
+            ok = lo <= band <= hi
+        if not ok:
+            where = f"band {band}" if band is not None else f"the wide segment of names {first!r}..{last!r}"
+            raise CorruptCheckpointError(
+                f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} "
+                f"does not belong in {where} (FORMAT.md §5.4); the index is corrupt"
+            )

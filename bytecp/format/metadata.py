@@ -1,0 +1,403 @@
+"""The on-storage format (docs/FORMAT.md is the normative spec).
+
+```
+<checkpoint>/
+  data/<save_id>/<rank>-<n>.bin    raw little-endian bytes, chunk after chunk, 4 KiB aligned
+  index/<save_id>/<rank>.parquet   that rank's chunks (one row per chunk)
+  reports/<rank>.json              per-rank monitoring report (informational)
+  metadata.json                    written LAST, atomically: the commit point
+```
+
+Files of one save carry its ``save_id``, so a save onto an existing
+checkpoint (``overwrite=True``) never touches the files the committed
+``metadata.json`` references; they are deleted only after the new commit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bytecp.errors import CorruptCheckpointError, FormatVersionError
+from bytecp.format import limits
+from bytecp.format.index_schema import INDEX_FILE_NAME, IndexDirectory
+from bytecp.tree.skeleton import Node
+
+__all__ = [
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "METADATA_FILE",
+    "ALIGNMENT",
+    "INDEX_SCHEMA",
+    "ChunkRecord",
+    "ObjectRecord",
+    "Metadata",
+    "new_save_id",
+    "data_file",
+    "index_file",
+    "report_file",
+    "chunks_to_table",
+    "table_to_chunks",
+    "write_index",
+    "read_index",
+    "column_values",
+    "IndexDirectory",
+]
+
+FORMAT_NAME = "bytecp"
+FORMAT_VERSION = 2
+METADATA_FILE = "metadata.json"
+ALIGNMENT = 4096
+
+INDEX_SCHEMA = pa.schema(
+    [
+        ("fqn", pa.string()),
+        ("dtype", pa.string()),
+        ("global_shape", pa.list_(pa.int64())),
+        ("offsets", pa.list_(pa.int64())),
+        ("lengths", pa.list_(pa.int64())),
+        ("file", pa.string()),
+        ("byte_offset", pa.int64()),
+        ("nbytes", pa.int64()),
+        ("crc32c", pa.uint32()),
+    ],
+    metadata={b"bytecp.format_version": str(FORMAT_VERSION).encode()},
+)
+
+
+_SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
+
+
+def check_path(path: str, kind: str, where: str) -> str:
+    """A file name taken from a checkpoint: relative, below ``data/`` or
+    ``index/``, with no ``..``/empty parts -- so a tampered checkpoint can
+    never make a reader read, or an overwrite delete, anything outside it."""
+    parts = path.split("/") if isinstance(path, str) else []
+    if not (
+        len(parts) == 3
+        and parts[0] == kind
+        and all(_SEGMENT.fullmatch(p) and p not in (".", "..") for p in parts)
+        and (parts[2].endswith(".bin") if kind == "data" else parts[2].endswith(".parquet") or parts[2] == INDEX_FILE_NAME)
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: refusing file name {path!r}: checkpoint files must be {kind}/<save_id>/<name> "
+            "relative to the checkpoint (see FORMAT.md, security)"
+        )
+    return path
+
+
+def new_save_id() -> str:
+    return time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+
+
+def data_file(save_id: str, rank: int, n: int) -> str:
+    return f"data/{save_id}/{rank}-{n}.bin"
+
+
+def index_file(save_id: str, rank: int | None = None) -> str:
+    """Version 1: rank ``rank``'s index; version 2 (``rank=None``): the one index file."""
+    return f"index/{save_id}/{INDEX_FILE_NAME if rank is None else f'{rank}.parquet'}"
+
+
+def report_file(rank: int) -> str:
+    return f"reports/{rank}.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkRecord:
+    """One box of one tensor, stored contiguously (row-major) in a data file."""
+
+    fqn: str
+    dtype: str
+    global_shape: tuple[int, ...]
+    offsets: tuple[int, ...]
+    lengths: tuple[int, ...]
+    file: str
+    byte_offset: int
+    nbytes: int
+    crc32c: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ObjectRecord:
+    """A non-tensor value: inline JSON, or a ``torch.save`` blob in a data file."""
+
+    json: Any = None
+    file: str | None = None
+    byte_offset: int = 0
+    nbytes: int = 0
+    crc32c: int = 0
+    pickle: bool = False  # True: the blob needs full unpickling (allow_pickle=True)
+
+    @property
+    def is_blob(self) -> bool:
+        return self.file is not None
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.is_blob:
+            return {"json": self.json}
+        return {
+            "file": self.file,
+            "byte_offset": self.byte_offset,
+            "nbytes": self.nbytes,
+            "crc32c": self.crc32c,
+            "pickle": self.pickle,
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ObjectRecord:
+        if "json" in d:
+            return cls(json=d["json"])
+        return cls(
+            file=str(d["file"]),
+            byte_offset=int(d["byte_offset"]),
+            nbytes=int(d["nbytes"]),
+            crc32c=int(d["crc32c"]),
+            pickle=bool(d.get("pickle", False)),
+        )
+
+
+@dataclasses.dataclass
+class Metadata:
+    """Contents of ``metadata.json``: everything but the chunk index."""
+
+    save_id: str
+    world_size: int
+    framework: str
+    parallelism: dict[str, Any]
+    skeleton: Node
+    tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape"[, "band_dim"]}
+    objects: dict[str, ObjectRecord]
+    per_rank: dict[str, dict[int, ObjectRecord]]
+    index_files: list[str]  # version 1: one index file per rank (version 2: empty)
+    data_files: dict[str, int]  # path -> size in bytes
+    step: int | None = None
+    user_metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created: float = dataclasses.field(default_factory=time.time)
+    bytecp_version: str = ""
+    format_version: int = FORMAT_VERSION
+    #: tensors that shared storage in the saved state (tied embeddings, shared
+    #: layers): alias FQN -> the FQN in ``tensors`` whose data it shares; the
+    #: alias is stored once, under its canonical name
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: version 2: the one index file's segments (None: a version-1 checkpoint)
+    index: IndexDirectory | None = None
+
+    def to_bytes(self) -> bytes:
+        d = {
+            "format": FORMAT_NAME,
+            "format_version": self.format_version,
+            "bytecp_version": self.bytecp_version,
+            "save_id": self.save_id,
+            "created": self.created,
+            "world_size": self.world_size,
+            "framework": self.framework,
+            "parallelism": self.parallelism,
+            "step": self.step,
+            "user_metadata": self.user_metadata,
+            "index_files": self.index_files,
+            "data_files": self.data_files,
+            "tensors": self.tensors,
+            "objects": {k: v.to_json() for k, v in self.objects.items()},
+            "per_rank": {
+                k: {str(r): rec.to_json() for r, rec in v.items()} for k, v in self.per_rank.items()
+            },
+            "skeleton": self.skeleton.to_json(),
+        }
+        if self.aliases:
+            d["aliases"] = self.aliases
+        if self.index is not None:
+            d["index"] = self.index.to_json()
+        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Metadata:
+        try:
+            d = json.loads(data)
+        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+            raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({str(e)[:200]})") from e
+        if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
+            raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
+        version = d.get("format_version")
+        if type(version) is not int or version > FORMAT_VERSION or version < 1:
+            raise FormatVersionError(
+                f"{where}: checkpoint format version {version!r} is not supported by this bytecp, "
+                f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
+            )
+        try:
+            return cls(
+                save_id=str(d["save_id"]),
+                world_size=int(d["world_size"]),
+                framework=str(d["framework"]),
+                parallelism=dict(d.get("parallelism") or {}),
+                skeleton=Node.from_json(d["skeleton"], f"{where}/metadata.json"),
+                tensors=dict(d["tensors"]),
+                objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
+                per_rank={
+                    k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()}
+                    for k, v in d.get("per_rank", {}).items()
+                },
+                index_files=[str(f) for f in d["index_files"]],
+                data_files={str(k): int(v) for k, v in d["data_files"].items()},
+                step=d.get("step"),
+                user_metadata=dict(d.get("user_metadata") or {}),
+                created=float(d.get("created", 0.0)),
+                bytecp_version=str(d.get("bytecp_version", "")),
+                format_version=version,
+                aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
+                index=IndexDirectory.from_json(d["index"], where) if version >= 2 else None,
+            ).validate(where)
+        except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
+            raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
+
+    def validate(self, where: str) -> Metadata:
+        """Every file name the metadata holds is safe (see :func:`check_path`),
+        and every size and shape is within the hostile-input budget
+        (:func:`bytecp.format.limits.check_structure`)."""
+        limits.check_structure(self, where)
+        for f in self.index_files:
+            check_path(f, "index", where)
+        if self.index is not None:
+            check_path(self.index.file, "index", where)
+            if self.index_files:
+                raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
+        for f in self.data_files:
+            check_path(f, "data", where)
+        for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
+            if rec.file is not None:
+                check_path(rec.file, "data", where)
+        for alias, canonical in self.aliases.items():
+            if alias in self.tensors or canonical not in self.tensors:
+                raise CorruptCheckpointError(
+                    f"{where}: metadata.json aliases tensor {alias!r} to {canonical!r}; an alias must name "
+                    "a tensor stored under another name, and no stored tensor"
+                )
+        tables: dict[str, Any] = {"tensor": self.tensors.keys() | self.aliases.keys(), "obj": self.objects,
+                                  "rank": self.per_rank}
+        for leaf in self.skeleton.leaves():
+            if leaf.name not in tables[leaf.kind]:
+                raise CorruptCheckpointError(
+                    f"{where}: skeleton names {leaf.kind} {leaf.name!r}, which metadata.json lacks"
+                )
+        return self
+
+    def referenced_files(self) -> set[str]:
+        extra = {self.index.file} if self.index is not None else set()
+        return set(self.index_files) | set(self.data_files) | extra
+
+
+def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
+    cols: dict[str, list[Any]] = {f.name: [] for f in INDEX_SCHEMA}
+    for c in chunks:
+        cols["fqn"].append(c.fqn)
+        cols["dtype"].append(c.dtype)
+        cols["global_shape"].append(list(c.global_shape))
+        cols["offsets"].append(list(c.offsets))
+        cols["lengths"].append(list(c.lengths))
+        cols["file"].append(c.file)
+        cols["byte_offset"].append(c.byte_offset)
+        cols["nbytes"].append(c.nbytes)
+        cols["crc32c"].append(c.crc32c)
+    return pa.table(cols, schema=INDEX_SCHEMA)
+
+
+def column_values(table: pa.Table, name: str) -> list[Any]:
+    """A column as Python values; dictionary-encoded strings stay shared
+    (one ``str`` per distinct value, not one per row)."""
+    col = table.column(name).combine_chunks()
+    if pa.types.is_dictionary(col.type):
+        values = col.dictionary.to_pylist()
+        return [None if i is None else values[i] for i in col.indices.to_pylist()]
+    return col.to_pylist()
+
+
+def table_to_chunks(table: pa.Table) -> list[ChunkRecord]:
+    cols = [column_values(table, f.name) for f in INDEX_SCHEMA]
+    return [
+        ChunkRecord(
+            fqn,
+            dt,
+            tuple(gs),
+            tuple(of),
+            tuple(ln),
+            f,
+            int(bo),
+            int(nb),
+            int(crc),
+        )
+        for fqn, dt, gs, of, ln, f, bo, nb, crc in zip(*cols, strict=True)
+    ]
+
+
+def write_index(chunks: Sequence[ChunkRecord]) -> bytes:
+    sink = io.BytesIO()
+    pq.write_table(chunks_to_table(chunks), sink, compression="zstd")
+    return sink.getvalue()
+
+
+_STRING_COLUMNS = ("fqn", "dtype", "file")
+
+
+def read_index(
+    blobs: Iterable[tuple[str, bytes]],
+    *,
+    where: str = "",
+    row_budget: Callable[[], int] | None = None,
+) -> list[ChunkRecord]:
+    """Decode index files (``(name, bytes)`` pairs) into chunk records.
+
+    (coordinator) ``where`` (the checkpoint URL) prefixes file names in
+    errors. Each file's footer is checked against the hostile-input budget
+    (:func:`bytecp.format.limits.check_index_metadata`) before any column is
+    decoded; ``row_budget`` gives the most rows the checkpoint may have, and
+    is called only for indexes above :data:`bytecp.format.limits.FIXED_ROWS` rows
+    (it may look up the data files' real sizes).
+    """
+    out: list[ChunkRecord] = []
+    budget: int | None = None
+    for name, data in blobs:
+        label = f"{where.rstrip('/')}/{name}" if where else name
+        try:
+            # ParquetFile.read without threads: read_table's dataset scanner
+            # leaves threads that can abort the interpreter at exit when torch
+            # is loaded (apache/arrow#34314)
+            pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(_STRING_COLUMNS))
+            rows = pf.metadata.num_rows
+            if rows > limits.FIXED_ROWS and row_budget is not None and budget is None:
+                budget = row_budget()
+            limits.check_index_metadata(label, pf.metadata, len(data), budget, data)
+            missing = [f.name for f in INDEX_SCHEMA if f.name not in pf.schema_arrow.names]
+            if missing:
+                raise CorruptCheckpointError(f"index file {label} lacks columns {missing}")
+            table = pf.read(columns=[f.name for f in INDEX_SCHEMA], use_threads=False)
+        except CorruptCheckpointError:
+            raise
+        except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
+            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+        for f in INDEX_SCHEMA:
+            got = table.schema.field(f.name).type
+            if pa.types.is_dictionary(got) and f.name in _STRING_COLUMNS:
+                got = got.value_type
+            col = table.column(f.name)
+            nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
+            if got != f.type or nulls:
+                raise CorruptCheckpointError(
+                    f"index file {label}: column {f.name!r} is {got}"
+                    f"{' with nulls' if nulls else ''}, expected {f.type}"
+                )
+        try:
+            chunks = table_to_chunks(table)
+        except (pa.ArrowException, ValueError, TypeError, IndexError) as e:
+            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+        limits.check_chunk_records(label, chunks)
+        out.extend(chunks)
+    return out

@@ -1,0 +1,206 @@
+"""Match a load target against a checkpoint: keys, shapes and dtypes, the
+boxes to fill, and the non-tensor values to rebuild.
+
+Called by the load pipeline's match phase on every rank, after the metadata
+has arrived and the adapter has described the target; one process for
+``load_state_dict`` (whose target is a single slot: everything).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bytecp.errors import CorruptCheckpointError, StateMismatchError
+from bytecp.format import metadata as fmt
+from bytecp.format.objects import read_object
+from bytecp.loading.reader import Target
+from bytecp.options import LoadOptions
+from bytecp.storage_api import Storage
+from bytecp.tree.dtypes import dtype_from_name, dtype_name
+from bytecp.tree.regions import Region
+from bytecp.tree.skeleton import Node, NodeKind
+from bytecp.tree.state import FlatTree
+
+__all__ = ["Match", "match_target"]
+
+
+@dataclasses.dataclass
+class Match:
+    """What one rank loads: its boxes to fill, and the values rebuilt for its slots."""
+
+    #: keys the target wanted but the checkpoint lacks
+    missing: list[str]
+    #: keys the checkpoint has that the target did not ask for
+    unexpected: list[str]
+    #: slot fqn -> rebuilt value (its tensors are in ``targets`` too, filled by the read)
+    values: dict[str, Any]
+    targets: list[Target]
+
+
+def match_target(
+    storage: Storage, target: FlatTree, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int
+) -> Match:
+    """(every rank) Match ``target`` with the checkpoint; raise
+    :class:`~bytecp.errors.StateMismatchError` naming every difference
+    (missing/unexpected keys only when ``opts.strict``)."""
+    nodes = md.skeleton.index()
+    sources = _sources(target, md)
+    missing, unexpected = _compare_keys(target, md, nodes, sources)
+    if opts.strict and (missing or unexpected):
+        parts = [f"state does not match the checkpoint at {storage.url}:"]
+        if missing:
+            parts.append(f"  missing from the checkpoint ({len(missing)}): {_keys(missing)}")
+        if unexpected:
+            parts.append(f"  in the checkpoint but not in the state ({len(unexpected)}): {_keys(unexpected)}")
+        parts.append("  pass strict=False to load the keys that match")
+        raise StateMismatchError("\n".join(parts))
+    targets = _tensor_targets(storage, target, md, sources)
+    rebuild = _SlotBuilder(storage, md, opts, rank, world_size, targets)
+    values = {fqn: rebuild(nodes.get(fqn), slot.default) for fqn, slot in target.slots.items()}
+    rebuild.warn_if_resharded_per_rank()
+    return Match(missing, unexpected, values, targets)
+
+
+def _sources(target: FlatTree, md: fmt.Metadata) -> dict[str, str]:
+    """Target tensor FQN -> the stored tensor it is read from.
+
+    A name the checkpoint records as an alias reads its stored tensor. The
+    target's own ties (names sharing memory, :attr:`FlatTree.aliases`) form a
+    group filled once, from the first of its names the checkpoint has (stored
+    or aliased): a tied target loads an untied checkpoint, and an untied
+    target gets the data under each name.
+    """
+    names = {fqn: [fqn] for fqn in target.tensors}
+    for alias, first in target.aliases.items():
+        names[first].append(alias)
+    out: dict[str, str] = {}
+    for fqn, group in names.items():
+        for name in group:
+            src = name if name in md.tensors else md.aliases.get(name)
+            if src is not None:
+                out[fqn] = src
+                break
+    return out
+
+
+def _compare_keys(
+    target: FlatTree, md: fmt.Metadata, nodes: dict[str, Node], sources: dict[str, str]
+) -> tuple[list[str], list[str]]:
+    missing: list[str] = []
+    covered: set[str] = set()
+    for fqn in [*target.tensors, *target.aliases]:
+        if fqn in sources or target.aliases.get(fqn) in sources:  # a tie: filled with its group
+            covered.add(fqn)
+        else:
+            missing.append(fqn)
+    for fqn in target.slots:
+        node = nodes.get(fqn)
+        if node is None:
+            missing.append(fqn)
+        else:
+            covered.update(leaf.name for leaf in node.leaves())
+    saved = set(md.tensors) | set(md.aliases) | set(md.objects) | set(md.per_rank)
+    return missing, sorted(saved - covered)
+
+
+def _tensor_targets(storage: Storage, target: FlatTree, md: fmt.Metadata, sources: dict[str, str]) -> list[Target]:
+    """The boxes of the target's tensors that the checkpoint holds (an alias
+    of the target shares its group's memory and is not read again); any
+    shape or dtype difference is an error naming the tensor and both sides."""
+    targets: list[Target] = []
+    mismatches: list[str] = []
+    for fqn, leaf in target.tensors.items():
+        src = sources.get(fqn)
+        if src is None:
+            continue
+        info = md.tensors[src]
+        shape, dt = tuple(info["shape"]), info["dtype"]
+        if shape != tuple(leaf.global_shape) or dt != dtype_name(leaf.dtype):
+            mismatches.append(
+                f"{fqn}{'' if src == fqn else f' (stored as {src})'}: checkpoint has {dt} {list(shape)}, "
+                f"target is {dtype_name(leaf.dtype)} {list(leaf.global_shape)}"
+            )
+            continue
+        targets.extend(Target(src, sh.region, sh.tensor) for sh in leaf.shards)
+    if mismatches:
+        raise StateMismatchError(
+            f"tensor shape or dtype differs from the checkpoint at {storage.url}:\n  "
+            + "\n  ".join(mismatches[:50])
+            + ("\n  ..." if len(mismatches) > 50 else "")
+        )
+    return targets
+
+
+class _SlotBuilder:
+    """Rebuilds slot values from the skeleton: tensors are allocated whole and
+    added to the targets, objects read (each once), per-rank values taken
+    from this rank's record (or, at another world size, ``rank % saved``)."""
+
+    def __init__(
+        self, storage: Storage, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int,
+        targets: list[Target],
+    ) -> None:
+        self.storage, self.md, self.opts, self.targets = storage, md, opts, targets
+        self.rank, self.world_size = rank, world_size
+        self.src = rank if md.world_size == world_size else rank % max(1, md.world_size)
+        self._objects: dict[str, Any] = {}
+        self._tensors: dict[str, torch.Tensor] = {}  # stored FQN -> the tensor rebuilt for it
+        self._resharded: set[str] = set()
+
+    def __call__(self, node: Node | None, default: Any) -> Any:
+        return default if node is None else node.build(self._leaf)
+
+    def _leaf(self, kind: NodeKind, fqn: str) -> Any:
+        if kind == "tensor":  # an alias is the very tensor of its stored name: the tie is kept
+            src = fqn if fqn in self.md.tensors else self.md.aliases[fqn]
+            t = self._tensors.get(src)
+            if t is None:
+                info = self.md.tensors[src]
+                t = self._tensors[src] = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
+                self.targets.append(Target(src, Region(tuple(0 for _ in t.shape), tuple(t.shape)), t))
+            return t
+        if kind == "obj":
+            if fqn not in self._objects:
+                self._objects[fqn] = self._read(fqn, self.md.objects[fqn])
+            return self._objects[fqn]
+        recs = self.md.per_rank[fqn]
+        if self.md.world_size != self.world_size:
+            self._resharded.add(fqn)
+        if self.src not in recs:
+            raise CorruptCheckpointError(f"{self.storage.url}: no per-rank value of {fqn!r} for rank {self.src}")
+        return self._read(f"{fqn}[rank {self.src}]", recs[self.src])
+
+    def _read(self, fqn: str, rec: fmt.ObjectRecord) -> Any:
+        return read_object(self.storage, fqn, rec, verify=self.opts.verify, allow_pickle=self.opts.allow_pickle)
+
+    def warn_if_resharded_per_rank(self) -> None:
+        if self._resharded:
+            warnings.warn(
+                f"checkpoint {self.storage.url} was saved by {self.md.world_size} ranks and is loaded by "
+                f"{self.world_size}: rank {self.rank} restores the per-rank state of saved rank "
+                f"{self.src} for {', '.join(sorted(self._resharded)[:5])}",
+                stacklevel=_stacklevel_outside_bytecp(),
+            )
+
+
+def _stacklevel_outside_bytecp() -> int:
+    """The ``stacklevel`` that points a warning at the caller's code: the
+    first frame whose module is not ``bytecp`` or one of its subpackages."""
+    level, f = 1, sys._getframe(1)
+    while f is not None:
+        module = f.f_globals.get("__name__", "")
+        if module != "bytecp" and not module.startswith("bytecp."):
+            return level
+        f, level = f.f_back, level + 1  # type: ignore[assignment]
+    return level
+
+
+def _keys(keys: Sequence[str], n: int = 20) -> str:
+    shown = ", ".join(repr(k) for k in list(keys)[:n])
+    return shown + (f", ... ({len(keys) - n} more)" if len(keys) > n else "")

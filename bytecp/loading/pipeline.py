@@ -1,0 +1,205 @@
+"""The load sequence, written once: metadata -> match -> plan -> read ->
+exchange -> apply.
+
+Built by :mod:`bytecp.api` on every rank for ``bytecp.load`` (target: the
+live state, filled in place) and in one process for
+``bytecp.load_state_dict`` (target: everything, as plain values).
+
+Collectives (every rank, in this order, each fail-together): the metadata
+broadcast (the coordinator reads and validates ``metadata.json`` and the
+chunk index), match, [the zero-redundancy all-gather], read, [one broadcast
+per rank holding shared pieces], apply. A failure on any rank raises
+:class:`~bytecp.errors.DistributedCheckpointError` on every rank, labelled
+with the phase (``load/match``, ``load/read``, ...).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from bytecp import faults
+from bytecp.adapter_api import LoadTarget, detect_adapter
+from bytecp.dist import DistContext
+from bytecp.errors import ConfigError
+from bytecp.format import index_read, limits
+from bytecp.format import metadata as fmt
+from bytecp.loading.matching import Match, match_target
+from bytecp.loading.reader import Target, check_rows, execute_reads, read_chunks, read_metadata
+from bytecp.loading.zero_redundancy import (
+    SharedPlan,
+    candidates_digest,
+    exchange,
+    shared_candidates,
+    split_targets,
+)
+from bytecp.options import LoadOptions
+from bytecp.plan.planner import assign_shared, plan_load
+from bytecp.recorder import Trace
+from bytecp.storage_api import Storage
+from bytecp.tree.dtypes import dtype_from_name, itemsize
+from bytecp.tree.regions import Region
+from bytecp.tree.state import Slot, flatten_tree
+
+__all__ = ["LoadPipeline", "LoadResult"]
+
+
+@dataclasses.dataclass
+class LoadResult:
+    """What a load found: keys the target wanted but the checkpoint lacks, and
+    keys the checkpoint has that the target did not ask for."""
+
+    missing_keys: list[str]
+    unexpected_keys: list[str]
+    metadata: fmt.Metadata
+    values: dict[str, Any]  # slot fqn -> rebuilt value
+
+
+class LoadPipeline:
+    """One load on one rank. ``state=None``: rebuild the whole checkpoint as plain values."""
+
+    def __init__(
+        self, storage: Storage, state: dict[str, Any] | None, opts: LoadOptions, ctx: DistContext, trace: Trace
+    ) -> None:
+        self.storage, self.state, self.opts, self.ctx, self.trace = storage, state, opts, ctx, trace
+        self.md: fmt.Metadata | None = None
+        self.chunks: list[fmt.ChunkRecord] = []  # version 1: the whole index, from the coordinator
+        self._budget: int | None = None  # version 2: rows the index may hold
+        self.matched: Match | None = None
+        self.target: LoadTarget | None = None
+        self.own: list[Target] = []
+        self.shared: SharedPlan = []
+        self._shared_views: dict[Any, Any] = {}
+
+    def run(self) -> LoadResult:
+        """(every rank) The whole load on the caller's thread."""
+        self.read_metadata()
+        self.match()
+        self.plan()
+        self.read()
+        self.exchange()
+        self.apply()
+        assert self.md is not None and self.matched is not None
+        return LoadResult(self.matched.missing, self.matched.unexpected, self.md, self.matched.values)
+
+    def read_metadata(self) -> None:
+        """(coordinator reads, every rank receives; one broadcast) The
+        validated metadata -- and for a version-1 checkpoint the whole chunk
+        index. A version-2 index is never broadcast: each rank reads the
+        segments its own targets meet in :meth:`read`."""
+
+        def read() -> tuple[fmt.Metadata, list[fmt.ChunkRecord], int | None]:
+            with self.trace.span("read_metadata") as sp:
+                md = read_metadata(self.storage)
+                real = limits.real_data_sizes(self.storage, md)  # one listing serves both checks
+                if md.index is None:
+                    chunks = read_chunks(self.storage, md, real)
+                    limits.check_sizes(self.storage, md, chunks, real)  # before any tensor is allocated
+                    sp.files = 1 + len(md.index_files)
+                    return md, chunks, None
+                limits.check_index_file(self.storage, md)  # before the index names tensors in errors
+                limits.check_sizes(self.storage, md, lambda: read_chunks(self.storage, md, md.data_files), real)
+                budget = index_read.max_rows(md, real)
+                index_read.check_budget(self.storage, md, budget)
+                sp.files = 1
+            return md, [], budget
+
+        self.md, self.chunks, self._budget = self.ctx.broadcast("load/metadata", read)
+        self.trace.checkpoint_id = self.md.save_id
+        self.trace.step = self.md.step
+
+    def match(self) -> None:
+        """(every rank; fail-together) The adapter describes where this rank's
+        tensors live (any world size or parallelism); they are matched with
+        the checkpoint's keys, shapes and dtypes."""
+        md = self.md
+        assert md is not None
+
+        def match() -> tuple[LoadTarget | None, Match]:
+            faults.inject("match", self.ctx.rank)
+            if self.state is None:
+                target, tree = None, Slot()
+            else:
+                adapter = detect_adapter(self.state, self.opts.framework)
+                target = adapter.load_tree(self.state, self.ctx, md)
+                tree = target.tree
+            flat = flatten_tree(tree, target=True)
+            return target, match_target(self.storage, flat, md, self.opts, self.ctx.rank, self.ctx.world_size)
+
+        with self.trace.span("plan"):
+            self.target, self.matched = self.ctx.run("load/match", match)
+
+    def plan(self) -> None:
+        """(every rank; one all-gather of a digest with zero-redundancy
+        loading) Which boxes this rank reads: its own targets, or with zero
+        redundancy its pieces of the whole tensors every rank wants. The
+        ranks compare only a digest of the whole tensors they want; when
+        every rank wants the same ones (DDP, replicated values), each
+        computes the same assignment alone (O(W) data exchanged in all).
+        When they differ, each rank reads its own targets."""
+        md, matched, ctx = self.md, self.matched, self.ctx
+        assert md is not None and matched is not None
+        zero = self.opts.zero_redundancy
+        if zero is None:
+            zero = self.storage.remote
+        if zero and ctx.enabled and ctx.world_size > 1:
+            mine = shared_candidates(matched.targets, md)
+            digests = ctx.all_gather("load/plan", lambda: candidates_digest(mine))
+            if mine and all(d == digests[0] for d in digests):
+                with self.trace.span("plan"):
+                    itemsizes = {fqn: itemsize(dtype_from_name(md.tensors[fqn]["dtype"])) for fqn, _ in mine}
+                    self.shared = assign_shared(mine, ctx.world_size, itemsizes)
+        self.own, self._shared_views = split_targets(matched.targets, self.shared, ctx.rank)
+
+    def read(self) -> None:
+        """(every rank; fail-together) The index segments this rank's boxes
+        meet (version 2), then ranged reads of only the bytes it needs,
+        straight into its target tensors."""
+        md = self.md
+        assert md is not None
+
+        def read() -> None:
+            faults.inject("read", self.ctx.rank)
+            with self.trace.span("plan"):
+                chunks = self.chunks if md.index is None else self._own_chunks(md)
+                itemsizes = {t.fqn: itemsize(t.view.dtype) for t in self.own}
+                reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
+            execute_reads(self.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
+                          verify=self.opts.verify, trace=self.trace)
+
+        self.ctx.run("load/read", read)
+
+    def _own_chunks(self, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
+        """(version 2) The chunks of this rank's boxes: only their segments are read."""
+        wanted: dict[str, list[Region]] = {}
+        for t in self.own:
+            if t.box.numel:
+                wanted.setdefault(t.fqn, []).append(t.box)
+        with self.trace.span("read_metadata") as sp:
+            segments = index_read.wanted_segments(md, wanted)
+            chunks = index_read.read_segments(self.storage, md, segments, fqns=set(wanted), budget=self._budget)
+            check_rows(self.storage, md, chunks)
+            sp.files = len(segments)
+        return chunks
+
+    def exchange(self) -> None:
+        """(every rank, zero-redundancy loads only) Send the pieces read to every rank."""
+        if self.shared:
+            exchange(self.ctx, self.shared, self._shared_views, self.trace)
+
+    def apply(self) -> None:
+        """(every rank; fail-together) Hand modules, optimizers and stateful
+        objects their loaded state through the adapter."""
+        target, matched = self.target, self.matched
+        if target is None or matched is None:
+            return
+        with self.trace.span("apply"):
+            self.ctx.run("load/apply", lambda: target.finalize(matched.values))
+
+    def whole(self) -> dict[str, Any]:
+        """(``state=None``) The rebuilt checkpoint root (a dict of plain values)."""
+        assert self.matched is not None
+        value = self.matched.values[""]
+        if not isinstance(value, dict):  # pragma: no cover - save always takes a dict
+            raise ConfigError(f"{self.storage.url}: the checkpoint's root is not a dict")
+        return value

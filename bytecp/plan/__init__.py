@@ -1,0 +1,7 @@
+"""Planning: pure functions from boxes to who writes and who reads what (internal).
+
+``planner`` (dedup and balance of a save), ``load_plan`` (reads for a load),
+``exchange`` (agreeing on a save plan across ranks from votes; the plan cache).
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,297 @@
+"""Agreeing on a save plan across ranks without gathering every rank's boxes.
+
+Called by the save pipeline's plan phase (every rank). Each rank describes
+the boxes it holds (:func:`local_plan`) and sorts them by the replica hint
+its adapter gave (:class:`~bytecp.tree.state.ReplicaSet`):
+
+- boxes only this rank holds (FSDP shards): it writes them, nobody needs to
+  hear about them;
+- boxes of a replica set (DDP, HSDP's replicate dimension, plain tensors on
+  every rank): every member computes the same split of the set's boxes over
+  the set's ranks (:func:`~bytecp.plan.planner.plan_replicated`) -- the members
+  only compare a fingerprint of what they hold;
+- boxes without a hint, and the boxes of a set whose members turn out to
+  hold different things: the coordinator finds the replicas by comparing
+  those boxes (:func:`~bytecp.plan.planner.plan_save`) and sends each rank its
+  share.
+
+One all-gather of a :class:`PlanVote` per rank (a few fingerprints, O(1) in
+the world size) carries everything the decision needs; the decision
+(:func:`decide`) is computed alike on every rank from the same votes. Only
+when some rank holds boxes without a (valid) hint are those boxes gathered.
+When every rank holds a cached plan made for exactly this set of
+fingerprints, nothing is recomputed at all.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import hashlib
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan_replicated
+from bytecp.tree.dtypes import dtype_name, itemsize
+from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet
+
+__all__ = [
+    "PlanCache",
+    "PLAN_CACHE",
+    "PlanVote",
+    "PlanDecision",
+    "local_plan",
+    "vote_for",
+    "plan_key",
+    "fingerprints_digest",
+    "decide",
+    "planned_locally",
+    "needs_coordinator",
+    "specs_digest",
+]
+
+
+class PlanCache:
+    """This rank's share of earlier global plans, by this rank's fingerprint.
+
+    Each entry remembers the digest of every rank's fingerprints it was made
+    for; an entry is reused only if every rank agrees (see :func:`decide`).
+    The entry of the last committed save (per key) is also the one an async
+    snapshot may copy alone (:meth:`latest`): every rank's latest entry
+    belongs to the same global plan, so the shares copied are disjoint.
+    """
+
+    MAX_ENTRIES = 64
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._plans: dict[tuple[Any, str], tuple[str, list[WriteItem]]] = {}
+        self._latest: dict[Any, str] = {}
+
+    def get(self, key: Any, fp: str) -> tuple[str, list[WriteItem]] | None:
+        """(digest of all ranks' fingerprints, this rank's items) or None."""
+        with self._lock:
+            return self._plans.get((key, fp))
+
+    def latest(self, key: Any, fp: str) -> tuple[str, list[WriteItem]] | None:
+        """The entry for ``fp`` only if it is the plan of the last save
+        committed under ``key`` (what the other ranks' latest entries belong
+        to as well)."""
+        with self._lock:
+            return self._plans.get((key, fp)) if self._latest.get(key) == fp else None
+
+    def put(self, key: Any, fp: str, digest: str, mine: list[WriteItem]) -> None:
+        """(after a commit) This rank's share of the plan just committed."""
+        with self._lock:
+            self._plans[(key, fp)] = (digest, mine)
+            self._latest[key] = fp
+            if len(self._plans) > self.MAX_ENTRIES:
+                self._plans.pop(next(iter(self._plans)))
+
+    def touch(self, key: Any, fp: str) -> None:
+        """(after a commit that reused the entry for ``fp``) It is the latest."""
+        with self._lock:
+            if (key, fp) in self._plans:
+                self._latest[key] = fp
+
+    def forget(self, key: Any) -> None:
+        """(after a failed save) No entry is the latest: the next async
+        snapshot copies every box the rank holds."""
+        with self._lock:
+            self._latest.pop(key, None)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._plans.clear()
+            self._latest.clear()
+
+
+#: one cache per process (plans of different groups/world sizes never mix: see the key)
+PLAN_CACHE = PlanCache()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanVote:
+    """What every rank sends in the plan phase's all-gather (O(1) in the world size)."""
+
+    #: fingerprint of this rank's local plan (boxes and replica hints)
+    fingerprint: str
+    #: digest of the fingerprints this rank's cached plan was made for (None: no cached plan)
+    cached_for: str | None
+    #: digest of this rank's state skeleton and of its tensors' dtypes and
+    #: shapes (a rank whose digest differs from the coordinator's sends its
+    #: skeleton and tensor specs at commit, where they are compared)
+    skeleton: str
+    #: the coordinator's only: the new save's id (None on other ranks)
+    save_id: str | None = None
+    #: bytes of the boxes only this rank holds: every split is balanced around them
+    own_bytes: int = 0
+    #: per replica set this rank is in: (set key, set size, fingerprint of its boxes in the set)
+    sets: tuple[tuple[str, int, str], ...] = ()
+    #: whether this rank holds boxes without a replica hint
+    unknown: bool = False
+    #: the coordinator's only: the names of the non-tensor values it writes
+    #: (a rank whose state tree differs writes only the others)
+    objects: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanDecision:
+    """What the votes say, computed alike on every rank."""
+
+    #: digest of every rank's fingerprint, in rank order
+    digest: str
+    #: every rank holds a plan cached for exactly this digest
+    reuse: bool
+    #: replica sets whose members do not all hold the same boxes
+    bad_sets: frozenset[str]
+    #: bytes every rank writes of its own boxes, by rank
+    base_load: tuple[int, ...]
+    #: whether the coordinator plans some boxes (a gather and a scatter follow)
+    coordinated: bool
+
+
+def local_plan(
+    flat: FlatTree, rank: int, world_size: int = 1,
+    to_group: Callable[[tuple[int, ...]], tuple[int, ...] | None] | None = None,
+) -> LocalSavePlan:
+    """(every rank) Every box this rank holds, with its replica set; a hint
+    naming ranks outside the group, or not this rank, counts as no hint.
+    ``to_group`` turns the global ranks adapters name into the checkpoint
+    group's ranks (:meth:`bytecp.dist.DistContext.group_ranks`)."""
+    items: list[WriteItem] = []
+    sets: list[ReplicaSet | None] = []
+    resolved: dict[int, ReplicaSet | None] = {}
+    for fqn, leaf in flat.tensors.items():
+        hint = leaf.replicas
+        rs: ReplicaSet | None = None
+        if hint is not None:
+            if id(hint) not in resolved:
+                resolved[id(hint)] = _resolve(hint, rank, world_size, to_group)
+            rs = resolved[id(hint)]
+        name = dtype_name(leaf.dtype)
+        size = itemsize(leaf.dtype)
+        shape = tuple(leaf.global_shape)
+        for sh in leaf.shards:
+            items.append(WriteItem(fqn, sh.region, name, size, shape))
+            sets.append(rs)
+    return LocalSavePlan(rank, tuple(items), tuple(sets))
+
+
+def _resolve(
+    hint: ReplicaSet, rank: int, world_size: int,
+    to_group: Callable[[tuple[int, ...]], tuple[int, ...] | None] | None,
+) -> ReplicaSet | None:
+    if hint is EVERY_RANK or not hint.ranks:
+        return ReplicaSet.world(world_size)
+    ranks = to_group(hint.ranks) if to_group is not None else hint.ranks
+    if not ranks or ranks[0] < 0 or ranks[-1] >= world_size:
+        return None
+    i = bisect.bisect_left(ranks, rank)
+    if i == len(ranks) or ranks[i] != rank:
+        return None
+    return hint if ranks is hint.ranks else ReplicaSet.of(ranks)
+
+
+def specs_digest(flat: FlatTree) -> str:
+    """The state's skeleton and aliases and its tensors' names, dtypes and
+    shapes, as one digest."""
+    h = hashlib.blake2b(flat.digest().encode(), digest_size=16)
+    for fqn, leaf in flat.tensors.items():
+        h.update(f"{fqn}|{dtype_name(leaf.dtype)}|{tuple(leaf.global_shape)};".encode())
+    return h.hexdigest()
+
+
+def plan_key(plan: LocalSavePlan) -> str:
+    """The fingerprint of a local plan with its replica hints (the plan cache's key)."""
+    h = hashlib.blake2b(plan_fingerprint(plan).encode(), digest_size=16)
+    for rs in plan.sets:
+        h.update(b"-" if rs is None else rs.key.encode())
+    return h.hexdigest()
+
+
+def vote_for(
+    plan: LocalSavePlan, fingerprint: str, cached_for: str | None, skeleton: str, save_id: str | None
+) -> PlanVote:
+    """(every rank) This rank's vote: fingerprints of its plan and of each replica set's boxes."""
+    own = 0
+    per_set: dict[str, tuple[ReplicaSet, Any]] = {}
+    unknown = False
+    for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
+        if rs is None:
+            unknown = True
+        elif rs.size == 1:
+            own += it.nbytes
+        else:
+            entry = per_set.get(rs.key)
+            if entry is None:
+                entry = per_set[rs.key] = (rs, hashlib.blake2b(digest_size=16))
+            entry[1].update(f"{it.fqn}|{it.region.offsets}|{it.region.lengths}|{it.dtype}|{it.global_shape};".encode())
+    sets = tuple(sorted((k, rs.size, h.hexdigest()) for k, (rs, h) in per_set.items()))
+    return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown)
+
+
+def fingerprints_digest(fingerprints: Sequence[str]) -> str:
+    """One digest of every rank's fingerprint, in rank order."""
+    return hashlib.blake2b("|".join(fingerprints).encode(), digest_size=16).hexdigest()
+
+
+def decide(votes: Sequence[PlanVote]) -> PlanDecision:
+    """(every rank, the same answer everywhere) Reuse the cached plans, or
+    which replica sets are sound and whether the coordinator must plan.
+    O(W + the replica-set entries of every vote): one pass, no per-box work."""
+    digest = fingerprints_digest([v.fingerprint for v in votes])
+    base = tuple(v.own_bytes for v in votes)
+    if all(v.cached_for == digest for v in votes):
+        return PlanDecision(digest, True, frozenset(), base, False)
+    seen: dict[str, list[Any]] = {}  # key -> [size, fingerprint, members seen, sound]
+    for v in votes:
+        for key, size, fp in v.sets:
+            entry = seen.get(key)
+            if entry is None:
+                seen[key] = [size, fp, 1, True]
+                continue
+            entry[2] += 1
+            if entry[0] != size or entry[1] != fp:
+                entry[3] = False
+    bad = frozenset(k for k, (size, _, count, sound) in seen.items() if not sound or count != size)
+    coordinated = bool(bad) or any(v.unknown for v in votes)
+    return PlanDecision(digest, False, bad, base, coordinated)
+
+
+def planned_locally(
+    plan: LocalSavePlan, decision: PlanDecision, *, split_bytes: int,
+    shared: dict[tuple[str, str], dict[int, list[WriteItem]]] | None = None,
+) -> list[WriteItem]:
+    """(every rank) The boxes this rank writes of those planned without the
+    coordinator: its own boxes, and its share of every sound replica set.
+    ``shared``: plans of replica sets already made, by (set key, fingerprint
+    of its boxes) -- every member makes the same one, so a simulation of many
+    ranks in one process makes each once."""
+    mine: list[WriteItem] = []
+    by_set: dict[str, tuple[ReplicaSet, list[WriteItem]]] = {}
+    for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
+        if rs is None or rs.key in decision.bad_sets:
+            continue
+        if rs.size == 1:
+            mine.append(it)
+        else:
+            by_set.setdefault(rs.key, (rs, []))[1].append(it)
+    for key, (rs, items) in by_set.items():
+        memo = (key, hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest()) if shared is not None else None
+        share = shared.get(memo) if shared is not None and memo is not None else None
+        if share is None:
+            share = plan_replicated(items, rs.ranks, decision.base_load, split_bytes=split_bytes)
+            if shared is not None and memo is not None:
+                shared[memo] = share
+        mine.extend(share.get(plan.rank, []))
+    return mine
+
+
+def needs_coordinator(plan: LocalSavePlan, decision: PlanDecision) -> LocalSavePlan:
+    """(every rank) The boxes the coordinator plans: those without a hint and
+    those of unsound replica sets (as a plan without hints)."""
+    sets = plan.sets or (None,) * len(plan.items)
+    items = tuple(it for it, rs in zip(plan.items, sets, strict=True) if rs is None or rs.key in decision.bad_sets)
+    return LocalSavePlan(plan.rank, items, fixed=plan.fixed)

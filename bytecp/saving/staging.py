@@ -1,0 +1,292 @@
+"""Staging: how the boxes a rank writes become bytes that the writer can
+take while training goes on.
+
+The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
+
+- :class:`ViewStager` (``bytecp.save``): no copy; views of the live tensors
+  (a non-contiguous or device tensor is copied to a contiguous host tensor);
+- :class:`ArenaStager` (``bytecp.async_save``, eager on the caller's thread,
+  lazy on the save's background thread): the boxes are copied into one host
+  arena that lives as long as the process, because on typical hosts a copy
+  into freshly allocated memory runs several times slower than into a reused
+  buffer (first-touch page faults; a new arena is faulted in by the kernel
+  at allocation, ``MAP_POPULATE``). Host copies go through
+  :mod:`bytecp.saving.hostcopy` (GIL-free ``memcpy`` pieces on ``threads`` threads,
+  crc32c fused with the copy when ``checksums``). CUDA tensors are staged
+  into pinned memory with non-blocking copies on a side stream, waited for
+  before the stage returns. A memory budget splits the boxes into batches;
+- :class:`SnapshotStager` (eager ``async_save`` after
+  :meth:`StagingPool.snapshot`): the boxes were copied on the caller's
+  thread; the background write takes those copies.
+
+Boxes of at least :data:`PAGE_ALIGN_MIN_BYTES` start at a multiple of
+:data:`~bytecp.format.metadata.ALIGNMENT` in the arena and are followed by zeros up
+to the next multiple, exactly as the data file lays them out: the writer
+hands storage that padded view whole, and local ``O_DIRECT`` writes take it
+without a bounce copy.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import mmap
+import threading
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from bytecp.format import metadata as fmt
+from bytecp.plan.planner import WriteItem
+from bytecp.saving.hostcopy import copy_boxes
+from bytecp.saving.writer import PAD_ZEROS, Staged, as_host_bytes, source_view
+from bytecp.tree.dtypes import dtype_from_name, host_memoryview
+from bytecp.tree.regions import Region, row_major_strides
+from bytecp.tree.state import FlatTree, Shard, TensorLeaf
+
+__all__ = [
+    "Stager", "ViewStager", "ArenaStager", "SnapshotStager", "StagingPool", "POOL", "batches_within",
+    "PAGE_ALIGN_MIN_BYTES",
+]
+
+_ALIGN = 64
+#: boxes this large are laid out in the arena as in a data file (page-aligned, zero-padded)
+PAGE_ALIGN_MIN_BYTES = 64 << 10
+
+
+def _up(n: int, a: int) -> int:
+    return (n + a - 1) // a * a
+
+
+def _slot(n: int) -> int:
+    """Arena bytes a box of ``n`` bytes takes (with its padding)."""
+    return _up(n, fmt.ALIGNMENT) if n >= PAGE_ALIGN_MIN_BYTES else _up(n, _ALIGN)
+
+
+def _host_arena(nbytes: int, pinned: bool) -> torch.Tensor:
+    """``nbytes`` of page-aligned host memory, faulted in now where the OS
+    allows (pinned: CUDA host memory)."""
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
+    buf = mmap.mmap(-1, max(nbytes, 1), flags=flags)
+    return torch.frombuffer(buf, dtype=torch.uint8)  # keeps ``buf`` alive
+
+
+class _Layout:
+    """Where each box goes in an arena whose first byte is at address ``base``."""
+
+    def __init__(self, items: Sequence[WriteItem], base: int) -> None:
+        pos = (-base) % fmt.ALIGNMENT  # the arena's first page boundary
+        self.starts: list[int] = []
+        self.sizes: list[int] = []
+        for it in items:
+            n = it.nbytes
+            pos = _up(pos, fmt.ALIGNMENT if n >= PAGE_ALIGN_MIN_BYTES else _ALIGN)
+            self.starts.append(pos)
+            self.sizes.append(n)
+            pos += _slot(n)
+        self.end = pos
+
+
+class StagingPool:
+    """One growing arena per process (one save is in flight at a time)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arena: torch.Tensor | None = None
+        self.allocations = 0  # how many times an arena was allocated (tests)
+
+    def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
+        """The arena (grown if needed) and where ``items`` go in it."""
+        pinned = pinned and torch.cuda.is_available()
+        with self._lock:
+            a = self._arena
+            if a is not None and (not pinned or a.is_pinned()):
+                layout = _Layout(items, a.data_ptr())
+                if layout.end <= a.numel():
+                    return a, layout
+            # room for the layout at any base address (<= one page more)
+            need = _Layout(items, 0).end + fmt.ALIGNMENT
+            size = max(need, int((a.numel() if a is not None else 0) * 1.25))
+            self._arena = None
+            a = _host_arena(size, pinned)
+            self._arena = a
+            self.allocations += 1
+            return a, _Layout(items, a.data_ptr())
+
+    def release(self) -> None:
+        with self._lock:
+            self._arena = None
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
+              checksums: bool = False) -> list[Staged]:
+        """Copy the boxes ``items`` name into the arena; views of it come back
+        (with their crc32c when ``checksums``)."""
+        return [st for st, _ in self._copy(flat, items, threads, checksums)]
+
+    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
+                 checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
+        """Copy the boxes ``items`` name into the arena; the same tree comes
+        back with its tensors replaced by those copies (host tensors), so the
+        rest of a save can run on it while training changes the live ones,
+        with the stager that hands the writer those copies."""
+        copied = self._copy(flat, items, threads, checksums)
+        # in the live tree's order (the specs digest every rank compares depends on it)
+        tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas) for fqn, leaf in flat.tensors.items()}
+        for st, dst in copied:
+            tensors[st.item.fqn].shards.append(Shard(st.item.region, dst))
+        return dataclasses.replace(flat, tensors=tensors), SnapshotStager([st for st, _ in copied])
+
+    def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int,
+              checksums: bool) -> list[tuple[Staged, torch.Tensor]]:
+        """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
+        srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
+        devices = {s.device for s in srcs if s.device.type == "cuda"}
+        if len(devices) > 1:
+            raise ValueError(f"staging tensors of several CUDA devices at once: {sorted(map(str, devices))}")
+        device = next(iter(devices), None)
+        arena, layout = self.arena(items, pinned=device is not None)
+        raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
+        typed: dict[str, torch.Tensor] = {}
+        dsts: list[torch.Tensor] = []
+        datas: list[memoryview] = []
+        padded: list[memoryview | None] = []
+        for it, pos, n in zip(items, layout.starts, layout.sizes, strict=True):
+            t = typed.get(it.dtype)
+            if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
+                t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
+                    dtype_from_name(it.dtype))
+            shape = it.region.lengths
+            dsts.append(t.as_strided(shape, row_major_strides(shape), pos // it.itemsize))
+            datas.append(raw[pos : pos + n])
+            if n >= PAGE_ALIGN_MIN_BYTES:
+                end = pos + _slot(n)
+                raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
+                padded.append(raw[pos:end])
+            else:
+                padded.append(None)
+        cuda = [k for k, s in enumerate(srcs) if s.device.type == "cuda"]
+        if cuda:
+            # non-blocking copies on a side stream of the tensors' own device
+            # (a background thread's current device is 0 whatever the rank's
+            # is), launched first so the host copies below overlap them
+            stream = torch.cuda.Stream(device=device)
+            stream.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(stream):
+                for k in cuda:
+                    if items[k].nbytes:
+                        dsts[k].copy_(srcs[k], non_blocking=True)
+        host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
+        crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
+                          views=[datas[k] for k in host])
+        crc: list[int | None] = [None] * len(items)
+        for k, c in zip(host, crcs, strict=True):
+            crc[k] = c
+        if cuda:
+            stream.synchronize()
+        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k]), dsts[k]) for k, it in enumerate(items)]
+
+
+POOL = StagingPool()
+
+
+def batches_within(items: Sequence[WriteItem], budget: int | None) -> list[list[WriteItem]]:
+    """Group items into batches of at most ``budget`` staged bytes (an item
+    larger than the budget forms a batch of its own)."""
+    if budget is None:
+        return [list(items)]
+    out: list[list[WriteItem]] = [[]]
+    used = 0
+    for it in items:
+        end = _up(used, fmt.ALIGNMENT if it.nbytes >= PAGE_ALIGN_MIN_BYTES else _ALIGN) + _slot(it.nbytes)
+        if out[-1] and end > budget:
+            out.append([])
+            end = _slot(it.nbytes)
+        out[-1].append(it)
+        used = end
+    return out
+
+
+class Stager(Protocol):
+    """How the stage phase turns this rank's planned boxes into bytes to write."""
+
+    #: whether the staged bytes are a copy (the live tensors may change after staging)
+    copies: bool
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        """The items in the batches that are staged and written in turn."""
+        ...
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        """Bytes for ``items`` (one batch)."""
+        ...
+
+
+class ViewStager:
+    """Synchronous saves: the writer reads the live tensors (no copy)."""
+
+    copies = False
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return [list(items)]
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        return [Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))) for it in items]
+
+
+class ArenaStager:
+    """Asynchronous saves: copies into the process's reused arena, in batches
+    of at most ``budget`` bytes (None: one batch), with ``threads`` copy
+    threads, each box's crc32c computed on the way when ``checksums``."""
+
+    copies = True
+
+    def __init__(self, budget: int | None = None, pool: StagingPool = POOL, *, threads: int = 1,
+                 checksums: bool = False) -> None:
+        self.budget = budget
+        self.pool = pool
+        self.threads = threads
+        self.checksums = checksums
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return batches_within(items, self.budget)
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums)
+
+    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *,
+                 checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
+        """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`),
+        summed when this stager sums its copies or ``checksums`` asks to."""
+        return self.pool.snapshot(flat, items, threads=self.threads, checksums=self.checksums or checksums)
+
+
+class SnapshotStager:
+    """Eager async saves, after the snapshot: the boxes were copied on the
+    caller's thread; the write takes those copies (with any crc32c computed
+    on the way). A planned box that is not one of them -- a piece of a
+    copied box, when the plan was made after the copy -- is a view of the
+    copied tree."""
+
+    copies = False  # the tree it reads is the copy already
+
+    def __init__(self, staged: Sequence[Staged]) -> None:
+        self._staged = {(s.item.fqn, s.item.region): s for s in staged}
+
+    def checksums(self) -> dict[tuple[str, Region], int]:
+        """crc32c of the copied boxes whose sum was computed during the copy."""
+        return {k: s.crc for k, s in self._staged.items() if s.crc is not None}
+
+    def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
+        return [list(items)]
+
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+        out = []
+        for it in items:
+            s = self._staged.get((it.fqn, it.region))
+            if s is not None and s.item.dtype == it.dtype:
+                out.append(Staged(it, s.data, crc=s.crc, padded=s.padded))
+            else:
+                out.append(Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))))
+        return out

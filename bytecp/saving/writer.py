@@ -1,0 +1,230 @@
+"""Write one rank's staged boxes and objects into data files, and its index.
+
+Called by the save pipeline's write phase (every rank, on the caller's
+thread for a sync save, on the background thread for an async one): the
+staged boxes are packed into up to ``io_threads`` data files, each written
+by its own thread as one sequence of buffers (no copy), 4 KiB aligned, the
+crc32c of every chunk computed on the way (unless the stager computed it
+during its copy). What was written comes back as a
+:class:`RankOutput` (chunk records, file sizes, object records) for the
+commit.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from bytecp.errors import ConfigError
+from bytecp.format import metadata as fmt
+from bytecp.format.checksum import crc32c
+from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.objects import serialize
+from bytecp.plan.planner import WriteItem
+from bytecp.storage_api import Storage
+from bytecp.tree.dtypes import host_memoryview
+from bytecp.tree.regions import Region
+from bytecp.tree.state import TensorLeaf
+
+__all__ = [
+    "PAD_ZEROS",
+    "Staged",
+    "RankOutput",
+    "source_view",
+    "as_host_bytes",
+    "write_data_files",
+    "for_commit",
+    "held_checksums",
+    "FILE_TARGET_BYTES",
+]
+
+#: zero bytes that pad a box to the data files' alignment (writer and staging arena)
+PAD_ZEROS = bytes(fmt.ALIGNMENT)
+#: below this many bytes per file, more files (and writer threads) do not pay
+FILE_TARGET_BYTES = 32 << 20
+
+
+@dataclasses.dataclass(slots=True)
+class Staged:
+    """A box to write and its bytes (a view of the live tensor or of the staging arena)."""
+
+    item: WriteItem
+    data: memoryview
+    #: crc32c of ``data`` when the stager computed it on the way (else the writer does)
+    crc: int | None = None
+    #: ``data`` followed by zeros up to a multiple of :data:`~bytecp.format.metadata.ALIGNMENT`
+    #: (page-aligned in the staging arena): written whole in place of data + padding
+    padded: memoryview | None = None
+
+
+@dataclasses.dataclass
+class RankOutput:
+    """What one rank wrote: the commit turns every rank's output into the
+    index and metadata.json. Its chunk records travel as one
+    :class:`~bytecp.format.chunk_batch.ChunkBatch` (``batch``), not as objects."""
+
+    chunks: list[fmt.ChunkRecord] = dataclasses.field(default_factory=list)
+    data_files: dict[str, int] = dataclasses.field(default_factory=dict)
+    batch: ChunkBatch | None = None
+    objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
+    per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
+    #: this rank's skeleton (JSON), tensor specs and aliases, sent only when
+    #: its skeleton or aliases differ from the coordinator's
+    skeleton: Any = None
+    tensors: dict[str, dict[str, Any]] | None = None
+    aliases: dict[str, str] | None = None
+    #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
+    replica_crcs: dict[tuple[str, Region], int] | None = None
+
+    def extend(self, other: RankOutput) -> None:
+        """Add a later write batch of the same rank."""
+        self.chunks += other.chunks
+        self.data_files.update(other.data_files)
+        self.objects.update(other.objects)
+        self.per_rank.update(other.per_rank)
+
+
+def source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
+    """The live tensor view holding ``region`` of ``leaf`` on this rank."""
+    for sh in leaf.shards:
+        if sh.region == region:  # the whole shard (most boxes): no indexing
+            return sh.tensor
+        if sh.region.contains(region):
+            return sh.tensor[region.relative_to(sh.region).slices()]
+    raise ConfigError(f"tensor {fqn!r}: this rank holds no shard containing {region}")
+
+
+def held_checksums(items: Sequence[WriteItem], flat: Any) -> dict[tuple[str, Region], int]:
+    """crc32c of every box this rank holds (``items``: its local plan), for
+    comparing replicas across ranks."""
+    return {(it.fqn, it.region): crc32c(as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn)))
+            for it in items}
+
+
+def as_host_bytes(t: torch.Tensor) -> memoryview:
+    """The logical bytes of a tensor view, without copying when it is a
+    contiguous CPU tensor (never the whole underlying storage)."""
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.numel() == 0:
+        return memoryview(b"")
+    return host_memoryview(t)
+
+
+_Blob = tuple[str, str, bytes]  # (table "obj"/"rank", fqn, bytes)
+
+
+def _split_files(staged: Sequence[Staged], blobs: list[_Blob], n: int) -> list[tuple[list[Staged], list[_Blob]]]:
+    """Spread the boxes over at most ``n`` files of similar size (largest first);
+    the blobs go with the smallest."""
+    total = sum(len(s.data) for s in staged)
+    n = max(1, min(n, -(-total // FILE_TARGET_BYTES), len(staged)))
+    bins: list[tuple[list[Staged], list[_Blob]]] = [([], []) for _ in range(n)]
+    loads = [0] * n
+    for s in sorted(staged, key=lambda s: -len(s.data)):
+        i = loads.index(min(loads))
+        bins[i][0].append(s)
+        loads[i] += len(s.data)
+    bins[loads.index(min(loads))][1].extend(blobs)
+    for b in bins:
+        b[0].sort(key=lambda s: (s.item.fqn, s.item.region))
+    return [b for b in bins if b[0] or b[1]]
+
+
+def _write_one_file(
+    storage: Storage, path: str, staged: list[Staged], blobs: list[_Blob]
+) -> tuple[list[fmt.ChunkRecord], list[tuple[_Blob, int, int]], int]:
+    """Lay out and write one data file; -> (chunks, (blob, offset, crc) list, size)."""
+    buffers: list[Any] = []
+    chunks: list[fmt.ChunkRecord] = []
+    placed: list[tuple[_Blob, int, int]] = []
+    pos = 0
+
+    def append(data: Any) -> int:
+        nonlocal pos
+        start = pos
+        if len(data):
+            buffers.append(data)
+        pos += len(data)
+        pad = (-pos) % fmt.ALIGNMENT
+        if pad:
+            buffers.append(PAD_ZEROS[:pad])
+            pos += pad
+        return start
+
+    for s in staged:
+        if s.padded is not None and len(s.padded) == len(s.data) + (-len(s.data)) % fmt.ALIGNMENT:
+            start = pos  # aligned: every append ends on a multiple of ALIGNMENT
+            buffers.append(s.padded)
+            pos += len(s.padded)
+        else:
+            start = append(s.data)
+        it = s.item
+        chunks.append(
+            fmt.ChunkRecord(
+                it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
+                path, start, len(s.data), crc32c(s.data) if s.crc is None else s.crc,
+            )
+        )
+    for blob in blobs:
+        placed.append((blob, append(blob[2]), crc32c(blob[2])))
+    storage.write_file(path, buffers)
+    return chunks, placed, pos
+
+
+def write_data_files(
+    storage: Storage,
+    save_id: str,
+    rank: int,
+    staged: Sequence[Staged],
+    objects: dict[str, Any],
+    per_rank: dict[str, Any],
+    *,
+    io_threads: int,
+    allow_pickle: bool,
+    first_file: int = 0,
+) -> RankOutput:
+    """(every rank) Write data files ``first_file``, ``first_file+1``... of this
+    rank (one per writer thread) holding ``staged`` and the blobs of
+    ``objects``/``per_rank``; JSON-able values become inline records."""
+    out = RankOutput()
+    blobs: list[_Blob] = []
+    pickled: set[tuple[str, str]] = set()
+    for table, values in (("obj", objects), ("rank", per_rank)):
+        records = out.objects if table == "obj" else out.per_rank
+        for fqn, value in values.items():
+            s = serialize(fqn, value, allow_pickle)
+            if s.blob is None:
+                records[fqn] = fmt.ObjectRecord(json=s.json)
+            else:
+                blobs.append((table, fqn, s.blob))
+                if s.pickle:
+                    pickled.add((table, fqn))
+
+    groups = _split_files(staged, blobs, io_threads)
+    jobs = [(fmt.data_file(save_id, rank, first_file + i), g) for i, g in enumerate(groups)]
+    if len(jobs) <= 1:
+        results = [_write_one_file(storage, path, *group) for path, group in jobs]
+    else:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
+            results = list(ex.map(lambda j: _write_one_file(storage, j[0], *j[1]), jobs))
+    for (path, _), (chunks, placed, size) in zip(jobs, results, strict=True):
+        out.chunks.extend(chunks)
+        out.data_files[path] = size
+        for (table, fqn, blob), offset, crc in placed:
+            rec = fmt.ObjectRecord(file=path, byte_offset=offset, nbytes=len(blob), crc32c=crc,
+                                   pickle=(table, fqn) in pickled)
+            (out.objects if table == "obj" else out.per_rank)[fqn] = rec
+    return out
+
+
+def for_commit(out: RankOutput) -> RankOutput:
+    """(every rank, at commit) The output as sent to the coordinator: chunk
+    records as columns."""
+    return dataclasses.replace(out, chunks=[], batch=ChunkBatch.of(out.chunks))

@@ -1,0 +1,155 @@
+"""Read-only tools over a committed checkpoint: summary (``inspect``) and
+checksum verification (``verify``). Used by the CLI and by tests; one process,
+no ``torch.distributed``."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import time
+from collections import defaultdict
+from typing import Any
+
+from bytecp.errors import BytecpError
+from bytecp.format import limits
+from bytecp.format.checksum import crc32c
+from bytecp.loading.reader import read_chunks, read_metadata
+from bytecp.storage_api import Storage
+from bytecp.tools.progress import NO_PROGRESS, Progress
+from bytecp.tree.dtypes import dtype_from_name, itemsize
+from bytecp.tree.regions import Region
+
+__all__ = ["summarize", "verify", "VerifyProblem"]
+
+
+def summarize(storage: Storage) -> dict[str, Any]:
+    """A JSON-able description of the checkpoint (what ``bytecp inspect`` prints)."""
+    md = read_metadata(storage)
+    chunks = read_chunks(storage, md)
+    limits.check_sizes(storage, md, chunks)  # never report sizes the files do not have
+    per: dict[str, dict[str, Any]] = {}
+    counts: dict[str, int] = defaultdict(int)
+    stored: dict[str, int] = defaultdict(int)
+    for c in chunks:
+        counts[c.fqn] += 1
+        stored[c.fqn] += c.nbytes
+    for fqn, info in md.tensors.items():
+        n = math.prod(info["shape"])
+        per[fqn] = {
+            "dtype": info["dtype"],
+            "shape": info["shape"],
+            "nbytes": n * itemsize(dtype_from_name(info["dtype"])),
+            "chunks": counts.get(fqn, 0),
+        }
+    writers: dict[int, int] = defaultdict(int)
+    for path, size in md.data_files.items():
+        head = path.rsplit("/", 1)[-1].split("-", 1)[0]
+        writers[int(head) if head.isdigit() else -1] += size
+    return {
+        "url": storage.url,
+        "format_version": md.format_version,
+        "bytecp_version": md.bytecp_version,
+        "save_id": md.save_id,
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(md.created)),
+        "framework": md.framework,
+        "parallelism": md.parallelism,
+        "world_size": md.world_size,
+        "step": md.step,
+        "user_metadata": md.user_metadata,
+        "tensors": per,
+        "aliases": md.aliases,  # tied tensors: alias -> the stored tensor whose data it shares
+        "objects": {k: ("json" if not r.is_blob else f"blob {r.nbytes} B") for k, r in md.objects.items()},
+        "per_rank_objects": {k: sorted(v) for k, v in md.per_rank.items()},
+        "totals": {
+            "tensors": len(per),
+            "tensor_bytes": sum(p["nbytes"] for p in per.values()),
+            "chunks": len(chunks),
+            "data_files": len(md.data_files),
+            "data_file_bytes": sum(md.data_files.values()),
+            "bytes_written_per_rank": {str(r): b for r, b in sorted(writers.items())},
+        },
+    }
+
+
+@dataclasses.dataclass
+class VerifyProblem:
+    file: str
+    what: str  # tensor fqn or object name
+    region: str
+    message: str
+
+    def __str__(self) -> str:
+        return f"{self.file}: {self.what} {self.region}: {self.message}"
+
+
+def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PROGRESS) -> tuple[int, list[VerifyProblem]]:
+    """Read every chunk and object blob, check sizes and crc32c, and decode
+    every blob saved without ``allow_pickle`` with the safe loader.
+
+    Returns ``(bytes checked, problems)``; no problems means the checkpoint
+    is intact. ``progress`` hears the bytes as they are checked.
+    """
+    md = read_metadata(storage)
+    chunks = read_chunks(storage, md)
+    problems: list[VerifyProblem] = []
+    sizes: dict[str, int | None] = {}
+    for path, want in md.data_files.items():
+        try:
+            sizes[path] = storage.size(path)
+        except FileNotFoundError:
+            sizes[path] = None
+            problems.append(VerifyProblem(path, "data file", "", "missing"))
+            continue
+        if sizes[path] != want:
+            problems.append(VerifyProblem(path, "data file", "", f"size {sizes[path]} B, metadata says {want} B"))
+
+    items: list[tuple[str, str, str, int, int, int]] = []
+    blobs: dict[tuple[str, int, int], bool] = {}  # (file, offset, nbytes) -> decode safely
+    for c in chunks:
+        items.append((c.file, c.fqn, str(Region(c.offsets, c.lengths)), c.byte_offset, c.nbytes, c.crc32c))
+    for name, rec in md.objects.items():
+        if rec.is_blob and rec.file:
+            items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
+            blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
+    for name, recs in md.per_rank.items():
+        for r, rec in recs.items():
+            if rec.is_blob and rec.file:
+                items.append((rec.file, f"object {name!r} of rank {r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
+                blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
+
+    def check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
+        try:
+            return _check(item)
+        finally:
+            progress.advance(item[4])
+
+    def _check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
+        file, what, region, off, n, crc = item
+        size = sizes.get(file, -1)
+        if size is None:
+            return VerifyProblem(file, what, region, "data file missing")
+        if size is not None and size >= 0 and off + n > size:
+            return VerifyProblem(file, what, region, f"truncated: needs bytes {off}..{off + n}, file has {size}")
+        try:
+            data = storage.read_bytes(file, off, n)
+        except Exception as e:
+            return VerifyProblem(file, what, region, f"unreadable: {e}")
+        got = crc32c(data)
+        if got != crc:
+            return VerifyProblem(file, what, region, f"crc32c mismatch: stored {crc:#010x}, read {got:#010x}")
+        if blobs.get((file, off, n)):  # an object saved without allow_pickle must load without it
+            try:
+                limits.load_blob(data, what, safe=True)
+            except BytecpError as e:
+                return VerifyProblem(file, what, region, f"does not load with the safe loader: {e}")
+        return None
+
+    progress.start(sum(i[4] for i in items))
+    with concurrent.futures.ThreadPoolExecutor(io_threads, "bytecp-verify") as ex:
+        for p in ex.map(check, items):
+            if p is not None:
+                problems.append(p)
+    return sum(i[4] for i in items), problems
+
+

@@ -1,0 +1,77 @@
+"""Dtype names as stored in the format, and tensor <-> raw byte views.
+
+Every dtype is stored by its torch name without the ``torch.`` prefix
+(``float32``, ``bfloat16``, ``float8_e4m3fn``, ``complex64``, ``bool``...).
+Bytes are little-endian, row-major, with no padding between elements.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+import torch
+
+from bytecp.errors import CorruptCheckpointError
+
+__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "SUPPORTED_DTYPES"]
+
+if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in practice
+    raise ImportError("bytecp stores little-endian bytes and runs on little-endian hosts only")
+
+_CANDIDATES = [
+    "float64", "float32", "float16", "bfloat16",
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
+    "float4_e2m1fn_x2",
+    "complex128", "complex64", "complex32",
+    "int64", "int32", "int16", "int8",
+    "uint64", "uint32", "uint16", "uint8",
+    "bool",
+]  # fmt: skip
+
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    n: getattr(torch, n) for n in _CANDIDATES if isinstance(getattr(torch, n, None), torch.dtype)
+}
+_NAMES = {v: k for k, v in SUPPORTED_DTYPES.items()}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    try:
+        return _NAMES[dtype]
+    except KeyError:
+        raise TypeError(f"bytecp cannot store tensors of dtype {dtype}") from None
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    try:
+        return SUPPORTED_DTYPES[name]
+    except KeyError:
+        raise CorruptCheckpointError(
+            f"unknown dtype {name!r} in checkpoint (this torch knows {sorted(SUPPORTED_DTYPES)})"
+        ) from None
+
+
+def itemsize(dtype: torch.dtype) -> int:
+    return int(dtype.itemsize)
+
+
+def byte_view(t: torch.Tensor) -> torch.Tensor:
+    """A flat ``uint8`` view of a contiguous CPU tensor's elements (no copy)."""
+    if not t.is_contiguous():
+        raise ValueError("byte_view needs a contiguous tensor")
+    flat = t.reshape(-1)
+    if flat.numel() and flat.stride(0) != 1:  # a size-1 dim may keep any stride
+        flat = flat.as_strided((flat.numel(),), (1,), flat.storage_offset())
+    if flat.dtype == torch.uint8:
+        return flat
+    if flat.numel() == 0:
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return flat.view(torch.uint8)
+
+
+def host_memoryview(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
+    if t.numel() == 0:
+        return memoryview(bytearray())
+    arr: Any = byte_view(t).numpy()
+    return memoryview(arr)

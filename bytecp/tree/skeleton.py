@@ -1,0 +1,184 @@
+"""The skeleton of a saved state tree: its dicts, lists and tuples, and the
+name of every leaf value.
+
+Built by :func:`bytecp.tree.state.flatten_tree` when a state is saved, stored in
+``metadata.json`` (format v1 JSON, see docs/FORMAT.md), parsed back into
+:class:`Node` once by :mod:`bytecp.format.metadata`, and read by the load matcher and
+the adapters (which look up optimizer entries by FQN). Nothing else
+interprets the JSON form.
+
+v1 JSON nodes: ``{"d": [[key, node], ...]}`` (a dict; keys keep their JSON
+type), ``{"l": [...]}`` (list), ``{"t": [...]}`` (tuple), and the leaves
+``{"tensor": fqn}``, ``{"obj": fqn}`` (one stored object) and
+``{"rank": fqn}`` (one value per rank).
+
+This module imports neither torch nor pyarrow.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, Literal
+
+from bytecp.errors import CorruptCheckpointError
+
+__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH"]
+
+NodeKind = Literal["dict", "list", "tuple", "tensor", "obj", "rank"]
+#: leaf kinds: the name of a tensor, of an object record, of a per-rank record
+LEAF_KINDS: tuple[NodeKind, ...] = ("tensor", "obj", "rank")
+#: containers nested deeper than this are refused (a crafted checkpoint must
+#: not exhaust the stack); real training states are rarely 10 deep
+MAX_DEPTH = 256
+
+_TO_JSON: dict[NodeKind, str] = {"dict": "d", "list": "l", "tuple": "t"}
+_FROM_JSON: dict[str, NodeKind] = {v: k for k, v in _TO_JSON.items()}
+_LEAF_TAGS: dict[str, NodeKind] = {k: k for k in LEAF_KINDS}
+
+
+class Node:
+    """One node of a skeleton: a container with children, or a leaf naming a stored value."""
+
+    __slots__ = ("kind", "name", "items")
+
+    def __init__(self, kind: NodeKind, *, name: str = "", items: Sequence[tuple[Any, Node]] = ()) -> None:
+        self.kind: NodeKind = kind
+        #: for a leaf, the FQN of the stored value (tensor, object or per-rank record)
+        self.name = name
+        #: for a container, ``(key, child)`` pairs in order (list/tuple keys are indices)
+        self.items: tuple[tuple[Any, Node], ...] = tuple(items)
+
+    # -- construction -----------------------------------------------------
+    @classmethod
+    def leaf(cls, kind: NodeKind, name: str) -> Node:
+        if kind not in LEAF_KINDS:
+            raise ValueError(f"not a leaf kind: {kind!r}")
+        return cls(kind, name=name)
+
+    @classmethod
+    def container(cls, kind: NodeKind, items: Sequence[tuple[Any, Node]]) -> Node:
+        if kind not in _TO_JSON:
+            raise ValueError(f"not a container kind: {kind!r}")
+        return cls(kind, items=items)
+
+    @property
+    def is_leaf(self) -> bool:
+        return self.kind in LEAF_KINDS
+
+    # -- JSON (format v1) -------------------------------------------------
+    def to_json(self) -> Any:
+        if self.is_leaf:
+            return {self.kind: self.name}
+        if self.kind == "dict":
+            return {"d": [[k, c.to_json()] for k, c in self.items]}
+        return {_TO_JSON[self.kind]: [c.to_json() for _, c in self.items]}
+
+    @classmethod
+    def from_json(cls, data: Any, where: str = "metadata.json") -> Node:
+        """Parse a v1 skeleton; a malformed or too deeply nested one is
+        :class:`~bytecp.errors.CorruptCheckpointError` naming ``where``."""
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: malformed skeleton: {why}")
+
+        def parse(node: Any, depth: int) -> Node:
+            if depth > MAX_DEPTH:
+                raise bad(f"nested deeper than {MAX_DEPTH} levels")
+            if not isinstance(node, dict) or len(node) != 1:
+                raise bad(f"node {node!r:.80}")
+            ((tag, val),) = node.items()
+            leaf_kind = _LEAF_TAGS.get(tag)
+            if leaf_kind is not None:
+                if not isinstance(val, str):
+                    raise bad(f"{tag} leaf names {val!r:.80}, not a string")
+                return cls(leaf_kind, name=val)
+            kind = _FROM_JSON.get(tag)
+            if kind is None:
+                raise bad(f"unknown node kind {tag!r:.40}")
+            if not isinstance(val, list):
+                raise bad(f"{tag} node holds {type(val).__name__}, not a list")
+            if kind == "dict":
+                items = []
+                for pair in val:
+                    if not isinstance(pair, list) or len(pair) != 2 or not _key_ok(pair[0]):
+                        raise bad(f"dict entry {pair!r:.80}")
+                    items.append((pair[0], parse(pair[1], depth + 1)))
+                return cls(kind, items=items)
+            return cls(kind, items=[(i, parse(c, depth + 1)) for i, c in enumerate(val)])
+
+        return parse(data, 0)
+
+    # -- traversal --------------------------------------------------------
+    def walk(self, prefix: str = "") -> Iterator[tuple[str, Node]]:
+        """``(fqn, node)`` for every node, parents first; keys joined with ``.``."""
+        yield prefix, self
+        for key, child in self.items:
+            yield from child.walk(f"{prefix}.{key}" if prefix else str(key))
+
+    def index(self) -> dict[str, Node]:
+        """Every node by FQN."""
+        return dict(self.walk())
+
+    def leaves(self) -> Iterator[Node]:
+        return (n for _, n in self.walk() if n.is_leaf)
+
+    def child(self, key: Any) -> Node | None:
+        for k, c in self.items:
+            if k == key:
+                return c
+        return None
+
+    def build(self, leaf: Callable[[NodeKind, str], Any]) -> Any:
+        """Rebuild the tree: containers as dict/list/tuple, ``leaf(kind, name)`` for leaves."""
+        if self.is_leaf:
+            return leaf(self.kind, self.name)
+        if self.kind == "dict":
+            return {k: c.build(leaf) for k, c in self.items}
+        values = [c.build(leaf) for _, c in self.items]
+        return values if self.kind == "list" else tuple(values)
+
+    def merge(self, other: Node) -> Node:
+        """Union with another rank's skeleton (ranks may differ: optimizer state
+        that exists only where a rank holds elements of the parameter). Keys of
+        ``self`` keep their order; leaves of ``self`` win."""
+        if self.kind != other.kind or self.is_leaf:
+            return self
+        if self.kind == "dict":
+            items = list(self.items)
+            pos = {_key_id(k): i for i, (k, _) in enumerate(items)}
+            for k, c in other.items:
+                i = pos.get(_key_id(k))
+                if i is None:
+                    pos[_key_id(k)] = len(items)
+                    items.append((k, c))
+                else:
+                    items[i] = (items[i][0], items[i][1].merge(c))
+            return Node(self.kind, items=items)
+        n = min(len(self.items), len(other.items))
+        merged = [(i, a.merge(b)) for (i, a), (_, b) in zip(self.items[:n], other.items[:n], strict=True)]
+        longer = self.items if len(self.items) >= len(other.items) else other.items
+        return Node(self.kind, items=merged + list(longer[n:]))
+
+    def digest(self) -> str:
+        """Equal digests mean equal skeletons (used to skip sending them)."""
+        return hashlib.blake2b(json.dumps(self.to_json()).encode(), digest_size=16).hexdigest()
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Node) and self.to_json() == other.to_json()
+
+    def __hash__(self) -> int:  # pragma: no cover - nodes are not used as keys
+        return hash(self.digest())
+
+    def __repr__(self) -> str:
+        return f"Node({self.to_json()!r:.120})"
+
+
+def _key_ok(k: Any) -> bool:
+    return type(k) in (str, int, bool) or k is None
+
+
+def _key_id(k: Any) -> str:
+    """Dict keys of different JSON types never merge (1 and "1" are distinct)."""
+    return json.dumps(k)

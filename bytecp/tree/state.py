@@ -1,0 +1,351 @@
+"""The state tree adapters hand the core, and its JSON skeleton.
+
+An adapter turns the user's ``state`` (modules, optimizers, ``Stateful``
+objects, tensors, plain values) into a *tree* of dicts/lists/tuples whose
+leaves are:
+
+- ``torch.Tensor`` -- a full tensor, replicated on every rank that has it;
+- :class:`TensorLeaf` -- a tensor sharded across ranks: its global shape and
+  the boxes this rank holds, each with a local view (no copy);
+- :class:`PerRank` -- a value that differs per rank (RNG, dataloader);
+- :class:`Whole` -- a value stored as one object however nested;
+- any other value -- JSON when it is JSON-able, else a ``torch.save`` blob.
+
+Tensors that share storage (tied embeddings, a layer used twice, a parameter
+registered under two names) are stored once: a tensor leaf that is the same
+object as an earlier one, or a full tensor with exactly the same memory
+(device, data pointer, shape, strides and dtype; not empty) as an earlier
+one, becomes an *alias* of the first FQN (:attr:`FlatTree.aliases`). Views
+of different parts of one buffer (other offsets, shapes or strides) are not
+aliases: each is stored as its own tensor. Adapters give tied tensors of a
+sharded model the same :class:`TensorLeaf` object.
+
+For loading, adapters build a target tree of the same shape whose leaves are
+destination tensors / :class:`TensorLeaf` views to fill in place, and
+:class:`Slot` for everything rebuilt from the checkpoint.
+
+Every leaf has an FQN: the keys on its path joined by ``.``
+(``model.layers.0.weight``, ``optimizer.state.layers.0.weight.exp_avg``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+import math
+from collections.abc import Collection
+from typing import Any
+
+import torch
+
+from bytecp.errors import ConfigError
+from bytecp.tree.dtypes import dtype_name
+from bytecp.tree.regions import Region, flat_range_to_boxes, full_region
+from bytecp.tree.skeleton import MAX_DEPTH, Node
+
+__all__ = [
+    "Shard",
+    "ReplicaSet",
+    "EVERY_RANK",
+    "TensorLeaf",
+    "PerRank",
+    "Whole",
+    "Slot",
+    "FlatTree",
+    "flatten_tree",
+    "is_json_leaf",
+    "merge_aliases",
+]
+
+
+@dataclasses.dataclass(slots=True)
+class Shard:
+    """A box of a tensor's global index space and the local tensor holding it."""
+
+    region: Region
+    tensor: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if tuple(self.tensor.shape) != self.region.lengths:
+            raise ValueError(
+                f"shard tensor of shape {tuple(self.tensor.shape)} does not match region {self.region}"
+            )
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplicaSet:
+    """The ranks (of the checkpoint's process group) that hold the very same
+    boxes of a tensor: an adapter's hint that lets the save plan be made
+    without gathering every rank's boxes (see :mod:`bytecp.plan.exchange`).
+
+    ``ranks`` is sorted; ``()`` means *every rank of the group* (resolved
+    with the world size when the plan is made). A hint is verified: the
+    members compare what they hold, and a set whose members disagree is
+    planned by the coordinator as if there were no hint. A set of one rank
+    means the boxes are this rank's alone (FSDP shards).
+    """
+
+    ranks: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        ranks = tuple(sorted(set(int(r) for r in self.ranks)))
+        if ranks != self.ranks:
+            object.__setattr__(self, "ranks", ranks)
+
+    @functools.cached_property
+    def key(self) -> str:
+        """A digest naming the set (alike on every rank)."""
+        return hashlib.blake2b(repr(self.ranks).encode(), digest_size=12).hexdigest()
+
+    @property
+    def size(self) -> int:
+        return len(self.ranks)
+
+    @staticmethod
+    @functools.lru_cache(maxsize=4096)
+    def of(ranks: tuple[int, ...]) -> ReplicaSet:
+        """The (cached) set of these ranks."""
+        return ReplicaSet(tuple(ranks))
+
+    @staticmethod
+    @functools.lru_cache(maxsize=64)
+    def world(world_size: int) -> ReplicaSet:
+        return ReplicaSet(tuple(range(world_size)))
+
+
+#: the hint of a full tensor handed over as a plain ``torch.Tensor``: replicated on every rank
+EVERY_RANK = ReplicaSet(())
+
+
+@dataclasses.dataclass(slots=True)
+class TensorLeaf:
+    """A (possibly sharded) tensor: global shape, dtype and this rank's boxes.
+
+    ``replicas``: which ranks hold the same boxes as this rank (a
+    :class:`ReplicaSet` hint from the adapter), or ``None`` when the adapter
+    does not know -- the coordinator then finds the replicas by comparing
+    every rank's boxes.
+    """
+
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    shards: list[Shard]
+    replicas: ReplicaSet | None = None
+
+    @classmethod
+    def full(cls, t: torch.Tensor, replicas: ReplicaSet | None = EVERY_RANK) -> TensorLeaf:
+        shape = tuple(t.shape)
+        return cls(shape, t.dtype, [Shard(full_region(shape), t)], replicas)
+
+    @classmethod
+    def from_flat(
+        cls, global_shape: tuple[int, ...], dtype: torch.dtype, start: int, flat: torch.Tensor,
+        replicas: ReplicaSet | None = None,
+    ) -> TensorLeaf:
+        """An irregular shard: ``flat`` holds elements ``[start, start+numel)``
+        of the row-major tensor; it is cut into contiguous boxes (no copy)."""
+        if flat.dim() != 1:
+            raise ValueError("a flat shard must be a 1-D tensor")
+        shards = []
+        pos = 0
+        for box in flat_range_to_boxes(global_shape, start, start + flat.numel()):
+            n = box.numel
+            shards.append(Shard(box, flat[pos : pos + n].view(box.lengths)))
+            pos += n
+        return cls(tuple(global_shape), dtype, shards, replicas)
+
+    @property
+    def nbytes_local(self) -> int:
+        return sum(s.tensor.numel() * s.tensor.element_size() for s in self.shards)
+
+
+@dataclasses.dataclass
+class PerRank:
+    """A value saved separately by every rank and restored by the same rank."""
+
+    value: Any
+
+
+@dataclasses.dataclass
+class Whole:
+    """A value stored as one object (JSON or blob), not split into leaves."""
+
+    value: Any
+
+
+@dataclasses.dataclass
+class Slot:
+    """Load target: rebuild whatever the checkpoint holds at this FQN.
+
+    ``per_rank`` slots take this rank's value of a :class:`PerRank` entry.
+    ``default`` is returned when the key is absent and ``strict=False``.
+    """
+
+    per_rank: bool = False
+    default: Any = None
+
+
+_JSON_SCALARS = (str, int, bool, type(None))
+
+
+def is_json_leaf(v: Any) -> bool:
+    """Whether ``v`` round-trips exactly through JSON (finite floats, exact types)."""
+    if type(v) in _JSON_SCALARS:
+        return True
+    if type(v) is float:
+        return math.isfinite(v)
+    if type(v) is list:
+        return all(is_json_leaf(x) for x in v)
+    if type(v) is dict:
+        return all(type(k) is str and is_json_leaf(x) for k, x in v.items())
+    return False
+
+
+@dataclasses.dataclass
+class FlatTree:
+    """A tree flattened into its skeleton and leaves by FQN."""
+
+    skeleton: Node
+    tensors: dict[str, TensorLeaf]
+    objects: dict[str, Any]  # fqn -> value stored as one object (JSON or blob)
+    per_rank: dict[str, Any]  # fqn -> this rank's value
+    slots: dict[str, Slot]  # load targets only
+    #: alias FQN -> the FQN in ``tensors`` whose memory it shares (first seen
+    #: in tree order); aliases are tensor leaves of the skeleton, not in ``tensors``
+    aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+
+    def digest(self) -> str:
+        """Equal digests mean equal skeletons and equal aliases."""
+        if not self.aliases:
+            return self.skeleton.digest()
+        return self.skeleton.digest() + ":" + hashlib.blake2b(
+            json.dumps(sorted(self.aliases.items())).encode(), digest_size=16).hexdigest()
+
+
+def _key_ok(k: Any) -> bool:
+    return type(k) in (str, int, bool) or k is None
+
+
+def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What identifies exactly the elements a full tensor shows (None: never
+    an alias by memory, only by identity: empty and meta tensors)."""
+    if t.numel() == 0 or t.device.type == "meta":
+        return None
+    return (t.device, t.dtype, t.data_ptr(), tuple(t.shape), t.stride())
+
+
+def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
+    """Walk a state tree into its :class:`~bytecp.tree.skeleton.Node` skeleton and
+    leaves by FQN (dicts with JSON-able keys, lists and tuples are containers;
+    everything else is a leaf). With ``target=True`` (a load target)
+    non-tensor leaves become slots.
+    """
+    out = FlatTree(Node.container("dict", ()), {}, {}, {}, {})
+    seen: set[str] = set()
+    # the first FQN of each tensor object and of each full tensor's memory
+    by_id: dict[int, str] = {}
+    by_memory: dict[tuple[Any, ...], str] = {}
+    keep: list[Any] = []  # ids stay unique while the walk runs
+
+    def tensor(v: Any, fqn: str) -> Node:
+        """A tensor leaf; an alias when ``v`` shares its memory with an earlier one."""
+        mem = _memory(v) if isinstance(v, torch.Tensor) else None
+        first = by_id.get(id(v))
+        if first is None and mem is not None:
+            first = by_memory.get(mem)
+        if first is not None:
+            out.aliases[claim(fqn)] = first
+            return Node.leaf("tensor", fqn)
+        by_id[id(v)] = fqn
+        keep.append(v)
+        if mem is not None:
+            by_memory[mem] = fqn
+        out.tensors[claim(fqn)] = v if isinstance(v, TensorLeaf) else TensorLeaf.full(v.detach())
+        return Node.leaf("tensor", fqn)
+
+    def claim(fqn: str) -> str:
+        if fqn in seen:
+            raise ConfigError(
+                f"two entries of the state map to the same key {fqn!r} (a dict key containing "
+                "'.' collides with a nested key); rename one of them"
+            )
+        seen.add(fqn)
+        return fqn
+
+    def walk(v: Any, fqn: str, depth: int) -> Node:
+        if depth > MAX_DEPTH:
+            raise ConfigError(f"{fqn!r}: the state is nested deeper than {MAX_DEPTH} levels")
+        if isinstance(v, TensorLeaf):
+            return tensor(v, fqn)
+        if isinstance(v, torch.Tensor):
+            if type(v) not in (torch.Tensor, torch.nn.Parameter):
+                raise ConfigError(
+                    f"{fqn!r} is a {type(v).__name__}, a tensor subclass bytecp cannot treat as a "
+                    "full tensor; pass the model/optimizer so the framework adapter handles it, "
+                    "or pass framework= explicitly"
+                )
+            dtype_name(v.dtype)  # fails early for unsupported dtypes
+            return tensor(v, fqn)
+        if isinstance(v, Slot):
+            out.slots[claim(fqn)] = v
+            return Node.leaf("rank" if v.per_rank else "obj", fqn)
+        if isinstance(v, PerRank):
+            if target:
+                out.slots[claim(fqn)] = Slot(per_rank=True)
+            else:
+                out.per_rank[claim(fqn)] = v.value
+            return Node.leaf("rank", fqn)
+        if isinstance(v, Whole):
+            if target:
+                out.slots[claim(fqn)] = Slot()
+            else:
+                out.objects[claim(fqn)] = v.value
+            return Node.leaf("obj", fqn)
+        if type(v) is dict and all(_key_ok(k) for k in v):
+            return Node.container(
+                "dict", [(k, walk(x, f"{fqn}.{k}" if fqn else str(k), depth + 1)) for k, x in v.items()]
+            )
+        if type(v) in (list, tuple):
+            items = [(i, walk(x, f"{fqn}.{i}" if fqn else str(i), depth + 1)) for i, x in enumerate(v)]
+            return Node.container("list" if type(v) is list else "tuple", items)
+        if target:
+            out.slots[claim(fqn)] = Slot()
+        else:
+            out.objects[claim(fqn)] = v
+        return Node.leaf("obj", fqn)
+
+    out.skeleton = walk(tree, "", 0)
+    return out
+
+
+def merge_aliases(
+    mine: dict[str, str], others: list[tuple[int, dict[str, str]]], stored: Collection[str], coordinator: int
+) -> dict[str, str]:
+    """(coordinator, at commit) The checkpoint's aliases: the coordinator's
+    and those of every rank whose tree differs (``others``: rank, aliases).
+
+    A tensor one rank stores and another rank saves as an alias would have
+    only some of its boxes written, so such a save is refused (ties come from
+    the model's structure and are the same on every rank; only a state built
+    differently per rank can disagree).
+    """
+    out = dict(mine)
+    for r, theirs in others:
+        for alias, first in theirs.items():
+            if out.setdefault(alias, first) != first:
+                raise ConfigError(
+                    f"tensor {alias!r} shares memory with {out[alias]!r} on rank {coordinator} but with {first!r} "
+                    f"on rank {r}; build the state alike on every rank (the same tied parameters everywhere)"
+                )
+    conflicts = sorted(a for a in out if a in stored)
+    if conflicts:
+        ranks = sorted({coordinator for a in conflicts if a in mine}
+                       | {r for r, theirs in others for a in conflicts if a in theirs})
+        raise ConfigError(
+            f"tensor(s) {conflicts[:5]} share memory with another tensor of the state on rank(s) {ranks} "
+            "but are separate tensors on other ranks; build the state alike on every rank (the same "
+            "tied parameters everywhere) or save the differing tensors under their own keys"
+        )
+    return out
