@@ -1,4 +1,4 @@
-"""The phases of one save on one rank: describe, snapshot, plan, stage, write, commit.
+"""The phases of one save on one rank: describe, share, snapshot, plan, stage, write, commit.
 
 The order they run in is not here: :mod:`bytecp.saving.schedule` writes
 each order once (``bytecp.save``: everything on the caller's thread; the
@@ -39,13 +39,11 @@ from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
     PlanVote,
+    ballot,
     decide,
-    local_plan,
+    holdings,
     needs_coordinator,
-    plan_key,
     planned_locally,
-    specs_digest,
-    vote_for,
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.recorder import Trace
@@ -62,6 +60,7 @@ from bytecp.saving.results import (
     NOTHING_DESCRIBED,
     Described,
     SavePlanResult,
+    Share,
     StagedBatch,
     nothing_staged,
 )
@@ -117,37 +116,49 @@ class SavePipeline:
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
-    def snapshot(self, described: Described) -> Described:
+    def share(self, described: Described) -> Share:
+        """(every rank, local; before an async snapshot) What the snapshot
+        copies: this rank's share of the last committed plan when it has one
+        for this state (all this rank can write now), else every box it holds."""
+
+        def share() -> Share:
+            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
+            cached = PLAN_CACHE.latest(self._cache_key(), fingerprint)
+            if cached is None:
+                return Share(local, fingerprint, local.items)
+            mine = tuple(cached[1])
+            return Share(local, fingerprint, mine, LocalSavePlan(self.ctx.rank, mine, fixed=True))
+
+        return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
+
+    def snapshot(self, described: Described, share: Share) -> Described:
         """(every rank, local; async saves without a memory budget, whose
         stager is an :class:`~bytecp.saving.staging.ArenaStager`: eager saves on
         the caller's thread, lazy ones first thing on the background thread)
-        Copy every box this rank may write into the reused arena -- its
-        share of the last committed plan when it has one for this state
-        (:meth:`_share_to_copy`), else every box it holds -- and return the
-        state as that copy: the plan, the write and the commit then run on it
-        while training changes the live tensors. The copy is all an eager
-        caller, or a lazy save's optimizer hook, waits for; it never waits
-        for another rank."""
+        Copy ``share`` into the reused arena and return the state as that
+        copy: the plan, the write and the commit then run on it while
+        training changes the live tensors. The copy is all an eager caller,
+        or a lazy save's optimizer hook, waits for; it never waits for
+        another rank."""
 
         def snapshot() -> Described:
             arena = self.stager
             assert isinstance(arena, ArenaStager)
-            local, fingerprint, items, held = self._share_to_copy(described)
             verify = bool(self.opts.verify_replicas)
             live = described.flat
             with self.trace.span("stage") as sp:
                 faults.inject("stage", self.ctx.rank)
                 # with replica checks the copy also sums what it copies
-                flat, copied = arena.snapshot(live, items, checksums=verify)
-                sp.nbytes = sum(it.nbytes for it in items)
+                flat, copied = arena.snapshot(live, share.items, checksums=verify)
+                sp.nbytes = sum(it.nbytes for it in share.items)
             crcs = None
             if verify:  # of every box held, while it is the state being saved
                 summed = copied.checksums()
-                crcs = held_checksums([it for it in local.items if (it.fqn, it.region) not in summed], live)
-                crcs.update((k, summed[k]) for k in ((it.fqn, it.region) for it in local.items) if k in summed)
+                held = share.local.items
+                crcs = held_checksums([it for it in held if (it.fqn, it.region) not in summed], live)
+                crcs.update((k, summed[k]) for k in ((it.fqn, it.region) for it in held) if k in summed)
             # the later phases read the copy and write it through ``copied``
-            return dataclasses.replace(described, flat=flat, stager=copied, local=local, fingerprint=fingerprint,
-                                       held=held, replica_crcs=crcs)
+            return dataclasses.replace(described, flat=flat, stager=copied, share=share, replica_crcs=crcs)
 
         return self._keep_failure("save/stage", snapshot, described)
 
@@ -163,24 +174,27 @@ class SavePipeline:
         key = self._cache_key()
         mine: dict[str, Any] = {}
 
+        def held_of(local: LocalSavePlan) -> LocalSavePlan:
+            """The boxes this rank writes from: the cached share a snapshot copied alone, else all it holds."""
+            share = described.share
+            return share.held if share is not None and share.held is not None else local
+
         def vote() -> PlanVote:
             self._raise_kept()
             faults.inject("plan", rank)
-            local, fingerprint = described.local, described.fingerprint
-            if local is None:  # else a snapshot described the live state already
-                local = local_plan(flat, rank, ctx.world_size, ctx.group_ranks)
-                fingerprint = plan_key(local)
+            if described.share is not None:  # a snapshot described the live state already
+                local, fingerprint = described.share.local, described.share.fingerprint
+            else:
+                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks)
             mine.update(local=local, fingerprint=fingerprint, replaced=None)
-            cached = mine["cached"] = PLAN_CACHE.get(key, fingerprint)
-            save_id = None
+            save_id: str | None = None
+            objects: tuple[str, ...] = ()
             if ctx.is_coordinator:
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite)
-                save_id = fmt.new_save_id()
-            v = vote_for(described.held or local, fingerprint, cached[0] if cached else None,
-                         specs_digest(flat), save_id)
-            if ctx.is_coordinator and flat.objects:  # what a rank whose tree differs need not write
-                v = dataclasses.replace(v, objects=tuple(flat.objects))
-            return v
+                # and what a rank whose tree differs need not write
+                save_id, objects = fmt.new_save_id(), tuple(flat.objects)
+            vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects)
+            return vote
 
         with self.trace.span("plan"), self._forget_plan_on_failure():
             votes = ctx.all_gather("save/plan", vote)
@@ -193,7 +207,7 @@ class SavePipeline:
             if decision.reuse:
                 items = mine["cached"][1]
             else:
-                held = described.held or local
+                held = held_of(local)
                 split = self.opts.split_bytes
                 items = planned_locally(held, decision, split_bytes=split)
                 if decision.coordinated:
@@ -310,21 +324,6 @@ class SavePipeline:
             log.warning("bytecp: could not store the monitoring report at %s: %s", self.storage.url, e)
 
     # -- helpers ----------------------------------------------------------------
-    def _share_to_copy(
-        self, described: Described,
-    ) -> tuple[LocalSavePlan, str, Sequence[WriteItem], LocalSavePlan | None]:
-        """(snapshot) Every box this rank holds, its fingerprint, the boxes to
-        copy and, when those are the cached share, that share as a fixed plan.
-        Only the share of the last committed plan is copied alone: every
-        rank's is from that same plan, so the shares copied are disjoint."""
-        local = local_plan(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
-        fingerprint = plan_key(local)
-        cached = PLAN_CACHE.latest(self._cache_key(), fingerprint)
-        if cached is None:
-            return local, fingerprint, local.items, None
-        # only the cached share is copied: all this rank can write now
-        return local, fingerprint, cached[1], LocalSavePlan(self.ctx.rank, tuple(cached[1]), fixed=True)
-
     @contextlib.contextmanager
     def _forget_plan_on_failure(self) -> Iterator[None]:
         """A save that fails after planning leaves no cached plan marked as

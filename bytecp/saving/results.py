@@ -2,7 +2,8 @@
 
 Returned by the phases of :class:`~bytecp.saving.pipeline.SavePipeline` and
 passed on by the schedules of :mod:`bytecp.saving.schedule` (every rank):
-describe (and an async snapshot) returns a :class:`Described`, the plan a
+describe (and an async snapshot, of the :class:`Share` it copies) returns a
+:class:`Described`, the plan a
 :class:`SavePlanResult`, the stage a :class:`StagedBatch`; the write returns
 the rank's :class:`~bytecp.saving.writer.RankOutput`, which the commit sends.
 A phase whose failure is kept for the next collective returns the empty
@@ -24,7 +25,25 @@ from bytecp.tree.regions import Region
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree
 
-__all__ = ["Described", "SavePlanResult", "StagedBatch", "NOTHING_DESCRIBED", "nothing_staged"]
+__all__ = ["Share", "Described", "SavePlanResult", "StagedBatch", "NOTHING_DESCRIBED", "nothing_staged"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """What an async snapshot copies (chosen by
+    :meth:`~bytecp.saving.pipeline.SavePipeline.share`): this rank's share of
+    the last committed plan when it has one for this state, else every box
+    it holds. Only that plan's share is copied alone because every rank's
+    is from that same plan, so the shares copied are disjoint."""
+
+    #: every box this rank holds, and its fingerprint
+    local: LocalSavePlan
+    fingerprint: str
+    #: the boxes copied
+    items: tuple[WriteItem, ...]
+    #: the cached share only: the boxes copied as a fixed plan (a new plan
+    #: gives this rank exactly these, the other holders the rest)
+    held: LocalSavePlan | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,12 +57,8 @@ class Described:
     #: after a snapshot: the stager that hands the writer the copies (None:
     #: the pipeline's own stager stages the boxes)
     stager: Stager | None = None
-    #: after a snapshot: every box this rank holds, and its fingerprint
-    local: LocalSavePlan | None = None
-    fingerprint: str = ""
-    #: after a snapshot of the cached share only: the boxes copied (fixed: a
-    #: new plan gives this rank exactly these, the other holders the rest)
-    held: LocalSavePlan | None = None
+    #: after a snapshot: what it copied
+    share: Share | None = None
     #: after a snapshot with replica checks: crc32c of every box this rank holds
     replica_crcs: Mapping[tuple[str, Region], int] | None = None
 

@@ -5,20 +5,20 @@ Picked by :mod:`bytecp.api` (every rank): ``bytecp.save`` runs
 the async orders, each a function that runs the caller's part of the save
 and returns the part the background thread runs:
 
-- :func:`eager` (the default): describe -> snapshot (copy this rank's boxes,
-  or its cached share) -> return; background: plan -> stage -> write ->
-  commit;
+- :func:`eager` (the default): describe -> share (this rank's share of the
+  cached plan, or every box it holds) -> snapshot (copy it) -> return;
+  background: plan -> stage -> write -> commit;
 - :func:`lazy` (``lazy=True``): describe -> return, each optimizer's
-  pre-step hook waiting for the copy; background: snapshot -> plan ->
-  stage -> write -> commit;
+  pre-step hook waiting for the copy; background: share -> snapshot ->
+  plan -> stage -> write -> commit;
 - :func:`budgeted` (``memory_budget_bytes``): describe -> plan -> stage
   (every batch but the last also written) -> return; background: write ->
   commit.
 
 Both snapshot orders copy before the plan, so the copy never waits for the
-other ranks; the snapshot copies this rank's share of the last committed plan
-when its state is unchanged since (see
-:meth:`~bytecp.saving.pipeline.SavePipeline.snapshot`). The phases are
+other ranks; it copies this rank's share of the last committed plan when
+its state is unchanged since (see
+:meth:`~bytecp.saving.pipeline.SavePipeline.share`). The phases are
 those of :class:`~bytecp.saving.pipeline.SavePipeline`; what one hands the
 next is a frozen value (:mod:`bytecp.saving.results`).
 """
@@ -56,7 +56,8 @@ def save_now(p: SavePipeline) -> fmt.Metadata:
 def eager(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
     """The caller waits for the copy; the plan, the write and the commit
     run on the copy in the background."""
-    copied = p.snapshot(p.describe())
+    described = p.describe()
+    copied = p.snapshot(described, p.share(described))
     handle.mark_staged()
 
     def background() -> fmt.Metadata:
@@ -76,7 +77,7 @@ def lazy(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
 
     def background() -> fmt.Metadata:
         try:
-            copied = p.snapshot(described)
+            copied = p.snapshot(described, p.share(described))
         finally:
             handle.mark_staged()
         planned = p.plan(copied)
