@@ -21,12 +21,11 @@ before ``metadata.json`` is written, the coordinator removes its files.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from bytecp import faults
@@ -196,34 +195,41 @@ class SavePipeline:
             vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects)
             return vote
 
-        with self.trace.span("plan"), self._forget_plan_on_failure():
-            votes = ctx.all_gather("save/plan", vote)
-            coordinator = votes[ctx.coordinator]
-            assert coordinator.save_id is not None
-            self.trace.checkpoint_id = coordinator.save_id
-            local: LocalSavePlan = mine["local"]
-            decision = decide(votes)
-            cache_entry = None
-            if decision.reuse:
-                items = mine["cached"][1]
-            else:
-                held = held_of(local)
-                split = self.opts.split_bytes
-                items = planned_locally(held, decision, split_bytes=split)
-                if decision.coordinated:
-                    base = list(decision.base_load)
-                    items = items + ctx.reduce_scatter(
-                        "save/plan", lambda: needs_coordinator(held, decision),
-                        lambda plans: plan_save(plans, split_bytes=split, base_load=base, check_coverage=False),
-                    )
-                # cached once the save commits: a plan that failed is never reused
-                cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
-            return SavePlanResult(
-                coordinator.save_id, tuple(items), local,
-                skeleton_differs=votes[rank].skeleton != coordinator.skeleton,
-                coordinator_objects=frozenset(coordinator.objects), replaced=mine["replaced"],
-                cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
-            )
+        with self.trace.span("plan"):
+            try:
+                votes = ctx.all_gather("save/plan", vote)
+                coordinator = votes[ctx.coordinator]
+                assert coordinator.save_id is not None
+                self.trace.checkpoint_id = coordinator.save_id
+                local: LocalSavePlan = mine["local"]
+                decision = decide(votes)
+                cache_entry = None
+                if decision.reuse:
+                    items = mine["cached"][1]
+                else:
+                    held = held_of(local)
+                    split = self.opts.split_bytes
+                    items = planned_locally(held, decision, split_bytes=split)
+                    if decision.coordinated:
+                        base = list(decision.base_load)
+                        items = items + ctx.reduce_scatter(
+                            "save/plan", lambda: needs_coordinator(held, decision),
+                            lambda plans: plan_save(plans, split_bytes=split, base_load=base, check_coverage=False),
+                        )
+                    # cached once the save commits: a plan that failed is never reused
+                    cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
+                return SavePlanResult(
+                    coordinator.save_id, tuple(items), local,
+                    skeleton_differs=votes[rank].skeleton != coordinator.skeleton,
+                    coordinator_objects=frozenset(coordinator.objects), replaced=mine["replaced"],
+                    cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
+                )
+            except BaseException:
+                # a save that fails after planning leaves no cached plan marked as
+                # the latest: the next async snapshot copies every box this rank
+                # holds, not a share that may not fit the other ranks' (PlanCache.latest)
+                PLAN_CACHE.forget(key)
+                raise
 
     def stage(self, described: Described, planned: SavePlanResult) -> StagedBatch:
         """(every rank, local) The stager -- the snapshot's, else the
@@ -288,18 +294,18 @@ class SavePipeline:
             return md
 
         try:
-            with self._forget_plan_on_failure():
-                try:
-                    md = ctx.all_reduce("save/write", output, commit, reduce_op="save/commit")
-                except DistributedCheckpointError as e:
-                    # the outcome is what storage says: once metadata.json of this save
-                    # is written, the save succeeded, whoever was lost afterwards
-                    done = committed_after(self.storage, e, save_id, committed[0] if committed else None,
-                                           coordinator=ctx.is_coordinator)
-                    if done is None:
-                        raise
-                    md = done
+            try:
+                md = ctx.all_reduce("save/write", output, commit, reduce_op="save/commit")
+            except DistributedCheckpointError as e:
+                # the outcome is what storage says: once metadata.json of this save
+                # is written, the save succeeded, whoever was lost afterwards
+                done = committed_after(self.storage, e, save_id, committed[0] if committed else None,
+                                       coordinator=ctx.is_coordinator)
+                if done is None:
+                    raise
+                md = done
         except BaseException:
+            PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:
                 remove_files_of(self.storage, save_id)
             raise
@@ -324,18 +330,6 @@ class SavePipeline:
             log.warning("bytecp: could not store the monitoring report at %s: %s", self.storage.url, e)
 
     # -- helpers ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def _forget_plan_on_failure(self) -> Iterator[None]:
-        """A save that fails after planning leaves no cached plan marked as
-        the latest: the next async snapshot copies every box this rank holds
-        instead of a share that may not fit the other ranks' (see
-        :meth:`~bytecp.plan.exchange.PlanCache.latest`)."""
-        try:
-            yield
-        except BaseException:
-            PLAN_CACHE.forget(self._cache_key())
-            raise
-
     def _cache_key(self) -> tuple[Any, ...]:
         """Plans of different groups, world sizes or split sizes never mix."""
         return (self.ctx.world_size, self.ctx.rank, self.opts.split_bytes, id(self.ctx.group))
