@@ -7,9 +7,9 @@ names the full URL of the file and what to do.
 
 from __future__ import annotations
 
-from bytecp.errors import CheckpointExistsError, CorruptCheckpointError
+from bytecp.errors import CheckpointExistsError, CorruptCheckpointError, StorageNotFoundError
 
-__all__ = ["file_url", "truncated", "exists"]
+__all__ = ["file_url", "truncated", "exists", "missing"]
 
 
 def file_url(url: str, path: str) -> str:
@@ -32,3 +32,8 @@ def exists(name: str) -> CheckpointExistsError:
         f"{name} already exists: another save committed here first; pass overwrite=True to "
         "replace it, or save to another URL"
     )
+
+
+def missing(name: str, cause: object = None) -> StorageNotFoundError:
+    """The file ``name`` is not there (``cause``: the backend's own answer, if any)."""
+    return StorageNotFoundError(f"{name}: missing ({cause})" if cause is not None else f"{name}: missing")

@@ -20,17 +20,31 @@ from typing import Any
 from bytecp.errors import (
     CorruptCheckpointError,
     StorageError,
-    StorageNotFoundError,
     StoragePermissionError,
 )
 
-from ._errors import exists
+from ._errors import exists, missing
 
 __all__ = [
-    "O_DIRECT", "O_NOFOLLOW", "O_DIRECTORY", "RENAME_EXCHANGE", "NO_RENAMEAT2",
-    "symlink_refused", "fsync_dir", "os_error", "holds", "unlink_quietly", "rename_flags",
-    "rename_noreplace", "remove_tree", "publish_exclusive", "page_aligned",
-    "write_all", "write_direct", "read_all", "read_direct",
+    "O_DIRECT",
+    "O_NOFOLLOW",
+    "O_DIRECTORY",
+    "RENAME_EXCHANGE",
+    "NO_RENAMEAT2",
+    "symlink_refused",
+    "fsync_dir",
+    "os_error",
+    "holds",
+    "unlink_quietly",
+    "rename_flags",
+    "rename_noreplace",
+    "remove_tree",
+    "publish_exclusive",
+    "page_aligned",
+    "write_all",
+    "write_direct",
+    "read_all",
+    "read_direct",
 ]
 
 _IOV_MAX = 1024
@@ -60,7 +74,7 @@ def os_error(e: OSError, full: str, op: str) -> StorageError:
     if isinstance(e, PermissionError):
         return StoragePermissionError(f"{full}: permission denied while trying to {op} ({e})")
     if isinstance(e, FileNotFoundError):
-        return StorageNotFoundError(f"{full}: missing ({e})")
+        return missing(full, e)
     if e.errno == errno.ENOSPC:
         return StorageError(f"{full}: no space left on device while trying to {op}; free space or save elsewhere")
     if e.errno == errno.EDQUOT:

@@ -28,7 +28,7 @@ from bytecp.storage_api import Buffer, Storage, split_protocol
 
 from . import _retry
 from ._buffers import byte_view, byte_views
-from ._errors import exists, file_url, truncated
+from ._errors import exists, file_url, missing, truncated
 from ._retry import RetryPolicy
 
 __all__ = ["FsspecStorage"]
@@ -301,7 +301,7 @@ class FsspecStorage(Storage):
         try:
             data = self._call(read, path, f"read bytes [{offset}, {offset + n})")
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{file_url(self.url, path)}: missing ({e})") from e
+            raise missing(file_url(self.url, path), e) from e
         if len(data) != n:
             raise truncated(file_url(self.url, path), offset, n, offset + len(data))
         view[:] = data
@@ -323,7 +323,7 @@ class FsspecStorage(Storage):
         try:
             datas = self._call(read, path, f"read {len(items)} ranges")
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{file_url(self.url, path)}: missing ({e})") from e
+            raise missing(file_url(self.url, path), e) from e
         for (off, v), data in zip(items, datas, strict=True):
             if isinstance(data, BaseException):
                 raise data
@@ -343,7 +343,7 @@ class FsspecStorage(Storage):
         try:
             return self._call(size, path, "size")
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{file_url(self.url, path)}: missing") from e
+            raise missing(file_url(self.url, path)) from e
 
     def exists(self, path: str) -> bool:
         full = self._full(path)

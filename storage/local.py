@@ -36,12 +36,11 @@ from bytecp.errors import (
     CheckpointExistsError,
     ConfigError,
     CorruptCheckpointError,
-    StorageNotFoundError,
 )
 from bytecp.storage_api import Buffer, Storage
 
 from ._buffers import byte_view, byte_views
-from ._errors import exists, truncated
+from ._errors import exists, missing, truncated
 from ._posix import (
     NO_RENAMEAT2,
     O_DIRECT,
@@ -368,7 +367,7 @@ class LocalStorage(Storage):
         try:
             fd = self._open_read(path, O_DIRECT if direct else 0)
         except FileNotFoundError as e:
-            raise StorageNotFoundError(f"{full}: missing") from e
+            raise missing(full) from e
         except OSError as e:
             if direct and e.errno == errno.EINVAL:
                 self.direct = False
@@ -390,7 +389,7 @@ class LocalStorage(Storage):
         try:
             fd = self._open_read(path)  # one open for the whole batch
         except FileNotFoundError as e:
-            raise StorageNotFoundError(f"{full}: missing") from e
+            raise missing(full) from e
         except OSError as e:
             raise os_error(e, full, "open for reading") from e
         try:
@@ -408,7 +407,7 @@ class LocalStorage(Storage):
         try:
             fd = self._open_read(path)  # the same no-link, regular-file rules as reads
         except FileNotFoundError as e:
-            raise StorageNotFoundError(f"{self._full(path)}: missing") from e
+            raise missing(self._full(path)) from e
         except OSError as e:
             raise os_error(e, self._full(path), "stat") from e
         try:

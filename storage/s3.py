@@ -55,7 +55,7 @@ from bytecp.storage_api import split_protocol
 
 from . import _retry
 from ._buffers import byte_view
-from ._errors import file_url, truncated
+from ._errors import file_url, missing, truncated
 from ._ranges import chunks, coalesce
 from ._retry import RetryPolicy
 from ._s3_base import (
@@ -350,7 +350,7 @@ class S3Storage(_S3Writes):
         try:
             head = self._run(lambda: self._call("head_object", where, Bucket=self.bucket, Key=self._key(path)))
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{file_url(self.url, path)}: missing ({e})") from e
+            raise missing(file_url(self.url, path), e) from e
         return int(head["ContentLength"])
 
     def exists(self, path: str) -> bool:
