@@ -41,6 +41,11 @@ Fast-over-HTTP client settings are the default: no payload signing, and
 checksums only where the API requires them (botocore's default SHA-256
 payload hash and CRC32 checksums halve throughput on plain-HTTP endpoints).
 Set the region with ``region=`` or ``AWS_DEFAULT_REGION``.
+
+Modules: this one holds :class:`S3Storage`'s options, reads, listing and
+deletes; its request plumbing, error codes and shared client are in
+``_s3_base``, uploads and commits in ``_s3_write``; the pure planning of
+parts and coalesced reads (no I/O, tested alone) is in ``_ranges``.
 """
 
 from __future__ import annotations
