@@ -87,7 +87,7 @@ class RowSource(Protocol):
         """(after sizes are checked) The index declares at most :meth:`max_rows` rows."""
         ...
 
-    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> list[fmt.ChunkRecord]:
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
         """Every row; ``budget()`` gives :meth:`max_rows`, asked only when needed."""
         ...
 
@@ -116,8 +116,11 @@ class _WholeIndex:
     def check_budget(self, ck: OpenedCheckpoint) -> None:
         pass  # each file's rows were held to the budget as it was read
 
-    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> list[fmt.ChunkRecord]:
-        return index_read.read_index(_index_files(ck.storage, ck.metadata), where=ck.storage.url, row_budget=budget)
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
+        if self.rows is not None:
+            return Rows(list(self.rows), 0)
+        files = _index_files(ck.storage, ck.metadata)
+        return Rows(index_read.read_index(files, where=ck.storage.url, row_budget=budget), len(files))
 
     def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
         if self.rows is not None:  # the coordinator's, checked when it read them
@@ -155,10 +158,10 @@ class _Segments:
     def check_budget(self, ck: OpenedCheckpoint) -> None:
         index_read.check_budget(ck.storage, ck.metadata, ck.max_rows)
 
-    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> list[fmt.ChunkRecord]:
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
         self.check_files(ck)
         md = ck.metadata
-        return index_read.read_segments(ck.storage, md, index_read.all_segments(md), budget=budget())
+        return Rows(index_read.read_segments(ck.storage, md, index_read.all_segments(md), budget=budget()), 1)
 
     def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
         md = ck.metadata
@@ -178,6 +181,7 @@ class _Found:
     listed: dict[str, int] | None = None
     max_rows: int | None = None
     rows: list[fmt.ChunkRecord] | None = None
+    files: int = 1  # files read: metadata.json, then the whole index's files
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,7 +246,7 @@ class OpenedCheckpoint:
 
     def _rows_by_declared_sizes(self) -> list[fmt.ChunkRecord]:
         """Every row, budgeted by the declared sizes (the real ones are what is wrong)."""
-        rows = self.index.read_all(self, lambda: self.index.max_rows(self.metadata, self.metadata.data_files))
+        rows = self.index.read_all(self, lambda: self.index.max_rows(self.metadata, self.metadata.data_files)).rows
         check_index(self.storage.url, self.metadata, rows)
         return rows
 
@@ -251,10 +255,16 @@ class OpenedCheckpoint:
         checked against the metadata, every tensor tiled exactly; read once."""
         f = self._found
         if f.rows is None:
-            rows = self.index.read_all(self, lambda: self.max_rows)
-            check_index(self.storage.url, self.metadata, rows)
-            f.rows = rows
+            got = self.index.read_all(self, lambda: self.max_rows)
+            check_index(self.storage.url, self.metadata, got.rows)
+            f.rows, f.files = got.rows, f.files + got.files
         return f.rows
+
+    @property
+    def files_read(self) -> int:
+        """Files this object has read so far: ``metadata.json`` and the whole
+        index, if it was read (:meth:`rows_for` reports its own)."""
+        return self._found.files
 
     def rows_for(self, wanted: Mapping[str, Sequence[Region]]) -> Rows:
         """(every rank of a load) The rows that may hold the boxes ``wanted``

@@ -8,8 +8,8 @@ live state, filled in place) and in one process for
 Collectives (every rank, in this order, each fail-together): the metadata
 broadcast (the coordinator opens the checkpoint: ``metadata.json``
 validated, declared sizes checked; every rank receives the opened
-checkpoint, :mod:`bytecp.loading.opened`), match, [the zero-redundancy all-gather], read, [one broadcast
-per rank holding shared pieces], apply. A failure on any rank raises
+checkpoint, :mod:`bytecp.loading.opened`), match, [the zero-redundancy
+all-gather], read, [one broadcast per rank holding shared pieces], apply. A failure on any rank raises
 :class:`~bytecp.errors.DistributedCheckpointError` on every rank, labelled
 with the phase (``load/match``, ``load/read``, ...).
 """
@@ -94,7 +94,7 @@ class LoadPipeline:
             with self.trace.span("read_metadata") as sp:
                 opened = open_checkpoint(self.storage)
                 opened.check_sizes()  # before any tensor is allocated
-                sp.files = 1 + len(opened.metadata.index_files)
+                sp.files = opened.files_read
                 return opened.share()
 
         self.opened = OpenedCheckpoint.received(self.storage, self.ctx.broadcast("load/metadata", read))
