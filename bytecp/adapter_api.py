@@ -11,6 +11,9 @@ load: ``detect`` -> the core reads the metadata -> ``load_tree(state, ctx,
 md)`` returns the target tree and a ``finalize`` callback -> the core fills
 the target tensors in place and rebuilds slots -> ``finalize(values)``
 hands modules/optimizers/stateful objects their loaded state.
+
+Writing one, its replica hints and its contract suite
+(``bytecp.adapters.testing``): docs/extending.md.
 """
 
 from __future__ import annotations

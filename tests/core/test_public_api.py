@@ -40,6 +40,7 @@ PACKAGES = ("bytecp", "adapters", "storage", "monitoring")
 NOT_PYTHON = {
     "bytecp.format_version",  # a Parquet schema metadata key (FORMAT.md)
     "bytecp.monitor.v1",  # the protobuf package (monitoring.md)
+    "bytecp.monitors",  # an entry-point group (extending.md)
 }
 
 
