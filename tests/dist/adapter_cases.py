@@ -12,7 +12,7 @@ from torch import nn
 
 from .cases import Net, build
 
-__all__ = ["plain_state", "ddp_state", "fsdp2_state"]
+__all__ = ["plain_state", "ddp_state", "fsdp2_state", "hsdp_state"]
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
@@ -31,9 +31,9 @@ def plain_state(seed: int) -> dict[str, Any]:
     return {"model": model, "optimizer": opt, "extra": {"step": seed}}
 
 
-def _framework_state(framework: str, seed: int) -> dict[str, Any]:
+def _framework_state(framework: str, seed: int, variant: str = "") -> dict[str, Any]:
     assert dist.is_initialized()
-    model, opt = build(framework, seed=seed)
+    model, opt = build(framework, seed=seed, variant=variant)
     _step(model, opt, seed)
     return {"model": model, "optimizer": opt, "extra": {"step": seed}}
 
@@ -44,3 +44,8 @@ def ddp_state(seed: int) -> dict[str, Any]:
 
 def fsdp2_state(seed: int) -> dict[str, Any]:
     return _framework_state("fsdp2", seed)
+
+
+def hsdp_state(seed: int) -> dict[str, Any]:
+    """FSDP2 over a (replicate, shard) mesh: replica sets of two ranks."""
+    return _framework_state("fsdp2", seed, "hsdp")

@@ -12,7 +12,13 @@ import pytest
 import torch
 from bytecp.adapters import testing
 from bytecp.adapters.plain import PlainAdapter
-from bytecp.adapters.testing import AdapterCase, AdapterContract, AdapterFixtures
+from bytecp.adapters.testing import (
+    AdapterCase,
+    AdapterContract,
+    AdapterFixtures,
+    ReplicaHintTests,
+    RoundTripTests,
+)
 
 from bytecp import adapter_api
 from bytecp.tree.state import ReplicaSet, TensorLeaf
@@ -46,6 +52,19 @@ class TestFSDP2Adapter(TwoRanks, AdapterContract):
     @pytest.fixture
     def case(self) -> AdapterCase:
         return AdapterCase(framework="fsdp2", build="tests.dist.adapter_cases:fsdp2_state")
+
+
+@pytest.mark.slow
+class TestHSDPAdapter(AdapterFixtures, RoundTripTests, ReplicaHintTests):
+    """FSDP2 on a 2 x 2 (replicate, shard) mesh: hints name replica pairs."""
+
+    @pytest.fixture
+    def case(self) -> AdapterCase:
+        return AdapterCase(framework="fsdp2", build="tests.dist.adapter_cases:hsdp_state")
+
+    @pytest.fixture
+    def run_on_ranks(self, pools: Any) -> Callable[..., list[Any]]:
+        return lambda fn, *args: pools(4).run(fn, *args)
 
 
 # ------------------------------------------------ the contract catches bugs
