@@ -115,3 +115,49 @@ def test_import_paths_the_docs_use_resolve() -> None:
         except (ImportError, AttributeError) as e:
             bad.append(f"{path}: {type(e).__name__}: {e}")
     assert not bad, "\n".join(bad)
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[0] != "bytecp":
+        parts.insert(0, "bytecp")
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def test_what_modules_import_from_each_other_is_exported() -> None:
+    """A public name one bytecp module imports from another is in that
+    module's ``__all__`` (the internal subpackages included): ``__all__`` says
+    what a module offers the rest of the package."""
+    files = {_module_name(p): p for p in _modules()}
+    exports: dict[str, tuple[set[str], bool]] = {}
+    for mod, path in files.items():
+        tree = ast.parse(path.read_text())
+        names: set[str] = set()
+        for n in tree.body:
+            if isinstance(n, (ast.Assign, ast.AnnAssign)) and n.value is not None and any(
+                    isinstance(t, ast.Name) and t.id == "__all__"
+                    for t in (n.targets if isinstance(n, ast.Assign) else [n.target])):
+                names = set(ast.literal_eval(n.value))
+        exports[mod] = (names, "__getattr__" in _top_level_names(tree))
+    bad = []
+    for mod, path in files.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            if node.level:
+                base = package.split(".")
+                target = ".".join(base[: len(base) - node.level + 1] + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            if target not in exports or exports[target][1]:
+                continue
+            for alias in node.names:
+                name = alias.name
+                if name.startswith("_") or f"{target}.{name}" in files or name in exports[target][0]:
+                    continue
+                bad.append(f"{path.relative_to(ROOT)} imports {name} from {target}, not in its __all__")
+    assert not bad, "\n".join(bad)
