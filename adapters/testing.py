@@ -206,9 +206,10 @@ def torch_full_state(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]
     out: dict[str, dict[str, torch.Tensor]] = {}
     for k, v in state.items():
         if isinstance(v, nn.Module):
-            out[str(k)] = {n: t.detach().clone() for n, t in get_model_state_dict(v, options=opts).items()}
+            msd: dict[str, Any] = dict(get_model_state_dict(v, options=opts))
+            out[str(k)] = {n: t.detach().clone() for n, t in msd.items() if isinstance(t, torch.Tensor)}
         elif isinstance(v, torch.optim.Optimizer) and len(modules) == 1:
-            osd = get_optimizer_state_dict(modules[0], v, options=opts)
+            osd: dict[str, Any] = dict(get_optimizer_state_dict(modules[0], v, options=opts))
             out[str(k)] = {f"state.{p}.{n}": t.detach().clone()
                            for p, st in osd["state"].items() for n, t in st.items()
                            if isinstance(t, torch.Tensor)}
@@ -244,17 +245,17 @@ def check_replica_hints(case: AdapterCase) -> list[str]:
     """Every rank describes its boxes and hints; rank 0 checks them all."""
     state = _call(case.build, 0)
     tree = get_adapter(case.framework).save_tree(state, DistContext())
-    world, mine = _world(), {}
+    world = _world()
+    mine: dict[str, Any] = {}
     for fqn, leaf in flatten_tree(tree).tensors.items():
         boxes = tuple(sorted((s.region.offsets, s.region.lengths, _box_digest(s.tensor))
                              for s in leaf.shards if s.tensor.numel()))
         hint = None if leaf.replicas is None else (leaf.replicas.ranks or tuple(range(world)))
         mine[fqn] = (tuple(leaf.global_shape), hint, boxes)
-    every = [None] * world
+    every: list[Any] = [mine]
     if world > 1:
+        every = [None] * world
         dist.all_gather_object(every, mine)
-    else:
-        every = [mine]
     return _hint_problems(every, case.hints_required) if _rank() == 0 else []
 
 
