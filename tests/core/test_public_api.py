@@ -15,7 +15,8 @@ import bytecp
 def test_public_names_resolve() -> None:
     for name in bytecp.__all__:
         assert getattr(bytecp, name) is not None, name
-    for module in ("bytecp.storage", "bytecp.storage.testing", "bytecp.adapters", "bytecp.monitoring",
+    for module in ("bytecp.storage", "bytecp.storage.testing", "bytecp.adapters", "bytecp.adapters.testing",
+                   "bytecp.plugins", "bytecp.monitoring",
                    "bytecp.manager", "bytecp.cli", "bytecp.demo", "bytecp.options"):
         __import__(module)
 
