@@ -33,7 +33,7 @@ from .optimizer_layout import (
     _init_fresh_state,
     _load_optimizer,
     _save_layout,
-    _single_distributed,
+    _distributed_parts,
 )
 from .translate import (
     COMMON,
@@ -193,9 +193,9 @@ class MegatronAdapter(Adapter):
         for e in entries:
             if e.kind == "optimizer":
                 layout = _save_layout(e.value)
-                d = _single_distributed(_optimizer_of(e.value))
-                if layout == "model_space" and d is not None:
-                    fs = _flat_state(d, model_sd, types, e.key)
+                parts = _distributed_parts(_optimizer_of(e.value))
+                if layout == "model_space" and parts is not None:
+                    fs = _flat_state(parts, model_sd, types, e.key)
                     tree[e.key] = _unpad({**fs.leaves, COMMON: Whole(fs.common)}, fs.leaves, fs.asm, vocab)
                     continue
                 megatron_layout = "fully_reshardable" if layout == "model_space" else layout
@@ -249,18 +249,20 @@ class MegatronAdapter(Adapter):
                 e.layout = _load_layout(e, saved_layouts)
                 opt = _optimizer_of(e.value)
                 _init_fresh_state(opt)
-                d = _single_distributed(opt)
-                if e.layout == "model_space" and d is not None:
-                    fs = _flat_state(d, model_sd, types, e.key)
+                parts = _distributed_parts(opt)
+                if e.layout == "model_space" and parts is not None:
+                    fs = _flat_state(parts, model_sd, types, e.key)
                     _add_unowned(e.key, fs, md)
                     tree[e.key] = _clip_padded(e.key, {**fs.leaves, COMMON: Slot()}, fs.leaves, fs.asm, md)
-                    finalizers.append(_flat_finalizer(e.key, d, fs))
+                    finalizers.append(_flat_finalizer(e.key, opt, parts, fs))
                     continue
                 megatron_layout = "fully_reshardable" if e.layout == "model_space" else e.layout
                 e.sd = _optimizer_sharded(e, model_sd, megatron_layout, loading=True)
                 e.tr = translate(e.sd, types, where=e.key)
             if e.tr is not None:
                 tree[e.key] = _clip_padded(e.key, e.tr.tree(target=True), e.tr.tensors, e.tr.asm, md)
+                if e.kind == "model":
+                    _skip_others_extra_state(e.key, tree[e.key], md)
                 finalizers.append(_finalizer(e, types))
             else:
                 tree[e.key] = _plain_target(e.key, e.value, state, finalizers)
@@ -289,6 +291,20 @@ def _load_layout(e: _Entry, saved: dict[str, Any]) -> str:
         return want
     layout = str(saved_layout or DEFAULT_OPTIMIZER_LAYOUT)
     return "model_space" if layout in _MODEL_SPACE else layout
+
+
+def _skip_others_extra_state(key: str, tree: dict[str, Any], md: Metadata) -> None:
+    """(load) Module extra state (``*._extra_state/shard_...`` objects) that
+    another rank holds: each expert-parallel rank holds the extra state of its
+    own experts only, keyed by the global expert index, so the checkpoint holds
+    every expert's and this rank reads its own. The others are read into
+    slots nobody applies, so a strict load sees every saved key wanted."""
+    prefix = f"{key}."
+    for fqn in md.objects:
+        if fqn.startswith(prefix) and "._extra_state/shard_" in fqn:
+            rest = fqn[len(prefix):]
+            if rest not in tree:
+                tree[rest] = Slot()
 
 
 def _clip_padded(
