@@ -215,6 +215,9 @@ class MegatronAdapter(Adapter):
                 out["tensor_parallel"] = parallel_state.get_tensor_model_parallel_world_size()
                 out["pipeline_parallel"] = parallel_state.get_pipeline_model_parallel_world_size()
                 out["data_parallel"] = parallel_state.get_data_parallel_world_size()
+                out["context_parallel"] = parallel_state.get_context_parallel_world_size()
+                out["expert_parallel"] = parallel_state.get_expert_model_parallel_world_size()
+                out["expert_tensor_parallel"] = parallel_state.get_expert_tensor_parallel_world_size()
         except Exception:  # pragma: no cover - informational only
             pass
         types = _types()
