@@ -28,13 +28,14 @@ from .optimizer_layout import (
     DEFAULT_OPTIMIZER_LAYOUT,
     OptimizerLayout,
     _add_unowned,
+    _distributed_parts,
     _flat_finalizer,
     _flat_state,
     _init_fresh_state,
     _load_optimizer,
     _save_layout,
-    _distributed_parts,
 )
+from .replicas import hints as replica_hints
 from .translate import (
     COMMON,
     Translation,
@@ -183,19 +184,20 @@ class MegatronAdapter(Adapter):
         entries = _entries(state, types)
         tree: dict[str, Any] = {}
         vocab = _vocab_size(entries)
+        hints = replica_hints()
         model_sd = None
         for e in entries:
             if e.kind == "model":
                 assert e.chunks is not None
                 model_sd = _model_sharded(e.chunks)
-                tr = translate(model_sd, types, where=e.key)
+                tr = translate(model_sd, types, where=e.key, hint=hints.model if hints else None)
                 tree[e.key] = _unpad(tr.tree(target=False), tr.tensors, tr.asm, vocab)
         for e in entries:
             if e.kind == "optimizer":
                 layout = _save_layout(e.value)
                 parts = _distributed_parts(_optimizer_of(e.value))
                 if layout == "model_space" and parts is not None:
-                    fs = _flat_state(parts, model_sd, types, e.key)
+                    fs = _flat_state(parts, model_sd, types, e.key, hints.optimizer if hints else None)
                     tree[e.key] = _unpad({**fs.leaves, COMMON: Whole(fs.common)}, fs.leaves, fs.asm, vocab)
                     continue
                 megatron_layout = "fully_reshardable" if layout == "model_space" else layout

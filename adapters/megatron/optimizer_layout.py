@@ -129,10 +129,11 @@ def _pieces(meta: Any, types: _Types, where: str) -> list[_Piece]:
 
 def model_space_leaves(
     pieces: list[_Piece], start: int, flat: torch.Tensor, prefix: str, leaves: dict[str, TensorLeaf],
-    asm: set[str],
+    asm: set[str], hint: Any = None,
 ) -> None:
     """Add the boxes that ``flat`` -- elements ``[start, start+numel)`` of a
-    parameter's local data -- covers, under ``prefix + piece key``, as views."""
+    parameter's local data -- covers, under ``prefix + piece key``, as views;
+    ``hint`` (save) gives a new leaf its replica set (``replicas.Hints.optimizer``)."""
     end = start + flat.numel()
     for pc in pieces:
         lo, hi = max(start, pc.first), min(end, pc.first + pc.numel)
@@ -143,7 +144,8 @@ def model_space_leaves(
             asm.add(key)
         leaf = leaves.get(key)
         if leaf is None:
-            leaf = leaves[key] = TensorLeaf(pc.global_shape, flat.dtype, [])
+            replicas = hint(pc.key, pc.local_shape, pc.global_shape, pc.prepend_axis_num) if hint else None
+            leaf = leaves[key] = TensorLeaf(pc.global_shape, flat.dtype, [], replicas)
         base = lo - start
         for region, pos in flat_range_boxes(pc.local_shape, pc.global_offset, pc.prepend_axis_num,
                                             lo - pc.first, hi - pc.first):
@@ -184,7 +186,7 @@ def _distributed_parts(opt: Any) -> list[Any] | None:
     return parts
 
 
-def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str) -> _FlatState:
+def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint: Any = None) -> _FlatState:
     """(all ranks, no communication) Each parameter range this rank owns in
     each of ``parts`` (the dense and expert optimizers of a chain: their DP
     groups differ), for the main parameter and every optimizer state tensor,
@@ -206,7 +208,7 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str) -> _
             m = meta.get(id(param))
             if m is not None:
                 model_keys.update(pc.key for pc in _pieces(m, types, where))
-    for d, gbuf_range_maps in ((d, m) for d in parts for m in d.gbuf_ranges):
+    for d, gbuf_range_maps in ((part, m) for part in parts for m in part.gbuf_ranges):
         for buckets in gbuf_range_maps.values():
             for bucket in buckets:
                 for param, ranges in bucket["param_map"].items():
@@ -223,7 +225,7 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str) -> _
                         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != r.end - r.start:
                             continue  # "step" and other per-parameter scalars live in the common state
                         flat = t.detach()
-                        model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm)
+                        model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm, hint)
                         live.append((d, param, name, flat))
     return _FlatState(leaves, _chain_common(parts), live, asm, model_keys)
 

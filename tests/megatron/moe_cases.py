@@ -13,11 +13,11 @@ from __future__ import annotations
 import re
 from typing import Any
 
+import megatron_cases as mc
 import torch
+from megatron_cases import _STATE, CpuDeviceMode
 
 import bytecp
-import megatron_cases as mc
-from megatron_cases import _STATE, CpuDeviceMode
 
 HIDDEN = 32
 EXPERTS = 4
@@ -150,3 +150,10 @@ def save_model_only(url: str, tp: int = 1, ep: int = 1, cp: int = 1) -> dict[str
     with CpuDeviceMode():
         bytecp.save(url, {"model": _STATE["model"]})
     return mc.full_model_state()
+
+
+def probe_init(ep: int) -> dict[str, float]:
+    """(exploration) Sums of the dense tensors each rank built."""
+    build(1, ep, dist_opt=False)
+    return {k: float(v.double().sum()) for k, v in _STATE["model"].state_dict().items()
+            if isinstance(v, torch.Tensor) and "experts" not in k}
