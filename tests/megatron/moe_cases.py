@@ -152,8 +152,31 @@ def save_model_only(url: str, tp: int = 1, ep: int = 1, cp: int = 1) -> dict[str
     return mc.full_model_state()
 
 
-def probe_init(ep: int) -> dict[str, float]:
-    """(exploration) Sums of the dense tensors each rank built."""
-    build(1, ep, dist_opt=False)
-    return {k: float(v.double().sum()) for k, v in _STATE["model"].state_dict().items()
-            if isinstance(v, torch.Tensor) and "experts" not in k}
+def plan_votes(tp: int = 1, ep: int = 1) -> dict[str, Any]:
+    """(all ranks) Build, train a step, and run the first save's plan vote as
+    the save pipeline does: whether the coordinator must gather boxes, and
+    how many of this rank's boxes carry no replica hint."""
+    import torch.distributed as dist
+    from bytecp.adapters.megatron import MegatronAdapter
+
+    from bytecp.plan.exchange import decide, holdings, vote_for
+    from bytecp.tree.state import flatten_tree
+
+    build(tp, ep)
+    train_step(1)
+    with CpuDeviceMode():
+        flat = flatten_tree(MegatronAdapter().save_tree(state(), None))  # type: ignore[arg-type]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    plan, fp = holdings(flat, rank, world)
+    votes: list[Any] = [None] * world
+    dist.all_gather_object(votes, vote_for(plan, fp, None, "s", None))
+    return {"coordinated": decide(votes).coordinated, "unhinted": sum(rs is None for rs in plan.sets),
+            "boxes": len(plan.items)}
+
+
+def load_model_only(url: str, tp: int = 1, ep: int = 1) -> dict[str, torch.Tensor]:
+    """(all ranks) Build with other weights, no optimizer; load the model (strict); the full tensors."""
+    build(tp, ep, seed=99, dist_opt=False)
+    with CpuDeviceMode():
+        bytecp.load(url, {"model": _STATE["model"]})
+    return mc.full_model_state()
