@@ -215,9 +215,10 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint
                     m = meta.get(id(param))
                     if m is None:
                         raise ConfigError(
-                            f"{where}: a parameter of the distributed optimizer (shape "
-                            f"{list(param.shape)}) is not in the model's sharded_state_dict(); pass "
-                            "the model whose parameters the optimizer holds"
+                            f"{where}: parameter {_param_name(d, param)!r} (shape {list(param.shape)}, "
+                            f"{_group_of(param, parts.index(d), len(parts))}) of the distributed "
+                            "optimizer is not in the model's sharded_state_dict(); pass the model "
+                            "(or the Megatron-DDP-wrapped model) this optimizer was built on"
                         )
                     pieces = _pieces(m, types, where)
                     r = ranges["param"]
@@ -228,6 +229,22 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint
                         model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm, hint)
                         live.append((d, param, name, flat))
     return _FlatState(leaves, _chain_common(parts), live, asm, model_keys)
+
+
+def _param_name(d: Any, param: Any) -> str:
+    """The parameter's name in the model the optimizer was built on, or '?'."""
+    for chunk in getattr(d, "model_chunks", None) or []:
+        for name, p in chunk.named_parameters():
+            if p is param:
+                return str(name)
+    return "?"
+
+
+def _group_of(param: Any, i: int, n: int) -> str:
+    """Which Megatron group holds ``param``: experts (expert data-parallel
+    group) or dense, and its optimizer in the chain."""
+    kind = "expert-parallel" if not getattr(param, "allreduce", True) else "dense data-parallel"
+    return f"Megatron {kind} group, optimizer {i + 1} of {n} in the chain"
 
 
 def _group_id(group: dict[str, Any]) -> tuple[Any, ...]:

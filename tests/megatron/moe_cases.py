@@ -43,7 +43,10 @@ def setup(tp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> None:
     _STATE.clear()
 
 
-def build(tp: int = 1, ep: int = 1, cp: int = 1, *, seed: int = 1234, dist_opt: bool = True) -> None:
+def build(
+    tp: int = 1, ep: int = 1, cp: int = 1, *, seed: int = 1234, dist_opt: bool = True,
+    hidden: int = HIDDEN, ffn: int = 64, layers: int = 2, vocab: int = mc.VOCAB, heads: int = 4,
+) -> None:
     """(all ranks) The tiny MoE GPT, Megatron DDP and the distributed optimizer;
     the same seed gives the same full weights at every EP size. ``cp`` sizes
     Megatron's context-parallel groups; the layers are built without context
@@ -57,7 +60,7 @@ def build(tp: int = 1, ep: int = 1, cp: int = 1, *, seed: int = 1234, dist_opt: 
 
     torch.manual_seed(seed)
     cfg = TransformerConfig(
-        num_layers=2, hidden_size=HIDDEN, num_attention_heads=4, ffn_hidden_size=64,
+        num_layers=layers, hidden_size=hidden, num_attention_heads=heads, ffn_hidden_size=ffn,
         use_cpu_initialization=True, pipeline_dtype=torch.float32, hidden_dropout=0.0,
         attention_dropout=0.0, tensor_model_parallel_size=tp,
         expert_model_parallel_size=ep, num_moe_experts=EXPERTS, moe_router_topk=2,
@@ -67,7 +70,7 @@ def build(tp: int = 1, ep: int = 1, cp: int = 1, *, seed: int = 1234, dist_opt: 
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=get_gpt_layer_local_spec(num_experts=EXPERTS, moe_grouped_gemm=False),
-        vocab_size=mc.VOCAB, max_sequence_length=mc.SEQ, parallel_output=False,
+        vocab_size=vocab, max_sequence_length=mc.SEQ, parallel_output=False,
     )
     _STATE["model"] = model
     _STATE["config"] = cfg
@@ -180,3 +183,17 @@ def load_model_only(url: str, tp: int = 1, ep: int = 1) -> dict[str, torch.Tenso
     with CpuDeviceMode():
         bytecp.load(url, {"model": _STATE["model"]})
     return mc.full_model_state()
+
+
+def save_with_other_model(url: str) -> str:
+    """(all ranks) Save the EP=2 optimizer beside a model it was not built on;
+    returns the error bytecp raised (type: message)."""
+    build(1, 2)
+    opt = _STATE["optimizer"]
+    build(1, 2, seed=5, dist_opt=False)
+    try:
+        with CpuDeviceMode():
+            bytecp.save(url, {"model": _STATE["model"], "optimizer": opt})
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

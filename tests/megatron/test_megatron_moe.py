@@ -112,6 +112,18 @@ def test_first_save_plans_from_replica_hints(pool2: WorkerPool) -> None:
             assert r["boxes"] > 0 and r["unhinted"] == 0 and not r["coordinated"], (layout, r)
 
 
+def test_optimizer_of_another_model_fails_at_save_on_every_rank(pool2: WorkerPool, tmp_path: Path) -> None:
+    """A layout bytecp cannot save (the optimizer's parameters are not the
+    model's): one error on every rank, naming the parameter, its Megatron
+    group and what to do; nothing written."""
+    url = str(tmp_path / "other")
+    for rank, err in enumerate(pool2.run(moe.save_with_other_model, url)):
+        for w in ("ConfigError", "decoder.layers.0.", "Megatron ", "group", "sharded_state_dict()",
+                  "this optimizer was built on"):
+            assert w in err, f"rank {rank}: {w!r} not in {err}"
+    assert not (tmp_path / "other" / "metadata.json").exists()
+
+
 def test_moe_layout_matrix_four_ranks(tmp_path: Path) -> None:
     """EP2 (expert DP 2) -> EP4; EP4 resumes strictly and moves to EP2.
     (TP x EP is not in the matrix: Megatron trains MoE at TP > 1 only with
