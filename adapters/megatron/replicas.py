@@ -113,8 +113,9 @@ def _build(of: Any, rank: int) -> Hints:
 
 
 def _union(a: ReplicaSet | None, b: ReplicaSet | None) -> ReplicaSet | None:
-    """The ranks of the expert TP x expert DP grid this rank is in: every
-    product of the two groups' members (None unless both are known and form a grid)."""
+    """The ranks holding an expert tensor expert TP does not split: the
+    expert DP group when expert TP is 1, the expert TP group when expert DP
+    is 1; None (the coordinator's path) when both exceed 1."""
     if a is None or b is None:
         return None
     if a.size == 1:
