@@ -22,8 +22,8 @@ import re
 import threading
 from typing import TYPE_CHECKING, Any
 
-from bytecp.catalog import CheckpointInfo, list_checkpoints
-from bytecp.errors import ConfigError
+from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
+from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 
@@ -79,6 +79,8 @@ class CheckpointManager:
         self._retained = threading.Event()
         self._retained.set()
         self._retain_lock = threading.Lock()
+        #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
+        self.skipped: list[tuple[str, str]] = []
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -137,7 +139,23 @@ class CheckpointManager:
         if not self._retained.wait(timeout):
             raise TimeoutError(f"retention after the save to {handle.url} not finished after {timeout} s")
 
-    def restore(self, state: dict[str, Any], **load_kwargs: Any) -> int | None:
+    def restore(self, state: dict[str, Any], *, fallback: bool = True, **load_kwargs: Any) -> int | None:
+        """Load the newest committed checkpoint that loads into ``state`` (all
+        ranks); return its step (the step that was saved, so training resumes
+        at the step after it), or ``None`` when the run has no checkpoint.
+
+        ``fallback=True`` (the default): a checkpoint that fails verification
+        or loading because its own files are bad (checksum mismatch, a data
+        or index file missing or truncated, unreadable ``metadata.json``) is
+        skipped with a warning naming it and why, and the previous one is
+        tried; nothing is deleted. Errors that an older checkpoint would not
+        cure stop the restore at once: a newer format, a state that does not
+        fit (keys, shapes), pickles not allowed, storage refusing access or
+        failing transiently. If no checkpoint loads,
+        :class:`~bytecp.errors.CorruptCheckpointError` names each one tried.
+        ``fallback=False``: the newest committed checkpoint or its error.
+        The other keyword arguments are those of :func:`bytecp.load`.
+        """
         from bytecp.api import load
 
         if self._pending is not None:  # never list while a save or its retention is in flight
@@ -145,11 +163,24 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        latest = self.latest()
-        if latest is None:
-            return None
-        load(latest.url, state, storage_options=self.storage_options, **load_kwargs)
-        return latest.step
+        found = list_checkpoints(self.run_url, storage_options=self.storage_options)
+        self.skipped = []
+        for info in reversed(found):
+            try:
+                load(info.url, state, storage_options=self.storage_options, **load_kwargs)
+            except Exception as e:
+                if not fallback or not checkpoint_is_bad(e):
+                    raise
+                why = one_line(e)
+                self.skipped.append((info.url, why))
+                log.warning("bytecp: restore skips %s, which does not load (%s); trying the previous "
+                            "checkpoint (it is kept: inspect it with `bytecp verify %s`)", info.url, why, info.url)
+                continue
+            return info.step
+        if self.skipped:
+            tried = "; ".join(f"{url}: {why}" for url, why in self.skipped)
+            raise CorruptCheckpointError(f"no committed checkpoint of {self.run_url} loads: {tried}")
+        return None
 
     def _retain(self) -> None:
         """(coordinator; the training thread when synchronous, the save's
