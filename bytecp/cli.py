@@ -286,8 +286,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for p in res.removed:
         print(f"{verb} {p}")
     if res.kept_newer:
-        print(f"kept {len(res.kept_newer)} file(s) of saves newer than the committed one (maybe still running)")
-    print(f"{args.url}: {verb} {len(res.removed)} unreferenced file(s)")
+        print(f"kept {len(res.kept_newer)} file(s) of saves that may still be running (a live lease, or "
+              "started less than a lease term ago)")
+    print(f"{args.url}: {verb} {len(res.removed)} file(s) of saves that never committed")
     return EXIT_OK
 
 
@@ -320,7 +321,8 @@ def _parser() -> argparse.ArgumentParser:
     url_cmd("verify", "read every chunk and check its crc32c (exit 1 if any problem)",
             progress=True).set_defaults(fn=cmd_verify)
     url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
-    sp = url_cmd("gc", "remove files of failed saves that the committed checkpoint does not reference", progress=True)
+    sp = url_cmd("gc", "remove files of saves that never committed (killed or failed) and cannot be running; "
+                 "URL: a checkpoint, an uncommitted save's directory or a run directory", progress=True)
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sp.set_defaults(fn=cmd_gc)
     sp = url_cmd("export", "full tensors in the Hugging Face layout (sharded safetensors + index + config.json), "

@@ -61,6 +61,7 @@ from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_s
 from bytecp.recorder import Trace
 from bytecp.saving.commit import build_metadata, tensor_specs
 from bytecp.saving.handles import wait_for_previous
+from bytecp.saving.leases import Lease, remove_files_of
 from bytecp.saving.staging import ArenaStager, Stager
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
@@ -93,6 +94,7 @@ class SavePipeline:
         self.parallelism: dict[str, Any] = {}
         #: decided by the coordinator in the plan phase
         self.save_id = ""
+        self._lease: Lease | None = None  # (coordinator) held from plan to commit
         #: the boxes this rank writes, in the batches the stager stages in turn
         self.batches: list[list[WriteItem]] = []
         self.output = RankOutput()
@@ -197,6 +199,7 @@ class SavePipeline:
             if ctx.is_coordinator:
                 self._replaced = self._check_target()
                 save_id = fmt.new_save_id()
+                self._lease = Lease(self.storage, save_id).start()  # given up at commit or failure
             v = vote_for(self._held or self._local, self._fingerprint, cached[0] if cached else None,
                          specs_digest(self.flat), save_id)
             if ctx.is_coordinator and self.flat.objects:  # what a rank whose tree differs need not write
@@ -298,7 +301,7 @@ class SavePipeline:
                     md = done
         except BaseException:
             if ctx.is_coordinator and not committed and self.save_id:
-                self._remove_files_of(self.save_id)
+                remove_files_of(self.storage, self.save_id)
             raise
         if self._cache_entry is not None:
             PLAN_CACHE.put(*self._cache_entry)
@@ -306,6 +309,8 @@ class SavePipeline:
             PLAN_CACHE.touch(self._cache_key(), self._fingerprint)
         if ctx.is_coordinator and self._replaced is not None:
             self._remove_replaced(md)
+        if self._lease is not None:  # (coordinator) and remove files of earlier saves that never committed
+            self._lease.release(md.save_id)
         return md
 
     def report(self) -> None:
@@ -330,6 +335,8 @@ class SavePipeline:
             yield
         except BaseException:
             PLAN_CACHE.forget(self._cache_key())
+            if self._lease is not None:  # the save failed: its files are removed, its lease given up
+                self._lease.stop()
             raise
 
     def _cache_key(self) -> tuple[Any, ...]:
@@ -350,7 +357,7 @@ class SavePipeline:
                 md = None
         if md is None:
             if self.ctx.is_coordinator and self.save_id:
-                self._remove_files_of(self.save_id)
+                remove_files_of(self.storage, self.save_id)
             return None
         lost = ", ".join(f"rank {r}: {msg}" for r, msg in error.failures.items())
         text = (f"checkpoint {self.storage.url} is committed (save {self.save_id}); after the commit "
@@ -426,14 +433,6 @@ class SavePipeline:
             parallelism=self.parallelism, step=self.opts.step, user_metadata=dict(self.opts.metadata),
             version=self.version,
         )
-
-    def _remove_files_of(self, save_id: str) -> None:
-        """(coordinator) Remove a failed save's files (never a committed checkpoint's)."""
-        for prefix in (f"data/{save_id}/", f"index/{save_id}/"):
-            try:
-                self.storage.delete_prefix(prefix)
-            except Exception as e:
-                log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
 
     def _remove_replaced(self, md: fmt.Metadata) -> None:
         """(coordinator, after an overwrite committed) The replaced checkpoint's files."""
