@@ -260,10 +260,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_json(), indent=2))
         return EXIT_OK
     what = {"hf": "Hugging Face layout", "safetensors": "safetensors", "torch": "torch state dict"}[fmt]
-    print(f"wrote {args.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
+    print(f"wrote {res.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
     if fmt == "hf":
         print(f"  files: {', '.join(res.files)}")
-        print(f"  config.json from {res.config}" if res.config else
+        print(f"  config.json: {res.config}" if res.config and res.config.startswith("kept") else
+              f"  config.json from {res.config}" if res.config else
               "  no config.json: pass --config FILE (or save with metadata={'hf_config': config.to_dict()}) "
               "before from_pretrained")
     if res.omitted_aliases:
