@@ -182,7 +182,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from bytecp.manager import list_checkpoints
+    from bytecp.catalog import list_checkpoints
 
     options = _storage_options(args)
     found = list_checkpoints(args.url, storage_options=options)

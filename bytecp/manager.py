@@ -20,6 +20,7 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
@@ -28,6 +29,7 @@ from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 
 if TYPE_CHECKING:  # pragma: no cover
+    from bytecp.preemption import Preemption
     from bytecp.saving.handles import SaveHandle
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
@@ -47,6 +49,12 @@ class CheckpointManager:
     staging before the next ``optimizer.step``) and commit in the
     background; retention runs on that background thread after the commit.
     ``wait()`` blocks until the in-flight save and its retention are done.
+
+    ``save_on_signal=True`` (SIGTERM; or a signal number, or several):
+    pre-emption. The handler only notes the signal; at the next
+    ``maybe_save`` every rank learns it (one all-reduce of one integer per
+    call, on a gloo group of its own), saves that step synchronously and
+    exits with ``SystemExit(0)``. Create the manager on the main thread.
     """
 
     def __init__(
@@ -58,6 +66,7 @@ class CheckpointManager:
         async_save: bool = False,
         lazy: bool = False,
         storage_options: dict[str, Any] | None = None,
+        save_on_signal: bool | int | Iterable[int] = False,
         **save_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
@@ -81,6 +90,11 @@ class CheckpointManager:
         self._retain_lock = threading.Lock()
         #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
         self.skipped: list[tuple[str, str]] = []
+        self._preemption: Preemption | None = None
+        if save_on_signal is not False:
+            from bytecp.preemption import Preemption, signals_from
+
+            self._preemption = Preemption(signals_from(save_on_signal), save_kwargs.get("process_group"))
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -90,10 +104,31 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
+        """Save if ``step`` is due (or ``force``); every rank calls it after
+        each step's update. With ``save_on_signal``, once any rank has been
+        signalled every rank saves this step synchronously, waits for the
+        commit and its retention, and exits (``SystemExit(0)``)."""
+        if self._preemption is not None and self._preemption.agreed():
+            self._save_and_exit(step, state)
         if not force and step % self.every_n_steps:
             return False
         self.save(step, state)
         return True
+
+    def _save_and_exit(self, step: int, state: dict[str, Any]) -> None:
+        """(every rank) The pre-emption save: the in-flight save first, then
+        this step unless it is already committed, then exit cleanly."""
+        assert self._preemption is not None
+        self.wait()
+        from bytecp.api import save
+        from bytecp.catalog import list_checkpoints
+
+        if step not in {c.step for c in list_checkpoints(self.run_url, storage_options=self.storage_options)}:
+            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
+            self._retain()
+        log.warning("bytecp: saved %s before exiting on a signal", self.url_for(step))
+        self._preemption.restore_handlers()
+        raise SystemExit(0)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
         """Save ``state`` as ``step-<step>`` (all ranks), then apply retention.
