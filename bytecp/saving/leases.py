@@ -33,7 +33,7 @@ from collections import defaultdict
 
 from bytecp.storage_api import Storage
 
-__all__ = ["LEASE_DIR", "Lease", "remove_files_of", "lease_seconds", "SaveFiles", "saves_at", "orphans", "sweep"]
+__all__ = ["LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "SaveFiles", "saves_at", "orphans", "sweep"]
 
 log = logging.getLogger("bytecp")
 
@@ -115,24 +115,26 @@ class Lease:
         except Exception as e:  # noqa: BLE001 - an expired lease protects nothing
             log.debug("bytecp: could not remove the lease of save %s: %s", self.save_id, e)
 
-    def release(self, committed_id: str) -> None:
-        """The save committed: end the lease, then :func:`sweep` the orphans."""
-        self.stop()
-        sweep(self.storage, committed_id)
 
 
-def remove_files_of(storage: Storage, save_id: str) -> None:
-    """(the coordinator of a save that failed) Remove its files (never a
-    committed checkpoint's) and give up its lease."""
+def take(storage: Storage, save_id: str) -> Lease:
+    """(the coordinator, once it has named the save) Start the save's lease."""
+    return Lease(storage, save_id).start()
+
+
+def give_up(save_id: str) -> None:
+    """(the coordinator of a save that failed) End its lease, if it holds one."""
     with _live_lock:
-        mine = [lease for lease in _live if lease.save_id == save_id and lease.storage is storage]
+        mine = [lease for lease in _live if lease.save_id == save_id]
     for lease in mine:
         lease.stop()
-    for prefix in (f"data/{save_id}/", f"index/{save_id}/"):
-        try:
-            storage.delete_prefix(prefix)
-        except Exception as e:  # noqa: BLE001 - left as orphans: the next save or `bytecp gc` removes them
-            log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
+
+
+def release(storage: Storage, save_id: str) -> None:
+    """(the coordinator, once the save has committed) End its lease and
+    :func:`sweep` the files of earlier saves at this URL that never committed."""
+    give_up(save_id)
+    sweep(storage, save_id)
 
 
 class SaveFiles:

@@ -37,11 +37,11 @@ _SAVE_FOLDERS = ("data", "index", LEASE_DIR)
 
 def _committed_id(storage: Storage) -> str | None:
     """The committed save's id at ``storage`` (None: nothing committed there)."""
-    from bytecp.loading.reader import read_metadata
+    from bytecp.loading.opened import open_checkpoint
 
     if not storage.exists("metadata.json"):
         return None
-    return read_metadata(storage).save_id
+    return open_checkpoint(storage).metadata.save_id
 
 
 def _targets(storage: Storage) -> list[tuple[str, Storage]]:
