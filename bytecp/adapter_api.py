@@ -88,13 +88,14 @@ class Adapter(abc.ABC):
 
 _ADAPTERS: dict[str, str | type[Adapter]] = {
     "megatron": "bytecp.adapters.megatron:MegatronAdapter",
+    "deepspeed": "bytecp.adapters.deepspeed:DeepSpeedAdapter",
     "fsdp1": "bytecp.adapters.fsdp1:FSDP1Adapter",
     "fsdp2": "bytecp.adapters.fsdp2:FSDP2Adapter",
     "ddp": "bytecp.adapters.ddp:DDPAdapter",
     "plain": "bytecp.adapters.plain:PlainAdapter",
 }
 #: detection order: most specific first; "plain" accepts anything
-_ORDER = ["megatron", "fsdp1", "fsdp2", "ddp", "plain"]
+_ORDER = ["megatron", "deepspeed", "fsdp1", "fsdp2", "ddp", "plain"]
 
 
 def register_adapter(name: str, adapter: str | type[Adapter], *, before: str | None = "plain") -> None:

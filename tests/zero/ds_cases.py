@@ -1,0 +1,178 @@
+"""Functions the DeepSpeed tests run on every rank of a spawned gloo pool.
+
+DeepSpeed runs on the CPU accelerator (``DS_ACCELERATOR=cpu``, set in the
+pool's environment); :func:`setup` skips the JIT build of its shared-memory
+communication op (about 30 s, not needed on gloo) and adopts the pool's
+process group. Every function returns full tensors (small) that the test
+compares bitwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import bytecp
+
+STEPS_LR = 1e-2
+
+
+def setup() -> None:
+    """(every rank) DeepSpeed on the pool's gloo group, without its shm op build."""
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    os.environ.setdefault("LOCAL_SIZE", str(dist.get_world_size()))
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def make_engine(stage: int, seed: int, *, bf16: bool = False, **zero: Any) -> Any:
+    setup()
+    import deepspeed
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage, **zero},
+        "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}},
+        "bf16": {"enabled": bf16},
+        "zero_force_ds_cpu_optimizer": False,
+    }
+    if stage == 3:  # the weights are partitioned, the biases kept whole (persistent) on every rank
+        cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold", 20)
+    engine, *_ = deepspeed.initialize(model=make_model(seed), config=cfg)
+    return engine
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(2, 5, generator=g)
+
+
+def train_engine(engine: Any, steps: range) -> None:
+    for s in steps:
+        x = batch(s).to(torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
+        engine.backward(engine(x).float().sum())
+        engine.step()
+
+
+def engine_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Full model, fp32 master, Adam moments and step of an engine (collective)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
+        for n, p in params:
+            out[f"model.{n}"] = p.detach().clone()
+    for n, p in params:
+        out[f"master.{n}"] = safe_get_full_fp32_param(p).clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = safe_get_full_optimizer_state(p, k).clone()
+    inner = engine.optimizer.optimizer
+    out["step"] = next(iter(inner.state.values()))["step"].clone()
+    return out
+
+
+def ds_save(url: str, stage: int, world_steps: int, form: str, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Train a fresh engine ``world_steps`` steps, snapshot, save."""
+    engine = make_engine(stage, seed=0, bf16=bf16)
+    train_engine(engine, range(world_steps))
+    snap = engine_snapshot(engine)
+    state = {"model": engine} if form == "engine" else {"model": engine, "optimizer": engine.optimizer}
+    bytecp.save(url, state)
+    return snap
+
+
+def ds_roundtrip(url: str, stage: int, bf16: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                                    dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Same-size resume: (saved, loaded) snapshots, then the next step of the
+    uninterrupted engine and of the resumed one."""
+    engine = make_engine(stage, seed=0, bf16=bf16)
+    train_engine(engine, range(2))
+    saved = engine_snapshot(engine)
+    bytecp.save(url, {"model": engine})
+    train_engine(engine, range(2, 3))
+    after = engine_snapshot(engine)
+    other = make_engine(stage, seed=1, bf16=bf16)  # other weights, no optimizer state yet
+    bytecp.load(url, {"model": other})
+    loaded = engine_snapshot(other)
+    train_engine(other, range(2, 3))
+    return saved, loaded, after, engine_snapshot(other)
+
+
+def ds_load(url: str, stage: int, form: str, train_after: int = 0, save_to: str | None = None
+            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """Load into a fresh engine (other seed); snapshot; optionally train and save again."""
+    engine = make_engine(stage, seed=7)
+    state = {"model": engine} if form == "engine" else {"model": engine, "optimizer": engine.optimizer}
+    bytecp.load(url, state)
+    loaded = engine_snapshot(engine)
+    if not train_after:
+        return loaded, None
+    train_engine(engine, range(100, 100 + train_after))
+    snap = engine_snapshot(engine)
+    assert save_to is not None
+    bytecp.save(save_to, state)
+    return loaded, snap
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def torch_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        out[f"model.{n}"] = _full(p.detach()).clone()
+        st = opt.state[p]
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = _full(st[k]).clone()
+        out["step"] = st["step"].clone()
+    return out
+
+
+def fsdp2_load_train_save(url: str, save_to: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """FSDP2 on the pool: load a DeepSpeed checkpoint, one step, save."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed=3)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt})
+    loaded = torch_snapshot(model, opt)
+    model(batch(200)).sum().backward()
+    opt.step()
+    snap = torch_snapshot(model, opt)
+    bytecp.save(save_to, {"model": model, "optimizer": opt})
+    return loaded, snap
+
+
+def plain_load(url: str) -> dict[str, torch.Tensor]:
+    model = make_model(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt})
+    return torch_snapshot(model, opt)
+
+
+def refuses(stage: int, url: str, **zero: Any) -> list[str]:
+    """Save with an unsupported setting; the error of this rank."""
+    engine = make_engine(stage, seed=0, **zero)
+    try:
+        bytecp.save(url, {"model": engine})
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return [type(e).__name__, str(e)]
+    return ["saved"]
