@@ -88,6 +88,13 @@ def _fail(where: str, what: str, advice: str) -> ConfigError:
     return ConfigError(f"DeepSpeed {where}: {what}, which bytecp cannot checkpoint; {advice}")
 
 
+def _bad(where: str, fqn: str, group: int, what: str) -> ConfigError:
+    return ConfigError(
+        f"DeepSpeed {where}: parameter {fqn!r} of param group {group}: {what}, a layout bytecp's ZeRO map "
+        "does not describe; save this engine with engine.save_checkpoint and report the DeepSpeed version"
+    )
+
+
 def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
     """(every rank, before anything is read or written) Refuse layouts the
     fragment map does not describe, with one error naming the setting. The
@@ -102,10 +109,7 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
                         "bytecp's DeepSpeed adapter handles data parallelism only")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "swap_param", False):
         raise _fail(where, "offloads to NVMe (\"offload_optimizer\"/\"offload_param\": {\"device\": \"nvme\"})",
-                    "offload to \"cpu\" or not at all, or use engine.save_checkpoint")
-    if getattr(opt, "cpu_offload", False) or getattr(opt, "offload_optimizer", False):
-        raise _fail(where, "offloads the optimizer (\"offload_optimizer\")",
-                    "remove \"offload_optimizer\" from the ZeRO config, or use engine.save_checkpoint")
+                    "offload to \"cpu\" (supported) or not at all, or use engine.save_checkpoint")
     if getattr(opt, "zero_hpz_partition_size", 1) > 1:
         raise _fail(where, "uses hierarchical partitioning (\"zero_hpz_partition_size\" > 1)",
                     "set zero_hpz_partition_size to 1")
@@ -151,10 +155,14 @@ def zero_layout(opt: Any, names: dict[int, str], where: str) -> ZeroLayout:
             for p in group:
                 fqn = name(p)
                 params[fqn] = p
-                gi, offset, n = opt.grad_position[opt.get_param_id(p)]
-                start = rank * int(n)
-                valid = max(0, min(int(n), int(p.ds_numel) - start))
-                frags.append(Fragment(fqn, tuple(p.ds_shape), int(gi), start, valid, int(offset)))
+                gi, offset, n = (int(x) for x in opt.grad_position[opt.get_param_id(p)])
+                if p.ds_tensor.numel() != n or offset + n > flats[gi].numel():
+                    raise _bad(where, fqn, group_of_flat[i], f"its ZeRO-3 piece ({p.ds_tensor.numel()} elements) "
+                               f"is not elements [{offset}, {offset + n}) of the flat partition of "
+                               f"{flats[gi].numel()}")
+                start = rank * n
+                valid = max(0, min(n, int(p.ds_numel) - start))
+                frags.append(Fragment(fqn, tuple(p.ds_shape), gi, start, valid, offset))
                 group_fqns[group_of_flat[i]].append(fqn)
         return ZeroLayout(3, flats, group_of_flat, frags, group_fqns, params, inner)
     flats = list(opt.single_partition_of_fp32_groups)
@@ -168,8 +176,12 @@ def zero_layout(opt: Any, names: dict[int, str], where: str) -> ZeroLayout:
             if m is None:
                 frags.append(Fragment(fqn, tuple(p.shape), i, 0, 0, 0))
             else:
-                frags.append(Fragment(fqn, tuple(p.shape), i, int(m.lp_fragment_address.start),
-                                      int(m.lp_fragment_address.numel), int(m.hp_fragment_address.start)))
+                f = Fragment(fqn, tuple(p.shape), i, int(m.lp_fragment_address.start),
+                             int(m.lp_fragment_address.numel), int(m.hp_fragment_address.start))
+                if f.start + f.numel > p.numel() or f.offset + f.numel > flats[i].numel():
+                    raise _bad(where, fqn, i, f"DeepSpeed maps its elements [{f.start}, {f.start + f.numel}) "
+                               f"to [{f.offset}, {f.offset + f.numel}) of a flat partition of {flats[i].numel()}")
+                frags.append(f)
             group_fqns[i].append(fqn)
     stage = 2 if getattr(opt, "partition_gradients", False) else 1
     return ZeroLayout(stage, flats, list(range(len(flats))), frags, group_fqns, params, inner)

@@ -129,8 +129,8 @@ def _model_piece(lay: ZeroLayout, f: Fragment) -> torch.Tensor:
     """The model's values of fragment ``f`` (what the master weights are refreshed from)."""
     p: Any = lay.params[f.fqn]
     if lay.stage == 3:
-        return p.ds_tensor.detach().view(-1)[: f.numel]  # type: ignore[no-any-return]
-    return p.detach().reshape(-1)[f.start : f.start + f.numel]  # type: ignore[no-any-return]
+        return p.ds_tensor.detach().view(-1)[: f.numel]
+    return p.detach().reshape(-1)[f.start : f.start + f.numel]
 
 
 class DeepSpeedAdapter(PlainAdapter):
@@ -258,13 +258,15 @@ class DeepSpeedAdapter(PlainAdapter):
             for k, child in node.items:
                 info = md.tensors.get(child.name) if child.kind == "tensor" else None
                 if info is not None and tuple(info["shape"]) == f.shape and f.shape:
+                    buf = flat
                     if k == MASTER_KEY:
-                        buf = flat
                         masters.add(f.fqn)
                     else:
                         dtype = dtype_from_name(info["dtype"])
-                        buf = st.get(k)
-                        if not (isinstance(buf, torch.Tensor) and buf.shape == flat.shape and buf.dtype == dtype):
+                        cur = st.get(k)
+                        if isinstance(cur, torch.Tensor) and cur.shape == flat.shape and cur.dtype == dtype:
+                            buf = cur
+                        else:
                             buf = st[k] = torch.zeros_like(flat, dtype=dtype)
                     entries[str(k)] = _frag_leaf(f, buf, None)
                 else:

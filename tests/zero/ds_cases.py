@@ -95,17 +95,17 @@ def ds_save(url: str, stage: int, world_steps: int, form: str, bf16: bool = Fals
     return snap
 
 
-def ds_roundtrip(url: str, stage: int, bf16: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+def ds_roundtrip(url: str, stage: int, bf16: bool = False, **zero: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
                                                                     dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """Same-size resume: (saved, loaded) snapshots, then the next step of the
     uninterrupted engine and of the resumed one."""
-    engine = make_engine(stage, seed=0, bf16=bf16)
+    engine = make_engine(stage, seed=0, bf16=bf16, **zero)
     train_engine(engine, range(2))
     saved = engine_snapshot(engine)
     bytecp.save(url, {"model": engine})
     train_engine(engine, range(2, 3))
     after = engine_snapshot(engine)
-    other = make_engine(stage, seed=1, bf16=bf16)  # other weights, no optimizer state yet
+    other = make_engine(stage, seed=1, bf16=bf16, **zero)  # other weights, no optimizer state yet
     bytecp.load(url, {"model": other})
     loaded = engine_snapshot(other)
     train_engine(other, range(2, 3))
@@ -168,9 +168,9 @@ def plain_load(url: str) -> dict[str, torch.Tensor]:
     return torch_snapshot(model, opt)
 
 
-def refuses(stage: int, url: str, **zero: Any) -> list[str]:
+def refuses(stage: int, url: str, bf16: bool, **zero: Any) -> list[str]:
     """Save with an unsupported setting; the error of this rank."""
-    engine = make_engine(stage, seed=0, **zero)
+    engine = make_engine(stage, seed=0, bf16=bf16, **zero)
     try:
         bytecp.save(url, {"model": engine})
     except Exception as e:  # noqa: BLE001 - the test reads the message
