@@ -76,6 +76,13 @@ def engine_snapshot(engine: Any) -> dict[str, torch.Tensor]:
     with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
         for n, p in params:
             out[f"model.{n}"] = p.detach().clone()
+    if engine.zero_optimization_stage() == 0:  # a plain torch optimizer over the module's parameters
+        for n, p in params:
+            out[f"master.{n}"] = p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"{k}.{n}"] = engine.optimizer.state[p][k].clone()
+            out["step"] = engine.optimizer.state[p]["step"].clone()
+        return out
     for n, p in params:
         out[f"master.{n}"] = safe_get_full_fp32_param(p).clone()
         for k in ("exp_avg", "exp_avg_sq"):
@@ -110,6 +117,24 @@ def ds_roundtrip(url: str, stage: int, bf16: bool = False, **zero: Any) -> tuple
     loaded = engine_snapshot(other)
     train_engine(other, range(2, 3))
     return saved, loaded, after, engine_snapshot(other)
+
+
+def ds_lazy(url: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A lazy async save of ``{"model": engine}``: the next step waits for the
+    copy (the optimizer hook finds the engine's optimizer); the checkpoint
+    holds the state of the save, not of the step after it."""
+    engine = make_engine(stage, seed=0)
+    train_engine(engine, range(2))
+    saved = engine_snapshot(engine)
+    from bytecp.saving.handles import optimizers_in
+
+    assert [o is engine.optimizer.optimizer for o in optimizers_in({"model": engine})] == [True]
+    handle = bytecp.async_save(url, {"model": engine}, lazy=True)
+    train_engine(engine, range(2, 3))
+    handle.wait()
+    other = make_engine(stage, seed=1)
+    bytecp.load(url, {"model": other})
+    return saved, engine_snapshot(other)
 
 
 def ds_load(url: str, stage: int, form: str, train_after: int = 0, save_to: str | None = None

@@ -57,11 +57,16 @@ def assert_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], wha
     assert not bad, f"{what}: differ at {bad}"
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
 def test_same_size_resume_is_bitwise(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
     saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), stage)[0]
     assert_equal(saved, loaded, f"ZeRO-{stage} loaded")
     assert_equal(after, resumed, f"ZeRO-{stage} one step after the resume")
+
+
+def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
+    saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
+    assert_equal(saved, loaded, "ZeRO-3 lazy save")
 
 
 def test_bf16_keeps_the_fp32_master(pool2: WorkerPool, tmp_path: Path) -> None:
