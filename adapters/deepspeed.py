@@ -142,7 +142,8 @@ class DeepSpeedAdapter(PlainAdapter):
     def detect(cls, state: dict[str, Any]) -> bool:
         if "deepspeed" not in sys.modules:
             return False
-        return any(_is_engine(v) or is_zero_optimizer(v) for v in state.values())
+        return any(_is_engine(v) or is_zero_optimizer(v) or (isinstance(v, nn.Module) and _zero3(v))
+                   for v in state.values())
 
     def save_tree(self, state: dict[str, Any], ctx: DistContext) -> Any:
         self._check(state, ctx, "save")

@@ -186,11 +186,16 @@ def fsdp2_load_train_save(url: str, save_to: str) -> tuple[dict[str, torch.Tenso
     return loaded, snap
 
 
-def plain_load(url: str) -> dict[str, torch.Tensor]:
+def plain_load(url: str, save_to: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One plain process: load, one step, save."""
     model = make_model(seed=4)
     opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
     bytecp.load(url, {"model": model, "optimizer": opt})
-    return torch_snapshot(model, opt)
+    loaded = torch_snapshot(model, opt)
+    model(batch(300)).sum().backward()
+    opt.step()
+    bytecp.save(save_to, {"model": model, "optimizer": opt})
+    return loaded, torch_snapshot(model, opt)
 
 
 def refuses(stage: int, url: str, bf16: bool, **zero: Any) -> list[str]:

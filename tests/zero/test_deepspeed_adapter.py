@@ -1,8 +1,8 @@
 """DeepSpeed ZeRO 1/2/3 with the real ``deepspeed`` package on spawned gloo
 ranks (CPU accelerator): same-size resume bitwise (model, fp32 master,
 Adam moments, step), and a chain across stages, data-parallel sizes and
-frameworks with no conversion step: ZeRO-3 x2 -> ZeRO-1 x1 -> ZeRO-2 x2 and
-FSDP2 x2 -> one plain process.
+frameworks with no conversion step: ZeRO-3 x2 -> ZeRO-1 x1 -> ZeRO-2 x2, and
+ZeRO-1 x1 -> FSDP2 x2 -> one plain process -> ZeRO-3 x2.
 
 One pool per world size serves every check (starting DeepSpeed costs
 seconds per process here); the functions run on the ranks are in
@@ -90,9 +90,15 @@ def test_across_stages_sizes_and_frameworks(pool1: WorkerPool, pool2: WorkerPool
     # -> FSDP2 on 2 ranks: model and Adam state (fp32 model: the master is the model)
     loaded3, fsdp = pool2.run(dc.fsdp2_load_train_save, b, c)[0]
     assert_equal(z1, loaded3, "ZeRO-1 x1 -> FSDP2 x2", keys=set(loaded3))
-    # -> one plain process
-    plain = pool1.run(dc.plain_load, c)[0]
+    # -> one plain process, which trains one step and saves
+    d = str(tmp_path / "d")
+    plain, stepped = pool1.run(dc.plain_load, c, d)[0]
     assert_equal(fsdp, plain, "FSDP2 x2 -> plain")
+    # -> back to ZeRO-3 on 2 ranks: the fp32 master is refreshed from the model
+    back, _ = pool2.run(dc.ds_load, d, 3, "engine")[0]
+    assert_equal(stepped, back, "plain -> ZeRO-3 x2")
+    assert_equal({k[len("model."):]: v for k, v in back.items() if k.startswith("model.")},
+                 {k[len("master."):]: v for k, v in back.items() if k.startswith("master.")}, "ZeRO-3 master")
 
 
 def test_unsupported_layout_fails_at_save_on_every_rank(pool2: WorkerPool, tmp_path: Path) -> None:
