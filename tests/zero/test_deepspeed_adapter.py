@@ -69,11 +69,13 @@ def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None
     assert_equal(saved, loaded, "ZeRO-3 lazy save")
 
 
-def test_bf16_keeps_the_fp32_master(pool2: WorkerPool, tmp_path: Path) -> None:
-    saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), 2, True)[0]
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_keeps_the_fp32_master(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
+    saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), stage, True)[0]
     assert saved["model.0.weight"].dtype == torch.bfloat16
-    assert_equal(saved, loaded, "bf16 ZeRO-2 loaded")
-    assert_equal(after, resumed, "bf16 ZeRO-2 one step after the resume")
+    assert not torch.equal(saved["model.0.weight"].float(), saved["master.0.weight"])
+    assert_equal(saved, loaded, f"bf16 ZeRO-{stage} loaded")
+    assert_equal(after, resumed, f"bf16 ZeRO-{stage} one step after the resume")
 
 
 @pytest.mark.slow
