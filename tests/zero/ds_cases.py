@@ -206,3 +206,24 @@ def refuses(stage: int, url: str, bf16: bool, **zero: Any) -> list[str]:
     except Exception as e:  # noqa: BLE001 - the test reads the message
         return [type(e).__name__, str(e)]
     return ["saved"]
+
+
+# ------------------------------------------------ the adapter contract (bytecp.adapters.testing)
+def contract_state(seed: int) -> dict[str, Any]:
+    """A ZeRO-3 engine on this rank, one step trained, as ``{"model": engine}``."""
+    engine = make_engine(3, seed=seed)
+    train_engine(engine, range(1))
+    return {"model": engine}
+
+
+def contract_full(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The oracle: full tensors by DeepSpeed's own readers (``safe_get_full_*``)."""
+    snap = engine_snapshot(state["model"])
+    model = {k[len("model."):]: v for k, v in snap.items() if k.startswith("model.")}
+    opt = {f"state.{k.partition('.')[2]}.{k.partition('.')[0]}": v for k, v in snap.items()
+           if k.startswith(("exp_avg.", "exp_avg_sq."))}
+    return {"model": model, "optimizer": opt}
+
+
+def contract_unsupported() -> dict[str, Any]:
+    return {"model": make_engine(0, seed=0, bf16=True)}

@@ -26,6 +26,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import ds_cases as dc  # noqa: E402
+from bytecp.adapters.testing import (  # noqa: E402
+    AdapterCase,
+    AdapterFixtures,
+    RefusalTests,
+    ReplicaHintTests,
+    ReshardTests,
+)
 from dist.pool import WorkerPool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -118,3 +125,20 @@ def test_zero3_with_cpu_offload(pool2: WorkerPool, tmp_path: Path) -> None:
     saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), 3, False, **off)[0]
     assert_equal(saved, loaded, "ZeRO-3 offloaded, loaded")
     assert_equal(after, resumed, "ZeRO-3 offloaded, one step after the resume")
+
+
+class TestDeepSpeedContract(AdapterFixtures, ReshardTests, ReplicaHintTests, RefusalTests):
+    """The adapter contract third-party adapters run, on ZeRO-3 x2: one process
+    loads the full tensors DeepSpeed's own ``safe_get_full_*`` readers report,
+    replica hints name exactly the holders, the refusal reaches every rank.
+    (Round trips are the bitwise tests above: the contract's compares
+    ``state_dict()`` values, and ZeRO-3's hold uninitialised padding.)"""
+
+    @pytest.fixture
+    def case(self) -> AdapterCase:
+        return AdapterCase(framework="deepspeed", build="ds_cases:contract_state", full_state="ds_cases:contract_full",
+                           unsupported="ds_cases:contract_unsupported", refusal=r"ZeRO stage 0 with mixed precision")
+
+    @pytest.fixture
+    def run_on_ranks(self, pool2: WorkerPool) -> object:
+        return lambda fn, *args: pool2.run(fn, *args)
