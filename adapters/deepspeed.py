@@ -22,7 +22,8 @@ stage at any data-parallel size loads it back, with no conversion step:
 Loading fills the module's parameters, the master partitions and the
 optimizer's state tensors in place (creating them before the first step),
 refreshes the master weights from the loaded module where the checkpoint
-has no fp32 copy, and re-gathers ZeRO-3's persistent parameters.
+has no fp32 copy. ZeRO-3's persistent parameters (whole on every rank) are
+read whole and their pieces copied from them: no collective runs in a load.
 
 Settings the fragment map cannot describe (NVMe or CPU offload, fp16 loss
 scaling, model parallelism, MiCS/hpZ) fail at save and load on every rank
@@ -114,21 +115,33 @@ def _frag_leaf(f: Fragment, flat: torch.Tensor, replicas: ReplicaSet | None) -> 
     return TensorLeaf.from_flat(f.shape, flat.dtype, f.start, piece, replicas)
 
 
-def _z3_param_leaf(p: Any, rank: int) -> TensorLeaf:
-    """This rank's piece of a ZeRO-3 parameter, padding masked (``ds_numel``)."""
+def _z3_span(p: Any) -> tuple[torch.Tensor, int, int]:
+    """``(piece, start, valid)``: this rank's flat piece of a ZeRO-3 parameter
+    holds its elements ``[start, start+valid)``; the rest is padding."""
     local = p.ds_tensor.detach().view(-1)
     start = torch.distributed.get_rank(group=p.ds_process_group) * local.numel()
-    valid = max(0, min(local.numel(), int(p.ds_numel) - start))
+    return local, start, max(0, min(local.numel(), int(p.ds_numel) - start))
+
+
+def _z3_param_leaf(p: Any, rank: int) -> TensorLeaf:
+    """This rank's piece of a ZeRO-3 parameter, padding masked (``ds_numel``)."""
+    local, start, valid = _z3_span(p)
     shape = tuple(p.ds_shape)
     if not valid:
         return TensorLeaf(shape, local.dtype, [], ReplicaSet.of((rank,)))
     return TensorLeaf.from_flat(shape, local.dtype, start, local[:valid], ReplicaSet.of((rank,)))
 
 
+def _persistent(p: Any) -> bool:
+    """A ZeRO-3 parameter kept whole on every rank (below ``stage3_param_persistence_threshold``)."""
+    return bool(getattr(p, "ds_persist", False)) and p.data.numel() == int(p.ds_numel)
+
+
 def _model_piece(lay: ZeroLayout, f: Fragment) -> torch.Tensor:
-    """The model's values of fragment ``f`` (what the master weights are refreshed from)."""
+    """The model's values of fragment ``f`` (what the master weights are
+    refreshed from): what a load fills, whichever finalizer runs first."""
     p: Any = lay.params[f.fqn]
-    if lay.stage == 3:
+    if lay.stage == 3 and not _persistent(p):
         return p.ds_tensor.detach().view(-1)[: f.numel]
     return p.detach().reshape(-1)[f.start : f.start + f.numel]
 
@@ -171,10 +184,13 @@ class DeepSpeedAdapter(PlainAdapter):
         """ZeRO-3: each parameter's piece on this rank; ZeRO-1/2: the full module (replicated)."""
         if not _zero3(module):
             return super().module_leaves(call, module)
-        leaves, _ = self._z3_leaves(call, module)
+        leaves, _ = self._z3_leaves(call, module, loading=False)
         return leaves
 
-    def _z3_leaves(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], dict[str, str]]:
+    def _z3_leaves(self, call: AdapterCall, module: nn.Module, *, loading: bool
+                   ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Each parameter's piece on this rank; a load fills persistent
+        parameters whole (every rank holds them) and their pieces from them."""
         names = ModuleNames(module)
         out: dict[str, Any] = {}
         raw: dict[str, str] = {}
@@ -182,17 +198,17 @@ class DeepSpeedAdapter(PlainAdapter):
             n = names.clean(k)
             raw[n] = k
             if isinstance(v, torch.Tensor) and hasattr(v, "ds_tensor"):
-                out[n] = _z3_param_leaf(v, call.dist.rank)
+                out[n] = v.detach() if loading and _persistent(v) else _z3_param_leaf(v, call.dist.rank)
             else:
                 out[n] = v.detach() if isinstance(v, torch.Tensor) else v
         return names.tie(out), raw
 
     def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
-        """ZeRO-3: this rank's pieces, filled in place; then the persistent
-        parameters (kept whole on every rank) are gathered from them again."""
+        """ZeRO-3: this rank's pieces, filled in place; persistent parameters
+        whole, then their pieces copied from them (no collective)."""
         if not _zero3(module):
             return super().module_targets(call, module)
-        target, raw = self._z3_leaves(call, module)
+        target, raw = self._z3_leaves(call, module, loading=True)
         slots = [k for k, v in target.items() if not isinstance(v, (torch.Tensor, TensorLeaf))]
         for k in slots:
             target[k] = Slot()
@@ -200,9 +216,11 @@ class DeepSpeedAdapter(PlainAdapter):
         def finalize(values: dict[str, Any]) -> None:
             if slots:
                 module.load_state_dict({raw[k]: values[k] for k in slots if values.get(k) is not None}, strict=False)
-            persistent: list[Any] = [p for p in module.parameters() if getattr(p, "ds_persist", False)]
-            if persistent:
-                persistent[0].all_gather(persistent)
+            with torch.no_grad():
+                for p in module.parameters():
+                    if _persistent(p):
+                        local, start, valid = _z3_span(p)
+                        local[:valid].copy_(p.data.view(-1)[start : start + valid])
 
         return target, finalize
 
