@@ -25,10 +25,14 @@ refreshes the master weights from the loaded module where the checkpoint
 has no fp32 copy. ZeRO-3's persistent parameters (whole on every rank) are
 read whole and their pieces copied from them: no collective runs in a load.
 
-Settings the fragment map cannot describe (NVMe or CPU offload, fp16 loss
-scaling, model parallelism, MiCS/hpZ) fail at save and load on every rank
-with the setting named (:func:`._zero.check_supported`). DeepSpeed is
-imported only when the state may hold its objects.
+CPU offload (optimizer, ZeRO-3 parameters) works alike. Settings the
+fragment map cannot describe (NVMe offload, fp16 loss scaling, model or
+pipeline parallelism, MiCS/hpZ, ZeRO-0 mixed precision) fail at save and
+load on every rank with the setting named (:func:`._zero.check_supported`).
+
+Called through the adapter registry on every rank (``detect``, then
+``save_tree`` or ``load_tree``). This module never imports DeepSpeed:
+detection reads class names, and only once ``deepspeed`` is imported.
 """
 
 from __future__ import annotations
@@ -76,7 +80,8 @@ def expand_engines(state: dict[str, Any]) -> dict[str, Any]:
     optimizer's wrapped ``torch.optim`` optimizer stands for the ZeRO one."""
     inner = {id(v.optimizer.optimizer): v.optimizer for v in state.values()
              if _is_engine(v) and is_zero_optimizer(v.optimizer)}
-    given = {id(v) for v in state.values()} | {id(inner[i]) for i in inner if i in {id(v) for v in state.values()}}
+    ids = {id(v) for v in state.values()}
+    given = ids | {id(zero) for i, zero in inner.items() if i in ids}  # already in the state, in either form
     out: dict[str, Any] = {}
     added: dict[str, Any] = {}
     for k, v in state.items():
