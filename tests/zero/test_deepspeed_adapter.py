@@ -119,6 +119,20 @@ def test_unsupported_layout_fails_at_save_on_every_rank(pool2: WorkerPool, tmp_p
     assert not (tmp_path / "ck" / "metadata.json").exists()
 
 
+def test_a_mapping_outside_the_partition_fails_on_every_rank(pool2: WorkerPool, tmp_path: Path) -> None:
+    for kind, msg in pool2.run(dc.refuses_bad_mapping, str(tmp_path / "ck")):
+        assert kind == "DistributedCheckpointError", msg
+        assert "rank(s) 1" in msg and "parameter '0.bias' of param group 0" in msg, msg
+        assert "engine.save_checkpoint" in msg, msg
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_another_optimizer_state(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
+    saved, loaded = pool2.run(dc.ds_sgd_roundtrip, str(tmp_path / "ck"), stage)[0]
+    assert_equal(saved, loaded, f"SGD momentum under ZeRO-{stage}")
+
+
 @pytest.mark.slow
 def test_zero3_with_cpu_offload(pool2: WorkerPool, tmp_path: Path) -> None:
     off = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
