@@ -127,10 +127,9 @@ def test_a_mapping_outside_the_partition_fails_on_every_rank(pool2: WorkerPool, 
     assert not (tmp_path / "ck" / "metadata.json").exists()
 
 
-@pytest.mark.parametrize("stage", [2, 3])
-def test_another_optimizer_state(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
-    saved, loaded = pool2.run(dc.ds_sgd_roundtrip, str(tmp_path / "ck"), stage)[0]
-    assert_equal(saved, loaded, f"SGD momentum under ZeRO-{stage}")
+def test_another_optimizer_state(pool2: WorkerPool, tmp_path: Path) -> None:
+    saved, loaded = pool2.run(dc.ds_sgd_roundtrip, str(tmp_path / "ck"), 3)[0]
+    assert_equal(saved, loaded, "SGD momentum under ZeRO-3")
 
 
 @pytest.mark.slow
