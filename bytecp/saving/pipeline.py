@@ -49,6 +49,7 @@ from bytecp.plan.exchange import (
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.recorder import Trace
+from bytecp.saving import leases
 from bytecp.saving.commit import (
     build_metadata,
     check_target,
@@ -57,7 +58,6 @@ from bytecp.saving.commit import (
     remove_replaced,
     tensor_specs,
 )
-from bytecp.saving import leases
 from bytecp.saving.handles import wait_for_previous
 from bytecp.saving.results import (
     NOTHING_DESCRIBED,
