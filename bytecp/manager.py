@@ -119,7 +119,10 @@ class CheckpointManager:
         """(every rank) The pre-emption save: the in-flight save first, then
         this step unless it is already committed, then exit cleanly."""
         assert self._preemption is not None
-        self.wait()
+        try:
+            self.wait()
+        except Exception as e:  # the last checkpoint matters more than the failed one
+            log.error("bytecp: the save in flight failed (%s); saving step %s before exiting", e, step)
         from bytecp.api import save
         from bytecp.catalog import list_checkpoints
 

@@ -301,3 +301,25 @@ def test_a_failure_on_any_rank_blames_the_files_only_if_every_rank_says_so() -> 
     assert not checkpoint_is_bad(bytecp.DistributedCheckpointError("load", {1: "collective failed: timeout"}))
     assert not checkpoint_is_bad(bytecp.FormatVersionError("newer"))
     assert not checkpoint_is_bad(TransientStorageError("503"))
+
+
+def test_save_on_signal_in_one_process_even_after_a_failed_async_save(tmp_path: Path, monkeypatch) -> None:
+    import signal
+
+    run = tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM)
+    mgr = CheckpointManager(str(run), every_n_steps=100, async_save=True, save_on_signal=True)
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
+    handle = mgr.save(1, {"x": torch.ones(3)})  # fails in the background
+    assert handle is not None
+    while not handle.done():
+        time.sleep(0.01)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    assert not mgr.maybe_save(2, {"x": torch.full((3,), 2.0)})  # not due, no signal yet
+    signal.raise_signal(signal.SIGTERM)  # the handler only notes it
+    with pytest.raises(SystemExit) as e:
+        mgr.maybe_save(3, {"x": torch.full((3,), 3.0)})
+    assert e.value.code == 0
+    assert committed_steps(str(run)) == [3]
+    assert torch.equal(bytecp.load_state_dict(f"{run}/step-3")["x"], torch.full((3,), 3.0))
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers put back
