@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
-from bytecp.storage_api import open_storage
+from bytecp.storage_api import Storage, open_storage
 
 if TYPE_CHECKING:  # pragma: no cover
     from bytecp.preemption import Preemption
@@ -225,7 +225,10 @@ class CheckpointManager:
         background thread when asynchronous) Delete all but the newest
         ``keep_last`` committed checkpoints. Only committed checkpoints are
         listed, so an in-flight save is never counted, and the newest
-        committed one is always kept."""
+        committed one is always kept. Then the files of killed saves in
+        step directories below the newest committed step are removed (see
+        :meth:`_sweep_uncommitted`; with ``keep_last=None`` nothing is
+        listed, and ``bytecp gc RUN`` removes them)."""
         from bytecp.dist import DistContext
 
         if self.keep_last is None or not DistContext().is_coordinator:
@@ -237,3 +240,26 @@ class CheckpointManager:
                 # metadata.json first: the checkpoint stops existing before its data goes
                 root.delete([f"{old.name}/{fmt.METADATA_FILE}"])
                 root.delete_prefix(old.name)
+            if found and found[-1].step is not None:
+                self._sweep_uncommitted(root, found[-1].step, {c.name for c in found})
+
+    def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
+        """Remove what killed saves left in ``step-<N>`` directories with no
+        ``metadata.json`` and N below the newest committed step (a restarted
+        job may never save that step again), unless a save there may still
+        be running (:mod:`bytecp.saving.leases`). Never raises."""
+        from bytecp.saving.leases import orphans
+
+        try:
+            for name in root.list_children(""):
+                m = _STEP.match(name)
+                if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
+                        f"{name}/{fmt.METADATA_FILE}"):
+                    continue
+                dead, _ = orphans(root.child(name), None)
+                if dead:
+                    root.delete([f"{name}/{f}" for f in dead])
+                    log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
+                             len(dead), self.run_url, name)
+        except Exception as e:  # noqa: BLE001 - only garbage is at stake
+            log.warning("bytecp: could not remove files of killed saves below %s: %s", self.run_url, e)

@@ -96,3 +96,16 @@ def test_a_failed_save_gives_up_its_lease(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(RuntimeError, match="injected"):
         bytecp.save(str(tmp_path / "ck"), {"w": torch.ones(3)})
     assert files(tmp_path / "ck") == []
+
+
+def test_retention_removes_a_killed_step_the_run_never_saves_again(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=3)
+    mgr.save(4, {"w": torch.ones(3)})
+    killed_save(run / "step-6")  # the restarted job resumes from step-4, saves every 5 steps now
+    time.sleep(0.6)  # its lease expires
+    running = live_lease(run / "step-7")  # a save still running elsewhere: never touched
+    mgr.save(10, {"w": torch.ones(3)})
+    assert not (run / "step-6").exists() or files(run / "step-6") == []
+    assert f"data/{running}/0-0.bin" in files(run / "step-7")
+    assert [c.step for c in bytecp.manager.list_checkpoints(str(run))] == [4, 10]
