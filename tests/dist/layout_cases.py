@@ -32,6 +32,7 @@ LAYOUTS = {
     "hsdp_tp": "HSDP x TP, replicate=2 x shard=1 x tp=2, norms outside the TP plan",
     "pp_fsdp": "pipeline stages pp=2 x FSDP2 dp=2 (stage 0: embedding, layer 0; stage 1: layer 1, norm, output)",
     "fsdp": "FSDP2 alone, dp=4",
+    "fsdp_groups": "FSDP2 over two process groups of 2 ranks, each its own mesh (ranks 0 and 1 hold the same boxes)",
     "fsdp_tp_1x4": "FSDP2 x TP, dp=1 x tp=4, SequenceParallel norms",
     "pp_fsdp_other": "pipeline stages pp=2 x FSDP2 dp=2, another split (stage 0: embedding, layers 0-1)",
 }
@@ -138,7 +139,7 @@ def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
 
     torch.manual_seed(seed)
     model = Model()
-    world = dist.get_world_size()
+    world = dist.get_world_size() if layout != "plain" else 1
     stage = 0
     if layout in ("fsdp_tp_sp", "fsdp_tp_norms_out", "fsdp_tp_1x4"):
         dp = 1 if layout == "fsdp_tp_1x4" else 2
@@ -156,6 +157,13 @@ def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
         _shard(model, mesh["replicate", "shard"])
     elif layout == "fsdp":
         _shard(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+    elif layout == "fsdp_groups":
+        from torch.distributed.device_mesh import DeviceMesh
+
+        # one group per parity, each a mesh of its own (no root spans the world):
+        # ranks 0 and 1 hold the same boxes and no hint can say so
+        groups = [dist.new_group(list(range(i, world, 2))) for i in range(2)]
+        _shard(model, DeviceMesh.from_group(groups[dist.get_rank() % 2], "cpu", mesh_dim_names=("dp",)))
     elif layout in ("pp_fsdp", "pp_fsdp_other"):
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
         stage = int(mesh.get_coordinate()[0])  # type: ignore[index]
@@ -259,10 +267,10 @@ def save_error(layout: str, url: str) -> str:
     from torch.distributed.tensor import DTensor, Partial
 
     model, opt, _ = build(layout, seed=0)
-    attn = model.layers["0"].attention
-    w = attn.wq.weight
+    norm = model.layers["0"].attn_norm
+    w = norm.weight
     placements = [Partial() if p.is_replicate() else p for p in w.placements]
-    attn.wq.weight = nn.Parameter(DTensor.from_local(w.to_local().detach().clone(), w.device_mesh, placements,
+    norm.weight = nn.Parameter(DTensor.from_local(w.to_local().detach().clone(), w.device_mesh, placements,
                                                      run_check=False, shape=w.shape, stride=w.stride()))
     try:
         bytecp.save(url, {"model": model})

@@ -1,0 +1,91 @@
+"""The DTensor layout matrix: each save layout loaded into each load layout,
+model and optimizer state compared bitwise with the full tensors of the
+saving job (docs/guide.md, "Layouts", shows the same table).
+
+One 4-rank pool runs every case: a case saves one layout and loads it into
+every distributed load layout in the same call; the test process then
+loads it as one plain process and with ``load_state_dict``."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import bytecp
+
+from . import layout_cases as lc
+
+pytestmark = pytest.mark.timeout(300)
+
+#: save layout -> the layouts it is loaded into (4 ranks), plus one plain process and load_state_dict
+SAVES = ["fsdp_tp_sp", "fsdp_tp_norms_out", "tp", "hsdp", "hsdp_tp", "pp_fsdp", "fsdp_groups"]
+LOADS = ["fsdp", "fsdp_tp_1x4", "fsdp_tp_sp", "pp_fsdp_other"]
+
+
+def _same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    assert set(ref["model"]) == set(got["model"]), f"{what}: model keys"
+    for k, v in ref["model"].items():
+        assert torch.equal(v, got["model"][k]), f"{what}: model {k}"
+    assert set(ref["optim"]) == set(got["optim"]), f"{what}: optimizer keys"
+    for k, v in ref["optim"].items():
+        assert torch.equal(v, got["optim"][k]), f"{what}: optimizer {k}"
+    assert ref["groups"] == got["groups"], f"{what}: param groups"
+
+
+def _stored_once(url: str) -> None:
+    """Every tensor byte of the checkpoint is stored exactly once (replicas deduplicated)."""
+    from bytecp.loading.reader import read_chunks, read_metadata
+    from bytecp.storage_api import open_storage
+
+    storage = open_storage(url)
+    md = read_metadata(storage)
+    want = sum(math.prod(t["shape"]) * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size()
+               for t in md.tensors.values())
+    assert sum(c.nbytes for c in read_chunks(storage, md)) == want
+
+
+@pytest.mark.parametrize("save", SAVES)
+def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
+    url = str(tmp_path / save)
+    out = pools(4).run(lc.save_then_load, save, url, LOADS, timeout=240)[0]
+    ref = out["ref"]
+    for to in LOADS:
+        _same(ref, out["got"][to], f"{save} -> {to}")
+        assert out["got"][to]["step"] == 2
+    _stored_once(url)
+    # one plain process, no torch.distributed
+    model, opt, _ = lc.build("plain", seed=7)
+    extra: dict[str, Any] = {"step": -1}
+    bytecp.load(url, {"model": model, "optimizer": opt, "extra": extra})
+    got = lc.full_state(model, opt)
+    assert got is not None and extra["step"] == 2
+    _same(ref, got, f"{save} -> one process")
+    # full tensors by name
+    sd = bytecp.load_state_dict(url)
+    assert {k: v for k, v in sd["model"].items()}.keys() == ref["model"].keys()
+    for k, v in ref["model"].items():
+        assert torch.equal(v, sd["model"][k]), f"{save} -> load_state_dict: model {k}"
+    flat = {f"{p}.{k}": t for p, st in sd["optimizer"]["state"].items() for k, t in st.items()}
+    for k, v in ref["optim"].items():
+        assert torch.equal(v, flat[k]), f"{save} -> load_state_dict: optimizer {k}"
+
+
+def test_partial_placement_fails_the_save_on_every_rank(pools, tmp_path: Path) -> None:
+    url = tmp_path / "partial"
+    errors = pools(4).run(lc.save_error, "fsdp_tp_sp", str(url))
+    for e in errors:
+        assert "failed on rank(s) 0, 1, 2, 3" in e, e
+        assert "tensor 'layers.0.attn_norm.weight' of shape [16]" in e, e
+        assert "mesh (dp=2, tp=2) placements (S(0), P(sum))" in e, e
+        assert "redistribute" in e, e
+    assert not (url / "metadata.json").exists()
+
+
+def test_guide_shows_the_matrix() -> None:
+    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
+    for name in SAVES + LOADS:
+        assert f"`{name}`" in guide, name
