@@ -134,7 +134,6 @@ def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
     """(every rank) The model under ``layout``, an AdamW over it, and this
     rank's pipeline stage (0 without pipelining)."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(seed)
