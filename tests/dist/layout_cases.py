@@ -238,8 +238,12 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
     into each layout of ``loads`` (a fresh model each, other initial
     values). Rank 0 returns the saved state in full, each load's and the
     seconds each took."""
+    from bytecp.adapters._dtensor import dtensor_replicas
+
     model, opt, stage = build(layout, seed=0)
     train(model, opt, stage)
+    norm = next(iter(model.layers.values())).attn_norm.weight
+    hint = dtensor_replicas(norm)  # type: ignore[arg-type]
     t0 = time.perf_counter()
     bytecp.save(url, {"model": model, "optimizer": opt, "extra": {"step": 2}})
     saved = time.perf_counter() - t0
@@ -257,7 +261,8 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
         if st is not None:
             st["step"] = extra["step"]
             got[to] = st
-    return None if ref is None else {"ref": ref, "got": got, "took": took}
+    return None if ref is None else {"ref": ref, "got": got, "took": took,
+                                     "norm_replicas": None if hint is None else list(hint.ranks)}
 
 
 def save_error(layout: str, url: str) -> str:

@@ -24,6 +24,17 @@ pytestmark = pytest.mark.timeout(300)
 #: save layout -> the layouts it is loaded into (4 ranks), plus one plain process and load_state_dict
 SAVES = ["fsdp_tp_sp", "fsdp_tp_norms_out", "tp", "hsdp", "hsdp_tp", "pp_fsdp", "fsdp_groups"]
 LOADS = ["fsdp", "fsdp_tp_1x4", "fsdp_tp_sp", "pp_fsdp_other"]
+#: the ranks rank 0's replica hint names for its first layer's attention norm
+#: (None: no hint, the coordinator compares boxes)
+NORM_REPLICAS = {
+    "fsdp_tp_sp": [0, 1],  # Replicate along tp
+    "fsdp_tp_norms_out": [0, 1],  # on mesh["dp"]: every tp coordinate of the root mesh
+    "tp": [0, 1, 2, 3],
+    "hsdp": [0, 2],
+    "hsdp_tp": [0, 1, 2, 3],  # Replicate along replicate, and every tp coordinate
+    "pp_fsdp": [0, 2],  # the other stage too: its votes differ, the coordinator plans these
+    "fsdp_groups": None,  # its mesh does not span the world
+}
 
 
 def _same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
@@ -53,6 +64,7 @@ def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
     url = str(tmp_path / save)
     out = pools(4).run(lc.save_then_load, save, url, LOADS, timeout=240)[0]
     ref = out["ref"]
+    assert out["norm_replicas"] == NORM_REPLICAS[save]
     for to in LOADS:
         _same(ref, out["got"][to], f"{save} -> {to}")
         assert out["got"][to]["step"] == 2
