@@ -147,9 +147,10 @@ def param_groups_for_load(
     wants them: hyperparameters from the checkpoint, parameters by position.
     ``current[j]`` are the FQNs group ``j`` of ``opt`` holds now; ``stored``
     those whose state the checkpoint holds. Pipeline stages save the
-    coordinator's groups, naming its stage's parameters only: a single group
-    whose parameters all have stored state takes the saved hyperparameters
-    whichever stage saved them."""
+    coordinator's groups, naming its stage's parameters only: a group whose
+    parameters all have stored state takes the hyperparameters of the saved
+    group at its position (every stage builds its groups alike) when that
+    group holds none of the parameters the optimizer's other groups hold."""
     if len(saved_groups) != len(opt.param_groups):
         raise StateMismatchError(
             f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
@@ -157,8 +158,12 @@ def param_groups_for_load(
         )
     groups = []
     pos = 0
+    everyone = {fqn for names in current for fqn in names}
     for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
-        other_stage = len(saved_groups) == 1 and bool(current[j]) and set(current[j]) <= stored
+        # another stage's group: the state of all our parameters is stored, and
+        # the saved group holds none of the parameters our other groups hold
+        other_stage = (bool(current[j]) and set(current[j]) <= stored
+                       and set(sg["params"]) & everyone <= set(current[j]))
         if sorted(sg["params"]) != sorted(current[j]) and not other_stage:
             raise StateMismatchError(
                 f"optimizer {key!r} param group {j}: the checkpoint holds parameters "

@@ -101,3 +101,23 @@ def test_guide_shows_the_matrix() -> None:
     guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
     for name in SAVES + LOADS:
         assert f"`{name}`" in guide, name
+
+
+def test_param_groups_of_another_pipeline_stage() -> None:
+    """The saved groups name the coordinator's stage: another stage takes
+    their hyperparameters by position; groups partitioned otherwise are refused."""
+    from bytecp.adapters.plain import param_groups_for_load
+
+    from bytecp.errors import StateMismatchError
+
+    ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    opt = torch.optim.AdamW([{"params": ps[:1], "lr": 0.1}, {"params": ps[1:], "lr": 0.2}])
+    saved = [{"params": ["s0.a"], "lr": 0.5}, {"params": ["s0.b"], "lr": 0.6}]
+    stored = {"a", "b", "c", "s0.a", "s0.b"}
+    groups = param_groups_for_load("optimizer", saved, opt, [["a"], ["b", "c"]], stored)
+    assert [g["lr"] for g in groups] == [0.5, 0.6] and groups[1]["params"] == [1, 2]
+    with pytest.raises(StateMismatchError, match="param group 0"):  # a repartition, not another stage
+        param_groups_for_load("optimizer", [{"params": ["a", "b"], "lr": 0.5}, {"params": ["c"], "lr": 0.6}],
+                              opt, [["a"], ["b", "c"]], stored)
+    with pytest.raises(StateMismatchError, match="param group 0"):  # state missing from the checkpoint
+        param_groups_for_load("optimizer", saved, opt, [["a"], ["b", "c"]], {"b", "c"})
