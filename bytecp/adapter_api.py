@@ -87,7 +87,7 @@ class Adapter(abc.ABC):
 
 
 _ADAPTERS: dict[str, str | type[Adapter]] = {
-    "megatron": "bytecp.adapters.megatron:MegatronAdapter",
+    "megatron": "bytecp.adapters.megatron.adapter:MegatronAdapter",
     "fsdp1": "bytecp.adapters.fsdp1:FSDP1Adapter",
     "fsdp2": "bytecp.adapters.fsdp2:FSDP2Adapter",
     "ddp": "bytecp.adapters.ddp:DDPAdapter",
