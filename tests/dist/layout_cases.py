@@ -234,7 +234,8 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any] |
 
 
 def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | None:
-    """(every rank) Save ``layout`` trained 2 steps to ``url``, then load it
+    """(every rank) Save ``layout`` trained 2 steps to ``url`` (a sync save
+    to ``url + "-sync"`` first, then an async one to ``url``), then load it
     into each layout of ``loads`` (a fresh model each, other initial
     values). Rank 0 returns the saved state in full, each load's and the
     seconds each took."""
@@ -244,9 +245,13 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
     train(model, opt, stage)
     norm = next(iter(model.layers.values())).attn_norm.weight
     hint = dtensor_replicas(norm)  # type: ignore[arg-type]
+    state = {"model": model, "optimizer": opt, "extra": {"step": 2}}
     t0 = time.perf_counter()
-    bytecp.save(url, {"model": model, "optimizer": opt, "extra": {"step": 2}})
+    bytecp.save(url + "-sync", state)
     saved = time.perf_counter() - t0
+    # the checkpoint loaded below: an async save of the same state, which
+    # reuses the plan just made and copies this rank's cached share alone
+    bytecp.async_save(url, state).wait()
     ref = full_state(model, opt)
     got: dict[str, Any] = {}
     took: dict[str, float] = {"save": saved}

@@ -69,6 +69,7 @@ def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
         _same(ref, out["got"][to], f"{save} -> {to}")
         assert out["got"][to]["step"] == 2
     _stored_once(url)
+    _stored_once(url + "-sync")
     # one plain process, no torch.distributed
     model, opt, _ = lc.build("plain", seed=7)
     extra: dict[str, Any] = {"step": -1}
