@@ -141,11 +141,16 @@ def check_layout(t: DTensor, fqn: str | None) -> None:
     for p in t.placements:
         if isinstance(p, (ShardPlacement, _StridedShard)) or p.is_replicate():
             continue
-        what = "holds partial values (a pending reduction)" if p.is_partial() else f"has a placement bytecp does not know ({p})"
+        if p.is_partial():
+            what = "holds partial values (a pending reduction)"
+            fix = "t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
+        else:
+            what = f"has a placement bytecp does not know ({p})"
+            fix = "t.redistribute(placements=...) with Shard(dim) or Replicate() on every mesh dimension"
+        name = "a tensor" if fqn is None else f"tensor {fqn!r}"
         raise UnsupportedLayoutError(
-            f"{'a tensor' if fqn is None else f'tensor {fqn!r}'} of shape {list(t.shape)} on {describe_layout(t)} {what}; bytecp saves only "
-            "Shard and Replicate placements -- redistribute it first, e.g. "
-            "t.redistribute(placements=[Replicate() if p.is_partial() else p for p in t.placements])"
+            f"{name} of shape {list(t.shape)} on {describe_layout(t)} {what}; bytecp saves only Shard "
+            f"and Replicate placements -- redistribute it before saving: {fix}"
         )
 
 

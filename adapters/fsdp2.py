@@ -58,7 +58,7 @@ class FSDP2Adapter(PlainAdapter):
         return [ParamState(
             fqn=place.fqn,
             shape=place.shape,
-            leaf=lambda v: _leaf(v, f"optim.state.{place.fqn}"),
+            leaf=lambda v: _leaf(v, f"optimizer.state.{place.fqn}"),
             new=lambda dtype: dtensor_target(param, dtype)[1],  # type: ignore[arg-type]
             fits=lambda t, dtype: is_dtensor(t) and t.dtype == dtype and tuple(t.shape) == place.shape,
         )]
