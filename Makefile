@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test megatron-install test-servers lint typecheck bench bench-s3 clean
+.PHONY: demo test install install-test megatron-install titan-install test-servers lint typecheck bench bench-s3 clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -24,12 +24,25 @@ $(VENV)/.demo-installed: $(VENV)/.installed
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) -e ".[test,s3,monitoring,lightning]"
 	$(MAKE) megatron-install
+	$(MAKE) titan-install
 	touch $@
 
 # Megatron-Core (adapter tests): --no-deps so it can never pull torch or CUDA
 # wheels; its other requirements (numpy, packaging, psutil) are pinned here.
-megatron-install: $(VENV)/.installed
+megatron-# torchtitan (its Llama3 and parallelisms in the DTensor layout matrix): --no-deps
+# for the same reason; what its model and parallelize imports need is pinned here
+# (triton is imported by its distributed package)
+titan-install: $(VENV)/.installed
+	$(PIP) --no-deps torchtitan spmd_types tyro docstring_parser typeguard triton
+
+install: $(VENV)/.installed
 	$(PIP) --no-deps megatron-core packaging psutil
+
+# torchtitan (its Llama3 and parallelisms in the DTensor layout matrix): --no-deps
+# for the same reason; what its model and parallelize imports need is pinned here
+# (triton is imported by its distributed package)
+titan-install: $(VENV)/.installed
+	$(PIP) --no-deps torchtitan spmd_types tyro docstring_parser typeguard triton
 
 install: $(VENV)/.installed
 

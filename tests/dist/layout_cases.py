@@ -233,6 +233,23 @@ def full_state(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, Any] |
     return out
 
 
+def _build(layout: str, seed: int) -> tuple[nn.Module, torch.optim.Optimizer, int]:
+    if layout.startswith("titan"):
+        from . import titan_cases
+
+        return titan_cases.build(layout, seed)
+    return build(layout, seed)
+
+
+def _train(layout: str, model: nn.Module, opt: torch.optim.Optimizer, stage: int) -> None:
+    if layout.startswith("titan"):
+        from . import titan_cases
+
+        titan_cases.train(model, opt, stage)
+    else:
+        train(model, opt, stage)
+
+
 def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | None:
     """(every rank) Save ``layout`` trained 2 steps to ``url`` (a sync save
     to ``url + "-sync"`` first, then an async one to ``url``), then load it
@@ -241,10 +258,12 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
     seconds each took."""
     from bytecp.adapters._dtensor import dtensor_replicas
 
-    model, opt, stage = build(layout, seed=0)
-    train(model, opt, stage)
-    norm = next(iter(model.layers.values())).attn_norm.weight
-    hint = dtensor_replicas(norm)  # type: ignore[arg-type]
+    model, opt, stage = _build(layout, seed=0)
+    _train(layout, model, opt, stage)
+    block = next(iter(model.layers.values()))
+    norm = getattr(block, "attn_norm", None) or block.attention_norm
+    norm = norm.weight
+    hint = dtensor_replicas(norm) if hasattr(norm, "device_mesh") else None  # type: ignore[arg-type]
     state = {"model": model, "optimizer": opt, "extra": {"step": 2}}
     t0 = time.perf_counter()
     bytecp.save(url + "-sync", state)
@@ -256,7 +275,7 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
     got: dict[str, Any] = {}
     took: dict[str, float] = {"save": saved}
     for to in loads:
-        m2, o2, _ = build(to, seed=123)
+        m2, o2, _ = _build(to, seed=123)
         extra: dict[str, Any] = {"step": -1}
         t0 = time.perf_counter()
         # a pipeline stage takes its own names only

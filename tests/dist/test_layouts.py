@@ -18,12 +18,17 @@ import torch
 import bytecp
 
 from . import layout_cases as lc
+from . import titan_cases
 
 pytestmark = pytest.mark.timeout(300)
 
 #: save layout -> the layouts it is loaded into (4 ranks), plus one plain process and load_state_dict
 SAVES = ["fsdp_tp_sp", "fsdp_tp_norms_out", "tp", "hsdp", "hsdp_tp", "pp_fsdp", "fsdp_groups"]
 LOADS = ["fsdp", "fsdp_tp_1x4", "fsdp_tp_sp", "pp_fsdp_other"]
+#: torchtitan's own Llama3 and parallelisms (tests/dist/titan_cases.py)
+TITAN_SAVES = ["titan_fsdp_tp", "titan_fsdp_tp_sp"]
+TITAN_LOADS = ["titan_fsdp_tp_sp", "titan_fsdp", "titan_tp"]
+MATRIX = {**{s: LOADS for s in SAVES}, **{s: TITAN_LOADS for s in TITAN_SAVES}}
 #: the ranks rank 0's replica hint names for its first layer's attention norm
 #: (None: no hint, the coordinator compares boxes)
 NORM_REPLICAS = {
@@ -34,6 +39,8 @@ NORM_REPLICAS = {
     "hsdp_tp": [0, 1, 2, 3],  # Replicate along replicate, and every tp coordinate
     "pp_fsdp": [0, 2],  # the other stage too: its votes differ, the coordinator plans these
     "fsdp_groups": None,  # its mesh does not span the world
+    "titan_fsdp_tp": [0, 1],  # torchtitan keeps norms on the 2-D mesh, Replicate along tp
+    "titan_fsdp_tp_sp": [0, 1],
 }
 
 
@@ -59,19 +66,21 @@ def _stored_once(url: str) -> None:
     assert sum(c.nbytes for c in read_chunks(storage, md)) == want
 
 
-@pytest.mark.parametrize("save", SAVES)
+@pytest.mark.parametrize("save", list(MATRIX))
 def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
+    if save.startswith("titan") and titan_cases.available():
+        pytest.skip(titan_cases.available())
     url = str(tmp_path / save)
-    out = pools(4).run(lc.save_then_load, save, url, LOADS, timeout=240)[0]
+    out = pools(4).run(lc.save_then_load, save, url, MATRIX[save], timeout=240)[0]
     ref = out["ref"]
     assert out["norm_replicas"] == NORM_REPLICAS[save]
-    for to in LOADS:
+    for to in MATRIX[save]:
         _same(ref, out["got"][to], f"{save} -> {to}")
         assert out["got"][to]["step"] == 2
     _stored_once(url)
     _stored_once(url + "-sync")
     # one plain process, no torch.distributed
-    model, opt, _ = lc.build("plain", seed=7)
+    model, opt, _ = titan_cases.build("titan_plain", 7) if save.startswith("titan") else lc.build("plain", seed=7)
     extra: dict[str, Any] = {"step": -1}
     bytecp.load(url, {"model": model, "optimizer": opt, "extra": extra})
     got = lc.full_state(model, opt)
@@ -100,7 +109,7 @@ def test_partial_placement_fails_the_save_on_every_rank(pools, tmp_path: Path) -
 
 def test_guide_shows_the_matrix() -> None:
     guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
-    for name in SAVES + LOADS:
+    for name in [*MATRIX, *LOADS, *TITAN_LOADS]:
         assert f"`{name}`" in guide, name
 
 
