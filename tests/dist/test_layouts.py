@@ -56,14 +56,14 @@ def _same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
 
 def _stored_once(url: str) -> None:
     """Every tensor byte of the checkpoint is stored exactly once (replicas deduplicated)."""
-    from bytecp.loading.reader import read_chunks, read_metadata
+    from bytecp.loading.opened import open_checkpoint, read_metadata
     from bytecp.storage_api import open_storage
 
     storage = open_storage(url)
     md = read_metadata(storage)
     want = sum(math.prod(t["shape"]) * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size()
                for t in md.tensors.values())
-    assert sum(c.nbytes for c in read_chunks(storage, md)) == want
+    assert sum(c.nbytes for c in open_checkpoint(storage).all_rows()) == want
 
 
 @pytest.mark.parametrize("save", list(MATRIX))
