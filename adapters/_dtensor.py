@@ -20,6 +20,7 @@ tensor, its mesh and its placements (:class:`UnsupportedLayoutError`).
 from __future__ import annotations
 
 import functools
+import math
 from typing import Any
 
 import torch
@@ -42,6 +43,7 @@ __all__ = [
     "mesh_info",
     "describe_layout",
     "check_layout",
+    "replica_ranks",
     "UnsupportedLayoutError",
 ]
 
@@ -96,34 +98,46 @@ def _replicas(mesh: Any, placements: tuple[Any, ...], world: int) -> ReplicaSet 
     coord = mesh.get_coordinate()
     if coord is None:
         return None
-    index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(placements, coord, strict=True))
-    within = [int(r) for r in mesh.mesh[index].flatten().tolist()]
     root = mesh._get_root_mesh() if hasattr(mesh, "_get_root_mesh") else mesh
-    grid = root.mesh
+    ranks = replica_ranks(root.mesh, mesh.mesh, coord, tuple(p.is_replicate() for p in placements), world)
+    return None if ranks is None else ReplicaSet.of(ranks)
+
+
+def replica_ranks(
+    grid: torch.Tensor, sub: torch.Tensor, coord: list[int], replicate: tuple[bool, ...], world: int
+) -> tuple[int, ...] | None:
+    """(pure; tested for simulated meshes of many ranks) The ranks holding
+    the same box as the rank at ``coord`` of the mesh ``sub`` (its ranks, a
+    slab of the root mesh ``grid``) for placements replicated along the dims
+    ``replicate`` marks: ``sub``'s ranks that differ only along those dims,
+    and every rank of ``grid`` that differs from one of them only along
+    the root dims ``sub`` does not span. ``None`` where ``grid`` does not
+    hold the ``world`` or ``sub`` is not a slab of it."""
+    index = tuple(slice(None) if rep else c for rep, c in zip(replicate, coord, strict=True))
+    within = [int(r) for r in sub[index].flatten().tolist()]
     if grid.numel() != world:
         return None  # ranks outside the root mesh may hold these boxes too: the coordinator compares them
-    if root is mesh or grid.numel() == mesh.mesh.numel():
-        return ReplicaSet.of(tuple(within))
+    if grid.numel() == sub.numel():
+        return tuple(sorted(within))
     # where each rank sits on the root mesh; the dims the DTensor's mesh spans
     where = {int(r): i for i, r in enumerate(grid.flatten().tolist())}
     shape = tuple(grid.shape)
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
+    if any(int(r) not in where for r in sub.flatten().tolist()):
+        return None
     coords = [[(where[int(r)] // strides[d]) % shape[d] for d in range(len(shape))]
-              for r in mesh.mesh.flatten().tolist()]
+              for r in sub.flatten().tolist()]
     spanned = [d for d in range(len(shape)) if len({c[d] for c in coords}) > 1]
-    spanned_size = 1
-    for d in spanned:
-        spanned_size *= shape[d]
-    if spanned_size != mesh.mesh.numel():
+    if math.prod(shape[d] for d in spanned) != sub.numel():
         return None  # not a slab of the root mesh: no sound hint
     ranks: set[int] = set()
     for r in within:
         at = where[r]
-        sub = tuple((at // strides[d]) % shape[d] if d in spanned else slice(None) for d in range(len(shape)))
-        ranks.update(int(x) for x in grid[sub].flatten().tolist())
-    return ReplicaSet.of(tuple(sorted(ranks)))
+        slab = tuple((at // strides[d]) % shape[d] if d in spanned else slice(None) for d in range(len(shape)))
+        ranks.update(int(x) for x in grid[slab].flatten().tolist())
+    return tuple(sorted(ranks))
 
 
 def describe_layout(t: DTensor) -> str:

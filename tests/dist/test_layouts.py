@@ -131,3 +131,35 @@ def test_param_groups_of_another_pipeline_stage() -> None:
                               opt, [["a"], ["b", "c"]], stored)
     with pytest.raises(StateMismatchError, match="param group 0"):  # state missing from the checkpoint
         param_groups_for_load("optimizer", saved, opt, [["a"], ["b", "c"]], {"b", "c"})
+
+
+def test_replica_sets_of_simulated_meshes() -> None:
+    """(one process, 128 simulated ranks) The replica sets of a root mesh
+    dp_replicate=4 x dp_shard=8 x tp=4: each set holds exactly the ranks
+    with the same box, every member computes the same set, the sets
+    partition the world; a mesh that is not a slab of the root gives no hint."""
+    from bytecp.adapters._dtensor import replica_ranks
+
+    grid = torch.arange(128).reshape(4, 8, 4)
+    cases = {
+        # FSDP over (replicate, shard), HSDP placements (Replicate, Shard): same shard coordinate, any tp
+        "hsdp on a sub-mesh": (lambda r, s, t: grid[:, :, t], lambda r, s, t: [r, s], (True, False), 16),
+        # FSDP over the flattened (replicate, shard) dims: the box is this rank's alone along them, any tp
+        "fsdp on a flattened sub-mesh": (lambda r, s, t: grid[:, :, t].flatten(), lambda r, s, t: [r * 8 + s],
+                                         (False,), 4),
+        # a TP-only tensor, Replicate along tp: every rank of the tp row, and every dp coordinate
+        "replicated over tp": (lambda r, s, t: grid[r, s, :], lambda r, s, t: [t], (True,), 128),
+        # sharded over tp: the same tp coordinate on every dp rank
+        "sharded over tp": (lambda r, s, t: grid[r, s, :], lambda r, s, t: [t], (False,), 32),
+    }
+    for what, (sub_of, coord_of, replicate, size) in cases.items():
+        seen: dict[int, tuple[int, ...]] = {}
+        for rank in range(128):
+            r, s, t = rank // 32, (rank // 4) % 8, rank % 4
+            got = replica_ranks(grid, sub_of(r, s, t), coord_of(r, s, t), replicate, 128)
+            assert got is not None and rank in got and len(got) == size, (what, rank, got)
+            for member in got:
+                assert seen.setdefault(member, got) == got, (what, rank, member)
+        assert sorted(seen) == list(range(128)), what
+    assert replica_ranks(grid, torch.tensor([0, 5]), [0], (False,), 128) is None  # not a slab
+    assert replica_ranks(grid[:2], grid[0, :, 0], [0], (False,), 128) is None  # the root lacks half the world
