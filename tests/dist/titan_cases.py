@@ -12,6 +12,7 @@ torchtitan assumes CUDA; :func:`_cpu` points its device helpers at the CPU
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import torch
 import torch.distributed as dist
@@ -33,11 +34,22 @@ def available() -> str | None:
 
 
 def _cpu() -> None:
+    """Import torchtitan's device helpers while torch reports "cpu" as the
+    available device (they fall back to cuda otherwise); torch itself is
+    left as it was."""
     import torch._utils as tu
-    import torchtitan.tools.utils as tt
 
+    if "torchtitan.tools.utils" in sys.modules:
+        return
+    original = tu._get_available_device_type
     tu._get_available_device_type = lambda: "cpu"  # type: ignore[assignment]
-    tt.device_type, tt.device_module = "cpu", torch.cpu
+    try:
+        import torchtitan.distributed  # noqa: F401  (binds device_type at import)
+        import torchtitan.tools.utils as tt
+
+        tt.device_type, tt.device_module = "cpu", torch.cpu
+    finally:
+        tu._get_available_device_type = original  # type: ignore[assignment]
 
 
 def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, int]:
