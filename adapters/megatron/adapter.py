@@ -252,6 +252,11 @@ class MegatronAdapter(Adapter):
                 e.tr = translate(e.sd, types, where=e.key)
             elif e.kind == "optimizer":
                 e.layout = _load_layout(e, saved_layouts)
+                if e.layout == "model_space" and any(k.startswith(f"{e.key}.chained_") for k in md.tensors):
+                    # Megatron's own producer saved a chain (dense + expert
+                    # optimizers): its keys carry the chain index, so the
+                    # checkpoint loads through Megatron's loader (same chain)
+                    e.layout = "fully_reshardable"
                 opt = _optimizer_of(e.value)
                 _init_fresh_state(opt)
                 parts = _distributed_parts(opt)

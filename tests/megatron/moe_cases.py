@@ -115,7 +115,9 @@ def state(layout: str | None = None) -> dict[str, Any]:
     return out
 
 
-def save_reference(url: str, tp: int = 1, ep: int = 1, cp: int = 1, steps: int = 2) -> dict[str, Any]:
+def save_reference(
+    url: str, tp: int = 1, ep: int = 1, cp: int = 1, steps: int = 2, layout: str | None = None
+) -> dict[str, Any]:
     """(all ranks) Build, train ``steps`` steps, save model and optimizer;
     report the full state, then two more steps' losses a resumed run must match."""
     build(tp, ep, cp)
@@ -123,18 +125,20 @@ def save_reference(url: str, tp: int = 1, ep: int = 1, cp: int = 1, steps: int =
         train_step(1 + s)
     ref = {"model": mc.full_model_state(), "optim": full_optimizer_state()}
     with CpuDeviceMode():
-        bytecp.save(url, state())
+        bytecp.save(url, state(layout))
     ref["losses"] = [train_step(11), train_step(12)]
     return ref
 
 
-def load_and_report(url: str, tp: int = 1, ep: int = 1, cp: int = 1, **kw: Any) -> dict[str, Any]:
+def load_and_report(
+    url: str, tp: int = 1, ep: int = 1, cp: int = 1, layout: str | None = None, **kw: Any
+) -> dict[str, Any]:
     """(all ranks) Build with other weights and a fresh optimizer, load
     ``url`` (strict), report the state, then train the same two steps."""
     build(tp, ep, cp, seed=99)
     before = mc.full_model_state()
     with CpuDeviceMode():
-        bytecp.load(url, state(), **kw)
+        bytecp.load(url, state(layout), **kw)
     out = {"model": mc.full_model_state(), "optim": full_optimizer_state(), "before": before}
     out["losses"] = [train_step(11), train_step(12)]
     return out
