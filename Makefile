@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test megatron-install test-servers lint typecheck bench bench-s3 clean
+.PHONY: demo test install install-test megatron-install torchtitan-install test-servers lint typecheck bench bench-s3 clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -24,12 +24,20 @@ $(VENV)/.demo-installed: $(VENV)/.installed
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) -e ".[test,s3,monitoring,lightning]"
 	$(MAKE) megatron-install
+	$(MAKE) torchtitan-install
 	touch $@
 
 # Megatron-Core (adapter tests): --no-deps so it can never pull torch or CUDA
 # wheels; its other requirements (numpy, packaging, psutil) are pinned here.
 megatron-install: $(VENV)/.installed
 	$(PIP) --no-deps megatron-core packaging psutil
+
+# torchtitan 0.3.0 (its checkpointer tests): --no-deps for the same reason, and
+# because its datasets<4.8 pin would downgrade fsspec below s3fs's; the packages
+# its trainer imports (the `torchtitan` extra's list) come under the pins.
+torchtitan-install: $(VENV)/.installed
+	$(PIP) --no-deps torchtitan==0.3.0
+	$(PIP) spmd_types torch_checkpointing tyro einops tensorboard triton datasets tokenizers torchdata safetensors
 
 install: $(VENV)/.installed
 
