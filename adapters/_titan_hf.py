@@ -16,16 +16,18 @@ import torch.distributed as dist
 
 import bytecp
 from bytecp.errors import BytecpError
+from bytecp.format import metadata as fmt
 from bytecp.hf_export import export_hf
 from bytecp.storage_api import open_storage
 
 __all__ = ["export_last_step_hf", "load_initial_hf", "staging_url"]
 
 
-def staging_url(url: str) -> str:
-    """The bytecp checkpoint of the converted tensors an export reads (removed after it)."""
+def staging_url(url: str) -> tuple[str, str]:
+    """The folder and name of the bytecp checkpoint of the converted tensors an
+    export reads (beside ``url``, removed after it)."""
     head, _, name = url.rstrip("/").rpartition("/")
-    return f"{head}/.{name}.hf-staging" if head else f".{name}.hf-staging"
+    return head or ".", f".{name}.hf-staging"
 
 
 def _config_json(sd_adapter: Any) -> str | None:
@@ -42,7 +44,8 @@ def export_last_step_hf(sd_adapter: Any, model_sd: dict[str, Any], url: str, sav
     checkpoint beside ``url``; the coordinator streams it out with
     :func:`bytecp.hf_export.export_hf` and removes it. A failure there is
     raised on every rank."""
-    staging = staging_url(url)
+    folder, name = staging_url(url)
+    staging = f"{folder}/{name}"
     kwargs = dict(save_kwargs, step=None)
     bytecp.save(staging, {"model": sd_adapter.to_hf(model_sd)}, **kwargs)
     rank = dist.get_rank() if dist.is_initialized() else 0
@@ -50,7 +53,9 @@ def export_last_step_hf(sd_adapter: Any, model_sd: dict[str, Any], url: str, sav
     if rank == 0:
         try:
             export_hf(staging, url, prefix="model.", config=_config_json(sd_adapter), overwrite=True)
-            open_storage(staging).delete_prefix("")
+            root = open_storage(folder)
+            root.delete([f"{name}/{fmt.METADATA_FILE}"])  # it stops existing first
+            root.delete_prefix(name)
         except Exception as e:
             error[0] = f"{type(e).__name__}: {e}"
     if dist.is_initialized():

@@ -95,13 +95,20 @@ class TorchtitanStateAdapter(Adapter):
             sd = _state_dict(obj)
             tree[key] = self._targets(sd, key, finalizers)
             if is_stateful(obj):
-                finalizers.append(lambda values, obj=obj, sd=sd: obj.load_state_dict(sd))
+                finalizers.append(self._apply_loaded(obj, sd))
 
         def finalize(values: dict[str, Any]) -> None:
             for f in finalizers:
                 f(values)
 
         return LoadTarget(tree, finalize)
+
+    @staticmethod
+    def _apply_loaded(obj: Any, sd: Any) -> Finalize:
+        def apply(values: dict[str, Any]) -> None:
+            obj.load_state_dict(sd)  # its tensors were filled in place, its values put back
+
+        return apply
 
     @staticmethod
     def _apply_whole(key: str, obj: Any) -> Finalize:

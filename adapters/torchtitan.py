@@ -112,7 +112,7 @@ class BytecpCheckpointManager(BaseCheckpointManager):
         base_folder: str = "",
     ) -> None:
         self.enable = config.enable
-        self.save_future: bytecp.SaveHandle | None = None  # type: ignore[assignment]
+        self.save_future: bytecp.SaveHandle | None = None
         if not self.enable:
             return
         self.config = config
@@ -173,7 +173,7 @@ class BytecpCheckpointManager(BaseCheckpointManager):
         else:
             handle = bytecp.async_save(url, self._flat_states(), lazy=self.config.async_mode == "lazy",
                                        **self._save_kwargs(curr_step))
-            self.save_future = handle  # type: ignore[assignment]
+            self.save_future = handle
             handle.add_done_callback(lambda h: self._purge() if h.exception() is None else None)
             log.info("bytecp: step %d checkpoint handed over in %.2f s", curr_step, time.monotonic() - begin)
             return True
@@ -217,7 +217,7 @@ class BytecpCheckpointManager(BaseCheckpointManager):
     def _wait_for_saving(self) -> None:
         handle, self.save_future = self.save_future, None
         assert handle is not None
-        handle.wait()  # type: ignore[attr-defined]
+        handle.wait()
 
     def _close(self) -> None:
         try:

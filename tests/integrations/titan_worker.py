@@ -10,7 +10,7 @@ and reused), trains (or writes the seed checkpoint) and closes it. With
 must equal (``torch.equal``) the full tensor ``bytecp.load_state_dict(URL)``
 holds; ``verify_hf`` compares the model with a Hugging Face directory
 through torchtitan's state-dict adapter. Rank 0 writes each run's losses,
-checkpoint timings and step times to ``out``.
+checkpoint timings and step times (or its error) to ``out``.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import json
 import os
 import sys
 import time
+import traceback
 from typing import Any
 
 from tests.integrations.titan_shims import install
@@ -99,10 +100,12 @@ def run_one(run: dict[str, Any], record: dict[str, Any]) -> None:
 
         ckpt.save = timed_save
         step_times: list[float] = []
+        starts: list[float] = []
         original_step = trainer.train_step
 
         def timed_step(*a: Any, **k: Any) -> Any:
             t = time.perf_counter()
+            starts.append(t)
             out = original_step(*a, **k)
             step_times.append(time.perf_counter() - t)
             return out
@@ -129,7 +132,9 @@ def run_one(run: dict[str, Any], record: dict[str, Any]) -> None:
                 trainer.train()
         finally:
             trainer.close()
-        record.update(losses=losses, save_s=save_times, step_s=step_times, wall_s=time.perf_counter() - t0)
+        loop = [b - a for a, b in zip(starts, starts[1:], strict=False)]  # step i's train_step + save, up to step i+1
+        record.update(losses=losses, save_s=save_times, step_s=step_times, loop_s=loop,
+                      wall_s=time.perf_counter() - t0)
     finally:
         MetricsProcessor.log = original_log  # type: ignore[method-assign]
 
@@ -139,7 +144,11 @@ def main() -> None:
     results: dict[str, Any] = {}
     for run in spec["runs"]:
         record: dict[str, Any] = {}
-        run_one(run, record)
+        try:
+            run_one(run, record)
+        except Exception as e:  # recorded; the later runs still run (an error in bytecp reaches every rank)
+            traceback.print_exc()
+            record["error"] = f"{type(e).__name__}: {e}"[:2000]
         results[run["name"]] = record
         if torch.distributed.is_initialized():
             torch.distributed.barrier()
