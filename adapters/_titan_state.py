@@ -51,7 +51,7 @@ def _leaf(t: torch.Tensor) -> Any:
 def _save_value(v: Any) -> Any:
     if isinstance(v, torch.Tensor):
         return _leaf(v)
-    if type(v) is dict:
+    if isinstance(v, dict):  # OrderedDict too (nn.Module.state_dict)
         return {k: _save_value(x) for k, x in v.items()}
     return v
 
@@ -121,12 +121,12 @@ class TorchtitanStateAdapter(Adapter):
     def _targets(self, sd: Any, fqn: str, finalizers: list[Finalize]) -> Any:
         if isinstance(sd, torch.Tensor):
             return _leaf(sd)
-        if type(sd) is not dict:
+        if not isinstance(sd, dict):
             return Slot(default=sd)
         out: dict[str, Any] = {}
         for k, v in sd.items():
             name = f"{fqn}.{k}"
-            if isinstance(v, torch.Tensor) or type(v) is dict:
+            if isinstance(v, torch.Tensor | dict):
                 out[k] = self._targets(v, name, finalizers)
             else:
                 out[k] = Slot(default=v)
