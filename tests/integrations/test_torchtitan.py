@@ -160,9 +160,8 @@ def _doc_snippet(marker: str) -> str:
 
 
 def test_docs_config_snippet_and_override_select_bytecp() -> None:
-    from torchtitan.components.checkpoint import CheckpointManager
-
     from bytecp.adapters.torchtitan import BytecpCheckpointManager, use_bytecp
+    from torchtitan.components.checkpoint import CheckpointManager
 
     namespace: dict[str, Any] = {}
     exec(_doc_snippet("def llama3_debug_bytecp"), namespace)  # as docs/integrations.md writes it

@@ -13,11 +13,11 @@ from torch import nn
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by `make torchtitan-install`")
 
+from bytecp.adapters.torchtitan import BytecpCheckpointManager  # noqa: E402
 from torchtitan.components.optimizer import OptimizersContainer, default_adamw  # noqa: E402
 from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
 
 import bytecp  # noqa: E402
-from bytecp.adapters.torchtitan import BytecpCheckpointManager  # noqa: E402
 from bytecp.errors import StateMismatchError  # noqa: E402
 
 
