@@ -287,6 +287,6 @@ def use_bytecp(config: BaseCheckpointManager.Config, **options: Any) -> BytecpCh
     loaded by bytecp. Inherited fields carry over, ``async_mode`` too where the
     config has one; ``options`` set bytecp's own fields
     (``'bytecp.adapters.torchtitan.use_bytecp={"async_mode": "lazy"}'``)."""
-    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(BaseCheckpointManager.Config) if f.init}
-    values["async_mode"] = getattr(config, "async_mode", "disabled")
+    values = {f.name: getattr(config, f.name) for f in dataclasses.fields(BytecpCheckpointManager.Config)
+              if f.init and hasattr(config, f.name)}
     return BytecpCheckpointManager.Config(**{**values, **options})

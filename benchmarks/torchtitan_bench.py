@@ -5,12 +5,13 @@ One job of 2 gloo processes (CPU) runs torchtitan 0.3.0's own trainer on
 the llama3 debug model (FSDP2, float32, 6.6 M parameters: 79 MB of model
 and Adam state per checkpoint) several times in turn: without checkpoints,
 then with each manager and mode saving every ``--interval`` steps. The
-time a checkpoint adds is the loop time of steps 2..N-1 (each step's
-``train_step`` plus its ``checkpointer.save``, up to the next step's
-start; the synchronous last-step save is outside it) minus the run without
-checkpoints, divided by the checkpoints saved. A lazy save's copy overlaps
-the next step's forward/backward, so its cost shows in that step, where it
-is counted. Rank 0's clock; both ranks run in lockstep. Prints a Markdown
+time a checkpoint at step k adds is the loop time of steps k and k+1 (each
+step's ``train_step`` plus its ``checkpointer.save``, up to the next step's
+start) minus two clean steps of the same run: an async or lazy save's copy
+and writes overlap step k+1, so its cost is counted there. The synchronous
+last-step save is left out, and the run without checkpoints, put through
+the same formula, gives the noise floor. Rank 0's clock; both ranks run in
+lockstep; cases alternate, ``--repeat`` rounds. Prints a Markdown
 table; ``--out`` writes JSON.
 
 The CPU shims torchtitan's trainer needs here come from
@@ -53,21 +54,35 @@ def _runs(root: Path, steps: int, interval: int, repeat: int) -> list[dict[str, 
     return runs
 
 
+def _added(loop_s: list[float], steps: int, interval: int) -> tuple[float, float, int]:
+    """(mean time a checkpoint adds, the clean steps' median, checkpoints) of one run.
+
+    ``loop_s[s - 1]`` is step ``s``'s train_step plus its save, up to the
+    next step's start. A checkpoint at step ``k`` costs ``loop(k) + loop(k+1)``
+    (a lazy or async save's copy and writes overlap step ``k+1``) minus two
+    clean steps of the same run (neither a checkpoint step nor the one after
+    it), so drift between runs on a shared machine cancels."""
+    def loop(step: int) -> float:
+        return loop_s[step - 1]
+
+    saved = [k for k in range(2, steps - 1) if k % interval == 0]
+    clean = [s for s in range(2, steps) if s % interval not in (0, 1 % interval)]
+    base = statistics.median(loop(s) for s in clean)
+    return statistics.mean(loop(k) + loop(k + 1) - 2 * base for k in saved), base, len(saved)
+
+
 def summarize(results: dict[str, Any], steps: int, interval: int, repeat: int) -> list[dict[str, Any]]:
-    saves = len([s for s in range(2, steps) if s % interval == 0])
-    loops = {i: [sum(results[f"{i}:{r}"]["loop_s"][1:]) for r in range(repeat)] for i in range(len(CASES))}
-    base = statistics.median(loops[0])
     rows = []
     for i, (label, _, _) in enumerate(CASES):
         rec = [results[f"{i}:{r}"] for r in range(repeat)]
-        loop = statistics.median(loops[i])
+        added = [_added(x["loop_s"], steps, interval) for x in rec]
         call = [s for x in rec for s in x["save_s"]]
         rows.append({
             "case": label,
-            "loop_s": loop,
-            "added_per_checkpoint_s": None if i == 0 else (loop - base) / saves,
+            "added_per_checkpoint_s": statistics.median(a for a, _, _ in added),
+            "clean_step_s": statistics.median(b for _, b, _ in added),
             "save_call_s": statistics.median(call) if call else None,
-            "step_s": statistics.median([s for x in rec for s in x["step_s"][1:]]),
+            "checkpoints": sum(n for _, _, n in added) if i else 0,
         })
     return rows
 
@@ -76,22 +91,25 @@ def table(rows: list[dict[str, Any]], steps: int, interval: int) -> str:
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"
 
-    out = [f"steps 2..{steps - 1}, a checkpoint every {interval} steps (medians over repeats)", "",
-           "| case | loop s | added per checkpoint s | save() call s | train_step s |",
+    out = [f"{steps} steps, a checkpoint every {interval} steps; medians over runs "
+           "(the first row's 'added' is the noise floor: the same formula without checkpoints)", "",
+           "| case | added per checkpoint s | save() call s | clean step s | checkpoints |",
            "| --- | ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['case']} | {f(r['loop_s'])} | {f(r['added_per_checkpoint_s'])} | {f(r['save_call_s'])} "
-            f"| {f(r['step_s'])} |" for r in rows]
+    out += [f"| {r['case']} | {f(r['added_per_checkpoint_s'])} | {f(r['save_call_s'])} | {f(r['clean_step_s'])} "
+            f"| {r['checkpoints']} |" for r in rows]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--interval", type=int, default=2)
-    ap.add_argument("--repeat", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--interval", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=2)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
+    if args.interval < 3 or args.steps < 2 * args.interval + 2:
+        ap.error("--interval must be at least 3 (a clean step between checkpoints) and --steps at least 2 intervals + 2")
     with tempfile.TemporaryDirectory(dir=args.dir, prefix="titan-bench-") as tmp:
         root = Path(tmp)
         assets = write_assets(root / "assets")
