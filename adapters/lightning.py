@@ -434,8 +434,7 @@ class BytecpModelParallelStrategy(BytecpStrategyMixin, ModelParallelStrategy):
 
 
 class BytecpSingleDeviceStrategy(BytecpStrategyMixin, SingleDeviceStrategy):
-    """One process (``devices=1``): resume or evaluate a checkpoint saved by
-    any number of ranks."""
+    """One process (``devices=1``): resume or evaluate a checkpoint saved by any number of ranks."""
 
 
 def latest_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = None) -> str | None:

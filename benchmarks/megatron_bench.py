@@ -86,7 +86,7 @@ def megatron_save(path: str) -> float:
 
 def megatron_load(path: str) -> float:
     import megatron_cases as mc
-    from bytecp.adapters.megatron import _init_fresh_state, _load_optimizer
+    from bytecp.adapters.megatron.optimizer_layout import _init_fresh_state, _load_optimizer
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.serialization import get_default_load_sharded_strategy
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (

@@ -21,13 +21,14 @@ from fsspec.implementations.local import LocalFileSystem
 
 from bytecp.errors import (
     CheckpointExistsError,
-    CorruptCheckpointError,
     StorageError,
     StorageNotFoundError,
 )
 from bytecp.storage_api import Buffer, Storage, split_protocol
 
 from . import _retry
+from ._buffers import byte_view, byte_views
+from ._errors import exists, file_url, missing, truncated
 from ._retry import RetryPolicy
 
 __all__ = ["FsspecStorage"]
@@ -85,7 +86,7 @@ class FsspecStorage(Storage):
     def child(self, path: str) -> Storage:
         # same class, not a registry look-up: the fallback serves protocols
         # that may also have a tuned backend (file:// through fsspec)
-        return type(self)(self.url.rstrip("/") + "/" + path.strip("/"), **self.options())
+        return type(self)(file_url(self.url, path), **self.options())
 
     def _full(self, path: str) -> str:
         path = path.strip("/")
@@ -101,7 +102,7 @@ class FsspecStorage(Storage):
         return full[len(root) :].lstrip("/")
 
     def _call(self, fn: Callable[[], T], path: str, op: str) -> T:
-        where = f"{self.url.rstrip('/')}/{path.strip('/')} ({op})"
+        where = f"{file_url(self.url, path)} ({op})"
         return _retry.call(fn, policy=self.retry, where=where, backend=self.backend)
 
     # -- writing -------------------------------------------------------------
@@ -115,9 +116,8 @@ class FsspecStorage(Storage):
         def write() -> None:
             self._makedirs(posixpath.dirname(full))
             with self.fs.open(full, "wb") as f:
-                for b in buffers:
-                    if len(b):
-                        f.write(b)
+                for v in byte_views(buffers):
+                    f.write(v)
 
         self._call(write, path, "write")
 
@@ -128,11 +128,11 @@ class FsspecStorage(Storage):
         live in memory there anyway. Not retried as a whole (the pieces
         cannot be replayed); errors name the URL."""
         full = self._full(path)
-        where = f"{self.url.rstrip('/')}/{path.strip('/')} (write)"
+        where = f"{file_url(self.url, path)} (write)"
         if self.atomic_put:
             data = bytearray()
             for piece in pieces:
-                data += memoryview(piece).cast("B")
+                data += byte_view(piece)
 
             def put() -> None:
                 self._makedirs(posixpath.dirname(full))
@@ -150,7 +150,7 @@ class FsspecStorage(Storage):
             except Exception as e:
                 raise _retry.to_storage_error(e, where) from e
             for piece in pieces:  # errors of the producer propagate unchanged
-                view = memoryview(piece).cast("B")
+                view = byte_view(piece)
                 try:
                     f.write(view)
                 except Exception as e:
@@ -223,10 +223,7 @@ class FsspecStorage(Storage):
         return isinstance(self.fs, LocalFileSystem)
 
     def _exists(self, path: str) -> CheckpointExistsError:
-        return CheckpointExistsError(
-            f"{self.url.rstrip('/')}/{path.strip('/')} already exists: another save committed here "
-            "first; pass overwrite=True to replace it, or save to another URL"
-        )
+        return exists(file_url(self.url, path))
 
     def _publish_exclusive(self, full: str, payload: bytes, path: str) -> None:
         """Publish ``payload`` at ``full`` unless something is there (it was absent a moment ago).
@@ -250,10 +247,10 @@ class FsspecStorage(Storage):
         self.fs.pipe_file(tmp, payload)
         try:
             if self._links_locally():
-                from .local import _publish_exclusive
+                from ._posix import publish_exclusive
 
                 try:
-                    _publish_exclusive(self.fs._strip_protocol(tmp), self.fs._strip_protocol(full))
+                    publish_exclusive(self.fs._strip_protocol(tmp), self.fs._strip_protocol(full))
                 except CheckpointExistsError:
                     raise self._exists(path) from None
                 return
@@ -290,7 +287,7 @@ class FsspecStorage(Storage):
 
     # -- reading -------------------------------------------------------------
     def read_into(self, path: str, offset: int, out: memoryview) -> None:
-        view = out.cast("B") if out.format != "B" or out.ndim != 1 else out
+        view = byte_view(out)
         n = len(view)
         full = self._full(path)
 
@@ -304,18 +301,14 @@ class FsspecStorage(Storage):
         try:
             data = self._call(read, path, f"read bytes [{offset}, {offset + n})")
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing ({e})") from e
+            raise missing(file_url(self.url, path), e) from e
         if len(data) != n:
-            raise CorruptCheckpointError(
-                f"{self.url.rstrip('/')}/{path.strip('/')}: file is truncated: wanted bytes "
-                f"[{offset}, {offset + n}), file ends at {offset + len(data)}"
-            )
+            raise truncated(file_url(self.url, path), offset, n, offset + len(data))
         view[:] = data
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         """One ``cat_ranges`` call: async filesystems (gcsfs, adlfs, ...) fetch the ranges concurrently."""
-        items = [(off, out.cast("B") if out.format != "B" or out.ndim != 1 else out) for off, out in ranges]
-        items = [(off, v) for off, v in items if len(v)]
+        items = [(off, v) for off, v in ((off, byte_view(out)) for off, out in ranges) if len(v)]
         if not items:
             return
         full = self._full(path)
@@ -330,15 +323,12 @@ class FsspecStorage(Storage):
         try:
             datas = self._call(read, path, f"read {len(items)} ranges")
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing ({e})") from e
+            raise missing(file_url(self.url, path), e) from e
         for (off, v), data in zip(items, datas, strict=True):
             if isinstance(data, BaseException):
                 raise data
             if len(data) != len(v):
-                raise CorruptCheckpointError(
-                    f"{self.url.rstrip('/')}/{path.strip('/')}: file is truncated: wanted bytes "
-                    f"[{off}, {off + len(v)}), file ends at {off + len(data)}"
-                )
+                raise truncated(file_url(self.url, path), off, len(v), off + len(data))
             v[:] = data
 
     def size(self, path: str) -> int:
@@ -353,7 +343,7 @@ class FsspecStorage(Storage):
         try:
             return self._call(size, path, "size")
         except StorageNotFoundError as e:
-            raise StorageNotFoundError(f"{self.url.rstrip('/')}/{path.strip('/')}: missing") from e
+            raise missing(file_url(self.url, path)) from e
 
     def exists(self, path: str) -> bool:
         full = self._full(path)

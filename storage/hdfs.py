@@ -41,6 +41,7 @@ from bytecp.errors import ConfigError, StorageError
 from bytecp.storage_api import split_protocol
 
 from . import _retry
+from ._errors import file_url
 from ._retry import NOT_FOUND, PERMISSION, TRANSIENT, RetryPolicy, Verdict
 from .fsspec_backend import FsspecStorage
 
@@ -246,7 +247,7 @@ class HDFSStorage(FsspecStorage):
     def child(self, path: str) -> HDFSStorage:
         # share this client (no new connection, no second probe)
         c = type(self)(
-            self.url.rstrip("/") + "/" + path.strip("/"),
+            file_url(self.url, path),
             client=self.client,
             probe_timeout=self.probe_timeout,
             config=self.config,

@@ -15,11 +15,10 @@ A third-party backend's test module::
     class TestMyBackend(MyFixtures, StorageContract):
         pass
 
-Needs pytest (bytecp's ``test`` extra). A backend's test module combines a fixtures base (a subclass of
-:class:`StorageFixtures` whose ``storage`` fixture yields a fresh, empty
-:class:`~bytecp.storage_api.Storage`) with :class:`StorageContract` (or a
-subset of the mixins). A backend's real gap is declared in ``xfail`` (test
-name -> reason) and becomes an xfail, never a silent skip.
+Needs pytest (bytecp's ``test`` extra). A backend's test module combines a fixtures base (a
+subclass of :class:`StorageFixtures` whose ``storage`` fixture yields a fresh, empty
+:class:`~bytecp.storage_api.Storage`) with :class:`StorageContract` (or a subset of the mixins).
+A backend's real gap is declared in ``xfail`` (test name -> reason): an xfail, never a silent skip.
 """
 
 from __future__ import annotations

@@ -1,0 +1,280 @@
+"""POSIX file primitives of the local-disk backend (:mod:`bytecp.storage.local`).
+
+Error mapping, durable directory entries (fsync), exclusive publishing
+(hard link or ``renameat2``), link-refusing checks, and the write/read loops
+(``pwritev``/``preadv``, and O_DIRECT through a page-aligned bounce buffer).
+Called by :class:`~bytecp.storage.local.LocalStorage` from the engine's
+writer/reader threads; no state of their own beyond the looked-up
+``renameat2``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import mmap
+import os
+from typing import Any
+
+from bytecp.errors import (
+    CorruptCheckpointError,
+    StorageError,
+    StoragePermissionError,
+)
+
+from ._errors import exists, missing
+
+__all__ = [
+    "O_DIRECT",
+    "O_NOFOLLOW",
+    "O_DIRECTORY",
+    "RENAME_EXCHANGE",
+    "NO_RENAMEAT2",
+    "symlink_refused",
+    "fsync_dir",
+    "os_error",
+    "holds",
+    "unlink_quietly",
+    "rename_flags",
+    "rename_noreplace",
+    "remove_tree",
+    "publish_exclusive",
+    "page_aligned",
+    "write_all",
+    "write_direct",
+    "read_all",
+    "read_direct",
+]
+
+_IOV_MAX = 1024
+_ALIGN = 4096
+_DIRECT_CHUNK = 8 << 20
+O_DIRECT = getattr(os, "O_DIRECT", 0)
+O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+O_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+
+
+def symlink_refused(full: str) -> CorruptCheckpointError:
+    return CorruptCheckpointError(
+        f"{full} is a symbolic link; bytecp never follows links inside a checkpoint (a crafted "
+        "checkpoint could point them at files outside it). Copy the real file in its place"
+    )
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def os_error(e: OSError, full: str, op: str) -> StorageError:
+    if isinstance(e, PermissionError):
+        return StoragePermissionError(f"{full}: permission denied while trying to {op} ({e})")
+    if isinstance(e, FileNotFoundError):
+        return missing(full, e)
+    if e.errno == errno.ENOSPC:
+        return StorageError(f"{full}: no space left on device while trying to {op}; free space or save elsewhere")
+    if e.errno == errno.EDQUOT:
+        return StorageError(f"{full}: disk quota exceeded while trying to {op}")
+    return StorageError(f"{full}: {op} failed ({e})")
+
+
+def holds(full: str, data: bytes) -> bool:
+    """Whether the regular file ``full`` has exactly ``data`` (never follows a link)."""
+    try:
+        fd = os.open(full, os.O_RDONLY | O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        if os.fstat(fd).st_size != len(data):
+            return False
+        with os.fdopen(os.dup(fd), "rb") as f:
+            return f.read() == bytes(data)
+    finally:
+        os.close(fd)
+
+
+def unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+_RENAME_NOREPLACE = 1
+RENAME_EXCHANGE = 2
+_renameat2: Any = None
+
+
+def rename_flags(src: str, dst: str, flags: int) -> None:
+    """``renameat2(src, dst, flags)`` (Linux >= 3.15; ext4, xfs, btrfs, tmpfs)."""
+    global _renameat2
+    if _renameat2 is None:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        fn = getattr(libc, "renameat2", None)
+        if fn is None:
+            raise OSError(errno.ENOSYS, "renameat2 is not available in this C library")
+        fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+        fn.restype = ctypes.c_int
+        _renameat2 = fn
+    at_fdcwd = -100
+    if _renameat2(at_fdcwd, os.fsencode(src), at_fdcwd, os.fsencode(dst), flags) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err), dst)
+
+
+def rename_noreplace(src: str, dst: str) -> None:
+    """``renameat2(RENAME_NOREPLACE)``: fails with EEXIST if ``dst`` exists."""
+    rename_flags(src, dst, _RENAME_NOREPLACE)
+
+
+#: errors meaning "this kernel or filesystem has no such renameat2 flag"
+NO_RENAMEAT2 = (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP)
+
+
+def remove_tree(path: str) -> None:
+    """Delete a file or a whole directory tree (never following links)."""
+    import shutil
+
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path)
+    else:
+        os.unlink(path)
+
+
+def publish_exclusive(tmp: str, full: str) -> None:
+    """Give the durable ``tmp`` the name ``full`` only if nothing has that name.
+
+    A hard link is atomic and refuses to replace (POSIX, NFS included); where
+    the filesystem has no hard links, ``renameat2(RENAME_NOREPLACE)``. Both
+    fail with EEXIST when another save committed first. ``tmp`` is gone
+    afterwards either way.
+    """
+    try:
+        os.link(tmp, full)
+    except FileExistsError:
+        raise exists(full) from None
+    except OSError as e:
+        if e.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+            raise
+        try:
+            rename_noreplace(tmp, full)
+        except FileExistsError:
+            raise exists(full) from None
+        except OSError as e2:
+            raise OSError(
+                e2.errno,
+                f"this filesystem supports neither hard links ({e.strerror}) nor "
+                f"renameat2(RENAME_NOREPLACE) ({e2.strerror}), so an exclusive commit is impossible "
+                "here; save with overwrite=True (no protection against a concurrent save) or elsewhere",
+            ) from e2
+        return
+    os.unlink(tmp)  # the link holds the data now
+
+
+def page_aligned(v: memoryview) -> bool:
+    """Whether ``v`` is whole pages starting at a page boundary (written with
+    O_DIRECT as it is); read-only buffers are never taken as such."""
+    if not len(v) or len(v) % _ALIGN:
+        return False
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(v)) % _ALIGN == 0
+    except (TypeError, ValueError):  # read-only, or not contiguous bytes
+        return False
+
+
+def write_all(fd: int, views: list[memoryview]) -> None:
+    offset = 0
+    while views:
+        n = os.pwritev(fd, views[:_IOV_MAX], offset)
+        offset += n
+        # drop fully written views, trim a partly written one
+        while n and views:
+            if n >= len(views[0]):
+                n -= len(views[0])
+                views.pop(0)
+            else:
+                views[0] = views[0][n:]
+                n = 0
+
+
+def write_direct(fd: int, views: list[memoryview]) -> None:
+    """Write whole aligned pages straight from the caller's buffers (a
+    staging arena lays boxes out so), everything else through an aligned
+    bounce buffer; pad the tail, then truncate to size."""
+    total = sum(len(v) for v in views)
+    with mmap.mmap(-1, _DIRECT_CHUNK) as bounce:
+        buf = memoryview(bounce)
+        try:
+            filled = 0
+            offset = 0
+
+            def flush(nbytes: int) -> None:
+                nonlocal offset
+                done = 0
+                while done < nbytes:
+                    done += os.pwrite(fd, buf[done:nbytes], offset + done)
+                offset += nbytes
+
+            for v in views:
+                if filled % _ALIGN == 0 and page_aligned(v):
+                    if filled:
+                        flush(filled)
+                        filled = 0
+                    done = 0
+                    while done < len(v):
+                        done += os.pwrite(fd, v[done:], offset + done)
+                    offset += len(v)
+                    continue
+                pos = 0
+                while pos < len(v):
+                    take = min(len(v) - pos, _DIRECT_CHUNK - filled)
+                    buf[filled : filled + take] = v[pos : pos + take]
+                    filled += take
+                    pos += take
+                    if filled == _DIRECT_CHUNK:
+                        flush(filled)
+                        filled = 0
+            if filled:
+                padded = -(-filled // _ALIGN) * _ALIGN
+                buf[filled:padded] = bytes(padded - filled)
+                flush(padded)
+            os.ftruncate(fd, total)
+        finally:
+            buf.release()
+
+
+def read_all(fd: int, offset: int, view: memoryview) -> int:
+    got = 0
+    while got < len(view):
+        n = os.preadv(fd, [view[got:]], offset + got)
+        if n == 0:
+            break
+        got += n
+    return got
+
+
+def read_direct(fd: int, offset: int, view: memoryview) -> int:
+    want = len(view)
+    got = 0
+    with mmap.mmap(-1, _DIRECT_CHUNK) as bounce:
+        buf = memoryview(bounce)
+        try:
+            while got < want:
+                pos = offset + got
+                start = pos - pos % _ALIGN
+                skip = pos - start
+                n = os.preadv(fd, [buf], start)
+                if n <= skip:
+                    break
+                take = min(n - skip, want - got)
+                view[got : got + take] = buf[skip : skip + take]
+                got += take
+                if n < _DIRECT_CHUNK:  # end of file
+                    break
+        finally:
+            buf.release()
+    return got
