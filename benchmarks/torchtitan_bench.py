@@ -54,8 +54,8 @@ def _runs(root: Path, steps: int, interval: int, repeat: int) -> list[dict[str, 
     return runs
 
 
-def _added(loop_s: list[float], steps: int, interval: int) -> tuple[float, float, int]:
-    """(mean time a checkpoint adds, the clean steps' median, checkpoints) of one run.
+def _added(loop_s: list[float], steps: int, interval: int) -> tuple[list[float], float]:
+    """(the time each checkpoint adds, the clean steps' median) of one run.
 
     ``loop_s[s - 1]`` is step ``s``'s train_step plus its save, up to the
     next step's start. A checkpoint at step ``k`` costs ``loop(k) + loop(k+1)``
@@ -68,7 +68,7 @@ def _added(loop_s: list[float], steps: int, interval: int) -> tuple[float, float
     saved = [k for k in range(2, steps - 1) if k % interval == 0]
     clean = [s for s in range(2, steps) if s % interval not in (0, 1 % interval)]
     base = statistics.median(loop(s) for s in clean)
-    return statistics.mean(loop(k) + loop(k + 1) - 2 * base for k in saved), base, len(saved)
+    return [loop(k) + loop(k + 1) - 2 * base for k in saved], base
 
 
 def summarize(results: dict[str, Any], steps: int, interval: int, repeat: int) -> list[dict[str, Any]]:
@@ -76,13 +76,15 @@ def summarize(results: dict[str, Any], steps: int, interval: int, repeat: int) -
     for i, (label, _, _) in enumerate(CASES):
         rec = [results[f"{i}:{r}"] for r in range(repeat)]
         added = [_added(x["loop_s"], steps, interval) for x in rec]
+        each = [a for run, _ in added for a in run]
         call = [s for x in rec for s in x["save_s"]]
         rows.append({
             "case": label,
-            "added_per_checkpoint_s": statistics.median(a for a, _, _ in added),
-            "clean_step_s": statistics.median(b for _, b, _ in added),
+            "added_per_checkpoint_s": statistics.median(each),
+            "added_quartiles_s": statistics.quantiles(each, n=4)[::2] if len(each) > 1 else None,
+            "clean_step_s": statistics.median(b for _, b in added),
             "save_call_s": statistics.median(call) if call else None,
-            "checkpoints": sum(n for _, _, n in added) if i else 0,
+            "checkpoints": len(each) if i else 0,
         })
     return rows
 
@@ -91,20 +93,23 @@ def table(rows: list[dict[str, Any]], steps: int, interval: int) -> str:
     def f(v: float | None) -> str:
         return "-" if v is None else f"{v:.3f}"
 
-    out = [f"{steps} steps, a checkpoint every {interval} steps; medians over runs "
-           "(the first row's 'added' is the noise floor: the same formula without checkpoints)", "",
-           "| case | added per checkpoint s | save() call s | clean step s | checkpoints |",
-           "| --- | ---: | ---: | ---: | ---: |"]
-    out += [f"| {r['case']} | {f(r['added_per_checkpoint_s'])} | {f(r['save_call_s'])} | {f(r['clean_step_s'])} "
-            f"| {r['checkpoints']} |" for r in rows]
+    def q(v: list[float] | None) -> str:
+        return "-" if v is None else f"{v[0]:.3f} .. {v[1]:.3f}"
+
+    out = [f"{steps} steps, a checkpoint every {interval} steps; medians over all checkpoints of all runs "
+           "(the first row is the noise floor: the same formula without checkpoints)", "",
+           "| case | added per checkpoint s | quartiles s | save() call s | clean step s | checkpoints |",
+           "| --- | ---: | ---: | ---: | ---: | ---: |"]
+    out += [f"| {r['case']} | {f(r['added_per_checkpoint_s'])} | {q(r['added_quartiles_s'])} "
+            f"| {f(r['save_call_s'])} | {f(r['clean_step_s'])} | {r['checkpoints']} |" for r in rows]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--steps", type=int, default=14)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--interval", type=int, default=3)
-    ap.add_argument("--repeat", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--dir", default=None, help="where checkpoints go (default: a temporary directory)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args(argv)
