@@ -48,7 +48,7 @@ from torchtitan.tools import filesystem
 import bytecp
 from bytecp.adapter_api import register_adapter
 from bytecp.catalog import list_checkpoints
-from bytecp.errors import ConfigError, StateMismatchError
+from bytecp.errors import StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 
@@ -143,8 +143,8 @@ class BytecpCheckpointManager(BaseCheckpointManager):
             return {}
         return {c.step: c.url for c in found if c.step is not None and _STEP.match(c.name)}
 
-    def _flat_states(self, keys: list[str] | None = None) -> dict[str, Any]:
-        return {k: v for k, v in self.states.items() if keys is None or k in keys}
+    def _flat_states(self) -> dict[str, Any]:
+        return dict(self.states)
 
     def _save_kwargs(self, step: int) -> dict[str, Any]:
         return {"framework": "torchtitan", "step": step, "overwrite": True, "io_threads": self.config.io_threads}
@@ -240,23 +240,23 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                                     f"{self._url(step)} (committed steps in {self.folder}: {have})")
         load_step = step if step != -1 else max(committed, default=-1)
         if load_step >= 0:  # resuming: the initial_* options are ignored, as DCP's manager does
-            url, model_only = committed[load_step], load_step == 0
+            url, model_only, initial = committed[load_step], load_step == 0, False
         elif cfg.initial_load_in_hf:
             path = cfg.initial_load_path or getattr(self.sd_adapter, "hf_assets_path", None)
             if not path or not filesystem.isdir(path):
                 raise ValueError(f"checkpoint.initial_load_in_hf: {path!r} is not a directory of Hugging Face "
-                                 "safetensors; set checkpoint.initial_load_path (or model.hf_assets_path)")
+                                 "safetensors; set checkpoint.initial_load_path (or hf_assets_path)")
             load_initial_hf(self.sd_adapter, self.states[MODEL], path, cfg.initial_load_in_hf_quantized)
             return True
         elif cfg.initial_load_path:
-            url, model_only = cfg.initial_load_path, cfg.initial_load_model_only
+            url, model_only, initial = cfg.initial_load_path, cfg.initial_load_model_only, True
         else:
             log.info("bytecp: no checkpoint in %s and no initial_load_path: a fresh start", self.folder)
             return False
-        self._load_url(url, model_only)
+        self._load_url(url, model_only, initial)
         return True
 
-    def _load_url(self, url: str, model_only: bool) -> None:
+    def _load_url(self, url: str, model_only: bool, initial: bool) -> None:
         begin = time.monotonic()
         if model_only:
             states = {MODEL: self.states[MODEL]}
@@ -266,14 +266,15 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                     raise ValueError(f"checkpoint.exclude_from_loading names {key!r}, which is not a checkpointed "
                                      f"state; the states are {', '.join(sorted(self.states))}")
             states = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
-        try:
-            result = bytecp.load(url, states, framework="torchtitan", strict=False, verify=self.config.verify)
-        except ConfigError:
-            raise
+        result = bytecp.load(url, states, framework="torchtitan", strict=False, verify=self.config.verify)
         missing = sorted({k.split(".", 1)[0] for k in result.missing_keys})
         if missing:
-            hint = ("it was saved model-only: set checkpoint.initial_load_model_only=True"
-                    if set(missing) != {DATALOADER} else "add it to checkpoint.exclude_from_loading")
+            if MODEL in missing:
+                hint = "its model tensors are named otherwise: is it a checkpoint of this model?"
+            elif initial:
+                hint = "set checkpoint.initial_load_model_only=True, or list them in checkpoint.exclude_from_loading"
+            else:
+                hint = "list them in checkpoint.exclude_from_loading"
             raise StateMismatchError(f"{url} holds no {', '.join(missing)} state "
                                      f"(e.g. {result.missing_keys[0]}); {hint}")
         log.info("bytecp: loaded %s%s in %.2f s", url, " (model only)" if model_only else "",

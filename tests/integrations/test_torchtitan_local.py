@@ -90,7 +90,7 @@ def test_errors_name_the_setting(tmp_path: Path) -> None:
     full, _, _ = _manager(tmp_path / "new", initial_load_path=str(model_only / "step-9"),
                           initial_load_model_only=False)
     with pytest.raises(StateMismatchError, match="holds no lr_scheduler, optimizer, train_state state .*"
-                                                 "initial_load_model_only=True"):
+                                                 "initial_load_model_only=True, or list them"):
         full.load()
     fresh, _, _ = _manager(tmp_path / "empty")
     assert fresh.load() is False
