@@ -2,7 +2,7 @@
 torchtitan's training loop, DCP's manager against bytecp's.
 
 One job of 2 gloo processes (CPU) runs torchtitan 0.3.0's own trainer on
-the llama3 debug model (FSDP2, float32, 6.6 M parameters: 79 MB of model
+the llama3 debug model (FSDP2, float32, 6.2 M parameters: 74 MB of model
 and Adam state per checkpoint) several times in turn: without checkpoints,
 then with each manager and mode saving every ``--interval`` steps. The
 time a checkpoint at step k adds is the loop time of steps k and k+1 (each
