@@ -34,10 +34,10 @@ megatron-install: $(VENV)/.installed
 
 # torchtitan 0.3.0 (its checkpointer tests): --no-deps for the same reason, and
 # because its datasets<4.8 pin would downgrade fsspec below s3fs's; the packages
-# its trainer imports (the `torchtitan` extra's list) come under the pins.
+# its trainer imports (the `torchtitan` extra) come under the pins.
 torchtitan-install: $(VENV)/.installed
 	$(PIP) --no-deps torchtitan==0.3.0
-	$(PIP) spmd_types torch_checkpointing tyro einops tensorboard triton datasets tokenizers torchdata safetensors
+	$(PIP) -e ".[torchtitan]"
 
 install: $(VENV)/.installed
 
