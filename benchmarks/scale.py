@@ -41,10 +41,11 @@ from typing import Any
 from bytecp.format import index_read
 from bytecp.format import metadata as fmt
 from bytecp.format.index_build import build_index
-from bytecp.loading.reader import check_rows
+from bytecp.format.index_check import check_rows
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
-from bytecp.plan.planner import assign_shared, plan_load
+from bytecp.plan.load_plan import plan_load
+from bytecp.plan.planner import assign_shared
 from bytecp.storage_api import open_storage
 from bytecp.tree.regions import Region, full_region
 from bytecp.tree.skeleton import Node
@@ -149,7 +150,7 @@ def load_plan(root: Path, model: dict[str, tuple[int, ...]], world: int, adam: b
                 wanted.setdefault(fqn, []).append(box)
             segs = index_read.wanted_segments(md, wanted)
             chunks = index_read.read_segments(storage, md, segs, fqns=set(wanted))
-            check_rows(storage, md, chunks)
+            check_rows(storage.url, md, chunks)
             sizes = {fqn: 4 for fqn in wanted}
             reqs = plan_load(own, chunks, itemsizes=sizes)
             d = md.index

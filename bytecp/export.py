@@ -6,8 +6,10 @@ the pieces here.
 Called by the CLI (``bytecp export``) and by user code, in one process with
 no ``torch.distributed``:
 
-1. :func:`open_checkpoint` reads and checks the metadata and index (sizes
-   checked against the real files before anything is allocated);
+1. :func:`open_export` opens the checkpoint
+   (:func:`bytecp.loading.opened.open_checkpoint`): its metadata and every
+   index row, sizes checked against the real files before anything is
+   allocated;
 2. :func:`select_tensors` decides which tensors, under which names and in
    which dtype (``prefix``, tied aliases, ``dtype`` casts);
 3. :class:`TensorReader` reads them a group at a time (memory: one group of
@@ -37,10 +39,10 @@ from typing import Any
 import torch
 
 from bytecp.errors import CheckpointExistsError, ConfigError
-from bytecp.format import limits
 from bytecp.format import metadata as fmt
-from bytecp.loading.reader import Target, execute_reads, read_chunks, read_metadata
-from bytecp.plan.planner import plan_load
+from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
+from bytecp.loading.reader import Target, execute_reads
+from bytecp.plan.load_plan import plan_load
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage, open_storage, split_protocol
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -49,7 +51,7 @@ from bytecp.tree.regions import full_region
 
 __all__ = [
     "SAFETENSORS_DTYPES", "CAST_DTYPES", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
-    "open_checkpoint", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
+    "open_export", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
     "safetensors_pieces", "split_url", "refuse_nested", "export_safetensors", "export_torch",
 ]  # fmt: skip
 
@@ -113,16 +115,14 @@ class ExportResult:
         return dataclasses.asdict(self)
 
 
-def open_checkpoint(src: str | Storage) -> tuple[Storage, fmt.Metadata, list[fmt.ChunkRecord]]:
-    """The checkpoint's storage (``src`` itself, or a URL opened with no
-    options), its validated metadata and index; every declared size checked
-    against the real files."""
-    storage = src if isinstance(src, Storage) else open_storage(src)
-    md = read_metadata(storage)
-    real = limits.real_data_sizes(storage, md)
-    chunks = read_chunks(storage, md, real)
-    limits.check_sizes(storage, md, chunks, real)
-    return storage, md, chunks
+def open_export(src: str | Storage) -> OpenedCheckpoint:
+    """The checkpoint at ``src`` (a storage, or a URL opened with no options)
+    opened for an export: every index row read and checked, then every
+    declared size against the real files."""
+    opened = open_checkpoint(src)
+    opened.all_rows()
+    opened.check_sizes()
+    return opened
 
 
 def _top_level_keys(md: fmt.Metadata) -> str:
@@ -187,13 +187,12 @@ class TensorReader:
     tensor once the consumer asks for the next.
     """
 
-    def __init__(self, storage: Storage, chunks: Sequence[fmt.ChunkRecord], *, io_threads: int = 8,
-                 group_bytes: int = GROUP_BYTES) -> None:
-        self.storage, self.io_threads, self.group_bytes = storage, io_threads, group_bytes
+    def __init__(self, opened: OpenedCheckpoint, *, io_threads: int = 8, group_bytes: int = GROUP_BYTES) -> None:
+        self.storage, self.io_threads, self.group_bytes = opened.storage, io_threads, group_bytes
         self.by_fqn: dict[str, list[fmt.ChunkRecord]] = {}
-        for c in chunks:
+        for c in opened.all_rows():
             self.by_fqn.setdefault(c.fqn, []).append(c)
-        self.trace = Trace("export", storage.url)
+        self.trace = Trace("export", opened.storage.url)
 
     def read(self, items: Iterable[ExportTensor]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
         group: list[ExportTensor] = []
@@ -311,13 +310,14 @@ def export_safetensors(
 ) -> ExportResult:
     """Write the selected tensors to ONE safetensors file at ``out`` (any URL),
     streamed (about one tensor in memory) and published atomically."""
-    storage, md, chunks = open_checkpoint(src)
+    opened = open_export(src)
+    storage, md = opened.storage, opened.metadata
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
     parent, name = _single_file_target(storage.url, out, out_options, overwrite)
     header = safetensors_header(items, safetensors_metadata(md))
     total = sum(it.nbytes for it in items)
     progress.start(total)
-    n = parent.write_stream(name, safetensors_pieces(header, items, TensorReader(storage, chunks), progress),
+    n = parent.write_stream(name, safetensors_pieces(header, items, TensorReader(opened), progress),
                             size_hint=len(header) + total)
     return ExportResult(out, "safetensors", {name: n}, len(items), total, omitted)
 
@@ -359,14 +359,15 @@ def export_torch(
     Memory: every exported tensor at once (``torch.save`` needs them
     together), plus a few pieces of the file while it is uploaded; use the
     safetensors formats for states larger than memory."""
-    storage, md, chunks = open_checkpoint(src)
+    opened = open_export(src)
+    storage, md = opened.storage, opened.metadata
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
                                     safetensors=False)
     parent, name = _single_file_target(storage.url, out, out_options, overwrite)
     total = sum(it.nbytes for it in items)
     progress.start(total)
     sd: dict[str, torch.Tensor] = {}
-    for it, t in TensorReader(storage, chunks).read(items):
+    for it, t in TensorReader(opened).read(items):
         sd[it.name] = t.to(dtype_from_name(it.out_dtype))
         progress.advance(it.nbytes)
     writer = _QueueWriter()

@@ -48,7 +48,7 @@ from bytecp.export import (
     ExportResult,
     ExportTensor,
     TensorReader,
-    open_checkpoint,
+    open_export,
     refuse_nested,
     safetensors_header,
     safetensors_metadata,
@@ -215,8 +215,8 @@ def _write_shard(shard: _Shard, reader: TensorReader | None = None, progress: Pr
     which opens the checkpoint and the output from the shard's URLs)."""
     if reader is None:
         if shard.src_url not in _OPENED:
-            storage, _, chunks = open_checkpoint(open_storage(shard.src_url, **shard.src_options))
-            _OPENED[shard.src_url] = (storage, TensorReader(storage, chunks))
+            opened = open_export(open_storage(shard.src_url, **shard.src_options))
+            _OPENED[shard.src_url] = (opened.storage, TensorReader(opened))
         reader = _OPENED[shard.src_url][1]
     if target is None:
         target = open_storage(shard.out_url, **shard.out_options)
@@ -328,7 +328,8 @@ def export_hf(
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
     max_bytes = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
-    storage, md, chunks = open_checkpoint(src)
+    opened = open_export(src)
+    storage, md = opened.storage, opened.metadata
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
     config_bytes, config_source = resolve_config(md, storage.url, config, dtype)
     options = dict(out_options or {})
@@ -349,7 +350,7 @@ def export_hf(
         )
     shards = plan_shards(items, max_bytes)
     names = shard_names(len(shards))
-    reader = TensorReader(storage, chunks)
+    reader = TensorReader(opened)
     meta = safetensors_metadata(md)
     weights: list[tuple[str, Any]] = [
         (n, _Shard(storage.url, storage.options(), "", {}, "", safetensors_header(s, meta), tuple(s)))

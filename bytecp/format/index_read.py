@@ -1,36 +1,81 @@
-"""Reading the version-2 index: the segments a rank's targets meet, and
-nothing else (docs/FORMAT.md section 5).
+"""Reading the chunk index of either version (docs/FORMAT.md section 5):
+rows decoded and checked, nothing else.
 
-Called by the load pipeline on every rank once it knows the boxes it reads
-(:func:`wanted_segments`, then :func:`read_segments`), and by the
-one-process tools (export, inspect, verify, gc) through
-:func:`bytecp.loading.reader.read_chunks`, which reads every segment. A rank whose
-targets are empty reads nothing. Every segment's crc32c (from
-``metadata.json``) is checked before it is decoded, and its footer against
-the hostile-input budget (:mod:`bytecp.format.limits`); rows are checked against
-``metadata.json`` by the caller.
+Version 2: the segments a rank's targets meet, and nothing else. Called
+through the opened checkpoint (:mod:`bytecp.loading.opened`): on every rank
+of a load once it knows the boxes it reads (:func:`wanted_segments`, then
+:func:`read_segments`), and in the one-process tools (export, inspect,
+verify) for every segment. A rank whose targets are empty reads nothing.
+Every segment's crc32c (from ``metadata.json``) is checked before it is
+decoded, and its footer against the hostile-input budget
+(:mod:`bytecp.format.limits`).
+
+Version 1: :func:`read_index` decodes whole per-rank index files (the
+opened checkpoint's coordinator reads them all).
+
+Table, footer and placement checks are :mod:`bytecp.format.index_check`'s,
+shared by both versions; rows are checked against ``metadata.json`` by the
+opened checkpoint.
 """
 
 from __future__ import annotations
 
 import bisect
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
+from bytecp.format.index_check import Place, check_place, decode_table
 from bytecp.format.index_schema import INDEX_SCHEMA_V2, MAX_SPAN, bucket_range
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
-__all__ = ["wanted_segments", "read_segments", "all_segments", "max_rows", "check_budget"]
+__all__ = ["read_index", "wanted_segments", "read_segments", "all_segments", "max_rows", "check_budget"]
 
 _STRINGS = ("fqn", "file")
+_STRINGS_V1 = ("fqn", "dtype", "file")
+
+
+def read_index(
+    blobs: Iterable[tuple[str, bytes]],
+    *,
+    where: str = "",
+    row_budget: Callable[[], int] | None = None,
+) -> list[fmt.ChunkRecord]:
+    """(version 1) Decode index files (``(name, bytes)`` pairs) into chunk records.
+
+    ``where`` (the checkpoint URL) prefixes file names in errors. Each
+    file's footer is checked against the hostile-input budget before any
+    column is decoded; ``row_budget`` gives the most rows the checkpoint may
+    have, and is called at most once, only for an index file above
+    :data:`bytecp.format.limits.FIXED_ROWS` rows (it may look up the data
+    files' real sizes).
+    """
+    budget: list[int] = []
+
+    def once() -> int:
+        if not budget:
+            assert row_budget is not None
+            budget.append(row_budget())
+        return budget[0]
+
+    out: list[fmt.ChunkRecord] = []
+    for name, data in blobs:
+        label = f"{where.rstrip('/')}/{name}" if where else name
+        table = decode_table(f"index file {label}", label, data, fmt.INDEX_SCHEMA, _STRINGS_V1,
+                             row_budget=once if row_budget is not None else None)
+        try:
+            chunks = fmt.table_to_chunks(table)
+        except (pa.ArrowException, ValueError, TypeError, IndexError) as e:
+            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+        limits.check_chunk_records(label, chunks)
+        out.extend(chunks)
+    return out
 
 
 def all_segments(md: fmt.Metadata) -> list[int]:
@@ -98,7 +143,7 @@ def read_segments(
     nb = len(d.band["bucket"])
     where = f"{storage.url.rstrip('/')}/{d.file}"
     spans = []
-    places: list[_Place] = []
+    places: list[Place] = []
     for s in segments:
         col = d.band if s < nb else d.wide
         k = s if s < nb else s - nb
@@ -125,34 +170,11 @@ def read_segments(
     return out
 
 
-#: where a segment's rows belong: (its band, None, None) or (None, first name, last name)
-_Place = tuple[int | None, str | None, str | None]
-
-
 def _decode(
-    label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str] | None, place: _Place
+    label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str] | None, place: Place
 ) -> list[fmt.ChunkRecord]:
     """One segment's rows (of the tensors in ``fqns``) as chunk records."""
-    try:
-        pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(_STRINGS))
-        if pf.metadata.num_rows != rows:
-            raise CorruptCheckpointError(f"{label} has {pf.metadata.num_rows} rows, the directory says {rows}")
-        limits.check_index_metadata(label, pf.metadata, len(data), rows, data)
-        missing = [f.name for f in INDEX_SCHEMA_V2 if f.name not in pf.schema_arrow.names]
-        if missing:
-            raise CorruptCheckpointError(f"{label} lacks columns {missing}")
-        table = pf.read(columns=INDEX_SCHEMA_V2.names, use_threads=False)
-    except CorruptCheckpointError:
-        raise
-    except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
-        raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
-    for f in INDEX_SCHEMA_V2:
-        col = table.column(f.name)
-        got = col.type.value_type if pa.types.is_dictionary(col.type) and f.name in _STRINGS else col.type
-        nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
-        if got != f.type or nulls:
-            raise CorruptCheckpointError(f"{label}: column {f.name!r} is {got}{' with nulls' if nulls else ''}, "
-                                         f"expected {f.type}")
+    table = decode_table(label, label, data, INDEX_SCHEMA_V2, _STRINGS, rows=rows)
     try:
         names = table.column("fqn").combine_chunks()
         if not pa.types.is_dictionary(names.type):
@@ -169,7 +191,7 @@ def _decode(
         raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
 
 
-def _records(table: pa.Table, md: fmt.Metadata, label: str, place: _Place) -> list[fmt.ChunkRecord]:
+def _records(table: pa.Table, md: fmt.Metadata, label: str, place: Place) -> list[fmt.ChunkRecord]:
     cols = [fmt.column_values(table, name) for name in INDEX_SCHEMA_V2.names]
     out = []
     for fqn, of, ln, f, bo, nb, crc in zip(*cols, strict=True):
@@ -179,30 +201,5 @@ def _records(table: pa.Table, md: fmt.Metadata, label: str, place: _Place) -> li
         out.append(fmt.ChunkRecord(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
                                    int(bo), int(nb), int(crc)))
     limits.check_chunk_records(label, out)
-    _check_place(label, md, out, place)
+    check_place(label, md, out, place)
     return out
-
-
-def _check_place(label: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord], place: _Place) -> None:
-    """Every row is where §5.4 puts it: a band segment lists chunks of banded
-    tensors that meet its band, a wide segment chunks of wide tensors named
-    within its range. (A misplaced row would make a load depend on which
-    other segments a rank happens to read.)"""
-    assert md.index is not None
-    band, first, last = place
-    for c in chunks:
-        info = md.tensors[c.fqn]
-        dim, shape = info.get("band_dim"), info["shape"]
-        if band is None:
-            ok = dim is None and first is not None and last is not None and first <= c.fqn <= last
-        elif dim is None or not len(c.offsets) == len(c.lengths) == len(shape) or c.lengths[dim] <= 0:
-            ok = False
-        else:
-            lo, hi = bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)
-            ok = lo <= band <= hi
-        if not ok:
-            where = f"band {band}" if band is not None else f"the wide segment of names {first!r}..{last!r}"
-            raise CorruptCheckpointError(
-                f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} "
-                f"does not belong in {where} (FORMAT.md §5.4); the index is corrupt"
-            )

@@ -30,7 +30,7 @@ size plus a fixed allowance, and deep nesting fails as a typed error.
 
 Who calls what: :meth:`bytecp.format.metadata.Metadata.validate` calls
 :func:`check_structure` (every reader, on every ``metadata.json``);
-:func:`bytecp.format.metadata.read_index` calls :func:`check_index_metadata` before
+:func:`bytecp.format.index_check.decode_table` calls :func:`check_index_metadata` before
 decoding an index file; the load path and ``inspect`` call
 :func:`check_sizes` (coordinator) before any tensor is allocated; the object
 reader and ``verify`` call :func:`check_blob` before a blob is unpickled.
@@ -138,14 +138,18 @@ def _object_records(md: Metadata) -> list[tuple[str, Any]]:
     return out
 
 
-def real_data_sizes(storage: Storage, md: Metadata) -> dict[str, int | None]:
+def real_data_sizes(
+    storage: Storage, md: Metadata, listed: Mapping[str, int] | None = None
+) -> dict[str, int | None]:
     """(coordinator) The real size of every data file metadata.json lists (None: missing).
 
-    One listing of ``data/`` (:meth:`~bytecp.storage_api.Storage.file_sizes`);
-    a file the listing lacks is asked for directly, so an eventually
-    consistent listing never makes a present file look missing.
+    One listing of ``data/`` (:meth:`~bytecp.storage_api.Storage.file_sizes`;
+    ``listed``: the caller's); a file the listing lacks is asked for
+    directly, so an eventually consistent listing never makes a present file
+    look missing.
     """
-    listed = storage.file_sizes("data")
+    if listed is None:
+        listed = storage.file_sizes("data")
     out: dict[str, int | None] = {}
     for path in md.data_files:
         size = listed.get(path)
@@ -169,7 +173,7 @@ def check_sizes(
     Every data file exists with the size metadata.json declares; every object
     blob lies inside its file; the tensors' total size is at most the data
     files' total. Chunks were checked against the declared sizes already
-    (:func:`bytecp.loading.reader.check_chunks`), so they are inside the real files too.
+    (:func:`bytecp.format.index_check.check_index`), so they are inside the real files too.
     ``chunks`` (or a function reading them, called only to name the tensors
     a bad file holds) name the tensors in the error.
     """

@@ -21,7 +21,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -48,7 +48,6 @@ __all__ = [
     "chunks_to_table",
     "table_to_chunks",
     "write_index",
-    "read_index",
     "column_values",
     "IndexDirectory",
 ]
@@ -342,62 +341,3 @@ def write_index(chunks: Sequence[ChunkRecord]) -> bytes:
     sink = io.BytesIO()
     pq.write_table(chunks_to_table(chunks), sink, compression="zstd")
     return sink.getvalue()
-
-
-_STRING_COLUMNS = ("fqn", "dtype", "file")
-
-
-def read_index(
-    blobs: Iterable[tuple[str, bytes]],
-    *,
-    where: str = "",
-    row_budget: Callable[[], int] | None = None,
-) -> list[ChunkRecord]:
-    """Decode index files (``(name, bytes)`` pairs) into chunk records.
-
-    (coordinator) ``where`` (the checkpoint URL) prefixes file names in
-    errors. Each file's footer is checked against the hostile-input budget
-    (:func:`bytecp.format.limits.check_index_metadata`) before any column is
-    decoded; ``row_budget`` gives the most rows the checkpoint may have, and
-    is called only for indexes above :data:`bytecp.format.limits.FIXED_ROWS` rows
-    (it may look up the data files' real sizes).
-    """
-    out: list[ChunkRecord] = []
-    budget: int | None = None
-    for name, data in blobs:
-        label = f"{where.rstrip('/')}/{name}" if where else name
-        try:
-            # ParquetFile.read without threads: read_table's dataset scanner
-            # leaves threads that can abort the interpreter at exit when torch
-            # is loaded (apache/arrow#34314)
-            pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(_STRING_COLUMNS))
-            rows = pf.metadata.num_rows
-            if rows > limits.FIXED_ROWS and row_budget is not None and budget is None:
-                budget = row_budget()
-            limits.check_index_metadata(label, pf.metadata, len(data), budget, data)
-            missing = [f.name for f in INDEX_SCHEMA if f.name not in pf.schema_arrow.names]
-            if missing:
-                raise CorruptCheckpointError(f"index file {label} lacks columns {missing}")
-            table = pf.read(columns=[f.name for f in INDEX_SCHEMA], use_threads=False)
-        except CorruptCheckpointError:
-            raise
-        except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
-            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
-        for f in INDEX_SCHEMA:
-            got = table.schema.field(f.name).type
-            if pa.types.is_dictionary(got) and f.name in _STRING_COLUMNS:
-                got = got.value_type
-            col = table.column(f.name)
-            nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
-            if got != f.type or nulls:
-                raise CorruptCheckpointError(
-                    f"index file {label}: column {f.name!r} is {got}"
-                    f"{' with nulls' if nulls else ''}, expected {f.type}"
-                )
-        try:
-            chunks = table_to_chunks(table)
-        except (pa.ArrowException, ValueError, TypeError, IndexError) as e:
-            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
-        limits.check_chunk_records(label, chunks)
-        out.extend(chunks)
-    return out

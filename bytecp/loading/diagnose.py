@@ -1,6 +1,6 @@
 """Why a URL is not a checkpoint: one clear line naming the path and what to do.
 
-Called by :func:`bytecp.loading.reader.read_metadata` (every reader: ``load``,
+Called by :func:`bytecp.loading.opened.read_metadata` (every reader: ``load``,
 ``load_state_dict``, ``inspect``, ``verify``, ``export``) when
 ``metadata.json`` cannot be read, and only then, so the look-ups here cost
 nothing on the normal path. The cases, in the order they are checked:

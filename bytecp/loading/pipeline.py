@@ -6,9 +6,10 @@ live state, filled in place) and in one process for
 ``bytecp.load_state_dict`` (target: everything, as plain values).
 
 Collectives (every rank, in this order, each fail-together): the metadata
-broadcast (the coordinator reads and validates ``metadata.json`` and the
-chunk index), match, [the zero-redundancy all-gather], read, [one broadcast
-per rank holding shared pieces], apply. A failure on any rank raises
+broadcast (the coordinator opens the checkpoint: ``metadata.json``
+validated, declared sizes checked; every rank receives the opened
+checkpoint, :mod:`bytecp.loading.opened`), match, [the zero-redundancy
+all-gather], read, [one broadcast per rank holding shared pieces], apply. A failure on any rank raises
 :class:`~bytecp.errors.DistributedCheckpointError` on every rank, labelled
 with the phase (``load/match``, ``load/read``, ...).
 """
@@ -22,10 +23,10 @@ from bytecp import faults
 from bytecp.adapter_api import LoadTarget, detect_adapter
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
-from bytecp.format import index_read, limits
 from bytecp.format import metadata as fmt
 from bytecp.loading.matching import Match, match_target
-from bytecp.loading.reader import Target, check_rows, execute_reads, read_chunks, read_metadata
+from bytecp.loading.opened import OpenedCheckpoint, Shared, open_checkpoint
+from bytecp.loading.reader import Target, execute_reads
 from bytecp.loading.zero_redundancy import (
     SharedPlan,
     candidates_digest,
@@ -34,7 +35,8 @@ from bytecp.loading.zero_redundancy import (
     split_targets,
 )
 from bytecp.options import LoadOptions
-from bytecp.plan.planner import assign_shared, plan_load
+from bytecp.plan.load_plan import plan_load
+from bytecp.plan.planner import assign_shared
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_from_name, itemsize
@@ -63,8 +65,7 @@ class LoadPipeline:
     ) -> None:
         self.storage, self.state, self.opts, self.ctx, self.trace = storage, state, opts, ctx, trace
         self.md: fmt.Metadata | None = None
-        self.chunks: list[fmt.ChunkRecord] = []  # version 1: the whole index, from the coordinator
-        self._budget: int | None = None  # version 2: rows the index may hold
+        self.opened: OpenedCheckpoint | None = None
         self.matched: Match | None = None
         self.target: LoadTarget | None = None
         self.own: list[Target] = []
@@ -83,28 +84,21 @@ class LoadPipeline:
         return LoadResult(self.matched.missing, self.matched.unexpected, self.md, self.matched.values)
 
     def read_metadata(self) -> None:
-        """(coordinator reads, every rank receives; one broadcast) The
-        validated metadata -- and for a version-1 checkpoint the whole chunk
-        index. A version-2 index is never broadcast: each rank reads the
-        segments its own targets meet in :meth:`read`."""
+        """(coordinator opens, every rank receives; one broadcast) The opened
+        checkpoint: validated metadata, sizes checked against the real files,
+        and what each rank needs to find its rows (a version-1 index whole; a
+        version-2 index only by its budget: each rank reads the segments its
+        own targets meet in :meth:`read`)."""
 
-        def read() -> tuple[fmt.Metadata, list[fmt.ChunkRecord], int | None]:
+        def read() -> Shared:
             with self.trace.span("read_metadata") as sp:
-                md = read_metadata(self.storage)
-                real = limits.real_data_sizes(self.storage, md)  # one listing serves both checks
-                if md.index is None:
-                    chunks = read_chunks(self.storage, md, real)
-                    limits.check_sizes(self.storage, md, chunks, real)  # before any tensor is allocated
-                    sp.files = 1 + len(md.index_files)
-                    return md, chunks, None
-                limits.check_index_file(self.storage, md)  # before the index names tensors in errors
-                limits.check_sizes(self.storage, md, lambda: read_chunks(self.storage, md, md.data_files), real)
-                budget = index_read.max_rows(md, real)
-                index_read.check_budget(self.storage, md, budget)
-                sp.files = 1
-            return md, [], budget
+                opened = open_checkpoint(self.storage)
+                opened.check_sizes()  # before any tensor is allocated
+                sp.files = opened.files_read
+                return opened.share()
 
-        self.md, self.chunks, self._budget = self.ctx.broadcast("load/metadata", read)
+        self.opened = OpenedCheckpoint.received(self.storage, self.ctx.broadcast("load/metadata", read))
+        self.md = self.opened.metadata
         self.trace.checkpoint_id = self.md.save_id
         self.trace.step = self.md.step
 
@@ -152,16 +146,16 @@ class LoadPipeline:
         self.own, self._shared_views = split_targets(matched.targets, self.shared, ctx.rank)
 
     def read(self) -> None:
-        """(every rank; fail-together) The index segments this rank's boxes
-        meet (version 2), then ranged reads of only the bytes it needs,
-        straight into its target tensors."""
-        md = self.md
-        assert md is not None
+        """(every rank; fail-together) The index rows of this rank's boxes
+        (version 2: only the segments they meet), then ranged reads of only
+        the bytes it needs, straight into its target tensors."""
+        opened = self.opened
+        assert opened is not None
 
         def read() -> None:
             faults.inject("read", self.ctx.rank)
             with self.trace.span("plan"):
-                chunks = self.chunks if md.index is None else self._own_chunks(md)
+                chunks = self._own_rows(opened)
                 itemsizes = {t.fqn: itemsize(t.view.dtype) for t in self.own}
                 reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
             execute_reads(self.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
@@ -169,18 +163,16 @@ class LoadPipeline:
 
         self.ctx.run("load/read", read)
 
-    def _own_chunks(self, md: fmt.Metadata) -> list[fmt.ChunkRecord]:
-        """(version 2) The chunks of this rank's boxes: only their segments are read."""
+    def _own_rows(self, opened: OpenedCheckpoint) -> list[fmt.ChunkRecord]:
+        """The rows of this rank's boxes, checked against the metadata."""
         wanted: dict[str, list[Region]] = {}
         for t in self.own:
             if t.box.numel:
                 wanted.setdefault(t.fqn, []).append(t.box)
         with self.trace.span("read_metadata") as sp:
-            segments = index_read.wanted_segments(md, wanted)
-            chunks = index_read.read_segments(self.storage, md, segments, fqns=set(wanted), budget=self._budget)
-            check_rows(self.storage, md, chunks)
-            sp.files = len(segments)
-        return chunks
+            got = opened.rows_for(wanted)
+            sp.files = got.files
+        return got.rows
 
     def exchange(self) -> None:
         """(every rank, zero-redundancy loads only) Send the pieces read to every rank."""

@@ -5,7 +5,6 @@ process) with its own target boxes and the chunks that may hold them:
 :func:`plan_load` intersects them and turns each intersection into ranged
 reads of only the needed bytes; a sub-box that is not contiguous in its
 chunk is read as one span when the waste is small, else split row by row.
-Re-exported by :mod:`bytecp.plan.planner`, which holds the save side.
 """
 
 from __future__ import annotations

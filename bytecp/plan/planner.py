@@ -11,9 +11,8 @@ the boxes without a sound replica hint and scatters back):
   length), so under DDP every rank writes about 1/W of the bytes;
 - each piece goes to the least-loaded rank that holds it (largest first).
 
-Load (every rank, on its own targets): :func:`plan_load` (in
-:mod:`bytecp.plan.load_plan`, re-exported here) turns target boxes into ranged
-reads; :func:`assign_shared` spreads the whole tensors every rank wants over
+Load (every rank, on its own targets): :func:`bytecp.plan.load_plan.plan_load`
+turns target boxes into ranged reads; :func:`assign_shared` spreads the whole tensors every rank wants over
 the ranks for zero-redundancy loading.
 
 Tests run these for thousands of simulated ranks in one process.
@@ -32,7 +31,6 @@ from typing import Any
 import numpy as np
 
 from bytecp.errors import ConfigError
-from bytecp.plan.load_plan import ReadRequest, plan_load
 from bytecp.tree.regions import Region, row_major_strides
 from bytecp.tree.state import ReplicaSet
 
@@ -42,8 +40,6 @@ __all__ = [
     "plan_save",
     "plan_replicated",
     "plan_fingerprint",
-    "ReadRequest",
-    "plan_load",
     "DEFAULT_SPLIT_BYTES",
     "plan_shared_reads",
     "assign_shared",

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from bytecp.loading.reader import read_metadata
+from bytecp.loading.opened import open_checkpoint
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
 
@@ -33,11 +33,12 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progre
     """Delete unreferenced data/index files of saves older than the committed one.
 
     ``progress`` hears the files as they are deleted (batches of :data:`DELETE_BATCH`)."""
-    md = read_metadata(storage)
+    opened = open_checkpoint(storage)
+    md = opened.metadata
     keep = md.referenced_files()
     removed: list[str] = []
     newer: list[str] = []
-    for path in storage.list_files(""):
+    for path in opened.stored_files():
         parts = path.split("/")
         if len(parts) != 3 or parts[0] not in ("data", "index") or path in keep:
             continue

@@ -14,7 +14,7 @@ from typing import Any
 from bytecp.errors import BytecpError
 from bytecp.format import limits
 from bytecp.format.checksum import crc32c
-from bytecp.loading.reader import read_chunks, read_metadata
+from bytecp.loading.opened import open_checkpoint
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
 from bytecp.tree.dtypes import dtype_from_name, itemsize
@@ -25,9 +25,9 @@ __all__ = ["summarize", "verify", "VerifyProblem"]
 
 def summarize(storage: Storage) -> dict[str, Any]:
     """A JSON-able description of the checkpoint (what ``bytecp inspect`` prints)."""
-    md = read_metadata(storage)
-    chunks = read_chunks(storage, md)
-    limits.check_sizes(storage, md, chunks)  # never report sizes the files do not have
+    opened = open_checkpoint(storage)
+    md, chunks = opened.metadata, opened.all_rows()
+    opened.check_sizes()  # never report sizes the files do not have
     per: dict[str, dict[str, Any]] = {}
     counts: dict[str, int] = defaultdict(int)
     stored: dict[str, int] = defaultdict(int)
@@ -90,15 +90,12 @@ def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PRO
     Returns ``(bytes checked, problems)``; no problems means the checkpoint
     is intact. ``progress`` hears the bytes as they are checked.
     """
-    md = read_metadata(storage)
-    chunks = read_chunks(storage, md)
+    opened = open_checkpoint(storage)
+    md, chunks = opened.metadata, opened.all_rows()
     problems: list[VerifyProblem] = []
-    sizes: dict[str, int | None] = {}
+    sizes = opened.data_sizes
     for path, want in md.data_files.items():
-        try:
-            sizes[path] = storage.size(path)
-        except FileNotFoundError:
-            sizes[path] = None
+        if sizes[path] is None:
             problems.append(VerifyProblem(path, "data file", "", "missing"))
             continue
         if sizes[path] != want:

@@ -14,7 +14,7 @@ from torch import nn
 
 import bytecp
 from bytecp.errors import ConfigError
-from bytecp.loading.reader import read_chunks, read_metadata
+from bytecp.loading.opened import open_checkpoint, read_metadata
 from bytecp.storage_api import open_storage
 from bytecp.tree.state import flatten_tree, merge_aliases
 
@@ -30,7 +30,7 @@ def stored(url: str) -> tuple[dict[str, str], dict[str, int]]:
     storage = open_storage(url)
     md = read_metadata(storage)
     per: dict[str, int] = {}
-    for c in read_chunks(storage, md):
+    for c in open_checkpoint(storage).all_rows():
         per[c.fqn] = per.get(c.fqn, 0) + c.nbytes
     return md.aliases, per
 

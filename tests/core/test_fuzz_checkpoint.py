@@ -35,6 +35,7 @@ import pytest
 
 import bytecp
 from bytecp.errors import BytecpError
+from bytecp.format import index_read
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c as crc32c_of
 from bytecp.format.index_schema import INDEX_SCHEMA_V2
@@ -132,7 +133,7 @@ def mutate_index(rng: random.Random, files: dict[str, bytes]) -> str:
         return mutate_segments(rng, files, name)
     if rng.random() < 0.5:
         return mutate_bytes(rng, files, name)
-    chunks = fmt.read_index([(name, files[name])])
+    chunks = index_read.read_index([(name, files[name])])
     i = rng.randrange(len(chunks))
     c = chunks[i]
     field = rng.choice(["global_shape", "offsets", "lengths", "byte_offset", "nbytes", "file", "dtype", "consistent"])

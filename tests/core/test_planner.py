@@ -7,12 +7,12 @@ import time
 from collections import defaultdict
 
 from bytecp.format.metadata import ChunkRecord
+from bytecp.plan.load_plan import plan_load
 from bytecp.plan.planner import (
     MIN_PIECE_BYTES,
     LocalSavePlan,
     WriteItem,
     find_overlap,
-    plan_load,
     plan_save,
     plan_shared_reads,
 )

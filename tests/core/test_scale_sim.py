@@ -25,11 +25,11 @@ from bytecp.plan.exchange import (
     planned_locally,
     vote_for,
 )
+from bytecp.plan.load_plan import plan_load
 from bytecp.plan.planner import (
     WriteItem,
     assign_shared,
     find_overlap,
-    plan_load,
     plan_save,
     plan_shared_reads,
 )

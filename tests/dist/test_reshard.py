@@ -94,13 +94,13 @@ def test_metadata_records_framework_and_world(saved) -> None:
 def test_ddp_replicas_are_written_once_by_every_rank(saved) -> None:
     """DDP: all 4 ranks write (their share of the replicated state), and every
     tensor byte is stored exactly once (balance itself: tests/core/test_planner.py)."""
-    from bytecp.loading.reader import read_chunks, read_metadata
+    from bytecp.loading.opened import open_checkpoint, read_metadata
     from bytecp.storage_api import open_storage
 
     url, _ = saved[("ddp", 4)]
     storage = open_storage(url)
     md = read_metadata(storage)
-    chunks = read_chunks(storage, md)
+    chunks = open_checkpoint(storage).all_rows()
     writers = {c.file.rsplit("/", 1)[1].split("-")[0] for c in chunks}
     assert writers == {"0", "1", "2", "3"}
     state_bytes = sum(math.prod(t["shape"]) * torch.empty((), dtype=getattr(torch, t["dtype"])).element_size()

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp.loading.reader import read_chunks, read_metadata
+from bytecp.loading.opened import open_checkpoint, read_metadata
 from bytecp.storage_api import open_storage
 
 from . import tie_cases
@@ -38,7 +38,7 @@ def assert_stored_once(url: str, ref: dict[str, Any]) -> None:
     assert set(md.tensors) - {"extra.step"} == want
     model_bytes = sum(v.numel() * v.element_size() for k, v in ref["model"].items() if k != HEAD)
     optim_bytes = sum(v.numel() * v.element_size() for v in ref["optim"].values())
-    assert sum(c.nbytes for c in read_chunks(storage, md)) == model_bytes + optim_bytes
+    assert sum(c.nbytes for c in open_checkpoint(storage).all_rows()) == model_bytes + optim_bytes
 
 
 def assert_matches_one_process(url: str, ref: dict[str, Any]) -> None:

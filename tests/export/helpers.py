@@ -50,10 +50,10 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     assert alias in md.tensors and stored in md.tensors, (alias, stored, list(md.tensors))
     from bytecp.format.chunk_batch import ChunkBatch
     from bytecp.format.index_build import build_index
-    from bytecp.loading.reader import read_chunks
+    from bytecp.loading.opened import open_checkpoint
     from bytecp.storage_api import open_storage
 
-    chunks = [c for c in read_chunks(open_storage(str(ck)), md) if c.fqn != alias]
+    chunks = [c for c in open_checkpoint(open_storage(str(ck))).all_rows() if c.fqn != alias]
     del md.tensors[alias]
     md.aliases[alias] = stored
     specs = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in md.tensors.items()}

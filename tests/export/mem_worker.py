@@ -29,9 +29,10 @@ def main() -> None:
         n, mib = int(sys.argv[3]), int(sys.argv[4])
         bytecp.save(ck, {"model": {f"layer{i}": {"weight": tensor(i, mib)} for i in range(n)}})
     elif mode == "baseline":
-        from bytecp.export import open_checkpoint, select_tensors
+        from bytecp.export import select_tensors
+        from bytecp.loading.opened import open_checkpoint
 
-        _, md, _ = open_checkpoint(open_storage(ck))
+        md = open_checkpoint(open_storage(ck)).metadata
         select_tensors(md, ck)
     else:
         from bytecp.hf_export import export_hf

@@ -50,13 +50,10 @@ def from_pretrained(out: Path, **kw: Any) -> Any:
 
 def damage(ck: Path, fqn: str) -> None:
     """Flip one byte of tensor ``fqn``'s stored data."""
-    from bytecp.format import metadata as fmt
-
-    md = fmt.Metadata.from_bytes((ck / fmt.METADATA_FILE).read_bytes(), str(ck))
-    from bytecp.loading.reader import read_chunks
+    from bytecp.loading.opened import open_checkpoint
     from bytecp.storage_api import open_storage
 
-    c = next(c for c in read_chunks(open_storage(str(ck)), md) if c.fqn == fqn)
+    c = next(c for c in open_checkpoint(open_storage(str(ck))).all_rows() if c.fqn == fqn)
     data = ck / c.file
     raw = bytearray(data.read_bytes())
     raw[c.byte_offset + c.nbytes // 2] ^= 0xFF
@@ -277,9 +274,10 @@ def test_torch_format_and_plain_state_dict(model: Any, tmp_path: Path) -> None:
 def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from bytecp.export import open_checkpoint, select_tensors
+    from bytecp.export import select_tensors
+    from bytecp.loading.opened import open_checkpoint
 
-    _, md, _ = open_checkpoint(str(ck))
+    md = open_checkpoint(str(ck)).metadata
     items, _ = select_tensors(md, str(ck))
     sd = untied(ck, model)
     assert [it.name for it in items] == list(sd)  # the saved order is the state dict's

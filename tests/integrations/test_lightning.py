@@ -36,7 +36,7 @@ pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not instal
 from bytecp.adapters.lightning import BytecpCheckpointIO, latest_checkpoint  # noqa: E402
 
 import bytecp  # noqa: E402
-from bytecp.loading.reader import read_chunks, read_metadata  # noqa: E402
+from bytecp.loading.opened import open_checkpoint, read_metadata  # noqa: E402
 from bytecp.storage_api import open_storage  # noqa: E402
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -112,7 +112,7 @@ def test_each_rank_saves_its_own_fsdp2_shards(jobs: dict[str, Path]) -> None:
     md = read_metadata(storage)
     assert (md.framework, md.world_size, md.step) == ("fsdp2", 2, 6)
     boxes: dict[str, list[tuple[int, int, str]]] = {}
-    for c in read_chunks(storage, md):
+    for c in open_checkpoint(storage).all_rows():
         if c.global_shape and c.lengths[0]:
             boxes.setdefault(c.fqn, []).append((c.offsets[0], c.lengths[0], c.file.rsplit("/", 1)[1].split("-")[0]))
     # Shard(0) over 2 ranks: 13 rows -> 7 on rank 0 and 6 on rank 1, written by their owners (no gather)

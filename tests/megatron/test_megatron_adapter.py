@@ -20,7 +20,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp.loading import reader as engine
+from bytecp.loading import opened as engine
 from bytecp.storage_api import open_storage
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -62,7 +62,7 @@ def saved_bytes(url: str) -> tuple[int, int]:
     """(bytes in the checkpoint's chunks, bytes of its tensors' global shapes)."""
     storage = open_storage(url)
     md = engine.read_metadata(storage)
-    chunks = engine.read_chunks(storage, md)
+    chunks = engine.open_checkpoint(storage).all_rows()
     written = sum(c.nbytes for c in chunks)
     tensors = 0
     for info in md.tensors.values():
@@ -177,7 +177,7 @@ def test_distributed_optimizer_reshards_across_tp_and_dp(pool: WorkerPool, tmp_p
     md = engine.read_metadata(open_storage(url))
     assert md.parallelism["optimizer_layout"] == {"optimizer": "model_space"}
     # the model is replicated over DP: the planner spreads its writing over both ranks
-    chunks = engine.read_chunks(open_storage(url), md)
+    chunks = engine.open_checkpoint(open_storage(url)).all_rows()
     per_rank = [sum(c.nbytes for c in chunks if c.fqn.startswith("model.") and c.file.split("/")[-1].startswith(f"{r}-"))
                 for r in range(2)]
     assert min(per_rank) > 0.35 * sum(per_rank), per_rank

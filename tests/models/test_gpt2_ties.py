@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp.loading.reader import read_chunks, read_metadata
+from bytecp.loading.opened import open_checkpoint, read_metadata
 from bytecp.storage_api import open_storage
 
 transformers = pytest.importorskip("transformers")
@@ -89,7 +89,7 @@ def test_tied_embedding_is_stored_once(saved: tuple[str, Any, Any]) -> None:
     md = read_metadata(storage)
     assert md.aliases == {f"model.{HEAD}": f"model.{WTE}"}
     assert f"model.{HEAD}" not in md.tensors and not any(HEAD in k for k in md.tensors)
-    chunks = read_chunks(storage, md)
+    chunks = open_checkpoint(storage).all_rows()
     assert len(chunks) == len(md.tensors)  # one chunk per stored tensor, none for the alias
     params = sum(nbytes(p) for p in model.parameters())  # each parameter once
     optim = sum(nbytes(v) for st in opt.state.values() for v in st.values())
@@ -100,7 +100,7 @@ def test_tied_embedding_is_stored_once(saved: tuple[str, Any, Any]) -> None:
     url2 = mem_url()
     md2 = bytecp.save(url2, {"model": untied, "optimizer": uopt})
     assert md2.aliases == {}
-    untied_bytes = sum(c.nbytes for c in read_chunks(open_storage(url2), md2))
+    untied_bytes = sum(c.nbytes for c in open_checkpoint(open_storage(url2)).all_rows())
     wte = nbytes(model.transformer.wte.weight)
     assert untied_bytes - sum(c.nbytes for c in chunks) == wte + 2 * wte + 4  # weight, exp_avg, exp_avg_sq, step
 

@@ -1,0 +1,173 @@
+"""Index validation, written once for both index versions: the stored table
+against its schema, each row against ``metadata.json``, the rows against
+each other (tiling), and each version-2 row against the segment it is
+listed in (placement).
+
+Who calls what, in this order:
+
+1. :func:`decode_table` -- :mod:`bytecp.format.index_read`, on every
+   version-1 index file and every version-2 segment before a row is
+   trusted: footer within the hostile-input budget, columns present, typed
+   and free of nulls.
+2. :func:`check_place` -- :mod:`bytecp.format.index_read`, on the rows of
+   each version-2 segment (FORMAT.md §5.4).
+3. :func:`check_rows` -- the opened checkpoint
+   (:mod:`bytecp.loading.opened`), on the rows a rank reads.
+4. :func:`check_index` -- the opened checkpoint, on a whole index (one-process
+   tools, a version-1 load's coordinator): :func:`check_rows`, then every
+   tensor tiled exactly.
+
+Every failure is a :class:`~bytecp.errors.CorruptCheckpointError` naming the
+file (or checkpoint) and the row at fault.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format import limits
+from bytecp.format import metadata as fmt
+from bytecp.format.index_schema import bucket_range
+from bytecp.plan.planner import find_overlap
+from bytecp.tree.dtypes import dtype_from_name, itemsize
+from bytecp.tree.regions import Region
+
+__all__ = ["Place", "decode_table", "check_place", "check_rows", "check_index"]
+
+#: where a version-2 segment's rows belong: (its band, None, None) or (None, first name, last name)
+Place = tuple[int | None, str | None, str | None]
+
+
+def decode_table(
+    prefix: str,
+    name: str,
+    data: bytes,
+    schema: pa.Schema,
+    strings: Sequence[str],
+    *,
+    rows: int | None = None,
+    row_budget: Callable[[], int] | None = None,
+) -> pa.Table:
+    """``data`` (one index file or segment) as a table of ``schema``.
+
+    Before any column is decoded, the footer is checked against the
+    hostile-input budget (:func:`bytecp.format.limits.check_index_metadata`,
+    its errors naming ``name``): at most ``rows`` rows (version 2: exactly
+    the directory's count) or, above :data:`~bytecp.format.limits.FIXED_ROWS`,
+    ``row_budget()`` (version 1). ``strings``: the string columns, read
+    dictionary-encoded. Errors of this module start with ``prefix``.
+    """
+    try:
+        # ParquetFile.read without threads: read_table's dataset scanner
+        # leaves threads that can abort the interpreter at exit when torch
+        # is loaded (apache/arrow#34314)
+        pf = pq.ParquetFile(pa.BufferReader(data), read_dictionary=list(strings))
+        n = pf.metadata.num_rows
+        if rows is not None and n != rows:
+            raise CorruptCheckpointError(f"{prefix} has {n} rows, the directory says {rows}")
+        limit = rows
+        if limit is None and row_budget is not None and n > limits.FIXED_ROWS:
+            limit = row_budget()
+        limits.check_index_metadata(name, pf.metadata, len(data), limit, data)
+        missing = [f.name for f in schema if f.name not in pf.schema_arrow.names]
+        if missing:
+            raise CorruptCheckpointError(f"{prefix} lacks columns {missing}")
+        table = pf.read(columns=schema.names, use_threads=False)
+    except CorruptCheckpointError:
+        raise
+    except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
+        raise CorruptCheckpointError(f"{prefix} is unreadable ({str(e)[:300]})") from e
+    for f in schema:
+        col = table.column(f.name)
+        got = col.type.value_type if pa.types.is_dictionary(col.type) and f.name in strings else col.type
+        nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
+        if got != f.type or nulls:
+            raise CorruptCheckpointError(f"{prefix}: column {f.name!r} is {got}{' with nulls' if nulls else ''}, "
+                                         f"expected {f.type}")
+    return table
+
+
+def check_place(label: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord], place: Place) -> None:
+    """Every row is where §5.4 puts it: a band segment lists chunks of banded
+    tensors that meet its band, a wide segment chunks of wide tensors named
+    within its range. (A misplaced row would make a load depend on which
+    other segments a rank happens to read.)"""
+    assert md.index is not None
+    band, first, last = place
+    for c in chunks:
+        info = md.tensors[c.fqn]
+        dim, shape = info.get("band_dim"), info["shape"]
+        if band is None:
+            ok = dim is None and first is not None and last is not None and first <= c.fqn <= last
+        elif dim is None or not len(c.offsets) == len(c.lengths) == len(shape) or c.lengths[dim] <= 0:
+            ok = False
+        else:
+            lo, hi = bucket_range(c.offsets[dim], c.lengths[dim], shape[dim], md.index.buckets)
+            ok = lo <= band <= hi
+        if not ok:
+            where = f"band {band}" if band is not None else f"the wide segment of names {first!r}..{last!r}"
+            raise CorruptCheckpointError(
+                f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} "
+                f"does not belong in {where} (FORMAT.md §5.4); the index is corrupt"
+            )
+
+
+def check_rows(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) -> None:
+    """Each index row agrees with metadata.json: a listed tensor, its dtype
+    and shape, a box inside it, the bytes the box needs, inside a listed data
+    file (every rank checks the rows it reads). ``where``: the checkpoint's URL."""
+    sizes: dict[str, int] = {}
+
+    def bad(c: fmt.ChunkRecord, why: str) -> CorruptCheckpointError:
+        return CorruptCheckpointError(
+            f"{where}: index row of tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}: {why}"
+        )
+
+    for c in chunks:
+        info = md.tensors.get(c.fqn)
+        if info is None:
+            raise bad(c, "tensor not listed in metadata.json")
+        shape = info["shape"]
+        if c.dtype != info["dtype"] or list(c.global_shape) != shape:
+            raise bad(c, f"says {c.dtype} {list(c.global_shape)}, metadata.json {info['dtype']} {shape}")
+        if len(c.offsets) != len(shape) or len(c.lengths) != len(shape) or any(
+            o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, shape, strict=True)
+        ):
+            raise bad(c, f"region outside the tensor's shape {shape}")
+        size = sizes.get(c.dtype)
+        if size is None:
+            size = sizes[c.dtype] = itemsize(dtype_from_name(c.dtype))
+        if c.nbytes != math.prod(c.lengths) * size:
+            raise bad(c, f"{c.nbytes} bytes do not match the region's size")
+        file_size = md.data_files.get(c.file)
+        if file_size is None:
+            fmt.check_path(c.file, "data", where)
+            raise bad(c, f"data file {c.file} is not listed in metadata.json")
+        if c.byte_offset < 0 or c.byte_offset + c.nbytes > file_size:
+            raise bad(c, f"bytes outside data file {c.file}")
+
+
+def check_index(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) -> None:
+    """A whole index: every row agrees with metadata.json (:func:`check_rows`),
+    and each tensor's chunks tile it exactly (no gap, no overlap): a tampered
+    or mixed-up index is corrupt, never trusted."""
+    check_rows(where, md, chunks)
+    boxes: dict[str, list[Region]] = {}
+    for c in chunks:
+        if math.prod(c.lengths) or not md.index:  # version 2 lists no empty chunks
+            boxes.setdefault(c.fqn, []).append(Region(c.offsets, c.lengths))
+    for fqn, info in md.tensors.items():
+        bs = boxes.get(fqn, [])
+        total = math.prod(info["shape"])
+        held = sum(b.numel for b in bs)
+        if not bs and total == 0:
+            continue  # no elements: no chunk (version 2), or one empty chunk or none (version 1)
+        pair = find_overlap(bs, dim=int(info.get("band_dim", 0))) if held >= total and len(bs) > 1 else None
+        if held != total or pair is not None:
+            what = f"chunks {pair[0]} and {pair[1]} overlap" if pair else f"chunks hold {held} of {total} elements"
+            raise CorruptCheckpointError(f"{where}: tensor {fqn!r}: {what}")

@@ -1,0 +1,304 @@
+"""A checkpoint opened for reading: the one way every reader reaches a
+checkpoint's metadata, its index rows and its data files.
+
+Who calls what, in which order:
+
+1. :func:`open_checkpoint` -- the coordinator of a load (the load pipeline's
+   metadata step), and the one process of ``export`` (:mod:`bytecp.export`,
+   :mod:`bytecp.hf_export`), ``inspect``/``verify``
+   (:mod:`bytecp.tools.inspect`) and ``gc`` (:mod:`bytecp.tools.gc`). It
+   reads and validates ``metadata.json`` and nothing else, and decides here,
+   once, how rows are found (:attr:`OpenedCheckpoint.index`: the version-1
+   whole index or the version-2 segments, behind :class:`RowSource`).
+2. :meth:`OpenedCheckpoint.check_sizes` -- the coordinator of a load,
+   ``export``, ``inspect``: every size the checkpoint declares is real
+   before anything is allocated from it (one listing of the data files,
+   kept: :attr:`OpenedCheckpoint.data_sizes`), and the index is within the
+   hostile-input budget (:attr:`OpenedCheckpoint.max_rows`).
+3. Rows, each checked against the metadata
+   (:mod:`bytecp.format.index_check`):
+
+   - :meth:`OpenedCheckpoint.rows_for` -- every rank of a load, with the
+     boxes it reads: the rows that may hold them (version 2: only the index
+     segments they meet);
+   - :meth:`OpenedCheckpoint.all_rows` -- the one-process tools: every row,
+     and every tensor tiled exactly.
+
+4. Bytes: a row names a file relative to :attr:`OpenedCheckpoint.storage`
+   and a byte range in it; :func:`bytecp.loading.reader.execute_reads` reads
+   exactly those ranges.
+
+In a load only the coordinator opens the checkpoint; it broadcasts
+:meth:`OpenedCheckpoint.share` (metadata, budget, a version-1 index's rows),
+and every other rank rebuilds the object on its own storage with
+:meth:`OpenedCheckpoint.received`: no other rank lists or re-reads anything.
+
+Consumers see metadata (names, shapes, dtypes, the state tree), rows
+(:class:`~bytecp.format.metadata.ChunkRecord`: a box of a tensor, a file, a
+byte range) and the storage those files are read from -- never the index
+version or its directory. A foreign source (a directory of safetensors
+files) can so present itself through the same interface: its headers as
+:class:`~bytecp.format.metadata.Metadata`, a :class:`RowSource` whose rows
+name its own files and byte ranges, and every rank reads only its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple, Protocol
+
+from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.format import index_read, limits
+from bytecp.format import metadata as fmt
+from bytecp.format.index_check import check_index, check_rows
+from bytecp.loading import diagnose
+from bytecp.storage_api import Storage, open_storage
+from bytecp.tree.regions import Region
+
+__all__ = ["open_checkpoint", "read_metadata", "OpenedCheckpoint", "RowSource", "Rows", "Shared"]
+
+
+class Rows(NamedTuple):
+    """The rows a rank asked for; how many index files or segments were read
+    for them (for the trace); whether they were checked against the metadata
+    already (a version-1 index, checked whole when the coordinator read it)."""
+
+    rows: list[fmt.ChunkRecord]
+    files: int
+    checked: bool = False
+
+
+class RowSource(Protocol):
+    """How an opened checkpoint's rows are found. A value without storage
+    (it travels in a load's metadata broadcast); the opened checkpoint
+    passes itself to each call. Rows come back decoded and well formed; the
+    opened checkpoint checks them against the metadata."""
+
+    def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
+        """The most rows the index may hold, given the data files' sizes."""
+        ...
+
+    def check_files(self, ck: OpenedCheckpoint) -> None:
+        """(before sizes are checked) The index's own files exist with their declared sizes."""
+        ...
+
+    def check_budget(self, ck: OpenedCheckpoint) -> None:
+        """(after sizes are checked) The index declares at most :meth:`max_rows` rows."""
+        ...
+
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
+        """Every row; ``budget()`` gives :meth:`max_rows`, asked only when needed."""
+        ...
+
+    def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
+        """The rows that may hold the boxes ``wanted`` (fqn -> boxes)."""
+        ...
+
+    def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
+        """(coordinator) What every other rank needs to find its rows."""
+        ...
+
+
+@dataclasses.dataclass(frozen=True)
+class _WholeIndex:
+    """Version 1: one index file per saving rank, read whole by one process
+    (the coordinator of a load reads it and hands every rank all of it)."""
+
+    rows: tuple[fmt.ChunkRecord, ...] | None = None  # set once the coordinator read them
+
+    def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
+        return limits.max_index_rows(md, real)
+
+    def check_files(self, ck: OpenedCheckpoint) -> None:
+        ck.all_rows()  # the files are read whole: a missing or damaged one is named now
+
+    def check_budget(self, ck: OpenedCheckpoint) -> None:
+        pass  # each file's rows were held to the budget as it was read
+
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
+        if self.rows is not None:
+            return Rows(list(self.rows), 0)
+        files = _index_files(ck.storage, ck.metadata)
+        return Rows(index_read.read_index(files, where=ck.storage.url, row_budget=budget), len(files))
+
+    def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
+        if self.rows is not None:  # the coordinator's, checked when it read them
+            return Rows(list(self.rows), 0, checked=True)
+        return Rows(ck.all_rows(), 0, checked=True)
+
+    def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
+        return _WholeIndex(tuple(ck.all_rows()))
+
+
+def _index_files(storage: Storage, md: fmt.Metadata) -> list[tuple[str, bytes]]:
+    blobs = []
+    for f in md.index_files:
+        try:
+            blobs.append((f, storage.read_bytes(f)))
+        except FileNotFoundError as e:
+            raise CorruptCheckpointError(
+                f"{storage.url}: index file {f} named in metadata.json is missing ({e})"
+            ) from e
+    return blobs
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """Version 2: one index file of segments; a rank reads only those its boxes meet."""
+
+    budget: int | None = None  # the coordinator's max_rows, for the other ranks
+
+    def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
+        return index_read.max_rows(md, real)
+
+    def check_files(self, ck: OpenedCheckpoint) -> None:
+        limits.check_index_file(ck.storage, ck.metadata)  # before any buffer is sized from the directory
+
+    def check_budget(self, ck: OpenedCheckpoint) -> None:
+        index_read.check_budget(ck.storage, ck.metadata, ck.max_rows)
+
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
+        self.check_files(ck)
+        md = ck.metadata
+        return Rows(index_read.read_segments(ck.storage, md, index_read.all_segments(md), budget=budget()), 1)
+
+    def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
+        md = ck.metadata
+        segments = index_read.wanted_segments(md, wanted)
+        budget = self.budget if self.budget is not None else ck.max_rows
+        return Rows(index_read.read_segments(ck.storage, md, segments, fqns=set(wanted), budget=budget), len(segments))
+
+    def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
+        return _Segments(ck.max_rows)
+
+
+@dataclasses.dataclass
+class _Found:
+    """What reading has established so far (filled lazily, at most once each)."""
+
+    real: dict[str, int | None] | None = None
+    listed: dict[str, int] | None = None
+    max_rows: int | None = None
+    rows: list[fmt.ChunkRecord] | None = None
+    files: int = 1  # files read: metadata.json, then the whole index's files
+
+
+@dataclasses.dataclass(frozen=True)
+class Shared:
+    """(load: coordinator -> every rank, in the metadata broadcast) An opened checkpoint without its storage."""
+
+    metadata: fmt.Metadata
+    index: RowSource
+
+
+@dataclasses.dataclass(frozen=True)
+class OpenedCheckpoint:
+    """A checkpoint opened for reading (see the module's docstring for the call order)."""
+
+    storage: Storage
+    metadata: fmt.Metadata
+    #: how rows are found: decided once, by :func:`open_checkpoint`
+    index: RowSource
+    _found: _Found = dataclasses.field(default_factory=_Found, repr=False, compare=False)
+
+    @property
+    def format_version(self) -> int:
+        return self.metadata.format_version
+
+    @property
+    def data_sizes(self) -> Mapping[str, int | None]:
+        """The real size of every data file the metadata lists (None: missing),
+        from one listing of ``data/`` made the first time it is asked for."""
+        f = self._found
+        if f.real is None:
+            f.real = limits.real_data_sizes(self.storage, self.metadata, self._listing())
+        return f.real
+
+    def _listing(self) -> dict[str, int]:
+        f = self._found
+        if f.listed is None:
+            f.listed = self.storage.file_sizes("data")
+        return f.listed
+
+    def stored_files(self) -> dict[str, int]:
+        """(``gc``) Every file stored under ``data/`` and ``index/``, with its size."""
+        return {**self._listing(), **self.storage.file_sizes("index")}
+
+    @property
+    def max_rows(self) -> int:
+        """The hostile-input budget: the most index rows the real data files can hold."""
+        f = self._found
+        if f.max_rows is None:
+            f.max_rows = self.index.max_rows(self.metadata, self.data_sizes)
+        return f.max_rows
+
+    def check_sizes(self) -> None:
+        """(coordinator of a load; export; inspect) Every declared size is
+        real, and the index within :attr:`max_rows`, before anything is
+        allocated from them. The tensors a bad file holds are named from the
+        rows (read already, else read only for the error)."""
+        self.index.check_files(self)  # before the index names tensors in errors
+        rows = self._found.rows
+        limits.check_sizes(self.storage, self.metadata, rows if rows is not None else self._rows_by_declared_sizes,
+                           self.data_sizes)
+        self.index.check_budget(self)
+
+    def _rows_by_declared_sizes(self) -> list[fmt.ChunkRecord]:
+        """Every row, budgeted by the declared sizes (the real ones are what is wrong)."""
+        rows = self.index.read_all(self, lambda: self.index.max_rows(self.metadata, self.metadata.data_files)).rows
+        check_index(self.storage.url, self.metadata, rows)
+        return rows
+
+    def all_rows(self) -> list[fmt.ChunkRecord]:
+        """(one-process tools; a version-1 load's coordinator) Every row,
+        checked against the metadata, every tensor tiled exactly; read once."""
+        f = self._found
+        if f.rows is None:
+            got = self.index.read_all(self, lambda: self.max_rows)
+            check_index(self.storage.url, self.metadata, got.rows)
+            f.rows, f.files = got.rows, f.files + got.files
+        return f.rows
+
+    @property
+    def files_read(self) -> int:
+        """Files this object has read so far: ``metadata.json`` and the whole
+        index, if it was read (:meth:`rows_for` reports its own)."""
+        return self._found.files
+
+    def rows_for(self, wanted: Mapping[str, Sequence[Region]]) -> Rows:
+        """(every rank of a load) The rows that may hold the boxes ``wanted``
+        (fqn -> boxes), each checked against the metadata."""
+        got = self.index.read_for(self, wanted)
+        if not got.checked:
+            check_rows(self.storage.url, self.metadata, got.rows)
+        return got
+
+    def share(self) -> Shared:
+        """(coordinator of a load) What the other ranks receive in the metadata broadcast."""
+        return Shared(self.metadata, self.index.for_ranks(self))
+
+    @classmethod
+    def received(cls, storage: Storage, shared: Shared) -> OpenedCheckpoint:
+        """(every rank of a load) The coordinator's opened checkpoint, on this rank's storage."""
+        return cls(storage, shared.metadata, shared.index)
+
+
+def read_metadata(storage: Storage) -> fmt.Metadata:
+    """Read and validate ``metadata.json``; a typed error naming what the URL
+    is instead when there is none (:mod:`bytecp.loading.diagnose`)."""
+    try:
+        data = storage.read_bytes(fmt.METADATA_FILE)
+    except (FileNotFoundError, StorageError) as e:
+        # a file, a run directory, an interrupted save, nothing: say which
+        diagnose.raise_not_a_checkpoint(storage, e)
+    return fmt.Metadata.from_bytes(data, storage.url)
+
+
+def open_checkpoint(src: str | Storage) -> OpenedCheckpoint:
+    """Open ``src`` (a storage, or a URL opened with no options) for reading:
+    its validated metadata, and how its rows are found (decided here, once)."""
+    storage = src if isinstance(src, Storage) else open_storage(src)
+    md = read_metadata(storage)
+    index: RowSource = _WholeIndex() if md.index is None else _Segments()
+    return OpenedCheckpoint(storage, md, index)
