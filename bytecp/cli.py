@@ -117,6 +117,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{t['data_files']} data files ({_human(t['data_file_bytes'])})")
     per_rank = ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items())
     print(f"written      {per_rank}")
+    for name, ref in info["references"].items():
+        print(f"references   {name} (save {ref['save_id']}): {ref['files']} data files, {_human(ref['bytes'])}")
     return EXIT_OK
 
 

@@ -14,16 +14,32 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from bytecp.errors import ConfigError
+from bytecp.errors import CheckpointExistsError, ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import BuiltIndex, build_index
 from bytecp.saving.writer import RankOutput
+from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree, merge_aliases
 
-__all__ = ["build_metadata", "tensor_specs"]
+__all__ = ["build_metadata", "check_target", "tensor_specs"]
+
+
+def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
+    """(coordinator, plan) Refuse a committed checkpoint unless overwriting; the one replaced."""
+    if not storage.exists(fmt.METADATA_FILE):
+        return None
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.url} already holds a committed checkpoint; pass overwrite=True "
+            "to replace it (the old one stays intact until the new one commits)"
+        )
+    try:
+        return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
+    except Exception:
+        return None  # an unreadable old checkpoint is simply replaced
 
 
 def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
@@ -95,5 +111,7 @@ def build_metadata(
         bytecp_version=version,
         index=index.directory,
         aliases=aliases,
+        # version 3: "../<checkpoint>/data/<save_id>/<file>" -> the checkpoint and its save
+        references={p.split("/")[1]: p.split("/")[3] for p in data_files if p.startswith("../")},
     )
     return md, index

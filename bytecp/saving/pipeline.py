@@ -39,12 +39,12 @@ from bytecp import faults
 from bytecp.adapter_api import detect_adapter
 from bytecp.dist import DistContext
 from bytecp.errors import (
-    CheckpointExistsError,
     CommittedWithErrorsWarning,
     DistributedCheckpointError,
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.index_build import BuiltIndex
+from bytecp.format.references import check_references
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
@@ -59,8 +59,9 @@ from bytecp.plan.exchange import (
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.recorder import Trace
-from bytecp.saving.commit import build_metadata, tensor_specs
+from bytecp.saving.commit import build_metadata, check_target, tensor_specs
 from bytecp.saving.handles import wait_for_previous
+from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.staging import ArenaStager, Stager
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
@@ -108,6 +109,8 @@ class SavePipeline:
         self._held: LocalSavePlan | None = None
         self._cache_entry: tuple[Any, str, str, list[WriteItem]] | None = None  # put once committed
         self._reused = False  # the cached plan was reused (it becomes the latest once committed)
+        #: boxes unchanged since the base are referenced, not written (format version 3)
+        self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
 
     # -- the phases -----------------------------------------------------------
     def run(self) -> fmt.Metadata:
@@ -129,6 +132,7 @@ class SavePipeline:
             with self.trace.span("plan"):
                 flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
                 self.parallelism = adapter.parallelism(self.state, self.ctx)
+                self.incremental.tokens, self.incremental.enabled = live_tokens(flat), adapter.tracks_versions
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
                 flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
                                            per_rank=copy.deepcopy(flat.per_rank))
@@ -195,7 +199,7 @@ class SavePipeline:
             cached = mine["cached"] = PLAN_CACHE.get(key, self._fingerprint)
             save_id = None
             if ctx.is_coordinator:
-                self._replaced = self._check_target()
+                self._replaced = check_target(self.storage, self.opts.overwrite)
                 save_id = fmt.new_save_id()
             v = vote_for(self._held or self._local, self._fingerprint, cached[0] if cached else None,
                          specs_digest(self.flat), save_id)
@@ -227,7 +231,7 @@ class SavePipeline:
                     )
                 # cached once the save commits: a plan that failed is never reused
                 self._cache_entry = (key, self._fingerprint, decision.digest, items)
-            self.batches = self.stager.batches(items)
+            self.batches = self.stager.batches(self.incremental.split(items))
 
     def stage(self) -> None:
         """(every rank, local) The stager makes this rank's boxes writable
@@ -267,6 +271,7 @@ class SavePipeline:
 
         def output() -> RankOutput:
             self._raise_kept()
+            self.incremental.add_to(self.output)
             if self._skeleton_differs:
                 self.output.skeleton = self.flat.skeleton.to_json()
                 self.output.tensors = tensor_specs(self.flat)
@@ -277,6 +282,7 @@ class SavePipeline:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 md, index = self._metadata(outputs)
+                check_references(self.storage, md)  # the bases are committed checkpoints of the run
                 self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
                 data = md.to_bytes()
                 self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
@@ -300,6 +306,7 @@ class SavePipeline:
             if ctx.is_coordinator and not committed and self.save_id:
                 self._remove_files_of(self.save_id)
             raise
+        self.incremental.committed(md, self.output.chunks, self.output.data_files)
         if self._cache_entry is not None:
             PLAN_CACHE.put(*self._cache_entry)
         elif self._reused:
@@ -375,20 +382,6 @@ class SavePipeline:
     def _raise_kept(self) -> None:
         if self._kept is not None:
             raise self._kept
-
-    def _check_target(self) -> fmt.Metadata | None:
-        """(coordinator) Refuse a committed checkpoint unless overwriting; the one replaced."""
-        if not self.storage.exists(fmt.METADATA_FILE):
-            return None
-        if not self.opts.overwrite:
-            raise CheckpointExistsError(
-                f"{self.storage.url} already holds a committed checkpoint; pass overwrite=True "
-                "to replace it (the old one stays intact until the new one commits)"
-            )
-        try:
-            return fmt.Metadata.from_bytes(self.storage.read_bytes(fmt.METADATA_FILE), self.storage.url)
-        except Exception:
-            return None  # an unreadable old checkpoint is simply replaced
 
     def _stage_batch(self, batch: Sequence[WriteItem]) -> None:
         with self.trace.span("stage") as sp:

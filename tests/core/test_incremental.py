@@ -1,0 +1,168 @@
+"""Incremental checkpoints (format version 3): unchanged boxes are referenced
+in the base checkpoint of the same run, never written twice; every reader
+follows the references; hostile references are refused with one error."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.cli import main as cli
+from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.export import export_safetensors
+
+
+def _model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 4))
+    model[0].requires_grad_(False)  # the frozen part: written once
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return model, opt
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(3, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _own_bytes(url: Path) -> int:
+    md = json.loads((url / "metadata.json").read_text())
+    return sum(n for f, n in md["data_files"].items() if not f.startswith("../"))
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, nn.Module, torch.optim.Optimizer]:
+    model, opt = _model()
+    _step(model, opt)
+    bytecp.save(str(tmp_path / "step-1"), {"model": model, "optim": opt}, step=1)
+    _step(model, opt)
+    bytecp.save(str(tmp_path / "step-2"), {"model": model, "optim": opt}, step=2, base=str(tmp_path / "step-1"))
+    return tmp_path, model, opt
+
+
+def test_incremental_writes_only_what_changed_and_loads_bitwise(run: Any) -> None:
+    root, model, opt = run
+    md = json.loads((root / "step-2" / "metadata.json").read_text())
+    assert md["format_version"] == 3 and list(md["references"]) == ["step-1"]
+    assert _own_bytes(root / "step-2") < _own_bytes(root / "step-1") - 64 * 64 * 4  # the frozen weight is referenced
+    sd = bytecp.load_state_dict(str(root / "step-2"))
+    for k, v in model.state_dict().items():
+        assert torch.equal(sd["model"][k], v), k
+    fresh, fresh_opt = _model()
+    bytecp.load(str(root / "step-2"), {"model": fresh, "optim": fresh_opt})
+    for (k, v), w in zip(model.state_dict().items(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(v, w), k
+    for p, q in zip(opt.state.values(), fresh_opt.state.values(), strict=True):
+        for k in p:
+            assert torch.equal(p[k], q[k]), k
+
+
+def test_chains_stay_one_hop_and_tools_follow_references(run: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    root, model, opt = run
+    _step(model, opt)
+    md = bytecp.save(str(root / "step-3"), {"model": model, "optim": opt}, base=str(root / "step-2"))
+    # the frozen layer still names step-1's file: references are flat, never chains
+    assert set(md.references) == {"step-1"}, md.references
+    assert cli(["verify", str(root / "step-3")]) == 0
+    capsys.readouterr()
+    assert cli(["inspect", "--json", str(root / "step-3")]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert set(info["references"]) == {"step-1"} and info["totals"]["referenced_bytes"] > 0
+    out = root / "model.safetensors"
+    export_safetensors(str(root / "step-3"), str(out))
+    from safetensors.torch import load_file
+
+    got = load_file(str(out))
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v), k
+
+
+def test_changed_in_place_is_written_again(run: Any) -> None:
+    root, model, opt = run
+    with torch.no_grad():
+        model[0].weight.add_(1.0)  # frozen, but changed: its version moved
+    md = bytecp.save(str(root / "step-3"), {"model": model, "optim": opt}, base=str(root / "step-2"))
+    assert not md.references or all(
+        "model.0.weight" not in str(f) for f in md.data_files if f.startswith("../")
+    )
+    sd = bytecp.load_state_dict(str(root / "step-3"))
+    assert torch.equal(sd["model"]["0.weight"], model[0].weight)
+
+
+def test_base_must_be_a_sibling(tmp_path: Path) -> None:
+    model, opt = _model()
+    bytecp.save(str(tmp_path / "a" / "step-1"), {"model": model})
+    with pytest.raises(ConfigError, match="same run"):
+        bytecp.save(str(tmp_path / "b" / "step-2"), {"model": model}, base=str(tmp_path / "a" / "step-1"))
+
+
+def test_async_save_references_too(run: Any) -> None:
+    root, model, opt = run
+    _step(model, opt)
+    md = bytecp.async_save(str(root / "step-3"), {"model": model, "optim": opt}, base=str(root / "step-2")).wait()
+    assert "step-1" in md.references
+    sd = bytecp.load_state_dict(str(root / "step-3"))
+    assert torch.equal(sd["model"]["1.weight"], model[1].weight)
+
+
+# ----------------------------------------------------------------- hostile references
+def _edit(path: Path, fn: Any) -> None:
+    md = json.loads(path.read_text())
+    fn(md)
+    path.write_text(json.dumps(md))
+
+
+def _rename_ref(md: dict[str, Any], old: str, new: str) -> None:
+    md["data_files"] = {f.replace(f"../{old}/", f"../{new}/"): n for f, n in md["data_files"].items()}
+    md["references"] = {new if k == old else k: v for k, v in md["references"].items()}
+
+
+@pytest.mark.parametrize(
+    "case, match",
+    [
+        ("outside", "refusing data file"),
+        ("dotdot", "references must map checkpoint names"),
+        ("missing", "is not a committed checkpoint"),
+        ("uncommitted", "is not a committed checkpoint"),
+        ("self", "reference to itself"),
+        ("cycle", "form a cycle"),
+        ("replaced", "not the referenced save"),
+    ],
+)
+def test_hostile_references_are_refused(run: Any, case: str, match: str) -> None:
+    root = run[0]
+    md2 = root / "step-2" / "metadata.json"
+    ref = next(f for f in json.loads(md2.read_text())["data_files"] if f.startswith("../"))
+    if case == "outside":
+        _edit(md2, lambda md: md["data_files"].update({"../elsewhere/data/x/0-0.bin": 4096}))
+    elif case == "dotdot":
+        _edit(md2, lambda md: md["references"].update({"..": "x"}))
+    elif case == "missing":
+        shutil.rmtree(root / "step-1")
+    elif case == "uncommitted":
+        (root / "step-1" / "metadata.json").unlink()
+    elif case == "self":
+        _edit(md2, lambda md: _rename_ref(md, "step-1", "step-2"))
+    elif case == "cycle":  # step-1 claims the file lies in step-2, which points back
+        own = ref.split("/", 2)[2]
+
+        def back(md: dict[str, Any]) -> None:
+            md["data_files"] = {("../step-2/" + f if f == own else f): n for f, n in md["data_files"].items()}
+            md["references"] = {"step-2": json.loads(md2.read_text())["save_id"]}
+            md["format_version"] = 3
+
+        _edit(root / "step-1" / "metadata.json", back)
+    elif case == "replaced":
+        _edit(root / "step-1" / "metadata.json", lambda md: md.update(save_id="20990101T000000-deadbeef"))
+    with pytest.raises(CorruptCheckpointError, match=match) as e:
+        bytecp.load_state_dict(str(root / "step-2"))
+    assert "\n" not in str(e.value)
+    assert cli(["verify", str(root / "step-2")]) != 0
