@@ -23,25 +23,33 @@ Who calls what:
 
 from __future__ import annotations
 
+import contextlib
+import json
+import logging
 import posixpath
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import Buffer, Storage, open_storage
 
+log = logging.getLogger("bytecp")
+
 __all__ = [
-    "BASE_FILE", "LinkedStorage", "check_references", "linked", "referenced_sizes", "run_url", "sibling", "name_of",
-    "read_committed",
+    "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "held", "linked", "name_of", "pin", "pinned",
+    "read_committed", "referenced_sizes", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
 ]
 
 #: what retention leaves of a checkpoint that kept checkpoints still
 #: reference: its metadata, moved out of ``metadata.json`` (so it is no longer
-#: a checkpoint: ``latest``, ``ls`` and loads skip it), beside the data files
-#: they reference; every other file of it is deleted
+#: a checkpoint: ``latest``, ``ls`` and loads skip it), with a ``retained``
+#: member listing the data files it keeps for them; every other file of it is
+#: deleted
 BASE_FILE = "base.json"
+#: where a save in flight marks the checkpoints it references (one file per save)
+PIN_DIR = "pins"
 
 
 def run_url(url: str) -> str:
@@ -66,14 +74,76 @@ def sibling(storage: Storage, name: str) -> Storage:
 
 def read_committed(storage: Storage) -> fmt.Metadata | None:
     """The metadata of the checkpoint at ``storage`` -- committed, or retired
-    by retention and kept as a base (:data:`BASE_FILE`); None when neither."""
+    by retention and kept as a base (:data:`BASE_FILE`: its ``data_files``
+    then only the files it retained); None when neither."""
     for f in (fmt.METADATA_FILE, BASE_FILE):
         try:
             data = storage.read_bytes(f)
         except (FileNotFoundError, StorageError):
             continue
-        return fmt.Metadata.from_bytes(data, storage.url)
+        md = fmt.Metadata.from_bytes(data, storage.url)
+        if f == BASE_FILE:
+            retained = set(json.loads(data).get("retained") or ())
+            md.data_files = {p: n for p, n in md.data_files.items() if p in retained}
+        return md
     return None
+
+
+def retired_bytes(md: fmt.Metadata, retained: Iterable[str]) -> bytes:
+    """``base.json`` of a checkpoint retired by retention, keeping ``retained``."""
+    d = json.loads(md.to_bytes())
+    d["retained"] = sorted(set(retained))
+    return json.dumps(d, separators=(",", ":")).encode()
+
+
+def pin(storage: Storage, md: fmt.Metadata) -> list[str]:
+    """(coordinator of a save, before :func:`check_references`) Mark every
+    checkpoint ``md`` references as in use by this save; returns the pins."""
+    done = []
+    for name in sorted(md.references):
+        path = f"{run_url(storage.url)}/{name}/{PIN_DIR}/{name_of(storage.url)}.{md.save_id}"
+        sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
+        done.append(path)
+    return done
+
+
+def unpin(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save, after its commit or failure) Remove this save's pins."""
+    for name in sorted(md.references):
+        try:
+            sibling(storage, name).delete([f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}"])
+        except Exception as e:  # a pin left behind only keeps a base longer
+            log.warning("bytecp: could not remove the pin of %s in %s: %s", storage.url, name, e)
+
+
+@contextlib.contextmanager
+def held(storage: Storage, md: fmt.Metadata) -> Iterator[None]:
+    """(coordinator of a save, around its commit) Pin the checkpoints ``md``
+    references, check them (:func:`check_references`), and unpin once the
+    commit is done or failed: a retention or ``gc`` racing the save either
+    sees the pin (or the committed checkpoint) and keeps them, or removed
+    them first and the check fails the save -- never a commit of a
+    checkpoint whose references are gone."""
+    if not md.references:
+        yield
+        return
+    try:
+        pin(storage, md)
+        check_references(storage, md)
+        yield
+    finally:
+        unpin(storage, md)
+
+
+def retired_names(root: Storage) -> list[str]:
+    """Checkpoints below the run ``root`` that retention retired (a :data:`BASE_FILE`, no ``metadata.json``)."""
+    return [n for n in root.list_children("") if root.exists(f"{n}/{BASE_FILE}")
+            and not root.exists(f"{n}/{fmt.METADATA_FILE}")]
+
+
+def pinned(storage: Storage) -> bool:
+    """Whether a save in flight references the checkpoint at ``storage``."""
+    return bool(storage.list_files(PIN_DIR))
 
 
 def check_references(storage: Storage, md: fmt.Metadata) -> None:
@@ -103,7 +173,8 @@ def check_references(storage: Storage, md: fmt.Metadata) -> None:
             if me in base.references:
                 raise CorruptCheckpointError(f"{where}: the references form a cycle ({me} -> {name} -> {me})")
             raise CorruptCheckpointError(
-                f"{where}: data file {path} ({size} bytes) is not one of that checkpoint's own files"
+                f"{where}: data file {path} ({size} bytes) is not one of the files that checkpoint holds "
+                "(its own, or those retention kept for newer checkpoints)"
             )
 
 

@@ -44,7 +44,7 @@ from bytecp.errors import (
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.index_build import BuiltIndex
-from bytecp.format.references import check_references
+from bytecp.format.references import held
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
@@ -282,11 +282,11 @@ class SavePipeline:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 md, index = self._metadata(outputs)
-                check_references(self.storage, md)  # the bases are committed checkpoints of the run
-                self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
-                data = md.to_bytes()
-                self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
-                committed.append(md)  # from here on the files belong to a checkpoint
+                with held(self.storage, md):  # the bases: pinned, committed checkpoints of the run
+                    self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
+                    data = md.to_bytes()
+                    self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
+                    committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1
             faults.inject("committed", ctx.rank)
             return md

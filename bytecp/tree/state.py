@@ -281,11 +281,12 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
             return tensor(v, fqn)
         if isinstance(v, torch.Tensor):
             if type(v) not in (torch.Tensor, torch.nn.Parameter):
-                raise ConfigError(
-                    f"{fqn!r} is a {type(v).__name__}, a tensor subclass bytecp cannot treat as a "
-                    "full tensor; pass the model/optimizer so the framework adapter handles it, "
-                    "or pass framework= explicitly"
-                )
+                advice = ("leave framework= unset (DTensors anywhere in the state select the DTensor adapter) "
+                          "or pass framework='fsdp2'") if type(v).__name__ == "DTensor" else (
+                          "pass it as a plain tensor (t.as_subclass(torch.Tensor)), or the module/optimizer "
+                          "holding it so that its framework's adapter describes it")
+                raise ConfigError(f"{fqn!r} is a {type(v).__name__}, a tensor subclass the chosen adapter "
+                                  f"cannot save as a full tensor; {advice}")
             dtype_name(v.dtype)  # fails early for unsupported dtypes
             return tensor(v, fqn)
         if isinstance(v, Slot):

@@ -166,3 +166,69 @@ def test_hostile_references_are_refused(run: Any, case: str, match: str) -> None
         bytecp.load_state_dict(str(root / "step-2"))
     assert "\n" not in str(e.value)
     assert cli(["verify", str(root / "step-2")]) != 0
+
+
+# ----------------------------------------------------------------- manager, retention, materialize
+def _assert_loads(url: str, model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    sd = bytecp.load_state_dict(url)
+    for k, v in model.state_dict().items():
+        assert torch.equal(sd["model"][k], v), k
+    for i, st in enumerate(opt.state.values()):
+        for k, v in st.items():
+            got = sd["optim"]["state"][f"1.{'weight' if i == 0 else 'bias'}"][k]
+            assert torch.equal(got, v), k
+
+
+def test_manager_is_incremental_with_a_full_save_every_k(tmp_path: Path) -> None:
+    from bytecp.catalog import list_bases
+
+    model, opt = _model()
+    mgr = bytecp.CheckpointManager(str(tmp_path), every_n_steps=1, keep_last=2, full_every=3)
+    refs = {}
+    for step in range(1, 8):
+        _step(model, opt)
+        mgr.save(step, {"model": model, "optim": opt})
+        refs[step] = set(json.loads((tmp_path / f"step-{step}" / "metadata.json").read_text()).get("references", {}))
+        _assert_loads(str(tmp_path / f"step-{step}"), model, opt)  # the newest, whatever retention did
+    # full saves at 1, 4, 7; the others reference the frozen layer in the last full one
+    assert refs == {1: set(), 2: {"step-1"}, 3: {"step-1"}, 4: set(), 5: {"step-4"}, 6: {"step-4"}, 7: set()}
+    assert [c.name for c in mgr_list(tmp_path)] == ["step-6", "step-7"]
+    assert list_bases(str(tmp_path)) == ["step-4"]  # step-6 reads its frozen layer
+    assert not any((tmp_path / f"step-{s}").exists() for s in (1, 2, 3, 5))
+    assert not list((tmp_path / "step-4" / "index").glob("*/*"))  # a retired base keeps only referenced data
+    assert cli(["verify", str(tmp_path / "step-6")]) == 0
+    _step(model, opt)
+    mgr.save(8, {"model": model, "optim": opt})  # references step-7 only: the bases go
+    assert list_bases(str(tmp_path)) == [] and not (tmp_path / "step-4").exists()
+
+
+def mgr_list(root: Path) -> list[Any]:
+    from bytecp.catalog import list_checkpoints
+
+    return list_checkpoints(str(root))
+
+
+def test_retention_keeps_a_base_a_save_in_flight_pinned(run: Any) -> None:
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root = run[0]
+    (root / "step-1" / "pins").mkdir()
+    (root / "step-1" / "pins" / "step-9.x").write_text("{}")
+    res = retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert res.retired == ["step-1"]
+    md = json.loads((root / "step-1" / "base.json").read_text())
+    assert set(md["retained"]) == {f for f in md["data_files"] if not f.startswith("../")}  # everything stays
+    assert not (root / "step-1" / "metadata.json").exists()
+    _assert_loads(str(root / "step-2"), run[1], run[2])
+
+
+def test_materialize_writes_a_self_contained_copy(run: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    root, model, opt = run
+    out = tmp_path_factory.mktemp("elsewhere") / "ck"
+    assert cli(["materialize", str(root / "step-2"), str(out), "--no-progress"]) == 0
+    shutil.rmtree(root)
+    md = json.loads((out / "metadata.json").read_text())
+    assert not md.get("references") and not any(f.startswith("../") for f in md["data_files"])
+    assert cli(["verify", str(out)]) == 0
+    _assert_loads(str(out), model, opt)
