@@ -26,7 +26,7 @@ from bytecp.tree.state import PerRank, Slot
 from ._names import ModuleNames
 from ._optim import ParamState, optimizer_target, optimizer_tree, param_groups_for_load
 
-__all__ = ["PlainAdapter", "is_stateful", "is_per_rank", "param_groups_for_load"]
+__all__ = ["PlainAdapter", "Finalize", "is_stateful", "is_per_rank", "param_groups_for_load"]
 
 Finalize = Callable[[dict[str, Any]], None]
 

@@ -11,6 +11,9 @@ load: ``detect`` -> the core reads the metadata -> ``load_tree(state, ctx,
 md)`` returns the target tree and a ``finalize`` callback -> the core fills
 the target tensors in place and rebuilds slots -> ``finalize(values)``
 hands modules/optimizers/stateful objects their loaded state.
+
+Writing one, its replica hints and its contract suite
+(``bytecp.adapters.testing``): docs/extending.md.
 """
 
 from __future__ import annotations
@@ -18,12 +21,14 @@ from __future__ import annotations
 import abc
 import dataclasses
 import importlib
+import threading
 from collections.abc import Callable
 from typing import Any
 
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format.metadata import Metadata
+from bytecp.plugins import ADAPTERS_GROUP, entry_point_targets
 from bytecp.tree.skeleton import Node
 
 __all__ = ["Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter"]
@@ -99,17 +104,45 @@ _ADAPTERS: dict[str, str | type[Adapter]] = {
 }
 #: detection order: most specific first; "plain" accepts anything
 _ORDER = ["megatron", "fsdp1", "fsdp2", "ddp", "plain"]
+#: the adapter that accepts any state: reaching it in detection is a miss
+_CATCH_ALL = "plain"
+#: guards ``_ADAPTERS``, ``_ORDER`` and ``_discovered`` (registrations may come from any thread)
+_lock = threading.RLock()
+_discovered = False
 
 
 def register_adapter(name: str, adapter: str | type[Adapter], *, before: str | None = "plain") -> None:
-    """Add an adapter (``"module:Class"`` or a class), tried before ``before``."""
-    _ADAPTERS[name] = adapter
-    if name not in _ORDER:
-        _ORDER.insert(_ORDER.index(before) if before in _ORDER else len(_ORDER), name)
+    """Add an adapter (``"module:Class"`` or a class), tried before ``before``.
+
+    (any thread, any time before the save or load that needs it) Registering
+    a known name replaces its adapter and keeps its place in the detection
+    order; ``before=None`` (or an unknown name) appends it. Installed
+    packages may instead declare an entry point in the ``bytecp.adapters``
+    group (see :mod:`bytecp.plugins`).
+    """
+    with _lock:
+        _ADAPTERS[name] = adapter
+        if name not in _ORDER:
+            _ORDER.insert(_ORDER.index(before) if before in _ORDER else len(_ORDER), name)
+
+
+def _discover() -> bool:
+    """Register the installed ``bytecp.adapters`` entry points once per
+    process (the first lookup that misses); whether any name was added."""
+    global _discovered
+    with _lock:
+        if _discovered:
+            return False
+        _discovered = True
+        added = [n for n in entry_point_targets(ADAPTERS_GROUP).items() if n[0] not in _ADAPTERS]
+        for name, target in added:
+            register_adapter(name, target)
+        return bool(added)
 
 
 def _resolve(name: str) -> type[Adapter] | None:
-    entry = _ADAPTERS[name]
+    with _lock:
+        entry = _ADAPTERS[name]
     if not isinstance(entry, str):
         return entry
     module, _, attr = entry.partition(":")
@@ -117,13 +150,26 @@ def _resolve(name: str) -> type[Adapter] | None:
         cls: type[Adapter] = getattr(importlib.import_module(module), attr)
     except ImportError:
         return None  # the framework is not installed: it cannot be in use
-    _ADAPTERS[name] = cls
+    with _lock:
+        if _ADAPTERS.get(name) == entry:  # unless re-registered meanwhile
+            _ADAPTERS[name] = cls
     return cls
 
 
 def get_adapter(name: str) -> Adapter:
-    if name not in _ADAPTERS:
-        raise ConfigError(f"unknown framework {name!r}; known: {sorted(_ADAPTERS)}")
+    """A new instance of the adapter registered as ``name`` (``framework=``)."""
+    with _lock:
+        known = name in _ADAPTERS
+    if not known and _discover():
+        with _lock:
+            known = name in _ADAPTERS
+    if not known:
+        with _lock:
+            names = sorted(_ADAPTERS)
+        raise ConfigError(
+            f"unknown framework {name!r}; known: {names} (register others with "
+            "bytecp.adapter_api.register_adapter or a 'bytecp.adapters' entry point)"
+        )
     cls = _resolve(name)
     if cls is None:
         raise ConfigError(f"framework {name!r} is not available here (its package failed to import)")
@@ -131,11 +177,26 @@ def get_adapter(name: str) -> Adapter:
 
 
 def detect_adapter(state: dict[str, Any], framework: str | None = None) -> Adapter:
-    """The adapter for ``framework`` if given, else the first that detects ``state``."""
+    """The adapter for ``framework`` if given, else the first that detects ``state``.
+
+    (every rank, once per save or load) Reaching the catch-all ``plain``
+    reads the installed entry points first (once per process) and tries
+    the adapters they add.
+    """
     if framework is not None:
         return get_adapter(framework)
-    for name in _ORDER:
-        cls = _resolve(name)
-        if cls is not None and cls.detect(state):
-            return cls()
-    raise ConfigError("no adapter accepts this state")  # pragma: no cover - plain accepts all
+    tried: set[str] = set()
+    while True:
+        with _lock:
+            order = list(_ORDER)
+        for name in order:
+            if name in tried:
+                continue
+            if name == _CATCH_ALL and _discover():
+                break  # entry-point adapters come before the catch-all: look again
+            tried.add(name)
+            cls = _resolve(name)
+            if cls is not None and cls.detect(state):
+                return cls()
+        else:
+            raise ConfigError("no adapter accepts this state")  # pragma: no cover - plain accepts all

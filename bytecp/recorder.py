@@ -6,7 +6,8 @@ records phase spans into it (``plan``, ``stage``, ``write``, ``commit``,
 the operation ends the trace becomes a :class:`CheckpointReport` that is
 handed to every registered :class:`Recorder`. Exporters (Prometheus, the gRPC
 push client) live in ``bytecp.monitoring`` and register themselves here; the
-core never imports them except through :func:`resolve_monitor`'s registry.
+core never imports them except through :func:`resolve_monitor`'s registry
+(monitor kinds: :func:`register_monitor`).
 
 The *stall* is first-class: the seconds the training loop was blocked by the
 operation (the whole call for a synchronous save or load, the staging part
@@ -26,8 +27,11 @@ import os
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol, runtime_checkable
+
+from bytecp.errors import ConfigError
+from bytecp.plugins import MONITORS_GROUP, entry_point_targets
 
 __all__ = [
     "Span",
@@ -39,6 +43,8 @@ __all__ = [
     "recorders",
     "emit_event",
     "resolve_monitor",
+    "register_monitor",
+    "MonitorFactory",
     "PHASES",
     "WAIT_PHASES",
     "OPERATION_STARTED",
@@ -304,19 +310,67 @@ class Trace:
         return report
 
 
-# name -> "module:factory"; the factory takes the address string.
-_MONITOR_FACTORIES: dict[str, str] = {
+#: monitor kind -> ``"module:factory"`` or a factory; the factory takes the
+#: address (what follows ``kind://``) and returns a :class:`Recorder`
+MonitorFactory = Callable[[str], Recorder]
+_MONITOR_FACTORIES: dict[str, str | MonitorFactory] = {
     "grpc": "bytecp.monitoring.push:PushRecorder",
 }
 _monitors_by_address: dict[str, Recorder] = {}
+_monitors_discovered = False
+
+
+def register_monitor(kind: str, factory: str | MonitorFactory) -> None:
+    """Make ``monitor="kind://address"`` (and ``$BYTECP_MONITOR``) build a
+    recorder with ``factory(address)`` (``"module:attr"`` is imported on first use).
+
+    (any thread, before the save or load that names it) Registering a known
+    kind replaces its factory for addresses not resolved yet. Installed
+    packages may instead declare an entry point in the ``bytecp.monitors``
+    group (see :mod:`bytecp.plugins`).
+    """
+    if not kind or "://" in kind or ":" in kind:
+        raise ConfigError(f"monitor kind {kind!r} must be a plain name (as in 'kind://address')")
+    with _lock:
+        _MONITOR_FACTORIES[kind] = factory
+
+
+def _monitor_factory(kind: str, monitor: str) -> MonitorFactory:
+    """The factory of ``kind``; the first miss reads the ``bytecp.monitors``
+    entry points (once per process)."""
+    global _monitors_discovered
+    with _lock:
+        entry = _MONITOR_FACTORIES.get(kind)
+        discover = entry is None and not _monitors_discovered
+        _monitors_discovered = _monitors_discovered or discover
+    if discover:
+        found = entry_point_targets(MONITORS_GROUP)
+        with _lock:
+            for name, target in found.items():
+                _MONITOR_FACTORIES.setdefault(name, target)
+            entry = _MONITOR_FACTORIES.get(kind)
+    if entry is None:
+        with _lock:
+            known = sorted(_MONITOR_FACTORIES)
+        raise ConfigError(
+            f"monitor={monitor!r}: unknown monitor kind {kind!r}; known: {known} "
+            "(register one with bytecp.recorder.register_monitor or a 'bytecp.monitors' entry point)"
+        )
+    if not isinstance(entry, str):
+        return entry
+    module, _, attr = entry.partition(":")
+    factory: MonitorFactory = getattr(importlib.import_module(module), attr)
+    return factory
 
 
 def resolve_monitor(monitor: str | Recorder | None) -> Recorder | None:
     """Turn ``monitor=`` (or ``$BYTECP_MONITOR``) into a recorder.
 
     ``"host:port"`` (or ``"grpc://host:port"``) means: push reports to a
-    ``bytecp monitor serve`` collector. One push client per address per
-    process is reused. ``None`` with no environment variable means none.
+    ``bytecp monitor serve`` collector; ``"kind://address"`` builds the
+    recorder of a registered kind (:func:`register_monitor`). One recorder
+    per address per process is reused. ``None`` with no environment
+    variable means none.
     """
     if monitor is None:
         monitor = os.environ.get("BYTECP_MONITOR") or None
@@ -325,8 +379,12 @@ def resolve_monitor(monitor: str | Recorder | None) -> Recorder | None:
     kind, _, addr = monitor.partition("://") if "://" in monitor else ("grpc", "", monitor)
     with _lock:
         rec = _monitors_by_address.get(monitor)
+    if rec is not None:
+        return rec
+    factory = _monitor_factory(kind, monitor)
+    with _lock:
+        rec = _monitors_by_address.get(monitor)
         if rec is None:
-            module, _, attr = _MONITOR_FACTORIES[kind].partition(":")
-            rec = getattr(importlib.import_module(module), attr)(addr)
+            rec = factory(addr)
             _monitors_by_address[monitor] = rec
     return rec

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.plugins import STORAGE_GROUP, entry_point_targets
 
 __all__ = ["Storage", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
 
@@ -250,12 +251,34 @@ _REGISTRY: dict[str, str | StorageFactory] = {
 }
 _FALLBACK = "bytecp.storage.fsspec_backend:FsspecStorage"
 _lock = threading.Lock()
+_discovered = False
 
 
 def register_storage(protocol: str, factory: str | StorageFactory) -> None:
-    """Register a backend for a URL protocol (``"module:attr"`` or a callable)."""
+    """Register a backend for a URL protocol (``"module:attr"`` or a callable).
+
+    (any thread) ``factory(url, **options)`` returns a :class:`Storage`.
+    Installed packages may instead declare an entry point in the
+    ``bytecp.storage`` group (see :mod:`bytecp.plugins`).
+    """
     with _lock:
         _REGISTRY[protocol.lower()] = factory
+
+
+def _lookup(proto: str) -> str | StorageFactory | None:
+    """The registered entry for ``proto``; the first miss reads the installed
+    ``bytecp.storage`` entry points (once per process) and looks again."""
+    global _discovered
+    with _lock:
+        entry = _REGISTRY.get(proto)
+        if entry is not None or _discovered:
+            return entry
+        _discovered = True
+    found = entry_point_targets(STORAGE_GROUP)
+    with _lock:
+        for name, target in found.items():
+            _REGISTRY.setdefault(name.lower(), target)
+        return _REGISTRY.get(proto)
 
 
 def _resolve(entry: str | StorageFactory) -> StorageFactory:
@@ -275,6 +298,5 @@ def open_storage(url: str, **options: Any) -> Storage:
     if not isinstance(url, str) or not url:
         raise ConfigError(f"checkpoint URL must be a non-empty string, got {url!r}")
     proto, _ = split_protocol(url)
-    with _lock:
-        entry = _REGISTRY.get(proto, _FALLBACK)
+    entry = _lookup(proto) or _FALLBACK
     return _resolve(entry)(url, **options)

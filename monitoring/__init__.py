@@ -9,6 +9,11 @@
 * :class:`CollectorClient`, :func:`render_timeline`, :func:`format_table`:
   what ``bytecp monitor ls``/``show`` use.
 
+* :func:`register_monitor`, :func:`add_recorder`, :class:`Recorder`,
+  :class:`CheckpointReport`: the extension point (a new exporter is a
+  :class:`Recorder`; a new ``monitor="kind://address"`` kind is a factory
+  registered by kind), re-exported from :mod:`bytecp.recorder`.
+
 Names are imported lazily so that ``import bytecp.monitoring`` pulls in
 neither gRPC nor matplotlib until they are used.
 """
@@ -18,7 +23,22 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+from bytecp.recorder import (
+    CheckpointReport,
+    Recorder,
+    Span,
+    add_recorder,
+    register_monitor,
+    remove_recorder,
+)
+
 __all__ = [
+    "Recorder",
+    "CheckpointReport",
+    "Span",
+    "add_recorder",
+    "remove_recorder",
+    "register_monitor",
     "PrometheusRecorder",
     "enable_prometheus",
     "PushRecorder",

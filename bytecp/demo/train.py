@@ -42,7 +42,7 @@ from bytecp.demo.model import TinyGPT, eval_batch, local_batch, loss_of
 from bytecp.errors import BytecpError
 from bytecp.manager import CheckpointManager
 
-__all__ = ["main", "full_state", "EXIT_STOPPED"]
+__all__ = ["main", "full_state", "EXIT_STOPPED", "LR"]
 
 #: exit status of a rank that stopped because another one failed
 EXIT_STOPPED = 3

@@ -82,8 +82,8 @@ def test_load_into_an_optimizer_that_already_has_state(saved, pools, fw: str) ->
 
 
 def test_metadata_records_framework_and_world(saved) -> None:
-    from bytecp.tools.inspect import summarize
     from bytecp.storage_api import open_storage
+    from bytecp.tools.inspect import summarize
 
     for (fw, world), (url, _) in saved.items():
         info = summarize(open_storage(url))

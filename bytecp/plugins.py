@@ -1,0 +1,63 @@
+"""Third-party plugins found through Python entry points.
+
+A package that ships an adapter, a storage backend or a monitor kind names
+it in its own metadata, so installing the package is enough (no import in
+the training script)::
+
+    # the plugin package's pyproject.toml
+    [project.entry-points."bytecp.adapters"]
+    myframework = "my_pkg.bytecp_adapter:MyAdapter"     # framework name -> Adapter class
+    [project.entry-points."bytecp.storage"]
+    myfs = "my_pkg.storage:MyStorage"                   # URL protocol -> factory(url, **options)
+    [project.entry-points."bytecp.monitors"]
+    statsd = "my_pkg.monitor:StatsdRecorder"            # monitor kind -> factory(address)
+
+Who calls what, and when: each registry (:mod:`bytecp.adapter_api`,
+:mod:`bytecp.storage_api`, :mod:`bytecp.recorder`) calls
+:func:`entry_point_targets` once per process, the first time one of its
+lookups misses (a framework name, URL protocol or monitor kind it does not
+know, or a state no built-in adapter but the catch-all ``plain`` detects).
+Entries become lazy ``"module:attr"`` strings: nothing is imported until
+that name is used. A name registered in code keeps precedence.
+"""
+
+from __future__ import annotations
+
+import logging
+
+__all__ = ["ADAPTERS_GROUP", "STORAGE_GROUP", "MONITORS_GROUP", "entry_point_targets"]
+
+log = logging.getLogger(__name__)
+
+#: entry-point group of framework adapters (name -> ``Adapter`` subclass)
+ADAPTERS_GROUP = "bytecp.adapters"
+#: entry-point group of storage backends (URL protocol -> ``Storage`` factory)
+STORAGE_GROUP = "bytecp.storage"
+#: entry-point group of monitor kinds (``kind://address`` -> recorder factory)
+MONITORS_GROUP = "bytecp.monitors"
+
+
+def entry_point_targets(group: str) -> dict[str, str]:
+    """``name -> "module:attr"`` of every installed entry point of ``group``.
+
+    Reads distribution metadata only (imports nothing). Where two installed
+    packages declare one name, the first found wins and the clash is logged.
+    A broken metadata file is logged and skipped: a plugin never stops a
+    checkpoint that does not use it.
+    """
+    from importlib.metadata import entry_points
+
+    try:
+        found = list(entry_points(group=group))
+    except Exception:  # pragma: no cover - a corrupt installation
+        log.exception("bytecp: could not read the %r entry points", group)
+        return {}
+    out: dict[str, str] = {}
+    for ep in found:
+        target = f"{ep.module}:{ep.attr}" if ep.attr else ep.module
+        if ep.name in out and out[ep.name] != target:
+            log.warning("bytecp: entry point %r of group %r is declared twice (%s, %s); using the first",
+                        ep.name, group, out[ep.name], target)
+            continue
+        out.setdefault(ep.name, target)
+    return out
