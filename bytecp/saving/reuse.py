@@ -4,7 +4,7 @@ file instead (format version 3, :mod:`bytecp.format.references`).
 
 What is unchanged is known without reading a byte: every in-place change of
 a tensor moves its storage's version counter (``tensor._version``, shared by
-every view), so a box whose tensor has the same data pointer and version as
+every view; for a DTensor its own, not its local tensor's), so a box whose tensor has the same data pointer and version as
 when the last committed save described it holds the same bytes. Frozen
 parameters (``requires_grad=False``) never move; trainable ones and their
 optimizer state move at every optimizer step. Frameworks that write tensors
@@ -49,16 +49,19 @@ Token = tuple[int, int, str]
 Tokens = dict[str, list[tuple[Region, Token | None, torch.Tensor]]]
 
 
-def _token(t: torch.Tensor) -> Token | None:
+def _token(t: torch.Tensor, versioned: torch.Tensor | None) -> Token | None:
     try:
-        return (t.data_ptr(), t._version, str(t.device))
+        return (t.data_ptr(), (t if versioned is None else versioned)._version, str(t.device))
     except RuntimeError:  # inference tensors have no version counter
         return None
 
 
 def live_tokens(flat: FlatTree) -> Tokens:
-    """(every rank, describe) The token of every shard this rank holds."""
-    return {fqn: [(sh.region, _token(sh.tensor), sh.tensor) for sh in leaf.shards]
+    """(every rank, describe) The token of every shard this rank holds (the
+    version of the leaf's ``versioned`` tensor where the adapter names one:
+    a DTensor's, whose local tensor's counter never moves)."""
+    return {fqn: [(sh.region, _token(sh.tensor, leaf.versioned),
+                   sh.tensor if leaf.versioned is None else leaf.versioned) for sh in leaf.shards]
             for fqn, leaf in flat.tensors.items()}
 
 

@@ -126,13 +126,16 @@ class TensorLeaf:
     ``replicas``: which ranks hold the same boxes as this rank (a
     :class:`ReplicaSet` hint from the adapter), or ``None`` when the adapter
     does not know -- the coordinator then finds the replicas by comparing
-    every rank's boxes.
+    every rank's boxes. ``versioned``: the tensor whose version counter moves
+    when the shards change in place, where theirs does not (a DTensor's:
+    in-place ops run on its local tensor below the counter); None: the shards'.
     """
 
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     shards: list[Shard]
     replicas: ReplicaSet | None = None
+    versioned: torch.Tensor | None = None
 
     @classmethod
     def full(cls, t: torch.Tensor, replicas: ReplicaSet | None = EVERY_RANK) -> TensorLeaf:
