@@ -9,6 +9,8 @@ nothing on the normal path. The cases, in the order they are checked:
   the directory to use instead;
 - the URL is a **run directory** holding committed checkpoints (``step-N``
   folders): name its latest committed checkpoint;
+- a ``base.json``: a checkpoint **retired by retention**, kept only for the
+  files newer checkpoints reference;
 - files but no ``metadata.json``: an **interrupted or failed save**;
 - **nothing** there: say so, and how to list a run's checkpoints.
 
@@ -59,6 +61,11 @@ def not_a_checkpoint(storage: Storage, error: BaseException) -> BaseException:
         leftovers = storage.list_files("")
     except Exception:  # noqa: BLE001 - listing is only for the message
         leftovers = []
+    if "base.json" in leftovers:  # format version 3: retention retired it (bytecp.format.references)
+        return CheckpointNotFoundError(
+            f"{url} was retired by retention: it only holds the files newer checkpoints of its run "
+            "reference (base.json); load one of those (`bytecp ls RUN_DIR` lists them)"
+        )
     if leftovers:
         return IncompleteCheckpointError(
             f"{url} has no metadata.json but holds {len(leftovers)} file(s): an interrupted or "

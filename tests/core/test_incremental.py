@@ -194,6 +194,8 @@ def test_manager_is_incremental_with_a_full_save_every_k(tmp_path: Path) -> None
     assert refs == {1: set(), 2: {"step-1"}, 3: {"step-1"}, 4: set(), 5: {"step-4"}, 6: {"step-4"}, 7: set()}
     assert [c.name for c in mgr_list(tmp_path)] == ["step-6", "step-7"]
     assert list_bases(str(tmp_path)) == ["step-4"]  # step-6 reads its frozen layer
+    with pytest.raises(bytecp.CheckpointNotFoundError, match="retired by retention"):
+        bytecp.load_state_dict(str(tmp_path / "step-4"))
     assert not any((tmp_path / f"step-{s}").exists() for s in (1, 2, 3, 5))
     assert not list((tmp_path / "step-4" / "index").glob("*/*"))  # a retired base keeps only referenced data
     assert cli(["verify", str(tmp_path / "step-6")]) == 0
