@@ -1,7 +1,7 @@
 """Saves in flight: the handle ``async_save`` returns, the one-save-in-flight
 rule, the background thread and the checkpoint process group.
 
-Used by :mod:`bytecp.api` (``async_save`` starts a handle's background
+Used by :mod:`bytecp.saving.schedule` (an async order starts a handle's background
 thread; every save first waits for the previous one) and by the save
 pipeline's describe phase (:func:`wait_for_previous`). A background failure
 is never lost: ``handle.wait()``/``result()`` raise it, the next save raises
@@ -232,11 +232,17 @@ def checkpoint_group(process_group: Any) -> Any:
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
     """The torch optimizers ``state`` holds or drives, each once: also those
     inside optimizer wrappers (``.optimizer``, ``.chained_optimizers``:
-    Megatron's optimizers, bytecp's Megatron ``OptimizerLayout``)."""
+    Megatron's optimizers, bytecp's Megatron ``OptimizerLayout``) and the
+    optimizer of a module that owns one (a DeepSpeed engine)."""
     found: dict[int, torch.optim.Optimizer] = {}
 
     def walk(v: Any, depth: int) -> None:
-        if depth > 8 or isinstance(v, torch.nn.Module):
+        if depth > 8:
+            return
+        if isinstance(v, torch.nn.Module):  # a training engine may own its optimizer (DeepSpeed)
+            inner = getattr(v, "optimizer", None)
+            if inner is not None and not isinstance(inner, torch.nn.Module):
+                walk(inner, depth + 1)
             return
         if isinstance(v, torch.optim.Optimizer):
             found.setdefault(id(v), v)

@@ -17,9 +17,9 @@ Who calls what (every rank, in the save pipeline's order):
    before any copy.
 2. :meth:`Incremental.split` -- plan: the boxes this rank writes, less those
    unchanged since the base (the last committed save of this process, in the
-   run's sibling checkpoint ``base``); their rows are kept aside.
-3. :meth:`Incremental.add_to` -- commit: those rows and the sizes of the
-   files they name join this rank's output.
+   run's sibling checkpoint ``base``); their rows travel as :class:`Reused`.
+3. :meth:`Reused.add_to` -- commit: those rows and the sizes of the files
+   they name join this rank's output.
 4. :meth:`Incremental.committed` -- after the commit: this save becomes the
    base the next one may reference (:data:`LAST_SAVES`).
 """
@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -40,7 +41,7 @@ from bytecp.plan.planner import WriteItem
 from bytecp.tree.regions import Region
 from bytecp.tree.state import FlatTree
 
-__all__ = ["Token", "live_tokens", "LastSave", "LAST_SAVES", "Incremental"]
+__all__ = ["Token", "Tokens", "live_tokens", "LastSave", "LAST_SAVES", "Incremental", "Reused"]
 
 log = logging.getLogger("bytecp")
 
@@ -114,8 +115,25 @@ class _LastSaves:
 LAST_SAVES = _LastSaves()
 
 
+@dataclasses.dataclass(frozen=True)
+class Reused:
+    """(plan -> commit) The rows of the boxes a rank references instead of
+    writing, and the sizes of the files they name (``../<name>/data/...``)."""
+
+    records: tuple[fmt.ChunkRecord, ...] = ()
+    files: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def add_to(self, output: Any) -> Any:
+        """(every rank, commit) ``output`` (a RankOutput) with these rows and files."""
+        if not self.records:
+            return output
+        return dataclasses.replace(output, chunks=[*output.chunks, *self.records],
+                                   data_files={**output.data_files, **self.files})
+
+
 class Incremental:
-    """One save's view of the reuse, on one rank (see the module's docstring)."""
+    """What one save on one rank may reference (see the module's docstring);
+    holds only the save's target and base, no state between phases."""
 
     def __init__(self, url: str, base: str | None, world_size: int, rank: int) -> None:
         self.url, self.name = url, name_of(url)
@@ -130,46 +148,41 @@ class Incremental:
             )
         self.base = name_of(base) if base is not None else None
         self.key = (self.run, world_size, rank)
-        self.tokens: Tokens = {}
-        self.enabled = True  # False: the framework writes tensors behind their version counter
-        self.records: list[fmt.ChunkRecord] = []
-        self.files: dict[str, int] = {}
 
-    def split(self, items: list[WriteItem]) -> list[WriteItem]:
-        """(every rank, plan) ``items`` less the boxes unchanged since the base."""
-        self.records, self.files = [], {}
-        last = LAST_SAVES.get(self.key) if self.base is not None and self.enabled else None
+    def split(self, items: Sequence[WriteItem], tokens: Tokens | None) -> tuple[list[WriteItem], Reused]:
+        """(every rank, plan) ``items`` less the boxes unchanged since the
+        base, and the rows of those; ``tokens``: describe's (None: the
+        framework writes tensors behind their version counter)."""
+        last = LAST_SAVES.get(self.key) if self.base is not None and tokens is not None else None
         if last is None or last.name != self.base:
-            if self.base is not None and self.enabled:
+            if self.base is not None and tokens is not None:
                 log.info("bytecp: %s: no save of this process at base %s; writing every box", self.url, self.base)
-            return items
+            return list(items), Reused()
         write: list[WriteItem] = []
+        records: list[fmt.ChunkRecord] = []
+        files: dict[str, int] = {}
         for it in items:
             box = last.boxes.get((it.fqn, it.region))
-            tok = _token_of(self.tokens, it.fqn, it.region)[0]
+            tok = _token_of(tokens or {}, it.fqn, it.region)[0]
             rec = box.record if box is not None else None
             if (box is None or tok is None or tok != box.token or rec is None or rec.dtype != it.dtype
                     or rec.global_shape != it.global_shape or rec.file.split("/", 1)[0] == self.name):
                 write.append(it)
                 continue
             path = "../" + rec.file
-            self.records.append(dataclasses.replace(rec, file=path))
-            self.files[path] = box.file_size
-        return write
+            records.append(dataclasses.replace(rec, file=path))
+            files[path] = box.file_size
+        return write, Reused(tuple(records), files)
 
-    def add_to(self, output: Any) -> None:
-        """(every rank, commit) The kept rows and their files join ``output`` (a RankOutput)."""
-        output.chunks = [c for c in output.chunks if not c.file.startswith("../")] + self.records
-        output.data_files.update(self.files)
-
-    def committed(self, md: fmt.Metadata, chunks: list[fmt.ChunkRecord], data_files: dict[str, int]) -> None:
+    def committed(self, md: fmt.Metadata, tokens: Tokens | None, chunks: Sequence[fmt.ChunkRecord],
+                  data_files: Mapping[str, int]) -> None:
         """(every rank, after the commit) This save is the base of the next."""
-        if not self.run or not self.enabled:
+        if not self.run or tokens is None:
             return
         boxes: dict[tuple[str, Region], _Box] = {}
         keep: dict[int, torch.Tensor] = {}
         for c in chunks:
-            tok, t = _token_of(self.tokens, c.fqn, Region(c.offsets, c.lengths))
+            tok, t = _token_of(tokens, c.fqn, Region(c.offsets, c.lengths))
             if tok is None or t is None:
                 continue
             keep[id(t)] = t
