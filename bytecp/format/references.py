@@ -28,7 +28,7 @@ import json
 import logging
 import posixpath
 import threading
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError, StorageError
@@ -39,7 +39,7 @@ log = logging.getLogger("bytecp")
 
 __all__ = [
     "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "held", "linked", "name_of", "pin", "pinned",
-    "read_committed", "referenced_sizes", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
+    "read_committed", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
 ]
 
 #: what retention leaves of a checkpoint that kept checkpoints still
@@ -96,15 +96,11 @@ def retired_bytes(md: fmt.Metadata, retained: Iterable[str]) -> bytes:
     return json.dumps(d, separators=(",", ":")).encode()
 
 
-def pin(storage: Storage, md: fmt.Metadata) -> list[str]:
+def pin(storage: Storage, md: fmt.Metadata) -> None:
     """(coordinator of a save, before :func:`check_references`) Mark every
-    checkpoint ``md`` references as in use by this save; returns the pins."""
-    done = []
+    checkpoint ``md`` references as in use by this save (``pins/<name>.<save_id>`` in it)."""
     for name in sorted(md.references):
-        path = f"{run_url(storage.url)}/{name}/{PIN_DIR}/{name_of(storage.url)}.{md.save_id}"
         sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
-        done.append(path)
-    return done
 
 
 def unpin(storage: Storage, md: fmt.Metadata) -> None:
@@ -231,6 +227,9 @@ class LinkedStorage(Storage):
     def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         self.inner.commit(path, data, exclusive=exclusive)
 
+    def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
+        return self.inner.write_stream(path, pieces, size_hint=size_hint)
+
     def delete(self, paths: Iterable[str]) -> None:
         self.inner.delete([p for p in paths if not p.startswith("../")])
 
@@ -253,8 +252,3 @@ def linked(storage: Storage, md: fmt.Metadata) -> Storage:
     if not md.references or isinstance(storage, LinkedStorage):
         return storage
     return LinkedStorage(storage, md.references)
-
-
-def referenced_sizes(md: fmt.Metadata) -> Mapping[str, dict[str, int]]:
-    """name -> the files of that checkpoint ``md`` reads (relative to it) -> size."""
-    return {name: md.files_of(name) for name in md.references}
