@@ -131,7 +131,9 @@ class SavePipeline:
             if cached is None:
                 return Share(local, fingerprint, local.items)
             mine = tuple(cached[1])
-            return Share(local, fingerprint, mine, LocalSavePlan(self.ctx.rank, mine, fixed=True))
+            # the plan gives this rank exactly ``mine``: what the base holds unchanged is not copied
+            copy = tuple(self.incremental.split(mine, described.tokens)[0])
+            return Share(local, fingerprint, copy, LocalSavePlan(self.ctx.rank, mine, fixed=True))
 
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 

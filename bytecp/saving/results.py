@@ -40,7 +40,8 @@ class Share:
     #: every box this rank holds, and its fingerprint
     local: LocalSavePlan
     fingerprint: str
-    #: the boxes copied
+    #: the boxes copied (of the cached share: less those an incremental save
+    #: references in its base, never written)
     items: tuple[WriteItem, ...]
     #: the cached share only: the boxes copied as a fixed plan (a new plan
     #: gives this rank exactly these, the other holders the rest)
