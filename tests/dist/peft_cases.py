@@ -168,8 +168,9 @@ def adapter_only(url: str, hf_dir: str, sharded: bool = False) -> dict[str, Any]
             "trained": {k: full(v) for k, v in bytecp.trainable(model).items()}}
 
 
-def frozen_embedding_run(run: str, steps: int = 3, sharded: bool = False) -> dict[str, Any]:
-    """A full fine-tune whose embedding is frozen: the embedding is written once."""
+def frozen_embedding_run(run: str, steps: int = 3, sharded: bool = False, async_save: bool = False) -> dict[str, Any]:
+    """A full fine-tune whose embedding is frozen: the embedding is written once
+    (``async_save``: by the manager's asynchronous saves, waited for each step)."""
     model = base_model()
     model.model.embed_tokens.weight.requires_grad_(False)
     if sharded:
@@ -181,11 +182,12 @@ def frozen_embedding_run(run: str, steps: int = 3, sharded: bool = False) -> dic
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
     opt = optimizer(model)
-    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=2)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=2, async_save=async_save)
     written = {}
     for step in range(1, steps + 1):
         train(model, opt, step)
         mgr.save(step, {"model": model, "optim": opt})
+        mgr.wait()
         written[step] = own_bytes(f"{run}/step-{step}")
     emb = model.model.embed_tokens.weight
     refs = {}

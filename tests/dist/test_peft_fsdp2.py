@@ -39,8 +39,9 @@ def test_fsdp2_adapter_dtensors_outside_their_module(pools, tmp_path: Path) -> N
 
 
 def test_fsdp2_full_fine_tune_with_a_frozen_embedding_writes_it_once(pools, tmp_path: Path) -> None:
+    """With the manager's asynchronous saves (snapshots of the cached share)."""
     run = str(tmp_path / "run")
-    res = pools(2).run(cases.frozen_embedding_run, run, 3, True, timeout=300)[0]
+    res = pools(2).run(cases.frozen_embedding_run, run, 3, True, True, timeout=300)[0]
     assert res["refs"][3] == ["step-1"]
     for step in (2, 3):
         assert res["written"][step] <= res["written"][1] - res["embedding_bytes"], res["written"]
