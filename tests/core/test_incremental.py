@@ -208,6 +208,9 @@ def test_manager_is_incremental_with_a_full_save_every_k(tmp_path: Path) -> None
     assert not any((tmp_path / f"step-{s}").exists() for s in (1, 2, 3, 5))
     assert not list((tmp_path / "step-4" / "index").glob("*/*"))  # a retired base keeps only referenced data
     assert cli(["verify", str(tmp_path / "step-6")]) == 0
+    # gc of the run never takes a retired base for a save that did not commit
+    assert cli(["gc", str(tmp_path), "--no-progress"]) == 0
+    assert cli(["verify", str(tmp_path / "step-6")]) == 0
     _step(model, opt)
     mgr.save(8, {"model": model, "optim": opt})  # references step-7 only: the bases go
     assert list_bases(str(tmp_path)) == [] and not (tmp_path / "step-4").exists()
