@@ -165,6 +165,8 @@ class MegatronAdapter(Adapter):
     """Megatron-Core models (TP/PP/DP, virtual pipeline chunks) and optimizers."""
 
     name = "megatron"
+    #: the distributed optimizer copies into model parameters through ``.data``
+    tracks_versions = False
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
