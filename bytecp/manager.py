@@ -79,6 +79,7 @@ class CheckpointManager:
         self._retained = threading.Event()
         self._retained.set()
         self._retain_lock = threading.Lock()
+        self._prewarmed = False
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -88,6 +89,17 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
+        """(all ranks, every step) Save when ``step`` is a multiple of
+        ``every_n_steps`` (or ``force``). With ``async_save`` the first call
+        prewarms the staging memory (:func:`bytecp.prewarm`), so the first
+        save blocks like the later ones."""
+        if self.async_save and not self._prewarmed:
+            from bytecp.saving.prewarm import prewarm
+
+            prewarm(state, framework=self.save_kwargs.get("framework"),
+                    process_group=self.save_kwargs.get("process_group"),
+                    coordinator_rank=self.save_kwargs.get("coordinator_rank", 0))
+            self._prewarmed = True
         if not force and step % self.every_n_steps:
             return False
         self.save(step, state)
