@@ -1,0 +1,81 @@
+"""keeper:// backend: the storage contract against two in-process keepers,
+replication, tokens, and the memory budget."""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterator
+
+import pytest
+from bytecp.storage.keeper import KeeperStorage
+from bytecp.storage.keeper_server import Keeper
+from bytecp.storage.testing import StorageContract, StorageFixtures
+
+from bytecp.errors import StorageError
+from bytecp.storage_api import open_storage
+
+TOKEN = "t-" + uuid.uuid4().hex
+
+
+def start_keepers(names: list[str], *, replicas: int = 2, budget: int | None = None) -> list[Keeper]:
+    keepers = [Keeper(n, 0, TOKEN, {}, replicas=replicas, budget_bytes=budget) for n in names]
+    addrs = {k.name: ("127.0.0.1", k.port) for k in keepers}
+    for k in keepers:
+        k.peers = {n: a for n, a in addrs.items() if n != k.name}
+        threading.Thread(target=k.serve_forever, daemon=True).start()
+    return keepers
+
+
+def spec(keepers: list[Keeper]) -> str:
+    return ",".join(f"{k.name}=127.0.0.1:{k.port}" for k in keepers)
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[list[Keeper]]:
+    keepers = start_keepers(["h0", "h1"])
+    yield keepers
+    for k in keepers:
+        k.close()
+
+
+class TestKeeper(StorageFixtures, StorageContract):
+    xfail = {}
+
+    @pytest.fixture
+    def storage(self, pair: list[Keeper]) -> Iterator[KeeperStorage]:
+        st = open_storage(f"keeper://job/{uuid.uuid4().hex}", keepers=spec(pair), host="h0", token=TOKEN)
+        assert isinstance(st, KeeperStorage)
+        yield st
+        st.delete_prefix()
+
+
+def test_each_file_has_two_copies_and_reads_survive_losing_one(pair: list[Keeper]) -> None:
+    run = uuid.uuid4().hex
+    st = open_storage(f"keeper://job/{run}", keepers=spec(pair), host="h1", token=TOKEN)
+    st.write_file("data/0.bin", [b"abc" * 1000])
+    for k in pair:
+        assert k._sizes(f"job/{run}") == {f"job/{run}/data/0.bin": 3000}
+    pair[1].op_delete({"paths": [f"job/{run}"]}, memoryview(b""))  # the local copy is lost
+    assert st.read_bytes("data/0.bin") == b"abc" * 1000  # from the peer
+
+
+def test_wrong_token_is_refused(pair: list[Keeper]) -> None:
+    st = open_storage("keeper://job/x", keepers=spec(pair), host="h0", token="another-job")
+    with pytest.raises(StorageError, match="wrong job token"):
+        st.write_file("a", [b"1"])
+
+
+def test_budget_evicts_older_checkpoints_then_refuses() -> None:
+    keepers = start_keepers(["b0", "b1"], budget=10_000)
+    try:
+        st = open_storage("keeper://run", keepers=spec(keepers), host="b0", token=TOKEN)
+        for step in (1, 2, 3):
+            st.write_file(f"step-{step}/d.bin", [bytes(4000)])
+            st.commit(f"step-{step}/metadata.json", b"{}")
+        assert sorted(st.list_children("")) == ["step-2", "step-3"]  # step-1 evicted
+        with pytest.raises(StorageError, match="budget of 10000 bytes cannot hold"):
+            st.write_file("step-4/d.bin", [bytes(20_000)])
+    finally:
+        for k in keepers:
+            k.close()
