@@ -20,12 +20,14 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from bytecp.catalog import CheckpointInfo, list_checkpoints
-from bytecp.errors import ConfigError
+from bytecp.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
+from bytecp.tiers import MemoryTier, restore_order
 
 if TYPE_CHECKING:  # pragma: no cover
     from bytecp.saving.handles import SaveHandle
@@ -47,6 +49,12 @@ class CheckpointManager:
     staging before the next ``optimizer.step``) and commit in the
     background; retention runs on that background thread after the commit.
     ``wait()`` blocks until the in-flight save and its retention are done.
+
+    ``memory_url`` (``keeper://<job>/<run>``) with ``memory_every_n_steps``:
+    checkpoint to the hosts' memory every N steps, replicated to peer hosts,
+    and every ``every_n_steps`` drain the memory checkpoint to ``run_url``
+    (the keeper copies it); ``restore`` loads the newest complete committed
+    checkpoint of either tier, memory first (see :mod:`bytecp.tiers`).
     """
 
     def __init__(
@@ -58,6 +66,10 @@ class CheckpointManager:
         async_save: bool = False,
         lazy: bool = False,
         storage_options: dict[str, Any] | None = None,
+        memory_url: str | None = None,
+        memory_every_n_steps: int | None = None,
+        memory_keep_last: int | None = 2,
+        memory_storage_options: dict[str, Any] | None = None,
         **save_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
@@ -80,6 +92,14 @@ class CheckpointManager:
         self._retained.set()
         self._retain_lock = threading.Lock()
         self._prewarmed = False
+        self.restored_from: str | None = None  # "memory" or "storage", after restore
+        #: the memory tier (``memory_url``, e.g. ``keeper://<job>/<run>``), see :mod:`bytecp.tiers`
+        self.memory: MemoryTier | None = None
+        if memory_url is not None:
+            self.memory = MemoryTier(memory_url, memory_every_n_steps or every_n_steps, memory_keep_last,
+                                     memory_storage_options)
+        elif memory_every_n_steps is not None:
+            raise ConfigError("memory_every_n_steps needs memory_url (e.g. keeper://<job>/<run>)")
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -100,10 +120,35 @@ class CheckpointManager:
                     process_group=self.save_kwargs.get("process_group"),
                     coordinator_rank=self.save_kwargs.get("coordinator_rank", 0))
             self._prewarmed = True
-        if not force and step % self.every_n_steps:
+        to_storage = force or step % self.every_n_steps == 0
+        if self.memory is not None and (to_storage or self.memory.due(step)):
+            self._save_to_memory(step, state, drain=to_storage)
+            return True
+        if not to_storage:
             return False
         self.save(step, state)
         return True
+
+    def _save_to_memory(self, step: int, state: dict[str, Any], *, drain: bool) -> None:
+        """(all ranks) Save ``step`` to the memory tier; with ``drain`` the keeper
+        then copies it to ``<run_url>/step-<step>`` (or, with a memory backend
+        that cannot, a normal save to storage follows)."""
+        assert self.memory is not None
+        mem = self.memory
+        drain_here = drain and mem.can_drain(step)
+
+        def committed() -> None:  # (all ranks, after the memory commit)
+            from bytecp.dist import DistContext
+
+            if DistContext().is_coordinator:
+                if drain_here:
+                    self._retain()  # storage: make room before the drained copy lands
+                    mem.drain(step, self.url_for(step), self.storage_options)
+                self._retain(mem.url, mem.keep_last, mem.storage_options)
+
+        self._target(mem.url_for(step), mem.storage_options, state, step, committed)
+        if drain and not drain_here:
+            self.save(step, state)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
         """Save ``state`` as ``step-<step>`` (all ranks), then apply retention.
@@ -113,28 +158,33 @@ class CheckpointManager:
         the previous save must have ended first (its error, if any, is raised
         here), and retention runs when this one commits.
         """
+        return self._target(self.url_for(step), self.storage_options, state, step, self._retain)
+
+    def _target(self, url: str, options: dict[str, Any], state: dict[str, Any], step: int,
+                committed: Callable[[], None]) -> SaveHandle | None:
+        """Save to ``url``; ``committed`` runs once it has committed (at once
+        when synchronous, on the save's background thread when asynchronous)."""
         if not self.async_save:
             from bytecp.api import save
 
-            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
-            self._retain()
+            save(url, state, step=step, storage_options=options, **self.save_kwargs)
+            committed()
             return None
         from bytecp.api import async_save
 
-        handle = async_save(
-            self.url_for(step), state, lazy=self.lazy, step=step,
-            storage_options=self.storage_options, **self.save_kwargs,
-        )
+        handle = async_save(url, state, lazy=self.lazy, step=step, storage_options=options, **self.save_kwargs)
         self._pending = handle
         self._retained.clear()
-        handle.add_done_callback(self._after_async_save)
+        handle.add_done_callback(lambda h: self._after_async_save(h, committed))
         return handle
 
-    def _after_async_save(self, handle: SaveHandle) -> None:
-        """(the save's background thread) Prune once the save has committed."""
+    def _after_async_save(self, handle: SaveHandle, committed: Callable[[], None]) -> None:
+        """(the save's background thread) Prune (and drain) once the save has committed."""
         try:
             if handle.exception() is None:
-                self._retain()
+                committed()
+        except Exception as e:  # noqa: BLE001 - retention/drain must not lose the committed save
+            log.warning("bytecp: after committing %s: %s", handle.url, e)
         finally:
             if handle is self._pending:
                 self._retained.set()
@@ -157,13 +207,24 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        latest = self.latest()
-        if latest is None:
-            return None
-        load(latest.url, state, storage_options=self.storage_options, **load_kwargs)
-        return latest.step
+        memory = self.memory.latest() if self.memory is not None else None
+        order = restore_order(memory, self.memory.storage_options if self.memory else {},
+                              self.latest(), self.storage_options)
+        for i, cand in enumerate(order):
+            try:
+                load(cand.info.url, state, storage_options=cand.storage_options, **load_kwargs)
+            except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as e:
+                if cand.tier != "memory" or i == len(order) - 1:
+                    raise
+                log.warning("bytecp: memory checkpoint %s did not load (%s); trying %s",
+                            cand.info.url, e, order[i + 1].info.url)
+                continue
+            self.restored_from = cand.tier
+            return cand.info.step
+        return None
 
-    def _retain(self) -> None:
+    def _retain(self, root_url: str | None = None, keep_last: int | None = -1,
+                options: dict[str, Any] | None = None) -> None:
         """(coordinator; the training thread when synchronous, the save's
         background thread when asynchronous) Delete all but the newest
         ``keep_last`` committed checkpoints. Only committed checkpoints are
@@ -171,12 +232,15 @@ class CheckpointManager:
         committed one is always kept."""
         from bytecp.dist import DistContext
 
-        if self.keep_last is None or not DistContext().is_coordinator:
+        root_url = root_url or self.run_url
+        keep = self.keep_last if keep_last == -1 else keep_last
+        options = self.storage_options if options is None else options
+        if keep is None or not DistContext().is_coordinator:
             return
         with self._retain_lock:
-            found = list_checkpoints(self.run_url, storage_options=self.storage_options)
-            root = open_storage(self.run_url, **self.storage_options)
-            for old in found[: max(0, len(found) - self.keep_last)]:
+            found = list_checkpoints(root_url, storage_options=options)
+            root = open_storage(root_url, **options)
+            for old in found[: max(0, len(found) - keep)]:
                 # metadata.json first: the checkpoint stops existing before its data goes
                 root.delete([f"{old.name}/{fmt.METADATA_FILE}"])
                 root.delete_prefix(old.name)

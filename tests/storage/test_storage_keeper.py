@@ -3,7 +3,6 @@ replication, tokens, and the memory budget."""
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 
@@ -11,24 +10,10 @@ import pytest
 from bytecp.storage.keeper import KeeperStorage
 from bytecp.storage.keeper_server import Keeper
 from bytecp.storage.testing import StorageContract, StorageFixtures
+from keepers import TOKEN, spec, start_keepers
 
 from bytecp.errors import StorageError
 from bytecp.storage_api import open_storage
-
-TOKEN = "t-" + uuid.uuid4().hex
-
-
-def start_keepers(names: list[str], *, replicas: int = 2, budget: int | None = None) -> list[Keeper]:
-    keepers = [Keeper(n, 0, TOKEN, {}, replicas=replicas, budget_bytes=budget) for n in names]
-    addrs = {k.name: ("127.0.0.1", k.port) for k in keepers}
-    for k in keepers:
-        k.peers = {n: a for n, a in addrs.items() if n != k.name}
-        threading.Thread(target=k.serve_forever, daemon=True).start()
-    return keepers
-
-
-def spec(keepers: list[Keeper]) -> str:
-    return ",".join(f"{k.name}=127.0.0.1:{k.port}" for k in keepers)
 
 
 @pytest.fixture(scope="module")
