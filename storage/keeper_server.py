@@ -32,6 +32,7 @@ import argparse
 import logging
 import os
 import shutil
+import signal
 import socketserver
 import tempfile
 import threading
@@ -318,6 +319,10 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.ready_file + ".tmp", "w") as f:
             f.write(f"{keeper.port}\n")
         os.rename(args.ready_file + ".tmp", args.ready_file)
+    def stop(signum: int, frame: object) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)  # a stopped keeper frees its shared memory
     try:
         keeper.serve_forever()
     finally:
