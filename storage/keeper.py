@@ -101,9 +101,9 @@ class KeeperStorage(Storage):
         root = self._local_root()
         if root is not None:
             write_atomic(root, key, buffers)
-            self._ask(local, {"op": "replicate", "path": key}, timeout=600)
+            self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, timeout=600)
         else:
-            self._ask(local, {"op": "replicate", "path": key}, list(buffers), timeout=600)
+            self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, list(buffers), timeout=600)
 
     def _keeper_or_error(self) -> Addr:
         addr = self.keepers[self.host]

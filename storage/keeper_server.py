@@ -77,7 +77,8 @@ class Keeper:
         self.root = root or tempfile.mkdtemp(prefix=f"bytecp-keeper-{name}-", dir=base)
         os.chmod(self.root, 0o700)
         self._lock = threading.Lock()
-        self.replication_s = 0.0  # the last file's push time
+        #: checkpoint prefix -> seconds spent pushing its files to peers (the newest few)
+        self.replication: dict[str, float] = {}
         self.drains: dict[str, dict[str, Any]] = {}
         keeper = self
 
@@ -198,7 +199,11 @@ class Keeper:
                 raise
         t0 = time.perf_counter()
         copies = 1 + self._push(path, full, self.replicas - 1)
-        self.replication_s = time.perf_counter() - t0
+        ckpt = str(h.get("ckpt") or os.path.dirname(path))
+        with self._lock:
+            self.replication[ckpt] = self.replication.pop(ckpt, 0.0) + time.perf_counter() - t0
+            while len(self.replication) > 16:
+                self.replication.pop(next(iter(self.replication)))
         if copies < self.replicas:
             raise StorageError(f"{path} has {copies} of {self.replicas} copies: fewer live peer keepers "
                                f"than replicas - 1 ({sorted(self.peers)}); start them or lower replicas")
@@ -266,7 +271,12 @@ class Keeper:
         now = time.time()
         lag = max((now - d["since"] for d in self.drains.values() if d["state"] == "running"), default=0.0)
         return {"name": self.name, "held_bytes": self.held_bytes(), "budget_bytes": self.budget,
-                "replication_s": self.replication_s, "drain_lag_s": lag, "drains": self.drains}, []
+                "replication_s": dict(self.replication), "drain_lag_s": lag, "drains": self.drains,
+                "checkpoints": self._committed()}, []
+
+    def _committed(self) -> list[str]:
+        return sorted(os.path.relpath(d, self.root).replace(os.sep, "/")
+                      for d, _, files in os.walk(self.root) if METADATA in files)
 
     def op_drain(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         src, url = safe_path(h["path"]), str(h["url"])

@@ -74,7 +74,7 @@ def main() -> None:
         torch.save(flat(state), out)
         stats = bytecp.storage_api.open_storage("keeper://job/run").keeper_stats()  # type: ignore[attr-defined]
         print(json.dumps({"rank": rank, "blocked_s": blocked,
-                          "replication_s": max(s["replication_s"] for s in stats)}), flush=True)
+                          "replication_s": {k: v for s in stats for k, v in s["replication_s"].items()}}), flush=True)
         while True:  # mid-run: the test kills this host
             time.sleep(1)
     state = build(size, rank, seed=1)
