@@ -317,6 +317,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--keepers", default=os.environ.get("BYTECP_KEEPERS", ""), help="name=host:port,...")
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--budget-bytes", type=int, default=None)
+    ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    ap.add_argument("--job", default="", help="the job label of the metrics")
     ap.add_argument("--ready-file", default=None, help="written with the port once serving")
     args = ap.parse_args(argv)
     token = os.environ.get("BYTECP_KEEPER_TOKEN")
@@ -325,6 +327,10 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     keeper = Keeper(args.name, args.port, token, parse_keepers(args.keepers), replicas=args.replicas,
                     budget_bytes=args.budget_bytes)
+    if args.metrics_port is not None:
+        from bytecp.monitoring.keeper_metrics import serve_keeper_metrics
+
+        serve_keeper_metrics(lambda: keeper.op_stats({}, memoryview(b""))[0], args.job, args.metrics_port)
     if args.ready_file:
         with open(args.ready_file + ".tmp", "w") as f:
             f.write(f"{keeper.port}\n")

@@ -3,6 +3,7 @@ replication, tokens, and the memory budget."""
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 
@@ -64,3 +65,26 @@ def test_budget_evicts_older_checkpoints_then_refuses() -> None:
     finally:
         for k in keepers:
             k.close()
+
+
+def test_keeper_metrics_report_memory_replication_and_drains(pair: list[Keeper], tmp_path) -> None:
+    from bytecp.monitoring.keeper_metrics import KeeperCollector
+    from prometheus_client import CollectorRegistry
+
+    run = uuid.uuid4().hex
+    st = open_storage(f"keeper://job/{run}/step-1", keepers=spec(pair), host="h0", token=TOKEN)
+    st.write_file("data/0.bin", [bytes(5000)])
+    st.commit("metadata.json", b"{}")
+    reg = CollectorRegistry()
+    reg.register(KeeperCollector(lambda: pair[0].op_stats({}, memoryview(b""))[0], "j"))
+    labels = {"job": "j", "host": "h0"}
+    assert reg.get_sample_value("bytecp_keeper_memory_bytes", labels) >= 5000
+    assert reg.get_sample_value("bytecp_keeper_checkpoints", labels) >= 1
+    assert reg.get_sample_value("bytecp_keeper_replication_seconds", labels) > 0
+    st.drain_to(str(tmp_path / "out"))  # type: ignore[attr-defined]
+    for _ in range(200):
+        if reg.get_sample_value("bytecp_keeper_drains", {**labels, "state": "done"}):
+            break
+        time.sleep(0.02)
+    assert (tmp_path / "out" / "data" / "0.bin").read_bytes() == bytes(5000)
+    assert (tmp_path / "out" / "metadata.json").read_bytes() == b"{}"
