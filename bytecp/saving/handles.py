@@ -1,7 +1,7 @@
 """Saves in flight: the handle ``async_save`` returns, the one-save-in-flight
 rule, the background thread and the checkpoint process group.
 
-Used by :mod:`bytecp.api` (``async_save`` starts a handle's background
+Used by :mod:`bytecp.saving.schedule` (an async order starts a handle's background
 thread; every save first waits for the previous one) and by the save
 pipeline's describe phase (:func:`wait_for_previous`). A background failure
 is never lost: ``handle.wait()``/``result()`` raise it, the next save raises
