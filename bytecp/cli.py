@@ -46,6 +46,7 @@ EXIT_INTERRUPTED = 130
 # subcommand -> "module:function(argv) -> int", for commands outside the core
 _EXTERNAL = {
     "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
+    "keeper": ("bytecp.storage.keeper_server:main", "a host's memory-tier keeper (keeper:// checkpoints)"),
 }
 
 

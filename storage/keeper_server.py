@@ -68,11 +68,14 @@ class Keeper:
     """A host's keeper: its shared-memory root, its peers and its server."""
 
     def __init__(self, name: str, port: int, token: str, peers: dict[str, Addr], *, replicas: int = 2,
-                 budget_bytes: int | None = None, root: str | None = None, host: str = "127.0.0.1") -> None:
+                 budget_bytes: int | None = None, root: str | None = None, host: str = "127.0.0.1",
+                 domains: dict[str, str] | None = None) -> None:
         if replicas < 1:
             raise StorageError(f"keeper {name}: replicas must be >= 1, got {replicas}")
         self.name, self.token, self.replicas, self.budget = name, token, replicas, budget_bytes
         self.peers = {k: v for k, v in peers.items() if k != name}
+        #: host -> failure domain (rack, switch); copies go to other domains first
+        self.domains = dict(domains or {})
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.root = root or tempfile.mkdtemp(prefix=f"bytecp-keeper-{name}-", dir=base)
         os.chmod(self.root, 0o700)
@@ -95,10 +98,12 @@ class Keeper:
 
     # -- serving -----------------------------------------------------------
     def serve_forever(self) -> None:
+        self._serving = True
         self.server.serve_forever(poll_interval=0.2)
 
     def close(self) -> None:
-        self.server.shutdown()
+        if getattr(self, "_serving", False):  # shutdown() waits for a serve_forever loop
+            self.server.shutdown()
         self.server.server_close()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -145,10 +150,15 @@ class Keeper:
         return out
 
     def _ring(self) -> list[tuple[str, Addr]]:
-        """The peers after this keeper in name order: where copies go first."""
+        """Where copies go, in order: the peers after this keeper in name
+        order, those of another failure domain (``domains``) before those of
+        this one."""
         names = sorted([*self.peers, self.name])
         i = names.index(self.name)
-        return [(n, self.peers[n]) for n in names[i + 1:] + names[:i]]
+        mine = self.domains.get(self.name, self.name)
+        ring = names[i + 1:] + names[:i]
+        ring.sort(key=lambda n: self.domains.get(n, n) == mine)  # stable: ring order within each
+        return [(n, self.peers[n]) for n in ring]
 
     def _room_for(self, path: str, nbytes: int) -> None:
         """Evict older committed checkpoints until ``nbytes`` more fit, or refuse."""
@@ -316,6 +326,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--keepers", default=os.environ.get("BYTECP_KEEPERS", ""), help="name=host:port,...")
     ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--domains", default="", help="host=domain,... (copies go to other failure domains first)")
     ap.add_argument("--budget-bytes", type=int, default=None)
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
     ap.add_argument("--job", default="", help="the job label of the metrics")
@@ -326,7 +337,8 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bytecp keeper: set BYTECP_KEEPER_TOKEN to the job's token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     keeper = Keeper(args.name, args.port, token, parse_keepers(args.keepers), replicas=args.replicas,
-                    budget_bytes=args.budget_bytes)
+                    budget_bytes=args.budget_bytes,
+                    domains=dict(p.split("=", 1) for p in args.domains.split(",") if "=" in p))
     if args.metrics_port is not None:
         from bytecp.monitoring.keeper_metrics import serve_keeper_metrics
 

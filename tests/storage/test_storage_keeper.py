@@ -88,3 +88,12 @@ def test_keeper_metrics_report_memory_replication_and_drains(pair: list[Keeper],
         time.sleep(0.02)
     assert (tmp_path / "out" / "data" / "0.bin").read_bytes() == bytes(5000)
     assert (tmp_path / "out" / "metadata.json").read_bytes() == b"{}"
+
+
+def test_copies_go_to_another_failure_domain_first() -> None:
+    k = Keeper("a1", 0, TOKEN, {"a2": ("127.0.0.1", 1), "b1": ("127.0.0.1", 2), "b2": ("127.0.0.1", 3)},
+               domains={"a1": "rackA", "a2": "rackA", "b1": "rackB", "b2": "rackB"})
+    try:
+        assert [n for n, _ in k._ring()] == ["b1", "b2", "a2"]
+    finally:
+        k.close()
