@@ -159,6 +159,33 @@ class KeeperStorage(Storage):
             return
         raise missing(file_url(self.url, path), "in no live keeper")
 
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """Local shared memory: one read per range; a peer: every range in one request."""
+        key = self._key(path)
+        root = self._local_root()
+        if (root is not None and os.path.isfile(os.path.join(root, key))) or len(ranges) < 2:
+            for offset, out in ranges:
+                self.read_into(path, offset, out)
+            return
+        spans = [[off, len(out)] for off, out in ranges]
+        for addr in self._order()[1:] if root is not None else self._order():
+            try:
+                answer, data = self._ask(addr, {"op": "getv", "path": key, "ranges": spans})
+            except KeeperUnreachable:
+                continue
+            if answer.get("missing"):
+                continue
+            if answer.get("short"):
+                off, n = max(spans, key=lambda r: r[0] + r[1])
+                raise truncated(file_url(self.url, path), off, n, answer["size"])
+            pos = 0
+            for _, out in ranges:
+                view = out.cast("B")
+                view[:] = data[pos:pos + len(view)]
+                pos += len(view)
+            return
+        raise missing(file_url(self.url, path), "in no live keeper")
+
     def file_sizes(self, prefix: str = "") -> dict[str, int]:
         """The union of every live keeper's files below ``prefix`` (paths relative to this root)."""
         base = self._key(prefix) if prefix.strip("/") else safe_path(self.prefix) if self.prefix else ""
@@ -166,8 +193,8 @@ class KeeperStorage(Storage):
         out: dict[str, int] = {}
         for answer in self._each({"op": "sizes", "prefix": base}):
             for k, size in answer["sizes"].items():
-                if k == self.prefix or not k.startswith(self.prefix):
-                    continue
+                if self.prefix and not k.startswith(self.prefix + "/"):
+                    continue  # the root itself, or a sibling sharing its name's start (run vs run2)
                 out.setdefault(k[cut:], size)
         return out
 

@@ -80,8 +80,8 @@ class Keeper:
         self.root = root or tempfile.mkdtemp(prefix=f"bytecp-keeper-{name}-", dir=base)
         os.chmod(self.root, 0o700)
         self._lock = threading.Lock()
-        #: checkpoint prefix -> seconds spent pushing its files to peers (the newest few)
-        self.replication: dict[str, float] = {}
+        #: checkpoint prefix -> (first push started, last push ended), the newest few
+        self.replication: dict[str, tuple[float, float]] = {}
         self.drains: dict[str, dict[str, Any]] = {}
         keeper = self
 
@@ -207,11 +207,12 @@ class Keeper:
             except StorageError:
                 os.unlink(full)
                 raise
-        t0 = time.perf_counter()
+        t0 = time.time()
         copies = 1 + self._push(path, full, self.replicas - 1)
         ckpt = str(h.get("ckpt") or os.path.dirname(path))
-        with self._lock:
-            self.replication[ckpt] = self.replication.pop(ckpt, 0.0) + time.perf_counter() - t0
+        with self._lock:  # the span from its first file's push to its last one's end
+            first = self.replication.pop(ckpt, (t0, t0))[0]
+            self.replication[ckpt] = (min(first, t0), time.time())
             while len(self.replication) > 16:
                 self.replication.pop(next(iter(self.replication)))
         if copies < self.replicas:
@@ -262,6 +263,22 @@ class Keeper:
         read_file_into(full, offset, out)
         return {"size": size}, [out]
 
+    def op_getv(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
+        """Several ranges of one file in one answer, concatenated (a load's reads of one file)."""
+        full = self._full(h["path"])
+        if not os.path.isfile(full):
+            return {"missing": True}, []
+        size = os.path.getsize(full)
+        ranges = [(int(o), int(n)) for o, n in h["ranges"]]
+        if any(o + n > size for o, n in ranges):
+            return {"short": True, "size": size}, []
+        out = memoryview(bytearray(sum(n for _, n in ranges)))
+        pos = 0
+        for o, n in ranges:
+            read_file_into(full, o, out[pos:pos + n])
+            pos += n
+        return {"size": size}, [out]
+
     def op_sizes(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         return {"sizes": self._sizes(h.get("prefix", ""))}, []
 
@@ -281,7 +298,7 @@ class Keeper:
         now = time.time()
         lag = max((now - d["since"] for d in self.drains.values() if d["state"] == "running"), default=0.0)
         return {"name": self.name, "held_bytes": self.held_bytes(), "budget_bytes": self.budget,
-                "replication_s": dict(self.replication), "drain_lag_s": lag, "drains": self.drains,
+                "replication_s": {k: b - a for k, (a, b) in self.replication.items()}, "drain_lag_s": lag, "drains": self.drains,
                 "checkpoints": self._committed()}, []
 
     def _committed(self) -> list[str]:

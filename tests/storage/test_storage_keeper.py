@@ -13,7 +13,7 @@ from bytecp.storage.keeper_server import Keeper
 from bytecp.storage.testing import StorageContract, StorageFixtures
 from keepers import TOKEN, spec, start_keepers
 
-from bytecp.errors import StorageError
+from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.storage_api import open_storage
 
 
@@ -44,6 +44,11 @@ def test_each_file_has_two_copies_and_reads_survive_losing_one(pair: list[Keeper
         assert k._sizes(f"job/{run}") == {f"job/{run}/data/0.bin": 3000}
     pair[1].op_delete({"paths": [f"job/{run}"]}, memoryview(b""))  # the local copy is lost
     assert st.read_bytes("data/0.bin") == b"abc" * 1000  # from the peer
+    outs = [memoryview(bytearray(3)), memoryview(bytearray(6))]
+    st.read_ranges("data/0.bin", [(0, outs[0]), (2994, outs[1])])  # one request to the peer
+    assert bytes(outs[0]) == b"abc" and bytes(outs[1]) == b"abcabc"
+    with pytest.raises(CorruptCheckpointError):
+        st.read_ranges("data/0.bin", [(0, outs[0]), (2998, outs[1])])
 
 
 def test_wrong_token_is_refused(pair: list[Keeper]) -> None:
@@ -97,3 +102,10 @@ def test_copies_go_to_another_failure_domain_first() -> None:
         assert [n for n, _ in k._ring()] == ["b1", "b2", "a2"]
     finally:
         k.close()
+
+
+def test_a_run_does_not_list_a_sibling_sharing_its_prefix(pair: list[Keeper]) -> None:
+    base = uuid.uuid4().hex
+    for name in ("run", "run2"):
+        open_storage(f"keeper://{base}/{name}", keepers=spec(pair), host="h0", token=TOKEN).write_file("a", [b"1"])
+    assert open_storage(f"keeper://{base}/run", keepers=spec(pair), host="h0", token=TOKEN).list_files() == ["a"]
