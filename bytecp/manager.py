@@ -20,16 +20,17 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from bytecp.catalog import CheckpointInfo, list_checkpoints
-from bytecp.errors import CheckpointNotFoundError, ConfigError, CorruptCheckpointError, StorageError
+from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
+from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
-from bytecp.storage_api import open_storage
+from bytecp.storage_api import Storage, open_storage
 from bytecp.tiers import MemoryTier, restore_order
 
 if TYPE_CHECKING:  # pragma: no cover
+    from bytecp.preemption import Preemption
     from bytecp.saving.handles import SaveHandle
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
@@ -50,11 +51,18 @@ class CheckpointManager:
     background; retention runs on that background thread after the commit.
     ``wait()`` blocks until the in-flight save and its retention are done.
 
-    ``memory_url`` (``keeper://<job>/<run>``) with ``memory_every_n_steps``:
+    ``save_on_signal=True`` (SIGTERM; or a signal number, or several):
+    pre-emption. The handler only notes the signal; at the next
+    ``maybe_save`` every rank learns it (one all-reduce of one integer per
+    call, on a gloo group of its own), saves that step synchronously and
+    exits with ``SystemExit(0)``. Create the manager on the main thread.
+
+    ``memory_url`` (``keeper://<run>``) with ``memory_every_n_steps``:
     checkpoint to the hosts' memory every N steps, replicated to peer hosts,
     and every ``every_n_steps`` drain the memory checkpoint to ``run_url``
-    (the keeper copies it); ``restore`` loads the newest complete committed
-    checkpoint of either tier, memory first (see :mod:`bytecp.tiers`).
+    (the keeper copies it); ``restore`` tries the newest committed memory
+    checkpoint first when it is at least as new as storage's newest (see
+    :mod:`bytecp.tiers`).
     """
 
     def __init__(
@@ -66,6 +74,7 @@ class CheckpointManager:
         async_save: bool = False,
         lazy: bool = False,
         storage_options: dict[str, Any] | None = None,
+        save_on_signal: bool | int | Iterable[int] = False,
         memory_url: str | None = None,
         memory_every_n_steps: int | None = None,
         memory_keep_last: int | None = 2,
@@ -91,15 +100,22 @@ class CheckpointManager:
         self._retained = threading.Event()
         self._retained.set()
         self._retain_lock = threading.Lock()
+        #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
+        self.skipped: list[tuple[str, str]] = []
+        self._preemption: Preemption | None = None
         self._prewarmed = False
         self.restored_from: str | None = None  # "memory" or "storage", after restore
-        #: the memory tier (``memory_url``, e.g. ``keeper://<job>/<run>``), see :mod:`bytecp.tiers`
+        #: the memory tier (``memory_url``, e.g. ``keeper://<run>``), see :mod:`bytecp.tiers`
         self.memory: MemoryTier | None = None
         if memory_url is not None:
             self.memory = MemoryTier(memory_url, memory_every_n_steps or every_n_steps, memory_keep_last,
                                      memory_storage_options)
         elif memory_every_n_steps is not None:
-            raise ConfigError("memory_every_n_steps needs memory_url (e.g. keeper://<job>/<run>)")
+            raise ConfigError("memory_every_n_steps needs memory_url (e.g. keeper://<run>)")
+        if save_on_signal is not False:
+            from bytecp.preemption import Preemption, signals_from
+
+            self._preemption = Preemption(signals_from(save_on_signal), save_kwargs.get("process_group"))
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -109,10 +125,14 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
-        """(all ranks, every step) Save when ``step`` is a multiple of
-        ``every_n_steps`` (or ``force``). With ``async_save`` the first call
-        prewarms the staging memory (:func:`bytecp.prewarm`), so the first
-        save blocks like the later ones."""
+        """Save if ``step`` is due (or ``force``); every rank calls it after
+        each step's update. With ``save_on_signal``, once any rank has been
+        signalled every rank saves this step synchronously, waits for the
+        commit and its retention, and exits (``SystemExit(0)``). With
+        ``async_save`` the first call prewarms the staging memory
+        (:func:`bytecp.prewarm`), so the first save blocks like the later ones."""
+        if self._preemption is not None and self._preemption.agreed():
+            self._save_and_exit(step, state)
         if self.async_save and not self._prewarmed:
             from bytecp.saving.prewarm import prewarm
 
@@ -149,6 +169,24 @@ class CheckpointManager:
         self._target(mem.url_for(step), mem.storage_options, state, step, committed)
         if drain and not drain_here:
             self.save(step, state)
+
+    def _save_and_exit(self, step: int, state: dict[str, Any]) -> None:
+        """(every rank) The pre-emption save: the in-flight save first, then
+        this step unless it is already committed, then exit cleanly."""
+        assert self._preemption is not None
+        try:
+            self.wait()
+        except Exception as e:  # the last checkpoint matters more than the failed one
+            log.error("bytecp: the save in flight failed (%s); saving step %s before exiting", e, step)
+        from bytecp.api import save
+        from bytecp.catalog import list_checkpoints
+
+        if step not in {c.step for c in list_checkpoints(self.run_url, storage_options=self.storage_options)}:
+            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
+            self._retain()
+        log.warning("bytecp: saved %s before exiting on a signal", self.url_for(step))
+        self._preemption.restore_handlers()
+        raise SystemExit(0)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
         """Save ``state`` as ``step-<step>`` (all ranks), then apply retention.
@@ -199,7 +237,23 @@ class CheckpointManager:
         if not self._retained.wait(timeout):
             raise TimeoutError(f"retention after the save to {handle.url} not finished after {timeout} s")
 
-    def restore(self, state: dict[str, Any], **load_kwargs: Any) -> int | None:
+    def restore(self, state: dict[str, Any], *, fallback: bool = True, **load_kwargs: Any) -> int | None:
+        """Load the newest committed checkpoint that loads into ``state`` (all
+        ranks); return its step (the step that was saved, so training resumes
+        at the step after it), or ``None`` when the run has no checkpoint.
+
+        ``fallback=True`` (the default): a checkpoint that fails verification
+        or loading because its own files are bad (checksum mismatch, a data
+        or index file missing or truncated, unreadable ``metadata.json``) is
+        skipped with a warning naming it and why, and the previous one is
+        tried; nothing is deleted. Errors that an older checkpoint would not
+        cure stop the restore at once: a newer format, a state that does not
+        fit (keys, shapes), pickles not allowed, storage refusing access or
+        failing transiently. If no checkpoint loads,
+        :class:`~bytecp.errors.CorruptCheckpointError` names each one tried.
+        ``fallback=False``: the newest committed checkpoint or its error.
+        The other keyword arguments are those of :func:`bytecp.load`.
+        """
         from bytecp.api import load
 
         if self._pending is not None:  # never list while a save or its retention is in flight
@@ -207,20 +261,36 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        memory = self.memory.latest() if self.memory is not None else None
-        order = restore_order(memory, self.memory.storage_options if self.memory else {},
-                              self.latest(), self.storage_options)
-        for i, cand in enumerate(order):
+        found = list_checkpoints(self.run_url, storage_options=self.storage_options)
+        self.skipped = []
+        # the tier choice: the newest memory checkpoint first when at least as new as storage's newest
+        order = [(info, self.storage_options, "storage") for info in reversed(found)]
+        if self.memory is not None:
+            first = restore_order(self.memory.latest(), self.memory.storage_options,
+                                  found[-1] if found else None, self.storage_options)
+            if first and first[0].tier == "memory":
+                order.insert(0, (first[0].info, first[0].storage_options, "memory"))
+        for info, options, tier in order:
             try:
-                load(cand.info.url, state, storage_options=cand.storage_options, **load_kwargs)
-            except (CheckpointNotFoundError, CorruptCheckpointError, StorageError) as e:
-                if cand.tier != "memory" or i == len(order) - 1:
+                load(info.url, state, storage_options=options, **load_kwargs)
+            except Exception as e:
+                if tier == "memory" and (checkpoint_is_bad(e) or isinstance(e, StorageError)):
+                    self.skipped.append((info.url, one_line(e)))
+                    log.warning("bytecp: memory checkpoint %s does not load (%s); trying storage",
+                                info.url, one_line(e))
+                    continue
+                if not fallback or not checkpoint_is_bad(e):
                     raise
-                log.warning("bytecp: memory checkpoint %s did not load (%s); trying %s",
-                            cand.info.url, e, order[i + 1].info.url)
+                why = one_line(e)
+                self.skipped.append((info.url, why))
+                log.warning("bytecp: restore skips %s, which does not load (%s); trying the previous "
+                            "checkpoint (it is kept: inspect it with `bytecp verify %s`)", info.url, why, info.url)
                 continue
-            self.restored_from = cand.tier
-            return cand.info.step
+            self.restored_from = tier
+            return info.step
+        if self.skipped:
+            tried = "; ".join(f"{url}: {why}" for url, why in self.skipped)
+            raise CorruptCheckpointError(f"no committed checkpoint of {self.run_url} loads: {tried}")
         return None
 
     def _retain(self, root_url: str | None = None, keep_last: int | None = -1,
@@ -229,9 +299,14 @@ class CheckpointManager:
         background thread when asynchronous) Delete all but the newest
         ``keep_last`` committed checkpoints. Only committed checkpoints are
         listed, so an in-flight save is never counted, and the newest
-        committed one is always kept."""
+        committed one is always kept. Then the files of killed saves in
+        step directories below the newest committed step are removed (see
+        :meth:`_sweep_uncommitted`; with ``keep_last=None`` nothing is
+        listed, and ``bytecp gc RUN`` removes them). ``root_url``,
+        ``keep_last`` and ``options``: another tier's (the memory tier's)."""
         from bytecp.dist import DistContext
 
+        storage_tier = root_url is None
         root_url = root_url or self.run_url
         keep = self.keep_last if keep_last == -1 else keep_last
         options = self.storage_options if options is None else options
@@ -244,3 +319,26 @@ class CheckpointManager:
                 # metadata.json first: the checkpoint stops existing before its data goes
                 root.delete([f"{old.name}/{fmt.METADATA_FILE}"])
                 root.delete_prefix(old.name)
+            if storage_tier and found and found[-1].step is not None:
+                self._sweep_uncommitted(root, found[-1].step, {c.name for c in found})
+
+    def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
+        """Remove what killed saves left in ``step-<N>`` directories with no
+        ``metadata.json`` and N below the newest committed step (a restarted
+        job may never save that step again), unless a save there may still
+        be running (:mod:`bytecp.saving.leases`). Never raises."""
+        from bytecp.saving.leases import orphans
+
+        try:
+            for name in root.list_children(""):
+                m = _STEP.match(name)
+                if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
+                        f"{name}/{fmt.METADATA_FILE}"):
+                    continue
+                dead, _ = orphans(root.child(name), None)
+                if dead:
+                    root.delete([f"{name}/{f}" for f in dead])
+                    log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
+                             len(dead), self.run_url, name)
+        except Exception as e:  # noqa: BLE001 - only garbage is at stake
+            log.warning("bytecp: could not remove files of killed saves below %s: %s", self.run_url, e)

@@ -16,7 +16,10 @@ or 5 when the coordinator plans. The local phases
 job: a failure is kept and travels with the next collective, so every rank
 learns of it (:class:`~bytecp.errors.DistributedCheckpointError` names each
 failed rank and its phase) and nobody waits. If the save fails anywhere
-before ``metadata.json`` is written, the coordinator removes its files.
+before ``metadata.json`` is written, the coordinator removes its files. From
+naming the save to its end the coordinator holds the save's lease
+(:mod:`bytecp.saving.leases`); once it commits, it removes the files of
+earlier saves at that URL that never committed.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from bytecp.plan.exchange import (
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.recorder import Trace
+from bytecp.saving import leases
 from bytecp.saving.commit import (
     build_metadata,
     check_target,
@@ -192,6 +196,7 @@ class SavePipeline:
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite)
                 # and what a rank whose tree differs need not write
                 save_id, objects = fmt.new_save_id(), tuple(flat.objects)
+                mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
             vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects)
             return vote
 
@@ -229,6 +234,8 @@ class SavePipeline:
                 # the latest: the next async snapshot copies every box this rank
                 # holds, not a share that may not fit the other ranks' (PlanCache.latest)
                 PLAN_CACHE.forget(key)
+                if "lease" in mine:
+                    mine["lease"].stop()
                 raise
 
     def stage(self, described: Described, planned: SavePlanResult) -> StagedBatch:
@@ -307,6 +314,7 @@ class SavePipeline:
         except BaseException:
             PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:
+                leases.give_up(save_id)
                 remove_files_of(self.storage, save_id)
             raise
         if planned.cache_entry is not None:
@@ -316,6 +324,8 @@ class SavePipeline:
             PLAN_CACHE.touch(self._cache_key(), planned.fingerprint)
         if ctx.is_coordinator and planned.replaced is not None:
             remove_replaced(self.storage, planned.replaced, md, ctx.world_size)
+        if ctx.is_coordinator:  # and the files of earlier saves here that never committed
+            leases.release(self.storage, md.save_id)
         return md
 
     def report(self) -> None:
