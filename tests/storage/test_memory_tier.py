@@ -85,6 +85,13 @@ def test_memory_tier_drains_and_restores_from_the_fastest_tier(tmp_path: Path, a
         mgr3 = mk()
         assert mgr3.restore({"model": m3, "optim": opt3}) == 6 and mgr3.restored_from == "memory"
         bitwise(m, opt, m3, opt3)
+        # the newest memory checkpoint lost its data with every copy: skipped, storage's step 4 loads
+        keepers[1].op_delete({"paths": [f"{mem_url[len('keeper://'):]}/step-6/data"]}, memoryview(b""))
+        m5, opt5 = model_and_opt(seed=4)
+        mgr5 = mk()
+        assert mgr5.restore({"model": m5, "optim": opt5}) == 4 and mgr5.restored_from == "storage"
+        assert [u for u, _ in mgr5.skipped] == [mem_url + "/step-6"]
+        bitwise(*saved[4], m5, opt5)
         # no keeper holds a copy: from storage, the drained step 4
         keepers[1].op_delete({"paths": ["job"]}, memoryview(b""))
         m4, opt4 = model_and_opt(seed=3)
