@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bytecp.storage._keeper_wire import request
 from keepers import TOKEN, free_ports, spawn_keeper
 
 WORKER = str(Path(__file__).with_name("memtier_worker.py"))
@@ -53,9 +55,11 @@ def test_kill_a_host_restore_from_the_peer_bitwise(tmp_path: Path) -> None:
         trained = [line(p, tmp_path, f"train-{i}") for i, p in enumerate(procs)]
         assert all(len(t["blocked_s"]) == 3 for t in trained)  # type: ignore[arg-type]
         # host h1 dies: its rank and its keeper; then the job stops (its other rank too)
+        (hello, _) = request(("127.0.0.1", ports["h1"]), {"op": "hello", "token": TOKEN})
         for p in (procs[1], keepers["h1"], procs[0]):
             p.kill()
             p.wait(timeout=30)
+        shutil.rmtree(hello["root"])  # the lost host's memory (a killed keeper frees nothing)
         keepers["h1"] = spawn_keeper("h1", ports, tmp_path)  # the replacement host: empty memory
         t0 = time.perf_counter()
         procs = ranks("restore", tmp_path, ports, steps=0)
