@@ -28,6 +28,9 @@ Every request carries the job's token; another job's keepers refuse it.
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
+import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
@@ -55,7 +58,8 @@ class KeeperStorage(Storage):
     exclusive_commit = "check-then-publish"  # the local keeper checks, then publishes at every peer
 
     def __init__(self, url: str, *, keepers: str | dict[str, Any] | None = None, host: str | None = None,
-                 token: str | None = None, **_: Any) -> None:
+                 token: str | None = None, autostart: bool | None = None, replicas: int = 2,
+                 budget_bytes: int | None = None, **_: Any) -> None:
         proto, rest = split_protocol(url)
         self.url = url
         self.prefix = rest.strip("/")
@@ -68,8 +72,12 @@ class KeeperStorage(Storage):
                 f"{url}: keeper:// needs the job's keepers, this host's name among them and the job's token "
                 f"(storage_options keepers=/host=/token= or BYTECP_KEEPERS, BYTECP_KEEPER_HOST, "
                 f"BYTECP_KEEPER_TOKEN); got keepers={sorted(self.keepers)} host={self.host!r}")
+        #: start this host's keeper when none answers (``BYTECP_KEEPER_AUTOSTART=1``)
+        self.autostart = autostart if autostart is not None else os.environ.get("BYTECP_KEEPER_AUTOSTART") == "1"
+        self.replicas, self.budget_bytes = replicas, budget_bytes
         self._opts = {"keepers": {k: f"{h}:{p}" for k, (h, p) in self.keepers.items()}, "host": self.host,
-                      "token": self.token}
+                      "token": self.token, "autostart": self.autostart, "replicas": replicas,
+                      "budget_bytes": budget_bytes}
         self._root: str | None = None  # the local keeper's shared-memory directory, once asked
 
     def options(self) -> dict[str, Any]:
@@ -85,7 +93,13 @@ class KeeperStorage(Storage):
     def _local_root(self) -> str | None:
         """The local keeper's directory, when this process can write it (same host)."""
         if self._root is None:
-            answer, _ = self._ask(self.keepers[self.host], {"op": "hello"})
+            addr = self.keepers[self.host]
+            try:
+                if self.autostart:
+                    self._keeper_or_error()
+                answer, _ = self._ask(addr, {"op": "hello"})
+            except KeeperUnreachable:
+                return None  # no keeper here (yet): reads go to the peers
             root = str(answer["root"])
             self._root = root if os.access(root, os.W_OK) else ""
         return self._root or None
@@ -110,10 +124,36 @@ class KeeperStorage(Storage):
         try:
             self._ask(addr, {"op": "hello"})
         except KeeperUnreachable:
+            if self.autostart:
+                self._start_keeper(addr)
+                return addr
             raise StorageError(
                 f"{self.url}: this host's keeper ({self.host} at {addr[0]}:{addr[1]}) is not running: start "
                 f"it with `bytecp keeper --name {self.host} --port {addr[1]}` before training") from None
         return addr
+
+    def _start_keeper(self, addr: Addr) -> None:
+        """(the first save on a host without a keeper) Start one, detached so it
+        outlives this process; ranks of the host racing here start one each,
+        and all but the one that binds the port exit at once."""
+        cmd = [sys.executable, "-m", "bytecp.storage.keeper_server", "--name", self.host, "--port", str(addr[1]),
+               "--keepers", ",".join(f"{k}={h}:{p}" for k, (h, p) in sorted(self.keepers.items())),
+               "--replicas", str(self.replicas)]
+        if self.budget_bytes is not None:
+            cmd += ["--budget-bytes", str(self.budget_bytes)]
+        subprocess.Popen(cmd, env=dict(os.environ, BYTECP_KEEPER_TOKEN=self.token), start_new_session=True,
+                         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                self._ask(addr, {"op": "hello"})
+                return
+            except KeeperUnreachable:
+                if time.monotonic() > deadline:
+                    raise StorageError(f"{self.url}: started this host's keeper ({self.host}, port {addr[1]}) "
+                                       f"but it did not answer within 60 s; run `bytecp keeper` by hand to see "
+                                       f"why") from None
+                time.sleep(0.1)
 
     def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
         self._ask(self._keeper_or_error(), {"op": "commit", "path": self._key(path), "exclusive": exclusive},

@@ -3,11 +3,14 @@ replication, tokens, and the memory budget."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 import uuid
 from collections.abc import Iterator
 
 import pytest
+from bytecp.storage._keeper_wire import request
 from bytecp.storage.keeper import KeeperStorage
 from bytecp.storage.keeper_server import Keeper
 from bytecp.storage.testing import StorageContract, StorageFixtures
@@ -109,3 +112,21 @@ def test_a_run_does_not_list_a_sibling_sharing_its_prefix(pair: list[Keeper]) ->
     for name in ("run", "run2"):
         open_storage(f"keeper://{base}/{name}", keepers=spec(pair), host="h0", token=TOKEN).write_file("a", [b"1"])
     assert open_storage(f"keeper://{base}/run", keepers=spec(pair), host="h0", token=TOKEN).list_files() == ["a"]
+
+
+def test_the_first_save_on_a_host_starts_its_keeper(pair: list[Keeper]) -> None:
+    from keepers import free_ports
+
+    (port,) = free_ports(1)
+    keepers = f"{spec(pair)},h9=127.0.0.1:{port}"
+    st = open_storage("keeper://job/auto", keepers=keepers, host="h9", token=TOKEN, autostart=True)
+    try:
+        st.write_file("a", [b"xyz"])  # starts h9's keeper, detached; h0 takes the second copy
+        assert st.read_bytes("a") == b"xyz"
+        assert pair[0]._sizes("job/auto") == {"job/auto/a": 3}
+        with pytest.raises(StorageError, match="is not running: start it with `bytecp keeper"):
+            open_storage("keeper://job/x", keepers=f"{spec(pair)},h8=127.0.0.1:1", host="h8",
+                         token=TOKEN).write_file("a", [b"1"])
+    finally:
+        answer, _ = request(("127.0.0.1", port), {"op": "hello", "token": TOKEN})
+        os.kill(answer["pid"], signal.SIGTERM)  # the keeper frees its shared memory on SIGTERM
