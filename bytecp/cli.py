@@ -48,6 +48,7 @@ EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (``| head``);
 # subcommand -> "module:function(argv) -> int", for commands outside the core
 _EXTERNAL = {
     "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
+    "keeper": ("bytecp.storage.keeper_server:main", "a host's memory-tier keeper (keeper:// checkpoints)"),
 }
 
 
