@@ -29,7 +29,7 @@ import torch
 from bytecp.errors import ConfigError
 from bytecp.mapped_export import spec_params
 
-__all__ = ["GPT2", "LLAMA", "QWEN2", "MIXTRAL", "hf_config", "spec_params", "megatron_state_from_hf"]
+__all__ = ["GPT2", "LLAMA", "QWEN2", "MIXTRAL", "hf_config", "megatron_state_from_hf", "megatron_extra_states"]
 
 _L = "decoder.layers."
 _ATT = _L + "self_attention."
@@ -150,12 +150,38 @@ def hf_config(family: str, config: Any, *, vocab_size: int, max_position_embeddi
 
 
 def megatron_state_from_hf(hf_state: Mapping[str, torch.Tensor], family: str,
-                           config: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+                           config: Mapping[str, Any]) -> dict[str, torch.Tensor | None]:
     """A Hugging Face model's state dict (``model.state_dict()`` or its
     safetensors) as full Megatron tensors under Megatron's checkpoint keys
     (layers stacked). Save it with ``bytecp.save(url, {"model": sd})`` (one
     process) and ``bytecp.load(url, {"model": gpt_model})`` loads it into a
-    Megatron model at any TP/PP/EP: the Megatron adapter reshards it."""
+    Megatron model at any TP/PP/EP: the Megatron adapter reshards it. The
+    empty ``_extra_state`` entries Megatron checkpoints are included
+    (:func:`megatron_extra_states`), so that load is strict."""
     from bytecp.mapping import get_spec, invert_state_dict
 
-    return invert_state_dict(hf_state, get_spec(family), **spec_params(config))
+    state = invert_state_dict(hf_state, get_spec(family), **spec_params(config))
+    return {**state, **megatron_extra_states(state)}
+
+
+_LINEARS = ("linear_qkv", "linear_proj", "linear_fc1", "linear_fc2")
+
+
+def megatron_extra_states(state: Mapping[str, torch.Tensor]) -> dict[str, None]:
+    """The (empty) ``_extra_state`` entries Megatron's local layer spec
+    checkpoints beside the linear layers of ``state`` (Megatron keys, layers
+    stacked: ``<module>._extra_state/shard_<layer>_<layers>``, experts
+    ``shard_<layer>.<expert>_<layers>.<experts>``), so a checkpoint written
+    from Hugging Face weights loads strictly."""
+    out: dict[str, None] = {}
+    for key, t in state.items():
+        module, _, leaf = key.rpartition(".")
+        if leaf != "weight" or not key.startswith(_L) or module.rpartition(".")[2] not in _LINEARS:
+            continue
+        layers = t.shape[0]
+        experts = t.shape[1] if ".experts.experts." in key else 0
+        for i in range(layers):
+            for e in range(experts) if experts else [None]:
+                shard = f"{i}_{layers}" if e is None else f"{i}.{e}_{layers}.{experts}"
+                out[f"{module}._extra_state/shard_{shard}"] = None
+    return out
