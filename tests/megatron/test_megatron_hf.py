@@ -112,6 +112,28 @@ def test_spec_errors_name_the_problem() -> None:
         invert_state_dict(hf, get_spec("llama"), heads=4, groups=2, vocab_size=128)
 
 
+def test_export_with_a_spec_needs_the_config_and_one_process(tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+
+    from bytecp.hf_export import export_hf
+
+    sd = _megatron_state("qwen2")
+    url = str(tmp_path / "ck")
+    bytecp.save(url, {"model": sd})  # Megatron's names, saved by any job
+    with pytest.raises(ConfigError, match="--spec qwen2 needs the Hugging Face config"):
+        export_hf(url, str(tmp_path / "a"), spec="qwen2")
+    cfg = {"model_type": "qwen2", "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    with pytest.raises(ConfigError, match="drop --workers"):
+        export_hf(url, str(tmp_path / "b"), spec="qwen2", config=cfg, workers=2)
+    export_hf(url, str(tmp_path / "c"), spec="qwen2", config=cfg, dtype="bf16")
+    got = load_file(str(tmp_path / "c" / "model.safetensors"))
+    want = convert_state_dict(sd, get_spec("qwen2"), heads=4, groups=2, vocab_size=128)
+    assert set(got) == set(want) and all(torch.equal(got[k], v.bfloat16()) for k, v in want.items())
+    # a plain (not Megatron) checkpoint: no spec unless named
+    export_hf(url, str(tmp_path / "d"), config=cfg)
+    assert "decoder.layers.self_attention.linear_qkv.weight" in load_file(str(tmp_path / "d" / "model.safetensors"))
+
+
 # ---------------------------------------------------------------- Megatron
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("transformers") is None:
     pytest.skip("megatron-core or transformers is not installed (make test installs them)", allow_module_level=True)
