@@ -30,6 +30,7 @@ from bytecp.errors import (
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.references import BASE_FILE
 from bytecp.format.index_build import BuiltIndex, build_index
 from bytecp.saving.writer import RankOutput
 from bytecp.storage_api import Storage
@@ -121,8 +122,13 @@ def build_metadata(
 
 def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
     """(coordinator, plan phase) Refuse a committed checkpoint unless
-    overwriting; the one replaced."""
+    overwriting, and always a base retention retired (``base.json``); the one replaced."""
     if not storage.exists(fmt.METADATA_FILE):
+        if storage.exists(BASE_FILE):  # a save here would replace (and sweep) files kept checkpoints read
+            raise CheckpointExistsError(
+                f"{storage.url} is a checkpoint retired by retention whose data files kept checkpoints of "
+                "the run reference; save to another directory (it goes once no kept checkpoint references it)"
+            )
         return None
     if not overwrite:
         raise CheckpointExistsError(

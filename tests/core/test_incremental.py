@@ -246,3 +246,35 @@ def test_materialize_writes_a_self_contained_copy(run: Any, tmp_path_factory: py
     assert not md.get("references") and not any(f.startswith("../") for f in md["data_files"])
     assert cli(["verify", str(out)]) == 0
     _assert_loads(str(out), model, opt)
+
+
+def test_a_save_into_a_retired_base_is_refused(run: Any) -> None:
+    """A retired base holds files kept checkpoints reference: a save there
+    would replace the save they reference and its sweep delete their data."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root, model, opt = run
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert (root / "step-1" / "base.json").exists()
+    with pytest.raises(bytecp.errors.CheckpointExistsError, match="retired"):
+        bytecp.save(str(root / "step-1"), {"model": model, "optim": opt}, step=1, overwrite=True)
+    fresh, fresh_opt = _model()
+    bytecp.load(str(root / "step-2"), {"model": fresh, "optim": fresh_opt})
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_a_load_in_place_ends_reuse_of_the_last_save(run: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A load reads into the tensors' memory without moving their version
+    counters: the next save must not reference the rows of the save before it."""
+    root, model, opt = run
+    other = tmp_path_factory.mktemp("other")
+    donor, donor_opt = _model()
+    with torch.no_grad():
+        donor[0].weight.add_(1.0)
+    bytecp.save(str(other / "step-9"), {"model": donor, "optim": donor_opt}, step=9)
+    bytecp.load(str(other / "step-9"), {"model": model, "optim": opt})
+    assert torch.equal(model[0].weight, donor[0].weight)
+    bytecp.save(str(root / "step-3"), {"model": model, "optim": opt}, step=3, base=str(root / "step-2"))
+    sd = bytecp.load_state_dict(str(root / "step-3"))
+    assert torch.equal(sd["model"]["0.weight"], donor[0].weight)
