@@ -30,8 +30,8 @@ from bytecp.errors import (
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.references import BASE_FILE
 from bytecp.format.index_build import BuiltIndex, build_index
+from bytecp.format.references import BASE_FILE
 from bytecp.saving.writer import RankOutput
 from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_name
