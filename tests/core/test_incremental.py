@@ -278,3 +278,31 @@ def test_a_load_in_place_ends_reuse_of_the_last_save(run: Any, tmp_path_factory:
     bytecp.save(str(root / "step-3"), {"model": model, "optim": opt}, step=3, base=str(root / "step-2"))
     sd = bytecp.load_state_dict(str(root / "step-3"))
     assert torch.equal(sd["model"]["0.weight"], donor[0].weight)
+
+
+def test_gc_of_a_run_whose_base_is_gone(run: Any) -> None:
+    """gc reads which save committed without following references: a
+    checkpoint whose base is gone does not stop the collection of the run."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.gc import collect_garbage
+
+    root = run[0]
+    (root / "step-2" / "data" / "20000101T000000-dead").mkdir()
+    (root / "step-2" / "data" / "20000101T000000-dead" / "0.bin").write_bytes(b"x")
+    shutil.rmtree(root / "step-1")
+    res = collect_garbage(open_storage(str(root)))
+    assert res.removed == ["step-2/data/20000101T000000-dead/0.bin"]
+
+
+def test_ls_never_sends_gc_to_a_retired_base(run: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run left with only a retired base (its referencing checkpoint
+    removed by hand): ls does not say gc removes it (gc never does)."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root = run[0]
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    shutil.rmtree(root / "step-2")
+    assert cli(["ls", str(root)]) != 0
+    out = capsys.readouterr()
+    assert "no committed checkpoint" in out.err and "bytecp gc" not in out.err, out.err
