@@ -31,7 +31,7 @@ from bytecp.errors import (
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import BuiltIndex, build_index
-from bytecp.format.references import BASE_FILE
+from bytecp.format.references import BASE_FILE, referenced_by
 from bytecp.saving.writer import RankOutput
 from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_name
@@ -134,6 +134,12 @@ def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
         raise CheckpointExistsError(
             f"{storage.url} already holds a committed checkpoint; pass overwrite=True "
             "to replace it (the old one stays intact until the new one commits)"
+        )
+    readers = referenced_by(storage)
+    if readers:  # the overwrite would remove files they read
+        raise CheckpointExistsError(
+            f"{storage.url} is referenced by checkpoint(s) {', '.join(sorted(readers))} of the run, which read its "
+            "data files; save to another directory (overwrite=True cannot replace a checkpoint others reference)"
         )
     try:
         return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)

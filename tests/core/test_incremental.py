@@ -306,3 +306,13 @@ def test_ls_never_sends_gc_to_a_retired_base(run: Any, capsys: pytest.CaptureFix
     assert cli(["ls", str(root)]) != 0
     out = capsys.readouterr()
     assert "no committed checkpoint" in out.err and "bytecp gc" not in out.err, out.err
+
+
+def test_overwriting_a_base_that_a_checkpoint_references_is_refused(run: Any) -> None:
+    """The overwrite would remove the files the newer checkpoint reads."""
+    root, model, opt = run
+    with pytest.raises(bytecp.errors.CheckpointExistsError, match="step-2"):
+        bytecp.save(str(root / "step-1"), {"model": model, "optim": opt}, step=1, overwrite=True)
+    _assert_loads(str(root / "step-2"), model, opt)
+    bytecp.save(str(root / "step-2"), {"model": model, "optim": opt}, step=2, overwrite=True)  # nobody reads it
+    _assert_loads(str(root / "step-2"), model, opt)
