@@ -35,6 +35,7 @@ from bytecp.format.references import (
     retired_bytes,
     retired_names,
 )
+from bytecp.saving.leases import may_be_running
 from bytecp.storage_api import Storage
 
 __all__ = ["RetentionResult", "live_files", "retain"]
@@ -60,6 +61,18 @@ def live_files(root: Storage, names: Sequence[str]) -> dict[str, set[str]]:
     return live
 
 
+def _pinned(root: Storage, ck: Storage) -> bool:
+    """Whether a save that may still be running pinned ``ck`` (a killed
+    save's pin, ``pins/<name>.<save_id>``, keeps nothing once its lease expired)."""
+    if not pinned(ck):
+        return False
+    for path in ck.list_files(PIN_DIR):
+        name, _, save_id = path.split("/", 1)[-1].rpartition(".")
+        if not name or may_be_running(root.child(name), save_id):
+            return True
+    return False
+
+
 def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
            committed: Callable[[], Sequence[str]]) -> RetentionResult:
     """(coordinator) Keep the checkpoints ``kept`` and what they reference;
@@ -83,7 +96,7 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
     out = RetentionResult()
     for name, md in metas.items():
         ck = root.child(name)
-        if pinned(ck):  # a save in flight references it: keep all of it, as a base
+        if _pinned(root, ck):  # a save in flight references it: keep all of it, as a base
             ck.commit(BASE_FILE, retired_bytes(md, md.own_data_files))
             out.retired.append(name)
             continue

@@ -316,3 +316,23 @@ def test_overwriting_a_base_that_a_checkpoint_references_is_refused(run: Any) ->
     _assert_loads(str(root / "step-2"), model, opt)
     bytecp.save(str(root / "step-2"), {"model": model, "optim": opt}, step=2, overwrite=True)  # nobody reads it
     _assert_loads(str(root / "step-2"), model, opt)
+
+
+def test_the_pin_of_a_killed_save_keeps_nothing(run: Any) -> None:
+    """A save killed between pin and unpin: once it cannot be running, its
+    pin no longer keeps the whole base (only what kept checkpoints read)."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root = run[0]
+    (root / "step-1" / "pins").mkdir()
+    (root / "step-1" / "pins" / "step-9.20000101T000000-dead").write_text("{}")
+    res = retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert res.retired == ["step-1"]
+    md = json.loads((root / "step-1" / "base.json").read_text())
+    read = {f[len("../step-1/"):] for f in json.loads((root / "step-2" / "metadata.json").read_text())["data_files"]
+            if f.startswith("../step-1/")}
+    assert set(md["retained"]) == read
+    left = {str(p.relative_to(root / "step-1")) for p in (root / "step-1").rglob("*") if p.is_file()}
+    assert left - {"base.json", "pins/step-9.20000101T000000-dead"} == read  # its index went
+    _assert_loads(str(root / "step-2"), run[1], run[2])
