@@ -24,6 +24,7 @@ from bytecp.adapter_api import LoadTarget, detect_adapter
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
+from bytecp.loading.hf_names import match_names
 from bytecp.loading.matching import Match, match_target
 from bytecp.loading.opened import OpenedCheckpoint, Shared, open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
@@ -118,10 +119,17 @@ class LoadPipeline:
                 target = adapter.load_tree(self.state, self.ctx, md)
                 tree = target.tree
             flat = flatten_tree(tree, target=True)
-            return target, match_target(self.storage, flat, md, self.opts, self.ctx.rank, self.ctx.world_size)
+            opened = self.opened
+            assert opened is not None
+            if opened.foreign and self.state is not None:  # a Hugging Face directory: its names, the target's
+                names = match_names(flat, md.tensors, strict=self.opts.strict, where=self.storage.url)
+                opened = opened.renamed(names.renames, names.aliases)
+            return target, opened, match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
+                                                 self.ctx.world_size, cast=opened.foreign)
 
         with self.trace.span("plan"):
-            self.target, self.matched = self.ctx.run("load/match", match)
+            self.target, self.opened, self.matched = self.ctx.run("load/match", match)
+        self.md = self.opened.metadata
 
     def plan(self) -> None:
         """(every rank; one all-gather of a digest with zero-redundancy
@@ -156,10 +164,11 @@ class LoadPipeline:
             faults.inject("read", self.ctx.rank)
             with self.trace.span("plan"):
                 chunks = self._own_rows(opened)
-                itemsizes = {t.fqn: itemsize(t.view.dtype) for t in self.own}
+                itemsizes = {t.fqn: itemsize(dtype_from_name(opened.metadata.tensors[t.fqn]["dtype"]))
+                             for t in self.own}  # the stored dtype: a foreign source's may be cast
                 reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
             execute_reads(self.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
-                          verify=self.opts.verify, trace=self.trace)
+                          verify=self.opts.verify and not opened.foreign, trace=self.trace)
 
         self.ctx.run("load/read", read)
 
