@@ -39,10 +39,11 @@ from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import SUPPORTED_DTYPES
 from bytecp.tree.skeleton import Node
 
-__all__ = ["SINGLE_FILE", "INDEX_FILE", "FRAMEWORK", "MAX_HEADER_BYTES", "is_hf_dir", "read_hf_dir"]
+__all__ = ["SINGLE_FILE", "INDEX_FILE", "CONFIG_FILE", "FRAMEWORK", "DTYPES", "MAX_HEADER_BYTES", "is_hf_dir", "read_hf_dir"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+CONFIG_FILE = "config.json"
 #: ``Metadata.framework`` of a checkpoint read from a Hugging Face directory
 FRAMEWORK = "huggingface"
 #: the largest header (or index JSON) read; safetensors itself refuses headers over 100 MB
@@ -131,6 +132,18 @@ def _tensor(where: str, name: str, info: Any, data_start: int, size: int) -> tup
     return dtype, shape, data_start + begin, nbytes
 
 
+def _tied(storage: Storage) -> bool:
+    """Whether ``config.json`` says the output embedding is tied to the input
+    one (absent or unreadable: not tied, as nothing says so)."""
+    try:
+        if storage.size(CONFIG_FILE) > MAX_HEADER_BYTES:
+            return False
+        cfg = json.loads(storage.read_bytes(CONFIG_FILE))
+    except (FileNotFoundError, ValueError, RecursionError):
+        return False
+    return isinstance(cfg, dict) and cfg.get("tie_word_embeddings") is True
+
+
 def read_hf_dir(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     """(coordinator) The directory's headers as bytecp metadata and one
     whole-tensor row per tensor, every size checked (module docstring)."""
@@ -163,9 +176,11 @@ def read_hf_dir(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
         lost = sorted(set(weight_map) - set(tensors))
         if lost:
             raise _bad(f"{storage.url}/{INDEX_FILE}", f"lists {len(lost)} tensor(s) no shard holds, e.g. {lost[0]!r}")
+    user = {"tie_word_embeddings": _tied(storage)}
     skeleton = Node.container("dict", [(name, Node.leaf("tensor", name)) for name in tensors])
     md = fmt.Metadata(
         save_id="huggingface", world_size=1, framework=FRAMEWORK, parallelism={}, skeleton=skeleton,
         tensors=tensors, objects={}, per_rank={}, index_files=[], data_files=sizes,
+        user_metadata=user,
     )
     return md, rows

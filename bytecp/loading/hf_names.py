@@ -20,10 +20,12 @@ The rules, in order:
 3. **Tied weights.** A target whose tensors share memory (``lm_head.weight``
    tied to ``embed_tokens.weight``) is filled once from whichever name the
    file has (the ordinary tie handling of
-   :mod:`bytecp.loading.matching`); an untied target ``*lm_head.weight`` the
-   file lacks reads the file's input embedding (``embed_tokens.weight``,
-   ``wte.weight``, ``word_embeddings.weight``), as ``save_pretrained`` of a
-   tied model drops it.
+   :mod:`bytecp.loading.matching`). When the directory's ``config.json``
+   says ``tie_word_embeddings: true``, an untied target ``*lm_head.weight``
+   the file lacks reads the file's input embedding (``embed_tokens.weight``,
+   ``wte.weight``, ``word_embeddings.weight``), as transformers ties it
+   after loading (``save_pretrained`` of a tied model drops it); otherwise
+   it is missing, as it is for transformers.
 
 With ``strict`` (the default), names still unmatched are one
 :class:`~bytecp.errors.StateMismatchError` line listing a few of each side.
@@ -69,7 +71,11 @@ def _find(x: str, prefix: str, files: Collection[str]) -> str | None:
 def _best(names: list[str], files: Collection[str]) -> dict[str, str]:
     """Target name -> file name under the (state prefix, base prefix) rule matching the most names."""
     best: dict[str, str] = {}
-    for k in range(4):
+    split = [n.split(".") for n in names]
+    common = 0  # leading components every target name shares (the state's own prefix)
+    while split and all(len(p) > common + 1 and p[common] == split[0][common] for p in split):
+        common += 1
+    for k in range(common + 1):
         stripped = {n: _strip(n, k) for n in names}
         prefixes = {""} | {f.split(".", 1)[0] + "." for f in files if "." in f}
         prefixes |= {x.split(".", 1)[0] + "." for x in stripped.values() if x and "." in x}
@@ -84,7 +90,9 @@ def _best(names: list[str], files: Collection[str]) -> dict[str, str]:
     return best
 
 
-def match_names(target: FlatTree, files: Mapping[str, object], *, strict: bool, where: str) -> NameMatch:
+def match_names(
+    target: FlatTree, files: Mapping[str, object], *, tied: bool, strict: bool, where: str
+) -> NameMatch:
     """(every rank of a foreign load) The renames and ties that make
     ``target``'s names read the file's tensors (module docstring)."""
     names = [*target.tensors, *target.aliases]
@@ -96,7 +104,7 @@ def match_names(target: FlatTree, files: Mapping[str, object], *, strict: bool, 
     groups = {n: n for n in target.tensors} | dict(target.aliases)
     done = {groups[n] for n in found}
     for n in target.tensors:
-        if n in done or not n.endswith("lm_head.weight"):
+        if not tied or n in done or not n.endswith("lm_head.weight"):
             continue
         emb = next((f for f in sorted(files) if f.endswith(_EMBEDDINGS)), None)
         if emb is not None:

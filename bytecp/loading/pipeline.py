@@ -122,7 +122,8 @@ class LoadPipeline:
             opened = self.opened
             assert opened is not None
             if opened.foreign and self.state is not None:  # a Hugging Face directory: its names, the target's
-                names = match_names(flat, md.tensors, strict=self.opts.strict, where=self.storage.url)
+                names = match_names(flat, md.tensors, tied=md.user_metadata.get("tie_word_embeddings") is True,
+                                    strict=self.opts.strict, where=self.storage.url)
                 opened = opened.renamed(names.renames, names.aliases)
             return target, opened, match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
                                                  self.ctx.world_size, cast=opened.foreign)
