@@ -51,3 +51,47 @@ def reference(kind: str, path: Path) -> dict[str, torch.Tensor]:
 
     cls = {"gpt2": GPT2LMHeadModel, "llama-base": AutoModel}.get(kind, LlamaForCausalLM)
     return {k: v.detach().clone() for k, v in cls.from_pretrained(str(path)).state_dict().items()}
+
+
+def load_on_ranks(kind: str, path: str, layout: str, zero_redundancy: bool | None = None) -> tuple[dict[str, torch.Tensor] | None, int]:
+    """(every rank) Build ``kind`` under ``layout`` (fsdp2, ddp), load the
+    Hugging Face directory ``path`` with bytecp; rank 0 returns the full
+    weights; every rank the bytes it read from storage."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
+
+    import bytecp
+    from bytecp.recorder import add_recorder, remove_recorder
+
+    model = build(kind, seed=1 + dist.get_rank())
+    if layout == "fsdp2":
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        layers = model.transformer.h if kind == "gpt2" else model.model.layers
+        for block in layers:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        target: torch.nn.Module = model
+    else:
+        target = torch.nn.parallel.DistributedDataParallel(model)
+    reports: list[Any] = []
+
+    class Keep:
+        def on_report(self, report: Any) -> None:
+            reports.append(report)
+
+        def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
+            pass
+
+    rec = add_recorder(Keep())
+    try:
+        bytecp.load(path, {"model": target}, zero_redundancy=zero_redundancy)
+    finally:
+        remove_recorder(rec)
+    (rep,) = [r for r in reports if r.operation == "load"]
+    read = sum(s.nbytes for s in rep.spans if s.phase == "read")
+    full = {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone() for k, v in model.state_dict().items()}
+    if kind != "llama":
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    return (full if dist.get_rank() == 0 else None), read
