@@ -110,7 +110,7 @@ class LoadPipeline:
         md = self.md
         assert md is not None
 
-        def match() -> tuple[LoadTarget | None, Match]:
+        def match() -> tuple[LoadTarget | None, OpenedCheckpoint, Match]:
             faults.inject("match", self.ctx.rank)
             if self.state is None:
                 target, tree = None, Slot()
@@ -129,8 +129,8 @@ class LoadPipeline:
                                                  self.ctx.world_size, cast=opened.foreign)
 
         with self.trace.span("plan"):
-            self.target, self.opened, self.matched = self.ctx.run("load/match", match)
-        self.md = self.opened.metadata
+            self.target, opened, self.matched = self.ctx.run("load/match", match)
+        self.opened, self.md = opened, opened.metadata
 
     def plan(self) -> None:
         """(every rank; one all-gather of a digest with zero-redundancy

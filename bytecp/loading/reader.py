@@ -74,8 +74,11 @@ class _BatchReader:
         """(destination view, buffer to read into, whether the buffer is the destination)."""
         t = self.targets[req.target]
         dest = t.view[req.box.relative_to(t.box).slices()]
-        direct = (req.whole_chunk and dest.is_contiguous() and dest.device.type == "cpu"
-                  and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)  # else staged (and cast)
+        # straight into the target when the bytes read are exactly its box (a
+        # whole chunk, or rows of one: FSDP2's shards) in its dtype; else staged (and cast)
+        direct = (dest.is_contiguous() and dest.device.type == "cpu"
+                  and req.nbytes == req.box.numel * dest.element_size()
+                  and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)
         raw = byte_view(dest) if direct else torch.empty(req.nbytes, dtype=torch.uint8)
         return dest, raw, direct
 

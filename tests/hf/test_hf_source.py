@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist import hf_source_cases as hf
 
 import bytecp
 from bytecp.errors import CorruptCheckpointError, StateMismatchError
-from dist import hf_source_cases as hf
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from dist import hf_source_cases as hf  # noqa: E402
 
 import bytecp
 from bytecp.storage_api import open_storage
-from dist import hf_source_cases as hf  # noqa: E402
 
 pytestmark = pytest.mark.s3
 
