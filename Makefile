@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test megatron-install test-servers lint typecheck bench bench-s3 clean
+.PHONY: demo test install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -24,12 +24,30 @@ $(VENV)/.demo-installed: $(VENV)/.installed
 $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) -e ".[test,s3,monitoring,lightning]"
 	$(MAKE) megatron-install
+	$(MAKE) deepspeed-install
+	$(MAKE) torchtitan-install
 	touch $@
 
 # Megatron-Core (adapter tests): --no-deps so it can never pull torch or CUDA
 # wheels; its other requirements (numpy, packaging, psutil) are pinned here.
 megatron-install: $(VENV)/.installed
 	$(PIP) --no-deps megatron-core packaging psutil
+
+# DeepSpeed (ZeRO adapter tests): --no-deps for the same reason, and
+# DS_BUILD_OPS=0 builds no kernels (its CPU accelerator needs none); its
+# other requirements are listed here, pinned in constraints.txt.
+deepspeed-install: $(VENV)/.installed
+	DS_BUILD_OPS=0 $(PIP) --no-deps deepspeed hjson msgpack ninja py-cpuinfo einops packaging psutil pydantic pydantic-core annotated-types typing-inspection tqdm
+
+# torchtitan 0.3.0 (its checkpoint manager's tests with its trainer, and its Llama3
+# and parallelisms in the DTensor layout matrix): --no-deps for the same reason, and
+# because its datasets<4.8 pin would downgrade fsspec below s3fs's; what its trainer
+# imports (the `torchtitan` extra) comes under the pins. titan-install: the same.
+torchtitan-install: $(VENV)/.installed
+	$(PIP) --no-deps torchtitan==0.3.0
+	$(PIP) -e ".[torchtitan]"
+
+titan-install: torchtitan-install
 
 install: $(VENV)/.installed
 

@@ -123,7 +123,11 @@ def optimizer_target(
         for g in opt.param_groups:
             current.append([place.fqn for j in range(pos, pos + len(g["params"])) for place in per_param[j]])
             pos += len(g["params"])
-        groups = param_groups_for_load(key, saved_groups, opt, current)
+        # parameters whose state the checkpoint holds (a pipeline stage's may be
+        # absent from the saved groups, which list the coordinator's stage)
+        stored = {place.fqn for places in per_param for place in places
+                  if f"{key}.state.{place.fqn}" in nodes}
+        groups = param_groups_for_load(key, saved_groups, opt, current, stored)
         osd_state: dict[int, dict[str, Any]] = {}
         for i in set(local) | set(rebuilt):
             st: dict[str, Any] = dict(local.get(i, {}))
@@ -136,11 +140,17 @@ def optimizer_target(
 
 
 def param_groups_for_load(
-    key: str, saved_groups: list[dict[str, Any]], opt: torch.optim.Optimizer, current: list[list[str]]
+    key: str, saved_groups: list[dict[str, Any]], opt: torch.optim.Optimizer, current: list[list[str]],
+    stored: set[str] | frozenset[str] = frozenset(),
 ) -> list[dict[str, Any]]:
     """Saved param groups (parameters named by FQN) as ``opt.load_state_dict``
     wants them: hyperparameters from the checkpoint, parameters by position.
-    ``current[j]`` are the FQNs group ``j`` of ``opt`` holds now."""
+    ``current[j]`` are the FQNs group ``j`` of ``opt`` holds now; ``stored``
+    those whose state the checkpoint holds. Pipeline stages save the
+    coordinator's groups, naming its stage's parameters only: a group whose
+    parameters all have stored state takes the hyperparameters of the saved
+    group at its position (every stage builds its groups alike) when that
+    group holds none of the parameters the optimizer's other groups hold."""
     if len(saved_groups) != len(opt.param_groups):
         raise StateMismatchError(
             f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
@@ -148,8 +158,13 @@ def param_groups_for_load(
         )
     groups = []
     pos = 0
+    everyone = {fqn for names in current for fqn in names}
     for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
-        if sorted(sg["params"]) != sorted(current[j]):
+        # another stage's group: the state of all our parameters is stored, and
+        # the saved group holds none of the parameters our other groups hold
+        other_stage = (bool(current[j]) and set(current[j]) <= stored
+                       and set(sg["params"]) & everyone <= set(current[j]))
+        if sorted(sg["params"]) != sorted(current[j]) and not other_stage:
             raise StateMismatchError(
                 f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
                 f"{sorted(set(sg['params']) - set(current[j]))[:5]} the optimizer lacks and lacks "

@@ -1,7 +1,9 @@
-"""FSDP2 (``fully_shard``) and other DTensor-based models: parameters and
-optimizer state are DTensors; each rank saves its own box of each, replicas
-(HSDP's replicate dimension) are written once, and loads fill the local
-shards in place whatever the saving layout was."""
+"""FSDP2 (``fully_shard``) and other DTensor-based models (tensor parallel
+``parallelize_module``, FSDP2 x TP, HSDP, torchtitan's pipeline stages):
+parameters and optimizer state are DTensors; each rank saves its own box of
+each, replicas (HSDP's replicate dimension, and the ranks along root-mesh
+dimensions outside a tensor's mesh) are written once, and loads fill the
+local shards in place whatever the saving layout was."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from bytecp.adapter_api import AdapterCall
 from bytecp.dist import DistContext
 
 from ._dtensor import dtensor_leaf, dtensor_target, is_dtensor, mesh_info
+from ._names import ModuleNames
 from ._optim import ParamState
 from .plain import PlainAdapter
 
@@ -24,8 +27,8 @@ def _modules(state: dict[str, Any]) -> list[nn.Module]:
     return [v for v in state.values() if isinstance(v, nn.Module)]
 
 
-def _leaf(v: torch.Tensor) -> Any:
-    return dtensor_leaf(v) if is_dtensor(v) else v  # type: ignore[arg-type]
+def _leaf(v: torch.Tensor, fqn: str | None = None) -> Any:
+    return dtensor_leaf(v, fqn) if is_dtensor(v) else v  # type: ignore[arg-type]
 
 
 class FSDP2Adapter(PlainAdapter):
@@ -40,6 +43,13 @@ class FSDP2Adapter(PlainAdapter):
         see :meth:`PlainAdapter.module_leaves`)."""
         return _leaf(t)
 
+    def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
+        """As :meth:`PlainAdapter.module_leaves`, each DTensor's layout checked
+        under its name (a layout bytecp cannot save fails here, at save)."""
+        names = ModuleNames(module)
+        sd, _ = names.state_dict()
+        return names.tie({k: _leaf(v, k) if isinstance(v, torch.Tensor) else v for k, v in sd.items()})
+
     def param_state(self, call: AdapterCall, index: int, param: torch.Tensor) -> list[ParamState]:
         """A DTensor parameter's state is a DTensor laid out like it: its box is saved."""
         (place,) = super().param_state(call, index, param)
@@ -48,7 +58,7 @@ class FSDP2Adapter(PlainAdapter):
         return [ParamState(
             fqn=place.fqn,
             shape=place.shape,
-            leaf=_leaf,
+            leaf=lambda v: _leaf(v, f"optimizer.state.{place.fqn}"),
             new=lambda dtype: dtensor_target(param, dtype)[1],  # type: ignore[arg-type]
             fits=lambda t, dtype: is_dtensor(t) and t.dtype == dtype and tuple(t.shape) == place.shape,
         )]

@@ -42,6 +42,16 @@ def is_per_rank(v: Any) -> bool:
     return is_stateful(v) and "dataloader" in type(v).__name__.lower()
 
 
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = getattr(t, "_local_tensor", t)  # a DTensor's local shard
+    return int(local.untyped_storage().data_ptr())
+
+
+def _live_storages(module: nn.Module) -> set[int]:
+    """The storages of the module's parameters and buffers (local shards of DTensors)."""
+    return {_storage_ptr(x) for x in (*module.parameters(), *module.buffers())}
+
+
 class PlainAdapter(Adapter):
     """Full tensors on every rank that has them (one process, or replicated)."""
 
@@ -82,12 +92,19 @@ class PlainAdapter(Adapter):
         slots = [k for k, v in sd.items() if not isinstance(v, torch.Tensor)]
         for k in slots:
             target[k] = Slot()
+        # tensors a state-dict hook made (torchtitan splits its fused wqkv into
+        # wq/wk/wv copies): filled in place, they reach the module only through
+        # load_state_dict, whose pre-hooks put them back
+        live_storages = _live_storages(module)
+        copies = [k for k, v in sd.items() if isinstance(v, torch.Tensor) and _storage_ptr(v) not in live_storages]
 
         def finalize(values: dict[str, Any]) -> None:
-            if slots:
+            if slots or copies:
                 live = module.state_dict()
                 for k in slots:
                     live[raw[k]] = values[k]
+                for k in copies:
+                    live[raw[k]] = sd[k]
                 module.load_state_dict(live)
 
         return target, finalize

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CASES", "rank_bytes"]
 
-_ADAPTER_OF = {"fsdp2": "fsdp2", "fsdp1": "fsdp1", "ddp": "ddp", "plain": "plain"}
+_ADAPTER_OF = {"fsdp2": "fsdp2", "fsdp2_tp": "fsdp2", "fsdp1": "fsdp1", "ddp": "ddp", "plain": "plain"}
 
 
 def _adapter_missing(framework: str) -> str | None:

@@ -1,7 +1,8 @@
 """A GPT-like model sized so that its parameters plus Adam state take N GB.
 
 Every rank builds the same model on the CPU from the same seed, wraps it for
-its framework (DDP, FSDP1, FSDP2, or none), and trains one step so the Adam
+its framework (DDP, FSDP1, FSDP2, FSDP2 x TP on a dp x tp=2 mesh, or none),
+and trains one step so the Adam
 state exists. State bytes = 3 x fp32 parameters (weights, exp_avg,
 exp_avg_sq) plus Adam's step counters.
 """
@@ -20,7 +21,7 @@ from torch import nn
 __all__ = ["GPTConfig", "GPT", "Block", "config_for_gb", "build", "train_step", "state_bytes",
            "fingerprint", "FRAMEWORKS"]
 
-FRAMEWORKS = ("fsdp2", "ddp", "fsdp1", "plain")
+FRAMEWORKS = ("fsdp2", "ddp", "fsdp1", "plain", "fsdp2_tp")
 
 #: bytes of state per parameter: fp32 weight + exp_avg + exp_avg_sq
 _BYTES_PER_PARAM = 12
@@ -80,10 +81,12 @@ class Block(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, h = x.shape
-        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, h // self.heads).unbind(2)
+        # qkv's rows grouped by head (q, k, v of head 0, then head 1, ...): a
+        # column-parallel qkv gives each TP rank whole heads
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, -1, 3, h // self.heads).unbind(3)
         a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                            is_causal=True)
-        x = x + self.proj(a.transpose(1, 2).reshape(b, t, h))
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, -1))
         return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
 
 
@@ -118,6 +121,8 @@ def build(cfg: GPTConfig, framework: str, *, seed: int = 0) -> tuple[nn.Module, 
         for blk in model.blocks:  # type: ignore[union-attr]
             fully_shard(blk, mesh=mesh)
         fully_shard(model, mesh=mesh)
+    elif framework == "fsdp2_tp":
+        _fsdp2_tp(model)
     elif framework == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
@@ -130,6 +135,29 @@ def build(cfg: GPTConfig, framework: str, *, seed: int = 0) -> tuple[nn.Module, 
     optim = torch.optim.Adam(model.parameters(), lr=1e-4)
     train_step(model, optim, cfg, seed=seed)
     return model, optim
+
+
+def _fsdp2_tp(model: nn.Module) -> None:
+    """torchtitan's layout on a dp x tp=2 mesh: qkv and fc1 column-parallel,
+    proj and fc2 row-parallel; norms and embeddings outside the TP plan, so
+    FSDP2 shards them over dp only and both TP ranks hold the same box."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    world = dist.get_world_size()
+    if world % 2:
+        raise ValueError(f"fsdp2_tp needs an even world size (dp x tp=2), not {world}")
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+    plan = {"qkv": ColwiseParallel(), "fc1": ColwiseParallel(), "proj": RowwiseParallel(), "fc2": RowwiseParallel()}
+    for blk in model.blocks:  # type: ignore[union-attr]
+        parallelize_module(blk, mesh["tp"], plan)
+        fully_shard(blk, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
 
 
 def forward_backward(model: nn.Module, cfg: GPTConfig, *, seed: int = 0, tokens: int = 32) -> None:
@@ -171,10 +199,19 @@ def fingerprint(model: nn.Module, framework: str) -> float:
     """
     local = torch.zeros((), dtype=torch.float64)
     for p in model.parameters():
-        local += _local(p.detach()).double().sum()
-    if framework in ("fsdp1", "fsdp2") and dist.is_initialized():
+        local += _local(p.detach()).double().sum() / _copies(p)
+    if framework in ("fsdp1", "fsdp2", "fsdp2_tp") and dist.is_initialized():
         dist.all_reduce(local)
     return float(local)
+
+
+def _copies(p: torch.Tensor) -> int:
+    """How many ranks hold each element of a DTensor (1 for other tensors)."""
+    mesh = getattr(p, "device_mesh", None)
+    if mesh is None or not dist.is_initialized():
+        return 1
+    boxes = math.prod(n for n, pl in zip(mesh.shape, p.placements, strict=True) if not pl.is_replicate())  # type: ignore[attr-defined]
+    return dist.get_world_size() // boxes
 
 
 def describe(cfg: GPTConfig) -> dict[str, Any]:

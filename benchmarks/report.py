@@ -143,7 +143,7 @@ def targets(groups: dict[str, Any], disk: dict[str, Any], main: str, world: int)
     rd = max([v for v in (disk.get("read_cold_gbps"), disk.get("read_cold_parallel_gbps")) if v] or [0]) or None
     t.append(_target(f"{main}: cold load bandwidth / dd cold read", _ratio(cold_bw, rd), 0.9, at_most=False,
                      note=f"load {cold_bw or 0:.2f} GB/s of state, dd {rd or 0:.2f} GB/s"))
-    for lbl in (f"reshard {world}->{world + 1}", f"reshard {world}->1"):
+    for lbl in [x for x in groups if x.startswith("reshard")] or (f"reshard {world}->{world + 1}", f"reshard {world}->1"):
         for temp in ("warm", "cold"):
             t.append(_target(f"{lbl}: bytecp load {temp} / same-topology load",
                              _ratio(g(lbl, f"bytecp.load {temp}", "total_s"), g(main, f"bytecp.load {temp}", "total_s")), 1.2))

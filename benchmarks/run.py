@@ -46,7 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="ranks per group (default 2)")
     p.add_argument("--gb", type=float, default=2.0, help="parameters + Adam state in GB (default 2.0)")
     p.add_argument("--frameworks", default="fsdp2,ddp,fsdp1",
-                   help="comma-separated, the first is also resharded (default fsdp2,ddp,fsdp1)")
+                   help="comma-separated, the first is also resharded (default fsdp2,ddp,fsdp1); fsdp2_tp: "
+                        "FSDP2 x TP on a dp x tp=2 mesh, resharded into FSDP2 alone at the same world size")
     p.add_argument("--repeats", type=int, default=None, help="repeats per case (default 3; 1 with --quick)")
     p.add_argument("--dir", default=None,
                    help="folder on the disk under test; a fresh subfolder is used and removed (default: system temp)")
@@ -71,9 +72,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     known = SAVE_CASES + LOAD_CASES + LAST_CASES
     if args.cases and [c for c in args.cases if c not in known]:
         p.error(f"unknown cases {[c for c in args.cases if c not in known]}; known: {known}")
-    bad = [f for f in args.frameworks if f not in ("fsdp2", "ddp", "fsdp1")]
+    bad = [f for f in args.frameworks if f not in ("fsdp2", "ddp", "fsdp1", "fsdp2_tp")]
     if bad:
-        p.error(f"unknown frameworks {bad}; choose from fsdp2, ddp, fsdp1")
+        p.error(f"unknown frameworks {bad}; choose from fsdp2, ddp, fsdp1, fsdp2_tp")
+    if "fsdp2_tp" in args.frameworks and args.world_size % 2:
+        p.error("fsdp2_tp runs on a dp x tp=2 mesh: --world-size must be even")
     if args.world_size < 1 or args.repeats < 1 or args.gb <= 0:
         p.error("--world-size, --repeats and --gb must be positive")
     return args
@@ -199,7 +202,9 @@ def main(argv: list[str] | None = None) -> int:
             load_from, expected = r0.get("load_from", {}), r0.get("expected", {})
             missing = {f"{lib}.load {t}": f"n/a (no {lib} checkpoint from {src})"
                        for lib in ("bytecp", "dcp") if lib not in load_from for t in ("cold", "warm")}
-            for label, fw, ws in ((f"reshard {w}->{w + 1}", src, w + 1), (f"reshard {w}->1", "plain", 1)):
+            first = ((f"reshard {w // 2}x2->fsdp2 {w}", "fsdp2", w) if src == "fsdp2_tp"
+                     else (f"reshard {w}->{w + 1}", src, w + 1))
+            for label, fw, ws in (first, (f"reshard {w}->1", "plain", 1)):
                 wanted = [c for c in LOAD_CASES if not args.cases or c in args.cases]
                 run, skip = _split(wanted, fw, {**cold, **missing})
                 spec = GroupSpec(label=label, framework=fw, world_size=ws, gb=args.gb, cases=run,

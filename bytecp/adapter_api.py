@@ -93,13 +93,14 @@ class Adapter(abc.ABC):
 
 _ADAPTERS: dict[str, str | type[Adapter]] = {
     "megatron": "bytecp.adapters.megatron.adapter:MegatronAdapter",
+    "deepspeed": "bytecp.adapters.deepspeed:DeepSpeedAdapter",
     "fsdp1": "bytecp.adapters.fsdp1:FSDP1Adapter",
     "fsdp2": "bytecp.adapters.fsdp2:FSDP2Adapter",
     "ddp": "bytecp.adapters.ddp:DDPAdapter",
     "plain": "bytecp.adapters.plain:PlainAdapter",
 }
 #: detection order: most specific first; "plain" accepts anything
-_ORDER = ["megatron", "fsdp1", "fsdp2", "ddp", "plain"]
+_ORDER = ["megatron", "deepspeed", "fsdp1", "fsdp2", "ddp", "plain"]
 #: the adapter that accepts any state: reaching it in detection is a miss
 _CATCH_ALL = "plain"
 #: guards ``_ADAPTERS``, ``_ORDER`` and ``_discovered`` (registrations may come from any thread)

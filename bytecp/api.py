@@ -5,7 +5,9 @@ by one process with no ``torch.distributed`` (``load_state_dict``). Each call
 validates its arguments into a :class:`~bytecp.options.SaveOptions` /
 :class:`~bytecp.options.LoadOptions` (where every keyword argument is
 documented), opens the storage, and runs a
-:class:`~bytecp.saving.pipeline.SavePipeline` or
+:class:`~bytecp.saving.pipeline.SavePipeline` in the order of a schedule of
+:mod:`bytecp.saving.schedule` (a save's phases on the caller's thread, or an
+async order: eager, lazy or under a memory budget), or a
 :class:`~bytecp.loading.pipeline.LoadPipeline`; nothing else happens here.
 """
 
@@ -14,8 +16,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-import torch
-
 from bytecp import __version__
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
@@ -23,9 +23,10 @@ from bytecp.format import metadata as fmt
 from bytecp.loading.pipeline import LoadPipeline, LoadResult
 from bytecp.options import LoadOptions, SaveOptions
 from bytecp.recorder import Recorder, Trace, resolve_monitor
-from bytecp.saving.handles import SaveHandle, checkpoint_group, gc_paused, optimizers_in
+from bytecp.saving import schedule
+from bytecp.saving.handles import SaveHandle, checkpoint_group
 from bytecp.saving.pipeline import SavePipeline
-from bytecp.saving.staging import ArenaStager, ViewStager
+from bytecp.saving.staging import ViewStager
 from bytecp.storage_api import Storage, open_storage
 
 __all__ = ["save", "async_save", "load", "load_state_dict", "LoadResult"]
@@ -90,11 +91,7 @@ def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.M
     storage = _storage(url, opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
     pipeline = SavePipeline(storage, state, opts, ctx, trace, ViewStager(), version=__version__)
-    with trace.failing(blocked_since=t0):
-        md = pipeline.run()
-    trace.add_stall(time.perf_counter() - t0)
-    pipeline.report()
-    return md
+    return schedule.run_now(pipeline, blocked_since=t0)
 
 
 def async_save(
@@ -128,46 +125,8 @@ def async_save(
     group = checkpoint_group(opts.process_group)
     ctx = DistContext(group, opts.coordinator_rank)  # no group: one process
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
-    # a lazy copy runs beside forward/backward: one thread, checksums summed on the way
-    threads = opts.staging_threads or (1 if lazy else min(8, torch.get_num_threads()))
-    stager = ArenaStager(memory_budget_bytes, threads=threads, checksums=lazy)
-    pipeline = SavePipeline(storage, state, opts, ctx, trace, stager, version=__version__)
-    handle = SaveHandle(storage.url)
-    # eager: the caller waits only for the copy (with a memory budget also
-    # for the plan and the batches written before the last); lazy: for
-    # nothing, the background copies first. Both copy before the plan, so
-    # the copy never waits for the other ranks.
-    snapshot = memory_budget_bytes is None  # (lazy takes no budget)
-    with trace.failing(blocked_since=t0), gc_paused():
-        pipeline.describe()
-        if lazy:
-            handle.block_optimizers_until_staged(optimizers_in(state), trace)
-        elif snapshot:
-            pipeline.snapshot()
-            handle.mark_staged()
-        else:
-            pipeline.plan()
-            pipeline.stage()
-            handle.mark_staged()
-
-    def background() -> fmt.Metadata:
-        with trace.failing():
-            if lazy:
-                try:
-                    pipeline.snapshot()
-                finally:
-                    handle.mark_staged()
-            if snapshot:
-                pipeline.plan()
-                pipeline.stage()
-            pipeline.write()
-            md = pipeline.commit()
-        pipeline.report()
-        return md
-
-    handle.start(background, nice=opts.background_nice)
-    trace.add_stall(time.perf_counter() - t0)
-    return handle
+    pipeline = SavePipeline(storage, state, opts, ctx, trace, schedule.async_stager(opts), version=__version__)
+    return schedule.start_async(schedule.order_for(opts), pipeline, blocked_since=t0)
 
 
 def load(

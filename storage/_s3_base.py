@@ -24,7 +24,7 @@ from . import _ranges, _retry
 from ._errors import file_url
 from ._retry import NOT_FOUND, PERMANENT, PERMISSION, TRANSIENT, RetryPolicy, Verdict
 
-__all__ = ["MIN_PART_SIZE", "MAX_PARTS", "plan_parts"]
+__all__ = ["MIN_PART_SIZE", "MAX_PARTS", "MiB", "plan_parts", "log", "T"]
 
 log = logging.getLogger("bytecp.storage")
 T = TypeVar("T")

@@ -45,15 +45,15 @@ def main() -> None:
         THREAD, 10, True)
 
     # save pipeline
-    ax.text(0.3, 6.85, "SavePipeline (every rank)", fontsize=11, fontweight="bold")
+    ax.text(0.3, 6.85, "saving/: schedule -> SavePipeline (every rank)", fontsize=11, fontweight="bold")
     save = [("describe\nadapter -> views", LOCAL), ("plan\nALL-GATHER\n(+gather/scatter\non cache miss)", COLL),
             ("stage\nStager: views |\nreused arena", LOCAL), ("write\ndata files,\ncrc32c, index", LOCAL),
             ("commit\nGATHER; the\ncoordinator writes\nmetadata.json;\nBROADCAST", COLL)]
     pipeline(ax, save, 0.3, 1.3, 1.15)
 
     # load pipeline
-    ax.text(6.9, 6.85, "LoadPipeline (every rank)", fontsize=11, fontweight="bold")
-    load = [("metadata\nBROADCAST\n(coordinator\nreads, validates)", COLL), ("match\nRUN\nkeys, shapes", COLL),
+    ax.text(6.9, 6.85, "loading/: LoadPipeline (every rank)", fontsize=11, fontweight="bold")
+    load = [("open\nBROADCAST\n(coordinator:\nopen_checkpoint)", COLL), ("match\nRUN\nkeys, shapes", COLL),
             ("plan\n[ALL-GATHER:\nzero-\nredundancy]", COLL), ("read\nRUN\nranged reads\ninto targets", COLL),
             ("apply\nRUN\nadapter", COLL)]
     pipeline(ax, load, 6.9, 1.18, 1.05)
@@ -77,8 +77,8 @@ def main() -> None:
 
     # registries
     ax.text(0.3, 1.45, "registries (the core imports nothing else of these packages)", fontsize=11, fontweight="bold")
-    regs = [("bytecp.adapters\nplain, DDP, FSDP1, FSDP2\n(adapter_api registry)", REG),
-            ("bytecp.storage\nlocal, S3, HDFS, memory, fsspec\n(storage_api registry)", REG),
+    regs = [("bytecp.adapters\nplain, DDP, FSDP1/2, Megatron\n(adapter_api registry, entry points)", REG),
+            ("bytecp.storage\nlocal, S3, HDFS, memory, fsspec\n(storage_api registry, entry points)", REG),
             ("bytecp.monitoring\nPrometheus, gRPC collector\n(recorder subscribers)", REG),
             ("dist.DistContext\nevery collective, fail-together,\ndead-rank diagnosis", COLL)]
     for i, (t, c) in enumerate(regs):

@@ -351,14 +351,16 @@ def _read_metadata(storage: Storage, *, foreign: bool) -> fmt.Metadata | OpenedC
     return fmt.Metadata.from_bytes(data, storage.url)
 
 
-def open_checkpoint(src: str | Storage) -> OpenedCheckpoint:
+def open_checkpoint(src: str | Storage, *, foreign: bool = False) -> OpenedCheckpoint:
     """Open ``src`` (a storage, or a URL opened with no options) for reading:
     its validated metadata, and how its rows are found (decided here, once).
-    A directory with no ``metadata.json`` but a transformers checkpoint
-    (``model.safetensors``, ``model.safetensors.index.json``) opens as a
-    foreign source (:mod:`bytecp.format.safetensors_dir`)."""
+    ``foreign`` (the load pipeline): a directory with no ``metadata.json`` but
+    a transformers checkpoint (``model.safetensors``,
+    ``model.safetensors.index.json``) opens as a foreign source
+    (:mod:`bytecp.format.safetensors_dir`); the one-process tools (export,
+    inspect, verify, gc) do not take one."""
     storage = src if isinstance(src, Storage) else open_storage(src)
-    got = _read_metadata(storage, foreign=True)
+    got = _read_metadata(storage, foreign=foreign)
     if isinstance(got, OpenedCheckpoint):
         return got
     index: RowSource = _WholeIndex() if got.index is None else _Segments()

@@ -93,7 +93,7 @@ class LoadPipeline:
 
         def read() -> Shared:
             with self.trace.span("read_metadata") as sp:
-                opened = open_checkpoint(self.storage)
+                opened = open_checkpoint(self.storage, foreign=True)  # a Hugging Face directory too
                 opened.check_sizes()  # before any tensor is allocated
                 sp.files = opened.files_read
                 return opened.share()

@@ -49,6 +49,8 @@ __all__ = [
     "planned_locally",
     "needs_coordinator",
     "specs_digest",
+    "holdings",
+    "ballot",
 ]
 
 
@@ -177,6 +179,31 @@ def local_plan(
             items.append(WriteItem(fqn, sh.region, name, size, shape))
             sets.append(rs)
     return LocalSavePlan(rank, tuple(items), tuple(sets))
+
+
+def holdings(
+    flat: FlatTree, rank: int, world_size: int = 1,
+    to_group: Callable[[tuple[int, ...]], tuple[int, ...] | None] | None = None,
+) -> tuple[LocalSavePlan, str]:
+    """(every rank, the save's plan phase or an async snapshot before it)
+    Every box this rank holds (:func:`local_plan`) and its fingerprint
+    (:func:`plan_key`), the key of this rank's cached plans."""
+    plan = local_plan(flat, rank, world_size, to_group)
+    return plan, plan_key(plan)
+
+
+def ballot(
+    held: LocalSavePlan, fingerprint: str, flat: FlatTree, cache_key: Any, save_id: str | None,
+    objects: tuple[str, ...] = (),
+) -> tuple[PlanVote, tuple[str, list[WriteItem]] | None]:
+    """(every rank, inside the plan phase's all-gather) This rank's vote for
+    the boxes it writes from (``held``), with the digest its cached plan for
+    ``fingerprint`` was made for and the digest of its state's specs; and
+    that cached plan (None: none). ``save_id`` and ``objects``: the
+    coordinator's."""
+    cached = PLAN_CACHE.get(cache_key, fingerprint)
+    vote = vote_for(held, fingerprint, cached[0] if cached else None, specs_digest(flat), save_id)
+    return (dataclasses.replace(vote, objects=objects) if objects else vote), cached
 
 
 def _resolve(

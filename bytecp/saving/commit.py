@@ -7,23 +7,41 @@ skeleton and tensor specs (merged with those of ranks whose state differs,
 which must agree on every tensor they share), the object records, the data
 files, and the index built and checked by :mod:`bytecp.format.index_build`. The
 pipeline then writes the index and commits ``metadata.json``.
+
+Also the coordinator's storage chores around it, called by the pipeline:
+the target check of the plan phase (:func:`check_target`), and after the
+commit the outcome storage shows (:func:`committed_after`), the removal of
+a failed save's files (:func:`remove_files_of`) and of the files an
+overwrite replaced (:func:`remove_replaced`).
 """
 
 from __future__ import annotations
 
+import logging
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from bytecp.errors import ConfigError
+from bytecp.errors import (
+    CheckpointExistsError,
+    CommittedWithErrorsWarning,
+    ConfigError,
+    DistributedCheckpointError,
+)
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import BuiltIndex, build_index
 from bytecp.saving.writer import RankOutput
+from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree, merge_aliases
 
-__all__ = ["build_metadata", "tensor_specs"]
+__all__ = [
+    "build_metadata", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_replaced",
+]
+
+log = logging.getLogger("bytecp")
 
 
 def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
@@ -97,3 +115,65 @@ def build_metadata(
         aliases=aliases,
     )
     return md, index
+
+
+def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
+    """(coordinator, plan phase) Refuse a committed checkpoint unless
+    overwriting; the one replaced."""
+    if not storage.exists(fmt.METADATA_FILE):
+        return None
+    if not overwrite:
+        raise CheckpointExistsError(
+            f"{storage.url} already holds a committed checkpoint; pass overwrite=True "
+            "to replace it (the old one stays intact until the new one commits)"
+        )
+    try:
+        return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
+    except Exception:
+        return None  # an unreadable old checkpoint is simply replaced
+
+
+def committed_after(
+    storage: Storage, error: DistributedCheckpointError, save_id: str, committed_here: fmt.Metadata | None,
+    *, coordinator: bool,
+) -> fmt.Metadata | None:
+    """(every rank, after the commit step broke) This save's metadata if it
+    was committed (here, or by the coordinator as storage shows; a warning
+    names the ranks lost after the commit), else None -- and the coordinator
+    removes the failed save's files."""
+    md = committed_here
+    if md is None and save_id:
+        try:
+            found = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
+            md = found if found.save_id == save_id else None
+        except Exception:
+            md = None
+    if md is None:
+        if coordinator and save_id:
+            remove_files_of(storage, save_id)
+        return None
+    lost = ", ".join(f"rank {r}: {msg}" for r, msg in error.failures.items())
+    text = (f"checkpoint {storage.url} is committed (save {save_id}); after the commit "
+            f"the {error.operation} step broke: {lost}")
+    log.warning("bytecp: %s", text)
+    warnings.warn(CommittedWithErrorsWarning(text), stacklevel=2)
+    return md
+
+
+def remove_files_of(storage: Storage, save_id: str) -> None:
+    """(coordinator) Remove a failed save's files (never a committed checkpoint's)."""
+    for prefix in (f"data/{save_id}/", f"index/{save_id}/"):
+        try:
+            storage.delete_prefix(prefix)
+        except Exception as e:
+            log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
+
+
+def remove_replaced(storage: Storage, old: fmt.Metadata, md: fmt.Metadata, world_size: int) -> None:
+    """(coordinator, after an overwrite committed) The replaced checkpoint's files."""
+    stale = old.referenced_files() - md.referenced_files()
+    stale |= {fmt.report_file(r) for r in range(world_size, old.world_size)}
+    try:
+        storage.delete(sorted(stale))
+    except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
+        log.warning("bytecp: could not delete files of the replaced checkpoint at %s: %s", storage.url, e)

@@ -92,7 +92,7 @@ def test_entry_points_are_read_on_the_first_miss_and_imported_on_use(installed_p
     rec = recorder.resolve_monitor("demomon://collector:1")
     assert rec is not None and rec.address == "collector:1"  # type: ignore[attr-defined]
     assert [r.operation for r in rec.reports] == ["save"]  # type: ignore[attr-defined]
-    from bytecp.loading.reader import read_metadata
+    from bytecp.loading.opened import read_metadata
 
     assert read_metadata(storage_api.open_storage(url)).framework == "demofw"
 

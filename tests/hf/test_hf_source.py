@@ -136,3 +136,14 @@ def test_hostile_index_refused(tmp_path: Path) -> None:
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}}))
     with pytest.raises(CorruptCheckpointError, match="no shard holds"):
         bytecp.load_state_dict(str(tmp_path))
+
+
+def test_tools_name_it_a_hugging_face_directory(saved) -> None:
+    """The one-process tools do not take a foreign source; they say what it is and that bytecp.load reads it."""
+    from bytecp.errors import CheckpointNotFoundError
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.inspect import summarize
+
+    path, _ = saved["gpt2", False]
+    with pytest.raises(CheckpointNotFoundError, match="Hugging Face model directory.*bytecp.load"):
+        summarize(open_storage(str(path)))

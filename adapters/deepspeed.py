@@ -1,0 +1,346 @@
+"""DeepSpeed ZeRO stages 1, 2 and 3 (``deepspeed.initialize`` engines), online,
+in the names every other adapter uses.
+
+``bytecp.save(url, {"model": engine})`` saves the engine's module under
+``model.<fqn>`` and its optimizer under ``optimizer`` (the same as
+``{"model": engine, "optimizer": engine.optimizer}``); the checkpoint is
+the one a plain, DDP or FSDP2 job saves, so it loads there and any ZeRO
+stage at any data-parallel size loads it back, with no conversion step:
+
+- model: ZeRO-1/2 keep the full module on every rank (written once, split
+  across the replicas); ZeRO-3 keeps ``ceil(numel / dp)`` elements of each
+  parameter per rank (``param.ds_tensor``), saved as the flat range's boxes
+  without the padding at the end of the last piece.
+- optimizer: ``optimizer.state.<fqn>.<key>`` for every tensor of the wrapped
+  optimizer shaped like the flat partition (``exp_avg``, ``exp_avg_sq``),
+  each rank writing the boxes of its fragments (:mod:`._zero`); per-group
+  values (``step``) under every parameter of the group, as ``torch.optim``
+  keeps them; ``optimizer.param_groups`` with parameters named by FQN. The
+  fp32 master weights equal the module's parameters when the model is fp32
+  and are not stored twice; under bf16 they are ``optimizer.state.<fqn>.fp32``.
+
+Loading fills the module's parameters, the master partitions and the
+optimizer's state tensors in place (creating them before the first step),
+refreshes the master weights from the loaded module where the checkpoint
+has no fp32 copy. ZeRO-3's persistent parameters (whole on every rank) are
+read whole and their pieces copied from them: no collective runs in a load.
+
+CPU offload (optimizer, ZeRO-3 parameters) works alike. Settings the
+fragment map cannot describe (NVMe offload, fp16 loss scaling, model or
+pipeline parallelism, MiCS/hpZ, ZeRO-0 mixed precision) fail at save and
+load on every rank with the setting named (:func:`._zero.check_supported`).
+
+Called through the adapter registry on every rank (``detect``, then
+``save_tree`` or ``load_tree``). This module never imports DeepSpeed:
+detection reads class names, and only once ``deepspeed`` is imported.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from bytecp.adapter_api import AdapterCall, LoadTarget
+from bytecp.dist import DistContext
+from bytecp.errors import ConfigError, StateMismatchError
+from bytecp.format.metadata import Metadata
+from bytecp.tree.dtypes import dtype_from_name
+from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
+
+from ._names import ModuleNames
+from ._zero import Fragment, ZeroLayout, check_supported, is_stage3, is_zero_optimizer, zero_layout
+from .plain import PlainAdapter
+
+__all__ = ["DeepSpeedAdapter", "expand_engines"]
+
+Finalize = Callable[[dict[str, Any]], None]
+
+#: the key an engine's optimizer is saved under when the state names only the engine
+OPTIMIZER_KEY = "optimizer"
+#: the state key of the fp32 master weights under mixed precision
+MASTER_KEY = "fp32"
+
+
+def _is_engine(v: Any) -> bool:
+    return isinstance(v, nn.Module) and type(v).__name__ in ("DeepSpeedEngine", "PipelineEngine") \
+        and hasattr(v, "module") and hasattr(v, "optimizer")
+
+
+def _engine_of(state: dict[str, Any], opt: Any) -> Any:
+    return next((v for v in state.values() if _is_engine(v) and v.optimizer is opt), None)
+
+
+def expand_engines(state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` with each engine replaced by its module and its ZeRO optimizer
+    added under ``"optimizer"`` (unless the state already holds it); a ZeRO
+    optimizer's wrapped ``torch.optim`` optimizer stands for the ZeRO one."""
+    inner = {id(v.optimizer.optimizer): v.optimizer for v in state.values()
+             if _is_engine(v) and is_zero_optimizer(v.optimizer)}
+    ids = {id(v) for v in state.values()}
+    given = ids | {id(zero) for i, zero in inner.items() if i in ids}  # already in the state, in either form
+    out: dict[str, Any] = {}
+    added: dict[str, Any] = {}
+    for k, v in state.items():
+        if _is_engine(v):
+            out[k] = v.module
+            opt = v.optimizer
+            if opt is None or id(opt) in given:
+                continue
+            if not is_zero_optimizer(opt) and not isinstance(opt, torch.optim.Optimizer):
+                raise ConfigError(
+                    f"DeepSpeed engine {k!r}: its optimizer is a {type(opt).__name__} (ZeRO stage 0 with "
+                    "mixed precision), which bytecp cannot checkpoint; use ZeRO stage 1 or more"
+                )
+            if OPTIMIZER_KEY in state:
+                raise ConfigError(
+                    f"DeepSpeed engine {k!r}: its optimizer would be saved under {OPTIMIZER_KEY!r}, which the "
+                    f"state already uses; pass the engine's optimizer yourself: {{{k!r}: engine, "
+                    "'opt': engine.optimizer}"
+                )
+            added[OPTIMIZER_KEY] = opt
+        else:
+            out[k] = inner.get(id(v), v)
+    out.update(added)
+    return out
+
+
+def _zero3(module: nn.Module) -> bool:
+    return any(hasattr(p, "ds_tensor") for p in module.parameters())
+
+
+def _frag_leaf(f: Fragment, flat: torch.Tensor, replicas: ReplicaSet | None) -> TensorLeaf:
+    """The boxes of fragment ``f`` in ``flat`` (a flat partition or a state tensor shaped like it)."""
+    piece = flat.detach()[f.offset : f.offset + f.numel]
+    if not f.numel:
+        return TensorLeaf(f.shape, flat.dtype, [], replicas)
+    return TensorLeaf.from_flat(f.shape, flat.dtype, f.start, piece, replicas)
+
+
+def _z3_span(p: Any) -> tuple[torch.Tensor, int, int]:
+    """``(piece, start, valid)``: this rank's flat piece of a ZeRO-3 parameter
+    holds its elements ``[start, start+valid)``; the rest is padding."""
+    local = p.ds_tensor.detach().view(-1)
+    start = torch.distributed.get_rank(group=p.ds_process_group) * local.numel()
+    return local, start, max(0, min(local.numel(), int(p.ds_numel) - start))
+
+
+def _z3_param_leaf(p: Any, rank: int) -> TensorLeaf:
+    """This rank's piece of a ZeRO-3 parameter, padding masked (``ds_numel``)."""
+    local, start, valid = _z3_span(p)
+    shape = tuple(p.ds_shape)
+    if not valid:
+        return TensorLeaf(shape, local.dtype, [], ReplicaSet.of((rank,)))
+    return TensorLeaf.from_flat(shape, local.dtype, start, local[:valid], ReplicaSet.of((rank,)))
+
+
+def _persistent(p: Any) -> bool:
+    """A ZeRO-3 parameter kept whole on every rank (below ``stage3_param_persistence_threshold``)."""
+    return bool(getattr(p, "ds_persist", False)) and p.data.numel() == int(p.ds_numel)
+
+
+def _model_piece(lay: ZeroLayout, f: Fragment) -> torch.Tensor:
+    """The model's values of fragment ``f`` (what the master weights are
+    refreshed from): what a load fills, whichever finalizer runs first."""
+    p: Any = lay.params[f.fqn]
+    if lay.stage == 3 and not _persistent(p):
+        return p.ds_tensor.detach().view(-1)[: f.numel]
+    return p.detach().reshape(-1)[f.start : f.start + f.numel]
+
+
+class DeepSpeedAdapter(PlainAdapter):
+    """DeepSpeed engines and ZeRO optimizers; everything else as the plain adapter."""
+
+    name = "deepspeed"
+
+    @classmethod
+    def detect(cls, state: dict[str, Any]) -> bool:
+        if "deepspeed" not in sys.modules:
+            return False
+        return any(_is_engine(v) or is_zero_optimizer(v) or (isinstance(v, nn.Module) and _zero3(v))
+                   for v in state.values())
+
+    def save_tree(self, state: dict[str, Any], ctx: DistContext) -> Any:
+        self._check(state, ctx, "save")
+        return super().save_tree(expand_engines(state), ctx)
+
+    def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
+        self._check(state, ctx, "load")
+        return super().load_tree(expand_engines(state), ctx, md)
+
+    def _check(self, state: dict[str, Any], ctx: DistContext, where: str) -> None:
+        for v in state.values():
+            opt = v.optimizer if _is_engine(v) else v
+            if is_zero_optimizer(opt):
+                check_supported(opt, _engine_of(state, opt), ctx.world_size, where)
+
+    def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
+        out: dict[str, Any] = {"world_size": ctx.world_size, "data_parallel": ctx.world_size}
+        for v in expand_engines(state).values():
+            if is_zero_optimizer(v):
+                out["zero_stage"] = 3 if is_stage3(v) else (2 if getattr(v, "partition_gradients", False) else 1)
+        return out
+
+    # ------------------------------------------------------------- model
+    def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
+        """ZeRO-3: each parameter's piece on this rank; ZeRO-1/2: the full module (replicated)."""
+        if not _zero3(module):
+            return super().module_leaves(call, module)
+        leaves, _ = self._z3_leaves(call, module, loading=False)
+        return leaves
+
+    def _z3_leaves(self, call: AdapterCall, module: nn.Module, *, loading: bool
+                   ) -> tuple[dict[str, Any], dict[str, str]]:
+        """Each parameter's piece on this rank; a load fills persistent
+        parameters whole (every rank holds them) and their pieces from them."""
+        names = ModuleNames(module)
+        out: dict[str, Any] = {}
+        raw: dict[str, str] = {}
+        for k, v in module.state_dict(keep_vars=True).items():
+            n = names.clean(k)
+            raw[n] = k
+            if isinstance(v, torch.Tensor) and hasattr(v, "ds_tensor"):
+                out[n] = v.detach() if loading and _persistent(v) else _z3_param_leaf(v, call.dist.rank)
+            else:
+                out[n] = v.detach() if isinstance(v, torch.Tensor) else v
+        return names.tie(out), raw
+
+    def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
+        """ZeRO-3: this rank's pieces, filled in place; persistent parameters
+        whole, then their pieces copied from them (no collective)."""
+        if not _zero3(module):
+            return super().module_targets(call, module)
+        target, raw = self._z3_leaves(call, module, loading=True)
+        slots = [k for k, v in target.items() if not isinstance(v, (torch.Tensor, TensorLeaf))]
+        for k in slots:
+            target[k] = Slot()
+
+        def finalize(values: dict[str, Any]) -> None:
+            if slots:
+                module.load_state_dict({raw[k]: values[k] for k in slots if values.get(k) is not None}, strict=False)
+            with torch.no_grad():
+                for p in module.parameters():
+                    if _persistent(p):
+                        local, start, valid = _z3_span(p)
+                        local[:valid].copy_(p.data.view(-1)[start : start + valid])
+
+        return target, finalize
+
+    # ------------------------------------------------------------- optimizer
+    def _save_value(self, call: AdapterCall, v: Any) -> Any:
+        if is_zero_optimizer(v):
+            return self._optimizer_tree(call, v)
+        return super()._save_value(call, v)
+
+    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Finalize]) -> Any:
+        if is_zero_optimizer(v):
+            tree, fin = self._optimizer_target(call, v, fqn)
+            finalizers.append(fin)
+            return tree
+        return super()._target(call, v, fqn, parent, key, finalizers)
+
+    def _optimizer_tree(self, call: AdapterCall, opt: Any) -> dict[str, Any]:
+        """(every rank, save) This rank's fragments of every partition-shaped
+        state tensor, per-group values under each parameter, named param groups."""
+        lay = zero_layout(opt, call.param_names, "save")
+        own = ReplicaSet.of((call.dist.rank,))
+        state: dict[str, Any] = {}
+        for f in lay.fragments:
+            flat = lay.flats[f.group]
+            entry: dict[str, Any] = {}
+            for k, v in lay.inner.state.get(flat, {}).items():
+                if isinstance(v, torch.Tensor) and v.shape == flat.shape:
+                    entry[k] = _frag_leaf(f, v, own)
+                else:  # a copy per parameter: torch.optim keeps one per parameter too
+                    entry[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
+            if lay.params[f.fqn].dtype != flat.dtype:
+                entry[MASTER_KEY] = _frag_leaf(f, flat, own)
+            state[f.fqn] = entry
+        groups = []
+        for g, fqns in zip(lay.inner.param_groups, lay.group_fqns, strict=True):
+            groups.append({**{k: x for k, x in g.items() if k != "params"}, "params": list(fqns)})
+        return {"state": state, "param_groups": Whole(groups)}
+
+    def _optimizer_target(self, call: AdapterCall, opt: Any, key: str) -> tuple[dict[str, Any], Finalize]:
+        """(every rank, load) Views of this rank's fragments in the partitions
+        and state tensors (created where missing), and the finalizer that sets
+        per-group values, refreshes the master weights and the hyperparameters."""
+        assert call.md is not None
+        md, lay = call.md, zero_layout(opt, call.param_names, "load")
+        target: dict[str, Any] = {}
+        rebuilt: dict[int, dict[str, str]] = {}  # flat -> state key -> fqn of the value
+        masters: set[str] = set()
+        for f in lay.fragments:
+            node = call.nodes.get(f"{key}.state.{f.fqn}")
+            if node is None or node.kind != "dict":
+                continue
+            flat, st = lay.flats[f.group], lay.state(f.group)
+            entries: dict[str, Any] = {}
+            for k, child in node.items:
+                info = md.tensors.get(child.name) if child.kind == "tensor" else None
+                if info is not None and tuple(info["shape"]) == f.shape and f.shape:
+                    buf = flat
+                    if k == MASTER_KEY:
+                        masters.add(f.fqn)
+                    else:
+                        dtype = dtype_from_name(info["dtype"])
+                        cur = st.get(k)
+                        if isinstance(cur, torch.Tensor) and cur.shape == flat.shape and cur.dtype == dtype:
+                            buf = cur
+                        else:
+                            buf = st[k] = torch.zeros_like(flat, dtype=dtype)
+                    entries[str(k)] = _frag_leaf(f, buf, None)
+                else:
+                    entries[str(k)] = Slot()
+                    rebuilt.setdefault(f.group, {}).setdefault(str(k), f"{key}.state.{f.fqn}.{k}")
+            target[f.fqn] = entries
+
+        def finalize(values: dict[str, Any]) -> None:
+            for i, keys in rebuilt.items():
+                st = lay.state(i)
+                for k, name in keys.items():
+                    v = values[name]
+                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
+            with torch.no_grad():
+                for f in lay.fragments:
+                    if f.numel and f.fqn not in masters:
+                        lay.flats[f.group][f.offset : f.offset + f.numel].copy_(_model_piece(lay, f))
+            _apply_groups(key, lay, values.get(f"{key}.param_groups"))
+            _relink(opt, lay)
+
+        return {"state": target, "param_groups": Slot()}, finalize
+
+
+def _relink(opt: Any, lay: ZeroLayout) -> None:
+    """ZeRO-1/2: point each parameter's optimizer-state fragments (what
+    ``deepspeed.utils.safe_get_full_optimizer_state`` reads) at the loaded
+    state tensors; DeepSpeed links them lazily at the first step otherwise."""
+    link = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
+    if lay.stage != 3 and callable(link) and all(lay.inner.state.get(f) for f in lay.flats):
+        opt._hp_optimizer_states_linked = False
+        link()
+
+
+def _apply_groups(key: str, lay: ZeroLayout, saved: list[dict[str, Any]] | None) -> None:
+    """Hyperparameters of the saved param groups (parameters named by FQN) onto the wrapped optimizer's."""
+    if saved is None:
+        return
+    groups = lay.inner.param_groups
+    if len(saved) != len(groups):
+        raise StateMismatchError(
+            f"optimizer {key!r}: the checkpoint has {len(saved)} param groups, the ZeRO optimizer {len(groups)}"
+        )
+    for j, (sg, g) in enumerate(zip(saved, groups, strict=True)):
+        mine = lay.group_fqns[j]
+        if sorted(sg["params"]) != sorted(mine):
+            raise StateMismatchError(
+                f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
+                f"{sorted(set(sg['params']) - set(mine))[:5]} the ZeRO optimizer lacks and lacks "
+                f"{sorted(set(mine) - set(sg['params']))[:5]}"
+            )
+        for k, v in sg.items():
+            if k != "params":
+                g[k] = v

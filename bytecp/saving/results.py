@@ -1,0 +1,106 @@
+"""What one save phase hands the next: frozen values, no state left behind.
+
+Returned by the phases of :class:`~bytecp.saving.pipeline.SavePipeline` and
+passed on by the schedules of :mod:`bytecp.saving.schedule` (every rank):
+describe (and an async snapshot, of the :class:`Share` it copies) returns a
+:class:`Described`, the plan a
+:class:`SavePlanResult`, the stage a :class:`StagedBatch`; the write returns
+the rank's :class:`~bytecp.saving.writer.RankOutput`, which the commit sends.
+A phase whose failure is kept for the next collective returns the empty
+value of its kind (:data:`NOTHING_DESCRIBED`, :func:`nothing_staged`); the
+next collective raises the failure before anything reads it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from bytecp.format import metadata as fmt
+from bytecp.plan.planner import LocalSavePlan, WriteItem
+from bytecp.saving.staging import Stager
+from bytecp.saving.writer import RankOutput, Staged
+from bytecp.tree.regions import Region
+from bytecp.tree.skeleton import Node
+from bytecp.tree.state import FlatTree
+
+__all__ = ["Share", "Described", "SavePlanResult", "StagedBatch", "NOTHING_DESCRIBED", "nothing_staged"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Share:
+    """What an async snapshot copies (chosen by
+    :meth:`~bytecp.saving.pipeline.SavePipeline.share`): this rank's share of
+    the last committed plan when it has one for this state, else every box
+    it holds. Only that plan's share is copied alone because every rank's
+    is from that same plan, so the shares copied are disjoint."""
+
+    #: every box this rank holds, and its fingerprint
+    local: LocalSavePlan
+    fingerprint: str
+    #: the boxes copied
+    items: tuple[WriteItem, ...]
+    #: the cached share only: the boxes copied as a fixed plan (a new plan
+    #: gives this rank exactly these, the other holders the rest)
+    held: LocalSavePlan | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Described:
+    """The state being saved, as the later phases see it: views of the live
+    tensors (describe), or, after an async snapshot, their copies."""
+
+    flat: FlatTree
+    framework: str = ""
+    parallelism: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    #: after a snapshot: the stager that hands the writer the copies (None:
+    #: the pipeline's own stager stages the boxes)
+    stager: Stager | None = None
+    #: after a snapshot: what it copied
+    share: Share | None = None
+    #: after a snapshot with replica checks: crc32c of every box this rank holds
+    replica_crcs: Mapping[tuple[str, Region], int] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class SavePlanResult:
+    """What the plan decided for this rank, and what the commit needs of it."""
+
+    #: named by the coordinator
+    save_id: str
+    #: the boxes this rank writes
+    items: tuple[WriteItem, ...]
+    #: every box this rank holds (its replica checksums cover them all)
+    local: LocalSavePlan
+    #: this rank's state tree differs from the coordinator's: it writes the
+    #: values the coordinator lacks and sends its skeleton at commit
+    skeleton_differs: bool = False
+    #: the names of the values the coordinator writes
+    coordinator_objects: frozenset[str] = frozenset()
+    #: (coordinator) the committed checkpoint an overwrite replaces
+    replaced: fmt.Metadata | None = None
+    #: what the plan cache learns once the save commits: (fingerprint, digest
+    #: of every rank's, this rank's items) of a new plan, or the fingerprint
+    #: of the reused one (``reused``); a plan that failed is never cached
+    cache_entry: tuple[str, str, tuple[WriteItem, ...]] | None = None
+    fingerprint: str = ""
+    reused: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class StagedBatch:
+    """The staged boxes the write phase writes, and what the batches written
+    while staging (under a memory budget) left for the commit."""
+
+    staged: tuple[Staged, ...]
+    written: RankOutput
+
+
+NOTHING_DESCRIBED = Described(FlatTree(Node.container("dict", ()), {}, {}, {}, {}))
+
+
+def nothing_staged() -> StagedBatch:
+    """The value of a stage phase that failed (or was skipped): nothing to write."""
+    return StagedBatch((), RankOutput())
+

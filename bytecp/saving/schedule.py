@@ -1,0 +1,146 @@
+"""The orders of a save, each written once as the sequence of its phases.
+
+Picked by :mod:`bytecp.api` (every rank): ``bytecp.save`` runs
+:func:`save_now` (through :func:`run_now`); ``bytecp.async_save`` runs :func:`start_async` with one of
+the async orders, each a function that runs the caller's part of the save
+and returns the part the background thread runs:
+
+- :func:`eager` (the default): describe -> share (this rank's share of the
+  cached plan, or every box it holds) -> snapshot (copy it) -> return;
+  background: plan -> stage -> write -> commit;
+- :func:`lazy` (``lazy=True``): describe -> return, each optimizer's
+  pre-step hook waiting for the copy; background: share -> snapshot ->
+  plan -> stage -> write -> commit;
+- :func:`budgeted` (``memory_budget_bytes``): describe -> plan -> stage
+  (every batch but the last also written) -> return; background: write ->
+  commit.
+
+Both snapshot orders copy before the plan, so the copy never waits for the
+other ranks; it copies this rank's share of the last committed plan when
+its state is unchanged since (see
+:meth:`~bytecp.saving.pipeline.SavePipeline.share`). The phases are
+those of :class:`~bytecp.saving.pipeline.SavePipeline`; what one hands the
+next is a frozen value (:mod:`bytecp.saving.results`).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+from bytecp.format import metadata as fmt
+from bytecp.options import SaveOptions
+from bytecp.saving.handles import SaveHandle, gc_paused, optimizers_in
+from bytecp.saving.pipeline import SavePipeline
+from bytecp.saving.staging import ArenaStager
+
+__all__ = [
+    "save_now", "eager", "lazy", "budgeted", "Order", "order_for", "async_stager", "run_now", "start_async",
+]
+
+#: an async order: runs the caller's part, returns the background thread's part
+Order = Callable[[SavePipeline, SaveHandle], Callable[[], fmt.Metadata]]
+
+
+def save_now(p: SavePipeline) -> fmt.Metadata:
+    """``bytecp.save``: every phase on the caller's thread."""
+    described = p.describe()
+    planned = p.plan(described)
+    staged = p.stage(described, planned)
+    written = p.write(described, planned, staged)
+    return p.commit(described, planned, written)
+
+
+def eager(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
+    """The caller waits for the copy; the plan, the write and the commit
+    run on the copy in the background."""
+    described = p.describe()
+    copied = p.snapshot(described, p.share(described))
+    handle.mark_staged()
+
+    def background() -> fmt.Metadata:
+        planned = p.plan(copied)
+        staged = p.stage(copied, planned)
+        written = p.write(copied, planned, staged)
+        return p.commit(copied, planned, written)
+
+    return background
+
+
+def lazy(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
+    """The caller waits for nothing: the background copies first, and each
+    optimizer's ``step()`` waits in a pre-step hook until it has."""
+    described = p.describe()
+    handle.block_optimizers_until_staged(optimizers_in(p.state), p.trace)
+
+    def background() -> fmt.Metadata:
+        try:
+            copied = p.snapshot(described, p.share(described))
+        finally:
+            handle.mark_staged()
+        planned = p.plan(copied)
+        staged = p.stage(copied, planned)
+        written = p.write(copied, planned, staged)
+        return p.commit(copied, planned, written)
+
+    return background
+
+
+def budgeted(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
+    """With a memory budget the caller also waits for the plan and for the
+    batches written before the last one (each reuses the arena)."""
+    described = p.describe()
+    planned = p.plan(described)
+    staged = p.stage(described, planned)
+    handle.mark_staged()
+
+    def background() -> fmt.Metadata:
+        written = p.write(described, planned, staged)
+        return p.commit(described, planned, written)
+
+    return background
+
+
+def order_for(opts: SaveOptions) -> Order:
+    """The async order ``opts`` asks for (a lazy save takes no budget)."""
+    if opts.lazy:
+        return lazy
+    return eager if opts.memory_budget_bytes is None else budgeted
+
+
+def async_stager(opts: SaveOptions) -> ArenaStager:
+    """The arena stager of an async save: an eager copy with ``staging_threads``
+    threads (default: torch's intra-op threads, the caller waits anyway); a
+    lazy one with one thread beside forward/backward, checksums summed on
+    the way."""
+    threads = opts.staging_threads or (1 if opts.lazy else min(8, torch.get_num_threads()))
+    return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy)
+
+
+def run_now(p: SavePipeline, *, blocked_since: float) -> fmt.Metadata:
+    """Run :func:`save_now`, then the report; the caller is blocked throughout."""
+    with p.trace.failing(blocked_since=blocked_since):
+        md = save_now(p)
+    p.trace.add_stall(time.perf_counter() - blocked_since)
+    p.report()
+    return md
+
+
+def start_async(order: Order, p: SavePipeline, *, blocked_since: float) -> SaveHandle:
+    """Run ``order``'s caller part now (no cyclic garbage collection
+    meanwhile), its background part on the handle's thread, then the report."""
+    handle = SaveHandle(p.storage.url)
+    with p.trace.failing(blocked_since=blocked_since), gc_paused():
+        background = order(p, handle)
+
+    def run() -> fmt.Metadata:
+        with p.trace.failing():
+            md = background()
+        p.report()
+        return md
+
+    handle.start(run, nice=p.opts.background_nice)
+    p.trace.add_stall(time.perf_counter() - blocked_since)
+    return handle

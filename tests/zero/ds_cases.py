@@ -1,0 +1,266 @@
+"""Functions the DeepSpeed tests run on every rank of a spawned gloo pool.
+
+DeepSpeed runs on the CPU accelerator (``DS_ACCELERATOR=cpu``, set in the
+pool's environment); :func:`setup` skips the JIT build of its shared-memory
+communication op (about 30 s, not needed on gloo) and adopts the pool's
+process group. Every function returns full tensors (small) that the test
+compares bitwise.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import bytecp
+
+STEPS_LR = 1e-2
+
+
+def setup() -> None:
+    """(every rank) DeepSpeed on the pool's gloo group, without its shm op build."""
+    os.environ.setdefault("LOCAL_RANK", str(dist.get_rank()))
+    os.environ.setdefault("LOCAL_SIZE", str(dist.get_world_size()))
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+
+
+def make_model(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
+
+
+def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False, **zero: Any) -> Any:
+    """A ZeRO engine over :func:`make_model` with torch AdamW (or a client SGD with momentum)."""
+    setup()
+    import deepspeed
+
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "zero_optimization": {"stage": stage, **zero},
+        "bf16": {"enabled": bf16},
+        "zero_force_ds_cpu_optimizer": False,
+        "zero_allow_untested_optimizer": True,
+    }
+    if stage == 3:  # the weights are partitioned, the biases kept whole (persistent) on every rank
+        cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold", 20)
+    model = make_model(seed)
+    if sgd:
+        opt = torch.optim.SGD(model.parameters(), lr=STEPS_LR, momentum=0.9)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    else:
+        cfg["optimizer"] = {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}}
+        engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    return engine
+
+
+def batch(step: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(1000 * step + dist.get_rank())
+    return torch.randn(2, 5, generator=g)
+
+
+def train_engine(engine: Any, steps: range) -> None:
+    for s in steps:
+        x = batch(s).to(torch.bfloat16 if engine.bfloat16_enabled() else torch.float32)
+        engine.backward(engine(x).float().sum())
+        engine.step()
+
+
+def engine_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Full model, fp32 master, Adam moments and step of an engine (collective)."""
+    import deepspeed
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    params = list(engine.module.named_parameters())
+    with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
+        for n, p in params:
+            out[f"model.{n}"] = p.detach().clone()
+    if engine.zero_optimization_stage() == 0:  # a plain torch optimizer over the module's parameters
+        for n, p in params:
+            out[f"master.{n}"] = p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"{k}.{n}"] = engine.optimizer.state[p][k].clone()
+            out["step"] = engine.optimizer.state[p]["step"].clone()
+        return out
+    for n, p in params:
+        out[f"master.{n}"] = safe_get_full_fp32_param(p).clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = safe_get_full_optimizer_state(p, k).clone()
+    inner = engine.optimizer.optimizer
+    out["step"] = next(iter(inner.state.values()))["step"].clone()
+    return out
+
+
+def ds_save(url: str, stage: int, world_steps: int, form: str, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """Train a fresh engine ``world_steps`` steps, snapshot, save."""
+    engine = make_engine(stage, seed=0, bf16=bf16)
+    train_engine(engine, range(world_steps))
+    snap = engine_snapshot(engine)
+    state = {"model": engine} if form == "engine" else {"model": engine, "optimizer": engine.optimizer}
+    bytecp.save(url, state)
+    return snap
+
+
+def ds_roundtrip(url: str, stage: int, bf16: bool = False, **zero: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor],
+                                                                    dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Same-size resume: (saved, loaded) snapshots, then the next step of the
+    uninterrupted engine and of the resumed one."""
+    engine = make_engine(stage, seed=0, bf16=bf16, **zero)
+    train_engine(engine, range(2))
+    saved = engine_snapshot(engine)
+    bytecp.save(url, {"model": engine})
+    train_engine(engine, range(2, 3))
+    after = engine_snapshot(engine)
+    other = make_engine(stage, seed=1, bf16=bf16, **zero)  # other weights, no optimizer state yet
+    bytecp.load(url, {"model": other})
+    loaded = engine_snapshot(other)
+    train_engine(other, range(2, 3))
+    return saved, loaded, after, engine_snapshot(other)
+
+
+def ds_lazy(url: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """A lazy async save of ``{"model": engine}``: the next step waits for the
+    copy (the optimizer hook finds the engine's optimizer); the checkpoint
+    holds the state of the save, not of the step after it."""
+    engine = make_engine(stage, seed=0)
+    train_engine(engine, range(2))
+    saved = engine_snapshot(engine)
+    from bytecp.saving.handles import optimizers_in
+
+    assert [o is engine.optimizer.optimizer for o in optimizers_in({"model": engine})] == [True]
+    handle = bytecp.async_save(url, {"model": engine}, lazy=True)
+    train_engine(engine, range(2, 3))
+    handle.wait()
+    other = make_engine(stage, seed=1)
+    bytecp.load(url, {"model": other})
+    return saved, engine_snapshot(other)
+
+
+def ds_sgd_roundtrip(url: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """Another optimizer's state (SGD's ``momentum_buffer``), same size."""
+    from deepspeed.utils import safe_get_full_optimizer_state
+
+    def snap(engine: Any) -> dict[str, torch.Tensor]:
+        return {n: safe_get_full_optimizer_state(p, "momentum_buffer").clone()
+                for n, p in engine.module.named_parameters()}
+
+    engine = make_engine(stage, seed=0, sgd=True)
+    train_engine(engine, range(2))
+    saved = snap(engine)
+    bytecp.save(url, {"model": engine})
+    other = make_engine(stage, seed=1, sgd=True)
+    bytecp.load(url, {"model": other})
+    return saved, snap(other)
+
+
+def refuses_bad_mapping(url: str) -> list[str]:
+    """Rank 1's map of a parameter points outside its partition: the save
+    fails on every rank, naming the parameter and its group."""
+    engine = make_engine(1, seed=0)
+    if dist.get_rank() == 1:
+        engine.module[0].bias._hp_mapping.hp_fragment_address.start = 10**6
+    try:
+        bytecp.save(url, {"model": engine})
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return [type(e).__name__, str(e)]
+    return ["saved"]
+
+
+def ds_load(url: str, stage: int, form: str, train_after: int = 0, save_to: str | None = None
+            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+    """Load into a fresh engine (other seed); snapshot; optionally train and save again."""
+    engine = make_engine(stage, seed=7)
+    state = {"model": engine} if form == "engine" else {"model": engine, "optimizer": engine.optimizer}
+    bytecp.load(url, state)
+    loaded = engine_snapshot(engine)
+    if not train_after:
+        return loaded, None
+    train_engine(engine, range(100, 100 + train_after))
+    snap = engine_snapshot(engine)
+    assert save_to is not None
+    bytecp.save(save_to, state)
+    return loaded, snap
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def torch_snapshot(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        out[f"model.{n}"] = _full(p.detach()).clone()
+        st = opt.state[p]
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = _full(st[k]).clone()
+        out["step"] = st["step"].clone()
+    return out
+
+
+def fsdp2_load_train_save(url: str, save_to: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """FSDP2 on the pool: load a DeepSpeed checkpoint, one step, save."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = make_model(seed=3)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt})
+    loaded = torch_snapshot(model, opt)
+    model(batch(200)).sum().backward()
+    opt.step()
+    snap = torch_snapshot(model, opt)
+    bytecp.save(save_to, {"model": model, "optimizer": opt})
+    return loaded, snap
+
+
+def plain_load(url: str, save_to: str) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """One plain process: load, one step, save."""
+    model = make_model(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt})
+    loaded = torch_snapshot(model, opt)
+    model(batch(300)).sum().backward()
+    opt.step()
+    bytecp.save(save_to, {"model": model, "optimizer": opt})
+    return loaded, torch_snapshot(model, opt)
+
+
+def refuses(stage: int, url: str, bf16: bool, **zero: Any) -> list[str]:
+    """Save with an unsupported setting; the error of this rank."""
+    engine = make_engine(stage, seed=0, bf16=bf16, **zero)
+    try:
+        bytecp.save(url, {"model": engine})
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return [type(e).__name__, str(e)]
+    return ["saved"]
+
+
+# ------------------------------------------------ the adapter contract (bytecp.adapters.testing)
+def contract_state(seed: int) -> dict[str, Any]:
+    """A ZeRO-3 engine on this rank, one step trained, as ``{"model": engine}``."""
+    engine = make_engine(3, seed=seed)
+    train_engine(engine, range(1))
+    return {"model": engine}
+
+
+def contract_full(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
+    """The oracle: full tensors by DeepSpeed's own readers (``safe_get_full_*``)."""
+    snap = engine_snapshot(state["model"])
+    model = {k[len("model."):]: v for k, v in snap.items() if k.startswith("model.")}
+    opt = {f"state.{k.partition('.')[2]}.{k.partition('.')[0]}": v for k, v in snap.items()
+           if k.startswith(("exp_avg.", "exp_avg_sq."))}
+    return {"model": model, "optimizer": opt}
+
+
+def contract_unsupported() -> dict[str, Any]:
+    return {"model": make_engine(0, seed=0, bf16=True)}

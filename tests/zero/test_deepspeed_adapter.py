@@ -1,0 +1,157 @@
+"""DeepSpeed ZeRO 1/2/3 with the real ``deepspeed`` package on spawned gloo
+ranks (CPU accelerator): same-size resume bitwise (model, fp32 master,
+Adam moments, step), and a chain across stages, data-parallel sizes and
+frameworks with no conversion step: ZeRO-3 x2 -> ZeRO-1 x1 -> ZeRO-2 x2, and
+ZeRO-1 x1 -> FSDP2 x2 -> one plain process -> ZeRO-3 x2.
+
+One pool per world size serves every check (starting DeepSpeed costs
+seconds per process here); the functions run on the ranks are in
+``ds_cases``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+if importlib.util.find_spec("deepspeed") is None:
+    pytest.skip("deepspeed is not installed (make test installs it)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import ds_cases as dc  # noqa: E402
+from bytecp.adapters.testing import (  # noqa: E402
+    AdapterCase,
+    AdapterFixtures,
+    RefusalTests,
+    ReplicaHintTests,
+    ReshardTests,
+)
+from dist.pool import WorkerPool  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+
+
+# the ranks' native shutdown after DeepSpeed's process groups takes 10 s or more
+# here; every check has run by then, so the pools are stopped without waiting
+@pytest.fixture(scope="module")
+def pool2() -> Iterator[WorkerPool]:
+    p = WorkerPool(2, env=ENV)
+    yield p
+    p.close(kill=True)
+
+
+@pytest.fixture(scope="module")
+def pool1() -> Iterator[WorkerPool]:
+    p = WorkerPool(1, env=ENV)
+    yield p
+    p.close(kill=True)
+
+
+def assert_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str,
+                 keys: set[str] | None = None) -> None:
+    names = keys if keys is not None else set(ref)
+    assert names <= set(got), f"{what}: missing {sorted(names - set(got))}"
+    bad = [k for k in sorted(names) if not torch.equal(ref[k], got[k])]
+    assert not bad, f"{what}: differ at {bad}"
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_same_size_resume_is_bitwise(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
+    saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), stage)[0]
+    assert_equal(saved, loaded, f"ZeRO-{stage} loaded")
+    assert_equal(after, resumed, f"ZeRO-{stage} one step after the resume")
+
+
+def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
+    saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
+    assert_equal(saved, loaded, "ZeRO-3 lazy save")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_bf16_keeps_the_fp32_master(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
+    saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), stage, True)[0]
+    assert saved["model.0.weight"].dtype == torch.bfloat16
+    assert not torch.equal(saved["model.0.weight"].float(), saved["master.0.weight"])
+    assert_equal(saved, loaded, f"bf16 ZeRO-{stage} loaded")
+    assert_equal(after, resumed, f"bf16 ZeRO-{stage} one step after the resume")
+
+
+@pytest.mark.slow
+def test_across_stages_sizes_and_frameworks(pool1: WorkerPool, pool2: WorkerPool, tmp_path: Path) -> None:
+    a, b, c = (str(tmp_path / n) for n in "abc")
+    # ZeRO-3 on 2 ranks, saved as {"model": engine}
+    z3 = pool2.run(dc.ds_save, a, 3, 2, "engine")[0]
+    # -> ZeRO-1 on 1 rank (DP 2 -> 1), both state forms; trains one step and saves
+    loaded, z1 = pool1.run(dc.ds_load, a, 1, "pair", 1, b)[0]
+    assert_equal(z3, loaded, "ZeRO-3 x2 -> ZeRO-1 x1")
+    # -> ZeRO-2 on 2 ranks (DP 1 -> 2)
+    loaded2, _ = pool2.run(dc.ds_load, b, 2, "engine")[0]
+    assert_equal(z1, loaded2, "ZeRO-1 x1 -> ZeRO-2 x2")
+    # -> FSDP2 on 2 ranks: model and Adam state (fp32 model: the master is the model)
+    loaded3, fsdp = pool2.run(dc.fsdp2_load_train_save, b, c)[0]
+    assert_equal(z1, loaded3, "ZeRO-1 x1 -> FSDP2 x2", keys=set(loaded3))
+    # -> one plain process, which trains one step and saves
+    d = str(tmp_path / "d")
+    plain, stepped = pool1.run(dc.plain_load, c, d)[0]
+    assert_equal(fsdp, plain, "FSDP2 x2 -> plain")
+    # -> back to ZeRO-3 on 2 ranks: the fp32 master is refreshed from the model
+    back, _ = pool2.run(dc.ds_load, d, 3, "engine")[0]
+    assert_equal(stepped, back, "plain -> ZeRO-3 x2")
+    assert_equal({k[len("model."):]: v for k, v in back.items() if k.startswith("model.")},
+                 {k[len("master."):]: v for k, v in back.items() if k.startswith("master.")}, "ZeRO-3 master")
+
+
+def test_unsupported_layout_fails_at_save_on_every_rank(pool2: WorkerPool, tmp_path: Path) -> None:
+    # ZeRO stage 0 with bf16 keeps its master weights in DeepSpeed's FP16_UnfusedOptimizer, not mapped
+    out = pool2.run(dc.refuses, 0, str(tmp_path / "ck"), True)
+    for kind, msg in out:
+        assert kind == "DistributedCheckpointError", msg
+        assert "rank(s) 0, 1" in msg and "FP16_UnfusedOptimizer" in msg and "use ZeRO stage 1" in msg, msg
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+
+
+def test_a_mapping_outside_the_partition_fails_on_every_rank(pool2: WorkerPool, tmp_path: Path) -> None:
+    for kind, msg in pool2.run(dc.refuses_bad_mapping, str(tmp_path / "ck")):
+        assert kind == "DistributedCheckpointError", msg
+        assert "rank(s) 1" in msg and "parameter '0.bias' of param group 0" in msg, msg
+        assert "engine.save_checkpoint" in msg, msg
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+
+
+def test_another_optimizer_state(pool2: WorkerPool, tmp_path: Path) -> None:
+    saved, loaded = pool2.run(dc.ds_sgd_roundtrip, str(tmp_path / "ck"), 3)[0]
+    assert_equal(saved, loaded, "SGD momentum under ZeRO-3")
+
+
+@pytest.mark.slow
+def test_zero3_with_cpu_offload(pool2: WorkerPool, tmp_path: Path) -> None:
+    off = {"offload_optimizer": {"device": "cpu"}, "offload_param": {"device": "cpu"}}
+    saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), 3, False, **off)[0]
+    assert_equal(saved, loaded, "ZeRO-3 offloaded, loaded")
+    assert_equal(after, resumed, "ZeRO-3 offloaded, one step after the resume")
+
+
+class TestDeepSpeedContract(AdapterFixtures, ReshardTests, ReplicaHintTests, RefusalTests):
+    """The adapter contract third-party adapters run, on ZeRO-3 x2: one process
+    loads the full tensors DeepSpeed's own ``safe_get_full_*`` readers report,
+    replica hints name exactly the holders, the refusal reaches every rank.
+    (Round trips are the bitwise tests above: the contract's compares
+    ``state_dict()`` values, and ZeRO-3's hold uninitialised padding.)"""
+
+    @pytest.fixture
+    def case(self) -> AdapterCase:
+        return AdapterCase(framework="deepspeed", build="ds_cases:contract_state", full_state="ds_cases:contract_full",
+                           unsupported="ds_cases:contract_unsupported", refusal=r"ZeRO stage 0 with mixed precision")
+
+    @pytest.fixture
+    def run_on_ranks(self, pool2: WorkerPool) -> object:
+        return lambda fn, *args: pool2.run(fn, *args)
