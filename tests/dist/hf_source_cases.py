@@ -66,13 +66,25 @@ def load_on_ranks(kind: str, path: str, layout: str, zero_redundancy: bool | Non
     from bytecp.recorder import add_recorder, remove_recorder
 
     model = build(kind, seed=1 + dist.get_rank())
-    if layout == "fsdp2":
+    if layout == "fsdp2-tp":  # 1 x 2: tensor parallel inside, FSDP2 over the (size-1) data-parallel dim
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh2 = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(), "mlp.down_proj": RowwiseParallel()}
+        for block in model.model.layers:
+            parallelize_module(block, mesh2["tp"], plan)
+            fully_shard(block, mesh=mesh2["dp"])
+        fully_shard(model, mesh=mesh2["dp"])
+        target: torch.nn.Module = model
+    elif layout == "fsdp2":
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         layers = model.transformer.h if kind == "gpt2" else model.model.layers
         for block in layers:
             fully_shard(block, mesh=mesh)
         fully_shard(model, mesh=mesh)
-        target: torch.nn.Module = model
+        target = model
     else:
         target = torch.nn.parallel.DistributedDataParallel(model)
     reports: list[Any] = []
