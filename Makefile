@@ -74,6 +74,7 @@ bench: install-test
 	$(VPY) -m benchmarks.run
 	$(VPY) -m benchmarks.training --out training.json --png training.png
 	$(VPY) -m benchmarks.scale --out scale.json
+	$(VPY) -m benchmarks.scale_megatron --out scale_megatron.json
 
 bench-s3: install-test test-servers
 	$(VPY) -m benchmarks.s3_bench

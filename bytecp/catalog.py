@@ -21,9 +21,10 @@ from bytecp.errors import (
     StorageNotFoundError,
 )
 from bytecp.format import metadata as fmt
+from bytecp.format.references import retired_names
 from bytecp.storage_api import open_storage
 
-__all__ = ["CheckpointInfo", "list_checkpoints", "checkpoint_is_bad", "one_line"]
+__all__ = ["CheckpointInfo", "list_checkpoints", "list_bases", "checkpoint_is_bad", "one_line"]
 
 log = logging.getLogger("bytecp.manager")
 _STEP = re.compile(r"^step-(\d+)$")
@@ -42,6 +43,8 @@ class CheckpointInfo:
     url: str
     step: int | None
     created: str
+    #: format version 3: the checkpoints of the run whose files this one reads
+    references: tuple[str, ...] = ()
 
 
 def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
@@ -61,9 +64,16 @@ def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = N
             m = _STEP.match(name)
             step = md.step if md.step is not None else (int(m.group(1)) if m else None)
             created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(md.created))
-            out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created))
+            out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created,
+                                      tuple(sorted(md.references))))
     out.sort(key=lambda c: (c.step is None, c.step or 0, c.created))
     return out
+
+
+def list_bases(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Checkpoints below ``run_url`` that retention retired (``base.json``, no
+    ``metadata.json``): no longer checkpoints, kept for the files newer ones reference."""
+    return retired_names(open_storage(run_url, **(storage_options or {})))
 
 
 def checkpoint_is_bad(error: BaseException) -> bool:

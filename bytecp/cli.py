@@ -143,6 +143,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{t['data_files']} data files ({_human(t['data_file_bytes'])})")
     per_rank = ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items())
     print(f"written      {per_rank}")
+    for name, ref in info["references"].items():
+        print(f"references   {name} (save {ref['save_id']}): {ref['files']} data files, {_human(ref['bytes'])}")
     return EXIT_OK
 
 
@@ -182,7 +184,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from bytecp.catalog import list_checkpoints
+    from bytecp.catalog import list_bases, list_checkpoints
 
     options = _storage_options(args)
     found = list_checkpoints(args.url, storage_options=options)
@@ -192,7 +194,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps([dataclasses.asdict(c) for c in found], indent=2))
         return EXIT_OK
     for c in found:
-        print(f"{c.name}\tstep={c.step}\t{c.created}")
+        refs = f"\treferences={','.join(c.references)}" if c.references else ""
+        print(f"{c.name}\tstep={c.step}\t{c.created}{refs}")
+    for name in list_bases(args.url, storage_options=_storage_options(args)):
+        print(f"{name}\t(retired: kept for the files newer checkpoints reference)")
     return EXIT_OK
 
 
@@ -293,6 +298,24 @@ def cmd_gc(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_materialize(args: argparse.Namespace) -> int:
+    from bytecp.tools.materialize import materialize
+
+    bar = _bar(args, "materialize")
+    try:
+        md = materialize(open_storage(args.url, **_storage_options(args)), open_storage(args.out, **_out_options(args)),
+                         overwrite=args.overwrite, progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({"url": args.url, "out": args.out, "save_id": md.save_id,
+                          "data_files": len(md.data_files), "bytes": sum(md.data_files.values())}))
+    else:
+        print(f"{args.out}: self-contained copy of {args.url} ({len(md.data_files)} data files, "
+              f"{_human(sum(md.data_files.values()))})")
+    return EXIT_OK
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
     from bytecp.demo import run_demo
 
@@ -347,6 +370,13 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--out-storage-options", help="JSON dict of the output's backend options (default: "
                     "--storage-options when both URLs have the same protocol)")
     sp.set_defaults(fn=cmd_export)
+    sp = url_cmd("materialize", "a self-contained copy of a checkpoint: the bytes it references in other "
+                 "checkpoints of the run copied in", progress=True)
+    sp.add_argument("out", help="output checkpoint URL")
+    sp.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
+    sp.add_argument("--out-storage-options", help="JSON dict of the output's backend options (default: "
+                    "--storage-options when both URLs have the same protocol)")
+    sp.set_defaults(fn=cmd_materialize)
     sp = sub.add_parser("demo", help="a training job's life: a killed rank, elastic restarts, export, evaluation")
     sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints, logs and summary.json")
     sp.set_defaults(fn=cmd_demo)

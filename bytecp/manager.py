@@ -13,6 +13,13 @@ runs only after a commit, and always keeps the newest), and deletion runs on
 the save's background thread once it has committed, never on the training
 thread. A failed save deletes nothing; its error is raised by the next
 ``save``/``wait``.
+
+Saves are incremental by default: each references, in the previous
+checkpoint this manager saved, the boxes unchanged since then (frozen
+parameters: a LoRA fine-tune writes only its adapters and their optimizer
+state), and every ``full_every``-th save writes everything, so no
+checkpoint keeps an old one alive for long. Retention keeps the files kept
+checkpoints reference (:mod:`bytecp.tools.retention`).
 """
 
 from __future__ import annotations
@@ -26,7 +33,9 @@ from typing import TYPE_CHECKING, Any
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
+from bytecp.format.references import BASE_FILE
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tools.retention import retain
 
 if TYPE_CHECKING:  # pragma: no cover
     from bytecp.preemption import Preemption
@@ -50,6 +59,10 @@ class CheckpointManager:
     background; retention runs on that background thread after the commit.
     ``wait()`` blocks until the in-flight save and its retention are done.
 
+    ``incremental=True`` (the default): a save references the unchanged boxes
+    of the previous one (see the module's docstring); ``full_every=K``: every
+    K-th save is written whole (1: all of them, like ``incremental=False``).
+
     ``save_on_signal=True`` (SIGTERM; or a signal number, or several):
     pre-emption. The handler only notes the signal; at the next
     ``maybe_save`` every rank learns it (one all-reduce of one integer per
@@ -65,6 +78,8 @@ class CheckpointManager:
         keep_last: int | None = 3,
         async_save: bool = False,
         lazy: bool = False,
+        incremental: bool = True,
+        full_every: int = 8,
         storage_options: dict[str, Any] | None = None,
         save_on_signal: bool | int | Iterable[int] = False,
         **save_kwargs: Any,
@@ -73,6 +88,11 @@ class CheckpointManager:
             raise ConfigError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if type(full_every) is not int or full_every < 1:
+            raise ConfigError(f"full_every must be an int >= 1 (1: every save is full), got {full_every!r}")
+        if "base" in save_kwargs:
+            raise ConfigError("CheckpointManager chooses each save's base itself; pass incremental=False "
+                              "to write every save whole instead of base=")
         if lazy and not async_save:
             raise ConfigError("lazy=True needs async_save=True (a lazy save is an asynchronous one)")
         self.run_url = run_url.rstrip("/")
@@ -82,6 +102,10 @@ class CheckpointManager:
         self.save_kwargs = save_kwargs
         self.async_save = async_save
         self.lazy = lazy
+        self.incremental, self.full_every = incremental, full_every
+        #: the last checkpoint this manager saved, and saves since the last full one
+        self._last: str | None = None
+        self._chain = 0
         #: the in-flight (or last) asynchronous save and the event set once
         #: its retention has run
         self._pending: SaveHandle | None = None
@@ -141,22 +165,35 @@ class CheckpointManager:
         the previous save must have ended first (its error, if any, is raised
         here), and retention runs when this one commits.
         """
+        base = self._base(step)
         if not self.async_save:
             from bytecp.api import save
 
-            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
+            save(self.url_for(step), state, step=step, storage_options=self.storage_options, base=base,
+                 **self.save_kwargs)
             self._retain()
             return None
         from bytecp.api import async_save
 
         handle = async_save(
-            self.url_for(step), state, lazy=self.lazy, step=step,
+            self.url_for(step), state, lazy=self.lazy, step=step, base=base,
             storage_options=self.storage_options, **self.save_kwargs,
         )
         self._pending = handle
         self._retained.clear()
         handle.add_done_callback(self._after_async_save)
         return handle
+
+    def _base(self, step: int) -> str | None:
+        """The checkpoint this save may reference: the previous one, unless
+        this save is a full one (every ``full_every``-th, or the first)."""
+        url, last = self.url_for(step), self._last
+        self._last = url
+        if not self.incremental or last is None or last == url or self._chain + 1 >= self.full_every:
+            self._chain = 0
+            return None
+        self._chain += 1
+        return last
 
     def _after_async_save(self, handle: SaveHandle) -> None:
         """(the save's background thread) Prune once the save has committed."""
@@ -234,14 +271,15 @@ class CheckpointManager:
         if self.keep_last is None or not DistContext().is_coordinator:
             return
         with self._retain_lock:
-            found = list_checkpoints(self.run_url, storage_options=self.storage_options)
+            infos = list_checkpoints(self.run_url, storage_options=self.storage_options)
+            found = [c.name for c in infos]
+            cut = max(0, len(found) - self.keep_last)
             root = open_storage(self.run_url, **self.storage_options)
-            for old in found[: max(0, len(found) - self.keep_last)]:
-                # metadata.json first: the checkpoint stops existing before its data goes
-                root.delete([f"{old.name}/{fmt.METADATA_FILE}"])
-                root.delete_prefix(old.name)
-            if found and found[-1].step is not None:
-                self._sweep_uncommitted(root, found[-1].step, {c.name for c in found})
+            # what kept checkpoints reference stays (their bases are retired, not deleted)
+            retain(root, found[cut:], found[:cut], lambda: [
+                c.name for c in list_checkpoints(self.run_url, storage_options=self.storage_options)])
+            if infos and infos[-1].step is not None:
+                self._sweep_uncommitted(root, infos[-1].step, set(found[cut:]))
 
     def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
         """Remove what killed saves left in ``step-<N>`` directories with no
@@ -254,8 +292,8 @@ class CheckpointManager:
             for name in root.list_children(""):
                 m = _STEP.match(name)
                 if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
-                        f"{name}/{fmt.METADATA_FILE}"):
-                    continue
+                        f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
+                    continue  # (a retired base holds files kept checkpoints reference)
                 dead, _ = orphans(root.child(name), None)
                 if dead:
                     root.delete([f"{name}/{f}" for f in dead])

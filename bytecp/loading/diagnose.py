@@ -9,6 +9,8 @@ nothing on the normal path. The cases, in the order they are checked:
   the directory to use instead;
 - the URL is a **run directory** holding committed checkpoints (``step-N``
   folders): name its latest committed checkpoint;
+- a ``base.json``: a checkpoint **retired by retention**, kept only for the
+  files newer checkpoints reference;
 - **another tool's checkpoint** (a Hugging Face model directory, a
   torch.distributed.checkpoint directory): say what it is and how to load it;
 - ``data/``/``index/`` but no ``metadata.json``: an **interrupted or failed
@@ -66,6 +68,11 @@ def not_a_checkpoint(storage: Storage, error: BaseException) -> BaseException:
         names = storage.list_children("")
     except Exception:  # noqa: BLE001 - listing is only for the message
         names = []
+    if "base.json" in names:  # format version 3: retention retired it (bytecp.format.references)
+        return CheckpointNotFoundError(
+            f"{url} was retired by retention: it only holds the files newer checkpoints of its run "
+            "reference (base.json); load one of those (`bytecp ls RUN_DIR` lists them)"
+        )
     foreign = foreign_kind(names)
     if foreign is not None:
         return CheckpointNotFoundError(f"{url} is {foreign}")

@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import index_read, limits, safetensors_dir
+from bytecp.format import index_read, limits, references, safetensors_dir
 from bytecp.format import metadata as fmt
 from bytecp.format.index_check import check_index, check_rows
 from bytecp.loading import diagnose
@@ -328,7 +328,7 @@ class OpenedCheckpoint:
     @classmethod
     def received(cls, storage: Storage, shared: Shared) -> OpenedCheckpoint:
         """(every rank of a load) The coordinator's opened checkpoint, on this rank's storage."""
-        return cls(storage, shared.metadata, shared.index)
+        return cls(references.linked(storage, shared.metadata), shared.metadata, shared.index)
 
 
 def read_metadata(storage: Storage) -> fmt.Metadata:
@@ -363,5 +363,9 @@ def open_checkpoint(src: str | Storage, *, foreign: bool = False) -> OpenedCheck
     got = _read_metadata(storage, foreign=foreign)
     if isinstance(got, OpenedCheckpoint):
         return got
-    index: RowSource = _WholeIndex() if got.index is None else _Segments()
-    return OpenedCheckpoint(storage, got, index)
+    md = got
+    if md.references:  # version 3: rows may name files of other checkpoints of the run
+        references.check_references(storage, md)
+        storage = references.linked(storage, md)
+    index: RowSource = _WholeIndex() if md.index is None else _Segments()
+    return OpenedCheckpoint(storage, md, index)

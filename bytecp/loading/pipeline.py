@@ -168,7 +168,7 @@ class LoadPipeline:
                 itemsizes = {t.fqn: itemsize(dtype_from_name(opened.metadata.tensors[t.fqn]["dtype"]))
                              for t in self.own}  # the stored dtype: a foreign source's may be cast
                 reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
-            execute_reads(self.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
+            execute_reads(opened.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
                           verify=self.opts.verify and not opened.foreign, trace=self.trace)
 
         self.ctx.run("load/read", read)

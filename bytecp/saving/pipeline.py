@@ -37,6 +37,7 @@ from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.index_build import BuiltIndex
+from bytecp.format.references import held
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
@@ -67,6 +68,7 @@ from bytecp.saving.results import (
     StagedBatch,
     nothing_staged,
 )
+from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.staging import ArenaStager, Stager
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
@@ -99,6 +101,8 @@ class SavePipeline:
         #: the one thing carried between phases: a local phase's failure,
         #: raised by the next collective on every rank
         self._kept: BaseException | None = None
+        #: boxes unchanged since the base are referenced, not written (format version 3)
+        self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
 
     # -- the phases -----------------------------------------------------------
     def describe(self) -> Described:
@@ -115,7 +119,8 @@ class SavePipeline:
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
                 flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
                                            per_rank=copy.deepcopy(flat.per_rank))
-            return Described(flat, adapter.name, parallelism)
+            return Described(flat, adapter.name, parallelism,
+                             tokens=live_tokens(flat) if adapter.tracks_versions else None)
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -130,7 +135,9 @@ class SavePipeline:
             if cached is None:
                 return Share(local, fingerprint, local.items)
             mine = tuple(cached[1])
-            return Share(local, fingerprint, mine, LocalSavePlan(self.ctx.rank, mine, fixed=True))
+            # the plan gives this rank exactly ``mine``: what the base holds unchanged is not copied
+            copy = tuple(self.incremental.split(mine, described.tokens)[0])
+            return Share(local, fingerprint, copy, LocalSavePlan(self.ctx.rank, mine, fixed=True))
 
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 
@@ -223,8 +230,9 @@ class SavePipeline:
                         )
                     # cached once the save commits: a plan that failed is never reused
                     cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
+                write, reused = self.incremental.split(items, described.tokens)
                 return SavePlanResult(
-                    coordinator.save_id, tuple(items), local,
+                    coordinator.save_id, tuple(write), local, referenced=reused,
                     skeleton_differs=votes[rank].skeleton != coordinator.skeleton,
                     coordinator_objects=frozenset(coordinator.objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
@@ -282,7 +290,7 @@ class SavePipeline:
 
         def output() -> RankOutput:
             self._raise_kept()
-            out = written
+            out = planned.referenced.add_to(written)
             if planned.skeleton_differs:
                 out = dataclasses.replace(written, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
                                           aliases=dict(flat.aliases))
@@ -292,10 +300,11 @@ class SavePipeline:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 md, index = self._metadata(described, save_id, outputs)
-                self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
-                data = md.to_bytes()
-                self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
-                committed.append(md)  # from here on the files belong to a checkpoint
+                with held(self.storage, md):  # the bases: pinned, committed checkpoints of the run
+                    self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
+                    data = md.to_bytes()
+                    self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
+                    committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1
             faults.inject("committed", ctx.rank)
             return md
@@ -317,6 +326,8 @@ class SavePipeline:
                 leases.give_up(save_id)
                 remove_files_of(self.storage, save_id)
             raise
+        mine = planned.referenced.add_to(written)
+        self.incremental.committed(md, described.tokens, mine.chunks, mine.data_files)
         if planned.cache_entry is not None:
             fingerprint, digest, items = planned.cache_entry
             PLAN_CACHE.put(self._cache_key(), fingerprint, digest, list(items))

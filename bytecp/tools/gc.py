@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from bytecp.format.references import BASE_FILE
 from bytecp.saving.leases import LEASE_DIR, orphans
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -47,11 +48,15 @@ def _committed_id(storage: Storage) -> str | None:
 def _targets(storage: Storage) -> list[tuple[str, Storage]]:
     """(prefix for the paths reported, storage) of every checkpoint URL to collect."""
     names = storage.list_children("")
+    if BASE_FILE in names and "metadata.json" not in names:
+        return []  # retired by retention: its files are those kept checkpoints reference
     if storage.exists("metadata.json") or any(n in _SAVE_FOLDERS for n in names):
         return [("", storage)]
     out = []
     for name in names:  # a run directory: its checkpoints, committed or not
         kids = set(storage.list_children(name))
+        if BASE_FILE in kids and "metadata.json" not in kids:
+            continue  # a retired base (format version 3): never a save that did not commit
         if "metadata.json" in kids or kids & set(_SAVE_FOLDERS):
             out.append((name + "/", storage.child(name)))
     return out

@@ -30,7 +30,10 @@ def test_every_n_steps_retention_and_resume(tmp_path: Path, capsys) -> None:
             saved.append(step)
     assert saved == [2, 4, 6]
     assert [c.step for c in list_checkpoints(run)] == [4, 6]
-    assert sorted(p.name for p in Path(run).iterdir()) == ["step-4", "step-6"]
+    # step-4 references step-2's unchanged bias (incremental saves): step-2 is
+    # retired, its metadata moved to base.json, only that data file kept
+    assert sorted(p.name for p in Path(run).iterdir()) == ["step-2", "step-4", "step-6"]
+    assert sorted(p.name for p in (Path(run) / "step-2").iterdir()) == ["base.json", "data"]
     # an interrupted later save (no metadata.json) is ignored
     bytecp.save(f"{run}/step-8", {"model": model, "extra": {"step": 8}})
     (Path(run) / "step-8" / "metadata.json").unlink()
