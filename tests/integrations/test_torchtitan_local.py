@@ -136,7 +136,7 @@ def test_initial_load_in_hf_reads_through_bytecp(tmp_path: Path, monkeypatch: py
                                          initial_load_path=str(tmp_path / "hf"))
     mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
                     states={}, sd_adapter=adapter)
-    assert not torch.equal(model.norm.weight, source.norm.weight.to(torch.bfloat16).float())
+    assert not torch.equal(model.lm_head.weight, source.lm_head.weight.to(torch.bfloat16).float())
     _poison_dcp_hf_reader(monkeypatch)
     assert mgr.load()
     ref = adapter.from_hf(load_file(str(tmp_path / "hf" / "model.safetensors")))
