@@ -51,6 +51,8 @@ __all__ = [
     "specs_digest",
     "holdings",
     "ballot",
+    "PlanStats",
+    "PLAN_STATS",
 ]
 
 
@@ -113,6 +115,22 @@ class PlanCache:
 PLAN_CACHE = PlanCache()
 
 
+@dataclasses.dataclass
+class PlanStats:
+    """What this process's save plans cost (read by tests and benchmarks):
+    plans made (not reused), of those how many the coordinator took part in,
+    the boxes this rank sent it, and the replica sets split by stage."""
+
+    planned: int = 0
+    coordinated: int = 0
+    boxes_sent: int = 0
+    split_sets: int = 0
+
+
+#: counted by the save pipeline's plan phase
+PLAN_STATS = PlanStats()
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanVote:
     """What every rank sends in the plan phase's all-gather (O(1) in the world size)."""
@@ -164,6 +182,11 @@ class PlanDecision:
     #: the ranks of every set (bad sets: per group of members holding the
     #: same boxes), for the boxes sent to the coordinator: set key -> groups
     groups: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
+    #: some rank holds boxes without a hint
+    unknown: bool = False
+    #: bad sets whose groups hold different tensors (pipeline stages), each
+    #: group planned locally as a set of its own (:mod:`bytecp.plan.split_sets`)
+    split: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
 
 
 def local_plan(
@@ -315,10 +338,10 @@ def decide(votes: Sequence[PlanVote]) -> PlanDecision:
         if len(keys) > 1:
             ranks = tuple(sorted({r for k in keys for r in groups[k][0]}))
             merged.update((k, ranks) for k in keys)
-    coordinated = bool(bad) or any(v.unknown for v in votes)
+    unknown = any(v.unknown for v in votes)
     if any(v.fixed for v in votes):  # a cached share written as it is: every rank sends all it holds
         groups = {}
-    return PlanDecision(digest, False, bad, base, coordinated, merged, groups)
+    return PlanDecision(digest, False, bad, base, bool(bad) or unknown, merged, groups, unknown)
 
 
 def planned_locally(
@@ -342,6 +365,8 @@ def planned_locally(
             continue
         key = own if rs.size == 1 else rs.key
         ranks = decision.merged.get(key)
+        if key in decision.split:  # this rank's group of a set split by stage
+            ranks = next(g for g in decision.split[key] if plan.rank in g)
         if ranks is None and rs.size == 1:
             mine.append(it)
         else:

@@ -105,3 +105,45 @@ def test_overlapping_boxes_that_differ_fail_the_plan_naming_ranks_and_boxes() ->
     msg = str(e.value)
     assert "tensor 'w' of shape [24, 4]" in msg and "rank(s) [0]" in msg and "rank(s) [1]" in msg
     assert "[0:12, 0:4]" in msg and "[8:24, 0:4]" in msg and "redistribute" in msg
+
+
+def pp_trees(split_names: bool = True) -> list[FlatTree]:
+    """pipeline 2 x FSDP 2 on a (pp, dp) mesh: each stage's shards hinted
+    with the other stage's rank too (a DTensor on mesh["dp"]), step counters
+    as plain tensors on every rank (hinted: every rank)."""
+    trees = []
+    for r in range(4):
+        stage, i = divmod(r, 2)
+        name = f"layers.{stage}.w" if split_names else "layers.0.w"
+        hint = ReplicaSet.of((i, 2 + i))
+        step = TensorLeaf.full(torch.zeros(()))
+        trees.append(tree(**{name: leaf((12 * i, 12 * i + 12), hint), f"{name}.step": step}))
+    return trees
+
+
+def test_pipeline_stages_split_their_sets_by_names_and_plan_without_boxes() -> None:
+    from bytecp.plan.split_sets import names_of, split_disjoint
+
+    trees = pp_trees()
+    plans = [local_plan(t, r, 4) for r, t in enumerate(trees)]
+    decision = decide([vote_for(p, plan_key(p), None, "s", None) for p in plans])
+    assert decision.coordinated and len(decision.bad_sets) == 3  # {0, 2}, {1, 3}, every rank
+    decision = split_disjoint(decision, [names_of(p, decision) for p in plans])
+    assert not decision.coordinated and not decision.bad_sets and len(decision.split) == 3
+    mine = [planned_locally(p, decision, split_bytes=4 << 20) for p in plans]
+    for name in ("layers.0.w", "layers.1.w"):
+        assert sorted(it.region.offsets[0] for items in mine for it in items if it.fqn == name) == [0, 12]
+        assert sum(1 for items in mine for it in items if it.fqn == f"{name}.step") == 1
+
+
+def test_groups_that_share_a_name_stay_with_the_coordinator() -> None:
+    from bytecp.plan.split_sets import names_of, split_disjoint
+
+    # a hint {0, 1} on what are two shards of one tensor: the groups share the name
+    trees = [tree(w=leaf((12 * r, 12 * r + 12), ReplicaSet.of((0, 1)))) for r in range(2)]
+    plans = [local_plan(t, r, 2) for r, t in enumerate(trees)]
+    decision = decide([vote_for(p, plan_key(p), None, "s", None) for p in plans])
+    decision = split_disjoint(decision, [names_of(p, decision) for p in plans])
+    assert decision.coordinated and not decision.split
+    mine, _ = plan_world(trees)
+    tiles_once(mine, ["w"])
