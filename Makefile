@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test megatron-install deepspeed-install titan-install test-servers lint typecheck bench bench-s3 clean
+.PHONY: demo test install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -25,7 +25,7 @@ $(VENV)/.test-installed: $(VENV)/.installed
 	$(PIP) -e ".[test,s3,monitoring,lightning]"
 	$(MAKE) megatron-install
 	$(MAKE) deepspeed-install
-	$(MAKE) titan-install
+	$(MAKE) torchtitan-install
 	touch $@
 
 # Megatron-Core (adapter tests): --no-deps so it can never pull torch or CUDA
@@ -39,11 +39,15 @@ megatron-install: $(VENV)/.installed
 deepspeed-install: $(VENV)/.installed
 	DS_BUILD_OPS=0 $(PIP) --no-deps deepspeed hjson msgpack ninja py-cpuinfo einops packaging psutil pydantic pydantic-core annotated-types typing-inspection tqdm
 
-# torchtitan (its Llama3 and parallelisms in the DTensor layout matrix): --no-deps
-# for the same reason; what its model and parallelize imports need is pinned in
-# constraints.txt (triton is imported by its distributed package)
-titan-install: $(VENV)/.installed
-	$(PIP) --no-deps torchtitan spmd_types tyro docstring_parser typeguard triton
+# torchtitan 0.3.0 (its checkpoint manager's tests with its trainer, and its Llama3
+# and parallelisms in the DTensor layout matrix): --no-deps for the same reason, and
+# because its datasets<4.8 pin would downgrade fsspec below s3fs's; what its trainer
+# imports (the `torchtitan` extra) comes under the pins. titan-install: the same.
+torchtitan-install: $(VENV)/.installed
+	$(PIP) --no-deps torchtitan==0.3.0
+	$(PIP) -e ".[torchtitan]"
+
+titan-install: torchtitan-install
 
 install: $(VENV)/.installed
 
@@ -70,6 +74,7 @@ bench: install-test
 	$(VPY) -m benchmarks.run
 	$(VPY) -m benchmarks.training --out training.json --png training.png
 	$(VPY) -m benchmarks.scale --out scale.json
+	$(VPY) -m benchmarks.scale_megatron --out scale_megatron.json
 
 bench-s3: install-test test-servers
 	$(VPY) -m benchmarks.s3_bench

@@ -177,7 +177,8 @@ def dtensor_leaf(t: DTensor, fqn: str | None = None) -> TensorLeaf:
     if tuple(local.shape) != region.lengths:
         # FSDP2 may pad the local shard of uneven dims; the box is the unpadded part
         local = local[tuple(slice(0, n) for n in region.lengths)]
-    return TensorLeaf(tuple(t.shape), t.dtype, [Shard(region, local.detach())], dtensor_replicas(t))
+    # in-place ops move the DTensor's version counter, not its local tensor's
+    return TensorLeaf(tuple(t.shape), t.dtype, [Shard(region, local.detach())], dtensor_replicas(t), versioned=t)
 
 
 def dtensor_target(like: DTensor, dtype: torch.dtype) -> tuple[TensorLeaf, DTensor]:

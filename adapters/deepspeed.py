@@ -155,6 +155,8 @@ class DeepSpeedAdapter(PlainAdapter):
     """DeepSpeed engines and ZeRO optimizers; everything else as the plain adapter."""
 
     name = "deepspeed"
+    #: ZeRO writes parameters from its flat buffers and master copies behind their version counters
+    tracks_versions = False
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:

@@ -31,12 +31,32 @@ def _leaf(v: torch.Tensor, fqn: str | None = None) -> Any:
     return dtensor_leaf(v, fqn) if is_dtensor(v) else v  # type: ignore[arg-type]
 
 
+def _any_dtensor(v: Any, depth: int = 0) -> bool:
+    """A DTensor anywhere in ``v``: a module's parameters, or a value of the
+    state's dicts and lists (an adapter's tensors saved outside its module)."""
+    if isinstance(v, nn.Module):
+        return any(is_dtensor(p) for p in v.parameters())
+    if type(v) is dict and depth < 8:
+        return any(_any_dtensor(x, depth + 1) for x in v.values())
+    if type(v) in (list, tuple) and depth < 8:
+        return any(_any_dtensor(x, depth + 1) for x in v)
+    return is_dtensor(v)
+
+
 class FSDP2Adapter(PlainAdapter):
     name = "fsdp2"
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
-        return any(is_dtensor(p) for m in _modules(state) for p in m.parameters())
+        return _any_dtensor(state)
+
+    def _save_value(self, call: AdapterCall, v: Any) -> Any:
+        """DTensors outside modules (``{"adapter": {name: dtensor}}``) are saved as their boxes."""
+        return dtensor_leaf(v) if is_dtensor(v) else super()._save_value(call, v)
+
+    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Any]) -> Any:
+        """A DTensor outside a module is loaded in place, into its local shard."""
+        return dtensor_leaf(v) if is_dtensor(v) else super()._target(call, v, fqn, parent, key, finalizers)
 
     def tensor_leaf(self, t: torch.Tensor) -> Any:
         """A DTensor's box on this rank (tied parameters share one leaf object:

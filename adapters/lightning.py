@@ -39,8 +39,10 @@ fills the live tensors in place (``bytecp.load``) and returns the trainer
 state, from which Lightning restores loops, callbacks, schedulers and the
 precision plugin.
 
-This module imports ``pytorch_lightning`` (the ``pytorch-lightning``
-distribution); the bytecp core never imports it.
+Works with ``lightning.pytorch`` (``import lightning as L``) and with
+``pytorch_lightning``: :mod:`bytecp.adapters._lightning_compat` picks the
+one the program uses (``BYTECP_LIGHTNING`` chooses explicitly; ``PACKAGE``
+says which). The bytecp core never imports either.
 """
 
 from __future__ import annotations
@@ -50,21 +52,15 @@ import os
 import threading
 from typing import Any
 
+from bytecp.adapters._lightning_compat import (
+    PACKAGE,
+    CheckpointIO,
+    DDPStrategy,
+    ModelParallelStrategy,
+    SingleDeviceStrategy,
+    TrainerFn,
+)
 from torch import nn
-
-try:
-    from pytorch_lightning.plugins.io import CheckpointIO
-    from pytorch_lightning.strategies import (
-        DDPStrategy,
-        ModelParallelStrategy,
-        SingleDeviceStrategy,
-    )
-    from pytorch_lightning.trainer.states import TrainerFn
-except ImportError as e:  # pragma: no cover - exercised only without the package
-    raise ImportError(
-        "bytecp.adapters.lightning needs PyTorch Lightning: pip install 'bytecp[lightning]' "
-        f"(or pytorch-lightning) ({e})"
-    ) from e
 
 import bytecp
 from bytecp.catalog import list_checkpoints
@@ -75,6 +71,7 @@ from bytecp.storage_api import open_storage
 from bytecp.tree.state import Whole
 
 __all__ = [
+    "PACKAGE",
     "BytecpCheckpointIO",
     "BytecpStrategyMixin",
     "BytecpDDPStrategy",

@@ -12,6 +12,12 @@ distributed optimizer, train one step, then alternate the two libraries on:
   ``model.load_state_dict`` and ``optimizer.load_state_dict``);
 - TP 2 -> 1 resharded load (TP=1, DP=2).
 
+With ``--moe``: a mixture-of-experts GPTModel (4 SequentialMLP experts,
+top-2) at EP=2 (Megatron chains a dense and an expert distributed
+optimizer), the same save and load, and an EP 2 -> 1 resharded load
+(bytecp: model and optimizer; Megatron: the model only -- its optimizer does
+not resume across an EP change).
+
 Every time is the slowest rank's, between barriers. The CPU patches Megatron
 needs here come from ``tests/megatron/megatron_cases.py`` (benchmark and test
 processes only, never the library). Prints a Markdown table; ``--out`` writes
@@ -56,10 +62,12 @@ def _dp_group() -> Any:
     return parallel_state.get_data_parallel_group(with_context_parallel=True)
 
 
-def _megatron_sd(loading: bool) -> dict[str, Any]:
+def _megatron_sd(loading: bool, with_optimizer: bool = True) -> dict[str, Any]:
     import megatron_cases as mc
 
     model_sd = mc._STATE["model"].sharded_state_dict()
+    if not with_optimizer:
+        return {"model": model_sd}
     with mc.CpuDeviceMode():
         osd = mc._STATE["optimizer"].sharded_state_dict(
             model_sd, is_loading=loading, metadata={"distrib_optim_sharding_type": "fully_reshardable"}
@@ -84,7 +92,7 @@ def megatron_save(path: str) -> float:
     return _timed(run)
 
 
-def megatron_load(path: str) -> float:
+def megatron_load(path: str, with_optimizer: bool = True) -> float:
     import megatron_cases as mc
     from bytecp.adapters.megatron.optimizer_layout import _init_fresh_state, _load_optimizer
     from megatron.core import dist_checkpointing
@@ -97,8 +105,10 @@ def megatron_load(path: str) -> float:
         _init_fresh_state(mc._STATE["optimizer"])
         strategy = FullyParallelLoadStrategyWrapper(get_default_load_sharded_strategy(path), _dp_group())
         with mc.CpuDeviceMode():
-            loaded = dist_checkpointing.load(_megatron_sd(True), path, sharded_strategy=strategy)
+            loaded = dist_checkpointing.load(_megatron_sd(True, with_optimizer), path, sharded_strategy=strategy)
             mc._STATE["model"].load_state_dict(loaded["model"])
+            if not with_optimizer:
+                return
             # Megatron 0.16's own optimizer.load_state_dict fails with torch's
             # Adam (KeyError 'step'); the same Megatron calls with step set aside
             _load_optimizer(mc._STATE["optimizer"], loaded["optimizer"])
@@ -118,12 +128,18 @@ def bytecp_load(path: str, verify: bool = True) -> float:
     return _timed(lambda: mc.load(path, with_optimizer=True, verify=verify))
 
 
-def build(tp: int, size: dict[str, int]) -> float:
+def build(tp: int, size: dict[str, int], ep: int | None = None) -> float:
+    """TP x DP dense, or (``ep`` given) the MoE model at EP; one training step."""
     import megatron_cases as mc
+    import moe_cases
 
     t0 = time.perf_counter()
-    mc.build(tp, dist_opt=True, **size)
-    mc.train_step(1)
+    if ep is None:
+        mc.build(tp, dist_opt=True, **size)
+        mc.train_step(1)
+    else:
+        moe_cases.build(tp, ep, **size)
+        moe_cases.train_step(1)
     return time.perf_counter() - t0
 
 
@@ -139,7 +155,7 @@ def state_bytes() -> int:
     return n
 
 
-def rank_main(rank: int, port: int, size: dict[str, int], root: str, out: Any) -> None:
+def rank_main(rank: int, port: int, size: dict[str, int], root: str, out: Any, moe: bool = False) -> None:
     """One rank of the run (a non-daemon process: Megatron's writer starts its own)."""
     import datetime
     import warnings
@@ -163,7 +179,10 @@ def rank_main(rank: int, port: int, size: dict[str, int], root: str, out: Any) -
             print(f"{name}: {results[name]:.3f} s", flush=True)
 
     try:
-        build(2, size)
+        if moe:
+            build(1, size, ep=2)
+        else:
+            build(2, size)
         n = torch.tensor([state_bytes()])
         dist.all_reduce(n)
         # alternate the libraries; Megatron's first save pays a one-off setup
@@ -173,9 +192,14 @@ def rank_main(rank: int, port: int, size: dict[str, int], root: str, out: Any) -
         case("bytecp load", bytecp_load, str(r / "bytecp"))
         case("Megatron load", megatron_load, str(r / "mcore"))
         case("bytecp load, verify=False", bytecp_load, str(r / "bytecp"), False)
-        build(1, size)
-        case("bytecp TP 2 -> 1 load", bytecp_load, str(r / "bytecp"))
-        case("Megatron TP 2 -> 1 load", megatron_load, str(r / "mcore"))
+        if moe:
+            build(1, size, ep=1)
+            case("bytecp EP 2 -> 1 load", bytecp_load, str(r / "bytecp"))
+            case("Megatron EP 2 -> 1 load (model only)", megatron_load, str(r / "mcore"), False)
+        else:
+            build(1, size)
+            case("bytecp TP 2 -> 1 load", bytecp_load, str(r / "bytecp"))
+            case("Megatron TP 2 -> 1 load", megatron_load, str(r / "mcore"))
         if rank == 0:
             out.put(("ok", int(n), results))
     except BaseException as e:
@@ -196,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dir", default=None, help="folder on the disk under test (default: system temp)")
     p.add_argument("--out", default=None, help="write the JSON results here")
     p.add_argument("--timeout", type=float, default=1800, help="seconds before the run is abandoned")
+    p.add_argument("--moe", action="store_true", help="the mixture-of-experts model at EP=2 (4 experts, top-2)")
     args = p.parse_args(argv)
     import multiprocessing as mp
     import queue
@@ -208,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
         port = int(sock.getsockname()[1])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, port, size, str(root), q)) for r in range(2)]
+    procs = [ctx.Process(target=rank_main, args=(r, port, size, str(root), q, args.moe)) for r in range(2)]
     try:
         for pr in procs:
             pr.start()
@@ -228,16 +253,19 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(root, ignore_errors=True)
 
     load = os.getloadavg()[0]
-    print(f"\nGPTModel hidden {args.hidden}, {args.layers} layers, ffn {args.ffn}, vocab {args.vocab}: "
-          f"{nbytes / 1e9:.2f} GB of model + optimizer state, 2 ranks (TP=2), one run, "
+    what = "MoE GPTModel (4 experts, top-2), 2 ranks (EP=2)" if args.moe else "GPTModel, 2 ranks (TP=2)"
+    print(f"\n{what}, hidden {args.hidden}, {args.layers} layers, ffn {args.ffn}, vocab {args.vocab}: "
+          f"{nbytes / 1e9:.2f} GB of model + optimizer state, one run, "
           f"load average {load:.1f} on {os.cpu_count()} CPUs\n")
     print("| case | bytecp (s) | Megatron dist_checkpointing (s) | ratio |")
     print("| --- | --- | --- | --- |")
+    reshard = (("load EP 2 -> 1 (Megatron: model only)", "bytecp EP 2 -> 1 load", "Megatron EP 2 -> 1 load (model only)")
+               if args.moe else ("load TP 2 -> 1", "bytecp TP 2 -> 1 load", "Megatron TP 2 -> 1 load"))
     for label, b, m in [
         ("save to durable commit", "bytecp save", "Megatron save"),
         ("load, same layout (bytecp verifies every chunk's crc32c)", "bytecp load", "Megatron load"),
         ("load, same layout, bytecp verify=False", "bytecp load, verify=False", "Megatron load"),
-        ("load TP 2 -> 1", "bytecp TP 2 -> 1 load", "Megatron TP 2 -> 1 load"),
+        reshard,
     ]:
         print(f"| {label} | {results[b]:.2f} | {results[m]:.2f} | {results[b] / results[m]:.2f}x |")
     print(f"\n(Megatron's first save: {results['Megatron save (first)']:.2f} s)")

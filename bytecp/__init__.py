@@ -37,7 +37,7 @@ except Exception:  # pragma: no cover - running from a source tree
 
 if TYPE_CHECKING:
     from bytecp.api import LoadResult, async_save, load, load_state_dict, save
-    from bytecp.extras import PerRankState, RNGState
+    from bytecp.extras import PerRankState, RNGState, trainable
     from bytecp.manager import CheckpointManager
     from bytecp.saving.handles import SaveHandle, wait_for_pending_save
 
@@ -51,6 +51,7 @@ _LAZY = {
     "wait_for_pending_save": ".saving.handles",
     "RNGState": ".extras",
     "PerRankState": ".extras",
+    "trainable": ".extras",
     "CheckpointManager": ".manager",
 }
 
@@ -75,6 +76,7 @@ __all__ = [
     "CheckpointManager",
     "RNGState",
     "PerRankState",
+    "trainable",
     "BytecpError",
     "CheckpointExistsError",
     "CheckpointNotFoundError",

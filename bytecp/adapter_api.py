@@ -72,6 +72,10 @@ class Adapter(abc.ABC):
 
     #: the name recorded as the checkpoint's framework
     name: str = "?"
+    #: whether every in-place change of this framework's tensors moves their
+    #: version counter (``tensor._version``); False where it writes through
+    #: ``.data``: incremental saves then write every box
+    tracks_versions: bool = True
 
     @classmethod
     @abc.abstractmethod

@@ -66,6 +66,7 @@ def save(
     storage_options: dict[str, Any] | None = None,
     monitor: str | Recorder | None = None,
     verify_replicas: bool | None = None,
+    base: str | None = None,
 ) -> fmt.Metadata:
     """Save ``state`` to ``url``; every rank of the job calls it.
 
@@ -74,13 +75,15 @@ def save(
     detected from the objects. The keyword arguments are described on
     :class:`~bytecp.options.SaveOptions`. Returns the committed metadata.
     Raises :class:`~bytecp.errors.CheckpointExistsError` if a committed
-    checkpoint is at ``url`` and ``overwrite`` is false.
+    checkpoint is at ``url`` and ``overwrite`` is false. With ``base`` (an
+    earlier checkpoint of the same run that this process saved), boxes
+    unchanged since then are referenced, not written again.
     """
     return _save(url, state, SaveOptions(
         framework=framework, step=step, metadata=metadata or {}, overwrite=overwrite,
         allow_pickle=allow_pickle, io_threads=io_threads, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
-        verify_replicas=verify_replicas,
+        verify_replicas=verify_replicas, base=base,
     ))
 
 

@@ -13,14 +13,28 @@ import re
 import time
 from typing import Any
 
-from bytecp.errors import FormatVersionError
+from bytecp.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    DistributedCheckpointError,
+    FormatVersionError,
+    StorageNotFoundError,
+)
 from bytecp.format import metadata as fmt
+from bytecp.format.references import retired_names
 from bytecp.storage_api import open_storage
 
-__all__ = ["CheckpointInfo", "list_checkpoints"]
+__all__ = ["CheckpointInfo", "list_checkpoints", "list_bases", "checkpoint_is_bad", "one_line"]
 
 log = logging.getLogger("bytecp.manager")
 _STEP = re.compile(r"^step-(\d+)$")
+#: the errors that mean "this checkpoint's own files are bad", as exception
+#: classes (one process) and as the type names a rank's failure carries
+#: (every rank of a distributed load gets the same failure texts)
+_BAD = (CorruptCheckpointError, CheckpointNotFoundError, StorageNotFoundError)
+_BAD_NAMES = re.compile(
+    r"(?:^|: )(?:CorruptCheckpointError|CheckpointNotFoundError|IncompleteCheckpointError|StorageNotFoundError): "
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +43,8 @@ class CheckpointInfo:
     url: str
     step: int | None
     created: str
+    #: format version 3: the checkpoints of the run whose files this one reads
+    references: tuple[str, ...] = ()
 
 
 def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
@@ -48,6 +64,38 @@ def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = N
             m = _STEP.match(name)
             step = md.step if md.step is not None else (int(m.group(1)) if m else None)
             created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(md.created))
-            out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created))
+            out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created,
+                                      tuple(sorted(md.references))))
     out.sort(key=lambda c: (c.step is None, c.step or 0, c.created))
     return out
+
+
+def list_bases(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[str]:
+    """Checkpoints below ``run_url`` that retention retired (``base.json``, no
+    ``metadata.json``): no longer checkpoints, kept for the files newer ones reference."""
+    return retired_names(open_storage(run_url, **(storage_options or {})))
+
+
+def checkpoint_is_bad(error: BaseException) -> bool:
+    """Whether ``error`` (raised by a load) blames the checkpoint's own files,
+    so an older checkpoint may load where this one did not.
+
+    Called by ``CheckpointManager.restore`` on every rank: a distributed
+    load raises the same :class:`~bytecp.errors.DistributedCheckpointError`
+    everywhere, so every rank decides alike. Every failed rank must blame
+    the files; a newer format, a state that does not fit, refused pickles
+    and storage refusing access are never a reason to go back.
+    """
+    if isinstance(error, FormatVersionError):
+        return False
+    if isinstance(error, _BAD):
+        return True
+    if isinstance(error, DistributedCheckpointError) and error.failures:
+        return all(_BAD_NAMES.search(text) for text in error.failures.values())
+    return False
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An error as one short line, for warnings that name several of them."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

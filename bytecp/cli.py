@@ -9,7 +9,8 @@ Every command follows the same exit codes (docs/guide.md, "Command line"):
 error or a checkpoint that cannot be used (bad arguments, not a checkpoint,
 corrupt or too new, an output that exists); 3 a storage error (unreachable,
 permission denied, missing bucket, no space); 70 an internal error (a bug:
-the traceback is printed); 130 interrupted. Errors are one line on stderr;
+the traceback is printed); 130 interrupted; 141 stdout was closed by its
+reader (``| head``), nothing printed. Errors are one line on stderr;
 with ``--json`` the command also prints ``{"error": ..., "exit_code": ...}``
 on stdout. Progress bars (``verify``, ``export``, ``gc``) go to stderr, only
 when it is a terminal.
@@ -28,13 +29,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from bytecp.errors import BytecpError, ConfigError, StorageError
-from bytecp.storage_api import open_storage, split_protocol
+from bytecp.storage_api import Storage, open_storage, split_protocol
 
 if TYPE_CHECKING:
     from bytecp.tools.progress import Progress
 
 __all__ = ["main", "exit_code", "EXIT_OK", "EXIT_PROBLEMS", "EXIT_USAGE", "EXIT_STORAGE", "EXIT_INTERNAL",
-           "EXIT_INTERRUPTED"]
+           "EXIT_INTERRUPTED", "EXIT_CLOSED_PIPE"]
 
 EXIT_OK = 0
 EXIT_PROBLEMS = 1  # the command ran and found problems (verify)
@@ -42,6 +43,7 @@ EXIT_USAGE = 2  # bad arguments, or a checkpoint/output that cannot be used as a
 EXIT_STORAGE = 3  # the storage failed: unreachable, permission denied, missing bucket, no space
 EXIT_INTERNAL = 70  # a bug (EX_SOFTWARE): the traceback is printed
 EXIT_INTERRUPTED = 130
+EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (``| head``); nothing is printed
 
 # subcommand -> "module:function(argv) -> int", for commands outside the core
 _EXTERNAL = {
@@ -86,10 +88,25 @@ def _storage_options(args: argparse.Namespace) -> dict[str, Any]:
     return _json_options(getattr(args, "storage_options", None), "--storage-options")
 
 
+def _checkpoint(args: argparse.Namespace) -> Storage:
+    """The checkpoint at ``args.url``, or the one-line reason it is not one,
+    found before the readers (and torch) are imported: a wrong path costs a
+    look at its top level, never a listing of the tree below it."""
+    from bytecp.errors import StorageNotFoundError
+    from bytecp.loading.diagnose import not_a_checkpoint
+
+    storage = open_storage(args.url, **_storage_options(args))
+    if not storage.exists("metadata.json"):
+        missing = StorageNotFoundError(f"{storage.url}: no metadata.json")
+        raise not_a_checkpoint(storage, missing)
+    return storage
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
+    storage = _checkpoint(args)
     from bytecp.tools.inspect import summarize
 
-    info = summarize(open_storage(args.url, **_storage_options(args)))
+    info = summarize(storage)
     if args.json:
         print(json.dumps(info, indent=2))
         return EXIT_OK
@@ -101,12 +118,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     if info["user_metadata"]:
         print(f"metadata     {json.dumps(info['user_metadata'])}")
     print()
-    rows = [(fqn, p["dtype"], "x".join(map(str, p["shape"])) or "scalar", _human(p["nbytes"]), str(p["chunks"]))
+    if args.tensors:
+        rows: list[tuple[str, ...]] = [
+            (fqn, p["dtype"], "x".join(map(str, p["shape"])) or "scalar", _human(p["nbytes"]), str(p["chunks"]))
             for fqn, p in info["tensors"].items()]
-    head = ("tensor", "dtype", "shape", "size", "chunks")
-    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(5)]
-    for r in [head, *rows]:
-        print("  ".join(c.ljust(w) if i < 3 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        _table(("tensor", "dtype", "shape", "size", "chunks"), rows, left=3)
+    else:
+        groups: dict[str, list[Any]] = {}
+        for fqn, p in info["tensors"].items():
+            g = groups.setdefault(fqn.split(".", 1)[0], [0, 0, set()])
+            g[0] += 1
+            g[1] += p["nbytes"]
+            g[2].add(p["dtype"])
+        rows = [(k, str(n), _human(b), ", ".join(sorted(d))) for k, (n, b, d) in groups.items()]
+        _table(("group", "tensors", "size", "dtypes"), rows, left=1)
+        print("(--tensors lists every tensor)")
     if info["objects"]:
         print()
         print("objects: " + ", ".join(f"{k} ({v})" for k, v in info["objects"].items()))
@@ -117,7 +143,16 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"{t['data_files']} data files ({_human(t['data_file_bytes'])})")
     per_rank = ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items())
     print(f"written      {per_rank}")
+    for name, ref in info["references"].items():
+        print(f"references   {name} (save {ref['save_id']}): {ref['files']} data files, {_human(ref['bytes'])}")
     return EXIT_OK
+
+
+def _table(head: tuple[str, ...], rows: Sequence[tuple[str, ...]], left: int) -> None:
+    """Columns padded to their widest cell; the first ``left`` aligned left."""
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        print("  ".join(c.ljust(w) if i < left else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))))
 
 
 def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> Progress:
@@ -127,11 +162,12 @@ def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> Progress:
 
 
 def cmd_verify(args: argparse.Namespace) -> int:
+    storage = _checkpoint(args)
     from bytecp.tools.inspect import verify
 
     bar = _bar(args, "verify")
     try:
-        nbytes, problems = verify(open_storage(args.url, **_storage_options(args)), progress=bar)
+        nbytes, problems = verify(storage, progress=bar)
     finally:
         bar.close()
     if args.json:
@@ -148,15 +184,43 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from bytecp.manager import list_checkpoints
+    from bytecp.catalog import list_bases, list_checkpoints
 
-    found = list_checkpoints(args.url, storage_options=_storage_options(args))
+    options = _storage_options(args)
+    found = list_checkpoints(args.url, storage_options=options)
+    if not found:
+        _nothing_to_list(args.url, options)
     if args.json:
         print(json.dumps([dataclasses.asdict(c) for c in found], indent=2))
         return EXIT_OK
     for c in found:
-        print(f"{c.name}\tstep={c.step}\t{c.created}")
+        refs = f"\treferences={','.join(c.references)}" if c.references else ""
+        print(f"{c.name}\tstep={c.step}\t{c.created}{refs}")
+    for name in list_bases(args.url, storage_options=_storage_options(args)):
+        print(f"{name}\t(retired: kept for the files newer checkpoints reference)")
     return EXIT_OK
+
+
+def _nothing_to_list(url: str, options: dict[str, Any]) -> None:
+    """Raise the one-line reason ``bytecp ls URL`` lists nothing."""
+    from bytecp.errors import CheckpointNotFoundError
+    from bytecp.loading.diagnose import foreign_kind
+
+    storage = open_storage(url, **options)
+    if storage.exists("metadata.json"):
+        raise CheckpointNotFoundError(f"{url} is a checkpoint, not a run directory: `bytecp inspect {url}` describes "
+                                      "it; `bytecp ls` lists the step-<N> checkpoints of a run directory")
+    names = storage.list_children("")
+    if not names:
+        raise CheckpointNotFoundError(f"nothing at {url}: check the path")
+    foreign = foreign_kind(names)
+    if foreign is not None:
+        raise CheckpointNotFoundError(f"{url} is {foreign}")
+    uncommitted = [n for n in names if storage.list_children(n) and not storage.exists(f"{n}/metadata.json")
+                   and {"data", "index"} & set(storage.list_children(n))]
+    tail = (f"; {', '.join(uncommitted[:5])} hold(s) files of saves that never committed (`bytecp gc {url}` "
+            "removes them)") if uncommitted else ""
+    raise CheckpointNotFoundError(f"no committed checkpoint below {url}{tail}")
 
 
 def _export_format(args: argparse.Namespace) -> str:
@@ -201,10 +265,11 @@ def cmd_export(args: argparse.Namespace) -> int:
         print(json.dumps(res.to_json(), indent=2))
         return EXIT_OK
     what = {"hf": "Hugging Face layout", "safetensors": "safetensors", "torch": "torch state dict"}[fmt]
-    print(f"wrote {args.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
+    print(f"wrote {res.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
     if fmt == "hf":
         print(f"  files: {', '.join(res.files)}")
-        print(f"  config.json from {res.config}" if res.config else
+        print(f"  config.json: {res.config}" if res.config and res.config.startswith("kept") else
+              f"  config.json from {res.config}" if res.config else
               "  no config.json: pass --config FILE (or save with metadata={'hf_config': config.to_dict()}) "
               "before from_pretrained")
     if res.omitted_aliases:
@@ -227,8 +292,27 @@ def cmd_gc(args: argparse.Namespace) -> int:
     for p in res.removed:
         print(f"{verb} {p}")
     if res.kept_newer:
-        print(f"kept {len(res.kept_newer)} file(s) of saves newer than the committed one (maybe still running)")
-    print(f"{args.url}: {verb} {len(res.removed)} unreferenced file(s)")
+        print(f"kept {len(res.kept_newer)} file(s) of saves that may still be running (a live lease, or "
+              "started less than a lease term ago)")
+    print(f"{args.url}: {verb} {len(res.removed)} file(s) of saves that never committed")
+    return EXIT_OK
+
+
+def cmd_materialize(args: argparse.Namespace) -> int:
+    from bytecp.tools.materialize import materialize
+
+    bar = _bar(args, "materialize")
+    try:
+        md = materialize(open_storage(args.url, **_storage_options(args)), open_storage(args.out, **_out_options(args)),
+                         overwrite=args.overwrite, progress=bar)
+    finally:
+        bar.close()
+    if args.json:
+        print(json.dumps({"url": args.url, "out": args.out, "save_id": md.save_id,
+                          "data_files": len(md.data_files), "bytes": sum(md.data_files.values())}))
+    else:
+        print(f"{args.out}: self-contained copy of {args.url} ({len(md.data_files)} data files, "
+              f"{_human(sum(md.data_files.values()))})")
     return EXIT_OK
 
 
@@ -242,7 +326,7 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="bytecp", description="Checkpoints for distributed PyTorch training.",
         epilog="exit codes: 0 ok, 1 problems found, 2 usage or checkpoint error, 3 storage error, "
-               "70 internal error, 130 interrupted")
+               "70 internal error, 130 interrupted, 141 stdout closed by its reader")
     sub = p.add_subparsers(dest="cmd", required=True)
 
     def url_cmd(name: str, help: str, *, progress: bool = False) -> argparse.ArgumentParser:
@@ -255,11 +339,14 @@ def _parser() -> argparse.ArgumentParser:
                             help="no progress bar (it is shown only when stderr is a terminal)")
         return sp
 
-    url_cmd("inspect", "tensors, shapes, dtypes, sizes, chunks, framework and world size").set_defaults(fn=cmd_inspect)
+    sp = url_cmd("inspect", "what a checkpoint holds: framework, world size, step, tensor groups, sizes")
+    sp.add_argument("--tensors", action="store_true", help="list every tensor (dtype, shape, size, chunks)")
+    sp.set_defaults(fn=cmd_inspect)
     url_cmd("verify", "read every chunk and check its crc32c (exit 1 if any problem)",
             progress=True).set_defaults(fn=cmd_verify)
     url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
-    sp = url_cmd("gc", "remove files of failed saves that the committed checkpoint does not reference", progress=True)
+    sp = url_cmd("gc", "remove files of saves that never committed (killed or failed) and cannot be running; "
+                 "URL: a checkpoint, an uncommitted save's directory or a run directory", progress=True)
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sp.set_defaults(fn=cmd_gc)
     sp = url_cmd("export", "full tensors in the Hugging Face layout (sharded safetensors + index + config.json), "
@@ -283,6 +370,13 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--out-storage-options", help="JSON dict of the output's backend options (default: "
                     "--storage-options when both URLs have the same protocol)")
     sp.set_defaults(fn=cmd_export)
+    sp = url_cmd("materialize", "a self-contained copy of a checkpoint: the bytes it references in other "
+                 "checkpoints of the run copied in", progress=True)
+    sp.add_argument("out", help="output checkpoint URL")
+    sp.add_argument("--overwrite", action="store_true", help="replace a checkpoint at OUT")
+    sp.add_argument("--out-storage-options", help="JSON dict of the output's backend options (default: "
+                    "--storage-options when both URLs have the same protocol)")
+    sp.set_defaults(fn=cmd_materialize)
     sp = sub.add_parser("demo", help="a training job's life: a killed rank, elastic restarts, export, evaluation")
     sp.add_argument("--out", default="demo-out", help="directory for the demo's checkpoints, logs and summary.json")
     sp.set_defaults(fn=cmd_demo)
@@ -299,7 +393,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
     args = _parser().parse_args(argv)  # usage errors exit 2 (argparse)
     try:
-        return int(args.fn(args))
+        code = int(args.fn(args))
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return code
+    except BrokenPipeError:
+        return _closed_pipe()
     except (Exception, KeyboardInterrupt) as e:
         code = exit_code(e)
         if code == EXIT_INTERNAL:
@@ -313,6 +411,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(args, "json", False):
             print(json.dumps({"error": msg, "exit_code": code}))
         return code
+
+
+def _closed_pipe() -> int:
+    """The reader of stdout went away (``bytecp inspect CK | head -1``): end
+    quietly, as a command killed by SIGPIPE does, with its code (141)."""
+    import os
+
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # nothing more to flush at exit
+    except (OSError, ValueError):
+        pass
+    return EXIT_CLOSED_PIPE
 
 
 if __name__ == "__main__":

@@ -293,15 +293,21 @@ def refuse_nested(src: str, out: str) -> None:
                           f"{src}; choose an output outside it")
 
 
-def _single_file_target(src: str, out: str, out_options: dict[str, Any] | None, overwrite: bool) -> tuple[Storage, str]:
+def _single_file_target(src: str, out: str, out_options: dict[str, Any] | None, overwrite: bool,
+                        file_name: str) -> tuple[Storage, str, str]:
+    """(parent storage, file name, output URL) of a one-file export: ``out``
+    itself, or ``out/<file_name>`` when ``out`` is a directory (a model
+    directory holding config and tokenizer files gets its weights beside them)."""
     parent_url, name = split_url(out)
     parent = open_storage(parent_url, **(out_options or {}))
     refuse_nested(src, parent.url.rstrip("/") + "/" + name)
-    if parent.list_files(name):
-        raise ConfigError(f"{out} is a directory; name the output file (or drop --format for the Hugging Face layout)")
+    proto, rest = split_protocol(parent.url.rstrip("/") + "/" + name)
+    is_dir = os.path.isdir(os.path.expanduser(rest)) if proto in ("file", "local") else bool(parent.list_files(name))
+    if is_dir:
+        parent, name, out = parent.child(name), file_name, out.rstrip("/") + "/" + file_name
     if not overwrite and parent.exists(name):
         raise CheckpointExistsError(f"{out} already exists; pass --overwrite (overwrite=True) to replace it")
-    return parent, name
+    return parent, name, out
 
 
 def export_safetensors(
@@ -313,7 +319,7 @@ def export_safetensors(
     opened = open_export(src)
     storage, md = opened.storage, opened.metadata
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
-    parent, name = _single_file_target(storage.url, out, out_options, overwrite)
+    parent, name, out = _single_file_target(storage.url, out, out_options, overwrite, "model.safetensors")
     header = safetensors_header(items, safetensors_metadata(md))
     total = sum(it.nbytes for it in items)
     progress.start(total)
@@ -363,7 +369,7 @@ def export_torch(
     storage, md = opened.storage, opened.metadata
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
                                     safetensors=False)
-    parent, name = _single_file_target(storage.url, out, out_options, overwrite)
+    parent, name, out = _single_file_target(storage.url, out, out_options, overwrite, "pytorch_model.bin")
     total = sum(it.nbytes for it in items)
     progress.start(total)
     sd: dict[str, torch.Tensor] = {}

@@ -3,7 +3,8 @@
 ``state["rng"] = bytecp.RNGState()`` saves every rank's torch, numpy, python
 (and CUDA, where present) generator states and restores them on the same rank;
 ``bytecp.PerRankState(obj)`` does the same for any ``Stateful`` object (a
-dataloader, a sampler). Adapters recognise both and store them per rank.
+dataloader, a sampler). ``bytecp.trainable(model)`` is the trainable part of
+a model (a PEFT model's adapters), to save on its own. Adapters recognise both and store them per rank.
 When a checkpoint is loaded by a different number of ranks, rank ``r``
 restores the state saved by rank ``r % saved_world_size`` and a warning says so.
 """
@@ -16,7 +17,19 @@ from typing import Any
 import numpy as np
 import torch
 
-__all__ = ["RNGState", "PerRankState"]
+__all__ = ["RNGState", "PerRankState", "trainable"]
+
+
+def trainable(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The parameters of ``module`` that require grad, by name (views, no copy).
+
+    For PEFT fine-tunes: ``{"adapter": bytecp.trainable(model), "optimizer":
+    opt}`` saves only the adapters (LoRA matrices) and their optimizer state,
+    DTensors (FSDP2) included; ``bytecp.load`` of the same dict fills them in
+    place, so an adapter checkpoint loads onto a base model built from its
+    Hugging Face weights. Names are ``module.named_parameters()``'s.
+    """
+    return {n: p for n, p in module.named_parameters() if p.requires_grad}
 
 
 class RNGState:

@@ -29,7 +29,13 @@ about one tensor plus the write buffer in memory) through
   loadable output, never a mix. After the commit, files of the old output
   that the new one lacks are deleted.
 
-Without ``overwrite``, an output that holds any file is refused.
+OUT may be a model directory already (``config.save_pretrained(OUT)``,
+tokenizer files): the weights are written beside its files, which stay;
+its ``config.json`` is replaced only by an explicit ``config``. An OUT that
+holds the weights of an earlier export is refused without ``overwrite``;
+``overwrite`` replaces those weights and never deletes any other file.
+``generation_config.json`` and tokenizer files saved in the checkpoint's
+metadata (:func:`companion_files`) are written where OUT lacks them.
 """
 
 from __future__ import annotations
@@ -62,7 +68,7 @@ from bytecp.tools.progress import NO_PROGRESS, Progress
 
 __all__ = [
     "DEFAULT_MAX_SHARD_SIZE", "WEIGHTS_NAME", "INDEX_NAME", "CONFIG_NAME", "parse_size", "plan_shards",
-    "shard_names", "index_json", "resolve_config", "export_hf",
+    "shard_names", "index_json", "resolve_config", "export_hf", "companion_files",
 ]  # fmt: skip
 
 #: huggingface_hub's default (``split_torch_state_dict_into_shards``); transformers 5's
@@ -288,8 +294,29 @@ def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, A
     return sizes
 
 
+def _publish_beside(out: str, options: dict[str, Any], old_weights: list[str], files: list[tuple[str, Any]],
+                    reader: TensorReader, workers: int, progress: Progress) -> dict[str, int]:
+    """(filesystems, OUT a model directory) Write into a hidden sibling, then
+    rename each file into OUT, the commit file last, and remove the old
+    export's weights the new one lacks. A failed export changes nothing in
+    OUT; OUT's other files are never touched."""
+    parent_url, name = split_url(out)
+    parent = open_storage(parent_url, **options)
+    stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
+    try:
+        sizes = _write_all(parent, stage, files, reader, workers, progress)
+        for n, _ in files:
+            parent.rename(f"{stage}/{n}", f"{name}/{n}", replace=True)
+    finally:
+        parent.delete_prefix(stage)
+    parent.delete([f"{name}/{f}" for f in old_weights if f not in sizes])
+    return sizes
+
+
 def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[str, Any]],
-                      reader: TensorReader, workers: int, progress: Progress) -> dict[str, int]:
+                      reader: TensorReader, workers: int, progress: Progress, kept: Sequence[str] = ()) -> dict[str, int]:
+    """``existing``: the old export's weights (replaced); ``kept``: the
+    directory's other files (never deleted, even when this export fails)."""
     target.delete([f for f in (INDEX_NAME, WEIGHTS_NAME) if f in existing])  # withdraw the old output first
     sizes: dict[str, int] = {}
     try:
@@ -298,7 +325,7 @@ def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[st
         try:
             # a stopped worker may leave an unfinished multipart upload (S3)
             target.abort_incomplete_uploads()
-            target.delete([n for n, _ in files if n not in existing])
+            target.delete([n for n, _ in files if n not in existing and n not in kept])
         except Exception:  # noqa: BLE001 - best effort; the original error matters
             pass
         raise
@@ -306,8 +333,29 @@ def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[st
     return sizes
 
 
-#: the files of an export (what --overwrite may replace)
-_EXPORT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json|config\.json")
+#: the weights of an export (what --overwrite replaces; every other file of OUT stays)
+_WEIGHTS_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")
+#: user metadata keys whose values become files of the export, when present
+COMPANIONS = {"hf_generation_config": "generation_config.json"}
+TOKENIZER_KEY = "hf_tokenizer_files"  # {file name: text}, e.g. from tokenizer.save_pretrained(dir)
+
+
+def companion_files(md: fmt.Metadata, where: str) -> list[tuple[str, bytes]]:
+    """``generation_config.json`` and tokenizer files saved in the checkpoint's
+    metadata (``metadata={"hf_generation_config": gen.to_dict(),
+    "hf_tokenizer_files": {"tokenizer.json": text, ...}}``)."""
+    out = []
+    for key, name in COMPANIONS.items():
+        if key in md.user_metadata:
+            out.append((name, json.dumps(md.user_metadata[key], indent=2, sort_keys=True).encode() + b"\n"))
+    tok = md.user_metadata.get(TOKENIZER_KEY) or {}
+    if not isinstance(tok, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tok.items()):
+        raise ConfigError(f"{where}: metadata {TOKENIZER_KEY!r} must map file names to their text")
+    for name, text in sorted(tok.items()):
+        if "/" in name or name in ("", ".", "..") or _WEIGHTS_FILE.fullmatch(name) or name == CONFIG_NAME:
+            raise ConfigError(f"{where}: metadata {TOKENIZER_KEY!r} names {name!r}, not a tokenizer file name")
+        out.append((name, text.encode()))
+    return out
 
 
 def export_hf(
@@ -336,18 +384,17 @@ def export_hf(
     target = open_storage(out, **options)
     refuse_nested(storage.url, target.url)
     existing = target.list_files("")
-    if existing and not overwrite:
-        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
-        raise CheckpointExistsError(f"{out} already holds files ({shown}); pass --overwrite (overwrite=True) "
-                                    "to replace them, or choose another output")
-    foreign = [f for f in existing if not _EXPORT_FILE.fullmatch(f)]
-    if foreign:  # --overwrite replaces an earlier export, never anything else
-        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        raise CheckpointExistsError(
-            f"{out} holds files that are not part of a Hugging Face export ({shown}); --overwrite replaces only "
-            "an earlier export (model*.safetensors, model.safetensors.index.json, config.json): move those "
-            "files away or choose another output"
-        )
+    old_weights = [f for f in existing if _WEIGHTS_FILE.fullmatch(f)]
+    if old_weights and not overwrite:
+        shown = ", ".join(old_weights[:3]) + (", ..." if len(old_weights) > 3 else "")
+        raise CheckpointExistsError(f"{out} already holds the weights of an export ({shown}); pass --overwrite "
+                                    "(overwrite=True) to replace them, or choose another output")
+    # a model directory (config, tokenizer, generation config...): the weights go beside its files, which
+    # stay; its config.json is replaced only by an explicit --config
+    kept = [f for f in existing if f not in old_weights]
+    if CONFIG_NAME in kept and config is None:
+        config_bytes, config_source = None, f"kept {out.rstrip('/')}/{CONFIG_NAME}"
+    extras = [(n, b) for n, b in companion_files(md, storage.url) if n not in kept]
     shards = plan_shards(items, max_bytes)
     names = shard_names(len(shards))
     reader = TensorReader(opened)
@@ -357,14 +404,16 @@ def export_hf(
         for n, s in zip(names, shards, strict=True)
     ]
     config_file = [(CONFIG_NAME, config_bytes)] if config_bytes is not None else []
+    config_file += extras
     if len(shards) == 1:  # the one shard is the commit file: after the config
         files: list[tuple[str, Any]] = config_file + weights
     else:
         files = weights + config_file + [(INDEX_NAME, index_json(shards, names))]
     total = sum(it.nbytes for it in items)
     progress.start(total)
-    if target.atomic_rename:
-        sizes = _publish_renamed(out, options, files, overwrite, reader, workers, progress)
+    if target.atomic_rename:  # a model directory's other files stay: the new files go in beside them
+        sizes = (_publish_beside(out, options, old_weights, files, reader, workers, progress) if kept else
+                 _publish_renamed(out, options, files, overwrite, reader, workers, progress))
     else:
-        sizes = _publish_in_place(target, existing, files, reader, workers, progress)
+        sizes = _publish_in_place(target, old_weights, files, reader, workers, progress, kept)
     return ExportResult(out, "hf", sizes, len(items), total, omitted, config_source)

@@ -13,6 +13,13 @@ runs only after a commit, and always keeps the newest), and deletion runs on
 the save's background thread once it has committed, never on the training
 thread. A failed save deletes nothing; its error is raised by the next
 ``save``/``wait``.
+
+Saves are incremental by default: each references, in the previous
+checkpoint this manager saved, the boxes unchanged since then (frozen
+parameters: a LoRA fine-tune writes only its adapters and their optimizer
+state), and every ``full_every``-th save writes everything, so no
+checkpoint keeps an old one alive for long. Retention keeps the files kept
+checkpoints reference (:mod:`bytecp.tools.retention`).
 """
 
 from __future__ import annotations
@@ -20,14 +27,18 @@ from __future__ import annotations
 import logging
 import re
 import threading
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
-from bytecp.catalog import CheckpointInfo, list_checkpoints
-from bytecp.errors import ConfigError
+from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
+from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
-from bytecp.storage_api import open_storage
+from bytecp.format.references import BASE_FILE
+from bytecp.storage_api import Storage, open_storage
+from bytecp.tools.retention import retain
 
 if TYPE_CHECKING:  # pragma: no cover
+    from bytecp.preemption import Preemption
     from bytecp.saving.handles import SaveHandle
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
@@ -47,6 +58,16 @@ class CheckpointManager:
     staging before the next ``optimizer.step``) and commit in the
     background; retention runs on that background thread after the commit.
     ``wait()`` blocks until the in-flight save and its retention are done.
+
+    ``incremental=True`` (the default): a save references the unchanged boxes
+    of the previous one (see the module's docstring); ``full_every=K``: every
+    K-th save is written whole (1: all of them, like ``incremental=False``).
+
+    ``save_on_signal=True`` (SIGTERM; or a signal number, or several):
+    pre-emption. The handler only notes the signal; at the next
+    ``maybe_save`` every rank learns it (one all-reduce of one integer per
+    call, on a gloo group of its own), saves that step synchronously and
+    exits with ``SystemExit(0)``. Create the manager on the main thread.
     """
 
     def __init__(
@@ -57,13 +78,21 @@ class CheckpointManager:
         keep_last: int | None = 3,
         async_save: bool = False,
         lazy: bool = False,
+        incremental: bool = True,
+        full_every: int = 8,
         storage_options: dict[str, Any] | None = None,
+        save_on_signal: bool | int | Iterable[int] = False,
         **save_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
             raise ConfigError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if type(full_every) is not int or full_every < 1:
+            raise ConfigError(f"full_every must be an int >= 1 (1: every save is full), got {full_every!r}")
+        if "base" in save_kwargs:
+            raise ConfigError("CheckpointManager chooses each save's base itself; pass incremental=False "
+                              "to write every save whole instead of base=")
         if lazy and not async_save:
             raise ConfigError("lazy=True needs async_save=True (a lazy save is an asynchronous one)")
         self.run_url = run_url.rstrip("/")
@@ -73,12 +102,23 @@ class CheckpointManager:
         self.save_kwargs = save_kwargs
         self.async_save = async_save
         self.lazy = lazy
+        self.incremental, self.full_every = incremental, full_every
+        #: the last checkpoint this manager saved, and saves since the last full one
+        self._last: str | None = None
+        self._chain = 0
         #: the in-flight (or last) asynchronous save and the event set once
         #: its retention has run
         self._pending: SaveHandle | None = None
         self._retained = threading.Event()
         self._retained.set()
         self._retain_lock = threading.Lock()
+        #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
+        self.skipped: list[tuple[str, str]] = []
+        self._preemption: Preemption | None = None
+        if save_on_signal is not False:
+            from bytecp.preemption import Preemption, signals_from
+
+            self._preemption = Preemption(signals_from(save_on_signal), save_kwargs.get("process_group"))
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -88,10 +128,34 @@ class CheckpointManager:
         return found[-1] if found else None
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
+        """Save if ``step`` is due (or ``force``); every rank calls it after
+        each step's update. With ``save_on_signal``, once any rank has been
+        signalled every rank saves this step synchronously, waits for the
+        commit and its retention, and exits (``SystemExit(0)``)."""
+        if self._preemption is not None and self._preemption.agreed():
+            self._save_and_exit(step, state)
         if not force and step % self.every_n_steps:
             return False
         self.save(step, state)
         return True
+
+    def _save_and_exit(self, step: int, state: dict[str, Any]) -> None:
+        """(every rank) The pre-emption save: the in-flight save first, then
+        this step unless it is already committed, then exit cleanly."""
+        assert self._preemption is not None
+        try:
+            self.wait()
+        except Exception as e:  # the last checkpoint matters more than the failed one
+            log.error("bytecp: the save in flight failed (%s); saving step %s before exiting", e, step)
+        from bytecp.api import save
+        from bytecp.catalog import list_checkpoints
+
+        if step not in {c.step for c in list_checkpoints(self.run_url, storage_options=self.storage_options)}:
+            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
+            self._retain()
+        log.warning("bytecp: saved %s before exiting on a signal", self.url_for(step))
+        self._preemption.restore_handlers()
+        raise SystemExit(0)
 
     def save(self, step: int, state: dict[str, Any]) -> SaveHandle | None:
         """Save ``state`` as ``step-<step>`` (all ranks), then apply retention.
@@ -101,22 +165,35 @@ class CheckpointManager:
         the previous save must have ended first (its error, if any, is raised
         here), and retention runs when this one commits.
         """
+        base = self._base(step)
         if not self.async_save:
             from bytecp.api import save
 
-            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
+            save(self.url_for(step), state, step=step, storage_options=self.storage_options, base=base,
+                 **self.save_kwargs)
             self._retain()
             return None
         from bytecp.api import async_save
 
         handle = async_save(
-            self.url_for(step), state, lazy=self.lazy, step=step,
+            self.url_for(step), state, lazy=self.lazy, step=step, base=base,
             storage_options=self.storage_options, **self.save_kwargs,
         )
         self._pending = handle
         self._retained.clear()
         handle.add_done_callback(self._after_async_save)
         return handle
+
+    def _base(self, step: int) -> str | None:
+        """The checkpoint this save may reference: the previous one, unless
+        this save is a full one (every ``full_every``-th, or the first)."""
+        url, last = self.url_for(step), self._last
+        self._last = url
+        if not self.incremental or last is None or last == url or self._chain + 1 >= self.full_every:
+            self._chain = 0
+            return None
+        self._chain += 1
+        return last
 
     def _after_async_save(self, handle: SaveHandle) -> None:
         """(the save's background thread) Prune once the save has committed."""
@@ -137,7 +214,23 @@ class CheckpointManager:
         if not self._retained.wait(timeout):
             raise TimeoutError(f"retention after the save to {handle.url} not finished after {timeout} s")
 
-    def restore(self, state: dict[str, Any], **load_kwargs: Any) -> int | None:
+    def restore(self, state: dict[str, Any], *, fallback: bool = True, **load_kwargs: Any) -> int | None:
+        """Load the newest committed checkpoint that loads into ``state`` (all
+        ranks); return its step (the step that was saved, so training resumes
+        at the step after it), or ``None`` when the run has no checkpoint.
+
+        ``fallback=True`` (the default): a checkpoint that fails verification
+        or loading because its own files are bad (checksum mismatch, a data
+        or index file missing or truncated, unreadable ``metadata.json``) is
+        skipped with a warning naming it and why, and the previous one is
+        tried; nothing is deleted. Errors that an older checkpoint would not
+        cure stop the restore at once: a newer format, a state that does not
+        fit (keys, shapes), pickles not allowed, storage refusing access or
+        failing transiently. If no checkpoint loads,
+        :class:`~bytecp.errors.CorruptCheckpointError` names each one tried.
+        ``fallback=False``: the newest committed checkpoint or its error.
+        The other keyword arguments are those of :func:`bytecp.load`.
+        """
         from bytecp.api import load
 
         if self._pending is not None:  # never list while a save or its retention is in flight
@@ -145,26 +238,66 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        latest = self.latest()
-        if latest is None:
-            return None
-        load(latest.url, state, storage_options=self.storage_options, **load_kwargs)
-        return latest.step
+        found = list_checkpoints(self.run_url, storage_options=self.storage_options)
+        self.skipped = []
+        for info in reversed(found):
+            try:
+                load(info.url, state, storage_options=self.storage_options, **load_kwargs)
+            except Exception as e:
+                if not fallback or not checkpoint_is_bad(e):
+                    raise
+                why = one_line(e)
+                self.skipped.append((info.url, why))
+                log.warning("bytecp: restore skips %s, which does not load (%s); trying the previous "
+                            "checkpoint (it is kept: inspect it with `bytecp verify %s`)", info.url, why, info.url)
+                continue
+            return info.step
+        if self.skipped:
+            tried = "; ".join(f"{url}: {why}" for url, why in self.skipped)
+            raise CorruptCheckpointError(f"no committed checkpoint of {self.run_url} loads: {tried}")
+        return None
 
     def _retain(self) -> None:
         """(coordinator; the training thread when synchronous, the save's
         background thread when asynchronous) Delete all but the newest
         ``keep_last`` committed checkpoints. Only committed checkpoints are
         listed, so an in-flight save is never counted, and the newest
-        committed one is always kept."""
+        committed one is always kept. Then the files of killed saves in
+        step directories below the newest committed step are removed (see
+        :meth:`_sweep_uncommitted`; with ``keep_last=None`` nothing is
+        listed, and ``bytecp gc RUN`` removes them)."""
         from bytecp.dist import DistContext
 
         if self.keep_last is None or not DistContext().is_coordinator:
             return
         with self._retain_lock:
-            found = list_checkpoints(self.run_url, storage_options=self.storage_options)
+            infos = list_checkpoints(self.run_url, storage_options=self.storage_options)
+            found = [c.name for c in infos]
+            cut = max(0, len(found) - self.keep_last)
             root = open_storage(self.run_url, **self.storage_options)
-            for old in found[: max(0, len(found) - self.keep_last)]:
-                # metadata.json first: the checkpoint stops existing before its data goes
-                root.delete([f"{old.name}/{fmt.METADATA_FILE}"])
-                root.delete_prefix(old.name)
+            # what kept checkpoints reference stays (their bases are retired, not deleted)
+            retain(root, found[cut:], found[:cut], lambda: [
+                c.name for c in list_checkpoints(self.run_url, storage_options=self.storage_options)])
+            if infos and infos[-1].step is not None:
+                self._sweep_uncommitted(root, infos[-1].step, set(found[cut:]))
+
+    def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
+        """Remove what killed saves left in ``step-<N>`` directories with no
+        ``metadata.json`` and N below the newest committed step (a restarted
+        job may never save that step again), unless a save there may still
+        be running (:mod:`bytecp.saving.leases`). Never raises."""
+        from bytecp.saving.leases import orphans
+
+        try:
+            for name in root.list_children(""):
+                m = _STEP.match(name)
+                if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
+                        f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
+                    continue  # (a retired base holds files kept checkpoints reference)
+                dead, _ = orphans(root.child(name), None)
+                if dead:
+                    root.delete([f"{name}/{f}" for f in dead])
+                    log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
+                             len(dead), self.run_url, name)
+        except Exception as e:  # noqa: BLE001 - only garbage is at stake
+            log.warning("bytecp: could not remove files of killed saves below %s: %s", self.run_url, e)

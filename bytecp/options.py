@@ -57,6 +57,11 @@ class SaveOptions(_Common):
     step: int | None = None
     #: JSON-able user metadata stored in ``metadata.json`` (no NaN/inf)
     metadata: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: an earlier committed checkpoint of the same run (a sibling URL) whose
+    #: data files this save may reference instead of writing boxes again:
+    #: those unchanged since this process saved that checkpoint (format
+    #: version 3; see the guide's "Incremental checkpoints")
+    base: str | None = None
     #: replace a committed checkpoint at the same URL (the old one stays
     #: loadable until the new one commits); without it a save to a URL that
     #: holds a committed checkpoint raises CheckpointExistsError
@@ -96,6 +101,8 @@ class SaveOptions(_Common):
         _positive("staging_threads", self.staging_threads)
         if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
             raise ConfigError(f"background_nice must be an int from 0 to 19, got {self.background_nice!r}")
+        if self.base is not None and (not isinstance(self.base, str) or not self.base):
+            raise ConfigError(f"base must be the URL of an earlier checkpoint of the run, got {self.base!r}")
         if self.step is not None and type(self.step) is not int:
             raise ConfigError(f"step must be an int or None, got {self.step!r}")
         if self.verify_replicas is None:

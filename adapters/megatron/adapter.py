@@ -28,13 +28,14 @@ from .optimizer_layout import (
     DEFAULT_OPTIMIZER_LAYOUT,
     OptimizerLayout,
     _add_unowned,
+    _distributed_parts,
     _flat_finalizer,
     _flat_state,
     _init_fresh_state,
     _load_optimizer,
     _save_layout,
-    _single_distributed,
 )
+from .replicas import hints as replica_hints
 from .translate import (
     COMMON,
     Translation,
@@ -164,6 +165,8 @@ class MegatronAdapter(Adapter):
     """Megatron-Core models (TP/PP/DP, virtual pipeline chunks) and optimizers."""
 
     name = "megatron"
+    #: the distributed optimizer copies into model parameters through ``.data``
+    tracks_versions = False
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
@@ -183,19 +186,20 @@ class MegatronAdapter(Adapter):
         entries = _entries(state, types)
         tree: dict[str, Any] = {}
         vocab = _vocab_size(entries)
+        hints = replica_hints()
         model_sd = None
         for e in entries:
             if e.kind == "model":
                 assert e.chunks is not None
                 model_sd = _model_sharded(e.chunks)
-                tr = translate(model_sd, types, where=e.key)
+                tr = translate(model_sd, types, where=e.key, hint=hints.model if hints else None)
                 tree[e.key] = _unpad(tr.tree(target=False), tr.tensors, tr.asm, vocab)
         for e in entries:
             if e.kind == "optimizer":
                 layout = _save_layout(e.value)
-                d = _single_distributed(_optimizer_of(e.value))
-                if layout == "model_space" and d is not None:
-                    fs = _flat_state(d, model_sd, types, e.key)
+                parts = _distributed_parts(_optimizer_of(e.value))
+                if layout == "model_space" and parts is not None:
+                    fs = _flat_state(parts, model_sd, types, e.key, hints.optimizer if hints else None)
                     tree[e.key] = _unpad({**fs.leaves, COMMON: Whole(fs.common)}, fs.leaves, fs.asm, vocab)
                     continue
                 megatron_layout = "fully_reshardable" if layout == "model_space" else layout
@@ -215,6 +219,9 @@ class MegatronAdapter(Adapter):
                 out["tensor_parallel"] = parallel_state.get_tensor_model_parallel_world_size()
                 out["pipeline_parallel"] = parallel_state.get_pipeline_model_parallel_world_size()
                 out["data_parallel"] = parallel_state.get_data_parallel_world_size()
+                out["context_parallel"] = parallel_state.get_context_parallel_world_size()
+                out["expert_parallel"] = parallel_state.get_expert_model_parallel_world_size()
+                out["expert_tensor_parallel"] = parallel_state.get_expert_tensor_parallel_world_size()
         except Exception:  # pragma: no cover - informational only
             pass
         types = _types()
@@ -247,20 +254,27 @@ class MegatronAdapter(Adapter):
                 e.tr = translate(e.sd, types, where=e.key)
             elif e.kind == "optimizer":
                 e.layout = _load_layout(e, saved_layouts)
+                if e.layout == "model_space" and any(k.startswith(f"{e.key}.chained_") for k in md.tensors):
+                    # Megatron's own producer saved a chain (dense + expert
+                    # optimizers): its keys carry the chain index, so the
+                    # checkpoint loads through Megatron's loader (same chain)
+                    e.layout = "fully_reshardable"
                 opt = _optimizer_of(e.value)
                 _init_fresh_state(opt)
-                d = _single_distributed(opt)
-                if e.layout == "model_space" and d is not None:
-                    fs = _flat_state(d, model_sd, types, e.key)
+                parts = _distributed_parts(opt)
+                if e.layout == "model_space" and parts is not None:
+                    fs = _flat_state(parts, model_sd, types, e.key)
                     _add_unowned(e.key, fs, md)
                     tree[e.key] = _clip_padded(e.key, {**fs.leaves, COMMON: Slot()}, fs.leaves, fs.asm, md)
-                    finalizers.append(_flat_finalizer(e.key, d, fs))
+                    finalizers.append(_flat_finalizer(e.key, opt, parts, fs))
                     continue
                 megatron_layout = "fully_reshardable" if e.layout == "model_space" else e.layout
                 e.sd = _optimizer_sharded(e, model_sd, megatron_layout, loading=True)
                 e.tr = translate(e.sd, types, where=e.key)
             if e.tr is not None:
                 tree[e.key] = _clip_padded(e.key, e.tr.tree(target=True), e.tr.tensors, e.tr.asm, md)
+                if e.kind == "model":
+                    _skip_others_extra_state(e.key, tree[e.key], md)
                 finalizers.append(_finalizer(e, types))
             else:
                 tree[e.key] = _plain_target(e.key, e.value, state, finalizers)
@@ -289,6 +303,20 @@ def _load_layout(e: _Entry, saved: dict[str, Any]) -> str:
         return want
     layout = str(saved_layout or DEFAULT_OPTIMIZER_LAYOUT)
     return "model_space" if layout in _MODEL_SPACE else layout
+
+
+def _skip_others_extra_state(key: str, tree: dict[str, Any], md: Metadata) -> None:
+    """(load) Module extra state (``*._extra_state/shard_...`` objects) that
+    another rank holds: each expert-parallel rank holds the extra state of its
+    own experts only, keyed by the global expert index, so the checkpoint holds
+    every expert's and this rank reads its own. The others are read into
+    slots nobody applies, so a strict load sees every saved key wanted."""
+    prefix = f"{key}."
+    for fqn in md.objects:
+        if fqn.startswith(prefix) and "._extra_state/shard_" in fqn:
+            rest = fqn[len(prefix):]
+            if rest not in tree:
+                tree[rest] = Slot()
 
 
 def _clip_padded(

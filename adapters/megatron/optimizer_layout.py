@@ -129,10 +129,11 @@ def _pieces(meta: Any, types: _Types, where: str) -> list[_Piece]:
 
 def model_space_leaves(
     pieces: list[_Piece], start: int, flat: torch.Tensor, prefix: str, leaves: dict[str, TensorLeaf],
-    asm: set[str],
+    asm: set[str], hint: Any = None,
 ) -> None:
     """Add the boxes that ``flat`` -- elements ``[start, start+numel)`` of a
-    parameter's local data -- covers, under ``prefix + piece key``, as views."""
+    parameter's local data -- covers, under ``prefix + piece key``, as views;
+    ``hint`` (save) gives a new leaf its replica set (``replicas.Hints.optimizer``)."""
     end = start + flat.numel()
     for pc in pieces:
         lo, hi = max(start, pc.first), min(end, pc.first + pc.numel)
@@ -143,7 +144,8 @@ def model_space_leaves(
             asm.add(key)
         leaf = leaves.get(key)
         if leaf is None:
-            leaf = leaves[key] = TensorLeaf(pc.global_shape, flat.dtype, [])
+            replicas = hint(pc.key, pc.local_shape, pc.global_shape, pc.prepend_axis_num) if hint else None
+            leaf = leaves[key] = TensorLeaf(pc.global_shape, flat.dtype, [], replicas)
         base = lo - start
         for region, pos in flat_range_boxes(pc.local_shape, pc.global_offset, pc.prepend_axis_num,
                                             lo - pc.first, hi - pc.first):
@@ -157,60 +159,66 @@ class _FlatState:
 
     leaves: dict[str, TensorLeaf]
     common: dict[str, Any]
-    live: list[tuple[Any, str, torch.Tensor]]  # (model param, state name, tensor in the leaves)
+    live: list[tuple[Any, Any, str, torch.Tensor]]  # (optimizer, model param, state name, tensor in the leaves)
     asm: set[str]  # keys of padded tensors (allow_shape_mismatch)
     model_keys: set[str]  # model keys of every parameter the optimizer's buffers hold
 
 
-def _single_distributed(opt: Any) -> Any:
-    """The one DistributedOptimizer ``opt`` is (or chains), on its standard path; else None."""
+def _distributed_parts(opt: Any) -> list[Any] | None:
+    """The DistributedOptimizers ``opt`` is or chains (one, or Megatron's dense
+    and expert optimizers under expert parallelism), each on its standard
+    path; else None (the caller then uses Megatron's own producers)."""
     try:
         from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     except ImportError:  # pragma: no cover - megatron without the distributed optimizer
         return None
     subs = getattr(opt, "chained_optimizers", None)
-    if subs is not None:
-        if len(subs) != 1:
+    parts = list(subs) if subs is not None else [opt]
+    if not parts:
+        return None
+    for d in parts:
+        if not isinstance(d, DistributedOptimizer):
             return None
-        opt = subs[0]
-    if not isinstance(opt, DistributedOptimizer):
-        return None
-    cfg = getattr(opt, "config", None)
-    if getattr(cfg, "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
-        return None
-    if getattr(getattr(opt, "ddp_config", None), "use_megatron_fsdp", False):
-        return None
-    return opt
+        if getattr(getattr(d, "config", None), "use_precision_aware_optimizer_no_fp8_or_ds_fp8", False):
+            return None
+        if getattr(getattr(d, "ddp_config", None), "use_megatron_fsdp", False):
+            return None
+    return parts
 
 
-def _flat_state(d: Any, model_sd: Any, types: _Types, where: str) -> _FlatState:
-    """(all ranks, no communication) Each parameter range this DP rank owns,
-    for the main parameter and every optimizer state tensor, as boxes of the
-    model-space tensors Megatron's fully_reshardable layout names
-    ``optimizer.state.<name>.<model key>``."""
+def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint: Any = None) -> _FlatState:
+    """(all ranks, no communication) Each parameter range this rank owns in
+    each of ``parts`` (the dense and expert optimizers of a chain: their DP
+    groups differ), for the main parameter and every optimizer state tensor,
+    as boxes of the model-space tensors Megatron's fully_reshardable layout
+    names ``optimizer.state.<name>.<model key>``; expert tensors carry the
+    global expert axis, so the names do not depend on the chain or on EP. The
+    common state is one param-group list for the whole chain (see
+    :func:`_chain_common`)."""
     meta: dict[int, Any] = {}
     for node in _leaves(model_sd):
         if isinstance(node, (types.ShardedTensor, types.ShardedTensorFactory)) and node.data is not None:
             meta[id(node.data)] = node
     leaves: dict[str, TensorLeaf] = {}
     asm: set[str] = set()
-    live: list[tuple[Any, str, torch.Tensor]] = []
+    live: list[tuple[Any, Any, str, torch.Tensor]] = []
     model_keys: set[str] = set()
-    for buffer in d.buffers:
+    for buffer in (b for d in parts for b in d.buffers):
         for param in buffer.param_index_map:
             m = meta.get(id(param))
             if m is not None:
                 model_keys.update(pc.key for pc in _pieces(m, types, where))
-    for gbuf_range_maps in d.gbuf_ranges:
+    for d, gbuf_range_maps in ((part, m) for part in parts for m in part.gbuf_ranges):
         for buckets in gbuf_range_maps.values():
             for bucket in buckets:
                 for param, ranges in bucket["param_map"].items():
                     m = meta.get(id(param))
                     if m is None:
                         raise ConfigError(
-                            f"{where}: a parameter of the distributed optimizer (shape "
-                            f"{list(param.shape)}) is not in the model's sharded_state_dict(); pass "
-                            "the model whose parameters the optimizer holds"
+                            f"{where}: parameter {_param_name(d, param)!r} (shape {list(param.shape)}, "
+                            f"{_group_of(param, parts.index(d), len(parts))}) of the distributed "
+                            "optimizer is not in the model's sharded_state_dict(); pass the model "
+                            "(or the Megatron-DDP-wrapped model) this optimizer was built on"
                         )
                     pieces = _pieces(m, types, where)
                     r = ranges["param"]
@@ -218,11 +226,48 @@ def _flat_state(d: Any, model_sd: Any, types: _Types, where: str) -> _FlatState:
                         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != r.end - r.start:
                             continue  # "step" and other per-parameter scalars live in the common state
                         flat = t.detach()
-                        model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm)
-                        live.append((param, name, flat))
-    common = dict(d.state_dict())
-    common["param_state_sharding_type"] = "fully_reshardable"
-    return _FlatState(leaves, common, live, asm, model_keys)
+                        model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm, hint)
+                        live.append((d, param, name, flat))
+    return _FlatState(leaves, _chain_common(parts), live, asm, model_keys)
+
+
+def _param_name(d: Any, param: Any) -> str:
+    """The parameter's name in the model the optimizer was built on, or '?'."""
+    for chunk in getattr(d, "model_chunks", None) or []:
+        for name, p in chunk.named_parameters():
+            if p is param:
+                return str(name)
+    return "?"
+
+
+def _group_of(param: Any, i: int, n: int) -> str:
+    """Which Megatron group holds ``param``: experts (expert data-parallel
+    group) or dense, and its optimizer in the chain."""
+    kind = "expert-parallel" if not getattr(param, "allreduce", True) else "dense data-parallel"
+    return f"Megatron {kind} group, optimizer {i + 1} of {n} in the chain"
+
+
+def _group_id(group: dict[str, Any]) -> tuple[Any, ...]:
+    """Megatron's identity of a param group (``param_group_identifier_keys``)."""
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    return tuple(group.get(k, group.get(f"pre_{k}")) for k in param_group_identifier_keys)
+
+
+def _chain_common(parts: list[Any]) -> dict[str, Any]:
+    """The non-parameter state of every optimizer of the chain as one
+    DistributedOptimizer state dict: the param groups of all of them (each
+    identified by Megatron's group keys, wd/lr multipliers and
+    ``is_expert_parallel``), so any chain (EP=2: dense + expert, EP=1: one)
+    finds its groups in it on load."""
+    first = dict(parts[0].state_dict())
+    groups: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for d in parts:
+        for g in d.state_dict()["optimizer"]["param_groups"]:
+            groups.setdefault(_group_id(g), g)
+    first["optimizer"] = {**first["optimizer"], "param_groups": list(groups.values())}
+    first["param_state_sharding_type"] = "fully_reshardable"
+    return first
 
 
 def _add_unowned(key: str, fs: _FlatState, md: Metadata) -> None:
@@ -259,26 +304,64 @@ def _init_fresh_state(opt: Any) -> None:
 def _save_layout(v: Any) -> str:
     return v.layout if isinstance(v, OptimizerLayout) else DEFAULT_OPTIMIZER_LAYOUT
 
-def _flat_finalizer(key: str, d: Any, fs: _FlatState) -> Callable[[dict[str, Any]], None]:
-    """(all ranks) After the model-space ranges are read into the optimizer's
-    own tensors: the non-parameter state (param groups, step, grad scaler)."""
+def _groups_for(key: str, d: Any, saved: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The saved param groups ``d`` finds its own in. A group saved under the
+    other ``is_expert_parallel`` flag stands in for a missing one with the same
+    multipliers: at EP=1 Megatron keeps experts in the dense groups, at EP > 1
+    in an expert optimizer of their own."""
+    have = {_group_id(g): g for g in saved}
+    out = list(saved)
+    for g in d.optimizer.param_groups:
+        want = _group_id(g)
+        if want in have:
+            continue
+        twin = next((s for i, s in have.items() if _same_but_expert_flag(i, want)), None)
+        if twin is None:
+            raise StateMismatchError(
+                f"optimizer {key!r}: the checkpoint has no param group {want} (wd_mult, lr_mult, "
+                f"is_expert_parallel, is_decoupled_lr); it holds {sorted(have, key=str)}. Load with "
+                "the optimizer settings (weight-decay and learning-rate multipliers) the job was saved with"
+            )
+        flag = "is_expert_parallel" if "is_expert_parallel" in twin else "pre_is_expert_parallel"
+        have[want] = {**twin, flag: g.get("is_expert_parallel", g.get("pre_is_expert_parallel"))}
+        out.append(have[want])
+    return out
+
+
+def _same_but_expert_flag(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    from megatron.core.optimizer.optimizer import param_group_identifier_keys
+
+    i = param_group_identifier_keys.index("is_expert_parallel")
+    return a[:i] + a[i + 1 :] == b[:i] + b[i + 1 :]
+
+
+def _flat_finalizer(key: str, opt: Any, parts: list[Any], fs: _FlatState) -> Callable[[dict[str, Any]], None]:
+    """(all ranks) After the model-space ranges are read into the optimizers'
+    own tensors: the non-parameter state (param groups, step, grad scaler) of
+    every optimizer of the chain, from the saved groups with the same identity."""
 
     def finalize(values: dict[str, Any]) -> None:
         common = values.get(f"{key}.{COMMON}")
         if common is None:
             raise StateMismatchError(f"optimizer {key!r}: the checkpoint holds no optimizer param groups")
         rest = {k: v for k, v in common.items() if k != "param_state_sharding_type"}
-        d.load_state_dict(rest)
-        inner = getattr(d, "optimizer", None)
-        if isinstance(inner, torch.optim.Optimizer):
-            for st in inner.state.values():  # one step tensor per parameter (see _load_optimizer)
-                if isinstance(st.get("step"), torch.Tensor):
-                    st["step"] = st["step"].detach().clone()
+        groups = list(rest.get("optimizer", {}).get("param_groups", []))
+        for d in parts:
+            rest = {**rest, "optimizer": {**rest["optimizer"], "param_groups": _groups_for(key, d, groups)}}
+            d.load_state_dict(rest)
+            inner = getattr(d, "optimizer", None)
+            if isinstance(inner, torch.optim.Optimizer):
+                for st in inner.state.values():  # one step tensor per parameter (see _load_optimizer)
+                    if isinstance(st.get("step"), torch.Tensor):
+                        st["step"] = st["step"].detach().clone()
         with torch.no_grad():
-            for param, name, t in fs.live:
+            for d, param, name, t in fs.live:
                 cur = d._get_main_param_and_optimizer_states(param).get(name)
                 if isinstance(cur, torch.Tensor) and cur.data_ptr() != t.data_ptr():
                     cur.copy_(t)  # the optimizer replaced the tensor we filled
+        sync = getattr(opt, "_synchronize_steps", None)
+        if len(parts) > 1 and callable(sync):
+            sync()
 
     return finalize
 

@@ -116,7 +116,7 @@ def clip_to_saved(
         if part is None:
             continue
         shards.append(Shard(part, sh.tensor[part.relative_to(sh.region).slices()]))
-    return TensorLeaf(tuple(saved_shape), leaf.dtype, shards)
+    return TensorLeaf(tuple(saved_shape), leaf.dtype, shards, leaf.replicas)
 
 
 Path = tuple[Any, ...]
@@ -148,6 +148,9 @@ class Translation:
     bindings: list[_Binding]
     asm: set[str]  # keys whose ShardedTensors allow a shape mismatch (padding)
     duplicates: list[tuple[torch.Tensor, torch.Tensor]]
+    #: (save) the replica hint of a tensor: (key, local shape, global shape,
+    #: prepended axes) -> ReplicaSet or None (``replicas.Hints.model``)
+    hint: Any = None
 
     def tree(self, *, target: bool) -> dict[str, Any]:
         out: dict[str, Any] = dict(self.tensors)
@@ -162,10 +165,11 @@ def _path_str(path: Path) -> str:
     return ".".join(str(p) for p in path) or "<root>"
 
 
-def translate(sd: Any, types: _Types, *, where: str) -> Translation:
+def translate(sd: Any, types: _Types, *, where: str, hint: Any = None) -> Translation:
     """Walk a Megatron sharded state dict (dicts and lists) into a
-    :class:`Translation`. ``where`` names the state entry in errors."""
-    tr = Translation({}, {}, None, [], set(), [])
+    :class:`Translation`. ``where`` names the state entry in errors; ``hint``
+    gives each tensor its replica set (save)."""
+    tr = Translation({}, {}, None, [], set(), [], hint)
     _walk_into(tr, sd, (), types, where)
     tr.common = _strip(sd, types)
     return tr
@@ -198,7 +202,7 @@ def _walk_into(tr: Translation, node: Any, path: Path, types: _Types, where: str
                 f"build its tensors ({type(e).__name__}: {e}); bytecp saves what the factory builds, "
                 "so the model's sharded_state_dict() must produce a factory that builds"
             ) from e
-        sub = Translation(tr.tensors, tr.objects, None, [], tr.asm, tr.duplicates)
+        sub = Translation(tr.tensors, tr.objects, None, [], tr.asm, tr.duplicates, tr.hint)
         _walk_into(sub, built, (), types, f"{where} (factory {node.key!r})")
         if _strip(built, types) is not None:
             raise ConfigError(
@@ -236,7 +240,10 @@ def _add_tensor(tr: Translation, st: Any, path: Path, where: str) -> None:
     view = sharded_tensor_view(st.data, st.prepend_axis_num)
     leaf = tr.tensors.get(st.key)
     if leaf is None:
-        leaf = tr.tensors[st.key] = TensorLeaf(tuple(st.global_shape), st.dtype, [])
+        replicas = None
+        if tr.hint is not None:
+            replicas = tr.hint(st.key, tuple(st.local_shape), tuple(st.global_shape), st.prepend_axis_num)
+        leaf = tr.tensors[st.key] = TensorLeaf(tuple(st.global_shape), st.dtype, [], replicas)
     elif (leaf.global_shape, leaf.dtype) != (tuple(st.global_shape), st.dtype):
         raise ConfigError(
             f"{where}: Megatron sharded tensor {st.key!r} appears twice on this rank with "

@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from bytecp.errors import CorruptCheckpointError, PickleNotAllowedError
 from bytecp.format.parquet_footer import footer_row_groups
-from bytecp.tree.dtypes import SUPPORTED_DTYPES
+from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.skeleton import MAX_DEPTH
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -105,7 +105,7 @@ def check_structure(md: Metadata, where: str) -> None:
         if not isinstance(info, Mapping):
             raise _bad(where, f"describes tensor {fqn!r} as {info!r:.80}, not an object")
         dtype, shape = info.get("dtype"), info.get("shape")
-        if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+        if not isinstance(dtype, str) or dtype not in ITEMSIZES:
             raise _bad(where, f"gives tensor {fqn!r} the unknown dtype {dtype!r:.40}")
         if (
             not isinstance(shape, list)
@@ -214,7 +214,7 @@ def check_sizes(
     data_total = sum(md.data_files.values())
     tensor_total = 0
     for fqn, info in md.tensors.items():
-        tensor_total += math.prod(info["shape"]) * SUPPORTED_DTYPES[info["dtype"]].itemsize
+        tensor_total += math.prod(info["shape"]) * ITEMSIZES[info["dtype"]]
         if tensor_total > data_total:
             raise CorruptCheckpointError(
                 f"{storage.url}: metadata.json declares tensors (up to {fqn!r}, shape "

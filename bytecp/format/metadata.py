@@ -21,7 +21,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -53,7 +53,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "bytecp"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
@@ -76,11 +76,22 @@ INDEX_SCHEMA = pa.schema(
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 
 
-def check_path(path: str, kind: str, where: str) -> str:
+def check_path(path: str, kind: str, where: str, references: Mapping[str, str] | None = None) -> str:
     """A file name taken from a checkpoint: relative, below ``data/`` or
     ``index/``, with no ``..``/empty parts -- so a tampered checkpoint can
-    never make a reader read, or an overwrite delete, anything outside it."""
+    never make a reader read, or an overwrite delete, anything outside it.
+    With ``references`` (version 3), a data file may also be
+    ``../<name>/data/<save_id>/<file>.bin``: a data file of the sibling
+    checkpoint ``<name>`` of the same run, which ``references`` must list."""
     parts = path.split("/") if isinstance(path, str) else []
+    if references is not None and kind == "data" and len(parts) == 5 and parts[0] == "..":
+        if parts[1] in references and _SEGMENT.fullmatch(parts[1]) and parts[1] not in (".", ".."):
+            check_path("/".join(parts[2:]), kind, where)
+            return path
+        raise CorruptCheckpointError(
+            f"{where}: refusing data file {path!r}: a referenced file must lie in a checkpoint of the same run "
+            "that metadata.json lists under 'references' (see FORMAT.md, references)"
+        )
     if not (
         len(parts) == 3
         and parts[0] == kind
@@ -190,6 +201,9 @@ class Metadata:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     #: version 2: the one index file's segments (None: a version-1 checkpoint)
     index: IndexDirectory | None = None
+    #: version 3: checkpoints of the same run whose data files this one's
+    #: rows name (``../<name>/data/...``): name -> the save id committed there
+    references: dict[str, str] = dataclasses.field(default_factory=dict)
 
     def to_bytes(self) -> bytes:
         d = {
@@ -216,6 +230,8 @@ class Metadata:
             d["aliases"] = self.aliases
         if self.index is not None:
             d["index"] = self.index.to_json()
+        if self.references:
+            d["references"] = self.references
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
     @classmethod
@@ -254,6 +270,7 @@ class Metadata:
                 format_version=version,
                 aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
                 index=IndexDirectory.from_json(d["index"], where) if version >= 2 else None,
+                references=_references(d.get("references"), where) if version >= 3 else {},
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
@@ -270,7 +287,7 @@ class Metadata:
             if self.index_files:
                 raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
         for f in self.data_files:
-            check_path(f, "data", where)
+            check_path(f, "data", where, self.references if self.format_version >= 3 else None)
         for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
             if rec.file is not None:
                 check_path(rec.file, "data", where)
@@ -290,8 +307,33 @@ class Metadata:
         return self
 
     def referenced_files(self) -> set[str]:
+        """This checkpoint's own files that it needs (never another checkpoint's)."""
         extra = {self.index.file} if self.index is not None else set()
-        return set(self.index_files) | set(self.data_files) | extra
+        return set(self.index_files) | set(self.own_data_files) | extra
+
+    @property
+    def own_data_files(self) -> dict[str, int]:
+        """The data files stored in this checkpoint (path -> size), without those it references."""
+        return {p: n for p, n in self.data_files.items() if not p.startswith("../")}
+
+    def files_of(self, name: str) -> dict[str, int]:
+        """The data files of the referenced checkpoint ``name`` this one reads,
+        as paths relative to ``name`` (path -> size)."""
+        head = f"../{name}/"
+        return {p[len(head):]: n for p, n in self.data_files.items() if p.startswith(head)}
+
+
+def _references(d: Any, where: str) -> dict[str, str]:
+    if d is None:
+        return {}
+    if not isinstance(d, dict) or any(
+        not isinstance(k, str) or not _SEGMENT.fullmatch(k) or k in (".", "..") or not isinstance(v, str)
+        or not _SEGMENT.fullmatch(v) for k, v in d.items()
+    ):
+        raise CorruptCheckpointError(
+            f"{where}: metadata.json's references must map checkpoint names of the same run to save ids"
+        )
+    return dict(d)
 
 
 def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:

@@ -9,8 +9,17 @@ nothing on the normal path. The cases, in the order they are checked:
   the directory to use instead;
 - the URL is a **run directory** holding committed checkpoints (``step-N``
   folders): name its latest committed checkpoint;
-- files but no ``metadata.json``: an **interrupted or failed save**;
+- a ``base.json``: a checkpoint **retired by retention**, kept only for the
+  files newer checkpoints reference;
+- **another tool's checkpoint** (a Hugging Face model directory, a
+  torch.distributed.checkpoint directory): say what it is and how to load it;
+- ``data/``/``index/`` but no ``metadata.json``: an **interrupted or failed
+  save** (the next save to that URL or ``bytecp gc`` removes its files);
+- other entries: **not a checkpoint**, naming a few of them;
 - **nothing** there: say so, and how to list a run's checkpoints.
+
+Only the URL's top level is listed, never a whole tree: a wrong path may be
+``/tmp`` or a bucket's root.
 
 Storage errors that are not "missing" (permissions, throttling, an
 unreachable server) are returned unchanged: they already say what is wrong.
@@ -26,7 +35,7 @@ from bytecp.errors import CheckpointNotFoundError, IncompleteCheckpointError, St
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import Storage, open_storage, split_protocol
 
-__all__ = ["not_a_checkpoint", "raise_not_a_checkpoint"]
+__all__ = ["not_a_checkpoint", "raise_not_a_checkpoint", "foreign_kind"]
 
 log = logging.getLogger(__name__)
 
@@ -55,19 +64,62 @@ def not_a_checkpoint(storage: Storage, error: BaseException) -> BaseException:
             f"{url} is a run directory, not a checkpoint: its latest committed checkpoint is "
             f"{url}/{latest}; load that (or use CheckpointManager({url!r}).restore, which picks it)"
         )
-    try:
-        leftovers = storage.list_files("")
+    try:  # one level only: a wrong path may be the root of a huge tree
+        names = storage.list_children("")
     except Exception:  # noqa: BLE001 - listing is only for the message
-        leftovers = []
-    if leftovers:
+        names = []
+    if "base.json" in names:  # format version 3: retention retired it (bytecp.format.references)
+        return CheckpointNotFoundError(
+            f"{url} was retired by retention: it only holds the files newer checkpoints of its run "
+            "reference (base.json); load one of those (`bytecp ls RUN_DIR` lists them)"
+        )
+    foreign = foreign_kind(names)
+    if foreign is not None:
+        return CheckpointNotFoundError(f"{url} is {foreign}")
+    if _SAVE_FOLDERS & set(names):
         return IncompleteCheckpointError(
-            f"{url} has no metadata.json but holds {len(leftovers)} file(s): an interrupted or "
-            "failed save; it is not a checkpoint (load an earlier one; `bytecp gc` removes the files)"
+            f"{url} has no metadata.json but holds files of a save: an interrupted or failed save, not a "
+            f"checkpoint; load an earlier one (`bytecp ls` on its run directory lists them). The next save "
+            f"to {url} removes these files, or `bytecp gc {url}` once no save is running there"
+        )
+    if names:
+        shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
+        return CheckpointNotFoundError(
+            f"{url} is not a checkpoint: no metadata.json among its {len(names)} entries ({shown}); pass "
+            "a checkpoint directory (`bytecp ls RUN_DIR` lists a run's committed checkpoints)"
         )
     return CheckpointNotFoundError(
         f"no checkpoint at {url}: nothing is stored there; check the path "
         "(`bytecp ls RUN_DIR` lists a run's committed checkpoints)"
     )
+
+
+#: the folders a bytecp save writes before its metadata.json
+_SAVE_FOLDERS = {"data", "index"}
+_HF_WEIGHTS = (".safetensors", ".bin", ".safetensors.index.json", ".bin.index.json", ".h5", ".msgpack", ".gguf")
+
+
+def foreign_kind(names: list[str]) -> str | None:
+    """What another tool's checkpoint directory is, from its top-level names,
+    and how to load it (None: not one we recognise). Hugging Face model
+    directories and torch.distributed.checkpoint (DCP) directories are
+    named; bytecp does not read them (yet)."""
+    has = set(names)
+    if ".metadata" in has and any(n.endswith(".distcp") for n in names):
+        return (
+            "a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), not a bytecp one: load it "
+            "with torch.distributed.checkpoint.load, or convert it for one process with "
+            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+        )
+    hf_files = "config.json" in has or "tokenizer_config.json" in has or "adapter_config.json" in has
+    weights = [n for n in names if n.endswith(_HF_WEIGHTS) and not n.startswith(".")]
+    if hf_files or any(n.startswith(("model", "pytorch_model", "adapter_model")) for n in weights):
+        what = ", ".join(sorted(n for n in names if n == "config.json" or n in weights)[:3]) or "tokenizer files"
+        return (
+            f"a Hugging Face model directory ({what}), not a bytecp checkpoint: load it with transformers' "
+            "AutoModel...from_pretrained (or safetensors.torch.load_file), then save it with bytecp"
+        )
+    return None
 
 
 def raise_not_a_checkpoint(storage: Storage, error: BaseException) -> NoReturn:

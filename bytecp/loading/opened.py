@@ -49,7 +49,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import index_read, limits
+from bytecp.format import index_read, limits, references
 from bytecp.format import metadata as fmt
 from bytecp.format.index_check import check_index, check_rows
 from bytecp.loading import diagnose
@@ -281,7 +281,7 @@ class OpenedCheckpoint:
     @classmethod
     def received(cls, storage: Storage, shared: Shared) -> OpenedCheckpoint:
         """(every rank of a load) The coordinator's opened checkpoint, on this rank's storage."""
-        return cls(storage, shared.metadata, shared.index)
+        return cls(references.linked(storage, shared.metadata), shared.metadata, shared.index)
 
 
 def read_metadata(storage: Storage) -> fmt.Metadata:
@@ -300,5 +300,8 @@ def open_checkpoint(src: str | Storage) -> OpenedCheckpoint:
     its validated metadata, and how its rows are found (decided here, once)."""
     storage = src if isinstance(src, Storage) else open_storage(src)
     md = read_metadata(storage)
+    if md.references:  # version 3: rows may name files of other checkpoints of the run
+        references.check_references(storage, md)
+        storage = references.linked(storage, md)
     index: RowSource = _WholeIndex() if md.index is None else _Segments()
     return OpenedCheckpoint(storage, md, index)

@@ -158,7 +158,7 @@ class LoadPipeline:
                 chunks = self._own_rows(opened)
                 itemsizes = {t.fqn: itemsize(t.view.dtype) for t in self.own}
                 reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
-            execute_reads(self.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
+            execute_reads(opened.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
                           verify=self.opts.verify, trace=self.trace)
 
         self.ctx.run("load/read", read)

@@ -113,6 +113,8 @@ def build_metadata(
         bytecp_version=version,
         index=index.directory,
         aliases=aliases,
+        # version 3: "../<checkpoint>/data/<save_id>/<file>" -> the checkpoint and its save
+        references={p.split("/")[1]: p.split("/")[3] for p in data_files if p.startswith("../")},
     )
     return md, index
 

@@ -264,10 +264,49 @@ def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
     return list(found.values())
 
 
-@atexit.register
 def _drain() -> None:
-    """Let an in-flight save finish before the interpreter tears threads down."""
+    """(the main thread, at interpreter exit) Let the in-flight save finish and
+    its thread end (done-callbacks such as the manager's retention included)
+    before the interpreter finalizes.
+
+    Runs from ``threading._shutdown``, before ``concurrent.futures`` refuses
+    new work (the save still needs its writer pools) and before any
+    ``atexit`` handler. A daemon thread still running once finalization has
+    begun is ended by ``pthread_exit`` the next time it takes the GIL; the
+    forced unwind through the C++ frames of torch or pyarrow then calls
+    ``std::terminate`` (*terminate called without an active exception*,
+    SIGABRT) although every checkpoint committed. Interrupted (Ctrl-C) while
+    waiting, the save is abandoned with a message: the process ends at once
+    and the files of the uncommitted save are removed by the next save to
+    that URL or by ``bytecp gc``.
+    """
     h = _inflight
-    if h is not None and not h.done():
+    t = h.thread if h is not None else None
+    if h is None or t is None or not t.is_alive() or t is threading.current_thread():
+        return
+    if not h.done():
         log.warning("bytecp: waiting for the async save to %s before exit", h.url)
-        h._done.wait()
+    try:
+        t.join()
+    except KeyboardInterrupt:
+        log.error("bytecp: the async save to %s was abandoned at exit; it never committed, and the next "
+                  "save to it or `bytecp gc` removes its files", h.url)
+        logging.shutdown()
+        os._exit(130)
+
+
+def _register_drain() -> None:
+    """Run :func:`_drain` first thing at interpreter exit: in threading's own
+    exit hooks (they run in reverse order of registration, so after this one
+    registers, ``concurrent.futures``'s hook, imported first, runs after it),
+    or as an ``atexit`` handler where that hook does not exist."""
+    import concurrent.futures.thread  # noqa: F401  (registers its exit hook first)
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # pragma: no cover - every CPython since 3.9 has it
+        atexit.register(_drain)
+    else:
+        register(_drain)
+
+
+_register_drain()

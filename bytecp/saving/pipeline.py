@@ -16,7 +16,10 @@ or 5 when the coordinator plans. The local phases
 job: a failure is kept and travels with the next collective, so every rank
 learns of it (:class:`~bytecp.errors.DistributedCheckpointError` names each
 failed rank and its phase) and nobody waits. If the save fails anywhere
-before ``metadata.json`` is written, the coordinator removes its files.
+before ``metadata.json`` is written, the coordinator removes its files. From
+naming the save to its end the coordinator holds the save's lease
+(:mod:`bytecp.saving.leases`); once it commits, it removes the files of
+earlier saves at that URL that never committed.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.index_build import BuiltIndex
+from bytecp.format.references import held
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
@@ -48,6 +52,7 @@ from bytecp.plan.exchange import (
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.plan.split_sets import names_of, split_disjoint
 from bytecp.recorder import Trace
+from bytecp.saving import leases
 from bytecp.saving.commit import (
     build_metadata,
     check_target,
@@ -65,6 +70,7 @@ from bytecp.saving.results import (
     StagedBatch,
     nothing_staged,
 )
+from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.staging import ArenaStager, Stager
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
@@ -97,6 +103,8 @@ class SavePipeline:
         #: the one thing carried between phases: a local phase's failure,
         #: raised by the next collective on every rank
         self._kept: BaseException | None = None
+        #: boxes unchanged since the base are referenced, not written (format version 3)
+        self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
 
     # -- the phases -----------------------------------------------------------
     def describe(self) -> Described:
@@ -113,7 +121,8 @@ class SavePipeline:
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
                 flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
                                            per_rank=copy.deepcopy(flat.per_rank))
-            return Described(flat, adapter.name, parallelism)
+            return Described(flat, adapter.name, parallelism,
+                             tokens=live_tokens(flat) if adapter.tracks_versions else None)
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -128,7 +137,9 @@ class SavePipeline:
             if cached is None:
                 return Share(local, fingerprint, local.items)
             mine = tuple(cached[1])
-            return Share(local, fingerprint, mine, LocalSavePlan(self.ctx.rank, mine, fixed=True))
+            # the plan gives this rank exactly ``mine``: what the base holds unchanged is not copied
+            copy = tuple(self.incremental.split(mine, described.tokens)[0])
+            return Share(local, fingerprint, copy, LocalSavePlan(self.ctx.rank, mine, fixed=True))
 
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 
@@ -194,6 +205,7 @@ class SavePipeline:
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite)
                 # and what a rank whose tree differs need not write
                 save_id, objects = fmt.new_save_id(), tuple(flat.objects)
+                mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
             vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects)
             return vote
 
@@ -232,8 +244,9 @@ class SavePipeline:
                         )
                     # cached once the save commits: a plan that failed is never reused
                     cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
+                write, reused = self.incremental.split(items, described.tokens)
                 return SavePlanResult(
-                    coordinator.save_id, tuple(items), local,
+                    coordinator.save_id, tuple(write), local, referenced=reused,
                     skeleton_differs=votes[rank].skeleton != coordinator.skeleton,
                     coordinator_objects=frozenset(coordinator.objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
@@ -243,6 +256,8 @@ class SavePipeline:
                 # the latest: the next async snapshot copies every box this rank
                 # holds, not a share that may not fit the other ranks' (PlanCache.latest)
                 PLAN_CACHE.forget(key)
+                if "lease" in mine:
+                    mine["lease"].stop()
                 raise
 
     def stage(self, described: Described, planned: SavePlanResult) -> StagedBatch:
@@ -289,7 +304,7 @@ class SavePipeline:
 
         def output() -> RankOutput:
             self._raise_kept()
-            out = written
+            out = planned.referenced.add_to(written)
             if planned.skeleton_differs:
                 out = dataclasses.replace(written, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
                                           aliases=dict(flat.aliases))
@@ -299,10 +314,11 @@ class SavePipeline:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 md, index = self._metadata(described, save_id, outputs)
-                self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
-                data = md.to_bytes()
-                self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
-                committed.append(md)  # from here on the files belong to a checkpoint
+                with held(self.storage, md):  # the bases: pinned, committed checkpoints of the run
+                    self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
+                    data = md.to_bytes()
+                    self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
+                    committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1
             faults.inject("committed", ctx.rank)
             return md
@@ -321,8 +337,11 @@ class SavePipeline:
         except BaseException:
             PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:
+                leases.give_up(save_id)
                 remove_files_of(self.storage, save_id)
             raise
+        mine = planned.referenced.add_to(written)
+        self.incremental.committed(md, described.tokens, mine.chunks, mine.data_files)
         if planned.cache_entry is not None:
             fingerprint, digest, items = planned.cache_entry
             PLAN_CACHE.put(self._cache_key(), fingerprint, digest, list(items))
@@ -330,6 +349,8 @@ class SavePipeline:
             PLAN_CACHE.touch(self._cache_key(), planned.fingerprint)
         if ctx.is_coordinator and planned.replaced is not None:
             remove_replaced(self.storage, planned.replaced, md, ctx.world_size)
+        if ctx.is_coordinator:  # and the files of earlier saves here that never committed
+            leases.release(self.storage, md.save_id)
         return md
 
     def report(self) -> None:

@@ -19,6 +19,7 @@ from typing import Any
 
 from bytecp.format import metadata as fmt
 from bytecp.plan.planner import LocalSavePlan, WriteItem
+from bytecp.saving.reuse import Reused, Tokens
 from bytecp.saving.staging import Stager
 from bytecp.saving.writer import RankOutput, Staged
 from bytecp.tree.regions import Region
@@ -39,7 +40,8 @@ class Share:
     #: every box this rank holds, and its fingerprint
     local: LocalSavePlan
     fingerprint: str
-    #: the boxes copied
+    #: the boxes copied (of the cached share: less those an incremental save
+    #: references in its base, never written)
     items: tuple[WriteItem, ...]
     #: the cached share only: the boxes copied as a fixed plan (a new plan
     #: gives this rank exactly these, the other holders the rest)
@@ -61,6 +63,9 @@ class Described:
     share: Share | None = None
     #: after a snapshot with replica checks: crc32c of every box this rank holds
     replica_crcs: Mapping[tuple[str, Region], int] | None = None
+    #: each live shard's version token (:mod:`bytecp.saving.reuse`), taken
+    #: before any copy; None where the framework writes behind the counters
+    tokens: Tokens | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +91,8 @@ class SavePlanResult:
     cache_entry: tuple[str, str, tuple[WriteItem, ...]] | None = None
     fingerprint: str = ""
     reused: bool = False
+    #: the boxes this rank references in the base instead of writing them
+    referenced: Reused = dataclasses.field(default_factory=Reused)
 
 
 @dataclasses.dataclass(frozen=True)

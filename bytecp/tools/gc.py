@@ -1,18 +1,24 @@
-"""``bytecp gc``: remove what a committed checkpoint does not reference.
+"""``bytecp gc``: remove the files of saves that never committed.
 
 A save that crashed (the process killed before it could clean up) leaves its
-``data/<save_id>/`` and ``index/<save_id>/`` files beside the committed
-checkpoint. They are garbage once a *newer* save has committed; files of
-saves newer than the committed one may belong to a save still running and
-are never touched. Save ids start with their UTC start time, so "older" is a
-string comparison.
+``data/<save_id>/`` and ``index/<save_id>/`` files (and its lease) at the
+checkpoint URL: beside a committed checkpoint, or in a directory with no
+``metadata.json`` at all. They are removed once the save cannot be running
+any more: its lease has expired, or it has none and started more than one
+lease term ago (:mod:`bytecp.saving.leases` says how). Files of a save that
+may still be running, of this job or another, are never touched. The next
+successful save to the same URL removes the same files by itself.
+
+The URL may be a checkpoint, a directory of a save that never committed, or
+a run directory (each ``step-<N>`` below it is collected).
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from bytecp.loading.opened import open_checkpoint
+from bytecp.format.references import BASE_FILE
+from bytecp.saving.leases import LEASE_DIR, orphans
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
 
@@ -27,31 +33,59 @@ class GcResult:
 
 #: files deleted per storage call (one S3 DeleteObjects request holds 1,000)
 DELETE_BATCH = 1000
+_SAVE_FOLDERS = ("data", "index", LEASE_DIR)
+
+
+def _committed_id(storage: Storage) -> str | None:
+    """The committed save's id at ``storage`` (None: nothing committed there)."""
+    from bytecp.loading.opened import open_checkpoint
+
+    if not storage.exists("metadata.json"):
+        return None
+    return open_checkpoint(storage).metadata.save_id
+
+
+def _targets(storage: Storage) -> list[tuple[str, Storage]]:
+    """(prefix for the paths reported, storage) of every checkpoint URL to collect."""
+    names = storage.list_children("")
+    if BASE_FILE in names and "metadata.json" not in names:
+        return []  # retired by retention: its files are those kept checkpoints reference
+    if storage.exists("metadata.json") or any(n in _SAVE_FOLDERS for n in names):
+        return [("", storage)]
+    out = []
+    for name in names:  # a run directory: its checkpoints, committed or not
+        kids = set(storage.list_children(name))
+        if BASE_FILE in kids and "metadata.json" not in kids:
+            continue  # a retired base (format version 3): never a save that did not commit
+        if "metadata.json" in kids or kids & set(_SAVE_FOLDERS):
+            out.append((name + "/", storage.child(name)))
+    return out
 
 
 def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progress = NO_PROGRESS) -> GcResult:
-    """Delete unreferenced data/index files of saves older than the committed one.
+    """Delete the files of saves that never committed and cannot be running.
 
-    ``progress`` hears the files as they are deleted (batches of :data:`DELETE_BATCH`)."""
-    opened = open_checkpoint(storage)
-    md = opened.metadata
-    keep = md.referenced_files()
+    ``progress`` hears the files as they are deleted (batches of :data:`DELETE_BATCH`).
+    Raises :class:`~bytecp.errors.CheckpointNotFoundError` when the URL holds
+    neither a checkpoint, nor a save's files, nor a run's checkpoints."""
+    targets = _targets(storage)
+    if not targets:
+        from bytecp.loading.diagnose import not_a_checkpoint
+
+        raise not_a_checkpoint(storage, FileNotFoundError(storage.url))
     removed: list[str] = []
     newer: list[str] = []
-    for path in opened.stored_files():
-        parts = path.split("/")
-        if len(parts) != 3 or parts[0] not in ("data", "index") or path in keep:
-            continue
-        if parts[1] > md.save_id:
-            newer.append(path)
-        else:
-            removed.append(path)
+    plans = []
+    for prefix, st in targets:
+        dead, running = orphans(st, _committed_id(st))
+        plans.append((st, dead))
+        removed += [prefix + p for p in dead]
+        newer += [prefix + p for p in running]
     if removed and not dry_run:
         progress.start(len(removed))
-        for i in range(0, len(removed), DELETE_BATCH):
-            batch = removed[i : i + DELETE_BATCH]
-            storage.delete(batch)
-            progress.advance(len(batch))
+        for st, dead in plans:
+            for i in range(0, len(dead), DELETE_BATCH):
+                batch = dead[i : i + DELETE_BATCH]
+                st.delete(batch)
+                progress.advance(len(batch))
     return GcResult(removed, newer)
-
-

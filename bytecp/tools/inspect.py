@@ -43,7 +43,8 @@ def summarize(storage: Storage) -> dict[str, Any]:
             "chunks": counts.get(fqn, 0),
         }
     writers: dict[int, int] = defaultdict(int)
-    for path, size in md.data_files.items():
+    own = md.own_data_files
+    for path, size in own.items():
         head = path.rsplit("/", 1)[-1].split("-", 1)[0]
         writers[int(head) if head.isdigit() else -1] += size
     return {
@@ -59,14 +60,18 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "user_metadata": md.user_metadata,
         "tensors": per,
         "aliases": md.aliases,  # tied tensors: alias -> the stored tensor whose data it shares
+        # version 3: checkpoints of the run whose data files this one reads
+        "references": {name: {"save_id": sid, "files": len(md.files_of(name)),
+                               "bytes": sum(md.files_of(name).values())} for name, sid in md.references.items()},
         "objects": {k: ("json" if not r.is_blob else f"blob {r.nbytes} B") for k, r in md.objects.items()},
         "per_rank_objects": {k: sorted(v) for k, v in md.per_rank.items()},
         "totals": {
             "tensors": len(per),
             "tensor_bytes": sum(p["nbytes"] for p in per.values()),
             "chunks": len(chunks),
-            "data_files": len(md.data_files),
-            "data_file_bytes": sum(md.data_files.values()),
+            "data_files": len(own),
+            "data_file_bytes": sum(own.values()),
+            "referenced_bytes": sum(md.data_files.values()) - sum(own.values()),
             "bytes_written_per_rank": {str(r): b for r, b in sorted(writers.items())},
         },
     }
@@ -91,6 +96,7 @@ def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PRO
     is intact. ``progress`` hears the bytes as they are checked.
     """
     opened = open_checkpoint(storage)
+    storage = opened.storage  # reads follow the references of a version-3 checkpoint
     md, chunks = opened.metadata, opened.all_rows()
     problems: list[VerifyProblem] = []
     sizes = opened.data_sizes

@@ -13,24 +13,15 @@ from typing import Any
 import torch
 
 from bytecp.errors import CorruptCheckpointError
+from bytecp.tree.dtype_names import ITEMSIZES
 
 __all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "SUPPORTED_DTYPES"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in practice
     raise ImportError("bytecp stores little-endian bytes and runs on little-endian hosts only")
 
-_CANDIDATES = [
-    "float64", "float32", "float16", "bfloat16",
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu",
-    "float4_e2m1fn_x2",
-    "complex128", "complex64", "complex32",
-    "int64", "int32", "int16", "int8",
-    "uint64", "uint32", "uint16", "uint8",
-    "bool",
-]  # fmt: skip
-
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
-    n: getattr(torch, n) for n in _CANDIDATES if isinstance(getattr(torch, n, None), torch.dtype)
+    n: getattr(torch, n) for n in ITEMSIZES if isinstance(getattr(torch, n, None), torch.dtype)
 }
 _NAMES = {v: k for k, v in SUPPORTED_DTYPES.items()}
 

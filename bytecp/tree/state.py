@@ -126,13 +126,16 @@ class TensorLeaf:
     ``replicas``: which ranks hold the same boxes as this rank (a
     :class:`ReplicaSet` hint from the adapter), or ``None`` when the adapter
     does not know -- the coordinator then finds the replicas by comparing
-    every rank's boxes.
+    every rank's boxes. ``versioned``: the tensor whose version counter moves
+    when the shards change in place, where theirs does not (a DTensor's:
+    in-place ops run on its local tensor below the counter); None: the shards'.
     """
 
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     shards: list[Shard]
     replicas: ReplicaSet | None = None
+    versioned: torch.Tensor | None = None
 
     @classmethod
     def full(cls, t: torch.Tensor, replicas: ReplicaSet | None = EVERY_RANK) -> TensorLeaf:
@@ -281,11 +284,12 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
             return tensor(v, fqn)
         if isinstance(v, torch.Tensor):
             if type(v) not in (torch.Tensor, torch.nn.Parameter):
-                raise ConfigError(
-                    f"{fqn!r} is a {type(v).__name__}, a tensor subclass bytecp cannot treat as a "
-                    "full tensor; pass the model/optimizer so the framework adapter handles it, "
-                    "or pass framework= explicitly"
-                )
+                advice = ("leave framework= unset (DTensors anywhere in the state select the DTensor adapter) "
+                          "or pass framework='fsdp2'") if type(v).__name__ == "DTensor" else (
+                          "pass it as a plain tensor (t.as_subclass(torch.Tensor)), or the module/optimizer "
+                          "holding it so that its framework's adapter describes it")
+                raise ConfigError(f"{fqn!r} is a {type(v).__name__}, a tensor subclass the chosen adapter "
+                                  f"cannot save as a full tensor; {advice}")
             dtype_name(v.dtype)  # fails early for unsupported dtypes
             return tensor(v, fqn)
         if isinstance(v, Slot):

@@ -93,3 +93,60 @@ def test_exit_codes_and_one_line_errors(run: Path, tmp_path: Path, capsys: Any) 
     assert json.loads(out.out)["exit_code"] == 3 and len(out.err.strip().splitlines()) == 1
     assert exit_code(StoragePermissionError("x")) == EXIT_STORAGE and exit_code(CorruptCheckpointError("x")) == 2
     assert exit_code(KeyboardInterrupt()) == 130 and exit_code(TypeError("bug")) == EXIT_INTERNAL
+
+
+def test_ls_inspect_verify_say_why_a_path_is_not_a_checkpoint(run: Path, tmp_path: Path, capsys: Any) -> None:
+    typo = tmp_path / "rnu"
+    interrupted = tmp_path / "run2" / "step-6"
+    (interrupted / "data" / "x").mkdir(parents=True)
+    (interrupted / "data" / "x" / "0-0.bin").write_bytes(b"partial")
+    # an unrelated tree: only its top level is looked at
+    tree = tmp_path / "tree"
+    for i in range(30):
+        (tree / f"d{i}" / "sub").mkdir(parents=True)
+        (tree / f"d{i}" / "sub" / "f").write_bytes(b"x")
+    cases = [
+        (["ls", str(typo)], f"nothing at {typo}"),
+        (["ls", str(run / "step-1")], "is a checkpoint, not a run directory"),
+        (["ls", str(interrupted.parent)], "step-6 hold(s) files of saves that never committed"),
+        (["ls", str(tree)], f"no committed checkpoint below {tree}"),
+        (["inspect", str(typo)], f"no checkpoint at {typo}"),
+        (["verify", str(typo)], f"no checkpoint at {typo}"),
+        (["inspect", str(tree)], "no metadata.json among its 30 entries (d0, d1, d10, d11, d12, ...)"),
+        (["inspect", str(interrupted)], f"The next save to {interrupted} removes these files, or `bytecp gc "
+                                        f"{interrupted}`"),
+    ]
+    for args, words in cases:
+        assert cli(args) == 2, args
+        out = capsys.readouterr()
+        assert out.out == "" and len(out.err.strip().splitlines()) == 1 and words in out.err, (args, out.err)
+
+
+def test_inspect_summarises_and_lists_tensors_on_request(run: Path, capsys: Any) -> None:
+    ck = str(run / "step-2")
+    assert cli(["inspect", ck]) == 0
+    out = capsys.readouterr().out
+    assert "group" in out and "model" in out and "model.0.weight" not in out and "--tensors" in out
+    assert cli(["inspect", ck, "--tensors"]) == 0
+    out = capsys.readouterr().out
+    assert all(f"model.{i}.{w}" in out for i in (0, 1) for w in ("weight", "bias"))
+
+
+def test_a_closed_pipe_ends_quietly_and_light_commands_skip_torch(run: Path, tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    many = tmp_path / "many"
+    bytecp.save(str(many), {f"t{i}": torch.zeros(1) for i in range(3000)})
+    cmd = [sys.executable, "-m", "bytecp.cli", "inspect", str(many), "--tensors"]
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout is not None and p.stdout.readline().startswith(b"checkpoint")
+    p.stdout.close()  # the reader goes away, as `| head -1` does
+    err = p.stderr.read().decode() if p.stderr else ""
+    assert p.wait(timeout=120) == 141 and err == "", err
+    # ls and the wrong-path answers read metadata only: no torch import
+    probe = ("import sys; from bytecp.cli import main; "
+             f"codes = [main(['ls', {str(run)!r}]), main(['inspect', {str(tmp_path / 'nope')!r}])]; "
+             "print(codes, 'torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().endswith("[0, 2] False"), out

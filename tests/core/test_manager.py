@@ -30,7 +30,10 @@ def test_every_n_steps_retention_and_resume(tmp_path: Path, capsys) -> None:
             saved.append(step)
     assert saved == [2, 4, 6]
     assert [c.step for c in list_checkpoints(run)] == [4, 6]
-    assert sorted(p.name for p in Path(run).iterdir()) == ["step-4", "step-6"]
+    # step-4 references step-2's unchanged bias (incremental saves): step-2 is
+    # retired, its metadata moved to base.json, only that data file kept
+    assert sorted(p.name for p in Path(run).iterdir()) == ["step-2", "step-4", "step-6"]
+    assert sorted(p.name for p in (Path(run) / "step-2").iterdir()) == ["base.json", "data"]
     # an interrupted later save (no metadata.json) is ignored
     bytecp.save(f"{run}/step-8", {"model": model, "extra": {"step": 8}})
     (Path(run) / "step-8" / "metadata.json").unlink()
@@ -213,3 +216,113 @@ def test_async_manager_failed_save_deletes_nothing_and_reports(tmp_path: Path, m
 def test_lazy_needs_async(tmp_path: Path) -> None:
     with pytest.raises(bytecp.ConfigError, match="lazy=True needs async_save=True"):
         CheckpointManager(str(tmp_path), lazy=True)
+
+
+# -- resume: the documented loop, and falling back past a checkpoint that does not load
+
+
+def flip_a_data_byte(ck: Path) -> None:
+    f = next(p for p in (ck / "data").rglob("*.bin"))
+    b = bytearray(f.read_bytes())
+    b[0] ^= 0xFF
+    f.write_bytes(bytes(b))
+
+
+def test_the_documented_resume_loop_runs_each_step_once(tmp_path: Path) -> None:
+    """README's loop, run as written, killed after step 4 and started again."""
+    run = str(tmp_path / "run")
+    done: list[int] = []
+
+    def job(total_steps: int) -> None:
+        model = nn.Linear(2, 2)
+        nn.init.zeros_(model.weight)  # integers from here on: every sum is exact
+        state = {"model": model, "extra": {"done": []}}
+        mgr = CheckpointManager(run, every_n_steps=2, keep_last=3)
+        restored = mgr.restore(state)  # the step saved last, None on a fresh start
+        start = 0 if restored is None else restored + 1
+        for step in range(start, total_steps):
+            with torch.no_grad():
+                model.weight.add_(1.0)
+            state["extra"]["done"].append(step)
+            done.append(step)
+            mgr.maybe_save(step, state)
+
+    job(5)  # steps 0..4, saves 0, 2, 4
+    job(8)  # resumes after step 4: steps 5..7, saves 6
+    assert done == list(range(8))
+    assert committed_steps(run) == [2, 4, 6]
+    sd = bytecp.load_state_dict(f"{run}/step-6")
+    assert sd["extra"]["done"] == list(range(7))
+    assert torch.equal(sd["model"]["weight"], torch.full((2, 2), 7.0))  # steps 0..6, each once
+
+
+def test_restore_falls_back_past_checkpoints_that_do_not_load(tmp_path: Path, caplog) -> None:
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None)
+    for step in (1, 2, 3):
+        mgr.save(step, {"x": torch.full((4,), float(step)), "extra": {"step": step}})
+    flip_a_data_byte(run / "step-3")  # checksum mismatch
+    (run / "step-2" / "metadata.json").write_text("{not json")  # unreadable: never listed
+    state = {"x": torch.zeros(4), "extra": {"step": 0}}
+    with caplog.at_level("WARNING", logger="bytecp"):
+        assert mgr.restore(state) == 1
+    assert torch.equal(state["x"], torch.full((4,), 1.0)) and state["extra"]["step"] == 1
+    text = caplog.text
+    assert f"restore skips {run}/step-3" in text and "checksum mismatch" in text
+    assert f"{run}/step-2" in text  # named as skipped (unreadable metadata.json)
+    assert [u for u, _ in mgr.skipped] == [f"{run}/step-3"]
+    # nothing was deleted
+    assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3"]
+    assert (run / "step-3" / "metadata.json").exists()
+    # strict: the newest committed checkpoint or its error
+    with pytest.raises(bytecp.CorruptCheckpointError, match="checksum mismatch"):
+        mgr.restore({"x": torch.zeros(4), "extra": {"step": 0}}, fallback=False)
+    # none loads: one error naming each
+    flip_a_data_byte(run / "step-1")
+    with pytest.raises(bytecp.CorruptCheckpointError, match="no committed checkpoint of .* loads: .*step-3.*step-1"):
+        mgr.restore({"x": torch.zeros(4), "extra": {"step": 0}})
+
+
+def test_restore_does_not_fall_back_when_the_state_does_not_fit(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None)
+    mgr.save(1, {"x": torch.zeros(4)})
+    mgr.save(2, {"x": torch.zeros(4)})
+    with pytest.raises(bytecp.StateMismatchError):
+        mgr.restore({"x": torch.zeros(5)})
+    assert mgr.skipped == []
+
+
+def test_a_failure_on_any_rank_blames_the_files_only_if_every_rank_says_so() -> None:
+    from bytecp.catalog import checkpoint_is_bad
+    from bytecp.errors import TransientStorageError
+
+    bad = "load/read: CorruptCheckpointError: data/x/0-0.bin: checksum mismatch"
+    assert checkpoint_is_bad(bytecp.DistributedCheckpointError("load", {0: bad, 1: bad}))
+    assert not checkpoint_is_bad(bytecp.DistributedCheckpointError(
+        "load", {0: bad, 1: "load/match: StateMismatchError: missing key x"}))
+    assert not checkpoint_is_bad(bytecp.DistributedCheckpointError("load", {1: "collective failed: timeout"}))
+    assert not checkpoint_is_bad(bytecp.FormatVersionError("newer"))
+    assert not checkpoint_is_bad(TransientStorageError("503"))
+
+
+def test_save_on_signal_in_one_process_even_after_a_failed_async_save(tmp_path: Path, monkeypatch) -> None:
+    import signal
+
+    run = tmp_path / "run"
+    before = signal.getsignal(signal.SIGTERM)
+    mgr = CheckpointManager(str(run), every_n_steps=100, async_save=True, save_on_signal=True)
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
+    handle = mgr.save(1, {"x": torch.ones(3)})  # fails in the background
+    assert handle is not None
+    while not handle.done():
+        time.sleep(0.01)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    assert not mgr.maybe_save(2, {"x": torch.full((3,), 2.0)})  # not due, no signal yet
+    signal.raise_signal(signal.SIGTERM)  # the handler only notes it
+    with pytest.raises(SystemExit) as e:
+        mgr.maybe_save(3, {"x": torch.full((3,), 3.0)})
+    assert e.value.code == 0
+    assert committed_steps(str(run)) == [3]
+    assert torch.equal(bytecp.load_state_dict(f"{run}/step-3")["x"], torch.full((3,), 3.0))
+    assert signal.getsignal(signal.SIGTERM) == before  # handlers put back

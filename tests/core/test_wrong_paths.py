@@ -84,3 +84,22 @@ def test_an_interrupted_save(tmp_path: Path) -> None:
 def test_an_unknown_url_scheme() -> None:
     for fn in every_reader("s4://bucket/ckpt"):
         one_line_error(fn, StorageError, "s4://bucket/ckpt", "unknown URL scheme 's4://'", "typo")
+
+
+def test_foreign_checkpoint_directories_say_what_they_are(tmp_path: Path) -> None:
+    """A Hugging Face model directory or a DCP checkpoint is named as such,
+    with how to load it: never called an interrupted save to delete."""
+    hf = tmp_path / "gpt2"
+    hf.mkdir()
+    (hf / "config.json").write_text("{}")
+    (hf / "model.safetensors").write_bytes(b"x")
+    (hf / "tokenizer.json").write_text("{}")
+    for fn in every_reader(str(hf)):
+        msg = one_line_error(fn, CheckpointNotFoundError, f"{hf} is a Hugging Face model directory", "from_pretrained")
+        assert "gc" not in msg and "interrupted" not in msg
+    dcp = tmp_path / "dcp"
+    dcp.mkdir()
+    (dcp / ".metadata").write_bytes(b"x")
+    (dcp / "__0_0.distcp").write_bytes(b"x")
+    for fn in every_reader(str(dcp)):
+        one_line_error(fn, CheckpointNotFoundError, "torch.distributed.checkpoint (DCP)", "dcp_to_torch_save")

@@ -204,7 +204,7 @@ def test_existing_output_overwrite_and_a_failed_overwrite(model: Any, ck: Path, 
     assert "checksum mismatch" in capsys.readouterr().err
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["bad-ck", "hf"]
-    # --overwrite replaces the whole output: one shard now, the old shards and index gone
+    # --overwrite replaces the export's weights: one shard now, the old shards and index gone
     assert cli(["export", str(ck), str(out), "--overwrite"]) == 0
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
     assert torch.equal(logits(from_pretrained(out)), logits(model))
@@ -317,14 +317,15 @@ def test_overwrite_never_touches_a_checkpoint_or_files_of_other_kinds(tmp_path: 
                        (ck / "sub", []), (ck / "m.pt", ["--format", "torch"])]:
         assert cli(["export", str(ck), str(out), "--overwrite", *extra]) == 2, out
         assert "choose an output outside it" in capsys.readouterr().err
-    # an output holding anything but an earlier export's files
+    # an output holding an earlier export's weights and other files: the weights are replaced, nothing else
     other = tmp_path / "other"
     other.mkdir()
     (other / "notes.txt").write_text("mine")
     (other / "model.safetensors").write_bytes(b"x")
-    assert cli(["export", str(ck), str(other), "--overwrite"]) == 2
-    assert "not part of a Hugging Face export (notes.txt)" in capsys.readouterr().err
-    assert (other / "notes.txt").read_text() == "mine"
+    assert cli(["export", str(ck), str(other)]) == 2
+    assert "already holds the weights of an export (model.safetensors)" in capsys.readouterr().err
+    assert cli(["export", str(ck), str(other), "--overwrite"]) == 0
+    assert sorted(os.listdir(other)) == ["model.safetensors", "notes.txt"] and (other / "notes.txt").read_text() == "mine"
     for step in (1, 2):  # both checkpoints intact
         assert torch.equal(bytecp.load_state_dict(str(run / f"ck-{step}"))["model"]["w"], torch.full((3,), float(step)))
     # an earlier export is replaced
@@ -345,3 +346,55 @@ def test_an_output_inside_the_checkpoint_is_refused_however_the_path_is_spelled(
         with pytest.raises(ConfigError, match="choose an output outside it"):
             refuse_nested(src, out)
     refuse_nested(f"file://{ck}", f"{tmp_path}/ck-export")  # a sibling is fine
+
+
+def test_export_into_a_model_directory(model: Any, tmp_path: Path, capsys: Any) -> None:
+    """``config.save_pretrained(OUT)`` and tokenizer files first, then the
+    export: the weights go beside them, config.json is kept unless --config."""
+    from transformers import GenerationConfig
+
+    gen = GenerationConfig(max_new_tokens=7, do_sample=False)
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), {"model": model}, metadata={
+        "hf_config": config_dict(model), "hf_generation_config": gen.to_dict(),
+        "hf_tokenizer_files": {"vocab.txt": "a\nb\n", "tokenizer_config.json": "{}"}})
+    out = tmp_path / "gpt2"
+    mine = copy.deepcopy(model.config)
+    mine.update({"bytecp_test_marker": 1})
+    mine.save_pretrained(out)
+    (out / "tokenizer_config.json").write_text('{"mine": true}')
+    before = (out / "config.json").read_bytes()
+    assert cli(["export", str(ck), str(out)]) == 0
+    assert "config.json: kept" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["config.json", "generation_config.json", "model.safetensors",
+                                       "tokenizer_config.json", "vocab.txt"]
+    assert (out / "config.json").read_bytes() == before  # the user's config stays
+    assert (out / "tokenizer_config.json").read_text() == '{"mine": true}'  # never replaced
+    assert (out / "vocab.txt").read_text() == "a\nb\n"
+    assert GenerationConfig.from_pretrained(out).max_new_tokens == 7
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+    # again: the weights of that export are refused without --overwrite, replaced with it
+    assert cli(["export", str(ck), str(out)]) == 2
+    assert "already holds the weights of an export" in capsys.readouterr().err
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(model.config.to_json_string())
+    assert cli(["export", str(ck), str(out), "--overwrite", "--config", str(cfg), "--max-shard-size", SHARD]) == 0
+    assert (out / "config.json").read_bytes() == cfg.read_bytes()  # replaced only when asked
+    assert INDEX_NAME in os.listdir(out) and "model.safetensors" not in os.listdir(out)
+    assert {"tokenizer_config.json", "vocab.txt", "generation_config.json"} <= set(os.listdir(out))
+    assert torch.equal(logits(from_pretrained(out)), logits(model))
+
+
+def test_one_file_formats_into_a_directory(ck: Path, tmp_path: Path, capsys: Any) -> None:
+    out = tmp_path / "dir"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    assert cli(["export", str(ck), str(out), "--format", "safetensors"]) == 0
+    assert f"wrote {out}/model.safetensors" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert cli(["export", str(ck), str(empty), "--format", "safetensors"]) == 0
+    assert cli(["export", str(ck), str(empty), "--format", "safetensors"]) == 2  # exists: --overwrite
+    assert cli(["export", str(ck), str(empty), "--format", "torch"]) == 0
+    assert sorted(os.listdir(empty)) == ["model.safetensors", "pytorch_model.bin"]

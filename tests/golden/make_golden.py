@@ -509,6 +509,37 @@ def _framework_case(framework: str) -> Callable[[str], tuple[Any, dict[str, Any]
     return case
 
 
+def case_incremental(url: str) -> tuple[Any, dict[str, Any]]:
+    """Format version 3: a checkpoint whose frozen layer is a reference into
+    the earlier checkpoint ``step-1`` of the same run (the case directory)."""
+    torch.manual_seed(31)
+    model = nn.Sequential(nn.Linear(6, 5), nn.Linear(5, 2))
+    model[0].requires_grad_(False)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=0.1)
+
+    def step() -> None:
+        model(torch.linspace(-1.0, 1.0, 12).reshape(2, 6)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    bytecp.save("step-1", {"model": model, "optimizer": opt}, step=1)
+    step()
+    md = bytecp.save(url, {"model": model, "optimizer": opt}, step=2, base="step-1")
+    assert set(md.references) == {"step-1"}, md.references
+    names = {id(p): n for n, p in model.named_parameters()}
+    osd = opt.state_dict()
+    params = [p for g in opt.param_groups for p in g["params"]]
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    expected = {
+        "model": dict(model.state_dict()),
+        "optimizer": {"state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
+                      "param_groups": groups},
+    }
+    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
+
+
 #: keyword arguments loading each case needs
 LOAD_OPTIONS: dict[str, dict[str, Any]] = {"pickle": {"allow_pickle": True}}
 
@@ -523,6 +554,7 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "ddp": _framework_case("ddp"),
     "fsdp1": _framework_case("fsdp1"),
     "fsdp2": _framework_case("fsdp2"),
+    "incremental": case_incremental,
 }
 
 
@@ -564,8 +596,9 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
             "tensors": len(tensors),
             "tensor_bytes": sum(t["nbytes"] for t in tensors.values()),
             "chunks": n_chunks,
-            "data_files": len(md["data_files"]),
-            "data_file_bytes": sum(md["data_files"].values()),
+            "data_files": len([f for f in md["data_files"] if not f.startswith("../")]),
+            "data_file_bytes": sum(n for f, n in md["data_files"].items() if not f.startswith("../")),
+            "referenced_bytes": sum(n for f, n in md["data_files"].items() if f.startswith("../")),
         },
     }
 
@@ -605,6 +638,12 @@ def write_case(root: Path, name: str) -> None:
         "load_options": LOAD_OPTIONS.get(name, {}),
         "inspect": inspect_fields(ckpt, fields),
         "files": files,
+        # the checkpoints a version-3 case references, beside it in the case directory
+        "base_files": {
+            p.relative_to(tmp).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(tmp.rglob("*"))
+            if p.is_file() and p.relative_to(tmp).parts[0] not in ("checkpoint", "expected.json")
+        },
         "state": encode(expected),
         "per_rank": per_rank,
     }

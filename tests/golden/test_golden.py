@@ -152,6 +152,12 @@ def test_golden_files_unchanged(case: Path) -> None:
         if p.is_file()
     }
     assert got == expected(case)["files"]
+    base = {  # version 3: the checkpoints it references, beside it
+        p.relative_to(case).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(case.rglob("*"))
+        if p.is_file() and p.relative_to(case).parts[0] not in ("checkpoint", "expected.json")
+    }
+    assert base == expected(case).get("base_files", {})
 
 
 # ----------------------------------------------------------------- bytecp reads them
@@ -445,7 +451,8 @@ def spec_index_rows(root: Path, md: dict[str, Any]) -> list[dict[str, Any]]:
         types = INDEX_TYPES
     rows, seen = [], set()
     for table in tables:
-        assert table.schema.metadata[b"bytecp.format_version"] == str(md["format_version"]).encode()
+        # version 3 keeps version 2's index: its segments say "2"
+        assert table.schema.metadata[b"bytecp.format_version"] == str(min(md["format_version"], 2)).encode()
         for name, typ in types.items():
             got = table.schema.field(name).type
             assert (got.value_type if pa.types.is_dictionary(got) else got) == typ, name
@@ -454,7 +461,7 @@ def spec_index_rows(root: Path, md: dict[str, Any]) -> list[dict[str, Any]]:
             if key not in seen:  # version 2 lists a chunk in each band it meets
                 seen.add(key)
                 rows.append(row)
-    if md["format_version"] == 2:  # each chunk is in the segments its box names (§5.4)
+    if md["format_version"] >= 2:  # each chunk is in the segments its box names (§5.4)
         d = md["index"]
         for row in rows:
             info = md["tensors"][row["fqn"]]
@@ -470,10 +477,19 @@ def spec_index_rows(root: Path, md: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
-    """Read a format-v1 or v2 checkpoint following docs/FORMAT.md, without bytecp."""
+    """Read a format-v1, v2 or v3 checkpoint following docs/FORMAT.md, without bytecp.
+    Version 3's references (``../<checkpoint>/data/...``) are read from the
+    sibling checkpoint, which must be committed and hold that save."""
     md = json.loads((root / "metadata.json").read_bytes())
-    assert md["format"] == "bytecp" and md["format_version"] in (1, 2)
+    assert md["format"] == "bytecp" and md["format_version"] in (1, 2, 3)
+    for name, save_id in md.get("references", {}).items():
+        assert md["format_version"] >= 3 and "/" not in name and name not in (".", "..")
+        base = root.parent / name
+        meta = base / "metadata.json" if (base / "metadata.json").exists() else base / "base.json"
+        assert json.loads(meta.read_bytes())["save_id"] == save_id
     for f, size in md["data_files"].items():
+        if f.startswith("../"):
+            assert f.split("/")[1] in md["references"] and f.split("/")[3] == md["references"][f.split("/")[1]]
         assert (root / f).stat().st_size == size, f
         assert size % ALIGNMENT == 0, f"{f}: the writer pads every chunk, the last one too"
     data = {f: (root / f).read_bytes() for f in md["data_files"]}
@@ -522,6 +538,8 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
     }
     # everything between the stored items is zero padding
     for f, spans in used.items():
+        if f.startswith("../"):
+            continue  # a referenced file holds boxes of the base that this checkpoint does not read
         buf = data[f]
         spans.sort()
         pos = 0

@@ -1,0 +1,254 @@
+"""Checkpoints of one run that share bytes (format version 3).
+
+A checkpoint may name, in its index rows and ``data_files``, data files of
+another committed checkpoint of the same run, as
+``../<name>/data/<save_id>/<file>.bin`` -- ``<name>`` a sibling directory
+under the run's root, listed in ``metadata.json``'s ``references`` with the
+save id committed there. References are flat: a checkpoint lists every
+checkpoint whose files it reads, never a chain to follow, so a read never
+goes more than one hop.
+
+Who calls what:
+
+- :func:`check_references` -- the coordinator of a save before it commits,
+  and :func:`bytecp.loading.opened.open_checkpoint` (the coordinator of a
+  load; every one-process tool): every referenced checkpoint is committed
+  (its ``metadata.json``, or the ``base.json`` retention leaves in place of
+  it, see :data:`BASE_FILE`), still holds the save that was referenced, and
+  holds each referenced file itself, with the size recorded here.
+- :class:`LinkedStorage` -- wraps the checkpoint's storage for every reader:
+  paths ``../<name>/...`` are read from the sibling checkpoint ``<name>``
+  (same backend and options), everything else from the checkpoint itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import posixpath
+import threading
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import Buffer, Storage, open_storage
+
+log = logging.getLogger("bytecp")
+
+__all__ = [
+    "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "held", "linked", "name_of", "pin", "pinned",
+    "read_committed", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
+]
+
+#: what retention leaves of a checkpoint that kept checkpoints still
+#: reference: its metadata, moved out of ``metadata.json`` (so it is no longer
+#: a checkpoint: ``latest``, ``ls`` and loads skip it), with a ``retained``
+#: member listing the data files it keeps for them; every other file of it is
+#: deleted
+BASE_FILE = "base.json"
+#: where a save in flight marks the checkpoints it references (one file per save)
+PIN_DIR = "pins"
+
+
+def run_url(url: str) -> str:
+    """The run's root: the directory holding the checkpoint ``url``."""
+    head, _, _ = url.rstrip("/").rpartition("/")
+    if not head and "://" not in url:
+        return "."  # a relative path: the working directory
+    if not head or head.endswith(":/"):
+        raise CorruptCheckpointError(f"{url}: a checkpoint at the root of its storage has no run to share files with")
+    return head
+
+
+def name_of(url: str) -> str:
+    """The checkpoint's name in its run (the last part of its URL)."""
+    return url.rstrip("/").rpartition("/")[2]
+
+
+def sibling(storage: Storage, name: str) -> Storage:
+    """The checkpoint ``name`` of the run ``storage`` belongs to (same backend and options)."""
+    return open_storage(run_url(storage.url) + "/" + name, **storage.options())
+
+
+def read_committed(storage: Storage) -> fmt.Metadata | None:
+    """The metadata of the checkpoint at ``storage`` -- committed, or retired
+    by retention and kept as a base (:data:`BASE_FILE`: its ``data_files``
+    then only the files it retained); None when neither."""
+    for f in (fmt.METADATA_FILE, BASE_FILE):
+        try:
+            data = storage.read_bytes(f)
+        except (FileNotFoundError, StorageError):
+            continue
+        md = fmt.Metadata.from_bytes(data, storage.url)
+        if f == BASE_FILE:
+            retained = set(json.loads(data).get("retained") or ())
+            md.data_files = {p: n for p, n in md.data_files.items() if p in retained}
+        return md
+    return None
+
+
+def retired_bytes(md: fmt.Metadata, retained: Iterable[str]) -> bytes:
+    """``base.json`` of a checkpoint retired by retention, keeping ``retained``."""
+    d = json.loads(md.to_bytes())
+    d["retained"] = sorted(set(retained))
+    return json.dumps(d, separators=(",", ":")).encode()
+
+
+def pin(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save, before :func:`check_references`) Mark every
+    checkpoint ``md`` references as in use by this save (``pins/<name>.<save_id>`` in it)."""
+    for name in sorted(md.references):
+        sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
+
+
+def unpin(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save, after its commit or failure) Remove this save's pins."""
+    for name in sorted(md.references):
+        try:
+            sibling(storage, name).delete([f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}"])
+        except Exception as e:  # a pin left behind only keeps a base longer
+            log.warning("bytecp: could not remove the pin of %s in %s: %s", storage.url, name, e)
+
+
+@contextlib.contextmanager
+def held(storage: Storage, md: fmt.Metadata) -> Iterator[None]:
+    """(coordinator of a save, around its commit) Pin the checkpoints ``md``
+    references, check them (:func:`check_references`), and unpin once the
+    commit is done or failed: a retention or ``gc`` racing the save either
+    sees the pin (or the committed checkpoint) and keeps them, or removed
+    them first and the check fails the save -- never a commit of a
+    checkpoint whose references are gone."""
+    if not md.references:
+        yield
+        return
+    try:
+        pin(storage, md)
+        check_references(storage, md)
+        yield
+    finally:
+        unpin(storage, md)
+
+
+def retired_names(root: Storage) -> list[str]:
+    """Checkpoints below the run ``root`` that retention retired (a :data:`BASE_FILE`, no ``metadata.json``)."""
+    return [n for n in root.list_children("") if root.exists(f"{n}/{BASE_FILE}")
+            and not root.exists(f"{n}/{fmt.METADATA_FILE}")]
+
+
+def pinned(storage: Storage) -> bool:
+    """Whether a save in flight references the checkpoint at ``storage``."""
+    return bool(storage.list_files(PIN_DIR))
+
+
+def check_references(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save before its commit; whoever opens a checkpoint)
+    Every checkpoint ``md`` references is a committed checkpoint of the same
+    run, holding the referenced save and each referenced file itself; one
+    :class:`CorruptCheckpointError` naming the reference otherwise."""
+    me = name_of(storage.url)
+    for name, save_id in sorted(md.references.items()):
+        where = f"{storage.url}: reference to checkpoint {name!r} of the run"
+        if name == me:
+            raise CorruptCheckpointError(f"{where} is a reference to itself (a cycle); the checkpoint is corrupt")
+        base = read_committed(sibling(storage, name))
+        if base is None:
+            raise CorruptCheckpointError(
+                f"{where}: {run_url(storage.url)}/{name} is not a committed checkpoint (no metadata.json); "
+                "the checkpoint cannot be read without it"
+            )
+        if base.save_id != save_id:
+            raise CorruptCheckpointError(
+                f"{where}: it holds save {base.save_id}, not the referenced save {save_id} (it was overwritten)"
+            )
+        own = base.own_data_files
+        for path, size in sorted(md.files_of(name).items()):
+            if own.get(path) == size:
+                continue
+            if me in base.references:
+                raise CorruptCheckpointError(f"{where}: the references form a cycle ({me} -> {name} -> {me})")
+            raise CorruptCheckpointError(
+                f"{where}: data file {path} ({size} bytes) is not one of the files that checkpoint holds "
+                "(its own, or those retention kept for newer checkpoints)"
+            )
+
+
+class LinkedStorage(Storage):
+    """A checkpoint's storage whose reads of ``../<name>/...`` go to the
+    sibling checkpoint ``<name>`` (only names in ``references``). Writes,
+    deletes and listings stay inside the checkpoint."""
+
+    def __init__(self, inner: Storage, references: Iterable[str]) -> None:
+        self.inner = inner
+        self.url, self.remote = inner.url, inner.remote
+        self.exclusive_commit, self.atomic_rename = inner.exclusive_commit, inner.atomic_rename
+        self._names = frozenset(references)
+        self._siblings: dict[str, Storage] = {}
+        self._lock = threading.Lock()
+
+    def _route(self, path: str) -> tuple[Storage, str]:
+        if not path.startswith("../"):
+            return self.inner, path
+        parts = path.split("/", 2)
+        if len(parts) != 3 or parts[1] not in self._names:
+            raise CorruptCheckpointError(f"{self.url}: refusing to read {path!r}: not a referenced checkpoint")
+        with self._lock:
+            s = self._siblings.get(parts[1])
+            if s is None:
+                s = self._siblings[parts[1]] = sibling(self.inner, parts[1])
+        return s, posixpath.normpath(parts[2])
+
+    # reads follow references
+    def read_into(self, path: str, offset: int, out: memoryview) -> None:
+        s, p = self._route(path)
+        s.read_into(p, offset, out)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        s, p = self._route(path)
+        s.read_ranges(p, ranges)
+
+    def read_bytes(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        s, p = self._route(path)
+        return s.read_bytes(p, offset, nbytes)
+
+    def size(self, path: str) -> int:
+        s, p = self._route(path)
+        return s.size(p)
+
+    def exists(self, path: str) -> bool:
+        s, p = self._route(path)
+        return s.exists(p)
+
+    # everything else is the checkpoint's own
+    def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
+        self.inner.write_file(path, buffers)
+
+    def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
+        self.inner.commit(path, data, exclusive=exclusive)
+
+    def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
+        return self.inner.write_stream(path, pieces, size_hint=size_hint)
+
+    def delete(self, paths: Iterable[str]) -> None:
+        self.inner.delete([p for p in paths if not p.startswith("../")])
+
+    def list_files(self, prefix: str = "") -> list[str]:
+        return self.inner.list_files(prefix)
+
+    def file_sizes(self, prefix: str = "") -> dict[str, int]:
+        return self.inner.file_sizes(prefix)
+
+    def options(self) -> dict[str, Any]:
+        return self.inner.options()
+
+    def close(self) -> None:
+        for s in self._siblings.values():
+            s.close()
+
+
+def linked(storage: Storage, md: fmt.Metadata) -> Storage:
+    """``storage`` itself, or wrapped so that ``md``'s references are read."""
+    if not md.references or isinstance(storage, LinkedStorage):
+        return storage
+    return LinkedStorage(storage, md.references)

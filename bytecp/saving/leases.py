@@ -1,0 +1,220 @@
+"""Leases of saves in flight, and the files of saves that never committed.
+
+A save's coordinator holds a **lease** while the save runs: the small file
+``leases/<save_id>.json`` beside the checkpoint's data, rewritten every
+quarter of its term with a new expiry time (``{"save_id", "renewed",
+"expires"}``). It is taken when the save is named (plan), given up (the
+file removed) when the save commits or fails. A save killed before that
+leaves a lease that expires.
+
+The files of a save (``data/<save_id>/``, ``index/<save_id>/``, its lease)
+that is not the committed one are **orphans** when its lease has expired,
+or when it has none and started more than one lease term ago (save ids
+begin with their UTC start time). Orphans are removed by the next
+successful save to the same URL (its coordinator, just after the commit:
+:func:`sweep`) and by ``bytecp gc`` (:mod:`bytecp.tools.gc`). A save whose
+lease is live, or that started less than a term ago, is never touched:
+neither this job's nor another's.
+
+The term is ``BYTECP_LEASE_SECONDS`` (default 60 s). Each lease carries its
+own expiry, so readers need no setting; hosts' clocks are assumed to agree
+within the term.
+"""
+
+from __future__ import annotations
+
+import calendar
+import json
+import logging
+import os
+import threading
+import time
+from collections import defaultdict
+
+from bytecp.storage_api import Storage
+
+__all__ = ["LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "SaveFiles", "saves_at", "orphans", "sweep"]
+
+log = logging.getLogger("bytecp")
+
+LEASE_DIR = "leases"
+DEFAULT_LEASE_SECONDS = 60.0
+
+
+def lease_seconds() -> float:
+    """The lease term (``BYTECP_LEASE_SECONDS``, default 60 s)."""
+    try:
+        return max(0.05, float(os.environ.get("BYTECP_LEASE_SECONDS", DEFAULT_LEASE_SECONDS)))
+    except ValueError:
+        return DEFAULT_LEASE_SECONDS
+
+
+def _lease_file(save_id: str) -> str:
+    return f"{LEASE_DIR}/{save_id}.json"
+
+
+_live: set[Lease] = set()
+_live_lock = threading.Lock()
+
+
+def _stop_all() -> None:
+    """(interpreter exit, after the in-flight save's thread has ended) No
+    renewing thread outlives the interpreter (see :mod:`bytecp.saving.handles`)."""
+    with _live_lock:
+        live = list(_live)
+    for lease in live:
+        lease.stop()
+
+
+getattr(threading, "_register_atexit", lambda fn: None)(_stop_all)
+
+
+class Lease:
+    """(the save's coordinator) The lease of one save: :meth:`start` once the
+    save is named, :meth:`stop` when it commits or fails. A thread of its own
+    renews it; it never raises into the save (a lease it cannot write only
+    weakens the protection, and is logged)."""
+
+    def __init__(self, storage: Storage, save_id: str, seconds: float | None = None) -> None:
+        self.storage, self.save_id = storage, save_id
+        self.seconds = seconds or lease_seconds()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _write(self) -> None:
+        now = time.time()
+        body = {"save_id": self.save_id, "renewed": now, "expires": now + self.seconds}
+        try:
+            self.storage.write_file(_lease_file(self.save_id), [json.dumps(body).encode()])
+        except Exception as e:  # noqa: BLE001 - the save goes on; only the protection is weaker
+            log.warning("bytecp: could not write the lease of save %s at %s: %s", self.save_id, self.storage.url, e)
+
+    def start(self) -> Lease:
+        self._write()
+        self._thread = threading.Thread(target=self._renew, name="bytecp-lease", daemon=True)
+        self._thread.start()
+        with _live_lock:
+            _live.add(self)
+        return self
+
+    def _renew(self) -> None:
+        while not self._stop.wait(self.seconds / 4):
+            self._write()
+
+    def stop(self) -> None:
+        """End the lease: stop renewing and remove the file (idempotent)."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        with _live_lock:
+            _live.discard(self)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        try:
+            self.storage.delete([_lease_file(self.save_id)])
+        except Exception as e:  # noqa: BLE001 - an expired lease protects nothing
+            log.debug("bytecp: could not remove the lease of save %s: %s", self.save_id, e)
+
+
+
+def take(storage: Storage, save_id: str) -> Lease:
+    """(the coordinator, once it has named the save) Start the save's lease."""
+    return Lease(storage, save_id).start()
+
+
+def give_up(save_id: str) -> None:
+    """(the coordinator of a save that failed) End its lease, if it holds one."""
+    with _live_lock:
+        mine = [lease for lease in _live if lease.save_id == save_id]
+    for lease in mine:
+        lease.stop()
+
+
+def release(storage: Storage, save_id: str) -> None:
+    """(the coordinator, once the save has committed) End its lease and
+    :func:`sweep` the files of earlier saves at this URL that never committed."""
+    give_up(save_id)
+    sweep(storage, save_id)
+
+
+class SaveFiles:
+    """The files one save left at a checkpoint URL, and whether it may still run."""
+
+    def __init__(self, save_id: str) -> None:
+        self.save_id = save_id
+        self.files: list[str] = []
+        self.expires: float | None = None  # from its lease, if it has one
+
+    def started(self) -> float | None:
+        """Its UTC start time, read from the save id (None: not one of ours)."""
+        try:
+            return float(calendar.timegm(time.strptime(self.save_id.split("-", 1)[0], "%Y%m%dT%H%M%S")))
+        except ValueError:
+            return None
+
+    def may_be_running(self, now: float) -> bool:
+        if self.expires is not None:
+            return now < self.expires
+        started = self.started()
+        return started is None or now < started + lease_seconds()
+
+
+def saves_at(storage: Storage) -> dict[str, SaveFiles]:
+    """(coordinator, ``bytecp gc``) Every save id with files at ``storage``:
+    ``data/<id>/...``, ``index/<id>/...`` and its lease."""
+    out: dict[str, SaveFiles] = defaultdict(lambda: SaveFiles(""))
+    for top in ("data", "index", LEASE_DIR):
+        for path in storage.list_files(top):
+            parts = path.split("/")
+            if top == LEASE_DIR:
+                if len(parts) != 2 or not parts[1].endswith(".json"):
+                    continue
+                sid = parts[1][: -len(".json")]
+            elif len(parts) == 3:
+                sid = parts[1]
+            else:
+                continue
+            entry = out[sid]
+            entry.save_id = sid
+            entry.files.append(path)
+            if top == LEASE_DIR:
+                entry.expires = _expiry(storage, path)
+    return dict(out)
+
+
+def _expiry(storage: Storage, path: str) -> float:
+    """A lease's expiry time; an unreadable lease counts as live for one term
+    from now (it may be being rewritten)."""
+    try:
+        return float(json.loads(storage.read_bytes(path))["expires"])
+    except Exception:  # noqa: BLE001
+        return time.time() + lease_seconds()
+
+
+def orphans(storage: Storage, committed_id: str | None, now: float | None = None) -> tuple[list[str], list[str]]:
+    """(files of saves that never committed and cannot be running, files of
+    saves that may still be running) at ``storage``; the committed save's
+    files (``committed_id``) are never listed, except a lease it left."""
+    now = time.time() if now is None else now
+    dead: list[str] = []
+    running: list[str] = []
+    for sid, entry in saves_at(storage).items():
+        if sid == committed_id:
+            dead += [f for f in entry.files if f.startswith(LEASE_DIR + "/")]
+        else:
+            (running if entry.may_be_running(now) else dead).extend(entry.files)
+    return sorted(dead), sorted(running)
+
+
+def sweep(storage: Storage, committed_id: str) -> list[str]:
+    """(coordinator, just after a commit) Remove the orphans at this URL;
+    returns them. Never raises: they are only garbage."""
+    try:
+        dead, _ = orphans(storage, committed_id)
+        if dead:
+            storage.delete(dead)
+            log.info("bytecp: removed %d file(s) of saves to %s that never committed", len(dead), storage.url)
+        return dead
+    except Exception as e:  # noqa: BLE001
+        log.warning("bytecp: could not remove files of earlier failed saves at %s: %s", storage.url, e)
+        return []

@@ -1,0 +1,192 @@
+"""Incremental saves: boxes unchanged since this process's last committed
+save are not written again; their index rows name that checkpoint's data
+file instead (format version 3, :mod:`bytecp.format.references`).
+
+What is unchanged is known without reading a byte: every in-place change of
+a tensor moves its storage's version counter (``tensor._version``, shared by
+every view; for a DTensor its own, not its local tensor's), so a box whose tensor has the same data pointer and version as
+when the last committed save described it holds the same bytes. Frozen
+parameters (``requires_grad=False``) never move; trainable ones and their
+optimizer state move at every optimizer step. Frameworks that write tensors
+through ``.data`` (which has a version counter of its own) say so with
+:attr:`bytecp.adapter_api.Adapter.tracks_versions`; their saves never reference.
+
+Who calls what (every rank, in the save pipeline's order):
+
+1. :func:`live_tokens` -- describe: each shard's (pointer, version) token,
+   before any copy.
+2. :meth:`Incremental.split` -- plan: the boxes this rank writes, less those
+   unchanged since the base (the last committed save of this process, in the
+   run's sibling checkpoint ``base``); their rows travel as :class:`Reused`.
+3. :meth:`Reused.add_to` -- commit: those rows and the sizes of the files
+   they name join this rank's output.
+4. :meth:`Incremental.committed` -- after the commit: this save becomes the
+   base the next one may reference (:data:`LAST_SAVES`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from bytecp.errors import ConfigError
+from bytecp.format import metadata as fmt
+from bytecp.format.references import name_of, run_url
+from bytecp.plan.planner import WriteItem
+from bytecp.tree.regions import Region
+from bytecp.tree.state import FlatTree
+
+__all__ = ["Token", "Tokens", "live_tokens", "LastSave", "LAST_SAVES", "Incremental", "Reused"]
+
+log = logging.getLogger("bytecp")
+
+#: a shard's identity and in-place-change count: (data pointer, version, device)
+Token = tuple[int, int, str]
+Tokens = dict[str, list[tuple[Region, Token | None, torch.Tensor]]]
+
+
+def _token(t: torch.Tensor, versioned: torch.Tensor | None) -> Token | None:
+    try:
+        return (t.data_ptr(), (t if versioned is None else versioned)._version, str(t.device))
+    except RuntimeError:  # inference tensors have no version counter
+        return None
+
+
+def live_tokens(flat: FlatTree) -> Tokens:
+    """(every rank, describe) The token of every shard this rank holds (the
+    version of the leaf's ``versioned`` tensor where the adapter names one:
+    a DTensor's, whose local tensor's counter never moves)."""
+    return {fqn: [(sh.region, _token(sh.tensor, leaf.versioned),
+                   sh.tensor if leaf.versioned is None else leaf.versioned) for sh in leaf.shards]
+            for fqn, leaf in flat.tensors.items()}
+
+
+def _token_of(tokens: Tokens, fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
+    for region, tok, t in tokens.get(fqn, ()):
+        if region.contains(box):
+            return tok, t
+    return None, None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Box:
+    token: Token
+    record: fmt.ChunkRecord  # its file relative to the run: "<checkpoint>/data/<save_id>/<file>.bin"
+    file_size: int
+
+
+@dataclasses.dataclass(frozen=True)
+class LastSave:
+    """What this process wrote (or referenced) in its last committed save."""
+
+    name: str  # the checkpoint's name in its run
+    save_id: str
+    boxes: dict[tuple[str, Region], _Box]
+    #: the tensors described then, kept alive so that no other tensor can be
+    #: given their memory (a pointer equal to one of theirs is theirs)
+    keep: tuple[torch.Tensor, ...] = ()
+
+
+class _LastSaves:
+    """The last committed save of this process, per (run, world size, rank)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._by_key: dict[tuple[Any, ...], LastSave] = {}
+
+    def get(self, key: tuple[Any, ...]) -> LastSave | None:
+        with self._lock:
+            return self._by_key.get(key)
+
+    def put(self, key: tuple[Any, ...], last: LastSave) -> None:
+        with self._lock:
+            self._by_key[key] = last
+
+    def clear(self) -> None:
+        with self._lock:
+            self._by_key.clear()
+
+
+LAST_SAVES = _LastSaves()
+
+
+@dataclasses.dataclass(frozen=True)
+class Reused:
+    """(plan -> commit) The rows of the boxes a rank references instead of
+    writing, and the sizes of the files they name (``../<name>/data/...``)."""
+
+    records: tuple[fmt.ChunkRecord, ...] = ()
+    files: Mapping[str, int] = dataclasses.field(default_factory=dict)
+
+    def add_to(self, output: Any) -> Any:
+        """(every rank, commit) ``output`` (a RankOutput) with these rows and files."""
+        if not self.records:
+            return output
+        return dataclasses.replace(output, chunks=[*output.chunks, *self.records],
+                                   data_files={**output.data_files, **self.files})
+
+
+class Incremental:
+    """What one save on one rank may reference (see the module's docstring);
+    holds only the save's target and base, no state between phases."""
+
+    def __init__(self, url: str, base: str | None, world_size: int, rank: int) -> None:
+        self.url, self.name = url, name_of(url)
+        try:
+            self.run = run_url(url)
+        except Exception:
+            self.run = ""  # a checkpoint at a storage's root: nothing to share with
+        if base is not None and (not self.run or run_url(base) != self.run or name_of(base) == self.name):
+            raise ConfigError(
+                f"base={base!r}: the base must be another checkpoint of the same run as {url!r} "
+                "(a sibling directory under the same parent)"
+            )
+        self.base = name_of(base) if base is not None else None
+        self.key = (self.run, world_size, rank)
+
+    def split(self, items: Sequence[WriteItem], tokens: Tokens | None) -> tuple[list[WriteItem], Reused]:
+        """(every rank, plan) ``items`` less the boxes unchanged since the
+        base, and the rows of those; ``tokens``: describe's (None: the
+        framework writes tensors behind their version counter)."""
+        last = LAST_SAVES.get(self.key) if self.base is not None and tokens is not None else None
+        if last is None or last.name != self.base:
+            if self.base is not None and tokens is not None:
+                log.info("bytecp: %s: no save of this process at base %s; writing every box", self.url, self.base)
+            return list(items), Reused()
+        write: list[WriteItem] = []
+        records: list[fmt.ChunkRecord] = []
+        files: dict[str, int] = {}
+        for it in items:
+            box = last.boxes.get((it.fqn, it.region))
+            tok = _token_of(tokens or {}, it.fqn, it.region)[0]
+            rec = box.record if box is not None else None
+            if (box is None or tok is None or tok != box.token or rec is None or rec.dtype != it.dtype
+                    or rec.global_shape != it.global_shape or rec.file.split("/", 1)[0] == self.name):
+                write.append(it)
+                continue
+            path = "../" + rec.file
+            records.append(dataclasses.replace(rec, file=path))
+            files[path] = box.file_size
+        return write, Reused(tuple(records), files)
+
+    def committed(self, md: fmt.Metadata, tokens: Tokens | None, chunks: Sequence[fmt.ChunkRecord],
+                  data_files: Mapping[str, int]) -> None:
+        """(every rank, after the commit) This save is the base of the next."""
+        if not self.run or tokens is None:
+            return
+        boxes: dict[tuple[str, Region], _Box] = {}
+        keep: dict[int, torch.Tensor] = {}
+        for c in chunks:
+            tok, t = _token_of(tokens, c.fqn, Region(c.offsets, c.lengths))
+            if tok is None or t is None:
+                continue
+            keep[id(t)] = t
+            own = not c.file.startswith("../")
+            rec = dataclasses.replace(c, file=f"{self.name}/{c.file}" if own else c.file[3:])
+            boxes[(c.fqn, Region(c.offsets, c.lengths))] = _Box(tok, rec, data_files[c.file])
+        LAST_SAVES.put(self.key, LastSave(self.name, md.save_id, boxes, tuple(keep.values())))

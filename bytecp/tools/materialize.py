@@ -1,0 +1,66 @@
+"""``bytecp materialize CK OUT``: a self-contained copy of a checkpoint that
+references others (format version 3).
+
+One process. The checkpoint is opened (its references checked), every data
+file it reads -- its own and those it references in other checkpoints of
+the run -- is copied into ``OUT`` under its own name (``data/<save_id>/...``:
+save ids are unique, so names never clash), the index is rebuilt with rows
+naming the copies, and ``metadata.json`` without references is committed
+last. Bytes are copied as they are (checksums unchanged); the copy loads,
+verifies and exports without the run beside it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator
+
+from bytecp.errors import CheckpointExistsError
+from bytecp.format import metadata as fmt
+from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.index_build import build_index
+from bytecp.loading.opened import open_checkpoint
+from bytecp.storage_api import Storage
+from bytecp.tools.progress import NO_PROGRESS, Progress
+
+__all__ = ["materialize", "COPY_PIECE"]
+
+#: bytes copied per read (memory: about one piece)
+COPY_PIECE = 64 << 20
+
+
+def _own(path: str) -> str:
+    """``../<name>/data/<save_id>/<file>`` -> ``data/<save_id>/<file>``."""
+    return path.split("/", 2)[2] if path.startswith("../") else path
+
+
+def _pieces(src: Storage, path: str, size: int, progress: Progress) -> Iterator[bytes]:
+    for off in range(0, size, COPY_PIECE):
+        data = src.read_bytes(path, off, min(COPY_PIECE, size - off))
+        progress.advance(len(data))
+        yield data
+
+
+def materialize(src: Storage, out: Storage, *, overwrite: bool = False,
+                progress: Progress = NO_PROGRESS) -> fmt.Metadata:
+    """Copy the checkpoint at ``src`` to ``out`` with every referenced byte
+    inside it; returns the new metadata (same save id, no references)."""
+    opened = open_checkpoint(src)
+    opened.check_sizes()
+    md, rows = opened.metadata, opened.all_rows()
+    if out.exists(fmt.METADATA_FILE) and not overwrite:
+        raise CheckpointExistsError(f"{out.url} already holds a committed checkpoint; pass --overwrite to replace it")
+    progress.start(sum(md.data_files.values()))
+    for path, size in md.data_files.items():
+        out.write_stream(_own(path), _pieces(opened.storage, path, size, progress), size_hint=size)
+    rows = [dataclasses.replace(r, file=_own(r.file)) for r in rows]
+    files = {_own(p): n for p, n in md.data_files.items()}
+    tensors = {k: {x: y for x, y in v.items() if x != "band_dim"} for k, v in md.tensors.items()}
+    index = build_index([ChunkBatch.of(rows)], tensors, files, md.save_id)
+    for fqn, d in index.band_dims.items():
+        tensors[fqn] = {**tensors[fqn], "band_dim": d}
+    new = dataclasses.replace(md, data_files=files, references={}, tensors=tensors, index=index.directory,
+                              index_files=[], format_version=fmt.FORMAT_VERSION)
+    out.write_file(index.directory.file, index.blobs)
+    out.commit(fmt.METADATA_FILE, new.to_bytes(), exclusive=not overwrite)
+    return new

@@ -1,0 +1,92 @@
+"""Nothing aborts at interpreter exit: a one-process script whose async saves
+(eager and lazy, through CheckpointManager) are still running when ``main``
+returns exits 0, every checkpoint committed and retention finished.
+
+The abort this guards against (*terminate called without an active
+exception*, SIGABRT) came from the save's daemon thread still running C++
+code (torch, pyarrow) once finalization had begun: CPython ends such a
+thread with ``pthread_exit`` when it next takes the GIL, and the forced
+unwind through a ``noexcept`` C++ frame calls ``std::terminate``. The exit
+hook in :mod:`bytecp.saving.handles` now joins the thread first.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+# The script of a user: save through the manager, return from main. The
+# parent imports torch and bytecp once and forks one child per run; each
+# child runs the script and leaves through the interpreter's normal
+# finalization (it falls off the end of the module), so a run costs the
+# saves, not the imports.
+SCRIPT = textwrap.dedent("""
+    import os, sys, time
+    import torch
+    import bytecp
+
+    def main(run, lazy, slow_callback):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=2, async_save=True, lazy=lazy)
+        for step in range(1, 4):
+            model(torch.randn(8, 32)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            handle = mgr.maybe_save(step, {"model": model, "optim": opt}) and mgr._pending
+        if slow_callback:  # C++ work (GIL released) on the save's thread after main returns
+            def busy(_h):
+                a = torch.randn(600, 600)
+                t = time.time()
+                while time.time() - t < 1.0:
+                    a = (a @ a).tanh()
+            handle.add_done_callback(busy)
+
+    runs, base, slow = int(sys.argv[1]), sys.argv[2], sys.argv[3] == "1"
+    for i in range(runs):
+        pid = os.fork()
+        if pid == 0:
+            main(f"{base}/run-{i}", lazy=bool(i % 2), slow_callback=slow)
+            break
+        _, status = os.waitpid(pid, 0)
+        print(f"run-{i} exit {os.waitstatus_to_exitcode(status)}", flush=True)
+""")
+
+
+def run_script(tmp_path: Path, runs: int, slow_callback: bool) -> list[str]:
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT)
+    p = subprocess.run(
+        [sys.executable, str(script), str(runs), str(tmp_path), "1" if slow_callback else "0"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert "terminate called" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr[-2000:]
+    return p.stdout.splitlines()
+
+
+def assert_clean(tmp_path: Path, runs: int, exits: list[str]) -> None:
+    assert exits == [f"run-{i} exit 0" for i in range(runs)], exits
+    for i in range(runs):
+        run = tmp_path / f"run-{i}"
+        # retention ran to its end: exactly the last two committed, nothing half-deleted
+        assert sorted(p.name for p in run.iterdir()) == ["step-2", "step-3"], (i, list(run.iterdir()))
+        assert all((run / s / "metadata.json").exists() for s in ("step-2", "step-3"))
+
+
+def test_a_done_callback_still_running_at_exit_finishes_before_finalization(tmp_path: Path) -> None:
+    """Deterministic: before the fix this run aborted every time."""
+    exits = run_script(tmp_path, 2, slow_callback=True)
+    assert_clean(tmp_path, 2, exits)
+
+
+@pytest.mark.slow
+def test_many_exits_eager_and_lazy_are_all_clean(tmp_path: Path) -> None:
+    runs = 8
+    exits = run_script(tmp_path, runs, slow_callback=False)
+    assert_clean(tmp_path, runs, exits)

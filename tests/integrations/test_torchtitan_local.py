@@ -1,0 +1,96 @@
+"""``BytecpCheckpointManager`` in one process with torchtitan's real
+optimizer and scheduler containers: the policy fields and the errors a user
+sees (the trainer-level cases are in test_torchtitan.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by `make torchtitan-install`")
+
+from bytecp.adapters.torchtitan import BytecpCheckpointManager  # noqa: E402
+from torchtitan.components.optimizer import OptimizersContainer, default_adamw  # noqa: E402
+from torchtitan.components.optimizer.lr_scheduler import LRSchedulersContainer  # noqa: E402
+
+import bytecp  # noqa: E402
+from bytecp.errors import StateMismatchError  # noqa: E402
+
+
+class TrainState:
+    def __init__(self) -> None:
+        self.step = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": self.step}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step = sd["step"]
+
+
+def _manager(folder: Path, seed: int = 0, **config: Any) -> tuple[BytecpCheckpointManager, nn.Module, TrainState]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    opt_config = default_adamw(lr=1e-2)
+    opt_config.implementation = "for-loop"
+    optimizers = OptimizersContainer(opt_config, model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    train = TrainState()
+    cfg = BytecpCheckpointManager.Config(enable=True, folder=str(folder), **config)
+    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                    states={"train_state": train}, sd_adapter=None)
+    return mgr, model, train
+
+
+def _train(model: nn.Module, mgr: BytecpCheckpointManager, train: TrainState, steps: int) -> None:
+    for _ in range(steps):
+        train.step += 1
+        model(torch.randn(4, 8)).square().mean().backward()
+        mgr.maybe_wait_for_staging()
+        mgr.states["optimizer"].step()
+        mgr.states["optimizer"].zero_grad()
+        mgr.states["lr_scheduler"].step()
+        mgr.save(train.step, last_step=train.step == 6)
+
+
+@pytest.mark.parametrize("mode", ["disabled", "async", "lazy"])
+def test_interval_retention_last_step_and_resume(tmp_path: Path, mode: str) -> None:
+    mgr, model, train = _manager(tmp_path, interval=2, keep_latest_k=2, async_mode=mode)
+    _train(model, mgr, train, 6)
+    mgr.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["step-4", "step-6"]
+    assert list(bytecp.load_state_dict(str(tmp_path / "step-6"))) == ["model"]  # last_save_model_only
+    full = bytecp.load_state_dict(str(tmp_path / "step-4"))
+    assert full["train_state"] == {"step": 4} and full["lr_scheduler"] == {"last_epoch": 4}
+
+    again, model2, train2 = _manager(tmp_path, seed=1, load_step=4)
+    assert again.load(step=4) and train2.step == 4
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, full["model"][k]), k
+    for k, v in again.states["optimizer"].state_dict().items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(v, full["optimizer"][k]), k
+
+
+def test_errors_name_the_setting(tmp_path: Path) -> None:
+    mgr, model, train = _manager(tmp_path, interval=2)
+    _train(model, mgr, train, 2)
+    other, _, _ = _manager(tmp_path)
+    with pytest.raises(FileNotFoundError, match=r"load_step=3: .*committed steps in .*: 2\)"):
+        other.load(step=3)
+    bad, _, _ = _manager(tmp_path, exclude_from_loading=["dataloader"])
+    with pytest.raises(ValueError, match="exclude_from_loading names 'dataloader'"):
+        bad.load()
+    model_only = tmp_path / "seed"
+    bytecp.save(str(model_only / "step-9"), {"model": model.state_dict()}, framework="torchtitan")
+    full, _, _ = _manager(tmp_path / "new", initial_load_path=str(model_only / "step-9"),
+                          initial_load_model_only=False)
+    with pytest.raises(StateMismatchError, match="holds no lr_scheduler, optimizer, train_state state .*"
+                                                 "initial_load_model_only=True, or list them"):
+        full.load()
+    fresh, _, _ = _manager(tmp_path / "empty")
+    assert fresh.load() is False
