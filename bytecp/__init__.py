@@ -40,6 +40,7 @@ if TYPE_CHECKING:
     from bytecp.extras import PerRankState, RNGState, trainable
     from bytecp.manager import CheckpointManager
     from bytecp.saving.handles import SaveHandle, wait_for_pending_save
+    from bytecp.saving.prewarm import prewarm
 
 _LAZY = {
     "save": ".api",
@@ -53,6 +54,7 @@ _LAZY = {
     "PerRankState": ".extras",
     "trainable": ".extras",
     "CheckpointManager": ".manager",
+    "prewarm": ".saving.prewarm",
 }
 
 
@@ -68,6 +70,7 @@ def __getattr__(name: str) -> Any:
 __all__ = [
     "save",
     "async_save",
+    "prewarm",
     "SaveHandle",
     "wait_for_pending_save",
     "load",

@@ -48,6 +48,7 @@ EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (``| head``);
 # subcommand -> "module:function(argv) -> int", for commands outside the core
 _EXTERNAL = {
     "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
+    "keeper": ("bytecp.storage.keeper_server:main", "a host's memory-tier keeper (keeper:// checkpoints)"),
 }
 
 
@@ -247,15 +248,15 @@ def cmd_export(args: argparse.Namespace) -> int:
     fmt = _export_format(args)
     common: dict[str, Any] = dict(prefix=args.prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
                                   overwrite=args.overwrite, out_options=_out_options(args))
-    if fmt != "hf" and (args.config or args.max_shard_size or args.workers != 1):
-        raise ConfigError("--config, --max-shard-size and --workers belong to the Hugging Face layout; "
+    if fmt != "hf" and (args.config or args.max_shard_size or args.workers != 1 or args.spec):
+        raise ConfigError("--config, --max-shard-size, --spec and --workers belong to the Hugging Face layout; "
                           f"drop them or --format {fmt} (OUT a directory)")
     storage = open_storage(args.url, **_storage_options(args))
     bar = _bar(args, "export")
     try:
         if fmt == "hf":
             res = export_hf(storage, args.out, max_shard_size=args.max_shard_size,
-                            config=args.config, workers=args.workers, progress=bar, **common)
+                            config=args.config, workers=args.workers, progress=bar, spec=args.spec, **common)
         else:
             fn = export_safetensors if fmt == "safetensors" else export_torch
             res = fn(storage, args.out, progress=bar, **common)
@@ -364,6 +365,9 @@ def _parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-shard-size", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB, as huggingface_hub)")
     sp.add_argument("--config", help="JSON file written as config.json (default: the hf_config saved with the "
                     "checkpoint, if any)")
+    sp.add_argument("--spec", help="convert through this mapping spec first (gpt2, llama, qwen2, mixtral: a "
+                    "Megatron GPTModel as that transformers class); default: detected for a Megatron checkpoint "
+                    "from the config's model_type; 'none' never converts")
     sp.add_argument("--overwrite", action="store_true", help="replace an existing output")
     sp.add_argument("--workers", type=int, default=1,
                     help="processes writing disjoint shards in parallel (Hugging Face layout; default 1)")

@@ -63,6 +63,7 @@ from bytecp.export import (
     split_url,
 )
 from bytecp.format import metadata as fmt
+from bytecp.mapped_export import MappedReader, choose_spec
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
 
@@ -215,7 +216,7 @@ class _Shard:
 _OPENED: dict[str, tuple[Storage, TensorReader]] = {}
 
 
-def _write_shard(shard: _Shard, reader: TensorReader | None = None, progress: Progress = NO_PROGRESS,
+def _write_shard(shard: _Shard, reader: Any = None, progress: Progress = NO_PROGRESS,
                  target: Storage | None = None) -> int:
     """Write one shard (in this process, or in a worker of ``workers > 1``,
     which opens the checkpoint and the output from the shard's URLs)."""
@@ -250,7 +251,7 @@ def _write_parallel(shards: list[_Shard], workers: int, progress: Progress) -> l
         raise
 
 
-def _write_all(target: Storage, base: str, files: list[tuple[str, Any]], reader: TensorReader, workers: int,
+def _write_all(target: Storage, base: str, files: list[tuple[str, Any]], reader: Any, workers: int,
                progress: Progress) -> dict[str, int]:
     """Write ``files`` (name, bytes or a :class:`_Shard`) below ``base``: the
     shards (in parallel with ``workers > 1``), then the small files, in order."""
@@ -273,7 +274,7 @@ def _write_all(target: Storage, base: str, files: list[tuple[str, Any]], reader:
 
 
 def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, Any]], overwrite: bool,
-                     reader: TensorReader, workers: int, progress: Progress) -> dict[str, int]:
+                     reader: Any, workers: int, progress: Progress) -> dict[str, int]:
     parent_url, name = split_url(out)
     parent = open_storage(parent_url, **options)
     occupied = name in parent.list_children("")
@@ -295,7 +296,7 @@ def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, A
 
 
 def _publish_beside(out: str, options: dict[str, Any], old_weights: list[str], files: list[tuple[str, Any]],
-                    reader: TensorReader, workers: int, progress: Progress) -> dict[str, int]:
+                    reader: Any, workers: int, progress: Progress) -> dict[str, int]:
     """(filesystems, OUT a model directory) Write into a hidden sibling, then
     rename each file into OUT, the commit file last, and remove the old
     export's weights the new one lacks. A failed export changes nothing in
@@ -314,7 +315,7 @@ def _publish_beside(out: str, options: dict[str, Any], old_weights: list[str], f
 
 
 def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[str, Any]],
-                      reader: TensorReader, workers: int, progress: Progress, kept: Sequence[str] = ()) -> dict[str, int]:
+                      reader: Any, workers: int, progress: Progress, kept: Sequence[str] = ()) -> dict[str, int]:
     """``existing``: the old export's weights (replaced); ``kept``: the
     directory's other files (never deleted, even when this export fails)."""
     target.delete([f for f in (INDEX_NAME, WEIGHTS_NAME) if f in existing])  # withdraw the old output first
@@ -363,6 +364,7 @@ def export_hf(
     max_shard_size: int | str | None = None, dtype: str | None = None,
     config: str | Path | dict[str, Any] | None = None, overwrite: bool = False,
     out_options: dict[str, Any] | None = None, workers: int = 1, progress: Progress = NO_PROGRESS,
+    spec: str | None = None,
 ) -> ExportResult:
     """Export the checkpoint at ``src`` (a URL or an opened storage) to the
     Hugging Face layout at ``out`` (any URL bytecp writes).
@@ -372,14 +374,28 @@ def export_hf(
     ``max_shard_size``: see :func:`parse_size` (default :data:`DEFAULT_MAX_SHARD_SIZE`);
     ``out_options``: storage options of the output (default: none);
     ``workers``: processes writing disjoint shards at once (each holds
-    about one tensor; the commit stays in this process)."""
+    about one tensor; the commit stays in this process);
+    ``spec``: a mapping spec's name (:mod:`bytecp.mapped_export`): the
+    tensors are converted (e.g. Megatron -> ``LlamaForCausalLM``) before
+    they are written; by default detected for a Megatron checkpoint from the
+    config's ``model_type``; ``"none"``: never."""
     if workers < 1:
         raise ConfigError(f"workers must be at least 1, got {workers}")
     max_bytes = parse_size(DEFAULT_MAX_SHARD_SIZE if max_shard_size is None else max_shard_size)
     opened = open_export(src)
     storage, md = opened.storage, opened.metadata
-    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
     config_bytes, config_source = resolve_config(md, storage.url, config, dtype)
+    chosen = choose_spec(md, spec, config_bytes)
+    reader: TensorReader | MappedReader
+    if chosen is not None:
+        if workers > 1:
+            raise ConfigError(f"--workers {workers} with --spec {chosen}: the converted model is held in this "
+                              "process; drop --workers")
+        reader = MappedReader(opened, storage.url, chosen, config_bytes, prefix=prefix, dtype=dtype)
+        items, omitted = reader.items, list[str]()
+    else:
+        items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
+        reader = TensorReader(opened)
     options = dict(out_options or {})
     target = open_storage(out, **options)
     refuse_nested(storage.url, target.url)
@@ -397,7 +413,6 @@ def export_hf(
     extras = [(n, b) for n, b in companion_files(md, storage.url) if n not in kept]
     shards = plan_shards(items, max_bytes)
     names = shard_names(len(shards))
-    reader = TensorReader(opened)
     meta = safetensors_metadata(md)
     weights: list[tuple[str, Any]] = [
         (n, _Shard(storage.url, storage.options(), "", {}, "", safetensors_header(s, meta), tuple(s)))

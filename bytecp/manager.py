@@ -27,14 +27,15 @@ from __future__ import annotations
 import logging
 import re
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
-from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import BASE_FILE
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tiers import MemoryTier, restore_order
 from bytecp.tools.retention import retain
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -68,6 +69,13 @@ class CheckpointManager:
     ``maybe_save`` every rank learns it (one all-reduce of one integer per
     call, on a gloo group of its own), saves that step synchronously and
     exits with ``SystemExit(0)``. Create the manager on the main thread.
+
+    ``memory_url`` (``keeper://<run>``) with ``memory_every_n_steps``:
+    checkpoint to the hosts' memory every N steps, replicated to peer hosts,
+    and every ``every_n_steps`` drain the memory checkpoint to ``run_url``
+    (the keeper copies it); ``restore`` tries the newest committed memory
+    checkpoint first when it is at least as new as storage's newest (see
+    :mod:`bytecp.tiers`).
     """
 
     def __init__(
@@ -82,6 +90,10 @@ class CheckpointManager:
         full_every: int = 8,
         storage_options: dict[str, Any] | None = None,
         save_on_signal: bool | int | Iterable[int] = False,
+        memory_url: str | None = None,
+        memory_every_n_steps: int | None = None,
+        memory_keep_last: int | None = 2,
+        memory_storage_options: dict[str, Any] | None = None,
         **save_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
@@ -115,6 +127,15 @@ class CheckpointManager:
         #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
         self.skipped: list[tuple[str, str]] = []
         self._preemption: Preemption | None = None
+        self._prewarmed = False
+        self.restored_from: str | None = None  # "memory" or "storage", after restore
+        #: the memory tier (``memory_url``, e.g. ``keeper://<run>``), see :mod:`bytecp.tiers`
+        self.memory: MemoryTier | None = None
+        if memory_url is not None:
+            self.memory = MemoryTier(memory_url, memory_every_n_steps or every_n_steps, memory_keep_last,
+                                     memory_storage_options)
+        elif memory_every_n_steps is not None:
+            raise ConfigError("memory_every_n_steps needs memory_url (e.g. keeper://<run>)")
         if save_on_signal is not False:
             from bytecp.preemption import Preemption, signals_from
 
@@ -131,13 +152,47 @@ class CheckpointManager:
         """Save if ``step`` is due (or ``force``); every rank calls it after
         each step's update. With ``save_on_signal``, once any rank has been
         signalled every rank saves this step synchronously, waits for the
-        commit and its retention, and exits (``SystemExit(0)``)."""
+        commit and its retention, and exits (``SystemExit(0)``). With
+        ``async_save`` the first call prewarms the staging memory
+        (:func:`bytecp.prewarm`), so the first save blocks like the later ones."""
         if self._preemption is not None and self._preemption.agreed():
             self._save_and_exit(step, state)
-        if not force and step % self.every_n_steps:
+        if self.async_save and not self._prewarmed:
+            from bytecp.saving.prewarm import prewarm
+
+            prewarm(state, framework=self.save_kwargs.get("framework"),
+                    process_group=self.save_kwargs.get("process_group"),
+                    coordinator_rank=self.save_kwargs.get("coordinator_rank", 0))
+            self._prewarmed = True
+        to_storage = force or step % self.every_n_steps == 0
+        if self.memory is not None and (to_storage or self.memory.due(step)):
+            self._save_to_memory(step, state, drain=to_storage)
+            return True
+        if not to_storage:
             return False
         self.save(step, state)
         return True
+
+    def _save_to_memory(self, step: int, state: dict[str, Any], *, drain: bool) -> None:
+        """(all ranks) Save ``step`` to the memory tier; with ``drain`` the keeper
+        then copies it to ``<run_url>/step-<step>`` (or, with a memory backend
+        that cannot, a normal save to storage follows)."""
+        assert self.memory is not None
+        mem = self.memory
+        drain_here = drain and mem.can_drain(step)
+
+        def committed() -> None:  # (all ranks, after the memory commit)
+            from bytecp.dist import DistContext
+
+            if DistContext().is_coordinator:
+                if drain_here:
+                    self._retain()  # storage: make room before the drained copy lands
+                    mem.drain(step, self.url_for(step), self.storage_options)
+                self._retain(mem.url, mem.keep_last, mem.storage_options)
+
+        self._target(mem.url_for(step), mem.storage_options, state, step, committed)
+        if drain and not drain_here:
+            self.save(step, state)
 
     def _save_and_exit(self, step: int, state: dict[str, Any]) -> None:
         """(every rank) The pre-emption save: the in-flight save first, then
@@ -165,23 +220,27 @@ class CheckpointManager:
         the previous save must have ended first (its error, if any, is raised
         here), and retention runs when this one commits.
         """
-        base = self._base(step)
+        return self._target(self.url_for(step), self.storage_options, state, step, self._retain,
+                            base=self._base(step))
+
+    def _target(self, url: str, options: dict[str, Any], state: dict[str, Any], step: int,
+                committed: Callable[[], None], base: str | None = None) -> SaveHandle | None:
+        """Save to ``url`` (incrementally against ``base`` when given);
+        ``committed`` runs once it has committed (at once when synchronous,
+        on the save's background thread when asynchronous)."""
         if not self.async_save:
             from bytecp.api import save
 
-            save(self.url_for(step), state, step=step, storage_options=self.storage_options, base=base,
-                 **self.save_kwargs)
-            self._retain()
+            save(url, state, step=step, storage_options=options, base=base, **self.save_kwargs)
+            committed()
             return None
         from bytecp.api import async_save
 
-        handle = async_save(
-            self.url_for(step), state, lazy=self.lazy, step=step, base=base,
-            storage_options=self.storage_options, **self.save_kwargs,
-        )
+        handle = async_save(url, state, lazy=self.lazy, step=step, base=base, storage_options=options,
+                            **self.save_kwargs)
         self._pending = handle
         self._retained.clear()
-        handle.add_done_callback(self._after_async_save)
+        handle.add_done_callback(lambda h: self._after_async_save(h, committed))
         return handle
 
     def _base(self, step: int) -> str | None:
@@ -195,11 +254,13 @@ class CheckpointManager:
         self._chain += 1
         return last
 
-    def _after_async_save(self, handle: SaveHandle) -> None:
-        """(the save's background thread) Prune once the save has committed."""
+    def _after_async_save(self, handle: SaveHandle, committed: Callable[[], None]) -> None:
+        """(the save's background thread) Prune (and drain) once the save has committed."""
         try:
             if handle.exception() is None:
-                self._retain()
+                committed()
+        except Exception as e:  # noqa: BLE001 - retention/drain must not lose the committed save
+            log.warning("bytecp: after committing %s: %s", handle.url, e)
         finally:
             if handle is self._pending:
                 self._retained.set()
@@ -240,10 +301,22 @@ class CheckpointManager:
             self._retained.wait()
         found = list_checkpoints(self.run_url, storage_options=self.storage_options)
         self.skipped = []
-        for info in reversed(found):
+        # the tier choice: the newest memory checkpoint first when at least as new as storage's newest
+        order = [(info, self.storage_options, "storage") for info in reversed(found)]
+        if self.memory is not None:
+            first = restore_order(self.memory.latest(), self.memory.storage_options,
+                                  found[-1] if found else None, self.storage_options)
+            if first and first[0].tier == "memory":
+                order.insert(0, (first[0].info, first[0].storage_options, "memory"))
+        for info, options, tier in order:
             try:
-                load(info.url, state, storage_options=self.storage_options, **load_kwargs)
+                load(info.url, state, storage_options=options, **load_kwargs)
             except Exception as e:
+                if tier == "memory" and (checkpoint_is_bad(e) or isinstance(e, StorageError)):
+                    self.skipped.append((info.url, one_line(e)))
+                    log.warning("bytecp: memory checkpoint %s does not load (%s); trying storage",
+                                info.url, one_line(e))
+                    continue
                 if not fallback or not checkpoint_is_bad(e):
                     raise
                 why = one_line(e)
@@ -251,13 +324,15 @@ class CheckpointManager:
                 log.warning("bytecp: restore skips %s, which does not load (%s); trying the previous "
                             "checkpoint (it is kept: inspect it with `bytecp verify %s`)", info.url, why, info.url)
                 continue
+            self.restored_from = tier
             return info.step
         if self.skipped:
             tried = "; ".join(f"{url}: {why}" for url, why in self.skipped)
             raise CorruptCheckpointError(f"no committed checkpoint of {self.run_url} loads: {tried}")
         return None
 
-    def _retain(self) -> None:
+    def _retain(self, root_url: str | None = None, keep_last: int | None = -1,
+                options: dict[str, Any] | None = None) -> None:
         """(coordinator; the training thread when synchronous, the save's
         background thread when asynchronous) Delete all but the newest
         ``keep_last`` committed checkpoints. Only committed checkpoints are
@@ -265,20 +340,25 @@ class CheckpointManager:
         committed one is always kept. Then the files of killed saves in
         step directories below the newest committed step are removed (see
         :meth:`_sweep_uncommitted`; with ``keep_last=None`` nothing is
-        listed, and ``bytecp gc RUN`` removes them)."""
+        listed, and ``bytecp gc RUN`` removes them). ``root_url``,
+        ``keep_last`` and ``options``: another tier's (the memory tier's)."""
         from bytecp.dist import DistContext
 
-        if self.keep_last is None or not DistContext().is_coordinator:
+        storage_tier = root_url is None
+        root_url = root_url or self.run_url
+        keep = self.keep_last if keep_last == -1 else keep_last
+        options = self.storage_options if options is None else options
+        if keep is None or not DistContext().is_coordinator:
             return
         with self._retain_lock:
-            infos = list_checkpoints(self.run_url, storage_options=self.storage_options)
+            infos = list_checkpoints(root_url, storage_options=options)
             found = [c.name for c in infos]
-            cut = max(0, len(found) - self.keep_last)
-            root = open_storage(self.run_url, **self.storage_options)
+            cut = max(0, len(found) - keep)
+            root = open_storage(root_url, **options)
             # what kept checkpoints reference stays (their bases are retired, not deleted)
             retain(root, found[cut:], found[:cut], lambda: [
-                c.name for c in list_checkpoints(self.run_url, storage_options=self.storage_options)])
-            if infos and infos[-1].step is not None:
+                c.name for c in list_checkpoints(root_url, storage_options=options)])
+            if storage_tier and infos and infos[-1].step is not None:
                 self._sweep_uncommitted(root, infos[-1].step, set(found[cut:]))
 
     def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:

@@ -16,7 +16,12 @@ Rule fields:
 - ``split``: ``"qkv"`` splits a fused QKV weight/bias in Megatron's
   interleaved order: per query group, ``heads/groups`` query heads then one
   key and one value head, each ``head_dim`` rows -> separate q, k, v tensors
-  in plain head order;
+  in plain head order; ``"gate_up"`` splits a gated MLP's fc1 (``[gate; up]``
+  on dim 0, as Megatron's SwiGLU holds it) into gate and up;
+- ``concat``: after a split, join the parts again on dim 0 into one target
+  (GPT-2's ``c_attn`` is ``[q; k; v]`` in plain order);
+- ``transpose``: the target is the transpose of the (2-D) tensor (GPT-2's
+  ``Conv1D`` weights are ``[in, out]``);
 - ``rows``: a parameter name whose value is the number of rows to keep (drops
   vocabulary padding);
 - ``fallback``: a source key used when ``from`` is absent (a tied output layer
@@ -24,11 +29,22 @@ Rule fields:
 
 Parameters (``heads``, ``groups``, ``vocab_size``, ...) are given at
 conversion time, so one spec serves every size of the model family.
+
+Every operation has an inverse, so :func:`invert_state_dict` reads the same
+spec backwards (target names -> source names: q/k/v fused in Megatron's
+interleaved order, gate and up joined, per-layer tensors stacked again);
+``reverse_ignore`` lists target entries with no source (buffers).
+
+Specs are found by name through :func:`get_spec` (``register_spec`` adds
+one; the built-in Megatron <-> transformers specs live in
+``bytecp.adapters.megatron_hf`` and are imported only when named).
 """
 
 from __future__ import annotations
 
 import fnmatch
+import importlib
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -36,7 +52,15 @@ import torch
 
 from bytecp.errors import ConfigError, StateMismatchError
 
-__all__ = ["convert_state_dict", "split_interleaved_qkv"]
+__all__ = [
+    "convert_state_dict", "invert_state_dict", "split_interleaved_qkv", "fuse_interleaved_qkv", "get_spec",
+    "register_spec", "spec_names",
+]  # fmt: skip
+
+#: built-in specs by name, as lazy ``"module:attr"`` strings (see :func:`get_spec`)
+_SPECS: dict[str, Any] = {
+    name: f"bytecp.adapters.megatron_hf:{name.upper()}" for name in ("gpt2", "llama", "qwen2", "mixtral")
+}
 
 
 def split_interleaved_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -59,6 +83,46 @@ def split_interleaved_qkv(t: torch.Tensor, heads: int, groups: int) -> tuple[tor
     return q.clone(), k.clone(), v.clone()
 
 
+def fuse_interleaved_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, heads: int, groups: int) -> torch.Tensor:
+    """The inverse of :func:`split_interleaved_qkv`: separate q, k, v (plain
+    head order) as Megatron's fused QKV, per query group [q heads, k, v]."""
+    if heads % groups:
+        raise ConfigError(f"{heads} attention heads do not divide into {groups} query groups")
+    per = heads // groups
+    if q.shape[0] % heads or k.shape[0] * heads != q.shape[0] * groups or k.shape != v.shape:
+        raise StateMismatchError(
+            f"q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)} are not {heads} query heads and "
+            f"{groups} key/value heads of one size; check heads/groups"
+        )
+    hd = q.shape[0] // heads
+    rest = tuple(q.shape[1:])
+    fused = torch.cat([q.reshape(groups, per * hd, *rest), k.reshape(groups, hd, *rest),
+                       v.reshape(groups, hd, *rest)], dim=1)
+    return fused.reshape(groups * (per + 2) * hd, *rest).contiguous()
+
+
+def register_spec(name: str, spec: Mapping[str, Any] | str) -> None:
+    """Name a spec for :func:`get_spec` (and ``bytecp export --spec NAME``):
+    the spec itself, or a lazy ``"module:attr"`` string."""
+    _SPECS[name] = spec
+
+
+def spec_names() -> list[str]:
+    return sorted(_SPECS)
+
+
+def get_spec(name: str) -> dict[str, Any]:
+    """The spec registered under ``name``."""
+    if name not in _SPECS:
+        raise ConfigError(f"no mapping spec named {name!r}; known: {', '.join(spec_names())}")
+    spec = _SPECS[name]
+    if isinstance(spec, str):
+        module, _, attr = spec.partition(":")
+        spec = getattr(importlib.import_module(module), attr)
+        _SPECS[name] = spec
+    return dict(spec)
+
+
 def _param(params: Mapping[str, Any], name: str, rule: Mapping[str, Any]) -> Any:
     if name not in params:
         raise ConfigError(f"mapping rule {dict(rule)} needs the parameter {name!r}; pass {name}=...")
@@ -71,13 +135,44 @@ def _apply(rule: Mapping[str, Any], t: torch.Tensor, params: Mapping[str, Any]) 
         if not 0 < n <= t.shape[0]:
             raise StateMismatchError(f"{rule['from']}: {n} rows asked for, the tensor has {list(t.shape)}")
         t = t[:n]
-    if rule.get("split") == "qkv":
+    split = rule.get("split")
+    if split == "qkv":
         heads = int(_param(params, "heads", rule))
         groups = int(params.get("groups") or heads)
-        return list(split_interleaved_qkv(t, heads, groups))
-    if rule.get("split") is not None:
-        raise ConfigError(f"mapping rule {dict(rule)}: unknown split {rule['split']!r} (known: 'qkv')")
-    return [t]
+        parts = list(split_interleaved_qkv(t, heads, groups))
+    elif split == "gate_up":
+        if t.shape[0] % 2:
+            raise StateMismatchError(f"{rule['from']}: a gated fc1 of {t.shape[0]} rows does not split in two halves")
+        parts = [p.clone() for p in t.chunk(2, dim=0)]
+    elif split is not None:
+        raise ConfigError(f"mapping rule {dict(rule)}: unknown split {split!r} (known: 'qkv', 'gate_up')")
+    else:
+        parts = [t]
+    if rule.get("concat"):
+        parts = [torch.cat(parts, dim=0)]
+    if rule.get("transpose"):
+        parts = [p.t() for p in parts]
+    return parts
+
+
+def _unapply(rule: Mapping[str, Any], parts: list[torch.Tensor], params: Mapping[str, Any]) -> torch.Tensor:
+    """The inverse of :func:`_apply` (``rows`` keeps the rows given)."""
+    if rule.get("transpose"):
+        parts = [p.t() for p in parts]
+    split = rule.get("split")
+    heads = int(_param(params, "heads", rule)) if split == "qkv" else 0
+    groups = int(params.get("groups") or heads) if split == "qkv" else 0
+    if rule.get("concat"):
+        (t,) = parts
+        if split == "qkv":
+            hd = t.shape[0] // (heads + 2 * groups)
+            parts = list(t.split([heads * hd, groups * hd, groups * hd], dim=0))
+        else:
+            parts = list(t.chunk(2, dim=0))
+    if split == "qkv":
+        q, k, v = parts
+        return fuse_interleaved_qkv(q, k, v, heads, groups)
+    return torch.cat(parts, dim=0) if split == "gate_up" else parts[0]
 
 
 def convert_state_dict(
@@ -119,5 +214,60 @@ def convert_state_dict(
         raise StateMismatchError(
             f"the mapping spec uses no rule for {len(rest)} entries of the checkpoint: {rest[:8]}; "
             "add rules for them or 'ignore' patterns"
+        )
+    return out
+
+
+def _layers_of(names: list[str], sd: Mapping[str, Any]) -> list[int]:
+    pattern = re.compile(re.escape(names[0]).replace(re.escape("{layer}"), r"(\d+)"))
+    found = sorted({int(m.group(1)) for k in sd if (m := pattern.fullmatch(k))})
+    if found != list(range(len(found))):
+        raise StateMismatchError(f"{names[0]}: layers {found} are not 0..{len(found) - 1}")
+    return found
+
+
+def invert_state_dict(
+    sd: Mapping[str, Any], spec: Mapping[str, Any], **params: Any
+) -> dict[str, torch.Tensor]:
+    """``sd`` (full tensors by *target* name, e.g. a Hugging Face model's) as
+    the spec's *source* state dict (e.g. Megatron's checkpoint keys, layers
+    stacked): the spec read backwards.
+
+    A rule whose targets are absent but whose ``fallback`` source another rule
+    fills (a tied output layer) takes that tensor. Raises
+    :class:`StateMismatchError` for a missing target and for target entries no
+    rule uses and no ``reverse_ignore`` pattern names.
+    """
+    out: dict[str, torch.Tensor] = {}
+    used: set[str] = set()
+    deferred: list[Mapping[str, Any]] = []
+    for rule in spec["rules"]:
+        names = rule["to"] if isinstance(rule["to"], list) else [rule["to"]]
+        layered = any("{layer}" in n for n in names)
+        layers = _layers_of(names, sd) if layered else [None]
+        keys = [[n.format(layer=i) if i is not None else n for n in names] for i in layers]
+        if not layers or any(k not in sd for ks in keys for k in ks):
+            if rule.get("fallback"):
+                deferred.append(rule)
+                continue
+            missing = next((k for ks in keys for k in ks if k not in sd), names[0])
+            raise StateMismatchError(f"the state dict has no {missing!r} (rule {dict(rule)})")
+        pieces = []
+        for ks in keys:
+            used.update(ks)
+            pieces.append(_unapply(rule, [sd[k] for k in ks], params))
+        if rule["from"] in out:
+            raise ConfigError(f"mapping spec writes {rule['from']!r} twice")
+        out[rule["from"]] = (torch.stack(pieces) if layered else pieces[0]).contiguous()
+    for rule in deferred:
+        if rule["fallback"] not in out:
+            raise StateMismatchError(f"the state dict has neither {rule['to']!r} nor a tensor for {rule['fallback']!r}")
+        out[rule["from"]] = out[rule["fallback"]].clone()
+    ignore = list(spec.get("reverse_ignore", []))
+    rest = sorted(k for k in sd if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignore))
+    if rest:
+        raise StateMismatchError(
+            f"the mapping spec uses no rule for {len(rest)} entries of the state dict: {rest[:8]}; "
+            "add rules for them or 'reverse_ignore' patterns"
         )
     return out

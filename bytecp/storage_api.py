@@ -244,6 +244,7 @@ _REGISTRY: dict[str, str | StorageFactory] = {
     "file": "bytecp.storage.local:LocalStorage",
     "local": "bytecp.storage.local:LocalStorage",
     "memory": "bytecp.storage.memory:MemoryStorage",
+    "keeper": "bytecp.storage.keeper:KeeperStorage",
     "s3": "bytecp.storage.s3:S3Storage",
     "s3a": "bytecp.storage.s3:S3Storage",
     "hdfs": "bytecp.storage.hdfs:HDFSStorage",

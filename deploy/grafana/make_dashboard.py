@@ -172,6 +172,21 @@ def panels() -> list[dict[str, Any]]:
             target('sum by (job) (rate(bytecp_collector_reports_total{job=~"$job"}[$__rate_interval]))', "reports/s {{job}}"),
             target("sum by (reason) (increase(bytecp_collector_rejected_total[$__rate_interval]))", "rejected {{reason}}", ref="B"),
         ], custom=TS_CUSTOM, options=TS_OPTS))
+    # --- the memory tier (keepers) -----------------------------------------
+    keeper = 'job=~"$job"'
+    p.append(panel(16, "timeseries", "Memory tier: memory held per host",
+        "Bytes of memory checkpoints each host's keeper holds (its own shards and its peers' copies), against its budget.",
+        (0, 44, 12, 8), [
+            target(f"max by (job, host) (bytecp_keeper_memory_bytes{{{keeper}}})", "held {{job}} {{host}}"),
+            target(f"max by (job, host) (bytecp_keeper_budget_bytes{{{keeper}}})", "budget {{job}} {{host}}", ref="B"),
+        ], unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
+    p.append(panel(17, "timeseries", "Memory tier: replication and drain lag",
+        "Seconds the newest memory checkpoint spent being copied to peer hosts, and the age of the oldest drain to storage still running.",
+        (12, 44, 12, 8), [
+            target(f"max by (job, host) (bytecp_keeper_replication_seconds{{{keeper}}})", "replication {{job}} {{host}}"),
+            target(f"max by (job, host) (bytecp_keeper_drain_lag_seconds{{{keeper}}})", "drain lag {{job}} {{host}}", ref="B"),
+            target(f"sum by (job) (bytecp_keeper_drains{{{keeper}, state=\"failed\"}})", "failed drains {{job}}", ref="C"),
+        ], unit="s", custom=TS_CUSTOM, options=TS_OPTS))
     return p
 
 

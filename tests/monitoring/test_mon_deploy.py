@@ -14,6 +14,7 @@ import pytest
 import yaml
 from bytecp.monitoring.cli import _parser
 from bytecp.monitoring.job_metrics import JOB_METRICS
+from bytecp.monitoring.keeper_metrics import KEEPER_METRICS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -47,10 +48,11 @@ def test_dashboard_uses_only_exported_metrics_and_covers_the_issue() -> None:
     exprs = [t["expr"] for p in board["panels"] for t in p["targets"]]
     exprs.append(board["templating"]["list"][1]["definition"])
     allowed = set(JOB_METRICS) | {f"{m}_{s}" for m in JOB_METRICS for s in ("bucket", "sum", "count")}
+    allowed |= set(KEEPER_METRICS)  # the memory tier's keepers export their own
     used = {m for e in exprs for m in re.findall(r"\bbytecp_[a-z_]+", e)}
     assert used and used <= allowed, used - allowed
     titles = " | ".join(p["title"].lower() for p in board["panels"])
-    for topic in ("stall", "phase breakdown", "straggler", "throughput", "failed", "retries"):
+    for topic in ("stall", "phase breakdown", "straggler", "throughput", "failed", "retries", "memory tier"):
         assert topic in titles, topic
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
 

@@ -1,0 +1,137 @@
+"""The memory tier (keeper://) measured in one run, beside local disk and S3.
+
+Two keeper processes on loopback ports stand for this host (h0) and its
+peer (h1), replicas=2. One training process (host h0) saves a model and its
+AdamW state through ``CheckpointManager(memory_url="keeper://...",
+async_save=True)`` and the run measures, medians of ``--repeats``:
+
+- ``prewarm``: :func:`bytecp.prewarm` at start; ``blocking``: what
+  ``maybe_save`` blocks the training step for, per memory checkpoint (the
+  first one separately);
+- ``to_commit``: from the call to the memory checkpoint's commit, every file
+  with its two copies (the replication included); ``replication``: the
+  keeper's time pushing the checkpoint's files to its peer;
+- ``recover-local`` / ``recover-peer``: ``bytecp.load`` from this host's
+  keeper, and from the peer after this host's keeper lost its copy (a
+  replaced host);
+- ``recover-disk`` / ``recover-s3``: ``bytecp.load`` of the same state from
+  local disk and from a Ceph RADOS Gateway on 127.0.0.1 (started here
+  through ``tools/ceph/start_rgw.sh``; ``--no-s3`` skips it).
+
+    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "tests", "storage"))
+
+import bytecp  # noqa: E402
+from bytecp.storage_api import open_storage  # noqa: E402
+
+
+def state_of(mb: int, seed: int) -> dict[str, Any]:
+    """A model whose parameters and AdamW state take about ``mb`` MB."""
+    torch.manual_seed(seed)
+    width = 1024
+    layers = max(1, mb * (1 << 20) // (3 * 4 * width * width))
+    model = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(2, width)).sum().backward()
+    opt.step()
+    return {"model": model, "optim": opt}
+
+
+def timed(fn: Any) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=int, default=256)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--no-s3", action="store_true")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    from keepers import TOKEN, free_ports, spawn_keeper
+
+    tmp = Path(tempfile.mkdtemp(prefix="bytecp-memtier-"))
+    ports = dict(zip(["h0", "h1"], free_ports(2), strict=True))
+    keepers = [spawn_keeper(n, ports, tmp) for n in ports]
+    opts = {"keepers": ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "host": "h0", "token": TOKEN}
+    out: dict[str, Any] = {"mb": args.mb, "repeats": args.repeats}
+    s3 = None
+    try:
+        state = state_of(args.mb, 0)
+        nbytes = sum(p.numel() * 4 * 3 for p in state["model"].parameters())
+        out["state_bytes"] = nbytes
+        mgr = bytecp.CheckpointManager(str(tmp / "run"), every_n_steps=10**9, memory_url="keeper://job/run",
+                                       memory_every_n_steps=1, memory_storage_options=opts, async_save=True)
+        out["prewarm_s"] = bytecp.prewarm(state)
+        blocking, to_commit, replication = [], [], []
+        for step in range(1, args.repeats + 2):
+            t0 = time.perf_counter()
+            mgr.maybe_save(step, state)
+            blocking.append(time.perf_counter() - t0)
+            mgr.wait()
+            to_commit.append(time.perf_counter() - t0)
+            stats = open_storage("keeper://job/run", **opts).keeper_stats()  # type: ignore[attr-defined]
+            replication.append(max(s["replication_s"].get(f"job/run/step-{step}", 0.0) for s in stats))
+        out["blocking_first_s"] = blocking[0]
+        out["blocking_s"] = statistics.median(blocking[1:])
+        out["to_commit_s"] = statistics.median(to_commit[1:])
+        out["replication_s"] = statistics.median(replication[1:])
+        last = f"keeper://job/run/step-{args.repeats + 1}"
+        target = state_of(args.mb, 1)
+        out["recover-local_s"] = statistics.median(
+            timed(lambda: bytecp.load(last, target, storage_options=opts)) for _ in range(args.repeats))
+        disk = str(tmp / "disk")
+        bytecp.save(disk, state)
+        out["recover-disk_s"] = statistics.median(timed(lambda: bytecp.load(disk, target)) for _ in range(args.repeats))
+        if not args.no_s3:
+            from s3_servers import start_ceph_rgw
+
+            s3 = start_ceph_rgw(memstore_bytes=max(3 << 30, 3 * nbytes))
+            bucket = s3.new_bucket()
+            url = f"s3://{bucket}/ckpt"
+            bytecp.save(url, state, storage_options=s3.options())
+            out["recover-s3_s"] = statistics.median(
+                timed(lambda: bytecp.load(url, target, storage_options=s3.options())) for _ in range(args.repeats))
+        # this host's keeper loses its copy (a replaced host): its peer serves the load
+        root = open_storage("keeper://job/run", **opts)._local_root()  # type: ignore[attr-defined]
+        shutil.rmtree(os.path.join(root, "job"), ignore_errors=True)
+        out["recover-peer_s"] = statistics.median(
+            timed(lambda: bytecp.load(last, target, storage_options=opts)) for _ in range(args.repeats))
+        for (k, v), w in zip(state["model"].state_dict().items(), target["model"].state_dict().values(),
+                             strict=True):
+            assert torch.equal(v, w), k
+    finally:
+        for k in keepers:
+            k.terminate()
+            k.wait(timeout=30)
+        if s3 is not None:
+            s3.stop()
+    out["gb_per_s"] = {k[:-2]: nbytes / v / 1e9 for k, v in out.items() if k.startswith("recover-")}
+    print(json.dumps(out, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()

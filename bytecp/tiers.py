@@ -1,0 +1,101 @@
+"""The memory tier of a :class:`~bytecp.manager.CheckpointManager`.
+
+``CheckpointManager(run_url, memory_url="keeper://<job>/<run>",
+memory_every_n_steps=N, every_n_steps=M)`` checkpoints to the hosts'
+memory every N steps (the ``keeper://`` backend: each host's keeper holds
+its ranks' files and replicates them to peers, see
+:mod:`bytecp.storage.keeper`) and, every M steps, drains the memory
+checkpoint to ``run_url``: the keeper copies it, ``metadata.json`` last, so
+the training processes write nothing twice.
+
+Who calls what, and when:
+
+- ``MemoryTier.due`` / ``url_for`` (every rank, every step, from
+  ``maybe_save``): whether this step goes to memory, and where;
+- ``MemoryTier.drain`` (the coordinator, once the memory checkpoint has
+  committed: at once when synchronous, on the save's background thread when
+  asynchronous): hands the copy to the keeper;
+- :func:`restore_order` (every rank, in ``restore``): the tiers to try,
+  newest committed checkpoint first, memory before storage on a tie; the
+  manager loads the first that loads (a memory copy that lost a file with
+  its host and every peer, or fails its checksums, falls through to the
+  next), so it never resumes from an older step than the newest complete one.
+
+The core reaches the keepers only through the storage registry; a memory
+backend without ``drain_to`` (``memory://`` in tests) is drained by a
+normal save to storage from the training processes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+from bytecp.catalog import CheckpointInfo, list_checkpoints
+from bytecp.errors import ConfigError, StorageError
+from bytecp.storage_api import open_storage
+
+__all__ = ["MemoryTier", "Candidate", "restore_order"]
+
+log = logging.getLogger("bytecp.manager")
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A committed checkpoint a restore may load, and from which tier."""
+
+    info: CheckpointInfo
+    tier: str  # "memory" or "storage"
+    storage_options: dict[str, Any]
+
+
+class MemoryTier:
+    """Where and when the manager's memory checkpoints go."""
+
+    def __init__(self, url: str, every_n_steps: int, keep_last: int | None,
+                 storage_options: dict[str, Any] | None) -> None:
+        if every_n_steps < 1:
+            raise ConfigError(f"memory_every_n_steps must be >= 1, got {every_n_steps}")
+        if keep_last is not None and keep_last < 1:
+            raise ConfigError(f"memory_keep_last must be >= 1 or None, got {keep_last}")
+        self.url = url.rstrip("/")
+        self.every_n_steps = every_n_steps
+        self.keep_last = keep_last
+        self.storage_options = dict(storage_options or {})
+
+    def url_for(self, step: int) -> str:
+        return f"{self.url}/step-{step}"
+
+    def due(self, step: int) -> bool:
+        return step % self.every_n_steps == 0
+
+    def can_drain(self, step: int) -> bool:
+        """Whether the memory backend copies checkpoints to storage itself."""
+        return hasattr(open_storage(self.url_for(step), **self.storage_options), "drain_to")
+
+    def drain(self, step: int, to_url: str, to_options: dict[str, Any]) -> None:
+        """(coordinator, after the memory commit) Have the keeper copy ``step`` to ``to_url``."""
+        st = open_storage(self.url_for(step), **self.storage_options)
+        st.drain_to(to_url, to_options)  # type: ignore[attr-defined]
+
+    def latest(self) -> CheckpointInfo | None:
+        """The newest committed memory checkpoint, or None (also when no keeper answers)."""
+        try:
+            found = list_checkpoints(self.url, storage_options=self.storage_options)
+        except StorageError as e:
+            log.warning("bytecp: memory tier %s unavailable (%s); using storage", self.url, e)
+            return None
+        return found[-1] if found else None
+
+
+def restore_order(memory: CheckpointInfo | None, memory_options: dict[str, Any],
+                  storage: CheckpointInfo | None, storage_options: dict[str, Any]) -> list[Candidate]:
+    """The checkpoints to try, best first: the newer step first, memory first on a tie."""
+    out = []
+    if memory is not None and memory.step is not None:
+        out.append(Candidate(memory, "memory", memory_options))
+    if storage is not None:
+        out.append(Candidate(storage, "storage", storage_options))
+    out.sort(key=lambda c: (-(c.info.step or 0), c.tier != "memory"))
+    return out

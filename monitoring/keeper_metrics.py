@@ -1,0 +1,69 @@
+"""Prometheus metrics of a memory-tier keeper (:mod:`bytecp.storage.keeper_server`).
+
+(the keeper process, when started with ``--metrics-port``) A collector that
+reads the keeper's ``stats`` at each scrape, so nothing runs between
+scrapes. Families, labelled ``job`` (the keeper's ``--job``) and ``host``:
+
+- ``bytecp_keeper_memory_bytes`` / ``bytecp_keeper_budget_bytes``: memory held
+  by the tier on this host, and its budget (0: none);
+- ``bytecp_keeper_checkpoints``: committed memory checkpoints held here;
+- ``bytecp_keeper_replication_seconds``: time spent pushing the newest
+  checkpoint's files to peers (the replication lag a commit waits for);
+- ``bytecp_keeper_drain_lag_seconds``: age of the oldest drain to storage
+  still running (0: none); ``bytecp_keeper_drains``: drains by state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+__all__ = ["KeeperCollector", "serve_keeper_metrics", "KEEPER_METRICS"]
+
+KEEPER_METRICS = (
+    "bytecp_keeper_memory_bytes", "bytecp_keeper_budget_bytes", "bytecp_keeper_checkpoints",
+    "bytecp_keeper_replication_seconds", "bytecp_keeper_drain_lag_seconds", "bytecp_keeper_drains",
+)
+
+
+class KeeperCollector(Collector):
+    """Turns ``stats()`` (the keeper's ``stats`` answer) into gauges at each scrape."""
+
+    def __init__(self, stats: Callable[[], dict[str, Any]], job: str) -> None:
+        self.stats, self.job = stats, job
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        s = self.stats()
+        labels = [self.job, str(s["name"])]
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["job", "host"])
+            g.add_metric(labels, value)
+            return g
+
+        yield gauge("bytecp_keeper_memory_bytes", "Bytes of memory checkpoints held on this host.", s["held_bytes"])
+        yield gauge("bytecp_keeper_budget_bytes", "Memory budget of the keeper (0: none).", s["budget_bytes"] or 0)
+        yield gauge("bytecp_keeper_checkpoints", "Committed memory checkpoints held here.", len(s["checkpoints"]))
+        rep = s["replication_s"]
+        yield gauge("bytecp_keeper_replication_seconds", "Seconds pushing the newest checkpoint's files to peers.",
+                    rep[next(reversed(rep))] if rep else 0.0)
+        yield gauge("bytecp_keeper_drain_lag_seconds", "Age of the oldest running drain to storage.",
+                    s["drain_lag_s"])
+        drains = GaugeMetricFamily("bytecp_keeper_drains", "Drains to storage by state.",
+                                   labels=["job", "host", "state"])
+        for state in ("running", "done", "failed"):
+            drains.add_metric([*labels, state], sum(d["state"] == state for d in s["drains"].values()))
+        yield drains
+
+
+def serve_keeper_metrics(stats: Callable[[], dict[str, Any]], job: str, port: int,
+                         addr: str = "127.0.0.1") -> CollectorRegistry:
+    """Serve ``/metrics`` for a keeper on ``addr:port``; returns the registry."""
+    registry = CollectorRegistry()
+    registry.register(KeeperCollector(stats, job))
+    start_http_server(port, addr=addr, registry=registry)
+    return registry

@@ -1,0 +1,181 @@
+"""The keeper's wire format and its shared-memory files.
+
+Used by the keeper process (:mod:`bytecp.storage.keeper_server`) and by the
+``keeper://`` backend (:mod:`bytecp.storage.keeper`) in the training
+processes. One request per TCP connection: a 4-byte big-endian length, a
+JSON header (which carries the job's token and, for a payload, its size
+``n`` and crc32), then ``n`` payload bytes; the answer has the same shape
+(``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``).
+
+A keeper's files live below one directory in ``/dev/shm`` (shared memory),
+mode 0700, files 0600: only the job's user reads them; the token keeps
+other jobs of the same user out of the TCP side.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import os
+import socket
+import struct
+import zlib
+from collections.abc import Sequence
+from typing import Any
+
+from bytecp.errors import CheckpointExistsError, StorageError
+
+__all__ = [
+    "Addr", "parse_keepers", "request", "send", "recv", "recv_payload", "safe_path", "write_atomic",
+    "read_file_into", "crc_of", "token_ok", "KeeperUnreachable",
+]
+
+Addr = tuple[str, int]
+_LEN = struct.Struct("!I")
+_MAX_HEADER = 1 << 20
+
+
+class KeeperUnreachable(StorageError):
+    """No keeper answers at an address (not running, or the host is gone)."""
+
+
+def parse_keepers(spec: str | dict[str, str]) -> dict[str, Addr]:
+    """``"h0=127.0.0.1:7001,h1=127.0.0.1:7002"`` (or a dict) -> ``{"h0": ("127.0.0.1", 7001), ...}``."""
+    items = spec.items() if isinstance(spec, dict) else (
+        part.split("=", 1) for part in spec.split(",") if part.strip())
+    out: dict[str, Addr] = {}
+    for name, addr in items:
+        host, _, port = str(addr).strip().rpartition(":")
+        if not host or not port.isdigit():
+            raise StorageError(f"keeper address {addr!r} of {name!r} is not host:port (BYTECP_KEEPERS / keepers=)")
+        out[str(name).strip()] = (host, int(port))
+    return out
+
+
+def crc_of(buffers: Sequence[Any]) -> int:
+    crc = 0
+    for b in buffers:
+        crc = zlib.crc32(b, crc)
+    return crc
+
+
+def token_ok(given: object, token: str) -> bool:
+    return isinstance(given, str) and hmac.compare_digest(given.encode(), token.encode())
+
+
+def send(sock: socket.socket, header: dict[str, Any], payload: Sequence[Any] = ()) -> None:
+    views = [memoryview(b).cast("B") for b in payload]
+    header = dict(header, n=sum(len(v) for v in views))
+    if views and "crc" not in header:
+        header["crc"] = crc_of(views)
+    raw = json.dumps(header).encode()
+    sock.sendall(_LEN.pack(len(raw)) + raw)
+    for v in views:
+        sock.sendall(v)
+
+
+def _recv_exact(sock: socket.socket, out: memoryview) -> None:
+    got = 0
+    while got < len(out):
+        n = sock.recv_into(out[got:])
+        if not n:
+            raise ConnectionError("keeper connection closed mid-message")
+        got += n
+
+
+def recv(sock: socket.socket) -> dict[str, Any]:
+    head = bytearray(_LEN.size)
+    _recv_exact(sock, memoryview(head))
+    (length,) = _LEN.unpack(head)
+    if length > _MAX_HEADER:
+        raise ConnectionError(f"keeper message header of {length} bytes refused")
+    raw = bytearray(length)
+    _recv_exact(sock, memoryview(raw))
+    header: dict[str, Any] = json.loads(raw)
+    return header
+
+
+def recv_payload(sock: socket.socket, header: dict[str, Any], out: memoryview | None = None) -> memoryview:
+    """The payload ``header`` announces, into ``out`` (or a new buffer), crc-checked when it has one."""
+    n = int(header.get("n", 0))
+    buf = out if out is not None else memoryview(bytearray(n))
+    if len(buf) != n:
+        raise StorageError(f"keeper sent {n} bytes where {len(buf)} were asked for")
+    _recv_exact(sock, buf)
+    if "crc" in header and zlib.crc32(buf) != header["crc"]:
+        raise StorageError(f"keeper payload of {n} bytes failed its crc32 check (corrupted in transfer)")
+    return buf
+
+
+def request(addr: Addr, header: dict[str, Any], payload: Sequence[Any] = (), *,
+            out: memoryview | None = None, timeout: float = 60.0,
+            connect_timeout: float = 2.0) -> tuple[dict[str, Any], memoryview]:
+    """One request to the keeper at ``addr``: its answer header and payload.
+
+    Raises :class:`KeeperUnreachable` when nobody answers, and
+    :class:`StorageError` carrying the keeper's error when it refuses."""
+    try:
+        sock = socket.create_connection(addr, timeout=connect_timeout)
+    except OSError as e:
+        raise KeeperUnreachable(f"no keeper at {addr[0]}:{addr[1]} ({e})") from None
+    with sock:
+        sock.settimeout(timeout)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            send(sock, header, payload)
+            answer = recv(sock)
+            if not answer.get("ok"):
+                if answer.get("kind") == "exists":
+                    raise CheckpointExistsError(str(answer.get("error")))
+                raise StorageError(f"keeper {addr[0]}:{addr[1]}: {answer.get('error', 'refused')}")
+            n = int(answer.get("n", 0))
+            data = recv_payload(sock, answer, out[:n] if out is not None and n else None)
+        except (TimeoutError, ConnectionError) as e:
+            raise KeeperUnreachable(f"keeper {addr[0]}:{addr[1]} stopped answering ({e})") from None
+    return answer, data
+
+
+def safe_path(path: str) -> str:
+    """A relative ``/`` path with no ``..`` or empty parts (refuses escapes from the keeper's root)."""
+    parts = [p for p in path.strip("/").split("/") if p not in ("", ".")]
+    if any(p == ".." for p in parts) or not parts:
+        raise StorageError(f"keeper path {path!r} refused: it must be relative and stay below the root")
+    return "/".join(parts)
+
+
+def write_atomic(root: str, path: str, buffers: Sequence[Any]) -> int:
+    """Write ``root/path`` (mode 0600) through a temporary name and a rename; returns its size."""
+    full = os.path.join(root, safe_path(path))
+    os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+    tmp = f"{full}.tmp-{os.getpid()}-{id(buffers)}"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        n = 0
+        for b in buffers:
+            v = memoryview(b).cast("B")
+            while v:
+                k = os.write(fd, v)
+                n += k
+                v = v[k:]
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, full)
+    return n
+
+
+def read_file_into(full: str, offset: int, out: memoryview) -> int:
+    """Read ``len(out)`` bytes of the file ``full`` from ``offset``; returns how many were there."""
+    fd = os.open(full, os.O_RDONLY)
+    try:
+        got = 0
+        while got < len(out):
+            k = os.preadv(fd, [out[got:]], offset + got)
+            if not k:
+                break
+            got += k
+        return got
+    finally:
+        os.close(fd)

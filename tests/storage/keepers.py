@@ -1,0 +1,63 @@
+"""Keepers for the tests: in-process ones on threads (the contract, the
+manager), keeper processes (the kill-a-host test) and the job token they share."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+from bytecp.storage.keeper_server import Keeper
+
+__all__ = ["TOKEN", "start_keepers", "spec", "free_ports", "spawn_keeper"]
+
+TOKEN = "t-" + uuid.uuid4().hex
+
+
+def start_keepers(names: list[str], *, replicas: int = 2, budget: int | None = None) -> list[Keeper]:
+    """One keeper per name on a free loopback port, each knowing the others, serving on a thread."""
+    keepers = [Keeper(n, 0, TOKEN, {}, replicas=replicas, budget_bytes=budget) for n in names]
+    addrs = {k.name: ("127.0.0.1", k.port) for k in keepers}
+    for k in keepers:
+        k.peers = {n: a for n, a in addrs.items() if n != k.name}
+        threading.Thread(target=k.serve_forever, daemon=True).start()
+    return keepers
+
+
+def spec(keepers: list[Keeper]) -> str:
+    """The ``keepers=`` option naming them."""
+    return ",".join(f"{k.name}=127.0.0.1:{k.port}" for k in keepers)
+
+
+def free_ports(n: int) -> list[int]:
+    """``n`` loopback ports free right now (a keeper must know its peers' ports before they start)."""
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def spawn_keeper(name: str, ports: dict[str, int], tmp: Path, *, replicas: int = 2) -> subprocess.Popen[bytes]:
+    """A keeper process (as a host runs it: ``bytecp keeper``), serving once this returns."""
+    ready = tmp / f"keeper-{name}-{uuid.uuid4().hex[:6]}.ready"
+    env = dict(os.environ, BYTECP_KEEPER_TOKEN=TOKEN)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "bytecp.storage.keeper_server", "--name", name, "--port", str(ports[name]),
+         "--keepers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()),
+         "--replicas", str(replicas), "--ready-file", str(ready)],
+        env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"keeper-{name}.log", "ab"))  # noqa: SIM115
+    deadline = time.time() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"keeper {name} did not start: {(tmp / f'keeper-{name}.log').read_text()[-2000:]}")
+        time.sleep(0.05)
+    return proc
