@@ -4,7 +4,9 @@ one-process snippet here; the FSDP2 one under ``torchrun`` with 2 ranks
 
 from __future__ import annotations
 
+import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -35,5 +37,13 @@ def test_fsdp2_snippet_runs_under_torchrun(tmp_path: Path) -> None:
     script.write_text(second)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(script)]
-    got = subprocess.run(cmd, capture_output=True, text=True, timeout=240, cwd=tmp_path)
-    assert got.returncode == 0, got.stderr[-3000:]
+    # its own session: on a timeout the ranks go with torchrun, never left running
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
