@@ -67,13 +67,27 @@ def export_last_step_hf(sd_adapter: Any, model_sd: dict[str, Any], url: str, sav
 
 def load_initial_hf(sd_adapter: Any, model: Any, path: str, quantized: bool) -> None:
     """(every rank) Fill ``model`` (torchtitan's ``ModelWrapper``) from the
-    Hugging Face safetensors directory ``path`` through torchtitan's own reader
-    (``sd_adapter.get_hf_storage_reader``, torch DCP's Hugging Face reader):
-    each rank reads the slices of its shards, then ``from_hf`` converts."""
+    Hugging Face safetensors directory ``path`` (any bytecp storage URL).
+
+    ``sd_adapter.to_hf`` names the model's tensors as the files do;
+    :func:`bytecp.load` reads the directory as a foreign source into them
+    (each rank only the byte ranges of its shards, dtypes cast to the
+    model's), then ``from_hf`` converts back. As torchtitan's own reader,
+    tensors of the files the model lacks are ignored (``rotary_emb.inv_freq``,
+    a tied ``lm_head.weight``) and the model's tensors the files lack are an
+    error. ``quantized`` (fp8 blocks with their scales) still goes through
+    torchtitan's quantized reader (torch DCP's), which dequantizes them."""
     if sd_adapter is None:
         raise BytecpError("checkpoint.initial_load_in_hf needs the model's state-dict adapter (its ModelSpec has none)")
-    import torch.distributed.checkpoint as dcp
-
     hf_sd = sd_adapter.to_hf(model.state_dict())
-    dcp.load(hf_sd, storage_reader=sd_adapter.get_hf_storage_reader(path, quantized))
+    if quantized:
+        import torch.distributed.checkpoint as dcp
+
+        dcp.load(hf_sd, storage_reader=sd_adapter.get_hf_storage_reader(path, quantized))
+    else:
+        result = bytecp.load(path, hf_sd, strict=False)
+        if result.missing_keys:
+            few = ", ".join(result.missing_keys[:3]) + (" ..." if len(result.missing_keys) > 3 else "")
+            raise BytecpError(f"checkpoint.initial_load_in_hf: {len(result.missing_keys)} of the model's tensors "
+                              f"({few}, Hugging Face names) are not in {path}; is it this model's checkpoint?")
     model.load_state_dict(sd_adapter.from_hf(hf_sd))

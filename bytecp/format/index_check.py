@@ -85,7 +85,8 @@ def decode_table(
     for f in schema:
         col = table.column(f.name)
         got = col.type.value_type if pa.types.is_dictionary(col.type) and f.name in strings else col.type
-        nulls = col.null_count + (col.combine_chunks().flatten().null_count if pa.types.is_list(got) else 0)
+        # (the list's values, not .flatten(): that imports pyarrow.compute)
+        nulls = col.null_count + (col.combine_chunks().values.null_count if pa.types.is_list(got) else 0)
         if got != f.type or nulls:
             raise CorruptCheckpointError(f"{prefix}: column {f.name!r} is {got}{' with nulls' if nulls else ''}, "
                                          f"expected {f.type}")

@@ -181,14 +181,35 @@ def _decode(
             names = names.dictionary_encode()
         values = names.dictionary.to_pylist()
         if fqns is not None:
-            keep = np.isin(names.indices.to_numpy(zero_copy_only=False),
-                           [i for i, v in enumerate(values) if v in fqns])
-            table = table.filter(pa.array(keep))
+            keep = np.flatnonzero(np.isin(_indices(names.indices), [i for i, v in enumerate(values) if v in fqns]))
+            table = _rows(table, keep)
         return _records(table, md, label, place)
     except CorruptCheckpointError:
         raise
     except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as e:
         raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
+
+
+def _indices(ix: pa.Array) -> np.ndarray:
+    """A dictionary's indices (no nulls: :func:`decode_table` refused them)
+    as a numpy view of their buffer: ``Array.to_numpy`` would import
+    pandas (over a second) on a rank's first load."""
+    if ix.null_count or not pa.types.is_integer(ix.type):
+        raise ValueError(f"dictionary indices of type {ix.type} with {ix.null_count} nulls")
+    kind = "int" if pa.types.is_signed_integer(ix.type) else "uint"
+    values: np.ndarray = np.frombuffer(ix.buffers()[1], dtype=np.dtype(f"{kind}{ix.type.bit_width}"))
+    return values[ix.offset: ix.offset + len(ix)]
+
+
+def _rows(table: pa.Table, keep: np.ndarray) -> pa.Table:
+    """The rows ``keep`` (ascending) of ``table``, as zero-copy slices of its
+    runs: ``Table.filter`` would import ``pyarrow.compute`` and pandas."""
+    if len(keep) == table.num_rows:
+        return table
+    if not len(keep):
+        return table.slice(0, 0)
+    runs = np.split(keep, np.flatnonzero(np.diff(keep) != 1) + 1)
+    return pa.concat_tables([table.slice(int(r[0]), len(r)) for r in runs])
 
 
 def _records(table: pa.Table, md: fmt.Metadata, label: str, place: Place) -> list[fmt.ChunkRecord]:

@@ -103,7 +103,9 @@ def foreign_kind(names: list[str]) -> str | None:
     """What another tool's checkpoint directory is, from its top-level names,
     and how to load it (None: not one we recognise). Hugging Face model
     directories and torch.distributed.checkpoint (DCP) directories are
-    named; bytecp does not read them (yet)."""
+    named; bytecp's load reads a Hugging Face directory of safetensors
+    (:mod:`bytecp.format.safetensors_dir`) before this is asked, the
+    one-process tools do not."""
     has = set(names)
     if ".metadata" in has and any(n.endswith(".distcp") for n in names):
         return (
@@ -116,8 +118,9 @@ def foreign_kind(names: list[str]) -> str | None:
     if hf_files or any(n.startswith(("model", "pytorch_model", "adapter_model")) for n in weights):
         what = ", ".join(sorted(n for n in names if n == "config.json" or n in weights)[:3]) or "tokenizer files"
         return (
-            f"a Hugging Face model directory ({what}), not a bytecp checkpoint: load it with transformers' "
-            "AutoModel...from_pretrained (or safetensors.torch.load_file), then save it with bytecp"
+            f"a Hugging Face model directory ({what}), not a bytecp checkpoint: bytecp.load and "
+            "bytecp.load_state_dict read it when it holds model.safetensors or model.safetensors.index.json "
+            "(else load it with transformers' AutoModel...from_pretrained, or save it again with save_pretrained)"
         )
     return None
 

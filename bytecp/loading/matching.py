@@ -44,11 +44,14 @@ class Match:
 
 
 def match_target(
-    storage: Storage, target: FlatTree, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int
+    storage: Storage, target: FlatTree, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int,
+    *, cast: bool = False,
 ) -> Match:
     """(every rank) Match ``target`` with the checkpoint; raise
     :class:`~bytecp.errors.StateMismatchError` naming every difference
-    (missing/unexpected keys only when ``opts.strict``)."""
+    (missing/unexpected keys only when ``opts.strict``). ``cast`` (a foreign
+    source): a floating-point target of another floating dtype is read
+    through a staging buffer and cast (bf16 <-> fp32)."""
     nodes = md.skeleton.index()
     sources = _sources(target, md)
     missing, unexpected = _compare_keys(target, md, nodes, sources)
@@ -60,7 +63,7 @@ def match_target(
             parts.append(f"  in the checkpoint but not in the state ({len(unexpected)}): {_keys(unexpected)}")
         parts.append("  pass strict=False to load the keys that match")
         raise StateMismatchError("\n".join(parts))
-    targets = _tensor_targets(storage, target, md, sources)
+    targets = _tensor_targets(storage, target, md, sources, cast)
     rebuild = _SlotBuilder(storage, md, opts, rank, world_size, targets)
     values = {fqn: rebuild(nodes.get(fqn), slot.default) for fqn, slot in target.slots.items()}
     rebuild.warn_if_resharded_per_rank()
@@ -109,7 +112,9 @@ def _compare_keys(
     return missing, sorted(saved - covered)
 
 
-def _tensor_targets(storage: Storage, target: FlatTree, md: fmt.Metadata, sources: dict[str, str]) -> list[Target]:
+def _tensor_targets(
+    storage: Storage, target: FlatTree, md: fmt.Metadata, sources: dict[str, str], cast: bool = False
+) -> list[Target]:
     """The boxes of the target's tensors that the checkpoint holds (an alias
     of the target shares its group's memory and is not read again); any
     shape or dtype difference is an error naming the tensor and both sides."""
@@ -121,7 +126,8 @@ def _tensor_targets(storage: Storage, target: FlatTree, md: fmt.Metadata, source
             continue
         info = md.tensors[src]
         shape, dt = tuple(info["shape"]), info["dtype"]
-        if shape != tuple(leaf.global_shape) or dt != dtype_name(leaf.dtype):
+        castable = cast and leaf.dtype.is_floating_point and dtype_from_name(dt).is_floating_point
+        if shape != tuple(leaf.global_shape) or (dt != dtype_name(leaf.dtype) and not castable):
             mismatches.append(
                 f"{fqn}{'' if src == fqn else f' (stored as {src})'}: checkpoint has {dt} {list(shape)}, "
                 f"target is {dtype_name(leaf.dtype)} {list(leaf.global_shape)}"

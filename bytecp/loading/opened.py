@@ -49,12 +49,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import index_read, limits, references
+from bytecp.format import index_read, limits, references, safetensors_dir
 from bytecp.format import metadata as fmt
 from bytecp.format.index_check import check_index, check_rows
 from bytecp.loading import diagnose
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.regions import Region
+from bytecp.tree.skeleton import Node
 
 __all__ = ["open_checkpoint", "read_metadata", "OpenedCheckpoint", "RowSource", "Rows", "Shared"]
 
@@ -173,6 +174,34 @@ class _Segments:
         return _Segments(ck.max_rows)
 
 
+@dataclasses.dataclass(frozen=True)
+class _ForeignRows:
+    """A foreign source (a Hugging Face directory, :mod:`bytecp.format.safetensors_dir`):
+    one whole-tensor row per tensor, from the headers the coordinator read
+    and checked; they travel whole in the metadata broadcast (one row per
+    tensor), so no other rank reads a header."""
+
+    rows: tuple[fmt.ChunkRecord, ...]
+
+    def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
+        return len(self.rows)
+
+    def check_files(self, ck: OpenedCheckpoint) -> None:
+        pass  # every file's size was read with its header
+
+    def check_budget(self, ck: OpenedCheckpoint) -> None:
+        pass
+
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
+        return Rows(list(self.rows), 0)
+
+    def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
+        return Rows([r for r in self.rows if r.fqn in wanted], 0)
+
+    def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
+        return self
+
+
 @dataclasses.dataclass
 class _Found:
     """What reading has established so far (filled lazily, at most once each)."""
@@ -205,6 +234,24 @@ class OpenedCheckpoint:
     @property
     def format_version(self) -> int:
         return self.metadata.format_version
+
+    @property
+    def foreign(self) -> bool:
+        """Whether this is a foreign source (a Hugging Face directory): its
+        names are matched as transformers matches them, its dtypes may be
+        cast, its rows carry no checksums."""
+        return isinstance(self.index, _ForeignRows)
+
+    def renamed(self, names: Mapping[str, str], aliases: Mapping[str, str]) -> OpenedCheckpoint:
+        """(every rank of a foreign load, after matching names) The same
+        source with tensors renamed (stored name -> the target's name) and
+        target names reading a renamed tensor too (:mod:`bytecp.loading.hf_names`)."""
+        md = self.metadata
+        new = {names.get(k, k): v for k, v in md.tensors.items()}
+        skeleton = Node.container("dict", [(k, Node.leaf("tensor", k)) for k in new])
+        rows = tuple(dataclasses.replace(r, fqn=names.get(r.fqn, r.fqn)) for r in self.index.read_all(self, int).rows)
+        return OpenedCheckpoint(self.storage, dataclasses.replace(md, tensors=new, skeleton=skeleton, aliases=dict(aliases)),
+                                _ForeignRows(rows), _Found(real=dict(md.data_files)))
 
     @property
     def data_sizes(self) -> Mapping[str, int | None]:
@@ -287,19 +334,36 @@ class OpenedCheckpoint:
 def read_metadata(storage: Storage) -> fmt.Metadata:
     """Read and validate ``metadata.json``; a typed error naming what the URL
     is instead when there is none (:mod:`bytecp.loading.diagnose`)."""
+    got = _read_metadata(storage, foreign=False)
+    assert isinstance(got, fmt.Metadata)
+    return got
+
+
+def _read_metadata(storage: Storage, *, foreign: bool) -> fmt.Metadata | OpenedCheckpoint:
     try:
         data = storage.read_bytes(fmt.METADATA_FILE)
     except (FileNotFoundError, StorageError) as e:
+        if foreign and isinstance(e, FileNotFoundError) and safetensors_dir.is_hf_dir(storage):
+            md, rows = safetensors_dir.read_hf_dir(storage)
+            return OpenedCheckpoint(storage, md, _ForeignRows(tuple(rows)), _Found(real=dict(md.data_files)))
         # a file, a run directory, an interrupted save, nothing: say which
         diagnose.raise_not_a_checkpoint(storage, e)
     return fmt.Metadata.from_bytes(data, storage.url)
 
 
-def open_checkpoint(src: str | Storage) -> OpenedCheckpoint:
+def open_checkpoint(src: str | Storage, *, foreign: bool = False) -> OpenedCheckpoint:
     """Open ``src`` (a storage, or a URL opened with no options) for reading:
-    its validated metadata, and how its rows are found (decided here, once)."""
+    its validated metadata, and how its rows are found (decided here, once).
+    ``foreign`` (the load pipeline): a directory with no ``metadata.json`` but
+    a transformers checkpoint (``model.safetensors``,
+    ``model.safetensors.index.json``) opens as a foreign source
+    (:mod:`bytecp.format.safetensors_dir`); the one-process tools (export,
+    inspect, verify, gc) do not take one."""
     storage = src if isinstance(src, Storage) else open_storage(src)
-    md = read_metadata(storage)
+    got = _read_metadata(storage, foreign=foreign)
+    if isinstance(got, OpenedCheckpoint):
+        return got
+    md = got
     if md.references:  # version 3: rows may name files of other checkpoints of the run
         references.check_references(storage, md)
         storage = references.linked(storage, md)

@@ -24,6 +24,7 @@ from bytecp.adapter_api import LoadTarget, detect_adapter
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
+from bytecp.loading.hf_names import match_names
 from bytecp.loading.matching import Match, match_target
 from bytecp.loading.opened import OpenedCheckpoint, Shared, open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
@@ -92,7 +93,7 @@ class LoadPipeline:
 
         def read() -> Shared:
             with self.trace.span("read_metadata") as sp:
-                opened = open_checkpoint(self.storage)
+                opened = open_checkpoint(self.storage, foreign=True)  # a Hugging Face directory too
                 opened.check_sizes()  # before any tensor is allocated
                 sp.files = opened.files_read
                 return opened.share()
@@ -109,7 +110,7 @@ class LoadPipeline:
         md = self.md
         assert md is not None
 
-        def match() -> tuple[LoadTarget | None, Match]:
+        def match() -> tuple[LoadTarget | None, OpenedCheckpoint, Match]:
             faults.inject("match", self.ctx.rank)
             if self.state is None:
                 target, tree = None, Slot()
@@ -118,10 +119,18 @@ class LoadPipeline:
                 target = adapter.load_tree(self.state, self.ctx, md)
                 tree = target.tree
             flat = flatten_tree(tree, target=True)
-            return target, match_target(self.storage, flat, md, self.opts, self.ctx.rank, self.ctx.world_size)
+            opened = self.opened
+            assert opened is not None
+            if opened.foreign and self.state is not None:  # a Hugging Face directory: its names, the target's
+                names = match_names(flat, md.tensors, tied=md.user_metadata.get("tie_word_embeddings") is True,
+                                    strict=self.opts.strict, where=self.storage.url)
+                opened = opened.renamed(names.renames, names.aliases)
+            return target, opened, match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
+                                                 self.ctx.world_size, cast=opened.foreign)
 
         with self.trace.span("plan"):
-            self.target, self.matched = self.ctx.run("load/match", match)
+            self.target, opened, self.matched = self.ctx.run("load/match", match)
+        self.opened, self.md = opened, opened.metadata
 
     def plan(self) -> None:
         """(every rank; one all-gather of a digest with zero-redundancy
@@ -156,10 +165,11 @@ class LoadPipeline:
             faults.inject("read", self.ctx.rank)
             with self.trace.span("plan"):
                 chunks = self._own_rows(opened)
-                itemsizes = {t.fqn: itemsize(t.view.dtype) for t in self.own}
+                itemsizes = {t.fqn: itemsize(dtype_from_name(opened.metadata.tensors[t.fqn]["dtype"]))
+                             for t in self.own}  # the stored dtype: a foreign source's may be cast
                 reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
             execute_reads(opened.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
-                          verify=self.opts.verify, trace=self.trace)
+                          verify=self.opts.verify and not opened.foreign, trace=self.trace)
 
         self.ctx.run("load/read", read)
 

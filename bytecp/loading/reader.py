@@ -24,7 +24,7 @@ from bytecp.format.checksum import crc32c
 from bytecp.plan.load_plan import ReadRequest
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage
-from bytecp.tree.dtypes import byte_view, host_memoryview
+from bytecp.tree.dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview
 from bytecp.tree.regions import Region, row_major_strides
 
 __all__ = ["Target", "execute_reads", "READ_BATCH_MIN_BYTES"]
@@ -75,7 +75,11 @@ class _BatchReader:
         """(destination view, buffer to read into, whether the buffer is the destination)."""
         t = self.targets[req.target]
         dest = t.view[req.box.relative_to(t.box).slices()]
-        direct = req.whole_chunk and dest.is_contiguous() and dest.device.type == "cpu"
+        # straight into the target when the bytes read are exactly its box (a
+        # whole chunk, or rows of one: FSDP2's shards) in its dtype; else staged (and cast)
+        direct = (dest.is_contiguous() and dest.device.type == "cpu"
+                  and req.nbytes == req.box.numel * dest.element_size()
+                  and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)
         raw = byte_view(dest) if direct else torch.empty(req.nbytes, dtype=torch.uint8)
         return dest, raw, direct
 
@@ -89,7 +93,7 @@ class _BatchReader:
         if direct:  # read into its memory, behind its version counter: incremental saves must see it
             increment_version(dest)
         elif req.box.numel:
-            typed = raw.view(dest.dtype)
+            typed = raw.view(dtype_from_name(c.dtype))  # copy_ casts a foreign source's dtype
             dest.copy_(torch.as_strided(typed, req.box.lengths, row_major_strides(c.lengths), 0))
 
     def __call__(self, batch: list[ReadRequest]) -> int:

@@ -29,7 +29,7 @@ import bisect
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan_replicated
@@ -51,6 +51,8 @@ __all__ = [
     "specs_digest",
     "holdings",
     "ballot",
+    "PlanStats",
+    "PLAN_STATS",
 ]
 
 
@@ -113,6 +115,22 @@ class PlanCache:
 PLAN_CACHE = PlanCache()
 
 
+@dataclasses.dataclass
+class PlanStats:
+    """What this process's save plans cost (read by tests and benchmarks):
+    plans made (not reused), of those how many the coordinator took part in,
+    the boxes this rank sent it, and the replica sets split by stage."""
+
+    planned: int = 0
+    coordinated: int = 0
+    boxes_sent: int = 0
+    split_sets: int = 0
+
+
+#: counted by the save pipeline's plan phase
+PLAN_STATS = PlanStats()
+
+
 @dataclasses.dataclass(frozen=True)
 class PlanVote:
     """What every rank sends in the plan phase's all-gather (O(1) in the world size)."""
@@ -136,6 +154,11 @@ class PlanVote:
     #: the coordinator's only: the names of the non-tensor values it writes
     #: (a rank whose state tree differs writes only the others)
     objects: tuple[str, ...] = ()
+    #: fingerprint of the boxes only this rank holds ("": none): ranks whose
+    #: own boxes are the same are replicas their hints do not name
+    own_fp: str = ""
+    #: this rank writes a cached share as it is (an async snapshot copied it)
+    fixed: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +175,18 @@ class PlanDecision:
     base_load: tuple[int, ...]
     #: whether the coordinator plans some boxes (a gather and a scatter follow)
     coordinated: bool
+    #: sound replica sets (``"own:<rank>"`` for a rank's own boxes) whose
+    #: boxes other sets hold as well (equal fingerprints): set key -> every
+    #: rank holding them, planned as one set
+    merged: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
+    #: the ranks of every set (bad sets: per group of members holding the
+    #: same boxes), for the boxes sent to the coordinator: set key -> groups
+    groups: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
+    #: some rank holds boxes without a hint
+    unknown: bool = False
+    #: bad sets whose groups hold different tensors (pipeline stages), each
+    #: group planned locally as a set of its own (:mod:`bytecp.plan.split_sets`)
+    split: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
 
 
 def local_plan(
@@ -242,21 +277,25 @@ def vote_for(
     plan: LocalSavePlan, fingerprint: str, cached_for: str | None, skeleton: str, save_id: str | None
 ) -> PlanVote:
     """(every rank) This rank's vote: fingerprints of its plan and of each replica set's boxes."""
-    own = 0
+    own = owned = 0
+    own_h = hashlib.blake2b(digest_size=16)
     per_set: dict[str, tuple[ReplicaSet, Any]] = {}
     unknown = False
     for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
         if rs is None:
             unknown = True
         elif rs.size == 1:
-            own += it.nbytes
+            own, owned = own + it.nbytes, owned + 1
+            own_h.update(f"{it.fqn}|{it.region.offsets}|{it.region.lengths}|{it.dtype}|{it.global_shape};".encode())
         else:
             entry = per_set.get(rs.key)
             if entry is None:
                 entry = per_set[rs.key] = (rs, hashlib.blake2b(digest_size=16))
             entry[1].update(f"{it.fqn}|{it.region.offsets}|{it.region.lengths}|{it.dtype}|{it.global_shape};".encode())
     sets = tuple(sorted((k, rs.size, h.hexdigest()) for k, (rs, h) in per_set.items()))
-    return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown)
+    own_fp = own_h.hexdigest() if owned else ""
+    return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown, own_fp=own_fp,
+                    fixed=plan.fixed)
 
 
 def fingerprints_digest(fingerprints: Sequence[str]) -> str:
@@ -267,24 +306,42 @@ def fingerprints_digest(fingerprints: Sequence[str]) -> str:
 def decide(votes: Sequence[PlanVote]) -> PlanDecision:
     """(every rank, the same answer everywhere) Reuse the cached plans, or
     which replica sets are sound and whether the coordinator must plan.
-    O(W + the replica-set entries of every vote): one pass, no per-box work."""
+    O(W + the replica-set entries of every vote): one pass, no per-box work.
+
+    Sets whose members hold different boxes are bad (the coordinator plans
+    them, one copy per group of members that agree); sound sets (and ranks'
+    own boxes) whose fingerprints are equal hold the same boxes under
+    different hints and are merged into one set, so no box is written twice."""
     digest = fingerprints_digest([v.fingerprint for v in votes])
     base = tuple(v.own_bytes for v in votes)
     if all(v.cached_for == digest for v in votes):
         return PlanDecision(digest, True, frozenset(), base, False)
-    seen: dict[str, list[Any]] = {}  # key -> [size, fingerprint, members seen, sound]
-    for v in votes:
+    seen: dict[str, tuple[set[int], dict[str, list[int]]]] = {}  # key -> (sizes, fingerprint -> members)
+    for rank, v in enumerate(votes):
         for key, size, fp in v.sets:
             entry = seen.get(key)
             if entry is None:
-                seen[key] = [size, fp, 1, True]
-                continue
-            entry[2] += 1
-            if entry[0] != size or entry[1] != fp:
-                entry[3] = False
-    bad = frozenset(k for k, (size, _, count, sound) in seen.items() if not sound or count != size)
-    coordinated = bool(bad) or any(v.unknown for v in votes)
-    return PlanDecision(digest, False, bad, base, coordinated)
+                entry = seen[key] = (set(), {})
+            entry[0].add(size)
+            entry[1].setdefault(fp, []).append(rank)
+        if v.own_fp:
+            seen[f"own:{rank}"] = ({1}, {v.own_fp: [rank]})
+    bad = frozenset(k for k, (sizes, fps) in seen.items()
+                    if len(fps) > 1 or len(sizes) > 1 or sum(map(len, fps.values())) != next(iter(sizes)))
+    groups = {k: tuple(tuple(m) for m in fps.values()) for k, (_, fps) in seen.items()}
+    by_fp: dict[str, list[str]] = {}
+    for k, (_, fps) in seen.items():
+        if k not in bad:
+            by_fp.setdefault(next(iter(fps)), []).append(k)
+    merged: dict[str, tuple[int, ...]] = {}
+    for keys in by_fp.values():
+        if len(keys) > 1:
+            ranks = tuple(sorted({r for k in keys for r in groups[k][0]}))
+            merged.update((k, ranks) for k in keys)
+    unknown = any(v.unknown for v in votes)
+    if any(v.fixed for v in votes):  # a cached share written as it is: every rank sends all it holds
+        groups = {}
+    return PlanDecision(digest, False, bad, base, bool(bad) or unknown, merged, groups, unknown)
 
 
 def planned_locally(
@@ -292,33 +349,62 @@ def planned_locally(
     shared: dict[tuple[str, str], dict[int, list[WriteItem]]] | None = None,
 ) -> list[WriteItem]:
     """(every rank) The boxes this rank writes of those planned without the
-    coordinator: its own boxes, and its share of every sound replica set.
+    coordinator: its own boxes, and its share of every sound replica set
+    (merged sets: over all their ranks); nothing when the coordinator plans
+    (:func:`needs_coordinator` sends it every box, one copy per set).
     ``shared``: plans of replica sets already made, by (set key, fingerprint
     of its boxes) -- every member makes the same one, so a simulation of many
     ranks in one process makes each once."""
+    if decision.coordinated:
+        return []
     mine: list[WriteItem] = []
-    by_set: dict[str, tuple[ReplicaSet, list[WriteItem]]] = {}
+    by_set: dict[str, tuple[tuple[int, ...], list[WriteItem]]] = {}
+    own = f"own:{plan.rank}"
     for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
         if rs is None or rs.key in decision.bad_sets:
             continue
-        if rs.size == 1:
+        key = own if rs.size == 1 else rs.key
+        ranks = decision.merged.get(key)
+        if key in decision.split:  # this rank's group of a set split by stage
+            ranks = next(g for g in decision.split[key] if plan.rank in g)
+        if ranks is None and rs.size == 1:
             mine.append(it)
         else:
-            by_set.setdefault(rs.key, (rs, []))[1].append(it)
-    for key, (rs, items) in by_set.items():
-        memo = (key, hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest()) if shared is not None else None
-        share = shared.get(memo) if shared is not None and memo is not None else None
+            by_set.setdefault(key, (ranks or rs.ranks, []))[1].append(it)
+    for ranks, items in by_set.values():
+        memo = (repr(ranks), hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest())
+        share = shared.get(memo) if shared is not None else None
         if share is None:
-            share = plan_replicated(items, rs.ranks, decision.base_load, split_bytes=split_bytes)
-            if shared is not None and memo is not None:
+            share = plan_replicated(items, ranks, decision.base_load, split_bytes=split_bytes)
+            if shared is not None:
                 shared[memo] = share
         mine.extend(share.get(plan.rank, []))
     return mine
 
 
 def needs_coordinator(plan: LocalSavePlan, decision: PlanDecision) -> LocalSavePlan:
-    """(every rank) The boxes the coordinator plans: those without a hint and
-    those of unsound replica sets (as a plan without hints)."""
-    sets = plan.sets or (None,) * len(plan.items)
-    items = tuple(it for it, rs in zip(plan.items, sets, strict=True) if rs is None or rs.key in decision.bad_sets)
-    return LocalSavePlan(plan.rank, items, fixed=plan.fixed)
+    """(every rank, when the decision is coordinated) The boxes the
+    coordinator plans, with the ranks holding them: this rank's own boxes
+    and those without a hint; a replica set's boxes from its lowest member
+    only (a bad set's: from the lowest member of each group that holds the
+    same boxes), so the coordinator compares one copy per group and finds
+    boxes held under different hints, or none. A rank writing a cached share
+    as it is (``fixed``) sends it all (:func:`~bytecp.plan.planner.plan_save`)."""
+    if plan.fixed:
+        return LocalSavePlan(plan.rank, plan.items, fixed=True)
+    items: list[WriteItem] = []
+    holders: list[tuple[int, ...] | None] = []
+    chosen: dict[str, tuple[int, ...] | None] = {}
+    for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
+        if rs is None or rs.size == 1:
+            items.append(it)
+            holders.append(None)
+            continue
+        if rs.key not in chosen:
+            members = next((g for g in decision.groups.get(rs.key, ()) if plan.rank in g), (plan.rank,))
+            chosen[rs.key] = members if members[0] == plan.rank else None
+        group = chosen[rs.key]
+        if group is not None:
+            items.append(it)
+            holders.append(group)
+    return LocalSavePlan(plan.rank, tuple(items), fixed=False, holders=tuple(holders))

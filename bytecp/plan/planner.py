@@ -88,6 +88,9 @@ class LocalSavePlan:
     #: copied them and nothing else); the planner gives other holders only
     #: what they leave uncovered
     fixed: bool = False
+    #: (parallel to ``items``, or empty) the ranks holding each box, where
+    #: one rank sends the boxes of a whole replica set; ``None``: this rank
+    holders: tuple[tuple[int, ...] | None, ...] = ()
 
 
 def find_overlap(boxes: Sequence[Region], dim: int = 0) -> tuple[Region, Region] | None:
@@ -193,18 +196,25 @@ def plan_save(
     anyway (balanced around). ``check_coverage=False`` when the plans hold
     only part of the state (the rest is checked at commit).
 
+    Identical boxes (same tensor, box and dtype) are one box, whoever holds
+    them and whatever their hints said: one holder writes each. A box a
+    plan sends for a whole replica set names its ranks (``holders``).
+
     Raises :class:`ConfigError` when ranks disagree on a tensor's dtype or
-    global shape, or when the boxes held do not cover a tensor exactly.
+    global shape, when two distinct boxes of a tensor overlap (a conflicting
+    layout: the ranks and boxes are named), or, with ``check_coverage``,
+    when the boxes held do not cover a tensor exactly.
     """
     world = len(plans)
     # box -> (its first item, the ranks holding it), keyed by plain tuples
     # (hashed in C): this loop runs once per box of every rank
     holders: dict[tuple[str, tuple[int, ...], tuple[int, ...]], tuple[WriteItem, list[int]]] = {}
     meta: dict[str, tuple[WriteItem, int]] = {}
+    grouped: set[tuple[str, tuple[int, ...], tuple[int, ...]]] = set()
     for rank, plan in enumerate(plans):
         if plan.rank != rank:
             raise ValueError(f"plan {rank} claims rank {plan.rank}")
-        for it in plan.items:
+        for i, it in enumerate(plan.items):
             seen = meta.get(it.fqn)
             if seen is None:
                 meta[it.fqn] = (it, rank)
@@ -216,19 +226,28 @@ def plan_save(
                 )
             key = (it.fqn, it.region.offsets, it.region.lengths)
             entry = holders.get(key)
+            group = plan.holders[i] if plan.holders and plan.holders[i] is not None else None
             if entry is None:
-                holders[key] = (it, [rank])
+                holders[key] = (it, list(group) if group is not None else [rank])
+                if group is not None:
+                    grouped.add(key)
+            elif group is not None or key in grouped:  # (rare: rank lists that are not in rank order)
+                have = set(entry[1])
+                entry[1].extend(r for r in (group or (rank,)) if r not in have)
+                grouped.add(key)
             elif entry[1][-1] != rank:
                 entry[1].append(rank)
 
+    boxes: dict[str, list[Region]] = defaultdict(list)
+    for it, _ in holders.values():
+        boxes[it.fqn].append(it.region)
     if check_coverage:
-        boxes: dict[str, list[Region]] = defaultdict(list)
-        for it, _ in holders.values():
-            boxes[it.fqn].append(it.region)
         for fqn, (it, _) in meta.items():
             error = tiling_error(it.global_shape, boxes[fqn])
             if error is not None:
                 raise ConfigError(f"tensor {fqn!r} of shape {list(it.global_shape)}: {error}")
+    else:  # (boxes of fixed shares may overlap others: pieces of them)
+        _refuse_overlaps(boxes, holders, meta, {r for r, p in enumerate(plans) if p.fixed})
 
     load = list(base_load) if base_load is not None else [0] * world
     out: list[list[WriteItem]] = [[] for _ in range(world)]
@@ -264,6 +283,30 @@ def plan_save(
     for items in out:
         items.sort(key=_order)
     return out
+
+
+def _refuse_overlaps(
+    boxes: dict[str, list[Region]], holders: dict[Any, tuple[WriteItem, list[int]]],
+    meta: dict[str, tuple[WriteItem, int]], fixed: set[int],
+) -> None:
+    """Raise :class:`ConfigError` naming the ranks and boxes of the first
+    tensor two distinct boxes of which overlap (a conflicting layout)."""
+    for fqn, regions in boxes.items():
+        if len(regions) < 2:
+            continue
+        if fixed:
+            regions = [b for b in regions if not set(holders[(fqn, b.offsets, b.lengths)][1]) <= fixed]
+        pair = find_overlap(regions) if len(regions) > 1 else None
+        if pair is None:
+            continue
+        by = [sorted(holders[(fqn, b.offsets, b.lengths)][1]) for b in pair]
+        shape = list(meta[fqn][0].global_shape)
+        raise ConfigError(
+            f"tensor {fqn!r} of shape {shape}: rank(s) {by[0]} hold its box {pair[0]} and rank(s) "
+            f"{by[1]} its box {pair[1]}, which overlap without being the same box; every rank must hold "
+            "whole shards of one layout (redistribute the tensor to one sharding, or pass the "
+            "framework= adapter that describes it)"
+        )
 
 
 def _minus(parts: list[Region], cuts: Sequence[Region]) -> list[Region]:

@@ -41,6 +41,7 @@ from bytecp.format.references import held
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
+    PLAN_STATS,
     PlanVote,
     ballot,
     decide,
@@ -49,6 +50,7 @@ from bytecp.plan.exchange import (
     planned_locally,
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
+from bytecp.plan.split_sets import names_of, split_disjoint
 from bytecp.recorder import Trace
 from bytecp.saving import leases
 from bytecp.saving.commit import (
@@ -221,11 +223,23 @@ class SavePipeline:
                 else:
                     held = held_of(local)
                     split = self.opts.split_bytes
+                    if decision.bad_sets and not decision.unknown:  # pipeline stages: names, not boxes
+                        before = decision
+                        decision = split_disjoint(decision, ctx.all_gather("save/plan", lambda: names_of(held, before)))
                     items = planned_locally(held, decision, split_bytes=split)
+                    PLAN_STATS.planned += 1
+                    PLAN_STATS.split_sets += len(decision.split)
                     if decision.coordinated:
                         base = list(decision.base_load)
+                        PLAN_STATS.coordinated += 1
+
+                        def send() -> LocalSavePlan:
+                            sent = needs_coordinator(held, decision)
+                            PLAN_STATS.boxes_sent += len(sent.items)
+                            return sent
+
                         items = items + ctx.reduce_scatter(
-                            "save/plan", lambda: needs_coordinator(held, decision),
+                            "save/plan", send,
                             lambda plans: plan_save(plans, split_bytes=split, base_load=base, check_coverage=False),
                         )
                     # cached once the save commits: a plan that failed is never reused

@@ -58,10 +58,10 @@ def test_inspect_and_verify_list_the_data_files_once(saved: tuple[str, dict[str,
 def test_gc_lists_without_reading_the_index(saved: tuple[str, dict[str, torch.Tensor]]) -> None:
     url, _ = saved
     storage = open_storage(url)
-    storage.write_file("data/00000000T000000-dead/0-0.bin", [b"x"])
+    storage.write_file("data/20200101T000000-dead/0-0.bin", [b"x"])
     opened = open_checkpoint(storage)
-    assert "data/00000000T000000-dead/0-0.bin" in opened.stored_files()
-    assert collect_garbage(storage).removed == ["data/00000000T000000-dead/0-0.bin"]
+    assert "data/20200101T000000-dead/0-0.bin" in opened.stored_files()
+    assert collect_garbage(storage).removed == ["data/20200101T000000-dead/0-0.bin"]
 
 
 def test_rows_for_boxes_and_all_rows_agree(saved: tuple[str, dict[str, torch.Tensor]]) -> None:

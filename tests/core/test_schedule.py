@@ -74,11 +74,11 @@ def test_each_async_order_runs_its_phases_in_sequence(tmp_path: Path, monkeypatc
     want = {k: v.clone() for k, v in state["model"].state_dict().items()}
     bytecp.async_save(str(tmp_path / "ck"), state, **kw).wait(timeout=60)
     assert calls == expected
-    # the plan is a frozen value; the pipeline keeps its inputs and the kept failure only
+    # the plan is a frozen value; the pipeline keeps its inputs (the incremental base is one) and the kept failure only
     assert isinstance(plans[0], SavePlanResult)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plans[0].save_id = "x"
-    assert set(vars(pipelines[0])) == {"storage", "state", "opts", "ctx", "trace", "stager", "version", "_kept"}
+    assert set(vars(pipelines[0])) == {"storage", "state", "opts", "ctx", "trace", "stager", "version", "incremental", "_kept"}
     assert pipelines[0]._kept is None
     got = bytecp.load_state_dict(str(tmp_path / "ck"))["model"]
     assert all(same_bits(v, got[k]) for k, v in want.items())

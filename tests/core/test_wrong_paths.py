@@ -92,7 +92,7 @@ def test_foreign_checkpoint_directories_say_what_they_are(tmp_path: Path) -> Non
     hf = tmp_path / "gpt2"
     hf.mkdir()
     (hf / "config.json").write_text("{}")
-    (hf / "model.safetensors").write_bytes(b"x")
+    (hf / "pytorch_model.bin").write_bytes(b"x")  # model.safetensors would be loaded (tests/hf)
     (hf / "tokenizer.json").write_text("{}")
     for fn in every_reader(str(hf)):
         msg = one_line_error(fn, CheckpointNotFoundError, f"{hf} is a Hugging Face model directory", "from_pretrained")

@@ -265,9 +265,13 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
     norm = norm.weight
     hint = dtensor_replicas(norm) if hasattr(norm, "device_mesh") else None  # type: ignore[arg-type]
     state = {"model": model, "optimizer": opt, "extra": {"step": 2}}
+    from bytecp.plan.exchange import PLAN_STATS
+
+    coordinated = PLAN_STATS.coordinated
     t0 = time.perf_counter()
     bytecp.save(url + "-sync", state)
     saved = time.perf_counter() - t0
+    coordinated = PLAN_STATS.coordinated - coordinated  # 1: the first save gathered boxes
     # the checkpoint loaded below: an async save of the same state, which
     # reuses the plan just made and copies this rank's cached share alone
     bytecp.async_save(url, state).wait()
@@ -286,7 +290,8 @@ def save_then_load(layout: str, url: str, loads: list[str]) -> dict[str, Any] | 
             st["step"] = extra["step"]
             got[to] = st
     return None if ref is None else {"ref": ref, "got": got, "took": took,
-                                     "norm_replicas": None if hint is None else list(hint.ranks)}
+                                     "norm_replicas": None if hint is None else list(hint.ranks),
+                                     "coordinated": coordinated}
 
 
 def save_error(layout: str, url: str) -> str:

@@ -37,11 +37,15 @@ NORM_REPLICAS = {
     "tp": [0, 1, 2, 3],
     "hsdp": [0, 2],
     "hsdp_tp": [0, 1, 2, 3],  # Replicate along replicate, and every tp coordinate
-    "pp_fsdp": [0, 2],  # the other stage too: its votes differ, the coordinator plans these
+    "pp_fsdp": [0, 2],  # the other stage too: the set is split by stage, planned without boxes
     "fsdp_groups": None,  # its mesh does not span the world
     "titan_fsdp_tp": [0, 1],  # torchtitan keeps norms on the 2-D mesh, Replicate along tp
     "titan_fsdp_tp_sp": [0, 1],
 }
+#: save layouts whose first save the coordinator plans (it gathers boxes); the
+#: others plan from their hints alone, pipeline stages included (their sets
+#: split by stage: bytecp.plan.split_sets)
+COORDINATED = {"fsdp_groups"}
 
 
 def _same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
@@ -74,6 +78,7 @@ def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
     out = pools(4).run(lc.save_then_load, save, url, MATRIX[save], timeout=240)[0]
     ref = out["ref"]
     assert out["norm_replicas"] == NORM_REPLICAS[save]
+    assert out["coordinated"] == (save in COORDINATED), out["coordinated"]
     for to in MATRIX[save]:
         _same(ref, out["got"][to], f"{save} -> {to}")
         assert out["got"][to]["step"] == 2

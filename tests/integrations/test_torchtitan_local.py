@@ -94,3 +94,59 @@ def test_errors_name_the_setting(tmp_path: Path) -> None:
         full.load()
     fresh, _, _ = _manager(tmp_path / "empty")
     assert fresh.load() is False
+
+
+def _poison_dcp_hf_reader(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch DCP's load and its Hugging Face reader raise if anything calls them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import hf_storage
+
+    def poisoned(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("torch DCP's Hugging Face reader was used")
+
+    monkeypatch.setattr(hf_storage.HuggingFaceStorageReader, "__init__", poisoned)
+    monkeypatch.setattr(dcp, "load", poisoned)
+
+
+def test_initial_load_in_hf_reads_through_bytecp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """torchtitan's llama3 debug model and state-dict adapter: a safetensors
+    directory of ``to_hf`` (bf16 on disk, one tensor the model lacks) read by
+    bytecp, never by DCP's reader; equal to ``from_hf`` of the files, cast."""
+    from safetensors.torch import load_file, save_file
+    from torchtitan.models.llama3 import model_registry
+
+    spec = model_registry("debugmodel")
+    adapter = spec.state_dict_adapter(spec.model, None)
+    torch.manual_seed(0)
+    source = spec.model.build()
+    source.init_weights()
+    hf = {k: v.to(torch.bfloat16).contiguous() for k, v in adapter.to_hf(source.state_dict()).items()}
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(4)  # ignored, as torchtitan's reader does
+    (tmp_path / "hf").mkdir()
+    save_file(hf, str(tmp_path / "hf" / "model.safetensors"))
+
+    torch.manual_seed(1)
+    model = spec.model.build()
+    model.init_weights()
+    opt_config = default_adamw(lr=1e-2)
+    opt_config.implementation = "for-loop"
+    optimizers = OptimizersContainer(opt_config, model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    cfg = BytecpCheckpointManager.Config(enable=True, folder=str(tmp_path / "ck"), initial_load_in_hf=True,
+                                         initial_load_path=str(tmp_path / "hf"))
+    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                    states={}, sd_adapter=adapter)
+    assert not torch.equal(model.lm_head.weight, source.lm_head.weight.to(torch.bfloat16).float())
+    _poison_dcp_hf_reader(monkeypatch)
+    assert mgr.load()
+    ref = adapter.from_hf(load_file(str(tmp_path / "hf" / "model.safetensors")))
+    live = model.state_dict()
+    assert set(live) <= set(ref)
+    for k, v in live.items():
+        assert v.dtype == torch.float32 and torch.equal(v, ref[k].float()), k
+
+    del hf["model.norm.weight"]
+    save_file(hf, str(tmp_path / "hf" / "model.safetensors"))
+    with pytest.raises(bytecp.BytecpError, match=r"initial_load_in_hf: 1 of the model's tensors "
+                                                 r"\(model.norm.weight, .*not in .*hf"):
+        mgr.load()

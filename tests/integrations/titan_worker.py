@@ -9,7 +9,8 @@ and reused), trains (or writes the seed checkpoint) and closes it. With
 ``verify``, every model and optimizer tensor right after the checkpoint load
 must equal (``torch.equal``) the full tensor ``bytecp.load_state_dict(URL)``
 holds; ``verify_hf`` compares the model with a Hugging Face directory
-through torchtitan's state-dict adapter. Rank 0 writes each run's losses,
+through torchtitan's state-dict adapter; ``no_dcp_hf`` makes torch DCP's
+load and its Hugging Face reader raise during the run. Rank 0 writes each run's losses,
 checkpoint timings and step times (or its error) to ``out``.
 """
 
@@ -71,7 +72,27 @@ def verify_hf(trainer: Any, path: str) -> int:
     return _compare(trainer.checkpointer.states["model"].state_dict(), ref, "model (hf)")
 
 
+def _poisoned(*args: Any, **kwargs: Any) -> None:
+    raise AssertionError("torch DCP's Hugging Face reader was used")
+
+
 def run_one(run: dict[str, Any], record: dict[str, Any]) -> None:
+    if not run.get("no_dcp_hf"):
+        return _run_one(run, record)
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import hf_storage
+
+    reader, load = hf_storage.HuggingFaceStorageReader.__init__, dcp.load
+    hf_storage.HuggingFaceStorageReader.__init__ = _poisoned  # type: ignore[assignment,method-assign]
+    dcp.load = _poisoned
+    try:
+        _run_one(run, record)
+    finally:
+        hf_storage.HuggingFaceStorageReader.__init__ = reader  # type: ignore[method-assign]
+        dcp.load = load
+
+
+def _run_one(run: dict[str, Any], record: dict[str, Any]) -> None:
     from torchtitan.components.metrics import MetricsProcessor
     from torchtitan.config import ConfigManager
 

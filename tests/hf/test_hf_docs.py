@@ -1,0 +1,49 @@
+"""The Hugging Face snippets of docs/integrations.md run as written: the
+one-process snippet here; the FSDP2 one under ``torchrun`` with 2 ranks
+(slow: one spawned job)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from dist.pool import free_port
+
+DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _snippets() -> list[str]:
+    text = DOC.read_text()
+    section = text[text.index("# Hugging Face: transformers checkpoints as a load source"):]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
+
+
+def test_one_process_snippet_runs() -> None:
+    exec(compile(_snippets()[0], f"{DOC}:hf-snippet-1", "exec"), {})  # noqa: S102 - our own docs
+
+
+@pytest.mark.slow
+def test_fsdp2_snippet_runs_under_torchrun(tmp_path: Path) -> None:
+    first, second = _snippets()[:2]
+    exec(compile(first, f"{DOC}:hf-snippet-1", "exec"), {})  # noqa: S102 - it saves /tmp/tiny-llama
+    script = tmp_path / "fsdp2.py"
+    script.write_text(second)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-port", str(free_port()), str(script)]
+    # its own session: on a timeout the ranks go with torchrun, never left running
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
+                            start_new_session=True)
+    try:
+        _, err = proc.communicate(timeout=240)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 0, err[-3000:]
