@@ -163,6 +163,9 @@ def load(
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
     )
     _check_state(state)
+    from bytecp.saving.reuse import LAST_SAVES
+
+    LAST_SAVES.clear()  # tensors filled in place (a DTensor's version unmoved): the next save writes them
     ctx = DistContext(opts.process_group, opts.coordinator_rank)
     storage = _storage(url, opts)
     trace = _trace("load", storage, ctx, opts, wall0)

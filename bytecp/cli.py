@@ -205,6 +205,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
 def _nothing_to_list(url: str, options: dict[str, Any]) -> None:
     """Raise the one-line reason ``bytecp ls URL`` lists nothing."""
     from bytecp.errors import CheckpointNotFoundError
+    from bytecp.format.references import BASE_FILE
     from bytecp.loading.diagnose import foreign_kind
 
     storage = open_storage(url, **options)
@@ -218,7 +219,8 @@ def _nothing_to_list(url: str, options: dict[str, Any]) -> None:
     if foreign is not None:
         raise CheckpointNotFoundError(f"{url} is {foreign}")
     uncommitted = [n for n in names if storage.list_children(n) and not storage.exists(f"{n}/metadata.json")
-                   and {"data", "index"} & set(storage.list_children(n))]
+                   and {"data", "index"} & set(storage.list_children(n))
+                   and not storage.exists(f"{n}/{BASE_FILE}")]  # a retired base: gc never removes it
     tail = (f"; {', '.join(uncommitted[:5])} hold(s) files of saves that never committed (`bytecp gc {url}` "
             "removes them)") if uncommitted else ""
     raise CheckpointNotFoundError(f"no committed checkpoint below {url}{tail}")

@@ -39,7 +39,7 @@ log = logging.getLogger("bytecp")
 
 __all__ = [
     "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "held", "linked", "name_of", "pin", "pinned",
-    "read_committed", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
+    "read_committed", "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
 ]
 
 #: what retention leaves of a checkpoint that kept checkpoints still
@@ -135,6 +135,27 @@ def retired_names(root: Storage) -> list[str]:
     """Checkpoints below the run ``root`` that retention retired (a :data:`BASE_FILE`, no ``metadata.json``)."""
     return [n for n in root.list_children("") if root.exists(f"{n}/{BASE_FILE}")
             and not root.exists(f"{n}/{fmt.METADATA_FILE}")]
+
+
+def referenced_by(storage: Storage) -> list[str]:
+    """(coordinator of an overwrite, before it plans) The committed checkpoints
+    of the run that reference the checkpoint at ``storage`` (none at a
+    storage's root)."""
+    try:
+        root = open_storage(run_url(storage.url), **storage.options())
+    except CorruptCheckpointError:
+        return []
+    me = name_of(storage.url)
+    out = []
+    for name in root.list_children(""):
+        if name != me and root.exists(f"{name}/{fmt.METADATA_FILE}"):
+            try:
+                md = read_committed(root.child(name))
+            except Exception:  # noqa: BLE001 - an unreadable checkpoint reads nothing
+                continue
+            if md is not None and me in md.references:
+                out.append(name)
+    return out
 
 
 def pinned(storage: Storage) -> bool:

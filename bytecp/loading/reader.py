@@ -16,6 +16,7 @@ import dataclasses
 from collections.abc import Sequence
 
 import torch
+from torch.autograd.graph import increment_version
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
@@ -89,7 +90,9 @@ class _BatchReader:
                 f"{self.storage.url}/{c.file}: checksum mismatch in tensor {c.fqn!r} region "
                 f"{Region(c.offsets, c.lengths)} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})"
             )
-        if not direct and req.box.numel:
+        if direct:  # read into its memory, behind its version counter: incremental saves must see it
+            increment_version(dest)
+        elif req.box.numel:
             typed = raw.view(dtype_from_name(c.dtype))  # copy_ casts a foreign source's dtype
             dest.copy_(torch.as_strided(typed, req.box.lengths, row_major_strides(c.lengths), 0))
 

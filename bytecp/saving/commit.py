@@ -31,6 +31,7 @@ from bytecp.errors import (
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import BuiltIndex, build_index
+from bytecp.format.references import BASE_FILE, referenced_by
 from bytecp.saving.writer import RankOutput
 from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_name
@@ -121,13 +122,24 @@ def build_metadata(
 
 def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
     """(coordinator, plan phase) Refuse a committed checkpoint unless
-    overwriting; the one replaced."""
+    overwriting, and always a base retention retired (``base.json``); the one replaced."""
     if not storage.exists(fmt.METADATA_FILE):
+        if storage.exists(BASE_FILE):  # a save here would replace (and sweep) files kept checkpoints read
+            raise CheckpointExistsError(
+                f"{storage.url} is a checkpoint retired by retention whose data files kept checkpoints of "
+                "the run reference; save to another directory (it goes once no kept checkpoint references it)"
+            )
         return None
     if not overwrite:
         raise CheckpointExistsError(
             f"{storage.url} already holds a committed checkpoint; pass overwrite=True "
             "to replace it (the old one stays intact until the new one commits)"
+        )
+    readers = referenced_by(storage)
+    if readers:  # the overwrite would remove files they read
+        raise CheckpointExistsError(
+            f"{storage.url} is referenced by checkpoint(s) {', '.join(sorted(readers))} of the run, which read its "
+            "data files; save to another directory (overwrite=True cannot replace a checkpoint others reference)"
         )
     try:
         return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)

@@ -302,6 +302,8 @@ def _register_drain() -> None:
     or as an ``atexit`` handler where that hook does not exist."""
     import concurrent.futures.thread  # noqa: F401  (registers its exit hook first)
 
+    import bytecp.saving.leases  # noqa: F401  (and its own: the in-flight save's lease ends after it)
+
     register = getattr(threading, "_register_atexit", None)
     if register is None:  # pragma: no cover - every CPython since 3.9 has it
         atexit.register(_drain)

@@ -33,7 +33,7 @@ from collections import defaultdict
 
 from bytecp.storage_api import Storage
 
-__all__ = ["LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "SaveFiles", "saves_at", "orphans", "sweep"]
+__all__ = ["LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "may_be_running", "SaveFiles", "saves_at", "orphans", "sweep"]
 
 log = logging.getLogger("bytecp")
 
@@ -157,6 +157,15 @@ class SaveFiles:
             return now < self.expires
         started = self.started()
         return started is None or now < started + lease_seconds()
+
+
+def may_be_running(storage: Storage, save_id: str, now: float | None = None) -> bool:
+    """(retention, about a pin) Whether the save ``save_id`` to the checkpoint
+    at ``storage`` may still run: its lease, else its start time."""
+    entry = SaveFiles(save_id)
+    if storage.exists(_lease_file(save_id)):
+        entry.expires = _expiry(storage, _lease_file(save_id))
+    return entry.may_be_running(time.time() if now is None else now)
 
 
 def saves_at(storage: Storage) -> dict[str, SaveFiles]:

@@ -38,11 +38,11 @@ _SAVE_FOLDERS = ("data", "index", LEASE_DIR)
 
 def _committed_id(storage: Storage) -> str | None:
     """The committed save's id at ``storage`` (None: nothing committed there)."""
-    from bytecp.loading.opened import open_checkpoint
+    from bytecp.loading.opened import read_metadata
 
     if not storage.exists("metadata.json"):
         return None
-    return open_checkpoint(storage).metadata.save_id
+    return read_metadata(storage).save_id  # its references need not resolve: only its own files matter here
 
 
 def _targets(storage: Storage) -> list[tuple[str, Storage]]:

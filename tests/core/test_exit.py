@@ -90,3 +90,41 @@ def test_many_exits_eager_and_lazy_are_all_clean(tmp_path: Path) -> None:
     runs = 8
     exits = run_script(tmp_path, runs, slow_callback=False)
     assert_clean(tmp_path, runs, exits)
+
+
+LEASE_SCRIPT = textwrap.dedent("""
+    import os, sys, threading, time
+    import torch
+    import bytecp
+
+    url = sys.argv[1]
+    handle = bytecp.async_save(url, {"a": torch.zeros(4)})
+
+    def watch():  # not a daemon: joined after threading's exit hooks ran
+        gone = False
+        while not handle.done():
+            d = os.path.join(url, "leases")
+            if not (os.path.isdir(d) and os.listdir(d)) and not os.path.exists(os.path.join(url, "metadata.json")):
+                gone = True
+                break
+            time.sleep(0.01)
+        print("lease gone while saving" if gone else "lease held", flush=True)
+
+    threading.Thread(target=watch).start()
+""")
+
+
+def test_the_lease_of_a_save_drained_at_exit_is_held_until_it_ends(tmp_path: Path) -> None:
+    """The lease's exit hook runs after the in-flight save's thread has ended,
+    never before: else the files of a save still committing at exit are
+    unprotected from `bytecp gc` and other jobs' sweeps."""
+    import os
+
+    script = tmp_path / "lease.py"
+    script.write_text(LEASE_SCRIPT)
+    env = {**os.environ, "BYTECP_FAULT_DELAY": "commit:0:1.5"}
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ck")], capture_output=True, text=True,
+                       timeout=120, env=env)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "lease held", p.stdout + p.stderr[-2000:]
+    assert (tmp_path / "ck" / "metadata.json").exists()

@@ -246,3 +246,93 @@ def test_materialize_writes_a_self_contained_copy(run: Any, tmp_path_factory: py
     assert not md.get("references") and not any(f.startswith("../") for f in md["data_files"])
     assert cli(["verify", str(out)]) == 0
     _assert_loads(str(out), model, opt)
+
+
+def test_a_save_into_a_retired_base_is_refused(run: Any) -> None:
+    """A retired base holds files kept checkpoints reference: a save there
+    would replace the save they reference and its sweep delete their data."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root, model, opt = run
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert (root / "step-1" / "base.json").exists()
+    with pytest.raises(bytecp.errors.CheckpointExistsError, match="retired"):
+        bytecp.save(str(root / "step-1"), {"model": model, "optim": opt}, step=1, overwrite=True)
+    fresh, fresh_opt = _model()
+    bytecp.load(str(root / "step-2"), {"model": fresh, "optim": fresh_opt})
+    assert torch.equal(fresh[0].weight, model[0].weight)
+
+
+def test_a_load_in_place_ends_reuse_of_the_last_save(run: Any, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A load reads into the tensors' memory without moving their version
+    counters: the next save must not reference the rows of the save before it."""
+    root, model, opt = run
+    other = tmp_path_factory.mktemp("other")
+    donor, donor_opt = _model()
+    with torch.no_grad():
+        donor[0].weight.add_(1.0)
+    bytecp.save(str(other / "step-9"), {"model": donor, "optim": donor_opt}, step=9)
+    bytecp.load(str(other / "step-9"), {"model": model, "optim": opt})
+    assert torch.equal(model[0].weight, donor[0].weight)
+    bytecp.save(str(root / "step-3"), {"model": model, "optim": opt}, step=3, base=str(root / "step-2"))
+    sd = bytecp.load_state_dict(str(root / "step-3"))
+    assert torch.equal(sd["model"]["0.weight"], donor[0].weight)
+
+
+def test_gc_of_a_run_whose_base_is_gone(run: Any) -> None:
+    """gc reads which save committed without following references: a
+    checkpoint whose base is gone does not stop the collection of the run."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.gc import collect_garbage
+
+    root = run[0]
+    (root / "step-2" / "data" / "20000101T000000-dead").mkdir()
+    (root / "step-2" / "data" / "20000101T000000-dead" / "0.bin").write_bytes(b"x")
+    shutil.rmtree(root / "step-1")
+    res = collect_garbage(open_storage(str(root)))
+    assert res.removed == ["step-2/data/20000101T000000-dead/0.bin"]
+
+
+def test_ls_never_sends_gc_to_a_retired_base(run: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run left with only a retired base (its referencing checkpoint
+    removed by hand): ls does not say gc removes it (gc never does)."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root = run[0]
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    shutil.rmtree(root / "step-2")
+    assert cli(["ls", str(root)]) != 0
+    out = capsys.readouterr()
+    assert "no committed checkpoint" in out.err and "bytecp gc" not in out.err, out.err
+
+
+def test_overwriting_a_base_that_a_checkpoint_references_is_refused(run: Any) -> None:
+    """The overwrite would remove the files the newer checkpoint reads."""
+    root, model, opt = run
+    with pytest.raises(bytecp.errors.CheckpointExistsError, match="step-2"):
+        bytecp.save(str(root / "step-1"), {"model": model, "optim": opt}, step=1, overwrite=True)
+    _assert_loads(str(root / "step-2"), model, opt)
+    bytecp.save(str(root / "step-2"), {"model": model, "optim": opt}, step=2, overwrite=True)  # nobody reads it
+    _assert_loads(str(root / "step-2"), model, opt)
+
+
+def test_the_pin_of_a_killed_save_keeps_nothing(run: Any) -> None:
+    """A save killed between pin and unpin: once it cannot be running, its
+    pin no longer keeps the whole base (only what kept checkpoints read)."""
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.retention import retain
+
+    root = run[0]
+    (root / "step-1" / "pins").mkdir()
+    (root / "step-1" / "pins" / "step-9.20000101T000000-dead").write_text("{}")
+    res = retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert res.retired == ["step-1"]
+    md = json.loads((root / "step-1" / "base.json").read_text())
+    read = {f[len("../step-1/"):] for f in json.loads((root / "step-2" / "metadata.json").read_text())["data_files"]
+            if f.startswith("../step-1/")}
+    assert set(md["retained"]) == read
+    left = {str(p.relative_to(root / "step-1")) for p in (root / "step-1").rglob("*") if p.is_file()}
+    assert left - {"base.json", "pins/step-9.20000101T000000-dead"} == read  # its index went
+    _assert_loads(str(root / "step-2"), run[1], run[2])
