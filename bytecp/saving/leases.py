@@ -33,7 +33,7 @@ from collections import defaultdict
 
 from bytecp.storage_api import Storage
 
-__all__ = ["LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "may_be_running", "SaveFiles", "saves_at", "orphans", "sweep"]
+__all__ = ["give_up_at", "LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "may_be_running", "SaveFiles", "saves_at", "orphans", "sweep"]
 
 log = logging.getLogger("bytecp")
 
@@ -126,6 +126,17 @@ def give_up(save_id: str) -> None:
     """(the coordinator of a save that failed) End its lease, if it holds one."""
     with _live_lock:
         mine = [lease for lease in _live if lease.save_id == save_id]
+    for lease in mine:
+        lease.stop()
+
+
+def give_up_at(url: str) -> None:
+    """(a save that failed, on its way out) End every lease this process
+    still holds at ``url``: one save is in flight per process, so a lease
+    left there after its save ended protects nothing (and would be renewed
+    forever)."""
+    with _live_lock:
+        mine = [lease for lease in _live if lease.storage.url == url]
     for lease in mine:
         lease.stop()
 

@@ -25,13 +25,15 @@ next is a frozen value (:mod:`bytecp.saving.results`).
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
 from bytecp.format import metadata as fmt
 from bytecp.options import SaveOptions
+from bytecp.saving import leases
 from bytecp.saving.handles import SaveHandle, gc_paused, optimizers_in
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager
@@ -119,9 +121,19 @@ def async_stager(opts: SaveOptions) -> ArenaStager:
     return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy)
 
 
+@contextlib.contextmanager
+def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
+    """A failed save leaves no lease of its own renewing (whichever phase failed)."""
+    try:
+        yield
+    except BaseException:
+        leases.give_up_at(p.storage.url)
+        raise
+
+
 def run_now(p: SavePipeline, *, blocked_since: float) -> fmt.Metadata:
     """Run :func:`save_now`, then the report; the caller is blocked throughout."""
-    with p.trace.failing(blocked_since=blocked_since):
+    with p.trace.failing(blocked_since=blocked_since), _leases_given_up_on_failure(p):
         md = save_now(p)
     p.trace.add_stall(time.perf_counter() - blocked_since)
     p.report()
@@ -136,7 +148,7 @@ def start_async(order: Order, p: SavePipeline, *, blocked_since: float) -> SaveH
         background = order(p, handle)
 
     def run() -> fmt.Metadata:
-        with p.trace.failing():
+        with p.trace.failing(), _leases_given_up_on_failure(p):
             md = background()
         p.report()
         return md

@@ -144,6 +144,9 @@ def test_every_dashboard_query_returns_data_after_a_save(
 
     exprs = _dashboard_exprs()
     assert len(exprs) >= 15
+    # the memory tier's panels read keeper processes' own exporters (no keeper runs
+    # here; tests/storage/test_storage_keeper.py scrapes those metrics)
+    exprs = [(title, expr) for title, expr in exprs if "bytecp_keeper_" not in expr]
     empty = []
     for operation in ("save", "load"):
         for title, expr in exprs:
