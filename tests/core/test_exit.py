@@ -102,8 +102,10 @@ LEASE_SCRIPT = textwrap.dedent("""
 
     def watch():  # not a daemon: joined after threading's exit hooks ran
         gone = False
+        d = os.path.join(url, "leases")
+        while not handle.done() and not (os.path.isdir(d) and os.listdir(d)):
+            time.sleep(0.005)  # the lease is taken when the background save plans
         while not handle.done():
-            d = os.path.join(url, "leases")
             if not (os.path.isdir(d) and os.listdir(d)) and not os.path.exists(os.path.join(url, "metadata.json")):
                 gone = True
                 break
