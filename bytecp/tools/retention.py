@@ -30,11 +30,11 @@ from bytecp.format import metadata as fmt
 from bytecp.format.references import (
     BASE_FILE,
     PIN_DIR,
+    pinned,
     read_committed,
     retired_bytes,
     retired_names,
 )
-from bytecp.saving.leases import may_be_running
 from bytecp.storage_api import Storage
 
 __all__ = ["RetentionResult", "live_files", "retain"]
@@ -60,16 +60,6 @@ def live_files(root: Storage, names: Sequence[str]) -> dict[str, set[str]]:
     return live
 
 
-def _pinned(root: Storage, ck: Storage) -> bool:
-    """Whether a save that may still be running pinned ``ck`` (a killed
-    save's pin, ``pins/<name>.<save_id>``, keeps nothing once its lease expired)."""
-    for path in ck.list_files(PIN_DIR):
-        name, _, save_id = path.split("/", 1)[-1].rpartition(".")
-        if not name or may_be_running(root.child(name), save_id):
-            return True
-    return False
-
-
 def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
            committed: Callable[[], Sequence[str]]) -> RetentionResult:
     """(coordinator) Keep the checkpoints ``kept`` and what they reference;
@@ -88,14 +78,12 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
         metas[name] = md
         ck.commit(BASE_FILE, retired_bytes(md, live.get(name, set())))
         ck.delete([fmt.METADATA_FILE])
-    # 2. then look again: pins of saves in flight, then checkpoints committed meanwhile (a
-    # pinning save whose lease is gone by now committed before ``live`` is read)
-    in_flight = {name for name in metas if _pinned(root, root.child(name))}
+    # 2. then look again: pins of saves in flight, checkpoints committed meanwhile
     live = live_files(root, list(committed()) + list(kept))
     out = RetentionResult()
     for name, md in metas.items():
         ck = root.child(name)
-        if name in in_flight:  # a save in flight references it: keep all of it, as a base
+        if pinned(ck):  # a save in flight references it: keep all of it, as a base
             ck.commit(BASE_FILE, retired_bytes(md, md.own_data_files))
             out.retired.append(name)
             continue
