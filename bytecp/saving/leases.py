@@ -30,6 +30,7 @@ import os
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 
 from bytecp.storage_api import Storage
 
@@ -122,12 +123,17 @@ def take(storage: Storage, save_id: str) -> Lease:
     return Lease(storage, save_id).start()
 
 
-def give_up(save_id: str) -> None:
-    """(the coordinator of a save that failed) End its lease, if it holds one."""
+def _stop_where(held: Callable[[Lease], bool]) -> None:
+    """End every lease this process holds for which ``held`` is true."""
     with _live_lock:
-        mine = [lease for lease in _live if lease.save_id == save_id]
+        mine = [lease for lease in _live if held(lease)]
     for lease in mine:
         lease.stop()
+
+
+def give_up(save_id: str) -> None:
+    """(the coordinator of a save that failed) End its lease, if it holds one."""
+    _stop_where(lambda lease: lease.save_id == save_id)
 
 
 def give_up_at(url: str) -> None:
@@ -135,10 +141,7 @@ def give_up_at(url: str) -> None:
     still holds at ``url``: one save is in flight per process, so a lease
     left there after its save ended protects nothing (and would be renewed
     forever)."""
-    with _live_lock:
-        mine = [lease for lease in _live if lease.storage.url == url]
-    for lease in mine:
-        lease.stop()
+    _stop_where(lambda lease: lease.storage.url == url)
 
 
 def release(storage: Storage, save_id: str) -> None:
