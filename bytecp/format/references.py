@@ -10,8 +10,9 @@ goes more than one hop.
 
 Who calls what:
 
-- :func:`check_references` -- the coordinator of a save before it commits,
-  and :func:`bytecp.loading.opened.open_checkpoint` (the coordinator of a
+- :func:`check_references` -- the coordinator of a save before it commits
+  (through :func:`bytecp.saving.pins.check_bases`, which also reads the
+  doom markers and the files themselves), and :func:`bytecp.loading.opened.open_checkpoint` (the coordinator of a
   load; every one-process tool): every referenced checkpoint is committed
   (its ``metadata.json``, or the ``base.json`` retention leaves in place of
   it, see :data:`BASE_FILE`), still holds the save that was referenced, and
@@ -23,12 +24,11 @@ Who calls what:
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import posixpath
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError, StorageError
@@ -38,8 +38,8 @@ from bytecp.storage_api import Buffer, Storage, open_storage
 log = logging.getLogger("bytecp")
 
 __all__ = [
-    "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "held", "linked", "name_of", "pin", "pinned",
-    "read_committed", "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling", "unpin",
+    "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "linked", "name_of",
+    "read_committed", "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling",
 ]
 
 #: what retention leaves of a checkpoint that kept checkpoints still
@@ -48,7 +48,8 @@ __all__ = [
 #: member listing the data files it keeps for them; every other file of it is
 #: deleted
 BASE_FILE = "base.json"
-#: where a save in flight marks the checkpoints it references (one file per save)
+#: where a save in flight marks the checkpoints it references (one file per
+#: save; written and read by :mod:`bytecp.saving.pins`)
 PIN_DIR = "pins"
 
 
@@ -96,41 +97,6 @@ def retired_bytes(md: fmt.Metadata, retained: Iterable[str]) -> bytes:
     return json.dumps(d, separators=(",", ":")).encode()
 
 
-def pin(storage: Storage, md: fmt.Metadata) -> None:
-    """(coordinator of a save, before :func:`check_references`) Mark every
-    checkpoint ``md`` references as in use by this save (``pins/<name>.<save_id>`` in it)."""
-    for name in sorted(md.references):
-        sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
-
-
-def unpin(storage: Storage, md: fmt.Metadata) -> None:
-    """(coordinator of a save, after its commit or failure) Remove this save's pins."""
-    for name in sorted(md.references):
-        try:
-            sibling(storage, name).delete([f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}"])
-        except Exception as e:  # a pin left behind only keeps a base longer
-            log.warning("bytecp: could not remove the pin of %s in %s: %s", storage.url, name, e)
-
-
-@contextlib.contextmanager
-def held(storage: Storage, md: fmt.Metadata) -> Iterator[None]:
-    """(coordinator of a save, around its commit) Pin the checkpoints ``md``
-    references, check them (:func:`check_references`), and unpin once the
-    commit is done or failed: a retention or ``gc`` racing the save either
-    sees the pin (or the committed checkpoint) and keeps them, or removed
-    them first and the check fails the save -- never a commit of a
-    checkpoint whose references are gone."""
-    if not md.references:
-        yield
-        return
-    try:
-        pin(storage, md)
-        check_references(storage, md)
-        yield
-    finally:
-        unpin(storage, md)
-
-
 def retired_names(root: Storage) -> list[str]:
     """Checkpoints below the run ``root`` that retention retired (a :data:`BASE_FILE`, no ``metadata.json``)."""
     return [n for n in root.list_children("") if root.exists(f"{n}/{BASE_FILE}")
@@ -156,11 +122,6 @@ def referenced_by(storage: Storage) -> list[str]:
             if md is not None and me in md.references:
                 out.append(name)
     return out
-
-
-def pinned(storage: Storage) -> bool:
-    """Whether a save in flight references the checkpoint at ``storage``."""
-    return bool(storage.list_files(PIN_DIR))
 
 
 def check_references(storage: Storage, md: fmt.Metadata) -> None:

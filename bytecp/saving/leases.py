@@ -18,15 +18,24 @@ neither this job's nor another's.
 
 The term is ``BYTECP_LEASE_SECONDS`` (default 60 s). Each lease carries its
 own expiry, so readers need no setting; hosts' clocks are assumed to agree
-within the term.
+within a quarter of the term. A lease also names its process (``host``:
+host name, boot id and pid namespace; ``pid``): a reader on that same host
+whose process is gone knows the save is dead at once.
+
+A save that references other checkpoints (format version 3) commits only
+while its lease has never lapsed (:meth:`Lease.check_held`): a retention
+takes a pin whose save's lease expired for a dead save's
+(:mod:`bytecp.saving.pins`), so that save must not commit afterwards.
 """
 
 from __future__ import annotations
 
 import calendar
+import functools
 import json
 import logging
 import os
+import socket
 import threading
 import time
 from collections import defaultdict
@@ -34,7 +43,8 @@ from collections.abc import Callable
 
 from bytecp.storage_api import Storage
 
-__all__ = ["give_up_at", "LEASE_DIR", "Lease", "take", "give_up", "release", "lease_seconds", "may_be_running", "SaveFiles", "saves_at", "orphans", "sweep"]
+__all__ = ["give_up_at", "LEASE_DIR", "Lease", "take", "give_up", "holding", "release", "lease_seconds",
+           "may_be_running", "process_gone", "this_host", "SaveFiles", "saves_at", "orphans", "sweep"]
 
 log = logging.getLogger("bytecp")
 
@@ -52,6 +62,35 @@ def lease_seconds() -> float:
 
 def _lease_file(save_id: str) -> str:
     return f"{LEASE_DIR}/{save_id}.json"
+
+
+@functools.cache
+def this_host() -> str | None:
+    """This host and pid namespace (host name, boot id, namespace inode):
+    processes that show the same string see each other's pids. None where
+    that cannot be told (no /proc): no pid is then ever taken for gone."""
+    try:
+        with open("/proc/sys/kernel/random/boot_id") as f:
+            boot = f.read().strip()
+        pidns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return None
+    return f"{socket.gethostname()}/{boot}/{pidns}"
+
+
+def process_gone(host: object, pid: object) -> bool:
+    """Whether the process ``pid`` of ``host`` (as :func:`this_host` wrote
+    it) provably no longer runs: only on this very host; a pid in use again
+    counts as running."""
+    if host is None or host != this_host() or not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 _live: set[Lease] = set()
@@ -74,21 +113,52 @@ class Lease:
     """(the save's coordinator) The lease of one save: :meth:`start` once the
     save is named, :meth:`stop` when it commits or fails. A thread of its own
     renews it; it never raises into the save (a lease it cannot write only
-    weakens the protection, and is logged)."""
+    weakens the protection, and is logged) -- except :meth:`check_held`,
+    which a save that references other checkpoints calls before its commit."""
 
     def __init__(self, storage: Storage, save_id: str, seconds: float | None = None) -> None:
         self.storage, self.save_id = storage, save_id
         self.seconds = seconds or lease_seconds()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()
+        self._until: float | None = None  # the expiry of the last write that reached storage
+        self._lapsed = False  # a write reached storage later than a quarter term before the last expiry
 
     def _write(self) -> None:
         now = time.time()
-        body = {"save_id": self.save_id, "renewed": now, "expires": now + self.seconds}
+        body = {"save_id": self.save_id, "renewed": now, "expires": now + self.seconds,
+                "host": this_host(), "pid": os.getpid()}
         try:
             self.storage.write_file(_lease_file(self.save_id), [json.dumps(body).encode()])
         except Exception as e:  # noqa: BLE001 - the save goes on; only the protection is weaker
             log.warning("bytecp: could not write the lease of save %s at %s: %s", self.save_id, self.storage.url, e)
+            return
+        done = time.time()
+        with self._lock:
+            if self._until is not None and done >= self._until - self.seconds / 4:
+                self._lapsed = True
+            self._until = now + self.seconds
+
+    def check_held(self) -> None:
+        """(the save's coordinator, right before committing a checkpoint that
+        references others) Raise :class:`CorruptCheckpointError` unless the
+        lease reached storage and has never come within a quarter term of
+        expiring: otherwise a retention may have taken this save for dead and
+        removed a checkpoint it references. (Hosts' clocks agree within a
+        quarter term, and the commit takes less than that.)"""
+        now = time.time()
+        with self._lock:
+            until, lapsed = self._until, self._lapsed
+        if self._stop.is_set() or until is None or lapsed or now >= until - self.seconds / 4:
+            from bytecp.errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(
+                f"{self.storage.url}: the lease of save {self.save_id} was not renewed in time (storage too slow "
+                f"or the process stalled; term {self.seconds:g} s, BYTECP_LEASE_SECONDS), so a retention or gc "
+                "may have taken it for a dead save and removed a checkpoint it references; it is not committed "
+                "-- save again"
+            )
 
     def start(self) -> Lease:
         self._write()
@@ -131,6 +201,12 @@ def _stop_where(held: Callable[[Lease], bool]) -> None:
         lease.stop()
 
 
+def holding(save_id: str) -> Lease | None:
+    """(the save's coordinator) The lease this process holds for ``save_id``, if any."""
+    with _live_lock:
+        return next((lease for lease in _live if lease.save_id == save_id), None)
+
+
 def give_up(save_id: str) -> None:
     """(the coordinator of a save that failed) End its lease, if it holds one."""
     _stop_where(lambda lease: lease.save_id == save_id)
@@ -158,6 +234,7 @@ class SaveFiles:
         self.save_id = save_id
         self.files: list[str] = []
         self.expires: float | None = None  # from its lease, if it has one
+        self.owner: tuple[object, object] = (None, None)  # its lease's (host, pid)
 
     def started(self) -> float | None:
         """Its UTC start time, read from the save id (None: not one of ours)."""
@@ -167,6 +244,8 @@ class SaveFiles:
             return None
 
     def may_be_running(self, now: float) -> bool:
+        if process_gone(*self.owner):
+            return False
         if self.expires is not None:
             return now < self.expires
         started = self.started()
@@ -178,7 +257,7 @@ def may_be_running(storage: Storage, save_id: str, now: float | None = None) -> 
     at ``storage`` may still run: its lease, else its start time."""
     entry = SaveFiles(save_id)
     if storage.exists(_lease_file(save_id)):
-        entry.expires = _expiry(storage, _lease_file(save_id))
+        entry.expires, entry.owner = _expiry(storage, _lease_file(save_id))
     return entry.may_be_running(time.time() if now is None else now)
 
 
@@ -201,17 +280,18 @@ def saves_at(storage: Storage) -> dict[str, SaveFiles]:
             entry.save_id = sid
             entry.files.append(path)
             if top == LEASE_DIR:
-                entry.expires = _expiry(storage, path)
+                entry.expires, entry.owner = _expiry(storage, path)
     return dict(out)
 
 
-def _expiry(storage: Storage, path: str) -> float:
-    """A lease's expiry time; an unreadable lease counts as live for one term
-    from now (it may be being rewritten)."""
+def _expiry(storage: Storage, path: str) -> tuple[float, tuple[object, object]]:
+    """A lease's expiry time and (host, pid); an unreadable lease counts as
+    live for one term from now (it may be being rewritten)."""
     try:
-        return float(json.loads(storage.read_bytes(path))["expires"])
+        body = json.loads(storage.read_bytes(path))
+        return float(body["expires"]), (body.get("host"), body.get("pid"))
     except Exception:  # noqa: BLE001
-        return time.time() + lease_seconds()
+        return time.time() + lease_seconds(), (None, None)
 
 
 def orphans(storage: Storage, committed_id: str | None, now: float | None = None) -> tuple[list[str], list[str]]:

@@ -37,7 +37,6 @@ from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.index_build import BuiltIndex
-from bytecp.format.references import held
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
@@ -62,6 +61,7 @@ from bytecp.saving.commit import (
     tensor_specs,
 )
 from bytecp.saving.handles import wait_for_previous
+from bytecp.saving.pins import held
 from bytecp.saving.results import (
     NOTHING_DESCRIBED,
     Described,
@@ -314,9 +314,11 @@ class SavePipeline:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 md, index = self._metadata(described, save_id, outputs)
-                with held(self.storage, md):  # the bases: pinned, committed checkpoints of the run
+                # the bases: pinned, checked before and again just before the commit (bytecp.saving.pins)
+                with held(self.storage, md, leases.holding(save_id)) as check_again:
                     self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
                     data = md.to_bytes()
+                    check_again()
                     self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
                     committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1

@@ -11,13 +11,21 @@ successful save to the same URL removes the same files by itself.
 
 The URL may be a checkpoint, a directory of a save that never committed, or
 a run directory (each ``step-<N>`` below it is collected).
+
+Racing saves and retention (format version 3): a reference names only files
+of the save committed at the referenced checkpoint (its ``metadata.json``,
+or the ``base.json`` retention moves it to), and gc removes only files of
+other saves, reading the committed save from either file. So gc never
+removes a file a checkpoint references or a save in flight checks, and
+needs no doom marker: retention (:mod:`bytecp.tools.retention`) alone
+removes committed files, under the protocol of :mod:`bytecp.saving.pins`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 
-from bytecp.format.references import BASE_FILE
+from bytecp.format.references import BASE_FILE, read_committed
 from bytecp.saving.leases import LEASE_DIR, orphans
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -37,12 +45,12 @@ _SAVE_FOLDERS = ("data", "index", LEASE_DIR)
 
 
 def _committed_id(storage: Storage) -> str | None:
-    """The committed save's id at ``storage`` (None: nothing committed there)."""
-    from bytecp.loading.opened import read_metadata
-
-    if not storage.exists("metadata.json"):
-        return None
-    return read_metadata(storage).save_id  # its references need not resolve: only its own files matter here
+    """The committed save's id at ``storage`` (None: nothing committed there):
+    from ``metadata.json``, or from ``base.json`` once retention retired it --
+    a retention racing this gc moves one to the other, and the save stays the
+    committed one (files kept checkpoints reference are never orphans)."""
+    md = read_committed(storage)  # its references need not resolve: only its own files matter here
+    return None if md is None else md.save_id
 
 
 def _targets(storage: Storage) -> list[tuple[str, Storage]]:

@@ -2,8 +2,11 @@
 
 Called by :meth:`bytecp.manager.CheckpointManager` after each commit
 (coordinator) and usable by any tool that deletes whole checkpoints of a run.
-It first computes the *live set* -- every file a kept checkpoint references
-in another checkpoint of the run -- and only then deletes:
+It first dooms each checkpoint it may delete and stops it from being one
+(its metadata moves to ``base.json``, every file kept for now), then reads
+the pins of saves in flight and computes the *live set* -- every file a
+kept or committed checkpoint references in another checkpoint of the run --
+and only then deletes:
 
 - a checkpoint nobody kept references goes whole (``metadata.json`` first,
   so it stops being a checkpoint before its data goes);
@@ -17,7 +20,10 @@ A save in flight references only checkpoints that are committed when it
 plans (the manager's own: the newest, always kept, and what that one
 references), so retention run by the same job never deletes what it is
 about to reference. Another process deleting checkpoints of the same run
-(``bytecp gc``) is guarded by pins (:mod:`bytecp.tools.pins`).
+(another job's retention, a tool) races saves through files alone: a
+checkpoint is *doomed* (a marker) before its pins are read, pins are read
+before the committed checkpoints, and a save checks for markers after
+pinning (:mod:`bytecp.saving.pins` has the protocol and why it holds).
 """
 
 from __future__ import annotations
@@ -30,11 +36,11 @@ from bytecp.format import metadata as fmt
 from bytecp.format.references import (
     BASE_FILE,
     PIN_DIR,
-    pinned,
     read_committed,
     retired_bytes,
     retired_names,
 )
+from bytecp.saving.pins import DOOM_DIR, Doom, live_pins
 from bytecp.storage_api import Storage
 
 __all__ = ["RetentionResult", "live_files", "retain"]
@@ -64,38 +70,55 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
            committed: Callable[[], Sequence[str]]) -> RetentionResult:
     """(coordinator) Keep the checkpoints ``kept`` and what they reference;
     delete or retire ``doomed`` and the retired bases nobody keeps.
-    ``committed()`` lists the run's committed checkpoints now (asked again
-    after the doomed ones stopped being checkpoints: a save that committed
+    ``committed()`` lists the run's committed checkpoints now (asked after
+    the doomed ones stopped being checkpoints: a save that committed
     meanwhile keeps what it references)."""
-    live = live_files(root, kept)
     candidates = [n for n in dict.fromkeys([*doomed, *retired_names(root)]) if n not in kept]
+    doom = Doom("retention")
     metas: dict[str, fmt.Metadata] = {}
-    for name in candidates:  # 1. each stops being a checkpoint; base.json says what it keeps
-        ck = root.child(name)
-        md = read_committed(ck)
-        if md is None:
-            continue
-        metas[name] = md
-        ck.commit(BASE_FILE, retired_bytes(md, live.get(name, set())))
-        ck.delete([fmt.METADATA_FILE])
-    # 2. then look again: pins of saves in flight, checkpoints committed meanwhile
-    live = live_files(root, list(committed()) + list(kept))
+    try:
+        for name in candidates:  # 1. doomed, then no longer a checkpoint (base.json keeps all it holds)
+            ck = root.child(name)
+            doom.mark(ck)
+            md = read_committed(ck)
+            if md is None:
+                doom.lift(ck)
+                continue
+            metas[name] = md
+            if ck.exists(fmt.METADATA_FILE):
+                ck.commit(BASE_FILE, retired_bytes(md, md.own_data_files))
+                ck.delete([fmt.METADATA_FILE])
+        # 2. once every marker is written: pins of saves in flight, THEN the
+        # checkpoints committed meanwhile (a save that unpinned has committed)
+        pins = {name: live_pins(root, root.child(name)) for name in metas}
+        live = live_files(root, list(committed()) + list(kept))
+        return _prune(root, doom, metas, pins, live)
+    finally:
+        doom.lift_all()
+
+
+def _prune(root: Storage, doom: Doom, metas: dict[str, fmt.Metadata],
+           pins: dict[str, tuple[list[str], list[str]]], live: dict[str, set[str]]) -> RetentionResult:
+    """(retention, step 3) Delete or retire each doomed checkpoint; its
+    doom marker goes after its last deleted file."""
     out = RetentionResult()
     for name, md in metas.items():
         ck = root.child(name)
-        if pinned(ck):  # a save in flight references it: keep all of it, as a base
-            ck.commit(BASE_FILE, retired_bytes(md, md.own_data_files))
-            out.retired.append(name)
-            continue
-        keep = live.get(name, set())
+        in_flight, dead_pins = pins[name]
+        files = set(ck.list_files(""))
+        # a save in flight references it: keep everything it holds, as a base
+        keep = set(md.own_data_files) if in_flight else live.get(name, set())
+        keep &= files
         if not keep:
-            ck.delete([BASE_FILE])
-            root.delete_prefix(name)
+            ck.delete([BASE_FILE])  # first: from here on it is nothing a save may reference
+            ck.delete(sorted(p for p in files if p != BASE_FILE and not p.startswith(DOOM_DIR + "/")))
+            doom.lift(ck, root)  # last (another deleter's marker, if any, stays)
             out.deleted.append(name)
             continue
         # what a save pinning from now on may reference: exactly what stays
         ck.commit(BASE_FILE, retired_bytes(md, keep))
-        ck.delete([p for p in ck.list_files("")
-                   if p not in keep and p != BASE_FILE and not p.startswith(PIN_DIR + "/")])
+        ck.delete(sorted(p for p in files if p not in keep and p != BASE_FILE and (
+            p in dead_pins or not p.startswith((PIN_DIR + "/", DOOM_DIR + "/")))))
+        doom.lift(ck)
         out.retired.append(name)
     return out

@@ -318,9 +318,6 @@ def test_overwriting_a_base_that_a_checkpoint_references_is_refused(run: Any) ->
     _assert_loads(str(root / "step-2"), model, opt)
 
 
-@pytest.mark.xfail(reason="open: ignoring dead pins let a racing retention delete a live base "
-                   "(tests/reliability/test_gc_race.py, about 1 run in 4); a killed save's pin keeps its base",
-                   strict=True)
 def test_the_pin_of_a_killed_save_keeps_nothing(run: Any) -> None:
     """A save killed between pin and unpin: once it cannot be running, its
     pin no longer keeps the whole base (only what kept checkpoints read)."""

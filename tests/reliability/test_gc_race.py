@@ -20,8 +20,6 @@ from . import race_cases
 pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
 
 
-@pytest.mark.xfail(reason="open: a retention racing incremental saves still lets about 1 save in 4 runs "
-                   "commit with a base gone (issue 23, item 5)", strict=False)
 def test_retention_racing_incremental_saves_never_breaks_a_checkpoint(tmp_path: Path) -> None:
     run, out = str(tmp_path / "run"), str(tmp_path / "job.pt")
     Path(run).mkdir()

@@ -1,0 +1,187 @@
+"""Pins and doom markers: a save that references other checkpoints of its
+run and a tool deleting checkpoints of that run never both go ahead on the
+same files (format version 3, FORMAT.md §6.7). Only files on the shared
+storage are used: nothing an object store lacks (no lock, no rename).
+
+**A save** that references checkpoints (its coordinator, around its commit:
+:func:`held`):
+
+1. *pins* each of them: ``pins/<its name>.<its save_id>`` in it;
+2. *checks* each (:func:`check_bases`): no doom marker in it (``doomed/``),
+   then it holds the referenced save and lists each referenced file, then
+   each file exists with its size -- in that order;
+3. writes its index, checks again, checks that its lease never lapsed
+   (:meth:`bytecp.saving.leases.Lease.check_held`), and commits;
+4. removes its pins (after the commit or the failure).
+
+**A deleter** (retention, :func:`bytecp.tools.retention.retain`), for each
+checkpoint it may remove files of (:class:`Doom`):
+
+1. *dooms* it: ``doomed/<its token>.json`` in it, before anything else;
+2. once every doom marker is written, reads its pins (:func:`live_pins`:
+   a pin whose save provably cannot commit any more keeps nothing), *then*
+   the committed checkpoints of the run and what they reference;
+3. deletes only files no live pin and no committed checkpoint names (a live
+   pin keeps every file);
+4. removes its own doom marker last, after every file it deletes there
+   (never another deleter's).
+
+Why no save commits with a referenced file gone, nor loses one afterwards:
+take a save S that pinned checkpoint X at time p and a deleter D that
+doomed X at d and read its pins at r > d. If r > p, D saw S's pin -- or,
+if S had already unpinned, S committed before r and D, listing committed
+checkpoints after r, keeps what S references. If r < p, then d < p, so S's
+check after p finds D's marker -- or finds D finished, every file it
+deleted already gone, and fails on the missing file. A save that passes its
+check therefore commits files no deleter removes while it is committed. The
+order of reads (pins before the committed list; the marker before the base
+and its files) is what makes each case hold; S's second check and its
+lease check close the case of a pin taken for dead: a save whose lease
+lapsed never commits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import time
+import uuid
+from collections.abc import Callable, Iterator
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format import metadata as fmt
+from bytecp.format.references import PIN_DIR, check_references, name_of, run_url, sibling
+from bytecp.saving import leases
+from bytecp.storage_api import Storage
+
+__all__ = ["DOOM_DIR", "Doom", "check_bases", "held", "live_pins", "pin", "unpin"]
+
+log = logging.getLogger("bytecp")
+
+#: where a deleter marks a checkpoint it may remove files of (one file per deleter)
+DOOM_DIR = "doomed"
+
+
+def pin(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save, before :func:`check_bases`) Mark every
+    checkpoint ``md`` references as in use by this save (``pins/<name>.<save_id>`` in it)."""
+    for name in sorted(md.references):
+        sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
+
+
+def unpin(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save, after its commit or failure) Remove this save's pins."""
+    for name in sorted(md.references):
+        try:
+            sibling(storage, name).delete([f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}"])
+        except Exception as e:  # noqa: BLE001 - a pin left behind keeps a base only until its lease is dead
+            log.warning("bytecp: could not remove the pin of %s in %s: %s", storage.url, name, e)
+
+
+def check_bases(storage: Storage, md: fmt.Metadata) -> None:
+    """(coordinator of a save, after :func:`pin`) Every checkpoint ``md``
+    references is doomed by no deleter, holds the referenced save and lists
+    the referenced files (:func:`check_references`), and each of them
+    exists with its size; one :class:`CorruptCheckpointError` naming the
+    base otherwise. Markers are read before the bases, the bases before
+    their files (see the module's docstring)."""
+    bases = {name: sibling(storage, name) for name in sorted(md.references)}
+    for name, base in bases.items():
+        marks = base.list_files(DOOM_DIR)
+        if marks:
+            raise CorruptCheckpointError(
+                f"{storage.url}: its base {run_url(storage.url)}/{name} is being removed (by a retention or gc: "
+                f"{marks[0]}); the save references its files and is not committed -- save again without base= "
+                "(a CheckpointManager's next save is written whole)"
+            )
+    check_references(storage, md)
+    for name, base in bases.items():
+        wanted = md.files_of(name)
+        found: dict[str, int] = {}
+        for folder in sorted({p.rpartition("/")[0] for p in wanted}):
+            found.update(base.file_sizes(folder))
+        for path, size in sorted(wanted.items()):
+            if found.get(path) != size:
+                raise CorruptCheckpointError(
+                    f"{storage.url}: data file {path} of its base {run_url(storage.url)}/{name} is gone "
+                    f"(found {found.get(path)} bytes, {size} referenced): a retention or gc removed it; the save "
+                    "is not committed -- save again without base="
+                )
+
+
+@contextlib.contextmanager
+def held(storage: Storage, md: fmt.Metadata, lease: leases.Lease | None) -> Iterator[Callable[[], None]]:
+    """(coordinator of a save, around its commit) Pin and check the
+    checkpoints ``md`` references; yields the check to run again right
+    before the commit (the bases, and that ``lease``, this save's, never
+    lapsed); unpins once the commit is done or failed."""
+    if not md.references:
+        yield lambda: None
+        return
+
+    def again() -> None:
+        check_bases(storage, md)
+        if lease is None:
+            raise CorruptCheckpointError(f"{storage.url}: save {md.save_id} holds no lease; it references other "
+                                         "checkpoints and is not committed -- save again")
+        lease.check_held()
+
+    try:
+        pin(storage, md)
+        check_bases(storage, md)
+        yield again
+    finally:
+        unpin(storage, md)
+
+
+def live_pins(root: Storage, ck: Storage) -> tuple[list[str], list[str]]:
+    """(a deleter, after dooming ``ck``) The pins in checkpoint ``ck`` of the
+    run ``root`` whose saves may still commit, and those of saves that
+    cannot (their lease expired or their process is gone, or they have no
+    lease and started more than a term ago: :mod:`bytecp.saving.leases`)."""
+    live: list[str] = []
+    dead: list[str] = []
+    now = time.time()
+    for path in ck.list_files(PIN_DIR):
+        name, _, save_id = path.split("/", 1)[-1].rpartition(".")
+        running = not name or not save_id or leases.may_be_running(root.child(name), save_id, now)
+        (live if running else dead).append(path)
+    return live, dead
+
+
+class Doom:
+    """(a deleter) Its doom markers: :meth:`mark` a checkpoint before
+    reading its pins, :meth:`lift` it after its last deletion there."""
+
+    def __init__(self, by: str) -> None:
+        self.by = by
+        self.token = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+        self.marked: dict[str, Storage] = {}
+
+    @property
+    def path(self) -> str:
+        return f"{DOOM_DIR}/{self.token}.json"
+
+    def mark(self, ck: Storage) -> None:
+        body = {"by": self.by, "written": time.time(), "host": leases.this_host(), "pid": os.getpid()}
+        ck.write_file(self.path, [json.dumps(body).encode()])
+        self.marked[ck.url] = ck
+
+    def lift(self, ck: Storage, parent: Storage | None = None) -> None:
+        """Remove this deleter's marker (only its own) from ``ck``; through
+        ``parent`` (the run) when ``ck`` is left empty, so that its directory goes too."""
+        if parent is None:
+            ck.delete([self.path])
+        else:
+            parent.delete([f"{name_of(ck.url)}/{self.path}"])
+        self.marked.pop(ck.url, None)
+
+    def lift_all(self) -> None:
+        """(on the deleter's way out, whatever happened) Remove every marker it left."""
+        for ck in list(self.marked.values()):
+            try:
+                self.lift(ck)
+            except Exception as e:  # noqa: BLE001 - a marker left behind only stops saves referencing it
+                log.warning("bytecp: could not remove the doom marker %s of %s: %s", self.path, ck.url, e)
