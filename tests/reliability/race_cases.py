@@ -4,6 +4,7 @@ checkpoints, and another process applying retention to the same run."""
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -56,7 +57,31 @@ def _broken(url: str) -> int:
         return 0  # deleted meanwhile: not a checkpoint any more
 
 
-def collector(run: str, stop: str) -> None:
+class _Slow:
+    """A storage whose every call first waits a random 0-2 ms (storage
+    latency): retention's steps spread out, so saves sometimes pin their
+    base before retention looks at the pins, and sometimes after."""
+
+    def __init__(self, inner: Any, rng: random.Random) -> None:
+        self._inner, self._rng = inner, rng
+        self.url = inner.url
+
+    def child(self, name: str) -> _Slow:
+        return _Slow(self._inner.child(name), self._rng)
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._inner, name)
+        if not callable(attr):
+            return attr
+
+        def slow(*args: Any, **kwargs: Any) -> Any:
+            time.sleep(self._rng.uniform(0, 0.002))
+            return attr(*args, **kwargs)
+
+        return slow
+
+
+def collector(run: str, stop: str, seed: int = 0) -> None:
     """Retention over the run until ``stop`` exists, keeping no checkpoint it
     listed (only what the checkpoints committed meanwhile reference): every
     base the job is about to reference is doomed while the job saves."""
@@ -64,19 +89,20 @@ def collector(run: str, stop: str) -> None:
     from bytecp.storage_api import open_storage
     from bytecp.tools.retention import retain
 
-    root = open_storage(run)
+    rng = random.Random(seed)
+    root = _Slow(open_storage(run), rng)
     while not os.path.exists(stop):
         names = [c.name for c in list_checkpoints(run)]
-        retain(root, [], names, lambda: [c.name for c in list_checkpoints(run)])
-        time.sleep(0.005)
+        retain(root, [], names, lambda: [c.name for c in list_checkpoints(run)])  # type: ignore[arg-type]
+        time.sleep(rng.uniform(0, 0.03))
 
 
-def run_both(run: str, steps: int, out: str) -> Any:
+def run_both(run: str, steps: int, out: str, seed: int = 0) -> Any:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     stop = str(Path(out).with_suffix(".stop"))
-    gc = ctx.Process(target=collector, args=(run, stop))
+    gc = ctx.Process(target=collector, args=(run, stop, seed))
     job = ctx.Process(target=saver, args=(run, steps, out))
     gc.start()
     job.start()

@@ -1,0 +1,156 @@
+"""The protocol between saves that reference checkpoints and retention
+(:mod:`bytecp.saving.pins`), one piece at a time: a doomed base fails the
+save cleanly, a base file gone fails it, a lapsed lease refuses the commit,
+a pin whose process is gone keeps nothing, retention leaves no marker of
+its own and never removes another's, gc reads a retired base's save."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format.metadata import new_save_id
+from bytecp.saving import leases
+from bytecp.storage_api import Buffer, open_storage
+from bytecp.tools.retention import retain
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 4))
+    model[0].requires_grad_(False)
+    return model
+
+
+def _touch(model: nn.Module) -> None:
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> tuple[Path, nn.Module]:
+    model = _model()
+    bytecp.save(str(tmp_path / "step-1"), {"model": model}, step=1)
+    _touch(model)
+    bytecp.save(str(tmp_path / "step-2"), {"model": model}, step=2, base=str(tmp_path / "step-1"))
+    return tmp_path, model
+
+
+def _files(d: Path) -> set[str]:
+    return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
+
+
+def test_a_save_whose_base_is_doomed_fails_cleanly(run: Any) -> None:
+    root, model = run
+    (root / "step-1" / "doomed").mkdir()
+    (root / "step-1" / "doomed" / "20000101T000000-other.json").write_text("{}")
+    _touch(model)
+    with pytest.raises(CorruptCheckpointError, match=r"step-1 is being removed .*doomed/20000101T000000-other"):
+        bytecp.save(str(root / "step-3"), {"model": model}, step=3, base=str(root / "step-2"))
+    assert not _files(root / "step-3") and not (root / "step-1" / "pins").exists()  # nothing left behind
+    assert (root / "step-1" / "doomed" / "20000101T000000-other.json").exists()  # not its to remove
+    bytecp.save(str(root / "step-3"), {"model": model}, step=3)  # written whole, it commits
+    assert not json.loads((root / "step-3" / "metadata.json").read_text()).get("references")
+
+
+def test_a_save_whose_base_lost_a_file_fails_cleanly(run: Any) -> None:
+    """base.json still lists the file (another retention rewrote it), the file is gone."""
+    root, model = run
+    (victim,) = (root / "step-1" / "data").rglob("*.bin")
+    victim.unlink()
+    _touch(model)
+    with pytest.raises(CorruptCheckpointError, match="step-1 is gone"):
+        bytecp.save(str(root / "step-3"), {"model": model}, step=3, base=str(root / "step-2"))
+    assert not _files(root / "step-3")
+
+
+class _Stalls:
+    """A storage whose writes stall after the first (a slow store, a paused process)."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.writes = url, 0
+
+    def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
+        self.writes += 1
+        if self.writes > 1:
+            raise OSError("stalled")
+
+    def delete(self, paths: Any) -> None:
+        pass
+
+
+def test_a_save_whose_lease_lapsed_does_not_commit() -> None:
+    lease = leases.Lease(_Stalls("mem://ck"), new_save_id(), seconds=0.4)  # type: ignore[arg-type]
+    lease.start()
+    try:
+        lease.check_held()  # fresh: held
+        time.sleep(0.35)  # renewals fail: within a quarter term of expiring
+        with pytest.raises(CorruptCheckpointError, match="not renewed in time"):
+            lease.check_held()
+    finally:
+        lease.stop()
+    with pytest.raises(CorruptCheckpointError):
+        lease.check_held()  # and never once it ended
+
+
+def _lease(ck: Path, sid: str, pid: int) -> None:
+    (ck / "leases").mkdir(parents=True, exist_ok=True)
+    now = time.time()
+    body = {"save_id": sid, "renewed": now, "expires": now + 3600, "host": leases.this_host(), "pid": pid}
+    (ck / "leases" / f"{sid}.json").write_text(json.dumps(body))
+
+
+@pytest.mark.skipif(leases.this_host() is None, reason="no /proc: a pid cannot be told gone")
+def test_a_pin_keeps_its_base_until_its_process_is_gone(run: Any) -> None:
+    """A live lease whose process still runs keeps the whole base; the same
+    lease of a process that is gone (same host) keeps nothing, unexpired."""
+    root, model = run
+    sid = new_save_id()
+    (root / "step-1" / "pins").mkdir()
+    (root / "step-1" / "pins" / f"step-9.{sid}").write_text("{}")
+    _lease(root / "step-9", sid, pid=os.getpid())
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    md = json.loads((root / "step-1" / "base.json").read_text())
+    assert set(md["retained"]) == {f for f in md["data_files"] if not f.startswith("../")}  # all of it
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _lease(root / "step-9", sid, pid=int(gone.stdout))
+    retain(open_storage(str(root)), ["step-2"], [], lambda: ["step-2"])  # the retired base, again
+    read = {f[len("../step-1/"):] for f in json.loads((root / "step-2" / "metadata.json").read_text())["data_files"]
+            if f.startswith("../step-1/")}
+    assert set(json.loads((root / "step-1" / "base.json").read_text())["retained"]) == read
+    assert _files(root / "step-1") == read | {"base.json"}  # the dead pin went too; no marker left
+    sd = bytecp.load_state_dict(str(root / "step-2"))
+    assert all(torch.equal(sd["model"][k], v) for k, v in model.state_dict().items())
+
+
+def test_retention_never_removes_another_deleters_marker(run: Any) -> None:
+    root = run[0]
+    (root / "step-1" / "doomed").mkdir()
+    (root / "step-1" / "doomed" / "20000101T000000-other.json").write_text("{}")
+    res = retain(open_storage(str(root)), [], ["step-1", "step-2"], lambda: [])
+    assert res.deleted == ["step-1", "step-2"] and not (root / "step-2").exists()
+    assert _files(root / "step-1") == {"doomed/20000101T000000-other.json"}  # only the other's marker
+
+
+def test_gc_reads_the_save_of_a_retired_base(run: Any) -> None:
+    """A retention retiring a checkpoint while gc runs leaves its save the
+    committed one: gc never takes its files for a dead save's."""
+    from bytecp.tools.gc import _committed_id
+
+    root = run[0]
+    sid = json.loads((root / "step-1" / "metadata.json").read_text())["save_id"]
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert not (root / "step-1" / "metadata.json").exists()
+    assert _committed_id(open_storage(str(root / "step-1"))) == sid
