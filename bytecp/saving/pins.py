@@ -7,9 +7,9 @@ storage are used: nothing an object store lacks (no lock, no rename).
 :func:`held`):
 
 1. *pins* each of them: ``pins/<its name>.<its save_id>`` in it;
-2. *checks* each (:func:`check_bases`): no doom marker in it (``doomed/``),
-   then it holds the referenced save and lists each referenced file, then
-   each file exists with its size -- in that order;
+2. *checks* each (:func:`check_bases`): no doom marker in it (``doomed/``)
+   names a file the save references, then it holds the referenced save and
+   lists those files, then each file exists with its size -- in that order;
 3. writes its index, checks again, checks that its lease never lapsed
    (:meth:`bytecp.saving.leases.Lease.check_held`), and commits;
 4. removes its pins (after the commit or the failure).
@@ -17,27 +17,32 @@ storage are used: nothing an object store lacks (no lock, no rename).
 **A deleter** (retention, :func:`bytecp.tools.retention.retain`), for each
 checkpoint it may remove files of (:class:`Doom`):
 
-1. *dooms* it: ``doomed/<its token>.json`` in it, before anything else;
-2. once every doom marker is written, reads its pins (:func:`live_pins`:
-   a pin whose save provably cannot commit any more keeps nothing), *then*
-   the committed checkpoints of the run and what they reference;
-3. deletes only files no live pin and no committed checkpoint names (a live
-   pin keeps every file);
+1. *dooms* them, before anything else: ``doomed/<its token>.json`` in the
+   checkpoint names every data file it may delete there (those no kept
+   checkpoint references), and it deletes no other data file;
+2. once every doom marker is written, reads the checkpoint's pins
+   (:func:`live_pins`: a pin whose save provably cannot commit any more
+   keeps nothing), *then* the committed checkpoints of the run and what
+   they reference;
+3. deletes only doomed files no live pin and no committed checkpoint names
+   (a live pin keeps every file);
 4. removes its own doom marker last, after every file it deletes there
    (never another deleter's).
 
 Why no save commits with a referenced file gone, nor loses one afterwards:
 take a save S that pinned checkpoint X at time p and a deleter D that
-doomed X at d and read its pins at r > d. If r > p, D saw S's pin -- or,
-if S had already unpinned, S committed before r and D, listing committed
-checkpoints after r, keeps what S references. If r < p, then d < p, so S's
-check after p finds D's marker -- or finds D finished, every file it
-deleted already gone, and fails on the missing file. A save that passes its
-check therefore commits files no deleter removes while it is committed. The
-order of reads (pins before the committed list; the marker before the base
-and its files) is what makes each case hold; S's second check and its
-lease check close the case of a pin taken for dead: a save whose lease
-lapsed never commits.
+doomed file g of X at d and read X's pins at r > d. If r > p, D saw S's
+pin -- or, if S had already unpinned, S committed before r and D, listing
+committed checkpoints after r, keeps what S references. If r < p, then
+d < p, so S's check after p finds g in D's marker -- or finds D finished,
+every file it deleted already gone, and fails on the missing file. A save
+that passes its check therefore commits files no deleter removes while it
+is committed. The order of reads (pins before the committed list; markers
+before the base and its files) is what makes each case hold; S's second
+check and its lease check close the case of a pin taken for dead: a save
+whose lease lapsed never commits. Retention by the job that saves dooms
+nothing its newest checkpoint (always kept) references, which is all its
+next save may reference: the two never collide.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
@@ -56,7 +61,7 @@ from bytecp.format.references import PIN_DIR, check_references, name_of, run_url
 from bytecp.saving import leases
 from bytecp.storage_api import Storage
 
-__all__ = ["DOOM_DIR", "Doom", "check_bases", "held", "live_pins", "pin", "unpin"]
+__all__ = ["DOOM_DIR", "Doom", "check_bases", "doomed_files", "held", "live_pins", "pin", "unpin"]
 
 log = logging.getLogger("bytecp")
 
@@ -80,21 +85,37 @@ def unpin(storage: Storage, md: fmt.Metadata) -> None:
             log.warning("bytecp: could not remove the pin of %s in %s: %s", storage.url, name, e)
 
 
+def doomed_files(ck: Storage) -> frozenset[str] | None:
+    """(a save, checking a base) The data files of ``ck`` that some deleter's
+    doom marker names (None: every file, for a marker that cannot be read)."""
+    out: set[str] = set()
+    for path in ck.list_files(DOOM_DIR):
+        try:
+            out.update(json.loads(ck.read_bytes(path))["files"])
+        except FileNotFoundError:
+            continue  # lifted meanwhile
+        except Exception:  # noqa: BLE001 - a marker of another writer: the safe reading
+            return None
+    return frozenset(out)
+
+
 def check_bases(storage: Storage, md: fmt.Metadata) -> None:
     """(coordinator of a save, after :func:`pin`) Every checkpoint ``md``
-    references is doomed by no deleter, holds the referenced save and lists
-    the referenced files (:func:`check_references`), and each of them
-    exists with its size; one :class:`CorruptCheckpointError` naming the
-    base otherwise. Markers are read before the bases, the bases before
-    their files (see the module's docstring)."""
+    references has none of the referenced files named by a doom marker,
+    holds the referenced save and lists the referenced files
+    (:func:`check_references`), and each of them exists with its size; one
+    :class:`CorruptCheckpointError` naming the base otherwise. Markers are
+    read before the bases, the bases before their files (see the module's
+    docstring)."""
     bases = {name: sibling(storage, name) for name in sorted(md.references)}
     for name, base in bases.items():
-        marks = base.list_files(DOOM_DIR)
-        if marks:
+        marked, refs = doomed_files(base), set(md.files_of(name))
+        doomed = refs if marked is None else refs & marked
+        if doomed:
             raise CorruptCheckpointError(
-                f"{storage.url}: its base {run_url(storage.url)}/{name} is being removed (by a retention or gc: "
-                f"{marks[0]}); the save references its files and is not committed -- save again without base= "
-                "(a CheckpointManager's next save is written whole)"
+                f"{storage.url}: its base {run_url(storage.url)}/{name} is being pruned by a retention (a marker in "
+                f"{DOOM_DIR}/ names {min(doomed)}, which this save references); the save is not committed -- save "
+                "again without base= (a CheckpointManager's next save is written whole)"
             )
     check_references(storage, md)
     for name, base in bases.items():
@@ -159,15 +180,23 @@ class Doom:
         self.by = by
         self.token = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
         self.marked: dict[str, Storage] = {}
+        self._files: dict[str, frozenset[str]] = {}
 
     @property
     def path(self) -> str:
         return f"{DOOM_DIR}/{self.token}.json"
 
-    def mark(self, ck: Storage) -> None:
-        body = {"by": self.by, "written": time.time(), "host": leases.this_host(), "pid": os.getpid()}
-        ck.write_file(self.path, [json.dumps(body).encode()])
-        self.marked[ck.url] = ck
+    def mark(self, ck: Storage, files: Iterable[str]) -> None:
+        """Doom ``files`` (data files) of ``ck``: the only ones this deleter may delete there."""
+        files = frozenset(files)
+        body = {"by": self.by, "written": time.time(), "host": leases.this_host(), "pid": os.getpid(),
+                "files": sorted(files)}
+        self.marked[ck.url], self._files[ck.url] = ck, frozenset(files)
+        ck.commit(self.path, json.dumps(body).encode())  # atomic: a save reads all of it or none
+
+    def files(self, ck: Storage) -> frozenset[str]:
+        """The files of ``ck`` this deleter doomed (the only ones it may delete there)."""
+        return self._files.get(ck.url, frozenset())
 
     def lift(self, ck: Storage, parent: Storage | None = None) -> None:
         """Remove this deleter's marker (only its own) from ``ck``; through

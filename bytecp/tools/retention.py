@@ -74,17 +74,17 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
     the doomed ones stopped being checkpoints: a save that committed
     meanwhile keeps what it references)."""
     candidates = [n for n in dict.fromkeys([*doomed, *retired_names(root)]) if n not in kept]
+    sure = live_files(root, kept)  # what stays whatever happens: never doomed
     doom = Doom("retention")
     metas: dict[str, fmt.Metadata] = {}
     try:
         for name in candidates:  # 1. doomed, then no longer a checkpoint (base.json keeps all it holds)
             ck = root.child(name)
-            doom.mark(ck)
             md = read_committed(ck)
             if md is None:
-                doom.lift(ck)
                 continue
             metas[name] = md
+            doom.mark(ck, set(md.own_data_files) - sure.get(name, set()))
             if ck.exists(fmt.METADATA_FILE):
                 ck.commit(BASE_FILE, retired_bytes(md, md.own_data_files))
                 ck.delete([fmt.METADATA_FILE])
@@ -99,26 +99,27 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
 
 def _prune(root: Storage, doom: Doom, metas: dict[str, fmt.Metadata],
            pins: dict[str, tuple[list[str], list[str]]], live: dict[str, set[str]]) -> RetentionResult:
-    """(retention, step 3) Delete or retire each doomed checkpoint; its
-    doom marker goes after its last deleted file."""
+    """(retention, step 3) Delete or retire each doomed checkpoint; only
+    data files its marker names go; the marker goes after the last."""
     out = RetentionResult()
     for name, md in metas.items():
         ck = root.child(name)
         in_flight, dead_pins = pins[name]
         files = set(ck.list_files(""))
+        own = set(md.own_data_files) & files
         # a save in flight references it: keep everything it holds, as a base
-        keep = set(md.own_data_files) if in_flight else live.get(name, set())
-        keep &= files
-        if not keep:
+        gone = set() if in_flight else (own - live.get(name, set())) & doom.files(ck)
+        if own == gone:
             ck.delete([BASE_FILE])  # first: from here on it is nothing a save may reference
             ck.delete(sorted(p for p in files if p != BASE_FILE and not p.startswith(DOOM_DIR + "/")))
             doom.lift(ck, root)  # last (another deleter's marker, if any, stays)
             out.deleted.append(name)
             continue
+        keep = own - gone
         # what a save pinning from now on may reference: exactly what stays
         ck.commit(BASE_FILE, retired_bytes(md, keep))
-        ck.delete(sorted(p for p in files if p not in keep and p != BASE_FILE and (
-            p in dead_pins or not p.startswith((PIN_DIR + "/", DOOM_DIR + "/")))))
+        ck.delete(sorted(p for p in files if p not in keep and p != BASE_FILE and (p in dead_pins or (
+            not in_flight and not p.startswith((PIN_DIR + "/", DOOM_DIR + "/"))))))
         doom.lift(ck)
         out.retired.append(name)
     return out

@@ -1,6 +1,6 @@
 """The protocol between saves that reference checkpoints and retention
-(:mod:`bytecp.saving.pins`), one piece at a time: a doomed base fails the
-save cleanly, a base file gone fails it, a lapsed lease refuses the commit,
+(:mod:`bytecp.saving.pins`), one piece at a time: a doomed file fails the
+save cleanly (a file doomed that it does not reference does not), a base file gone fails it, a lapsed lease refuses the commit,
 a pin whose process is gone keeps nothing, retention leaves no marker of
 its own and never removes another's, gc reads a retired base's save."""
 
@@ -52,17 +52,29 @@ def _files(d: Path) -> set[str]:
     return {str(p.relative_to(d)) for p in d.rglob("*") if p.is_file()}
 
 
-def test_a_save_whose_base_is_doomed_fails_cleanly(run: Any) -> None:
+def _mark(ck: Path, token: str, files: Any) -> None:
+    (ck / "doomed").mkdir(exist_ok=True)
+    (ck / "doomed" / f"{token}.json").write_text(json.dumps({"files": files} if files is not None else {}))
+
+
+def test_a_save_fails_cleanly_only_when_a_file_it_references_is_doomed(run: Any) -> None:
     root, model = run
-    (root / "step-1" / "doomed").mkdir()
-    (root / "step-1" / "doomed" / "20000101T000000-other.json").write_text("{}")
+    _mark(root / "step-1", "20000101T000000-other", ["data/x/0-0.bin"])  # a file nobody references
     _touch(model)
-    with pytest.raises(CorruptCheckpointError, match=r"step-1 is being removed .*doomed/20000101T000000-other"):
-        bytecp.save(str(root / "step-3"), {"model": model}, step=3, base=str(root / "step-2"))
-    assert not _files(root / "step-3") and not (root / "step-1" / "pins").exists()  # nothing left behind
+    md = bytecp.save(str(root / "step-3"), {"model": model}, step=3, base=str(root / "step-2"))
+    assert set(md.references) == {"step-1"}  # the frozen layer: step-1's file, not doomed
+    (ref,) = {f.split("/", 2)[2] for f in md.data_files if f.startswith("../step-1/")}
+    _mark(root / "step-1", "20000101T000000-other", [ref])
+    _touch(model)
+    with pytest.raises(CorruptCheckpointError, match=rf"step-1 is being pruned .*names {ref}"):
+        bytecp.save(str(root / "step-4"), {"model": model}, step=4, base=str(root / "step-3"))
+    assert not _files(root / "step-4") and not (root / "step-1" / "pins").exists()  # nothing left behind
     assert (root / "step-1" / "doomed" / "20000101T000000-other.json").exists()  # not its to remove
-    bytecp.save(str(root / "step-3"), {"model": model}, step=3)  # written whole, it commits
-    assert not json.loads((root / "step-3" / "metadata.json").read_text()).get("references")
+    _mark(root / "step-1", "20000101T000000-other", None)  # a marker without a list dooms every file
+    with pytest.raises(CorruptCheckpointError, match="step-1 is being pruned"):
+        bytecp.save(str(root / "step-4"), {"model": model}, step=4, base=str(root / "step-3"))
+    bytecp.save(str(root / "step-4"), {"model": model}, step=4)  # written whole, it commits
+    assert not json.loads((root / "step-4" / "metadata.json").read_text()).get("references")
 
 
 def test_a_save_whose_base_lost_a_file_fails_cleanly(run: Any) -> None:
@@ -137,8 +149,7 @@ def test_a_pin_keeps_its_base_until_its_process_is_gone(run: Any) -> None:
 
 def test_retention_never_removes_another_deleters_marker(run: Any) -> None:
     root = run[0]
-    (root / "step-1" / "doomed").mkdir()
-    (root / "step-1" / "doomed" / "20000101T000000-other.json").write_text("{}")
+    _mark(root / "step-1", "20000101T000000-other", None)
     res = retain(open_storage(str(root)), [], ["step-1", "step-2"], lambda: [])
     assert res.deleted == ["step-1", "step-2"] and not (root / "step-2").exists()
     assert _files(root / "step-1") == {"doomed/20000101T000000-other.json"}  # only the other's marker
@@ -154,3 +165,24 @@ def test_gc_reads_the_save_of_a_retired_base(run: Any) -> None:
     retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
     assert not (root / "step-1" / "metadata.json").exists()
     assert _committed_id(open_storage(str(root / "step-1"))) == sid
+
+
+def test_retention_dooms_only_what_no_kept_checkpoint_references(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The job's own retention, racing its next save (asynchronous saves),
+    dooms nothing that save may reference: what the newest, kept one reads."""
+    from bytecp.saving.pins import Doom
+
+    root = run[0]
+    doomed: dict[str, set[str]] = {}
+    real = Doom.mark
+
+    def mark(self: Doom, ck: Any, files: Any) -> None:
+        doomed[ck.url.rpartition("/")[2]] = set(files)
+        real(self, ck, files)
+
+    monkeypatch.setattr(Doom, "mark", mark)
+    own = set(json.loads((root / "step-1" / "metadata.json").read_text())["data_files"])
+    read = {f[len("../step-1/"):] for f in json.loads((root / "step-2" / "metadata.json").read_text())["data_files"]
+            if f.startswith("../step-1/")}
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert read and doomed == {"step-1": own - read}
