@@ -19,7 +19,8 @@ checkpoint it may remove files of (:class:`Doom`):
 
 1. *dooms* them, before anything else: ``doomed/<its token>.json`` in the
    checkpoint names every data file it may delete there (those no kept
-   checkpoint references), and it deletes no other data file;
+   checkpoint references), and it deletes no other file the checkpoint
+   lists;
 2. once every doom marker is written, reads the checkpoint's pins
    (:func:`live_pins`: a pin whose save provably cannot commit any more
    keeps nothing), *then* the committed checkpoints of the run and what

@@ -109,7 +109,7 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, fmt.Metadata],
         own = set(md.own_data_files) & files
         # a save in flight references it: keep everything it holds, as a base
         gone = set() if in_flight else (own - live.get(name, set())) & doom.files(ck)
-        if own == gone:
+        if own == gone and not in_flight:
             ck.delete([BASE_FILE])  # first: from here on it is nothing a save may reference
             ck.delete(sorted(p for p in files if p != BASE_FILE and not p.startswith(DOOM_DIR + "/")))
             doom.lift(ck, root)  # last (another deleter's marker, if any, stays)

@@ -81,3 +81,36 @@ def test_checkpoint_manager_on_s3(ceph_rgw, ceph_bucket, unique_prefix):
     assert torch.equal(m2[0].bias, torch.full_like(m2[0].bias, 30))
     assert root.child("step-30").list_incomplete_uploads() == []
     root.delete_prefix()
+
+
+def test_incremental_saves_pins_and_retention_on_s3(s3, unique_prefix):
+    """The pin/doom protocol on an object store (no rename, no lock): a save
+    whose referenced file is doomed fails and leaves no pin; retention retires
+    the base, keeping what the newer checkpoint reads; that one loads bitwise."""
+    from bytecp.errors import CorruptCheckpointError
+    from bytecp.tools.retention import retain
+
+    server, bucket = s3
+    opts = server.options()
+    run = f"s3://{bucket}/{unique_prefix}/run"
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 4))
+    model[0].requires_grad_(False)
+    bytecp.save(f"{run}/step-1", {"model": model}, step=1, storage_options=opts)
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    md = bytecp.save(f"{run}/step-2", {"model": model}, step=2, base=f"{run}/step-1", storage_options=opts)
+    (ref,) = {f.split("/", 2)[2] for f in md.data_files if f.startswith("../step-1/")}
+    root, base = open_storage(run, **opts), open_storage(f"{run}/step-1", **opts)
+    base.commit("doomed/20000101T000000-other.json", b'{"files": ["%s"]}' % ref.encode())
+    with torch.no_grad():
+        model[1].weight.add_(1.0)
+    with pytest.raises(CorruptCheckpointError, match="being pruned"):
+        bytecp.save(f"{run}/step-3", {"model": model}, step=3, base=f"{run}/step-2", storage_options=opts)
+    assert not base.list_files("pins")
+    base.delete(["doomed/20000101T000000-other.json"])
+    res = retain(root, ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert res.retired == ["step-1"] and set(base.list_files("")) == {"base.json", ref}
+    sd = bytecp.load_state_dict(f"{run}/step-2", storage_options=opts)
+    assert torch.equal(sd["model"]["0.weight"], model[0].weight)
+    root.delete_prefix()
