@@ -74,7 +74,13 @@ def pin(storage: Storage, md: fmt.Metadata) -> None:
     """(coordinator of a save, before :func:`check_bases`) Mark every
     checkpoint ``md`` references as in use by this save (``pins/<name>.<save_id>`` in it)."""
     for name in sorted(md.references):
-        sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
+        try:
+            sibling(storage, name).write_file(f"{PIN_DIR}/{name_of(storage.url)}.{md.save_id}", [b"{}"])
+        except FileNotFoundError as e:  # its directory went while the pin was written: removed meanwhile
+            raise CorruptCheckpointError(
+                f"{storage.url}: its base {run_url(storage.url)}/{name} was removed (by a retention) while the "
+                f"save pinned it ({e}); the save is not committed -- save again without base="
+            ) from e
 
 
 def unpin(storage: Storage, md: fmt.Metadata) -> None:

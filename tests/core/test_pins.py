@@ -186,3 +186,28 @@ def test_retention_dooms_only_what_no_kept_checkpoint_references(run: Any, monke
             if f.startswith("../step-1/")}
     retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
     assert read and doomed == {"step-1": own - read}
+
+
+def test_a_base_removed_while_it_is_pinned_fails_the_save_cleanly(run: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The base's directory goes (a retention's last deletion) while the pin's
+    directory is created: the save fails naming the base, not the storage."""
+    from bytecp.errors import StorageNotFoundError
+    from bytecp.saving import pins
+
+    root, model = run
+    real = pins.sibling
+
+    def sibling(storage: Any, name: str) -> Any:
+        s = real(storage, name)
+
+        def write_file(path: str, buffers: Any) -> None:
+            raise StorageNotFoundError(f"{s.url}/pins: missing (removed meanwhile)")
+
+        s.write_file = write_file
+        return s
+
+    monkeypatch.setattr(pins, "sibling", sibling)
+    _touch(model)
+    with pytest.raises(CorruptCheckpointError, match="step-1 was removed .* while the save pinned it"):
+        bytecp.save(str(root / "step-3"), {"model": model}, step=3, base=str(root / "step-2"))
+    assert not _files(root / "step-3")
