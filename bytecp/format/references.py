@@ -38,7 +38,7 @@ from bytecp.storage_api import Buffer, Storage, open_storage
 log = logging.getLogger("bytecp")
 
 __all__ = [
-    "BASE_FILE", "PIN_DIR", "LinkedStorage", "check_references", "linked", "name_of",
+    "BASE_FILE", "DOOM_DIR", "PIN_DIR", "LinkedStorage", "check_references", "linked", "name_of",
     "read_committed", "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling",
 ]
 
@@ -51,6 +51,9 @@ BASE_FILE = "base.json"
 #: where a save in flight marks the checkpoints it references (one file per
 #: save; written and read by :mod:`bytecp.saving.pins`)
 PIN_DIR = "pins"
+#: where a deleter (retention, an overwrite) names the data files it may
+#: delete in a checkpoint (one file per deleter; :mod:`bytecp.saving.pins`)
+DOOM_DIR = "doomed"
 
 
 def run_url(url: str) -> str:

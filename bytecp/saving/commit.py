@@ -17,6 +17,7 @@ overwrite replaced (:func:`remove_replaced`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import warnings
 from collections.abc import Sequence
@@ -26,14 +27,17 @@ from bytecp.errors import (
     CheckpointExistsError,
     CommittedWithErrorsWarning,
     ConfigError,
+    CorruptCheckpointError,
     DistributedCheckpointError,
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import BuiltIndex, build_index
-from bytecp.format.references import BASE_FILE, referenced_by
+from bytecp.format.references import BASE_FILE, referenced_by, run_url
+from bytecp.saving.leases import Lease
+from bytecp.saving.pins import Doom, live_pins
 from bytecp.saving.writer import RankOutput
-from bytecp.storage_api import Storage
+from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree, merge_aliases
@@ -120,9 +124,14 @@ def build_metadata(
     return md, index
 
 
-def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
+def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None) -> fmt.Metadata | None:
     """(coordinator, plan phase) Refuse a committed checkpoint unless
-    overwriting, and always a base retention retired (``base.json``); the one replaced."""
+    overwriting, and always a base retention retired (``base.json``); the
+    one replaced. An overwrite deletes the replaced save's data files after
+    its commit, so it dooms them first (:class:`~bytecp.saving.pins.Doom`,
+    its marker lifted when ``lease``, this save's, ends), then reads the
+    pins of saves in flight, then the committed checkpoints of the run: it
+    is refused if any references the checkpoint."""
     if not storage.exists(fmt.METADATA_FILE):
         if storage.exists(BASE_FILE):  # a save here would replace (and sweep) files kept checkpoints read
             raise CheckpointExistsError(
@@ -135,16 +144,25 @@ def check_target(storage: Storage, overwrite: bool) -> fmt.Metadata | None:
             f"{storage.url} already holds a committed checkpoint; pass overwrite=True "
             "to replace it (the old one stays intact until the new one commits)"
         )
-    readers = referenced_by(storage)
+    try:
+        old: fmt.Metadata | None = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
+    except Exception:
+        old = None  # an unreadable old checkpoint is simply replaced
+    in_flight: list[str] = []
+    if old is not None and lease is not None:
+        doom = Doom("overwrite", token=lease.save_id)
+        doom.mark(storage, old.own_data_files)
+        lease.on_stop(lambda: doom.lift(storage))
+        with contextlib.suppress(CorruptCheckpointError):  # at a storage's root: no run, nothing pins it
+            in_flight = live_pins(open_storage(run_url(storage.url), **storage.options()), storage)[0]
+    readers = referenced_by(storage) + [p.rpartition("/")[2].rpartition(".")[0] for p in in_flight]
     if readers:  # the overwrite would remove files they read
         raise CheckpointExistsError(
-            f"{storage.url} is referenced by checkpoint(s) {', '.join(sorted(readers))} of the run, which read its "
-            "data files; save to another directory (overwrite=True cannot replace a checkpoint others reference)"
+            f"{storage.url} is referenced by checkpoint(s) {', '.join(sorted(set(readers)))} of the run (committed, "
+            "or saves in flight), which read its data files; save to another directory (overwrite=True cannot "
+            "replace a checkpoint others reference)"
         )
-    try:
-        return fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
-    except Exception:
-        return None  # an unreadable old checkpoint is simply replaced
+    return old
 
 
 def committed_after(

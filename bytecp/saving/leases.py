@@ -7,7 +7,8 @@ quarter of its term with a new expiry time (``{"save_id", "renewed",
 file removed) when the save commits or fails. A save killed before that
 leaves a lease that expires.
 
-The files of a save (``data/<save_id>/``, ``index/<save_id>/``, its lease)
+The files of a save (``data/<save_id>/``, ``index/<save_id>/``, its lease,
+the doom marker ``doomed/<save_id>.json`` of an overwrite)
 that is not the committed one are **orphans** when its lease has expired,
 or when it has none and started more than one lease term ago (save ids
 begin with their UTC start time). Orphans are removed by the next
@@ -41,6 +42,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from bytecp.format.references import DOOM_DIR
 from bytecp.storage_api import Storage
 
 __all__ = ["give_up_at", "LEASE_DIR", "Lease", "take", "give_up", "holding", "release", "lease_seconds",
@@ -122,6 +124,7 @@ class Lease:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()
+        self._on_stop: list[Callable[[], None]] = []
         self._until: float | None = None  # the expiry of the last write that reached storage
         self._lapsed = False  # a write reached storage later than a quarter term before the last expiry
 
@@ -139,6 +142,10 @@ class Lease:
             if self._until is not None and done >= self._until - self.seconds / 4:
                 self._lapsed = True
             self._until = now + self.seconds
+
+    def on_stop(self, fn: Callable[[], None]) -> None:
+        """Call ``fn`` when the lease ends (commit, failure or exit), before its file goes."""
+        self._on_stop.append(fn)
 
     def check_held(self) -> None:
         """(the save's coordinator, right before committing a checkpoint that
@@ -181,6 +188,11 @@ class Lease:
             _live.discard(self)
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
+        for fn in self._on_stop:  # what the save holds while its lease does (an overwrite's doom marker)
+            try:
+                fn()
+            except Exception as e:  # noqa: BLE001 - left behind, it goes as an orphan of this save
+                log.warning("bytecp: at the end of save %s at %s: %s", self.save_id, self.storage.url, e)
         try:
             self.storage.delete([_lease_file(self.save_id)])
         except Exception as e:  # noqa: BLE001 - an expired lease protects nothing
@@ -265,13 +277,15 @@ def saves_at(storage: Storage) -> dict[str, SaveFiles]:
     """(coordinator, ``bytecp gc``) Every save id with files at ``storage``:
     ``data/<id>/...``, ``index/<id>/...`` and its lease."""
     out: dict[str, SaveFiles] = defaultdict(lambda: SaveFiles(""))
-    for top in ("data", "index", LEASE_DIR):
+    for top in ("data", "index", LEASE_DIR, DOOM_DIR):
         for path in storage.list_files(top):
             parts = path.split("/")
-            if top == LEASE_DIR:
+            if top in (LEASE_DIR, DOOM_DIR):
                 if len(parts) != 2 or not parts[1].endswith(".json"):
                     continue
                 sid = parts[1][: -len(".json")]
+                if top == DOOM_DIR and SaveFiles(sid).started() is None:
+                    continue  # a retention's marker (its token is no save id): never a save's file
             elif len(parts) == 3:
                 sid = parts[1]
             else:
@@ -303,7 +317,7 @@ def orphans(storage: Storage, committed_id: str | None, now: float | None = None
     running: list[str] = []
     for sid, entry in saves_at(storage).items():
         if sid == committed_id:
-            dead += [f for f in entry.files if f.startswith(LEASE_DIR + "/")]
+            dead += [f for f in entry.files if f.startswith((LEASE_DIR + "/", DOOM_DIR + "/"))]
         else:
             (running if entry.may_be_running(now) else dead).extend(entry.files)
     return sorted(dead), sorted(running)

@@ -14,8 +14,9 @@ storage are used: nothing an object store lacks (no lock, no rename).
    (:meth:`bytecp.saving.leases.Lease.check_held`), and commits;
 4. removes its pins (after the commit or the failure).
 
-**A deleter** (retention, :func:`bytecp.tools.retention.retain`), for each
-checkpoint it may remove files of (:class:`Doom`):
+**A deleter** (retention, :func:`bytecp.tools.retention.retain`; an
+overwrite, :func:`bytecp.saving.commit.check_target`), for each checkpoint
+it may remove files of (:class:`Doom`):
 
 1. *dooms* them, before anything else: ``doomed/<its token>.json`` in the
    checkpoint names every data file it may delete there (those no kept
@@ -58,17 +59,13 @@ from collections.abc import Callable, Iterable, Iterator
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
-from bytecp.format.references import PIN_DIR, check_references, name_of, run_url, sibling
+from bytecp.format.references import DOOM_DIR, PIN_DIR, check_references, name_of, run_url, sibling
 from bytecp.saving import leases
 from bytecp.storage_api import Storage
 
 __all__ = ["DOOM_DIR", "Doom", "check_bases", "doomed_files", "held", "live_pins", "pin", "unpin"]
 
 log = logging.getLogger("bytecp")
-
-#: where a deleter marks a checkpoint it may remove files of (one file per deleter)
-DOOM_DIR = "doomed"
-
 
 def pin(storage: Storage, md: fmt.Metadata) -> None:
     """(coordinator of a save, before :func:`check_bases`) Mark every
@@ -183,9 +180,11 @@ class Doom:
     """(a deleter) Its doom markers: :meth:`mark` a checkpoint before
     reading its pins, :meth:`lift` it after its last deletion there."""
 
-    def __init__(self, by: str) -> None:
+    def __init__(self, by: str, token: str | None = None) -> None:
         self.by = by
-        self.token = time.strftime("%Y%m%dT%H%M%S", time.gmtime()) + "-" + uuid.uuid4().hex[:8]
+        #: unique per deleter; an overwrite's is its save id (its marker is
+        #: then a file of that save, removed with its lease or as an orphan)
+        self.token = token or f"{by}-{time.strftime('%Y%m%dT%H%M%S', time.gmtime())}-{uuid.uuid4().hex[:8]}"
         self.marked: dict[str, Storage] = {}
         self._files: dict[str, frozenset[str]] = {}
 

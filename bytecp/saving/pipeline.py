@@ -202,10 +202,11 @@ class SavePipeline:
             save_id: str | None = None
             objects: tuple[str, ...] = ()
             if ctx.is_coordinator:
-                mine["replaced"] = check_target(self.storage, self.opts.overwrite)
-                # and what a rank whose tree differs need not write
+                # named first: an overwrite dooms the replaced files for as long as this lease lives
                 save_id, objects = fmt.new_save_id(), tuple(flat.objects)
                 mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
+                mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"])
+                # and what a rank whose tree differs need not write
             vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects)
             return vote
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -211,3 +212,49 @@ def test_a_base_removed_while_it_is_pinned_fails_the_save_cleanly(run: Any, monk
     with pytest.raises(CorruptCheckpointError, match="step-1 was removed .* while the save pinned it"):
         bytecp.save(str(root / "step-3"), {"model": model}, step=3, base=str(root / "step-2"))
     assert not _files(root / "step-3")
+
+
+def test_an_overwrite_is_refused_while_a_save_in_flight_pins_the_checkpoint(run: Any) -> None:
+    """The overwrite would delete the files the save is about to reference:
+    refused, and its doom marker and lease go with it."""
+    root, model = run
+    (root / "step-1" / "pins").mkdir()
+    (root / "step-1" / "pins" / "step-9.x").write_text("{}")  # a save elsewhere, may still run
+    shutil.rmtree(root / "step-2")  # no committed checkpoint references step-1 any more
+    before = _files(root / "step-1")
+    with pytest.raises(bytecp.errors.CheckpointExistsError, match="referenced by checkpoint.* step-9 .*in flight"):
+        bytecp.save(str(root / "step-1"), {"model": model}, step=1, overwrite=True)
+    assert _files(root / "step-1") == before  # no marker, no lease, nothing of the refused save
+    (root / "step-1" / "pins" / "step-9.x").unlink()
+    bytecp.save(str(root / "step-1"), {"model": model}, step=1, overwrite=True)  # nobody reads it now
+
+
+def test_an_overwrite_in_flight_dooms_the_files_it_replaces(tmp_path: Path) -> None:
+    """From its plan until it ends, an overwrite's marker names the replaced
+    save's files: a save referencing them fails; the marker goes with the lease."""
+    from bytecp.saving.commit import check_target
+
+    model = _model()
+    bytecp.save(str(tmp_path / "step-1"), {"model": model}, step=1)
+    lease = leases.take(open_storage(str(tmp_path / "step-1")), new_save_id())
+    try:
+        assert check_target(open_storage(str(tmp_path / "step-1")), True, lease) is not None
+        (marker,) = (tmp_path / "step-1" / "doomed").iterdir()
+        assert marker.name == f"{lease.save_id}.json"
+        _touch(model)
+        with pytest.raises(CorruptCheckpointError, match="step-1 is being pruned"):
+            bytecp.save(str(tmp_path / "step-2"), {"model": model}, step=2, base=str(tmp_path / "step-1"))
+    finally:
+        lease.stop()
+    assert not (tmp_path / "step-1" / "doomed").exists()
+    md = bytecp.save(str(tmp_path / "step-2"), {"model": model}, step=2, base=str(tmp_path / "step-1"))
+    assert set(md.references) == {"step-1"}
+
+
+def test_a_killed_overwrites_marker_is_an_orphan_a_retentions_never(tmp_path: Path) -> None:
+    ck = tmp_path / "step-1"
+    (ck / "doomed").mkdir(parents=True)
+    (ck / "doomed" / "20000101T000000-deadbeef.json").write_text('{"files": []}')  # an overwrite killed long ago
+    (ck / "doomed" / "retention-20000101T000000-cafe0000.json").write_text('{"files": []}')
+    dead, running = leases.orphans(open_storage(str(ck)), None)
+    assert dead == ["doomed/20000101T000000-deadbeef.json"] and running == []
