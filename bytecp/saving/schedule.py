@@ -26,6 +26,7 @@ next is a frozen value (:mod:`bytecp.saving.results`).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -34,7 +35,7 @@ import torch
 from bytecp.format import metadata as fmt
 from bytecp.options import SaveOptions
 from bytecp.saving import leases
-from bytecp.saving.handles import SaveHandle, gc_paused, optimizers_in
+from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager
 
@@ -142,17 +143,32 @@ def run_now(p: SavePipeline, *, blocked_since: float) -> fmt.Metadata:
 
 def start_async(order: Order, p: SavePipeline, *, blocked_since: float) -> SaveHandle:
     """Run ``order``'s caller part now (no cyclic garbage collection
-    meanwhile), its background part on the handle's thread, then the report."""
+    meanwhile), its background part on the handle's thread, then the report.
+
+    The background thread waits until the caller is about to return: it
+    would otherwise take the GIL (and the collection the pause put off, which
+    it resumes) while the caller still has its last lines to run."""
     handle = SaveHandle(p.storage.url)
-    with p.trace.failing(blocked_since=blocked_since), gc_paused():
-        background = order(p, handle)
+    go = threading.Event()
+    paused = GcPause()
 
     def run() -> fmt.Metadata:
+        go.wait()
+        paused.end()
         with p.trace.failing(), _leases_given_up_on_failure(p):
             md = background()
         p.report()
         return md
 
-    handle.start(run, nice=p.opts.background_nice)
-    p.trace.add_stall(time.perf_counter() - blocked_since)
+    try:
+        with p.trace.failing(blocked_since=blocked_since):
+            background = order(p, handle)
+        handle.start(run, nice=p.opts.background_nice)
+    except BaseException:
+        paused.end()
+        raise
+    try:
+        p.trace.add_stall(time.perf_counter() - blocked_since)
+    finally:
+        go.set()
     return handle
