@@ -346,6 +346,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--domains", default="", help="host=domain,... (copies go to other failure domains first)")
     ap.add_argument("--budget-bytes", type=int, default=None)
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    ap.add_argument("--metrics-addr", default="127.0.0.1", help="address of /metrics (0.0.0.0: scraped from other hosts)")
     ap.add_argument("--job", default="", help="the job label of the metrics")
     ap.add_argument("--ready-file", default=None, help="written with the port once serving")
     args = ap.parse_args(argv)
@@ -359,7 +360,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.metrics_port is not None:
         from bytecp.monitoring.keeper_metrics import serve_keeper_metrics
 
-        serve_keeper_metrics(lambda: keeper.op_stats({}, memoryview(b""))[0], args.job, args.metrics_port)
+        serve_keeper_metrics(lambda: keeper.op_stats({}, memoryview(b""))[0], args.job, args.metrics_port,
+                             addr=args.metrics_addr)
     if args.ready_file:
         with open(args.ready_file + ".tmp", "w") as f:
             f.write(f"{keeper.port}\n")
