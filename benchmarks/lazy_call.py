@@ -9,9 +9,11 @@ round is what a training loop does: the save call (timed: ``lazy call``),
 one forward/backward and ``optimizer.step()`` (which waits in bytecp's
 pre-step hook until the background copy is done: ``hook wait``), then
 ``handle.wait()`` so the next round starts with no save in flight. The
-same rounds with ``lazy=False`` give the eager call (the copy included) for
-reference. Rounds alternate lazy and eager, so load on a shared machine
-hits both alike.
+same rounds through ``CheckpointManager(async_save=True, lazy=True)``
+(``maybe_save``, incremental against the previous step, retention) give the
+manager's lazy call, and with ``lazy=False`` the eager call (the copy
+included) for reference. Rounds take the three in turn, so load on a shared
+machine hits them alike.
 
 The floor is the copy itself: the same tensors' bytes copied into a
 prewarmed host buffer with one ``torch._foreach_copy_`` (one thread, as a
@@ -21,7 +23,7 @@ read against: the call costs what describing the state, hooking the
 optimizers and starting the background thread cost.
 
 Figures: median and 10th/90th percentiles over the rounds after the first
-five of each mode, in milliseconds: the wall time of the call, the CPU time
+three of each mode, in milliseconds: the wall time of the call, the CPU time
 the training thread spent in it (``time.thread_time``; steadier than the
 wall time on a loaded machine, but blind to waiting for the GIL), and the
 number of cyclic garbage collections the training thread ran inside the
@@ -103,17 +105,22 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
     prewarm_s = bytecp.prewarm(state)
     counter = _GcCounter()
     gc.callbacks.append(counter)
-    calls: dict[str, list[float]] = {"lazy": [], "eager": []}
-    cpu: dict[str, list[float]] = {"lazy": [], "eager": []}
+    modes = ("lazy", "manager lazy", "eager")
+    calls: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    mgr = bytecp.CheckpointManager(f"{root}/run", every_n_steps=1, keep_last=2, async_save=True, lazy=True)
     hook: list[float] = []
-    collections = {"lazy": 0, "eager": 0}
+    collections = {m: 0 for m in modes}
     try:
-        for i in range(2 * saves):
-            mode = "lazy" if i % 2 == 0 else "eager"
+        for i in range(len(modes) * saves):
+            mode = modes[i % len(modes)]
             seen = counter.count
             counter.active = True
             c0, t0 = time.thread_time(), time.perf_counter()
-            h = bytecp.async_save(f"{root}/{mode}-{i % 4}", state, lazy=mode == "lazy", overwrite=True, step=i)
+            if mode == "manager lazy":
+                mgr.maybe_save(i, state)
+            else:
+                h = bytecp.async_save(f"{root}/{mode}-{i % 4}", state, lazy=mode == "lazy", overwrite=True, step=i)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             counter.active = False
             forward_backward(model, cfg, seed=i)
@@ -121,8 +128,11 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
             optim.step()  # a lazy save's hook waits here for the copy
             step_s = time.perf_counter() - t1
             optim.zero_grad(set_to_none=True)
-            h.wait()
-            if i >= 10:  # the first rounds warm caches up
+            if mode == "manager lazy":
+                mgr.wait()
+            else:
+                h.wait()
+            if i >= 3 * len(modes):  # the first rounds warm caches up
                 calls[mode].append(dt)
                 cpu[mode].append(dc)
                 collections[mode] += counter.count - seen
@@ -131,17 +141,16 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
     finally:
         gc.callbacks.remove(counter)
     n = len(calls["lazy"])
+    named = {m.replace(" ", "_"): m for m in modes}
     return {
         "state_mb": state_bytes(model, optim) / 1e6,
         "tensors": len(src),
         "prewarm_s": prewarm_s,
         "saves_each": n,
-        "lazy_call": _summary(calls["lazy"]),
-        "eager_call": _summary(calls["eager"]),
-        "lazy_call_thread_cpu": _summary(cpu["lazy"]),
-        "eager_call_thread_cpu": _summary(cpu["eager"]),
+        **{f"{k}_call": _summary(calls[m]) for k, m in named.items()},
+        **{f"{k}_call_thread_cpu": _summary(cpu[m]) for k, m in named.items()},
         "lazy_step_with_hook": _summary(hook),
-        "gc_per_call": {m: c / max(1, len(calls[m])) for m, c in collections.items()},
+        "gc_per_call": {k: collections[m] / max(1, len(calls[m])) for k, m in named.items()},
         "floor_ms_1_thread": floor_ms(src, 1),
         f"floor_ms_{torch.get_num_threads()}_threads": floor_ms(src, torch.get_num_threads()),
     }
@@ -150,7 +159,7 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=45.0, help="state size (parameters + Adam state), MB")
-    ap.add_argument("--saves", type=int, default=60, help="saves of each mode")
+    ap.add_argument("--saves", type=int, default=40, help="saves of each mode")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
