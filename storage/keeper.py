@@ -14,6 +14,13 @@ Who calls what, and when:
   keeper pushes them to ``replicas - 1`` peers and answers: the write returns
   once the file has its copies. Serialization to storage and replication
   never run in the training process.
+- (every rank's stager, then its writer thread; saves on a host with a
+  keeper) ``staging_arena`` / ``adopt``: the keeper lends a shared-memory
+  file, the rank maps it and copies its boxes into it (the only copy the
+  training process makes), then the keeper takes the file over as the data
+  file, computes the chunks' crc32c and replicates it
+  (:mod:`bytecp.storage._keeper_arenas`). ``prepare_staging`` (prewarm)
+  has one ready.
 - (coordinator) ``commit``: the local keeper publishes ``metadata.json`` at
   every live keeper; a memory checkpoint exists once committed.
 - (every rank's reader threads) reads: the local shared memory first, then
@@ -27,15 +34,19 @@ Every request carries the job's token; another job's keepers refuse it.
 
 from __future__ import annotations
 
+import array
+import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import StorageError
-from bytecp.storage_api import Buffer, Storage, join, split_protocol
+from bytecp.storage_api import Buffer, SharedArena, Storage, join, split_protocol
 
 from ._errors import file_url, missing, truncated
 from ._keeper_wire import (
@@ -49,6 +60,19 @@ from ._keeper_wire import (
 )
 
 __all__ = ["KeeperStorage"]
+
+#: this process's arenas lent and not yet adopted (name -> the arena, weakly):
+#: those dropped unadopted (a failed save) are named at the next ``alloc``
+_LENT: dict[str, weakref.ref[SharedArena]] = {}
+_LENT_LOCK = threading.Lock()
+
+
+def _dropped() -> list[str]:
+    with _LENT_LOCK:
+        gone = [n for n, ref in _LENT.items() if ref() is None]
+        for n in gone:
+            del _LENT[n]
+    return gone
 
 
 class KeeperStorage(Storage):
@@ -118,6 +142,36 @@ class KeeperStorage(Storage):
             self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, timeout=600)
         else:
             self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, list(buffers), timeout=600)
+
+    def staging_arena(self, nbytes: int) -> SharedArena | None:
+        """An arena in this host's keeper's shared memory, mapped here (None: no keeper on this host)."""
+        if self._local_root() is None:
+            return None
+        answer, _ = self._ask(self._keeper_or_error(), {"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
+                                                        "free": _dropped()}, timeout=600)
+        size = int(answer["size"])
+        fd = os.open(str(answer["file"]), os.O_RDWR)
+        try:
+            buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+        finally:
+            os.close(fd)
+        arena = SharedArena(buf, size, str(answer["arena"]))
+        with _LENT_LOCK:
+            _LENT[arena.name] = weakref.ref(arena)
+        return arena
+
+    def prepare_staging(self, nbytes: int) -> None:
+        if self._local_root() is not None:
+            self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes)}, timeout=600)
+
+    def adopt(self, path: str, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> list[int]:
+        """The keeper takes ``arena`` over as ``path``, checksums ``ranges`` and replicates it."""
+        spans = array.array("Q", [v for r in ranges for v in r])
+        with _LENT_LOCK:
+            _LENT.pop(arena.name, None)  # the keeper's now, adopted or refused
+        answer, _ = self._ask(self._keeper_or_error(), {"op": "adopt", "arena": arena.name, "path": self._key(path),
+                                                        "size": arena.used, "ckpt": self.prefix}, [spans], timeout=600)
+        return [int(c) for c in answer["crcs"]]
 
     def _keeper_or_error(self) -> Addr:
         addr = self.keepers[self.host]

@@ -1,0 +1,139 @@
+"""keeper:// single-copy saves: the rank copies its boxes into an arena the
+host's keeper lent (shared memory) and the keeper takes the arena over as
+the data file, checksummed and replicated there; eager, lazy and sync saves,
+crc32c and layout as the normal writer's, abandoned arenas reclaimed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from bytecp.storage.keeper_server import Keeper
+from keepers import TOKEN, spec, start_keepers
+from torch import nn
+
+import bytecp
+from bytecp.format import metadata as fmt
+from bytecp.format.index_read import all_segments, read_segments
+from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import verify
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[list[Keeper]]:
+    keepers = start_keepers(["s0", "s1"])
+    yield keepers
+    for k in keepers:
+        k.close()
+
+
+def state_of(seed: int) -> dict[str, object]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(128, 160), nn.ReLU(), nn.Linear(160, 3))  # 80 KiB and small boxes
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    return {"model": m, "optim": opt, "extra": {"step": 7, "note": "x"}}
+
+
+def bitwise(a: dict[str, object], b: dict[str, object]) -> None:
+    for k, v in a["model"].state_dict().items():  # type: ignore[attr-defined]
+        assert torch.equal(v, b["model"].state_dict()[k]), k  # type: ignore[attr-defined]
+    sa, sb = a["optim"].state_dict()["state"], b["optim"].state_dict()["state"]  # type: ignore[attr-defined]
+    for i, st in sa.items():
+        for k, v in st.items():
+            assert torch.equal(v, sb[i][k]), (i, k)
+
+
+def chunks(url: str, **opts: object) -> dict[tuple[str, tuple[int, ...]], fmt.ChunkRecord]:
+    st = open_storage(url, **opts)
+    md = fmt.Metadata.from_bytes(st.read_bytes(fmt.METADATA_FILE), url)
+    return {(c.fqn, tuple(c.offsets)): c for c in read_segments(st, md, all_segments(md))}
+
+
+def adopted(keepers: list[Keeper]) -> int:
+    return sum(k.arenas.adopted_bytes for k in keepers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "eager", "lazy"])
+def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Keeper], tmp_path: Path,
+                                                                    mode: str) -> None:
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    url = f"keeper://job/{uuid.uuid4().hex}/step-1"
+    state = state_of(0)
+    before = adopted(pair)
+    if mode == "sync":
+        bytecp.save(url, state, storage_options=opts)
+    else:
+        h = bytecp.async_save(url, state, lazy=mode == "lazy", storage_options=opts)
+        if mode == "lazy":
+            state["optim"].step()  # type: ignore[attr-defined]  # the pre-step hook waits for the copy
+            state = state_of(0)  # the saved values (the step above changed the live ones after the copy)
+        h.wait()
+    bytecp.save(str(tmp_path / "disk"), state)  # the normal writer, same state
+    mem, disk = chunks(url, **opts), chunks(str(tmp_path / "disk"))
+    assert mem.keys() == disk.keys()
+    for key, c in mem.items():
+        assert c.crc32c == disk[key].crc32c, key
+        if c.nbytes:
+            assert c.byte_offset % fmt.ALIGNMENT == 0, key  # page-aligned, as the writer lays it out
+    md = fmt.Metadata.from_bytes(open_storage(url, **opts).read_bytes(fmt.METADATA_FILE), url)
+    tensor_files = {c.file for c in mem.values()}
+    grew = adopted(pair) - before
+    assert grew == sum(md.data_files[f] for f in tensor_files) > 0  # not written: adopted
+    for k in pair:  # both copies of the adopted file
+        for f in tensor_files:
+            assert os.path.getsize(k._full(f"{url[len('keeper://'):]}/{f}")) == md.data_files[f]
+    target = state_of(1)
+    bytecp.load(url, target, storage_options=opts)
+    bitwise(state, target)
+    checked, problems = verify(open_storage(url, **opts))  # every chunk read back against its crc32c
+    assert checked and not problems
+
+
+def test_retention_recycles_data_files_into_the_arena_pool(pair: list[Keeper]) -> None:
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    run = f"keeper://job/{uuid.uuid4().hex}"
+    big = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: pooled when deleted
+    bytecp.save(f"{run}/step-1", big, storage_options=opts)
+    free = pair[0].arenas.stats()["free"]
+    open_storage(f"{run}/step-1", **opts).delete_prefix()
+    assert pair[0].arenas.stats()["free"] == free + 1
+    lent_before = pair[0].arenas.lent_bytes
+    bytecp.save(f"{run}/step-2", big, storage_options=opts)  # lent the pooled file
+    assert pair[0].arenas.stats()["free"] == free
+    assert pair[0].arenas.lent_bytes > lent_before
+    out = {"w": torch.zeros(1 << 19)}
+    bytecp.load(f"{run}/step-2", out, storage_options=opts)
+    assert torch.equal(out["w"], big["w"])
+
+
+_KILLED = """
+import os, sys, torch
+from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import verify
+st = open_storage(sys.argv[1], keepers=sys.argv[2], host="s0", token=sys.argv[3])
+a = st.staging_arena(1 << 20)
+torch.frombuffer(a.buffer, dtype=torch.uint8)[:10] = 7
+print(a.name, flush=True)
+os._exit(9)  # killed between alloc and adopt
+"""
+
+
+def test_a_rank_killed_after_alloc_commits_nothing_and_its_arena_is_reclaimed(pair: list[Keeper]) -> None:
+    run = f"keeper://job/{uuid.uuid4().hex}"
+    out = subprocess.run([sys.executable, "-c", _KILLED, f"{run}/step-1", spec(pair), TOKEN],
+                         capture_output=True, text=True, timeout=60)
+    name = out.stdout.strip()
+    assert out.returncode == 9 and name in pair[0].arenas.lent, out.stderr
+    st = open_storage(run, keepers=spec(pair), host="s0", token=TOKEN)
+    assert st.list_files() == []  # nothing of it is listed, let alone committed
+    pair[0].arenas.reclaim()  # (at every alloc) its process is gone
+    assert name not in pair[0].arenas.lent
+    assert pair[0].arenas.reclaimed >= 1
