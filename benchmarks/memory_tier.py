@@ -16,9 +16,19 @@ async_save=True)`` and the run measures, medians of ``--repeats``:
   replaced host);
 - ``recover-disk`` / ``recover-s3``: ``bytecp.load`` of the same state from
   local disk and from a Ceph RADOS Gateway on 127.0.0.1 (started here
-  through ``tools/ceph/start_rgw.sh``; ``--no-s3`` skips it).
+  through ``tools/ceph/start_rgw.sh``; ``--no-s3`` skips it);
+- ``copies``: the single-copy path (the rank stages into an arena the
+  keeper lent, the keeper adopts it as the data file, checksums and
+  replicates it) beside the two-copy one (``single_copy=False``: a private
+  arena, then the rank's writer thread checksums and writes into the
+  keeper's shared memory), for an eager ``async_save``, a lazy one and a
+  ``bytecp.save``: ``blocking_s`` (what the call blocks), ``to_commit_s``,
+  ``trainer_cpu_s`` (the training process's CPU time from the call to the
+  commit, ``getrusage``: the copy, checksums and writes of the save
+  thread) and ``trainer_copied_bytes`` (bytes the training process copied:
+  staged plus written to the keeper).
 
-    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json]
+    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json] [--only-copies]
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -56,6 +67,66 @@ def state_of(mb: int, seed: int) -> dict[str, Any]:
     return {"model": model, "optim": opt}
 
 
+class _CopiesOnly(Exception):
+    """--only-copies: the rest is skipped."""
+
+
+def cpu_s() -> float:
+    """This process's CPU time (every thread), user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def copies(state: dict[str, Any], nbytes: int, opts: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """The single-copy and the two-copy paths, per save order (medians of ``repeats``)."""
+    from bytecp.storage.keeper import KeeperStorage
+
+    written = [0]
+    write_file = KeeperStorage.write_file
+
+    def counted(self: KeeperStorage, path: str, buffers: Any) -> None:
+        written[0] += sum(memoryview(b).nbytes for b in buffers)
+        write_file(self, path, buffers)
+
+    KeeperStorage.write_file = counted  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        for single in (False, True):
+            o = dict(opts, single_copy=single)
+            for order in ("eager", "lazy", "sync"):
+                run = f"keeper://job/copies-{single}-{order}"
+                block, staged, commit, cpu, copied = [], [], [], [], []
+                for step in range(repeats + 1):
+                    url = f"{run}/step-{step}"
+                    written[0] = 0
+                    c0, t0 = cpu_s(), time.perf_counter()
+                    if order == "sync":
+                        bytecp.save(url, state, storage_options=o)
+                        block.append(time.perf_counter() - t0)
+                    else:
+                        h = bytecp.async_save(url, state, lazy=order == "lazy", storage_options=o)
+                        block.append(time.perf_counter() - t0)
+                        while not h.staged():  # lazy: what a step right after the call would wait for
+                            time.sleep(0.0005)
+                        staged.append(time.perf_counter() - t0)
+                        h.wait()
+                    commit.append(time.perf_counter() - t0)
+                    cpu.append(cpu_s() - c0)
+                    # a sync two-copy save reads the live tensors: its one copy is the write
+                    copied.append(written[0] + (0 if order == "sync" and not single else nbytes))
+                    if step:
+                        open_storage(f"{run}/step-{step - 1}", **o).delete_prefix()  # retention
+                med = lambda v: statistics.median(v[1:])  # noqa: E731  # the first allocates
+                out[f"{'single' if single else 'two'}/{order}"] = {
+                    "blocking_s": med(block), "staged_s": med(staged) if staged else med(block),
+                    "to_commit_s": med(commit), "trainer_cpu_s": med(cpu),
+                    "trainer_copied_bytes": int(med(copied))}
+                open_storage(run, **o).delete_prefix()
+    finally:
+        KeeperStorage.write_file = write_file  # type: ignore[method-assign]
+    return out
+
+
 def timed(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
@@ -68,6 +139,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only-copies", action="store_true", help="only the single- vs two-copy figures")
     args = ap.parse_args()
     from keepers import TOKEN, free_ports, spawn_keeper
 
@@ -81,6 +153,9 @@ def main() -> None:
         state = state_of(args.mb, 0)
         nbytes = sum(p.numel() * 4 * 3 for p in state["model"].parameters())
         out["state_bytes"] = nbytes
+        out["copies"] = copies(state, nbytes, opts, args.repeats)
+        if args.only_copies:
+            raise _CopiesOnly
         mgr = bytecp.CheckpointManager(str(tmp / "run"), every_n_steps=10**9, memory_url="keeper://job/run",
                                        memory_every_n_steps=1, memory_storage_options=opts, async_save=True)
         out["prewarm_s"] = bytecp.prewarm(state)
@@ -121,6 +196,8 @@ def main() -> None:
         for (k, v), w in zip(state["model"].state_dict().items(), target["model"].state_dict().values(),
                              strict=True):
             assert torch.equal(v, w), k
+    except _CopiesOnly:
+        pass
     finally:
         for k in keepers:
             k.terminate()

@@ -162,6 +162,9 @@ class Storage(abc.ABC):
         raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
 
     # -- single-copy staging (optional) ----------------------------------
+    #: whether :meth:`staging_arena` may lend arenas (saves then stage into them)
+    lends_arenas: bool = False
+
     def staging_arena(self, nbytes: int) -> SharedArena | None:
         """Memory the backend's own process can take over as a data file.
 

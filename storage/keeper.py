@@ -35,6 +35,7 @@ Every request carries the job's token; another job's keepers refuse it.
 from __future__ import annotations
 
 import array
+import collections
 import mmap
 import os
 import subprocess
@@ -65,6 +66,12 @@ __all__ = ["KeeperStorage"]
 #: those dropped unadopted (a failed save) are named at the next ``alloc``
 _LENT: dict[str, weakref.ref[SharedArena]] = {}
 _LENT_LOCK = threading.Lock()
+#: this process's mappings of the arenas it was lent last, by (device, inode,
+#: size): a file lent again (the keeper pools deleted data files and lends a
+#: rank back one it filled) is copied into without mapping it again, which
+#: takes page-table work for every page (about 60 ms per 256 MiB)
+_MAPS: collections.OrderedDict[tuple[int, int, int], mmap.mmap] = collections.OrderedDict()
+_KEEP_MAPS = 2
 
 
 def _dropped() -> list[str]:
@@ -83,7 +90,7 @@ class KeeperStorage(Storage):
 
     def __init__(self, url: str, *, keepers: str | dict[str, Any] | None = None, host: str | None = None,
                  token: str | None = None, autostart: bool | None = None, replicas: int = 2,
-                 budget_bytes: int | None = None, **_: Any) -> None:
+                 budget_bytes: int | None = None, single_copy: bool = True, **_: Any) -> None:
         proto, rest = split_protocol(url)
         self.url = url
         self.prefix = rest.strip("/")
@@ -99,9 +106,12 @@ class KeeperStorage(Storage):
         #: start this host's keeper when none answers (``BYTECP_KEEPER_AUTOSTART=1``)
         self.autostart = autostart if autostart is not None else os.environ.get("BYTECP_KEEPER_AUTOSTART") == "1"
         self.replicas, self.budget_bytes = replicas, budget_bytes
+        #: saves stage into arenas this host's keeper lends, which it adopts as data files
+        #: (``single_copy=False``: they copy into private memory and write, as before)
+        self.lends_arenas = bool(single_copy)
         self._opts = {"keepers": {k: f"{h}:{p}" for k, (h, p) in self.keepers.items()}, "host": self.host,
                       "token": self.token, "autostart": self.autostart, "replicas": replicas,
-                      "budget_bytes": budget_bytes}
+                      "budget_bytes": budget_bytes, "single_copy": self.lends_arenas}
         self._root: str | None = None  # the local keeper's shared-memory directory, once asked
 
     def options(self) -> dict[str, Any]:
@@ -145,19 +155,27 @@ class KeeperStorage(Storage):
 
     def staging_arena(self, nbytes: int) -> SharedArena | None:
         """An arena in this host's keeper's shared memory, mapped here (None: no keeper on this host)."""
-        if self._local_root() is None:
+        if not self.lends_arenas or self._local_root() is None:
             return None
         answer, _ = self._ask(self._keeper_or_error(), {"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
                                                         "free": _dropped()}, timeout=600)
         size = int(answer["size"])
         fd = os.open(str(answer["file"]), os.O_RDWR)
         try:
-            buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino, size)
+            with _LENT_LOCK:
+                buf = _MAPS.pop(key, None)
+            if buf is None:
+                buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
         finally:
             os.close(fd)
         arena = SharedArena(buf, size, str(answer["arena"]))
         with _LENT_LOCK:
             _LENT[arena.name] = weakref.ref(arena)
+            _MAPS[key] = buf
+            while len(_MAPS) > _KEEP_MAPS:
+                _MAPS.popitem(last=False)
         return arena
 
     def prepare_staging(self, nbytes: int) -> None:

@@ -73,8 +73,8 @@ def _slot(n: int, whole_pages: bool = False) -> int:
 
 
 def lends_arenas(storage: Storage) -> bool:
-    """Whether ``storage`` may lend staging arenas (overrides :meth:`Storage.staging_arena`)."""
-    return type(storage).staging_arena is not Storage.staging_arena
+    """Whether ``storage`` may lend staging arenas (:attr:`Storage.lends_arenas`)."""
+    return bool(getattr(storage, "lends_arenas", False))
 
 
 def shared_layout_bytes(items: Sequence[WriteItem]) -> int:
