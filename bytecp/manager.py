@@ -164,7 +164,8 @@ class CheckpointManager:
                     process_group=self.save_kwargs.get("process_group"),
                     coordinator_rank=self.save_kwargs.get("coordinator_rank", 0),
                     url=self.memory.url if self.memory is not None else None,  # keeper:// lends its arenas
-                    storage_options=self.memory.storage_options if self.memory is not None else None)
+                    storage_options=self.memory.storage_options if self.memory is not None else None,
+                    arenas=(self.memory.keep_last or 1) + 1 if self.memory is not None else 1)
             self._prewarmed = True
         to_storage = force or step % self.every_n_steps == 0
         if self.memory is not None and (to_storage or self.memory.due(step)):

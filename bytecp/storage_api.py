@@ -177,9 +177,9 @@ class Storage(abc.ABC):
         """
         return None
 
-    def prepare_staging(self, nbytes: int) -> None:
-        """(every rank, at prewarm) Have an arena of ``nbytes`` ready for the
-        next :meth:`staging_arena` call; nothing by default."""
+    def prepare_staging(self, nbytes: int, count: int = 1) -> None:
+        """(every rank, at prewarm) Have ``count`` arenas of ``nbytes`` ready
+        for the next :meth:`staging_arena` calls; nothing by default."""
 
     def adopt(self, path: str, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """Make ``arena``'s first ``arena.used`` bytes the data file ``path``.

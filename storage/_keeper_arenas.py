@@ -115,13 +115,20 @@ class Arenas:
             self.lent_bytes += size
         return name, path, size
 
-    def prepare(self, nbytes: int) -> None:
-        """A free arena of ``nbytes`` ready for the next ``lend`` (prewarm)."""
-        if self.fitting(nbytes):
-            return
-        path = self._new(nbytes)
+    def prepare(self, nbytes: int, count: int, pid: int | None) -> list[str]:
+        """(prewarm) ``count`` free arenas of ``nbytes``, lent to ``pid`` first; -> their paths."""
         with self._lock:
-            self.free.append((nbytes, path))
+            have = [p for s, p in self.free if nbytes <= s <= 2 * nbytes + (1 << 20)
+                    and self.filled_by.get(_inode(p)) in (pid, None)][:count]
+        while len(have) < count:
+            path = self._new(nbytes)
+            with self._lock:
+                self.free.append((nbytes, path))
+            have.append(path)
+        if pid is not None and _alive(pid):
+            for p in have:
+                self.filled_by[_inode(p)] = pid
+        return have
 
     # -- adopting ------------------------------------------------------------
     def adopt(self, name: str, dest: str, size: int, ranges: Sequence[tuple[int, int]]) -> list[int]:

@@ -71,7 +71,7 @@ _LENT_LOCK = threading.Lock()
 #: rank back one it filled) is copied into without mapping it again, which
 #: takes page-table work for every page (about 60 ms per 256 MiB)
 _MAPS: collections.OrderedDict[tuple[int, int, int], mmap.mmap] = collections.OrderedDict()
-_KEEP_MAPS = 2
+_KEEP_MAPS = 4  # a run keeping its last 2-3 memory checkpoints is lent back one of these
 
 
 def _dropped() -> list[str]:
@@ -178,9 +178,29 @@ class KeeperStorage(Storage):
                 _MAPS.popitem(last=False)
         return arena
 
-    def prepare_staging(self, nbytes: int) -> None:
-        if self._local_root() is not None:
-            self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes)}, timeout=600)
+    def prepare_staging(self, nbytes: int, count: int = 1) -> None:
+        """(prewarm) The keeper readies ``count`` arenas for this process, which maps them now."""
+        global _KEEP_MAPS
+        if not self.lends_arenas or self._local_root() is None:
+            return
+        answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
+                                                        "pid": os.getpid()}, timeout=600)
+        _KEEP_MAPS = max(_KEEP_MAPS, count + 1)
+        for path in answer["files"]:
+            fd = os.open(str(path), os.O_RDWR)
+            try:
+                st = os.fstat(fd)
+                key = (st.st_dev, st.st_ino, st.st_size)
+                with _LENT_LOCK:
+                    if key in _MAPS:
+                        continue
+                buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+            finally:
+                os.close(fd)
+            with _LENT_LOCK:
+                _MAPS[key] = buf
+                while len(_MAPS) > _KEEP_MAPS:
+                    _MAPS.popitem(last=False)
 
     def adopt(self, path: str, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """The keeper takes ``arena`` over as ``path``, checksums ``ranges`` and replicates it."""

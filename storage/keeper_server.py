@@ -275,13 +275,11 @@ class Keeper:
         return {"arena": name, "file": path, "size": size}, []
 
     def op_prepare(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
-        """(a rank's prewarm) Have a free arena of ``nbytes`` ready."""
-        nbytes = int(h["nbytes"])
-        if not self.arenas.fitting(nbytes):
-            with self._lock:
-                self._room_for(ARENA_DIR + "/x", nbytes)
-            self.arenas.prepare(nbytes)
-        return {}, []
+        """(a rank's prewarm) Have ``count`` free arenas of ``nbytes`` ready for it; answers their files."""
+        nbytes, count = int(h["nbytes"]), int(h.get("count", 1))
+        with self._lock:
+            self._room_for(ARENA_DIR + "/x", nbytes * count)
+        return {"files": self.arenas.prepare(nbytes, count, h.get("pid"))}, []
 
     def op_adopt(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         """(a rank's writer thread) Arena ``arena`` becomes data file ``path`` (its first ``size``

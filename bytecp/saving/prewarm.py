@@ -33,13 +33,15 @@ __all__ = ["prewarm"]
 
 def prewarm(state: dict[str, Any], *, framework: str | None = None, process_group: Any = None,
             coordinator_rank: int = 0, url: str | None = None,
-            storage_options: dict[str, Any] | None = None) -> float:
+            storage_options: dict[str, Any] | None = None, arenas: int = 1) -> float:
     """Allocate the staging arena for ``state`` (every rank); returns the seconds it took.
 
     Takes no copy and writes nothing. Cheap to call again: an arena already
     large enough is kept. A state that grows later grows the arena then.
     With ``url`` (the storage the saves go to) whose backend lends arenas
-    (``keeper://``), the arena is readied there instead.
+    (``keeper://``), ``arenas`` of them are readied there instead (the
+    manager asks for one more than the memory checkpoints it keeps: the
+    saves then take turns in those, mapped once).
     """
     t0 = time.perf_counter()
     group = checkpoint_group(process_group)  # collective on the first call: every rank calls prewarm
@@ -52,7 +54,7 @@ def prewarm(state: dict[str, Any], *, framework: str | None = None, process_grou
     )
     storage = open_storage(url, **(storage_options or {})) if url is not None else None
     if storage is not None and lends_arenas(storage):
-        storage.prepare_staging(shared_layout_bytes(items))
+        storage.prepare_staging(shared_layout_bytes(items), arenas)
     else:
         POOL.arena(items, pinned=on_device and torch.cuda.is_available())
     return time.perf_counter() - t0

@@ -61,7 +61,7 @@ def adopted(keepers: list[Keeper]) -> int:
     return sum(k.arenas.adopted_bytes for k in keepers)
 
 
-@pytest.mark.parametrize("mode", ["sync", "eager", "lazy"])
+@pytest.mark.parametrize("mode", ["sync", "eager", "lazy", "budget"])
 def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Keeper], tmp_path: Path,
                                                                     mode: str) -> None:
     opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
@@ -71,7 +71,8 @@ def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Kee
     if mode == "sync":
         bytecp.save(url, state, storage_options=opts)
     else:
-        h = bytecp.async_save(url, state, lazy=mode == "lazy", storage_options=opts)
+        budget = 100_000 if mode == "budget" else None  # batches, each in an arena of its own
+        h = bytecp.async_save(url, state, lazy=mode == "lazy", memory_budget_bytes=budget, storage_options=opts)
         if mode == "lazy":
             state["optim"].step()  # type: ignore[attr-defined]  # the pre-step hook waits for the copy
             state = state_of(0)  # the saved values (the step above changed the live ones after the copy)
@@ -87,6 +88,7 @@ def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Kee
     tensor_files = {c.file for c in mem.values()}
     grew = adopted(pair) - before
     assert grew == sum(md.data_files[f] for f in tensor_files) > 0  # not written: adopted
+    assert len(tensor_files) == (1 if mode != "budget" else len(tensor_files) > 1 and len(tensor_files))
     for k in pair:  # both copies of the adopted file
         for f in tensor_files:
             assert os.path.getsize(k._full(f"{url[len('keeper://'):]}/{f}")) == md.data_files[f]
