@@ -5,9 +5,10 @@ peer (h1), replicas=2. One training process (host h0) saves a model and its
 AdamW state through ``CheckpointManager(memory_url="keeper://...",
 async_save=True)`` and the run measures, medians of ``--repeats``:
 
-- ``prewarm``: :func:`bytecp.prewarm` at start; ``blocking``: what
-  ``maybe_save`` blocks the training step for, per memory checkpoint (the
-  first one separately);
+- ``prewarm``: :func:`bytecp.prewarm` at start (with the memory URL: the
+  keeper readies 3 arenas, mapped now); ``blocking``: what ``maybe_save``
+  blocks the training step for, per memory checkpoint (the first one
+  separately); ``two_copy``: the same with ``single_copy=False``;
 - ``to_commit``: from the call to the memory checkpoint's commit, every file
   with its two copies (the replication included); ``replication``: the
   keeper's time pushing the checkpoint's files to its peer;
@@ -127,6 +128,25 @@ def copies(state: dict[str, Any], nbytes: int, opts: dict[str, Any], repeats: in
     return out
 
 
+def manager_loop(state: dict[str, Any], run: Path, mem: str, opts: dict[str, Any], repeats: int,
+                 prewarm_s: float) -> dict[str, float]:
+    """Memory checkpoints through ``CheckpointManager(async_save=True)``, retention keeping 2."""
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=10**9, memory_url=mem, memory_every_n_steps=1,
+                                   memory_storage_options=opts, async_save=True)
+    blocking, to_commit, replication = [], [], []
+    for step in range(1, repeats + 2):
+        t0 = time.perf_counter()
+        mgr.maybe_save(step, state)
+        blocking.append(time.perf_counter() - t0)
+        mgr.wait()
+        to_commit.append(time.perf_counter() - t0)
+        stats = open_storage(mem, **opts).keeper_stats()  # type: ignore[attr-defined]
+        key = f"{mem[len('keeper://'):]}/step-{step}"
+        replication.append(max(s["replication_s"].get(key, 0.0) for s in stats))
+    return {"prewarm_s": prewarm_s, "blocking_first_s": blocking[0], "blocking_s": statistics.median(blocking[1:]),
+            "to_commit_s": statistics.median(to_commit[1:]), "replication_s": statistics.median(replication[1:])}
+
+
 def timed(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
@@ -156,22 +176,11 @@ def main() -> None:
         out["copies"] = copies(state, nbytes, opts, args.repeats)
         if args.only_copies:
             raise _CopiesOnly
-        mgr = bytecp.CheckpointManager(str(tmp / "run"), every_n_steps=10**9, memory_url="keeper://job/run",
-                                       memory_every_n_steps=1, memory_storage_options=opts, async_save=True)
-        out["prewarm_s"] = bytecp.prewarm(state)
-        blocking, to_commit, replication = [], [], []
-        for step in range(1, args.repeats + 2):
-            t0 = time.perf_counter()
-            mgr.maybe_save(step, state)
-            blocking.append(time.perf_counter() - t0)
-            mgr.wait()
-            to_commit.append(time.perf_counter() - t0)
-            stats = open_storage("keeper://job/run", **opts).keeper_stats()  # type: ignore[attr-defined]
-            replication.append(max(s["replication_s"].get(f"job/run/step-{step}", 0.0) for s in stats))
-        out["blocking_first_s"] = blocking[0]
-        out["blocking_s"] = statistics.median(blocking[1:])
-        out["to_commit_s"] = statistics.median(to_commit[1:])
-        out["replication_s"] = statistics.median(replication[1:])
+        two = dict(opts, single_copy=False)  # the two-copy path first, as before the keepers lent arenas
+        out["two_copy"] = manager_loop(state, tmp / "run2", "keeper://job/run2", two, args.repeats,
+                                       bytecp.prewarm(state))
+        prewarm = bytecp.prewarm(state, url="keeper://job/run", storage_options=opts, arenas=3)
+        out.update(manager_loop(state, tmp / "run", "keeper://job/run", opts, args.repeats, prewarm))
         last = f"keeper://job/run/step-{args.repeats + 1}"
         target = state_of(args.mb, 1)
         out["recover-local_s"] = statistics.median(

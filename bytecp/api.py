@@ -96,7 +96,7 @@ def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.M
     storage = _storage(url, opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
     # a storage lending arenas (keeper://) gets the one copy the save makes; others read the live tensors
-    stager: Stager = (ArenaStager(threads=min(8, torch.get_num_threads()), shared=storage)
+    stager: Stager = (ArenaStager(threads=min(8, torch.get_num_threads()), shared=storage, files=opts.io_threads)
                       if lends_arenas(storage) else ViewStager())
     pipeline = SavePipeline(storage, state, opts, ctx, trace, stager, version=__version__)
     return schedule.run_now(pipeline, blocked_since=t0)

@@ -165,7 +165,8 @@ class CheckpointManager:
                     coordinator_rank=self.save_kwargs.get("coordinator_rank", 0),
                     url=self.memory.url if self.memory is not None else None,  # keeper:// lends its arenas
                     storage_options=self.memory.storage_options if self.memory is not None else None,
-                    arenas=(self.memory.keep_last or 1) + 1 if self.memory is not None else 1)
+                    arenas=(self.memory.keep_last or 1) + 1 if self.memory is not None else 1,
+                    io_threads=self.save_kwargs.get("io_threads", 4))
             self._prewarmed = True
         to_storage = force or step % self.every_n_steps == 0
         if self.memory is not None and (to_storage or self.memory.due(step)):

@@ -92,7 +92,7 @@ class Arenas:
         fits = [f for f in self.free if nbytes <= f[0] <= 2 * nbytes + (1 << 20)]
         if not fits:
             return None
-        best = min(fits, key=lambda f: (self.filled_by.get(_inode(f[1])) != pid, f[0]))
+        best = min(fits, key=lambda f: (self.filled_by.get(_inode(f[1])) != pid, f[0] != nbytes, f[0]))
         self.free.remove(best)
         return best
 
@@ -118,8 +118,7 @@ class Arenas:
     def prepare(self, nbytes: int, count: int, pid: int | None) -> list[str]:
         """(prewarm) ``count`` free arenas of ``nbytes``, lent to ``pid`` first; -> their paths."""
         with self._lock:
-            have = [p for s, p in self.free if nbytes <= s <= 2 * nbytes + (1 << 20)
-                    and self.filled_by.get(_inode(p)) in (pid, None)][:count]
+            have = [p for s, p in self.free if s == nbytes and self.filled_by.get(_inode(p)) in (pid, None)][:count]
         while len(have) < count:
             path = self._new(nbytes)
             with self._lock:

@@ -71,7 +71,8 @@ _LENT_LOCK = threading.Lock()
 #: rank back one it filled) is copied into without mapping it again, which
 #: takes page-table work for every page (about 60 ms per 256 MiB)
 _MAPS: collections.OrderedDict[tuple[int, int, int], mmap.mmap] = collections.OrderedDict()
-_KEEP_MAPS = 4  # a run keeping its last 2-3 memory checkpoints is lent back one of these
+_KEEP_MAPS = 4  # raised by prewarm: one per arena it readied, plus one per arena size
+_PREPARED: dict[int, int] = {}
 
 
 def _dropped() -> list[str]:
@@ -185,7 +186,8 @@ class KeeperStorage(Storage):
             return
         answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
                                                         "pid": os.getpid()}, timeout=600)
-        _KEEP_MAPS = max(_KEEP_MAPS, count + 1)
+        _PREPARED[int(nbytes)] = count
+        _KEEP_MAPS = max(_KEEP_MAPS, sum(_PREPARED.values()) + len(_PREPARED))
         for path in answer["files"]:
             fd = os.open(str(path), os.O_RDWR)
             try:

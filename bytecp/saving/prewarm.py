@@ -15,6 +15,7 @@ ready one of the right size.
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
 
@@ -24,7 +25,7 @@ from bytecp.adapter_api import detect_adapter
 from bytecp.dist import DistContext
 from bytecp.plan.exchange import local_plan
 from bytecp.saving.handles import checkpoint_group
-from bytecp.saving.staging import POOL, lends_arenas, shared_layout_bytes
+from bytecp.saving.staging import POOL, lends_arenas, shared_layout_sizes
 from bytecp.storage_api import open_storage
 from bytecp.tree.state import flatten_tree
 
@@ -33,7 +34,7 @@ __all__ = ["prewarm"]
 
 def prewarm(state: dict[str, Any], *, framework: str | None = None, process_group: Any = None,
             coordinator_rank: int = 0, url: str | None = None,
-            storage_options: dict[str, Any] | None = None, arenas: int = 1) -> float:
+            storage_options: dict[str, Any] | None = None, arenas: int = 1, io_threads: int = 4) -> float:
     """Allocate the staging arena for ``state`` (every rank); returns the seconds it took.
 
     Takes no copy and writes nothing. Cheap to call again: an arena already
@@ -41,7 +42,7 @@ def prewarm(state: dict[str, Any], *, framework: str | None = None, process_grou
     With ``url`` (the storage the saves go to) whose backend lends arenas
     (``keeper://``), ``arenas`` of them are readied there instead (the
     manager asks for one more than the memory checkpoints it keeps: the
-    saves then take turns in those, mapped once).
+    saves then take turns in those, mapped once), for saves with ``io_threads``.
     """
     t0 = time.perf_counter()
     group = checkpoint_group(process_group)  # collective on the first call: every rank calls prewarm
@@ -54,7 +55,9 @@ def prewarm(state: dict[str, Any], *, framework: str | None = None, process_grou
     )
     storage = open_storage(url, **(storage_options or {})) if url is not None else None
     if storage is not None and lends_arenas(storage):
-        storage.prepare_staging(shared_layout_bytes(items), arenas)
+        sizes = collections.Counter(shared_layout_sizes(items, io_threads))  # one arena per data file of a save
+        for nbytes, files in sorted(sizes.items()):
+            storage.prepare_staging(nbytes, arenas * files)
     else:
         POOL.arena(items, pinned=on_device and torch.cuda.is_available())
     return time.perf_counter() - t0

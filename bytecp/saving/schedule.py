@@ -122,7 +122,7 @@ def async_stager(opts: SaveOptions, storage: Storage | None = None) -> ArenaStag
     threads = opts.staging_threads or (1 if opts.lazy else min(8, torch.get_num_threads()))
     shared = storage if storage is not None and lends_arenas(storage) else None
     return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy and shared is None,
-                       shared=shared)
+                       shared=shared, files=opts.io_threads)
 
 
 @contextlib.contextmanager
