@@ -35,8 +35,6 @@ Every request carries the job's token; another job's keepers refuse it.
 from __future__ import annotations
 
 import array
-import collections
-import mmap
 import os
 import subprocess
 import sys
@@ -50,6 +48,7 @@ from bytecp.errors import StorageError
 from bytecp.storage_api import Buffer, SharedArena, Storage, join, split_protocol
 
 from ._errors import file_url, missing, truncated
+from ._keeper_maps import MAPPINGS
 from ._keeper_wire import (
     Addr,
     KeeperUnreachable,
@@ -66,13 +65,6 @@ __all__ = ["KeeperStorage"]
 #: those dropped unadopted (a failed save) are named at the next ``alloc``
 _LENT: dict[str, weakref.ref[SharedArena]] = {}
 _LENT_LOCK = threading.Lock()
-#: this process's mappings of the arenas it was lent last, by (device, inode,
-#: size): a file lent again (the keeper pools deleted data files and lends a
-#: rank back one it filled) is copied into without mapping it again, which
-#: takes page-table work for every page (about 60 ms per 256 MiB)
-_MAPS: collections.OrderedDict[tuple[int, int, int], mmap.mmap] = collections.OrderedDict()
-_KEEP_MAPS = 4  # raised by prewarm: one per arena it readied, plus one per arena size
-_PREPARED: dict[int, int] = {}
 
 
 def _dropped() -> list[str]:
@@ -161,48 +153,20 @@ class KeeperStorage(Storage):
         answer, _ = self._ask(self._keeper_or_error(), {"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
                                                         "free": _dropped()}, timeout=600)
         size = int(answer["size"])
-        fd = os.open(str(answer["file"]), os.O_RDWR)
-        try:
-            st = os.fstat(fd)
-            key = (st.st_dev, st.st_ino, size)
-            with _LENT_LOCK:
-                buf = _MAPS.pop(key, None)
-            if buf is None:
-                buf = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-        finally:
-            os.close(fd)
-        arena = SharedArena(buf, size, str(answer["arena"]))
+        arena = SharedArena(MAPPINGS.map(str(answer["file"]), size), size, str(answer["arena"]))
         with _LENT_LOCK:
             _LENT[arena.name] = weakref.ref(arena)
-            _MAPS[key] = buf
-            while len(_MAPS) > _KEEP_MAPS:
-                _MAPS.popitem(last=False)
         return arena
 
     def prepare_staging(self, nbytes: int, count: int = 1) -> None:
         """(prewarm) The keeper readies ``count`` arenas for this process, which maps them now."""
-        global _KEEP_MAPS
         if not self.lends_arenas or self._local_root() is None:
             return
         answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
                                                         "pid": os.getpid()}, timeout=600)
-        _PREPARED[int(nbytes)] = count
-        _KEEP_MAPS = max(_KEEP_MAPS, sum(_PREPARED.values()) + len(_PREPARED))
+        MAPPINGS.expect(int(nbytes), count)
         for path in answer["files"]:
-            fd = os.open(str(path), os.O_RDWR)
-            try:
-                st = os.fstat(fd)
-                key = (st.st_dev, st.st_ino, st.st_size)
-                with _LENT_LOCK:
-                    if key in _MAPS:
-                        continue
-                buf = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
-            finally:
-                os.close(fd)
-            with _LENT_LOCK:
-                _MAPS[key] = buf
-                while len(_MAPS) > _KEEP_MAPS:
-                    _MAPS.popitem(last=False)
+            MAPPINGS.map(str(path))
 
     def adopt(self, path: str, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> list[int]:
         """The keeper takes ``arena`` over as ``path``, checksums ``ranges`` and replicates it."""

@@ -139,3 +139,20 @@ def test_a_rank_killed_after_alloc_commits_nothing_and_its_arena_is_reclaimed(pa
     pair[0].arenas.reclaim()  # (at every alloc) its process is gone
     assert name not in pair[0].arenas.lent
     assert pair[0].arenas.reclaimed >= 1
+
+
+def test_a_large_save_is_lent_an_arena_per_data_file(pair: list[Keeper]) -> None:
+    """36 MB of boxes, io_threads=4: spread over 2 arenas as the writer would
+    spread them over data files (32 MB each at most), replicated in parallel."""
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    url = f"keeper://job/{uuid.uuid4().hex}/step-1"
+    state = {k: torch.arange(3 << 20, dtype=torch.float32) + i for i, k in enumerate("abc")}
+    before = adopted(pair)
+    bytecp.save(url, state, storage_options=opts)
+    md = fmt.Metadata.from_bytes(open_storage(url, **opts).read_bytes(fmt.METADATA_FILE), url)
+    files = {c.file for c in chunks(url, **opts).values()}
+    assert len(files) == 2 and adopted(pair) - before == sum(md.data_files[f] for f in files)
+    out = {k: torch.zeros(3 << 20) for k in "abc"}
+    bytecp.load(url, out, storage_options=opts)
+    assert all(torch.equal(out[k], state[k]) for k in "abc")
+    open_storage(url, **opts).delete_prefix()
