@@ -156,3 +156,16 @@ def test_a_large_save_is_lent_an_arena_per_data_file(pair: list[Keeper]) -> None
     bytecp.load(url, out, storage_options=opts)
     assert all(torch.equal(out[k], state[k]) for k in "abc")
     open_storage(url, **opts).delete_prefix()
+
+
+def test_a_mapping_is_reused_while_its_file_lives_and_let_go_once_unlinked(tmp_path: Path) -> None:
+    from bytecp.storage._keeper_maps import Mappings
+
+    maps = Mappings(keep=4)
+    (tmp_path / "a").write_bytes(bytes(8192))
+    first = maps.map(str(tmp_path / "a"))
+    assert maps.map(str(tmp_path / "a")) is first and (maps.hits, maps.misses) == (1, 1)
+    os.unlink(tmp_path / "a")  # the keeper evicted it: the next lend lets the mapping go
+    (tmp_path / "b").write_bytes(bytes(4096))
+    maps.map(str(tmp_path / "b"))
+    assert len(maps._maps) == 1
