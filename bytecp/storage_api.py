@@ -181,13 +181,17 @@ class Storage(abc.ABC):
         """(every rank, at prewarm) Have ``count`` arenas of ``nbytes`` ready
         for the next :meth:`staging_arena` calls; nothing by default."""
 
-    def adopt(self, path: str, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    def adopt(self, path: str, arena: SharedArena,
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
         """Make ``arena``'s first ``arena.used`` bytes the data file ``path``.
 
         (every rank, writer thread; only with an arena of
         :meth:`staging_arena`) ``ranges`` are the ``(offset, nbytes)`` of the
-        chunks in it; returns their crc32c (the backend computes them, as the
-        writer would). The arena belongs to the file from then on.
+        chunks in it. Returns their crc32c (the backend computes them, as the
+        writer would), where each starts in the file and the file's size: a
+        backend may copy the ranges out into a smaller file (page-aligned, as
+        the writer lays them out) when they are a small part of the arena.
+        The arena is the backend's from then on.
         """
         raise NotImplementedError(f"{type(self).__name__} hands out no staging arenas")
 

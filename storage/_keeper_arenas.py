@@ -130,8 +130,16 @@ class Arenas:
         return have
 
     # -- adopting ------------------------------------------------------------
-    def adopt(self, name: str, dest: str, size: int, ranges: Sequence[tuple[int, int]]) -> list[int]:
-        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the crc32c of each range."""
+    def adopt(self, name: str, dest: str, size: int,
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the crc32c
+        of each range, where each now starts, and the file's size.
+
+        When the ranges take less than half the arena (a rank whose plan
+        writes a few of the boxes it copied: replicas another rank writes),
+        they are copied out here into a file of their own, page-aligned as
+        the writer lays them out, and the arena goes back to the pool: the
+        checkpoint never holds, nor replicates, the boxes it does not list."""
         with self._lock:
             lent = self.lent.pop(name, None)
         if lent is None:
@@ -140,6 +148,12 @@ class Arenas:
         try:
             if size > lent.nbytes or any(o < 0 or o + n > size for o, n in ranges):
                 raise StorageError(f"staging arena {name}: {size} bytes or a chunk beyond its {lent.nbytes}")
+            if sum(_page(n) for _, n in ranges) * 2 < size:
+                crcs, starts, size = _copy_out(lent.path, dest, ranges)
+                self._give_back(lent)
+                with self._lock:
+                    self.adopted_bytes += size
+                return crcs, starts, size
             crcs = _crcs(lent.path, ranges)
             if size < lent.nbytes:
                 os.truncate(lent.path, size)
@@ -154,7 +168,12 @@ class Arenas:
             raise
         with self._lock:
             self.adopted_bytes += size
-        return crcs
+        return crcs, [o for o, _ in ranges], size
+
+    def _give_back(self, lent: _Lent) -> None:
+        """An arena whose boxes were copied out: unlinked, not pooled (its save
+        may still read its copy of the state there until it commits)."""
+        self._unlink(lent.path)
 
     # -- returning -----------------------------------------------------------
     def recycle(self, full: str) -> bool:
@@ -236,6 +255,49 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _page(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+    """Write ``ranges`` of ``src`` into a new file ``dest``, each page-aligned
+    (the gaps read as zeros); -> their crc32c, their starts, the file's size."""
+    starts, pos = [], 0
+    for _, n in ranges:
+        starts.append(pos)
+        pos += _page(n)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        m = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ) if ranges else None
+    finally:
+        os.close(fd)
+    os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+    tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    crcs = []
+    view = memoryview(m) if m is not None else memoryview(b"")
+    try:
+        os.ftruncate(out, pos)
+        for (o, n), at in zip(ranges, starts, strict=True):
+            with view[o:o + n] as piece:
+                crcs.append(crc32c(piece))
+                done = 0
+                while done < n:
+                    with piece[done:] as rest:
+                        done += os.pwrite(out, rest, at + done)
+    except BaseException:
+        os.close(out)
+        os.unlink(tmp)
+        raise
+    finally:
+        view.release()
+        if m is not None:
+            m.close()
+    os.close(out)
+    os.rename(tmp, dest)
+    return crcs, starts, pos
 
 
 def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[int]:

@@ -168,14 +168,16 @@ class KeeperStorage(Storage):
         for path in answer["files"]:
             MAPPINGS.map(str(path))
 
-    def adopt(self, path: str, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> list[int]:
-        """The keeper takes ``arena`` over as ``path``, checksums ``ranges`` and replicates it."""
+    def adopt(self, path: str, arena: SharedArena,
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+        """The keeper takes ``arena`` over as ``path`` (or copies ``ranges`` out of it, when they are
+        less than half of it), checksums ``ranges`` and replicates the file."""
         spans = array.array("Q", [v for r in ranges for v in r])
         with _LENT_LOCK:
             _LENT.pop(arena.name, None)  # the keeper's now, adopted or refused
         answer, _ = self._ask(self._keeper_or_error(), {"op": "adopt", "arena": arena.name, "path": self._key(path),
                                                         "size": arena.used, "ckpt": self.prefix}, [spans], timeout=600)
-        return [int(c) for c in answer["crcs"]]
+        return [int(c) for c in answer["crcs"]], [int(o) for o in answer["starts"]], int(answer["size"])
 
     def _keeper_or_error(self) -> Addr:
         addr = self.keepers[self.host]

@@ -283,12 +283,14 @@ class Keeper:
 
     def op_adopt(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         """(a rank's writer thread) Arena ``arena`` becomes data file ``path`` (its first ``size``
-        bytes); answers the crc32c of each of ``ranges``, once the file has its copies."""
+        bytes); answers the crc32c of each of ``ranges``, where each starts in the file and its
+        size, once the file has its copies."""
         path = safe_path(h["path"])
         spans = array.array("Q", bytes(payload)).tolist()  # (offset, nbytes) pairs
-        crcs = self.arenas.adopt(str(h["arena"]), self._full(path), int(h["size"]),
-                                 list(zip(spans[::2], spans[1::2], strict=True)))
-        return dict(self._replicated(path, str(h.get("ckpt") or os.path.dirname(path))), crcs=crcs), []
+        crcs, starts, size = self.arenas.adopt(str(h["arena"]), self._full(path), int(h["size"]),
+                                               list(zip(spans[::2], spans[1::2], strict=True)))
+        answer = self._replicated(path, str(h.get("ckpt") or os.path.dirname(path)))
+        return dict(answer, crcs=crcs, starts=starts, size=size), []
 
     def _push(self, path: str, full: str, want: int, *, to: list[tuple[str, Addr]] | None = None) -> int:
         """Send the file to ``want`` peers (the ring's next live ones); returns how many took it."""

@@ -191,13 +191,13 @@ def _adopt_one_file(
     zero-padded), checksumming each chunk; -> (chunks, no blobs, size)."""
     arena = staged[0].arena
     assert arena is not None
-    crcs = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
+    crcs, starts, size = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
     chunks = [
         fmt.ChunkRecord(s.item.fqn, s.item.dtype, s.item.global_shape, s.item.region.offsets,
-                        s.item.region.lengths, path, s.offset, len(s.data), crc)
-        for s, crc in zip(staged, crcs, strict=True)
+                        s.item.region.lengths, path, start, len(s.data), crc)
+        for s, crc, start in zip(staged, crcs, starts, strict=True)
     ]
-    return chunks, [], arena.used
+    return chunks, [], size
 
 
 def write_data_files(

@@ -192,3 +192,24 @@ def test_a_mapping_is_reused_while_its_file_lives_and_let_go_once_unlinked(tmp_p
     (tmp_path / "b").write_bytes(bytes(4096))
     maps.map(str(tmp_path / "b"))
     assert len(maps._maps) == 1
+
+
+def test_an_arena_mostly_unwritten_is_copied_out_not_adopted(tmp_path: Path) -> None:
+    """A rank whose plan writes few of the boxes it copied (replicas another
+    rank writes): the keeper copies those out, page-aligned, crc32c as the writer's."""
+    from bytecp.storage._keeper_arenas import Arenas
+
+    from bytecp.format.checksum import crc32c
+
+    arenas = Arenas(str(tmp_path))
+    name, path, size = arenas.lend(16 * fmt.ALIGNMENT, os.getpid())
+    data = os.urandom(size)
+    with open(path, "r+b") as f:
+        f.write(data)
+    ranges = [(3 * fmt.ALIGNMENT, 100), (9 * fmt.ALIGNMENT, fmt.ALIGNMENT + 5)]
+    crcs, starts, n = arenas.adopt(name, str(tmp_path / "ck" / "d"), size, ranges)
+    assert starts == [0, fmt.ALIGNMENT] and n == 3 * fmt.ALIGNMENT and not os.path.exists(path)
+    out = (tmp_path / "ck" / "d").read_bytes()
+    for (o, k), s, c in zip(ranges, starts, crcs, strict=True):
+        assert out[s:s + k] == data[o:o + k] and c == crc32c(data[o:o + k])
+    assert out[100:fmt.ALIGNMENT] == bytes(fmt.ALIGNMENT - 100)  # the writer's zero padding
