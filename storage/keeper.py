@@ -101,10 +101,10 @@ class KeeperStorage(Storage):
         self.replicas, self.budget_bytes = replicas, budget_bytes
         #: saves stage into arenas this host's keeper lends, which it adopts as data files
         #: (``single_copy=False``: they copy into private memory and write, as before)
-        self.lends_arenas = bool(single_copy)
+        self.single_copy = bool(single_copy)
         self._opts = {"keepers": {k: f"{h}:{p}" for k, (h, p) in self.keepers.items()}, "host": self.host,
                       "token": self.token, "autostart": self.autostart, "replicas": replicas,
-                      "budget_bytes": budget_bytes, "single_copy": self.lends_arenas}
+                      "budget_bytes": budget_bytes, "single_copy": self.single_copy}
         self._root: str | None = None  # the local keeper's shared-memory directory, once asked
 
     def options(self) -> dict[str, Any]:
@@ -146,9 +146,15 @@ class KeeperStorage(Storage):
         else:
             self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, list(buffers), timeout=600)
 
+    @property
+    def lends_arenas(self) -> bool:  # type: ignore[override]
+        """Whether saves get arenas here: ``single_copy`` and a keeper on this host
+        (a rank on a host without one writes over TCP, from the live tensors)."""
+        return self.single_copy and self._local_root() is not None
+
     def staging_arena(self, nbytes: int) -> SharedArena | None:
         """An arena in this host's keeper's shared memory, mapped here (None: no keeper on this host)."""
-        if not self.lends_arenas or self._local_root() is None:
+        if not self.lends_arenas:
             return None
         answer, _ = self._ask(self._keeper_or_error(), {"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
                                                         "free": _dropped()}, timeout=600)
@@ -160,7 +166,7 @@ class KeeperStorage(Storage):
 
     def prepare_staging(self, nbytes: int, count: int = 1) -> None:
         """(prewarm) The keeper readies ``count`` arenas for this process, which maps them now."""
-        if not self.lends_arenas or self._local_root() is None:
+        if not self.lends_arenas:
             return
         answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
                                                         "pid": os.getpid()}, timeout=600)
