@@ -186,8 +186,8 @@ class Keeper:
         if held + nbytes <= self.budget:
             return
         for old in self._evictable(protect=safe_path(path)):
-            held -= sum(self._sizes(old).values())
             self._evict(old)
+            held = self.held_bytes()  # (a peer's eviction may have removed it, or more, meanwhile)
             threading.Thread(target=self._evict_at_peers, args=(old,), name="bytecp-keeper-evict",
                              daemon=True).start()
             log.info("keeper %s: evicted memory checkpoint %s (budget %d bytes)", self.name, old, self.budget)
