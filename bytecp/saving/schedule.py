@@ -37,7 +37,8 @@ from bytecp.options import SaveOptions
 from bytecp.saving import leases
 from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in
 from bytecp.saving.pipeline import SavePipeline
-from bytecp.saving.staging import ArenaStager
+from bytecp.saving.staging import ArenaStager, lends_arenas
+from bytecp.storage_api import Storage
 
 __all__ = [
     "save_now", "eager", "lazy", "budgeted", "Order", "order_for", "async_stager", "run_now", "start_async",
@@ -113,13 +114,16 @@ def order_for(opts: SaveOptions) -> Order:
     return eager if opts.memory_budget_bytes is None else budgeted
 
 
-def async_stager(opts: SaveOptions) -> ArenaStager:
+def async_stager(opts: SaveOptions, storage: Storage | None = None) -> ArenaStager:
     """The arena stager of an async save: an eager copy with ``staging_threads``
     threads (default: torch's intra-op threads, the caller waits anyway); a
     lazy one with one thread beside forward/backward, checksums summed on
-    the way."""
+    the way. Into arenas ``storage`` lends when it does (``keeper://``):
+    then the storage's process sums them, not this one."""
     threads = opts.staging_threads or (1 if opts.lazy else min(8, torch.get_num_threads()))
-    return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy)
+    shared = storage if storage is not None and lends_arenas(storage) else None
+    return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy and shared is None,
+                       shared=shared, files=opts.io_threads)
 
 
 @contextlib.contextmanager
