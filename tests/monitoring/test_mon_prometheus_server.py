@@ -195,9 +195,10 @@ def test_every_keeper_query_returns_data_from_real_keepers(stack: tuple[Collecto
     dashboard -- memory held, replication lag, drain lag, failed drains -- returns data."""
     _, prom = stack
     ports = dict(zip(prom.keeper_metrics, free_ports(len(prom.keeper_metrics)), strict=True))
-    procs = [spawn_keeper(name, ports, tmp_path, args=["--metrics-port", str(metrics), "--job", JOB])
-             for name, metrics in prom.keeper_metrics.items()]
+    procs: list[subprocess.Popen[bytes]] = []
     try:
+        for name, metrics in prom.keeper_metrics.items():
+            procs.append(spawn_keeper(name, ports, tmp_path, args=["--metrics-port", str(metrics), "--job", JOB]))
         opts = {"keepers": ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "host": "h0", "token": TOKEN}
         mgr = bytecp.CheckpointManager(str(tmp_path / "run"), every_n_steps=2, memory_url=f"keeper://{JOB}/run",
                                        memory_every_n_steps=1, memory_storage_options=opts)
