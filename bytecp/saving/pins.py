@@ -63,7 +63,7 @@ from bytecp.format.references import DOOM_DIR, PIN_DIR, check_references, name_o
 from bytecp.saving import leases
 from bytecp.storage_api import Storage
 
-__all__ = ["DOOM_DIR", "Doom", "check_bases", "doomed_files", "held", "live_pins", "pin", "unpin"]
+__all__ = ["DOOM_DIR", "STALE_MARKER_SECONDS", "Doom", "check_bases", "doomed_files", "held", "live_pins", "pin", "unpin"]
 
 log = logging.getLogger("bytecp")
 
@@ -176,6 +176,11 @@ def live_pins(root: Storage, ck: Storage) -> tuple[list[str], list[str]]:
     return live, dead
 
 
+#: a doom marker older than this is a dead deleter's, whatever its host (a
+#: retention's deletions in one checkpoint take seconds to minutes)
+STALE_MARKER_SECONDS = 6 * 3600.0
+
+
 class Doom:
     """(a deleter) Its doom markers: :meth:`mark` a checkpoint before
     reading its pins, :meth:`lift` it after its last deletion there."""
@@ -212,6 +217,33 @@ class Doom:
         else:
             parent.delete([f"{name_of(ck.url)}/{self.path}"])
         self.marked.pop(ck.url, None)
+
+    def lift_dead(self, ck: Storage, now: float | None = None) -> list[str]:
+        """(a deleter, before its deletions in ``ck``) Remove the markers of
+        deleters that can no longer delete anything: their process is gone
+        (same host), or they were written over :data:`STALE_MARKER_SECONDS`
+        ago. A killed retention's marker would otherwise fail, for good, every
+        save referencing a file it names. Returns the markers removed."""
+        now = time.time() if now is None else now
+        gone = []
+        for path in ck.list_files(DOOM_DIR):
+            if path == self.path:
+                continue
+            try:
+                body = json.loads(ck.read_bytes(path))
+                dead = (leases.process_gone(body.get("host"), body.get("pid"))
+                        or now - float(body["written"]) > STALE_MARKER_SECONDS)
+            except FileNotFoundError:
+                continue  # lifted meanwhile
+            except Exception:  # noqa: BLE001 - unreadable (another writer's format): left as it is
+                continue
+            if dead:
+                gone.append(path)
+        if gone:
+            ck.delete(gone)
+            log.warning("bytecp: removed %d doom marker(s) of deleters no longer running in %s: %s",
+                        len(gone), ck.url, ", ".join(gone))
+        return gone
 
     def lift_all(self) -> None:
         """(on the deleter's way out, whatever happened) Remove every marker it left."""

@@ -105,6 +105,7 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, fmt.Metadata],
     for name, md in metas.items():
         ck = root.child(name)
         in_flight, dead_pins = pins[name]
+        doom.lift_dead(ck)  # a killed deleter's marker would fail saves on its files for good
         files = set(ck.list_files(""))
         own = set(md.own_data_files) & files
         # a save in flight references it: keep everything it holds, as a base

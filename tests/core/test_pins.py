@@ -156,6 +156,25 @@ def test_retention_never_removes_another_deleters_marker(run: Any) -> None:
     assert _files(root / "step-1") == {"doomed/20000101T000000-other.json"}  # only the other's marker
 
 
+def test_retention_lifts_the_markers_of_deleters_no_longer_running(run: Any) -> None:
+    """A killed retention's marker would fail every save referencing its
+    files for good: the next retention removes markers whose process is gone
+    (this host) or that are older than STALE_MARKER_SECONDS; a live one stays."""
+    from bytecp.saving.pins import STALE_MARKER_SECONDS
+
+    root = run[0]
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    here, now = leases.this_host(), time.time()
+    markers = {"dead": {"host": here, "pid": int(gone.stdout), "written": now},
+               "old": {"host": "elsewhere", "pid": 1, "written": now - STALE_MARKER_SECONDS - 60},
+               "live": {"host": here, "pid": os.getpid(), "written": now}}
+    for token, body in markers.items():
+        _mark(root / "step-1", token, None)
+        (root / "step-1" / "doomed" / f"{token}.json").write_text(json.dumps({**body, "files": []}))
+    retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert {p for p in _files(root / "step-1") if p.startswith("doomed/")} == {"doomed/live.json"}
+
+
 def test_gc_reads_the_save_of_a_retired_base(run: Any) -> None:
     """A retention retiring a checkpoint while gc runs leaves its save the
     committed one: gc never takes its files for a dead save's."""
