@@ -43,8 +43,18 @@ _WRAPPERS = (
 )
 
 
+#: module class -> the wrapper hops its instances have, for classes without
+#: ``_fqn_modifiers`` (theirs depend on the class alone: a wrapper class not yet
+#: imported when the class was made cannot be among its bases)
+_CLASS_HOPS: dict[type, tuple[str, ...]] = {}
+
+
 def wrapper_hops(m: nn.Module) -> tuple[str, ...]:
     """The attributes of ``m`` that checkpoint names skip (empty: not a wrapper)."""
+    cls_of = type(m)
+    known = _CLASS_HOPS.get(cls_of)
+    if known is not None:
+        return known
     hops: list[str] = []
     for mod, cls, attr in _WRAPPERS:
         t = getattr(sys.modules.get(mod), cls, None)
@@ -53,18 +63,24 @@ def wrapper_hops(m: nn.Module) -> tuple[str, ...]:
     modifiers = getattr(m, "_fqn_modifiers", None)
     if callable(modifiers):
         hops.extend(str(v) for v in modifiers().values())
+    elif modifiers is None and len(_CLASS_HOPS) < 4096:
+        _CLASS_HOPS[cls_of] = tuple(hops)
     return tuple(hops)
 
 
 class ModuleNames:
     """The clean names of one root module's parameters, buffers and state-dict keys.
 
-    Built once per save/load call for each module of the state.
+    Built once per save/load call for each module of the state. A module
+    tree without any wrapper (the usual case) keeps every name as it is, so
+    :meth:`clean` returns it at once; otherwise each name is walked once.
     """
 
     def __init__(self, root: nn.Module) -> None:
         self.root = root
         self._hops: dict[int, tuple[str, ...]] = {}
+        self._cleaned: dict[str, str] = {}
+        self._unwrapped = not any(self._hops_of(m) for m in root.modules())
 
     def _hops_of(self, m: nn.Module) -> tuple[str, ...]:
         h = self._hops.get(id(m))
@@ -74,6 +90,14 @@ class ModuleNames:
 
     def clean(self, raw: str) -> str:
         """``raw`` (a state-dict key, a parameter or module name) without wrapper hops."""
+        if self._unwrapped:
+            return raw
+        done = self._cleaned.get(raw)
+        if done is None:
+            done = self._cleaned[raw] = self._walk(raw)
+        return done
+
+    def _walk(self, raw: str) -> str:
         parts = raw.split(".") if raw else []
         out: list[str] = []
         cur: nn.Module | None = self.root

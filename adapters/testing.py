@@ -64,6 +64,7 @@ from torch import nn
 
 import bytecp
 from bytecp.adapter_api import detect_adapter, get_adapter
+from bytecp.contract import DeclaredGaps
 from bytecp.dist import DistContext
 from bytecp.tree.state import flatten_tree
 
@@ -327,17 +328,9 @@ def check_refusal(case: AdapterCase, url: str) -> tuple[str, str, bool]:
 
 
 # -------------------------------------------------------------- test mixins
-class AdapterFixtures:
-    """Base: subclasses provide ``case`` and, for more than one rank, ``run_on_ranks``."""
+class AdapterFixtures(DeclaredGaps):
+    """Base: subclasses provide ``case`` and, for more than one rank, ``run_on_ranks``. ``xfail`` names known gaps."""
 
-    #: test name -> reason for a known gap of this adapter
-    xfail: dict[str, str] = {}
-
-    @pytest.fixture(autouse=True)
-    def _declared_gaps(self, request: pytest.FixtureRequest) -> None:
-        reason = self.xfail.get(request.node.originalname)
-        if reason:
-            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
 
     @pytest.fixture
     def case(self) -> AdapterCase:

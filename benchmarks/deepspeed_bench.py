@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import timed_between_barriers as _timed_b
+
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 TAG = "step1"
 
@@ -59,16 +61,6 @@ def _engine(size: dict[str, int], universal: bool) -> Any:
     engine.backward(engine(x).sum())
     engine.step()
     return engine
-
-
-def _timed(fn: Any) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
 
 
 def _state_bytes(engine: Any) -> int:
@@ -104,7 +96,7 @@ def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str,
     r = Path(root)
 
     def case(name: str, fn: Any) -> None:
-        t = torch.tensor([_timed(fn)])
+        t = torch.tensor([_timed_b(fn)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         results[name] = float(t)
         if rank == 0:

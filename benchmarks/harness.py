@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Case", "Ctx", "GroupSpec", "RssSampler", "launch", "worker_main", "drop_caches",
-           "can_drop_caches", "NOT_AVAILABLE"]
+           "can_drop_caches", "timed_between_barriers", "NOT_AVAILABLE"]
 
 NOT_AVAILABLE = "n/a (not available)"
 
@@ -120,6 +120,18 @@ class RssSampler:
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=1)
+
+
+def timed_between_barriers(fn: Callable[[], Any]) -> float:
+    """(every rank of a framework benchmark) Seconds ``fn()`` takes, from a
+    barrier before to a barrier after: the slowest rank's time, seen by all."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    t0 = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t0
 
 
 def can_drop_caches() -> bool:

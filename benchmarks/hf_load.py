@@ -70,23 +70,11 @@ def _load(method: str, path: str, cfg: Any) -> tuple[torch.nn.Module, int]:
     """The loaded model and the bytes this rank read (or requested)."""
     if method == "bytecp":
         import bytecp
-        from bytecp.recorder import add_recorder, remove_recorder
-
-        reports: list[Any] = []
-
-        class Keep:
-            def on_report(self, report: Any) -> None:
-                reports.append(report)
-
-            def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
-                pass
+        from bytecp.recorder import recording
 
         model = _sharded_empty(cfg)
-        rec = add_recorder(Keep())
-        try:
+        with recording() as reports:
             bytecp.load(path, {"model": model})
-        finally:
-            remove_recorder(rec)
         if os.environ.get("HF_LOAD_SPANS"):
             spans: dict[str, float] = {}
             for r in reports:

@@ -36,6 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import timed_between_barriers as _timed_b
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -46,16 +48,6 @@ def _paths() -> None:
 
 
 # ----------------------------------------------------------------- per rank
-def _timed(fn: Any) -> float:
-    import torch.distributed as dist
-
-    dist.barrier()
-    t0 = time.perf_counter()
-    fn()
-    dist.barrier()
-    return time.perf_counter() - t0
-
-
 def _dp_group() -> Any:
     from megatron.core import parallel_state
 
@@ -89,7 +81,7 @@ def megatron_save(path: str) -> float:
         with mc.CpuDeviceMode():
             dist_checkpointing.save(_megatron_sd(False), path, sharded_strategy=strategy)
 
-    return _timed(run)
+    return _timed_b(run)
 
 
 def megatron_load(path: str, with_optimizer: bool = True) -> float:
@@ -113,19 +105,19 @@ def megatron_load(path: str, with_optimizer: bool = True) -> float:
             # Adam (KeyError 'step'); the same Megatron calls with step set aside
             _load_optimizer(mc._STATE["optimizer"], loaded["optimizer"])
 
-    return _timed(run)
+    return _timed_b(run)
 
 
 def bytecp_save(path: str) -> float:
     import megatron_cases as mc
 
-    return _timed(lambda: mc.save(path, with_optimizer=True))
+    return _timed_b(lambda: mc.save(path, with_optimizer=True))
 
 
 def bytecp_load(path: str, verify: bool = True) -> float:
     import megatron_cases as mc
 
-    return _timed(lambda: mc.load(path, with_optimizer=True, verify=verify))
+    return _timed_b(lambda: mc.load(path, with_optimizer=True, verify=verify))
 
 
 def build(tp: int, size: dict[str, int], ep: int | None = None) -> float:

@@ -5,9 +5,10 @@ peer (h1), replicas=2. One training process (host h0) saves a model and its
 AdamW state through ``CheckpointManager(memory_url="keeper://...",
 async_save=True)`` and the run measures, medians of ``--repeats``:
 
-- ``prewarm``: :func:`bytecp.prewarm` at start; ``blocking``: what
-  ``maybe_save`` blocks the training step for, per memory checkpoint (the
-  first one separately);
+- ``prewarm``: :func:`bytecp.prewarm` at start (with the memory URL: the
+  keeper readies 3 arenas, mapped now); ``blocking``: what ``maybe_save``
+  blocks the training step for, per memory checkpoint (the first one
+  separately); ``two_copy``: the same with ``single_copy=False``;
 - ``to_commit``: from the call to the memory checkpoint's commit, every file
   with its two copies (the replication included); ``replication``: the
   keeper's time pushing the checkpoint's files to its peer;
@@ -16,9 +17,19 @@ async_save=True)`` and the run measures, medians of ``--repeats``:
   replaced host);
 - ``recover-disk`` / ``recover-s3``: ``bytecp.load`` of the same state from
   local disk and from a Ceph RADOS Gateway on 127.0.0.1 (started here
-  through ``tools/ceph/start_rgw.sh``; ``--no-s3`` skips it).
+  through ``tools/ceph/start_rgw.sh``; ``--no-s3`` skips it);
+- ``copies``: the single-copy path (the rank stages into an arena the
+  keeper lent, the keeper adopts it as the data file, checksums and
+  replicates it) beside the two-copy one (``single_copy=False``: a private
+  arena, then the rank's writer thread checksums and writes into the
+  keeper's shared memory), for an eager ``async_save``, a lazy one and a
+  ``bytecp.save``: ``blocking_s`` (what the call blocks), ``to_commit_s``,
+  ``trainer_cpu_s`` (the training process's CPU time from the call to the
+  commit, ``getrusage``: the copy, checksums and writes of the save
+  thread) and ``trainer_copied_bytes`` (bytes the training process copied:
+  staged plus written to the keeper).
 
-    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json]
+    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json] [--only-copies]
 """
 
 from __future__ import annotations
@@ -26,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -56,6 +68,85 @@ def state_of(mb: int, seed: int) -> dict[str, Any]:
     return {"model": model, "optim": opt}
 
 
+class _CopiesOnly(Exception):
+    """--only-copies: the rest is skipped."""
+
+
+def cpu_s() -> float:
+    """This process's CPU time (every thread), user + system."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+def copies(state: dict[str, Any], nbytes: int, opts: dict[str, Any], repeats: int) -> dict[str, Any]:
+    """The single-copy and the two-copy paths, per save order (medians of ``repeats``)."""
+    from bytecp.storage.keeper import KeeperStorage
+
+    written = [0]
+    write_file = KeeperStorage.write_file
+
+    def counted(self: KeeperStorage, path: str, buffers: Any) -> None:
+        written[0] += sum(memoryview(b).nbytes for b in buffers)
+        write_file(self, path, buffers)
+
+    KeeperStorage.write_file = counted  # type: ignore[method-assign]
+    out: dict[str, Any] = {}
+    try:
+        for single in (False, True):
+            o = dict(opts, single_copy=single)
+            for order in ("eager", "lazy", "sync"):
+                run = f"keeper://job/copies-{single}-{order}"
+                block, staged, commit, cpu, copied = [], [], [], [], []
+                for step in range(repeats + 1):
+                    url = f"{run}/step-{step}"
+                    written[0] = 0
+                    c0, t0 = cpu_s(), time.perf_counter()
+                    if order == "sync":
+                        bytecp.save(url, state, storage_options=o)
+                        block.append(time.perf_counter() - t0)
+                    else:
+                        h = bytecp.async_save(url, state, lazy=order == "lazy", storage_options=o)
+                        block.append(time.perf_counter() - t0)
+                        while not h.staged():  # lazy: what a step right after the call would wait for
+                            time.sleep(0.0005)
+                        staged.append(time.perf_counter() - t0)
+                        h.wait()
+                    commit.append(time.perf_counter() - t0)
+                    cpu.append(cpu_s() - c0)
+                    # a sync two-copy save reads the live tensors: its one copy is the write
+                    copied.append(written[0] + (0 if order == "sync" and not single else nbytes))
+                    if step:
+                        open_storage(f"{run}/step-{step - 1}", **o).delete_prefix()  # retention
+                med = lambda v: statistics.median(v[1:])  # noqa: E731  # the first allocates
+                out[f"{'single' if single else 'two'}/{order}"] = {
+                    "blocking_s": med(block), "staged_s": med(staged) if staged else med(block),
+                    "to_commit_s": med(commit), "trainer_cpu_s": med(cpu),
+                    "trainer_copied_bytes": int(med(copied))}
+                open_storage(run, **o).delete_prefix()
+    finally:
+        KeeperStorage.write_file = write_file  # type: ignore[method-assign]
+    return out
+
+
+def manager_loop(state: dict[str, Any], run: Path, mem: str, opts: dict[str, Any], repeats: int,
+                 prewarm_s: float) -> dict[str, float]:
+    """Memory checkpoints through ``CheckpointManager(async_save=True)``, retention keeping 2."""
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=10**9, memory_url=mem, memory_every_n_steps=1,
+                                   memory_storage_options=opts, async_save=True)
+    blocking, to_commit, replication = [], [], []
+    for step in range(1, repeats + 2):
+        t0 = time.perf_counter()
+        mgr.maybe_save(step, state)
+        blocking.append(time.perf_counter() - t0)
+        mgr.wait()
+        to_commit.append(time.perf_counter() - t0)
+        stats = open_storage(mem, **opts).keeper_stats()  # type: ignore[attr-defined]
+        key = f"{mem[len('keeper://'):]}/step-{step}"
+        replication.append(max(s["replication_s"].get(key, 0.0) for s in stats))
+    return {"prewarm_s": prewarm_s, "blocking_first_s": blocking[0], "blocking_s": statistics.median(blocking[1:]),
+            "to_commit_s": statistics.median(to_commit[1:]), "replication_s": statistics.median(replication[1:])}
+
+
 def timed(fn: Any) -> float:
     t0 = time.perf_counter()
     fn()
@@ -68,6 +159,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--only-copies", action="store_true", help="only the single- vs two-copy figures")
     args = ap.parse_args()
     from keepers import TOKEN, free_ports, spawn_keeper
 
@@ -81,22 +173,14 @@ def main() -> None:
         state = state_of(args.mb, 0)
         nbytes = sum(p.numel() * 4 * 3 for p in state["model"].parameters())
         out["state_bytes"] = nbytes
-        mgr = bytecp.CheckpointManager(str(tmp / "run"), every_n_steps=10**9, memory_url="keeper://job/run",
-                                       memory_every_n_steps=1, memory_storage_options=opts, async_save=True)
-        out["prewarm_s"] = bytecp.prewarm(state)
-        blocking, to_commit, replication = [], [], []
-        for step in range(1, args.repeats + 2):
-            t0 = time.perf_counter()
-            mgr.maybe_save(step, state)
-            blocking.append(time.perf_counter() - t0)
-            mgr.wait()
-            to_commit.append(time.perf_counter() - t0)
-            stats = open_storage("keeper://job/run", **opts).keeper_stats()  # type: ignore[attr-defined]
-            replication.append(max(s["replication_s"].get(f"job/run/step-{step}", 0.0) for s in stats))
-        out["blocking_first_s"] = blocking[0]
-        out["blocking_s"] = statistics.median(blocking[1:])
-        out["to_commit_s"] = statistics.median(to_commit[1:])
-        out["replication_s"] = statistics.median(replication[1:])
+        out["copies"] = copies(state, nbytes, opts, args.repeats)
+        if args.only_copies:
+            raise _CopiesOnly
+        two = dict(opts, single_copy=False)  # the two-copy path first, as before the keepers lent arenas
+        out["two_copy"] = manager_loop(state, tmp / "run2", "keeper://job/run2", two, args.repeats,
+                                       bytecp.prewarm(state))
+        prewarm = bytecp.prewarm(state, url="keeper://job/run", storage_options=opts, arenas=3)
+        out.update(manager_loop(state, tmp / "run", "keeper://job/run", opts, args.repeats, prewarm))
         last = f"keeper://job/run/step-{args.repeats + 1}"
         target = state_of(args.mb, 1)
         out["recover-local_s"] = statistics.median(
@@ -121,6 +205,8 @@ def main() -> None:
         for (k, v), w in zip(state["model"].state_dict().items(), target["model"].state_dict().values(),
                              strict=True):
             assert torch.equal(v, w), k
+    except _CopiesOnly:
+        pass
     finally:
         for k in keepers:
             k.terminate()

@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
+import torch
+
 from bytecp import __version__
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
@@ -26,7 +28,7 @@ from bytecp.recorder import Recorder, Trace, resolve_monitor
 from bytecp.saving import schedule
 from bytecp.saving.handles import SaveHandle, checkpoint_group
 from bytecp.saving.pipeline import SavePipeline
-from bytecp.saving.staging import ViewStager
+from bytecp.saving.staging import ArenaStager, Stager, ViewStager, lends_arenas
 from bytecp.storage_api import Storage, open_storage
 
 __all__ = ["save", "async_save", "load", "load_state_dict", "LoadResult"]
@@ -93,7 +95,10 @@ def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.M
     ctx = DistContext(opts.process_group, opts.coordinator_rank)
     storage = _storage(url, opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
-    pipeline = SavePipeline(storage, state, opts, ctx, trace, ViewStager(), version=__version__)
+    # a storage lending arenas (keeper://) gets the one copy the save makes; others read the live tensors
+    stager: Stager = (ArenaStager(threads=min(8, torch.get_num_threads()), shared=storage, files=opts.io_threads)
+                      if lends_arenas(storage) else ViewStager())
+    pipeline = SavePipeline(storage, state, opts, ctx, trace, stager, version=__version__)
     return schedule.run_now(pipeline, blocked_since=t0)
 
 
@@ -128,7 +133,7 @@ def async_save(
     group = checkpoint_group(opts.process_group)
     ctx = DistContext(group, opts.coordinator_rank)  # no group: one process
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
-    pipeline = SavePipeline(storage, state, opts, ctx, trace, schedule.async_stager(opts), version=__version__)
+    pipeline = SavePipeline(storage, state, opts, ctx, trace, schedule.async_stager(opts, storage), version=__version__)
     return schedule.start_async(schedule.order_for(opts), pipeline, blocked_since=t0)
 
 

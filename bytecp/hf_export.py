@@ -389,8 +389,8 @@ def export_hf(
     reader: TensorReader | MappedReader
     if chosen is not None:
         if workers > 1:
-            raise ConfigError(f"--workers {workers} with --spec {chosen}: the converted model is held in this "
-                              "process; drop --workers")
+            raise ConfigError(f"--workers {workers} with --spec {chosen}: a converted export runs in one process "
+                              "(it streams one source tensor at a time); drop --workers")
         reader = MappedReader(opened, storage.url, chosen, config_bytes, prefix=prefix, dtype=dtype)
         items, omitted = reader.items, list[str]()
     else:

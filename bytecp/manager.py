@@ -162,7 +162,11 @@ class CheckpointManager:
 
             prewarm(state, framework=self.save_kwargs.get("framework"),
                     process_group=self.save_kwargs.get("process_group"),
-                    coordinator_rank=self.save_kwargs.get("coordinator_rank", 0))
+                    coordinator_rank=self.save_kwargs.get("coordinator_rank", 0),
+                    url=self.memory.url if self.memory is not None else None,  # keeper:// lends its arenas
+                    storage_options=self.memory.storage_options if self.memory is not None else None,
+                    arenas=(self.memory.keep_last or 1) + 1 if self.memory is not None else 1,
+                    io_threads=self.save_kwargs.get("io_threads", 4))
             self._prewarmed = True
         to_storage = force or step % self.every_n_steps == 0
         if self.memory is not None and (to_storage or self.memory.due(step)):
@@ -306,6 +310,7 @@ class CheckpointManager:
         if self.memory is not None:
             first = restore_order(self.memory.latest(), self.memory.storage_options,
                                   found[-1] if found else None, self.storage_options)
+            self.skipped.extend(self.memory.incomplete)  # never loaded in part
             if first and first[0].tier == "memory":
                 order.insert(0, (first[0].info, first[0].storage_options, "memory"))
         for info, options, tier in order:

@@ -4,10 +4,13 @@ layout, e.g. a Megatron GPTModel as ``LlamaForCausalLM``.
 
 Called by :func:`bytecp.hf_export.export_hf` (one process) when a spec is
 named, or detected: a Megatron checkpoint whose Hugging Face config's
-``model_type`` names a registered spec. The conversion needs whole
-tensors of several source entries at once (fused QKV, stacked layers), so
-the exported model is held in memory, once (not streamed tensor by tensor
-as a plain export is).
+``model_type`` names a registered spec. The conversion is planned from the
+checkpoint's metadata alone (:func:`bytecp.mapping.plan_conversion`: target
+names, shapes and dtypes, every check made before a byte is read), then
+streamed: each source tensor is read when the first of its targets is
+written (a fused QKV, a layer-stacked tensor), converted, and dropped once
+its targets are out, so memory holds one source tensor and its parts, not
+the model.
 """
 
 from __future__ import annotations
@@ -22,7 +25,8 @@ from bytecp.errors import ConfigError
 from bytecp.export import CAST_DTYPES, ExportTensor, TensorReader, select_tensors
 from bytecp.format import metadata as fmt
 from bytecp.loading.opened import OpenedCheckpoint
-from bytecp.mapping import convert_state_dict, get_spec, spec_names
+from bytecp.mapping import convert_planned, get_spec, plan_conversion, spec_names
+from bytecp.tree.dtypes import dtype_from_name
 
 __all__ = ["choose_spec", "MappedReader", "spec_params"]
 
@@ -55,8 +59,8 @@ def spec_params(config: Mapping[str, Any]) -> dict[str, Any]:
 
 
 class MappedReader:
-    """The converted tensors in memory, served like :class:`TensorReader`
-    serves stored ones: :attr:`items` to plan shards, :meth:`read` to write them."""
+    """The converted tensors, served like :class:`TensorReader` serves stored
+    ones: :attr:`items` to plan shards, :meth:`read` to write them."""
 
     def __init__(self, opened: OpenedCheckpoint, where: str, spec: str, config: bytes | None, *,
                  prefix: str, dtype: str | None) -> None:
@@ -64,14 +68,34 @@ class MappedReader:
             raise ConfigError(f"{where}: --spec {spec} needs the Hugging Face config (its heads, key/value heads "
                               "and vocabulary): pass --config FILE or save metadata={'hf_config': ...}")
         src, _ = select_tensors(opened.metadata, where, prefix=prefix, strip_prefix=True)
-        sd = {it.name: t for it, t in TensorReader(opened).read(src)}
-        self.tensors = convert_state_dict(sd, get_spec(spec), **spec_params(json.loads(config)))
-        want = getattr(torch, CAST_DTYPES[dtype]) if dtype is not None else None
-        if want is not None:
-            self.tensors = {k: v.to(want) if v.dtype in _CASTABLE else v for k, v in self.tensors.items()}
-        self.items = [ExportTensor(k, k, str(v.dtype).removeprefix("torch."), str(v.dtype).removeprefix("torch."),
-                                   tuple(v.shape)) for k, v in self.tensors.items()]
+        self._sources = {it.name: it for it in src}
+        self._params = spec_params(json.loads(config))
+        shapes = {it.name: torch.empty(it.shape, dtype=dtype_from_name(it.dtype), device="meta") for it in src}
+        self._plan = {p.name: p for p in plan_conversion(shapes, get_spec(spec), **self._params)}
+        self._want = getattr(torch, CAST_DTYPES[dtype]) if dtype is not None else None
+        self._reader = TensorReader(opened)
+        self._held: tuple[str, torch.Tensor] | None = None
+        self.items = [ExportTensor(p.name, p.name, _name(p.dtype), _name(self._cast(p.dtype)), p.shape)
+                      for p in self._plan.values()]
+
+    def _cast(self, dt: torch.dtype) -> torch.dtype:
+        return self._want if self._want is not None and dt in _CASTABLE else dt
+
+    def _fetch(self, source: str) -> torch.Tensor:
+        """A source's full tensor; the last one stays held, so a source whose
+        targets straddle two shard files is read once."""
+        if self._held is None or self._held[0] != source:
+            self._held = None  # drop the previous source before reading the next
+            ((_, t),) = list(self._reader.read([self._sources[source]]))
+            self._held = (source, t)
+        return self._held[1]
 
     def read(self, items: Iterable[ExportTensor]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
-        for it in items:
-            yield it, self.tensors[it.fqn]
+        wanted = list(items)
+        planned = convert_planned([self._plan[it.fqn] for it in wanted], self._fetch, **self._params)
+        for it, (_, t) in zip(wanted, planned, strict=True):
+            yield it, t.to(self._cast(t.dtype))
+
+
+def _name(dt: torch.dtype) -> str:
+    return str(dt).removeprefix("torch.")

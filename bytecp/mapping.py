@@ -42,10 +42,11 @@ one; the built-in Megatron <-> transformers specs live in
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import importlib
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ import torch
 from bytecp.errors import ConfigError, StateMismatchError
 
 __all__ = [
-    "convert_state_dict", "invert_state_dict", "split_interleaved_qkv", "fuse_interleaved_qkv", "get_spec",
+    "convert_state_dict", "invert_state_dict", "plan_conversion", "convert_planned", "Produced", "split_interleaved_qkv", "fuse_interleaved_qkv", "get_spec",
     "register_spec", "spec_names",
 ]  # fmt: skip
 
@@ -175,17 +176,29 @@ def _unapply(rule: Mapping[str, Any], parts: list[torch.Tensor], params: Mapping
     return torch.cat(parts, dim=0) if split == "gate_up" else parts[0]
 
 
-def convert_state_dict(
-    sd: Mapping[str, Any], spec: Mapping[str, Any], **params: Any
-) -> dict[str, torch.Tensor]:
-    """``sd`` (full tensors by source name) as the target model's state dict.
+@dataclasses.dataclass(frozen=True, eq=False)
+class Produced:
+    """One target tensor of a conversion (:func:`plan_conversion`): part
+    ``part`` of what ``rule`` makes of ``source`` (of its ``layer`` slice
+    when the source is layer-stacked), with its shape and dtype."""
 
-    ``spec`` is ``{"rules": [...], "ignore": [glob, ...]}``. Raises
-    :class:`StateMismatchError` for a missing source and for source entries
-    no rule uses and no ``ignore`` pattern names.
-    """
-    out: dict[str, torch.Tensor] = {}
+    name: str
+    source: str
+    layer: int | None
+    part: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    rule: Mapping[str, Any]
+
+
+def plan_conversion(sd: Mapping[str, Any], spec: Mapping[str, Any], **params: Any) -> list[Produced]:
+    """What :func:`convert_state_dict` makes of ``sd``, worked out on shapes
+    alone: ``sd``'s tensors may be ``meta`` tensors (an exporter plans from a
+    checkpoint's metadata, then reads one source at a time). The targets come
+    in the spec's order, every check of the conversion made here."""
+    plan: list[Produced] = []
     used: set[str] = set()
+    seen: set[str] = set()
     for rule in spec["rules"]:
         src = rule["from"]
         if src not in sd and rule.get("fallback") in sd:
@@ -196,18 +209,19 @@ def convert_state_dict(
         t = sd[src]
         if not isinstance(t, torch.Tensor):
             raise StateMismatchError(f"{src!r} is a {type(t).__name__}, not a tensor")
+        meta = torch.empty(t.shape, dtype=t.dtype, device="meta")
         names = rule["to"] if isinstance(rule["to"], list) else [rule["to"]]
-        layered = any("{layer}" in n for n in names)
-        slices = [(i, t[i]) for i in range(t.shape[0])] if layered else [(None, t)]
-        for layer, piece in slices:
-            parts = _apply(rule, piece, params)
+        layers: list[int | None] = (list(range(t.shape[0])) if any("{layer}" in n for n in names) else [None])
+        for layer in layers:
+            parts = _apply(rule, meta[layer] if layer is not None else meta, params)
             if len(parts) != len(names):
                 raise ConfigError(f"mapping rule {dict(rule)} makes {len(parts)} tensors for {len(names)} names")
-            for name, part in zip(names, parts, strict=True):
+            for i, (name, part) in enumerate(zip(names, parts, strict=True)):
                 key = name.format(layer=layer) if layer is not None else name
-                if key in out:
+                if key in seen:
                     raise ConfigError(f"mapping spec writes {key!r} twice")
-                out[key] = part.contiguous()
+                seen.add(key)
+                plan.append(Produced(key, src, layer, i, tuple(part.shape), part.dtype, rule))
     ignore = list(spec.get("ignore", []))
     rest = sorted(k for k in sd if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignore))
     if rest:
@@ -215,7 +229,40 @@ def convert_state_dict(
             f"the mapping spec uses no rule for {len(rest)} entries of the checkpoint: {rest[:8]}; "
             "add rules for them or 'ignore' patterns"
         )
-    return out
+    return plan
+
+
+def convert_planned(
+    plan: Iterable[Produced], fetch: Callable[[str], torch.Tensor], **params: Any
+) -> Iterator[tuple[Produced, torch.Tensor]]:
+    """The planned targets, computed in order; ``fetch(source)`` gives a
+    source's full tensor, asked again only when the source changes (a plan's
+    targets of one source are consecutive), so at most one source tensor and
+    one rule's parts are held at a time."""
+    source: tuple[str, torch.Tensor] | None = None
+    made: tuple[Mapping[str, Any], int | None, list[torch.Tensor]] | None = None
+    for p in plan:
+        if source is None or source[0] != p.source:
+            source = made = None  # drop the previous source before reading the next
+            source = (p.source, fetch(p.source))
+        if made is None or made[0] is not p.rule or made[1] != p.layer:
+            made = None
+            t = source[1]
+            made = (p.rule, p.layer, _apply(p.rule, t[p.layer] if p.layer is not None else t, params))
+        yield p, made[2][p.part].contiguous()
+
+
+def convert_state_dict(
+    sd: Mapping[str, Any], spec: Mapping[str, Any], **params: Any
+) -> dict[str, torch.Tensor]:
+    """``sd`` (full tensors by source name) as the target model's state dict.
+
+    ``spec`` is ``{"rules": [...], "ignore": [glob, ...]}``. Raises
+    :class:`StateMismatchError` for a missing source and for source entries
+    no rule uses and no ``ignore`` pattern names.
+    """
+    plan = plan_conversion(sd, spec, **params)
+    return {p.name: t for p, t in convert_planned(plan, sd.__getitem__, **params)}
 
 
 def _layers_of(names: list[str], sd: Mapping[str, Any]) -> list[int]:

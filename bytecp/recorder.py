@@ -41,6 +41,7 @@ __all__ = [
     "add_recorder",
     "remove_recorder",
     "recorders",
+    "recording",
     "emit_event",
     "resolve_monitor",
     "register_monitor",
@@ -160,6 +161,33 @@ def remove_recorder(recorder: Recorder) -> None:
 def recorders() -> list[Recorder]:
     with _lock:
         return list(_recorders)
+
+
+class _Kept:
+    """The recorder :func:`recording` adds: keeps every report it is sent."""
+
+    def __init__(self) -> None:
+        self.reports: list[CheckpointReport] = []
+
+    def on_report(self, report: CheckpointReport) -> None:
+        self.reports.append(report)
+
+    def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def recording() -> Iterator[list[CheckpointReport]]:
+    """``with recording() as reports:`` the reports of this process's saves and
+    loads that end inside the block (an async save's once it completes), in
+    order: bytes read and written, phase times. For scripts, benchmarks and
+    tests that want one operation's figures without a monitoring backend."""
+    kept = _Kept()
+    add_recorder(kept)
+    try:
+        yield kept.reports
+    finally:
+        remove_recorder(kept)
 
 
 #: event storage backends emit per retry; also counted into every open Trace

@@ -46,7 +46,7 @@ from typing import Any
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.plugins import STORAGE_GROUP, entry_point_targets
 
-__all__ = ["Storage", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
+__all__ = ["Storage", "SharedArena", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
 
 Buffer = bytes | bytearray | memoryview
 
@@ -62,6 +62,23 @@ def split_protocol(url: str) -> tuple[str, str]:
 def join(*parts: str) -> str:
     """Join relative path parts with ``/`` (storage paths are always ``/``)."""
     return "/".join(p.strip("/") for p in parts if p and p.strip("/"))
+
+
+class SharedArena:
+    """Host memory a storage backend lent to a save (:meth:`Storage.staging_arena`).
+
+    ``buffer`` is a writable mapping of ``nbytes`` (page-aligned); the
+    stager sets ``used`` to the bytes its layout takes; ``name`` is the
+    backend's handle for :meth:`Storage.adopt`.
+    """
+
+    __slots__ = ("buffer", "nbytes", "name", "used", "__weakref__")
+
+    def __init__(self, buffer: Any, nbytes: int, name: str) -> None:
+        self.buffer, self.nbytes, self.name, self.used = buffer, nbytes, name, 0
+
+    def __repr__(self) -> str:
+        return f"SharedArena({self.name!r}, {self.nbytes} bytes)"
 
 
 class Storage(abc.ABC):
@@ -143,6 +160,40 @@ class Storage(abc.ABC):
         deletes it afterwards.
         """
         raise NotImplementedError(f"{type(self).__name__} has no atomic rename")
+
+    # -- single-copy staging (optional) ----------------------------------
+    #: whether :meth:`staging_arena` may lend arenas (saves then stage into them)
+    lends_arenas: bool = False
+
+    def staging_arena(self, nbytes: int) -> SharedArena | None:
+        """Memory the backend's own process can take over as a data file.
+
+        (every rank, when an async or sync save stages its boxes) ``None``
+        (the default): the save copies into the process's private arena and
+        writes with :meth:`write_file`. A backend that returns an arena
+        (``keeper://``: a shared-memory file of the host's keeper) gets it
+        back through :meth:`adopt` instead of a write: the rank copies each
+        byte once and never checksums or writes it.
+        """
+        return None
+
+    def prepare_staging(self, nbytes: int, count: int = 1) -> None:
+        """(every rank, at prewarm) Have ``count`` arenas of ``nbytes`` ready
+        for the next :meth:`staging_arena` calls; nothing by default."""
+
+    def adopt(self, path: str, arena: SharedArena,
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+        """Make ``arena``'s first ``arena.used`` bytes the data file ``path``.
+
+        (every rank, writer thread; only with an arena of
+        :meth:`staging_arena`) ``ranges`` are the ``(offset, nbytes)`` of the
+        chunks in it. Returns their crc32c (the backend computes them, as the
+        writer would), where each starts in the file and the file's size: a
+        backend may copy the ranges out into a smaller file (page-aligned, as
+        the writer lays them out) when they are a small part of the arena.
+        The arena is the backend's from then on.
+        """
+        raise NotImplementedError(f"{type(self).__name__} hands out no staging arenas")
 
     @abc.abstractmethod
     def delete(self, paths: Iterable[str]) -> None:

@@ -15,11 +15,16 @@ Who calls what, and when:
 - ``MemoryTier.drain`` (the coordinator, once the memory checkpoint has
   committed: at once when synchronous, on the save's background thread when
   asynchronous): hands the copy to the keeper;
+- ``MemoryTier.latest`` (every rank, in ``restore``): the newest memory
+  checkpoint that is *complete*: every file its ``metadata.json`` lists is
+  held by some live keeper, at its size. One that lost a file (evicted at
+  one keeper, or gone with its host and every peer holding it) is skipped
+  (``incomplete``), never loaded in part; the next older one is a candidate;
 - :func:`restore_order` (every rank, in ``restore``): the tiers to try,
   newest committed checkpoint first, memory before storage on a tie; the
-  manager loads the first that loads (a memory copy that lost a file with
-  its host and every peer, or fails its checksums, falls through to the
-  next), so it never resumes from an older step than the newest complete one.
+  manager loads the first that loads (a memory copy that fails its
+  checksums falls through to the next), so it never resumes from an older
+  step than the newest complete one.
 
 The core reaches the keepers only through the storage registry; a memory
 backend without ``drain_to`` (``memory://`` in tests) is drained by a
@@ -30,11 +35,13 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import posixpath
 from typing import Any
 
 from bytecp.catalog import CheckpointInfo, list_checkpoints
 from bytecp.errors import ConfigError, StorageError
-from bytecp.storage_api import open_storage
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import Storage, open_storage
 
 __all__ = ["MemoryTier", "Candidate", "restore_order"]
 
@@ -63,6 +70,8 @@ class MemoryTier:
         self.every_n_steps = every_n_steps
         self.keep_last = keep_last
         self.storage_options = dict(storage_options or {})
+        #: (url, why) of the memory checkpoints the last :meth:`latest` skipped as incomplete
+        self.incomplete: list[tuple[str, str]] = []
 
     def url_for(self, step: int) -> str:
         return f"{self.url}/step-{step}"
@@ -80,13 +89,37 @@ class MemoryTier:
         st.drain_to(to_url, to_options)  # type: ignore[attr-defined]
 
     def latest(self) -> CheckpointInfo | None:
-        """The newest committed memory checkpoint, or None (also when no keeper answers)."""
+        """The newest complete committed memory checkpoint, or None (also when no keeper answers)."""
+        self.incomplete = []
         try:
             found = list_checkpoints(self.url, storage_options=self.storage_options)
+            root = open_storage(self.url, **self.storage_options)
+            held = root.file_sizes("")
+            for info in reversed(found):
+                why = _missing(root, held, info.name)
+                if why is None:
+                    return info
+                self.incomplete.append((info.url, why))
+                log.warning("bytecp: memory checkpoint %s is incomplete (%s); not a restore candidate",
+                            info.url, why)
         except StorageError as e:
             log.warning("bytecp: memory tier %s unavailable (%s); using storage", self.url, e)
-            return None
-        return found[-1] if found else None
+        return None
+
+
+def _missing(root: Storage, held: dict[str, int], name: str) -> str | None:
+    """What checkpoint ``name`` below ``root`` lacks in ``held`` (every live
+    keeper's files, path -> size), or None when it lacks nothing."""
+    md = fmt.Metadata.from_bytes(root.read_bytes(f"{name}/{fmt.METADATA_FILE}"), f"{root.url}/{name}")
+    want: dict[str, int | None] = {posixpath.normpath(f"{name}/{p}"): n for p, n in md.data_files.items()}
+    for f in md.referenced_files() - set(md.data_files):
+        want.setdefault(posixpath.normpath(f"{name}/{f}"), None)
+    for path, size in sorted(want.items()):
+        if path not in held:
+            return f"{path} is in no live keeper"
+        if size is not None and held[path] != size:
+            return f"{path} holds {held[path]} bytes of {size}"
+    return None
 
 
 def restore_order(memory: CheckpointInfo | None, memory_options: dict[str, Any],

@@ -9,7 +9,7 @@
 * :class:`CollectorClient`, :func:`render_timeline`, :func:`format_table`:
   what ``bytecp monitor ls``/``show`` use.
 
-* :func:`register_monitor`, :func:`add_recorder`, :class:`Recorder`,
+* :func:`register_monitor`, :func:`add_recorder`, :func:`recording`, :class:`Recorder`,
   :class:`CheckpointReport`: the extension point (a new exporter is a
   :class:`Recorder`; a new ``monitor="kind://address"`` kind is a factory
   registered by kind), re-exported from :mod:`bytecp.recorder`.
@@ -28,6 +28,7 @@ from bytecp.recorder import (
     Recorder,
     Span,
     add_recorder,
+    recording,
     register_monitor,
     remove_recorder,
 )
@@ -38,6 +39,7 @@ __all__ = [
     "Span",
     "add_recorder",
     "remove_recorder",
+    "recording",
     "register_monitor",
     "PrometheusRecorder",
     "enable_prometheus",

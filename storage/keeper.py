@@ -14,6 +14,13 @@ Who calls what, and when:
   keeper pushes them to ``replicas - 1`` peers and answers: the write returns
   once the file has its copies. Serialization to storage and replication
   never run in the training process.
+- (every rank's stager, then its writer thread; saves on a host with a
+  keeper) ``staging_arena`` / ``adopt``: the keeper lends a shared-memory
+  file, the rank maps it and copies its boxes into it (the only copy the
+  training process makes), then the keeper takes the file over as the data
+  file, computes the chunks' crc32c and replicates it
+  (:mod:`bytecp.storage._keeper_arenas`). ``prepare_staging`` (prewarm)
+  has one ready.
 - (coordinator) ``commit``: the local keeper publishes ``metadata.json`` at
   every live keeper; a memory checkpoint exists once committed.
 - (every rank's reader threads) reads: the local shared memory first, then
@@ -27,17 +34,21 @@ Every request carries the job's token; another job's keepers refuse it.
 
 from __future__ import annotations
 
+import array
 import os
 import subprocess
 import sys
+import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import StorageError
-from bytecp.storage_api import Buffer, Storage, join, split_protocol
+from bytecp.storage_api import Buffer, SharedArena, Storage, join, split_protocol
 
 from ._errors import file_url, missing, truncated
+from ._keeper_maps import MAPPINGS
 from ._keeper_wire import (
     Addr,
     KeeperUnreachable,
@@ -50,6 +61,19 @@ from ._keeper_wire import (
 
 __all__ = ["KeeperStorage"]
 
+#: this process's arenas lent and not yet adopted (name -> the arena, weakly):
+#: those dropped unadopted (a failed save) are named at the next ``alloc``
+_LENT: dict[str, weakref.ref[SharedArena]] = {}
+_LENT_LOCK = threading.Lock()
+
+
+def _dropped() -> list[str]:
+    with _LENT_LOCK:
+        gone = [n for n, ref in _LENT.items() if ref() is None]
+        for n in gone:
+            del _LENT[n]
+    return gone
+
 
 class KeeperStorage(Storage):
     """One checkpoint directory (or a run's prefix) in the keepers' memory."""
@@ -59,7 +83,7 @@ class KeeperStorage(Storage):
 
     def __init__(self, url: str, *, keepers: str | dict[str, Any] | None = None, host: str | None = None,
                  token: str | None = None, autostart: bool | None = None, replicas: int = 2,
-                 budget_bytes: int | None = None, **_: Any) -> None:
+                 budget_bytes: int | None = None, single_copy: bool = True, **_: Any) -> None:
         proto, rest = split_protocol(url)
         self.url = url
         self.prefix = rest.strip("/")
@@ -75,9 +99,12 @@ class KeeperStorage(Storage):
         #: start this host's keeper when none answers (``BYTECP_KEEPER_AUTOSTART=1``)
         self.autostart = autostart if autostart is not None else os.environ.get("BYTECP_KEEPER_AUTOSTART") == "1"
         self.replicas, self.budget_bytes = replicas, budget_bytes
+        #: saves stage into arenas this host's keeper lends, which it adopts as data files
+        #: (``single_copy=False``: they copy into private memory and write, as before)
+        self.single_copy = bool(single_copy)
         self._opts = {"keepers": {k: f"{h}:{p}" for k, (h, p) in self.keepers.items()}, "host": self.host,
                       "token": self.token, "autostart": self.autostart, "replicas": replicas,
-                      "budget_bytes": budget_bytes}
+                      "budget_bytes": budget_bytes, "single_copy": self.single_copy}
         self._root: str | None = None  # the local keeper's shared-memory directory, once asked
 
     def options(self) -> dict[str, Any]:
@@ -118,6 +145,45 @@ class KeeperStorage(Storage):
             self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, timeout=600)
         else:
             self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, list(buffers), timeout=600)
+
+    @property
+    def lends_arenas(self) -> bool:  # type: ignore[override]
+        """Whether saves get arenas here: ``single_copy`` and a keeper on this host
+        (a rank on a host without one writes over TCP, from the live tensors)."""
+        return self.single_copy and self._local_root() is not None
+
+    def staging_arena(self, nbytes: int) -> SharedArena | None:
+        """An arena in this host's keeper's shared memory, mapped here (None: no keeper on this host)."""
+        if not self.lends_arenas:
+            return None
+        answer, _ = self._ask(self._keeper_or_error(), {"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
+                                                        "free": _dropped()}, timeout=600)
+        size = int(answer["size"])
+        arena = SharedArena(MAPPINGS.map(str(answer["file"]), size), size, str(answer["arena"]))
+        with _LENT_LOCK:
+            _LENT[arena.name] = weakref.ref(arena)
+        return arena
+
+    def prepare_staging(self, nbytes: int, count: int = 1) -> None:
+        """(prewarm) The keeper readies ``count`` arenas for this process, which maps them now."""
+        if not self.lends_arenas:
+            return
+        answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
+                                                        "pid": os.getpid()}, timeout=600)
+        MAPPINGS.expect(int(nbytes), count)
+        for path in answer["files"]:
+            MAPPINGS.map(str(path))
+
+    def adopt(self, path: str, arena: SharedArena,
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+        """The keeper takes ``arena`` over as ``path`` (or copies ``ranges`` out of it, when they are
+        less than half of it), checksums ``ranges`` and replicates the file."""
+        spans = array.array("Q", [v for r in ranges for v in r])
+        with _LENT_LOCK:
+            _LENT.pop(arena.name, None)  # the keeper's now, adopted or refused
+        answer, _ = self._ask(self._keeper_or_error(), {"op": "adopt", "arena": arena.name, "path": self._key(path),
+                                                        "size": arena.used, "ckpt": self.prefix}, [spans], timeout=600)
+        return [int(c) for c in answer["crcs"]], [int(o) for o in answer["starts"]], int(answer["size"])
 
     def _keeper_or_error(self) -> Addr:
         addr = self.keepers[self.host]

@@ -14,21 +14,30 @@ carrying the job's token:
 ``commit``     (the coordinator) publish ``metadata.json`` here and at every
                live peer: only after every file of the checkpoint has its
                copies, so a committed memory checkpoint has R copies of each;
-``get`` / ``sizes`` / ``delete`` (ranks and peers) read, list and delete;
+``alloc`` / ``adopt`` (a rank's stager, then its writer thread) lend the
+               rank a shared-memory arena to copy its boxes into, then take
+               it over as a data file, checksummed and replicated here
+               (:mod:`bytecp.storage._keeper_arenas`: the rank copies each
+               byte once and never checksums or writes it);
+``get`` / ``sizes`` / ``delete`` (ranks and peers) read, list and delete
+               (deleted data files go to the arenas' free pool);
 ``drain``      (the coordinator, every ``every_n_steps``) copy a committed
                memory checkpoint to a storage URL in the background, from
                this keeper or its peers, ``metadata.json`` last (the normal
                commit), never from the training processes;
 ``stats``      memory held, replication and drain lag (``bytecp.monitoring``).
 
-Memory is bounded by ``budget_bytes``: older committed memory checkpoints of
-a run are evicted (never the newest committed one); a checkpoint that cannot
-fit is refused with an error naming the budget.
+Memory is bounded by ``budget_bytes``: free arenas are dropped first, then
+older committed memory checkpoints of a run are evicted (never the newest
+committed one) -- at every keeper, ``metadata.json`` first, so no keeper
+keeps a part of an evicted checkpoint listed; a checkpoint that cannot fit
+is refused with an error naming the budget.
 """
 
 from __future__ import annotations
 
 import argparse
+import array
 import logging
 import os
 import shutil
@@ -40,9 +49,10 @@ import time
 from typing import Any
 
 from bytecp.errors import CheckpointExistsError, StorageError
-from bytecp.storage_api import open_storage
 
 from ._errors import exists
+from ._keeper_arenas import ARENA_DIR, Arenas
+from ._keeper_drain import drain
 from ._keeper_wire import (
     Addr,
     KeeperUnreachable,
@@ -69,7 +79,7 @@ class Keeper:
 
     def __init__(self, name: str, port: int, token: str, peers: dict[str, Addr], *, replicas: int = 2,
                  budget_bytes: int | None = None, root: str | None = None, host: str = "127.0.0.1",
-                 domains: dict[str, str] | None = None) -> None:
+                 domains: dict[str, str] | None = None, arena_timeout_s: float = 600.0) -> None:
         if replicas < 1:
             raise StorageError(f"keeper {name}: replicas must be >= 1, got {replicas}")
         self.name, self.token, self.replicas, self.budget = name, token, replicas, budget_bytes
@@ -79,6 +89,7 @@ class Keeper:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         self.root = root or tempfile.mkdtemp(prefix=f"bytecp-keeper-{name}-", dir=base)
         os.chmod(self.root, 0o700)
+        self.arenas = Arenas(self.root, timeout_s=arena_timeout_s)
         self._lock = threading.Lock()
         #: checkpoint prefix -> (first push started, last push ended), the newest few
         self.replication: dict[str, tuple[float, float]] = {}
@@ -142,7 +153,9 @@ class Keeper:
         out: dict[str, int] = {}
         if os.path.isfile(base):
             return {prefix.strip("/"): os.path.getsize(base)}
-        for d, _, files in os.walk(base):
+        for d, dirs, files in os.walk(base):
+            if d == self.root and ARENA_DIR in dirs:
+                dirs.remove(ARENA_DIR)  # lent and free arenas are no checkpoint's files
             for f in files:
                 if ".tmp-" not in f:
                     full = os.path.join(d, f)
@@ -165,11 +178,18 @@ class Keeper:
         if self.budget is None:
             return
         held = self.held_bytes()
+        while held + nbytes > self.budget:
+            freed = self.arenas.drop_free()
+            if not freed:
+                break
+            held -= freed
         if held + nbytes <= self.budget:
             return
         for old in self._evictable(protect=safe_path(path)):
-            held -= sum(self._sizes(old).values())
-            shutil.rmtree(self._full(old), ignore_errors=True)
+            self._evict(old)
+            held = self.held_bytes()  # (a peer's eviction may have removed it, or more, meanwhile)
+            threading.Thread(target=self._evict_at_peers, args=(old,), name="bytecp-keeper-evict",
+                             daemon=True).start()
             log.info("keeper %s: evicted memory checkpoint %s (budget %d bytes)", self.name, old, self.budget)
             if held + nbytes <= self.budget:
                 return
@@ -177,6 +197,27 @@ class Keeper:
             f"memory budget of {self.budget} bytes cannot hold {path} ({nbytes} more bytes, {held} held "
             f"after evicting every older memory checkpoint): raise the keeper's --budget-bytes, lower "
             f"replicas, or checkpoint less state to memory")
+
+    def _evict(self, ckpt: str) -> None:
+        """Remove a checkpoint here: ``metadata.json`` first (it is no longer listed), then its files."""
+        try:
+            os.unlink(self._full(ckpt + "/" + METADATA))
+        except FileNotFoundError:
+            pass
+        shutil.rmtree(self._full(ckpt), ignore_errors=True)
+
+    def _evict_at_peers(self, ckpt: str) -> None:
+        """A checkpoint evicted here goes at every peer too: no keeper keeps a part of it."""
+        for name, addr in self.peers.items():
+            try:
+                request(addr, {"op": "evict", "token": self.token, "path": ckpt}, timeout=60)
+            except StorageError as e:
+                log.warning("keeper %s: peer %s did not evict %s: %s", self.name, name, ckpt, e)
+
+    def op_evict(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
+        """(a peer that evicted ``path`` for its budget) Evict it here too."""
+        self._evict(safe_path(h["path"]))
+        return {}, []
 
     def _evictable(self, protect: str) -> list[str]:
         """Committed checkpoint directories, oldest first, except each run's newest and ``protect``'s own."""
@@ -207,9 +248,12 @@ class Keeper:
             except StorageError:
                 os.unlink(full)
                 raise
+        return self._replicated(path, str(h.get("ckpt") or os.path.dirname(path))), []
+
+    def _replicated(self, path: str, ckpt: str) -> dict[str, Any]:
+        """Push ``path`` (in this keeper's memory) to ``replicas - 1`` peers, or raise."""
         t0 = time.time()
-        copies = 1 + self._push(path, full, self.replicas - 1)
-        ckpt = str(h.get("ckpt") or os.path.dirname(path))
+        copies = 1 + self._push(path, self._full(path), self.replicas - 1)
         with self._lock:  # the span from its first file's push to its last one's end
             first = self.replication.pop(ckpt, (t0, t0))[0]
             self.replication[ckpt] = (min(first, t0), time.time())
@@ -218,7 +262,35 @@ class Keeper:
         if copies < self.replicas:
             raise StorageError(f"{path} has {copies} of {self.replicas} copies: fewer live peer keepers "
                                f"than replicas - 1 ({sorted(self.peers)}); start them or lower replicas")
-        return {"copies": copies}, []
+        return {"copies": copies}
+
+    def op_alloc(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
+        """(a rank's stager) Lend it an arena of ``nbytes``; ``free``: arenas it dropped unadopted."""
+        nbytes = int(h["nbytes"])
+        self.arenas.release(h.get("free") or [])
+        if not self.arenas.fitting(nbytes):
+            with self._lock:
+                self._room_for(ARENA_DIR + "/x", nbytes)
+        name, path, size = self.arenas.lend(nbytes, h.get("pid"))
+        return {"arena": name, "file": path, "size": size}, []
+
+    def op_prepare(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
+        """(a rank's prewarm) Have ``count`` free arenas of ``nbytes`` ready for it; answers their files."""
+        nbytes, count = int(h["nbytes"]), int(h.get("count", 1))
+        with self._lock:
+            self._room_for(ARENA_DIR + "/x", nbytes * count)
+        return {"files": self.arenas.prepare(nbytes, count, h.get("pid"))}, []
+
+    def op_adopt(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
+        """(a rank's writer thread) Arena ``arena`` becomes data file ``path`` (its first ``size``
+        bytes); answers the crc32c of each of ``ranges``, where each starts in the file and its
+        size, once the file has its copies."""
+        path = safe_path(h["path"])
+        spans = array.array("Q", bytes(payload)).tolist()  # (offset, nbytes) pairs
+        crcs, starts, size = self.arenas.adopt(str(h["arena"]), self._full(path), int(h["size"]),
+                                               list(zip(spans[::2], spans[1::2], strict=True)))
+        answer = self._replicated(path, str(h.get("ckpt") or os.path.dirname(path)))
+        return dict(answer, crcs=crcs, starts=starts, size=size), []
 
     def _push(self, path: str, full: str, want: int, *, to: list[tuple[str, Addr]] | None = None) -> int:
         """Send the file to ``want`` peers (the ring's next live ones); returns how many took it."""
@@ -286,8 +358,12 @@ class Keeper:
         for p in h.get("paths", []):
             full = self._full(p)
             if os.path.isdir(full):
+                for d, _, files in os.walk(full):  # data files go to the arenas' free pool
+                    for f in files:
+                        if f != METADATA:
+                            self.arenas.recycle(os.path.join(d, f))
                 shutil.rmtree(full, ignore_errors=True)
-            elif os.path.exists(full):
+            elif os.path.exists(full) and not self.arenas.recycle(full):
                 os.unlink(full)
         return {}, []
 
@@ -299,40 +375,18 @@ class Keeper:
         lag = max((now - d["since"] for d in self.drains.values() if d["state"] == "running"), default=0.0)
         return {"name": self.name, "held_bytes": self.held_bytes(), "budget_bytes": self.budget,
                 "replication_s": {k: b - a for k, (a, b) in self.replication.items()}, "drain_lag_s": lag, "drains": self.drains,
-                "checkpoints": self._committed()}, []
+                "checkpoints": self._committed(), "arenas": self.arenas.stats()}, []
 
     def _committed(self) -> list[str]:
         return sorted(os.path.relpath(d, self.root).replace(os.sep, "/")
-                      for d, _, files in os.walk(self.root) if METADATA in files)
+                      for d, _, files in os.walk(self.root) if METADATA in files and ARENA_DIR not in d)
 
     def op_drain(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         src, url = safe_path(h["path"]), str(h["url"])
         self.drains[url] = {"state": "running", "since": time.time(), "src": src}
-        threading.Thread(target=self._drain, args=(src, url, h.get("storage_options") or {}),
+        threading.Thread(target=drain, args=(self, src, url, h.get("storage_options") or {}),
                          name="bytecp-keeper-drain", daemon=True).start()
         return {}, []
-
-    def _drain(self, src: str, url: str, options: dict[str, Any]) -> None:
-        """Copy the committed memory checkpoint ``src`` to ``url``, metadata.json last."""
-        record = self.drains[url]
-        try:
-            from bytecp.storage.keeper import KeeperStorage  # reads from here or the peers
-
-            mem = KeeperStorage("keeper://" + src, keepers={self.name: f"127.0.0.1:{self.port}",
-                                 **{n: f"{h}:{p}" for n, (h, p) in self.peers.items()}},
-                                host=self.name, token=self.token)
-            dst = open_storage(url, **options)
-            files = mem.file_sizes("")
-            if METADATA not in files:
-                raise StorageError(f"{src} is not a committed memory checkpoint (no {METADATA})")
-            for path, size in sorted(files.items()):
-                if path != METADATA:
-                    dst.write_file(path, [mem.read_bytes(path, 0, size)])
-            dst.commit(METADATA, mem.read_bytes(METADATA), exclusive=False)
-            record.update(state="done", seconds=time.time() - record["since"])
-        except Exception as e:  # noqa: BLE001 - reported through stats and the log
-            log.error("keeper %s: draining %s to %s failed: %s", self.name, src, url, e)
-            record.update(state="failed", error=str(e))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -345,7 +399,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--domains", default="", help="host=domain,... (copies go to other failure domains first)")
     ap.add_argument("--budget-bytes", type=int, default=None)
+    ap.add_argument("--arena-timeout-s", type=float, default=600.0,
+                    help="staging arenas lent and not adopted this long are reclaimed")
     ap.add_argument("--metrics-port", type=int, default=None, help="serve Prometheus /metrics here")
+    ap.add_argument("--metrics-addr", default="127.0.0.1", help="address of /metrics (0.0.0.0: scraped from other hosts)")
     ap.add_argument("--job", default="", help="the job label of the metrics")
     ap.add_argument("--ready-file", default=None, help="written with the port once serving")
     args = ap.parse_args(argv)
@@ -354,12 +411,13 @@ def main(argv: list[str] | None = None) -> None:
         raise SystemExit("bytecp keeper: set BYTECP_KEEPER_TOKEN to the job's token")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     keeper = Keeper(args.name, args.port, token, parse_keepers(args.keepers), replicas=args.replicas,
-                    budget_bytes=args.budget_bytes,
+                    budget_bytes=args.budget_bytes, arena_timeout_s=args.arena_timeout_s,
                     domains=dict(p.split("=", 1) for p in args.domains.split(",") if "=" in p))
     if args.metrics_port is not None:
         from bytecp.monitoring.keeper_metrics import serve_keeper_metrics
 
-        serve_keeper_metrics(lambda: keeper.op_stats({}, memoryview(b""))[0], args.job, args.metrics_port)
+        serve_keeper_metrics(lambda: keeper.op_stats({}, memoryview(b""))[0], args.job, args.metrics_port,
+                             addr=args.metrics_addr)
     if args.ready_file:
         with open(args.ready_file + ".tmp", "w") as f:
             f.write(f"{keeper.port}\n")

@@ -32,6 +32,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
+from bytecp.contract import DeclaredGaps
 from bytecp.errors import (
     CheckpointExistsError,
     CorruptCheckpointError,
@@ -52,19 +53,11 @@ def payload(n: int, seed: int = 0) -> bytes:
     return random.Random(seed).randbytes(n)
 
 
-class StorageFixtures:
-    """Base: subclasses provide the ``storage`` fixture (fresh and empty per test)."""
+class StorageFixtures(DeclaredGaps):
+    """Base: subclasses provide the ``storage`` fixture (fresh and empty per test). ``xfail`` names known gaps."""
 
     #: bytes of the "large" file; above the backend's multipart/chunk threshold where it has one
     large_size: int = 3 * MiB + 12345
-    #: test name -> reason for a known gap of this backend
-    xfail: dict[str, str] = {}
-
-    @pytest.fixture(autouse=True)
-    def _declared_gaps(self, request: pytest.FixtureRequest) -> None:
-        reason = self.xfail.get(request.node.originalname)
-        if reason:
-            request.applymarker(pytest.mark.xfail(reason=reason, strict=True))
 
     @pytest.fixture
     def storage(self) -> Storage:

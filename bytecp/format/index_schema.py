@@ -32,6 +32,7 @@ import pyarrow as pa
 from bytecp.errors import CorruptCheckpointError
 
 __all__ = [
+    "CHUNK_FIELDS",
     "INDEX_SCHEMA_V2",
     "INDEX_FILE_NAME",
     "ROWS_PER_BUCKET",
@@ -52,18 +53,18 @@ MAX_SPAN = 8
 WIDE_ROWS = 4096
 INDEX_FILE_NAME = "index.bin"
 
-INDEX_SCHEMA_V2 = pa.schema(
-    [
-        ("fqn", pa.string()),
-        ("offsets", pa.list_(pa.int64())),
-        ("lengths", pa.list_(pa.int64())),
-        ("file", pa.string()),
-        ("byte_offset", pa.int64()),
-        ("nbytes", pa.int64()),
-        ("crc32c", pa.uint32()),
-    ],
-    metadata={b"bytecp.format_version": b"2"},
+#: where a chunk lies: the columns every index version's rows share after ``fqn``
+#: (version 1's single index file adds ``dtype`` and ``global_shape`` before them)
+CHUNK_FIELDS: tuple[tuple[str, pa.DataType], ...] = (
+    ("offsets", pa.list_(pa.int64())),
+    ("lengths", pa.list_(pa.int64())),
+    ("file", pa.string()),
+    ("byte_offset", pa.int64()),
+    ("nbytes", pa.int64()),
+    ("crc32c", pa.uint32()),
 )
+
+INDEX_SCHEMA_V2 = pa.schema([("fqn", pa.string()), *CHUNK_FIELDS], metadata={b"bytecp.format_version": b"2"})
 
 _BAND_KEYS = ("bucket", "offset", "nbytes", "rows", "crc32c")
 _WIDE_KEYS = ("first", "last", "offset", "nbytes", "rows", "crc32c")

@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
-from bytecp.format.index_schema import INDEX_FILE_NAME, IndexDirectory
+from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
 from bytecp.tree.skeleton import Node
 
 __all__ = [
@@ -58,17 +58,7 @@ METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
 INDEX_SCHEMA = pa.schema(
-    [
-        ("fqn", pa.string()),
-        ("dtype", pa.string()),
-        ("global_shape", pa.list_(pa.int64())),
-        ("offsets", pa.list_(pa.int64())),
-        ("lengths", pa.list_(pa.int64())),
-        ("file", pa.string()),
-        ("byte_offset", pa.int64()),
-        ("nbytes", pa.int64()),
-        ("crc32c", pa.uint32()),
-    ],
+    [("fqn", pa.string()), ("dtype", pa.string()), ("global_shape", pa.list_(pa.int64())), *CHUNK_FIELDS],
     metadata={b"bytecp.format_version": str(FORMAT_VERSION).encode()},
 )
 

@@ -26,6 +26,7 @@ next is a frozen value (:mod:`bytecp.saving.results`).
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -34,9 +35,10 @@ import torch
 from bytecp.format import metadata as fmt
 from bytecp.options import SaveOptions
 from bytecp.saving import leases
-from bytecp.saving.handles import SaveHandle, gc_paused, optimizers_in
+from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in
 from bytecp.saving.pipeline import SavePipeline
-from bytecp.saving.staging import ArenaStager
+from bytecp.saving.staging import ArenaStager, lends_arenas
+from bytecp.storage_api import Storage
 
 __all__ = [
     "save_now", "eager", "lazy", "budgeted", "Order", "order_for", "async_stager", "run_now", "start_async",
@@ -112,13 +114,16 @@ def order_for(opts: SaveOptions) -> Order:
     return eager if opts.memory_budget_bytes is None else budgeted
 
 
-def async_stager(opts: SaveOptions) -> ArenaStager:
+def async_stager(opts: SaveOptions, storage: Storage | None = None) -> ArenaStager:
     """The arena stager of an async save: an eager copy with ``staging_threads``
     threads (default: torch's intra-op threads, the caller waits anyway); a
     lazy one with one thread beside forward/backward, checksums summed on
-    the way."""
+    the way. Into arenas ``storage`` lends when it does (``keeper://``):
+    then the storage's process sums them, not this one."""
     threads = opts.staging_threads or (1 if opts.lazy else min(8, torch.get_num_threads()))
-    return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy)
+    shared = storage if storage is not None and lends_arenas(storage) else None
+    return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy and shared is None,
+                       shared=shared, files=opts.io_threads)
 
 
 @contextlib.contextmanager
@@ -142,17 +147,32 @@ def run_now(p: SavePipeline, *, blocked_since: float) -> fmt.Metadata:
 
 def start_async(order: Order, p: SavePipeline, *, blocked_since: float) -> SaveHandle:
     """Run ``order``'s caller part now (no cyclic garbage collection
-    meanwhile), its background part on the handle's thread, then the report."""
+    meanwhile), its background part on the handle's thread, then the report.
+
+    The background thread waits until the caller is about to return: it
+    would otherwise take the GIL (and the collection the pause put off, which
+    it resumes) while the caller still has its last lines to run."""
     handle = SaveHandle(p.storage.url)
-    with p.trace.failing(blocked_since=blocked_since), gc_paused():
-        background = order(p, handle)
+    go = threading.Event()
+    paused = GcPause()
 
     def run() -> fmt.Metadata:
+        go.wait()
+        paused.end()
         with p.trace.failing(), _leases_given_up_on_failure(p):
             md = background()
         p.report()
         return md
 
-    handle.start(run, nice=p.opts.background_nice)
-    p.trace.add_stall(time.perf_counter() - blocked_since)
+    try:
+        with p.trace.failing(blocked_since=blocked_since):
+            background = order(p, handle)
+        handle.start(run, nice=p.opts.background_nice)
+    except BaseException:
+        paused.end()
+        raise
+    try:
+        p.trace.add_stall(time.perf_counter() - blocked_since)
+    finally:
+        go.set()
     return handle

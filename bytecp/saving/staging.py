@@ -19,6 +19,14 @@ The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
   :meth:`StagingPool.snapshot`): the boxes were copied on the caller's
   thread; the background write takes those copies.
 
+With a storage that lends arenas (``keeper://``:
+:meth:`~bytecp.storage_api.Storage.staging_arena`, a shared-memory file of
+the host's keeper) the arena of each stage is the storage's, laid out
+exactly as a data file (every box page-aligned, zero-padded): the writer
+hands it back whole (:meth:`~bytecp.storage_api.Storage.adopt`) and the
+backend's process checksums, stores and replicates it. Such an arena is
+never reused: it became a data file; the next save is lent another.
+
 Boxes of at least :data:`PAGE_ALIGN_MIN_BYTES` start at a multiple of
 :data:`~bytecp.format.metadata.ALIGNMENT` in the arena and are followed by zeros up
 to the next multiple, exactly as the data file lays them out: the writer
@@ -39,14 +47,15 @@ import torch
 from bytecp.format import metadata as fmt
 from bytecp.plan.planner import WriteItem
 from bytecp.saving.hostcopy import copy_boxes
-from bytecp.saving.writer import PAD_ZEROS, Staged, as_host_bytes, source_view
+from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, as_host_bytes, source_view
+from bytecp.storage_api import SharedArena, Storage
 from bytecp.tree.dtypes import dtype_from_name, host_memoryview
 from bytecp.tree.regions import Region, row_major_strides
 from bytecp.tree.state import FlatTree, Shard, TensorLeaf
 
 __all__ = [
     "Stager", "ViewStager", "ArenaStager", "SnapshotStager", "StagingPool", "POOL", "batches_within",
-    "PAGE_ALIGN_MIN_BYTES",
+    "PAGE_ALIGN_MIN_BYTES", "lends_arenas", "shared_layout_sizes",
 ]
 
 _ALIGN = 64
@@ -58,9 +67,34 @@ def _up(n: int, a: int) -> int:
     return (n + a - 1) // a * a
 
 
-def _slot(n: int) -> int:
+def _slot(n: int, whole_pages: bool = False) -> int:
     """Arena bytes a box of ``n`` bytes takes (with its padding)."""
-    return _up(n, fmt.ALIGNMENT) if n >= PAGE_ALIGN_MIN_BYTES else _up(n, _ALIGN)
+    return _up(n, fmt.ALIGNMENT) if n >= PAGE_ALIGN_MIN_BYTES or whole_pages else _up(n, _ALIGN)
+
+
+def lends_arenas(storage: Storage) -> bool:
+    """Whether ``storage`` may lend staging arenas (:attr:`Storage.lends_arenas`)."""
+    return bool(getattr(storage, "lends_arenas", False))
+
+
+def _bins(items: Sequence[WriteItem], files: int) -> list[list[int]]:
+    """``items`` (their indices) spread over at most ``files`` lent arenas of
+    similar size, largest first, as the writer spreads boxes over data files:
+    each arena becomes a data file, and the keeper replicates them in parallel."""
+    total = sum(it.nbytes for it in items)
+    n = max(1, min(files, -(-total // FILE_TARGET_BYTES), len(items)))
+    bins: list[list[int]] = [[] for _ in range(n)]
+    loads = [0] * n
+    for k in sorted(range(len(items)), key=lambda k: -items[k].nbytes):
+        i = loads.index(min(loads))
+        bins[i].append(k)
+        loads[i] += items[k].nbytes
+    return [sorted(b) for b in bins if b]
+
+
+def shared_layout_sizes(items: Sequence[WriteItem], files: int = 4) -> list[int]:
+    """The bytes of each arena a save of ``items`` is lent (data files' layout)."""
+    return [_Layout([items[k] for k in b], 0, whole_pages=True).end for b in _bins(items, files)]
 
 
 def _host_arena(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -74,18 +108,20 @@ def _host_arena(nbytes: int, pinned: bool) -> torch.Tensor:
 
 
 class _Layout:
-    """Where each box goes in an arena whose first byte is at address ``base``."""
+    """Where each box goes in an arena whose first byte is at address ``base``
+    (``whole_pages``: every box page-aligned, as in a data file)."""
 
-    def __init__(self, items: Sequence[WriteItem], base: int) -> None:
+    def __init__(self, items: Sequence[WriteItem], base: int, whole_pages: bool = False) -> None:
         pos = (-base) % fmt.ALIGNMENT  # the arena's first page boundary
+        self.whole_pages = whole_pages
         self.starts: list[int] = []
         self.sizes: list[int] = []
         for it in items:
             n = it.nbytes
-            pos = _up(pos, fmt.ALIGNMENT if n >= PAGE_ALIGN_MIN_BYTES else _ALIGN)
+            pos = _up(pos, fmt.ALIGNMENT if n >= PAGE_ALIGN_MIN_BYTES or whole_pages else _ALIGN)
             self.starts.append(pos)
             self.sizes.append(n)
-            pos += _slot(n)
+            pos += _slot(n, whole_pages)
         self.end = pos
 
 
@@ -115,57 +151,86 @@ class StagingPool:
             self.allocations += 1
             return a, _Layout(items, a.data_ptr())
 
+    def lent(self, items: Sequence[WriteItem], storage: Storage | None) -> tuple[torch.Tensor, _Layout,
+                                                                                 SharedArena] | None:
+        """An arena ``storage`` lends for ``items`` (never kept: it becomes a data file), or None."""
+        if storage is None:
+            return None
+        need = _Layout(items, 0, whole_pages=True).end
+        shared = storage.staging_arena(max(need, 1))
+        if shared is None:
+            return None
+        a = torch.frombuffer(shared.buffer, dtype=torch.uint8)  # keeps the mapping alive
+        layout = _Layout(items, a.data_ptr(), whole_pages=True)
+        if layout.end > a.numel():  # pragma: no cover - a backend lending less than asked
+            raise ValueError(f"{storage.url}: lent a staging arena of {a.numel()} bytes for {layout.end}")
+        shared.used = layout.end
+        return a, layout, shared
+
     def release(self) -> None:
         with self._lock:
             self._arena = None
 
     def stage(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
-              checksums: bool = False) -> list[Staged]:
-        """Copy the boxes ``items`` name into the arena; views of it come back
+              checksums: bool = False, shared: Storage | None = None, files: int = 4) -> list[Staged]:
+        """Copy the boxes ``items`` name into the arena (those ``shared``
+        lends when it does, at most ``files`` of them); views of it come back
         (with their crc32c when ``checksums``)."""
-        return [st for st, _ in self._copy(flat, items, threads, checksums)]
+        return [st for st, _ in self._copy(flat, items, threads, checksums, shared, files)]
 
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
-                 checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
+                 checksums: bool = False, shared: Storage | None = None,
+                 files: int = 4) -> tuple[FlatTree, SnapshotStager]:
         """Copy the boxes ``items`` name into the arena; the same tree comes
         back with its tensors replaced by those copies (host tensors), so the
         rest of a save can run on it while training changes the live ones,
         with the stager that hands the writer those copies."""
-        copied = self._copy(flat, items, threads, checksums)
+        copied = self._copy(flat, items, threads, checksums, shared, files)
         # in the live tree's order (the specs digest every rank compares depends on it)
         tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas) for fqn, leaf in flat.tensors.items()}
         for st, dst in copied:
             tensors[st.item.fqn].shards.append(Shard(st.item.region, dst))
         return dataclasses.replace(flat, tensors=tensors), SnapshotStager([st for st, _ in copied])
 
-    def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int,
-              checksums: bool) -> list[tuple[Staged, torch.Tensor]]:
+    def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
+              shared: Storage | None = None, files: int = 4) -> list[tuple[Staged, torch.Tensor]]:
         """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
         srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
         devices = {s.device for s in srcs if s.device.type == "cuda"}
         if len(devices) > 1:
             raise ValueError(f"staging tensors of several CUDA devices at once: {sorted(map(str, devices))}")
         device = next(iter(devices), None)
-        arena, layout = self.arena(items, pinned=device is not None)
-        raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
-        typed: dict[str, torch.Tensor] = {}
-        dsts: list[torch.Tensor] = []
-        datas: list[memoryview] = []
-        padded: list[memoryview | None] = []
-        for it, pos, n in zip(items, layout.starts, layout.sizes, strict=True):
-            t = typed.get(it.dtype)
-            if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
-                t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
-                    dtype_from_name(it.dtype))
-            shape = it.region.lengths
-            dsts.append(t.as_strided(shape, row_major_strides(shape), pos // it.itemsize))
-            datas.append(raw[pos : pos + n])
-            if n >= PAGE_ALIGN_MIN_BYTES:
-                end = pos + _slot(n)
-                raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
-                padded.append(raw[pos:end])
-            else:
-                padded.append(None)
+        # (indices, arena, layout, the storage's handle): lent arenas, one per future data file, or the pool's
+        pieces: list[tuple[list[int], torch.Tensor, _Layout, SharedArena | None]] = []
+        for b in _bins(items, files) if shared is not None and items else []:
+            lent = self.lent([items[k] for k in b], shared)
+            if lent is None:
+                pieces = []
+                break
+            pieces.append((b, *lent))
+        if not pieces:
+            pieces = [(list(range(len(items))), *self.arena(items, pinned=device is not None), None)]
+        dsts: list[torch.Tensor] = [torch.empty(0)] * len(items)
+        datas: list[memoryview] = [memoryview(b"")] * len(items)
+        padded: list[memoryview | None] = [None] * len(items)
+        where: list[tuple[SharedArena | None, int]] = [(None, 0)] * len(items)
+        for ks, arena, layout, at in pieces:
+            raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
+            typed: dict[str, torch.Tensor] = {}
+            for k, pos, n in zip(ks, layout.starts, layout.sizes, strict=True):
+                it = items[k]
+                t = typed.get(it.dtype)
+                if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
+                    t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
+                        dtype_from_name(it.dtype))
+                shape = it.region.lengths
+                dsts[k] = t.as_strided(shape, row_major_strides(shape), pos // it.itemsize)
+                datas[k] = raw[pos : pos + n]
+                where[k] = (at, pos)
+                if n >= PAGE_ALIGN_MIN_BYTES or layout.whole_pages:
+                    end = pos + _slot(n, layout.whole_pages)
+                    raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
+                    padded[k] = raw[pos:end]
         cuda = [k for k, s in enumerate(srcs) if s.device.type == "cuda"]
         if cuda:
             # non-blocking copies on a side stream of the tensors' own device
@@ -185,7 +250,8 @@ class StagingPool:
             crc[k] = c
         if cuda:
             stream.synchronize()
-        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k]), dsts[k]) for k, it in enumerate(items)]
+        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1]), dsts[k])
+                for k, it in enumerate(items)]
 
 
 POOL = StagingPool()
@@ -243,23 +309,28 @@ class ArenaStager:
     copies = True
 
     def __init__(self, budget: int | None = None, pool: StagingPool = POOL, *, threads: int = 1,
-                 checksums: bool = False) -> None:
+                 checksums: bool = False, shared: Storage | None = None, files: int = 4) -> None:
         self.budget = budget
         self.pool = pool
         self.threads = threads
         self.checksums = checksums
+        #: the storage whose lent arenas the boxes are copied into (None: the pool's own),
+        #: at most ``files`` of them per stage (the save's ``io_threads``: data files replicated in parallel)
+        self.shared, self.files = shared, files
 
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return batches_within(items, self.budget)
 
     def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
-        return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums)
+        return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums, shared=self.shared,
+                               files=self.files)
 
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *,
                  checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
         """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`),
         summed when this stager sums its copies or ``checksums`` asks to."""
-        return self.pool.snapshot(flat, items, threads=self.threads, checksums=self.checksums or checksums)
+        return self.pool.snapshot(flat, items, threads=self.threads, checksums=self.checksums or checksums,
+                                  shared=self.shared, files=self.files)
 
 
 class SnapshotStager:
@@ -286,7 +357,7 @@ class SnapshotStager:
         for it in items:
             s = self._staged.get((it.fqn, it.region))
             if s is not None and s.item.dtype == it.dtype:
-                out.append(Staged(it, s.data, crc=s.crc, padded=s.padded))
+                out.append(dataclasses.replace(s, item=it))
             else:
                 out.append(Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))))
         return out

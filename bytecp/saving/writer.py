@@ -5,7 +5,9 @@ thread for a sync save, on the background thread for an async one): the
 staged boxes are packed into up to ``io_threads`` data files, each written
 by its own thread as one sequence of buffers (no copy), 4 KiB aligned, the
 crc32c of every chunk computed on the way (unless the stager computed it
-during its copy). What was written comes back as a
+during its copy). Boxes staged in an arena the storage lent
+(:meth:`~bytecp.storage_api.Storage.staging_arena`) are not written: the
+storage adopts the arena as one data file and answers the chunks' crc32c. What was written comes back as a
 :class:`RankOutput` (chunk records, file sizes, object records) for the
 commit.
 """
@@ -25,7 +27,7 @@ from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.objects import serialize
 from bytecp.plan.planner import WriteItem
-from bytecp.storage_api import Storage
+from bytecp.storage_api import SharedArena, Storage
 from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
 from bytecp.tree.state import TensorLeaf
@@ -59,6 +61,9 @@ class Staged:
     #: ``data`` followed by zeros up to a multiple of :data:`~bytecp.format.metadata.ALIGNMENT`
     #: (page-aligned in the staging arena): written whole in place of data + padding
     padded: memoryview | None = None
+    #: the storage's lent arena holding ``data`` at ``offset`` (laid out as a data file): adopted, not written
+    arena: SharedArena | None = None
+    offset: int = 0
 
 
 @dataclasses.dataclass
@@ -178,6 +183,23 @@ def _write_one_file(
     return chunks, placed, pos
 
 
+def _adopt_one_file(
+    storage: Storage, path: str, staged: list[Staged]
+) -> tuple[list[fmt.ChunkRecord], list[tuple[_Blob, int, int]], int]:
+    """The storage takes over the lent arena holding ``staged`` as the data
+    file ``path`` (laid out as :func:`_write_one_file` would, page-aligned,
+    zero-padded), checksumming each chunk; -> (chunks, no blobs, size)."""
+    arena = staged[0].arena
+    assert arena is not None
+    crcs, starts, size = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
+    chunks = [
+        fmt.ChunkRecord(s.item.fqn, s.item.dtype, s.item.global_shape, s.item.region.offsets,
+                        s.item.region.lengths, path, start, len(s.data), crc)
+        for s, crc, start in zip(staged, crcs, starts, strict=True)
+    ]
+    return chunks, [], size
+
+
 def write_data_files(
     storage: Storage,
     save_id: str,
@@ -207,13 +229,26 @@ def write_data_files(
                 if s.pickle:
                     pickled.add((table, fqn))
 
-    groups = _split_files(staged, blobs, io_threads)
-    jobs = [(fmt.data_file(save_id, rank, first_file + i), g) for i, g in enumerate(groups)]
+    lent: dict[int, list[Staged]] = {}  # boxes in a lent arena: the arena becomes the file
+    for st in staged:
+        if st.arena is not None:
+            lent.setdefault(id(st.arena), []).append(st)
+    rest = [st for st in staged if st.arena is None]
+    groups = _split_files(rest, blobs, io_threads) if rest or blobs else []
+    jobs: list[tuple[str, Any]] = [(fmt.data_file(save_id, rank, first_file + i), g)
+                                   for i, g in enumerate([*lent.values(), *groups])]
+
+    def run(job: tuple[str, Any]) -> tuple[list[fmt.ChunkRecord], list[tuple[_Blob, int, int]], int]:
+        path, group = job
+        if isinstance(group, list):
+            return _adopt_one_file(storage, path, group)
+        return _write_one_file(storage, path, *group)
+
     if len(jobs) <= 1:
-        results = [_write_one_file(storage, path, *group) for path, group in jobs]
+        results = [run(job) for job in jobs]
     else:
         with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
-            results = list(ex.map(lambda j: _write_one_file(storage, j[0], *j[1]), jobs))
+            results = list(ex.map(run, jobs))
     for (path, _), (chunks, placed, size) in zip(jobs, results, strict=True):
         out.chunks.extend(chunks)
         out.data_files[path] = size

@@ -12,6 +12,7 @@ boxes' bytes.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Sequence
 
@@ -129,7 +130,14 @@ class Region:
 
 
 def full_region(shape: Sequence[int]) -> Region:
-    return Region(tuple(0 for _ in shape), tuple(int(s) for s in shape))
+    """The box of a whole tensor of ``shape`` (one shared, immutable value per shape)."""
+    return _full_region(tuple(shape))
+
+
+@functools.lru_cache(maxsize=8192)
+def _full_region(shape: tuple[int, ...]) -> Region:
+    # every save describes each tensor by its full box: the same few shapes again and again
+    return Region((0,) * len(shape), tuple(int(s) for s in shape))
 
 
 def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:

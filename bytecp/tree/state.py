@@ -265,7 +265,9 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
         keep.append(v)
         if mem is not None:
             by_memory[mem] = fqn
-        out.tensors[claim(fqn)] = v if isinstance(v, TensorLeaf) else TensorLeaf.full(v.detach())
+        if not isinstance(v, TensorLeaf):  # a state dict's tensors are detached already
+            v = TensorLeaf.full(v.detach() if v.requires_grad or type(v) is not torch.Tensor else v)
+        out.tensors[claim(fqn)] = v
         return Node.leaf("tensor", fqn)
 
     def claim(fqn: str) -> str:

@@ -270,6 +270,31 @@ def test_names_that_collide_once_cleaned_are_refused() -> None:
         ModuleNames(Odd()).state_dict()
 
 
+def test_wrapper_hops_declared_per_instance_are_asked_each_time() -> None:
+    """Which module classes are wrappers is remembered per class, except for
+    classes declaring ``_fqn_modifiers``: their hops may differ per instance."""
+    from bytecp.adapters._names import ModuleNames
+
+    class Hidden(nn.Module):
+        def __init__(self, hop: str) -> None:
+            super().__init__()
+            self.hop = hop
+            self.add_module(hop, nn.Linear(2, 2))
+
+        def _fqn_modifiers(self) -> dict[str, str]:
+            return {"hidden": self.hop}
+
+    class Outer(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = Hidden("x"), Hidden("y")
+
+    assert sorted(ModuleNames(Outer()).state_dict()[0]) == ["a.bias", "a.weight", "b.bias", "b.weight"]
+    plain = nn.Sequential(nn.Linear(2, 2))
+    names = ModuleNames(plain)
+    assert names.clean("0.weight") == "0.weight" and sorted(names.state_dict()[0]) == ["0.bias", "0.weight"]
+
+
 def test_format_records_aliases_that_a_reader_must_resolve(tmp_path: Path) -> None:
     """metadata.json: an alias is a tensor leaf of the skeleton named in
     "aliases", absent from "tensors"; a reader that ignored "aliases" would

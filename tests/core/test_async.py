@@ -154,3 +154,37 @@ def test_cuda_state_is_staged_through_pinned_memory(tmp_path: Path) -> None:
     sd = bytecp.load_state_dict(str(tmp_path / "ck"))
     for k, v in want.items():
         assert same_bits(v, sd["model"][k])
+
+
+def test_repeated_lazy_saves_each_hold_the_state_at_their_call(tmp_path: Path) -> None:
+    """Saves after the first reuse what the first worked out (names, boxes):
+    each checkpoint is still bitwise the state at its own call."""
+    m, opt = model_and_opt()
+    snaps = []
+    for i in range(3):
+        snaps.append(snapshot(m, opt))
+        h = bytecp.async_save(str(tmp_path / f"ck{i}"), {"model": m, "optimizer": opt}, lazy=True)
+        step(m, opt)  # waits in the pre-step hook for the copy, then changes every tensor
+        h.wait(timeout=60)
+    for i, snap in enumerate(snaps):
+        assert_loaded_equals(str(tmp_path / f"ck{i}"), snap)
+
+
+@pytest.mark.parametrize("lazy", [True, False])
+def test_the_collector_is_resumed_after_the_call_and_left_as_the_user_set_it(tmp_path: Path, lazy: bool) -> None:
+    import gc
+
+    m, opt = model_and_opt()
+    state = {"model": m, "optimizer": opt}
+    assert gc.isenabled()
+    bytecp.async_save(str(tmp_path / "a"), state, lazy=lazy).wait(timeout=60)
+    assert gc.isenabled()  # the background thread turned it on again
+    gc.disable()  # a training loop that collects by itself
+    try:
+        bytecp.async_save(str(tmp_path / "b"), state, lazy=lazy).wait(timeout=60)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    with pytest.raises(bytecp.ConfigError):  # a call that fails turns it on itself
+        bytecp.async_save(str(tmp_path / "c"), state, lazy=lazy, framework="no-such-framework")
+    assert gc.isenabled()

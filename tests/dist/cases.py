@@ -325,23 +325,11 @@ def async_case(framework: str, url: str, lazy: bool, variant: str = "") -> dict[
 def zero_redundancy_load(framework: str, url: str, zero: bool) -> tuple[dict[str, Any] | None, int, int]:
     """Load with or without zero-redundancy; return the full state (rank 0),
     the bytes this rank read from storage and the bytes it broadcast."""
-    from bytecp.recorder import add_recorder, remove_recorder
+    from bytecp.recorder import recording
 
-    reports: list[Any] = []
-
-    class Keep:
-        def on_report(self, report: Any) -> None:
-            reports.append(report)
-
-        def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
-            pass
-
-    rec = add_recorder(Keep())
-    try:
-        model, opt = build(framework, seed=123)
+    model, opt = build(framework, seed=123)
+    with recording() as reports:
         bytecp.load(url, {"model": model, "optimizer": opt}, strict=False, zero_redundancy=zero)
-    finally:
-        remove_recorder(rec)
     (rep,) = [r for r in reports if r.operation == "load"]
     read = sum(s.nbytes for s in rep.spans if s.phase == "read")
     exchanged = sum(s.nbytes for s in rep.spans if s.phase == "exchange")

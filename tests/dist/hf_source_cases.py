@@ -63,11 +63,15 @@ def load_on_ranks(kind: str, path: str, layout: str, zero_redundancy: bool | Non
     from torch.distributed.tensor import DTensor
 
     import bytecp
-    from bytecp.recorder import add_recorder, remove_recorder
+    from bytecp.recorder import recording
 
     model = build(kind, seed=1 + dist.get_rank())
     if layout == "fsdp2-tp":  # 1 x 2: tensor parallel inside, FSDP2 over the (size-1) data-parallel dim
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
 
         mesh2 = init_device_mesh("cpu", (1, dist.get_world_size()), mesh_dim_names=("dp", "tp"))
         plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
@@ -87,20 +91,8 @@ def load_on_ranks(kind: str, path: str, layout: str, zero_redundancy: bool | Non
         target = model
     else:
         target = torch.nn.parallel.DistributedDataParallel(model)
-    reports: list[Any] = []
-
-    class Keep:
-        def on_report(self, report: Any) -> None:
-            reports.append(report)
-
-        def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
-            pass
-
-    rec = add_recorder(Keep())
-    try:
+    with recording() as reports:
         bytecp.load(path, {"model": target}, zero_redundancy=zero_redundancy)
-    finally:
-        remove_recorder(rec)
     (rep,) = [r for r in reports if r.operation == "load"]
     read = sum(s.nbytes for s in rep.spans if s.phase == "read")
     full = {k: v.full_tensor() if isinstance(v, DTensor) else v.detach().clone() for k, v in model.state_dict().items()}

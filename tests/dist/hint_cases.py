@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from bytecp.adapters.plain import PlainAdapter
 
 import bytecp
 from bytecp import adapter_api
-from bytecp.adapters.plain import PlainAdapter
 from bytecp.tree.state import ReplicaSet, TensorLeaf
 
 from .adapter_cases import plain_state

@@ -129,6 +129,26 @@ def test_export_with_a_spec_needs_the_config_and_one_process(tmp_path: Path) -> 
     got = load_file(str(tmp_path / "c" / "model.safetensors"))
     want = convert_state_dict(sd, get_spec("qwen2"), heads=4, groups=2, vocab_size=128)
     assert set(got) == set(want) and all(torch.equal(got[k], v.bfloat16()) for k, v in want.items())
+    # streamed: each source tensor is read once, when its first target is written
+    from bytecp import mapped_export
+
+    fetched: list[str] = []
+    real = mapped_export.TensorReader.read
+
+    def counting(self: Any, items: Any) -> Any:
+        items = list(items)
+        fetched.extend(it.fqn for it in items)
+        return real(self, items)
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(mapped_export.TensorReader, "read", counting)
+    try:
+        export_hf(url, str(tmp_path / "e"), spec="qwen2", config=cfg, max_shard_size="20KB")
+    finally:
+        mp.undo()
+    assert sorted(fetched) == sorted({f"model.{k}" for k in sd}), fetched  # each source once
+    got = {k: v for f in sorted((tmp_path / "e").glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    assert set(got) == set(want) and all(torch.equal(got[k], v) for k, v in want.items())
     # a plain (not Megatron) checkpoint: no spec unless named
     export_hf(url, str(tmp_path / "d"), config=cfg)
     assert "decoder.layers.self_attention.linear_qkv.weight" in load_file(str(tmp_path / "d" / "model.safetensors"))

@@ -57,12 +57,21 @@ def test_dashboard_uses_only_exported_metrics_and_covers_the_issue() -> None:
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
 
 
-def test_prometheus_config_keeps_job_labels_and_scrapes_the_collector() -> None:
+def test_prometheus_config_keeps_job_labels_and_scrapes_the_collector_and_keepers() -> None:
     path = DEPLOY / "prometheus" / "prometheus.yml"
     cfg = yaml.safe_load(path.read_text())
     [scrape] = [s for s in cfg["scrape_configs"] if s["job_name"] == "bytecp-collector"]
     assert scrape["honor_labels"] is True
     assert scrape["static_configs"][0]["targets"] == ["collector:9470"]
+    # the keepers' job: their own job label kept, their list in files beside the config (as compose mounts it)
+    [keepers] = [s for s in cfg["scrape_configs"] if s["job_name"] == "bytecp-keepers"]
+    assert keepers["honor_labels"] is True
+    [pattern] = keepers["file_sd_configs"][0]["files"]
+    shipped = sorted(path.parent.glob(pattern))
+    assert shipped and all(isinstance(yaml.safe_load(f.read_text()), list) for f in shipped)
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
+    mounts = {v.split(":")[1] for v in compose["services"]["prometheus"]["volumes"]}
+    assert "/etc/prometheus/" + pattern.split("/")[0] in mounts
     promtool = shutil.which("promtool")
     if promtool:
         out = subprocess.run([promtool, "check", "config", str(path)], capture_output=True, text=True, timeout=60)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import urllib.request
+from pathlib import Path
 
 import pytest
+import torch
 from bytecp.monitoring.prometheus import PROCESS_METRICS, PrometheusRecorder, enable_prometheus
 from monsynth import make_reports
 from prometheus_client import CollectorRegistry
@@ -145,3 +147,17 @@ def test_storage_retries_count_into_the_open_operation() -> None:
     assert reg.get_sample_value(
         "bytecp_storage_retries_total", {"job": "r", "rank": "0", "backend": "s3", "reason": "5xx"}
     ) == 2.0
+
+
+def test_recording_keeps_the_reports_of_the_block_only(tmp_path: Path) -> None:
+    from bytecp.monitoring import recording
+
+    import bytecp
+
+    m = torch.nn.Linear(8, 8)
+    with recording() as reports:
+        bytecp.save(str(tmp_path / "a"), {"model": m})
+        bytecp.load(str(tmp_path / "a"), {"model": m})
+    bytecp.save(str(tmp_path / "b"), {"model": m})  # after the block: not kept
+    assert [r.operation for r in reports] == ["save", "load"]
+    assert sum(s.nbytes for s in reports[1].spans if s.phase == "read") >= 8 * 8 * 4

@@ -1,8 +1,10 @@
-"""A real Prometheus scrapes a real collector; every dashboard query returns data.
+"""A real Prometheus scrapes a real collector and real keepers; every dashboard query returns data.
 
 The Prometheus configuration is deploy/prometheus/prometheus.yml with only the
-target address and the intervals changed, so a mistake there (honor_labels
-lost, say) fails here. The dashboard's queries come from the checked-in JSON.
+collector's address and the intervals changed, and the keepers listed the way
+a deployment lists them (a file under keepers/ beside it), so a mistake there
+(honor_labels lost, say) fails here. The dashboard's queries come from the
+checked-in JSON.
 Needs the ``prometheus`` binary (Debian package ``prometheus``, installed by
 ``make test`` where it runs as root); skipped with that reason elsewhere.
 """
@@ -13,6 +15,7 @@ import json
 import math
 import shutil
 import subprocess
+import sys
 import time
 import urllib.parse
 import urllib.request
@@ -30,6 +33,9 @@ import bytecp
 from bytecp.recorder import resolve_monitor
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "storage"))  # keeper processes as the memory-tier tests start them
+from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
+
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "bytecp.json"
 JOB = "dash"
 PROMETHEUS = shutil.which("prometheus")
@@ -46,8 +52,10 @@ def _get(url: str) -> Any:
 
 
 class Prom:
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, keeper_metrics: dict[str, int]) -> None:
         self.base = f"http://127.0.0.1:{port}"
+        #: host -> the metrics port its keeper is to serve on (listed in keepers/ before Prometheus starts)
+        self.keeper_metrics = keeper_metrics
 
     def query(self, expr: str) -> list[dict[str, Any]]:
         body = _get(f"{self.base}/api/v1/query?" + urllib.parse.urlencode({"query": expr}))
@@ -64,6 +72,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CollectorS
     cfg["global"].update(scrape_interval="1s", evaluation_interval="1s")
     [scrape] = [s for s in cfg["scrape_configs"] if s["job_name"] == "bytecp-collector"]
     scrape["static_configs"] = [{"targets": [f"127.0.0.1:{collector.metrics_port}"]}]
+    [keepers] = [s for s in cfg["scrape_configs"] if s["job_name"] == "bytecp-keepers"]
+    assert keepers["honor_labels"] is True  # the keeper's job label is the training job's
+    keeper_metrics = dict(zip(("h0", "h1"), free_ports(2), strict=True))
+    [pattern] = keepers["file_sd_configs"][0]["files"]  # relative to the configuration file, as deployed
+    listed = tmp / pattern.replace("*", "test")
+    listed.parent.mkdir(parents=True, exist_ok=True)
+    listed.write_text(yaml.safe_dump([{"targets": [f"127.0.0.1:{p}" for p in keeper_metrics.values()]}]))
     (tmp / "prometheus.yml").write_text(yaml.safe_dump(cfg))
     port = free_port()
     assert PROMETHEUS is not None
@@ -89,7 +104,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CollectorS
                 assert proc.poll() is None, (tmp / "prometheus.log").read_text()
                 assert time.monotonic() < deadline, "prometheus did not become ready"
                 time.sleep(0.2)
-        yield collector, Prom(port)
+        yield collector, Prom(port, keeper_metrics)
     finally:
         proc.terminate()
         try:
@@ -118,6 +133,19 @@ def _substitute(expr: str, operation: str) -> str:
     return expr
 
 
+def _assert_data(prom: Prom, exprs: list[tuple[str, str]]) -> None:
+    """Every query returns at least one number (not NaN), for both operations."""
+    empty = []
+    for operation in ("save", "load"):
+        for title, expr in exprs:
+            q = _substitute(expr, operation)
+            result = prom.query(q)
+            values = [float(r["value"][1]) for r in result]
+            if not values or all(math.isnan(v) for v in values):
+                empty.append(f"{title} [{operation}]: {q}")
+    assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+
+
 def test_every_dashboard_query_returns_data_after_a_save(
     stack: tuple[CollectorServer, Prom], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -144,18 +172,8 @@ def test_every_dashboard_query_returns_data_after_a_save(
 
     exprs = _dashboard_exprs()
     assert len(exprs) >= 15
-    # the memory tier's panels read keeper processes' own exporters (no keeper runs
-    # here; tests/storage/test_storage_keeper.py scrapes those metrics)
-    exprs = [(title, expr) for title, expr in exprs if "bytecp_keeper_" not in expr]
-    empty = []
-    for operation in ("save", "load"):
-        for title, expr in exprs:
-            q = _substitute(expr, operation)
-            result = prom.query(q)
-            values = [float(r["value"][1]) for r in result]
-            if not values or all(math.isnan(v) for v in values):
-                empty.append(f"{title} [{operation}]: {q}")
-    assert not empty, "dashboard queries without data:\n" + "\n".join(empty)
+    # the memory tier's panels read the keepers' own exporters (test_every_keeper_query_...)
+    _assert_data(prom, [(title, expr) for title, expr in exprs if "bytecp_keeper_" not in expr])
 
     # the template variable's query, as Grafana runs it
     jobs = _get(f"{prom.base}/api/v1/label/job/values?" + urllib.parse.urlencode({"match[]": "bytecp_job_checkpoints_total"}))
@@ -168,3 +186,55 @@ def test_every_dashboard_query_returns_data_after_a_save(
     assert float(total["value"][1]) == 2.0
     [info] = prom.query(f'bytecp_job_straggler_info{{job="{JOB}", operation="load"}}')
     assert info["metric"]["rank"] == "0"
+
+
+def test_every_keeper_query_returns_data_from_real_keepers(stack: tuple[CollectorServer, Prom], tmp_path: Path) -> None:
+    """Two keeper processes (hosts h0, h1) serve /metrics as ``bytecp keeper --metrics-port`` does;
+    a job checkpoints to their memory through the manager (replicated to the peer) and drains to
+    disk; Prometheus scrapes them through the deployed job, and every memory-tier query of the
+    dashboard -- memory held, replication lag, drain lag, failed drains -- returns data."""
+    _, prom = stack
+    ports = dict(zip(prom.keeper_metrics, free_ports(len(prom.keeper_metrics)), strict=True))
+    procs: list[subprocess.Popen[bytes]] = []
+    try:
+        for name, metrics in prom.keeper_metrics.items():
+            procs.append(spawn_keeper(name, ports, tmp_path, args=["--metrics-port", str(metrics), "--job", JOB]))
+        opts = {"keepers": ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()), "host": "h0", "token": TOKEN}
+        mgr = bytecp.CheckpointManager(str(tmp_path / "run"), every_n_steps=2, memory_url=f"keeper://{JOB}/run",
+                                       memory_every_n_steps=1, memory_storage_options=opts)
+        state = {"model": torch.nn.Linear(256, 256), "extra": {"step": 0}}
+        for step in (1, 2):  # two memory checkpoints; the second also drains to storage
+            state["extra"]["step"] = step
+            mgr.maybe_save(step, state)
+        mgr.wait()
+
+        sel = f'job="{JOB}"'
+        deadline = time.monotonic() + 60
+        while not (prom.query(f'sum(bytecp_keeper_drains{{{sel}, state="done"}}) == 1')
+                   and len(prom.query(f"bytecp_keeper_memory_bytes{{{sel}}} > 0")) == 2):
+            assert time.monotonic() < deadline, "Prometheus never scraped a finished drain from both keepers"
+            time.sleep(0.5)
+        assert (tmp_path / "run" / "step-2" / "metadata.json").exists()  # the drain committed
+
+        exprs = [(title, expr) for title, expr in _dashboard_exprs() if "bytecp_keeper_" in expr]
+        titles = " | ".join(title.lower() for title, _ in exprs)
+        for figure in ("memory held", "replication", "drain lag"):  # the issue's per-tier view
+            assert figure in titles, figure
+        assert len(exprs) >= 5
+        _assert_data(prom, exprs)
+
+        # and the figures are the keepers' own: both hold the checkpoints (h1 the copies), the
+        # replication took time, the drain is over (no lag) and none failed
+        held = {r["metric"]["host"]: float(r["value"][1]) for r in prom.query(f"bytecp_keeper_memory_bytes{{{sel}}}")}
+        assert set(held) == {"h0", "h1"} and min(held.values()) >= 2 * 256 * 256 * 4
+        [rep] = prom.query(f"max(bytecp_keeper_replication_seconds{{{sel}}})")
+        assert float(rep["value"][1]) > 0
+        lags = prom.query(f"bytecp_keeper_drain_lag_seconds{{{sel}}}")
+        assert len(lags) == 2 and all(float(r["value"][1]) == 0 for r in lags)
+        [failed] = prom.query(f'sum(bytecp_keeper_drains{{{sel}, state="failed"}})')
+        assert float(failed["value"][1]) == 0
+    finally:
+        for p in procs:
+            p.terminate()
+        for p in procs:
+            p.wait(30)

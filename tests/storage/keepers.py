@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 from bytecp.storage.keeper_server import Keeper
@@ -45,14 +46,16 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
-def spawn_keeper(name: str, ports: dict[str, int], tmp: Path, *, replicas: int = 2) -> subprocess.Popen[bytes]:
-    """A keeper process (as a host runs it: ``bytecp keeper``), serving once this returns."""
+def spawn_keeper(name: str, ports: dict[str, int], tmp: Path, *, replicas: int = 2,
+                 args: Sequence[str] = ()) -> subprocess.Popen[bytes]:
+    """A keeper process (as a host runs it: ``bytecp keeper``, with ``args``
+    added: ``--metrics-port``...), serving once this returns."""
     ready = tmp / f"keeper-{name}-{uuid.uuid4().hex[:6]}.ready"
     env = dict(os.environ, BYTECP_KEEPER_TOKEN=TOKEN)
     proc = subprocess.Popen(
         [sys.executable, "-m", "bytecp.storage.keeper_server", "--name", name, "--port", str(ports[name]),
          "--keepers", ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items()),
-         "--replicas", str(replicas), "--ready-file", str(ready)],
+         "--replicas", str(replicas), "--ready-file", str(ready), *args],
         env=env, stdout=subprocess.DEVNULL, stderr=open(tmp / f"keeper-{name}.log", "ab"))  # noqa: SIM115
     deadline = time.time() + 60
     while not ready.exists():

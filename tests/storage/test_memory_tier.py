@@ -85,11 +85,12 @@ def test_memory_tier_drains_and_restores_from_the_fastest_tier(tmp_path: Path, a
         mgr3 = mk()
         assert mgr3.restore({"model": m3, "optim": opt3}) == 6 and mgr3.restored_from == "memory"
         bitwise(m, opt, m3, opt3)
-        # the newest memory checkpoint lost its data with every copy: skipped, storage's step 4 loads
+        # the newest memory checkpoint lost its data with every copy: skipped, never loaded in part;
+        # step 4, complete in memory and as new as storage's newest, loads from memory
         keepers[1].op_delete({"paths": [f"{mem_url[len('keeper://'):]}/step-6/data"]}, memoryview(b""))
         m5, opt5 = model_and_opt(seed=4)
         mgr5 = mk()
-        assert mgr5.restore({"model": m5, "optim": opt5}) == 4 and mgr5.restored_from == "storage"
+        assert mgr5.restore({"model": m5, "optim": opt5}) == 4 and mgr5.restored_from == "memory"
         assert [u for u, _ in mgr5.skipped] == [mem_url + "/step-6"]
         bitwise(*saved[4], m5, opt5)
         # no keeper holds a copy: from storage, the drained step 4
@@ -98,6 +99,36 @@ def test_memory_tier_drains_and_restores_from_the_fastest_tier(tmp_path: Path, a
         mgr4 = mk()
         assert mgr4.restore({"model": m4, "optim": opt4}) == 4 and mgr4.restored_from == "storage"
         bitwise(*saved[4], m4, opt4)
+    finally:
+        for k in keepers:
+            k.close()
+
+
+def test_a_checkpoint_evicted_at_one_keeper_is_never_restored_in_part(tmp_path: Path) -> None:
+    """replicas=1: each file is held by one keeper, metadata.json by all. One
+    keeper evicts step 2 while its peer does not hear of it: the peer still
+    lists step 2, whose data is gone; restore skips it and loads step 1."""
+    keepers = start_keepers(["p0", "p1"], replicas=1)
+    try:
+        opts = {"keepers": spec(keepers), "host": "p0", "token": TOKEN}
+        mem_url = f"keeper://job/{tmp_path.name}"
+        mk = lambda: bytecp.CheckpointManager(  # noqa: E731
+            str(tmp_path / "run"), every_n_steps=10**6, memory_url=mem_url, memory_every_n_steps=1,
+            memory_storage_options=opts, memory_keep_last=3)
+        m, opt = model_and_opt()
+        mgr = mk()
+        mgr.maybe_save(1, {"model": m, "optim": opt})
+        saved = model_and_opt(seed=9)
+        bytecp.load(mem_url + "/step-1", {"model": saved[0], "optim": saved[1]}, storage_options=opts)
+        step(m, opt)
+        mgr.maybe_save(2, {"model": m, "optim": opt})
+        keepers[0]._evict(f"{mem_url[len('keeper://'):]}/step-2")  # here only: p1 keeps its metadata.json
+        assert [c.step for c in list_checkpoints(mem_url, storage_options=opts)] == [1, 2]
+        m2, opt2 = model_and_opt(seed=1)
+        mgr2 = mk()
+        assert mgr2.restore({"model": m2, "optim": opt2}) == 1 and mgr2.restored_from == "memory"
+        assert [u for u, _ in mgr2.skipped] == [mem_url + "/step-2"]
+        bitwise(*saved, m2, opt2)
     finally:
         for k in keepers:
             k.close()

@@ -75,6 +75,25 @@ def test_budget_evicts_older_checkpoints_then_refuses() -> None:
             k.close()
 
 
+def test_a_budget_eviction_evicts_the_checkpoint_at_every_keeper() -> None:
+    keepers = start_keepers(["e0", "e1"], budget=10_000)
+    keepers[1].budget = None  # e1 would keep everything: it evicts because e0 does
+    try:
+        st = open_storage("keeper://run", keepers=spec(keepers), host="e0", token=TOKEN)
+        for step in (1, 2, 3):
+            st.write_file(f"step-{step}/d.bin", [bytes(4000)])
+            st.commit(f"step-{step}/metadata.json", b"{}")
+        for _ in range(200):
+            if "run/step-1" not in keepers[1]._committed():
+                break
+            time.sleep(0.02)
+        assert [k._committed() for k in keepers] == [["run/step-2", "run/step-3"]] * 2
+        assert keepers[1]._sizes("run/step-1") == {}
+    finally:
+        for k in keepers:
+            k.close()
+
+
 def test_keeper_metrics_report_memory_replication_and_drains(pair: list[Keeper], tmp_path) -> None:
     from bytecp.monitoring.keeper_metrics import KeeperCollector
     from prometheus_client import CollectorRegistry

@@ -1,0 +1,174 @@
+"""What one ``bytecp.async_save(..., lazy=True)`` call costs the training
+thread, against the copy floor.
+
+    python -m benchmarks.lazy_call [--mb 45] [--saves 60] [--json out.json]
+
+One process, local disk, a small GPT (benchmarks/model.py, plain, Adam state)
+of about ``--mb`` MB of tensors, prewarmed (:func:`bytecp.prewarm`). Each
+round is what a training loop does: the save call (timed: ``lazy call``),
+one forward/backward and ``optimizer.step()`` (which waits in bytecp's
+pre-step hook until the background copy is done: ``hook wait``), then
+``handle.wait()`` so the next round starts with no save in flight. The
+same rounds through ``CheckpointManager(async_save=True, lazy=True)``
+(``maybe_save``, incremental against the previous step, retention) give the
+manager's lazy call, and with ``lazy=False`` the eager call (the copy
+included) for reference. Rounds take the three in turn, so load on a shared
+machine hits them alike.
+
+The floor is the copy itself: the same tensors' bytes copied into a
+prewarmed host buffer with one ``torch._foreach_copy_`` (one thread, as a
+lazy save's background copy; and with torch's intra-op threads, as an eager
+one). A lazy call does not copy at all, so the floor is the scale it is
+read against: the call costs what describing the state, hooking the
+optimizers and starting the background thread cost.
+
+Figures: median and 10th/90th percentiles over the rounds after the first
+three of each mode, in milliseconds: the wall time of the call, the CPU time
+the training thread spent in it (``time.thread_time``; steadier than the
+wall time on a loaded machine, but blind to waiting for the GIL), and the
+number of cyclic garbage collections the training thread ran inside the
+timed calls.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import statistics
+import tempfile
+import threading
+import time
+from typing import Any
+
+import torch
+
+import bytecp
+from benchmarks.model import build as build_model
+from benchmarks.model import config_for_gb, forward_backward, state_bytes
+
+__all__ = ["main", "run"]
+
+
+class _GcCounter:
+    """Collections the training thread runs while ``active`` (gc callbacks run on the collecting thread)."""
+
+    def __init__(self) -> None:
+        self.active = False
+        self.count = 0
+        self.thread = threading.get_ident()
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start" and self.active and threading.get_ident() == self.thread:
+            self.count += 1
+
+
+def _tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [t.detach() for t in model.state_dict().values()]
+    out += [v for st in optim.state.values() for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def floor_ms(src: list[torch.Tensor], threads: int, repeats: int = 30) -> float:
+    """Median ms to copy ``src`` into a prewarmed buffer of the same bytes with one foreach copy."""
+    total = sum(t.numel() * t.element_size() for t in src)
+    buf = torch.zeros(total, dtype=torch.uint8)
+    dst, pos = [], 0
+    for t in src:
+        n = t.numel() * t.element_size()
+        dst.append(buf[pos:pos + n].view(t.dtype).view(t.shape))
+        pos += n
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            torch._foreach_copy_(dst, src)
+            times.append(time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    return statistics.median(times) * 1e3
+
+
+def _summary(xs: list[float]) -> dict[str, float]:
+    xs = sorted(xs)
+    q = statistics.quantiles(xs, n=10) if len(xs) >= 10 else [xs[0]] * 9
+    return {"median_ms": statistics.median(xs) * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3}
+
+
+def run(mb: float, saves: int, root: str) -> dict[str, Any]:
+    cfg = config_for_gb(mb / 1000)
+    model, optim = build_model(cfg, "plain")
+    state = {"model": model, "optim": optim}
+    src = _tensors(model, optim)
+    prewarm_s = bytecp.prewarm(state)
+    counter = _GcCounter()
+    gc.callbacks.append(counter)
+    modes = ("lazy", "manager lazy", "eager")
+    calls: dict[str, list[float]] = {m: [] for m in modes}
+    cpu: dict[str, list[float]] = {m: [] for m in modes}
+    mgr = bytecp.CheckpointManager(f"{root}/run", every_n_steps=1, keep_last=2, async_save=True, lazy=True)
+    hook: list[float] = []
+    collections = {m: 0 for m in modes}
+    try:
+        for i in range(len(modes) * saves):
+            mode = modes[i % len(modes)]
+            seen = counter.count
+            counter.active = True
+            c0, t0 = time.thread_time(), time.perf_counter()
+            if mode == "manager lazy":
+                mgr.maybe_save(i, state)
+            else:
+                h = bytecp.async_save(f"{root}/{mode}-{i % 4}", state, lazy=mode == "lazy", overwrite=True, step=i)
+            dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+            counter.active = False
+            forward_backward(model, cfg, seed=i)
+            t1 = time.perf_counter()
+            optim.step()  # a lazy save's hook waits here for the copy
+            step_s = time.perf_counter() - t1
+            optim.zero_grad(set_to_none=True)
+            if mode == "manager lazy":
+                mgr.wait()
+            else:
+                h.wait()
+            if i >= 3 * len(modes):  # the first rounds warm caches up
+                calls[mode].append(dt)
+                cpu[mode].append(dc)
+                collections[mode] += counter.count - seen
+                if mode == "lazy":
+                    hook.append(step_s)
+    finally:
+        gc.callbacks.remove(counter)
+    n = len(calls["lazy"])
+    named = {m.replace(" ", "_"): m for m in modes}
+    return {
+        "state_mb": state_bytes(model, optim) / 1e6,
+        "tensors": len(src),
+        "prewarm_s": prewarm_s,
+        "saves_each": n,
+        **{f"{k}_call": _summary(calls[m]) for k, m in named.items()},
+        **{f"{k}_call_thread_cpu": _summary(cpu[m]) for k, m in named.items()},
+        "lazy_step_with_hook": _summary(hook),
+        "gc_per_call": {k: collections[m] / max(1, len(calls[m])) for k, m in named.items()},
+        "floor_ms_1_thread": floor_ms(src, 1),
+        f"floor_ms_{torch.get_num_threads()}_threads": floor_ms(src, torch.get_num_threads()),
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mb", type=float, default=45.0, help="state size (parameters + Adam state), MB")
+    ap.add_argument("--saves", type=int, default=40, help="saves of each mode")
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args(argv)
+    with tempfile.TemporaryDirectory() as root:
+        out = run(args.mb, args.saves, root)
+    print(json.dumps(out, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

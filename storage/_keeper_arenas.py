@@ -1,0 +1,322 @@
+"""The keeper's staging arenas: shared-memory files lent to the host's ranks.
+
+The single-copy path of ``keeper://`` saves. Who calls what, and when:
+
+- (a rank's stager, :meth:`bytecp.storage.keeper.KeeperStorage.staging_arena`)
+  op ``alloc``: :meth:`Arenas.lend` hands out a file of at least ``nbytes``
+  below ``<root>/.arenas`` (mode 0600), a ready one from the free pool when
+  one fits, else a new one allocated now (``posix_fallocate``: its pages
+  exist before the rank maps it). The rank maps it and copies its boxes
+  into it: the only copy of the bytes the training process makes;
+- (the rank's writer thread) op ``adopt``: :meth:`Arenas.adopt` computes
+  the crc32c of every chunk (the writer's function, the same values), cuts
+  the file to the data file's size and renames it into the checkpoint: the
+  arena *is* the data file (same inode), laid out as the writer lays one
+  out. The keeper then replicates it like a written file;
+- (prewarm, op ``prepare``) :meth:`Arenas.prepare` readies a free one;
+- files the keeper deletes (retention's ``delete``) return to the free pool
+  (:meth:`Arenas.recycle`, at most ``pool_max`` files, the oldest dropped
+  first) instead of being unlinked; room for the budget drops free ones
+  first (:meth:`Arenas.drop_free`). A rank is lent back, where one fits, a
+  file it filled before: it still has it mapped, so its copy takes no page
+  faults (a fresh mapping of 256 MiB costs about 60 ms);
+- arenas never adopted come back: a rank names those it dropped at its next
+  ``alloc`` (``free``); those of a process that died return to the pool;
+  those lent longer than ``timeout_s`` ago are unlinked (a late writer then
+  writes to pages no one else sees; its ``adopt`` fails naming the timeout).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import mmap
+import os
+import threading
+import time
+from collections.abc import Sequence
+
+from bytecp.errors import StorageError
+from bytecp.format.checksum import crc32c
+
+__all__ = ["Arenas", "ARENA_DIR"]
+
+#: the arenas' directory below the keeper's root (never listed as a checkpoint's)
+ARENA_DIR = ".arenas"
+#: files smaller than this are unlinked, not pooled
+MIN_POOLED = 1 << 20
+
+
+@dataclasses.dataclass
+class _Lent:
+    path: str
+    nbytes: int
+    pid: int | None  # None: the keeper cannot see the rank's process (another pid namespace)
+    since: float
+
+
+class Arenas:
+    """The lent and free staging arenas of one keeper."""
+
+    def __init__(self, root: str, *, timeout_s: float = 600.0, pool_max: int = 8) -> None:
+        self.dir = os.path.join(root, ARENA_DIR)
+        os.makedirs(self.dir, mode=0o700, exist_ok=True)
+        self.timeout_s, self.pool_max = timeout_s, pool_max
+        self._lock = threading.Lock()
+        self._seq = itertools.count()
+        self.lent: dict[str, _Lent] = {}
+        self.free: list[tuple[int, str]] = []  # (size, path), oldest first
+        #: inode -> the pid whose arena it was (free files are lent back to it first)
+        self.filled_by: dict[int, int] = {}
+        #: counters (stats): bytes taken over as data files, bytes of arenas lent, reclaimed arenas
+        self.adopted_bytes = 0
+        self.lent_bytes = 0
+        self.reclaimed = 0
+
+    # -- lending -------------------------------------------------------------
+    def _new(self, nbytes: int) -> str:
+        path = os.path.join(self.dir, f"a-{os.getpid()}-{next(self._seq)}")
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            try:
+                os.posix_fallocate(fd, 0, nbytes)  # tmpfs: the pages exist now, not at first touch
+            except (OSError, AttributeError):
+                os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
+        return path
+
+    def _take_free(self, nbytes: int, pid: int | None = None) -> tuple[int, str] | None:
+        """The smallest free arena of ``nbytes`` to twice that, out of the pool
+        (one ``pid`` filled before first)."""
+        fits = [f for f in self.free if nbytes <= f[0] <= 2 * nbytes + (1 << 20)]
+        if not fits:
+            return None
+        best = min(fits, key=lambda f: (self.filled_by.get(_inode(f[1])) != pid, f[0] != nbytes, f[0]))
+        self.free.remove(best)
+        return best
+
+    def fitting(self, nbytes: int) -> bool:
+        with self._lock:
+            return any(nbytes <= f[0] <= 2 * nbytes + (1 << 20) for f in self.free)
+
+    def lend(self, nbytes: int, pid: int | None, released: Sequence[str] = ()) -> tuple[str, str, int]:
+        """-> (name, path, size) of an arena of at least ``nbytes`` lent to ``pid``."""
+        self.release(released)
+        self.reclaim()
+        with self._lock:
+            found = self._take_free(nbytes, pid)
+        size, path = found if found is not None else (nbytes, self._new(nbytes))
+        if pid is not None and not _alive(pid):
+            pid = None
+        name = os.path.basename(path) + f"-{next(self._seq)}"
+        with self._lock:
+            self.lent[name] = _Lent(path, size, pid, time.monotonic())
+            self.lent_bytes += size
+        return name, path, size
+
+    def prepare(self, nbytes: int, count: int, pid: int | None) -> list[str]:
+        """(prewarm) ``count`` free arenas of ``nbytes``, lent to ``pid`` first; -> their paths."""
+        with self._lock:
+            have = [p for s, p in self.free if s == nbytes and self.filled_by.get(_inode(p)) in (pid, None)][:count]
+        while len(have) < count:
+            path = self._new(nbytes)
+            with self._lock:
+                self.free.append((nbytes, path))
+            have.append(path)
+        if pid is not None and _alive(pid):
+            for p in have:
+                self.filled_by[_inode(p)] = pid
+        return have
+
+    # -- adopting ------------------------------------------------------------
+    def adopt(self, name: str, dest: str, size: int,
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the crc32c
+        of each range, where each now starts, and the file's size.
+
+        When the ranges take less than half the arena (a rank whose plan
+        writes a few of the boxes it copied: replicas another rank writes),
+        they are copied out here into a file of their own, page-aligned as
+        the writer lays them out, and the arena goes back to the pool: the
+        checkpoint never holds, nor replicates, the boxes it does not list."""
+        with self._lock:
+            lent = self.lent.pop(name, None)
+        if lent is None:
+            raise StorageError(f"staging arena {name} is not lent to a save here: it was reclaimed (not adopted "
+                               f"within {self.timeout_s:.0f} s, or its process was seen gone); save again")
+        try:
+            if size > lent.nbytes or any(o < 0 or o + n > size for o, n in ranges):
+                raise StorageError(f"staging arena {name}: {size} bytes or a chunk beyond its {lent.nbytes}")
+            if sum(_page(n) for _, n in ranges) * 2 < size:
+                crcs, starts, size = _copy_out(lent.path, dest, ranges)
+                self._give_back(lent)
+                with self._lock:
+                    self.adopted_bytes += size
+                return crcs, starts, size
+            crcs = _crcs(lent.path, ranges)
+            if size < lent.nbytes:
+                os.truncate(lent.path, size)
+            os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+            if lent.pid is not None:
+                self.filled_by[os.stat(lent.path).st_ino] = lent.pid
+                while len(self.filled_by) > 256:  # inodes of files long gone
+                    self.filled_by.pop(next(iter(self.filled_by)))
+            os.rename(lent.path, dest)
+        except BaseException:
+            self._unlink(lent.path)
+            raise
+        with self._lock:
+            self.adopted_bytes += size
+        return crcs, [o for o, _ in ranges], size
+
+    def _give_back(self, lent: _Lent) -> None:
+        """An arena whose boxes were copied out: unlinked, not pooled (its save
+        may still read its copy of the state there until it commits)."""
+        self._unlink(lent.path)
+
+    # -- returning -----------------------------------------------------------
+    def recycle(self, full: str) -> bool:
+        """Pool the deleted file ``full`` (True), or leave it to be unlinked (False)."""
+        try:
+            size = os.path.getsize(full)
+        except OSError:
+            return False
+        with self._lock:
+            if size < MIN_POOLED or self.pool_max < 1:
+                return False
+            while len(self.free) >= self.pool_max:  # the oldest free one makes room
+                self._unlink(self.free.pop(0)[1])
+            path = os.path.join(self.dir, f"f-{os.getpid()}-{next(self._seq)}")
+            os.rename(full, path)
+            self.free.append((size, path))
+        return True
+
+    def release(self, names: Sequence[str]) -> None:
+        """(a rank's next ``alloc``) Arenas it dropped without adopting go back to the pool."""
+        for name in names:
+            with self._lock:
+                lent = self.lent.pop(str(name), None)
+            if lent is not None:
+                self.reclaimed += 1
+                if not self.recycle(lent.path):
+                    self._unlink(lent.path)
+
+    def reclaim(self) -> None:
+        """Arenas of processes that died return to the pool; those lent too long ago are unlinked."""
+        now = time.monotonic()
+        with self._lock:
+            dead = [n for n, v in self.lent.items() if v.pid is not None and not _alive(v.pid)]
+            stale = [n for n, v in self.lent.items() if n not in dead and now - v.since > self.timeout_s]
+        self.release(dead)
+        for name in stale:
+            with self._lock:
+                lent = self.lent.pop(name, None)
+            if lent is not None:
+                self.reclaimed += 1
+                self._unlink(lent.path)
+
+    def drop_free(self) -> int:
+        """Unlink one free arena (the largest); -> its size (0: none was free)."""
+        with self._lock:
+            if not self.free:
+                return 0
+            size, path = max(self.free)
+            self.free.remove((size, path))
+        self._unlink(path)
+        return size
+
+    def stats(self) -> dict[str, int]:
+        with self._lock:
+            return {"lent": len(self.lent), "free": len(self.free), "free_bytes": sum(s for s, _ in self.free),
+                    "adopted_bytes": self.adopted_bytes, "lent_bytes": self.lent_bytes,
+                    "reclaimed": self.reclaimed}
+
+    def _unlink(self, path: str) -> None:
+        try:
+            self.filled_by.pop(os.stat(path).st_ino, None)
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+def _inode(path: str) -> int:
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return -1
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _page(n: int) -> int:
+    return -(-n // 4096) * 4096
+
+
+def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+    """Write ``ranges`` of ``src`` into a new file ``dest``, each page-aligned
+    (the gaps read as zeros); -> their crc32c, their starts, the file's size."""
+    starts, pos = [], 0
+    for _, n in ranges:
+        starts.append(pos)
+        pos += _page(n)
+    fd = os.open(src, os.O_RDONLY)
+    try:
+        m = mmap.mmap(fd, os.fstat(fd).st_size, prot=mmap.PROT_READ) if ranges else None
+    finally:
+        os.close(fd)
+    os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
+    tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
+    out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    crcs = []
+    view = memoryview(m) if m is not None else memoryview(b"")
+    try:
+        os.ftruncate(out, pos)
+        for (o, n), at in zip(ranges, starts, strict=True):
+            with view[o:o + n] as piece:
+                crcs.append(crc32c(piece))
+                done = 0
+                while done < n:
+                    with piece[done:] as rest:
+                        done += os.pwrite(out, rest, at + done)
+    except BaseException:
+        os.close(out)
+        os.unlink(tmp)
+        raise
+    finally:
+        view.release()
+        if m is not None:
+            m.close()
+    os.close(out)
+    os.rename(tmp, dest)
+    return crcs, starts, pos
+
+
+def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[int]:
+    """crc32c of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
+    if not ranges:
+        return []
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return [crc32c(b"") for _ in ranges]
+        m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
+    finally:
+        os.close(fd)
+    try:
+        view = memoryview(m)
+        try:
+            return [crc32c(view[o:o + n]) for o, n in ranges]
+        finally:
+            view.release()
+    finally:
+        m.close()

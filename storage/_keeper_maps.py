@@ -1,0 +1,76 @@
+"""A training process's mappings of the keeper's arenas, kept between saves.
+
+Used by :meth:`bytecp.storage.keeper.KeeperStorage.staging_arena` (every
+lent arena) and ``prepare_staging`` (prewarm). Mapping a shared-memory
+file costs page-table work for every page (about 60 ms per 256 MiB, as
+much as the copy into it); the keeper pools the data files retention
+deletes and lends a rank back one it filled, so a rank keeps its last
+mappings, by (device, inode, size), and copies into a file lent again
+without mapping it again. Each mapping holds its file open: one whose file
+the keeper has since unlinked (evicted, or dropped from its pool) is let go
+at the next lend, so it pins no memory the keeper's budget does not see
+beyond one save.
+"""
+
+from __future__ import annotations
+
+import collections
+import mmap
+import os
+import threading
+
+__all__ = ["Mappings", "MAPPINGS"]
+
+_Key = tuple[int, int, int]
+
+
+class Mappings:
+    """The process's mappings of arenas, least recently lent first."""
+
+    def __init__(self, keep: int = 16) -> None:
+        self.keep = keep
+        self._lock = threading.Lock()
+        self._maps: collections.OrderedDict[_Key, tuple[mmap.mmap, int]] = collections.OrderedDict()
+        self._expected: dict[int, int] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def map(self, path: str, size: int | None = None) -> mmap.mmap:
+        """A writable shared mapping of ``size`` bytes (None: all) of ``path``, reused when still mapped."""
+        fd = os.open(path, os.O_RDWR)
+        try:
+            st = os.fstat(fd)
+            key = (st.st_dev, st.st_ino, st.st_size if size is None else size)
+            with self._lock:
+                self._let_go_unlinked()
+                hit = self._maps.pop(key, None)
+            if hit is not None:
+                os.close(fd)
+                buf, fd = hit
+                self.hits += 1
+            else:
+                buf = mmap.mmap(fd, key[2], flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0))
+                self.misses += 1
+        except BaseException:
+            os.close(fd)
+            raise
+        with self._lock:
+            self._maps[key] = (buf, fd)
+            while len(self._maps) > self.keep:
+                os.close(self._maps.popitem(last=False)[1][1])
+        return buf
+
+    def expect(self, nbytes: int, count: int) -> None:
+        """(prewarm) Saves will take turns in ``count`` arenas of ``nbytes``: keep that many mapped."""
+        with self._lock:
+            self._expected[nbytes] = count
+            self.keep = max(self.keep, sum(self._expected.values()) + len(self._expected))
+
+    def _let_go_unlinked(self) -> None:
+        for key, (_, fd) in list(self._maps.items()):
+            if os.fstat(fd).st_nlink == 0:
+                del self._maps[key]
+                os.close(fd)
+
+
+MAPPINGS = Mappings()

@@ -1,0 +1,215 @@
+"""keeper:// single-copy saves: the rank copies its boxes into an arena the
+host's keeper lent (shared memory) and the keeper takes the arena over as
+the data file, checksummed and replicated there; eager, lazy and sync saves,
+crc32c and layout as the normal writer's, abandoned arenas reclaimed."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from bytecp.storage.keeper_server import Keeper
+from keepers import TOKEN, spec, start_keepers
+from torch import nn
+
+import bytecp
+from bytecp.errors import StorageError
+from bytecp.format import metadata as fmt
+from bytecp.format.index_read import all_segments, read_segments
+from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import verify
+
+
+@pytest.fixture(scope="module")
+def pair() -> Iterator[list[Keeper]]:
+    keepers = start_keepers(["s0", "s1"])
+    yield keepers
+    for k in keepers:
+        k.close()
+
+
+def state_of(seed: int) -> dict[str, object]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(128, 160), nn.ReLU(), nn.Linear(160, 3))  # 80 KiB and small boxes
+    opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+    m(torch.randn(4, 128)).sum().backward()
+    opt.step()
+    return {"model": m, "optim": opt, "extra": {"step": 7, "note": "x"}}
+
+
+def bitwise(a: dict[str, object], b: dict[str, object]) -> None:
+    for k, v in a["model"].state_dict().items():  # type: ignore[attr-defined]
+        assert torch.equal(v, b["model"].state_dict()[k]), k  # type: ignore[attr-defined]
+    sa, sb = a["optim"].state_dict()["state"], b["optim"].state_dict()["state"]  # type: ignore[attr-defined]
+    for i, st in sa.items():
+        for k, v in st.items():
+            assert torch.equal(v, sb[i][k]), (i, k)
+
+
+def chunks(url: str, **opts: object) -> dict[tuple[str, tuple[int, ...]], fmt.ChunkRecord]:
+    st = open_storage(url, **opts)
+    md = fmt.Metadata.from_bytes(st.read_bytes(fmt.METADATA_FILE), url)
+    return {(c.fqn, tuple(c.offsets)): c for c in read_segments(st, md, all_segments(md))}
+
+
+def adopted(keepers: list[Keeper]) -> int:
+    return sum(k.arenas.adopted_bytes for k in keepers)
+
+
+@pytest.mark.parametrize("mode", ["sync", "eager", "lazy", "budget"])
+def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Keeper], tmp_path: Path,
+                                                                    mode: str) -> None:
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    url = f"keeper://job/{uuid.uuid4().hex}/step-1"
+    state = state_of(0)
+    before = adopted(pair)
+    if mode == "sync":
+        bytecp.save(url, state, storage_options=opts)
+    else:
+        budget = 100_000 if mode == "budget" else None  # batches, each in an arena of its own
+        h = bytecp.async_save(url, state, lazy=mode == "lazy", memory_budget_bytes=budget, storage_options=opts)
+        if mode == "lazy":
+            state["optim"].step()  # type: ignore[attr-defined]  # the pre-step hook waits for the copy
+            state = state_of(0)  # the saved values (the step above changed the live ones after the copy)
+        h.wait()
+    bytecp.save(str(tmp_path / "disk"), state)  # the normal writer, same state
+    mem, disk = chunks(url, **opts), chunks(str(tmp_path / "disk"))
+    assert mem.keys() == disk.keys()
+    for key, c in mem.items():
+        assert c.crc32c == disk[key].crc32c, key
+        if c.nbytes:
+            assert c.byte_offset % fmt.ALIGNMENT == 0, key  # page-aligned, as the writer lays it out
+    md = fmt.Metadata.from_bytes(open_storage(url, **opts).read_bytes(fmt.METADATA_FILE), url)
+    tensor_files = {c.file for c in mem.values()}
+    grew = adopted(pair) - before
+    assert grew == sum(md.data_files[f] for f in tensor_files) > 0  # not written: adopted
+    assert len(tensor_files) == (1 if mode != "budget" else len(tensor_files) > 1 and len(tensor_files))
+    for k in pair:  # both copies of the adopted file
+        for f in tensor_files:
+            assert os.path.getsize(k._full(f"{url[len('keeper://'):]}/{f}")) == md.data_files[f]
+    target = state_of(1)
+    bytecp.load(url, target, storage_options=opts)
+    bitwise(state, target)
+    checked, problems = verify(open_storage(url, **opts))  # every chunk read back against its crc32c
+    assert checked and not problems
+
+
+def test_retention_recycles_data_files_into_the_arena_pool(pair: list[Keeper]) -> None:
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    run = f"keeper://job/{uuid.uuid4().hex}"
+    big = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB: pooled when deleted
+    bytecp.save(f"{run}/step-1", big, storage_options=opts)
+    free = pair[0].arenas.stats()["free"]
+    open_storage(f"{run}/step-1", **opts).delete_prefix()
+    assert pair[0].arenas.stats()["free"] == free + 1
+    lent_before = pair[0].arenas.lent_bytes
+    bytecp.save(f"{run}/step-2", big, storage_options=opts)  # lent the pooled file
+    assert pair[0].arenas.stats()["free"] == free
+    assert pair[0].arenas.lent_bytes > lent_before
+    out = {"w": torch.zeros(1 << 19)}
+    bytecp.load(f"{run}/step-2", out, storage_options=opts)
+    assert torch.equal(out["w"], big["w"])
+
+
+_KILLED = """
+import sys, torch, bytecp
+state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+bytecp.async_save(sys.argv[1], state, storage_options={"keepers": sys.argv[2], "host": "s0", "token": sys.argv[3]})
+"""
+
+
+def test_a_rank_killed_after_alloc_commits_nothing_and_its_arena_is_reclaimed(pair: list[Keeper]) -> None:
+    run = f"keeper://job/{uuid.uuid4().hex}"
+    lent = set(pair[0].arenas.lent)
+    env = dict(os.environ, BYTECP_FAULT_EXIT="write:0")  # dies after the copy into the arena, before adopt
+    out = subprocess.run([sys.executable, "-c", _KILLED, f"{run}/step-1", spec(pair), TOKEN],
+                         capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode != 0, out.stderr
+    (name,) = set(pair[0].arenas.lent) - lent
+    st = open_storage(run, keepers=spec(pair), host="s0", token=TOKEN)
+    assert fmt.METADATA_FILE not in {p.rsplit("/", 1)[-1] for p in st.list_files()}  # nothing committed
+    pair[0].arenas.reclaim()  # (at every alloc) its process is gone
+    assert name not in pair[0].arenas.lent
+
+
+def test_a_failed_save_gives_its_arena_back_at_the_next_save(pair: list[Keeper], monkeypatch) -> None:
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    run = f"keeper://job/{uuid.uuid4().hex}"
+    state = {"w": torch.arange(1 << 18, dtype=torch.float32)}
+    monkeypatch.setenv("BYTECP_FAULT_ERROR", "write:0")
+    with pytest.raises(RuntimeError):
+        bytecp.save(f"{run}/step-1", state, storage_options=opts)
+    monkeypatch.delenv("BYTECP_FAULT_ERROR")
+    gc.collect()
+    reclaimed = pair[0].arenas.reclaimed
+    bytecp.save(f"{run}/step-2", state, storage_options=opts)  # names the dropped arena at its alloc
+    assert pair[0].arenas.reclaimed == reclaimed + 1 and not pair[0].arenas.lent
+
+
+def test_an_arena_lent_too_long_is_unlinked(tmp_path: Path) -> None:
+    from bytecp.storage._keeper_arenas import Arenas
+
+    arenas = Arenas(str(tmp_path), timeout_s=0.0)
+    name, path, _ = arenas.lend(4096, os.getpid())
+    arenas.reclaim()
+    assert not os.path.exists(path) and name not in arenas.lent
+    with pytest.raises(StorageError, match="reclaimed"):
+        arenas.adopt(name, str(tmp_path / "d"), 4096, [(0, 4096)])
+
+
+def test_a_large_save_is_lent_an_arena_per_data_file(pair: list[Keeper]) -> None:
+    """36 MB of boxes, io_threads=4: spread over 2 arenas as the writer would
+    spread them over data files (32 MB each at most), replicated in parallel."""
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    url = f"keeper://job/{uuid.uuid4().hex}/step-1"
+    state = {k: torch.arange(3 << 20, dtype=torch.float32) + i for i, k in enumerate("abc")}
+    before = adopted(pair)
+    bytecp.save(url, state, storage_options=opts)
+    md = fmt.Metadata.from_bytes(open_storage(url, **opts).read_bytes(fmt.METADATA_FILE), url)
+    files = {c.file for c in chunks(url, **opts).values()}
+    assert len(files) == 2 and adopted(pair) - before == sum(md.data_files[f] for f in files)
+    out = {k: torch.zeros(3 << 20) for k in "abc"}
+    bytecp.load(url, out, storage_options=opts)
+    assert all(torch.equal(out[k], state[k]) for k in "abc")
+    open_storage(url, **opts).delete_prefix()
+
+
+def test_a_mapping_is_reused_while_its_file_lives_and_let_go_once_unlinked(tmp_path: Path) -> None:
+    from bytecp.storage._keeper_maps import Mappings
+
+    maps = Mappings(keep=4)
+    (tmp_path / "a").write_bytes(bytes(8192))
+    first = maps.map(str(tmp_path / "a"))
+    assert maps.map(str(tmp_path / "a")) is first and (maps.hits, maps.misses) == (1, 1)
+    os.unlink(tmp_path / "a")  # the keeper evicted it: the next lend lets the mapping go
+    (tmp_path / "b").write_bytes(bytes(4096))
+    maps.map(str(tmp_path / "b"))
+    assert len(maps._maps) == 1
+
+
+def test_an_arena_mostly_unwritten_is_copied_out_not_adopted(tmp_path: Path) -> None:
+    """A rank whose plan writes few of the boxes it copied (replicas another
+    rank writes): the keeper copies those out, page-aligned, crc32c as the writer's."""
+    from bytecp.storage._keeper_arenas import Arenas
+
+    from bytecp.format.checksum import crc32c
+
+    arenas = Arenas(str(tmp_path))
+    name, path, size = arenas.lend(16 * fmt.ALIGNMENT, os.getpid())
+    data = os.urandom(size)
+    with open(path, "r+b") as f:
+        f.write(data)
+    ranges = [(3 * fmt.ALIGNMENT, 100), (9 * fmt.ALIGNMENT, fmt.ALIGNMENT + 5)]
+    crcs, starts, n = arenas.adopt(name, str(tmp_path / "ck" / "d"), size, ranges)
+    assert starts == [0, fmt.ALIGNMENT] and n == 3 * fmt.ALIGNMENT and not os.path.exists(path)
+    out = (tmp_path / "ck" / "d").read_bytes()
+    for (o, k), s, c in zip(ranges, starts, crcs, strict=True):
+        assert out[s:s + k] == data[o:o + k] and c == crc32c(data[o:o + k])
+    assert out[100:fmt.ALIGNMENT] == bytes(fmt.ALIGNMENT - 100)  # the writer's zero padding
