@@ -170,6 +170,7 @@ LOAD_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_many_exits_after_a_two_rank_load_are_all_clean(tmp_path: Path) -> None:
     import torch
 
