@@ -28,6 +28,9 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
+from bytecp.dist_raw import all_gather_bytes, broadcast_bytes, finish
+from bytecp.dist_raw import from_bytes as _from_bytes
+from bytecp.dist_raw import to_bytes as _to_bytes
 from bytecp.errors import DistributedCheckpointError
 
 __all__ = ["DistContext", "CollectiveStats"]
@@ -194,9 +197,7 @@ class DistContext:
         if not self.enabled:
             return [obj]
         self._count(obj)
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, obj, group=self.group)
-        return out
+        return [_from_bytes(b) for b in all_gather_bytes(_to_bytes(obj), self.group, self.world_size, self.device)]
 
     def gather_object(self, obj: T) -> list[T] | None:
         """Every rank's ``obj`` to the coordinator, unpadded: the sizes travel
@@ -224,18 +225,16 @@ class DistContext:
         self._p2p(ops)
         return [obj if r == self.rank else _from_bytes(b) for r, b in enumerate(bufs)]
 
-    @staticmethod
-    def _p2p(ops: list[Any]) -> None:
+    def _p2p(self, ops: list[Any]) -> None:
         """Run point-to-point operations as one batch: on NCCL they share the
         group's communicator instead of opening one per pair of ranks."""
         if ops:
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
+            finish(self.group, dist.batch_isend_irecv(ops))
 
     def _gather_sizes(self, n: int) -> list[int] | None:
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)] if self.is_coordinator else None
-        dist.gather(mine, out, dst=self.global_coordinator, group=self.group)
+        finish(self.group, [dist.gather(mine, out, dst=self.global_coordinator, group=self.group, async_op=True)])
         return [int(t.item()) for t in out] if out is not None else None
 
     def _global(self, group_rank: int) -> int:
@@ -245,9 +244,9 @@ class DistContext:
         if not self.enabled:
             return obj  # type: ignore[return-value]
         self._count(obj if self.is_coordinator else None)
-        box = [obj]
-        dist.broadcast_object_list(box, src=self.global_coordinator, group=self.group)
-        return box[0]  # type: ignore[return-value]
+        data = _to_bytes(obj) if self.is_coordinator else None
+        buf = broadcast_bytes(data, self.global_coordinator, self.group, self.device)
+        return obj if self.is_coordinator else _from_bytes(buf)  # type: ignore[return-value]
 
     def scatter_object(self, objs: Sequence[T] | None) -> T:
         """The coordinator's ``objs[r]`` to rank ``r``, unpadded (sizes in one
@@ -263,7 +262,7 @@ class DistContext:
             datas = [_to_bytes(o) for o in objs]
             sizes_in = [torch.tensor([len(d)], dtype=torch.int64, device=self.device) for d in datas]
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        dist.scatter(size, sizes_in, src=self.global_coordinator, group=self.group)
+        finish(self.group, [dist.scatter(size, sizes_in, src=self.global_coordinator, group=self.group, async_op=True)])
         if self.is_coordinator:
             assert objs is not None
             self._p2p([dist.P2POp(dist.isend, d.to(self.device), self._global(r), self.group)
@@ -286,11 +285,11 @@ class DistContext:
             global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
             if self.device.type != "cpu":
                 moved = tensor.to(self.device)
-                dist.broadcast(moved, src=global_src, group=self.group)
+                finish(self.group, [dist.broadcast(moved, src=global_src, group=self.group, async_op=True)])
                 if self.rank != src:
                     tensor.copy_(moved.cpu())
             else:
-                dist.broadcast(tensor, src=global_src, group=self.group)
+                finish(self.group, [dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)])
 
     def barrier(self) -> None:
         if self.enabled:
@@ -403,16 +402,6 @@ class DistContext:
         except Exception as e:
             return [_Failed({self.rank: _describe(e)}, reduce_op)] * self.world_size
         return out
-
-
-def _to_bytes(obj: Any) -> torch.Tensor:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-
-
-def _from_bytes(buf: torch.Tensor | None) -> Any:
-    # payloads come from this job's own ranks (as with torch.distributed's object collectives)
-    return None if buf is None else pickle.loads(buf.cpu().numpy().tobytes())
 
 
 def _default_store() -> Any:

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from bytecp.dist_raw import finish
 from bytecp.errors import ConfigError
 
 __all__ = ["Preemption", "signals_from"]
@@ -68,7 +69,8 @@ class Preemption:
         if self._group is None:
             return bool(mine)
         flag = torch.tensor([mine], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
+        # (kept by dist_raw: a gloo thread never frees it at exit)
+        finish(self._group, [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)])
         if flag.item() and self.received is None:
             self.received = int(signal.SIGTERM)  # another rank was signalled
         return bool(flag.item())

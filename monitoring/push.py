@@ -112,11 +112,15 @@ class PushRecorder:
         self._closed = True
         with self._lock:
             thread = self._thread if self._pid == os.getpid() else None
-        if thread is not None and thread.is_alive():
+        if thread is not None and thread.is_alive() and thread is not threading.current_thread():
             try:
                 self._queue.put_nowait(None)
             except queue.Full:
                 pass
+            # ended here, not in the interpreter's finalization (a thread still
+            # inside gRPC then aborts the process): what is still queued is
+            # dropped, the report being sent ends within its deadline
+            thread.join(self.timeout + 1.0)
 
     def _at_exit(self) -> None:
         if not self._closed and self._thread is not None and self._pid == os.getpid():
@@ -152,8 +156,8 @@ class PushRecorder:
                 try:
                     if report is None:
                         return
-                    if stub is None:
-                        self._drop(report, broken)
+                    if stub is None or self._closed:
+                        self._drop(report, broken or "the pusher was closed before it was sent")
                     else:
                         self._send(stub, report)
                 finally:

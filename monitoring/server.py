@@ -199,6 +199,9 @@ class CollectorServer:
 
     def stop(self, grace: float | None = 0.5) -> None:
         self._stop.set()
+        if self._timer is not None and self._timer is not threading.current_thread():
+            self._timer.join()  # it waits on _stop: ends at once
+            self._timer = None
         if self._server is not None:
             self._server.stop(grace).wait()
             self._server = None

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import bytecp.dist_raw  # noqa: F401  (its exit hook runs after the drain below)
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
 from bytecp.recorder import Trace

@@ -130,3 +130,61 @@ def test_the_lease_of_a_save_drained_at_exit_is_held_until_it_ends(tmp_path: Pat
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "lease held", p.stdout + p.stderr[-2000:]
     assert (tmp_path / "ck" / "metadata.json").exists()
+
+
+# Two ranks per run, forked from a parent that imported torch and bytecp:
+# each loads, destroys the default group (still held, as a model's FSDP2
+# state holds its group) and leaves. The switch interval makes the rank keep
+# the GIL from the load's last collective to finalization, as a script that
+# ends right after its load does: a gloo worker that then frees that
+# collective's tensors asks for the GIL too late and the rank aborts (before
+# bytecp kept its works, bytecp.dist_raw: about 1 rank in 4).
+LOAD_SCRIPT = textwrap.dedent("""
+    import os, sys
+    import torch
+    import torch.distributed as dist
+    import bytecp
+
+    url, runs, base = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+
+    def main(rank, init):
+        sys.setswitchinterval(60)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        held = dist.group.WORLD
+        model = torch.nn.Linear(16, 16)
+        bytecp.load(url, {"model": model})
+        assert torch.equal(model.weight, torch.arange(256.0).reshape(16, 16))
+        dist.destroy_process_group()
+
+    for i in range(runs):
+        init = f"file://{base}/store-{i}"
+        pids = []
+        for rank in range(2):
+            pid = os.fork()
+            if pid == 0:
+                main(rank, init)
+                sys.exit()  # finalizes as the end of a script does
+            pids.append(pid)
+        codes = [os.waitstatus_to_exitcode(os.waitpid(p, 0)[1]) for p in pids]
+        print(f"run-{i} exit {codes}", flush=True)
+""")
+
+
+@pytest.mark.slow
+def test_many_exits_after_a_two_rank_load_are_all_clean(tmp_path: Path) -> None:
+    import torch
+
+    import bytecp
+
+    model = torch.nn.Linear(16, 16)
+    with torch.no_grad():
+        model.weight.copy_(torch.arange(256.0).reshape(16, 16))
+    bytecp.save(str(tmp_path / "ck"), {"model": model})
+    script = tmp_path / "load.py"
+    script.write_text(LOAD_SCRIPT)
+    runs = 6
+    p = subprocess.run([sys.executable, str(script), str(tmp_path / "ck"), str(runs), str(tmp_path)],
+                       capture_output=True, text=True, timeout=240)
+    assert "terminate called" not in p.stderr, p.stderr[-2000:]
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.splitlines() == [f"run-{i} exit [0, 0]" for i in range(runs)], p.stdout + p.stderr[-2000:]

@@ -1,0 +1,120 @@
+"""The raw ``torch.distributed`` calls under :class:`bytecp.dist.DistContext`.
+
+Every collective bytecp issues (its own and those of
+:mod:`bytecp.preemption`) is started with ``async_op=True`` and finished by
+:func:`finish`, which waits for its works and then *keeps* them: the works
+of a group's latest collective stay until its next one, and works replaced
+there stay :data:`RETIRE_SECONDS` longer. At interpreter exit
+(:func:`_settle`, a threading exit hook) the main thread lets
+:data:`SETTLE_SECONDS` pass since the last collective, GIL released, before
+finalization begins.
+
+Why (an abort at exit, SIGABRT, *terminate called without an active
+exception*): with gloo, the worker thread that ran a collective drops its
+reference to the work just after marking it complete. When that reference
+is the last one, destroying the work releases its tensors, and releasing a
+tensor that has a Python object takes the GIL. The caller woke up at the
+completion and holds the GIL; a script that returns within the GIL's switch
+interval (5 ms) -- ``bytecp.load(...)``, ``destroy_process_group()``, end
+-- starts finalizing first, and CPython ends a thread that asks for the GIL
+after that with ``pthread_exit``, whose unwinding through the worker's
+``noexcept`` frames calls ``std::terminate``. A work kept here is never
+freed on a gloo thread (its worker only drops a reference, without the GIL,
+long before this module lets the work go), and a worker that waits for the
+GIL for any other collective gets it while :func:`_settle` sleeps.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
+           "RETIRE_SECONDS", "SETTLE_SECONDS"]
+
+#: how long a replaced collective's works are still kept (its gloo worker
+#: dropped its own reference microseconds after completing it)
+RETIRE_SECONDS = 1.0
+#: at exit, the least time since the last collective before finalization
+SETTLE_SECONDS = 0.1
+
+_lock = threading.Lock()
+#: the works of the latest collective on each group (``id`` of the group; 0: the default group)
+_kept: dict[int, list[Any]] = {}
+#: replaced works, with when they were replaced
+_retired: list[tuple[float, list[Any]]] = []
+_last = 0.0
+
+
+def finish(group: Any, works: Sequence[Any]) -> None:
+    """(the thread that started ``works``) Wait for them, then keep them in
+    place of the group's previous collective's works (see the module docstring)."""
+    global _last
+    for w in works:
+        w.wait()
+    now = time.monotonic()
+    with _lock:
+        old = _kept.get(0 if group is None else id(group))
+        _kept[0 if group is None else id(group)] = list(works)
+        _retired[:] = [r for r in _retired if now - r[0] < RETIRE_SECONDS]
+        if old:
+            _retired.append((now, old))
+        _last = now
+
+
+def _settle() -> None:
+    """(the main thread, at interpreter exit, after the in-flight save's thread
+    has ended) Sleep until :data:`SETTLE_SECONDS` have passed since the last
+    collective: the gloo workers drop their references, and any of them
+    waiting for the GIL takes it, before finalization begins."""
+    wait = _last + SETTLE_SECONDS - time.monotonic() if _last else 0.0
+    if wait > 0:
+        time.sleep(wait)
+
+
+# (registered before bytecp.saving.handles registers its drain: threading
+# runs its exit hooks last registered first, so this one runs after it)
+getattr(threading, "_register_atexit", lambda fn: None)(_settle)
+
+
+def to_bytes(obj: Any) -> torch.Tensor:
+    """``obj`` pickled, as a CPU ``uint8`` tensor."""
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+
+
+def from_bytes(buf: torch.Tensor | None) -> Any:
+    """The object :func:`to_bytes` made (``None`` for no buffer)."""
+    # payloads come from this job's own ranks (as with torch.distributed's object collectives)
+    return None if buf is None else pickle.loads(buf.cpu().numpy().tobytes())
+
+
+def all_gather_bytes(data: torch.Tensor, group: Any, world_size: int, device: torch.device) -> list[torch.Tensor]:
+    """(every rank of ``group``) Every rank's ``data`` (CPU ``uint8``), in
+    group rank order: the sizes, then the payloads padded to the largest."""
+    size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    sizes = [torch.empty_like(size) for _ in range(world_size)]
+    finish(group, [dist.all_gather(sizes, size, group=group, async_op=True)])
+    lengths = [int(s.item()) for s in sizes]
+    padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data.to(device)
+    outs = [torch.empty_like(padded) for _ in range(world_size)]
+    finish(group, [dist.all_gather(outs, padded, group=group, async_op=True)])
+    return [o[:n].cpu() for o, n in zip(outs, lengths, strict=True)]
+
+
+def broadcast_bytes(data: torch.Tensor | None, src: int, group: Any, device: torch.device) -> torch.Tensor:
+    """(every rank of ``group``) Global rank ``src``'s ``data`` (CPU
+    ``uint8``; ``None`` on the other ranks): the size, then the payload."""
+    size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
+    finish(group, [dist.broadcast(size, src=src, group=group, async_op=True)])
+    buf = data.to(device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    if buf.numel():
+        finish(group, [dist.broadcast(buf, src=src, group=group, async_op=True)])
+    return buf.cpu()
