@@ -11,7 +11,9 @@ async_save=True)`` and the run measures, medians of ``--repeats``:
   separately); ``two_copy``: the same with ``single_copy=False``;
 - ``to_commit``: from the call to the memory checkpoint's commit, every file
   with its two copies (the replication included); ``replication``: the
-  keeper's time pushing the checkpoint's files to its peer;
+  keeper's time pushing the checkpoint's files to its peer; ``keeper_cpu``:
+  the CPU time of both keeper processes per memory checkpoint (adopting,
+  checksumming, replicating, retention's deletes);
 - ``recover-local`` / ``recover-peer``: ``bytecp.load`` from this host's
   keeper, and from the peer after this host's keeper lost its copy (a
   replaced host);
@@ -29,7 +31,7 @@ async_save=True)`` and the run measures, medians of ``--repeats``:
   thread) and ``trainer_copied_bytes`` (bytes the training process copied:
   staged plus written to the keeper).
 
-    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json] [--only-copies]
+    python -m benchmarks.memory_tier --mb 256 --repeats 3 [--json out.json] [--only-copies | --no-copies]
 """
 
 from __future__ import annotations
@@ -133,8 +135,9 @@ def manager_loop(state: dict[str, Any], run: Path, mem: str, opts: dict[str, Any
     """Memory checkpoints through ``CheckpointManager(async_save=True)``, retention keeping 2."""
     mgr = bytecp.CheckpointManager(str(run), every_n_steps=10**9, memory_url=mem, memory_every_n_steps=1,
                                    memory_storage_options=opts, async_save=True)
-    blocking, to_commit, replication = [], [], []
+    blocking, to_commit, replication, keeper_cpu = [], [], [], []
     for step in range(1, repeats + 2):
+        cpu0 = sum(s["cpu_s"] for s in open_storage(mem, **opts).keeper_stats())  # type: ignore[attr-defined]
         t0 = time.perf_counter()
         mgr.maybe_save(step, state)
         blocking.append(time.perf_counter() - t0)
@@ -143,8 +146,10 @@ def manager_loop(state: dict[str, Any], run: Path, mem: str, opts: dict[str, Any
         stats = open_storage(mem, **opts).keeper_stats()  # type: ignore[attr-defined]
         key = f"{mem[len('keeper://'):]}/step-{step}"
         replication.append(max(s["replication_s"].get(key, 0.0) for s in stats))
+        keeper_cpu.append(sum(s["cpu_s"] for s in stats) - cpu0)
     return {"prewarm_s": prewarm_s, "blocking_first_s": blocking[0], "blocking_s": statistics.median(blocking[1:]),
-            "to_commit_s": statistics.median(to_commit[1:]), "replication_s": statistics.median(replication[1:])}
+            "to_commit_s": statistics.median(to_commit[1:]), "replication_s": statistics.median(replication[1:]),
+            "keeper_cpu_s": statistics.median(keeper_cpu[1:])}
 
 
 def timed(fn: Any) -> float:
@@ -159,6 +164,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--no-s3", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--no-copies", action="store_true", help="skip the single- vs two-copy figures")
     ap.add_argument("--only-copies", action="store_true", help="only the single- vs two-copy figures")
     args = ap.parse_args()
     from keepers import TOKEN, free_ports, spawn_keeper
@@ -173,7 +179,8 @@ def main() -> None:
         state = state_of(args.mb, 0)
         nbytes = sum(p.numel() * 4 * 3 for p in state["model"].parameters())
         out["state_bytes"] = nbytes
-        out["copies"] = copies(state, nbytes, opts, args.repeats)
+        if not args.no_copies:
+            out["copies"] = copies(state, nbytes, opts, args.repeats)
         if args.only_copies:
             raise _CopiesOnly
         two = dict(opts, single_copy=False)  # the two-copy path first, as before the keepers lent arenas

@@ -4,8 +4,14 @@ Used by the keeper process (:mod:`bytecp.storage.keeper_server`) and by the
 ``keeper://`` backend (:mod:`bytecp.storage.keeper`) in the training
 processes. One request per TCP connection: a 4-byte big-endian length, a
 JSON header (which carries the job's token and, for a payload, its size
-``n`` and crc32), then ``n`` payload bytes; the answer has the same shape
-(``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``).
+``n`` and ``crc32c``), then ``n`` payload bytes; the answer has the same
+shape (``{"ok": true, ...}`` or ``{"ok": false, "error": "..."}``).
+
+A keeper moves files without a userspace copy: a payload part that is a
+:class:`FileRange` (replication's ``put``, a ``get`` answer) goes out with
+``sendfile`` from the shared-memory file, and a ``put`` is received
+(:func:`recv_file`) with ``recv_into`` straight into a mapping of the
+destination file; the receiver checks the crc32c over that mapping.
 
 A keeper's files live below one directory in ``/dev/shm`` (shared memory),
 mode 0700, files 0600: only the job's user reads them; the token keeps
@@ -14,20 +20,25 @@ other jobs of the same user out of the TCP side.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import hmac
 import json
+import mmap
 import os
 import socket
 import struct
+import threading
 import zlib
 from collections.abc import Sequence
 from typing import Any
 
 from bytecp.errors import CheckpointExistsError, StorageError
+from bytecp.format.checksum import crc32c
 
 __all__ = [
-    "Addr", "parse_keepers", "request", "send", "recv", "recv_payload", "safe_path", "write_atomic",
-    "read_file_into", "crc_of", "token_ok", "KeeperUnreachable",
+    "Addr", "parse_keepers", "request", "send", "recv", "recv_payload", "recv_file", "discard", "safe_path",
+    "write_atomic", "read_file_into", "crc_of", "token_ok", "KeeperUnreachable", "FileRange",
 ]
 
 Addr = tuple[str, int]
@@ -52,11 +63,34 @@ def parse_keepers(spec: str | dict[str, str]) -> dict[str, Addr]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class FileRange:
+    """A payload part: ``nbytes`` of the file ``path`` from ``offset``, sent
+    with ``sendfile`` (the kernel moves the pages; no userspace copy)."""
+
+    path: str
+    offset: int
+    nbytes: int
+
+
 def crc_of(buffers: Sequence[Any]) -> int:
+    """The crc32c of the buffers, one after the other."""
     crc = 0
     for b in buffers:
-        crc = zlib.crc32(b, crc)
+        crc = crc32c(b, crc)
     return crc
+
+
+def _check(header: dict[str, Any], buf: memoryview) -> None:
+    """Raise when ``buf`` fails the header's checksum (``crc32c``; ``crc``: zlib's, older senders)."""
+    if "crc32c" in header:
+        ok = crc32c(buf) == header["crc32c"]
+    elif "crc" in header:
+        ok = zlib.crc32(buf) == header["crc"]
+    else:
+        return
+    if not ok:
+        raise StorageError(f"keeper payload of {len(buf)} bytes failed its crc32c check (corrupted in transfer)")
 
 
 def token_ok(given: object, token: str) -> bool:
@@ -64,14 +98,41 @@ def token_ok(given: object, token: str) -> bool:
 
 
 def send(sock: socket.socket, header: dict[str, Any], payload: Sequence[Any] = ()) -> None:
-    views = [memoryview(b).cast("B") for b in payload]
-    header = dict(header, n=sum(len(v) for v in views))
-    if views and "crc" not in header:
-        header["crc"] = crc_of(views)
-    raw = json.dumps(header).encode()
-    sock.sendall(_LEN.pack(len(raw)) + raw)
-    for v in views:
-        sock.sendall(v)
+    """``header``, then the payload: buffers, and :class:`FileRange` parts
+    (checksummed through a read-only mapping, sent with ``sendfile``)."""
+    with contextlib.ExitStack() as stack:
+        files: dict[str, tuple[Any, mmap.mmap | None]] = {}
+        parts: list[memoryview | tuple[Any, int, int]] = []
+        crc, n = 0, 0
+        for p in payload:
+            if not isinstance(p, FileRange):
+                v = memoryview(p).cast("B")
+                crc, n = crc32c(v, crc), n + len(v)
+                parts.append(v)
+                continue
+            if p.path not in files:
+                f = stack.enter_context(open(p.path, "rb", buffering=0))  # noqa: SIM115
+                size = os.fstat(f.fileno()).st_size
+                m = stack.enter_context(mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ)) if size else None
+                files[p.path] = (f, m)
+            f, m = files[p.path]
+            if p.nbytes < 0 or p.nbytes and (p.offset < 0 or p.offset + p.nbytes > (len(m) if m else 0)):
+                raise StorageError(f"{p.path}: bytes {p.offset}..{p.offset + p.nbytes} are beyond its end")
+            if p.nbytes:
+                with memoryview(m) as whole, whole[p.offset:p.offset + p.nbytes] as v:  # type: ignore[arg-type]
+                    crc = crc32c(v, crc)
+            n += p.nbytes
+            parts.append((f, p.offset, p.nbytes))
+        header = dict(header, n=n)
+        if parts and "crc" not in header and "crc32c" not in header:
+            header["crc32c"] = crc
+        raw = json.dumps(header).encode()
+        sock.sendall(_LEN.pack(len(raw)) + raw)
+        for part in parts:
+            if isinstance(part, memoryview):
+                sock.sendall(part)
+            elif part[2] and sock.sendfile(part[0], part[1], part[2]) != part[2]:
+                raise ConnectionError(f"{part[0].name}: sendfile stopped short (the file shrank?)")
 
 
 def _recv_exact(sock: socket.socket, out: memoryview) -> None:
@@ -102,9 +163,41 @@ def recv_payload(sock: socket.socket, header: dict[str, Any], out: memoryview | 
     if len(buf) != n:
         raise StorageError(f"keeper sent {n} bytes where {len(buf)} were asked for")
     _recv_exact(sock, buf)
-    if "crc" in header and zlib.crc32(buf) != header["crc"]:
-        raise StorageError(f"keeper payload of {n} bytes failed its crc32 check (corrupted in transfer)")
+    _check(header, buf)
     return buf
+
+
+def discard(sock: socket.socket, n: int) -> None:
+    """Read and drop ``n`` payload bytes (a refused ``put``: its sender then reads the refusal)."""
+    buf = memoryview(bytearray(min(n, 1 << 20)))
+    while n > 0:
+        _recv_exact(sock, buf[:min(n, len(buf))])
+        n -= len(buf)
+
+
+def recv_file(sock: socket.socket, header: dict[str, Any], root: str, path: str) -> int:
+    """(a keeper, for a ``put``) The payload ``header`` announces, received
+    straight into a mapping of the new file ``root/path`` (mode 0600, through
+    a temporary name and a rename), crc-checked there; returns its size."""
+    n = int(header.get("n", 0))
+    full = os.path.join(root, safe_path(path))
+    os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
+    tmp = f"{full}.tmp-{os.getpid()}-{threading.get_ident()}"
+    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if n:
+            os.ftruncate(fd, n)
+            with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as m:
+                with memoryview(m) as view:
+                    _recv_exact(sock, view)
+                    _check(header, view)
+    except BaseException:
+        os.close(fd)
+        os.unlink(tmp)
+        raise
+    os.close(fd)
+    os.rename(tmp, full)
+    return n
 
 
 def request(addr: Addr, header: dict[str, Any], payload: Sequence[Any] = (), *,

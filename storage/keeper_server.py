@@ -40,6 +40,7 @@ import argparse
 import array
 import logging
 import os
+import resource
 import shutil
 import signal
 import socketserver
@@ -55,10 +56,12 @@ from ._keeper_arenas import ARENA_DIR, Arenas
 from ._keeper_drain import drain
 from ._keeper_wire import (
     Addr,
+    FileRange,
     KeeperUnreachable,
+    discard,
     parse_keepers,
-    read_file_into,
     recv,
+    recv_file,
     recv_payload,
     request,
     safe_path,
@@ -128,7 +131,11 @@ class Keeper:
             if op is None:
                 send(sock, {"ok": False, "error": f"keeper {self.name}: unknown op {header.get('op')!r}"})
                 return
-            payload = recv_payload(sock, header) if header.get("n") else memoryview(b"")
+            if header.get("n") and header.get("op") in ("put", "replicate"):
+                self._receive(sock, header)  # into the file's mapping; the op finds it there
+                payload = memoryview(b"")
+            else:
+                payload = recv_payload(sock, header) if header.get("n") else memoryview(b"")
             answer, data = op(header, payload)
             send(sock, dict(answer, ok=True), data)
         except (StorageError, OSError, ValueError) as e:
@@ -215,8 +222,10 @@ class Keeper:
                 log.warning("keeper %s: peer %s did not evict %s: %s", self.name, name, ckpt, e)
 
     def op_evict(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
-        """(a peer that evicted ``path`` for its budget) Evict it here too."""
-        self._evict(safe_path(h["path"]))
+        """(a peer that evicted ``path`` for its budget) Evict it here too, under the
+        lock: a :meth:`_room_for` here sees it either committed or gone, never half removed."""
+        with self._lock:
+            self._evict(safe_path(h["path"]))
         return {}, []
 
     def _evictable(self, protect: str) -> list[str]:
@@ -230,18 +239,28 @@ class Keeper:
         return sorted((r for r in out if not protect.startswith(r + "/")),
                       key=lambda r: os.path.getmtime(self._full(r + "/" + METADATA)))
 
+    def _receive(self, sock: Any, h: dict[str, Any]) -> None:
+        """(``put``, a ``replicate`` carrying bytes) Make room, then receive the file into its mapping."""
+        try:
+            with self._lock:
+                self._room_for(h["path"], int(h["n"]))
+        except StorageError:
+            discard(sock, int(h["n"]))
+            raise
+        recv_file(sock, h, self.root, h["path"])
+
     # -- ops ---------------------------------------------------------------
     def op_put(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
-        with self._lock:
-            self._room_for(h["path"], len(payload))
-            write_atomic(self.root, h["path"], [payload])
+        """(a peer keeper, or a rank on a host without one) Store a file: received by
+        :meth:`_receive` already, unless it is empty."""
+        if not h.get("n"):
+            with self._lock:
+                write_atomic(self.root, h["path"], [])
         return {}, []
 
     def op_replicate(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         path = safe_path(h["path"])
-        full = self._full(path)
-        if len(payload):  # a rank on a host without a keeper sent the bytes
-            self.op_put(h, payload)
+        full = self._full(path)  # (a rank on a host without a keeper sent the bytes: received already)
         with self._lock:
             try:
                 self._room_for(path, 0)
@@ -296,8 +315,7 @@ class Keeper:
         """Send the file to ``want`` peers (the ring's next live ones); returns how many took it."""
         if want <= 0:
             return 0
-        data = memoryview(bytearray(os.path.getsize(full)))
-        read_file_into(full, 0, data)
+        data = FileRange(full, 0, os.path.getsize(full))  # sent with sendfile, from the shared memory
         done = 0
         for name, addr in to if to is not None else self._ring():
             try:
@@ -331,9 +349,7 @@ class Keeper:
         size = os.path.getsize(full)
         offset = int(h.get("offset", 0))
         n = size - offset if h.get("nbytes") is None else int(h["nbytes"])
-        out = memoryview(bytearray(max(0, min(n, size - offset))))
-        read_file_into(full, offset, out)
-        return {"size": size}, [out]
+        return {"size": size}, [FileRange(full, offset, max(0, min(n, size - offset)))]
 
     def op_getv(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         """Several ranges of one file in one answer, concatenated (a load's reads of one file)."""
@@ -344,12 +360,7 @@ class Keeper:
         ranges = [(int(o), int(n)) for o, n in h["ranges"]]
         if any(o + n > size for o, n in ranges):
             return {"short": True, "size": size}, []
-        out = memoryview(bytearray(sum(n for _, n in ranges)))
-        pos = 0
-        for o, n in ranges:
-            read_file_into(full, o, out[pos:pos + n])
-            pos += n
-        return {"size": size}, [out]
+        return {"size": size}, [FileRange(full, o, n) for o, n in ranges]
 
     def op_sizes(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         return {"sizes": self._sizes(h.get("prefix", ""))}, []
@@ -375,7 +386,8 @@ class Keeper:
         lag = max((now - d["since"] for d in self.drains.values() if d["state"] == "running"), default=0.0)
         return {"name": self.name, "held_bytes": self.held_bytes(), "budget_bytes": self.budget,
                 "replication_s": {k: b - a for k, (a, b) in self.replication.items()}, "drain_lag_s": lag, "drains": self.drains,
-                "checkpoints": self._committed(), "arenas": self.arenas.stats()}, []
+                "checkpoints": self._committed(), "arenas": self.arenas.stats(),
+                "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2])}, []  # user + system, every thread
 
     def _committed(self) -> list[str]:
         return sorted(os.path.relpath(d, self.root).replace(os.sep, "/")
