@@ -10,7 +10,15 @@ scrapes. Families, labelled ``job`` (the keeper's ``--job``) and ``host``:
 - ``bytecp_keeper_replication_seconds``: time spent pushing the newest
   checkpoint's files to peers (the replication lag a commit waits for);
 - ``bytecp_keeper_drain_lag_seconds``: age of the oldest drain to storage
-  still running (0: none); ``bytecp_keeper_drains``: drains by state.
+  still running (0: none); ``bytecp_keeper_drains``: drains by state;
+- ``bytecp_keeper_arenas{state}``: staging arenas lent to ranks now, and
+  free in the pool; ``bytecp_keeper_arena_pool_bytes``: the pool's bytes;
+- ``bytecp_keeper_arena_events_total{event}``: arenas ``lent``, ``adopted``
+  as data files, ``copied_out`` (their boxes copied into a file of their
+  own), ``reclaimed`` unadopted;
+- ``bytecp_keeper_data_bytes_total{how}``: bytes of data files that came
+  ``adopted`` (single copy), ``written`` by the ranks, ``received`` from peers;
+- ``bytecp_keeper_cpu_seconds_total``: the keeper process's CPU time.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 __all__ = ["KeeperCollector", "serve_keeper_metrics", "KEEPER_METRICS"]
@@ -27,6 +35,8 @@ __all__ = ["KeeperCollector", "serve_keeper_metrics", "KEEPER_METRICS"]
 KEEPER_METRICS = (
     "bytecp_keeper_memory_bytes", "bytecp_keeper_budget_bytes", "bytecp_keeper_checkpoints",
     "bytecp_keeper_replication_seconds", "bytecp_keeper_drain_lag_seconds", "bytecp_keeper_drains",
+    "bytecp_keeper_arenas", "bytecp_keeper_arena_pool_bytes", "bytecp_keeper_arena_events_total",
+    "bytecp_keeper_data_bytes_total", "bytecp_keeper_cpu_seconds_total",
 )
 
 
@@ -36,7 +46,7 @@ class KeeperCollector(Collector):
     def __init__(self, stats: Callable[[], dict[str, Any]], job: str) -> None:
         self.stats, self.job = stats, job
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         s = self.stats()
         labels = [self.job, str(s["name"])]
 
@@ -58,6 +68,38 @@ class KeeperCollector(Collector):
         for state in ("running", "done", "failed"):
             drains.add_metric([*labels, state], sum(d["state"] == state for d in s["drains"].values()))
         yield drains
+        yield from self._arenas(s, labels)
+
+    @staticmethod
+    def _arenas(s: dict[str, Any], labels: list[str]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        """The single-copy path's figures: arenas, and how data files came."""
+        a = s["arenas"]
+        held = GaugeMetricFamily("bytecp_keeper_arenas", "Staging arenas lent to ranks now, and free in the pool.",
+                                 labels=["job", "host", "state"])
+        held.add_metric([*labels, "lent"], a["lent"])
+        held.add_metric([*labels, "free"], a["free"])
+        yield held
+        pool = GaugeMetricFamily("bytecp_keeper_arena_pool_bytes", "Bytes of the free staging arenas.",
+                                 labels=["job", "host"])
+        pool.add_metric(labels, a["free_bytes"])
+        yield pool
+        events = CounterMetricFamily("bytecp_keeper_arena_events", "Staging arenas lent, adopted as data files, "
+                                     "copied out, reclaimed unadopted.", labels=["job", "host", "event"])
+        for event, key in (("lent", "lent_total"), ("adopted", "adopted"), ("copied_out", "copied_out"),
+                           ("reclaimed", "reclaimed")):
+            events.add_metric([*labels, event], a[key])
+        yield events
+        data = CounterMetricFamily("bytecp_keeper_data_bytes", "Bytes of data files stored here, by how they came: "
+                                   "adopted arenas, written by ranks, received from peers.",
+                                   labels=["job", "host", "how"])
+        for how, value in (("adopted", a["adopted_bytes"]), ("written", s["written_bytes"]),
+                           ("received", s["received_bytes"])):
+            data.add_metric([*labels, how], value)
+        yield data
+        cpu = CounterMetricFamily("bytecp_keeper_cpu_seconds", "CPU time of the keeper process (user + system).",
+                                  labels=["job", "host"])
+        cpu.add_metric(labels, s["cpu_s"])
+        yield cpu
 
 
 def serve_keeper_metrics(stats: Callable[[], dict[str, Any]], job: str, port: int,

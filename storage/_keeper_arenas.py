@@ -68,10 +68,14 @@ class Arenas:
         self.free: list[tuple[int, str]] = []  # (size, path), oldest first
         #: inode -> the pid whose arena it was (free files are lent back to it first)
         self.filled_by: dict[int, int] = {}
-        #: counters (stats): bytes taken over as data files, bytes of arenas lent, reclaimed arenas
-        self.adopted_bytes = 0
-        self.lent_bytes = 0
+        #: counters (stats, the ``bytecp_keeper_arena*`` metrics): arenas lent, adopted as
+        #: data files, whose boxes were copied out, reclaimed unadopted; bytes lent and adopted
+        self.lent_total = 0
+        self.adopted = 0
+        self.copied_out = 0
         self.reclaimed = 0
+        self.lent_bytes = 0
+        self.adopted_bytes = 0
 
     # -- lending -------------------------------------------------------------
     def _new(self, nbytes: int) -> str:
@@ -112,6 +116,7 @@ class Arenas:
         name = os.path.basename(path) + f"-{next(self._seq)}"
         with self._lock:
             self.lent[name] = _Lent(path, size, pid, time.monotonic())
+            self.lent_total += 1
             self.lent_bytes += size
         return name, path, size
 
@@ -152,6 +157,7 @@ class Arenas:
                 crcs, starts, size = _copy_out(lent.path, dest, ranges)
                 self._give_back(lent)
                 with self._lock:
+                    self.copied_out += 1
                     self.adopted_bytes += size
                 return crcs, starts, size
             crcs = _crcs(lent.path, ranges)
@@ -167,6 +173,7 @@ class Arenas:
             self._unlink(lent.path)
             raise
         with self._lock:
+            self.adopted += 1
             self.adopted_bytes += size
         return crcs, [o for o, _ in ranges], size
 
@@ -229,8 +236,9 @@ class Arenas:
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"lent": len(self.lent), "free": len(self.free), "free_bytes": sum(s for s, _ in self.free),
-                    "adopted_bytes": self.adopted_bytes, "lent_bytes": self.lent_bytes,
-                    "reclaimed": self.reclaimed}
+                    "lent_total": self.lent_total, "adopted": self.adopted, "copied_out": self.copied_out,
+                    "reclaimed": self.reclaimed, "lent_bytes": self.lent_bytes,
+                    "adopted_bytes": self.adopted_bytes}
 
     def _unlink(self, path: str) -> None:
         try:

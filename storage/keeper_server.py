@@ -53,6 +53,7 @@ from bytecp.errors import CheckpointExistsError, StorageError
 
 from ._errors import exists
 from ._keeper_arenas import ARENA_DIR, Arenas
+from ._keeper_budget import METADATA, Budget
 from ._keeper_drain import drain
 from ._keeper_wire import (
     Addr,
@@ -73,11 +74,10 @@ from ._keeper_wire import (
 __all__ = ["Keeper", "main"]
 
 log = logging.getLogger("bytecp.storage.keeper")
-METADATA = "metadata.json"
 _CHUNK = 64 << 20
 
 
-class Keeper:
+class Keeper(Budget):
     """A host's keeper: its shared-memory root, its peers and its server."""
 
     def __init__(self, name: str, port: int, token: str, peers: dict[str, Addr], *, replicas: int = 2,
@@ -97,6 +97,8 @@ class Keeper:
         #: checkpoint prefix -> (first push started, last push ended), the newest few
         self.replication: dict[str, tuple[float, float]] = {}
         self.drains: dict[str, dict[str, Any]] = {}
+        #: counters (stats): bytes of data files the ranks wrote here (not adopted arenas), of copies received
+        self.written_bytes = self.received_bytes = 0
         keeper = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -146,15 +148,6 @@ class Keeper:
                 pass
 
     # -- files -------------------------------------------------------------
-    def _full(self, path: str) -> str:
-        return os.path.join(self.root, safe_path(path))
-
-    def held_bytes(self) -> int:
-        total = 0
-        for d, _, files in os.walk(self.root):
-            total += sum(os.path.getsize(os.path.join(d, f)) for f in files)
-        return total
-
     def _sizes(self, prefix: str) -> dict[str, int]:
         base = os.path.join(self.root, safe_path(prefix)) if prefix.strip("/") else self.root
         out: dict[str, int] = {}
@@ -180,65 +173,6 @@ class Keeper:
         ring.sort(key=lambda n: self.domains.get(n, n) == mine)  # stable: ring order within each
         return [(n, self.peers[n]) for n in ring]
 
-    def _room_for(self, path: str, nbytes: int) -> None:
-        """Evict older committed checkpoints until ``nbytes`` more fit, or refuse."""
-        if self.budget is None:
-            return
-        held = self.held_bytes()
-        while held + nbytes > self.budget:
-            freed = self.arenas.drop_free()
-            if not freed:
-                break
-            held -= freed
-        if held + nbytes <= self.budget:
-            return
-        for old in self._evictable(protect=safe_path(path)):
-            self._evict(old)
-            held = self.held_bytes()  # (a peer's eviction may have removed it, or more, meanwhile)
-            threading.Thread(target=self._evict_at_peers, args=(old,), name="bytecp-keeper-evict",
-                             daemon=True).start()
-            log.info("keeper %s: evicted memory checkpoint %s (budget %d bytes)", self.name, old, self.budget)
-            if held + nbytes <= self.budget:
-                return
-        raise StorageError(
-            f"memory budget of {self.budget} bytes cannot hold {path} ({nbytes} more bytes, {held} held "
-            f"after evicting every older memory checkpoint): raise the keeper's --budget-bytes, lower "
-            f"replicas, or checkpoint less state to memory")
-
-    def _evict(self, ckpt: str) -> None:
-        """Remove a checkpoint here: ``metadata.json`` first (it is no longer listed), then its files."""
-        try:
-            os.unlink(self._full(ckpt + "/" + METADATA))
-        except FileNotFoundError:
-            pass
-        shutil.rmtree(self._full(ckpt), ignore_errors=True)
-
-    def _evict_at_peers(self, ckpt: str) -> None:
-        """A checkpoint evicted here goes at every peer too: no keeper keeps a part of it."""
-        for name, addr in self.peers.items():
-            try:
-                request(addr, {"op": "evict", "token": self.token, "path": ckpt}, timeout=60)
-            except StorageError as e:
-                log.warning("keeper %s: peer %s did not evict %s: %s", self.name, name, ckpt, e)
-
-    def op_evict(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
-        """(a peer that evicted ``path`` for its budget) Evict it here too, under the
-        lock: a :meth:`_room_for` here sees it either committed or gone, never half removed."""
-        with self._lock:
-            self._evict(safe_path(h["path"]))
-        return {}, []
-
-    def _evictable(self, protect: str) -> list[str]:
-        """Committed checkpoint directories, oldest first, except each run's newest and ``protect``'s own."""
-        runs: dict[str, list[tuple[float, str]]] = {}
-        for d, _, files in os.walk(self.root):
-            if METADATA in files:
-                rel = os.path.relpath(d, self.root).replace(os.sep, "/")
-                runs.setdefault(os.path.dirname(rel), []).append((os.path.getmtime(os.path.join(d, METADATA)), rel))
-        out = [rel for found in runs.values() for _, rel in sorted(found)[:-1]]
-        return sorted((r for r in out if not protect.startswith(r + "/")),
-                      key=lambda r: os.path.getmtime(self._full(r + "/" + METADATA)))
-
     def _receive(self, sock: Any, h: dict[str, Any]) -> None:
         """(``put``, a ``replicate`` carrying bytes) Make room, then receive the file into its mapping."""
         try:
@@ -253,9 +187,10 @@ class Keeper:
     def op_put(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         """(a peer keeper, or a rank on a host without one) Store a file: received by
         :meth:`_receive` already, unless it is empty."""
-        if not h.get("n"):
-            with self._lock:
+        with self._lock:
+            if not h.get("n"):
                 write_atomic(self.root, h["path"], [])
+            self.received_bytes += int(h.get("n", 0))
         return {}, []
 
     def op_replicate(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
@@ -267,6 +202,7 @@ class Keeper:
             except StorageError:
                 os.unlink(full)
                 raise
+            self.written_bytes += os.path.getsize(full)
         return self._replicated(path, str(h.get("ckpt") or os.path.dirname(path))), []
 
     def _replicated(self, path: str, ckpt: str) -> dict[str, Any]:
@@ -387,6 +323,7 @@ class Keeper:
         return {"name": self.name, "held_bytes": self.held_bytes(), "budget_bytes": self.budget,
                 "replication_s": {k: b - a for k, (a, b) in self.replication.items()}, "drain_lag_s": lag, "drains": self.drains,
                 "checkpoints": self._committed(), "arenas": self.arenas.stats(),
+                "written_bytes": self.written_bytes, "received_bytes": self.received_bytes,
                 "cpu_s": sum(resource.getrusage(resource.RUSAGE_SELF)[:2])}, []  # user + system, every thread
 
     def _committed(self) -> list[str]:

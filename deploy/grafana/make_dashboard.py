@@ -187,6 +187,18 @@ def panels() -> list[dict[str, Any]]:
             target(f"max by (job, host) (bytecp_keeper_drain_lag_seconds{{{keeper}}})", "drain lag {{job}} {{host}}", ref="B"),
             target(f"sum by (job) (bytecp_keeper_drains{{{keeper}, state=\"failed\"}})", "failed drains {{job}}", ref="C"),
         ], unit="s", custom=TS_CUSTOM, options=TS_OPTS))
+    p.append(panel(18, "timeseries", "Memory tier: staging arenas",
+        "Arenas each host's keeper has lent to ranks now and holds free in its pool, and per interval the arenas lent, adopted as data files (single copy), copied out (a rank that writes few of the boxes it staged) and reclaimed unadopted (a save that died or dropped its arena).",
+        (0, 52, 12, 8), [
+            target(f"max by (job, host, state) (bytecp_keeper_arenas{{{keeper}}})", "{{state}} {{job}} {{host}}"),
+            target(f"sum by (job, host, event) (increase(bytecp_keeper_arena_events_total{{{keeper}}}[$__rate_interval]))", "{{event}} {{job}} {{host}}", ref="B"),
+        ], custom=TS_CUSTOM, options=TS_OPTS))
+    p.append(panel(19, "timeseries", "Memory tier: bytes adopted vs written",
+        "Bytes of data files each keeper stored per interval, by how they came: adopted from arenas (the rank copied them once), written by the ranks (two copies, or a host without a keeper), received from peers (replication); and the bytes of its free arena pool.",
+        (12, 52, 12, 8), [
+            target(f"sum by (job, host, how) (increase(bytecp_keeper_data_bytes_total{{{keeper}}}[$__rate_interval]))", "{{how}} {{job}} {{host}}"),
+            target(f"max by (job, host) (bytecp_keeper_arena_pool_bytes{{{keeper}}})", "arena pool {{job}} {{host}}", ref="B"),
+        ], unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
     return p
 
 

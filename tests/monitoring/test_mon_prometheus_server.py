@@ -211,16 +211,18 @@ def test_every_keeper_query_returns_data_from_real_keepers(stack: tuple[Collecto
         sel = f'job="{JOB}"'
         deadline = time.monotonic() + 60
         while not (prom.query(f'sum(bytecp_keeper_drains{{{sel}, state="done"}}) == 1')
-                   and len(prom.query(f"bytecp_keeper_memory_bytes{{{sel}}} > 0")) == 2):
+                   and len(prom.query(f"bytecp_keeper_memory_bytes{{{sel}}} > 0")) == 2
+                   # the counters' increase() needs two scrapes of each keeper
+                   and len(prom.query(f"count_over_time(bytecp_keeper_cpu_seconds_total{{{sel}}}[1m]) >= 2")) == 2):
             assert time.monotonic() < deadline, "Prometheus never scraped a finished drain from both keepers"
             time.sleep(0.5)
         assert (tmp_path / "run" / "step-2" / "metadata.json").exists()  # the drain committed
 
         exprs = [(title, expr) for title, expr in _dashboard_exprs() if "bytecp_keeper_" in expr]
         titles = " | ".join(title.lower() for title, _ in exprs)
-        for figure in ("memory held", "replication", "drain lag"):  # the issue's per-tier view
-            assert figure in titles, figure
-        assert len(exprs) >= 5
+        for figure in ("memory held", "replication", "drain lag", "staging arenas", "adopted vs written"):
+            assert figure in titles, figure  # the issue's per-tier view, and the single-copy path's
+        assert len(exprs) >= 9
         _assert_data(prom, exprs)
 
         # and the figures are the keepers' own: both hold the checkpoints (h1 the copies), the
@@ -233,6 +235,18 @@ def test_every_keeper_query_returns_data_from_real_keepers(stack: tuple[Collecto
         assert len(lags) == 2 and all(float(r["value"][1]) == 0 for r in lags)
         [failed] = prom.query(f'sum(bytecp_keeper_drains{{{sel}, state="failed"}})')
         assert float(failed["value"][1]) == 0
+        # the saves staged into arenas h0 lent and h0 adopted them (single copy); h1 received the copies
+        def one(expr: str) -> float:
+            [r] = prom.query(expr)
+            return float(r["value"][1])
+
+        h0, h1 = f'{sel}, host="h0"', f'{sel}, host="h1"'
+        assert one(f'bytecp_keeper_arena_events_total{{{h0}, event="adopted"}}') >= 2
+        assert one(f'bytecp_keeper_arena_events_total{{{h0}, event="lent"}}') >= 2
+        assert one(f'bytecp_keeper_data_bytes_total{{{h0}, how="adopted"}}') >= 2 * 256 * 256 * 4
+        assert one(f'bytecp_keeper_data_bytes_total{{{h1}, how="received"}}') >= 2 * 256 * 256 * 4
+        assert one(f'bytecp_keeper_arenas{{{h0}, state="lent"}}') == 0  # every lent arena adopted
+        assert one(f"bytecp_keeper_cpu_seconds_total{{{h0}}}") > 0
     finally:
         for p in procs:
             p.terminate()

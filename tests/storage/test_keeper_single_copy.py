@@ -213,3 +213,48 @@ def test_an_arena_mostly_unwritten_is_copied_out_not_adopted(tmp_path: Path) -> 
     for (o, k), s, c in zip(ranges, starts, crcs, strict=True):
         assert out[s:s + k] == data[o:o + k] and c == crc32c(data[o:o + k])
     assert out[100:fmt.ALIGNMENT] == bytes(fmt.ALIGNMENT - 100)  # the writer's zero padding
+
+
+def test_the_keeper_metrics_count_arenas_and_bytes_adopted_vs_written(pair: list[Keeper]) -> None:
+    from bytecp.monitoring.keeper_metrics import KeeperCollector
+    from prometheus_client import CollectorRegistry
+
+    regs = []
+    for k in pair:
+        reg = CollectorRegistry()
+        reg.register(KeeperCollector(lambda k=k: k.op_stats({}, memoryview(b""))[0], "j"))  # type: ignore[misc]
+        regs.append(reg)
+
+    def value(i: int, name: str, **labels: str) -> float:
+        got = regs[i].get_sample_value(name, {"job": "j", "host": pair[i].name, **labels})
+        assert got is not None, (name, labels)
+        return got
+
+    def figures() -> dict[str, float]:
+        return {"lent": value(0, "bytecp_keeper_arena_events_total", event="lent"),
+                "adopted": value(0, "bytecp_keeper_arena_events_total", event="adopted"),
+                "adopted_b": value(0, "bytecp_keeper_data_bytes_total", how="adopted"),
+                "written_b": value(0, "bytecp_keeper_data_bytes_total", how="written"),
+                "received_b": value(1, "bytecp_keeper_data_bytes_total", how="received"),
+                "cpu": value(0, "bytecp_keeper_cpu_seconds_total")}
+
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    run = f"keeper://job/{uuid.uuid4().hex}"
+    big = {"w": torch.arange(1 << 19, dtype=torch.float32)}  # 2 MiB
+    before = figures()
+    bytecp.save(f"{run}/step-1", big, storage_options=opts)  # single copy: an arena adopted
+    one = figures()
+    assert one["lent"] == before["lent"] + 1 and one["adopted"] == before["adopted"] + 1
+    assert one["adopted_b"] - before["adopted_b"] >= 2 << 20
+    assert one["written_b"] - before["written_b"] < 1 << 16  # the index and small objects only
+    assert one["received_b"] - before["received_b"] >= 2 << 20  # s1's copy
+    assert one["cpu"] >= before["cpu"] > 0
+    bytecp.save(f"{run}/step-2", big, storage_options=dict(opts, single_copy=False))  # the rank writes
+    two = figures()
+    assert two["written_b"] - one["written_b"] >= 2 << 20 and two["adopted_b"] == one["adopted_b"]
+    pool = value(0, "bytecp_keeper_arena_pool_bytes")
+    free = value(0, "bytecp_keeper_arenas", state="free")
+    open_storage(f"{run}/step-1", **opts).delete_prefix()  # retention: the data file goes to the pool
+    assert value(0, "bytecp_keeper_arena_pool_bytes") >= pool + (2 << 20)
+    assert value(0, "bytecp_keeper_arenas", state="free") == free + 1
+    assert value(0, "bytecp_keeper_arenas", state="lent") == 0
