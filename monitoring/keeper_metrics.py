@@ -11,8 +11,8 @@ scrapes. Families, labelled ``job`` (the keeper's ``--job``) and ``host``:
   checkpoint's files to peers (the replication lag a commit waits for);
 - ``bytecp_keeper_drain_lag_seconds``: age of the oldest drain to storage
   still running (0: none); ``bytecp_keeper_drains``: drains by state;
-- ``bytecp_keeper_arenas{state}``: staging arenas lent to ranks now, and
-  free in the pool; ``bytecp_keeper_arena_pool_bytes``: the pool's bytes;
+- ``bytecp_keeper_arenas{state}``: staging arenas lent to ranks now, free
+  in the pool, and ``returning`` (copied out, pooled at their commit); ``bytecp_keeper_arena_pool_bytes``: the pool's bytes;
 - ``bytecp_keeper_arena_events_total{event}``: arenas ``lent``, ``adopted``
   as data files, ``copied_out`` (their boxes copied into a file of their
   own), ``reclaimed`` unadopted;
@@ -74,10 +74,12 @@ class KeeperCollector(Collector):
     def _arenas(s: dict[str, Any], labels: list[str]) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         """The single-copy path's figures: arenas, and how data files came."""
         a = s["arenas"]
-        held = GaugeMetricFamily("bytecp_keeper_arenas", "Staging arenas lent to ranks now, and free in the pool.",
+        held = GaugeMetricFamily("bytecp_keeper_arenas", "Staging arenas lent to ranks now, free in the pool, "
+                                 "and copied out, waiting for their checkpoint's commit to join the pool.",
                                  labels=["job", "host", "state"])
         held.add_metric([*labels, "lent"], a["lent"])
         held.add_metric([*labels, "free"], a["free"])
+        held.add_metric([*labels, "returning"], a["returning"])
         yield held
         pool = GaugeMetricFamily("bytecp_keeper_arena_pool_bytes", "Bytes of the free staging arenas.",
                                  labels=["job", "host"])

@@ -14,6 +14,11 @@ The single-copy path of ``keeper://`` saves. Who calls what, and when:
   arena *is* the data file (same inode), laid out as the writer lays one
   out. The keeper then replicates it like a written file;
 - (prewarm, op ``prepare``) :meth:`Arenas.prepare` readies a free one;
+- an arena whose boxes were copied out (:meth:`Arenas.adopt`) waits, out
+  of the pool, for its checkpoint's commit (its save may still read the
+  staged boxes until then): :meth:`Arenas.committed` then pools it, to be
+  lent back to its rank; one whose checkpoint never commits is unlinked
+  after ``timeout_s``, and room for the budget drops these first;
 - files the keeper deletes (retention's ``delete``) return to the free pool
   (:meth:`Arenas.recycle`, at most ``pool_max`` files, the oldest dropped
   first) instead of being unlinked; room for the budget drops free ones
@@ -66,6 +71,8 @@ class Arenas:
         self._seq = itertools.count()
         self.lent: dict[str, _Lent] = {}
         self.free: list[tuple[int, str]] = []  # (size, path), oldest first
+        #: checkpoint -> its copied-out arenas (since, path), pooled at its commit
+        self.returning: dict[str, list[tuple[float, str]]] = {}
         #: inode -> the pid whose arena it was (free files are lent back to it first)
         self.filled_by: dict[int, int] = {}
         #: counters (stats, the ``bytecp_keeper_arena*`` metrics): arenas lent, adopted as
@@ -135,8 +142,8 @@ class Arenas:
         return have
 
     # -- adopting ------------------------------------------------------------
-    def adopt(self, name: str, dest: str, size: int,
-              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+    def adopt(self, name: str, dest: str, size: int, ranges: Sequence[tuple[int, int]],
+              ckpt: str = "") -> tuple[list[int], list[int], int]:
         """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the crc32c
         of each range, where each now starts, and the file's size.
 
@@ -155,7 +162,7 @@ class Arenas:
                 raise StorageError(f"staging arena {name}: {size} bytes or a chunk beyond its {lent.nbytes}")
             if sum(_page(n) for _, n in ranges) * 2 < size:
                 crcs, starts, size = _copy_out(lent.path, dest, ranges)
-                self._give_back(lent)
+                self._give_back(lent, ckpt)
                 with self._lock:
                     self.copied_out += 1
                     self.adopted_bytes += size
@@ -177,10 +184,23 @@ class Arenas:
             self.adopted_bytes += size
         return crcs, [o for o, _ in ranges], size
 
-    def _give_back(self, lent: _Lent) -> None:
-        """An arena whose boxes were copied out: unlinked, not pooled (its save
-        may still read its copy of the state there until it commits)."""
-        self._unlink(lent.path)
+    def _give_back(self, lent: _Lent, ckpt: str) -> None:
+        """An arena whose boxes were copied out waits for ``ckpt``'s commit
+        (its save may still read its copy of the state there until then)."""
+        path = os.path.join(self.dir, f"r-{os.getpid()}-{next(self._seq)}")
+        os.rename(lent.path, path)
+        with self._lock:
+            if lent.pid is not None:
+                self.filled_by[os.stat(path).st_ino] = lent.pid  # lent back to its rank first
+            self.returning.setdefault(ckpt.strip("/"), []).append((time.monotonic(), path))
+
+    def committed(self, ckpt: str) -> None:
+        """(the keeper, at ``ckpt``'s commit here) Its copied-out arenas go to the free pool."""
+        with self._lock:
+            waiting = self.returning.pop(ckpt.strip("/"), [])
+        for _, path in waiting:
+            if not self.recycle(path):
+                self._unlink(path)
 
     # -- returning -----------------------------------------------------------
     def recycle(self, full: str) -> bool:
@@ -216,6 +236,14 @@ class Arenas:
             dead = [n for n, v in self.lent.items() if v.pid is not None and not _alive(v.pid)]
             stale = [n for n, v in self.lent.items() if n not in dead and now - v.since > self.timeout_s]
         self.release(dead)
+        with self._lock:  # copied-out arenas of checkpoints that never committed
+            late = [(c, p) for c, w in self.returning.items() for t, p in w if now - t > self.timeout_s]
+            for c, p in late:
+                self.returning[c] = [w for w in self.returning[c] if w[1] != p]
+                if not self.returning[c]:
+                    del self.returning[c]
+        for _, p in late:
+            self._unlink(p)
         for name in stale:
             with self._lock:
                 lent = self.lent.pop(name, None)
@@ -224,18 +252,27 @@ class Arenas:
                 self._unlink(lent.path)
 
     def drop_free(self) -> int:
-        """Unlink one free arena (the largest); -> its size (0: none was free)."""
+        """Unlink one copied-out arena waiting for its commit, else the largest
+        free one; -> its size (0: none was there)."""
         with self._lock:
-            if not self.free:
+            if self.returning:
+                ckpt = next(iter(self.returning))
+                _, path = self.returning[ckpt].pop(0)
+                if not self.returning[ckpt]:
+                    del self.returning[ckpt]
+            elif self.free:
+                path = max(self.free)[1]
+                self.free = [f for f in self.free if f[1] != path]
+            else:
                 return 0
-            size, path = max(self.free)
-            self.free.remove((size, path))
+        size = _size(path)
         self._unlink(path)
         return size
 
     def stats(self) -> dict[str, int]:
         with self._lock:
             return {"lent": len(self.lent), "free": len(self.free), "free_bytes": sum(s for s, _ in self.free),
+                    "returning": sum(len(w) for w in self.returning.values()),
                     "lent_total": self.lent_total, "adopted": self.adopted, "copied_out": self.copied_out,
                     "reclaimed": self.reclaimed, "lent_bytes": self.lent_bytes,
                     "adopted_bytes": self.adopted_bytes}
@@ -246,6 +283,13 @@ class Arenas:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _size(path: str) -> int:
+    try:
+        return os.path.getsize(path)
+    except OSError:
+        return 0
 
 
 def _inode(path: str) -> int:

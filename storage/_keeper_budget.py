@@ -40,6 +40,21 @@ class Budget:
     def _full(self, path: str) -> str:
         return os.path.join(self.root, safe_path(path))
 
+    def _committed_here(self, path: str) -> None:
+        """(``commit``, or a ``put`` of a peer's commit) ``path`` is a checkpoint's
+        ``metadata.json``: its copied-out arenas join the free pool, within the budget."""
+        if os.path.basename(path) != METADATA:
+            return
+        self.arenas.committed(os.path.dirname(path))
+        if self.budget is not None:
+            with self._lock:
+                held = self.held_bytes()
+                while held > self.budget:
+                    freed = self.arenas.drop_free()
+                    if not freed:
+                        break
+                    held -= freed
+
     def held_bytes(self) -> int:
         """Bytes of every file below the root (checkpoints, peers' copies, arenas)."""
         total = 0

@@ -191,6 +191,7 @@ class Keeper(Budget):
             if not h.get("n"):
                 write_atomic(self.root, h["path"], [])
             self.received_bytes += int(h.get("n", 0))
+        self._committed_here(safe_path(h["path"]))  # a peer's commit publishing metadata.json here
         return {}, []
 
     def op_replicate(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
@@ -242,9 +243,10 @@ class Keeper(Budget):
         size, once the file has its copies."""
         path = safe_path(h["path"])
         spans = array.array("Q", bytes(payload)).tolist()  # (offset, nbytes) pairs
+        ckpt = str(h.get("ckpt") or os.path.dirname(path))
         crcs, starts, size = self.arenas.adopt(str(h["arena"]), self._full(path), int(h["size"]),
-                                               list(zip(spans[::2], spans[1::2], strict=True)))
-        answer = self._replicated(path, str(h.get("ckpt") or os.path.dirname(path)))
+                                               list(zip(spans[::2], spans[1::2], strict=True)), ckpt)
+        answer = self._replicated(path, ckpt)
         return dict(answer, crcs=crcs, starts=starts, size=size), []
 
     def _push(self, path: str, full: str, want: int, *, to: list[tuple[str, Addr]] | None = None) -> int:
@@ -272,6 +274,7 @@ class Keeper(Budget):
                     if f.read() != payload:  # the same bytes: a retried commit that landed
                         raise exists(f"keeper://{path}")
             write_atomic(self.root, path, [payload])
+        self._committed_here(path)
         copies = 1 + self._push(path, self._full(path), len(self.peers), to=list(self.peers.items()))
         if copies < self.replicas:
             raise StorageError(f"{path}: the commit reached {copies} of {self.replicas} keepers; start the "

@@ -258,3 +258,44 @@ def test_the_keeper_metrics_count_arenas_and_bytes_adopted_vs_written(pair: list
     assert value(0, "bytecp_keeper_arena_pool_bytes") >= pool + (2 << 20)
     assert value(0, "bytecp_keeper_arenas", state="free") == free + 1
     assert value(0, "bytecp_keeper_arenas", state="lent") == 0
+
+
+def test_a_copied_out_arena_joins_the_pool_at_its_commit_and_is_lent_back(pair: list[Keeper]) -> None:
+    """The keeper copies a mostly unwritten arena's boxes out; the arena waits
+    for the checkpoint's commit (the save may still read it), then pools."""
+    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
+    st = open_storage(f"keeper://job/{uuid.uuid4().hex}/step-1", **opts)
+    arenas = pair[0].arenas
+    before = arenas.stats()
+    nbytes = (5 << 20) + 7 * fmt.ALIGNMENT  # no other test's pooled arena fits it
+    arena = st.staging_arena(nbytes)  # type: ignore[attr-defined]
+    assert arena is not None
+    inode = os.stat(arenas.lent[arena.name].path).st_ino
+    arena.buffer[:100] = bytes(range(100))
+    arena.used = arena.nbytes
+    st.adopt("d0", arena, [(0, 100)])  # type: ignore[attr-defined]  # 1 page of 1287: copied out
+    mid = arenas.stats()
+    assert mid["copied_out"] == before["copied_out"] + 1 and mid["returning"] == before["returning"] + 1
+    assert mid["free"] == before["free"]  # not before the commit
+    assert st.read_bytes("d0", 0, 100) == bytes(range(100))
+    st.commit("metadata.json", b"{}")
+    after = arenas.stats()
+    assert after["returning"] == before["returning"] and after["free"] == before["free"] + 1
+    again = st.staging_arena(nbytes)  # type: ignore[attr-defined]  # lent back to this process
+    assert again is not None and os.stat(arenas.lent[again.name].path).st_ino == inode
+    arenas.release([again.name])
+
+
+def test_a_copied_out_arena_whose_checkpoint_never_commits_is_dropped(tmp_path: Path) -> None:
+    from bytecp.storage._keeper_arenas import Arenas
+
+    arenas = Arenas(str(tmp_path), timeout_s=3600)
+    for ckpt in ("run/step-1", "run/step-2"):
+        name, _, size = arenas.lend(16 * fmt.ALIGNMENT, os.getpid())
+        arenas.adopt(name, str(tmp_path / ckpt / "d"), size, [(0, 100)], ckpt)
+    assert arenas.stats()["returning"] == 2
+    assert arenas.drop_free() == 16 * fmt.ALIGNMENT  # room for the budget: these go first
+    arenas.timeout_s = 0.0
+    arenas.reclaim()  # (at every lend) the other outlived the timeout
+    assert arenas.stats()["returning"] == 0 and arenas.returning == {}
+    assert [f for f in os.listdir(arenas.dir)] == []
