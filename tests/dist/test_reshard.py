@@ -144,7 +144,10 @@ def test_plan_cache_second_save_exchanges_only_fingerprints(pools, tmp_path: Pat
     # plans the first save, the cached plan serves the next ones
     for calls_bytes in pools(2).run(cases.plan_cache_stats, str(tmp_path / "uneven"), True):
         (c1, b1), (c2, b2), (c3, b3) = calls_bytes
-        assert c2 == c1 - 2 and b2 < b1  # no plan gather/scatter the second time
+        # the first save adds the coordinator's plan gather + scatter (and, in a
+        # process that never split these sets before, the all-gather of name
+        # hashes that proves the ranks' extra tensors disjoint); none of it again
+        assert c1 - c2 in (2, 3) and b2 < b1, (c1, c2)
         assert c2 == c3 == 3 and abs(b3 - b2) < 256
 
 
