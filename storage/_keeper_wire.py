@@ -30,7 +30,7 @@ import socket
 import struct
 import threading
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from bytecp.errors import CheckpointExistsError, StorageError
@@ -175,28 +175,37 @@ def discard(sock: socket.socket, n: int) -> None:
         n -= len(buf)
 
 
-def recv_file(sock: socket.socket, header: dict[str, Any], root: str, path: str) -> int:
-    """(a keeper, for a ``put``) The payload ``header`` announces, received
-    straight into a mapping of the new file ``root/path`` (mode 0600, through
-    a temporary name and a rename), crc-checked there; returns its size."""
-    n = int(header.get("n", 0))
+@contextlib.contextmanager
+def _new_file(root: str, path: str, flags: int) -> Iterator[int]:
+    """The descriptor of a new file ``root/path`` (mode 0600, its directories
+    0700) written under a temporary name: renamed into place when the block
+    ends, removed if it raises."""
     full = os.path.join(root, safe_path(path))
     os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
     tmp = f"{full}.tmp-{os.getpid()}-{threading.get_ident()}"
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    fd = os.open(tmp, flags | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        if n:
-            os.ftruncate(fd, n)
-            with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as m:
-                with memoryview(m) as view:
-                    _recv_exact(sock, view)
-                    _check(header, view)
+        yield fd
     except BaseException:
         os.close(fd)
         os.unlink(tmp)
         raise
     os.close(fd)
     os.rename(tmp, full)
+
+
+def recv_file(sock: socket.socket, header: dict[str, Any], root: str, path: str) -> int:
+    """(a keeper, for a ``put``) The payload ``header`` announces, received
+    straight into a mapping of the new file ``root/path`` (mode 0600, through
+    a temporary name and a rename), crc-checked there; returns its size."""
+    n = int(header.get("n", 0))
+    with _new_file(root, path, os.O_RDWR) as fd:
+        if n:
+            os.ftruncate(fd, n)
+            with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as m:
+                with memoryview(m) as view:
+                    _recv_exact(sock, view)
+                    _check(header, view)
     return n
 
 
@@ -238,24 +247,14 @@ def safe_path(path: str) -> str:
 
 def write_atomic(root: str, path: str, buffers: Sequence[Any]) -> int:
     """Write ``root/path`` (mode 0600) through a temporary name and a rename; returns its size."""
-    full = os.path.join(root, safe_path(path))
-    os.makedirs(os.path.dirname(full), mode=0o700, exist_ok=True)
-    tmp = f"{full}.tmp-{os.getpid()}-{id(buffers)}"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    try:
-        n = 0
+    n = 0
+    with _new_file(root, path, os.O_WRONLY) as fd:
         for b in buffers:
             v = memoryview(b).cast("B")
             while v:
                 k = os.write(fd, v)
                 n += k
                 v = v[k:]
-    except BaseException:
-        os.close(fd)
-        os.unlink(tmp)
-        raise
-    os.close(fd)
-    os.rename(tmp, full)
     return n
 
 
