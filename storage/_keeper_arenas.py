@@ -44,6 +44,8 @@ from collections.abc import Sequence
 from bytecp.errors import StorageError
 from bytecp.format.checksum import crc32c
 
+from ._keeper_wire import reserve
+
 __all__ = ["Arenas", "ARENA_DIR"]
 
 #: the arenas' directory below the keeper's root (never listed as a checkpoint's)
@@ -89,12 +91,12 @@ class Arenas:
         path = os.path.join(self.dir, f"a-{os.getpid()}-{next(self._seq)}")
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            try:
-                os.posix_fallocate(fd, 0, nbytes)  # tmpfs: the pages exist now, not at first touch
-            except (OSError, AttributeError):
-                os.ftruncate(fd, nbytes)
-        finally:
+            reserve(fd, nbytes, path)
+        except BaseException:
             os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
         return path
 
     def _take_free(self, nbytes: int, pid: int | None = None) -> tuple[int, str] | None:
@@ -230,12 +232,13 @@ class Arenas:
                     self._unlink(lent.path)
 
     def reclaim(self) -> None:
-        """Arenas of processes that died return to the pool; those lent too long ago are unlinked."""
+        """Arenas of processes that died, and those lent too long ago, are unlinked."""
         now = time.monotonic()
         with self._lock:
-            dead = [n for n, v in self.lent.items() if v.pid is not None and not _alive(v.pid)]
-            stale = [n for n, v in self.lent.items() if n not in dead and now - v.since > self.timeout_s]
-        self.release(dead)
+            # a dead process's arena is unlinked, not pooled: were the pid misjudged (another pid
+            # namespace), the process would go on writing an orphaned file, never one lent again
+            stale = [n for n, v in self.lent.items()
+                     if (v.pid is not None and not _alive(v.pid)) or now - v.since > self.timeout_s]
         with self._lock:  # copied-out arenas of checkpoints that never committed
             late = [(c, p) for c, w in self.returning.items() for t, p in w if now - t > self.timeout_s]
             for c, p in late:
@@ -372,3 +375,4 @@ def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[int]:
             view.release()
     finally:
         m.close()
+

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hmac
 import json
 import mmap
@@ -38,7 +39,7 @@ from bytecp.format.checksum import crc32c
 
 __all__ = [
     "Addr", "parse_keepers", "request", "send", "recv", "recv_payload", "recv_file", "discard", "safe_path",
-    "write_atomic", "read_file_into", "crc_of", "token_ok", "KeeperUnreachable", "FileRange",
+    "write_atomic", "read_file_into", "crc_of", "token_ok", "KeeperUnreachable", "FileRange", "reserve",
 ]
 
 Addr = tuple[str, int]
@@ -201,7 +202,11 @@ def recv_file(sock: socket.socket, header: dict[str, Any], root: str, path: str)
     n = int(header.get("n", 0))
     with _new_file(root, path, os.O_RDWR) as fd:
         if n:
-            os.ftruncate(fd, n)
+            try:  # a full /dev/shm refuses the put (its sender reads why), never a SIGBUS here
+                reserve(fd, n, os.path.join(root, path))
+            except StorageError:
+                discard(sock, n)
+                raise
             with mmap.mmap(fd, n, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)) as m:
                 with memoryview(m) as view:
                     _recv_exact(sock, view)
@@ -271,3 +276,20 @@ def read_file_into(full: str, offset: int, out: memoryview) -> int:
         return got
     finally:
         os.close(fd)
+
+
+def reserve(fd: int, nbytes: int, path: str) -> None:
+    """Give the file ``fd`` its ``nbytes`` of memory now (tmpfs pages exist
+    before the first touch), so a full ``/dev/shm`` is an error here, never a
+    SIGBUS in the process writing through a mapping later."""
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+    except OSError as e:
+        if e.errno in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            os.ftruncate(fd, nbytes)  # a filesystem without fallocate: sparse, as before
+            return
+        raise StorageError(f"{path}: cannot reserve {nbytes} bytes of shared memory ({e.strerror}): /dev/shm is "
+                           "full or smaller than the memory tier needs; give it more room (or the container a "
+                           "larger --shm-size) or set the keeper's --budget-bytes below its size") from None
+    except AttributeError:  # no posix_fallocate on this platform
+        os.ftruncate(fd, nbytes)

@@ -9,6 +9,7 @@ import socket
 import struct
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from bytecp.storage._keeper_wire import FileRange, request, send
@@ -76,3 +77,43 @@ def test_a_file_range_beyond_the_end_is_refused(tmp_path) -> None:
     a, b = socket.socketpair()
     with a, b, pytest.raises(StorageError, match="beyond its end"):
         send(a, {"op": "put"}, [FileRange(str(f), 4, 7)])
+
+
+def test_shared_memory_that_cannot_be_reserved_is_an_error_not_a_sigbus(tmp_path: Path) -> None:
+    """posix_fallocate reports a full /dev/shm (ENOSPC) before any mapping is
+    touched: the keeper's arena and a received put refuse with advice, and
+    leave no file; a filesystem without fallocate still gets a sparse file."""
+    import errno
+
+    from bytecp.storage import _keeper_wire as wire
+    from bytecp.storage._keeper_arenas import Arenas
+
+    real = os.posix_fallocate
+
+    def full(fd: int, off: int, n: int) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    mp = pytest.MonkeyPatch()
+    mp.setattr(os, "posix_fallocate", full)
+    try:
+        arenas = Arenas(str(tmp_path))
+        with pytest.raises(StorageError, match="--budget-bytes"):  # the arena a rank would map
+            arenas.lend(1 << 20, os.getpid())
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+        a, b = socket.socketpair()
+        with a, b:  # a put into a full /dev/shm: refused, its payload read and dropped
+            a.sendall(b"x" * 5000 + b"next")
+            with pytest.raises(StorageError, match="cannot reserve 5000 bytes"):
+                wire.recv_file(b, {"n": 5000}, str(tmp_path / "root"), "ck/data/f.bin")
+            assert b.recv(4) == b"next"
+        assert not [p for p in tmp_path.rglob("*") if p.is_file()]
+
+        def unsupported(fd: int, off: int, n: int) -> None:
+            raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+
+        mp.setattr(os, "posix_fallocate", unsupported)
+        _, path, _ = arenas.lend(4096, os.getpid())
+        assert os.path.getsize(path) == 4096
+    finally:
+        mp.undo()
+    assert os.posix_fallocate is real
