@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from bytecp.dist_raw import all_gather_bytes, broadcast_bytes, finish
+from bytecp.dist_raw import KEEP_BYTES, all_gather_bytes, broadcast_bytes, finish
 from bytecp.dist_raw import from_bytes as _from_bytes
 from bytecp.dist_raw import to_bytes as _to_bytes
 from bytecp.errors import DistributedCheckpointError
@@ -229,12 +229,13 @@ class DistContext:
         """Run point-to-point operations as one batch: on NCCL they share the
         group's communicator instead of opening one per pair of ranks."""
         if ops:
-            finish(self.group, dist.batch_isend_irecv(ops))
+            finish(self.group, dist.batch_isend_irecv(ops), keep=self.device.type == "cpu")
 
     def _gather_sizes(self, n: int) -> list[int] | None:
         mine = torch.tensor([n], dtype=torch.int64, device=self.device)
         out = [torch.empty_like(mine) for _ in range(self.world_size)] if self.is_coordinator else None
-        finish(self.group, [dist.gather(mine, out, dst=self.global_coordinator, group=self.group, async_op=True)])
+        finish(self.group, [dist.gather(mine, out, dst=self.global_coordinator, group=self.group, async_op=True)],
+               keep=self.device.type == "cpu")
         return [int(t.item()) for t in out] if out is not None else None
 
     def _global(self, group_rank: int) -> int:
@@ -262,7 +263,8 @@ class DistContext:
             datas = [_to_bytes(o) for o in objs]
             sizes_in = [torch.tensor([len(d)], dtype=torch.int64, device=self.device) for d in datas]
         size = torch.empty(1, dtype=torch.int64, device=self.device)
-        finish(self.group, [dist.scatter(size, sizes_in, src=self.global_coordinator, group=self.group, async_op=True)])
+        finish(self.group, [dist.scatter(size, sizes_in, src=self.global_coordinator, group=self.group, async_op=True)],
+               keep=self.device.type == "cpu")
         if self.is_coordinator:
             assert objs is not None
             self._p2p([dist.P2POp(dist.isend, d.to(self.device), self._global(r), self.group)
@@ -285,11 +287,12 @@ class DistContext:
             global_src = dist.get_global_rank(self.group, src) if self.group is not None else src
             if self.device.type != "cpu":
                 moved = tensor.to(self.device)
-                finish(self.group, [dist.broadcast(moved, src=global_src, group=self.group, async_op=True)])
+                finish(self.group, [dist.broadcast(moved, src=global_src, group=self.group, async_op=True)], keep=False)
                 if self.rank != src:
                     tensor.copy_(moved.cpu())
             else:
-                finish(self.group, [dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)])
+                finish(self.group, [dist.broadcast(tensor, src=global_src, group=self.group, async_op=True)],
+                       keep=tensor.numel() * tensor.element_size() <= KEEP_BYTES)
 
     def barrier(self) -> None:
         if self.enabled:

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
+__all__ = ["KEEP_BYTES", "finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
            "RETIRE_SECONDS", "SETTLE_SECONDS"]
 
 #: how long a replaced collective's works are still kept (its gloo worker
@@ -43,6 +43,9 @@ __all__ = ["finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_by
 RETIRE_SECONDS = 1.0
 #: at exit, the least time since the last collective before finalization
 SETTLE_SECONDS = 0.1
+#: a CPU collective's payload up to this size is kept (larger ones are
+#: followed by the small collectives that end every operation)
+KEEP_BYTES = 1 << 20
 
 _lock = threading.Lock()
 #: the works of the latest collective on each group (``id`` of the group; 0: the default group)
@@ -52,20 +55,27 @@ _retired: list[tuple[float, list[Any]]] = []
 _last = 0.0
 
 
-def finish(group: Any, works: Sequence[Any]) -> None:
+def finish(group: Any, works: Sequence[Any], *, keep: bool = True) -> None:
     """(the thread that started ``works``) Wait for them, then keep them in
-    place of the group's previous collective's works (see the module docstring)."""
+    place of the group's previous collective's works (see the module docstring).
+
+    ``keep=False`` (a collective on device memory, whose works gloo's CPU
+    threads never free, or a large payload that later collectives of the
+    same operation follow): waited for and let go, so kept works never hold
+    GPU memory or a large host buffer until the next checkpoint."""
     global _last
     for w in works:
         w.wait()
     now = time.monotonic()
     with _lock:
+        _retired[:] = [r for r in _retired if now - r[0] < RETIRE_SECONDS]
+        _last = now
+        if not keep:
+            return
         old = _kept.get(0 if group is None else id(group))
         _kept[0 if group is None else id(group)] = list(works)
-        _retired[:] = [r for r in _retired if now - r[0] < RETIRE_SECONDS]
         if old:
             _retired.append((now, old))
-        _last = now
 
 
 def _settle() -> None:
@@ -100,12 +110,13 @@ def all_gather_bytes(data: torch.Tensor, group: Any, world_size: int, device: to
     group rank order: the sizes, then the payloads padded to the largest."""
     size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
     sizes = [torch.empty_like(size) for _ in range(world_size)]
-    finish(group, [dist.all_gather(sizes, size, group=group, async_op=True)])
+    keep = device.type == "cpu"
+    finish(group, [dist.all_gather(sizes, size, group=group, async_op=True)], keep=keep)
     lengths = [int(s.item()) for s in sizes]
     padded = torch.zeros(max(lengths), dtype=torch.uint8, device=device)
     padded[: data.numel()] = data.to(device)
     outs = [torch.empty_like(padded) for _ in range(world_size)]
-    finish(group, [dist.all_gather(outs, padded, group=group, async_op=True)])
+    finish(group, [dist.all_gather(outs, padded, group=group, async_op=True)], keep=keep)
     return [o[:n].cpu() for o, n in zip(outs, lengths, strict=True)]
 
 
@@ -113,8 +124,9 @@ def broadcast_bytes(data: torch.Tensor | None, src: int, group: Any, device: tor
     """(every rank of ``group``) Global rank ``src``'s ``data`` (CPU
     ``uint8``; ``None`` on the other ranks): the size, then the payload."""
     size = torch.tensor([0 if data is None else data.numel()], dtype=torch.int64, device=device)
-    finish(group, [dist.broadcast(size, src=src, group=group, async_op=True)])
+    keep = device.type == "cpu"
+    finish(group, [dist.broadcast(size, src=src, group=group, async_op=True)], keep=keep)
     buf = data.to(device) if data is not None else torch.empty(int(size.item()), dtype=torch.uint8, device=device)
     if buf.numel():
-        finish(group, [dist.broadcast(buf, src=src, group=group, async_op=True)])
+        finish(group, [dist.broadcast(buf, src=src, group=group, async_op=True)], keep=keep)
     return buf.cpu()
