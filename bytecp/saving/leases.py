@@ -150,14 +150,15 @@ class Lease:
     def check_held(self) -> None:
         """(the save's coordinator, right before committing a checkpoint that
         references others) Raise :class:`CorruptCheckpointError` unless the
-        lease reached storage and has never come within a quarter term of
-        expiring: otherwise a retention may have taken this save for dead and
-        removed a checkpoint it references. (Hosts' clocks agree within a
-        quarter term, and the commit takes less than that.)"""
+        lease reached storage and more than half its term is left: otherwise
+        a retention may have taken this save for dead and removed a checkpoint
+        it references. (Hosts' clocks agree within a quarter term and the
+        commit takes less than a quarter term: together less than the half
+        checked here.)"""
         now = time.time()
         with self._lock:
             until, lapsed = self._until, self._lapsed
-        if self._stop.is_set() or until is None or lapsed or now >= until - self.seconds / 4:
+        if self._stop.is_set() or until is None or lapsed or now >= until - self.seconds / 2:
             from bytecp.errors import CorruptCheckpointError
 
             raise CorruptCheckpointError(

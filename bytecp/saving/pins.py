@@ -67,6 +67,15 @@ __all__ = ["DOOM_DIR", "STALE_MARKER_SECONDS", "Doom", "check_bases", "doomed_fi
 
 log = logging.getLogger("bytecp")
 
+def _listed(ck: Storage, folder: str) -> list[str]:
+    """The pins or doom markers in ``ck``: a file a writer is still making
+    (``<name>.tmp-<id>``, renamed into place by a local commit) or left half
+    made when it was killed is neither (a partial marker would doom every
+    file, a partial pin keep its base for ever)."""
+    return [p for p in ck.list_files(folder) if ".tmp-" not in p.rsplit("/", 1)[-1]
+            and (folder != DOOM_DIR or p.endswith(".json"))]
+
+
 def pin(storage: Storage, md: fmt.Metadata) -> None:
     """(coordinator of a save, before :func:`check_bases`) Mark every
     checkpoint ``md`` references as in use by this save (``pins/<name>.<save_id>`` in it)."""
@@ -93,7 +102,7 @@ def doomed_files(ck: Storage) -> frozenset[str] | None:
     """(a save, checking a base) The data files of ``ck`` that some deleter's
     doom marker names (None: every file, for a marker that cannot be read)."""
     out: set[str] = set()
-    for path in ck.list_files(DOOM_DIR):
+    for path in _listed(ck, DOOM_DIR):
         try:
             out.update(json.loads(ck.read_bytes(path))["files"])
         except FileNotFoundError:
@@ -169,7 +178,7 @@ def live_pins(root: Storage, ck: Storage) -> tuple[list[str], list[str]]:
     live: list[str] = []
     dead: list[str] = []
     now = time.time()
-    for path in ck.list_files(PIN_DIR):
+    for path in _listed(ck, PIN_DIR):
         name, _, save_id = path.split("/", 1)[-1].rpartition(".")
         running = not name or not save_id or leases.may_be_running(root.child(name), save_id, now)
         (live if running else dead).append(path)
@@ -226,7 +235,7 @@ class Doom:
         save referencing a file it names. Returns the markers removed."""
         now = time.time() if now is None else now
         gone = []
-        for path in ck.list_files(DOOM_DIR):
+        for path in _listed(ck, DOOM_DIR):
             if path == self.path:
                 continue
             try:

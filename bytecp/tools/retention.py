@@ -106,6 +106,11 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, fmt.Metadata],
         ck = root.child(name)
         in_flight, dead_pins = pins[name]
         doom.lift_dead(ck)  # a killed deleter's marker would fail saves on its files for good
+        if not ck.exists(doom.path):  # taken for a dead deleter's (stalled over STALE_MARKER_SECONDS):
+            log.warning("bytecp: retention's doom marker in %s was removed meanwhile; nothing deleted there "
+                        "(the next retention prunes it)", ck.url)  # a save may have pinned it since
+            doom.marked.pop(ck.url, None)
+            continue
         files = set(ck.list_files(""))
         own = set(md.own_data_files) & files
         # a save in flight references it: keep everything it holds, as a base

@@ -109,7 +109,7 @@ def test_a_save_whose_lease_lapsed_does_not_commit() -> None:
     lease.start()
     try:
         lease.check_held()  # fresh: held
-        time.sleep(0.35)  # renewals fail: within a quarter term of expiring
+        time.sleep(0.25)  # renewals fail: less than half the term left
         with pytest.raises(CorruptCheckpointError, match="not renewed in time"):
             lease.check_held()
     finally:
@@ -173,6 +173,44 @@ def test_retention_lifts_the_markers_of_deleters_no_longer_running(run: Any) -> 
         (root / "step-1" / "doomed" / f"{token}.json").write_text(json.dumps({**body, "files": []}))
     retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
     assert {p for p in _files(root / "step-1") if p.startswith("doomed/")} == {"doomed/live.json"}
+
+
+def test_half_written_markers_and_pins_are_neither(run: Any) -> None:
+    """A marker or pin a writer is still making (or was killed making) is a
+    ``.tmp-`` file: it dooms nothing and keeps nothing."""
+    from bytecp.saving.pins import doomed_files, live_pins
+
+    root = run[0]
+    (root / "step-1" / "doomed").mkdir()
+    (root / "step-1" / "doomed" / "retention-x.json.tmp-1a2b3c4d").write_text('{"files": [')
+    (root / "step-1" / "pins").mkdir(exist_ok=True)
+    (root / "step-1" / "pins" / "step-9.20990101T000000-deadbeef.tmp-1a2b3c4d").write_text("")
+    ck = open_storage(str(root / "step-1"))
+    assert doomed_files(ck) == frozenset()
+    assert live_pins(open_storage(str(root)), ck) == ([], [])
+    _touch(run[1])
+    bytecp.save(str(root / "step-3"), {"model": run[1]}, step=3, base=str(root / "step-1"))  # not failed
+
+
+def test_a_retention_whose_marker_was_lifted_deletes_nothing_there(run: Any,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A retention stalled past STALE_MARKER_SECONDS finds its marker lifted by
+    another: a save may have pinned that checkpoint since, so it deletes nothing there."""
+    from bytecp.saving import pins
+
+    root = run[0]
+    before = _files(root / "step-1")
+    real = pins.Doom.lift_dead
+
+    def lifted_ours_too(self: Any, ck: Any, now: float | None = None) -> list[str]:
+        ck.delete([self.path])  # another retention took this one for dead
+        return real(self, ck, now)
+
+    monkeypatch.setattr(pins.Doom, "lift_dead", lifted_ours_too)
+    res = retain(open_storage(str(root)), ["step-2"], ["step-1"], lambda: ["step-2"])
+    assert res.deleted == [] and res.retired == []
+    after = _files(root / "step-1")  # retired as a checkpoint (base.json), every file of it kept
+    assert after - {"base.json"} == before - {"metadata.json"} and "base.json" in after
 
 
 def test_gc_reads_the_save_of_a_retired_base(run: Any) -> None:
