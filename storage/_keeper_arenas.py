@@ -69,7 +69,7 @@ class Arenas:
         self.dir = os.path.join(root, ARENA_DIR)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.timeout_s, self.pool_max = timeout_s, pool_max
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # _unlink runs both under it and outside
         self._seq = itertools.count()
         self.lent: dict[str, _Lent] = {}
         self.free: list[tuple[int, str]] = []  # (size, path), oldest first
@@ -139,8 +139,10 @@ class Arenas:
                 self.free.append((nbytes, path))
             have.append(path)
         if pid is not None and _alive(pid):
-            for p in have:
-                self.filled_by[_inode(p)] = pid
+            inodes = [_inode(p) for p in have]
+            with self._lock:
+                for ino in inodes:
+                    self.filled_by[ino] = pid
         return have
 
     # -- adopting ------------------------------------------------------------
@@ -174,9 +176,11 @@ class Arenas:
                 os.truncate(lent.path, size)
             os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
             if lent.pid is not None:
-                self.filled_by[os.stat(lent.path).st_ino] = lent.pid
-                while len(self.filled_by) > 256:  # inodes of files long gone
-                    self.filled_by.pop(next(iter(self.filled_by)))
+                ino = os.stat(lent.path).st_ino
+                with self._lock:
+                    self.filled_by[ino] = lent.pid
+                    while len(self.filled_by) > 256:  # inodes of files long gone
+                        self.filled_by.pop(next(iter(self.filled_by)))
             os.rename(lent.path, dest)
         except BaseException:
             self._unlink(lent.path)
@@ -282,7 +286,9 @@ class Arenas:
 
     def _unlink(self, path: str) -> None:
         try:
-            self.filled_by.pop(os.stat(path).st_ino, None)
+            ino = os.stat(path).st_ino
+            with self._lock:
+                self.filled_by.pop(ino, None)
             os.unlink(path)
         except FileNotFoundError:
             pass
