@@ -36,6 +36,9 @@ class Budget:
     peers: dict[str, Addr]
     arenas: Arenas
     _lock: threading.Lock
+    #: bytes of puts being received (room made, file not complete yet): counted by
+    #: :meth:`_room_for` in place of their temporary files, so concurrent puts never overshoot
+    _pending: int = 0
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, safe_path(path))
@@ -55,11 +58,15 @@ class Budget:
                         break
                     held -= freed
 
-    def held_bytes(self) -> int:
-        """Bytes of every file below the root (checkpoints, peers' copies, arenas)."""
-        total = 0
+    def held_bytes(self, *, pending: bool = False) -> int:
+        """Bytes of every file below the root (checkpoints, peers' copies,
+        arenas); ``pending``: puts being received count at their full size
+        (see :attr:`_pending`), their temporary files not at all."""
+        total = self._pending if pending else 0
         for d, _, files in os.walk(self.root):
             for f in files:
+                if pending and ".tmp-" in f:
+                    continue
                 try:
                     total += os.path.getsize(os.path.join(d, f))
                 except FileNotFoundError:  # removed meanwhile (a delete, an eviction)
@@ -70,7 +77,7 @@ class Budget:
         """Evict older committed checkpoints until ``nbytes`` more fit, or refuse."""
         if self.budget is None:
             return
-        held = self.held_bytes()
+        held = self.held_bytes(pending=True)
         while held + nbytes > self.budget:
             freed = self.arenas.drop_free()
             if not freed:
@@ -80,7 +87,7 @@ class Budget:
             return
         for old in self._evictable(protect=safe_path(path)):
             self._evict(old)
-            held = self.held_bytes()  # (a peer's eviction may have removed it, or more, meanwhile)
+            held = self.held_bytes(pending=True)  # (a peer's eviction may have removed it, or more, meanwhile)
             threading.Thread(target=self._evict_at_peers, args=(old,), name="bytecp-keeper-evict",
                              daemon=True).start()
             log.info("keeper %s: evicted memory checkpoint %s (budget %d bytes)", self.name, old, self.budget)

@@ -175,13 +175,19 @@ class Keeper(Budget):
 
     def _receive(self, sock: Any, h: dict[str, Any]) -> None:
         """(``put``, a ``replicate`` carrying bytes) Make room, then receive the file into its mapping."""
+        n = int(h["n"])
         try:
             with self._lock:
-                self._room_for(h["path"], int(h["n"]))
+                self._room_for(h["path"], n)
+                self._pending += n  # held from here, though the file is not complete yet
         except StorageError:
-            discard(sock, int(h["n"]))
+            discard(sock, n)
             raise
-        recv_file(sock, h, self.root, h["path"])
+        try:
+            recv_file(sock, h, self.root, h["path"])
+        finally:
+            with self._lock:
+                self._pending -= n
 
     # -- ops ---------------------------------------------------------------
     def op_put(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
