@@ -69,6 +69,8 @@ class Arenas:
         self.dir = os.path.join(root, ARENA_DIR)
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         self.timeout_s, self.pool_max = timeout_s, pool_max
+        #: arenas each process asked to have ready (prewarm): the pool holds at least their sum
+        self.prepared: dict[int | None, int] = {}
         self._lock = threading.RLock()  # _unlink runs both under it and outside
         self._seq = itertools.count()
         self.lent: dict[str, _Lent] = {}
@@ -132,6 +134,9 @@ class Arenas:
     def prepare(self, nbytes: int, count: int, pid: int | None) -> list[str]:
         """(prewarm) ``count`` free arenas of ``nbytes``, lent to ``pid`` first; -> their paths."""
         with self._lock:
+            self.prepared[pid] = count
+            for gone in [p for p in self.prepared if p is not None and not _alive(p)]:
+                del self.prepared[gone]
             have = [p for s, p in self.free if s == nbytes and self.filled_by.get(_inode(p)) in (pid, None)][:count]
         while len(have) < count:
             path = self._new(nbytes)
@@ -216,9 +221,10 @@ class Arenas:
         except OSError:
             return False
         with self._lock:
-            if size < MIN_POOLED or self.pool_max < 1:
+            most = max(self.pool_max, sum(self.prepared.values()))  # every rank's rotation, prewarmed
+            if size < MIN_POOLED or most < 1:
                 return False
-            while len(self.free) >= self.pool_max:  # the oldest free one makes room
+            while len(self.free) >= most:  # the oldest free one makes room
                 self._unlink(self.free.pop(0)[1])
             path = os.path.join(self.dir, f"f-{os.getpid()}-{next(self._seq)}")
             os.rename(full, path)

@@ -299,3 +299,18 @@ def test_a_copied_out_arena_whose_checkpoint_never_commits_is_dropped(tmp_path: 
     arenas.reclaim()  # (at every lend) the other outlived the timeout
     assert arenas.stats()["returning"] == 0 and arenas.returning == {}
     assert [f for f in os.listdir(arenas.dir)] == []
+
+
+def test_the_pool_holds_every_prewarmed_rotation(tmp_path: Path) -> None:
+    """pool_max is a floor: processes that prewarmed more arenas between them
+    get them all back in the pool, not only the first pool_max."""
+    from bytecp.storage._keeper_arenas import MIN_POOLED, Arenas
+
+    arenas = Arenas(str(tmp_path), pool_max=1)
+    arenas.prepare(MIN_POOLED, 3, os.getpid())
+    lent = [arenas.lend(MIN_POOLED, os.getpid()) for _ in range(3)]
+    assert not arenas.free
+    for name, _, _ in lent:
+        arenas.adopt(name, str(tmp_path / "ck" / name), MIN_POOLED, [(0, MIN_POOLED)])
+        assert arenas.recycle(str(tmp_path / "ck" / name))  # (the checkpoint retired)
+    assert len(arenas.free) == 3
