@@ -10,9 +10,10 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
+import pytest
 from bytecp.storage.keeper_server import Keeper
 
 __all__ = ["TOKEN", "start_keepers", "spec", "free_ports", "spawn_keeper"]
@@ -28,6 +29,20 @@ def start_keepers(names: list[str], *, replicas: int = 2, budget: int | None = N
         k.peers = {n: a for n, a in addrs.items() if n != k.name}
         threading.Thread(target=k.serve_forever, daemon=True).start()
     return keepers
+
+
+def pair_fixture(*names: str) -> Callable[[], Iterator[list[Keeper]]]:
+    """A module-scoped fixture of two (or more) in-process keepers named
+    ``names``, closed after the module: ``pair = pair_fixture("h0", "h1")``."""
+
+    @pytest.fixture(scope="module")
+    def pair() -> Iterator[list[Keeper]]:
+        keepers = start_keepers(list(names))
+        yield keepers
+        for k in keepers:
+            k.close()
+
+    return pair  # type: ignore[no-any-return]
 
 
 def spec(keepers: list[Keeper]) -> str:

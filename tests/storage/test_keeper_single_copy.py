@@ -10,13 +10,12 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
 from bytecp.storage.keeper_server import Keeper
-from keepers import TOKEN, spec, start_keepers
+from keepers import TOKEN, pair_fixture, spec
 from torch import nn
 
 import bytecp
@@ -26,13 +25,7 @@ from bytecp.format.index_read import all_segments, read_segments
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import verify
 
-
-@pytest.fixture(scope="module")
-def pair() -> Iterator[list[Keeper]]:
-    keepers = start_keepers(["s0", "s1"])
-    yield keepers
-    for k in keepers:
-        k.close()
+pair = pair_fixture("s0", "s1")
 
 
 def state_of(seed: int) -> dict[str, object]:

@@ -8,25 +8,18 @@ import os
 import socket
 import struct
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from bytecp.storage._keeper_wire import FileRange, request, send
 from bytecp.storage.keeper_server import Keeper
-from keepers import TOKEN, spec, start_keepers
+from keepers import TOKEN, pair_fixture, spec, start_keepers
 
 from bytecp.errors import StorageError
 from bytecp.format.checksum import crc32c
 from bytecp.storage_api import open_storage
 
-
-@pytest.fixture(scope="module")
-def pair() -> Iterator[list[Keeper]]:
-    keepers = start_keepers(["w0", "w1"])
-    yield keepers
-    for k in keepers:
-        k.close()
+pair = pair_fixture("w0", "w1")
 
 
 def test_a_file_reaches_the_peer_whole_and_reads_back_in_ranges(pair: list[Keeper]) -> None:

@@ -14,18 +14,12 @@ from bytecp.storage._keeper_wire import request
 from bytecp.storage.keeper import KeeperStorage
 from bytecp.storage.keeper_server import Keeper
 from bytecp.storage.testing import StorageContract, StorageFixtures
-from keepers import TOKEN, spec, start_keepers
+from keepers import TOKEN, pair_fixture, spec, start_keepers
 
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.storage_api import open_storage
 
-
-@pytest.fixture(scope="module")
-def pair() -> Iterator[list[Keeper]]:
-    keepers = start_keepers(["h0", "h1"])
-    yield keepers
-    for k in keepers:
-        k.close()
+pair = pair_fixture("h0", "h1")
 
 
 class TestKeeper(StorageFixtures, StorageContract):
