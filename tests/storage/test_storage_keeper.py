@@ -94,7 +94,8 @@ def test_keeper_metrics_report_memory_replication_and_drains(pair: list[Keeper],
 
     run = uuid.uuid4().hex
     st = open_storage(f"keeper://job/{run}/step-1", keepers=spec(pair), host="h0", token=TOKEN)
-    st.write_file("data/0.bin", [bytes(5000)])
+    data = os.urandom(5000)  # drained from a mapping of the keeper's copy: every byte in place
+    st.write_file("data/0.bin", [data])
     st.commit("metadata.json", b"{}")
     reg = CollectorRegistry()
     reg.register(KeeperCollector(lambda: pair[0].op_stats({}, memoryview(b""))[0], "j"))
@@ -107,7 +108,7 @@ def test_keeper_metrics_report_memory_replication_and_drains(pair: list[Keeper],
         if reg.get_sample_value("bytecp_keeper_drains", {**labels, "state": "done"}):
             break
         time.sleep(0.02)
-    assert (tmp_path / "out" / "data" / "0.bin").read_bytes() == bytes(5000)
+    assert (tmp_path / "out" / "data" / "0.bin").read_bytes() == data
     assert (tmp_path / "out" / "metadata.json").read_bytes() == b"{}"
 
 
