@@ -32,6 +32,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import ratio_table
 from benchmarks.harness import timed_between_barriers as _timed_b
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
@@ -184,15 +185,12 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()[0]
     print(f"\nZeRO-3 MLP hidden {args.hidden}, {args.layers} blocks: {nbytes / 1e9:.2f} GB of model + fp32 "
           f"master + Adam state over 2 ranks, one run, load average {load:.1f} on {os.cpu_count()} CPUs\n")
-    print("| case | bytecp (s) | DeepSpeed (s) | ratio |")
-    print("| --- | --- | --- | --- |")
-    for label, b, d in [
+    ratio_table("DeepSpeed", [
         ("save to durable commit", "bytecp save", "DeepSpeed save"),
         ("load, same layout (bytecp verifies every chunk's crc32c)", "bytecp load", "DeepSpeed load"),
         ("load, same layout, bytecp verify=False", "bytecp load, verify=False", "DeepSpeed load"),
         ("DP 2 -> 1 (DeepSpeed: ds_to_universal + universal load)", "bytecp DP 2 -> 1 load", "DeepSpeed DP 2 -> 1"),
-    ]:
-        print(f"| {label} | {results[b]:.2f} | {results[d]:.2f} | {results[b] / results[d]:.2f}x |")
+    ], results)
     print(f"\n(first saves: DeepSpeed {results['DeepSpeed save (first)']:.2f} s, bytecp "
           f"{results['bytecp save (first)']:.2f} s; ds_to_universal alone "
           f"{results['ds_to_universal']:.2f} s, universal load {results['DeepSpeed universal load']:.2f} s)")

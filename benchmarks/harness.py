@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 __all__ = ["Case", "Ctx", "GroupSpec", "RssSampler", "launch", "worker_main", "drop_caches",
-           "can_drop_caches", "timed_between_barriers", "NOT_AVAILABLE"]
+           "can_drop_caches", "timed_between_barriers", "ratio_table", "NOT_AVAILABLE"]
 
 NOT_AVAILABLE = "n/a (not available)"
 
@@ -132,6 +132,15 @@ def timed_between_barriers(fn: Callable[[], Any]) -> float:
     fn()
     dist.barrier()
     return time.perf_counter() - t0
+
+
+def ratio_table(other: str, rows: list[tuple[str, str, str]], results: dict[str, float]) -> None:
+    """(a framework benchmark's launcher) Print the markdown table of bytecp
+    against ``other``: one row per (label, bytecp's result key, the other's)."""
+    print(f"| case | bytecp (s) | {other} (s) | ratio |")
+    print("| --- | --- | --- | --- |")
+    for label, b, o in rows:
+        print(f"| {label} | {results[b]:.2f} | {results[o]:.2f} | {results[b] / results[o]:.2f}x |")
 
 
 def can_drop_caches() -> bool:

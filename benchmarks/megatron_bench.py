@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.harness import ratio_table
 from benchmarks.harness import timed_between_barriers as _timed_b
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,17 +250,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\n{what}, hidden {args.hidden}, {args.layers} layers, ffn {args.ffn}, vocab {args.vocab}: "
           f"{nbytes / 1e9:.2f} GB of model + optimizer state, one run, "
           f"load average {load:.1f} on {os.cpu_count()} CPUs\n")
-    print("| case | bytecp (s) | Megatron dist_checkpointing (s) | ratio |")
-    print("| --- | --- | --- | --- |")
     reshard = (("load EP 2 -> 1 (Megatron: model only)", "bytecp EP 2 -> 1 load", "Megatron EP 2 -> 1 load (model only)")
                if args.moe else ("load TP 2 -> 1", "bytecp TP 2 -> 1 load", "Megatron TP 2 -> 1 load"))
-    for label, b, m in [
+    ratio_table("Megatron dist_checkpointing", [
         ("save to durable commit", "bytecp save", "Megatron save"),
         ("load, same layout (bytecp verifies every chunk's crc32c)", "bytecp load", "Megatron load"),
         ("load, same layout, bytecp verify=False", "bytecp load, verify=False", "Megatron load"),
         reshard,
-    ]:
-        print(f"| {label} | {results[b]:.2f} | {results[m]:.2f} | {results[b] / results[m]:.2f}x |")
+    ], results)
     print(f"\n(Megatron's first save: {results['Megatron save (first)']:.2f} s)")
     if args.out:
         Path(args.out).write_text(json.dumps(

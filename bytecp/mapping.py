@@ -27,6 +27,10 @@ Rule fields:
 - ``fallback``: a source key used when ``from`` is absent (a tied output layer
   takes the embedding: untying).
 
+A spec's ``source_framework`` (the framework recorded in the checkpoints it
+converts, e.g. ``"megatron"``) lets ``bytecp export`` apply it unasked to
+such a checkpoint whose Hugging Face config's ``model_type`` names it.
+
 Parameters (``heads``, ``groups``, ``vocab_size``, ...) are given at
 conversion time, so one spec serves every size of the model family.
 
@@ -46,7 +50,7 @@ import dataclasses
 import fnmatch
 import importlib
 import re
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -191,6 +195,14 @@ class Produced:
     rule: Mapping[str, Any]
 
 
+def _all_used(sd: Mapping[str, Any], used: set[str], ignore: Sequence[str], what: str, key: str) -> None:
+    """Nothing dropped silently: every entry of ``sd`` a rule used or a ``key`` pattern names."""
+    rest = sorted(k for k in sd if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignore))
+    if rest:
+        raise StateMismatchError(f"the mapping spec uses no rule for {len(rest)} entries of {what}: {rest[:8]}; "
+                                 f"add rules for them or {key!r} patterns")
+
+
 def plan_conversion(sd: Mapping[str, Any], spec: Mapping[str, Any], **params: Any) -> list[Produced]:
     """What :func:`convert_state_dict` makes of ``sd``, worked out on shapes
     alone: ``sd``'s tensors may be ``meta`` tensors (an exporter plans from a
@@ -222,13 +234,7 @@ def plan_conversion(sd: Mapping[str, Any], spec: Mapping[str, Any], **params: An
                     raise ConfigError(f"mapping spec writes {key!r} twice")
                 seen.add(key)
                 plan.append(Produced(key, src, layer, i, tuple(part.shape), part.dtype, rule))
-    ignore = list(spec.get("ignore", []))
-    rest = sorted(k for k in sd if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignore))
-    if rest:
-        raise StateMismatchError(
-            f"the mapping spec uses no rule for {len(rest)} entries of the checkpoint: {rest[:8]}; "
-            "add rules for them or 'ignore' patterns"
-        )
+    _all_used(sd, used, spec.get("ignore", []), "the checkpoint", "ignore")
     return plan
 
 
@@ -310,11 +316,5 @@ def invert_state_dict(
         if rule["fallback"] not in out:
             raise StateMismatchError(f"the state dict has neither {rule['to']!r} nor a tensor for {rule['fallback']!r}")
         out[rule["from"]] = out[rule["fallback"]].clone()
-    ignore = list(spec.get("reverse_ignore", []))
-    rest = sorted(k for k in sd if k not in used and not any(fnmatch.fnmatchcase(k, p) for p in ignore))
-    if rest:
-        raise StateMismatchError(
-            f"the mapping spec uses no rule for {len(rest)} entries of the state dict: {rest[:8]}; "
-            "add rules for them or 'reverse_ignore' patterns"
-        )
+    _all_used(sd, used, spec.get("reverse_ignore", []), "the state dict", "reverse_ignore")
     return out

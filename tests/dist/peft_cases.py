@@ -45,11 +45,14 @@ def lora(model: Any) -> Any:
 
 
 def shard(model: Any) -> Any:
+    """FSDP2 over every rank: each decoder layer, then the whole model (a peft
+    model's or a plain Llama's)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.base_model.model.model.layers:
+    inner = model.get_base_model() if hasattr(model, "get_base_model") else model
+    for layer in inner.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     return model
@@ -174,13 +177,7 @@ def frozen_embedding_run(run: str, steps: int = 3, sharded: bool = False, async_
     model = base_model()
     model.model.embed_tokens.weight.requires_grad_(False)
     if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model)
     opt = optimizer(model)
     mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=2, async_save=async_save)
     written = {}
@@ -208,13 +205,7 @@ def load_frozen_embedding(run: str, sharded: bool = False) -> dict[str, Any]:
     model = LlamaForCausalLM(llama_config())
     model.model.embed_tokens.weight.requires_grad_(False)
     if sharded:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard(model)
     opt = optimizer(model)
     train(model, opt, 99)
     step = bytecp.CheckpointManager(run, every_n_steps=1).restore({"model": model, "optim": opt})

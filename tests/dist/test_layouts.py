@@ -18,6 +18,7 @@ import torch
 import bytecp
 
 from . import layout_cases as lc
+from .cases import assert_same_state
 from . import titan_cases
 
 pytestmark = pytest.mark.timeout(300)
@@ -48,16 +49,6 @@ NORM_REPLICAS = {
 COORDINATED = {"fsdp_groups"}
 
 
-def _same(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
-    assert set(ref["model"]) == set(got["model"]), f"{what}: model keys"
-    for k, v in ref["model"].items():
-        assert torch.equal(v, got["model"][k]), f"{what}: model {k}"
-    assert set(ref["optim"]) == set(got["optim"]), f"{what}: optimizer keys"
-    for k, v in ref["optim"].items():
-        assert torch.equal(v, got["optim"][k]), f"{what}: optimizer {k}"
-    assert ref["groups"] == got["groups"], f"{what}: param groups"
-
-
 def _stored_once(url: str) -> None:
     """Every tensor byte of the checkpoint is stored exactly once (replicas deduplicated)."""
     from bytecp.loading.opened import open_checkpoint, read_metadata
@@ -80,7 +71,7 @@ def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
     assert out["norm_replicas"] == NORM_REPLICAS[save]
     assert out["coordinated"] == (save in COORDINATED), out["coordinated"]
     for to in MATRIX[save]:
-        _same(ref, out["got"][to], f"{save} -> {to}")
+        assert_same_state(ref, out["got"][to], f"{save} -> {to}")
         assert out["got"][to]["step"] == 2
     _stored_once(url)
     _stored_once(url + "-sync")
@@ -90,7 +81,7 @@ def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
     bytecp.load(url, {"model": model, "optimizer": opt, "extra": extra})
     got = lc.full_state(model, opt)
     assert got is not None and extra["step"] == 2
-    _same(ref, got, f"{save} -> one process")
+    assert_same_state(ref, got, f"{save} -> one process")
     # full tensors by name
     sd = bytecp.load_state_dict(url)
     assert {k: v for k, v in sd["model"].items()}.keys() == ref["model"].keys()

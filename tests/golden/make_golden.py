@@ -144,20 +144,9 @@ def case_plain(url: str) -> tuple[Any, dict[str, Any]]:
     rng_now = bytecp.RNGState().state_dict()
     bytecp.save(url, state, step=7, metadata={"run": "golden", "format": FORMAT_VERSION})
 
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = [p for g in opt.param_groups for p in g["params"]]
-    osd = opt.state_dict()
-    groups = []
-    for g in osd["param_groups"]:
-        g2 = {k: v for k, v in g.items() if k != "params"}
-        g2["params"] = [names[id(params[i])] for i in g["params"]]
-        groups.append(g2)
+    expected, _ = _plain_expected(model, opt)
     expected = {
-        "model": dict(model.state_dict()),
-        "optimizer": {
-            "state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
-            "param_groups": groups,
-        },
+        **expected,
         "extra": {**{k: v for k, v in extra.items() if k != "rng"}, "rng": rng_now},
     }
     return expected, {
@@ -253,6 +242,22 @@ class TiedLM(nn.Module):
         return self.head(self.again(torch.relu(self.block(self.embed(x)))))
 
 
+def _plain_expected(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[Any, dict[str, Any]]:
+    """What a one-process save of ``model`` and ``opt`` at step 2 loads back:
+    the module's state dict and the optimizer's, keyed by parameter name."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    params = [p for g in opt.param_groups for p in g["params"]]
+    osd = opt.state_dict()
+    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
+              for g in osd["param_groups"]]
+    expected = {
+        "model": dict(model.state_dict()),
+        "optimizer": {"state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
+                      "param_groups": groups},
+    }
+    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
+
+
 def case_tied(url: str) -> tuple[Any, dict[str, Any]]:
     """Tensors sharing memory (a tied embedding and head, a block used twice)
     stored once, the other names as aliases; AdamW state after one step."""
@@ -265,17 +270,7 @@ def case_tied(url: str) -> tuple[Any, dict[str, Any]]:
     md = json.loads(Path(url, "metadata.json").read_text())
     assert md["aliases"] == {"model.again.bias": "model.block.bias", "model.again.weight": "model.block.weight",
                              "model.head.weight": "model.embed.weight"}, md["aliases"]
-    names = {id(p): n for n, p in model.named_parameters()}
-    params = [p for g in opt.param_groups for p in g["params"]]
-    osd = opt.state_dict()
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
-              for g in osd["param_groups"]]
-    expected = {
-        "model": dict(model.state_dict()),
-        "optimizer": {"state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
-                      "param_groups": groups},
-    }
-    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
+    return _plain_expected(model, opt)
 
 
 def case_pickle(url: str) -> tuple[Any, dict[str, Any]]:
@@ -527,17 +522,7 @@ def case_incremental(url: str) -> tuple[Any, dict[str, Any]]:
     step()
     md = bytecp.save(url, {"model": model, "optimizer": opt}, step=2, base="step-1")
     assert set(md.references) == {"step-1"}, md.references
-    names = {id(p): n for n, p in model.named_parameters()}
-    osd = opt.state_dict()
-    params = [p for g in opt.param_groups for p in g["params"]]
-    groups = [{**{k: v for k, v in g.items() if k != "params"}, "params": [names[id(params[i])] for i in g["params"]]}
-              for g in osd["param_groups"]]
-    expected = {
-        "model": dict(model.state_dict()),
-        "optimizer": {"state": {names[id(params[i])]: dict(st) for i, st in osd["state"].items()},
-                      "param_groups": groups},
-    }
-    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
+    return _plain_expected(model, opt)
 
 
 #: keyword arguments loading each case needs
