@@ -100,6 +100,9 @@ GPT2: dict[str, Any] = {
     ],
     "ignore": _IGNORE, "reverse_ignore": _REVERSE_IGNORE,
 }
+for _spec in (LLAMA, QWEN2, MIXTRAL, GPT2):  # a Megatron checkpoint with this model_type's config converts by default
+    _spec["source_framework"] = "megatron"
+
 _ARCH = {"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM",
          "mixtral": "MixtralForCausalLM"}  # fmt: skip
 

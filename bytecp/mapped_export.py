@@ -34,18 +34,20 @@ _CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def choose_spec(md: fmt.Metadata, spec: str | None, config: bytes | None) -> str | None:
-    """The spec to apply: ``spec`` (``"none"``: no spec), else the config's
-    ``model_type`` when the checkpoint was saved by Megatron and a spec of
-    that name is registered."""
+    """The spec to apply: ``spec`` (``"none"``: no spec), else the one named
+    by the config's ``model_type`` when it is registered and converts from
+    the framework that saved the checkpoint (its ``source_framework``)."""
     if spec == "none":
         return None
     if spec is not None:
         get_spec(spec)  # a clear error for an unknown name
         return spec
-    if md.framework != "megatron" or config is None:
+    if config is None:
         return None
     model_type = json.loads(config).get("model_type")
-    return model_type if model_type in spec_names() else None
+    if model_type not in spec_names():
+        return None
+    return model_type if get_spec(model_type).get("source_framework") == md.framework else None
 
 
 def spec_params(config: Mapping[str, Any]) -> dict[str, Any]:
