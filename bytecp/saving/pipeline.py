@@ -302,12 +302,13 @@ class SavePipeline:
         the replaced checkpoint; after a failure, those of this save."""
         ctx, flat, save_id = self.ctx, described.flat, planned.save_id
         committed: list[fmt.Metadata] = []
+        mine = planned.referenced.add_to(written)  # what it wrote, and the rows it references
 
         def output() -> RankOutput:
             self._raise_kept()
-            out = planned.referenced.add_to(written)
-            if planned.skeleton_differs:
-                out = dataclasses.replace(written, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
+            out = mine
+            if planned.skeleton_differs:  # (its referenced rows kept too)
+                out = dataclasses.replace(mine, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
                                           aliases=dict(flat.aliases))
             return for_commit(out)
 
@@ -343,7 +344,6 @@ class SavePipeline:
                 leases.give_up(save_id)
                 remove_files_of(self.storage, save_id)
             raise
-        mine = planned.referenced.add_to(written)
         self.incremental.committed(md, described.tokens, mine.chunks, mine.data_files)
         if planned.cache_entry is not None:
             fingerprint, digest, items = planned.cache_entry

@@ -347,6 +347,19 @@ def uneven_objects(url: str) -> Any:
     return bytecp.load_state_dict(url) if r == 0 else None
 
 
+def uneven_incremental(run: str) -> Any:
+    """Ranks whose trees differ (each holds a tensor only it has), saved
+    twice, the second referencing the first: the unchanged tensor of the rank
+    whose tree is not the coordinator's is referenced too, not dropped."""
+    r = dist.get_rank()
+    state = {"extra": {f"only{r}": torch.arange(6.0) + 10 * r, "moving": torch.zeros(4)}}
+    bytecp.save(f"{run}/step-1", state, step=1)
+    state["extra"]["moving"].add_(1.0)
+    md = bytecp.save(f"{run}/step-2", state, step=2, base=f"{run}/step-1")
+    dist.barrier()
+    return (sorted(md.references), bytecp.load_state_dict(f"{run}/step-2")) if r == 0 else None
+
+
 def state_changes_on_one_rank_between_async_saves(url: str) -> list[Any]:
     """Eager async saves of a replicated tensor (split between the ranks);
     from the second save on, rank 1 also holds a tensor of its own, so its

@@ -180,6 +180,14 @@ def test_values_held_only_by_some_ranks_are_saved(pools, tmp_path: Path) -> None
     assert torch.equal(extra["only1"]["t"], torch.full((3,), 1.0))
 
 
+def test_a_rank_whose_tree_differs_keeps_its_referenced_rows(pools, tmp_path: Path) -> None:
+    refs, sd = pools(2).run(cases.uneven_incremental, str(tmp_path / "run"))[0]
+    assert refs == ["step-1"]
+    extra = sd["extra"]
+    assert torch.equal(extra["only0"], torch.arange(6.0)) and torch.equal(extra["only1"], torch.arange(6.0) + 10)
+    assert torch.equal(extra["moving"], torch.ones(4))  # changed: written again
+
+
 def test_a_state_changing_on_one_rank_keeps_async_saves_committing(pools, tmp_path: Path) -> None:
     # rank 0 snapshots only its cached share while rank 1's plan changed: the
     # new plan keeps rank 0's share as it is and gives rank 1 the rest
