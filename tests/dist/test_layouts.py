@@ -75,6 +75,10 @@ def test_layout_matrix(pools, tmp_path: Path, save: str) -> None:
         assert out["got"][to]["step"] == 2
     _stored_once(url)
     _stored_once(url + "-sync")
+    synced = bytecp.load_state_dict(url + "-sync")  # the sync save of the same state: the same bytes
+    assert synced["model"].keys() == ref["model"].keys()
+    for k, v in ref["model"].items():
+        assert torch.equal(v, synced["model"][k]), f"{save} sync save: model {k}"
     # one plain process, no torch.distributed
     model, opt, _ = titan_cases.build("titan_plain", 7) if save.startswith("titan") else lc.build("plain", seed=7)
     extra: dict[str, Any] = {"step": -1}

@@ -21,8 +21,10 @@ class Net(L.LightningModule):
         super().__init__()
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 1))
+        self.steps_run = 0  # training steps this fit ran (a resume from step 4 of 6 runs 2)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        self.steps_run += 1
         x, y = batch
         return nn.functional.mse_loss(self.net(x), y)
 
@@ -53,7 +55,7 @@ def main(run: str) -> None:
     straight = fit(None, 6)
     same = all(torch.equal(a, b) for a, b in zip(resumed.state_dict().values(), straight.state_dict().values(),
                                                    strict=True))
-    print(json.dumps({"package": PACKAGE, "latest": latest, "same": same,
+    print(json.dumps({"package": PACKAGE, "latest": latest, "same": same, "resumed_steps": resumed.steps_run,
                       "pytorch_lightning_imported": "pytorch_lightning" in sys.modules}))
 
 

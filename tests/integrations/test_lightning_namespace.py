@@ -26,7 +26,8 @@ def test_lightning_pytorch_namespace_fits_saves_and_resumes(tmp_path: Path) -> N
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads(p.stdout.strip().splitlines()[-1])
     assert res["package"] == "lightning.pytorch" and not res["pytorch_lightning_imported"]
-    assert res["latest"].endswith("step=4.ckpt") and res["same"], res
+    # the resume restored step 4 (it ran the last 2 steps only) and matches 6 uninterrupted steps bitwise
+    assert res["latest"].endswith("step=4.ckpt") and res["resumed_steps"] == 2 and res["same"], res
 
 
 def test_the_package_is_chosen_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -46,6 +46,9 @@ def _compare(live: dict[str, Any], ref: dict[str, Any], what: str) -> int:
         if not torch.equal(full, ref[k]):
             raise AssertionError(f"{what}: {k} differs from the checkpoint")
         n += 1
+    missing = sorted(k for k, v in ref.items() if isinstance(v, torch.Tensor) and k not in live)
+    if missing:  # every tensor of the checkpoint reached the live state
+        raise AssertionError(f"{what}: the live state lacks {len(missing)} of the checkpoint's tensors: {missing[:5]}")
     return n
 
 

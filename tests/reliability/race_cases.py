@@ -51,10 +51,8 @@ def _broken(url: str) -> int:
     try:
         open_checkpoint(url).check_sizes()
         return 0
-    except CorruptCheckpointError:
-        return int(os.path.exists(f"{url}/metadata.json"))
-    except Exception:
-        return 0  # deleted meanwhile: not a checkpoint any more
+    except Exception:  # any failure of a checkpoint still committed is a broken one
+        return int(os.path.exists(f"{url}/metadata.json"))  # (deleted meanwhile: not a checkpoint any more)
 
 
 class _Slow:

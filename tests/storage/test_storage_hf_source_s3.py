@@ -1,4 +1,4 @@
-"""A Hugging Face directory under an S3 prefix (moto) loads with
+"""A Hugging Face directory under an S3 prefix (moto and Ceph RGW) loads with
 ``bytecp.load`` and ``bytecp.load_state_dict`` bitwise equal to
 ``from_pretrained``'s weights, reading only the tensors' byte ranges."""
 
@@ -16,11 +16,12 @@ from bytecp.storage_api import open_storage
 pytestmark = pytest.mark.s3
 
 
-def test_hf_dir_on_s3(moto_s3, moto_bucket, unique_prefix, tmp_path: Path) -> None:
-    opts = moto_s3.options()
+def test_hf_dir_on_s3(s3, unique_prefix, tmp_path: Path) -> None:
+    server, bucket = s3
+    opts = server.options()
     local = hf.save("llama", tmp_path / "m", sharded=True)
     ref = hf.reference("llama", local)
-    url = f"s3://{moto_bucket}/{unique_prefix}/llama"
+    url = f"s3://{bucket}/{unique_prefix}/llama"
     storage = open_storage(url, **opts)
     for f in sorted(local.iterdir()):
         storage.write_file(f.name, [f.read_bytes()])
