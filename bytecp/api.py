@@ -28,7 +28,7 @@ from bytecp.recorder import Recorder, Trace, resolve_monitor
 from bytecp.saving import schedule
 from bytecp.saving.handles import SaveHandle, checkpoint_group
 from bytecp.saving.pipeline import SavePipeline
-from bytecp.saving.staging import ArenaStager, Stager, ViewStager, lends_arenas
+from bytecp.saving.staging import ArenaStager, Stager, ViewStager
 from bytecp.storage_api import Storage, open_storage
 
 __all__ = ["save", "async_save", "load", "load_state_dict", "LoadResult"]
@@ -97,7 +97,7 @@ def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.M
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
     # a storage lending arenas (keeper://) gets the one copy the save makes; others read the live tensors
     stager: Stager = (ArenaStager(threads=min(8, torch.get_num_threads()), shared=storage, files=opts.io_threads)
-                      if lends_arenas(storage) else ViewStager())
+                      if storage.lends_arenas else ViewStager())
     pipeline = SavePipeline(storage, state, opts, ctx, trace, stager, version=__version__)
     return schedule.run_now(pipeline, blocked_since=t0)
 

@@ -183,7 +183,7 @@ class CheckpointManager:
         that cannot, a normal save to storage follows)."""
         assert self.memory is not None
         mem = self.memory
-        drain_here = drain and mem.can_drain(step)
+        drain_here = drain and mem.can_drain()
 
         def committed() -> None:  # (all ranks, after the memory commit)
             from bytecp.dist import DistContext
@@ -207,9 +207,9 @@ class CheckpointManager:
         except Exception as e:  # the last checkpoint matters more than the failed one
             log.error("bytecp: the save in flight failed (%s); saving step %s before exiting", e, step)
         from bytecp.api import save
-        from bytecp.catalog import list_checkpoints
 
-        if step not in {c.step for c in list_checkpoints(self.run_url, storage_options=self.storage_options)}:
+        # (the save in flight has ended on every rank: they all read the same answer)
+        if not open_storage(self.url_for(step), **self.storage_options).exists(fmt.METADATA_FILE):
             save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
             self._retain()
         log.warning("bytecp: saved %s before exiting on a signal", self.url_for(step))

@@ -195,6 +195,18 @@ class Storage(abc.ABC):
         """
         raise NotImplementedError(f"{type(self).__name__} hands out no staging arenas")
 
+    # -- draining (optional) ---------------------------------------------
+    #: whether :meth:`drain_to` copies a committed checkpoint elsewhere by itself
+    drains: bool = False
+
+    def drain_to(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
+        """(the manager's coordinator, after a memory checkpoint commits) Have
+        the backend copy this committed checkpoint to ``url`` in the
+        background, ``metadata.json`` last (``keeper://``: the host's keeper
+        does). Backends without it (:attr:`drains` False) are drained by the
+        manager saving the same step to storage."""
+        raise NotImplementedError(f"{type(self).__name__} does not drain checkpoints by itself")
+
     @abc.abstractmethod
     def delete(self, paths: Iterable[str]) -> None:
         """Delete files; missing ones are ignored."""

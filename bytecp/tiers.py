@@ -27,7 +27,7 @@ Who calls what, and when:
   step than the newest complete one.
 
 The core reaches the keepers only through the storage registry; a memory
-backend without ``drain_to`` (``memory://`` in tests) is drained by a
+backend that does not drain (``Storage.drains`` False: ``memory://`` in tests) is drained by a
 normal save to storage from the training processes.
 """
 
@@ -72,6 +72,7 @@ class MemoryTier:
         self.storage_options = dict(storage_options or {})
         #: (url, why) of the memory checkpoints the last :meth:`latest` skipped as incomplete
         self.incomplete: list[tuple[str, str]] = []
+        self._drains: bool | None = None
 
     def url_for(self, step: int) -> str:
         return f"{self.url}/step-{step}"
@@ -79,14 +80,16 @@ class MemoryTier:
     def due(self, step: int) -> bool:
         return step % self.every_n_steps == 0
 
-    def can_drain(self, step: int) -> bool:
-        """Whether the memory backend copies checkpoints to storage itself."""
-        return hasattr(open_storage(self.url_for(step), **self.storage_options), "drain_to")
+    def can_drain(self) -> bool:
+        """Whether the memory backend copies checkpoints to storage itself
+        (:attr:`Storage.drains`; asked of its class once)."""
+        if self._drains is None:
+            self._drains = open_storage(self.url, **self.storage_options).drains
+        return self._drains
 
     def drain(self, step: int, to_url: str, to_options: dict[str, Any]) -> None:
         """(coordinator, after the memory commit) Have the keeper copy ``step`` to ``to_url``."""
-        st = open_storage(self.url_for(step), **self.storage_options)
-        st.drain_to(to_url, to_options)  # type: ignore[attr-defined]
+        open_storage(self.url_for(step), **self.storage_options).drain_to(to_url, to_options)
 
     def latest(self) -> CheckpointInfo | None:
         """The newest complete committed memory checkpoint, or None (also when no keeper answers)."""

@@ -79,6 +79,7 @@ class KeeperStorage(Storage):
     """One checkpoint directory (or a run's prefix) in the keepers' memory."""
 
     remote = False  # reads are mostly this host's shared memory
+    drains = True  # its keeper copies committed checkpoints to storage (drain_to)
     exclusive_commit = "check-then-publish"  # the local keeper checks, then publishes at every peer
 
     def __init__(self, url: str, *, keepers: str | dict[str, Any] | None = None, host: str | None = None,

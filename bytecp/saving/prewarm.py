@@ -25,7 +25,7 @@ from bytecp.adapter_api import detect_adapter
 from bytecp.dist import DistContext
 from bytecp.plan.exchange import local_plan
 from bytecp.saving.handles import checkpoint_group
-from bytecp.saving.staging import POOL, lends_arenas, shared_layout_sizes
+from bytecp.saving.staging import POOL, shared_layout_sizes
 from bytecp.storage_api import open_storage
 from bytecp.tree.state import flatten_tree
 
@@ -54,7 +54,7 @@ def prewarm(state: dict[str, Any], *, framework: str | None = None, process_grou
         s.tensor.device.type == "cuda" for leaf in flat.tensors.values() for s in leaf.shards
     )
     storage = open_storage(url, **(storage_options or {})) if url is not None else None
-    if storage is not None and lends_arenas(storage):
+    if storage is not None and storage.lends_arenas:
         sizes = collections.Counter(shared_layout_sizes(items, io_threads))  # one arena per data file of a save
         for nbytes, files in sorted(sizes.items()):
             storage.prepare_staging(nbytes, arenas * files)

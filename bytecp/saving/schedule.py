@@ -37,7 +37,7 @@ from bytecp.options import SaveOptions
 from bytecp.saving import leases
 from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in
 from bytecp.saving.pipeline import SavePipeline
-from bytecp.saving.staging import ArenaStager, lends_arenas
+from bytecp.saving.staging import ArenaStager
 from bytecp.storage_api import Storage
 
 __all__ = [
@@ -121,7 +121,7 @@ def async_stager(opts: SaveOptions, storage: Storage | None = None) -> ArenaStag
     the way. Into arenas ``storage`` lends when it does (``keeper://``):
     then the storage's process sums them, not this one."""
     threads = opts.staging_threads or (1 if opts.lazy else min(8, torch.get_num_threads()))
-    shared = storage if storage is not None and lends_arenas(storage) else None
+    shared = storage if storage is not None and storage.lends_arenas else None
     return ArenaStager(opts.memory_budget_bytes, threads=threads, checksums=opts.lazy and shared is None,
                        shared=shared, files=opts.io_threads)
 

@@ -55,7 +55,7 @@ from bytecp.tree.state import FlatTree, Shard, TensorLeaf
 
 __all__ = [
     "Stager", "ViewStager", "ArenaStager", "SnapshotStager", "StagingPool", "POOL", "batches_within",
-    "PAGE_ALIGN_MIN_BYTES", "lends_arenas", "shared_layout_sizes",
+    "PAGE_ALIGN_MIN_BYTES", "shared_layout_sizes",
 ]
 
 _ALIGN = 64
@@ -70,11 +70,6 @@ def _up(n: int, a: int) -> int:
 def _slot(n: int, whole_pages: bool = False) -> int:
     """Arena bytes a box of ``n`` bytes takes (with its padding)."""
     return _up(n, fmt.ALIGNMENT) if n >= PAGE_ALIGN_MIN_BYTES or whole_pages else _up(n, _ALIGN)
-
-
-def lends_arenas(storage: Storage) -> bool:
-    """Whether ``storage`` may lend staging arenas (:attr:`Storage.lends_arenas`)."""
-    return bool(getattr(storage, "lends_arenas", False))
 
 
 def _bins(items: Sequence[WriteItem], files: int) -> list[list[int]]:
