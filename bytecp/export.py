@@ -50,7 +50,7 @@ from bytecp.tree.dtypes import dtype_from_name, host_memoryview, itemsize
 from bytecp.tree.regions import full_region
 
 __all__ = [
-    "SAFETENSORS_DTYPES", "CAST_DTYPES", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
+    "SAFETENSORS_DTYPES", "CAST_DTYPES", "CASTABLE", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
     "open_export", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
     "safetensors_pieces", "split_url", "refuse_nested", "export_safetensors", "export_torch",
 ]  # fmt: skip
@@ -68,7 +68,8 @@ CAST_DTYPES = {
     "fp32": "float32", "float32": "float32",
 }  # fmt: skip
 #: the dtypes a cast applies to (float8 and integer tensors are written as stored)
-_CASTABLE = ("float64", "float32", "float16", "bfloat16")
+#: stored dtypes a ``dtype=`` cast applies to (others are written as stored)
+CASTABLE = ("float64", "float32", "float16", "bfloat16")
 #: small tensors are read together, up to this many bytes per group
 GROUP_BYTES = 64 << 20
 #: a cast converts this many elements at a time
@@ -153,7 +154,7 @@ def select_tensors(
 
     def item(fqn: str, stored: str) -> ExportTensor:
         info = md.tensors[stored]
-        cast = out_dtype if out_dtype and info["dtype"] in _CASTABLE else info["dtype"]
+        cast = out_dtype if out_dtype and info["dtype"] in CASTABLE else info["dtype"]
         name = fqn[len(prefix):] if strip_prefix else fqn
         return ExportTensor(name, stored, info["dtype"], cast, tuple(info["shape"]))
 

@@ -22,15 +22,14 @@ from typing import Any
 import torch
 
 from bytecp.errors import ConfigError
-from bytecp.export import CAST_DTYPES, ExportTensor, TensorReader, select_tensors
+from bytecp.export import CAST_DTYPES, CASTABLE, ExportTensor, TensorReader, select_tensors
 from bytecp.format import metadata as fmt
 from bytecp.loading.opened import OpenedCheckpoint
 from bytecp.mapping import convert_planned, get_spec, plan_conversion, spec_names
-from bytecp.tree.dtypes import dtype_from_name
+from bytecp.tree.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["choose_spec", "MappedReader", "spec_params"]
 
-_CASTABLE = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
 
 
 def choose_spec(md: fmt.Metadata, spec: str | None, config: bytes | None) -> str | None:
@@ -77,11 +76,11 @@ class MappedReader:
         self._want = getattr(torch, CAST_DTYPES[dtype]) if dtype is not None else None
         self._reader = TensorReader(opened)
         self._held: tuple[str, torch.Tensor] | None = None
-        self.items = [ExportTensor(p.name, p.name, _name(p.dtype), _name(self._cast(p.dtype)), p.shape)
+        self.items = [ExportTensor(p.name, p.name, dtype_name(p.dtype), dtype_name(self._cast(p.dtype)), p.shape)
                       for p in self._plan.values()]
 
     def _cast(self, dt: torch.dtype) -> torch.dtype:
-        return self._want if self._want is not None and dt in _CASTABLE else dt
+        return self._want if self._want is not None and dtype_name(dt) in CASTABLE else dt
 
     def _fetch(self, source: str) -> torch.Tensor:
         """A source's full tensor; the last one stays held, so a source whose
@@ -98,6 +97,3 @@ class MappedReader:
         for it, (_, t) in zip(wanted, planned, strict=True):
             yield it, t.to(self._cast(t.dtype))
 
-
-def _name(dt: torch.dtype) -> str:
-    return str(dt).removeprefix("torch.")

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 
 from bytecp.errors import StorageError
 from bytecp.format.checksum import crc32c
+from bytecp.saving.leases import pid_running
 
 from ._keeper_wire import reserve
 
@@ -122,7 +123,7 @@ class Arenas:
         with self._lock:
             found = self._take_free(nbytes, pid)
         size, path = found if found is not None else (nbytes, self._new(nbytes))
-        if pid is not None and not _alive(pid):
+        if pid is not None and not pid_running(pid):
             pid = None
         name = os.path.basename(path) + f"-{next(self._seq)}"
         with self._lock:
@@ -135,7 +136,7 @@ class Arenas:
         """(prewarm) ``count`` free arenas of ``nbytes``, lent to ``pid`` first; -> their paths."""
         with self._lock:
             self.prepared[pid] = count
-            for gone in [p for p in self.prepared if p is not None and not _alive(p)]:
+            for gone in [p for p in self.prepared if p is not None and not pid_running(p)]:
                 del self.prepared[gone]
             have = [p for s, p in self.free if s == nbytes and self.filled_by.get(_inode(p)) in (pid, None)][:count]
         while len(have) < count:
@@ -143,7 +144,7 @@ class Arenas:
             with self._lock:
                 self.free.append((nbytes, path))
             have.append(path)
-        if pid is not None and _alive(pid):
+        if pid is not None and pid_running(pid):
             inodes = [_inode(p) for p in have]
             with self._lock:
                 for ino in inodes:
@@ -248,7 +249,7 @@ class Arenas:
             # a dead process's arena is unlinked, not pooled: were the pid misjudged (another pid
             # namespace), the process would go on writing an orphaned file, never one lent again
             stale = [n for n, v in self.lent.items()
-                     if (v.pid is not None and not _alive(v.pid)) or now - v.since > self.timeout_s]
+                     if (v.pid is not None and not pid_running(v.pid)) or now - v.since > self.timeout_s]
         with self._lock:  # copied-out arenas of checkpoints that never committed
             late = [(c, p) for c, w in self.returning.items() for t, p in w if now - t > self.timeout_s]
             for c, p in late:
@@ -312,16 +313,6 @@ def _inode(path: str) -> int:
         return os.stat(path).st_ino
     except OSError:
         return -1
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _page(n: int) -> int:

@@ -173,8 +173,6 @@ class PlanDecision:
     bad_sets: frozenset[str]
     #: bytes every rank writes of its own boxes, by rank
     base_load: tuple[int, ...]
-    #: whether the coordinator plans some boxes (a gather and a scatter follow)
-    coordinated: bool
     #: sound replica sets (``"own:<rank>"`` for a rank's own boxes) whose
     #: boxes other sets hold as well (equal fingerprints): set key -> every
     #: rank holding them, planned as one set
@@ -187,6 +185,11 @@ class PlanDecision:
     #: bad sets whose groups hold different tensors (pipeline stages), each
     #: group planned locally as a set of its own (:mod:`bytecp.plan.split_sets`)
     split: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
+
+    @property
+    def coordinated(self) -> bool:
+        """Whether the coordinator plans some boxes (a gather and a scatter follow)."""
+        return bool(self.bad_sets) or self.unknown
 
 
 def local_plan(
@@ -286,12 +289,12 @@ def vote_for(
             unknown = True
         elif rs.size == 1:
             own, owned = own + it.nbytes, owned + 1
-            own_h.update(f"{it.fqn}|{it.region.offsets}|{it.region.lengths}|{it.dtype}|{it.global_shape};".encode())
+            own_h.update(it.key)
         else:
             entry = per_set.get(rs.key)
             if entry is None:
                 entry = per_set[rs.key] = (rs, hashlib.blake2b(digest_size=16))
-            entry[1].update(f"{it.fqn}|{it.region.offsets}|{it.region.lengths}|{it.dtype}|{it.global_shape};".encode())
+            entry[1].update(it.key)
     sets = tuple(sorted((k, rs.size, h.hexdigest()) for k, (rs, h) in per_set.items()))
     own_fp = own_h.hexdigest() if owned else ""
     return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown, own_fp=own_fp,
@@ -315,7 +318,7 @@ def decide(votes: Sequence[PlanVote]) -> PlanDecision:
     digest = fingerprints_digest([v.fingerprint for v in votes])
     base = tuple(v.own_bytes for v in votes)
     if all(v.cached_for == digest for v in votes):
-        return PlanDecision(digest, True, frozenset(), base, False)
+        return PlanDecision(digest, True, frozenset(), base)
     seen: dict[str, tuple[set[int], dict[str, list[int]]]] = {}  # key -> (sizes, fingerprint -> members)
     for rank, v in enumerate(votes):
         for key, size, fp in v.sets:
@@ -341,7 +344,7 @@ def decide(votes: Sequence[PlanVote]) -> PlanDecision:
     unknown = any(v.unknown for v in votes)
     if any(v.fixed for v in votes):  # a cached share written as it is: every rank sends all it holds
         groups = {}
-    return PlanDecision(digest, False, bad, base, bool(bad) or unknown, merged, groups, unknown)
+    return PlanDecision(digest, False, bad, base, merged, groups, unknown)
 
 
 def planned_locally(

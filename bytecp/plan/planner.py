@@ -69,6 +69,11 @@ class WriteItem:
     def nbytes(self) -> int:
         return self.region.numel * self.itemsize
 
+    @property
+    def key(self) -> bytes:
+        """What a plan's digests hash of this box: equal keys, the same box of the same tensor."""
+        return f"{self.fqn}|{self.region.offsets}|{self.region.lengths}|{self.dtype}|{self.global_shape};".encode()
+
 
 @dataclasses.dataclass(frozen=True)
 class LocalSavePlan:
@@ -176,9 +181,7 @@ def plan_fingerprint(plan: LocalSavePlan) -> str:
     """A stable digest of a local plan: equal digests mean an equal plan."""
     h = hashlib.blake2b(digest_size=16)
     for it in plan.items:
-        h.update(
-            f"{it.fqn}|{it.region.offsets}|{it.region.lengths}|{it.dtype}|{it.global_shape};".encode()
-        )
+        h.update(it.key)
     return h.hexdigest()
 
 

@@ -15,9 +15,9 @@ Groups that share a name stay with the coordinator (it compares boxes).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Mapping, Sequence
 
+from bytecp.format.chunk_batch import fqn_hash
 from bytecp.plan.exchange import PlanDecision
 from bytecp.plan.planner import LocalSavePlan
 
@@ -33,8 +33,7 @@ def names_of(plan: LocalSavePlan, decision: PlanDecision) -> dict[str, tuple[tup
     names: dict[str, set[int]] = {}
     for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
         if rs is not None and rs.key in decision.bad_sets:
-            names.setdefault(rs.key, set()).add(
-                int.from_bytes(hashlib.blake2b(it.fqn.encode(), digest_size=8).digest(), "little"))
+            names.setdefault(rs.key, set()).add(fqn_hash(it.fqn))
     out = {}
     for key, hashes in names.items():
         group = next((g for g in decision.groups.get(key, ()) if plan.rank in g), None)
@@ -63,5 +62,4 @@ def split_disjoint(decision: PlanDecision, gathered: Sequence[Names]) -> PlanDec
     if not split:
         return decision
     bad = decision.bad_sets - split.keys()
-    return dataclasses.replace(decision, bad_sets=bad, coordinated=bool(bad) or decision.unknown,
-                               split={**decision.split, **split})
+    return dataclasses.replace(decision, bad_sets=bad, split={**decision.split, **split})

@@ -46,7 +46,7 @@ from bytecp.format.references import DOOM_DIR
 from bytecp.storage_api import Storage
 
 __all__ = ["give_up_at", "LEASE_DIR", "Lease", "take", "give_up", "holding", "release", "lease_seconds",
-           "may_be_running", "process_gone", "this_host", "SaveFiles", "saves_at", "orphans", "sweep"]
+           "may_be_running", "process_gone", "pid_running", "this_host", "SaveFiles", "saves_at", "orphans", "sweep"]
 
 log = logging.getLogger("bytecp")
 
@@ -86,13 +86,18 @@ def process_gone(host: object, pid: object) -> bool:
     counts as running."""
     if host is None or host != this_host() or not isinstance(pid, int) or pid <= 0:
         return False
+    return not pid_running(pid)
+
+
+def pid_running(pid: int) -> bool:
+    """Whether a process ``pid`` runs on this host (one we may not signal counts as running)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return True
-    except OSError:
         return False
-    return False
+    except OSError:
+        return True
+    return True
 
 
 _live: set[Lease] = set()
