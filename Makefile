@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 clean
+.PHONY: demo test install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -78,6 +78,12 @@ bench: install-test
 
 bench-s3: install-test test-servers
 	$(VPY) -m benchmarks.s3_bench
+
+# the CUDA tests and the GPU benchmark beside DCP, on a machine with a GPU
+# (its own python3 and torch there; bytecp's missing needs as wheels in
+# .whl/: docs/benchmarks.md "GPU"); JSON and table to $$OUT. No GPU: exits 0
+gpu-check:
+	bash tools/gpu-check.sh
 
 clean:
 	rm -rf $(VENV) demo-out .pytest_cache

@@ -177,9 +177,10 @@ class Storage(abc.ABC):
         """
         return None
 
-    def prepare_staging(self, nbytes: int, count: int = 1) -> None:
+    def prepare_staging(self, nbytes: int, count: int = 1, pinned: bool = False) -> None:
         """(every rank, at prewarm) Have ``count`` arenas of ``nbytes`` ready
-        for the next :meth:`staging_arena` calls; nothing by default."""
+        for the next :meth:`staging_arena` calls (``pinned``: registered for
+        CUDA copies, the state being on a device); nothing by default."""
 
     def adopt(self, path: str, arena: SharedArena,
               ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:

@@ -9,17 +9,21 @@ mappings, by (device, inode, size), and copies into a file lent again
 without mapping it again. Each mapping holds its file open: one whose file
 the keeper has since unlinked (evicted, or dropped from its pool) is let go
 at the next lend, so it pins no memory the keeper's budget does not see
-beyond one save.
+beyond one save. A mapping that CUDA copies were staged into was registered
+with CUDA then (:mod:`bytecp.saving.staging`), and stays registered while it
+is kept: it is unregistered when it is let go.
 """
 
 from __future__ import annotations
 
 import collections
+import ctypes
 import mmap
 import os
+import sys
 import threading
 
-__all__ = ["Mappings", "MAPPINGS"]
+__all__ = ["Mappings", "MAPPINGS", "address_of", "pin"]
 
 _Key = tuple[int, int, int]
 
@@ -57,7 +61,7 @@ class Mappings:
         with self._lock:
             self._maps[key] = (buf, fd)
             while len(self._maps) > self.keep:
-                os.close(self._maps.popitem(last=False)[1][1])
+                _let_go(*self._maps.popitem(last=False)[1])
         return buf
 
     def expect(self, nbytes: int, count: int) -> None:
@@ -67,10 +71,36 @@ class Mappings:
             self.keep = max(self.keep, sum(self._expected.values()) + len(self._expected))
 
     def _let_go_unlinked(self) -> None:
-        for key, (_, fd) in list(self._maps.items()):
+        for key, (buf, fd) in list(self._maps.items()):
             if os.fstat(fd).st_nlink == 0:
                 del self._maps[key]
-                os.close(fd)
+                _let_go(buf, fd)
+
+
+def _let_go(buf: mmap.mmap, fd: int) -> None:
+    """Close a mapping's file and unpin the mapping if CUDA copies pinned it
+    (it is unmapped once the last view of it is gone)."""
+    os.close(fd)
+    pinning = sys.modules.get("bytecp.device_memory")  # never imported: nothing was pinned (no torch here)
+    if pinning is not None and len(buf):
+        pinning.unregister(address_of(buf))
+
+
+def address_of(buf: mmap.mmap) -> int:
+    """Where a (non-empty, open) mapping starts in this process."""
+    view = ctypes.c_char.from_buffer(buf)
+    try:
+        return ctypes.addressof(view)
+    finally:
+        del view
+
+
+def pin(buf: mmap.mmap) -> bool:
+    """(prewarm of a job whose state is on a CUDA device) Register a mapping
+    for CUDA copies now rather than at the first save."""
+    from bytecp import device_memory  # a CUDA job: torch is loaded
+
+    return device_memory.register(address_of(buf), len(buf))
 
 
 MAPPINGS = Mappings()

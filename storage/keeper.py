@@ -48,7 +48,7 @@ from bytecp.errors import StorageError
 from bytecp.storage_api import Buffer, SharedArena, Storage, join, split_protocol
 
 from ._errors import file_url, missing, truncated
-from ._keeper_maps import MAPPINGS
+from ._keeper_maps import MAPPINGS, pin
 from ._keeper_wire import (
     Addr,
     KeeperUnreachable,
@@ -165,15 +165,18 @@ class KeeperStorage(Storage):
             _LENT[arena.name] = weakref.ref(arena)
         return arena
 
-    def prepare_staging(self, nbytes: int, count: int = 1) -> None:
-        """(prewarm) The keeper readies ``count`` arenas for this process, which maps them now."""
+    def prepare_staging(self, nbytes: int, count: int = 1, pinned: bool = False) -> None:
+        """(prewarm) The keeper readies ``count`` arenas for this process, which
+        maps them now (``pinned``: and registers them for CUDA copies)."""
         if not self.lends_arenas:
             return
         answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
                                                         "pid": os.getpid()}, timeout=600)
         MAPPINGS.expect(int(nbytes), count)
         for path in answer["files"]:
-            MAPPINGS.map(str(path))
+            buf = MAPPINGS.map(str(path))
+            if pinned and len(buf):
+                pin(buf)
 
     def adopt(self, path: str, arena: SharedArena,
               ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:

@@ -16,7 +16,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -40,6 +40,9 @@ class SaveHandle:
     def __init__(self, url: str) -> None:
         self.url = url
         self._staged = threading.Event()
+        #: a lazy save's copies are queued (device copies: ``_device_events`` say when they end)
+        self._queued = threading.Event()
+        self._device_events: dict[int, Any] = {}
         self._done = threading.Event()
         self._error: BaseException | None = None
         self._metadata: fmt.Metadata | None = None
@@ -103,18 +106,30 @@ class SaveHandle:
 
     # -- used by the API and the pipeline ------------------------------------
     def mark_staged(self) -> None:
+        self._queued.set()
         self._staged.set()
 
+    def mark_queued(self, events: Mapping[int, Any]) -> None:
+        """(the save's thread) Every copy is queued and the host copies are
+        done; device copies end with ``events`` (device index -> CUDA event)."""
+        self._device_events = dict(events)
+        self._queued.set()
+
     def block_optimizers_until_staged(self, optimizers: list[torch.optim.Optimizer], trace: Trace) -> None:
-        """Lazy mode: each optimizer's ``step()`` waits until this rank is staged."""
+        """Lazy mode: each optimizer's ``step()`` waits until this rank's
+        copies are queued; device copies are then waited for on the GPU (the
+        training stream waits for their events), not by the host."""
 
         def wait_staged(*_: Any) -> None:
-            if not self._staged.is_set():
+            if not self._queued.is_set():
                 t = time.perf_counter()
-                self._staged.wait()
+                self._queued.wait()
                 waited = time.perf_counter() - t
                 trace.add_stall(waited)
                 trace.add_span("lazy_wait", time.time() - waited, waited)
+            if self._device_events and not self._staged.is_set():
+                for index, ev in self._device_events.items():
+                    torch.cuda.current_stream(index).wait_event(ev)
 
         self._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
 
@@ -147,6 +162,7 @@ class SaveHandle:
 
     def _finish(self, md: fmt.Metadata | None, error: BaseException | None) -> None:
         self._metadata, self._error = md, error
+        self._queued.set()
         self._staged.set()
         self._done.set()
         with self._callbacks_lock:

@@ -31,7 +31,7 @@ import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
-from bytecp import faults
+from bytecp import device_memory, faults
 from bytecp.adapter_api import detect_adapter
 from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
@@ -71,7 +71,7 @@ from bytecp.saving.results import (
     nothing_staged,
 )
 from bytecp.saving.reuse import Incremental, live_tokens
-from bytecp.saving.staging import ArenaStager, Stager
+from bytecp.saving.staging import ArenaStager, Queued, Stager
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
 from bytecp.tree.state import flatten_tree
@@ -122,7 +122,9 @@ class SavePipeline:
                 flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
                                            per_rank=copy.deepcopy(flat.per_rank))
             return Described(flat, adapter.name, parallelism,
-                             tokens=live_tokens(flat) if adapter.tracks_versions else None)
+                             tokens=live_tokens(flat) if adapter.tracks_versions else None,
+                             ready=device_memory.ready_events(
+                                 sh.tensor for leaf in flat.tensors.values() for sh in leaf.shards))
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -143,7 +145,7 @@ class SavePipeline:
 
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 
-    def snapshot(self, described: Described, share: Share) -> Described:
+    def snapshot(self, described: Described, share: Share, queued: Queued | None = None) -> Described:
         """(every rank, local; async saves without a memory budget, whose
         stager is an :class:`~bytecp.saving.staging.ArenaStager`: eager saves on
         the caller's thread, lazy ones first thing on the background thread)
@@ -151,7 +153,8 @@ class SavePipeline:
         copy: the plan, the write and the commit then run on it while
         training changes the live tensors. The copy is all an eager caller,
         or a lazy save's optimizer hook, waits for; it never waits for
-        another rank."""
+        another rank. ``queued`` is told once every device copy is queued
+        (a lazy save's optimizer steps then wait for them on the GPU)."""
 
         def snapshot() -> Described:
             arena = self.stager
@@ -161,7 +164,8 @@ class SavePipeline:
             with self.trace.span("stage") as sp:
                 faults.inject("stage", self.ctx.rank)
                 # with replica checks the copy also sums what it copies
-                flat, copied = arena.snapshot(live, share.items, checksums=verify)
+                flat, copied = arena.snapshot(live, share.items, checksums=verify, ready=described.ready,
+                                              queued=queued)
                 sp.nbytes = sum(it.nbytes for it in share.items)
             crcs = None
             if verify:  # of every box held, while it is the state being saved
@@ -393,7 +397,7 @@ class SavePipeline:
 
     def _stage_batch(self, stager: Stager, described: Described, batch: Sequence[WriteItem]) -> list[Staged]:
         with self.trace.span("stage") as sp:
-            staged = stager.stage(described.flat, batch)
+            staged = stager.stage(described.flat, batch, ready=described.ready)
             sp.nbytes = sum(len(s.data) for s in staged)
         return staged
 

@@ -57,7 +57,7 @@ def prewarm(state: dict[str, Any], *, framework: str | None = None, process_grou
     if storage is not None and storage.lends_arenas:
         sizes = collections.Counter(shared_layout_sizes(items, io_threads))  # one arena per data file of a save
         for nbytes, files in sorted(sizes.items()):
-            storage.prepare_staging(nbytes, arenas * files)
+            storage.prepare_staging(nbytes, arenas * files, pinned=on_device and torch.cuda.is_available())
     else:
         POOL.arena(items, pinned=on_device and torch.cuda.is_available())
     return time.perf_counter() - t0

@@ -66,6 +66,10 @@ class Described:
     #: each live shard's version token (:mod:`bytecp.saving.reuse`), taken
     #: before any copy; None where the framework writes behind the counters
     tokens: Tokens | None = None
+    #: an event on each CUDA device's current stream, recorded on the
+    #: caller's thread when the save was asked for: device copies of the live
+    #: tensors wait for it, on any thread (:mod:`bytecp.device_memory`)
+    ready: Mapping[int, Any] = dataclasses.field(default_factory=dict)
 
 
 @dataclasses.dataclass(frozen=True)

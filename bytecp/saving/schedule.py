@@ -9,8 +9,9 @@ and returns the part the background thread runs:
   cached plan, or every box it holds) -> snapshot (copy it) -> return;
   background: plan -> stage -> write -> commit;
 - :func:`lazy` (``lazy=True``): describe -> return, each optimizer's
-  pre-step hook waiting for the copy; background: share -> snapshot ->
-  plan -> stage -> write -> commit;
+  pre-step hook waiting for the copy (until it is queued: device copies
+  are waited for by the training stream, on the GPU); background: share ->
+  snapshot -> plan -> stage -> write -> commit;
 - :func:`budgeted` (``memory_budget_bytes``): describe -> plan -> stage
   (every batch but the last also written) -> return; background: write ->
   commit.
@@ -81,7 +82,7 @@ def lazy(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
 
     def background() -> fmt.Metadata:
         try:
-            copied = p.snapshot(described, p.share(described))
+            copied = p.snapshot(described, p.share(described), queued=handle.mark_queued)
         finally:
             handle.mark_staged()
         planned = p.plan(copied)

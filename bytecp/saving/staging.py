@@ -13,8 +13,12 @@ The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
   at allocation, ``MAP_POPULATE``). Host copies go through
   :mod:`bytecp.saving.hostcopy` (GIL-free ``memcpy`` pieces on ``threads`` threads,
   crc32c fused with the copy when ``checksums``). CUDA tensors are staged
-  into pinned memory with non-blocking copies on a side stream, waited for
-  before the stage returns. A memory budget splits the boxes into batches;
+  into pinned memory (the arena is registered with CUDA once, when it is
+  allocated) with non-blocking copies on bytecp's copy stream
+  (:mod:`bytecp.device_memory`), ordered after the caller's stream by the
+  event recorded when the save was asked for (no device-wide
+  synchronize), their sources held until copied, waited for before the
+  stage returns. A memory budget splits the boxes into batches;
 - :class:`SnapshotStager` (eager ``async_save`` after
   :meth:`StagingPool.snapshot`): the boxes were copied on the caller's
   thread; the background write takes those copies.
@@ -25,7 +29,10 @@ the host's keeper) the arena of each stage is the storage's, laid out
 exactly as a data file (every box page-aligned, zero-padded): the writer
 hands it back whole (:meth:`~bytecp.storage_api.Storage.adopt`) and the
 backend's process checksums, stores and replicates it. Such an arena is
-never reused: it became a data file; the next save is lent another.
+never reused: it became a data file; the next save is lent another. When
+CUDA boxes are copied into one, its mapping is registered with CUDA (once
+per mapping: the backend keeps its mappings between saves), so the copy
+runs at pinned speed.
 
 Boxes of at least :data:`PAGE_ALIGN_MIN_BYTES` start at a multiple of
 :data:`~bytecp.format.metadata.ALIGNMENT` in the arena and are followed by zeros up
@@ -39,11 +46,12 @@ from __future__ import annotations
 import dataclasses
 import mmap
 import threading
-from collections.abc import Sequence
-from typing import Protocol
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 
+from bytecp import device_memory
 from bytecp.format import metadata as fmt
 from bytecp.plan.planner import WriteItem
 from bytecp.saving.hostcopy import copy_boxes
@@ -55,8 +63,14 @@ from bytecp.tree.state import FlatTree, Shard, TensorLeaf
 
 __all__ = [
     "Stager", "ViewStager", "ArenaStager", "SnapshotStager", "StagingPool", "POOL", "batches_within",
-    "PAGE_ALIGN_MIN_BYTES", "shared_layout_sizes",
+    "PAGE_ALIGN_MIN_BYTES", "shared_layout_sizes", "Ready", "Queued",
 ]
+
+#: the caller's streams marked ready when the save was asked for (device index -> CUDA event;
+#: :func:`bytecp.device_memory.ready_events`)
+Ready = Mapping[int, Any]
+#: called once the copies of a stage are queued and its host copies done, with each device's event
+Queued = Callable[[Mapping[int, Any]], None]
 
 _ALIGN = 64
 #: boxes this large are laid out in the arena as in a data file (page-aligned, zero-padded)
@@ -92,14 +106,15 @@ def shared_layout_sizes(items: Sequence[WriteItem], files: int = 4) -> list[int]
     return [_Layout([items[k] for k in b], 0, whole_pages=True).end for b in _bins(items, files)]
 
 
-def _host_arena(nbytes: int, pinned: bool) -> torch.Tensor:
+def _host_arena(nbytes: int, pinned: bool) -> tuple[torch.Tensor, device_memory.PinnedBuffer | None]:
     """``nbytes`` of page-aligned host memory, faulted in now where the OS
-    allows (pinned: CUDA host memory)."""
+    allows (pinned: registered with CUDA, see :class:`~bytecp.device_memory.PinnedBuffer`)."""
     if pinned:
-        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        buf = device_memory.PinnedBuffer(nbytes)
+        return buf.tensor, buf
     flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_POPULATE", 0)
-    buf = mmap.mmap(-1, max(nbytes, 1), flags=flags)
-    return torch.frombuffer(buf, dtype=torch.uint8)  # keeps ``buf`` alive
+    raw = mmap.mmap(-1, max(nbytes, 1), flags=flags)
+    return torch.frombuffer(raw, dtype=torch.uint8), None  # keeps ``raw`` alive
 
 
 class _Layout:
@@ -126,29 +141,41 @@ class StagingPool:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._arena: torch.Tensor | None = None
+        #: the arena's pinned memory (None: pageable), unpinned when the arena is replaced
+        self._pinned: device_memory.PinnedBuffer | None = None
         self.allocations = 0  # how many times an arena was allocated (tests)
 
     def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
-        """The arena (grown if needed) and where ``items`` go in it."""
+        """The arena (grown if needed) and where ``items`` go in it (``pinned``:
+        for device copies; a pinned arena also serves host copies)."""
         pinned = pinned and torch.cuda.is_available()
         with self._lock:
             a = self._arena
-            if a is not None and (not pinned or a.is_pinned()):
+            if a is not None and (not pinned or self._pinned is not None):
                 layout = _Layout(items, a.data_ptr())
                 if layout.end <= a.numel():
                     return a, layout
             # room for the layout at any base address (<= one page more)
             need = _Layout(items, 0).end + fmt.ALIGNMENT
             size = max(need, int((a.numel() if a is not None else 0) * 1.25))
-            self._arena = None
-            a = _host_arena(size, pinned)
+            self._drop()
+            a, self._pinned = _host_arena(size, pinned or self._pinned is not None)
             self._arena = a
             self.allocations += 1
             return a, _Layout(items, a.data_ptr())
 
-    def lent(self, items: Sequence[WriteItem], storage: Storage | None) -> tuple[torch.Tensor, _Layout,
-                                                                                 SharedArena] | None:
-        """An arena ``storage`` lends for ``items`` (never kept: it becomes a data file), or None."""
+    def _drop(self) -> None:
+        """Let the arena go (one save at a time: no copy into it is in flight)."""
+        self._arena = None
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
+
+    def lent(self, items: Sequence[WriteItem], storage: Storage | None,
+             pinned: bool = False) -> tuple[torch.Tensor, _Layout, SharedArena] | None:
+        """An arena ``storage`` lends for ``items`` (never kept: it becomes a
+        data file), or None; ``pinned``: registered for device copies (the
+        backend keeps the mapping and unpins it when it lets it go)."""
         if storage is None:
             return None
         need = _Layout(items, 0, whole_pages=True).end
@@ -156,6 +183,8 @@ class StagingPool:
         if shared is None:
             return None
         a = torch.frombuffer(shared.buffer, dtype=torch.uint8)  # keeps the mapping alive
+        if pinned:
+            device_memory.register(a.data_ptr(), a.numel())
         layout = _Layout(items, a.data_ptr(), whole_pages=True)
         if layout.end > a.numel():  # pragma: no cover - a backend lending less than asked
             raise ValueError(f"{storage.url}: lent a staging arena of {a.numel()} bytes for {layout.end}")
@@ -164,23 +193,28 @@ class StagingPool:
 
     def release(self) -> None:
         with self._lock:
-            self._arena = None
+            self._drop()
 
     def stage(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
-              checksums: bool = False, shared: Storage | None = None, files: int = 4) -> list[Staged]:
+              checksums: bool = False, shared: Storage | None = None, files: int = 4,
+              ready: Ready | None = None) -> list[Staged]:
         """Copy the boxes ``items`` name into the arena (those ``shared``
         lends when it does, at most ``files`` of them); views of it come back
-        (with their crc32c when ``checksums``)."""
-        return [st for st, _ in self._copy(flat, items, threads, checksums, shared, files)]
+        (with their crc32c when ``checksums``). CUDA boxes are copied after
+        the ``ready`` events (see :mod:`bytecp.device_memory`)."""
+        return [st for st, _ in self._copy(flat, items, threads, checksums, shared, files, ready)]
 
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
                  checksums: bool = False, shared: Storage | None = None,
-                 files: int = 4) -> tuple[FlatTree, SnapshotStager]:
+                 files: int = 4, ready: Ready | None = None,
+                 queued: Queued | None = None) -> tuple[FlatTree, SnapshotStager]:
         """Copy the boxes ``items`` name into the arena; the same tree comes
         back with its tensors replaced by those copies (host tensors), so the
         rest of a save can run on it while training changes the live ones,
-        with the stager that hands the writer those copies."""
-        copied = self._copy(flat, items, threads, checksums, shared, files)
+        with the stager that hands the writer those copies. ``queued`` is
+        told, before the host waits for the device copies, that every copy
+        is queued (with the events a stream can wait for instead)."""
+        copied = self._copy(flat, items, threads, checksums, shared, files, ready, queued)
         # in the live tree's order (the specs digest every rank compares depends on it)
         tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas) for fqn, leaf in flat.tensors.items()}
         for st, dst in copied:
@@ -188,7 +222,8 @@ class StagingPool:
         return dataclasses.replace(flat, tensors=tensors), SnapshotStager([st for st, _ in copied])
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
-              shared: Storage | None = None, files: int = 4) -> list[tuple[Staged, torch.Tensor]]:
+              shared: Storage | None = None, files: int = 4, ready: Ready | None = None,
+              queued: Queued | None = None) -> list[tuple[Staged, torch.Tensor]]:
         """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
         srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
         devices = {s.device for s in srcs if s.device.type == "cuda"}
@@ -198,7 +233,7 @@ class StagingPool:
         # (indices, arena, layout, the storage's handle): lent arenas, one per future data file, or the pool's
         pieces: list[tuple[list[int], torch.Tensor, _Layout, SharedArena | None]] = []
         for b in _bins(items, files) if shared is not None and items else []:
-            lent = self.lent([items[k] for k in b], shared)
+            lent = self.lent([items[k] for k in b], shared, pinned=device is not None)
             if lent is None:
                 pieces = []
                 break
@@ -226,25 +261,22 @@ class StagingPool:
                     end = pos + _slot(n, layout.whole_pages)
                     raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
                     padded[k] = raw[pos:end]
-        cuda = [k for k, s in enumerate(srcs) if s.device.type == "cuda"]
-        if cuda:
-            # non-blocking copies on a side stream of the tensors' own device
-            # (a background thread's current device is 0 whatever the rank's
-            # is), launched first so the host copies below overlap them
-            stream = torch.cuda.Stream(device=device)
-            stream.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(stream):
-                for k in cuda:
-                    if items[k].nbytes:
-                        dsts[k].copy_(srcs[k], non_blocking=True)
+        # device copies first (queued on the copy stream of the tensors' own
+        # device, after the caller's stream was ready), so the host copies below overlap them
+        device_copies = device_memory.DeviceToHost(dict(ready or {}))
+        for k, src in enumerate(srcs):
+            if src.device.type == "cuda" and items[k].nbytes:
+                device_copies.copy(dsts[k], src)
         host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
         crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
                           views=[datas[k] for k in host])
         crc: list[int | None] = [None] * len(items)
         for k, c in zip(host, crcs, strict=True):
             crc[k] = c
-        if cuda:
-            stream.synchronize()
+        events = device_copies.queued()
+        if queued is not None:
+            queued(events)
+        device_copies.wait()
         return [(Staged(it, datas[k], crc=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1]), dsts[k])
                 for k, it in enumerate(items)]
 
@@ -279,21 +311,37 @@ class Stager(Protocol):
         """The items in the batches that are staged and written in turn."""
         ...
 
-    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
-        """Bytes for ``items`` (one batch)."""
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem], ready: Ready | None = None) -> list[Staged]:
+        """Bytes for ``items`` (one batch); CUDA boxes copied after the ``ready`` events."""
         ...
 
 
 class ViewStager:
-    """Synchronous saves: the writer reads the live tensors (no copy)."""
+    """Synchronous saves: the writer reads the live tensors (no copy). Boxes
+    on a CUDA device are copied into the process's pinned arena first, all
+    at once on the copy stream (not one blocking copy into fresh pageable
+    memory each)."""
 
     copies = False
+
+    def __init__(self, pool: StagingPool = POOL) -> None:
+        self.pool = pool
 
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return [list(items)]
 
-    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
-        return [Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))) for it in items]
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem], ready: Ready | None = None) -> list[Staged]:
+        on_device = [it for it in items if _on_device(flat, it)]
+        if not on_device:
+            return [Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))) for it in items]
+        copied = {(s.item.fqn, s.item.region): s for s in self.pool.stage(flat, on_device, ready=ready)}
+        return [copied.get((it.fqn, it.region))
+                or Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))) for it in items]
+
+
+def _on_device(flat: FlatTree, it: WriteItem) -> bool:
+    leaf = flat.tensors[it.fqn]
+    return any(sh.tensor.device.type == "cuda" for sh in leaf.shards)
 
 
 class ArenaStager:
@@ -316,16 +364,16 @@ class ArenaStager:
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return batches_within(items, self.budget)
 
-    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem], ready: Ready | None = None) -> list[Staged]:
         return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums, shared=self.shared,
-                               files=self.files)
+                               files=self.files, ready=ready)
 
-    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *,
-                 checksums: bool = False) -> tuple[FlatTree, SnapshotStager]:
+    def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, checksums: bool = False,
+                 ready: Ready | None = None, queued: Queued | None = None) -> tuple[FlatTree, SnapshotStager]:
         """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`),
         summed when this stager sums its copies or ``checksums`` asks to."""
         return self.pool.snapshot(flat, items, threads=self.threads, checksums=self.checksums or checksums,
-                                  shared=self.shared, files=self.files)
+                                  shared=self.shared, files=self.files, ready=ready, queued=queued)
 
 
 class SnapshotStager:
@@ -347,7 +395,7 @@ class SnapshotStager:
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return [list(items)]
 
-    def stage(self, flat: FlatTree, items: Sequence[WriteItem]) -> list[Staged]:
+    def stage(self, flat: FlatTree, items: Sequence[WriteItem], ready: Ready | None = None) -> list[Staged]:
         out = []
         for it in items:
             s = self._staged.get((it.fqn, it.region))
