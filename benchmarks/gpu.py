@@ -35,10 +35,13 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import cProfile
 import datetime
+import io
 import itertools
 import json
 import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -90,7 +93,8 @@ class Job:
         optim = {f"{name}.{k}": v for (name, _), st in zip(self.master.named_parameters(),
                                                             (self.optimizer.state[q] for q in self._masters),
                                                             strict=True) for k, v in st.items()}
-        return {"model": self.model.state_dict(), "master": self.master.state_dict(), "optim": optim}
+        # plain dicts, as torchtitan's get_model_state_dict gives (DCP's pinned stager cannot copy an OrderedDict)
+        return {"model": dict(self.model.state_dict()), "master": dict(self.master.state_dict()), "optim": optim}
 
     def nbytes(self) -> int:
         total = 0
@@ -174,7 +178,7 @@ class Dirs:
         shutil.rmtree(path, ignore_errors=True)
 
 
-def bytecp_saves(job: Job, dirs: Dirs, repeat: int) -> dict[str, float]:
+def bytecp_saves(job: Job, dirs: Dirs, repeat: int) -> dict[str, Any]:
     """Eager and lazy async saves (blocking, hook wait, to commit) and a sync save."""
     import bytecp
 
@@ -215,7 +219,32 @@ def bytecp_saves(job: Job, dirs: Dirs, repeat: int) -> dict[str, float]:
             out["lazy_hook"].append(max(0.0, (t5 - t4) - step_host))  # the step's host time beyond a plain one
             out["lazy_commit"].append(t6 - t3)
             out["save"].append(t8 - t7)
-    return {f"bytecp_{k}_s": statistics.median(v) for k, v in out.items()}
+    results: dict[str, Any] = {f"bytecp_{k}_s": statistics.median(v) for k, v in out.items()}
+    # where a call's time goes (the caller's thread), for the next engineer
+    _sync()
+    url = dirs.new("bytecp-profile")
+    h, results["profile_lazy_call"] = _profiled(lambda: bytecp.async_save(url, job.state(), lazy=True))
+    job.step()
+    h.wait()
+    dirs.drop(url)
+    _sync()
+    h, results["profile_eager_call"] = _profiled(lambda: bytecp.async_save(url, job.state()))
+    h.wait()
+    dirs.drop(url)
+    return results
+
+
+def _profiled(fn: Callable[[], Any]) -> tuple[Any, str]:
+    """``fn()`` under cProfile: its result and the 30 costliest functions (cumulative)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    try:
+        out = fn()
+    finally:
+        prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
+    return out, text.getvalue()[-6000:]
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -346,7 +375,7 @@ def added_per_checkpoint(job: Job, dirs: Dirs, steps: int, every: int, group: An
     return results
 
 
-def loads(job: Job, dirs: Dirs, repeat: int, threads: int = 8) -> dict[str, float]:
+def loads(job: Job, dirs: Dirs, repeat: int, threads: int = 8) -> dict[str, Any]:
     """bytecp and DCP loads into the GPU model, page cache warm, against the read floor."""
     import torch.distributed.checkpoint as dcp
 
@@ -405,10 +434,19 @@ def loads(job: Job, dirs: Dirs, repeat: int, threads: int = 8) -> dict[str, floa
         _sync()
         return time.perf_counter() - t0
 
+    def bytecp_load_unverified() -> float:
+        _sync()
+        t0 = time.perf_counter()
+        bytecp.load(url, job.state(), verify=False)
+        _sync()
+        return time.perf_counter() - t0
+
     read_floor()  # page cache warm
-    out = {"read_bytes": float(sum(sizes)), "read_floor_s": _median(read_floor, repeat)}
+    out: dict[str, Any] = {"read_bytes": float(sum(sizes)), "read_floor_s": _median(read_floor, repeat)}
     bytecp_load()
     out["bytecp_load_s"] = _median(bytecp_load, repeat)
+    out["bytecp_load_unverified_s"] = _median(bytecp_load_unverified, repeat)
+    _, out["profile_load"] = _profiled(lambda: bytecp.load(url, job.state()))
     dcp_load()
     out["dcp_load_s"] = _median(dcp_load, repeat)
     buf.close()
@@ -465,6 +503,7 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
         "eager_block_vs_dcp_async_block": div("bytecp_eager_block_s", "dcp_async_block_s"),
         "lazy_call_vs_dcp_async_block": div("bytecp_lazy_call_s", "dcp_async_block_s"),
         "load_speed_vs_read_floor": div("read_floor_s", "bytecp_load_s"),
+        "unverified_load_speed_vs_read_floor": div("read_floor_s", "bytecp_load_unverified_s"),
         "load_vs_dcp_load": div("bytecp_load_s", "dcp_load_s"),
         "save_vs_dcp_save": div("bytecp_save_s", "dcp_save_s"),
     }

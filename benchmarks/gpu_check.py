@@ -140,6 +140,7 @@ def table(report: dict[str, Any]) -> str:
 
     row("pinned D2H floor (same bytes)", "d2h_floor_s", None)
     row("async save: blocking (eager copy / DCP call + staging)", "bytecp_eager_block_s", "dcp_async_block_s")
+    row("DCP async save: the call alone", None, "dcp_async_call_s")
     row("lazy async save: call", "bytecp_lazy_call_s", "dcp_async_block_s")
     row("lazy async save: wait in the next optimizer step", "bytecp_lazy_hook_s", None)
     row("training time added per checkpoint (lazy)", "added_bytecp_lazy_s", "added_dcp_async_s")
@@ -147,6 +148,7 @@ def table(report: dict[str, Any]) -> str:
     row("async save to durable commit", "bytecp_eager_commit_s", "dcp_async_commit_s")
     row("sync save (to durable commit)", "bytecp_save_s", "dcp_save_s")
     row("load into the GPU model (page cache warm)", "bytecp_load_s", "dcp_load_s")
+    row("load, checksums not verified", "bytecp_load_unverified_s", "dcp_load_s")
     row("read floor (data files into pinned memory)", "read_floor_s", None)
     row("one training step", "train_step_s", None)
     lines += ["", "| target | value | goal | met |", "| --- | --- | --- | --- |"]

@@ -27,11 +27,12 @@ initialize it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import mmap
 import threading
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -179,20 +180,21 @@ class DeviceToHost:
     it is now). Holds every source until :meth:`wait` has seen its copy
     done, so no source's memory is reused while it is read.
 
-    ``events`` are recorded once everything is queued: a lazy save hands
-    them to the training stream (its optimizer step waits for them on the
-    GPU); :meth:`wait` is the host's wait for them (the stage's own thread,
-    before the staged bytes are read)."""
+    Inside :meth:`on` (the stager's loop over its boxes) each :meth:`copy`
+    is queued at once, so the DMA runs while the loop lays out the next
+    boxes. ``events`` are recorded once everything is queued: a lazy save
+    hands them to the training stream (its optimizer step waits for them
+    on the GPU); :meth:`wait` is the host's wait for them (the stage's own
+    thread, before the staged bytes are read)."""
 
     def __init__(self, ready: dict[int, Any] | None = None) -> None:
         self._ready = dict(ready or {})
         self._sources: list[torch.Tensor] = []
         self._streams: dict[int, Any] = {}
+        self._current: int | None = None
         self.events: dict[int, Any] = {}
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """Queue ``dst.copy_(src)`` (``src`` on a CUDA device, ``dst`` host memory)."""
-        index = src.device.index if src.device.index is not None else torch.cuda.current_device()
+    def _stream(self, index: int) -> Any:
         stream = self._streams.get(index)
         if stream is None:
             stream = self._streams[index] = copy_stream(index)
@@ -201,8 +203,30 @@ class DeviceToHost:
                 stream.wait_stream(torch.cuda.current_stream(index))
             else:
                 stream.wait_event(ready)
-        with torch.cuda.stream(stream):
+        return stream
+
+    @contextlib.contextmanager
+    def on(self, device: torch.device | None) -> Iterator[None]:
+        """Queue the copies made inside on ``device``'s copy stream (None: no device, nothing to set)."""
+        if device is None:
+            yield
+            return
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.cuda.stream(self._stream(index)):
+            self._current = index
+            try:
+                yield
+            finally:
+                self._current = None
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Queue ``dst.copy_(src)`` (``src`` on a CUDA device, ``dst`` host memory)."""
+        index = src.device.index if src.device.index is not None else torch.cuda.current_device()
+        if self._current == index:
             dst.copy_(src, non_blocking=True)
+        else:
+            with torch.cuda.stream(self._stream(index)):
+                dst.copy_(src, non_blocking=True)
         self._sources.append(src)
 
     def queued(self) -> dict[int, Any]:

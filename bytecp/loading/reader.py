@@ -218,16 +218,33 @@ class _BatchReader:
             return s
 
     def _device_copy(self, req: ReadRequest, raw: torch.Tensor) -> None:
-        """Queue the copy of ``raw`` (the request's bytes, pinned) into its target."""
+        """Queue the copy of ``raw`` (the request's bytes, pinned) into its
+        target; the caller has made the target device's copy stream current."""
         t = self.targets[req.target]
         dest = t.view[req.box.relative_to(t.box).slices()]
         c = self.chunks[req.chunk]
         if req.box.numel:
             typed = raw.view(dtype_from_name(c.dtype))  # (a slice of a slab: its own storage offset)
             box = torch.as_strided(typed, req.box.lengths, row_major_strides(c.lengths), typed.storage_offset())
-            with torch.cuda.stream(self._stream(dest.device)):
-                dest.copy_(box, non_blocking=True)
+            dest.copy_(box, non_blocking=True)
             device_memory.STATS.host_to_device += 1
+
+    def _copies(self, reqs: Sequence[ReadRequest], raws: Sequence[torch.Tensor]) -> list[Any]:
+        """Queue the copies of ``raws`` into their targets, each on its device's
+        copy stream; -> an event after them on each stream used."""
+        by_device: dict[torch.device, list[int]] = {}
+        for i, r in enumerate(reqs):
+            by_device.setdefault(self.targets[r.target].view.device, []).append(i)
+        events = []
+        for device, ks in by_device.items():
+            stream = self._stream(device)
+            with torch.cuda.stream(stream):
+                for i in ks:
+                    self._device_copy(reqs[i], raws[i])
+            ev = torch.cuda.Event()
+            ev.record(stream)
+            events.append(ev)
+        return events
 
     def _to_device(self, reqs: list[ReadRequest]) -> None:
         """Read ``reqs`` (one file, targets on CUDA devices) through pinned
@@ -255,22 +272,13 @@ class _BatchReader:
                     ranges.append((r.byte_offset, host_memoryview(raws[-1])))
                     pos += -(-r.nbytes // _SLOT) * _SLOT
                 self._read(group, ranges)
-                for r, raw in zip(group, raws, strict=True):
-                    if self.verify and r.whole_chunk:
-                        self._check(r, crc32c(host_memoryview(raw)))
-                    self._device_copy(r, raw)
-                slab.event = self._record(group)
+                if self.verify:
+                    for r, raw in zip(group, raws, strict=True):
+                        if r.whole_chunk:
+                            self._check(r, crc32c(host_memoryview(raw)))
+                slab.event = self._copies(group, raws)
             finally:
                 SLABS.give(slab)
-
-    def _record(self, group: Sequence[ReadRequest]) -> list[Any]:
-        """An event after the copies just queued for ``group``, on each device's copy stream."""
-        events = []
-        for device in {self.targets[r.target].view.device for r in group}:
-            ev = torch.cuda.Event()
-            ev.record(self._stream(device))
-            events.append(ev)
-        return events
 
     def _large_to_device(self, req: ReadRequest) -> None:
         """A request larger than a slab: read in slab-sized pieces into the
@@ -285,7 +293,7 @@ class _BatchReader:
             self._read([req], [(req.byte_offset, host_memoryview(raw))])
             if self.verify and req.whole_chunk:
                 self._check(req, crc32c(host_memoryview(raw)))
-            self._device_copy(req, raw)
+            self._copies([req], [raw])
             return
         out = byte_view(dest)
         stream = self._stream(dest.device)
@@ -300,8 +308,10 @@ class _BatchReader:
                     crc = crc32c(host_memoryview(raw), crc)
                 with torch.cuda.stream(stream):
                     out[start : start + n].copy_(raw, non_blocking=True)
+                    ev = torch.cuda.Event()
+                    ev.record(stream)
                 device_memory.STATS.host_to_device += 1
-                slab.event = self._record([req])
+                slab.event = [ev]
             finally:
                 SLABS.give(slab)
         if self.verify and req.whole_chunk:

@@ -244,29 +244,30 @@ class StagingPool:
         datas: list[memoryview] = [memoryview(b"")] * len(items)
         padded: list[memoryview | None] = [None] * len(items)
         where: list[tuple[SharedArena | None, int]] = [(None, 0)] * len(items)
-        for ks, arena, layout, at in pieces:
-            raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
-            typed: dict[str, torch.Tensor] = {}
-            for k, pos, n in zip(ks, layout.starts, layout.sizes, strict=True):
-                it = items[k]
-                t = typed.get(it.dtype)
-                if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
-                    t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
-                        dtype_from_name(it.dtype))
-                shape = it.region.lengths
-                dsts[k] = t.as_strided(shape, row_major_strides(shape), pos // it.itemsize)
-                datas[k] = raw[pos : pos + n]
-                where[k] = (at, pos)
-                if n >= PAGE_ALIGN_MIN_BYTES or layout.whole_pages:
-                    end = pos + _slot(n, layout.whole_pages)
-                    raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
-                    padded[k] = raw[pos:end]
-        # device copies first (queued on the copy stream of the tensors' own
-        # device, after the caller's stream was ready), so the host copies below overlap them
+        # each device copy is queued as soon as its place is known (on the copy stream of
+        # the tensors' device, after the caller's stream was ready): the DMA runs while
+        # the next places are laid out, and while the host copies below run
         device_copies = device_memory.DeviceToHost(dict(ready or {}))
-        for k, src in enumerate(srcs):
-            if src.device.type == "cuda" and items[k].nbytes:
-                device_copies.copy(dsts[k], src)
+        with device_copies.on(device):
+            for ks, arena, layout, at in pieces:
+                raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
+                typed: dict[str, torch.Tensor] = {}
+                for k, pos, n in zip(ks, layout.starts, layout.sizes, strict=True):
+                    it = items[k]
+                    t = typed.get(it.dtype)
+                    if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
+                        t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
+                            dtype_from_name(it.dtype))
+                    shape = it.region.lengths
+                    dsts[k] = t.as_strided(shape, row_major_strides(shape), pos // it.itemsize)
+                    if n and srcs[k].device.type == "cuda":
+                        device_copies.copy(dsts[k], srcs[k])
+                    datas[k] = raw[pos : pos + n]
+                    where[k] = (at, pos)
+                    if n >= PAGE_ALIGN_MIN_BYTES or layout.whole_pages:
+                        end = pos + _slot(n, layout.whole_pages)
+                        raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
+                        padded[k] = raw[pos:end]
         host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
         crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
                           views=[datas[k] for k in host])

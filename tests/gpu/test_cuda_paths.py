@@ -39,7 +39,7 @@ _synchronize = torch.cuda.synchronize
 
 
 def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    a, b = a.detach().cpu(), b.detach().cpu()
+    a, b = a.detach().cpu().contiguous(), b.detach().cpu().contiguous()
     return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.view(-1).view(torch.uint8),
                                                                       b.view(-1).view(torch.uint8))
 
