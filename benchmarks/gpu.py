@@ -257,16 +257,15 @@ def _timed(fn: Callable[[], None]) -> float:
 def dcp_saves(job: Job, dirs: Dirs, repeat: int, group: Any) -> dict[str, float]:
     """DCP's async save as torchtitan's ``async_with_pinned_mem`` runs it, and ``dcp.save``."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
-    stager = DefaultStager(StagingOptions(True, True, True, True))
     out: dict[str, list[float]] = {k: [] for k in ("async_call", "async_staging", "async_block", "async_commit",
                                                    "save")}
-    try:
-        for i in range(repeat + 1):
-            _sync()
-            path = dirs.new("dcp-async")
+    for i in range(repeat + 1):
+        _sync()
+        path = dirs.new("dcp-async")
+        stager = _dcp_stager()
+        try:
             t0 = time.perf_counter()
             res = dcp.async_save(job.state_dict(), checkpoint_id=path, process_group=group,
                                  async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
@@ -275,28 +274,37 @@ def dcp_saves(job: Job, dirs: Dirs, repeat: int, group: Any) -> dict[str, float]
             t2 = time.perf_counter()
             res.upload_completion.result()
             t3 = time.perf_counter()
-            dirs.drop(path)
-            _sync()
-            path = dirs.new("dcp-sync")
-            t4 = time.perf_counter()
-            dcp.save(job.state_dict(), checkpoint_id=path)
-            t5 = time.perf_counter()
-            dirs.drop(path)
-            if i:
-                out["async_call"].append(t1 - t0)
-                out["async_staging"].append(t2 - t1)
-                out["async_block"].append(t2 - t0)
-                out["async_commit"].append(t3 - t0)
-                out["save"].append(t5 - t4)
-    finally:
-        stager.close()
+        finally:
+            stager.close()
+        dirs.drop(path)
+        _sync()
+        path = dirs.new("dcp-sync")
+        t4 = time.perf_counter()
+        dcp.save(job.state_dict(), checkpoint_id=path)
+        t5 = time.perf_counter()
+        dirs.drop(path)
+        if i:
+            out["async_call"].append(t1 - t0)
+            out["async_staging"].append(t2 - t1)
+            out["async_block"].append(t2 - t0)
+            out["async_commit"].append(t3 - t0)
+            out["save"].append(t5 - t4)
     return {f"dcp_{k}_s": statistics.median(v) for k, v in out.items()}
+
+
+def _dcp_stager() -> Any:
+    """DCP's pinned-memory stager, as torchtitan's ``async_with_pinned_mem`` makes it: a new one
+    per save, since torch 2.11's cannot stage twice (its ``close()`` after every stage empties its
+    copy dispatch table: the next stage fails with ``KeyError: <class 'type'>``); its pinned
+    memory comes from torch's pinned-memory cache after the first save."""
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    return DefaultStager(StagingOptions(True, True, True, True))
 
 
 def added_per_checkpoint(job: Job, dirs: Dirs, steps: int, every: int, group: Any) -> dict[str, float]:
     """Training time a checkpoint adds: ``steps`` steps with a save every ``every`` against none."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     import bytecp
@@ -337,15 +345,20 @@ def added_per_checkpoint(job: Job, dirs: Dirs, steps: int, every: int, group: An
             return lambda: (h.wait(), None)[1]
         return save
 
-    stager = DefaultStager(StagingOptions(True, True, True, True))
     staging: list[Any] = []
 
     def dcp_save(s: int) -> Callable[[], None]:
         paths.append(dirs.new("added-dcp"))
+        stager = _dcp_stager()
         res = dcp.async_save(job.state_dict(), checkpoint_id=paths[-1], process_group=group,
                              async_checkpointer_type=AsyncCheckpointerType.PROCESS, async_stager=stager)
         staging.append(res.staging_completion)
-        return lambda: (res.upload_completion.result(), None)[1]
+
+        def durable() -> None:
+            res.upload_completion.result()
+            stager.close()
+
+        return durable
 
     def wait_for_staging(*_: Any) -> None:
         """torchtitan's ``maybe_wait_for_staging``, right before the optimizer step."""
@@ -354,24 +367,21 @@ def added_per_checkpoint(job: Job, dirs: Dirs, steps: int, every: int, group: An
         staging.clear()
 
     n = len(range(every - 1, steps, every))
-    try:
-        loop(lambda s: None)  # warm-up
-        base = statistics.median(loop(lambda s: None) for _ in range(2))
-        results = {"train_step_s": base / steps}
-        for name, fn in (("bytecp_lazy", bytecp_save(True)), ("bytecp_eager", bytecp_save(False)),
-                         ("dcp_async", dcp_save)):
-            hook = job.optimizer.register_step_pre_hook(wait_for_staging) if name == "dcp_async" else None
-            try:
-                t = loop(fn)
-            finally:
-                if hook is not None:
-                    hook.remove()
-            results[f"added_{name}_s"] = max(0.0, (t - base) / n)
-            for p in paths:
-                dirs.drop(p)
-            paths.clear()
-    finally:
-        stager.close()
+    loop(lambda s: None)  # warm-up
+    base = statistics.median(loop(lambda s: None) for _ in range(2))
+    results = {"train_step_s": base / steps}
+    for name, fn in (("bytecp_lazy", bytecp_save(True)), ("bytecp_eager", bytecp_save(False)),
+                     ("dcp_async", dcp_save)):
+        hook = job.optimizer.register_step_pre_hook(wait_for_staging) if name == "dcp_async" else None
+        try:
+            t = loop(fn)
+        finally:
+            if hook is not None:
+                hook.remove()
+        results[f"added_{name}_s"] = max(0.0, (t - base) / n)
+        for p in paths:
+            dirs.drop(p)
+        paths.clear()
     return results
 
 

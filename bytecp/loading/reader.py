@@ -50,17 +50,28 @@ _SLOT = 64  # every request's start in a slab: aligned for any dtype
 
 
 class _Slab:
-    """One pinned slab and the event its last copies end with."""
+    """One pinned slab, its bytes seen as a memoryview (sliced per request at
+    no tensor op's cost) and as each dtype, and the events its last copies end with."""
 
     def __init__(self, nbytes: int) -> None:
         self.buf = device_memory.PinnedBuffer(nbytes)
+        self.view = host_memoryview(self.buf.tensor)
+        self._typed: dict[str, torch.Tensor] = {}
         self.event: list[Any] = []
 
-    def ready(self) -> torch.Tensor:
-        """(reader thread) Wait until the slab's last copies are done; -> its bytes."""
+    def ready(self) -> None:
+        """(reader thread) Wait until the slab's last copies are done."""
         device_memory.wait_events(self.event)
         self.event = []
-        return self.buf.tensor
+
+    def box(self, dtype: str, pos: int, lengths: tuple[int, ...], chunk_lengths: tuple[int, ...]) -> torch.Tensor:
+        """The box ``lengths`` of a chunk shaped ``chunk_lengths`` read to ``pos``: a strided view, no copy."""
+        typed = self._typed.get(dtype)
+        if typed is None:
+            t = dtype_from_name(dtype)
+            n = self.buf.nbytes // t.itemsize * t.itemsize
+            typed = self._typed[dtype] = self.buf.tensor[:n].view(t)
+        return typed.as_strided(lengths, row_major_strides(chunk_lengths), pos // typed.element_size())
 
 
 class PinnedSlabs:
@@ -217,21 +228,13 @@ class _BatchReader:
                 s = self.streams[index] = device_memory.copy_stream(index)
             return s
 
-    def _device_copy(self, req: ReadRequest, raw: torch.Tensor) -> None:
-        """Queue the copy of ``raw`` (the request's bytes, pinned) into its
-        target; the caller has made the target device's copy stream current."""
+    def _target_of(self, req: ReadRequest) -> torch.Tensor:
         t = self.targets[req.target]
-        dest = t.view[req.box.relative_to(t.box).slices()]
-        c = self.chunks[req.chunk]
-        if req.box.numel:
-            typed = raw.view(dtype_from_name(c.dtype))  # (a slice of a slab: its own storage offset)
-            box = torch.as_strided(typed, req.box.lengths, row_major_strides(c.lengths), typed.storage_offset())
-            dest.copy_(box, non_blocking=True)
-            device_memory.STATS.host_to_device += 1
+        return t.view if req.box == t.box else t.view[req.box.relative_to(t.box).slices()]
 
     def _copies(self, reqs: Sequence[ReadRequest], raws: Sequence[torch.Tensor]) -> list[Any]:
-        """Queue the copies of ``raws`` into their targets, each on its device's
-        copy stream; -> an event after them on each stream used."""
+        """Queue the copies of ``raws`` (each request's box, pinned) into their
+        targets, each on its device's copy stream; -> an event after them on each stream used."""
         by_device: dict[torch.device, list[int]] = {}
         for i, r in enumerate(reqs):
             by_device.setdefault(self.targets[r.target].view.device, []).append(i)
@@ -240,9 +243,11 @@ class _BatchReader:
             stream = self._stream(device)
             with torch.cuda.stream(stream):
                 for i in ks:
-                    self._device_copy(reqs[i], raws[i])
-            ev = torch.cuda.Event()
-            ev.record(stream)
+                    if reqs[i].box.numel:
+                        self._target_of(reqs[i]).copy_(raws[i], non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(stream)
+            device_memory.STATS.host_to_device += len(ks)
             events.append(ev)
         return events
 
@@ -265,18 +270,22 @@ class _BatchReader:
                 continue
             slab = SLABS.take(self.threads)
             try:
-                buf = slab.ready()
-                ranges, raws, pos = [], [], 0
+                slab.ready()
+                ranges, starts, pos = [], [], 0
                 for r in group:
-                    raws.append(buf[pos : pos + r.nbytes])
-                    ranges.append((r.byte_offset, host_memoryview(raws[-1])))
+                    starts.append(pos)
+                    ranges.append((r.byte_offset, slab.view[pos : pos + r.nbytes]))
                     pos += -(-r.nbytes // _SLOT) * _SLOT
                 self._read(group, ranges)
                 if self.verify:
-                    for r, raw in zip(group, raws, strict=True):
+                    for r, (_, mv) in zip(group, ranges, strict=True):
                         if r.whole_chunk:
-                            self._check(r, crc32c(host_memoryview(raw)))
-                slab.event = self._copies(group, raws)
+                            self._check(r, crc32c(mv))
+                boxes = []
+                for r, at in zip(group, starts, strict=True):
+                    c = self.chunks[r.chunk]
+                    boxes.append(slab.box(c.dtype, at, r.box.lengths, c.lengths))
+                slab.event = self._copies(group, boxes)
             finally:
                 SLABS.give(slab)
 
@@ -293,7 +302,8 @@ class _BatchReader:
             self._read([req], [(req.byte_offset, host_memoryview(raw))])
             if self.verify and req.whole_chunk:
                 self._check(req, crc32c(host_memoryview(raw)))
-            self._copies([req], [raw])
+            box = torch.as_strided(raw.view(dtype_from_name(c.dtype)), req.box.lengths, row_major_strides(c.lengths))
+            self._copies([req], [box])
             return
         out = byte_view(dest)
         stream = self._stream(dest.device)
@@ -302,12 +312,12 @@ class _BatchReader:
             n = min(SLABS.nbytes, req.nbytes - start)
             slab = SLABS.take(self.threads)
             try:
-                raw = slab.ready()[:n]
-                self._read([req], [(req.byte_offset + start, host_memoryview(raw))])
+                slab.ready()
+                self._read([req], [(req.byte_offset + start, slab.view[:n])])
                 if self.verify and req.whole_chunk:
-                    crc = crc32c(host_memoryview(raw), crc)
+                    crc = crc32c(slab.view[:n], crc)
                 with torch.cuda.stream(stream):
-                    out[start : start + n].copy_(raw, non_blocking=True)
+                    out[start : start + n].copy_(slab.buf.tensor[:n], non_blocking=True)
                     ev = torch.cuda.Event()
                     ev.record(stream)
                 device_memory.STATS.host_to_device += 1
