@@ -206,19 +206,14 @@ def bytecp_saves(job: Job, dirs: Dirs, repeat: int) -> dict[str, Any]:
         h.wait()
         t6 = time.perf_counter()
         dirs.drop(url)
-        _sync()
-        url = dirs.new("bytecp-sync")
-        t7 = time.perf_counter()
-        bytecp.save(url, job.state())
-        t8 = time.perf_counter()
-        dirs.drop(url)
+        sync_save = _save_seconds(dirs, "bytecp-sync", lambda path: bytecp.save(path, job.state()))
         if i:
             out["eager_block"].append(t1 - t0)
             out["eager_commit"].append(t2 - t0)
             out["lazy_call"].append(t4 - t3)
             out["lazy_hook"].append(max(0.0, (t5 - t4) - step_host))  # the step's host time beyond a plain one
             out["lazy_commit"].append(t6 - t3)
-            out["save"].append(t8 - t7)
+            out["save"].append(sync_save)
     results: dict[str, Any] = {f"bytecp_{k}_s": statistics.median(v) for k, v in out.items()}
     # where a call's time goes (the caller's thread), for the next engineer
     _sync()
@@ -245,6 +240,17 @@ def _profiled(fn: Callable[[], Any]) -> tuple[Any, str]:
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("cumulative").print_stats(30)
     return out, text.getvalue()[-6000:]
+
+
+def _save_seconds(dirs: Dirs, name: str, save: Callable[[str], Any]) -> float:
+    """A synchronous save into a fresh folder, timed to its return (durable), the folder then removed."""
+    _sync()
+    path = dirs.new(name)
+    t0 = time.perf_counter()
+    save(path)
+    seconds = time.perf_counter() - t0
+    dirs.drop(path)
+    return seconds
 
 
 def _timed(fn: Callable[[], None]) -> float:
@@ -277,18 +283,13 @@ def dcp_saves(job: Job, dirs: Dirs, repeat: int, group: Any) -> dict[str, float]
         finally:
             stager.close()
         dirs.drop(path)
-        _sync()
-        path = dirs.new("dcp-sync")
-        t4 = time.perf_counter()
-        dcp.save(job.state_dict(), checkpoint_id=path)
-        t5 = time.perf_counter()
-        dirs.drop(path)
+        sync_save = _save_seconds(dirs, "dcp-sync", lambda path: dcp.save(job.state_dict(), checkpoint_id=path))
         if i:
             out["async_call"].append(t1 - t0)
             out["async_staging"].append(t2 - t1)
             out["async_block"].append(t2 - t0)
             out["async_commit"].append(t3 - t0)
-            out["save"].append(t5 - t4)
+            out["save"].append(sync_save)
     return {f"dcp_{k}_s": statistics.median(v) for k, v in out.items()}
 
 
