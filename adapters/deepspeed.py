@@ -1,11 +1,17 @@
 """DeepSpeed ZeRO stages 1, 2 and 3 (``deepspeed.initialize`` engines), online,
 in the names every other adapter uses.
 
-``bytecp.save(url, {"model": engine})`` saves the engine's module under
-``model.<fqn>`` and its optimizer under ``optimizer`` (the same as
-``{"model": engine, "optimizer": engine.optimizer}``); the checkpoint is
-the one a plain, DDP or FSDP2 job saves, so it loads there and any ZeRO
-stage at any data-parallel size loads it back, with no conversion step:
+``bytecp.save(url, {"model": engine})`` saves the whole engine, as
+``engine.save_checkpoint`` does: its module under ``model.<fqn>``, its
+optimizer under ``optimizer`` (the same as ``{"model": engine, "optimizer":
+engine.optimizer}``) and its own state under ``engine``
+(:class:`._ds_engine.EngineState`: ``global_steps``, ``global_samples``,
+``skipped_steps``, the LR scheduler, the data sampler, the loss scaler);
+``bytecp.load`` restores all of it, less what ``exclude=`` names
+(``["engine.lr_scheduler"]``, ``["optimizer"]``, ...). The module and
+optimizer are the ones a plain, DDP or FSDP2 job saves, so they load there
+(``exclude=["engine"]``: no such job has an engine) and any ZeRO stage at any
+data-parallel size loads them back, with no conversion step:
 
 - model: ZeRO-1/2 keep the full module on every rank (written once, split
   across the replicas); ZeRO-3 keeps ``ceil(numel / dp)`` elements of each
@@ -44,13 +50,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from bytecp.adapter_api import AdapterCall, LoadTarget
+from bytecp.adapter_api import AdapterCall, LoadTarget, excluded
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError, StateMismatchError
 from bytecp.format.metadata import Metadata
 from bytecp.tree.dtypes import dtype_from_name
 from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
 
+from ._ds_engine import EngineState
 from ._names import ModuleNames
 from ._zero import Fragment, ZeroLayout, check_supported, is_stage3, is_zero_optimizer, zero_layout
 from .plain import PlainAdapter
@@ -61,6 +68,8 @@ Finalize = Callable[[dict[str, Any]], None]
 
 #: the key an engine's optimizer is saved under when the state names only the engine
 OPTIMIZER_KEY = "optimizer"
+#: the key an engine's own state (counters, scheduler, loss scaler) is saved under
+ENGINE_KEY = "engine"
 #: the state key of the fp32 master weights under mixed precision
 MASTER_KEY = "fp32"
 
@@ -75,9 +84,11 @@ def _engine_of(state: dict[str, Any], opt: Any) -> Any:
 
 
 def expand_engines(state: dict[str, Any]) -> dict[str, Any]:
-    """``state`` with each engine replaced by its module and its ZeRO optimizer
-    added under ``"optimizer"`` (unless the state already holds it); a ZeRO
-    optimizer's wrapped ``torch.optim`` optimizer stands for the ZeRO one."""
+    """``state`` with each engine replaced by its module, its ZeRO optimizer
+    added under ``"optimizer"`` (unless the state already holds it) and its
+    own state under ``"engine"``; a ZeRO optimizer's wrapped ``torch.optim``
+    optimizer stands for the ZeRO one. On load, a part ``exclude=`` names is
+    not added (:func:`bytecp.adapter_api.excluded`)."""
     inner = {id(v.optimizer.optimizer): v.optimizer for v in state.values()
              if _is_engine(v) and is_zero_optimizer(v.optimizer)}
     ids = {id(v) for v in state.values()}
@@ -87,8 +98,16 @@ def expand_engines(state: dict[str, Any]) -> dict[str, Any]:
     for k, v in state.items():
         if _is_engine(v):
             out[k] = v.module
+            if not excluded(ENGINE_KEY):
+                if ENGINE_KEY in state or ENGINE_KEY in added:
+                    raise ConfigError(
+                        f"DeepSpeed engine {k!r}: its own state (steps, scheduler, loss scaler) would be saved "
+                        f"under {ENGINE_KEY!r}, which the state already uses; rename that entry (one engine per "
+                        "state)"
+                    )
+                added[ENGINE_KEY] = EngineState(v, k)
             opt = v.optimizer
-            if opt is None or id(opt) in given:
+            if opt is None or id(opt) in given or excluded(OPTIMIZER_KEY):
                 continue
             if not is_zero_optimizer(opt) and not isinstance(opt, torch.optim.Optimizer):
                 raise ConfigError(
@@ -171,7 +190,23 @@ class DeepSpeedAdapter(PlainAdapter):
 
     def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
         self._check(state, ctx, "load")
-        return super().load_tree(expand_engines(state), ctx, md)
+        expanded = expand_engines(state)
+        target = super().load_tree(expanded, ctx, md)
+        # an engine whose optimizer is left out (exclude=["optimizer"]): its fp32 masters
+        # follow the loaded module, or its next step would write the old weights back
+        kept = [v.optimizer for v in state.values() if _is_engine(v) and is_zero_optimizer(v.optimizer)
+                and not any(o is v.optimizer for o in expanded.values())]
+        if not kept:
+            return target
+        names = self.begin(expanded, ctx, md).param_names
+        layouts = [zero_layout(opt, names, "load") for opt in kept]
+
+        def finalize(values: dict[str, Any]) -> None:
+            target.finalize(values)
+            for lay in layouts:
+                _masters_from_model(lay)
+
+        return LoadTarget(target.tree, finalize)
 
     def _check(self, state: dict[str, Any], ctx: DistContext, where: str) -> None:
         for v in state.values():
@@ -306,14 +341,20 @@ class DeepSpeedAdapter(PlainAdapter):
                 for k, name in keys.items():
                     v = values[name]
                     st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            with torch.no_grad():
-                for f in lay.fragments:
-                    if f.numel and f.fqn not in masters:
-                        lay.flats[f.group][f.offset : f.offset + f.numel].copy_(_model_piece(lay, f))
+            _masters_from_model(lay, masters)
             _apply_groups(key, lay, values.get(f"{key}.param_groups"))
             _relink(opt, lay)
 
         return {"state": target, "param_groups": Slot()}, finalize
+
+
+def _masters_from_model(lay: ZeroLayout, loaded: set[str] | frozenset[str] = frozenset()) -> None:
+    """The fp32 master fragments of every parameter but ``loaded`` (those the
+    checkpoint held) set from the module's values."""
+    with torch.no_grad():
+        for f in lay.fragments:
+            if f.numel and f.fqn not in loaded:
+                lay.flats[f.group][f.offset : f.offset + f.numel].copy_(_model_piece(lay, f))
 
 
 def _relink(opt: Any, lay: ZeroLayout) -> None:

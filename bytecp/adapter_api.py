@@ -19,10 +19,12 @@ Writing one, its replica hints and its contract suite
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 import importlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from bytecp.dist import DistContext
@@ -31,9 +33,40 @@ from bytecp.format.metadata import Metadata
 from bytecp.plugins import ADAPTERS_GROUP, entry_point_targets
 from bytecp.tree.skeleton import Node
 
-__all__ = ["Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter"]
+__all__ = [
+    "Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter", "excluded",
+    "excluding",
+]
 
 Finalize = Callable[[dict[str, Any]], None]
+
+
+#: the names the load in progress leaves out (``bytecp.load(..., exclude=)``), set by the load pipeline
+_EXCLUDED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("bytecp_excluded", default=())
+
+
+def excluded(fqn: str, names: Sequence[str] | None = None) -> bool:
+    """Whether ``fqn`` is left out of the load in progress: one of the names
+    given to ``exclude=`` (or ``names``), or under one.
+
+    (an adapter's ``load_tree`` and finalizer, every rank) The core leaves
+    the state's own entries under those names alone; an adapter that adds
+    entries of its own (a DeepSpeed engine's optimizer, its counters) builds
+    no target for an excluded one."""
+    for n in _EXCLUDED.get() if names is None else names:
+        if fqn == n or fqn.startswith(n + "."):
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def excluding(names: Sequence[str]) -> Iterator[None]:
+    """(the load pipeline) :func:`excluded` answers for ``names`` inside."""
+    token = _EXCLUDED.set(tuple(names))
+    try:
+        yield
+    finally:
+        _EXCLUDED.reset(token)
 
 
 class LoadTarget:

@@ -14,6 +14,7 @@ async order: eager, lazy or under a memory budget), or a
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -89,6 +90,11 @@ def save(
     ))
 
 
+def _names(exclude: Sequence[str]) -> tuple[str, ...]:
+    """``exclude=`` as the options take it (a lone string is refused there, not split into letters)."""
+    return exclude if isinstance(exclude, str) else tuple(exclude)  # type: ignore[return-value]
+
+
 def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.Metadata:
     t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
@@ -151,6 +157,7 @@ def load(
     coordinator_rank: int = 0,
     storage_options: dict[str, Any] | None = None,
     monitor: str | Recorder | None = None,
+    exclude: Sequence[str] = (),
 ) -> LoadResult:
     """Load the checkpoint at ``url`` into ``state`` in place; every rank calls it.
 
@@ -159,13 +166,15 @@ def load(
     ``Stateful`` objects get their state through ``load_state_dict``; plain
     values in ``state``'s dicts are replaced. The keyword arguments are
     described on :class:`~bytecp.options.LoadOptions`; with ``strict=False``
-    missing and unexpected keys are reported in the result instead of raising.
+    missing and unexpected keys are reported in the result instead of raising;
+    ``exclude=["optimizer", ...]`` leaves those entries out of the load.
     """
     t0, wall0 = time.perf_counter(), time.time()
     opts = LoadOptions(
         framework=framework, strict=strict, verify=verify, allow_pickle=allow_pickle,
         io_threads=io_threads, zero_redundancy=zero_redundancy, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
+        exclude=_names(exclude),
     )
     _check_state(state)
     from bytecp.saving.reuse import LAST_SAVES
@@ -188,15 +197,16 @@ def load_state_dict(
     allow_pickle: bool = False,
     io_threads: int = 8,
     storage_options: dict[str, Any] | None = None,
+    exclude: Sequence[str] = (),
 ) -> dict[str, Any]:
     """The whole checkpoint as plain full tensors and values, in one process.
 
     For evaluation jobs: no ``torch.distributed`` needed, whatever parallelism
     saved it. ``sd["model"]`` is a plain module state dict; optimizer state is
-    keyed by parameter FQN.
+    keyed by parameter FQN. ``exclude=["optimizer"]`` reads none of what is under those names.
     """
     opts = LoadOptions(verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                       storage_options=storage_options or {})
+                       storage_options=storage_options or {}, exclude=_names(exclude))
     storage = _storage(url, opts)
     trace = Trace("load", storage.url)
     pipeline = LoadPipeline(storage, None, opts, DistContext.local(), trace)

@@ -131,7 +131,16 @@ class LoadOptions(_Common):
     #: read once, in pieces spread over the ranks, and exchanged over the
     #: process group; None: on for remote storage, off for local disk
     zero_redundancy: bool | None = None
+    #: names left out of the load (dotted FQNs: ``"optimizer"``,
+    #: ``"engine.lr_scheduler"``): what the state holds under them keeps its
+    #: value, what the checkpoint holds under them is neither read nor
+    #: reported unexpected (torchtitan's ``exclude_from_loading``)
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("io_threads", self.io_threads)
+        if isinstance(self.exclude, str) or not all(isinstance(x, str) and x and not x.startswith(".")
+                                                    and not x.endswith(".") for x in self.exclude):
+            raise ConfigError(f"exclude must be a list of dotted names such as ['optimizer', 'engine.lr_scheduler'], "
+                              f"got {self.exclude!r}")

@@ -11,11 +11,12 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 
+from bytecp.adapter_api import excluded
 from bytecp.errors import CorruptCheckpointError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.format.objects import read_object
@@ -52,16 +53,26 @@ def match_target(
     (missing/unexpected keys only when ``opts.strict``). ``cast`` (a foreign
     source): a floating-point target of another floating dtype is read
     through a staging buffer and cast (bf16 <-> fp32)."""
-    nodes = md.skeleton.index()
+    skeleton = md.skeleton
+    if opts.exclude:  # left out of the load: neither targets nor stored entries under those names
+        def drop(fqn: str) -> bool:
+            return excluded(fqn, opts.exclude)
+
+        target = _without(target, drop)
+        skeleton = skeleton.without(drop)
+    nodes = skeleton.index()
     sources = _sources(target, md)
-    missing, unexpected = _compare_keys(target, md, nodes, sources)
+    missing, unexpected = _compare_keys(target, md, nodes, sources, opts.exclude)
     if opts.strict and (missing or unexpected):
         parts = [f"state does not match the checkpoint at {storage.url}:"]
         if missing:
             parts.append(f"  missing from the checkpoint ({len(missing)}): {_keys(missing)}")
         if unexpected:
             parts.append(f"  in the checkpoint but not in the state ({len(unexpected)}): {_keys(unexpected)}")
-        parts.append("  pass strict=False to load the keys that match")
+        saved_roots = {k.split(".", 1)[0] for k in nodes if k}
+        roots = sorted({*_roots_not_in(unexpected, target), *({k.split(".", 1)[0] for k in missing} - saved_roots)})
+        leave = f", or exclude={roots} to leave those entries out" if roots else ""
+        parts.append(f"  pass strict=False to load the keys that match{leave}")
         raise StateMismatchError("\n".join(parts))
     targets = _tensor_targets(storage, target, md, sources, cast)
     rebuild = _SlotBuilder(storage, md, opts, rank, world_size, targets)
@@ -92,8 +103,25 @@ def _sources(target: FlatTree, md: fmt.Metadata) -> dict[str, str]:
     return out
 
 
+def _without(target: FlatTree, drop: Callable[[str], bool]) -> FlatTree:
+    """The target less its entries under excluded names (they keep their values)."""
+    return dataclasses.replace(
+        target,
+        tensors={k: v for k, v in target.tensors.items() if not drop(k)},
+        aliases={k: v for k, v in target.aliases.items() if not drop(k) and not drop(v)},
+        slots={k: v for k, v in target.slots.items() if not drop(k)},
+    )
+
+
+def _roots_not_in(unexpected: list[str], target: FlatTree) -> list[str]:
+    """The top-level names of ``unexpected`` keys under which the state holds nothing."""
+    held = {k.split(".", 1)[0] for k in (*target.tensors, *target.aliases, *target.slots)}
+    return sorted({k.split(".", 1)[0] for k in unexpected} - held)
+
+
 def _compare_keys(
-    target: FlatTree, md: fmt.Metadata, nodes: dict[str, Node], sources: dict[str, str]
+    target: FlatTree, md: fmt.Metadata, nodes: dict[str, Node], sources: dict[str, str],
+    exclude: tuple[str, ...] = (),
 ) -> tuple[list[str], list[str]]:
     missing: list[str] = []
     covered: set[str] = set()
@@ -109,6 +137,8 @@ def _compare_keys(
         else:
             covered.update(leaf.name for leaf in node.leaves())
     saved = set(md.tensors) | set(md.aliases) | set(md.objects) | set(md.per_rank)
+    if exclude:
+        saved = {k for k in saved if not excluded(k, exclude)}
     return missing, sorted(saved - covered)
 
 

@@ -20,7 +20,7 @@ import dataclasses
 from typing import Any
 
 from bytecp import faults
-from bytecp.adapter_api import LoadTarget, detect_adapter
+from bytecp.adapter_api import LoadTarget, detect_adapter, excluded, excluding
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
@@ -72,6 +72,8 @@ class LoadPipeline:
         self.own: list[Target] = []
         self.shared: SharedPlan = []
         self._shared_views: dict[Any, Any] = {}
+        #: the state less its excluded entries, when ``exclude=`` names some (else None)
+        self._adapted: dict[str, Any] | None = None
 
     def run(self) -> LoadResult:
         """(every rank) The whole load on the caller's thread."""
@@ -115,8 +117,15 @@ class LoadPipeline:
             if self.state is None:
                 target, tree = None, Slot()
             else:
-                adapter = detect_adapter(self.state, self.opts.framework)
-                target = adapter.load_tree(self.state, self.ctx, md)
+                # an entry excluded whole never reaches the adapter (its target would be built for
+                # nothing); the others' plain values, replaced in that copy, go back at apply
+                state = self.state
+                if any(excluded(str(k), self.opts.exclude) for k in state):
+                    state = self._adapted = {k: v for k, v in state.items()
+                                             if not excluded(str(k), self.opts.exclude)}
+                adapter = detect_adapter(state, self.opts.framework)
+                with excluding(self.opts.exclude):  # entries an adapter adds are left out too
+                    target = adapter.load_tree(state, self.ctx, md)
                 tree = target.tree
             flat = flatten_tree(tree, target=True)
             opened = self.opened
@@ -196,7 +205,13 @@ class LoadPipeline:
         if target is None or matched is None:
             return
         with self.trace.span("apply"):
-            self.ctx.run("load/apply", lambda: target.finalize(matched.values))
+            def apply() -> None:
+                with excluding(self.opts.exclude):
+                    target.finalize(matched.values)
+                if self._adapted is not None and self.state is not None:
+                    self.state.update(self._adapted)
+
+            self.ctx.run("load/apply", apply)
 
     def whole(self) -> dict[str, Any]:
         """(``state=None``) The rebuilt checkpoint root (a dict of plain values)."""

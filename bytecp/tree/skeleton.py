@@ -121,6 +121,19 @@ class Node:
         """Every node by FQN."""
         return dict(self.walk())
 
+    def without(self, drop: Callable[[str], bool], prefix: str = "") -> Node:
+        """This tree less the entries of its dicts whose FQN ``drop`` names
+        (lists and tuples keep every item: their positions are their names)."""
+        if self.is_leaf or not self.items:
+            return self
+        items = []
+        for key, child in self.items:
+            fqn = f"{prefix}.{key}" if prefix else str(key)
+            if self.kind == "dict" and drop(fqn):
+                continue
+            items.append((key, child.without(drop, fqn)))
+        return Node(self.kind, items=items)
+
     def leaves(self) -> Iterator[Node]:
         return (n for _, n in self.walk() if n.is_leaf)
 

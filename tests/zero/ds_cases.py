@@ -37,8 +37,10 @@ def make_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
-def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False, **zero: Any) -> Any:
-    """A ZeRO engine over :func:`make_model` with torch AdamW (or a client SGD with momentum)."""
+def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False, warmup: int = 0,
+                **zero: Any) -> Any:
+    """A ZeRO engine over :func:`make_model` with torch AdamW (or a client SGD
+    with momentum); ``warmup``: DeepSpeed's WarmupLR over that many steps."""
     setup()
     import deepspeed
 
@@ -49,6 +51,9 @@ def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False,
         "zero_force_ds_cpu_optimizer": False,
         "zero_allow_untested_optimizer": True,
     }
+    if warmup:
+        cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": STEPS_LR,
+                                                           "warmup_num_steps": warmup}}
     if stage == 3:  # the weights are partitioned, the biases kept whole (persistent) on every rank
         cfg["zero_optimization"].setdefault("stage3_param_persistence_threshold", 20)
     model = make_model(seed)
@@ -59,6 +64,58 @@ def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False,
         cfg["optimizer"] = {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}}
         engine, *_ = deepspeed.initialize(model=model, config=cfg)
     return engine
+
+
+def engine_counters(engine: Any) -> dict[str, Any]:
+    """What DeepSpeed's own checkpoint restores beside the tensors."""
+    sched = engine.lr_scheduler
+    return {"global_steps": engine.global_steps, "global_samples": engine.global_samples,
+            "skipped_steps": engine.skipped_steps, "lr": [g["lr"] for g in engine.optimizer.param_groups],
+            "scheduler": sched.state_dict() if sched is not None else None}
+
+
+def losses(engine: Any, steps: range) -> list[float]:
+    """Train ``steps`` steps; each step's loss (the same on every rank only up to its batch)."""
+    out = []
+    for s in steps:
+        loss = engine(batch(s)).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss))
+    return out
+
+
+def ds_engine_resume(url: str, stage: int) -> dict[str, Any]:
+    """``{"model": engine}`` is the whole engine: a fresh engine resumes its
+    steps, samples, scheduler and learning rate; the next losses equal the
+    uninterrupted run's. ``exclude=["engine.lr_scheduler"]`` keeps the fresh
+    engine's scheduler, ``exclude=["optimizer"]`` its optimizer."""
+    engine = make_engine(stage, seed=0, warmup=10)
+    losses(engine, range(3))
+    saved = engine_counters(engine)
+    saved_tensors = engine_snapshot(engine)
+    bytecp.save(url, {"model": engine})
+    uninterrupted = losses(engine, range(3, 5))
+    resumed = make_engine(stage, seed=1, warmup=10)
+    bytecp.load(url, {"model": resumed})
+    loaded = engine_counters(resumed)
+    loaded_tensors = engine_snapshot(resumed)
+    after = losses(resumed, range(3, 5))
+    kept = make_engine(stage, seed=1, warmup=10)
+    fresh_lr = engine_counters(kept)
+    bytecp.load(url, {"model": kept}, exclude=["engine.lr_scheduler"])
+    partly = engine_counters(kept)
+    no_opt = make_engine(stage, seed=2, warmup=10)
+    bytecp.load(url, {"model": no_opt}, exclude=["optimizer"])
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "after": after,
+            "saved_tensors": saved_tensors, "loaded_tensors": loaded_tensors, "fresh": fresh_lr,
+            "partly": partly, "no_opt_state": not engine_has_state(no_opt),
+            "no_opt_model": model_snapshot(no_opt)}
+
+
+def engine_has_state(engine: Any) -> bool:
+    inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+    return any(bool(st) for st in inner.state.values())
 
 
 def batch(step: int) -> torch.Tensor:
@@ -73,16 +130,27 @@ def train_engine(engine: Any, steps: range) -> None:
         engine.step()
 
 
-def engine_snapshot(engine: Any) -> dict[str, torch.Tensor]:
-    """Full model, fp32 master, Adam moments and step of an engine (collective)."""
+def model_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Full model and fp32 masters of an engine (collective)."""
     import deepspeed
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+    from deepspeed.utils import safe_get_full_fp32_param
 
     out: dict[str, torch.Tensor] = {}
     params = list(engine.module.named_parameters())
     with deepspeed.zero.GatheredParameters([p for _, p in params], enabled=engine.zero_optimization_stage() == 3):
         for n, p in params:
             out[f"model.{n}"] = p.detach().clone()
+    for n, p in params:
+        out[f"master.{n}"] = (p.detach() if engine.zero_optimization_stage() == 0 else safe_get_full_fp32_param(p)).clone()
+    return out
+
+
+def engine_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Full model, fp32 master, Adam moments and step of an engine (collective)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out = {k: v for k, v in model_snapshot(engine).items() if k.startswith("model.")}
+    params = list(engine.module.named_parameters())
     if engine.zero_optimization_stage() == 0:  # a plain torch optimizer over the module's parameters
         for n, p in params:
             out[f"master.{n}"] = p.detach().clone()
@@ -174,12 +242,12 @@ def refuses_bad_mapping(url: str) -> list[str]:
     return ["saved"]
 
 
-def ds_load(url: str, stage: int, form: str, train_after: int = 0, save_to: str | None = None
-            ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
+def ds_load(url: str, stage: int, form: str, train_after: int = 0, save_to: str | None = None,
+            exclude: tuple[str, ...] = ()) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor] | None]:
     """Load into a fresh engine (other seed); snapshot; optionally train and save again."""
     engine = make_engine(stage, seed=7)
     state = {"model": engine} if form == "engine" else {"model": engine, "optimizer": engine.optimizer}
-    bytecp.load(url, state)
+    bytecp.load(url, state, exclude=exclude)
     loaded = engine_snapshot(engine)
     if not train_after:
         return loaded, None
@@ -214,7 +282,7 @@ def fsdp2_load_train_save(url: str, save_to: str) -> tuple[dict[str, torch.Tenso
     model = make_model(seed=3)
     fully_shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
-    bytecp.load(url, {"model": model, "optimizer": opt})
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])  # no engine here
     loaded = torch_snapshot(model, opt)
     model(batch(200)).sum().backward()
     opt.step()
@@ -227,7 +295,7 @@ def plain_load(url: str, save_to: str) -> tuple[dict[str, torch.Tensor], dict[st
     """One plain process: load, one step, save."""
     model = make_model(seed=4)
     opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
-    bytecp.load(url, {"model": model, "optimizer": opt})
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])  # no engine here
     loaded = torch_snapshot(model, opt)
     model(batch(300)).sum().backward()
     opt.step()

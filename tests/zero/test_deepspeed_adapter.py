@@ -71,6 +71,26 @@ def test_same_size_resume_is_bitwise(pool2: WorkerPool, tmp_path: Path, stage: i
     assert_equal(after, resumed, f"ZeRO-{stage} one step after the resume")
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_engine_form_is_the_whole_engine(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
+    """Steps, samples and the LR warm-up go on where they stopped (they restarted at 0 before)."""
+    got = pool2.run(dc.ds_engine_resume, str(tmp_path / "ck"), stage)
+    for r in got:
+        assert r["saved"]["global_steps"] == 3 and r["saved"]["global_samples"] == 3 * 2 * 2
+        assert r["loaded"] == r["saved"]  # steps, samples, skipped steps, scheduler, learning rates
+        assert r["after"] == r["uninterrupted"]  # the next losses, exactly
+        assert_equal(r["saved_tensors"], r["loaded_tensors"], f"ZeRO-{stage} engine form")
+        # exclude=["engine.lr_scheduler"]: the counters come back, the fresh engine's warm-up stays at its start
+        # (the optimizer's learning rates come with its param groups; the scheduler sets them at its next step)
+        assert r["partly"]["global_steps"] == 3 and r["partly"]["scheduler"] == r["fresh"]["scheduler"]
+        assert r["fresh"]["scheduler"] != r["saved"]["scheduler"]
+        # exclude=["optimizer"]: the model is loaded and the fp32 masters follow it (else the next step
+        # would write the old weights back); the optimizer keeps no state of the checkpoint's
+        assert r["no_opt_state"]
+        saved_model = {k: v for k, v in r["saved_tensors"].items() if k.startswith(("model.", "master."))}
+        assert_equal(saved_model, r["no_opt_model"], "model and masters with the optimizer excluded")
+
+
 def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
     saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
     assert_equal(saved, loaded, "ZeRO-3 lazy save")
@@ -104,8 +124,9 @@ def test_across_stages_sizes_and_frameworks(pool1: WorkerPool, pool2: WorkerPool
     d = str(tmp_path / "d")
     plain, stepped = pool1.run(dc.plain_load, c, d)[0]
     assert_equal(fsdp, plain, "FSDP2 x2 -> plain")
-    # -> back to ZeRO-3 on 2 ranks: the fp32 master is refreshed from the model
-    back, _ = pool2.run(dc.ds_load, d, 3, "engine")[0]
+    # -> back to ZeRO-3 on 2 ranks: the fp32 master is refreshed from the model (a plain job has no
+    # engine state: the engine keeps its own counters)
+    back, _ = pool2.run(dc.ds_load, d, 3, "engine", exclude=("engine",))[0]
     assert_equal(stepped, back, "plain -> ZeRO-3 x2")
     assert_equal({k[len("model."):]: v for k, v in back.items() if k.startswith("model.")},
                  {k[len("master."):]: v for k, v in back.items() if k.startswith("master.")}, "ZeRO-3 master")
