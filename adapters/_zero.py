@@ -100,9 +100,6 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
     fragment map does not describe, with one error naming the setting. The
     settings are the same on every rank, so every rank raises alike."""
     if engine is not None:
-        if engine.fp16_enabled():
-            raise _fail(where, "runs with fp16 and a loss scaler (\"fp16\": {\"enabled\": true})",
-                        "train with \"bf16\" or fp32, or use engine.save_checkpoint")
         mp = getattr(engine, "mp_world_size", 1) or 1
         if mp > 1 or type(engine).__name__ == "PipelineEngine":
             raise _fail(where, f"runs with model/pipeline parallelism (model-parallel size {mp})",
@@ -110,9 +107,6 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "swap_param", False):
         raise _fail(where, "offloads to NVMe (\"offload_optimizer\"/\"offload_param\": {\"device\": \"nvme\"})",
                     "offload to \"cpu\" (supported) or not at all, or use engine.save_checkpoint")
-    if getattr(opt, "zero_hpz_partition_size", 1) > 1:
-        raise _fail(where, "uses hierarchical partitioning (\"zero_hpz_partition_size\" > 1)",
-                    "set zero_hpz_partition_size to 1")
     if type(opt).__name__.startswith("MiCS"):
         raise _fail(where, "uses MiCS sharding", "use ZeRO stage 3 without MiCS")
     groups = getattr(opt, "real_dp_process_group", None) or [getattr(opt, "dp_process_group", None)]

@@ -31,10 +31,13 @@ refreshes the master weights from the loaded module where the checkpoint
 has no fp32 copy. ZeRO-3's persistent parameters (whole on every rank) are
 read whole and their pieces copied from them: no collective runs in a load.
 
-CPU offload (optimizer, ZeRO-3 parameters) works alike. Settings the
-fragment map cannot describe (NVMe offload, fp16 loss scaling, model or
-pipeline parallelism, MiCS/hpZ, ZeRO-0 mixed precision) fail at save and
-load on every rank with the setting named (:func:`._zero.check_supported`).
+CPU offload (optimizer, ZeRO-3 parameters) works alike, and so do fp16
+(its fp32 masters as under bf16, its loss scaler's numbers in the engine
+state) and ZeRO-3's hpZ (its secondary partitions live only between backward
+and step: the primary ones are saved; a load drops the secondary copies of
+the old weights). Settings the fragment map cannot describe (NVMe offload,
+model or pipeline parallelism, MiCS, ZeRO-0 mixed precision) fail at save
+and load on every rank with the setting named (:func:`._zero.check_supported`).
 
 Called through the adapter registry on every rank (``detect``, then
 ``save_tree`` or ``load_tree``). This module never imports DeepSpeed:
@@ -192,19 +195,21 @@ class DeepSpeedAdapter(PlainAdapter):
         self._check(state, ctx, "load")
         expanded = expand_engines(state)
         target = super().load_tree(expanded, ctx, md)
+        zeros = [v.optimizer for v in state.values() if _is_engine(v) and is_zero_optimizer(v.optimizer)]
+        zeros += [v for v in expanded.values() if is_zero_optimizer(v) and all(v is not z for z in zeros)]
         # an engine whose optimizer is left out (exclude=["optimizer"]): its fp32 masters
         # follow the loaded module, or its next step would write the old weights back
-        kept = [v.optimizer for v in state.values() if _is_engine(v) and is_zero_optimizer(v.optimizer)
-                and not any(o is v.optimizer for o in expanded.values())]
-        if not kept:
-            return target
-        names = self.begin(expanded, ctx, md).param_names
+        kept = [opt for opt in zeros if not any(o is opt for o in expanded.values())]
+        names = self.begin(expanded, ctx, md).param_names if kept else {}
         layouts = [zero_layout(opt, names, "load") for opt in kept]
 
         def finalize(values: dict[str, Any]) -> None:
             target.finalize(values)
             for lay in layouts:
                 _masters_from_model(lay)
+            for opt in zeros:  # hpZ: the secondary copies of the old weights would serve the next gathers
+                if is_stage3(opt) and callable(getattr(opt, "invalidate_secondary_tensor", None)):
+                    opt.invalidate_secondary_tensor()
 
         return LoadTarget(target.tree, finalize)
 

@@ -37,10 +37,12 @@ def make_model(seed: int) -> nn.Module:
     return nn.Sequential(nn.Linear(5, 7), nn.ReLU(), nn.Linear(7, 3))
 
 
-def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False, warmup: int = 0,
-                **zero: Any) -> Any:
+def make_engine(stage: int, seed: int, *, bf16: bool = False, fp16: bool = False, sgd: bool = False,
+                warmup: int = 0, **zero: Any) -> Any:
     """A ZeRO engine over :func:`make_model` with torch AdamW (or a client SGD
-    with momentum); ``warmup``: DeepSpeed's WarmupLR over that many steps."""
+    with momentum); ``warmup``: DeepSpeed's WarmupLR over that many steps;
+    ``fp16``: a dynamic loss scaler starting at 2^24, which overflows (and
+    skips) the first steps."""
     setup()
     import deepspeed
 
@@ -51,6 +53,13 @@ def make_engine(stage: int, seed: int, *, bf16: bool = False, sgd: bool = False,
         "zero_force_ds_cpu_optimizer": False,
         "zero_allow_untested_optimizer": True,
     }
+    if fp16:
+        # DeepSpeed's CPU accelerator asks oneDNN whether this CPU has fp16 kernels and refuses
+        # fp16 when it has none; torch runs the fp16 ops regardless
+        from deepspeed.accelerator import get_accelerator
+
+        type(get_accelerator()).is_fp16_supported = lambda self: True
+        cfg["fp16"] = {"enabled": True, "initial_scale_power": 24, "hysteresis": 1, "loss_scale_window": 1000}
     if warmup:
         cfg["scheduler"] = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": STEPS_LR,
                                                            "warmup_num_steps": warmup}}
@@ -77,8 +86,9 @@ def engine_counters(engine: Any) -> dict[str, Any]:
 def losses(engine: Any, steps: range) -> list[float]:
     """Train ``steps`` steps; each step's loss (the same on every rank only up to its batch)."""
     out = []
+    dtype = next(engine.module.parameters()).dtype
     for s in steps:
-        loss = engine(batch(s)).float().square().mean()
+        loss = engine(batch(s).to(dtype)).float().square().mean()
         engine.backward(loss)
         engine.step()
         out.append(float(loss))
@@ -111,6 +121,36 @@ def ds_engine_resume(url: str, stage: int) -> dict[str, Any]:
             "saved_tensors": saved_tensors, "loaded_tensors": loaded_tensors, "fresh": fresh_lr,
             "partly": partly, "no_opt_state": not engine_has_state(no_opt),
             "no_opt_model": model_snapshot(no_opt)}
+
+
+def scaler_state(engine: Any) -> dict[str, Any]:
+    from bytecp.adapters._ds_engine import SCALER_FIELDS
+
+    scaler = engine.optimizer.loss_scaler
+    return {f: float(getattr(scaler, f)) for f in SCALER_FIELDS if hasattr(scaler, f)}
+
+
+def ds_fp16_roundtrip(url: str, stage: int, **zero: Any) -> dict[str, Any]:
+    """fp16 with a dynamic loss scaler: the first steps overflow and are
+    skipped; the resumed engine has the same fp16 weights, fp32 masters,
+    moments, counters and scaler, and its next losses are the uninterrupted run's."""
+    engine = make_engine(stage, seed=0, fp16=True, **zero)
+    step = 0
+    while not engine_has_state(engine) and step < 60:  # overflows (each halves the scale), then a step
+        losses(engine, range(step, step + 1))
+        step += 1
+    losses(engine, range(step, step + 2))
+    step += 2
+    saved = {**engine_counters(engine), **scaler_state(engine)}
+    saved_tensors = engine_snapshot(engine)
+    bytecp.save(url, {"model": engine})
+    uninterrupted = losses(engine, range(step, step + 2))
+    other = make_engine(stage, seed=1, fp16=True, **zero)
+    bytecp.load(url, {"model": other})
+    loaded = {**engine_counters(other), **scaler_state(other)}
+    loaded_tensors = engine_snapshot(other)
+    return {"saved": saved, "loaded": loaded, "saved_tensors": saved_tensors, "loaded_tensors": loaded_tensors,
+            "uninterrupted": uninterrupted, "after": losses(other, range(step, step + 2))}
 
 
 def engine_has_state(engine: Any) -> bool:

@@ -91,6 +91,24 @@ def test_the_engine_form_is_the_whole_engine(pool2: WorkerPool, tmp_path: Path, 
         assert_equal(saved_model, r["no_opt_model"], "model and masters with the optimizer excluded")
 
 
+@pytest.mark.parametrize("stage", [1, 3])
+def test_fp16_and_its_loss_scaler_resume_exactly(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
+    for r in pool2.run(dc.ds_fp16_roundtrip, str(tmp_path / "ck"), stage):
+        assert r["saved"]["skipped_steps"] >= 1 and r["saved"]["last_overflow_iter"] >= 0  # it did overflow
+        assert r["loaded"] == r["saved"]  # counters, cur_scale, cur_iter, last_overflow_iter, hysteresis
+        assert_equal(r["saved_tensors"], r["loaded_tensors"], f"fp16 ZeRO-{stage}")  # fp16 model, fp32 masters
+        assert r["after"] == r["uninterrupted"]
+
+
+def test_zero3_with_hpz_resumes_bitwise(pool2: WorkerPool, tmp_path: Path) -> None:
+    """hpZ's secondary partition (``ds_secondary_tensor``) lives only between
+    backward and step: the primary partitions are the checkpoint."""
+    saved, loaded, after, resumed = pool2.run(dc.ds_roundtrip, str(tmp_path / "ck"), 3, zero_hpz_partition_size=2,
+                                              stage3_param_persistence_threshold=0)[0]
+    assert_equal(saved, loaded, "ZeRO-3 + hpZ loaded")
+    assert_equal(after, resumed, "ZeRO-3 + hpZ one step after the resume")
+
+
 def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
     saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
     assert_equal(saved, loaded, "ZeRO-3 lazy save")
