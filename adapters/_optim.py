@@ -28,7 +28,7 @@ from bytecp.tree.dtypes import dtype_from_name
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import Slot, Whole
 
-__all__ = ["ParamState", "optimizer_tree", "optimizer_target", "param_groups_for_load"]
+__all__ = ["ParamState", "optimizer_tree", "optimizer_target", "param_groups_for_load", "check_group"]
 
 Finalize = Callable[[dict[str, Any]], None]
 
@@ -139,6 +139,23 @@ def optimizer_target(
     return {"state": target, "param_groups": Slot()}, finalize
 
 
+def check_group(key: str, j: int, saved: list[str], current: list[list[str]], stored: set[str] | frozenset[str]
+                ) -> None:
+    """Saved param group ``j`` (parameters ``saved``, by FQN) stands for the
+    optimizer's group ``j`` (``current[j]``): the same parameters, or another
+    pipeline stage's group -- the state of all of group ``j``'s parameters is
+    stored, and the saved group holds none of the parameters the optimizer's
+    other groups hold. Else :class:`StateMismatchError` naming both sides."""
+    everyone = {fqn for names in current for fqn in names}
+    other_stage = bool(current[j]) and set(current[j]) <= stored and set(saved) & everyone <= set(current[j])
+    if sorted(saved) != sorted(current[j]) and not other_stage:
+        raise StateMismatchError(
+            f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
+            f"{sorted(set(saved) - set(current[j]))[:5]} the optimizer lacks and lacks "
+            f"{sorted(set(current[j]) - set(saved))[:5]}"
+        )
+
+
 def param_groups_for_load(
     key: str, saved_groups: list[dict[str, Any]], opt: torch.optim.Optimizer, current: list[list[str]],
     stored: set[str] | frozenset[str] = frozenset(),
@@ -158,18 +175,8 @@ def param_groups_for_load(
         )
     groups = []
     pos = 0
-    everyone = {fqn for names in current for fqn in names}
     for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
-        # another stage's group: the state of all our parameters is stored, and
-        # the saved group holds none of the parameters our other groups hold
-        other_stage = (bool(current[j]) and set(current[j]) <= stored
-                       and set(sg["params"]) & everyone <= set(current[j]))
-        if sorted(sg["params"]) != sorted(current[j]) and not other_stage:
-            raise StateMismatchError(
-                f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
-                f"{sorted(set(sg['params']) - set(current[j]))[:5]} the optimizer lacks and lacks "
-                f"{sorted(set(current[j]) - set(sg['params']))[:5]}"
-            )
+        check_group(key, j, sg["params"], current, stored)
         g = {k: v for k, v in sg.items() if k != "params"}
         g["params"] = list(range(pos, pos + len(cg["params"])))
         groups.append(g)

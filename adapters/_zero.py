@@ -6,7 +6,8 @@ tensors of the wrapped optimizer (``torch.optim.AdamW``: ``exp_avg``,
 ``exp_avg_sq``) are flat tensors shaped like those partitions. A
 :class:`Fragment` says which elements of which parameter a partition holds:
 
-- ZeRO-1/2 (``DeepSpeedZeroOptimizer``): the group's parameters are
+- ZeRO-1/2 (``DeepSpeedZeroOptimizer``, and ``BF16_Optimizer``, which
+  DeepSpeed runs for bf16 at stage 0 in a pipeline): the group's parameters are
   concatenated and cut into equal ranges, one per rank; DeepSpeed's own map
   (``param._hp_mapping``) gives each parameter's piece (element ``start`` of
   the parameter at ``offset`` of the partition). Alignment padding between
@@ -75,9 +76,14 @@ class ZeroLayout:
         return st
 
 
+#: DeepSpeed's optimizers that partition fp32 masters over the data-parallel ranks; ``BF16_Optimizer``
+#: (bf16 at ZeRO stage 0 in a pipeline, or with fp32 gradient accumulation) is laid out as ZeRO-1
+_ZERO_OPTIMIZERS = ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3", "BF16_Optimizer")
+
+
 def is_zero_optimizer(v: Any) -> bool:
-    """Whether ``v`` is DeepSpeed's ZeRO-1/2 or ZeRO-3 optimizer (DeepSpeed already imported)."""
-    return type(v).__name__ in ("DeepSpeedZeroOptimizer", "DeepSpeedZeroOptimizer_Stage3") and hasattr(v, "optimizer")
+    """Whether ``v`` is DeepSpeed's ZeRO-1/2, ZeRO-3 or BF16 optimizer (DeepSpeed already imported)."""
+    return type(v).__name__ in _ZERO_OPTIMIZERS and hasattr(v, "optimizer")
 
 
 def is_stage3(opt: Any) -> bool:
@@ -99,23 +105,39 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
     """(every rank, before anything is read or written) Refuse layouts the
     fragment map does not describe, with one error naming the setting. The
     settings are the same on every rank, so every rank raises alike."""
+    pipeline = engine is not None and type(engine).__name__ == "PipelineEngine"
     if engine is not None:
-        mp = getattr(engine, "mp_world_size", 1) or 1
-        if mp > 1 or type(engine).__name__ == "PipelineEngine":
-            raise _fail(where, f"runs with model/pipeline parallelism (model-parallel size {mp})",
-                        "bytecp's DeepSpeed adapter handles data parallelism only")
+        tp = tensor_parallel_size(engine)
+        if tp > 1:
+            raise _fail(where, f"runs with tensor parallelism (tensor-parallel size {tp})",
+                        "bytecp's DeepSpeed adapter handles data and pipeline parallelism")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "swap_param", False):
         raise _fail(where, "offloads to NVMe (\"offload_optimizer\"/\"offload_param\": {\"device\": \"nvme\"})",
                     "offload to \"cpu\" (supported) or not at all, or use engine.save_checkpoint")
     if type(opt).__name__.startswith("MiCS"):
         raise _fail(where, "uses MiCS sharding", "use ZeRO stage 3 without MiCS")
     groups = getattr(opt, "real_dp_process_group", None) or [getattr(opt, "dp_process_group", None)]
+    stages = pipeline_stages(engine) if pipeline else 1
     for i, g in enumerate(groups):
         size = torch.distributed.get_world_size(group=g) if torch.distributed.is_initialized() else 1
-        if size != world_size:
+        if size * stages != world_size:  # a pipeline stage's parameters are partitioned over its data-parallel group
             raise _fail(where, f"partitions param group {i} over {size} ranks while the checkpoint's "
                         f"process group has {world_size} (expert or sub-group partitioning)",
                         "save with the data-parallel group as the checkpoint's process group")
+
+
+def pipeline_stages(engine: Any) -> int:
+    """The pipeline stages of a ``PipelineEngine`` (1 for any other engine)."""
+    grid = getattr(engine, "grid", None)
+    return int(grid.get_pipe_parallel_world_size()) if grid is not None else 1
+
+
+def tensor_parallel_size(engine: Any) -> int:
+    """The tensor-parallel size an engine runs with (a pipeline's grid, else its model-parallel size)."""
+    grid = getattr(engine, "grid", None)
+    if grid is not None and type(engine).__name__ == "PipelineEngine":
+        return int(grid.get_slice_parallel_world_size())
+    return int(getattr(engine, "mp_world_size", 1) or 1)
 
 
 def _dp_rank(opt: Any) -> int:
@@ -159,9 +181,10 @@ def zero_layout(opt: Any, names: dict[int, str], where: str) -> ZeroLayout:
                 frags.append(Fragment(fqn, tuple(p.ds_shape), gi, start, valid, offset))
                 group_fqns[group_of_flat[i]].append(fqn)
         return ZeroLayout(3, flats, group_of_flat, frags, group_fqns, params, inner)
-    flats = list(opt.single_partition_of_fp32_groups)
+    bf16 = type(opt).__name__ == "BF16_Optimizer"  # ZeRO-1's layout under other attribute names
+    flats = list(opt.fp32_groups_flat_partition if bf16 else opt.single_partition_of_fp32_groups)
     group_fqns = []
-    for i, group in enumerate(opt.bit16_groups):
+    for i, group in enumerate(opt.bf16_groups if bf16 else opt.bit16_groups):
         group_fqns.append([])
         for p in group:
             fqn = name(p)

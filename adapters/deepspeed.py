@@ -36,8 +36,16 @@ CPU offload (optimizer, ZeRO-3 parameters) works alike, and so do fp16
 state) and ZeRO-3's hpZ (its secondary partitions live only between backward
 and step: the primary ones are saved; a load drops the secondary copies of
 the old weights). Settings the fragment map cannot describe (NVMe offload,
-model or pipeline parallelism, MiCS, ZeRO-0 mixed precision) fail at save
-and load on every rank with the setting named (:func:`._zero.check_supported`).
+tensor parallelism, MiCS, ZeRO-0 mixed precision outside a pipeline) fail
+at save and load on every rank with the setting named
+(:func:`._zero.check_supported`).
+
+Pipelines (``PipelineEngine``, ZeRO 0/1, ``BF16_Optimizer``): each stage
+saves the layers it built under the ``PipelineModule``'s names, which are the
+same model's as an ``nn.Sequential`` (``<layer index>.<param>``); a load
+tells the core the other stages' names are loaded elsewhere
+(``LoadTarget.elsewhere``), so each stage reads its own under a strict load,
+at any stage count.
 
 Called through the adapter registry on every rank (``detect``, then
 ``save_tree`` or ``load_tree``). This module never imports DeepSpeed:
@@ -62,7 +70,16 @@ from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
 
 from ._ds_engine import EngineState
 from ._names import ModuleNames
-from ._zero import Fragment, ZeroLayout, check_supported, is_stage3, is_zero_optimizer, zero_layout
+from ._optim import check_group
+from ._zero import (
+    Fragment,
+    ZeroLayout,
+    check_supported,
+    is_stage3,
+    is_zero_optimizer,
+    pipeline_stages,
+    zero_layout,
+)
 from .plain import PlainAdapter
 
 __all__ = ["DeepSpeedAdapter", "expand_engines"]
@@ -211,7 +228,9 @@ class DeepSpeedAdapter(PlainAdapter):
                 if is_stage3(opt) and callable(getattr(opt, "invalidate_secondary_tensor", None)):
                     opt.invalidate_secondary_tensor()
 
-        return LoadTarget(target.tree, finalize)
+        elsewhere = [name for k, v in expanded.items() if _is_pipeline_module(v)
+                     for name in _other_stages(str(k), v, [str(o) for o, x in expanded.items() if _is_optimizer(x)])]
+        return LoadTarget(target.tree, finalize, elsewhere=[*target.elsewhere, *elsewhere])
 
     def _check(self, state: dict[str, Any], ctx: DistContext, where: str) -> None:
         for v in state.values():
@@ -220,9 +239,15 @@ class DeepSpeedAdapter(PlainAdapter):
                 check_supported(opt, _engine_of(state, opt), ctx.world_size, where)
 
     def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
-        out: dict[str, Any] = {"world_size": ctx.world_size, "data_parallel": ctx.world_size}
+        stages = max([pipeline_stages(v) for v in state.values() if _is_engine(v)] or [1])
+        out: dict[str, Any] = {"world_size": ctx.world_size, "data_parallel": ctx.world_size // stages}
+        if stages > 1:
+            out["pipeline_parallel"] = stages
         for v in expand_engines(state).values():
-            if is_zero_optimizer(v):
+            if type(v).__name__ == "BF16_Optimizer":
+                out["zero_stage"] = 0
+                out["bf16_optimizer"] = True
+            elif is_zero_optimizer(v):
                 out["zero_stage"] = 3 if is_stage3(v) else (2 if getattr(v, "partition_gradients", False) else 1)
         return out
 
@@ -347,10 +372,32 @@ class DeepSpeedAdapter(PlainAdapter):
                     v = values[name]
                     st[k] = v.clone() if isinstance(v, torch.Tensor) else v
             _masters_from_model(lay, masters)
-            _apply_groups(key, lay, values.get(f"{key}.param_groups"))
+            _apply_groups(key, lay, values.get(f"{key}.param_groups"), frozenset(target))
             _relink(opt, lay)
 
         return {"state": target, "param_groups": Slot()}, finalize
+
+
+def _is_pipeline_module(v: Any) -> bool:
+    return isinstance(v, nn.Module) and type(v).__name__ == "PipelineModule" and hasattr(v, "_layer_specs")
+
+
+def _is_optimizer(v: Any) -> bool:
+    return isinstance(v, torch.optim.Optimizer) or is_zero_optimizer(v)
+
+
+def _other_stages(key: str, module: Any, optimizers: list[str]) -> list[str]:
+    """The names of the layers other pipeline stages build (a ``PipelineModule``
+    names a layer by its index in the whole list, a tied one
+    ``tied_modules.<key>``), under the module's key and its optimizers' state."""
+    specs = module._layer_specs
+    start = module._local_start
+    stop = len(specs) if module._local_stop is None else module._local_stop
+    names = [str(i) for i in range(len(specs)) if not start <= i < stop]
+    mine = set(getattr(module, "tied_modules", {}) or {})
+    names += sorted({f"tied_modules.{s.key}" for s in specs if type(s).__name__ == "TiedLayerSpec"} -
+                    {f"tied_modules.{k}" for k in mine})
+    return [f"{key}.{n}" for n in names] + [f"{o}.state.{n}" for o in optimizers for n in names]
 
 
 def _masters_from_model(lay: ZeroLayout, loaded: set[str] | frozenset[str] = frozenset()) -> None:
@@ -372,8 +419,10 @@ def _relink(opt: Any, lay: ZeroLayout) -> None:
         link()
 
 
-def _apply_groups(key: str, lay: ZeroLayout, saved: list[dict[str, Any]] | None) -> None:
-    """Hyperparameters of the saved param groups (parameters named by FQN) onto the wrapped optimizer's."""
+def _apply_groups(key: str, lay: ZeroLayout, saved: list[dict[str, Any]] | None, stored: frozenset[str]) -> None:
+    """Hyperparameters of the saved param groups (parameters named by FQN) onto
+    the wrapped optimizer's; ``stored``: the parameters whose state the
+    checkpoint holds (a pipeline stage's groups stand for another stage's)."""
     if saved is None:
         return
     groups = lay.inner.param_groups
@@ -381,14 +430,9 @@ def _apply_groups(key: str, lay: ZeroLayout, saved: list[dict[str, Any]] | None)
         raise StateMismatchError(
             f"optimizer {key!r}: the checkpoint has {len(saved)} param groups, the ZeRO optimizer {len(groups)}"
         )
+    current = [list(names) for names in lay.group_fqns]
     for j, (sg, g) in enumerate(zip(saved, groups, strict=True)):
-        mine = lay.group_fqns[j]
-        if sorted(sg["params"]) != sorted(mine):
-            raise StateMismatchError(
-                f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
-                f"{sorted(set(sg['params']) - set(mine))[:5]} the ZeRO optimizer lacks and lacks "
-                f"{sorted(set(mine) - set(sg['params']))[:5]}"
-            )
+        check_group(key, j, sg["params"], current, stored)
         for k, v in sg.items():
             if k != "params":
                 g[k] = v

@@ -70,11 +70,18 @@ def excluding(names: Sequence[str]) -> Iterator[None]:
 
 
 class LoadTarget:
-    """A target tree plus the callback that applies rebuilt values."""
+    """A target tree plus the callback that applies rebuilt values.
 
-    def __init__(self, tree: Any, finalize: Finalize) -> None:
+    ``elsewhere``: names (dotted prefixes) that other ranks of the job load
+    and this one does not hold at all -- a pipeline stage's view of the other
+    stages' layers. A strict load does not count what the checkpoint holds
+    under them as unexpected on this rank; nothing under them is read here.
+    """
+
+    def __init__(self, tree: Any, finalize: Finalize, elsewhere: Sequence[str] = ()) -> None:
         self.tree = tree
         self.finalize = finalize
+        self.elsewhere = tuple(elsewhere)
 
 
 @dataclasses.dataclass

@@ -46,13 +46,14 @@ class Match:
 
 def match_target(
     storage: Storage, target: FlatTree, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int,
-    *, cast: bool = False,
+    *, cast: bool = False, elsewhere: Sequence[str] = (),
 ) -> Match:
     """(every rank) Match ``target`` with the checkpoint; raise
     :class:`~bytecp.errors.StateMismatchError` naming every difference
-    (missing/unexpected keys only when ``opts.strict``). ``cast`` (a foreign
-    source): a floating-point target of another floating dtype is read
-    through a staging buffer and cast (bf16 <-> fp32)."""
+    (missing/unexpected keys only when ``opts.strict``; keys under the
+    adapter's ``elsewhere`` names are another rank's, never unexpected).
+    ``cast`` (a foreign source): a floating-point target of another floating
+    dtype is read through a staging buffer and cast (bf16 <-> fp32)."""
     skeleton = md.skeleton
     if opts.exclude:  # left out of the load: neither targets nor stored entries under those names
         def drop(fqn: str) -> bool:
@@ -63,6 +64,8 @@ def match_target(
     nodes = skeleton.index()
     sources = _sources(target, md)
     missing, unexpected = _compare_keys(target, md, nodes, sources, opts.exclude)
+    if elsewhere:  # other ranks of the job load these (the adapter says so): not unexpected here
+        unexpected = [k for k in unexpected if not excluded(k, elsewhere)]
     if opts.strict and (missing or unexpected):
         parts = [f"state does not match the checkpoint at {storage.url}:"]
         if missing:

@@ -135,7 +135,8 @@ class LoadPipeline:
                                     strict=self.opts.strict, where=self.storage.url)
                 opened = opened.renamed(names.renames, names.aliases)
             return target, opened, match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
-                                                 self.ctx.world_size, cast=opened.foreign)
+                                                 self.ctx.world_size, cast=opened.foreign,
+                                                 elsewhere=target.elsewhere if target is not None else ())
 
         with self.trace.span("plan"):
             self.target, opened, self.matched = self.ctx.run("load/match", match)

@@ -372,3 +372,134 @@ def contract_full(state: dict[str, Any]) -> dict[str, dict[str, torch.Tensor]]:
 
 def contract_unsupported() -> dict[str, Any]:
     return {"model": make_engine(0, seed=0, bf16=True)}
+
+
+# -- pipeline parallelism -------------------------------------------------------------------
+PIPE_WIDTH = 6
+
+
+def pipe_layers() -> list[Any]:
+    """The layers of the pipeline model: the same as :func:`pipe_plain`'s nn.Sequential."""
+    from deepspeed.pipe import LayerSpec
+
+    return [LayerSpec(nn.Linear, PIPE_WIDTH, 8), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 8, 7),
+            LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 7, 5), LayerSpec(nn.ReLU), LayerSpec(nn.Linear, 5, 3)]
+
+
+def pipe_plain(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(PIPE_WIDTH, 8), nn.ReLU(), nn.Linear(8, 7), nn.ReLU(), nn.Linear(7, 5), nn.ReLU(),
+                         nn.Linear(5, 3))
+
+
+def _pipe_loss(out: torch.Tensor, _target: torch.Tensor) -> torch.Tensor:
+    return out.float().square().mean()
+
+
+def make_pipe_engine(stages: int, stage: int, seed: int, *, bf16: bool = False) -> Any:
+    """A ``PipelineEngine`` over :func:`pipe_layers` in ``stages`` stages, ZeRO ``stage`` (0 or 1)."""
+    setup()
+    import deepspeed
+    from deepspeed.pipe import PipelineModule
+
+    torch.manual_seed(seed)
+    module = PipelineModule(layers=pipe_layers(), num_stages=stages, loss_fn=_pipe_loss, partition_method="uniform")
+    cfg: dict[str, Any] = {
+        "train_batch_size": 4 * (dist.get_world_size() // stages), "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+        "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=module, model_parameters=[p for p in module.parameters()], config=cfg)
+    return engine
+
+
+def pipe_batches(step: int, dp_rank: int) -> Any:
+    g = torch.Generator().manual_seed(1000 * step + dp_rank)
+    while True:
+        yield torch.randn(2, PIPE_WIDTH, generator=g), torch.zeros(2, 3)
+
+
+def pipe_train(engine: Any, steps: range) -> list[float]:
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    out = []
+    for s in steps:
+        it = ((x.to(dtype), y) for x, y in pipe_batches(s, engine.grid.data_parallel_id))
+        out.append(float(engine.train_batch(it)))
+    return out
+
+
+def pipe_save(url: str, stages: int, stage: int, bf16: bool = False) -> dict[str, Any]:
+    engine = make_pipe_engine(stages, stage, seed=0, bf16=bf16)
+    pipe_train(engine, range(2))
+    bytecp.save(url, {"model": engine})
+    return {"names": sorted(n for n, _ in engine.module.named_parameters())}
+
+
+def pipe_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """This stage's parameters, fp32 masters and Adam moments, by the model's own names."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    zero = engine.zero_optimization_stage() > 0 or engine.bfloat16_enabled()
+    for n, p in engine.module.named_parameters():
+        out[f"model.{n}"] = p.detach().clone()
+        if zero:
+            out[f"master.{n}"] = safe_get_full_fp32_param(p).clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"{k}.{n}"] = safe_get_full_optimizer_state(p, k).clone()
+        else:
+            out[f"master.{n}"] = p.detach().clone()
+            for k in ("exp_avg", "exp_avg_sq"):
+                out[f"{k}.{n}"] = engine.optimizer.state[p][k].clone()
+    return out
+
+
+def pipe_roundtrip(url: str, stages: int, stage: int, bf16: bool = False) -> dict[str, Any]:
+    """Same-layout resume of a pipeline engine: state and the next losses."""
+    engine = make_pipe_engine(stages, stage, seed=0, bf16=bf16)
+    pipe_train(engine, range(2))
+    saved = pipe_snapshot(engine)
+    counters = engine.global_steps
+    bytecp.save(url, {"model": engine})
+    uninterrupted = pipe_train(engine, range(2, 4))
+    other = make_pipe_engine(stages, stage, seed=1, bf16=bf16)
+    bytecp.load(url, {"model": other})
+    loaded = pipe_snapshot(other)
+    return {"saved": saved, "loaded": loaded, "steps": (counters, other.global_steps),
+            "uninterrupted": uninterrupted, "after": pipe_train(other, range(2, 4))}
+
+
+def pipe_load(url: str, stages: int, stage: int, bf16: bool = False) -> dict[str, torch.Tensor]:
+    """A pipeline engine of ``stages`` stages (any number, 1 too) loads the checkpoint."""
+    engine = make_pipe_engine(stages, stage, seed=5, bf16=bf16)
+    bytecp.load(url, {"model": engine})
+    return pipe_snapshot(engine)
+
+
+def pipe_plain_load(url: str) -> dict[str, torch.Tensor]:
+    """The same model without a pipeline or DeepSpeed, in one process: model and Adam state."""
+    model = pipe_plain(seed=6)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])
+    out: dict[str, torch.Tensor] = {}
+    for n, p in model.named_parameters():
+        out[f"model.{n}"] = p.detach().clone()
+        out[f"master.{n}"] = p.detach().clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = opt.state[p][k].clone()
+    return out
+
+
+def pipe_flat_engine_load(url: str, stage: int) -> dict[str, torch.Tensor]:
+    """The same model without a pipeline, as a ZeRO engine at this data-parallel size."""
+    setup()
+    import deepspeed
+
+    model = pipe_plain(seed=9)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage},
+           "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}},
+           "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    bytecp.load(url, {"model": engine})
+    return pipe_snapshot(engine)

@@ -109,6 +109,36 @@ def test_zero3_with_hpz_resumes_bitwise(pool2: WorkerPool, tmp_path: Path) -> No
     assert_equal(after, resumed, "ZeRO-3 + hpZ one step after the resume")
 
 
+def merged(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Every stage's snapshot in one (the ranks of a stage report the same tensors)."""
+    out: dict[str, torch.Tensor] = {}
+    for p in parts:
+        out.update(p)
+    return out
+
+
+@pytest.mark.parametrize(("zero", "bf16"), [(0, False), (1, False), (0, True), (1, True)],
+                         ids=["zero0-fp32", "zero1-fp32", "zero0-bf16-BF16_Optimizer", "zero1-bf16"])
+def test_pipeline_saves_under_the_models_own_names_and_reloads_anywhere(
+        pool2: WorkerPool, pool1: WorkerPool, tmp_path: Path, zero: int, bf16: bool) -> None:
+    """A PipelineEngine of 2 stages: each stage writes its layers under the
+    names the same nn.Sequential has (``<layer index>.<param>``); it resumes
+    bitwise (the next losses too), and loads at 1 stage (data-parallel 2),
+    without a pipeline as a ZeRO-2 engine and, fp32, in one plain process.
+    (DeepSpeed itself cannot load its own bf16 stage-0 pipeline checkpoint.)"""
+    url = str(tmp_path / "ck")
+    got = pool2.run(dc.pipe_roundtrip, url, 2, zero, bf16)
+    saved, loaded = merged([r["saved"] for r in got]), merged([r["loaded"] for r in got])
+    assert {k.split(".", 1)[1].split(".")[0] for k in saved} == {"0", "2", "4", "6"}  # both stages, by layer index
+    assert_equal(saved, loaded, "pipeline 2 stages -> 2 stages")
+    assert got[0]["after"] == got[0]["uninterrupted"] and got[0]["steps"] == (2, 2)
+    assert_equal(saved, merged(pool2.run(dc.pipe_load, url, 1, zero, bf16)), "pipeline 2 stages -> 1 stage (DP 2)")
+    if bf16:
+        return
+    assert_equal(saved, merged(pool2.run(dc.pipe_flat_engine_load, url, 2)), "pipeline -> ZeRO-2 without a pipeline")
+    assert_equal(saved, pool1.run(dc.pipe_plain_load, url)[0], "pipeline -> one plain process")
+
+
 def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
     saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
     assert_equal(saved, loaded, "ZeRO-3 lazy save")
