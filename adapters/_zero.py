@@ -36,6 +36,8 @@ import torch
 
 from bytecp.errors import ConfigError
 
+from ._ds_moe import expert_parallel_size
+
 __all__ = ["Fragment", "ZeroLayout", "check_supported", "zero_layout", "is_zero_optimizer", "is_stage3"]
 
 
@@ -118,9 +120,13 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
         raise _fail(where, "uses MiCS sharding", "use ZeRO stage 3 without MiCS")
     groups = getattr(opt, "real_dp_process_group", None) or [getattr(opt, "dp_process_group", None)]
     stages = pipeline_stages(engine) if pipeline else 1
+    param_groups = getattr(getattr(opt, "optimizer", None), "param_groups", [])
     for i, g in enumerate(groups):
         size = torch.distributed.get_world_size(group=g) if torch.distributed.is_initialized() else 1
-        if size * stages != world_size:  # a pipeline stage's parameters are partitioned over its data-parallel group
+        # a pipeline stage's parameters are partitioned over its data-parallel group, a
+        # DeepSpeed-MoE layer's experts over their expert-data-parallel group
+        experts = expert_parallel_size(param_groups[i]) if i < len(param_groups) else 1
+        if size * stages * experts != world_size:
             raise _fail(where, f"partitions param group {i} over {size} ranks while the checkpoint's "
                         f"process group has {world_size} (expert or sub-group partitioning)",
                         "save with the data-parallel group as the checkpoint's process group")

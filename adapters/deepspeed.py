@@ -69,6 +69,7 @@ from bytecp.tree.dtypes import dtype_from_name
 from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
 
 from ._ds_engine import EngineState
+from ._ds_moe import ExpertNames
 from ._names import ModuleNames
 from ._optim import check_group
 from ._zero import (
@@ -228,8 +229,14 @@ class DeepSpeedAdapter(PlainAdapter):
                 if is_stage3(opt) and callable(getattr(opt, "invalidate_secondary_tensor", None)):
                     opt.invalidate_secondary_tensor()
 
+        optimizers = [str(o) for o, x in expanded.items() if _is_optimizer(x)]
         elsewhere = [name for k, v in expanded.items() if _is_pipeline_module(v)
-                     for name in _other_stages(str(k), v, [str(o) for o, x in expanded.items() if _is_optimizer(x)])]
+                     for name in _other_stages(str(k), v, optimizers)]
+        for k, v in expanded.items():  # DeepSpeed-MoE: the experts of the other expert-parallel ranks
+            experts = ExpertNames(v) if isinstance(v, nn.Module) else None
+            if experts:
+                others = experts.other_experts()
+                elsewhere += [f"{k}.{n}" for n in others] + [f"{o}.state.{n}" for o in optimizers for n in others]
         return LoadTarget(target.tree, finalize, elsewhere=[*target.elsewhere, *elsewhere])
 
     def _check(self, state: dict[str, Any], ctx: DistContext, where: str) -> None:
@@ -252,12 +259,33 @@ class DeepSpeedAdapter(PlainAdapter):
         return out
 
     # ------------------------------------------------------------- model
+    def param_names(self, module: nn.Module) -> dict[int, str]:
+        """The plain adapter's names, DeepSpeed-MoE experts by global index."""
+        names = super().param_names(module)
+        experts = ExpertNames(module)
+        return {pid: experts(n) for pid, n in names.items()} if experts else names
+
     def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
-        """ZeRO-3: each parameter's piece on this rank; ZeRO-1/2: the full module (replicated)."""
+        """ZeRO-3: each parameter's piece on this rank; ZeRO-1/2: the full module
+        (replicated); DeepSpeed-MoE experts by global index."""
         if not _zero3(module):
-            return super().module_leaves(call, module)
-        leaves, _ = self._z3_leaves(call, module, loading=False)
-        return leaves
+            leaves = super().module_leaves(call, module)
+        else:
+            leaves, _ = self._z3_leaves(call, module, loading=False)
+        experts = ExpertNames(module)
+        return {experts(k): v for k, v in leaves.items()} if experts else leaves
+
+    def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
+        target, finalize = self._module_targets(call, module)
+        experts = ExpertNames(module)
+        if not experts:
+            return target, finalize
+        local = {experts(k): k for k in target}
+
+        def by_local_names(values: dict[str, Any]) -> None:
+            finalize({local.get(k, k): v for k, v in values.items()})
+
+        return {experts(k): v for k, v in target.items()}, by_local_names
 
     def _z3_leaves(self, call: AdapterCall, module: nn.Module, *, loading: bool
                    ) -> tuple[dict[str, Any], dict[str, str]]:
@@ -275,7 +303,7 @@ class DeepSpeedAdapter(PlainAdapter):
                 out[n] = v.detach() if isinstance(v, torch.Tensor) else v
         return names.tie(out), raw
 
-    def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
+    def _module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
         """ZeRO-3: this rank's pieces, filled in place; persistent parameters
         whole, then their pieces copied from them (no collective)."""
         if not _zero3(module):

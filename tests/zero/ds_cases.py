@@ -503,3 +503,115 @@ def pipe_flat_engine_load(url: str, stage: int) -> dict[str, torch.Tensor]:
     engine, *_ = deepspeed.initialize(model=model, config=cfg)
     bytecp.load(url, {"model": engine})
     return pipe_snapshot(engine)
+
+
+# -- DeepSpeed-MoE ----------------------------------------------------------------------------
+MOE_EXPERTS = 4
+
+
+class MoENet(nn.Module):
+    """A dense layer, a DeepSpeed-MoE layer of ``MOE_EXPERTS`` experts over ``ep`` ranks, a head."""
+
+    def __init__(self, ep: int) -> None:
+        super().__init__()
+        from deepspeed.moe.layer import MoE
+
+        self.inp = nn.Linear(6, 8)
+        expert = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))
+        self.moe = MoE(hidden_size=8, expert=expert, num_experts=MOE_EXPERTS, ep_size=ep, k=1, min_capacity=1)
+        self.out = nn.Linear(8, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h, aux, _ = self.moe(torch.relu(self.inp(x)))
+        return self.out(h).square().mean() + aux
+
+
+def make_moe_engine(ep: int, stage: int, seed: int) -> Any:
+    """An engine over :class:`MoENet`; each expert's weights seeded by its global index."""
+    setup()
+    import deepspeed
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+
+    torch.manual_seed(seed)
+    model = MoENet(ep)
+    world = dist.get_world_size()
+    ep_rank = dist.get_rank() % ep  # DeepSpeed's expert groups: consecutive ranks (world 2, ep 2: ranks 0 and 1)
+    local = model.moe.deepspeed_moe.experts.deepspeed_experts
+    for i, e in enumerate(local):
+        torch.manual_seed(seed * 100 + ep_rank * len(local) + i)
+        for p in e.parameters():
+            nn.init.normal_(p, std=0.3)
+    groups = split_params_into_different_moe_groups_for_optimizer(
+        {"params": list(model.parameters()), "name": "params"})
+    opt = torch.optim.AdamW(groups, lr=STEPS_LR)
+    cfg = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
+           "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=cfg)
+    assert world % ep == 0
+    return engine
+
+
+def moe_train(engine: Any, steps: range) -> list[float]:
+    out = []
+    for s in steps:
+        g = torch.Generator().manual_seed(1000 * s + dist.get_rank())
+        loss = engine(torch.randn(4, 6, generator=g))
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def _full_from_fragments(opt: Any, p: torch.Tensor, key: str) -> torch.Tensor:
+    """A parameter's fp32 master (``key="fp32"``) or optimizer state, whole, from
+    each rank's fragment (DeepSpeed 0.19's ``safe_get_full_optimizer_state``
+    finds no state for expert parameters: their fragments are never linked)."""
+    gi = next(i for i, g in enumerate(opt.bit16_groups) if any(q is p for q in g))
+    flat = opt.single_partition_of_fp32_groups[gi]
+    src = (flat if key == "fp32" else opt.optimizer.state[flat][key]).detach()
+    full = torch.zeros(p.numel(), dtype=src.dtype)
+    m: Any = getattr(p, "_hp_mapping", None)
+    if m is not None:  # None: this rank's partition holds none of it
+        lp, hp = m.lp_fragment_address, m.hp_fragment_address
+        full[lp.start : lp.start + lp.numel] = src[hp.start : hp.start + hp.numel]
+    dist.all_reduce(full, group=opt.real_dp_process_group[gi])
+    return full.view(p.shape)
+
+
+def moe_snapshot(engine: Any) -> dict[str, torch.Tensor]:
+    """Model, fp32 masters and moments of this rank's parameters, experts by global index."""
+    moe = engine.module.moe
+    ep = moe.ep_size
+    nl = moe.num_local_experts
+    ep_rank = dist.get_rank() % ep
+    out: dict[str, torch.Tensor] = {}
+    prefix = "moe.deepspeed_moe.experts.deepspeed_experts."
+    for n, p in engine.module.named_parameters():
+        if n.startswith(prefix):
+            local, rest = n[len(prefix):].split(".", 1)
+            n = f"{prefix}{ep_rank * nl + int(local)}.{rest}"
+        out[f"model.{n}"] = p.detach().clone()
+        out[f"master.{n}"] = _full_from_fragments(engine.optimizer, p, "fp32")
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = _full_from_fragments(engine.optimizer, p, k)
+    return out
+
+
+def moe_roundtrip(url: str, ep: int, stage: int) -> dict[str, Any]:
+    engine = make_moe_engine(ep, stage, seed=0)
+    moe_train(engine, range(2))
+    saved = moe_snapshot(engine)
+    bytecp.save(url, {"model": engine, "rng": bytecp.RNGState()})  # the gate draws random numbers (RTS)
+    uninterrupted = moe_train(engine, range(2, 4))
+    other = make_moe_engine(ep, stage, seed=1)
+    bytecp.load(url, {"model": other, "rng": bytecp.RNGState()})
+    loaded = moe_snapshot(other)
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "after": moe_train(other, range(2, 4))}
+
+
+def moe_load(url: str, ep: int, stage: int) -> dict[str, torch.Tensor]:
+    engine = make_moe_engine(ep, stage, seed=3)
+    bytecp.load(url, {"model": engine}, exclude=["rng"])
+    return moe_snapshot(engine)
+
+

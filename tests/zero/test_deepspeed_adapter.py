@@ -139,6 +139,26 @@ def test_pipeline_saves_under_the_models_own_names_and_reloads_anywhere(
     assert_equal(saved, pool1.run(dc.pipe_plain_load, url)[0], "pipeline -> one plain process")
 
 
+@pytest.mark.parametrize("stage", [1, 2])
+def test_moe_experts_by_global_index_reload_at_another_ep(pool2: WorkerPool, pool1: WorkerPool, tmp_path: Path,
+                                                         stage: int) -> None:
+    """DeepSpeed-MoE, 4 experts over ep=2 (each rank builds 2, named 0 and 1
+    locally): saved by global index, so the resume is bitwise (the next two
+    losses too, the gate's random numbers restored with RNGState) and the
+    checkpoint loads at ep=1 on 2 ranks (experts partitioned over both) and
+    on 1 rank. (DeepSpeed's ds_to_universal concatenates the two ranks'
+    local experts here.)"""
+    url = str(tmp_path / "ck")
+    got = pool2.run(dc.moe_roundtrip, url, 2, stage)
+    saved, loaded = merged([r["saved"] for r in got]), merged([r["loaded"] for r in got])
+    experts = {k.split("deepspeed_experts.")[1].split(".")[0] for k in saved if "deepspeed_experts." in k}
+    assert experts == {"0", "1", "2", "3"}
+    assert_equal(saved, loaded, f"MoE ep=2 ZeRO-{stage} resume")
+    assert all(r["after"] == r["uninterrupted"] for r in got)
+    assert_equal(saved, merged(pool2.run(dc.moe_load, url, 1, stage)), "MoE ep=2 -> ep=1 on 2 ranks")
+    assert_equal(saved, pool1.run(dc.moe_load, url, 1, stage)[0], "MoE ep=2 -> 1 rank")
+
+
 def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
     saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
     assert_equal(saved, loaded, "ZeRO-3 lazy save")
