@@ -124,7 +124,7 @@ def ds_engine_resume(url: str, stage: int) -> dict[str, Any]:
 
 
 def scaler_state(engine: Any) -> dict[str, Any]:
-    from bytecp.adapters._ds_engine import SCALER_FIELDS
+    from bytecp.adapters.deepspeed.engine import SCALER_FIELDS
 
     scaler = engine.optimizer.loss_scaler
     return {f: float(getattr(scaler, f)) for f in SCALER_FIELDS if hasattr(scaler, f)}

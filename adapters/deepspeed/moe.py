@@ -9,7 +9,7 @@ bytecp: the names do not depend on the expert-parallel size, so a checkpoint
 loads at another one (each rank reads its own experts, the others are
 another rank's: :func:`other_experts`).
 
-Used by :mod:`bytecp.adapters.deepspeed` on every rank (save and load): the
+Used by :mod:`.adapter` on every rank (save and load): the
 module's leaves and targets, the optimizer's parameter names and a load's
 ``elsewhere`` names go through :class:`ExpertNames`. No collective runs.
 """

@@ -1,55 +1,9 @@
-"""DeepSpeed ZeRO stages 1, 2 and 3 (``deepspeed.initialize`` engines), online,
-in the names every other adapter uses.
+"""The DeepSpeed adapter: engines, ZeRO optimizers and their layouts, online.
 
-``bytecp.save(url, {"model": engine})`` saves the whole engine, as
-``engine.save_checkpoint`` does: its module under ``model.<fqn>``, its
-optimizer under ``optimizer`` (the same as ``{"model": engine, "optimizer":
-engine.optimizer}``) and its own state under ``engine``
-(:class:`._ds_engine.EngineState`: ``global_steps``, ``global_samples``,
-``skipped_steps``, the LR scheduler, the data sampler, the loss scaler);
-``bytecp.load`` restores all of it, less what ``exclude=`` names
-(``["engine.lr_scheduler"]``, ``["optimizer"]``, ...). The module and
-optimizer are the ones a plain, DDP or FSDP2 job saves, so they load there
-(``exclude=["engine"]``: no such job has an engine) and any ZeRO stage at any
-data-parallel size loads them back, with no conversion step:
-
-- model: ZeRO-1/2 keep the full module on every rank (written once, split
-  across the replicas); ZeRO-3 keeps ``ceil(numel / dp)`` elements of each
-  parameter per rank (``param.ds_tensor``), saved as the flat range's boxes
-  without the padding at the end of the last piece.
-- optimizer: ``optimizer.state.<fqn>.<key>`` for every tensor of the wrapped
-  optimizer shaped like the flat partition (``exp_avg``, ``exp_avg_sq``),
-  each rank writing the boxes of its fragments (:mod:`._zero`); per-group
-  values (``step``) under every parameter of the group, as ``torch.optim``
-  keeps them; ``optimizer.param_groups`` with parameters named by FQN. The
-  fp32 master weights equal the module's parameters when the model is fp32
-  and are not stored twice; under bf16 they are ``optimizer.state.<fqn>.fp32``.
-
-Loading fills the module's parameters, the master partitions and the
-optimizer's state tensors in place (creating them before the first step),
-refreshes the master weights from the loaded module where the checkpoint
-has no fp32 copy. ZeRO-3's persistent parameters (whole on every rank) are
-read whole and their pieces copied from them: no collective runs in a load.
-
-CPU offload (optimizer, ZeRO-3 parameters) works alike, and so do fp16
-(its fp32 masters as under bf16, its loss scaler's numbers in the engine
-state) and ZeRO-3's hpZ (its secondary partitions live only between backward
-and step: the primary ones are saved; a load drops the secondary copies of
-the old weights). Settings the fragment map cannot describe (NVMe offload,
-tensor parallelism, MiCS, ZeRO-0 mixed precision outside a pipeline) fail
-at save and load on every rank with the setting named
-(:func:`._zero.check_supported`).
-
-Pipelines (``PipelineEngine``, ZeRO 0/1, ``BF16_Optimizer``): each stage
-saves the layers it built under the ``PipelineModule``'s names, which are the
-same model's as an ``nn.Sequential`` (``<layer index>.<param>``); a load
-tells the core the other stages' names are loaded elsewhere
-(``LoadTarget.elsewhere``), so each stage reads its own under a strict load,
-at any stage count.
-
-Called through the adapter registry on every rank (``detect``, then
-``save_tree`` or ``load_tree``). This module never imports DeepSpeed:
-detection reads class names, and only once ``deepspeed`` is imported.
+The package's docstring says what is saved; this module holds the adapter
+(called through the registry on every rank: ``detect``, then ``save_tree``
+or ``load_tree``) and :func:`expand_engines`, which turns an engine into
+its module, optimizer and engine state.
 """
 
 from __future__ import annotations
@@ -68,11 +22,13 @@ from bytecp.format.metadata import Metadata
 from bytecp.tree.dtypes import dtype_from_name
 from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
 
-from ._ds_engine import EngineState
-from ._ds_moe import ExpertNames
-from ._names import ModuleNames
-from ._optim import check_group
-from ._zero import (
+from .._names import ModuleNames
+from .._optim import check_group
+from ..plain import PlainAdapter
+from .engine import EngineState
+from .moe import ExpertNames
+from .pipeline import is_pipeline_module, other_stages
+from .zero import (
     Fragment,
     ZeroLayout,
     check_supported,
@@ -81,7 +37,6 @@ from ._zero import (
     pipeline_stages,
     zero_layout,
 )
-from .plain import PlainAdapter
 
 __all__ = ["DeepSpeedAdapter", "expand_engines"]
 
@@ -230,8 +185,8 @@ class DeepSpeedAdapter(PlainAdapter):
                     opt.invalidate_secondary_tensor()
 
         optimizers = [str(o) for o, x in expanded.items() if _is_optimizer(x)]
-        elsewhere = [name for k, v in expanded.items() if _is_pipeline_module(v)
-                     for name in _other_stages(str(k), v, optimizers)]
+        elsewhere = [name for k, v in expanded.items() if is_pipeline_module(v)
+                     for name in other_stages(str(k), v, optimizers)]
         for k, v in expanded.items():  # DeepSpeed-MoE: the experts of the other expert-parallel ranks
             experts = ExpertNames(v) if isinstance(v, nn.Module) else None
             if experts:
@@ -406,26 +361,8 @@ class DeepSpeedAdapter(PlainAdapter):
         return {"state": target, "param_groups": Slot()}, finalize
 
 
-def _is_pipeline_module(v: Any) -> bool:
-    return isinstance(v, nn.Module) and type(v).__name__ == "PipelineModule" and hasattr(v, "_layer_specs")
-
-
 def _is_optimizer(v: Any) -> bool:
     return isinstance(v, torch.optim.Optimizer) or is_zero_optimizer(v)
-
-
-def _other_stages(key: str, module: Any, optimizers: list[str]) -> list[str]:
-    """The names of the layers other pipeline stages build (a ``PipelineModule``
-    names a layer by its index in the whole list, a tied one
-    ``tied_modules.<key>``), under the module's key and its optimizers' state."""
-    specs = module._layer_specs
-    start = module._local_start
-    stop = len(specs) if module._local_stop is None else module._local_stop
-    names = [str(i) for i in range(len(specs)) if not start <= i < stop]
-    mine = set(getattr(module, "tied_modules", {}) or {})
-    names += sorted({f"tied_modules.{s.key}" for s in specs if type(s).__name__ == "TiedLayerSpec"} -
-                    {f"tied_modules.{k}" for k in mine})
-    return [f"{key}.{n}" for n in names] + [f"{o}.state.{n}" for o in optimizers for n in names]
 
 
 def _masters_from_model(lay: ZeroLayout, loaded: set[str] | frozenset[str] = frozenset()) -> None:

@@ -23,7 +23,7 @@ A fragment is a flat ``[start, start+numel)`` range of a row-major parameter,
 saved as the boxes of the core's flat-range decomposition, so a partition is
 saved without any gather and loads from any other layout.
 
-Called by :mod:`bytecp.adapters.deepspeed` on every rank, on save and load;
+Called by :mod:`.adapter` on every rank, on save and load;
 :func:`check_supported` runs first and refuses what this map does not cover.
 """
 
@@ -36,7 +36,8 @@ import torch
 
 from bytecp.errors import ConfigError
 
-from ._ds_moe import expert_parallel_size
+from .moe import expert_parallel_size
+from .pipeline import pipeline_stages, tensor_parallel_size
 
 __all__ = ["Fragment", "ZeroLayout", "check_supported", "zero_layout", "is_zero_optimizer", "is_stage3"]
 
@@ -130,20 +131,6 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
             raise _fail(where, f"partitions param group {i} over {size} ranks while the checkpoint's "
                         f"process group has {world_size} (expert or sub-group partitioning)",
                         "save with the data-parallel group as the checkpoint's process group")
-
-
-def pipeline_stages(engine: Any) -> int:
-    """The pipeline stages of a ``PipelineEngine`` (1 for any other engine)."""
-    grid = getattr(engine, "grid", None)
-    return int(grid.get_pipe_parallel_world_size()) if grid is not None else 1
-
-
-def tensor_parallel_size(engine: Any) -> int:
-    """The tensor-parallel size an engine runs with (a pipeline's grid, else its model-parallel size)."""
-    grid = getattr(engine, "grid", None)
-    if grid is not None and type(engine).__name__ == "PipelineEngine":
-        return int(grid.get_slice_parallel_world_size())
-    return int(getattr(engine, "mp_world_size", 1) or 1)
 
 
 def _dp_rank(opt: Any) -> int:

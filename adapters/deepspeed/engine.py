@@ -2,7 +2,7 @@
 beside the module and the optimizer, so that ``{"model": engine}`` means the
 whole engine.
 
-Used by :func:`bytecp.adapters.deepspeed.expand_engines` (every rank, save
+Used by :func:`.adapter.expand_engines` (every rank, save
 and load), which adds an :class:`EngineState` under ``"engine"`` beside the
 engine's module and optimizer. It is a ``Stateful``: the core stores its
 ``state_dict()`` as values (JSON where they are JSON: counters, the
