@@ -27,14 +27,13 @@ from .._optim import check_group
 from ..plain import PlainAdapter
 from .engine import EngineState
 from .moe import ExpertNames
-from .pipeline import is_pipeline_module, other_stages
+from .pipeline import is_pipeline_module, other_stages, pipeline_stages
 from .zero import (
     Fragment,
     ZeroLayout,
     check_supported,
     is_stage3,
     is_zero_optimizer,
-    pipeline_stages,
     zero_layout,
 )
 
