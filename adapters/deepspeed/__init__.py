@@ -35,8 +35,10 @@ CPU offload (optimizer, ZeRO-3 parameters) works alike, and so do fp16
 (its fp32 masters as under bf16, its loss scaler's numbers in the engine
 state) and ZeRO-3's hpZ (its secondary partitions live only between backward
 and step: the primary ones are saved; a load drops the secondary copies of
-the old weights). Settings the fragment map cannot describe (NVMe offload,
-tensor parallelism, MiCS, ZeRO-0 mixed precision outside a pipeline) fail
+the old weights). AutoTP shards are saved as boxes of the full tensors
+(:mod:`.tp`). Settings the fragment map cannot describe (NVMe offload,
+tensor parallelism other than AutoTP, MiCS, ZeRO-0 mixed precision outside a
+pipeline) fail
 at save and load on every rank with the setting named
 (:func:`.zero.check_supported`).
 

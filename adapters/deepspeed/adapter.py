@@ -8,6 +8,7 @@ its module, optimizer and engine state.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -23,11 +24,14 @@ from bytecp.tree.dtypes import dtype_from_name
 from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
 
 from .._names import ModuleNames
-from .._optim import check_group
+from .._optim import ParamState, check_group
 from ..plain import PlainAdapter
 from .engine import EngineState
 from .moe import ExpertNames
 from .pipeline import is_pipeline_module, other_stages, pipeline_stages
+from .tp import META as TP_META
+from .tp import Piece, autotp_size, to_full, tp_rank
+from .tp import pieces as tp_pieces
 from .zero import (
     Fragment,
     ZeroLayout,
@@ -106,12 +110,44 @@ def _zero3(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
-def _frag_leaf(f: Fragment, flat: torch.Tensor, replicas: ReplicaSet | None) -> TensorLeaf:
-    """The boxes of fragment ``f`` in ``flat`` (a flat partition or a state tensor shaped like it)."""
+def _frag_leaf(f: Fragment, flat: torch.Tensor, replicas: ReplicaSet | None,
+               tp: tuple[tuple[int, ...], list[Piece]] | None = None) -> TensorLeaf:
+    """The boxes of fragment ``f`` in ``flat`` (a flat partition or a state
+    tensor shaped like it); with ``tp`` (an AutoTP shard's full shape and
+    pieces) as boxes of the full tensor."""
     piece = flat.detach()[f.offset : f.offset + f.numel]
-    if not f.numel:
-        return TensorLeaf(f.shape, flat.dtype, [], replicas)
-    return TensorLeaf.from_flat(f.shape, flat.dtype, f.start, piece, replicas)
+    leaf = TensorLeaf(f.shape, flat.dtype, [], replicas) if not f.numel else \
+        TensorLeaf.from_flat(f.shape, flat.dtype, f.start, piece, replicas)
+    return leaf if tp is None else to_full(leaf, *tp)
+
+
+def _tp_layouts(lay: ZeroLayout) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
+    """AutoTP: fqn -> (full shape, pieces) of each parameter it shards on this rank."""
+    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
+    rank: int | None = None
+    for fqn, p in lay.params.items():
+        if getattr(p, TP_META, None):
+            rank = tp_rank() if rank is None else rank
+            got = tp_pieces(p, rank, fqn)
+            if got is not None:
+                out[fqn] = got
+    return out
+
+
+def _autotp_leaves(module: nn.Module, leaves: dict[str, Any]) -> dict[str, Any]:
+    """A module's leaves (or load targets) with each AutoTP shard as boxes of the full tensor."""
+    sharded = [(n, p) for n, p in module.named_parameters() if getattr(p, TP_META, None)]
+    if not sharded:
+        return leaves
+    names = ModuleNames(module)
+    rank = tp_rank()
+    out = dict(leaves)
+    for n, p in sharded:
+        name = names.clean(n)
+        got = tp_pieces(p, rank, name)
+        if got is not None and isinstance(out.get(name), (torch.Tensor, TensorLeaf)):
+            out[name] = to_full(out[name], *got)
+    return out
 
 
 def _z3_span(p: Any) -> tuple[torch.Tensor, int, int]:
@@ -200,10 +236,14 @@ class DeepSpeedAdapter(PlainAdapter):
                 check_supported(opt, _engine_of(state, opt), ctx.world_size, where)
 
     def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
-        stages = max([pipeline_stages(v) for v in state.values() if _is_engine(v)] or [1])
-        out: dict[str, Any] = {"world_size": ctx.world_size, "data_parallel": ctx.world_size // stages}
+        engines = [v for v in state.values() if _is_engine(v)]
+        stages = max([pipeline_stages(v) for v in engines] or [1])
+        tp = max([autotp_size(v) for v in engines] or [1])
+        out: dict[str, Any] = {"world_size": ctx.world_size, "data_parallel": ctx.world_size // (stages * tp)}
         if stages > 1:
             out["pipeline_parallel"] = stages
+        if tp > 1:
+            out["tensor_parallel"] = tp
         for v in expand_engines(state).values():
             if type(v).__name__ == "BF16_Optimizer":
                 out["zero_stage"] = 0
@@ -219,11 +259,27 @@ class DeepSpeedAdapter(PlainAdapter):
         experts = ExpertNames(module)
         return {pid: experts(n) for pid, n in names.items()} if experts else names
 
+    def param_state(self, call: AdapterCall, index: int, param: torch.Tensor) -> list[ParamState]:
+        """A torch optimizer's state (ZeRO stage 0): an AutoTP shard's state as
+        boxes of the full tensor, like the shard itself."""
+        states = super().param_state(call, index, param)
+        got = tp_pieces(param, tp_rank(), states[0].fqn) if getattr(param, TP_META, None) else None
+        if got is None:
+            return states
+        full, parts = got
+        local = tuple(param.shape)
+
+        def leaf(v: Any) -> Any:  # state shaped like the shard (moments); the rest (step) as it is
+            return to_full(v, full, parts) if isinstance(v, torch.Tensor) and tuple(v.shape) == local else v
+
+        return [dataclasses.replace(states[0], shape=full, leaf=leaf)]
+
     def module_leaves(self, call: AdapterCall, module: nn.Module) -> dict[str, Any]:
         """ZeRO-3: each parameter's piece on this rank; ZeRO-1/2: the full module
-        (replicated); DeepSpeed-MoE experts by global index."""
+        (replicated); AutoTP shards as boxes of the full tensors; DeepSpeed-MoE
+        experts by global index."""
         if not _zero3(module):
-            leaves = super().module_leaves(call, module)
+            leaves = _autotp_leaves(module, super().module_leaves(call, module))
         else:
             leaves, _ = self._z3_leaves(call, module, loading=False)
         experts = ExpertNames(module)
@@ -231,6 +287,8 @@ class DeepSpeedAdapter(PlainAdapter):
 
     def module_targets(self, call: AdapterCall, module: nn.Module) -> tuple[dict[str, Any], Finalize]:
         target, finalize = self._module_targets(call, module)
+        if not _zero3(module):
+            target = _autotp_leaves(module, target)
         experts = ExpertNames(module)
         if not experts:
             return target, finalize
@@ -296,17 +354,18 @@ class DeepSpeedAdapter(PlainAdapter):
         state tensor, per-group values under each parameter, named param groups."""
         lay = zero_layout(opt, call.param_names, "save")
         own = ReplicaSet.of((call.dist.rank,))
+        tp = _tp_layouts(lay)
         state: dict[str, Any] = {}
         for f in lay.fragments:
             flat = lay.flats[f.group]
             entry: dict[str, Any] = {}
             for k, v in lay.inner.state.get(flat, {}).items():
                 if isinstance(v, torch.Tensor) and v.shape == flat.shape:
-                    entry[k] = _frag_leaf(f, v, own)
+                    entry[k] = _frag_leaf(f, v, own, tp.get(f.fqn))
                 else:  # a copy per parameter: torch.optim keeps one per parameter too
                     entry[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
             if lay.params[f.fqn].dtype != flat.dtype:
-                entry[MASTER_KEY] = _frag_leaf(f, flat, own)
+                entry[MASTER_KEY] = _frag_leaf(f, flat, own, tp.get(f.fqn))
             state[f.fqn] = entry
         groups = []
         for g, fqns in zip(lay.inner.param_groups, lay.group_fqns, strict=True):
@@ -319,6 +378,7 @@ class DeepSpeedAdapter(PlainAdapter):
         per-group values, refreshes the master weights and the hyperparameters."""
         assert call.md is not None
         md, lay = call.md, zero_layout(opt, call.param_names, "load")
+        tp = _tp_layouts(lay)
         target: dict[str, Any] = {}
         rebuilt: dict[int, dict[str, str]] = {}  # flat -> state key -> fqn of the value
         masters: set[str] = set()
@@ -328,9 +388,10 @@ class DeepSpeedAdapter(PlainAdapter):
                 continue
             flat, st = lay.flats[f.group], lay.state(f.group)
             entries: dict[str, Any] = {}
+            full = tp[f.fqn][0] if f.fqn in tp else f.shape
             for k, child in node.items:
                 info = md.tensors.get(child.name) if child.kind == "tensor" else None
-                if info is not None and tuple(info["shape"]) == f.shape and f.shape:
+                if info is not None and tuple(info["shape"]) == full and f.shape:
                     buf = flat
                     if k == MASTER_KEY:
                         masters.add(f.fqn)
@@ -341,7 +402,7 @@ class DeepSpeedAdapter(PlainAdapter):
                             buf = cur
                         else:
                             buf = st[k] = torch.zeros_like(flat, dtype=dtype)
-                    entries[str(k)] = _frag_leaf(f, buf, None)
+                    entries[str(k)] = _frag_leaf(f, buf, None, tp.get(f.fqn))
                 else:
                     entries[str(k)] = Slot()
                     rebuilt.setdefault(f.group, {}).setdefault(str(k), f"{key}.state.{f.fqn}.{k}")

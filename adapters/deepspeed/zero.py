@@ -38,6 +38,7 @@ from bytecp.errors import ConfigError
 
 from .moe import expert_parallel_size
 from .pipeline import pipeline_stages, tensor_parallel_size
+from .tp import autotp_size
 
 __all__ = ["Fragment", "ZeroLayout", "check_supported", "zero_layout", "is_zero_optimizer", "is_stage3"]
 
@@ -109,11 +110,12 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
     fragment map does not describe, with one error naming the setting. The
     settings are the same on every rank, so every rank raises alike."""
     pipeline = engine is not None and type(engine).__name__ == "PipelineEngine"
+    tp = 1
     if engine is not None:
         tp = tensor_parallel_size(engine)
-        if tp > 1:
-            raise _fail(where, f"runs with tensor parallelism (tensor-parallel size {tp})",
-                        "bytecp's DeepSpeed adapter handles data and pipeline parallelism")
+        if tp > 1 and autotp_size(engine) != tp:  # AutoTP describes its shards; a Megatron mpu does not here
+            raise _fail(where, f"runs with tensor parallelism (tensor-parallel size {tp}) outside AutoTP",
+                        "bytecp's DeepSpeed adapter handles data, pipeline and AutoTP tensor parallelism")
     if getattr(opt, "swap_optimizer", False) or getattr(opt, "swap_param", False):
         raise _fail(where, "offloads to NVMe (\"offload_optimizer\"/\"offload_param\": {\"device\": \"nvme\"})",
                     "offload to \"cpu\" (supported) or not at all, or use engine.save_checkpoint")
@@ -127,7 +129,7 @@ def check_supported(opt: Any, engine: Any, world_size: int, where: str) -> None:
         # a pipeline stage's parameters are partitioned over its data-parallel group, a
         # DeepSpeed-MoE layer's experts over their expert-data-parallel group
         experts = expert_parallel_size(param_groups[i]) if i < len(param_groups) else 1
-        if size * stages * experts != world_size:
+        if size * stages * experts * tp != world_size:
             raise _fail(where, f"partitions param group {i} over {size} ranks while the checkpoint's "
                         f"process group has {world_size} (expert or sub-group partitioning)",
                         "save with the data-parallel group as the checkpoint's process group")

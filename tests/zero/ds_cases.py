@@ -615,3 +615,132 @@ def moe_load(url: str, ep: int, stage: int) -> dict[str, torch.Tensor]:
     return moe_snapshot(engine)
 
 
+
+
+# -- AutoTP -----------------------------------------------------------------------------------
+def llama_config() -> Any:
+    from transformers import LlamaConfig
+
+    return LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, vocab_size=128)
+
+
+def make_tp_engine(tp: int, stage: int, seed: int, *, bf16: bool = False) -> Any:
+    """A transformers Llama trained with AutoTP over ``tp`` ranks, ZeRO ``stage``."""
+    setup()
+    import deepspeed
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config())
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": stage}, "bf16": {"enabled": bf16},
+        "tensor_parallel": {"autotp_size": tp},
+        "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}},
+        "zero_force_ds_cpu_optimizer": False, "zero_allow_untested_optimizer": True,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=cfg)
+    return engine
+
+
+def tp_train(engine: Any, steps: range) -> list[float]:
+    """Every rank of a TP group takes the same batch (the data-parallel rank picks it)."""
+    from deepspeed.utils import groups
+
+    dp = groups.get_data_parallel_rank() if dist.get_world_size() > 1 else 0
+    out = []
+    for s in steps:
+        g = torch.Generator().manual_seed(1000 * s + dp)
+        ids = torch.randint(0, 128, (2, 9), generator=g)
+        loss = engine(input_ids=ids[:, :-1], labels=ids[:, 1:]).loss
+        engine.backward(loss)
+        engine.step()
+        out.append(float(loss.detach()))
+    return out
+
+
+def tp_local(engine: Any) -> dict[str, torch.Tensor]:
+    """This rank's shards: model, fp32 master, Adam moments (DeepSpeed's own readers)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
+
+    out: dict[str, torch.Tensor] = {}
+    zero = engine.zero_optimization_stage() > 0
+    for n, p in engine.module.named_parameters():
+        out[f"model.{n}"] = p.detach().clone()
+        out[f"master.{n}"] = (safe_get_full_fp32_param(p) if zero else p.detach()).clone()
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{k}.{n}"] = (safe_get_full_optimizer_state(p, k) if zero else engine.optimizer.state[p][k]).clone()
+    return out
+
+
+def tp_pieces_of(engine: Any) -> dict[str, Any]:
+    """name -> (full shape, [(full box, shard box)]) of each AutoTP shard of this rank."""
+    from bytecp.adapters.deepspeed.tp import META, pieces, tp_rank
+
+    out = {}
+    for n, p in engine.module.named_parameters():
+        got = pieces(p, tp_rank(), n) if getattr(p, META, None) else None
+        if got is not None:
+            out[n] = got
+    return out
+
+
+def check_against_full(local: dict[str, torch.Tensor], parts: dict[str, Any], full: dict[str, Any]) -> list[str]:
+    """The keys of this rank's shards that differ from their boxes in the full checkpoint (one process's view)."""
+    bad = []
+    for key, t in local.items():
+        kind, name = key.split(".", 1)
+        whole = full["model"][name] if kind == "model" else (
+            full["optimizer"]["state"][name]["fp32"] if kind == "master" and "fp32" in
+            full["optimizer"]["state"][name] else full["model"][name] if kind == "master"
+            else full["optimizer"]["state"][name][kind])
+        if name in parts:
+            for src, dest in parts[name][1]:
+                if not torch.equal(whole[src.slices()].to(t.dtype), t[dest.slices()]):
+                    bad.append(key)
+        elif not torch.equal(whole.to(t.dtype), t):
+            bad.append(key)
+    return bad
+
+
+def tp_roundtrip(url: str, tp: int, stage: int) -> dict[str, Any]:
+    engine = make_tp_engine(tp, stage, seed=0)
+    tp_train(engine, range(2))
+    saved = tp_local(engine)
+    bytecp.save(url, {"model": engine})
+    uninterrupted = tp_train(engine, range(2, 4))
+    other = make_tp_engine(tp, stage, seed=1)
+    bytecp.load(url, {"model": other})
+    loaded = tp_local(other)
+    other.module.eval()  # the logits of the loaded model (the Hugging Face export must give them)
+    with torch.no_grad():
+        logits = other(input_ids=torch.arange(1, 9).view(1, 8)).logits.detach().clone()
+    other.module.train()
+    after = tp_train(other, range(2, 4))
+    full = bytecp.load_state_dict(url)
+    return {"saved": saved, "loaded": loaded, "uninterrupted": uninterrupted, "after": after,
+            "against_full": check_against_full(saved, tp_pieces_of(engine), full),
+            "sharded": sorted(tp_pieces_of(engine)), "logits": logits}
+
+
+def tp_other_load(url: str, tp: int, stage: int) -> list[str]:
+    """Another TP size loads the checkpoint: the keys of this rank's shards that differ from the full tensors."""
+    engine = make_tp_engine(tp, stage, seed=4)  # (tp=1: no layer is sharded; the data-parallel size is the world)
+    bytecp.load(url, {"model": engine})
+    return check_against_full(tp_local(engine), tp_pieces_of(engine), bytecp.load_state_dict(url))
+
+
+def tp_plain_load(url: str) -> list[str]:
+    """One process, a plain transformers Llama and torch AdamW: what differs from the full tensors."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(llama_config())
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])
+    full = bytecp.load_state_dict(url)
+    bad = [n for n, p in model.named_parameters() if not torch.equal(p.detach(), full["model"][n])]
+    for n, p in model.named_parameters():
+        for k in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(opt.state[p][k], full["optimizer"]["state"][n][k]):
+                bad.append(f"{k}.{n}")
+    return bad

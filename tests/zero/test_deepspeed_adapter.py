@@ -159,6 +159,51 @@ def test_moe_experts_by_global_index_reload_at_another_ep(pool2: WorkerPool, poo
     assert_equal(saved, pool1.run(dc.moe_load, url, 1, stage)[0], "MoE ep=2 -> 1 rank")
 
 
+@pytest.fixture(scope="module")
+def tp_pool2() -> Iterator[WorkerPool]:
+    """Ranks for AutoTP engines only: DeepSpeed keeps the tensor-parallel groups
+    an AutoTP engine makes for the life of the process, and a later engine
+    without TP in that process fails to start."""
+    p = WorkerPool(2, env=ENV)
+    yield p
+    p.close(kill=True)
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_autotp_shards_are_boxes_of_the_full_tensors(tp_pool2: WorkerPool, pool1: WorkerPool, tmp_path: Path,
+                                                     stage: int) -> None:
+    """A transformers Llama trained with AutoTP (tp=2, ZeRO 0/1/2): q/k/v,
+    gate/up (column), o/down (row) and lm_head are saved as boxes of the full
+    tensors, their masters and moments too. It resumes bitwise (the next two
+    losses too); every rank's shard equals its box of the full tensors one
+    process reads; it loads at tp=1 on 2 ranks and into a plain transformers
+    model with torch AdamW in one process, bitwise; and the Hugging Face
+    export gives the TP model's logits (to the TP all-reduce's rounding)."""
+    from transformers import LlamaForCausalLM
+
+    from bytecp.hf_export import export_hf
+
+    url = str(tmp_path / "ck")
+    got = tp_pool2.run(dc.tp_roundtrip, url, 2, stage, timeout=300)
+    for r in got:
+        assert_equal(r["saved"], r["loaded"], f"AutoTP ZeRO-{stage} resume")
+        assert r["after"] == r["uninterrupted"]
+        assert r["against_full"] == []  # each shard is its box of the full tensors
+        assert len(r["sharded"]) == 15  # 7 linear layers x 2 blocks + lm_head
+    if stage == 1:  # tp=2 -> tp=1 on 2 ranks (new processes: see tp_pool2)
+        fresh = WorkerPool(2, env=ENV)
+        try:
+            assert fresh.run(dc.tp_other_load, url, 1, stage, timeout=300) == [[], []]
+        finally:
+            fresh.close(kill=True)
+    assert pool1.run(dc.tp_plain_load, url, timeout=300) == [[]]  # no engine: any process
+    export_hf(url, str(tmp_path / "hf"), config=dc.llama_config().to_dict())
+    model = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.arange(1, 9).view(1, 8)).logits
+    assert torch.allclose(logits, got[0]["logits"], rtol=0, atol=1e-5)
+
+
 def test_lazy_async_save_of_an_engine(pool2: WorkerPool, tmp_path: Path) -> None:
     saved, loaded = pool2.run(dc.ds_lazy, str(tmp_path / "ck"), 3)[0]
     assert_equal(saved, loaded, "ZeRO-3 lazy save")
