@@ -127,7 +127,10 @@ def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str,
         dist.destroy_process_group()
 
 
-def _spawn(world: int, size: dict[str, int], root: Path, phase: int, timeout: float) -> tuple[int, dict[str, float]]:
+def _spawn(world: int, size: dict[str, Any], root: Path, phase: int, timeout: float,
+           target: Any = None) -> tuple[int, dict[str, float]]:
+    """Run ``target`` (default :func:`rank_main`: ``(rank, world, port, size, root,
+    phase, queue)``) on ``world`` spawned ranks; rank 0's ``(state bytes, results)``."""
     import multiprocessing as mp
     import queue
     import socket
@@ -137,7 +140,8 @@ def _spawn(world: int, size: dict[str, int], root: Path, phase: int, timeout: fl
         port = int(sock.getsockname()[1])
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    procs = [ctx.Process(target=rank_main, args=(r, world, port, size, str(root), phase, q)) for r in range(world)]
+    procs = [ctx.Process(target=target or rank_main, args=(r, world, port, size, str(root), phase, q))
+             for r in range(world)]
     try:
         for pr in procs:
             pr.start()
@@ -155,6 +159,21 @@ def _spawn(world: int, size: dict[str, int], root: Path, phase: int, timeout: fl
                 pr.kill()
 
 
+def to_universal(src: Path, dst: Path, timeout: float) -> float:
+    """DeepSpeed's offline conversion of checkpoint folder ``src`` (``global_step``/tag) to
+    a universal one at ``dst``; its seconds. Raises with DeepSpeed's last lines where it fails."""
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(src),
+         "--output_folder", str(dst), "--inject_missing_state", "--num_extract_workers", "1",
+         "--num_merge_workers", "1"],
+        env={**os.environ, **ENV}, capture_output=True, text=True, timeout=timeout,
+    )
+    if proc.returncode:
+        raise RuntimeError(f"ds_to_universal failed: {(proc.stderr or proc.stdout).strip().splitlines()[-1:]}")
+    return time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.deepspeed_bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--hidden", type=int, default=1024)
@@ -167,14 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(tempfile.mkdtemp(prefix="bytecp-deepspeed-bench-", dir=args.dir))
     try:
         nbytes, results = _spawn(2, size, root, 1, args.timeout)
-        t0 = time.perf_counter()
-        subprocess.run(
-            [sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(root / "ds" / TAG),
-             "--output_folder", str(root / "ds" / f"{TAG}_universal"), "--inject_missing_state"],
-            check=True, env={**os.environ, **ENV}, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-            timeout=args.timeout,
-        )
-        results["ds_to_universal"] = time.perf_counter() - t0
+        results["ds_to_universal"] = to_universal(root / "ds" / TAG, root / "ds" / f"{TAG}_universal", args.timeout)
         print(f"ds_to_universal: {results['ds_to_universal']:.3f} s", flush=True)
         _, more = _spawn(1, size, root, 2, args.timeout)
         results.update(more)
