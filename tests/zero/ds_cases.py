@@ -744,3 +744,33 @@ def tp_plain_load(url: str) -> list[str]:
             if not torch.equal(opt.state[p][k], full["optimizer"]["state"][n][k]):
                 bad.append(f"{k}.{n}")
     return bad
+
+
+def tp_fsdp2_load(url: str) -> list[str]:
+    """FSDP2 over 2 ranks (no DeepSpeed): a transformers Llama and torch AdamW load the
+    AutoTP checkpoint; what differs from the full tensors (model and Adam moments)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(8)
+    model = LlamaForCausalLM(llama_config())
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])
+    o = StateDictOptions(full_state_dict=True, cpu_offload=False)
+    msd = get_model_state_dict(model, options=o)
+    osd = get_optimizer_state_dict(model, opt, options=o)
+    full = bytecp.load_state_dict(url)
+    bad = [n for n, v in msd.items() if n in full["model"] and not torch.equal(v, full["model"][n])]
+    for n, st in osd["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            if not torch.equal(st[k], full["optimizer"]["state"][n][k]):
+                bad.append(f"{k}.{n}")
+    return bad + sorted(set(full["model"]) - set(msd))

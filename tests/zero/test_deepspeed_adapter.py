@@ -170,14 +170,15 @@ def tp_pool2() -> Iterator[WorkerPool]:
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_autotp_shards_are_boxes_of_the_full_tensors(tp_pool2: WorkerPool, pool1: WorkerPool, tmp_path: Path,
-                                                     stage: int) -> None:
+def test_autotp_shards_are_boxes_of_the_full_tensors(tp_pool2: WorkerPool, pool2: WorkerPool, pool1: WorkerPool,
+                                                     tmp_path: Path, stage: int) -> None:
     """A transformers Llama trained with AutoTP (tp=2, ZeRO 0/1/2): q/k/v,
     gate/up (column), o/down (row) and lm_head are saved as boxes of the full
     tensors, their masters and moments too. It resumes bitwise (the next two
     losses too); every rank's shard equals its box of the full tensors one
-    process reads; it loads at tp=1 on 2 ranks and into a plain transformers
-    model with torch AdamW in one process, bitwise; and the Hugging Face
+    process reads; it loads at tp=1 on 2 ranks, into FSDP2 on 2 ranks and
+    into a plain transformers model with torch AdamW in one process,
+    bitwise; and the Hugging Face
     export gives the TP model's logits (to the TP all-reduce's rounding)."""
     from transformers import LlamaForCausalLM
 
@@ -197,6 +198,8 @@ def test_autotp_shards_are_boxes_of_the_full_tensors(tp_pool2: WorkerPool, pool1
         finally:
             fresh.close(kill=True)
     assert pool1.run(dc.tp_plain_load, url, timeout=300) == [[]]  # no engine: any process
+    if stage == 2:  # FSDP2 over 2 ranks, no DeepSpeed
+        assert pool2.run(dc.tp_fsdp2_load, url, timeout=300) == [[], []]
     export_hf(url, str(tmp_path / "hf"), config=dc.llama_config().to_dict())
     model = LlamaForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
