@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,10 @@ def _state_bytes(engine: Any) -> int:
     return int(t)
 
 
-def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str, phase: int, out: Any) -> None:
+def rank_setup(rank: int, world: int, port: int, label: str = "") -> tuple[dict[str, float], Callable[[str, Any], None]]:
+    """(a spawned rank) The environment and gloo group of one benchmark rank;
+    -> its results and ``case(name, fn)``, which times ``fn`` between barriers
+    and records the slowest rank's seconds."""
     import datetime
     import warnings
 
@@ -89,20 +93,27 @@ def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str,
     import torch
     import torch.distributed as dist
 
-    import bytecp
-
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     results: dict[str, float] = {}
-    r = Path(root)
 
     def case(name: str, fn: Any) -> None:
         t = torch.tensor([_timed_b(fn)])
         dist.all_reduce(t, op=dist.ReduceOp.MAX)
         results[name] = float(t)
         if rank == 0:
-            print(f"{name}: {results[name]:.3f} s", flush=True)
+            print(f"{label}{name}: {results[name]:.3f} s", flush=True)
 
+    return results, case
+
+
+def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str, phase: int, out: Any) -> None:
+    results, case = rank_setup(rank, world, port)
+    import torch.distributed as dist
+
+    import bytecp
+
+    r = Path(root)
     try:
         engine = _engine(size, universal=phase == 2)
         nbytes = _state_bytes(engine)

@@ -28,9 +28,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.deepspeed_bench import ENV, TAG, _spawn, to_universal
+from benchmarks.deepspeed_bench import TAG, _spawn, rank_setup, to_universal
 from benchmarks.harness import ratio_table
-from benchmarks.harness import timed_between_barriers as _timed_b
 
 LAYOUTS = ("pipeline", "autotp")
 
@@ -84,31 +83,16 @@ def _tp_engine(size: dict[str, Any], tp: int, universal: bool) -> Any:
 
 def rank_main(rank: int, world: int, port: int, size: dict[str, Any], root: str, phase: int, out: Any) -> None:
     """One rank of one phase of one layout (``size["layout"]``)."""
-    import datetime
-    import warnings
-
-    warnings.filterwarnings("ignore")
-    os.environ.update(ENV, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world))
+    results, case = rank_setup(rank, world, port, label=f"{size['layout']}: ")
     import deepspeed
     import torch
     import torch.distributed as dist
 
     import bytecp
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=900))
     importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     deepspeed.init_distributed(dist_backend="gloo")
-    results: dict[str, float] = {}
     r = Path(root)
-
-    def case(name: str, fn: Any) -> None:
-        t = torch.tensor([_timed_b(fn)])
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        results[name] = float(t)
-        if rank == 0:
-            print(f"{size['layout']}: {name}: {results[name]:.3f} s", flush=True)
 
     try:
         parallel = world if phase == 1 else 1

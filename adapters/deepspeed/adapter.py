@@ -18,23 +18,28 @@ from torch import nn
 
 from bytecp.adapter_api import AdapterCall, LoadTarget, excluded
 from bytecp.dist import DistContext
-from bytecp.errors import ConfigError, StateMismatchError
+from bytecp.errors import ConfigError
 from bytecp.format.metadata import Metadata
-from bytecp.tree.dtypes import dtype_from_name
-from bytecp.tree.state import ReplicaSet, Slot, TensorLeaf, Whole
+from bytecp.tree.state import Slot, TensorLeaf
 
 from .._names import ModuleNames
-from .._optim import ParamState, check_group
+from .._optim import ParamState
 from ..plain import PlainAdapter
 from .engine import EngineState
 from .moe import ExpertNames
+from .optim_state import (
+    masters_from_model,
+    optimizer_target,
+    optimizer_tree,
+    persistent,
+    z3_param_leaf,
+    z3_span,
+)
 from .pipeline import is_pipeline_module, other_stages, pipeline_stages
 from .tp import META as TP_META
-from .tp import Piece, autotp_size, to_full, tp_rank
+from .tp import autotp_size, to_full, tp_rank
 from .tp import pieces as tp_pieces
 from .zero import (
-    Fragment,
-    ZeroLayout,
     check_supported,
     is_stage3,
     is_zero_optimizer,
@@ -49,8 +54,6 @@ Finalize = Callable[[dict[str, Any]], None]
 OPTIMIZER_KEY = "optimizer"
 #: the key an engine's own state (counters, scheduler, loss scaler) is saved under
 ENGINE_KEY = "engine"
-#: the state key of the fp32 master weights under mixed precision
-MASTER_KEY = "fp32"
 
 
 def _is_engine(v: Any) -> bool:
@@ -110,30 +113,6 @@ def _zero3(module: nn.Module) -> bool:
     return any(hasattr(p, "ds_tensor") for p in module.parameters())
 
 
-def _frag_leaf(f: Fragment, flat: torch.Tensor, replicas: ReplicaSet | None,
-               tp: tuple[tuple[int, ...], list[Piece]] | None = None) -> TensorLeaf:
-    """The boxes of fragment ``f`` in ``flat`` (a flat partition or a state
-    tensor shaped like it); with ``tp`` (an AutoTP shard's full shape and
-    pieces) as boxes of the full tensor."""
-    piece = flat.detach()[f.offset : f.offset + f.numel]
-    leaf = TensorLeaf(f.shape, flat.dtype, [], replicas) if not f.numel else \
-        TensorLeaf.from_flat(f.shape, flat.dtype, f.start, piece, replicas)
-    return leaf if tp is None else to_full(leaf, *tp)
-
-
-def _tp_layouts(lay: ZeroLayout) -> dict[str, tuple[tuple[int, ...], list[Piece]]]:
-    """AutoTP: fqn -> (full shape, pieces) of each parameter it shards on this rank."""
-    out: dict[str, tuple[tuple[int, ...], list[Piece]]] = {}
-    rank: int | None = None
-    for fqn, p in lay.params.items():
-        if getattr(p, TP_META, None):
-            rank = tp_rank() if rank is None else rank
-            got = tp_pieces(p, rank, fqn)
-            if got is not None:
-                out[fqn] = got
-    return out
-
-
 def _autotp_leaves(module: nn.Module, leaves: dict[str, Any]) -> dict[str, Any]:
     """A module's leaves (or load targets) with each AutoTP shard as boxes of the full tensor."""
     sharded = [(n, p) for n, p in module.named_parameters() if getattr(p, TP_META, None)]
@@ -148,37 +127,6 @@ def _autotp_leaves(module: nn.Module, leaves: dict[str, Any]) -> dict[str, Any]:
         if got is not None and isinstance(out.get(name), (torch.Tensor, TensorLeaf)):
             out[name] = to_full(out[name], *got)
     return out
-
-
-def _z3_span(p: Any) -> tuple[torch.Tensor, int, int]:
-    """``(piece, start, valid)``: this rank's flat piece of a ZeRO-3 parameter
-    holds its elements ``[start, start+valid)``; the rest is padding."""
-    local = p.ds_tensor.detach().view(-1)
-    start = torch.distributed.get_rank(group=p.ds_process_group) * local.numel()
-    return local, start, max(0, min(local.numel(), int(p.ds_numel) - start))
-
-
-def _z3_param_leaf(p: Any, rank: int) -> TensorLeaf:
-    """This rank's piece of a ZeRO-3 parameter, padding masked (``ds_numel``)."""
-    local, start, valid = _z3_span(p)
-    shape = tuple(p.ds_shape)
-    if not valid:
-        return TensorLeaf(shape, local.dtype, [], ReplicaSet.of((rank,)))
-    return TensorLeaf.from_flat(shape, local.dtype, start, local[:valid], ReplicaSet.of((rank,)))
-
-
-def _persistent(p: Any) -> bool:
-    """A ZeRO-3 parameter kept whole on every rank (below ``stage3_param_persistence_threshold``)."""
-    return bool(getattr(p, "ds_persist", False)) and p.data.numel() == int(p.ds_numel)
-
-
-def _model_piece(lay: ZeroLayout, f: Fragment) -> torch.Tensor:
-    """The model's values of fragment ``f`` (what the master weights are
-    refreshed from): what a load fills, whichever finalizer runs first."""
-    p: Any = lay.params[f.fqn]
-    if lay.stage == 3 and not _persistent(p):
-        return p.ds_tensor.detach().view(-1)[: f.numel]
-    return p.detach().reshape(-1)[f.start : f.start + f.numel]
 
 
 class DeepSpeedAdapter(PlainAdapter):
@@ -214,7 +162,7 @@ class DeepSpeedAdapter(PlainAdapter):
         def finalize(values: dict[str, Any]) -> None:
             target.finalize(values)
             for lay in layouts:
-                _masters_from_model(lay)
+                masters_from_model(lay)
             for opt in zeros:  # hpZ: the secondary copies of the old weights would serve the next gathers
                 if is_stage3(opt) and callable(getattr(opt, "invalidate_secondary_tensor", None)):
                     opt.invalidate_secondary_tensor()
@@ -310,7 +258,7 @@ class DeepSpeedAdapter(PlainAdapter):
             n = names.clean(k)
             raw[n] = k
             if isinstance(v, torch.Tensor) and hasattr(v, "ds_tensor"):
-                out[n] = v.detach() if loading and _persistent(v) else _z3_param_leaf(v, call.dist.rank)
+                out[n] = v.detach() if loading and persistent(v) else z3_param_leaf(v, call.dist.rank)
             else:
                 out[n] = v.detach() if isinstance(v, torch.Tensor) else v
         return names.tie(out), raw
@@ -330,8 +278,8 @@ class DeepSpeedAdapter(PlainAdapter):
                 module.load_state_dict({raw[k]: values[k] for k in slots if values.get(k) is not None}, strict=False)
             with torch.no_grad():
                 for p in module.parameters():
-                    if _persistent(p):
-                        local, start, valid = _z3_span(p)
+                    if persistent(p):
+                        local, start, valid = z3_span(p)
                         local[:valid].copy_(p.data.view(-1)[start : start + valid])
 
         return target, finalize
@@ -339,125 +287,16 @@ class DeepSpeedAdapter(PlainAdapter):
     # ------------------------------------------------------------- optimizer
     def _save_value(self, call: AdapterCall, v: Any) -> Any:
         if is_zero_optimizer(v):
-            return self._optimizer_tree(call, v)
+            return optimizer_tree(v, call.param_names, call.dist.rank)
         return super()._save_value(call, v)
 
     def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Finalize]) -> Any:
         if is_zero_optimizer(v):
-            tree, fin = self._optimizer_target(call, v, fqn)
+            assert call.md is not None
+            tree, fin = optimizer_target(v, call.param_names, call.md, call.nodes, fqn)
             finalizers.append(fin)
             return tree
         return super()._target(call, v, fqn, parent, key, finalizers)
 
-    def _optimizer_tree(self, call: AdapterCall, opt: Any) -> dict[str, Any]:
-        """(every rank, save) This rank's fragments of every partition-shaped
-        state tensor, per-group values under each parameter, named param groups."""
-        lay = zero_layout(opt, call.param_names, "save")
-        own = ReplicaSet.of((call.dist.rank,))
-        tp = _tp_layouts(lay)
-        state: dict[str, Any] = {}
-        for f in lay.fragments:
-            flat = lay.flats[f.group]
-            entry: dict[str, Any] = {}
-            for k, v in lay.inner.state.get(flat, {}).items():
-                if isinstance(v, torch.Tensor) and v.shape == flat.shape:
-                    entry[k] = _frag_leaf(f, v, own, tp.get(f.fqn))
-                else:  # a copy per parameter: torch.optim keeps one per parameter too
-                    entry[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-            if lay.params[f.fqn].dtype != flat.dtype:
-                entry[MASTER_KEY] = _frag_leaf(f, flat, own, tp.get(f.fqn))
-            state[f.fqn] = entry
-        groups = []
-        for g, fqns in zip(lay.inner.param_groups, lay.group_fqns, strict=True):
-            groups.append({**{k: x for k, x in g.items() if k != "params"}, "params": list(fqns)})
-        return {"state": state, "param_groups": Whole(groups)}
-
-    def _optimizer_target(self, call: AdapterCall, opt: Any, key: str) -> tuple[dict[str, Any], Finalize]:
-        """(every rank, load) Views of this rank's fragments in the partitions
-        and state tensors (created where missing), and the finalizer that sets
-        per-group values, refreshes the master weights and the hyperparameters."""
-        assert call.md is not None
-        md, lay = call.md, zero_layout(opt, call.param_names, "load")
-        tp = _tp_layouts(lay)
-        target: dict[str, Any] = {}
-        rebuilt: dict[int, dict[str, str]] = {}  # flat -> state key -> fqn of the value
-        masters: set[str] = set()
-        for f in lay.fragments:
-            node = call.nodes.get(f"{key}.state.{f.fqn}")
-            if node is None or node.kind != "dict":
-                continue
-            flat, st = lay.flats[f.group], lay.state(f.group)
-            entries: dict[str, Any] = {}
-            full = tp[f.fqn][0] if f.fqn in tp else f.shape
-            for k, child in node.items:
-                info = md.tensors.get(child.name) if child.kind == "tensor" else None
-                if info is not None and tuple(info["shape"]) == full and f.shape:
-                    buf = flat
-                    if k == MASTER_KEY:
-                        masters.add(f.fqn)
-                    else:
-                        dtype = dtype_from_name(info["dtype"])
-                        cur = st.get(k)
-                        if isinstance(cur, torch.Tensor) and cur.shape == flat.shape and cur.dtype == dtype:
-                            buf = cur
-                        else:
-                            buf = st[k] = torch.zeros_like(flat, dtype=dtype)
-                    entries[str(k)] = _frag_leaf(f, buf, None, tp.get(f.fqn))
-                else:
-                    entries[str(k)] = Slot()
-                    rebuilt.setdefault(f.group, {}).setdefault(str(k), f"{key}.state.{f.fqn}.{k}")
-            target[f.fqn] = entries
-
-        def finalize(values: dict[str, Any]) -> None:
-            for i, keys in rebuilt.items():
-                st = lay.state(i)
-                for k, name in keys.items():
-                    v = values[name]
-                    st[k] = v.clone() if isinstance(v, torch.Tensor) else v
-            _masters_from_model(lay, masters)
-            _apply_groups(key, lay, values.get(f"{key}.param_groups"), frozenset(target))
-            _relink(opt, lay)
-
-        return {"state": target, "param_groups": Slot()}, finalize
-
-
 def _is_optimizer(v: Any) -> bool:
     return isinstance(v, torch.optim.Optimizer) or is_zero_optimizer(v)
-
-
-def _masters_from_model(lay: ZeroLayout, loaded: set[str] | frozenset[str] = frozenset()) -> None:
-    """The fp32 master fragments of every parameter but ``loaded`` (those the
-    checkpoint held) set from the module's values."""
-    with torch.no_grad():
-        for f in lay.fragments:
-            if f.numel and f.fqn not in loaded:
-                lay.flats[f.group][f.offset : f.offset + f.numel].copy_(_model_piece(lay, f))
-
-
-def _relink(opt: Any, lay: ZeroLayout) -> None:
-    """ZeRO-1/2: point each parameter's optimizer-state fragments (what
-    ``deepspeed.utils.safe_get_full_optimizer_state`` reads) at the loaded
-    state tensors; DeepSpeed links them lazily at the first step otherwise."""
-    link = getattr(opt, "_lazy_init_hp_params_optimizer_state", None)
-    if lay.stage != 3 and callable(link) and all(lay.inner.state.get(f) for f in lay.flats):
-        opt._hp_optimizer_states_linked = False
-        link()
-
-
-def _apply_groups(key: str, lay: ZeroLayout, saved: list[dict[str, Any]] | None, stored: frozenset[str]) -> None:
-    """Hyperparameters of the saved param groups (parameters named by FQN) onto
-    the wrapped optimizer's; ``stored``: the parameters whose state the
-    checkpoint holds (a pipeline stage's groups stand for another stage's)."""
-    if saved is None:
-        return
-    groups = lay.inner.param_groups
-    if len(saved) != len(groups):
-        raise StateMismatchError(
-            f"optimizer {key!r}: the checkpoint has {len(saved)} param groups, the ZeRO optimizer {len(groups)}"
-        )
-    current = [list(names) for names in lay.group_fqns]
-    for j, (sg, g) in enumerate(zip(saved, groups, strict=True)):
-        check_group(key, j, sg["params"], current, stored)
-        for k, v in sg.items():
-            if k != "params":
-                g[k] = v

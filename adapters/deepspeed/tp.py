@@ -33,7 +33,7 @@ from bytecp.errors import ConfigError
 from bytecp.tree.regions import Region, row_major_strides
 from bytecp.tree.state import Shard, TensorLeaf
 
-__all__ = ["META", "pieces", "tp_rank", "to_full", "autotp_size"]
+__all__ = ["META", "Piece", "pieces", "tp_rank", "to_full", "autotp_size"]
 
 #: the attribute DeepSpeed's AutoTP layers set on each parameter they shard
 META = "ds_autotp_universal_checkpoint_meta"
