@@ -43,7 +43,8 @@ from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
-    "build_metadata", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_replaced",
+    "build_metadata", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
+    "remove_replaced",
 ]
 
 log = logging.getLogger("bytecp")
@@ -199,6 +200,44 @@ def remove_files_of(storage: Storage, save_id: str) -> None:
             storage.delete_prefix(prefix)
         except Exception as e:
             log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
+
+
+def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: bool) -> list[str]:
+    """(every rank, a save that failed, on its way out) Remove what it wrote:
+    the coordinator every file of the save (``data/<id>/``, ``index/<id>/``),
+    the other ranks their own data files (storage may be local to each node).
+    Nothing when ``metadata.json`` is this save's (it committed after all).
+    -> the files that could not be removed (a read-only file system)."""
+    try:
+        if storage.exists(fmt.METADATA_FILE) and \
+                fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url).save_id == save_id:
+            return []
+    except Exception:  # unreadable: not this save's commit
+        pass
+    data = f"data/{save_id}/"
+    try:
+        storage.abort_incomplete_uploads(data)
+        files = storage.list_files(data)
+        mine = files if coordinator else [f for f in files if f.rsplit("/", 1)[-1].startswith(f"{rank}-")]
+        if coordinator:
+            mine = mine + storage.list_files(f"index/{save_id}/")
+    except Exception as e:  # cannot even list: say where the files are
+        log.warning("bytecp: could not list the files of the failed save %s at %s: %s", save_id, storage.url, e)
+        return [data]
+    try:
+        if mine:
+            storage.delete(sorted(mine))
+        return []
+    except Exception as e:
+        log.warning("bytecp: could not remove the files of the failed save %s at %s: %s", save_id, storage.url, e)
+    left = []
+    for f in mine:
+        try:
+            if storage.exists(f):
+                left.append(f)
+        except Exception:
+            left.append(f)
+    return left
 
 
 def remove_replaced(storage: Storage, old: fmt.Metadata, md: fmt.Metadata, world_size: int) -> None:

@@ -56,6 +56,7 @@ from bytecp.saving.commit import (
     build_metadata,
     check_target,
     committed_after,
+    remove_failed,
     remove_files_of,
     remove_replaced,
     tensor_specs,
@@ -359,6 +360,14 @@ class SavePipeline:
         if ctx.is_coordinator:  # and the files of earlier saves here that never committed
             leases.release(self.storage, md.save_id)
         return md
+
+    def remove_written(self) -> list[str]:
+        """(every rank, a failed save on its way out: :mod:`bytecp.saving.schedule`)
+        :func:`~bytecp.saving.commit.remove_failed` once the save is named; -> the files left."""
+        save_id = self.trace.checkpoint_id  # the save's id once planned (the URL before)
+        if not save_id or save_id == self.storage.url:
+            return []
+        return remove_failed(self.storage, save_id, self.ctx.rank, coordinator=self.ctx.is_coordinator)
 
     def report(self) -> None:
         """(every rank, after a successful commit) Finish the trace and store

@@ -129,10 +129,23 @@ def async_stager(opts: SaveOptions, storage: Storage | None = None) -> ArenaStag
 
 @contextlib.contextmanager
 def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
-    """A failed save leaves no lease of its own renewing (whichever phase failed)."""
+    """A failed save removes what it wrote (every rank its own; the space is
+    back when the error is raised) and leaves no lease of its own renewing,
+    whichever phase failed. Files it cannot remove are named on the error,
+    with the command that removes them later."""
     try:
         yield
-    except BaseException:
+    except BaseException as e:
+        try:
+            left = p.remove_written()
+        except Exception as cleanup:  # never hide the save's own error
+            left = [f"data/{p.trace.checkpoint_id}/"]
+            e.add_note(f"bytecp: removing the failed save's files failed too: {cleanup}")
+        if left:
+            e.add_note(f"bytecp: {len(left)} file(s) of this failed save remain at {p.storage.url} "
+                       f"({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}); `bytecp gc {p.storage.url}` "
+                       f"removes them once the storage is writable and the save's lease term "
+                       f"({leases.lease_seconds():g} s) has passed")
         leases.give_up_at(p.storage.url)
         raise
 

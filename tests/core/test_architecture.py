@@ -89,7 +89,7 @@ def test_core_reaches_adapters_storage_and_monitoring_only_through_registries() 
 
 
 def test_no_core_module_is_a_room_of_its_own() -> None:
-    sizes = {p.name: len(p.read_text().splitlines()) for p in CORE.rglob("*.py")}
+    sizes = {str(p.relative_to(CORE)): len(p.read_text().splitlines()) for p in CORE.rglob("*.py")}  # (two pipeline.py)
     assert max(sizes.values()) <= 450, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]  # "about 400"
 
 
