@@ -153,6 +153,13 @@ def ds_fp16_roundtrip(url: str, stage: int, **zero: Any) -> dict[str, Any]:
             "uninterrupted": uninterrupted, "after": losses(other, range(step, step + 2))}
 
 
+def ds_fp16_load(url: str, stage: int) -> dict[str, torch.Tensor]:
+    """A fresh fp16 engine at ZeRO ``stage`` loads the checkpoint; its state."""
+    engine = make_engine(stage, seed=9, fp16=True)
+    bytecp.load(url, {"model": engine})
+    return engine_snapshot(engine)
+
+
 def engine_has_state(engine: Any) -> bool:
     inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
     return any(bool(st) for st in inner.state.values())

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import bytecp
+
 if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (make test installs it)", allow_module_level=True)
 
@@ -93,11 +95,21 @@ def test_the_engine_form_is_the_whole_engine(pool2: WorkerPool, tmp_path: Path, 
 
 @pytest.mark.parametrize("stage", [1, 3])
 def test_fp16_and_its_loss_scaler_resume_exactly(pool2: WorkerPool, tmp_path: Path, stage: int) -> None:
-    for r in pool2.run(dc.ds_fp16_roundtrip, str(tmp_path / "ck"), stage):
+    got = pool2.run(dc.ds_fp16_roundtrip, str(tmp_path / "ck"), stage)
+    for r in got:
         assert r["saved"]["skipped_steps"] >= 1 and r["saved"]["last_overflow_iter"] >= 0  # it did overflow
         assert r["loaded"] == r["saved"]  # counters, cur_scale, cur_iter, last_overflow_iter, hysteresis
         assert_equal(r["saved_tensors"], r["loaded_tensors"], f"fp16 ZeRO-{stage}")  # fp16 model, fp32 masters
         assert r["after"] == r["uninterrupted"]
+    saved = got[0]["saved_tensors"]
+    # another stage, and one process outside DeepSpeed: the fp16 weights and the fp32 masters
+    other_stage = 3 if stage == 1 else 1
+    assert_equal(saved, pool2.run(dc.ds_fp16_load, str(tmp_path / "ck"), other_stage)[0],
+                 f"fp16 ZeRO-{stage} -> ZeRO-{other_stage}")
+    whole = bytecp.load_state_dict(str(tmp_path / "ck"))
+    for k, v in whole["model"].items():
+        assert torch.equal(v, saved[f"model.{k}"]), k
+        assert torch.equal(whole["optimizer"]["state"][k]["fp32"], saved[f"master.{k}"]), k
 
 
 def test_zero3_with_hpz_resumes_bitwise(pool2: WorkerPool, tmp_path: Path) -> None:
@@ -157,6 +169,9 @@ def test_moe_experts_by_global_index_reload_at_another_ep(pool2: WorkerPool, poo
     assert all(r["after"] == r["uninterrupted"] for r in got)
     assert_equal(saved, merged(pool2.run(dc.moe_load, url, 1, stage)), "MoE ep=2 -> ep=1 on 2 ranks")
     assert_equal(saved, pool1.run(dc.moe_load, url, 1, stage)[0], "MoE ep=2 -> 1 rank")
+    whole = bytecp.load_state_dict(url)  # outside DeepSpeed: every expert under its global name
+    assert_equal({k: v for k, v in saved.items() if k.startswith("model.")},
+                  {f"model.{k}": v for k, v in whole["model"].items()}, "MoE ep=2 -> load_state_dict")
 
 
 @pytest.fixture(scope="module")
