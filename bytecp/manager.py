@@ -11,7 +11,7 @@ in-flight checkpoint is never counted (it has no ``metadata.json`` yet), the
 last committed one is never deleted before a newer one commits (retention
 runs only after a commit, and always keeps the newest), and deletion runs on
 the save's background thread once it has committed, never on the training
-thread. A failed save deletes nothing; its error is raised by the next
+thread. A failed save deletes no checkpoint; its error is raised by the next
 ``save``/``wait``.
 
 Saves are incremental by default: each references, in the previous
@@ -36,6 +36,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format.references import BASE_FILE
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tiers import MemoryTier, restore_order
+from bytecp.tools.cadence import Cadence, milestones
 from bytecp.tools.retention import retain
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,6 +51,12 @@ _STEP = re.compile(r"^step-(\d+)$")
 
 class CheckpointManager:
     """Save every ``every_n_steps`` into ``<run_url>/step-<N>``; keep the last ``keep_last``.
+
+    ``every_n_seconds``: also save when that much wall-clock time has passed
+    since the last save (the coordinator's clock, agreed by every rank in one
+    vote per call: :mod:`bytecp.tools.cadence`). ``keep_every_n_steps``:
+    milestones -- checkpoints whose step is a multiple of it are never deleted
+    by retention, and are saved whole (no incremental base).
 
     Call ``maybe_save(step, state)`` every step (all ranks) and
     ``restore(state)`` at start-up (all ranks); it returns the restored step
@@ -83,7 +90,9 @@ class CheckpointManager:
         run_url: str,
         *,
         every_n_steps: int = 1000,
+        every_n_seconds: float | None = None,
         keep_last: int | None = 3,
+        keep_every_n_steps: int | None = None,
         async_save: bool = False,
         lazy: bool = False,
         incremental: bool = True,
@@ -100,6 +109,8 @@ class CheckpointManager:
             raise ConfigError(f"every_n_steps must be >= 1, got {every_n_steps}")
         if keep_last is not None and keep_last < 1:
             raise ConfigError(f"keep_last must be >= 1 or None, got {keep_last}")
+        if keep_every_n_steps is not None and (type(keep_every_n_steps) is not int or keep_every_n_steps < 1):
+            raise ConfigError(f"keep_every_n_steps must be an int >= 1 or None, got {keep_every_n_steps!r}")
         if type(full_every) is not int or full_every < 1:
             raise ConfigError(f"full_every must be an int >= 1 (1: every save is full), got {full_every!r}")
         if "base" in save_kwargs:
@@ -109,7 +120,7 @@ class CheckpointManager:
             raise ConfigError("lazy=True needs async_save=True (a lazy save is an asynchronous one)")
         self.run_url = run_url.rstrip("/")
         self.every_n_steps = every_n_steps
-        self.keep_last = keep_last
+        self.keep_last, self.keep_every_n_steps = keep_last, keep_every_n_steps
         self.storage_options = dict(storage_options or {})
         self.save_kwargs = save_kwargs
         self.async_save = async_save
@@ -139,7 +150,11 @@ class CheckpointManager:
         if save_on_signal is not False:
             from bytecp.preemption import Preemption, signals_from
 
-            self._preemption = Preemption(signals_from(save_on_signal), save_kwargs.get("process_group"))
+            self._preemption = Preemption(signals_from(save_on_signal))
+        #: when to save (steps, wall-clock time, signals: one vote per call when time or signals count)
+        self._cadence = Cadence(every_n_steps, every_n_seconds, vote=self._preemption is not None,
+                                process_group=save_kwargs.get("process_group"),
+                                coordinator_rank=save_kwargs.get("coordinator_rank", 0))
 
     def url_for(self, step: int) -> str:
         return f"{self.run_url}/step-{step}"
@@ -155,7 +170,10 @@ class CheckpointManager:
         commit and its retention, and exits (``SystemExit(0)``). With
         ``async_save`` the first call prewarms the staging memory
         (:func:`bytecp.prewarm`), so the first save blocks like the later ones."""
-        if self._preemption is not None and self._preemption.agreed():
+        signalled = self._preemption is not None and self._preemption.received is not None
+        decision = self._cadence.decide(step, signalled=signalled, force=force)
+        if decision.signalled and self._preemption is not None:
+            self._preemption.agreed_elsewhere()
             self._save_and_exit(step, state)
         if self.async_save and not self._prewarmed:
             from bytecp.saving.prewarm import prewarm
@@ -168,7 +186,9 @@ class CheckpointManager:
                     arenas=(self.memory.keep_last or 1) + 1 if self.memory is not None else 1,
                     io_threads=self.save_kwargs.get("io_threads", 4))
             self._prewarmed = True
-        to_storage = force or step % self.every_n_steps == 0
+        to_storage = decision.save
+        if to_storage:
+            self._cadence.saved()  # (the wall-clock interval counts from this save, whichever tier takes it)
         if self.memory is not None and (to_storage or self.memory.due(step)):
             self._save_to_memory(step, state, drain=to_storage)
             return True
@@ -224,6 +244,7 @@ class CheckpointManager:
         the previous save must have ended first (its error, if any, is raised
         here), and retention runs when this one commits.
         """
+        self._cadence.saved()
         return self._target(self.url_for(step), self.storage_options, state, step, self._retain,
                             base=self._base(step))
 
@@ -252,7 +273,8 @@ class CheckpointManager:
         this save is a full one (every ``full_every``-th, or the first)."""
         url, last = self.url_for(step), self._last
         self._last = url
-        if not self.incremental or last is None or last == url or self._chain + 1 >= self.full_every:
+        milestone = bool(milestones([url], [step], self.keep_every_n_steps))  # self-contained: kept for ever
+        if not self.incremental or last is None or last == url or self._chain + 1 >= self.full_every or milestone:
             self._chain = 0
             return None
         self._chain += 1
@@ -359,12 +381,16 @@ class CheckpointManager:
             infos = list_checkpoints(root_url, storage_options=options)
             found = [c.name for c in infos]
             cut = max(0, len(found) - keep)
+            # milestones (keep_every_n_steps) stay beside the newest ``keep``
+            marked = milestones(found[:cut], [c.step for c in infos[:cut]],
+                                self.keep_every_n_steps if storage_tier else None)
+            kept = [n for n in found[:cut] if n in marked] + found[cut:]
             root = open_storage(root_url, **options)
             # what kept checkpoints reference stays (their bases are retired, not deleted)
-            retain(root, found[cut:], found[:cut], lambda: [
+            retain(root, kept, [n for n in found[:cut] if n not in marked], lambda: [
                 c.name for c in list_checkpoints(root_url, storage_options=options)])
             if storage_tier and infos and infos[-1].step is not None:
-                self._sweep_uncommitted(root, infos[-1].step, set(found[cut:]))
+                self._sweep_uncommitted(root, infos[-1].step, set(kept))
 
     def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
         """Remove what killed saves left in ``step-<N>`` directories with no

@@ -4,12 +4,12 @@ period under Slurm and Kubernetes) becomes one last checkpoint.
 Used by :class:`~bytecp.manager.CheckpointManager` (``save_on_signal=``).
 The handler only records the signal (it runs between two Python bytecodes of
 the training thread, where no collective may start). At each
-``maybe_save(step, ...)`` every rank asks :meth:`Preemption.agreed` whether
-any rank has been signalled: one all-reduce of one integer on a gloo group
-of its own (never the training's group, nor the background saves' group),
-so every rank learns it at the same step even when the signal reached them
-at different moments, or reached only one. The manager then saves that step
-on every rank and ends the process.
+``maybe_save(step, ...)`` every rank learns whether any rank has been
+signalled from the manager's vote (:mod:`bytecp.tools.cadence`: one
+all-reduce of one integer on a gloo group of its own, never the training's
+group, nor the background saves' group), so every rank learns it at the same
+step even when the signal reached them at different moments, or reached only
+one. The manager then saves that step on every rank and ends the process.
 """
 
 from __future__ import annotations
@@ -19,12 +19,7 @@ import signal
 import threading
 from collections.abc import Iterable
 from types import FrameType
-from typing import Any
 
-import torch
-import torch.distributed as dist
-
-from bytecp.dist_raw import finish
 from bytecp.errors import ConfigError
 
 __all__ = ["Preemption", "signals_from"]
@@ -46,16 +41,12 @@ def signals_from(spec: bool | int | Iterable[int]) -> list[int]:
 class Preemption:
     """Signal handlers and the per-step vote of one manager (all ranks)."""
 
-    def __init__(self, signums: list[int], process_group: Any = None) -> None:
+    def __init__(self, signums: list[int]) -> None:
         if threading.current_thread() is not threading.main_thread():
             raise ConfigError("save_on_signal needs the CheckpointManager to be created on the main thread "
                               "(Python delivers signals there)")
         self.received: int | None = None
         self._previous = {s: signal.signal(s, self._handle) for s in signums}
-        self._group = None
-        if dist.is_available() and dist.is_initialized():
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo")
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.received is None:
@@ -63,17 +54,10 @@ class Preemption:
                         "then the process exits", signal.Signals(signum).name)
         self.received = signum
 
-    def agreed(self) -> bool:
-        """(every rank, at every ``maybe_save``) Whether any rank was signalled."""
-        mine = 1 if self.received is not None else 0
-        if self._group is None:
-            return bool(mine)
-        flag = torch.tensor([mine], dtype=torch.int32)
-        # (kept by dist_raw: a gloo thread never frees it at exit)
-        finish(self._group, [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)])
-        if flag.item() and self.received is None:
+    def agreed_elsewhere(self) -> None:
+        """(every rank, once the manager's vote says some rank was signalled) This rank acts as signalled."""
+        if self.received is None:
             self.received = int(signal.SIGTERM)  # another rank was signalled
-        return bool(flag.item())
 
     def restore_handlers(self) -> None:
         """Put back the handlers that were there before (the manager is done with them)."""

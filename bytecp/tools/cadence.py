@@ -1,0 +1,86 @@
+"""When a training run saves: every N steps, every S seconds of wall-clock
+time, or now (a pre-emption signal on any rank); and which checkpoints
+retention keeps beside the newest (milestones).
+
+Used by :class:`~bytecp.manager.CheckpointManager` at every ``maybe_save``
+(every rank). Steps are the same on every rank, so ``every_n_steps`` needs
+no agreement. Wall-clock time and signals differ between ranks, so they are
+decided by one vote: one all-reduce (max) of one small integer on a gloo
+group of the manager's own (never the training's group, nor the
+background saves'), made only when the manager has ``every_n_seconds`` or
+``save_on_signal``. Time is read on the coordinator alone (rank 0 of the
+manager's group): every rank saves the same steps, however their clocks
+drift. Without ``torch.distributed`` the vote is local.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bytecp.dist_raw import finish
+from bytecp.errors import ConfigError
+
+__all__ = ["Cadence", "Decision", "milestones"]
+
+_SIGNALLED, _TIME_DUE = 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Decision:
+    """What every rank agreed at one ``maybe_save``."""
+
+    #: save this step (its step is due, its time is due, or it was forced)
+    save: bool
+    #: some rank was signalled: save this step, then exit
+    signalled: bool
+    #: the save is due by wall-clock time (``every_n_seconds``)
+    by_time: bool = False
+
+
+class Cadence:
+    """The save decisions of one manager (all ranks)."""
+
+    def __init__(self, every_n_steps: int, every_n_seconds: float | None = None, *, vote: bool = False,
+                 process_group: Any = None, coordinator_rank: int = 0) -> None:
+        if every_n_seconds is not None and not every_n_seconds > 0:
+            raise ConfigError(f"every_n_seconds must be > 0 or None, got {every_n_seconds!r}")
+        self.every_n_steps, self.every_n_seconds = every_n_steps, every_n_seconds
+        self._last = time.monotonic()
+        self._group: Any = None
+        self._coordinator = True
+        if (vote or every_n_seconds is not None) and dist.is_available() and dist.is_initialized():
+            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+            self._group = dist.new_group(ranks=ranks, backend="gloo")
+            self._coordinator = dist.get_rank(self._group) == coordinator_rank
+
+    def decide(self, step: int, *, signalled: bool = False, force: bool = False) -> Decision:
+        """(every rank, at every ``maybe_save``) Whether to save ``step``, agreed by every rank."""
+        mine = _SIGNALLED if signalled else 0
+        if self._coordinator and self.every_n_seconds is not None \
+                and time.monotonic() - self._last >= self.every_n_seconds:
+            mine |= _TIME_DUE
+        if self._group is not None:
+            flag = torch.tensor([mine], dtype=torch.int32)
+            # (kept by dist_raw: a gloo thread never frees it at exit)
+            finish(self._group, [dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)])
+            mine = int(flag.item())
+        by_time = bool(mine & _TIME_DUE)
+        return Decision(save=force or by_time or step % self.every_n_steps == 0, signalled=bool(mine & _SIGNALLED),
+                        by_time=by_time)
+
+    def saved(self) -> None:
+        """(every rank) A save was started: the wall-clock interval counts from now."""
+        self._last = time.monotonic()
+
+
+def milestones(names: list[str], steps: list[int | None], every: int | None) -> set[str]:
+    """The checkpoints (``names``, with their ``steps``) that retention never
+    deletes: those whose step is a multiple of ``every`` (None: none)."""
+    if every is None:
+        return set()
+    return {n for n, s in zip(names, steps, strict=True) if s is not None and s % every == 0}

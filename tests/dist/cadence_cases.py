@@ -1,0 +1,33 @@
+"""Functions the cadence test runs on every rank of a spawned pool."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bytecp.manager import CheckpointManager
+from bytecp.tools import cadence
+
+
+def seconds_cadence(run: str, skew: float) -> list[int]:
+    """Save every 0.25 s by the coordinator's clock; rank 1's clock runs
+    ``skew`` seconds ahead (it alone would save every step). -> the steps saved."""
+    if dist.get_rank() == 1:
+        real = time.monotonic
+        cadence.time.monotonic = lambda: real() + skew  # type: ignore[attr-defined]
+    try:
+        mgr = CheckpointManager(run, every_n_steps=10**6, every_n_seconds=0.25, keep_last=None)
+        torch.manual_seed(0)  # the same replica on every rank
+        model = nn.Linear(2, 2)
+        saved = []
+        for step in range(1, 13):
+            time.sleep(0.1)
+            if mgr.maybe_save(step, {"model": model, "x": torch.full((2,), float(step))}):
+                saved.append(step)
+        return saved
+    finally:
+        if dist.get_rank() == 1:
+            cadence.time.monotonic = real  # type: ignore[attr-defined]
