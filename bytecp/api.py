@@ -24,10 +24,10 @@ from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.loading.pipeline import LoadPipeline, LoadResult
-from bytecp.options import LoadOptions, SaveOptions
+from bytecp.options import DEFAULT_SAVE_TIMEOUT_S, LoadOptions, SaveOptions
 from bytecp.recorder import Recorder, Trace, resolve_monitor
 from bytecp.saving import schedule
-from bytecp.saving.handles import SaveHandle, checkpoint_group
+from bytecp.saving.handles import SaveHandle, checkpoint_group, wait_for_pending_save
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager, Stager, ViewStager
 from bytecp.storage_api import Storage, open_storage
@@ -70,6 +70,7 @@ def save(
     monitor: str | Recorder | None = None,
     verify_replicas: bool | None = None,
     base: str | None = None,
+    save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
 ) -> fmt.Metadata:
     """Save ``state`` to ``url``; every rank of the job calls it.
 
@@ -86,8 +87,13 @@ def save(
         framework=framework, step=step, metadata=metadata or {}, overwrite=overwrite,
         allow_pickle=allow_pickle, io_threads=io_threads, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
-        verify_replicas=verify_replicas, base=base,
+        verify_replicas=verify_replicas, base=base, save_timeout_s=save_timeout_s,
     ))
+
+
+def _deadline(opts: SaveOptions) -> float | None:
+    """The monotonic time by which the save must have committed (``save_timeout_s`` from now)."""
+    return None if opts.save_timeout_s is None else time.monotonic() + opts.save_timeout_s
 
 
 def _names(exclude: Sequence[str]) -> tuple[str, ...]:
@@ -98,7 +104,10 @@ def _names(exclude: Sequence[str]) -> tuple[str, ...]:
 def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.Metadata:
     t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
-    ctx = DistContext(opts.process_group, opts.coordinator_rank)
+    wait_for_pending_save()  # (a save that failed may have retired the checkpoint group)
+    # bytecp's own gloo group: a step abandoned at the deadline never leaves the job's group out of step
+    ctx = DistContext(checkpoint_group(opts.process_group), opts.coordinator_rank)
+    ctx.deadline = _deadline(opts)
     storage = _storage(url, opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
     # a storage lending arenas (keeper://) gets the one copy the save makes; others read the live tensors
@@ -136,8 +145,10 @@ def async_save(
         raise ConfigError(f"async_save: {e}") from None
     _check_state(state)
     storage = _storage(url, opts)
+    wait_for_pending_save()  # (a save that failed may have retired the checkpoint group)
     group = checkpoint_group(opts.process_group)
     ctx = DistContext(group, opts.coordinator_rank)  # no group: one process
+    ctx.deadline = _deadline(opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
     pipeline = SavePipeline(storage, state, opts, ctx, trace, schedule.async_stager(opts, storage), version=__version__)
     return schedule.start_async(schedule.order_for(opts), pipeline, blocked_since=t0)

@@ -22,13 +22,14 @@ import contextlib
 import dataclasses
 import datetime
 import pickle
+import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from bytecp.dist_raw import KEEP_BYTES, all_gather_bytes, broadcast_bytes, finish
+from bytecp.dist_raw import DEADLINE, KEEP_BYTES, all_gather_bytes, broadcast_bytes, finish
 from bytecp.dist_raw import from_bytes as _from_bytes
 from bytecp.dist_raw import to_bytes as _to_bytes
 from bytecp.errors import DistributedCheckpointError
@@ -91,6 +92,8 @@ class DistContext:
         self.count_bytes = False
         self.device = self._collective_device()
         self._store = _default_store() if self.enabled else None
+        #: the monotonic time by which this operation's collectives must end (None: the group's timeout)
+        self.deadline: float | None = None
         if self.enabled:  # every rank creates its distributed contexts in the same order
             DistContext._instances += 1
         self._uid = DistContext._instances
@@ -150,7 +153,9 @@ class DistContext:
         """
         store = self._store
         if store is None:
-            return DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
+            err = DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
+            err.broken_group = True  # type: ignore[attr-defined]
+            return err
         try:
             store.append(prefix + "alive", f"{self.rank},")
             if store.add(prefix + "answers", 1) >= self.world_size:
@@ -165,12 +170,25 @@ class DistContext:
                 "with env:// or tcp://) has probably died"
             )})
         missing = sorted(set(range(self.world_size)) - alive)
-        if not missing:
-            return DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
-        return DistributedCheckpointError(op, {
-            r: f"did not answer after this step broke (the process died or hung; seen by rank {self.rank})"
-            for r in missing
-        })
+        late = self.deadline is not None and time.monotonic() >= self.deadline
+        if not missing and late:
+            err = DistributedCheckpointError(op, {self.rank: (
+                "reached this step after the deadline (save_timeout_s): the other ranks had given up, "
+                f"nothing is committed ({_describe(e)})")})
+        elif not missing:
+            err = DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
+        elif late:
+            err = DistributedCheckpointError(op, {
+                r: f"did not reach this step before the deadline (save_timeout_s): stuck or stopped, not dead "
+                   f"(seen by rank {self.rank})" for r in missing
+            })
+        else:
+            err = DistributedCheckpointError(op, {
+                r: f"did not answer after this step broke (the process died or hung; seen by rank {self.rank})"
+                for r in missing
+            })
+        err.broken_group = True  # type: ignore[attr-defined]  # its collectives may pair up wrongly from now on
+        return err
 
     # -- raw collectives (every rank must call them in the same order) ----
     def _count(self, obj: Any) -> None:
@@ -186,12 +204,15 @@ class DistContext:
         """Bracket raw collectives: turn a broken group into a
         :class:`DistributedCheckpointError` naming the ranks that are gone."""
         prefix = self._next_step()
+        token = DEADLINE.set(self.deadline)
         try:
             yield
         except DistributedCheckpointError:
             raise
         except Exception as e:
             raise self._collective_failed(op, prefix, e) from e
+        finally:
+            DEADLINE.reset(token)
 
     def all_gather_object(self, obj: T) -> list[T]:
         if not self.enabled:

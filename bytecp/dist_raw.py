@@ -26,6 +26,8 @@ GIL for any other collective gets it while :func:`_settle` sleeps.
 
 from __future__ import annotations
 
+import contextvars
+import datetime
 import pickle
 import threading
 import time
@@ -36,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["KEEP_BYTES", "finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
-           "RETIRE_SECONDS", "SETTLE_SECONDS"]
+           "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE"]
 
 #: how long a replaced collective's works are still kept (its gloo worker
 #: dropped its own reference microseconds after completing it)
@@ -55,6 +57,11 @@ _retired: list[tuple[float, list[Any]]] = []
 _last = 0.0
 
 
+#: the monotonic time by which the collectives of the operation in progress
+#: on this thread must finish (set by :meth:`bytecp.dist.DistContext._collective`)
+DEADLINE: contextvars.ContextVar[float | None] = contextvars.ContextVar("bytecp_deadline", default=None)
+
+
 def finish(group: Any, works: Sequence[Any], *, keep: bool = True) -> None:
     """(the thread that started ``works``) Wait for them, then keep them in
     place of the group's previous collective's works (see the module docstring).
@@ -64,8 +71,12 @@ def finish(group: Any, works: Sequence[Any], *, keep: bool = True) -> None:
     same operation follow): waited for and let go, so kept works never hold
     GPU memory or a large host buffer until the next checkpoint."""
     global _last
+    deadline = DEADLINE.get()
     for w in works:
-        w.wait()
+        if deadline is None:
+            w.wait()
+        else:  # raises once the deadline has passed (gloo: "Operation timed out!")
+            w.wait(datetime.timedelta(seconds=max(0.001, deadline - time.monotonic())))
     now = time.monotonic()
     with _lock:
         _retired[:] = [r for r in _retired if now - r[0] < RETIRE_SECONDS]

@@ -49,6 +49,11 @@ class _Common:
             raise ConfigError(f"storage_options must be a dict, got {type(self.storage_options).__name__}")
 
 
+#: a save's deadline unless ``save_timeout_s`` says otherwise: 30 minutes, as
+#: torch.distributed's default process-group timeout
+DEFAULT_SAVE_TIMEOUT_S = 1800.0
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SaveOptions(_Common):
     """Keyword arguments of ``bytecp.save`` and ``bytecp.async_save``."""
@@ -92,11 +97,20 @@ class SaveOptions(_Common):
     #: commit when replicas differ (costs a crc32c pass over every box a rank
     #: holds); None: on when the environment variable BYTECP_VERIFY_REPLICAS=1
     verify_replicas: bool | None = None
+    #: seconds the whole save may take on every rank (async: from the call to
+    #: the commit); past it the save fails on every rank, naming the rank(s)
+    #: that did not reach the step the others waited in, and never commits
+    #: (the coordinator refuses to write metadata.json late); None: no deadline
+    #: (the process group's own timeout bounds each step)
+    save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("io_threads", self.io_threads)
         _positive("split_bytes", self.split_bytes)
+        if self.save_timeout_s is not None and not (isinstance(self.save_timeout_s, int | float)
+                                                    and self.save_timeout_s > 0):
+            raise ConfigError(f"save_timeout_s must be a number of seconds > 0 or None, got {self.save_timeout_s!r}")
         _positive("memory_budget_bytes", self.memory_budget_bytes)
         _positive("staging_threads", self.staging_threads)
         if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:

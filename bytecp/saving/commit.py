@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -44,7 +45,7 @@ from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
     "build_metadata", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
-    "remove_replaced",
+    "remove_replaced", "late_commit_check",
 ]
 
 log = logging.getLogger("bytecp")
@@ -200,6 +201,20 @@ def remove_files_of(storage: Storage, save_id: str) -> None:
             storage.delete_prefix(prefix)
         except Exception as e:
             log.warning("bytecp: could not remove files of the failed save %s: %s", save_id, e)
+
+
+#: seconds before the deadline after which the coordinator no longer commits (the other
+#: ranks give up at the deadline and read storage to learn the outcome)
+COMMIT_MARGIN_S = 1.0
+
+
+def late_commit_check(deadline: float | None) -> None:
+    """(coordinator, just before writing the index and ``metadata.json``) Refuse
+    to commit a save whose deadline is (almost) past: a rank late by then may
+    have made the others give up, and a commit now would contradict them."""
+    if deadline is not None and time.monotonic() > deadline - COMMIT_MARGIN_S:
+        raise TimeoutError("the save's deadline (save_timeout_s) passed before its commit: not committed; "
+                           "raise save_timeout_s if saves this large need longer")
 
 
 def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: bool) -> list[str]:

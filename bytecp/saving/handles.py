@@ -28,7 +28,8 @@ from bytecp.format import metadata as fmt
 from bytecp.recorder import Trace
 
 __all__ = [
-    "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "optimizers_in", "GcPause",
+    "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "retire_group", "optimizers_in",
+    "GcPause",
 ]
 
 log = logging.getLogger("bytecp")
@@ -249,6 +250,14 @@ def checkpoint_group(process_group: Any) -> Any:
         ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
         _groups[key] = dist.new_group(ranks=ranks, backend="gloo")
     return _groups[key]
+
+
+def retire_group(process_group: Any) -> None:
+    """(every rank, a save whose collective broke: a rank missed the deadline
+    or died) Never use the checkpoint group again: an abandoned collective
+    may still pair up with a late rank's. The next save makes a new one
+    (every rank calls it then, the late rank too once it is back)."""
+    _groups.pop(id(process_group), None)
 
 
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:

@@ -51,14 +51,13 @@ from bytecp.plan.exchange import (
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.plan.split_sets import names_of, split_disjoint
 from bytecp.recorder import Trace
+from bytecp.saving import commit as commits
 from bytecp.saving import leases
 from bytecp.saving.commit import (
     build_metadata,
     check_target,
     committed_after,
     remove_failed,
-    remove_files_of,
-    remove_replaced,
     tensor_specs,
 )
 from bytecp.saving.handles import wait_for_previous
@@ -320,6 +319,7 @@ class SavePipeline:
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
+                commits.late_commit_check(ctx.deadline)  # the others give up at the deadline: never commit after it
                 md, index = self._metadata(described, save_id, outputs)
                 # the bases: pinned, checked before and again just before the commit (bytecp.saving.pins)
                 with held(self.storage, md, leases.holding(save_id)) as check_again:
@@ -347,7 +347,7 @@ class SavePipeline:
             PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:
                 leases.give_up(save_id)
-                remove_files_of(self.storage, save_id)
+                commits.remove_files_of(self.storage, save_id)
             raise
         self.incremental.committed(md, described.tokens, mine.chunks, mine.data_files)
         if planned.cache_entry is not None:
@@ -356,7 +356,7 @@ class SavePipeline:
         elif planned.reused:
             PLAN_CACHE.touch(self._cache_key(), planned.fingerprint)
         if ctx.is_coordinator and planned.replaced is not None:
-            remove_replaced(self.storage, planned.replaced, md, ctx.world_size)
+            commits.remove_replaced(self.storage, planned.replaced, md, ctx.world_size)
         if ctx.is_coordinator:  # and the files of earlier saves here that never committed
             leases.release(self.storage, md.save_id)
         return md

@@ -36,7 +36,7 @@ import torch
 from bytecp.format import metadata as fmt
 from bytecp.options import SaveOptions
 from bytecp.saving import leases
-from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in
+from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in, retire_group
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager
 from bytecp.storage_api import Storage
@@ -141,6 +141,8 @@ def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
         except Exception as cleanup:  # never hide the save's own error
             left = [f"data/{p.trace.checkpoint_id}/"]
             e.add_note(f"bytecp: removing the failed save's files failed too: {cleanup}")
+        if _broke_a_collective(e):
+            retire_group(p.opts.process_group)
         if left:
             e.add_note(f"bytecp: {len(left)} file(s) of this failed save remain at {p.storage.url} "
                        f"({', '.join(left[:3])}{' ...' if len(left) > 3 else ''}); `bytecp gc {p.storage.url}` "
@@ -148,6 +150,16 @@ def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
                        f"({leases.lease_seconds():g} s) has passed")
         leases.give_up_at(p.storage.url)
         raise
+
+
+def _broke_a_collective(e: BaseException) -> bool:
+    """Whether ``e`` (or an error it came from) is a collective that broke: a
+    rank missed the deadline or died, and the group may be out of step."""
+    while e is not None:
+        if getattr(e, "broken_group", False):
+            return True
+        e = e.__cause__  # type: ignore[assignment]
+    return False
 
 
 def run_now(p: SavePipeline, *, blocked_since: float) -> fmt.Metadata:

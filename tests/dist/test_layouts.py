@@ -18,8 +18,8 @@ import torch
 import bytecp
 
 from . import layout_cases as lc
-from .cases import assert_same_state
 from . import titan_cases
+from .cases import assert_same_state
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -1,0 +1,46 @@
+"""Functions the deadline tests run on every rank of a spawned pool."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import bytecp
+
+
+def _state() -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    return {"model": model, "x": torch.arange(4096.0)}
+
+
+def pid() -> int:
+    return os.getpid()
+
+
+def timed_save(url: str, timeout: float, delay: str | None = None, lazy: bool | None = None) -> tuple[str, float]:
+    """One save with ``save_timeout_s=timeout`` (``delay``: ``phase:rank:seconds``
+    held on that rank); -> (the error, or "committed", and its seconds)."""
+    if delay:
+        os.environ["BYTECP_FAULT_DELAY"] = delay
+    t0 = time.monotonic()
+    try:
+        if lazy is None:
+            bytecp.save(url, _state(), save_timeout_s=timeout)
+        else:
+            bytecp.async_save(url, _state(), lazy=lazy, save_timeout_s=timeout).wait(120)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    finally:
+        os.environ.pop("BYTECP_FAULT_DELAY", None)
+    return "committed", time.monotonic() - t0
+
+
+def leftovers(url: str) -> list[str]:
+    """The files a save left at ``url`` (this rank's view)."""
+    return sorted(str(p.relative_to(url)) for p in Path(url).rglob("*") if p.is_file()) if Path(url).exists() else []

@@ -1,0 +1,64 @@
+"""Every save has a deadline (``save_timeout_s``): a rank stuck past it (a
+storage call that does not return, a process stopped by SIGSTOP) fails the
+save on every other rank within the deadline plus the roll call, named,
+never commits, leaves no files; and once it is back, the next save of every
+rank commits (on a new checkpoint group)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import pytest
+
+from bytecp.dist import DistContext
+
+from . import deadline_cases
+
+pytestmark = pytest.mark.timeout(300)
+
+TIMEOUT = 3.0
+#: the deadline, the survivors' roll call and some slack for a loaded 2-core machine
+WITHIN = TIMEOUT + DistContext.ROLL_CALL_SECONDS + 4.0
+
+
+@pytest.mark.parametrize("lazy", [None, False, True], ids=["sync", "eager", "lazy"])
+def test_a_rank_stuck_in_its_write_fails_the_save_on_every_rank_by_the_deadline(pools, tmp_path: Path,
+                                                                                 lazy: bool | None) -> None:
+    pool = pools(2)
+    url = str(tmp_path / "ck")
+    (msg0, t0), (msg1, t1) = pool.run(deadline_cases.timed_save, url, TIMEOUT, "write:1:9", lazy, timeout=120)
+    assert "rank 1" in msg0 and "deadline" in msg0, msg0  # named by the rank that waited
+    assert t0 < WITHIN, t0
+    assert msg1 != "committed" and t1 >= 9  # the stuck rank fails too once it is back, never commits
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+    assert [f for f in pool.run(deadline_cases.leftovers, url)[0] if f.startswith("data/")] == []
+    ok = pool.run(deadline_cases.timed_save, str(tmp_path / "next"), 60.0, None, lazy, timeout=120)
+    assert [m for m, _ in ok] == ["committed", "committed"]
+
+
+def test_a_stopped_rank_is_named_and_the_job_saves_again_once_it_continues(pools, tmp_path: Path) -> None:
+    """SIGSTOP, as an OS or a debugger stops a process: the other rank's save
+    fails by the deadline naming it; after SIGCONT both save again."""
+    pool = pools(2)
+    victim = pool.run(deadline_cases.pid)[1]
+    stop = threading.Timer(0.3, os.kill, (victim, signal.SIGSTOP))
+    resume = threading.Timer(0.3 + TIMEOUT + DistContext.ROLL_CALL_SECONDS + 3.0, os.kill, (victim, signal.SIGCONT))
+    stop.start()
+    resume.start()
+    try:
+        # a delay on rank 1 keeps the save in flight when the stop lands
+        got = pool.run(deadline_cases.timed_save, str(tmp_path / "ck"), TIMEOUT, "plan:1:1.0", None, timeout=120)
+    finally:
+        stop.join()
+        resume.join()
+        os.kill(victim, signal.SIGCONT)
+    (msg0, t0), (msg1, _) = got
+    assert "rank 1" in msg0 and "deadline" in msg0, msg0
+    assert t0 < WITHIN, t0
+    assert msg1 != "committed"
+    assert not (tmp_path / "ck" / "metadata.json").exists()
+    ok = pool.run(deadline_cases.timed_save, str(tmp_path / "next"), 60.0, timeout=120)
+    assert [m for m, _ in ok] == ["committed", "committed"]
