@@ -27,7 +27,7 @@ from bytecp.loading.pipeline import LoadPipeline, LoadResult
 from bytecp.options import DEFAULT_SAVE_TIMEOUT_S, LoadOptions, SaveOptions
 from bytecp.recorder import Recorder, Trace, resolve_monitor
 from bytecp.saving import schedule
-from bytecp.saving.handles import SaveHandle, checkpoint_group, wait_for_pending_save
+from bytecp.saving.handles import SaveHandle, checkpoint_group, pending_save, wait_for_pending_save
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager, Stager, ViewStager
 from bytecp.storage_api import Storage, open_storage
@@ -91,6 +91,18 @@ def save(
     ))
 
 
+def _wait_for_previous(trace_later: list[tuple[float, float]]) -> None:
+    """(every rank, first thing of a save) Wait for the save in flight to end
+    (its error is raised later, by the describe phase); the wait, if there
+    was one, goes in ``trace_later`` as (wall-clock start, seconds) for the
+    trace's ``wait_previous`` span."""
+    if pending_save() is None:
+        return
+    start, t0 = time.time(), time.perf_counter()
+    wait_for_pending_save()
+    trace_later.append((start, time.perf_counter() - t0))
+
+
 def _deadline(opts: SaveOptions) -> float | None:
     """The monotonic time by which the save must have committed (``save_timeout_s`` from now)."""
     return None if opts.save_timeout_s is None else time.monotonic() + opts.save_timeout_s
@@ -104,12 +116,15 @@ def _names(exclude: Sequence[str]) -> tuple[str, ...]:
 def _save(url: str | Storage, state: dict[str, Any], opts: SaveOptions) -> fmt.Metadata:
     t0, wall0 = time.perf_counter(), time.time()
     _check_state(state)
-    wait_for_pending_save()  # (a save that failed may have retired the checkpoint group)
+    waited: list[tuple[float, float]] = []
+    _wait_for_previous(waited)  # (a save that failed may have retired the checkpoint group)
     # bytecp's own gloo group: a step abandoned at the deadline never leaves the job's group out of step
     ctx = DistContext(checkpoint_group(opts.process_group), opts.coordinator_rank)
     ctx.deadline = _deadline(opts)
     storage = _storage(url, opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
+    for start, seconds in waited:
+        trace.add_span("wait_previous", start, seconds)
     # a storage lending arenas (keeper://) gets the one copy the save makes; others read the live tensors
     stager: Stager = (ArenaStager(threads=min(8, torch.get_num_threads()), shared=storage, files=opts.io_threads)
                       if storage.lends_arenas else ViewStager())
@@ -145,11 +160,14 @@ def async_save(
         raise ConfigError(f"async_save: {e}") from None
     _check_state(state)
     storage = _storage(url, opts)
-    wait_for_pending_save()  # (a save that failed may have retired the checkpoint group)
+    waited: list[tuple[float, float]] = []
+    _wait_for_previous(waited)  # (a save that failed may have retired the checkpoint group)
     group = checkpoint_group(opts.process_group)
     ctx = DistContext(group, opts.coordinator_rank)  # no group: one process
     ctx.deadline = _deadline(opts)
     trace = _trace("save", storage, ctx, opts, wall0, opts.step)
+    for start, seconds in waited:
+        trace.add_span("wait_previous", start, seconds)
     pipeline = SavePipeline(storage, state, opts, ctx, trace, schedule.async_stager(opts, storage), version=__version__)
     return schedule.start_async(schedule.order_for(opts), pipeline, blocked_since=t0)
 

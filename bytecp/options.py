@@ -16,7 +16,7 @@ from typing import Any
 from bytecp.errors import ConfigError
 from bytecp.plan.planner import DEFAULT_SPLIT_BYTES
 
-__all__ = ["SaveOptions", "LoadOptions"]
+__all__ = ["SaveOptions", "LoadOptions", "DEFAULT_SAVE_TIMEOUT_S"]
 
 
 def _positive(name: str, value: int | None) -> None:

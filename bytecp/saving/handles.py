@@ -29,6 +29,7 @@ from bytecp.recorder import Trace
 
 __all__ = [
     "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "retire_group", "optimizers_in",
+    "pending_save",
     "GcPause",
 ]
 
@@ -188,6 +189,11 @@ def _lower_priority(nice: int) -> None:
 _inflight: SaveHandle | None = None
 _inflight_lock = threading.Lock()
 _groups: dict[Any, Any] = {}
+
+
+def pending_save() -> SaveHandle | None:
+    """This process's save in flight (or the last one, until the next save waited for it)."""
+    return _inflight
 
 
 def wait_for_pending_save(timeout: float | None = None) -> None:

@@ -153,8 +153,7 @@ class SavePipeline:
         copy: the plan, the write and the commit then run on it while
         training changes the live tensors. The copy is all an eager caller,
         or a lazy save's optimizer hook, waits for; it never waits for
-        another rank. ``queued`` is told once every device copy is queued
-        (a lazy save's optimizer steps then wait for them on the GPU)."""
+        another rank. ``queued``: every copy queued (a lazy step may go on; device copies: on the GPU)."""
 
         def snapshot() -> Described:
             arena = self.stager
@@ -164,8 +163,9 @@ class SavePipeline:
             with self.trace.span("stage") as sp:
                 faults.inject("stage", self.ctx.rank)
                 # with replica checks the copy also sums what it copies
+                events: dict[int, Any] = {}  # (with replica checks the live state is read below: release after)
                 flat, copied = arena.snapshot(live, share.items, checksums=verify, ready=described.ready,
-                                              queued=queued)
+                                              queued=events.update if verify else queued)
                 sp.nbytes = sum(it.nbytes for it in share.items)
             crcs = None
             if verify:  # of every box held, while it is the state being saved
@@ -173,6 +173,8 @@ class SavePipeline:
                 held = share.local.items
                 crcs = held_checksums([it for it in held if (it.fqn, it.region) not in summed], live)
                 crcs.update((k, summed[k]) for k in ((it.fqn, it.region) for it in held) if k in summed)
+                if queued is not None:
+                    queued(events)
             # the later phases read the copy and write it through ``copied``
             return dataclasses.replace(described, flat=flat, stager=copied, share=share, replica_crcs=crcs)
 
@@ -362,8 +364,7 @@ class SavePipeline:
         return md
 
     def remove_written(self) -> list[str]:
-        """(every rank, a failed save on its way out: :mod:`bytecp.saving.schedule`)
-        :func:`~bytecp.saving.commit.remove_failed` once the save is named; -> the files left."""
+        """(every rank, failed) :func:`~bytecp.saving.commit.remove_failed` once named; -> the files left."""
         save_id = self.trace.checkpoint_id  # the save's id once planned (the URL before)
         if not save_id or save_id == self.storage.url:
             return []

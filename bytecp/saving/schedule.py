@@ -155,9 +155,11 @@ def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
 def _broke_a_collective(e: BaseException) -> bool:
     """Whether ``e`` (or an error it came from) is a collective that broke: a
     rank missed the deadline or died, and the group may be out of step."""
-    while e is not None:
+    seen: set[int] = set()
+    while e is not None and id(e) not in seen:  # (a chain may loop)
         if getattr(e, "broken_group", False):
             return True
+        seen.add(id(e))
         e = e.__cause__  # type: ignore[assignment]
     return False
 
