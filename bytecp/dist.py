@@ -70,9 +70,10 @@ class DistContext:
     """Rank, world size, coordinator and process group of one checkpoint operation.
 
     Created once per ``save``/``load`` by the API (all ranks), passed to the
-    pipelines. ``group`` defaults to the default process group; asynchronous
-    saves pass their own group so background collectives never interleave
-    with training's.
+    pipelines. ``group`` defaults to the default process group; saves pass
+    bytecp's own gloo group (:func:`bytecp.saving.handles.checkpoint_group`)
+    so their collectives never interleave with training's, and a ``deadline``
+    (monotonic seconds) past which each collective gives up.
     """
 
     def __init__(self, group: Any = None, coordinator: int = 0, *, local: bool = False) -> None:
