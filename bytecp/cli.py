@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from bytecp.errors import BytecpError, ConfigError, StorageError
+from bytecp.interop import WRITERS
 from bytecp.storage_api import Storage, open_storage, split_protocol
 
 if TYPE_CHECKING:
@@ -244,8 +245,7 @@ def _out_options(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from bytecp.export import export_safetensors, export_torch
-    from bytecp.hf_export import export_hf
+    from bytecp.interop import writer
 
     fmt = _export_format(args)
     common: dict[str, Any] = dict(prefix=args.prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
@@ -257,11 +257,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     bar = _bar(args, "export")
     try:
         if fmt == "hf":
-            res = export_hf(storage, args.out, max_shard_size=args.max_shard_size,
-                            config=args.config, workers=args.workers, progress=bar, spec=args.spec, **common)
-        else:
-            fn = export_safetensors if fmt == "safetensors" else export_torch
-            res = fn(storage, args.out, progress=bar, **common)
+            common.update(max_shard_size=args.max_shard_size, config=args.config, workers=args.workers,
+                          spec=args.spec)
+        res = writer(fmt)(storage, args.out, progress=bar, **common)
     finally:
         bar.close()
     if args.json:
@@ -356,7 +354,7 @@ def _parser() -> argparse.ArgumentParser:
                  "one safetensors file, or a torch state dict; streamed", progress=True)
     sp.add_argument("out", help="output directory (Hugging Face layout), or a file ending in .safetensors / .pt; "
                     "any URL bytecp writes")
-    sp.add_argument("--format", choices=["hf", "safetensors", "torch"],
+    sp.add_argument("--format", choices=list(WRITERS),
                     help="default: hf, or safetensors/torch when OUT ends in .safetensors/.pt/.pth. torch holds "
                          "every exported tensor in memory at once (torch.save needs them together); the others "
                          "hold about one tensor")

@@ -1,7 +1,7 @@
 """The raw ``torch.distributed`` calls under :class:`bytecp.dist.DistContext`.
 
 Every collective bytecp issues (its own and those of
-:mod:`bytecp.preemption`) is started with ``async_op=True`` and finished by
+:mod:`bytecp.tools.preemption`) is started with ``async_op=True`` and finished by
 :func:`finish`, which waits for its works and then *keeps* them: the works
 of a group's latest collective stay until its next one, and works replaced
 there stay :data:`RETIRE_SECONDS` longer. At interpreter exit

@@ -35,13 +35,13 @@ from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import BASE_FILE
 from bytecp.storage_api import Storage, open_storage
-from bytecp.tiers import MemoryTier, restore_order
 from bytecp.tools.cadence import Cadence, milestones
 from bytecp.tools.retention import retain
+from bytecp.tools.tiers import MemoryTier, restore_order
 
 if TYPE_CHECKING:  # pragma: no cover
-    from bytecp.preemption import Preemption
     from bytecp.saving.handles import SaveHandle
+    from bytecp.tools.preemption import Preemption
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
 
@@ -82,7 +82,7 @@ class CheckpointManager:
     and every ``every_n_steps`` drain the memory checkpoint to ``run_url``
     (the keeper copies it); ``restore`` tries the newest committed memory
     checkpoint first when it is at least as new as storage's newest (see
-    :mod:`bytecp.tiers`).
+    :mod:`bytecp.tools.tiers`).
     """
 
     def __init__(
@@ -140,7 +140,7 @@ class CheckpointManager:
         self._preemption: Preemption | None = None
         self._prewarmed = False
         self.restored_from: str | None = None  # "memory" or "storage", after restore
-        #: the memory tier (``memory_url``, e.g. ``keeper://<run>``), see :mod:`bytecp.tiers`
+        #: the memory tier (``memory_url``, e.g. ``keeper://<run>``), see :mod:`bytecp.tools.tiers`
         self.memory: MemoryTier | None = None
         if memory_url is not None:
             self.memory = MemoryTier(memory_url, memory_every_n_steps or every_n_steps, memory_keep_last,
@@ -148,7 +148,7 @@ class CheckpointManager:
         elif memory_every_n_steps is not None:
             raise ConfigError("memory_every_n_steps needs memory_url (e.g. keeper://<run>)")
         if save_on_signal is not False:
-            from bytecp.preemption import Preemption, signals_from
+            from bytecp.tools.preemption import Preemption, signals_from
 
             self._preemption = Preemption(signals_from(save_on_signal))
         #: when to save (steps, wall-clock time, signals: one vote per call when time or signals count)

@@ -104,7 +104,7 @@ def foreign_kind(names: list[str]) -> str | None:
     and how to load it (None: not one we recognise). Hugging Face model
     directories and torch.distributed.checkpoint (DCP) directories are
     named; bytecp's load reads a Hugging Face directory of safetensors
-    (:mod:`bytecp.format.safetensors_dir`) before this is asked, the
+    (:mod:`bytecp.interop.safetensors_dir`) before this is asked, the
     one-process tools do not."""
     has = set(names)
     if ".metadata" in has and any(n.endswith(".distcp") for n in names):

@@ -4,8 +4,8 @@ checkpoint's metadata, its index rows and its data files.
 Who calls what, in which order:
 
 1. :func:`open_checkpoint` -- the coordinator of a load (the load pipeline's
-   metadata step), and the one process of ``export`` (:mod:`bytecp.export`,
-   :mod:`bytecp.hf_export`), ``inspect``/``verify``
+   metadata step), and the one process of ``export`` (:mod:`bytecp.interop.export`,
+   :mod:`bytecp.interop.hf_export`), ``inspect``/``verify``
    (:mod:`bytecp.tools.inspect`) and ``gc`` (:mod:`bytecp.tools.gc`). It
    reads and validates ``metadata.json`` and nothing else, and decides here,
    once, how rows are found (:attr:`OpenedCheckpoint.index`: the version-1
@@ -48,8 +48,9 @@ import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
+from bytecp import interop
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import index_read, limits, references, safetensors_dir
+from bytecp.format import index_read, limits, references
 from bytecp.format import metadata as fmt
 from bytecp.format.index_check import check_index, check_rows
 from bytecp.loading import diagnose
@@ -176,7 +177,7 @@ class _Segments:
 
 @dataclasses.dataclass(frozen=True)
 class _ForeignRows:
-    """A foreign source (a Hugging Face directory, :mod:`bytecp.format.safetensors_dir`):
+    """A foreign source (a Hugging Face directory, :mod:`bytecp.interop.safetensors_dir`):
     one whole-tensor row per tensor, from the headers the coordinator read
     and checked; they travel whole in the metadata broadcast (one row per
     tensor), so no other rank reads a header."""
@@ -245,7 +246,7 @@ class OpenedCheckpoint:
     def renamed(self, names: Mapping[str, str], aliases: Mapping[str, str]) -> OpenedCheckpoint:
         """(every rank of a foreign load, after matching names) The same
         source with tensors renamed (stored name -> the target's name) and
-        target names reading a renamed tensor too (:mod:`bytecp.loading.hf_names`)."""
+        target names reading a renamed tensor too (:mod:`bytecp.interop.hf_names`)."""
         md = self.metadata
         new = {names.get(k, k): v for k, v in md.tensors.items()}
         skeleton = Node.container("dict", [(k, Node.leaf("tensor", k)) for k in new])
@@ -343,8 +344,9 @@ def _read_metadata(storage: Storage, *, foreign: bool) -> fmt.Metadata | OpenedC
     try:
         data = storage.read_bytes(fmt.METADATA_FILE)
     except (FileNotFoundError, StorageError) as e:
-        if foreign and isinstance(e, FileNotFoundError) and safetensors_dir.is_hf_dir(storage):
-            md, rows = safetensors_dir.read_hf_dir(storage)
+        source = interop.find_source(storage) if foreign and isinstance(e, FileNotFoundError) else None
+        if source is not None:
+            md, rows = interop.read_source(storage, source)
             return OpenedCheckpoint(storage, md, _ForeignRows(tuple(rows)), _Found(real=dict(md.data_files)))
         # a file, a run directory, an interrupted save, nothing: say which
         diagnose.raise_not_a_checkpoint(storage, e)
@@ -355,9 +357,9 @@ def open_checkpoint(src: str | Storage, *, foreign: bool = False) -> OpenedCheck
     """Open ``src`` (a storage, or a URL opened with no options) for reading:
     its validated metadata, and how its rows are found (decided here, once).
     ``foreign`` (the load pipeline): a directory with no ``metadata.json`` but
-    a transformers checkpoint (``model.safetensors``,
-    ``model.safetensors.index.json``) opens as a foreign source
-    (:mod:`bytecp.format.safetensors_dir`); the one-process tools (export,
+    a checkpoint of another format :data:`bytecp.interop.SOURCES` reads (a
+    transformers directory: :mod:`bytecp.interop.safetensors_dir`) opens as
+    a foreign source; the one-process tools (export,
     inspect, verify, gc) do not take one."""
     storage = src if isinstance(src, Storage) else open_storage(src)
     got = _read_metadata(storage, foreign=foreign)

@@ -24,7 +24,7 @@ from bytecp.adapter_api import LoadTarget, detect_adapter, excluded, excluding
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
-from bytecp.loading.hf_names import match_names
+from bytecp.interop.hf_names import match_names
 from bytecp.loading.matching import Match, match_target
 from bytecp.loading.opened import OpenedCheckpoint, Shared, open_checkpoint
 from bytecp.loading.reader import Target, execute_reads

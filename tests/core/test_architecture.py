@@ -100,3 +100,28 @@ def test_no_adapter_storage_or_monitoring_module_is_a_room_of_its_own() -> None:
     files = [p for d in ("adapters", "storage", "monitoring") for p in (root / d).rglob("*.py")]
     sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in files if "generated" not in p.parts}
     assert sizes and max(sizes.values()) <= 450, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+
+
+def test_core_top_holds_at_most_16_modules_and_hand_off_code_lives_in_interop() -> None:
+    """The core's top level stays small: hand-off code (other formats read
+    and written, name specs, exporters) lives in ``bytecp.interop``, run-level
+    helpers in ``bytecp.tools``; an adapter of more than one file is one package."""
+    top = sorted(p.name for p in CORE.glob("*.py") if p.name != "__init__.py")
+    assert len(top) <= 16, top
+    handoff = ("export", "hf_export", "mapped_export", "mapping", "safetensors_dir", "hf_names")
+    assert not [p for p in CORE.rglob("*.py") if p.stem in handoff and p.parent.name != "interop"]
+    adapters = CORE.parent / "adapters"
+    assert not [p.name for p in adapters.glob("_*.py") if p.name not in ("__init__.py", "_dtensor.py", "_names.py",
+                                                                          "_optim.py")]
+
+
+def test_every_registered_source_and_writer_resolves() -> None:
+    import importlib
+
+    from bytecp import interop
+
+    for name, module in interop.SOURCES.items():
+        m = importlib.import_module(module)
+        assert callable(m.detect) and callable(m.read), name
+    for fmt in interop.WRITERS:
+        assert callable(interop.writer(fmt)), fmt

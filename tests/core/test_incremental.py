@@ -16,7 +16,7 @@ from torch import nn
 import bytecp
 from bytecp.cli import main as cli
 from bytecp.errors import ConfigError, CorruptCheckpointError
-from bytecp.export import export_safetensors
+from bytecp.interop.export import export_safetensors
 
 
 def _model() -> tuple[nn.Module, torch.optim.Optimizer]:

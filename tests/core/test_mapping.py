@@ -1,4 +1,4 @@
-"""The declarative mapping engine (bytecp.mapping) on hand-made tensors."""
+"""The declarative mapping engine (bytecp.interop.mapping) on hand-made tensors."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bytecp.errors import ConfigError, StateMismatchError
-from bytecp.mapping import convert_state_dict, split_interleaved_qkv
+from bytecp.interop.mapping import convert_state_dict, split_interleaved_qkv
 
 
 def fused(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, groups: int) -> torch.Tensor:

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp.export import TensorReader, select_tensors
+from bytecp.interop.export import TensorReader, select_tensors
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tools.gc import collect_garbage

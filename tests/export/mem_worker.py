@@ -29,13 +29,13 @@ def main() -> None:
         n, mib = int(sys.argv[3]), int(sys.argv[4])
         bytecp.save(ck, {"model": {f"layer{i}": {"weight": tensor(i, mib)} for i in range(n)}})
     elif mode == "baseline":
-        from bytecp.export import select_tensors
+        from bytecp.interop.export import select_tensors
         from bytecp.loading.opened import open_checkpoint
 
         md = open_checkpoint(open_storage(ck)).metadata
         select_tensors(md, ck)
     else:
-        from bytecp.hf_export import export_hf
+        from bytecp.interop.hf_export import export_hf
 
         export_hf(open_storage(ck), sys.argv[3], max_shard_size=sys.argv[4])
     print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss,

@@ -19,7 +19,7 @@ from safetensors import safe_open
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.hf_export import INDEX_NAME, parse_size, plan_shards
+from bytecp.interop.hf_export import INDEX_NAME, parse_size, plan_shards
 
 from .helpers import config_dict, logits, record_alias, tiny_gpt2, untied
 
@@ -274,7 +274,7 @@ def test_torch_format_and_plain_state_dict(model: Any, tmp_path: Path) -> None:
 def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from bytecp.export import select_tensors
+    from bytecp.interop.export import select_tensors
     from bytecp.loading.opened import open_checkpoint
 
     md = open_checkpoint(str(ck)).metadata
@@ -337,7 +337,7 @@ def test_an_output_inside_the_checkpoint_is_refused_however_the_path_is_spelled(
                                                                                monkeypatch: Any) -> None:
     """``file://`` URLs and ``~`` name the same folders as plain paths."""
     from bytecp.errors import ConfigError
-    from bytecp.export import refuse_nested
+    from bytecp.interop.export import refuse_nested
 
     monkeypatch.setenv("HOME", str(tmp_path))
     ck = tmp_path / "ck"

@@ -31,7 +31,7 @@ def test_lightning_pytorch_namespace_fits_saves_and_resumes(tmp_path: Path) -> N
 
 
 def test_the_package_is_chosen_as_documented(monkeypatch: pytest.MonkeyPatch) -> None:
-    from bytecp.adapters import _lightning_compat as compat
+    from bytecp.adapters.lightning import compat
 
     from bytecp.errors import ConfigError
 

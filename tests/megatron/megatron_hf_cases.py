@@ -78,7 +78,7 @@ def forward() -> torch.Tensor:
 
 def hf_config(family: str) -> dict[str, Any]:
     import megatron_cases as mc
-    from bytecp.adapters.megatron_hf import hf_config as make
+    from bytecp.adapters.megatron.hf import hf_config as make
 
     return make(family, _STATE["config"], vocab_size=mc.VOCAB, max_position_embeddings=mc.SEQ, rotary_base=ROPE_BASE)
 

@@ -102,10 +102,10 @@ def test_gpt_tp2_reloads_at_tp2_and_tp1_and_in_one_process(pool: WorkerPool, tmp
     assert all("_extra_state/shard_" in k for k in set(sd) - set(tensors))
 
     # the mapping spec: the same checkpoint as a plain PyTorch GPT, same logits
-    from bytecp.adapters.megatron_gpt import MEGATRON_GPT_TO_PLAIN
+    from bytecp.adapters.megatron.gpt import MEGATRON_GPT_TO_PLAIN
     from plain_gpt import PlainGPT
 
-    from bytecp.mapping import convert_state_dict
+    from bytecp.interop.mapping import convert_state_dict
 
     plain = PlainGPT(mc.VOCAB, mc.SEQ, mc.HIDDEN, heads=4, ffn=128, layers=2)
     plain.load_state_dict(convert_state_dict(sd, MEGATRON_GPT_TO_PLAIN, heads=4, vocab_size=mc.VOCAB))
@@ -116,7 +116,7 @@ def test_gpt_tp2_reloads_at_tp2_and_tp1_and_in_one_process(pool: WorkerPool, tmp
     # and `bytecp export` works on it like on any checkpoint
     from safetensors.torch import load_file
 
-    from bytecp.export import export_safetensors
+    from bytecp.interop.export import export_safetensors
 
     out = str(tmp_path / "model.safetensors")
     export_safetensors(open_storage(url), out, prefix="model.")

@@ -1,5 +1,5 @@
 """Megatron-Core <-> transformers through the mapping specs of
-``bytecp.adapters.megatron_hf``: a tiny GPTModel of each family (GPT-2,
+``bytecp.adapters.megatron.hf``: a tiny GPTModel of each family (GPT-2,
 Llama, Qwen2, Mixtral) saved at TP=2 and exported with ``bytecp export``
 loads with ``from_pretrained`` into the real transformers class and gives
 Megatron's logits; a transformers model's weights, written as a bytecp
@@ -24,7 +24,7 @@ import torch
 
 import bytecp
 from bytecp.errors import ConfigError, StateMismatchError
-from bytecp.mapping import (
+from bytecp.interop.mapping import (
     convert_state_dict,
     fuse_interleaved_qkv,
     get_spec,
@@ -115,7 +115,7 @@ def test_spec_errors_name_the_problem() -> None:
 def test_export_with_a_spec_needs_the_config_and_one_process(tmp_path: Path) -> None:
     from safetensors.torch import load_file
 
-    from bytecp.hf_export import export_hf
+    from bytecp.interop.hf_export import export_hf
 
     sd = _megatron_state("qwen2")
     url = str(tmp_path / "ck")
@@ -130,7 +130,7 @@ def test_export_with_a_spec_needs_the_config_and_one_process(tmp_path: Path) -> 
     want = convert_state_dict(sd, get_spec("qwen2"), heads=4, groups=2, vocab_size=128)
     assert set(got) == set(want) and all(torch.equal(got[k], v.bfloat16()) for k, v in want.items())
     # streamed: each source tensor is read once, when its first target is written
-    from bytecp import mapped_export
+    from bytecp.interop import mapped_export
 
     fetched: list[str] = []
     real = mapped_export.TensorReader.read
@@ -182,10 +182,10 @@ def _hf_logits(model: Any) -> torch.Tensor:
 @pytest.mark.timeout(600)
 def test_megatron_to_transformers_and_back_at_tp2(pool: WorkerPool, tmp_path: Path) -> None:
     import transformers
-    from bytecp.adapters.megatron_hf import megatron_state_from_hf
+    from bytecp.adapters.megatron.hf import megatron_state_from_hf
 
     from bytecp.cli import main
-    from bytecp.hf_export import export_hf
+    from bytecp.interop.hf_export import export_hf
 
     ref = pool.run(hc.save_families, str(tmp_path), FAMILIES, 2)[0]
     classes = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
@@ -223,7 +223,7 @@ def test_megatron_to_transformers_and_back_at_tp2(pool: WorkerPool, tmp_path: Pa
 
 
 def test_hf_config_refuses_a_setting_the_family_cannot_express() -> None:
-    from bytecp.adapters.megatron_hf import hf_config
+    from bytecp.adapters.megatron.hf import hf_config
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     cfg = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)

@@ -197,7 +197,7 @@ def test_autotp_shards_are_boxes_of_the_full_tensors(tp_pool2: WorkerPool, pool2
     export gives the TP model's logits (to the TP all-reduce's rounding)."""
     from transformers import LlamaForCausalLM
 
-    from bytecp.hf_export import export_hf
+    from bytecp.interop.hf_export import export_hf
 
     url = str(tmp_path / "ck")
     got = tp_pool2.run(dc.tp_roundtrip, url, 2, stage, timeout=300)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import bytecp
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
-from bytecp.hf_export import export_hf
+from bytecp.interop.hf_export import export_hf
 from bytecp.storage_api import open_storage
 
 __all__ = ["export_last_step_hf", "load_initial_hf", "staging_url"]
@@ -42,7 +42,7 @@ def export_last_step_hf(sd_adapter: Any, model_sd: dict[str, Any], url: str, sav
 
     Every rank saves its shards of ``sd_adapter.to_hf(model_sd)`` as a bytecp
     checkpoint beside ``url``; the coordinator streams it out with
-    :func:`bytecp.hf_export.export_hf` and removes it. A failure there is
+    :func:`bytecp.interop.hf_export.export_hf` and removes it. A failure there is
     raised on every rank."""
     folder, name = staging_url(url)
     staging = f"{folder}/{name}"

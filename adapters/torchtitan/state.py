@@ -29,8 +29,8 @@ from bytecp.dist import DistContext
 from bytecp.format.metadata import Metadata
 from bytecp.tree.state import PerRank, Slot
 
-from ._dtensor import dtensor_leaf, is_dtensor, mesh_info
-from .plain import is_stateful
+from .._dtensor import dtensor_leaf, is_dtensor, mesh_info
+from ..plain import is_stateful
 
 __all__ = ["TorchtitanStateAdapter", "PER_RANK_KEYS"]
 

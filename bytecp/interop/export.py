@@ -1,6 +1,6 @@
 """``bytecp export``: a checkpoint's tensors for evaluation and serving jobs,
 in one safetensors file or a torch state dict; the Hugging Face layout
-(sharded safetensors, index, config) is :mod:`bytecp.hf_export`, built on
+(sharded safetensors, index, config) is :mod:`bytecp.interop.hf_export`, built on
 the pieces here.
 
 Called by the CLI (``bytecp export``) and by user code, in one process with

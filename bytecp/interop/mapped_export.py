@@ -1,11 +1,11 @@
 """``bytecp export --spec NAME``: the checkpoint's tensors through a mapping
-spec (:mod:`bytecp.mapping`) before they are written in the Hugging Face
+spec (:mod:`bytecp.interop.mapping`) before they are written in the Hugging Face
 layout, e.g. a Megatron GPTModel as ``LlamaForCausalLM``.
 
-Called by :func:`bytecp.hf_export.export_hf` (one process) when a spec is
+Called by :func:`bytecp.interop.hf_export.export_hf` (one process) when a spec is
 named, or detected: a Megatron checkpoint whose Hugging Face config's
 ``model_type`` names a registered spec. The conversion is planned from the
-checkpoint's metadata alone (:func:`bytecp.mapping.plan_conversion`: target
+checkpoint's metadata alone (:func:`bytecp.interop.mapping.plan_conversion`: target
 names, shapes and dtypes, every check made before a byte is read), then
 streamed: each source tensor is read when the first of its targets is
 written (a fused QKV, a layer-stacked tensor), converted, and dropped once
@@ -22,10 +22,10 @@ from typing import Any
 import torch
 
 from bytecp.errors import ConfigError
-from bytecp.export import CAST_DTYPES, CASTABLE, ExportTensor, TensorReader, select_tensors
 from bytecp.format import metadata as fmt
+from bytecp.interop.export import CAST_DTYPES, CASTABLE, ExportTensor, TensorReader, select_tensors
+from bytecp.interop.mapping import convert_planned, get_spec, plan_conversion, spec_names
 from bytecp.loading.opened import OpenedCheckpoint
-from bytecp.mapping import convert_planned, get_spec, plan_conversion, spec_names
 from bytecp.tree.dtypes import dtype_from_name, dtype_name
 
 __all__ = ["choose_spec", "MappedReader", "spec_params"]

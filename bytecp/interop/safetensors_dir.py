@@ -184,3 +184,8 @@ def read_hf_dir(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
         user_metadata=user,
     )
     return md, rows
+
+
+#: the source protocol of :data:`bytecp.interop.SOURCES`
+detect = is_hf_dir
+read = read_hf_dir

@@ -52,13 +52,13 @@ from bytecp.errors import StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 
-from ._titan_hf import export_last_step_hf, load_initial_hf
+from .hf import export_last_step_hf, load_initial_hf
 
 __all__ = ["BytecpCheckpointManager", "use_bytecp", "ASYNC_MODES"]
 
 log = logging.getLogger("bytecp.torchtitan")
 
-register_adapter("torchtitan", "bytecp.adapters._titan_state:TorchtitanStateAdapter")
+register_adapter("torchtitan", "bytecp.adapters.torchtitan.state:TorchtitanStateAdapter")
 
 _STEP = re.compile(r"^step-\d+$")
 

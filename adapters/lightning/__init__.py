@@ -40,7 +40,7 @@ state, from which Lightning restores loops, callbacks, schedulers and the
 precision plugin.
 
 Works with ``lightning.pytorch`` (``import lightning as L``) and with
-``pytorch_lightning``: :mod:`bytecp.adapters._lightning_compat` picks the
+``pytorch_lightning``: :mod:`bytecp.adapters.lightning.compat` picks the
 one the program uses (``BYTECP_LIGHTNING`` chooses explicitly; ``PACKAGE``
 says which). The bytecp core never imports either.
 """
@@ -52,7 +52,7 @@ import os
 import threading
 from typing import Any
 
-from bytecp.adapters._lightning_compat import (
+from bytecp.adapters.lightning.compat import (
     PACKAGE,
     CheckpointIO,
     DDPStrategy,

@@ -41,7 +41,7 @@ interleaved order, gate and up joined, per-layer tensors stacked again);
 
 Specs are found by name through :func:`get_spec` (``register_spec`` adds
 one; the built-in Megatron <-> transformers specs live in
-``bytecp.adapters.megatron_hf`` and are imported only when named).
+``bytecp.adapters.megatron.hf`` and are imported only when named).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ __all__ = [
 
 #: built-in specs by name, as lazy ``"module:attr"`` strings (see :func:`get_spec`)
 _SPECS: dict[str, Any] = {
-    name: f"bytecp.adapters.megatron_hf:{name.upper()}" for name in ("gpt2", "llama", "qwen2", "mixtral")
+    name: f"bytecp.adapters.megatron.hf:{name.upper()}" for name in ("gpt2", "llama", "qwen2", "mixtral")
 }
 
 

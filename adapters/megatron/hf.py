@@ -9,9 +9,9 @@
   experts: Megatron's ``experts.experts.linear_fc1`` of shape
   ``(layers, experts, 2*ffn, hidden)`` is ``gate_up_proj`` per layer as is).
 
-Data, applied by :func:`bytecp.mapping.convert_state_dict` (Megatron ->
+Data, applied by :func:`bytecp.interop.mapping.convert_state_dict` (Megatron ->
 transformers, ``bytecp export --spec NAME``) and
-:func:`bytecp.mapping.invert_state_dict` (transformers -> Megatron, see
+:func:`bytecp.interop.mapping.invert_state_dict` (transformers -> Megatron, see
 :func:`megatron_state_from_hf`). Parameters: :func:`spec_params` of the
 Hugging Face config. :func:`hf_config` writes that config from Megatron's
 ``TransformerConfig``; save it with the checkpoint
@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from bytecp.errors import ConfigError
-from bytecp.mapped_export import spec_params
+from bytecp.interop.mapped_export import spec_params
 
 __all__ = ["GPT2", "LLAMA", "QWEN2", "MIXTRAL", "hf_config", "megatron_state_from_hf", "megatron_extra_states"]
 
@@ -161,7 +161,7 @@ def megatron_state_from_hf(hf_state: Mapping[str, torch.Tensor], family: str,
     Megatron model at any TP/PP/EP: the Megatron adapter reshards it. The
     empty ``_extra_state`` entries Megatron checkpoints are included
     (:func:`megatron_extra_states`), so that load is strict."""
-    from bytecp.mapping import get_spec, invert_state_dict
+    from bytecp.interop.mapping import get_spec, invert_state_dict
 
     state = invert_state_dict(hf_state, get_spec(family), **spec_params(config))
     return {**state, **megatron_extra_states(state)}

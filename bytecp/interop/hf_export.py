@@ -11,7 +11,7 @@ in saved order, a new shard when the next tensor would pass
 
 Called by the CLI and by user code, in one process; with ``workers > 1``
 the shards are written by that many spawned processes (:func:`_write_shard`),
-the commit staying here. Every shard is streamed (:mod:`bytecp.export`:
+the commit staying here. Every shard is streamed (:mod:`bytecp.interop.export`:
 about one tensor plus the write buffer in memory) through
 ``Storage.write_stream``. The commit:
 
@@ -49,7 +49,8 @@ from pathlib import Path
 from typing import Any
 
 from bytecp.errors import CheckpointExistsError, ConfigError
-from bytecp.export import (
+from bytecp.format import metadata as fmt
+from bytecp.interop.export import (
     CAST_DTYPES,
     ExportResult,
     ExportTensor,
@@ -62,8 +63,7 @@ from bytecp.export import (
     select_tensors,
     split_url,
 )
-from bytecp.format import metadata as fmt
-from bytecp.mapped_export import MappedReader, choose_spec
+from bytecp.interop.mapped_export import MappedReader, choose_spec
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
 
@@ -370,12 +370,12 @@ def export_hf(
     Hugging Face layout at ``out`` (any URL bytecp writes).
 
     ``prefix``/``strip_prefix``/``dtype`` select and cast as
-    :func:`bytecp.export.select_tensors`; ``config`` as :func:`resolve_config`;
+    :func:`bytecp.interop.export.select_tensors`; ``config`` as :func:`resolve_config`;
     ``max_shard_size``: see :func:`parse_size` (default :data:`DEFAULT_MAX_SHARD_SIZE`);
     ``out_options``: storage options of the output (default: none);
     ``workers``: processes writing disjoint shards at once (each holds
     about one tensor; the commit stays in this process);
-    ``spec``: a mapping spec's name (:mod:`bytecp.mapped_export`): the
+    ``spec``: a mapping spec's name (:mod:`bytecp.interop.mapped_export`): the
     tensors are converted (e.g. Megatron -> ``LlamaForCausalLM``) before
     they are written; by default detected for a Megatron checkpoint from the
     config's ``model_type``; ``"none"``: never."""

@@ -5,7 +5,7 @@ to a plain PyTorch GPT with Hugging Face GPT-J-style names:
 ``wte``, ``wpe``, ``h.<i>.ln_1``, ``h.<i>.attn.{q,k,v,out}_proj``, ``h.<i>.ln_2``,
 ``h.<i>.mlp.fc_in``/``fc_out``, ``ln_f``, ``lm_head``.
 
-Data, not code: :func:`bytecp.mapping.convert_state_dict` applies it.
+Data, not code: :func:`bytecp.interop.mapping.convert_state_dict` applies it.
 Parameters: ``heads`` (attention heads), ``groups`` (query groups, default
 ``heads``), ``vocab_size`` (rows kept of the padded embedding and output
 layer). Usage::
