@@ -34,6 +34,7 @@ from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, 
 from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import BASE_FILE
+from bytecp.interop.runs import with_foreign
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tools.cadence import Cadence, milestones
 from bytecp.tools.retention import retain
@@ -325,7 +326,8 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        found = list_checkpoints(self.run_url, storage_options=self.storage_options)
+        found = with_foreign(self.run_url, self.storage_options,
+                              list_checkpoints(self.run_url, storage_options=self.storage_options))
         self.skipped = []
         # the tier choice: the newest memory checkpoint first when at least as new as storage's newest
         order = [(info, self.storage_options, "storage") for info in reversed(found)]
@@ -412,3 +414,4 @@ class CheckpointManager:
                              len(dead), self.run_url, name)
         except Exception as e:  # noqa: BLE001 - only garbage is at stake
             log.warning("bytecp: could not remove files of killed saves below %s: %s", self.run_url, e)
+
