@@ -50,6 +50,7 @@ from bytecp.adapter_api import register_adapter
 from bytecp.catalog import list_checkpoints
 from bytecp.errors import StateMismatchError
 from bytecp.format import metadata as fmt
+from bytecp.interop.runs import is_bytecp_folder, with_foreign
 from bytecp.storage_api import open_storage
 
 from .hf import export_last_step_hf, load_initial_hf
@@ -137,8 +138,11 @@ class BytecpCheckpointManager(BaseCheckpointManager):
         return filesystem.join(folder or self.folder, f"step-{step}")
 
     def _committed_steps(self) -> dict[int, str]:
+        """Step -> URL of the folder's committed checkpoints: bytecp's and,
+        newer than them, those torchtitan's DCP backend wrote before the job
+        moved onto bytecp (:mod:`bytecp.interop.runs`)."""
         try:
-            found = list_checkpoints(self.folder)
+            found = with_foreign(self.folder, {}, list_checkpoints(self.folder))
         except FileNotFoundError:
             return {}
         return {c.step: c.url for c in found if c.step is not None and _STEP.match(c.name)}
@@ -266,8 +270,16 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                     raise ValueError(f"checkpoint.exclude_from_loading names {key!r}, which is not a checkpointed "
                                      f"state; the states are {', '.join(sorted(self.states))}")
             states = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
+        foreign = not is_bytecp_folder(open_storage(url))
+        if foreign:  # a DCP checkpoint: named as torchtitan's DCP backend flattens the states
+            states = _flattened(states)
         result = bytecp.load(url, states, framework="torchtitan", strict=False, verify=self.config.verify)
-        missing = sorted({k.split(".", 1)[0] for k in result.missing_keys})
+        if foreign and MODEL in self.states:  # as torchtitan's DCP load: the model's own hooks see it
+            names = set(self.states[MODEL].state_dict())
+            self.states[MODEL].load_state_dict({k: v for k, v in states.items() if k in names})
+            missing = sorted({MODEL if k in names else k.split(".", 1)[0] for k in result.missing_keys})
+        else:
+            missing = sorted({k.split(".", 1)[0] for k in result.missing_keys})
         if missing:
             if MODEL in missing:
                 hint = "its model tensors are named otherwise: is it a checkpoint of this model?"
@@ -279,6 +291,15 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                                      f"(e.g. {result.missing_keys[0]}); {hint}")
         log.info("bytecp: loaded %s%s in %.2f s", url, " (model only)" if model_only else "",
                  time.monotonic() - begin)
+
+
+def _flattened(states: dict[str, Any]) -> dict[str, Any]:
+    """``states`` as torchtitan's DCP backend saves them: the model's tensors
+    at the top level under their own names, the other states under theirs."""
+    flat = {k: v for k, v in states.items() if k != MODEL}
+    if MODEL in states:
+        flat.update(states[MODEL].state_dict())
+    return flat
 
 
 @override(target=BaseCheckpointManager.Config)

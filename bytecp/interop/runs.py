@@ -30,7 +30,7 @@ from bytecp.errors import CheckpointNotFoundError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import Storage, open_storage
 
-__all__ = ["ForeignCheckpoint", "STEP_FOLDER", "step_of", "foreign_checkpoints", "with_foreign"]
+__all__ = ["ForeignCheckpoint", "STEP_FOLDER", "step_of", "is_bytecp_folder", "foreign_checkpoints", "with_foreign"]
 
 log = logging.getLogger("bytecp")
 
@@ -55,7 +55,7 @@ def step_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def _is_bytecp(sub: Storage) -> bool:
+def is_bytecp_folder(sub: Storage) -> bool:
     """A bytecp checkpoint, a retired base or an interrupted bytecp save:
     the catalog's and the garbage collector's, not a foreign source."""
     from bytecp.format.references import BASE_FILE
@@ -94,7 +94,7 @@ def foreign_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None 
         sub = root.child(name)
         url = f"{run_url.rstrip('/')}/{name}"
         try:
-            if _is_bytecp(sub):
+            if is_bytecp_folder(sub):
                 continue
             source = interop.find_source(sub)
         except FileNotFoundError:
