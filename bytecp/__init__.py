@@ -41,6 +41,8 @@ if TYPE_CHECKING:
     from bytecp.manager import CheckpointManager
     from bytecp.saving.handles import SaveHandle, wait_for_pending_save
     from bytecp.saving.prewarm import prewarm
+    from bytecp.serving.follow import FollowUpdate, follow
+    from bytecp.serving.weights import iter_weights
 
 _LAZY = {
     "save": ".api",
@@ -55,6 +57,9 @@ _LAZY = {
     "trainable": ".extras",
     "CheckpointManager": ".manager",
     "prewarm": ".saving.prewarm",
+    "follow": ".serving.follow",
+    "FollowUpdate": ".serving.follow",
+    "iter_weights": ".serving.weights",
 }
 
 
@@ -71,6 +76,9 @@ __all__ = [
     "save",
     "async_save",
     "prewarm",
+    "follow",
+    "FollowUpdate",
+    "iter_weights",
     "SaveHandle",
     "wait_for_pending_save",
     "load",

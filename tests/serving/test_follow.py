@@ -1,0 +1,201 @@
+"""bytecp.follow: a follower keeps its state at the run's newest checkpoint,
+reads only what changed, keeps the previous weights whole when an update
+fails, skips to the newest when behind, and pins what it reads."""
+
+from __future__ import annotations
+
+import json
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import bytecp
+from bytecp.loading.opened import open_checkpoint
+from bytecp.serving import follow as follow_mod
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def _model(seed: int = 0, frozen: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+    if frozen:
+        model[0].requires_grad_(False)
+    opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=0.01)
+    return model, opt
+
+
+def _step(model: nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _same(a: nn.Module, b: nn.Module) -> bool:
+    sa, sb = a.state_dict(), b.state_dict()
+    return set(sa) == set(sb) and all(torch.equal(sa[k], sb[k]) and sa[k].dtype == sb[k].dtype for k in sa)
+
+
+def _clone(m: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in m.state_dict().items()}
+
+
+def test_follower_holds_each_step_bitwise_and_reads_only_what_changed(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    model, opt = _model(frozen=True)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=2)
+    served, _ = _model(seed=7)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    frozen_bytes = sum(t.nbytes for t in model[0].parameters())
+    for step in range(1, 6):
+        _step(model, opt)
+        mgr.save(step, {"model": model, "optimizer": opt})
+        up = next(gen)
+        assert up.ok and up.step == step and up.held == f"{run}/step-{step}" and up.skipped == 0, up
+        assert _same(served, model), step
+        if step == 1:
+            assert up.tensors_read == 4 and up.tensors_unchanged == 0
+        else:  # the frozen layer is referenced: never read again
+            assert up.tensors_read == 2 and up.tensors_unchanged == 2 and up.unchanged_by_reference == 2, up
+            assert up.bytes_read == sum(t.nbytes for t in model[2].parameters()) < frozen_bytes
+    gen.close()
+    assert not list(Path(run).glob("*/pins/*"))  # unpinned
+    assert not list(Path(run).glob(".followers/leases/*"))  # its lease ended with it
+
+
+def test_follower_in_a_thread_sees_every_update_bitwise(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    model, opt = _model()
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=3)
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    got: dict[int, bool] = {}
+    served, _ = _model(seed=3)
+    stop = threading.Event()
+    taken = threading.Semaphore(0)
+
+    def serve() -> None:
+        for up in bytecp.follow(run, {"model": served}, poll_s=0.01, stop=stop):
+            assert up.ok, up
+            got[up.step] = all(torch.equal(served.state_dict()[k], v) for k, v in want[up.step].items())
+            taken.release()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    for step in range(1, 5):
+        _step(model, opt)
+        want[step] = _clone(model)
+        mgr.save(step, {"model": model, "optimizer": opt})
+        assert taken.acquire(timeout=60)
+    stop.set()
+    t.join(60)
+    assert got == {1: True, 2: True, 3: True, 4: True}
+
+
+def test_a_follower_behind_skips_to_the_newest(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    model, opt = _model()
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=10)
+    served, _ = _model(seed=5)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    _step(model, opt)
+    mgr.save(1, {"model": model})
+    assert next(gen).step == 1
+    for step in (2, 3, 4):
+        _step(model, opt)
+        mgr.save(step, {"model": model})
+    up = next(gen)
+    assert up.ok and up.step == 4 and up.skipped == 2 and up.lag_steps == 0
+    assert _same(served, model)
+    gen.close()
+
+
+def _model_row(url: str) -> Any:
+    """A row of a model tensor in the checkpoint's own data files."""
+    rows = open_checkpoint(url).all_rows()
+    return next(r for r in rows if r.fqn.startswith("model.") and not r.file.startswith("../"))
+
+
+@pytest.mark.parametrize("damage", ["deleted", "flipped"])
+def test_a_failed_update_keeps_the_previous_weights_whole(tmp_path: Path, damage: str) -> None:
+    run = str(tmp_path / "run")
+    model, opt = _model()
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=5)
+    served, _ = _model(seed=9)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    _step(model, opt)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    assert next(gen).ok
+    at_1 = _clone(model)
+    _step(model, opt)
+    mgr.save(2, {"model": model, "optimizer": opt})
+    row = _model_row(f"{run}/step-2")
+    path = Path(run) / "step-2" / row.file
+    if damage == "deleted":
+        path.unlink()
+    else:
+        with path.open("r+b") as f:
+            f.seek(row.byte_offset + row.nbytes // 2)
+            b = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([b[0] ^ 0xFF]))
+    up = next(gen)
+    assert not up.ok and up.step == 2 and up.held == f"{run}/step-1", up
+    assert ("Corrupt" in up.error or "NotFound" in up.error or "crc" in up.error.lower()), up.error
+    assert all(torch.equal(served.state_dict()[k], v) for k, v in at_1.items())  # step 1, whole
+    _step(model, opt)
+    mgr.save(3, {"model": model, "optimizer": opt})  # the run goes on: the follower takes the next one
+    up = next(gen)
+    assert up.ok and up.step == 3 and _same(served, model)
+    gen.close()
+
+
+def test_on_error_raise_leaves_the_state_and_raises(tmp_path: Path) -> None:
+    run = str(tmp_path / "run")
+    model, _ = _model()
+    bytecp.save(f"{run}/step-1", {"model": model}, step=1)
+    served, _ = _model(seed=2)
+    before = _clone(served)
+    for f in (Path(run) / "step-1" / "data").rglob("*.bin"):
+        f.write_bytes(b"\0" * f.stat().st_size)
+    with pytest.raises(bytecp.CorruptCheckpointError):
+        next(bytecp.follow(run, {"model": served}, poll_s=0.01, on_error="raise"))
+    assert all(torch.equal(served.state_dict()[k], v) for k, v in before.items())
+
+
+@pytest.mark.parametrize("pin", [True, False])
+def test_what_is_read_is_pinned_and_retention_keeps_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                       pin: bool) -> None:
+    run = str(tmp_path / "run")
+    model, opt = _model(frozen=True)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1, full_every=100)
+    for step in (1, 2):
+        _step(model, opt)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    seen: list[list[str]] = []
+    real = follow_mod.TensorReader
+
+    class Spy(real):  # type: ignore[misc, valid-type]
+        def read(self, items: Any) -> Any:
+            seen.append(sorted(str(p.relative_to(run)) for p in Path(run).glob("*/pins/*")))
+            # a retention of another process runs now: step-2 is doomed, step-1 retired
+            from bytecp.storage_api import open_storage
+            from bytecp.tools.retention import retain
+            retain(open_storage(run), ["step-3"] if Path(run, "step-3").exists() else [], ["step-2"],
+                   lambda: [])
+            return super().read(items)
+
+    monkeypatch.setattr(follow_mod, "TensorReader", Spy)
+    served, _ = _model(seed=4)
+    up = next(bytecp.follow(run, {"model": served}, poll_s=0.01, pin=pin))
+    if not pin:  # the retention deleted what was being read: the update fails, the state untouched
+        assert not up.ok and not list(Path(run).glob("*/pins/*"))
+        return
+    assert up.ok and up.step == 2 and _same(served, model), up
+    pins = seen[0]
+    assert len(pins) == 2 and {p.split("/")[0] for p in pins} == {"step-1", "step-2"}
+    assert all("/pins/.followers." in p for p in pins)
+    assert json.loads((Path(run) / "step-2" / "base.json").read_text())  # retired, files kept for the reader
