@@ -1,0 +1,93 @@
+"""bytecp.iter_weights and follow with transformers and peft: the pairs load
+into a fresh LlamaForCausalLM bitwise (names as transformers gives them, or
+through a Megatron spec), changed_since yields only what changed, and a LoRA
+follower reads only the adapters' bytes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import bytecp
+from bytecp.interop.mapping import convert_state_dict, get_spec
+from tests.dist import peft_cases as cases
+from tests.megatron.test_megatron_hf import _megatron_state
+
+pytest.importorskip("transformers")
+pytestmark = pytest.mark.timeout(300)
+
+
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randint(0, 512, (2, 16), generator=g)
+    model(input_ids=x, labels=x).loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_iter_weights_loads_a_transformers_llama_bitwise_and_changed_since(tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    run = str(tmp_path / "run")
+    model = cases.base_model()
+    model.model.embed_tokens.requires_grad_(False)  # frozen: referenced by the next checkpoints
+    opt = cases.optimizer(model)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=3)
+    for step in (1, 2):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    fresh = LlamaForCausalLM(cases.llama_config())
+    pairs = list(bytecp.iter_weights(f"{run}/step-2", names="hf"))
+    assert [n for n, _ in pairs] == list(model.state_dict())  # transformers' own names and order
+    fresh.load_state_dict(dict(pairs), strict=True)
+    for k, v in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[k], v), k
+    changed = dict(bytecp.iter_weights(f"{run}/step-2", changed_since=f"{run}/step-1"))
+    assert set(changed) == set(model.state_dict()) - {"model.embed_tokens.weight"}
+    half = dict(bytecp.iter_weights(f"{run}/step-2", dtype=torch.bfloat16))
+    assert all(t.dtype == torch.bfloat16 for t in half.values())
+    assert torch.equal(half["lm_head.weight"], model.lm_head.weight.detach().to(torch.bfloat16))
+    assert not list(bytecp.iter_weights(f"{run}/step-2", changed_since=f"{run}/step-2"))
+
+
+def test_iter_weights_converts_a_megatron_layout_through_its_spec(tmp_path: Path) -> None:
+    sd = _megatron_state("llama")
+    url = str(tmp_path / "ck")
+    bytecp.save(url, {"model": sd})
+    cfg = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 128}
+    got = dict(bytecp.iter_weights(url, names="hf", spec="llama", config=cfg))
+    want = convert_state_dict(sd, get_spec("llama"), heads=4, groups=2, vocab_size=128)
+    assert set(got) == set(want)
+    assert all(torch.equal(got[k], v) for k, v in want.items())
+    sd["decoder.final_layernorm.weight"] = sd["decoder.final_layernorm.weight"] + 1
+    bytecp.save(str(tmp_path / "ck2"), {"model": sd})
+    changed = dict(bytecp.iter_weights(str(tmp_path / "ck2"), names="hf", spec="llama", config=cfg,
+                                       changed_since=url))
+    assert list(changed) == ["model.norm.weight"]  # equal checksums: the rest is unchanged
+
+
+def test_a_lora_follower_reads_only_the_adapters(tmp_path: Path) -> None:
+    pytest.importorskip("peft")
+    run = str(tmp_path / "run")
+    model = cases.lora(cases.base_model())
+    opt = cases.optimizer(model)
+    adapter_bytes = sum(p.nbytes for p in model.parameters() if p.requires_grad)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=2)
+    served = cases.lora(cases.base_model())
+    with torch.no_grad():
+        for p in served.parameters():
+            p.zero_()
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    for step in (1, 2, 3):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+        up = next(gen)
+        assert up.ok and up.step == step, up
+        for k, v in model.state_dict().items():
+            assert torch.equal(served.state_dict()[k], v), (step, k)
+        if step > 1:
+            assert up.bytes_read == adapter_bytes, (up.bytes_read, adapter_bytes)
+            assert up.tensors_read == 8 and up.unchanged_by_reference == up.tensors_unchanged
+    gen.close()
