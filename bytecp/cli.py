@@ -50,6 +50,7 @@ EXIT_CLOSED_PIPE = 141  # 128 + SIGPIPE: stdout's reader went away (``| head``);
 _EXTERNAL = {
     "monitor": ("bytecp.monitoring.cli:main", "per-rank checkpoint monitoring (serve, show)"),
     "keeper": ("bytecp.storage.keeper_server:main", "a host's memory-tier keeper (keeper:// checkpoints)"),
+    "follow": ("bytecp.serving.cli:main", "one line per newly committed checkpoint of a run (--json)"),
 }
 
 

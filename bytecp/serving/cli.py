@@ -1,0 +1,89 @@
+"""``bytecp follow RUN [--json]``: one line per newly committed checkpoint of
+a run, for schedulers and evaluation launchers; nothing is loaded.
+
+Reached through the CLI's subcommand registry (``bytecp.cli._EXTERNAL``:
+``main(argv)``), in one process. :func:`watch` lists the run every
+``--poll-s`` seconds (:func:`bytecp.catalog.list_checkpoints`); for each
+checkpoint newer than the last one printed (the newest at start first; when
+several committed meanwhile, only the newest) it compares index rows with
+the last one printed (:func:`bytecp.serving.changes.changed_tensors`: no
+data read) and prints ``{"step", "url", "tier", "bytes_changed",
+"tensors_changed", "tensors"}``. SIGTERM (and SIGINT) end it with exit code
+0 after the line being printed; storage errors are the CLI's exit codes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+from bytecp.catalog import list_checkpoints
+from bytecp.errors import BytecpError
+from bytecp.format import metadata as fmt
+from bytecp.loading.opened import open_checkpoint
+from bytecp.serving.changes import changed_tensors, rows_by_tensor
+
+__all__ = ["main", "watch"]
+
+
+def watch(run_url: str, *, poll_s: float = 5.0, stop: threading.Event | None = None,
+          idle_timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
+    """Each newly committed checkpoint of ``run_url`` as a JSON-able record
+    (see the module's docstring); ends when ``stop`` is set or after
+    ``idle_timeout_s`` seconds with nothing new."""
+    stop = stop or threading.Event()
+    last: tuple[str, dict[str, list[fmt.ChunkRecord]]] | None = None
+    idle = 0.0
+    while not stop.is_set():
+        cks = list_checkpoints(run_url)
+        if cks and (last is None or cks[-1].url != last[0]):
+            new = cks[-1]
+            rows = rows_by_tensor(open_checkpoint(new.url).all_rows())
+            if last is None:
+                changed = list(rows)
+            else:
+                changed = list(changed_tensors(list(rows), rows, new.url, last[1], last[0]).changed)
+            last, idle = (new.url, rows), 0.0
+            yield {"step": new.step, "url": new.url, "tier": "storage",
+                   "bytes_changed": sum(r.nbytes for f in changed for r in rows[f]),
+                   "tensors_changed": len(changed), "tensors": len(rows)}
+            continue
+        if idle_timeout_s is not None and idle >= idle_timeout_s:
+            return
+        stop.wait(poll_s)
+        idle += poll_s
+
+
+def main(argv: Sequence[str]) -> int:
+    """``bytecp follow``: returns its exit code (0 on SIGTERM/SIGINT)."""
+    from bytecp.cli import EXIT_OK, EXIT_USAGE, exit_code
+
+    p = argparse.ArgumentParser(prog="bytecp follow", description="print each newly committed checkpoint of a run")
+    p.add_argument("run", help="the run directory (the CheckpointManager's run_url)")
+    p.add_argument("--json", action="store_true", help="one JSON object per line")
+    p.add_argument("--poll-s", type=float, default=5.0, help="seconds between listings of the run (default 5)")
+    p.add_argument("--idle-timeout-s", type=float, default=None, help="exit 0 after this long with nothing new")
+    args = p.parse_args(list(argv))
+    if args.poll_s <= 0:
+        p.error("--poll-s must be > 0")
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        for rec in watch(args.run, poll_s=args.poll_s, stop=stop, idle_timeout_s=args.idle_timeout_s):
+            if args.json:
+                print(json.dumps(rec, sort_keys=True), flush=True)
+            else:
+                print(f"step {rec['step']}  {rec['url']}  {rec['tier']}  {rec['bytes_changed']} bytes changed "
+                      f"({rec['tensors_changed']}/{rec['tensors']} tensors)", flush=True)
+    except BytecpError as e:
+        print(f"bytecp follow: {e}", file=sys.stderr)
+        if args.json:
+            print(json.dumps({"error": str(e), "exit_code": exit_code(e)}), flush=True)
+        return exit_code(e) or EXIT_USAGE
+    return EXIT_OK
