@@ -14,6 +14,9 @@ Every backend routes its storage calls through :func:`call` (threads) or
 - not found (no such bucket/key/file): :class:`StorageNotFoundError` at once;
 - anything else: :class:`StorageError` at once.
 
+Each attempt is bounded by the policy's ``request_timeout`` (:mod:`._timeout`):
+an attempt that does not answer in time is a transient failure, retried.
+
 Each retry is counted through ``bytecp.recorder.emit_event("storage_retry",
 1, backend=..., reason=...)``. Backends register classifiers for their own
 error types with :func:`register_classifier` (S3 registers botocore's).
@@ -40,6 +43,9 @@ from bytecp.errors import (
     StoragePermissionError,
     TransientStorageError,
 )
+
+from . import _timeout
+from ._timeout import DEFAULT_REQUEST_TIMEOUT_S
 
 __all__ = [
     "RetryPolicy",
@@ -92,6 +98,11 @@ class RetryPolicy:
     max_attempts: int | None = None
     """Optional cap on attempts (first try included); ``None``: only the deadline bounds them."""
 
+    request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S
+    """Seconds one attempt may take before it counts as a transient failure
+    (scaled by the bytes it moves, :func:`bytecp.storage._timeout.limit`);
+    ``None``: unbounded. Backends set it from their ``request_timeout`` option."""
+
     def __post_init__(self) -> None:
         if self.deadline <= 0:
             raise ConfigError(f"RetryPolicy.deadline must be > 0 seconds, got {self.deadline}")
@@ -104,19 +115,28 @@ class RetryPolicy:
             raise ConfigError(f"RetryPolicy.multiplier must be >= 1, got {self.multiplier}")
         if self.max_attempts is not None and self.max_attempts < 1:
             raise ConfigError(f"RetryPolicy.max_attempts must be >= 1, got {self.max_attempts}")
+        _timeout.check(self.request_timeout, "RetryPolicy")
 
     @classmethod
-    def from_options(cls, value: RetryPolicy | dict | float | int | None) -> RetryPolicy:
-        """Accept a policy, a dict of its fields, or a bare deadline in seconds."""
+    def from_options(
+        cls, value: RetryPolicy | dict | float | int | None, request_timeout: object = "policy"
+    ) -> RetryPolicy:
+        """Accept a policy, a dict of its fields, or a bare deadline in seconds;
+        ``request_timeout`` (a backend's storage option), unless left at
+        ``"policy"``, replaces the policy's."""
         if value is None:
-            return cls()
-        if isinstance(value, RetryPolicy):
-            return value
-        if isinstance(value, dict):
-            return cls(**value)
-        if isinstance(value, int | float):
-            return cls(deadline=float(value))
-        raise ConfigError(f"retry= must be a RetryPolicy, a dict or a deadline in seconds, got {value!r}")
+            policy = cls()
+        elif isinstance(value, RetryPolicy):
+            policy = value
+        elif isinstance(value, dict):
+            policy = cls(**value)
+        elif isinstance(value, int | float):
+            policy = cls(deadline=float(value))
+        else:
+            raise ConfigError(f"retry= must be a RetryPolicy, a dict or a deadline in seconds, got {value!r}")
+        if request_timeout == "policy":
+            return policy
+        return dataclasses.replace(policy, request_timeout=request_timeout)  # type: ignore[arg-type]
 
     def backoff(self, attempt: int) -> float:
         """Seconds to wait after failed attempt number ``attempt`` (0-based), with jitter."""
@@ -227,21 +247,26 @@ class _Attempts:
         return wait
 
 
-def call(fn: Callable[[], T], *, policy: RetryPolicy, where: str, backend: str) -> T:
-    """Run ``fn()`` with retries; ``where`` names the URL and operation in errors."""
+def call(fn: Callable[[], T], *, policy: RetryPolicy, where: str, backend: str, nbytes: int = 0) -> T:
+    """Run ``fn()`` with retries, each attempt bounded by the policy's
+    ``request_timeout`` for ``nbytes``; ``where`` names the URL and operation in errors."""
     attempts = _Attempts(policy, where, backend)
+    seconds = _timeout.limit(policy.request_timeout, nbytes)
     while True:
         try:
-            return fn()
+            return _timeout.run(fn, seconds, where)
         except Exception as exc:  # classified below; non-transient re-raised at once
             time.sleep(attempts.next_wait(exc))
 
 
-async def acall(fn: Callable[[], Awaitable[T]], *, policy: RetryPolicy, where: str, backend: str) -> T:
+async def acall(
+    fn: Callable[[], Awaitable[T]], *, policy: RetryPolicy, where: str, backend: str, nbytes: int = 0
+) -> T:
     """Coroutine version of :func:`call`; ``fn`` makes a fresh awaitable per attempt."""
     attempts = _Attempts(policy, where, backend)
+    seconds = _timeout.limit(policy.request_timeout, nbytes)
     while True:
         try:
-            return await fn()
+            return await _timeout.bounded_await(fn, seconds, where)
         except Exception as exc:
             await asyncio.sleep(attempts.next_wait(exc))

@@ -30,6 +30,8 @@ from . import _retry
 from ._buffers import byte_view, byte_views
 from ._errors import exists, file_url, missing, truncated
 from ._retry import RetryPolicy
+from ._timeout import DEFAULT_REQUEST_TIMEOUT_S
+from ._timeout import check as check_timeout
 
 __all__ = ["FsspecStorage"]
 
@@ -43,8 +45,10 @@ class FsspecStorage(Storage):
     """A checkpoint directory on any fsspec filesystem.
 
     Options: ``retry`` (a :class:`~bytecp.storage._retry.RetryPolicy`, a dict
-    of its fields, or a deadline in seconds); every other keyword goes to the
-    fsspec filesystem's constructor.
+    of its fields, or a deadline in seconds); ``request_timeout`` (120 s;
+    ``None``: none): the most one attempt of a call may take (more for calls
+    moving over 1 GiB), then it is abandoned and retried under ``retry``;
+    every other keyword goes to the fsspec filesystem's constructor.
     """
 
     #: whether ``commit`` must go through temp + rename (filesystems) or a
@@ -52,9 +56,17 @@ class FsspecStorage(Storage):
     atomic_put = False
     backend = "fsspec"
 
-    def __init__(self, url: str, *, retry: RetryPolicy | dict | float | None = None, **options: Any) -> None:
+    def __init__(
+        self,
+        url: str,
+        *,
+        retry: RetryPolicy | dict | float | None = None,
+        request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
+        **options: Any,
+    ) -> None:
         self.url = url
-        self.retry = RetryPolicy.from_options(retry)
+        self.request_timeout = check_timeout(request_timeout, url)
+        self.retry = RetryPolicy.from_options(retry, self.request_timeout)
         self._retry_option = retry
         self._options = dict(options)
         self.fs, root = self._make_fs(url, options)
@@ -81,6 +93,7 @@ class FsspecStorage(Storage):
         opts = dict(self._options)
         if self._retry_option is not None:
             opts["retry"] = self._retry_option
+        opts["request_timeout"] = self.request_timeout
         return opts
 
     def child(self, path: str) -> Storage:
@@ -101,9 +114,9 @@ class FsspecStorage(Storage):
             root = root.lstrip("/")
         return full[len(root) :].lstrip("/")
 
-    def _call(self, fn: Callable[[], T], path: str, op: str) -> T:
+    def _call(self, fn: Callable[[], T], path: str, op: str, nbytes: int = 0) -> T:
         where = f"{file_url(self.url, path)} ({op})"
-        return _retry.call(fn, policy=self.retry, where=where, backend=self.backend)
+        return _retry.call(fn, policy=self.retry, where=where, backend=self.backend, nbytes=nbytes)
 
     # -- writing -------------------------------------------------------------
     def _makedirs(self, full_dir: str) -> None:
@@ -119,7 +132,7 @@ class FsspecStorage(Storage):
                 for v in byte_views(buffers):
                     f.write(v)
 
-        self._call(write, path, "write")
+        self._call(write, path, "write", sum(v.nbytes for v in byte_views(buffers)))
 
     def write_stream(self, path: str, pieces: Iterable[Buffer], *, size_hint: int | None = None) -> int:
         """fsspec's buffered file writer, into a temporary name renamed over
@@ -299,7 +312,7 @@ class FsspecStorage(Storage):
             return self.fs.cat_file(full, start=offset, end=offset + n)
 
         try:
-            data = self._call(read, path, f"read bytes [{offset}, {offset + n})")
+            data = self._call(read, path, f"read bytes [{offset}, {offset + n})", n)
         except StorageNotFoundError as e:
             raise missing(file_url(self.url, path), e) from e
         if len(data) != n:
@@ -321,7 +334,7 @@ class FsspecStorage(Storage):
             )
 
         try:
-            datas = self._call(read, path, f"read {len(items)} ranges")
+            datas = self._call(read, path, f"read {len(items)} ranges", sum(len(v) for _, v in items))
         except StorageNotFoundError as e:
             raise missing(file_url(self.url, path), e) from e
         for (off, v), data in zip(items, datas, strict=True):

@@ -39,6 +39,7 @@ from bytecp.errors import (
 )
 from bytecp.storage_api import Buffer, Storage
 
+from . import _timeout
 from ._buffers import byte_view, byte_views
 from ._errors import exists, missing, truncated
 from ._posix import (
@@ -71,6 +72,8 @@ log = logging.getLogger("bytecp.storage")
 DIRECT_MIN_BYTES = 16 << 20
 
 
+@_timeout.bounded(("write_file", "commit", "read_into", "read_ranges"),
+                  ("rename", "delete", "size", "exists", "list_files", "list_children"))
 class LocalStorage(Storage):
     """A checkpoint directory on a local (or mounted) POSIX filesystem.
 
@@ -81,18 +84,22 @@ class LocalStorage(Storage):
     slower than direct ones (measured: about 2x on a virtio disk), and
     without filling the page cache with checkpoint data. Filesystems that
     refuse O_DIRECT (tmpfs, some network mounts) fall back to buffered
-    writes, with one warning.
+    writes, with one warning. ``request_timeout`` (120 s; ``None``: none):
+    the most one call may wait for the filesystem (more for files over 1 GiB;
+    a hung NFS mount), then it fails naming the file (not retried).
     """
 
     backend = "local"
     remote = False
 
-    def __init__(self, url: str, *, fsync: bool = True, direct: bool | None = None, **options: Any) -> None:
+    def __init__(self, url: str, *, fsync: bool = True, direct: bool | None = None,
+                 request_timeout: float | None = _timeout.DEFAULT_REQUEST_TIMEOUT_S, **options: Any) -> None:
         if options:
             raise ConfigError(
                 f"local storage {url!r}: unknown option(s) {sorted(options)}; "
-                "known: fsync, direct"
+                "known: fsync, direct, request_timeout"
             )
+        self.request_timeout = _timeout.check(request_timeout, url)
         if direct and not O_DIRECT:
             raise ConfigError(f"local storage {url!r}: direct=True needs O_DIRECT, which this OS lacks")
         self.url = url
@@ -105,7 +112,7 @@ class LocalStorage(Storage):
         self._lock = threading.Lock()
 
     def options(self) -> dict[str, Any]:
-        return {"fsync": self.fsync, "direct": self.direct}
+        return {"fsync": self.fsync, "direct": self.direct, "request_timeout": self.request_timeout}
 
     def _full(self, path: str) -> str:
         return os.path.join(self.root, *[p for p in path.split("/") if p])

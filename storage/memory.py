@@ -16,4 +16,5 @@ class MemoryStorage(FsspecStorage):
     remote = False
 
     def __init__(self, url: str, **options: Any) -> None:
+        options.setdefault("request_timeout", None)  # a dict in this process never hangs
         super().__init__(url, **options)

@@ -72,6 +72,8 @@ from ._s3_base import (
     plan_parts,
 )
 from ._s3_write import _S3Writes
+from ._timeout import DEFAULT_REQUEST_TIMEOUT_S
+from ._timeout import check as check_timeout
 
 __all__ = ["S3Storage", "MIN_PART_SIZE", "MAX_PARTS", "plan_parts"]
 
@@ -93,7 +95,10 @@ class S3Storage(_S3Writes):
     whose gap is at most this into one GET (the gap bytes are read and dropped).
     ``retry``: a :class:`~bytecp.storage._retry.RetryPolicy`, a dict of its
     fields, or a deadline in seconds. ``connect_timeout`` (10 s) and
-    ``read_timeout`` (60 s): per request. ``conditional_put``: how an
+    ``read_timeout`` (60 s): botocore's, per connection and socket read;
+    ``request_timeout`` (120 s; ``None``: none): the most one attempt of a
+    request may take whole (more for parts over 1 GiB), then it is cancelled
+    and retried under ``retry``. ``conditional_put``: how an
     exclusive commit refuses an existing object -- ``None`` (default) a
     conditional PUT after checking once per bucket that the server honours
     it, ``True`` a conditional PUT without the check, ``False`` HEAD, PUT
@@ -119,6 +124,7 @@ class S3Storage(_S3Writes):
         retry: RetryPolicy | dict | float | None = None,
         connect_timeout: float = 10.0,
         read_timeout: float = 60.0,
+        request_timeout: float | None = DEFAULT_REQUEST_TIMEOUT_S,
         conditional_put: bool | None = None,
         s3fs_options: dict[str, Any] | None = None,
     ) -> None:
@@ -143,7 +149,7 @@ class S3Storage(_S3Writes):
         self.max_concurrency = int(max_concurrency)
         self.read_part_size = int(read_part_size)
         self.coalesce_gap = int(coalesce_gap)
-        self.retry = RetryPolicy.from_options(retry)
+        self.retry = RetryPolicy.from_options(retry, check_timeout(request_timeout, url))
         self._options: dict[str, Any] = {
             "endpoint_url": endpoint_url,
             "key": key,
@@ -159,6 +165,7 @@ class S3Storage(_S3Writes):
             "retry": retry,
             "connect_timeout": connect_timeout,
             "read_timeout": read_timeout,
+            "request_timeout": request_timeout,
             "conditional_put": conditional_put,
             "s3fs_options": s3fs_options,
         }

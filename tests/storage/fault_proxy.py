@@ -10,7 +10,10 @@ the real server, except that a rule may instead:
 - ``"reset_after"``: forward, then reset instead of answering (the request
   took effect but the client never hears so: retries must be idempotent),
 - ``"truncate"``: forward, send the status and headers and half the body,
-  then reset (a connection dropped mid-download).
+  then reset (a connection dropped mid-download);
+- ``"hang"`` (never drawn by default): read the request and never answer,
+  holding the connection open until the proxy closes (a server that
+  accepted a request and stalled: the client's per-request timeout's case).
 
 Faults are drawn with a seeded RNG for a fraction of the requests that a
 predicate selects; ``fail_always`` makes a predicate's requests fail every
@@ -55,6 +58,7 @@ _FAULT_REPLIES = {
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
 }
 KINDS = ("503", "500", "reset", "reset_after", "truncate")
+HANG = "hang"
 
 
 def any_request(method: str, path: str) -> bool:
@@ -83,6 +87,7 @@ class FaultProxy:
         self.requests: list[tuple[str, str, str]] = []  # (method, path, outcome)
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
+        self._closing = threading.Event()
         proxy = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
@@ -145,6 +150,10 @@ class FaultProxy:
                         self.wfile.write(data)
                     return
                 if fault == "reset":
+                    self._reset()
+                    return
+                if fault == HANG:
+                    proxy._closing.wait(600)
                     self._reset()
                     return
                 status, reason, headers, data = self._forward(body)
@@ -213,6 +222,7 @@ class FaultProxy:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        self._closing.set()
         self._server.shutdown()
         self._server.server_close()
         self._thread.join(timeout=10)
