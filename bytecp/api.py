@@ -24,7 +24,7 @@ from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.loading.pipeline import LoadPipeline, LoadResult
-from bytecp.options import DEFAULT_SAVE_TIMEOUT_S, LoadOptions, SaveOptions
+from bytecp.options import DEFAULT_LOAD_TIMEOUT_S, DEFAULT_SAVE_TIMEOUT_S, LoadOptions, SaveOptions
 from bytecp.recorder import Recorder, Trace, resolve_monitor
 from bytecp.saving import schedule
 from bytecp.saving.handles import SaveHandle, checkpoint_group, pending_save, wait_for_pending_save
@@ -108,6 +108,11 @@ def _deadline(opts: SaveOptions) -> float | None:
     return None if opts.save_timeout_s is None else time.monotonic() + opts.save_timeout_s
 
 
+def _load_deadline(opts: LoadOptions) -> float | None:
+    """The monotonic time by which the load must have ended (``load_timeout_s`` from now)."""
+    return None if opts.load_timeout_s is None else time.monotonic() + opts.load_timeout_s
+
+
 def _names(exclude: Sequence[str]) -> tuple[str, ...]:
     """``exclude=`` as the options take it (a lone string is refused there, not split into letters)."""
     return exclude if isinstance(exclude, str) else tuple(exclude)  # type: ignore[return-value]
@@ -187,6 +192,7 @@ def load(
     storage_options: dict[str, Any] | None = None,
     monitor: str | Recorder | None = None,
     exclude: Sequence[str] = (),
+    load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
 ) -> LoadResult:
     """Load the checkpoint at ``url`` into ``state`` in place; every rank calls it.
 
@@ -203,13 +209,14 @@ def load(
         framework=framework, strict=strict, verify=verify, allow_pickle=allow_pickle,
         io_threads=io_threads, zero_redundancy=zero_redundancy, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
-        exclude=_names(exclude),
+        exclude=_names(exclude), load_timeout_s=load_timeout_s,
     )
     _check_state(state)
     from bytecp.saving.reuse import LAST_SAVES
 
     LAST_SAVES.clear()  # tensors filled in place (a DTensor's version unmoved): the next save writes them
     ctx = DistContext(opts.process_group, opts.coordinator_rank)
+    ctx.deadline, ctx.deadline_option = _load_deadline(opts), "load_timeout_s"
     storage = _storage(url, opts)
     trace = _trace("load", storage, ctx, opts, wall0)
     with trace.failing(blocked_since=t0):
@@ -227,6 +234,7 @@ def load_state_dict(
     io_threads: int = 8,
     storage_options: dict[str, Any] | None = None,
     exclude: Sequence[str] = (),
+    load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
 ) -> dict[str, Any]:
     """The whole checkpoint as plain full tensors and values, in one process.
 
@@ -235,10 +243,12 @@ def load_state_dict(
     keyed by parameter FQN. ``exclude=["optimizer"]`` reads none of what is under those names.
     """
     opts = LoadOptions(verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                       storage_options=storage_options or {}, exclude=_names(exclude))
+                       storage_options=storage_options or {}, exclude=_names(exclude), load_timeout_s=load_timeout_s)
+    ctx = DistContext.local()
+    ctx.deadline, ctx.deadline_option = _load_deadline(opts), "load_timeout_s"
     storage = _storage(url, opts)
     trace = Trace("load", storage.url)
-    pipeline = LoadPipeline(storage, None, opts, DistContext.local(), trace)
+    pipeline = LoadPipeline(storage, None, opts, ctx, trace)
     with trace.failing():
         pipeline.run()
     trace.finish(ok=True)

@@ -95,6 +95,8 @@ class DistContext:
         self._store = _default_store() if self.enabled else None
         #: the monotonic time by which this operation's collectives must end (None: the group's timeout)
         self.deadline: float | None = None
+        #: the option that set ``deadline``, named in errors
+        self.deadline_option = "save_timeout_s"
         if self.enabled:  # every rank creates its distributed contexts in the same order
             DistContext._instances += 1
         self._uid = DistContext._instances
@@ -174,13 +176,13 @@ class DistContext:
         late = self.deadline is not None and time.monotonic() >= self.deadline
         if not missing and late:
             err = DistributedCheckpointError(op, {self.rank: (
-                "reached this step after the deadline (save_timeout_s): the other ranks had given up, "
-                f"nothing is committed ({_describe(e)})")})
+                f"reached this step after the deadline ({self.deadline_option}): the other ranks had given up"
+                f"{', nothing is committed' if self.deadline_option == 'save_timeout_s' else ''} ({_describe(e)})")})
         elif not missing:
             err = DistributedCheckpointError(op, {self.rank: f"collective failed: {_describe(e)}"})
         elif late:
             err = DistributedCheckpointError(op, {
-                r: f"did not reach this step before the deadline (save_timeout_s): stuck or stopped, not dead "
+                r: f"did not reach this step before the deadline ({self.deadline_option}): stuck or stopped, not dead "
                    f"(seen by rank {self.rank})" for r in missing
             })
         else:

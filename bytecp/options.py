@@ -16,7 +16,7 @@ from typing import Any
 from bytecp.errors import ConfigError
 from bytecp.plan.planner import DEFAULT_SPLIT_BYTES
 
-__all__ = ["SaveOptions", "LoadOptions", "DEFAULT_SAVE_TIMEOUT_S"]
+__all__ = ["SaveOptions", "LoadOptions", "DEFAULT_SAVE_TIMEOUT_S", "DEFAULT_LOAD_TIMEOUT_S"]
 
 
 def _positive(name: str, value: int | None) -> None:
@@ -52,6 +52,15 @@ class _Common:
 #: a save's deadline unless ``save_timeout_s`` says otherwise: 30 minutes, as
 #: torch.distributed's default process-group timeout
 DEFAULT_SAVE_TIMEOUT_S = 1800.0
+
+#: a load's deadline unless ``load_timeout_s`` says otherwise: 30 minutes, the
+#: same as the process group's default timeout that bounded loads before
+DEFAULT_LOAD_TIMEOUT_S = 1800.0
+
+
+def _check_timeout(name: str, value: object) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float) or value <= 0):
+        raise ConfigError(f"{name} must be a number of seconds > 0 or None, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -108,9 +117,7 @@ class SaveOptions(_Common):
         super().__post_init__()
         _positive("io_threads", self.io_threads)
         _positive("split_bytes", self.split_bytes)
-        if self.save_timeout_s is not None and not (isinstance(self.save_timeout_s, int | float)
-                                                    and self.save_timeout_s > 0):
-            raise ConfigError(f"save_timeout_s must be a number of seconds > 0 or None, got {self.save_timeout_s!r}")
+        _check_timeout("save_timeout_s", self.save_timeout_s)
         _positive("memory_budget_bytes", self.memory_budget_bytes)
         _positive("staging_threads", self.staging_threads)
         if type(self.background_nice) is not int or not 0 <= self.background_nice <= 19:
@@ -150,10 +157,16 @@ class LoadOptions(_Common):
     #: value, what the checkpoint holds under them is neither read nor
     #: reported unexpected (torchtitan's ``exclude_from_loading``)
     exclude: tuple[str, ...] = ()
+    #: seconds the whole load may take on every rank; past it each collective
+    #: gives up and the load fails on every rank, naming the rank(s) that did
+    #: not reach the step the others waited in (one process: checked between
+    #: phases); None: no deadline (the process group's own timeout bounds each step)
+    load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("io_threads", self.io_threads)
+        _check_timeout("load_timeout_s", self.load_timeout_s)
         if isinstance(self.exclude, str) or not all(isinstance(x, str) and x and not x.startswith(".")
                                                     and not x.endswith(".") for x in self.exclude):
             raise ConfigError(f"exclude must be a list of dotted names such as ['optimizer', 'engine.lr_scheduler'], "

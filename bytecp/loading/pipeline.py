@@ -17,6 +17,7 @@ with the phase (``load/match``, ``load/read``, ...).
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import Any
 
 from bytecp import faults
@@ -77,14 +78,22 @@ class LoadPipeline:
 
     def run(self) -> LoadResult:
         """(every rank) The whole load on the caller's thread."""
-        self.read_metadata()
-        self.match()
-        self.plan()
-        self.read()
-        self.exchange()
-        self.apply()
+        for phase, step in (("load/metadata", self.read_metadata), ("load/match", self.match),
+                            ("load/plan", self.plan), ("load/read", self.read), ("load/read", self.exchange),
+                            ("load/apply", self.apply)):
+            self._check_deadline(phase)
+            step()
         assert self.md is not None and self.matched is not None
         return LoadResult(self.matched.missing, self.matched.unexpected, self.md, self.matched.values)
+
+    def _check_deadline(self, phase: str) -> None:
+        """(one process) A load past ``load_timeout_s`` stops before its next
+        phase; with several ranks the collectives give up at the deadline
+        together instead (:class:`~bytecp.dist.DistContext`)."""
+        ctx = self.ctx
+        if ctx.deadline is not None and (not ctx.enabled or ctx.world_size == 1) and time.monotonic() > ctx.deadline:
+            raise TimeoutError(f"{self.storage.url}: the load's deadline ({ctx.deadline_option}) passed before "
+                               f"{phase}; raise load_timeout_s if loads this large need longer")
 
     def read_metadata(self) -> None:
         """(coordinator opens, every rank receives; one broadcast) The opened

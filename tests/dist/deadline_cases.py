@@ -44,3 +44,27 @@ def timed_save(url: str, timeout: float, delay: str | None = None, lazy: bool | 
 def leftovers(url: str) -> list[str]:
     """The files a save left at ``url`` (this rank's view)."""
     return sorted(str(p.relative_to(url)) for p in Path(url).rglob("*") if p.is_file()) if Path(url).exists() else []
+
+
+def timed_load(url: str, timeout: float, delay: str | None = None) -> tuple[str, float]:
+    """One load of ``url`` with ``load_timeout_s=timeout`` (``delay`` as for
+    :func:`timed_save`); -> (the error, or "loaded" when the state equals the
+    saved one bitwise, and its seconds)."""
+    if delay:
+        os.environ["BYTECP_FAULT_DELAY"] = delay
+    state = _state()
+    with torch.no_grad():
+        for p in state["model"].parameters():
+            p.zero_()
+    state["x"] = torch.zeros(4096)
+    t0 = time.monotonic()
+    try:
+        bytecp.load(url, state, load_timeout_s=timeout)
+    except Exception as e:  # noqa: BLE001 - the test reads the message
+        return f"{type(e).__name__}: {e}", time.monotonic() - t0
+    finally:
+        os.environ.pop("BYTECP_FAULT_DELAY", None)
+    want = _state()
+    same = all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
+                                                 want["model"].state_dict().values(), strict=True))
+    return ("loaded" if same and torch.equal(state["x"], want["x"]) else "loaded, but differs"), time.monotonic() - t0

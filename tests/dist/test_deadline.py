@@ -62,3 +62,38 @@ def test_a_stopped_rank_is_named_and_the_job_saves_again_once_it_continues(pools
     assert not (tmp_path / "ck" / "metadata.json").exists()
     ok = pool.run(deadline_cases.timed_save, str(tmp_path / "next"), 60.0, timeout=120)
     assert [m for m, _ in ok] == ["committed", "committed"]
+
+
+def test_a_rank_stopped_during_a_load_is_named_by_every_other_rank_by_the_deadline(pools, tmp_path: Path) -> None:
+    """load_timeout_s: the same machinery as a save's deadline. Rank 1 is
+    SIGSTOPped in the middle of a load; rank 0's load fails within the
+    deadline plus the roll call, naming rank 1 and the option; rank 1, once
+    continued, fails too (it reached the step after the deadline)."""
+    pool = pools(2)
+    url = str(tmp_path / "ck")
+    assert [m for m, _ in pool.run(deadline_cases.timed_save, url, 60.0, timeout=120)] == ["committed"] * 2
+    assert [m for m, _ in pool.run(deadline_cases.timed_load, url, 60.0, timeout=120)] == ["loaded"] * 2
+    victim = pool.run(deadline_cases.pid)[1]
+    stop = threading.Timer(0.3, os.kill, (victim, signal.SIGSTOP))
+    resume = threading.Timer(0.3 + TIMEOUT + DistContext.ROLL_CALL_SECONDS + 3.0, os.kill, (victim, signal.SIGCONT))
+    stop.start()
+    resume.start()
+    try:
+        got = pool.run(deadline_cases.timed_load, url, TIMEOUT, "match:1:1.0", timeout=120)
+    finally:
+        stop.join()
+        resume.join()
+        os.kill(victim, signal.SIGCONT)
+    (msg0, t0), (msg1, _) = got
+    assert "rank 1" in msg0 and "load_timeout_s" in msg0 and "load/" in msg0, msg0
+    assert t0 < WITHIN, t0
+    assert msg1 != "loaded" and "load_timeout_s" in msg1, msg1
+
+
+def test_a_one_process_load_past_its_deadline_stops(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import bytecp
+
+    bytecp.save(str(tmp_path / "ck"), {"x": deadline_cases.torch.ones(8)})
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "match:0:0.6")
+    with pytest.raises(TimeoutError, match="load_timeout_s"):
+        bytecp.load_state_dict(str(tmp_path / "ck"), load_timeout_s=0.3)
