@@ -14,9 +14,10 @@ Called by user code (one process, no ``torch.distributed``) and by
    cannot delete what is being read;
 3. opens it and decides from index rows alone which of the state's tensors
    changed (:func:`bytecp.serving.changes.changed_tensors`);
-4. *stages*: reads the changed tensors into fresh tensors through the load
-   path's planned ranged reads (:class:`bytecp.interop.export.TensorReader`),
-   every chunk's crc32c checked;
+4. *stages*: reads the changed tensors into staging tensors (the previous
+   update's, reused) through the load path's planned ranged reads
+   (:func:`bytecp.plan.load_plan.plan_load`,
+   :func:`bytecp.loading.reader.execute_reads`), every chunk's crc32c checked;
 5. *swaps*: only once every staged tensor arrived and verified, copies them
    into the state's tensors (``copy_`` under ``no_grad``); an interruption
    (``KeyboardInterrupt``, ``SystemExit``) during the swap finishes the swap
@@ -37,7 +38,7 @@ import dataclasses
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -46,12 +47,15 @@ from bytecp.catalog import CheckpointInfo, list_checkpoints, one_line
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import PIN_DIR, name_of, sibling
-from bytecp.interop.export import ExportTensor, TensorReader
-from bytecp.loading.opened import open_checkpoint
+from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
+from bytecp.loading.reader import Target, execute_reads
+from bytecp.plan.load_plan import plan_load
+from bytecp.recorder import Trace
 from bytecp.saving import leases
 from bytecp.saving.pins import doomed_files
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tree.dtypes import dtype_from_name, itemsize
 from bytecp.tree.regions import full_region
 
 __all__ = ["FOLLOWERS", "FollowUpdate", "follow", "state_tensors"]
@@ -129,6 +133,7 @@ class _Follower:
         self.checksums, self.io_threads = checksums, io_threads
         self.url: str | None = None
         self.rows: dict[str, list[fmt.ChunkRecord]] = {}
+        self.spare: dict[str, torch.Tensor] = {}  # the last update's staging tensors, reused
         self.id = fmt.new_save_id()
         self.lease: leases.Lease | None = None
         if pin:
@@ -169,6 +174,27 @@ class _Follower:
                 with contextlib.suppress(Exception):
                     ck.delete([pin])
 
+    def stage(self, opened: OpenedCheckpoint, names: Sequence[str],
+              rows: Mapping[str, list[fmt.ChunkRecord]]) -> dict[str, torch.Tensor]:
+        """(step 4) The tensors ``names`` read whole into staging tensors (the
+        previous update's, reused where shape and dtype match: a second copy of
+        what changes, kept between updates) through the load path's planned
+        ranged reads, every chunk's crc32c checked."""
+        md = opened.metadata
+        staged: dict[str, torch.Tensor] = {}
+        for f in names:
+            shape, dtype = tuple(md.tensors[f]["shape"]), dtype_from_name(md.tensors[f]["dtype"])
+            old = self.spare.pop(f, None)
+            ok = old is not None and tuple(old.shape) == shape and old.dtype == dtype
+            staged[f] = old if ok and old is not None else torch.empty(shape, dtype=dtype)
+        targets = [Target(f, full_region(tuple(t.shape)), t) for f, t in staged.items()]
+        chunks = [r for f in names for r in rows[f]]
+        reqs = plan_load([(t.fqn, t.box) for t in targets], chunks,
+                         itemsizes={f: itemsize(t.dtype) for f, t in staged.items()})
+        execute_reads(opened.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=True,
+                      trace=Trace("follow", opened.storage.url))
+        return staged
+
     def update(self, info: CheckpointInfo, newest: CheckpointInfo, skipped: int) -> FollowUpdate:
         """(steps 2-5) Take checkpoint ``info``; raises, with the state untouched, when it cannot."""
         t0 = time.perf_counter()
@@ -195,10 +221,9 @@ class _Follower:
             else:
                 changes = changed_tensors(stored_names, rows, info.url, self.rows, self.url,
                                           checksums=self.checksums)
-            items = [ExportTensor(f, f, md.tensors[f]["dtype"], md.tensors[f]["dtype"],
-                                  tuple(md.tensors[f]["shape"])) for f in changes.changed]
-            staged = dict((it.fqn, t) for it, t in TensorReader(opened, io_threads=self.io_threads).read(items))
+            staged = self.stage(opened, changes.changed, rows)
         _swap([(self.targets[f], staged[s]) for f, s in wanted.items() if s in staged])
+        self.spare = staged
         self.url, self.rows = info.url, rows
         return FollowUpdate(
             step=info.step, url=info.url, bytes_read=sum(r.nbytes for f in changes.changed for r in rows[f]),

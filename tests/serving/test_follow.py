@@ -176,19 +176,17 @@ def test_what_is_read_is_pinned_and_retention_keeps_it(tmp_path: Path, monkeypat
         _step(model, opt)
         mgr.save(step, {"model": model, "optimizer": opt})
     seen: list[list[str]] = []
-    real = follow_mod.TensorReader
+    real = follow_mod.execute_reads
 
-    class Spy(real):  # type: ignore[misc, valid-type]
-        def read(self, items: Any) -> Any:
-            seen.append(sorted(str(p.relative_to(run)) for p in Path(run).glob("*/pins/*")))
-            # a retention of another process runs now: step-2 is doomed, step-1 retired
-            from bytecp.storage_api import open_storage
-            from bytecp.tools.retention import retain
-            retain(open_storage(run), ["step-3"] if Path(run, "step-3").exists() else [], ["step-2"],
-                   lambda: [])
-            return super().read(items)
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        seen.append(sorted(str(p.relative_to(run)) for p in Path(run).glob("*/pins/*")))
+        # a retention of another process runs now: step-2 doomed (its base step-1 with it)
+        from bytecp.storage_api import open_storage
+        from bytecp.tools.retention import retain
+        retain(open_storage(run), [], ["step-2"], lambda: [])
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(follow_mod, "TensorReader", Spy)
+    monkeypatch.setattr(follow_mod, "execute_reads", spy)
     served, _ = _model(seed=4)
     up = next(bytecp.follow(run, {"model": served}, poll_s=0.01, pin=pin))
     if not pin:  # the retention deleted what was being read: the update fails, the state untouched

@@ -1,0 +1,114 @@
+"""Following a run: the latency and bytes of a follower's update
+(``bytecp.follow``) beside a full reload of the same checkpoint.
+
+    python -m benchmarks.follow [--hidden 768 --layers 4 --steps 3] [--json out.json]
+
+One process, local disk (page cache warm: the bytes a follower skips are
+what it saves on a remote store). A transformers Llama built from a config
+(no downloads) is trained three ways, each step an in-place change of its
+trainable parameters (what an optimizer step does to them and to their
+version counters), saved by a ``CheckpointManager`` every step
+(incremental): (a) every weight trainable, (b) a LoRA (the real peft, r=8 on
+q_proj/v_proj), (c) the embedding and the first half of the layers frozen.
+A follower (``{"model": model}`` of its own) takes each checkpoint; figures
+are the medians over the updates after the first: the update's wall time
+and the bytes it read, beside ``bytecp.load`` of the same checkpoint into a
+fresh model (every byte).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bytecp
+
+
+def _llama(hidden: int, layers: int) -> Any:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def _model(case: str, hidden: int, layers: int) -> Any:
+    model = _llama(hidden, layers)
+    if case == "lora":
+        from peft import LoraConfig, get_peft_model
+
+        return get_peft_model(model, LoraConfig(r=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    if case == "half_frozen":
+        model.model.embed_tokens.requires_grad_(False)
+        for layer in model.model.layers[: layers // 2]:
+            layer.requires_grad_(False)
+    return model
+
+
+def _train(model: Any, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.requires_grad:
+                p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
+
+
+def run_case(case: str, hidden: int, layers: int, steps: int, root: Path) -> dict[str, Any]:
+    run = root / case
+    model, served, fresh = (_model(case, hidden, layers) for _ in range(3))
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=3)
+    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.001)
+    updates, reloads = [], []
+    for step in range(1, steps + 2):
+        _train(model, step)
+        mgr.save(step, {"model": model})
+        up = next(gen)
+        assert up.ok and up.step == step, up
+        t0 = time.perf_counter()
+        bytecp.load(f"{run}/step-{step}", {"model": fresh})
+        reloads.append(time.perf_counter() - t0)
+        if step > 1:
+            updates.append(up)
+    gen.close()
+    for k, v in model.state_dict().items():
+        assert torch.equal(served.state_dict()[k], v), k
+    total = sum(t.nbytes for t in model.state_dict().values())
+    upd_s = statistics.median(u.seconds for u in updates)
+    reload_s = statistics.median(reloads[1:])
+    return {"case": case, "model_bytes": total, "update_bytes_read": int(statistics.median(u.bytes_read for u in updates)),
+            "update_tensors_read": updates[-1].tensors_read, "update_s": upd_s, "full_reload_s": reload_s,
+            "full_reload_bytes": total, "speedup": reload_s / upd_s}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--hidden", type=int, default=768)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--json", default=None)
+    args = p.parse_args()
+    root = Path(tempfile.mkdtemp(prefix="bytecp-follow-"))
+    try:
+        rows = [run_case(c, args.hidden, args.layers, args.steps, root) for c in ("every_weight", "lora", "half_frozen")]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{'case':<14}{'model MB':>10}{'read MB':>10}{'update s':>10}{'reload s':>10}{'speedup':>9}")
+    for r in rows:
+        print(f"{r['case']:<14}{r['model_bytes'] / 1e6:>10.1f}{r['update_bytes_read'] / 1e6:>10.2f}"
+              f"{r['update_s']:>10.3f}{r['full_reload_s']:>10.3f}{r['speedup']:>8.1f}x")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
+if __name__ == "__main__":
+    main()
