@@ -11,8 +11,9 @@ in-flight checkpoint is never counted (it has no ``metadata.json`` yet), the
 last committed one is never deleted before a newer one commits (retention
 runs only after a commit, and always keeps the newest), and deletion runs on
 the save's background thread once it has committed, never on the training
-thread. A failed save deletes no checkpoint; its error is raised by the next
-``save``/``wait``.
+thread. A failed save deletes no checkpoint; a synchronous one raises, an
+asynchronous one is logged, sent to the recorders (``save_failed``) and
+listed in ``failed``, and the next ``save`` proceeds (``wait`` raises it).
 
 Saves are incremental by default: each references, in the previous
 checkpoint this manager saved, the boxes unchanged since then (frozen
@@ -24,12 +25,14 @@ checkpoints reference (:mod:`bytecp.tools.retention`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
+from bytecp import recorder
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
 from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
@@ -138,6 +141,9 @@ class CheckpointManager:
         self._retain_lock = threading.Lock()
         #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
         self.skipped: list[tuple[str, str]] = []
+        #: (url, error) of the asynchronous saves that failed (the last 100), oldest first
+        self.failed: list[tuple[str, str]] = []
+        self._reported: SaveHandle | None = None
         self._preemption: Preemption | None = None
         self._prewarmed = False
         self.restored_from: str | None = None  # "memory" or "storage", after restore
@@ -242,8 +248,8 @@ class CheckpointManager:
 
         Synchronous: returns ``None`` once committed and pruned. With
         ``async_save``: returns the :class:`~bytecp.SaveHandle` once staged;
-        the previous save must have ended first (its error, if any, is raised
-        here), and retention runs when this one commits.
+        the previous save must have ended first (its error, if any, is
+        reported, not raised), and retention runs when this one commits.
         """
         self._cadence.saved()
         return self._target(self.url_for(step), self.storage_options, state, step, self._retain,
@@ -262,6 +268,9 @@ class CheckpointManager:
             return None
         from bytecp.api import async_save
 
+        if self._pending is not None:  # its failure reported before the next save looks at it
+            self._pending.wait_done()
+            self._report_failed(self._pending)
         handle = async_save(url, state, lazy=self.lazy, step=step, base=base, storage_options=options,
                             **self.save_kwargs)
         self._pending = handle
@@ -282,15 +291,37 @@ class CheckpointManager:
         return last
 
     def _after_async_save(self, handle: SaveHandle, committed: Callable[[], None]) -> None:
-        """(the save's background thread) Prune (and drain) once the save has committed."""
+        """(the save's background thread) Prune (and drain) once the save has
+        committed; a failed one is reported here (:meth:`_report_failed`)."""
         try:
             if handle.exception() is None:
                 committed()
+            else:
+                self._report_failed(handle)
         except Exception as e:  # noqa: BLE001 - retention/drain must not lose the committed save
             log.warning("bytecp: after committing %s: %s", handle.url, e)
         finally:
             if handle is self._pending:
                 self._retained.set()
+
+    def _report_failed(self, handle: SaveHandle) -> None:
+        """(the failed save's background thread) Log the error, count it
+        (``save_failed`` event to the recorders, :attr:`failed`) and mark it
+        seen, so the next save proceeds instead of raising it: a training
+        job keeps training on its last committed checkpoint."""
+        error = handle.exception()
+        with self._retain_lock:
+            if error is None or handle is self._reported:
+                return
+            self._reported = handle
+        with contextlib.suppress(Exception):
+            handle.result()  # marks the error seen: the next async_save does not raise it
+        text = f"{type(error).__name__}: {error}"
+        self.failed.append((handle.url, text))
+        del self.failed[:-100]
+        recorder.emit_event("save_failed", 1, reason=type(error).__name__)
+        log.error("bytecp: the asynchronous save to %s failed, nothing of it is committed; training goes "
+                  "on and the next save proceeds: %s", handle.url, text)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until the in-flight asynchronous save has committed and its

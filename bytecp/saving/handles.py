@@ -86,6 +86,11 @@ class SaveHandle:
         """Whether the save has committed or failed."""
         return self._done.is_set()
 
+    def wait_done(self) -> None:
+        """Block until the save has committed or failed, raising nothing
+        (the manager, before its next save, to report a failure itself)."""
+        self._done.wait()
+
     def staged(self) -> bool:
         """Whether this rank's data has been copied (the state may change now)."""
         return self._staged.is_set()
