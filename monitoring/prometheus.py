@@ -25,7 +25,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histo
 
 from bytecp.recorder import OPERATION_STARTED, STORAGE_RETRY, CheckpointReport, add_recorder
 
-__all__ = ["PrometheusRecorder", "enable_prometheus", "PROCESS_METRICS", "SECONDS_BUCKETS"]
+__all__ = ["PrometheusRecorder", "enable_prometheus", "PROCESS_METRICS", "FOLLOWER_EVENTS", "SECONDS_BUCKETS"]
 
 #: seconds buckets from 10 ms to ~17 min: stalls are short, slow saves are long
 SECONDS_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1000)
@@ -44,7 +44,14 @@ PROCESS_METRICS = (
     "bytecp_throughput_bytes_per_second",
     "bytecp_operations_in_flight",
     "bytecp_monitor_reports_dropped_total",
+    "bytecp_follower_lag_steps",
+    "bytecp_follower_lag_seconds",
+    "bytecp_follower_update_bytes",
 )
+#: events ``bytecp.follow`` sends after each update (bytecp.serving.follow): name -> gauge family
+FOLLOWER_EVENTS = {"follower_lag_steps": "bytecp_follower_lag_steps",
+                   "follower_lag_seconds": "bytecp_follower_lag_seconds",
+                   "follower_update_bytes": "bytecp_follower_update_bytes"}
 
 _BASE = ("job", "rank", "operation")
 
@@ -111,6 +118,15 @@ class PrometheusRecorder:
         self.in_flight = Gauge(
             "bytecp_operations_in_flight", "Saves and loads started and not yet ended", _BASE, **kw
         )
+        self.follower = {
+            name: Gauge(fam, help, ("job", "rank"), **kw) for name, fam, help in (
+                ("follower_lag_steps", FOLLOWER_EVENTS["follower_lag_steps"],
+                 "Steps from the run's newest commit to what a follower holds, at its last update"),
+                ("follower_lag_seconds", FOLLOWER_EVENTS["follower_lag_seconds"],
+                 "Seconds from the commit of what a follower took to the end of its last update"),
+                ("follower_update_bytes", FOLLOWER_EVENTS["follower_update_bytes"],
+                 "Stored bytes a follower's last update read (only what changed)"))
+        }
         self.dropped = Counter(
             "bytecp_monitor_reports_dropped",
             "Reports the push client dropped (collector slow or absent)",
@@ -151,6 +167,8 @@ class PrometheusRecorder:
             self.storage_retries.labels(job, rank, backend, reason).inc(value)
         elif name == "monitor_report_dropped":
             self.dropped.labels(job, rank).inc(value)
+        elif name in self.follower:
+            self.follower[name].labels(job, rank).set(value)
 
     def _close(self, key: tuple[str, str, str]) -> None:
         with self._lock:

@@ -50,7 +50,7 @@ from bytecp.format.references import PIN_DIR, name_of, sibling
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
 from bytecp.plan.load_plan import plan_load
-from bytecp.recorder import Trace
+from bytecp.recorder import Trace, emit_event
 from bytecp.saving import leases
 from bytecp.saving.pins import doomed_files
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
@@ -310,6 +310,10 @@ def follow(
                     up = FollowUpdate(step=newest.step, url=newest.url, skipped=skipped,
                                       error=f"{type(e).__name__}: {one_line(e)}", held=f.url)
                 idle_since = time.monotonic()
+                if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update
+                    emit_event("follower_lag_steps", float(up.lag_steps))
+                    emit_event("follower_lag_seconds", up.lag_s)
+                    emit_event("follower_update_bytes", float(up.bytes_read))
                 yield up
                 continue
             if idle_timeout_s is not None and time.monotonic() - idle_since >= idle_timeout_s:

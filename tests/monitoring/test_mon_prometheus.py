@@ -75,6 +75,8 @@ def test_every_declared_family_is_exported() -> None:
         rec.on_report(r)
     rec.on_event("storage_retry", 1.0, {})
     rec.on_event("monitor_report_dropped", 1.0, {})
+    for event in ("follower_lag_steps", "follower_lag_seconds", "follower_update_bytes"):
+        rec.on_event(event, 2.0, {})
     names = {s.name for m in reg.collect() for s in m.samples}
     for fam in PROCESS_METRICS:
         assert any(n == fam or n.startswith(fam + "_") for n in names), fam

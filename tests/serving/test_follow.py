@@ -197,3 +197,30 @@ def test_what_is_read_is_pinned_and_retention_keeps_it(tmp_path: Path, monkeypat
     assert len(pins) == 2 and {p.split("/")[0] for p in pins} == {"step-1", "step-2"}
     assert all("/pins/.followers." in p for p in pins)
     assert json.loads((Path(run) / "step-2" / "base.json").read_text())  # retired, files kept for the reader
+
+
+def test_follower_lag_and_bytes_reach_prometheus(tmp_path: Path) -> None:
+    from bytecp.monitoring.prometheus import PrometheusRecorder
+    from prometheus_client import CollectorRegistry
+
+    from bytecp import recorder
+
+    reg = CollectorRegistry()
+    rec = recorder.add_recorder(PrometheusRecorder(reg, job="eval", rank=0))
+    try:
+        run = str(tmp_path / "run")
+        model, opt = _model(frozen=True)
+        mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=3)
+        served, _ = _model(seed=1)
+        gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+        for step in (1, 2):
+            _step(model, opt)
+            mgr.save(step, {"model": model, "optimizer": opt})
+            up = next(gen)
+        gen.close()
+        lab = {"job": "eval", "rank": "0"}
+        assert reg.get_sample_value("bytecp_follower_update_bytes", lab) == up.bytes_read > 0
+        assert reg.get_sample_value("bytecp_follower_lag_steps", lab) == 0
+        assert 0 <= (reg.get_sample_value("bytecp_follower_lag_seconds", lab) or -1) < 60
+    finally:
+        recorder.remove_recorder(rec)
