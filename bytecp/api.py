@@ -193,6 +193,7 @@ def load(
     monitor: str | Recorder | None = None,
     exclude: Sequence[str] = (),
     load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
+    format: str | None = None,
 ) -> LoadResult:
     """Load the checkpoint at ``url`` into ``state`` in place; every rank calls it.
 
@@ -202,14 +203,16 @@ def load(
     values in ``state``'s dicts are replaced. The keyword arguments are
     described on :class:`~bytecp.options.LoadOptions`; with ``strict=False``
     missing and unexpected keys are reported in the result instead of raising;
-    ``exclude=["optimizer", ...]`` leaves those entries out of the load.
+    ``exclude=["optimizer", ...]`` leaves those entries out of the load;
+    ``format="dcp"`` (or another source's name) reads another tool's checkpoint,
+    which is detected anyway when the URL has no ``metadata.json``.
     """
     t0, wall0 = time.perf_counter(), time.time()
     opts = LoadOptions(
         framework=framework, strict=strict, verify=verify, allow_pickle=allow_pickle,
         io_threads=io_threads, zero_redundancy=zero_redundancy, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
-        exclude=_names(exclude), load_timeout_s=load_timeout_s,
+        exclude=_names(exclude), load_timeout_s=load_timeout_s, format=format,
     )
     _check_state(state)
     from bytecp.saving.reuse import LAST_SAVES
@@ -235,6 +238,7 @@ def load_state_dict(
     storage_options: dict[str, Any] | None = None,
     exclude: Sequence[str] = (),
     load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
+    format: str | None = None,
 ) -> dict[str, Any]:
     """The whole checkpoint as plain full tensors and values, in one process.
 
@@ -243,7 +247,8 @@ def load_state_dict(
     keyed by parameter FQN. ``exclude=["optimizer"]`` reads none of what is under those names.
     """
     opts = LoadOptions(verify=verify, allow_pickle=allow_pickle, io_threads=io_threads,
-                       storage_options=storage_options or {}, exclude=_names(exclude), load_timeout_s=load_timeout_s)
+                       storage_options=storage_options or {}, exclude=_names(exclude), load_timeout_s=load_timeout_s,
+                       format=format)
     ctx = DistContext.local()
     ctx.deadline, ctx.deadline_option = _load_deadline(opts), "load_timeout_s"
     storage = _storage(url, opts)

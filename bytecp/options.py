@@ -162,11 +162,22 @@ class LoadOptions(_Common):
     #: not reach the step the others waited in (one process: checked between
     #: phases); None: no deadline (the process group's own timeout bounds each step)
     load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S
+    #: what the URL holds: None detects it (``metadata.json``, else each source
+    #: of :data:`bytecp.interop.SOURCES` in turn: a Hugging Face or DCP
+    #: directory); ``"bytecp"`` reads ``metadata.json`` only; a source's name
+    #: (``"dcp"``, ``"huggingface"``) reads the URL as that source
+    format: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("io_threads", self.io_threads)
         _check_timeout("load_timeout_s", self.load_timeout_s)
+        if self.format not in (None, "bytecp"):
+            from bytecp.interop import SOURCES
+
+            if self.format not in SOURCES:
+                raise ConfigError(f"format={self.format!r} is not a format bytecp reads; use one of "
+                                  f"{', '.join(['bytecp', *SOURCES])}")
         if isinstance(self.exclude, str) or not all(isinstance(x, str) and x and not x.startswith(".")
                                                     and not x.endswith(".") for x in self.exclude):
             raise ConfigError(f"exclude must be a list of dotted names such as ['optimizer', 'engine.lr_scheduler'], "

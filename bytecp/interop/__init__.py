@@ -31,11 +31,12 @@ from typing import Any
 from bytecp.errors import ConfigError
 from bytecp.storage_api import Storage
 
-__all__ = ["SOURCES", "WRITERS", "find_source", "read_source", "writer", "source_names"]
+__all__ = ["SOURCES", "WRITERS", "find_source", "read_source", "exact_names", "writer", "source_names"]
 
 #: source name -> module exposing ``detect(storage)`` and ``read(storage)``, in detection order
 SOURCES: dict[str, str] = {
     "huggingface": "bytecp.interop.safetensors_dir",
+    "dcp": "bytecp.interop.dcp",
 }
 
 #: ``bytecp export --format`` name -> ``"module:function"``
@@ -58,7 +59,9 @@ def _module(name: str) -> Any:
 def find_source(storage: Storage, fmt: str | None = None) -> str | None:
     """(the coordinator of a load, when ``storage`` has no ``metadata.json``)
     The name of the source format ``storage`` holds, or None. ``fmt`` forces
-    one (an unknown name is a :class:`~bytecp.errors.ConfigError`)."""
+    one (an unknown name is a :class:`~bytecp.errors.ConfigError`); ``"bytecp"`` none."""
+    if fmt == "bytecp":
+        return None
     if fmt is not None:
         if fmt not in SOURCES:
             raise ConfigError(f"format={fmt!r} is not a format bytecp reads; use one of "
@@ -74,6 +77,13 @@ def read_source(storage: Storage, name: str) -> tuple[Any, list[Any]]:
     """(the coordinator of a load) ``(Metadata, rows)`` of the source ``name`` at ``storage``."""
     md, rows = _module(name).read(storage)
     return md, list(rows)
+
+
+def exact_names(name: str) -> bool:
+    """Whether source ``name``'s names are matched with the state's exactly and
+    its dtypes never cast (its module says ``NAMES = "exact"``: DCP), rather
+    than as transformers matches a Hugging Face directory's."""
+    return getattr(_module(name), "NAMES", "transformers") == "exact"
 
 
 def writer(fmt: str) -> Any:

@@ -109,9 +109,9 @@ def foreign_kind(names: list[str]) -> str | None:
     has = set(names)
     if ".metadata" in has and any(n.endswith(".distcp") for n in names):
         return (
-            "a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), not a bytecp one: load it "
-            "with torch.distributed.checkpoint.load, or convert it for one process with "
-            "torch.distributed.checkpoint.format_utils.dcp_to_torch_save"
+            "a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), not a bytecp one: "
+            "bytecp.load and bytecp.load_state_dict read it as it is (unless format='bytecp' is given); "
+            "the one-process tools do not"
         )
     hf_files = "config.json" in has or "tokenizer_config.json" in has or "adapter_config.json" in has
     weights = [n for n in names if n.endswith(_HF_WEIGHTS) and not n.startswith(".")]

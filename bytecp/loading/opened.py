@@ -180,9 +180,12 @@ class _ForeignRows:
     """A foreign source (a Hugging Face directory, :mod:`bytecp.interop.safetensors_dir`):
     one whole-tensor row per tensor, from the headers the coordinator read
     and checked; they travel whole in the metadata broadcast (one row per
-    tensor), so no other rank reads a header."""
+    tensor), so no other rank reads a header. ``exact``: the source's names
+    are the state's (DCP, :func:`bytecp.interop.exact_names`), matched exactly
+    and never cast; else they are matched as transformers matches them."""
 
     rows: tuple[fmt.ChunkRecord, ...]
+    exact: bool = False
 
     def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
         return len(self.rows)
@@ -242,6 +245,13 @@ class OpenedCheckpoint:
         names are matched as transformers matches them, its dtypes may be
         cast, its rows carry no checksums."""
         return isinstance(self.index, _ForeignRows)
+
+    @property
+    def transformers_names(self) -> bool:
+        """Whether this is a foreign source whose names are matched as
+        transformers matches them and whose dtypes may be cast (a Hugging Face
+        directory; not a DCP checkpoint, whose names are the state's)."""
+        return isinstance(self.index, _ForeignRows) and not self.index.exact
 
     def renamed(self, names: Mapping[str, str], aliases: Mapping[str, str]) -> OpenedCheckpoint:
         """(every rank of a foreign load, after matching names) The same
@@ -335,34 +345,45 @@ class OpenedCheckpoint:
 def read_metadata(storage: Storage) -> fmt.Metadata:
     """Read and validate ``metadata.json``; a typed error naming what the URL
     is instead when there is none (:mod:`bytecp.loading.diagnose`)."""
-    got = _read_metadata(storage, foreign=False)
+    got = _read_metadata(storage, foreign=False, source_format=None)
     assert isinstance(got, fmt.Metadata)
     return got
 
 
-def _read_metadata(storage: Storage, *, foreign: bool) -> fmt.Metadata | OpenedCheckpoint:
+def _read_metadata(storage: Storage, *, foreign: bool, source_format: str | None) -> fmt.Metadata | OpenedCheckpoint:
+    forced = interop.find_source(storage, source_format) if source_format is not None else None
+    if forced is not None:  # format= names a source: read as that, whatever else is there
+        return _foreign(storage, forced)
     try:
         data = storage.read_bytes(fmt.METADATA_FILE)
     except (FileNotFoundError, StorageError) as e:
-        source = interop.find_source(storage) if foreign and isinstance(e, FileNotFoundError) else None
+        detect = foreign and source_format is None and isinstance(e, FileNotFoundError)
+        source = interop.find_source(storage) if detect else None
         if source is not None:
-            md, rows = interop.read_source(storage, source)
-            return OpenedCheckpoint(storage, md, _ForeignRows(tuple(rows)), _Found(real=dict(md.data_files)))
+            return _foreign(storage, source)
         # a file, a run directory, an interrupted save, nothing: say which
         diagnose.raise_not_a_checkpoint(storage, e)
     return fmt.Metadata.from_bytes(data, storage.url)
 
 
-def open_checkpoint(src: str | Storage, *, foreign: bool = False) -> OpenedCheckpoint:
+def _foreign(storage: Storage, source: str) -> OpenedCheckpoint:
+    """The checkpoint of source format ``source`` at ``storage``, opened (:data:`bytecp.interop.SOURCES`)."""
+    md, rows = interop.read_source(storage, source)
+    return OpenedCheckpoint(storage, md, _ForeignRows(tuple(rows), interop.exact_names(source)),
+                            _Found(real=dict(md.data_files)))
+
+
+def open_checkpoint(src: str | Storage, *, foreign: bool = False, format: str | None = None) -> OpenedCheckpoint:
     """Open ``src`` (a storage, or a URL opened with no options) for reading:
     its validated metadata, and how its rows are found (decided here, once).
     ``foreign`` (the load pipeline): a directory with no ``metadata.json`` but
     a checkpoint of another format :data:`bytecp.interop.SOURCES` reads (a
     transformers directory: :mod:`bytecp.interop.safetensors_dir`) opens as
     a foreign source; the one-process tools (export,
-    inspect, verify, gc) do not take one."""
+    inspect, verify, gc) do not take one. ``format`` (``LoadOptions.format``):
+    ``"bytecp"`` reads ``metadata.json`` only, a source's name reads that source."""
     storage = src if isinstance(src, Storage) else open_storage(src)
-    got = _read_metadata(storage, foreign=foreign)
+    got = _read_metadata(storage, foreign=foreign, source_format=format)
     if isinstance(got, OpenedCheckpoint):
         return got
     md = got

@@ -104,7 +104,8 @@ class LoadPipeline:
 
         def read() -> Shared:
             with self.trace.span("read_metadata") as sp:
-                opened = open_checkpoint(self.storage, foreign=True)  # a Hugging Face directory too
+                # a Hugging Face or DCP directory too; format= forces one
+                opened = open_checkpoint(self.storage, foreign=True, format=self.opts.format)
                 opened.check_sizes()  # before any tensor is allocated
                 sp.files = opened.files_read
                 return opened.share()
@@ -139,12 +140,12 @@ class LoadPipeline:
             flat = flatten_tree(tree, target=True)
             opened = self.opened
             assert opened is not None
-            if opened.foreign and self.state is not None:  # a Hugging Face directory: its names, the target's
+            if opened.transformers_names and self.state is not None:  # a Hugging Face directory: its names, the target's
                 names = match_names(flat, md.tensors, tied=md.user_metadata.get("tie_word_embeddings") is True,
                                     strict=self.opts.strict, where=self.storage.url)
                 opened = opened.renamed(names.renames, names.aliases)
             return target, opened, match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
-                                                 self.ctx.world_size, cast=opened.foreign,
+                                                 self.ctx.world_size, cast=opened.transformers_names,
                                                  elsewhere=target.elsewhere if target is not None else ())
 
         with self.trace.span("plan"):
