@@ -37,6 +37,8 @@ __all__ = ["SOURCES", "WRITERS", "find_source", "read_source", "exact_names", "w
 SOURCES: dict[str, str] = {
     "huggingface": "bytecp.interop.safetensors_dir",
     "dcp": "bytecp.interop.dcp",
+    "deepspeed": "bytecp.interop.deepspeed_zero",
+    "deepspeed_universal": "bytecp.interop.deepspeed_universal",
 }
 
 #: ``bytecp export --format`` name -> ``"module:function"``

@@ -1,0 +1,49 @@
+"""Functions the DeepSpeed-source tests run on every rank of a spawned gloo
+pool: DeepSpeed's own ``save_checkpoint`` writes the source, a fresh engine
+at another ZeRO stage or data-parallel size loads it through ``bytecp.load``.
+The engine helpers are the DeepSpeed adapter tests' (``tests/zero/ds_cases``).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bytecp
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "zero"))
+
+import ds_cases as dc  # noqa: E402
+
+
+def ds_write(root: str, stage: int, bf16: bool = False) -> dict[str, Any]:
+    """(every rank) Train 2 steps, ``engine.save_checkpoint(root)``; the
+    engine's full tensors, its counters and the next 2 steps' losses."""
+    engine = dc.make_engine(stage, seed=0, bf16=bf16, warmup=10)
+    dc.losses(engine, range(2))
+    snap = dc.engine_snapshot(engine)
+    counters = dc.engine_counters(engine)
+    engine.save_checkpoint(root)
+    return {"snap": snap, "counters": counters, "after": dc.losses(engine, range(2, 4))}
+
+
+def ds_read(url: str, stage: int) -> dict[str, Any]:
+    """(every rank) A fresh engine at ZeRO ``stage`` (other seed) loads the
+    DeepSpeed checkpoint with ``bytecp.load``; its full tensors, counters
+    and the next 2 steps' losses."""
+    engine = dc.make_engine(stage, seed=5, warmup=10)
+    bytecp.load(url, {"model": engine})
+    snap = dc.engine_snapshot(engine)
+    counters = dc.engine_counters(engine)
+    return {"snap": snap, "counters": counters, "after": dc.losses(engine, range(2, 4))}
+
+
+def plain_step(url: str) -> dict[str, torch.Tensor]:
+    """(one process, no torch.distributed) A plain module and torch AdamW load it, then one step."""
+    model = dc.make_model(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=dc.STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])
+    return dc.torch_snapshot(model, opt)
