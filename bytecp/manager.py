@@ -317,8 +317,7 @@ class CheckpointManager:
         with contextlib.suppress(Exception):
             handle.result()  # marks the error seen: the next async_save does not raise it
         text = f"{type(error).__name__}: {error}"
-        self.failed.append((handle.url, text))
-        del self.failed[:-100]
+        self.failed[:] = [*self.failed[-99:], (handle.url, text)]
         recorder.emit_event("save_failed", 1, reason=type(error).__name__)
         log.error("bytecp: the asynchronous save to %s failed, nothing of it is committed; training goes "
                   "on and the next save proceeds: %s", handle.url, text)
@@ -429,7 +428,8 @@ class CheckpointManager:
         """Remove what killed saves left in ``step-<N>`` directories with no
         ``metadata.json`` and N below the newest committed step (a restarted
         job may never save that step again), unless a save there may still
-        be running (:mod:`bytecp.saving.leases`). Never raises."""
+        be running (:mod:`bytecp.saving.leases`), and doom markers left
+        alone by a retention cut short (nothing left to protect). Never raises."""
         from bytecp.saving.leases import orphans
 
         try:
@@ -439,6 +439,8 @@ class CheckpointManager:
                         f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
                     continue  # (a retired base holds files kept checkpoints reference)
                 dead, _ = orphans(root.child(name), None)
+                left = root.child(name).list_files("")  # a retention cut short (a read-only disk): its marker
+                dead = left if left and all(f.startswith("doomed/") for f in left) else dead
                 if dead:
                     root.delete([f"{name}/{f}" for f in dead])
                     log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",

@@ -1,0 +1,230 @@
+"""The chaos run's driver: episodes of a 2-rank training job, each meeting one
+seeded random fault, each followed by a restart as a scheduler would make
+(new processes, ``CheckpointManager.restore``). Used by test_chaos.py (short)
+and benchmarks/chaos.py (long).
+
+Faults: ``kill`` (SIGKILL of a rank at a random point of a save: plan,
+stage, write, commit, just after the commit), ``stop`` (SIGSTOP of a rank
+mid-save, past the save deadline; continued by the driver after it),
+``fill`` (the disk, a real small tmpfs, filled for 3 steps), ``readonly``
+(the tmpfs remounted read-only for 3 steps), ``s3`` (the job saves to moto
+through the fault proxy: 503, 500, resets before and after the server acted,
+truncated replies), ``none``. Invariants checked after every episode:
+
+- the restored state is bitwise the state training reaches at that step;
+- every committed checkpoint passes ``bytecp verify``;
+- after a job that ended normally, no file is left but those kept
+  checkpoints need (their data, index, metadata, reports, retired bases);
+- no episode runs past its timeout; a stalled rank's peer has its error
+  within the deadline plus the roll call plus slack.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import json
+import os
+import posixpath
+import random
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from bytecp.dist import DistContext
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import open_storage
+from bytecp.tools.inspect import verify
+
+HERE = Path(__file__).resolve().parent
+#: the S3 servers and the fault proxy live beside the storage tests
+STORAGE_TESTS = HERE.parent / "storage"
+KINDS = ("none", "kill", "stop", "fill", "readonly")
+PHASES = ("plan", "stage", "write", "commit", "committed")
+
+
+@dataclasses.dataclass
+class Figures:
+    episodes: int = 0
+    saves: int = 0
+    failed_saves: int = 0
+    restarts: int = 0
+    verified: int = 0
+    faults: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    stalls: list[float] = dataclasses.field(default_factory=list)
+    problems: list[str] = dataclasses.field(default_factory=list)
+    seconds: float = 0.0
+
+    def line(self) -> str:
+        stall = f", stall->error {min(self.stalls):.2f}-{max(self.stalls):.2f} s" if self.stalls else ""
+        return (f"{self.episodes} episodes, {self.restarts} restarts, {self.saves} saves ({self.failed_saves} failed), "
+                f"faults {dict(self.faults)}, {self.verified} checkpoint verifications{stall}, "
+                f"{len(self.problems)} problems, {self.seconds:.0f} s")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _state_of(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "?"
+
+
+def leftovers(storage: Any) -> list[str]:
+    """Files below a run that no committed checkpoint needs."""
+    files = storage.list_files("")
+    needed: set[str] = set()
+    for name in sorted({f.split("/", 1)[0] for f in files}):
+        if f"{name}/{fmt.METADATA_FILE}" not in files:
+            continue
+        md = fmt.Metadata.from_bytes(storage.read_bytes(f"{name}/{fmt.METADATA_FILE}"), name)
+        needed |= {posixpath.normpath(f"{name}/{ref}") for ref in md.referenced_files()}
+        needed |= {f for f in files if f.startswith((f"{name}/reports/", f"{name}/metadata.json"))}
+    dirs = {f.split("/", 1)[0] for f in needed}
+    return sorted(f for f in files if f not in needed and not (f.endswith("/base.json") and f.split("/")[0] in dirs))
+
+
+class Chaos:
+    """Runs episodes against one local run (on ``disk``, a tmpfs) and, when
+    ``s3`` is given (server, bucket), one S3 run behind a fault proxy."""
+
+    def __init__(self, disk: Path, *, seed: int = 0, s3: tuple[Any, str] | None = None, deadline: float = 3.0,
+                 steps: int = 8, episode_timeout: float = 90.0, log: Any = print) -> None:
+        self.disk, self.rng, self.s3, self.deadline = disk, random.Random(seed), s3, deadline
+        self.steps, self.episode_timeout, self.log = steps, episode_timeout, log
+        self.fig = Figures()
+        self.stop_step = {"local": 0, "s3": 0}
+
+    def kinds(self) -> tuple[str, ...]:
+        return KINDS + (("s3",) if self.s3 else ())
+
+    def episode(self, kind: str | None = None) -> None:
+        rng = self.rng
+        kind = kind or rng.choice(self.kinds())
+        where = "s3" if kind == "s3" else "local"
+        start = self.stop_step[where]
+        stop_step = self.stop_step[where] = start + self.steps
+        fault: dict[str, Any] = {"kind": kind, "step": start + rng.randint(2, self.steps - 3),
+                                 "rank": rng.randint(0, 1), "phase": rng.choice(PHASES),
+                                 "delay": round(rng.uniform(0.0, 0.03), 4), "disk": str(self.disk)}
+        proxy = None
+        if where == "s3":
+            if str(STORAGE_TESTS) not in sys.path:
+                sys.path.insert(0, str(STORAGE_TESTS))
+            from fault_proxy import FaultProxy, Rule
+
+            server, bucket = self.s3  # type: ignore[misc]
+            proxy = FaultProxy(server.endpoint_url, seed=rng.randint(0, 1 << 30)).__enter__()
+            proxy.rules.append(Rule(rate=0.08))
+            run_url = f"s3://{bucket}/chaos"
+            options = {**server.options(), "endpoint_url": proxy.endpoint_url, "request_timeout": 5.0,
+                       "retry": {"deadline": 20.0, "initial_backoff": 0.02, "max_backoff": 0.3}}
+            clean_options = server.options()
+            fault = {}
+        else:
+            run_url, options, clean_options = str(self.disk / "run"), {}, {}
+        out = Path(tempfile.mkdtemp(prefix="chaos-"))
+        cfg = {"run_url": run_url, "storage_options": options, "stop_step": stop_step, "async": rng.random() < 0.5,
+               "deadline": self.deadline, "load_deadline": 60.0, "out": str(out), "fault": fault,
+               "settle": 1.2}
+        env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
+               "BYTECP_LEASE_SECONDS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
+        env.pop("BYTECP_FAULT_KILL", None)
+        t0 = time.monotonic()
+        procs = [subprocess.Popen([sys.executable, str(HERE / "chaos_worker.py"), json.dumps(cfg)],
+                                  env={**env, "RANK": str(r)}, cwd=str(HERE),
+                                  stdout=subprocess.DEVNULL, stderr=open(out / f"err{r}.txt", "w"))
+                 for r in range(2)]
+        resumed = False
+        try:
+            while any(p.poll() is None for p in procs):
+                if any(p.returncode not in (None, 0) for p in procs):  # a rank died: the scheduler ends the job
+                    for p in procs:
+                        if p.poll() is None:
+                            p.send_signal(signal.SIGCONT)
+                            p.kill()
+                    break
+                stopped = out / "stopped"
+                if not resumed and stopped.exists() and _state_of(procs[fault["rank"]].pid) == "T":
+                    since = float(stopped.read_text() or time.time())
+                    if time.time() > since + self.deadline + DistContext.ROLL_CALL_SECONDS + 2.0:
+                        procs[fault["rank"]].send_signal(signal.SIGCONT)
+                        resumed = True
+                if time.monotonic() - t0 > self.episode_timeout:
+                    self.fig.problems.append(f"episode {self.fig.episodes} ({kind}) hung past {self.episode_timeout} s")
+                    for p in procs:
+                        p.send_signal(signal.SIGCONT)
+                        p.kill()
+                    break
+                time.sleep(0.05)
+            for p in procs:
+                p.wait(30)
+        finally:
+            if proxy is not None:
+                proxy.__exit__(None, None, None)
+            subprocess.run(["mount", "-o", "remount,rw", str(self.disk)], capture_output=True)
+            (self.disk / "filler").unlink(missing_ok=True)
+        self._check(kind, fault, out, procs, run_url, clean_options)
+        self.fig.episodes += 1
+        self.fig.restarts += 1
+        self.fig.seconds += time.monotonic() - t0
+
+    def _check(self, kind: str, fault: dict[str, Any], out: Path, procs: list[Any], run_url: str,
+               options: dict[str, Any]) -> None:
+        fig, ep = self.fig, self.fig.episodes
+        ran = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.restore.json"))]
+        if len(ran) < 2 and kind != "kill":
+            fig.problems.append(f"episode {ep} ({kind}): a rank did not restore: "
+                                f"{[(out / f'err{r}.txt').read_text()[-800:] for r in range(2)]}")
+        for r in ran:
+            if not r["restore_ok"]:
+                fig.problems.append(f"episode {ep} ({kind}): rank {r['rank']} restored step {r['restored']} "
+                                    "not bitwise equal to the training's state at that step")
+        clean = all(p.returncode == 0 for p in procs)
+        ends = [json.loads(p.read_text()) for p in sorted(out.glob("rank?.json"))]
+        if kind != "kill" and not clean:
+            fig.problems.append(f"episode {ep} ({kind}): exit codes {[p.returncode for p in procs]}: "
+                                f"{[(out / f'err{r}.txt').read_text()[-800:] for r in range(2)]}")
+        if kind == "kill" and not clean or kind != "none" and any(e.get("fired") for e in ends) or kind == "s3":
+            fig.faults[kind] += 1
+        for e in ends:
+            if e["rank"] == 0:
+                fig.saves += e["saves"]
+                fig.failed_saves += len(e["errors"]) + len(e["failed_async"])
+            if not e["final"]:
+                fig.problems.append(f"episode {ep}: rank {e['rank']} ended with a state training never had")
+        if kind == "stop" and (out / "stopped").exists() and len(ends) == 2:
+            since = float((out / "stopped").read_text())
+            peer = ends[1 - fault["rank"]]
+            times = [t for t, _ in peer["errors"]] + [t for t, _ in peer["failed_async"]]
+            after = [t - since for t in times if t >= since]
+            if after:
+                fig.stalls.append(min(after))
+                if min(after) > self.deadline + DistContext.ROLL_CALL_SECONDS + 5.0:
+                    fig.problems.append(f"episode {ep}: the stalled rank's peer erred {min(after):.1f} s after the stall")
+            else:
+                fig.problems.append(f"episode {ep}: no error on the peer of the stopped rank")
+        root = open_storage(run_url, **options)
+        for name in root.list_children(""):
+            if root.exists(f"{name}/{fmt.METADATA_FILE}"):
+                _, problems = verify(root.child(name))
+                fig.verified += 1
+                if problems:
+                    fig.problems.append(f"episode {ep}: committed {name} fails verify: {problems[:3]}")
+        if clean:
+            left = leftovers(root)
+            if left:
+                fig.problems.append(f"episode {ep} ({kind}): files no kept checkpoint needs: {left[:6]}")
+        self.log(f"episode {ep}: {kind} {fault.get('phase', '') if kind == 'kill' else ''} "
+                 f"rank {fault.get('rank')} step {fault.get('step')} -> exit {[p.returncode for p in procs]}, "
+                 f"restored {[r['restored'] for r in ran]}")

@@ -1,0 +1,76 @@
+"""The chaos run: a 2-rank training job saving every step meets a seeded
+random fault per episode (SIGKILL or SIGSTOP of a rank mid-save, a full disk,
+a read-only remount, S3 faults through the fault proxy) and restarts as a
+scheduler would; after every restart the restored state is bitwise the
+training's, every committed checkpoint verifies, no file is left that kept
+checkpoints do not need, and nothing hangs (see chaos.py).
+
+The short version (one episode of each fault) runs in the suite;
+``BYTECP_CHAOS_EPISODES=200`` runs that many seeded random episodes
+(``benchmarks/chaos.py`` prints the figures)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from .chaos import STORAGE_TESTS, Chaos
+
+pytestmark = pytest.mark.timeout(900)
+
+EPISODES = int(os.environ.get("BYTECP_CHAOS_EPISODES", "0"))
+
+
+@pytest.fixture
+def disk(tmp_path: Path) -> Iterator[Path]:
+    """A 32 MiB tmpfs of the job's own, unmounted after the test."""
+    root = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
+    root.mkdir()
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(root)], capture_output=True, text=True)
+    if got.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
+    try:
+        yield root
+    finally:
+        subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+@pytest.fixture
+def s3() -> Iterator[tuple[object, str]]:
+    sys.path.insert(0, str(STORAGE_TESTS))
+    import s3_servers
+
+    server = s3_servers.start_moto()
+    try:
+        yield server, server.new_bucket("chaos")
+    finally:
+        server.stop()
+
+
+def test_chaos_short(disk: Path, s3: tuple[object, str]) -> None:
+    """One episode of each fault, then a clean one (every invariant checked after each)."""
+    chaos = Chaos(disk, seed=1, s3=s3)
+    for kind in ("kill", "stop", "fill", "readonly", "s3", "none"):
+        chaos.episode(kind)
+    fig = chaos.fig
+    print(fig.line())
+    assert fig.problems == [], fig.problems
+    assert set(fig.faults) >= {"kill", "stop", "fill", "readonly", "s3"}, fig.faults
+    assert fig.stalls and max(fig.stalls) < chaos.deadline + 3.0 + 5.0, fig.stalls
+
+
+@pytest.mark.skipif(not EPISODES, reason="the long chaos run: BYTECP_CHAOS_EPISODES=N")
+def test_chaos_long(disk: Path, s3: tuple[object, str]) -> None:
+    chaos = Chaos(disk, seed=int(os.environ.get("BYTECP_CHAOS_SEED", "0")), s3=s3)
+    for _ in range(EPISODES):
+        chaos.episode()
+    print(chaos.fig.line())
+    assert chaos.fig.problems == [], chaos.fig.problems
