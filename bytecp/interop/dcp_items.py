@@ -17,7 +17,12 @@ from typing import Any
 
 import torch
 
-from bytecp.errors import CorruptCheckpointError, FormatVersionError, PickleNotAllowedError
+from bytecp.errors import (
+    CheckpointNotFoundError,
+    CorruptCheckpointError,
+    FormatVersionError,
+    PickleNotAllowedError,
+)
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
@@ -94,7 +99,10 @@ def _ints(v: Any) -> tuple[int, ...] | None:
 
 def read_metadata(storage: Storage, where: str) -> Any:
     """``.metadata`` through the restricted unpickler (DCP's classes as stand-ins), within the budget."""
-    size = storage.size(".metadata")
+    try:
+        size = storage.size(".metadata")
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{where} is missing: {storage.url} is not a DCP checkpoint") from None
     if size > torch_zip.MAX_PICKLE_BYTES:
         raise bad(where, f"is {size} bytes, over the {torch_zip.MAX_PICKLE_BYTES} byte budget")
     md = torch_zip.restricted_loads(storage.read_bytes(".metadata"), where, _ALLOW)
