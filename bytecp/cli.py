@@ -249,7 +249,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bytecp.interop import writer
 
     fmt = _export_format(args)
-    common: dict[str, Any] = dict(prefix=args.prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
+    prefix = args.prefix if args.prefix is not None else ("" if fmt == "dcp" else "model.")
+    common: dict[str, Any] = dict(prefix=prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
                                   overwrite=args.overwrite, out_options=_out_options(args))
     if fmt != "hf" and (args.config or args.max_shard_size or args.workers != 1 or args.spec):
         raise ConfigError("--config, --max-shard-size, --spec and --workers belong to the Hugging Face layout; "
@@ -266,7 +267,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
         return EXIT_OK
-    what = {"hf": "Hugging Face layout", "safetensors": "safetensors", "torch": "torch state dict"}[fmt]
+    what = {"hf": "Hugging Face layout", "safetensors": "safetensors", "torch": "torch state dict",
+            "dcp": "torch.distributed.checkpoint"}.get(fmt, fmt)
     print(f"wrote {res.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
     if fmt == "hf":
         print(f"  files: {', '.join(res.files)}")
@@ -359,8 +361,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="default: hf, or safetensors/torch when OUT ends in .safetensors/.pt/.pth. torch holds "
                          "every exported tensor in memory at once (torch.save needs them together); the others "
                          "hold about one tensor")
-    sp.add_argument("--prefix", default="model.",
-                    help="export tensors whose name starts with this key (default 'model'; '' for all)")
+    sp.add_argument("--prefix",
+                    help="export tensors whose name starts with this key (default 'model'; for --format dcp "
+                         "'': every tensor and value); '' for all")
     sp.add_argument("--keep-prefix", action="store_true", help="keep the prefix in the exported names")
     sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
     sp.add_argument("--max-shard-size", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB, as huggingface_hub)")

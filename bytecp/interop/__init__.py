@@ -46,6 +46,7 @@ WRITERS: dict[str, str] = {
     "hf": "bytecp.interop.hf_export:export_hf",
     "safetensors": "bytecp.interop.export:export_safetensors",
     "torch": "bytecp.interop.export:export_torch",
+    "dcp": "bytecp.interop.dcp_export:export_dcp",
 }
 
 
