@@ -228,9 +228,9 @@ class _SaveStream:
     be a view of the tensor torch is saving). ``spans`` records each job's
     ``(offset, length)`` in the file."""
 
-    def __init__(self, jobs: Iterator[tuple[str, Any]]) -> None:
+    def __init__(self, jobs: Iterator[tuple[Any, Any]]) -> None:
         self.jobs, self.pos = jobs, 0
-        self.spans: dict[str, tuple[int, int]] = {}
+        self.spans: dict[Any, tuple[int, int]] = {}
         self._q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._ack = threading.Semaphore(0)
         self._stop = threading.Event()
@@ -290,24 +290,25 @@ class _SaveStream:
             th.join()
 
 
-def dcp_metadata(plan: DcpPlan, where: dict[str, tuple[str, int, int]], checkpoint_id: str) -> Metadata:
-    """DCP's ``Metadata`` for ``plan``; ``where``: key (or stored tensor FQN) -> (file, offset, length)."""
+def dcp_metadata(plan: DcpPlan, where: dict[tuple[str, str], tuple[str, int, int]], checkpoint_id: str) -> Metadata:
+    """DCP's ``Metadata`` for ``plan``; ``where``: ``("t", stored tensor FQN)`` or
+    ``("k", DCP key)`` -> (file, offset, length)."""
     sd_md: dict[str, Any] = {}
     storage_data: dict[MetadataIndex, Any] = {}
     for key, it in plan.tensors:
-        file, off, n = where[it.fqn]
+        file, off, n = where["t", it.fqn]
         size = torch.Size(it.shape)
         zero = torch.Size([0] * len(it.shape))
         sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=dtype_from_name(it.out_dtype)), size,
                                            [ChunkStorageMetadata(zero, size)])
         storage_data[MetadataIndex(key, zero)] = dcp_fs._StorageInfo(file, off, n)
     for key, t in plan.loose.items():
-        file, off, n = where[key]
+        file, off, n = where["k", key]
         zero = torch.Size([0] * t.dim())
         sd_md[key] = TensorStorageMetadata(TensorProperties(dtype=t.dtype), t.size(), [ChunkStorageMetadata(zero, t.size())])
         storage_data[MetadataIndex(key, zero)] = dcp_fs._StorageInfo(file, off, n)
     for key in plan.objects:
-        file, off, n = where[key]
+        file, off, n = where["k", key]
         sd_md[key] = BytesStorageMetadata()
         storage_data[MetadataIndex(key)] = dcp_fs._StorageInfo(file, off, n)
     return Metadata(state_dict_metadata=sd_md, planner_data=plan.mappings, storage_data=storage_data,
@@ -316,11 +317,11 @@ def dcp_metadata(plan: DcpPlan, where: dict[str, tuple[str, int, int]], checkpoi
 
 
 def _jobs(plan: DcpPlan, items: Sequence[ExportTensor], reader: TensorReader, first: bool,
-          progress: Progress) -> Iterator[tuple[str, Any]]:
+          progress: Progress) -> Iterator[tuple[tuple[str, str], Any]]:
     """What one data file holds, in order: (the first file) the non-tensor
     values and tensors found in them, then its stored tensors."""
     if first:
-        yield from plan.loose.items()
+        yield from ((("k", k), t) for k, t in plan.loose.items())
         for key, v in plan.objects.items():
             ids = _holds_placeholder(v, plan.placeholders)
             if ids:  # a tuple of tensors: DCP stores it as bytes
@@ -328,9 +329,9 @@ def _jobs(plan: DcpPlan, items: Sequence[ExportTensor], reader: TensorReader, fi
                 got = {it.fqn: t for it, t in reader.read(wanted)}
                 v = _substitute(v, {i: got[plan.placeholders[i].fqn].to(dtype_from_name(plan.placeholders[i].out_dtype))
                                     for i in ids})
-            yield key, v
+            yield ("k", key), v
     for it, t in reader.read(items):
-        yield it.fqn, t.to(dtype_from_name(it.out_dtype))
+        yield ("t", it.fqn), t.to(dtype_from_name(it.out_dtype))
         progress.advance(it.nbytes)
 
 
@@ -338,7 +339,7 @@ def _write(target: Storage, base: str, plan: DcpPlan, files: list[list[ExportTen
            checkpoint_id: str, progress: Progress) -> dict[str, int]:
     """Every data file below ``base``, then ``.metadata``; returns file -> bytes."""
     sizes: dict[str, int] = {}
-    where: dict[str, tuple[str, int, int]] = {}
+    where: dict[tuple[str, str], tuple[str, int, int]] = {}
     for i, items in enumerate(files):
         name = f"__{i}_0.distcp"
         stream = _SaveStream(_jobs(plan, items, reader, i == 0, progress))
