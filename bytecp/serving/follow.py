@@ -18,10 +18,16 @@ Called by user code (one process, no ``torch.distributed``) and by
    update's, reused) through the load path's planned ranged reads
    (:func:`bytecp.plan.load_plan.plan_load`,
    :func:`bytecp.loading.reader.execute_reads`), every chunk's crc32c checked;
-5. *swaps*: only once every staged tensor arrived and verified, copies them
-   into the state's tensors (``copy_`` under ``no_grad``); an interruption
-   (``KeyboardInterrupt``, ``SystemExit``) during the swap finishes the swap
-   before it propagates;
+5. *swaps*: only once every staged tensor arrived and verified, puts them
+   into the state's tensors: a host tensor that alone holds its whole
+   storage (a module's parameter or buffer, a dict's tensor; no view of it
+   anywhere, checked by the storage's use count) takes the staged storage
+   (``param.data = staged``, no copy; its old storage becomes the next
+   update's staging buffer); any other (a view, memory shared, a CUDA
+   tensor, whose pointers CUDA graphs may hold; every tensor with
+   ``swap="copy"``) is copied into (``copy_`` under ``no_grad``); an
+   interruption (``KeyboardInterrupt``, ``SystemExit``) during the swap
+   finishes the swap before it propagates;
 6. unpins, and yields a :class:`FollowUpdate`.
 
 A failed update (a data file gone, a checksum wrong, storage down) changes
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import logging
 import threading
 import time
@@ -42,6 +49,8 @@ from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
+from torch import nn
+from torch.autograd.graph import increment_version
 
 from bytecp.catalog import CheckpointInfo, list_checkpoints, one_line
 from bytecp.errors import ConfigError, CorruptCheckpointError
@@ -120,17 +129,39 @@ def state_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[
         (shard,) = leaf.shards
         assert shard.region == full_region(leaf.global_shape)
         out[fqn] = shard.tensor
+    live = _live_tensors(state)
+    for fqn, t in out.items():  # the objects the state holds, not state dicts' detached views: swappable
+        obj = live.get(fqn)
+        if (obj is not None and obj.data_ptr() == t.data_ptr() and obj.shape == t.shape and obj.dtype == t.dtype
+                and obj.stride() == t.stride()):
+            out[fqn] = obj
     return out, dict(flat.aliases)
+
+
+def _live_tensors(state: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensor objects the state holds by FQN: modules' parameters and
+    buffers (tied ones under each name), dicts' tensors."""
+    out: dict[str, torch.Tensor] = {}
+    for k, v in state.items():
+        if isinstance(v, nn.Module):
+            for n, t in (*v.named_parameters(remove_duplicate=False), *v.named_buffers(remove_duplicate=False)):
+                out.setdefault(f"{prefix}{k}.{n}", t)
+        elif isinstance(v, torch.Tensor):
+            out[f"{prefix}{k}"] = v
+        elif isinstance(v, Mapping):
+            out.update(_live_tensors(v, f"{prefix}{k}."))
+    return out
 
 
 class _Follower:
     """What the process holds: the checkpoint's URL and rows; how it reads."""
 
     def __init__(self, run_url: str, state: dict[str, Any], *, storage_options: Mapping[str, Any],
-                 checksums: bool, pin: bool, io_threads: int) -> None:
+                 checksums: bool, pin: bool, io_threads: int, swap: str = "auto") -> None:
         self.run_url, self.options = run_url.rstrip("/"), dict(storage_options)
         self.targets, _ = state_tensors(state)
-        self.checksums, self.io_threads = checksums, io_threads
+        gc.collect()  # the state walk's reference cycles hold views of the targets: swaps check for views
+        self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
         self.url: str | None = None
         self.rows: dict[str, list[fmt.ChunkRecord]] = {}
         self.spare: dict[str, torch.Tensor] = {}  # the last update's staging tensors, reused
@@ -199,9 +230,8 @@ class _Follower:
         """(steps 2-5) Take checkpoint ``info``; raises, with the state untouched, when it cannot."""
         t0 = time.perf_counter()
         storage = open_storage(info.url, **self.options)
-        md = open_checkpoint(storage).metadata
-        with self.pinned(storage, md):
-            opened = open_checkpoint(storage)
+        opened = open_checkpoint(storage)  # committed: its metadata never changes, so it is read once
+        with self.pinned(storage, opened.metadata):
             opened.check_sizes()
             md = opened.metadata
             wanted: dict[str, str] = {}  # state FQN -> stored FQN
@@ -222,8 +252,8 @@ class _Follower:
                 changes = changed_tensors(stored_names, rows, info.url, self.rows, self.url,
                                           checksums=self.checksums)
             staged = self.stage(opened, changes.changed, rows)
-        _swap([(self.targets[f], staged[s]) for f, s in wanted.items() if s in staged])
-        self.spare = staged
+        self.spare = _swap([(s, self.targets[f], staged[s]) for f, s in wanted.items() if s in staged], self.swap)
+        del staged  # the swapped storages are the state's alone again
         self.url, self.rows = info.url, rows
         return FollowUpdate(
             step=info.step, url=info.url, bytes_read=sum(r.nbytes for f in changes.changed for r in rows[f]),
@@ -233,20 +263,54 @@ class _Follower:
             held=info.url)
 
 
-def _swap(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
-    """(step 5) Copy every staged tensor into its target; an interruption
-    midway finishes the copies before it propagates, so the state is never mixed."""
+def _owns_storage(t: torch.Tensor) -> bool:
+    """A host tensor laid over the whole of a storage nothing else holds
+    (no view, no other tensor object): its storage may be replaced."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() or not t.is_leaf:
+        return False
+    storage = t.untyped_storage()
+    if storage.nbytes() != t.nbytes:
+        return False
+    try:  # the tensor's own reference and ``storage`` above: 2
+        return int(torch._C._storage_Use_Count(storage._cdata)) <= 2
+    except AttributeError:  # pragma: no cover - a torch without it: copy
+        return False
+
+
+def _put(dst: torch.Tensor, src: torch.Tensor, swap: bool) -> None:
+    """One staged tensor into its target (idempotent: a rerun after an interruption is harmless)."""
+    if swap:
+        if dst.data_ptr() != src.data_ptr():
+            dst.data = src
+    else:
+        dst.copy_(src)
+    increment_version(dst)  # incremental saves of the follower's state must see the change
+
+
+def _swap(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], mode: str = "auto") -> dict[str, torch.Tensor]:
+    """(step 5) Put every staged tensor into its target: storages swapped
+    where the target owns its storage (``mode="auto"``), else copied; an
+    interruption midway finishes the swap before it propagates, so the
+    state is never mixed. Returns the staging tensors for the next update
+    (the targets' old storages where swapped, the staged ones where copied)."""
+    uses: dict[int, int] = {}
+    for _, _, src in pairs:
+        uses[id(src)] = uses.get(id(src), 0) + 1
+    swaps = [mode == "auto" and uses[id(src)] == 1 and src.device == dst.device and _owns_storage(dst)
+             for _, dst, src in pairs]
+    spare = {f: dst.detach() if sw else src for (f, dst, src), sw in zip(pairs, swaps, strict=True)}
     done = 0
     try:
         with torch.no_grad():
-            for dst, src in pairs:
-                dst.copy_(src)
+            for (_, dst, src), sw in zip(pairs, swaps, strict=True):
+                _put(dst, src, sw)
                 done += 1
     except BaseException:
         with torch.no_grad():
-            for dst, src in pairs[done:]:
-                dst.copy_(src)
+            for (_, dst, src), sw in list(zip(pairs, swaps, strict=True))[done:]:
+                _put(dst, src, sw)
         raise
+    return spare
 
 
 def _skipped(cks: list[CheckpointInfo], held: str | None, newest: CheckpointInfo) -> int:
@@ -265,6 +329,7 @@ def follow(
     checksums: bool = True,
     pin: bool = True,
     io_threads: int = 8,
+    swap: str = "auto",
     stop: threading.Event | None = None,
     idle_timeout_s: float | None = None,
     storage_options: dict[str, Any] | None = None,
@@ -280,14 +345,19 @@ def follow(
     warning and an update with ``error`` set) or ``"raise"``.
     ``checksums=False``: only references prove a tensor unchanged.
     ``pin=False``: no pins (a run this process may not write to).
+    ``swap``: ``"auto"`` (storages swapped where a tensor owns its storage,
+    else copied) or ``"copy"`` (every tensor copied into: for engines that
+    hold raw pointers to the weights outside torch).
     The generator ends when ``stop`` is set, or after ``idle_timeout_s``
     seconds with no newer checkpoint; closing it (``break``) ends it too.
     """
     if on_error not in ("report", "raise"):
         raise ConfigError(f"on_error must be 'report' or 'raise', got {on_error!r}")
+    if swap not in ("auto", "copy"):
+        raise ConfigError(f"swap must be 'auto' or 'copy', got {swap!r}")
     stop = stop or threading.Event()
     f = _Follower(run_url, state, storage_options=storage_options or {}, checksums=checksums, pin=pin,
-                  io_threads=io_threads)
+                  io_threads=io_threads, swap=swap)
     failed: set[str] = set()
     try:
         if held is not None:

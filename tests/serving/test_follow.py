@@ -224,3 +224,32 @@ def test_follower_lag_and_bytes_reach_prometheus(tmp_path: Path) -> None:
         assert 0 <= (reg.get_sample_value("bytecp_follower_lag_seconds", lab) or -1) < 60
     finally:
         recorder.remove_recorder(rec)
+
+
+@pytest.mark.parametrize("swap", ["auto", "copy"])
+def test_staged_storages_are_swapped_in_where_the_state_owns_them(tmp_path: Path, swap: str) -> None:
+    """A parameter that alone holds its storage takes the staged storage (no
+    copy; its old one stages the next update); a tensor something else views
+    is copied into, so the view sees the new values too; ``swap="copy"`` copies all."""
+    run = str(tmp_path / "run")
+    model, opt = _model()
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=3)
+    served, _ = _model(seed=6)
+    view = served[2].weight.detach()[:2]  # a view held outside: its weight must be copied into
+    ptrs = {n: p.data_ptr() for n, p in served.named_parameters()}
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, swap=swap)
+    seen: list[dict[str, int]] = []
+    for step in (1, 2, 3):
+        _step(model, opt)
+        mgr.save(step, {"model": model})
+        assert next(gen).ok
+        assert _same(served, model)
+        assert torch.equal(view, model[2].weight[:2])
+        seen.append({n: p.data_ptr() for n, p in served.named_parameters()})
+    gen.close()
+    assert seen[-1]["2.weight"] == ptrs["2.weight"]  # viewed: copied in place
+    if swap == "copy":
+        assert all(s == ptrs for s in seen)
+    else:  # two storages alternate: each update's staging buffer is the previous one's
+        assert seen[0]["0.weight"] != ptrs["0.weight"] and seen[1]["0.weight"] == ptrs["0.weight"]
+        assert seen[2]["0.weight"] == seen[0]["0.weight"]
