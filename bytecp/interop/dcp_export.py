@@ -225,8 +225,12 @@ class _SaveStream:
     """``torch.save`` calls run on a producer thread; each piece of bytes they
     write is handed to ``Storage.write_stream`` without a copy, and the
     producer waits until the backend asks for the next one (the piece may
-    be a view of the tensor torch is saving). ``spans`` records each job's
-    ``(offset, length)`` in the file."""
+    be a view of the tensor torch is saving). Writes under :data:`SMALL`
+    bytes (a torch.save archive's headers: dozens a tensor) are copied into
+    one buffer handed over with the next large piece, so a tensor costs
+    a few hand-offs. ``spans`` records each job's ``(offset, length)`` in the file."""
+
+    SMALL = 64 << 10
 
     def __init__(self, jobs: Iterator[tuple[Any, Any]]) -> None:
         self.jobs, self.pos = jobs, 0
@@ -234,6 +238,7 @@ class _SaveStream:
         self._q: queue.Queue[Any] = queue.Queue(maxsize=1)
         self._ack = threading.Semaphore(0)
         self._stop = threading.Event()
+        self._small = bytearray()
 
     def _put(self, item: Any) -> None:
         while True:
@@ -245,18 +250,30 @@ class _SaveStream:
             except queue.Full:
                 continue
 
-    def write(self, b: Any) -> int:
-        mv = memoryview(b).cast("B")
-        if not mv.nbytes:
-            return 0
+    def _hand(self, mv: memoryview) -> None:
+        """Give ``mv`` to the consumer and wait until it is done with it."""
         self._put(mv)
         while not self._ack.acquire(timeout=0.5):
             if self._stop.is_set():
                 break
         if self._stop.is_set():
             raise OSError("the export's output stopped accepting bytes")
-        self.pos += mv.nbytes
-        return mv.nbytes
+
+    def _drain(self) -> None:
+        if self._small:
+            self._hand(memoryview(self._small))
+            self._small = bytearray()
+
+    def write(self, b: Any) -> int:
+        mv = memoryview(b).cast("B")
+        n = mv.nbytes
+        if n < self.SMALL:
+            self._small += mv
+        else:
+            self._drain()
+            self._hand(mv)
+        self.pos += n
+        return n
 
     def flush(self) -> None:
         pass
@@ -268,6 +285,7 @@ class _SaveStream:
                 start = self.pos
                 torch.save(obj, self)  # type: ignore[arg-type]  # write() and flush() are all it uses
                 self.spans[key] = (start, self.pos - start)
+            self._drain()
         except BaseException as e:  # handed to the consumer, raised there
             end = e
         try:

@@ -176,7 +176,7 @@ def test_refusals_are_one_line(tmp_path: Path, capsys: Any, monkeypatch: pytest.
 
 
 MEM_SCRIPT = """
-import json, resource, sys, time, torch
+import json, sys, time, torch
 import bytecp
 from bytecp.interop.dcp_export import export_dcp
 mode, ck, out = sys.argv[1:4]
@@ -190,7 +190,9 @@ else:
     import torch.distributed.checkpoint
     from bytecp.interop.export import open_export
     open_export(ck)
-print(json.dumps({"maxrss_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
+# VmHWM: this process's own peak (ru_maxrss keeps the forking parent's across exec)
+hwm = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+print(json.dumps({"maxrss_kib": hwm}))
 """
 
 
