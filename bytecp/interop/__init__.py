@@ -36,6 +36,7 @@ __all__ = ["SOURCES", "WRITERS", "find_source", "read_source", "exact_names", "w
 #: source name -> module exposing ``detect(storage)`` and ``read(storage)``, in detection order
 SOURCES: dict[str, str] = {
     "huggingface": "bytecp.interop.safetensors_dir",
+    "torch_dist": "bytecp.interop.torch_dist",  # before dcp: a torch_dist folder is a DCP folder too
     "dcp": "bytecp.interop.dcp",
     "deepspeed": "bytecp.interop.deepspeed_zero",
     "deepspeed_universal": "bytecp.interop.deepspeed_universal",

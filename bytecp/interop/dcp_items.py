@@ -60,7 +60,10 @@ class _Record:
             self.state = state
 
 
-_STANDINS: dict[str, type[_Record]] = {n: type(n, (_Record,), {}) for n in (*_DCP_CLASSES, "_StorageInfo")}
+#: the save plans Megatron-Core's torch_dist strategy keeps in ``.metadata`` (``all_local_plans``): read, never used
+_PLAN_CLASSES = ("SavePlan", "WriteItem", "TensorWriteData", "WriteItemType")
+_STANDINS: dict[str, type[_Record]] = {n: type(n, (_Record,), {})
+                                       for n in (*_DCP_CLASSES, *_PLAN_CLASSES, "_StorageInfo")}
 
 
 def _path(*parts: Any) -> str:
@@ -70,6 +73,7 @@ def _path(*parts: Any) -> str:
 
 _ALLOW: dict[str, Any] = {
     **{_MD + n: _STANDINS[n] for n in _DCP_CLASSES},
+    **{f"torch.distributed.checkpoint.planner.{n}": _STANDINS[n] for n in _PLAN_CLASSES},
     **{f"torch.distributed._shard.sharded_tensor.metadata.{n}": _STANDINS[n] for n in ("TensorProperties",)},
     _MD + "_MEM_FORMAT_ENCODING": lambda v: v,
     "torch.distributed.checkpoint.filesystem._StorageInfo": _STANDINS["_StorageInfo"],

@@ -1,0 +1,209 @@
+"""A Megatron-Core ``torch_dist`` checkpoint (Megatron-LM's and NeMo's default
+format) read as a bytecp checkpoint, without conversion.
+
+``megatron.core.dist_checkpointing.save`` with the torch_dist strategy
+writes a folder (``iter_0000100/`` below a run folder whose
+``latest_checkpointed_iteration.txt`` names the newest) holding
+``metadata.json`` (``{"sharded_backend": "torch_dist", ...}``), ``common.pt``
+(``torch.save`` of the state dict's values that are not sharded: the
+iteration, Megatron-LM's ``args``, the optimizer's param groups) and a DCP
+checkpoint (``.metadata`` and ``__<rank>_<n>.distcp``) of the sharded ones,
+keyed by Megatron's checkpoint keys: layer-stacked model tensors
+(``decoder.layers.self_attention.linear_qkv.weight``, the layers along a
+prepended first axis), TP/PP/EP shards as DCP chunks, the distributed
+optimizer's state under ``optimizer.state.<exp_avg|exp_avg_sq|param>.<key>``
+(``fully_reshardable``) or ``optimizer.distributed.*`` (``dp_reshardable``),
+module extra state and Megatron-LM's ``rng_state`` as values.
+
+The DCP part is read by :func:`bytecp.interop.dcp.read_dcp_dir` (one row per
+DCP chunk, naming its ``.distcp`` file and byte range; every rank reads only
+the boxes it needs). The keys are then given the names bytecp's Megatron
+adapter (:mod:`bytecp.adapters.megatron`) gives the same state when the
+state dict is Megatron-LM's, ``{"model": model, "optimizer": optimizer}``:
+
+- ``optimizer.*`` keys -> ``optimizer.<key>``, and ``common.pt``'s
+  ``optimizer`` value (the param groups, the sharding type) ->
+  ``optimizer.__common__``;
+- Megatron-LM's run state (:data:`RUN_STATE`: ``rng_state/shard_*``) keeps
+  its key, at the top;
+- every other key (the model's tensors and extra state) -> ``model.<key>``;
+- ``common.pt``'s other values (``iteration``, ``args`` as a dict,
+  ``checkpoint_version``, ...) -> top-level values of those names.
+
+The adapter keeps layers stacked as Megatron's keys do, so nothing is
+restacked: a load at another TP/PP/DP reads sub-boxes of the stacked
+chunks, exactly as from a bytecp checkpoint of the same model. The
+optimizer layout (``param_state_sharding_type`` in ``common.pt``) is
+recorded as the saved ``optimizer_layout``, so the adapter reads
+``fully_reshardable`` state into any layout and ``dp_reshardable`` state
+at the same TP/PP.
+
+``common.pt`` is read once by the coordinator through
+:func:`bytecp.interop.torch_zip.read_torch_file` (no ``torch.load``): plain
+containers, tensors and ``argparse.Namespace`` (Megatron-LM's ``args``, as
+plain data) only; anything else is refused in one line naming the global.
+Its values travel inline in the metadata broadcast.
+
+Who calls what: :func:`bytecp.interop.find_source` calls :func:`detect`
+(one small read of ``metadata.json``; a run folder's pointer file) when a
+URL's ``metadata.json`` is not bytecp's; the coordinator of a load
+(:func:`bytecp.loading.opened.open_checkpoint`) then :func:`read`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import re
+from typing import Any
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format import metadata as fmt
+from bytecp.interop import dcp, torch_zip
+from bytecp.storage_api import Storage
+from bytecp.tree.skeleton import Node
+
+__all__ = ["NAMES", "FRAMEWORK", "MARKER", "LATEST", "COMMON_FILE", "RUN_STATE", "MAX_COMMON_BYTES",
+           "is_torch_dist", "folder", "state_name", "detect", "read"]
+
+#: names are the state's (Megatron-LM's ``model``/``optimizer``), matched exactly, never cast
+NAMES = "exact"
+#: ``Metadata.framework`` of a checkpoint read from a torch_dist folder
+FRAMEWORK = "megatron_torch_dist"
+#: the file Megatron's ``dist_checkpointing`` writes first and names its backend in
+MARKER = "metadata.json"
+#: Megatron-LM's pointer to a run folder's newest checkpoint
+LATEST = "latest_checkpointed_iteration.txt"
+#: the non-sharded values
+COMMON_FILE = "common.pt"
+#: sharded keys of Megatron-LM's state dict that belong to neither model nor optimizer
+RUN_STATE = ("rng_state", "rerun_state_machine")
+#: the largest ``common.pt`` the coordinator decodes
+MAX_COMMON_BYTES = 64 << 20
+_MAX_MARKER = 64 << 10
+_COMMON = "__common__"  # the adapter's name for an entry's non-sharded values (adapters.megatron.COMMON)
+_GROUPS = ("model", "optimizer")
+_HEAD = re.compile(r"[./]")
+
+
+def is_torch_dist(storage: Storage, prefix: str = "") -> bool:
+    """(any process; one small read) Whether ``prefix``'s ``metadata.json``
+    is Megatron's and names the torch_dist backend."""
+    path = f"{prefix}{MARKER}"
+    try:
+        if storage.size(path) > _MAX_MARKER:
+            return False
+        doc = json.loads(storage.read_bytes(path))
+    except (FileNotFoundError, NotADirectoryError, ValueError, RecursionError):
+        return False
+    return isinstance(doc, dict) and doc.get("sharded_backend") == "torch_dist"
+
+
+def folder(storage: Storage) -> str | None:
+    """``""`` when ``storage`` is a torch_dist checkpoint folder, ``"iter_NNNNNNN/"``
+    (or ``"release/"``) when it is a Megatron-LM run folder whose pointer
+    names one, None when it is neither."""
+    if is_torch_dist(storage):
+        return ""
+    try:
+        if storage.size(LATEST) > 64:
+            return None
+        text = storage.read_bytes(LATEST).decode("ascii", "replace").strip()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
+    return f"{name}/" if name is not None and is_torch_dist(storage, f"{name}/") else None
+
+
+def detect(storage: Storage) -> bool:
+    """(the source protocol of :data:`bytecp.interop.SOURCES`) A torch_dist folder or a run folder pointing at one."""
+    return folder(storage) is not None
+
+
+def state_name(key: str) -> str:
+    """The name bytecp's Megatron adapter gives torch_dist key ``key`` (module docstring)."""
+    if key.startswith("optimizer."):
+        return f"optimizer.{key}"
+    if _HEAD.split(key, maxsplit=1)[0] in RUN_STATE:
+        return key
+    return f"model.{key}"
+
+
+def _plain(v: Any, storage: Storage, where: str) -> Any:
+    """A ``common.pt`` value as plain data: tensors read, ``args`` as a dict."""
+    if isinstance(v, torch_zip.StoredTensor):
+        return torch_zip.materialize(storage, v)
+    if isinstance(v, argparse.Namespace):
+        v = dict(vars(v))
+    if isinstance(v, dict):
+        return {k: _plain(x, storage, where) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return type(v)(_plain(x, storage, where) for x in v)
+    return v
+
+
+def _common(storage: Storage) -> dict[str, Any]:
+    """(coordinator) ``common.pt``'s values, through the restricted unpickler."""
+    where = f"{storage.url}/{COMMON_FILE}"
+    try:
+        size = storage.size(COMMON_FILE)
+    except FileNotFoundError:
+        raise CorruptCheckpointError(f"{where} is missing: a torch_dist checkpoint's non-sharded values (the "
+                                     "iteration, the optimizer's param groups) are there") from None
+    if size > MAX_COMMON_BYTES:
+        raise CorruptCheckpointError(f"{where} is {size} bytes, over the {MAX_COMMON_BYTES} byte budget")
+    got = torch_zip.read_torch_file(storage, COMMON_FILE, where=where,
+                                    allow={"argparse.Namespace": argparse.Namespace})
+    if not isinstance(got, dict) or not all(isinstance(k, str) for k in got):
+        raise CorruptCheckpointError(f"{where} holds a {type(got).__name__}, not Megatron's dict of common values")
+    return {k: _plain(v, storage, where) for k, v in got.items()}
+
+
+def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
+    """(coordinator) The checkpoint's tensors under the adapter's names and one
+    row per DCP chunk; ``common.pt``'s values inline (module docstring)."""
+    prefix = folder(storage)
+    if prefix is None:
+        raise CorruptCheckpointError(f"{storage.url}: not a Megatron torch_dist checkpoint (no {MARKER} naming "
+                                     f"sharded_backend torch_dist, no {LATEST} pointing at one)")
+    sub = storage.child(prefix.rstrip("/")) if prefix else storage
+    if not sub.exists(dcp.METADATA_FILE):
+        raise CorruptCheckpointError(
+            f"{sub.url}/{dcp.METADATA_FILE} is missing: {MARKER} says this is a Megatron torch_dist checkpoint, "
+            f"whose tensors .metadata describes; the save did not finish or the file was lost")
+    common = _common(sub)
+    md, rows = dcp.read_dcp_dir(sub)
+    rows = [dataclasses.replace(r, fqn=state_name(r.fqn), file=prefix + r.file) for r in rows]
+    tensors = {state_name(k): v for k, v in md.tensors.items()}
+    objects = {state_name(k): dataclasses.replace(o, file=prefix + o.file) if o.file is not None else o
+               for k, o in md.objects.items()}
+    groups: dict[str, list[tuple[str, Node]]] = {g: [] for g in _GROUPS}
+    top: list[tuple[str, Node]] = []
+    for names, kind in ((md.tensors, "tensor"), (md.objects, "obj")):
+        for key in names:
+            name = state_name(key)
+            group = name.split(".", 1)[0] if name != key else None
+            (groups[group] if group else top).append((key, Node.leaf(kind, name)))  # type: ignore[arg-type]
+    layout = None
+    for k, v in common.items():
+        if k in _GROUPS and isinstance(v, dict):
+            if v:
+                objects[f"{k}.{_COMMON}"] = fmt.ObjectRecord(json=v)
+                groups[k].append((_COMMON, Node.leaf("obj", f"{k}.{_COMMON}")))
+                layout = v.get("param_state_sharding_type", layout) if k == "optimizer" else layout
+        else:
+            objects[k] = fmt.ObjectRecord(json=v)
+            top.append((k, Node.leaf("obj", k)))
+    skeleton = Node.container("dict", [*((g, Node.container("dict", items)) for g, items in groups.items() if items),
+                                       *top])
+    iteration = common.get("iteration")
+    meta = fmt.Metadata(
+        save_id=md.save_id, world_size=md.world_size, framework=FRAMEWORK,
+        parallelism={"optimizer_layout": {"optimizer": layout}} if isinstance(layout, str) else {},
+        skeleton=skeleton, tensors=tensors, objects=objects, per_rank={}, index_files=[],
+        data_files={prefix + f: n for f, n in md.data_files.items()},
+        step=iteration if type(iteration) is int else None,
+        user_metadata={"megatron_folder": prefix.rstrip("/"), "dcp_version": md.user_metadata.get("dcp_version", "")},
+    )
+    return meta, rows

@@ -1,0 +1,120 @@
+"""Megatron-Core ``torch_dist`` checkpoints (``dist_checkpointing.save``, as
+Megatron-LM and NeMo write them by default) loaded by bytecp with no
+conversion: a tiny GPT at TP=2 with the distributed optimizer
+(``fully_reshardable``), saved by Megatron itself on 2 gloo ranks into
+``run/iter_0000100``, loaded into the Megatron model and optimizer at TP=1
+x DP=2, at TP=2 and in one process; every tensor, model and optimizer,
+bitwise equal to the full tensors assembled from Megatron's own sharding
+description of the saving job. Crafted folders: ``.metadata`` missing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import bytecp
+from bytecp.errors import CorruptCheckpointError
+from bytecp.interop import find_source, torch_dist
+from bytecp.storage_api import open_storage
+
+if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
+    pytest.skip("megatron-core is not installed (make test installs it)", allow_module_level=True)
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch_dist_cases as tc  # noqa: E402
+from dist.pool import WorkerPool  # noqa: E402
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def pool() -> Iterator[WorkerPool]:
+    p = WorkerPool(2, env={"PYTHONWARNINGS": "ignore"})
+    yield p
+    p.close()
+
+
+@pytest.fixture(scope="module")
+def saved(pool: WorkerPool, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Megatron's own torch_dist save of the TP=2 model and distributed optimizer."""
+    run = tmp_path_factory.mktemp("megatron") / "run"
+    ref = pool.run(tc.megatron_save, str(run), tp=2, timeout=300)[0]
+    folder = run / tc.FOLDER
+    assert (run / torch_dist.LATEST).read_text() == str(tc.ITERATION)
+    assert {".metadata", "common.pt", "metadata.json"} <= {p.name for p in folder.iterdir()}
+    return run, ref
+
+
+def _same(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str) -> None:
+    assert set(ref) == set(got), what
+    for k, v in ref.items():
+        assert not torch.isnan(v).any(), f"{what}: reference {k} not fully covered"
+        assert torch.equal(v, got[k]), f"{what}: {k} differs"
+
+
+def _loaded(ref: dict[str, Any], got: dict[str, Any], what: str) -> None:
+    assert got["missing"] == [] and got["iteration"] == tc.ITERATION, what
+    assert {k.split("/")[0] for k in got["unexpected"]} == {
+        "args", "checkpoint_version", "content_metadata", "num_floating_point_operations_so_far", "rng_state"}, what
+    assert any(not torch.equal(ref["model"][k], got["before"][k]) for k in ref["model"]), what
+    _same(ref["model"], got["model"], what)
+    if "optim" in got:
+        _same(ref["optim"], got["optim"], what)
+
+
+def test_detected_before_dcp_from_the_folder_and_the_run(saved: tuple[Path, dict[str, Any]]) -> None:
+    run, _ = saved
+    assert find_source(open_storage(str(run / tc.FOLDER))) == "torch_dist"
+    assert find_source(open_storage(str(run))) == "torch_dist"
+    assert torch_dist.folder(open_storage(str(run))) == f"{tc.FOLDER}/"
+
+
+def test_tp2_loads_at_tp1_dp2_with_the_distributed_optimizer(pool: WorkerPool,
+                                                            saved: tuple[Path, dict[str, Any]]) -> None:
+    run, ref = saved
+    got = pool.run(tc.bytecp_load, str(run / tc.FOLDER), optimizer=True, tp=1, timeout=300)
+    for r, g in enumerate(got):
+        _loaded(ref, g, f"TP=1 rank {r}")
+
+
+def test_run_folder_loads_at_tp2(pool: WorkerPool, saved: tuple[Path, dict[str, Any]]) -> None:
+    run, ref = saved
+    got = pool.run(tc.bytecp_load, str(run), optimizer=True, tp=2, timeout=300)
+    for r, g in enumerate(got):
+        _loaded(ref, g, f"TP=2 rank {r}")
+
+
+def test_one_process_state_dict(saved: tuple[Path, dict[str, Any]]) -> None:
+    """No torch.distributed: Megatron's keys under ``model``/``optimizer``, the
+    layers stacked as saved; common.pt's values at the top."""
+    run, ref = saved
+    sd = bytecp.load_state_dict(str(run))
+    assert sd["iteration"] == tc.ITERATION and sd["checkpoint_version"] == 3.0
+    assert sd["args"] == {"tensor_model_parallel_size": 2, "lr": 0.01}
+    assert sd["optimizer"]["__common__"]["param_state_sharding_type"] == "fully_reshardable"
+    assert "random_rng_state" in repr(sd["rng_state/shard_0.1_1.2"])
+    _same(ref["model"], {k: v for k, v in sd["model"].items() if isinstance(v, torch.Tensor)}, "one process")
+    for name in ("param", "exp_avg", "exp_avg_sq"):
+        for key, want in ((k, v) for k, v in ref["optim"].items() if k.startswith(f"optimizer.state.{name}.")):
+            assert torch.equal(sd["optimizer"][key], want), key
+
+
+def test_missing_dot_metadata_is_one_line(saved: tuple[Path, dict[str, Any]], tmp_path: Path) -> None:
+    run, _ = saved
+    broken = tmp_path / tc.FOLDER
+    shutil.copytree(run / tc.FOLDER, broken)
+    (broken / ".metadata").unlink()
+    with pytest.raises(CorruptCheckpointError) as e:
+        bytecp.load_state_dict(str(broken))
+    msg = str(e.value)
+    assert "\n" not in msg and ".metadata is missing" in msg and "torch_dist" in msg, msg
