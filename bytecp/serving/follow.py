@@ -2,33 +2,31 @@
 the newest committed checkpoint of a training run, reading only what changed
 and never holding a half-updated state.
 
-Called by user code (one process, no ``torch.distributed``) and by
-``bytecp follow`` (:mod:`bytecp.serving.cli`). Each turn of the generator:
+Called by user code (one process, or every rank of a process group: see
+:func:`follow`) and by ``bytecp follow`` (:mod:`bytecp.serving.cli`). Each
+turn of the generator:
 
-1. lists the run (:func:`bytecp.catalog.list_checkpoints`) every ``poll_s``
+1. (the coordinator) lists the run (:func:`bytecp.catalog.list_checkpoints`) every ``poll_s``
    seconds until a checkpoint newer than the one held has committed; when
    several have, it goes straight to the newest (``skipped`` counts the others);
-2. *pins* it and every checkpoint it references (``pins/.followers.<id>`` in
+2. (the coordinator) *pins* it and every checkpoint it references (``pins/.followers.<id>`` in
    each, under a lease of this process: :mod:`bytecp.saving.pins`), then
    checks no retention's doom marker names a file it reads, so retention
    cannot delete what is being read;
-3. opens it and decides from index rows alone which of the state's tensors
-   changed (:func:`bytecp.serving.changes.changed_tensors`);
-4. *stages*: reads the changed tensors into staging tensors (the previous
-   update's, reused) through the load path's planned ranged reads
-   (:func:`bytecp.plan.load_plan.plan_load`,
-   :func:`bytecp.loading.reader.execute_reads`), every chunk's crc32c checked;
-5. *swaps*: only once every staged tensor arrived and verified, puts them
-   into the state's tensors: a host tensor that alone holds its whole
-   storage (a module's parameter or buffer, a dict's tensor; no view of it
-   anywhere, checked by the storage's use count) takes the staged storage
-   (``param.data = staged``, no copy; its old storage becomes the next
-   update's staging buffer); any other (a view, memory shared, a CUDA
-   tensor, whose pointers CUDA graphs may hold; every tensor with
-   ``swap="copy"``) is copied into (``copy_`` under ``no_grad``); an
-   interruption (``KeyboardInterrupt``, ``SystemExit``) during the swap
-   finishes the swap before it propagates;
-6. unpins, and yields a :class:`FollowUpdate`.
+   In a group it broadcasts its decision (stop, wait, take, fail): one collective;
+3. (every rank) opens it and decides from the index rows of its own boxes
+   alone which of the state's tensors changed
+   (:func:`bytecp.serving.changes.changed_tensors`);
+4. (every rank) *stages*: reads its boxes of the changed tensors into
+   staging tensors (:func:`bytecp.serving.staging.stage`: the load path's
+   planned ranged reads, every chunk's crc32c checked); in a group one
+   all-gather then says every rank staged and verified (a failure on any
+   rank raises on every rank, and none swaps);
+5. (every rank) *swaps* (:func:`bytecp.serving.staging.swap_in`): storages
+   swapped where a host tensor owns its storage (no copy), else copied
+   into; an interruption (``KeyboardInterrupt``, ``SystemExit``) during the
+   swap finishes the swap before it propagates;
+6. (the coordinator) unpins; every rank yields a :class:`FollowUpdate`.
 
 A failed update (a data file gone, a checksum wrong, storage down) changes
 nothing in the state: with ``on_error="report"`` (default) it logs a warning
@@ -41,33 +39,29 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import gc
 import logging
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
-from torch import nn
-from torch.autograd.graph import increment_version
 
 from bytecp.catalog import CheckpointInfo, list_checkpoints, one_line
+from bytecp.dist import DistContext
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import PIN_DIR, name_of, sibling
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
-from bytecp.loading.reader import Target, execute_reads
-from bytecp.plan.load_plan import plan_load
-from bytecp.recorder import Trace, emit_event
+from bytecp.recorder import emit_event
 from bytecp.saving import leases
 from bytecp.saving.pins import doomed_files
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
+from bytecp.serving.staging import Box, stage, state_boxes, swap_in
 from bytecp.storage_api import Storage, open_storage
-from bytecp.tree.dtypes import dtype_from_name, itemsize
-from bytecp.tree.regions import full_region
+from bytecp.tree.regions import Region
 
-__all__ = ["FOLLOWERS", "FollowUpdate", "follow", "state_tensors"]
+__all__ = ["FOLLOWERS", "FollowUpdate", "follow"]
 
 log = logging.getLogger("bytecp")
 
@@ -110,64 +104,30 @@ class FollowUpdate:
         return dataclasses.asdict(self)
 
 
-def state_tensors(state: dict[str, Any]) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The state's full tensors by FQN, named as a save names them (modules'
-    state dicts, dicts, tensors), and its aliases (tied FQN -> stored FQN)."""
-    from bytecp.adapter_api import detect_adapter
-    from bytecp.dist import DistContext
-    from bytecp.tree.state import flatten_tree
+class _Decision(NamedTuple):
+    """The coordinator's decision of one turn, broadcast to every rank:
+    ``stop``, ``wait``, ``take`` a checkpoint, or ``fail`` it (``error``)."""
 
-    if not isinstance(state, dict):
-        raise ConfigError(f"state must be a dict such as {{'model': model}}, got {type(state).__name__}")
-    adapter = detect_adapter(state)
-    if adapter.name != "plain":
-        raise ConfigError(f"bytecp.follow takes one process's full tensors (the plain adapter); this state "
-                          f"selects the {adapter.name!r} adapter")
-    flat = flatten_tree(adapter.save_tree(state, DistContext(local=True)))
-    out: dict[str, torch.Tensor] = {}
-    for fqn, leaf in flat.tensors.items():
-        (shard,) = leaf.shards
-        assert shard.region == full_region(leaf.global_shape)
-        out[fqn] = shard.tensor
-    live = _live_tensors(state)
-    for fqn, t in out.items():  # the objects the state holds, not state dicts' detached views: swappable
-        obj = live.get(fqn)
-        if (obj is not None and obj.data_ptr() == t.data_ptr() and obj.shape == t.shape and obj.dtype == t.dtype
-                and obj.stride() == t.stride()):
-            out[fqn] = obj
-    return out, dict(flat.aliases)
-
-
-def _live_tensors(state: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:
-    """The tensor objects the state holds by FQN: modules' parameters and
-    buffers (tied ones under each name), dicts' tensors."""
-    out: dict[str, torch.Tensor] = {}
-    for k, v in state.items():
-        if isinstance(v, nn.Module):
-            for n, t in (*v.named_parameters(remove_duplicate=False), *v.named_buffers(remove_duplicate=False)):
-                out.setdefault(f"{prefix}{k}.{n}", t)
-        elif isinstance(v, torch.Tensor):
-            out[f"{prefix}{k}"] = v
-        elif isinstance(v, Mapping):
-            out.update(_live_tensors(v, f"{prefix}{k}."))
-    return out
+    kind: str
+    info: CheckpointInfo | None = None
+    skipped: int = 0
+    error: str | None = None
 
 
 class _Follower:
-    """What the process holds: the checkpoint's URL and rows; how it reads."""
+    """What the process holds: the checkpoint's URL and rows of its boxes; how it reads."""
 
-    def __init__(self, run_url: str, state: dict[str, Any], *, storage_options: Mapping[str, Any],
+    def __init__(self, run_url: str, state: dict[str, Any], ctx: DistContext, *, storage_options: Mapping[str, Any],
                  checksums: bool, pin: bool, io_threads: int, swap: str = "auto") -> None:
-        self.run_url, self.options = run_url.rstrip("/"), dict(storage_options)
-        self.targets, _ = state_tensors(state)
-        gc.collect()  # the state walk's reference cycles hold views of the targets: swaps check for views
+        self.run_url, self.options, self.ctx = run_url.rstrip("/"), dict(storage_options), ctx
+        self.held, _ = state_boxes(state, ctx)
         self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
         self.url: str | None = None
         self.rows: dict[str, list[fmt.ChunkRecord]] = {}
-        self.spare: dict[str, torch.Tensor] = {}  # the last update's staging tensors, reused
+        self.spare: dict[Box, torch.Tensor] = {}  # the last update's staging tensors, reused
         self.id = fmt.new_save_id()
         self.lease: leases.Lease | None = None
-        if pin:
+        if pin and ctx.is_coordinator:
             try:
                 self.lease = leases.Lease(open_storage(f"{self.run_url}/{FOLLOWERS}", **self.options), self.id).start()
             except Exception as e:  # noqa: BLE001 - a read-only run: read without pins
@@ -179,9 +139,28 @@ class _Follower:
         if self.lease is not None:
             self.lease.stop()
 
+    def decide(self, pins: contextlib.ExitStack, stop: threading.Event, failed: set[str], idle_s: float | None,
+               idle_since: float) -> _Decision:
+        """(coordinator) List the run; the newest checkpoint not held nor failed
+        is pinned (under ``pins``, held until every rank staged) and taken."""
+        if stop.is_set():
+            return _Decision("stop")
+        cks = list_checkpoints(self.run_url, storage_options=self.options)
+        newest = cks[-1] if cks else None
+        if newest is None or newest.url == self.url or newest.url in failed:
+            idle = idle_s is not None and time.monotonic() - idle_since >= idle_s
+            return _Decision("stop" if idle else "wait")
+        skipped = _skipped(cks, self.url, newest)
+        try:
+            storage = open_storage(newest.url, **self.options)
+            pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
+        except Exception as e:  # noqa: BLE001 - every rank reports it, none reads
+            return _Decision("fail", newest, skipped, f"{type(e).__name__}: {one_line(e)}")
+        return _Decision("take", newest, skipped)
+
     @contextlib.contextmanager
     def pinned(self, storage: Storage, md: fmt.Metadata) -> Iterator[None]:
-        """(step 2) Pin the checkpoint and those it references; refuse files a retention doomed."""
+        """(coordinator) Pin the checkpoint and those it references; refuse files a retention doomed."""
         if self.lease is None:
             yield
             return
@@ -205,112 +184,66 @@ class _Follower:
                 with contextlib.suppress(Exception):
                     ck.delete([pin])
 
-    def stage(self, opened: OpenedCheckpoint, names: Sequence[str],
-              rows: Mapping[str, list[fmt.ChunkRecord]]) -> dict[str, torch.Tensor]:
-        """(step 4) The tensors ``names`` read whole into staging tensors (the
-        previous update's, reused where shape and dtype match: a second copy of
-        what changes, kept between updates) through the load path's planned
-        ranged reads, every chunk's crc32c checked."""
-        md = opened.metadata
-        staged: dict[str, torch.Tensor] = {}
-        for f in names:
-            shape, dtype = tuple(md.tensors[f]["shape"]), dtype_from_name(md.tensors[f]["dtype"])
-            old = self.spare.pop(f, None)
-            ok = old is not None and tuple(old.shape) == shape and old.dtype == dtype
-            staged[f] = old if ok and old is not None else torch.empty(shape, dtype=dtype)
-        targets = [Target(f, full_region(tuple(t.shape)), t) for f, t in staged.items()]
-        chunks = [r for f in names for r in rows[f]]
-        reqs = plan_load([(t.fqn, t.box) for t in targets], chunks,
-                         itemsizes={f: itemsize(t.dtype) for f, t in staged.items()})
-        execute_reads(opened.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=True,
-                      trace=Trace("follow", opened.storage.url))
-        return staged
+    def _rows(self, opened: OpenedCheckpoint, wanted: Mapping[str, str]) -> dict[str, list[fmt.ChunkRecord]]:
+        """The rows meeting this process's boxes, by stored FQN."""
+        boxes: dict[str, list[Region]] = {}
+        for f, s in wanted.items():
+            boxes.setdefault(s, []).extend(box for box, _ in self.held[f].boxes)
+        got = rows_by_tensor(opened.rows_for(boxes).rows)
+        return {s: [r for r in got.get(s, []) if any(Region(r.offsets, r.lengths).intersect(b) for b in bs)]
+                for s, bs in boxes.items()}
 
-    def update(self, info: CheckpointInfo, newest: CheckpointInfo, skipped: int) -> FollowUpdate:
-        """(steps 2-5) Take checkpoint ``info``; raises, with the state untouched, when it cannot."""
+    def hold(self, url: str) -> None:
+        """(every rank) The state holds checkpoint ``url`` already (``held=``)."""
+        opened = open_checkpoint(open_storage(url, **self.options))
+        self.url, self.rows = url.rstrip("/"), self._rows(opened, self._wanted(opened.metadata, url))
+
+    def _wanted(self, md: fmt.Metadata, url: str) -> dict[str, str]:
+        """State FQN -> stored FQN, every tensor's shape and dtype checked."""
+        wanted: dict[str, str] = {}
+        for fqn, h in self.held.items():
+            stored = md.aliases.get(fqn, fqn)
+            info_t = md.tensors.get(stored)
+            if info_t is None:
+                raise ConfigError(f"{url} holds no tensor {fqn!r} of the state")
+            if tuple(info_t["shape"]) != h.shape or info_t["dtype"] != str(h.dtype).split(".")[-1]:
+                raise ConfigError(f"{url}: {fqn!r} is {info_t['dtype']} {tuple(info_t['shape'])}, the "
+                                  f"state's {h.dtype} {h.shape}")
+            wanted[fqn] = stored
+        return wanted
+
+    def update(self, d: _Decision) -> FollowUpdate:
+        """(every rank) Take the checkpoint the coordinator chose: decide and
+        stage this process's boxes (local), agree every rank staged and
+        verified (one all-gather: a failure anywhere raises on every rank,
+        none swaps), swap. Raises, with the state untouched, when it cannot."""
+        info = d.info
+        assert info is not None
         t0 = time.perf_counter()
-        storage = open_storage(info.url, **self.options)
-        opened = open_checkpoint(storage)  # committed: its metadata never changes, so it is read once
-        with self.pinned(storage, opened.metadata):
-            opened.check_sizes()
-            md = opened.metadata
-            wanted: dict[str, str] = {}  # state FQN -> stored FQN
-            for fqn, t in self.targets.items():
-                stored = md.aliases.get(fqn, fqn)
-                info_t = md.tensors.get(stored)
-                if info_t is None:
-                    raise ConfigError(f"{info.url} holds no tensor {fqn!r} of the state")
-                if tuple(info_t["shape"]) != tuple(t.shape) or info_t["dtype"] != str(t.dtype).split(".")[-1]:
-                    raise ConfigError(f"{info.url}: {fqn!r} is {info_t['dtype']} {tuple(info_t['shape'])}, the "
-                                      f"state's {t.dtype} {tuple(t.shape)}")
-                wanted[fqn] = stored
-            rows = rows_by_tensor(opened.all_rows())
+
+        def stage_mine() -> tuple[Any, ...]:
+            opened = open_checkpoint(open_storage(info.url, **self.options))
+            if self.ctx.is_coordinator:
+                opened.check_sizes()
+            wanted = self._wanted(opened.metadata, info.url)
+            rows = self._rows(opened, wanted)
             stored_names = list(dict.fromkeys(wanted.values()))
             if self.url is None:
                 changes = changed_tensors(stored_names, rows, info.url, {}, info.url)
             else:
-                changes = changed_tensors(stored_names, rows, info.url, self.rows, self.url,
-                                          checksums=self.checksums)
-            staged = self.stage(opened, changes.changed, rows)
-        self.spare = _swap([(s, self.targets[f], staged[s]) for f, s in wanted.items() if s in staged], self.swap)
+                changes = changed_tensors(stored_names, rows, info.url, self.rows, self.url, checksums=self.checksums)
+            staged, nbytes = stage(opened, self.held, wanted, changes.changed, rows, self.spare, self.io_threads)
+            return wanted, rows, changes, staged, nbytes, opened.metadata.created
+
+        wanted, rows, changes, staged, nbytes, created = self.ctx.run("follow/stage", stage_mine)
+        self.spare = swap_in(self.held, wanted, staged, self.swap)
         del staged  # the swapped storages are the state's alone again
         self.url, self.rows = info.url, rows
         return FollowUpdate(
-            step=info.step, url=info.url, bytes_read=sum(r.nbytes for f in changes.changed for r in rows[f]),
-            tensors_read=len(changes.changed), tensors_unchanged=len(changes.unchanged),
-            unchanged_by_reference=changes.by_reference, skipped=skipped, seconds=time.perf_counter() - t0,
-            lag_steps=max(0, (newest.step or 0) - (info.step or 0)), lag_s=max(0.0, time.time() - md.created),
-            held=info.url)
-
-
-def _owns_storage(t: torch.Tensor) -> bool:
-    """A host tensor laid over the whole of a storage nothing else holds
-    (no view, no other tensor object): its storage may be replaced."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() or not t.is_leaf:
-        return False
-    storage = t.untyped_storage()
-    if storage.nbytes() != t.nbytes:
-        return False
-    try:  # the tensor's own reference and ``storage`` above: 2
-        return int(torch._C._storage_Use_Count(storage._cdata)) <= 2
-    except AttributeError:  # pragma: no cover - a torch without it: copy
-        return False
-
-
-def _put(dst: torch.Tensor, src: torch.Tensor, swap: bool) -> None:
-    """One staged tensor into its target (idempotent: a rerun after an interruption is harmless)."""
-    if swap:
-        if dst.data_ptr() != src.data_ptr():
-            dst.data = src
-    else:
-        dst.copy_(src)
-    increment_version(dst)  # incremental saves of the follower's state must see the change
-
-
-def _swap(pairs: list[tuple[str, torch.Tensor, torch.Tensor]], mode: str = "auto") -> dict[str, torch.Tensor]:
-    """(step 5) Put every staged tensor into its target: storages swapped
-    where the target owns its storage (``mode="auto"``), else copied; an
-    interruption midway finishes the swap before it propagates, so the
-    state is never mixed. Returns the staging tensors for the next update
-    (the targets' old storages where swapped, the staged ones where copied)."""
-    uses: dict[int, int] = {}
-    for _, _, src in pairs:
-        uses[id(src)] = uses.get(id(src), 0) + 1
-    swaps = [mode == "auto" and uses[id(src)] == 1 and src.device == dst.device and _owns_storage(dst)
-             for _, dst, src in pairs]
-    spare = {f: dst.detach() if sw else src for (f, dst, src), sw in zip(pairs, swaps, strict=True)}
-    done = 0
-    try:
-        with torch.no_grad():
-            for (_, dst, src), sw in zip(pairs, swaps, strict=True):
-                _put(dst, src, sw)
-                done += 1
-    except BaseException:
-        with torch.no_grad():
-            for (_, dst, src), sw in list(zip(pairs, swaps, strict=True))[done:]:
-                _put(dst, src, sw)
-        raise
-    return spare
+            step=info.step, url=info.url, bytes_read=nbytes, tensors_read=len(changes.changed),
+            tensors_unchanged=len(changes.unchanged), unchanged_by_reference=changes.by_reference,
+            skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=0,
+            lag_s=max(0.0, time.time() - created), held=info.url)
 
 
 def _skipped(cks: list[CheckpointInfo], held: str | None, newest: CheckpointInfo) -> int:
@@ -333,9 +266,11 @@ def follow(
     stop: threading.Event | None = None,
     idle_timeout_s: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    group: Any = None,
+    distributed: bool | None = None,
 ) -> Iterator[FollowUpdate]:
     """Keep ``state`` (``{"model": model}``: modules, dicts of tensors,
-    tensors; one process) at the newest committed checkpoint of the run
+    tensors; one process or a process group) at the newest committed checkpoint of the run
     ``run_url``; yields a :class:`FollowUpdate` after each update (see the
     module's docstring for the order of one update).
 
@@ -350,44 +285,58 @@ def follow(
     hold raw pointers to the weights outside torch).
     The generator ends when ``stop`` is set, or after ``idle_timeout_s``
     seconds with no newer checkpoint; closing it (``break``) ends it too.
+
+    A process group follows together (``distributed``: None, when
+    ``torch.distributed`` is initialized; ``group``: default the world):
+    every rank of ``group`` calls ``follow`` with its own shards (FSDP2,
+    tensor parallel DTensors; full tensors are every rank's whole copy).
+    Each turn the coordinator (rank 0 of the group) lists the run, pins the
+    newest checkpoint and broadcasts which to take (one collective; its
+    ``stop`` and ``idle_timeout_s`` end every rank's generator); every rank
+    reads only its boxes of the changed tensors; one all-gather says every
+    rank staged and verified, and only then does any rank swap (a failure
+    on one rank is every rank's failed update, none swaps).
     """
     if on_error not in ("report", "raise"):
         raise ConfigError(f"on_error must be 'report' or 'raise', got {on_error!r}")
     if swap not in ("auto", "copy"):
         raise ConfigError(f"swap must be 'auto' or 'copy', got {swap!r}")
     stop = stop or threading.Event()
-    f = _Follower(run_url, state, storage_options=storage_options or {}, checksums=checksums, pin=pin,
+    ctx = DistContext(group, local=not distributed) if distributed is not None else DistContext(group)
+    f = _Follower(run_url, state, ctx, storage_options=storage_options or {}, checksums=checksums, pin=pin,
                   io_threads=io_threads, swap=swap)
     failed: set[str] = set()
     try:
         if held is not None:
-            opened = open_checkpoint(open_storage(held, **(storage_options or {})))
-            f.url, f.rows = held.rstrip("/"), rows_by_tensor(opened.all_rows())
+            ctx.run("follow/held", lambda: f.hold(held))
         idle_since = time.monotonic()
-        while not stop.is_set():
-            cks = list_checkpoints(f.run_url, storage_options=storage_options)
-            newest = cks[-1] if cks else None
-            if newest is not None and newest.url != f.url and newest.url not in failed:
-                skipped = _skipped(cks, f.url, newest)
+        while True:
+            with contextlib.ExitStack() as pins:  # the coordinator's pins, until every rank staged
+                d = ctx.broadcast("follow/decide",
+                                  lambda: f.decide(pins, stop, failed, idle_timeout_s, idle_since))  # noqa: B023
+                if d.kind == "stop":
+                    return
+                if d.kind == "wait":
+                    stop.wait(poll_s)
+                    continue
+                assert d.info is not None
                 try:
-                    up = f.update(newest, newest, skipped)
+                    if d.error is not None:
+                        raise CorruptCheckpointError(d.error)
+                    up = f.update(d)
                 except Exception as e:
                     if on_error == "raise":
                         raise
-                    failed.add(newest.url)
+                    failed.add(d.info.url)
                     log.warning("bytecp.follow: could not take %s, still holding %s: %s",
-                                newest.url, f.url, one_line(e))
-                    up = FollowUpdate(step=newest.step, url=newest.url, skipped=skipped,
+                                d.info.url, f.url, one_line(e))
+                    up = FollowUpdate(step=d.info.step, url=d.info.url, skipped=d.skipped,
                                       error=f"{type(e).__name__}: {one_line(e)}", held=f.url)
-                idle_since = time.monotonic()
-                if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update
-                    emit_event("follower_lag_steps", float(up.lag_steps))
-                    emit_event("follower_lag_seconds", up.lag_s)
-                    emit_event("follower_update_bytes", float(up.bytes_read))
-                yield up
-                continue
-            if idle_timeout_s is not None and time.monotonic() - idle_since >= idle_timeout_s:
-                return
-            stop.wait(poll_s)
+            idle_since = time.monotonic()
+            if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update
+                emit_event("follower_lag_steps", float(up.lag_steps))
+                emit_event("follower_lag_seconds", up.lag_s)
+                emit_event("follower_update_bytes", float(up.bytes_read))
+            yield up
     finally:
         f.close()

@@ -15,7 +15,7 @@ from torch import nn
 
 import bytecp
 from bytecp.loading.opened import open_checkpoint
-from bytecp.serving import follow as follow_mod
+from bytecp.serving import staging as staging_mod
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -176,7 +176,7 @@ def test_what_is_read_is_pinned_and_retention_keeps_it(tmp_path: Path, monkeypat
         _step(model, opt)
         mgr.save(step, {"model": model, "optimizer": opt})
     seen: list[list[str]] = []
-    real = follow_mod.execute_reads
+    real = staging_mod.execute_reads
 
     def spy(*args: Any, **kwargs: Any) -> Any:
         seen.append(sorted(str(p.relative_to(run)) for p in Path(run).glob("*/pins/*")))
@@ -186,7 +186,7 @@ def test_what_is_read_is_pinned_and_retention_keeps_it(tmp_path: Path, monkeypat
         retain(open_storage(run), [], ["step-2"], lambda: [])
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(follow_mod, "execute_reads", spy)
+    monkeypatch.setattr(staging_mod, "execute_reads", spy)
     served, _ = _model(seed=4)
     up = next(bytecp.follow(run, {"model": served}, poll_s=0.01, pin=pin))
     if not pin:  # the retention deleted what was being read: the update fails, the state untouched

@@ -1,0 +1,87 @@
+"""Rank functions of the process-group follower tests (spawned gloo ranks of
+:class:`tests.dist.pool.WorkerPool`): a follower of 2 ranks whose state is an
+FSDP2 x2 or a TP=2 model, kept between calls in module globals."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+import bytecp
+
+__all__ = ["arm_failure", "model", "start", "take"]
+
+_G: dict[str, Any] = {}
+
+
+def model(seed: int) -> nn.Module:
+    """The trainer's and the follower's model (different seeds: different weights)."""
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 16))
+
+
+def _shard(m: nn.Module, layout: str) -> nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if layout == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(m[0], mesh=mesh)
+        fully_shard(m, mesh=mesh)
+    else:
+        from torch.distributed.tensor.parallel import (
+            ColwiseParallel,
+            RowwiseParallel,
+            parallelize_module,
+        )
+
+        parallelize_module(m, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    return m
+
+
+def start(run: str, layout: str) -> bool:
+    """(every rank) A new follower of ``run`` with a freshly sharded model."""
+    if "gen" in _G:
+        _G["gen"].close()
+    _G["model"] = _shard(model(seed=dist.get_rank() + 11), layout)
+    _G["gen"] = bytecp.follow(run, {"model": _G["model"]}, poll_s=0.01, idle_timeout_s=60)
+    _G["fail"] = False
+    return True
+
+
+def arm_failure(rank: int) -> bool:
+    """(every rank) The next update's read fails on rank ``rank``."""
+    from bytecp.serving import staging
+
+    if dist.get_rank() != rank:
+        return False
+
+    real = staging.execute_reads
+
+    def failing(*args: Any, **kwargs: Any) -> int:
+        staging.execute_reads = real
+        raise OSError("injected read failure")
+
+    staging.execute_reads = failing
+    return True
+
+
+def take() -> dict[str, Any]:
+    """(every rank) The next update, and this rank's shards afterwards:
+    FQN -> (global offsets, local tensor)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    up = next(_G["gen"])
+    shards: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
+    for n, p in _G["model"].state_dict().items():
+        if isinstance(p, DTensor):
+            _, offsets = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+            shards[n] = (tuple(offsets), p.to_local().clone())
+        else:
+            shards[n] = ((0,) * p.dim(), p.clone())
+    return {"up": up.to_json(), "shards": shards, "rank": dist.get_rank()}
