@@ -14,14 +14,22 @@ q_proj/v_proj), (c) the embedding and the first half of the layers frozen.
 A follower (``{"model": model}`` of its own) takes each checkpoint; figures
 are the medians over the updates after the first: the update's wall time
 and the bytes it read, beside ``bytecp.load`` of the same checkpoint into a
-fresh model (every byte).
+fresh model (every byte), and beside a ``torch.distributed`` broadcast of
+the changed tensors (the trainable ones) from one process group's rank to
+another's (gloo, two spawned processes on this host: what a push-based
+update such as checkpoint-engine's costs before any resharding; ``/bcast``
+is the update's latency over it).
 """
 
 from __future__ import annotations
 
 import argparse
+import datetime
 import json
+import multiprocessing as mp
+import os
 import shutil
+import socket
 import statistics
 import tempfile
 import time
@@ -64,6 +72,50 @@ def _train(model: Any, step: int) -> None:
                 p.add_(torch.randn(p.shape, generator=g), alpha=1e-3)
 
 
+def _broadcast_rank(rank: int, port: int, numels: list[int], reps: int, out: Any) -> None:
+    """One of the two gloo ranks: rank 0 (the trainer) broadcasts tensors of
+    ``numels`` float32 elements to rank 1 (the follower); rank 1 reports the
+    median wall time of ``reps`` rounds, each ending in a barrier."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=120))
+    bufs = [torch.full((n,), float(rank)) for n in numels]
+    times = []
+    for _ in range(reps + 1):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for b in bufs:
+            dist.broadcast(b, src=0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 1:
+        assert all(bool((b == 0).all()) for b in bufs)
+        out.put(statistics.median(times[1:]))
+    dist.destroy_process_group()
+
+
+def broadcast_s(numels: list[int], reps: int = 3) -> float:
+    """The floor a push-based weight update compares with: a ``torch.distributed``
+    broadcast (gloo, two spawned processes on this host) of the same tensors."""
+    ctx = mp.get_context("spawn")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    q = ctx.Queue()
+    procs = [ctx.Process(target=_broadcast_rank, args=(r, port, numels, reps, q), daemon=True) for r in (0, 1)]
+    for pr in procs:
+        pr.start()
+    try:
+        return float(q.get(timeout=300))
+    finally:
+        for pr in procs:
+            pr.join(timeout=30)
+            if pr.is_alive():
+                pr.kill()
+
+
 def _warm(path: Path) -> None:
     """Read a checkpoint's files once: the page cache holds them as after any
     earlier reader (the save's own written pages are slower to read first)."""
@@ -100,9 +152,11 @@ def run_case(case: str, hidden: int, layers: int, steps: int, root: Path) -> dic
     total = sum(t.nbytes for t in model.state_dict().values())
     upd_s = statistics.median(u.seconds for u in updates)
     reload_s = statistics.median(reloads[1:])
+    bcast_s = broadcast_s([p.numel() for p in model.parameters() if p.requires_grad])  # what changed
     return {"case": case, "model_bytes": total, "update_bytes_read": int(statistics.median(u.bytes_read for u in updates)),
             "update_tensors_read": updates[-1].tensors_read, "update_s": upd_s, "full_reload_s": reload_s,
-            "full_reload_bytes": total, "speedup": reload_s / upd_s}
+            "full_reload_bytes": total, "speedup": reload_s / upd_s, "broadcast_s": bcast_s,
+            "vs_broadcast": upd_s / bcast_s}
 
 
 def main() -> None:
@@ -117,10 +171,12 @@ def main() -> None:
         rows = [run_case(c, args.hidden, args.layers, args.steps, root) for c in ("every_weight", "lora", "half_frozen")]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{'case':<14}{'model MB':>10}{'read MB':>10}{'update s':>10}{'reload s':>10}{'speedup':>9}")
+    print(f"{'case':<14}{'model MB':>10}{'read MB':>10}{'update s':>10}{'reload s':>10}{'speedup':>9}"
+          f"{'bcast s':>9}{'/bcast':>8}")
     for r in rows:
         print(f"{r['case']:<14}{r['model_bytes'] / 1e6:>10.1f}{r['update_bytes_read'] / 1e6:>10.2f}"
-              f"{r['update_s']:>10.3f}{r['full_reload_s']:>10.3f}{r['speedup']:>8.1f}x")
+              f"{r['update_s']:>10.3f}{r['full_reload_s']:>10.3f}{r['speedup']:>8.1f}x"
+              f"{r['broadcast_s']:>9.3f}{r['vs_broadcast']:>7.2f}x")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
 
