@@ -199,6 +199,20 @@ def panels() -> list[dict[str, Any]]:
             target(f"sum by (job, host, how) (increase(bytecp_keeper_data_bytes_total{{{keeper}}}[$__rate_interval]))", "{{how}} {{job}} {{host}}"),
             target(f"max by (job, host) (bytecp_keeper_arena_pool_bytes{{{keeper}}})", "arena pool {{job}} {{host}}", ref="B"),
         ], unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
+    # --- followers (evaluation and serving processes: bytecp.follow) ------------
+    p.append(panel(20, "timeseries", "Followers: lag behind the run",
+        "Steps and seconds from the run's newest commit to what each follower (bytecp.follow, scraped from its own "
+        "Prometheus endpoint) holds, at its last update.",
+        (0, 60, 12, 8), [
+            target(f"max by (job, rank) (bytecp_follower_lag_seconds{{{keeper}}})", "seconds {{job}} {{rank}}"),
+            target(f"max by (job, rank) (bytecp_follower_lag_steps{{{keeper}}})", "steps {{job}} {{rank}}", ref="B"),
+        ], unit="s", custom=TS_CUSTOM, options=TS_OPTS))
+    p.append(panel(21, "timeseries", "Followers: bytes read per update",
+        "Stored bytes each follower read at its last update: only the tensors that changed (a LoRA's adapters, the "
+        "trainable layers).",
+        (12, 60, 12, 8), [
+            target(f"max by (job, rank) (bytecp_follower_update_bytes{{{keeper}}})", "{{job}} {{rank}}"),
+        ], unit="bytes", custom=TS_CUSTOM, options=TS_OPTS))
     return p
 
 

@@ -15,6 +15,7 @@ import yaml
 from bytecp.monitoring.cli import _parser
 from bytecp.monitoring.job_metrics import JOB_METRICS
 from bytecp.monitoring.keeper_metrics import KEEPER_METRICS
+from bytecp.monitoring.prometheus import FOLLOWER_EVENTS
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -49,10 +50,12 @@ def test_dashboard_uses_only_exported_metrics_and_covers_the_issue() -> None:
     exprs.append(board["templating"]["list"][1]["definition"])
     allowed = set(JOB_METRICS) | {f"{m}_{s}" for m in JOB_METRICS for s in ("bucket", "sum", "count")}
     allowed |= set(KEEPER_METRICS)  # the memory tier's keepers export their own
+    allowed |= set(FOLLOWER_EVENTS.values())  # so do followers (bytecp.follow)
     used = {m for e in exprs for m in re.findall(r"\bbytecp_[a-z_]+", e)}
     assert used and used <= allowed, used - allowed
     titles = " | ".join(p["title"].lower() for p in board["panels"])
-    for topic in ("stall", "phase breakdown", "straggler", "throughput", "failed", "retries", "memory tier"):
+    for topic in ("stall", "phase breakdown", "straggler", "throughput", "failed", "retries", "memory tier",
+                  "followers: lag", "followers: bytes"):
         assert topic in titles, topic
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
 
