@@ -253,3 +253,65 @@ def test_staged_storages_are_swapped_in_where_the_state_owns_them(tmp_path: Path
     else:  # two storages alternate: each update's staging buffer is the previous one's
         assert seen[0]["0.weight"] != ptrs["0.weight"] and seen[1]["0.weight"] == ptrs["0.weight"]
         assert seen[2]["0.weight"] == seen[0]["0.weight"]
+
+
+_KILLED_CHILD = """
+import pathlib, sys, time
+import torch
+from torch import nn
+import bytecp
+from bytecp.serving import staging
+run, marker = sys.argv[1:3]
+torch.manual_seed(1)
+m = nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+def hang(*args, **kwargs):
+    pathlib.Path(marker).write_text("reading")
+    time.sleep(600)
+staging.execute_reads = hang
+next(bytecp.follow(run, {"model": m}, poll_s=0.01))
+"""
+
+
+def test_a_follower_killed_mid_update_leaves_nothing_that_blocks_the_run(tmp_path: Path) -> None:
+    """SIGKILL mid-read: its pin stays, a new follower starts clean and takes
+    the newest checkpoint, and once the dead one's lease lapses retention
+    prunes the checkpoint it had pinned."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = str(tmp_path / "run")
+    model, opt = _model()
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1, full_every=1)
+    _step(model, opt)
+    mgr.save(1, {"model": model})
+    marker = tmp_path / "reading"
+    env = {**os.environ, "BYTECP_LEASE_SECONDS": "1", "PYTHONPATH": str(Path(bytecp.__file__).parents[1])}
+    child = subprocess.Popen([sys.executable, "-c", _KILLED_CHILD, run, str(marker)], env=env)
+    try:
+        deadline = time.monotonic() + 120
+        while not marker.exists():
+            assert child.poll() is None and time.monotonic() < deadline, "the follower never started reading"
+            time.sleep(0.05)
+        assert list(Path(run).glob("step-1/pins/.followers.*"))  # pinned mid-read
+    finally:
+        child.send_signal(signal.SIGKILL)
+        child.wait(30)
+    assert list(Path(run).glob("step-1/pins/.followers.*"))  # a killed process removes nothing
+    served, _ = _model(seed=8)  # a new follower: starts clean, takes the newest
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    up = next(gen)
+    assert up.ok and up.step == 1 and _same(served, model), up
+    gen.close()
+    time.sleep(1.5)  # the dead follower's lease lapses
+    for step in (2, 3):
+        _step(model, opt)
+        mgr.save(step, {"model": model})
+    mgr.wait(60)
+    deadline = time.monotonic() + 30
+    while (Path(run) / "step-1").exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not (Path(run) / "step-1").exists(), sorted(p.name for p in Path(run).iterdir())
+    assert sorted(p.name for p in Path(run).glob("step-*")) == ["step-3"]
