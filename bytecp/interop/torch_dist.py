@@ -13,7 +13,8 @@ keyed by Megatron's checkpoint keys: layer-stacked model tensors
 prepended first axis), TP/PP/EP shards as DCP chunks, the distributed
 optimizer's state under ``optimizer.state.<exp_avg|exp_avg_sq|param>.<key>``
 (``fully_reshardable``) or ``optimizer.distributed.*`` (``dp_reshardable``),
-module extra state and Megatron-LM's ``rng_state`` as values.
+module extra state and Megatron-LM's ``rng_state`` as values (each
+``torch.save([data])``: read here, the data inline).
 
 The DCP part is read by :func:`bytecp.interop.dcp.read_dcp_dir` (one row per
 DCP chunk, naming its ``.distcp`` file and byte range; every rank reads only
@@ -59,6 +60,7 @@ import re
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
+from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.interop import dcp, torch_zip
 from bytecp.storage_api import Storage
@@ -160,6 +162,24 @@ def _common(storage: Storage) -> dict[str, Any]:
     return {k: _plain(v, storage, where) for k, v in got.items()}
 
 
+def _unwrapped(storage: Storage, key: str, rec: fmt.ObjectRecord, prefix: str) -> fmt.ObjectRecord:
+    """A ShardedObject's value: torch_dist stores ``[data]`` (one ``torch.save``
+    per object); the data, inline. A value only a full unpickle reads stays a
+    blob (``allow_pickle=True`` loads it, as stored)."""
+    where = f"{storage.url}/{rec.file} (value {key!r})"
+    if rec.is_blob:
+        assert rec.file is not None
+        if rec.pickle:
+            return dataclasses.replace(rec, file=prefix + rec.file)
+        value = limits.load_blob(storage.read_bytes(rec.file, rec.byte_offset, rec.nbytes), where, safe=True)
+    else:
+        value = rec.json
+    if type(value) is not list or len(value) != 1:
+        raise CorruptCheckpointError(f"{where} is a {type(value).__name__}, not the one-element list "
+                                     "Megatron's torch_dist strategy stores a ShardedObject's data in")
+    return fmt.ObjectRecord(json=value[0])
+
+
 def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     """(coordinator) The checkpoint's tensors under the adapter's names and one
     row per DCP chunk; ``common.pt``'s values inline (module docstring)."""
@@ -176,8 +196,7 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     md, rows = dcp.read_dcp_dir(sub)
     rows = [dataclasses.replace(r, fqn=state_name(r.fqn), file=prefix + r.file) for r in rows]
     tensors = {state_name(k): v for k, v in md.tensors.items()}
-    objects = {state_name(k): dataclasses.replace(o, file=prefix + o.file) if o.file is not None else o
-               for k, o in md.objects.items()}
+    objects = {state_name(k): _unwrapped(sub, k, o, prefix) for k, o in md.objects.items()}
     groups: dict[str, list[tuple[str, Node]]] = {g: [] for g in _GROUPS}
     top: list[tuple[str, Node]] = []
     for names, kind in ((md.tensors, "tensor"), (md.objects, "obj")):
