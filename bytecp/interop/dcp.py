@@ -49,7 +49,7 @@ import math
 from typing import Any
 
 from bytecp.format import metadata as fmt
-from bytecp.interop import dcp_items
+from bytecp.interop import dcp_heads, dcp_items
 from bytecp.interop.dcp_items import bad
 from bytecp.storage_api import Storage
 from bytecp.tree.dtype_names import ITEMSIZES
@@ -105,7 +105,7 @@ def read_dcp_dir(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]
             if info is None:
                 raise bad(where, f"has no storage item for chunk {list(offsets)} of tensor {key!r}")
             chunks.append((key, dtype, shape, offsets, lengths, info))
-    rows = dcp_items.locate_chunks(storage, chunks)
+    rows = dcp_heads.locate_chunks(storage, chunks)
     objects = {}
     for key in byte_keys:
         info = items.get((key, None))

@@ -240,22 +240,30 @@ class RestrictedUnpickler(pickle.Unpickler):
         return data
 
 
+_LEAVES = (int, float, str, bytes, bool, type(None), torch.dtype, torch.Size)
+
+
 def _count(tree: Any, where: str, max_objects: int) -> None:
-    """The tree holds at most ``max_objects`` values, at most MAX_SKELETON_DEPTH deep (no recursion)."""
-    seen, stack = 0, [(tree, 0)]
+    """The tree holds at most ``max_objects`` values, at most MAX_SKELETON_DEPTH deep (no recursion).
+    Leaves are counted with their container, never pushed (a ``.metadata`` of 5,000 tensors: 100,000 values)."""
+    seen, stack = 1, [(tree, 0)]
     while stack:
         v, depth = stack.pop()
-        seen += 1
-        if seen > max_objects or depth > limits.MAX_SKELETON_DEPTH:
+        if isinstance(v, dict):
+            kids: Any = [*v.keys(), *v.values()]
+        elif isinstance(v, (list, tuple, set, frozenset)):
+            kids = v
+        elif hasattr(v, "__dict__") and not isinstance(v, (type, torch.dtype)):
+            kids = vars(v).values()
+        else:
+            continue
+        seen += len(kids)
+        if seen > max_objects or (kids and depth >= limits.MAX_SKELETON_DEPTH):
             what = f"more than {max_objects} objects" if seen > max_objects else \
                 f"containers nested deeper than {limits.MAX_SKELETON_DEPTH}"
             raise _bad(where, f"the pickle holds {what}")
-        if isinstance(v, dict):
-            stack.extend((x, depth + 1) for kv in v.items() for x in kv)
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            stack.extend((x, depth + 1) for x in v)
-        elif hasattr(v, "__dict__") and not isinstance(v, (type, torch.dtype)):
-            stack.extend((x, depth + 1) for x in vars(v).values())
+        if type(v) is not torch.Size:
+            stack.extend((x, depth + 1) for x in kids if type(x) not in _LEAVES)
 
 
 def restricted_loads(data: bytes, where: str, allow: Mapping[str, Any] = {}, *,  # noqa: B006 - never mutated
