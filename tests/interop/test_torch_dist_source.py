@@ -141,3 +141,20 @@ def test_missing_dot_metadata_is_one_line(saved: tuple[Path, dict[str, Any]], tm
         bytecp.load_state_dict(str(broken))
     msg = str(e.value)
     assert "\n" not in msg and ".metadata is missing" in msg and "torch_dist" in msg, msg
+
+
+def test_hugging_face_names_through_the_gpt2_spec(saved: tuple[Path, dict[str, Any]]) -> None:
+    """The model of a torch_dist checkpoint in transformers' names (the test
+    GPT is the gpt2 family): the spec applied to ``load_state_dict``'s
+    Megatron keys gives bitwise what it gives the saved full tensors."""
+    from bytecp.interop.mapping import convert_state_dict, get_spec
+
+    run, ref = saved
+    model = bytecp.load_state_dict(str(run))["model"]
+    params = {"heads": 4, "groups": 4, "vocab_size": 128}
+    extra = {k: None for k in model if "_extra_state" in k}
+    got = convert_state_dict(model, get_spec("gpt2"), **params)
+    want = convert_state_dict({**ref["model"], **extra}, get_spec("gpt2"), **params)
+    assert "transformer.h.1.attn.c_attn.weight" in got and set(got) == set(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
