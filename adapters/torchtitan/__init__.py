@@ -271,12 +271,13 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                                      f"state; the states are {', '.join(sorted(self.states))}")
             states = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
         foreign = not is_bytecp_folder(open_storage(url))
+        names: set[str] = set()
         if foreign:  # a DCP checkpoint: named as torchtitan's DCP backend flattens the states
-            states = _flattened(states)
+            states, names = _flattened(states)
         result = bytecp.load(url, states, framework="torchtitan", strict=False, verify=self.config.verify)
-        if foreign and MODEL in self.states:  # as torchtitan's DCP load: the model's own hooks see it
-            names = set(self.states[MODEL].state_dict())
-            self.states[MODEL].load_state_dict({k: v for k, v in states.items() if k in names})
+        if foreign:  # as torchtitan's DCP load: the model's own hooks (fused wqkv) see the tensors
+            if names:  # (never ask the wrapper's state_dict again first: it refreshes its cache)
+                self.states[MODEL].load_state_dict({k: states[k] for k in names})
             missing = sorted({MODEL if k in names else k.split(".", 1)[0] for k in result.missing_keys})
         else:
             missing = sorted({k.split(".", 1)[0] for k in result.missing_keys})
@@ -293,13 +294,14 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                  time.monotonic() - begin)
 
 
-def _flattened(states: dict[str, Any]) -> dict[str, Any]:
+def _flattened(states: dict[str, Any]) -> tuple[dict[str, Any], set[str]]:
     """``states`` as torchtitan's DCP backend saves them: the model's tensors
-    at the top level under their own names, the other states under theirs."""
+    at the top level under their own names, the other states under theirs;
+    and the model's names."""
     flat = {k: v for k, v in states.items() if k != MODEL}
-    if MODEL in states:
-        flat.update(states[MODEL].state_dict())
-    return flat
+    model = states[MODEL].state_dict() if MODEL in states else {}
+    flat.update(model)
+    return flat, set(model)
 
 
 @override(target=BaseCheckpointManager.Config)

@@ -88,7 +88,9 @@ class TorchtitanStateAdapter(Adapter):
         finalizers: list[Finalize] = []
         tree: dict[str, Any] = {}
         for key, obj in state.items():
-            if key in PER_RANK_KEYS:
+            # a DCP checkpoint torchtitan's own backend wrote keeps each rank's dataloader
+            # under its own name (dataloader.dp_rank_<r>): an ordinary value there
+            if key in PER_RANK_KEYS and (key in md.per_rank or not any(o.startswith(f"{key}.") for o in md.objects)):
                 tree[key] = Slot(per_rank=True)
                 finalizers.append(self._apply_whole(key, obj))
                 continue

@@ -36,7 +36,7 @@ def _ck(root: Path, step: int) -> str:
 def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("titan")
     assets = write_assets(tmp / "assets")
-    d = {k: tmp / k for k in ("seed", "from_seed", "base", "resume", "tp", "hf", "hf_load", "one")}
+    d = {k: tmp / k for k in ("seed", "from_seed", "base", "resume", "tp", "hf", "hf_load", "one", "dcp", "dcp_self")}
     results: dict[str, Any] = {"dirs": d}
     results.update(launch([
         # async saves every step, the newest 3 kept
@@ -65,6 +65,19 @@ def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         {"name": "hf_export", "args": titan_args(
             d["hf"], *FSDP2, "--training.steps", "1", "--checkpoint.initial_load_path", _ck(d["base"], 6),
             "--checkpoint.last_save_model_only", "--checkpoint.last_save_in_hf")},
+        # a job checkpointed by torch DCP to step 4 moves onto bytecp: the same folder, DCP's
+        # config function switched by the override import, resumed from DCP's step-4
+        {"name": "dcp_base", "args": titan_args(
+            d["dcp"], *FSDP2, "--training.steps", "4", "--checkpoint.interval", "2", config="dcp_debug")},
+        {"name": "dcp_switch", "verify": str(d["dcp"] / "checkpoint" / "step-4"), "args": titan_args(
+            d["dcp"], *FSDP2, "--training.steps", "6", "--checkpoint.interval", "2",
+            "--override.imports", "bytecp.adapters.torchtitan.use_bytecp", config="dcp_debug")},
+        # the reference: torch DCP resuming its own step 4 (torchtitan's dataloader does not
+        # replay an uninterrupted run exactly across a restart, whichever checkpointer)
+        {"name": "dcp_self", "args": titan_args(
+            d["dcp_self"], *FSDP2, "--training.steps", "6", "--checkpoint.interval", "10",
+            "--checkpoint.initial_load_path", str(d["dcp"] / "checkpoint" / "step-4"),
+            "--checkpoint.no-initial-load-model-only", config="dcp_debug")},
         # read by bytecp: torch DCP's load and Hugging Face reader raise in this run
         {"name": "hf_load", "verify_hf": _ck(d["hf"], 1), "no_dcp_hf": True, "args": titan_args(
             d["hf_load"], *FSDP2, "--training.steps", "1", "--checkpoint.load_only",
@@ -133,6 +146,23 @@ def test_override_import_load_step_and_load_only(titan: dict[str, Any]) -> None:
     assert run["manager"] == "BytecpCheckpointManager" and run["verified"] > 0
     assert run["losses"] == {"6": titan["base"]["losses"]["6"]}
     assert run["save_s"] == []
+
+
+def test_a_dcp_run_moves_onto_bytecp_without_losing_a_step(titan: dict[str, Any]) -> None:
+    """torchtitan's DCP checkpoints of steps 2 and 4, then the job restarted with
+    bytecp on the same folder: it resumes from DCP's step 4 (not from step 0),
+    every model and optimizer tensor right after the load equals DCP's step 4,
+    its losses equal torch DCP's own resume of that step, and its checkpoint of
+    step 6 sits beside DCP's folders, which nothing removed."""
+    dcp, switch, own = _ok(titan, "dcp_base"), _ok(titan, "dcp_switch"), _ok(titan, "dcp_self")
+    base = _ok(titan, "base")["losses"]
+    assert [dcp["losses"][s] for s in "1234"] == [base[s] for s in "1234"]
+    assert switch["manager"] == "BytecpCheckpointManager" and switch["verified"] > 0
+    assert sorted(switch["losses"], key=int) == ["5", "6"], switch["losses"]
+    assert switch["losses"] == own["losses"]
+    folder = titan["dirs"]["dcp"] / "checkpoint"
+    assert {"step-2", "step-4", "step-6"} <= {p.name for p in folder.iterdir()}
+    assert (folder / "step-4" / ".metadata").exists() and (folder / "step-6" / "metadata.json").exists()
 
 
 def test_fsdp2_to_tp2_and_tp2_resume(titan: dict[str, Any]) -> None:

@@ -150,3 +150,50 @@ def test_initial_load_in_hf_reads_through_bytecp(tmp_path: Path, monkeypatch: py
     with pytest.raises(bytecp.BytecpError, match=r"initial_load_in_hf: 1 of the model's tensors "
                                                  r"\(model.norm.weight, .*not in .*hf"):
         mgr.load()
+
+
+def test_a_folder_of_dcp_checkpoints_resumes_bitwise(tmp_path: Path) -> None:
+    """torchtitan's DCP backend saved step 4 (model tensors flattened to the top,
+    as it does); bytecp's manager on the same folder resumes from it bitwise:
+    model, optimizer, scheduler and train state."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/pg", rank=0, world_size=1)
+    try:
+        _dcp_then_bytecp(tmp_path / "run")
+    finally:
+        dist.destroy_process_group()
+
+
+def _dcp_then_bytecp(tmp_path: Path) -> None:
+    from torchtitan.components.checkpoint import CheckpointManager
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
+    opt_config = default_adamw(lr=1e-2)
+    opt_config.implementation = "for-loop"
+    optimizers = OptimizersContainer(opt_config, model_parts=[model])
+    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
+    train = TrainState()
+    cfg = CheckpointManager.Config(enable=True, folder=str(tmp_path), interval=2, last_save_model_only=False)
+    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
+                    states={"train_state": train}, sd_adapter=None)
+    for _ in range(4):
+        train.step += 1
+        model(torch.randn(4, 8)).square().mean().backward()
+        optimizers.step()
+        optimizers.zero_grad()
+        schedulers.step()
+        mgr.save(train.step)
+    mgr.close()
+    assert (tmp_path / "step-4" / ".metadata").exists()
+    want_opt = {k: v.clone() for k, v in optimizers.state_dict().items() if isinstance(v, torch.Tensor)}
+
+    again, model2, train2 = _manager(tmp_path, seed=1)
+    assert again.load() and train2.step == 4
+    for k, v in model2.state_dict().items():
+        assert torch.equal(v, model.state_dict()[k]), k
+    got = again.states["optimizer"].state_dict()
+    for k, v in want_opt.items():
+        assert torch.equal(got[k], v), k
+    assert again.states["lr_scheduler"].state_dict() == schedulers.state_dict()
