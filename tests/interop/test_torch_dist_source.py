@@ -24,6 +24,7 @@ import torch
 import bytecp
 from bytecp.errors import CorruptCheckpointError
 from bytecp.interop import find_source, torch_dist
+from bytecp.interop.runs import foreign_checkpoints
 from bytecp.storage_api import open_storage
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
@@ -86,6 +87,10 @@ def test_detected_before_dcp_from_the_folder_and_the_run(saved: tuple[Path, dict
     assert find_source(open_storage(str(run / tc.FOLDER))) == "torch_dist"
     assert find_source(open_storage(str(run))) == "torch_dist"
     assert torch_dist.folder(open_storage(str(run))) == f"{tc.FOLDER}/"
+    # CheckpointManager.restore's view of the run folder
+    found, unreadable = foreign_checkpoints(str(run))
+    assert [(c.name, c.step, c.format) for c in found] == [(tc.FOLDER, tc.ITERATION, "torch_dist")]
+    assert unreadable == []
 
 
 def test_tp2_loads_at_tp1_dp2_with_the_distributed_optimizer(pool: WorkerPool,
