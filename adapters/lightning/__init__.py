@@ -60,10 +60,10 @@ from bytecp.adapters.lightning.compat import (
     SingleDeviceStrategy,
     TrainerFn,
 )
+from bytecp.adapters.lightning.native import is_native, latest_checkpoint, load_native
 from torch import nn
 
 import bytecp
-from bytecp.catalog import list_checkpoints
 from bytecp.errors import BytecpError, ConfigError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.saving.handles import SaveHandle
@@ -273,6 +273,10 @@ class BytecpCheckpointIO(CheckpointIO):
         ``save_weights_only`` cannot restore optimizers."""
         url = _url(path)
         self.wait()  # a save in flight may be the checkpoint asked for
+        storage = open_storage(url, **self.storage_options)
+        if is_native(storage):  # Lightning's own ModelParallelStrategy checkpoint (a job moving onto bytecp)
+            return load_native(url, storage, model, optimizers, strict=strict, allow_pickle=self.allow_pickle,
+                               options={"storage_options": self.storage_options, **self.load_options})
         keys = optimizer_keys(len(optimizers)) if optimizers else []
         state: dict[str, Any] = {MODEL_KEY: model, **dict(zip(keys, optimizers, strict=True)), TRAINER_KEY: None}
         result = bytecp.load(url, state, strict=False, storage_options=self.storage_options,
@@ -432,16 +436,3 @@ class BytecpModelParallelStrategy(BytecpStrategyMixin, ModelParallelStrategy):
 
 class BytecpSingleDeviceStrategy(BytecpStrategyMixin, SingleDeviceStrategy):
     """One process (``devices=1``): resume or evaluate a checkpoint saved by any number of ranks."""
-
-
-def latest_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The newest *committed* checkpoint below ``dirpath`` (by the saved
-    ``global_step``), or None: for ``trainer.fit(ckpt_path=...)``. A save that
-    was interrupted (no ``metadata.json``) is never returned."""
-    try:
-        found = list_checkpoints(dirpath, storage_options=storage_options)
-    except BytecpError:
-        raise
-    except FileNotFoundError:
-        return None
-    return found[-1].url if found else None

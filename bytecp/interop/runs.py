@@ -4,8 +4,8 @@ onto bytecp mid-run resumes from.
 A run folder written by another checkpointer holds one sub-folder per
 checkpoint, named by its step: ``step-N`` (torchtitan's DCP backend),
 ``global_stepN`` (DeepSpeed), ``iter_NNNNNNN`` (Megatron-LM and NeMo),
-``checkpoint-N`` (the Hugging Face Trainer), ``epoch=E-step=N.ckpt``
-(Lightning's sharded strategies). :func:`foreign_checkpoints` finds those a
+``checkpoint-N`` (the Hugging Face Trainer), ``epoch=E-step=N.ckpt`` or
+``step=N.ckpt`` (Lightning's sharded strategies). :func:`foreign_checkpoints` finds those a
 source of :data:`bytecp.interop.SOURCES` reads, and the step folders none
 of them can read (a silent fresh start would lose the run's work: callers
 raise, naming them).
@@ -36,7 +36,7 @@ log = logging.getLogger("bytecp")
 
 #: a checkpoint folder's name -> its step (the one group)
 STEP_FOLDER = re.compile(
-    r"(?:step[-_]|global_step|iter_|checkpoint-|epoch=\d+-step=)(\d+)(?:\.ckpt)?")
+    r"(?:step[-_=]|global_step|iter_|checkpoint-|epoch=\d+-step=)(\d+)(?:\.ckpt)?")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -96,7 +96,8 @@ class Probe(Callback):
         self.io: BytecpCheckpointIO | None = None
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self.io = trainer.strategy.checkpoint_io  # type: ignore[assignment]
+        io = trainer.strategy.checkpoint_io
+        self.io = io if isinstance(io, BytecpCheckpointIO) else None
 
     def on_save_checkpoint(self, trainer: pl.Trainer, pl_module: pl.LightningModule, checkpoint: dict[str, Any]) -> None:
         state = gathered_state(pl_module, trainer.optimizers[0])  # type: ignore[arg-type]
@@ -140,6 +141,10 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Net, Probe]:
     kind = cfg["strategy"]
     if kind == "mp":
         strategy: Any = BytecpModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1, checkpoint_io=io)
+    elif kind == "native_mp":  # Lightning's own strategy and checkpoints (torch DCP + meta.pt)
+        from pytorch_lightning.strategies import ModelParallelStrategy
+
+        strategy = ModelParallelStrategy(data_parallel_size=world, tensor_parallel_size=1)
     elif kind == "ddp":
         strategy = BytecpDDPStrategy(process_group_backend="gloo", checkpoint_io=io)
     else:
@@ -152,7 +157,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Net, Probe]:
         callbacks=[probe, ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
         use_distributed_sampler=False, num_sanity_val_steps=0,
     )
-    return trainer, Net(shard=kind == "mp"), probe
+    return trainer, Net(shard=kind in ("mp", "native_mp")), probe
 
 
 def run(cfg: dict[str, Any]) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """bytecp as PyTorch Lightning's checkpointing layer, tested with the real
 ``pytorch-lightning`` package on spawned gloo ranks.
 
-Two spawned jobs serve every check (each costs 20-40 s here):
+Three spawned jobs serve every check (each costs 20-40 s here):
 
 - **train**: 2 ranks, ``BytecpModelParallelStrategy`` (FSDP2 ``fully_shard``),
   ``ModelCheckpoint(every_n_train_steps=3, save_top_k=2)``, asynchronous
   saves at steps 3, 6, 9, 12 with the coordinator's commit delayed by 1 s (so
   "returned before the commit" is observable); the save at step 12 fails in
   its write phase on rank 1.
+- **native**: the same run on 2 ranks checkpointed by Lightning's own
+  ``ModelParallelStrategy`` (torch DCP folders with ``meta.pt``) to step 6.
 - **resume**: 1 process: ``BytecpModelParallelStrategy`` resumes from step 6
   and trains to step 12 with lazy saves; then ``BytecpSingleDeviceStrategy``
-  and ``BytecpDDPStrategy`` each resume from step 9.
+  and ``BytecpDDPStrategy`` each resume from step 9; and
+  ``BytecpModelParallelStrategy`` resumes from the native job's newest checkpoint.
 
 Every rank sees the same batches, so the losses do not depend on the world
 size and the resumed run must reproduce the uninterrupted one exactly.
@@ -91,9 +94,14 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     a = tmp_path_factory.mktemp("train")
     b = tmp_path_factory.mktemp("resume")
     common = {"every": 3, "top_k": 2}
+    native = a / "native"
+    native.mkdir()
     spawn(2, [{**common, "tag": "train", "strategy": "mp", "ckpt_dir": str(a / "run"), "out": str(a),
                "max_steps": 12, "fail_write": {"rank": 1, "from_step": 10}}],
           a, env={"BYTECP_FAULT_DELAY": "commit:0:1.0"})
+    # the same run checkpointed by Lightning's own ModelParallelStrategy (torch DCP), all kept
+    spawn(2, [{**common, "top_k": -1, "tag": "native", "strategy": "native_mp", "ckpt_dir": str(native / "run"),
+               "out": str(native), "max_steps": 6}], native)
     resume = {**common, "out": str(b), "ref": str(a)}
     spawn(1, [
         {**resume, "tag": "mp", "strategy": "mp", "ckpt_dir": str(b / "run"), "lazy": True,
@@ -102,6 +110,9 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
          "resume": str(a / "run" / "step=9.ckpt"), "resume_step": 9, "max_steps": 10},
         {**resume, "tag": "ddp", "strategy": "ddp", "ckpt_dir": str(b / "ddp"),
          "resume": str(a / "run" / "step=9.ckpt"), "resume_step": 9, "max_steps": 10},
+        # a job moving onto bytecp resumes from Lightning's own newest checkpoint
+        {**resume, "tag": "from_native", "strategy": "mp", "ckpt_dir": str(b / "from_native"), "ref": str(native),
+         "resume": latest_checkpoint(str(native / "run")), "resume_step": 6, "max_steps": 9},
     ], b)
     return {"train": a, "resume": b}
 
@@ -200,3 +211,21 @@ def test_one_process_load_for_evaluation(jobs: dict[str, Path]) -> None:
     assert set(ckpt["state_dict"]) == {k.removeprefix("model.") for k in saved if k.startswith("model.")}
     for k, t in ckpt["state_dict"].items():
         assert torch.equal(t, saved[f"model.{k}"]), k
+
+
+def test_a_job_moves_onto_bytecp_from_lightnings_own_checkpoints(jobs: dict[str, Path]) -> None:
+    """Lightning's ModelParallelStrategy saved steps 3 and 6 (torch DCP folders
+    with meta.pt); latest_checkpoint finds the newest, BytecpModelParallelStrategy
+    resumes from it on one process: model and optimizer bitwise, loops and LR
+    scheduler restored, and the losses of steps 6-8 equal the uninterrupted run's."""
+    run = jobs["train"] / "native" / "run"
+    assert sorted(p.name for p in run.iterdir()) == ["step=3.ckpt", "step=6.ckpt"]
+    assert (run / "step=6.ckpt" / ".metadata").exists() and (run / "step=6.ckpt" / "meta.pt").exists()
+    assert latest_checkpoint(str(run)) == str(run / "step=6.ckpt")
+    resumed = record(jobs["resume"], "from_native")
+    assert "error" not in resumed, resumed.get("traceback")
+    r = resumed["restored"]
+    assert r["keys_equal"] and r["different"] == [] and len(r["bitwise_equal"]) == 24, r
+    assert (r["global_step"], r["epoch"], r["lr"]) == (6, 1, 0.005)
+    train = record(jobs["train"], "train")["losses"]
+    assert {s: resumed["losses"][s] for s in ("6", "7", "8")} == {s: train[s] for s in ("6", "7", "8")}
