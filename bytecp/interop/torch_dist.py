@@ -22,7 +22,10 @@ the boxes it needs). The keys are then given the names bytecp's Megatron
 adapter (:mod:`bytecp.adapters.megatron`) gives the same state when the
 state dict is Megatron-LM's, ``{"model": model, "optimizer": optimizer}``:
 
-- ``optimizer.*`` keys -> ``optimizer.<key>``, and ``common.pt``'s
+- ``optimizer.*`` and ``chained_<i>.*`` (a chain: MoE's dense and expert
+  optimizers) keys -> ``optimizer.<key>`` (a ``fully_reshardable`` chain's
+  without the chain index: bytecp's model-space names, so it loads at
+  another EP size too), and ``common.pt``'s
   ``optimizer`` value (the param groups, the sharding type) ->
   ``optimizer.__common__``;
 - Megatron-LM's run state (:data:`RUN_STATE`: ``rng_state/shard_*``) keeps
@@ -87,6 +90,8 @@ _MAX_MARKER = 64 << 10
 _COMMON = "__common__"  # the adapter's name for an entry's non-sharded values (adapters.megatron.COMMON)
 _GROUPS = ("model", "optimizer")
 _HEAD = re.compile(r"[./]")
+_CHAINED = re.compile(r"chained_\d+\.")  # a ChainedOptimizer's (MoE: dense and expert) keys
+_CHAIN_STATE = re.compile(r"^optimizer\.chained_\d+\.optimizer\.state\.")
 
 
 def is_torch_dist(storage: Storage, prefix: str = "") -> bool:
@@ -125,7 +130,7 @@ def detect(storage: Storage) -> bool:
 
 def state_name(key: str) -> str:
     """The name bytecp's Megatron adapter gives torch_dist key ``key`` (module docstring)."""
-    if key.startswith("optimizer."):
+    if key.startswith("optimizer.") or _CHAINED.match(key):
         return f"optimizer.{key}"
     if _HEAD.split(key, maxsplit=1)[0] in RUN_STATE:
         return key
@@ -180,6 +185,40 @@ def _unwrapped(storage: Storage, key: str, rec: fmt.ObjectRecord, prefix: str) -
     return fmt.ObjectRecord(json=value[0])
 
 
+def _layout(common: dict[Any, Any]) -> str | None:
+    """The distributed optimizer's sharding type: its own, or a chain's
+    (``{0: {...}, 1: {...}}``) when every member has the same."""
+    if "param_state_sharding_type" in common:
+        return common["param_state_sharding_type"] if isinstance(common["param_state_sharding_type"], str) else None
+    kinds = {_layout(v) if isinstance(v, dict) else None for v in common.values()}
+    return kinds.pop() if len(kinds) == 1 else None
+
+
+def _collapse_chain(names: dict[str, str]) -> bool:
+    """A chain's (MoE: dense and expert optimizers) ``fully_reshardable``
+    state without the chain index, in place: the model-space names bytecp's
+    own saves use whichever optimizer holds a parameter, so it loads into
+    any chain (another EP size) the model-space way. False (nothing
+    changed) when there is no chain or two names would meet."""
+    collapsed = {k: _CHAIN_STATE.sub("optimizer.optimizer.state.", n) for k, n in names.items()}
+    if collapsed == names or len(set(collapsed.values())) != len(collapsed):
+        return False
+    names.update(collapsed)
+    return True
+
+
+def _chain_common(common: dict[Any, Any]) -> dict[str, Any]:
+    """A chain's non-parameter state as one optimizer's: the first member's,
+    with the param groups of every member (each keeps its identity: the
+    adapter gives each optimizer of the loading chain its own)."""
+    members = [v for _, v in sorted(common.items(), key=lambda kv: str(kv[0])) if isinstance(v, dict)]
+    first = dict(members[0])
+    groups = [g for m in members for g in (m.get("optimizer") or {}).get("param_groups", [])]
+    first["optimizer"] = {**(first.get("optimizer") or {}), "param_groups": groups}
+    first["param_state_sharding_type"] = "fully_reshardable"
+    return first
+
+
 def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     """(coordinator) The checkpoint's tensors under the adapter's names and one
     row per DCP chunk; ``common.pt``'s values inline (module docstring)."""
@@ -194,23 +233,26 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
             f"whose tensors .metadata describes; the save did not finish or the file was lost")
     common = _common(sub)
     md, rows = dcp.read_dcp_dir(sub)
-    rows = [dataclasses.replace(r, fqn=state_name(r.fqn), file=prefix + r.file) for r in rows]
-    tensors = {state_name(k): v for k, v in md.tensors.items()}
-    objects = {state_name(k): _unwrapped(sub, k, o, prefix) for k, o in md.objects.items()}
+    opt_common = common.get("optimizer")
+    layout = _layout(opt_common) if isinstance(opt_common, dict) else None
+    names = {k: state_name(k) for k in (*md.tensors, *md.objects)}
+    if layout == "fully_reshardable" and _collapse_chain(names):
+        common = {**common, "optimizer": _chain_common(opt_common)}  # type: ignore[arg-type]
+    rows = [dataclasses.replace(r, fqn=names[r.fqn], file=prefix + r.file) for r in rows]
+    tensors = {names[k]: v for k, v in md.tensors.items()}
+    objects = {names[k]: _unwrapped(sub, k, o, prefix) for k, o in md.objects.items()}
     groups: dict[str, list[tuple[str, Node]]] = {g: [] for g in _GROUPS}
     top: list[tuple[str, Node]] = []
-    for names, kind in ((md.tensors, "tensor"), (md.objects, "obj")):
-        for key in names:
-            name = state_name(key)
-            group = name.split(".", 1)[0] if name != key else None
-            (groups[group] if group else top).append((key, Node.leaf(kind, name)))  # type: ignore[arg-type]
-    layout = None
+    for keys, kind in ((md.tensors, "tensor"), (md.objects, "obj")):
+        for key in keys:
+            name = names[key]
+            group, _, child = name.partition(".") if name != key else ("", "", key)
+            (groups[group] if group else top).append((child, Node.leaf(kind, name)))  # type: ignore[arg-type]
     for k, v in common.items():
         if k in _GROUPS and isinstance(v, dict):
             if v:
                 objects[f"{k}.{_COMMON}"] = fmt.ObjectRecord(json=v)
                 groups[k].append((_COMMON, Node.leaf("obj", f"{k}.{_COMMON}")))
-                layout = v.get("param_state_sharding_type", layout) if k == "optimizer" else layout
         else:
             objects[k] = fmt.ObjectRecord(json=v)
             top.append((k, Node.leaf("obj", k)))

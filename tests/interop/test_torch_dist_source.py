@@ -4,7 +4,8 @@ conversion: a tiny GPT at TP=2 with the distributed optimizer
 (``fully_reshardable``), saved by Megatron itself on 2 gloo ranks into
 ``run/iter_0000100``, loaded into the Megatron model and optimizer at TP=1
 x DP=2, at TP=2, at PP=2 and in one process (and Megatron-LM's default
-``dp_reshardable`` optimizer layout at the same TP/PP); every tensor, model and optimizer,
+``dp_reshardable`` optimizer layout at the same TP/PP; a mixture of experts
+at EP=2 loaded at EP=2 and EP=1); every tensor, model and optimizer,
 bitwise equal to the full tensors assembled from Megatron's own sharding
 description of the saving job. Crafted folders: ``.metadata`` missing.
 """
@@ -120,6 +121,17 @@ def test_dp_reshardable_optimizer_reloads(pool: WorkerPool, tmp_path: Path) -> N
     ref = pool.run(tc.megatron_save, str(run), optimizer="dp_reshardable", tp=1, timeout=300)[0]
     got = pool.run(tc.bytecp_load, str(run), optimizer=True, tp=1, timeout=300)
     _loaded_all(ref, got, "dp_reshardable")
+
+
+def test_moe_ep2_loads_at_ep2_and_ep1_with_the_optimizer_chain(pool: WorkerPool, tmp_path: Path) -> None:
+    """The MoE GPT (4 experts, top-2) at EP=2: Megatron chains a dense and an
+    expert distributed optimizer (keys ``chained_<i>.optimizer.state...``).
+    Loaded at EP=2 and at EP=1 (one optimizer, which Megatron's own loader
+    cannot resume from an EP=2 chain), model and optimizer bitwise."""
+    run = tmp_path / "run"
+    ref = pool.run(tc.megatron_save_moe, str(run), timeout=300)[0]
+    for ep in (2, 1):
+        _loaded_all(ref, pool.run(tc.bytecp_load_moe, str(run), ep, True, timeout=300), f"MoE EP={ep}")
 
 
 def test_one_process_state_dict(saved: tuple[Path, dict[str, Any]]) -> None:

@@ -47,8 +47,6 @@ def megatron_save(run: str, *, optimizer: str | None = "fully_reshardable", **bu
     """(all ranks) Build (and train two steps with the distributed optimizer),
     save with ``dist_checkpointing.save`` (torch_dist) into ``run/iter_0000100``
     as Megatron-LM does; report the full tensors saved."""
-    from megatron.core import dist_checkpointing
-
     mc.build(**{"dist_opt": optimizer is not None, **build_kw})
     if optimizer is not None:
         mc.train_step(1)
@@ -56,9 +54,50 @@ def megatron_save(run: str, *, optimizer: str | None = "fully_reshardable", **bu
     ref: dict[str, Any] = {"model": mc.full_model_state()}
     if optimizer is not None:
         ref["optim"] = mc.full_optimizer_state()
+    _write(run, optimizer, build_kw.get("tp", 1))
+    return ref
+
+
+def megatron_save_moe(run: str, ep: int = 2) -> dict[str, Any]:
+    """(all ranks) The MoE GPT (4 experts, top-2) at EP=``ep`` with the
+    distributed optimizer (a chain: dense and expert), two steps, saved as
+    :func:`megatron_save` saves."""
+    import moe_cases
+
+    moe_cases.build(1, ep)
+    moe_cases.train_step(1)
+    moe_cases.train_step(2)
+    ref = {"model": mc.full_model_state(), "optim": moe_cases.full_optimizer_state()}
+    _write(run, "fully_reshardable", 1)
+    return ref
+
+
+def bytecp_load_moe(url: str, ep: int, optimizer: bool) -> dict[str, Any]:
+    """(all ranks) The MoE GPT at EP=``ep`` with other weights, loaded from ``url``."""
+    import moe_cases
+
+    moe_cases.build(1, ep, seed=99, dist_opt=optimizer)
+    before = mc.full_model_state()
+    state: dict[str, Any] = {"model": _STATE.get("ddp", _STATE["model"]), "iteration": 0}
+    if optimizer:
+        state["optimizer"] = _STATE["optimizer"]
+    with CpuDeviceMode():
+        res = bytecp.load(url, state, strict=False)
+    out: dict[str, Any] = {"before": before, "model": mc.full_model_state(), "iteration": state["iteration"],
+                           "missing": list(res.missing_keys), "unexpected": list(res.unexpected_keys)}
+    if optimizer:
+        out["optim"] = moe_cases.full_optimizer_state()
+    return out
+
+
+def _write(run: str, optimizer: str | None, tp: int) -> None:
+    """(all ranks) Megatron-LM's state dict of the built model (and optimizer),
+    saved by ``dist_checkpointing.save`` (torch_dist) into ``run/iter_0000100``."""
+    from megatron.core import dist_checkpointing
+
     model_sd = _STATE["model"].sharded_state_dict()
     sd: dict[str, Any] = {
-        "args": argparse.Namespace(tensor_model_parallel_size=build_kw.get("tp", 1), lr=0.01),
+        "args": argparse.Namespace(tensor_model_parallel_size=tp, lr=0.01),
         "checkpoint_version": 3.0, "iteration": ITERATION, "model": model_sd,
         "rng_state": [_rng_state()], "num_floating_point_operations_so_far": 0,
     }
@@ -84,7 +123,6 @@ def megatron_save(run: str, *, optimizer: str | None = "fully_reshardable", **bu
     dist.barrier()
     if dist.get_rank() == 0:
         Path(run, "latest_checkpointed_iteration.txt").write_text(str(ITERATION))
-    return ref
 
 
 def bytecp_load(url: str, *, optimizer: bool = False, **build_kw: Any) -> dict[str, Any]:
