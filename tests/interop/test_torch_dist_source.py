@@ -7,7 +7,8 @@ x DP=2, at TP=2, at PP=2 and in one process (and Megatron-LM's default
 ``dp_reshardable`` optimizer layout at the same TP/PP; a mixture of experts
 at EP=2 loaded at EP=2 and EP=1); every tensor, model and optimizer,
 bitwise equal to the full tensors assembled from Megatron's own sharding
-description of the saving job. Crafted folders: ``.metadata`` missing.
+description of the saving job. Crafted folders: ``.metadata`` missing, a
+``common.pt`` naming a class no allowlist admits.
 """
 
 from __future__ import annotations
@@ -175,3 +176,19 @@ def test_hugging_face_names_through_the_gpt2_spec(saved: tuple[Path, dict[str, A
     assert "transformer.h.1.attn.c_attn.weight" in got and set(got) == set(want)
     for k, v in want.items():
         assert torch.equal(got[k], v), k
+
+
+class Payload:
+    """A class no allowlist admits: unpickling it could run code."""
+
+
+def test_common_pt_with_a_foreign_class_is_refused_naming_it(saved: tuple[Path, dict[str, Any]],
+                                                             tmp_path: Path) -> None:
+    run, _ = saved
+    crafted = tmp_path / tc.FOLDER
+    shutil.copytree(run / tc.FOLDER, crafted)
+    torch.save({"iteration": 1, "payload": Payload()}, crafted / "common.pt")
+    with pytest.raises(CorruptCheckpointError) as e:
+        bytecp.load_state_dict(str(crafted))
+    msg = str(e.value)
+    assert "\n" not in msg and "common.pt" in msg and "Payload" in msg, msg
