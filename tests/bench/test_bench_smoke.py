@@ -61,3 +61,19 @@ def test_quick_run_reports_every_case(tmp_path: Path) -> None:
         assert _numeric(res["disk"][key]), key
     assert res["ratios"], "no bytecp / DCP ratio was computed"
     assert all(t["status"] in ("met", "missed", "n/a") for t in res["targets"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dcp_source_quick_reports_both_libraries(tmp_path: Path) -> None:
+    """``python -m benchmarks.dcp_source --quick``: every pair of cases timed, verified, in the table."""
+    out = tmp_path / "dcp.json"
+    proc = run_benchmark("dcp_source", ["--quick", "--dir", str(tmp_path), "--out", str(out)], timeout=280)
+    res = json.loads(out.read_text())
+    assert set(res["groups"]) == {"FSDP2 x2 -> FSDP2 x3", "FSDP2 x2 -> one process"}
+    for label, group in res["groups"].items():
+        assert group["verified"], label
+        assert group["ratios"] and all(_numeric(r) for r in group["ratios"].values()), label
+        assert all(_numeric(s) for s in group["seconds"].values()), label
+    assert "| FSDP2 x2 -> FSDP2 x3 | `bytecp.load` |" in proc.stdout
+    assert res["tensors"] > 20 and res["checkpoint_bytes"] > 0
