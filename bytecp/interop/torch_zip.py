@@ -244,26 +244,18 @@ _LEAVES = (int, float, str, bytes, bool, type(None), torch.dtype, torch.Size)
 
 
 def _count(tree: Any, where: str, max_objects: int) -> None:
-    """The tree holds at most ``max_objects`` values, at most MAX_SKELETON_DEPTH deep (no recursion).
-    Leaves are counted with their container, never pushed (a ``.metadata`` of 5,000 tensors: 100,000 values)."""
+    """The tree holds at most ``max_objects`` values, at most MAX_SKELETON_DEPTH deep (no recursion;
+    leaves counted with their container, never pushed: a 5,000-tensor ``.metadata`` holds 100,000)."""
     seen, stack = 1, [(tree, 0)]
     while stack:
         v, depth = stack.pop()
-        if isinstance(v, dict):
-            kids: Any = [*v.keys(), *v.values()]
-        elif isinstance(v, (list, tuple, set, frozenset)):
-            kids = v
-        elif hasattr(v, "__dict__") and not isinstance(v, (type, torch.dtype)):
-            kids = vars(v).values()
-        else:
-            continue
+        kids: Any = [*v.keys(), *v.values()] if isinstance(v, dict) else v if isinstance(v, (list, tuple, set, frozenset)) \
+            else vars(v).values() if hasattr(v, "__dict__") and not isinstance(v, type) else ()
         seen += len(kids)
         if seen > max_objects or (kids and depth >= limits.MAX_SKELETON_DEPTH):
-            what = f"more than {max_objects} objects" if seen > max_objects else \
-                f"containers nested deeper than {limits.MAX_SKELETON_DEPTH}"
-            raise _bad(where, f"the pickle holds {what}")
-        if type(v) is not torch.Size:
-            stack.extend((x, depth + 1) for x in kids if type(x) not in _LEAVES)
+            raise _bad(where, f"the pickle holds more than {max_objects} objects" if seen > max_objects else
+                       f"the pickle holds containers nested deeper than {limits.MAX_SKELETON_DEPTH}")
+        stack.extend((x, depth + 1) for x in kids if type(x) not in _LEAVES)
 
 
 def restricted_loads(data: bytes, where: str, allow: Mapping[str, Any] = {}, *,  # noqa: B006 - never mutated
