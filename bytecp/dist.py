@@ -30,7 +30,9 @@ import torch
 import torch.distributed as dist
 
 from bytecp.dist_raw import DEADLINE, KEEP_BYTES, all_gather_bytes, broadcast_bytes, finish
+from bytecp.dist_raw import StoreSilent as _StoreSilent
 from bytecp.dist_raw import from_bytes as _from_bytes
+from bytecp.dist_raw import roll_call as _roll_call
 from bytecp.dist_raw import to_bytes as _to_bytes
 from bytecp.errors import DistributedCheckpointError
 
@@ -160,12 +162,15 @@ class DistContext:
             err.broken_group = True  # type: ignore[attr-defined]
             return err
         try:
-            store.append(prefix + "alive", f"{self.rank},")
-            if store.add(prefix + "answers", 1) >= self.world_size:
-                store.set(prefix + "all", "1")
-            with contextlib.suppress(Exception):  # a timeout: someone did not answer
-                store.wait([prefix + "all"], datetime.timedelta(seconds=self.ROLL_CALL_SECONDS))
-            alive = {int(r) for r in store.get(prefix + "alive").decode().split(",") if r}
+            alive = _roll_call(store, prefix, self.rank, self.world_size, self.ROLL_CALL_SECONDS)
+        except _StoreSilent as se:  # its host is stuck (a dead one refuses connections: below)
+            host = (self.group_ranks((0,)) or (0,))[0]
+            err = DistributedCheckpointError(op, {host: (
+                f"did not answer: the rendezvous store this rank hosts (global rank 0 under env:// or tcp://) "
+                f"is silent ({se}): stuck or stopped (seen by rank {self.rank}; {self.deadline_option} "
+                f"{'passed' if self.deadline is not None and time.monotonic() >= self.deadline else 'not passed'})")})
+            err.broken_group = True  # type: ignore[attr-defined]  # as below: a new group for the next save
+            return err
         except Exception as se:
             return DistributedCheckpointError(op, {self.rank: (
                 f"collective failed: {_describe(e)}; the group's rendezvous store is unreachable too "

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["KEEP_BYTES", "finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
-           "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE"]
+           "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call"]
 
 #: how long a replaced collective's works are still kept (its gloo worker
 #: dropped its own reference microseconds after completing it)
@@ -141,3 +141,39 @@ def broadcast_bytes(data: torch.Tensor | None, src: int, group: Any, device: tor
     if buf.numel():
         finish(group, [dist.broadcast(buf, src=src, group=group, async_op=True)], keep=keep)
     return buf.cpu()
+
+
+class StoreSilent(TimeoutError):
+    """The rendezvous store did not answer a roll call in time: the process
+    hosting it (rank 0 under ``env://``/``tcp://``) is stopped or hung."""
+
+
+def roll_call(store: Any, prefix: str, rank: int, world_size: int, seconds: float) -> set[int]:
+    """(every survivor of a broken collective; :meth:`bytecp.dist.DistContext._collective_failed`)
+    Answer under ``prefix`` in ``store`` and return the ranks that answered
+    within ``seconds``. The store calls run on a daemon thread: a store whose
+    host is stopped (SIGSTOP) never answers, and its client would wait for the
+    group's timeout; past ``seconds`` + 2 this raises :class:`StoreSilent`."""
+    box: dict[str, Any] = {}
+
+    def ask() -> None:
+        try:
+            store.append(prefix + "alive", f"{rank},")
+            if store.add(prefix + "answers", 1) >= world_size:
+                store.set(prefix + "all", "1")
+            try:
+                store.wait([prefix + "all"], datetime.timedelta(seconds=seconds))
+            except Exception:  # a timeout: someone did not answer
+                pass
+            box["alive"] = {int(r) for r in store.get(prefix + "alive").decode().split(",") if r}
+        except Exception as e:  # noqa: BLE001 - handed to the caller
+            box["error"] = e
+
+    t = threading.Thread(target=ask, name="bytecp-roll-call", daemon=True)
+    t.start()
+    t.join(seconds + 2.0)
+    if "error" in box:
+        raise box["error"]
+    if "alive" not in box:
+        raise StoreSilent(f"the rendezvous store did not answer within {seconds + 2.0:g} s")
+    return set(box["alive"])

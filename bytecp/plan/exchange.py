@@ -32,6 +32,7 @@ import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+from bytecp.errors import DistributedCheckpointError
 from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan_replicated
 from bytecp.tree.dtypes import dtype_name, itemsize
 from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet
@@ -159,6 +160,10 @@ class PlanVote:
     own_fp: str = ""
     #: this rank writes a cached share as it is (an async snapshot copied it)
     fixed: bool = False
+    #: the last part of the URL this rank saves to (``step-18``; mount points may
+    #: differ between nodes): ranks whose targets differ are in different
+    #: saves (one missed a deadline and is a save behind): :func:`decide` refuses
+    target: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -232,7 +237,7 @@ def holdings(
 
 def ballot(
     held: LocalSavePlan, fingerprint: str, flat: FlatTree, cache_key: Any, save_id: str | None,
-    objects: tuple[str, ...] = (),
+    objects: tuple[str, ...] = (), target: str = "",
 ) -> tuple[PlanVote, tuple[str, list[WriteItem]] | None]:
     """(every rank, inside the plan phase's all-gather) This rank's vote for
     the boxes it writes from (``held``), with the digest its cached plan for
@@ -241,7 +246,7 @@ def ballot(
     coordinator's."""
     cached = PLAN_CACHE.get(cache_key, fingerprint)
     vote = vote_for(held, fingerprint, cached[0] if cached else None, specs_digest(flat), save_id)
-    return (dataclasses.replace(vote, objects=objects) if objects else vote), cached
+    return dataclasses.replace(vote, objects=objects, target=target), cached
 
 
 def _resolve(
@@ -315,6 +320,11 @@ def decide(votes: Sequence[PlanVote]) -> PlanDecision:
     them, one copy per group of members that agree); sound sets (and ranks'
     own boxes) whose fingerprints are equal hold the same boxes under
     different hints and are merged into one set, so no box is written twice."""
+    if len({v.target for v in votes}) > 1:  # paired collectives of two saves: never commit them
+        raise DistributedCheckpointError("save/plan", {r: (
+            f"saving to {v.target} while rank 0 saves to {votes[0].target}: the ranks are in different saves "
+            "(a rank that missed a deadline is a save behind); nothing is committed") for r, v in enumerate(votes)
+            if v.target != votes[0].target})
     digest = fingerprints_digest([v.fingerprint for v in votes])
     base = tuple(v.own_bytes for v in votes)
     if all(v.cached_for == digest for v in votes):

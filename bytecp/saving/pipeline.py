@@ -213,7 +213,7 @@ class SavePipeline:
                 mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"])
                 # and what a rank whose tree differs need not write
-            vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects)
+            vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects, self.storage.url.rstrip("/").rsplit("/", 1)[-1])
             return vote
 
         with self.trace.span("plan"):

@@ -147,7 +147,7 @@ class Chaos:
                  for r in range(2)]
         resumed = False
         try:
-            while any(p.poll() is None for p in procs):
+            while [p.poll() for p in procs].count(None):  # (every process polled: no short circuit)
                 if any(p.returncode not in (None, 0) for p in procs):  # a rank died: the scheduler ends the job
                     for p in procs:
                         if p.poll() is None:
@@ -162,6 +162,10 @@ class Chaos:
                         resumed = True
                 if time.monotonic() - t0 > self.episode_timeout:
                     self.fig.problems.append(f"episode {self.fig.episodes} ({kind}) hung past {self.episode_timeout} s")
+                    for p in procs:  # stacks into err<rank>.txt first
+                        p.send_signal(signal.SIGCONT)
+                        p.send_signal(signal.SIGUSR1)
+                    time.sleep(1.0)
                     for p in procs:
                         p.send_signal(signal.SIGCONT)
                         p.kill()

@@ -14,6 +14,7 @@ that keeps training would. It writes ``<out>/rank<R>.json`` at the end.
 
 from __future__ import annotations
 
+import faulthandler
 import hashlib
 import json
 import os
@@ -91,6 +92,7 @@ class Failures:
 
 
 def main(cfg: dict[str, Any]) -> None:
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # the driver asks for stacks before it kills a hang
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank = dist.get_rank()
