@@ -100,6 +100,11 @@ def _checkpoint(args: argparse.Namespace) -> Storage:
 
     storage = open_storage(args.url, **_storage_options(args))
     if not storage.exists("metadata.json"):
+        from bytecp.interop import find_source
+
+        # a DCP or DeepSpeed folder...: read as a source (nothing there: no reader, nor torch, imported)
+        if storage.list_children("") and find_source(storage) is not None:
+            return storage
         missing = StorageNotFoundError(f"{storage.url}: no metadata.json")
         raise not_a_checkpoint(storage, missing)
     return storage
@@ -115,7 +120,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     t = info["totals"]
     print(f"checkpoint   {info['url']}")
-    print(f"format       v{info['format_version']} (bytecp {info['bytecp_version']}), save {info['save_id']}, {info['created']}")
+    if info["format"] == "bytecp":
+        print(f"format       bytecp v{info['format_version']} (bytecp {info['bytecp_version']}), "
+              f"save {info['save_id']}, {info['created']}")
+    else:
+        print(f"format       {info['format']} (read as a source, no conversion; no checksums), save {info['save_id']}")
     print(f"saved by     {info['framework']}, world size {info['world_size']}, parallelism {json.dumps(info['parallelism'])}")
     print(f"step         {info['step']}")
     if info["user_metadata"]:
@@ -166,23 +175,25 @@ def _bar(args: argparse.Namespace, desc: str, unit: str = "B") -> Progress:
 
 def cmd_verify(args: argparse.Namespace) -> int:
     storage = _checkpoint(args)
-    from bytecp.tools.inspect import verify
+    from bytecp.tools.inspect import verify_any
+    from bytecp.tools.verify_source import NO_CHECKSUMS
 
     bar = _bar(args, "verify")
     try:
-        nbytes, problems = verify(storage, progress=bar)
+        fmt, nbytes, problems = verify_any(storage, progress=bar)
     finally:
         bar.close()
     if args.json:
-        print(json.dumps({"url": args.url, "ok": not problems, "bytes_checked": nbytes,
-                          "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
+        print(json.dumps({"url": args.url, "format": fmt, "checksums": fmt == "bytecp", "ok": not problems,
+                          "bytes_checked": nbytes, "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
     for p in problems:
         print(f"FAIL {p}", file=sys.stderr)
     if problems:
         print(f"{args.url}: {len(problems)} problem(s) found", file=sys.stderr)
         return EXIT_PROBLEMS
     if not args.json:
-        print(f"{args.url}: OK, {_human(nbytes)} checked")
+        print(f"{args.url}: OK, {_human(nbytes)} checked" if fmt == "bytecp" else
+              f"{args.url}: OK ({fmt}; {NO_CHECKSUMS}: every file, item and byte range of {_human(nbytes)})")
     return EXIT_OK
 
 

@@ -104,14 +104,14 @@ def foreign_kind(names: list[str]) -> str | None:
     and how to load it (None: not one we recognise). Hugging Face model
     directories and torch.distributed.checkpoint (DCP) directories are
     named; bytecp's load reads a Hugging Face directory of safetensors
-    (:mod:`bytecp.interop.safetensors_dir`) before this is asked, the
-    one-process tools do not."""
+    (:mod:`bytecp.interop.safetensors_dir`) and a DCP directory before this
+    is asked (so does ``bytecp inspect``/``verify``/``export``)."""
     has = set(names)
     if ".metadata" in has and any(n.endswith(".distcp") for n in names):
         return (
             "a torch.distributed.checkpoint (DCP) checkpoint (.metadata, *.distcp), not a bytecp one: "
-            "bytecp.load and bytecp.load_state_dict read it as it is (unless format='bytecp' is given); "
-            "the one-process tools do not"
+            "bytecp.load, bytecp.load_state_dict and bytecp inspect/verify/export read it as it is "
+            "(unless format='bytecp' is given)"
         )
     hf_files = "config.json" in has or "tokenizer_config.json" in has or "adapter_config.json" in has
     weights = [n for n in names if n.endswith(_HF_WEIGHTS) and not n.startswith(".")]

@@ -187,6 +187,8 @@ class _ForeignRows:
 
     rows: tuple[fmt.ChunkRecord, ...]
     exact: bool = False
+    #: the source's name in :data:`bytecp.interop.SOURCES` (what ``bytecp inspect`` and ``verify`` say it is)
+    source: str = "huggingface"
 
     def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
         return len(self.rows)
@@ -248,6 +250,11 @@ class OpenedCheckpoint:
         return isinstance(self.index, _ForeignRows)
 
     @property
+    def source_format(self) -> str:
+        """``"bytecp"``, or the name of the foreign source read (:data:`bytecp.interop.SOURCES`)."""
+        return self.index.source if isinstance(self.index, _ForeignRows) else "bytecp"
+
+    @property
     def transformers_names(self) -> bool:
         """Whether this is a foreign source whose names are matched as
         transformers matches them and whose dtypes may be cast (a Hugging Face
@@ -263,7 +270,7 @@ class OpenedCheckpoint:
         skeleton = Node.container("dict", [(k, Node.leaf("tensor", k)) for k in new])
         rows = tuple(dataclasses.replace(r, fqn=names.get(r.fqn, r.fqn)) for r in self.index.read_all(self, int).rows)
         return OpenedCheckpoint(self.storage, dataclasses.replace(md, tensors=new, skeleton=skeleton, aliases=dict(aliases)),
-                                _ForeignRows(rows), _Found(real=dict(md.data_files)))
+                                _ForeignRows(rows, source=self.source_format), _Found(real=dict(md.data_files)))
 
     @property
     def data_sizes(self) -> Mapping[str, int | None]:
@@ -383,7 +390,7 @@ def _is_bytecp_json(data: bytes) -> bool:
 def _foreign(storage: Storage, source: str) -> OpenedCheckpoint:
     """The checkpoint of source format ``source`` at ``storage``, opened (:data:`bytecp.interop.SOURCES`)."""
     md, rows = interop.read_source(storage, source)
-    return OpenedCheckpoint(storage, md, _ForeignRows(tuple(rows), interop.exact_names(source)),
+    return OpenedCheckpoint(storage, md, _ForeignRows(tuple(rows), interop.exact_names(source), source),
                             _Found(real=dict(md.data_files)))
 
 
@@ -393,8 +400,9 @@ def open_checkpoint(src: str | Storage, *, foreign: bool = False, format: str | 
     ``foreign`` (the load pipeline): a directory with no ``metadata.json`` but
     a checkpoint of another format :data:`bytecp.interop.SOURCES` reads (a
     transformers directory: :mod:`bytecp.interop.safetensors_dir`) opens as
-    a foreign source; the one-process tools (export,
-    inspect, verify, gc) do not take one. ``format`` (``LoadOptions.format``):
+    a foreign source: the load pipeline and the one-process tools over
+    sources (export, inspect, verify) pass it; ``gc`` never does (a source's
+    files are never bytecp's to remove). ``format`` (``LoadOptions.format``):
     ``"bytecp"`` reads ``metadata.json`` only, a source's name reads that source."""
     storage = src if isinstance(src, Storage) else open_storage(src)
     got = _read_metadata(storage, foreign=foreign, source_format=format)

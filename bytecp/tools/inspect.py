@@ -1,6 +1,12 @@
 """Read-only tools over a committed checkpoint: summary (``inspect``) and
 checksum verification (``verify``). Used by the CLI and by tests; one process,
-no ``torch.distributed``."""
+no ``torch.distributed``.
+
+Both take a foreign source too (a DCP or torch_dist folder, a DeepSpeed
+checkpoint, a Hugging Face directory: :data:`bytecp.interop.SOURCES`),
+opened as a load opens it (``open_checkpoint(foreign=True)``); the summary
+names the format, and :func:`verify_any` checks what the format allows
+(:mod:`bytecp.tools.verify_source`)."""
 
 from __future__ import annotations
 
@@ -14,18 +20,20 @@ from typing import Any
 from bytecp.errors import BytecpError
 from bytecp.format import limits
 from bytecp.format.checksum import crc32c
-from bytecp.loading.opened import open_checkpoint
+from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
+from bytecp.tools.verify_source import open_for_verify, verify_source
 from bytecp.tree.dtypes import dtype_from_name, itemsize
 from bytecp.tree.regions import Region
 
-__all__ = ["summarize", "verify", "VerifyProblem"]
+__all__ = ["summarize", "verify", "verify_any", "VerifyProblem"]
 
 
 def summarize(storage: Storage) -> dict[str, Any]:
-    """A JSON-able description of the checkpoint (what ``bytecp inspect`` prints)."""
-    opened = open_checkpoint(storage)
+    """A JSON-able description of the checkpoint or source (what ``bytecp
+    inspect`` prints); ``format``: ``"bytecp"`` or the source's name."""
+    opened = open_checkpoint(storage, foreign=True)
     md, chunks = opened.metadata, opened.all_rows()
     opened.check_sizes()  # never report sizes the files do not have
     per: dict[str, dict[str, Any]] = {}
@@ -49,6 +57,8 @@ def summarize(storage: Storage) -> dict[str, Any]:
         writers[int(head) if head.isdigit() else -1] += size
     return {
         "url": storage.url,
+        "format": opened.source_format,
+        "checksums": not opened.foreign,  # a source's rows carry none
         "format_version": md.format_version,
         "bytecp_version": md.bytecp_version,
         "save_id": md.save_id,
@@ -77,6 +87,22 @@ def summarize(storage: Storage) -> dict[str, Any]:
     }
 
 
+def verify_any(storage: Storage, *, io_threads: int = 8,
+               progress: Progress = NO_PROGRESS) -> tuple[str, int, list[VerifyProblem]]:
+    """(``bytecp verify``) ``(format, bytes checked, problems)`` of a bytecp
+    checkpoint (:func:`verify`: every byte against its crc32c) or of a
+    foreign source (:func:`bytecp.tools.verify_source.verify_source`: its
+    structure, which is all a format without checksums allows)."""
+    opened, broken = open_for_verify(storage)
+    if broken is not None:
+        return broken.format, 0, [VerifyProblem(broken.file, "", "", broken.message)]
+    assert opened is not None
+    if opened.foreign:
+        nbytes, found = verify_source(opened, progress)
+        return opened.source_format, nbytes, [VerifyProblem(*p) for p in found]
+    return "bytecp", *_verify_bytecp(opened, io_threads, progress)
+
+
 @dataclasses.dataclass
 class VerifyProblem:
     file: str
@@ -85,7 +111,7 @@ class VerifyProblem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}: {self.what} {self.region}: {self.message}"
+        return f"{self.file}: {' '.join(x for x in (self.what, self.region) if x)}: {self.message}"
 
 
 def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PROGRESS) -> tuple[int, list[VerifyProblem]]:
@@ -93,9 +119,13 @@ def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PRO
     every blob saved without ``allow_pickle`` with the safe loader.
 
     Returns ``(bytes checked, problems)``; no problems means the checkpoint
-    is intact. ``progress`` hears the bytes as they are checked.
+    is intact. ``progress`` hears the bytes as they are checked. A foreign
+    source: its structure (:func:`verify_any`).
     """
-    opened = open_checkpoint(storage)
+    return verify_any(storage, io_threads=io_threads, progress=progress)[1:]
+
+
+def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress) -> tuple[int, list[VerifyProblem]]:
     storage = opened.storage  # reads follow the references of a version-3 checkpoint
     md, chunks = opened.metadata, opened.all_rows()
     problems: list[VerifyProblem] = []

@@ -103,7 +103,7 @@ def test_foreign_checkpoint_directories_say_what_they_are(tmp_path: Path) -> Non
     (dcp / ".metadata").write_bytes(b"x")
     (dcp / "__0_0.distcp").write_bytes(b"x")
     readers = every_reader(str(dcp))
-    for fn in readers[:2]:  # the loads read a DCP directory as it is: this .metadata is named as broken
+    for fn in readers[:3]:  # the loads and inspect read a DCP directory as it is: this .metadata is named as broken
         one_line_error(fn, CorruptCheckpointError, f"{dcp}/.metadata", "does not decode")
-    for fn in readers[2:]:
-        one_line_error(fn, CheckpointNotFoundError, "torch.distributed.checkpoint (DCP)", "one-process tools do not")
+    _, problems = verify(open_storage(str(dcp)))  # verify reports it (exit 1)
+    assert len(problems) == 1 and f"{dcp}/.metadata" in str(problems[0]) and "\n" not in str(problems[0])
