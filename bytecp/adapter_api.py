@@ -23,6 +23,7 @@ import contextlib
 import contextvars
 import dataclasses
 import importlib
+import sys
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -145,6 +146,13 @@ _ADAPTERS: dict[str, str | type[Adapter]] = {
 }
 #: detection order: most specific first; "plain" accepts anything
 _ORDER = ["megatron", "deepspeed", "fsdp1", "fsdp2", "ddp", "plain"]
+#: a built-in adapter's framework module: while the process has not imported
+#: it, no state can hold that framework's objects, so detection skips the
+#: adapter without importing it (``torch.distributed.fsdp`` pulls in DTensor
+#: and sympy: about 0.7 s on a plain module's first load)
+_NEEDS = {"megatron": "megatron.core", "deepspeed": "deepspeed", "fsdp1": "torch.distributed.fsdp",
+          "fsdp2": "torch.distributed.tensor"}
+_BUILT_IN = dict(_ADAPTERS)
 #: the adapter that accepts any state: reaching it in detection is a miss
 _CATCH_ALL = "plain"
 #: guards ``_ADAPTERS``, ``_ORDER`` and ``_discovered`` (registrations may come from any thread)
@@ -236,6 +244,10 @@ def detect_adapter(state: dict[str, Any], framework: str | None = None) -> Adapt
             if name == _CATCH_ALL and _discover():
                 break  # entry-point adapters come before the catch-all: look again
             tried.add(name)
+            with _lock:
+                unused = _ADAPTERS[name] == _BUILT_IN.get(name) and _NEEDS.get(name, "sys") not in sys.modules
+            if unused:
+                continue
             cls = _resolve(name)
             if cls is not None and cls.detect(state):
                 return cls()

@@ -47,3 +47,25 @@ def plain_step(url: str) -> dict[str, torch.Tensor]:
     opt = torch.optim.AdamW(model.parameters(), lr=dc.STEPS_LR)
     bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])
     return dc.torch_snapshot(model, opt)
+
+
+def fsdp2_read(url: str) -> dict[str, torch.Tensor]:
+    """(every rank) FSDP2 over the plain module with torch AdamW loads the
+    DeepSpeed checkpoint; the full tensors (DTensors gathered)."""
+    from torch.distributed.fsdp import fully_shard
+
+    model = dc.make_model(seed=4)
+    fully_shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=dc.STEPS_LR)
+    bytecp.load(url, {"model": model, "optimizer": opt}, exclude=["engine"])
+    return dc.torch_snapshot(model, opt)
+
+
+#: (a fresh interpreter) a plain module's model-only load; prints whether FSDP or DTensor was imported
+FRESH_MODEL_LOAD = """
+import sys, torch, bytecp
+model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+bytecp.load(sys.argv[1], {"model": model}, exclude=["optimizer", "engine"])
+torch.save(model.state_dict(), sys.argv[2])
+print(sorted(m for m in ("torch.distributed.fsdp", "torch.distributed.tensor") if m in sys.modules))
+"""
