@@ -120,11 +120,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         return EXIT_OK
     t = info["totals"]
     print(f"checkpoint   {info['url']}")
-    if info["format"] == "bytecp":
-        print(f"format       bytecp v{info['format_version']} (bytecp {info['bytecp_version']}), "
-              f"save {info['save_id']}, {info['created']}")
-    else:
-        print(f"format       {info['format']} (read as a source, no conversion; no checksums), save {info['save_id']}")
+    print(f"format       bytecp v{info['format_version']} (bytecp {info['bytecp_version']}), save {info['save_id']}, "
+          f"{info['created']}" if info["format"] == "bytecp" else
+          f"format       {info['format']} (read as a source, no conversion; no checksums), save {info['save_id']}")
     print(f"saved by     {info['framework']}, world size {info['world_size']}, parallelism {json.dumps(info['parallelism'])}")
     print(f"step         {info['step']}")
     if info["user_metadata"]:
@@ -153,8 +151,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print()
     print(f"total        {t['tensors']} tensors, {_human(t['tensor_bytes'])} in {t['chunks']} chunks, "
           f"{t['data_files']} data files ({_human(t['data_file_bytes'])})")
-    per_rank = ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items())
-    print(f"written      {per_rank}")
+    if info["format"] == "bytecp":
+        print("written      " + ", ".join(f"rank {r}: {_human(b)}" for r, b in t["bytes_written_per_rank"].items()))
     for name, ref in info["references"].items():
         print(f"references   {name} (save {ref['save_id']}): {ref['files']} data files, {_human(ref['bytes'])}")
     return EXIT_OK
@@ -186,8 +184,7 @@ def cmd_verify(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps({"url": args.url, "format": fmt, "checksums": fmt == "bytecp", "ok": not problems,
                           "bytes_checked": nbytes, "problems": [dataclasses.asdict(p) for p in problems]}, indent=2))
-    for p in problems:
-        print(f"FAIL {p}", file=sys.stderr)
+    sys.stderr.writelines(f"FAIL {p}\n" for p in problems)
     if problems:
         print(f"{args.url}: {len(problems)} problem(s) found", file=sys.stderr)
         return EXIT_PROBLEMS
@@ -260,12 +257,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     from bytecp.interop import writer
 
     fmt = _export_format(args)
-    prefix = args.prefix if args.prefix is not None else ("" if fmt == "dcp" else "model.")
+    prefix = args.prefix if args.prefix is not None else ("" if fmt == "dcp" else None)  # None: the source's
     common: dict[str, Any] = dict(prefix=prefix, strip_prefix=not args.keep_prefix, dtype=args.dtype,
-                                  overwrite=args.overwrite, out_options=_out_options(args))
-    if fmt != "hf" and (args.config or args.max_shard_size or args.workers != 1 or args.spec):
-        raise ConfigError("--config, --max-shard-size, --spec and --workers belong to the Hugging Face layout; "
-                          f"drop them or --format {fmt} (OUT a directory)")
+                                  overwrite=args.overwrite, out_options=_out_options(args),
+                                  **({"masters": True} if args.masters and fmt != "dcp" else {}))
+    if fmt != "hf" and (args.config or args.max_shard_size or args.workers != 1 or args.spec) or \
+            fmt == "dcp" and args.masters:
+        raise ConfigError("--config, --max-shard-size, --spec and --workers belong to the Hugging Face layout, "
+                          f"--masters to the safetensors ones; drop them or --format {fmt} (OUT a directory)")
     storage = open_storage(args.url, **_storage_options(args))
     bar = _bar(args, "export")
     try:
@@ -278,8 +277,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(res.to_json(), indent=2))
         return EXIT_OK
-    what = {"hf": "Hugging Face layout", "safetensors": "safetensors", "torch": "torch state dict",
-            "dcp": "torch.distributed.checkpoint"}.get(fmt, fmt)
+    what = dict(hf="Hugging Face layout", torch="torch state dict", dcp="torch.distributed.checkpoint").get(fmt, fmt)
     print(f"wrote {res.out} ({what}: {res.tensors} tensors, {_human(res.tensor_bytes)} in {len(res.files)} file(s))")
     if fmt == "hf":
         print(f"  files: {', '.join(res.files)}")
@@ -357,24 +355,26 @@ def _parser() -> argparse.ArgumentParser:
     sp = url_cmd("inspect", "what a checkpoint holds: framework, world size, step, tensor groups, sizes")
     sp.add_argument("--tensors", action="store_true", help="list every tensor (dtype, shape, size, chunks)")
     sp.set_defaults(fn=cmd_inspect)
-    url_cmd("verify", "read every chunk and check its crc32c (exit 1 if any problem)",
+    url_cmd("verify", "read every chunk and check its crc32c; a source: its structure (exit 1 if any problem)",
             progress=True).set_defaults(fn=cmd_verify)
     url_cmd("ls", "committed checkpoints below a run directory").set_defaults(fn=cmd_ls)
     sp = url_cmd("gc", "remove files of saves that never committed (killed or failed) and cannot be running; "
                  "URL: a checkpoint, an uncommitted save's directory or a run directory", progress=True)
     sp.add_argument("--dry-run", action="store_true", help="list what would be removed")
     sp.set_defaults(fn=cmd_gc)
-    sp = url_cmd("export", "full tensors in the Hugging Face layout (sharded safetensors + index + config.json), "
-                 "one safetensors file, or a torch state dict; streamed", progress=True)
+    sp = url_cmd("export", "full tensors of a checkpoint or source in the Hugging Face layout, one safetensors "
+                 "file, a torch state dict or DCP; streamed", progress=True)
     sp.add_argument("out", help="output directory (Hugging Face layout), or a file ending in .safetensors / .pt; "
                     "any URL bytecp writes")
     sp.add_argument("--format", choices=list(WRITERS),
                     help="default: hf, or safetensors/torch when OUT ends in .safetensors/.pt/.pth. torch holds "
                          "every exported tensor in memory at once (torch.save needs them together); the others "
                          "hold about one tensor")
-    sp.add_argument("--prefix",
-                    help="export tensors whose name starts with this key (default 'model'; for --format dcp "
-                         "'': every tensor and value); '' for all")
+    sp.add_argument("--prefix", help="export tensors whose name starts with this key (default 'model'; a DCP "
+                    "checkpoint without it: the top level less optimizer/scheduler/dataloader state; a Hugging Face "
+                    "directory and --format dcp: ''); '' for all")
+    sp.add_argument("--masters", action="store_true", help="the fp32 master weights in place of a bf16/fp16 "
+                    "model's (DeepSpeed's optimizer.state.<name>.fp32, as zero_to_fp32 writes them)")
     sp.add_argument("--keep-prefix", action="store_true", help="keep the prefix in the exported names")
     sp.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], help="cast floating tensors")
     sp.add_argument("--max-shard-size", help="largest shard, e.g. 5GB, 500MB, 2GiB (default 5GB, as huggingface_hub)")

@@ -40,6 +40,7 @@ import torch
 
 from bytecp.errors import CheckpointExistsError, ConfigError
 from bytecp.format import metadata as fmt
+from bytecp.interop.source_select import default_selection, masters_of
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
 from bytecp.plan.load_plan import plan_load
@@ -119,8 +120,9 @@ class ExportResult:
 def open_export(src: str | Storage) -> OpenedCheckpoint:
     """The checkpoint at ``src`` (a storage, or a URL opened with no options)
     opened for an export: every index row read and checked, then every
-    declared size against the real files."""
-    opened = open_checkpoint(src)
+    declared size against the real files. A foreign source (DCP, torch_dist,
+    DeepSpeed, Hugging Face: :data:`bytecp.interop.SOURCES`) opens as a load opens it."""
+    opened = open_checkpoint(src, foreign=True)
     opened.all_rows()
     opened.check_sizes()
     return opened
@@ -134,8 +136,8 @@ def _top_level_keys(md: fmt.Metadata) -> str:
 
 
 def select_tensors(
-    md: fmt.Metadata, where: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
-    safetensors: bool = True,
+    md: fmt.Metadata, where: str, *, prefix: str | None = "model.", strip_prefix: bool = True,
+    dtype: str | None = None, safetensors: bool = True, masters: bool = False,
 ) -> tuple[list[ExportTensor], list[str]]:
     """The tensors whose FQN starts with ``prefix`` (a trailing ``.`` is
     implied: ``model`` means ``model.``), in the saved order, and the aliases
@@ -143,7 +145,14 @@ def select_tensors(
     name, as ``safetensors.torch.save_model`` and ``save_pretrained`` do; an
     alias whose stored tensor lies outside ``prefix`` is written under the
     alias's name. ``dtype`` casts floating tensors (see :data:`CAST_DTYPES`);
-    ``safetensors``: refuse dtypes safetensors cannot hold (complex)."""
+    ``safetensors``: refuse dtypes safetensors cannot hold (complex).
+    ``prefix=None``: the checkpoint's default (:func:`bytecp.interop.source_select.default_selection`);
+    ``masters``: each model tensor read from its fp32 master where one is
+    saved apart (:func:`bytecp.interop.source_select.masters_of`)."""
+    skip: tuple[str, ...] = ()
+    if prefix is None:
+        prefix, skip = default_selection(md)
+    master = masters_of(md, where) if masters else {}
     if prefix and not prefix.endswith("."):
         prefix += "."
     out_dtype = None
@@ -153,12 +162,13 @@ def select_tensors(
             raise ConfigError(f"dtype {dtype!r} is not one of {', '.join(CAST_DTYPES)}")
 
     def item(fqn: str, stored: str) -> ExportTensor:
+        stored = master.get(stored, stored)
         info = md.tensors[stored]
         cast = out_dtype if out_dtype and info["dtype"] in CASTABLE else info["dtype"]
         name = fqn[len(prefix):] if strip_prefix else fqn
         return ExportTensor(name, stored, info["dtype"], cast, tuple(info["shape"]))
 
-    items = [item(f, f) for f in md.tensors if f.startswith(prefix)]
+    items = [item(f, f) for f in md.tensors if f.startswith(prefix) and f.split(".", 1)[0] not in skip]
     omitted: list[str] = []
     for alias, stored in md.aliases.items():
         if alias.startswith(prefix):
@@ -184,7 +194,7 @@ class TensorReader:
 
     Consecutive tensors are read together (one planned batch of ranged reads,
     coalesced per file) up to :data:`GROUP_BYTES`; a larger tensor is a group
-    of its own. Every chunk's crc32c is checked. The generator drops each
+    of its own. Every chunk's crc32c is checked (a foreign source has none). The generator drops each
     tensor once the consumer asks for the next.
     """
 
@@ -194,6 +204,7 @@ class TensorReader:
         for c in opened.all_rows():
             self.by_fqn.setdefault(c.fqn, []).append(c)
         self.trace = Trace("export", opened.storage.url)
+        self.verify = not opened.foreign  # a source's rows carry no checksums
 
     def read(self, items: Iterable[ExportTensor]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
         group: list[ExportTensor] = []
@@ -217,7 +228,8 @@ class TensorReader:
             chunks.extend(self.by_fqn.get(fqn, []))
         sizes = {it.fqn: itemsize(dtype_from_name(it.dtype)) for it in group}
         reqs = plan_load([(t.fqn, t.box) for t in targets], chunks, itemsizes=sizes)
-        execute_reads(self.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=True, trace=self.trace)
+        execute_reads(self.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=self.verify,
+                      trace=self.trace)
         del targets
         for i, it in enumerate(group):
             t, tensors[i] = tensors[i], None
@@ -312,14 +324,17 @@ def _single_file_target(src: str, out: str, out_options: dict[str, Any] | None, 
 
 
 def export_safetensors(
-    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    src: str | Storage, out: str, *, prefix: str | None = None, strip_prefix: bool = True, dtype: str | None = None,
     overwrite: bool = False, out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
+    masters: bool = False,
 ) -> ExportResult:
     """Write the selected tensors to ONE safetensors file at ``out`` (any URL),
-    streamed (about one tensor in memory) and published atomically."""
+    streamed (about one tensor in memory) and published atomically.
+    ``prefix``/``masters`` as :func:`select_tensors` (None: the checkpoint's default)."""
     opened = open_export(src)
     storage, md = opened.storage, opened.metadata
-    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
+    items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
+                                    masters=masters)
     parent, name, out = _single_file_target(storage.url, out, out_options, overwrite, "model.safetensors")
     header = safetensors_header(items, safetensors_metadata(md))
     total = sum(it.nbytes for it in items)
@@ -358,8 +373,9 @@ class _QueueWriter:
 
 
 def export_torch(
-    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True, dtype: str | None = None,
+    src: str | Storage, out: str, *, prefix: str | None = None, strip_prefix: bool = True, dtype: str | None = None,
     overwrite: bool = False, out_options: dict[str, Any] | None = None, progress: Progress = NO_PROGRESS,
+    masters: bool = False,
 ) -> ExportResult:
     """``torch.save`` a flat ``{name: tensor}`` dict to ``out`` (loads with ``weights_only=True``).
 
@@ -369,7 +385,7 @@ def export_torch(
     opened = open_export(src)
     storage, md = opened.storage, opened.metadata
     items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
-                                    safetensors=False)
+                                    safetensors=False, masters=masters)
     parent, name, out = _single_file_target(storage.url, out, out_options, overwrite, "pytorch_model.bin")
     total = sum(it.nbytes for it in items)
     progress.start(total)

@@ -360,17 +360,17 @@ def companion_files(md: fmt.Metadata, where: str) -> list[tuple[str, bytes]]:
 
 
 def export_hf(
-    src: str | Storage, out: str, *, prefix: str = "model.", strip_prefix: bool = True,
+    src: str | Storage, out: str, *, prefix: str | None = None, strip_prefix: bool = True,
     max_shard_size: int | str | None = None, dtype: str | None = None,
     config: str | Path | dict[str, Any] | None = None, overwrite: bool = False,
     out_options: dict[str, Any] | None = None, workers: int = 1, progress: Progress = NO_PROGRESS,
-    spec: str | None = None,
+    spec: str | None = None, masters: bool = False,
 ) -> ExportResult:
     """Export the checkpoint at ``src`` (a URL or an opened storage) to the
     Hugging Face layout at ``out`` (any URL bytecp writes).
 
-    ``prefix``/``strip_prefix``/``dtype`` select and cast as
-    :func:`bytecp.interop.export.select_tensors`; ``config`` as :func:`resolve_config`;
+    ``prefix``/``strip_prefix``/``dtype``/``masters`` select and cast as
+    :func:`bytecp.interop.export.select_tensors` (``prefix`` None: the checkpoint's default); ``config`` as :func:`resolve_config`;
     ``max_shard_size``: see :func:`parse_size` (default :data:`DEFAULT_MAX_SHARD_SIZE`);
     ``out_options``: storage options of the output (default: none);
     ``workers``: processes writing disjoint shards at once (each holds
@@ -391,10 +391,11 @@ def export_hf(
         if workers > 1:
             raise ConfigError(f"--workers {workers} with --spec {chosen}: a converted export runs in one process "
                               "(it streams one source tensor at a time); drop --workers")
-        reader = MappedReader(opened, storage.url, chosen, config_bytes, prefix=prefix, dtype=dtype)
+        reader = MappedReader(opened, storage.url, chosen, config_bytes, prefix=prefix, dtype=dtype, masters=masters)
         items, omitted = reader.items, list[str]()
     else:
-        items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype)
+        items, omitted = select_tensors(md, storage.url, prefix=prefix, strip_prefix=strip_prefix, dtype=dtype,
+                                        masters=masters)
         reader = TensorReader(opened)
     options = dict(out_options or {})
     target = open_storage(out, **options)

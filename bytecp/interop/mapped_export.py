@@ -64,11 +64,11 @@ class MappedReader:
     ones: :attr:`items` to plan shards, :meth:`read` to write them."""
 
     def __init__(self, opened: OpenedCheckpoint, where: str, spec: str, config: bytes | None, *,
-                 prefix: str, dtype: str | None) -> None:
+                 prefix: str | None, dtype: str | None, masters: bool = False) -> None:
         if config is None:
             raise ConfigError(f"{where}: --spec {spec} needs the Hugging Face config (its heads, key/value heads "
                               "and vocabulary): pass --config FILE or save metadata={'hf_config': ...}")
-        src, _ = select_tensors(opened.metadata, where, prefix=prefix, strip_prefix=True)
+        src, _ = select_tensors(opened.metadata, where, prefix=prefix, strip_prefix=True, masters=masters)
         self._sources = {it.name: it for it in src}
         self._params = spec_params(json.loads(config))
         shapes = {it.name: torch.empty(it.shape, dtype=dtype_from_name(it.dtype), device="meta") for it in src}

@@ -111,7 +111,8 @@ class VerifyProblem:
     message: str
 
     def __str__(self) -> str:
-        return f"{self.file}: {' '.join(x for x in (self.what, self.region) if x)}: {self.message}"
+        where, msg = " ".join(x for x in (self.what, self.region) if x), self.message
+        return f"{self.file}: {where}: {msg}" if where else msg if msg.startswith(self.file) else f"{self.file}: {msg}"
 
 
 def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PROGRESS) -> tuple[int, list[VerifyProblem]]:
