@@ -16,13 +16,14 @@ from typing import Any
 
 import torch
 
-from bytecp.adapter_api import Adapter, LoadTarget
+from bytecp.adapter_api import Adapter, LoadTarget, excluded
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError, StateMismatchError
 from bytecp.format.metadata import Metadata
 from bytecp.tree.state import PerRank, Slot, TensorLeaf, Whole
 
 from ..plain import is_per_rank, is_stateful
+from .mains import plan_refresh
 from .optimizer_layout import (
     _MODEL_SPACE,
     DEFAULT_OPTIMIZER_LAYOUT,
@@ -243,11 +244,13 @@ class MegatronAdapter(Adapter):
         saved_layouts = md.parallelism.get("optimizer_layout") or {}
         tree: dict[str, Any] = {}
         finalizers: list[Callable[[dict[str, Any]], None]] = []
-        model_sd = None
+        model_sd = model_chunks = None
+        optimizers: list[Any] = []
+        mains_loaded: set[int] = set()  # id of each parameter whose fp32 main this load fills
         for e in entries:
             if e.kind == "model":
                 assert e.chunks is not None
-                model_sd = _model_sharded(e.chunks)
+                model_sd, model_chunks = _model_sharded(e.chunks), e.chunks
                 e.sd = model_sd
         for e in entries:
             if e.kind == "model":
@@ -260,24 +263,39 @@ class MegatronAdapter(Adapter):
                     # checkpoint loads through Megatron's loader (same chain)
                     e.layout = "fully_reshardable"
                 opt = _optimizer_of(e.value)
+                optimizers.append(opt)
                 _init_fresh_state(opt)
                 parts = _distributed_parts(opt)
+                absent = not _holds(md, e.key)  # strict=False only: the match refuses it otherwise
                 if e.layout == "model_space" and parts is not None:
                     fs = _flat_state(parts, model_sd, types, e.key)
                     _add_unowned(e.key, fs, md)
                     tree[e.key] = _clip_padded(e.key, {**fs.leaves, COMMON: Slot()}, fs.leaves, fs.asm, md)
-                    finalizers.append(_flat_finalizer(e.key, opt, parts, fs))
+                    if not absent:
+                        finalizers.append(_flat_finalizer(e.key, opt, parts, fs))
+                        mains_loaded |= {i for i, keys in fs.param_keys.items()
+                                         if all(_held(md, f"{e.key}.optimizer.state.param.{k}") for k in keys)}
                     continue
                 megatron_layout = "fully_reshardable" if e.layout == "model_space" else e.layout
                 e.sd = _optimizer_sharded(e, model_sd, megatron_layout, loading=True)
                 e.tr = translate(e.sd, types, where=e.key)
+                if absent:
+                    tree[e.key] = e.tr.tree(target=True)
+                    continue
+                mains_loaded |= {id(p) for c in (model_chunks or []) for p in c.parameters()}
             if e.tr is not None:
                 tree[e.key] = _clip_padded(e.key, e.tr.tree(target=True), e.tr.tensors, e.tr.asm, md)
                 if e.kind == "model":
                     _skip_others_extra_state(e.key, tree[e.key], md)
-                finalizers.append(_finalizer(e, types))
+                finalizers.append(_finalizer(e, types, md))
             else:
                 tree[e.key] = _plain_target(e.key, e.value, state, finalizers)
+
+        for e in entries:  # last: after the model's own finalizer (factories) has run
+            if e.kind == "model" and e.chunks is not None:
+                refresh = plan_refresh(e.key, e.value, e.chunks, types, loaded=mains_loaded, optimizers=optimizers)
+                if refresh is not None:
+                    finalizers.append(refresh)
 
         def finalize(values: dict[str, Any]) -> None:
             for f in finalizers:
@@ -303,6 +321,17 @@ def _load_layout(e: _Entry, saved: dict[str, Any]) -> str:
         return want
     layout = str(saved_layout or DEFAULT_OPTIMIZER_LAYOUT)
     return "model_space" if layout in _MODEL_SPACE else layout
+
+
+def _held(md: Metadata, fqn: str) -> bool:
+    """Whether this load reads the tensor ``fqn``: the checkpoint holds it and it is not excluded."""
+    return (fqn in md.tensors or fqn in md.aliases) and not excluded(fqn)
+
+
+def _holds(md: Metadata, key: str) -> bool:
+    """Whether the checkpoint holds anything under the entry ``key``."""
+    p = f"{key}."
+    return any(k.startswith(p) for names in (md.tensors, md.aliases, md.objects) for k in names)
 
 
 def _skip_others_extra_state(key: str, tree: dict[str, Any], md: Metadata) -> None:
@@ -334,9 +363,10 @@ def _clip_padded(
             tree[k] = clip_to_saved(leaf, saved)
     return tree
 
-def _finalizer(e: _Entry, types: _Types) -> Callable[[dict[str, Any]], None]:
+def _finalizer(e: _Entry, types: _Types, md: Metadata) -> Callable[[dict[str, Any]], None]:
     tr = e.tr
     assert tr is not None
+    lacking = [k for k in tr.tensors if not _held(md, f"{e.key}.{k}")]
 
     def objects_of(values: dict[str, Any]) -> tuple[dict[str, Any], Any]:
         objs = {k: values[f"{e.key}.{k}"] for k in tr.objects if f"{e.key}.{k}" in values}
@@ -350,6 +380,12 @@ def _finalizer(e: _Entry, types: _Types) -> Callable[[dict[str, Any]], None]:
 
     if e.kind == "optimizer":
         def finalize_optimizer(values: dict[str, Any]) -> None:
+            if lacking:  # strict=False: Megatron would copy its unfilled (empty) buffers into the state
+                raise StateMismatchError(
+                    f"optimizer {e.key!r}: the checkpoint lacks {len(lacking)} of its {len(tr.tensors)} "
+                    f"tensors (e.g. {lacking[0]!r}) and Megatron's loader cannot load part of a state; "
+                    f"load with exclude=[{e.key!r}] (the fp32 main parameters then come from the model)"
+                )
             objs, common = objects_of(values)
             loaded = rebuild(e.sd, tr, objs, common, types)
             _load_optimizer(_optimizer_of(e.value), loaded)

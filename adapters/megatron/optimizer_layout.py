@@ -162,6 +162,7 @@ class _FlatState:
     live: list[tuple[Any, Any, str, torch.Tensor]]  # (optimizer, model param, state name, tensor in the leaves)
     asm: set[str]  # keys of padded tensors (allow_shape_mismatch)
     model_keys: set[str]  # model keys of every parameter the optimizer's buffers hold
+    param_keys: dict[int, set[str]] = dataclasses.field(default_factory=dict)  # id(param) -> its model keys
 
 
 def _distributed_parts(opt: Any) -> list[Any] | None:
@@ -203,6 +204,7 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint
     asm: set[str] = set()
     live: list[tuple[Any, Any, str, torch.Tensor]] = []
     model_keys: set[str] = set()
+    param_keys: dict[int, set[str]] = {}
     for buffer in (b for d in parts for b in d.buffers):
         for param in buffer.param_index_map:
             m = meta.get(id(param))
@@ -221,6 +223,7 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint
                             "(or the Megatron-DDP-wrapped model) this optimizer was built on"
                         )
                     pieces = _pieces(m, types, where)
+                    param_keys[id(param)] = {pc.key for pc in pieces}
                     r = ranges["param"]
                     for name, t in d._get_main_param_and_optimizer_states(param).items():
                         if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() != r.end - r.start:
@@ -228,7 +231,7 @@ def _flat_state(parts: list[Any], model_sd: Any, types: _Types, where: str, hint
                         flat = t.detach()
                         model_space_leaves(pieces, r.start, flat, f"optimizer.state.{name}.", leaves, asm, hint)
                         live.append((d, param, name, flat))
-    return _FlatState(leaves, _chain_common(parts), live, asm, model_keys)
+    return _FlatState(leaves, _chain_common(parts), live, asm, model_keys, param_keys)
 
 
 def _param_name(d: Any, param: Any) -> str:
