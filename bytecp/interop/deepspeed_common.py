@@ -147,15 +147,16 @@ class TensorAt:
 Tensors = dict[str, tuple[str, tuple[int, ...]]]
 
 
-def parse(storage: Storage, file: str) -> Any:
-    """(coordinator) The object tree of the ``torch.save`` archive ``file``,
+def parse(storage: Storage, file: str, size: int | None = None) -> Any:
+    """(coordinator) The object tree of the ``torch.save`` archive ``file``
+    (of ``size`` bytes, from the folder's listing: None asks the storage),
     tensors as :class:`TensorAt`, read with small ranged reads and a
     restricted unpickler (:mod:`bytecp.interop.torch_zip`; DeepSpeed's own
     classes in :data:`ALLOWED` as plain values). A global outside the
     allowlist, a truncated or damaged archive: one line naming the file."""
     from bytecp.interop import torch_zip
 
-    tree = torch_zip.read_torch_file(storage, file, allow={k: v[0] for k, v in ALLOWED.items()})
+    tree = torch_zip.read_torch_file(storage, file, length=size, allow={k: v[0] for k, v in ALLOWED.items()})
     where = f"{storage.url}/{file}"
     seen, stack, out = 0, [tree], None
 

@@ -67,9 +67,9 @@ def detect(storage: Storage) -> bool:
     return folder(storage) is not None
 
 
-def _full(storage: Storage, file: str) -> dsc.TensorAt:
-    """The tensor of a ``zero/<name>/<key>.pt`` file: ``{"param": tensor}`` or the tensor itself."""
-    tree = dsc.parse(storage, file)
+def _full(storage: Storage, file: str, size: int) -> dsc.TensorAt:
+    """The tensor of a ``zero/<name>/<key>.pt`` file (of ``size`` bytes): ``{"param": tensor}`` or the tensor itself."""
+    tree = dsc.parse(storage, file, size)
     t = tree.get("param") if isinstance(tree, dict) else tree
     if not isinstance(t, dsc.TensorAt):
         raise dsc.bad(f"{storage.url}/{file}", "holds no tensor (want {'param': tensor} or a tensor)")
@@ -85,7 +85,7 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     model_files = sorted(p for p in sizes if "/" not in p[len(prefix):] and _MODEL_FILE.fullmatch(p[len(prefix):]))
     if not model_files:
         raise dsc.bad(storage.url + "/" + prefix, "has no mp_rank_XX_model_states.pt")
-    ms = dsc.parse(storage, model_files[0])
+    ms = dsc.parse(storage, model_files[0], sizes[model_files[0]])
     if not isinstance(ms, dict) or not isinstance(ms.get("module"), dict):
         raise dsc.bad(model_files[0], "holds no module state dict")
     groups = ms.get("param_shapes")
@@ -121,7 +121,7 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
         state: dict[str, Any] = {}
         for f in files:
             key = f[len(base):-len(".pt")]
-            t = _full(storage, f)
+            t = _full(storage, f, sizes[f])
             if key == "fp32":
                 if f"model.{name}" not in tensors:
                     add(f"model.{name}", t, shape)
@@ -130,7 +130,7 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
             add(f"optimizer.state.{name}.{key}", t, () if key == "step" else shape)
             state[key] = dsc.TENSOR
         keys[name] = state
-    opt = dsc.parse(storage, prefix + OPTIMIZER_FILE)
+    opt = dsc.parse(storage, prefix + OPTIMIZER_FILE, sizes.get(prefix + OPTIMIZER_FILE))
     if not isinstance(opt, dict):
         raise dsc.bad(f"{storage.url}/{prefix}{OPTIMIZER_FILE}", "holds no optimizer state dict")
     return dsc.build_metadata(

@@ -205,14 +205,14 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     if prefix is None:
         raise dsc.bad(storage.url, "is not a DeepSpeed ZeRO checkpoint folder")
     sizes, optim_files, model_file = _files(storage, prefix)
-    ms = dsc.parse(storage, model_file)
+    ms = dsc.parse(storage, model_file, sizes[model_file])
     if not isinstance(ms, dict) or not isinstance(ms.get("module"), dict):
         raise dsc.bad(model_file, "holds no module state dict")
     shapes = _shapes(ms, model_file)
     world = len(optim_files)
     osds = []
     for f in optim_files:
-        tree = dsc.parse(storage, f)
+        tree = dsc.parse(storage, f, sizes[f])
         osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
         if not isinstance(osd, dict):
             raise dsc.bad(f, "holds no optimizer_state_dict")

@@ -77,3 +77,20 @@ def test_dcp_source_quick_reports_both_libraries(tmp_path: Path) -> None:
         assert all(_numeric(s) for s in group["seconds"].values()), label
     assert "| FSDP2 x2 -> FSDP2 x3 | `bytecp.load` |" in proc.stdout
     assert res["tensors"] > 20 and res["checkpoint_bytes"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_deepspeed_source_quick_reports_both_libraries(tmp_path: Path) -> None:
+    """``python -m benchmarks.deepspeed_source --quick``: DeepSpeed writes ZeRO-3 and ZeRO-2
+    checkpoints; every row timed for both libraries, every bytecp load bitwise."""
+    pytest.importorskip("deepspeed")
+    from benchmarks.deepspeed_source import ROWS
+
+    out = tmp_path / "ds.json"
+    proc = run_benchmark("deepspeed_source", ["--quick", "--dir", str(tmp_path), "--out", str(out)], timeout=380)
+    res = json.loads(out.read_text())
+    assert res["bitwise"], res["seconds"]
+    for label, b, d in ROWS:
+        assert _numeric(res["seconds"][b]) and _numeric(res["seconds"][d]), label
+        assert f"| {label} |" in proc.stdout
