@@ -113,3 +113,19 @@ def load_bare(url: str) -> str:
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def load_dp_reshardable_part(url: str) -> str:
+    """(all ranks) Load a ``dp_reshardable`` checkpoint (fp32, distributed
+    optimizer) with its flat buffers excluded: the error bytecp raised
+    (type: message), or "no error"."""
+    from bytecp.adapters.megatron import OptimizerLayout
+
+    mc.build(1, dist_opt=True, seed=99)
+    state = {"model": _STATE["ddp"], "optimizer": OptimizerLayout(_STATE["optimizer"], "dp_reshardable")}
+    try:
+        with CpuDeviceMode():
+            bytecp.load(url, state, strict=False, exclude=["optimizer.optimizer.distributed"])
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -25,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import master_cases as ms  # noqa: E402
+import megatron_cases as mc  # noqa: E402
 from dist.pool import WorkerPool  # noqa: E402
 
 pytestmark = pytest.mark.timeout(600)
@@ -68,3 +69,12 @@ def test_bare_module_with_sharded_mains_is_refused_before_the_load(pool: WorkerP
     errors = pool.run(ms.load_bare, url)
     for err in errors:
         assert "cannot tell which range" in err and "reload_model_params()" in err, err
+
+
+def test_megatron_layout_missing_part_of_its_state_is_refused(pool: WorkerPool, tmp_path: Path) -> None:
+    # Megatron's loader would copy its unfilled (torch.empty) buffers into the
+    # state; at fp32 the distributed optimizer's mains are the model's memory
+    url = str(tmp_path / "dp")
+    pool.run(mc.save_optimizer_reference, url, layout="dp_reshardable", tp=1)
+    for err in pool.run(ms.load_dp_reshardable_part, url):
+        assert "cannot load part of a state" in err and "exclude=['optimizer']" in err, err
