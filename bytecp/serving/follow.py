@@ -7,12 +7,18 @@ Called by user code (one process, or every rank of a process group: see
 turn of the generator:
 
 1. (the coordinator) lists the run (:func:`bytecp.catalog.list_checkpoints`) every ``poll_s``
-   seconds until a checkpoint newer than the one held has committed; when
+   seconds, and its memory tier too when given ``memory_url``
+   (:mod:`bytecp.serving.sources`: the newer step of either, memory first
+   on a tie, the same save in the other tier never read twice), until a
+   checkpoint newer than the one held has committed; when
    several have, it goes straight to the newest (``skipped`` counts the others);
-2. (the coordinator) *pins* it and every checkpoint it references (``pins/.followers.<id>`` in
+2. (the coordinator) *pins* a storage checkpoint and every checkpoint it references (``pins/.followers.<id>`` in
    each, under a lease of this process: :mod:`bytecp.saving.pins`), then
    checks no retention's doom marker names a file it reads, so retention
-   cannot delete what is being read;
+   cannot delete what is being read (a memory checkpoint is not pinned: the
+   keepers have no pins, and one evicted mid-read fails the update, the
+   state intact, and the next poll takes the newest that remains -- storage's
+   copy when it was drained);
    In a group it broadcasts its decision (stop, wait, take, fail): one collective;
 3. (every rank) opens it and decides from the index rows of its own boxes
    alone which of the state's tensors changed
@@ -47,7 +53,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from bytecp.catalog import CheckpointInfo, list_checkpoints, one_line
+from bytecp.catalog import CheckpointInfo, one_line
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
@@ -57,6 +63,7 @@ from bytecp.recorder import emit_event
 from bytecp.saving import leases
 from bytecp.saving.pins import doomed_files
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
+from bytecp.serving.sources import Held, Sources
 from bytecp.serving.staging import Box, stage, state_boxes, swap_in
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.regions import Region
@@ -112,14 +119,21 @@ class _Decision(NamedTuple):
     info: CheckpointInfo | None = None
     skipped: int = 0
     error: str | None = None
+    tier: str = "storage"
 
 
 class _Follower:
     """What the process holds: the checkpoint's URL and rows of its boxes; how it reads."""
 
     def __init__(self, run_url: str, state: dict[str, Any], ctx: DistContext, *, storage_options: Mapping[str, Any],
-                 checksums: bool, pin: bool, io_threads: int, swap: str = "auto") -> None:
+                 checksums: bool, pin: bool, io_threads: int, swap: str = "auto", memory_url: str | None = None,
+                 memory_options: Mapping[str, Any] | None = None) -> None:
         self.run_url, self.options, self.ctx = run_url.rstrip("/"), dict(storage_options), ctx
+        self.sources = Sources(self.run_url, self.options, memory_url, memory_options)
+        #: the held checkpoint's tier, step and save id
+        self.tier: str = "storage"
+        self.step: int | None = None
+        self.save_id: str | None = None
         self.held, _ = state_boxes(state, ctx)
         self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
         self.url: str | None = None
@@ -145,18 +159,18 @@ class _Follower:
         is pinned (under ``pins``, held until every rank staged) and taken."""
         if stop.is_set():
             return _Decision("stop")
-        cks = list_checkpoints(self.run_url, storage_options=self.options)
-        newest = cks[-1] if cks else None
-        if newest is None or newest.url == self.url or newest.url in failed:
+        found = self.sources.newest(Held(self.url, self.step, self.save_id), failed)
+        if found is None:
             idle = idle_s is not None and time.monotonic() - idle_since >= idle_s
             return _Decision("stop" if idle else "wait")
-        skipped = _skipped(cks, self.url, newest)
-        try:
-            storage = open_storage(newest.url, **self.options)
-            pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
-        except Exception as e:  # noqa: BLE001 - every rank reports it, none reads
-            return _Decision("fail", newest, skipped, f"{type(e).__name__}: {one_line(e)}")
-        return _Decision("take", newest, skipped)
+        newest, skipped, tier = found.info, found.skipped, found.tier
+        if tier == "storage":
+            try:
+                storage = open_storage(newest.url, **self.options)
+                pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
+            except Exception as e:  # noqa: BLE001 - every rank reports it, none reads
+                return _Decision("fail", newest, skipped, f"{type(e).__name__}: {one_line(e)}", tier)
+        return _Decision("take", newest, skipped, tier=tier)
 
     @contextlib.contextmanager
     def pinned(self, storage: Storage, md: fmt.Metadata) -> Iterator[None]:
@@ -195,8 +209,10 @@ class _Follower:
 
     def hold(self, url: str) -> None:
         """(every rank) The state holds checkpoint ``url`` already (``held=``)."""
-        opened = open_checkpoint(open_storage(url, **self.options))
+        tier = self.sources.tier_of(url)
+        opened = open_checkpoint(open_storage(url, **self.sources.options_for(tier)))
         self.url, self.rows = url.rstrip("/"), self._rows(opened, self._wanted(opened.metadata, url))
+        self.tier, self.step, self.save_id = tier, opened.metadata.step, opened.metadata.save_id
 
     def _wanted(self, md: fmt.Metadata, url: str) -> dict[str, str]:
         """State FQN -> stored FQN, every tensor's shape and dtype checked."""
@@ -222,7 +238,7 @@ class _Follower:
         t0 = time.perf_counter()
 
         def stage_mine() -> tuple[Any, ...]:
-            opened = open_checkpoint(open_storage(info.url, **self.options))
+            opened = open_checkpoint(open_storage(info.url, **self.sources.options_for(d.tier)))
             if self.ctx.is_coordinator:
                 opened.check_sizes()
             wanted = self._wanted(opened.metadata, info.url)
@@ -233,23 +249,19 @@ class _Follower:
             else:
                 changes = changed_tensors(stored_names, rows, info.url, self.rows, self.url, checksums=self.checksums)
             staged, nbytes = stage(opened, self.held, wanted, changes.changed, rows, self.spare, self.io_threads)
-            return wanted, rows, changes, staged, nbytes, opened.metadata.created
+            return wanted, rows, changes, staged, nbytes, opened.metadata
 
-        wanted, rows, changes, staged, nbytes, created = self.ctx.run("follow/stage", stage_mine)
+        wanted, rows, changes, staged, nbytes, md = self.ctx.run("follow/stage", stage_mine)
         self.spare = swap_in(self.held, wanted, staged, self.swap)
         del staged  # the swapped storages are the state's alone again
         self.url, self.rows = info.url, rows
+        self.tier, self.step, self.save_id = d.tier, info.step, md.save_id
+        created = md.created
         return FollowUpdate(
-            step=info.step, url=info.url, bytes_read=nbytes, tensors_read=len(changes.changed),
+            step=info.step, url=info.url, tier=d.tier, bytes_read=nbytes, tensors_read=len(changes.changed),
             tensors_unchanged=len(changes.unchanged), unchanged_by_reference=changes.by_reference,
             skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=0,
             lag_s=max(0.0, time.time() - created), held=info.url)
-
-
-def _skipped(cks: list[CheckpointInfo], held: str | None, newest: CheckpointInfo) -> int:
-    urls = [c.url for c in cks]
-    start = urls.index(held) + 1 if held in urls else 0
-    return max(0, urls.index(newest.url) - start)
 
 
 def follow(
@@ -266,6 +278,8 @@ def follow(
     stop: threading.Event | None = None,
     idle_timeout_s: float | None = None,
     storage_options: dict[str, Any] | None = None,
+    memory_url: str | None = None,
+    memory_storage_options: dict[str, Any] | None = None,
     group: Any = None,
     distributed: bool | None = None,
 ) -> Iterator[FollowUpdate]:
@@ -283,6 +297,11 @@ def follow(
     ``swap``: ``"auto"`` (storages swapped where a tensor owns its storage,
     else copied) or ``"copy"`` (every tensor copied into: for engines that
     hold raw pointers to the weights outside torch).
+    ``memory_url`` (``keeper://<job>/<run>``, the trainer's
+    ``CheckpointManager(memory_url=...)``; ``memory_storage_options`` its
+    keepers, host and token): the run's memory tier is listed each poll too,
+    and whichever tier has the newer step is read (see
+    :mod:`bytecp.serving.sources`); ``up.tier`` says which.
     The generator ends when ``stop`` is set, or after ``idle_timeout_s``
     seconds with no newer checkpoint; closing it (``break``) ends it too.
 
@@ -304,7 +323,7 @@ def follow(
     stop = stop or threading.Event()
     ctx = DistContext(group, local=not distributed) if distributed is not None else DistContext(group)
     f = _Follower(run_url, state, ctx, storage_options=storage_options or {}, checksums=checksums, pin=pin,
-                  io_threads=io_threads, swap=swap)
+                  io_threads=io_threads, swap=swap, memory_url=memory_url, memory_options=memory_storage_options)
     failed: set[str] = set()
     try:
         if held is not None:
@@ -330,7 +349,7 @@ def follow(
                     failed.add(d.info.url)
                     log.warning("bytecp.follow: could not take %s, still holding %s: %s",
                                 d.info.url, f.url, one_line(e))
-                    up = FollowUpdate(step=d.info.step, url=d.info.url, skipped=d.skipped,
+                    up = FollowUpdate(step=d.info.step, url=d.info.url, tier=d.tier, skipped=d.skipped,
                                       error=f"{type(e).__name__}: {one_line(e)}", held=f.url)
             idle_since = time.monotonic()
             if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update

@@ -91,11 +91,13 @@ class MemoryTier:
         """(coordinator, after the memory commit) Have the keeper copy ``step`` to ``to_url``."""
         open_storage(self.url_for(step), **self.storage_options).drain_to(to_url, to_options)
 
-    def latest(self) -> CheckpointInfo | None:
-        """The newest complete committed memory checkpoint, or None (also when no keeper answers)."""
+    def latest(self, found: list[CheckpointInfo] | None = None) -> CheckpointInfo | None:
+        """The newest complete committed memory checkpoint, or None (also when no keeper answers).
+        ``found``: the tier's listing when the caller has it (a follower, which also counts the steps)."""
         self.incomplete = []
         try:
-            found = list_checkpoints(self.url, storage_options=self.storage_options)
+            if found is None:
+                found = list_checkpoints(self.url, storage_options=self.storage_options)
             root = open_storage(self.url, **self.storage_options)
             held = root.file_sizes("")
             for info in reversed(found):
