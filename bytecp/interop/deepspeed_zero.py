@@ -92,8 +92,8 @@ def _int(v: Any, where: str, what: str) -> int:
     return v
 
 
-def _files(storage: Storage, prefix: str) -> tuple[dict[str, int], list[str], str]:
-    """Sizes of the tag folder's files, its optimizer files by rank and its model file."""
+def _files(storage: Storage, prefix: str) -> tuple[dict[str, int], list[str], dict[int, str]]:
+    """Sizes of the tag folder's files, its optimizer files by rank and its model files by rank."""
     sizes = {p: s for p, s in storage.file_sizes(prefix.rstrip("/")).items() if "/" not in p[len(prefix):]}
     if len(sizes) > MAX_FILES:
         raise dsc.bad(storage.url + "/" + prefix, f"holds {len(sizes)} files, over the {MAX_FILES} budget")
@@ -116,7 +116,7 @@ def _files(storage: Storage, prefix: str) -> tuple[dict[str, int], list[str], st
         raise dsc.bad(where, f"holds optimizer files of ranks {sorted(optim)[:8]} (want 0..W-1)")
     if 0 not in model:
         raise dsc.bad(where, "has no mp_rank_00_model_states.pt (nor zero_pp_rank_0_mp_rank_00_model_states.pt)")
-    return sizes, [optim[r] for r in range(len(optim))], model[0]
+    return sizes, [optim[r] for r in range(len(optim))], model
 
 
 def z12_pieces(shapes: list[tuple[str, tuple[int, ...]]], parts: list[int], paddings: list[int],
@@ -204,7 +204,8 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
     prefix = folder(storage)
     if prefix is None:
         raise dsc.bad(storage.url, "is not a DeepSpeed ZeRO checkpoint folder")
-    sizes, optim_files, model_file = _files(storage, prefix)
+    sizes, optim_files, model_files = _files(storage, prefix)
+    model_file = model_files[0]
     ms = dsc.parse(storage, model_file, sizes[model_file])
     if not isinstance(ms, dict) or not isinstance(ms.get("module"), dict):
         raise dsc.bad(model_file, "holds no module state dict")
@@ -252,16 +253,51 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
             if len(pad) != len(group):
                 raise dsc.bad(optim_files[0], f"gives {len(pad)} alignment paddings for {len(group)} parameters")
             pieces.update(z12_pieces(group, parts, pad, g, optim_files[0]))
+    frozen = _frozen(storage, sizes, ms, model_files, world) if stage == 3 else {}
     return _tensors(storage, sizes, ms, module, shapes, pieces, flats, states, osds, stage, world, inner_key,
-                    model_file, optim_files)
+                    model_file, optim_files, frozen)
+
+
+def _frozen(storage: Storage, sizes: dict[str, int], ms: dict[str, Any], model_files: dict[int, str],
+            world: int) -> dict[str, list[fmt.ChunkRecord]]:
+    """ZeRO 3: the rows of each frozen parameter (no optimizer owns it): rank
+    ``r``'s model-states file holds its elements ``[r*n, (r+1)*n)``, ``n =
+    ceil(numel / W)``, in ``frozen_param_fragments`` (as ``zero_to_fp32`` reads them)."""
+    shapes = ms.get("frozen_param_shapes")
+    if not isinstance(shapes, dict) or not shapes:
+        return {}
+    frags = []
+    for r in range(world):
+        f = model_files.get(r)
+        if f is None:
+            raise dsc.bad(model_files[0], f"lists frozen parameters, but rank {r} has no model-states file")
+        tree = ms if r == 0 else dsc.parse(storage, f, sizes[f])
+        got = tree.get("frozen_param_fragments") if isinstance(tree, dict) else None
+        if not isinstance(got, dict):
+            raise dsc.bad(f, "holds no frozen_param_fragments for the frozen parameters")
+        frags.append((f, got))
+    out: dict[str, list[fmt.ChunkRecord]] = {}
+    for name, shape in _shapes({"param_shapes": [shapes]}, model_files[0])[0]:
+        n = math.prod(shape)
+        each, rows = -(-n // world), []
+        for r, (f, got) in enumerate(frags):
+            t = _tensor(got.get(name), f, f"frozen fragment {name!r}")
+            count = max(0, min(n, (r + 1) * each) - r * each)
+            if t.numel < count:
+                raise dsc.bad(f, f"holds {t.numel} elements of frozen {name!r}, want {count}")
+            _check_range(t, sizes, f"frozen fragment {name!r}")
+            rows += t.rows(f"model.{name}", shape, r * each, 0, count) if count else []
+        out[name] = rows
+    return out
 
 
 def _tensors(storage: Storage, sizes: dict[str, int], ms: dict[str, Any], module: dict[str, Any],
              shapes: list[list[tuple[str, tuple[int, ...]]]], pieces: dict[str, list[Piece]],
              flats: list[list[dsc.TensorAt]], states: list[dict[Any, Any]], osds: list[dict[str, Any]],
-             stage: int, world: int, inner_key: str, model_file: str, optim_files: list[str]
-             ) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
-    """The rows of the model, the masters and every state tensor, and the metadata."""
+             stage: int, world: int, inner_key: str, model_file: str, optim_files: list[str],
+             frozen: dict[str, list[fmt.ChunkRecord]]) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
+    """The rows of the model (``frozen``: ZeRO-3's frozen parameters' own rows),
+    the masters and every state tensor, and the metadata."""
     tensors: dsc.Tensors = {}
     rows: list[fmt.ChunkRecord] = []
     for t in [t for fl in flats for t in fl]:
@@ -292,6 +328,9 @@ def _tensors(storage: Storage, sizes: dict[str, int], ms: dict[str, Any], module
     for name, v in module.items():
         t = _tensor(v, model_file, f"module tensor {name!r}")
         model_dtype[name] = t.dtype
+        if name in frozen:  # ZeRO 3 saves the module's parameters empty
+            add(f"model.{name}", t, frozen[name])
+            continue
         if name in shape_of and (stage == 3 or t.shape != shape_of[name]):
             if stage != 3:
                 raise dsc.bad(model_file, f"holds {name!r} of shape {t.shape}, param_shapes says {shape_of[name]}")

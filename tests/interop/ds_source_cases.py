@@ -69,3 +69,23 @@ bytecp.load(sys.argv[1], {"model": model}, exclude=["optimizer", "engine"])
 torch.save(model.state_dict(), sys.argv[2])
 print(sorted(m for m in ("torch.distributed.fsdp", "torch.distributed.tensor") if m in sys.modules))
 """
+
+
+def ds_write_frozen(root: str) -> dict[str, torch.Tensor]:
+    """(every rank) ZeRO-3 with the first layer's weight frozen (DeepSpeed saves it as
+    ``frozen_param_fragments``, a partition per rank): one step, ``save_checkpoint``;
+    every parameter's full value (masters of the trained ones)."""
+    import deepspeed
+
+    dc.setup()
+    model = dc.make_model(seed=0)
+    model[0].weight.requires_grad_(False)
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_allow_untested_optimizer": True,
+           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+           "optimizer": {"type": "AdamW", "params": {"lr": dc.STEPS_LR, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                      config=cfg)
+    dc.losses(engine, range(1))
+    engine.save_checkpoint(root)
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters())):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}

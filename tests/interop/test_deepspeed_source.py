@@ -157,6 +157,17 @@ def test_a_manager_restores_the_newest_global_step(written: dict[str, Any], tmp_
     assert all(_same(v, ref["snap"][k]) for k, v in got.items())
 
 
+def test_frozen_parameters_at_zero3_load_bitwise(pool2: WorkerPool, tmp_path: Path) -> None:
+    """ZeRO-3 saves a frozen parameter as one partition per rank's model-states
+    file: it loads whole, beside the trained ones, in one process and into a module."""
+    want = pool2.run(sc.ds_write_frozen, str(tmp_path / "ck"))[0]
+    got = bytecp.load_state_dict(str(tmp_path / "ck"), exclude=["optimizer", "engine"])["model"]
+    assert set(got) == set(want) and all(_same(got[k], v) for k, v in want.items())
+    model = sc.dc.make_model(seed=7)
+    bytecp.load(str(tmp_path / "ck"), {"model": model}, exclude=["optimizer", "engine"])
+    assert all(_same(v, want[k]) for k, v in model.state_dict().items())
+
+
 @pytest.mark.parametrize(("case", "stage"), [("z1", 3), ("z3", 2), ("z2", 1)])
 def test_an_engine_at_another_stage_resumes(pool2: WorkerPool, written: dict[str, Any], case: str,
                                             stage: int) -> None:
