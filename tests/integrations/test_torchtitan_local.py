@@ -32,7 +32,10 @@ class TrainState:
         self.step = sd["step"]
 
 
-def _manager(folder: Path, seed: int = 0, **config: Any) -> tuple[BytecpCheckpointManager, nn.Module, TrainState]:
+def _manager(folder: Path, seed: int = 0, manager: Any = BytecpCheckpointManager,
+             **config: Any) -> tuple[Any, nn.Module, TrainState]:
+    """A tiny model with torchtitan's real optimizer and scheduler containers
+    under ``manager`` (bytecp's, or torchtitan's own DCP one)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
     opt_config = default_adamw(lr=1e-2)
@@ -40,7 +43,7 @@ def _manager(folder: Path, seed: int = 0, **config: Any) -> tuple[BytecpCheckpoi
     optimizers = OptimizersContainer(opt_config, model_parts=[model])
     schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
     train = TrainState()
-    cfg = BytecpCheckpointManager.Config(enable=True, folder=str(folder), **config)
+    cfg = manager.Config(enable=True, folder=str(folder), **config)
     mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
                     states={"train_state": train}, sd_adapter=None)
     return mgr, model, train
@@ -168,16 +171,8 @@ def test_a_folder_of_dcp_checkpoints_resumes_bitwise(tmp_path: Path) -> None:
 def _dcp_then_bytecp(tmp_path: Path) -> None:
     from torchtitan.components.checkpoint import CheckpointManager
 
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-    opt_config = default_adamw(lr=1e-2)
-    opt_config.implementation = "for-loop"
-    optimizers = OptimizersContainer(opt_config, model_parts=[model])
-    schedulers = LRSchedulersContainer.Config(warmup_steps=2).build(optimizers=optimizers, training_steps=10)
-    train = TrainState()
-    cfg = CheckpointManager.Config(enable=True, folder=str(tmp_path), interval=2, last_save_model_only=False)
-    mgr = cfg.build(dataloader=None, model_parts=[model], optimizers=optimizers, lr_schedulers=schedulers,
-                    states={"train_state": train}, sd_adapter=None)
+    mgr, model, train = _manager(tmp_path, manager=CheckpointManager, interval=2, last_save_model_only=False)
+    optimizers, schedulers = mgr.states["optimizer"], mgr.states["lr_scheduler"]
     for _ in range(4):
         train.step += 1
         model(torch.randn(4, 8)).square().mean().backward()
