@@ -137,7 +137,7 @@ def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
         yield
     except BaseException as e:
         try:
-            left = p.remove_written()
+            left = [] if _keep_for_silent_coordinator(e, p) else p.remove_written()
         except Exception as cleanup:  # never hide the save's own error
             left = [f"data/{p.trace.checkpoint_id}/"]
             e.add_note(f"bytecp: removing the failed save's files failed too: {cleanup}")
@@ -150,6 +150,30 @@ def _leases_given_up_on_failure(p: SavePipeline) -> Iterator[None]:
                        f"({leases.lease_seconds():g} s) has passed")
         leases.give_up_at(p.storage.url)
         raise
+
+
+def _keep_for_silent_coordinator(e: BaseException, p: SavePipeline) -> bool:
+    """(a rank other than the coordinator, its save failed) Whether the
+    coordinator is one of the ranks that did not reach the step: stopped
+    between its last check of the deadline and its write of metadata.json,
+    it may still commit once it continues, so this rank's data files stay
+    (found by the chaos run: removed, they left a committed checkpoint
+    without them). If it never commits, retention's sweep or ``bytecp gc``
+    removes them after the save's lease."""
+    ctx = p.ctx
+    if ctx.is_coordinator or not _broke_a_collective(e):
+        return False
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if ctx.coordinator in (getattr(err, "failures", None) or {}):
+            e.add_note(f"bytecp: rank {ctx.rank} keeps its data files at {p.storage.url}: the coordinator "
+                       "did not answer and may still commit them (if it does not, retention or "
+                       "`bytecp gc` removes them after the save's lease)")
+            return True
+        err = err.__cause__ or err.__context__
+    return False
 
 
 def _broke_a_collective(e: BaseException) -> bool:

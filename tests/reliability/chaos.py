@@ -161,7 +161,9 @@ class Chaos:
                         procs[fault["rank"]].send_signal(signal.SIGCONT)
                         resumed = True
                 if time.monotonic() - t0 > self.episode_timeout:
-                    self.fig.problems.append(f"episode {self.fig.episodes} ({kind}) hung past {self.episode_timeout} s")
+                    finished = len(list(out.glob("rank?.json"))) == 2  # main() returned on both: an exit hang
+                    self.fig.problems.append(f"episode {self.fig.episodes} ({kind}) hung past {self.episode_timeout} s"
+                                             + (" at interpreter exit, after the job's last step" if finished else ""))
                     for p in procs:  # stacks into err<rank>.txt first
                         p.send_signal(signal.SIGCONT)
                         p.send_signal(signal.SIGUSR1)

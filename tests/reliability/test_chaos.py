@@ -57,7 +57,7 @@ def s3() -> Iterator[tuple[object, str]]:
 
 def test_chaos_short(disk: Path, s3: tuple[object, str]) -> None:
     """One episode of each fault, then a clean one (every invariant checked after each)."""
-    chaos = Chaos(disk, seed=1, s3=s3)
+    chaos = Chaos(disk, seed=1, s3=s3, steps=6)
     for kind in ("kill", "stop", "fill", "readonly", "s3", "none"):
         chaos.episode(kind)
     fig = chaos.fig
