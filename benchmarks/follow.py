@@ -1,7 +1,7 @@
 """Following a run: the latency and bytes of a follower's update
 (``bytecp.follow``) beside a full reload of the same checkpoint.
 
-    python -m benchmarks.follow [--hidden 768 --layers 4 --steps 3] [--json out.json]
+    python -m benchmarks.follow [--hidden 768 --layers 4 --steps 3] [--memory] [--json out.json]
 
 One process, local disk (page cache warm: each checkpoint's files are read
 once before the update and the reload are timed, which go first in turn;
@@ -19,6 +19,15 @@ the changed tensors (the trainable ones) from one process group's rank to
 another's (gloo, two spawned processes on this host: what a push-based
 update such as checkpoint-engine's costs before any resharding; ``/bcast``
 is the update's latency over it).
+
+``--memory``: the same cases from the memory tier instead -- a keeper
+process on this host (``bytecp keeper``, as a training host runs it), the
+trainer's ``CheckpointManager(memory_url="keeper://...",
+memory_every_n_steps=1)`` saving each step to it and the follower given
+``memory_url=`` (it lists both tiers and reads the memory checkpoint: the
+keeper's shared memory, no disk); the reload is ``bytecp.load`` of the same
+memory checkpoint. Memory saves are whole (no references): what did not
+change is told by checksums.
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ import os
 import shutil
 import socket
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -126,24 +138,51 @@ def _warm(path: Path) -> None:
                     pass
 
 
-def run_case(case: str, hidden: int, layers: int, steps: int, root: Path) -> dict[str, Any]:
+def start_keeper(root: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
+    """(``--memory``) A keeper process on a free loopback port; its storage options."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    token, ready = uuid.uuid4().hex, root / "keeper.ready"
+    proc = subprocess.Popen([sys.executable, "-m", "bytecp.storage.keeper_server", "--name", "h0", "--port",
+                             str(port), "--keepers", f"h0=127.0.0.1:{port}", "--replicas", "1",
+                             "--ready-file", str(ready)], env=dict(os.environ, BYTECP_KEEPER_TOKEN=token))
+    deadline = time.time() + 60
+    while not ready.exists():
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError("the keeper did not start")
+        time.sleep(0.05)
+    return proc, {"keepers": f"h0=127.0.0.1:{port}", "host": "h0", "token": token}
+
+
+def run_case(case: str, hidden: int, layers: int, steps: int, root: Path,
+             memory: dict[str, Any] | None = None) -> dict[str, Any]:
     run = root / case
     model, served, fresh = (_model(case, hidden, layers) for _ in range(3))
-    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=3)
-    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.001)
+    mem_url = f"keeper://bench/{root.name}-{case}" if memory is not None else None
+    if memory is None:
+        mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=3)
+    else:  # memory every step, never drained in the timed steps
+        mgr = bytecp.CheckpointManager(str(run), every_n_steps=10**9, keep_last=3, memory_url=mem_url,
+                                       memory_every_n_steps=1, memory_storage_options=memory, memory_keep_last=3)
+    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.001, memory_url=mem_url, memory_storage_options=memory)
     updates, reloads = [], []
     for step in range(1, steps + 2):
         _train(model, step)
-        mgr.save(step, {"model": model})
-        _warm(run / f"step-{step}")
+        if memory is None:
+            mgr.save(step, {"model": model})
+            _warm(run / f"step-{step}")
+        else:
+            mgr.maybe_save(step, {"model": model})
         if step % 2:  # alternate which goes first: neither pays the other's first touches
             up = next(gen)
         t0 = time.perf_counter()
-        bytecp.load(f"{run}/step-{step}", {"model": fresh})
+        bytecp.load(f"{mem_url or run}/step-{step}", {"model": fresh}, storage_options=memory)
         reloads.append(time.perf_counter() - t0)
         if not step % 2:
             up = next(gen)
-        assert up.ok and up.step == step, up
+        assert up.ok and up.step == step and up.tier == ("memory" if memory else "storage"), up
         if step > 1:
             updates.append(up)
     gen.close()
@@ -153,7 +192,7 @@ def run_case(case: str, hidden: int, layers: int, steps: int, root: Path) -> dic
     upd_s = statistics.median(u.seconds for u in updates)
     reload_s = statistics.median(reloads[1:])
     bcast_s = broadcast_s([p.numel() for p in model.parameters() if p.requires_grad])  # what changed
-    return {"case": case, "model_bytes": total, "update_bytes_read": int(statistics.median(u.bytes_read for u in updates)),
+    return {"case": case, "tier": "memory" if memory else "storage", "model_bytes": total, "update_bytes_read": int(statistics.median(u.bytes_read for u in updates)),
             "update_tensors_read": updates[-1].tensors_read, "update_s": upd_s, "full_reload_s": reload_s,
             "full_reload_bytes": total, "speedup": reload_s / upd_s, "broadcast_s": bcast_s,
             "vs_broadcast": upd_s / bcast_s}
@@ -164,13 +203,20 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--memory", action="store_true", help="from the memory tier (a keeper process), not storage")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     root = Path(tempfile.mkdtemp(prefix="bytecp-follow-"))
+    keeper, opts = start_keeper(root) if args.memory else (None, None)
     try:
-        rows = [run_case(c, args.hidden, args.layers, args.steps, root) for c in ("every_weight", "lora", "half_frozen")]
+        rows = [run_case(c, args.hidden, args.layers, args.steps, root, opts)
+                for c in ("every_weight", "lora", "half_frozen")]
     finally:
+        if keeper is not None:
+            keeper.terminate()  # a keeper stopped by a signal frees its shared memory
+            keeper.wait(timeout=60)
         shutil.rmtree(root, ignore_errors=True)
+    print(f"tier: {'memory (keeper://, this host)' if args.memory else 'storage (local disk)'}")
     print(f"{'case':<14}{'model MB':>10}{'read MB':>10}{'update s':>10}{'reload s':>10}{'speedup':>9}"
           f"{'bcast s':>9}{'/bcast':>8}")
     for r in rows:
