@@ -8,7 +8,12 @@ checkpoint newer than the last one printed (the newest at start first; when
 several committed meanwhile, only the newest) it compares index rows with
 the last one printed (:func:`bytecp.serving.changes.changed_tensors`: no
 data read) and prints ``{"step", "url", "tier", "bytes_changed",
-"tensors_changed", "tensors"}``. SIGTERM (and SIGINT) end it with exit code
+"tensors_changed", "tensors"}``. ``--memory-url keeper://<job>/<run>`` (the
+keepers, host and token from ``BYTECP_KEEPERS``, ``BYTECP_KEEPER_HOST``,
+``BYTECP_KEEPER_TOKEN``) lists the run's memory tier too, as
+:func:`bytecp.follow` does (:mod:`bytecp.serving.sources`: the newer step of
+either tier, ``tier`` says which; the drained copy of a save printed is not
+printed again). SIGTERM (and SIGINT) end it with exit code
 0 after the line being printed; storage errors are the CLI's exit codes.
 """
 
@@ -22,34 +27,39 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from bytecp.catalog import list_checkpoints
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
 from bytecp.loading.opened import open_checkpoint
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
+from bytecp.serving.sources import Held, Sources
+from bytecp.storage_api import open_storage
 
 __all__ = ["main", "watch"]
 
 
 def watch(run_url: str, *, poll_s: float = 5.0, stop: threading.Event | None = None,
-          idle_timeout_s: float | None = None) -> Iterator[dict[str, Any]]:
-    """Each newly committed checkpoint of ``run_url`` as a JSON-able record
-    (see the module's docstring); ends when ``stop`` is set or after
-    ``idle_timeout_s`` seconds with nothing new."""
+          idle_timeout_s: float | None = None, memory_url: str | None = None,
+          memory_storage_options: dict[str, Any] | None = None) -> Iterator[dict[str, Any]]:
+    """Each newly committed checkpoint of ``run_url`` (and of its memory tier
+    ``memory_url``, when given) as a JSON-able record (see the module's
+    docstring); ends when ``stop`` is set or after ``idle_timeout_s``
+    seconds with nothing new."""
     stop = stop or threading.Event()
-    last: tuple[str, dict[str, list[fmt.ChunkRecord]]] | None = None
+    sources = Sources(run_url, {}, memory_url, memory_storage_options)
+    held = Held()
+    last_rows: dict[str, list[fmt.ChunkRecord]] = {}
     idle = 0.0
     while not stop.is_set():
-        cks = list_checkpoints(run_url)
-        if cks and (last is None or cks[-1].url != last[0]):
-            new = cks[-1]
-            rows = rows_by_tensor(open_checkpoint(new.url).all_rows())
-            if last is None:
+        found = sources.newest(held, set())
+        if found is not None:
+            new = found.info
+            rows = rows_by_tensor(open_checkpoint(open_storage(new.url, **sources.options_for(found.tier))).all_rows())
+            if held.url is None:
                 changed = list(rows)
             else:
-                changed = list(changed_tensors(list(rows), rows, new.url, last[1], last[0]).changed)
-            last, idle = (new.url, rows), 0.0
-            yield {"step": new.step, "url": new.url, "tier": "storage",
+                changed = list(changed_tensors(list(rows), rows, new.url, last_rows, held.url).changed)
+            held, last_rows, idle = Held(new.url, new.step, found.save_id), rows, 0.0
+            yield {"step": new.step, "url": new.url, "tier": found.tier,
                    "bytes_changed": sum(r.nbytes for f in changed for r in rows[f]),
                    "tensors_changed": len(changed), "tensors": len(rows)}
             continue
@@ -68,6 +78,9 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--json", action="store_true", help="one JSON object per line")
     p.add_argument("--poll-s", type=float, default=5.0, help="seconds between listings of the run (default 5)")
     p.add_argument("--idle-timeout-s", type=float, default=None, help="exit 0 after this long with nothing new")
+    p.add_argument("--memory-url", default=None,
+                   help="the run's memory tier (keeper://<job>/<run>; keepers from BYTECP_KEEPERS, "
+                        "BYTECP_KEEPER_HOST, BYTECP_KEEPER_TOKEN): list it too, take the newer step")
     args = p.parse_args(list(argv))
     if args.poll_s <= 0:
         p.error("--poll-s must be > 0")
@@ -75,7 +88,8 @@ def main(argv: Sequence[str]) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        for rec in watch(args.run, poll_s=args.poll_s, stop=stop, idle_timeout_s=args.idle_timeout_s):
+        for rec in watch(args.run, poll_s=args.poll_s, stop=stop, idle_timeout_s=args.idle_timeout_s,
+                         memory_url=args.memory_url):
             if args.json:
                 print(json.dumps(rec, sort_keys=True), flush=True)
             else:

@@ -21,6 +21,7 @@ from torch import nn
 import bytecp
 from bytecp.catalog import list_checkpoints
 from bytecp.serving import follow as follow_mod
+from bytecp.serving.cli import watch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # keeper processes, as its tests start them
 from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
@@ -84,6 +85,9 @@ def test_follower_takes_each_step_from_the_first_tier_and_survives_the_keeper(
                 mgr.wait()
                 _wait_for_storage(run, 3)
         assert [u.skipped for u in ups] == [0] * 5
+        # `bytecp follow RUN --memory-url ...`: the newest of both tiers, memory's step 5
+        recs = list(watch(run, poll_s=0.01, idle_timeout_s=0.05, memory_url=mem, memory_storage_options=opts))
+        assert [(r["step"], r["tier"]) for r in recs] == [(5, "memory")], recs
 
         # step 6 goes to memory and is drained; the keeper evicts it while the follower reads it
         before = {k: v.clone() for k, v in served.state_dict().items()}
