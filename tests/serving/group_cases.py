@@ -43,12 +43,13 @@ def _shard(m: nn.Module, layout: str) -> nn.Module:
     return m
 
 
-def start(run: str, layout: str) -> bool:
-    """(every rank) A new follower of ``run`` with a freshly sharded model."""
+def start(run: str, layout: str, memory_url: str | None = None, memory_options: dict[str, Any] | None = None) -> bool:
+    """(every rank) A new follower of ``run`` (and its memory tier, when given) with a freshly sharded model."""
     if "gen" in _G:
         _G["gen"].close()
     _G["model"] = _shard(model(seed=dist.get_rank() + 11), layout)
-    _G["gen"] = bytecp.follow(run, {"model": _G["model"]}, poll_s=0.01, idle_timeout_s=60)
+    _G["gen"] = bytecp.follow(run, {"model": _G["model"]}, poll_s=0.01, idle_timeout_s=60, memory_url=memory_url,
+                              memory_storage_options=memory_options)
     _G["fail"] = False
     return True
 

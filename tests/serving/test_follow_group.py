@@ -5,6 +5,9 @@ on every rank and none swaps."""
 
 from __future__ import annotations
 
+import shutil
+import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -13,9 +16,13 @@ import pytest
 import torch
 
 import bytecp
+from bytecp.catalog import list_checkpoints
 from tests.dist.pool import WorkerPool
 
 from . import group_cases as cases
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # keeper processes, as its tests start them
+from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 
@@ -70,3 +77,41 @@ def test_a_group_follows_each_step_bitwise_and_fails_together(pool: WorkerPool, 
         _check(got, want)
         held = want
     assert held
+
+
+def test_a_group_follows_the_memory_tier(pool: WorkerPool, tmp_path: Path) -> None:
+    """FSDP2 x2 given ``memory_url``: each memory step (a keeper process, the
+    trainer saving every step to memory, every second drained) bitwise on
+    both ranks, from the memory tier; the drained copies are never reread."""
+    from bytecp.storage._keeper_wire import request
+
+    ports = {"h0": free_ports(1)[0]}
+    keeper = spawn_keeper("h0", ports, tmp_path, replicas=1)
+    (hello, _) = request(("127.0.0.1", ports["h0"]), {"op": "hello", "token": TOKEN})
+    try:
+        opts = {"keepers": f"h0=127.0.0.1:{ports['h0']}", "host": "h0", "token": TOKEN}
+        run, mem = str(tmp_path / "run"), f"keeper://job/{tmp_path.name}"
+        trainer = cases.model(seed=0)
+        opt = torch.optim.Adam(trainer.parameters(), lr=0.01)
+        mgr = bytecp.CheckpointManager(run, every_n_steps=2, keep_last=3, memory_url=mem, memory_every_n_steps=1,
+                                       memory_storage_options=opts)
+        pool.run(cases.start, run, "fsdp2", mem, opts, timeout=120)
+        for step in range(1, 5):
+            trainer(torch.randn(4, 64)).square().mean().backward()
+            opt.step()
+            opt.zero_grad()
+            mgr.maybe_save(step, {"model": trainer, "optimizer": opt})
+            mgr.wait()
+            got = pool.run(cases.take, timeout=120)
+            assert all(g["up"]["error"] is None and g["up"]["step"] == step and g["up"]["tier"] == "memory"
+                       for g in got), [g["up"] for g in got]
+            _check(got, {k: v.clone() for k, v in trainer.state_dict().items()})
+            if step == 2:  # drained before step 3: the next update must still be step 3, from memory
+                deadline = time.time() + 60
+                while not any(c.step == 2 for c in list_checkpoints(run)):
+                    assert time.time() < deadline, "step 2 never drained"
+                    time.sleep(0.05)
+    finally:
+        keeper.kill()
+        keeper.wait()
+        shutil.rmtree(hello["root"], ignore_errors=True)
