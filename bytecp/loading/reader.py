@@ -20,9 +20,11 @@ before it returns (never for the whole device).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
+import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -337,6 +339,36 @@ class _BatchReader:
         device_memory.wait_events(ends)
 
 
+#: idle read pools by width, each reused by one later load at a time (starting 8
+#: threads costs milliseconds on a busy host: a third of a small load's time)
+_IDLE: dict[int, list[concurrent.futures.ThreadPoolExecutor]] = {}
+_IDLE_LOCK = threading.Lock()
+_MAX_IDLE = 2
+os.register_at_fork(after_in_child=_IDLE.clear)  # the child of a fork has none of their threads
+
+
+@contextlib.contextmanager
+def _read_pool(width: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
+    """A pool of ``width`` reader threads this caller alone uses until it
+    returns: an idle one kept from an earlier load, or a new one. After a
+    failure the pool is shut down as before (its running batches waited for)."""
+    with _IDLE_LOCK:
+        idle = _IDLE.get(width)
+        ex = idle.pop() if idle else None
+    ex = ex or concurrent.futures.ThreadPoolExecutor(width, "bytecp-read")
+    try:
+        yield ex
+    except BaseException:
+        ex.shutdown(wait=True)
+        raise
+    with _IDLE_LOCK:
+        idle = _IDLE.setdefault(width, [])
+        if len(idle) < _MAX_IDLE:
+            idle.append(ex)
+            return
+    ex.shutdown(wait=True)
+
+
 def execute_reads(
     storage: Storage,
     chunks: Sequence[fmt.ChunkRecord],
@@ -359,7 +391,7 @@ def execute_reads(
             if len(batches) <= 1 or io_threads == 1:
                 total = sum(run(b) for b in batches)
             else:
-                with concurrent.futures.ThreadPoolExecutor(io_threads, "bytecp-read") as ex:
+                with _read_pool(io_threads) as ex:
                     total = sum(ex.map(run, batches))
         finally:  # never leave copies running into targets the caller may free
             run.finish_device_copies()
