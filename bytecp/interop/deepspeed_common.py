@@ -5,7 +5,7 @@ an engine.
 
 Called by :mod:`bytecp.interop.deepspeed_zero` and
 :mod:`bytecp.interop.deepspeed_universal` (the coordinator of a load, from
-their ``read``): :func:`parse` once per file, :func:`engine_values` on the
+their ``read``): :func:`parse` (:func:`parse_all`) once per file, :func:`engine_values` on the
 model-states file, then :func:`build_metadata` with the tensors found.
 
 The names (those of :mod:`bytecp.adapters.deepspeed` for ``{"model": engine}``,
@@ -39,7 +39,8 @@ from bytecp.tree.skeleton import Node
 from bytecp.tree.state import is_json_leaf
 
 __all__ = [
-    "FRAMEWORK", "ALLOWED", "Opaque", "SCALER_FIELDS", "TENSOR", "TensorAt", "Tensors", "bad", "parse", "tensor_at", "plain",
+    "FRAMEWORK", "ALLOWED", "Opaque", "SCALER_FIELDS", "TENSOR", "TensorAt", "Tensors", "bad", "parse", "PARSE_THREADS",
+    "parse_all", "tensor_at", "plain",
     "engine_values", "build_metadata", "param_groups",
 ]
 
@@ -178,6 +179,26 @@ def parse(storage: Storage, file: str, size: int | None = None) -> Any:
         elif isinstance(v, Opaque):
             stack.append(v.__dict__)
     return out
+
+
+#: the most files parsed at once (each parse is a few small requests: on an object store, round trips)
+PARSE_THREADS = 16
+
+
+def parse_all(storage: Storage, files: list[str], sizes: Mapping[str, int]) -> list[Any]:
+    """(coordinator) :func:`parse` of each of ``files`` (their sizes from the
+    listing), in order. On a remote storage (``Storage.remote``: each request
+    a round trip) more than 3 (a folder of many ranks, a universal folder's
+    per-parameter files) are parsed on up to :data:`PARSE_THREADS` threads;
+    on a local disk the parse is CPU-bound and threads only slow it down
+    (48 universal files: 21 ms in turn, 35 ms on 16 threads, 2 cores).
+    The first file (in order) that fails raises its one-line error."""
+    if len(files) <= 3 or not storage.remote:
+        return [parse(storage, f, sizes.get(f)) for f in files]
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(min(PARSE_THREADS, len(files)), "bytecp-deepspeed-parse") as ex:
+        return list(ex.map(lambda f: parse(storage, f, sizes.get(f)), files))
 
 
 def tensor_at(where: str, t: Any) -> TensorAt:

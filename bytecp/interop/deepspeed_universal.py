@@ -67,9 +67,8 @@ def detect(storage: Storage) -> bool:
     return folder(storage) is not None
 
 
-def _full(storage: Storage, file: str, size: int) -> dsc.TensorAt:
-    """The tensor of a ``zero/<name>/<key>.pt`` file (of ``size`` bytes): ``{"param": tensor}`` or the tensor itself."""
-    tree = dsc.parse(storage, file, size)
+def _full(storage: Storage, file: str, tree: Any) -> dsc.TensorAt:
+    """The tensor of a ``zero/<name>/<key>.pt`` file (parsed: ``tree``): ``{"param": tensor}`` or the tensor itself."""
     t = tree.get("param") if isinstance(tree, dict) else tree
     if not isinstance(t, dsc.TensorAt):
         raise dsc.bad(f"{storage.url}/{file}", "holds no tensor (want {'param': tensor} or a tensor)")
@@ -113,15 +112,20 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
         if v.numel or not shape_of.get(name):  # ZeRO 3 leaves the parameters empty: the masters stand for them
             add(f"model.{name}", v, shape_of.get(name, v.shape))
     keys: dict[str, dict[str, Any]] = {}
+    per_name = {}
+    for name in shape_of:
+        base = f"{prefix}{ZERO}/{name}/"
+        per_name[name] = sorted(p for p in sizes if p.startswith(base) and _KEY_FILE.fullmatch(p[len(base):]))
+        if f"{base}fp32.pt" not in per_name[name]:
+            raise dsc.bad(f"{storage.url}/{base}", f"has no fp32.pt for parameter {name!r}")
+    every = [f for files in per_name.values() for f in files]
+    trees = dict(zip(every, dsc.parse_all(storage, every, sizes), strict=True))  # a few requests each: at once
     for name, shape in shape_of.items():
         base = f"{prefix}{ZERO}/{name}/"
-        files = sorted(p for p in sizes if p.startswith(base) and _KEY_FILE.fullmatch(p[len(base):]))
-        if f"{base}fp32.pt" not in files:
-            raise dsc.bad(f"{storage.url}/{base}", f"has no fp32.pt for parameter {name!r}")
         state: dict[str, Any] = {}
-        for f in files:
+        for f in per_name[name]:
             key = f[len(base):-len(".pt")]
-            t = _full(storage, f, sizes[f])
+            t = _full(storage, f, trees[f])
             if key == "fp32":
                 if f"model.{name}" not in tensors:
                     add(f"model.{name}", t, shape)

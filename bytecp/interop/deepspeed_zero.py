@@ -206,14 +206,13 @@ def read(storage: Storage) -> tuple[fmt.Metadata, list[fmt.ChunkRecord]]:
         raise dsc.bad(storage.url, "is not a DeepSpeed ZeRO checkpoint folder")
     sizes, optim_files, model_files = _files(storage, prefix)
     model_file = model_files[0]
-    ms = dsc.parse(storage, model_file, sizes[model_file])
+    ms, *trees = dsc.parse_all(storage, [model_file, *optim_files], sizes)
     if not isinstance(ms, dict) or not isinstance(ms.get("module"), dict):
         raise dsc.bad(model_file, "holds no module state dict")
     shapes = _shapes(ms, model_file)
     world = len(optim_files)
     osds = []
-    for f in optim_files:
-        tree = dsc.parse(storage, f, sizes[f])
+    for f, tree in zip(optim_files, trees, strict=True):
         osd = tree.get("optimizer_state_dict") if isinstance(tree, dict) else None
         if not isinstance(osd, dict):
             raise dsc.bad(f, "holds no optimizer_state_dict")
@@ -266,12 +265,12 @@ def _frozen(storage: Storage, sizes: dict[str, int], ms: dict[str, Any], model_f
     shapes = ms.get("frozen_param_shapes")
     if not isinstance(shapes, dict) or not shapes:
         return {}
+    missing = [r for r in range(world) if r not in model_files]
+    if missing:
+        raise dsc.bad(model_files[0], f"lists frozen parameters, but rank {missing[0]} has no model-states file")
     frags = []
-    for r in range(world):
-        f = model_files.get(r)
-        if f is None:
-            raise dsc.bad(model_files[0], f"lists frozen parameters, but rank {r} has no model-states file")
-        tree = ms if r == 0 else dsc.parse(storage, f, sizes[f])
+    for r, tree in enumerate([ms, *dsc.parse_all(storage, [model_files[r] for r in range(1, world)], sizes)]):
+        f = model_files[r]
         got = tree.get("frozen_param_fragments") if isinstance(tree, dict) else None
         if not isinstance(got, dict):
             raise dsc.bad(f, "holds no frozen_param_fragments for the frozen parameters")

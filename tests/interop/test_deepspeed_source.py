@@ -252,6 +252,13 @@ def test_a_universal_checkpoint_loads_in_one_process_bitwise(universal: tuple[Pa
         ("step", got[f"optimizer.state.{n}.step"], snap["step"])) if not _same(a, b)]
     assert not bad, f"universal: differ at {bad}"
     assert got["engine.global_steps"] == 2 and [g["params"] for g in got["optimizer.param_groups"]] == [names]
+    # on a remote storage its per-parameter files are parsed on threads: the same rows, in the same order
+    from bytecp.interop import deepspeed_universal
+
+    local = open_storage(str(root / "global_step2_universal"))
+    remote = open_storage(str(root / "global_step2_universal"))
+    remote.remote = True
+    assert deepspeed_universal.read(remote)[1] == deepspeed_universal.read(local)[1]
 
 
 def test_a_universal_checkpoint_resumes_an_engine_at_zero3(pool2: WorkerPool,
