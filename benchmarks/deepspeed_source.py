@@ -37,7 +37,7 @@ stage). Each library's first load into its engine is a warm-up, untimed.
 Every bytecp load is checked bitwise against DeepSpeed's (phase 2: the
 ``zero_to_fp32`` masters and bytecp's own full read; phases 3 and 4: the
 engines' full masters and moments). Phase 2 reports the median of
-``--repeat`` runs; phases 3 and 4 one run between barriers, the slowest
+``--repeat`` runs, the cases alternated every repeat; phases 3 and 4 one run between barriers, the slowest
 rank. Prints a Markdown table; ``--out`` writes JSON.
 """
 
@@ -164,16 +164,21 @@ def engine_rank(rank: int, world: int, port: int, size: dict[str, Any], root: st
         dist.destroy_process_group()
 
 
-def _median(fn: Callable[[Any], Any], make: Callable[[], Any], repeat: int) -> tuple[float, Any]:
-    """The median seconds of ``fn(make())`` over ``repeat`` runs (the target made
-    outside the timer) and the last run's target."""
-    times, target = [], None
+def _alternated(cases: dict[str, tuple[Callable[[Any], Any], Callable[[], Any]]],
+                repeat: int) -> tuple[dict[str, float], dict[str, Any]]:
+    """Each case ``name: (fn, make)`` run ``repeat`` times, the cases alternated
+    every repeat; ``fn(make())`` timed without ``make``. The median seconds and
+    the last target of each case."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    last: dict[str, Any] = {}
     for _ in range(repeat):
-        target = make()
-        t0 = time.perf_counter()
-        fn(target)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), target
+        for name, (fn, make) in cases.items():
+            target = make()
+            t0 = time.perf_counter()
+            fn(target)
+            times[name].append(time.perf_counter() - t0)
+            last[name] = target
+    return {name: statistics.median(v) for name, v in times.items()}, last
 
 
 def one_process(root: Path, size: dict[str, int], repeat: int) -> dict[str, float]:
@@ -201,16 +206,19 @@ def one_process(root: Path, size: dict[str, int], repeat: int) -> dict[str, floa
     for _ in range(2):  # both libraries imported and their files in the page cache before timing
         z2fp32()
         bytecp.load_state_dict(url)
-    res["zero_to_fp32"], _ = _median(z2fp32, nothing, repeat)
-    res["bytecp load_state_dict, masters"], _ = _median(
-        lambda _: got.update(masters_sd=bytecp.load_state_dict(url, exclude=["optimizer", "engine"])), nothing, repeat)
-    res["bytecp load_state_dict"], _ = _median(lambda _: got.update(sd=bytecp.load_state_dict(url)), nothing, repeat)
-    res["zero_to_fp32 into the module"], _ = _median(lambda m: m.load_state_dict(z2fp32() or got["masters"]),
-                                                     lambda: make_module(size), repeat)
-    res["bytecp.load model"], model = _median(
-        lambda m: bytecp.load(url, {"model": m}, exclude=["optimizer", "engine"]), lambda: make_module(size), repeat)
-    res["bytecp.load model + AdamW"], (model2, opt) = _median(
-        lambda t: bytecp.load(url, {"model": t[0], "optimizer": t[1]}, exclude=["engine"]), adamw, repeat)
+    res, last = _alternated({
+        "zero_to_fp32": (z2fp32, nothing),
+        "bytecp load_state_dict, masters": (
+            lambda _: got.update(masters_sd=bytecp.load_state_dict(url, exclude=["optimizer", "engine"])), nothing),
+        "bytecp load_state_dict": (lambda _: got.update(sd=bytecp.load_state_dict(url)), nothing),
+        "zero_to_fp32 into the module": (lambda m: m.load_state_dict(z2fp32() or got["masters"]),
+                                         lambda: make_module(size)),
+        "bytecp.load model": (lambda m: bytecp.load(url, {"model": m}, exclude=["optimizer", "engine"]),
+                              lambda: make_module(size)),
+        "bytecp.load model + AdamW": (
+            lambda t: bytecp.load(url, {"model": t[0], "optimizer": t[1]}, exclude=["engine"]), adamw),
+    }, repeat)
+    model, (model2, opt) = last["bytecp.load model"], last["bytecp.load model + AdamW"]
     masters, sd = got["masters"], got["sd"]
     same = all(torch.equal(sd["model"][k], v) and torch.equal(got["masters_sd"]["model"][k], v)
                for k, v in masters.items())
@@ -328,7 +336,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a tiny model (the smoke test)")
     p.add_argument("--hidden", type=int, default=FULL["hidden"])
     p.add_argument("--layers", type=int, default=FULL["layers"])
-    p.add_argument("--repeat", type=int, default=5, help="runs of each phase-2 case (the median is reported)")
+    p.add_argument("--repeat", type=int, default=9, help="runs of each phase-2 case (the median is reported)")
     p.add_argument("--dir", default=None, help="folder on the disk under test (default: system temp)")
     p.add_argument("--out", default=None, help="write the JSON results here")
     args = p.parse_args(argv)
