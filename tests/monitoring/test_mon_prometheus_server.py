@@ -172,8 +172,10 @@ def test_every_dashboard_query_returns_data_after_a_save(
 
     exprs = _dashboard_exprs()
     assert len(exprs) >= 15
-    # the memory tier's panels read the keepers' own exporters (test_every_keeper_query_...)
-    _assert_data(prom, [(title, expr) for title, expr in exprs if "bytecp_keeper_" not in expr])
+    # the memory tier's panels read the keepers' own exporters (test_every_keeper_query_...), the
+    # followers' panels the followers' (tests/serving/test_follow.py::test_follower_lag_and_bytes_reach_prometheus)
+    _assert_data(prom, [(title, expr) for title, expr in exprs
+                        if "bytecp_keeper_" not in expr and "bytecp_follower_" not in expr])
 
     # the template variable's query, as Grafana runs it
     jobs = _get(f"{prom.base}/api/v1/label/job/values?" + urllib.parse.urlencode({"match[]": "bytecp_job_checkpoints_total"}))
