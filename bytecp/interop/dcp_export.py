@@ -75,6 +75,7 @@ from bytecp.interop.export import (
     ExportTensor,
     TensorReader,
     open_export,
+    publish_renamed,
     refuse_nested,
     split_url,
 )
@@ -412,18 +413,8 @@ def _publish_renamed(out: str, options: dict[str, Any], plan: DcpPlan, files: li
     parent_url, name = split_url(out)
     parent = open_storage(parent_url, **options)
     occupied = name in parent.list_children("")
-    stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
-    try:
-        sizes = _write(parent, stage, plan, files, reader, out, progress)
-        try:
-            parent.rename(stage, name, replace=occupied)
-        except CheckpointExistsError:
-            raise CheckpointExistsError(f"{out} was created by someone else while this export ran; "
-                                        "pass --overwrite to replace it, or choose another output") from None
-    except BaseException:
-        parent.delete_prefix(stage)
-        raise
-    return sizes
+    return publish_renamed(parent, name, out, occupied,
+                           lambda st: _write(parent, st, plan, files, reader, out, progress))
 
 
 def _publish_in_place(target: Storage, existing: list[str], plan: DcpPlan, files: list[list[ExportTensor]],

@@ -33,7 +33,8 @@ import os
 import queue
 import struct
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ from bytecp.tree.regions import full_region
 __all__ = [
     "SAFETENSORS_DTYPES", "CAST_DTYPES", "CASTABLE", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
     "open_export", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
-    "safetensors_pieces", "split_url", "refuse_nested", "export_safetensors", "export_torch",
+    "safetensors_pieces", "split_url", "refuse_nested", "export_safetensors", "export_torch", "publish_renamed",
 ]  # fmt: skip
 
 SAFETENSORS_DTYPES = {
@@ -417,3 +418,22 @@ def export_torch(
         th.join()
     return ExportResult(out, "torch", {name: n}, len(items), total, omitted)
 
+
+def publish_renamed(parent: Storage, name: str, out: str, occupied: bool,
+                    write: Callable[[str], dict[str, int]]) -> dict[str, int]:
+    """(the directory exporters, on a filesystem) ``write(stage)`` fills a
+    hidden sibling of ``out`` below ``parent``, then one rename publishes it
+    (exchanging it with the old ``out`` when ``occupied``); on any failure
+    the sibling is removed and the old ``out`` is untouched."""
+    stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
+    try:
+        sizes = write(stage)
+        try:
+            parent.rename(stage, name, replace=occupied)
+        except CheckpointExistsError:
+            raise CheckpointExistsError(f"{out} was created by someone else while this export ran; "
+                                        "pass --overwrite to replace it, or choose another output") from None
+    except BaseException:
+        parent.delete_prefix(stage)
+        raise
+    return sizes

@@ -56,6 +56,7 @@ from bytecp.interop.export import (
     ExportTensor,
     TensorReader,
     open_export,
+    publish_renamed,
     refuse_nested,
     safetensors_header,
     safetensors_metadata,
@@ -281,18 +282,8 @@ def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, A
     if occupied and parent.exists(name) and not overwrite:
         raise CheckpointExistsError(f"{out} is a file; pass a directory name for the Hugging Face layout "
                                     "(or a name ending in .safetensors for one file), or --overwrite to replace it")
-    stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
-    try:
-        sizes = _write_all(parent, stage, files, reader, workers, progress)
-        try:
-            parent.rename(stage, name, replace=occupied)
-        except CheckpointExistsError:
-            raise CheckpointExistsError(f"{out} was created by someone else while this export ran; "
-                                        "pass --overwrite to replace it, or choose another output") from None
-    except BaseException:
-        parent.delete_prefix(stage)
-        raise
-    return sizes
+    return publish_renamed(parent, name, out, occupied,
+                           lambda st: _write_all(parent, st, files, reader, workers, progress))
 
 
 def _publish_beside(out: str, options: dict[str, Any], old_weights: list[str], files: list[tuple[str, Any]],
