@@ -35,7 +35,9 @@ __all__ = ["choose_spec", "MappedReader", "spec_params"]
 def choose_spec(md: fmt.Metadata, spec: str | None, config: bytes | None) -> str | None:
     """The spec to apply: ``spec`` (``"none"``: no spec), else the one named
     by the config's ``model_type`` when it is registered and converts from
-    the framework that saved the checkpoint (its ``source_framework``)."""
+    the framework that saved the checkpoint (its ``source_framework``; a
+    checkpoint in that framework's own format read as a source, such as
+    Megatron's ``megatron_torch_dist``, counts as that framework)."""
     if spec == "none":
         return None
     if spec is not None:
@@ -46,7 +48,8 @@ def choose_spec(md: fmt.Metadata, spec: str | None, config: bytes | None) -> str
     model_type = json.loads(config).get("model_type")
     if model_type not in spec_names():
         return None
-    return model_type if get_spec(model_type).get("source_framework") == md.framework else None
+    source = get_spec(model_type).get("source_framework")
+    return model_type if md.framework == source or md.framework.startswith(f"{source}_") else None
 
 
 def spec_params(config: Mapping[str, Any]) -> dict[str, Any]:

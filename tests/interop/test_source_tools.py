@@ -177,15 +177,18 @@ def test_deepspeed_to_safetensors_and_its_fp32_masters(sources: dict[str, Any], 
     assert (tmp_path / "hf" / "model.safetensors").exists()
 
 
-def test_torch_dist_to_hugging_face_through_a_spec(sources: dict[str, Any], tmp_path: Path) -> None:
-    """``--spec gpt2`` converts the Megatron model to transformers' names, bitwise the spec applied to the load."""
+@pytest.mark.parametrize("named", [True, False], ids=["spec-named", "spec-from-config"])
+def test_torch_dist_to_hugging_face_through_a_spec(sources: dict[str, Any], tmp_path: Path, named: bool) -> None:
+    """``--spec gpt2`` (or the config's ``model_type`` alone) converts the Megatron
+    model to transformers' names, bitwise the spec applied to the load."""
     from bytecp.interop.mapping import convert_state_dict, get_spec
 
     run = _need(sources, "megatron")
     config = tmp_path / "config.json"
     config.write_text(json.dumps({"model_type": "gpt2", "n_head": 4, "vocab_size": 128}))
     out = tmp_path / "hf"
-    assert cli(["export", str(run), str(out), "--spec", "gpt2", "--config", str(config), "--no-progress"]) == 0
+    spec = ["--spec", "gpt2"] if named else []
+    assert cli(["export", str(run), str(out), *spec, "--config", str(config), "--no-progress"]) == 0
     got = safetensors_torch.load_file(str(out / "model.safetensors"))
     model = bytecp.load_state_dict(str(run))["model"]
     extra = {k: None for k in model if "_extra_state" in k}
