@@ -51,16 +51,7 @@ from typing import Any
 import torch
 
 import bytecp
-
-
-def _llama(hidden: int, layers: int) -> Any:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                      num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=128,
-                      tie_word_embeddings=False)
-    return LlamaForCausalLM(cfg)
+from benchmarks.incremental import _llama
 
 
 def _model(case: str, hidden: int, layers: int) -> Any:

@@ -55,7 +55,10 @@ def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = N
         if root.exists(f"{name}/{fmt.METADATA_FILE}"):
             try:
                 # read through the checkpoint's own storage: a step folder may be a link
-                md = fmt.Metadata.from_bytes(root.child(name).read_bytes(fmt.METADATA_FILE), f"{run_url}/{name}")
+                data = root.child(name).read_bytes(fmt.METADATA_FILE)
+                if not fmt.names_bytecp(data):
+                    continue  # another format's folder (torch_dist): bytecp.interop.runs reads those
+                md = fmt.Metadata.from_bytes(data, f"{run_url}/{name}")
             except FormatVersionError:
                 raise  # never resume silently from an older checkpoint than the newest
             except Exception as e:

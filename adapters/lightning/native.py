@@ -26,6 +26,8 @@ from torch import nn
 import bytecp
 from bytecp.catalog import list_checkpoints
 from bytecp.errors import BytecpError, ConfigError, CorruptCheckpointError, StateMismatchError
+from bytecp.format import metadata as fmt
+from bytecp.interop.dcp import is_dcp_dir
 from bytecp.interop.runs import with_foreign
 from bytecp.storage_api import Storage
 
@@ -37,7 +39,7 @@ META_FILE = "meta.pt"
 
 def is_native(storage: Storage) -> bool:
     """Whether ``storage`` holds a checkpoint Lightning's ModelParallelStrategy wrote."""
-    return storage.exists(META_FILE) and storage.exists(".metadata") and not storage.exists("metadata.json")
+    return storage.exists(META_FILE) and not storage.exists(fmt.METADATA_FILE) and is_dcp_dir(storage)
 
 
 def load_native(url: str, storage: Storage, model: nn.Module, optimizers: list[Any], *, strict: bool,

@@ -42,6 +42,7 @@ __all__ = [
     "ObjectRecord",
     "Metadata",
     "new_save_id",
+    "names_bytecp",
     "data_file",
     "index_file",
     "report_file",
@@ -93,6 +94,19 @@ def check_path(path: str, kind: str, where: str, references: Mapping[str, str] |
             "relative to the checkpoint (see FORMAT.md, security)"
         )
     return path
+
+
+def names_bytecp(data: bytes) -> bool:
+    """Whether a ``metadata.json``'s bytes are bytecp's (or too damaged to
+    tell: :meth:`Metadata.from_bytes` then says why), not another format's
+    (Megatron's torch_dist folders hold a ``metadata.json`` too). Asked by
+    ``open_checkpoint`` (try the sources?), the catalog and the run-folder
+    scan of :mod:`bytecp.interop.runs`."""
+    try:
+        doc = json.loads(data)
+    except (ValueError, RecursionError):
+        return True
+    return not isinstance(doc, dict) or doc.get("format") == FORMAT_NAME
 
 
 def new_save_id() -> str:

@@ -19,7 +19,6 @@ Reads names and a few small files only (each source's ``detect``).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import re
 from typing import Any
@@ -64,12 +63,7 @@ def is_bytecp_folder(sub: Storage) -> bool:
     if sub.exists(BASE_FILE):
         return True
     if sub.exists(fmt.METADATA_FILE):  # Megatron's torch_dist folders have a metadata.json too
-        data = sub.read_bytes(fmt.METADATA_FILE)
-        try:
-            doc = json.loads(data)
-        except (ValueError, RecursionError):
-            return True  # a damaged bytecp commit: the catalog names it
-        return not isinstance(doc, dict) or doc.get("format") == fmt.FORMAT_NAME
+        return fmt.names_bytecp(sub.read_bytes(fmt.METADATA_FILE))
     return bool(saves_at(sub))
 
 

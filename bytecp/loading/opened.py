@@ -45,7 +45,6 @@ name its own files and byte ranges, and every rank reads only its own.
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Callable, Mapping, Sequence
 from typing import NamedTuple, Protocol
 
@@ -371,20 +370,11 @@ def _read_metadata(storage: Storage, *, foreign: bool, source_format: str | None
             return _foreign(storage, source)
         # a file, a run directory, an interrupted save, nothing: say which
         diagnose.raise_not_a_checkpoint(storage, e)
-    if foreign and source_format is None and len(data) <= 1 << 16 and not _is_bytecp_json(data):  # torch_dist's
+    if foreign and source_format is None and len(data) <= 1 << 16 and not fmt.names_bytecp(data):  # torch_dist's
         source = interop.find_source(storage)
         if source is not None:
             return _foreign(storage, source)
     return fmt.Metadata.from_bytes(data, storage.url)
-
-
-def _is_bytecp_json(data: bytes) -> bool:
-    """Whether a ``metadata.json`` is bytecp's (or too damaged to tell: :meth:`Metadata.from_bytes` says why)."""
-    try:
-        doc = json.loads(data)
-    except (ValueError, RecursionError):
-        return True
-    return not isinstance(doc, dict) or doc.get("format") == fmt.FORMAT_NAME
 
 
 def _foreign(storage: Storage, source: str) -> OpenedCheckpoint:

@@ -12,15 +12,14 @@ The short version (one episode of each fault) runs in the suite;
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from .chaos import STORAGE_TESTS, Chaos
+from .tmpfs import mounted_tmpfs
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -30,17 +29,8 @@ EPISODES = int(os.environ.get("BYTECP_CHAOS_EPISODES", "0"))
 @pytest.fixture
 def disk(tmp_path: Path) -> Iterator[Path]:
     """A 32 MiB tmpfs of the job's own, unmounted after the test."""
-    root = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    root.mkdir()
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(root)], capture_output=True, text=True)
-    if got.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, 32) as root:
         yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ import os
 import subprocess
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +20,8 @@ import torch
 import bytecp
 from bytecp.cli import main as cli
 
+from .tmpfs import mounted_tmpfs
+
 
 def _used(root: Path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)
@@ -29,17 +30,8 @@ def _used(root: Path) -> int:
 @pytest.fixture
 def small_disk(tmp_path: Path) -> Iterator[Path]:
     """A 40 MiB tmpfs of its own, unmounted after the test."""
-    root = tmp_path / f"disk-{uuid.uuid4().hex[:6]}"
-    root.mkdir()
-    if not hasattr(os, "geteuid") or os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    got = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(root)], capture_output=True, text=True)
-    if got.returncode:
-        pytest.skip(f"cannot mount a tmpfs here: {got.stderr.strip()}")
-    try:
+    with mounted_tmpfs(tmp_path, 40) as root:
         yield root
-    finally:
-        subprocess.run(["umount", "-l", str(root)], capture_output=True)
 
 
 @pytest.mark.parametrize("mode", ["sync", "eager", "lazy"])

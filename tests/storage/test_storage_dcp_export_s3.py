@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from test_storage_export_s3 import download  # tests/storage is on the path (not a package)
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import bytecp
@@ -20,15 +21,6 @@ from bytecp.cli import main as cli
 from bytecp.storage_api import open_storage
 
 pytestmark = [pytest.mark.s3, pytest.mark.timeout(600)]
-
-
-def download(url: str, options: dict[str, Any], dest: Path) -> list[str]:
-    st = open_storage(url, **options)
-    names = st.list_files()
-    dest.mkdir(parents=True, exist_ok=True)
-    for n in names:
-        (dest / n).write_bytes(st.read_bytes(n))
-    return names
 
 
 def test_dcp_export_to_s3_loads_back(s3: Any, tmp_path: Path, unique_prefix: str, capsys: Any) -> None:
