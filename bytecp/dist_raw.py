@@ -6,7 +6,8 @@ Every collective bytecp issues (its own and those of
 of a group's latest collective stay until its next one, and works replaced
 there stay :data:`RETIRE_SECONDS` longer. At interpreter exit
 (:func:`_settle`, a threading exit hook) the main thread lets
-:data:`SETTLE_SECONDS` pass since the last collective, GIL released, before
+:data:`SETTLE_SECONDS` pass since the last collective, GIL released, then
+waits (at most as long again) until no other thread is runnable, before
 finalization begins.
 
 Why (an abort at exit, SIGABRT, *terminate called without an active
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import os
 import pickle
 import threading
 import time
@@ -38,7 +40,7 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["KEEP_BYTES", "finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
-           "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call"]
+           "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
 
 #: how long a replaced collective's works are still kept (its gloo worker
 #: dropped its own reference microseconds after completing it)
@@ -97,6 +99,47 @@ def _settle() -> None:
     wait = _last + SETTLE_SECONDS - time.monotonic() if _last else 0.0
     if wait > 0:
         time.sleep(wait)
+    settle_native_threads(SETTLE_SECONDS)
+
+
+def settle_native_threads(limit: float) -> None:
+    """(the main thread, at exit: :func:`_settle`; also a process that must
+    not import bytecp's API, such as a benchmark's baseline worker) Release
+    the GIL until no other thread of this process is runnable, for at most
+    ``limit`` seconds.
+
+    The same abort as above, from collectives bytecp never saw (FSDP's,
+    DCP's, the training loop's): their gloo worker, preempted between
+    completing the work and freeing it, frees it once it runs again and
+    asks for the GIL. While this sleeps, a thread waiting for the GIL takes
+    it, and a preempted one shows as running (``R`` in
+    ``/proc/self/task/<tid>/stat``) until it is done. Where ``/proc`` is
+    missing, one short sleep."""
+    end = time.monotonic() + limit
+    me = threading.get_native_id()
+    while True:
+        time.sleep(0.002)
+        if not _others_running(me) or time.monotonic() >= end:
+            return
+
+
+def _others_running(me: int) -> bool:
+    """Whether a thread of this process other than ``me`` is running or runnable."""
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return False
+    for tid in tids:
+        if tid == str(me):
+            continue
+        try:
+            with open(f"/proc/self/task/{tid}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:  # the thread ended meanwhile
+            continue
+        if stat[stat.rfind(b")") + 2 : stat.rfind(b")") + 3] == b"R":
+            return True
+    return False
 
 
 # (registered before bytecp.saving.handles registers its drain: threading

@@ -38,6 +38,8 @@ def _worker(rank: int, world: int, port: int, inq: Any, outq: Any, env: dict[str
     import torch
     import torch.distributed as dist
 
+    import bytecp.dist_raw  # noqa: F401  (its exit hook lets gloo's threads settle: no abort at exit)
+
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=60))
     outq.put((rank, True, "ready"))
