@@ -45,7 +45,7 @@ from bytecp.plan.planner import contiguous_boxes, find_overlap
 from bytecp.tree.dtypes import SUPPORTED_DTYPES
 from bytecp.tree.regions import Region
 
-__all__ = ["BuiltIndex", "build_index"]
+__all__ = ["BuiltIndex", "build_index", "check_chunks"]
 
 
 @dataclasses.dataclass
@@ -61,10 +61,12 @@ class BuiltIndex:
 class _Rows:
     """Every rank's chunks as padded columns (``D`` = most dimensions of any tensor)."""
 
-    def __init__(self, batches: Sequence[ChunkBatch], names: list[str], shapes: list[tuple[int, ...]]) -> None:
+    def __init__(self, batches: Sequence[ChunkBatch], names: list[str], shapes: list[tuple[int, ...]],
+                 ranks: Sequence[int] | None = None) -> None:
         counts = [len(b) for b in batches]
         n = sum(counts)
-        self.rank = np.repeat(np.arange(len(batches), dtype=np.int32), counts)
+        who = np.arange(len(batches), dtype=np.int32) if ranks is None else np.asarray(ranks, np.int32)
+        self.rank = np.repeat(who, counts)
 
         def cat(attr: str, dt: Any) -> np.ndarray:
             parts = [getattr(b, attr) for b in batches]
@@ -171,13 +173,35 @@ def _region(rows: _Rows, i: int) -> Region:
     return Region(tuple(int(x) for x in rows.O[i, :nd]), tuple(int(x) for x in rows.L[i, :nd]))
 
 
-def _check_tiling(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]]) -> None:
-    """Elements add up per tensor, and no two chunks overlap: exact tiling."""
+def check_chunks(
+    batches: Sequence[ChunkBatch],
+    tensors: Mapping[str, Mapping[str, Any]],
+    data_files: Mapping[str, int],
+    *,
+    ranks: Sequence[int] | None = None,
+    whole: bool = True,
+) -> _Rows:
+    """The checks a checkpoint must pass before it may be committed (module
+    docstring): on every rank's chunks at the coordinator (``whole``: they
+    must tile every tensor exactly), or on one rank's before it writes its
+    index part (``whole=False``: no two of them overlap). ``ranks``: the
+    rank of each batch, for the errors. -> the rows, empty chunks dropped."""
+    names = sorted(tensors)
+    shapes = [tuple(int(x) for x in tensors[n]["shape"]) for n in names]
+    rows = _Rows(batches, names, shapes, ranks)
+    _check_boxes(rows, names, shapes, tensors, data_files)
+    rows.take(rows.L.prod(axis=1) > 0)  # empty chunks hold nothing anyone reads
+    _check_tiling(rows, names, shapes, counts=whole)
+    return rows
+
+
+def _check_tiling(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], *, counts: bool = True) -> None:
+    """Elements add up per tensor (``counts``), and no two chunks overlap: exact tiling."""
     nf = len(names)
     numel = rows.L.prod(axis=1)
     held = np.zeros(nf, np.int64)
     np.add.at(held, rows.fid, numel)
-    for i in np.flatnonzero(held != np.asarray([math.prod(s) for s in shapes] or [0], np.int64)[:nf]):
+    for i in np.flatnonzero(held != np.asarray([math.prod(s) for s in shapes] or [0], np.int64)[:nf]) if counts else []:
         raise ConfigError(f"tensor {names[i]!r} of shape {list(shapes[i])}: the ranks' shards hold "
                           f"{int(held[i])} of its {math.prod(shapes[i])} elements")
     if not len(numel):
@@ -280,7 +304,7 @@ def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: 
     return BuiltIndex(blobs, directory, band_dims)
 
 
-def _table(rows: _Rows, names: list[str], idx: np.ndarray) -> pa.Table:
+def _table(rows: _Rows, names: list[str], idx: np.ndarray, schema: pa.Schema = INDEX_SCHEMA_V2) -> pa.Table:
     """The rows ``idx`` (in this order) as one Arrow table of the index schema."""
     nd = rows.ndim[idx]
     ptr = pa.array(np.concatenate([[0], np.cumsum(nd)]).astype(np.int64))
@@ -295,7 +319,7 @@ def _table(rows: _Rows, names: list[str], idx: np.ndarray) -> pa.Table:
             pa.array(rows.nbytes[idx]),
             pa.array(rows.crc[idx]),
         ],
-        schema=INDEX_SCHEMA_V2,
+        schema=schema,
     )
 
 

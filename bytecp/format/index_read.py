@@ -31,7 +31,7 @@ from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import Place, check_place, decode_table
-from bytecp.format.index_schema import INDEX_SCHEMA_V2, MAX_SPAN, bucket_range
+from bytecp.format.index_schema import INDEX_SCHEMA_V2, MAX_SPAN, IndexDirectory, bucket_range
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
@@ -79,7 +79,7 @@ def read_index(
 
 
 def all_segments(md: fmt.Metadata) -> list[int]:
-    assert md.index is not None
+    assert isinstance(md.index, IndexDirectory)
     return list(range(md.index.segments))
 
 
@@ -106,7 +106,7 @@ def wanted_segments(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) ->
     band dimension, for a wide one the wide segments its name falls in.
     Segment numbers count the band segments first, then the wide ones."""
     d = md.index
-    assert d is not None
+    assert isinstance(d, IndexDirectory)
     bands = d.band["bucket"]
     nb = len(bands)
     out: set[int] = set()
@@ -139,7 +139,7 @@ def read_segments(
     only those of tensors in ``fqns`` (None: all). One ranged read per
     segment (backends coalesce neighbours); crc32c checked first."""
     d = md.index
-    assert d is not None
+    assert isinstance(d, IndexDirectory)
     nb = len(d.band["bucket"])
     where = f"{storage.url.rstrip('/')}/{d.file}"
     spans = []

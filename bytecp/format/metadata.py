@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
+from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
 from bytecp.tree.skeleton import Node
 
 __all__ = [
@@ -51,16 +52,17 @@ __all__ = [
     "write_index",
     "column_values",
     "IndexDirectory",
+    "PartsDirectory",
 ]
 
 FORMAT_NAME = "bytecp"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
 INDEX_SCHEMA = pa.schema(
     [("fqn", pa.string()), ("dtype", pa.string()), ("global_shape", pa.list_(pa.int64())), *CHUNK_FIELDS],
-    metadata={b"bytecp.format_version": str(FORMAT_VERSION).encode()},
+    metadata={b"bytecp.format_version": b"1"},
 )
 
 
@@ -87,7 +89,8 @@ def check_path(path: str, kind: str, where: str, references: Mapping[str, str] |
         len(parts) == 3
         and parts[0] == kind
         and all(_SEGMENT.fullmatch(p) and p not in (".", "..") for p in parts)
-        and (parts[2].endswith(".bin") if kind == "data" else parts[2].endswith(".parquet") or parts[2] == INDEX_FILE_NAME)
+        and (parts[2].endswith(".bin") if kind == "data" else parts[2].endswith(".parquet")
+                 or parts[2] in (INDEX_FILE_NAME, DIRECTORY_NAME))
     ):
         raise CorruptCheckpointError(
             f"{where}: refusing file name {path!r}: checkpoint files must be {kind}/<save_id>/<name> "
@@ -203,8 +206,9 @@ class Metadata:
     #: layers): alias FQN -> the FQN in ``tensors`` whose data it shares; the
     #: alias is stored once, under its canonical name
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
-    #: version 2: the one index file's segments (None: a version-1 checkpoint)
-    index: IndexDirectory | None = None
+    #: version 2 and 3: the one index file's segments; version 4: the parts
+    #: and the directory's pages (None: a version-1 checkpoint)
+    index: IndexDirectory | PartsDirectory | None = None
     #: version 3: checkpoints of the same run whose data files this one's
     #: rows name (``../<name>/data/...``): name -> the save id committed there
     references: dict[str, str] = dataclasses.field(default_factory=dict)
@@ -273,7 +277,8 @@ class Metadata:
                 bytecp_version=str(d.get("bytecp_version", "")),
                 format_version=version,
                 aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
-                index=IndexDirectory.from_json(d["index"], where) if version >= 2 else None,
+                index=(PartsDirectory.from_json(d["index"], where) if version >= 4
+                       else IndexDirectory.from_json(d["index"], where) if version >= 2 else None),
                 references=_references(d.get("references"), where) if version >= 3 else {},
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
@@ -312,7 +317,8 @@ class Metadata:
 
     def referenced_files(self) -> set[str]:
         """This checkpoint's own files that it needs (never another checkpoint's)."""
-        extra = {self.index.file} if self.index is not None else set()
+        extra = set() if self.index is None else set(self.index.files) if isinstance(self.index, PartsDirectory) \
+            else {self.index.file}
         return set(self.index_files) | set(self.own_data_files) | extra
 
     @property

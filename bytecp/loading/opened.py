@@ -50,7 +50,7 @@ from typing import NamedTuple, Protocol
 
 from bytecp import interop
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import index_read, limits, references
+from bytecp.format import index_read, limits, parts_read, references
 from bytecp.format import metadata as fmt
 from bytecp.format.index_check import check_index, check_rows
 from bytecp.loading import diagnose
@@ -173,6 +173,28 @@ class _Segments:
 
     def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
         return _Segments(ck.max_rows)
+
+
+class _Parts(_Segments):
+    """Version 4: one index part per saving rank and a directory of their
+    segments; a rank reads the directory pages, then the segments, its boxes meet."""
+
+    def max_rows(self, md: fmt.Metadata, real: Mapping[str, int | None]) -> int:
+        return limits.max_index_rows(md, real)  # each chunk is listed once
+
+    def check_budget(self, ck: OpenedCheckpoint) -> None:
+        pass  # the rows are counted in the entries a rank reads (parts_read.read_parts)
+
+    def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
+        self.check_files(ck)
+        return Rows(*parts_read.read_parts(ck.storage, ck.metadata, None, budget=budget()))
+
+    def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
+        budget = self.budget if self.budget is not None else ck.max_rows
+        return Rows(*parts_read.read_parts(ck.storage, ck.metadata, wanted, budget=budget))
+
+    def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
+        return _Parts(ck.max_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -402,5 +424,6 @@ def open_checkpoint(src: str | Storage, *, foreign: bool = False, format: str | 
     if md.references:  # version 3: rows may name files of other checkpoints of the run
         references.check_references(storage, md)
         storage = references.linked(storage, md)
-    index: RowSource = _WholeIndex() if md.index is None else _Segments()
+    index: RowSource = _WholeIndex() if md.index is None else \
+        _Parts() if isinstance(md.index, fmt.PartsDirectory) else _Segments()
     return OpenedCheckpoint(storage, md, index)

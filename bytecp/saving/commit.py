@@ -33,7 +33,9 @@ from bytecp.errors import (
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.index_build import BuiltIndex, build_index
+from bytecp.format.index_build import check_chunks
+from bytecp.format.parts_build import build_directory
+from bytecp.format.parts_schema import buckets_for
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
@@ -71,10 +73,12 @@ def build_metadata(
     step: int | None,
     user_metadata: dict[str, Any],
     version: str,
-) -> tuple[fmt.Metadata, BuiltIndex]:
-    """(coordinator) ``metadata.json`` and the index. Raises
-    :class:`ConfigError` when ranks describe a tensor differently or their
-    chunks do not make up the tensors exactly."""
+) -> tuple[fmt.Metadata, list[bytes]]:
+    """(coordinator) ``metadata.json`` and the index directory's pages, from
+    every rank's part entries (each rank wrote and checked its own part).
+    Raises :class:`ConfigError` when ranks describe a tensor differently or,
+    up to :data:`EXACT_CHECK_RANKS` ranks (whose chunk records come along),
+    their chunks do not make up the tensors exactly."""
     skeleton = flat.skeleton
     tensors = tensor_specs(flat)
     for r, out in enumerate(outputs):
@@ -101,9 +105,10 @@ def build_metadata(
         for fqn, rec in out.per_rank.items():
             per_rank.setdefault(fqn, {})[r] = rec
         data_files.update(out.data_files)
-    index = build_index([out.batch or ChunkBatch.empty() for out in outputs], tensors, data_files, save_id)
-    for fqn, d in index.band_dims.items():
-        tensors[fqn] = {**tensors[fqn], "band_dim": d}
+    if all(out.batch is not None for out in outputs):
+        check_chunks([out.batch or ChunkBatch.empty() for out in outputs], tensors, data_files)
+    pages, directory = build_directory([out.part for out in outputs if out.part is not None], save_id,
+                                       buckets_for(world_size))
     md = fmt.Metadata(
         save_id=save_id,
         world_size=world_size,
@@ -118,12 +123,12 @@ def build_metadata(
         step=step,
         user_metadata=user_metadata,
         bytecp_version=version,
-        index=index.directory,
+        index=directory,
         aliases=aliases,
         # version 3: "../<checkpoint>/data/<save_id>/<file>" -> the checkpoint and its save
         references={p.split("/")[1]: p.split("/")[3] for p in data_files if p.startswith("../")},
     )
-    return md, index
+    return md, pages
 
 
 def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None) -> fmt.Metadata | None:
@@ -220,7 +225,8 @@ def late_commit_check(deadline: float | None) -> None:
 def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: bool) -> list[str]:
     """(every rank, a save that failed, on its way out) Remove what it wrote:
     the coordinator every file of the save (``data/<id>/``, ``index/<id>/``),
-    the other ranks their own data files (storage may be local to each node).
+    the other ranks their own data files and index part (storage may be
+    local to each node).
     Nothing when ``metadata.json`` is this save's (it committed after all).
     -> the files that could not be removed (a read-only file system)."""
     try:
@@ -234,8 +240,8 @@ def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: boo
         storage.abort_incomplete_uploads(data)
         files = storage.list_files(data)
         mine = files if coordinator else [f for f in files if f.rsplit("/", 1)[-1].startswith(f"{rank}-")]
-        if coordinator:
-            mine = mine + storage.list_files(f"index/{save_id}/")
+        index = storage.list_files(f"index/{save_id}/")
+        mine = mine + (index if coordinator else [f for f in index if f.rsplit("/", 1)[-1] == f"{rank}.bin"])
     except Exception as e:  # cannot even list: say where the files are
         log.warning("bytecp: could not list the files of the failed save %s at %s: %s", save_id, storage.url, e)
         return [data]

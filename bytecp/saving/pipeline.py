@@ -36,7 +36,6 @@ from bytecp.adapter_api import detect_adapter
 from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
-from bytecp.format.index_build import BuiltIndex
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
@@ -316,16 +315,16 @@ class SavePipeline:
             if planned.skeleton_differs:  # (its referenced rows kept too)
                 out = dataclasses.replace(mine, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
                                           aliases=dict(flat.aliases))
-            return for_commit(out)
+            return for_commit(out, self.storage, tensor_specs(flat), save_id, ctx.rank, ctx.world_size)
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 commits.late_commit_check(ctx.deadline)  # the others give up at the deadline: never commit after it
-                md, index = self._metadata(described, save_id, outputs)
+                md, pages = self._metadata(described, save_id, outputs)
                 # the bases: pinned, checked before and again just before the commit (bytecp.saving.pins)
                 with held(self.storage, md, leases.holding(save_id)) as check_again:
-                    self.storage.write_file(md.index.file, index.blobs)  # type: ignore[union-attr]
+                    self.storage.write_file(md.index.file, pages)  # type: ignore[union-attr]
                     data = md.to_bytes()
                     check_again()
                     self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
@@ -438,7 +437,7 @@ class SavePipeline:
         return merged
 
     def _metadata(self, described: Described, save_id: str,
-                  outputs: list[RankOutput]) -> tuple[fmt.Metadata, BuiltIndex]:
+                  outputs: list[RankOutput]) -> tuple[fmt.Metadata, list[bytes]]:
         """(coordinator) metadata.json and the index from every rank's output."""
         if self.opts.verify_replicas:
             check_replicas([out.replica_crcs for out in outputs])

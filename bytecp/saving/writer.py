@@ -26,6 +26,8 @@ from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.objects import serialize
+from bytecp.format.parts_build import PartEntries, build_part
+from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.plan.planner import WriteItem
 from bytecp.storage_api import SharedArena, Storage
 from bytecp.tree.dtypes import host_memoryview
@@ -68,9 +70,11 @@ class Staged:
 
 @dataclasses.dataclass
 class RankOutput:
-    """What one rank wrote: the commit turns every rank's output into the
-    index and metadata.json. Its chunk records travel as one
-    :class:`~bytecp.format.chunk_batch.ChunkBatch` (``batch``), not as objects."""
+    """What one rank wrote: the commit turns every rank's output into
+    metadata.json. Each rank writes its own index part; its entries
+    (``part``) and, in jobs of up to :data:`EXACT_CHECK_RANKS` ranks, its chunk
+    records as one :class:`~bytecp.format.chunk_batch.ChunkBatch` (``batch``,
+    not objects) travel to the coordinator."""
 
     chunks: list[fmt.ChunkRecord] = dataclasses.field(default_factory=list)
     data_files: dict[str, int] = dataclasses.field(default_factory=dict)
@@ -84,6 +88,8 @@ class RankOutput:
     aliases: dict[str, str] | None = None
     #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
     replica_crcs: dict[tuple[str, Region], int] | None = None
+    #: at commit: the entries of the index part this rank wrote
+    part: PartEntries | None = None
 
     def extend(self, other: RankOutput) -> None:
         """Add a later write batch of the same rank."""
@@ -259,7 +265,22 @@ def write_data_files(
     return out
 
 
-def for_commit(out: RankOutput) -> RankOutput:
-    """(every rank, at commit) The output as sent to the coordinator: chunk
-    records as columns."""
-    return dataclasses.replace(out, chunks=[], batch=ChunkBatch.of(out.chunks))
+#: up to this many ranks, every rank's chunk records also go to the
+#: coordinator, which checks that together they tile every tensor exactly;
+#: beyond, each rank checks its own (:func:`bytecp.format.parts_build.build_part`)
+#: and the coordinator receives a few part entries per rank
+EXACT_CHECK_RANKS = 1024
+
+
+def for_commit(out: RankOutput, storage: Storage, tensors: dict[str, dict[str, Any]], save_id: str,
+               rank: int, world_size: int) -> RankOutput:
+    """(every rank, at commit, before the gather) Check this rank's chunks
+    (of the tensors ``tensors`` it describes), write its index part and
+    return the output as sent to the coordinator: the part's entries, and
+    up to :data:`EXACT_CHECK_RANKS` ranks the chunk records as columns."""
+    batch = ChunkBatch.of(out.chunks)
+    part = build_part(batch, tensors, out.data_files, save_id, rank, buckets_for(world_size))
+    if part.blobs:
+        storage.write_file(part_file(save_id, rank), part.blobs)
+    return dataclasses.replace(out, chunks=[], batch=batch if world_size <= EXACT_CHECK_RANKS else None,
+                               part=part.entries)

@@ -17,8 +17,7 @@ from collections.abc import Iterator
 
 from bytecp.errors import CheckpointExistsError
 from bytecp.format import metadata as fmt
-from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.index_build import build_index
+from bytecp.format.parts_build import build_whole
 from bytecp.loading.opened import open_checkpoint
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -56,11 +55,10 @@ def materialize(src: Storage, out: Storage, *, overwrite: bool = False,
     rows = [dataclasses.replace(r, file=_own(r.file)) for r in rows]
     files = {_own(p): n for p, n in md.data_files.items()}
     tensors = {k: {x: y for x, y in v.items() if x != "band_dim"} for k, v in md.tensors.items()}
-    index = build_index([ChunkBatch.of(rows)], tensors, files, md.save_id)
-    for fqn, d in index.band_dims.items():
-        tensors[fqn] = {**tensors[fqn], "band_dim": d}
-    new = dataclasses.replace(md, data_files=files, references={}, tensors=tensors, index=index.directory,
+    index_files, directory = build_whole(rows, tensors, files, md.save_id)
+    new = dataclasses.replace(md, data_files=files, references={}, tensors=tensors, index=directory,
                               index_files=[], format_version=fmt.FORMAT_VERSION)
-    out.write_file(index.directory.file, index.blobs)
+    for path, blobs in index_files.items():
+        out.write_file(path, blobs)
     out.commit(fmt.METADATA_FILE, new.to_bytes(), exclusive=not overwrite)
     return new

@@ -1,11 +1,12 @@
-"""Test tools for the version-2 index: read every row of a checkpoint's index,
-and rewrite it (as crafted checkpoints would) with a valid directory.
+"""Test tools for the version-4 index: read every row of a checkpoint's
+index, and rewrite it (as crafted checkpoints would) with a valid directory.
 
-A rewritten index is one wide segment holding the given rows (or the given
-raw bytes), and every tensor becomes wide (no ``band_dim``): a layout the
-format allows, so the readers reach the rows themselves. The directory's
-crc32c is recomputed, as an attacker would; tests of the checksum itself
-damage the bytes after.
+A rewritten index is one part (rank 0's) holding one wide segment with the
+given rows (or the given raw bytes), and a directory of one wide page
+naming it: a layout the format allows for rows that meet more bands than a
+banded row may, so the readers reach the rows themselves. The directory's
+and the segment's crc32c are recomputed, as an attacker would; tests of
+the checksum itself damage the bytes after.
 """
 
 from __future__ import annotations
@@ -19,9 +20,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from bytecp.format.checksum import crc32c
-from bytecp.format.index_schema import INDEX_SCHEMA_V2
+from bytecp.format.parts_schema import PART_SCHEMA, WIDE_ENTRY_SCHEMA, part_file
 
-__all__ = ["index_rows", "rewrite_index", "index_file", "encode_rows", "metadata"]
+__all__ = ["index_rows", "rewrite_index", "index_file", "encode_rows", "metadata", "part_schema"]
 
 
 def metadata(ck: Path) -> dict[str, Any]:
@@ -29,21 +30,43 @@ def metadata(ck: Path) -> dict[str, Any]:
 
 
 def index_file(ck: Path) -> Path:
-    return ck / metadata(ck)["index"]["file"]
+    """The part of the lowest rank that wrote one (a one-process save's only part)."""
+    md = metadata(ck)
+    return ck / part_file(md["save_id"], md["index"]["parts"]["rank"][0])
+
+
+def part_schema(save_id: str, schema: pa.Schema = PART_SCHEMA) -> pa.Schema:
+    return schema.with_metadata({**(schema.metadata or {}), b"bytecp.save_id": save_id.encode()})
 
 
 def index_rows(ck: Path) -> pa.Table:
-    """Every row of every segment (chunks meeting several bands repeat)."""
+    """Every row of every part (each chunk once)."""
     md = metadata(ck)
-    d = md["index"]
-    raw = (ck / d["file"]).read_bytes()
-    tables = [pq.ParquetFile(pa.BufferReader(raw[o : o + n])).read(use_threads=False)
-              for col in (d["band"], d["wide"]) for o, n in zip(col["offset"], col["nbytes"], strict=True)]
-    tables = [t.cast(INDEX_SCHEMA_V2) for t in tables]
-    return pa.concat_tables(tables) if tables else INDEX_SCHEMA_V2.empty_table()
+    tables = []
+    for rank in md["index"]["parts"]["rank"]:
+        tables += _segments((ck / part_file(md["save_id"], rank)).read_bytes())
+    tables = [t.cast(PART_SCHEMA) for t in tables]
+    return pa.concat_tables(tables) if tables else PART_SCHEMA.empty_table()
 
 
-def encode_rows(table: pa.Table | dict[str, list[Any]], schema: pa.Schema = INDEX_SCHEMA_V2) -> bytes:
+def _segments(raw: bytes) -> list[pa.Table]:
+    """A part's segments: Parquet files one after the other (each ends in its footer and ``PAR1``)."""
+    out = []
+    start = 0
+    while start < len(raw):
+        pos = start + 4
+        while True:
+            end = raw.index(b"PAR1", pos) + 4
+            size = int.from_bytes(raw[end - 8 : end - 4], "little")
+            if end - start >= size + 12:
+                break
+            pos = end
+        out.append(pq.ParquetFile(pa.BufferReader(raw[start:end])).read(use_threads=False))
+        start = end
+    return out
+
+
+def encode_rows(table: pa.Table | dict[str, list[Any]], schema: pa.Schema = PART_SCHEMA) -> bytes:
     if isinstance(table, dict):
         table = pa.table(table, schema=schema)
     sink = io.BytesIO()
@@ -52,21 +75,29 @@ def encode_rows(table: pa.Table | dict[str, list[Any]], schema: pa.Schema = INDE
 
 
 def rewrite_index(ck: Path, rows: pa.Table | dict[str, list[Any]] | bytes, *, nrows: int | None = None) -> None:
-    """Replace the index by one wide segment: ``rows`` (a table, columns, or
-    raw segment bytes with ``nrows`` declared in the directory)."""
+    """Replace the index by one part holding one wide segment: ``rows`` (a
+    table, columns, or raw segment bytes with ``nrows`` declared in the directory)."""
     md = metadata(ck)
-    blob = rows if isinstance(rows, bytes) else encode_rows(rows)
+    sid = md["save_id"]
+    blob = rows if isinstance(rows, bytes) else encode_rows(
+        rows.replace_schema_metadata(part_schema(sid).metadata) if isinstance(rows, pa.Table) else rows,
+        part_schema(sid))
     if nrows is None:
         assert not isinstance(rows, bytes)
         nrows = rows.num_rows if isinstance(rows, pa.Table) else len(next(iter(rows.values())))
     names = sorted(md["tensors"])
-    md["index"] = {
-        "file": md["index"]["file"], "nbytes": len(blob), "buckets": 1,
-        "band": {"bucket": [], "offset": [], "nbytes": [], "rows": [], "crc32c": []},
-        "wide": {"first": [names[0]], "last": [names[-1]], "offset": [0], "nbytes": [len(blob)],
-                 "rows": [nrows], "crc32c": [crc32c(blob)]},
-    }
-    for info in md["tensors"].values():
-        info.pop("band_dim", None)
-    (ck / md["index"]["file"]).write_bytes(blob)
+    entry = {"first": [names[0]], "last": [names[-1]], "rank": [0], "offset": [0], "nbytes": [len(blob)],
+             "rows": [nrows], "crc32c": [crc32c(blob)]}
+    page = encode_rows(entry, part_schema(sid, WIDE_ENTRY_SCHEMA))
+    for rank in md["index"]["parts"]["rank"]:
+        (ck / part_file(sid, rank)).unlink()
+    md["index"].update(
+        parts={"rank": [0], "nbytes": [len(blob)]},
+        directory={"file": md["index"]["directory"]["file"], "nbytes": len(page)},
+        band_pages={"lo": [], "hi": [], "offset": [], "nbytes": [], "rows": [], "crc32c": []},
+        wide_pages={"first": [names[0]], "last": [names[-1]], "offset": [0], "nbytes": [len(page)], "rows": [1],
+                    "crc32c": [crc32c(page)]},
+    )
+    (ck / part_file(sid, 0)).write_bytes(blob)
+    (ck / md["index"]["directory"]["file"]).write_bytes(page)
     (ck / "metadata.json").write_text(json.dumps(md))

@@ -211,9 +211,9 @@ def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
     pq.write_table(pa.table(cols, schema=INDEX_SCHEMA_V2), sink, compression="zstd")
     assert len(sink.getvalue()) < 200_000
     rewrite_index(ck, sink.getvalue(), nrows=n)
-    all_refuse(ck, rf"{index_path(ck).name}: the index directory lists {n} rows, more than the")
+    all_refuse(ck, rf"directory.bin: the index directory lists {n} rows, more than the")
     rewrite_index(ck, sink.getvalue(), nrows=1)  # the directory lies too
-    all_refuse(ck, rf"{index_path(ck).name} segment 0 .* has {n} rows, the directory says 1")
+    all_refuse(ck, rf"{index_path(ck).name} segment .* has {n} rows, the directory says 1")
 
 
 def test_index_with_a_huge_list_cell(tmp_path: Path) -> None:
@@ -231,13 +231,13 @@ def test_index_with_wrong_column_types_names_the_file(tmp_path: Path) -> None:
     sink = io.BytesIO()
     pq.write_table(table, sink)
     rewrite_index(ck, sink.getvalue(), nrows=1)
-    all_refuse(ck, rf"{index_path(ck).name} segment 0 .*: column 'nbytes' is string")
+    all_refuse(ck, rf"{index_path(ck).name} segment .*: column 'nbytes' is string")
     rewrite_index(ck, b"PAR1 this is not parquet PAR1", nrows=1)
-    all_refuse(ck, rf"{index_path(ck).name} segment 0 .* is unreadable")
+    all_refuse(ck, rf"{index_path(ck).name} segment .* is unreadable")
     raw = bytearray(index_path(ck).read_bytes())
     raw[5] ^= 1  # damaged after the directory was written: the checksum tells
     index_path(ck).write_bytes(bytes(raw))
-    all_refuse(ck, rf"{index_path(ck).name} segment 0 .*: checksum mismatch")
+    all_refuse(ck, rf"{index_path(ck).name} segment .*: checksum mismatch")
 
 
 def test_malformed_json_names_metadata_json(tmp_path: Path) -> None:

@@ -80,12 +80,12 @@ def test_gc_on_an_uncommitted_directory_and_on_a_run(tmp_path: Path, capsys) -> 
     # its lease still live: kept
     (run / "step-6" / "leases" / f"{dead}.json").write_text(json.dumps({"expires": time.time() + 3600}))
     assert cli(["gc", str(run / "step-6")]) == 0
-    assert "kept 2 file(s)" in capsys.readouterr().out and (run / "step-6" / "data" / dead).exists()
+    assert "kept 3 file(s)" in capsys.readouterr().out and (run / "step-6" / "data" / dead).exists()
     (run / "step-6" / "leases" / f"{dead}.json").write_text(json.dumps({"expires": time.time() - 1}))
     assert cli(["gc", str(run), "--dry-run"]) == 0
     assert f"would remove step-6/data/{dead}/" in capsys.readouterr().out
     assert cli(["gc", str(run / "step-6")]) == 0
-    assert "removed 2 file(s) of saves that never committed" in capsys.readouterr().out
+    assert "removed 3 file(s) of saves that never committed" in capsys.readouterr().out
     assert files(run / "step-6") == []
     assert cli(["ls", str(run)]) == 0 and "step-4" in capsys.readouterr().out
     assert cli(["gc", str(tmp_path / "nothing")]) == 2

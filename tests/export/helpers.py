@@ -48,8 +48,7 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     if md.aliases.get(alias) == stored or md.aliases.get(stored) == alias:
         return  # the save recorded the tie already (either way round)
     assert alias in md.tensors and stored in md.tensors, (alias, stored, list(md.tensors))
-    from bytecp.format.chunk_batch import ChunkBatch
-    from bytecp.format.index_build import build_index
+    from bytecp.format.parts_build import build_whole
     from bytecp.loading.opened import open_checkpoint
     from bytecp.storage_api import open_storage
 
@@ -57,11 +56,10 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     del md.tensors[alias]
     md.aliases[alias] = stored
     specs = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in md.tensors.items()}
-    built = build_index([ChunkBatch.of(chunks)], specs, md.data_files, md.save_id)  # the index without it
-    md.tensors = {k: {**v, **({"band_dim": built.band_dims[k]} if k in built.band_dims else {})}
-                  for k, v in specs.items()}
-    md.index = built.directory
-    (ck / built.directory.file).write_bytes(b"".join(built.blobs))
+    files, md.index = build_whole(chunks, specs, md.data_files, md.save_id)  # the index without it
+    md.tensors = specs
+    for path, blobs in files.items():
+        (ck / path).write_bytes(b"".join(blobs))
     (ck / fmt.METADATA_FILE).write_bytes(md.to_bytes())
 
 

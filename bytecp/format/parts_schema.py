@@ -1,0 +1,224 @@
+"""The version-4 chunk index: one part per saving rank, and a directory of
+their segments (docs/FORMAT.md, section 5.6; the normative text).
+
+```
+index/<save_id>/<rank>.bin      that rank's segments, each a complete Parquet file
+index/<save_id>/directory.bin   pages of directory entries (one per segment of every part)
+metadata.json "index"           the parts, and the directory's pages
+```
+
+Every rank writes its own part at commit (:mod:`bytecp.format.parts_build`),
+so no process ever holds every chunk: the coordinator receives a few
+directory entries per rank and writes the directory. Rows are placed as in
+version 2 but by their *linear* position: band ``b`` of a tensor of ``N``
+elements holds the elements ``i`` with ``floor(i * B / N) == b``, so a rank
+decides where each of its rows goes without knowing any other rank's
+chunks. A row spanning more than :func:`span_limit` bands is *wide* and
+listed by name. A reader (:mod:`bytecp.format.parts_read`) reads the
+directory pages its targets meet, then only the segments they name.
+
+This module holds the schemas, the constants and the ``index`` member of
+``metadata.json``; it imports neither torch nor the rest of the format.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format.index_schema import CHUNK_FIELDS
+
+__all__ = [
+    "PART_SCHEMA",
+    "BAND_ENTRY_SCHEMA",
+    "WIDE_ENTRY_SCHEMA",
+    "MAX_BUCKETS_V4",
+    "PAGE_ENTRIES",
+    "SEGMENT_ROWS",
+    "MAX_WIDE_SEGMENTS",
+    "WIDE_MIN_ROWS",
+    "MIN_BUCKETS_V4",
+    "DIRECTORY_NAME",
+    "buckets_for",
+    "span_limit",
+    "part_file",
+    "check_spans",
+    "PartsDirectory",
+]
+
+#: most bands of a version-4 index (a row's band is computed as ``i * B // N``
+#: in 64 bits: ``N * B`` stays below 2**63 for tensors of up to 2**45 elements)
+MAX_BUCKETS_V4 = 1 << 18
+#: most entries of one directory page
+PAGE_ENTRIES = 4096
+#: most rows of one segment of a part
+SEGMENT_ROWS = 4096
+#: most wide segments of one part (its wide rows grouped by name among them),
+#: each of at least :data:`WIDE_MIN_ROWS` rows when the part has more wide tensors
+MAX_WIDE_SEGMENTS = 64
+WIDE_MIN_ROWS = 512
+#: fewest bands of a version-4 index
+MIN_BUCKETS_V4 = 1024
+DIRECTORY_NAME = "directory.bin"
+FORMAT_V4 = b"4"
+_SAVE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
+
+#: a part's segments: the version-2 columns; the schema's metadata names the save
+PART_SCHEMA = pa.schema([("fqn", pa.string()), *CHUNK_FIELDS], metadata={b"bytecp.format_version": FORMAT_V4})
+_ENTRY_TAIL: tuple[tuple[str, pa.DataType], ...] = (
+    ("rank", pa.int64()),
+    ("offset", pa.int64()),
+    ("nbytes", pa.int64()),
+    ("rows", pa.int64()),
+    ("crc32c", pa.uint32()),
+)
+#: a directory page of band segments: the bands ``[lo, hi]`` its rows meet, where the segment is
+BAND_ENTRY_SCHEMA = pa.schema([("lo", pa.int64()), ("hi", pa.int64()), *_ENTRY_TAIL],
+                              metadata={b"bytecp.format_version": FORMAT_V4})
+#: a directory page of wide segments: the names ``[first, last]`` its rows have, where the segment is
+WIDE_ENTRY_SCHEMA = pa.schema([("first", pa.string()), ("last", pa.string()), *_ENTRY_TAIL],
+                              metadata={b"bytecp.format_version": FORMAT_V4})
+
+_PAGE_INTS = ("offset", "nbytes", "rows", "crc32c")
+
+
+def buckets_for(world_size: int) -> int:
+    """``B`` for a save by ``world_size`` ranks: four bands per rank (a
+    power of two, :data:`MIN_BUCKETS_V4` to :data:`MAX_BUCKETS_V4`), so that
+    a rank's even share of a tensor meets about four bands at any world size
+    from 256 ranks on (fewer ranks: their shares are wide, listed by name)."""
+    b = MIN_BUCKETS_V4
+    while b < 4 * world_size and b < MAX_BUCKETS_V4:
+        b *= 2
+    return b
+
+
+def span_limit(buckets: int) -> int:
+    """Most bands a banded row may meet: 8, or 1/64 of the bands when more
+    (a 2-D shard -- rows of a data-parallel share, columns of a tensor-parallel
+    one -- meets about ``4 * tp`` bands and stays banded at scale)."""
+    return max(8, buckets // 64)
+
+
+def part_file(save_id: str, rank: int) -> str:
+    return f"index/{save_id}/{rank}.bin"
+
+
+@dataclasses.dataclass
+class PartsDirectory:
+    """``metadata.json``'s ``index`` member in version 4 (``"layout": "parts"``).
+
+    ``parts``: the rank and size of every part file (ranks ascending); the
+    pages: parallel lists (columns), band pages by ascending ``lo``, wide
+    pages by ascending ``first``. A page's ``[lo, hi]`` (``[first, last]``)
+    contains the interval of every entry on it.
+    """
+
+    save_id: str
+    buckets: int
+    ranks: list[int]
+    part_nbytes: list[int]
+    directory_nbytes: int
+    band_pages: dict[str, list[int]]
+    wide_pages: dict[str, list[Any]]
+
+    @property
+    def file(self) -> str:
+        """The directory file (what version 2 calls the index file)."""
+        return f"index/{self.save_id}/{DIRECTORY_NAME}"
+
+    @property
+    def nbytes(self) -> int:
+        """The directory file's size."""
+        return self.directory_nbytes
+
+    @property
+    def files(self) -> list[str]:
+        return [self.file, *(part_file(self.save_id, r) for r in self.ranks)]
+
+    @property
+    def rows(self) -> int:
+        """Entries of the directory (each a segment; its rows are in the entry)."""
+        return sum(self.band_pages["rows"]) + sum(self.wide_pages["rows"])
+
+    def part_size(self, rank: int) -> int | None:
+        """The size of rank ``rank``'s part, None when it wrote none."""
+        i = bisect.bisect_left(self.ranks, rank)
+        return self.part_nbytes[i] if i < len(self.ranks) and self.ranks[i] == rank else None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"layout": "parts", "buckets": self.buckets,
+                "parts": {"rank": self.ranks, "nbytes": self.part_nbytes},
+                "directory": {"file": self.file, "nbytes": self.directory_nbytes},
+                "band_pages": self.band_pages, "wide_pages": self.wide_pages}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> PartsDirectory:
+        """Parse and check: columns of equal length, integers in range, parts
+        ascending, pages inside the directory file, not overlapping, in order."""
+
+        def bad(why: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: metadata.json's index parts {why}")
+
+        if not isinstance(d, dict) or d.get("layout") != "parts":
+            raise bad("are not an object with \"layout\": \"parts\"")
+        buckets = d.get("buckets")
+        if type(buckets) is not int or not 1 <= buckets <= MAX_BUCKETS_V4:
+            raise bad(f"say {buckets!r:.40} buckets (want 1..{MAX_BUCKETS_V4})")
+        parts = _columns(d.get("parts"), ("rank", "nbytes"), ("rank", "nbytes"), bad)
+        ranks, sizes = parts["rank"], parts["nbytes"]
+        if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)) or any(n <= 0 for n in sizes):
+            raise bad("list ranks out of order, twice, or an empty part")
+        dirs = d.get("directory")
+        file = dirs.get("file") if isinstance(dirs, dict) else None
+        folder = file.split("/") if isinstance(file, str) else []
+        if len(folder) != 3 or folder[0] != "index" or folder[2] != DIRECTORY_NAME or not _SAVE_ID.fullmatch(folder[1]):
+            raise bad(f"name a directory file other than index/<save_id>/{DIRECTORY_NAME} ({file!r:.80})")
+        save_id = folder[1]  # the save that wrote the index (metadata.json's own save_id, unless it was tampered with)
+        assert isinstance(dirs, dict)
+        nbytes = dirs.get("nbytes")
+        if type(nbytes) is not int or nbytes < 0:
+            raise bad("lack the directory file's size")
+        band = _columns(d.get("band_pages"), ("lo", "hi", *_PAGE_INTS), ("lo", "hi", *_PAGE_INTS), bad)
+        wide = _columns(d.get("wide_pages"), ("first", "last", *_PAGE_INTS), _PAGE_INTS, bad)
+        if any(not isinstance(x, str) for x in wide["first"] + wide["last"]):
+            raise bad("name a wide page's tensors with non-strings")
+        if any(not lo <= hi < buckets for lo, hi in zip(band["lo"], band["hi"], strict=True)) or any(
+                a > b for a, b in zip(band["lo"], band["lo"][1:], strict=False)):
+            raise bad("list band pages out of order or outside the buckets")
+        if any(f > la for f, la in zip(wide["first"], wide["last"], strict=True)) or any(
+                a > b for a, b in zip(wide["first"], wide["first"][1:], strict=False)):
+            raise bad("list wide pages out of name order")
+        check_spans(band["offset"] + wide["offset"], band["nbytes"] + wide["nbytes"], nbytes,
+                     lambda why: bad(f"place a page {why}"))
+        if any(r <= 0 for r in band["rows"] + wide["rows"]):
+            raise bad("list a page without entries")
+        return cls(save_id, buckets, ranks, sizes, nbytes, band, wide)
+
+
+def check_spans(offsets: Sequence[int], sizes: Sequence[int], total: int, bad: Any) -> None:
+    """Byte ranges inside ``[0, total)``, not overlapping, none empty (the
+    pages of the directory file; the segments of one part a reader reads)."""
+    end = 0
+    for off, n in sorted(zip(offsets, sizes, strict=True)):
+        if off < end or n <= 0 or off + n > total:
+            raise bad(f"at bytes {off}..{off + n} (file of {total} bytes; ranges must not overlap)")
+        end = off + n
+
+
+def _columns(d: Any, keys: Sequence[str], ints: Sequence[str], bad: Any) -> dict[str, list[Any]]:
+    if not isinstance(d, dict) or set(d) != set(keys):
+        raise bad(f"lack the columns {list(keys)}")
+    cols = {k: d[k] for k in keys}
+    if any(not isinstance(v, list) for v in cols.values()) or len({len(v) for v in cols.values()}) > 1:
+        raise bad("have columns of different lengths")
+    for k in ints:
+        if any(type(x) is not int or x < 0 for x in cols[k]):
+            raise bad(f"have a non-integer or negative {k!r}")
+    return cols
