@@ -21,6 +21,15 @@ def get_pool(world_size: int) -> WorkerPool:
     return pool
 
 
+def discard_pool(world_size: int) -> None:
+    """After a test that leaves its pool's process group out of step (a load
+    abandoned at its deadline: the guide says to restart the job), the next
+    test gets fresh ranks."""
+    pool = _pools.pop(world_size, None)
+    if pool is not None:
+        pool.close(kill=True)
+
+
 @pytest.fixture(scope="session")
 def pools() -> Iterator[Callable[[int], WorkerPool]]:
     yield get_pool
@@ -29,4 +38,4 @@ def pools() -> Iterator[Callable[[int], WorkerPool]]:
     _pools.clear()
 
 
-__all__ = ["WorkerError", "get_pool"]
+__all__ = ["WorkerError", "get_pool", "discard_pool"]
