@@ -33,6 +33,8 @@ from typing import Any
 
 import numpy as np
 import torch
+from golden_dist import _framework_case, case_parts, case_two_ranks
+from golden_encoding import canonical, encode, pattern
 from torch import nn
 
 import bytecp
@@ -42,76 +44,6 @@ from bytecp.tree.regions import Region
 from bytecp.tree.state import Shard, TensorLeaf
 
 HERE = Path(__file__).resolve().parent
-
-
-# ----------------------------------------------------------------- encoding
-def tensor_bytes(t: torch.Tensor) -> bytes:
-    """The logical bytes of a tensor: little-endian, row-major, no padding."""
-    t = t.detach().cpu().contiguous()
-    if t.numel() == 0:
-        return b""
-    return bytes(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
-def encode(v: Any) -> Any:
-    """A JSON form of a state tree that keeps every type (read by test_golden.decode)."""
-    if isinstance(v, torch.Tensor):
-        return {
-            "__tensor__": {
-                "dtype": dtype_name(v.dtype),
-                "shape": list(v.shape),
-                "hex": tensor_bytes(v).hex(),
-            }
-        }
-    if type(v) is dict:
-        return {"__dict__": [[k, encode(x)] for k, x in v.items()]}
-    if type(v) is tuple:
-        return {"__tuple__": [encode(x) for x in v]}
-    if type(v) is list:
-        return [encode(x) for x in v]
-    if type(v) is fractions.Fraction:
-        return {"__fraction__": [v.numerator, v.denominator]}
-    if type(v) is float and not math.isfinite(v):
-        return {"__float__": repr(v)}
-    if v is None or type(v) in (bool, int, float, str):
-        return v
-    raise TypeError(f"cannot encode {type(v).__name__} for expected.json")
-
-
-def canonical(v: Any) -> str:
-    """The encoded tree as text with dict entries sorted (key order is not compared)."""
-
-    def sort(x: Any) -> Any:
-        if isinstance(x, list):
-            return [sort(i) for i in x]
-        if isinstance(x, dict):
-            if "__dict__" in x:
-                pairs = [[k, sort(i)] for k, i in x["__dict__"]]
-                return {"__dict__": sorted(pairs, key=lambda kv: json.dumps(kv[0]))}
-            return {k: sort(i) for k, i in x.items()}
-        return x
-
-    return json.dumps(sort(v), sort_keys=True)
-
-
-def pattern(shape: tuple[int, ...], dtype: torch.dtype, salt: int = 0) -> torch.Tensor:
-    """A fixed bit pattern of any dtype (NaN and other special encodings included)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    n = math.prod(shape)
-    raw = (
-        torch.arange(n * size, dtype=torch.int64)
-        .mul(73)
-        .add(41 + salt)
-        .remainder(256)
-        .to(torch.uint8)
-    )
-    if dtype == torch.bool:
-        return (raw[:n] % 3 == 0).reshape(shape)
-    return raw.view(dtype).reshape(shape)
 
 
 # ----------------------------------------------------------------- cases
@@ -283,227 +215,6 @@ def case_pickle(url: str) -> tuple[Any, dict[str, Any]]:
     bytecp.save(url, state, step=1, allow_pickle=True)
     return dict(state), {"framework": "plain", "world_size": 1, "step": 1, "user_metadata": {}}
 
-
-def _two_rank_state(rank: int) -> dict[str, Any]:
-    """What rank ``rank`` of the 2-rank save holds (views of the full tensors)."""
-    full = _two_rank_full()
-    flat = full["sharded_flat"].reshape(-1)
-    cut = 13  # rank 0 holds elements [0, 13), rank 1 [13, 30): an FSDP1-style flat shard
-    lo, hi = (0, cut) if rank == 0 else (cut, flat.numel())
-    rows = full["sharded_rows"]
-    torch.manual_seed(100 + rank)
-    np.random.seed(100 + rank)
-    random.seed(100 + rank)
-    return {
-        "replicated": full["replicated"].clone(),  # the same on both ranks: stored once
-        "sharded_flat": TensorLeaf.from_flat((6, 5), torch.float32, lo, flat[lo:hi].clone()),
-        "sharded_rows": TensorLeaf(
-            (4, 3),
-            torch.int32,
-            [Shard(Region((2 * rank, 0), (2, 3)), rows[2 * rank : 2 * rank + 2].clone())],
-        ),
-        "extra": {"step": 11, "rng": bytecp.RNGState()},
-    }
-
-
-def _two_rank_full() -> dict[str, torch.Tensor]:
-    return {
-        "replicated": pattern((3, 7), torch.float16, 23),
-        "sharded_flat": pattern((6, 5), torch.float32, 29),
-        "sharded_rows": pattern((4, 3), torch.int32, 31),
-    }
-
-
-def _two_rank_worker(rank: int, workdir: str, init_file: str) -> None:
-    import torch.distributed as dist
-
-    os.chdir(workdir)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        bytecp.save("checkpoint", _two_rank_state(rank), step=11, metadata={"ranks": 2})
-    finally:
-        dist.destroy_process_group()
-
-
-def case_two_ranks(url: str) -> tuple[Any, dict[str, Any]]:
-    """Two processes (gloo): a replicated tensor, a flat-range shard, a row shard, per-rank RNG."""
-    import tempfile
-
-    import torch.multiprocessing as mp
-
-    assert url == "checkpoint"
-    with tempfile.TemporaryDirectory() as td:
-        mp.spawn(
-            _two_rank_worker, args=(os.getcwd(), os.path.join(td, "init")), nprocs=2, join=True
-        )
-    rng = []
-    for r in (0, 1):
-        _two_rank_state(r)
-        rng.append(bytecp.RNGState().state_dict())
-    expected = {**_two_rank_full(), "extra": {"step": 11, "rng": rng[0]}}
-    return expected, {
-        "framework": "plain",
-        "world_size": 2,
-        "step": 11,
-        "user_metadata": {"ranks": 2},
-        "per_rank": {"extra.rng": {"0": encode(rng[0]), "1": encode(rng[1])}},
-    }
-
-
-class Tiny(nn.Module):
-    """A model whose tensors do not split evenly over 2 ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(5, 3)
-        self.norm = nn.LayerNorm(3)
-        self.l2 = nn.Linear(3, 2)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.l2(self.norm(torch.relu(self.l1(x))))
-
-
-def _wrap(framework: str, model: nn.Module) -> nn.Module:
-    if framework == "ddp":
-        return nn.parallel.DistributedDataParallel(model)
-    if framework == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
-
-        return FSDP(
-            model,
-            device_id=torch.device("cpu"),
-            auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
-            use_orig_params=True,
-        )
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    mesh = init_device_mesh("cpu", (2,))
-    for m in (model.l1, model.l2):
-        fully_shard(m, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    return model
-
-
-def _full(t: torch.Tensor) -> torch.Tensor:
-    full = getattr(t, "full_tensor", None)  # an FSDP2 DTensor
-    return (full() if full is not None else t).detach().clone()
-
-
-def _fsdp1_full_state(model: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Full parameters and optimizer state of an FSDP1 (use_orig_params) model,
-    assembled from every rank's flat shards with torch's own bookkeeping."""
-    import torch.distributed as dist
-    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-    with FSDP.summon_full_params(model, writeback=False):
-        params = {clean_tensor_name(n): p.detach().clone() for n, p in model.named_parameters()}
-    mine = []
-    for prefix, m in model.named_modules():
-        if not isinstance(m, FSDP) or m._handle is None:
-            continue
-        fp = m._handle.flat_param
-        base = clean_tensor_name(prefix)
-        for i, info in enumerate(fp._shard_param_infos):
-            p = fp._params[i]
-            if info.in_shard and p in opt.state:
-                fqn = clean_tensor_name(f"{base}.{fp._fqns[i]}" if base else fp._fqns[i])
-                st = {k: v.clone() for k, v in opt.state[p].items()}
-                mine.append((fqn, tuple(fp._shapes[i]), info.intra_param_start_idx, st))
-    every: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(every, mine)
-    state: dict[str, dict[str, torch.Tensor]] = {}
-    for lst in every:
-        for fqn, shape, start, st in lst:
-            entry = state.setdefault(fqn, {})
-            for k, v in st.items():
-                if v.dim() == 0:
-                    entry[k] = v
-                    continue
-                flat = entry.setdefault(k, torch.zeros(shape, dtype=v.dtype)).view(-1)
-                flat[start : start + v.numel()] = v
-    return params, state
-
-
-def _framework_worker(rank: int, framework: str, workdir: str, init_file: str) -> None:
-    import torch.distributed as dist
-
-    os.chdir(workdir)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
-    try:
-        torch.manual_seed(5)
-        model = _wrap(framework, Tiny())
-        opt = torch.optim.AdamW(model.parameters(), lr=0.05, weight_decay=0.01)
-        x = torch.linspace(-2.0, 2.0, 20).reshape(4, 5) + rank
-        model(x).square().mean().backward()
-        opt.step()
-        opt.zero_grad()
-        bytecp.save("checkpoint", {"model": model, "optimizer": opt, "extra": {"step": 1}}, step=1)
-        # the oracle: full tensors as torch itself holds them
-        if framework == "fsdp1":
-            params, ostate = _fsdp1_full_state(model, opt)
-            names = None
-        else:
-            inner = model.module if framework == "ddp" else model
-            params = {n: _full(p) for n, p in inner.named_parameters()}
-            names = {id(p): n for n, p in inner.named_parameters()}
-            ostate = {
-                names[id(p)]: {k: _full(v) for k, v in st.items()} for p, st in opt.state.items()
-            }
-        if framework == "fsdp1":
-            from torch.distributed.fsdp._common_utils import clean_tensor_name
-
-            order = [clean_tensor_name(n) for n, _ in model.named_parameters()]
-        else:
-            order = [names[id(p)] for g in opt.param_groups for p in g["params"]]  # type: ignore[index]
-        groups = []
-        for g in opt.param_groups:
-            g2 = {k: v for k, v in g.items() if k != "params"}
-            g2["params"] = order[: len(g["params"])]
-            order = order[len(g["params"]) :]
-            groups.append(g2)
-        if rank == 0:
-            torch.save({"params": params, "state": ostate, "groups": groups}, "oracle.pt")
-    finally:
-        dist.destroy_process_group()
-
-
-def _framework_case(framework: str) -> Callable[[str], tuple[Any, dict[str, Any]]]:
-    def case(url: str) -> tuple[Any, dict[str, Any]]:
-        import tempfile
-
-        import torch.multiprocessing as mp
-
-        assert url == "checkpoint"
-        with tempfile.TemporaryDirectory() as td:
-            mp.spawn(
-                _framework_worker,
-                args=(framework, os.getcwd(), os.path.join(td, "init")),
-                nprocs=2,
-                join=True,
-            )
-        oracle = torch.load("oracle.pt", weights_only=True)
-        os.remove("oracle.pt")
-        expected = {
-            "model": oracle["params"],
-            "optimizer": {"state": oracle["state"], "param_groups": oracle["groups"]},
-            "extra": {"step": 1},
-        }
-        md = json.loads(Path("checkpoint/metadata.json").read_text())
-        return expected, {
-            "framework": framework,
-            "world_size": 2,
-            "step": 1,
-            "user_metadata": {},
-            "parallelism": md["parallelism"],
-        }
-
-    case.__doc__ = f"A 2-rank {framework} save (gloo): model and AdamW state after one step."
-    return case
-
-
 def case_incremental(url: str) -> tuple[Any, dict[str, Any]]:
     """Format version 3: a checkpoint whose frozen layer is a reference into
     the earlier checkpoint ``step-1`` of the same run (the case directory)."""
@@ -540,6 +251,7 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "fsdp1": _framework_case("fsdp1"),
     "fsdp2": _framework_case("fsdp2"),
     "incremental": case_incremental,
+    "parts": case_parts,
 }
 
 
@@ -554,6 +266,15 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
     n_chunks = 0
     if md["format_version"] == 1:
         rows = [row for f in md["index_files"] for row in pq.ParquetFile(ckpt / f).read(use_threads=False).to_pylist()]
+    elif md["format_version"] >= 4:  # every segment of every part, found through the directory's pages
+        d = md["index"]
+        raw = (ckpt / d["directory"]["file"]).read_bytes()
+        entries = [e for col in (d["band_pages"], d["wide_pages"])
+                   for off, n in zip(col["offset"], col["nbytes"], strict=True)
+                   for e in pq.ParquetFile(pa.BufferReader(raw[off : off + n])).read(use_threads=False).to_pylist()]
+        parts = {r: (ckpt / "index" / md["save_id"] / f"{r}.bin").read_bytes() for r in d["parts"]["rank"]}
+        rows = [row for e in entries for row in pq.ParquetFile(
+            pa.BufferReader(parts[e["rank"]][e["offset"] : e["offset"] + e["nbytes"]])).read(use_threads=False).to_pylist()]
     else:  # every segment; a chunk meeting several bands is listed in each
         raw = (ckpt / md["index"]["file"]).read_bytes()
         found = {json.dumps(row, sort_keys=True): row for col in (md["index"]["band"], md["index"]["wide"])

@@ -4,7 +4,7 @@ Each ``v<N>/<case>/`` holds a checkpoint written by the bytecp of that format
 version and an ``expected.json`` written without bytecp (see make_golden.py).
 The tests load every case with ``bytecp.load_state_dict`` and ``bytecp.load``,
 run ``bytecp verify`` and ``bytecp inspect --json`` on it, and read it a
-second time with the small reader below, which follows docs/FORMAT.md using
+second time with the reader of spec_reader.py, which follows docs/FORMAT.md using
 only json, pyarrow, crc32c, numpy and torch -- so the spec alone is enough to
 read a checkpoint. The golden files are only ever read (a checksum test
 notices any change); anything that must be altered is copied first.
@@ -12,22 +12,20 @@ notices any change); anything that must be altered is copied first.
 
 from __future__ import annotations
 
-import fractions
 import hashlib
-import io
 import json
-import math
 import random
 import shutil
 from pathlib import Path
 from typing import Any
 
-import crc32c
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from golden_encoding import assert_same, decode, raw_bytes
+from spec_reader import spec_read
 from torch import nn
 
 import bytecp
@@ -64,66 +62,6 @@ def needs_dtypes(case: Path) -> None:
     lacking = sorted(n for n in names if not isinstance(getattr(torch, n, None), torch.dtype))
     if lacking:
         pytest.xfail(f"torch {torch.__version__} lacks dtypes {lacking}")
-
-
-# ----------------------------------------------------------------- expected values
-def make_tensor(d: dict[str, Any]) -> torch.Tensor:
-    dtype = getattr(torch, d["dtype"])
-    raw = bytes.fromhex(d["hex"])
-    if not raw:
-        return torch.empty(d["shape"], dtype=dtype)
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).reshape(d["shape"])
-
-
-def decode(v: Any) -> Any:
-    """The inverse of make_golden.encode."""
-    if isinstance(v, list):
-        return [decode(x) for x in v]
-    if isinstance(v, dict):
-        ((tag, body),) = v.items()
-        if tag == "__tensor__":
-            return make_tensor(body)
-        if tag == "__dict__":
-            return {k: decode(x) for k, x in body}
-        if tag == "__tuple__":
-            return tuple(decode(x) for x in body)
-        if tag == "__float__":
-            return float(body)
-        if tag == "__fraction__":
-            return fractions.Fraction(*body)
-        raise AssertionError(f"unknown tag {tag!r} in expected.json")
-    return v
-
-
-def raw_bytes(t: torch.Tensor) -> bytes:
-    t = t.detach().cpu().contiguous()
-    return b"" if t.numel() == 0 else t.reshape(-1).view(torch.uint8).numpy().tobytes()
-
-
-def assert_same(got: Any, want: Any, where: str = "state") -> None:
-    """Exact equality: types, dict keys, tensor dtype, shape and bits."""
-    assert type(got) is type(want) or (
-        isinstance(got, torch.Tensor) and isinstance(want, torch.Tensor)
-    ), f"{where}: {type(got).__name__} != {type(want).__name__}"
-    if isinstance(want, torch.Tensor):
-        assert (got.dtype, tuple(got.shape)) == (want.dtype, tuple(want.shape)), (
-            f"{where}: {got.dtype} {tuple(got.shape)} != {want.dtype} {tuple(want.shape)}"
-        )
-        assert raw_bytes(got) == raw_bytes(want), f"{where}: bits differ"
-    elif isinstance(want, dict):
-        assert list(got) == list(want) or set(got) == set(want), (
-            f"{where}: keys {list(got)} != {list(want)}"
-        )
-        for k in want:
-            assert_same(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (a, b) in enumerate(zip(got, want, strict=True)):
-            assert_same(a, b, f"{where}.{i}")
-    elif isinstance(want, float) and math.isnan(want):
-        assert math.isnan(got), where
-    else:
-        assert got == want, f"{where}: {got!r} != {want!r}"
 
 
 @pytest.fixture
@@ -412,168 +350,6 @@ def test_directory_without_metadata_is_not_a_checkpoint(tmp_path: Path) -> None:
     with pytest.raises(bytecp.IncompleteCheckpointError):
         bytecp.load_state_dict(str(dst))
 
-
-# ----------------------------------------------------------------- a reader from the spec alone
-INDEX_TYPES = {
-    "fqn": pa.string(),
-    "offsets": pa.list_(pa.int64()),
-    "lengths": pa.list_(pa.int64()),
-    "file": pa.string(),
-    "byte_offset": pa.int64(),
-    "nbytes": pa.int64(),
-    "crc32c": pa.uint32(),
-}
-V1_TYPES = {"dtype": pa.string(), "global_shape": pa.list_(pa.int64())}
-
-
-def spec_index_rows(root: Path, md: dict[str, Any]) -> list[dict[str, Any]]:
-    """Every chunk row, each once: version 1's index files (§5.5) or version
-    2's segments found through the directory (§5.3, §5.4)."""
-    if md["format_version"] == 1:
-        tables = [pq.ParquetFile(root / f).read(use_threads=False) for f in md["index_files"]]
-        types = INDEX_TYPES | V1_TYPES
-    else:
-        assert md["index_files"] == []
-        d = md["index"]
-        raw = (root / d["file"]).read_bytes()
-        assert len(raw) == d["nbytes"]
-        tables, spans = [], []
-        for col in (d["band"], d["wide"]):
-            for off, n, rows, crc in zip(col["offset"], col["nbytes"], col["rows"], col["crc32c"], strict=True):
-                seg = raw[off : off + n]
-                assert seg[:4] == seg[-4:] == b"PAR1" and crc32c.crc32c(seg) == crc
-                tables.append(pq.ParquetFile(io.BytesIO(seg)).read(use_threads=False))
-                assert tables[-1].num_rows == rows
-                spans.append((off, n))
-        spans.sort()
-        assert [o for o, _ in spans] == [0, *[o + n for o, n in spans[:-1]]] and sum(n for _, n in spans) == len(raw)
-        assert d["band"]["bucket"] == sorted(set(d["band"]["bucket"]))
-        types = INDEX_TYPES
-    rows, seen = [], set()
-    for table in tables:
-        # version 3 keeps version 2's index: its segments say "2"
-        assert table.schema.metadata[b"bytecp.format_version"] == str(min(md["format_version"], 2)).encode()
-        for name, typ in types.items():
-            got = table.schema.field(name).type
-            assert (got.value_type if pa.types.is_dictionary(got) else got) == typ, name
-        for row in table.to_pylist():
-            key = json.dumps(row, sort_keys=True)
-            if key not in seen:  # version 2 lists a chunk in each band it meets
-                seen.add(key)
-                rows.append(row)
-    if md["format_version"] >= 2:  # each chunk is in the segments its box names (§5.4)
-        d = md["index"]
-        for row in rows:
-            info = md["tensors"][row["fqn"]]
-            assert math.prod(row["lengths"]) > 0
-            if "band_dim" in info:
-                k, size = info["band_dim"], info["shape"][info["band_dim"]]
-                o, n = row["offsets"][k], row["lengths"][k]
-                for b in range(o * d["buckets"] // size, (o + n - 1) * d["buckets"] // size + 1):
-                    assert b in d["band"]["bucket"], (row["fqn"], b)
-            else:
-                assert any(f <= row["fqn"] <= la for f, la in zip(d["wide"]["first"], d["wide"]["last"], strict=True))
-    return rows
-
-
-def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
-    """Read a format-v1, v2 or v3 checkpoint following docs/FORMAT.md, without bytecp.
-    Version 3's references (``../<checkpoint>/data/...``) are read from the
-    sibling checkpoint, which must be committed and hold that save."""
-    md = json.loads((root / "metadata.json").read_bytes())
-    assert md["format"] == "bytecp" and md["format_version"] in (1, 2, 3)
-    for name, save_id in md.get("references", {}).items():
-        assert md["format_version"] >= 3 and "/" not in name and name not in (".", "..")
-        base = root.parent / name
-        meta = base / "metadata.json" if (base / "metadata.json").exists() else base / "base.json"
-        assert json.loads(meta.read_bytes())["save_id"] == save_id
-    for f, size in md["data_files"].items():
-        if f.startswith("../"):
-            assert f.split("/")[1] in md["references"] and f.split("/")[3] == md["references"][f.split("/")[1]]
-        assert (root / f).stat().st_size == size, f
-        assert size % ALIGNMENT == 0, f"{f}: the writer pads every chunk, the last one too"
-    data = {f: (root / f).read_bytes() for f in md["data_files"]}
-
-    def itemsize(name: str) -> int:
-        return torch.empty((), dtype=getattr(torch, name)).element_size()
-
-    out: dict[str, bytearray] = {}
-    seen: dict[str, np.ndarray] = {}
-    for fqn, info in md["tensors"].items():
-        out[fqn] = bytearray(math.prod(info["shape"]) * itemsize(info["dtype"]))
-        seen[fqn] = np.zeros(info["shape"], dtype=np.int8)
-    used: dict[str, list[tuple[int, int]]] = {f: [] for f in data}
-    for row in spec_index_rows(root, md):
-        info = md["tensors"][row["fqn"]]
-        if md["format_version"] == 1:
-            assert row["dtype"] == info["dtype"] and row["global_shape"] == info["shape"]
-        offs, lens = row["offsets"], row["lengths"]
-        assert len(offs) == len(lens) == len(info["shape"])
-        size = itemsize(info["dtype"])
-        assert row["nbytes"] == math.prod(lens) * size
-        assert row["byte_offset"] % ALIGNMENT == 0
-        blob = data[row["file"]][row["byte_offset"] : row["byte_offset"] + row["nbytes"]]
-        assert len(blob) == row["nbytes"] and crc32c.crc32c(blob) == row["crc32c"]
-        used[row["file"]].append((row["byte_offset"], row["nbytes"]))
-        box = tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))
-        whole = np.frombuffer(out[row["fqn"]], dtype=np.uint8).reshape(*info["shape"], size)
-        whole[box] = np.frombuffer(blob, dtype=np.uint8).reshape(*lens, size)
-        seen[row["fqn"]][box] += 1
-    for fqn, s in seen.items():
-        assert (s == 1).all(), f"{fqn}: chunks do not cover it exactly once"
-
-    def read_object(rec: dict[str, Any]) -> Any:
-        if "json" in rec:
-            return rec["json"]
-        blob = data[rec["file"]][rec["byte_offset"] : rec["byte_offset"] + rec["nbytes"]]
-        assert rec["byte_offset"] % ALIGNMENT == 0 and crc32c.crc32c(blob) == rec["crc32c"]
-        used[rec["file"]].append((rec["byte_offset"], rec["nbytes"]))
-        if rec["pickle"] and not allow_pickle:
-            raise PermissionError("needs allow_pickle")
-        return torch.load(io.BytesIO(blob), weights_only=not rec["pickle"])
-
-    objects = {k: read_object(r) for k, r in md["objects"].items()}
-    per_rank = {
-        k: {int(r): read_object(rec) for r, rec in v.items()} for k, v in md["per_rank"].items()
-    }
-    # everything between the stored items is zero padding
-    for f, spans in used.items():
-        if f.startswith("../"):
-            continue  # a referenced file holds boxes of the base that this checkpoint does not read
-        buf = data[f]
-        spans.sort()
-        pos = 0
-        for off, n in spans:
-            assert off >= pos and not any(buf[pos:off]), f"{f}: non-zero bytes at {pos}..{off}"
-            pos = off + n
-        assert not any(buf[pos:]), f"{f}: non-zero bytes after the last item"
-
-    def tensor(fqn: str) -> torch.Tensor:
-        info = md["tensors"][fqn]
-        dtype = getattr(torch, info["dtype"])
-        if not out[fqn]:
-            return torch.empty(info["shape"], dtype=dtype)
-        return torch.frombuffer(out[fqn], dtype=torch.uint8).view(dtype).reshape(info["shape"])
-
-    def build(node: dict[str, Any]) -> Any:
-        ((kind, body),) = node.items()
-        if kind == "d":
-            return {k: build(child) for k, child in body}
-        if kind == "l":
-            return [build(child) for child in body]
-        if kind == "t":
-            return tuple(build(child) for child in body)
-        if kind == "tensor":  # an alias reads the tensor it names (FORMAT.md §6.6)
-            return tensor(md.get("aliases", {}).get(body, body))
-        if kind == "obj":
-            return objects[body]
-        if kind == "rank":
-            return per_rank[body][0]
-        raise AssertionError(f"unknown skeleton node {node!r}")
-
-    return build(md["skeleton"]), per_rank
-
-
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 def test_spec_reader_reads_golden(case: Path) -> None:
     needs_dtypes(case)
@@ -629,40 +405,3 @@ def test_inconsistent_index_row_is_corrupt(tmp_path: Path, column: str, fn: Any)
     _retype_index(dst, column, fn)
     with pytest.raises(bytecp.CorruptCheckpointError):
         bytecp.load_state_dict(str(dst))
-
-
-# ----------------------------------------------------------------- every write path follows the spec
-def _fresh_state() -> dict[str, Any]:
-    g = torch.Generator().manual_seed(3)
-    state: dict[str, Any] = {
-        "a": torch.randn(300, 7, generator=g),  # larger than one batch of the small budget below
-        "b": torch.randint(0, 9, (5, 0), generator=g),
-        "c": torch.randn(4, 6, generator=g).t(),
-        "c_tied": None,  # the same tensor as "c": stored once, as an alias
-        "s": torch.tensor(2.5, dtype=torch.bfloat16),
-        "extra": {"step": 3, "pair": (1, "x"), "inf": float("-inf")},
-    }
-    state["c_tied"] = state["c"]
-    return state
-
-
-@pytest.mark.parametrize(
-    "how",
-    ["save", "async_save", "async_save_batched", "async_save_lazy"],
-)
-def test_fresh_checkpoints_follow_the_spec(tmp_path: Path, how: str) -> None:
-    """What today's writers produce, read with the spec reader, equals the state saved."""
-    state = _fresh_state()
-    url = str(tmp_path / "ck")
-    if how == "save":
-        bytecp.save(url, state)
-    else:
-        budget = 4096 if how == "async_save_batched" else None
-        handle = bytecp.async_save(
-            url, state, lazy=how.endswith("lazy"), memory_budget_bytes=budget
-        )
-        handle.wait()
-    got, per_rank = spec_read(tmp_path / "ck")
-    assert per_rank == {}
-    assert_same(got, state)
-    assert json.loads((tmp_path / "ck" / "metadata.json").read_text())["aliases"] == {"c_tied": "c"}
