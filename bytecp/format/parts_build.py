@@ -52,6 +52,8 @@ class PartEntries:
 
     rank: int
     nbytes: int = 0
+    #: elements of every chunk of the part (the coordinator adds them up)
+    elements: int = 0
     #: band segments: the bands [lo, hi] their rows meet; where they are
     lo: list[int] = dataclasses.field(default_factory=list)
     hi: list[int] = dataclasses.field(default_factory=list)
@@ -129,7 +131,7 @@ def build_part(
         start += len(g)
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     return BuiltPart(blobs, PartEntries(
-        rank=rank, nbytes=int(offsets[-1]),
+        rank=rank, nbytes=int(offsets[-1]), elements=int(rows.L.prod(axis=1).sum()),
         lo=[int(lo[g].min()) for g in band_groups], hi=[int(hi[g].max()) for g in band_groups],
         first=[names[rows.fid[g[0]]] for g in wide_groups], last=[names[rows.fid[g[-1]]] for g in wide_groups],
         offset=offsets[:-1], size=[len(b) for b in blobs], rows=[len(g) for g in groups],

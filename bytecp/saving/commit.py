@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -39,7 +40,7 @@ from bytecp.format.parts_schema import buckets_for
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
-from bytecp.saving.writer import RankOutput
+from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.skeleton import Node
@@ -107,6 +108,14 @@ def build_metadata(
         data_files.update(out.data_files)
     if all(out.batch is not None for out in outputs):
         check_chunks([out.batch or ChunkBatch.empty() for out in outputs], tensors, data_files)
+    else:  # each rank checked its own chunks; together they must hold every element once
+        held = sum(out.part.elements for out in outputs if out.part is not None)
+        want = sum(math.prod(spec["shape"]) for spec in tensors.values())
+        if held != want:
+            raise ConfigError(f"the {len(outputs)} ranks' chunks hold {held} elements, the state's tensors {want}: "
+                              "a tensor has a gap, or two ranks wrote the same elements; nothing is committed "
+                              "(the exact check of every tensor runs on jobs of up to "
+                              f"{EXACT_CHECK_RANKS} ranks, and names it)")
     pages, directory = build_directory([out.part for out in outputs if out.part is not None], save_id,
                                        buckets_for(world_size))
     md = fmt.Metadata(
