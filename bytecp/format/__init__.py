@@ -1,8 +1,10 @@
 """The on-storage format, docs/FORMAT.md in code (internal).
 
-``metadata`` (metadata.json, chunk records, versions), ``index_schema``,
-``index_build`` and ``index_read`` (the index; ``index_read`` decodes both
-versions), ``index_check`` (the one index validation), ``limits`` and
+``metadata`` (metadata.json, chunk records, versions), ``parts_schema``,
+``parts_build`` and ``parts_read`` (the version-4 index: one part per rank
+and a directory), ``index_schema``, ``index_build`` and ``index_read`` (the
+index of versions 1-3, read by ``index_read``; ``index_build`` also holds
+the commit's chunk checks), ``index_check`` (the one index validation), ``limits`` and
 ``parquet_footer`` (the hostile-input budget), ``checksum``, ``objects``
 (non-tensor values), ``chunk_batch`` (one rank's chunk records as columns).
 """
