@@ -1,0 +1,359 @@
+"""Version-4 indexes of several parts (FORMAT.md §5.6): crafted damage is
+refused with one line naming the file at fault, by ``load_state_dict``,
+``bytecp verify`` and ``bytecp inspect``; a real 3-rank save loads bitwise
+in one process and resharded on 2 ranks, each rank reading only the
+segments its boxes meet.
+
+The damaged checkpoints are rewritten in one process: a one-process save,
+whose rows are then given to four fake ranks (row shards of ``w``) and laid
+out again with :mod:`bytecp.format.parts_build`, as four saving ranks would.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+import bytecp
+from bytecp.cli import main as cli
+from bytecp.format import parts_read
+from bytecp.format.checksum import crc32c
+from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.parts_build import build_directory, build_part
+from bytecp.format.parts_schema import BAND_ENTRY_SCHEMA, WIDE_ENTRY_SCHEMA, buckets_for, part_file
+from bytecp.loading.opened import open_checkpoint
+from bytecp.tree.regions import Region
+from bytecp.tree.state import Shard, TensorLeaf
+
+pytestmark = pytest.mark.timeout(300)
+RANKS = 4
+
+
+def _state() -> dict[str, Any]:
+    """``w``: 64 boxes of 4 rows, 16 of 1024 elements each (banded);
+    ``v``: one whole box (wide); a 0-dim tensor."""
+    w = torch.arange(1024, dtype=torch.int32).reshape(256, 4)
+    return {
+        "w": TensorLeaf((256, 4), torch.int32, [Shard(Region((i, 0), (4, 4)), w[i : i + 4]) for i in range(0, 256, 4)]),
+        "v": torch.linspace(-1, 1, 64).reshape(8, 8),
+        "s": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def _want() -> dict[str, torch.Tensor]:
+    return {"w": torch.arange(1024, dtype=torch.int32).reshape(256, 4),
+            "v": torch.linspace(-1, 1, 64).reshape(8, 8), "s": torch.tensor(7, dtype=torch.int64)}
+
+
+def _md(ck: Path) -> dict[str, Any]:
+    return json.loads((ck / "metadata.json").read_text())
+
+
+def _write_md(ck: Path, md: dict[str, Any]) -> None:
+    (ck / "metadata.json").write_text(json.dumps(md))
+
+
+def multi_part(ck: Path) -> None:
+    """Save ``_state()`` at ``ck`` and rewrite its index as the parts of
+    :data:`RANKS` ranks: rank ``r`` the rows ``64r..64r+63`` of ``w``, the
+    last rank also ``v`` and ``s``."""
+    bytecp.save(str(ck), _state())
+    opened = open_checkpoint(str(ck))
+    md = opened.metadata
+    rows, _ = parts_read.read_parts(opened.storage, md, None)
+    sid = md.save_id
+    for r in md.index.ranks:  # type: ignore[union-attr]
+        (ck / part_file(sid, r)).unlink()
+    buckets = buckets_for(RANKS)
+    entries = []
+    for r in range(RANKS):
+        mine = [c for c in rows if (c.offsets[0] // 64 == r if c.fqn == "w" else r == RANKS - 1)]
+        tensors = {c.fqn: md.tensors[c.fqn] for c in mine}
+        part = build_part(ChunkBatch.of(mine), tensors, md.data_files, sid, r, buckets)
+        (ck / part_file(sid, r)).write_bytes(b"".join(part.blobs))
+        entries.append(part.entries)
+    pages, directory = build_directory(entries, sid, buckets)
+    (ck / directory.file).write_bytes(b"".join(pages))
+    raw = _md(ck)
+    raw["index"] = directory.to_json()
+    _write_md(ck, raw)
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    ck = tmp_path_factory.mktemp("parts") / "ck"
+    multi_part(ck)
+    return ck
+
+
+@pytest.fixture
+def ck(pristine: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "ck"
+    shutil.copytree(pristine, dst)
+    return dst
+
+
+# ----------------------------------------------------------------- directory surgery
+def read_directory(ck: Path) -> dict[str, list[list[dict[str, Any]]]]:
+    """The directory's entries, page by page: {"band": [[entry, ...], ...], "wide": [...]}."""
+    md = _md(ck)
+    raw = (ck / md["index"]["directory"]["file"]).read_bytes()
+    out: dict[str, list[list[dict[str, Any]]]] = {}
+    for kind in ("band", "wide"):
+        col = md["index"][f"{kind}_pages"]
+        out[kind] = [pq.ParquetFile(pa.BufferReader(raw[o : o + n])).read().to_pylist()
+                     for o, n in zip(col["offset"], col["nbytes"], strict=True)]
+    return out
+
+
+def write_directory(ck: Path, pages: dict[str, list[list[dict[str, Any]]]]) -> None:
+    """Write the pages (entries edited as an attacker would) with valid crc32c
+    and page bounds in metadata.json."""
+    md = _md(ck)
+    sid = md["save_id"].encode()
+    blobs: list[bytes] = []
+    for kind, schema, a, b in (("band", BAND_ENTRY_SCHEMA, "lo", "hi"), ("wide", WIDE_ENTRY_SCHEMA, "first", "last")):
+        schema = schema.with_metadata({**(schema.metadata or {}), b"bytecp.save_id": sid})
+        col: dict[str, list[Any]] = {a: [], b: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
+        for entries in pages[kind]:
+            sink = io.BytesIO()
+            pq.write_table(pa.Table.from_pylist(entries, schema=schema), sink)
+            blob = sink.getvalue()
+            col[a].append(entries[0][a])
+            col[b].append(max(e[b] for e in entries))
+            col["offset"].append(sum(len(x) for x in blobs))
+            col["nbytes"].append(len(blob))
+            col["rows"].append(len(entries))
+            col["crc32c"].append(crc32c(blob))
+            blobs.append(blob)
+        md["index"][f"{kind}_pages"] = col
+    (ck / md["index"]["directory"]["file"]).write_bytes(b"".join(blobs))
+    md["index"]["directory"]["nbytes"] = sum(len(x) for x in blobs)
+    _write_md(ck, md)
+
+
+def _flip(path: Path, at: int) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[at] ^= 0xFF
+    path.write_bytes(bytes(raw))
+
+
+def _entries_of(pages: dict[str, list[list[dict[str, Any]]]], rank: int) -> list[dict[str, Any]]:
+    return sorted((e for kind in pages.values() for page in kind for e in page if e["rank"] == rank),
+                  key=lambda e: e["offset"])
+
+
+# ----------------------------------------------------------------- the damage
+def missing_part(ck: Path) -> str:
+    f = part_file(_md(ck)["save_id"], 2)
+    (ck / f).unlink()
+    return f
+
+
+def damaged_segment(ck: Path) -> str:
+    f = part_file(_md(ck)["save_id"], 1)
+    e = _entries_of(read_directory(ck), 1)[1]
+    _flip(ck / f, e["offset"] + e["nbytes"] // 2)
+    return f
+
+
+def damaged_page(ck: Path) -> str:
+    md = _md(ck)
+    col = md["index"]["band_pages"]
+    _flip(ck / md["index"]["directory"]["file"], col["offset"][0] + col["nbytes"][0] // 2)
+    return md["index"]["directory"]["file"]
+
+
+def overlapping_segments(ck: Path) -> str:
+    pages = read_directory(ck)
+    first, second = _entries_of(pages, 0)[:2]
+    second["offset"] = first["offset"] + first["nbytes"] // 2  # inside the part, over the first
+    write_directory(ck, pages)
+    return part_file(_md(ck)["save_id"], 0)
+
+
+def past_the_end(ck: Path) -> str:
+    pages = read_directory(ck)
+    last = _entries_of(pages, 3)[-1]
+    last["nbytes"] += 100
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def from_another_save(ck: Path) -> str:
+    """Rank 1's part of another save of the same state at another location:
+    sizes and crc32c of the directory fixed, so only the save id tells."""
+    other = ck.parent / "other"
+    multi_part(other)
+    md = _md(ck)
+    shutil.copyfile(other / part_file(_md(other)["save_id"], 1), ck / part_file(md["save_id"], 1))
+    theirs = _entries_of(read_directory(other), 1)
+    pages = read_directory(ck)
+    for e, t in zip(_entries_of(pages, 1), theirs, strict=True):
+        e.update({k: t[k] for k in ("offset", "nbytes", "rows", "crc32c")})
+    write_directory(ck, pages)
+    md = _md(ck)
+    md["index"]["parts"]["nbytes"][1] = _md(other)["index"]["parts"]["nbytes"][1]
+    _write_md(ck, md)
+    return part_file(md["save_id"], 1)
+
+
+def row_outside_its_bands(ck: Path) -> str:
+    pages = read_directory(ck)
+    e = next(e for e in _entries_of(pages, 2) if "lo" in e and e["hi"] > e["lo"])
+    e["hi"] = e["lo"]  # its rows meet more bands than the entry now says
+    write_directory(ck, pages)
+    return part_file(_md(ck)["save_id"], 2)
+
+
+def ranks_not_ascending(ck: Path) -> str:
+    md = _md(ck)
+    parts = md["index"]["parts"]
+    parts["rank"][0], parts["rank"][1] = parts["rank"][1], parts["rank"][0]
+    parts["nbytes"][0], parts["nbytes"][1] = parts["nbytes"][1], parts["nbytes"][0]
+    _write_md(ck, md)
+    return "metadata.json"
+
+
+DAMAGE: dict[str, Callable[[Path], str]] = {f.__name__: f for f in (
+    missing_part, damaged_segment, damaged_page, overlapping_segments, past_the_end, from_another_save,
+    row_outside_its_bands, ranks_not_ascending)}
+
+
+def test_pristine_multi_part_loads(pristine: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert _md(pristine)["index"]["parts"]["rank"] == list(range(RANKS))
+    got = bytecp.load_state_dict(str(pristine))
+    for k, v in _want().items():
+        assert torch.equal(got[k], v), k
+    assert cli(["verify", str(pristine)]) == 0 and cli(["inspect", str(pristine)]) == 0
+    capsys.readouterr()
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_damaged_parts_refused_in_one_line(ck: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    name = DAMAGE[damage](ck)
+    with pytest.raises(bytecp.CorruptCheckpointError) as e:
+        bytecp.load_state_dict(str(ck))
+    msg = str(e.value)
+    assert "\n" not in msg and name in msg, msg
+    for cmd in ("verify", "inspect"):
+        capsys.readouterr()
+        assert cli([cmd, str(ck)]) != 0
+        out = capsys.readouterr()
+        lines = [ln for ln in (out.err + out.out).splitlines() if name in ln]
+        assert len(lines) == 1, (cmd, out.err, out.out)
+        assert "Traceback" not in out.err, out.err
+
+
+# ----------------------------------------------------------------- a real 3-rank save
+SHAPES = {"a": ((96, 8), torch.float32), "b": ((31, 5), torch.bfloat16), "emb": ((3072, 2), torch.int16)}
+
+
+def _full(fqn: str) -> torch.Tensor:
+    if fqn == "r":
+        return torch.arange(9, dtype=torch.float64).reshape(3, 3) / 7
+    shape, dtype = SHAPES[fqn]
+    n = shape[0] * shape[1]
+    return (torch.arange(n, dtype=torch.int64) * 7919 % 32749).to(dtype).reshape(shape)
+
+
+def _rows(n: int, rank: int, world: int) -> tuple[int, int]:
+    """FSDP's row shard: ceil(n / world) rows per rank, the last ones short."""
+    per = -(-n // world)
+    return min(n, rank * per), min(n, (rank + 1) * per)
+
+
+def _boxes(fqn: str, rank: int, world: int, *, columns: bool = False) -> list[Region]:
+    shape = SHAPES[fqn][0]
+    if columns:  # the loading ranks: column shards
+        lo, hi = _rows(shape[1], rank, world)
+        return [Region((0, lo), (shape[0], hi - lo))]
+    lo, hi = _rows(shape[0], rank, world)
+    step = 16 if fqn == "emb" else hi - lo  # emb: each rank's rows as boxes of 16 (banded rows)
+    return [Region((i, 0), (min(step, hi - i), shape[1])) for i in range(lo, hi, step)]
+
+
+def save_rank(url: str) -> int:
+    """(each of 3 gloo ranks) Row shards of a, b, emb; r replicated."""
+    import torch.distributed as dist
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    state: dict[str, Any] = {"r": _full("r")}
+    for fqn, (shape, dtype) in SHAPES.items():
+        full = _full(fqn)
+        state[fqn] = TensorLeaf(shape, dtype, [Shard(b, full[b.slices()].clone()) for b in _boxes(fqn, rank, world)])
+    bytecp.save(url, state)
+    return rank
+
+
+def load_rank(url: str) -> bool:
+    """(each of 2 gloo ranks) DTensors: column shards of a, row shards of b
+    and emb (torch's even chunks); r whole."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import Shard as Split
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mesh = init_device_mesh("cpu", (world,))
+    target: dict[str, Any] = {"r": torch.zeros(3, 3, dtype=torch.float64)}
+    want: dict[str, torch.Tensor] = {}
+    for fqn, (shape, dtype) in SHAPES.items():
+        dim = 1 if fqn == "a" else 0
+        want[fqn] = torch.chunk(_full(fqn), world, dim)[rank]
+        local = torch.full(want[fqn].shape, 3, dtype=dtype)
+        target[fqn] = DTensor.from_local(local, mesh, [Split(dim)], run_check=False, shape=torch.Size(shape),
+                                         stride=torch.empty(shape).stride())
+    bytecp.load(url, target)
+    assert torch.equal(target["r"], _full("r"))
+    for fqn in SHAPES:
+        assert torch.equal(target[fqn].to_local(), want[fqn]), fqn
+    return True
+
+
+def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) -> None:
+    from dist.pool import WorkerPool
+
+    url = str(tmp_path / "ck")
+    pool = WorkerPool(3)
+    try:
+        assert pool.run(save_rank, url, timeout=180) == [0, 1, 2]
+    finally:
+        pool.close()
+    md = _md(tmp_path / "ck")
+    assert md["format_version"] == 4 and md["index"]["parts"]["rank"] == [0, 1, 2]
+    assert all((tmp_path / "ck" / part_file(md["save_id"], r)).is_file() for r in range(3))
+    got = bytecp.load_state_dict(url)
+    for fqn in (*SHAPES, "r"):
+        assert got[fqn].dtype == _full(fqn).dtype and torch.equal(got[fqn], _full(fqn)), fqn
+
+    opened = open_checkpoint(url)
+    total = sum(md["index"]["band_pages"]["rows"]) + sum(md["index"]["wide_pages"]["rows"])
+    _, every = parts_read.read_parts(opened.storage, opened.metadata, None)
+    assert every == total > 40
+    # a box inside rank 1's rows of emb (banded): the one or two segments of rank 1 around it
+    rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"emb": [Region((1030, 0), (2, 2))]})
+    assert 1 <= n <= 2 and rows and all(c.fqn == "emb" and 1024 <= c.offsets[0] < 2048 for c in rows), (n, rows)
+    # a box inside rank 1's rows of a: its shards are wide (a third of the tensor), so one segment of each
+    # part names it; and the band segments (of emb) whose bands 426..468 of the box meet
+    rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"a": [Region((40, 0), (4, 8))]})
+    pages = read_directory(tmp_path / "ck")
+    wide = [e for page in pages["wide"] for e in page if e["first"] <= "a" <= e["last"]]
+    band = [e for page in pages["band"] for e in page if e["lo"] <= 468 and 426 <= e["hi"]]
+    assert len(wide) == 3 and 0 < len(band) < 10 and n == len(wide) + len(band)
+    assert {c.offsets for c in rows} == {(0, 0), (32, 0), (64, 0)}
+
+    pool = WorkerPool(2)
+    try:
+        assert pool.run(load_rank, url, timeout=180) == [True, True]
+    finally:
+        pool.close()
