@@ -13,6 +13,9 @@ and this rank (comma-separated lists allowed):
 
 Phases: ``plan``, ``stage``, ``write``, ``commit``, ``committed`` (just
 after metadata.json is written), ``read`` (load: before matching).
+``commit`` and ``committed`` run on the coordinator only (the commit is
+its part of the save's last collective): named with another rank, they
+never fire.
 """
 
 from __future__ import annotations
@@ -22,7 +25,10 @@ import signal
 import threading
 import time
 
-__all__ = ["inject"]
+__all__ = ["inject", "COORDINATOR_PHASES"]
+
+#: the phases only the coordinator enters
+COORDINATOR_PHASES = ("commit", "committed")
 
 
 def _matches(var: str, phase: str, rank: int) -> list[list[str]]:

@@ -9,12 +9,15 @@ mid-save, past the save deadline; continued by the driver after it),
 ``fill`` (the disk, a real small tmpfs, filled for 3 steps), ``readonly``
 (the tmpfs remounted read-only for 3 steps), ``s3`` (the job saves to moto
 through the fault proxy: 503, 500, resets before and after the server acted,
-truncated replies), ``none``. Invariants checked after every episode:
+truncated replies), ``none``. A kill names only phase/rank pairs that are
+reached: ``commit`` and ``committed`` only on the coordinator (rank 0).
+Invariants checked after every episode:
 
 - the restored state is bitwise the state training reaches at that step;
 - every committed checkpoint passes ``bytecp verify``;
 - after a job that ended normally, no file is left but those kept
   checkpoints need (their data, index, metadata, reports, retired bases);
+- every kill fired;
 - no episode runs past its timeout; a stalled rank's peer has its error
   within the deadline plus the roll call plus slack.
 """
@@ -36,6 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bytecp import faults
 from bytecp.dist import DistContext
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
@@ -114,9 +118,11 @@ class Chaos:
         where = "s3" if kind == "s3" else "local"
         start = self.stop_step[where]
         stop_step = self.stop_step[where] = start + self.steps
+        phase = rng.choice(PHASES)
+        # (commit and committed: the coordinator's alone; another rank never reaches them)
         fault: dict[str, Any] = {"kind": kind, "step": start + rng.randint(2, self.steps - 3),
-                                 "rank": rng.randint(0, 1), "phase": rng.choice(PHASES),
-                                 "delay": round(rng.uniform(0.0, 0.03), 4), "disk": str(self.disk)}
+                                 "rank": 0 if phase in faults.COORDINATOR_PHASES else rng.randint(0, 1),
+                                 "phase": phase, "delay": round(rng.uniform(0.0, 0.03), 4), "disk": str(self.disk)}
         proxy = None
         if where == "s3":
             if str(STORAGE_TESTS) not in sys.path:
@@ -203,6 +209,8 @@ class Chaos:
                                 f"{[(out / f'err{r}.txt').read_text()[-800:] for r in range(2)]}")
         if kind == "kill" and not clean or kind != "none" and any(e.get("fired") for e in ends) or kind == "s3":
             fig.faults[kind] += 1
+        if kind == "kill" and clean:
+            fig.problems.append(f"episode {ep}: the kill at {fault['phase']} on rank {fault['rank']} never fired")
         for e in ends:
             if e["rank"] == 0:
                 fig.saves += e["saves"]
