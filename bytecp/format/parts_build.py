@@ -141,12 +141,16 @@ def build_part(
 
 def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray]:
     """Banded rows (sorted by first band) into segments of at most
-    :data:`SEGMENT_ROWS` rows whose first bands lie within ``limit`` of each other."""
+    :data:`SEGMENT_ROWS` rows whose first bands lie within ``limit`` of each
+    other -- once a segment has :data:`WIDE_MIN_ROWS` rows (a smaller one
+    costs a reader little to read whole, and a Parquet file per few rows
+    would cost more than the rows)."""
     out: list[np.ndarray] = []
     s = 0
     while s < len(order):
         e = min(len(order), s + SEGMENT_ROWS)
         far = np.flatnonzero(lo[order[s:e]] > lo[order[s]] + limit)
+        far = far[far >= WIDE_MIN_ROWS]
         e = s + int(far[0]) if len(far) else e
         out.append(order[s:e])
         s = e

@@ -91,6 +91,9 @@ def read_parts(
     d = md.index
     assert isinstance(d, PartsDirectory)
     where = storage.url.rstrip("/")
+    if d.save_id != md.save_id:
+        raise CorruptCheckpointError(f"{where}: metadata.json of save {md.save_id!r} names the index of save "
+                                     f"{d.save_id!r} ({d.file}); the checkpoint is corrupt")
     bands = None if wanted is None else wanted_bands(md, wanted)
     names = None if wanted is None else sorted(wanted)
     entries: list[Entry] = []

@@ -161,7 +161,7 @@ def missing_part(ck: Path) -> str:
 
 def damaged_segment(ck: Path) -> str:
     f = part_file(_md(ck)["save_id"], 1)
-    e = _entries_of(read_directory(ck), 1)[1]
+    e = _entries_of(read_directory(ck), 1)[-1]
     _flip(ck / f, e["offset"] + e["nbytes"] // 2)
     return f
 
@@ -175,10 +175,11 @@ def damaged_page(ck: Path) -> str:
 
 def overlapping_segments(ck: Path) -> str:
     pages = read_directory(ck)
-    first, second = _entries_of(pages, 0)[:2]
+    rank = max(_md(ck)["index"]["parts"]["rank"], key=lambda r: len(_entries_of(pages, r)))
+    first, second = _entries_of(pages, rank)[:2]
     second["offset"] = first["offset"] + first["nbytes"] // 2  # inside the part, over the first
     write_directory(ck, pages)
-    return part_file(_md(ck)["save_id"], 0)
+    return part_file(_md(ck)["save_id"], rank)
 
 
 def past_the_end(ck: Path) -> str:
@@ -339,7 +340,7 @@ def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) ->
     opened = open_checkpoint(url)
     total = sum(md["index"]["band_pages"]["rows"]) + sum(md["index"]["wide_pages"]["rows"])
     _, every = parts_read.read_parts(opened.storage, opened.metadata, None)
-    assert every == total > 40
+    assert every == total >= 3
     # a box inside rank 1's rows of emb (banded): the one or two segments of rank 1 around it
     rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"emb": [Region((1030, 0), (2, 2))]})
     assert 1 <= n <= 2 and rows and all(c.fqn == "emb" and 1024 <= c.offsets[0] < 2048 for c in rows), (n, rows)

@@ -21,7 +21,7 @@ from torch import nn
 import bytecp
 from bytecp.errors import StorageError
 from bytecp.format import metadata as fmt
-from bytecp.format.index_read import all_segments, read_segments
+from bytecp.loading.opened import open_checkpoint
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import verify
 
@@ -47,9 +47,7 @@ def bitwise(a: dict[str, object], b: dict[str, object]) -> None:
 
 
 def chunks(url: str, **opts: object) -> dict[tuple[str, tuple[int, ...]], fmt.ChunkRecord]:
-    st = open_storage(url, **opts)
-    md = fmt.Metadata.from_bytes(st.read_bytes(fmt.METADATA_FILE), url)
-    return {(c.fqn, tuple(c.offsets)): c for c in read_segments(st, md, all_segments(md))}
+    return {(c.fqn, tuple(c.offsets)): c for c in open_checkpoint(open_storage(url, **opts)).all_rows()}
 
 
 def adopted(keepers: list[Keeper]) -> int:
