@@ -1,5 +1,5 @@
 """The chaos run's long version: seeded random faults over many episodes of a
-2-rank training job that checkpoints every step (see
+2-rank training job (some of them with the memory tier's two keepers) that checkpoints every step (see
 ``tests/reliability/chaos.py`` for the faults and the invariants checked).
 
     sudo python -m benchmarks.chaos [--episodes 200] [--seed 0] [--minutes M]
@@ -40,6 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     disk = Path(tempfile.mkdtemp(prefix="bytecp-chaos-"))
     subprocess.run(["mount", "-t", "tmpfs", "-o", "size=32m", "tmpfs", str(disk)], check=True)
     server = s3_servers.start_moto()
+    chaos = None
     try:
         chaos = Chaos(disk, seed=args.seed, s3=(server, server.new_bucket("chaos")))
         t0 = time.monotonic()
@@ -56,6 +57,8 @@ def main(argv: list[str] | None = None) -> int:
                   f"(save deadline {chaos.deadline:g} s + roll call)")
         return 1 if fig.problems else 0
     finally:
+        if chaos is not None:
+            chaos.close()
         server.stop()
         subprocess.run(["umount", "-l", str(disk)], capture_output=True)
 

@@ -9,7 +9,10 @@ and this rank (comma-separated lists allowed):
 - ``BYTECP_FAULT_EXIT=phase:rank`` ends the process there (a rank dying mid-save);
 - ``BYTECP_FAULT_KILL=phase:rank:seconds`` sends the process SIGKILL that
   many seconds after it enters the phase (from a timer thread: the save goes
-  on meanwhile, so the kill lands at an arbitrary point of what follows).
+  on meanwhile, so the kill lands at an arbitrary point of what follows);
+  ``phase:rank:seconds:pid`` kills process ``pid`` instead (a keeper, a
+  server the save talks to), once per process however often the phase
+  comes back.
 
 Phases: ``plan``, ``stage``, ``write``, ``commit``, ``committed`` (just
 after metadata.json is written), ``read`` (load: before matching).
@@ -29,6 +32,8 @@ __all__ = ["inject", "COORDINATOR_PHASES"]
 
 #: the phases only the coordinator enters
 COORDINATOR_PHASES = ("commit", "committed")
+#: the other processes' kills this process has set off (each fires once)
+_KILLED: set[str] = set()
 
 
 def _matches(var: str, phase: str, rank: int) -> list[list[str]]:
@@ -49,6 +54,11 @@ def inject(phase: str, rank: int) -> None:
         os._exit(17)
     for parts in _matches("BYTECP_FAULT_KILL", phase, rank):
         delay = float(parts[2]) if len(parts) > 2 else 0.0
+        if len(parts) > 3:  # another process: once (its pid may be reused after)
+            if ":".join(parts) not in _KILLED:
+                _KILLED.add(":".join(parts))
+                threading.Timer(delay, _kill, (int(parts[3]),)).start()
+            continue
         if delay <= 0:
             os.kill(os.getpid(), signal.SIGKILL)
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
@@ -56,3 +66,10 @@ def inject(phase: str, rank: int) -> None:
         time.sleep(float(parts[2]))
     if _matches("BYTECP_FAULT_ERROR", phase, rank):
         raise RuntimeError(f"injected failure in phase {phase!r} on rank {rank}")
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass

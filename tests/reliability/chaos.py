@@ -9,15 +9,22 @@ mid-save, past the save deadline; continued by the driver after it),
 ``fill`` (the disk, a real small tmpfs, filled for 3 steps), ``readonly``
 (the tmpfs remounted read-only for 3 steps), ``s3`` (the job saves to moto
 through the fault proxy: 503, 500, resets before and after the server acted,
-truncated replies), ``none``. A kill names only phase/rank pairs that are
-reached: ``commit`` and ``committed`` only on the coordinator (rank 0).
-Invariants checked after every episode:
+truncated replies), ``keeper`` (SIGKILL of a keeper process of the memory
+tier at a random point of a save, restarted empty by the driver at once),
+``none``. ``none``, ``kill``, ``stop`` and ``keeper`` episodes may run with
+the memory tier (``chaos_keepers.py``: a keeper per rank's host, memory
+checkpoints every step replicated to the peer's keeper, every second one
+drained to the disk); the disk faults and ``s3`` never do (the ranks do not
+write to storage then). A kill or a keeper kill names only phase/rank pairs
+that are reached: ``commit`` and ``committed`` only on the coordinator
+(rank 0). Invariants checked after every episode:
 
 - the restored state is bitwise the state training reaches at that step;
-- every committed checkpoint passes ``bytecp verify``;
+- every committed checkpoint passes ``bytecp verify`` (memory ones too);
 - after a job that ended normally, no file is left but those kept
-  checkpoints need (their data, index, metadata, reports, retired bases);
-- every kill fired;
+  checkpoints need (their data, index, metadata, reports, retired bases),
+  on the disk and in the keepers' memory (after the keepers' drains);
+- every kill and keeper kill fired;
 - no episode runs past its timeout; a stalled rank's peer has its error
   within the deadline plus the roll call plus slack.
 """
@@ -48,8 +55,11 @@ from bytecp.tools.inspect import verify
 HERE = Path(__file__).resolve().parent
 #: the S3 servers and the fault proxy live beside the storage tests
 STORAGE_TESTS = HERE.parent / "storage"
-KINDS = ("none", "kill", "stop", "fill", "readonly")
+KINDS = ("none", "kill", "stop", "fill", "readonly", "keeper")
 PHASES = ("plan", "stage", "write", "commit", "committed")
+#: the kinds that may run with the memory tier (``keeper`` always does)
+MEMORY_KINDS = ("none", "kill", "stop", "keeper")
+MEMORY_URL = "keeper://chaos"
 
 
 @dataclasses.dataclass
@@ -107,15 +117,28 @@ class Chaos:
         self.disk, self.rng, self.s3, self.deadline = disk, random.Random(seed), s3, deadline
         self.steps, self.episode_timeout, self.log = steps, episode_timeout, log
         self.fig = Figures()
-        self.stop_step = {"local": 0, "s3": 0}
+        self.stop_step = {"local": 0, "s3": 0, "memory": 0}
+        self.keepers: Any = None  # chaos_keepers.Keepers, from the first memory episode on
 
     def kinds(self) -> tuple[str, ...]:
         return KINDS + (("s3",) if self.s3 else ())
 
-    def episode(self, kind: str | None = None) -> None:
+    def close(self) -> None:
+        """Stop the keepers (when a memory episode started them)."""
+        if self.keepers is not None:
+            self.keepers.close()
+            self.keepers = None
+
+    def episode(self, kind: str | None = None, memory: bool | None = None) -> None:
+        """One episode of fault ``kind`` (random when None), with the memory
+        tier when ``memory`` (random for the kinds it fits when None)."""
         rng = self.rng
         kind = kind or rng.choice(self.kinds())
-        where = "s3" if kind == "s3" else "local"
+        if memory is None:
+            memory = kind == "keeper" or kind in MEMORY_KINDS and rng.random() < 0.3
+        if kind == "keeper" and not memory or memory and kind not in MEMORY_KINDS:
+            raise ValueError(f"a {kind} episode {'needs' if kind == 'keeper' else 'cannot have'} the memory tier")
+        where = "s3" if kind == "s3" else "memory" if memory else "local"
         start = self.stop_step[where]
         stop_step = self.stop_step[where] = start + self.steps
         phase = rng.choice(PHASES)
@@ -123,6 +146,17 @@ class Chaos:
         fault: dict[str, Any] = {"kind": kind, "step": start + rng.randint(2, self.steps - 3),
                                  "rank": 0 if phase in faults.COORDINATOR_PHASES else rng.randint(0, 1),
                                  "phase": phase, "delay": round(rng.uniform(0.0, 0.03), 4), "disk": str(self.disk)}
+        mem_cfg: dict[str, Any] | None = None
+        if memory:
+            if self.keepers is None:
+                from .chaos_keepers import Keepers
+
+                self.keepers = Keepers()
+            self.keepers.revive()
+            host = f"h{rng.randint(0, 1)}"
+            fault.update(host=host, pid=self.keepers.pids()[host])
+            mem_cfg = {"url": MEMORY_URL, "options": self.keepers.options()}
+        revived: list[str] = []
         proxy = None
         if where == "s3":
             if str(STORAGE_TESTS) not in sys.path:
@@ -138,11 +172,11 @@ class Chaos:
             clean_options = server.options()
             fault = {}
         else:
-            run_url, options, clean_options = str(self.disk / "run"), {}, {}
+            run_url, options, clean_options = str(self.disk / ("mem" if memory else "run")), {}, {}
         out = Path(tempfile.mkdtemp(prefix="chaos-"))
         cfg = {"run_url": run_url, "storage_options": options, "stop_step": stop_step, "async": rng.random() < 0.5,
                "deadline": self.deadline, "load_deadline": 60.0, "out": str(out), "fault": fault,
-               "settle": 1.2}
+               "settle": 1.2, "memory": mem_cfg}
         env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
                "BYTECP_LEASE_SECONDS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
         env.pop("BYTECP_FAULT_KILL", None)
@@ -166,6 +200,8 @@ class Chaos:
                     if time.time() > since + self.deadline + DistContext.ROLL_CALL_SECONDS + 2.0:
                         procs[fault["rank"]].send_signal(signal.SIGCONT)
                         resumed = True
+                if self.keepers is not None:
+                    revived += self.keepers.revive()  # (as a host's supervisor: at once, memory empty)
                 if time.monotonic() - t0 > self.episode_timeout:
                     finished = len(list(out.glob("rank?.json"))) == 2  # main() returned on both: an exit hang
                     self.fig.problems.append(f"episode {self.fig.episodes} ({kind}) hung past {self.episode_timeout} s"
@@ -186,13 +222,25 @@ class Chaos:
                 proxy.__exit__(None, None, None)
             subprocess.run(["mount", "-o", "remount,rw", str(self.disk)], capture_output=True)
             (self.disk / "filler").unlink(missing_ok=True)
-        self._check(kind, fault, out, procs, run_url, clean_options)
+        if memory:
+            revived += self.keepers.revive()
+            if kind == "keeper":
+                if revived:
+                    self.fig.faults["keeper"] += 1
+                else:
+                    self.fig.problems.append(f"episode {self.fig.episodes}: the keeper kill at {fault['phase']} "
+                                             f"on rank {fault['rank']} never fired")
+            if not self.keepers.drained():
+                self.fig.problems.append(f"episode {self.fig.episodes} ({kind}): a keeper's drain ran past 60 s")
+        self._check(kind, fault, out, procs, run_url, clean_options, memory)
+        if memory:
+            self._check_memory(kind, procs)
         self.fig.episodes += 1
         self.fig.restarts += 1
         self.fig.seconds += time.monotonic() - t0
 
     def _check(self, kind: str, fault: dict[str, Any], out: Path, procs: list[Any], run_url: str,
-               options: dict[str, Any]) -> None:
+               options: dict[str, Any], memory: bool) -> None:
         fig, ep = self.fig, self.fig.episodes
         ran = [json.loads(p.read_text()) for p in sorted(out.glob("rank*.restore.json"))]
         if len(ran) < 2 and kind != "kill":
@@ -207,7 +255,8 @@ class Chaos:
         if kind != "kill" and not clean:
             fig.problems.append(f"episode {ep} ({kind}): exit codes {[p.returncode for p in procs]}: "
                                 f"{[(out / f'err{r}.txt').read_text()[-800:] for r in range(2)]}")
-        if kind == "kill" and not clean or kind != "none" and any(e.get("fired") for e in ends) or kind == "s3":
+        if kind == "kill" and not clean or kind not in ("none", "keeper") and any(e.get("fired") for e in ends) \
+                or kind == "s3":
             fig.faults[kind] += 1
         if kind == "kill" and clean:
             fig.problems.append(f"episode {ep}: the kill at {fault['phase']} on rank {fault['rank']} never fired")
@@ -239,6 +288,26 @@ class Chaos:
             left = leftovers(root)
             if left:
                 fig.problems.append(f"episode {ep} ({kind}): files no kept checkpoint needs: {left[:6]}")
-        self.log(f"episode {ep}: {kind} {fault.get('phase', '') if kind == 'kill' else ''} "
+        self.log(f"episode {ep}: {kind}{' (memory tier)' if memory else ''} "
+                 f"{fault.get('phase', '') if kind in ('kill', 'keeper') else ''}"
+                 f"{' keeper ' + fault['host'] if kind == 'keeper' else ''} "
                  f"rank {fault.get('rank')} step {fault.get('step')} -> exit {[p.returncode for p in procs]}, "
                  f"restored {[r['restored'] for r in ran]}")
+
+    def _check_memory(self, kind: str, procs: list[Any]) -> None:
+        """The memory tier's committed checkpoints verify; after a job that
+        ended normally, the keepers hold nothing else."""
+        fig, ep = self.fig, self.fig.episodes
+        mem = open_storage(MEMORY_URL, **self.keepers.options())
+        for name in mem.list_children(""):
+            if mem.exists(f"{name}/{fmt.METADATA_FILE}"):
+                _, problems = verify(mem.child(name))
+                fig.verified += 1
+                if problems:
+                    fig.problems.append(f"episode {ep}: committed memory checkpoint {name} fails verify: "
+                                        f"{problems[:3]}")
+        if all(p.returncode == 0 for p in procs):
+            left = leftovers(mem)
+            if left:
+                fig.problems.append(f"episode {ep} ({kind}): files in the keepers' memory no kept memory "
+                                    f"checkpoint needs: {left[:6]}")

@@ -8,8 +8,12 @@ step (training is deterministic: step N's state is recomputed from scratch),
 then trains a tiny model with a checkpoint every step, meeting the fault its
 configuration names at its step: SIGKILL or SIGSTOP of a rank mid-save
 (``BYTECP_FAULT_KILL`` / a timer thread), a full disk (a filler file), a
-read-only remount. Failed saves are caught and counted, as a training loop
-that keeps training would. It writes ``<out>/rank<R>.json`` at the end.
+read-only remount, SIGKILL of a keeper mid-save (``BYTECP_FAULT_KILL`` with
+the keeper's pid). With the memory tier (``memory`` in the configuration)
+the rank runs on host ``h<rank>`` and ``maybe_save`` checkpoints to the
+keepers' memory every step, to storage (drained) every second one. Failed
+saves are caught and counted, as a training loop that keeps training would.
+It writes ``<out>/rank<R>.json`` at the end.
 """
 
 from __future__ import annotations
@@ -98,10 +102,16 @@ def main(cfg: dict[str, Any]) -> None:
     rank = dist.get_rank()
     fault: dict[str, Any] = cfg.get("fault") or {}
     out: dict[str, Any] = {"rank": rank, "errors": [], "saves": 0}
-    failures = recorder.add_recorder(Failures())
+    failures = Failures()
+    recorder.add_recorder(failures)
     state = fresh_state()
-    mgr = CheckpointManager(cfg["run_url"], every_n_steps=1, keep_last=2, async_save=cfg["async"],
-                            save_timeout_s=cfg["deadline"], storage_options=cfg.get("storage_options") or {})
+    memory: dict[str, Any] = {}
+    if cfg.get("memory"):
+        memory = {"memory_url": cfg["memory"]["url"], "memory_every_n_steps": 1, "memory_keep_last": 2,
+                  "memory_storage_options": {**cfg["memory"]["options"], "host": f"h{rank}"}}
+    mgr = CheckpointManager(cfg["run_url"], every_n_steps=2 if memory else 1, keep_last=2, async_save=cfg["async"],
+                            save_timeout_s=cfg["deadline"], storage_options=cfg.get("storage_options") or {},
+                            **memory)
     restored = mgr.restore(state, load_timeout_s=cfg["load_deadline"]) or 0
     out["restored"] = restored
     out["restore_ok"] = digest(state) == expected(restored)
@@ -115,6 +125,8 @@ def main(cfg: dict[str, Any]) -> None:
             kind = fault["kind"]
             if kind == "kill":
                 os.environ["BYTECP_FAULT_KILL"] = f"{fault['phase']}:{rank}:{fault['delay']}"
+            elif kind == "keeper":  # (once, at the first save reaching the phase)
+                os.environ["BYTECP_FAULT_KILL"] = f"{fault['phase']}:{rank}:{fault['delay']}:{fault['pid']}"
             elif kind == "stop":
                 def stop() -> None:
                     Path(cfg["out"], "stopped").write_text(str(time.time()))
@@ -139,7 +151,10 @@ def main(cfg: dict[str, Any]) -> None:
             elif fault["kind"] == "readonly":
                 subprocess.run(["mount", "-o", "remount,rw", fault["disk"]], check=True)
         try:
-            mgr.save(step, state)
+            if not memory:
+                mgr.save(step, state)
+            elif not mgr.maybe_save(step, state):
+                continue
             out["saves"] += 1
         except BytecpError as e:
             out["errors"].append([time.time(), f"{type(e).__name__}: {e}"[:400]])

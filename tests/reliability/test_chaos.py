@@ -1,7 +1,7 @@
 """The chaos run: a 2-rank training job saving every step meets a seeded
 random fault per episode (SIGKILL or SIGSTOP of a rank mid-save, a full disk,
-a read-only remount, S3 faults through the fault proxy) and restarts as a
-scheduler would; after every restart the restored state is bitwise the
+a read-only remount, S3 faults through the fault proxy, SIGKILL of a keeper
+of the memory tier mid-save) and restarts as a scheduler would; after every restart the restored state is bitwise the
 training's, every committed checkpoint verifies, no file is left that kept
 checkpoints do not need, and nothing hangs (see chaos.py).
 
@@ -46,21 +46,31 @@ def s3() -> Iterator[tuple[object, str]]:
 
 
 def test_chaos_short(disk: Path, s3: tuple[object, str]) -> None:
-    """One episode of each fault, then a clean one (every invariant checked after each)."""
+    """One episode of each fault, then a clean one; a keeper killed with the
+    memory tier, then a clean restart from the memory tier (every invariant
+    checked after each)."""
     chaos = Chaos(disk, seed=1, s3=s3, steps=6)
-    for kind in ("kill", "stop", "fill", "readonly", "s3", "none"):
-        chaos.episode(kind)
+    try:
+        for kind in ("kill", "stop", "fill", "readonly", "s3", "none"):
+            chaos.episode(kind, memory=False)
+        chaos.episode("keeper")
+        chaos.episode("none", memory=True)
+    finally:
+        chaos.close()
     fig = chaos.fig
     print(fig.line())
     assert fig.problems == [], fig.problems
-    assert set(fig.faults) >= {"kill", "stop", "fill", "readonly", "s3"}, fig.faults
+    assert set(fig.faults) >= {"kill", "stop", "fill", "readonly", "s3", "keeper"}, fig.faults
     assert fig.stalls and max(fig.stalls) < chaos.deadline + 3.0 + 5.0, fig.stalls
 
 
 @pytest.mark.skipif(not EPISODES, reason="the long chaos run: BYTECP_CHAOS_EPISODES=N")
 def test_chaos_long(disk: Path, s3: tuple[object, str]) -> None:
     chaos = Chaos(disk, seed=int(os.environ.get("BYTECP_CHAOS_SEED", "0")), s3=s3)
-    for _ in range(EPISODES):
-        chaos.episode()
+    try:
+        for _ in range(EPISODES):
+            chaos.episode()
+    finally:
+        chaos.close()
     print(chaos.fig.line())
     assert chaos.fig.problems == [], chaos.fig.problems
