@@ -1,24 +1,30 @@
 """Scale benchmark: what a save or a load costs each rank and the coordinator
-at 512 to 16,384 ranks, simulated in one process (``make bench``,
+at 512 to 131,072 ranks, simulated in one process (``make bench``,
 ``python -m benchmarks.scale``).
 
-Every step a rank or the coordinator runs is the real code (plan votes and
-the decision, the commit's index build, the per-rank index reads and load
-plan, the zero-redundancy assignment); what would cross the network is
-built as the ranks build it and measured pickled. Beside it, DCP's
-``.metadata`` for the same chunks: its size, the time and memory to unpickle
-it (every DCP rank does) and DCP's per-rank read plan.
+Every step a rank or the coordinator runs is the real code of format
+version 4; what would cross the network is built as the ranks build it and
+measured pickled. Two jobs with Adam (:mod:`benchmarks.scale_jobs`): LLaMA-7B
+under FSDP row sharding, and a DeepSeek-V3-like MoE (671B parameters, 256
+routed experts, EP 64 x data parallel, dense weights FSDP-sharded over
+every rank, the experts' replicas deduplicated by the real planner).
 
-Cases (a LLaMA-7B-shaped model, FSDP row sharding; a 1.3B GPT under DDP):
-
-- ``save plan``: one rank's first-save plan (describe its boxes, vote,
-  decide from every rank's vote, its share) and the votes' payload;
-- ``cached save``: the same when every rank's plan is cached;
-- ``commit``: the coordinator's index build from every rank's chunk records;
-- ``load plan``: per rank, the index segments its targets meet (read,
-  checked, decoded) and its read plan, for a middle rank, the last rank and
-  a rank with nothing to load; the coordinator's metadata read;
-- ``zero-redundancy``: per rank, the digest exchange and the assignment.
+- ``save plan``: one rank's vote (``vote_for``), the decoding of every
+  rank's vote and the decision (``decide``), its first-save share
+  (``planned_locally``); the votes' payload;
+- ``commit, rank``: a middle rank's and the most loaded rank's
+  ``ChunkBatch.of`` + ``build_part`` (time, memory, part size);
+- ``commit, coordinator``: unpickling every rank's ``PartEntries``, adding
+  up their elements, ``build_directory`` over W of them, and
+  ``metadata.json`` built and serialized (the entries of ranks whose parts
+  are not built are synthesized from real ones: :mod:`benchmarks.scale_parts`);
+- ``load``: ``metadata.json`` parsed (every rank), then per rank
+  ``read_parts`` + ``plan_load`` on a checkpoint in a temporary directory
+  holding the real parts of the ranks the reader touches
+  (:mod:`benchmarks.scale_load`; a reader touching more than ``--max-parts``
+  parts is only counted), a middle rank and a rank with nothing to load;
+- ``zero-redundancy``: per rank, the digest exchange and the assignment;
+- beside it, DCP's ``.metadata`` for the same chunks where it fits in memory.
 
 Times are the median of ``--repeats``; memory is the peak of Python and
 NumPy allocations during the step (tracemalloc).
@@ -27,8 +33,10 @@ NumPy allocations during the step (tracemalloc).
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
+import math
 import pickle
 import statistics
 import tempfile
@@ -38,19 +46,20 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bytecp.format import index_read
 from bytecp.format import metadata as fmt
-from bytecp.format.index_build import build_index
-from bytecp.format.index_check import check_rows
+from bytecp.format.parts_build import build_directory
+from bytecp.format.parts_schema import buckets_for
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
-from bytecp.plan.load_plan import plan_load
 from bytecp.plan.planner import assign_shared
 from bytecp.storage_api import open_storage
-from bytecp.tree.regions import Region, full_region
-from bytecp.tree.skeleton import Node
+from bytecp.tree.regions import full_region
 
+from . import scale_jobs as jobs
+from . import scale_load as sl
 from . import scale_sim as sim
+from .scale_dcp import dcp_metadata
+from .scale_parts import Entries, real_part
 
 __all__ = ["main", "run"]
 
@@ -73,93 +82,85 @@ def measure(fn: Callable[[], Any], repeats: int) -> tuple[float, int, Any]:
     return statistics.median(times), peak, out
 
 
-def save_plan(model: dict[str, tuple[int, ...]], world: int, repeats: int) -> dict[str, Any]:
-    rank = world // 2
-    votes = sim.fsdp_votes(model, world)
-    flat = sim.fsdp_rank_tree(model, world, rank)
+def save_plan(job: jobs.Job, repeats: int) -> dict[str, Any]:
+    rank = job.world // 2
+    votes = jobs.votes(job)
+    flat = jobs.rank_tree(job, rank)
     payload = pickle.dumps(votes, protocol=pickle.HIGHEST_PROTOCOL)
+    del votes
 
-    def first() -> Any:
-        plan = local_plan(flat, rank, world)
-        vote_for(plan, plan_key(plan), None, "s", None)
-        d = decide(pickle.loads(payload))  # the all-gather's decode, then the decision
-        return planned_locally(plan, d, split_bytes=4 << 20)
+    def vote() -> Any:
+        plan = local_plan(flat, rank, job.world)
+        return plan, vote_for(plan, plan_key(plan), None, "s", None)
 
-    t, mem, mine = measure(first, repeats)
-    digest = decide(votes).digest
-    cached_payload = pickle.dumps(sim.fsdp_votes(model, world, cached=digest), protocol=pickle.HIGHEST_PROTOCOL)
-    cached_votes = pickle.loads(cached_payload)
-    tc, memc, d = measure(lambda: decide(cached_votes), repeats)
-    assert d.reuse
-    td, _, _ = measure(lambda: pickle.loads(cached_payload), repeats)
-    return {
-        "first_save_s": t, "first_save_peak_mb": mem / 1e6, "boxes_written": len(mine),
-        "cached_save_s": tc, "cached_save_peak_mb": memc / 1e6, "votes_decode_s": td,
-        "vote_bytes_per_rank": len(payload) // world, "votes_received_bytes": len(payload),
-        "coordinator_gathers_plans": decide(votes).coordinated,
-    }
+    tv, memv, (plan, _) = measure(vote, repeats)
+    td, memd, d = measure(lambda: decide(pickle.loads(payload)), repeats)  # the all-gather's decode, the decision
+    assert not d.coordinated, "the replica hints must let every rank plan alone"
+    tp, memp, mine = measure(lambda: planned_locally(plan, d, split_bytes=4 << 20), max(1, repeats - 1))
+    cached = pickle.dumps(jobs.votes(job, cached=d.digest), protocol=pickle.HIGHEST_PROTOCOL)
+    tc, memc, dc = measure(lambda: decide(pickle.loads(cached)), repeats)
+    assert dc.reuse
+    return {"vote_s": tv, "vote_peak_mb": memv / 1e6, "decide_s": td, "decide_peak_mb": memd / 1e6,
+            "share_s": tp, "share_peak_mb": memp / 1e6, "boxes_written": len(mine),
+            "cached_s": tc, "cached_peak_mb": memc / 1e6, "votes_received_bytes": len(payload)}
 
 
-def commit(model: dict[str, tuple[int, ...]], world: int, adam: bool, repeats: int) -> tuple[dict[str, Any], Any]:
-    batches = sim.fsdp_batches(model, world, adam=adam)
-    wire = [pickle.dumps(b, protocol=pickle.HIGHEST_PROTOCOL) for b in batches]
-    tensors, files = sim.specs(model, adam), sim.data_files(batches)
+def commit_ranks(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]:
+    """A middle rank's and the most loaded rank's part (of the sampled ranks, by rows)."""
+    load = {r: len(job.chunks(r)) for r in {*entries.band, job.world // 2}}
+    out = {}
+    for label, rank in (("middle", job.world // 2), ("most_loaded", max(load, key=lambda r: (load[r], -r)))):
+        boxes = job.chunks(rank)
+        t, mem, built = measure(functools.partial(real_part, job, rank, entries.buckets), repeats)
+        out[label] = {"rank": rank, "rows": len(boxes), "s": t, "peak_mb": mem / 1e6,
+                      "part_kb": built.entries.nbytes / 1e3, "segments": len(built.entries.rows),
+                      "wide_segments": len(built.entries.first)}
+    return out
 
-    def build() -> Any:
+
+def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]:
+    every = entries.all()
+    wire = [pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL) for e in every]
+    del every
+    files = sl.data_files(job)
+    specs = job.specs()
+
+    def build() -> tuple[Any, int]:
         got = [pickle.loads(w) for w in wire]
-        return build_index(got, tensors, files, "20261123T000000-00000000")
+        held = sum(e.elements for e in got)
+        held -= sum(math.prod(s["shape"]) for s in specs.values())  # build_metadata's check (not equal here)
+        pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets)
+        md = sl.metadata_for(job, directory, files)
+        return directory, len(md.to_bytes())
 
-    t, mem, built = measure(build, repeats)
-    rows = sum(len(b) for b in batches)
-    return {
-        "chunks": rows, "commit_s": t, "commit_peak_mb": mem / 1e6,
-        "chunk_bytes_per_rank": sum(map(len, wire)) // world, "gathered_mb": sum(map(len, wire)) / 1e6,
-        "index_mb": built.directory.nbytes / 1e6, "segments": built.directory.segments,
-        "buckets": built.directory.buckets,
-    }, (built, tensors, files)
-
-
-def write_checkpoint(root: Path, built: Any, tensors: dict[str, Any], files: dict[str, int], world: int) -> Path:
-    for fqn, d in built.band_dims.items():
-        tensors[fqn] = {**tensors[fqn], "band_dim": d}
-    md = fmt.Metadata(save_id="20261123T000000-00000000", world_size=world, framework="fsdp2", parallelism={},
-                      skeleton=Node.container("dict", ()), tensors=tensors, objects={}, per_rank={},
-                      index_files=[], data_files=files, index=built.directory)
-    (root / "index" / md.save_id).mkdir(parents=True)
-    (root / built.directory.file).write_bytes(b"".join(built.blobs))
-    (root / "metadata.json").write_bytes(md.to_bytes())
-    return root
+    t, mem, (directory, md_bytes) = measure(build, repeats)
+    return {"s": t, "peak_mb": mem / 1e6, "gathered_mb": sum(map(len, wire)) / 1e6,
+            "directory_mb": directory.nbytes / 1e6,
+            "segments": sum(directory.band_pages["rows"]) + sum(directory.wide_pages["rows"]),
+            "wide_segments": sum(directory.wide_pages["rows"]), "metadata_mb": md_bytes / 1e6}
 
 
-def load_plan(root: Path, model: dict[str, tuple[int, ...]], world: int, adam: bool, repeats: int) -> dict[str, Any]:
-    storage = open_storage(str(root))
-    tc, memc, md = measure(lambda: fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url), repeats)
-    out: dict[str, Any] = {"coordinator_metadata_s": tc, "coordinator_peak_mb": memc / 1e6,
-                           "metadata_json_mb": len(storage.read_bytes(fmt.METADATA_FILE)) / 1e6}
-
-    def targets(rank: int) -> list[tuple[str, Region]]:
-        return [(fqn, sim.row_box(shape, world, rank) if sharded else full_region(shape))
-                for fqn, shape, sharded in sim.fsdp_tensors(model, adam)]
-
-    for label, rank in (("middle", world // 2), ("last", world - 1), ("nothing", None)):
-        own = [t for t in targets(rank) if t[1].numel] if rank is not None else []
-
-        def plan(own: list[tuple[str, Region]] = own) -> tuple[int, int]:
-            wanted: dict[str, list[Region]] = {}
-            for fqn, box in own:
-                wanted.setdefault(fqn, []).append(box)
-            segs = index_read.wanted_segments(md, wanted)
-            chunks = index_read.read_segments(storage, md, segs, fqns=set(wanted))
-            check_rows(storage.url, md, chunks)
-            sizes = {fqn: 4 for fqn in wanted}
-            reqs = plan_load(own, chunks, itemsizes=sizes)
-            d = md.index
-            nb = len(d.band["bucket"])
-            read = sum((d.band if s < nb else d.wide)["nbytes"][s if s < nb else s - nb] for s in segs)
-            return read, len(reqs)
-
-        t, mem, (read, nreq) = measure(plan, repeats)
-        out[label] = {"s": t, "peak_mb": mem / 1e6, "index_read_mb": read / 1e6, "reads": nreq}
+def loads(job: jobs.Job, entries: Entries, repeats: int, max_parts: int) -> dict[str, Any]:
+    reader = job.world // 2
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "ck"
+        got = sl.prepare(root, job, entries, [reader], max_parts)
+        out: dict[str, Any] = {"middle": got["touched"][reader], "written": got["written"]}
+        if not got["written"]:
+            return out
+        storage = sl.Recording(open_storage(str(root)))
+        raw = storage.inner.read_bytes(fmt.METADATA_FILE)
+        tm, memm, md = measure(lambda: fmt.Metadata.from_bytes(raw, storage.url), repeats)
+        out |= {"metadata_parse_s": tm, "metadata_parse_peak_mb": memm / 1e6, "metadata_mb": len(raw) / 1e6,
+                "parts_written": got["parts_written"]}
+        written = sl.written_parts(entries)
+        for label, rank in (("middle", reader), ("nothing", None)):
+            t, mem, (rows, segs, reqs) = measure(functools.partial(sl.load, storage, md, job, rank, written), repeats)
+            read = storage.read - {md.index.file}
+            out[label] = {**out.get(label, {}), "s": t, "peak_mb": mem / 1e6, "rows": rows, "segments_read": segs,
+                          "reads": reqs, "parts_read": len(read)}
+            if rank is None:
+                assert not storage.read and not rows, "a rank with nothing to load reads nothing"
     return out
 
 
@@ -179,111 +180,49 @@ def zero_redundancy(world: int, repeats: int) -> dict[str, Any]:
             "model_gb": sim.nbytes(model) / 1e9}
 
 
-def dcp_metadata(model: dict[str, tuple[int, ...]], world: int, adam: bool, repeats: int) -> dict[str, Any]:
-    """DCP's ``.metadata`` for the same chunks: size, unpickle, a rank's read plan."""
-    import torch
-    from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
-    from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
-
-    sd_md: dict[str, Any] = {}
-    storage: dict[Any, Any] = {}
-    for fqn, shape, sharded in sim.fsdp_tensors(model, adam):
-        chunks = []
-        for r in range(world) if sharded else [0]:
-            box = sim.row_box(shape, world, r) if sharded else full_region(shape)
-            if sharded and not box.numel:
-                continue
-            off, size = torch.Size(box.offsets), torch.Size(box.lengths)
-            chunks.append(ChunkStorageMetadata(off, size))
-            storage[MetadataIndex(fqn, off)] = _StorageInfo(f"__{r}_0.distcp", 0, 4 * box.numel)
-        sd_md[fqn] = TensorStorageMetadata(TensorProperties(dtype=torch.float32), torch.Size(shape), chunks)
-    blob = pickle.dumps(Metadata(sd_md, storage_data=storage), protocol=pickle.HIGHEST_PROTOCOL)
-    del sd_md, storage
-    t, mem, md = measure(lambda: pickle.loads(blob), max(1, repeats - 1))
-    rank = world // 2
-
-    def plan() -> int:
-        n = 0
-        for fqn, shape, sharded in sim.fsdp_tensors(model, adam):
-            box = sim.row_box(shape, world, rank) if sharded else full_region(shape)
-            if box.numel:
-                local = [ChunkStorageMetadata(torch.Size(box.offsets), torch.Size(box.lengths))]
-                n += len(create_read_items_for_chunk_list(fqn, md.state_dict_metadata[fqn], local))
-        return n
-
-    tp, memp, _ = measure(plan, repeats)
-    return {"metadata_mb": len(blob) / 1e6, "unpickle_s": t, "unpickle_peak_mb": mem / 1e6,
-            "rank_plan_s": tp, "rank_plan_peak_mb": memp / 1e6}
-
-
-def run(worlds: list[int], repeats: int, dcp: bool, adam_worlds: list[int]) -> dict[str, Any]:
-    model = sim.llama7b()
-    results: dict[str, Any] = {"model": "LLaMA-7B shapes (291 weights), FSDP row sharding", "worlds": {}}
+def run(worlds: list[int], models: list[str], repeats: int, dcp_worlds: dict[str, list[int]],
+        max_parts: int, big_repeats_from: int) -> dict[str, Any]:
+    results: dict[str, Any] = {"worlds": {}}
     for world in worlds:
-        row: dict[str, Any] = {"save_plan": save_plan(model, world, repeats),
-                               "zero_redundancy": zero_redundancy(world, repeats)}
-        for adam in (False, True) if world in adam_worlds else (False,):
-            key = "model_adam" if adam else "model"
-            c, built = commit(model, world, adam, max(1, repeats - 1))
-            with tempfile.TemporaryDirectory() as tmp:
-                root = write_checkpoint(Path(tmp) / "ck", *built, world)
-                del built
-                c["load_plan"] = load_plan(root, model, world, adam, repeats)
-            if dcp:
-                c["dcp"] = dcp_metadata(model, world, adam, repeats)
-            row[key] = c
-            print(json.dumps({"world": world, key: c}, indent=None)[:2000], flush=True)
+        rep = 1 if world >= big_repeats_from else repeats
+        row: dict[str, Any] = {"zero_redundancy": zero_redundancy(world, rep)}
+        for name in models:
+            job = jobs.llama_job(world) if name == "llama" else jobs.moe_job(world)
+            t0 = time.perf_counter()
+            entries = Entries(job, buckets_for(world))
+            c: dict[str, Any] = {"label": job.label, "chunks": job.chunk_count(), "tensors": len(job.specs()),
+                                 "setup_s": time.perf_counter() - t0}
+            c["save_plan"] = save_plan(job, rep)
+            c["commit_rank"] = commit_ranks(job, entries, rep)
+            c["coordinator"] = coordinator(job, entries, rep)
+            c["load"] = loads(job, entries, rep, max_parts)
+            if world in dcp_worlds.get(name, []):
+                c["dcp"] = dcp_metadata(job, rep)
+            del entries
+            gc.collect()
+            row[name] = c
+            print(json.dumps({"world": world, name: c}, default=str)[:3000], flush=True)
         results["worlds"][str(world)] = row
-        print(json.dumps({"world": world, "save_plan": row["save_plan"], "zr": row["zero_redundancy"]}), flush=True)
     return results
-
-
-def table(results: dict[str, Any]) -> str:
-    lines = ["| W | chunks | first save plan (rank) | cached save (rank) | commit (coordinator) | "
-             "load: coordinator | load: middle rank | load: rank with nothing | zero-redundancy (rank) | "
-             "DCP .metadata unpickle (every rank) | DCP read plan (rank) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
-    for world, row in results["worlds"].items():
-        sp, zr = row["save_plan"], row["zero_redundancy"]
-        for key in ("model", "model_adam"):
-            c = row.get(key)
-            if c is None:
-                continue
-            lp, dcp = c["load_plan"], c.get("dcp")
-            lines.append(
-                f"| {world} | {c['chunks'] / 1e6:.2f}M{' (+Adam)' if key == 'model_adam' else ''} "
-                f"| {sp['first_save_s'] * 1e3:.0f} ms, {sp['first_save_peak_mb']:.1f} MB "
-                f"| {sp['cached_save_s'] * 1e3:.1f} ms (+{sp['votes_decode_s'] * 1e3:.0f} ms decoding {sp['votes_received_bytes'] / 1e6:.1f} MB of votes) "
-                f"| {c['commit_s']:.2f} s, {c['commit_peak_mb']:.0f} MB ({c['gathered_mb']:.0f} MB gathered) "
-                f"| {lp['coordinator_metadata_s'] * 1e3:.0f} ms ({lp['metadata_json_mb']:.1f} MB metadata.json) "
-                f"| {lp['middle']['s'] * 1e3:.0f} ms, {lp['middle']['peak_mb']:.1f} MB, {lp['middle']['index_read_mb']:.2f} MB read "
-                f"| {lp['nothing']['s'] * 1e3:.2f} ms "
-                f"| {zr['s'] * 1e3:.0f} ms, {zr['digest_bytes_received'] / 1e3:.0f} kB in "
-                + (f"| {dcp['unpickle_s']:.1f} s, {dcp['unpickle_peak_mb']:.0f} MB ({dcp['metadata_mb']:.0f} MB file) "
-                   f"| {dcp['rank_plan_s']:.2f} s |" if dcp else "| – | – |")
-            )
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", default="512,4096,16384", help="simulated world sizes")
-    p.add_argument("--adam-worlds", default="4096", help="world sizes also run with Adam state (4x the chunks)")
+    p.add_argument("--worlds", default="512,4096,16384,65536,131072", help="simulated world sizes")
+    p.add_argument("--models", default="llama,moe")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--no-dcp", action="store_true", help="skip DCP's metadata (slow to build at large W)")
+    p.add_argument("--big-repeats-from", type=int, default=16384, help="one repeat from this world size on")
+    p.add_argument("--dcp-llama", default="512,4096", help="worlds where DCP's .metadata is built for LLaMA")
+    p.add_argument("--dcp-moe", default="512", help="worlds where DCP's .metadata is built for the MoE")
+    p.add_argument("--max-parts", type=int, default=3000, help="most real parts written for a reader")
     p.add_argument("--out", default="scale.json")
     args = p.parse_args(argv)
-    worlds = [int(w) for w in args.worlds.split(",")]
-    adam = [int(w) for w in args.adam_worlds.split(",") if w]
-    results = run(worlds, args.repeats, not args.no_dcp, adam)
-    Path(args.out).write_text(json.dumps(results, indent=1))
+    ints = lambda s: [int(w) for w in s.split(",") if w]  # noqa: E731
+    results = run(ints(args.worlds), args.models.split(","), args.repeats,
+                  {"llama": ints(args.dcp_llama), "moe": ints(args.dcp_moe)}, args.max_parts, args.big_repeats_from)
+    Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    from .scale_table import table
+
     print(table(results))
     return 0
 

@@ -13,7 +13,10 @@ size. Nothing here starts a process group.
   building every rank's plan;
 - :func:`fsdp_batches` -- every rank's chunk records after its write, as
   :class:`~bytecp.format.chunk_batch.ChunkBatch` columns (NumPy, no objects);
-- :func:`ddp_model` -- a DDP job's tensors (every rank holds them all).
+- :func:`ddp_model` -- a DDP job's tensors (every rank holds them all);
+- :func:`deepseek_v3` -- a DeepSeek-V3-shaped mixture of experts (dense
+  weights and, per expert, its three weights); :mod:`benchmarks.scale_jobs`
+  lays it out under EP and data parallelism.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ __all__ = [
     "fsdp_votes",
     "fsdp_batches",
     "ddp_model",
+    "deepseek_v3",
 ]
 
 STATES = ("param", "exp_avg", "exp_avg_sq")
@@ -122,7 +126,10 @@ def fsdp_batches(model: dict[str, tuple[int, ...]], world: int, *, adam: bool = 
     ndims = np.asarray([len(s) for _, s, _ in rows], np.uint8)
     out = []
     for r in range(world):
-        keep, offs, lens, sizes = [], [], [], []
+        keep: list[int] = []
+        offs: list[int] = []
+        lens: list[int] = []
+        sizes: list[int] = []
         for i, (_, shape, sharded) in enumerate(rows):
             if not sharded:
                 if i % world == r:
@@ -174,3 +181,39 @@ def ddp_model(layers: int = 24, hidden: int = 2048, vocab: int = 32000) -> dict[
 
 def nbytes(model: dict[str, tuple[int, ...]]) -> int:
     return 4 * sum(math.prod(s) for s in model.values())
+
+
+def deepseek_v3(layers: int = 61, dense_layers: int = 3, hidden: int = 7168, experts: int = 256,
+                expert_ffn: int = 2048, dense_ffn: int = 18432, vocab: int = 129280, heads: int = 128,
+                q_lora: int = 512 * 3, kv_lora: int = 512, nope: int = 128, rope: int = 64, v_dim: int = 128,
+                ) -> tuple[dict[str, tuple[int, ...]], list[dict[str, tuple[int, ...]]]]:
+    """DeepSeek-V3's weights (6.7e11 parameters by default), Hugging Face
+    names: (the dense weights -- MLA attention, the first ``dense_layers``
+    layers' FFN, each MoE layer's router and shared expert, embeddings --,
+    per routed expert ``e`` its weights in every MoE layer)."""
+    dense: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (vocab, hidden)}
+    routed: list[dict[str, tuple[int, ...]]] = [{} for _ in range(experts)]
+    for i in range(layers):
+        p = f"layers.{i}."
+        dense |= {
+            f"{p}input_layernorm.weight": (hidden,), f"{p}post_attention_layernorm.weight": (hidden,),
+            f"{p}self_attn.q_a_proj.weight": (q_lora, hidden), f"{p}self_attn.q_a_layernorm.weight": (q_lora,),
+            f"{p}self_attn.q_b_proj.weight": (heads * (nope + rope), q_lora),
+            f"{p}self_attn.kv_a_proj_with_mqa.weight": (kv_lora + rope, hidden),
+            f"{p}self_attn.kv_a_layernorm.weight": (kv_lora,),
+            f"{p}self_attn.kv_b_proj.weight": (heads * (nope + v_dim), kv_lora),
+            f"{p}self_attn.o_proj.weight": (hidden, heads * v_dim),
+        }
+        if i < dense_layers:
+            ffn, mlp = dense_ffn, f"{p}mlp."
+        else:
+            ffn, mlp = expert_ffn, f"{p}mlp.shared_experts."
+            dense |= {f"{p}mlp.gate.weight": (experts, hidden), f"{p}mlp.gate.e_score_correction_bias": (experts,)}
+            for e in range(experts):
+                q = f"{p}mlp.experts.{e}."
+                routed[e] |= {f"{q}gate_proj.weight": (expert_ffn, hidden), f"{q}up_proj.weight": (expert_ffn, hidden),
+                              f"{q}down_proj.weight": (hidden, expert_ffn)}
+        dense |= {f"{mlp}gate_proj.weight": (ffn, hidden), f"{mlp}up_proj.weight": (ffn, hidden),
+                  f"{mlp}down_proj.weight": (hidden, ffn)}
+    dense |= {"norm.weight": (hidden,), "lm_head.weight": (vocab, hidden)}
+    return dense, routed
