@@ -1,7 +1,9 @@
 """Correctness at thousands of simulated ranks, in one process: the save plan
 made from replica hints writes every byte exactly once, the version-2 index
-gives every rank exactly the chunks its targets need (every needed byte read
-once) while it reads a small part of the index, and the zero-redundancy
+version-4 index (every rank's part, the coordinator's directory) gives
+every rank exactly the chunks its targets need (every needed byte read
+once) while it reads a small part of the index and only the parts its
+boxes meet, a rank with nothing to load reads nothing, and the zero-redundancy
 assignment computed locally equals the gathered one. Times are the scale
 benchmark's business (benchmarks/scale.py), not asserted here."""
 
@@ -9,14 +11,19 @@ from __future__ import annotations
 
 import math
 from collections import defaultdict
+from pathlib import Path
 
 import pytest
 import torch
 
+from benchmarks import scale_jobs as jobs
+from benchmarks import scale_load as sl
 from benchmarks import scale_sim as sim
-from bytecp.format import index_read
+from benchmarks.scale_parts import real_part
 from bytecp.format import metadata as fmt
-from bytecp.format.index_build import build_index
+from bytecp.format import parts_read
+from bytecp.format.parts_build import build_directory
+from bytecp.format.parts_schema import PartsDirectory, buckets_for
 from bytecp.plan.exchange import (
     decide,
     local_plan,
@@ -38,6 +45,7 @@ from bytecp.tree.regions import Region, full_region
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet, Shard, TensorLeaf
 
+Checkpoint = tuple[fmt.Metadata, sl.Recording, int]
 SMALL = sim.llama7b(layers=1, hidden=512, ffn=1376, vocab=4000)
 
 
@@ -141,52 +149,70 @@ def test_hsdp_replicas_write_once_spread_over_each_replica_group() -> None:
     assert min(per_rank) == max(per_rank) == 8192 * 131072 * 4 // world  # every replica writes 1/16 of its shard
 
 
-@pytest.fixture(scope="module")
-def fsdp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> tuple[fmt.Metadata, object, int]:
-    world = 4096
-    batches = sim.fsdp_batches(SMALL, world, adam=True)
-    tensors, files = sim.specs(SMALL, True), sim.data_files(batches)
-    built = build_index(batches, tensors, files, "20261123T000000-00000000")
-    for fqn, d in built.band_dims.items():
-        tensors[fqn] = {**tensors[fqn], "band_dim": d}
-    md = fmt.Metadata(save_id="20261123T000000-00000000", world_size=world, framework="fsdp2", parallelism={},
-                      skeleton=Node.container("dict", ()), tensors=tensors, objects={}, per_rank={},
-                      index_files=[], data_files=files, index=built.directory)
-    root = tmp_path_factory.mktemp("scale") / "ck"
-    (root / "index" / md.save_id).mkdir(parents=True)
-    (root / built.directory.file).write_bytes(b"".join(built.blobs))
-    (root / "metadata.json").write_bytes(md.to_bytes())
+def write_world(root: Path, job: jobs.Job) -> Checkpoint:
+    """A version-4 checkpoint of every rank's real part and the directory."""
+    buckets = buckets_for(job.world)
+    parts = [real_part(job, r, buckets) for r in range(job.world)]
+    pages, directory = build_directory([p.entries for p in parts], jobs.SAVE_ID, buckets)
+    (root / "index" / jobs.SAVE_ID).mkdir(parents=True)
+    (root / directory.file).write_bytes(b"".join(pages))
+    for r, p in enumerate(parts):
+        if p.blobs:
+            (root / f"index/{jobs.SAVE_ID}/{r}.bin").write_bytes(b"".join(p.blobs))
+    (root / "metadata.json").write_bytes(sl.metadata_for(job, directory, sl.data_files(job)).to_bytes())
     md = fmt.Metadata.from_bytes((root / "metadata.json").read_bytes(), str(root))
-    return md, open_storage(str(root)), sum(len(b) for b in batches)
+    return md, sl.Recording(open_storage(str(root))), sum(sum(p.entries.rows) for p in parts)
 
 
-@pytest.mark.parametrize("loading_world", [4096, 1000, 1])
-def test_every_rank_gets_exactly_its_chunks_from_a_small_part_of_the_index(fsdp_checkpoint, loading_world: int) -> None:
+@pytest.fixture(scope="module")
+def fsdp_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Checkpoint:
+    return write_world(tmp_path_factory.mktemp("scale") / "ck", jobs.Job("small", 128, SMALL))
+
+
+def reader_targets(loading_world: int, rank: int) -> list[tuple[str, Region]]:
+    targets = [(fqn, sim.row_box(shape, loading_world, rank) if sharded else full_region(shape))
+               for fqn, shape, sharded in sim.fsdp_tensors(SMALL, True)]
+    return [t for t in targets if t[1].numel]
+
+
+def read_exactly(md: fmt.Metadata, storage: sl.Recording, targets: list[tuple[str, Region]]) -> list[fmt.ChunkRecord]:
+    storage.read.clear()
+    chunks, _ = parts_read.read_parts(storage, md, sl.wanted_of(targets))  # type: ignore[arg-type]
+    reqs = plan_load(targets, chunks, itemsizes={f: 4 for f, _ in targets})  # raises unless covered exactly
+    need = sum(box.numel * 4 for _, box in targets)
+    assert sum(r.box.numel * 4 for r in reqs) == need  # every needed element once
+    assert sum(r.nbytes for r in reqs) == need  # row shards: no byte read twice or in vain
+    return chunks
+
+
+@pytest.mark.parametrize("loading_world", [128, 50, 1])
+def test_every_rank_gets_exactly_its_chunks_from_a_small_part_of_the_index(fsdp_checkpoint: Checkpoint, loading_world: int) -> None:
     md, storage, total_rows = fsdp_checkpoint
-    assert md.index is not None and md.index.segments > 1
-    ranks = sorted({0, 1, loading_world // 3, loading_world // 2, loading_world - 1})
-    for rank in ranks:
-        targets = [(fqn, sim.row_box(shape, loading_world, rank) if sharded else full_region(shape))
-                   for fqn, shape, sharded in sim.fsdp_tensors(SMALL, True)]
-        targets = [t for t in targets if t[1].numel]
-        wanted: dict[str, list[Region]] = defaultdict(list)
-        for fqn, box in targets:
-            wanted[fqn].append(box)
-        segments = index_read.wanted_segments(md, wanted)
-        chunks = index_read.read_segments(storage, md, segments, fqns=set(wanted))
-        reqs = plan_load(targets, chunks, itemsizes={f: 4 for f in wanted})  # raises unless covered exactly
-        need = sum(box.numel * 4 for _, box in targets)
-        assert sum(r.box.numel * 4 for r in reqs) == need  # every needed element once
-        assert sum(r.nbytes for r in reqs) == need  # row shards: no byte read twice or in vain
-        if loading_world > 1:
-            assert md.index.segments and len(segments) <= 8 + len(md.index.wide["first"])
-            assert len(chunks) < total_rows / 20
+    assert isinstance(md.index, PartsDirectory) and len(md.index.ranks) == 128
+    for rank in sorted({0, 1, loading_world // 3, loading_world // 2, loading_world - 1}):
+        chunks = read_exactly(md, storage, reader_targets(loading_world, rank))
+        if loading_world > 1:  # the parts of its rows, and those of the step writers (band 0)
+            assert len(storage.read) <= len(SMALL) + 3 * (128 // loading_world + 1) + 4
+            assert len(chunks) < total_rows / 5
 
 
-def test_a_rank_with_nothing_to_load_reads_nothing(fsdp_checkpoint) -> None:
+def test_a_rank_with_nothing_to_load_reads_nothing(fsdp_checkpoint: Checkpoint) -> None:
     md, storage, _ = fsdp_checkpoint
-    assert index_read.wanted_segments(md, {}) == []
-    assert index_read.read_segments(storage, md, []) == []
+    storage.read.clear()
+    assert parts_read.read_parts(storage, md, {}) == ([], 0)  # type: ignore[arg-type]
+    assert not storage.read
+
+
+def test_moe_experts_replicated_over_data_parallel_are_read_whole_from_their_pieces(tmp_path: Path) -> None:
+    dense, experts = sim.deepseek_v3(layers=3, dense_layers=1, hidden=64, experts=8, expert_ffn=4096,
+                                     dense_ffn=96, vocab=512, heads=2, q_lora=32, kv_lora=16, nope=8, rope=4, v_dim=8)
+    job = jobs.Job("small moe", 32, dense, experts, ep=4)
+    assert any(len(items) > 1 for items in job.expert_plan(1).values())  # a 1 MiB expert weight split over holders
+    md, storage, total_rows = write_world(tmp_path / "ck", job)
+    assert job.chunk_count() == total_rows
+    for rank in (0, 13, 31):
+        read_exactly(md, storage, [t for t in job.targets(rank) if t[1].numel])
+        assert storage.read  # (its experts' pieces: every holder's part; names in wide ranges: docs/benchmarks.md "Scale")
 
 
 def test_zero_redundancy_assignment_alone_equals_the_gathered_one() -> None:
