@@ -11,6 +11,7 @@ it once, and it is logged.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import gc
 import logging
 import os
@@ -194,6 +195,8 @@ def _lower_priority(nice: int) -> None:
 _inflight: SaveHandle | None = None
 _inflight_lock = threading.Lock()
 _groups: dict[Any, Any] = {}
+#: checkpoint groups retired after a broken collective: never destroyed (see retire_group)
+_retired_groups: list[Any] = []
 
 
 def pending_save() -> SaveHandle | None:
@@ -267,8 +270,19 @@ def retire_group(process_group: Any) -> None:
     """(every rank, a save whose collective broke: a rank missed the deadline
     or died) Never use the checkpoint group again: an abandoned collective
     may still pair up with a late rank's. The next save makes a new one
-    (every rank calls it then, the late rank too once it is back)."""
-    _groups.pop(id(process_group), None)
+    (every rank calls it then, the late rank too once it is back).
+
+    The retired group is kept for the life of the process, and never
+    destroyed at its end either (a reference no finalization drops):
+    destroying a gloo group joins its worker threads, and the one running
+    the abandoned collective waits for the peer that never comes until the
+    group's own timeout (30 min) -- wherever the last reference went: a
+    save's exception collected mid-training, or the interpreter's last
+    collection at exit (seen by the chaos run as a hang after a stall)."""
+    group = _groups.pop(id(process_group), None)
+    if group is not None:
+        _retired_groups.append(group)
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # (finalization clears module globals)
 
 
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
