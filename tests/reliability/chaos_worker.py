@@ -135,13 +135,13 @@ def main(cfg: dict[str, Any]) -> None:
                 threading.Timer(fault["delay"], stop).start()
             elif kind == "fill":
                 filler = Path(fault["disk"], "filler")
-                with open(filler, "wb") as f:
-                    try:
+                try:  # (a disk already full refuses even the open)
+                    with open(filler, "wb") as f:
                         while True:
                             f.write(b"\0" * (1 << 16))
                             f.flush()
-                    except OSError:
-                        pass
+                except OSError:
+                    pass
             elif kind == "readonly":
                 subprocess.run(["mount", "-o", "remount,ro", fault["disk"]], check=True)
             out["fired"] = True
