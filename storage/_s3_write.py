@@ -359,19 +359,23 @@ class _S3Writes(_S3Base):
         return known
 
     async def _probe_conditional_put(self) -> bool:
-        """Two conditional PUTs of one probe object: the second must be refused."""
+        """Two conditional PUTs of one probe object: the second must be refused
+        (a refusal of the first, retried after a lost answer, counts the same)."""
         probe = f".bytecp-conditional-put-probe-{uuid.uuid4().hex}"
         key = self._key(probe)
         where = self._where(probe, "conditional put probe")
         honoured = False
         try:
-            for n in range(2):
+            for _ in range(2):
                 try:
                     await self._call("put_object", where, Bucket=self.bucket, Key=key, Body=b"", IfNoneMatch="*")
                 except StorageError as e:
                     info = _client_error_info(e.__cause__) if e.__cause__ is not None else None
-                    if info and (info[0] == "PreconditionFailed" or info[1] == 412) and n == 1:
+                    if info and (info[0] == "PreconditionFailed" or info[1] == 412):
+                        # the second PUT refused; or the first one's retry, after an attempt that
+                        # landed but whose answer was lost (a reset): the key is this probe's own
                         honoured = True
+                        break
                     elif info and (info[0] == "NotImplemented" or info[1] in (400, 501)):
                         return False
                     else:

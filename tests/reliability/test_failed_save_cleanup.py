@@ -71,5 +71,5 @@ def test_files_a_read_only_disk_keeps_are_named_and_gc_removes_them(small_disk: 
     monkeypatch.delenv("BYTECP_FAULT_DELAY")
     time.sleep(1.2)  # past the failed save's lease term (its lease could not be ended on a read-only disk)
     assert cli(["gc", url]) == 0
-    assert "removed 2 file(s)" in capsys.readouterr().out  # the data file and the lease
+    assert "removed 3 file(s)" in capsys.readouterr().out  # the data file, its index part and the lease
     assert not [f for _, _, fs in os.walk(url) for f in fs]
