@@ -439,8 +439,8 @@ class CheckpointManager:
                         f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
                     continue  # (a retired base holds files kept checkpoints reference)
                 dead, _ = orphans(root.child(name), None)
-                left = root.child(name).list_files("")  # a retention cut short (a read-only disk): its marker
-                dead = left if left and all(f.startswith("doomed/") for f in left) else dead
+                left = root.child(name).list_files("")  # a retention cut short: its marker, reports
+                dead = left if left and all(f.startswith(("doomed/", "reports/")) for f in left) else dead
                 if dead:
                     root.delete([f"{name}/{f}" for f in dead])
                     log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
