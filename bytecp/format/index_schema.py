@@ -41,6 +41,7 @@ __all__ = [
     "WIDE_ROWS",
     "IndexDirectory",
     "bucket_range",
+    "columns",
 ]
 
 #: rows of the index per band, aimed at when the number of bands is chosen
@@ -118,8 +119,8 @@ class IndexDirectory:
             raise bad("lacks its file name or size")
         if type(buckets) is not int or not 1 <= buckets <= MAX_BUCKETS:
             raise bad(f"says {buckets!r:.40} buckets (want 1..{MAX_BUCKETS})")
-        band = _columns(d.get("band"), _BAND_KEYS, bad, ints=_BAND_KEYS)
-        wide = _columns(d.get("wide"), _WIDE_KEYS, bad, ints=_WIDE_KEYS[2:])
+        band = columns(d.get("band"), _BAND_KEYS, bad, ints=_BAND_KEYS)
+        wide = columns(d.get("wide"), _WIDE_KEYS, bad, ints=_WIDE_KEYS[2:])
         if any(not isinstance(x, str) for x in wide["first"] + wide["last"]):
             raise bad("names a wide segment's tensors with non-strings")
         b = band["bucket"]
@@ -140,7 +141,7 @@ class IndexDirectory:
         return cls(file, nbytes, buckets, band, wide)
 
 
-def _columns(d: Any, keys: Sequence[str], bad: Any, *, ints: Sequence[str]) -> dict[str, list[Any]]:
+def columns(d: Any, keys: Sequence[str], bad: Any, *, ints: Sequence[str]) -> dict[str, list[Any]]:
     if not isinstance(d, dict) or set(d) != set(keys):
         raise bad(f"lacks the columns {list(keys)}")
     cols = {k: d[k] for k in keys}

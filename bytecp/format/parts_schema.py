@@ -32,7 +32,7 @@ from typing import Any
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError
-from bytecp.format.index_schema import CHUNK_FIELDS
+from bytecp.format.index_schema import CHUNK_FIELDS, columns
 
 __all__ = [
     "PART_SCHEMA",
@@ -164,41 +164,41 @@ class PartsDirectory:
         ascending, pages inside the directory file, not overlapping, in order."""
 
         def bad(why: str) -> CorruptCheckpointError:
-            return CorruptCheckpointError(f"{where}: metadata.json's index parts {why}")
+            return CorruptCheckpointError(f"{where}: metadata.json's index (layout parts) {why}")
 
         if not isinstance(d, dict) or d.get("layout") != "parts":
-            raise bad("are not an object with \"layout\": \"parts\"")
+            raise bad("is not an object with \"layout\": \"parts\"")
         buckets = d.get("buckets")
         if type(buckets) is not int or not 1 <= buckets <= MAX_BUCKETS_V4:
-            raise bad(f"say {buckets!r:.40} buckets (want 1..{MAX_BUCKETS_V4})")
-        parts = _columns(d.get("parts"), ("rank", "nbytes"), ("rank", "nbytes"), bad)
+            raise bad(f"says {buckets!r:.40} buckets (want 1..{MAX_BUCKETS_V4})")
+        parts = columns(d.get("parts"), ("rank", "nbytes"), bad, ints=("rank", "nbytes"))
         ranks, sizes = parts["rank"], parts["nbytes"]
         if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)) or any(n <= 0 for n in sizes):
-            raise bad("list ranks out of order, twice, or an empty part")
+            raise bad("lists its parts' ranks out of order, twice, or an empty part")
         dirs = d.get("directory")
         file = dirs.get("file") if isinstance(dirs, dict) else None
         folder = file.split("/") if isinstance(file, str) else []
         if len(folder) != 3 or folder[0] != "index" or folder[2] != DIRECTORY_NAME or not _SAVE_ID.fullmatch(folder[1]):
-            raise bad(f"name a directory file other than index/<save_id>/{DIRECTORY_NAME} ({file!r:.80})")
+            raise bad(f"names a directory file other than index/<save_id>/{DIRECTORY_NAME} ({file!r:.80})")
         save_id = folder[1]  # the save that wrote the index (metadata.json's own save_id, unless it was tampered with)
         assert isinstance(dirs, dict)
         nbytes = dirs.get("nbytes")
         if type(nbytes) is not int or nbytes < 0:
-            raise bad("lack the directory file's size")
-        band = _columns(d.get("band_pages"), ("lo", "hi", *_PAGE_INTS), ("lo", "hi", *_PAGE_INTS), bad)
-        wide = _columns(d.get("wide_pages"), ("first", "last", *_PAGE_INTS), _PAGE_INTS, bad)
+            raise bad("lacks the directory file's size")
+        band = columns(d.get("band_pages"), ("lo", "hi", *_PAGE_INTS), bad, ints=("lo", "hi", *_PAGE_INTS))
+        wide = columns(d.get("wide_pages"), ("first", "last", *_PAGE_INTS), bad, ints=_PAGE_INTS)
         if any(not isinstance(x, str) for x in wide["first"] + wide["last"]):
-            raise bad("name a wide page's tensors with non-strings")
+            raise bad("names a wide page's tensors with non-strings")
         if any(not lo <= hi < buckets for lo, hi in zip(band["lo"], band["hi"], strict=True)) or any(
                 a > b for a, b in zip(band["lo"], band["lo"][1:], strict=False)):
-            raise bad("list band pages out of order or outside the buckets")
+            raise bad("lists band pages out of order or outside the buckets")
         if any(f > la for f, la in zip(wide["first"], wide["last"], strict=True)) or any(
                 a > b for a, b in zip(wide["first"], wide["first"][1:], strict=False)):
-            raise bad("list wide pages out of name order")
+            raise bad("lists wide pages out of name order")
         check_spans(band["offset"] + wide["offset"], band["nbytes"] + wide["nbytes"], nbytes,
-                     lambda why: bad(f"place a page {why}"))
+                     lambda why: bad(f"places a page {why}"))
         if any(r <= 0 for r in band["rows"] + wide["rows"]):
-            raise bad("list a page without entries")
+            raise bad("lists a page without entries")
         return cls(save_id, buckets, ranks, sizes, nbytes, band, wide)
 
 
@@ -210,15 +210,3 @@ def check_spans(offsets: Sequence[int], sizes: Sequence[int], total: int, bad: A
         if off < end or n <= 0 or off + n > total:
             raise bad(f"at bytes {off}..{off + n} (file of {total} bytes; ranges must not overlap)")
         end = off + n
-
-
-def _columns(d: Any, keys: Sequence[str], ints: Sequence[str], bad: Any) -> dict[str, list[Any]]:
-    if not isinstance(d, dict) or set(d) != set(keys):
-        raise bad(f"lack the columns {list(keys)}")
-    cols = {k: d[k] for k in keys}
-    if any(not isinstance(v, list) for v in cols.values()) or len({len(v) for v in cols.values()}) > 1:
-        raise bad("have columns of different lengths")
-    for k in ints:
-        if any(type(x) is not int or x < 0 for x in cols[k]):
-            raise bad(f"have a non-integer or negative {k!r}")
-    return cols
