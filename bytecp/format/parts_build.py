@@ -142,15 +142,16 @@ def build_part(
 def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray]:
     """Banded rows (sorted by first band) into segments of at most
     :data:`SEGMENT_ROWS` rows whose first bands lie within ``limit`` of each
-    other -- once a segment has :data:`WIDE_MIN_ROWS` rows (a smaller one
-    costs a reader little to read whole, and a Parquet file per few rows
-    would cost more than the rows)."""
+    other -- once a segment has 16 rows (a Parquet file per row or two
+    would cost more than the rows), or at once across a gap of more than
+    4 times ``limit`` (a rank's 0-dim values in band 0 and its shards far
+    from it: readers of one need not read the other)."""
     out: list[np.ndarray] = []
     s = 0
     while s < len(order):
         e = min(len(order), s + SEGMENT_ROWS)
-        far = np.flatnonzero(lo[order[s:e]] > lo[order[s]] + limit)
-        far = far[far >= WIDE_MIN_ROWS]
+        gap = lo[order[s:e]] - lo[order[s]]
+        far = np.flatnonzero((gap > limit) & ((np.arange(len(gap)) >= 16) | (gap > 4 * limit)))
         e = s + int(far[0]) if len(far) else e
         out.append(order[s:e])
         s = e
