@@ -42,6 +42,7 @@ __all__ = [
     "as_host_bytes",
     "write_data_files",
     "for_commit",
+    "EXACT_CHECK_RANKS",
     "held_checksums",
     "FILE_TARGET_BYTES",
 ]

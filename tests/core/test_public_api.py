@@ -43,6 +43,7 @@ PACKAGES = ("bytecp", "adapters", "storage", "monitoring")
 #: dotted names in the docs that are not Python import paths
 NOT_PYTHON = {
     "bytecp.format_version",  # a Parquet schema metadata key (FORMAT.md)
+    "bytecp.save_id",  # a Parquet schema metadata key of version 4 (FORMAT.md)
     "bytecp.monitor.v1",  # the protobuf package (monitoring.md)
     "bytecp.monitors",  # an entry-point group (extending.md)
 }
