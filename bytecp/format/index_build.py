@@ -45,7 +45,7 @@ from bytecp.plan.planner import contiguous_boxes, find_overlap
 from bytecp.tree.dtypes import SUPPORTED_DTYPES
 from bytecp.tree.regions import Region
 
-__all__ = ["BuiltIndex", "build_index", "check_chunks"]
+__all__ = ["BuiltIndex", "build_index", "check_chunks", "rows_table", "encode_segment"]
 
 
 @dataclasses.dataclass
@@ -278,14 +278,14 @@ def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: 
 
     # one table of every row in file order; each segment is a slice of it
     order = np.concatenate([rep, *wide_groups]) if len(rep) or wide_groups else np.zeros(0, np.int64)
-    table = _table(rows, names, order)
+    table = rows_table(rows, names, order)
     bounds = np.cumsum([0, *(len(g) for _, g in band_groups), *(len(g) for g in wide_groups)])
     slices = [(int(a), int(b - a)) for a, b in zip(bounds[:-1], bounds[1:], strict=True)]
     if len(slices) < 64 or threads <= 1:  # small indexes: no threads (nothing to gain)
-        blobs = [_encode(table.slice(*sl)) for sl in slices]
+        blobs = [encode_segment(table.slice(*sl)) for sl in slices]
     else:
         with concurrent.futures.ThreadPoolExecutor(threads, "bytecp-index") as ex:
-            blobs = list(ex.map(lambda sl: _encode(table.slice(*sl)), slices))
+            blobs = list(ex.map(lambda sl: encode_segment(table.slice(*sl)), slices))
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     crcs = [crc32c(b) for b in blobs]
     nb = len(band_groups)
@@ -304,7 +304,7 @@ def _layout(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], band: 
     return BuiltIndex(blobs, directory, band_dims)
 
 
-def _table(rows: _Rows, names: list[str], idx: np.ndarray, schema: pa.Schema = INDEX_SCHEMA_V2) -> pa.Table:
+def rows_table(rows: _Rows, names: list[str], idx: np.ndarray, schema: pa.Schema = INDEX_SCHEMA_V2) -> pa.Table:
     """The rows ``idx`` (in this order) as one Arrow table of the index schema."""
     nd = rows.ndim[idx]
     ptr = pa.array(np.concatenate([[0], np.cumsum(nd)]).astype(np.int64))
@@ -323,8 +323,8 @@ def _table(rows: _Rows, names: list[str], idx: np.ndarray, schema: pa.Schema = I
     )
 
 
-def _encode(table: pa.Table) -> bytes:
-    """One segment: a complete Parquet file (strings dictionary-encoded by the writer)."""
+def encode_segment(table: pa.Table) -> bytes:
+    """One segment or page: a complete Parquet file (strings dictionary-encoded by the writer)."""
     sink = io.BytesIO()
     pq.write_table(table, sink, compression="zstd", write_statistics=False)  # the directory says what is where
     return sink.getvalue()

@@ -35,7 +35,8 @@ from bytecp.format.index_schema import INDEX_SCHEMA_V2, MAX_SPAN, IndexDirectory
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
-__all__ = ["read_index", "wanted_segments", "read_segments", "all_segments", "max_rows", "check_budget"]
+__all__ = ["read_index", "wanted_segments", "read_segments", "all_segments", "max_rows", "check_budget",
+           "rows_to_records"]
 
 _STRINGS = ("fqn", "file")
 _STRINGS_V1 = ("fqn", "dtype", "file")
@@ -213,14 +214,25 @@ def _rows(table: pa.Table, keep: np.ndarray) -> pa.Table:
 
 
 def _records(table: pa.Table, md: fmt.Metadata, label: str, place: Place) -> list[fmt.ChunkRecord]:
+    out = rows_to_records(table, md, label)
+    check_place(label, md, out, place)
+    return out
+
+
+def rows_to_records(table: pa.Table, md: fmt.Metadata, label: str,
+                    fqns: set[str] | None = None) -> list[fmt.ChunkRecord]:
+    """A segment's rows (the version-2 columns, which version 4's parts
+    share) as chunk records of the tensors in ``fqns`` (None: all), each
+    row's tensor looked up in ``metadata.json`` and its box checked as well formed."""
     cols = [fmt.column_values(table, name) for name in INDEX_SCHEMA_V2.names]
     out = []
     for fqn, of, ln, f, bo, nb, crc in zip(*cols, strict=True):
         info = md.tensors.get(fqn)
         if info is None:
             raise CorruptCheckpointError(f"{label}: a row names tensor {fqn!r:.80}, which metadata.json lacks")
+        if fqns is not None and fqn not in fqns:
+            continue
         out.append(fmt.ChunkRecord(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
                                    int(bo), int(nb), int(crc)))
     limits.check_chunk_records(label, out)
-    check_place(label, md, out, place)
     return out

@@ -14,18 +14,16 @@ holds the schemas.
 from __future__ import annotations
 
 import dataclasses
-import io
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from bytecp.errors import ConfigError
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.index_build import _table, check_chunks
+from bytecp.format.index_build import check_chunks, encode_segment, rows_table
 from bytecp.format.metadata import ChunkRecord
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
@@ -124,10 +122,10 @@ def build_part(
     wide_groups = _cut_wide(wi, rows.fid)
     groups = band_groups + wide_groups
     schema = PART_SCHEMA.with_metadata({**(PART_SCHEMA.metadata or {}), b"bytecp.save_id": save_id.encode()})
-    table = _table(rows, names, np.concatenate(groups), schema)
+    table = rows_table(rows, names, np.concatenate(groups), schema)
     blobs, start = [], 0
     for g in groups:
-        blobs.append(_encode(table.slice(start, len(g))))
+        blobs.append(encode_segment(table.slice(start, len(g))))
         start += len(g)
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     return BuiltPart(blobs, PartEntries(
@@ -239,7 +237,7 @@ def _pages(cols: Mapping[str, np.ndarray], schema: pa.Schema, save_id: bytes, lo
         sl = {k: v[s : s + PAGE_ENTRIES] for k, v in cols.items()}
         table = pa.table([pa.array(sl[f.name].tolist() if f.type == pa.string() else sl[f.name], f.type)
                           for f in schema], schema=schema)
-        blob = _encode(table)
+        blob = encode_segment(table)
         blobs.append(blob)
         page[lo].append(sl[lo].tolist()[0])
         page[hi].append(max(sl[hi].tolist()))
@@ -250,11 +248,6 @@ def _pages(cols: Mapping[str, np.ndarray], schema: pa.Schema, save_id: bytes, lo
         off += len(blob)
     return blobs, page
 
-
-def _encode(table: pa.Table) -> bytes:
-    sink = io.BytesIO()
-    pq.write_table(table, sink, compression="zstd", write_statistics=False)
-    return sink.getvalue()
 
 
 

@@ -15,22 +15,22 @@ the directory says. Each failure is one line naming the file at fault.
 from __future__ import annotations
 
 import bisect
-import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import decode_table
+from bytecp.format.index_read import rows_to_records
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
     PART_SCHEMA,
     WIDE_ENTRY_SCHEMA,
     PartsDirectory,
+    box_bands,
     check_spans,
     part_file,
     span_limit,
@@ -48,17 +48,8 @@ def wanted_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> li
     """The bands the boxes ``wanted`` meet, as merged ``[lo, hi]`` intervals."""
     d = md.index
     assert isinstance(d, PartsDirectory)
-    spans: list[tuple[int, int]] = []
-    for fqn, boxes in wanted.items():
-        shape = md.tensors[fqn]["shape"]
-        n = math.prod(shape)
-        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-        for box in boxes:
-            if box.numel == 0:
-                continue
-            first = sum(o * s for o, s in zip(box.offsets, strides, strict=True))
-            last = sum((o + ln - 1) * s for o, ln, s in zip(box.offsets, box.lengths, strides, strict=True))
-            spans.append((first * d.buckets // n, last * d.buckets // n))
+    spans = [box_bands(box.offsets, box.lengths, md.tensors[fqn]["shape"], d.buckets)
+             for fqn, boxes in wanted.items() for box in boxes if box.numel]
     merged: list[tuple[int, int]] = []
     for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1] + 1:
@@ -199,7 +190,7 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         table = decode_table(seg, seg, bytes(buf), PART_SCHEMA, ("fqn", "file"), rows=e[3])
         _check_save(seg, table, d.save_id)
         try:
-            chunks = _records(table, md, seg, fqns)
+            chunks = rows_to_records(table, md, seg, fqns)
         except CorruptCheckpointError:
             raise
         except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
@@ -210,21 +201,6 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
     return out
 
 
-def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
-    cols = [fmt.column_values(table, name) for name in PART_SCHEMA.names]
-    out = []
-    for fqn, of, ln, f, bo, nb, crc in zip(*cols, strict=True):
-        info = md.tensors.get(fqn)
-        if info is None:
-            raise CorruptCheckpointError(f"{label}: a row names tensor {fqn!r:.80}, which metadata.json lacks")
-        if fqns is not None and fqn not in fqns:
-            continue
-        out.append(fmt.ChunkRecord(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
-                                   int(bo), int(nb), int(crc)))
-    limits.check_chunk_records(label, out)
-    return out
-
-
 def _check_place(label: str, md: fmt.Metadata, d: PartsDirectory, c: fmt.ChunkRecord, e: Entry, limit: int) -> None:
     """The row lies where the directory entry says (FORMAT.md §5.6): a
     band segment's rows meet at most ``limit`` bands, inside its ``[lo,
@@ -232,11 +208,7 @@ def _check_place(label: str, md: fmt.Metadata, d: PartsDirectory, c: fmt.ChunkRe
     shape = c.global_shape
     ok = len(c.offsets) == len(c.lengths) == len(shape) and all(n > 0 for n in c.lengths)
     if ok:
-        n = math.prod(shape)
-        strides = [math.prod(shape[i + 1 :]) for i in range(len(shape))]
-        first = sum(o * s for o, s in zip(c.offsets, strides, strict=True))
-        last = sum((o + ln - 1) * s for o, ln, s in zip(c.offsets, c.lengths, strides, strict=True))
-        lo, hi = first * d.buckets // n, last * d.buckets // n
+        lo, hi = box_bands(c.offsets, c.lengths, shape, d.buckets)
         banded = hi - lo + 1 <= limit
         ok = (e[5] <= lo and hi <= e[6]) if e[5] >= 0 else (not banded and e[7] <= c.fqn <= e[8])
         ok = ok and banded == (e[5] >= 0)

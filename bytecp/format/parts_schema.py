@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import re
 from collections.abc import Sequence
 from typing import Any
@@ -48,6 +49,7 @@ __all__ = [
     "buckets_for",
     "span_limit",
     "part_file",
+    "box_bands",
     "check_spans",
     "PartsDirectory",
 ]
@@ -104,6 +106,18 @@ def span_limit(buckets: int) -> int:
     (a 2-D shard -- rows of a data-parallel share, columns of a tensor-parallel
     one -- meets about ``4 * tp`` bands and stays banded at scale)."""
     return max(8, buckets // 64)
+
+
+def box_bands(offsets: Sequence[int], lengths: Sequence[int], shape: Sequence[int], buckets: int) -> tuple[int, int]:
+    """The bands ``[lo, hi]`` a non-empty box of a tensor of ``shape`` meets:
+    those of its first and last elements' row-major indices (``i * B // N``).
+    The one scalar form of the rule (readers: each wanted box, each row read);
+    :func:`bytecp.format.parts_build.linear_bands` is its vectorized twin."""
+    n = math.prod(shape)
+    first = last = 0
+    for o, ln, s in zip(offsets, lengths, shape, strict=True):
+        first, last = first * s + o, last * s + o + ln - 1
+    return first * buckets // n, last * buckets // n
 
 
 def part_file(save_id: str, rank: int) -> str:

@@ -195,8 +195,6 @@ def _lower_priority(nice: int) -> None:
 _inflight: SaveHandle | None = None
 _inflight_lock = threading.Lock()
 _groups: dict[Any, Any] = {}
-#: checkpoint groups retired after a broken collective: never destroyed (see retire_group)
-_retired_groups: list[Any] = []
 
 
 def pending_save() -> SaveHandle | None:
@@ -281,8 +279,8 @@ def retire_group(process_group: Any) -> None:
     collection at exit (seen by the chaos run as a hang after a stall)."""
     group = _groups.pop(id(process_group), None)
     if group is not None:
-        _retired_groups.append(group)
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))  # (finalization clears module globals)
+        # a reference nothing owns: a module-level list would be cleared at finalization
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:

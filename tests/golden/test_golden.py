@@ -24,6 +24,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import torch
+from golden_dist import Tiny  # the model of the framework goldens
 from golden_encoding import assert_same, decode, raw_bytes
 from spec_reader import spec_read
 from torch import nn
@@ -178,16 +179,6 @@ def _with_rank_values(v: Any, fqn: str, values: dict[str, Any]) -> Any:
             k: _with_rank_values(x, f"{fqn}.{k}" if fqn else str(k), values) for k, x in v.items()
         }
     return v
-
-
-class Tiny(nn.Module):
-    """The model of the framework goldens (make_golden.Tiny)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.l1 = nn.Linear(5, 3)
-        self.norm = nn.LayerNorm(3)
-        self.l2 = nn.Linear(3, 2)
 
 
 def _load_as_plain(case: Path, rank: int) -> None:
