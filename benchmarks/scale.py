@@ -91,7 +91,7 @@ def save_plan(job: jobs.Job, repeats: int) -> dict[str, Any]:
 
     def vote() -> Any:
         plan = local_plan(flat, rank, job.world)
-        return plan, vote_for(plan, plan_key(plan), None, "s", None)
+        return plan, vote_for(plan, plan_key(plan), None, "s", None).encode()
 
     tv, memv, (plan, _) = measure(vote, repeats)
     td, memd, d = measure(lambda: decide(pickle.loads(payload)), repeats)  # the all-gather's decode, the decision
