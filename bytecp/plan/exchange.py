@@ -36,6 +36,7 @@ from typing import Any
 
 from bytecp.plan.decide import PlanDecision, decide, fingerprints_digest, sends_specs
 from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan_replicated
+from bytecp.plan.share import share_of
 from bytecp.plan.votes import PlanVote, read_vote
 from bytecp.tree.dtypes import dtype_name, itemsize
 from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet
@@ -277,12 +278,13 @@ def planned_locally(
         else:
             by_set.setdefault(key, (ranks or rs.ranks, []))[1].append(it)
     for ranks, items in by_set.values():
+        if shared is None:  # a real rank: its share alone (the same as plan_replicated's)
+            mine.extend(share_of(items, ranks, decision.base_load, plan.rank, split_bytes=split_bytes))
+            continue
         memo = (repr(ranks), hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest())
-        share = shared.get(memo) if shared is not None else None
+        share = shared.get(memo)
         if share is None:
-            share = plan_replicated(items, ranks, decision.base_load, split_bytes=split_bytes)
-            if shared is not None:
-                shared[memo] = share
+            share = shared[memo] = plan_replicated(items, ranks, decision.base_load, split_bytes=split_bytes)
         mine.extend(share.get(plan.rank, []))
     return mine
 
