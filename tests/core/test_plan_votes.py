@@ -8,6 +8,7 @@ commit are the lowest rank of each skeleton other than the coordinator's."""
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import random
 from collections.abc import Mapping, Sequence
@@ -165,3 +166,32 @@ def test_only_the_lowest_rank_of_each_other_skeleton_sends_its_specs() -> None:
         assert got == senders
         differs = [r for r in range(8) if sends_specs(d, r, coordinator)[0]]
         assert differs == [r for r in range(8) if skeletons[r] != skeletons[coordinator]]
+
+
+def test_moe_ranks_outside_ep_index_0_send_one_copy_per_skeleton() -> None:
+    """A MoE job's ranks name their experts (EP 64): every rank outside EP
+    index 0 differs from the coordinator, and of each EP index one sends."""
+    from benchmarks import scale_jobs as jobs
+
+    job = jobs.moe_job(4096)
+    d = decide(jobs.votes(job))
+    roles = [sends_specs(d, r, 0) for r in range(job.world)]
+    assert sum(differs for differs, _ in roles) == job.world - job.world // job.ep
+    assert [r for r, (_, sends) in enumerate(roles) if sends] == list(range(1, job.ep))
+
+
+def test_the_commit_output_carries_the_specs_only_of_a_sender() -> None:
+    import torch
+
+    from bytecp.saving.results import SavePlanResult
+    from bytecp.saving.writer import RankOutput
+    from bytecp.tree.skeleton import Node
+    from bytecp.tree.state import FlatTree, TensorLeaf
+
+    flat = FlatTree(Node.container("dict", ()), {"w": TensorLeaf.full(torch.zeros(2, 3))}, {}, {}, {})
+    plan = SavePlanResult("id", (), None, skeleton_differs=True)  # type: ignore[arg-type]
+    out = RankOutput()
+    assert plan.for_coordinator(out, flat) is out and out.tensors is None and out.skeleton is None
+    sent = dataclasses.replace(plan, sends_specs=True).for_coordinator(out, flat)
+    assert sent.tensors == {"w": {"dtype": "float32", "shape": [2, 3]}} and sent.skeleton is not None
+    assert sent.aliases == {}
