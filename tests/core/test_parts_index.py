@@ -240,9 +240,78 @@ def ranks_not_ascending(ck: Path) -> str:
     return "metadata.json"
 
 
+def scalar_page_with_a_shaped_row(ck: Path) -> str:
+    """A row of ``w`` (2-d) moved into the scalar page (and out of its part's entry)."""
+    pages = read_directory(ck)
+    e = _entries_of(pages, 0)[0]
+    part = ck / part_file(_md(ck)["save_id"], 0)
+    row = pq.ParquetFile(pa.BufferReader(part.read_bytes()[e["offset"] : e["offset"] + e["nbytes"]])).read().to_pylist()[0]
+    pages["scalar"][0] = sorted([*pages["scalar"][0], row], key=lambda r: r["fqn"])
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def scalar_listed_twice(ck: Path) -> str:
+    pages = read_directory(ck)
+    pages["scalar"][0] = pages["scalar"][0] * 2
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def wide_entries_disagree(ck: Path) -> str:
+    """A second entry for rank 3's wide segment (naming ``w``) with another checksum."""
+    pages = read_directory(ck)
+    (e,) = [x for page in pages["wide"] for x in page]
+    pages["wide"][0] = [e, {**e, "first": "w", "last": "w", "crc32c": e["crc32c"] ^ 1}]
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def wide_row_not_named(ck: Path) -> str:
+    """Rank 3's wide segment (the rows of ``v``) named as if it held ``w``."""
+    pages = read_directory(ck)
+    (e,) = [x for page in pages["wide"] for x in page]
+    e["first"] = e["last"] = "w"
+    write_directory(ck, pages)
+    return part_file(_md(ck)["save_id"], 3)
+
+
+def zero_dim_row_in_a_part(ck: Path) -> str:
+    """The row of ``s`` written as a band segment at the end of rank 0's part
+    (band 0, where ``w``'s first rows are), and no scalar page."""
+    md = _md(ck)
+    pages = read_directory(ck)
+    (row,) = pages["scalar"][0]
+    sink = io.BytesIO()
+    schema = PART_SCHEMA.with_metadata({**(PART_SCHEMA.metadata or {}), b"bytecp.save_id": md["save_id"].encode()})
+    pq.write_table(pa.Table.from_pylist([row], schema=schema), sink)
+    blob = sink.getvalue()
+    part = ck / part_file(md["save_id"], 0)
+    size = part.stat().st_size
+    part.write_bytes(part.read_bytes() + blob)
+    pages["band"][0].insert(0, {"lo": 0, "hi": 0, "rank": 0, "offset": size, "nbytes": len(blob), "rows": 1,
+                                "crc32c": crc32c(blob)})
+    pages["scalar"] = []
+    write_directory(ck, pages)
+    md = _md(ck)
+    md["index"]["parts"]["nbytes"][0] = size + len(blob)
+    _write_md(ck, md)
+    return part_file(md["save_id"], 0)
+
+
+def scalar_pages_overlap(ck: Path) -> str:
+    md = _md(ck)
+    col = md["index"]["scalar_pages"]
+    for k in col:  # the one page listed twice: same names, overlapping bytes
+        col[k] = col[k] * 2
+    _write_md(ck, md)
+    return "metadata.json"
+
+
 DAMAGE: dict[str, Callable[[Path], str]] = {f.__name__: f for f in (
     missing_part, damaged_segment, damaged_page, overlapping_segments, past_the_end, from_another_save,
-    row_outside_its_bands, ranks_not_ascending)}
+    row_outside_its_bands, ranks_not_ascending, scalar_page_with_a_shaped_row, scalar_listed_twice,
+    wide_entries_disagree, wide_row_not_named, zero_dim_row_in_a_part, scalar_pages_overlap)}
 
 
 def test_pristine_multi_part_loads(pristine: Path, capsys: pytest.CaptureFixture[str]) -> None:
