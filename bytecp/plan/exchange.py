@@ -34,6 +34,8 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
+
 from bytecp.plan.decide import PlanDecision, decide, fingerprints_digest, sends_specs
 from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan_replicated
 from bytecp.plan.share import share_of
@@ -277,9 +279,11 @@ def planned_locally(
             mine.append(it)
         else:
             by_set.setdefault(key, (ranks or rs.ranks, []))[1].append(it)
+    loads = np.asarray(decision.base_load, dtype=np.int64) if by_set and shared is None else None
     for ranks, items in by_set.values():
         if shared is None:  # a real rank: its share alone (the same as plan_replicated's)
-            mine.extend(share_of(items, ranks, decision.base_load, plan.rank, split_bytes=split_bytes))
+            mine.extend(share_of(items, ranks, decision.base_load if loads is None else loads, plan.rank,
+                                 split_bytes=split_bytes))
             continue
         memo = (repr(ranks), hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest())
         share = shared.get(memo)

@@ -42,11 +42,11 @@ def _pieces(lengths: tuple[int, ...], parts: int, itemsize: int) -> tuple[tuple[
     return ((0, math.prod(lengths) * itemsize),)
 
 
-def share_of(items: Sequence[WriteItem], ranks: Sequence[int], base_load: Sequence[int], rank: int, *,
-             split_bytes: int) -> list[WriteItem]:
+def share_of(items: Sequence[WriteItem], ranks: Sequence[int], base_load: Sequence[int] | np.ndarray, rank: int,
+             *, split_bytes: int) -> list[WriteItem]:
     """(every member of a replica set, alone) The boxes ``rank`` writes of
     ``items``, which every rank of ``ranks`` (sorted) holds, starting from
-    ``base_load[r]`` bytes per rank; sorted by (tensor, region)."""
+    ``base_load[r]`` bytes per rank (an int64 array is used as it is); sorted by (tensor, region)."""
     i = bisect.bisect_left(ranks, rank)
     if i == len(ranks) or ranks[i] != rank:
         return []
