@@ -154,10 +154,19 @@ class Entries:
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+def tiled_by_wide_rows(fqn: str) -> bool:
+    """Whether the jobs' rows of ``fqn`` are all wide, so that its wide rows
+    tile any box of it: an expert weight, cut by the planner into at most 56
+    pieces, each more than the span limit's 1/64 of the tensor (the real
+    reader finds this out from the rows; :func:`touched` is told it)."""
+    return ".experts." in fqn
+
+
 def touched(entries: list[PartEntries], md: Any, wanted: dict[str, list[Region]]) -> tuple[set[int], int, int]:
     """The ranks whose parts :func:`~bytecp.format.parts_read.read_parts` reads for
-    ``wanted``, as it selects them; and the segments (and scalar pages) and rows it reads."""
-    bands = parts_read.wanted_bands(md, wanted)
+    ``wanted``, as it selects them (no band lookup for the boxes that wide
+    rows tile); and the segments (and scalar pages) and rows it reads."""
+    bands = parts_read.wanted_bands(md, {f: b for f, b in wanted.items() if not tiled_by_wide_rows(f)})
     names = sorted(wanted)
     ranks: set[int] = set()
     segs = rows = 0

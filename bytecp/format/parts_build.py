@@ -164,15 +164,19 @@ def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_
     band_blobs, band_pages = _pages(len(order), BAND_ENTRY_SCHEMA, sid, "lo", "hi", lambda s, e: (
         [band[f.name][s:e].astype(np.uint32 if f.name == "crc32c" else np.int64) for f in BAND_ENTRY_SCHEMA],
         int(band["lo"][s]), int(band["hi"][s:e].max())))
-    wide = cols.wide
-    ids = table.ids(wide["name"], wide["rank"], "wide rows")
-    order = np.lexsort((wide["offset"], wide["rank"], ids))
-    ids, wide = ids[order], {k: v[order] for k, v in wide.items()}
+    seg, wide = cols.segments, cols.wide
+    ids = table.ids(wide["name"], lambda i: int(seg["rank"][wide["seg"][i]]), "wide rows")
+    at = np.empty(len(seg["rank"]), np.int64)  # each segment's position in (rank, offset) order
+    at[np.lexsort((seg["offset"], seg["rank"]))] = np.arange(len(at))
+    order = np.argsort(ids * max(1, len(at)) + at[wide["seg"]])  # entries by (name, rank, offset): one sort
+    ids, where = ids[order], wide["seg"][order]
+    del order
 
     def wide_page(s: int, e: int) -> tuple[list[Any], Any, Any]:
         fqn = _strings(ids[s:e], table.names)
-        return ([fqn, fqn, *(wide[k][s:e].astype(np.uint32 if k == "crc32c" else np.int64)
-                             for k in ("rank", "offset", "nbytes", "rows", "crc32c"))],
+        k = where[s:e]
+        return ([fqn, fqn, *(seg[c][k].astype(np.uint32 if c == "crc32c" else np.int64)
+                             for c in ("rank", "offset", "nbytes", "rows", "crc32c"))],
                 table.names[ids[s]], table.names[ids[e - 1]])
 
     wide_blobs, wide_pages = _pages(len(ids), WIDE_ENTRY_SCHEMA, sid, "first", "last", wide_page)
@@ -222,7 +226,7 @@ def _scalar_pages(cols: EntryColumns, table: NameTable, sid: bytes) -> tuple[lis
     """The 0-dim chunks, sorted by name, as pages of rows of the part schema."""
     sc = cols.scalars
     ranks = np.asarray([s[0] for s in sc], np.int64)
-    ids = table.ids(np.asarray([s[1] for s in sc], np.uint64), ranks, "a 0-dim chunk")
+    ids = table.ids(np.asarray([s[1] for s in sc], np.uint64), lambda i: int(ranks[i]), "a 0-dim chunk")
     order = np.argsort(ids, kind="stable")
     ids, ranks = ids[order], ranks[order]
     twice = np.flatnonzero(ids[1:] == ids[:-1])

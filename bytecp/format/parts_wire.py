@@ -15,7 +15,7 @@ wrote 0-dim values) and maps the hashes back to the state's tensor names
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -97,9 +97,10 @@ class EntryColumns:
     elements: int
     #: band entries
     band: dict[str, np.ndarray]
-    #: wide entries, one per (tensor, segment): ``name`` = the tensor's hash
+    #: wide entries, one per (tensor, segment): ``name`` = the tensor's hash, ``seg`` = the segment's
+    #: position in ``segments`` (its columns are gathered a page at a time, not per entry)
     wide: dict[str, np.ndarray]
-    #: every segment (band and wide): rank, offset, nbytes, rows; ``named``: how many wide entries name it
+    #: every segment (band and wide): rank, offset, nbytes, rows, crc32c; ``named``: how many wide entries name it
     segments: dict[str, np.ndarray]
     #: 0-dim chunks: (rank, fqn hash, file, byte offset, nbytes, crc)
     scalars: list[tuple[int, int, str, int, int, int]]
@@ -146,15 +147,14 @@ def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
     seg_rank = np.repeat(rank, ns_)
     is_band = _ramp(ns_) < np.repeat(nb, ns_)
     band |= {k: v[is_band] for k, v in seg.items()} | {"rank": seg_rank[is_band]}
-    wide_seg = {k: v[~is_band] for k, v in seg.items()}
     name_rank = np.repeat(rank, nn)
     bad_seg = (wseg < 0) | (wseg >= np.repeat(nw, nn))
     if bool(bad_seg.any()):
         raise ConfigError(f"rank {int(name_rank[np.flatnonzero(bad_seg)[0]])}: its index part names a wide "
                           "segment it does not have")
     base = np.repeat(np.cumsum(nw) - nw, nn)  # each part's first wide segment, among all wide segments
-    pick = base + wseg
-    wide = {k: v[pick] for k, v in wide_seg.items()} | {"rank": name_rank, "name": whash.view(np.uint64)}
+    where_seg = np.flatnonzero(~is_band)[base + wseg]  # each wide entry's segment, among all segments
+    wide = {"name": whash.view(np.uint64), "seg": where_seg}
     scalars: list[tuple[int, int, str, int, int, int]] = []
     for j in np.flatnonzero(ns).tolist():
         s0, n = int(start[j] + at[j]), int(ns[j])
@@ -178,9 +178,8 @@ def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
         raise ConfigError(f"rank {int(rank[i])}: its index part entries are malformed (trailing bytes)")
     keep = nbytes > 0
     named = np.zeros(int(ns_.sum()), np.int64)
-    np.add.at(named, np.flatnonzero(~is_band)[pick], 1)
-    segments = {"rank": seg_rank, "offset": seg["offset"], "nbytes": seg["nbytes"], "rows": seg["rows"],
-                "named": np.where(is_band, 1, named)}
+    np.add.at(named, where_seg, 1)
+    segments = {"rank": seg_rank, **seg, "named": np.where(is_band, 1, named)}
     return EntryColumns(rank=rank[keep], nbytes=nbytes[keep], elements=int(elements.sum()), band=band, wide=wide,
                         segments=segments, scalars=scalars)
 
@@ -199,9 +198,9 @@ class NameTable:
             a, b = self.names[self.order[dup[0]]], self.names[self.order[dup[0] + 1]]
             raise ConfigError(f"tensor names {a!r} and {b!r} collide in the commit's 64-bit name hash; rename one")
 
-    def ids(self, hashes: np.ndarray, ranks: np.ndarray, what: str) -> np.ndarray:
-        """The ids of ``hashes`` (sent by ``ranks``); ConfigError naming a rank
-        that sent the hash of no tensor of the state."""
+    def ids(self, hashes: np.ndarray, rank_of: Callable[[int], int], what: str) -> np.ndarray:
+        """The ids of ``hashes`` (hash ``i`` sent by rank ``rank_of(i)``);
+        ConfigError naming a rank that sent the hash of no tensor of the state."""
         hashes = np.asarray(hashes, np.uint64)
         if not len(self.sorted):
             pos = np.zeros(len(hashes), np.int64)
@@ -210,6 +209,6 @@ class NameTable:
             pos = np.minimum(np.searchsorted(self.sorted, hashes), len(self.sorted) - 1)
             known = self.sorted[pos] == hashes
         if not bool(known.all()):
-            raise ConfigError(f"rank {int(ranks[np.flatnonzero(~known)[0]])}: its index part lists {what} of a tensor "
+            raise ConfigError(f"rank {rank_of(int(np.flatnonzero(~known)[0]))}: its index part lists {what} of a tensor "
                               "missing from the state every rank described")
         return np.asarray(self.order[pos], np.int64)

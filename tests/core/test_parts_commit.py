@@ -66,8 +66,10 @@ def test_part_entries_decode_together_as_they_were_built() -> None:
     assert cols.band["lo"].tolist() == [3, 3] and cols.band["rank"].tolist() == [5, 2]
     assert cols.band["offset"].tolist() == [0, 0] and cols.band["crc32c"].tolist() == [7, 7]
     table = parts_wire.NameTable(["w", "b", "s"])
-    assert [table.names[i] for i in table.ids(cols.wide["name"], cols.wide["rank"], "x")] == ["b", "w", "w"]
-    assert cols.wide["offset"].tolist() == [100, 100, 100] and cols.wide["rows"].tolist() == [3, 3, 3]
+    assert [table.names[i] for i in table.ids(cols.wide["name"], lambda i: -1, "x")] == ["b", "w", "w"]
+    seg = cols.wide["seg"]
+    assert cols.segments["rank"][seg].tolist() == [5, 5, 2] and cols.segments["offset"][seg].tolist() == [100] * 3
+    assert cols.segments["rows"][seg].tolist() == [3, 3, 3] and cols.segments["named"].tolist() == [1, 2, 1, 1]
     (sc,) = cols.scalars
     assert sc[0] == 5 and sc[2:] == ("data/x/é-0.bin", 4096, 4, 9)
     blobs, d = parts_build.build_directory([a, b], "sid", 1024, ["b", "s", "w"])

@@ -212,7 +212,7 @@ def test_moe_experts_replicated_over_data_parallel_are_read_whole_from_their_pie
     assert job.chunk_count() == total_rows
     for rank in (0, 13, 31):
         read_exactly(md, storage, [t for t in job.targets(rank) if t[1].numel])
-        assert storage.read  # (its experts' pieces: every holder's part; names in wide ranges: docs/benchmarks.md "Scale")
+        assert storage.read  # its experts' pieces: the wide segments of their holders, named one by one
 
 
 def test_zero_redundancy_assignment_alone_equals_the_gathered_one() -> None:
