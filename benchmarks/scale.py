@@ -14,7 +14,7 @@ every rank, the experts' replicas deduplicated by the real planner).
   (``planned_locally``); the votes' payload;
 - ``commit, rank``: a middle rank's and the most loaded rank's
   ``ChunkBatch.of`` + ``build_part`` (time, memory, part size);
-- ``commit, coordinator``: unpickling every rank's ``PartEntries``, adding
+- ``commit, coordinator``: decoding every rank's encoded ``PartEntries``, adding
   up their elements, ``build_directory`` over W of them, and
   ``metadata.json`` built and serialized (the entries of ranks whose parts
   are not built are synthesized from real ones: :mod:`benchmarks.scale_parts`);
@@ -49,6 +49,7 @@ from typing import Any
 from bytecp.format import metadata as fmt
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
+from bytecp.format.parts_wire import decode_all
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
@@ -91,7 +92,7 @@ def save_plan(job: jobs.Job, repeats: int) -> dict[str, Any]:
 
     def vote() -> Any:
         plan = local_plan(flat, rank, job.world)
-        return plan, vote_for(plan, plan_key(plan), None, "s", None)
+        return plan, vote_for(plan, plan_key(plan), None, "s", None).encode()
 
     tv, memv, (plan, _) = measure(vote, repeats)
     td, memd, d = measure(lambda: decide(pickle.loads(payload)), repeats)  # the all-gather's decode, the decision
@@ -114,30 +115,30 @@ def commit_ranks(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any
         t, mem, built = measure(functools.partial(real_part, job, rank, entries.buckets), repeats)
         out[label] = {"rank": rank, "rows": len(boxes), "s": t, "peak_mb": mem / 1e6,
                       "part_kb": built.entries.nbytes / 1e3, "segments": len(built.entries.rows),
-                      "wide_segments": len(built.entries.first)}
+                      "wide_segments": built.entries.wide_segments}
     return out
 
 
 def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]:
     every = entries.all()
-    wire = [pickle.dumps(e, protocol=pickle.HIGHEST_PROTOCOL) for e in every]
+    wire = [e.encode() for e in every]  # what each rank sends in the commit's gather
     del every
     files = sl.data_files(job)
     specs = job.specs()
 
     def build() -> tuple[Any, int]:
-        got = [pickle.loads(w) for w in wire]
-        held = sum(e.elements for e in got)
+        got = decode_all(wire)
+        held = got.elements
         held -= sum(math.prod(s["shape"]) for s in specs.values())  # build_metadata's check (not equal here)
-        pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets)
+        pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets, specs)
         md = sl.metadata_for(job, directory, files)
         return directory, len(md.to_bytes())
 
     t, mem, (directory, md_bytes) = measure(build, repeats)
     return {"s": t, "peak_mb": mem / 1e6, "gathered_mb": sum(map(len, wire)) / 1e6,
             "directory_mb": directory.nbytes / 1e6,
-            "segments": sum(directory.band_pages["rows"]) + sum(directory.wide_pages["rows"]),
-            "wide_segments": sum(directory.wide_pages["rows"]), "metadata_mb": md_bytes / 1e6}
+            "segments": directory.rows, "wide_segments": sum(directory.wide_pages["rows"]),
+            "scalar_rows": sum(directory.scalar_pages["rows"]), "metadata_mb": md_bytes / 1e6}
 
 
 def loads(job: jobs.Job, entries: Entries, repeats: int, max_parts: int) -> dict[str, Any]:

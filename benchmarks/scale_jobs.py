@@ -209,9 +209,9 @@ def rank_tree(job: Job, rank: int) -> Any:
     return FlatTree(Node.container("dict", ()), tensors, {}, {}, {})
 
 
-def votes(job: Job, cached: str | None = None) -> list[Any]:
-    """Every rank's plan vote as :func:`~bytecp.plan.exchange.vote_for` makes
-    it (own rows, the world set of the ``step`` tensors, its EP index's set)."""
+def votes(job: Job, cached: str | None = None) -> list[bytes]:
+    """Every rank's plan vote as :func:`~bytecp.plan.exchange.ballot` sends
+    it, encoded (own rows, the world set of the ``step`` tensors, its EP index's set)."""
     from bytecp.plan.exchange import PlanVote
     from bytecp.tree.state import ReplicaSet
 
@@ -223,4 +223,4 @@ def votes(job: Job, cached: str | None = None) -> list[Any]:
     own = job.own_bytes()
     return [PlanVote(sim._hex("fp", r), cached, sim._hex("skeleton", r % job.ep if job.groups else 0),
                      SAVE_ID if r == 0 else None, int(own[r]), sets[r % job.ep if job.groups else 0], False,
-                     own_fp=sim._hex("own", r) if own[r] else "") for r in range(w)]
+                     own_fp=sim._hex("own", r) if own[r] else "").encode() for r in range(w)]

@@ -84,7 +84,7 @@ def prepare(root: Path, job: Job, entries: Entries, readers: list[int], cap: int
             break
         for r in sorted(need):
             entries.add_real(r)
-    pages, directory = build_directory(every, SAVE_ID, entries.buckets)
+    pages, directory = build_directory(every, SAVE_ID, entries.buckets, job.specs())
     (root / "index" / SAVE_ID).mkdir(parents=True)
     (root / directory.file).write_bytes(b"".join(pages))
     for r, part in entries.real.items():

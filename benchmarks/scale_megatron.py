@@ -74,7 +74,7 @@ def megatron_save_plan(tp: int, pp: int, dp: int, repeats: int, coordinator: boo
         for tp_r in range(tp):
             r = _rank_of(tp_r, 0, pp_r, tp, dp)
             plan = local_plan(rank_tree(model, tp, pp, dp, r, True), r, world)
-            proto[(pp_r, tp_r)] = vote_for(plan, plan_key(plan), None, "s", None)
+            proto[(pp_r, tp_r)] = vote_for(plan, plan_key(plan), None, "s", None).encode()
     votes = [proto[(r // (tp * dp), r % tp)] for r in range(world)]
     # each rank's vote crosses the network on its own (all_gather_object)
     payload = [pickle.dumps(v, protocol=pickle.HIGHEST_PROTOCOL) for v in votes]

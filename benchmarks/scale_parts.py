@@ -16,7 +16,8 @@ scaled by ``r / s`` (a rank's rows lie at ``r / W`` of a tensor, or ``r /
 rows`` where it holds one row: linear in ``r``), and the wide segments its
 expert pieces make (the EP index 0 replica set's real plan, at the rank's
 position among its holders, names moved to its experts; cut as
-``build_part`` cuts them; sizes fitted on the real wide segments).
+``build_part`` cuts them; sizes fitted on the real wide segments), and the
+0-dim ``step`` values it writes (the directory's scalar pages list them).
 """
 
 from __future__ import annotations
@@ -29,13 +30,8 @@ from typing import Any
 import numpy as np
 
 from bytecp.format import parts_read
-from bytecp.format.parts_build import BuiltPart, PartEntries, build_part
-from bytecp.format.parts_schema import (
-    MAX_WIDE_SEGMENTS,
-    SEGMENT_ROWS,
-    WIDE_MIN_ROWS,
-    PartsDirectory,
-)
+from bytecp.format.parts_build import BuiltPart, PartEntries, Scalar, build_part
+from bytecp.format.parts_schema import PAGE_ENTRIES, SEGMENT_ROWS, PartsDirectory
 from bytecp.tree.regions import Region
 
 from .scale_jobs import SAVE_ID, Job
@@ -92,22 +88,14 @@ class Entries:
                 self.fit = tuple(np.polyfit(xs, ys, 1)) if len(set(xs)) > 1 else (0.0, float(ys.mean()))
         return self.real[rank]
 
-    def _wide_templates(self) -> dict[int, list[tuple[str, str, int]]]:
-        """Per holder position of EP index 0: its wide segments (first, last, rows), cut as build_part cuts."""
-        out: dict[int, list[tuple[str, str, int]]] = {}
+    def _wide_templates(self) -> dict[int, list[tuple[list[str], int]]]:
+        """Per holder position of EP index 0: its wide segments (the names of
+        their tensors, rows), cut as build_part cuts them (runs of SEGMENT_ROWS by name)."""
+        out: dict[int, list[tuple[list[str], int]]] = {}
         for r, items in self.job.expert_plan(0).items():
             names = sorted(it.fqn for it in items)
-            uniq = sorted(set(names))
-            segs: list[tuple[str, str, int]] = []
-            if len(uniq) <= MAX_WIDE_SEGMENTS:
-                for u in uniq:
-                    k = names.count(u)
-                    segs += [(u, u, min(SEGMENT_ROWS, k - s)) for s in range(0, k, SEGMENT_ROWS)]
-            else:
-                per = min(SEGMENT_ROWS, max(WIDE_MIN_ROWS, -(-len(names) // MAX_WIDE_SEGMENTS)))
-                segs = [(names[s], names[min(len(names), s + per) - 1], min(per, len(names) - s))
-                        for s in range(0, len(names), per)]
-            out[r // self.job.ep] = segs
+            out[r // self.job.ep] = [(sorted(set(names[s : s + SEGMENT_ROWS])), len(names[s : s + SEGMENT_ROWS]))
+                                     for s in range(0, len(names), SEGMENT_ROWS)]
         return out
 
     def rename(self, name: str, group: int) -> str:
@@ -129,17 +117,21 @@ class Entries:
         e = PartEntries(rank=rank, nbytes=src.nbytes, elements=src.elements, lo=lo, hi=hi,
                         offset=list(src.offset[:nb]), size=list(src.size[:nb]), rows=list(src.rows[:nb]),
                         crc=list(src.crc[:nb]))
+        rank_file = f"data/{SAVE_ID}/{rank}-0.bin"
+        job = self.job
+        e.scalars = [Scalar(job.steps[i], rank_file, 0, 4, 1234)
+                     for i in range(job.world - 1 - rank, len(job.steps), job.world)]
+        e.elements += len(e.scalars) - len(src.scalars)
         g = rank % self.job.ep if self.job.groups else 0
         off = src.nbytes
-        for first, last, rows in self.wide.get(rank // self.job.ep, []) if self.job.groups else []:
+        for j, (names, rows) in enumerate(self.wide.get(rank // self.job.ep, []) if self.job.groups else []):
             if renamed is not None:
-                first = renamed.setdefault(first, self.rename(first, g))
-                last = renamed.setdefault(last, self.rename(last, g))
+                names = [renamed.setdefault(n, self.rename(n, g)) for n in names]
             else:
-                first, last = self.rename(first, g), self.rename(last, g)
+                names = [self.rename(n, g) for n in names]
             size = max(64, int(self.fit[0] * rows + self.fit[1]))
-            e.first.append(first)
-            e.last.append(last)
+            e.names += names
+            e.name_seg += [j] * len(names)
             e.offset.append(off)
             e.size.append(size)
             e.rows.append(rows)
@@ -164,7 +156,7 @@ _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 def touched(entries: list[PartEntries], md: Any, wanted: dict[str, list[Region]]) -> tuple[set[int], int, int]:
     """The ranks whose parts :func:`~bytecp.format.parts_read.read_parts` reads for
-    ``wanted``, as it selects them; and the segments and rows it reads."""
+    ``wanted``, as it selects them; and the segments (and scalar pages) and rows it reads."""
     bands = parts_read.wanted_bands(md, wanted)
     names = sorted(wanted)
     ranks: set[int] = set()
@@ -175,12 +167,17 @@ def touched(entries: list[PartEntries], md: Any, wanted: dict[str, list[Region]]
             if parts_read._meets(bands, e.lo[k], e.hi[k]):
                 ranks.add(e.rank)
                 segs, rows = segs + 1, rows + e.rows[k]
-        for k in range(len(e.first)):
-            if parts_read._names_in(names, e.first[k], e.last[k]):
-                ranks.add(e.rank)
-                segs, rows = segs + 1, rows + e.rows[nb + k]
+        hit = {j for n, j in zip(e.names, e.name_seg, strict=True) if parts_read._names_in(names, n, n)}
+        if hit:
+            ranks.add(e.rank)
+            segs, rows = segs + len(hit), rows + sum(e.rows[nb + j] for j in hit)
+    scalars = sorted(s.fqn for e in entries for s in e.scalars)
+    for s in range(0, len(scalars), PAGE_ENTRIES):
+        page = scalars[s : s + PAGE_ENTRIES]
+        if parts_read._names_in(names, page[0], page[-1]):
+            segs, rows = segs + 1, rows + len(page)
     return ranks, segs, rows
 
 
 def directory_stub(buckets: int) -> PartsDirectory:
-    return PartsDirectory(SAVE_ID, buckets, [], [], 0, {}, {})
+    return PartsDirectory(SAVE_ID, buckets, [], [], 0, {}, {}, {})

@@ -104,9 +104,9 @@ def _hex(*parts: Any) -> str:
 
 
 def fsdp_votes(model: dict[str, tuple[int, ...]], world: int, *, adam: bool = True,
-               cached: str | None = None) -> list[PlanVote]:
-    """Every rank's vote as :func:`bytecp.plan.exchange.vote_for` makes it
-    (fingerprints differ per rank; ``step`` tensors form one world set)."""
+               cached: str | None = None) -> list[bytes]:
+    """Every rank's vote as :func:`bytecp.plan.exchange.ballot` sends it,
+    encoded (fingerprints differ per rank; ``step`` tensors form one world set)."""
     every = ReplicaSet.world(world)
     steps = _hex("steps", sorted(model)) if adam else None
     votes = []
@@ -114,7 +114,7 @@ def fsdp_votes(model: dict[str, tuple[int, ...]], world: int, *, adam: bool = Tr
         own = sum(4 * row_box(s, world, r).numel * (3 if adam else 1) for s in model.values())
         sets = ((every.key, world, steps),) if steps else ()
         votes.append(PlanVote(_hex("fp", r), cached, _hex("skeleton"), "20261123T000000-00000000" if r == 0 else None,
-                              own, sets, False))
+                              own, sets, False).encode())
     return votes
 
 

@@ -2,10 +2,13 @@
 
 Called by the save pipeline's commit: every rank, before the commit's
 gather, checks its own chunks and lays out its part (:func:`build_part`),
-writes it and sends the coordinator only the part's :class:`PartEntries` (a
-few per rank); the coordinator turns every rank's entries into the
-directory (:func:`build_directory`). Nothing here is O(all chunks) on one
-process: a rank handles its own rows, the coordinator O(ranks) entries.
+writes it and sends the coordinator only the part's :class:`PartEntries`
+(encoded: :mod:`bytecp.format.parts_wire`); the coordinator decodes every
+rank's together and turns them into the directory (:func:`build_directory`).
+A rank handles its own rows; the coordinator one entry per band segment,
+per (wide tensor, segment) pair and per 0-dim chunk -- not every chunk,
+but as many entries as a planner spreads pieces of whole tensors over
+ranks (FORMAT.md §5.6 says why that is the floor of a by-name lookup).
 Like :mod:`bytecp.format.index_build`, all on NumPy columns.
 docs/FORMAT.md section 5.6 is the spec; :mod:`bytecp.format.parts_schema`
 holds the schemas.
@@ -14,7 +17,7 @@ holds the schemas.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -27,42 +30,18 @@ from bytecp.format.index_build import check_chunks, encode_segment, rows_table
 from bytecp.format.metadata import ChunkRecord
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
-    MAX_WIDE_SEGMENTS,
     PAGE_ENTRIES,
     PART_SCHEMA,
     SEGMENT_ROWS,
     WIDE_ENTRY_SCHEMA,
-    WIDE_MIN_ROWS,
     PartsDirectory,
     buckets_for,
-    check_spans,
     part_file,
     span_limit,
 )
+from bytecp.format.parts_wire import EntryColumns, NameTable, PartEntries, Scalar, decode_all
 
-__all__ = ["PartEntries", "BuiltPart", "build_part", "build_directory", "build_whole", "linear_bands"]
-
-
-@dataclasses.dataclass
-class PartEntries:
-    """What a rank tells the coordinator about its part: its size and one
-    entry per segment (columns). ``nbytes == 0``: it wrote no part."""
-
-    rank: int
-    nbytes: int = 0
-    #: elements of every chunk of the part (the coordinator adds them up)
-    elements: int = 0
-    #: band segments: the bands [lo, hi] their rows meet; where they are
-    lo: list[int] = dataclasses.field(default_factory=list)
-    hi: list[int] = dataclasses.field(default_factory=list)
-    #: wide segments: the names [first, last] of their rows
-    first: list[str] = dataclasses.field(default_factory=list)
-    last: list[str] = dataclasses.field(default_factory=list)
-    #: band segments then wide segments
-    offset: list[int] = dataclasses.field(default_factory=list)
-    size: list[int] = dataclasses.field(default_factory=list)
-    rows: list[int] = dataclasses.field(default_factory=list)
-    crc: list[int] = dataclasses.field(default_factory=list)
+__all__ = ["PartEntries", "Scalar", "BuiltPart", "build_part", "build_directory", "build_whole", "linear_bands"]
 
 
 @dataclasses.dataclass
@@ -99,9 +78,11 @@ def build_part(
     buckets: int,
 ) -> BuiltPart:
     """(every rank, at commit) Check this rank's chunks (inside their
-    tensors and data files, no two overlapping) and lay out its part.
-    ``tensors``: this rank's tensor specs (every tensor it wrote chunks of).
-    Raises :class:`ConfigError` naming the tensor, the rank and the region."""
+    tensors and data files, no two overlapping) and lay out its part: band
+    segments, then wide segments; its 0-dim chunks go to the entries (the
+    directory lists them). ``tensors``: this rank's tensor specs (every
+    tensor it wrote chunks of). Raises :class:`ConfigError` naming the
+    tensor, the rank and the region."""
     names = sorted(tensors)
     rows = check_chunks([batch], tensors, data_files, ranks=[rank], whole=False)
     n = len(rows.fid)
@@ -113,14 +94,24 @@ def build_part(
     last = ((rows.O + rows.L - 1) * strides[rows.fid]).sum(axis=1)
     lo, hi = linear_bands(rows.lin, last, rows.shape.prod(axis=1)[rows.fid], buckets)
     limit = span_limit(buckets)
-    banded = (hi - lo + 1) <= limit
+    scalar = rows.ndim == 0
+    banded = ~scalar & ((hi - lo + 1) <= limit)
     bi = np.flatnonzero(banded)
     bi = bi[np.lexsort((rows.lin[bi], rows.fid[bi], lo[bi]))]
     band_groups = _cut_bands(bi, lo, limit)
-    wi = np.flatnonzero(~banded)
+    wi = np.flatnonzero(~scalar & ~banded)
     wi = wi[np.lexsort((rows.lin[wi], rows.fid[wi]))]
-    wide_groups = _cut_wide(wi, rows.fid)
+    wide_groups = [wi[s : s + SEGMENT_ROWS] for s in range(0, len(wi), SEGMENT_ROWS)]
     groups = band_groups + wide_groups
+    entries = PartEntries(rank=rank, elements=int(rows.L.prod(axis=1).sum()),
+                          scalars=[Scalar(names[rows.fid[i]], rows.files[rows.file[i]], int(rows.byte_offset[i]),
+                                          int(rows.nbytes[i]), int(rows.crc[i])) for i in np.flatnonzero(scalar)])
+    for j, g in enumerate(wide_groups):
+        fids = np.unique(rows.fid[g])
+        entries.names += [names[f] for f in fids]
+        entries.name_seg += [j] * len(fids)
+    if not groups:
+        return BuiltPart([], entries)
     schema = PART_SCHEMA.with_metadata({**(PART_SCHEMA.metadata or {}), b"bytecp.save_id": save_id.encode()})
     table = rows_table(rows, names, np.concatenate(groups), schema)
     blobs, start = [], 0
@@ -128,13 +119,11 @@ def build_part(
         blobs.append(encode_segment(table.slice(start, len(g))))
         start += len(g)
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
-    return BuiltPart(blobs, PartEntries(
-        rank=rank, nbytes=int(offsets[-1]), elements=int(rows.L.prod(axis=1).sum()),
-        lo=[int(lo[g].min()) for g in band_groups], hi=[int(hi[g].max()) for g in band_groups],
-        first=[names[rows.fid[g[0]]] for g in wide_groups], last=[names[rows.fid[g[-1]]] for g in wide_groups],
-        offset=offsets[:-1], size=[len(b) for b in blobs], rows=[len(g) for g in groups],
-        crc=[crc32c(b) for b in blobs],
-    ))
+    entries.nbytes = int(offsets[-1])
+    entries.lo, entries.hi = [int(lo[g].min()) for g in band_groups], [int(hi[g].max()) for g in band_groups]
+    entries.offset, entries.size = offsets[:-1], [len(b) for b in blobs]
+    entries.rows, entries.crc = [len(g) for g in groups], [crc32c(b) for b in blobs]
+    return BuiltPart(blobs, entries)
 
 
 def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray]:
@@ -142,8 +131,7 @@ def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray
     :data:`SEGMENT_ROWS` rows whose first bands lie within ``limit`` of each
     other -- once a segment has 16 rows (a Parquet file per row or two
     would cost more than the rows), or at once across a gap of more than
-    4 times ``limit`` (a rank's 0-dim values in band 0 and its shards far
-    from it: readers of one need not read the other)."""
+    4 times ``limit`` (rows far apart: readers of one need not read the other)."""
     out: list[np.ndarray] = []
     s = 0
     while s < len(order):
@@ -156,99 +144,124 @@ def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray
     return out
 
 
-def _cut_wide(order: np.ndarray, fid: np.ndarray) -> list[np.ndarray]:
-    """Wide rows (sorted by name) into segments: one per tensor when the
-    part has at most :data:`MAX_WIDE_SEGMENTS` wide tensors, else even runs
-    of names (at least :data:`WIDE_MIN_ROWS` rows); never more than
-    :data:`SEGMENT_ROWS` rows."""
-    if not len(order):
-        return []
-    f = fid[order]
-    starts = np.concatenate([[0], np.flatnonzero(f[1:] != f[:-1]) + 1])
-    if len(starts) > MAX_WIDE_SEGMENTS:
-        per = max(WIDE_MIN_ROWS, -(-len(order) // MAX_WIDE_SEGMENTS))
-        starts = np.arange(0, len(order), per)
-    cuts = [int(x) for x in starts[1:]]
-    out: list[np.ndarray] = []
-    for g in np.split(order, cuts):
-        out.extend(g[s : s + SEGMENT_ROWS] for s in range(0, len(g), SEGMENT_ROWS))
-    return out
-
-
-def build_directory(entries: Sequence[PartEntries], save_id: str, buckets: int) -> tuple[list[bytes], PartsDirectory]:
-    """(coordinator, at commit) Every rank's part entries as the directory
-    file's pages and ``metadata.json``'s ``index``. Checks what a rank could
-    get wrong: segments inside its part, not overlapping, bands in range."""
-    parts = sorted((e for e in entries if e.nbytes), key=lambda e: e.rank)
-    for e in parts:
-        nb = len(e.lo)
-        if len({len(e.lo), len(e.hi)}) != 1 or len({len(e.first), len(e.last)}) != 1 or \
-                len({len(e.offset), len(e.size), len(e.rows), len(e.crc), nb + len(e.first)}) != 1:
-            raise ConfigError(f"rank {e.rank}: its index part's entries have columns of different lengths")
-        if any(not 0 <= a <= b < buckets for a, b in zip(e.lo, e.hi, strict=True)) or any(r <= 0 for r in e.rows):
-            raise ConfigError(f"rank {e.rank}: its index part lists a segment outside the {buckets} bands or empty")
-
-        def bad(why: str, rank: int = e.rank) -> ConfigError:
-            return ConfigError(f"rank {rank}: its index part places a segment {why}")
-
-        check_spans(e.offset, e.size, e.nbytes, bad)
+def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_id: str, buckets: int,
+                    names: Iterable[str]) -> tuple[list[bytes], PartsDirectory]:
+    """(coordinator, at commit) Every rank's part entries (as gathered:
+    :meth:`PartEntries.encode`'s bytes, or already decoded by
+    :func:`~bytecp.format.parts_wire.decode_all`; objects are encoded first) as the
+    directory file's pages and ``metadata.json``'s ``index``. ``names``: every
+    tensor of the state. Checks what a rank could get wrong: segments
+    inside its part, not overlapping, bands in range, names it does not
+    know, a 0-dim tensor written by two ranks. O(entries), vectorized."""
+    cols = entries if isinstance(entries, EntryColumns) else decode_all(
+        [e if isinstance(e, bytes) else e.encode() for e in entries])
+    table = NameTable(names)
+    _check(cols, buckets)
     sid = save_id.encode()
-    band_cols = _band_columns(parts)
-    order = np.lexsort((band_cols["rank"], band_cols["lo"]))
-    band_blobs, band_pages = _pages({k: v[order] for k, v in band_cols.items()}, BAND_ENTRY_SCHEMA, sid, "lo", "hi")
-    wide_rows = sorted((e.first[k], e.rank, e.last[k], e.offset[len(e.lo) + k], e.size[len(e.lo) + k],
-                        e.rows[len(e.lo) + k], e.crc[len(e.lo) + k]) for e in parts for k in range(len(e.first)))
-    wide_cols: dict[str, np.ndarray] = {
-        "first": np.asarray([r[0] for r in wide_rows], object), "last": np.asarray([r[2] for r in wide_rows], object),
-        **{k: np.asarray([r[i] for r in wide_rows], np.uint32 if k == "crc32c" else np.int64)
-           for k, i in (("rank", 1), ("offset", 3), ("nbytes", 4), ("rows", 5), ("crc32c", 6))}}
-    wide_blobs, wide_pages = _pages(wide_cols, WIDE_ENTRY_SCHEMA, sid, "first", "last")
-    base = sum(len(b) for b in band_blobs)
-    wide_pages["offset"] = [o + base for o in wide_pages["offset"]]
-    blobs = band_blobs + wide_blobs
+    band = cols.band
+    order = np.lexsort((band["rank"], band["lo"]))
+    band = {k: v[order] for k, v in band.items()}
+    band_blobs, band_pages = _pages(len(order), BAND_ENTRY_SCHEMA, sid, "lo", "hi", lambda s, e: (
+        [band[f.name][s:e].astype(np.uint32 if f.name == "crc32c" else np.int64) for f in BAND_ENTRY_SCHEMA],
+        int(band["lo"][s]), int(band["hi"][s:e].max())))
+    wide = cols.wide
+    ids = table.ids(wide["name"], wide["rank"], "wide rows")
+    order = np.lexsort((wide["offset"], wide["rank"], ids))
+    ids, wide = ids[order], {k: v[order] for k, v in wide.items()}
+
+    def wide_page(s: int, e: int) -> tuple[list[Any], Any, Any]:
+        fqn = _strings(ids[s:e], table.names)
+        return ([fqn, fqn, *(wide[k][s:e].astype(np.uint32 if k == "crc32c" else np.int64)
+                             for k in ("rank", "offset", "nbytes", "rows", "crc32c"))],
+                table.names[ids[s]], table.names[ids[e - 1]])
+
+    wide_blobs, wide_pages = _pages(len(ids), WIDE_ENTRY_SCHEMA, sid, "first", "last", wide_page)
+    scalar_blobs, scalar_pages = _scalar_pages(cols, table, sid)
+    blobs = band_blobs + wide_blobs + scalar_blobs
+    base = 0
+    for group, pages in ((band_blobs, band_pages), (wide_blobs, wide_pages), (scalar_blobs, scalar_pages)):
+        pages["offset"] = [o + base for o in pages["offset"]]
+        base += sum(len(b) for b in group)
     return blobs, PartsDirectory(
-        save_id=save_id, buckets=buckets, ranks=[e.rank for e in parts], part_nbytes=[e.nbytes for e in parts],
-        directory_nbytes=sum(len(b) for b in blobs), band_pages=band_pages, wide_pages=wide_pages,
+        save_id=save_id, buckets=buckets, ranks=cols.rank.tolist(), part_nbytes=cols.nbytes.tolist(),
+        directory_nbytes=base, band_pages=band_pages, wide_pages=wide_pages, scalar_pages=scalar_pages,
     )
 
 
-def _band_columns(parts: Sequence[PartEntries]) -> dict[str, np.ndarray]:
-    def col(get: Any, dt: Any) -> np.ndarray:
-        return np.concatenate([np.asarray(get(e), dt) for e in parts]) if parts else np.zeros(0, dt)
+def _check(cols: EntryColumns, buckets: int) -> None:
+    """The coordinator's checks of every rank's entries (ConfigError naming a rank)."""
+    def fail(mask: np.ndarray, ranks: np.ndarray, why: str) -> None:
+        if bool(mask.any()):
+            raise ConfigError(f"rank {int(ranks[np.flatnonzero(mask)[0]])}: its index part {why}")
 
-    return {
-        "lo": col(lambda e: e.lo, np.int64), "hi": col(lambda e: e.hi, np.int64),
-        "rank": col(lambda e: [e.rank] * len(e.lo), np.int64),
-        "offset": col(lambda e: e.offset[: len(e.lo)], np.int64), "nbytes": col(lambda e: e.size[: len(e.lo)], np.int64),
-        "rows": col(lambda e: e.rows[: len(e.lo)], np.int64), "crc32c": col(lambda e: e.crc[: len(e.lo)], np.uint32),
-    }
+    order = np.argsort(cols.rank, kind="stable")
+    cols.rank, cols.nbytes = cols.rank[order], cols.nbytes[order]
+    fail(cols.rank[1:] == cols.rank[:-1], cols.rank[1:], "was sent twice")
+    b = cols.band
+    fail((b["lo"] < 0) | (b["lo"] > b["hi"]) | (b["hi"] >= buckets), b["rank"],
+         f"lists a segment outside the {buckets} bands")
+    seg = cols.segments
+    pos = np.searchsorted(cols.rank, seg["rank"]) if len(cols.rank) else np.zeros(len(seg["rank"]), np.int64)
+    pos = np.minimum(pos, max(0, len(cols.rank) - 1))
+    size = np.where(cols.rank[pos] == seg["rank"], cols.nbytes[pos], 0) if len(cols.rank) else pos * 0
+    fail((seg["rows"] <= 0) | (seg["named"] <= 0), seg["rank"], "lists an empty segment, or a wide one naming no tensor")
+    o = np.lexsort((seg["offset"], seg["rank"]))
+    r, off, n = seg["rank"][o], seg["offset"][o], seg["nbytes"][o]
+    fail((off < 0) | (n <= 0) | (off + n > size[o]), r, "places a segment outside the part")
+    fail((r[1:] == r[:-1]) & (off[1:] < off[:-1] + n[:-1]), r[1:], "places two segments at overlapping bytes")
 
 
-def _pages(cols: Mapping[str, np.ndarray], schema: pa.Schema, save_id: bytes, lo: str, hi: str
-           ) -> tuple[list[bytes], dict[str, list[Any]]]:
-    """Sorted entries as pages of :data:`PAGE_ENTRIES`; each page's ``lo``
-    (its first entry's) and ``hi`` (the greatest of its entries')."""
+def _strings(ids: np.ndarray, names: Sequence[str]) -> pa.Array:
+    """The names of ``ids`` as a string column (a dictionary of the distinct ones, cast)."""
+    u, inv = np.unique(ids, return_inverse=True)
+    return pa.DictionaryArray.from_arrays(pa.array(inv.astype(np.int32)), pa.array([names[i] for i in u])
+                                          ).cast(pa.string())
+
+
+def _scalar_pages(cols: EntryColumns, table: NameTable, sid: bytes) -> tuple[list[bytes], dict[str, list[Any]]]:
+    """The 0-dim chunks, sorted by name, as pages of rows of the part schema."""
+    sc = cols.scalars
+    ranks = np.asarray([s[0] for s in sc], np.int64)
+    ids = table.ids(np.asarray([s[1] for s in sc], np.uint64), ranks, "a 0-dim chunk")
+    order = np.argsort(ids, kind="stable")
+    ids, ranks = ids[order], ranks[order]
+    twice = np.flatnonzero(ids[1:] == ids[:-1])
+    if len(twice):
+        k = int(twice[0])
+        raise ConfigError(f"tensor {table.names[ids[k]]!r}: ranks {int(ranks[k])} and {int(ranks[k + 1])} both wrote "
+                          "its value (a 0-dim tensor is written once)")
+    rows = [sc[i] for i in order]
+    empty = pa.array([[]] * len(rows), pa.list_(pa.int64()))
+
+    def page(s: int, e: int) -> tuple[list[Any], Any, Any]:
+        return ([_strings(ids[s:e], table.names), empty.slice(s, e - s), empty.slice(s, e - s),
+                 pa.array([r[2] for r in rows[s:e]], pa.string()),
+                 *(pa.array([r[k] for r in rows[s:e]], t) for k, t in ((3, pa.int64()), (4, pa.int64()),
+                                                                        (5, pa.uint32())))],
+                table.names[ids[s]], table.names[ids[e - 1]])
+
+    return _pages(len(rows), PART_SCHEMA, sid, "first", "last", page)
+
+
+def _pages(n: int, schema: pa.Schema, save_id: bytes, lo: str, hi: str,
+           page: Callable[[int, int], tuple[list[Any], Any, Any]]) -> tuple[list[bytes], dict[str, list[Any]]]:
+    """``n`` sorted entries as pages of :data:`PAGE_ENTRIES`: ``page(s, e)``
+    gives the columns of entries ``s..e-1`` and the page's bounds ``lo``, ``hi``."""
     schema = schema.with_metadata({**(schema.metadata or {}), b"bytecp.save_id": save_id})
-    n = len(cols["rank"])
     blobs: list[bytes] = []
-    page: dict[str, list[Any]] = {lo: [], hi: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
+    out: dict[str, list[Any]] = {lo: [], hi: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
     off = 0
     for s in range(0, n, PAGE_ENTRIES):
-        sl = {k: v[s : s + PAGE_ENTRIES] for k, v in cols.items()}
-        table = pa.table([pa.array(sl[f.name].tolist() if f.type == pa.string() else sl[f.name], f.type)
-                          for f in schema], schema=schema)
-        blob = encode_segment(table)
+        e = min(n, s + PAGE_ENTRIES)
+        arrays, a, b = page(s, e)
+        blob = encode_segment(pa.table([pa.array(x, f.type) if isinstance(x, np.ndarray) else x
+                                        for x, f in zip(arrays, schema, strict=True)], schema=schema))
         blobs.append(blob)
-        page[lo].append(sl[lo].tolist()[0])
-        page[hi].append(max(sl[hi].tolist()))
-        page["offset"].append(off)
-        page["nbytes"].append(len(blob))
-        page["rows"].append(len(sl["rank"]))
-        page["crc32c"].append(crc32c(blob))
+        for k, v in ((lo, a), (hi, b), ("offset", off), ("nbytes", len(blob)), ("rows", e - s),
+                     ("crc32c", crc32c(blob))):
+            out[k].append(v)
         off += len(blob)
-    return blobs, page
-
-
+    return blobs, out
 
 
 def build_whole(
@@ -265,7 +278,7 @@ def build_whole(
     check_chunks([batch], tensors, data_files)
     buckets = buckets_for(1)
     part = build_part(batch, tensors, data_files, save_id, 0, buckets)
-    pages, directory = build_directory([part.entries], save_id, buckets)
+    pages, directory = build_directory([part.entries], save_id, buckets, tensors)
     files = {directory.file: pages}
     if part.blobs:
         files[part_file(save_id, 0)] = part.blobs

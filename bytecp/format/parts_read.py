@@ -36,20 +36,24 @@ from bytecp.format.parts_schema import (
     span_limit,
 )
 from bytecp.storage_api import Storage
-from bytecp.tree.regions import Region
+from bytecp.tree.regions import Region, element_span
 
 __all__ = ["read_parts", "wanted_bands"]
 
-#: one segment to read: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name)
+#: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
+#: a wide entry has lo = hi = -1, a band entry first = last = ""
 Entry = tuple[int, int, int, int, int, int, int, str, str]
+#: one segment to read: (rank, offset, nbytes, rows, crc32c, band lo, band hi, the names of its wide entries read)
+Segment = tuple[int, int, int, int, int, int, int, tuple[tuple[str, str], ...]]
 
 
 def wanted_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> list[tuple[int, int]]:
-    """The bands the boxes ``wanted`` meet, as merged ``[lo, hi]`` intervals."""
+    """The bands the boxes ``wanted`` meet, as merged ``[lo, hi]`` intervals
+    (0-dim tensors are in no band: the directory's scalar pages list them)."""
     d = md.index
     assert isinstance(d, PartsDirectory)
     spans = [box_bands(box.offsets, box.lengths, md.tensors[fqn]["shape"], d.buckets)
-             for fqn, boxes in wanted.items() for box in boxes if box.numel]
+             for fqn, boxes in wanted.items() if md.tensors[fqn]["shape"] for box in boxes if box.numel]
     merged: list[tuple[int, int]] = []
     for lo, hi in sorted(spans):
         if merged and lo <= merged[-1][1] + 1:
@@ -78,37 +82,106 @@ def read_parts(
 ) -> tuple[list[fmt.ChunkRecord], int]:
     """(every rank) The chunk records that may meet ``wanted`` (fqn -> boxes;
     None: every row), each chunk once, only of tensors in ``wanted``;
-    and how many segments were read."""
+    and how many segments and pages of 0-dim chunks were read."""
     d = md.index
     assert isinstance(d, PartsDirectory)
     where = storage.url.rstrip("/")
     if d.save_id != md.save_id:
         raise CorruptCheckpointError(f"{where}: metadata.json of save {md.save_id!r} names the index of save "
                                      f"{d.save_id!r} ({d.file}); the checkpoint is corrupt")
-    bands = None if wanted is None else wanted_bands(md, wanted)
     names = None if wanted is None else sorted(wanted)
-    entries: list[Entry] = []
-    pages = [("band", k) for k in range(len(d.band_pages["lo"]))
-             if bands is None or _meets(bands, d.band_pages["lo"][k], d.band_pages["hi"][k])]
-    pages += [("wide", k) for k in range(len(d.wide_pages["first"]))
-              if names is None or _names_in(names, d.wide_pages["first"][k], d.wide_pages["last"][k])]
-    for kind, k, table in _read_pages(storage, d, pages, where):
-        entries += _entries(table, kind, k, d, bands, names, where)
-    if budget is not None and sum(e[3] for e in entries) > budget:
-        raise CorruptCheckpointError(f"{where}/{d.file}: the index directory lists {sum(e[3] for e in entries)} "
-                                     f"rows, more than the {budget} the data files can hold")
     fqns = None if wanted is None else set(wanted)
+    # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
+    # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
+    # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet
+    pages = [(kind, k) for kind, col in (("wide", d.wide_pages), ("scalar", d.scalar_pages))
+             for k in range(len(col["first"])) if names is None or _names_in(names, col["first"][k], col["last"][k])]
+    scalars: list[fmt.ChunkRecord] = []
+    entries: list[Entry] = []
+    for kind, k, table in _read_pages(storage, d, pages, where):
+        if kind == "scalar":
+            scalars += _scalar_rows(table, k, md, d, fqns, where)
+        else:
+            entries += _entries(table, kind, k, d, None, names, where)
+    wide = _segments(entries, d, where)
+    listed = sum(s[3] for s in wide) + len(scalars)
+    _budget(listed, budget, d, where)
+    out = _read_all(storage, md, d, wide, fqns, where)
+    bands = None if wanted is None else wanted_bands(md, _uncovered(wanted, out))
+    band_pages = [("band", k) for k in range(len(d.band_pages["lo"]))
+                  if bands is None or _meets(bands, d.band_pages["lo"][k], d.band_pages["hi"][k])]
+    entries = [e for _, k, table in _read_pages(storage, d, band_pages, where)
+               for e in _entries(table, "band", k, d, bands, names, where)]
+    band = _segments(entries, d, where)
+    _budget(listed + sum(s[3] for s in band), budget, d, where)
+    seen = set(out)
+    out += [c for c in _read_all(storage, md, d, band, fqns, where) if c not in seen]
+    return out + scalars, len(wide) + len(band) + sum(kind == "scalar" for kind, _ in pages)
+
+
+def _budget(listed: int, budget: int | None, d: PartsDirectory, where: str) -> None:
+    if budget is not None and listed > budget:
+        raise CorruptCheckpointError(f"{where}/{d.file}: the index directory lists {listed} "
+                                     f"rows, more than the {budget} the data files can hold")
+
+
+def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: list[Segment],
+              fqns: set[str] | None, where: str) -> list[fmt.ChunkRecord]:
+    """The rows of ``segments`` (of tensors ``fqns``), each chunk once."""
     seen: set[fmt.ChunkRecord] = set()
     out: list[fmt.ChunkRecord] = []
-    by_rank: dict[int, list[Entry]] = defaultdict(list)
-    for e in entries:
-        by_rank[e[0]].append(e)
+    by_rank: dict[int, list[Segment]] = defaultdict(list)
+    for seg in segments:
+        by_rank[seg[0]].append(seg)
     for rank, mine in sorted(by_rank.items()):
         for c in _read_segments(storage, md, d, rank, mine, fqns, where):
             if c not in seen:
                 seen.add(c)
                 out.append(c)
-    return out, len(entries)
+    return out
+
+
+def _uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecord]) -> dict[str, list[Region]]:
+    """The boxes of ``wanted`` that ``rows`` (wide rows) do not tile: every
+    element of the box in one row, none in two (the rows' parts in the box
+    hold as many elements as the box, at row-major index ranges that do not
+    overlap). Those that they tile need no band lookup."""
+    by: dict[str, list[Region]] = defaultdict(list)
+    for c in rows:
+        by[c.fqn].append(Region(c.offsets, c.lengths))
+    out: dict[str, list[Region]] = {}
+    for fqn, boxes in wanted.items():
+        mine = by.get(fqn, [])
+        left = [b for b in boxes if not mine or not _tiled(b, mine)]
+        if left:
+            out[fqn] = left
+    return out
+
+
+def _tiled(box: Region, rows: list[Region]) -> bool:
+    parts = [x for r in rows if (x := r.intersect(box)) is not None and x.numel]
+    if sum(x.numel for x in parts) != box.numel:
+        return False
+    spans = sorted(element_span(x.relative_to(box), box.lengths) for x in parts)
+    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+
+
+def _segments(entries: list[Entry], d: PartsDirectory, where: str) -> list[Segment]:
+    """The segments the entries name, each once: a band segment has one entry,
+    a wide one an entry per tensor it holds rows of, all alike but the names."""
+    by: dict[tuple[int, int], list[Entry]] = defaultdict(list)
+    for e in entries:
+        by[(e[0], e[1])].append(e)
+    out: list[Segment] = []
+    for (rank, off), es in sorted(by.items()):
+        first = es[0]
+        if any(e[2:7] != first[2:7] for e in es) or (first[5] >= 0 and len(es) > 1):
+            raise CorruptCheckpointError(
+                f"{where}/{d.file}: the directory lists the segment at bytes {off}..{off + first[2]} of the part of "
+                f"rank {rank} {len(es)} times, not as one band entry or wide entries alike but for their names; "
+                "the index is corrupt")
+        out.append((*first[:7], tuple((e[7], e[8]) for e in es)))
+    return out
 
 
 def _read(storage: Storage, path: str, spans: Sequence[tuple[int, int]], what: str) -> list[bytearray]:
@@ -129,7 +202,7 @@ def _check_save(label: str, table: pa.Table, save_id: str) -> None:
 
 def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]], where: str
                 ) -> list[tuple[str, int, pa.Table]]:
-    cols = {"band": d.band_pages, "wide": d.wide_pages}
+    cols = {"band": d.band_pages, "wide": d.wide_pages, "scalar": d.scalar_pages}
     spans = [(cols[kind]["offset"][k], cols[kind]["nbytes"][k]) for kind, k in pages]
     bufs = _read(storage, d.file, spans, f"{where}: the index directory {d.file}") if spans else []
     out = []
@@ -137,8 +210,8 @@ def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]
         label = f"{where}/{d.file} page {kind} {k} (bytes {off}..{off + n})"
         if crc32c(buf) != cols[kind]["crc32c"][k]:
             raise CorruptCheckpointError(f"{label}: checksum mismatch; the index is damaged")
-        schema = BAND_ENTRY_SCHEMA if kind == "band" else WIDE_ENTRY_SCHEMA
-        strings = () if kind == "band" else ("first", "last")
+        schema = {"band": BAND_ENTRY_SCHEMA, "wide": WIDE_ENTRY_SCHEMA, "scalar": PART_SCHEMA}[kind]
+        strings = {"band": (), "wide": ("first", "last"), "scalar": ("fqn", "file")}[kind]
         table = decode_table(label, label, bytes(buf), schema, strings, rows=cols[kind]["rows"][k])
         _check_save(label, table, d.save_id)
         out.append((kind, k, table))
@@ -173,21 +246,42 @@ def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[
     return out
 
 
-def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: int, entries: list[Entry],
+def _scalar_rows(table: pa.Table, k: int, md: fmt.Metadata, d: PartsDirectory, fqns: set[str] | None,
+                 where: str) -> list[fmt.ChunkRecord]:
+    """A scalar page's rows: each of a 0-dim tensor, inside the page's
+    names, strictly ascending (each 0-dim tensor listed once); those of ``fqns``."""
+    label = f"{where}/{d.file} page scalar {k}"
+    first, last = d.scalar_pages["first"][k], d.scalar_pages["last"][k]
+    try:
+        every = rows_to_records(table, md, label, None)
+    except CorruptCheckpointError:
+        raise
+    except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
+        raise CorruptCheckpointError(f"{label} is unreadable ({str(x)[:300]})") from x
+    prev = None
+    for c in every:
+        if c.global_shape or c.offsets or c.lengths or not first <= c.fqn <= last or (prev is not None and c.fqn <= prev):
+            raise CorruptCheckpointError(
+                f"{label}: the row of tensor {c.fqn!r:.80} does not belong in it (a scalar page lists 0-dim tensors, "
+                "each once, in name order inside the page's names; FORMAT.md §5.6); the index is corrupt")
+        prev = c.fqn
+    return [c for c in every if fqns is None or c.fqn in fqns]
+
+
+def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment],
                    fqns: set[str] | None, where: str) -> list[fmt.ChunkRecord]:
     path = part_file(d.save_id, rank)
     label = f"{where}/{path}"
-    entries = sorted(set(entries))
-    check_spans([e[1] for e in entries], [e[2] for e in entries], d.part_size(rank) or 0,
+    check_spans([s[1] for s in segments], [s[2] for s in segments], d.part_size(rank) or 0,
                 lambda why: CorruptCheckpointError(f"{label}: the directory places two segments {why}"))
-    bufs = _read(storage, path, [(e[1], e[2]) for e in entries], f"{where}: index part {path}")
+    bufs = _read(storage, path, [(s[1], s[2]) for s in segments], f"{where}: index part {path}")
     out: list[fmt.ChunkRecord] = []
     limit = span_limit(d.buckets)
-    for e, buf in zip(entries, bufs, strict=True):
-        seg = f"{label} segment at bytes {e[1]}..{e[1] + e[2]}"
-        if crc32c(buf) != e[4]:
+    for s, buf in zip(segments, bufs, strict=True):
+        seg = f"{label} segment at bytes {s[1]}..{s[1] + s[2]}"
+        if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
-        table = decode_table(seg, seg, bytes(buf), PART_SCHEMA, ("fqn", "file"), rows=e[3])
+        table = decode_table(seg, seg, bytes(buf), PART_SCHEMA, ("fqn", "file"), rows=s[3])
         _check_save(seg, table, d.save_id)
         try:
             chunks = rows_to_records(table, md, seg, fqns)
@@ -196,24 +290,24 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
             raise CorruptCheckpointError(f"{seg} is unreadable ({str(x)[:300]})") from x
         for c in chunks:
-            _check_place(seg, md, d, c, e, limit)
+            _check_place(seg, d, c, s, limit)
         out.extend(chunks)
     return out
 
 
-def _check_place(label: str, md: fmt.Metadata, d: PartsDirectory, c: fmt.ChunkRecord, e: Entry, limit: int) -> None:
-    """The row lies where the directory entry says (FORMAT.md §5.6): a
+def _check_place(label: str, d: PartsDirectory, c: fmt.ChunkRecord, s: Segment, limit: int) -> None:
+    """The row lies where the directory entries say (FORMAT.md §5.6): a
     band segment's rows meet at most ``limit`` bands, inside its ``[lo,
-    hi]``; a wide segment's rows meet more, named inside its ``[first, last]``."""
+    hi]``; a wide segment's rows meet more, each named by one of the
+    segment's entries read; no 0-dim row is in a part."""
     shape = c.global_shape
-    ok = len(c.offsets) == len(c.lengths) == len(shape) and all(n > 0 for n in c.lengths)
+    ok = len(shape) > 0 and len(c.offsets) == len(c.lengths) == len(shape) and all(n > 0 for n in c.lengths)
     if ok:
         lo, hi = box_bands(c.offsets, c.lengths, shape, d.buckets)
         banded = hi - lo + 1 <= limit
-        ok = (e[5] <= lo and hi <= e[6]) if e[5] >= 0 else (not banded and e[7] <= c.fqn <= e[8])
-        ok = ok and banded == (e[5] >= 0)
+        ok = (s[5] <= lo and hi <= s[6]) if s[5] >= 0 else (not banded and any(a <= c.fqn <= b for a, b in s[7]))
+        ok = ok and banded == (s[5] >= 0)
     if not ok:
         raise CorruptCheckpointError(
             f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} does "
             "not belong in it (FORMAT.md §5.6); the index is corrupt")
-

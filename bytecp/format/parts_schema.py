@@ -3,7 +3,8 @@ their segments (docs/FORMAT.md, section 5.6; the normative text).
 
 ```
 index/<save_id>/<rank>.bin      that rank's segments, each a complete Parquet file
-index/<save_id>/directory.bin   pages of directory entries (one per segment of every part)
+index/<save_id>/directory.bin   pages of directory entries (band segments; wide tensors' segments;
+                                0-dim chunks, listed there and in no part)
 metadata.json "index"           the parts, and the directory's pages
 ```
 
@@ -13,8 +14,11 @@ directory entries per rank and writes the directory. Rows are placed as in
 version 2 but by their *linear* position: band ``b`` of a tensor of ``N``
 elements holds the elements ``i`` with ``floor(i * B / N) == b``, so a rank
 decides where each of its rows goes without knowing any other rank's
-chunks. A row spanning more than :func:`span_limit` bands is *wide* and
-listed by name. A reader (:mod:`bytecp.format.parts_read`) reads the
+chunks. A row spanning more than :func:`span_limit` bands is *wide*: the
+directory lists, by name, each tensor a wide segment holds rows of. A 0-dim
+chunk (an optimizer's ``step``) is in no part: the directory's scalar pages
+list it by name, so a reader of every ``step`` reads a page or two, not one
+segment per rank that wrote one. A reader (:mod:`bytecp.format.parts_read`) reads the
 directory pages its targets meet, then only the segments they name.
 
 This module holds the schemas, the constants and the ``index`` member of
@@ -42,8 +46,6 @@ __all__ = [
     "MAX_BUCKETS_V4",
     "PAGE_ENTRIES",
     "SEGMENT_ROWS",
-    "MAX_WIDE_SEGMENTS",
-    "WIDE_MIN_ROWS",
     "MIN_BUCKETS_V4",
     "DIRECTORY_NAME",
     "buckets_for",
@@ -61,10 +63,6 @@ MAX_BUCKETS_V4 = 1 << 18
 PAGE_ENTRIES = 4096
 #: most rows of one segment of a part
 SEGMENT_ROWS = 4096
-#: most wide segments of one part (its wide rows grouped by name among them),
-#: each of at least :data:`WIDE_MIN_ROWS` rows when the part has more wide tensors
-MAX_WIDE_SEGMENTS = 64
-WIDE_MIN_ROWS = 512
 #: fewest bands of a version-4 index
 MIN_BUCKETS_V4 = 1024
 DIRECTORY_NAME = "directory.bin"
@@ -130,8 +128,9 @@ class PartsDirectory:
 
     ``parts``: the rank and size of every part file (ranks ascending); the
     pages: parallel lists (columns), band pages by ascending ``lo``, wide
-    pages by ascending ``first``. A page's ``[lo, hi]`` (``[first, last]``)
-    contains the interval of every entry on it.
+    pages (and scalar pages: rows of 0-dim chunks) by ascending ``first``.
+    A page's ``[lo, hi]`` (``[first, last]``) contains the interval of
+    every entry on it.
     """
 
     save_id: str
@@ -141,6 +140,7 @@ class PartsDirectory:
     directory_nbytes: int
     band_pages: dict[str, list[int]]
     wide_pages: dict[str, list[Any]]
+    scalar_pages: dict[str, list[Any]]
 
     @property
     def file(self) -> str:
@@ -159,7 +159,7 @@ class PartsDirectory:
     @property
     def rows(self) -> int:
         """Entries of the directory (each a segment; its rows are in the entry)."""
-        return sum(self.band_pages["rows"]) + sum(self.wide_pages["rows"])
+        return sum(self.band_pages["rows"]) + sum(self.wide_pages["rows"]) + sum(self.scalar_pages["rows"])
 
     def part_size(self, rank: int) -> int | None:
         """The size of rank ``rank``'s part, None when it wrote none."""
@@ -170,7 +170,7 @@ class PartsDirectory:
         return {"layout": "parts", "buckets": self.buckets,
                 "parts": {"rank": self.ranks, "nbytes": self.part_nbytes},
                 "directory": {"file": self.file, "nbytes": self.directory_nbytes},
-                "band_pages": self.band_pages, "wide_pages": self.wide_pages}
+                "band_pages": self.band_pages, "wide_pages": self.wide_pages, "scalar_pages": self.scalar_pages}
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> PartsDirectory:
@@ -201,19 +201,24 @@ class PartsDirectory:
             raise bad("lacks the directory file's size")
         band = columns(d.get("band_pages"), ("lo", "hi", *_PAGE_INTS), bad, ints=("lo", "hi", *_PAGE_INTS))
         wide = columns(d.get("wide_pages"), ("first", "last", *_PAGE_INTS), bad, ints=_PAGE_INTS)
-        if any(not isinstance(x, str) for x in wide["first"] + wide["last"]):
-            raise bad("names a wide page's tensors with non-strings")
+        scalar = columns(d.get("scalar_pages"), ("first", "last", *_PAGE_INTS), bad, ints=_PAGE_INTS)
+        if any(not isinstance(x, str) for x in wide["first"] + wide["last"] + scalar["first"] + scalar["last"]):
+            raise bad("names a wide or scalar page's tensors with non-strings")
         if any(not lo <= hi < buckets for lo, hi in zip(band["lo"], band["hi"], strict=True)) or any(
                 a > b for a, b in zip(band["lo"], band["lo"][1:], strict=False)):
             raise bad("lists band pages out of order or outside the buckets")
-        if any(f > la for f, la in zip(wide["first"], wide["last"], strict=True)) or any(
-                a > b for a, b in zip(wide["first"], wide["first"][1:], strict=False)):
-            raise bad("lists wide pages out of name order")
-        check_spans(band["offset"] + wide["offset"], band["nbytes"] + wide["nbytes"], nbytes,
-                     lambda why: bad(f"places a page {why}"))
-        if any(r <= 0 for r in band["rows"] + wide["rows"]):
+        for kind, col in (("wide", wide), ("scalar", scalar)):
+            if any(f > la for f, la in zip(col["first"], col["last"], strict=True)) or any(
+                    a > b for a, b in zip(col["first"], col["first"][1:], strict=False)):
+                raise bad(f"lists {kind} pages out of name order")
+        # scalar pages hold one row per 0-dim tensor: they never share a name
+        if any(a >= b for a, b in zip(scalar["last"], scalar["first"][1:], strict=False)):
+            raise bad("lists scalar pages whose names overlap")
+        check_spans(band["offset"] + wide["offset"] + scalar["offset"], band["nbytes"] + wide["nbytes"] + scalar["nbytes"],
+                    nbytes, lambda why: bad(f"places a page {why}"))
+        if any(r <= 0 for r in band["rows"] + wide["rows"] + scalar["rows"]):
             raise bad("lists a page without entries")
-        return cls(save_id, buckets, ranks, sizes, nbytes, band, wide)
+        return cls(save_id, buckets, ranks, sizes, nbytes, band, wide, scalar)
 
 
 def check_spans(offsets: Sequence[int], sizes: Sequence[int], total: int, bad: Any) -> None:

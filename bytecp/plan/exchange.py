@@ -16,8 +16,10 @@ its adapter gave (:class:`~bytecp.tree.state.ReplicaSet`):
   share.
 
 One all-gather of a :class:`PlanVote` per rank (a few fingerprints, O(1) in
-the world size) carries everything the decision needs; the decision
-(:func:`decide`) is computed alike on every rank from the same votes. Only
+the world size, encoded as flat bytes: :mod:`bytecp.plan.votes`) carries
+everything the decision needs; the decision (:func:`decide`,
+:mod:`bytecp.plan.decide`: NumPy over every vote's columns) is computed
+alike on every rank from the same votes. Only
 when some rank holds boxes without a (valid) hint are those boxes gathered.
 When every rank holds a cached plan made for exactly this set of
 fingerprints, nothing is recomputed at all.
@@ -29,11 +31,15 @@ import bisect
 import dataclasses
 import hashlib
 import threading
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
-from bytecp.errors import DistributedCheckpointError
+import numpy as np
+
+from bytecp.plan.decide import PlanDecision, decide, fingerprints_digest, sends_specs
 from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan_replicated
+from bytecp.plan.share import share_of
+from bytecp.plan.votes import PlanVote, read_vote
 from bytecp.tree.dtypes import dtype_name, itemsize
 from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet
 
@@ -42,6 +48,8 @@ __all__ = [
     "PLAN_CACHE",
     "PlanVote",
     "PlanDecision",
+    "read_vote",
+    "sends_specs",
     "local_plan",
     "vote_for",
     "plan_key",
@@ -120,81 +128,19 @@ PLAN_CACHE = PlanCache()
 class PlanStats:
     """What this process's save plans cost (read by tests and benchmarks):
     plans made (not reused), of those how many the coordinator took part in,
-    the boxes this rank sent it, and the replica sets split by stage."""
+    the boxes this rank sent it, the replica sets split by stage, and the
+    commits at which it sent its skeleton and tensor specs."""
 
     planned: int = 0
     coordinated: int = 0
     boxes_sent: int = 0
     split_sets: int = 0
+    #: commits at which this rank sent its skeleton and tensor specs
+    specs_sent: int = 0
 
 
 #: counted by the save pipeline's plan phase
 PLAN_STATS = PlanStats()
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanVote:
-    """What every rank sends in the plan phase's all-gather (O(1) in the world size)."""
-
-    #: fingerprint of this rank's local plan (boxes and replica hints)
-    fingerprint: str
-    #: digest of the fingerprints this rank's cached plan was made for (None: no cached plan)
-    cached_for: str | None
-    #: digest of this rank's state skeleton and of its tensors' dtypes and
-    #: shapes (a rank whose digest differs from the coordinator's sends its
-    #: skeleton and tensor specs at commit, where they are compared)
-    skeleton: str
-    #: the coordinator's only: the new save's id (None on other ranks)
-    save_id: str | None = None
-    #: bytes of the boxes only this rank holds: every split is balanced around them
-    own_bytes: int = 0
-    #: per replica set this rank is in: (set key, set size, fingerprint of its boxes in the set)
-    sets: tuple[tuple[str, int, str], ...] = ()
-    #: whether this rank holds boxes without a replica hint
-    unknown: bool = False
-    #: the coordinator's only: the names of the non-tensor values it writes
-    #: (a rank whose state tree differs writes only the others)
-    objects: tuple[str, ...] = ()
-    #: fingerprint of the boxes only this rank holds ("": none): ranks whose
-    #: own boxes are the same are replicas their hints do not name
-    own_fp: str = ""
-    #: this rank writes a cached share as it is (an async snapshot copied it)
-    fixed: bool = False
-    #: the last part of the URL this rank saves to (``step-18``; mount points may
-    #: differ between nodes): ranks whose targets differ are in different
-    #: saves (one missed a deadline and is a save behind): :func:`decide` refuses
-    target: str = ""
-
-
-@dataclasses.dataclass(frozen=True)
-class PlanDecision:
-    """What the votes say, computed alike on every rank."""
-
-    #: digest of every rank's fingerprint, in rank order
-    digest: str
-    #: every rank holds a plan cached for exactly this digest
-    reuse: bool
-    #: replica sets whose members do not all hold the same boxes
-    bad_sets: frozenset[str]
-    #: bytes every rank writes of its own boxes, by rank
-    base_load: tuple[int, ...]
-    #: sound replica sets (``"own:<rank>"`` for a rank's own boxes) whose
-    #: boxes other sets hold as well (equal fingerprints): set key -> every
-    #: rank holding them, planned as one set
-    merged: Mapping[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)
-    #: the ranks of every set (bad sets: per group of members holding the
-    #: same boxes), for the boxes sent to the coordinator: set key -> groups
-    groups: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
-    #: some rank holds boxes without a hint
-    unknown: bool = False
-    #: bad sets whose groups hold different tensors (pipeline stages), each
-    #: group planned locally as a set of its own (:mod:`bytecp.plan.split_sets`)
-    split: Mapping[str, tuple[tuple[int, ...], ...]] = dataclasses.field(default_factory=dict)
-
-    @property
-    def coordinated(self) -> bool:
-        """Whether the coordinator plans some boxes (a gather and a scatter follow)."""
-        return bool(self.bad_sets) or self.unknown
 
 
 def local_plan(
@@ -238,15 +184,15 @@ def holdings(
 def ballot(
     held: LocalSavePlan, fingerprint: str, flat: FlatTree, cache_key: Any, save_id: str | None,
     objects: tuple[str, ...] = (), target: str = "",
-) -> tuple[PlanVote, tuple[str, list[WriteItem]] | None]:
+) -> tuple[bytes, tuple[str, list[WriteItem]] | None]:
     """(every rank, inside the plan phase's all-gather) This rank's vote for
     the boxes it writes from (``held``), with the digest its cached plan for
-    ``fingerprint`` was made for and the digest of its state's specs; and
-    that cached plan (None: none). ``save_id`` and ``objects``: the
-    coordinator's."""
+    ``fingerprint`` was made for and the digest of its state's specs,
+    encoded (:meth:`PlanVote.encode`); and that cached plan (None: none).
+    ``save_id`` and ``objects``: the coordinator's."""
     cached = PLAN_CACHE.get(cache_key, fingerprint)
     vote = vote_for(held, fingerprint, cached[0] if cached else None, specs_digest(flat), save_id)
-    return dataclasses.replace(vote, objects=objects, target=target), cached
+    return dataclasses.replace(vote, objects=objects, target=target).encode(), cached
 
 
 def _resolve(
@@ -306,57 +252,6 @@ def vote_for(
                     fixed=plan.fixed)
 
 
-def fingerprints_digest(fingerprints: Sequence[str]) -> str:
-    """One digest of every rank's fingerprint, in rank order."""
-    return hashlib.blake2b("|".join(fingerprints).encode(), digest_size=16).hexdigest()
-
-
-def decide(votes: Sequence[PlanVote]) -> PlanDecision:
-    """(every rank, the same answer everywhere) Reuse the cached plans, or
-    which replica sets are sound and whether the coordinator must plan.
-    O(W + the replica-set entries of every vote): one pass, no per-box work.
-
-    Sets whose members hold different boxes are bad (the coordinator plans
-    them, one copy per group of members that agree); sound sets (and ranks'
-    own boxes) whose fingerprints are equal hold the same boxes under
-    different hints and are merged into one set, so no box is written twice."""
-    if len({v.target for v in votes}) > 1:  # paired collectives of two saves: never commit them
-        raise DistributedCheckpointError("save/plan", {r: (
-            f"saving to {v.target} while rank 0 saves to {votes[0].target}: the ranks are in different saves "
-            "(a rank that missed a deadline is a save behind); nothing is committed") for r, v in enumerate(votes)
-            if v.target != votes[0].target})
-    digest = fingerprints_digest([v.fingerprint for v in votes])
-    base = tuple(v.own_bytes for v in votes)
-    if all(v.cached_for == digest for v in votes):
-        return PlanDecision(digest, True, frozenset(), base)
-    seen: dict[str, tuple[set[int], dict[str, list[int]]]] = {}  # key -> (sizes, fingerprint -> members)
-    for rank, v in enumerate(votes):
-        for key, size, fp in v.sets:
-            entry = seen.get(key)
-            if entry is None:
-                entry = seen[key] = (set(), {})
-            entry[0].add(size)
-            entry[1].setdefault(fp, []).append(rank)
-        if v.own_fp:
-            seen[f"own:{rank}"] = ({1}, {v.own_fp: [rank]})
-    bad = frozenset(k for k, (sizes, fps) in seen.items()
-                    if len(fps) > 1 or len(sizes) > 1 or sum(map(len, fps.values())) != next(iter(sizes)))
-    groups = {k: tuple(tuple(m) for m in fps.values()) for k, (_, fps) in seen.items()}
-    by_fp: dict[str, list[str]] = {}
-    for k, (_, fps) in seen.items():
-        if k not in bad:
-            by_fp.setdefault(next(iter(fps)), []).append(k)
-    merged: dict[str, tuple[int, ...]] = {}
-    for keys in by_fp.values():
-        if len(keys) > 1:
-            ranks = tuple(sorted({r for k in keys for r in groups[k][0]}))
-            merged.update((k, ranks) for k in keys)
-    unknown = any(v.unknown for v in votes)
-    if any(v.fixed for v in votes):  # a cached share written as it is: every rank sends all it holds
-        groups = {}
-    return PlanDecision(digest, False, bad, base, merged, groups, unknown)
-
-
 def planned_locally(
     plan: LocalSavePlan, decision: PlanDecision, *, split_bytes: int,
     shared: dict[tuple[str, str], dict[int, list[WriteItem]]] | None = None,
@@ -384,13 +279,16 @@ def planned_locally(
             mine.append(it)
         else:
             by_set.setdefault(key, (ranks or rs.ranks, []))[1].append(it)
+    loads = np.asarray(decision.base_load, dtype=np.int64) if by_set and shared is None else None
     for ranks, items in by_set.values():
+        if shared is None:  # a real rank: its share alone (the same as plan_replicated's)
+            mine.extend(share_of(items, ranks, decision.base_load if loads is None else loads, plan.rank,
+                                 split_bytes=split_bytes))
+            continue
         memo = (repr(ranks), hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest())
-        share = shared.get(memo) if shared is not None else None
+        share = shared.get(memo)
         if share is None:
-            share = plan_replicated(items, ranks, decision.base_load, split_bytes=split_bytes)
-            if shared is not None:
-                shared[memo] = share
+            share = shared[memo] = plan_replicated(items, ranks, decision.base_load, split_bytes=split_bytes)
         mine.extend(share.get(plan.rank, []))
     return mine
 

@@ -37,6 +37,7 @@ from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
+from bytecp.format.parts_wire import decode_all
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
@@ -106,18 +107,18 @@ def build_metadata(
         for fqn, rec in out.per_rank.items():
             per_rank.setdefault(fqn, {})[r] = rec
         data_files.update(out.data_files)
+    entries = decode_all([out.part for out in outputs if out.part is not None])  # vectorized, O(entries)
     if all(out.batch is not None for out in outputs):
         check_chunks([out.batch or ChunkBatch.empty() for out in outputs], tensors, data_files)
     else:  # each rank checked its own chunks; together they must hold every element once
-        held = sum(out.part.elements for out in outputs if out.part is not None)
+        held = entries.elements
         want = sum(math.prod(spec["shape"]) for spec in tensors.values())
         if held != want:
             raise ConfigError(f"the {len(outputs)} ranks' chunks hold {held} elements, the state's tensors {want}: "
                               "a tensor has a gap, or two ranks wrote the same elements; nothing is committed "
                               "(the exact check of every tensor runs on jobs of up to "
                               f"{EXACT_CHECK_RANKS} ranks, and names it)")
-    pages, directory = build_directory([out.part for out in outputs if out.part is not None], save_id,
-                                       buckets_for(world_size))
+    pages, directory = build_directory(entries, save_id, buckets_for(world_size), tensors)
     md = fmt.Metadata(
         save_id=save_id,
         world_size=world_size,

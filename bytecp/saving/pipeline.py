@@ -40,12 +40,13 @@ from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
     PLAN_CACHE,
     PLAN_STATS,
-    PlanVote,
     ballot,
     decide,
     holdings,
     needs_coordinator,
     planned_locally,
+    read_vote,
+    sends_specs,
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
 from bytecp.plan.split_sets import names_of, split_disjoint
@@ -196,7 +197,7 @@ class SavePipeline:
             share = described.share
             return share.held if share is not None and share.held is not None else local
 
-        def vote() -> PlanVote:
+        def vote() -> bytes:
             self._raise_kept()
             faults.inject("plan", rank)
             if described.share is not None:  # a snapshot described the live state already
@@ -217,8 +218,8 @@ class SavePipeline:
 
         with self.trace.span("plan"):
             try:
-                votes = ctx.all_gather("save/plan", vote)
-                coordinator = votes[ctx.coordinator]
+                votes = ctx.all_gather("save/plan", vote)  # (encoded: bytecp.plan.votes)
+                coordinator = read_vote(votes[ctx.coordinator])
                 assert coordinator.save_id is not None
                 self.trace.checkpoint_id = coordinator.save_id
                 local: LocalSavePlan = mine["local"]
@@ -251,9 +252,10 @@ class SavePipeline:
                     # cached once the save commits: a plan that failed is never reused
                     cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
                 write, reused = self.incremental.split(items, described.tokens)
+                differs, sends = sends_specs(decision, rank, ctx.coordinator)
                 return SavePlanResult(
                     coordinator.save_id, tuple(write), local, referenced=reused,
-                    skeleton_differs=votes[rank].skeleton != coordinator.skeleton,
+                    skeleton_differs=differs, sends_specs=sends,
                     coordinator_objects=frozenset(coordinator.objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
                 )
@@ -311,10 +313,7 @@ class SavePipeline:
 
         def output() -> RankOutput:
             self._raise_kept()
-            out = mine
-            if planned.skeleton_differs:  # (its referenced rows kept too)
-                out = dataclasses.replace(mine, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
-                                          aliases=dict(flat.aliases))
+            out = planned.for_coordinator(mine, flat)  # (its referenced rows kept too)
             return for_commit(out, self.storage, tensor_specs(flat), save_id, ctx.rank, ctx.world_size)
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:

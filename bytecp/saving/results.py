@@ -18,7 +18,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from bytecp.format import metadata as fmt
+from bytecp.plan.exchange import PLAN_STATS
 from bytecp.plan.planner import LocalSavePlan, WriteItem
+from bytecp.saving.commit import tensor_specs
 from bytecp.saving.reuse import Reused, Tokens
 from bytecp.saving.staging import Stager
 from bytecp.saving.writer import RankOutput, Staged
@@ -83,8 +85,13 @@ class SavePlanResult:
     #: every box this rank holds (its replica checksums cover them all)
     local: LocalSavePlan
     #: this rank's state tree differs from the coordinator's: it writes the
-    #: values the coordinator lacks and sends its skeleton at commit
+    #: values the coordinator lacks
     skeleton_differs: bool = False
+    #: and it is the lowest rank of its skeleton: it sends its skeleton,
+    #: tensor specs and aliases at commit (:meth:`for_coordinator`), which
+    #: stand for every rank of that skeleton (the votes told every rank whose
+    #: skeletons are the same: :func:`~bytecp.plan.exchange.sends_specs`)
+    sends_specs: bool = False
     #: the names of the values the coordinator writes
     coordinator_objects: frozenset[str] = frozenset()
     #: (coordinator) the committed checkpoint an overwrite replaces
@@ -97,6 +104,15 @@ class SavePlanResult:
     reused: bool = False
     #: the boxes this rank references in the base instead of writing them
     referenced: Reused = dataclasses.field(default_factory=Reused)
+
+    def for_coordinator(self, out: RankOutput, flat: FlatTree) -> RankOutput:
+        """(every rank, the commit's gather) ``out``, with this rank's
+        skeleton, tensor specs and aliases when it sends them (:attr:`sends_specs`)."""
+        if not self.sends_specs:
+            return out
+        PLAN_STATS.specs_sent += 1
+        return dataclasses.replace(out, skeleton=flat.skeleton.to_json(), tensors=tensor_specs(flat),
+                                   aliases=dict(flat.aliases))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.objects import serialize
-from bytecp.format.parts_build import PartEntries, build_part
+from bytecp.format.parts_build import build_part
 from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.plan.planner import WriteItem
 from bytecp.storage_api import SharedArena, Storage
@@ -89,8 +89,10 @@ class RankOutput:
     aliases: dict[str, str] | None = None
     #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
     replica_crcs: dict[tuple[str, Region], int] | None = None
-    #: at commit: the entries of the index part this rank wrote
-    part: PartEntries | None = None
+    #: at commit: the entries of the index part this rank wrote and its 0-dim
+    #: chunks, encoded (:meth:`~bytecp.format.parts_wire.PartEntries.encode`:
+    #: a few dozen words, decoded with every rank's at once by the coordinator)
+    part: bytes | None = None
 
     def extend(self, other: RankOutput) -> None:
         """Add a later write batch of the same rank."""
@@ -284,4 +286,4 @@ def for_commit(out: RankOutput, storage: Storage, tensors: dict[str, dict[str, A
     if part.blobs:
         storage.write_file(part_file(save_id, rank), part.blobs)
     return dataclasses.replace(out, chunks=[], batch=batch if world_size <= EXACT_CHECK_RANKS else None,
-                               part=part.entries)
+                               part=part.entries.encode())

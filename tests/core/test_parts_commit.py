@@ -15,7 +15,7 @@ import torch
 
 import bytecp
 from bytecp.errors import ConfigError
-from bytecp.format import parts_build
+from bytecp.format import parts_build, parts_wire
 from bytecp.saving import writer
 
 
@@ -49,3 +49,55 @@ def test_parts_that_do_not_add_up_are_never_committed(tmp_path: Path, monkeypatc
     assert "\n" not in str(e.value)
     assert not (tmp_path / "ck" / "metadata.json").exists()
     assert not any((tmp_path / "ck").rglob("*.bin")), list((tmp_path / "ck").rglob("*"))
+
+
+# ----------------------------------------------------------------- the entries' wire form
+def _entries(rank: int, **kw: object) -> parts_wire.PartEntries:
+    base: dict[str, object] = dict(rank=rank, nbytes=300, elements=10, lo=[3], hi=[5], offset=[0, 100],
+                                   size=[100, 200], rows=[2, 3], crc=[7, 8], names=["b", "w"], name_seg=[0, 0],
+                                   scalars=[parts_wire.Scalar("s", "data/x/é-0.bin", 4096, 4, 9)])
+    return parts_wire.PartEntries(**(base | kw))  # type: ignore[arg-type]
+
+
+def test_part_entries_decode_together_as_they_were_built() -> None:
+    a, b, empty = _entries(5), _entries(2, scalars=[], names=["w"], name_seg=[0]), parts_wire.PartEntries(9)
+    cols = parts_wire.decode_all([a.encode(), empty.encode(), b.encode()])
+    assert cols.rank.tolist() == [5, 2] and cols.nbytes.tolist() == [300, 300] and cols.elements == 20
+    assert cols.band["lo"].tolist() == [3, 3] and cols.band["rank"].tolist() == [5, 2]
+    assert cols.band["offset"].tolist() == [0, 0] and cols.band["crc32c"].tolist() == [7, 7]
+    table = parts_wire.NameTable(["w", "b", "s"])
+    assert [table.names[i] for i in table.ids(cols.wide["name"], cols.wide["rank"], "x")] == ["b", "w", "w"]
+    assert cols.wide["offset"].tolist() == [100, 100, 100] and cols.wide["rows"].tolist() == [3, 3, 3]
+    (sc,) = cols.scalars
+    assert sc[0] == 5 and sc[2:] == ("data/x/é-0.bin", 4096, 4, 9)
+    blobs, d = parts_build.build_directory([a, b], "sid", 1024, ["b", "s", "w"])
+    assert d.ranks == [2, 5] and d.scalar_pages["first"] == ["s"] and d.wide_pages["rows"] == [3]
+
+
+@pytest.mark.parametrize("case, match", [
+    ("truncated", "position 0 of the commit's gather"),
+    ("unknown name", "rank 1: its index part lists wide rows of a tensor missing from the state"),
+    ("0-dim twice", "tensor 's': ranks 1 and 2 both wrote its value"),
+    ("overlap", "rank 1: its index part places two segments at overlapping bytes"),
+    ("outside", "rank 1: its index part places a segment outside the part"),
+    ("bands", "rank 1: its index part lists a segment outside the 1024 bands"),
+    ("no name", "rank 1: its index part lists an empty segment, or a wide one naming no tensor"),
+    ("bad segment", "rank 1: its index part names a wide segment it does not have"),
+    ("sent twice", "rank 1: its index part was sent twice"),
+])
+def test_the_coordinator_refuses_entries_a_rank_got_wrong(case: str, match: str) -> None:
+    one = _entries(1)
+    wire = {
+        "truncated": [one.encode()[:-3]],
+        "unknown name": [_entries(1, names=["b", "zz"]).encode()],
+        "0-dim twice": [one.encode(), _entries(2).encode()],
+        "overlap": [_entries(1, offset=[0, 50]).encode()],
+        "outside": [_entries(1, nbytes=299).encode()],
+        "bands": [_entries(1, hi=[1024]).encode()],
+        "no name": [_entries(1, names=[], name_seg=[]).encode()],
+        "bad segment": [_entries(1, name_seg=[0, 1]).encode()],
+        "sent twice": [one.encode(), _entries(1, scalars=[]).encode()],
+    }[case]
+    with pytest.raises(ConfigError, match=match) as e:
+        parts_build.build_directory(wire, "sid", 1024, ["b", "s", "w"])
+    assert "\n" not in str(e.value)

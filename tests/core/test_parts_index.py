@@ -29,7 +29,13 @@ from bytecp.format import parts_read
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.parts_build import build_directory, build_part
-from bytecp.format.parts_schema import BAND_ENTRY_SCHEMA, WIDE_ENTRY_SCHEMA, buckets_for, part_file
+from bytecp.format.parts_schema import (
+    BAND_ENTRY_SCHEMA,
+    PART_SCHEMA,
+    WIDE_ENTRY_SCHEMA,
+    buckets_for,
+    part_file,
+)
 from bytecp.loading.opened import open_checkpoint
 from bytecp.tree.regions import Region
 from bytecp.tree.state import Shard, TensorLeaf
@@ -81,7 +87,7 @@ def multi_part(ck: Path) -> None:
         part = build_part(ChunkBatch.of(mine), tensors, md.data_files, sid, r, buckets)
         (ck / part_file(sid, r)).write_bytes(b"".join(part.blobs))
         entries.append(part.entries)
-    pages, directory = build_directory(entries, sid, buckets)
+    pages, directory = build_directory(entries, sid, buckets, md.tensors)
     (ck / directory.file).write_bytes(b"".join(pages))
     raw = _md(ck)
     raw["index"] = directory.to_json()
@@ -104,11 +110,12 @@ def ck(pristine: Path, tmp_path: Path) -> Path:
 
 # ----------------------------------------------------------------- directory surgery
 def read_directory(ck: Path) -> dict[str, list[list[dict[str, Any]]]]:
-    """The directory's entries, page by page: {"band": [[entry, ...], ...], "wide": [...]}."""
+    """The directory's entries, page by page: {"band": [[entry, ...], ...], "wide": [...],
+    "scalar": [[row, ...]]} (scalar pages: rows of 0-dim chunks)."""
     md = _md(ck)
     raw = (ck / md["index"]["directory"]["file"]).read_bytes()
     out: dict[str, list[list[dict[str, Any]]]] = {}
-    for kind in ("band", "wide"):
+    for kind in ("band", "wide", "scalar"):
         col = md["index"][f"{kind}_pages"]
         out[kind] = [pq.ParquetFile(pa.BufferReader(raw[o : o + n])).read().to_pylist()
                      for o, n in zip(col["offset"], col["nbytes"], strict=True)]
@@ -121,15 +128,17 @@ def write_directory(ck: Path, pages: dict[str, list[list[dict[str, Any]]]]) -> N
     md = _md(ck)
     sid = md["save_id"].encode()
     blobs: list[bytes] = []
-    for kind, schema, a, b in (("band", BAND_ENTRY_SCHEMA, "lo", "hi"), ("wide", WIDE_ENTRY_SCHEMA, "first", "last")):
+    for kind, schema, a, b in (("band", BAND_ENTRY_SCHEMA, "lo", "hi"), ("wide", WIDE_ENTRY_SCHEMA, "first", "last"),
+                               ("scalar", PART_SCHEMA, "fqn", "fqn")):
         schema = schema.with_metadata({**(schema.metadata or {}), b"bytecp.save_id": sid})
-        col: dict[str, list[Any]] = {a: [], b: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
+        lo, hi = ("first", "last") if kind != "band" else ("lo", "hi")
+        col: dict[str, list[Any]] = {lo: [], hi: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
         for entries in pages[kind]:
             sink = io.BytesIO()
             pq.write_table(pa.Table.from_pylist(entries, schema=schema), sink)
             blob = sink.getvalue()
-            col[a].append(entries[0][a])
-            col[b].append(max(e[b] for e in entries))
+            col[lo].append(entries[0][a])
+            col[hi].append(max(e[b] for e in entries))
             col["offset"].append(sum(len(x) for x in blobs))
             col["nbytes"].append(len(blob))
             col["rows"].append(len(entries))
@@ -148,8 +157,14 @@ def _flip(path: Path, at: int) -> None:
 
 
 def _entries_of(pages: dict[str, list[list[dict[str, Any]]]], rank: int) -> list[dict[str, Any]]:
-    return sorted((e for kind in pages.values() for page in kind for e in page if e["rank"] == rank),
-                  key=lambda e: e["offset"])
+    """Rank ``rank``'s segments: one entry of each (the first naming it, for a wide one)."""
+    got: dict[int, dict[str, Any]] = {}
+    for kind in ("band", "wide"):
+        for page in pages[kind]:
+            for e in page:
+                if e["rank"] == rank:
+                    got.setdefault(e["offset"], e)
+    return [got[o] for o in sorted(got)]
 
 
 # ----------------------------------------------------------------- the damage
@@ -225,9 +240,78 @@ def ranks_not_ascending(ck: Path) -> str:
     return "metadata.json"
 
 
+def scalar_page_with_a_shaped_row(ck: Path) -> str:
+    """A row of ``w`` (2-d) moved into the scalar page (and out of its part's entry)."""
+    pages = read_directory(ck)
+    e = _entries_of(pages, 0)[0]
+    part = ck / part_file(_md(ck)["save_id"], 0)
+    row = pq.ParquetFile(pa.BufferReader(part.read_bytes()[e["offset"] : e["offset"] + e["nbytes"]])).read().to_pylist()[0]
+    pages["scalar"][0] = sorted([*pages["scalar"][0], row], key=lambda r: r["fqn"])
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def scalar_listed_twice(ck: Path) -> str:
+    pages = read_directory(ck)
+    pages["scalar"][0] = pages["scalar"][0] * 2
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def wide_entries_disagree(ck: Path) -> str:
+    """A second entry for rank 3's wide segment (naming ``w``) with another checksum."""
+    pages = read_directory(ck)
+    (e,) = [x for page in pages["wide"] for x in page]
+    pages["wide"][0] = [e, {**e, "first": "w", "last": "w", "crc32c": e["crc32c"] ^ 1}]
+    write_directory(ck, pages)
+    return _md(ck)["index"]["directory"]["file"]
+
+
+def wide_row_not_named(ck: Path) -> str:
+    """Rank 3's wide segment (the rows of ``v``) named as if it held ``w``."""
+    pages = read_directory(ck)
+    (e,) = [x for page in pages["wide"] for x in page]
+    e["first"] = e["last"] = "w"
+    write_directory(ck, pages)
+    return part_file(_md(ck)["save_id"], 3)
+
+
+def zero_dim_row_in_a_part(ck: Path) -> str:
+    """The row of ``s`` written as a band segment at the end of rank 0's part
+    (band 0, where ``w``'s first rows are), and no scalar page."""
+    md = _md(ck)
+    pages = read_directory(ck)
+    (row,) = pages["scalar"][0]
+    sink = io.BytesIO()
+    schema = PART_SCHEMA.with_metadata({**(PART_SCHEMA.metadata or {}), b"bytecp.save_id": md["save_id"].encode()})
+    pq.write_table(pa.Table.from_pylist([row], schema=schema), sink)
+    blob = sink.getvalue()
+    part = ck / part_file(md["save_id"], 0)
+    size = part.stat().st_size
+    part.write_bytes(part.read_bytes() + blob)
+    pages["band"][0].insert(0, {"lo": 0, "hi": 0, "rank": 0, "offset": size, "nbytes": len(blob), "rows": 1,
+                                "crc32c": crc32c(blob)})
+    pages["scalar"] = []
+    write_directory(ck, pages)
+    md = _md(ck)
+    md["index"]["parts"]["nbytes"][0] = size + len(blob)
+    _write_md(ck, md)
+    return part_file(md["save_id"], 0)
+
+
+def scalar_pages_overlap(ck: Path) -> str:
+    md = _md(ck)
+    col = md["index"]["scalar_pages"]
+    for k in col:  # the one page listed twice: same names, overlapping bytes
+        col[k] = col[k] * 2
+    _write_md(ck, md)
+    return "metadata.json"
+
+
 DAMAGE: dict[str, Callable[[Path], str]] = {f.__name__: f for f in (
     missing_part, damaged_segment, damaged_page, overlapping_segments, past_the_end, from_another_save,
-    row_outside_its_bands, ranks_not_ascending)}
+    row_outside_its_bands, ranks_not_ascending, scalar_page_with_a_shaped_row, scalar_listed_twice,
+    wide_entries_disagree, wide_row_not_named, zero_dim_row_in_a_part, scalar_pages_overlap)}
 
 
 def test_pristine_multi_part_loads(pristine: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -338,19 +422,23 @@ def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) ->
         assert got[fqn].dtype == _full(fqn).dtype and torch.equal(got[fqn], _full(fqn)), fqn
 
     opened = open_checkpoint(url)
-    total = sum(md["index"]["band_pages"]["rows"]) + sum(md["index"]["wide_pages"]["rows"])
+    pages = read_directory(tmp_path / "ck")
+    wide_segments = {(e["rank"], e["offset"]) for page in pages["wide"] for e in page}
+    total = sum(md["index"]["band_pages"]["rows"]) + len(wide_segments) + len(pages["scalar"])
     _, every = parts_read.read_parts(opened.storage, opened.metadata, None)
     assert every == total >= 3
+    # a wide segment per part holds all its wide rows, and the directory names each of its tensors
+    assert len(wide_segments) == 3 and sum(md["index"]["wide_pages"]["rows"]) > 3
     # a box inside rank 1's rows of emb (banded): the one or two segments of rank 1 around it
     rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"emb": [Region((1030, 0), (2, 2))]})
     assert 1 <= n <= 2 and rows and all(c.fqn == "emb" and 1024 <= c.offsets[0] < 2048 for c in rows), (n, rows)
     # a box inside rank 1's rows of a: its shards are wide (a third of the tensor), so one segment of each
-    # part names it; and the band segments (of emb) whose bands 426..468 of the box meet
+    # part names it; they tile the box, so none of the band segments (of emb) whose bands 426..468 meet
+    # the box is read
     rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"a": [Region((40, 0), (4, 8))]})
-    pages = read_directory(tmp_path / "ck")
     wide = [e for page in pages["wide"] for e in page if e["first"] <= "a" <= e["last"]]
     band = [e for page in pages["band"] for e in page if e["lo"] <= 468 and 426 <= e["hi"]]
-    assert len(wide) == 3 and 0 < len(band) < 10 and n == len(wide) + len(band)
+    assert len(wide) == 3 and 0 < len(band) < 10 and n == len(wide)
     assert {c.offsets for c in rows} == {(0, 0), (32, 0), (64, 0)}
 
     pool = WorkerPool(2)

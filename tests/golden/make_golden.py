@@ -269,12 +269,16 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
     elif md["format_version"] >= 4:  # every segment of every part, found through the directory's pages
         d = md["index"]
         raw = (ckpt / d["directory"]["file"]).read_bytes()
-        entries = [e for col in (d["band_pages"], d["wide_pages"])
-                   for off, n in zip(col["offset"], col["nbytes"], strict=True)
-                   for e in pq.ParquetFile(pa.BufferReader(raw[off : off + n])).read(use_threads=False).to_pylist()]
+        def page_rows(col: dict[str, Any]) -> list[dict[str, Any]]:
+            return [e for off, n in zip(col["offset"], col["nbytes"], strict=True)
+                    for e in pq.ParquetFile(pa.BufferReader(raw[off : off + n])).read(use_threads=False).to_pylist()]
+
+        # a wide segment has an entry per tensor it holds rows of: each segment once
+        segments = {(e["rank"], e["offset"]): e for e in page_rows(d["band_pages"]) + page_rows(d["wide_pages"])}
         parts = {r: (ckpt / "index" / md["save_id"] / f"{r}.bin").read_bytes() for r in d["parts"]["rank"]}
-        rows = [row for e in entries for row in pq.ParquetFile(
+        rows = [row for e in segments.values() for row in pq.ParquetFile(
             pa.BufferReader(parts[e["rank"]][e["offset"] : e["offset"] + e["nbytes"]])).read(use_threads=False).to_pylist()]
+        rows += page_rows(d["scalar_pages"])  # 0-dim chunks: in the directory, in no part
     else:  # every segment; a chunk meeting several bands is listed in each
         raw = (ckpt / md["index"]["file"]).read_bytes()
         found = {json.dumps(row, sort_keys=True): row for col in (md["index"]["band"], md["index"]["wide"])

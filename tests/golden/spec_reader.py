@@ -224,10 +224,12 @@ def row_bands(row: dict[str, Any], shape: list[int], buckets: int) -> tuple[int,
 
 def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Every row of a version-4 index, each with the entry listing it
-    (``row["entry"]``), and every directory entry (``kind`` added)."""
+    (``row["entry"]``: for a row of a scalar page, that page as
+    ``{"kind": "scalar", "page": k, "first", "last"}``), and every directory
+    entry (``kind`` added) and scalar page, in directory order."""
     d, sid = md["index"], md["save_id"]
     assert d["layout"] == "parts" and md["index_files"] == []
-    assert set(d) == {"layout", "buckets", "parts", "directory", "band_pages", "wide_pages"}
+    assert set(d) == {"layout", "buckets", "parts", "directory", "band_pages", "wide_pages", "scalar_pages"}
     buckets = d["buckets"]
     limit = max(8, buckets // 64)
     assert 1 <= buckets <= 2**18
@@ -240,15 +242,32 @@ def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
     parts = {r: (root / f"index/{sid}/{r}.bin").read_bytes() for r in ranks}
     entries: list[dict[str, Any]] = []
     page_spans = []
-    for kind, a, b, types in (("band", "lo", "hi", BAND_TYPES), ("wide", "first", "last", WIDE_TYPES)):
+    rows, seen = [], set()
+
+    def add(row: dict[str, Any], entry: dict[str, Any]) -> None:
+        key = json.dumps(row, sort_keys=True)
+        assert key not in seen, "each chunk is listed exactly once"
+        seen.add(key)
+        rows.append({**row, "entry": entry})
+
+    for kind, a, b, types in (("band", "lo", "hi", BAND_TYPES | ENTRY_TYPES), ("wide", "first", "last",
+                              WIDE_TYPES | ENTRY_TYPES), ("scalar", "first", "last", INDEX_TYPES)):
         col = d[f"{kind}_pages"]
         assert set(col) == {a, b, "offset", "nbytes", "rows", "crc32c"}
         assert len({len(v) for v in col.values()}) == 1 and col[a] == sorted(col[a])
         prev = None
         for k in range(len(col[a])):
-            page = _parquet(raw, col["offset"][k], col["nbytes"][k], col["crc32c"][k], col["rows"][k], sid,
-                            types | ENTRY_TYPES)
+            page = _parquet(raw, col["offset"][k], col["nbytes"][k], col["crc32c"][k], col["rows"][k], sid, types)
             page_spans.append((col["offset"][k], col["nbytes"][k]))
+            if kind == "scalar":  # rows of 0-dim chunks, each tensor once, by name, inside the page's names
+                here = {"kind": "scalar", "page": k, "first": col[a][k], "last": col[b][k]}
+                for row in page.to_pylist():
+                    assert md["tensors"][row["fqn"]]["shape"] == [] and row["offsets"] == row["lengths"] == []
+                    assert col[a][k] <= row["fqn"] <= col[b][k] and (prev is None or prev < row["fqn"]), row
+                    prev = row["fqn"]
+                    add(row, here)
+                entries.append(here)
+                continue
             for e in page.to_pylist():
                 assert col[a][k] <= e[a] <= e[b] <= col[b][k], (kind, k, e)
                 assert prev is None or prev <= (e[a], e["rank"]), "entries sorted by (lo|first, rank)"
@@ -258,24 +277,31 @@ def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
                 assert e["offset"] >= 0 and e["nbytes"] > 0 and e["offset"] + e["nbytes"] <= size_of[e["rank"]]
                 entries.append({**e, "kind": kind})
     _no_overlap(page_spans, len(raw), tile=True)  # the reference writer leaves no gap
-    for r in ranks:
-        _no_overlap([(e["offset"], e["nbytes"]) for e in entries if e["rank"] == r], size_of[r], tile=True)
-        assert len(parts[r]) == size_of[r]
-    rows, seen = [], set()
+    segments: dict[tuple[int, int], list[dict[str, Any]]] = {}
     for e in entries:
-        seg = _parquet(parts[e["rank"]], e["offset"], e["nbytes"], e["crc32c"], e["rows"], sid, INDEX_TYPES)
+        if e["kind"] != "scalar":
+            segments.setdefault((e["rank"], e["offset"]), []).append(e)
+    for es in segments.values():  # a band segment: one entry; a wide one: one per tensor, alike
+        assert len(es) == 1 or all(e["kind"] == "wide" for e in es), es
+        assert len({(e["nbytes"], e["rows"], e["crc32c"]) for e in es}) == 1, es
+    for r in ranks:
+        _no_overlap([(off, es[0]["nbytes"]) for (rank, off), es in segments.items() if rank == r], size_of[r],
+                    tile=True)
+        assert len(parts[r]) == size_of[r]
+    for (rank, off), es in segments.items():
+        e = es[0]
+        seg = _parquet(parts[rank], off, e["nbytes"], e["crc32c"], e["rows"], sid, INDEX_TYPES)
         for row in seg.to_pylist():
             shape = md["tensors"][row["fqn"]]["shape"]
-            assert len(row["offsets"]) == len(row["lengths"]) == len(shape) and min(row["lengths"], default=1) > 0
+            assert len(row["offsets"]) == len(row["lengths"]) == len(shape) > 0 and min(row["lengths"]) > 0
             lo, hi = row_bands(row, shape, buckets)
             if e["kind"] == "band":  # a banded row, inside its entry's bands
                 assert hi - lo + 1 <= limit and e["lo"] <= lo and hi <= e["hi"], (row["fqn"], lo, hi, e)
-            else:  # a wide row, its name inside its entry's names
-                assert hi - lo + 1 > limit and e["first"] <= row["fqn"] <= e["last"], (row["fqn"], e)
-            key = json.dumps(row, sort_keys=True)
-            assert key not in seen, "each chunk is listed exactly once"
-            seen.add(key)
-            rows.append({**row, "entry": e})
+                add(row, e)
+            else:  # a wide row, its name inside one of its segment's entries
+                named = [x for x in es if x["first"] <= row["fqn"] <= x["last"]]
+                assert hi - lo + 1 > limit and named, (row["fqn"], es)
+                add(row, named[0])
     return rows, entries
 
 
@@ -290,8 +316,11 @@ def _no_overlap(spans: list[tuple[int, int]], total: int, *, tile: bool) -> None
 def v4_lookup(md: dict[str, Any], entries: list[dict[str, Any]], fqn: str, box: dict[str, Any]) -> list[dict[str, Any]]:
     """§5.6's lookup for box ``box`` (offsets, lengths) of ``fqn``: the band
     pages and entries its bands meet, the wide ones whose names contain
-    ``fqn``. ``entries`` are every entry in directory order (``v4_rows``)."""
+    ``fqn``; for a 0-dim tensor, the scalar pages whose names contain it.
+    ``entries`` are every entry and scalar page in directory order (``v4_rows``)."""
     d = md["index"]
+    if md["tensors"][fqn]["shape"] == []:
+        return [e for e in entries if e["kind"] == "scalar" and e["first"] <= fqn <= e["last"]]
     lo_t, hi_t = row_bands(box, md["tensors"][fqn]["shape"], d["buckets"])
     found = []
     for kind, a, b in (("band", "lo", "hi"), ("wide", "first", "last")):
@@ -305,5 +334,3 @@ def v4_lookup(md: dict[str, Any], entries: list[dict[str, Any]], fqn: str, box: 
             elif kind == "wide" and col[a][k] <= fqn <= col[b][k]:
                 found += [e for e in page if e["first"] <= fqn <= e["last"]]
     return found
-
-

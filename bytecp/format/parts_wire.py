@@ -1,0 +1,215 @@
+"""What a rank sends the coordinator about its version-4 index part, and
+how the coordinator reads every rank's at once (docs/FORMAT.md section 5.6).
+
+Every rank, at commit, lays out its part (:func:`bytecp.format.parts_build.
+build_part`), whose :class:`PartEntries` it sends in the commit's gather as
+:meth:`PartEntries.encode`'s bytes: little-endian 64-bit words, tensor names
+as their 64-bit hashes (:func:`~bytecp.format.chunk_batch.fqn_hash`), so
+that a rank's message is a few dozen words and nothing is unpickled per
+rank. The coordinator decodes all of them together (:func:`decode_all`,
+NumPy gathers over one buffer, a Python step only for the few ranks that
+wrote 0-dim values) and maps the hashes back to the state's tensor names
+(:class:`NameTable`). Nothing here is stored.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable, Sequence
+
+import numpy as np
+
+from bytecp.errors import ConfigError
+from bytecp.format.chunk_batch import fqn_hash
+
+__all__ = ["PartEntries", "Scalar", "EntryColumns", "NameTable", "decode_all"]
+
+#: first word of an encoded PartEntries ("bcpPE4", version 1)
+MAGIC = int.from_bytes(b"bcpPE4\x00\x01", "little")
+_HEAD = 8
+
+
+@dataclasses.dataclass(frozen=True)
+class Scalar:
+    """A 0-dim chunk: listed in the directory's scalar pages, not in a part."""
+
+    fqn: str
+    file: str
+    byte_offset: int
+    nbytes: int
+    crc: int
+
+
+@dataclasses.dataclass
+class PartEntries:
+    """What a rank tells the coordinator about its part: its size, one entry
+    per segment (columns: band segments, then wide segments), the names of
+    the wide tensors with the wide segment holding their rows, and its 0-dim
+    chunks. ``nbytes == 0``: it wrote no part."""
+
+    rank: int
+    nbytes: int = 0
+    #: elements of every chunk this rank wrote, 0-dim ones included (the coordinator adds them up)
+    elements: int = 0
+    #: band segments: the bands [lo, hi] their rows meet
+    lo: list[int] = dataclasses.field(default_factory=list)
+    hi: list[int] = dataclasses.field(default_factory=list)
+    #: band segments then wide segments: where they are in the part
+    offset: list[int] = dataclasses.field(default_factory=list)
+    size: list[int] = dataclasses.field(default_factory=list)
+    rows: list[int] = dataclasses.field(default_factory=list)
+    crc: list[int] = dataclasses.field(default_factory=list)
+    #: one per (wide tensor, wide segment holding rows of it), ascending: the
+    #: tensor and the segment's index among the wide segments
+    names: list[str] = dataclasses.field(default_factory=list)
+    name_seg: list[int] = dataclasses.field(default_factory=list)
+    scalars: list[Scalar] = dataclasses.field(default_factory=list)
+
+    @property
+    def wide_segments(self) -> int:
+        return len(self.offset) - len(self.lo)
+
+    def encode(self) -> bytes:
+        """(every rank, at commit) The compact form sent in the gather."""
+        files = [s.file.encode() for s in self.scalars]
+        tail = b"".join(files)
+        head = [MAGIC, self.rank, self.nbytes, self.elements, len(self.lo), self.wide_segments, len(self.names),
+                len(self.scalars)]
+        words = np.concatenate([
+            np.asarray(head, np.int64), np.asarray(self.lo, np.int64), np.asarray(self.hi, np.int64),
+            *(np.asarray(c, np.int64) for c in (self.offset, self.size, self.rows, self.crc)),
+            np.fromiter((fqn_hash(n) for n in self.names), np.uint64, len(self.names)).view(np.int64),
+            np.asarray(self.name_seg, np.int64),
+            np.fromiter((fqn_hash(s.fqn) for s in self.scalars), np.uint64, len(self.scalars)).view(np.int64),
+            *(np.asarray([getattr(s, k) for s in self.scalars], np.int64) for k in ("byte_offset", "nbytes", "crc")),
+            np.asarray([len(f) for f in files], np.int64),
+        ]).astype("<i8", copy=False)
+        return words.tobytes() + tail + b"\0" * (-len(tail) % 8)
+
+
+@dataclasses.dataclass
+class EntryColumns:
+    """Every rank's entries as flat columns (what :func:`decode_all` returns)."""
+
+    #: per part: rank, size, elements; ranks ascending, parts with ``nbytes == 0`` dropped
+    rank: np.ndarray
+    nbytes: np.ndarray
+    elements: int
+    #: band entries
+    band: dict[str, np.ndarray]
+    #: wide entries, one per (tensor, segment): ``name`` = the tensor's hash
+    wide: dict[str, np.ndarray]
+    #: every segment (band and wide): rank, offset, nbytes, rows; ``named``: how many wide entries name it
+    segments: dict[str, np.ndarray]
+    #: 0-dim chunks: (rank, fqn hash, file, byte offset, nbytes, crc)
+    scalars: list[tuple[int, int, str, int, int, int]]
+
+
+def _ramp(counts: np.ndarray) -> np.ndarray:
+    """[0..c0-1, 0..c1-1, ...] for the counts ``counts``."""
+    total = int(counts.sum())
+    return np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+
+
+def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
+    """(coordinator, at commit) Every rank's :meth:`PartEntries.encode`, decoded
+    together. Raises :class:`ConfigError` naming the rank (or the position
+    in the gather) whose message is malformed."""
+    lens = np.fromiter((len(b) for b in blobs), np.int64, len(blobs))
+    bad_len = np.flatnonzero((lens % 8 != 0) | (lens < 8 * _HEAD))
+    if len(bad_len):
+        raise ConfigError(f"the index part entries of the rank at position {int(bad_len[0])} of the commit's gather "
+                          f"are malformed ({int(lens[bad_len[0]])} bytes)")
+    buf = np.frombuffer(b"".join(blobs), "<i8")
+    words = lens // 8
+    start = np.cumsum(words) - words
+    head = buf[start[:, None] + np.arange(_HEAD)] if len(blobs) else np.zeros((0, _HEAD), np.int64)
+    rank, nbytes, elements, nb, nw, nn, ns = (head[:, k] for k in range(1, _HEAD))
+    fixed = _HEAD + 2 * nb + 4 * (nb + nw) + 2 * nn + 5 * ns
+    bad = (head[:, 0] != MAGIC) | (nb < 0) | (nw < 0) | (nn < 0) | (ns < 0) | (fixed > words) | (nbytes < 0)
+    if bool(bad.any()):
+        i = int(np.flatnonzero(bad)[0])
+        raise ConfigError(f"rank {int(rank[i])} (position {i} of the commit's gather): its index part entries "
+                          "are malformed")
+
+    def col(at: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        return buf[np.repeat(start + at, counts) + _ramp(counts)]
+
+    ns_ = nb + nw
+    at = np.full(len(blobs), _HEAD, np.int64)
+    band = {"lo": col(at, nb), "hi": col(at + nb, nb)}
+    at = at + 2 * nb
+    seg = {k: col(at + i * ns_, ns_) for i, k in enumerate(("offset", "nbytes", "rows", "crc32c"))}
+    at = at + 4 * ns_
+    whash, wseg = col(at, nn), col(at + nn, nn)
+    at = at + 2 * nn
+    seg_rank = np.repeat(rank, ns_)
+    is_band = _ramp(ns_) < np.repeat(nb, ns_)
+    band |= {k: v[is_band] for k, v in seg.items()} | {"rank": seg_rank[is_band]}
+    wide_seg = {k: v[~is_band] for k, v in seg.items()}
+    name_rank = np.repeat(rank, nn)
+    bad_seg = (wseg < 0) | (wseg >= np.repeat(nw, nn))
+    if bool(bad_seg.any()):
+        raise ConfigError(f"rank {int(name_rank[np.flatnonzero(bad_seg)[0]])}: its index part names a wide "
+                          "segment it does not have")
+    base = np.repeat(np.cumsum(nw) - nw, nn)  # each part's first wide segment, among all wide segments
+    pick = base + wseg
+    wide = {k: v[pick] for k, v in wide_seg.items()} | {"rank": name_rank, "name": whash.view(np.uint64)}
+    scalars: list[tuple[int, int, str, int, int, int]] = []
+    for j in np.flatnonzero(ns).tolist():
+        s0, n = int(start[j] + at[j]), int(ns[j])
+        hashes, offs, sizes, crcs, flen = (buf[s0 + k * n : s0 + (k + 1) * n] for k in range(5))
+        tail = (int(s0 + 5 * n) * 8, int(start[j] + words[j]) * 8)
+        raw = buf.view(np.uint8)[tail[0] : tail[1]].tobytes()
+        if bool((flen < 0).any()) or int(flen.sum()) > len(raw) or -(-int(flen.sum()) // 8) * 8 != len(raw):
+            raise ConfigError(f"rank {int(rank[j])}: its index part entries name files malformed")
+        pos = 0
+        for h, o, sz, c, fl in zip(hashes.view(np.uint64).tolist(), offs.tolist(), sizes.tolist(), crcs.tolist(),
+                                   flen.tolist(), strict=True):
+            try:
+                name = raw[pos : pos + fl].decode()
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"rank {int(rank[j])}: its index part entries name a file that is not UTF-8") from e
+            scalars.append((int(rank[j]), h, name, o, sz, c))
+            pos += fl
+    tail_ok = (ns > 0) | (words == fixed)
+    if not bool(tail_ok.all()):
+        i = int(np.flatnonzero(~tail_ok)[0])
+        raise ConfigError(f"rank {int(rank[i])}: its index part entries are malformed (trailing bytes)")
+    keep = nbytes > 0
+    named = np.zeros(int(ns_.sum()), np.int64)
+    np.add.at(named, np.flatnonzero(~is_band)[pick], 1)
+    segments = {"rank": seg_rank, "offset": seg["offset"], "nbytes": seg["nbytes"], "rows": seg["rows"],
+                "named": np.where(is_band, 1, named)}
+    return EntryColumns(rank=rank[keep], nbytes=nbytes[keep], elements=int(elements.sum()), band=band, wide=wide,
+                        segments=segments, scalars=scalars)
+
+
+class NameTable:
+    """(coordinator) The state's tensor names, by their 64-bit hashes: ids are
+    positions in name order (Unicode code points), so sorting ids sorts names."""
+
+    def __init__(self, names: Iterable[str]) -> None:
+        self.names = sorted(names)
+        hashes = np.fromiter((fqn_hash(n) for n in self.names), np.uint64, len(self.names))
+        self.order = np.argsort(hashes, kind="stable")
+        self.sorted = hashes[self.order]
+        dup = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
+        if len(dup):
+            a, b = self.names[self.order[dup[0]]], self.names[self.order[dup[0] + 1]]
+            raise ConfigError(f"tensor names {a!r} and {b!r} collide in the commit's 64-bit name hash; rename one")
+
+    def ids(self, hashes: np.ndarray, ranks: np.ndarray, what: str) -> np.ndarray:
+        """The ids of ``hashes`` (sent by ``ranks``); ConfigError naming a rank
+        that sent the hash of no tensor of the state."""
+        hashes = np.asarray(hashes, np.uint64)
+        if not len(self.sorted):
+            pos = np.zeros(len(hashes), np.int64)
+            known = np.zeros(len(hashes), bool)
+        else:
+            pos = np.minimum(np.searchsorted(self.sorted, hashes), len(self.sorted) - 1)
+            known = self.sorted[pos] == hashes
+        if not bool(known.all()):
+            raise ConfigError(f"rank {int(ranks[np.flatnonzero(~known)[0]])}: its index part lists {what} of a tensor "
+                              "missing from the state every rank described")
+        return np.asarray(self.order[pos], np.int64)

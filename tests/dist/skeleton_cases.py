@@ -1,0 +1,46 @@
+"""(run on the 4-rank pool by test_skeleton_specs.py) Ranks whose state
+trees differ in kinds: rank 0 holds kind ``a``, ranks 1 and 3 kind ``b``,
+rank 2 kind ``c``; each kind has a tensor and a value of its own beside a
+tensor every rank holds."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import bytecp
+
+KINDS = ("a", "b", "c", "b")
+
+
+def kind_state(kind: str, fill: float | None = None) -> dict[str, Any]:
+    """The state of a rank of ``kind`` (``fill``: zeros or another value, to load into)."""
+    t = torch.arange(5, dtype=torch.float32) + 10 * ord(kind)
+    w = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    if fill is not None:
+        t, w = torch.full_like(t, fill), torch.full_like(w, fill)
+    return {"shared": {"w": w}, f"kind_{kind}": {"t": t, "n": {"kind": kind, "ord": ord(kind)}}}
+
+
+def save_kinds(url: str) -> dict[str, Any]:
+    """(every rank) Save the rank's kind, then load it back into a state of
+    the same kind: whether it came back bitwise, how often this rank sent
+    its skeleton and specs at commit, and (rank 0) the whole checkpoint."""
+    from bytecp.plan.exchange import PLAN_STATS
+
+    r = dist.get_rank()
+    kind = KINDS[r]
+    before = PLAN_STATS.specs_sent
+    md = bytecp.save(url, kind_state(kind))
+    sent = PLAN_STATS.specs_sent - before
+    dist.barrier()
+    into = kind_state(kind, fill=-1.0)
+    bytecp.load(url, into, strict=False)  # (the other kinds are in the checkpoint too)
+    want = kind_state(kind)
+    same = torch.equal(into["shared"]["w"], want["shared"]["w"]) and \
+        torch.equal(into[f"kind_{kind}"]["t"], want[f"kind_{kind}"]["t"]) and \
+        into[f"kind_{kind}"]["n"] == want[f"kind_{kind}"]["n"]
+    return {"sent": sent, "same": same, "tensors": sorted(md.tensors),
+            "state": bytecp.load_state_dict(url) if r == 0 else None}

@@ -1,0 +1,29 @@
+"""A save where ranks hold states of different skeletons (4 ranks, three
+skeletons, one of them on two ranks): only the lowest rank of each
+skeleton other than the coordinator's sends its skeleton and tensor specs
+at commit (bytecp/plan/decide.py ``sends_specs``); the checkpoint still
+describes every rank's tensors and values and loads back bitwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from . import skeleton_cases
+
+pytestmark = pytest.mark.timeout(240)
+
+
+def test_one_rank_per_other_skeleton_sends_its_specs(pools: Any, tmp_path: Path) -> None:
+    out = pools(4).run(skeleton_cases.save_kinds, str(tmp_path / "ck"))
+    assert [o["sent"] for o in out] == [0, 1, 1, 0]  # b: rank 1 for ranks 1 and 3; c: rank 2; a: the coordinator
+    assert all(o["same"] for o in out), out
+    assert out[0]["tensors"] == ["kind_a.t", "kind_b.t", "kind_c.t", "shared.w"]
+    sd = out[0]["state"]
+    for kind in "abc":
+        want = skeleton_cases.kind_state(kind)[f"kind_{kind}"]
+        assert torch.equal(sd[f"kind_{kind}"]["t"], want["t"]) and sd[f"kind_{kind}"]["n"] == want["n"]
+    assert torch.equal(sd["shared"]["w"], skeleton_cases.kind_state("a")["shared"]["w"])
