@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP_BYTES", "finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
+__all__ = ["KEEP_BYTES", "finish", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
            "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
 
 #: how long a replaced collective's works are still kept (its gloo worker
@@ -220,3 +220,13 @@ def roll_call(store: Any, prefix: str, rank: int, world_size: int, seconds: floa
     if "alive" not in box:
         raise StoreSilent(f"the rendezvous store did not answer within {seconds + 2.0:g} s")
     return set(box["alive"])
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (None when torch does not expose it)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None
