@@ -2,7 +2,7 @@
 2-rank training job (some of them with the memory tier's two keepers) that checkpoints every step (see
 ``tests/reliability/chaos.py`` for the faults and the invariants checked).
 
-    sudo python -m benchmarks.chaos [--episodes 200] [--seed 0] [--minutes M]
+    sudo python -m benchmarks.chaos [--episodes 200] [--seed 0] [--minutes M] [--kinds stop,none]
 
 Needs root (a 32 MiB tmpfs for the run, remounted read-only by one fault)
 and moto (the S3 episodes). Prints one line per episode, then the figures:
@@ -30,6 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--episodes", type=int, default=200)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--kinds", default="", help="comma-separated fault kinds to draw from (default: all)")
     ap.add_argument("--minutes", type=float, default=None, help="stop after this long, whatever --episodes says")
     args = ap.parse_args(argv)
     sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "storage")]
@@ -43,11 +44,12 @@ def main(argv: list[str] | None = None) -> int:
     chaos = None
     try:
         chaos = Chaos(disk, seed=args.seed, s3=(server, server.new_bucket("chaos")))
+        kinds = [k for k in args.kinds.split(",") if k]
         t0 = time.monotonic()
         for _ in range(args.episodes):
             if args.minutes is not None and time.monotonic() - t0 > args.minutes * 60:
                 break
-            chaos.episode()
+            chaos.episode(chaos.rng.choice(kinds) if kinds else None)
         fig = chaos.fig
         print(fig.line())
         for p in fig.problems:

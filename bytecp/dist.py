@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import pickle
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +28,14 @@ from typing import Any, TypeVar
 import torch
 import torch.distributed as dist
 
-from bytecp.dist_raw import DEADLINE, KEEP_BYTES, all_gather_bytes, broadcast_bytes, finish
+from bytecp.dist_raw import (
+    DEADLINE,
+    KEEP_BYTES,
+    all_gather_bytes,
+    broadcast_bytes,
+    default_store,
+    finish,
+)
 from bytecp.dist_raw import StoreSilent as _StoreSilent
 from bytecp.dist_raw import from_bytes as _from_bytes
 from bytecp.dist_raw import roll_call as _roll_call
@@ -94,19 +100,26 @@ class DistContext:
         #: also count payload bytes in ``stats`` (costs a second pickling)
         self.count_bytes = False
         self.device = self._collective_device()
-        self._store = _default_store() if self.enabled else None
+        self._store = default_store() if self.enabled else None
         #: the monotonic time by which this operation's collectives must end (None: the group's timeout)
         self.deadline: float | None = None
         #: the option that set ``deadline``, named in errors
         self.deadline_option = "save_timeout_s"
         if self.enabled:  # every rank creates its distributed contexts in the same order
             DistContext._instances += 1
-        self._uid = DistContext._instances
+        #: this context's number (alike on every rank: the store keys of its roll calls carry it)
+        self.uid = DistContext._instances
         self._seq = 0
         self._members: dict[int, int] | None = None
         self._identity = False
 
     _instances = 0
+
+    def adopt(self, uid: int, collectives: int) -> None:
+        """(a save whose ranks were a save apart, realigned: :mod:`bytecp.saving.resync`)
+        Number this context ``uid``, as if ``collectives`` had run in it: roll calls meet again."""
+        self.uid, self._seq = uid, collectives
+        DistContext._instances = max(DistContext._instances, uid)
 
     @classmethod
     def local(cls) -> DistContext:
@@ -146,7 +159,7 @@ class DistContext:
         """The store prefix of this rank's next collective (alike on every rank:
         contexts and collectives are created in the same order everywhere)."""
         self._seq += 1
-        return f"bytecp/{self.global_coordinator}x{self.world_size}/{self._uid}/{self._seq}/"
+        return f"bytecp/{self.global_coordinator}x{self.world_size}/{self.uid}/{self._seq}/"
 
     def _collective_failed(self, op: str, prefix: str, e: BaseException) -> DistributedCheckpointError:
         """A collective broke (a rank died or hung, or the timeout passed).
@@ -435,16 +448,3 @@ class DistContext:
             return [_Failed({self.rank: _describe(e)}, reduce_op)] * self.world_size
         return out
 
-
-def _default_store() -> Any:
-    try:
-        from torch.distributed.distributed_c10d import _get_default_store
-
-        return _get_default_store()
-    except Exception:
-        return None
-
-
-def new_group_with_timeout(seconds: float, backend: str | None = None) -> Any:
-    """A new process group over all ranks with its own timeout (all ranks call it)."""
-    return dist.new_group(backend=backend, timeout=datetime.timedelta(seconds=seconds))

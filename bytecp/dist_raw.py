@@ -29,18 +29,22 @@ from __future__ import annotations
 
 import contextvars
 import datetime
+import logging
 import os
 import pickle
 import threading
 import time
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP_BYTES", "finish", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
+__all__ = ["KEEP_BYTES", "finish", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
            "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
+
+log = logging.getLogger("bytecp")
 
 #: how long a replaced collective's works are still kept (its gloo worker
 #: dropped its own reference microseconds after completing it)
@@ -57,6 +61,10 @@ _kept: dict[int, list[Any]] = {}
 #: replaced works, with when they were replaced
 _retired: list[tuple[float, list[Any]]] = []
 _last = 0.0
+#: roll-call threads (may outlive their call while the store's host is stopped)
+_roll_calls: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
+#: at exit, how long roll calls still waiting in the store are given to end
+ROLL_CALL_EXIT_SECONDS = 15.0
 
 
 #: the monotonic time by which the collectives of the operation in progress
@@ -99,7 +107,21 @@ def _settle() -> None:
     wait = _last + SETTLE_SECONDS - time.monotonic() if _last else 0.0
     if wait > 0:
         time.sleep(wait)
+    _join_roll_calls(ROLL_CALL_EXIT_SECONDS)
     settle_native_threads(SETTLE_SECONDS)
+
+
+def _join_roll_calls(limit: float) -> None:
+    """(at exit) Wait, at most ``limit`` seconds, for roll calls still blocked
+    in a store request (their host was stopped, and may be back): one that
+    returned while the interpreter finalizes would end by ``pthread_exit``
+    inside torch's C++ frames, and abort the process (seen by the chaos run
+    after a stall, with every save of the job done)."""
+    end = time.monotonic() + limit
+    for t in list(_roll_calls):
+        if t.is_alive():
+            log.warning("bytecp: waiting (at most %.0f s) for a roll call in the rendezvous store before exit", limit)
+            t.join(max(0.0, end - time.monotonic()))
 
 
 def settle_native_threads(limit: float) -> None:
@@ -213,6 +235,7 @@ def roll_call(store: Any, prefix: str, rank: int, world_size: int, seconds: floa
             box["error"] = e
 
     t = threading.Thread(target=ask, name="bytecp-roll-call", daemon=True)
+    _roll_calls.add(t)
     t.start()
     t.join(seconds + 2.0)
     if "error" in box:
@@ -220,3 +243,13 @@ def roll_call(store: Any, prefix: str, rank: int, world_size: int, seconds: floa
     if "alive" not in box:
         raise StoreSilent(f"the rendezvous store did not answer within {seconds + 2.0:g} s")
     return set(box["alive"])
+
+
+def default_store() -> Any:
+    """The default process group's rendezvous store (None when torch does not expose it)."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except Exception:
+        return None

@@ -8,10 +8,10 @@ columns (:meth:`VoteTable.of`), never as W Python objects, and the
 pipeline reads the coordinator's in full (:func:`read_vote`).
 
 Layout (little-endian): a fixed header (:data:`HEADER`: flags, the number
-of replica sets, own bytes, five 16-byte digests), one fixed entry per
+of replica sets, own bytes, five 16-byte digests, the rank's context number), one fixed entry per
 replica set (:data:`SET_ENTRY`: the set's 12-byte key, its size, the
 16-byte fingerprint of its boxes), then a short JSON tail (the save id and
-object names, the coordinator's; the target). Digests given as 32 hex
+object names, the coordinator's; the target; the step). Digests given as 32 hex
 digits are stored as their 16 bytes (and read back as the same hex);
 any other text (a test's ``"s"``) is hashed to 16 bytes first, which keeps
 comparisons exact. Replica-set keys are :attr:`ReplicaSet.key
@@ -24,6 +24,7 @@ import dataclasses
 import hashlib
 import json
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -34,11 +35,11 @@ __all__ = ["PlanVote", "VoteTable", "read_vote", "digest16", "key_text", "HEADER
 HEADER = np.dtype([
     ("version", "u1"), ("flags", "u1"), ("nsets", "<u4"), ("own_bytes", "<i8"),
     ("fingerprint", "V16"), ("cached_for", "V16"), ("skeleton", "V16"), ("own_fp", "V16"), ("target", "V16"),
-    ("tail", "<u4"),
+    ("tail", "<u4"), ("context", "<u4"),
 ])
 #: one replica set the voting rank is in (its 12-byte key padded with zeros to 16)
 SET_ENTRY = np.dtype([("key", "V16"), ("size", "<u4"), ("fp", "V16")])
-VERSION = 1
+VERSION = 2
 #: the header's flag bits: a cached plan's digest, boxes without a hint, a fixed share, own boxes
 CACHED, UNKNOWN, FIXED, OWN = 1, 2, 4, 8
 _HEX = frozenset("0123456789abcdef")
@@ -96,17 +97,23 @@ class PlanVote:
     #: differ between nodes): ranks whose targets differ are in different
     #: saves (one missed a deadline and is a save behind): ``decide`` refuses
     target: str = ""
+    #: the training step this rank saves (``save(step=)``; None: not given):
+    #: ranks in different saves realign by it (:mod:`bytecp.saving.resync`)
+    step: int | None = None
+    #: the number of this rank's distributed context (``DistContext.uid``)
+    context: int = 0
 
     def encode(self) -> bytes:
         """(every rank, inside the plan all-gather) The vote as flat bytes (see the module)."""
         flags = ((CACHED if self.cached_for is not None else 0) | (UNKNOWN if self.unknown else 0)
                  | (FIXED if self.fixed else 0) | (OWN if self.own_fp else 0))
-        tail = json.dumps([self.save_id, list(self.objects), self.target], separators=(",", ":")).encode()
+        tail = json.dumps([self.save_id, list(self.objects), self.target, self.step],
+                          separators=(",", ":")).encode()
         head = np.zeros(1, HEADER)
         head[0] = (VERSION, flags, len(self.sets), self.own_bytes, digest16(self.fingerprint),
                    digest16(self.cached_for) if self.cached_for is not None else bytes(16),
                    digest16(self.skeleton), digest16(self.own_fp) if self.own_fp else bytes(16),
-                   digest16(self.target), len(tail))
+                   digest16(self.target), len(tail), self.context)
         sets = np.zeros(len(self.sets), SET_ENTRY)
         for i, (key, size, fp) in enumerate(self.sets):
             sets[i] = (_key16(key), size, digest16(fp))
@@ -120,14 +127,14 @@ def read_vote(data: bytes) -> PlanVote:
     head = np.frombuffer(data, HEADER, 1)[0]
     n = int(head["nsets"])
     sets = np.frombuffer(data, SET_ENTRY, n, HEADER.itemsize)
-    save_id, objects, target = json.loads(data[len(data) - int(head["tail"]):])
+    save_id, objects, target, step = json.loads(data[len(data) - int(head["tail"]):])
     flags = int(head["flags"])
     return PlanVote(
         bytes(head["fingerprint"]).hex(), bytes(head["cached_for"]).hex() if flags & CACHED else None,
         bytes(head["skeleton"]).hex(), save_id, int(head["own_bytes"]),
         tuple((key_text(bytes(s["key"])), int(s["size"]), bytes(s["fp"]).hex()) for s in sets),
         bool(flags & UNKNOWN), tuple(objects), bytes(head["own_fp"]).hex() if flags & OWN else "",
-        bool(flags & FIXED), target)
+        bool(flags & FIXED), target, step, int(head["context"]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -179,7 +186,12 @@ class VoteTable:
         """Whether each rank's vote has ``bit`` set."""
         return (self.heads["flags"] & bit) != 0
 
-    def target_of(self, rank: int) -> str:
-        """The target a rank's vote names (read from its tail: error texts only)."""
+    def tail_of(self, rank: int) -> list[Any]:
+        """A rank's JSON tail: [save id, objects, target, step] (read
+        one rank at a time: error texts and ranks in different saves only)."""
         data = self.votes[rank]
-        return str(json.loads(data[len(data) - int(self.heads["tail"][rank]):])[2])
+        return list(json.loads(data[len(data) - int(self.heads["tail"][rank]):]))
+
+    def target_of(self, rank: int) -> str:
+        """The target a rank's vote names."""
+        return str(self.tail_of(rank)[2])

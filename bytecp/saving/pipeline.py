@@ -70,6 +70,7 @@ from bytecp.saving.results import (
     StagedBatch,
     nothing_staged,
 )
+from bytecp.saving.resync import in_step
 from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.staging import ArenaStager, Queued, Stager
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
@@ -213,12 +214,13 @@ class SavePipeline:
                 mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"])
                 # and what a rank whose tree differs need not write
-            vote, mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects, self.storage.url.rstrip("/").rsplit("/", 1)[-1])
-            return vote
+            mine["vote"], mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects,
+                                                  self.storage.url.rstrip("/").rsplit("/", 1)[-1], self.opts.step, ctx.uid)
+            return mine["vote"]
 
         with self.trace.span("plan"):
             try:
-                votes = ctx.all_gather("save/plan", vote)  # (encoded: bytecp.plan.votes)
+                votes = in_step(ctx, ctx.all_gather("save/plan", vote), mine["vote"])  # (a save apart: realigned)
                 coordinator = read_vote(votes[ctx.coordinator])
                 assert coordinator.save_id is not None
                 self.trace.checkpoint_id = coordinator.save_id

@@ -188,3 +188,33 @@ def test_many_exits_after_a_two_rank_load_are_all_clean(tmp_path: Path) -> None:
     assert "terminate called" not in p.stderr, p.stderr[-2000:]
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.splitlines() == [f"run-{i} exit [0, 0]" for i in range(runs)], p.stdout + p.stderr[-2000:]
+
+
+def test_a_roll_call_still_waiting_in_the_store_ends_before_finalization(tmp_path: Path) -> None:
+    """A roll call whose store request is still blocked at exit (its host was
+    stopped and has just come back) is waited for before the interpreter
+    finalizes: returning into Python during finalization would abort."""
+    script = textwrap.dedent("""
+        import threading, time
+        from bytecp import dist_raw
+
+        class SlowStore:  # a store whose host answers 1.5 s late
+            def append(self, key, value):
+                time.sleep(1.5)
+            def add(self, key, n):
+                return 1
+            def wait(self, keys, timeout):
+                pass
+            def get(self, key):
+                open(OUT, "w").write("answered")
+                return b"0,"
+
+        try:
+            dist_raw.roll_call(SlowStore(), "p/", 0, 2, seconds=-1.9)  # gives up after 0.1 s
+        except dist_raw.StoreSilent:
+            print("silent")
+    """).replace("OUT", repr(str(tmp_path / "out")))
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "silent" in done.stdout, done.stderr
+    assert (tmp_path / "out").read_text() == "answered"  # the abandoned call ran to its end before exit
+    assert "waiting (at most 15 s) for a roll call" in done.stderr

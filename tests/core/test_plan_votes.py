@@ -146,12 +146,13 @@ def test_votes_in_different_saves_are_refused_naming_each_rank() -> None:
 def test_a_vote_reads_back_as_written() -> None:
     rs = ReplicaSet.of((0, 5))
     vote = PlanVote(h("fp"), h("c"), h("s"), "20260101T000000-abc", 1 << 50, ((rs.key, 2, h("b")),), True,
-                    ("a", "b.c"), h("own"), True, "step-18")
+                    ("a", "b.c"), h("own"), True, "step-18", 18, 7)
     assert read_vote(vote.encode()) == vote
     bare = PlanVote(h("fp"), None, h("s"))
     assert read_vote(bare.encode()) == bare
     table = VoteTable.of([vote.encode(), bare.encode()])
     assert table.set_rank.tolist() == [0] and table.target_of(0) == "step-18"
+    assert table.tail_of(0)[3] == 18 and table.heads["context"].tolist() == [7, 0]  # (step, context: resync)
     with pytest.raises(ValueError, match="ReplicaSet.key"):
         PlanVote(h("fp"), None, "s", sets=(("own:3", 1, h("b")),)).encode()
 

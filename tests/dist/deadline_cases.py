@@ -68,3 +68,23 @@ def timed_load(url: str, timeout: float, delay: str | None = None) -> tuple[str,
     same = all(torch.equal(a, b) for a, b in zip(state["model"].state_dict().values(),
                                                  want["model"].state_dict().values(), strict=True))
     return ("loaded" if same and torch.equal(state["x"], want["x"]) else "loaded, but differs"), time.monotonic() - t0
+
+
+def saves_apart(run_url: str, behind: int, timeout: float, async_save: bool) -> list[tuple[int, str]]:
+    """A job a save apart, as a stall leaves one whose ranks run no collectives
+    between saves: rank ``behind`` saves steps 1-4 with a manager, the others
+    2-4 (their step 1 went elsewhere); -> (step, "committed" or the error) per save."""
+    import torch.distributed as dist
+
+    mgr = bytecp.CheckpointManager(run_url, keep_last=10, async_save=async_save, save_timeout_s=timeout)
+    out: list[tuple[int, str]] = []
+    for step in range(1 if dist.get_rank() == behind else 2, 5):
+        try:
+            handle = mgr.save(step, _state())
+            if handle is not None:
+                handle.wait(120)
+            out.append((step, "committed"))
+        except Exception as e:  # noqa: BLE001 - the test reads the message
+            out.append((step, f"{type(e).__name__}: {e}"))
+    mgr.wait()
+    return out

@@ -99,3 +99,22 @@ def test_a_one_process_load_past_its_deadline_stops(tmp_path: Path, monkeypatch:
     monkeypatch.setenv("BYTECP_FAULT_DELAY", "match:0:0.6")
     with pytest.raises(TimeoutError, match="load_timeout_s"):
         bytecp.load_state_dict(str(tmp_path / "ck"), load_timeout_s=0.3)
+
+
+@pytest.mark.parametrize(("behind", "async_save"), [(0, False), (1, True)], ids=["coordinator-behind-sync",
+                                                                              "rank1-behind-async"])
+def test_ranks_a_save_apart_come_back_into_step(pools, tmp_path: Path, behind: int, async_save: bool) -> None:
+    """Ranks whose collectives paired a save apart (the chaos run: a stalled
+    coordinator committed after the others gave up) realign by the votes'
+    steps: the rank behind skips its save, named, the others wait for its next
+    one, and every later save commits and loads bitwise."""
+    pool = pools(2)
+    run = str(tmp_path / "run")
+    got = pool.run(deadline_cases.saves_apart, run, behind, 60.0, async_save, timeout=180)
+    late, ahead = got[behind], got[1 - behind]
+    assert late[0][0] == 1 and "a save behind" in late[0][1] and "step 2" in late[0][1], late
+    assert late[1:] == [(2, "committed"), (3, "committed"), (4, "committed")], late
+    assert ahead == [(2, "committed"), (3, "committed"), (4, "committed")], ahead
+    assert sorted(p.parent.name for p in Path(run).glob("*/metadata.json")) == ["step-2", "step-3", "step-4"]
+    assert pool.run(deadline_cases.leftovers, f"{run}/step-1")[0] == []  # the skipped save wrote nothing
+    assert [m for m, _ in pool.run(deadline_cases.timed_load, f"{run}/step-4", 60.0)] == ["loaded", "loaded"]

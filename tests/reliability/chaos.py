@@ -25,6 +25,9 @@ that are reached: ``commit`` and ``committed`` only on the coordinator
   checkpoints need (their data, index, metadata, reports, retired bases),
   on the disk and in the keepers' memory (after the keepers' drains);
 - every kill and keeper kill fired;
+- the job's last save commits once its fault is over (``none``, ``stop``,
+  ``fill``, ``readonly`` on disk): ranks a stall left a save apart come
+  back into step;
 - no episode runs past its timeout; a stalled rank's peer has its error
   within the deadline plus the roll call plus slack.
 """
@@ -59,6 +62,8 @@ KINDS = ("none", "kill", "stop", "fill", "readonly", "keeper")
 PHASES = ("plan", "stage", "write", "commit", "committed")
 #: the kinds that may run with the memory tier (``keeper`` always does)
 MEMORY_KINDS = ("none", "kill", "stop", "keeper")
+#: the kinds whose job's last save (its fault long over, the stalled rank back) must commit
+LAST_COMMITS = ("none", "stop", "fill", "readonly")
 MEMORY_URL = "keeper://chaos"
 
 
@@ -278,6 +283,10 @@ class Chaos:
             else:
                 fig.problems.append(f"episode {ep}: no error on the peer of the stopped rank")
         root = open_storage(run_url, **options)
+        last = f"step-{self.stop_step['local']}"
+        if kind in LAST_COMMITS and not memory and clean and not root.exists(f"{last}/{fmt.METADATA_FILE}"):
+            fig.problems.append(f"episode {ep} ({kind}): the job's last save ({last}) did not commit: "
+                                f"{[e['errors'][-1:] + e['failed_async'][-1:] for e in ends]}")
         for name in root.list_children(""):
             if root.exists(f"{name}/{fmt.METADATA_FILE}"):
                 _, problems = verify(root.child(name))
