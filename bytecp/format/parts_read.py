@@ -15,9 +15,12 @@ the directory says. Each failure is one line naming the file at fault.
 from __future__ import annotations
 
 import bisect
+import itertools
+import math
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
@@ -36,15 +39,16 @@ from bytecp.format.parts_schema import (
     span_limit,
 )
 from bytecp.storage_api import Storage
-from bytecp.tree.regions import Region, element_span
+from bytecp.tree.regions import Region, element_span, row_major_strides
 
 __all__ = ["read_parts", "wanted_bands"]
 
 #: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
 Entry = tuple[int, int, int, int, int, int, int, str, str]
-#: one segment to read: (rank, offset, nbytes, rows, crc32c, band lo, band hi, the names of its wide entries read)
-Segment = tuple[int, int, int, int, int, int, int, tuple[tuple[str, str], ...]]
+#: one segment to read: (rank, offset, nbytes, rows, crc32c, band lo, band hi, the names its wide entries
+#: read cover: their ``first`` ascending and, for each, the greatest ``last`` up to it (see :func:`_named`))
+Segment = tuple[int, int, int, int, int, int, int, tuple[list[str], list[str]]]
 
 
 def wanted_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> list[tuple[int, int]]:
@@ -146,9 +150,9 @@ def _uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecor
     element of the box in one row, none in two (the rows' parts in the box
     hold as many elements as the box, at row-major index ranges that do not
     overlap). Those that they tile need no band lookup."""
-    by: dict[str, list[Region]] = defaultdict(list)
+    by: dict[str, list[fmt.ChunkRecord]] = defaultdict(list)
     for c in rows:
-        by[c.fqn].append(Region(c.offsets, c.lengths))
+        by[c.fqn].append(c)
     out: dict[str, list[Region]] = {}
     for fqn, boxes in wanted.items():
         mine = by.get(fqn, [])
@@ -158,12 +162,19 @@ def _uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecor
     return out
 
 
-def _tiled(box: Region, rows: list[Region]) -> bool:
-    parts = [x for r in rows if (x := r.intersect(box)) is not None and x.numel]
-    if sum(x.numel for x in parts) != box.numel:
-        return False
-    spans = sorted(element_span(x.relative_to(box), box.lengths) for x in parts)
-    return all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+def _tiled(box: Region, rows: list[fmt.ChunkRecord]) -> bool:
+    shape = rows[0].global_shape
+    if not any(box.offsets) and tuple(box.lengths) == tuple(shape):  # the whole tensor (a replicated one, often)
+        strides = row_major_strides(shape)
+        spans = sorted((sum(o * s for o, s in zip(c.offsets, strides, strict=True)),
+                        sum((o + n - 1) * s for o, n, s in zip(c.offsets, c.lengths, strides, strict=True)) + 1)
+                       for c in rows)
+        held = sum(math.prod(c.lengths) for c in rows)
+    else:
+        parts = [x for c in rows if (x := Region(c.offsets, c.lengths).intersect(box)) is not None and x.numel]
+        spans = sorted(element_span(x.relative_to(box), box.lengths) for x in parts)
+        held = sum(x.numel for x in parts)
+    return held == box.numel and all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
 
 
 def _segments(entries: list[Entry], d: PartsDirectory, where: str) -> list[Segment]:
@@ -180,7 +191,9 @@ def _segments(entries: list[Entry], d: PartsDirectory, where: str) -> list[Segme
                 f"{where}/{d.file}: the directory lists the segment at bytes {off}..{off + first[2]} of the part of "
                 f"rank {rank} {len(es)} times, not as one band entry or wide entries alike but for their names; "
                 "the index is corrupt")
-        out.append((*first[:7], tuple((e[7], e[8]) for e in es)))
+        ranges = sorted((e[7], e[8]) for e in es)
+        reach = list(itertools.accumulate((b for _, b in ranges), max))
+        out.append((*first[:7], ([a for a, _ in ranges], reach)))
     return out
 
 
@@ -220,30 +233,71 @@ def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]
 
 def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[tuple[int, int]] | None,
              names: list[str] | None, where: str) -> list[Entry]:
-    """A page's entries, checked against the page and the parts; those ``bands``/``names`` meet."""
+    """A page's entries, checked against the page and the parts; those ``bands``/``names`` meet.
+    Vectorized: a reader of whole replicated tensors reads most wide pages, and keeps few of their entries."""
     label = f"{where}/{d.file} page {kind} {k}"
-    cols = {n: fmt.column_values(table, n) for n in table.schema.names}
-    page = d.band_pages if kind == "band" else d.wide_pages
-    out: list[Entry] = []
     keys = ("lo", "hi") if kind == "band" else ("first", "last")
-    prev = None
-    for i, (a, b) in enumerate(zip(cols[keys[0]], cols[keys[1]], strict=True)):
-        rank, off, n, rows, crc = (int(cols[c][i]) for c in ("rank", "offset", "nbytes", "rows", "crc32c"))
-        size = d.part_size(rank)
-        if not (a <= b and page[keys[0]][k] <= a and b <= page[keys[1]][k]) or (prev is not None and a < prev) \
-                or (kind == "band" and not 0 <= a <= b < d.buckets):
-            raise CorruptCheckpointError(f"{label}: entry {i} ({a!r:.60}..{b!r:.60}) lies outside its page or out "
-                                         "of order; the index is corrupt")
-        if size is None or rows <= 0 or n <= 0 or off < 0 or off + n > size:
-            raise CorruptCheckpointError(f"{label}: entry {i} places a segment at bytes {off}..{off + n} of the "
-                                         f"part of rank {rank}, which metadata.json lists "
-                                         f"{'not at all' if size is None else f'with {size} bytes'}")
-        prev = a
-        if kind == "band" and (bands is None or _meets(bands, a, b)):
-            out.append((rank, off, n, rows, crc, a, b, "", ""))
-        elif kind == "wide" and (names is None or _names_in(names, a, b)):
-            out.append((rank, off, n, rows, crc, -1, -1, a, b))
-    return out
+    page = d.band_pages if kind == "band" else d.wide_pages
+    num = {c: table.column(c).to_numpy().astype(np.int64) for c in ("rank", "offset", "nbytes", "rows", "crc32c")}
+    a, b = (_column(table, c) for c in keys)
+    if kind == "band":
+        a, b = a.astype(np.int64), b.astype(np.int64)
+    bad = ~((a <= b) & (page[keys[0]][k] <= a) & (b <= page[keys[1]][k])).astype(bool)
+    bad[1:] |= (a[1:] < a[:-1]).astype(bool)
+    if kind == "band":
+        bad |= (a < 0) | (b >= d.buckets)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise CorruptCheckpointError(f"{label}: entry {i} ({a[i]!r:.60}..{b[i]!r:.60}) lies outside its page or out "
+                                     "of order; the index is corrupt")
+    ranks = np.asarray(d.ranks, np.int64)
+    pos = np.minimum(np.searchsorted(ranks, num["rank"]), max(0, len(ranks) - 1))
+    listed = ranks[pos] == num["rank"] if len(ranks) else np.zeros(len(pos), bool)
+    size = np.where(listed, np.asarray(d.part_nbytes, np.int64)[pos] if len(ranks) else 0, -1)
+    off, n = num["offset"], num["nbytes"]
+    bad = ~listed | (num["rows"] <= 0) | (n <= 0) | (off < 0) | (off + n > size)
+    if bad.any():
+        i = int(np.flatnonzero(bad)[0])
+        raise CorruptCheckpointError(f"{label}: entry {i} places a segment at bytes {off[i]}..{off[i] + n[i]} of the "
+                                     f"part of rank {num['rank'][i]}, which metadata.json lists "
+                                     f"{'not at all' if not listed[i] else f'with {size[i]} bytes'}")
+    if kind == "band":
+        keep = np.ones(len(a), bool) if bands is None else _meeting(bands, a, b)
+    else:
+        keep = np.ones(len(a), bool) if names is None else _naming(names, a, b)
+    cols = [num[c][keep].tolist() for c in ("rank", "offset", "nbytes", "rows", "crc32c")]
+    lo, hi = a[keep].tolist(), b[keep].tolist()
+    if kind == "band":
+        return [(*x, p, q, "", "") for *x, p, q in zip(*cols, lo, hi, strict=True)]
+    return [(*x, -1, -1, p, q) for *x, p, q in zip(*cols, lo, hi, strict=True)]
+
+
+def _column(table: pa.Table, name: str) -> np.ndarray:
+    """A column as a NumPy array (strings: of ``str`` objects, a dictionary decoded)."""
+    col = table.column(name)
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    return np.asarray(col.to_numpy())
+
+
+def _meeting(intervals: list[tuple[int, int]], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+    """Which ``[lo, hi]`` meet one of the merged (disjoint, ascending) ``intervals``."""
+    if not intervals:
+        return np.zeros(len(lo), bool)
+    starts = np.asarray([x[0] for x in intervals], np.int64)
+    ends = np.asarray([x[1] for x in intervals], np.int64)
+    j = np.searchsorted(starts, hi, side="right") - 1  # the last interval starting at or before hi
+    return (j >= 0) & (ends[np.maximum(j, 0)] >= lo)
+
+
+def _naming(names: list[str], first: np.ndarray, last: np.ndarray) -> np.ndarray:
+    """Which ``[first, last]`` contain one of the sorted ``names``."""
+    if not names:
+        return np.zeros(len(first), bool)
+    sorted_names = np.asarray(names, object)
+    j = np.searchsorted(sorted_names, first)
+    inside = j < len(names)
+    return inside & (sorted_names[np.minimum(j, len(names) - 1)] <= last).astype(bool)
 
 
 def _scalar_rows(table: pa.Table, k: int, md: fmt.Metadata, d: PartsDirectory, fqns: set[str] | None,
@@ -295,6 +349,14 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
     return out
 
 
+def _named(names: tuple[list[str], list[str]], fqn: str) -> bool:
+    """Whether one of a wide segment's entries read names ``fqn``: the entry
+    of greatest ``last`` among those whose ``first <= fqn`` reaches it (O(log entries))."""
+    firsts, reach = names
+    k = bisect.bisect_right(firsts, fqn) - 1
+    return k >= 0 and reach[k] >= fqn
+
+
 def _check_place(label: str, d: PartsDirectory, c: fmt.ChunkRecord, s: Segment, limit: int) -> None:
     """The row lies where the directory entries say (FORMAT.md §5.6): a
     band segment's rows meet at most ``limit`` bands, inside its ``[lo,
@@ -305,7 +367,7 @@ def _check_place(label: str, d: PartsDirectory, c: fmt.ChunkRecord, s: Segment, 
     if ok:
         lo, hi = box_bands(c.offsets, c.lengths, shape, d.buckets)
         banded = hi - lo + 1 <= limit
-        ok = (s[5] <= lo and hi <= s[6]) if s[5] >= 0 else (not banded and any(a <= c.fqn <= b for a, b in s[7]))
+        ok = (s[5] <= lo and hi <= s[6]) if s[5] >= 0 else (not banded and _named(s[7], c.fqn))
         ok = ok and banded == (s[5] >= 0)
     if not ok:
         raise CorruptCheckpointError(
