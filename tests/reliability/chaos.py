@@ -23,7 +23,10 @@ that are reached: ``commit`` and ``committed`` only on the coordinator
 - every committed checkpoint passes ``bytecp verify`` (memory ones too);
 - after a job that ended normally, no file is left but those kept
   checkpoints need (their data, index, metadata, reports, retired bases),
-  on the disk and in the keepers' memory (after the keepers' drains);
+  on the disk and in the keepers' memory (after the keepers' drains); a
+  keeper killed while draining a checkpoint to the disk leaves the part it
+  wrote (as any killed process does), which the next job's retention must
+  have removed by its end;
 - every kill and keeper kill fired;
 - the job's last save commits once its fault is over (``none``, ``stop``,
   ``fill``, ``readonly`` on disk): ranks a stall left a save apart come
@@ -124,6 +127,8 @@ class Chaos:
         self.fig = Figures()
         self.stop_step = {"local": 0, "s3": 0, "memory": 0}
         self.keepers: Any = None  # chaos_keepers.Keepers, from the first memory episode on
+        #: per run URL: files a keeper episode left on disk (a drain the kill cut short), gone after the next job
+        self.drained_late: dict[str, set[str]] = {}
 
     def kinds(self) -> tuple[str, ...]:
         return KINDS + (("s3",) if self.s3 else ())
@@ -295,7 +300,12 @@ class Chaos:
                     fig.problems.append(f"episode {ep}: committed {name} fails verify: {problems[:3]}")
         if clean:
             left = leftovers(root)
-            if left:
+            late = sorted(set(left) & self.drained_late.pop(run_url, set()))
+            if late:  # a killed keeper's partial drain outlived the next job's retention
+                fig.problems.append(f"episode {ep} ({kind}): a killed keeper's partial drain is still there: {late[:6]}")
+            if kind == "keeper":  # (its drain in flight died with it: the next job's retention sweeps it)
+                self.drained_late[run_url] = set(left)
+            elif left:
                 fig.problems.append(f"episode {ep} ({kind}): files no kept checkpoint needs: {left[:6]}")
         self.log(f"episode {ep}: {kind}{' (memory tier)' if memory else ''} "
                  f"{fault.get('phase', '') if kind in ('kill', 'keeper') else ''}"
