@@ -82,8 +82,8 @@ class RankOutput:
     batch: ChunkBatch | None = None
     objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
-    #: this rank's skeleton (JSON), tensor specs and aliases, sent only when
-    #: its skeleton or aliases differ from the coordinator's
+    #: this rank's skeleton (JSON), tensor specs and aliases, sent only by the
+    #: lowest rank of each skeleton other than the coordinator's (the votes tell which)
     skeleton: Any = None
     tensors: dict[str, dict[str, Any]] | None = None
     aliases: dict[str, str] | None = None
