@@ -306,12 +306,7 @@ def _scalar_rows(table: pa.Table, k: int, md: fmt.Metadata, d: PartsDirectory, f
     names, strictly ascending (each 0-dim tensor listed once); those of ``fqns``."""
     label = f"{where}/{d.file} page scalar {k}"
     first, last = d.scalar_pages["first"][k], d.scalar_pages["last"][k]
-    try:
-        every = rows_to_records(table, md, label, None)
-    except CorruptCheckpointError:
-        raise
-    except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
-        raise CorruptCheckpointError(f"{label} is unreadable ({str(x)[:300]})") from x
+    every = _records(table, md, label, None)
     prev = None
     for c in every:
         if c.global_shape or c.offsets or c.lengths or not first <= c.fqn <= last or (prev is not None and c.fqn <= prev):
@@ -320,6 +315,17 @@ def _scalar_rows(table: pa.Table, k: int, md: fmt.Metadata, d: PartsDirectory, f
                 "each once, in name order inside the page's names; FORMAT.md §5.6); the index is corrupt")
         prev = c.fqn
     return [c for c in every if fqns is None or c.fqn in fqns]
+
+
+def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
+    """A decoded segment's or page's rows as chunk records (those of ``fqns``);
+    anything unreadable in them is a corrupt index named by ``label``."""
+    try:
+        return rows_to_records(table, md, label, fqns)
+    except CorruptCheckpointError:
+        raise
+    except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
+        raise CorruptCheckpointError(f"{label} is unreadable ({str(x)[:300]})") from x
 
 
 def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment],
@@ -337,12 +343,7 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
         table = decode_table(seg, seg, bytes(buf), PART_SCHEMA, ("fqn", "file"), rows=s[3])
         _check_save(seg, table, d.save_id)
-        try:
-            chunks = rows_to_records(table, md, seg, fqns)
-        except CorruptCheckpointError:
-            raise
-        except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
-            raise CorruptCheckpointError(f"{seg} is unreadable ({str(x)[:300]})") from x
+        chunks = _records(table, md, seg, fqns)
         for c in chunks:
             _check_place(seg, d, c, s, limit)
         out.extend(chunks)
