@@ -30,8 +30,9 @@ weights: 56 grains of ~1 MiB against ~20 MB per holder). A box of no bytes goes 
 Against the largest-first rule (every box of at least ``split_bytes`` cut
 into up to one piece per holder) a set of B boxes over n holders has at most
 B + n - 1 pieces instead of up to B * n: for the MoE's expert sets at
-131,072 ranks (~700 boxes over 2,048 holders) ~2,700 index entries per set
-instead of ~117,000, and a reader of one expert finds it in one or two parts.
+131,072 ranks (2,088 boxes over 2,048 holders) 4,097 pieces per set, at
+most 3 per holder and each box in at most 4 holders' parts (at 16,384: 2,341
+over 256 holders, each box in at most 2).
 """
 
 from __future__ import annotations
