@@ -9,7 +9,8 @@ the boxes without a sound replica hint and scatters back):
   written once; a replicated region of at least ``split_bytes`` is cut along
   its first dimension into one piece per replica (up to the dimension's
   length), so under DDP every rank writes about 1/W of the bytes;
-- each piece goes to the least-loaded rank that holds it (largest first).
+- each piece goes to the least-loaded rank that holds it (largest first);
+  a large replica set instead gives each member one run (:mod:`bytecp.plan.runs`).
 
 Load (every rank, on its own targets): :func:`bytecp.plan.load_plan.plan_load`
 turns target boxes into ranged reads; :func:`assign_shared` spreads the whole tensors every rank wants over
@@ -31,6 +32,7 @@ from typing import Any
 import numpy as np
 
 from bytecp.errors import ConfigError
+from bytecp.plan.runs import plan_runs, uses_runs
 from bytecp.tree.regions import Region, row_major_strides
 from bytecp.tree.state import ReplicaSet
 
@@ -334,7 +336,10 @@ def plan_replicated(
     (large boxes split, least-loaded rank first, starting from
     ``base_load[r]``). Pure and deterministic: every member computes the same
     answer from the same inputs, so no rank has to send its boxes anywhere.
-    Returns ``{rank: boxes it writes}`` for the ranks that write something."""
+    Returns ``{rank: boxes it writes}`` for the ranks that write something.
+    A large set (:func:`~bytecp.plan.runs.uses_runs`) gives each rank one run instead."""
+    if uses_runs(items, len(ranks), split_bytes, MIN_PIECE_BYTES):
+        return plan_runs(items, ranks, base_load, split_bytes=split_bytes, min_piece=MIN_PIECE_BYTES)
     load = {r: base_load[r] for r in ranks}
     out: dict[int, list[WriteItem]] = {}
     _assign([(it, ranks) for it in items], load, out, split_bytes)

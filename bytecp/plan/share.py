@@ -9,7 +9,9 @@ ties to the lowest rank), but only this rank's pieces are built: the others
 are counted as sizes, and the members nobody has written to yet are taken in
 order of their starting load from one NumPy sort instead of a heap of every
 member. With experts replicated over 2,048 ranks (a DeepSeek-V3-like MoE at
-131,072 ranks) that is ~117,000 pieces of which a rank builds ~60.
+131,072 ranks) that was ~117,000 pieces of which a rank built ~60; such a
+large set (:func:`~bytecp.plan.runs.uses_runs`) now gives each member one
+contiguous run (:func:`~bytecp.plan.runs.run_share`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from bytecp.plan.planner import MIN_PIECE_BYTES, WriteItem
+from bytecp.plan.runs import run_share, uses_runs
 from bytecp.tree.regions import Region
 
 __all__ = ["share_of"]
@@ -52,6 +55,8 @@ def share_of(items: Sequence[WriteItem], ranks: Sequence[int], base_load: Sequen
         return []
     if len(ranks) == 1:
         return sorted(items, key=lambda w: (w.fqn, w.region))
+    if uses_runs(items, len(ranks), split_bytes, MIN_PIECE_BYTES):  # a large set: one run per member
+        return run_share(items, ranks, base_load, i, split_bytes=split_bytes, min_piece=MIN_PIECE_BYTES)
     order = sorted(items, key=lambda it: (-it.nbytes, it.fqn, it.region))
     cuts = [min(len(ranks), max(1, it.nbytes // MIN_PIECE_BYTES)) if it.nbytes >= split_bytes else 0
             for it in order]

@@ -24,3 +24,13 @@ def test_replicas_the_hints_miss_are_written_once(pools: Any, tmp_path: Path, fr
     # every own-hinted copy merges (equal fingerprints); vectors without a hint: the coordinator dedups
     assert [o["coordinated"] for o in out] == [coordinated] * 2
     _stored_once(url)
+
+
+def test_a_large_replica_set_is_written_once_as_runs(pools: Any, tmp_path: Path) -> None:
+    """24 tensors every rank holds under one hint: each rank writes one run of
+    them (bytecp/plan/runs.py), without the coordinator; the checkpoint loads bitwise."""
+    url = str(tmp_path / "runs")
+    out = pools(2).run(hint_cases.large_set_save_then_load, url)
+    assert all(o["same"] and o["runs"] for o in out), out
+    assert [o["coordinated"] for o in out] == [0, 0]
+    _stored_once(url)
