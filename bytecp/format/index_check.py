@@ -46,14 +46,14 @@ Place = tuple[int | None, str | None, str | None]
 def decode_table(
     prefix: str,
     name: str,
-    data: bytes,
+    data: bytes | bytearray,
     schema: pa.Schema,
     strings: Sequence[str],
     *,
     rows: int | None = None,
     row_budget: Callable[[], int] | None = None,
 ) -> pa.Table:
-    """``data`` (one index file or segment) as a table of ``schema``.
+    """``data`` (one index file or segment, read in place: never copied) as a table of ``schema``.
 
     Before any column is decoded, the footer is checked against the
     hostile-input budget (:func:`bytecp.format.limits.check_index_metadata`,

@@ -164,7 +164,7 @@ def read_segments(
         label = f"{where} segment {s} (bytes {off}..{off + n})"
         if crc32c(buf) != crc:
             raise CorruptCheckpointError(f"{label}: checksum mismatch; the index is damaged")
-        for c in _decode(label, bytes(buf), rows, md, fqns, place):
+        for c in _decode(label, buf, rows, md, fqns, place):
             if c not in seen:  # a chunk meeting several bands is listed, the same, in each
                 seen.add(c)
                 out.append(c)
@@ -172,7 +172,7 @@ def read_segments(
 
 
 def _decode(
-    label: str, data: bytes, rows: int, md: fmt.Metadata, fqns: set[str] | None, place: Place
+    label: str, data: bytes | bytearray, rows: int, md: fmt.Metadata, fqns: set[str] | None, place: Place
 ) -> list[fmt.ChunkRecord]:
     """One segment's rows (of the tensors in ``fqns``) as chunk records."""
     table = decode_table(label, label, data, INDEX_SCHEMA_V2, _STRINGS, rows=rows)

@@ -269,7 +269,7 @@ def check_chunk_records(name: str, chunks: list[ChunkRecord]) -> None:
             )
 
 
-def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows: int | None, data: bytes = b"") -> None:
+def check_index_metadata(name: str, meta: pq.FileMetaData, nbytes: int, max_rows: int | None, data: bytes | bytearray = b"") -> None:
     """(before an index file is decoded) Row count, values per row and decoded
     bytes within the budget; ``meta`` is the Parquet footer as pyarrow parsed
     it, ``data`` the file (its footer is read here too, see below)."""

@@ -113,7 +113,7 @@ class _Thrift:
             out[fid] = self.value(t, depth)
 
 
-def footer_row_groups(name: str, data: bytes) -> list[tuple[int, list[tuple[int, int]]]]:
+def footer_row_groups(name: str, data: bytes | bytearray) -> list[tuple[int, list[tuple[int, int]]]]:
     """``[(num_rows, [(num_values, total_uncompressed_size) per column])]`` per row group."""
     try:
         if len(data) < 12 or data[-4:] != b"PAR1":
@@ -121,7 +121,7 @@ def footer_row_groups(name: str, data: bytes) -> list[tuple[int, list[tuple[int,
         n = int.from_bytes(data[-8:-4], "little")
         if n <= 0 or n > len(data) - 12:
             raise ValueError(f"footer length {n} does not fit the file")
-        meta = _Thrift(data[-8 - n : -8]).struct()
+        meta = _Thrift(bytes(data[-8 - n : -8])).struct()  # (the footer alone)
         out = []
         for rg in meta.get(4) or []:
             if not isinstance(rg, dict):

@@ -198,8 +198,6 @@ def _check(cols: EntryColumns, buckets: int) -> None:
         if bool(mask.any()):
             raise ConfigError(f"rank {int(ranks[np.flatnonzero(mask)[0]])}: its index part {why}")
 
-    order = np.argsort(cols.rank, kind="stable")
-    cols.rank, cols.nbytes = cols.rank[order], cols.nbytes[order]
     fail(cols.rank[1:] == cols.rank[:-1], cols.rank[1:], "was sent twice")
     b = cols.band
     fail((b["lo"] < 0) | (b["lo"] > b["hi"]) | (b["hi"] >= buckets), b["rank"],

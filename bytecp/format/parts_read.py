@@ -225,7 +225,7 @@ def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]
             raise CorruptCheckpointError(f"{label}: checksum mismatch; the index is damaged")
         schema = {"band": BAND_ENTRY_SCHEMA, "wide": WIDE_ENTRY_SCHEMA, "scalar": PART_SCHEMA}[kind]
         strings = {"band": (), "wide": ("first", "last"), "scalar": ("fqn", "file")}[kind]
-        table = decode_table(label, label, bytes(buf), schema, strings, rows=cols[kind]["rows"][k])
+        table = decode_table(label, label, buf, schema, strings, rows=cols[kind]["rows"][k])
         _check_save(label, table, d.save_id)
         out.append((kind, k, table))
     return out
@@ -341,7 +341,7 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         seg = f"{label} segment at bytes {s[1]}..{s[1] + s[2]}"
         if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
-        table = decode_table(seg, seg, bytes(buf), PART_SCHEMA, ("fqn", "file"), rows=s[3])
+        table = decode_table(seg, seg, buf, PART_SCHEMA, ("fqn", "file"), rows=s[3])
         _check_save(seg, table, d.save_id)
         chunks = _records(table, md, seg, fqns)
         for c in chunks:

@@ -176,7 +176,8 @@ def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
     if not bool(tail_ok.all()):
         i = int(np.flatnonzero(~tail_ok)[0])
         raise ConfigError(f"rank {int(rank[i])}: its index part entries are malformed (trailing bytes)")
-    keep = nbytes > 0
+    keep = np.flatnonzero(nbytes > 0)
+    keep = keep[np.argsort(rank[keep], kind="stable")]  # ranks ascending, as the columns promise
     named = np.zeros(int(ns_.sum()), np.int64)
     np.add.at(named, where_seg, 1)
     segments = {"rank": seg_rank, **seg, "named": np.where(is_band, 1, named)}

@@ -107,8 +107,7 @@ def _ids(col: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _refuse_other_targets(table: VoteTable) -> None:
-    targets = table.column16("target")
-    differ = np.flatnonzero(targets != targets[0])
+    differ = table.targets_differ()
     if differ.size:  # paired collectives of two saves: never commit them
         first = table.target_of(0)
         raise DistributedCheckpointError("save/plan", {r: (
@@ -116,20 +115,24 @@ def _refuse_other_targets(table: VoteTable) -> None:
             "(a rank that missed a deadline is a save behind); nothing is committed") for r in differ.tolist()})
 
 
-def decide(votes: Sequence[bytes | PlanVote]) -> PlanDecision:
+def decide(votes: Sequence[bytes | PlanVote] | VoteTable) -> PlanDecision:
     """(every rank, the same answer everywhere) Reuse the cached plans, or
     which replica sets are sound and whether the coordinator must plan.
     ``votes``: every rank's encoded vote (:meth:`PlanVote.encode`; a
-    :class:`PlanVote` is encoded first). Refuses votes naming different
+    :class:`PlanVote` is encoded first), or their :class:`VoteTable` when
+    the caller built it already (the save's plan phase). Refuses votes naming different
     targets (:class:`DistributedCheckpointError` naming each rank).
 
     Sets whose members hold different boxes are bad (the coordinator plans
     them, one copy per group of members that agree); sound sets (and ranks'
     own boxes) whose fingerprints are equal hold the same boxes under
     different hints and are merged into one set, so no box is written twice."""
-    if votes and isinstance(votes[0], PlanVote):  # (tests, benchmarks: votes not sent anywhere)
-        votes = [v.encode() for v in cast("Sequence[PlanVote]", votes)]
-    table = VoteTable.of(cast("Sequence[bytes]", votes))
+    if isinstance(votes, VoteTable):
+        table = votes
+    else:
+        if votes and isinstance(votes[0], PlanVote):  # (tests, benchmarks: votes not sent anywhere)
+            votes = [v.encode() for v in cast("Sequence[PlanVote]", votes)]
+        table = VoteTable.of(cast("Sequence[bytes]", votes))
     _refuse_other_targets(table)
     heads = table.heads
     digest = _digest_of(table.column16("fingerprint"))

@@ -283,8 +283,8 @@ def planned_locally(
     loads = np.asarray(decision.base_load, dtype=np.int64) if by_set and shared is None else None
     for ranks, items in by_set.values():
         if shared is None:  # a real rank: its share alone (the same as plan_replicated's)
-            mine.extend(share_of(items, ranks, decision.base_load if loads is None else loads, plan.rank,
-                                 split_bytes=split_bytes))
+            assert loads is not None  # (made above whenever a real rank has a set)
+            mine.extend(share_of(items, ranks, loads, plan.rank, split_bytes=split_bytes))
             continue
         memo = (repr(ranks), hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest())
         share = shared.get(memo)

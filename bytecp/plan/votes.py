@@ -192,6 +192,11 @@ class VoteTable:
         data = self.votes[rank]
         return list(json.loads(data[len(data) - int(self.heads["tail"][rank]):]))
 
+    def targets_differ(self) -> np.ndarray:
+        """The ranks whose target is not rank 0's (empty: one save on every rank)."""
+        targets = self.column16("target")
+        return np.flatnonzero(targets != targets[0])
+
     def target_of(self, rank: int) -> str:
         """The target a rank's vote names."""
         return str(self.tail_of(rank)[2])

@@ -45,7 +45,6 @@ from bytecp.plan.exchange import (
     holdings,
     needs_coordinator,
     planned_locally,
-    read_vote,
     sends_specs,
 )
 from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
@@ -221,9 +220,9 @@ class SavePipeline:
         with self.trace.span("plan"):
             try:
                 votes = in_step(ctx, ctx.all_gather("save/plan", vote), mine["vote"])  # (a save apart: realigned)
-                coordinator = read_vote(votes[ctx.coordinator])
-                assert coordinator.save_id is not None
-                self.trace.checkpoint_id = coordinator.save_id
+                save_id, objects = votes.tail_of(ctx.coordinator)[:2]  # the coordinator's
+                assert save_id is not None
+                self.trace.checkpoint_id = save_id
                 local: LocalSavePlan = mine["local"]
                 decision = decide(votes)
                 cache_entry = None
@@ -256,9 +255,9 @@ class SavePipeline:
                 write, reused = self.incremental.split(items, described.tokens)
                 differs, sends = sends_specs(decision, rank, ctx.coordinator)
                 return SavePlanResult(
-                    coordinator.save_id, tuple(write), local, referenced=reused,
+                    save_id, tuple(write), local, referenced=reused,
                     skeleton_differs=differs, sends_specs=sends,
-                    coordinator_objects=frozenset(coordinator.objects), replaced=mine["replaced"],
+                    coordinator_objects=frozenset(objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
                 )
             except BaseException:

@@ -44,23 +44,24 @@ __all__ = ["in_step"]
 log = logging.getLogger("bytecp")
 
 
-def in_step(ctx: DistContext, votes: Sequence[bytes], mine: bytes) -> Sequence[bytes]:
-    """(every rank, after the plan all-gather) ``votes`` when every rank names
-    the same target (or when steps cannot realign them: ``decide`` refuses);
-    else wait, voting ``mine`` again, until the ranks behind reach this
-    rank's step (the votes then), or raise on a rank that is behind. Once
-    they agree, every rank numbers its context alike (the highest)."""
+def in_step(ctx: DistContext, votes: Sequence[bytes], mine: bytes) -> VoteTable:
+    """(every rank, after the plan all-gather) The table of ``votes`` when
+    every rank names the same target (or when steps cannot realign them:
+    ``decide`` refuses); else wait, voting ``mine`` again, until the ranks
+    behind reach this rank's step (the table of the votes then), or raise on
+    a rank that is behind. Once they agree, every rank numbers its context
+    alike (the highest)."""
     table = VoteTable.of(votes)
     rounds = 0
-    while not _agree(table):
-        tails = [table.tail_of(r) for r in range(len(votes))]  # (O(W) JSON: only when ranks are apart)
+    while table.targets_differ().size:
+        tails = [table.tail_of(r) for r in range(len(table.votes))]  # (O(W) JSON: only when ranks are apart)
         steps = [t[3] for t in tails]
         if any(type(s) is not int for s in steps):
-            return votes
+            return table
         top = max(steps)
         ahead = [r for r, s in enumerate(steps) if s == top]
         if len({tails[r][2] for r in ahead}) > 1:
-            return votes
+            return table
         if steps[ctx.rank] < top:
             raise DistributedCheckpointError("save/plan", {ctx.rank: (
                 f"a save behind: saving step {steps[ctx.rank]} ({tails[ctx.rank][2]}) while rank {ahead[0]} "
@@ -69,15 +70,9 @@ def in_step(ctx: DistContext, votes: Sequence[bytes], mine: bytes) -> Sequence[b
         behind = [r for r, s in enumerate(steps) if s < top]
         log.warning("bytecp: rank %d waits for rank(s) %s, a save behind, to save step %d (%s)", ctx.rank,
                     ", ".join(map(str, behind[:8])) + (" ..." if len(behind) > 8 else ""), top, tails[ctx.rank][2])
-        votes = ctx.all_gather("save/plan", lambda: mine)
-        table = VoteTable.of(votes)
+        table = VoteTable.of(ctx.all_gather("save/plan", lambda: mine))
         rounds += 1
     contexts = table.heads["context"]
     if rounds or contexts.min() != contexts.max():
         ctx.adopt(int(contexts.max()), 1)
-    return votes
-
-
-def _agree(table: VoteTable) -> bool:
-    targets = table.column16("target")
-    return bool((targets == targets[0]).all())
+    return table

