@@ -155,23 +155,7 @@ def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
     base = np.repeat(np.cumsum(nw) - nw, nn)  # each part's first wide segment, among all wide segments
     where_seg = np.flatnonzero(~is_band)[base + wseg]  # each wide entry's segment, among all segments
     wide = {"name": whash.view(np.uint64), "seg": where_seg}
-    scalars: list[tuple[int, int, str, int, int, int]] = []
-    for j in np.flatnonzero(ns).tolist():
-        s0, n = int(start[j] + at[j]), int(ns[j])
-        hashes, offs, sizes, crcs, flen = (buf[s0 + k * n : s0 + (k + 1) * n] for k in range(5))
-        tail = (int(s0 + 5 * n) * 8, int(start[j] + words[j]) * 8)
-        raw = buf.view(np.uint8)[tail[0] : tail[1]].tobytes()
-        if bool((flen < 0).any()) or int(flen.sum()) > len(raw) or -(-int(flen.sum()) // 8) * 8 != len(raw):
-            raise ConfigError(f"rank {int(rank[j])}: its index part entries name files malformed")
-        pos = 0
-        for h, o, sz, c, fl in zip(hashes.view(np.uint64).tolist(), offs.tolist(), sizes.tolist(), crcs.tolist(),
-                                   flen.tolist(), strict=True):
-            try:
-                name = raw[pos : pos + fl].decode()
-            except UnicodeDecodeError as e:
-                raise ConfigError(f"rank {int(rank[j])}: its index part entries name a file that is not UTF-8") from e
-            scalars.append((int(rank[j]), h, name, o, sz, c))
-            pos += fl
+    scalars = _scalars(buf, rank, ns, start + at, start + words)
     tail_ok = (ns > 0) | (words == fixed)
     if not bool(tail_ok.all()):
         i = int(np.flatnonzero(~tail_ok)[0])
@@ -183,6 +167,36 @@ def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
     segments = {"rank": seg_rank, **seg, "named": np.where(is_band, 1, named)}
     return EntryColumns(rank=rank[keep], nbytes=nbytes[keep], elements=int(elements.sum()), band=band, wide=wide,
                         segments=segments, scalars=scalars)
+
+
+def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, end: np.ndarray
+             ) -> list[tuple[int, int, str, int, int, int]]:
+    """Every rank's 0-dim chunks (its ``ns`` entries: five columns from word
+    ``at``, then the file names' bytes up to word ``end``), decoded together:
+    a Python step per chunk only to make its file name a string."""
+    hashes, offs, sizes, crcs, flen = (buf[np.repeat(at + k * ns, ns) + _ramp(ns)] for k in range(5))
+    owner = np.repeat(np.arange(len(ns)), ns)
+    if bool((flen < 0).any()):
+        raise ConfigError(f"rank {int(rank[owner[np.flatnonzero(flen < 0)[0]]])}: its index part entries name "
+                          "files malformed")
+    total = np.zeros(len(ns), np.int64)
+    np.add.at(total, owner, flen)
+    room = (end - at - 5 * ns) * 8  # the bytes after the columns
+    bad = (ns > 0) & ((total > room) | (-(-total // 8) * 8 != room))
+    if bool(bad.any()):
+        raise ConfigError(f"rank {int(rank[np.flatnonzero(bad)[0]])}: its index part entries name files malformed")
+    before = np.cumsum(flen) - flen
+    first = np.repeat(np.cumsum(ns) - ns, ns)  # each chunk's rank's first chunk, among all chunks
+    where = (at + 5 * ns)[owner] * 8 + before - before[first]
+    raw = memoryview(buf).cast("B")
+    names = []
+    for w, n, r in zip(where.tolist(), flen.tolist(), owner.tolist(), strict=True):
+        try:
+            names.append(str(raw[w : w + n], "utf-8"))
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"rank {int(rank[r])}: its index part entries name a file that is not UTF-8") from e
+    return list(zip(rank[owner].tolist(), hashes.view(np.uint64).tolist(), names, offs.tolist(), sizes.tolist(),
+                    crcs.tolist(), strict=True))
 
 
 class NameTable:

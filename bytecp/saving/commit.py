@@ -81,13 +81,11 @@ def build_metadata(
     Raises :class:`ConfigError` when ranks describe a tensor differently or,
     up to :data:`EXACT_CHECK_RANKS` ranks (whose chunk records come along),
     their chunks do not make up the tensors exactly."""
-    skeleton = flat.skeleton
     tensors = tensor_specs(flat)
-    for r, out in enumerate(outputs):
-        if out.skeleton is None or out.tensors is None:
-            continue
-        skeleton = skeleton.merge(Node.from_json(out.skeleton))
-        for fqn, spec in out.tensors.items():
+    sent = [(r, out.tensors) for r, out in enumerate(outputs) if out.skeleton is not None and out.tensors is not None]
+    skeleton = flat.skeleton.merge_all([Node.from_json(outputs[r].skeleton) for r, _ in sent])
+    for r, specs in sent:
+        for fqn, spec in specs.items():
             seen = tensors.setdefault(fqn, spec)
             if seen != spec:
                 raise ConfigError(
