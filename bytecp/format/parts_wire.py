@@ -188,7 +188,7 @@ def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, 
     before = np.cumsum(flen) - flen
     first = np.repeat(np.cumsum(ns) - ns, ns)  # each chunk's rank's first chunk, among all chunks
     where = (at + 5 * ns)[owner] * 8 + before - before[first]
-    raw = memoryview(buf).cast("B")
+    raw = memoryview(buf.view(np.uint8).data)
     names = []
     for w, n, r in zip(where.tolist(), flen.tolist(), owner.tolist(), strict=True):
         try:
