@@ -53,6 +53,7 @@ from bytecp.format.parts_wire import decode_all
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
+from bytecp.saving.commit import merge_described
 from bytecp.storage_api import open_storage
 from bytecp.tree.regions import full_region
 
@@ -124,18 +125,23 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
     wire = [e.encode() for e in every]  # what each rank sends in the commit's gather
     del every
     files = sl.data_files(job)
-    specs = job.specs()
+    own, own_specs = jobs.described(job, 0)
+    # one rank of every other skeleton sends its own (the MoE: the lowest rank of each other EP index)
+    sent = [(r, sk.to_json(), specs) for r in range(1, job.ep if job.groups else 1)
+            for sk, specs in [jobs.described(job, r)]]
 
     def build() -> tuple[Any, int]:
+        skeleton, specs = merge_described(own, dict(own_specs), sent, 0)
         got = decode_all(wire)
         held = got.elements
         held -= sum(math.prod(s["shape"]) for s in specs.values())  # build_metadata's check (not equal here)
         pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets, specs)
-        md = sl.metadata_for(job, directory, files)
+        md = sl.metadata_for(job, directory, files, skeleton, specs)
         return directory, len(md.to_bytes())
 
     t, mem, (directory, md_bytes) = measure(build, repeats)
     return {"s": t, "peak_mb": mem / 1e6, "gathered_mb": sum(map(len, wire)) / 1e6,
+            "skeletons_sent": len(sent), "skeletons_mb": len(pickle.dumps(sent)) / 1e6,
             "directory_mb": directory.nbytes / 1e6,
             "segments": directory.rows, "wide_segments": sum(directory.wide_pages["rows"]),
             "scalar_rows": sum(directory.scalar_pages["rows"]), "metadata_mb": md_bytes / 1e6}

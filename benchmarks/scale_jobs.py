@@ -209,6 +209,33 @@ def rank_tree(job: Job, rank: int) -> Any:
     return FlatTree(Node.container("dict", ()), tensors, {}, {}, {})
 
 
+def described(job: Job, rank: int) -> tuple[Any, dict[str, dict[str, Any]]]:
+    """The skeleton (a :class:`~bytecp.tree.skeleton.Node`) and tensor specs
+    of rank ``rank``'s state as ``flatten_tree`` describes a state dict
+    ``{"model": {fqn: tensor}, "optimizer": {"state": {fqn: {"exp_avg",
+    "exp_avg_sq", "step"}}, "param_groups": ...}}``: the dense weights and,
+    with experts, those of its EP index."""
+    from bytecp.tree.skeleton import Node
+
+    params = list(job.dense)
+    if job.groups:
+        per = len(job.experts) // job.ep
+        g = rank % job.ep
+        params += [n for e in range(g * per, (g + 1) * per) for n in job.experts[e]]
+    shapes = job._shapes
+    model = [(n, Node.leaf("tensor", f"model.{n}")) for n in params]
+    state = [(n, Node.container("dict", [(st, Node.leaf("tensor", f"optimizer.state.{n}.{st}"))
+                                         for st in (*STATES, "step")])) for n in params]
+    optim = Node.container("dict", [("state", Node.container("dict", state)),
+                                    ("param_groups", Node.leaf("obj", "optimizer.param_groups"))])
+    skeleton = Node.container("dict", [("model", Node.container("dict", model)), ("optimizer", optim)])
+    specs = {f"model.{n}": {"dtype": F32, "shape": list(shapes[f"model.{n}"])} for n in params}
+    specs |= {f"optimizer.state.{n}.{st}": {"dtype": F32, "shape": list(shapes[f"model.{n}"])}
+              for n in params for st in STATES}
+    specs |= {f"optimizer.state.{n}.step": {"dtype": F32, "shape": []} for n in params}
+    return skeleton, specs
+
+
 def votes(job: Job, cached: str | None = None) -> list[bytes]:
     """Every rank's plan vote as :func:`~bytecp.plan.exchange.ballot` sends
     it, encoded (own rows, the world set of the ``step`` tensors, its EP index's set)."""

@@ -33,9 +33,15 @@ from .scale_parts import Entries, directory_stub, touched
 __all__ = ["metadata_for", "Recording", "prepare", "wanted_of"]
 
 
-def metadata_for(job: Job, directory: Any, data_files: dict[str, int]) -> fmt.Metadata:
+def metadata_for(job: Job, directory: Any, data_files: dict[str, int], skeleton: Node | None = None,
+                 tensors: dict[str, dict[str, Any]] | None = None) -> fmt.Metadata:
+    """The save's ``metadata.json``: with the merged skeleton and specs of
+    :func:`benchmarks.scale_jobs.described` (the coordinator's merge), or an
+    empty skeleton."""
+    param_groups = {"optimizer.param_groups": fmt.ObjectRecord(json=[{"lr": 1e-4, "params": []}])}
     return fmt.Metadata(save_id=SAVE_ID, world_size=job.world, framework="fsdp2", parallelism={},
-                        skeleton=Node.container("dict", ()), tensors=job.specs(), objects={}, per_rank={},
+                        skeleton=skeleton or Node.container("dict", ()), tensors=job.specs() if tensors is None
+                        else tensors, objects=param_groups if skeleton else {}, per_rank={},
                         index_files=[], data_files=data_files, index=directory)
 
 
@@ -90,7 +96,14 @@ def prepare(root: Path, job: Job, entries: Entries, readers: list[int], cap: int
     for r, part in entries.real.items():
         if part.blobs:
             (root / part_file(SAVE_ID, r)).write_bytes(b"".join(part.blobs))
-    (root / fmt.METADATA_FILE).write_bytes(metadata_for(job, directory, data_files(job)).to_bytes())
+    from bytecp.saving.commit import merge_described
+
+    from .scale_jobs import described
+
+    own, specs = described(job, 0)  # the whole state's skeleton, as the coordinator merged it
+    sent = [(r, sk.to_json(), sp) for r in range(1, job.ep if job.groups else 1) for sk, sp in [described(job, r)]]
+    skeleton, specs = merge_described(own, specs, sent, 0)
+    (root / fmt.METADATA_FILE).write_bytes(metadata_for(job, directory, data_files(job), skeleton, specs).to_bytes())
     return {"written": True, "touched": {r: _counts(s) for r, s in seen.items()},
             "parts_written": len(entries.real)}
 

@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from bytecp.errors import (
@@ -43,12 +43,13 @@ from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
 from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
-    "build_metadata", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
+    "build_metadata", "merge_described", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
     "remove_replaced", "late_commit_check",
 ]
 
@@ -61,6 +62,27 @@ def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
         fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
         for fqn, leaf in flat.tensors.items()
     }
+
+
+def merge_described(skeleton: Node, tensors: dict[str, dict[str, Any]],
+                    sent: Sequence[tuple[int, Any, Mapping[str, dict[str, Any]]]], coordinator: int,
+                    ) -> tuple[Node, dict[str, dict[str, Any]]]:
+    """(coordinator, at commit) The union of the coordinator's skeleton and
+    tensor specs with those ``sent`` (rank, skeleton JSON, specs) by the
+    ranks whose state differs from every lower rank's. Raises
+    :class:`ConfigError` when two ranks describe a tensor differently."""
+    with gc_paused():  # one skeleton node per tensor of every rank that sent one (bytecp.tree.bulk)
+        skeleton = skeleton.merge_all([Node.from_json(sk) for _, sk, _ in sent])
+    for r, _, specs in sent:
+        for fqn, spec in specs.items():
+            seen = tensors.setdefault(fqn, spec)
+            if seen != spec:
+                raise ConfigError(
+                    f"tensor {fqn!r}: rank {coordinator} has dtype {seen['dtype']} shape {seen['shape']} but "
+                    f"rank {r} has dtype {spec['dtype']} shape {spec['shape']}; every rank must describe the "
+                    "same global tensor"
+                )
+    return skeleton, tensors
 
 
 def build_metadata(
@@ -81,18 +103,9 @@ def build_metadata(
     Raises :class:`ConfigError` when ranks describe a tensor differently or,
     up to :data:`EXACT_CHECK_RANKS` ranks (whose chunk records come along),
     their chunks do not make up the tensors exactly."""
-    tensors = tensor_specs(flat)
-    sent = [(r, out.tensors) for r, out in enumerate(outputs) if out.skeleton is not None and out.tensors is not None]
-    skeleton = flat.skeleton.merge_all([Node.from_json(outputs[r].skeleton) for r, _ in sent])
-    for r, specs in sent:
-        for fqn, spec in specs.items():
-            seen = tensors.setdefault(fqn, spec)
-            if seen != spec:
-                raise ConfigError(
-                    f"tensor {fqn!r}: rank {coordinator} has dtype {seen['dtype']} shape {seen['shape']} but "
-                    f"rank {r} has dtype {spec['dtype']} shape {spec['shape']}; every rank must describe the "
-                    "same global tensor"
-                )
+    sent = [(r, out.skeleton, out.tensors) for r, out in enumerate(outputs)
+            if out.skeleton is not None and out.tensors is not None]
+    skeleton, tensors = merge_described(flat.skeleton, tensor_specs(flat), sent, coordinator)
     aliases = merge_aliases(flat.aliases, [(r, out.aliases) for r, out in enumerate(outputs)
                                            if out.aliases is not None], tensors, coordinator)
     objects: dict[str, fmt.ObjectRecord] = {}

@@ -2,15 +2,18 @@
 name of every leaf value.
 
 Built by :func:`bytecp.tree.state.flatten_tree` when a state is saved, stored in
-``metadata.json`` (format v1 JSON, see docs/FORMAT.md), parsed back into
+``metadata.json`` (docs/FORMAT.md §6.4), parsed back into
 :class:`Node` once by :mod:`bytecp.format.metadata`, and read by the load matcher and
 the adapters (which look up optimizer entries by FQN). Nothing else
 interprets the JSON form.
 
-v1 JSON nodes: ``{"d": [[key, node], ...]}`` (a dict; keys keep their JSON
-type), ``{"l": [...]}`` (list), ``{"t": [...]}`` (tuple), and the leaves
-``{"tensor": fqn}``, ``{"obj": fqn}`` (one stored object) and
-``{"rank": fqn}`` (one value per rank).
+JSON nodes: ``{"k": [key, ...], "v": [node, ...]}`` (a dict; keys keep their
+JSON type; versions 1-3: ``{"d": [[key, node], ...]}``), ``{"l": [...]}``
+(list), ``{"t": [...]}`` (tuple), and the leaves ``"T"`` (a tensor),
+``"O"`` (one stored object) and ``"R"`` (one value per rank), each named by
+its position's FQN (versions 1-3 and any other name: ``{"tensor": fqn}``,
+``{"obj": fqn}``, ``{"rank": fqn}``). The same form travels between ranks
+at commit.
 
 This module imports neither torch nor pyarrow.
 """
@@ -23,6 +26,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Literal
 
 from bytecp.errors import CorruptCheckpointError
+from bytecp.tree.bulk import gc_paused
 
 __all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH"]
 
@@ -36,6 +40,9 @@ MAX_DEPTH = 256
 _TO_JSON: dict[NodeKind, str] = {"dict": "d", "list": "l", "tuple": "t"}
 _FROM_JSON: dict[str, NodeKind] = {v: k for k, v in _TO_JSON.items()}
 _LEAF_TAGS: dict[str, NodeKind] = {k: k for k in LEAF_KINDS}
+#: version 4's compact leaves: the letter of a leaf named by its position's FQN
+_LETTER: dict[NodeKind, str] = {"tensor": "T", "obj": "O", "rank": "R"}
+_FROM_LETTER: dict[str, NodeKind] = {v: k for k, v in _LETTER.items()}
 
 
 class Node:
@@ -67,27 +74,51 @@ class Node:
     def is_leaf(self) -> bool:
         return self.kind in LEAF_KINDS
 
-    # -- JSON (format v1) -------------------------------------------------
-    def to_json(self) -> Any:
+    # -- JSON ---------------------------------------------------------------
+    def to_json(self, prefix: str = "") -> Any:
+        """The compact form (format version 4): a leaf named by its position's
+        FQN (every leaf bytecp writes) is its kind's letter, a dict is its
+        keys and its nodes. ``prefix``: the FQN of this node's position."""
         if self.is_leaf:
-            return {self.kind: self.name}
+            return _LETTER[self.kind] if self.name == prefix else {self.kind: self.name}
+        sub = [c.to_json(f"{prefix}.{k}" if prefix else str(k)) for k, c in self.items]
         if self.kind == "dict":
-            return {"d": [[k, c.to_json()] for k, c in self.items]}
-        return {_TO_JSON[self.kind]: [c.to_json() for _, c in self.items]}
+            return {"k": [k for k, _ in self.items], "v": sub}
+        return {_TO_JSON[self.kind]: sub}
 
     @classmethod
     def from_json(cls, data: Any, where: str = "metadata.json") -> Node:
-        """Parse a v1 skeleton; a malformed or too deeply nested one is
-        :class:`~bytecp.errors.CorruptCheckpointError` naming ``where``."""
+        """Parse a skeleton in either form (versions 1-3 write ``{"d": [[key,
+        node], ...]}`` dicts and ``{"tensor": fqn}`` leaves, version 4 the
+        compact form of :meth:`to_json`); a malformed or too deeply nested
+        one is :class:`~bytecp.errors.CorruptCheckpointError` naming ``where``."""
 
         def bad(why: str) -> CorruptCheckpointError:
             return CorruptCheckpointError(f"{where}: malformed skeleton: {why}")
 
-        def parse(node: Any, depth: int) -> Node:
+        def parse(node: Any, depth: int, fqn: str) -> Node:
+            if type(node) is str:
+                kind = _FROM_LETTER.get(node)
+                if kind is None:
+                    raise bad(f"node {node!r:.80}")
+                return cls(kind, name=fqn)
             if depth > MAX_DEPTH:
                 raise bad(f"nested deeper than {MAX_DEPTH} levels")
-            if not isinstance(node, dict) or len(node) != 1:
+            if not isinstance(node, dict) or not 1 <= len(node) <= 2:
                 raise bad(f"node {node!r:.80}")
+            if len(node) == 2:
+                keys, vals = node.get("k"), node.get("v")
+                if type(keys) is not list or type(vals) is not list or len(keys) != len(vals):
+                    raise bad(f"dict node {node!r:.80}: want keys 'k' and nodes 'v' of one length")
+                base = f"{fqn}." if fqn else ""
+                items = []
+                for k, c in zip(keys, vals, strict=True):  # the hot loop: a state of 200,000 tensors has as many keys
+                    if type(k) is not str and not _key_ok(k):
+                        raise bad(f"dict key {k!r:.80}")
+                    path = base + k if type(k) is str else base + str(k)
+                    kind = _FROM_LETTER.get(c) if type(c) is str else None
+                    items.append((k, _leaf(kind, path) if kind is not None else parse(c, depth + 1, path)))
+                return cls("dict", items=items)
             ((tag, val),) = node.items()
             leaf_kind = _LEAF_TAGS.get(tag)
             if leaf_kind is not None:
@@ -102,13 +133,15 @@ class Node:
             if kind == "dict":
                 items = []
                 for pair in val:
-                    if not isinstance(pair, list) or len(pair) != 2 or not _key_ok(pair[0]):
+                    if not isinstance(pair, list) or len(pair) != 2:
                         raise bad(f"dict entry {pair!r:.80}")
-                    items.append((pair[0], parse(pair[1], depth + 1)))
+                    items.append((pair[0], parse(pair[1], depth + 1, _fqn(fqn, pair[0], bad))))
                 return cls(kind, items=items)
-            return cls(kind, items=[(i, parse(c, depth + 1)) for i, c in enumerate(val)])
+            return cls(kind, items=[(i, parse(c, depth + 1, f"{fqn}.{i}" if fqn else str(i)))
+                                    for i, c in enumerate(val)])
 
-        return parse(data, 0)
+        with gc_paused():
+            return parse(data, 0, "")
 
     # -- traversal --------------------------------------------------------
     def walk(self, prefix: str = "") -> Iterator[tuple[str, Node]]:
@@ -205,8 +238,22 @@ class Node:
         return f"Node({self.to_json()!r:.120})"
 
 
+def _leaf(kind: NodeKind, name: str) -> Node:
+    """A leaf, made without ``__init__``'s keyword arguments (the skeleton parser makes one per tensor)."""
+    node = Node.__new__(Node)
+    node.kind, node.name, node.items = kind, name, ()
+    return node
+
+
 def _key_ok(k: Any) -> bool:
     return type(k) in (str, int, bool) or k is None
+
+
+def _fqn(prefix: str, key: Any, bad: Callable[[str], CorruptCheckpointError]) -> str:
+    """The FQN of ``key`` under ``prefix`` (FORMAT.md §6.5), the key checked first."""
+    if not _key_ok(key):
+        raise bad(f"dict key {key!r:.80}")
+    return f"{prefix}.{key}" if prefix else str(key)
 
 
 def _key_id(k: Any) -> Any:

@@ -170,14 +170,22 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
             return torch.empty(info["shape"], dtype=dtype)
         return torch.frombuffer(out[fqn], dtype=torch.uint8).view(dtype).reshape(info["shape"])
 
-    def build(node: dict[str, Any]) -> Any:
+    def build(node: Any, fqn: str = "") -> Any:
+        def at(key: Any) -> str:  # the FQN of a child (FORMAT.md §6.5)
+            return f"{fqn}.{key}" if fqn else str(key)
+
+        if isinstance(node, str):  # version 4: a leaf named by its position's FQN (§6.4)
+            return build({{"T": "tensor", "O": "obj", "R": "rank"}[node]: fqn}, fqn)
+        if set(node) == {"k", "v"}:  # version 4: a dict as its keys and its nodes
+            assert len(node["k"]) == len(node["v"])
+            return {k: build(child, at(k)) for k, child in zip(node["k"], node["v"], strict=True)}
         ((kind, body),) = node.items()
         if kind == "d":
-            return {k: build(child) for k, child in body}
+            return {k: build(child, at(k)) for k, child in body}
         if kind == "l":
-            return [build(child) for child in body]
+            return [build(child, at(i)) for i, child in enumerate(body)]
         if kind == "t":
-            return tuple(build(child) for child in body)
+            return tuple(build(child, at(i)) for i, child in enumerate(body))
         if kind == "tensor":  # an alias reads the tensor it names (FORMAT.md §6.6)
             return tensor(md.get("aliases", {}).get(body, body))
         if kind == "obj":
