@@ -54,6 +54,7 @@ from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
 from bytecp.saving.commit import merge_described
+from bytecp.tree.bulk import gc_paused
 from bytecp.storage_api import open_storage
 from bytecp.tree.regions import full_region
 
@@ -130,6 +131,7 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
     sent = [(r, sk.to_json(), specs) for r in range(1, job.ep if job.groups else 1)
             for sk, specs in [jobs.described(job, r)]]
 
+    @gc_paused()  # as build_metadata runs
     def build() -> tuple[Any, int]:
         skeleton, specs = merge_described(own, dict(own_specs), sent, 0)
         got = decode_all(wire)

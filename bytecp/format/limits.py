@@ -46,6 +46,8 @@ from typing import TYPE_CHECKING, Any
 
 from bytecp.errors import CorruptCheckpointError, PickleNotAllowedError
 from bytecp.format.parquet_footer import footer_row_groups
+from bytecp.format.tensor_table import MAX_NDIM as _MAX_NDIM
+from bytecp.format.tensor_table import TensorTable
 from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.skeleton import MAX_DEPTH
 
@@ -74,8 +76,8 @@ __all__ = [
 
 #: deepest nesting of the state tree a checkpoint may have (real ones: < 20)
 MAX_SKELETON_DEPTH = MAX_DEPTH  # enforced while the skeleton is parsed (bytecp.tree.skeleton)
-#: most dimensions a tensor may have (torch's own limit is 25 for most ops)
-MAX_NDIM = 64
+#: most dimensions a tensor may have (torch's own limit is 25 for most ops; the tensor table checks it)
+MAX_NDIM = _MAX_NDIM
 #: most ranks a checkpoint may say saved it
 MAX_WORLD_SIZE = 1 << 20
 #: index rows every checkpoint may have, whatever its data size
@@ -101,7 +103,7 @@ def check_structure(md: Metadata, where: str) -> None:
         raise _bad(where, f"says world_size {md.world_size!r:.40} (want 1..{MAX_WORLD_SIZE})")
     if not (isinstance(md.created, float) and 0 <= md.created < 2**33):  # finite, before year 2242
         raise _bad(where, f"says it was created at {md.created!r:.40} (seconds since 1970)")
-    for fqn, info in md.tensors.items():
+    for fqn, info in ({} if isinstance(md.tensors, TensorTable) else md.tensors).items():  # a table: checked
         if not isinstance(info, Mapping):
             raise _bad(where, f"describes tensor {fqn!r} as {info!r:.80}, not an object")
         dtype, shape = info.get("dtype"), info.get("shape")
@@ -212,6 +214,14 @@ def check_sizes(
                 f"of {rec.file}, which has {size} bytes"
             )
     data_total = sum(md.data_files.values())
+    if isinstance(md.tensors, TensorTable):
+        over = md.tensors.first_over(data_total)
+        if over is not None:
+            fqn = md.tensors.names[over]
+            raise CorruptCheckpointError(
+                f"{storage.url}: metadata.json declares tensors (up to {fqn!r}, shape {md.tensors.shape(over)}) "
+                f"larger in total than all its data files ({data_total} bytes); refusing to allocate them")
+        return
     tensor_total = 0
     for fqn, info in md.tensors.items():
         tensor_total += math.prod(info["shape"]) * ITEMSIZES[info["dtype"]]

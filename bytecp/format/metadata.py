@@ -31,6 +31,7 @@ from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
+from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.skeleton import Node
 
@@ -195,7 +196,8 @@ class Metadata:
     framework: str
     parallelism: dict[str, Any]
     skeleton: Node
-    tensors: dict[str, dict[str, Any]]  # fqn -> {"dtype", "shape"[, "band_dim"]}
+    #: fqn -> {"dtype", "shape"[, "band_dim"]}; read from version 4: a TensorTable (the same mapping, as columns)
+    tensors: Mapping[str, dict[str, Any]]
     objects: dict[str, ObjectRecord]
     per_rank: dict[str, dict[int, ObjectRecord]]
     index_files: list[str]  # version 1: one index file per rank (version 2: empty)
@@ -230,7 +232,7 @@ class Metadata:
             "user_metadata": self.user_metadata,
             "index_files": self.index_files,
             "data_files": self.data_files,
-            "tensors": self.tensors,
+            "tensors": table_json(self.tensors) if self.format_version >= 4 else self.tensors,
             "objects": {k: v.to_json() for k, v in self.objects.items()},
             "per_rank": {
                 k: {str(r): rec.to_json() for r, rec in v.items()} for k, v in self.per_rank.items()
@@ -271,7 +273,8 @@ class Metadata:
                 framework=str(d["framework"]),
                 parallelism=dict(d.get("parallelism") or {}),
                 skeleton=Node.from_json(d["skeleton"], f"{where}/metadata.json"),
-                tensors=dict(d["tensors"]),
+                tensors=TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"]
+                else dict(d["tensors"]),
                 objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
                 per_rank={
                     k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()}
@@ -316,10 +319,13 @@ class Metadata:
                     f"{where}: metadata.json aliases tensor {alias!r} to {canonical!r}; an alias must name "
                     "a tensor stored under another name, and no stored tensor"
                 )
-        tables: dict[str, Any] = {"tensor": self.tensors.keys() | self.aliases.keys(), "obj": self.objects,
-                                  "rank": self.per_rank}
+        tensors, aliases = self.tensors, self.aliases
+        tables: dict[str, Any] = {"obj": self.objects, "rank": self.per_rank}
         for leaf in self.skeleton.leaves():
-            if leaf.name not in tables[leaf.kind]:
+            name = leaf.name
+            if leaf.kind == "tensor" and (name in tensors or name in aliases):
+                continue
+            if name not in tables.get(leaf.kind, ()):
                 raise CorruptCheckpointError(
                     f"{where}: skeleton names {leaf.kind} {leaf.name!r}, which metadata.json lacks"
                 )

@@ -155,7 +155,7 @@ def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_
     know, a 0-dim tensor written by two ranks. O(entries), vectorized."""
     cols = entries if isinstance(entries, EntryColumns) else decode_all(
         [e if isinstance(e, bytes) else e.encode() for e in entries])
-    table = NameTable(names)
+    table = NameTable.of(names)
     _check(cols, buckets)
     sid = save_id.encode()
     band = cols.band

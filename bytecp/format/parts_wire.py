@@ -15,6 +15,7 @@ wrote 0-dim values) and maps the hashes back to the state's tensor names
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
@@ -203,9 +204,26 @@ class NameTable:
     """(coordinator) The state's tensor names, by their 64-bit hashes: ids are
     positions in name order (Unicode code points), so sorting ids sorts names."""
 
+    _last: tuple[bytes, NameTable] | None = None
+
+    @classmethod
+    def of(cls, names: Iterable[str]) -> NameTable:
+        """The table of ``names``: the last commit's when its names were the
+        same (the usual case: a job saves one state again and again), else a new one."""
+        names = list(names)
+        key = hashlib.blake2b("\0".join(names).encode(), digest_size=16).digest()
+        last = cls._last
+        if last is not None and last[0] == key:
+            return last[1]
+        table = cls(names)
+        cls._last = (key, table)
+        return table
+
     def __init__(self, names: Iterable[str]) -> None:
         self.names = sorted(names)
-        hashes = np.fromiter((fqn_hash(n) for n in self.names), np.uint64, len(self.names))
+        # fqn_hash's digests, without its cache (which holds fewer names than a large state has)
+        digests = b"".join(hashlib.blake2b(n.encode(), digest_size=8).digest() for n in self.names)
+        hashes = np.frombuffer(digests, "<u8").astype(np.uint64)
         self.order = np.argsort(hashes, kind="stable")
         self.sorted = hashes[self.order]
         dup = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])

@@ -85,6 +85,7 @@ def merge_described(skeleton: Node, tensors: dict[str, dict[str, Any]],
     return skeleton, tensors
 
 
+@gc_paused()  # a few objects per tensor and per rank: no collections of the training process's heap meanwhile
 def build_metadata(
     outputs: Sequence[RankOutput],
     flat: FlatTree,

@@ -111,13 +111,22 @@ class Node:
                 if type(keys) is not list or type(vals) is not list or len(keys) != len(vals):
                     raise bad(f"dict node {node!r:.80}: want keys 'k' and nodes 'v' of one length")
                 base = f"{fqn}." if fqn else ""
-                items = []
+                items: list[tuple[Any, Node]] = []
+                append, letter, new = items.append, _FROM_LETTER.get, Node.__new__
                 for k, c in zip(keys, vals, strict=True):  # the hot loop: a state of 200,000 tensors has as many keys
-                    if type(k) is not str and not _key_ok(k):
+                    if type(k) is str:
+                        path = base + k
+                    elif _key_ok(k):
+                        path = base + str(k)
+                    else:
                         raise bad(f"dict key {k!r:.80}")
-                    path = base + k if type(k) is str else base + str(k)
-                    kind = _FROM_LETTER.get(c) if type(c) is str else None
-                    items.append((k, _leaf(kind, path) if kind is not None else parse(c, depth + 1, path)))
+                    kind = letter(c) if type(c) is str else None
+                    if kind is None:
+                        append((k, parse(c, depth + 1, path)))
+                    else:  # a leaf, made inline (no __init__, no call)
+                        leaf = new(Node)
+                        leaf.kind, leaf.name, leaf.items = kind, path, ()
+                        append((k, leaf))
                 return cls("dict", items=items)
             ((tag, val),) = node.items()
             leaf_kind = _LEAF_TAGS.get(tag)
@@ -168,7 +177,14 @@ class Node:
         return Node(self.kind, items=items)
 
     def leaves(self) -> Iterator[Node]:
-        return (n for _, n in self.walk() if n.is_leaf)
+        """Every leaf, in :meth:`walk`'s order (without building their FQNs)."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            if node.kind in LEAF_KINDS:
+                yield node
+            elif node.items:
+                stack.extend(c for _, c in reversed(node.items))
 
     def child(self, key: Any) -> Node | None:
         for k, c in self.items:
@@ -236,13 +252,6 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node({self.to_json()!r:.120})"
-
-
-def _leaf(kind: NodeKind, name: str) -> Node:
-    """A leaf, made without ``__init__``'s keyword arguments (the skeleton parser makes one per tensor)."""
-    node = Node.__new__(Node)
-    node.kind, node.name, node.items = kind, name, ()
-    return node
 
 
 def _key_ok(k: Any) -> bool:

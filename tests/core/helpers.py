@@ -24,3 +24,23 @@ def random_tensor(shape: tuple[int, ...], dtype: torch.dtype, seed: int = 0) -> 
     if not shape:
         return raw.view(dtype).reshape(())
     return raw.view(dtype).reshape(shape)
+
+
+def tensor_specs(meta: dict) -> dict:
+    """A parsed metadata.json's tensors as ``{fqn: {"dtype", "shape"}}``,
+    whichever form it has (version 4 writes a table of columns; readers
+    accept the older object form too, which tests edit by hand)."""
+    t = meta["tensors"]
+    if set(t) != {"names", "dtypes", "dtype", "ndim", "dims"}:
+        return t
+    out, pos = {}, 0
+    for name, d, n in zip(t["names"], t["dtype"], t["ndim"], strict=True):
+        out[name] = {"dtype": t["dtypes"][d], "shape": t["dims"][pos : pos + n]}
+        pos += n
+    return out
+
+
+def as_object_form(meta: dict) -> dict:
+    """``meta`` with its tensors in the object form, which a test can edit in place."""
+    meta["tensors"] = tensor_specs(meta)
+    return meta["tensors"]

@@ -22,6 +22,8 @@ import pyarrow.parquet as pq
 from bytecp.format.checksum import crc32c
 from bytecp.format.parts_schema import PART_SCHEMA, WIDE_ENTRY_SCHEMA, part_file
 
+from .helpers import tensor_specs
+
 __all__ = ["index_rows", "rewrite_index", "index_file", "encode_rows", "metadata", "part_schema"]
 
 
@@ -85,7 +87,7 @@ def rewrite_index(ck: Path, rows: pa.Table | dict[str, list[Any]] | bytes, *, nr
     if nrows is None:
         assert not isinstance(rows, bytes)
         nrows = rows.num_rows if isinstance(rows, pa.Table) else len(next(iter(rows.values())))
-    names = sorted(md["tensors"])
+    names = sorted(tensor_specs(md))
     entry = {"first": [names[0]], "last": [names[-1]], "rank": [0], "offset": [0], "nbytes": [len(blob)],
              "rows": [nrows], "crc32c": [crc32c(blob)]}
     page = encode_rows(entry, part_schema(sid, WIDE_ENTRY_SCHEMA))

@@ -42,6 +42,8 @@ from bytecp.format.index_schema import INDEX_SCHEMA_V2
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import summarize, verify
 
+from .helpers import as_object_form, tensor_specs
+
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SOURCES = ["v1/plain", "v1/two_ranks", "v1/irregular", "v2/plain", "v2/two_ranks", "v2/irregular", "v2/tied"]
 CASES = int(os.environ.get("BYTECP_FUZZ_CASES", "1000"))
@@ -98,7 +100,7 @@ def mutate_metadata(rng: random.Random, files: dict[str, bytes]) -> str:
             parent.pop(path[-1])
         desc = f"metadata del {path}"
     elif op == 2:  # a tensor's shape grows (the index no longer agrees)
-        fqn = rng.choice(list(md["tensors"]))
+        fqn = rng.choice(list(as_object_form(md)))
         shape = md["tensors"][fqn]["shape"] or [1]
         shape[rng.randrange(len(shape))] = rng.choice(HUGE)
         md["tensors"][fqn]["shape"] = shape
@@ -155,7 +157,7 @@ def mutate_index(rng: random.Random, files: dict[str, bytes]) -> str:
         n = rng.choice([10**9, 10**12, 2**40])
         md = json.loads(files["metadata.json"])
         itemsize = 8 if "64" in c.dtype else 4
-        md["tensors"][c.fqn]["shape"] = [n]
+        as_object_form(md)[c.fqn]["shape"] = [n]
         md["data_files"][c.file] = c.byte_offset + n * itemsize
         files["metadata.json"] = json.dumps(md).encode()
         chunks = [x for x in chunks if x.fqn != c.fqn]
@@ -195,7 +197,7 @@ def mutate_segments(rng: random.Random, files: dict[str, bytes], name: str) -> s
     elif field == "file":
         rows[i]["file"] = rng.choice(["data/x/0-0.bin", "../metadata.json", "index/a/index.bin", rows[i]["file"] + "x"])
     elif field == "fqn":
-        rows[i]["fqn"] = rng.choice(["nope", "", rows[i]["fqn"] + ".x", *md["tensors"]])
+        rows[i]["fqn"] = rng.choice(["nope", "", rows[i]["fqn"] + ".x", *tensor_specs(md)])
     elif field == "duplicate":
         rows.append(dict(rows[i], lengths=[max(1, x) for x in rows[i]["lengths"]]))
     cols = {f.name: [r[f.name] for r in rows] for f in INDEX_SCHEMA_V2}

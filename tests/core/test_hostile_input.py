@@ -24,6 +24,7 @@ from bytecp.format.index_schema import INDEX_SCHEMA_V2
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import summarize, verify
 
+from .helpers import as_object_form, tensor_specs
 from .index_tools import index_file, index_rows, rewrite_index
 
 
@@ -47,7 +48,7 @@ def index_path(ck: Path) -> Path:
 
 def only_chunk(ck: Path) -> fmt.ChunkRecord:
     (row,) = index_rows(ck).to_pylist()
-    info = md_of(ck)["tensors"][row["fqn"]]
+    info = tensor_specs(md_of(ck))[row["fqn"]]
     return fmt.ChunkRecord(row["fqn"], info["dtype"], tuple(info["shape"]), tuple(row["offsets"]),
                            tuple(row["lengths"]), row["file"], row["byte_offset"], row["nbytes"], row["crc32c"])
 
@@ -81,7 +82,7 @@ def test_a_consistent_terabyte_shape_is_refused_before_allocation(tmp_path: Path
     ck = saved(tmp_path, {"w": torch.zeros(4)})
     md = md_of(ck)
     n = 10**12
-    md["tensors"]["w"]["shape"] = [n]
+    as_object_form(md)["w"]["shape"] = [n]
     (data_file,) = md["data_files"]
     md["data_files"][data_file] = 4 * n
     write_md(ck, md)
@@ -101,7 +102,7 @@ def test_tensors_larger_than_all_data_are_refused(tmp_path: Path) -> None:
     """A tensor with no chunks at all (the index cannot tile-check it) still cannot be allocated."""
     ck = saved(tmp_path, {"w": torch.zeros(4)})
     md = md_of(ck)
-    md["tensors"]["ghost"] = {"dtype": "float32", "shape": [10**6, 10**6]}
+    as_object_form(md)["ghost"] = {"dtype": "float32", "shape": [10**6, 10**6]}
     write_md(ck, md)
     with pytest.raises(CorruptCheckpointError, match="'ghost'.*larger in total than all its data files"):
         bytecp.load_state_dict(str(ck))
@@ -188,7 +189,7 @@ def test_bad_tensor_specs(tmp_path: Path) -> None:
     ]:
         ck = saved(tmp_path / str(len(os.listdir(tmp_path))))
         md = md_of(ck)
-        md["tensors"]["w"] = spec
+        as_object_form(md)["w"] = spec
         write_md(ck, md)
         all_refuse(ck, match)
 
@@ -319,3 +320,35 @@ def test_checkpoint_root_may_be_a_link(tmp_path: Path) -> None:
     link.symlink_to(ck, target_is_directory=True)
     assert torch.equal(bytecp.load_state_dict(str(link))["w"], torch.arange(4.0))
 
+
+
+def test_bad_tensor_tables(tmp_path: Path) -> None:
+    """Version 4's tensor table (FORMAT.md §6.2): every column checked before
+    a shape is trusted, one line naming the tensor or the column at fault."""
+    def table(md: dict) -> dict:
+        t = md["tensors"]
+        assert set(t) == {"names", "dtypes", "dtype", "ndim", "dims"}, "version 4 writes the table"
+        return t
+
+    def dims(t: dict, v: list) -> None:
+        t["dims"], t["ndim"] = v, [len(v)]
+
+    cases = [
+        (lambda t: dims(t, [-1]), "tensor 'w' a negative dimension -1"),
+        (lambda t: dims(t, [1] * 65), "tensor 'w' dtype number 0 of 1 and 65 dimensions"),
+        (lambda t: dims(t, ["4"]), "'4' in the tensors' dims, not an integer"),
+        (lambda t: dims(t, [True]), "True in the tensors' dims, not an integer"),
+        (lambda t: t.update(dtypes=["evil"]), "unknown dtype 'evil'"),
+        (lambda t: t.update(dtype=[3]), "tensor 'w' dtype number 3 of 1"),
+        (lambda t: t.update(ndim=[3]), "3 dimensions in all but lists 1"),
+        (lambda t: t.update(names=["w", "w"], dtype=[0, 0], ndim=[1, 0]), "lists tensor 'w' twice"),
+        (lambda t: t.update(names=["w", "v"]), "lists 2 tensor names but 1 dtypes"),
+        (lambda t: t.pop("dims"), "without exactly the arrays names, dtypes, dtype, ndim and dims"),
+        (lambda t: t.update(dims=[2**70]), "not an integer|out of range"),
+    ]
+    for mutate, match in cases:
+        ck = saved(tmp_path / str(len(os.listdir(tmp_path))))
+        md = md_of(ck)
+        mutate(table(md))
+        write_md(ck, md)
+        all_refuse(ck, match)

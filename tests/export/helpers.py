@@ -53,9 +53,8 @@ def record_alias(ck: Path, alias: str, stored: str) -> None:
     from bytecp.storage_api import open_storage
 
     chunks = [c for c in open_checkpoint(open_storage(str(ck))).all_rows() if c.fqn != alias]
-    del md.tensors[alias]
     md.aliases[alias] = stored
-    specs = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in md.tensors.items()}
+    specs = {k: {"dtype": v["dtype"], "shape": v["shape"]} for k, v in md.tensors.items() if k != alias}
     files, md.index = build_whole(chunks, specs, md.data_files, md.save_id)  # the index without it
     md.tensors = specs
     for path, blobs in files.items():

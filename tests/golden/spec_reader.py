@@ -91,11 +91,27 @@ def spec_index_rows(root: Path, md: dict[str, Any]) -> list[dict[str, Any]]:
     return rows
 
 
+def spec_metadata(raw: bytes) -> dict[str, Any]:
+    """metadata.json, its version-4 tensor table (FORMAT.md §6.2) turned into
+    the object form ``{fqn: {"dtype", "shape"}}`` the rest of this reader uses."""
+    md: dict[str, Any] = json.loads(raw)
+    t = md["tensors"]
+    if md["format_version"] >= 4 and set(t) == {"names", "dtypes", "dtype", "ndim", "dims"}:
+        assert len(t["names"]) == len(set(t["names"])) == len(t["dtype"]) == len(t["ndim"])
+        assert sum(t["ndim"]) == len(t["dims"])
+        specs, pos = {}, 0
+        for name, d, n in zip(t["names"], t["dtype"], t["ndim"], strict=True):
+            specs[name] = {"dtype": t["dtypes"][d], "shape": t["dims"][pos : pos + n]}
+            pos += n
+        md["tensors"] = specs
+    return md
+
+
 def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
     """Read a format-v1 to v4 checkpoint following docs/FORMAT.md, without bytecp.
     Version 3's references (``../<checkpoint>/data/...``) are read from the
     sibling checkpoint, which must be committed and hold that save."""
-    md = json.loads((root / "metadata.json").read_bytes())
+    md = spec_metadata((root / "metadata.json").read_bytes())
     assert md["format"] == "bytecp" and md["format_version"] in (1, 2, 3, 4)
     for name, save_id in md.get("references", {}).items():
         assert md["format_version"] >= 3 and "/" not in name and name not in (".", "..")

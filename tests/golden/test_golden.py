@@ -26,7 +26,7 @@ import pytest
 import torch
 from golden_dist import Tiny  # the model of the framework goldens
 from golden_encoding import assert_same, decode, raw_bytes
-from spec_reader import spec_read
+from spec_reader import spec_metadata, spec_read
 from torch import nn
 
 import bytecp
@@ -58,7 +58,7 @@ def ckpt(case: Path) -> str:
 
 def needs_dtypes(case: Path) -> None:
     """A golden file needing a dtype this torch lacks is a real gap, said out loud."""
-    md = json.loads((case / "checkpoint" / "metadata.json").read_text())
+    md = spec_metadata((case / "checkpoint" / "metadata.json").read_bytes())
     names = {info["dtype"] for info in md["tensors"].values()}
     lacking = sorted(n for n in names if not isinstance(getattr(torch, n, None), torch.dtype))
     if lacking:

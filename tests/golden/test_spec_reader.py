@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from golden_encoding import assert_same
-from spec_reader import row_bands, spec_read, v4_lookup, v4_rows
+from spec_reader import row_bands, spec_metadata, spec_read, v4_lookup, v4_rows
 
 import bytecp
 
@@ -87,7 +87,7 @@ def test_v4_lookup_reads_only_what_a_box_needs(fqn: str, offsets: tuple[int, ...
     from bytecp.loading.opened import open_checkpoint
     from bytecp.tree.regions import Region
 
-    md = json.loads((PARTS / "metadata.json").read_text())
+    md = spec_metadata((PARTS / "metadata.json").read_bytes())
     rows, entries = v4_rows(PARTS, md)
     box = {"offsets": list(offsets), "lengths": list(lengths)}
     found = v4_lookup(md, entries, fqn, box)

@@ -1,0 +1,148 @@
+"""``metadata.json``'s tensors as columns (format version 4, docs/FORMAT.md §6.2).
+
+Versions 1-3 list every tensor as an object ``{fqn: {"dtype", "shape"}}``;
+for a DeepSeek-V3-like state of 181,580 tensors that is 15 MB of JSON which
+every loading rank turned into 181,580 dicts and lists (about 80 MB). Version 4
+writes four arrays -- the names, the distinct dtypes, each tensor's dtype
+index and its shape's dimensions one after the other, with each shape's
+length -- and a reader keeps them as a :class:`TensorTable`: a read-only
+mapping with the same interface (``md.tensors[fqn]`` gives ``{"dtype": ...,
+"shape": [...]}``), built on first use per tensor.
+
+Written by :meth:`bytecp.format.metadata.Metadata.to_bytes`
+(:func:`table_json`), read by :meth:`~bytecp.format.metadata.Metadata.from_bytes`
+(:meth:`TensorTable.from_json`, which checks every value before anything is
+trusted: one line naming the tensor at fault).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import numpy as np
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.tree.dtype_names import ITEMSIZES
+
+__all__ = ["TensorTable", "table_json", "MAX_NDIM"]
+
+#: the most dimensions a tensor may have (bytecp.format.limits.MAX_NDIM; torch's own limit is 25 for most ops)
+MAX_NDIM = 64
+
+
+def table_json(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """(coordinator, at commit) The version-4 form of ``specs``, names ascending."""
+    if isinstance(specs, TensorTable):
+        return specs.to_json()
+    names = sorted(specs)
+    dtypes = sorted({specs[n]["dtype"] for n in names})
+    code = {d: i for i, d in enumerate(dtypes)}
+    shapes = [specs[n]["shape"] for n in names]
+    return {"names": names, "dtypes": dtypes, "dtype": [code[specs[n]["dtype"]] for n in names],
+            "ndim": [len(s) for s in shapes], "dims": [d for s in shapes for d in s]}
+
+
+class TensorTable(Mapping[str, dict[str, Any]]):
+    """Every stored tensor's dtype and shape, by FQN, as columns."""
+
+    def __init__(self, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
+                 dims: np.ndarray) -> None:
+        self.names = names
+        self.dtypes = dtypes
+        self.dtype = dtype
+        self.ndim = ndim
+        self.dims = dims
+        self.start = np.cumsum(ndim) - ndim
+        self._row = {n: i for i, n in enumerate(names)}
+
+    @classmethod
+    def from_json(cls, d: Any, where: str) -> TensorTable:
+        """Parse and check the version-4 ``tensors`` member."""
+
+        def bad(what: str) -> CorruptCheckpointError:
+            return CorruptCheckpointError(f"{where}: metadata.json {what}; the checkpoint is corrupt or was "
+                                          "tampered with")
+
+        if not isinstance(d, dict) or set(d) != {"names", "dtypes", "dtype", "ndim", "dims"} or not all(
+                type(v) is list for v in d.values()):
+            raise bad("has a tensors table without exactly the arrays names, dtypes, dtype, ndim and dims")
+        names, dtypes = d["names"], d["dtypes"]
+        n = len(names)
+        if len(d["dtype"]) != n or len(d["ndim"]) != n:
+            raise bad(f"lists {n} tensor names but {len(d['dtype'])} dtypes and {len(d['ndim'])} shapes")
+        if not set(map(type, names)) <= {str}:
+            k = next(k for k, name in enumerate(names) if type(name) is not str)
+            raise bad(f"names tensor {k} {names[k]!r:.80}, not a string")
+        for t in dtypes:
+            if type(t) is not str or t not in ITEMSIZES:
+                raise bad(f"lists the unknown dtype {t!r:.40}")
+        ints = [_ints(d[k], k, bad) for k in ("dtype", "ndim", "dims")]
+        dtype, ndim, dims = ints
+        wrong = np.flatnonzero((dtype < 0) | (dtype >= len(dtypes)) | (ndim < 0) | (ndim > MAX_NDIM))
+        if len(wrong):
+            i = int(wrong[0])
+            raise bad(f"gives tensor {names[i]!r:.80} dtype number {int(dtype[i])} of {len(dtypes)} and "
+                      f"{int(ndim[i])} dimensions (want at most {MAX_NDIM})")
+        if int(ndim.sum()) != len(dims):
+            raise bad(f"gives its tensors {int(ndim.sum())} dimensions in all but lists {len(dims)}")
+        if len(dims) and int(dims.min()) < 0:
+            k = int(np.flatnonzero(dims < 0)[0])
+            i = int(np.searchsorted(np.cumsum(ndim), k, side="right"))
+            raise bad(f"gives tensor {names[i]!r:.80} a negative dimension {int(dims[k])}")
+        table = cls(names, dtypes, dtype, ndim, dims)
+        if len(table._row) != n:
+            seen: set[str] = set()
+            dup = next(x for x in names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
+            raise bad(f"lists tensor {dup!r:.80} twice")
+        return table
+
+    def to_json(self) -> dict[str, Any]:
+        return {"names": self.names, "dtypes": self.dtypes, "dtype": self.dtype.tolist(),
+                "ndim": self.ndim.tolist(), "dims": self.dims.tolist()}
+
+    def shape(self, i: int) -> list[int]:
+        a = int(self.start[i])
+        return self.dims[a: a + int(self.ndim[i])].tolist()
+
+    def __getitem__(self, fqn: str) -> dict[str, Any]:
+        i = self._row[fqn]
+        return {"dtype": self.dtypes[int(self.dtype[i])], "shape": self.shape(i)}
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._row
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.names)
+
+    def __len__(self) -> int:
+        return len(self.names)
+
+    def first_over(self, budget: int) -> int | None:
+        """The first tensor (in name order) at which the tensors' bytes so far
+        exceed ``budget``, or None (their total fits)."""
+        numel = np.ones(len(self.names))
+        shaped = np.flatnonzero(self.ndim > 0)
+        if len(shaped):  # float products: no overflow (a crafted shape gives inf), exact below 2**53
+            with np.errstate(over="ignore"):
+                numel[shaped] = np.multiply.reduceat(self.dims.astype(np.float64), self.start[shaped])
+        approx = numel * np.asarray([ITEMSIZES[t] for t in self.dtypes], np.float64)[self.dtype]
+        if float(approx.sum()) < budget * (1 - 1e-9):
+            return None
+        total = 0
+        for i in range(len(self.names)):  # exactly, up to where the estimate says
+            total += math.prod(self.shape(i)) * ITEMSIZES[self.dtypes[int(self.dtype[i])]]
+            if total > budget:
+                return i
+        return None
+
+
+def _ints(values: list[Any], what: str, bad: Any) -> np.ndarray:
+    if not set(map(type, values)) <= {int}:  # (not bool, not float: the type exactly)
+        k = next(k for k, v in enumerate(values) if type(v) is not int)
+        raise bad(f"has {values[k]!r:.40} in the tensors' {what}, not an integer")
+    try:
+        return np.asarray(values, np.int64)
+    except OverflowError as e:
+        raise bad(f"has an integer out of range in the tensors' {what}") from e
