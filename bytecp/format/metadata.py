@@ -267,14 +267,16 @@ class Metadata:
                 f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
             )
         try:
+            tensors = TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"] \
+                else dict(d["tensors"])
+            shared = tensors.shared if isinstance(tensors, TensorTable) else None
             return cls(
                 save_id=str(d["save_id"]),
                 world_size=int(d["world_size"]),
                 framework=str(d["framework"]),
                 parallelism=dict(d.get("parallelism") or {}),
-                skeleton=Node.from_json(d["skeleton"], f"{where}/metadata.json"),
-                tensors=TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"]
-                else dict(d["tensors"]),
+                skeleton=Node.from_json(d["skeleton"], f"{where}/metadata.json", shared),
+                tensors=tensors,
                 objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
                 per_rank={
                     k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()}

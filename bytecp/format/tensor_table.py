@@ -33,10 +33,11 @@ MAX_NDIM = 64
 
 
 def table_json(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """(coordinator, at commit) The version-4 form of ``specs``, names ascending."""
+    """(coordinator, at commit) The version-4 form of ``specs``, in their order
+    (the state's: exports and serving list tensors in it)."""
     if isinstance(specs, TensorTable):
         return specs.to_json()
-    names = sorted(specs)
+    names = list(specs)
     dtypes = sorted({specs[n]["dtype"] for n in names})
     code = {d: i for i, d in enumerate(dtypes)}
     shapes = [specs[n]["shape"] for n in names]
@@ -97,6 +98,12 @@ class TensorTable(Mapping[str, dict[str, Any]]):
             dup = next(x for x in names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
             raise bad(f"lists tensor {dup!r:.80} twice")
         return table
+
+    def shared(self, fqn: str) -> str:
+        """This table's own string equal to ``fqn`` (``fqn`` itself if none):
+        the skeleton's leaves keep it rather than a copy."""
+        i = self._row.get(fqn)
+        return fqn if i is None else self.names[i]
 
     def to_json(self) -> dict[str, Any]:
         return {"names": self.names, "dtypes": self.dtypes, "dtype": self.dtype.tolist(),
