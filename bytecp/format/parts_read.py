@@ -6,8 +6,9 @@ every rank of a load once it knows its boxes (``wanted``), and in the
 one-process tools for every segment (``wanted=None``). A rank reads
 O(its share of the index) whatever the world size that wrote it: a few
 pages of the directory, and the segments that may hold its rows. Every
-page and segment is checked before it is trusted: its crc32c, its footer
-against the hostile-input budget, that it belongs to this save, that it
+page and segment is checked before it is trusted: its crc32c, its encoding
+(a page's Parquet footer against the hostile-input budget, a segment's
+words by :mod:`bytecp.format.segment_wire`), that it belongs to this save, that it
 lies inside its file without overlapping another, that each row lies where
 the directory says. Each failure is one line naming the file at fault.
 """
@@ -25,6 +26,7 @@ import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
+from bytecp.format import segment_wire
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import decode_table
 from bytecp.format.index_read import rows_to_records
@@ -341,9 +343,7 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         seg = f"{label} segment at bytes {s[1]}..{s[1] + s[2]}"
         if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
-        table = decode_table(seg, seg, buf, PART_SCHEMA, ("fqn", "file"), rows=s[3])
-        _check_save(seg, table, d.save_id)
-        chunks = _records(table, md, seg, fqns)
+        chunks = segment_wire.to_records(segment_wire.decode(seg, buf, s[3], d.save_id), md, seg, fqns)
         for c in chunks:
             _check_place(seg, d, c, s, limit)
         out.extend(chunks)
