@@ -23,7 +23,7 @@ locate, so no crafted count makes it allocate or loop beyond the bytes read.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -37,7 +37,6 @@ __all__ = ["MAGIC", "HEADER_WORDS", "SegmentRows", "encode", "encode_rows", "dec
 MAGIC = int.from_bytes(b"bcpSG4\x00\x01", "little")
 #: MAGIC, n, m, f, D, S
 HEADER_WORDS = 6
-_COLS = ("name_id", "file_id", "ndim", "byte_offset", "nbytes", "crc32c")
 
 
 @dataclasses.dataclass
@@ -105,7 +104,7 @@ def decode(label: str, buf: bytes | bytearray | memoryview, rows: int, save_id: 
     if size % 8 or size < 8 * HEADER_WORDS:
         raise bad(f"{size} bytes are not a segment (a header of {HEADER_WORDS} 64-bit words, then whole words)")
     words = np.frombuffer(buf, "<i8")
-    magic, n, m, f, dims, nstr = (int(x) for x in words[:HEADER_WORDS])
+    magic, n, m, f, dims, nstr = words[:HEADER_WORDS].tolist()
     if magic != MAGIC:
         raise bad(f"its first word {magic:#018x} is not the segment magic {MAGIC:#018x}")
     if min(n, m, f, dims, nstr) < 0:
@@ -118,36 +117,20 @@ def decode(label: str, buf: bytes | bytearray | memoryview, rows: int, save_id: 
         raise bad(f"its header (rows {n}, names {m}, files {f}, dims {dims}, string bytes {nstr}) makes it {need} "
                   f"bytes, not {size}{' (trailing bytes)' if need < size else ''}")
     at = HEADER_WORDS
-    cols = []
-    for _ in _COLS:
-        cols.append(words[at : at + n])
-        at += n
-    name_id, file_id, ndim, byte_offset, nbytes, crc = cols
-    offsets, lengths = words[at : at + dims], words[at + dims : at + 2 * dims]
+    table = words[at : at + 6 * n].reshape(6, n)  # one row per column
+    name_id, file_id, ndim, byte_offset, nbytes, crc = table
+    at += 6 * n
+    boxes = words[at : at + 2 * dims]
+    offsets, lengths = boxes[:dims], boxes[dims:]
     at += 2 * dims
     strlen = words[at : at + 1 + m + f]
     at += 1 + m + f
-
-    def first(mask: np.ndarray) -> int | None:
-        hit = np.flatnonzero(mask)
-        return int(hit[0]) if len(hit) else None
-
-    if (i := first((ndim < 0) | (ndim > limits.MAX_NDIM))) is not None:
-        raise bad(f"row {i} has {int(ndim[i])} dimensions (0 to {limits.MAX_NDIM} allowed)")
-    if int(ndim.sum()) != dims:  # each in 0..MAX_NDIM: the sum cannot overflow
-        raise bad(f"its rows have {int(ndim.sum())} dimensions in all, its header says {dims}")
-    if (i := first((name_id < 0) | (name_id >= m))) is not None:
-        raise bad(f"row {i} names tensor {int(name_id[i])} of its {m}")
-    if (i := first((file_id < 0) | (file_id >= f))) is not None:
-        raise bad(f"row {i} names file {int(file_id[i])} of its {f}")
-    if (i := first((byte_offset < 0) | (nbytes < 0) | (crc < 0) | (crc > 0xFFFFFFFF))) is not None:
-        raise bad(f"row {i} has bytes {int(byte_offset[i])}+{int(nbytes[i])} and crc32c {int(crc[i])}")
-    if (i := first((offsets < 0) | (lengths < 0))) is not None:
-        raise bad(f"dimension {i} of its rows has offset {int(offsets[i])} and length {int(lengths[i])}")
-    if (i := first((strlen < 0) | (strlen > nstr))) is not None:
-        raise bad(f"string {i} has length {int(strlen[i])}, outside its {nstr} string bytes")
-    if int(strlen.sum()) != nstr:  # each in 0..nstr, at most size/8 of them: no overflow
-        raise bad(f"its string lengths add up to {int(strlen.sum())} bytes, its header says {nstr}")
+    # the common case in a few reductions; any failure is then located below
+    lo, hi = (table.min(axis=1).tolist(), table.max(axis=1).tolist()) if n else ([0] * 6, [-1] * 6)
+    if not (lo[0] >= 0 and hi[0] < m and lo[1] >= 0 and hi[1] < f and lo[2] >= 0 and hi[2] <= limits.MAX_NDIM
+            and lo[3] >= 0 and lo[4] >= 0 and lo[5] >= 0 and hi[5] <= 0xFFFFFFFF and (not dims or boxes.min() >= 0)
+            and int(ndim.sum()) == dims and strlen.min() >= 0 and strlen.max() <= nstr and int(strlen.sum()) == nstr):
+        _locate(bad, name_id, file_id, ndim, byte_offset, nbytes, crc, offsets, lengths, strlen, m, f, dims, nstr)
     raw = memoryview(buf)[8 * at :]
     if any(raw[nstr:]):
         raise bad("the padding after its strings is not zero")
@@ -168,6 +151,33 @@ def decode(label: str, buf: bytes | bytearray | memoryview, rows: int, save_id: 
     return SegmentRows(got, names, files, name_id, file_id, ndim, byte_offset, nbytes, crc, offsets, lengths)
 
 
+def _locate(bad: Callable[[str], CorruptCheckpointError], name_id: np.ndarray, file_id: np.ndarray, ndim: np.ndarray,
+            byte_offset: np.ndarray, nbytes: np.ndarray, crc: np.ndarray, offsets: np.ndarray, lengths: np.ndarray,
+            strlen: np.ndarray, m: int, f: int, dims: int, nstr: int) -> None:
+    """Raise ``bad`` naming the first of :func:`decode`'s column checks that fails."""
+    def first(mask: np.ndarray) -> int | None:
+        hit = np.flatnonzero(mask)
+        return int(hit[0]) if len(hit) else None
+
+    if (i := first((ndim < 0) | (ndim > limits.MAX_NDIM))) is not None:
+        raise bad(f"row {i} has {int(ndim[i])} dimensions (0 to {limits.MAX_NDIM} allowed)")
+    if int(ndim.sum()) != dims:  # each in 0..MAX_NDIM: the sum cannot overflow
+        raise bad(f"its rows have {int(ndim.sum())} dimensions in all, its header says {dims}")
+    if (i := first((name_id < 0) | (name_id >= m))) is not None:
+        raise bad(f"row {i} names tensor {int(name_id[i])} of its {m}")
+    if (i := first((file_id < 0) | (file_id >= f))) is not None:
+        raise bad(f"row {i} names file {int(file_id[i])} of its {f}")
+    if (i := first((byte_offset < 0) | (nbytes < 0) | (crc < 0) | (crc > 0xFFFFFFFF))) is not None:
+        raise bad(f"row {i} has bytes {int(byte_offset[i])}+{int(nbytes[i])} and crc32c {int(crc[i])}")
+    if (i := first((offsets < 0) | (lengths < 0))) is not None:
+        raise bad(f"dimension {i} of its rows has offset {int(offsets[i])} and length {int(lengths[i])}")
+    if (i := first((strlen < 0) | (strlen > nstr))) is not None:
+        raise bad(f"string {i} has length {int(strlen[i])}, outside its {nstr} string bytes")
+    if int(strlen.sum()) != nstr:  # each in 0..nstr, at most size/8 of them: no overflow
+        raise bad(f"its string lengths add up to {int(strlen.sum())} bytes, its header says {nstr}")
+    raise bad("its columns are malformed")  # unreachable: the checks above cover the fast path's
+
+
 def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
     """The rows of tensors ``fqns`` (None: all) as chunk records, in segment
     order: a row naming a tensor ``metadata.json`` lacks is refused (any row,
@@ -175,11 +185,13 @@ def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | 
     (:func:`bytecp.format.limits.check_chunk_records`). Records are built for
     the kept rows only."""
     m = len(seg.names)
-    used = np.bincount(seg.name_id, minlength=m) > 0 if m else np.zeros(0, bool)
     infos = [md.tensors.get(name) for name in seg.names]
-    for k, info in enumerate(infos):
-        if info is None and used[k]:
-            raise CorruptCheckpointError(f"{label}: a row names tensor {seg.names[k]!r:.80}, which metadata.json lacks")
+    if None in infos:  # refused if a row names it (any row, wanted or not)
+        used = np.bincount(seg.name_id, minlength=m) > 0
+        for k, info in enumerate(infos):
+            if info is None and used[k]:
+                raise CorruptCheckpointError(f"{label}: a row names tensor {seg.names[k]!r:.80}, which metadata.json "
+                                             "lacks")
     wanted = np.asarray([fqns is None or name in fqns for name in seg.names], bool)
     keep = np.flatnonzero(wanted[seg.name_id]) if m else np.zeros(0, np.int64)
     if not len(keep):

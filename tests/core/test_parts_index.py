@@ -593,3 +593,13 @@ def test_segment_records_only_of_wanted_tensors(ck: Path) -> None:
     seg = segment_wire.decode("seg", encode_segment(ghost, md.save_id), len(ghost), md.save_id)
     with pytest.raises(bytecp.CorruptCheckpointError, match="seg: a row names tensor 'ghost', which metadata.json lacks"):
         segment_wire.to_records(seg, md, "seg", {"v"})
+
+
+def test_scalar_page_rows_only_of_wanted_tensors(ck: Path) -> None:
+    """A scalar page's rows, checked on columns, are built only for the tensors wanted, as every row read alone."""
+    opened = open_checkpoint(str(ck))
+    every, _ = parts_read.read_parts(opened.storage, opened.metadata, None)
+    rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"s": [Region((), ())]})
+    assert rows == [c for c in every if c.fqn == "s"] and rows[0].global_shape == () and n == 1
+    rows, _ = parts_read.read_parts(opened.storage, opened.metadata, {"v": [Region((0, 0), (8, 8))]})
+    assert rows and all(c.fqn == "v" for c in rows)
