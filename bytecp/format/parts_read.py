@@ -16,10 +16,11 @@ the directory says. Each failure is one line naming the file at fault.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -97,7 +98,9 @@ def read_parts(
                                      f"{d.save_id!r} ({d.file}); the checkpoint is corrupt")
     names = None if wanted is None else sorted(wanted)
     fqns = None if wanted is None else set(wanted)
-    parts = (np.asarray(d.ranks, np.int64), np.asarray(d.part_nbytes, np.int64))  # once, not per page
+    # the parts' ranks and sizes as arrays: once, for the first page read (not per page; none for a rank
+    # that reads none)
+    parts = functools.cache(lambda: (np.asarray(d.ranks, np.int64), np.asarray(d.part_nbytes, np.int64)))
     # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
     # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
     # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet
@@ -235,7 +238,7 @@ def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]
 
 
 def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[tuple[int, int]] | None,
-             names: list[str] | None, where: str, parts: tuple[np.ndarray, np.ndarray]) -> list[Entry]:
+             names: list[str] | None, where: str, parts: Callable[[], tuple[np.ndarray, np.ndarray]]) -> list[Entry]:
     """A page's entries, checked against the page and the parts; those ``bands``/``names`` meet.
     Vectorized: a reader of whole replicated tensors reads most wide pages, and keeps few of their entries."""
     label = f"{where}/{d.file} page {kind} {k}"
@@ -253,10 +256,10 @@ def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[
         i = int(np.flatnonzero(bad)[0])
         raise CorruptCheckpointError(f"{label}: entry {i} ({a[i]!r:.60}..{b[i]!r:.60}) lies outside its page or out "
                                      "of order; the index is corrupt")
-    ranks = parts[0]
+    ranks, part_nbytes = parts()
     pos = np.minimum(np.searchsorted(ranks, num["rank"]), max(0, len(ranks) - 1))
     listed = ranks[pos] == num["rank"] if len(ranks) else np.zeros(len(pos), bool)
-    size = np.where(listed, parts[1][pos] if len(ranks) else 0, -1)
+    size = np.where(listed, part_nbytes[pos] if len(ranks) else 0, -1)
     off, n = num["offset"], num["nbytes"]
     bad = ~listed | (num["rows"] <= 0) | (n <= 0) | (off < 0) | (off + n > size)
     if bad.any():
