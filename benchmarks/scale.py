@@ -54,8 +54,8 @@ from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
 from bytecp.saving.commit import merge_described
-from bytecp.tree.bulk import gc_paused
 from bytecp.storage_api import open_storage
+from bytecp.tree.bulk import gc_paused
 from bytecp.tree.regions import full_region
 
 from . import scale_jobs as jobs

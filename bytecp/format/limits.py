@@ -31,7 +31,8 @@ size plus a fixed allowance, and deep nesting fails as a typed error.
 Who calls what: :meth:`bytecp.format.metadata.Metadata.validate` calls
 :func:`check_structure` (every reader, on every ``metadata.json``);
 :func:`bytecp.format.index_check.decode_table` calls :func:`check_index_metadata` before
-decoding an index file; the load path and ``inspect`` call
+decoding an index file (a Parquet one: version-4 part segments are flat words that
+:func:`bytecp.format.segment_wire.decode` checks against their length first); the load path and ``inspect`` call
 :func:`check_sizes` (coordinator) before any tensor is allocated; the object
 reader and ``verify`` call :func:`check_blob` before a blob is unpickled.
 """

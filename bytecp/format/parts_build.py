@@ -26,7 +26,7 @@ import pyarrow as pa
 from bytecp.errors import ConfigError
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.index_build import check_chunks, encode_segment, rows_table
+from bytecp.format.index_build import check_chunks, encode_segment
 from bytecp.format.metadata import ChunkRecord
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
@@ -40,6 +40,7 @@ from bytecp.format.parts_schema import (
     span_limit,
 )
 from bytecp.format.parts_wire import EntryColumns, NameTable, PartEntries, Scalar, decode_all
+from bytecp.format.segment_wire import encode_rows
 
 __all__ = ["PartEntries", "Scalar", "BuiltPart", "build_part", "build_directory", "build_whole", "linear_bands"]
 
@@ -112,12 +113,8 @@ def build_part(
         entries.name_seg += [j] * len(fids)
     if not groups:
         return BuiltPart([], entries)
-    schema = PART_SCHEMA.with_metadata({**(PART_SCHEMA.metadata or {}), b"bytecp.save_id": save_id.encode()})
-    table = rows_table(rows, names, np.concatenate(groups), schema)
-    blobs, start = [], 0
-    for g in groups:
-        blobs.append(encode_segment(table.slice(start, len(g))))
-        start += len(g)
+    blobs = [encode_rows(save_id, names, rows.files, rows.fid[g], rows.file[g], rows.ndim[g], rows.byte_offset[g],
+                         rows.nbytes[g], rows.crc[g], rows.O[g], rows.L[g]) for g in groups]
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     entries.nbytes = int(offsets[-1])
     entries.lo, entries.hi = [int(lo[g].min()) for g in band_groups], [int(hi[g].max()) for g in band_groups]
@@ -129,8 +126,8 @@ def build_part(
 def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray]:
     """Banded rows (sorted by first band) into segments of at most
     :data:`SEGMENT_ROWS` rows whose first bands lie within ``limit`` of each
-    other -- once a segment has 16 rows (a Parquet file per row or two
-    would cost more than the rows), or at once across a gap of more than
+    other -- once a segment has 16 rows (a segment per row or two would
+    cost a read and a check per row), or at once across a gap of more than
     4 times ``limit`` (rows far apart: readers of one need not read the other)."""
     out: list[np.ndarray] = []
     s = 0

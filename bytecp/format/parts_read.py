@@ -6,8 +6,9 @@ every rank of a load once it knows its boxes (``wanted``), and in the
 one-process tools for every segment (``wanted=None``). A rank reads
 O(its share of the index) whatever the world size that wrote it: a few
 pages of the directory, and the segments that may hold its rows. Every
-page and segment is checked before it is trusted: its crc32c, its footer
-against the hostile-input budget, that it belongs to this save, that it
+page and segment is checked before it is trusted: its crc32c, its encoding
+(a page's Parquet footer against the hostile-input budget, a segment's
+words by :mod:`bytecp.format.segment_wire`), that it belongs to this save, that it
 lies inside its file without overlapping another, that each row lies where
 the directory says. Each failure is one line naming the file at fault.
 """
@@ -15,19 +16,21 @@ the directory says. Each failure is one line naming the file at fault.
 from __future__ import annotations
 
 import bisect
+import functools
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.format import limits, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import decode_table
-from bytecp.format.index_read import rows_to_records
+from bytecp.format.index_read import _indices, rows_to_records
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
     PART_SCHEMA,
@@ -95,6 +98,9 @@ def read_parts(
                                      f"{d.save_id!r} ({d.file}); the checkpoint is corrupt")
     names = None if wanted is None else sorted(wanted)
     fqns = None if wanted is None else set(wanted)
+    # the parts' ranks and sizes as arrays: once, for the first page read (not per page; none for a rank
+    # that reads none)
+    parts = functools.cache(lambda: (np.asarray(d.ranks, np.int64), np.asarray(d.part_nbytes, np.int64)))
     # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
     # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
     # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet
@@ -106,7 +112,7 @@ def read_parts(
         if kind == "scalar":
             scalars += _scalar_rows(table, k, md, d, fqns, where)
         else:
-            entries += _entries(table, kind, k, d, None, names, where)
+            entries += _entries(table, kind, k, d, None, names, where, parts)
     wide = _segments(entries, d, where)
     listed = sum(s[3] for s in wide) + len(scalars)
     _budget(listed, budget, d, where)
@@ -115,7 +121,7 @@ def read_parts(
     band_pages = [("band", k) for k in range(len(d.band_pages["lo"]))
                   if bands is None or _meets(bands, d.band_pages["lo"][k], d.band_pages["hi"][k])]
     entries = [e for _, k, table in _read_pages(storage, d, band_pages, where)
-               for e in _entries(table, "band", k, d, bands, names, where)]
+               for e in _entries(table, "band", k, d, bands, names, where, parts)]
     band = _segments(entries, d, where)
     _budget(listed + sum(s[3] for s in band), budget, d, where)
     seen = set(out)
@@ -232,7 +238,7 @@ def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]
 
 
 def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[tuple[int, int]] | None,
-             names: list[str] | None, where: str) -> list[Entry]:
+             names: list[str] | None, where: str, parts: Callable[[], tuple[np.ndarray, np.ndarray]]) -> list[Entry]:
     """A page's entries, checked against the page and the parts; those ``bands``/``names`` meet.
     Vectorized: a reader of whole replicated tensors reads most wide pages, and keeps few of their entries."""
     label = f"{where}/{d.file} page {kind} {k}"
@@ -250,10 +256,10 @@ def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[
         i = int(np.flatnonzero(bad)[0])
         raise CorruptCheckpointError(f"{label}: entry {i} ({a[i]!r:.60}..{b[i]!r:.60}) lies outside its page or out "
                                      "of order; the index is corrupt")
-    ranks = np.asarray(d.ranks, np.int64)
+    ranks, part_nbytes = parts()
     pos = np.minimum(np.searchsorted(ranks, num["rank"]), max(0, len(ranks) - 1))
     listed = ranks[pos] == num["rank"] if len(ranks) else np.zeros(len(pos), bool)
-    size = np.where(listed, np.asarray(d.part_nbytes, np.int64)[pos] if len(ranks) else 0, -1)
+    size = np.where(listed, part_nbytes[pos] if len(ranks) else 0, -1)
     off, n = num["offset"], num["nbytes"]
     bad = ~listed | (num["rows"] <= 0) | (n <= 0) | (off < 0) | (off + n > size)
     if bad.any():
@@ -306,7 +312,10 @@ def _scalar_rows(table: pa.Table, k: int, md: fmt.Metadata, d: PartsDirectory, f
     names, strictly ascending (each 0-dim tensor listed once); those of ``fqns``."""
     label = f"{where}/{d.file} page scalar {k}"
     first, last = d.scalar_pages["first"][k], d.scalar_pages["last"][k]
-    every = _records(table, md, label, None)
+    fast = _scalar_fast(table, md, label, first, last, fqns)
+    if fast is not None:
+        return fast
+    every = _records(table, md, label, None)  # something is wrong: find it row by row
     prev = None
     for c in every:
         if c.global_shape or c.offsets or c.lengths or not first <= c.fqn <= last or (prev is not None and c.fqn <= prev):
@@ -315,6 +324,40 @@ def _scalar_rows(table: pa.Table, k: int, md: fmt.Metadata, d: PartsDirectory, f
                 "each once, in name order inside the page's names; FORMAT.md §5.6); the index is corrupt")
         prev = c.fqn
     return [c for c in every if fqns is None or c.fqn in fqns]
+
+
+def _scalar_fast(table: pa.Table, md: fmt.Metadata, label: str, first: str, last: str,
+                 fqns: set[str] | None) -> list[fmt.ChunkRecord] | None:
+    """:func:`_scalar_rows` on columns: every row checked as there, records
+    built only for ``fqns``; None if any check fails (the caller then finds
+    the row at fault). A reader of every ``step`` reads pages of thousands."""
+    try:
+        cols = {c: table.column(c).combine_chunks() for c in PART_SCHEMA.names}
+        fqn, file = cols["fqn"], cols["file"]
+        if not (pa.types.is_dictionary(fqn.type) and pa.types.is_dictionary(file.type)):
+            return None
+        if len(cols["offsets"].values) or len(cols["lengths"].values):  # not all [] (no nulls: decode_table)
+            return None
+        values = fqn.dictionary.to_pylist()
+        rows = [values[i] for i in _indices(fqn.indices).tolist()]
+        nums = [np.asarray(table.column(c).to_numpy(), np.int64) for c in ("byte_offset", "nbytes", "crc32c")]
+    except (pa.ArrowException, ValueError, TypeError, IndexError):
+        return None
+    if bool((nums[0] < 0).any() or (nums[1] < 0).any()):
+        return None
+    prev = None
+    for name in rows:
+        info = md.tensors.get(name)
+        if info is None or info["shape"] or not first <= name <= last or (prev is not None and name <= prev):
+            return None
+        prev = name
+    keep = [i for i, name in enumerate(rows) if fqns is None or name in fqns]
+    files = file.dictionary.to_pylist()
+    fid = _indices(file.indices)
+    out = [fmt.ChunkRecord(rows[i], md.tensors[rows[i]]["dtype"], (), (), (), files[int(fid[i])], int(nums[0][i]),
+                           int(nums[1][i]), int(nums[2][i])) for i in keep]
+    limits.check_chunk_records(label, out)
+    return out
 
 
 def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
@@ -341,9 +384,7 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         seg = f"{label} segment at bytes {s[1]}..{s[1] + s[2]}"
         if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
-        table = decode_table(seg, seg, buf, PART_SCHEMA, ("fqn", "file"), rows=s[3])
-        _check_save(seg, table, d.save_id)
-        chunks = _records(table, md, seg, fqns)
+        chunks = segment_wire.to_records(segment_wire.decode(seg, buf, s[3], d.save_id), md, seg, fqns)
         for c in chunks:
             _check_place(seg, d, c, s, limit)
         out.extend(chunks)

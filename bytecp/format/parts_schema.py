@@ -2,7 +2,7 @@
 their segments (docs/FORMAT.md, section 5.6; the normative text).
 
 ```
-index/<save_id>/<rank>.bin      that rank's segments, each a complete Parquet file
+index/<save_id>/<rank>.bin      that rank's segments, each a block of 64-bit words (segment_wire)
 index/<save_id>/directory.bin   pages of directory entries (band segments; wide tensors' segments;
                                 0-dim chunks, listed there and in no part)
 metadata.json "index"           the parts, and the directory's pages
@@ -69,7 +69,8 @@ DIRECTORY_NAME = "directory.bin"
 FORMAT_V4 = b"4"
 _SAVE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
-#: a part's segments: the version-2 columns; the schema's metadata names the save
+#: the version-2 columns, as a table: a directory's scalar pages (Parquet); a part's segments hold the same
+#: columns in the encoding of :mod:`bytecp.format.segment_wire`
 PART_SCHEMA = pa.schema([("fqn", pa.string()), *CHUNK_FIELDS], metadata={b"bytecp.format_version": FORMAT_V4})
 _ENTRY_TAIL: tuple[tuple[str, pa.DataType], ...] = (
     ("rank", pa.int64()),

@@ -16,15 +16,18 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bytecp.format import segment_wire
 from bytecp.format.checksum import crc32c
 from bytecp.format.parts_schema import PART_SCHEMA, WIDE_ENTRY_SCHEMA, part_file
 
 from .helpers import tensor_specs
 
-__all__ = ["index_rows", "rewrite_index", "index_file", "encode_rows", "metadata", "part_schema"]
+__all__ = ["index_rows", "rewrite_index", "index_file", "encode_rows", "encode_segment", "segment_table", "split_part",
+           "metadata", "part_schema"]
 
 
 def metadata(ck: Path) -> dict[str, Any]:
@@ -46,26 +49,59 @@ def index_rows(ck: Path) -> pa.Table:
     md = metadata(ck)
     tables = []
     for rank in md["index"]["parts"]["rank"]:
-        tables += _segments((ck / part_file(md["save_id"], rank)).read_bytes())
+        tables += [segment_table(b) for b in split_part((ck / part_file(md["save_id"], rank)).read_bytes())]
     tables = [t.cast(PART_SCHEMA) for t in tables]
     return pa.concat_tables(tables) if tables else PART_SCHEMA.empty_table()
 
 
-def _segments(raw: bytes) -> list[pa.Table]:
-    """A part's segments: Parquet files one after the other (each ends in its footer and ``PAR1``)."""
+def split_part(raw: bytes) -> list[bytes]:
+    """A part's segments, back to back (each one's size from its header)."""
     out = []
     start = 0
     while start < len(raw):
-        pos = start + 4
-        while True:
-            end = raw.index(b"PAR1", pos) + 4
-            size = int.from_bytes(raw[end - 8 : end - 4], "little")
-            if end - start >= size + 12:
-                break
-            pos = end
-        out.append(pq.ParquetFile(pa.BufferReader(raw[start:end])).read(use_threads=False))
-        start = end
+        n, m, f, dims, nstr = np.frombuffer(raw, "<i8", 5, start + 8).tolist()
+        size = 8 * (segment_wire.HEADER_WORDS + 6 * n + 2 * dims + 1 + m + f) + -(-nstr // 8) * 8
+        out.append(raw[start : start + size])
+        start += size
     return out
+
+
+def segment_table(blob: bytes, save_id: str | None = None) -> pa.Table:
+    """A segment's rows as a table of the part schema (its own save id unless ``save_id``)."""
+    n, m, f, dims = np.frombuffer(blob, "<i8", 4, 8).tolist()
+    at = segment_wire.HEADER_WORDS + 6 * n + 2 * dims  # the string lengths: the save id's first
+    if save_id is None:
+        s0 = 8 * (at + 1 + m + f)
+        save_id = blob[s0 : s0 + int(np.frombuffer(blob, "<i8", 1, 8 * at)[0])].decode()
+    seg = segment_wire.decode("segment", blob, n, save_id)
+    start = (np.cumsum(seg.ndim) - seg.ndim).tolist()
+    nd = seg.ndim.tolist()
+    return pa.table({
+        "fqn": [seg.names[i] for i in seg.name_id.tolist()],
+        "offsets": [seg.offsets[s : s + k].tolist() for s, k in zip(start, nd, strict=True)],
+        "lengths": [seg.lengths[s : s + k].tolist() for s, k in zip(start, nd, strict=True)],
+        "file": [seg.files[i] for i in seg.file_id.tolist()],
+        "byte_offset": seg.byte_offset.tolist(), "nbytes": seg.nbytes.tolist(),
+        "crc32c": pa.array(seg.crc32c.tolist(), pa.uint32()),
+    }, schema=PART_SCHEMA)
+
+
+def encode_segment(rows: pa.Table | dict[str, list[Any]] | list[dict[str, Any]], save_id: str) -> bytes:
+    """Rows (a table, columns or row dicts of the part schema) as one segment, unchecked."""
+    if isinstance(rows, pa.Table):
+        rows = rows.to_pylist()
+    elif isinstance(rows, dict):
+        cols = {k: v.to_pylist() if isinstance(v, pa.Array) else list(v) for k, v in rows.items()}
+        rows = [dict(zip(cols, vals, strict=True)) for vals in zip(*cols.values(), strict=True)]
+    names = sorted({r["fqn"] for r in rows})
+    files = sorted({r["file"] for r in rows})
+    return segment_wire.encode(
+        save_id, names, files, np.asarray([names.index(r["fqn"]) for r in rows], np.int64),
+        np.asarray([files.index(r["file"]) for r in rows], np.int64),
+        np.asarray([len(r["offsets"]) for r in rows], np.int64),
+        *(np.asarray([r[k] for r in rows], np.int64) for k in ("byte_offset", "nbytes", "crc32c")),
+        np.asarray([x for r in rows for x in r["offsets"]], np.int64),
+        np.asarray([x for r in rows for x in r["lengths"]], np.int64))
 
 
 def encode_rows(table: pa.Table | dict[str, list[Any]], schema: pa.Schema = PART_SCHEMA) -> bytes:
@@ -81,9 +117,7 @@ def rewrite_index(ck: Path, rows: pa.Table | dict[str, list[Any]] | bytes, *, nr
     table, columns, or raw segment bytes with ``nrows`` declared in the directory)."""
     md = metadata(ck)
     sid = md["save_id"]
-    blob = rows if isinstance(rows, bytes) else encode_rows(
-        rows.replace_schema_metadata(part_schema(sid).metadata) if isinstance(rows, pa.Table) else rows,
-        part_schema(sid))
+    blob = rows if isinstance(rows, bytes) else encode_segment(rows, sid)
     if nrows is None:
         assert not isinstance(rows, bytes)
         nrows = rows.num_rows if isinstance(rows, pa.Table) else len(next(iter(rows.values())))

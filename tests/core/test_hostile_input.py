@@ -10,22 +10,21 @@ import os
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import torch
 
 import bytecp
 from bytecp.cli import main as cli
 from bytecp.errors import CorruptCheckpointError
-from bytecp.format import limits
+from bytecp.format import limits, segment_wire
 from bytecp.format import metadata as fmt
-from bytecp.format.index_schema import INDEX_SCHEMA_V2
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import summarize, verify
 
 from .helpers import as_object_form, tensor_specs
-from .index_tools import index_file, index_rows, rewrite_index
+from .index_tools import encode_segment, index_file, index_rows, rewrite_index
 
 
 def saved(tmp_path: Path, state: dict | None = None) -> Path:
@@ -195,46 +194,42 @@ def test_bad_tensor_specs(tmp_path: Path) -> None:
 
 
 def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
+    """A segment whose header claims 3 million rows in a few words: the
+    directory's count is refused against the budget first; when the
+    directory agrees with the bytes read, the header is refused against the
+    segment's real size before anything is allocated from it."""
     ck = saved(tmp_path, {"w": torch.zeros(4)})
     c = only_chunk(ck)
     n = 3_000_000
-    cols = {
-        "fqn": pa.array(["w"] * n).dictionary_encode(),
-        "offsets": [[0]] * n,
-        "lengths": [[4]] * n,
-        "file": [c.file] * n,
-        "byte_offset": [0] * n,
-        "nbytes": [16] * n,
-        "crc32c": pa.array([c.crc32c] * n, pa.uint32()),
-    }
-    cols["fqn"] = cols["fqn"].cast(pa.string())
-    sink = io.BytesIO()
-    pq.write_table(pa.table(cols, schema=INDEX_SCHEMA_V2), sink, compression="zstd")
-    assert len(sink.getvalue()) < 200_000
-    rewrite_index(ck, sink.getvalue(), nrows=n)
+    real = encode_segment(rows_of(c), md_of(ck)["save_id"])
+    words = np.frombuffer(real, "<i8").copy()
+    words[1] = n  # rows: the columns would need 144 MB
+    crafted = words.tobytes()
+    assert len(crafted) < 1000
+    rewrite_index(ck, crafted, nrows=n)
     all_refuse(ck, rf"directory.bin: the index directory lists {n} rows, more than the")
-    rewrite_index(ck, sink.getvalue(), nrows=1)  # the directory lies too
-    all_refuse(ck, rf"{index_path(ck).name} segment .* has {n} rows, the directory says 1")
+    rewrite_index(ck, crafted, nrows=1)  # the directory lies too
+    all_refuse(ck, rf"{index_path(ck).name} segment at bytes 0\.\.{len(crafted)} has {n} rows, the directory says 1")
+    with pytest.raises(CorruptCheckpointError, match=rf"\(rows {n}, .* makes it \d+ bytes, not {len(crafted)}"):
+        segment_wire.decode("seg", crafted, n, md_of(ck)["save_id"])
 
 
 def test_index_with_a_huge_list_cell(tmp_path: Path) -> None:
     ck = saved(tmp_path, {"w": torch.zeros(4)})
     c = only_chunk(ck)
-    bad = fmt.ChunkRecord(c.fqn, c.dtype, (4,), (0,) * 1_000_000, (4,), c.file, 0, 16, c.crc32c)
+    bad = fmt.ChunkRecord(c.fqn, c.dtype, (4,), (0,) * 1_000_000, (1,) * 1_000_000, c.file, 0, 16, c.crc32c)
     rewrite_index(ck, rows_of(bad))
-    all_refuse(ck, "a column holds 1000000 values for 1 rows")  # from the footer, before decoding
+    all_refuse(ck, "row 0 has 1000000 dimensions \\(0 to 64 allowed\\)")  # before any row is built
 
 
-def test_index_with_wrong_column_types_names_the_file(tmp_path: Path) -> None:
+def test_index_with_a_malformed_segment_names_the_file(tmp_path: Path) -> None:
     ck = saved(tmp_path, {"w": torch.zeros(4)})
-    table = index_rows(ck)
-    table = table.set_column(table.schema.get_field_index("nbytes"), "nbytes", pa.array(["16"]))
-    sink = io.BytesIO()
-    pq.write_table(table, sink)
-    rewrite_index(ck, sink.getvalue(), nrows=1)
-    all_refuse(ck, rf"{index_path(ck).name} segment .*: column 'nbytes' is string")
+    c = only_chunk(ck)
+    rewrite_index(ck, b"PAR1 this is not a segment, but 48 bytes long!! ", nrows=1)
+    all_refuse(ck, rf"{index_path(ck).name} segment .*: its first word .* is not the segment magic")
     rewrite_index(ck, b"PAR1 this is not parquet PAR1", nrows=1)
-    all_refuse(ck, rf"{index_path(ck).name} segment .* is unreadable")
+    all_refuse(ck, rf"{index_path(ck).name} segment .*: 29 bytes are not a segment")
+    rewrite_index(ck, rows_of(c))
     raw = bytearray(index_path(ck).read_bytes())
     raw[5] ^= 1  # damaged after the directory was written: the checksum tells
     index_path(ck).write_bytes(bytes(raw))

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -25,7 +26,7 @@ import torch
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.format import parts_read
+from bytecp.format import parts_read, segment_wire
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.parts_build import build_directory, build_part
@@ -39,6 +40,8 @@ from bytecp.format.parts_schema import (
 from bytecp.loading.opened import open_checkpoint
 from bytecp.tree.regions import Region
 from bytecp.tree.state import Shard, TensorLeaf
+
+from .index_tools import encode_segment, index_rows, segment_table
 
 pytestmark = pytest.mark.timeout(300)
 RANKS = 4
@@ -245,7 +248,7 @@ def scalar_page_with_a_shaped_row(ck: Path) -> str:
     pages = read_directory(ck)
     e = _entries_of(pages, 0)[0]
     part = ck / part_file(_md(ck)["save_id"], 0)
-    row = pq.ParquetFile(pa.BufferReader(part.read_bytes()[e["offset"] : e["offset"] + e["nbytes"]])).read().to_pylist()[0]
+    row = segment_table(part.read_bytes()[e["offset"] : e["offset"] + e["nbytes"]]).to_pylist()[0]
     pages["scalar"][0] = sorted([*pages["scalar"][0], row], key=lambda r: r["fqn"])
     write_directory(ck, pages)
     return _md(ck)["index"]["directory"]["file"]
@@ -282,10 +285,7 @@ def zero_dim_row_in_a_part(ck: Path) -> str:
     md = _md(ck)
     pages = read_directory(ck)
     (row,) = pages["scalar"][0]
-    sink = io.BytesIO()
-    schema = PART_SCHEMA.with_metadata({**(PART_SCHEMA.metadata or {}), b"bytecp.save_id": md["save_id"].encode()})
-    pq.write_table(pa.Table.from_pylist([row], schema=schema), sink)
-    blob = sink.getvalue()
+    blob = encode_segment([row], md["save_id"])
     part = ck / part_file(md["save_id"], 0)
     size = part.stat().st_size
     part.write_bytes(part.read_bytes() + blob)
@@ -450,3 +450,156 @@ def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) ->
         assert pool.run(load_rank, url, timeout=180) == [True, True]
     finally:
         pool.close()
+
+
+# ----------------------------------------------------------------- crafted segments (FORMAT.md §5.6, segment encoding)
+def _words(blob: bytes) -> tuple[list[int], dict[str, int]]:
+    """A segment's words, and where its parts start (in words): columns, dims, string lengths, strings."""
+    w = np.frombuffer(blob, "<i8", len(blob) // 8).tolist()
+    n, m, f, dims = w[1:5]
+    at = {"name_id": 6, "file_id": 6 + n, "ndim": 6 + 2 * n, "offsets": 6 + 6 * n, "strlen": 6 + 6 * n + 2 * dims}
+    at["strings"] = at["strlen"] + 1 + m + f
+    return w, at
+
+
+def _pack(words: list[int], tail: bytes = b"") -> bytes:
+    return np.asarray(words, "<i8").tobytes() + tail
+
+
+def _swap_segment(ck: Path, rank: int, change: Callable[[bytes], tuple[bytes, int | None]]) -> str:
+    """Rank ``rank``'s first segment replaced by ``change(its bytes)`` -> (new bytes, rows the directory
+    says or None: unchanged), appended to the part, its entry moved there with a valid crc32c (as an
+    attacker would). -> the part's path."""
+    md = _md(ck)
+    pages = read_directory(ck)
+    e = _entries_of(pages, rank)[0]
+    part = ck / part_file(md["save_id"], rank)
+    raw = part.read_bytes()
+    blob, rows = change(raw[e["offset"] : e["offset"] + e["nbytes"]])
+    for kind in ("band", "wide"):
+        for page in pages[kind]:
+            for x in page:
+                if (x["rank"], x["offset"]) == (rank, e["offset"]):
+                    x.update(offset=len(raw), nbytes=len(blob), crc32c=crc32c(blob), rows=rows or x["rows"])
+    part.write_bytes(raw + blob)
+    write_directory(ck, pages)
+    md = _md(ck)
+    md["index"]["parts"]["nbytes"][md["index"]["parts"]["rank"].index(rank)] = len(raw) + len(blob)
+    _write_md(ck, md)
+    return part_file(md["save_id"], rank)
+
+
+def _set(key: str, k: int, value: Callable[[int], int]) -> Callable[[bytes], tuple[bytes, int | None]]:
+    def change(blob: bytes) -> tuple[bytes, int | None]:
+        w, at = _words(blob)
+        i = at[key] + k if key in at else k
+        w[i] = value(w[i])
+        return _pack(w[: at["strings"]], blob[8 * at["strings"] :]), None
+    return change
+
+
+def _reencode(blob: bytes, *, save_id: str | None = None, extra: str | None = None,
+              utf8: bool = True) -> bytes:
+    seg = segment_table(blob)
+    n, m, f = np.frombuffer(blob, "<i8", 3, 8).tolist()
+    _, at = _words(blob)
+    strings = blob[8 * at["strings"] :]
+    lens = np.frombuffer(blob, "<i8", 1 + m + f, 8 * at["strlen"]).tolist()
+    sid = strings[: lens[0]].decode()
+    rows = seg.to_pylist()
+    out = encode_segment(rows, save_id or sid)
+    if extra is not None:  # an unused name listed after the others (allowed): strings of chosen length
+        names = sorted({r["fqn"] for r in rows})
+        files = sorted({r["file"] for r in rows})
+        out = segment_wire.encode(sid, [*names, extra], files, *_cols(rows, names, files))
+    if not utf8:
+        w, at = _words(out)
+        tail = bytearray(out[8 * at["strings"] :])
+        tail[w[at["strlen"]]] = 0xFF  # the first name's first byte
+        out = out[: 8 * at["strings"]] + bytes(tail)
+    return out
+
+
+def _cols(rows: list[dict[str, Any]], names: list[str], files: list[str]) -> list[np.ndarray]:
+    return [np.asarray([names.index(r["fqn"]) for r in rows]), np.asarray([files.index(r["file"]) for r in rows]),
+            np.asarray([len(r["offsets"]) for r in rows]),
+            *(np.asarray([r[k] for r in rows]) for k in ("byte_offset", "nbytes", "crc32c")),
+            np.asarray([x for r in rows for x in r["offsets"]], np.int64),
+            np.asarray([x for r in rows for x in r["lengths"]], np.int64)]
+
+
+def _padded(blob: bytes) -> bytes:
+    """Non-zero padding after the strings (a name added first so that there is padding)."""
+    _, at = _words(blob)
+    for k in range(8):
+        out = _reencode(blob, extra="~" * (k + 1))
+        n_str = int(np.frombuffer(out, "<i8", 1, 40)[0])
+        if n_str % 8:
+            return out[:-1] + b"\x01"
+    raise AssertionError("no padding")
+
+
+SEGMENT_DAMAGE: dict[str, tuple[Callable[[bytes], tuple[bytes, int | None]], str]] = {
+    "bad_magic": (_set("magic", 0, lambda x: x ^ 1), "is not the segment magic"),
+    "negative_count": (_set("names", 2, lambda x: -1), "negative count"),
+    "rows_not_the_directorys": (lambda b: (_set("rows", 1, lambda x: x + 1)(b)[0], None), "rows, the directory says"),
+    "dims_past_its_bytes": (_set("dims", 4, lambda x: x + 1), "makes it"),
+    "more_rows_than_its_bytes": (lambda b: (_set("rows", 1, lambda x: x + 1)(b)[0],
+                                            int(np.frombuffer(b, "<i8", 1, 8)[0]) + 1), "makes it"),
+    "directory_rows_differ": (lambda b: (b, int(np.frombuffer(b, "<i8", 1, 8)[0]) + 1), "the directory says"),
+    "name_id_out_of_range": (_set("name_id", 0, lambda x: 99), "names tensor 99 of its"),
+    "file_id_out_of_range": (_set("file_id", 0, lambda x: -1), "names file -1 of its"),
+    "ndim_negative": (_set("ndim", 0, lambda x: -1), "has -1 dimensions"),
+    "ndim_over_the_limit": (_set("ndim", 0, lambda x: 65), "has 65 dimensions"),
+    "ndim_sum_differs": (_set("ndim", 0, lambda x: x - 1), "dimensions in all, its header says"),
+    "negative_offset": (_set("offsets", 0, lambda x: -5), "has offset -5"),
+    "string_length_overflows": (_set("strlen", 1, lambda x: 1 << 62), "outside its"),
+    "string_lengths_differ": (_set("strlen", 1, lambda x: x + 1), "string lengths add up to"),
+    "not_utf8": (lambda b: (_reencode(b, utf8=False), None), "is not UTF-8"),
+    "trailing_bytes": (lambda b: (b + bytes(8), None), "trailing bytes"),
+    "another_save": (lambda b: (_reencode(b, save_id="another-save"), None), "belongs to save 'another-save'"),
+    "nonzero_padding": (lambda b: (_padded(b), None), "padding after its strings is not zero"),
+    "not_words": (lambda b: (b[:-3], None), "are not a segment"),
+}
+
+
+@pytest.mark.parametrize("damage", list(SEGMENT_DAMAGE))
+def test_crafted_segments_refused_in_one_line(ck: Path, damage: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """Each refusal of the segment decoder: one line naming the part and the segment's bytes, no
+    allocation from the crafted counts (the crc32c and the directory were fixed, as an attacker would)."""
+    change, phrase = SEGMENT_DAMAGE[damage]
+    name = _swap_segment(ck, 1, change)
+    with pytest.raises(bytecp.CorruptCheckpointError) as e:
+        bytecp.load_state_dict(str(ck))
+    msg = str(e.value)
+    assert "\n" not in msg and f"{name} segment at bytes" in msg and phrase in msg, msg
+    capsys.readouterr()
+    assert cli(["verify", str(ck)]) != 0
+    out = capsys.readouterr()
+    assert len([ln for ln in (out.err + out.out).splitlines() if name in ln]) == 1, (out.err, out.out)
+
+
+def test_segment_records_only_of_wanted_tensors(ck: Path) -> None:
+    """Rows of tensors not wanted are dropped before any record is built; a row naming a tensor
+    metadata.json lacks is refused even when not wanted."""
+    md = open_checkpoint(str(ck)).metadata
+    rows = index_rows(ck).to_pylist()
+    both = [r for r in rows if r["fqn"] == "v"] + [r for r in rows if r["fqn"] == "w"][:3]
+    seg = segment_wire.decode("seg", encode_segment(both, md.save_id), len(both), md.save_id)
+    got = segment_wire.to_records(seg, md, "seg", {"v"})
+    assert [c.fqn for c in got] == ["v"] and got[0].global_shape == (8, 8)
+    assert len(segment_wire.to_records(seg, md, "seg", None)) == 4
+    ghost = [*both, {**both[0], "fqn": "ghost"}]
+    seg = segment_wire.decode("seg", encode_segment(ghost, md.save_id), len(ghost), md.save_id)
+    with pytest.raises(bytecp.CorruptCheckpointError, match="seg: a row names tensor 'ghost', which metadata.json lacks"):
+        segment_wire.to_records(seg, md, "seg", {"v"})
+
+
+def test_scalar_page_rows_only_of_wanted_tensors(ck: Path) -> None:
+    """A scalar page's rows, checked on columns, are built only for the tensors wanted, as every row read alone."""
+    opened = open_checkpoint(str(ck))
+    every, _ = parts_read.read_parts(opened.storage, opened.metadata, None)
+    rows, n = parts_read.read_parts(opened.storage, opened.metadata, {"s": [Region((), ())]})
+    assert rows == [c for c in every if c.fqn == "s"] and rows[0].global_shape == () and n == 1
+    rows, _ = parts_read.read_parts(opened.storage, opened.metadata, {"v": [Region((0, 0), (8, 8))]})
+    assert rows and all(c.fqn == "v" for c in rows)

@@ -35,6 +35,8 @@ import numpy as np
 import torch
 from golden_dist import _framework_case, case_parts, case_two_ranks
 from golden_encoding import canonical, encode, pattern
+from spec_reader import read_segment as spec_segment
+from spec_reader import spec_metadata
 from torch import nn
 
 import bytecp
@@ -261,7 +263,7 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    md = json.loads((ckpt / "metadata.json").read_bytes())
+    md = spec_metadata((ckpt / "metadata.json").read_bytes())
     chunks: dict[str, int] = {}
     n_chunks = 0
     if md["format_version"] == 1:
@@ -276,8 +278,9 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
         # a wide segment has an entry per tensor it holds rows of: each segment once
         segments = {(e["rank"], e["offset"]): e for e in page_rows(d["band_pages"]) + page_rows(d["wide_pages"])}
         parts = {r: (ckpt / "index" / md["save_id"] / f"{r}.bin").read_bytes() for r in d["parts"]["rank"]}
-        rows = [row for e in segments.values() for row in pq.ParquetFile(
-            pa.BufferReader(parts[e["rank"]][e["offset"] : e["offset"] + e["nbytes"]])).read(use_threads=False).to_pylist()]
+        rows = [row for e in segments.values()  # segments in the encoding of FORMAT.md §5.6
+                for row in spec_segment(parts[e["rank"]], e["offset"], e["nbytes"], e["crc32c"], e["rows"],
+                                        md["save_id"])]
         rows += page_rows(d["scalar_pages"])  # 0-dim chunks: in the directory, in no part
     else:  # every segment; a chunk meeting several bands is listed in each
         raw = (ckpt / md["index"]["file"]).read_bytes()

@@ -1,5 +1,5 @@
 """A reader of bytecp checkpoints written from docs/FORMAT.md alone, using only
-json, pyarrow, crc32c, numpy and torch: versions 1 to 4, every check the
+json, struct, pyarrow, crc32c, numpy and torch: versions 1 to 4, every check the
 spec asks of a reader, plus the reference writer's own choices where the
 golden files can show them (no gaps between segments, zero padding).
 ``spec_read`` returns the state and the per-rank values; ``v4_lookup``
@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import json
 import math
+import struct
 from pathlib import Path
 from typing import Any
 
@@ -236,6 +237,53 @@ def _parquet(buf: bytes, off: int, n: int, crc: int, rows: int, save_id: str, ty
     return table
 
 
+#: a version-4 part segment's first word: the bytes "bcpSG4" then 0x00 0x01 (FORMAT.md §5.6)
+SEGMENT_MAGIC = b"bcpSG4\x00\x01"
+MAX_NDIM = 64
+
+
+def read_segment(buf: bytes, off: int, n: int, crc: int, rows: int, save_id: str) -> list[dict[str, Any]]:
+    """A version-4 part segment at ``off`` (§5.6, "Segment encoding"): inside
+    ``buf``, its CRC-32C, then every check a reader MUST make of its words,
+    each count against the segment's length before it is used. -> its rows
+    as dicts of the §5.3 columns."""
+    assert off >= 0 and n > 0 and off + n <= len(buf), (off, n, len(buf))
+    blob = buf[off : off + n]
+    assert crc32c.crc32c(blob) == crc
+    assert n % 8 == 0 and n >= 48, n
+    word = lambda k: struct.unpack_from("<q", blob, 8 * k)[0]  # noqa: E731
+    assert blob[:8] == SEGMENT_MAGIC
+    nrows, m, f, dims, nstr = (word(k) for k in range(1, 6))
+    assert min(nrows, m, f, dims, nstr) >= 0 and nrows == rows
+    strings_at = 6 + 6 * nrows + 2 * dims + 1 + m + f
+    assert 8 * strings_at + (nstr + 7) // 8 * 8 == n, "no byte past the padded strings"
+    cols = [[word(6 + c * nrows + i) for i in range(nrows)] for c in range(6)]
+    name_id, file_id, ndim, byte_offset, nbytes, crcs = cols
+    offsets = [word(6 + 6 * nrows + i) for i in range(dims)]
+    lengths = [word(6 + 6 * nrows + dims + i) for i in range(dims)]
+    lens = [word(6 + 6 * nrows + 2 * dims + i) for i in range(1 + m + f)]
+    assert all(0 <= k <= MAX_NDIM for k in ndim) and sum(ndim) == dims
+    assert all(0 <= i < m for i in name_id) and all(0 <= i < f for i in file_id)
+    assert all(x >= 0 for x in byte_offset + nbytes + offsets + lengths) and all(0 <= c < 2**32 for c in crcs)
+    assert all(0 <= k <= nstr for k in lens) and sum(lens) == nstr
+    tail = blob[8 * strings_at :]
+    assert tail[nstr:] == bytes(len(tail) - nstr), "zero padding"
+    strings, pos = [], 0
+    for k in lens:
+        strings.append(tail[pos : pos + k].decode("utf-8"))  # strict: not UTF-8 raises
+        pos += k
+    assert strings[0] == save_id
+    names, files = strings[1 : 1 + m], strings[1 + m :]
+    assert all(a < b for a, b in zip(names, names[1:], strict=False)), "names strictly ascending"
+    out, at = [], 0
+    for i in range(nrows):
+        out.append({"fqn": names[name_id[i]], "offsets": offsets[at : at + ndim[i]],
+                    "lengths": lengths[at : at + ndim[i]], "file": files[file_id[i]], "byte_offset": byte_offset[i],
+                    "nbytes": nbytes[i], "crc32c": crcs[i]})
+        at += ndim[i]
+    return out
+
+
 def row_bands(row: dict[str, Any], shape: list[int], buckets: int) -> tuple[int, int]:
     """The bands ``lo..hi`` a row (or box) meets: its first and last
     elements' row-major indices times B over the tensor's size."""
@@ -314,8 +362,7 @@ def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
         assert len(parts[r]) == size_of[r]
     for (rank, off), es in segments.items():
         e = es[0]
-        seg = _parquet(parts[rank], off, e["nbytes"], e["crc32c"], e["rows"], sid, INDEX_TYPES)
-        for row in seg.to_pylist():
+        for row in read_segment(parts[rank], off, e["nbytes"], e["crc32c"], e["rows"], sid):
             shape = md["tensors"][row["fqn"]]["shape"]
             assert len(row["offsets"]) == len(row["lengths"]) == len(shape) > 0 and min(row["lengths"]) > 0
             lo, hi = row_bands(row, shape, buckets)

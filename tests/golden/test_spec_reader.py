@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from golden_encoding import assert_same
-from spec_reader import row_bands, spec_metadata, spec_read, v4_lookup, v4_rows
+from spec_reader import read_segment, row_bands, spec_metadata, spec_read, v4_lookup, v4_rows
 
 import bytecp
 
@@ -107,3 +107,28 @@ def test_v4_lookup_reads_only_what_a_box_needs(fqn: str, offsets: tuple[int, ...
         o < bo + bn and bo < o + n for o, n, bo, bn in zip(r["offsets"], r["lengths"], offsets, lengths, strict=True))}
     assert meeting <= {(c.offsets, c.lengths) for c in got}
     assert lo <= hi
+
+
+def test_spec_reader_refuses_malformed_segments() -> None:
+    """The spec reader's segment checks (FORMAT.md §5.6, Segment encoding) on a golden segment
+    damaged as a crafted one would be (the CRC-32C recomputed): each is refused."""
+    import crc32c
+
+    md = spec_metadata((PARTS / "metadata.json").read_bytes())
+    rows, entries = v4_rows(PARTS, md)
+    e = next(x for x in entries if x["kind"] == "band")
+    part = (PARTS / f"index/{md['save_id']}/{e['rank']}.bin").read_bytes()
+    seg = part[e["offset"] : e["offset"] + e["nbytes"]]
+    assert read_segment(seg, 0, len(seg), crc32c.crc32c(seg), e["rows"], md["save_id"])
+
+    def word(k: int, value: int) -> bytes:
+        return seg[: 8 * k] + value.to_bytes(8, "little", signed=True) + seg[8 * k + 8 :]
+
+    n = e["rows"]
+    for bad in (seg + bytes(8), word(0, 1), word(1, n + 1), word(3, -1), word(6, 99), word(6 + 2 * n, 65),
+                seg[:-1] + b"\x01" if seg[-1] == 0 else word(5, 10**6)):
+        rows_said = n + 1 if bad == word(1, n + 1) else n
+        with pytest.raises(AssertionError):
+            read_segment(bad, 0, len(bad), crc32c.crc32c(bad), rows_said, md["save_id"])
+    with pytest.raises(AssertionError):
+        read_segment(seg, 0, len(seg), crc32c.crc32c(seg), n, "another-save")
