@@ -255,7 +255,8 @@ def max_index_rows(md: Metadata, real: Mapping[str, int | None] | None = None) -
     zero-element tensors (one per rank at most)."""
     sizes = real if real is not None else md.data_files
     blocks = sum((s or 0) // _ALIGN + 1 for s in sizes.values())
-    empty = sum(1 for info in md.tensors.values() if 0 in info["shape"])
+    empty = md.tensors.empty_count() if isinstance(md.tensors, TensorTable) else \
+        sum(1 for info in md.tensors.values() if 0 in info["shape"])
     return FIXED_ROWS + blocks + empty * min(md.world_size, FIXED_ROWS)
 
 

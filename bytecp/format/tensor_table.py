@@ -126,6 +126,14 @@ class TensorTable(Mapping[str, dict[str, Any]]):
     def __len__(self) -> int:
         return len(self.names)
 
+    def empty_count(self) -> int:
+        """How many tensors have no element (a dimension of 0)."""
+        shaped = np.flatnonzero(self.ndim > 0)
+        if not len(shaped):
+            return 0
+        zeros = np.add.reduceat((self.dims == 0).astype(np.int64), self.start[shaped])
+        return int((zeros > 0).sum())
+
     def first_over(self, budget: int) -> int | None:
         """The first tensor (in name order) at which the tensors' bytes so far
         exceed ``budget``, or None (their total fits)."""

@@ -45,7 +45,7 @@ from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
-from bytecp.tree.skeleton import Node
+from bytecp.tree.skeleton import Node, pruned
 from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
@@ -72,7 +72,9 @@ def merge_described(skeleton: Node, tensors: dict[str, dict[str, Any]],
     ranks whose state differs from every lower rank's. Raises
     :class:`ConfigError` when two ranks describe a tensor differently."""
     with gc_paused():  # one skeleton node per tensor of every rank that sent one (bytecp.tree.bulk)
-        skeleton = skeleton.merge_all([Node.from_json(sk) for _, sk, _ in sent])
+        own = skeleton.to_json()
+        new = [doc for _, sk, _ in sent if (doc := pruned(sk, own)) is not None]  # what the coordinator lacks
+        skeleton = skeleton.merge_all([Node.from_json(doc) for doc in new])
     for r, _, specs in sent:
         for fqn, spec in specs.items():
             seen = tensors.setdefault(fqn, spec)

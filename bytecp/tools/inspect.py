@@ -12,14 +12,19 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import itertools
 import math
 import time
 from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from bytecp.errors import BytecpError
-from bytecp.format import limits
+from bytecp.format import limits, parts_read
 from bytecp.format.checksum import crc32c
+from bytecp.format.index_check import Tiling
+from bytecp.format.metadata import ChunkRecord
+from bytecp.format.parts_schema import PartsDirectory
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -34,14 +39,20 @@ def summarize(storage: Storage) -> dict[str, Any]:
     """A JSON-able description of the checkpoint or source (what ``bytecp
     inspect`` prints); ``format``: ``"bytecp"`` or the source's name."""
     opened = open_checkpoint(storage, foreign=True)
-    md, chunks = opened.metadata, opened.all_rows()
+    md = opened.metadata
+    batches, tiling = _rows(opened)
+    counts: dict[str, int] = defaultdict(int)
+    n_chunks = 0
+    for batch in batches:
+        if tiling is not None:
+            tiling.add(batch)
+        n_chunks += len(batch)
+        for c in batch:
+            counts[c.fqn] += 1
+    if tiling is not None:
+        tiling.finish()
     opened.check_sizes()  # never report sizes the files do not have
     per: dict[str, dict[str, Any]] = {}
-    counts: dict[str, int] = defaultdict(int)
-    stored: dict[str, int] = defaultdict(int)
-    for c in chunks:
-        counts[c.fqn] += 1
-        stored[c.fqn] += c.nbytes
     for fqn, info in md.tensors.items():
         n = math.prod(info["shape"])
         per[fqn] = {
@@ -78,13 +89,34 @@ def summarize(storage: Storage) -> dict[str, Any]:
         "totals": {
             "tensors": len(per),
             "tensor_bytes": sum(p["nbytes"] for p in per.values()),
-            "chunks": len(chunks),
+            "chunks": n_chunks,
             "data_files": len(own),
             "data_file_bytes": sum(own.values()),
             "referenced_bytes": sum(md.data_files.values()) - sum(own.values()),
             "bytes_written_per_rank": {str(r): b for r, b in sorted(writers.items())},
         },
     }
+
+
+#: ``inspect`` and ``verify`` of a version-4 checkpoint read its index a
+#: part at a time and keep every row's box for the exact tiling check up to
+#: this many rows (about 0.4 GB of boxes); beyond, each tensor's elements
+#: must add up to its size and no two rows of one part may overlap
+#: (:class:`~bytecp.format.index_check.Tiling`), so a checkpoint of 131,072
+#: ranks and 19M rows is checked in the memory of its directory and one part
+EXACT_ROWS = 1_000_000
+
+
+def _rows(opened: OpenedCheckpoint) -> tuple[Iterable[list[ChunkRecord]], Tiling | None]:
+    """The checkpoint's rows in batches, with the check still to run on
+    them: a version-4 checkpoint's a part at a time (checked as they come);
+    any other's whole, already checked (:meth:`OpenedCheckpoint.all_rows`)."""
+    md = opened.metadata
+    if opened.foreign or not isinstance(md.index, PartsDirectory):
+        return [opened.all_rows()], None
+    opened.index.check_files(opened)
+    _, batches = parts_read.iter_parts(opened.storage, md, budget=opened.max_rows)
+    return batches, Tiling(opened.storage.url, md, EXACT_ROWS)
 
 
 def verify_any(storage: Storage, *, io_threads: int = 8,
@@ -128,7 +160,8 @@ def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PRO
 
 def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress) -> tuple[int, list[VerifyProblem]]:
     storage = opened.storage  # reads follow the references of a version-3 checkpoint
-    md, chunks = opened.metadata, opened.all_rows()
+    md = opened.metadata
+    batches, tiling = _rows(opened)
     problems: list[VerifyProblem] = []
     sizes = opened.data_sizes
     for path, want in md.data_files.items():
@@ -138,10 +171,8 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
         if sizes[path] != want:
             problems.append(VerifyProblem(path, "data file", "", f"size {sizes[path]} B, metadata says {want} B"))
 
-    items: list[tuple[str, str, str, int, int, int]] = []
+    items: list[tuple[str, str, str, int, int, int]] = []  # the objects' blobs (the chunks come in batches)
     blobs: dict[tuple[str, int, int], bool] = {}  # (file, offset, nbytes) -> decode safely
-    for c in chunks:
-        items.append((c.file, c.fqn, str(Region(c.offsets, c.lengths)), c.byte_offset, c.nbytes, c.crc32c))
     for name, rec in md.objects.items():
         if rec.is_blob and rec.file:
             items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
@@ -179,11 +210,26 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
                 return VerifyProblem(file, what, region, f"does not load with the safe loader: {e}")
         return None
 
-    progress.start(sum(i[4] for i in items))
+    if tiling is None:  # the rows are in memory already
+        batches = list(batches)
+        chunk_bytes = sum(c.nbytes for batch in batches for c in batch)
+    else:  # each element is stored once in one chunk (an index that says otherwise fails its tiling check)
+        chunk_bytes = sum(math.prod(i["shape"]) * itemsize(dtype_from_name(i["dtype"])) for i in md.tensors.values())
+    progress.start(chunk_bytes + sum(i[4] for i in items))
+    checked = 0
     with concurrent.futures.ThreadPoolExecutor(io_threads, "bytecp-verify") as ex:
-        for p in ex.map(check, items):
-            if p is not None:
-                problems.append(p)
-    return sum(i[4] for i in items), problems
+        for batch in itertools.chain(batches, [None]):  # a part at a time: never every row at once
+            if batch is None:  # the objects, after every chunk
+                todo = items
+            else:
+                if tiling is not None:
+                    tiling.add(batch)
+                todo = [(c.file, c.fqn, str(Region(c.offsets, c.lengths)), c.byte_offset, c.nbytes, c.crc32c)
+                        for c in batch]
+            checked += sum(i[4] for i in todo)
+            problems += [p for p in ex.map(check, todo) if p is not None]
+    if tiling is not None:
+        tiling.finish()
+    return checked, problems
 
 

@@ -28,7 +28,7 @@ from typing import Any, Literal
 from bytecp.errors import CorruptCheckpointError
 from bytecp.tree.bulk import gc_paused
 
-__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH"]
+__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH", "pruned"]
 
 NodeKind = Literal["dict", "list", "tuple", "tensor", "obj", "rank"]
 #: leaf kinds: the name of a tensor, of an object record, of a per-rank record
@@ -257,6 +257,36 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node({self.to_json()!r:.120})"
+
+
+def pruned(doc: Any, own: Any) -> Any:
+    """(coordinator, at commit) A rank's skeleton ``doc`` (compact JSON) less
+    the dict entries equal to ``own``'s (the coordinator's, as JSON); None
+    when nothing differs. Merging what is left (:meth:`Node.merge_all`) gives
+    the same tree as merging all of ``doc``, without parsing the part every
+    rank shares (a MoE's dense layers: two thirds of each expert group's
+    skeleton)."""
+    if doc == own:
+        return None
+    if not (type(doc) is dict and type(own) is dict and doc.keys() == own.keys() == {"k", "v"}
+            and type(doc["k"]) is list and type(doc["v"]) is list and type(own["k"]) is list
+            and type(own["v"]) is list and len(own["k"]) == len(own["v"])):
+        return doc
+    mine = {_key_id(k): c for k, c in zip(own["k"], own["v"], strict=True) if _key_ok(k)}
+    keys, vals = [], []
+    for k, c in zip(doc["k"], doc["v"], strict=False):  # (a length mismatch: refused when parsed)
+        if not _key_ok(k):
+            return doc  # let the parser name it
+        kid = _key_id(k)
+        if kid in mine:
+            c = pruned(c, mine[kid])
+            if c is None:
+                continue
+        keys.append(k)
+        vals.append(c)
+    if len(doc["k"]) != len(doc["v"]):
+        return doc
+    return {"k": keys, "v": vals} if keys else None
 
 
 def _key_ok(k: Any) -> bool:

@@ -7,7 +7,7 @@ import json
 import random
 from typing import Any
 
-from bytecp.tree.skeleton import Node
+from bytecp.tree.skeleton import Node, pruned
 
 
 def _pairwise(a: Node, b: Node) -> Node:
@@ -58,3 +58,23 @@ def test_keys_of_different_json_types_stay_apart() -> None:
     a = Node("dict", items=[(1, Node.leaf("tensor", "1")), (True, Node.leaf("obj", "True"))])
     b = Node("dict", items=[("1", Node.leaf("tensor", "x")), (None, Node.leaf("rank", "None"))])
     assert [k for k, _ in a.merge_all([b]).items] == [1, True, "1", None]
+
+
+def test_merging_what_differs_from_the_coordinators_gives_the_same_tree() -> None:
+    """The coordinator parses only the parts of a rank's skeleton that differ
+    from its own (:func:`pruned`): the merged tree is the same."""
+    rng = random.Random(11)
+    pruned_some = 0
+    for _ in range(300):
+        base = [(k, _tree(rng, 1, k)) for k in rng.sample("xyz", rng.randint(1, 3))]
+        trees = [Node("dict", items=base)]
+        for _ in range(rng.randint(1, 5)):  # other ranks: the coordinator's tree, some keys changed or added
+            items = [(k, c if rng.random() < 0.6 else _tree(rng, 1, k)) for k, c in base]
+            items += [(k, _tree(rng, 1, k)) for k in rng.sample("uvw", rng.randint(0, 2))]
+            trees.append(Node("dict", items=items))
+        own = trees[0].to_json()
+        docs = [pruned(t.to_json(), own) for t in trees[1:]]
+        pruned_some += sum(d is None or d != t.to_json() for d, t in zip(docs, trees[1:], strict=True))
+        got = trees[0].merge_all([Node.from_json(d) for d in docs if d is not None])
+        assert got.to_json() == trees[0].merge_all(trees[1:]).to_json()
+    assert pruned_some > 100
