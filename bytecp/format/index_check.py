@@ -197,7 +197,10 @@ class Tiling:
     def add(self, chunks: Sequence[fmt.ChunkRecord]) -> None:
         check_rows(self.where, self.md, chunks)
         self.rows += len(chunks)
-        if self.rows > self.keep_rows:
+        if self.boxes is not None and self.rows > self.keep_rows:  # the boxes so far checked, then dropped
+            for fqn, bs in self.boxes.items():
+                if len(bs) > 1:
+                    self._overlap(fqn, bs)
             self.boxes = None
         mine: dict[str, list[Region]] = {}
         for c in chunks:

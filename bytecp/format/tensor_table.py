@@ -135,7 +135,7 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         return int((zeros > 0).sum())
 
     def first_over(self, budget: int) -> int | None:
-        """The first tensor (in name order) at which the tensors' bytes so far
+        """The first tensor (in table order) at which the tensors' bytes so far
         exceed ``budget``, or None (their total fits)."""
         numel = np.ones(len(self.names))
         shaped = np.flatnonzero(self.ndim > 0)

@@ -23,7 +23,7 @@ from .index_tools import index_rows, rewrite_index
 PARTS = Path(__file__).parents[1] / "golden" / "v4" / "parts" / "checkpoint"
 
 
-@pytest.fixture(params=[tools.EXACT_ROWS, 0], ids=["exact", "per-part"])
+@pytest.fixture(params=[tools.EXACT_ROWS, 0, 3], ids=["exact", "per-part", "exact-then-per-part"])
 def exact_rows(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> int:
     monkeypatch.setattr(tools, "EXACT_ROWS", request.param)
     return int(request.param)
