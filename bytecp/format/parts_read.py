@@ -20,7 +20,7 @@ import functools
 import itertools
 import math
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -44,7 +44,7 @@ from bytecp.format.parts_schema import (
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region, element_span, row_major_strides
 
-__all__ = ["read_parts", "iter_parts", "wanted_bands"]
+__all__ = ["read_parts", "wanted_bands"]
 
 #: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
@@ -90,29 +90,15 @@ def read_parts(
     """(every rank) The chunk records that may meet ``wanted`` (fqn -> boxes;
     None: every row), each chunk once, only of tensors in ``wanted``;
     and how many segments and pages of 0-dim chunks were read."""
-    d = md.index
-    assert isinstance(d, PartsDirectory)
-    where = storage.url.rstrip("/")
-    if d.save_id != md.save_id:
-        raise CorruptCheckpointError(f"{where}: metadata.json of save {md.save_id!r} names the index of save "
-                                     f"{d.save_id!r} ({d.file}); the checkpoint is corrupt")
+    d, where, parts = _directory(storage, md)
     names = None if wanted is None else sorted(wanted)
     fqns = None if wanted is None else set(wanted)
-    # the parts' ranks and sizes as arrays: once, for the first page read (not per page; none for a rank
-    # that reads none)
-    parts = functools.cache(lambda: (np.asarray(d.ranks, np.int64), np.asarray(d.part_nbytes, np.int64)))
     # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
     # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
     # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet
     pages = [(kind, k) for kind, col in (("wide", d.wide_pages), ("scalar", d.scalar_pages))
              for k in range(len(col["first"])) if names is None or _names_in(names, col["first"][k], col["last"][k])]
-    scalars: list[fmt.ChunkRecord] = []
-    entries: list[Entry] = []
-    for kind, k, table in _read_pages(storage, d, pages, where):
-        if kind == "scalar":
-            scalars += _scalar_rows(table, k, md, d, fqns, where)
-        else:
-            entries += _entries(table, kind, k, d, None, names, where, parts)
+    scalars, entries = _page_entries(storage, md, d, pages, fqns, names, parts, where)
     wide = _segments(entries, d, where)
     listed = sum(s[3] for s in wide) + len(scalars)
     _budget(listed, budget, d, where)
@@ -129,45 +115,34 @@ def read_parts(
     return out + scalars, len(wide) + len(band) + sum(kind == "scalar" for kind, _ in pages)
 
 
-def iter_parts(storage: Storage, md: fmt.Metadata, *, budget: int | None = None
-               ) -> tuple[int, Iterator[list[fmt.ChunkRecord]]]:
-    """(one-process tools: ``inspect``, ``verify``) Every row, a part at a
-    time, then the 0-dim rows of the scalar pages: memory for the
-    directory's entries and one part, not for every row of a checkpoint of
-    131,072 ranks. Returns the number of rows the directory lists (checked
-    against ``budget`` first) and the parts' rows; each part's rows are
-    checked as :func:`read_parts` checks them."""
+Parts = Callable[[], tuple[np.ndarray, np.ndarray]]
+
+
+def _directory(storage: Storage, md: fmt.Metadata) -> tuple[PartsDirectory, str, Parts]:
+    """The directory (of this save), the checkpoint's URL for errors, and the
+    parts' ranks and sizes as arrays, made once for the first page read (not
+    per page; never for a rank that reads none)."""
     d = md.index
     assert isinstance(d, PartsDirectory)
     where = storage.url.rstrip("/")
     if d.save_id != md.save_id:
         raise CorruptCheckpointError(f"{where}: metadata.json of save {md.save_id!r} names the index of save "
                                      f"{d.save_id!r} ({d.file}); the checkpoint is corrupt")
-    parts = functools.cache(lambda: (np.asarray(d.ranks, np.int64), np.asarray(d.part_nbytes, np.int64)))
-    pages = [(kind, k) for kind, col in (("wide", d.wide_pages), ("band", d.band_pages), ("scalar", d.scalar_pages))
-             for k in range(len(col["offset"]))]
+    return d, where, functools.cache(lambda: (np.asarray(d.ranks, np.int64), np.asarray(d.part_nbytes, np.int64)))
+
+
+def _page_entries(storage: Storage, md: fmt.Metadata, d: PartsDirectory, pages: list[tuple[str, int]],
+                  fqns: set[str] | None, names: list[str] | None, parts: Parts, where: str,
+                  ) -> tuple[list[fmt.ChunkRecord], list[Entry]]:
+    """The 0-dim rows of the scalar ``pages`` (of ``fqns``) and the entries of the others (naming ``names``)."""
     scalars: list[fmt.ChunkRecord] = []
     entries: list[Entry] = []
     for kind, k, table in _read_pages(storage, d, pages, where):
         if kind == "scalar":
-            scalars += _scalar_rows(table, k, md, d, None, where)
+            scalars += _scalar_rows(table, k, md, d, fqns, where)
         else:
-            entries += _entries(table, kind, k, d, None, None, where, parts)
-    segments = _segments(entries, d, where)
-    del entries
-    listed = sum(s[3] for s in segments) + len(scalars)
-    _budget(listed, budget, d, where)
-    by_rank: dict[int, list[Segment]] = defaultdict(list)
-    for seg in segments:
-        by_rank[seg[0]].append(seg)
-
-    def rows() -> Iterator[list[fmt.ChunkRecord]]:
-        for rank, mine in sorted(by_rank.items()):
-            yield list(dict.fromkeys(_read_segments(storage, md, d, rank, mine, None, where)))  # each chunk once
-        if scalars:
-            yield scalars
-
-    return listed, rows()
+            entries += _entries(table, kind, k, d, None, names, where, parts)
+    return scalars, entries
 
 
 def _budget(listed: int, budget: int | None, d: PartsDirectory, where: str) -> None:

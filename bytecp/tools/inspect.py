@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from bytecp.errors import BytecpError
-from bytecp.format import limits, parts_read
+from bytecp.format import limits, parts_stream
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import Tiling
 from bytecp.format.metadata import ChunkRecord
@@ -115,7 +115,7 @@ def _rows(opened: OpenedCheckpoint) -> tuple[Iterable[list[ChunkRecord]], Tiling
     if opened.foreign or not isinstance(md.index, PartsDirectory):
         return [opened.all_rows()], None
     opened.index.check_files(opened)
-    _, batches = parts_read.iter_parts(opened.storage, md, budget=opened.max_rows)
+    _, batches = parts_stream.iter_parts(opened.storage, md, budget=opened.max_rows)
     return batches, Tiling(opened.storage.url, md, EXACT_ROWS)
 
 

@@ -1,5 +1,5 @@
 """``inspect`` and ``verify`` of a version-4 checkpoint read its index a
-part at a time (:func:`bytecp.format.parts_read.iter_parts`): the same
+part at a time (:func:`bytecp.format.parts_stream.iter_parts`): the same
 report as reading every row at once, and the same refusals, with the
 exact tiling check up to ``EXACT_ROWS`` rows and per-part checks beyond."""
 
@@ -13,7 +13,7 @@ import torch
 
 import bytecp
 from bytecp.format import metadata as fmt
-from bytecp.format import parts_read
+from bytecp.format import parts_stream
 from bytecp.loading.opened import open_checkpoint
 from bytecp.storage_api import open_storage
 from bytecp.tools import inspect as tools
@@ -35,7 +35,7 @@ def test_a_part_at_a_time_reports_what_every_row_at_once_does(tmp_path: Path, ex
     st = open_storage(str(ck))
     opened = open_checkpoint(st)
     every = opened.all_rows()
-    listed, batches = parts_read.iter_parts(st, opened.metadata)
+    listed, batches = parts_stream.iter_parts(st, opened.metadata)
     got = list(batches)
     d = opened.metadata.index
     assert len(got) == len(d.ranks) + 1  # one batch per part, then the scalar pages' rows
