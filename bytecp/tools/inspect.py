@@ -100,11 +100,11 @@ def summarize(storage: Storage) -> dict[str, Any]:
 
 #: ``inspect`` and ``verify`` of a version-4 checkpoint read its index a
 #: part at a time and keep every row's box for the exact tiling check up to
-#: this many rows (about 0.4 GB of boxes); beyond, each tensor's elements
+#: this many rows (about 80 MB of boxes); beyond, each tensor's elements
 #: must add up to its size and no two rows of one part may overlap
 #: (:class:`~bytecp.format.index_check.Tiling`), so a checkpoint of 131,072
 #: ranks and 19M rows is checked in the memory of its directory and one part
-EXACT_ROWS = 1_000_000
+EXACT_ROWS = 250_000
 
 
 def _rows(opened: OpenedCheckpoint) -> tuple[Iterable[list[ChunkRecord]], Tiling | None]:
