@@ -44,7 +44,7 @@ from bytecp.format.parts_schema import (
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region, element_span, row_major_strides
 
-__all__ = ["read_parts", "wanted_bands"]
+__all__ = ["read_parts", "wanted_bands", "Segment"]
 
 #: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
