@@ -24,6 +24,26 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (Linux: /proc/<pid>/task/<tid>/children), deepest last."""
+    out, todo = [], [pid]
+    while todo:
+        cur = todo.pop()
+        try:
+            tids = os.listdir(f"/proc/{cur}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            try:
+                with open(f"/proc/{cur}/task/{tid}/children") as f:
+                    kids = [int(x) for x in f.read().split()]
+            except OSError:
+                continue
+            out += kids
+            todo += kids
+    return out
+
+
 class WorkerError(RuntimeError):
     """One or more ranks raised; the message holds each rank's traceback."""
 
@@ -121,5 +141,11 @@ class WorkerPool:
                 p.join(timeout=10)
         for p in self.procs:
             if p.is_alive():
+                below = _descendants(p.pid) if p.pid else []  # e.g. a framework's own writer processes
                 p.kill()
                 p.join(timeout=5)
+                for pid in below:  # orphaned by the kill: they would outlive the suite
+                    try:
+                        os.kill(pid, 9)
+                    except OSError:
+                        pass
