@@ -19,13 +19,20 @@ import numpy as np
 
 from bytecp.format.metadata import ChunkRecord
 
-__all__ = ["ChunkBatch", "fqn_hash"]
+__all__ = ["ChunkBatch", "fqn_hash", "fqn_hashes"]
 
 
 @functools.lru_cache(maxsize=1 << 16)
 def fqn_hash(fqn: str) -> int:
     """A 64-bit digest of a tensor name (the same on every rank and process)."""
     return int.from_bytes(hashlib.blake2b(fqn.encode(), digest_size=8).digest(), "little")
+
+
+def fqn_hashes(names: Sequence[str]) -> np.ndarray:
+    """:func:`fqn_hash` of every name (uint64), without its cache: the
+    coordinator hashes every tensor of the state, more than the cache holds."""
+    digests = b"".join(hashlib.blake2b(n.encode(), digest_size=8).digest() for n in names)
+    return np.frombuffer(digests, "<u8").astype(np.uint64)
 
 
 @dataclasses.dataclass

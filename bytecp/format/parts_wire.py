@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numpy as np
 
 from bytecp.errors import ConfigError
-from bytecp.format.chunk_batch import fqn_hash
+from bytecp.format.chunk_batch import fqn_hash, fqn_hashes
 
 __all__ = ["PartEntries", "Scalar", "EntryColumns", "NameTable", "decode_all"]
 
@@ -221,9 +221,7 @@ class NameTable:
 
     def __init__(self, names: Iterable[str]) -> None:
         self.names = sorted(names)
-        # fqn_hash's digests, without its cache (which holds fewer names than a large state has)
-        digests = b"".join(hashlib.blake2b(n.encode(), digest_size=8).digest() for n in self.names)
-        hashes = np.frombuffer(digests, "<u8").astype(np.uint64)
+        hashes = fqn_hashes(self.names)
         self.order = np.argsort(hashes, kind="stable")
         self.sorted = hashes[self.order]
         dup = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])
