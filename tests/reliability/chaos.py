@@ -279,8 +279,12 @@ class Chaos:
         if kind == "stop" and (out / "stopped").exists() and len(ends) == 2:
             since = float((out / "stopped").read_text())
             peer = ends[1 - fault["rank"]]
-            times = [t for t, _ in peer["errors"]] + [t for t, _ in peer["failed_async"]]
-            after = [t - since for t in times if t >= since]
+            # each failed save's error, measured from the later of the stall and that save's start
+            # (a save that began after the stall has its whole deadline from its own start)
+            after = [end - max(since, start) for start, end in peer["failed_saves"] if end >= since]
+            if not after:  # (an error raised before its save's report opened)
+                times = [t for t, _ in peer["errors"]] + [t for t, _ in peer["failed_async"]]
+                after = [t - since for t in times if t >= since]
             if after:
                 fig.stalls.append(min(after))
                 if min(after) > self.deadline + DistContext.ROLL_CALL_SECONDS + 5.0:

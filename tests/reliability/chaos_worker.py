@@ -37,6 +37,7 @@ from torch import nn
 from bytecp import recorder
 from bytecp.errors import BytecpError
 from bytecp.manager import CheckpointManager
+from bytecp.recorder import CheckpointReport
 
 
 def fresh_state() -> dict[str, Any]:
@@ -79,13 +80,18 @@ def expected(step: int) -> str:
 
 
 class Failures:
-    """Times of the ``save_failed`` events (asynchronous saves the manager reported)."""
+    """Times of the ``save_failed`` events (asynchronous saves the manager
+    reported), and the start and end of every failed save's report (sync or
+    async): the driver measures a stalled peer's error from the later of the
+    stall and the failing save's start."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.saves: list[list[float]] = []
 
-    def on_report(self, report: object) -> None:
-        pass
+    def on_report(self, report: CheckpointReport) -> None:
+        if report.operation == "save" and not report.ok:
+            self.saves.append([report.started, report.ended])
 
     def on_start(self, *args: object, **kwargs: object) -> None:
         pass
@@ -163,6 +169,7 @@ def main(cfg: dict[str, Any]) -> None:
     except BytecpError as e:
         out["errors"].append([time.time(), f"{type(e).__name__}: {e}"[:400]])
     out["failed_async"] = [[t, u] for t, (u, _) in zip(failures.times, mgr.failed, strict=False)]
+    out["failed_saves"] = failures.saves
     out["final"] = digest(state) == expected(cfg["stop_step"])
     recorder.remove_recorder(failures)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))
