@@ -16,6 +16,9 @@ Who calls what, in this order:
 4. :func:`check_index` -- the opened checkpoint, on a whole index (one-process
    tools, a version-1 load's coordinator): :func:`check_rows`, then every
    tensor tiled exactly.
+5. :func:`uncovered` -- :func:`bytecp.format.parts_read.read_parts`, on the
+   wide rows a rank read: which of its boxes they do not tile exactly (those
+   it looks up in the bands).
 
 Every failure is a :class:`~bytecp.errors.CorruptCheckpointError` naming the
 file (or checkpoint) and the row at fault.
@@ -24,7 +27,8 @@ file (or checkpoint) and the row at fault.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections import defaultdict
+from collections.abc import Callable, Mapping, Sequence
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -35,9 +39,9 @@ from bytecp.format import metadata as fmt
 from bytecp.format.index_schema import bucket_range
 from bytecp.plan.planner import find_overlap
 from bytecp.tree.dtypes import dtype_from_name, itemsize
-from bytecp.tree.regions import Region
+from bytecp.tree.regions import Region, element_span, row_major_strides
 
-__all__ = ["Place", "decode_table", "check_place", "check_rows", "check_index", "Tiling"]
+__all__ = ["Place", "decode_table", "check_place", "check_rows", "check_index", "Tiling", "uncovered"]
 
 #: where a version-2 segment's rows belong: (its band, None, None) or (None, first name, last name)
 Place = tuple[int | None, str | None, str | None]
@@ -227,3 +231,34 @@ class Tiling:
         if pair is not None:
             raise CorruptCheckpointError(f"{self.where}: tensor {fqn!r}: chunks {pair[0]} and {pair[1]} overlap")
 
+
+def uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecord]) -> dict[str, list[Region]]:
+    """The boxes of ``wanted`` that ``rows`` (wide rows) do not tile: every
+    element of the box in one row, none in two (the rows' parts in the box
+    hold as many elements as the box, at row-major index ranges that do not
+    overlap). Those that they tile need no band lookup."""
+    by: dict[str, list[fmt.ChunkRecord]] = defaultdict(list)
+    for c in rows:
+        by[c.fqn].append(c)
+    out: dict[str, list[Region]] = {}
+    for fqn, boxes in wanted.items():
+        mine = by.get(fqn, [])
+        left = [b for b in boxes if not mine or not _tiled(b, mine)]
+        if left:
+            out[fqn] = left
+    return out
+
+
+def _tiled(box: Region, rows: list[fmt.ChunkRecord]) -> bool:
+    shape = rows[0].global_shape
+    if not any(box.offsets) and tuple(box.lengths) == tuple(shape):  # the whole tensor (a replicated one, often)
+        strides = row_major_strides(shape)
+        spans = sorted((sum(o * s for o, s in zip(c.offsets, strides, strict=True)),
+                        sum((o + n - 1) * s for o, n, s in zip(c.offsets, c.lengths, strides, strict=True)) + 1)
+                       for c in rows)
+        held = sum(math.prod(c.lengths) for c in rows)
+    else:
+        parts = [x for c in rows if (x := Region(c.offsets, c.lengths).intersect(box)) is not None and x.numel]
+        spans = sorted(element_span(x.relative_to(box), box.lengths) for x in parts)
+        held = sum(x.numel for x in parts)
+    return held == box.numel and all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))

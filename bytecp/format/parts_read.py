@@ -16,11 +16,11 @@ the directory says. Each failure is one line naming the file at fault.
 from __future__ import annotations
 
 import bisect
+import concurrent.futures
 import functools
 import itertools
-import math
 from collections import defaultdict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import numpy as np
 import pyarrow as pa
@@ -29,7 +29,7 @@ from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import limits, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
-from bytecp.format.index_check import decode_table
+from bytecp.format.index_check import decode_table, uncovered
 from bytecp.format.index_read import _indices, rows_to_records
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
@@ -42,7 +42,7 @@ from bytecp.format.parts_schema import (
     span_limit,
 )
 from bytecp.storage_api import Storage
-from bytecp.tree.regions import Region, element_span, row_major_strides
+from bytecp.tree.regions import Region
 
 __all__ = ["read_parts", "wanted_bands", "Segment"]
 
@@ -103,7 +103,7 @@ def read_parts(
     listed = sum(s[3] for s in wide) + len(scalars)
     _budget(listed, budget, d, where)
     out = _read_all(storage, md, d, wide, fqns, where)
-    bands = None if wanted is None else wanted_bands(md, _uncovered(wanted, out))
+    bands = None if wanted is None else wanted_bands(md, uncovered(wanted, out))
     band_pages = [("band", k) for k in range(len(d.band_pages["lo"]))
                   if bands is None or _meets(bands, d.band_pages["lo"][k], d.band_pages["hi"][k])]
     entries = [e for _, k, table in _read_pages(storage, d, band_pages, where)
@@ -159,44 +159,33 @@ def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: l
     by_rank: dict[int, list[Segment]] = defaultdict(list)
     for seg in segments:
         by_rank[seg[0]].append(seg)
-    for rank, mine in sorted(by_rank.items()):
-        for c in _read_segments(storage, md, d, rank, mine, fqns, where):
+    for rows in _each_part(sorted(by_rank.items()),
+                           lambda rank, mine: _read_segments(storage, md, d, rank, mine, fqns, where)):
+        for c in rows:
             if c not in seen:
                 seen.add(c)
                 out.append(c)
     return out
 
 
-def _uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecord]) -> dict[str, list[Region]]:
-    """The boxes of ``wanted`` that ``rows`` (wide rows) do not tile: every
-    element of the box in one row, none in two (the rows' parts in the box
-    hold as many elements as the box, at row-major index ranges that do not
-    overlap). Those that they tile need no band lookup."""
-    by: dict[str, list[fmt.ChunkRecord]] = defaultdict(list)
-    for c in rows:
-        by[c.fqn].append(c)
-    out: dict[str, list[Region]] = {}
-    for fqn, boxes in wanted.items():
-        mine = by.get(fqn, [])
-        left = [b for b in boxes if not mine or not _tiled(b, mine)]
-        if left:
-            out[fqn] = left
-    return out
+#: parts one rank reads at once (a rank loading replicated experts reads a segment of each holder's part:
+#: 2,058 parts at 131,072 ranks for an EP-64 MoE, a round trip each one at a time)
+PART_READERS = 16
 
 
-def _tiled(box: Region, rows: list[fmt.ChunkRecord]) -> bool:
-    shape = rows[0].global_shape
-    if not any(box.offsets) and tuple(box.lengths) == tuple(shape):  # the whole tensor (a replicated one, often)
-        strides = row_major_strides(shape)
-        spans = sorted((sum(o * s for o, s in zip(c.offsets, strides, strict=True)),
-                        sum((o + n - 1) * s for o, n, s in zip(c.offsets, c.lengths, strides, strict=True)) + 1)
-                       for c in rows)
-        held = sum(math.prod(c.lengths) for c in rows)
-    else:
-        parts = [x for c in rows if (x := Region(c.offsets, c.lengths).intersect(box)) is not None and x.numel]
-        spans = sorted(element_span(x.relative_to(box), box.lengths) for x in parts)
-        held = sum(x.numel for x in parts)
-    return held == box.numel and all(a[1] <= b[0] for a, b in zip(spans, spans[1:], strict=False))
+def _each_part(parts: list[tuple[int, list[Segment]]],
+               read: Callable[[int, list[Segment]], list[fmt.ChunkRecord]]) -> Iterator[list[fmt.ChunkRecord]]:
+    """``read`` of each part, in ``parts``' order, up to :data:`PART_READERS` at once; the first failure
+    in that order is raised once the running reads end, the others cancelled."""
+    if len(parts) < 2:
+        yield from (read(rank, mine) for rank, mine in parts)
+        return
+    ex = concurrent.futures.ThreadPoolExecutor(min(PART_READERS, len(parts)), "bytecp-index")
+    try:
+        for f in [ex.submit(read, rank, mine) for rank, mine in parts]:
+            yield f.result()
+    finally:
+        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def _segments(entries: list[Entry], d: PartsDirectory, where: str) -> list[Segment]:

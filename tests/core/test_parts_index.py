@@ -343,6 +343,27 @@ def test_damaged_parts_refused_in_one_line(ck: Path, damage: str, capsys: pytest
         assert "Traceback" not in out.err, out.err
 
 
+def test_parts_read_at_once_in_rank_order(ck: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The parts are read several at a time: the rows come in the same order as
+    one at a time, and with two parts damaged the error names the lower rank's,
+    every time, with no reader thread left behind."""
+    import threading
+
+    opened = open_checkpoint(str(ck))
+    rows, n = parts_read.read_parts(opened.storage, opened.metadata, None)
+    monkeypatch.setattr(parts_read, "PART_READERS", 1)
+    assert parts_read.read_parts(opened.storage, opened.metadata, None) == (rows, n)
+    monkeypatch.undo()
+    sid, pages = _md(ck)["save_id"], read_directory(ck)
+    for r in (2, 1):  # (band segments both: the wide ones, rank 3's, are read first)
+        e = _entries_of(pages, r)[-1]
+        _flip(ck / part_file(sid, r), e["offset"] + e["nbytes"] // 2)
+    for _ in range(5):
+        with pytest.raises(bytecp.CorruptCheckpointError, match=part_file(sid, 1)):
+            parts_read.read_parts(opened.storage, opened.metadata, None)
+    assert not [t for t in threading.enumerate() if t.name.startswith("bytecp-index")]
+
+
 # ----------------------------------------------------------------- a real 3-rank save
 SHAPES = {"a": ((96, 8), torch.float32), "b": ((31, 5), torch.bfloat16), "emb": ((3072, 2), torch.int16)}
 
