@@ -21,6 +21,7 @@ import functools
 import itertools
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +42,7 @@ from bytecp.format.parts_schema import (
     part_file,
     span_limit,
 )
+from bytecp.format.tensor_table import TensorTable
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
@@ -159,7 +161,7 @@ def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: l
     by_rank: dict[int, list[Segment]] = defaultdict(list)
     for seg in segments:
         by_rank[seg[0]].append(seg)
-    for rows in _each_part(sorted(by_rank.items()),
+    for rows in _each_part(sorted(by_rank.items()), PART_READERS if storage.remote else 1,
                            lambda rank, mine: _read_segments(storage, md, d, rank, mine, fqns, where)):
         for c in rows:
             if c not in seen:
@@ -168,19 +170,20 @@ def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: l
     return out
 
 
-#: parts one rank reads at once (a rank loading replicated experts reads a segment of each holder's part:
-#: 2,058 parts at 131,072 ranks for an EP-64 MoE, a round trip each one at a time)
+#: parts one rank reads at once from a remote storage (a rank loading replicated experts reads a segment of
+#: each holder's part: 2,058 at 131,072 ranks for an EP-64 MoE, a round trip each one at a time); a local
+#: disk's reads take microseconds, and threads there only contend for the interpreter
 PART_READERS = 16
 
 
-def _each_part(parts: list[tuple[int, list[Segment]]],
+def _each_part(parts: list[tuple[int, list[Segment]]], width: int,
                read: Callable[[int, list[Segment]], list[fmt.ChunkRecord]]) -> Iterator[list[fmt.ChunkRecord]]:
-    """``read`` of each part, in ``parts``' order, up to :data:`PART_READERS` at once; the first failure
+    """``read`` of each part, in ``parts``' order, up to ``width`` at once; the first failure
     in that order is raised once the running reads end, the others cancelled."""
-    if len(parts) < 2:
+    if len(parts) < 2 or width < 2:
         yield from (read(rank, mine) for rank, mine in parts)
         return
-    ex = concurrent.futures.ThreadPoolExecutor(min(PART_READERS, len(parts)), "bytecp-index")
+    ex = concurrent.futures.ThreadPoolExecutor(min(width, len(parts)), "bytecp-index")
     try:
         for f in [ex.submit(read, rank, mine) for rank, mine in parts]:
             yield f.result()
@@ -350,19 +353,31 @@ def _scalar_fast(table: pa.Table, md: fmt.Metadata, label: str, first: str, last
         return None
     if bool((nums[0] < 0).any() or (nums[1] < 0).any()):
         return None
-    prev = None
-    for name in rows:
-        info = md.tensors.get(name)
-        if info is None or info["shape"] or not first <= name <= last or (prev is not None and name <= prev):
-            return None
-        prev = name
+    ascending = all(a < b for a, b in zip(rows, rows[1:], strict=False))  # (each 0-dim tensor once)
+    if rows and not (first <= rows[0] and rows[-1] <= last and ascending):
+        return None
+    dtypes = _scalar_dtypes(md.tensors, rows)
+    if dtypes is None:
+        return None
     keep = [i for i, name in enumerate(rows) if fqns is None or name in fqns]
     files = file.dictionary.to_pylist()
     fid = _indices(file.indices)
-    out = [fmt.ChunkRecord(rows[i], md.tensors[rows[i]]["dtype"], (), (), (), files[int(fid[i])], int(nums[0][i]),
+    out = [fmt.ChunkRecord(rows[i], dtypes[i], (), (), (), files[int(fid[i])], int(nums[0][i]),
                            int(nums[1][i]), int(nums[2][i])) for i in keep]
     limits.check_chunk_records(label, out)
     return out
+
+
+def _scalar_dtypes(tensors: Mapping[str, Mapping[str, Any]], names: list[str]) -> list[str] | None:
+    """Each named tensor's dtype if every one is a 0-dim tensor of ``tensors``, else None
+    (a version-4 table's in a few array lookups: a reader of every ``step`` names 45,000)."""
+    if isinstance(tensors, TensorTable):
+        i = tensors.rows_of(names)
+        if bool((i < 0).any() or tensors.ndim[i].any()):
+            return None
+        return [tensors.dtypes[k] for k in tensors.dtype[i].tolist()]
+    infos = [tensors.get(n) for n in names]
+    return None if any(t is None or t["shape"] for t in infos) else [t["dtype"] for t in infos]  # type: ignore[index]
 
 
 def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:

@@ -105,6 +105,11 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         i = self._row.get(fqn)
         return fqn if i is None else self.names[i]
 
+    def rows_of(self, names: list[str]) -> np.ndarray:
+        """Each name's row in the table, -1 where it has none."""
+        row = self._row
+        return np.fromiter((row.get(n, -1) for n in names), np.int64, len(names))
+
     def to_json(self) -> dict[str, Any]:
         return {"names": self.names, "dtypes": self.dtypes, "dtype": self.dtype.tolist(),
                 "ndim": self.ndim.tolist(), "dims": self.dims.tolist()}

@@ -344,16 +344,23 @@ def test_damaged_parts_refused_in_one_line(ck: Path, damage: str, capsys: pytest
 
 
 def test_parts_read_at_once_in_rank_order(ck: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The parts are read several at a time: the rows come in the same order as
-    one at a time, and with two parts damaged the error names the lower rank's,
-    every time, with no reader thread left behind."""
+    """From a remote storage the parts are read several at a time: the rows come
+    in the same order as one at a time, and with two parts damaged the error
+    names the lower rank's, every time, with no reader thread left behind."""
     import threading
 
     opened = open_checkpoint(str(ck))
-    rows, n = parts_read.read_parts(opened.storage, opened.metadata, None)
-    monkeypatch.setattr(parts_read, "PART_READERS", 1)
+    rows, n = parts_read.read_parts(opened.storage, opened.metadata, None)  # a local disk: one at a time
+    monkeypatch.setattr(opened.storage, "remote", True, raising=False)  # read as from S3: all 4 at once
+    read, threads = parts_read._read_segments, set()
+
+    def on_thread(*a: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return read(*a)
+
+    monkeypatch.setattr(parts_read, "_read_segments", on_thread)
     assert parts_read.read_parts(opened.storage, opened.metadata, None) == (rows, n)
-    monkeypatch.undo()
+    assert len({t for t in threads if t.startswith("bytecp-index")}) >= 2, threads  # (one part alone: here)
     sid, pages = _md(ck)["save_id"], read_directory(ck)
     for r in (2, 1):  # (band segments both: the wide ones, rank 3's, are read first)
         e = _entries_of(pages, r)[-1]
