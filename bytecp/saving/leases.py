@@ -279,12 +279,20 @@ def may_be_running(storage: Storage, save_id: str, now: float | None = None) -> 
     return entry.may_be_running(time.time() if now is None else now)
 
 
-def saves_at(storage: Storage) -> dict[str, SaveFiles]:
+def saves_at(storage: Storage, skip: str | None = None) -> dict[str, SaveFiles]:
     """(coordinator, ``bytecp gc``) Every save id with files at ``storage``:
-    ``data/<id>/...``, ``index/<id>/...`` and its lease."""
+    ``data/<id>/...``, ``index/<id>/...`` and its lease. The data and index
+    files of the save ``skip`` (the committed one) are not listed: their
+    folders are found by name (one listing request), so the sweep after
+    each commit does not list the 2 x W files a W-rank save just wrote."""
     out: dict[str, SaveFiles] = defaultdict(lambda: SaveFiles(""))
     for top in ("data", "index", LEASE_DIR, DOOM_DIR):
-        for path in storage.list_files(top):
+        if top in ("data", "index"):
+            paths = [p for sid in storage.list_children(top) if sid != skip
+                     for p in storage.list_files(f"{top}/{sid}") if p.startswith(f"{top}/{sid}/")]
+        else:
+            paths = storage.list_files(top)
+        for path in paths:
             parts = path.split("/")
             if top in (LEASE_DIR, DOOM_DIR):
                 if len(parts) != 2 or not parts[1].endswith(".json"):
@@ -321,7 +329,7 @@ def orphans(storage: Storage, committed_id: str | None, now: float | None = None
     now = time.time() if now is None else now
     dead: list[str] = []
     running: list[str] = []
-    for sid, entry in saves_at(storage).items():
+    for sid, entry in saves_at(storage, skip=committed_id).items():
         if sid == committed_id:
             dead += [f for f in entry.files if f.startswith((LEASE_DIR + "/", DOOM_DIR + "/"))]
         else:

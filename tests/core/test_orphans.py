@@ -72,6 +72,29 @@ def test_the_next_save_removes_a_killed_saves_files_but_not_a_live_one(tmp_path:
     assert cli(["verify", str(ck)]) == 0
 
 
+def test_the_sweep_after_a_commit_lists_no_file_of_the_committed_save(tmp_path: Path, monkeypatch) -> None:
+    """A W-rank save writes 2 x W files; the sweep after its commit finds other
+    saves' folders by name and lists only theirs (an S3 listing is 1,000 keys a request)."""
+    from bytecp.storage.local import LocalStorage
+
+    ck = tmp_path / "ck"
+    dead = killed_save(ck)
+    time.sleep(0.6)  # its lease expires
+    listed: list[str] = []
+    real = LocalStorage.list_files
+
+    def spy(self: LocalStorage, prefix: str = "") -> list[str]:
+        listed.append(prefix)
+        return real(self, prefix)
+
+    monkeypatch.setattr(LocalStorage, "list_files", spy)
+    bytecp.save(str(ck), {"w": torch.ones(3)})
+    committed = json.loads((ck / "metadata.json").read_text())["save_id"]
+    assert not any(p.startswith((f"data/{committed}", f"index/{committed}")) for p in listed), listed
+    assert f"data/{dead}" in listed and not any(dead in f for f in files(ck)), (listed, files(ck))
+    assert cli(["verify", str(ck)]) == 0
+
+
 def test_gc_on_an_uncommitted_directory_and_on_a_run(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     CheckpointManager(str(run), every_n_steps=1).save(4, {"w": torch.ones(3)})

@@ -3,6 +3,8 @@ loads, and a training run's checkpoints managed under an S3 prefix."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from bytecp.storage.testing import MiB
@@ -58,6 +60,28 @@ def test_uncommitted_prefix_is_not_a_checkpoint(s3, unique_prefix):
     model, opt = trained(0)
     with pytest.raises(IncompleteCheckpointError):
         bytecp.load(url, {"model": model}, storage_options=server.options())
+    st.delete_prefix()
+
+
+def test_a_save_sweeps_an_earlier_saves_orphans_on_s3(s3, unique_prefix):
+    """The sweep after a commit finds other saves' folders by name (a
+    delimiter listing) and removes a dead save's objects, none of its own."""
+    from bytecp.format.metadata import new_save_id
+
+    server, bucket = s3
+    url = f"s3://{bucket}/{unique_prefix}/ck"
+    st = open_storage(url, **server.options())
+    dead = "1" + new_save_id()[1:]  # started long ago, no lease: it cannot be running
+    st.write_file(f"data/{dead}/0-0.bin", [b"orphan bytes"])
+    st.write_file(f"index/{dead}/0.bin", [b"orphan index"])
+    model, _ = trained(0)
+    bytecp.save(url, {"model": model}, storage_options=server.options())
+    left = st.list_files()
+    assert not any(dead in f for f in left), left
+    sid = json.loads(st.read_bytes("metadata.json"))["save_id"]
+    assert any(f.startswith(f"data/{sid}/") for f in left) and any(f.startswith(f"index/{sid}/") for f in left), left
+    sd = bytecp.load_state_dict(url, storage_options=server.options())
+    assert all(torch.equal(v, sd["model"][k]) for k, v in model.state_dict().items())
     st.delete_prefix()
 
 
