@@ -21,8 +21,9 @@ from bytecp.errors import (
     StorageNotFoundError,
 )
 from bytecp.format import metadata as fmt
+from bytecp.format.header import read_header
 from bytecp.format.references import retired_names
-from bytecp.storage_api import open_storage
+from bytecp.storage_api import Storage, open_storage
 
 __all__ = ["CheckpointInfo", "list_checkpoints", "list_bases", "checkpoint_is_bad", "one_line"]
 
@@ -48,29 +49,39 @@ class CheckpointInfo:
 
 
 def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
-    """Committed checkpoints directly below ``run_url``, oldest step first."""
+    """Committed checkpoints directly below ``run_url``, oldest step first
+    (each read as far as its header: a W-rank checkpoint's ``metadata.json``
+    is O(W), and retention lists the run twice per save)."""
     root = open_storage(run_url, **(storage_options or {}))
     out = []
     for name in root.list_children(""):
         if root.exists(f"{name}/{fmt.METADATA_FILE}"):
+            ck = root.child(name)  # read through the checkpoint's own storage: a step folder may be a link
             try:
-                # read through the checkpoint's own storage: a step folder may be a link
-                data = root.child(name).read_bytes(fmt.METADATA_FILE)
-                if not fmt.names_bytecp(data):
-                    continue  # another format's folder (torch_dist): bytecp.interop.runs reads those
-                md = fmt.Metadata.from_bytes(data, f"{run_url}/{name}")
+                head = read_header(ck, committed=True)
             except FormatVersionError:
                 raise  # never resume silently from an older checkpoint than the newest
             except Exception as e:
-                log.warning("bytecp: skipping %s/%s: unreadable metadata.json (%s)", run_url, name, e)
+                if _bytecp(ck):  # (not another format's folder, torch_dist: bytecp.interop.runs reads those)
+                    log.warning("bytecp: skipping %s/%s: unreadable metadata.json (%s)", run_url, name, e)
                 continue
+            if head is None:
+                continue  # deleted meanwhile
             m = _STEP.match(name)
-            step = md.step if md.step is not None else (int(m.group(1)) if m else None)
-            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(md.created))
+            step = head.step if head.step is not None else (int(m.group(1)) if m else None)
+            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(head.created))
             out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created,
-                                      tuple(sorted(md.references))))
+                                      tuple(sorted(head.references))))
     out.sort(key=lambda c: (c.step is None, c.step or 0, c.created))
     return out
+
+
+def _bytecp(ck: Storage) -> bool:
+    """Whether the unreadable ``metadata.json`` at ``ck`` is bytecp's (or too damaged to tell)."""
+    try:
+        return fmt.names_bytecp(ck.read_bytes(fmt.METADATA_FILE))
+    except Exception:  # noqa: BLE001 - gone or unreadable: warned about as bytecp's
+        return True
 
 
 def list_bases(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[str]:

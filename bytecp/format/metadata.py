@@ -55,6 +55,12 @@ __all__ = [
     "column_values",
     "IndexDirectory",
     "PartsDirectory",
+    "HEADER_KEYS",
+    "check_version",
+    "check_references",
+    "check_data_file",
+    "own_files",
+    "files_in",
 ]
 
 FORMAT_NAME = "bytecp"
@@ -68,6 +74,9 @@ INDEX_SCHEMA = pa.schema(
 )
 
 
+#: the members a version-4 writer writes before any other, in this order (§6.2 "Header")
+HEADER_KEYS = ("format", "format_version", "bytecp_version", "save_id", "created", "world_size", "framework",
+               "parallelism", "step", "user_metadata", "references")
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 #: a data file name :func:`check_path` accepts, as most are: ``data/<save_id>/<name>.bin``
 _DATA_FILE = re.compile(r"data/(?!\.\.?/)[A-Za-z0-9._-]+/[A-Za-z0-9._-]*\.bin")
@@ -230,6 +239,10 @@ class Metadata:
             "parallelism": self.parallelism,
             "step": self.step,
             "user_metadata": self.user_metadata,
+        }
+        if self.references and self.format_version >= 4:  # among the header members (§6.2 "Header")
+            d["references"] = self.references
+        d |= {
             "index_files": self.index_files,
             "data_files": self.data_files,
             "tensors": table_json(self.tensors) if self.format_version >= 4 else self.tensors,
@@ -243,7 +256,7 @@ class Metadata:
             d["aliases"] = self.aliases
         if self.index is not None:
             d["index"] = self.index.to_json()
-        if self.references:
+        if self.references and self.format_version < 4:
             d["references"] = self.references
         return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
@@ -260,12 +273,12 @@ class Metadata:
             raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({str(e)[:200]})") from e
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
-        version = d.get("format_version")
-        if type(version) is not int or version > FORMAT_VERSION or version < 1:
-            raise FormatVersionError(
-                f"{where}: checkpoint format version {version!r} is not supported by this bytecp, "
-                f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
-            )
+        version = check_version(d.get("format_version"), where)
+        if d.get("step") is not None and type(d["step"]) is not int:
+            raise CorruptCheckpointError(f"{where}: metadata.json's step {d['step']!r:.40} is not an integer")
+        if version >= 4 and "references" in d and not set(list(d)[:list(d).index("references")]) <= set(HEADER_KEYS):
+            raise CorruptCheckpointError(f"{where}: metadata.json lists references after its other members; "
+                                         "format version 4 writes them among the header's (FORMAT.md §6.2)")
         try:
             tensors = TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"] \
                 else dict(d["tensors"])
@@ -292,7 +305,7 @@ class Metadata:
                 aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
                 index=(PartsDirectory.from_json(d["index"], where) if version >= 4
                        else IndexDirectory.from_json(d["index"], where) if version >= 2 else None),
-                references=_references(d.get("references"), where) if version >= 3 else {},
+                references=check_references(d.get("references"), where) if version >= 3 else {},
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
@@ -309,9 +322,8 @@ class Metadata:
             if self.index_files:
                 raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
         refs = self.references if self.format_version >= 3 else None
-        for f in self.data_files:  # one per rank: the common name in one regular expression
-            if not _DATA_FILE.fullmatch(f):
-                check_path(f, "data", where, refs)
+        for f in self.data_files:  # one per rank
+            check_data_file(f, where, refs)
         for rec in [*self.objects.values(), *(r for v in self.per_rank.values() for r in v.values())]:
             if rec.file is not None:
                 check_path(rec.file, "data", where)
@@ -342,16 +354,43 @@ class Metadata:
     @property
     def own_data_files(self) -> dict[str, int]:
         """The data files stored in this checkpoint (path -> size), without those it references."""
-        return {p: n for p, n in self.data_files.items() if not p.startswith("../")}
+        return own_files(self.data_files)
 
     def files_of(self, name: str) -> dict[str, int]:
         """The data files of the referenced checkpoint ``name`` this one reads,
         as paths relative to ``name`` (path -> size)."""
-        head = f"../{name}/"
-        return {p[len(head):]: n for p, n in self.data_files.items() if p.startswith(head)}
+        return files_in(self.data_files, name)
 
 
-def _references(d: Any, where: str) -> dict[str, str]:
+def own_files(data_files: Mapping[str, int]) -> dict[str, int]:
+    """Of a checkpoint's ``data_files``, those it stores itself (not ``../<name>/...``)."""
+    return {p: n for p, n in data_files.items() if not p.startswith("../")}
+
+
+def files_in(data_files: Mapping[str, int], name: str) -> dict[str, int]:
+    """Of a checkpoint's ``data_files``, those of the referenced checkpoint ``name``, relative to it."""
+    head = f"../{name}/"
+    return {p[len(head):]: n for p, n in data_files.items() if p.startswith(head)}
+
+
+def check_version(version: Any, where: str) -> int:
+    """``format_version`` of a ``metadata.json``: one this bytecp reads, else :class:`FormatVersionError`."""
+    if type(version) is not int or version > FORMAT_VERSION or version < 1:
+        raise FormatVersionError(
+            f"{where}: checkpoint format version {version!r} is not supported by this bytecp, "
+            f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
+        )
+    return version
+
+
+def check_data_file(path: str, where: str, references: Mapping[str, str] | None) -> None:
+    """A ``data_files`` name is safe (:func:`check_path`; the common ``data/<save_id>/<name>.bin``
+    in one regular expression)."""
+    if not _DATA_FILE.fullmatch(path):
+        check_path(path, "data", where, references)
+
+
+def check_references(d: Any, where: str) -> dict[str, str]:
     if d is None:
         return {}
     if not isinstance(d, dict) or any(
@@ -391,20 +430,8 @@ def column_values(table: pa.Table, name: str) -> list[Any]:
 
 def table_to_chunks(table: pa.Table) -> list[ChunkRecord]:
     cols = [column_values(table, f.name) for f in INDEX_SCHEMA]
-    return [
-        ChunkRecord(
-            fqn,
-            dt,
-            tuple(gs),
-            tuple(of),
-            tuple(ln),
-            f,
-            int(bo),
-            int(nb),
-            int(crc),
-        )
-        for fqn, dt, gs, of, ln, f, bo, nb, crc in zip(*cols, strict=True)
-    ]
+    return [ChunkRecord(fqn, dt, tuple(gs), tuple(of), tuple(ln), f, int(bo), int(nb), int(crc))
+            for fqn, dt, gs, of, ln, f, bo, nb, crc in zip(*cols, strict=True)]
 
 
 def write_index(chunks: Sequence[ChunkRecord]) -> bytes:

@@ -31,15 +31,16 @@ import threading
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
+from bytecp.format.header import Files, read_files, read_header
 from bytecp.storage_api import Buffer, Storage, open_storage
 
 log = logging.getLogger("bytecp")
 
 __all__ = [
     "BASE_FILE", "DOOM_DIR", "PIN_DIR", "LinkedStorage", "check_references", "linked", "name_of",
-    "read_committed", "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling",
+    "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling",
 ]
 
 #: what retention leaves of a checkpoint that kept checkpoints still
@@ -76,28 +77,12 @@ def sibling(storage: Storage, name: str) -> Storage:
     return open_storage(run_url(storage.url) + "/" + name, **storage.options())
 
 
-def read_committed(storage: Storage) -> fmt.Metadata | None:
-    """The metadata of the checkpoint at ``storage`` -- committed, or retired
-    by retention and kept as a base (:data:`BASE_FILE`: its ``data_files``
-    then only the files it retained); None when neither."""
-    for f in (fmt.METADATA_FILE, BASE_FILE):
-        try:
-            data = storage.read_bytes(f)
-        except (FileNotFoundError, StorageError):
-            continue
-        md = fmt.Metadata.from_bytes(data, storage.url)
-        if f == BASE_FILE:
-            retained = set(json.loads(data).get("retained") or ())
-            md.data_files = {p: n for p, n in md.data_files.items() if p in retained}
-        return md
-    return None
-
-
-def retired_bytes(md: fmt.Metadata, retained: Iterable[str]) -> bytes:
-    """``base.json`` of a checkpoint retired by retention, keeping ``retained``."""
-    d = json.loads(md.to_bytes())
-    d["retained"] = sorted(set(retained))
-    return json.dumps(d, separators=(",", ":")).encode()
+def retired_bytes(files: Files, retained: Iterable[str]) -> bytes:
+    """``base.json`` of a checkpoint retired by retention (its ``metadata.json``,
+    or the ``base.json`` it already was, as :func:`~bytecp.format.header.read_files`
+    read it), keeping ``retained``."""
+    d = {**files.doc, "data_files": files.data_files, "retained": sorted(set(retained))}
+    return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
 
 def retired_names(root: Storage) -> list[str]:
@@ -119,10 +104,10 @@ def referenced_by(storage: Storage) -> list[str]:
     for name in root.list_children(""):
         if name != me and root.exists(f"{name}/{fmt.METADATA_FILE}"):
             try:
-                md = read_committed(root.child(name))
+                head = read_header(root.child(name))
             except Exception:  # noqa: BLE001 - an unreadable checkpoint reads nothing
                 continue
-            if md is not None and me in md.references:
+            if head is not None and me in head.references:
                 out.append(name)
     return out
 
@@ -137,21 +122,21 @@ def check_references(storage: Storage, md: fmt.Metadata) -> None:
         where = f"{storage.url}: reference to checkpoint {name!r} of the run"
         if name == me:
             raise CorruptCheckpointError(f"{where} is a reference to itself (a cycle); the checkpoint is corrupt")
-        base = read_committed(sibling(storage, name))
+        base = read_files(sibling(storage, name))  # its data files, not its tensors and index
         if base is None:
             raise CorruptCheckpointError(
                 f"{where}: {run_url(storage.url)}/{name} is not a committed checkpoint (no metadata.json); "
                 "the checkpoint cannot be read without it"
             )
-        if base.save_id != save_id:
+        if base.header.save_id != save_id:
             raise CorruptCheckpointError(
-                f"{where}: it holds save {base.save_id}, not the referenced save {save_id} (it was overwritten)"
+                f"{where}: it holds save {base.header.save_id}, not the referenced save {save_id} (it was overwritten)"
             )
         own = base.own_data_files
         for path, size in sorted(md.files_of(name).items()):
             if own.get(path) == size:
                 continue
-            if me in base.references:
+            if me in base.header.references:
                 raise CorruptCheckpointError(f"{where}: the references form a cycle ({me} -> {name} -> {me})")
             raise CorruptCheckpointError(
                 f"{where}: data file {path} ({size} bytes) is not one of the files that checkpoint holds "

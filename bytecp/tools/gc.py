@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
-from bytecp.format.references import BASE_FILE, read_committed
+from bytecp.format.header import read_header
+from bytecp.format.references import BASE_FILE
 from bytecp.saving.leases import LEASE_DIR, orphans
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -49,8 +50,8 @@ def _committed_id(storage: Storage) -> str | None:
     from ``metadata.json``, or from ``base.json`` once retention retired it --
     a retention racing this gc moves one to the other, and the save stays the
     committed one (files kept checkpoints reference are never orphans)."""
-    md = read_committed(storage)  # its references need not resolve: only its own files matter here
-    return None if md is None else md.save_id
+    head = read_header(storage)  # its references need not resolve: only its own files matter here
+    return None if head is None else head.save_id
 
 
 def _targets(storage: Storage) -> list[tuple[str, Storage]]:

@@ -33,13 +33,8 @@ import logging
 from collections.abc import Callable, Sequence
 
 from bytecp.format import metadata as fmt
-from bytecp.format.references import (
-    BASE_FILE,
-    PIN_DIR,
-    read_committed,
-    retired_bytes,
-    retired_names,
-)
+from bytecp.format.header import Files, read_files, read_header
+from bytecp.format.references import BASE_FILE, PIN_DIR, retired_bytes, retired_names
 from bytecp.saving.pins import DOOM_DIR, Doom, live_pins
 from bytecp.storage_api import Storage
 
@@ -55,14 +50,17 @@ class RetentionResult:
 
 
 def live_files(root: Storage, names: Sequence[str]) -> dict[str, set[str]]:
-    """checkpoint name -> its files (relative to it) that the checkpoints ``names`` reference."""
+    """checkpoint name -> its files (relative to it) that the checkpoints ``names``
+    reference (the data files of only those whose header lists references)."""
     live: dict[str, set[str]] = {}
     for name in names:
-        md = read_committed(root.child(name))
-        if md is None:
+        ck = root.child(name)
+        head = read_header(ck)
+        files = read_files(ck) if head is not None and head.references else None
+        if files is None:
             continue
-        for ref in md.references:
-            live.setdefault(ref, set()).update(md.files_of(ref))
+        for ref in files.header.references:
+            live.setdefault(ref, set()).update(files.files_of(ref))
     return live
 
 
@@ -76,11 +74,11 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
     candidates = [n for n in dict.fromkeys([*doomed, *retired_names(root)]) if n not in kept]
     sure = live_files(root, kept)  # what stays whatever happens: never doomed
     doom = Doom("retention")
-    metas: dict[str, fmt.Metadata] = {}
+    metas: dict[str, Files] = {}
     try:
         for name in candidates:  # 1. doomed, then no longer a checkpoint (base.json keeps all it holds)
             ck = root.child(name)
-            md = read_committed(ck)
+            md = read_files(ck)
             if md is None:
                 continue
             metas[name] = md
@@ -97,7 +95,7 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
         doom.lift_all()
 
 
-def _prune(root: Storage, doom: Doom, metas: dict[str, fmt.Metadata],
+def _prune(root: Storage, doom: Doom, metas: dict[str, Files],
            pins: dict[str, tuple[list[str], list[str]]], live: dict[str, set[str]]) -> RetentionResult:
     """(retention, step 3) Delete or retire each doomed checkpoint; only
     data files its marker names go; the marker goes after the last."""

@@ -1,0 +1,177 @@
+"""``metadata.json`` read in part (docs/FORMAT.md §6.2 "Header"): its header
+members, and its data files, without the tensors, skeleton and index.
+
+A W-rank checkpoint's ``metadata.json`` is O(W) and O(tensors): 29 MB for a
+DeepSeek-V3-like state at 131,072 ranks, about a second and 150 MB to parse
+whole. Tools over a run's checkpoints want a few members of each: listing a
+run (every retention lists it twice) wants the step, the save id and the
+references; ``gc`` the committed save's id; retention the references and
+data files. Format version 4 writes the header members first, ``references``
+among them, so :func:`read_header` reads the file's first 64 KiB and stops
+at the first other member; an older file (``references`` at the end) or a
+header longer than that is parsed whole, as JSON only.
+
+Who calls what:
+
+- :func:`read_header` -- :func:`bytecp.catalog.list_checkpoints` (every
+  checkpoint of a run), ``bytecp gc`` (the committed save's id),
+  :func:`bytecp.format.references.referenced_by` and retention's
+  :func:`~bytecp.tools.retention.live_files` (which checkpoints reference others);
+- :func:`read_files` -- :func:`~bytecp.format.references.check_references`
+  (a referenced checkpoint's own files) and retention (the kept checkpoints'
+  references, the doomed ones' own files and their ``base.json``).
+
+Both read ``metadata.json``, else the ``base.json`` retention leaves
+(:data:`~bytecp.format.references.BASE_FILE`), and check what they return
+as :meth:`~bytecp.format.metadata.Metadata.from_bytes` does.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from typing import Any
+
+from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import Storage
+
+__all__ = ["Header", "Files", "HEADER_KEYS", "read_header", "read_files", "scan_header"]
+
+HEADER_KEYS = fmt.HEADER_KEYS
+#: bytes of ``metadata.json`` a header read asks for first
+PREFIX_BYTES = 64 << 10
+#: what retention leaves of a retired checkpoint (references.BASE_FILE: that module imports this one)
+_BASE_FILE = "base.json"
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+@dataclasses.dataclass(frozen=True)
+class Header:
+    """A checkpoint's header members, checked."""
+
+    save_id: str
+    format_version: int
+    step: int | None
+    created: float
+    references: dict[str, str]
+
+
+@dataclasses.dataclass
+class Files:
+    """A checkpoint's header, its data files (those ``base.json`` retained, for
+    a retired one) and the whole parsed document (``base.json`` is written from it)."""
+
+    header: Header
+    data_files: dict[str, int]
+    doc: dict[str, Any]
+
+    @property
+    def own_data_files(self) -> dict[str, int]:
+        return fmt.own_files(self.data_files)
+
+    def files_of(self, name: str) -> dict[str, int]:
+        return fmt.files_in(self.data_files, name)
+
+
+def scan_header(text: str) -> dict[str, Any] | None:
+    """The header members at the start of a version-4 ``metadata.json``
+    (``text``: its first bytes), up to the first other member; None when
+    they may go on past ``text``, or it is no version-4 document (then it
+    is parsed whole)."""
+    dec = json.JSONDecoder()
+    i = _WS.match(text, 0).end()  # type: ignore[union-attr]
+    if not text.startswith("{", i):
+        return None
+    i += 1
+    out: dict[str, Any] = {}
+    try:
+        while True:
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            key, i = dec.raw_decode(text, i)
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if not isinstance(key, str) or key in out or not text.startswith(":", i):
+                return None
+            if key not in HEADER_KEYS:
+                version = out.get("format_version")
+                return out if type(version) is int and version >= 4 else None
+            out[key], i = dec.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
+            i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if not text.startswith(",", i):
+                return None  # the end of a document that is all header: parsed whole
+            i += 1
+    except ValueError:  # cut off inside a value, or not JSON: parsed whole (which says what is wrong)
+        return None
+
+
+def _read(storage: Storage, committed: bool = False) -> tuple[str, bytes, int] | None:
+    """(which file, its first bytes, its size) of ``metadata.json``, else (not
+    ``committed`` only) ``base.json``; None: neither."""
+    for f in (fmt.METADATA_FILE,) if committed else (fmt.METADATA_FILE, _BASE_FILE):
+        try:
+            size = storage.size(f)
+            return f, storage.read_bytes(f, 0, min(size, PREFIX_BYTES)), size
+        except (FileNotFoundError, StorageError):
+            continue
+    return None
+
+
+def _doc(storage: Storage, f: str, data: bytes, size: int) -> dict[str, Any]:
+    if len(data) < size:
+        data = storage.read_bytes(f, 0, size)
+    where = f"{storage.url}/{f}"
+    try:
+        d = json.loads(data)
+    except (ValueError, RecursionError) as e:
+        raise CorruptCheckpointError(f"{where} is not valid JSON ({str(e)[:200]})") from e
+    if not isinstance(d, dict):
+        raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
+    return d
+
+
+def header_of(d: dict[str, Any], where: str) -> Header:
+    """Check the header members of a parsed ``metadata.json`` (as :meth:`Metadata.from_bytes` does)."""
+    if d.get("format") != fmt.FORMAT_NAME:
+        raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
+    version = fmt.check_version(d.get("format_version"), where)
+    step = d.get("step")
+    created = d.get("created", 0.0)
+    if (step is not None and type(step) is not int) or type(created) not in (int, float) or "save_id" not in d:
+        raise CorruptCheckpointError(f"{where}: metadata.json's step, created or save_id is malformed")
+    refs = fmt.check_references(d.get("references"), where) if version >= 3 else {}
+    return Header(str(d["save_id"]), version, step, float(created), refs)
+
+
+def read_header(storage: Storage, *, committed: bool = False) -> Header | None:
+    """The header of the checkpoint at ``storage`` (committed, or retired by
+    retention unless ``committed``); None when it has neither file. Raises
+    :class:`CorruptCheckpointError` (or :class:`FormatVersionError`) naming the file."""
+    got = _read(storage, committed)
+    if got is None:
+        return None
+    f, data, size = got
+    d = scan_header(data.decode("utf-8", "replace"))
+    return header_of(_doc(storage, f, data, size) if d is None else d, f"{storage.url}/{f}")
+
+
+def read_files(storage: Storage) -> Files | None:
+    """The header and data files of the checkpoint at ``storage``, parsed as
+    JSON only; a retired checkpoint's data files are those it retained."""
+    got = _read(storage)
+    if got is None:
+        return None
+    f, data, size = got
+    d = _doc(storage, f, data, size)
+    where = f"{storage.url}/{f}"
+    header = header_of(d, where)
+    files = d.get("data_files")
+    if not isinstance(files, dict) or not all(type(n) is int and n >= 0 for n in files.values()):
+        raise CorruptCheckpointError(f"{where}: metadata.json's data_files is malformed")
+    refs = header.references if header.format_version >= 3 else None
+    for p in files:
+        fmt.check_data_file(p, where, refs)
+    if f == _BASE_FILE:
+        retained = set(d.get("retained") or ())
+        files = {p: n for p, n in files.items() if p in retained}
+    return Files(header, files, d)

@@ -1,0 +1,119 @@
+"""metadata.json read as far as its header (bytecp/format/header.py): what
+listing a run, retention and gc read of each checkpoint."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import bytecp
+from bytecp.catalog import list_checkpoints
+from bytecp.errors import CorruptCheckpointError, FormatVersionError
+from bytecp.format import header
+from bytecp.format import metadata as fmt
+from bytecp.storage_api import open_storage
+
+GOLDEN = Path(__file__).parent.parent / "golden"
+
+
+class Counting:
+    """A storage that counts the bytes read from it."""
+
+    def __init__(self, url: str) -> None:
+        self.inner = open_storage(url)
+        self.url = self.inner.url
+        self.read = 0
+
+    def read_bytes(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+        data = self.inner.read_bytes(path, offset, nbytes)
+        self.read += len(data)
+        return data
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+@pytest.fixture
+def run(tmp_path: Path) -> Path:
+    """step-1 (full, with user metadata past the first 64 KiB) and step-2 referencing it."""
+    w = {f"w{i}": torch.full((64,), float(i)) for i in range(3000)}  # a metadata.json of several 100 kB
+    bytecp.save(str(tmp_path / "step-1"), w, step=1)
+    w["w0"] = w["w0"] + 1
+    bytecp.save(str(tmp_path / "step-2"), w, step=2, base=str(tmp_path / "step-1"))
+    return tmp_path
+
+
+def test_a_version_4_header_is_read_from_the_first_bytes(run: Path) -> None:
+    st = Counting(str(run / "step-2"))
+    size = st.size(fmt.METADATA_FILE)
+    head = header.read_header(st)  # type: ignore[arg-type]
+    md = fmt.Metadata.from_bytes((run / "step-2" / fmt.METADATA_FILE).read_bytes(), "x")
+    assert head == header.Header(md.save_id, 4, 2, md.created, {"step-1": md.references["step-1"]})
+    assert size > header.PREFIX_BYTES >= st.read, (size, st.read)
+    keys = list(json.loads((run / "step-2" / fmt.METADATA_FILE).read_bytes()))
+    assert keys[: len(header.HEADER_KEYS)] == list(header.HEADER_KEYS)  # references among the header's members
+    files = header.read_files(st)  # type: ignore[arg-type]
+    assert files is not None and files.data_files == md.data_files and files.files_of("step-1") == md.files_of("step-1")
+    assert [(c.name, c.step, c.references) for c in list_checkpoints(str(run))] == [
+        ("step-1", 1, ()), ("step-2", 2, ("step-1",))]
+
+
+def test_a_long_header_and_older_versions_are_parsed_whole(tmp_path: Path) -> None:
+    bytecp.save(str(tmp_path / "ck"), {"w": torch.ones(3)}, metadata={"notes": "x" * (100 << 10)}, step=7)
+    st = Counting(str(tmp_path / "ck"))
+    head = header.read_header(st)  # type: ignore[arg-type]
+    assert head is not None and head.step == 7 and st.read > 100 << 10
+    for version in ("v1", "v2", "v3"):
+        for ck in sorted((GOLDEN / version).glob("*/metadata.json")):
+            md = fmt.Metadata.from_bytes(ck.read_bytes(), str(ck))
+            got = header.read_header(open_storage(str(ck.parent)))
+            assert got == header.Header(md.save_id, md.format_version, md.step, md.created, md.references), ck
+
+
+def _rewrite(ck: Path, edit: Any) -> None:
+    d = json.loads((ck / fmt.METADATA_FILE).read_bytes())
+    (ck / fmt.METADATA_FILE).write_text(json.dumps(edit(d)))
+
+
+@pytest.mark.parametrize("case", ["step", "version", "format", "references", "late_references", "not_json"])
+def test_a_bad_header_is_refused_in_one_line(run: Path, case: str) -> None:
+    ck = run / "step-2"
+    if case == "step":
+        _rewrite(ck, lambda d: {**d, "step": "two"})
+    elif case == "version":
+        _rewrite(ck, lambda d: {**d, "format_version": 99})
+    elif case == "format":
+        _rewrite(ck, lambda d: {**d, "format": "other"})
+    elif case == "references":
+        _rewrite(ck, lambda d: {**d, "references": {"../x": "y"}})
+    elif case == "late_references":  # a version-4 reader of the header alone would not see them
+        _rewrite(ck, lambda d: {**{k: v for k, v in d.items() if k != "references"}, "references": d["references"]})
+    else:
+        (ck / fmt.METADATA_FILE).write_bytes(b'{"format": "bytecp", "format_version": 4, "save_id": ')
+    error = FormatVersionError if case == "version" else CorruptCheckpointError
+    if case != "late_references":
+        with pytest.raises(error) as e:
+            header.read_header(open_storage(str(ck)))
+        assert "\n" not in str(e.value) and "step-2" in str(e.value), e.value
+    with pytest.raises(error) as e:
+        bytecp.load_state_dict(str(ck))
+    assert "\n" not in str(e.value) and "step-2" in str(e.value), e.value
+
+
+def test_a_retired_base_is_read_from_base_json(run: Path) -> None:
+    mgr = bytecp.CheckpointManager(str(run), keep_last=1)
+    mgr._retain()  # step-2 kept; step-1, which it references, retired
+    assert not (run / "step-1" / fmt.METADATA_FILE).exists() and (run / "step-1" / "base.json").exists()
+    st = open_storage(str(run / "step-1"))
+    assert header.read_header(st, committed=True) is None
+    head = header.read_header(st)
+    files = header.read_files(st)
+    assert head is not None and head.step == 1 and files is not None
+    assert set(files.data_files) == set(json.loads((run / "step-1" / "base.json").read_bytes())["retained"])
+    assert [c.name for c in list_checkpoints(str(run))] == ["step-2"]
+    got = bytecp.load_state_dict(str(run / "step-2"))
+    assert torch.equal(got["w0"], torch.full((64,), 1.0)) and torch.equal(got["w2999"], torch.full((64,), 2999.0))
