@@ -44,6 +44,8 @@ HEADER_KEYS = fmt.HEADER_KEYS
 PREFIX_BYTES = 64 << 10
 #: what retention leaves of a retired checkpoint (references.BASE_FILE: that module imports this one)
 _BASE_FILE = "base.json"
+#: what :func:`read_files` wants of a version-4 file, which writes them first
+_FILES_KEYS = (*HEADER_KEYS, "index_files", "data_files", "retained")
 _WS = re.compile(r"[ \t\n\r]*")
 
 
@@ -75,11 +77,11 @@ class Files:
         return fmt.files_in(self.data_files, name)
 
 
-def scan_header(text: str) -> dict[str, Any] | None:
-    """The header members at the start of a version-4 ``metadata.json``
-    (``text``: its first bytes), up to the first other member; None when
-    they may go on past ``text``, or it is no version-4 document (then it
-    is parsed whole)."""
+def scan_header(text: str, keys: tuple[str, ...] = HEADER_KEYS) -> dict[str, Any] | None:
+    """The members named in ``keys`` at the start of a version-4 ``metadata.json``
+    (``text``: its first bytes), up to the first other member or its end;
+    None when they may go on past ``text``, or it is no version-4 document
+    (then it is parsed whole)."""
     dec = json.JSONDecoder()
     i = _WS.match(text, 0).end()  # type: ignore[union-attr]
     if not text.startswith("{", i):
@@ -93,16 +95,29 @@ def scan_header(text: str) -> dict[str, Any] | None:
             i = _WS.match(text, i).end()  # type: ignore[union-attr]
             if not isinstance(key, str) or key in out or not text.startswith(":", i):
                 return None
-            if key not in HEADER_KEYS:
-                version = out.get("format_version")
-                return out if type(version) is int and version >= 4 else None
+            if key not in keys:
+                break
             out[key], i = dec.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
             i = _WS.match(text, i).end()  # type: ignore[union-attr]
+            if text.startswith("}", i):
+                break
             if not text.startswith(",", i):
-                return None  # the end of a document that is all header: parsed whole
+                return None
             i += 1
-    except ValueError:  # cut off inside a value, or not JSON: parsed whole (which says what is wrong)
+    except (ValueError, RecursionError):  # cut off inside a value, or not JSON: parsed whole (which says why)
         return None
+    version = out.get("format_version")
+    return out if type(version) is int and version >= 4 else None
+
+
+def _text(data: bytes, whole: bool, where: str) -> str:
+    """``data`` decoded; a prefix may end inside a character."""
+    try:
+        return data.decode()
+    except UnicodeDecodeError as e:
+        if not whole and e.start >= len(data) - 3:
+            return data[: e.start].decode(errors="replace")
+        raise CorruptCheckpointError(f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
 
 
 def _read(storage: Storage, committed: bool = False) -> tuple[str, bytes, int] | None:
@@ -135,6 +150,7 @@ def header_of(d: dict[str, Any], where: str) -> Header:
     if d.get("format") != fmt.FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
     version = fmt.check_version(d.get("format_version"), where)
+    fmt.check_order(d, version, where)
     step = d.get("step")
     created = d.get("created", 0.0)
     if (step is not None and type(step) is not int) or type(created) not in (int, float) or "save_id" not in d:
@@ -151,7 +167,7 @@ def read_header(storage: Storage, *, committed: bool = False) -> Header | None:
     if got is None:
         return None
     f, data, size = got
-    d = scan_header(data.decode("utf-8", "replace"))
+    d = scan_header(_text(data, len(data) == size, f"{storage.url}/{f}"))
     return header_of(_doc(storage, f, data, size) if d is None else d, f"{storage.url}/{f}")
 
 
@@ -162,8 +178,14 @@ def read_files(storage: Storage) -> Files | None:
     if got is None:
         return None
     f, data, size = got
-    d = _doc(storage, f, data, size)
     where = f"{storage.url}/{f}"
+    if len(data) < size:
+        data = storage.read_bytes(f, 0, size)
+    # version 4: the header, index_files, data_files (and a base's retained) come first
+    d = scan_header(_text(data, True, where), _FILES_KEYS)
+    if d is None or "data_files" not in d or (f == _BASE_FILE and "retained" not in d) or (
+            "references" not in d and any(p.startswith("../") for p in d["data_files"])):  # (refused, whole)
+        d = _doc(storage, f, data, size)
     header = header_of(d, where)
     files = d.get("data_files")
     if not isinstance(files, dict) or not all(type(n) is int and n >= 0 for n in files.values()):

@@ -57,6 +57,7 @@ __all__ = [
     "PartsDirectory",
     "HEADER_KEYS",
     "check_version",
+    "check_order",
     "check_references",
     "check_data_file",
     "own_files",
@@ -276,9 +277,7 @@ class Metadata:
         version = check_version(d.get("format_version"), where)
         if d.get("step") is not None and type(d["step"]) is not int:
             raise CorruptCheckpointError(f"{where}: metadata.json's step {d['step']!r:.40} is not an integer")
-        if version >= 4 and "references" in d and not set(list(d)[:list(d).index("references")]) <= set(HEADER_KEYS):
-            raise CorruptCheckpointError(f"{where}: metadata.json lists references after its other members; "
-                                         "format version 4 writes them among the header's (FORMAT.md §6.2)")
+        check_order(d, version, where)
         try:
             tensors = TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"] \
                 else dict(d["tensors"])
@@ -381,6 +380,13 @@ def check_version(version: Any, where: str) -> int:
             f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
         )
     return version
+
+
+def check_order(d: dict[str, Any], version: int, where: str) -> None:
+    """Version 4 writes ``references`` among the header members (a reader of the header alone sees them)."""
+    if version >= 4 and "references" in d and not set(list(d)[:list(d).index("references")]) <= set(HEADER_KEYS):
+        raise CorruptCheckpointError(f"{where}: metadata.json lists references after its other members; "
+                                     "format version 4 writes them among the header's (FORMAT.md §6.2)")
 
 
 def check_data_file(path: str, where: str, references: Mapping[str, str] | None) -> None:

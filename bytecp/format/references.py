@@ -81,7 +81,11 @@ def retired_bytes(files: Files, retained: Iterable[str]) -> bytes:
     """``base.json`` of a checkpoint retired by retention (its ``metadata.json``,
     or the ``base.json`` it already was, as :func:`~bytecp.format.header.read_files`
     read it), keeping ``retained``."""
-    d = {**files.doc, "data_files": files.data_files, "retained": sorted(set(retained))}
+    if files.header.format_version >= 4:  # its header and files: nobody loads a retired checkpoint (§6.7)
+        doc = {k: v for k, v in files.doc.items() if k in fmt.HEADER_KEYS}
+        d = {**doc, "index_files": [], "data_files": files.data_files, "retained": sorted(set(retained))}
+    else:  # the whole metadata (what bytecp before format 4 reads back)
+        d = {**files.doc, "data_files": files.data_files, "retained": sorted(set(retained))}
     return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
 
 

@@ -113,7 +113,9 @@ def test_a_retired_base_is_read_from_base_json(run: Path) -> None:
     head = header.read_header(st)
     files = header.read_files(st)
     assert head is not None and head.step == 1 and files is not None
-    assert set(files.data_files) == set(json.loads((run / "step-1" / "base.json").read_bytes())["retained"])
+    base = json.loads((run / "step-1" / "base.json").read_bytes())
+    assert set(files.data_files) == set(base["retained"])
+    assert list(base) == [*header.HEADER_KEYS[:-1], "index_files", "data_files", "retained"]  # no tensors, no index
     assert [c.name for c in list_checkpoints(str(run))] == ["step-2"]
     got = bytecp.load_state_dict(str(run / "step-2"))
     assert torch.equal(got["w0"], torch.full((64,), 1.0)) and torch.equal(got["w2999"], torch.full((64,), 2999.0))
