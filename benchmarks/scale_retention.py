@@ -14,8 +14,11 @@ with the real code:
   committed checkpoint), beside ``saves_at`` listing every file there (what
   ``bytecp gc`` does, and the sweep did before it skipped the committed
   save's folders);
-- ``live``: ``live_files`` of the kept checkpoints (``step-3`` references
-  half its data files in ``step-2``: an incremental save);
+- ``check_references``: what the coordinator of an incremental save checks
+  before its commit, and an incremental checkpoint's opening, of the
+  checkpoint it references (``step-3`` references half its data files in
+  ``step-2``): that it holds the save and each file, with its size;
+- ``live``: ``live_files`` of the kept checkpoints (what they reference);
 - ``retain 1``: after ``step-3`` commits, ``keep_last=2``: ``step-1`` goes whole;
 - ``retain 2``: after ``step-4`` (a full save) commits: ``step-2`` is retired
   (the files ``step-3`` references stay, the rest go);
@@ -44,6 +47,7 @@ from bytecp.catalog import list_checkpoints
 from bytecp.format import metadata as fmt
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for, part_file
+from bytecp.format.references import check_references
 from bytecp.saving.commit import merge_described
 from bytecp.saving.leases import orphans, saves_at
 from bytecp.storage_api import open_storage
@@ -128,8 +132,10 @@ def measure(job: jobs.Job, tmp: Path) -> dict[str, Any]:
     url = str(root)
     st = open_storage(url)
     ck3 = st.child("step-3")
+    md3 = fmt.Metadata.from_bytes((root / "step-3" / fmt.METADATA_FILE).read_bytes(), url)
     steps: dict[str, Callable[[], Any]] = {
         "list": lambda: list_checkpoints(url),
+        "check_references": lambda: check_references(ck3, md3),
         "sweep": lambda: orphans(ck3, jobs.SAVE_ID),
         "list_every_file": lambda: saves_at(ck3),
         "live": lambda: live_files(st, ["step-2", "step-3"]),
