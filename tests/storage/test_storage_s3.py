@@ -308,3 +308,30 @@ def test_conditional_put_false_uses_the_fallback_without_probing(moto_s3, moto_b
         assert not [r for r in proxy.requests if "probe" in r[1]]
         assert st.child("x").options()["conditional_put"] is False
     st.delete_prefix()
+
+
+def test_deletes_past_one_thousand_keys_go_several_requests_at_once(moto_s3, moto_bucket, unique_prefix, monkeypatch):
+    """A W-rank checkpoint is 2 x W objects: its 1,000-key DeleteObjects
+    requests are sent several at a time, and every key goes."""
+    import concurrent.futures
+
+    st = open_storage(f"s3://{moto_bucket}/{unique_prefix}", **moto_s3.options())
+    client = moto_s3.boto3_client()
+    keys = [f"d/{i:05d}" for i in range(2600)]
+    with concurrent.futures.ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda k: client.put_object(Bucket=moto_bucket, Key=f"{unique_prefix}/{k}", Body=b""), keys))
+    real, flight, most = st._call, [0], [0]
+
+    async def counted(op, *a, **kw):
+        if op == "delete_objects":
+            flight[0] += 1
+            most[0] = max(most[0], flight[0])
+        try:
+            return await real(op, *a, **kw)
+        finally:
+            flight[0] -= op == "delete_objects"
+
+    monkeypatch.setattr(st, "_call", counted)
+    st.delete([*keys, "d/never-written"])
+    assert st.list_files() == [] and most[0] == 3, most  # three requests, all in flight together
+
