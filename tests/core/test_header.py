@@ -119,3 +119,18 @@ def test_a_retired_base_is_read_from_base_json(run: Path) -> None:
     assert [c.name for c in list_checkpoints(str(run))] == ["step-2"]
     got = bytecp.load_state_dict(str(run / "step-2"))
     assert torch.equal(got["w0"], torch.full((64,), 1.0)) and torch.equal(got["w2999"], torch.full((64,), 2999.0))
+
+
+def test_a_header_cut_anywhere_is_read_whole_or_not_at_all(run: Path) -> None:
+    """``scan_header`` of any prefix of a real ``metadata.json``: the exact
+    header members, or None (then the file is parsed whole)."""
+    text = (run / "step-2" / fmt.METADATA_FILE).read_text()
+    full = json.loads(text)
+    want = {k: full[k] for k in header.HEADER_KEYS if k in full}
+    end = text.index('"index_files"') + 20
+    seen = 0
+    for cut in range(end):
+        got = header.scan_header(text[:cut])
+        assert got is None or got == want, cut
+        seen += got is not None
+    assert seen == end - text.index('"index_files":') - len('"index_files":')  # from the first other member's name on
