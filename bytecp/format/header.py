@@ -183,7 +183,7 @@ def read_files(storage: Storage) -> Files | None:
         data = storage.read_bytes(f, 0, size)
     # version 4: the header, index_files, data_files (and a base's retained) come first
     d = scan_header(_text(data, True, where), _FILES_KEYS)
-    if d is None or "data_files" not in d or (f == _BASE_FILE and "retained" not in d) or (
+    if d is None or not isinstance(d.get("data_files"), dict) or (f == _BASE_FILE and "retained" not in d) or (
             "references" not in d and any(p.startswith("../") for p in d["data_files"])):  # (refused, whole)
         d = _doc(storage, f, data, size)
     header = header_of(d, where)
@@ -194,6 +194,9 @@ def read_files(storage: Storage) -> Files | None:
     for p in files:
         fmt.check_data_file(p, where, refs)
     if f == _BASE_FILE:
-        retained = set(d.get("retained") or ())
-        files = {p: n for p, n in files.items() if p in retained}
+        retained = d.get("retained") or []
+        if type(retained) is not list or not all(type(p) is str for p in retained):
+            raise CorruptCheckpointError(f"{where}: base.json's retained is not a list of file names")
+        kept = set(retained)
+        files = {p: n for p, n in files.items() if p in kept}
     return Files(header, files, d)

@@ -134,3 +134,18 @@ def test_a_header_cut_anywhere_is_read_whole_or_not_at_all(run: Path) -> None:
         assert got is None or got == want, cut
         seen += got is not None
     assert seen == end - text.index('"index_files":') - len('"index_files":')  # from the first other member's name on
+
+
+@pytest.mark.parametrize("bad", [{"data_files": [1, 2]}, {"data_files": {"data/x/../y.bin": 4096}},
+                                 {"data_files": {"data/x/0-0.bin": -1}}, {"retained": [1]}, {"retained": "x"}])
+def test_crafted_files_are_refused_in_one_line(run: Path, bad: dict[str, Any]) -> None:
+    """read_files of a metadata.json (or base.json) with malformed data files: one line naming the file."""
+    mgr = bytecp.CheckpointManager(str(run), keep_last=1)
+    mgr._retain()  # step-1 retired (base.json)
+    target = run / "step-1" / "base.json" if "retained" in bad else run / "step-2" / fmt.METADATA_FILE
+    d = json.loads(target.read_bytes())
+    target.write_text(json.dumps({**d, **bad}))
+    with pytest.raises(CorruptCheckpointError) as e:
+        header.read_files(open_storage(str(target.parent)))
+    assert "\n" not in str(e.value) and target.name in str(e.value), e.value
+
