@@ -94,3 +94,27 @@ def test_deepspeed_source_quick_reports_both_libraries(tmp_path: Path) -> None:
     for label, b, d in ROWS:
         assert _numeric(res["seconds"][b]) and _numeric(res["seconds"][d]), label
         assert f"| {label} |" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.s3
+@pytest.mark.timeout(120)
+def test_scale_s3_load_tiny_world_against_moto(tmp_path: Path) -> None:
+    """``python -m benchmarks.scale_s3_load`` at 128 ranks against moto: the MoE middle rank's
+    load from S3 one part at a time and 16 at once, and from the local copy, each timed, all
+    reading the same parts; the server stopped (no timing is asserted)."""
+    pytest.importorskip("moto")
+    out = tmp_path / "s3load.json"
+    proc = run_benchmark("scale_s3_load", ["--world", "128", "--server", "moto", "--repeats", "1",
+                                           "--out", str(out)], timeout=110)
+    res = json.loads(out.read_text())
+    loads = res["loads"]
+    assert set(loads) == {"s3, one part at a time", "s3, 16 at once", "local disk"}
+    for name, v in loads.items():
+        assert _numeric(v["s"]) and _numeric(v["client_cpu_s"]), (name, v)
+        assert v["parts_read"] == res["touched"]["parts"] > 0, (name, v)
+    assert len({(v["rows"], v["part_bytes"], v["directory_bytes"]) for v in loads.values()}) == 1
+    assert _numeric(res["serial_over_concurrent"])
+    assert _numeric(res["metadata"]["fetch_s"]) and _numeric(res["metadata"]["parse_s"])
+    assert res["upload"]["files"] == res["parts_written"] + 2  # the parts, the directory, metadata.json
+    assert "| s3, one part at a time |" in proc.stdout and "| s3, 16 at once |" in proc.stdout

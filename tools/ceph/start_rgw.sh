@@ -6,7 +6,8 @@
 # Needs (Debian 12): apt-get install -y --no-install-recommends radosgw ceph-mon ceph-osd
 #   (tools/install-test-servers.sh does that as root; `make test` runs it)
 # Usage: tools/ceph/start_rgw.sh DIR   (env: RGW_PORT, MON_PORT, OSD_STORE=memstore|bluestore,
-#                                        MEMSTORE_BYTES, S3_ACCESS_KEY, S3_SECRET_KEY)
+#                                        MEMSTORE_BYTES, S3_ACCESS_KEY, S3_SECRET_KEY,
+#                                        RGW_TCP_NODELAY=0|1)
 # Prints the S3 endpoint/keys as shell assignments on stdout when ready;
 # tools/ceph/stop_rgw.sh DIR stops the daemons by their pid files.
 #
@@ -18,6 +19,10 @@
 # - bluestore keeps deleted data for hours (RGW garbage collection): after
 #   many GiB of writes+deletes the OSD hits ENOSPC and uploads hang. Run
 #   `radosgw-admin gc process --include-all` after large deletes.
+# - beast leaves Nagle's algorithm on (its tcp_nodelay=0): a small GET's reply
+#   then often waits for the client's delayed ACK, ~40 ms on loopback
+#   instead of ~3 ms (RGW_TCP_NODELAY=1 turns it off; the default keeps
+#   beast's own default).
 set -euo pipefail
 
 DIR=${1:-${CEPH_TEST_DIR:?give the directory for the cluster as the first argument}}
@@ -26,6 +31,7 @@ MON_PORT=${MON_PORT:-3300}          # msgr2 only; v1 not bound
 OSD_STORE=${OSD_STORE:-memstore}     # memstore: data in RAM; bluestore: sparse file
 ACCESS_KEY=${S3_ACCESS_KEY:-testaccesskey0000000}
 SECRET_KEY=${S3_SECRET_KEY:-testsecretkey000000000000000000000000000}
+RGW_TCP_NODELAY=${RGW_TCP_NODELAY:-0}
 HOST=127.0.0.1
 
 log() { echo "[ceph-rgw $(date +%T)] $*" >&2; }
@@ -97,7 +103,7 @@ osd class default list = *
 [client.rgw.r]
 # radosgw defaults to ms_mon_client_mode=secure, impossible with auth=none
 ms mon client mode = crc
-rgw frontends = beast endpoint=$HOST:$RGW_PORT
+rgw frontends = beast endpoint=$HOST:$RGW_PORT tcp_nodelay=$RGW_TCP_NODELAY
 rgw dns name = localhost
 rgw enable usage log = false
 rgw init timeout = 120
