@@ -217,8 +217,8 @@ class S3Storage(_S3Writes):
 
     async def _delete_keys(self, keys: list[str]) -> None:
         """1,000 keys a request, :data:`DELETE_REQUESTS` requests at once (a
-        131,072-rank checkpoint is 263 requests); every batch is tried, then
-        the first failure in key order is raised."""
+        131,072-rank checkpoint is 263 requests); every batch is tried, then a
+        failure is raised: a request's error first, else the objects not deleted."""
         gate = asyncio.Semaphore(DELETE_REQUESTS)
 
         async def batch(part: list[str]) -> list[dict[str, Any]]:

@@ -30,23 +30,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import re
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
+from bytecp.format.json_head import leading_members
 from bytecp.storage_api import Storage
 
 __all__ = ["Header", "Files", "HEADER_KEYS", "read_header", "read_files", "scan_header"]
 
 HEADER_KEYS = fmt.HEADER_KEYS
 #: bytes of ``metadata.json`` a header read asks for first
-PREFIX_BYTES = 64 << 10
+PREFIX_BYTES = fmt.HEADER_BYTES
 #: what retention leaves of a retired checkpoint (references.BASE_FILE: that module imports this one)
 _BASE_FILE = "base.json"
 #: what :func:`read_files` wants of a version-4 file, which writes them first
 _FILES_KEYS = (*HEADER_KEYS, "index_files", "data_files", "retained")
-_WS = re.compile(r"[ \t\n\r]*")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,31 +79,11 @@ class Files:
 def scan_header(text: str, keys: tuple[str, ...] = HEADER_KEYS) -> dict[str, Any] | None:
     """The members named in ``keys`` at the start of a version-4 ``metadata.json``
     (``text``: its first bytes), up to the first other member or its end;
-    None when they may go on past ``text``, or it is no version-4 document
-    (then it is parsed whole)."""
-    dec = json.JSONDecoder()
-    i = _WS.match(text, 0).end()  # type: ignore[union-attr]
-    if not text.startswith("{", i):
-        return None
-    i += 1
-    out: dict[str, Any] = {}
-    try:
-        while True:
-            i = _WS.match(text, i).end()  # type: ignore[union-attr]
-            key, i = dec.raw_decode(text, i)
-            i = _WS.match(text, i).end()  # type: ignore[union-attr]
-            if not isinstance(key, str) or key in out or not text.startswith(":", i):
-                return None
-            if key not in keys:
-                break
-            out[key], i = dec.raw_decode(text, _WS.match(text, i + 1).end())  # type: ignore[union-attr]
-            i = _WS.match(text, i).end()  # type: ignore[union-attr]
-            if text.startswith("}", i):
-                break
-            if not text.startswith(",", i):
-                return None
-            i += 1
-    except (ValueError, RecursionError):  # cut off inside a value, or not JSON: parsed whole (which says why)
+    None when they may go on past ``text``, it holds no ``references``
+    there (a writer before they moved into the header put them last), or it
+    is no version-4 document: then it is parsed whole."""
+    out = leading_members(text, keys)
+    if out is None or "references" not in out:
         return None
     version = out.get("format_version")
     return out if type(version) is int and version >= 4 else None
@@ -120,21 +99,29 @@ def _text(data: bytes, whole: bool, where: str) -> str:
         raise CorruptCheckpointError(f"{where} is not valid UTF-8 ({e.reason} at byte {e.start})") from e
 
 
-def _read(storage: Storage, committed: bool = False) -> tuple[str, bytes, int] | None:
-    """(which file, its first bytes, its size) of ``metadata.json``, else (not
-    ``committed`` only) ``base.json``; None: neither."""
-    for f in (fmt.METADATA_FILE,) if committed else (fmt.METADATA_FILE, _BASE_FILE):
-        try:
-            size = storage.size(f)
-            return f, storage.read_bytes(f, 0, min(size, PREFIX_BYTES)), size
-        except (FileNotFoundError, StorageError):
-            continue
+def _read(storage: Storage, committed: bool = False, whole: bool = False) -> tuple[str, bytes, int] | None:
+    """(which file, its first :data:`PREFIX_BYTES` or all of it, its size) of
+    ``metadata.json``, else (not ``committed`` only) ``base.json``; None:
+    neither. A file replaced or moved meanwhile (retention moves
+    ``metadata.json`` to ``base.json``) is read again, once."""
+    for attempt in (0, 1):
+        for f in (fmt.METADATA_FILE,) if committed else (fmt.METADATA_FILE, _BASE_FILE):
+            try:
+                size = storage.size(f)
+            except FileNotFoundError:  # (StorageNotFoundError too; another storage error is raised)
+                continue
+            try:
+                return f, storage.read_bytes(f, 0, size if whole else min(size, PREFIX_BYTES)), size
+            except (FileNotFoundError, StorageError):
+                if attempt:
+                    raise
+                break  # changed between the two requests: look again
+        else:
+            return None
     return None
 
 
 def _doc(storage: Storage, f: str, data: bytes, size: int) -> dict[str, Any]:
-    if len(data) < size:
-        data = storage.read_bytes(f, 0, size)
     where = f"{storage.url}/{f}"
     try:
         d = json.loads(data)
@@ -150,13 +137,15 @@ def header_of(d: dict[str, Any], where: str) -> Header:
     if d.get("format") != fmt.FORMAT_NAME:
         raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
     version = fmt.check_version(d.get("format_version"), where)
-    fmt.check_order(d, version, where)
     step = d.get("step")
-    created = d.get("created", 0.0)
-    if (step is not None and type(step) is not int) or type(created) not in (int, float) or "save_id" not in d:
+    try:
+        created = float(d.get("created", 0.0))  # (as Metadata.from_bytes reads it, and limits checks it)
+    except (TypeError, ValueError):
+        created = -1.0
+    if (step is not None and type(step) is not int) or not 0 <= created < 2**33 or "save_id" not in d:
         raise CorruptCheckpointError(f"{where}: metadata.json's step, created or save_id is malformed")
     refs = fmt.check_references(d.get("references"), where) if version >= 3 else {}
-    return Header(str(d["save_id"]), version, step, float(created), refs)
+    return Header(str(d["save_id"]), version, step, created, refs)
 
 
 def read_header(storage: Storage, *, committed: bool = False) -> Header | None:
@@ -168,19 +157,22 @@ def read_header(storage: Storage, *, committed: bool = False) -> Header | None:
         return None
     f, data, size = got
     d = scan_header(_text(data, len(data) == size, f"{storage.url}/{f}"))
+    if d is None and len(data) < size:
+        got = _read(storage, committed, whole=True)  # (parsed whole: an older version, or a long header)
+        if got is None:
+            return None
+        f, data, size = got
     return header_of(_doc(storage, f, data, size) if d is None else d, f"{storage.url}/{f}")
 
 
 def read_files(storage: Storage) -> Files | None:
     """The header and data files of the checkpoint at ``storage``, parsed as
     JSON only; a retired checkpoint's data files are those it retained."""
-    got = _read(storage)
+    got = _read(storage, whole=True)
     if got is None:
         return None
     f, data, size = got
     where = f"{storage.url}/{f}"
-    if len(data) < size:
-        data = storage.read_bytes(f, 0, size)
     # version 4: the header, index_files, data_files (and a base's retained) come first
     d = scan_header(_text(data, True, where), _FILES_KEYS)
     if d is None or not isinstance(d.get("data_files"), dict) or (f == _BASE_FILE and "retained" not in d) or (

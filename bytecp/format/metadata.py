@@ -30,6 +30,7 @@ import pyarrow.parquet as pq
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
+from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, check_header
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
@@ -57,7 +58,8 @@ __all__ = [
     "PartsDirectory",
     "HEADER_KEYS",
     "check_version",
-    "check_order",
+    "check_header",
+    "HEADER_BYTES",
     "check_references",
     "check_data_file",
     "own_files",
@@ -75,9 +77,6 @@ INDEX_SCHEMA = pa.schema(
 )
 
 
-#: the members a version-4 writer writes before any other, in this order (§6.2 "Header")
-HEADER_KEYS = ("format", "format_version", "bytecp_version", "save_id", "created", "world_size", "framework",
-               "parallelism", "step", "user_metadata", "references")
 _SEGMENT = re.compile(r"[A-Za-z0-9._-]+")
 #: a data file name :func:`check_path` accepts, as most are: ``data/<save_id>/<name>.bin``
 _DATA_FILE = re.compile(r"data/(?!\.\.?/)[A-Za-z0-9._-]+/[A-Za-z0-9._-]*\.bin")
@@ -241,7 +240,7 @@ class Metadata:
             "step": self.step,
             "user_metadata": self.user_metadata,
         }
-        if self.references and self.format_version >= 4:  # among the header members (§6.2 "Header")
+        if self.format_version >= 4:  # among the header members, always (§6.2 "Header")
             d["references"] = self.references
         d |= {
             "index_files": self.index_files,
@@ -277,7 +276,8 @@ class Metadata:
         version = check_version(d.get("format_version"), where)
         if d.get("step") is not None and type(d["step"]) is not int:
             raise CorruptCheckpointError(f"{where}: metadata.json's step {d['step']!r:.40} is not an integer")
-        check_order(d, version, where)
+        if version >= 4:
+            check_header(d, data, where)
         try:
             tensors = TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"] \
                 else dict(d["tensors"])
@@ -380,13 +380,6 @@ def check_version(version: Any, where: str) -> int:
             f"which reads versions 1..{FORMAT_VERSION}; upgrade bytecp to load it"
         )
     return version
-
-
-def check_order(d: dict[str, Any], version: int, where: str) -> None:
-    """Version 4 writes ``references`` among the header members (a reader of the header alone sees them)."""
-    if version >= 4 and "references" in d and not set(list(d)[:list(d).index("references")]) <= set(HEADER_KEYS):
-        raise CorruptCheckpointError(f"{where}: metadata.json lists references after its other members; "
-                                     "format version 4 writes them among the header's (FORMAT.md §6.2)")
 
 
 def check_data_file(path: str, where: str, references: Mapping[str, str] | None) -> None:

@@ -79,9 +79,11 @@ def _rewrite(ck: Path, edit: Any) -> None:
     (ck / fmt.METADATA_FILE).write_text(json.dumps(edit(d)))
 
 
-@pytest.mark.parametrize("case", ["step", "version", "format", "references", "late_references", "not_json"])
+@pytest.mark.parametrize("case", ["step", "version", "format", "references", "created", "twice", "late_step",
+                                  "not_json"])
 def test_a_bad_header_is_refused_in_one_line(run: Path, case: str) -> None:
     ck = run / "step-2"
+    text = (ck / fmt.METADATA_FILE).read_text()
     if case == "step":
         _rewrite(ck, lambda d: {**d, "step": "two"})
     elif case == "version":
@@ -90,18 +92,57 @@ def test_a_bad_header_is_refused_in_one_line(run: Path, case: str) -> None:
         _rewrite(ck, lambda d: {**d, "format": "other"})
     elif case == "references":
         _rewrite(ck, lambda d: {**d, "references": {"../x": "y"}})
-    elif case == "late_references":  # a version-4 reader of the header alone would not see them
-        _rewrite(ck, lambda d: {**{k: v for k, v in d.items() if k != "references"}, "references": d["references"]})
+    elif case == "created":
+        _rewrite(ck, lambda d: {**d, "created": 1e300})
+    elif case == "twice":  # the header says no references, the whole file (its last "references") that it has
+        refs = json.dumps(json.loads(text)["references"], separators=(",", ":"))
+        (ck / fmt.METADATA_FILE).write_text(text.replace(f'"references":{refs}', '"references":{}', 1)[:-1]
+                                            + f',"references":{refs}}}')
+    elif case == "late_step":  # a header member after the others: a reader of the header alone would miss it
+        _rewrite(ck, lambda d: {**{k: v for k, v in d.items() if k != "step"}, "step": d["step"]})
     else:
         (ck / fmt.METADATA_FILE).write_bytes(b'{"format": "bytecp", "format_version": 4, "save_id": ')
     error = FormatVersionError if case == "version" else CorruptCheckpointError
-    if case != "late_references":
+    if case not in ("twice", "late_step"):  # (the header alone is well-formed there: the whole file is not)
         with pytest.raises(error) as e:
             header.read_header(open_storage(str(ck)))
         assert "\n" not in str(e.value) and "step-2" in str(e.value), e.value
     with pytest.raises(error) as e:
         bytecp.load_state_dict(str(ck))
     assert "\n" not in str(e.value) and "step-2" in str(e.value), e.value
+
+
+def test_references_written_last_by_an_earlier_writer_are_read_whole(run: Path) -> None:
+    """A version-4 file whose references come last (as bytecp wrote them before
+    they moved into the header) loads, and every header reader sees them."""
+    ck = run / "step-2"
+    _rewrite(ck, lambda d: {**{k: v for k, v in d.items() if k != "references"}, "references": d["references"]})
+    refs = json.loads((ck / fmt.METADATA_FILE).read_bytes())["references"]
+    assert list(json.loads((ck / fmt.METADATA_FILE).read_bytes()))[-1] == "references" and refs
+    head, files = header.read_header(open_storage(str(ck))), header.read_files(open_storage(str(ck)))
+    assert head is not None and head.references == refs and files is not None and files.header.references == refs
+    assert [c.references for c in list_checkpoints(str(run))] == [(), ("step-1",)]
+    assert torch.equal(bytecp.load_state_dict(str(ck))["w0"], torch.full((64,), 1.0))
+
+
+def test_a_metadata_json_moved_between_two_requests_is_read_again(run: Path) -> None:
+    """Retention moves metadata.json to base.json: a reader between its two requests reads base.json."""
+    ck = run / "step-1"
+    st = open_storage(str(ck))
+
+    class Moving:
+        url = st.url
+
+        def size(self, path: str) -> int:
+            return st.size(path)
+
+        def read_bytes(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
+            if path == fmt.METADATA_FILE and (ck / path).exists():
+                (ck / path).rename(ck / "base.json")  # (retention writes base.json first, then deletes this)
+            return st.read_bytes(path, offset, nbytes)
+
+    files = header.read_files(Moving())  # type: ignore[arg-type]
+    assert files is not None and files.header.step == 1 and (ck / "base.json").exists()
 
 
 def test_a_retired_base_is_read_from_base_json(run: Path) -> None:
@@ -115,7 +156,7 @@ def test_a_retired_base_is_read_from_base_json(run: Path) -> None:
     assert head is not None and head.step == 1 and files is not None
     base = json.loads((run / "step-1" / "base.json").read_bytes())
     assert set(files.data_files) == set(base["retained"])
-    assert list(base) == [*header.HEADER_KEYS[:-1], "index_files", "data_files", "retained"]  # no tensors, no index
+    assert list(base) == [*header.HEADER_KEYS, "index_files", "data_files", "retained"]  # no tensors, no index
     assert [c.name for c in list_checkpoints(str(run))] == ["step-2"]
     got = bytecp.load_state_dict(str(run / "step-2"))
     assert torch.equal(got["w0"], torch.full((64,), 1.0)) and torch.equal(got["w2999"], torch.full((64,), 2999.0))

@@ -1,0 +1,72 @@
+"""The first members of a JSON object, decoded from the start of its text
+without the rest (docs/FORMAT.md §6.2 "Header").
+
+Called by :mod:`bytecp.format.header` (a checkpoint's header from the first
+64 KiB of its ``metadata.json``) and by
+:meth:`bytecp.format.metadata.Metadata.from_bytes`, which checks that the
+header a tool reads this way is the one the whole file holds.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from bytecp.errors import CorruptCheckpointError
+
+__all__ = ["leading_members", "check_header", "HEADER_KEYS", "HEADER_BYTES"]
+
+#: the members a version-4 writer writes before any other, in this order (§6.2 "Header")
+HEADER_KEYS = ("format", "format_version", "bytecp_version", "save_id", "created", "world_size", "framework",
+               "parallelism", "step", "user_metadata", "references")
+_WS = re.compile(r"[ \t\n\r]*")
+
+
+def leading_members(text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
+    """The members named in ``keys`` at the start of the JSON object ``text``
+    begins, up to the first other member or the object's end; None when the
+    text ends (or stops being JSON) before that, or a member comes twice."""
+    dec = json.JSONDecoder()
+
+    def ws(i: int) -> int:
+        return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+    i = ws(0)
+    if not text.startswith("{", i):
+        return None
+    i += 1
+    out: dict[str, Any] = {}
+    try:
+        while True:
+            key, i = dec.raw_decode(text, ws(i))
+            i = ws(i)
+            if not isinstance(key, str) or key in out or not text.startswith(":", i):
+                return None
+            if key not in keys:
+                return out
+            out[key], i = dec.raw_decode(text, ws(i + 1))
+            i = ws(i)
+            if text.startswith("}", i):
+                return out
+            if not text.startswith(",", i):
+                return None
+            i += 1
+    except (ValueError, RecursionError):  # cut off inside a value, or not JSON
+        return None
+
+
+#: bytes of ``metadata.json`` a tool reads for its header (bytecp.format.header)
+HEADER_BYTES = 64 << 10
+
+
+def check_header(d: dict[str, Any], data: bytes, where: str) -> None:
+    """(version 4) What a tool reads from the file's first :data:`HEADER_BYTES`
+    (the header members up to the first other one, when ``references`` is
+    among them) is what the whole file ``d`` holds: no header member named
+    twice, none after the other members."""
+    head = leading_members(data[:HEADER_BYTES].decode("utf-8", "ignore"), HEADER_KEYS)
+    if head is not None and "references" in head and (
+            any(d.get(k) != v for k, v in head.items()) or any(k in d and k not in head for k in HEADER_KEYS)):
+        raise CorruptCheckpointError(f"{where}: metadata.json names a header member twice or after its other "
+                                     "members (format version 4 writes them first, once; FORMAT.md §6.2)")
