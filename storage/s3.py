@@ -75,10 +75,10 @@ from ._s3_write import _S3Writes
 from ._timeout import DEFAULT_REQUEST_TIMEOUT_S
 from ._timeout import check as check_timeout
 
+__all__ = ["S3Storage", "MIN_PART_SIZE", "MAX_PARTS", "plan_parts"]
+
 #: DeleteObjects requests one ``delete`` keeps in flight (each 1,000 keys)
 DELETE_REQUESTS = 8
-
-__all__ = ["S3Storage", "MIN_PART_SIZE", "MAX_PARTS", "plan_parts"]
 
 
 class S3Storage(_S3Writes):

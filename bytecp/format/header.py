@@ -34,16 +34,17 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
-from bytecp.format.json_head import leading_members
+from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, scan_header
 from bytecp.storage_api import Storage
 
-__all__ = ["Header", "Files", "HEADER_KEYS", "read_header", "read_files", "scan_header"]
+__all__ = ["Header", "Files", "BASE_FILE", "read_header", "read_files"]
 
-HEADER_KEYS = fmt.HEADER_KEYS
-#: bytes of ``metadata.json`` a header read asks for first
-PREFIX_BYTES = fmt.HEADER_BYTES
-#: what retention leaves of a retired checkpoint (references.BASE_FILE: that module imports this one)
-_BASE_FILE = "base.json"
+#: what retention leaves of a checkpoint that kept checkpoints still
+#: reference: its header and data files, moved out of ``metadata.json`` (so it
+#: is no longer a checkpoint: ``latest``, ``ls`` and loads skip it), with a
+#: ``retained`` member listing the data files it keeps for them
+#: (:mod:`bytecp.format.references`, FORMAT.md §6.7)
+BASE_FILE = "base.json"
 #: what :func:`read_files` wants of a version-4 file, which writes them first
 _FILES_KEYS = (*HEADER_KEYS, "index_files", "data_files", "retained")
 
@@ -76,19 +77,6 @@ class Files:
         return fmt.files_in(self.data_files, name)
 
 
-def scan_header(text: str, keys: tuple[str, ...] = HEADER_KEYS) -> dict[str, Any] | None:
-    """The members named in ``keys`` at the start of a version-4 ``metadata.json``
-    (``text``: its first bytes), up to the first other member or its end;
-    None when they may go on past ``text``, it holds no ``references``
-    there (a writer before they moved into the header put them last), or it
-    is no version-4 document: then it is parsed whole."""
-    out = leading_members(text, keys)
-    if out is None or "references" not in out:
-        return None
-    version = out.get("format_version")
-    return out if type(version) is int and version >= 4 else None
-
-
 def _text(data: bytes, whole: bool, where: str) -> str:
     """``data`` decoded; a prefix may end inside a character."""
     try:
@@ -100,18 +88,18 @@ def _text(data: bytes, whole: bool, where: str) -> str:
 
 
 def _read(storage: Storage, committed: bool = False, whole: bool = False) -> tuple[str, bytes, int] | None:
-    """(which file, its first :data:`PREFIX_BYTES` or all of it, its size) of
+    """(which file, its first :data:`HEADER_BYTES` or all of it, its size) of
     ``metadata.json``, else (not ``committed`` only) ``base.json``; None:
     neither. A file replaced or moved meanwhile (retention moves
     ``metadata.json`` to ``base.json``) is read again, once."""
     for attempt in (0, 1):
-        for f in (fmt.METADATA_FILE,) if committed else (fmt.METADATA_FILE, _BASE_FILE):
+        for f in (fmt.METADATA_FILE,) if committed else (fmt.METADATA_FILE, BASE_FILE):
             try:
                 size = storage.size(f)
             except FileNotFoundError:  # (StorageNotFoundError too; another storage error is raised)
                 continue
             try:
-                return f, storage.read_bytes(f, 0, size if whole else min(size, PREFIX_BYTES)), size
+                return f, storage.read_bytes(f, 0, size if whole else min(size, HEADER_BYTES)), size
             except (FileNotFoundError, StorageError):
                 if attempt:
                     raise
@@ -175,7 +163,7 @@ def read_files(storage: Storage) -> Files | None:
     where = f"{storage.url}/{f}"
     # version 4: the header, index_files, data_files (and a base's retained) come first
     d = scan_header(_text(data, True, where), _FILES_KEYS)
-    if d is None or not isinstance(d.get("data_files"), dict) or (f == _BASE_FILE and "retained" not in d) or (
+    if d is None or not isinstance(d.get("data_files"), dict) or (f == BASE_FILE and "retained" not in d) or (
             "references" not in d and any(p.startswith("../") for p in d["data_files"])):  # (refused, whole)
         d = _doc(storage, f, data, size)
     header = header_of(d, where)
@@ -185,7 +173,7 @@ def read_files(storage: Storage) -> Files | None:
     refs = header.references if header.format_version >= 3 else None
     for p in files:
         fmt.check_data_file(p, where, refs)
-    if f == _BASE_FILE:
+    if f == BASE_FILE:
         retained = d.get("retained") or []
         if type(retained) is not list or not all(type(p) is str for p in retained):
             raise CorruptCheckpointError(f"{where}: base.json's retained is not a list of file names")

@@ -161,26 +161,15 @@ def check_index(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord])
     """A whole index: every row agrees with metadata.json (:func:`check_rows`),
     and each tensor's chunks tile it exactly (no gap, no overlap): a tampered
     or mixed-up index is corrupt, never trusted."""
-    check_rows(where, md, chunks)
-    boxes: dict[str, list[Region]] = {}
-    for c in chunks:
-        if math.prod(c.lengths) or not md.index:  # version 2 lists no empty chunks
-            boxes.setdefault(c.fqn, []).append(Region(c.offsets, c.lengths))
-    for fqn, info in md.tensors.items():
-        bs = boxes.get(fqn, [])
-        total = math.prod(info["shape"])
-        held = sum(b.numel for b in bs)
-        if not bs and total == 0:
-            continue  # no elements: no chunk (version 2), or one empty chunk or none (version 1)
-        pair = find_overlap(bs, dim=int(info.get("band_dim", 0))) if held >= total and len(bs) > 1 else None
-        if held != total or pair is not None:
-            what = f"chunks {pair[0]} and {pair[1]} overlap" if pair else f"chunks hold {held} of {total} elements"
-            raise CorruptCheckpointError(f"{where}: tensor {fqn!r}: {what}")
+    tiling = Tiling(where, md, len(chunks))
+    tiling.add(chunks)
+    tiling.finish()
 
 
 class Tiling:
-    """:func:`check_index` over rows that arrive a part at a time (``bytecp
-    inspect``/``verify`` of a version-4 checkpoint): each batch's rows are
+    """The tiling check over rows that arrive in batches (:func:`check_index`:
+    one batch; ``bytecp inspect``/``verify`` of a version-4 checkpoint: a part
+    at a time): each batch's rows are
     checked as they come (:func:`check_rows`, and no two of a batch overlap),
     each tensor's elements are added up; the boxes are kept for the exact
     overlap check across batches while at most ``keep_rows`` rows have come
@@ -219,15 +208,17 @@ class Tiling:
                 self._overlap(fqn, bs)
 
     def finish(self) -> None:
+        """Each tensor's chunks hold its elements (no gap), without overlaps
+        (named before a count); a tensor of no elements has no chunk that holds any."""
         for fqn, info in self.md.tensors.items():
             total, held = math.prod(info["shape"]), self.held.get(fqn, 0)
             if held >= total and self.boxes is not None and len(self.boxes.get(fqn, ())) > 1:
-                self._overlap(fqn, self.boxes[fqn])  # as check_index: an overlap is named before a count
+                self._overlap(fqn, self.boxes[fqn], int(info.get("band_dim", 0)))
             if held != total:
                 raise CorruptCheckpointError(f"{self.where}: tensor {fqn!r}: chunks hold {held} of {total} elements")
 
-    def _overlap(self, fqn: str, boxes: list[Region]) -> None:
-        pair = find_overlap(boxes, dim=0)
+    def _overlap(self, fqn: str, boxes: list[Region], dim: int = 0) -> None:
+        pair = find_overlap(boxes, dim=dim)
         if pair is not None:
             raise CorruptCheckpointError(f"{self.where}: tensor {fqn!r}: chunks {pair[0]} and {pair[1]} overlap")
 

@@ -15,7 +15,7 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 
-__all__ = ["leading_members", "check_header", "HEADER_KEYS", "HEADER_BYTES"]
+__all__ = ["leading_members", "scan_header", "check_header", "HEADER_KEYS", "HEADER_BYTES"]
 
 #: the members a version-4 writer writes before any other, in this order (§6.2 "Header")
 HEADER_KEYS = ("format", "format_version", "bytecp_version", "save_id", "created", "world_size", "framework",
@@ -60,13 +60,26 @@ def leading_members(text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
 HEADER_BYTES = 64 << 10
 
 
+def scan_header(text: str, keys: tuple[str, ...] = HEADER_KEYS) -> dict[str, Any] | None:
+    """The members named in ``keys`` at the start of a version-4 ``metadata.json``
+    (``text``: its first bytes), up to the first other member or its end;
+    None when they may go on past ``text``, it holds no ``references``
+    there (a writer before they moved into the header put them last), or it
+    is no version-4 document: then it is parsed whole."""
+    out = leading_members(text, keys)
+    if out is None or "references" not in out:
+        return None
+    version = out.get("format_version")
+    return out if type(version) is int and version >= 4 else None
+
+
 def check_header(d: dict[str, Any], data: bytes, where: str) -> None:
     """(version 4) What a tool reads from the file's first :data:`HEADER_BYTES`
     (the header members up to the first other one, when ``references`` is
     among them) is what the whole file ``d`` holds: no header member named
     twice, none after the other members."""
-    head = leading_members(data[:HEADER_BYTES].decode("utf-8", "ignore"), HEADER_KEYS)
-    if head is not None and "references" in head and (
+    head = scan_header(data[:HEADER_BYTES].decode("utf-8", "ignore"))
+    if head is not None and (
             any(d.get(k) != v for k, v in head.items()) or any(k in d and k not in head for k in HEADER_KEYS)):
         raise CorruptCheckpointError(f"{where}: metadata.json names a header member twice or after its other "
                                      "members (format version 4 writes them first, once; FORMAT.md §6.2)")

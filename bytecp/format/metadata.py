@@ -30,7 +30,7 @@ import pyarrow.parquet as pq
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
-from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, check_header
+from bytecp.format.json_head import check_header
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
@@ -56,10 +56,7 @@ __all__ = [
     "column_values",
     "IndexDirectory",
     "PartsDirectory",
-    "HEADER_KEYS",
     "check_version",
-    "check_header",
-    "HEADER_BYTES",
     "check_references",
     "check_data_file",
     "own_files",

@@ -46,7 +46,7 @@ from bytecp.format.tensor_table import TensorTable
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
-__all__ = ["read_parts", "wanted_bands", "Segment"]
+__all__ = ["read_parts", "wanted_bands", "Segment", "by_part"]
 
 #: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
@@ -158,16 +158,21 @@ def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: l
     """The rows of ``segments`` (of tensors ``fqns``), each chunk once."""
     seen: set[fmt.ChunkRecord] = set()
     out: list[fmt.ChunkRecord] = []
-    by_rank: dict[int, list[Segment]] = defaultdict(list)
-    for seg in segments:
-        by_rank[seg[0]].append(seg)
-    for rows in _each_part(sorted(by_rank.items()), PART_READERS if storage.remote else 1,
+    for rows in _each_part(by_part(segments), PART_READERS if storage.remote else 1,
                            lambda rank, mine: _read_segments(storage, md, d, rank, mine, fqns, where)):
         for c in rows:
             if c not in seen:
                 seen.add(c)
                 out.append(c)
     return out
+
+
+def by_part(segments: list[Segment]) -> list[tuple[int, list[Segment]]]:
+    """The segments grouped by the part (rank) they lie in, ranks ascending."""
+    out: dict[int, list[Segment]] = defaultdict(list)
+    for seg in segments:
+        out[seg[0]].append(seg)
+    return sorted(out.items())
 
 
 #: parts one rank reads at once from a remote storage (a rank loading replicated experts reads a segment of

@@ -8,17 +8,16 @@ is checked as :func:`bytecp.format.parts_read.read_parts` checks it.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterator
 
 from bytecp.format import metadata as fmt
 from bytecp.format.parts_read import (
-    Segment,
     _budget,
     _directory,
     _page_entries,
     _read_segments,
     _segments,
+    by_part,
 )
 from bytecp.storage_api import Storage
 
@@ -41,12 +40,10 @@ def iter_parts(storage: Storage, md: fmt.Metadata, *, budget: int | None = None
     del entries
     listed = sum(s[3] for s in segments) + len(scalars)
     _budget(listed, budget, d, where)
-    by_rank: dict[int, list[Segment]] = defaultdict(list)
-    for seg in segments:
-        by_rank[seg[0]].append(seg)
+    parts_of = by_part(segments)
 
     def rows() -> Iterator[list[fmt.ChunkRecord]]:
-        for rank, mine in sorted(by_rank.items()):
+        for rank, mine in parts_of:
             yield list(dict.fromkeys(_read_segments(storage, md, d, rank, mine, None, where)))  # each chunk once
         if scalars:
             yield scalars

@@ -33,7 +33,8 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
-from bytecp.format.header import Files, read_files, read_header
+from bytecp.format.header import BASE_FILE, Files, read_files, read_header
+from bytecp.format.json_head import HEADER_KEYS
 from bytecp.storage_api import Buffer, Storage, open_storage
 
 log = logging.getLogger("bytecp")
@@ -43,12 +44,6 @@ __all__ = [
     "referenced_by", "retired_bytes", "retired_names", "run_url", "sibling",
 ]
 
-#: what retention leaves of a checkpoint that kept checkpoints still
-#: reference: its metadata, moved out of ``metadata.json`` (so it is no longer
-#: a checkpoint: ``latest``, ``ls`` and loads skip it), with a ``retained``
-#: member listing the data files it keeps for them; every other file of it is
-#: deleted
-BASE_FILE = "base.json"
 #: where a save in flight marks the checkpoints it references (one file per
 #: save; written and read by :mod:`bytecp.saving.pins`)
 PIN_DIR = "pins"
@@ -82,7 +77,7 @@ def retired_bytes(files: Files, retained: Iterable[str]) -> bytes:
     or the ``base.json`` it already was, as :func:`~bytecp.format.header.read_files`
     read it), keeping ``retained``."""
     if files.header.format_version >= 4:  # its header and files: nobody loads a retired checkpoint (§6.7)
-        doc = {k: v for k, v in files.doc.items() if k in fmt.HEADER_KEYS}
+        doc = {k: v for k, v in files.doc.items() if k in HEADER_KEYS}
         d = {**doc, "index_files": [], "data_files": files.data_files, "retained": sorted(set(retained))}
     else:  # the whole metadata (what bytecp before format 4 reads back)
         d = {**files.doc, "data_files": files.data_files, "retained": sorted(set(retained))}

@@ -13,7 +13,7 @@ import torch
 import bytecp
 from bytecp.catalog import list_checkpoints
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
-from bytecp.format import header
+from bytecp.format import header, json_head
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 
@@ -53,9 +53,9 @@ def test_a_version_4_header_is_read_from_the_first_bytes(run: Path) -> None:
     head = header.read_header(st)  # type: ignore[arg-type]
     md = fmt.Metadata.from_bytes((run / "step-2" / fmt.METADATA_FILE).read_bytes(), "x")
     assert head == header.Header(md.save_id, 4, 2, md.created, {"step-1": md.references["step-1"]})
-    assert size > header.PREFIX_BYTES >= st.read, (size, st.read)
+    assert size > json_head.HEADER_BYTES >= st.read, (size, st.read)
     keys = list(json.loads((run / "step-2" / fmt.METADATA_FILE).read_bytes()))
-    assert keys[: len(header.HEADER_KEYS)] == list(header.HEADER_KEYS)  # references among the header's members
+    assert keys[: len(json_head.HEADER_KEYS)] == list(json_head.HEADER_KEYS)  # references among the header's members
     files = header.read_files(st)  # type: ignore[arg-type]
     assert files is not None and files.data_files == md.data_files and files.files_of("step-1") == md.files_of("step-1")
     assert [(c.name, c.step, c.references) for c in list_checkpoints(str(run))] == [
@@ -156,7 +156,7 @@ def test_a_retired_base_is_read_from_base_json(run: Path) -> None:
     assert head is not None and head.step == 1 and files is not None
     base = json.loads((run / "step-1" / "base.json").read_bytes())
     assert set(files.data_files) == set(base["retained"])
-    assert list(base) == [*header.HEADER_KEYS, "index_files", "data_files", "retained"]  # no tensors, no index
+    assert list(base) == [*json_head.HEADER_KEYS, "index_files", "data_files", "retained"]  # no tensors, no index
     assert [c.name for c in list_checkpoints(str(run))] == ["step-2"]
     got = bytecp.load_state_dict(str(run / "step-2"))
     assert torch.equal(got["w0"], torch.full((64,), 1.0)) and torch.equal(got["w2999"], torch.full((64,), 2999.0))
@@ -167,11 +167,11 @@ def test_a_header_cut_anywhere_is_read_whole_or_not_at_all(run: Path) -> None:
     header members, or None (then the file is parsed whole)."""
     text = (run / "step-2" / fmt.METADATA_FILE).read_text()
     full = json.loads(text)
-    want = {k: full[k] for k in header.HEADER_KEYS if k in full}
+    want = {k: full[k] for k in json_head.HEADER_KEYS if k in full}
     end = text.index('"index_files"') + 20
     seen = 0
     for cut in range(end):
-        got = header.scan_header(text[:cut])
+        got = json_head.scan_header(text[:cut])
         assert got is None or got == want, cut
         seen += got is not None
     assert seen == end - text.index('"index_files":') - len('"index_files":')  # from the first other member's name on
