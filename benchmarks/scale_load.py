@@ -34,15 +34,15 @@ __all__ = ["metadata_for", "Recording", "prepare", "wanted_of"]
 
 
 def metadata_for(job: Job, directory: Any, data_files: dict[str, int], skeleton: Node | None = None,
-                 tensors: dict[str, dict[str, Any]] | None = None) -> fmt.Metadata:
+                 tensors: dict[str, dict[str, Any]] | None = None, encoded: Any = None) -> fmt.Metadata:
     """The save's ``metadata.json``: with the merged skeleton and specs of
-    :func:`benchmarks.scale_jobs.described` (the coordinator's merge), or an
-    empty skeleton."""
+    :func:`benchmarks.scale_jobs.described` (the coordinator's merge) and
+    their JSON text (``encoded``, as the commit keeps it), or an empty skeleton."""
     param_groups = {"optimizer.param_groups": fmt.ObjectRecord(json=[{"lr": 1e-4, "params": []}])}
     return fmt.Metadata(save_id=SAVE_ID, world_size=job.world, framework="fsdp2", parallelism={},
                         skeleton=skeleton or Node.container("dict", ()), tensors=job.specs() if tensors is None
                         else tensors, objects=param_groups if skeleton else {}, per_rank={},
-                        index_files=[], data_files=data_files, index=directory)
+                        index_files=[], data_files=data_files, index=directory, encoded=encoded)
 
 
 def data_files(job: Job) -> dict[str, int]:

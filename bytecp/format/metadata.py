@@ -31,6 +31,7 @@ from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
 from bytecp.format.json_head import check_header
+from bytecp.format.members import EncodedMembers, dumps_object
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
@@ -223,8 +224,12 @@ class Metadata:
     #: version 3: checkpoints of the same run whose data files this one's
     #: rows name (``../<name>/data/...``): name -> the save id committed there
     references: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: (the coordinator's commit) the JSON text of ``skeleton`` and ``tensors``, kept between saves
+    encoded: EncodedMembers | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_bytes(self) -> bytes:
+        # the members' text the commit kept (bytecp.format.members), else encoded here
+        text = self.encoded.of(self.skeleton, self.tensors) if self.encoded and self.format_version >= 4 else {}
         d = {
             "format": FORMAT_NAME,
             "format_version": self.format_version,
@@ -242,12 +247,12 @@ class Metadata:
         d |= {
             "index_files": self.index_files,
             "data_files": self.data_files,
-            "tensors": table_json(self.tensors) if self.format_version >= 4 else self.tensors,
+            "tensors": None if text else table_json(self.tensors) if self.format_version >= 4 else self.tensors,
             "objects": {k: v.to_json() for k, v in self.objects.items()},
             "per_rank": {
                 k: {str(r): rec.to_json() for r, rec in v.items()} for k, v in self.per_rank.items()
             },
-            "skeleton": self.skeleton.to_json(),
+            "skeleton": None if text else self.skeleton.to_json(),
         }
         if self.aliases:
             d["aliases"] = self.aliases
@@ -255,7 +260,7 @@ class Metadata:
             d["index"] = self.index.to_json()
         if self.references and self.format_version < 4:
             d["references"] = self.references
-        return json.dumps(d, separators=(",", ":"), allow_nan=False).encode()
+        return dumps_object(d, text)
 
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Metadata:

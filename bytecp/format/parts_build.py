@@ -16,7 +16,9 @@ holds the schemas.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -52,6 +54,9 @@ class BuiltPart:
     blobs: list[bytes]
     entries: PartEntries
 
+
+#: threads writing the directory's pages at commit (each page is a Parquet file of its own)
+PAGE_WRITERS = min(8, os.cpu_count() or 1)
 
 def linear_bands(first: np.ndarray, last: np.ndarray, numel: np.ndarray, buckets: int) -> tuple[np.ndarray, np.ndarray]:
     """The bands ``[lo, hi]`` of rows whose first and last elements have the
@@ -245,20 +250,31 @@ def _scalar_pages(cols: EntryColumns, table: NameTable, sid: bytes) -> tuple[lis
 def _pages(n: int, schema: pa.Schema, save_id: bytes, lo: str, hi: str,
            page: Callable[[int, int], tuple[list[Any], Any, Any]]) -> tuple[list[bytes], dict[str, list[Any]]]:
     """``n`` sorted entries as pages of :data:`PAGE_ENTRIES`: ``page(s, e)``
-    gives the columns of entries ``s..e-1`` and the page's bounds ``lo``, ``hi``."""
+    gives the columns of entries ``s..e-1`` and the page's bounds ``lo``,
+    ``hi``. The pages' Parquet files are written by up to
+    :data:`PAGE_WRITERS` threads (the writer runs without the GIL: 130 pages
+    of a 131,072-rank MoE's directory take 0.2 s one at a time)."""
     schema = schema.with_metadata({**(schema.metadata or {}), b"bytecp.save_id": save_id})
-    blobs: list[bytes] = []
+    tables: list[pa.Table] = []
     out: dict[str, list[Any]] = {lo: [], hi: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
-    off = 0
     for s in range(0, n, PAGE_ENTRIES):
         e = min(n, s + PAGE_ENTRIES)
         arrays, a, b = page(s, e)
-        blob = encode_segment(pa.table([pa.array(x, f.type) if isinstance(x, np.ndarray) else x
-                                        for x, f in zip(arrays, schema, strict=True)], schema=schema))
-        blobs.append(blob)
-        for k, v in ((lo, a), (hi, b), ("offset", off), ("nbytes", len(blob)), ("rows", e - s),
-                     ("crc32c", crc32c(blob))):
-            out[k].append(v)
+        tables.append(pa.table([pa.array(x, f.type) if isinstance(x, np.ndarray) else x
+                                for x, f in zip(arrays, schema, strict=True)], schema=schema))
+        out[lo].append(a)
+        out[hi].append(b)
+        out["rows"].append(e - s)
+    if len(tables) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(PAGE_WRITERS, len(tables)), "bytecp-pages") as pool:
+            blobs = list(pool.map(encode_segment, tables))
+    else:
+        blobs = [encode_segment(t) for t in tables]
+    off = 0
+    for blob in blobs:
+        out["offset"].append(off)
+        out["nbytes"].append(len(blob))
+        out["crc32c"].append(crc32c(blob))
         off += len(blob)
     return blobs, out
 

@@ -56,6 +56,10 @@ class PlanDecision:
     #: by rank: the lowest rank whose state skeleton digest is the same (at
     #: commit only those ranks send their skeleton and specs); None: not known
     skeletons: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
+    #: digest of every distinct state skeleton (its specs digest) with its
+    #: lowest rank: equal keys, equal union of what the ranks describe (the
+    #: coordinator's commit reuses the union it built for the last such key)
+    specs_key: str = dataclasses.field(default="", compare=False)
 
     @property
     def coordinated(self) -> bool:
@@ -137,16 +141,19 @@ def decide(votes: Sequence[bytes | PlanVote] | VoteTable) -> PlanDecision:
     heads = table.heads
     digest = _digest_of(table.column16("fingerprint"))
     base = tuple(heads["own_bytes"].tolist())
-    ids, first = _ids(table.column16("skeleton"))
+    specs = table.column16("skeleton")
+    ids, first = _ids(specs)
     skeletons = first[ids]
+    leaders = np.sort(first)
+    key = hashlib.blake2b(leaders.astype("<i8").tobytes() + specs[leaders].tobytes(), digest_size=16).hexdigest()
     if table.flag(CACHED).all() and (table.column16("cached_for") == np.void(bytes.fromhex(digest))).all():
-        return PlanDecision(digest, True, frozenset(), base, skeletons=skeletons)
+        return PlanDecision(digest, True, frozenset(), base, skeletons=skeletons, specs_key=key)
     units = _Units(table)
     unknown = bool(table.flag(UNKNOWN).any())
     groups: Mapping[str, Groups] = {} if table.flag(FIXED).any() else _GroupsView(units)
     # (a cached share written as it is: every rank sends all it holds, no groups)
     return PlanDecision(digest, False, units.bad_keys(), base, _MergedView(units), groups, unknown,
-                        skeletons=skeletons)
+                        skeletons=skeletons, specs_key=key)
 
 
 class _Units:

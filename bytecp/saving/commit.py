@@ -18,11 +18,12 @@ overwrite replaced (:func:`remove_replaced`).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import math
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from bytecp.errors import (
@@ -35,10 +36,12 @@ from bytecp.errors import (
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks
+from bytecp.format.members import EncodedMembers, encode_members
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
+from bytecp.plan.planner import check_replicas
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
 from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
@@ -49,7 +52,7 @@ from bytecp.tree.skeleton import Node, pruned
 from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
-    "build_metadata", "merge_described", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
+    "build_metadata", "merge_described", "DescribedUnion", "described_union", "kept_union", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
     "remove_replaced", "late_commit_check",
 ]
 
@@ -87,6 +90,65 @@ def merge_described(skeleton: Node, tensors: dict[str, dict[str, Any]],
     return skeleton, tensors
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class DescribedUnion:
+    """The union of what the ranks describe, as a commit's ``metadata.json``
+    holds it (read-only: the next save of the same state shares it)."""
+
+    #: the plan decision's specs key ("": never reused) and the coordinator that built it
+    specs_key: str
+    coordinator: int
+    skeleton: Node
+    tensors: dict[str, dict[str, Any]]
+    aliases: dict[str, str]
+    #: the tensors' elements, all together (the commit's count of what the ranks hold)
+    elements: int
+    #: the JSON text of ``skeleton`` and ``tensors``
+    encoded: EncodedMembers
+
+
+#: by the save pipeline's plan-cache key: the union its last commit built
+#: (its coordinator announces the union's specs key in its vote; when the
+#: decision's is the same, no rank sends its skeleton and specs)
+_KEPT: dict[Any, DescribedUnion] = {}
+#: a process saving several states (a model and an EMA copy) keeps each one's
+_KEPT_MAX = 4
+
+
+def kept_union(slot: Any, coordinator: int) -> DescribedUnion | None:
+    """(coordinator, as it votes) The union the last commit under ``slot`` built, if it built it."""
+    union = _KEPT.get(slot)
+    return union if union is not None and union.coordinator == coordinator else None
+
+
+def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dict[str, str]]],
+                    sent: Sequence[tuple[int, Any, Mapping[str, dict[str, Any]], dict[str, str]]],
+                    coordinator: int, specs_key: str = "", kept: DescribedUnion | None = None,
+                    slot: Any = None) -> DescribedUnion:
+    """(coordinator, at commit) :func:`merge_described` of the coordinator's
+    skeleton, tensor specs and aliases (``own()``: asked for only when the
+    union is built) and what ``sent`` (rank, skeleton JSON, specs, aliases), with its elements
+    and JSON text: ``kept`` when it was built for ``specs_key`` (every
+    distinct skeleton's digest and its lowest rank, from the plan's votes:
+    :attr:`~bytecp.plan.decide.PlanDecision.specs_key`; then nobody sent
+    anything). A new one is kept under ``slot`` for the next save. A state
+    of 181,580 tensors merged from 64 skeletons costs 0.4 s to merge, 0.35 s
+    to encode and 44 MB gathered; a job pays that once."""
+    if specs_key and kept is not None and (kept.specs_key, kept.coordinator) == (specs_key, coordinator):
+        return kept
+    skeleton, tensors, aliases = own()
+    skeleton, tensors = merge_described(skeleton, tensors, [s[:3] for s in sent], coordinator)
+    aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator)
+    union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases, sum(math.prod(spec["shape"]) for spec in tensors.values()),
+                           encode_members(skeleton, tensors))
+    if specs_key and slot is not None:
+        _KEPT.pop(slot, None)
+        _KEPT[slot] = union
+        while len(_KEPT) > _KEPT_MAX:
+            del _KEPT[next(iter(_KEPT))]
+    return union
+
+
 @gc_paused()  # a few objects per tensor and per rank: no collections of the training process's heap meanwhile
 def build_metadata(
     outputs: Sequence[RankOutput],
@@ -100,17 +162,26 @@ def build_metadata(
     step: int | None,
     user_metadata: dict[str, Any],
     version: str,
+    specs_key: str = "",
+    kept: DescribedUnion | None = None,
+    slot: Any = None,
+    verify_replicas: bool = False,
 ) -> tuple[fmt.Metadata, list[bytes]]:
     """(coordinator) ``metadata.json`` and the index directory's pages, from
-    every rank's part entries (each rank wrote and checked its own part).
+    every rank's part entries (each rank wrote and checked its own part);
+    the union of the skeletons sent, or ``kept`` when it is the one for
+    ``specs_key`` (:func:`described_union`; a new one is kept under ``slot``).
+    With ``verify_replicas``, first every replica's checksums are compared.
     Raises :class:`ConfigError` when ranks describe a tensor differently or,
     up to :data:`EXACT_CHECK_RANKS` ranks (whose chunk records come along),
     their chunks do not make up the tensors exactly."""
-    sent = [(r, out.skeleton, out.tensors) for r, out in enumerate(outputs)
+    if verify_replicas:
+        check_replicas([out.replica_crcs for out in outputs])
+    sent = [(r, out.skeleton, out.tensors, out.aliases or {}) for r, out in enumerate(outputs)
             if out.skeleton is not None and out.tensors is not None]
-    skeleton, tensors = merge_described(flat.skeleton, tensor_specs(flat), sent, coordinator)
-    aliases = merge_aliases(flat.aliases, [(r, out.aliases) for r, out in enumerate(outputs)
-                                           if out.aliases is not None], tensors, coordinator)
+    union = described_union(lambda: (flat.skeleton, tensor_specs(flat), flat.aliases), sent, coordinator,
+                            specs_key, kept, slot)
+    skeleton, tensors, aliases = union.skeleton, union.tensors, union.aliases
     objects: dict[str, fmt.ObjectRecord] = {}
     for r in [coordinator, *(r for r in range(len(outputs)) if r != coordinator)]:
         for fqn, rec in outputs[r].objects.items():
@@ -125,8 +196,7 @@ def build_metadata(
     if all(out.batch is not None for out in outputs):
         check_chunks([out.batch or ChunkBatch.empty() for out in outputs], tensors, data_files)
     else:  # each rank checked its own chunks; together they must hold every element once
-        held = entries.elements
-        want = sum(math.prod(spec["shape"]) for spec in tensors.values())
+        held, want = entries.elements, union.elements
         if held != want:
             raise ConfigError(f"the {len(outputs)} ranks' chunks hold {held} elements, the state's tensors {want}: "
                               "a tensor has a gap, or two ranks wrote the same elements; nothing is committed "
@@ -149,6 +219,7 @@ def build_metadata(
         bytecp_version=version,
         index=directory,
         aliases=aliases,
+        encoded=union.encoded,
         # version 3: "../<checkpoint>/data/<save_id>/<file>" -> the checkpoint and its save
         references={p.split("/")[1]: p.split("/")[3] for p in data_files if p.startswith("../")},
     )

@@ -47,7 +47,7 @@ from bytecp.plan.exchange import (
     planned_locally,
     sends_specs,
 )
-from bytecp.plan.planner import LocalSavePlan, WriteItem, check_replicas, plan_save
+from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_save
 from bytecp.plan.split_sets import names_of, split_disjoint
 from bytecp.recorder import Trace
 from bytecp.saving import commit as commits
@@ -56,6 +56,7 @@ from bytecp.saving.commit import (
     build_metadata,
     check_target,
     committed_after,
+    kept_union,
     remove_failed,
     tensor_specs,
 )
@@ -212,15 +213,17 @@ class SavePipeline:
                 save_id, objects = fmt.new_save_id(), tuple(flat.objects)
                 mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"])
+                mine["union"] = kept_union(key, rank)  # announced: ranks send no skeleton it holds already
                 # and what a rank whose tree differs need not write
             mine["vote"], mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects,
-                                                  self.storage.url.rstrip("/").rsplit("/", 1)[-1], self.opts.step, ctx.uid)
+                                                  self.storage.url.rstrip("/").rsplit("/", 1)[-1], self.opts.step, ctx.uid,
+                                                  getattr(mine.get("union"), "specs_key", ""))
             return mine["vote"]
 
         with self.trace.span("plan"):
             try:
                 votes = in_step(ctx, ctx.all_gather("save/plan", vote), mine["vote"])  # (a save apart: realigned)
-                save_id, objects = votes.tail_of(ctx.coordinator)[:2]  # the coordinator's
+                save_id, objects, *_, union_key = votes.tail_of(ctx.coordinator)  # the coordinator's
                 assert save_id is not None
                 self.trace.checkpoint_id = save_id
                 local: LocalSavePlan = mine["local"]
@@ -254,9 +257,10 @@ class SavePipeline:
                     cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
                 write, reused = self.incremental.split(items, described.tokens)
                 differs, sends = sends_specs(decision, rank, ctx.coordinator)
+                kept = union_key == decision.specs_key  # the coordinator holds the union already: nobody sends
                 return SavePlanResult(
-                    save_id, tuple(write), local, referenced=reused,
-                    skeleton_differs=differs, sends_specs=sends,
+                    save_id, tuple(write), local, referenced=reused, skeleton_differs=differs,
+                    sends_specs=sends and not kept, specs_key=decision.specs_key, union=mine.get("union") if kept else None,
                     coordinator_objects=frozenset(objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
                 )
@@ -321,7 +325,11 @@ class SavePipeline:
             with self.trace.span("commit") as sp:
                 faults.inject("commit", ctx.rank)
                 commits.late_commit_check(ctx.deadline)  # the others give up at the deadline: never commit after it
-                md, pages = self._metadata(described, save_id, outputs)
+                md, pages = build_metadata(  # (coordinator) metadata.json and the index from every rank's output
+                    outputs, described.flat, ctx.coordinator, save_id=save_id, world_size=ctx.world_size,
+                    framework=described.framework, parallelism=dict(described.parallelism), step=self.opts.step,
+                    user_metadata=dict(self.opts.metadata), version=self.version, specs_key=planned.specs_key,
+                    kept=planned.union, slot=self._cache_key(), verify_replicas=bool(self.opts.verify_replicas))
                 # the bases: pinned, checked before and again just before the commit (bytecp.saving.pins)
                 with held(self.storage, md, leases.holding(save_id)) as check_again:
                     self.storage.write_file(md.index.file, pages)  # type: ignore[union-attr]
@@ -435,15 +443,3 @@ class SavePipeline:
         merged.extend(before)
         merged.extend(out)
         return merged
-
-    def _metadata(self, described: Described, save_id: str,
-                  outputs: list[RankOutput]) -> tuple[fmt.Metadata, list[bytes]]:
-        """(coordinator) metadata.json and the index from every rank's output."""
-        if self.opts.verify_replicas:
-            check_replicas([out.replica_crcs for out in outputs])
-        return build_metadata(
-            outputs, described.flat, self.ctx.coordinator,
-            save_id=save_id, world_size=self.ctx.world_size, framework=described.framework,
-            parallelism=dict(described.parallelism), step=self.opts.step, user_metadata=dict(self.opts.metadata),
-            version=self.version,
-        )

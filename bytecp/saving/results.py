@@ -92,6 +92,14 @@ class SavePlanResult:
     #: stand for every rank of that skeleton (the votes told every rank whose
     #: skeletons are the same: :func:`~bytecp.plan.exchange.sends_specs`)
     sends_specs: bool = False
+    #: the plan decision's key of every distinct skeleton and its lowest rank
+    #: (:attr:`~bytecp.plan.decide.PlanDecision.specs_key`): the coordinator's
+    #: commit reuses its last union of the skeletons sent when it is the same
+    specs_key: str = ""
+    #: (coordinator) the union of skeletons it kept from its last commit,
+    #: when it is the one for ``specs_key`` (it said so in its vote, and no
+    #: rank sends its skeleton): :func:`~bytecp.saving.commit.described_union`
+    union: Any = None
     #: the names of the values the coordinator writes
     coordinator_objects: frozenset[str] = frozenset()
     #: (coordinator) the committed checkpoint an overwrite replaces

@@ -44,3 +44,33 @@ def save_kinds(url: str) -> dict[str, Any]:
         into[f"kind_{kind}"]["n"] == want[f"kind_{kind}"]["n"]
     return {"sent": sent, "same": same, "tensors": sorted(md.tensors),
             "state": bytecp.load_state_dict(url) if r == 0 else None}
+
+
+def save_again(url: str) -> dict[str, Any]:
+    """(every rank) Save the ranks' kinds twice, then again after rank 2's
+    tensor changed shape and rank 3 changed kind: how often this rank sent
+    its skeleton at each save, whether the coordinator's second commit
+    reused the first one's union of the skeletons (the same objects), and
+    (rank 0) the second and third checkpoints whole."""
+    from bytecp.plan.exchange import PLAN_STATS
+
+    def kind(k: str) -> dict[str, Any]:  # (a tree no other case saves: the pool's coordinator keeps none for it)
+        return kind_state(k) | {"again": {"n": 1}}
+
+    r = dist.get_rank()
+    sent = [PLAN_STATS.specs_sent]
+    first = bytecp.save(f"{url}/1", kind(KINDS[r]))
+    sent.append(PLAN_STATS.specs_sent)
+    second = bytecp.save(f"{url}/2", kind(KINDS[r]))
+    sent.append(PLAN_STATS.specs_sent)
+    state = kind("d" if r == 3 else KINDS[r])
+    if r == 2:
+        state["kind_c"]["t"] = torch.arange(7, dtype=torch.float64)
+    third = bytecp.save(f"{url}/3", state)
+    sent.append(PLAN_STATS.specs_sent)
+    dist.barrier()
+    return {"sent": [b - a for a, b in zip(sent, sent[1:], strict=False)],
+            "reused": second.tensors is first.tensors and second.skeleton is first.skeleton,
+            "rebuilt": third.tensors is not second.tensors,
+            "second": bytecp.load_state_dict(f"{url}/2") if r == 0 else None,
+            "third": bytecp.load_state_dict(f"{url}/3") if r == 0 else None}

@@ -27,3 +27,23 @@ def test_one_rank_per_other_skeleton_sends_its_specs(pools: Any, tmp_path: Path)
         want = skeleton_cases.kind_state(kind)[f"kind_{kind}"]
         assert torch.equal(sd[f"kind_{kind}"]["t"], want["t"]) and sd[f"kind_{kind}"]["n"] == want["n"]
     assert torch.equal(sd["shared"]["w"], skeleton_cases.kind_state("a")["shared"]["w"])
+
+
+def test_the_union_of_skeletons_is_reused_only_while_every_rank_describes_the_same(
+        pools: Any, tmp_path: Path) -> None:
+    """The coordinator keeps the union of the skeletons sent (and its JSON
+    text) between saves whose votes name the same skeletons
+    (bytecp/saving/commit.py ``described_union``); a rank whose tensor
+    changes shape, or whose tree changes, makes it build a new one."""
+    out = pools(4).run(skeleton_cases.save_again, str(tmp_path))
+    # first save: the lowest rank of kinds b and c; second: nobody; third: b, c (changed) and d (new)
+    assert [o["sent"] for o in out] == [[0, 0, 0], [1, 0, 1], [1, 0, 1], [0, 0, 1]], out
+    assert out[0]["reused"] and out[0]["rebuilt"], out[0]
+    second, third = out[0]["second"], out[0]["third"]
+    for kind in "abc":
+        want = skeleton_cases.kind_state(kind)[f"kind_{kind}"]
+        assert torch.equal(second[f"kind_{kind}"]["t"], want["t"]) and second[f"kind_{kind}"]["n"] == want["n"]
+    assert torch.equal(third["kind_c"]["t"], torch.arange(7, dtype=torch.float64))
+    assert third["kind_d"]["n"] == {"kind": "d", "ord": ord("d")}
+    assert torch.equal(third["kind_d"]["t"], skeleton_cases.kind_state("d")["kind_d"]["t"])
+    assert torch.equal(third["kind_b"]["t"], skeleton_cases.kind_state("b")["kind_b"]["t"])

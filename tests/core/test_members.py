@@ -1,0 +1,68 @@
+"""metadata.json's skeleton and tensors members, encoded once and spliced in
+(bytecp/format/members.py): the same bytes as encoding them again, and never
+the text of other objects."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import bytecp
+from bytecp.format import metadata as fmt
+from bytecp.format.members import dumps, dumps_object, encode_members
+from bytecp.saving.commit import described_union, kept_union, tensor_specs
+from bytecp.tree.skeleton import Node
+from bytecp.tree.state import flatten_tree
+
+
+def _saved(tmp_path: Path) -> fmt.Metadata:
+    state = {"model": {"w": torch.ones(3, 2), "b": torch.zeros(2, dtype=torch.bfloat16)}, "step": 7,
+             "opt": {"state": {0: {"exp_avg": torch.ones(4)}}, "param_groups": [{"lr": 0.1, "params": [0]}]}}
+    bytecp.save(str(tmp_path / "ck"), state)
+    return fmt.Metadata.from_bytes((tmp_path / "ck" / fmt.METADATA_FILE).read_bytes(), "ck")
+
+
+def test_spliced_members_give_the_same_bytes(tmp_path: Path) -> None:
+    md = _saved(tmp_path)
+    tensors = dict(md.tensors)  # (read as a TensorTable; the commit holds a dict)
+    plain = dataclasses.replace(md, tensors=tensors)
+    spliced = dataclasses.replace(plain, encoded=encode_members(plain.skeleton, tensors))
+    assert spliced.to_bytes() == plain.to_bytes()
+    assert fmt.Metadata.from_bytes(spliced.to_bytes(), "ck").to_bytes() == plain.to_bytes()
+    d = {"a": [1, "é"], "b": None, "c": {"x": 1.5}}
+    assert dumps_object(d, {"b": dumps({"k": [2]})}) == dumps(d | {"b": {"k": [2]}}).encode()
+
+
+def test_the_text_of_other_objects_is_never_written(tmp_path: Path) -> None:
+    md = _saved(tmp_path)
+    tensors = dict(md.tensors)
+    enc = encode_members(md.skeleton, tensors)
+    changed = {**tensors, "model.w": {"dtype": "float32", "shape": [5, 2]}}
+    other = dataclasses.replace(md, tensors=changed, encoded=enc)  # (a replace keeps the field)
+    assert fmt.Metadata.from_bytes(other.to_bytes(), "ck").tensors["model.w"]["shape"] == [5, 2]
+    older = dataclasses.replace(md, tensors=tensors, encoded=enc, format_version=3)
+    assert json.loads(older.to_bytes())["tensors"] == tensors  # version 3's form, not the kept text
+
+
+def test_a_union_is_reused_for_its_key_only() -> None:
+    tree = flatten_tree({"m": {"w": torch.ones(2, 2)}})
+    asked: list[int] = []
+
+    def own() -> tuple[Node, dict[str, dict[str, Any]], dict[str, str]]:
+        asked.append(1)
+        return tree.skeleton, tensor_specs(tree), {}
+
+    other = flatten_tree({"n": {"v": torch.ones(3)}})
+    sent = [(1, other.skeleton.to_json(), tensor_specs(other), {"n.u": "n.v"})]
+    first = described_union(own, sent, 0, "k1", slot="job")
+    assert sorted(first.tensors) == ["m.w", "n.v"] and first.elements == 7 and first.aliases == {"n.u": "n.v"}
+    assert kept_union("job", 0) is first and kept_union("other job", 0) is None and kept_union("job", 1) is None
+    assert described_union(own, [], 0, "k1", kept=first) is first and len(asked) == 1  # nothing sent, nothing built
+    assert described_union(own, sent, 1, "k1", kept=first) is not first  # another coordinator
+    again = described_union(own, [], 0, "k2", kept=first, slot="job")  # another key: built from what was sent
+    assert again.tensors == {"m.w": {"dtype": "float32", "shape": [2, 2]}} and kept_union("job", 0) is again
+    assert described_union(own, [], 0, "", kept=first) is not first  # no key: never reused
