@@ -31,7 +31,7 @@ from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
 from bytecp.format.json_head import check_header
-from bytecp.format.members import EncodedMembers, dumps_object
+from bytecp.format.member_text import EncodedMembers, dumps_object
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
@@ -228,7 +228,7 @@ class Metadata:
     encoded: EncodedMembers | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def to_bytes(self) -> bytes:
-        # the members' text the commit kept (bytecp.format.members), else encoded here
+        # the members' text the commit kept (bytecp.format.member_text), else encoded here
         text = self.encoded.of(self.skeleton, self.tensors) if self.encoded and self.format_version >= 4 else {}
         d = {
             "format": FORMAT_NAME,

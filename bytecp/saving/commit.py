@@ -36,7 +36,7 @@ from bytecp.errors import (
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks
-from bytecp.format.members import EncodedMembers, encode_members
+from bytecp.format.member_text import EncodedMembers, encode_members
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all

@@ -1,5 +1,5 @@
 """metadata.json's skeleton and tensors members, encoded once and spliced in
-(bytecp/format/members.py): the same bytes as encoding them again, and never
+(bytecp/format/member_text.py): the same bytes as encoding them again, and never
 the text of other objects."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import torch
 
 import bytecp
 from bytecp.format import metadata as fmt
-from bytecp.format.members import dumps, dumps_object, encode_members
+from bytecp.format.member_text import dumps, dumps_object, encode_members
 from bytecp.saving.commit import described_union, kept_union, tensor_specs
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import flatten_tree
