@@ -5,6 +5,8 @@ Called by :mod:`bytecp.format.header` (a checkpoint's header from the first
 64 KiB of its ``metadata.json``) and by
 :meth:`bytecp.format.metadata.Metadata.from_bytes`, which checks that the
 header a tool reads this way is the one the whole file holds.
+:func:`decode_members` decodes a whole object one member at a time (what
+``from_bytes`` reads ``metadata.json`` with).
 """
 
 from __future__ import annotations
