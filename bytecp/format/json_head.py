@@ -5,17 +5,20 @@ Called by :mod:`bytecp.format.header` (a checkpoint's header from the first
 64 KiB of its ``metadata.json``) and by
 :meth:`bytecp.format.metadata.Metadata.from_bytes`, which checks that the
 header a tool reads this way is the one the whole file holds.
+:func:`decode_members` decodes a whole object one member at a time (what
+``from_bytes`` reads ``metadata.json`` with).
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 
-__all__ = ["leading_members", "scan_header", "check_header", "HEADER_KEYS", "HEADER_BYTES"]
+__all__ = ["leading_members", "scan_header", "check_header", "decode_members", "MemberDecoder", "HEADER_KEYS", "HEADER_BYTES"]
 
 #: the members a version-4 writer writes before any other, in this order (§6.2 "Header")
 HEADER_KEYS = ("format", "format_version", "bytecp_version", "save_id", "created", "world_size", "framework",
@@ -53,6 +56,62 @@ def leading_members(text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
                 return None
             i += 1
     except (ValueError, RecursionError):  # cut off inside a value, or not JSON
+        return None
+
+
+#: a member's decoder: (text, where its value starts, the members before it) -> (value, where it ends)
+MemberDecoder = Callable[[str, int, dict[str, Any]], tuple[Any, int]]
+
+
+def decode_members(data: bytes, decoders: Mapping[str, MemberDecoder]) -> dict[str, Any] | None:
+    """``json.loads(data)`` of a JSON object, one member at a time: the value
+    of a member named in ``decoders`` is what that function makes of it
+    (:meth:`bytecp.format.metadata.Metadata.from_bytes` turns each large
+    member into what it keeps before the next is read, so that the JSON of
+    all of them never exists at once). None when ``data`` is not one JSON
+    object with distinct member names: ``json.loads`` then gives the
+    answer (the last of two equal names wins; the error of what is not JSON)."""
+    if not isinstance(data, bytes | bytearray):
+        return None
+    try:
+        text = data.decode(json.detect_encoding(data), "surrogatepass")
+    except ValueError:
+        return None
+    dec = json.JSONDecoder()
+
+    def ws(i: int) -> int:
+        return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+    i = ws(0)
+    if not text.startswith("{", i):
+        return None
+    out: dict[str, Any] = {}
+    i = ws(i + 1)
+    try:
+        if text.startswith("}", i):
+            return out if ws(i + 1) == len(text) else None
+        while True:
+            if not text.startswith('"', i):
+                return None
+            key, i = dec.raw_decode(text, i)
+            i = ws(i)
+            if key in out or not text.startswith(":", i):
+                return None
+            i = ws(i + 1)
+            decode = decoders.get(key)
+            if decode is None:
+                out[key], i = dec.raw_decode(text, i)
+            else:  # a large member: the text read so far goes first (a MoE's: 29 MB, 22 MB, 8 MB)
+                if i >= 1 << 20:
+                    text, i = text[i:], 0
+                out[key], i = decode(text, i, out)
+            i = ws(i)
+            if text.startswith("}", i):
+                return out if ws(i + 1) == len(text) else None
+            if not text.startswith(",", i):
+                return None
+            i = ws(i + 1)
+    except (ValueError, RecursionError):  # not JSON: json.loads says where
         return None
 
 

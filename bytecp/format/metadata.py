@@ -21,7 +21,7 @@ import json
 import re
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import pyarrow as pa
@@ -30,8 +30,9 @@ import pyarrow.parquet as pq
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
-from bytecp.format.json_head import check_header
+from bytecp.format.json_head import check_header, decode_members
 from bytecp.format.member_text import EncodedMembers, dumps_object
+from bytecp.format.members import MEMBER_DECODERS, Parsed
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
@@ -269,10 +270,12 @@ class Metadata:
 
     @classmethod
     def _from_bytes(cls, data: bytes, where: str) -> Metadata:
-        try:
-            d = json.loads(data)
-        except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
-            raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({str(e)[:200]})") from e
+        d = decode_members(data, MEMBER_DECODERS)  # (the large members made one by one: bytecp.format.members)
+        if d is None:
+            try:
+                d = json.loads(data)
+            except (ValueError, RecursionError) as e:  # RecursionError: absurdly deep nesting
+                raise CorruptCheckpointError(f"{where}: metadata.json is not valid JSON ({str(e)[:200]})") from e
         if not isinstance(d, dict) or d.get("format") != FORMAT_NAME:
             raise CorruptCheckpointError(f"{where}: metadata.json is not a bytecp checkpoint")
         version = check_version(d.get("format_version"), where)
@@ -280,16 +283,21 @@ class Metadata:
             raise CorruptCheckpointError(f"{where}: metadata.json's step {d['step']!r:.40} is not an integer")
         if version >= 4:
             check_header(d, data, where)
+
+        def member(key: str, make: Callable[[Any], Any]) -> Any:
+            value = d[key]
+            return value.value if isinstance(value, Parsed) else make(value)
+
         try:
-            tensors = TensorTable.from_json(d["tensors"], where) if version >= 4 and "names" in d["tensors"] \
-                else dict(d["tensors"])
+            tensors = member("tensors", lambda t: TensorTable.from_json(t, where) if version >= 4 and "names" in t
+                             else dict(t))
             shared = tensors.shared if isinstance(tensors, TensorTable) else None
             return cls(
                 save_id=str(d["save_id"]),
                 world_size=int(d["world_size"]),
                 framework=str(d["framework"]),
                 parallelism=dict(d.get("parallelism") or {}),
-                skeleton=Node.from_json(d["skeleton"], f"{where}/metadata.json", shared),
+                skeleton=member("skeleton", lambda s: Node.from_json(s, f"{where}/metadata.json", shared)),
                 tensors=tensors,
                 objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
                 per_rank={
@@ -297,14 +305,14 @@ class Metadata:
                     for k, v in d.get("per_rank", {}).items()
                 },
                 index_files=[str(f) for f in d["index_files"]],
-                data_files={str(k): int(v) for k, v in d["data_files"].items()},
+                data_files=member("data_files", lambda f: {str(k): int(v) for k, v in f.items()}),
                 step=d.get("step"),
                 user_metadata=dict(d.get("user_metadata") or {}),
                 created=float(d.get("created", 0.0)),
                 bytecp_version=str(d.get("bytecp_version", "")),
                 format_version=version,
                 aliases={str(k): str(v) for k, v in (d.get("aliases") or {}).items()},
-                index=(PartsDirectory.from_json(d["index"], where) if version >= 4
+                index=(member("index", lambda x: PartsDirectory.from_json(x, where)) if version >= 4
                        else IndexDirectory.from_json(d["index"], where) if version >= 2 else None),
                 references=check_references(d.get("references"), where) if version >= 3 else {},
             ).validate(where)

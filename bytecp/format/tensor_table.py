@@ -17,6 +17,7 @@ trusted: one line naming the tensor at fault).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterator, Mapping
 from typing import Any
@@ -55,8 +56,16 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         self.dtype = dtype
         self.ndim = ndim
         self.dims = dims
-        self.start = np.cumsum(ndim) - ndim
-        self._row = {n: i for i, n in enumerate(names)}
+        #: fqn -> its row; until a row is asked for, fqn -> the table's own string
+        #: (enough for ``in`` and :meth:`shared`: a reader that checks names but
+        #: looks none up keeps no int per tensor, 5.8 MB for 181,580 tensors)
+        self._row: dict[str, Any] = dict(zip(names, names, strict=True))
+        self._numbered = False
+
+    @functools.cached_property
+    def start(self) -> np.ndarray:
+        """Where each tensor's dimensions begin in ``dims`` (made on first use)."""
+        return np.cumsum(self.ndim, dtype=np.int64) - self.ndim
 
     @classmethod
     def from_json(cls, d: Any, where: str) -> TensorTable:
@@ -92,7 +101,9 @@ class TensorTable(Mapping[str, dict[str, Any]]):
             k = int(np.flatnonzero(dims < 0)[0])
             i = int(np.searchsorted(np.cumsum(ndim), k, side="right"))
             raise bad(f"gives tensor {names[i]!r:.80} a negative dimension {int(dims[k])}")
-        table = cls(names, dtypes, dtype, ndim, dims)
+        # (checked: a tensor has at most MAX_NDIM dimensions, a dtype number below len(dtypes))
+        table = cls(names, dtypes, dtype.astype(np.uint8) if len(dtypes) <= 256 else dtype, ndim.astype(np.uint8),
+                    dims)
         if len(table._row) != n:
             seen: set[str] = set()
             dup = next(x for x in names if x in seen or seen.add(x))  # type: ignore[func-returns-value]
@@ -102,12 +113,21 @@ class TensorTable(Mapping[str, dict[str, Any]]):
     def shared(self, fqn: str) -> str:
         """This table's own string equal to ``fqn`` (``fqn`` itself if none):
         the skeleton's leaves keep it rather than a copy."""
-        i = self._row.get(fqn)
-        return fqn if i is None else self.names[i]
+        own = self._row.get(fqn)
+        return fqn if own is None else own if type(own) is str else self.names[own]
+
+    def _rows(self) -> dict[str, int]:
+        """fqn -> row (numbered in place on first use)."""
+        if not self._numbered:
+            row = self._row
+            for i, n in enumerate(self.names):
+                row[n] = i
+            self._numbered = True
+        return self._row
 
     def rows_of(self, names: list[str]) -> np.ndarray:
         """Each name's row in the table, -1 where it has none."""
-        row = self._row
+        row = self._rows()
         return np.fromiter((row.get(n, -1) for n in names), np.int64, len(names))
 
     def to_json(self) -> dict[str, Any]:
@@ -119,7 +139,7 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         return self.dims[a: a + int(self.ndim[i])].tolist()
 
     def __getitem__(self, fqn: str) -> dict[str, Any]:
-        i = self._row[fqn]
+        i = self._rows()[fqn]
         return {"dtype": self.dtypes[int(self.dtype[i])], "shape": self.shape(i)}
 
     def __contains__(self, fqn: object) -> bool:

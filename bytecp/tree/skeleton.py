@@ -28,7 +28,7 @@ from typing import Any, Literal
 from bytecp.errors import CorruptCheckpointError
 from bytecp.tree.bulk import gc_paused
 
-__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH", "pruned"]
+__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH", "pruned", "decode_compact"]
 
 NodeKind = Literal["dict", "list", "tuple", "tensor", "obj", "rank"]
 #: leaf kinds: the name of a tensor, of an object record, of a per-rank record
@@ -287,6 +287,95 @@ def pruned(doc: Any, own: Any) -> Any:
     if len(doc["k"]) != len(doc["v"]):
         return doc
     return {"k": keys, "v": vals} if keys else None
+
+
+class _NotCompact(Exception):
+    """(decode_compact) Not the plain compact form: the caller decodes it as JSON."""
+
+
+def decode_compact(text: str, pos: int, shared: Callable[[str], str] | None = None) -> tuple[Node | None, int]:
+    """The skeleton whose JSON starts at ``text[pos]`` in the compact form
+    (version 4: ``{"k", "v"}`` dicts, ``{"l"}``/``{"t"}`` lists, one-letter
+    leaves), and where its JSON ends: the :class:`Node` :meth:`Node.from_json`
+    makes of it, built as the JSON is read, each dict's JSON dropped as soon
+    as it is read (the JSON of a MoE's whole skeleton is 34 MB beside the
+    33 MB of its nodes). ``(None, pos)`` for any other form and anything
+    :meth:`~Node.from_json` refuses: the caller decodes it whole and that
+    names the fault. JSON that is not JSON raises ``ValueError``, as
+    ``json`` does."""
+    keys_seen: dict[str, str] = {}
+    letter, new = _FROM_LETTER.get, Node.__new__
+
+    def hook(obj: dict[str, Any]) -> Node:
+        if len(obj) == 2:
+            keys, vals = obj.get("k"), obj.get("v")
+            if type(keys) is not list or type(vals) is not list or len(keys) != len(vals):
+                raise _NotCompact
+            kind: NodeKind = "dict"
+        elif len(obj) == 1 and ("l" in obj or "t" in obj):
+            kind = "list" if "l" in obj else "tuple"
+            vals = obj["l" if kind == "list" else "t"]
+            if type(vals) is not list:
+                raise _NotCompact
+            keys = range(len(vals))
+        else:
+            raise _NotCompact
+        items: list[tuple[Any, Node]] = []
+        for k, c in zip(keys, vals, strict=True):
+            if type(k) is str:
+                k = keys_seen.setdefault(k, k)
+            elif not _key_ok(k):
+                raise _NotCompact
+            if type(c) is str:  # a leaf: named below, once its position's FQN is known
+                leaf_kind = letter(c)
+                if leaf_kind is None:
+                    raise _NotCompact
+                c = new(Node)
+                c.kind, c.name, c.items = leaf_kind, "", ()
+            elif type(c) is not Node:
+                raise _NotCompact
+            items.append((k, c))
+        return Node(kind, items=items)
+
+    try:
+        root, end = json.JSONDecoder(object_hook=hook).raw_decode(text, pos)
+        if type(root) is str and root in _FROM_LETTER:
+            return Node(_FROM_LETTER[root]), end
+        if type(root) is not Node:
+            return None, pos
+        _name_leaves(root, shared or str)
+    except _NotCompact:
+        return None, pos
+    return root, end
+
+
+def _name_leaves(root: Node, same: Callable[[str], str]) -> None:
+    """(decode_compact) Each one-letter leaf's name: its position's FQN, as
+    :meth:`Node.from_json` names it (a dict's leaves by ``same``); containers
+    nested deeper than :data:`MAX_DEPTH` are refused."""
+    # depth first, one iterator per open container (a stack of every sibling's FQN: 7 MB for a MoE's optimizer)
+    stack: list[tuple[Iterator[tuple[Any, Node]], str, Callable[[str], str]]] = []
+    node: Node | None = root
+    fqn = ""
+    while True:
+        if node is not None:
+            if len(stack) > MAX_DEPTH:
+                raise _NotCompact
+            stack.append((iter(node.items), f"{fqn}." if fqn else "", same if node.kind == "dict" else str))
+        items, base, named = stack[-1]
+        k, c = next(items, (None, None))
+        if c is None:
+            stack.pop()
+            if not stack:
+                return
+            node = None
+            continue
+        fqn = base + k if type(k) is str else base + str(k)
+        if c.items or c.kind not in LEAF_KINDS:
+            node = c
+        else:
+            c.name = named(fqn)
+            node = None
 
 
 def _key_ok(k: Any) -> bool:
