@@ -17,8 +17,9 @@ every rank, the experts' replicas deduplicated by the real planner).
 - ``commit, coordinator``: the union of the skeletons and specs the ranks
   send (``described_union``: merged at a job's first save, reused at the
   next ones, both measured), decoding every rank's encoded ``PartEntries``,
-  adding up their elements, ``build_directory`` over W of them, and
-  ``metadata.json`` built and serialized (the entries of ranks whose parts
+  adding up their elements, ``build_directory`` over W of them,
+  ``metadata.json`` built and serialized, and the outcome it broadcasts
+  (``outcome_of``) as every other rank unpickles it (the entries of ranks whose parts
   are not built are synthesized from real ones: :mod:`benchmarks.scale_parts`);
 - ``load``: ``metadata.json`` parsed (every rank), then per rank
   ``read_parts`` + ``plan_load`` on a checkpoint in a temporary directory
@@ -56,6 +57,7 @@ from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
 from bytecp.saving.commit import described_union
+from bytecp.saving.outcome import outcome_of
 from bytecp.storage_api import open_storage
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.regions import full_region
@@ -136,7 +138,7 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
     saves = itertools.count()
 
     @gc_paused()  # as build_metadata runs
-    def build(key: str, kept: Any = None) -> tuple[Any, int, tuple[Any, int]]:
+    def build(key: str, kept: Any = None) -> tuple[Any, int, tuple[Any, int, fmt.Metadata]]:
         # kept: no rank sends its skeleton (the coordinator announced the union it holds)
         union = described_union(lambda: (own, dict(own_specs), {}), [] if kept else [(*x, {}) for x in sent], 0,
                                 key, kept)
@@ -144,13 +146,17 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
         held = got.elements - union.elements  # build_metadata's check (not 0 here: entries are synthesized)
         pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets, union.tensors)
         md = sl.metadata_for(job, directory, files, union.skeleton, union.tensors, union.encoded)
-        return directory, len(md.to_bytes()), (union, held)
+        return directory, len(md.to_bytes()), (union, held, md)
 
     # a job's first save merges the skeletons sent; every later save of the same state reuses that union
-    t, mem, (directory, md_bytes, _) = measure(lambda: build(f"first-{next(saves)}"), repeats)
+    t, mem, (directory, md_bytes, (_, _, md)) = measure(lambda: build(f"first-{next(saves)}"), repeats)
     kept = build("again")[2][0]
     t_again, mem_again, _ = measure(lambda: build("again", kept), repeats)
+    # the outcome the commit broadcasts, as every other rank receives it (the whole metadata before)
+    wire = pickle.dumps(outcome_of(md), protocol=pickle.HIGHEST_PROTOCOL)
+    t_out, mem_out, _ = measure(lambda: pickle.loads(wire), repeats)
     return {"s": t, "peak_mb": mem / 1e6, "again_s": t_again, "again_peak_mb": mem_again / 1e6,
+            "outcome_kb": len(wire) / 1e3, "outcome_s": t_out, "outcome_peak_mb": mem_out / 1e6,
             "gathered_mb": sum(map(len, wire)) / 1e6,
             "skeletons_sent": len(sent), "skeletons_mb": len(pickle.dumps(sent)) / 1e6,
             "directory_mb": directory.nbytes / 1e6,

@@ -26,7 +26,10 @@ def _dcp(c: dict[str, Any], ref: dict[str, Any] | None) -> str:
 
 def _again(co: dict[str, Any]) -> str:
     """The coordinator's commit of a later save of the same state (runs before it measured only the first)."""
-    return f"{_ms(co['again_s'])}, {co['again_peak_mb']:.0f} MB " if "again_s" in co else ""
+    again = f"{_ms(co['again_s'])}, {co['again_peak_mb']:.0f} MB " if "again_s" in co else ""
+    if "outcome_kb" in co:  # what every other rank receives and unpickles
+        again += f"[outcome to each rank: {co['outcome_kb']:.1f} kB, {_ms(co['outcome_s'])}] "
+    return again
 
 
 def table(results: dict[str, Any]) -> str:

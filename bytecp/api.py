@@ -77,7 +77,10 @@ def save(
     ``state`` maps names to modules, optimizers, ``Stateful`` objects,
     tensors and plain values; the framework (DDP, FSDP1, FSDP2, plain) is
     detected from the objects. The keyword arguments are described on
-    :class:`~bytecp.options.SaveOptions`. Returns the committed metadata.
+    :class:`~bytecp.options.SaveOptions`. Returns the committed metadata
+    (on ranks other than the coordinator, for a state of 20,000 tensors and
+    data files or more, its skeleton, tensors, files and index are read
+    from ``metadata.json`` when first asked for: :mod:`bytecp.saving.outcome`).
     Raises :class:`~bytecp.errors.CheckpointExistsError` if a committed
     checkpoint is at ``url`` and ``overwrite`` is false. With ``base`` (an
     earlier checkpoint of the same run that this process saved), boxes

@@ -61,6 +61,7 @@ from bytecp.saving.commit import (
     tensor_specs,
 )
 from bytecp.saving.handles import wait_for_previous
+from bytecp.saving.outcome import CommittedMetadata, outcome_of
 from bytecp.saving.pins import held
 from bytecp.saving.results import (
     NOTHING_DESCRIBED,
@@ -339,7 +340,7 @@ class SavePipeline:
                     committed.append(md)  # from here on the files belong to a checkpoint
                 sp.nbytes, sp.files = len(data), 1
             faults.inject("committed", ctx.rank)
-            return md
+            return outcome_of(md)  # (a large state's without its large members: bytecp.saving.outcome)
 
         try:
             try:
@@ -352,6 +353,7 @@ class SavePipeline:
                 if done is None:
                     raise
                 md = done
+            md = committed[0] if committed else md.attach(self.storage) if isinstance(md, CommittedMetadata) else md
         except BaseException:
             PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:

@@ -74,3 +74,20 @@ def save_again(url: str) -> dict[str, Any]:
             "rebuilt": third.tensors is not second.tensors,
             "second": bytecp.load_state_dict(f"{url}/2") if r == 0 else None,
             "third": bytecp.load_state_dict(f"{url}/3") if r == 0 else None}
+
+
+def save_outcome(url: str) -> dict[str, Any]:
+    """(every rank) Save the ranks' kinds with every state counted large
+    (bytecp.saving.outcome): what ``save()`` returned on each rank, and its
+    large members, read when first asked for."""
+    from bytecp.saving import outcome
+
+    large, outcome.LARGE = outcome.LARGE, 0
+    try:
+        md = bytecp.save(url, kind_state(KINDS[dist.get_rank()]))
+    finally:
+        outcome.LARGE = large
+    lazy = type(md).__name__
+    dist.barrier()
+    return {"type": lazy, "unread": "tensors" not in md.__dict__, "save_id": md.save_id,
+            "tensors": sorted(md.tensors), "files": len(md.data_files), "skeleton": md.skeleton.to_json()}

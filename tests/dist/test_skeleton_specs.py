@@ -47,3 +47,15 @@ def test_the_union_of_skeletons_is_reused_only_while_every_rank_describes_the_sa
     assert third["kind_d"]["n"] == {"kind": "d", "ord": ord("d")}
     assert torch.equal(third["kind_d"]["t"], skeleton_cases.kind_state("d")["kind_d"]["t"])
     assert torch.equal(third["kind_b"]["t"], skeleton_cases.kind_state("b")["kind_b"]["t"])
+
+
+def test_a_large_states_commit_sends_the_ranks_its_small_members_only(pools: Any, tmp_path: Path) -> None:
+    """The coordinator broadcasts a large state's committed metadata
+    without its large members (bytecp/saving/outcome.py); ``save()`` on the
+    other ranks reads them from metadata.json when first asked for."""
+    out = pools(4).run(skeleton_cases.save_outcome, str(tmp_path / "ck"))
+    assert [o["type"] for o in out] == ["Metadata", "CommittedMetadata", "CommittedMetadata", "CommittedMetadata"]
+    assert all(o["unread"] for o in out[1:]), out
+    assert len({o["save_id"] for o in out}) == 1
+    for o in out[1:]:
+        assert (o["tensors"], o["files"], o["skeleton"]) == (out[0]["tensors"], out[0]["files"], out[0]["skeleton"])
