@@ -153,10 +153,10 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
     kept = build("again")[2][0]
     t_again, mem_again, _ = measure(lambda: build("again", kept), repeats)
     # the outcome the commit broadcasts, as every other rank receives it (the whole metadata before)
-    wire = pickle.dumps(outcome_of(md), protocol=pickle.HIGHEST_PROTOCOL)
-    t_out, mem_out, _ = measure(lambda: pickle.loads(wire), repeats)
+    sent_back = pickle.dumps(outcome_of(md), protocol=pickle.HIGHEST_PROTOCOL)
+    t_out, mem_out, _ = measure(lambda: pickle.loads(sent_back), repeats)
     return {"s": t, "peak_mb": mem / 1e6, "again_s": t_again, "again_peak_mb": mem_again / 1e6,
-            "outcome_kb": len(wire) / 1e3, "outcome_s": t_out, "outcome_peak_mb": mem_out / 1e6,
+            "outcome_kb": len(sent_back) / 1e3, "outcome_s": t_out, "outcome_peak_mb": mem_out / 1e6,
             "gathered_mb": sum(map(len, wire)) / 1e6,
             "skeletons_sent": len(sent), "skeletons_mb": len(pickle.dumps(sent)) / 1e6,
             "directory_mb": directory.nbytes / 1e6,
