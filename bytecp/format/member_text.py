@@ -20,7 +20,12 @@ from typing import Any
 from bytecp.format.tensor_table import table_json
 from bytecp.tree.skeleton import Node
 
-__all__ = ["EncodedMembers", "encode_members", "dumps_object", "dumps"]
+__all__ = ["EncodedMembers", "encode_members", "dumps_object", "dumps", "LARGE_STATE"]
+
+#: a state of this many tensors and data files together is large: between
+#: ranks its metadata travels as ``metadata.json`` text (a load) or without
+#: its large members (a commit's outcome: :mod:`bytecp.saving.outcome`)
+LARGE_STATE = 20_000
 
 
 def dumps(value: Any) -> str:

@@ -19,12 +19,13 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
+from bytecp.format.member_text import LARGE_STATE
 from bytecp.storage_api import Storage
 
 __all__ = ["CommittedMetadata", "outcome_of", "LARGE", "LAZY_FIELDS"]
 
 #: a state with this many tensors and data files together travels without its large members
-LARGE = 20_000
+LARGE = LARGE_STATE
 #: the members read from ``metadata.json`` when first asked for
 LAZY_FIELDS = ("skeleton", "tensors", "objects", "per_rank", "index_files", "data_files", "aliases", "index",
                "references")

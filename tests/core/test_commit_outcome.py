@@ -58,3 +58,24 @@ def test_a_checkpoint_overwritten_or_removed_since_is_named(tmp_path: Path, monk
     shutil.rmtree(url)
     with pytest.raises(CorruptCheckpointError, match=f"metadata.json of save {md.save_id} is gone"):
         _ = pickle.loads(sent).attach(open_storage(url)).data_files
+
+
+def test_a_large_states_load_sends_the_ranks_its_metadata_json_text(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load's metadata broadcast (bytecp/loading/opened.py ``Shared``): a
+    large state's metadata travels as the text it was read from, parsed by
+    each rank into the same metadata; a small one's as the object."""
+    from bytecp.loading import opened
+
+    url = str(tmp_path / "ck")
+    bytecp.save(url, _state(40))
+    small = pickle.loads(pickle.dumps(opened.open_checkpoint(url).share()))
+    assert small.raw is None and len(small.metadata.tensors) == 40
+    monkeypatch.setattr(opened, "LARGE_STATE", 10)
+    shared = opened.open_checkpoint(url).share()
+    assert shared.raw == (tmp_path / "ck" / "metadata.json").read_bytes()
+    got = pickle.loads(pickle.dumps(shared))
+    assert got.raw is None and got.index == shared.index
+    assert got.metadata.to_bytes() == shared.metadata.to_bytes()
+    assert dict(got.metadata.tensors) == dict(small.metadata.tensors)
+    assert got.metadata.skeleton.to_json() == small.metadata.skeleton.to_json()
