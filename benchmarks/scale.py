@@ -7,7 +7,10 @@ version 4; what would cross the network is built as the ranks build it and
 measured pickled. Two jobs with Adam (:mod:`benchmarks.scale_jobs`): LLaMA-7B
 under FSDP row sharding, and a DeepSeek-V3-like MoE (671B parameters, 256
 routed experts, EP 64 x data parallel, dense weights FSDP-sharded over
-every rank, the experts' replicas deduplicated by the real planner).
+every rank, the experts' replicas deduplicated by the real planner); a
+third on request (``--models moe_fsdp``): the same MoE with each expert
+FSDP-sharded over the ``W / 64`` data-parallel ranks of its EP index, as
+torchtitan lays it out (no replicas: 281M chunks at 131,072 ranks).
 
 - ``save plan``: one rank's vote (``vote_for``), the decoding of every
   rank's vote and the decision (``decide``), its first-save share
@@ -211,7 +214,7 @@ def run(worlds: list[int], models: list[str], repeats: int, dcp_worlds: dict[str
         rep = 1 if world >= big_repeats_from else repeats
         row: dict[str, Any] = {"zero_redundancy": zero_redundancy(world, rep)}
         for name in models:
-            job = jobs.llama_job(world) if name == "llama" else jobs.moe_job(world)
+            job = jobs.JOBS[name](world)
             t0 = time.perf_counter()
             entries = Entries(job, buckets_for(world))
             c: dict[str, Any] = {"label": job.label, "chunks": job.chunk_count(), "tensors": len(job.specs()),
@@ -233,7 +236,8 @@ def run(worlds: list[int], models: list[str], repeats: int, dcp_worlds: dict[str
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--worlds", default="512,4096,16384,65536,131072", help="simulated world sizes")
-    p.add_argument("--models", default="llama,moe")
+    p.add_argument("--models", default="llama,moe", help="of llama, moe, moe_fsdp (the MoE with its experts "
+                   "FSDP-sharded over data parallel, torchtitan's layout: 281M chunks at 131,072 ranks)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--big-repeats-from", type=int, default=16384, help="one repeat from this world size on")
     p.add_argument("--dcp-llama", default="512,4096", help="worlds where DCP's .metadata is built for LLaMA")

@@ -13,6 +13,11 @@ under expert and data parallelism, with Adam, at up to 131,072 ranks.
   weight is cut along dim 0 into pieces of at least 1 MiB among its
   holders; Adam's ``step`` (one 0-dim tensor per parameter) written by the
   least-loaded ranks, the highest: ``step`` ``i`` by rank ``W - 1 - i % W``;
+  with ``expert_fsdp`` (torchtitan's layout) each routed expert's tensors
+  are instead FSDP-sharded along dim 0 over the ``W / ep`` ranks of its EP
+  index (rank ``g + ep * j`` holds row shard ``j``, ``ceil(rows / (W / ep))``
+  rows, the last ranks possibly none), each shard held once: no replica
+  set, nothing for the planner to deduplicate;
 - :meth:`Job.chunks` / :meth:`Job.batch` -- one rank's chunk records after
   its write, as its commit has them;
 - :meth:`Job.targets` -- one rank's boxes at a load by the same layout;
@@ -33,12 +38,13 @@ import numpy as np
 
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.parts_schema import box_bands, buckets_for, span_limit
 from bytecp.plan.planner import WriteItem, plan_replicated
 from bytecp.tree.regions import Region, full_region
 
 from . import scale_sim as sim
 
-__all__ = ["Job", "SAVE_ID", "llama_job", "moe_job"]
+__all__ = ["Job", "SAVE_ID", "llama_job", "moe_job", "moe_fsdp_job", "JOBS"]
 
 SAVE_ID = "20261123T000000-00000000"
 STATES = ("exp_avg", "exp_avg_sq")
@@ -55,6 +61,8 @@ class Job:
     #: routed experts: per expert, name -> shape (empty: a dense model)
     experts: list[dict[str, tuple[int, ...]]] = dataclasses.field(default_factory=list)
     ep: int = 1
+    #: routed experts FSDP-sharded over the ``W / ep`` ranks of their EP index (torchtitan), not held whole
+    expert_fsdp: bool = False
 
     def __post_init__(self) -> None:
         self.sharded = [(f, s) for name, s in self.dense.items() for f in _states(name)]
@@ -81,8 +89,11 @@ class Job:
         return self.world // self.ep
 
     def chunk_count(self) -> int:
-        dense = sum(min(s[0], -(-s[0] // -(-s[0] // self.world))) for _, s in self.sharded)
-        experts = sum(len(ch) for ch in self.expert_plan(0).values()) * len(self.groups)
+        dense = sum(_shards(s[0], self.world) for _, s in self.sharded)
+        if self.expert_fsdp:  # every EP index's experts have the same shapes
+            experts = sum(_shards(s[0], self.holders()) for _, s in self.groups[0]) * len(self.groups)
+        else:
+            experts = sum(len(ch) for ch in self.expert_plan(0).values()) * len(self.groups)
         return dense + experts + len(self.steps)
 
     def own_bytes(self) -> np.ndarray:
@@ -97,6 +108,11 @@ class Job:
         for (rows, row_bytes), n in by_rows.items():
             step = -(-rows // w)
             out += n * row_bytes * np.clip(rows - ranks * step, 0, step)
+        if self.expert_fsdp:  # a rank's expert shards are its own too (same shapes in every EP index)
+            h, j = self.holders(), ranks // self.ep
+            for _, s in self.groups[0]:
+                step = -(-s[0] // h)
+                out += 4 * math.prod(s[1:]) * np.clip(s[0] - j * step, 0, step)
         return out
 
     @functools.cached_property
@@ -106,7 +122,7 @@ class Job:
     @functools.lru_cache(maxsize=4)  # noqa: B019 - a job lives for one world's run
     def expert_plan(self, g: int) -> dict[int, list[WriteItem]]:
         """What each holder of EP index ``g``'s experts writes of them (the planner's share)."""
-        if not self.groups:
+        if not self.groups or self.expert_fsdp:
             return {}
         items = [WriteItem(f, full_region(s), F32, 4, s) for f, s in self.groups[g]]
         ranks = list(range(g, self.world, self.ep))
@@ -121,9 +137,34 @@ class Job:
         """(fqn, box) of every chunk rank ``rank`` writes."""
         out = [(f, b) for f, s in self.sharded if (b := sim.row_box(s, self.world, rank)).numel]
         out += [(self.steps[i], full_region(())) for i in range(self.world - 1 - rank, len(self.steps), self.world)]
-        if experts and self.groups:
+        if experts and self.expert_fsdp:
+            out += self.expert_shards(rank)
+        elif experts and self.groups:
             out += [(it.fqn, it.region) for it in self.expert_plan(rank % self.ep).get(rank, [])]
         return out
+
+    def expert_shards(self, rank: int) -> list[Box]:
+        """(``expert_fsdp``) rank ``rank``'s row shards of its EP index's experts (the non-empty ones)."""
+        h, j = self.holders(), rank // self.ep
+        return [(f, b) for f, s in self.groups[rank % self.ep] if (b := sim.row_box(s, h, j)).numel]
+
+    def tiled_by_wide(self, fqn: str, boxes: list[Region]) -> bool:
+        """Whether this layout's rows of ``fqn`` that a reader's ``boxes`` (of
+        the same layout) need are all wide, so that wide rows tile the boxes:
+        an expert weight cut into pieces by the planner; with ``expert_fsdp``
+        an expert shard that meets more bands than the span limit (a rank's
+        box is its own row)."""
+        if ".experts." not in fqn or not self.groups or fqn in self.step_id:
+            return False
+        if not self.expert_fsdp:
+            return True
+        buckets = buckets_for(self.world)
+        shape, limit = self._shapes[fqn], span_limit(buckets)
+        for b in boxes:
+            lo, hi = box_bands(b.offsets, b.lengths, shape, buckets) if b.numel else (0, limit)
+            if hi - lo + 1 <= limit:
+                return False
+        return True
 
     def batch(self, boxes: list[Box], rank: int) -> tuple[ChunkBatch, dict[str, dict[str, Any]], dict[str, int]]:
         """Rank ``rank``'s chunk records (one data file, 4 KiB-aligned boxes) as
@@ -155,7 +196,7 @@ class Job:
         params = list(self.dense)
         if self.groups:
             g = rank % self.ep
-            out += [(f, full_region(s)) for f, s in self.groups[g]]
+            out += self.expert_shards(rank) if self.expert_fsdp else [(f, full_region(s)) for f, s in self.groups[g]]
             per = len(self.experts) // self.ep
             params += [n for e in range(g * per, (g + 1) * per) for n in self.experts[e]]
         out += [(f"optimizer.state.{n}.step", full_region(())) for n in params]
@@ -165,9 +206,14 @@ class Job:
         """The ranks whose chunks of ``fqn`` a rank's target of it meets (same layout)."""
         if fqn in self.step_id:
             return [self.step_writer(self.step_id[fqn])]
-        if self.groups and ".experts." in fqn:
+        if self.groups and ".experts." in fqn and not self.expert_fsdp:
             return sorted(r for r, items in self.expert_plan(rank % self.ep).items() if any(i.fqn == fqn for i in items))
         return [rank]
+
+
+def _shards(rows: int, n: int) -> int:
+    """The non-empty row shards of a tensor of ``rows`` rows over ``n`` ranks (FSDP2: ``ceil(rows / n)`` each)."""
+    return min(rows, -(-rows // -(-rows // n)))
 
 
 def _states(name: str) -> list[str]:
@@ -184,9 +230,20 @@ def moe_job(world: int, ep: int = 64) -> Job:
                experts, ep)
 
 
+def moe_fsdp_job(world: int, ep: int = 64) -> Job:
+    dense, experts = sim.deepseek_v3()
+    return Job(f"DeepSeek-V3-like MoE + Adam, EP {ep}, experts FSDP over DP {world // ep} (torchtitan; dense: FSDP "
+               "over all)", world, dense, experts, ep, expert_fsdp=True)
+
+
+#: the scale benchmark's jobs by ``--models`` name
+JOBS = {"llama": llama_job, "moe": moe_job, "moe_fsdp": moe_fsdp_job}
+
+
 def rank_tree(job: Job, rank: int) -> Any:
     """One rank's flattened state with the replica hints its adapter gives
-    (FSDP rows: its own; an expert: its EP index's holders; ``step``: every rank)."""
+    (FSDP rows: its own; an expert: its EP index's holders, or with
+    ``expert_fsdp`` its own row shard; ``step``: every rank)."""
     import torch
 
     from bytecp.tree.skeleton import Node
@@ -201,6 +258,11 @@ def rank_tree(job: Job, rank: int) -> Any:
         g = rank % job.ep
         held = ReplicaSet.of(tuple(range(g, job.world, job.ep)))
         for fqn, shape in job.groups[g]:
+            if job.expert_fsdp:
+                box = sim.row_box(shape, job.holders(), rank // job.ep)
+                tensors[fqn] = TensorLeaf(shape, torch.float32, [Shard(box, torch.zeros(1).expand(box.lengths))],
+                                          mine)
+                continue
             tensors[fqn] = TensorLeaf(shape, torch.float32, [Shard(full_region(shape), torch.zeros(1).expand(shape))],
                                       held)
     params = [t[0] for t in job.targets(rank) if t[0] in job.step_id]
@@ -238,14 +300,15 @@ def described(job: Job, rank: int) -> tuple[Any, dict[str, dict[str, Any]]]:
 
 def votes(job: Job, cached: str | None = None) -> list[bytes]:
     """Every rank's plan vote as :func:`~bytecp.plan.exchange.ballot` sends
-    it, encoded (own rows, the world set of the ``step`` tensors, its EP index's set)."""
+    it, encoded (own rows, the world set of the ``step`` tensors, its EP index's set unless
+    its experts are FSDP-sharded: then they are own rows)."""
     from bytecp.plan.exchange import PlanVote
     from bytecp.tree.state import ReplicaSet
 
     w = job.world
     world_set = (ReplicaSet.world(w).key, w, sim._hex("steps", len(job.steps)))
     sets = [tuple(sorted([world_set, *([(ReplicaSet.of(tuple(range(g, w, job.ep))).key, w // job.ep,
-                                        sim._hex("experts", g))] if job.groups else [])]))
+                                        sim._hex("experts", g))] if job.groups and not job.expert_fsdp else [])]))
             for g in range(max(1, job.ep))]
     own = job.own_bytes()
     return [PlanVote(sim._hex("fp", r), cached, sim._hex("skeleton", r % job.ep if job.groups else 0),

@@ -82,7 +82,7 @@ def prepare(root: Path, job: Job, entries: Entries, readers: list[int], cap: int
     wants = {r: wanted_of(job.targets(r)) for r in readers}
     while True:
         every = entries.all()
-        seen = {r: touched(every, md_stub, w) for r, w in wants.items()}
+        seen = {r: touched(every, md_stub, w, job.tiled_by_wide) for r, w in wants.items()}
         need = set().union(*(s[0] for s in seen.values())) - entries.real.keys()
         if len(need | entries.real.keys()) > cap:
             return {"written": False, "touched": {r: _counts(s) for r, s in seen.items()}}

@@ -18,6 +18,14 @@ expert pieces make (the EP index 0 replica set's real plan, at the rank's
 position among its holders, names moved to its experts; cut as
 ``build_part`` cuts them; sizes fitted on the real wide segments), and the
 0-dim ``step`` values it writes (the directory's scalar pages list them).
+
+With experts FSDP-sharded over the data-parallel ranks (``Job.expert_fsdp``)
+a rank's expert rows lie at ``j / (W / ep)`` of its tensors (``j = r // ep``)
+while its dense rows lie at ``r / W``: no sample's bands scale to another
+rank's. There every other rank's segments are laid out as ``build_part``
+lays them out, from its rows' bands computed per shape (:class:`Layout`:
+band segments cut by ``build_part``'s own ``_cut_bands``, wide segments
+4,096 names apiece), their sizes fitted on the sample ranks' real parts.
 """
 
 from __future__ import annotations
@@ -25,13 +33,14 @@ from __future__ import annotations
 import bisect
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from bytecp.format import parts_read
-from bytecp.format.parts_build import BuiltPart, PartEntries, Scalar, build_part
-from bytecp.format.parts_schema import PAGE_ENTRIES, SEGMENT_ROWS, PartsDirectory
+from bytecp.format.parts_build import BuiltPart, PartEntries, Scalar, _cut_bands, build_part
+from bytecp.format.parts_schema import PAGE_ENTRIES, SEGMENT_ROWS, PartsDirectory, span_limit
 from bytecp.tree.regions import Region
 
 from .scale_jobs import SAVE_ID, Job
@@ -50,6 +59,10 @@ def _samples(job: Job) -> list[tuple[int, int, list[int]]]:
     cuts = {0, w, max(0, w - n), w - n % w if n > w else 0}
     for _, s in job.sharded:
         cuts.add(min(w, -(-s[0] // -(-s[0] // w))))
+    if job.expert_fsdp:  # where the ranks holding rows of an expert shape end
+        h = job.holders()
+        for _, s in job.groups[0]:
+            cuts.add(job.ep * min(h, -(-s[0] // -(-s[0] // h))))
     edges = sorted(c for c in cuts if 0 <= c <= w)
     out = []
     for a, b in zip(edges, edges[1:], strict=False):
@@ -69,11 +82,15 @@ class Entries:
         self.real: dict[int, BuiltPart] = {}
         self.band: dict[int, PartEntries] = {}
         self.intervals = _samples(job)
+        # expert_fsdp: the samples' real parts, experts included (the fits of the sizes; commit's candidates)
         for _, _, picks in self.intervals:
             for s in picks:
-                self.band[s] = real_part(job, s, buckets, experts=False).entries
+                self.band[s] = real_part(job, s, buckets, experts=job.expert_fsdp).entries
         self.wide = self._wide_templates()
         self.fit = (0.0, 0.0)
+        self.layout = Layout(job, buckets) if job.expert_fsdp else None
+        self.band_fit = _fit([(r, z) for e in self.band.values()
+                              for r, z in zip(e.rows[:len(e.lo)], e.size[:len(e.lo)], strict=True)])
         if job.groups:
             for r in sorted({0, job.world // 2, job.ep * (job.holders() // 3)}):
                 self.add_real(r)
@@ -84,8 +101,7 @@ class Entries:
             pts = [(rows, size) for p in self.real.values() for rows, size in
                    zip(p.entries.rows[len(p.entries.lo):], p.entries.size[len(p.entries.lo):], strict=True)]
             if pts:
-                xs, ys = np.asarray(pts, float).T
-                self.fit = tuple(np.polyfit(xs, ys, 1)) if len(set(xs)) > 1 else (0.0, float(ys.mean()))
+                self.fit = _fit(pts)
         return self.real[rank]
 
     def _wide_templates(self) -> dict[int, list[tuple[list[str], int]]]:
@@ -105,6 +121,8 @@ class Entries:
         return _EXPERT.sub(lambda m: f".experts.{int(m.group(1)) + group * per}.", name, count=1)
 
     def synthetic(self, rank: int, renamed: dict[str, str] | None = None) -> PartEntries:
+        if self.layout is not None:
+            return self.laid_out(rank)
         picks = next(p for a, b, p in self.intervals if a <= rank < b)
         k = bisect.bisect_left(picks, rank)
         near = [p for p in picks[max(0, k - 1): k + 1] if p > 0] or picks[:1]
@@ -140,6 +158,25 @@ class Entries:
         e.nbytes = off
         return e
 
+    def laid_out(self, rank: int) -> PartEntries:
+        """(``expert_fsdp``) Rank ``rank``'s entries as :class:`Layout` lays its rows out."""
+        assert self.layout is not None
+        lo, hi, rows, wide, elements = self.layout.segments(rank)
+        job = self.job
+        rank_file = f"data/{SAVE_ID}/{rank}-0.bin"
+        scalars = [Scalar(job.steps[i], rank_file, 0, 4, 1234) for i in range(job.world - 1 - rank, len(job.steps),
+                                                                                  job.world)]
+        sizes = [max(64, int(self.band_fit[0] * n + self.band_fit[1])) for n in rows]
+        sizes += [max(64, int(self.fit[0] * n + self.fit[1])) for _, n in wide]
+        e = PartEntries(rank=rank, elements=elements + len(scalars), lo=lo, hi=hi, size=sizes,
+                        rows=rows + [n for _, n in wide], crc=[0] * len(sizes), scalars=scalars)
+        e.offset = np.concatenate([[0], np.cumsum(sizes[:-1])]).astype(int).tolist() if sizes else []
+        e.nbytes = sum(sizes)
+        for k, (names, _) in enumerate(wide):
+            e.names += names
+            e.name_seg += [k] * len(names)
+        return e
+
     def all(self) -> list[PartEntries]:
         """Every rank's entries: the real ones where built, else synthetic."""
         maps: list[dict[str, str]] = [{} for _ in range(max(1, self.job.ep))]
@@ -154,6 +191,83 @@ class Entries:
 _EXPERT = re.compile(r"\.experts\.(\d+)\.")
 
 
+def _fit(pts: list[tuple[int, int]]) -> tuple[float, float]:
+    """(slope, intercept) of a segment's bytes over its rows."""
+    if not pts:
+        return 0.0, 0.0
+    xs, ys = np.asarray(pts, float).T
+    if len(set(xs)) < 2:
+        return 0.0, float(ys.mean())
+    slope, at0 = np.polyfit(xs, ys, 1)
+    return float(slope), float(at0)
+
+
+class Layout:
+    """(``Job.expert_fsdp``) Any rank's part segments as ``build_part`` lays
+    them out (band segments: ``[lo, hi]`` and rows; wide segments: names and
+    rows), from its rows' bands, computed once per shape: a rank holds one row
+    box of every tensor (FSDP rows over ``W`` ranks; an expert's over the
+    ``W / ep`` of its EP index), and every tensor of a shape has the same
+    bands. Rows of one first band are ordered by name, as ``build_part``
+    orders them, where shapes of different last bands share it (elsewhere
+    their order changes no segment)."""
+
+    def __init__(self, job: Job, buckets: int) -> None:
+        self.job, self.buckets, self.limit = job, buckets, span_limit(buckets)
+        self.dense = _by_shape(job.sharded)
+        self.experts = [_by_shape(g) for g in job.groups]
+        every = sorted(f for kinds in (self.dense, *self.experts) for names in kinds.values() for f in names)
+        at = {f: i for i, f in enumerate(every)}  # a name's place among all: orders a rank's names as its own do
+        self.ids = {f: np.asarray([at[n] for n in names], np.int64)
+                    for kinds in (self.dense, *self.experts) for names in kinds.values() for f in names[:1]}
+
+    def rows(self, rank: int) -> tuple[list[tuple[int, int, int, str]], list[str], int]:
+        """Rank ``rank``'s banded rows as (lo, hi, count, first name) per shape, its wide
+        rows' names (sorted), and its rows' elements."""
+        job, b = self.job, self.buckets
+        band: list[tuple[int, int, int, str]] = []
+        wide: list[str] = []
+        elements = 0
+        for kinds, n, i in ((self.dense, job.world, rank),
+                            (self.experts[rank % job.ep], job.holders(), rank // job.ep)):
+            for (rows, cols), names in kinds.items():
+                step = -(-rows // n)
+                a = min(i * step, rows)
+                z = min(a + step, rows)
+                if z <= a:
+                    continue
+                lo, hi = a * cols * b // (rows * cols), (z * cols - 1) * b // (rows * cols)
+                elements += (z - a) * cols * len(names)
+                if hi - lo + 1 <= self.limit:
+                    band.append((lo, hi, len(names), names[0]))
+                else:
+                    wide += names
+        return band, sorted(wide), elements
+
+    def segments(self, rank: int) -> tuple[list[int], list[int], list[int], list[tuple[list[str], int]], int]:
+        """(band segments' lo, hi, rows; wide segments' (names, rows); elements)."""
+        band, wide, elements = self.rows(rank)
+        band.sort(key=lambda t: t[0])
+        counts = [t[2] for t in band]
+        lo = np.repeat(np.asarray([t[0] for t in band], np.int64), counts)
+        hi = np.repeat(np.asarray([t[1] for t in band], np.int64), counts)
+        order = np.arange(len(lo))
+        if len({(t[0], t[1]) for t in band}) > len({t[0] for t in band}):  # a first band, two last ones: by name
+            order = np.lexsort((np.concatenate([self.ids[t[3]] for t in band]), lo))
+        groups = _cut_bands(order, lo, self.limit)
+        segs = [wide[s : s + SEGMENT_ROWS] for s in range(0, len(wide), SEGMENT_ROWS)]
+        return ([int(lo[g].min()) for g in groups], [int(hi[g].max()) for g in groups], [len(g) for g in groups],
+                [(names, len(names)) for names in segs], elements)
+
+
+def _by_shape(tensors: list[tuple[str, tuple[int, ...]]]) -> dict[tuple[int, int], list[str]]:
+    """(rows, elements per row) -> the tensors of that shape (sorted names)."""
+    out: dict[tuple[int, int], list[str]] = {}
+    for fqn, s in tensors:
+        out.setdefault((s[0], math.prod(s[1:])), []).append(fqn)
+    return {k: sorted(v) for k, v in out.items()}
+
+
 def tiled_by_wide_rows(fqn: str) -> bool:
     """Whether the jobs' rows of ``fqn`` are all wide, so that its wide rows
     tile any box of it: an expert weight, cut by the planner into at most 56
@@ -162,11 +276,14 @@ def tiled_by_wide_rows(fqn: str) -> bool:
     return ".experts." in fqn
 
 
-def touched(entries: list[PartEntries], md: Any, wanted: dict[str, list[Region]]) -> tuple[set[int], int, int]:
+def touched(entries: list[PartEntries], md: Any, wanted: dict[str, list[Region]],
+            tiled: Callable[[str, list[Region]], bool] | None = None) -> tuple[set[int], int, int]:
     """The ranks whose parts :func:`~bytecp.format.parts_read.read_parts` reads for
     ``wanted``, as it selects them (no band lookup for the boxes that wide
-    rows tile); and the segments (and scalar pages) and rows it reads."""
-    bands = parts_read.wanted_bands(md, {f: b for f, b in wanted.items() if not tiled_by_wide_rows(f)})
+    rows tile: ``tiled(fqn, boxes)``, by default :func:`tiled_by_wide_rows`);
+    and the segments (and scalar pages) and rows it reads."""
+    tiled = tiled or (lambda f, _: tiled_by_wide_rows(f))
+    bands = parts_read.wanted_bands(md, {f: b for f, b in wanted.items() if not tiled(f, b)})
     names = sorted(wanted)
     ranks: set[int] = set()
     segs = rows = 0

@@ -8,6 +8,8 @@ from typing import Any
 
 __all__ = ["table", "growth"]
 
+NAMES = {"llama": "LLaMA-7B", "moe": "MoE", "moe_fsdp": "MoE, experts FSDP"}
+
 
 def _ms(s: float) -> str:
     return f"{s:.2f} s" if s >= 1 else f"{s * 1e3:.0f} ms" if s >= 0.01 else f"{s * 1e3:.1f} ms"
@@ -39,7 +41,7 @@ def table(results: dict[str, Any]) -> str:
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     refs: dict[str, dict[str, Any]] = {}
     for world, row in results["worlds"].items():
-        for name in ("llama", "moe"):
+        for name in ("llama", "moe", "moe_fsdp"):
             c = row.get(name)
             if c is None:
                 continue
@@ -57,7 +59,7 @@ def table(results: dict[str, Any]) -> str:
                         "parts")
                 nothing, md = "–", f"{co['metadata_mb']:.1f} MB"
             lines.append(
-                f"| {'MoE' if name == 'moe' else 'LLaMA-7B'} | {int(world):,} | {c['chunks'] / 1e6:.1f}M "
+                f"| {NAMES[name]} | {int(world):,} | {c['chunks'] / 1e6:.1f}M "
                 f"| {_ms(sp['vote_s'] + sp['decide_s'])}, {max(sp['vote_peak_mb'], sp['decide_peak_mb']):.0f} MB "
                 f"({sp['votes_received_bytes'] / 1e6:.1f} MB of votes) "
                 f"| {_ms(sp['share_s'])}, {sp['share_peak_mb']:.0f} MB "
@@ -92,5 +94,7 @@ def growth(results: dict[str, Any], name: str) -> dict[str, float]:
 if __name__ == "__main__":
     res = json.loads(open(sys.argv[1]).read())
     print(table(res))
-    for m in ("llama", "moe"):
+    for m in ("llama", "moe", "moe_fsdp"):
+        if not any(m in row for row in res["worlds"].values()):
+            continue
         print(m, {k: round(v, 1) for k, v in growth(res, m).items()})

@@ -19,7 +19,7 @@ import torch
 from benchmarks import scale_jobs as jobs
 from benchmarks import scale_load as sl
 from benchmarks import scale_sim as sim
-from benchmarks.scale_parts import real_part
+from benchmarks.scale_parts import Layout, real_part
 from bytecp.format import metadata as fmt
 from bytecp.format import parts_read
 from bytecp.format.parts_build import build_directory
@@ -213,6 +213,32 @@ def test_moe_experts_replicated_over_data_parallel_are_read_whole_from_their_pie
     for rank in (0, 13, 31):
         read_exactly(md, storage, [t for t in job.targets(rank) if t[1].numel])
         assert storage.read  # its experts' pieces: the wide segments of their holders, named one by one
+
+
+def test_moe_experts_fsdp_over_data_parallel_tile_once_and_are_laid_out_as_built(tmp_path: Path) -> None:
+    # torchtitan's layout: each expert row-sharded over the 32 DP ranks of its EP index (100 rows: 4 a
+    # shard, the last 7 ranks of each index hold none), nothing replicated
+    dense, experts = sim.deepseek_v3(layers=3, dense_layers=1, hidden=64, experts=8, expert_ffn=100,
+                                     dense_ffn=96, vocab=512, heads=2, q_lora=32, kv_lora=16, nope=8, rope=4, v_dim=8)
+    job = jobs.Job("small moe, experts fsdp", 128, dense, experts, ep=4, expert_fsdp=True)
+    assert not job.expert_plan(0)
+    assert {job.shape(f) for f, _ in job.expert_shards(4 * 30 + 1)} == {(64, 100)}  # no row of a 100-row one
+    written: dict[str, list[Region]] = defaultdict(list)
+    for r in range(job.world):
+        for fqn, box in job.chunks(r):
+            written[fqn].append(box)
+    assert_tiles(written, {f: tuple(s["shape"]) for f, s in job.specs().items()})
+    assert sum(map(len, written.values())) == job.chunk_count()
+    md, storage, total_rows = write_world(tmp_path / "ck", job)
+    assert job.chunk_count() == total_rows
+    layout, buckets = Layout(job, buckets_for(job.world)), buckets_for(job.world)
+    for r in range(job.world):  # the synthetic entries of the scale benchmark: every rank's, as build_part's
+        e, (lo, hi, rows, wide, elements) = real_part(job, r, buckets).entries, layout.segments(r)
+        nb = len(e.lo)
+        assert (lo, hi, rows, elements + len(e.scalars)) == (e.lo, e.hi, e.rows[:nb], e.elements), r
+        assert [n for names, _ in wide for n in names] == e.names and [n for _, n in wide] == e.rows[nb:], r
+    for rank in (0, 13, 127):
+        read_exactly(md, storage, [t for t in job.targets(rank) if t[1].numel])
 
 
 def test_zero_redundancy_assignment_alone_equals_the_gathered_one() -> None:
