@@ -131,15 +131,25 @@ def build_part(
 def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray]:
     """Banded rows (sorted by first band) into segments of at most
     :data:`SEGMENT_ROWS` rows whose first bands lie within ``limit`` of each
-    other -- once a segment has 16 rows (a segment per row or two would
-    cost a read and a check per row), or at once across a gap of more than
-    4 times ``limit`` (rows far apart: readers of one need not read the other)."""
+    other and leave no gap of more than ``limit / 16`` bands (64 at least)
+    between two rows -- once a segment has 16 rows (a segment per row or two
+    would cost a read and a check per row), or at once across a gap of more
+    than 4 times ``limit`` (rows far apart: readers of one need not read the
+    other). A reader reads every segment whose bands meet its own: a rank's
+    rows of tensors sharded differently (an expert's 2,048 rows over its
+    data-parallel group, an embedding's 129,280 over every rank) lie at
+    different bands, and one segment spanning both would be read by the
+    readers of everything between."""
     out: list[np.ndarray] = []
+    step = max(64, limit // 16)
     s = 0
     while s < len(order):
         e = min(len(order), s + SEGMENT_ROWS)
-        gap = lo[order[s:e]] - lo[order[s]]
-        far = np.flatnonzero((gap > limit) & ((np.arange(len(gap)) >= 16) | (gap > 4 * limit)))
+        first = lo[order[s:e]]
+        gap = first - first[0]
+        apart = np.zeros(len(first), bool)
+        apart[1:] = np.diff(first) > step
+        far = np.flatnonzero(((gap > limit) | apart) & ((np.arange(len(gap)) >= 16) | (gap > 4 * limit)))
         e = s + int(far[0]) if len(far) else e
         out.append(order[s:e])
         s = e

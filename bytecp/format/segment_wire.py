@@ -184,12 +184,12 @@ def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | 
     kept or not), each kept row's box checked as well formed
     (:func:`bytecp.format.limits.check_chunk_records`). Records are built for
     the kept rows only."""
-    m = len(seg.names)
-    infos = [md.tensors.get(name) for name in seg.names]
-    if None in infos:  # refused if a row names it (any row, wanted or not)
+    m, tensors = len(seg.names), md.tensors
+    missing = [k for k, name in enumerate(seg.names) if name not in tensors]
+    if missing:  # refused if a row names it (any row, wanted or not)
         used = np.bincount(seg.name_id, minlength=m) > 0
-        for k, info in enumerate(infos):
-            if info is None and used[k]:
+        for k in missing:
+            if used[k]:
                 raise CorruptCheckpointError(f"{label}: a row names tensor {seg.names[k]!r:.80}, which metadata.json "
                                              "lacks")
     wanted = np.asarray([fqns is None or name in fqns for name in seg.names], bool)
@@ -197,13 +197,15 @@ def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | 
     if not len(keep):
         return []
     start = np.cumsum(seg.ndim) - seg.ndim
-    heads = [(name, info["dtype"], tuple(info["shape"])) if info is not None else None
-             for name, info in zip(seg.names, infos, strict=True)]
+    heads: list[tuple[str, str, tuple[int, ...]] | None] = [None] * m
+    for k in np.unique(seg.name_id[keep]).tolist():  # the dtype and shape of the kept rows' tensors only
+        info = tensors[seg.names[k]]
+        heads[k] = (seg.names[k], info["dtype"], tuple(info["shape"]))
     offsets, lengths = seg.offsets.tolist(), seg.lengths.tolist()
     out = []
     for nid, fid, s, nd, bo, nb, crc in zip(*(c[keep].tolist() for c in (
             seg.name_id, seg.file_id, start, seg.ndim, seg.byte_offset, seg.nbytes, seg.crc32c)), strict=True):
-        fqn, dtype, shape = heads[nid]
+        fqn, dtype, shape = heads[nid]  # (every kept row's is set above)
         out.append(fmt.ChunkRecord(fqn, dtype, shape, tuple(offsets[s : s + nd]), tuple(lengths[s : s + nd]),
                                    seg.files[fid], bo, nb, crc))
     limits.check_chunk_records(label, out)

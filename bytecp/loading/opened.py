@@ -240,7 +240,7 @@ class _Found:
     max_rows: int | None = None
     rows: list[fmt.ChunkRecord] | None = None
     files: int = 1  # files read: metadata.json, then the whole index's files
-    #: metadata.json as read (a bytecp checkpoint's)
+    #: metadata.json as read (a large state's: sent in the load's broadcast, :class:`Shared`)
     raw: bytes | None = None
 
 
@@ -381,9 +381,7 @@ class OpenedCheckpoint:
 
     def share(self) -> Shared:
         """(coordinator of a load) What the other ranks receive in the metadata broadcast."""
-        md, raw = self.metadata, self._found.raw
-        large = raw is not None and len(md.tensors) + len(md.data_files) >= LARGE_STATE
-        return Shared(md, self.index.for_ranks(self), raw if large else None, self.storage.url)
+        return Shared(self.metadata, self.index.for_ranks(self), self._found.raw, self.storage.url)
 
     @classmethod
     def received(cls, storage: Storage, shared: Shared) -> OpenedCheckpoint:
@@ -447,4 +445,5 @@ def open_checkpoint(src: str | Storage, *, foreign: bool = False, format: str | 
         storage = references.linked(storage, md)
     index: RowSource = _WholeIndex() if md.index is None else \
         _Parts() if isinstance(md.index, fmt.PartsDirectory) else _Segments()
-    return OpenedCheckpoint(storage, md, index, _Found(raw=raw))
+    return OpenedCheckpoint(storage, md, index, _Found(raw=raw if len(md.tensors) + len(md.data_files) >= LARGE_STATE
+                                                        else None))

@@ -184,19 +184,19 @@ def holdings(
 def ballot(
     held: LocalSavePlan, fingerprint: str, flat: FlatTree, cache_key: Any, save_id: str | None,
     objects: tuple[str, ...] = (), target: str = "", step: int | None = None, context: int = 0,
-    union: str = "",
+    unions: tuple[str, ...] = (),
 ) -> tuple[bytes, tuple[str, list[WriteItem]] | None]:
     """(every rank, inside the plan phase's all-gather) This rank's vote for
     the boxes it writes from (``held``), with the digest its cached plan for
     ``fingerprint`` was made for and the digest of its state's specs,
     encoded (:meth:`PlanVote.encode`); and that cached plan (None: none).
-    ``save_id``, ``objects`` and ``union`` (the specs key of the union of
+    ``save_id``, ``objects`` and ``unions`` (the specs keys of the unions of
     skeletons it keeps): the coordinator's; ``target``, ``step``
     and ``context``: which save this is (:mod:`bytecp.saving.resync`)."""
     cached = PLAN_CACHE.get(cache_key, fingerprint)
     vote = vote_for(held, fingerprint, cached[0] if cached else None, specs_digest(flat), save_id)
     return dataclasses.replace(vote, objects=objects, target=target, step=step, context=context,
-                               union=union).encode(), cached
+                               unions=unions).encode(), cached
 
 
 def _resolve(

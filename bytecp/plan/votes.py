@@ -11,8 +11,8 @@ Layout (little-endian): a fixed header (:data:`HEADER`: flags, the number
 of replica sets, own bytes, five 16-byte digests, the rank's context number), one fixed entry per
 replica set (:data:`SET_ENTRY`: the set's 12-byte key, its size, the
 16-byte fingerprint of its boxes), then a short JSON tail (the save id and
-object names, the coordinator's; the target; the step; the specs key of
-the union of skeletons the coordinator keeps). Digests given as 32 hex
+object names, the coordinator's; the target; the step; the specs keys of
+the unions of skeletons the coordinator keeps). Digests given as 32 hex
 digits are stored as their 16 bytes (and read back as the same hex);
 any other text (a test's ``"s"``) is hashed to 16 bytes first, which keeps
 comparisons exact. Replica-set keys are :attr:`ReplicaSet.key
@@ -40,7 +40,7 @@ HEADER = np.dtype([
 ])
 #: one replica set the voting rank is in (its 12-byte key padded with zeros to 16)
 SET_ENTRY = np.dtype([("key", "V16"), ("size", "<u4"), ("fp", "V16")])
-VERSION = 2
+VERSION = 3
 #: the header's flag bits: a cached plan's digest, boxes without a hint, a fixed share, own boxes
 CACHED, UNKNOWN, FIXED, OWN = 1, 2, 4, 8
 _HEX = frozenset("0123456789abcdef")
@@ -103,16 +103,16 @@ class PlanVote:
     step: int | None = None
     #: the number of this rank's distributed context (``DistContext.uid``)
     context: int = 0
-    #: the coordinator's only: the specs key of the union of skeletons it
-    #: keeps from its last commit ("": none); when the decision's key is the
-    #: same, no rank sends its skeleton at commit (:mod:`bytecp.saving.commit`)
-    union: str = ""
+    #: the coordinator's only: the specs keys of the unions of skeletons it
+    #: keeps from its last commits; when the decision's key is one of them,
+    #: no rank sends its skeleton at commit (:mod:`bytecp.saving.commit`)
+    unions: tuple[str, ...] = ()
 
     def encode(self) -> bytes:
         """(every rank, inside the plan all-gather) The vote as flat bytes (see the module)."""
         flags = ((CACHED if self.cached_for is not None else 0) | (UNKNOWN if self.unknown else 0)
                  | (FIXED if self.fixed else 0) | (OWN if self.own_fp else 0))
-        tail = json.dumps([self.save_id, list(self.objects), self.target, self.step, self.union],
+        tail = json.dumps([self.save_id, list(self.objects), self.target, self.step, list(self.unions)],
                           separators=(",", ":")).encode()
         head = np.zeros(1, HEADER)
         head[0] = (VERSION, flags, len(self.sets), self.own_bytes, digest16(self.fingerprint),
@@ -132,14 +132,14 @@ def read_vote(data: bytes) -> PlanVote:
     head = np.frombuffer(data, HEADER, 1)[0]
     n = int(head["nsets"])
     sets = np.frombuffer(data, SET_ENTRY, n, HEADER.itemsize)
-    save_id, objects, target, step, union = json.loads(data[len(data) - int(head["tail"]):])
+    save_id, objects, target, step, unions = json.loads(data[len(data) - int(head["tail"]):])
     flags = int(head["flags"])
     return PlanVote(
         bytes(head["fingerprint"]).hex(), bytes(head["cached_for"]).hex() if flags & CACHED else None,
         bytes(head["skeleton"]).hex(), save_id, int(head["own_bytes"]),
         tuple((key_text(bytes(s["key"])), int(s["size"]), bytes(s["fp"]).hex()) for s in sets),
         bool(flags & UNKNOWN), tuple(objects), bytes(head["own_fp"]).hex() if flags & OWN else "",
-        bool(flags & FIXED), target, step, int(head["context"]), union)
+        bool(flags & FIXED), target, step, int(head["context"]), tuple(unions))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,7 +192,7 @@ class VoteTable:
         return (self.heads["flags"] & bit) != 0
 
     def tail_of(self, rank: int) -> list[Any]:
-        """A rank's JSON tail: [save id, objects, target, step, union] (read
+        """A rank's JSON tail: [save id, objects, target, step, unions] (read
         one rank at a time: error texts and ranks in different saves only)."""
         data = self.votes[rank]
         return list(json.loads(data[len(data) - int(self.heads["tail"][rank]):]))

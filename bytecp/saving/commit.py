@@ -41,6 +41,7 @@ from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
+from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.plan.planner import check_replicas
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
@@ -52,7 +53,7 @@ from bytecp.tree.skeleton import Node, pruned
 from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
-    "build_metadata", "merge_described", "DescribedUnion", "described_union", "kept_union", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
+    "build_metadata", "merge_described", "DescribedUnion", "described_union", "kept_unions", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
     "remove_replaced", "late_commit_check",
 ]
 
@@ -93,13 +94,15 @@ def merge_described(skeleton: Node, tensors: dict[str, dict[str, Any]],
 @dataclasses.dataclass(frozen=True, eq=False)
 class DescribedUnion:
     """The union of what the ranks describe, as a commit's ``metadata.json``
-    holds it (read-only: the next save of the same state shares it)."""
+    holds it: the next saves of the same state share it, so the specs are a
+    read-only :class:`~bytecp.format.tensor_table.TensorTable` and each
+    commit's metadata gets its own copy of the aliases."""
 
     #: the plan decision's specs key ("": never reused) and the coordinator that built it
     specs_key: str
     coordinator: int
     skeleton: Node
-    tensors: dict[str, dict[str, Any]]
+    tensors: TensorTable
     aliases: dict[str, str]
     #: the tensors' elements, all together (the commit's count of what the ranks hold)
     elements: int
@@ -107,18 +110,17 @@ class DescribedUnion:
     encoded: EncodedMembers
 
 
-#: by the save pipeline's plan-cache key: the union its last commit built
-#: (its coordinator announces the union's specs key in its vote; when the
-#: decision's is the same, no rank sends its skeleton and specs)
-_KEPT: dict[Any, DescribedUnion] = {}
-#: a process saving several states (a model and an EMA copy) keeps each one's
+#: by (the save pipeline's plan-cache key, specs key): the unions its last
+#: commits built, the newest last (its coordinator announces their keys in
+#: its vote; when the decision's is one of them, no rank sends its skeleton)
+_KEPT: dict[tuple[Any, str], DescribedUnion] = {}
+#: a process saving several states in turn (a model and an EMA copy) keeps each one's
 _KEPT_MAX = 4
 
 
-def kept_union(slot: Any, coordinator: int) -> DescribedUnion | None:
-    """(coordinator, as it votes) The union the last commit under ``slot`` built, if it built it."""
-    union = _KEPT.get(slot)
-    return union if union is not None and union.coordinator == coordinator else None
+def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
+    """(coordinator, as it votes) The unions the last commits under ``slot`` built, if it built them."""
+    return [u for (s, _), u in _KEPT.items() if s == slot and u.coordinator == coordinator]
 
 
 def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dict[str, str]]],
@@ -128,22 +130,26 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
     """(coordinator, at commit) :func:`merge_described` of the coordinator's
     skeleton, tensor specs and aliases (``own()``: asked for only when the
     union is built) and what ``sent`` (rank, skeleton JSON, specs, aliases), with its elements
-    and JSON text: ``kept`` when it was built for ``specs_key`` (every
-    distinct skeleton's digest and its lowest rank, from the plan's votes:
+    and JSON text; or ``kept``, built for ``specs_key`` (every distinct
+    skeleton's digest and its lowest rank, from the plan's votes:
     :attr:`~bytecp.plan.decide.PlanDecision.specs_key`; then nobody sent
-    anything). A new one is kept under ``slot`` for the next save. A state
+    anything). A new one is kept under ``slot`` for the next saves. A state
     of 181,580 tensors merged from 64 skeletons costs 0.4 s to merge, 0.35 s
     to encode and 44 MB gathered; a job pays that once."""
-    if specs_key and kept is not None and (kept.specs_key, kept.coordinator) == (specs_key, coordinator):
+    if kept is not None:
+        if (kept.specs_key, kept.coordinator) != (specs_key, coordinator) or not specs_key:
+            raise RuntimeError(f"the union kept for skeletons {kept.specs_key!r} on rank {kept.coordinator} "
+                               f"stands in for {specs_key!r} on rank {coordinator}")  # (the votes rule it out)
         return kept
-    skeleton, tensors, aliases = own()
-    skeleton, tensors = merge_described(skeleton, tensors, [s[:3] for s in sent], coordinator)
-    aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator)
-    union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases, sum(math.prod(spec["shape"]) for spec in tensors.values()),
-                           encode_members(skeleton, tensors))
+    skeleton, specs, aliases = own()
+    skeleton, specs = merge_described(skeleton, specs, [s[:3] for s in sent], coordinator)
+    aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], specs, coordinator)
+    tensors = TensorTable.from_json(table_json(specs), "the commit's tensor specs")
+    union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases,
+                           sum(math.prod(spec["shape"]) for spec in specs.values()), encode_members(skeleton, tensors))
     if specs_key and slot is not None:
-        _KEPT.pop(slot, None)
-        _KEPT[slot] = union
+        _KEPT.pop((slot, specs_key), None)
+        _KEPT[(slot, specs_key)] = union
         while len(_KEPT) > _KEPT_MAX:
             del _KEPT[next(iter(_KEPT))]
     return union
@@ -181,7 +187,7 @@ def build_metadata(
             if out.skeleton is not None and out.tensors is not None]
     union = described_union(lambda: (flat.skeleton, tensor_specs(flat), flat.aliases), sent, coordinator,
                             specs_key, kept, slot)
-    skeleton, tensors, aliases = union.skeleton, union.tensors, union.aliases
+    skeleton, tensors, aliases = union.skeleton, union.tensors, dict(union.aliases)
     objects: dict[str, fmt.ObjectRecord] = {}
     for r in [coordinator, *(r for r in range(len(outputs)) if r != coordinator)]:
         for fqn, rec in outputs[r].objects.items():

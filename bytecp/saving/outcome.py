@@ -15,6 +15,8 @@ members as sent, the large ones read from the checkpoint's
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
@@ -35,7 +37,7 @@ def outcome_of(md: fmt.Metadata) -> fmt.Metadata:
     """(coordinator, at commit) What the commit broadcasts: ``md``, or for a
     large state a :class:`CommittedMetadata` of its small members."""
     if len(md.tensors) + len(md.data_files) < LARGE:
-        return md
+        return dataclasses.replace(md, encoded=None)  # (the kept JSON text stays on the coordinator)
     out = CommittedMetadata.__new__(CommittedMetadata)
     out.__dict__.update({k: v for k, v in md.__dict__.items() if k not in LAZY_FIELDS and k != "encoded"})
     out.__dict__["encoded"] = None
@@ -59,8 +61,9 @@ class CommittedMetadata(fmt.Metadata):
     it: the save id, step, world size and the other small members; the
     large ones (:data:`LAZY_FIELDS`) read from ``metadata.json`` on first
     use, through the storage the rank :meth:`attach`-ed. Built by
-    :func:`outcome_of`; anything else (``dataclasses.replace``, a copy)
-    reads them first and gives a whole :class:`~bytecp.format.metadata.Metadata`."""
+    :func:`outcome_of`. Its ``repr`` reads nothing; comparing, copying or
+    ``dataclasses.replace`` read the large members first (and compare as a
+    :class:`~bytecp.format.metadata.Metadata` would)."""
 
     def attach(self, storage: Storage) -> CommittedMetadata:
         """(every rank, after the broadcast) The checkpoint's storage, read
@@ -88,6 +91,23 @@ class CommittedMetadata(fmt.Metadata):
 
     def __getstate__(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "_storage"}
+
+    def __repr__(self) -> str:
+        return (f"CommittedMetadata(save_id={self.save_id!r}, step={self.step!r}, world_size={self.world_size}, "
+                f"framework={self.framework!r}; skeleton, tensors, files and index read from metadata.json on first use)")
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, fmt.Metadata):
+            return NotImplemented
+        return all(getattr(self, f.name) == getattr(other, f.name) for f in dataclasses.fields(fmt.Metadata) if f.compare)
+
+    __hash__ = None  # type: ignore[assignment]  # (as the dataclass's)
+
+    def __copy__(self) -> fmt.Metadata:
+        return fmt.Metadata(**{f.name: getattr(self, f.name) for f in dataclasses.fields(fmt.Metadata)})
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> fmt.Metadata:
+        return fmt.Metadata(**{f.name: copy.deepcopy(getattr(self, f.name), memo) for f in dataclasses.fields(fmt.Metadata)})
 
 
 for _name in LAZY_FIELDS:

@@ -56,7 +56,7 @@ from bytecp.saving.commit import (
     build_metadata,
     check_target,
     committed_after,
-    kept_union,
+    kept_unions,
     remove_failed,
     tensor_specs,
 )
@@ -214,17 +214,17 @@ class SavePipeline:
                 save_id, objects = fmt.new_save_id(), tuple(flat.objects)
                 mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
                 mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"])
-                mine["union"] = kept_union(key, rank)  # announced: ranks send no skeleton it holds already
+                mine["unions"] = kept_unions(key, rank)  # announced: ranks send no skeleton it holds already
                 # and what a rank whose tree differs need not write
             mine["vote"], mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects,
                                                   self.storage.url.rstrip("/").rsplit("/", 1)[-1], self.opts.step, ctx.uid,
-                                                  getattr(mine.get("union"), "specs_key", ""))
+                                                  tuple(u.specs_key for u in mine.get("unions", ())))
             return mine["vote"]
 
         with self.trace.span("plan"):
             try:
                 votes = in_step(ctx, ctx.all_gather("save/plan", vote), mine["vote"])  # (a save apart: realigned)
-                save_id, objects, *_, union_key = votes.tail_of(ctx.coordinator)  # the coordinator's
+                save_id, objects, *_, union_keys = votes.tail_of(ctx.coordinator)  # the coordinator's
                 assert save_id is not None
                 self.trace.checkpoint_id = save_id
                 local: LocalSavePlan = mine["local"]
@@ -258,10 +258,10 @@ class SavePipeline:
                     cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
                 write, reused = self.incremental.split(items, described.tokens)
                 differs, sends = sends_specs(decision, rank, ctx.coordinator)
-                kept = union_key == decision.specs_key  # the coordinator holds the union already: nobody sends
+                kept = decision.specs_key in union_keys  # the coordinator holds the union already: nobody sends
                 return SavePlanResult(
-                    save_id, tuple(write), local, referenced=reused, skeleton_differs=differs,
-                    sends_specs=sends and not kept, specs_key=decision.specs_key, union=mine.get("union") if kept else None,
+                    save_id, tuple(write), local, referenced=reused, skeleton_differs=differs, sends_specs=sends and not kept,
+                    specs_key=decision.specs_key, union=next((u for u in mine.get("unions", ()) if u.specs_key == decision.specs_key), None),
                     coordinator_objects=frozenset(objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
                 )

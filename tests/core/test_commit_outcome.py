@@ -4,6 +4,7 @@ asked for, and a checkpoint overwritten or removed since says so."""
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import pickle
 import shutil
@@ -14,6 +15,7 @@ import torch
 
 import bytecp
 from bytecp.errors import CorruptCheckpointError
+from bytecp.format import metadata as fmt
 from bytecp.saving import outcome
 from bytecp.saving.outcome import LAZY_FIELDS, CommittedMetadata, outcome_of
 from bytecp.storage_api import open_storage
@@ -23,9 +25,22 @@ def _state(n: int) -> dict[str, object]:
     return {"model": {f"w{i}": torch.full((2, 3), float(i)) for i in range(n)}, "step": 3}
 
 
-def test_a_small_states_outcome_is_the_metadata_itself(tmp_path: Path) -> None:
+def test_a_small_states_outcome_is_the_metadata_without_its_kept_text(tmp_path: Path) -> None:
     md = bytecp.save(str(tmp_path / "ck"), _state(3))
-    assert outcome_of(md) is md
+    assert md.encoded is not None  # (the coordinator's: its skeleton's and tensors' JSON text)
+    sent = outcome_of(md)
+    assert type(sent) is fmt.Metadata and sent.encoded is None and sent == md and sent.to_bytes() == md.to_bytes()
+
+
+def test_committed_metadata_prints_without_reading_and_compares_and_copies_whole(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    md = bytecp.save(str(tmp_path / "ck"), _state(40))
+    monkeypatch.setattr(outcome, "LARGE", 10)
+    got = pickle.loads(pickle.dumps(outcome_of(md))).attach(open_storage(str(tmp_path / "ck")))
+    assert md.save_id in repr(got) and "tensors" not in got.__dict__  # printing read nothing
+    assert got == md and md == got
+    for c in (copy.copy(got), copy.deepcopy(got)):
+        assert type(c) is fmt.Metadata and c == md and dict(c.tensors) == dict(md.tensors)
 
 
 def test_a_large_states_outcome_reads_its_large_members_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 
 import bytecp
 from bytecp.format import metadata as fmt
 from bytecp.format.member_text import dumps, dumps_object, encode_members
-from bytecp.saving.commit import described_union, kept_union, tensor_specs
+from bytecp.saving import commit
+from bytecp.saving.commit import described_union, kept_unions, tensor_specs
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import flatten_tree
 
@@ -48,7 +50,8 @@ def test_the_text_of_other_objects_is_never_written(tmp_path: Path) -> None:
     assert json.loads(older.to_bytes())["tensors"] == tensors  # version 3's form, not the kept text
 
 
-def test_a_union_is_reused_for_its_key_only() -> None:
+def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(commit, "_KEPT", {})
     tree = flatten_tree({"m": {"w": torch.ones(2, 2)}})
     asked: list[int] = []
 
@@ -59,10 +62,22 @@ def test_a_union_is_reused_for_its_key_only() -> None:
     other = flatten_tree({"n": {"v": torch.ones(3)}})
     sent = [(1, other.skeleton.to_json(), tensor_specs(other), {"n.u": "n.v"})]
     first = described_union(own, sent, 0, "k1", slot="job")
-    assert sorted(first.tensors) == ["m.w", "n.v"] and first.elements == 7 and first.aliases == {"n.u": "n.v"}
-    assert kept_union("job", 0) is first and kept_union("other job", 0) is None and kept_union("job", 1) is None
+    assert dict(first.tensors) == {"m.w": {"dtype": "float32", "shape": [2, 2]}, "n.v": {"dtype": "float32",
+                                                                                          "shape": [3]}}
+    assert first.elements == 7 and first.aliases == {"n.u": "n.v"}
+    with pytest.raises(TypeError):  # read-only: later saves share it
+        first.tensors["m.w"] = {"dtype": "float32", "shape": [9]}  # type: ignore[index]
+    first.tensors["m.w"]["shape"].append(9)  # (a copy each time)
+    assert first.tensors["m.w"]["shape"] == [2, 2]
+    assert kept_unions("job", 0) == [first] and kept_unions("other job", 0) == [] and kept_unions("job", 1) == []
     assert described_union(own, [], 0, "k1", kept=first) is first and len(asked) == 1  # nothing sent, nothing built
-    assert described_union(own, sent, 1, "k1", kept=first) is not first  # another coordinator
-    again = described_union(own, [], 0, "k2", kept=first, slot="job")  # another key: built from what was sent
-    assert again.tensors == {"m.w": {"dtype": "float32", "shape": [2, 2]}} and kept_union("job", 0) is again
-    assert described_union(own, [], 0, "", kept=first) is not first  # no key: never reused
+    with pytest.raises(RuntimeError, match="stands in for"):  # (the votes never pass another key's)
+        described_union(own, sent, 0, "k2", kept=first)
+    # a second state saved in turn: both kept, each found by its key
+    again = described_union(own, [], 0, "k2", slot="job")
+    assert dict(again.tensors) == {"m.w": {"dtype": "float32", "shape": [2, 2]}}
+    assert kept_unions("job", 0) == [first, again]
+    assert described_union(own, [], 0, "", slot="job") not in kept_unions("job", 0)  # no key: never kept
+    for k in range(commit._KEPT_MAX):
+        described_union(own, [], 0, f"more{k}", slot="job")
+    assert first not in kept_unions("job", 0) and len(commit._KEPT) == commit._KEPT_MAX  # the oldest go first
