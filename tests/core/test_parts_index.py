@@ -631,3 +631,24 @@ def test_scalar_page_rows_only_of_wanted_tensors(ck: Path) -> None:
     assert rows == [c for c in every if c.fqn == "s"] and rows[0].global_shape == () and n == 1
     rows, _ = parts_read.read_parts(opened.storage, opened.metadata, {"v": [Region((0, 0), (8, 8))]})
     assert rows and all(c.fqn == "v" for c in rows)
+
+
+def test_a_ranks_band_rows_are_cut_across_gaps() -> None:
+    """``build_part``'s band segments: at most ``limit`` bands from their
+    first row, no gap of more than ``limit / 16`` bands between two rows
+    once a segment has 16 (a rank's rows of tensors sharded differently lie
+    apart: one segment over both would be read by every reader between),
+    at once across a gap of more than ``4 * limit``."""
+    from bytecp.format.parts_build import _cut_bands
+
+    def cut(lo: list[int], limit: int = 4096) -> list[list[int]]:
+        return [g.tolist() for g in _cut_bands(np.arange(len(lo)), np.asarray(lo), limit)]
+
+    assert cut([100] * 20 + [401]) == [list(range(20)), [20]]  # 301 > 4096 / 16 bands after 20 rows
+    assert cut([100] * 20 + [356]) == [list(range(21))]  # 256: not more
+    assert cut([100] * 5 + [401]) == [list(range(6))]  # 5 rows: kept together
+    assert cut([100] * 5 + [100 + 4 * 4096 + 1]) == [list(range(5)), [5]]  # far apart: cut at once
+    steady = [100 + 200 * i for i in range(30)]  # no gap over 256, but 4,096 bands from the first
+    assert cut(steady) == [list(range(21)), list(range(21, 30))]
+    assert cut([100] * 20 + [164], limit=512) == [list(range(21))]  # 64 bands at least (512 / 16 = 32)
+    assert cut([100] * 20 + [165], limit=512) == [list(range(20)), [20]]
