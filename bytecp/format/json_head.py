@@ -11,6 +11,7 @@ header a tool reads this way is the one the whole file holds.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 from collections.abc import Callable, Mapping
@@ -24,21 +25,28 @@ __all__ = ["leading_members", "scan_header", "check_header", "decode_members", "
 HEADER_KEYS = ("format", "format_version", "bytecp_version", "save_id", "created", "world_size", "framework",
                "parallelism", "step", "user_metadata", "references")
 _WS = re.compile(r"[ \t\n\r]*")
+_DEC = json.JSONDecoder()
+
+
+def _ws(text: str, i: int) -> int:
+    """Past the JSON whitespace at ``i``."""
+    return _WS.match(text, i).end()  # type: ignore[union-attr]
+
+
+def _opened(text: str) -> int | None:
+    """Where the first member of the JSON object ``text`` begins with (past its ``{``); None: not an object."""
+    i = _ws(text, 0)
+    return _ws(text, i + 1) if text.startswith("{", i) else None
 
 
 def leading_members(text: str, keys: tuple[str, ...]) -> dict[str, Any] | None:
     """The members named in ``keys`` at the start of the JSON object ``text``
     begins, up to the first other member or the object's end; None when the
     text ends (or stops being JSON) before that, or a member comes twice."""
-    dec = json.JSONDecoder()
-
-    def ws(i: int) -> int:
-        return _WS.match(text, i).end()  # type: ignore[union-attr]
-
-    i = ws(0)
-    if not text.startswith("{", i):
+    dec, ws = _DEC, functools.partial(_ws, text)
+    i = _opened(text)
+    if i is None:
         return None
-    i += 1
     out: dict[str, Any] = {}
     try:
         while True:
@@ -77,27 +85,23 @@ def decode_members(data: bytes, decoders: Mapping[str, MemberDecoder]) -> dict[s
         text = data.decode(json.detect_encoding(data), "surrogatepass")
     except ValueError:
         return None
-    dec = json.JSONDecoder()
-
-    def ws(i: int) -> int:
-        return _WS.match(text, i).end()  # type: ignore[union-attr]
-
-    i = ws(0)
-    if not text.startswith("{", i):
+    dec = _DEC  # (the text is cut as it is read: _ws(text, ...) sees the current one)
+    start = _opened(text)
+    if start is None:
         return None
     out: dict[str, Any] = {}
-    i = ws(i + 1)
+    i = start
     try:
         if text.startswith("}", i):
-            return out if ws(i + 1) == len(text) else None
+            return out if _ws(text, i + 1) == len(text) else None
         while True:
             if not text.startswith('"', i):
                 return None
             key, i = dec.raw_decode(text, i)
-            i = ws(i)
+            i = _ws(text, i)
             if key in out or not text.startswith(":", i):
                 return None
-            i = ws(i + 1)
+            i = _ws(text, i + 1)
             decode = decoders.get(key)
             if decode is None:
                 out[key], i = dec.raw_decode(text, i)
@@ -105,12 +109,12 @@ def decode_members(data: bytes, decoders: Mapping[str, MemberDecoder]) -> dict[s
                 if i >= 1 << 20:
                     text, i = text[i:], 0
                 out[key], i = decode(text, i, out)
-            i = ws(i)
+            i = _ws(text, i)
             if text.startswith("}", i):
-                return out if ws(i + 1) == len(text) else None
+                return out if _ws(text, i + 1) == len(text) else None
             if not text.startswith(",", i):
                 return None
-            i = ws(i + 1)
+            i = _ws(text, i + 1)
     except (ValueError, RecursionError):  # not JSON: json.loads says where
         return None
 
