@@ -134,8 +134,10 @@ def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray
     other and leave no gap of more than ``limit / 16`` bands (64 at least)
     between two rows -- once a segment has 16 rows (a segment per row or two
     would cost a read and a check per row), or at once across a gap of more
-    than 4 times ``limit`` (rows far apart: readers of one need not read the
-    other). A reader reads every segment whose bands meet its own: a rank's
+    than ``limit`` between two rows or 4 times ``limit`` from the first (rows
+    far apart: readers of one need not read the other; a rank's 6 rows of
+    an embedding are not glued to its experts' rows 15,000 bands further).
+    A reader reads every segment whose bands meet its own: a rank's
     rows of tensors sharded differently (an expert's 2,048 rows over its
     data-parallel group, an embedding's 129,280 over every rank) lie at
     different bands, and one segment spanning both would be read by the
@@ -147,9 +149,10 @@ def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray
         e = min(len(order), s + SEGMENT_ROWS)
         first = lo[order[s:e]]
         gap = first - first[0]
-        apart = np.zeros(len(first), bool)
-        apart[1:] = np.diff(first) > step
-        far = np.flatnonzero(((gap > limit) | apart) & ((np.arange(len(gap)) >= 16) | (gap > 4 * limit)))
+        jump = np.zeros(len(first), np.int64)
+        jump[1:] = np.diff(first)
+        far = np.flatnonzero(((gap > limit) | (jump > step)) & ((np.arange(len(gap)) >= 16) | (gap > 4 * limit))
+                             | (jump > limit))
         e = s + int(far[0]) if len(far) else e
         out.append(order[s:e])
         s = e

@@ -638,7 +638,7 @@ def test_a_ranks_band_rows_are_cut_across_gaps() -> None:
     first row, no gap of more than ``limit / 16`` bands between two rows
     once a segment has 16 (a rank's rows of tensors sharded differently lie
     apart: one segment over both would be read by every reader between),
-    at once across a gap of more than ``4 * limit``."""
+    at once across a gap of more than ``limit`` (or ``4 * limit`` from the first row)."""
     from bytecp.format.parts_build import _cut_bands
 
     def cut(lo: list[int], limit: int = 4096) -> list[list[int]]:
@@ -647,7 +647,8 @@ def test_a_ranks_band_rows_are_cut_across_gaps() -> None:
     assert cut([100] * 20 + [401]) == [list(range(20)), [20]]  # 301 > 4096 / 16 bands after 20 rows
     assert cut([100] * 20 + [356]) == [list(range(21))]  # 256: not more
     assert cut([100] * 5 + [401]) == [list(range(6))]  # 5 rows: kept together
-    assert cut([100] * 5 + [100 + 4 * 4096 + 1]) == [list(range(5)), [5]]  # far apart: cut at once
+    assert cut([100] * 5 + [100 + 4097]) == [list(range(5)), [5]]  # far apart: cut at once
+    assert cut([100] * 5 + [100 + 4097 + i for i in range(30)]) == [list(range(5)), list(range(5, 35))]
     steady = [100 + 200 * i for i in range(30)]  # no gap over 256, but 4,096 bands from the first
     assert cut(steady) == [list(range(21)), list(range(21, 30))]
     assert cut([100] * 20 + [164], limit=512) == [list(range(21))]  # 64 bands at least (512 / 16 = 32)
