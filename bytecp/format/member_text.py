@@ -20,12 +20,17 @@ from typing import Any
 from bytecp.format.tensor_table import table_json
 from bytecp.tree.skeleton import Node
 
-__all__ = ["EncodedMembers", "encode_members", "dumps_object", "dumps", "LARGE_STATE"]
+__all__ = ["EncodedMembers", "encode_members", "dumps_object", "dumps", "LARGE_STATE", "is_large"]
 
 #: a state of this many tensors and data files together is large: between
 #: ranks its metadata travels as ``metadata.json`` text (a load) or without
 #: its large members (a commit's outcome: :mod:`bytecp.saving.outcome`)
 LARGE_STATE = 20_000
+
+
+def is_large(md: Any) -> bool:
+    """Whether the metadata ``md`` is of a large state (:data:`LARGE_STATE`)."""
+    return len(md.tensors) + len(md.data_files) >= LARGE_STATE
 
 
 def dumps(value: Any) -> str:
@@ -49,11 +54,12 @@ class EncodedMembers:
         return self.text if skeleton is self.skeleton and tensors is self.tensors else {}
 
 
-def encode_members(skeleton: Node, tensors: Mapping[str, Any]) -> EncodedMembers:
+def encode_members(skeleton: Node, tensors: Mapping[str, Any], table: Mapping[str, Any] | None = None,
+                   ) -> EncodedMembers:
     """(coordinator, at a commit whose union of skeletons is new) The two
     members' text, as :meth:`~bytecp.format.metadata.Metadata.to_bytes`
-    writes them."""
-    return EncodedMembers(skeleton, tensors, {"tensors": dumps(table_json(tensors)),
+    writes them (``table``: ``tensors``' :func:`table_json`, when the caller has it)."""
+    return EncodedMembers(skeleton, tensors, {"tensors": dumps(table_json(tensors) if table is None else table),
                                               "skeleton": dumps(skeleton.to_json())})
 
 

@@ -53,7 +53,7 @@ from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import index_read, limits, parts_read, references
 from bytecp.format import metadata as fmt
 from bytecp.format.index_check import check_index, check_rows
-from bytecp.format.member_text import LARGE_STATE
+from bytecp.format.member_text import is_large
 from bytecp.loading import diagnose
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.regions import Region
@@ -445,5 +445,4 @@ def open_checkpoint(src: str | Storage, *, foreign: bool = False, format: str | 
         storage = references.linked(storage, md)
     index: RowSource = _WholeIndex() if md.index is None else \
         _Parts() if isinstance(md.index, fmt.PartsDirectory) else _Segments()
-    return OpenedCheckpoint(storage, md, index, _Found(raw=raw if len(md.tensors) + len(md.data_files) >= LARGE_STATE
-                                                        else None))
+    return OpenedCheckpoint(storage, md, index, _Found(raw=raw if is_large(md) else None))

@@ -144,9 +144,11 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
     skeleton, specs, aliases = own()
     skeleton, specs = merge_described(skeleton, specs, [s[:3] for s in sent], coordinator)
     aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], specs, coordinator)
-    tensors = TensorTable.from_json(table_json(specs), "the commit's tensor specs")
+    table = table_json(specs)  # (built once: the kept TensorTable's columns and its text)
+    tensors = TensorTable.from_json(table, "the commit's tensor specs")
     union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases,
-                           sum(math.prod(spec["shape"]) for spec in specs.values()), encode_members(skeleton, tensors))
+                           sum(math.prod(spec["shape"]) for spec in specs.values()),
+                           encode_members(skeleton, tensors, table))
     if specs_key and slot is not None:
         _KEPT.pop((slot, specs_key), None)
         _KEPT[(slot, specs_key)] = union

@@ -21,13 +21,11 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
-from bytecp.format.member_text import LARGE_STATE
+from bytecp.format.member_text import is_large
 from bytecp.storage_api import Storage
 
-__all__ = ["CommittedMetadata", "outcome_of", "LARGE", "LAZY_FIELDS"]
+__all__ = ["CommittedMetadata", "outcome_of", "LAZY_FIELDS"]
 
-#: a state with this many tensors and data files together travels without its large members
-LARGE = LARGE_STATE
 #: the members read from ``metadata.json`` when first asked for
 LAZY_FIELDS = ("skeleton", "tensors", "objects", "per_rank", "index_files", "data_files", "aliases", "index",
                "references")
@@ -36,7 +34,7 @@ LAZY_FIELDS = ("skeleton", "tensors", "objects", "per_rank", "index_files", "dat
 def outcome_of(md: fmt.Metadata) -> fmt.Metadata:
     """(coordinator, at commit) What the commit broadcasts: ``md``, or for a
     large state a :class:`CommittedMetadata` of its small members."""
-    if len(md.tensors) + len(md.data_files) < LARGE:
+    if not is_large(md):
         return dataclasses.replace(md, encoded=None)  # (the kept JSON text stays on the coordinator)
     out = CommittedMetadata.__new__(CommittedMetadata)
     out.__dict__.update({k: v for k, v in md.__dict__.items() if k not in LAZY_FIELDS and k != "encoded"})

@@ -15,8 +15,8 @@ import torch
 
 import bytecp
 from bytecp.errors import CorruptCheckpointError
+from bytecp.format import member_text
 from bytecp.format import metadata as fmt
-from bytecp.saving import outcome
 from bytecp.saving.outcome import LAZY_FIELDS, CommittedMetadata, outcome_of
 from bytecp.storage_api import open_storage
 
@@ -35,7 +35,7 @@ def test_a_small_states_outcome_is_the_metadata_without_its_kept_text(tmp_path: 
 def test_committed_metadata_prints_without_reading_and_compares_and_copies_whole(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     md = bytecp.save(str(tmp_path / "ck"), _state(40))
-    monkeypatch.setattr(outcome, "LARGE", 10)
+    monkeypatch.setattr(member_text, "LARGE_STATE", 10)
     got = pickle.loads(pickle.dumps(outcome_of(md))).attach(open_storage(str(tmp_path / "ck")))
     assert md.save_id in repr(got) and "tensors" not in got.__dict__  # printing read nothing
     assert got == md and md == got
@@ -46,7 +46,7 @@ def test_committed_metadata_prints_without_reading_and_compares_and_copies_whole
 def test_a_large_states_outcome_reads_its_large_members_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              ) -> None:
     md = bytecp.save(str(tmp_path / "ck"), _state(40))
-    monkeypatch.setattr(outcome, "LARGE", 10)
+    monkeypatch.setattr(member_text, "LARGE_STATE", 10)
     sent = outcome_of(md)
     assert isinstance(sent, CommittedMetadata) and not set(LAZY_FIELDS) & set(sent.__dict__)
     wire = pickle.dumps(sent)
@@ -65,7 +65,7 @@ def test_a_large_states_outcome_reads_its_large_members_once(tmp_path: Path, mon
 def test_a_checkpoint_overwritten_or_removed_since_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     url = str(tmp_path / "ck")
     md = bytecp.save(url, _state(40))
-    monkeypatch.setattr(outcome, "LARGE", 10)
+    monkeypatch.setattr(member_text, "LARGE_STATE", 10)
     sent = pickle.dumps(outcome_of(md))
     bytecp.save(url, _state(41), overwrite=True)
     with pytest.raises(CorruptCheckpointError, match=f"now holds save .*, not save {md.save_id}"):
@@ -86,7 +86,7 @@ def test_a_large_states_load_sends_the_ranks_its_metadata_json_text(tmp_path: Pa
     bytecp.save(url, _state(40))
     small = pickle.loads(pickle.dumps(opened.open_checkpoint(url).share()))
     assert small.raw is None and len(small.metadata.tensors) == 40
-    monkeypatch.setattr(opened, "LARGE_STATE", 10)
+    monkeypatch.setattr(member_text, "LARGE_STATE", 10)
     shared = opened.open_checkpoint(url).share()
     assert shared.raw == (tmp_path / "ck" / "metadata.json").read_bytes()
     got = pickle.loads(pickle.dumps(shared))

@@ -80,13 +80,13 @@ def save_outcome(url: str) -> dict[str, Any]:
     """(every rank) Save the ranks' kinds with every state counted large
     (bytecp.saving.outcome): what ``save()`` returned on each rank, and its
     large members, read when first asked for."""
-    from bytecp.saving import outcome
+    from bytecp.format import member_text
 
-    large, outcome.LARGE = outcome.LARGE, 0
+    large, member_text.LARGE_STATE = member_text.LARGE_STATE, 0
     try:
         md = bytecp.save(url, kind_state(KINDS[dist.get_rank()]))
     finally:
-        outcome.LARGE = large
+        member_text.LARGE_STATE = large
     lazy = type(md).__name__
     dist.barrier()
     return {"type": lazy, "unread": "tensors" not in md.__dict__, "save_id": md.save_id,
