@@ -55,12 +55,14 @@ class EncodedMembers:
 
 
 def encode_members(skeleton: Node, tensors: Mapping[str, Any], table: Mapping[str, Any] | None = None,
-                   ) -> EncodedMembers:
+                   skeleton_text: str | None = None) -> EncodedMembers:
     """(coordinator, at a commit whose union of skeletons is new) The two
     members' text, as :meth:`~bytecp.format.metadata.Metadata.to_bytes`
-    writes them (``table``: ``tensors``' :func:`table_json`, when the caller has it)."""
-    return EncodedMembers(skeleton, tensors, {"tensors": dumps(table_json(tensors) if table is None else table),
-                                              "skeleton": dumps(skeleton.to_json())})
+    writes them (``table``: ``tensors``' :func:`table_json`, and
+    ``skeleton_text``: the skeleton's, when the caller has them)."""
+    return EncodedMembers(skeleton, tensors, {
+        "tensors": dumps(table_json(tensors) if table is None else table),
+        "skeleton": dumps(skeleton.to_json()) if skeleton_text is None else skeleton_text})
 
 
 def dumps_object(d: Mapping[str, Any], text: Mapping[str, str]) -> bytes:

@@ -50,7 +50,7 @@ class TensorTable(Mapping[str, dict[str, Any]]):
     """Every stored tensor's dtype and shape, by FQN, as columns."""
 
     def __init__(self, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
-                 dims: np.ndarray) -> None:
+                 dims: np.ndarray, rows: dict[str, int] | None = None) -> None:
         self.names = names
         self.dtypes = dtypes
         self.dtype = dtype
@@ -59,8 +59,9 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         #: fqn -> its row; until a row is asked for, fqn -> the table's own string
         #: (enough for ``in`` and :meth:`shared`: a reader that checks names but
         #: looks none up keeps no int per tensor, 5.8 MB for 181,580 tensors)
-        self._row: dict[str, Any] = dict(zip(names, names, strict=True))
-        self._numbered = False
+        #: (``rows``: fqn -> row already, from a caller that built it)
+        self._row: dict[str, Any] = dict(zip(names, names, strict=True)) if rows is None else rows
+        self._numbered = rows is not None
 
     @functools.cached_property
     def start(self) -> np.ndarray:

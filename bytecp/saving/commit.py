@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import math
 import time
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -36,11 +35,12 @@ from bytecp.errors import (
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks
-from bytecp.format.member_text import EncodedMembers, encode_members
+from bytecp.format.member_text import EncodedMembers, dumps, encode_members
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
+from bytecp.format.table_union import elements_of, union_tables
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.plan.planner import check_replicas
 from bytecp.saving.leases import Lease
@@ -49,7 +49,8 @@ from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
-from bytecp.tree.skeleton import Node, pruned
+from bytecp.tree.skeleton import Node
+from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
 from bytecp.tree.state import FlatTree, merge_aliases
 
 __all__ = [
@@ -68,27 +69,29 @@ def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
     }
 
 
-def merge_described(skeleton: Node, tensors: dict[str, dict[str, Any]],
-                    sent: Sequence[tuple[int, Any, Mapping[str, dict[str, Any]]]], coordinator: int,
-                    ) -> tuple[Node, dict[str, dict[str, Any]]]:
+def merge_described(skeleton: Node, table: Mapping[str, Any],
+                    sent: Sequence[tuple[int, Any, Mapping[str, Any]]], coordinator: int,
+                    ) -> tuple[Node, str | None, TensorTable]:
     """(coordinator, at commit) The union of the coordinator's skeleton and
-    tensor specs with those ``sent`` (rank, skeleton JSON, specs) by the
-    ranks whose state differs from every lower rank's. Raises
-    :class:`ConfigError` when two ranks describe a tensor differently."""
-    with gc_paused():  # one skeleton node per tensor of every rank that sent one (bytecp.tree.bulk)
+    tensor table (:func:`~bytecp.format.tensor_table.table_json` form) with
+    those ``sent`` (rank, skeleton JSON, table) by the ranks whose state
+    differs from every lower rank's; with the union skeleton's JSON text
+    when it was merged as JSON (the node is then parsed from it only if
+    read: :mod:`bytecp.tree.skeleton_union`). Raises :class:`ConfigError`
+    when two ranks describe a tensor differently."""
+    with gc_paused():  # a few objects per tensor of every rank that sent its skeleton (bytecp.tree.bulk)
+        tensors = union_tables([(coordinator, table), *((r, t) for r, _, t in sent)])
+        if not sent:
+            return skeleton, None, tensors
         own = skeleton.to_json()
-        new = [doc for _, sk, _ in sent if (doc := pruned(sk, own)) is not None]  # what the coordinator lacks
-        skeleton = skeleton.merge_all([Node.from_json(doc) for doc in new])
-    for r, _, specs in sent:
-        for fqn, spec in specs.items():
-            seen = tensors.setdefault(fqn, spec)
-            if seen != spec:
-                raise ConfigError(
-                    f"tensor {fqn!r}: rank {coordinator} has dtype {seen['dtype']} shape {seen['shape']} but "
-                    f"rank {r} has dtype {spec['dtype']} shape {spec['shape']}; every rank must describe the "
-                    "same global tensor"
-                )
-    return skeleton, tensors
+        try:
+            doc = union_json(own, [sk for _, sk, _ in sent])
+        except NotCompact:  # (not as Node.to_json writes it: parsed, which names the fault)
+            return skeleton.merge_all([Node.from_json(sk, f"rank {r}'s skeleton") for r, sk, _ in sent]), None, tensors
+        if doc is own:
+            return skeleton, None, tensors
+        text = dumps(doc)
+        return deferred(text, "the union of the ranks' skeletons"), text, tensors
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -124,31 +127,28 @@ def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
 
 
 def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dict[str, str]]],
-                    sent: Sequence[tuple[int, Any, Mapping[str, dict[str, Any]], dict[str, str]]],
+                    sent: Sequence[tuple[int, Any, Mapping[str, Any], dict[str, str]]],
                     coordinator: int, specs_key: str = "", kept: DescribedUnion | None = None,
                     slot: Any = None) -> DescribedUnion:
     """(coordinator, at commit) :func:`merge_described` of the coordinator's
     skeleton, tensor specs and aliases (``own()``: asked for only when the
-    union is built) and what ``sent`` (rank, skeleton JSON, specs, aliases), with its elements
+    union is built) and what ``sent`` (rank, skeleton JSON, tensor table, aliases), with its elements
     and JSON text; or ``kept``, built for ``specs_key`` (every distinct
     skeleton's digest and its lowest rank, from the plan's votes:
     :attr:`~bytecp.plan.decide.PlanDecision.specs_key`; then nobody sent
     anything). A new one is kept under ``slot`` for the next saves. A state
-    of 181,580 tensors merged from 64 skeletons costs 0.4 s to merge, 0.35 s
-    to encode and 44 MB gathered; a job pays that once."""
+    of 181,580 tensors merged from 64 skeletons and tables costs 0.3 s to
+    merge and encode (1.1 s as nodes and dicts); a job pays that once."""
     if kept is not None:
         if (kept.specs_key, kept.coordinator) != (specs_key, coordinator) or not specs_key:
             raise RuntimeError(f"the union kept for skeletons {kept.specs_key!r} on rank {kept.coordinator} "
                                f"stands in for {specs_key!r} on rank {coordinator}")  # (the votes rule it out)
         return kept
     skeleton, specs, aliases = own()
-    skeleton, specs = merge_described(skeleton, specs, [s[:3] for s in sent], coordinator)
-    aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], specs, coordinator)
-    table = table_json(specs)  # (built once: the kept TensorTable's columns and its text)
-    tensors = TensorTable.from_json(table, "the commit's tensor specs")
-    union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases,
-                           sum(math.prod(spec["shape"]) for spec in specs.values()),
-                           encode_members(skeleton, tensors, table))
+    skeleton, text, tensors = merge_described(skeleton, table_json(specs), [s[:3] for s in sent], coordinator)
+    aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator)
+    union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases, elements_of(tensors),
+                           encode_members(skeleton, tensors, skeleton_text=text))
     if specs_key and slot is not None:
         _KEPT.pop((slot, specs_key), None)
         _KEPT[(slot, specs_key)] = union

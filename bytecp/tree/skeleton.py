@@ -28,7 +28,7 @@ from typing import Any, Literal
 from bytecp.errors import CorruptCheckpointError
 from bytecp.tree.bulk import gc_paused
 
-__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH", "pruned", "decode_compact"]
+__all__ = ["Node", "NodeKind", "LEAF_KINDS", "MAX_DEPTH", "decode_compact", "key_ok", "key_id"]
 
 NodeKind = Literal["dict", "list", "tuple", "tensor", "obj", "rank"]
 #: leaf kinds: the name of a tensor, of an object record, of a per-rank record
@@ -121,7 +121,7 @@ class Node:
                     if type(k) is str:
                         k = keys_seen.setdefault(k, k)  # one "exp_avg" for every parameter's
                         path = base + k
-                    elif _key_ok(k):
+                    elif key_ok(k):
                         path = base + str(k)
                     else:
                         raise bad(f"dict key {k!r:.80}")
@@ -224,10 +224,10 @@ class Node:
         items = list(self.items)
         more: dict[int, list[Node]] = {}
         if self.kind == "dict":
-            pos = {_key_id(k): i for i, (k, _) in enumerate(items)}
+            pos = {key_id(k): i for i, (k, _) in enumerate(items)}
             for o in others:
                 for k, c in o.items:
-                    kid = _key_id(k)
+                    kid = key_id(k)
                     i = pos.get(kid)
                     if i is None:
                         pos[kid] = len(items)
@@ -257,36 +257,6 @@ class Node:
 
     def __repr__(self) -> str:
         return f"Node({self.to_json()!r:.120})"
-
-
-def pruned(doc: Any, own: Any) -> Any:
-    """(coordinator, at commit) A rank's skeleton ``doc`` (compact JSON) less
-    the dict entries equal to ``own``'s (the coordinator's, as JSON); None
-    when nothing differs. Merging what is left (:meth:`Node.merge_all`) gives
-    the same tree as merging all of ``doc``, without parsing the part every
-    rank shares (a MoE's dense layers: two thirds of each expert group's
-    skeleton)."""
-    if doc == own:
-        return None
-    if not (type(doc) is dict and type(own) is dict and doc.keys() == own.keys() == {"k", "v"}
-            and type(doc["k"]) is list and type(doc["v"]) is list and type(own["k"]) is list
-            and type(own["v"]) is list and len(own["k"]) == len(own["v"])):
-        return doc
-    mine = {_key_id(k): c for k, c in zip(own["k"], own["v"], strict=True) if _key_ok(k)}
-    keys, vals = [], []
-    for k, c in zip(doc["k"], doc["v"], strict=False):  # (a length mismatch: refused when parsed)
-        if not _key_ok(k):
-            return doc  # let the parser name it
-        kid = _key_id(k)
-        if kid in mine:
-            c = pruned(c, mine[kid])
-            if c is None:
-                continue
-        keys.append(k)
-        vals.append(c)
-    if len(doc["k"]) != len(doc["v"]):
-        return doc
-    return {"k": keys, "v": vals} if keys else None
 
 
 class _NotCompact(Exception):
@@ -324,7 +294,7 @@ def decode_compact(text: str, pos: int, shared: Callable[[str], str] | None = No
         for k, c in zip(keys, vals, strict=True):
             if type(k) is str:
                 k = keys_seen.setdefault(k, k)
-            elif not _key_ok(k):
+            elif not key_ok(k):
                 raise _NotCompact
             if type(c) is str:  # a leaf: named below, once its position's FQN is known
                 leaf_kind = letter(c)
@@ -378,17 +348,18 @@ def _name_leaves(root: Node, same: Callable[[str], str]) -> None:
             node = None
 
 
-def _key_ok(k: Any) -> bool:
+def key_ok(k: Any) -> bool:
+    """A key a skeleton dict may hold (JSON keeps its type: str, int, bool, None)."""
     return type(k) in (str, int, bool) or k is None
 
 
 def _fqn(prefix: str, key: Any, bad: Callable[[str], CorruptCheckpointError]) -> str:
     """The FQN of ``key`` under ``prefix`` (FORMAT.md §6.5), the key checked first."""
-    if not _key_ok(key):
+    if not key_ok(key):
         raise bad(f"dict key {key!r:.80}")
     return f"{prefix}.{key}" if prefix else str(key)
 
 
-def _key_id(k: Any) -> Any:
+def key_id(k: Any) -> Any:
     """Dict keys of different JSON types never merge (1 and "1" are distinct)."""
     return k if type(k) is str else (type(k).__name__, k)

@@ -43,7 +43,7 @@ import torch
 from bytecp.errors import ConfigError
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.regions import Region, flat_range_to_boxes, full_region
-from bytecp.tree.skeleton import MAX_DEPTH, Node
+from bytecp.tree.skeleton import MAX_DEPTH, Node, key_ok
 
 __all__ = [
     "Shard",
@@ -227,10 +227,6 @@ class FlatTree:
             json.dumps(sorted(self.aliases.items())).encode(), digest_size=16).hexdigest()
 
 
-def _key_ok(k: Any) -> bool:
-    return type(k) in (str, int, bool) or k is None
-
-
 def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:
     """What identifies exactly the elements a full tensor shows (None: never
     an alias by memory, only by identity: empty and meta tensors)."""
@@ -309,7 +305,7 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
             else:
                 out.objects[claim(fqn)] = v.value
             return Node.leaf("obj", fqn)
-        if type(v) is dict and all(_key_ok(k) for k in v):
+        if type(v) is dict and all(key_ok(k) for k in v):
             return Node.container(
                 "dict", [(k, walk(x, f"{fqn}.{k}" if fqn else str(k), depth + 1)) for k, x in v.items()]
             )

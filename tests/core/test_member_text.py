@@ -13,8 +13,10 @@ import pytest
 import torch
 
 import bytecp
+from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.member_text import dumps, dumps_object, encode_members
+from bytecp.format.tensor_table import table_json
 from bytecp.saving import commit
 from bytecp.saving.commit import described_union, kept_unions, tensor_specs
 from bytecp.tree.skeleton import Node
@@ -60,7 +62,7 @@ def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> 
         return tree.skeleton, tensor_specs(tree), {}
 
     other = flatten_tree({"n": {"v": torch.ones(3)}})
-    sent = [(1, other.skeleton.to_json(), tensor_specs(other), {"n.u": "n.v"})]
+    sent = [(1, other.skeleton.to_json(), table_json(tensor_specs(other)), {"n.u": "n.v"})]
     first = described_union(own, sent, 0, "k1", slot="job")
     assert dict(first.tensors) == {"m.w": {"dtype": "float32", "shape": [2, 2]}, "n.v": {"dtype": "float32",
                                                                                           "shape": [3]}}
@@ -81,3 +83,24 @@ def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> 
     for k in range(commit._KEPT_MAX):
         described_union(own, [], 0, f"more{k}", slot="job")
     assert first not in kept_unions("job", 0) and len(commit._KEPT) == commit._KEPT_MAX  # the oldest go first
+
+
+def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None:
+    """The skeletons sent are merged as JSON, the union's node parsed only
+    when read; a document in another form is parsed and merged as nodes, and
+    a malformed one is refused naming its rank."""
+    tree = flatten_tree({"m": {"w": torch.ones(2, 2)}, "opt": {"a": torch.ones(1)}})
+    other = flatten_tree({"m": {"w": torch.ones(2, 2)}, "opt": {"b": torch.ones(3)}})
+
+    def own() -> tuple[Node, dict[str, dict[str, Any]], dict[str, str]]:
+        return tree.skeleton, tensor_specs(tree), {}
+
+    want = tree.skeleton.merge(other.skeleton)
+    legacy = {"d": [["opt", {"d": [["b", {"tensor": "opt.b"}]]}]]}  # (versions 1-3 wrote this form)
+    for doc in (other.skeleton.to_json(), legacy):
+        union = described_union(own, [(1, doc, table_json(tensor_specs(other)), {})], 0)
+        assert union.skeleton == want and union.encoded.text["skeleton"] == dumps(want.to_json())
+        assert union.elements == 4 + 1 + 3
+    bad = {"k": ["opt"], "v": [{"k": ["b"], "v": ["X"]}]}
+    with pytest.raises(CorruptCheckpointError, match=r"rank 1's skeleton: malformed skeleton: node 'X'"):
+        described_union(own, [(1, bad, table_json(tensor_specs(other)), {})], 0)

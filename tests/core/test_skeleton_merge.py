@@ -1,13 +1,20 @@
 """The coordinator's one-pass skeleton merge (:meth:`Node.merge_all`) makes
-the tree that merging the ranks' skeletons one after the other made."""
+the tree that merging the ranks' skeletons one after the other made, and
+its merge of their JSON (bytecp/tree/skeleton_union.py) the same document."""
 
 from __future__ import annotations
 
+import copy
 import json
+import pickle
 import random
 from typing import Any
 
-from bytecp.tree.skeleton import Node, pruned
+import pytest
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.tree.skeleton import Node
+from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
 
 
 def _pairwise(a: Node, b: Node) -> Node:
@@ -60,21 +67,51 @@ def test_keys_of_different_json_types_stay_apart() -> None:
     assert [k for k, _ in a.merge_all([b]).items] == [1, True, "1", None]
 
 
-def test_merging_what_differs_from_the_coordinators_gives_the_same_tree() -> None:
-    """The coordinator parses only the parts of a rank's skeleton that differ
-    from its own (:func:`pruned`): the merged tree is the same."""
+def _ranks(rng: random.Random) -> list[Node]:
+    """The coordinator's tree and other ranks': the same, some keys changed
+    (another tree, maybe of another kind) or added; some leaves named other
+    than by their position."""
+    base = [(k, _tree(rng, 1, k)) for k in rng.sample("xyz", rng.randint(1, 3))]
+    trees = [Node("dict", items=base)]
+    for _ in range(rng.randint(1, 5)):
+        items = [(k, c if rng.random() < 0.6 else _tree(rng, 1, k)) for k, c in base]
+        items += [(k, _tree(rng, 1, k)) for k in rng.sample("uvw", rng.randint(0, 2))]
+        if rng.random() < 0.2:
+            items.append(("named", Node.leaf("tensor", "elsewhere")))
+        trees.append(Node("dict", items=items))
+    return trees
+
+
+def test_the_json_union_is_the_merged_trees_json() -> None:
+    """The coordinator merges the skeletons the ranks send as JSON
+    (:func:`union_json`): the same document as parsing, merging and encoding them."""
     rng = random.Random(11)
-    pruned_some = 0
-    for _ in range(300):
-        base = [(k, _tree(rng, 1, k)) for k in rng.sample("xyz", rng.randint(1, 3))]
-        trees = [Node("dict", items=base)]
-        for _ in range(rng.randint(1, 5)):  # other ranks: the coordinator's tree, some keys changed or added
-            items = [(k, c if rng.random() < 0.6 else _tree(rng, 1, k)) for k, c in base]
-            items += [(k, _tree(rng, 1, k)) for k in rng.sample("uvw", rng.randint(0, 2))]
-            trees.append(Node("dict", items=items))
-        own = trees[0].to_json()
-        docs = [pruned(t.to_json(), own) for t in trees[1:]]
-        pruned_some += sum(d is None or d != t.to_json() for d, t in zip(docs, trees[1:], strict=True))
-        got = trees[0].merge_all([Node.from_json(d) for d in docs if d is not None])
-        assert got.to_json() == trees[0].merge_all(trees[1:]).to_json()
-    assert pruned_some > 100
+    shared = 0
+    for _ in range(400):
+        trees = _ranks(rng)
+        own, docs = trees[0].to_json(), [t.to_json() for t in trees[1:]]
+        got = union_json(own, docs)
+        assert got == trees[0].merge_all(trees[1:]).to_json()
+        assert Node.from_json(got).to_json() == got
+        shared += got is own
+    assert shared > 5  # (nothing new: the coordinator's own document, unchanged)
+
+
+def test_a_document_not_in_the_compact_form_is_left_to_the_parser() -> None:
+    own = Node("dict", items=[("a", Node.leaf("tensor", "a"))]).to_json()
+    for doc in ({"d": [["b", "T"]]}, {"k": ["b"], "v": ["X"]}, {"k": [["b"]], "v": ["T"]}, {"k": ["b", "b"], "v": ["T", "T"]},
+                {"k": ["a"], "v": []}):
+        with pytest.raises(NotCompact):
+            union_json(own, [doc])
+
+
+def test_a_deferred_skeleton_is_parsed_when_first_read() -> None:
+    tree = Node("dict", items=[("m", Node("dict", items=[("w", Node.leaf("tensor", "m.w"))])),
+                               ("s", Node.leaf("obj", "s"))])
+    text = json.dumps(tree.to_json())
+    node = deferred(text, "the union")
+    again = pickle.loads(pickle.dumps(node))  # unread: travels as its text
+    assert node == tree and again == tree and copy.deepcopy(node) == tree
+    assert [n.name for n in node.leaves()] == ["m.w", "s"] and node.index()["m.w"].kind == "tensor"
+    with pytest.raises(CorruptCheckpointError, match="the union: malformed skeleton"):
+        _ = deferred('{"k": ["a"], "v": ["X"]}', "the union").items
