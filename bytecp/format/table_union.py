@@ -2,8 +2,8 @@
 
 Called by the coordinator's commit (:func:`bytecp.saving.commit.described_union`)
 when it builds a new union: the lowest rank of each distinct skeleton sends
-its tensors' dtypes and shapes as a table (:func:`~bytecp.format.tensor_table.table_json`,
-built on that rank), and every tensor two ranks both describe must have the
+its tensors' dtypes and shapes as a table (:func:`sent_table`, built on
+that rank, with its names' hashes), and every tensor two ranks both describe must have the
 same dtype and shape. A DeepSeek-V3-like state sends 63 tables of 6,188
 tensors, of which 3,400 (the dense layers) every table repeats: merged as
 dicts of dicts they took 0.26 s and 31 MB pickled; here each table costs one
@@ -20,9 +20,10 @@ from typing import Any
 import numpy as np
 
 from bytecp.errors import ConfigError
-from bytecp.format.tensor_table import TensorTable
+from bytecp.format.chunk_batch import fqn_hashes
+from bytecp.format.tensor_table import TensorTable, table_json
 
-__all__ = ["union_tables", "elements_of"]
+__all__ = ["sent_table", "union_tables", "elements_of"]
 
 
 def _ragged(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
@@ -54,15 +55,26 @@ class _Columns:
         self.n, self.n_dims = m, self.n_dims + len(dims)
 
 
-def union_tables(tables: Sequence[tuple[int, Mapping[str, Any]]]) -> TensorTable:
-    """(coordinator, at commit) The union of ``tables`` ((rank, table_json of
-    its specs), the coordinator's first): the first's tensors in its
-    order, then each next table's new ones in its order. Raises
-    :class:`ConfigError` naming the tensor and both ranks when two ranks
-    give a tensor different dtypes or shapes."""
+def sent_table(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
+    """(a rank that sends its tensors at commit) ``specs`` as a table
+    (:func:`~bytecp.format.tensor_table.table_json`) with its names'
+    :func:`~bytecp.format.chunk_batch.fqn_hashes` (``hashes``: the
+    coordinator's directory looks names up by them)."""
+    table = table_json(specs)
+    return table | {"hashes": fqn_hashes(table["names"])}
+
+
+def union_tables(tables: Sequence[tuple[int, Mapping[str, Any]]]) -> tuple[TensorTable, np.ndarray]:
+    """(coordinator, at commit) The union of ``tables`` ((rank, its
+    :func:`sent_table` or :func:`~bytecp.format.tensor_table.table_json`),
+    the coordinator's first): the first's tensors in its order, then each
+    next table's new ones in its order; and their names' hashes, in that
+    order. Raises :class:`ConfigError` naming the tensor and both ranks
+    when two ranks give a tensor different dtypes or shapes."""
     names: list[str] = []
     row: dict[str, int] = {}
     code: dict[str, int] = {}
+    hashes: list[np.ndarray] = [np.zeros(0, np.uint64)]
     cols = _Columns(sum(len(t["names"]) for _, t in tables), sum(len(t["dims"]) for _, t in tables))
     for rank, t in tables:
         their = np.asarray([code.setdefault(d, len(code)) for d in t["dtypes"]], np.int64)
@@ -79,12 +91,14 @@ def union_tables(tables: Sequence[tuple[int, Mapping[str, Any]]]) -> TensorTable
             add = [tn[i] for i in new.tolist()]
             row.update(zip(add, range(len(names), len(names) + len(add)), strict=True))
             names += add
+            hashes.append(fqn_hashes(add) if t.get("hashes") is None else np.asarray(t["hashes"], np.uint64)[new])
             cols.add(dtype[new], ndim[new], dims[_ragged(starts[new], ndim[new])], rank)
     dtypes = sorted(code)  # (listed sorted, as table_json lists them)
     recode = np.asarray([dtypes.index(d) for d in code], np.int64)
     dtype = recode[cols.dtype[:cols.n]] if len(recode) else cols.dtype[:cols.n]
     return TensorTable(names, dtypes, dtype.astype(np.uint8 if len(dtypes) <= 256 else np.int64),
-                       cols.ndim[:cols.n].astype(np.uint8), cols.dims[:cols.n_dims].copy(), rows=row)
+                       cols.ndim[:cols.n].astype(np.uint8), cols.dims[:cols.n_dims].copy(), rows=row), \
+        np.concatenate(hashes)
 
 
 def _check(names: list[str], dtypes: list[str], union: _Columns, at: np.ndarray, old: np.ndarray,

@@ -25,6 +25,8 @@ import warnings
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from bytecp.errors import (
     CheckpointExistsError,
     CommittedWithErrorsWarning,
@@ -40,8 +42,8 @@ from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
-from bytecp.format.table_union import elements_of, union_tables
-from bytecp.format.tensor_table import TensorTable, table_json
+from bytecp.format.table_union import elements_of, sent_table, union_tables
+from bytecp.format.tensor_table import TensorTable
 from bytecp.plan.planner import check_replicas
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
@@ -71,27 +73,29 @@ def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
 
 def merge_described(skeleton: Node, table: Mapping[str, Any],
                     sent: Sequence[tuple[int, Any, Mapping[str, Any]]], coordinator: int,
-                    ) -> tuple[Node, str | None, TensorTable]:
+                    ) -> tuple[Node, str | None, TensorTable, np.ndarray]:
     """(coordinator, at commit) The union of the coordinator's skeleton and
     tensor table (:func:`~bytecp.format.tensor_table.table_json` form) with
     those ``sent`` (rank, skeleton JSON, table) by the ranks whose state
     differs from every lower rank's; with the union skeleton's JSON text
     when it was merged as JSON (the node is then parsed from it only if
-    read: :mod:`bytecp.tree.skeleton_union`). Raises :class:`ConfigError`
+    read: :mod:`bytecp.tree.skeleton_union`), and the tensors' name hashes
+    (:func:`~bytecp.format.table_union.union_tables`). Raises :class:`ConfigError`
     when two ranks describe a tensor differently."""
     with gc_paused():  # a few objects per tensor of every rank that sent its skeleton (bytecp.tree.bulk)
-        tensors = union_tables([(coordinator, table), *((r, t) for r, _, t in sent)])
+        tensors, hashes = union_tables([(coordinator, table), *((r, t) for r, _, t in sent)])
         if not sent:
-            return skeleton, None, tensors
+            return skeleton, None, tensors, hashes
         own = skeleton.to_json()
         try:
             doc = union_json(own, [sk for _, sk, _ in sent])
         except NotCompact:  # (not as Node.to_json writes it: parsed, which names the fault)
-            return skeleton.merge_all([Node.from_json(sk, f"rank {r}'s skeleton") for r, sk, _ in sent]), None, tensors
+            merged = skeleton.merge_all([Node.from_json(sk, f"rank {r}'s skeleton") for r, sk, _ in sent])
+            return merged, None, tensors, hashes
         if doc is own:
-            return skeleton, None, tensors
+            return skeleton, None, tensors, hashes
         text = dumps(doc)
-        return deferred(text, "the union of the ranks' skeletons"), text, tensors
+        return deferred(text, "the union of the ranks' skeletons"), text, tensors, hashes
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -111,6 +115,8 @@ class DescribedUnion:
     elements: int
     #: the JSON text of ``skeleton`` and ``tensors``
     encoded: EncodedMembers
+    #: the tensors' name hashes, in their order (the commit's directory looks names up by them)
+    hashes: np.ndarray
 
 
 #: by (the save pipeline's plan-cache key, specs key): the unions its last
@@ -145,10 +151,11 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
                                f"stands in for {specs_key!r} on rank {coordinator}")  # (the votes rule it out)
         return kept
     skeleton, specs, aliases = own()
-    skeleton, text, tensors = merge_described(skeleton, table_json(specs), [s[:3] for s in sent], coordinator)
+    skeleton, text, tensors, hashes = merge_described(skeleton, sent_table(specs), [s[:3] for s in sent],
+                                                      coordinator)
     aliases = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator)
     union = DescribedUnion(specs_key, coordinator, skeleton, tensors, aliases, elements_of(tensors),
-                           encode_members(skeleton, tensors, skeleton_text=text))
+                           encode_members(skeleton, tensors, skeleton_text=text), hashes)
     if specs_key and slot is not None:
         _KEPT.pop((slot, specs_key), None)
         _KEPT[(slot, specs_key)] = union
@@ -210,7 +217,7 @@ def build_metadata(
                               "a tensor has a gap, or two ranks wrote the same elements; nothing is committed "
                               "(the exact check of every tensor runs on jobs of up to "
                               f"{EXACT_CHECK_RANKS} ranks, and names it)")
-    pages, directory = build_directory(entries, save_id, buckets_for(world_size), tensors)
+    pages, directory = build_directory(entries, save_id, buckets_for(world_size), tensors, union.hashes)
     md = fmt.Metadata(
         save_id=save_id,
         world_size=world_size,

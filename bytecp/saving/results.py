@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bytecp.format import metadata as fmt
-from bytecp.format.tensor_table import table_json
+from bytecp.format.table_union import sent_table
 from bytecp.plan.exchange import PLAN_STATS
 from bytecp.plan.planner import LocalSavePlan, WriteItem
 from bytecp.saving.commit import tensor_specs
@@ -116,12 +116,12 @@ class SavePlanResult:
 
     def for_coordinator(self, out: RankOutput, flat: FlatTree) -> RankOutput:
         """(every rank, the commit's gather) ``out``, with this rank's
-        skeleton, tensor specs (as a table: :func:`~bytecp.format.tensor_table.table_json`)
+        skeleton, tensor specs (as a table: :func:`~bytecp.format.table_union.sent_table`)
         and aliases when it sends them (:attr:`sends_specs`)."""
         if not self.sends_specs:
             return out
         PLAN_STATS.specs_sent += 1
-        return dataclasses.replace(out, skeleton=flat.skeleton.to_json(), tensors=table_json(tensor_specs(flat)),
+        return dataclasses.replace(out, skeleton=flat.skeleton.to_json(), tensors=sent_table(tensor_specs(flat)),
                                    aliases=dict(flat.aliases))
 
 

@@ -27,3 +27,11 @@ def test_the_last_table_is_reused_only_for_the_same_names() -> None:
     b = NameTable.of(["x", "y", "z"])
     assert b is not a and b.names == ["x", "y", "z"]
     assert NameTable.of(["x", "y"]) is not b
+
+
+def test_a_table_of_names_hashed_by_the_ranks_is_the_same() -> None:
+    names = [f"model.layers.{i}.w" for i in range(50)] + ["b", "a", "é"]
+    given = NameTable(names, np.asarray([fqn_hash(n) for n in names], np.uint64))
+    plain = NameTable(names)
+    assert given.names == plain.names and given.sorted.tolist() == plain.sorted.tolist()
+    assert given.order.tolist() == plain.order.tolist()

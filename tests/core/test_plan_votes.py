@@ -185,6 +185,7 @@ def test_moe_ranks_outside_ep_index_0_send_one_copy_per_skeleton() -> None:
 def test_the_commit_output_carries_the_specs_only_of_a_sender() -> None:
     import torch
 
+    from bytecp.format.chunk_batch import fqn_hash
     from bytecp.saving.results import SavePlanResult
     from bytecp.saving.writer import RankOutput
     from bytecp.tree.skeleton import Node
@@ -195,6 +196,8 @@ def test_the_commit_output_carries_the_specs_only_of_a_sender() -> None:
     out = RankOutput()
     assert plan.for_coordinator(out, flat) is out and out.tensors is None and out.skeleton is None
     sent = dataclasses.replace(plan, sends_specs=True).for_coordinator(out, flat)
+    hashes = sent.tensors.pop("hashes")
     assert sent.tensors == {"names": ["w"], "dtypes": ["float32"], "dtype": [0], "ndim": [2], "dims": [2, 3]}
+    assert hashes.tolist() == [fqn_hash("w")]
     assert sent.skeleton is not None
     assert sent.aliases == {}

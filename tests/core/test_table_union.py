@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 
 from bytecp.errors import ConfigError
-from bytecp.format.table_union import elements_of, union_tables
+from bytecp.format.chunk_batch import fqn_hashes
+from bytecp.format.table_union import elements_of, sent_table, union_tables
 from bytecp.format.tensor_table import TensorTable, table_json
 
 DTYPES = ["float32", "bfloat16", "int64", "float8_e4m3fn", "bool"]
@@ -41,8 +42,10 @@ def test_the_union_of_tables_is_the_union_of_their_tensors() -> None:
         for _ in range(rng.randint(1, 6)):  # each rank: some of the tensors, in its own order
             mine = rng.sample(pool, rng.randint(0, len(pool)))
             tables.append({n: whole[n] for n in mine})
-        got = union_tables([(r, table_json(t)) for r, t in enumerate(tables)])
+        sent = [(r, sent_table(t) if r % 2 else table_json(t)) for r, t in enumerate(tables)]  # (hashes: sent or not)
+        got, hashes = union_tables(sent)
         want = _by_name(tables)
+        assert hashes.tolist() == fqn_hashes(list(want)).tolist()
         assert list(got) == list(want) and {n: got[n] for n in got} == want
         assert got.dtypes == sorted(got.dtypes) and set(got.dtypes) == {s["dtype"] for s in want.values()}
         assert table_json(got) == table_json(want)  # (what metadata.json holds: the same columns)
@@ -71,7 +74,7 @@ def test_a_tensor_described_differently_is_refused_naming_both_ranks(theirs: dic
 def test_elements_are_exact_past_what_int64_holds() -> None:
     specs = {"huge": {"dtype": "float32", "shape": [2 ** 40, 2 ** 30]}, "s": {"dtype": "float32", "shape": []},
              "none": {"dtype": "float32", "shape": [5, 0]}, "v": {"dtype": "float32", "shape": [3]}}
-    got = union_tables([(0, table_json(specs))])
+    got = union_tables([(0, table_json(specs))])[0]
     assert elements_of(got) == 2 ** 70 + 1 + 0 + 3
-    assert elements_of(union_tables([(0, table_json({"s": specs["s"]}))])) == 1
-    assert elements_of(union_tables([(0, table_json({}))])) == 0 and len(union_tables([])) == 0
+    assert elements_of(union_tables([(0, table_json({"s": specs["s"]}))])[0]) == 1
+    assert elements_of(union_tables([(0, table_json({}))])[0]) == 0 and len(union_tables([])[0]) == 0
