@@ -246,26 +246,24 @@ def _scalar_pages(pool: concurrent.futures.Executor, cols: EntryColumns, table: 
                   ) -> dict[str, list[Any]]:
     """The 0-dim chunks, sorted by name, as pages of rows of the part schema."""
     sc = cols.scalars
-    ranks = np.asarray([s[0] for s in sc], np.int64)
-    ids = table.ids(np.asarray([s[1] for s in sc], np.uint64), lambda i: int(ranks[i]), "a 0-dim chunk")
+    ids = table.ids(sc.hash, lambda i: int(sc.rank[i]), "a 0-dim chunk")
     order = np.argsort(ids, kind="stable")
-    ids, ranks = ids[order], ranks[order]
+    ids, ranks = ids[order], sc.rank[order]
     twice = np.flatnonzero(ids[1:] == ids[:-1])
     if len(twice):
         k = int(twice[0])
         raise ConfigError(f"tensor {table.names[ids[k]]!r}: ranks {int(ranks[k])} and {int(ranks[k + 1])} both wrote "
                           "its value (a 0-dim tensor is written once)")
-    rows = [sc[i] for i in order]
-    empty = pa.array([[]] * len(rows), pa.list_(pa.int64()))
+    files = sc.file.take(pa.array(order))
+    empty = pa.array([[]] * len(order), pa.list_(pa.int64()))
 
     def page(s: int, e: int) -> tuple[list[Any], Any, Any]:
-        return ([_strings(ids[s:e], table.names), empty.slice(s, e - s), empty.slice(s, e - s),
-                 pa.array([r[2] for r in rows[s:e]], pa.string()),
-                 *(pa.array([r[k] for r in rows[s:e]], t) for k, t in ((3, pa.int64()), (4, pa.int64()),
-                                                                        (5, pa.uint32())))],
+        at = order[s:e]
+        return ([_strings(ids[s:e], table.names), empty.slice(s, e - s), empty.slice(s, e - s), files.slice(s, e - s),
+                 sc.offset[at], sc.nbytes[at], sc.crc32c[at].astype(np.uint32)],
                 table.names[ids[s]], table.names[ids[e - 1]])
 
-    return _pages(pool, len(rows), PART_SCHEMA, sid, "first", "last", page)
+    return _pages(pool, len(order), PART_SCHEMA, sid, "first", "last", page)
 
 
 def _pages(pool: concurrent.futures.Executor, n: int, schema: pa.Schema, save_id: bytes, lo: str, hi: str,

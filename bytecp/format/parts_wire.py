@@ -7,8 +7,8 @@ build_part`), whose :class:`PartEntries` it sends in the commit's gather as
 as their 64-bit hashes (:func:`~bytecp.format.chunk_batch.fqn_hash`), so
 that a rank's message is a few dozen words and nothing is unpickled per
 rank. The coordinator decodes all of them together (:func:`decode_all`,
-NumPy gathers over one buffer, a Python step only for the few ranks that
-wrote 0-dim values) and maps the hashes back to the state's tensor names
+NumPy gathers over one buffer, the 0-dim values' file names an Arrow
+column of their bytes) and maps the hashes back to the state's tensor names
 (:class:`NameTable`). Nothing here is stored.
 """
 
@@ -19,11 +19,12 @@ import hashlib
 from collections.abc import Callable, Iterable, Sequence
 
 import numpy as np
+import pyarrow as pa
 
 from bytecp.errors import ConfigError
 from bytecp.format.chunk_batch import fqn_hash, fqn_hashes
 
-__all__ = ["PartEntries", "Scalar", "EntryColumns", "NameTable", "decode_all"]
+__all__ = ["PartEntries", "Scalar", "Scalars", "EntryColumns", "NameTable", "decode_all"]
 
 #: first word of an encoded PartEntries ("bcpPE4", version 1)
 MAGIC = int.from_bytes(b"bcpPE4\x00\x01", "little")
@@ -89,6 +90,23 @@ class PartEntries:
 
 
 @dataclasses.dataclass
+class Scalars:
+    """Every rank's 0-dim chunks as columns (:func:`decode_all`)."""
+
+    rank: np.ndarray
+    #: the tensor name's hash (uint64)
+    hash: np.ndarray
+    #: the data file each is in (Arrow strings)
+    file: pa.Array
+    offset: np.ndarray
+    nbytes: np.ndarray
+    crc32c: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.rank)
+
+
+@dataclasses.dataclass
 class EntryColumns:
     """Every rank's entries as flat columns (what :func:`decode_all` returns)."""
 
@@ -103,8 +121,8 @@ class EntryColumns:
     wide: dict[str, np.ndarray]
     #: every segment (band and wide): rank, offset, nbytes, rows, crc32c; ``named``: how many wide entries name it
     segments: dict[str, np.ndarray]
-    #: 0-dim chunks: (rank, fqn hash, file, byte offset, nbytes, crc)
-    scalars: list[tuple[int, int, str, int, int, int]]
+    #: 0-dim chunks
+    scalars: Scalars
 
 
 def _ramp(counts: np.ndarray) -> np.ndarray:
@@ -170,11 +188,11 @@ def decode_all(blobs: Sequence[bytes]) -> EntryColumns:
                         segments=segments, scalars=scalars)
 
 
-def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, end: np.ndarray
-             ) -> list[tuple[int, int, str, int, int, int]]:
+def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, end: np.ndarray) -> Scalars:
     """Every rank's 0-dim chunks (its ``ns`` entries: five columns from word
-    ``at``, then the file names' bytes up to word ``end``), decoded together:
-    a Python step per chunk only to make its file name a string."""
+    ``at``, then the file names' bytes up to word ``end``), decoded together
+    into columns, the file names an Arrow string column made of their bytes
+    (no Python step per chunk: a MoE's 45,000 Adam steps took 0.05 s)."""
     hashes, offs, sizes, crcs, flen = (buf[np.repeat(at + k * ns, ns) + _ramp(ns)] for k in range(5))
     owner = np.repeat(np.arange(len(ns)), ns)
     if bool((flen < 0).any()):
@@ -189,15 +207,21 @@ def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, 
     before = np.cumsum(flen) - flen
     first = np.repeat(np.cumsum(ns) - ns, ns)  # each chunk's rank's first chunk, among all chunks
     where = (at + 5 * ns)[owner] * 8 + before - before[first]
-    raw = memoryview(buf.view(np.uint8).data)
-    names = []
-    for w, n, r in zip(where.tolist(), flen.tolist(), owner.tolist(), strict=True):
-        try:
-            names.append(str(raw[w : w + n], "utf-8"))
-        except UnicodeDecodeError as e:
-            raise ConfigError(f"rank {int(rank[r])}: its index part entries name a file that is not UTF-8") from e
-    return list(zip(rank[owner].tolist(), hashes.view(np.uint64).tolist(), names, offs.tolist(), sizes.tolist(),
-                    crcs.tolist(), strict=True))
+    data = buf.view(np.uint8)[np.repeat(where - before, flen) + np.arange(int(flen.sum()), dtype=np.int64)]
+    files = pa.Array.from_buffers(pa.large_string(), len(flen), [
+        None, pa.py_buffer(np.concatenate([[0], np.cumsum(flen)]).astype(np.int64)), pa.py_buffer(data)])
+    try:
+        files.validate(full=True)
+    except pa.ArrowInvalid:  # (find whose: one chunk at a time)
+        raw = memoryview(buf.view(np.uint8).data)
+        for w, n, r in zip(where.tolist(), flen.tolist(), owner.tolist(), strict=True):
+            try:
+                str(raw[w: w + n], "utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError(f"rank {int(rank[r])}: its index part entries name a file that is not UTF-8") from e
+        raise
+    return Scalars(rank=rank[owner], hash=hashes.view(np.uint64), file=files.cast(pa.string()), offset=offs,
+                   nbytes=sizes, crc32c=crcs)
 
 
 class NameTable:

@@ -16,6 +16,7 @@ import torch
 import bytecp
 from bytecp.errors import ConfigError
 from bytecp.format import parts_build, parts_wire
+from bytecp.format.chunk_batch import fqn_hash
 from bytecp.saving import writer
 
 
@@ -70,8 +71,10 @@ def test_part_entries_decode_together_as_they_were_built() -> None:
     seg = cols.wide["seg"]
     assert cols.segments["rank"][seg].tolist() == [5, 5, 2] and cols.segments["offset"][seg].tolist() == [100] * 3
     assert cols.segments["rows"][seg].tolist() == [3, 3, 3] and cols.segments["named"].tolist() == [1, 2, 1, 1]
-    (sc,) = cols.scalars
-    assert sc[0] == 5 and sc[2:] == ("data/x/é-0.bin", 4096, 4, 9)
+    sc = cols.scalars
+    assert len(sc) == 1 and sc.rank.tolist() == [5] and sc.hash.tolist() == [fqn_hash("s")]
+    assert sc.file.to_pylist() == ["data/x/é-0.bin"] and (sc.offset.tolist(), sc.nbytes.tolist()) == ([4096], [4])
+    assert sc.crc32c.tolist() == [9]
     blobs, d = parts_build.build_directory([a, b], "sid", 1024, ["b", "s", "w"])
     assert d.ranks == [2, 5] and d.scalar_pages["first"] == ["s"] and d.wide_pages["rows"] == [3]
 

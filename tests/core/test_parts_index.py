@@ -12,6 +12,7 @@ out again with :mod:`bytecp.format.parts_build`, as four saving ranks would.
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import shutil
 from collections.abc import Callable
@@ -353,9 +354,13 @@ def test_parts_read_at_once_in_rank_order(ck: Path, monkeypatch: pytest.MonkeyPa
     rows, n = parts_read.read_parts(opened.storage, opened.metadata, None)  # a local disk: one at a time
     monkeypatch.setattr(opened.storage, "remote", True, raising=False)  # read as from S3: all 4 at once
     read, threads = parts_read._read_segments, set()
+    both, calls = threading.Barrier(2, timeout=60), itertools.count()
 
     def on_thread(*a: Any) -> Any:
-        threads.add(threading.current_thread().name)
+        name = threading.current_thread().name
+        threads.add(name)
+        if name.startswith("bytecp-index") and next(calls) < 2:  # the pool's first two reads wait for each
+            both.wait()  # other: they run at once, or time out
         return read(*a)
 
     monkeypatch.setattr(parts_read, "_read_segments", on_thread)
