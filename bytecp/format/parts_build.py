@@ -189,7 +189,7 @@ def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_
         del order
 
         def wide_page(s: int, e: int) -> tuple[list[Any], Any, Any]:
-            fqn = _strings(ids[s:e], table.names)
+            fqn = _strings(ids[s:e], table)
             k = where[s:e]
             return ([fqn, fqn, *(seg[c][k].astype(np.uint32 if c == "crc32c" else np.int64)
                                  for c in ("rank", "offset", "nbytes", "rows", "crc32c"))],
@@ -235,11 +235,10 @@ def _check(cols: EntryColumns, buckets: int) -> None:
     fail((r[1:] == r[:-1]) & (off[1:] < off[:-1] + n[:-1]), r[1:], "places two segments at overlapping bytes")
 
 
-def _strings(ids: np.ndarray, names: Sequence[str]) -> pa.Array:
-    """The names of ``ids`` as a string column (a dictionary of the distinct ones, cast)."""
-    u, inv = np.unique(ids, return_inverse=True)
-    return pa.DictionaryArray.from_arrays(pa.array(inv.astype(np.int32)), pa.array([names[i] for i in u])
-                                          ).cast(pa.string())
+def _strings(ids: np.ndarray, table: NameTable) -> pa.Array:
+    """The names of ``ids`` as a string column (taken from the table's
+    names as one Arrow column, made once per table and kept with it)."""
+    return table.arrow.take(pa.array(ids))
 
 
 def _scalar_pages(pool: concurrent.futures.Executor, cols: EntryColumns, table: NameTable, sid: bytes,
@@ -259,7 +258,7 @@ def _scalar_pages(pool: concurrent.futures.Executor, cols: EntryColumns, table: 
 
     def page(s: int, e: int) -> tuple[list[Any], Any, Any]:
         at = order[s:e]
-        return ([_strings(ids[s:e], table.names), empty.slice(s, e - s), empty.slice(s, e - s), files.slice(s, e - s),
+        return ([_strings(ids[s:e], table), empty.slice(s, e - s), empty.slice(s, e - s), files.slice(s, e - s),
                  sc.offset[at], sc.nbytes[at], sc.crc32c[at].astype(np.uint32)],
                 table.names[ids[s]], table.names[ids[e - 1]])
 

@@ -15,6 +15,7 @@ column of their bytes) and maps the hashes back to the state's tensor names
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
 
@@ -260,6 +261,17 @@ class NameTable:
         if len(dup):
             a, b = self.names[self.order[dup[0]]], self.names[self.order[dup[0] + 1]]
             raise ConfigError(f"tensor names {a!r} and {b!r} collide in the commit's 64-bit name hash; rename one")
+
+    @functools.cached_property
+    def arrow(self) -> pa.Array:
+        """The names as one Arrow string column (the directory's pages take theirs from it)."""
+        joined = "".join(self.names)
+        if not joined.isascii() or len(joined) >= 1 << 31:
+            return pa.array(self.names, pa.string())
+        ends = np.cumsum(np.fromiter(map(len, self.names), np.int64, len(self.names)))  # (ASCII: a byte a character)
+        offsets = np.concatenate([np.zeros(1, np.int64), ends]).astype(np.int32)
+        return pa.Array.from_buffers(pa.string(), len(self.names),
+                                     [None, pa.py_buffer(offsets), pa.py_buffer(joined.encode("ascii"))])
 
     def ids(self, hashes: np.ndarray, rank_of: Callable[[int], int], what: str) -> np.ndarray:
         """The ids of ``hashes`` (hash ``i`` sent by rank ``rank_of(i)``);

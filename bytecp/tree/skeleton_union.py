@@ -17,6 +17,7 @@ This module imports neither torch nor pyarrow.
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Sequence
 from typing import Any
@@ -60,21 +61,31 @@ def _checked_id(k: Any) -> Any:
 
 def _checked(docs: list[Any], depth: int) -> list[Any]:
     """``docs``, every node of each in the compact form (what the union takes
-    whole from a rank is checked here; the rest is merged level by level)."""
-    if depth > MAX_DEPTH:
-        raise NotCompact
-    for doc in docs:
-        if type(doc) is str:
-            if doc not in _LETTERS:
-                raise NotCompact
-            continue
-        kind = _kind(doc)
-        if kind == "dict":
-            if not set(map(type, doc["k"])) <= {str}:
-                [_checked_id(k) for k in doc["k"]]
-            _checked(doc["v"], depth + 1)
-        elif kind != "leaf":
-            _checked(doc[kind], depth + 1)
+    whole from a rank is checked here, a level of every document at a
+    time; the rest is merged level by level)."""
+    level = docs
+    while level:
+        if depth > MAX_DEPTH:
+            raise NotCompact
+        below: list[list[Any]] = []
+        if not {d for d in level if type(d) is str} <= _LETTERS:  # (the leaves: most of a level)
+            raise NotCompact
+        for doc in level:
+            if type(doc) is str:
+                continue
+            if type(doc) is dict and len(doc) == 2:
+                keys, vals = doc.get("k"), doc.get("v")
+                if type(keys) is not list or type(vals) is not list or len(keys) != len(vals):
+                    raise NotCompact
+                if not set(map(type, keys)) <= {str}:
+                    [_checked_id(k) for k in keys]
+                below.append(vals)
+            else:
+                kind = _kind(doc)
+                if kind != "leaf":
+                    below.append(doc[kind])
+        level = list(itertools.chain.from_iterable(below))
+        depth += 1
     return docs
 
 

@@ -104,3 +104,4 @@ def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None
     bad = {"k": ["opt"], "v": [{"k": ["b"], "v": ["X"]}]}
     with pytest.raises(CorruptCheckpointError, match=r"rank 1's skeleton: malformed skeleton: node 'X'"):
         described_union(own, [(1, bad, table_json(tensor_specs(other)), {})], 0)
+

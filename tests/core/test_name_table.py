@@ -35,3 +35,9 @@ def test_a_table_of_names_hashed_by_the_ranks_is_the_same() -> None:
     plain = NameTable(names)
     assert given.names == plain.names and given.sorted.tolist() == plain.sorted.tolist()
     assert given.order.tolist() == plain.order.tolist()
+
+
+def test_the_names_as_an_arrow_column() -> None:
+    for names in (["b", "a", "model.layers.0.w", ""], ["é", "a"], []):
+        assert NameTable(names).arrow.to_pylist() == sorted(names)
+        NameTable(names).arrow.validate(full=True)
