@@ -91,3 +91,21 @@ def save_outcome(url: str) -> dict[str, Any]:
     dist.barrier()
     return {"type": lazy, "unread": "tensors" not in md.__dict__, "save_id": md.save_id,
             "tensors": sorted(md.tensors), "files": len(md.data_files), "skeleton": md.skeleton.to_json()}
+
+
+def save_disagreeing(url: str) -> dict[str, Any]:
+    """(every rank) Save the ranks' kinds with rank 2's shared tensor of
+    another shape: what each rank's save raised, and what the directory
+    holds after."""
+    import os
+
+    state = kind_state(KINDS[dist.get_rank()])
+    if dist.get_rank() == 2:
+        state["shared"]["w"] = torch.zeros(4, 3)
+    try:
+        bytecp.save(url, state)
+        raised = ""
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    dist.barrier()
+    return {"raised": raised, "left": sorted(os.listdir(url)) if os.path.isdir(url) else []}

@@ -59,3 +59,14 @@ def test_a_large_states_commit_sends_the_ranks_its_small_members_only(pools: Any
     assert len({o["save_id"] for o in out}) == 1
     for o in out[1:]:
         assert (o["tensors"], o["files"], o["skeleton"]) == (out[0]["tensors"], out[0]["files"], out[0]["skeleton"])
+
+
+def test_ranks_describing_a_tensor_differently_fail_the_save_on_every_rank(pools: Any, tmp_path: Path) -> None:
+    """The coordinator's union of the tensor tables sent (bytecp/format/table_union.py)
+    refuses a tensor two ranks describe differently: every rank's save
+    raises the one line naming the tensor and both ranks, and what it wrote is removed."""
+    out = pools(4).run(skeleton_cases.save_disagreeing, str(tmp_path / "ck"))
+    for o in out:
+        assert "tensor 'shared.w': rank 0 has dtype float32 shape [3, 4] but rank 2 has dtype float32 shape [4, 3]; " \
+               "every rank must describe the same global tensor" in o["raised"], o
+    assert [o["left"] for o in out] == [[]] * 4  # (the failed save's files removed)
