@@ -56,12 +56,18 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         self.dtype = dtype
         self.ndim = ndim
         self.dims = dims
-        #: fqn -> its row; until a row is asked for, fqn -> the table's own string
-        #: (enough for ``in`` and :meth:`shared`: a reader that checks names but
-        #: looks none up keeps no int per tensor, 5.8 MB for 181,580 tensors)
-        #: (``rows``: fqn -> row already, from a caller that built it)
-        self._row: dict[str, Any] = dict(zip(names, names, strict=True)) if rows is None else rows
+        if rows is not None:  # (fqn -> row already, from a caller that built it)
+            self.__dict__["_row"] = rows
         self._numbered = rows is not None
+
+    @functools.cached_property
+    def _row(self) -> dict[str, Any]:
+        """fqn -> its row; until a row is asked for, fqn -> the table's own
+        string (enough for ``in`` and :meth:`shared`: a reader that checks
+        names but looks none up keeps no int per tensor, 5.8 MB for 181,580
+        tensors). Made on first use (a commit that only writes the table's
+        text makes none)."""
+        return dict(zip(self.names, self.names, strict=True))
 
     @functools.cached_property
     def start(self) -> np.ndarray:

@@ -9,6 +9,7 @@ import random
 import re
 from typing import Any
 
+import numpy as np
 import pytest
 
 from bytecp.errors import ConfigError
@@ -78,3 +79,10 @@ def test_elements_are_exact_past_what_int64_holds() -> None:
     assert elements_of(got) == 2 ** 70 + 1 + 0 + 3
     assert elements_of(union_tables([(0, table_json({"s": specs["s"]}))])[0]) == 1
     assert elements_of(union_tables([(0, table_json({}))])[0]) == 0 and len(union_tables([])[0]) == 0
+
+
+def test_two_names_of_one_hash_are_refused() -> None:
+    a = table_json({"a": {"dtype": "float32", "shape": [1]}}) | {"hashes": np.asarray([7], np.uint64)}
+    b = table_json({"b": {"dtype": "float32", "shape": [1]}}) | {"hashes": np.asarray([7], np.uint64)}
+    with pytest.raises(ConfigError, match="tensor names 'a' and 'b' collide in the commit's 64-bit name hash"):
+        union_tables([(0, a), (1, b)])
