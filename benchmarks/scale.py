@@ -56,7 +56,6 @@ from bytecp.format import metadata as fmt
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
-from bytecp.format.table_union import sent_table
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
@@ -136,8 +135,7 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
     files = sl.data_files(job)
     own, own_specs = jobs.described(job, 0)
     # one rank of every other skeleton sends its own (the MoE: the lowest rank of each other EP index)
-    sent = [(r, sk.to_json(), sent_table(specs)) for r in range(1, job.ep if job.groups else 1)
-            for sk, specs in [jobs.described(job, r)]]
+    sent = [s[:3] for s in jobs.sent(job)]
 
     saves = itertools.count()
 

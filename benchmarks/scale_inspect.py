@@ -32,7 +32,6 @@ def write(root: Path, model: str, world: int) -> int:
     from bytecp.format import metadata as fmt
     from bytecp.format.parts_build import build_directory
     from bytecp.format.parts_schema import buckets_for, part_file
-    from bytecp.saving.commit import merge_described
 
     from . import scale_jobs as jobs
     from . import scale_load as sl
@@ -52,9 +51,8 @@ def write(root: Path, model: str, world: int) -> int:
     files = {p: 1 << 36 for p in sl.data_files(job)}  # sparse: room for any rank's share (an expert set's: GBs)
     for path, size in files.items():
         _sparse(root / path, size)
-    own, specs = jobs.described(job, 0)
-    sent = [(r, sk.to_json(), sp) for r in range(1, job.ep if job.groups else 1) for sk, sp in [jobs.described(job, r)]]
-    skeleton, specs = merge_described(own, specs, sent, 0)
+    described = jobs.union(job)
+    skeleton, specs = described.skeleton, described.tensors
     (root / fmt.METADATA_FILE).write_bytes(sl.metadata_for(job, directory, files, skeleton, specs).to_bytes())
     return job.chunk_count()
 

@@ -44,7 +44,7 @@ from bytecp.tree.regions import Region, full_region
 
 from . import scale_sim as sim
 
-__all__ = ["Job", "SAVE_ID", "llama_job", "moe_job", "moe_fsdp_job", "JOBS"]
+__all__ = ["Job", "SAVE_ID", "llama_job", "moe_job", "moe_fsdp_job", "JOBS", "described", "sent", "union"]
 
 SAVE_ID = "20261123T000000-00000000"
 STATES = ("exp_avg", "exp_avg_sq")
@@ -296,6 +296,25 @@ def described(job: Job, rank: int) -> tuple[Any, dict[str, dict[str, Any]]]:
               for n in params for st in STATES}
     specs |= {f"optimizer.state.{n}.step": {"dtype": F32, "shape": []} for n in params}
     return skeleton, specs
+
+
+def sent(job: Job) -> list[tuple[int, Any, dict[str, Any], dict[str, str]]]:
+    """What the commit gathers beside the coordinator's own: (rank, skeleton
+    JSON, :func:`~bytecp.format.table_union.sent_table`, aliases) of the
+    lowest rank of each other skeleton (the MoE: of each other EP index)."""
+    from bytecp.format.table_union import sent_table
+
+    return [(r, sk.to_json(), sent_table(specs), {}) for r in range(1, job.ep if job.groups else 1)
+            for sk, specs in [described(job, r)]]
+
+
+def union(job: Job) -> Any:
+    """The coordinator's :class:`~bytecp.saving.commit.DescribedUnion` of every
+    rank's skeleton and tensors (what ``metadata.json`` holds)."""
+    from bytecp.saving.commit import described_union
+
+    own, specs = described(job, 0)
+    return described_union(lambda: (own, specs, {}), sent(job), 0)
 
 
 def votes(job: Job, cached: str | None = None) -> list[bytes]:

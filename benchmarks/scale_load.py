@@ -96,15 +96,10 @@ def prepare(root: Path, job: Job, entries: Entries, readers: list[int], cap: int
     for r, part in entries.real.items():
         if part.blobs:
             (root / part_file(SAVE_ID, r)).write_bytes(b"".join(part.blobs))
-    from bytecp.format.tensor_table import table_json
-    from bytecp.saving.commit import merge_described
+    from .scale_jobs import union
 
-    from .scale_jobs import described
-
-    own, specs = described(job, 0)  # the whole state's skeleton, as the coordinator merged it
-    sent = [(r, sk.to_json(), table_json(sp)) for r in range(1, job.ep if job.groups else 1)
-            for sk, sp in [described(job, r)]]
-    skeleton, _, specs = merge_described(own, table_json(specs), sent, 0)
+    described = union(job)  # the whole state's skeleton and tensors, as the coordinator merged them
+    skeleton, specs = described.skeleton, described.tensors
     (root / fmt.METADATA_FILE).write_bytes(metadata_for(job, directory, data_files(job), skeleton, specs).to_bytes())
     return {"written": True, "touched": {r: _counts(s) for r, s in seen.items()},
             "parts_written": len(entries.real)}

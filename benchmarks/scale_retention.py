@@ -48,7 +48,6 @@ from bytecp.format import metadata as fmt
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.format.references import check_references
-from bytecp.saving.commit import merge_described
 from bytecp.saving.leases import orphans, saves_at
 from bytecp.storage_api import open_storage
 from bytecp.tools.gc import collect_garbage
@@ -78,10 +77,8 @@ class Run:
         buckets = buckets_for(job.world)
         entries = Entries(job, buckets)
         self.pages, self.directory = build_directory(entries.all(), jobs.SAVE_ID, buckets, job.specs())
-        own, specs = jobs.described(job, 0)
-        sent = [(r, sk.to_json(), sp) for r in range(1, job.ep if job.groups else 1)
-                for sk, sp in [jobs.described(job, r)]]
-        self.skeleton, self.specs = merge_described(own, specs, sent, 0)
+        described = jobs.union(job)
+        self.skeleton, self.specs = described.skeleton, described.tensors
         self.files = sl.data_files(self.job)
         self.parts = [part_file(jobs.SAVE_ID, r) for r in self.directory.ranks]
 

@@ -252,3 +252,25 @@ def test_zero_redundancy_assignment_alone_equals_the_gathered_one() -> None:
         for fqn, _, piece in pieces:
             got[fqn].append(piece)
     assert_tiles(got, {f: b.lengths for f, b in mine})
+
+
+def test_the_scale_benchmarks_commit_and_load_steps_run_on_a_small_moe() -> None:
+    """The benchmark's coordinator (the union of 4 EP indices' skeletons and
+    tables, built then kept) and its load case run, and the union holds
+    every rank's tensors and skeleton as the nodes' merge does."""
+    from benchmarks import scale
+    from benchmarks.scale_parts import Entries
+
+    dense, experts = sim.deepseek_v3(layers=3, dense_layers=1, hidden=64, experts=8, expert_ffn=100,
+                                     dense_ffn=96, vocab=512, heads=2, q_lora=32, kv_lora=16, nope=8, rope=4, v_dim=8)
+    job = jobs.Job("small moe", 32, dense, experts, ep=4)
+    union = jobs.union(job)
+    skeletons = [jobs.described(job, r)[0] for r in range(job.ep)]
+    assert union.skeleton.to_json() == skeletons[0].merge_all(skeletons[1:]).to_json()
+    assert dict(union.tensors) == job.specs() and union.elements == sum(math.prod(s["shape"])
+                                                                          for s in job.specs().values())
+    entries = Entries(job, buckets_for(job.world))
+    c = scale.coordinator(job, entries, 1)
+    assert c["skeletons_sent"] == job.ep - 1 and c["metadata_mb"] > 0 and c["outcome_kb"] > 0
+    got = scale.loads(job, entries, 1, 3000)
+    assert got["written"] and got["middle"]["rows"] > 0 and got["nothing"]["rows"] == 0
