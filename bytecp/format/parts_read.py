@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import limits, segment_wire
+from bytecp.format import limits, segment_keep, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import decode_table, uncovered
@@ -52,8 +52,11 @@ __all__ = ["read_parts", "wanted_bands", "Segment", "by_part"]
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
 Entry = tuple[int, int, int, int, int, int, int, str, str]
 #: one segment to read: (rank, offset, nbytes, rows, crc32c, band lo, band hi, the names its wide entries
-#: read cover: their ``first`` ascending and, for each, the greatest ``last`` up to it (see :func:`_named`))
+#: read cover: their ``first`` ascending and, for each, the greatest ``last`` up to it (see
+#: :func:`bytecp.format.segment_keep.keep`))
 Segment = tuple[int, int, int, int, int, int, int, tuple[list[str], list[str]]]
+#: per wanted tensor, its boxes' bands as disjoint ascending intervals (None: every row)
+Bands = Mapping[str, list[tuple[int, int]]] | None
 
 
 def wanted_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> list[tuple[int, int]]:
@@ -95,6 +98,10 @@ def read_parts(
     d, where, parts = _directory(storage, md)
     names = None if wanted is None else sorted(wanted)
     fqns = None if wanted is None else set(wanted)
+    # each tensor's boxes' bands: a row of it that misses them holds none of their elements
+    spans = None if wanted is None else segment_keep.tensor_bands(
+        {fqn: [box_bands(b.offsets, b.lengths, md.tensors[fqn]["shape"], d.buckets) for b in boxes if b.numel]
+         for fqn, boxes in wanted.items() if md.tensors[fqn]["shape"]})
     # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
     # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
     # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet
@@ -104,7 +111,7 @@ def read_parts(
     wide = _segments(entries, d, where)
     listed = sum(s[3] for s in wide) + len(scalars)
     _budget(listed, budget, d, where)
-    out = _read_all(storage, md, d, wide, fqns, where)
+    out = _read_all(storage, md, d, wide, fqns, spans, where)
     bands = None if wanted is None else wanted_bands(md, uncovered(wanted, out))
     band_pages = [("band", k) for k in range(len(d.band_pages["lo"]))
                   if bands is None or _meets(bands, d.band_pages["lo"][k], d.band_pages["hi"][k])]
@@ -113,7 +120,7 @@ def read_parts(
     band = _segments(entries, d, where)
     _budget(listed + sum(s[3] for s in band), budget, d, where)
     seen = set(out)
-    out += [c for c in _read_all(storage, md, d, band, fqns, where) if c not in seen]
+    out += [c for c in _read_all(storage, md, d, band, fqns, spans, where) if c not in seen]
     return out + scalars, len(wide) + len(band) + sum(kind == "scalar" for kind, _ in pages)
 
 
@@ -154,12 +161,13 @@ def _budget(listed: int, budget: int | None, d: PartsDirectory, where: str) -> N
 
 
 def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: list[Segment],
-              fqns: set[str] | None, where: str) -> list[fmt.ChunkRecord]:
-    """The rows of ``segments`` (of tensors ``fqns``), each chunk once."""
+              fqns: set[str] | None, spans: Bands, where: str) -> list[fmt.ChunkRecord]:
+    """The rows of ``segments`` (of tensors ``fqns``, meeting their ``spans``), each chunk once."""
     seen: set[fmt.ChunkRecord] = set()
     out: list[fmt.ChunkRecord] = []
+    memo = segment_wire.Names()
     for rows in _each_part(by_part(segments), PART_READERS if storage.remote else 1,
-                           lambda rank, mine: _read_segments(storage, md, d, rank, mine, fqns, where)):
+                           lambda rank, mine: _read_segments(storage, md, d, rank, mine, fqns, where, spans, memo)):
         for c in rows:
             if c not in seen:
                 seen.add(c)
@@ -397,7 +405,8 @@ def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | Non
 
 
 def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment],
-                   fqns: set[str] | None, where: str) -> list[fmt.ChunkRecord]:
+                   fqns: set[str] | None, where: str, spans: Bands = None, memo: segment_wire.Names | None = None,
+                   ) -> list[fmt.ChunkRecord]:
     path = part_file(d.save_id, rank)
     label = f"{where}/{path}"
     check_spans([s[1] for s in segments], [s[2] for s in segments], d.part_size(rank) or 0,
@@ -409,34 +418,8 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         seg = f"{label} segment at bytes {s[1]}..{s[1] + s[2]}"
         if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
-        chunks = segment_wire.to_records(segment_wire.decode(seg, buf, s[3], d.save_id), md, seg, fqns)
-        for c in chunks:
-            _check_place(seg, d, c, s, limit)
-        out.extend(chunks)
+        rows = segment_wire.decode(seg, buf, s[3], d.save_id, memo)
+        kept = segment_wire.kept_rows(rows, md, seg, fqns)
+        out += segment_wire.records(rows, kept, segment_keep.keep(rows, kept, (s[5], s[6], s[7]), d.buckets, limit,
+                                                                  seg, spans))
     return out
-
-
-def _named(names: tuple[list[str], list[str]], fqn: str) -> bool:
-    """Whether one of a wide segment's entries read names ``fqn``: the entry
-    of greatest ``last`` among those whose ``first <= fqn`` reaches it (O(log entries))."""
-    firsts, reach = names
-    k = bisect.bisect_right(firsts, fqn) - 1
-    return k >= 0 and reach[k] >= fqn
-
-
-def _check_place(label: str, d: PartsDirectory, c: fmt.ChunkRecord, s: Segment, limit: int) -> None:
-    """The row lies where the directory entries say (FORMAT.md §5.6): a
-    band segment's rows meet at most ``limit`` bands, inside its ``[lo,
-    hi]``; a wide segment's rows meet more, each named by one of the
-    segment's entries read; no 0-dim row is in a part."""
-    shape = c.global_shape
-    ok = len(shape) > 0 and len(c.offsets) == len(c.lengths) == len(shape) and all(n > 0 for n in c.lengths)
-    if ok:
-        lo, hi = box_bands(c.offsets, c.lengths, shape, d.buckets)
-        banded = hi - lo + 1 <= limit
-        ok = (s[5] <= lo and hi <= s[6]) if s[5] >= 0 else (not banded and _named(s[7], c.fqn))
-        ok = ok and banded == (s[5] >= 0)
-    if not ok:
-        raise CorruptCheckpointError(
-            f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} does "
-            "not belong in it (FORMAT.md §5.6); the index is corrupt")

@@ -476,7 +476,8 @@ def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) ->
     wide = [e for page in pages["wide"] for e in page if e["first"] <= "a" <= e["last"]]
     band = [e for page in pages["band"] for e in page if e["lo"] <= 468 and 426 <= e["hi"]]
     assert len(wide) == 3 and 0 < len(band) < 10 and n == len(wide)
-    assert {c.offsets for c in rows} == {(0, 0), (32, 0), (64, 0)}
+    # of the three wide rows read, only rank 1's meets the box's bands: the others hold none of its elements
+    assert {c.offsets for c in rows} == {(32, 0)}
 
     pool = WorkerPool(2)
     try:

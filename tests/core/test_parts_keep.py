@@ -1,0 +1,143 @@
+"""What a reader keeps of the index segments it reads (docs/FORMAT.md §5.6
+"Reading"): only the rows of its tensors whose bands meet their boxes'
+(``bytecp.format.segment_keep``), with the same reads as from every row of
+those tensors; each distinct list of tensor names decoded and checked once
+(``segment_wire.Names``), an unknown name still refused in any segment."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import bytecp
+from bytecp.format import metadata as fmt
+from bytecp.format import parts_read, segment_keep, segment_wire
+from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.parts_build import build_directory, build_part
+from bytecp.format.parts_schema import box_bands, buckets_for, part_file
+from bytecp.loading.opened import open_checkpoint
+from bytecp.plan.load_plan import plan_load
+from bytecp.tree.regions import Region
+from bytecp.tree.state import Shard, TensorLeaf
+
+from .test_parts_index import _md, _write_md
+
+RANKS = 4
+W = torch.arange(1024, dtype=torch.int32).reshape(256, 4)
+U = torch.arange(1024, dtype=torch.float32).reshape(512, 2)
+
+
+def _fsdp(ck: Path) -> None:
+    """``w`` (256 x 4) in chunks of 4 rows, ``u`` (512 x 2) likewise, and
+    rank ``r`` the writer of rows ``64r..`` of ``w`` and ``128r..`` of ``u``:
+    each rank's band segment holds its shards of both tensors, as an FSDP
+    rank's does."""
+    state = {"w": TensorLeaf((256, 4), torch.int32, [Shard(Region((i, 0), (4, 4)), W[i : i + 4]) for i in range(0, 256, 4)]),
+             "u": TensorLeaf((512, 2), torch.float32, [Shard(Region((i, 0), (4, 2)), U[i : i + 4]) for i in range(0, 512, 4)])}
+    bytecp.save(str(ck), state)
+    opened = open_checkpoint(str(ck))
+    md = opened.metadata
+    rows, _ = parts_read.read_parts(opened.storage, md, None)
+    sid = md.save_id
+    for r in md.index.ranks:  # type: ignore[union-attr]
+        (ck / part_file(sid, r)).unlink()
+    buckets, entries = buckets_for(RANKS), []
+    for r in range(RANKS):
+        mine = [c for c in rows if c.offsets[0] // (64 if c.fqn == "w" else 128) == r]
+        part = build_part(ChunkBatch.of(mine), {c.fqn: md.tensors[c.fqn] for c in mine}, md.data_files, sid, r, buckets)
+        (ck / part_file(sid, r)).write_bytes(b"".join(part.blobs))
+        entries.append(part.entries)
+    pages, directory = build_directory(entries, sid, buckets, md.tensors)
+    (ck / directory.file).write_bytes(b"".join(pages))
+    raw = _md(ck)
+    raw["index"] = directory.to_json()
+    _write_md(ck, raw)
+
+
+def test_a_reader_keeps_the_rows_meeting_its_boxes_bands_with_the_same_reads(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _fsdp(ck)
+    opened = open_checkpoint(str(ck))
+    md, storage = opened.metadata, opened.storage
+    every, _ = parts_read.read_parts(storage, md, None)
+    wanted = {"w": [Region((72, 0), (4, 4))], "u": [Region((300, 0), (4, 2))]}
+    rows, n = parts_read.read_parts(storage, md, wanted)
+    # the band segments of ranks 1 and 2 (96 rows, all of w or u); of them only the rows of each tensor
+    # whose bands meet that tensor's box: w 72..75 (bands 288..303; u 144..151 there meet w's bands, not u's)
+    # and u 300..303 (bands 600..607)
+    assert n == 2
+    assert sorted((c.fqn, c.offsets) for c in rows) == [("u", (300, 0)), ("w", (72, 0))]
+    b = md.index.buckets  # type: ignore[union-attr]
+    want = {f: box_bands(x.offsets, x.lengths, md.tensors[f]["shape"], b) for f, (x,) in wanted.items()}
+
+    def meets(c: fmt.ChunkRecord) -> bool:
+        lo, hi = box_bands(c.offsets, c.lengths, c.global_shape, b)
+        return lo <= want[c.fqn][1] and want[c.fqn][0] <= hi
+
+    assert set(rows) == {c for c in every if c.fqn in wanted and meets(c)}
+    # the same reads as from every row of those tensors
+    targets = [(f, x) for f, boxes in wanted.items() for x in boxes]
+    named = [c for c in every if c.fqn in wanted]
+
+    def reads(chunks: list[fmt.ChunkRecord]) -> list[tuple[object, ...]]:
+        return [(r.target, chunks[r.chunk], r.box, r.byte_offset, r.nbytes, r.span_first, r.whole_chunk)
+                for r in plan_load(targets, chunks, itemsizes={"w": 4, "u": 4})]
+
+    assert reads(rows) == reads(named) and len(reads(rows)) == 2
+    got = bytecp.load_state_dict(str(ck))
+    assert torch.equal(got["w"], W) and torch.equal(got["u"], U)
+
+
+def _segment(names: list[str], used: list[int], sid: str) -> bytes:
+    """A segment listing ``names``, with a 4 x 4 row of tensor ``names[k]`` for each ``k`` of ``used``."""
+    n = len(used)
+    zero = np.zeros(n, np.int64)
+    return segment_wire.encode(sid, names, ["data/x/0-0.bin"], np.asarray(used), zero, np.full(n, 2), 4096 * np.arange(n),
+                               np.full(n, 64), zero, np.asarray([[4 * i, 0] for i in range(n)]).ravel(), np.full(2 * n, 4))
+
+
+def test_one_list_of_names_is_decoded_once_and_an_unknown_name_still_refused(tmp_path: Path) -> None:
+    ck = tmp_path / "ck"
+    _fsdp(ck)
+    md = open_checkpoint(str(ck)).metadata
+    sid, names = md.save_id, ["ghost", "u", "w"]
+    memo = segment_wire.Names()
+    first = segment_wire.decode("s1", _segment(names, [1, 2], sid), 2, sid, memo)
+    again = segment_wire.decode("s2", _segment(names, [2, 2, 1], sid), 3, sid, memo)
+    assert again.names is first.names and again.checked is first.checked
+    kept = segment_wire.kept_rows(first, md, "s1", {"w"})  # 'ghost' is listed, but no row of s1 names it
+    assert kept.rows.tolist() == [1]
+    assert segment_wire.kept_rows(again, md, "s2", {"w"}).rows.tolist() == [0, 1]
+    bad = segment_wire.decode("s3", _segment(names, [2, 0], sid), 2, sid, memo)
+    assert bad.names is first.names
+    with pytest.raises(bytecp.CorruptCheckpointError, match="^s3: a row names tensor 'ghost', which metadata.json lacks$"):
+        segment_wire.kept_rows(bad, md, "s3", {"w"})
+
+
+@pytest.mark.parametrize("shape", [(256, 4), (3, 5, 7), (1 << 40, 1 << 20), (7,)])
+def test_row_bands_as_columns_are_box_bands(shape: tuple[int, ...]) -> None:
+    """Every row's bands as :func:`box_bands` gives them: inside its tensor
+    (64-bit integers), outside it or too large for 64 bits (Python integers)."""
+    rng = np.random.default_rng(len(shape))
+    boxes = []
+    for _ in range(40):
+        o = [int(rng.integers(0, s)) for s in shape]
+        n = [int(rng.integers(1, s - x + 1)) for s, x in zip(shape, o, strict=True)]
+        boxes.append((o, n))
+    boxes.append(([shape[0] + 5, *([0] * (len(shape) - 1))], [3, *shape[1:]]))  # outside the tensor
+    sid = "sid"
+    seg = segment_wire.decode("s", segment_wire.encode(
+        sid, ["t"], ["f"], np.zeros(len(boxes), np.int64), np.zeros(len(boxes), np.int64),
+        np.full(len(boxes), len(shape)), np.zeros(len(boxes), np.int64), np.zeros(len(boxes), np.int64),
+        np.zeros(len(boxes), np.int64), np.asarray([x for o, _ in boxes for x in o]),
+        np.asarray([x for _, n in boxes for x in n])), len(boxes), sid)
+    kept = segment_wire.Kept(np.arange(len(boxes)), [("t", "float32", shape)])
+    for buckets in (1024, 1 << 18):
+        lo, hi, slow = segment_keep._bands(seg, kept, buckets)
+        got = [(slow[i] and box_bands(*slow[i], buckets)) if i in slow else (int(lo[i]), int(hi[i]))
+               for i in range(len(boxes))]
+        assert got == [box_bands(o, n, shape, buckets) for o, n in boxes]
+        assert len(boxes) - 1 in slow
