@@ -418,6 +418,10 @@ def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: 
         seg = f"{label} segment at bytes {s[1]}..{s[1] + s[2]}"
         if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
+        if s[3] <= segment_keep.FEW_ROWS:  # (a few rows: one at a time)
+            out += segment_keep.keep_records(seg, segment_wire.to_records(segment_wire.decode(
+                seg, buf, s[3], d.save_id), md, seg, fqns), (s[5], s[6], s[7]), d.buckets, limit, spans)
+            continue
         rows = segment_wire.decode(seg, buf, s[3], d.save_id, memo)
         kept = segment_wire.kept_rows(rows, md, seg, fqns)
         out += segment_wire.records(rows, kept, segment_keep.keep(rows, kept, (s[5], s[6], s[7]), d.buckets, limit,

@@ -26,12 +26,16 @@ from collections.abc import Mapping, Sequence
 import numpy as np
 
 from bytecp.errors import CorruptCheckpointError
+from bytecp.format import metadata as fmt
 from bytecp.format import segment_wire
 from bytecp.format.parts_schema import box_bands
 
-__all__ = ["keep", "tensor_bands"]
+__all__ = ["keep", "keep_records", "tensor_bands", "FEW_ROWS"]
 
 _INT64 = np.iinfo(np.int64).max
+#: a segment of at most this many rows is kept a record at a time (:func:`keep_records`): the
+#: columns' fixed cost is more than theirs
+FEW_ROWS = 32
 
 
 def tensor_bands(spans: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
@@ -94,6 +98,27 @@ def keep(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, entry: tuple[in
         a, b = spans[i] if i in slow else (int(lo[i]), int(hi[i]))  # type: ignore[misc]
         meets[i] = _meets(bands.get(fqn[int(nid[i])], []), a, b)
     return rows[meets]
+
+
+def keep_records(label: str, chunks: list[fmt.ChunkRecord], entry: tuple[int, int, tuple[list[str], list[str]]],
+                 buckets: int, limit: int, bands: Mapping[str, list[tuple[int, int]]] | None) -> list[fmt.ChunkRecord]:
+    """:func:`keep` of a few rows as records (:func:`segment_wire.to_records`),
+    one at a time in Python integers."""
+    out = []
+    for c in chunks:
+        shape = c.global_shape
+        ok = len(shape) > 0 and len(c.offsets) == len(c.lengths) == len(shape) and all(n > 0 for n in c.lengths)
+        lo, hi = box_bands(c.offsets, c.lengths, shape, buckets) if ok else (0, -1)
+        if ok:
+            ok = (entry[0] <= lo and hi <= entry[1] and hi - lo + 1 <= limit) if entry[0] >= 0 \
+                else (hi - lo + 1 > limit and _named(entry[2], c.fqn))
+        if not ok:
+            raise CorruptCheckpointError(
+                f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} does "
+                "not belong in it (FORMAT.md §5.6); the index is corrupt")
+        if bands is None or _meets(bands.get(c.fqn, []), lo, hi):
+            out.append(c)
+    return out
 
 
 def _bands(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, buckets: int

@@ -141,3 +141,36 @@ def test_row_bands_as_columns_are_box_bands(shape: tuple[int, ...]) -> None:
                for i in range(len(boxes))]
         assert got == [box_bands(o, n, shape, buckets) for o, n in boxes]
         assert len(boxes) - 1 in slow
+
+
+@pytest.mark.parametrize("wanted", [
+    {"w": [Region((72, 0), (4, 4))], "u": [Region((300, 0), (4, 2))]},
+    {"w": [Region((0, 0), (256, 4))]},
+    {"u": [Region((100, 1), (250, 1)), Region((400, 0), (3, 2))], "w": [Region((250, 2), (6, 2))]},
+    None,
+])
+def test_a_segment_of_a_few_rows_is_kept_alike_one_row_at_a_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 wanted: dict[str, list[Region]] | None) -> None:
+    """Segments of at most ``FEW_ROWS`` rows are read a record at a time
+    (``segment_keep.keep_records``): the same rows as the columns keep, and
+    the same refusal of a row misplaced."""
+    ck = tmp_path / "ck"
+    _fsdp(ck)
+    opened = open_checkpoint(str(ck))
+    got = {}
+    for few in (0, 10 ** 9):  # (every segment by columns; every segment a row at a time)
+        monkeypatch.setattr(segment_keep, "FEW_ROWS", few)
+        got[few] = parts_read.read_parts(opened.storage, opened.metadata, wanted)
+    assert got[0] == got[10 ** 9] and got[0][0]
+    md, sid = opened.metadata, opened.metadata.save_id
+    seg = segment_wire.decode("s", _segment(["u", "w"], [1, 1], sid), 2, sid)
+    kept = segment_wire.kept_rows(seg, md, "s", {"w"})
+    b = md.index.buckets  # type: ignore[union-attr]
+    lo, hi = box_bands((4, 0), (4, 4), (256, 4), b)
+    for entry in ((lo + 1, hi, ([], [])), (-1, -1, (["w"], ["w"]))):  # (a band that misses it; wide, not banded)
+        with pytest.raises(bytecp.CorruptCheckpointError) as by_columns:
+            segment_keep.keep(seg, kept, entry, b, 64, "s", None)
+        with pytest.raises(bytecp.CorruptCheckpointError) as one_at_a_time:
+            segment_keep.keep_records("s", segment_wire.to_records(seg, md, "s", {"w"}), entry, b, 64, None)
+        assert str(by_columns.value) == str(one_at_a_time.value)
+        assert "s: the row of tensor 'w' region [0, 0]+[4, 4] does not belong in it" in str(one_at_a_time.value)
