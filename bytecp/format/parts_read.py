@@ -64,15 +64,8 @@ def wanted_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> li
     (0-dim tensors are in no band: the directory's scalar pages list them)."""
     d = md.index
     assert isinstance(d, PartsDirectory)
-    spans = [box_bands(box.offsets, box.lengths, md.tensors[fqn]["shape"], d.buckets)
-             for fqn, boxes in wanted.items() if md.tensors[fqn]["shape"] for box in boxes if box.numel]
-    merged: list[tuple[int, int]] = []
-    for lo, hi in sorted(spans):
-        if merged and lo <= merged[-1][1] + 1:
-            merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-        else:
-            merged.append((lo, hi))
-    return merged
+    return segment_keep.merged(box_bands(box.offsets, box.lengths, md.tensors[fqn]["shape"], d.buckets)
+                               for fqn, boxes in wanted.items() if md.tensors[fqn]["shape"] for box in boxes if box.numel)
 
 
 def _meets(intervals: list[tuple[int, int]], lo: int, hi: int) -> bool:

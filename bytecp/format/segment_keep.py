@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format import segment_wire
 from bytecp.format.parts_schema import box_bands
 
-__all__ = ["keep", "keep_records", "tensor_bands", "FEW_ROWS"]
+__all__ = ["keep", "keep_records", "merged", "tensor_bands", "FEW_ROWS"]
 
 _INT64 = np.iinfo(np.int64).max
 #: a segment of at most this many rows is kept a record at a time (:func:`keep_records`): the
@@ -38,18 +38,20 @@ _INT64 = np.iinfo(np.int64).max
 FEW_ROWS = 32
 
 
+def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
+    """Band intervals ``[lo, hi]`` merged into disjoint ascending ones (touching ones joined)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(spans):
+        if out and lo <= out[-1][1] + 1:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
 def tensor_bands(spans: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
     """Each tensor's box bands ``[lo, hi]`` merged into disjoint ascending intervals."""
-    out: dict[str, list[tuple[int, int]]] = {}
-    for fqn, got in spans.items():
-        merged: list[tuple[int, int]] = []
-        for lo, hi in sorted(got):
-            if merged and lo <= merged[-1][1] + 1:
-                merged[-1] = (merged[-1][0], max(merged[-1][1], hi))
-            else:
-                merged.append((lo, hi))
-        out[fqn] = merged
-    return out
+    return {fqn: merged(got) for fqn, got in spans.items()}
 
 
 def keep(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, entry: tuple[int, int, tuple[list[str], list[str]]],

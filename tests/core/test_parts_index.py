@@ -27,6 +27,7 @@ import torch
 
 import bytecp
 from bytecp.cli import main as cli
+from bytecp.format import metadata as fmt
 from bytecp.format import parts_read, segment_wire
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
@@ -77,6 +78,12 @@ def multi_part(ck: Path) -> None:
     :data:`RANKS` ranks: rank ``r`` the rows ``64r..64r+63`` of ``w``, the
     last rank also ``v`` and ``s``."""
     bytecp.save(str(ck), _state())
+    as_parts(ck, lambda c, r: c.offsets[0] // 64 == r if c.fqn == "w" else r == RANKS - 1)
+
+
+def as_parts(ck: Path, holds: Callable[[fmt.ChunkRecord, int], bool]) -> None:
+    """Rewrite the index of the checkpoint at ``ck`` as the parts of
+    :data:`RANKS` ranks, rank ``r`` the rows ``holds(row, r)``."""
     opened = open_checkpoint(str(ck))
     md = opened.metadata
     rows, _ = parts_read.read_parts(opened.storage, md, None)
@@ -86,7 +93,7 @@ def multi_part(ck: Path) -> None:
     buckets = buckets_for(RANKS)
     entries = []
     for r in range(RANKS):
-        mine = [c for c in rows if (c.offsets[0] // 64 == r if c.fqn == "w" else r == RANKS - 1)]
+        mine = [c for c in rows if holds(c, r)]
         tensors = {c.fqn: md.tensors[c.fqn] for c in mine}
         part = build_part(ChunkBatch.of(mine), tensors, md.data_files, sid, r, buckets)
         (ck / part_file(sid, r)).write_bytes(b"".join(part.blobs))

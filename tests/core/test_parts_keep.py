@@ -15,17 +15,14 @@ import torch
 import bytecp
 from bytecp.format import metadata as fmt
 from bytecp.format import parts_read, segment_keep, segment_wire
-from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.parts_build import build_directory, build_part
-from bytecp.format.parts_schema import box_bands, buckets_for, part_file
+from bytecp.format.parts_schema import box_bands
 from bytecp.loading.opened import open_checkpoint
 from bytecp.plan.load_plan import plan_load
 from bytecp.tree.regions import Region
 from bytecp.tree.state import Shard, TensorLeaf
 
-from .test_parts_index import _md, _write_md
+from .test_parts_index import as_parts
 
-RANKS = 4
 W = torch.arange(1024, dtype=torch.int32).reshape(256, 4)
 U = torch.arange(1024, dtype=torch.float32).reshape(512, 2)
 
@@ -38,23 +35,7 @@ def _fsdp(ck: Path) -> None:
     state = {"w": TensorLeaf((256, 4), torch.int32, [Shard(Region((i, 0), (4, 4)), W[i : i + 4]) for i in range(0, 256, 4)]),
              "u": TensorLeaf((512, 2), torch.float32, [Shard(Region((i, 0), (4, 2)), U[i : i + 4]) for i in range(0, 512, 4)])}
     bytecp.save(str(ck), state)
-    opened = open_checkpoint(str(ck))
-    md = opened.metadata
-    rows, _ = parts_read.read_parts(opened.storage, md, None)
-    sid = md.save_id
-    for r in md.index.ranks:  # type: ignore[union-attr]
-        (ck / part_file(sid, r)).unlink()
-    buckets, entries = buckets_for(RANKS), []
-    for r in range(RANKS):
-        mine = [c for c in rows if c.offsets[0] // (64 if c.fqn == "w" else 128) == r]
-        part = build_part(ChunkBatch.of(mine), {c.fqn: md.tensors[c.fqn] for c in mine}, md.data_files, sid, r, buckets)
-        (ck / part_file(sid, r)).write_bytes(b"".join(part.blobs))
-        entries.append(part.entries)
-    pages, directory = build_directory(entries, sid, buckets, md.tensors)
-    (ck / directory.file).write_bytes(b"".join(pages))
-    raw = _md(ck)
-    raw["index"] = directory.to_json()
-    _write_md(ck, raw)
+    as_parts(ck, lambda c, r: c.offsets[0] // (64 if c.fqn == "w" else 128) == r)
 
 
 def test_a_reader_keeps_the_rows_meeting_its_boxes_bands_with_the_same_reads(tmp_path: Path) -> None:
