@@ -238,7 +238,7 @@ def _check(cols: EntryColumns, buckets: int) -> None:
 def _strings(ids: np.ndarray, table: NameTable) -> pa.Array:
     """The names of ``ids`` as a string column (taken from the table's
     names as one Arrow column, made once per table and kept with it)."""
-    return table.arrow.take(pa.array(ids))
+    return table.strings(ids)
 
 
 def _scalar_pages(pool: concurrent.futures.Executor, cols: EntryColumns, table: NameTable, sid: bytes,
@@ -253,8 +253,9 @@ def _scalar_pages(pool: concurrent.futures.Executor, cols: EntryColumns, table: 
         k = int(twice[0])
         raise ConfigError(f"tensor {table.names[ids[k]]!r}: ranks {int(ranks[k])} and {int(ranks[k + 1])} both wrote "
                           "its value (a 0-dim tensor is written once)")
-    files = sc.file.take(pa.array(order))
-    empty = pa.array([[]] * len(order), pa.list_(pa.int64()))
+    files = sc.files_at(order)
+    empty = pa.Array.from_buffers(pa.list_(pa.int64()), len(order), [None, pa.py_buffer(np.zeros(len(order) + 1, np.int32))],
+                                  children=[pa.Array.from_buffers(pa.int64(), 0, [None, pa.py_buffer(b"")])])
 
     def page(s: int, e: int) -> tuple[list[Any], Any, Any]:
         at = order[s:e]
@@ -279,13 +280,27 @@ def _pages(pool: concurrent.futures.Executor, n: int, schema: pa.Schema, save_id
     for s in range(0, n, PAGE_ENTRIES):
         e = min(n, s + PAGE_ENTRIES)
         arrays, a, b = page(s, e)
-        table = pa.table([pa.array(x, f.type) if isinstance(x, np.ndarray) else x
+        table = pa.table([_numbers(x, f.type) if isinstance(x, np.ndarray) else x
                           for x, f in zip(arrays, schema, strict=True)], schema=schema)
         out["written"].append(pool.submit(_written, table))
         out[lo].append(a)
         out[hi].append(b)
         out["rows"].append(e - s)
     return out
+
+
+#: the NumPy dtype of each Arrow type a page's number columns have
+_NUMPY = {pa.int64(): np.int64, pa.uint32(): np.uint32, pa.int32(): np.int32, pa.uint64(): np.uint64}
+
+
+def _numbers(x: np.ndarray, kind: pa.DataType) -> pa.Array:
+    """``x`` as an Arrow column of ``kind`` from its buffer (``pa.array`` would import pandas)."""
+    want = _NUMPY.get(kind)
+    if want is None:
+        return pa.array(x, kind)
+    if len(x) and x.dtype != want and not np.array_equal(x.astype(want), x):
+        raise ValueError(f"a page column of {kind} holds a value out of its range")
+    return pa.Array.from_buffers(kind, len(x), [None, pa.py_buffer(np.ascontiguousarray(x, want))])
 
 
 def _written(table: pa.Table) -> tuple[bytes, int]:

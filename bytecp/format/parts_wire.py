@@ -25,7 +25,7 @@ import pyarrow as pa
 from bytecp.errors import ConfigError
 from bytecp.format.chunk_batch import fqn_hash, fqn_hashes
 
-__all__ = ["PartEntries", "Scalar", "Scalars", "EntryColumns", "NameTable", "decode_all"]
+__all__ = ["PartEntries", "Scalar", "Scalars", "EntryColumns", "NameTable", "decode_all", "string_column", "rows_of"]
 
 #: first word of an encoded PartEntries ("bcpPE4", version 1)
 MAGIC = int.from_bytes(b"bcpPE4\x00\x01", "little")
@@ -90,6 +90,23 @@ class PartEntries:
         return words.tobytes() + tail + b"\0" * (-len(tail) % 8)
 
 
+def string_column(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
+    """An Arrow string column of the strings ``data[offsets[i]:offsets[i+1]]``
+    (UTF-8 bytes), built from NumPy buffers (``pa.array`` of anything makes
+    pyarrow import pandas: 0.35 s the first time in a process)."""
+    if len(data) >= 1 << 31:
+        raise ValueError("a string column of 2 GiB or more")
+    return pa.Array.from_buffers(pa.string(), len(offsets) - 1, [
+        None, pa.py_buffer(np.ascontiguousarray(offsets, np.int32)), pa.py_buffer(np.ascontiguousarray(data, np.uint8))])
+
+
+def rows_of(column: pa.Array, at: np.ndarray) -> pa.Array:
+    """``column``'s rows ``at``, in that order (Arrow's take, the indices
+    given as a buffer: ``pa.array`` would import pandas)."""
+    at = np.ascontiguousarray(at, np.int64)
+    return column.take(pa.Array.from_buffers(pa.int64(), len(at), [None, pa.py_buffer(at)]))
+
+
 @dataclasses.dataclass
 class Scalars:
     """Every rank's 0-dim chunks as columns (:func:`decode_all`)."""
@@ -99,6 +116,11 @@ class Scalars:
     hash: np.ndarray
     #: the data file each is in (Arrow strings)
     file: pa.Array
+
+    def files_at(self, at: np.ndarray) -> pa.Array:
+        """The data files of the chunks ``at``, in that order."""
+        return rows_of(self.file, at)
+
     offset: np.ndarray
     nbytes: np.ndarray
     crc32c: np.ndarray
@@ -209,8 +231,7 @@ def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, 
     first = np.repeat(np.cumsum(ns) - ns, ns)  # each chunk's rank's first chunk, among all chunks
     where = (at + 5 * ns)[owner] * 8 + before - before[first]
     data = buf.view(np.uint8)[np.repeat(where - before, flen) + np.arange(int(flen.sum()), dtype=np.int64)]
-    files = pa.Array.from_buffers(pa.large_string(), len(flen), [
-        None, pa.py_buffer(np.concatenate([[0], np.cumsum(flen)]).astype(np.int64)), pa.py_buffer(data)])
+    files = string_column(np.concatenate([np.zeros(1, np.int64), np.cumsum(flen)]), data)
     try:
         files.validate(full=True)
     except pa.ArrowInvalid:  # (find whose: one chunk at a time)
@@ -221,7 +242,7 @@ def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, 
             except UnicodeDecodeError as e:
                 raise ConfigError(f"rank {int(rank[r])}: its index part entries name a file that is not UTF-8") from e
         raise
-    return Scalars(rank=rank[owner], hash=hashes.view(np.uint64), file=files.cast(pa.string()), offset=offs,
+    return Scalars(rank=rank[owner], hash=hashes.view(np.uint64), file=files, offset=offs,
                    nbytes=sizes, crc32c=crcs)
 
 
@@ -266,12 +287,18 @@ class NameTable:
     def arrow(self) -> pa.Array:
         """The names as one Arrow string column (the directory's pages take theirs from it)."""
         joined = "".join(self.names)
-        if not joined.isascii() or len(joined) >= 1 << 31:
-            return pa.array(self.names, pa.string())
-        ends = np.cumsum(np.fromiter(map(len, self.names), np.int64, len(self.names)))  # (ASCII: a byte a character)
-        offsets = np.concatenate([np.zeros(1, np.int64), ends]).astype(np.int32)
-        return pa.Array.from_buffers(pa.string(), len(self.names),
-                                     [None, pa.py_buffer(offsets), pa.py_buffer(joined.encode("ascii"))])
+        if joined.isascii():  # (a byte a character)
+            lens = np.fromiter(map(len, self.names), np.int64, len(self.names))
+            raw = joined.encode("ascii")
+        else:
+            encoded = [n.encode() for n in self.names]
+            lens = np.fromiter(map(len, encoded), np.int64, len(encoded))
+            raw = b"".join(encoded)
+        return string_column(np.concatenate([np.zeros(1, np.int64), np.cumsum(lens)]), np.frombuffer(raw, np.uint8))
+
+    def strings(self, ids: np.ndarray) -> pa.Array:
+        """The names of ``ids`` as an Arrow string column (the directory's pages' names)."""
+        return rows_of(self.arrow, ids)
 
     def ids(self, hashes: np.ndarray, rank_of: Callable[[int], int], what: str) -> np.ndarray:
         """The ids of ``hashes`` (hash ``i`` sent by rank ``rank_of(i)``);

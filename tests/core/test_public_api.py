@@ -30,6 +30,16 @@ def test_import_does_not_pull_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
+def test_a_save_does_not_import_pandas(tmp_path) -> None:
+    """pyarrow imports pandas the first time ``pa.array`` or ``to_numpy`` runs
+    in a process (0.35 s, paid by a job's first commit): the commit builds
+    its Arrow columns from NumPy buffers instead (bytecp/format/parts_build.py)."""
+    code = (f"import sys, torch, bytecp; bytecp.save({str(tmp_path / 'ck')!r}, {{'w': torch.ones(64, 4), 'step': 3, "
+            "'opt': {'state': {0: {'exp_avg': torch.zeros(8)}}}}); print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+
+
 def test_async_save_stays_callable_after_save(tmp_path) -> None:
     import torch
 
