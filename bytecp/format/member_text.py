@@ -54,14 +54,12 @@ class EncodedMembers:
         return self.text if skeleton is self.skeleton and tensors is self.tensors else {}
 
 
-def encode_members(skeleton: Node, tensors: Mapping[str, Any], table: Mapping[str, Any] | None = None,
-                   skeleton_text: str | None = None) -> EncodedMembers:
+def encode_members(skeleton: Node, tensors: Mapping[str, Any], skeleton_text: str | None = None) -> EncodedMembers:
     """(coordinator, at a commit whose union of skeletons is new) The two
     members' text, as :meth:`~bytecp.format.metadata.Metadata.to_bytes`
-    writes them (``table``: ``tensors``' :func:`table_json`, and
-    ``skeleton_text``: the skeleton's, when the caller has them)."""
+    writes them (``skeleton_text``: the skeleton's, when the caller has it)."""
     return EncodedMembers(skeleton, tensors, {
-        "tensors": dumps(table_json(tensors) if table is None else table),
+        "tensors": dumps(table_json(tensors)),
         "skeleton": dumps(skeleton.to_json()) if skeleton_text is None else skeleton_text})
 
 

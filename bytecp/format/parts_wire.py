@@ -25,7 +25,7 @@ import pyarrow as pa
 from bytecp.errors import ConfigError
 from bytecp.format.chunk_batch import fqn_hash, fqn_hashes
 
-__all__ = ["PartEntries", "Scalar", "Scalars", "EntryColumns", "NameTable", "decode_all", "string_column", "rows_of"]
+__all__ = ["PartEntries", "Scalar", "Scalars", "EntryColumns", "NameTable", "decode_all"]
 
 #: first word of an encoded PartEntries ("bcpPE4", version 1)
 MAGIC = int.from_bytes(b"bcpPE4\x00\x01", "little")
@@ -90,7 +90,7 @@ class PartEntries:
         return words.tobytes() + tail + b"\0" * (-len(tail) % 8)
 
 
-def string_column(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
+def _string_column(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
     """An Arrow string column of the strings ``data[offsets[i]:offsets[i+1]]``
     (UTF-8 bytes), built from NumPy buffers (``pa.array`` of anything makes
     pyarrow import pandas: 0.35 s the first time in a process)."""
@@ -100,7 +100,7 @@ def string_column(offsets: np.ndarray, data: np.ndarray) -> pa.Array:
         None, pa.py_buffer(np.ascontiguousarray(offsets, np.int32)), pa.py_buffer(np.ascontiguousarray(data, np.uint8))])
 
 
-def rows_of(column: pa.Array, at: np.ndarray) -> pa.Array:
+def _rows_of(column: pa.Array, at: np.ndarray) -> pa.Array:
     """``column``'s rows ``at``, in that order (Arrow's take, the indices
     given as a buffer: ``pa.array`` would import pandas)."""
     at = np.ascontiguousarray(at, np.int64)
@@ -119,7 +119,7 @@ class Scalars:
 
     def files_at(self, at: np.ndarray) -> pa.Array:
         """The data files of the chunks ``at``, in that order."""
-        return rows_of(self.file, at)
+        return _rows_of(self.file, at)
 
     offset: np.ndarray
     nbytes: np.ndarray
@@ -231,7 +231,7 @@ def _scalars(buf: np.ndarray, rank: np.ndarray, ns: np.ndarray, at: np.ndarray, 
     first = np.repeat(np.cumsum(ns) - ns, ns)  # each chunk's rank's first chunk, among all chunks
     where = (at + 5 * ns)[owner] * 8 + before - before[first]
     data = buf.view(np.uint8)[np.repeat(where - before, flen) + np.arange(int(flen.sum()), dtype=np.int64)]
-    files = string_column(np.concatenate([np.zeros(1, np.int64), np.cumsum(flen)]), data)
+    files = _string_column(np.concatenate([np.zeros(1, np.int64), np.cumsum(flen)]), data)
     try:
         files.validate(full=True)
     except pa.ArrowInvalid:  # (find whose: one chunk at a time)
@@ -294,11 +294,11 @@ class NameTable:
             encoded = [n.encode() for n in self.names]
             lens = np.fromiter(map(len, encoded), np.int64, len(encoded))
             raw = b"".join(encoded)
-        return string_column(np.concatenate([np.zeros(1, np.int64), np.cumsum(lens)]), np.frombuffer(raw, np.uint8))
+        return _string_column(np.concatenate([np.zeros(1, np.int64), np.cumsum(lens)]), np.frombuffer(raw, np.uint8))
 
     def strings(self, ids: np.ndarray) -> pa.Array:
         """The names of ``ids`` as an Arrow string column (the directory's pages' names)."""
-        return rows_of(self.arrow, ids)
+        return _rows_of(self.arrow, ids)
 
     def ids(self, hashes: np.ndarray, rank_of: Callable[[int], int], what: str) -> np.ndarray:
         """The ids of ``hashes`` (hash ``i`` sent by rank ``rank_of(i)``);

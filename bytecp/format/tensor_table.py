@@ -50,15 +50,13 @@ class TensorTable(Mapping[str, dict[str, Any]]):
     """Every stored tensor's dtype and shape, by FQN, as columns."""
 
     def __init__(self, names: list[str], dtypes: list[str], dtype: np.ndarray, ndim: np.ndarray,
-                 dims: np.ndarray, rows: dict[str, int] | None = None) -> None:
+                 dims: np.ndarray) -> None:
         self.names = names
         self.dtypes = dtypes
         self.dtype = dtype
         self.ndim = ndim
         self.dims = dims
-        if rows is not None:  # (fqn -> row already, from a caller that built it)
-            self.__dict__["_row"] = rows
-        self._numbered = rows is not None
+        self._numbered = False
 
     @functools.cached_property
     def _row(self) -> dict[str, Any]:
