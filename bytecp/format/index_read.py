@@ -27,7 +27,7 @@ import numpy as np
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import limits
+from bytecp.format import arrow_numpy, limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import Place, check_place, decode_table
@@ -182,24 +182,13 @@ def _decode(
             names = names.dictionary_encode()
         values = names.dictionary.to_pylist()
         if fqns is not None:
-            keep = np.flatnonzero(np.isin(_indices(names.indices), [i for i, v in enumerate(values) if v in fqns]))
+            keep = np.flatnonzero(np.isin(arrow_numpy.indices(names.indices), [i for i, v in enumerate(values) if v in fqns]))
             table = _rows(table, keep)
         return _records(table, md, label, place)
     except CorruptCheckpointError:
         raise
     except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as e:
         raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
-
-
-def _indices(ix: pa.Array) -> np.ndarray:
-    """A dictionary's indices (no nulls: :func:`decode_table` refused them)
-    as a numpy view of their buffer: ``Array.to_numpy`` would import
-    pandas (over a second) on a rank's first load."""
-    if ix.null_count or not pa.types.is_integer(ix.type):
-        raise ValueError(f"dictionary indices of type {ix.type} with {ix.null_count} nulls")
-    kind = "int" if pa.types.is_signed_integer(ix.type) else "uint"
-    values: np.ndarray = np.frombuffer(ix.buffers()[1], dtype=np.dtype(f"{kind}{ix.type.bit_width}"))
-    return values[ix.offset: ix.offset + len(ix)]
 
 
 def _rows(table: pa.Table, keep: np.ndarray) -> pa.Table:

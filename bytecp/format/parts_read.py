@@ -27,11 +27,11 @@ import numpy as np
 import pyarrow as pa
 
 from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import limits, segment_keep, segment_wire
+from bytecp.format import arrow_numpy, limits, segment_keep, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import decode_table, uncovered
-from bytecp.format.index_read import _indices, rows_to_records
+from bytecp.format.index_read import rows_to_records
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
     PART_SCHEMA,
@@ -258,7 +258,7 @@ def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[
     label = f"{where}/{d.file} page {kind} {k}"
     keys = ("lo", "hi") if kind == "band" else ("first", "last")
     page = d.band_pages if kind == "band" else d.wide_pages
-    num = {c: table.column(c).to_numpy().astype(np.int64) for c in ("rank", "offset", "nbytes", "rows", "crc32c")}
+    num = {c: arrow_numpy.numbers(table.column(c)).astype(np.int64) for c in ("rank", "offset", "nbytes", "rows", "crc32c")}
     a, b = (_column(table, c) for c in keys)
     if kind == "band":
         a, b = a.astype(np.int64), b.astype(np.int64)
@@ -295,9 +295,10 @@ def _entries(table: pa.Table, kind: str, k: int, d: PartsDirectory, bands: list[
 def _column(table: pa.Table, name: str) -> np.ndarray:
     """A column as a NumPy array (strings: of ``str`` objects, a dictionary decoded)."""
     col = table.column(name)
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    return np.asarray(col.to_numpy())
+    t = col.type.value_type if pa.types.is_dictionary(col.type) else col.type
+    if pa.types.is_string(t) or pa.types.is_large_string(t):
+        return arrow_numpy.strings(col)
+    return arrow_numpy.numbers(col)
 
 
 def _meeting(intervals: list[tuple[int, int]], lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
@@ -353,8 +354,8 @@ def _scalar_fast(table: pa.Table, md: fmt.Metadata, label: str, first: str, last
         if len(cols["offsets"].values) or len(cols["lengths"].values):  # not all [] (no nulls: decode_table)
             return None
         values = fqn.dictionary.to_pylist()
-        rows = [values[i] for i in _indices(fqn.indices).tolist()]
-        nums = [np.asarray(table.column(c).to_numpy(), np.int64) for c in ("byte_offset", "nbytes", "crc32c")]
+        rows = [values[i] for i in arrow_numpy.indices(fqn.indices).tolist()]
+        nums = [arrow_numpy.numbers(table.column(c)).astype(np.int64) for c in ("byte_offset", "nbytes", "crc32c")]
     except (pa.ArrowException, ValueError, TypeError, IndexError):
         return None
     if bool((nums[0] < 0).any() or (nums[1] < 0).any()):
@@ -367,7 +368,7 @@ def _scalar_fast(table: pa.Table, md: fmt.Metadata, label: str, first: str, last
         return None
     keep = [i for i, name in enumerate(rows) if fqns is None or name in fqns]
     files = file.dictionary.to_pylist()
-    fid = _indices(file.indices)
+    fid = arrow_numpy.indices(file.indices)
     out = [fmt.ChunkRecord(rows[i], dtypes[i], (), (), (), files[int(fid[i])], int(nums[0][i]),
                            int(nums[1][i]), int(nums[2][i])) for i in keep]
     limits.check_chunk_records(label, out)

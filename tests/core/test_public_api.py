@@ -30,12 +30,21 @@ def test_import_does_not_pull_torch() -> None:
     assert out.stdout.strip() == "False"
 
 
-def test_a_save_does_not_import_pandas(tmp_path) -> None:
+def test_a_save_and_a_load_do_not_import_pandas(tmp_path) -> None:
     """pyarrow imports pandas the first time ``pa.array`` or ``to_numpy`` runs
-    in a process (0.35 s, paid by a job's first commit): the commit builds
-    its Arrow columns from NumPy buffers instead (bytecp/format/parts_build.py)."""
-    code = (f"import sys, torch, bytecp; bytecp.save({str(tmp_path / 'ck')!r}, {{'w': torch.ones(64, 4), 'step': 3, "
+    in a process (0.35 s, paid by a job's first commit and every rank's first
+    load): the commit builds its Arrow columns from NumPy buffers
+    (bytecp/format/parts_build.py), the index readers read them as views of
+    their buffers (bytecp/format/arrow_numpy.py)."""
+    ck = str(tmp_path / "ck")
+    code = (f"import sys, torch, bytecp; bytecp.save({ck!r}, {{'w': torch.ones(64, 4), 'step': 3, "
             "'opt': {'state': {0: {'exp_avg': torch.zeros(8)}}}}); print('pandas' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    code = ("import sys, torch, bytecp; sd = {'w': torch.zeros(64, 4), 'step': 0, 'opt': {'state': {0: {'exp_avg': "
+            "torch.ones(8)}}}}; "
+            f"bytecp.load({ck!r}, sd); assert sd['step'] == 3 and bool(sd['w'].eq(1).all()); "
+            f"assert bytecp.load_state_dict({ck!r})['step'] == 3; print('pandas' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=300)
     assert out.stdout.strip().splitlines()[-1] == "False"
 
