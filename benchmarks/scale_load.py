@@ -70,6 +70,10 @@ class Recording:
         self.read.add(path)
         self.inner.read_ranges(path, ranges)
 
+    def read_files(self, reads: Any) -> None:
+        self.read.update(path for path, _ in reads)
+        self.inner.read_files(reads)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

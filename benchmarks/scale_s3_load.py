@@ -11,7 +11,7 @@ directory, then every file of it is uploaded to a new bucket on an S3
 server (16 files at once through bytecp's own S3 backend, ``write_file``,
 then ``metadata.json`` by ``commit`` as a save does), and the middle rank's
 :func:`benchmarks.scale_load.load` is timed through that backend with
-:data:`bytecp.format.parts_read.PART_READERS` set to 1 (one part at a time,
+:data:`bytecp.format.parts_fetch.PART_READERS` set to 1 (one part at a time,
 the reader before parts were read at once) and to 16 (the default), and on
 the local directory for reference (a local disk's parts are read one at a
 time whatever ``PART_READERS`` says). The three are alternated, each
@@ -62,7 +62,7 @@ from pathlib import Path
 from typing import Any
 
 from bytecp.format import metadata as fmt
-from bytecp.format import parts_read
+from bytecp.format import parts_fetch
 from bytecp.format.parts_schema import buckets_for
 from bytecp.storage_api import Storage, open_storage
 
@@ -185,8 +185,8 @@ def timed_load(storage: Counting, md: fmt.Metadata, job: jobs.Job, rank: int, wr
                readers: int, server: Any) -> tuple[dict[str, Any], dict[str, Any]]:
     """One middle-rank load with ``PART_READERS = readers``: (its times: seconds, this process's
     CPU seconds, the server's, each part's ``read_ranges`` call; what it read)."""
-    saved = parts_read.PART_READERS
-    parts_read.PART_READERS = readers
+    saved = parts_fetch.PART_READERS
+    parts_fetch.PART_READERS = readers
     try:
         storage.clear()
         gc.collect()
@@ -198,7 +198,7 @@ def timed_load(storage: Counting, md: fmt.Metadata, job: jobs.Job, rank: int, wr
         cpu = time.process_time() - c0
         s1 = server_cpu(server)
     finally:
-        parts_read.PART_READERS = saved
+        parts_fetch.PART_READERS = saved
     assert md.index is not None
     directory = md.index.file
     parts = storage.read - {directory}
@@ -321,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tcp-nodelay", action="store_true",
                    help="Ceph's RGW with Nagle's algorithm off (beast's tcp_nodelay=1; its default is 0)")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--readers", type=int, default=parts_read.PART_READERS, help="parts read at once (against 1)")
+    p.add_argument("--readers", type=int, default=parts_fetch.PART_READERS, help="parts read at once (against 1)")
     p.add_argument("--max-concurrency", type=int, help="the S3 backend's requests in flight (default: its own, 8)")
     p.add_argument("--upload-width", type=int, default=16, help="files uploaded at once")
     p.add_argument("--max-parts", type=int, default=3000, help="most real parts written for the reader")

@@ -72,7 +72,7 @@ log = logging.getLogger("bytecp.storage")
 DIRECT_MIN_BYTES = 16 << 20
 
 
-@_timeout.bounded(("write_file", "commit", "read_into", "read_ranges"),
+@_timeout.bounded(("write_file", "commit", "read_into", "read_ranges", "read_files"),
                   ("rename", "delete", "size", "exists", "list_files", "list_children"))
 class LocalStorage(Storage):
     """A checkpoint directory on a local (or mounted) POSIX filesystem.
@@ -392,6 +392,16 @@ class LocalStorage(Storage):
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         if self.direct:
             return super().read_ranges(path, ranges)
+        self._read_ranges(path, ranges)
+
+    def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
+        """(bounded as one request) each file's ranges read here, on the request's worker thread."""
+        if self.direct:
+            return super().read_files(reads)
+        for path, ranges in reads:
+            self._read_ranges(path, ranges)
+
+    def _read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         full = self._full(path)
         try:
             fd = self._open_read(path)  # one open for the whole batch

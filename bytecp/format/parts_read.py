@@ -16,29 +16,28 @@ the directory says. Each failure is one line naming the file at fault.
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import functools
 import itertools
 from collections import defaultdict
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
 
-from bytecp.errors import CorruptCheckpointError, StorageError
-from bytecp.format import arrow_numpy, limits, segment_keep, segment_wire
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format import arrow_numpy, limits, parts_fetch, segment_keep, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import decode_table, uncovered
 from bytecp.format.index_read import rows_to_records
+from bytecp.format.parts_fetch import Segment, by_part
 from bytecp.format.parts_schema import (
     BAND_ENTRY_SCHEMA,
     PART_SCHEMA,
     WIDE_ENTRY_SCHEMA,
     PartsDirectory,
     box_bands,
-    check_spans,
     part_file,
     span_limit,
 )
@@ -46,15 +45,11 @@ from bytecp.format.tensor_table import TensorTable
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
-__all__ = ["read_parts", "wanted_bands", "Segment", "by_part"]
+__all__ = ["read_parts", "wanted_bands"]
 
 #: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
 Entry = tuple[int, int, int, int, int, int, int, str, str]
-#: one segment to read: (rank, offset, nbytes, rows, crc32c, band lo, band hi, the names its wide entries
-#: read cover: their ``first`` ascending and, for each, the greatest ``last`` up to it (see
-#: :func:`bytecp.format.segment_keep.keep`))
-Segment = tuple[int, int, int, int, int, int, int, tuple[list[str], list[str]]]
 #: per wanted tensor, its boxes' bands as disjoint ascending intervals (None: every row)
 Bands = Mapping[str, list[tuple[int, int]]] | None
 
@@ -159,42 +154,16 @@ def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: l
     seen: set[fmt.ChunkRecord] = set()
     out: list[fmt.ChunkRecord] = []
     memo = segment_wire.Names()
-    for rows in _each_part(by_part(segments), PART_READERS if storage.remote else 1,
-                           lambda rank, mine: _read_segments(storage, md, d, rank, mine, fqns, where, spans, memo)):
+
+    def decode(rank: int, mine: list[Segment], bufs: list[bytearray]) -> list[fmt.ChunkRecord]:
+        return _decode_segments(md, d, rank, mine, bufs, fqns, where, spans, memo)
+
+    for rows in parts_fetch.each_part(storage, d, by_part(segments), where, decode):
         for c in rows:
             if c not in seen:
                 seen.add(c)
                 out.append(c)
     return out
-
-
-def by_part(segments: list[Segment]) -> list[tuple[int, list[Segment]]]:
-    """The segments grouped by the part (rank) they lie in, ranks ascending."""
-    out: dict[int, list[Segment]] = defaultdict(list)
-    for seg in segments:
-        out[seg[0]].append(seg)
-    return sorted(out.items())
-
-
-#: parts one rank reads at once from a remote storage (a rank loading replicated experts reads a segment of
-#: each holder's part: 2,058 at 131,072 ranks for an EP-64 MoE, a round trip each one at a time); a local
-#: disk's reads take microseconds, and threads there only contend for the interpreter
-PART_READERS = 16
-
-
-def _each_part(parts: list[tuple[int, list[Segment]]], width: int,
-               read: Callable[[int, list[Segment]], list[fmt.ChunkRecord]]) -> Iterator[list[fmt.ChunkRecord]]:
-    """``read`` of each part, in ``parts``' order, up to ``width`` at once; the first failure
-    in that order is raised once the running reads end, the others cancelled."""
-    if len(parts) < 2 or width < 2:
-        yield from (read(rank, mine) for rank, mine in parts)
-        return
-    ex = concurrent.futures.ThreadPoolExecutor(min(width, len(parts)), "bytecp-index")
-    try:
-        for f in [ex.submit(read, rank, mine) for rank, mine in parts]:
-            yield f.result()
-    finally:
-        ex.shutdown(wait=True, cancel_futures=True)
 
 
 def _segments(entries: list[Entry], d: PartsDirectory, where: str) -> list[Segment]:
@@ -217,15 +186,6 @@ def _segments(entries: list[Entry], d: PartsDirectory, where: str) -> list[Segme
     return out
 
 
-def _read(storage: Storage, path: str, spans: Sequence[tuple[int, int]], what: str) -> list[bytearray]:
-    bufs = [bytearray(n) for _, n in spans]
-    try:
-        storage.read_ranges(path, [(off, memoryview(b)) for (off, _), b in zip(spans, bufs, strict=True)])
-    except (FileNotFoundError, StorageError) as e:
-        raise CorruptCheckpointError(f"{what} named in metadata.json is missing or short ({e})") from e
-    return bufs
-
-
 def _check_save(label: str, table: pa.Table, save_id: str) -> None:
     got = (table.schema.metadata or {}).get(b"bytecp.save_id", b"").decode(errors="replace")
     if got != save_id:
@@ -237,7 +197,7 @@ def _read_pages(storage: Storage, d: PartsDirectory, pages: list[tuple[str, int]
                 ) -> list[tuple[str, int, pa.Table]]:
     cols = {"band": d.band_pages, "wide": d.wide_pages, "scalar": d.scalar_pages}
     spans = [(cols[kind]["offset"][k], cols[kind]["nbytes"][k]) for kind, k in pages]
-    bufs = _read(storage, d.file, spans, f"{where}: the index directory {d.file}") if spans else []
+    bufs = parts_fetch.read(storage, d.file, spans, f"{where}: the index directory {d.file}") if spans else []
     out = []
     for (kind, k), (off, n), buf in zip(pages, spans, bufs, strict=True):
         label = f"{where}/{d.file} page {kind} {k} (bytes {off}..{off + n})"
@@ -398,14 +358,11 @@ def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | Non
         raise CorruptCheckpointError(f"{label} is unreadable ({str(x)[:300]})") from x
 
 
-def _read_segments(storage: Storage, md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment],
-                   fqns: set[str] | None, where: str, spans: Bands = None, memo: segment_wire.Names | None = None,
-                   ) -> list[fmt.ChunkRecord]:
-    path = part_file(d.save_id, rank)
-    label = f"{where}/{path}"
-    check_spans([s[1] for s in segments], [s[2] for s in segments], d.part_size(rank) or 0,
-                lambda why: CorruptCheckpointError(f"{label}: the directory places two segments {why}"))
-    bufs = _read(storage, path, [(s[1], s[2]) for s in segments], f"{where}: index part {path}")
+def _decode_segments(md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment], bufs: list[bytearray],
+                     fqns: set[str] | None, where: str, spans: Bands = None, memo: segment_wire.Names | None = None,
+                     ) -> list[fmt.ChunkRecord]:
+    """The rows of a part's ``segments`` (their bytes ``bufs``), checked; those of ``fqns`` meeting their ``spans``."""
+    label = f"{where}/{part_file(d.save_id, rank)}"
     out: list[fmt.ChunkRecord] = []
     limit = span_limit(d.buckets)
     for s, buf in zip(segments, bufs, strict=True):

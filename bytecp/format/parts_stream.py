@@ -11,14 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from bytecp.format import metadata as fmt
-from bytecp.format.parts_read import (
-    _budget,
-    _directory,
-    _page_entries,
-    _read_segments,
-    _segments,
-    by_part,
-)
+from bytecp.format.parts_fetch import by_part, each_part
+from bytecp.format.parts_read import _budget, _decode_segments, _directory, _page_entries, _segments
 from bytecp.storage_api import Storage
 
 __all__ = ["iter_parts"]
@@ -43,8 +37,9 @@ def iter_parts(storage: Storage, md: fmt.Metadata, *, budget: int | None = None
     parts_of = by_part(segments)
 
     def rows() -> Iterator[list[fmt.ChunkRecord]]:
-        for rank, mine in parts_of:
-            yield list(dict.fromkeys(_read_segments(storage, md, d, rank, mine, None, where)))  # each chunk once
+        for got in each_part(storage, d, parts_of, where,
+                             lambda rank, mine, bufs: _decode_segments(md, d, rank, mine, bufs, None, where)):
+            yield list(dict.fromkeys(got))  # each chunk once
         if scalars:
             yield scalars
 

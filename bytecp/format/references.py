@@ -24,6 +24,7 @@ Who calls what:
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import posixpath
@@ -176,6 +177,11 @@ class LinkedStorage(Storage):
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         s, p = self._route(path)
         s.read_ranges(p, ranges)
+
+    def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
+        routed = [(*self._route(path), ranges) for path, ranges in reads]
+        for s, group in itertools.groupby(routed, key=lambda r: r[0]):  # (runs of one checkpoint's files: one request)
+            s.read_files([(p, ranges) for _, p, ranges in group])
 
     def read_bytes(self, path: str, offset: int = 0, nbytes: int | None = None) -> bytes:
         s, p = self._route(path)

@@ -28,7 +28,7 @@ import torch
 import bytecp
 from bytecp.cli import main as cli
 from bytecp.format import metadata as fmt
-from bytecp.format import parts_read, segment_wire
+from bytecp.format import parts_fetch, parts_read, segment_wire
 from bytecp.format.checksum import crc32c
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.parts_build import build_directory, build_part
@@ -360,7 +360,7 @@ def test_parts_read_at_once_in_rank_order(ck: Path, monkeypatch: pytest.MonkeyPa
     opened = open_checkpoint(str(ck))
     rows, n = parts_read.read_parts(opened.storage, opened.metadata, None)  # a local disk: one at a time
     monkeypatch.setattr(opened.storage, "remote", True, raising=False)  # read as from S3: all 4 at once
-    read, threads = parts_read._read_segments, set()
+    read, threads = parts_read._decode_segments, set()
     both, calls = threading.Barrier(2, timeout=60), itertools.count()
 
     def on_thread(*a: Any) -> Any:
@@ -370,7 +370,7 @@ def test_parts_read_at_once_in_rank_order(ck: Path, monkeypatch: pytest.MonkeyPa
             both.wait()  # other: they run at once, or time out
         return read(*a)
 
-    monkeypatch.setattr(parts_read, "_read_segments", on_thread)
+    monkeypatch.setattr(parts_read, "_decode_segments", on_thread)
     assert parts_read.read_parts(opened.storage, opened.metadata, None) == (rows, n)
     assert len({t for t in threads if t.startswith("bytecp-index")}) >= 2, threads  # (one part alone: here)
     sid, pages = _md(ck)["save_id"], read_directory(ck)
@@ -381,6 +381,46 @@ def test_parts_read_at_once_in_rank_order(ck: Path, monkeypatch: pytest.MonkeyPa
         with pytest.raises(bytecp.CorruptCheckpointError, match=part_file(sid, 1)):
             parts_read.read_parts(opened.storage, opened.metadata, None)
     assert not [t for t in threading.enumerate() if t.name.startswith("bytecp-index")]
+
+
+def test_parts_read_from_a_local_disk_in_one_request_per_batch(ck: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From a local disk every part's segments come in one ``read_files`` request (a
+    request is bounded by a worker thread: a hand-off per part cost more than its read),
+    several when they pass ``BATCH_BYTES``; the rows are the same either way."""
+    opened = open_checkpoint(str(ck))
+    st = opened.storage
+    calls: list[list[str]] = []
+    read_files, read_ranges = st.read_files, st.read_ranges
+    monkeypatch.setattr(st, "read_files", lambda reads: (calls.append([p for p, _ in reads]), read_files(reads))[1])
+    monkeypatch.setattr(st, "read_ranges", lambda path, ranges: (calls.append([path]), read_ranges(path, ranges))[1])
+    rows, n = parts_read.read_parts(st, opened.metadata, None)
+    sid = _md(ck)["save_id"]
+    parts = [c for c in calls if "directory" not in c[0]]
+    # the wide segments (rank 3's), then the band segments of every rank
+    assert parts == [[part_file(sid, 3)], [part_file(sid, r) for r in range(RANKS)]], calls
+    calls.clear()
+    monkeypatch.setattr(parts_fetch, "BATCH_BYTES", 1)  # one part a request
+    assert parts_read.read_parts(st, opened.metadata, None) == (rows, n)
+    assert [c for c in calls if "directory" not in c[0]] == [[f] for c in parts for f in c], calls
+
+
+def test_parts_read_at_once_stay_a_bounded_window_ahead() -> None:
+    """A streaming reader (``inspect``/``verify`` over 131,072 parts) holds at most
+    2 x PART_READERS parts read ahead of it, not every part."""
+    import threading
+
+    started, lock = [0], threading.Lock()
+
+    def run(rank: int, mine: list[Any]) -> int:
+        with lock:
+            started[0] += 1
+        return rank
+
+    got = parts_fetch._at_once([(r, []) for r in range(200)], 4, run)
+    for i, rank in enumerate(got):
+        assert rank == i
+        with lock:
+            assert started[0] <= i + 1 + 2 * 4, (i, started[0])
 
 
 # ----------------------------------------------------------------- a real 3-rank save
