@@ -394,8 +394,7 @@ class LocalStorage(Storage):
             return super().read_ranges(path, ranges)
         self._read_ranges(path, ranges)
 
-    def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
-        """(bounded as one request) each file's ranges read here, on the request's worker thread."""
+    def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:  # one request
         if self.direct:
             return super().read_files(reads)
         for path, ranges in reads:
