@@ -71,6 +71,7 @@ def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> 
         first.tensors["m.w"] = {"dtype": "float32", "shape": [9]}  # type: ignore[index]
     first.tensors["m.w"]["shape"].append(9)  # (a copy each time)
     assert first.tensors["m.w"]["shape"] == [2, 2]
+    assert first.skeleton == tree.skeleton.merge(other.skeleton)  # (merged on a thread: kept once merged)
     assert kept_unions("job", 0) == [first] and kept_unions("other job", 0) == [] and kept_unions("job", 1) == []
     assert described_union(own, [], 0, "k1", kept=first) is first and len(asked) == 1  # nothing sent, nothing built
     with pytest.raises(RuntimeError, match="stands in for"):  # (the votes never pass another key's)
@@ -102,6 +103,9 @@ def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None
         assert union.skeleton == want and union.encoded.text["skeleton"] == dumps(want.to_json())
         assert union.elements == 4 + 1 + 3
     bad = {"k": ["opt"], "v": [{"k": ["b"], "v": ["X"]}]}
-    with pytest.raises(CorruptCheckpointError, match=r"rank 1's skeleton: malformed skeleton: node 'X'"):
-        described_union(own, [(1, bad, table_json(tensor_specs(other)), {})], 0)
+    broken = described_union(own, [(1, bad, table_json(tensor_specs(other)), {})], 0, "k", slot="job")
+    for _ in range(2):  # (raised where the union is read, each time; never kept)
+        with pytest.raises(CorruptCheckpointError, match=r"rank 1's skeleton: malformed skeleton: node 'X'"):
+            broken.skeleton  # noqa: B018
+    assert broken not in kept_unions("job", 0)
 
