@@ -157,7 +157,13 @@ def _merging() -> concurrent.futures.ThreadPoolExecutor:
         return _MERGING[0]
 
 
-os.register_at_fork(after_in_child=_MERGING.clear)  # (a forked child has none of its parent's threads)
+def _forget_threads() -> None:
+    global _KEPT_LOCK
+    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks
+    _KEPT_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_threads)
 
 
 def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
