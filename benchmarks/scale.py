@@ -59,8 +59,8 @@ from bytecp.format.parts_wire import decode_all
 from bytecp.loading.zero_redundancy import candidates_digest
 from bytecp.plan.exchange import decide, local_plan, plan_key, planned_locally, vote_for
 from bytecp.plan.planner import assign_shared
-from bytecp.saving.commit import described_union
 from bytecp.saving.outcome import outcome_of
+from bytecp.saving.union import described_union
 from bytecp.storage_api import open_storage
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.regions import full_region

@@ -311,7 +311,7 @@ def sent(job: Job) -> list[tuple[int, Any, dict[str, Any], dict[str, str]]]:
 def union(job: Job) -> Any:
     """The coordinator's :class:`~bytecp.saving.commit.DescribedUnion` of every
     rank's skeleton and tensors (what ``metadata.json`` holds)."""
-    from bytecp.saving.commit import described_union
+    from bytecp.saving.union import described_union
 
     own, specs = described(job, 0)
     return described_union(lambda: (own, specs, {}), sent(job), 0)

@@ -1,6 +1,6 @@
 """The union of the ranks' tensor tables at a commit, merged as columns.
 
-Called by the coordinator's commit (:func:`bytecp.saving.commit.described_union`)
+Called by the coordinator's commit (:func:`bytecp.saving.union.described_union`)
 when it builds a new union: the lowest rank of each distinct skeleton sends
 its tensors' dtypes and shapes as a table (:func:`sent_table`, built on
 that rank, with its names' hashes), and every tensor two ranks both

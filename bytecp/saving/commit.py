@@ -17,18 +17,12 @@ overwrite replaced (:func:`remove_replaced`).
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
-import dataclasses
 import logging
-import os
-import threading
 import time
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
-
-import numpy as np
 
 from bytecp.errors import (
     CheckpointExistsError,
@@ -40,26 +34,22 @@ from bytecp.errors import (
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks
-from bytecp.format.member_text import EncodedMembers, dumps, encode_members
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
 from bytecp.format.references import BASE_FILE, referenced_by, run_url
-from bytecp.format.table_union import elements_of, sent_table, union_tables
-from bytecp.format.tensor_table import TensorTable
 from bytecp.plan.planner import check_replicas
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
+from bytecp.saving.union import DescribedUnion, described_union
 from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
-from bytecp.tree.skeleton import Node
-from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
-from bytecp.tree.state import FlatTree, merge_aliases
+from bytecp.tree.state import FlatTree
 
 __all__ = [
-    "build_metadata", "DescribedUnion", "described_union", "kept_unions", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
+    "build_metadata", "tensor_specs", "check_target", "committed_after", "remove_files_of", "remove_failed",
     "remove_replaced", "late_commit_check",
 ]
 
@@ -72,162 +62,6 @@ def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
         fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
         for fqn, leaf in flat.tensors.items()
     }
-
-
-def _merge_skeletons(skeleton: Node, sent: Sequence[tuple[int, Any]]) -> tuple[Node, str | None]:
-    """The union of the coordinator's skeleton with those ``sent`` (rank,
-    skeleton JSON) by the ranks whose state differs from every lower
-    rank's; with the union's JSON text when it was merged as JSON (the node
-    is then parsed from it only if read: :mod:`bytecp.tree.skeleton_union`)."""
-    if not sent:
-        return skeleton, None
-    with gc_paused():  # a few objects per leaf of every skeleton sent (bytecp.tree.bulk)
-        own = skeleton.to_json()
-        try:
-            doc = union_json(own, [sk for _, sk in sent])
-        except NotCompact:  # (not as Node.to_json writes it: parsed, which names the fault)
-            return skeleton.merge_all([Node.from_json(sk, f"rank {r}'s skeleton") for r, sk in sent]), None
-        if doc is own:
-            return skeleton, None
-        text = dumps(doc)
-        return deferred(text, "the union of the ranks' skeletons"), text
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DescribedUnion:
-    """The union of what the ranks describe, as a commit's ``metadata.json``
-    holds it: the next saves of the same state share it, so the specs are a
-    read-only :class:`~bytecp.format.tensor_table.TensorTable` and each
-    commit's metadata gets its own copy of the aliases. It may still be
-    merging on a thread (:func:`described_union`): reading a member waits
-    for it (the tables first, then the skeleton and the JSON text), and
-    raises what the merge raised."""
-
-    #: the plan decision's specs key ("": never reused) and the coordinator that built it
-    specs_key: str
-    coordinator: int
-    #: (the tensors, their aliases, elements and name hashes)
-    tabled: concurrent.futures.Future[tuple[TensorTable, dict[str, str], int, np.ndarray]]
-    #: (the skeleton, the JSON text of it and of ``tensors``)
-    described: concurrent.futures.Future[tuple[Node, EncodedMembers]]
-
-    @property
-    def tensors(self) -> TensorTable:
-        return self.tabled.result()[0]
-
-    @property
-    def aliases(self) -> dict[str, str]:
-        return self.tabled.result()[1]
-
-    @property
-    def elements(self) -> int:
-        """The tensors' elements, all together (the commit's count of what the ranks hold)."""
-        return self.tabled.result()[2]
-
-    @property
-    def hashes(self) -> np.ndarray:
-        """The tensors' name hashes, in their order (the commit's directory looks names up by them)."""
-        return self.tabled.result()[3]
-
-    @property
-    def skeleton(self) -> Node:
-        return self.described.result()[0]
-
-    @property
-    def encoded(self) -> EncodedMembers:
-        return self.described.result()[1]
-
-
-#: by (the save pipeline's plan-cache key, specs key): the unions its last
-#: commits built, the newest last (its coordinator announces their keys in
-#: its vote; when the decision's is one of them, no rank sends its skeleton)
-_KEPT: dict[tuple[Any, str], DescribedUnion] = {}
-#: a process saving several states in turn (a model and an EMA copy) keeps each one's
-_KEPT_MAX = 4
-#: (``_KEPT`` is added to by the thread that merges a union's skeletons)
-_KEPT_LOCK = threading.Lock()
-#: the thread a job's first commit merges the ranks' skeletons on, meanwhile building the index directory
-_MERGING: list[concurrent.futures.ThreadPoolExecutor] = []
-
-
-def _merging() -> concurrent.futures.ThreadPoolExecutor:
-    with _KEPT_LOCK:
-        if not _MERGING:
-            _MERGING.append(concurrent.futures.ThreadPoolExecutor(1, "bytecp-union"))
-        return _MERGING[0]
-
-
-def _forget_threads() -> None:
-    global _KEPT_LOCK
-    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks
-    _KEPT_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_threads)
-
-
-def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
-    """(coordinator, as it votes) The unions the last commits under ``slot`` built, if it built them."""
-    with _KEPT_LOCK:
-        return [u for (s, _), u in _KEPT.items() if s == slot and u.coordinator == coordinator]
-
-
-def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dict[str, str]]],
-                    sent: Sequence[tuple[int, Any, Mapping[str, Any], dict[str, str]]],
-                    coordinator: int, specs_key: str = "", kept: DescribedUnion | None = None,
-                    slot: Any = None) -> DescribedUnion:
-    """(coordinator, at commit) The union of the coordinator's skeleton,
-    tensor specs and aliases (``own()``: asked for only when the union is
-    built) with those ``sent`` (rank, skeleton JSON, tensor table, aliases)
-    by the ranks whose state differs from every lower rank's, with its
-    elements, name hashes and JSON text; or ``kept``, built for ``specs_key``
-    (every distinct skeleton's digest and its lowest rank, from the plan's
-    votes: :attr:`~bytecp.plan.decide.PlanDecision.specs_key`; then nobody
-    sent anything). When some were sent, the union is merged on a thread
-    while the caller decodes the ranks' part entries and builds the index
-    directory: first the tables (:func:`~bytecp.format.table_union.union_tables`:
-    :class:`ConfigError`, raised where they are read, when two ranks describe
-    a tensor differently), then the skeletons and the JSON text. A new
-    union is kept under ``slot`` for the next saves once merged. A state of
-    181,580 tensors merged from 64 skeletons and tables costs 0.4 s to
-    merge and encode (0.1 s of it hidden behind the directory's build on
-    2 cores); a job pays that once."""
-    if kept is not None:
-        if (kept.specs_key, kept.coordinator) != (specs_key, coordinator) or not specs_key:
-            raise RuntimeError(f"the union kept for skeletons {kept.specs_key!r} on rank {kept.coordinator} "
-                               f"stands in for {specs_key!r} on rank {coordinator}")  # (the votes rule it out)
-        return kept
-    skeleton, specs, aliases = own()
-    tabled: concurrent.futures.Future[tuple[TensorTable, dict[str, str], int, np.ndarray]] = concurrent.futures.Future()
-    described: concurrent.futures.Future[tuple[Node, EncodedMembers]] = concurrent.futures.Future()
-    union = DescribedUnion(specs_key, coordinator, tabled, described)
-
-    def describe() -> None:
-        try:
-            with gc_paused():  # a few objects per tensor of every rank that sent its table
-                tensors, hashes = union_tables([(coordinator, sent_table(specs)), *((r, t) for r, _, t, _ in sent)])
-            tabled.set_result((tensors, merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator),
-                               elements_of(tensors), hashes))
-            node, text = _merge_skeletons(skeleton, [(r, sk) for r, sk, _, _ in sent])
-            encoded = encode_members(node, tensors, skeleton_text=text)
-        except BaseException as e:  # noqa: BLE001 - raised where the union is read
-            if not tabled.done():
-                tabled.set_exception(e)
-            described.set_exception(e)
-            return
-        if specs_key and slot is not None:
-            with _KEPT_LOCK:
-                _KEPT.pop((slot, specs_key), None)
-                _KEPT[(slot, specs_key)] = union
-                while len(_KEPT) > _KEPT_MAX:
-                    del _KEPT[next(iter(_KEPT))]
-        described.set_result((node, encoded))
-
-    if sent:
-        _merging().submit(describe)
-    else:
-        describe()
-    return union
 
 
 @gc_paused()  # a few objects per tensor and per rank: no collections of the training process's heap meanwhile

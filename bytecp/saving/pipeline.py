@@ -56,7 +56,6 @@ from bytecp.saving.commit import (
     build_metadata,
     check_target,
     committed_after,
-    kept_unions,
     remove_failed,
     tensor_specs,
 )
@@ -74,6 +73,7 @@ from bytecp.saving.results import (
 from bytecp.saving.resync import in_step
 from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.staging import ArenaStager, Queued, Stager
+from bytecp.saving.union import kept_unions
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
 from bytecp.tree.state import flatten_tree

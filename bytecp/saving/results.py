@@ -99,7 +99,7 @@ class SavePlanResult:
     specs_key: str = ""
     #: (coordinator) the union of skeletons it kept from its last commit,
     #: when it is the one for ``specs_key`` (it said so in its vote, and no
-    #: rank sends its skeleton): :func:`~bytecp.saving.commit.described_union`
+    #: rank sends its skeleton): :func:`~bytecp.saving.union.described_union`
     union: Any = None
     #: the names of the values the coordinator writes
     coordinator_objects: frozenset[str] = frozenset()

@@ -1,6 +1,6 @@
 """The union of the skeletons the ranks send at a commit, merged as JSON.
 
-Called by the coordinator's commit (:func:`bytecp.saving.commit.described_union`)
+Called by the coordinator's commit (:func:`bytecp.saving.union.described_union`)
 when it builds a new union: the ranks send their skeletons in the compact
 JSON form (:meth:`~bytecp.tree.skeleton.Node.to_json`), and
 ``metadata.json`` wants that form back. Parsing 63 expert groups'

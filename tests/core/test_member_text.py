@@ -17,8 +17,9 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.member_text import dumps, dumps_object, encode_members
 from bytecp.format.tensor_table import table_json
-from bytecp.saving import commit
-from bytecp.saving.commit import described_union, kept_unions, tensor_specs
+from bytecp.saving import union
+from bytecp.saving.commit import tensor_specs
+from bytecp.saving.union import described_union, kept_unions
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import flatten_tree
 
@@ -53,7 +54,7 @@ def test_the_text_of_other_objects_is_never_written(tmp_path: Path) -> None:
 
 
 def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(commit, "_KEPT", {})
+    monkeypatch.setattr(union, "_KEPT", {})
     tree = flatten_tree({"m": {"w": torch.ones(2, 2)}})
     asked: list[int] = []
 
@@ -81,9 +82,9 @@ def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> 
     assert dict(again.tensors) == {"m.w": {"dtype": "float32", "shape": [2, 2]}}
     assert kept_unions("job", 0) == [first, again]
     assert described_union(own, [], 0, "", slot="job") not in kept_unions("job", 0)  # no key: never kept
-    for k in range(commit._KEPT_MAX):
+    for k in range(union._KEPT_MAX):
         described_union(own, [], 0, f"more{k}", slot="job")
-    assert first not in kept_unions("job", 0) and len(commit._KEPT) == commit._KEPT_MAX  # the oldest go first
+    assert first not in kept_unions("job", 0) and len(union._KEPT) == union._KEPT_MAX  # the oldest go first
 
 
 def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None:
