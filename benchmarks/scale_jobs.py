@@ -309,7 +309,7 @@ def sent(job: Job) -> list[tuple[int, Any, dict[str, Any], dict[str, str]]]:
 
 
 def union(job: Job) -> Any:
-    """The coordinator's :class:`~bytecp.saving.commit.DescribedUnion` of every
+    """The coordinator's :class:`~bytecp.saving.union.DescribedUnion` of every
     rank's skeleton and tensors (what ``metadata.json`` holds)."""
     from bytecp.saving.union import described_union
 

@@ -180,7 +180,10 @@ def bounded(sized: Sequence[str], unsized: Sequence[str]) -> Callable[[type[T]],
             if base is None:
                 return fn(self, *args, **kwargs)
             nbytes = _nbytes(args[-1]) if sized_ and args else 0
-            path = args[0] if args and isinstance(args[0], str) else ""
+            first = args[0] if args else ""
+            if not isinstance(first, str):  # read_files: a batch, named by its first file
+                first = first[0][0] if isinstance(first, Sequence) and first and isinstance(first[0], tuple) else ""
+            path = first
             where = f"{file_url(self.url, path)} ({name})"
             return run(lambda: fn(self, *args, **kwargs), limit(base, nbytes), where)
 

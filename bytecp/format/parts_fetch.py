@@ -110,21 +110,22 @@ def _at_once(parts: list[tuple[int, list[Segment]]], width: int,
 
 def _batched(storage: Storage, d: PartsDirectory, parts: list[tuple[int, list[Segment]]], where: str,
              decode: Decode[T]) -> Iterator[T]:
-    """``decode`` of each part, read in batches of up to :data:`BATCH_BYTES` (one part at least), one request each."""
+    """``decode`` of each part, read in batches of up to :data:`BATCH_BYTES` (one part at least), one request each;
+    a batch that fails is read again a part at a time (its faults then come in rank order, as from remote)."""
     i = 0
     while i < len(parts):
         j, size = i, 0
         while j < len(parts) and (j == i or size + sum(s[2] for s in parts[j][1]) <= BATCH_BYTES):
             size += sum(s[2] for s in parts[j][1])
             j += 1
-        batch = [(rank, mine, _spans(d, rank, mine, where)) for rank, mine in parts[i:j]]
-        bufs = [[bytearray(n) for _, n in spans] for _, _, spans in batch]
-        reads = [(part_file(d.save_id, rank), [(off, memoryview(b)) for (off, _), b in zip(spans, got, strict=True)])
-                 for (rank, _, spans), got in zip(batch, bufs, strict=True)]
         try:
-            storage.read_files(reads)
-        except (FileNotFoundError, StorageError) as e:
-            raise CorruptCheckpointError(f"{where}: an index part named in metadata.json is missing or short "
-                                         f"({e})") from e
-        yield from (decode(rank, mine, got) for (rank, mine, _), got in zip(batch, bufs, strict=True))
+            batch = [(rank, mine, _spans(d, rank, mine, where)) for rank, mine in parts[i:j]]
+            bufs = [[bytearray(n) for _, n in spans] for _, _, spans in batch]
+            storage.read_files([(part_file(d.save_id, rank), [(off, memoryview(b)) for (off, _), b in
+                                 zip(spans, got, strict=True)]) for (rank, _, spans), got in zip(batch, bufs, strict=True)])
+        except (CorruptCheckpointError, FileNotFoundError, StorageError):
+            # a fault in the batch: read it a part at a time, so that the lowest rank's fault is the one named
+            yield from (decode(rank, mine, _fetch(storage, d, rank, mine, where)) for rank, mine in parts[i:j])
+        else:
+            yield from (decode(rank, mine, got) for (rank, mine, _), got in zip(batch, bufs, strict=True))
         i = j

@@ -57,16 +57,16 @@ class DescribedUnion:
     read-only :class:`~bytecp.format.tensor_table.TensorTable` and each
     commit's metadata gets its own copy of the aliases. It may still be
     merging on a thread (:func:`described_union`): reading a member waits
-    for it (the tables first, then the skeleton and the JSON text), and
+    for it (the tables first, then the skeleton, aliases and JSON text), and
     raises what the merge raised."""
 
     #: the plan decision's specs key ("": never reused) and the coordinator that built it
     specs_key: str
     coordinator: int
-    #: (the tensors, their aliases, elements and name hashes)
-    tabled: concurrent.futures.Future[tuple[TensorTable, dict[str, str], int, np.ndarray]]
-    #: (the skeleton, the JSON text of it and of ``tensors``)
-    described: concurrent.futures.Future[tuple[Node, EncodedMembers]]
+    #: (the tensors, their elements and name hashes)
+    tabled: concurrent.futures.Future[tuple[TensorTable, int, np.ndarray]]
+    #: (the skeleton, the JSON text of it and of ``tensors``, the aliases)
+    described: concurrent.futures.Future[tuple[Node, EncodedMembers, dict[str, str]]]
 
     @property
     def tensors(self) -> TensorTable:
@@ -74,17 +74,17 @@ class DescribedUnion:
 
     @property
     def aliases(self) -> dict[str, str]:
-        return self.tabled.result()[1]
+        return self.described.result()[2]
 
     @property
     def elements(self) -> int:
         """The tensors' elements, all together (the commit's count of what the ranks hold)."""
-        return self.tabled.result()[2]
+        return self.tabled.result()[1]
 
     @property
     def hashes(self) -> np.ndarray:
         """The tensors' name hashes, in their order (the commit's directory looks names up by them)."""
-        return self.tabled.result()[3]
+        return self.tabled.result()[2]
 
     @property
     def skeleton(self) -> Node:
@@ -116,7 +116,8 @@ def _merging() -> concurrent.futures.ThreadPoolExecutor:
 
 def _forget_threads() -> None:
     global _KEPT_LOCK
-    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks
+    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks (a kept union's too)
+    _KEPT.clear()
     _KEPT_LOCK = threading.Lock()
 
 
@@ -155,17 +156,17 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
                                f"stands in for {specs_key!r} on rank {coordinator}")  # (the votes rule it out)
         return kept
     skeleton, specs, aliases = own()
-    tabled: concurrent.futures.Future[tuple[TensorTable, dict[str, str], int, np.ndarray]] = concurrent.futures.Future()
-    described: concurrent.futures.Future[tuple[Node, EncodedMembers]] = concurrent.futures.Future()
+    tabled: concurrent.futures.Future[tuple[TensorTable, int, np.ndarray]] = concurrent.futures.Future()
+    described: concurrent.futures.Future[tuple[Node, EncodedMembers, dict[str, str]]] = concurrent.futures.Future()
     union = DescribedUnion(specs_key, coordinator, tabled, described)
 
     def describe() -> None:
         try:
             with gc_paused():  # a few objects per tensor of every rank that sent its table
                 tensors, hashes = union_tables([(coordinator, sent_table(specs)), *((r, t) for r, _, t, _ in sent)])
-            tabled.set_result((tensors, merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator),
-                               elements_of(tensors), hashes))
-            node, text = _merge_skeletons(skeleton, [(r, sk) for r, sk, _, _ in sent])
+            tabled.set_result((tensors, elements_of(tensors), hashes))
+            node, text = _merge_skeletons(skeleton, [(r, sk) for r, sk, _, _ in sent])  # (its faults before the aliases')
+            merged = merge_aliases(aliases, [(r, a) for r, _, _, a in sent], tensors, coordinator)
             encoded = encode_members(node, tensors, skeleton_text=text)
         except BaseException as e:  # noqa: BLE001 - raised where the union is read
             if not tabled.done():
@@ -178,7 +179,7 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
                 _KEPT[(slot, specs_key)] = union
                 while len(_KEPT) > _KEPT_MAX:
                     del _KEPT[next(iter(_KEPT))]
-        described.set_result((node, encoded))
+        described.set_result((node, encoded, merged))
 
     if sent:
         _merging().submit(describe)

@@ -404,6 +404,18 @@ def test_parts_read_from_a_local_disk_in_one_request_per_batch(ck: Path, monkeyp
     assert [c for c in calls if "directory" not in c[0]] == [[f] for c in parts for f in c], calls
 
 
+def test_a_failed_local_batch_names_the_lowest_ranks_fault(ck: Path) -> None:
+    """A batch that fails (here: rank 2's part gone) is read again a part at a time:
+    rank 1's damaged segment, lower, is the fault named, as from a remote storage."""
+    opened = open_checkpoint(str(ck))
+    sid, pages = _md(ck)["save_id"], read_directory(ck)
+    e = _entries_of(pages, 1)[-1]
+    _flip(ck / part_file(sid, 1), e["offset"] + e["nbytes"] // 2)
+    (ck / part_file(sid, 2)).unlink()
+    with pytest.raises(bytecp.CorruptCheckpointError, match=f"{part_file(sid, 1)} segment .*checksum mismatch"):
+        parts_read.read_parts(opened.storage, opened.metadata, None)
+
+
 def test_parts_read_at_once_stay_a_bounded_window_ahead() -> None:
     """A streaming reader (``inspect``/``verify`` over 131,072 parts) holds at most
     2 x PART_READERS parts read ahead of it, not every part."""

@@ -33,7 +33,7 @@ def test_the_union_of_skeletons_is_reused_only_while_every_rank_describes_the_sa
         pools: Any, tmp_path: Path) -> None:
     """The coordinator keeps the union of the skeletons sent (and its JSON
     text) between saves whose votes name the same skeletons
-    (bytecp/saving/commit.py ``described_union``); a rank whose tensor
+    (bytecp/saving/union.py ``described_union``); a rank whose tensor
     changes shape, or whose tree changes, makes it build a new one."""
     out = pools(4).run(skeleton_cases.save_again, str(tmp_path))
     # first save: the lowest rank of kinds b and c; second: nobody; third: b, c (changed) and d (new)

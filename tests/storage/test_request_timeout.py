@@ -146,6 +146,25 @@ def test_local_write_that_blocks_fails_naming_the_file(tmp_path, monkeypatch):
     release.set()
 
 
+def test_local_read_batch_that_blocks_fails_naming_its_first_file(tmp_path, monkeypatch):
+    """A batch of reads (``read_files``: a rank's index segments) is one bounded request, named by its first file."""
+    release = threading.Event()
+    real = _posix.read_all
+    st = open_storage(str(tmp_path), request_timeout=0.3)
+    for name in ("index/a.bin", "index/b.bin"):
+        st.write_file(name, [payload(100, 1)])
+
+    def stuck(fd, offset, view):
+        release.wait(30)
+        return real(fd, offset, view)
+
+    monkeypatch.setattr("bytecp.storage.local.read_all", stuck)
+    reads = [(name, [(0, memoryview(bytearray(10)))]) for name in ("index/a.bin", "index/b.bin")]
+    with pytest.raises(TransientStorageError, match=r"index/a\.bin \(read_files\): no answer within 0\.3 s"):
+        st.read_files(reads)
+    release.set()
+
+
 def test_local_save_with_a_hung_write_fails_fast_and_cleans_up(tmp_path, monkeypatch):
     release = threading.Event()
     real = _posix.write_all
