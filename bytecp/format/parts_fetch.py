@@ -26,7 +26,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
-from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.errors import CorruptCheckpointError, StorageError, TransientStorageError
 from bytecp.format.parts_schema import PartsDirectory, check_spans, part_file
 from bytecp.storage_api import Storage
 
@@ -65,10 +65,13 @@ def each_part(storage: Storage, d: PartsDirectory, parts: list[tuple[int, list[S
 
 
 def read(storage: Storage, path: str, spans: Sequence[tuple[int, int]], what: str) -> list[bytearray]:
-    """The ``(offset, nbytes)`` spans of ``path``, in one request; a missing or short file is a corrupt index."""
+    """The ``(offset, nbytes)`` spans of ``path``, in one request; a missing or short file is a corrupt index
+    (a transient storage error is raised as it is)."""
     bufs = [bytearray(n) for _, n in spans]
     try:
         storage.read_ranges(path, [(off, memoryview(b)) for (off, _), b in zip(spans, bufs, strict=True)])
+    except TransientStorageError:
+        raise  # (a timeout or a dropped connection, not a damaged index: the caller may retry)
     except (FileNotFoundError, StorageError) as e:
         raise CorruptCheckpointError(f"{what} named in metadata.json is missing or short ({e})") from e
     return bufs

@@ -416,6 +416,30 @@ def test_a_failed_local_batch_names_the_lowest_ranks_fault(ck: Path) -> None:
         parts_read.read_parts(opened.storage, opened.metadata, None)
 
 
+def test_a_timed_out_part_read_is_not_called_corrupt(ck: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transient storage error (a hung request, a dropped connection) reaches the caller as
+    it is, to be retried; only a missing or short part is a corrupt index."""
+    from bytecp.errors import TransientStorageError
+
+    opened = open_checkpoint(str(ck))
+    st, sid = opened.storage, _md(ck)["save_id"]
+    read_ranges = st.read_ranges
+
+    def hung(path: str, ranges: Any) -> None:
+        if path == part_file(sid, 2):
+            raise TransientStorageError(f"{path} (read_ranges): no answer within 0.3 s")
+        read_ranges(path, ranges)
+
+    def hung_batch(reads: Any) -> None:
+        for path, ranges in reads:
+            hung(path, ranges)
+
+    monkeypatch.setattr(st, "read_ranges", hung)
+    monkeypatch.setattr(st, "read_files", hung_batch)
+    with pytest.raises(TransientStorageError, match=part_file(sid, 2)):
+        parts_read.read_parts(st, opened.metadata, None)
+
+
 def test_parts_read_at_once_stay_a_bounded_window_ahead() -> None:
     """A streaming reader (``inspect``/``verify`` over 131,072 parts) holds at most
     2 x PART_READERS parts read ahead of it, not every part."""
