@@ -115,11 +115,12 @@ def _batched(storage: Storage, d: PartsDirectory, parts: list[tuple[int, list[Se
              decode: Decode[T]) -> Iterator[T]:
     """``decode`` of each part, read in batches of up to :data:`BATCH_BYTES` (one part at least), one request each;
     a batch that fails is read again a part at a time (its faults then come in rank order, as from remote)."""
+    sizes = [sum(s[2] for s in mine) for _, mine in parts]
     i = 0
     while i < len(parts):
-        j, size = i, 0
-        while j < len(parts) and (j == i or size + sum(s[2] for s in parts[j][1]) <= BATCH_BYTES):
-            size += sum(s[2] for s in parts[j][1])
+        j, size = i + 1, sizes[i]
+        while j < len(parts) and size + sizes[j] <= BATCH_BYTES:
+            size += sizes[j]
             j += 1
         try:
             batch = [(rank, mine, _spans(d, rank, mine, where)) for rank, mine in parts[i:j]]
