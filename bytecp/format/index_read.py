@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.errors import CorruptCheckpointError, StorageError, TransientStorageError
 from bytecp.format import arrow_numpy, limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
@@ -156,6 +156,8 @@ def read_segments(
     if spans:
         try:
             storage.read_ranges(d.file, [(off, memoryview(b)) for (off, _, _, _), b in zip(spans, bufs, strict=True)])
+        except TransientStorageError:
+            raise  # (a timeout or a dropped connection, not a damaged index: the caller may retry)
         except (FileNotFoundError, StorageError) as e:
             raise CorruptCheckpointError(f"{where}: the index file named in metadata.json is missing or short ({e})") from e
     seen: set[fmt.ChunkRecord] = set()

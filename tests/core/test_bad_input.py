@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -275,3 +276,29 @@ def test_index_rows_in_the_wrong_band_segment_are_corrupt(tmp_path: Path) -> Non
     (ck / "metadata.json").write_text(json.dumps(md))
     with pytest.raises(bytecp.CorruptCheckpointError, match=r"does not belong in band"):
         bytecp.load_state_dict(str(ck))
+
+
+def test_a_timed_out_version_2_index_read_is_not_called_corrupt(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A version-2 index read that times out (or loses its connection) reaches
+    the caller as the transient storage error it is, to be retried; a
+    missing or short index file is still a corrupt one."""
+    from bytecp.errors import TransientStorageError
+    from bytecp.format import index_read
+    from bytecp.loading.opened import open_checkpoint
+
+    opened = open_checkpoint(str(Path(__file__).parents[1] / "golden" / "v2" / "banded" / "checkpoint"))
+    st, md = opened.storage, opened.metadata
+    segments = index_read.all_segments(md)
+
+    def hung(path: str, ranges: Any) -> None:
+        raise TransientStorageError(f"{path} (read_ranges): no answer within 0.3 s")
+
+    def short(path: str, ranges: Any) -> None:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(st, "read_ranges", hung)
+    with pytest.raises(TransientStorageError, match="no answer"):
+        index_read.read_segments(st, md, segments)
+    monkeypatch.setattr(st, "read_ranges", short)
+    with pytest.raises(bytecp.CorruptCheckpointError, match="missing or short"):
+        index_read.read_segments(st, md, segments)
