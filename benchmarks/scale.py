@@ -17,9 +17,12 @@ torchtitan lays it out (no replicas: 281M chunks at 131,072 ranks).
   (``planned_locally``); the votes' payload;
 - ``commit, rank``: a middle rank's and the most loaded rank's
   ``ChunkBatch.of`` + ``build_part`` (time, memory, part size);
-- ``commit, coordinator``: the union of the skeletons and specs the ranks
-  send (``described_union``: merged at a job's first save, reused at the
-  next ones, both measured), decoding every rank's encoded ``PartEntries``,
+- ``union``: at a job's first save, the skeletons and specs the ranks send
+  at its plan phase (``gather_union``) unpickled by the coordinator, and
+  their union merged (``described_union``: on a thread while the ranks
+  write; measured alone);
+- ``commit, coordinator``: a first save's commit (the union merged) and a
+  later save's (the union kept), each decoding every rank's encoded ``PartEntries``,
   adding up their elements, ``build_directory`` over W of them,
   ``metadata.json`` built and serialized, and the outcome it broadcasts
   (``outcome_of``) as every other rank unpickles it (the entries of ranks whose parts
@@ -139,28 +142,37 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
 
     saves = itertools.count()
 
+    def merged(key: str) -> Any:
+        """A job's first save, at its plan phase: the union of what the ranks
+        sent, merged (on the coordinator's thread while the ranks write: here waited for)."""
+        union = described_union(lambda: (own, dict(own_specs), {}), [(*x, {}) for x in sent], 0, key)
+        union.encoded  # noqa: B018
+        return union
+
     @gc_paused()  # as build_metadata runs
-    def build(key: str, kept: Any = None) -> tuple[Any, int, tuple[Any, int, fmt.Metadata]]:
-        # kept: no rank sends its skeleton (the coordinator announced the union it holds)
-        union = described_union(lambda: (own, dict(own_specs), {}), [] if kept else [(*x, {}) for x in sent], 0,
-                                key, kept)
+    def build(union: Any) -> tuple[Any, int, tuple[int, fmt.Metadata]]:
         got = decode_all(wire)
         held = got.elements - union.elements  # build_metadata's check (not 0 here: entries are synthesized)
         pages, directory = build_directory(got, jobs.SAVE_ID, entries.buckets, union.tensors, union.hashes)
         md = sl.metadata_for(job, directory, files, union.skeleton, union.tensors, union.encoded)
-        return directory, len(md.to_bytes()), (union, held, md)
+        return directory, len(md.to_bytes()), (held, md)
 
-    # a job's first save merges the skeletons sent; every later save of the same state reuses that union
-    t, mem, (directory, md_bytes, (_, _, md)) = measure(lambda: build(f"first-{next(saves)}"), repeats)
-    kept = build("again")[2][0]
-    t_again, mem_again, _ = measure(lambda: build("again", kept), repeats)
+    # what the coordinator receives at that plan phase (gather_union), as it unpickles it
+    payload = [pickle.dumps((sk, table, {}), protocol=pickle.HIGHEST_PROTOCOL) for _, sk, table in sent]
+    t_recv, mem_recv, _ = measure(lambda: [pickle.loads(b) for b in payload], repeats)
+    t_union, mem_union, union = measure(lambda: merged(f"first-{next(saves)}"), repeats)
+    # the first save's commit finds the union merged; every later save of the same state reuses it
+    t, mem, (directory, md_bytes, (_, md)) = measure(lambda: build(union), repeats)
+    t_again, mem_again, _ = measure(lambda: build(union), repeats)
     # the outcome the commit broadcasts, as every other rank receives it (the whole metadata before)
     sent_back = pickle.dumps(outcome_of(md), protocol=pickle.HIGHEST_PROTOCOL)
     t_out, mem_out, _ = measure(lambda: pickle.loads(sent_back), repeats)
     return {"s": t, "peak_mb": mem / 1e6, "again_s": t_again, "again_peak_mb": mem_again / 1e6,
             "outcome_kb": len(sent_back) / 1e3, "outcome_s": t_out, "outcome_peak_mb": mem_out / 1e6,
             "gathered_mb": sum(map(len, wire)) / 1e6,
-            "skeletons_sent": len(sent), "skeletons_mb": len(pickle.dumps(sent)) / 1e6,
+            "skeletons_sent": len(sent), "skeletons_mb": sum(map(len, payload)) / 1e6,
+            "union_s": t_union, "union_peak_mb": mem_union / 1e6, "union_received_s": t_recv,
+            "union_received_peak_mb": mem_recv / 1e6,
             "directory_mb": directory.nbytes / 1e6,
             "segments": directory.rows, "wide_segments": sum(directory.wide_pages["rows"]),
             "scalar_rows": sum(directory.scalar_pages["rows"]), "metadata_mb": md_bytes / 1e6}

@@ -29,6 +29,9 @@ def _dcp(c: dict[str, Any], ref: dict[str, Any] | None) -> str:
 def _again(co: dict[str, Any]) -> str:
     """The coordinator's commit of a later save of the same state (runs before it measured only the first)."""
     again = f"{_ms(co['again_s'])}, {co['again_peak_mb']:.0f} MB " if "again_s" in co else ""
+    if co.get("skeletons_sent") and "union_s" in co:  # merged at the first save's plan phase, on a thread
+        again += (f"[first save's union, merged during its writes: {co['skeletons_sent']} skeletons received "
+                  f"{_ms(co['union_received_s'])}, merged {_ms(co['union_s'])}, {co['union_peak_mb']:.0f} MB] ")
     if "outcome_kb" in co:  # what every other rank receives and unpickles
         again += f"[outcome to each rank: {co['outcome_kb']:.1f} kB, {_ms(co['outcome_s'])}] "
     return again
@@ -85,6 +88,7 @@ def growth(results: dict[str, Any], name: str) -> dict[str, float]:
         "coordinator s": lambda c: c["coordinator"]["s"],
         "coordinator MB": lambda c: c["coordinator"]["peak_mb"],
         "coordinator again s": lambda c: c["coordinator"].get("again_s", c["coordinator"]["s"]),
+        "union s": lambda c: c["coordinator"].get("union_s", 0.0),
         "gathered MB": lambda c: c["coordinator"]["gathered_mb"],
         "metadata.json MB": lambda c: c["coordinator"]["metadata_mb"],
     }

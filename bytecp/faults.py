@@ -14,8 +14,10 @@ and this rank (comma-separated lists allowed):
   server the save talks to), once per process however often the phase
   comes back.
 
-Phases: ``plan``, ``stage``, ``write``, ``commit``, ``committed`` (just
-after metadata.json is written), ``read`` (load: before matching).
+Phases: ``plan``, ``union`` (a job's first save whose ranks' skeletons
+differ: before they are sent, :func:`bytecp.saving.union.gather_union`),
+``stage``, ``write``, ``commit``, ``committed`` (just after metadata.json
+is written), ``read`` (load: before matching).
 ``commit`` and ``committed`` run on the coordinator only (the commit is
 its part of the save's last collective): named with another rank, they
 never fire.

@@ -1,7 +1,7 @@
 """The union of the ranks' tensor tables at a commit, merged as columns.
 
-Called by the coordinator's commit (:func:`bytecp.saving.union.described_union`)
-when it builds a new union: the lowest rank of each distinct skeleton sends
+Called by the coordinator (:func:`bytecp.saving.union.described_union`) when
+it builds a new union at a job's first save: the lowest rank of each distinct skeleton sends
 its tensors' dtypes and shapes as a table (:func:`sent_table`, built on
 that rank, with its names' hashes), and every tensor two ranks both
 describe must have the same dtype and shape. A DeepSeek-V3-like state sends
@@ -37,7 +37,7 @@ def _ragged(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
 
 
 def sent_table(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
-    """(a rank that sends its tensors at commit) ``specs`` as a table
+    """(a rank that sends its tensors at a job's first save) ``specs`` as a table
     (:func:`~bytecp.format.tensor_table.table_json`), its numbers as NumPy
     arrays, with its names' :func:`~bytecp.format.chunk_batch.fqn_hashes`
     (``hashes``: the coordinator matches tensors and looks names up by them)."""

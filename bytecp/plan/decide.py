@@ -54,7 +54,7 @@ class PlanDecision:
     #: group planned locally as a set of its own (:mod:`bytecp.plan.split_sets`)
     split: Mapping[str, Groups] = dataclasses.field(default_factory=dict)
     #: by rank: the lowest rank whose state skeleton digest is the same (at
-    #: commit only those ranks send their skeleton and specs); None: not known
+    #: a job's first save only those ranks send their skeleton and specs); None: not known
     skeletons: np.ndarray | None = dataclasses.field(default=None, compare=False, repr=False)
     #: digest of every distinct state skeleton (its specs digest) with its
     #: lowest rank: equal keys, equal union of what the ranks describe (the
@@ -70,11 +70,19 @@ class PlanDecision:
         """The lowest rank whose state skeleton is the same as ``rank``'s."""
         return rank if self.skeletons is None else int(self.skeletons[rank])
 
+    def skeletons_differ(self, coordinator: int) -> bool:
+        """Whether some rank's state skeleton differs from the coordinator's
+        (then the lowest rank of each other skeleton sends it: :func:`sends_specs`)."""
+        if self.skeletons is None:
+            return True
+        return bool((self.skeletons != self.skeleton_leader(coordinator)).any())
+
 
 def sends_specs(decision: PlanDecision, rank: int, coordinator: int) -> tuple[bool, bool]:
     """(every rank, end of the plan phase) Whether ``rank``'s state skeleton
     differs from the coordinator's (it writes the values the coordinator
-    lacks), and whether it sends its skeleton and tensor specs at commit:
+    lacks), and whether it sends its skeleton and tensor specs when the
+    coordinator holds no union of them yet (:func:`~bytecp.saving.union.gather_union`):
     only the lowest rank of each skeleton other than the coordinator's
     does; the coordinator's merge of them covers every rank of that skeleton."""
     leader = decision.skeleton_leader(rank)

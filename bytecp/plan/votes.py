@@ -105,7 +105,7 @@ class PlanVote:
     context: int = 0
     #: the coordinator's only: the specs keys of the unions of skeletons it
     #: keeps from its last commits; when the decision's key is one of them,
-    #: no rank sends its skeleton at commit (:mod:`bytecp.saving.commit`)
+    #: no rank sends its skeleton (:mod:`bytecp.saving.union`)
     unions: tuple[str, ...] = ()
 
     def encode(self) -> bytes:

@@ -41,11 +41,10 @@ from bytecp.format.references import BASE_FILE, referenced_by, run_url
 from bytecp.plan.planner import check_replicas
 from bytecp.saving.leases import Lease
 from bytecp.saving.pins import Doom, live_pins
-from bytecp.saving.union import DescribedUnion, described_union
+from bytecp.saving.union import DescribedUnion, described_union, tensor_specs
 from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.bulk import gc_paused
-from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.state import FlatTree
 
 __all__ = [
@@ -54,14 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger("bytecp")
-
-
-def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
-    """Every tensor's dtype and global shape, as ``metadata.json`` lists them."""
-    return {
-        fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
-        for fqn, leaf in flat.tensors.items()
-    }
 
 
 @gc_paused()  # a few objects per tensor and per rank: no collections of the training process's heap meanwhile
@@ -78,24 +69,25 @@ def build_metadata(
     user_metadata: dict[str, Any],
     version: str,
     specs_key: str = "",
-    kept: DescribedUnion | None = None,
+    union: DescribedUnion | None = None,
     slot: Any = None,
     verify_replicas: bool = False,
 ) -> tuple[fmt.Metadata, list[bytes]]:
     """(coordinator) ``metadata.json`` and the index directory's pages, from
-    every rank's part entries (each rank wrote and checked its own part);
-    the union of the skeletons sent, or ``kept`` when it is the one for
-    ``specs_key`` (:func:`described_union`; a new one is kept under ``slot``).
-    With ``verify_replicas``, first every replica's checksums are compared.
-    Raises :class:`ConfigError` when ranks describe a tensor differently or,
-    up to :data:`EXACT_CHECK_RANKS` ranks (whose chunk records come along),
-    their chunks do not make up the tensors exactly."""
+    every rank's part entries (each rank wrote and checked its own part)
+    and ``union``, the union of what the ranks describe for ``specs_key``
+    (:mod:`bytecp.saving.union`: gathered and merged at the plan phase when
+    the ranks' skeletons differ, or kept from the last save; else the
+    coordinator's own, kept under ``slot``). With ``verify_replicas``,
+    first every replica's checksums are compared. Raises
+    :class:`ConfigError` when ranks describe a tensor differently or, up to
+    :data:`EXACT_CHECK_RANKS` ranks (whose chunk records come along), their
+    chunks do not make up the tensors exactly."""
     if verify_replicas:
         check_replicas([out.replica_crcs for out in outputs])
-    sent = [(r, out.skeleton, out.tensors, out.aliases or {}) for r, out in enumerate(outputs)
-            if out.skeleton is not None and out.tensors is not None]
-    union = described_union(lambda: (flat.skeleton, tensor_specs(flat), flat.aliases), sent, coordinator,
-                            specs_key, kept, slot)
+    if union is None:
+        union = described_union(lambda: (flat.skeleton, tensor_specs(flat), flat.aliases), [], coordinator,
+                                specs_key, slot)
     try:
         objects, per_rank, data_files, pages, directory = _gathered(outputs, union, coordinator, save_id, world_size)
     except Exception:

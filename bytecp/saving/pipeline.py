@@ -10,8 +10,9 @@ keeps only its inputs and the failure kept for the next collective.
 
 Collectives (every rank, in this order): the plan phase's all-gather (plus a
 gather and a scatter when some boxes have no replica hint every holder agrees
-on, and the plan is not cached), and the commit's gather and broadcast: 3,
-or 5 when the coordinator plans. The local phases
+on, and the plan is not cached; plus a gather and a broadcast at a job's
+first save when the ranks' state skeletons differ: :func:`~bytecp.saving.union.gather_union`),
+and the commit's gather and broadcast: 3, or 5 when the coordinator plans. The local phases
 (describe, snapshot, stage, write) never raise on their own in a distributed
 job: a failure is kept and travels with the next collective, so every rank
 learns of it (:class:`~bytecp.errors.DistributedCheckpointError` names each
@@ -73,7 +74,7 @@ from bytecp.saving.results import (
 from bytecp.saving.resync import in_step
 from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.staging import ArenaStager, Queued, Stager
-from bytecp.saving.union import kept_unions
+from bytecp.saving.union import gather_union, kept_unions
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
 from bytecp.tree.state import flatten_tree
@@ -258,10 +259,13 @@ class SavePipeline:
                     cache_entry = (mine["fingerprint"], decision.digest, tuple(items))
                 write, reused = self.incremental.split(items, described.tokens)
                 differs, sends = sends_specs(decision, rank, ctx.coordinator)
-                kept = decision.specs_key in union_keys  # the coordinator holds the union already: nobody sends
+                union = next((u for u in mine.get("unions", ()) if u.specs_key == decision.specs_key), None)
+                if decision.specs_key not in union_keys and decision.skeletons_differ(ctx.coordinator):
+                    # a job's first save of this state: merged on the coordinator's thread while the ranks write
+                    union = gather_union(ctx, flat, sends, decision.specs_key, key)
                 return SavePlanResult(
-                    save_id, tuple(write), local, referenced=reused, skeleton_differs=differs, sends_specs=sends and not kept,
-                    specs_key=decision.specs_key, union=next((u for u in mine.get("unions", ()) if u.specs_key == decision.specs_key), None),
+                    save_id, tuple(write), local, referenced=reused, skeleton_differs=differs,
+                    specs_key=decision.specs_key, union=union,
                     coordinator_objects=frozenset(objects), replaced=mine["replaced"],
                     cache_entry=cache_entry, fingerprint=mine["fingerprint"], reused=decision.reuse,
                 )
@@ -319,8 +323,7 @@ class SavePipeline:
 
         def output() -> RankOutput:
             self._raise_kept()
-            out = planned.for_coordinator(mine, flat)  # (its referenced rows kept too)
-            return for_commit(out, self.storage, tensor_specs(flat), save_id, ctx.rank, ctx.world_size)
+            return for_commit(mine, self.storage, tensor_specs(flat), save_id, ctx.rank, ctx.world_size)
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
             with self.trace.span("commit") as sp:
@@ -330,7 +333,7 @@ class SavePipeline:
                     outputs, described.flat, ctx.coordinator, save_id=save_id, world_size=ctx.world_size,
                     framework=described.framework, parallelism=dict(described.parallelism), step=self.opts.step,
                     user_metadata=dict(self.opts.metadata), version=self.version, specs_key=planned.specs_key,
-                    kept=planned.union, slot=self._cache_key(), verify_replicas=bool(self.opts.verify_replicas))
+                    union=planned.union, slot=self._cache_key(), verify_replicas=bool(self.opts.verify_replicas))
                 # the bases: pinned, checked before and again just before the commit (bytecp.saving.pins)
                 with held(self.storage, md, leases.holding(save_id)) as check_again:
                     self.storage.write_file(md.index.file, pages)  # type: ignore[union-attr]

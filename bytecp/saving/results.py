@@ -18,10 +18,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bytecp.format import metadata as fmt
-from bytecp.format.table_union import sent_table
-from bytecp.plan.exchange import PLAN_STATS
 from bytecp.plan.planner import LocalSavePlan, WriteItem
-from bytecp.saving.commit import tensor_specs
 from bytecp.saving.reuse import Reused, Tokens
 from bytecp.saving.staging import Stager
 from bytecp.saving.writer import RankOutput, Staged
@@ -88,18 +85,15 @@ class SavePlanResult:
     #: this rank's state tree differs from the coordinator's: it writes the
     #: values the coordinator lacks
     skeleton_differs: bool = False
-    #: and it is the lowest rank of its skeleton: it sends its skeleton,
-    #: tensor specs and aliases at commit (:meth:`for_coordinator`), which
-    #: stand for every rank of that skeleton (the votes told every rank whose
-    #: skeletons are the same: :func:`~bytecp.plan.exchange.sends_specs`)
-    sends_specs: bool = False
     #: the plan decision's key of every distinct skeleton and its lowest rank
     #: (:attr:`~bytecp.plan.decide.PlanDecision.specs_key`): the coordinator's
     #: commit reuses its last union of the skeletons sent when it is the same
     specs_key: str = ""
-    #: (coordinator) the union of skeletons it kept from its last commit,
-    #: when it is the one for ``specs_key`` (it said so in its vote, and no
-    #: rank sends its skeleton): :func:`~bytecp.saving.union.described_union`
+    #: (coordinator) the union of what the ranks describe for ``specs_key``:
+    #: kept from its last commit (it said so in its vote, and no rank sent
+    #: its skeleton), or gathered at this plan phase and merging on a thread
+    #: (:func:`~bytecp.saving.union.gather_union`); None: the commit takes
+    #: the coordinator's own (every rank's skeleton is the same)
     union: Any = None
     #: the names of the values the coordinator writes
     coordinator_objects: frozenset[str] = frozenset()
@@ -113,16 +107,6 @@ class SavePlanResult:
     reused: bool = False
     #: the boxes this rank references in the base instead of writing them
     referenced: Reused = dataclasses.field(default_factory=Reused)
-
-    def for_coordinator(self, out: RankOutput, flat: FlatTree) -> RankOutput:
-        """(every rank, the commit's gather) ``out``, with this rank's
-        skeleton, tensor specs (as a table: :func:`~bytecp.format.table_union.sent_table`)
-        and aliases when it sends them (:attr:`sends_specs`)."""
-        if not self.sends_specs:
-            return out
-        PLAN_STATS.specs_sent += 1
-        return dataclasses.replace(out, skeleton=flat.skeleton.to_json(), tensors=sent_table(tensor_specs(flat)),
-                                   aliases=dict(flat.aliases))
 
 
 @dataclasses.dataclass(frozen=True)

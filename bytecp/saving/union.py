@@ -1,12 +1,15 @@
-"""The union of what the ranks describe, merged at a commit and kept for the next.
+"""The union of what the ranks describe, merged at a job's first save and kept for the next.
 
-Called by the coordinator's commit (:func:`bytecp.saving.commit.build_metadata`):
-:func:`described_union` merges the tensor tables and skeletons the ranks
-whose state differs from every lower rank's sent with the coordinator's
-own, on a thread while the commit builds the index directory, and keeps
-the union for the next saves of the same state; the save pipeline's vote
-announces the kept ones (:func:`kept_unions`), and when the plan decision's
-key is one of them no rank sends its skeleton again.
+Called by the save pipeline's plan phase (every rank, :func:`gather_union`)
+when the ranks' state skeletons differ and the coordinator holds no union
+of them yet: the lowest rank of each skeleton other than the coordinator's
+sends it with its tensor table and aliases, and :func:`described_union`
+merges them with the coordinator's own on a thread while every rank stages
+and writes its data; the coordinator's commit
+(:func:`bytecp.saving.commit.build_metadata`) reads the merged union. It is
+kept for the next saves of the same state; the pipeline's vote announces
+the kept ones (:func:`kept_unions`), and when the plan decision's key is
+one of them no rank sends its skeleton again.
 """
 
 from __future__ import annotations
@@ -20,15 +23,27 @@ from typing import Any
 
 import numpy as np
 
+from bytecp import faults
+from bytecp.dist import DistContext
 from bytecp.format.member_text import EncodedMembers, dumps, encode_members
 from bytecp.format.table_union import elements_of, sent_table, union_tables
 from bytecp.format.tensor_table import TensorTable
+from bytecp.plan.exchange import PLAN_STATS
 from bytecp.tree.bulk import gc_paused
+from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.skeleton import Node
 from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
-from bytecp.tree.state import merge_aliases
+from bytecp.tree.state import FlatTree, merge_aliases
 
-__all__ = ["DescribedUnion", "described_union", "kept_unions"]
+__all__ = ["DescribedUnion", "described_by", "described_union", "gather_union", "kept_unions", "tensor_specs"]
+
+
+def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
+    """Every tensor's dtype and global shape, as ``metadata.json`` lists them."""
+    return {
+        fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
+        for fqn, leaf in flat.tensors.items()
+    }
 
 
 def _merge_skeletons(skeleton: Node, sent: Sequence[tuple[int, Any]]) -> tuple[Node, str | None]:
@@ -130,31 +145,62 @@ def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
         return [u for (s, _), u in _KEPT.items() if s == slot and u.coordinator == coordinator]
 
 
+def described_by(flat: FlatTree) -> tuple[Any, dict[str, Any], dict[str, str]]:
+    """(a rank that sends, :func:`gather_union`) What it sends of ``flat``:
+    its skeleton JSON, its tensor specs as a table
+    (:func:`~bytecp.format.table_union.sent_table`) and its aliases."""
+    PLAN_STATS.specs_sent += 1
+    return flat.skeleton.to_json(), sent_table(tensor_specs(flat)), dict(flat.aliases)
+
+
+def gather_union(ctx: DistContext, flat: FlatTree, sends: bool, specs_key: str, slot: Any) -> DescribedUnion | None:
+    """(every rank, the end of the plan phase of a save whose ranks'
+    skeletons differ and whose union the coordinator does not hold) One
+    gather and a broadcast: each rank that ``sends`` (the lowest of each
+    skeleton other than the coordinator's:
+    :func:`~bytecp.plan.decide.sends_specs`) its skeleton JSON, tensor table
+    (:func:`~bytecp.format.table_union.sent_table`) and aliases to the
+    coordinator, which starts merging them with its own on a thread
+    (:func:`described_union`, kept under ``slot`` once merged) and returns
+    the union; None on every other rank. Raises on every rank when one
+    failed to send. The merge runs while the ranks stage and write (a
+    DeepSeek-V3-like state: 63 skeletons of 181,580 tensors in all, 0.4 s),
+    so the commit finds it done; a fault in it (two ranks describing a
+    tensor differently) is raised where the commit reads it."""
+    made: list[DescribedUnion] = []
+
+    def send() -> tuple[Any, dict[str, Any], dict[str, str]] | None:
+        faults.inject("union", ctx.rank)
+        return described_by(flat) if sends else None
+
+    def merge(got: list[tuple[Any, dict[str, Any], dict[str, str]] | None]) -> None:
+        made.append(described_union(lambda: (flat.skeleton, tensor_specs(flat), flat.aliases),
+                                    [(r, *g) for r, g in enumerate(got) if g is not None], ctx.coordinator,
+                                    specs_key, slot))
+
+    ctx.all_reduce("save/plan", send, merge)
+    return made[0] if made else None
+
+
 def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dict[str, str]]],
                     sent: Sequence[tuple[int, Any, Mapping[str, Any], dict[str, str]]],
-                    coordinator: int, specs_key: str = "", kept: DescribedUnion | None = None,
-                    slot: Any = None) -> DescribedUnion:
-    """(coordinator, at commit) The union of the coordinator's skeleton,
-    tensor specs and aliases (``own()``: asked for only when the union is
-    built) with those ``sent`` (rank, skeleton JSON, tensor table, aliases)
-    by the ranks whose state differs from every lower rank's, with its
-    elements, name hashes and JSON text; or ``kept``, built for ``specs_key``
-    (every distinct skeleton's digest and its lowest rank, from the plan's
-    votes: :attr:`~bytecp.plan.decide.PlanDecision.specs_key`; then nobody
-    sent anything). When some were sent, the union is merged on a thread
-    while the caller decodes the ranks' part entries and builds the index
-    directory: first the tables (:func:`~bytecp.format.table_union.union_tables`:
-    :class:`ConfigError`, raised where they are read, when two ranks describe
-    a tensor differently), then the skeletons and the JSON text. A new
-    union is kept under ``slot`` for the next saves once merged. A state of
-    181,580 tensors merged from 64 skeletons and tables costs 0.4 s to
-    merge and encode (0.1 s of it hidden behind the directory's build on
-    2 cores); a job pays that once."""
-    if kept is not None:
-        if (kept.specs_key, kept.coordinator) != (specs_key, coordinator) or not specs_key:
-            raise RuntimeError(f"the union kept for skeletons {kept.specs_key!r} on rank {kept.coordinator} "
-                               f"stands in for {specs_key!r} on rank {coordinator}")  # (the votes rule it out)
-        return kept
+                    coordinator: int, specs_key: str = "", slot: Any = None) -> DescribedUnion:
+    """(coordinator: at a job's first save, :func:`gather_union`; at a
+    commit whose ranks all describe the coordinator's skeleton,
+    :func:`~bytecp.saving.commit.build_metadata`) The union of the
+    coordinator's skeleton, tensor specs and aliases (``own()``) with those
+    ``sent`` (rank, skeleton JSON, tensor table, aliases) by the ranks whose
+    state differs from every lower rank's, with its elements, name hashes
+    and JSON text, for ``specs_key`` (every distinct skeleton's digest and
+    its lowest rank, from the plan's votes:
+    :attr:`~bytecp.plan.decide.PlanDecision.specs_key`). When some were
+    sent, the union is merged on a thread while the ranks stage and write
+    their data: first the tables (:func:`~bytecp.format.table_union.union_tables`:
+    :class:`ConfigError`, raised where they are read, when two ranks
+    describe a tensor differently), then the skeletons and the JSON text. A
+    new union is kept under ``slot`` for the next saves once merged. A
+    state of 181,580 tensors merged from 64 skeletons and tables costs 0.4 s
+    to merge and encode; a job pays that once, while its first save writes."""
     skeleton, specs, aliases = own()
     tabled: concurrent.futures.Future[tuple[TensorTable, int, np.ndarray]] = concurrent.futures.Future()
     described: concurrent.futures.Future[tuple[Node, EncodedMembers, dict[str, str]]] = concurrent.futures.Future()

@@ -82,11 +82,6 @@ class RankOutput:
     batch: ChunkBatch | None = None
     objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
-    #: this rank's skeleton (JSON), tensor specs (``table_json`` columns) and aliases, sent only
-    #: by the lowest rank of each skeleton other than the coordinator's (the votes tell which)
-    skeleton: Any = None
-    tensors: dict[str, Any] | None = None
-    aliases: dict[str, str] | None = None
     #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
     replica_crcs: dict[tuple[str, Region], int] | None = None
     #: at commit: the entries of the index part this rank wrote and its 0-dim

@@ -1,11 +1,11 @@
-"""The union of the skeletons the ranks send at a commit, merged as JSON.
+"""The union of the skeletons the ranks send at a job's first save, merged as JSON.
 
-Called by the coordinator's commit (:func:`bytecp.saving.union.described_union`)
-when it builds a new union: the ranks send their skeletons in the compact
+Called by the coordinator (:func:`bytecp.saving.union.described_union`) when
+it builds a new union at a job's first save: the ranks send their skeletons in the compact
 JSON form (:meth:`~bytecp.tree.skeleton.Node.to_json`), and
 ``metadata.json`` wants that form back. Parsing 63 expert groups'
 skeletons into nodes, merging the nodes and encoding the union again took
-0.25 s for a DeepSeek-V3-like state of 181,580 tensors, and nothing at the
+0.25 s for a DeepSeek-V3-like state of 181,580 tensors, and nothing in the
 commit reads the nodes: :func:`union_json` merges the JSON itself (in one
 walk, each dict's keys looked up once per rank) and :func:`deferred` stands
 for the union's :class:`~bytecp.tree.skeleton.Node`, parsed from its text

@@ -8,7 +8,6 @@ commit are the lowest rank of each skeleton other than the coordinator's."""
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import random
 from collections.abc import Mapping, Sequence
@@ -182,22 +181,17 @@ def test_moe_ranks_outside_ep_index_0_send_one_copy_per_skeleton() -> None:
     assert [r for r, (_, sends) in enumerate(roles) if sends] == list(range(1, job.ep))
 
 
-def test_the_commit_output_carries_the_specs_only_of_a_sender() -> None:
+def test_a_sender_sends_its_skeleton_specs_table_and_aliases() -> None:
     import torch
 
     from bytecp.format.chunk_batch import fqn_hash
-    from bytecp.saving.results import SavePlanResult
-    from bytecp.saving.writer import RankOutput
+    from bytecp.saving.union import described_by
     from bytecp.tree.skeleton import Node
     from bytecp.tree.state import FlatTree, TensorLeaf
 
-    flat = FlatTree(Node.container("dict", ()), {"w": TensorLeaf.full(torch.zeros(2, 3))}, {}, {}, {})
-    plan = SavePlanResult("id", (), None, skeleton_differs=True)  # type: ignore[arg-type]
-    out = RankOutput()
-    assert plan.for_coordinator(out, flat) is out and out.tensors is None and out.skeleton is None
-    sent = dataclasses.replace(plan, sends_specs=True).for_coordinator(out, flat)
-    got = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in sent.tensors.items()}
+    flat = FlatTree(Node.container("dict", ()), {"w": TensorLeaf.full(torch.zeros(2, 3))}, {}, {}, {}, {"v": "w"})
+    skeleton, table, aliases = described_by(flat)
+    got = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in table.items()}
     assert got == {"names": ["w"], "dtypes": ["float32"], "dtype": [0], "ndim": [2], "dims": [2, 3],
                    "hashes": [fqn_hash("w")]}
-    assert sent.skeleton is not None
-    assert sent.aliases == {}
+    assert skeleton == flat.skeleton.to_json() and aliases == {"v": "w"}

@@ -109,3 +109,34 @@ def save_disagreeing(url: str) -> dict[str, Any]:
         raised = f"{type(e).__name__}: {e}"
     dist.barrier()
     return {"raised": raised, "left": sorted(os.listdir(url)) if os.path.isdir(url) else []}
+
+
+def save_union_fault(url: str) -> dict[str, Any]:
+    """(every rank) Save the ranks' kinds with rank 1 failing as it sends
+    its skeleton (the fault phase ``union``), then again without the fault:
+    what the first save raised on each rank, what the directory held after
+    it, and whether the second loads back bitwise."""
+    import os
+
+    def kind(k: str, fill: float | None = None) -> dict[str, Any]:  # (a tree no other case saves)
+        return kind_state(k, fill) | {"fault": {"n": 2}}
+
+    r = dist.get_rank()
+    os.environ["BYTECP_FAULT_ERROR"] = "union:1"
+    try:
+        bytecp.save(f"{url}/1", kind(KINDS[r]))
+        raised = ""
+    except Exception as e:
+        raised = f"{type(e).__name__}: {e}"
+    finally:
+        os.environ.pop("BYTECP_FAULT_ERROR", None)
+    dist.barrier()
+    left = sorted(os.listdir(f"{url}/1")) if os.path.isdir(f"{url}/1") else []
+    bytecp.save(f"{url}/2", kind(KINDS[r]))
+    into = kind(KINDS[r], fill=-1.0)
+    bytecp.load(f"{url}/2", into, strict=False)
+    want = kind(KINDS[r])
+    k = f"kind_{KINDS[r]}"
+    same = torch.equal(into["shared"]["w"], want["shared"]["w"]) and torch.equal(into[k]["t"], want[k]["t"]) \
+        and into[k]["n"] == want[k]["n"] and into["fault"] == want["fault"]
+    return {"raised": raised, "left": left, "same": same}

@@ -1,7 +1,7 @@
 """A save where ranks hold states of different skeletons (4 ranks, three
 skeletons, one of them on two ranks): only the lowest rank of each
-skeleton other than the coordinator's sends its skeleton and tensor specs
-at commit (bytecp/plan/decide.py ``sends_specs``); the checkpoint still
+skeleton other than the coordinator's sends its skeleton and tensor specs,
+at the plan phase of a job's first save (bytecp/plan/decide.py ``sends_specs``); the checkpoint still
 describes every rank's tensors and values and loads back bitwise."""
 
 from __future__ import annotations
@@ -70,3 +70,16 @@ def test_ranks_describing_a_tensor_differently_fail_the_save_on_every_rank(pools
         assert "tensor 'shared.w': rank 0 has dtype float32 shape [3, 4] but rank 2 has dtype float32 shape [4, 3]; " \
                "every rank must describe the same global tensor" in o["raised"], o
     assert [o["left"] for o in out] == [[]] * 4  # (the failed save's files removed)
+
+
+def test_a_rank_failing_to_send_its_skeleton_fails_the_save_on_every_rank(pools: Any, tmp_path: Path) -> None:
+    """The skeletons go to the coordinator at the plan phase of a job's
+    first save (bytecp/saving/union.py ``gather_union``): a rank failing
+    there fails the save on every rank, naming it, before anything is
+    written; the next save gathers them again and commits."""
+    out = pools(4).run(skeleton_cases.save_union_fault, str(tmp_path))
+    for o in out:
+        assert o["raised"].startswith("DistributedCheckpointError") and "rank 1" in o["raised"] \
+            and "save/plan" in o["raised"] and "injected" in o["raised"].lower(), o
+    assert [o["left"] for o in out] == [[]] * 4
+    assert all(o["same"] for o in out), out
