@@ -56,6 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from bytecp.format import metadata as fmt
+from bytecp.format.member_text import dumps
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
@@ -158,6 +159,7 @@ def coordinator(job: jobs.Job, entries: Entries, repeats: int) -> dict[str, Any]
         return directory, len(md.to_bytes()), (held, md)
 
     # what the coordinator receives at that plan phase (gather_union), as it unpickles it
+    sent = [(r, dumps(sk), table) for r, sk, table in sent]  # (described_by: the skeleton as its text)
     payload = [pickle.dumps((sk, table, {}), protocol=pickle.HIGHEST_PROTOCOL) for _, sk, table in sent]
     t_recv, mem_recv, _ = measure(lambda: [pickle.loads(b) for b in payload], repeats)
     t_union, mem_union, union = measure(lambda: merged(f"first-{next(saves)}"), repeats)

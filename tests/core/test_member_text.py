@@ -97,7 +97,7 @@ def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None
 
     want = tree.skeleton.merge(other.skeleton)
     legacy = {"d": [["opt", {"d": [["b", {"tensor": "opt.b"}]]}]]}  # (versions 1-3 wrote this form)
-    for doc in (other.skeleton.to_json(), legacy):
+    for doc in (other.skeleton.to_json(), dumps(other.skeleton.to_json()), legacy):  # (ranks send the text)
         union = described_union(own, [(1, doc, table_json(tensor_specs(other)), {})], 0)
         assert union.skeleton == want and union.encoded.text["skeleton"] == dumps(want.to_json())
         assert union.elements == 4 + 1 + 3
@@ -107,4 +107,7 @@ def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None
         with pytest.raises(CorruptCheckpointError, match=r"rank 1's skeleton: malformed skeleton: node 'X'"):
             broken.skeleton  # noqa: B018
     assert broken not in kept_unions("job", 0)
+    garbled = described_union(own, [(3, '{"k": [', table_json(tensor_specs(other)), {})], 0)
+    with pytest.raises(CorruptCheckpointError, match=r"^rank 3's skeleton: not JSON"):
+        garbled.skeleton  # noqa: B018
 

@@ -9,6 +9,7 @@ commit are the lowest rank of each skeleton other than the coordinator's."""
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections.abc import Mapping, Sequence
 
@@ -194,4 +195,4 @@ def test_a_sender_sends_its_skeleton_specs_table_and_aliases() -> None:
     got = {k: v.tolist() if hasattr(v, "tolist") else v for k, v in table.items()}
     assert got == {"names": ["w"], "dtypes": ["float32"], "dtype": [0], "ndim": [2], "dims": [2, 3],
                    "hashes": [fqn_hash("w")]}
-    assert skeleton == flat.skeleton.to_json() and aliases == {"v": "w"}
+    assert json.loads(skeleton) == flat.skeleton.to_json() and aliases == {"v": "w"}  # (as text: parsed on a thread)
