@@ -1,4 +1,4 @@
-"""The union of the ranks' tensor tables at a commit, merged as columns.
+"""The union of the ranks' tensor tables at a job's first save, merged as columns.
 
 Called by the coordinator (:func:`bytecp.saving.union.described_union`) when
 it builds a new union at a job's first save: the lowest rank of each distinct skeleton sends
@@ -48,7 +48,7 @@ def sent_table(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
 
 
 def union_tables(tables: Sequence[tuple[int, Mapping[str, Any]]]) -> tuple[TensorTable, np.ndarray]:
-    """(coordinator, at commit) The union of ``tables`` ((rank, its
+    """(coordinator, on the union's thread) The union of ``tables`` ((rank, its
     :func:`sent_table` or :func:`~bytecp.format.tensor_table.table_json`),
     the coordinator's first): the first's tensors in its order, then each
     next table's new ones in its order; and their names' hashes, in that

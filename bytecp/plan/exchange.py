@@ -129,13 +129,13 @@ class PlanStats:
     """What this process's save plans cost (read by tests and benchmarks):
     plans made (not reused), of those how many the coordinator took part in,
     the boxes this rank sent it, the replica sets split by stage, and the
-    commits at which it sent its skeleton and tensor specs."""
+    saves at which it sent its skeleton and tensor specs."""
 
     planned: int = 0
     coordinated: int = 0
     boxes_sent: int = 0
     split_sets: int = 0
-    #: commits at which this rank sent its skeleton and tensor specs
+    #: saves at which this rank sent its skeleton and tensor specs (bytecp.saving.union.gather_union)
     specs_sent: int = 0
 
 

@@ -75,8 +75,9 @@ class PlanVote:
     #: digest of the fingerprints this rank's cached plan was made for (None: no cached plan)
     cached_for: str | None
     #: digest of this rank's state skeleton and of its tensors' dtypes and
-    #: shapes (at commit, the lowest rank of each digest other than the
-    #: coordinator's sends its skeleton and tensor specs, where they are compared)
+    #: shapes (when the coordinator holds no union of them, the lowest rank of
+    #: each digest other than the coordinator's sends its skeleton and tensor
+    #: specs at the plan phase, where they are compared: bytecp.saving.union)
     skeleton: str
     #: the coordinator's only: the new save's id (None on other ranks)
     save_id: str | None = None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import ctypes
-import gc
 import logging
 import os
 import threading
@@ -27,6 +26,7 @@ import bytecp.dist_raw  # noqa: F401  (its exit hook runs after the drain below)
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
 from bytecp.recorder import Trace
+from bytecp.tree.bulk import pause_gc, resume_gc
 
 __all__ = [
     "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "retire_group", "optimizers_in",
@@ -239,16 +239,14 @@ class GcPause:
     calls it itself. Nothing is lost; ending twice is harmless."""
 
     def __init__(self) -> None:
-        self._was = gc.isenabled()
         self._ended = False
-        gc.disable()
+        pause_gc()  # (nested with the pauses of other threads: bytecp.tree.bulk)
 
     def end(self) -> None:
         if self._ended:
             return
         self._ended = True
-        if self._was and not gc.isenabled():
-            gc.enable()
+        resume_gc()
 
 
 def checkpoint_group(process_group: Any) -> Any:

@@ -8,19 +8,17 @@ takes the frozen values earlier phases returned
 (:mod:`bytecp.saving.results`) and returns its own; the pipeline itself
 keeps only its inputs and the failure kept for the next collective.
 
-Collectives (every rank, in this order): the plan phase's all-gather (plus a
-gather and a scatter when some boxes have no replica hint every holder agrees
-on, and the plan is not cached; plus a gather and a broadcast at a job's
-first save when the ranks' state skeletons differ: :func:`~bytecp.saving.union.gather_union`),
-and the commit's gather and broadcast: 3, or 5 when the coordinator plans. The local phases
-(describe, snapshot, stage, write) never raise on their own in a distributed
-job: a failure is kept and travels with the next collective, so every rank
-learns of it (:class:`~bytecp.errors.DistributedCheckpointError` names each
-failed rank and its phase) and nobody waits. If the save fails anywhere
-before ``metadata.json`` is written, the coordinator removes its files. From
-naming the save to its end the coordinator holds the save's lease
-(:mod:`bytecp.saving.leases`); once it commits, it removes the files of
-earlier saves at that URL that never committed.
+Collectives (every rank, in this order): the plan phase's all-gather (plus a gather and a scatter
+when some boxes have no replica hint every holder agrees on and the plan is not cached; an
+all-gather of names when pipeline stages split a set; a gather and a broadcast when the skeletons differ
+and the coordinator keeps no union of them: :func:`~bytecp.saving.union.gather_union`), and the
+commit's gather and broadcast. The local phases (describe, snapshot, stage, write) never raise on
+their own in a distributed job: a failure is kept and travels with the next collective, so every
+rank learns of it (:class:`~bytecp.errors.DistributedCheckpointError` names each failed rank and its
+phase) and nobody waits. If the save fails anywhere before ``metadata.json`` is written, the
+coordinator removes its files. From naming the save to its end the coordinator holds the save's
+lease (:mod:`bytecp.saving.leases`); once it commits, it removes the files of earlier saves at that
+URL that never committed.
 """
 
 from __future__ import annotations
@@ -185,7 +183,8 @@ class SavePipeline:
 
     def plan(self, described: Described) -> SavePlanResult:
         """(every rank; one all-gather, plus a gather and a scatter only when
-        some boxes have no replica hint) Every rank votes with fingerprints of
+        some boxes have no replica hint, and a gather and a broadcast when the
+        ranks' skeletons differ and the coordinator keeps no union of them) Every rank votes with fingerprints of
         what it holds; the coordinator checks the target URL and names the
         save. Each rank then writes its own boxes and its share of every sound
         replica set, computed locally and alike on every member; the

@@ -27,7 +27,7 @@ import numpy as np
 
 from bytecp import faults
 from bytecp.dist import DistContext
-from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.errors import CorruptCheckpointError
 from bytecp.format.member_text import EncodedMembers, dumps, encode_members
 from bytecp.format.parts_wire import NameTable
 from bytecp.format.table_union import elements_of, sent_table, union_tables
@@ -85,11 +85,12 @@ def _ready_names(tensors: TensorTable, hashes: np.ndarray) -> None:
     (:meth:`NameTable.of <bytecp.format.parts_wire.NameTable.of>` keeps the
     last one built) with its Arrow column, and Arrow's take readied (its first
     call imports ``pyarrow.compute``): 0.3 s of a DeepSeek-V3-like state's
-    first commit, paid here while the ranks write. A fault (two names of one
-    64-bit hash) is the commit's to report: it builds the table again."""
+    first commit, paid here while the ranks write. Only a warm-up: a fault
+    here (two names of one 64-bit hash, or any other) is the commit's to
+    report, which builds the table again."""
     if not len(tensors):
         return
-    with contextlib.suppress(ConfigError):
+    with contextlib.suppress(Exception):
         NameTable.of(tensors.names, hashes).strings(np.zeros(1, np.int64))
 
 

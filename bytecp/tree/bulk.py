@@ -6,28 +6,69 @@ collections of the whole heap as it goes, each traversing every object
 the process holds: the same parse of a MoE's skeleton took 0.15 s with
 collections paused and 0.2-1.2 s without, depending on what else the
 training process held. Used by :meth:`bytecp.format.metadata.Metadata.from_bytes`,
-:meth:`bytecp.tree.skeleton.Node.from_json` and the coordinator's merge at
-commit. Nothing is lost: what is garbage is collected once the collector
-runs again.
+:meth:`bytecp.tree.skeleton.Node.from_json` and the coordinator's merge of
+a job's first union (on a thread: the pauses of several threads nest).
+Nothing is lost: what is garbage is collected once the collector runs
+again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import os
+import threading
 from collections.abc import Iterator
 
-__all__ = ["gc_paused"]
+__all__ = ["gc_paused", "pause_gc", "resume_gc"]
+
+#: (depth of the pauses open in every thread, whether the collector was on before the first)
+_PAUSES = [0, False]
+_LOCK = threading.Lock()
+
+
+def pause_gc() -> None:
+    """Pause the cyclic collector until a matching :func:`resume_gc`, which
+    any thread may call. Pauses of several threads nest: the last one to
+    end turns the collector back on, if it was on before the first began
+    (two threads each saving and restoring ``gc.isenabled()`` could leave
+    it off for good, or turn it on under the other's pause)."""
+    with _LOCK:
+        if _PAUSES[0] == 0:
+            _PAUSES[1] = gc.isenabled()
+            gc.disable()
+        _PAUSES[0] += 1
+
+
+def resume_gc() -> None:
+    """End one :func:`pause_gc`."""
+    with _LOCK:
+        if _PAUSES[0] == 0:  # (one a forked child's forking thread opened before the fork: forgotten)
+            return
+        _PAUSES[0] -= 1
+        if _PAUSES[0] == 0 and _PAUSES[1]:
+            gc.enable()
+
+
+def _forget_pauses() -> None:
+    """(a forked child) The parent's other threads, and their pauses, are
+    gone: none is open, and the collector is on if it was before them."""
+    global _LOCK
+    _LOCK = threading.Lock()
+    if _PAUSES[0] and _PAUSES[1]:
+        gc.enable()
+    _PAUSES[0] = 0
+
+
+os.register_at_fork(after_in_child=_forget_pauses)
 
 
 @contextlib.contextmanager
 def gc_paused() -> Iterator[None]:
-    """No cyclic garbage collection inside the block (nesting is harmless:
-    the outermost block turns the collector back on, if it was on)."""
-    was = gc.isenabled()
-    gc.disable()
+    """No cyclic garbage collection inside the block (nesting is harmless,
+    in one thread or several: :func:`pause_gc`)."""
+    pause_gc()
     try:
         yield
     finally:
-        if was:
-            gc.enable()
+        resume_gc()

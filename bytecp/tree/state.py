@@ -325,7 +325,7 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
 def merge_aliases(
     mine: dict[str, str], others: list[tuple[int, dict[str, str]]], stored: Collection[str], coordinator: int
 ) -> dict[str, str]:
-    """(coordinator, at commit) The checkpoint's aliases: the coordinator's
+    """(coordinator, on the union's thread) The checkpoint's aliases: the coordinator's
     and those of every rank whose tree differs (``others``: rank, aliases).
 
     A tensor one rank stores and another rank saves as an alias would have

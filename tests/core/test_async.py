@@ -188,3 +188,39 @@ def test_the_collector_is_resumed_after_the_call_and_left_as_the_user_set_it(tmp
     with pytest.raises(bytecp.ConfigError):  # a call that fails turns it on itself
         bytecp.async_save(str(tmp_path / "c"), state, lazy=lazy, framework="no-such-framework")
     assert gc.isenabled()
+
+
+def test_collector_pauses_of_two_threads_nest() -> None:
+    """The union's thread and a commit (or an async call) each pause the
+    collector: whichever ends first leaves it off for the other, and the
+    last one turns it on again (bytecp/tree/bulk.py)."""
+    import gc
+    import threading
+
+    from bytecp.tree.bulk import gc_paused, pause_gc, resume_gc
+
+    assert gc.isenabled()
+    began, end = threading.Event(), threading.Event()
+
+    def other() -> None:
+        with gc_paused():
+            began.set()
+            end.wait(10)
+
+    t = threading.Thread(target=other)
+    t.start()
+    began.wait(10)
+    pause_gc()  # (this thread's, begun while the other's is open)
+    end.set()
+    t.join(10)
+    assert not gc.isenabled()  # the other ended first: still paused for this one
+    resume_gc()
+    assert gc.isenabled()
+    pause_gc()
+    with gc_paused():
+        pass
+    assert not gc.isenabled()
+    resume_gc()
+    assert gc.isenabled()
+    resume_gc()  # (one more end than pauses: harmless)
+    assert gc.isenabled()

@@ -3,8 +3,8 @@
 one the per-vote Python loop made (kept here as the reference) on varied
 vote sets -- sound and bad replica sets, own boxes equal across ranks,
 unknown boxes, fixed shares, cached plans reused or not, different targets
-refused with the same text -- and the ranks that send their skeleton at
-commit are the lowest rank of each skeleton other than the coordinator's."""
+refused with the same text -- and the ranks that send their skeleton (at
+a job's first save) are the lowest rank of each skeleton other than the coordinator's."""
 
 from __future__ import annotations
 
