@@ -26,8 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from bytecp.errors import CorruptCheckpointError, StorageError, TransientStorageError
-from bytecp.format import arrow_numpy, limits
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format import arrow_numpy, limits, parts_fetch
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.format.index_check import Place, check_place, decode_table
@@ -152,14 +152,9 @@ def read_segments(
         places.append((d.band["bucket"][k], None, None) if s < nb else (None, d.wide["first"][k], d.wide["last"][k]))
     if budget is not None:
         check_budget(storage, md, budget, sum(sp[2] for sp in spans))
-    bufs = [bytearray(n) for _, n, _, _ in spans]
-    if spans:
-        try:
-            storage.read_ranges(d.file, [(off, memoryview(b)) for (off, _, _, _), b in zip(spans, bufs, strict=True)])
-        except TransientStorageError:
-            raise  # (a timeout or a dropped connection, not a damaged index: the caller may retry)
-        except (FileNotFoundError, StorageError) as e:
-            raise CorruptCheckpointError(f"{where}: the index file named in metadata.json is missing or short ({e})") from e
+    # (one request; a transient storage error raised as it is, to be retried)
+    bufs = parts_fetch.read(storage, d.file, [(off, n) for off, n, _, _ in spans], f"{where}: the index file") \
+        if spans else []
     seen: set[fmt.ChunkRecord] = set()
     out: list[fmt.ChunkRecord] = []
     for s, (off, n, rows, crc), buf, place in zip(segments, spans, bufs, places, strict=True):
