@@ -201,6 +201,7 @@ def test_not_a_dict_and_bad_settings(tmp_path: Path) -> None:
         bytecp.save(str(tmp_path / "x"), {}, io_threads=0)
 
 
+@pytest.mark.spawn
 def test_cli_inspect_json_and_console_script(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
     bytecp.save(ck, {"model": nn.Linear(4, 3)}, step=7, metadata={"run": "r1"})

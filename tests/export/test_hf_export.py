@@ -291,6 +291,7 @@ def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
     assert re.fullmatch(r"\d+", str(parse_size("5GB")))
 
 
+@pytest.mark.spawn
 def test_parallel_workers_write_the_same_files(ck: Path, tmp_path: Path, capsys: Any) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(["export", str(ck), str(one), "--max-shard-size", "300KB"]) == 0

@@ -21,7 +21,7 @@ import pytest
 from .chaos import STORAGE_TESTS, Chaos
 from .tmpfs import mounted_tmpfs
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(900)]
 
 EPISODES = int(os.environ.get("BYTECP_CHAOS_EPISODES", "0"))
 

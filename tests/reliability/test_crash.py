@@ -28,6 +28,8 @@ import torch
 import bytecp
 from bytecp.manager import list_checkpoints
 
+pytestmark = pytest.mark.spawn
+
 WORKER = Path(__file__).with_name("crash_worker.py")
 
 

@@ -19,6 +19,8 @@ import torch
 from bytecp.storage._keeper_wire import request
 from keepers import TOKEN, free_ports, spawn_keeper
 
+pytestmark = pytest.mark.spawn
+
 WORKER = str(Path(__file__).with_name("memtier_worker.py"))
 
 
