@@ -170,11 +170,35 @@ def summary(record: Mapping[str, Any], world_size: int) -> dict[str, Any]:
     n = world_size if record.get("ranks") is None else len(record["ranks"])
     if "samples" in common:
         dp = common.get("dp_size", n) if isinstance(common.get("dp_size", n), int) else n
-        out["samples_per_rank"] = common["samples"]
-        out["samples"] = common["samples"] * dp
+        out["samples_per_rank"], out["samples"], out["dp_size"] = common["samples"], common["samples"] * dp, dp
     elif "samples" in varying:
         col = [v for v in varying["samples"] if isinstance(v, int)]
         if col:
             out["samples_per_rank"] = [min(col), max(col)]
     out["ranks"] = n
+    out["text"] = _text(out)
     return out
+
+
+def _text(s: Mapping[str, Any]) -> str:
+    """One line: ``torchdata (DistributedSampler), epoch 3, 60 samples consumed (30 on each of 2
+    data-parallel ranks), batch 6 per rank, 2 workers``."""
+    def say(v: Any) -> str:
+        return " or ".join(v) if isinstance(v, list) and all(isinstance(x, str) for x in v) else str(v)
+
+    kind = say(s.get("kind", "unknown kind")) if s.get("kind") is not None else "a loader of no known kind"
+    parts = [kind + (f" ({say(s['sampler'])})" if "sampler" in s else "")]
+    if "epoch" in s:
+        parts.append(f"epoch {say(s['epoch'])}" + (", finished" if s.get("finished") is True else ""))
+    if isinstance(s.get("samples"), int):
+        of = f" of {s['dataset_len']}" if isinstance(s.get("dataset_len"), int) else ""
+        parts.append(f"{s['samples']}{of} samples consumed ({s['samples_per_rank']} on each of {s['dp_size']} "
+                     "data-parallel ranks)")
+    elif "samples_per_rank" in s:
+        lo, hi = s["samples_per_rank"]
+        parts.append(f"{lo} to {hi} samples consumed per rank (ranks at different positions)")
+    if "batch_size" in s:
+        parts.append(f"batch {say(s['batch_size'])} per rank")
+    if "num_workers" in s:
+        parts.append(f"{say(s['num_workers'])} workers")
+    return ", ".join(parts) + f"; recorded by {s['ranks']} rank(s)"
