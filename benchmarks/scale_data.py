@@ -19,7 +19,9 @@ it and measured.
 - ``rank: reshard``: a loading rank of W' = 3W/4 ranks (and 2W) decides
   from the merged record (``restore_data``): the saved ranks' states it
   reads (one: the seeds) and their bytes, the time; beside what reading
-  every saved rank's state would read.
+  every saved rank's state would read, and the size of the per-rank table
+  of the loader's whole states in ``metadata.json`` (every rank's, as for any
+  per-rank value: what a load at the same world size restores).
 
 Times are the median of ``--repeats``; memory the peak of Python allocations
 (tracemalloc) of one traced run.
@@ -89,6 +91,9 @@ def run(world: int, repeats: int) -> dict[str, Any]:
     text, t_pos, m_pos = _timed(describe, repeats)
     whole = serialize("extra.dataloader", state, False)
     whole_bytes = len(json.dumps(whole.json)) if whole.blob is None else len(whole.blob)
+    # the loader's states as metadata.json's per_rank member lists them (inline JSON records, every rank's)
+    table = len(json.dumps({"extra.dataloader": {str(r): {"json": whole.json} for r in range(world)}},
+                           separators=(",", ":"))) if whole.blob is None else None
     # ranks at the same point send the same text (checked on a few real ones)
     for r in (0, world - 1):
         other = _loader(world, r, n)
@@ -106,7 +111,7 @@ def run(world: int, repeats: int) -> dict[str, Any]:
     out: dict[str, Any] = {
         "world": world,
         "rank: position": {"seconds": t_pos, "peak_bytes": m_pos, "sent_bytes": len(text),
-                           "whole_state_bytes": whole_bytes},
+                           "whole_state_bytes": whole_bytes, "per_rank_table_bytes": table},
         "coordinator: merge": {"seconds": t_merge, "peak_bytes": m_merge, "gathered_bytes": gathered,
                                "member_bytes": member},
         "coordinator: merge, every rank apart": {"seconds": t_uneven, "peak_bytes": m_uneven,
@@ -142,7 +147,8 @@ def _show(r: dict[str, Any]) -> None:
     print(f"W={r['world']}: rank position {p['seconds'] * 1e6:.0f} us, sends {p['sent_bytes']} B "
           f"(its whole loader state {p['whole_state_bytes']} B); coordinator merge {m['seconds'] * 1e3:.2f} ms, "
           f"{m['peak_bytes'] / 1e6:.2f} MB peak, gathered {m['gathered_bytes'] / 1e6:.2f} MB, record "
-          f"{m['member_bytes']} B; every rank apart: {u['seconds'] * 1e3:.1f} ms, record {u['member_bytes'] / 1e3:.1f} kB")
+          f"{m['member_bytes']} B; every rank apart: {u['seconds'] * 1e3:.1f} ms, record {u['member_bytes'] / 1e3:.1f} kB; "
+          f"the states' per_rank table in metadata.json {(p['per_rank_table_bytes'] or 0) / 1e6:.2f} MB")
     for ld in r["loads"]:
         print(f"  load on {ld['new_world']}: {ld['seconds'] * 1e6:.0f} us, {ld['peak_bytes'] / 1e3:.1f} kB peak, "
               f"{ld['states_read']} saved state(s) read, {ld['bytes_read']} B in all "
