@@ -410,7 +410,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in _EXTERNAL:
         module, _, fn = _EXTERNAL[argv[0]][0].partition(":")
-        return int(getattr(importlib.import_module(module), fn)(argv[1:]) or 0)
+        try:
+            entry = getattr(importlib.import_module(module), fn)
+        except ModuleNotFoundError as e:  # an extra not installed: its one line (bytecp.plugins.missing_extra)
+            print(f"bytecp {argv[0]}: {e}", file=sys.stderr)
+            return EXIT_USAGE
+        return int(entry(argv[1:]) or 0)
     args = _parser().parse_args(argv)  # usage errors exit 2 (argparse)
     try:
         code = int(args.fn(args))

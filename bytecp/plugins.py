@@ -22,13 +22,17 @@ know, a state no built-in adapter but the catch-all ``plain`` detects, or a
 stateful object no registered resharder claims).
 Entries become lazy ``"module:attr"`` strings: nothing is imported until
 that name is used. A name registered in code keeps precedence.
+
+:func:`missing_extra` is the one message of a module whose optional
+dependency (an extra of the ``bytecp`` distribution) is not installed.
 """
 
 from __future__ import annotations
 
 import logging
 
-__all__ = ["ADAPTERS_GROUP", "STORAGE_GROUP", "MONITORS_GROUP", "RESHARDERS_GROUP", "entry_point_targets"]
+__all__ = ["ADAPTERS_GROUP", "STORAGE_GROUP", "MONITORS_GROUP", "RESHARDERS_GROUP", "entry_point_targets",
+           "missing_extra"]
 
 log = logging.getLogger(__name__)
 
@@ -65,4 +69,24 @@ def entry_point_targets(group: str) -> dict[str, str]:
                         ep.name, group, out[ep.name], target)
             continue
         out.setdefault(ep.name, target)
+    return out
+
+
+def missing_extra(err: ModuleNotFoundError, extra: str, by: str, *, needs: str = "", install: str = "") -> ImportError:
+    """The one-line error a module of bytecp raises when importing its
+    optional dependency failed with ``err``: it names the module, what is
+    missing and the extra to install (``install`` replaces the advice where
+    a plain ``pip install 'bytecp[extra]'`` is not enough).
+
+    Called at import time by the modules that need an extra (the monitoring
+    exporters, the framework plugins, the contract kits)::
+
+        try:
+            import grpc
+        except ModuleNotFoundError as e:
+            raise missing_extra(e, "monitoring", __name__) from None
+    """
+    what = needs or (err.name or str(err))
+    advice = install or f"pip install 'bytecp[{extra}]'"
+    out = ModuleNotFoundError(f"{by} needs {what}: {advice}", name=err.name)
     return out

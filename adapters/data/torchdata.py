@@ -35,11 +35,16 @@ from typing import Any
 
 from torch.utils.data import BatchSampler as TorchBatchSampler
 from torch.utils.data import DistributedSampler, IterableDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader import sampler as td
 
 from bytecp.data import DataReshardError, Resharded, Resharder, SavedData
 from bytecp.data.registry import has_hook
+from bytecp.plugins import missing_extra
+
+try:
+    from torchdata.stateful_dataloader import StatefulDataLoader
+    from torchdata.stateful_dataloader import sampler as td
+except ModuleNotFoundError as e:  # (the registry imports this module only once torchdata is imported)
+    raise missing_extra(e, "torchdata", __name__) from None
 
 __all__ = ["TorchdataResharder", "sampler_sizes"]
 

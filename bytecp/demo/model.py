@@ -18,10 +18,14 @@ resumes on another number of processes.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
-from torchdata.stateful_dataloader import StatefulDataLoader
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = [
     "TinyGPT",
@@ -105,6 +109,12 @@ def data_loader(rank: int, world: int) -> StatefulDataLoader:
     training loop), ``GLOBAL_BATCH // world`` sequences per step."""
     if GLOBAL_BATCH % world:
         raise ValueError(f"the demo's global batch of {GLOBAL_BATCH} does not split over {world} processes")
+    try:  # (imported here: the evaluation job needs only the model, plain torch)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ModuleNotFoundError as e:
+        from bytecp.plugins import missing_extra
+
+        raise missing_extra(e, "demo", __name__) from None
     data = TensorDataset(*_TRAIN)
     sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     return StatefulDataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)

@@ -356,6 +356,8 @@ class SavePipeline:
                     raise
                 md = done
             md = committed[0] if committed else md.attach(self.storage) if isinstance(md, CommittedMetadata) else md
+            if not ctx.is_coordinator:  # the outcome reached this rank (the coordinator's point is in commit())
+                faults.inject("committed", ctx.rank)
         except BaseException:
             PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:
