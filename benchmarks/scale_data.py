@@ -120,26 +120,31 @@ def run(world: int, repeats: int) -> dict[str, Any]:
     }
     stored = json.loads(json.dumps(state))
     for new_world in (world * 3 // 4, world * 2):
-        reads: list[int] = []
-
-        def read(r: int) -> Any:
-            reads.append(r)
-            return stored  # (every saved rank's state has this size)
-
-        new = _loader(new_world, new_world // 2, n)
-
-        def reshard() -> Any:
-            reads.clear()
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                return restore_data("extra.dataloader", new, record, world, new_world // 2, new_world, read, "exact")
-
-        got, t_load, m_load = _timed(reshard, repeats)
-        assert got is not None and not got.as_saved
-        out["loads"].append({"new_world": new_world, "seconds": t_load, "peak_bytes": m_load,
-                             "states_read": len(reads), "bytes_read": member + len(reads) * whole_bytes,
-                             "every_state_would_read": world * whole_bytes})
+        out["loads"].append(_load(record, stored, world, new_world, n, repeats, member, whole_bytes))
     return out
+
+
+def _load(record: dict[str, Any], stored: Any, world: int, new_world: int, n: int, repeats: int, member: int,
+          whole_bytes: int) -> dict[str, Any]:
+    """A middle rank of ``new_world`` decides and builds its state from the merged record."""
+    reads: list[int] = []
+
+    def read(r: int) -> Any:
+        reads.append(r)
+        return stored  # (every saved rank's state has this size)
+
+    new = _loader(new_world, new_world // 2, n)
+
+    def reshard() -> Any:
+        reads.clear()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return restore_data("extra.dataloader", new, record, world, new_world // 2, new_world, read, "exact")
+
+    got, seconds, peak = _timed(reshard, repeats)
+    assert got is not None and not got.as_saved
+    return {"new_world": new_world, "seconds": seconds, "peak_bytes": peak, "states_read": len(reads),
+            "bytes_read": member + len(reads) * whole_bytes, "every_state_would_read": world * whole_bytes}
 
 
 def _show(r: dict[str, Any]) -> None:

@@ -116,7 +116,8 @@ def data_loader(rank: int, world: int) -> StatefulDataLoader:
 
         raise missing_extra(e, "demo", __name__) from None
     data = TensorDataset(*_TRAIN)
-    sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
     return StatefulDataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
 
 

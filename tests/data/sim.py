@@ -110,7 +110,7 @@ def save_after(setup: Setup, k: int) -> Saved:
     iters = [iter(dl) for dl in loaders]
     taken = [_drain(it, k) for it in iters]
     states = [dl.state_dict() for dl in loaders]
-    texts = {r: json.dumps(position_of(dl, st), sort_keys=True) for r, (dl, st) in enumerate(zip(loaders, states))}
+    texts = {r: json.dumps(position_of(dl, st), sort_keys=True) for r, (dl, st) in enumerate(zip(loaders, states, strict=True))}
     for it in iters:  # workers stop
         del it
     return Saved(setup, steps_of(taken), states, merge_positions(texts, setup.world))

@@ -30,7 +30,7 @@ from .examples import BlockLoader, BlockResharder, LegacyBlockLoader, StridedSam
 def save_ranks(objs: list[Any]) -> tuple[dict[str, Any], list[Any]]:
     """Each simulated rank's state and position, merged as the commit merges them."""
     states = [o.state_dict() for o in objs]
-    texts = {r: json.dumps(position_of(o, st), sort_keys=True) for r, (o, st) in enumerate(zip(objs, states))}
+    texts = {r: json.dumps(position_of(o, st), sort_keys=True) for r, (o, st) in enumerate(zip(objs, states, strict=True))}
     return merge_positions(texts, len(objs)), states
 
 

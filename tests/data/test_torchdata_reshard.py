@@ -16,8 +16,8 @@ import math
 
 import pytest
 import torch
-
 from bytecp.adapters.data.torchdata import sampler_sizes
+
 from bytecp.errors import DataReshardError
 
 from .sim import Setup, resume, save_after, seen, uninterrupted
