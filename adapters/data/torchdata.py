@@ -184,7 +184,8 @@ class TorchdataResharder(Resharder):
             there = {k: saved.value(k) for k in _ORDER}
             dp, epoch, finished = saved.value("dp_size"), saved.value("epoch"), saved.value("finished")
         except ValueError as e:
-            raise DataReshardError(f"the saved ranks differ in their sampler's {e}: no common data order") from None
+            raise DataReshardError(f"the saved ranks differ in {e} (an unknown number of samples would repeat or be "
+                                   "skipped)") from None
         changed = [f"{k} {there[k]!r} saved, {here[k]!r} here" for k in _ORDER if there[k] != here[k]]
         if changed:
             raise DataReshardError(f"the data order changed ({'; '.join(changed)}): an unknown number of "
@@ -210,7 +211,7 @@ class TorchdataResharder(Resharder):
                 repeat += consumed % new_dp
                 whys.append(f"{consumed} samples of epoch {epoch} consumed by {dp} data-parallel ranks do not "
                             f"divide among {new_dp} ({consumed % new_dp} sample(s) would be seen twice)")
-        if lay.batching == "batches" and mine % lay.batch_size and not finished:
+        if lay.batching == "batches" and mine % lay.batch_size and not finished and consumed < total:
             repeat += (mine % lay.batch_size) * new_dp
             whys.append(f"torch's BatchSampler resumes at whole batches: {mine} samples per rank are not batches of "
                         f"{lay.batch_size} ({(mine % lay.batch_size) * new_dp} sample(s) would be seen twice)")

@@ -47,6 +47,7 @@ class Setup:
     epoch: int = 0
     seed: int = 7
     torch_batch_sampler: bool = False  # torch's BatchSampler passed as batch_sampler (fast-forwards by batches)
+    unbatched: bool = False  # batch_size=None: one sample per step
 
     def with_(self, **kw: Any) -> Setup:
         return dataclasses.replace(self, **kw)
@@ -62,6 +63,8 @@ def make(setup: Setup, rank: int) -> StatefulDataLoader:
     kw: dict[str, Any] = {"num_workers": setup.workers}
     if setup.workers:
         kw.update(prefetch_factor=2, multiprocessing_context="fork")
+    if setup.unbatched:
+        return StatefulDataLoader(data, batch_size=None, sampler=sampler, **kw)
     if setup.torch_batch_sampler:
         return StatefulDataLoader(data, batch_sampler=BatchSampler(sampler, setup.batch, setup.loader_drop_last), **kw)
     return StatefulDataLoader(data, batch_size=setup.batch, sampler=sampler, drop_last=setup.loader_drop_last, **kw)
@@ -76,7 +79,8 @@ def steps_of(per_rank: list[list[list[int]]]) -> list[Step]:
 def _drain(it: Any, limit: int | None = None) -> list[list[int]]:
     out = []
     for batch in it:
-        out.append([int(x) for x in batch])
+        out.append([int(batch)] if isinstance(batch, int) or getattr(batch, "dim", lambda: 1)() == 0
+                   else [int(x) for x in batch])
         if limit is not None and len(out) == limit:
             break
     return out

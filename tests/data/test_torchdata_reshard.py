@@ -207,3 +207,14 @@ def test_position_is_compact_and_names_the_epoch_and_samples() -> None:
     assert (c["kind"], c["sampler"], c["epoch"], c["samples"], c["dp_size"], c["batch_size"]) == (
         "torchdata", "DistributedSampler", 2, 15, 4, 3)
     assert math.isclose(c["samples"] * c["dp_size"], 60)
+
+
+@pytest.mark.parametrize("sampler", ["DistributedSampler", "StatefulDistributedSampler"])
+def test_unbatched_loaders_reshard_by_samples(sampler: str) -> None:
+    """``batch_size=None``: each step is one sample per rank; 2 -> 3 after 12 steps (24 samples: 8 each)."""
+    old = Setup(world=2, batch=1, n=60, sampler=sampler, unbatched=True)
+    saved = save_after(old, 12)
+    assert saved.record["common"]["batching"] == "none" and saved.record["common"]["samples"] == 12
+    rest, _ = resume(saved, old.with_(world=3))
+    assert seen(saved.steps + rest) == list(range(60))
+    assert rest == expected_steps(old.with_(world=3), 24, 8)
