@@ -28,16 +28,37 @@ dataset with torch's ``DistributedSampler`` or torchdata's
 
 from __future__ import annotations
 
-from bytecp.data.positions import SavedData
-from bytecp.data.registry import (
-           Resharded,
-           Resharder,
-           claims,
-           position_of,
-           register_resharder,
-           resharder_for,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from bytecp.errors import DataReshardError
+
+if TYPE_CHECKING:
+    from bytecp.data.positions import SavedData
+    from bytecp.data.registry import (
+        Resharded,
+        Resharder,
+        claims,
+        position_of,
+        register_resharder,
+        resharder_for,
+    )
 
 __all__ = ["Resharder", "Resharded", "SavedData", "DataReshardError", "register_resharder", "resharder_for",
            "position_of", "claims"]
+
+#: imported on first use: ``metadata.json``'s reader needs only :mod:`bytecp.data.positions`, and
+#: commands that read metadata only (``bytecp ls``) must not import torch
+_LAZY = {"SavedData": "bytecp.data.positions", "Resharder": "bytecp.data.registry",
+         "Resharded": "bytecp.data.registry", "register_resharder": "bytecp.data.registry",
+         "resharder_for": "bytecp.data.registry", "position_of": "bytecp.data.registry",
+         "claims": "bytecp.data.registry"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'bytecp.data' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

@@ -229,11 +229,11 @@ class FlatTree:
     objects: dict[str, Any]  # fqn -> value stored as one object (JSON or blob)
     per_rank: dict[str, Any]  # fqn -> this rank's value
     slots: dict[str, Slot]  # load targets only
-    #: per-rank fqn -> this rank's data position (:attr:`PerRank.data`)
-    data: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: alias FQN -> the FQN in ``tensors`` whose memory it shares (first seen
     #: in tree order); aliases are tensor leaves of the skeleton, not in ``tensors``
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: per-rank fqn -> this rank's data position (:attr:`PerRank.data`)
+    data: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def digest(self) -> str:
         """Equal digests mean equal skeletons and equal aliases."""

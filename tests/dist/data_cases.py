@@ -57,6 +57,21 @@ def save_stream(url: str, batch: int, steps: int, *, workers: int = 0, sampler: 
     return {"before": before, "after": [_ids(b) for b in it]}
 
 
+def save_steps(run: str, batch: int, steps: tuple[int, ...]) -> None:
+    """A manager saves the loader (and a module) after each of ``steps``."""
+    dl = loader(batch)
+    it = iter(dl)
+    torch.manual_seed(0)
+    state = {"model": nn.Linear(3, 2), "extra": {"step": 0, "dataloader": dl}, "rng": bytecp.RNGState()}
+    mgr, done = CheckpointManager(run, every_n_steps=1), 0
+    for step in steps:
+        for _ in range(step - done):
+            next(it)
+        done = step
+        state["extra"]["step"] = step  # type: ignore[index]
+        mgr.save(step, state)
+
+
 def load_stream(url: str, batch: int, *, workers: int = 0, sampler: str = "DistributedSampler",
                 mode: str | None = None, run: str | None = None) -> dict[str, Any]:
     """Load into a fresh loader (and module), then draw the rest of the epoch;

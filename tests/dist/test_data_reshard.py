@@ -66,6 +66,17 @@ def test_a_position_that_cannot_continue_is_refused_before_anything_is_loaded(po
     assert len(everything) - len(set(everything)) == 2 and set(everything) == set(range(data_cases.N))
 
 
+def test_the_manager_refuses_rather_than_fall_back_to_an_older_checkpoint(pools, tmp_path: Path) -> None:
+    """step-2 (20 samples: 5 for each of 4 ranks) would load; step-3 (30) does not divide among 4. The
+    manager stops at step-3 (the error is not the checkpoint's fault) unless told to approximate."""
+    run = str(tmp_path / "run")
+    pools(2).run(data_cases.save_steps, run, 5, (2, 3))
+    for r in pools(4).run(data_cases.load_stream, "", 3, run=run):
+        assert "2 sample(s) would be seen twice" in r["error"] and r["step"] == 0 and r["untouched"], r
+    for r in pools(4).run(data_cases.load_stream, "", 3, run=run, mode="approximate"):
+        assert r["step"] == 3 and any("2 sample(s) seen twice" in w for w in r["warnings"]), r
+
+
 @pytest.mark.slow
 def test_fsdp2_training_resumed_2_to_3_follows_the_uninterrupted_run(pools, tmp_path: Path) -> None:
     """The same samples at every global step (exactly), hence the same loss
