@@ -223,7 +223,7 @@ class TorchdataResharder(Resharder):
         if repeat:
             raise DataReshardError("; ".join(whys) + (f": {repeat} sample(s) in all" if len(whys) > 1 else ""),
                                    repeat=repeat, approximate=approx)
-        note = None if finished else self._tail(saved, there, lay, new_dp, per_rank, mine, loader)
+        note = None if finished else self._tail(saved, there, lay, new_dp, per_rank, mine)
         return dataclasses.replace(approx, note=note)
 
     @staticmethod
@@ -238,8 +238,8 @@ class TorchdataResharder(Resharder):
         return set_epoch
 
     @staticmethod
-    def _tail(saved: SavedData, order: dict[str, Any], lay: _Layout, new_dp: int, per_rank: int, mine: int,
-              loader: Any) -> str | None:
+    def _tail(saved: SavedData, order: dict[str, Any], lay: _Layout, new_dp: int, per_rank: int,
+              mine: int) -> str | None:
         """The epoch's end after the resume against the uninterrupted run's, in words (None: the same)."""
         try:
             dp, size, drop = int(saved.value("dp_size")), int(saved.value("batch_size") or 1), \
