@@ -4,7 +4,7 @@
 through the subcommand registry below (imported only when used). The
 benchmarks ship with the source tree, not the package: ``make bench``.
 
-Every command follows the same exit codes (docs/guide.md, "Command line"):
+Every command follows the same exit codes (docs/operations.md, "Command line"):
 0 success; 1 the command ran and found problems (``verify``); 2 a usage
 error or a checkpoint that cannot be used (bad arguments, not a checkpoint,
 corrupt or too new, an output that exists); 3 a storage error (unreachable,
