@@ -299,10 +299,11 @@ class HFIterableResharder(Resharder):
         return set_epoch
 
 
-def _loader_state(loader: Any, saved: SavedData, rank: int, datasets: list[Any] | None) -> dict[str, Any]:
+def _loader_state(loader: Any, saved: Any, rank: int, datasets: list[Any] | None) -> dict[str, Any]:
     """A ``StatefulDataLoader`` state for ``loader`` (its workers) whose streams
     start from ``datasets`` (None: the epoch was read to its end); seeds from
-    the saved rank this one starts from."""
+    the saved rank this one starts from (``saved``: a :class:`SavedData`, or
+    what reads the loader states in another wrapping: ``state``, ``template_rank``)."""
     tpl = saved.state(saved.template_rank(rank))
     tmain = tpl["_snapshot"]["_main_snapshot"] if isinstance(tpl, dict) and "_snapshot" in tpl else (tpl or {})
     finished = datasets is None
