@@ -46,7 +46,8 @@ try:
 except ModuleNotFoundError as e:  # (the registry imports this module only once datasets is imported)
     raise missing_extra(e, "torchdata", __name__) from None
 
-__all__ = ["HFIterableResharder", "loader_streams", "Plan", "plan_streams"]
+__all__ = ["HFIterableResharder", "loader_streams", "stream_position", "Plan", "plan_streams", "SavedStreams",
+           "new_loader_state"]
 
 def loader_streams(state: dict[str, Any]) -> list[tuple[Any, bool]]:
     """(save) Each reading stream's ``datasets`` state in a ``StatefulDataLoader``
@@ -97,7 +98,7 @@ class Plan:
     why: list[str]
 
 
-class _Saved:
+class SavedStreams:
     """The saved job's streams, read from the merged positions as a new rank
     needs them: O(the shards it gets) of the record."""
 
@@ -200,7 +201,7 @@ class _Saved:
         return "new", 0
 
 
-def plan_streams(saved: _Saved, new_lists: list[list[int]]) -> Plan:
+def plan_streams(saved: SavedStreams, new_lists: list[list[int]]) -> Plan:
     """(load) Each new stream's cursor in its list of shards, or the count of
     examples that would be read twice (starting at its first unread shard)."""
     cursors, repeat, why = [], 0, []
@@ -273,13 +274,13 @@ class HFIterableResharder(Resharder):
                                    "unknown number of examples would repeat or be skipped")
         after = self._epoch_setter(ds, epoch)
         if finished:
-            return Resharded(_loader_state(loader, saved, rank, None), after=after)
+            return Resharded(new_loader_state(loader, saved, rank, None), after=after)
         order = hs.order(ds, epoch, n)
-        old = _Saved(saved, ds, order)
+        old = SavedStreams(saved, ds, order)
         new_lists = [[order[p] for p in ps] for ps in lay.streams()]
         plan = plan_streams(old, new_lists)
         states = [hs.encode(tpl, c, lay.dp_size, lay.dp_rank, epoch) for c in plan.cursors]
-        state = Resharded(_loader_state(loader, saved, rank, states), after=after)
+        state = Resharded(new_loader_state(loader, saved, rank, states), after=after)
         if plan.repeat:
             raise DataReshardError(
                 f"{len(plan.why)} partly read shard(s) of epoch {epoch} would fall into one reading stream of data-"
@@ -299,7 +300,7 @@ class HFIterableResharder(Resharder):
         return set_epoch
 
 
-def _loader_state(loader: Any, saved: Any, rank: int, datasets: list[Any] | None) -> dict[str, Any]:
+def new_loader_state(loader: Any, saved: Any, rank: int, datasets: list[Any] | None) -> dict[str, Any]:
     """A ``StatefulDataLoader`` state for ``loader`` (its workers) whose streams
     start from ``datasets`` (None: the epoch was read to its end); seeds from
     the saved rank this one starts from (``saved``: a :class:`SavedData`, or

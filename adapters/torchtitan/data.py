@@ -45,7 +45,7 @@ from bytecp.interop.torch_zip import restricted_loads
 from bytecp.plugins import missing_extra
 
 from ..data import hf_streams as hs
-from ..data.hf_datasets import _loader_state, _Saved, loader_streams, plan_streams, stream_position
+from ..data.hf_datasets import new_loader_state, SavedStreams, loader_streams, plan_streams, stream_position
 
 try:
     from torchtitan.components.dataloader import ParallelAwareDataloader
@@ -203,13 +203,13 @@ class TorchtitanResharder(Resharder):
         if n != lay.num_shards:
             raise DataReshardError(f"the dataset has {lay.num_shards} shards here and had {n} at the save")
         if finished:  # the epoch read to its end (torchtitan drops what its buffers hold then)
-            return Resharded(_wrap(loader, _loader_state(loader, _Template(saved), rank, None)),
+            return Resharded(_wrap(loader, new_loader_state(loader, _Template(saved), rank, None)),
                              after=_data_epoch(ds, epoch))
         order = hs.order(ds._original_data, epoch, n)
-        plan = plan_streams(_Saved(saved, ds._original_data, order), [[order[p] for p in ps] for ps in lay.streams()])
+        plan = plan_streams(SavedStreams(saved, ds._original_data, order), [[order[p] for p in ps] for ps in lay.streams()])
         sets = [{**{k: (buffers[k] if i == 0 else []) for k in _BUFFERS},
                  "data": hs.encode(tpl, c, lay.dp_size, lay.dp_rank, epoch)} for i, c in enumerate(plan.cursors)]
-        state = Resharded(_wrap(loader, _loader_state(loader, _Template(saved), rank, sets)))
+        state = Resharded(_wrap(loader, new_loader_state(loader, _Template(saved), rank, sets)))
         if plan.repeat:
             raise DataReshardError(f"{len(plan.why)} partly read shard(s) would fall into one reading stream "
                                    f"({'; '.join(plan.why[:4])}): {plan.repeat} document(s) would be read twice",
@@ -255,7 +255,7 @@ class TorchtitanResharder(Resharder):
             if len(keep) < len(base):
                 _SELECTED[ds] = (chosen, epoch, pieces)
 
-        return Resharded(_wrap(loader, _loader_state(loader, tpl, rank, [None])), after=select)
+        return Resharded(_wrap(loader, new_loader_state(loader, tpl, rank, [None])), after=select)
 
     @staticmethod
     def _rows(saved: SavedData) -> int:
