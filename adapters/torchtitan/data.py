@@ -45,7 +45,13 @@ from bytecp.interop.torch_zip import restricted_loads
 from bytecp.plugins import missing_extra
 
 from ..data import hf_streams as hs
-from ..data.hf_datasets import new_loader_state, SavedStreams, loader_streams, plan_streams, stream_position
+from ..data.hf_datasets import (
+    SavedStreams,
+    loader_streams,
+    new_loader_state,
+    plan_streams,
+    stream_position,
+)
 
 try:
     from torchtitan.components.dataloader import ParallelAwareDataloader
