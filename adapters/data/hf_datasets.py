@@ -47,7 +47,7 @@ except ModuleNotFoundError as e:  # (the registry imports this module only once 
     raise missing_extra(e, "torchdata", __name__) from None
 
 __all__ = ["HFIterableResharder", "loader_streams", "stream_position", "Plan", "plan_streams", "SavedStreams",
-           "new_loader_state"]
+           "new_loader_state", "dp_rank_entry", "saved_rank_of", "recorded_dp_rank"]
 
 def loader_streams(state: dict[str, Any]) -> list[tuple[Any, bool]]:
     """(save) Each reading stream's ``datasets`` state in a ``StatefulDataLoader``
@@ -63,10 +63,45 @@ def loader_streams(state: dict[str, Any]) -> list[tuple[Any, bool]]:
     return [(state.get("dataset_state"), bool(fetch.get("fetcher_ended", False)))]
 
 
+def dp_rank_entry(dp_rank: int) -> dict[str, int]:
+    """(save) ``{"dp_rank": r}``, left out where it is the process's own rank
+    (a job split over all its ranks): then every rank of a synchronous run
+    sends the same position, stored once."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_rank() == dp_rank:
+        return {}
+    return {"dp_rank": dp_rank}
+
+
+def recorded_dp_rank(position: dict[str, Any]) -> int | None:
+    """(load, at the saving world size) The data-parallel rank a position of
+    this process's own saved rank recorded (left out: this process's rank)."""
+    import torch.distributed as dist
+
+    own = dist.get_rank() if dist.is_available() and dist.is_initialized() else None
+    return position.get("dp_rank", own)
+
+
+def saved_rank_of(saved: SavedData, dp_rank: int, column: list[Any] | None = None) -> int:
+    """(load) A saved rank that read as data-parallel rank ``dp_rank`` (its
+    position's ``dp_rank``, else its own rank): O(1) where they coincide."""
+    recorded = list(saved.recorded) if saved.ranks is not None else None
+    r = dp_rank if recorded is None else recorded[dp_rank] if dp_rank < len(recorded) else None
+    if r is not None and saved.position(r).get("dp_rank", r) == dp_rank:
+        return r
+    rows = list(saved.recorded)
+    col = saved.column("dp_rank") if column is None else column
+    for r, d in zip(rows, col, strict=True):
+        if (r if d is None else d) == dp_rank:
+            return r
+    raise DataReshardError(f"no saved rank read as data-parallel rank {dp_rank}")
+
+
 def stream_position(lay: hs.Layout, states: list[tuple[Any, bool]], finished: bool) -> dict[str, Any]:
     """(save) A rank's position from its streams' states: JSON, small."""
     pos: dict[str, Any] = {"epoch": lay.epoch, "num_shards": lay.num_shards, "strategy": lay.strategy,
-                           "dp_size": lay.dp_size, "dp_rank": lay.dp_rank, "streams_per_rank": lay.workers,
+                           "dp_size": lay.dp_size, **dp_rank_entry(lay.dp_rank), "streams_per_rank": lay.workers,
                            "finished": finished}
     streams: list[dict[str, Any]] = []
     counts: list[int | None] = []
@@ -106,7 +141,8 @@ class SavedStreams:
         self.saved, self.ds, self.order = saved, ds, order
         self.n, self.dp = int(saved.value("num_shards")), int(saved.value("dp_size"))
         self.strategy, self.workers = str(saved.value("strategy")), int(saved.value("streams_per_rank"))
-        self.where = {g: p for p, g in enumerate(order)}  # shard -> position in the epoch's order
+        # shard -> position in the epoch's order (epoch 0: the identity, nothing built)
+        self.where: Any = {g: p for p, g in enumerate(order)} if order != list(range(len(order))) else None
         self._cursors: dict[tuple[int, int], tuple[int, int] | None] = {}
         self._rows: dict[int, int] = {}
         self._lists: dict[tuple[int, int], list[int]] = {}
@@ -117,14 +153,7 @@ class SavedStreams:
         return self._rows[shard]
 
     def _rank_of(self, dp_rank: int) -> int:
-        """A saved rank that read as data-parallel rank ``dp_rank``."""
-        recorded = list(self.saved.recorded)
-        if dp_rank < len(recorded) and self.saved.position(recorded[dp_rank]).get("dp_rank") == dp_rank:
-            return recorded[dp_rank]
-        for r, d in zip(recorded, self.saved.column("dp_rank"), strict=True):
-            if d == dp_rank:
-                return r
-        raise DataReshardError(f"no saved rank read as data-parallel rank {dp_rank} of {self.dp}")
+        return saved_rank_of(self.saved, dp_rank)
 
     def _list(self, dp_rank: int, stream: int) -> list[int]:
         key = (dp_rank, stream)
@@ -135,7 +164,7 @@ class SavedStreams:
 
     def locate(self, shard: int) -> tuple[int, int, int]:
         """Shard -> (saved data-parallel rank, stream, index in the stream's list)."""
-        p = self.where[shard]
+        p = shard if self.where is None else self.where[shard]
         if self.strategy == "shards":
             q = p // self.dp
             return p % self.dp, q % self.workers, q // self.workers
@@ -247,7 +276,7 @@ class HFIterableResharder(Resharder):
             lay = hs.layout(loader.dataset, loader.num_workers)
         except hs.Unknown:
             return True  # not ours to reshard: restored as saved
-        return (position.get("dp_size"), position.get("dp_rank"), position.get("strategy"),
+        return (position.get("dp_size"), recorded_dp_rank(position), position.get("strategy"),
                 position.get("streams_per_rank"), position.get("num_shards")) == (
             lay.dp_size, lay.dp_rank, lay.strategy, lay.workers, lay.num_shards)
 

@@ -47,9 +47,12 @@ from bytecp.plugins import missing_extra
 from ..data import hf_streams as hs
 from ..data.hf_datasets import (
     SavedStreams,
+    dp_rank_entry,
     loader_streams,
     new_loader_state,
     plan_streams,
+    recorded_dp_rank,
+    saved_rank_of,
     stream_position,
 )
 
@@ -124,7 +127,7 @@ class TorchtitanResharder(Resharder):
         return isinstance(obj, ParallelAwareDataloader)
 
     def position(self, loader: Any, state: Any) -> dict[str, Any]:
-        pos: dict[str, Any] = {"dp_size": int(loader.dp_world_size), "dp_rank": int(loader.dp_rank),
+        pos: dict[str, Any] = {"dp_size": int(loader.dp_world_size), **dp_rank_entry(int(loader.dp_rank)),
                                "num_workers": int(loader.num_workers), "batch_size": loader.batch_size}
         ds = loader.dataset
         if type(ds) is not HuggingFaceTextDataset:
@@ -152,7 +155,7 @@ class TorchtitanResharder(Resharder):
         return pos
 
     def same_layout(self, loader: Any, position: dict[str, Any]) -> bool:
-        return ((position.get("dp_size"), position.get("dp_rank"), position.get("num_workers"))
+        return ((position.get("dp_size"), recorded_dp_rank(position), position.get("num_workers"))
                 == (loader.dp_world_size, loader.dp_rank, loader.num_workers) and "skip" not in position)
 
     def reshard(self, loader: Any, saved: SavedData, rank: int, world_size: int) -> Any:
@@ -280,18 +283,9 @@ class _Ranks:
 
     def __init__(self, saved: SavedData) -> None:
         self.saved = saved
-        self._col: list[Any] | None = None
 
     def rank_of(self, dp_rank: int) -> int:
-        recorded = list(self.saved.recorded)
-        if dp_rank < len(recorded) and self.saved.position(recorded[dp_rank]).get("dp_rank") == dp_rank:
-            return recorded[dp_rank]
-        if self._col is None:
-            self._col = self.saved.column("dp_rank")
-        for r, d in zip(recorded, self._col, strict=True):
-            if d == dp_rank:
-                return r
-        raise DataReshardError(f"no saved rank read as data-parallel rank {dp_rank}")
+        return saved_rank_of(self.saved, dp_rank)
 
 
 def _overlapping(rows: int, parts: int, a: int, b: int) -> range:
