@@ -131,3 +131,29 @@ def test_the_pickles_are_read_without_running_code(data, tmp_path: Path) -> None
 
     with pytest.raises(CorruptCheckpointError, match=r"builtins.print, which bytecp never loads"):
         loader_state({"dp_rank_0": pickle.dumps({"x": Evil()}), "world_size": 1}, "dataloader of saved rank 0")
+
+
+def test_map_style_in_a_later_epoch(data) -> None:
+    """One rank read the whole data once and 4 rows into its re-loop (epoch 1,
+    torchtitan's ``shuffle(seed=43)`` order); 2 ranks then read exactly the
+    documents of epoch 1 it had not read, each from its own chunk."""
+    from bytecp.adapters.torchtitan.data import _order
+
+    from .titan_sim import make
+
+    one = Setup(data, 1, infinite=True)
+    dl = make(one, 0)
+    ds = dl.dataset
+    it = iter(dl)
+    while ds._epoch == 0 or ds._sample_idx < 4:
+        next(it)
+    shuffled = ds._original_data.shuffle(seed=43)
+    assert [int(i) for i in _order(len(shuffled), 1)] == [int(i) for i in shuffled._indices.column(0).to_pylist()]
+    read = {shuffled[i]["text"] for i in range(ds._sample_idx)}  # the epoch-1 documents it consumed
+    saved = save_after(one, 0, [dl])
+    assert saved.record["common"]["epoch"] == 1
+    loaders = restore(saved, Setup(data, 2, infinite=True))
+    left = [{row["text"] for row in d.dataset._data} for d in loaders]
+    every = {t for t in ds._original_data["text"]}
+    assert left[0] | left[1] == every - read and not left[0] & left[1]
+    assert all(d.dataset._epoch == 1 and d.dataset._sample_idx == 0 for d in loaders)
