@@ -41,6 +41,7 @@ from datasets import Dataset
 from datasets import IterableDataset as HFIterable
 
 from bytecp.data import DataReshardError, Resharded, Resharder, SavedData
+from bytecp.errors import BytecpError
 from bytecp.interop.torch_zip import restricted_loads
 from bytecp.plugins import missing_extra
 
@@ -133,7 +134,11 @@ class TorchtitanResharder(Resharder):
         if type(ds) is not HuggingFaceTextDataset:
             pos["unknown"] = f"its dataset is a {type(ds).__name__}, not HuggingFaceTextDataset"
             return pos
-        inner = loader_state(state, "torchtitan dataloader")
+        try:
+            inner = loader_state(state, "torchtitan dataloader")
+        except BytecpError as e:  # a save never fails for it: the position is unknown, a load refuses to reshard
+            pos["unknown"] = str(e)
+            return pos
         sets = _datasets_of(inner)
         pos["buffered"] = sum(len((s or {}).get("inputs_buffer", [])) for s in sets)
         try:
