@@ -25,6 +25,11 @@ The single-copy path of ``keeper://`` saves. Who calls what, and when:
   first (:meth:`Arenas.drop_free`). A rank is lent back, where one fits, a
   file it filled before: it still has it mapped, so its copy takes no page
   faults (a fresh mapping of 256 MiB costs about 60 ms);
+- with ``BYTECP_DEBUG_BUFFERS=1`` (:mod:`bytecp.tree.buffers`) a file that
+  enters the free pool is filled with the poison byte, and checked when it
+  is lent again: a byte written meanwhile (a rank writing through a mapping
+  it kept after its arena became a data file, or after it dropped it)
+  fails the ``alloc`` naming the file;
 - arenas never adopted come back: a rank names those it dropped at its next
   ``alloc`` (``free``); those of a process that died return to the pool;
   those lent longer than ``timeout_s`` ago are unlinked (a late writer then
@@ -44,6 +49,7 @@ from collections.abc import Sequence
 from bytecp.errors import StorageError
 from bytecp.format.checksum import crc32c
 from bytecp.saving.leases import pid_running
+from bytecp.tree import buffers
 
 from ._keeper_wire import reserve
 
@@ -88,6 +94,8 @@ class Arenas:
         self.reclaimed = 0
         self.lent_bytes = 0
         self.adopted_bytes = 0
+        #: free files filled with the poison byte (debug mode), checked when lent again
+        self.poisoned: set[str] = set()
 
     # -- lending -------------------------------------------------------------
     def _new(self, nbytes: int) -> str:
@@ -110,6 +118,9 @@ class Arenas:
             return None
         best = min(fits, key=lambda f: (self.filled_by.get(_inode(f[1])) != pid, f[0] != nbytes, f[0]))
         self.free.remove(best)
+        if best[1] in self.poisoned:
+            self.poisoned.discard(best[1])
+            _check_poison(best[1])
         return best
 
     def fitting(self, nbytes: int) -> bool:
@@ -229,6 +240,9 @@ class Arenas:
                 self._unlink(self.free.pop(0)[1])
             path = os.path.join(self.dir, f"f-{os.getpid()}-{next(self._seq)}")
             os.rename(full, path)
+            if buffers.debug():
+                _poison(path)
+                self.poisoned.add(path)
             self.free.append((size, path))
         return True
 
@@ -292,6 +306,7 @@ class Arenas:
                     "adopted_bytes": self.adopted_bytes}
 
     def _unlink(self, path: str) -> None:
+        self.poisoned.discard(path)
         try:
             ino = os.stat(path).st_ino
             with self._lock:
@@ -299,6 +314,29 @@ class Arenas:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _poison(path: str) -> None:
+    """(debug mode) Fill a free arena's file with the poison byte."""
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), size) as m:
+                buffers.poison(m)
+
+
+def _check_poison(path: str) -> None:
+    """(debug mode) A free arena about to be lent again still holds only the poison byte."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+            at = buffers.poisoned(m)
+    if at >= 0:
+        raise buffers.UseAfterRelease(
+            f"{path}: byte {at} of this free staging arena was written after it went back to the keeper's pool "
+            "(a rank writing through a mapping it kept after its save, or after it dropped the arena)")
 
 
 def _size(path: str) -> int:

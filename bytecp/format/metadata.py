@@ -1,12 +1,7 @@
-"""The on-storage format (docs/FORMAT.md is the normative spec).
-
-```
-<checkpoint>/
-  data/<save_id>/<rank>-<n>.bin    raw little-endian bytes, chunk after chunk, 4 KiB aligned
-  index/<save_id>/<rank>.parquet   that rank's chunks (one row per chunk)
-  reports/<rank>.json              per-rank monitoring report (informational)
-  metadata.json                    written LAST, atomically: the commit point
-```
+"""The on-storage format (docs/FORMAT.md is the normative spec): data files
+``data/<save_id>/<rank>-<n>.bin`` (raw little-endian bytes, 4 KiB aligned),
+the index ``index/<save_id>/...``, and ``metadata.json``, written last
+(the commit point).
 
 Files of one save carry its ``save_id``, so a save onto an existing
 checkpoint (``overwrite=True``) never touches the files the committed
@@ -154,6 +149,8 @@ class ChunkRecord:
     byte_offset: int
     nbytes: int
     crc32c: int
+    #: version 5, chunks over one block: each block's crc32c, packed (:mod:`bytecp.format.checksum`)
+    blocks: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)

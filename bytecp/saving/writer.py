@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from bytecp import faults
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
@@ -30,6 +31,7 @@ from bytecp.format.parts_build import build_part
 from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.plan.planner import WriteItem
 from bytecp.storage_api import SharedArena, Storage
+from bytecp.tree.buffers import Guard
 from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
 from bytecp.tree.state import TensorLeaf
@@ -67,6 +69,8 @@ class Staged:
     #: the storage's lent arena holding ``data`` at ``offset`` (laid out as a data file): adopted, not written
     arena: SharedArena | None = None
     offset: int = 0
+    #: the reused arena ``data`` lies in and the token of the stage that filled it (checked once written)
+    use: tuple[Guard, int] | None = None
 
 
 @dataclasses.dataclass
@@ -184,6 +188,9 @@ def _write_one_file(
     for blob in blobs:
         placed.append((blob, append(blob[2]), crc32c(blob[2])))
     storage.write_file(path, buffers)
+    faults.handoff("write")
+    for use in {s.use for s in staged if s.use is not None}:  # the arena was not released while it was written
+        use[0].check(use[1])
     return chunks, placed, pos
 
 
@@ -253,6 +260,10 @@ def write_data_files(
     else:
         with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
             results = list(ex.map(run, jobs))
+    for guard, token in {s.use for s in staged if s.use is not None}:  # written: nothing reads the arena now
+        if guard.token() == token:
+            faults.handoff("release")
+            guard.release()
     for (path, _), (chunks, placed, size) in zip(jobs, results, strict=True):
         out.chunks.extend(chunks)
         out.data_files[path] = size
