@@ -47,7 +47,7 @@ import time
 from collections.abc import Sequence
 
 from bytecp.errors import StorageError
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import Sums, sums
 from bytecp.saving.leases import pid_running
 from bytecp.tree import buffers
 
@@ -164,9 +164,9 @@ class Arenas:
 
     # -- adopting ------------------------------------------------------------
     def adopt(self, name: str, dest: str, size: int, ranges: Sequence[tuple[int, int]],
-              ckpt: str = "") -> tuple[list[int], list[int], int]:
-        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the crc32c
-        of each range, where each now starts, and the file's size.
+              ckpt: str = "") -> tuple[list[Sums], list[int], int]:
+        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the checksums
+        of each range (crc32c and block checksums), where each now starts, and the file's size.
 
         When the ranges take less than half the arena (a rank whose plan
         writes a few of the boxes it copied: replicas another rank writes),
@@ -357,9 +357,9 @@ def _page(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
-def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:
     """Write ``ranges`` of ``src`` into a new file ``dest``, each page-aligned
-    (the gaps read as zeros); -> their crc32c, their starts, the file's size."""
+    (the gaps read as zeros); -> their checksums, their starts, the file's size."""
     starts, pos = [], 0
     for _, n in ranges:
         starts.append(pos)
@@ -372,13 +372,13 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
     tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    crcs = []
+    crcs: list[Sums] = []
     view = memoryview(m) if m is not None else memoryview(b"")
     try:
         os.ftruncate(out, pos)
         for (o, n), at in zip(ranges, starts, strict=True):
             with view[o:o + n] as piece:
-                crcs.append(crc32c(piece))
+                crcs.append(sums(piece))
                 done = 0
                 while done < n:
                     with piece[done:] as rest:
@@ -396,22 +396,22 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     return crcs, starts, pos
 
 
-def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[int]:
-    """crc32c of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
+def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
+    """The checksums of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
     if not ranges:
         return []
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            return [crc32c(b"") for _ in ranges]
+            return [sums(b"") for _ in ranges]
         m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     try:
         view = memoryview(m)
         try:
-            return [crc32c(view[o:o + n]) for o, n in ranges]
+            return [sums(view[o:o + n]) for o, n in ranges]
         finally:
             view.release()
     finally:

@@ -20,10 +20,16 @@ from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["crc32c", "crc32c_combine", "BLOCK_BYTES", "block_count", "block_crc", "Sums", "Summer", "sums"]
+__all__ = ["crc32c", "crc32c_combine", "BLOCK_BYTES", "writer_block_bytes", "block_count", "block_crc", "Sums", "Summer", "sums"]
 
-#: the block size a version-5 writer records block checksums at (``index.block_bytes``)
+#: the block size a version-5 writer records block checksums at (``index.block_bytes``); read at each
+#: call (the golden files and some tests write smaller blocks; readers use the value recorded)
 BLOCK_BYTES = 1 << 20
+
+
+def writer_block_bytes() -> int:
+    """The block size a save records now (:data:`BLOCK_BYTES`)."""
+    return BLOCK_BYTES
 
 
 def crc32c(data: Any, value: int = 0) -> int:
@@ -102,8 +108,8 @@ class Summer:
 
     __slots__ = ("block_bytes", "_crc", "_block", "_filled", "_blocks", "_total")
 
-    def __init__(self, block_bytes: int = BLOCK_BYTES) -> None:
-        self.block_bytes = block_bytes
+    def __init__(self, block_bytes: int | None = None) -> None:
+        self.block_bytes = block_bytes or writer_block_bytes()
         self._crc = 0  # of the completed blocks
         self._block = 0  # of the bytes of the current block so far
         self._filled = 0
@@ -140,8 +146,9 @@ class Summer:
         return Sums(crc, b"".join(c.to_bytes(4, "little") for c in blocks))
 
 
-def sums(data: Any, block_bytes: int = BLOCK_BYTES) -> Sums:
-    """The :class:`Sums` of one bytes-like object."""
+def sums(data: Any, block_bytes: int | None = None) -> Sums:
+    """The :class:`Sums` of one bytes-like object (blocks of ``block_bytes``, default :data:`BLOCK_BYTES`)."""
+    block_bytes = block_bytes or writer_block_bytes()
     view = data if isinstance(data, memoryview) else memoryview(data)
     if view.nbytes <= block_bytes:
         return Sums(crc32c(view))

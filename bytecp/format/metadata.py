@@ -61,7 +61,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "bytecp"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
@@ -325,6 +325,10 @@ class Metadata:
             check_path(f, "index", where)
         if self.index is not None:
             check_path(self.index.file, "index", where)
+            if isinstance(self.index, PartsDirectory) and (self.index.block_bytes is None) != (self.format_version < 5):
+                raise CorruptCheckpointError(f"{where}: metadata.json's index {'lacks' if self.format_version >= 5 else 'has'}"
+                                             f" block_bytes, which format version {self.format_version} "
+                                             f"{'requires' if self.format_version >= 5 else 'does not know'}")
             if self.index_files:
                 raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
         refs = self.references if self.format_version >= 3 else None

@@ -23,10 +23,15 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format.checksum import block_crc, crc32c
-from bytecp.format.metadata import ChunkRecord
+from bytecp.format.metadata import ChunkRecord, Metadata
 from bytecp.tree.regions import Region
 
-__all__ = ["cover", "Verifier"]
+__all__ = ["cover", "Verifier", "block_bytes_of"]
+
+
+def block_bytes_of(md: Metadata) -> int | None:
+    """The block size of ``md``'s block checksums (format version 5), else None."""
+    return getattr(md.index, "block_bytes", None)
 
 
 def cover(c: ChunkRecord, lo: int, hi: int, block_bytes: int | None) -> tuple[int, int] | None:

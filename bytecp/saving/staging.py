@@ -53,6 +53,7 @@ import torch
 
 from bytecp import device_memory, faults
 from bytecp.format import metadata as fmt
+from bytecp.format.checksum import Sums
 from bytecp.plan.planner import WriteItem
 from bytecp.saving.hostcopy import copy_boxes
 from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, as_host_bytes, source_view
@@ -284,7 +285,7 @@ class StagingPool:
         host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
         crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
                           views=[datas[k] for k in host])
-        crc: list[int | None] = [None] * len(items)
+        crc: list[Sums | None] = [None] * len(items)
         for k, c in zip(host, crcs, strict=True):
             crc[k] = c
         events = device_copies.queued()
@@ -292,7 +293,7 @@ class StagingPool:
             queued(events)
         device_copies.wait()
         faults.handoff("stage")
-        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1], use=use),
+        return [(Staged(it, datas[k], sums=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1], use=use),
                  dsts[k]) for k, it in enumerate(items)]
 
 
@@ -405,7 +406,7 @@ class SnapshotStager:
 
     def checksums(self) -> dict[tuple[str, Region], int]:
         """crc32c of the copied boxes whose sum was computed during the copy."""
-        return {k: s.crc for k, s in self._staged.items() if s.crc is not None}
+        return {k: s.sums.crc for k, s in self._staged.items() if s.sums is not None}
 
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return [list(items)]
