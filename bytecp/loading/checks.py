@@ -2,12 +2,15 @@
 byte it places is covered by a checksum, and the check itself.
 
 Called by the reader (:mod:`bytecp.loading.reader`, :mod:`bytecp.loading.device_reads`)
-for each ranged read, with ``verify`` on. A read of a whole chunk is
-checked against the chunk's crc32c. A read of part of a chunk of a version-5
-checkpoint is widened to whole blocks (:func:`cover`: at most one block more
-at each edge; a chunk of one block or less is read whole) and each block is
-checked against its own crc32c (docs/FORMAT.md §8). Older checkpoints record
-no block checksums: a partial read of theirs is not checked.
+for each ranged read, with ``verify`` on. A read of part of a chunk of a
+version-5 checkpoint is widened to whole blocks (:func:`cover`: at most one
+block more at each edge; a chunk of one block or less is read whole) and
+each block is checked against its own crc32c (docs/FORMAT.md §8); so is a
+whole chunk that has block checksums (the error then names the block). A
+chunk without them (a version-5 chunk of one block or less, any chunk of an
+older checkpoint) read whole is checked against its crc32c; older
+checkpoints record no block checksums, so a partial read of theirs is not
+checked.
 
 A :class:`Verifier` takes the bytes of its cover in order, in any pieces,
 from whichever thread holds them (the reader's today; a thread summing
