@@ -16,11 +16,11 @@ and this rank (comma-separated lists allowed):
 
 Phases: ``plan``, ``union`` (a job's first save whose ranks' skeletons
 differ: before they are sent, :func:`bytecp.saving.union.gather_union`),
-``stage``, ``write``, ``commit``, ``committed`` (just after metadata.json
-is written), ``read`` (load: before matching).
-``commit`` and ``committed`` run on the coordinator only (the commit is
-its part of the save's last collective): named with another rank, they
-never fire.
+``stage``, ``write``, ``commit``, ``committed`` (the coordinator: just after
+metadata.json is written, before the outcome is broadcast; every other rank:
+just after the outcome reaches it), ``read`` (load: before matching).
+``commit`` runs on the coordinator only (the commit is its part of the
+save's last collective): named with another rank, it never fires.
 
 Hand-offs between threads (stress tests of reused buffers and of the
 read -> check -> place sequence) are widened by random delays:
@@ -48,7 +48,7 @@ __all__ = ["inject", "handoff", "HANDOFF_POINTS", "COORDINATOR_PHASES"]
 HANDOFF_POINTS = ("read", "check", "place", "release", "stage", "write")
 
 #: the phases only the coordinator enters
-COORDINATOR_PHASES = ("commit", "committed")
+COORDINATOR_PHASES = ("commit",)
 #: the other processes' kills this process has set off (each fires once)
 _KILLED: set[str] = set()
 
