@@ -212,3 +212,26 @@ def test_the_writer_block_size_is_the_one_recorded_and_read(tmp_path: Path, monk
     assert block_bytes_of(opened.metadata) == 4096 and len(opened.all_rows()[0].blocks) == 4 * 5
     got, read = load_box(str(tmp_path / "ck"), "w", Region((21, 0), (3, 100)), torch.float32)
     assert torch.equal(got, w[21:24]) and read == 4096  # rows 21..23: bytes 8400..9600, one block
+
+
+def test_the_golden_version_5_checkpoint_is_read_and_checked_block_by_block(tmp_path: Path) -> None:
+    """tests/golden/v5/blocks, written at 4 KiB blocks: rows 10..12 of ``rows`` (bytes 4000..5200
+    of its first slab) read block 0 and 1 of that chunk only; a flip in block 1 is refused, in block 2 not."""
+    import shutil
+
+    src = Path(__file__).resolve().parents[1] / "golden" / "v5" / "blocks"
+    shutil.copytree(src, tmp_path / "case")
+    ck = tmp_path / "case" / "checkpoint"
+    full = bytecp.load_state_dict(str(ck))["rows"]
+    got, read = load_box(str(ck), "rows", Region((10, 0), (3, 100)), torch.float32)
+    assert torch.equal(got, full[10:13]) and read == 2 * 4096
+    (row,) = [r for r in open_checkpoint(str(ck)).all_rows() if r.fqn == "rows" and r.offsets == (0, 0)]
+    assert len(row.blocks) == 4 * 3
+    raw = bytearray((ck / row.file).read_bytes())
+    raw[row.byte_offset + 9000] ^= 1  # block 2 of the slab: not read
+    (ck / row.file).write_bytes(bytes(raw))
+    assert torch.equal(load_box(str(ck), "rows", Region((10, 0), (3, 100)), torch.float32)[0], full[10:13])
+    raw[row.byte_offset + 4500] ^= 1  # block 1: read
+    (ck / row.file).write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'rows' region \[0:25, 0:100\], block 1 of 3"):
+        load_box(str(ck), "rows", Region((10, 0), (3, 100)), torch.float32)
