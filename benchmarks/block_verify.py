@@ -20,8 +20,10 @@ rank in turn, timed together:
   reads unchecked);
 - ``none``: ``verify=False``.
 
-The three modes alternate within each repeat; the figure is the median
-over repeats. Bytes read count the blocks read beyond the boxes.
+The three modes alternate within each repeat; the figures are the median
+over repeats of the wall time and of the process's CPU time (all threads:
+what the checks cost on a machine that others load too). Bytes read count
+the blocks read beyond the boxes.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from typing import Any
 import torch
 
 import bytecp
+from bytecp.format import checksum
 from bytecp.loading.checks import block_bytes_of
 from bytecp.loading.opened import open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
@@ -109,14 +112,14 @@ class _Counting:
         return getattr(self.inner, name)
 
 
-def _load(url: str, targets: list[list[Target]], mode: str) -> tuple[float, int, int]:
-    """Every rank's read phase in turn; -> (seconds, bytes read, bytes placed)."""
+def _load(url: str, targets: list[list[Target]], mode: str) -> tuple[float, int, int, float]:
+    """Every rank's read phase in turn; -> (seconds, bytes read, bytes placed, CPU seconds of the process)."""
     opened = open_checkpoint(url)
     verify = mode != "none"
     blocks = block_bytes_of(opened.metadata) if mode == "blocks" else None
     storage = _Counting(opened.storage)
     placed = 0
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for mine in targets:
         wanted: dict[str, list[Region]] = {}
         for t in mine:
@@ -126,7 +129,7 @@ def _load(url: str, targets: list[list[Target]], mode: str) -> tuple[float, int,
                          itemsizes={t.fqn: t.view.element_size() for t in mine})
         placed += execute_reads(storage, rows, mine, reqs, io_threads=8, verify=verify,  # type: ignore[arg-type]
                                 trace=Trace("load", url), block_bytes=blocks)
-    return time.perf_counter() - t0, storage.read, placed
+    return time.perf_counter() - t0, storage.read, placed, time.process_time() - c0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,6 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--worlds", default="3,4,2,1", help="load world sizes (the save is at 2)")
     p.add_argument("--dir", type=Path, default=None)
+    p.add_argument("--block-bytes", type=int, default=None, help="the block size saved (default: the writer's)")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     full = _state(args.gb)
@@ -142,29 +146,39 @@ def main(argv: list[str] | None = None) -> int:
     results: dict[str, Any] = {"gb": round(total / 1e9, 3), "tensors": len(full), "loads": {}}
     with tempfile.TemporaryDirectory(prefix="bytecp-blocks-", dir=args.dir) as tmp:
         url = str(Path(tmp) / "ck")
+        if args.block_bytes:
+            checksum.BLOCK_BYTES = args.block_bytes
         _save(url, full, 2)
+        results["block_bytes"] = block_bytes_of(open_checkpoint(url).metadata)
         for world in (int(w) for w in args.worlds.split(",")):
             targets = [_targets(full, world, r) for r in range(world)]
             _load(url, targets, "none")  # warm: the files in the page cache, the pools started
             times: dict[str, list[float]] = {m: [] for m in MODES}
+            cpu: dict[str, list[float]] = {m: [] for m in MODES}
             read: dict[str, int] = {}
             for k in range(args.repeats):
                 for mode in MODES[k % 3 :] + MODES[: k % 3]:  # alternated: no mode always first
-                    s, n, placed = _load(url, targets, mode)
+                    s, n, placed, c = _load(url, targets, mode)
                     times[mode].append(s)
+                    cpu[mode].append(c)
                     read[mode] = n
             med = {m: statistics.median(v) for m, v in times.items()}
+            mcpu = {m: statistics.median(v) for m, v in cpu.items()}
             results["loads"][f"2->{world}"] = {
                 "seconds": {m: round(v, 4) for m, v in med.items()},
                 "all_seconds": {m: [round(x, 4) for x in v] for m, v in times.items()},
                 "blocks_vs_chunks": round(med["blocks"] / med["chunks"], 3),
                 "blocks_vs_none": round(med["blocks"] / med["none"], 3),
+                "cpu_seconds": {m: round(v, 4) for m, v in mcpu.items()},
+                "cpu_blocks_vs_chunks": round(mcpu["blocks"] / mcpu["chunks"], 3),
+                "cpu_blocks_vs_none": round(mcpu["blocks"] / mcpu["none"], 3),
                 "bytes_placed": placed, "bytes_read": read,
                 "extra_read": round(read["blocks"] / placed - 1, 4),
             }
             print(f"2 -> {world}: " + ", ".join(f"{m} {med[m]:.3f} s" for m in MODES)
                   + f"; blocks/chunks {med['blocks'] / med['chunks']:.3f}x, blocks/none "
-                  f"{med['blocks'] / med['none']:.3f}x; read {read['blocks'] / placed - 1:+.2%} bytes", flush=True)
+                  f"{med['blocks'] / med['none']:.3f}x; CPU s " + ", ".join(f"{m} {mcpu[m]:.3f}" for m in MODES)
+                  + f"; read {read['blocks'] / placed - 1:+.2%} bytes", flush=True)
     if args.json:
         args.json.write_text(json.dumps(results, indent=1) + "\n")
     return 0

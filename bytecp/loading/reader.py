@@ -8,18 +8,19 @@ the requests :func:`bytecp.plan.load_plan.plan_load` made from them. Each
 reader thread takes a batch of requests of one file and, for each request,
 reads, checks, then places:
 
-1. **read**: each request straight into its target when the bytes read are
-   exactly its box (a whole chunk, rows of one) in its dtype, else into a
-   buffer of its own; with ``verify``, also the bytes its check needs
-   beyond its own (the rest of its chunk's blocks at each edge:
-   :mod:`bytecp.loading.checks`). From a remote storage, one ranged-read
-   call for the batch (the backend coalesces and runs requests in
-   parallel); from a local disk, :data:`WINDOW_BYTES` at a time, so that
-   the bytes are checked while they are in the CPU's cache;
+1. **read**: one ranged-read call for the batch (backends coalesce), each
+   request straight into its target when the bytes read are exactly its box
+   (a whole chunk, rows of one) in its dtype, else into a buffer of its own;
+   with ``verify``, also the bytes its check needs beyond its own (the rest
+   of its chunk's blocks at each edge: :mod:`bytecp.loading.checks`);
 2. **check**: each block's crc32c (format version 5), or the chunk's, over
-   the bytes just read;
-3. **place**: once every byte of a request is read and checked, a staged
-   request's box copied (and cast) into its target.
+   the bytes just read (a :class:`~bytecp.loading.checks.Verifier` per
+   request, fed the bytes in order: it may run on another thread, beside
+   the next read);
+3. **place**: a staged request's box copied (and cast) into its target.
+   (Reading a local disk in smaller calls, to sum the bytes while they are
+   in the CPU's cache, cost more than it saved: each call crosses to the
+   request-timeout worker thread.)
 
 A checksum mismatch, a short or missing file raises
 :class:`~bytecp.errors.CorruptCheckpointError` naming the file, the tensor
@@ -63,13 +64,11 @@ from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview
 from bytecp.tree.regions import Region, row_major_strides
 
-__all__ = ["Target", "execute_reads", "shared_targets", "READ_BATCH_MIN_BYTES", "WINDOW_BYTES", "PinnedSlabs",
-           "SLABS", "SLAB_BYTES"]
+__all__ = ["Target", "execute_reads", "shared_targets", "READ_BATCH_MIN_BYTES", "PinnedSlabs", "SLABS",
+           "SLAB_BYTES"]
 
 #: reads smaller than this per file are not split across threads
 READ_BATCH_MIN_BYTES = 8 << 20
-#: bytes a reader thread reads from a local disk before it checks them (they are still in the CPU's cache)
-WINDOW_BYTES = 4 << 20
 
 
 @dataclasses.dataclass
@@ -211,40 +210,25 @@ class _BatchReader:
             if not batch:
                 return total
         plans = [self._plan(r) for r in batch]
-        # (file offset, bytes, request): each request's bytes and those its check needs, in file order
-        pieces: list[tuple[int, memoryview, int]] = []
-        for i, (r, (raw, _, _, head, tail, _)) in enumerate(zip(batch, plans, strict=True)):
-            main = host_memoryview(raw)
+        ranges: list[tuple[int, memoryview]] = []  # each request's bytes and those its check needs
+        for r, (raw, _, _, head, tail, _) in zip(batch, plans, strict=True):
             if len(head):
-                pieces.append((r.byte_offset - len(head), head, i))
-            pieces += [(r.byte_offset + a, main[a : a + WINDOW_BYTES], i) for a in range(0, len(main), WINDOW_BYTES)]
+                ranges.append((r.byte_offset - len(head), head))
+            ranges.append((r.byte_offset, host_memoryview(raw)))
             if len(tail):
-                pieces.append((r.byte_offset + r.nbytes, tail, i))
-        last = {i: k for k, (_, _, i) in enumerate(pieces)}
-        # a local disk's reads are copies from the page cache: a window at a time, its bytes summed
-        # while they are in the CPU's cache; a remote storage takes the batch in one call (it
-        # coalesces ranges into few requests and runs them in parallel)
-        window = WINDOW_BYTES if not self.storage.remote else sum(len(mv) for _, mv, _ in pieces)
-        start = 0
-        while start < len(pieces):
-            end, size = start, 0
-            while end < len(pieces) and (end == start or size + len(pieces[end][1]) <= window):
-                size += len(pieces[end][1])
-                end += 1
-            group = pieces[start:end]
-            self._read([batch[i] for i in dict.fromkeys(i for _, _, i in group)], [(o, mv) for o, mv, _ in group])
-            faults.handoff("read")
-            for k, (_, mv, i) in enumerate(group, start):
-                v = plans[i][5]
-                if v is not None:
-                    v.feed(mv)
-                if last[i] == k:  # every byte of the request read and checked: placed
-                    if v is not None:
-                        v.done()
-                    faults.handoff("check")
-                    self._place(batch[i], *plans[i][:3])
-                    faults.handoff("place")
-            start = end
+                ranges.append((r.byte_offset + r.nbytes, tail))
+        self._read(batch, ranges)
+        faults.handoff("read")
+        for raw, _, _, head, tail, v in plans:  # every byte read checked before any is placed
+            if v is not None:
+                v.feed(head)
+                v.feed(host_memoryview(raw))
+                v.feed(tail)
+                v.done()
+        faults.handoff("check")
+        for r, (raw, dest, direct, _, _, _) in zip(batch, plans, strict=True):
+            self._place(r, raw, dest, direct)
+        faults.handoff("place")
         return total
 
     def _place(self, req: ReadRequest, raw: torch.Tensor, dest: torch.Tensor, direct: bool) -> None:

@@ -40,13 +40,13 @@ GOLDEN_V4 = Path(__file__).resolve().parents[1] / "golden" / "v4" / "plain" / "c
 @pytest.mark.parametrize("n", [0, 1, 4095, MiB, MiB + 1, 3 * MiB + 77, 4 * MiB])
 def test_sums_in_one_pass_are_the_crc32c_of_the_chunk_and_of_each_block(n: int) -> None:
     data = os.urandom(n)
-    got = sums(data)
+    got = sums(data, MiB)
     assert got.crc == crc32c(data)
     assert len(got.blocks) == 4 * block_count(n, MiB) == (4 * -(-n // MiB) if n > MiB else 0)
     for k in range(block_count(n, MiB)):
         assert block_crc(got.blocks, k) == crc32c(data[k * MiB : (k + 1) * MiB])
     rnd = random.Random(n)
-    s, at = Summer(), 0
+    s, at = Summer(MiB), 0
     while at < n:  # fed in pieces of any size: the same sums
         step = rnd.randint(1, 700_000)
         s.update(memoryview(data)[at : at + step])
@@ -142,9 +142,12 @@ def _flip(ck: Path, fqn: str, at: int) -> tuple[str, int]:
 
 
 @pytest.fixture()
-def ck(tmp_path: Path) -> tuple[Path, torch.Tensor]:
-    w = torch.randn(1024, 1000)  # 4,096,000 bytes: blocks 0..3, the last one shorter
-    bytecp.save(str(tmp_path / "ck"), {"w": w, "b": torch.randn(10)})
+def ck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, torch.Tensor]:
+    """A tensor of 4,096,000 bytes saved at 1 MiB blocks: blocks 0..3, the last one shorter."""
+    w = torch.randn(1024, 1000)
+    with monkeypatch.context() as m:
+        m.setattr(checksum, "BLOCK_BYTES", MiB)
+        bytecp.save(str(tmp_path / "ck"), {"w": w, "b": torch.randn(10)})
     return tmp_path / "ck", w
 
 
@@ -203,7 +206,9 @@ def test_a_version_4_checkpoint_reads_partly_as_before_unchecked() -> None:
 
 
 def test_the_writer_block_size_is_the_one_recorded_and_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A save at 4 KiB blocks records 4096 (the golden files use it); readers use the value recorded."""
+    """A save at 4 KiB blocks records 4096 (a golden file uses it); readers use the value recorded."""
+    bytecp.save(str(tmp_path / "default"), {"w": torch.zeros(1)})
+    assert block_bytes_of(open_checkpoint(str(tmp_path / "default")).metadata) == 256 << 10  # the writer's default
     monkeypatch.setattr(checksum, "BLOCK_BYTES", 4096)
     w = torch.randn(50, 100)  # 20,000 bytes: 5 blocks
     bytecp.save(str(tmp_path / "ck"), {"w": w})

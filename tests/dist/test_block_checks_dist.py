@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import bytecp
+from bytecp.format import checksum
 from bytecp.loading.opened import open_checkpoint
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import verify
@@ -29,9 +30,10 @@ def _flip(ck: Path, fqn: str, at: int) -> tuple[str, int]:
     return row.file, row.byte_offset
 
 
-def test_fsdp2_resharded_load_checks_its_blocks(pools, tmp_path: Path) -> None:
+def test_fsdp2_resharded_load_checks_its_blocks(pools, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     ck = tmp_path / "ck"
     model = block_cases.saved_model()
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", 1 << 20)  # four blocks of the 4,096,000-byte weight
     bytecp.save(str(ck), {"model": model})
     want = model.lin.weight.detach()
     got = pools(2).run(block_cases.load_fsdp2, str(ck))
