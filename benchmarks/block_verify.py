@@ -4,7 +4,8 @@ version 5) against the checks a load made before them, and against none.
     python -m benchmarks.block_verify [--gb 2] [--repeats 5] [--json out.json]
 
 One process, local disk, warm page cache (the data files read through once
-before): the state of the main benchmark (``benchmarks/model.py``: the GPT
+before; ``--direct``: every read with O_DIRECT instead, from the disk, as a
+cold load reads): the state of the main benchmark (``benchmarks/model.py``: the GPT
 and its Adam state, ``--gb`` GB) saved as FSDP2 over 2 ranks holds it (each
 tensor's rows in two halves, one chunk each), then each rank's read phase
 of a load at another world size -- the boxes FSDP2 gives each rank, the
@@ -46,6 +47,7 @@ from bytecp.loading.opened import open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
 from bytecp.plan.load_plan import plan_load
 from bytecp.recorder import Trace
+from bytecp.storage_api import open_storage
 from bytecp.tree.regions import Region
 from bytecp.tree.state import Shard, TensorLeaf
 
@@ -112,9 +114,10 @@ class _Counting:
         return getattr(self.inner, name)
 
 
-def _load(url: str, targets: list[list[Target]], mode: str) -> tuple[float, int, int, float]:
-    """Every rank's read phase in turn; -> (seconds, bytes read, bytes placed, CPU seconds of the process)."""
-    opened = open_checkpoint(url)
+def _load(url: str, targets: list[list[Target]], mode: str, direct: bool = False) -> tuple[float, int, int, float]:
+    """Every rank's read phase in turn (``direct``: every read with O_DIRECT, from the disk, not the
+    page cache); -> (seconds, bytes read, bytes placed, CPU seconds of the process)."""
+    opened = open_checkpoint(open_storage(url, direct=True) if direct else url)
     verify = mode != "none"
     blocks = block_bytes_of(opened.metadata) if mode == "blocks" else None
     storage = _Counting(opened.storage)
@@ -139,11 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--worlds", default="3,4,2,1", help="load world sizes (the save is at 2)")
     p.add_argument("--dir", type=Path, default=None)
     p.add_argument("--block-bytes", type=int, default=None, help="the block size saved (default: the writer's)")
+    p.add_argument("--direct", action="store_true", help="read with O_DIRECT (from the disk: a cold load) "
+                   "instead of from the page cache")
     p.add_argument("--json", type=Path)
     args = p.parse_args(argv)
     full = _state(args.gb)
     total = sum(t.numel() * t.element_size() for t in full.values())
-    results: dict[str, Any] = {"gb": round(total / 1e9, 3), "tensors": len(full), "loads": {}}
+    results: dict[str, Any] = {"gb": round(total / 1e9, 3), "tensors": len(full), "direct": args.direct,
+                               "loads": {}}
     with tempfile.TemporaryDirectory(prefix="bytecp-blocks-", dir=args.dir) as tmp:
         url = str(Path(tmp) / "ck")
         if args.block_bytes:
@@ -152,13 +158,13 @@ def main(argv: list[str] | None = None) -> int:
         results["block_bytes"] = block_bytes_of(open_checkpoint(url).metadata)
         for world in (int(w) for w in args.worlds.split(",")):
             targets = [_targets(full, world, r) for r in range(world)]
-            _load(url, targets, "none")  # warm: the files in the page cache, the pools started
+            _load(url, targets, "none")  # the files in the page cache, the pools started
             times: dict[str, list[float]] = {m: [] for m in MODES}
             cpu: dict[str, list[float]] = {m: [] for m in MODES}
             read: dict[str, int] = {}
             for k in range(args.repeats):
                 for mode in MODES[k % 3 :] + MODES[: k % 3]:  # alternated: no mode always first
-                    s, n, placed, c = _load(url, targets, mode)
+                    s, n, placed, c = _load(url, targets, mode, args.direct)
                     times[mode].append(s)
                     cpu[mode].append(c)
                     read[mode] = n

@@ -162,16 +162,17 @@ def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PRO
     return verify_any(storage, io_threads=io_threads, progress=progress)[1:]
 
 
-#: what ``verify`` checks of one chunk or blob: file, what, region, offset, size, crc32c, block checksums
-_Item = tuple[str, str, str, int, int, int, bytes]
+#: what ``verify`` checks of one chunk or blob: file, what, region, offset, size, crc32c, and a chunk's
+#: block checksums (None: a blob, which has none)
+_Item = tuple[str, str, str, int, int, int, "bytes | None"]
 
 
 def _blocks_wrong(data: bytes, off: int, crc: int, blocks: bytes, block_bytes: int) -> str:
     """What is wrong with a chunk's bytes against its crc32c and block checksums ('' if nothing)."""
     got = sums(data, block_bytes)
-    wrong = [k for k in range(len(blocks) // 4) if block_crc(got.blocks, k) != block_crc(blocks, k)]
     if len(got.blocks) != len(blocks):
         return f"{len(blocks) // 4} block checksums recorded for {len(got.blocks) // 4} blocks"
+    wrong = [k for k in range(len(blocks) // 4) if block_crc(got.blocks, k) != block_crc(blocks, k)]
     if not wrong and got.crc == crc:
         return ""
     where = ", ".join(f"{k} (bytes {off + k * block_bytes}..{off + min(len(data), (k + 1) * block_bytes)})"
@@ -198,13 +199,13 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
     blobs: dict[tuple[str, int, int], bool] = {}  # (file, offset, nbytes) -> decode safely
     for name, rec in md.objects.items():
         if rec.is_blob and rec.file:
-            items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c, b""))
+            items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c, None))
             blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
     for name, recs in md.per_rank.items():
         for r, rec in recs.items():
             if rec.is_blob and rec.file:
                 items.append((rec.file, f"object {name!r} of rank {r}", "", rec.byte_offset, rec.nbytes, rec.crc32c,
-                              b""))
+                              None))
                 blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
 
     def check(item: _Item) -> VerifyProblem | None:
@@ -224,7 +225,7 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
             data = storage.read_bytes(file, off, n)
         except Exception as e:
             return VerifyProblem(file, what, region, f"unreadable: {e}")
-        if block_bytes is not None and (blocks or n > block_bytes):
+        if block_bytes is not None and blocks is not None:
             bad = _blocks_wrong(data, off, crc, blocks, block_bytes)
             if bad:
                 return VerifyProblem(file, what, region, bad)

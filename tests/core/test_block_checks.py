@@ -240,3 +240,10 @@ def test_the_golden_version_5_checkpoint_is_read_and_checked_block_by_block(tmp_
     (ck / row.file).write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'rows' region \[0:25, 0:100\], block 1 of 3"):
         load_box(str(ck), "rows", Region((10, 0), (3, 100)), torch.float32)
+
+
+def test_verify_checks_blocks_of_chunks_not_of_object_blobs(tmp_path: Path) -> None:
+    """An object blob over one block has no block checksums (only chunks do): verify passes it."""
+    bytecp.save(str(tmp_path / "ck"), {"t": torch.randn(300_000), "o": {"big": (1, float("inf"), "x" * 400_000)}})
+    checked, problems = verify(open_storage(str(tmp_path / "ck")))
+    assert not problems and checked > 1_200_000  # the chunk and the blob
