@@ -46,9 +46,9 @@ def test_direct_reads_of_many_ranges_match_buffered_ones(tmp_path) -> None:
     import os as _os
 
     import pytest as _pytest
+    from bytecp.storage.local import LocalStorage
 
     from bytecp.errors import CorruptCheckpointError
-    from bytecp.storage.local import LocalStorage
 
     data = _os.urandom(3 * (1 << 20) + 123)
     (tmp_path / "f.bin").write_bytes(data)
@@ -56,7 +56,7 @@ def test_direct_reads_of_many_ranges_match_buffered_ones(tmp_path) -> None:
     for direct in (True, False):
         st = LocalStorage(str(tmp_path), direct=direct)
         outs = [bytearray(n) for _, n in spans]
-        st.read_ranges("f.bin", [(o, memoryview(b)) for (o, _), b in zip(spans, outs)])
+        st.read_ranges("f.bin", [(o, memoryview(b)) for (o, _), b in zip(spans, outs, strict=True)])
         assert [bytes(b) for b in outs] == [data[o : o + n] for o, n in spans], direct
         with _pytest.raises(CorruptCheckpointError, match="f.bin"):
             st.read_ranges("f.bin", [(len(data) - 10, memoryview(bytearray(20)))])
