@@ -28,14 +28,16 @@ and the region.
 
 Targets that share memory with another target of the same load (a
 Megatron fp32 model's parameters and its distributed optimizer's main
-parameters, which are views of them) are never read into directly: their
-requests are read and checked in buffers of their own, and placed after
-every other read, one after the other in the targets' order, so the later
-target's bytes are what the shared memory holds, as loading the state's
-entries one after the other would leave it. (Read straight into the shared
-memory by two reader threads at once, one's bytes could land between the
-other's read and its checksum, failing a sound checkpoint, and which
-target's bytes stayed was a race.)
+parameters, which are views of them) are never read at the same time: the
+reads run in *waves* (:func:`target_waves`), a target in a later wave than
+every earlier target of the state it overlaps, each wave once the one
+before it is placed; so the later target's bytes are what the shared memory
+holds, as loading the state's entries one after the other would leave it,
+and no target's bytes land in memory another is checking. (Read by two
+reader threads at once, one's bytes could land between the other's read
+and its checksum, failing a sound checkpoint, and which target's bytes
+stayed was a race.) Targets that share nothing -- nearly all -- are in the
+first wave; the Megatron case takes two.
 
 Targets on a CUDA device go through :mod:`bytecp.loading.device_reads`.
 """
@@ -64,7 +66,7 @@ from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview
 from bytecp.tree.regions import Region, row_major_strides
 
-__all__ = ["Target", "execute_reads", "shared_targets", "READ_BATCH_MIN_BYTES", "PinnedSlabs", "SLABS",
+__all__ = ["Target", "execute_reads", "target_waves", "READ_BATCH_MIN_BYTES", "PinnedSlabs", "SLABS",
            "SLAB_BYTES"]
 
 #: reads smaller than this per file are not split across threads
@@ -80,11 +82,16 @@ class Target:
     view: torch.Tensor
 
 
-def shared_targets(targets: Sequence[Target]) -> set[int]:
-    """The indices of the targets whose memory may overlap another target's:
-    the spans from each view's first to its last byte, grouped where they
+#: a group of targets whose memory meets this large is read one target per wave (no pairwise checks)
+_PAIRWISE_MAX = 4096
+
+
+def target_waves(targets: Sequence[Target]) -> list[int]:
+    """Each target's wave: 0 unless its memory may meet an earlier target's,
+    else one more than the latest wave of the earlier targets it meets. The
+    spans from each view's first to its last byte are grouped where they
     meet (a strided view is taken as its whole span: two interleaved views
-    count as shared, which only costs their reads the ordered path)."""
+    count as meeting, which only costs a wave)."""
     spans = []
     for i, t in enumerate(targets):
         v = t.view
@@ -93,20 +100,23 @@ def shared_targets(targets: Sequence[Target]) -> set[int]:
         last = sum((n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True))
         spans.append((str(v.device), v.data_ptr(), v.data_ptr() + (last + 1) * v.element_size(), i))
     spans.sort()
-    out: set[int] = set()
-    group: list[int] = []
+    waves = [0] * len(targets)
+    group: list[tuple[str, int, int, int]] = []
     device, end = "", -1
-    for dev, lo, hi, i in spans:
-        if dev == device and lo < end:
-            group.append(i)
-            end = max(end, hi)
+    for span in [*spans, ("", -1, -1, -1)]:  # (a sentinel closes the last group)
+        if span[0] == device and span[1] < end:
+            group.append(span)
+            end = max(end, span[2])
             continue
         if len(group) > 1:
-            out.update(group)
-        group, device, end = [i], dev, hi
-    if len(group) > 1:
-        out.update(group)
-    return out
+            members = sorted(group, key=lambda x: x[3])
+            for k, (_, lo, hi, i) in enumerate(members):
+                if len(members) > _PAIRWISE_MAX:
+                    waves[i] = k
+                    continue
+                waves[i] = max((waves[j] + 1 for _, a, b, j in members[:k] if a < hi and lo < b), default=0)
+        group, device, end = [span], span[0], span[2]
+    return waves
 
 
 def _batches(chunks: Sequence[fmt.ChunkRecord], reqs: Sequence[ReadRequest], io_threads: int) -> list[list[ReadRequest]]:
@@ -141,15 +151,10 @@ class _BatchReader:
     """Reads one batch (one ranged-read call: backends coalesce) into its targets."""
 
     def __init__(self, storage: Storage, chunks: Sequence[fmt.ChunkRecord], targets: Sequence[Target], verify: bool,
-                 threads: int = 1, block_bytes: int | None = None, shared: set[int] | None = None) -> None:
+                 threads: int = 1, block_bytes: int | None = None) -> None:
         self.storage, self.chunks, self.targets, self.verify = storage, chunks, targets, verify
         self.block_bytes = block_bytes
-        self.shared = shared or set()
         self.device = DeviceReads(chunks, self._target_of, self._read, self._check, threads)
-        #: staged boxes of shared targets, placed after every read: (target, request, destination, box)
-        self.deferred: list[tuple[int, int, torch.Tensor, torch.Tensor]] = []
-        self.order: dict[int, int] = {}
-        self._lock = threading.Lock()
 
     def _target_of(self, req: ReadRequest) -> torch.Tensor:
         t = self.targets[req.target]
@@ -169,8 +174,8 @@ class _BatchReader:
     def _plan(self, req: ReadRequest) -> _Plan:
         dest = self._target_of(req)
         # straight into the target when the bytes read are exactly its box (a whole chunk, or rows
-        # of one: FSDP2's shards) in its dtype, and no other target shares its memory; else staged
-        direct = (req.target not in self.shared and dest.is_contiguous() and dest.device.type == "cpu"
+        # of one: FSDP2's shards) in its dtype; else staged
+        direct = (dest.is_contiguous() and dest.device.type == "cpu"
                   and req.nbytes == req.box.numel * dest.element_size()
                   and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)
         raw = byte_view(dest) if direct else torch.empty(req.nbytes, dtype=torch.uint8)
@@ -202,11 +207,10 @@ class _BatchReader:
 
     def __call__(self, batch: list[ReadRequest]) -> int:
         total = sum(r.nbytes for r in batch)
-        on_device = [r for r in batch if r.target not in self.shared
-                     and self.targets[r.target].view.device.type == "cuda"]
+        on_device = [r for r in batch if self.targets[r.target].view.device.type == "cuda"]
         if on_device:
             self.device(on_device)
-            batch = [r for r in batch if r.target in self.shared or self.targets[r.target].view.device.type != "cuda"]
+            batch = [r for r in batch if self.targets[r.target].view.device.type != "cuda"]
             if not batch:
                 return total
         plans = [self._plan(r) for r in batch]
@@ -239,18 +243,7 @@ class _BatchReader:
             return
         c = self.chunks[req.chunk]
         box = torch.as_strided(raw.view(dtype_from_name(c.dtype)), req.box.lengths, row_major_strides(c.lengths), 0)
-        if req.target in self.shared:
-            with self._lock:
-                self.deferred.append((req.target, self.order.get(id(req), 0), dest, box))
-            return
         dest.copy_(box)  # copy_ casts a foreign source's dtype
-
-    def place_shared(self) -> None:
-        """(the load's thread, after every read) The shared targets' boxes, in the targets' order."""
-        self.deferred.sort(key=lambda d: (d[0], d[1]))
-        for _, _, dest, box in self.deferred:
-            dest.copy_(box)
-        self.deferred.clear()
 
 
 #: idle read pools by width, each reused by one later load at a time (starting 8
@@ -299,23 +292,27 @@ def execute_reads(
     for their checks beyond them not counted). ``block_bytes``: the
     checkpoint's block size (format version 5; None: older, whose partial
     reads no checksum covers)."""
-    batches = _batches(chunks, reqs, io_threads)
-    run = _BatchReader(storage, chunks, targets, verify, io_threads, block_bytes, shared_targets(targets))
-    if run.shared:
-        run.order = {id(r): i for i, r in enumerate(reqs)}
+    waves = target_waves(targets)
+    by_wave: dict[int, list[ReadRequest]] = {}
+    for r in reqs:
+        by_wave.setdefault(waves[r.target], []).append(r)
+    run = _BatchReader(storage, chunks, targets, verify, io_threads, block_bytes)
     # the copy streams start after what the caller queued on the targets (their allocation, an init)
     for index, ev in device_memory.ready_events(t.view for t in targets).items():
         run.device.stream(torch.device("cuda", index)).wait_event(ev)
+    total, files = 0, set[str]()
     with trace.span("read") as sp:
         try:
-            if len(batches) <= 1 or io_threads == 1:
-                total = sum(run(b) for b in batches)
-            else:
-                with _read_pool(io_threads) as ex:
-                    total = sum(ex.map(run, batches))
-            run.place_shared()
+            for wave in sorted(by_wave):  # (a device's copies are ordered: one copy stream per device)
+                batches = _batches(chunks, by_wave[wave], io_threads)
+                files.update(chunks[b[0].chunk].file for b in batches)
+                if len(batches) <= 1 or io_threads == 1:
+                    total += sum(run(b) for b in batches)
+                else:
+                    with _read_pool(io_threads) as ex:
+                        total += sum(ex.map(run, batches))
         finally:  # never leave copies running into targets the caller may free
             run.device.finish()
         sp.nbytes = total
-        sp.files = len({chunks[b[0].chunk].file for b in batches})
+        sp.files = len(files)
     return total

@@ -1,10 +1,11 @@
 """Targets of one load that share memory (a Megatron fp32 model's parameters
 and its distributed optimizer's main parameters, views of them) are never
-filled by two reader threads at once: each is read and checked in a buffer
-of its own, and the later target of the state is placed last, whatever the
-threads' timing. Read straight into the shared memory, one thread's bytes
-could land between another's read and its checksum (a sound checkpoint
-refused: ``checksum mismatch``), and which values stayed was a race.
+filled by two reader threads at once: they are read in waves, the later
+target of the state after the earlier one, whatever the threads' timing, and
+without a copy of their bytes held meanwhile. Read straight into the shared
+memory at once, one thread's bytes could land between another's read and its
+checksum (a sound checkpoint refused: ``checksum mismatch``), and which
+values stayed was a race.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import pytest
 import torch
 
 import bytecp
-from bytecp.loading.reader import Target, shared_targets
+from bytecp.loading.reader import Target, target_waves
 from bytecp.tree.regions import Region
 
 
@@ -24,14 +25,17 @@ def _t(view: torch.Tensor) -> Target:
     return Target("x", Region((0,) * view.dim(), tuple(view.shape)), view)
 
 
-def test_targets_whose_memory_meets_are_found() -> None:
+def test_targets_whose_memory_meets_are_read_in_later_waves() -> None:
     a = torch.zeros(10, 10)
     b = torch.zeros(10)
     c = torch.zeros(4, 4)
     views = [a, a.view(-1)[50:60], b, a[:, 3], c[0], c[1], torch.zeros(0)]
-    assert shared_targets([_t(v) for v in views]) == {0, 1, 3}  # a's rows, a slice of it, a column of it
-    assert shared_targets([_t(c[0]), _t(c[1]), _t(c[2:])]) == set()  # adjacent rows do not meet
-    assert shared_targets([_t(c[:, 0]), _t(c[:, 1])]) == {0, 1}  # interleaved columns: taken as shared
+    # a slice of a after a; a column of a after both (it meets each)
+    assert target_waves([_t(v) for v in views]) == [0, 1, 0, 2, 0, 0, 0]
+    assert target_waves([_t(c[0]), _t(c[1]), _t(c[2:])]) == [0, 0, 0]  # adjacent rows do not meet
+    assert target_waves([_t(c[:, 0]), _t(c[:, 1])]) == [0, 1]  # interleaved columns: taken as meeting
+    params = [torch.zeros(8) for _ in range(3)]  # a model's parameters, then mains that are views of them
+    assert target_waves([_t(p) for p in params] + [_t(p[2:6]) for p in params]) == [0, 0, 0, 1, 1, 1]
 
 
 @pytest.fixture()
