@@ -24,6 +24,7 @@ from bytecp.errors import (
     FormatVersionError,
     IncompleteCheckpointError,
     PickleNotAllowedError,
+    ResumeDecisionError,
     StateMismatchError,
     StorageError,
 )
@@ -98,6 +99,7 @@ __all__ = [
     "FormatVersionError",
     "IncompleteCheckpointError",
     "PickleNotAllowedError",
+    "ResumeDecisionError",
     "StateMismatchError",
     "StorageError",
     "__version__",

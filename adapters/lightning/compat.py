@@ -21,7 +21,7 @@ import sys
 from typing import Any
 
 __all__ = ["PACKAGES", "choose", "PACKAGE", "CheckpointIO", "DDPStrategy", "ModelParallelStrategy",
-           "SingleDeviceStrategy", "TrainerFn"]
+           "SingleDeviceStrategy", "TrainerFn", "ModelCheckpoint"]
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -53,6 +53,7 @@ def _load(package: str) -> dict[str, Any]:
         io = importlib.import_module(f"{package}.plugins.io")
         strategies = importlib.import_module(f"{package}.strategies")
         states = importlib.import_module(f"{package}.trainer.states")
+        callbacks = importlib.import_module(f"{package}.callbacks")
     except ImportError as e:  # pragma: no cover - exercised only without either package
         raise ImportError(
             "bytecp.adapters.lightning needs PyTorch Lightning: pip install 'bytecp[lightning]' "
@@ -60,7 +61,8 @@ def _load(package: str) -> dict[str, Any]:
         ) from e
     return {"CheckpointIO": io.CheckpointIO, "DDPStrategy": strategies.DDPStrategy,
             "ModelParallelStrategy": strategies.ModelParallelStrategy,
-            "SingleDeviceStrategy": strategies.SingleDeviceStrategy, "TrainerFn": states.TrainerFn}
+            "SingleDeviceStrategy": strategies.SingleDeviceStrategy, "TrainerFn": states.TrainerFn,
+            "ModelCheckpoint": callbacks.ModelCheckpoint}
 
 
 PACKAGE = choose()
@@ -70,3 +72,4 @@ DDPStrategy = _classes["DDPStrategy"]
 ModelParallelStrategy = _classes["ModelParallelStrategy"]
 SingleDeviceStrategy = _classes["SingleDeviceStrategy"]
 TrainerFn = _classes["TrainerFn"]
+ModelCheckpoint = _classes["ModelCheckpoint"]

@@ -63,7 +63,7 @@ def test_unreadable_newer_step_folder_is_an_error_not_a_fresh_start(tmp_path: Pa
     (run / "global_step30").mkdir(parents=True)
     (run / "global_step30" / "weights.bin").write_bytes(b"\0" * 64)
     mgr = CheckpointManager(str(run))
-    with pytest.raises(bytecp.CheckpointNotFoundError, match=r"no format bytecp reads .*global_step30"):
+    with pytest.raises(bytecp.ResumeDecisionError, match=r"no format bytecp reads .*global_step30"):
         mgr.restore({"model": nn.Linear(2, 2)})
     # an older unreadable folder under a loadable newer checkpoint is left alone
     _trainer_checkpoint(run, 40, nn.Linear(2, 2))
