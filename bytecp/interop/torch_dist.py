@@ -120,7 +120,12 @@ def folder(storage: Storage) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-    return f"{name}/" if name is not None and is_torch_dist(storage, f"{name}/") else None
+    if name is None or not is_torch_dist(storage, f"{name}/"):
+        return None
+    from bytecp.tools.resume import check_pointer
+
+    check_pointer(storage, name, LATEST)  # the run folder's newest checkpoint, whatever its format
+    return f"{name}/"
 
 
 def detect(storage: Storage) -> bool:

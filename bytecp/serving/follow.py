@@ -181,7 +181,7 @@ class _Follower:
             except Exception as e:
                 if not report:
                     raise
-                return _Decision("fail", error=f"{type(e).__name__}: {one_line(e)}")
+                return _Decision("fail", error=_why(e))
             if found is None:
                 idle = idle_s is not None and time.monotonic() - idle_since >= idle_s
                 return _Decision("stop" if idle else "wait")
@@ -195,7 +195,7 @@ class _Follower:
                 except Exception as e:  # every rank reports it (or raises it), none reads
                     if not report:
                         raise
-                    return _Decision("fail", newest, skipped, f"{type(e).__name__}: {one_line(e)}", tier,
+                    return _Decision("fail", newest, skipped, _why(e), tier,
                                      found.newest_step)
             return _Decision("take", newest, skipped, tier=tier, newest_step=found.newest_step)
         return _Decision("wait")  # still being replaced: the next poll sees the newer one
@@ -291,6 +291,11 @@ class _Follower:
             lag_s=max(0.0, time.time() - created), held=info.url)
 
 
+def _why(e: BaseException) -> str:
+    """An update's ``error``: the exception's name once, then its message (one line)."""
+    return f"{type(e).__name__}: {one_line(e, 2000)}"
+
+
 def _lag(newest: int | None, held: int | None) -> int:
     """Committed steps the follower is behind: the newest listed minus the one held (0 when unknown)."""
     return max(0, newest - held) if newest is not None and held is not None else 0
@@ -307,7 +312,7 @@ def _take(f: _Follower, d: _Decision, failed: set[str], on_error: str) -> Follow
     except Exception as e:
         if on_error == "raise":
             raise
-        error = f"{type(e).__name__}: {one_line(e)}"
+        error = _why(e)
     failed.add(d.info.url)
     log.warning("bytecp.follow: could not take %s, still holding %s: %s", d.info.url, f.url, error)
     return FollowUpdate(step=d.info.step, url=d.info.url, tier=d.tier, skipped=d.skipped, error=error,
@@ -391,7 +396,8 @@ def follow(
                     continue
                 if d.info is None:  # the run could not be listed or decided: nothing taken
                     reported = d.error
-                    log.warning("bytecp.follow: cannot list %s, still holding %s: %s", f.run_url, f.url, d.error)
+                    log.warning("bytecp.follow: nothing taken from %s (holding %s): %s", f.run_url, f.url or "nothing",
+                                d.error)
                     up = FollowUpdate(step=None, url=f.run_url, error=d.error, held=f.url,
                                       lag_steps=_lag(d.newest_step, f.step))
                 else:

@@ -39,11 +39,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, one_line, scan
-from bytecp.errors import CorruptCheckpointError, ResumeDecisionError
+from bytecp.errors import CheckpointNotFoundError, CorruptCheckpointError, ResumeDecisionError
 from bytecp.interop import runs
-from bytecp.storage_api import open_storage
+from bytecp.storage_api import Storage, open_storage
 
-__all__ = ["Decision", "decide", "decide_together", "first_that_loads"]
+__all__ = ["Decision", "decide", "decide_together", "first_that_loads", "check_pointer"]
 
 log = logging.getLogger("bytecp.manager")
 
@@ -202,3 +202,20 @@ def first_that_loads(candidates: Sequence[CheckpointInfo], load: Callable[[Check
         tried = "; ".join(f"{url}: {why}" for url, why in skipped)
         raise CorruptCheckpointError(f"no committed checkpoint of {run_url} loads: {tried}")
     return None
+
+
+def check_pointer(storage: Storage, folder: str, pointer: str) -> None:
+    """(the coordinator of a load given a run folder, as a source resolves its
+    pointer file: DeepSpeed's ``latest``, Megatron-LM's tracker) Refuse unless
+    ``folder``, which ``pointer`` names, is the checkpoint the resume decision
+    takes for the run folder ``storage``: a run that moved onto bytecp (or a
+    newer step folder no format reads) must not load the pointer's older
+    checkpoint. A folder whose name says no step is the pointer's alone."""
+    if runs.step_of(folder) is None:
+        return
+    newest = decide(storage.url, storage.options()).newest  # (raises when undecided)
+    if newest is not None and newest.name != folder:
+        raise CheckpointNotFoundError(
+            f"{storage.url} is a run folder whose {pointer} names {folder}, but its newest checkpoint is "
+            f"{newest.url} ({newest.format}, step {newest.step}): load that, or resume with "
+            f"CheckpointManager({storage.url!r}).restore, which picks it")
