@@ -170,9 +170,10 @@ class _Follower:
                idle_since: float, report: bool) -> _Decision:
         """(coordinator) List the run; the newest checkpoint not held nor failed
         is pinned (under ``pins``, held until every rank staged) and taken. One
-        a retention is pruning is let go and the run listed again (a newer one
-        committed). With ``report``, a run that cannot be listed or decided is a
-        ``fail`` without a checkpoint; else its error is raised."""
+        a retention is pruning or has pruned (a newer one committed meanwhile)
+        is let go and the newer one taken, never reported. With ``report``, a
+        failure is a ``fail`` decision (without a checkpoint when the run could
+        not be listed or decided); else its error is raised."""
         if stop.is_set():
             return _Decision("stop")
         for _ in range(8):
@@ -190,15 +191,23 @@ class _Follower:
                 try:
                     storage = open_storage(newest.url, **self.options)
                     pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
-                except _Replaced:
-                    continue  # pruned by a retention: a newer checkpoint has committed
                 except Exception as e:  # every rank reports it (or raises it), none reads
+                    if isinstance(e, _Replaced) or self._replaced(newest, failed):
+                        continue  # pruned by a retention (a newer checkpoint has committed): that one
                     if not report:
                         raise
-                    return _Decision("fail", newest, skipped, _why(e), tier,
-                                     found.newest_step)
+                    return _Decision("fail", newest, skipped, _why(e), tier, found.newest_step)
             return _Decision("take", newest, skipped, tier=tier, newest_step=found.newest_step)
         return _Decision("wait")  # still being replaced: the next poll sees the newer one
+
+    def _replaced(self, chosen: CheckpointInfo, failed: set[str]) -> bool:
+        """(coordinator, after ``chosen`` failed to open) Whether it is gone because a
+        newer checkpoint replaced it (a retention pruned it meanwhile): the run lists another."""
+        try:
+            again = self.sources.newest(Held(self.url, self.step, self.save_id), failed)
+        except Exception:  # noqa: BLE001 - the open's own error is reported
+            return False
+        return again is not None and again.info.url != chosen.url and (again.info.step or 0) > (chosen.step or 0)
 
     @contextlib.contextmanager
     def pinned(self, storage: Storage, md: fmt.Metadata) -> Iterator[None]:
