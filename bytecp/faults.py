@@ -16,11 +16,11 @@ and this rank (comma-separated lists allowed):
 
 Phases: ``plan``, ``union`` (a job's first save whose ranks' skeletons
 differ: before they are sent, :func:`bytecp.saving.union.gather_union`),
-``stage``, ``write``, ``commit``, ``committed`` (just after metadata.json
-is written), ``read`` (load: before matching).
-``commit`` and ``committed`` run on the coordinator only (the commit is
-its part of the save's last collective): named with another rank, they
-never fire.
+``stage``, ``write``, ``commit``, ``committed`` (the coordinator: just after
+metadata.json is written, before the outcome is broadcast; every other rank:
+just after the outcome reaches it), ``read`` (load: before matching).
+``commit`` runs on the coordinator only (the commit is its part of the
+save's last collective): named with another rank, it never fires.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import time
 __all__ = ["inject", "COORDINATOR_PHASES"]
 
 #: the phases only the coordinator enters
-COORDINATOR_PHASES = ("commit", "committed")
+COORDINATOR_PHASES = ("commit",)
 #: the other processes' kills this process has set off (each fires once)
 _KILLED: set[str] = set()
 

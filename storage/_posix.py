@@ -81,6 +81,9 @@ def os_error(e: OSError, full: str, op: str) -> StorageError:
         return missing(full, e)
     if e.errno == errno.ENOSPC:
         return StorageError(f"{full}: no space left on device while trying to {op}; free space or save elsewhere")
+    if e.errno == errno.EFBIG:
+        return StorageError(f"{full}: file too large while trying to {op}: past the largest file allowed here "
+                            "(the process's file-size limit, `ulimit -f`, or the filesystem's)")
     if e.errno == errno.EDQUOT:
         return StorageError(f"{full}: disk quota exceeded while trying to {op}")
     return StorageError(f"{full}: {op} failed ({e})")

@@ -330,6 +330,23 @@ class LocalStorage(Storage):
                     self._made.discard(d)
                 d = os.path.dirname(d)
 
+    def delete_prefix(self, prefix: str = "") -> None:
+        """Delete every file below ``prefix``, then the directories below it
+        left empty and ``prefix`` itself when it is an emptied directory
+        (never the root): a removed staging folder leaves no trace, even one
+        whose writes all failed before a file was complete."""
+        self.delete(self.list_files(prefix))
+        top = self._full(prefix)
+        if top == self.root or not os.path.isdir(top) or os.path.islink(top):
+            return
+        for here, _, _ in sorted(os.walk(top), key=lambda w: len(w[0]), reverse=True):
+            try:
+                os.rmdir(here)  # only an empty one: a file written meanwhile keeps its folder
+            except OSError:
+                continue
+            with self._lock:
+                self._made.discard(here)
+
     # -- reading -------------------------------------------------------------
     def _open_read(self, path: str, flags: int = 0) -> int:
         """Open ``path`` for reading without following any link below the root.

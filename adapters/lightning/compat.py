@@ -20,6 +20,8 @@ import os
 import sys
 from typing import Any
 
+from bytecp.plugins import missing_extra
+
 __all__ = ["PACKAGES", "choose", "PACKAGE", "CheckpointIO", "DDPStrategy", "ModelParallelStrategy",
            "SingleDeviceStrategy", "TrainerFn", "ModelCheckpoint"]
 
@@ -54,11 +56,9 @@ def _load(package: str) -> dict[str, Any]:
         strategies = importlib.import_module(f"{package}.strategies")
         states = importlib.import_module(f"{package}.trainer.states")
         callbacks = importlib.import_module(f"{package}.callbacks")
-    except ImportError as e:  # pragma: no cover - exercised only without either package
-        raise ImportError(
-            "bytecp.adapters.lightning needs PyTorch Lightning: pip install 'bytecp[lightning]' "
-            f"(lightning or pytorch-lightning) ({e})"
-        ) from e
+    except ModuleNotFoundError as e:  # the lightning extra (make wheel-check runs without it)
+        raise missing_extra(e, "lightning", "bytecp.adapters.lightning",
+                            needs=f"PyTorch Lightning ({package}: no module {e.name!r})") from None
     return {"CheckpointIO": io.CheckpointIO, "DDPStrategy": strategies.DDPStrategy,
             "ModelParallelStrategy": strategies.ModelParallelStrategy,
             "SingleDeviceStrategy": strategies.SingleDeviceStrategy, "TrainerFn": states.TrainerFn,

@@ -33,17 +33,24 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from torchtitan.components.checkpointer.base import (
-    DATALOADER,
-    LR_SCHEDULER,
-    MODEL,
-    OPTIMIZER,
-    BaseCheckpointManager,
-    ModelWrapper,
-)
-from torchtitan.config import TORCH_DTYPE_MAP
-from torchtitan.config.override import override
-from torchtitan.tools import filesystem
+
+from bytecp.plugins import missing_extra
+
+try:
+    from torchtitan.components.checkpointer.base import (
+        DATALOADER,
+        LR_SCHEDULER,
+        MODEL,
+        OPTIMIZER,
+        BaseCheckpointManager,
+        ModelWrapper,
+    )
+    from torchtitan.config import TORCH_DTYPE_MAP
+    from torchtitan.config.override import override
+    from torchtitan.tools import filesystem
+except ModuleNotFoundError as e:  # torchtitan itself goes in with --no-deps: it lists torch
+    raise missing_extra(e, "torchtitan", __name__, install="pip install --no-deps torchtitan==0.3.0 "
+                        "&& pip install 'bytecp[torchtitan]' (docs/torchtitan.md)") from None
 
 import bytecp
 from bytecp.adapter_api import register_adapter
