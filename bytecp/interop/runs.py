@@ -35,9 +35,10 @@ __all__ = ["ForeignCheckpoint", "Entry", "Pointer", "STEP_FOLDER", "STEP_LIKE", 
 
 log = logging.getLogger("bytecp")
 
-#: a checkpoint folder's name -> its step (the one group); Lightning adds ``-vN`` to a repeated name
+#: a checkpoint folder's name -> its step (the one group); Lightning adds ``-vN`` to a repeated name,
+#: DeepSpeed's ds_to_universal output is named ``global_stepN_universal`` by convention
 STEP_FOLDER = re.compile(
-    r"(?:step[-_=]|global_step|iter_|checkpoint-|epoch=\d+-step=)(\d+)(?:-v\d+)?(?:\.ckpt)?")
+    r"(?:step[-_=]|global_step|iter_|checkpoint-|epoch=\d+-step=)(\d+)(?:-v\d+|_universal)?(?:\.ckpt)?")
 #: a name that looks like a checkpoint's, with or without a step in it (``step-abc``)
 STEP_LIKE = re.compile(r"(?:step[-_=]|global_step|iter_|checkpoint-|epoch=)")
 

@@ -135,7 +135,8 @@ def decide(run_url: str, storage_options: dict[str, Any] | None = None) -> Decis
             unnamed.append(f"{u.url} (its metadata.json does not read: {u.why})")
         else:
             committed.append(CheckpointInfo(u.name, u.url, step, ""))
-    candidates = sorted([*committed, *foreign], key=lambda c: (c.step is None, c.step or 0, c.created))
+    named = {p.folder for p in ptrs}  # at one step, the checkpoint a tool's pointer names is its own (not a conversion)
+    candidates = sorted([*committed, *foreign], key=lambda c: (c.step is None, c.step or 0, c.name in named, c.created))
     blockers = _blockers(run_url, ptrs, newest_bytecp, foreign, strays, unnamed, candidates)
     if passed:
         log.info("bytecp: %s: no checkpoint in %s", run_url, "; ".join(f"{u} ({why})" for u, why in passed))
@@ -207,14 +208,16 @@ def first_that_loads(candidates: Sequence[CheckpointInfo], load: Callable[[Check
 def check_pointer(storage: Storage, folder: str, pointer: str) -> None:
     """(the coordinator of a load given a run folder, as a source resolves its
     pointer file: DeepSpeed's ``latest``, Megatron-LM's tracker) Refuse unless
-    ``folder``, which ``pointer`` names, is the checkpoint the resume decision
-    takes for the run folder ``storage``: a run that moved onto bytecp (or a
-    newer step folder no format reads) must not load the pointer's older
-    checkpoint. A folder whose name says no step is the pointer's alone."""
-    if runs.step_of(folder) is None:
+    ``folder``, which ``pointer`` names, is (a checkpoint of the same step as)
+    the one the resume decision takes for the run folder ``storage``: a run
+    that moved onto bytecp (or a newer step folder no format reads) must not
+    load the pointer's older checkpoint. A folder whose name says no step is
+    the pointer's alone."""
+    step = runs.step_of(folder)
+    if step is None:
         return
     newest = decide(storage.url, storage.options()).newest  # (raises when undecided)
-    if newest is not None and newest.name != folder:
+    if newest is not None and newest.name != folder and (newest.step is None or newest.step > step):
         raise CheckpointNotFoundError(
             f"{storage.url} is a run folder whose {pointer} names {folder}, but its newest checkpoint is "
             f"{newest.url} ({newest.format}, step {newest.step}): load that, or resume with "
