@@ -139,7 +139,7 @@ def decide(run_url: str, storage_options: dict[str, Any] | None = None) -> Decis
     candidates = sorted([*committed, *foreign], key=lambda c: (c.step is None, c.step or 0, c.name in named, c.created))
     blockers = _blockers(run_url, ptrs, newest_bytecp, foreign, strays, unnamed, candidates)
     if passed:
-        log.info("bytecp: %s: no checkpoint in %s", run_url, "; ".join(f"{u} ({why})" for u, why in passed))
+        log.debug("bytecp: %s: no checkpoint in %s", run_url, "; ".join(f"{u} ({why})" for u, why in passed))
     return Decision(run_url.rstrip("/"), tuple(candidates), tuple(passed), "; ".join(blockers) or None)
 
 
