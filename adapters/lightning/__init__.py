@@ -58,6 +58,7 @@ from bytecp.adapters.lightning.compat import (
     SingleDeviceStrategy,
     TrainerFn,
 )
+from bytecp.adapters.lightning.loaders import LOADERS_KEY, defer_load, loader_state, train_loaders
 from bytecp.adapters.lightning.native import is_native, load_native
 from bytecp.adapters.lightning.resume import BytecpModelCheckpoint, fallbacks_of, latest_checkpoint
 from torch import nn
@@ -146,6 +147,8 @@ class BytecpCheckpointIO(CheckpointIO):
         self.lazy = lazy
         self.overwrite = overwrite
         self.storage_options = dict(storage_options or {})
+        #: (set by load_into) the checkpoint whose per-rank train loaders load once the fit loop built them
+        self.loaders_from: str | None = None
         self.allow_pickle = allow_pickle
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
@@ -162,10 +165,13 @@ class BytecpCheckpointIO(CheckpointIO):
         self._reported: SaveHandle | None = None
 
     # ------------------------------------------------------------------ save
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None,
+                        loaders: list[Any] | None = None) -> None:
         """(all ranks, called by the strategy) Save Lightning's checkpoint dict
         whose ``state_dict`` is the live module and ``optimizer_states`` the
-        live optimizers; everything else is rank 0's trainer state."""
+        live optimizers; everything else is rank 0's trainer state, less the
+        fit loop's stateful train ``loaders``, saved per rank with their data
+        positions (:mod:`bytecp.adapters.lightning.loaders`)."""
         url = _url(path)
         model = checkpoint.get("state_dict")
         if not isinstance(model, nn.Module):
@@ -179,6 +185,9 @@ class BytecpCheckpointIO(CheckpointIO):
         if "optimizer_states" in checkpoint:  # absent: save_weights_only
             optims = list(checkpoint["optimizer_states"])
             state.update(zip(optimizer_keys(len(optims)), optims, strict=True))
+        rest, per_rank = loader_state(rest, loaders or [])
+        if per_rank:
+            state[LOADERS_KEY] = per_rank
         # rank 0's trainer state as one object (JSON, or a weights_only blob when it holds tensors)
         state[TRAINER_KEY] = Whole(rest)
         so = {**self.storage_options, **(storage_options or {})}
@@ -284,6 +293,7 @@ class BytecpCheckpointIO(CheckpointIO):
         return out[-1]
 
     def _load_one(self, url: str, model: nn.Module, optimizers: list[Any], strict: bool) -> dict[str, Any]:
+        self.loaders_from = None  # (the checkpoint that loads sets it)
         storage = open_storage(url, **self.storage_options)
         if is_native(storage):  # Lightning's own ModelParallelStrategy checkpoint (a job moving onto bytecp)
             return load_native(url, storage, model, optimizers, strict=strict, allow_pickle=self.allow_pickle,
@@ -318,10 +328,17 @@ class BytecpCheckpointIO(CheckpointIO):
                 parts.append(f"  in the checkpoint but not in the state ({len(bad_unexpected)}): {bad_unexpected[:8]}")
             parts.append("  (the model's keys are checked when LightningModule.strict_loading is True)")
             raise StateMismatchError("\n".join(parts))
+        self.loaders_from = url if LOADERS_KEY in saved else None
         trainer_state = state[TRAINER_KEY]
         if not isinstance(trainer_state, dict):
             raise ConfigError(f"{url}: the {TRAINER_KEY!r} trainer state is a {type(trainer_state).__name__}, not a dict")
         return trainer_state
+
+    def load_loaders(self, url: str, state: dict[str, Any]) -> None:
+        """(all ranks, once the fit loop built its loaders) Each rank's saved
+        train loaders into ``state``'s live ones, resharded at another layout."""
+        bytecp.load(url, state, strict=False, storage_options=self.storage_options, allow_pickle=self.allow_pickle,
+                    **self.load_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """(one process, no live objects: evaluation and tools) The model's full
@@ -415,7 +432,9 @@ class BytecpStrategyMixin:
         checkpoint["state_dict"] = self.model  # type: ignore[attr-defined]
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = list(self.optimizers)  # type: ignore[attr-defined]
-        self.bytecp_io.save_checkpoint(checkpoint, url, storage_options=storage_options)
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        self.bytecp_io.save_checkpoint(checkpoint, url, storage_options=storage_options,
+                                       loaders=train_loaders(trainer))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """(all ranks) Fill the live model (and, when fitting, the optimizers) in place."""
@@ -424,8 +443,13 @@ class BytecpStrategyMixin:
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []  # type: ignore[attr-defined]
-        return self.bytecp_io.load_into(url, self.model, optimizers,  # type: ignore[attr-defined]
-                                        strict=bool(getattr(module, "strict_loading", True)), fallbacks=fallbacks)
+        io = self.bytecp_io
+        out = io.load_into(url, self.model, optimizers,  # type: ignore[attr-defined]
+                           strict=bool(getattr(module, "strict_loading", True)), fallbacks=fallbacks)
+        if fitting and io.loaders_from is not None:  # the train loaders exist only once the fit loop built them
+            loaders_url = io.loaders_from
+            defer_load(trainer, lambda state: io.load_loaders(loaders_url, state))
+        return out
 
     def teardown(self) -> None:
         """(all ranks) Wait for the save in flight (raising its error), then tear down."""
