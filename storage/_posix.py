@@ -15,6 +15,7 @@ import ctypes.util
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,9 @@ __all__ = [
     "fsync_dir",
     "os_error",
     "holds",
+    "is_file",
+    "list_dir",
+    "list_tree",
     "unlink_quietly",
     "rename_flags",
     "rename_noreplace",
@@ -85,6 +89,41 @@ def os_error(e: OSError, full: str, op: str) -> StorageError:
     if e.errno == errno.EDQUOT:
         return StorageError(f"{full}: disk quota exceeded while trying to {op}")
     return StorageError(f"{full}: {op} failed ({e})")
+
+
+def is_file(full: str) -> bool:
+    """Whether ``full`` is a regular file; a directory that may not be read is an error, never "absent"."""
+    try:
+        return stat.S_ISREG(os.stat(full).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise os_error(e, full, "stat") from e
+
+
+def list_dir(full: str) -> list[str]:
+    """The names in directory ``full``, sorted; a missing one lists nothing, a refused one raises."""
+    try:
+        return sorted(os.listdir(full))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:  # permission denied, I/O error: never "empty"
+        raise os_error(e, full, "list") from e
+
+
+def list_tree(root: str, base: str) -> list[str]:
+    """Every file below ``base``, as "/"-paths relative to ``root``, sorted; a
+    missing ``base`` lists nothing, a directory that may not be read raises."""
+    out = []
+
+    def refused(e: OSError) -> None:
+        if not isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise os_error(e, e.filename or base, "list") from e
+
+    for dirpath, _, files in os.walk(base, onerror=refused):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+    return sorted(out)
 
 
 def holds(full: str, data: bytes) -> bool:

@@ -50,6 +50,9 @@ from ._posix import (
     RENAME_EXCHANGE,
     fsync_dir,
     holds,
+    is_file,
+    list_dir,
+    list_tree,
     os_error,
     publish_exclusive,
     read_all,
@@ -473,19 +476,10 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return os.path.isfile(self._full(path))
+        return is_file(self._full(path))
 
     def list_files(self, prefix: str = "") -> list[str]:
-        base = self._full(prefix)
-        out = []
-        for dirpath, _, files in os.walk(base):
-            for f in files:
-                rel = os.path.relpath(os.path.join(dirpath, f), self.root)
-                out.append(rel.replace(os.sep, "/"))
-        return sorted(out)
+        return list_tree(self.root, self._full(prefix))
 
     def list_children(self, prefix: str = "") -> list[str]:
-        try:
-            return sorted(os.listdir(self._full(prefix)))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        return list_dir(self._full(prefix))
