@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
 
-.PHONY: demo test install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
+.PHONY: demo test wheel-check install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -63,8 +63,14 @@ test-servers:
 demo: $(VENV)/.demo-installed
 	$(VPY) -m bytecp.cli demo --out demo-out
 
-test: install-test test-servers
+test: install-test test-servers wheel-check
 	$(VPY) -m pytest -q $(PYTEST_ARGS)
+
+# bytecp as a user installs it: the sdist and the wheel built, the wheel installed
+# (not editable) into a fresh venv with the runtime dependencies only, every module
+# imported, every subcommand's --help, a save/load/iter_weights/follow round trip
+wheel-check: $(VENV)/.installed
+	PY=$(VPY) bash tools/wheel-check.sh
 
 lint: install-test
 	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto

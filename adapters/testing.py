@@ -57,8 +57,13 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-import pytest
-import torch
+from bytecp.plugins import missing_extra
+
+try:
+    import pytest
+    import torch
+except ModuleNotFoundError as e:  # the contract extra
+    raise missing_extra(e, "contract", __name__) from None
 import torch.distributed as dist
 from torch import nn
 

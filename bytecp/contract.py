@@ -11,7 +11,12 @@ kits (it needs pytest); the library never imports it.
 
 from __future__ import annotations
 
-import pytest
+from bytecp.plugins import missing_extra
+
+try:
+    import pytest
+except ModuleNotFoundError as e:  # the contract extra
+    raise missing_extra(e, "contract", __name__) from None
 
 __all__ = ["DeclaredGaps"]
 

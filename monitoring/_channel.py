@@ -18,7 +18,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import grpc
+from bytecp.plugins import missing_extra
+
+try:
+    import grpc
+except ModuleNotFoundError as e:  # the monitoring extra
+    raise missing_extra(e, "monitoring", __name__) from None
 
 __all__ = [
     "parse_address",

@@ -22,9 +22,14 @@ import dataclasses
 import threading
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
+from bytecp.plugins import missing_extra
+
+try:
+    from prometheus_client import CollectorRegistry, Counter, Histogram
+    from prometheus_client.core import GaugeMetricFamily, Metric
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as e:  # the monitoring extra
+    raise missing_extra(e, "monitoring", __name__) from None
 
 from .aggregate import CheckpointAggregate
 from .prometheus import SECONDS_BUCKETS

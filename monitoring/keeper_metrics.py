@@ -26,9 +26,14 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-from prometheus_client.registry import Collector
+from bytecp.plugins import missing_extra
+
+try:
+    from prometheus_client import CollectorRegistry, start_http_server
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    from prometheus_client.registry import Collector
+except ModuleNotFoundError as e:  # the monitoring extra
+    raise missing_extra(e, "monitoring", __name__) from None
 
 __all__ = ["KeeperCollector", "serve_keeper_metrics", "KEEPER_METRICS"]
 

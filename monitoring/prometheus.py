@@ -21,7 +21,12 @@ import os
 import threading
 from typing import Any
 
-from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+from bytecp.plugins import missing_extra
+
+try:
+    from prometheus_client import REGISTRY, CollectorRegistry, Counter, Gauge, Histogram
+except ModuleNotFoundError as e:  # the monitoring extra
+    raise missing_extra(e, "monitoring", __name__) from None
 
 from bytecp.recorder import OPERATION_STARTED, STORAGE_RETRY, CheckpointReport, add_recorder
 

@@ -27,7 +27,12 @@ import socket
 import threading
 import time
 
-import grpc
+from bytecp.plugins import missing_extra
+
+try:
+    import grpc
+except ModuleNotFoundError as e:  # the monitoring extra
+    raise missing_extra(e, "monitoring", __name__) from None
 
 from bytecp.recorder import CheckpointReport, emit_event
 

@@ -26,8 +26,13 @@ import threading
 from concurrent import futures
 from typing import Any
 
-import grpc
-from prometheus_client import CollectorRegistry
+from bytecp.plugins import missing_extra
+
+try:
+    import grpc
+    from prometheus_client import CollectorRegistry
+except ModuleNotFoundError as e:  # the monitoring extra
+    raise missing_extra(e, "monitoring", __name__) from None
 
 from bytecp.errors import ConfigError
 

@@ -29,8 +29,13 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
-import pytest
-import torch
+from bytecp.plugins import missing_extra
+
+try:
+    import pytest
+    import torch
+except ModuleNotFoundError as e:  # the contract extra
+    raise missing_extra(e, "contract", __name__) from None
 
 from bytecp.contract import DeclaredGaps
 from bytecp.errors import (

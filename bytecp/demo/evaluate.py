@@ -20,7 +20,13 @@ import os
 import sys
 
 import torch
-from safetensors.torch import load_file
+
+from bytecp.plugins import missing_extra
+
+try:
+    from safetensors.torch import load_file
+except ModuleNotFoundError as e:  # the demo extra
+    raise missing_extra(e, "demo", __name__) from None
 
 from bytecp.demo.model import TinyGPT, eval_batch, loss_of
 

@@ -49,7 +49,7 @@ import pickle
 import queue
 import threading
 import uuid
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -241,24 +241,21 @@ class _SaveStream:
         self._stop = threading.Event()
         self._small = bytearray()
 
-    def _put(self, item: Any) -> None:
-        while True:
-            if self._stop.is_set():
-                raise OSError("the export's output stopped accepting bytes")
+    def _put(self, item: Any) -> bool:
+        """Queue ``item`` for the consumer; False once it stopped (nothing queued)."""
+        while not self._stop.is_set():
             try:
                 self._q.put(item, timeout=0.5)
-                return
+                return True
             except queue.Full:
                 continue
+        return False
 
     def _hand(self, mv: memoryview) -> None:
-        """Give ``mv`` to the consumer and wait until it is done with it."""
-        self._put(mv)
-        while not self._ack.acquire(timeout=0.5):
-            if self._stop.is_set():
-                break
-        if self._stop.is_set():
-            raise OSError("the export's output stopped accepting bytes")
+        """Give ``mv`` to the consumer and wait until it is done with it (or gone)."""
+        if self._put(mv):
+            while not self._ack.acquire(timeout=0.5) and not self._stop.is_set():
+                pass
 
     def _drain(self) -> None:
         if self._small:
@@ -268,6 +265,12 @@ class _SaveStream:
     def write(self, b: Any) -> int:
         mv = memoryview(b).cast("B")
         n = mv.nbytes
+        if self._stop.is_set():
+            # the consumer is gone (the output failed): torch.save finishes its archive into nothing.
+            # Raising here instead leaves torch's C++ archive writer unfinished, and collecting it
+            # later aborts the process ("terminate called without an active exception")
+            self.pos += n
+            return n
         if n < self.SMALL:
             self._small += mv
         else:
@@ -283,18 +286,17 @@ class _SaveStream:
         end: Any = _DONE
         try:
             for key, obj in self.jobs:
+                if self._stop.is_set():
+                    break
                 start = self.pos
                 torch.save(obj, self)  # type: ignore[arg-type]  # write() and flush() are all it uses
                 self.spans[key] = (start, self.pos - start)
             self._drain()
         except BaseException as e:  # handed to the consumer, raised there
             end = e
-        try:
-            self._put(end)
-        except OSError:
-            pass
+        self._put(end)
 
-    def pieces(self) -> Iterator[memoryview]:
+    def pieces(self) -> Generator[memoryview, None, None]:
         th = threading.Thread(target=self._run, name="bytecp-export-dcp", daemon=True)
         th.start()
         try:
@@ -362,8 +364,12 @@ def _write(target: Storage, base: str, plan: DcpPlan, files: list[list[ExportTen
     for i, items in enumerate(files):
         name = f"__{i}_0.distcp"
         stream = _SaveStream(_jobs(plan, items, reader, i == 0, progress))
-        sizes[name] = target.write_stream(f"{base}/{name}" if base else name, stream.pieces(),
-                                          size_hint=sum(it.nbytes for it in items))
+        pieces = stream.pieces()
+        try:
+            sizes[name] = target.write_stream(f"{base}/{name}" if base else name, pieces,
+                                              size_hint=sum(it.nbytes for it in items))
+        finally:  # a failed write leaves the generator suspended: stop its producer thread now, not at exit
+            pieces.close()
         where.update({k: (name, off, n) for k, (off, n) in stream.spans.items()})
     buf = io.BytesIO()
     pickle.dump(dcp_metadata(plan, where, checkpoint_id), buf)
@@ -414,7 +420,9 @@ def _publish_renamed(out: str, options: dict[str, Any], plan: DcpPlan, files: li
     parent = open_storage(parent_url, **options)
     occupied = name in parent.list_children("")
     return publish_renamed(parent, name, out, occupied,
-                           lambda st: _write(parent, st, plan, files, reader, out, progress))
+                           lambda st: _write(parent, st, plan, files, reader, out, progress),
+                           too_large="export with bytecp.interop.dcp_export.export_dcp(..., max_file_size=N) "
+                                     "below that size, or raise the limit")
 
 
 def _publish_in_place(target: Storage, existing: list[str], plan: DcpPlan, files: list[list[ExportTensor]],

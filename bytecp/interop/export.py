@@ -27,6 +27,7 @@ state in memory (said in its docstring and the CLI's help).
 from __future__ import annotations
 
 import dataclasses
+import errno
 import json
 import math
 import os
@@ -39,7 +40,7 @@ from typing import Any
 
 import torch
 
-from bytecp.errors import CheckpointExistsError, ConfigError
+from bytecp.errors import BytecpError, CheckpointExistsError, ConfigError, StorageError
 from bytecp.format import metadata as fmt
 from bytecp.interop.source_select import default_selection, masters_of
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
@@ -55,6 +56,7 @@ __all__ = [
     "SAFETENSORS_DTYPES", "CAST_DTYPES", "CASTABLE", "GROUP_BYTES", "CAST_ELEMENTS", "ExportTensor", "ExportResult",
     "open_export", "select_tensors", "TensorReader", "safetensors_header", "safetensors_metadata",
     "safetensors_pieces", "split_url", "refuse_nested", "export_safetensors", "export_torch", "publish_renamed",
+    "staging_name", "staged_failure",
 ]  # fmt: skip
 
 SAFETENSORS_DTYPES = {
@@ -420,12 +422,14 @@ def export_torch(
 
 
 def publish_renamed(parent: Storage, name: str, out: str, occupied: bool,
-                    write: Callable[[str], dict[str, int]]) -> dict[str, int]:
+                    write: Callable[[str], dict[str, int]], *, too_large: str) -> dict[str, int]:
     """(the directory exporters, on a filesystem) ``write(stage)`` fills a
     hidden sibling of ``out`` below ``parent``, then one rename publishes it
     (exchanging it with the old ``out`` when ``occupied``); on any failure
-    the sibling is removed and the old ``out`` is untouched."""
-    stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
+    the sibling is removed and the old ``out`` is untouched, and the error
+    names ``out`` (:func:`staged_failure`; ``too_large``: what to do when a
+    file passed the largest file allowed)."""
+    stage = staging_name(name)
     try:
         sizes = write(stage)
         try:
@@ -433,7 +437,38 @@ def publish_renamed(parent: Storage, name: str, out: str, occupied: bool,
         except CheckpointExistsError:
             raise CheckpointExistsError(f"{out} was created by someone else while this export ran; "
                                         "pass --overwrite to replace it, or choose another output") from None
-    except BaseException:
+    except BaseException as e:
         parent.delete_prefix(stage)
-        raise
+        told = staged_failure(e, stage, name, out, too_large=too_large)
+        if told is e:
+            raise
+        raise told from e
     return sizes
+
+
+def staging_name(name: str) -> str:
+    """The hidden sibling a directory export of ``name`` is written into before its rename."""
+    return f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
+
+
+def staged_failure(err: BaseException, stage: str, name: str, out: str, *, too_large: str) -> BaseException:
+    """(a directory export that failed; its staging folder already removed)
+    The error as the user should read it: naming OUT, never the hidden
+    staging folder, saying that nothing changed and what to do. A storage
+    error keeps its class (so its exit code: 3); anything else is returned
+    as it is. ``too_large``: the exporter's advice when a file passed the
+    largest file allowed (EFBIG)."""
+    if not isinstance(err, OSError) or isinstance(err, BytecpError) and not isinstance(err, StorageError):
+        return err  # (an output created meanwhile says so itself)
+    reason = str(err).replace(stage, name)
+    cause = err.__cause__ if isinstance(err.__cause__, OSError) else err
+    advice = ""
+    if cause.errno == errno.EFBIG:
+        advice = f"; {too_large}"
+    elif cause.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM):
+        advice = "; fix the cause and run the export again"
+    msg = f"{out}: the export failed and changed nothing (its partial output was removed): {reason}{advice}"
+    try:
+        return type(err)(msg)
+    except TypeError:  # an OSError subclass with another signature
+        return OSError(cause.errno, msg)

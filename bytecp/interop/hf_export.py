@@ -43,7 +43,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import uuid
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -63,6 +62,8 @@ from bytecp.interop.export import (
     safetensors_pieces,
     select_tensors,
     split_url,
+    staged_failure,
+    staging_name,
 )
 from bytecp.interop.mapped_export import MappedReader, choose_spec
 from bytecp.storage_api import Storage, open_storage
@@ -283,7 +284,7 @@ def _publish_renamed(out: str, options: dict[str, Any], files: list[tuple[str, A
         raise CheckpointExistsError(f"{out} is a file; pass a directory name for the Hugging Face layout "
                                     "(or a name ending in .safetensors for one file), or --overwrite to replace it")
     return publish_renamed(parent, name, out, occupied,
-                           lambda st: _write_all(parent, st, files, reader, workers, progress))
+                           lambda st: _write_all(parent, st, files, reader, workers, progress), too_large=TOO_LARGE)
 
 
 def _publish_beside(out: str, options: dict[str, Any], old_weights: list[str], files: list[tuple[str, Any]],
@@ -294,13 +295,18 @@ def _publish_beside(out: str, options: dict[str, Any], old_weights: list[str], f
     OUT; OUT's other files are never touched."""
     parent_url, name = split_url(out)
     parent = open_storage(parent_url, **options)
-    stage = f".{name}.bytecp-export-{uuid.uuid4().hex[:8]}"
+    stage = staging_name(name)
     try:
         sizes = _write_all(parent, stage, files, reader, workers, progress)
         for n, _ in files:
             parent.rename(f"{stage}/{n}", f"{name}/{n}", replace=True)
-    finally:
+    except BaseException as e:
         parent.delete_prefix(stage)
+        told = staged_failure(e, stage, name, out, too_large=TOO_LARGE)
+        if told is e:
+            raise
+        raise told from e
+    parent.delete_prefix(stage)
     parent.delete([f"{name}/{f}" for f in old_weights if f not in sizes])
     return sizes
 
@@ -324,6 +330,9 @@ def _publish_in_place(target: Storage, existing: list[str], files: list[tuple[st
     target.delete([f for f in existing if f not in sizes])
     return sizes
 
+
+#: what to do when a shard passed the largest file allowed where the export writes
+TOO_LARGE = "pass --max-shard-size (max_shard_size=) below that size"
 
 #: the weights of an export (what --overwrite replaces; every other file of OUT stays)
 _WEIGHTS_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json")

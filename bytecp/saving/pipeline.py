@@ -356,6 +356,8 @@ class SavePipeline:
                     raise
                 md = done
             md = committed[0] if committed else md.attach(self.storage) if isinstance(md, CommittedMetadata) else md
+            if not ctx.is_coordinator:  # the outcome reached this rank (the coordinator's point is in commit())
+                faults.inject("committed", ctx.rank)
         except BaseException:
             PLAN_CACHE.forget(self._cache_key())  # as after a failed plan
             if ctx.is_coordinator and not committed and save_id:
@@ -440,7 +442,7 @@ class SavePipeline:
             out = write_data_files(
                 self.storage, planned.save_id, self.ctx.rank, list(staged), objects,
                 flat.per_rank if first else {}, io_threads=self.opts.io_threads,
-                allow_pickle=self.opts.allow_pickle, first_file=len(before.data_files),
+                allow_pickle=self.opts.allow_pickle, first_file=len(before.data_files), data=flat.data if first else None,
             )
             sp.nbytes, sp.files = sum(out.data_files.values()), len(out.data_files)
         merged = RankOutput(replica_crcs=before.replica_crcs)

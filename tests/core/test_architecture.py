@@ -88,18 +88,24 @@ def test_core_reaches_adapters_storage_and_monitoring_only_through_registries() 
         assert not bad, f"{path.name} imports {bad}; use the registries (adapter_api, storage_api, recorder)"
 
 
-def test_no_core_module_is_a_room_of_its_own() -> None:
-    sizes = {str(p.relative_to(CORE)): len(p.read_text().splitlines()) for p in CORE.rglob("*.py")}  # (two pipeline.py)
-    assert max(sizes.values()) <= 450, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]  # "about 400"
+#: a module past this many lines is flagged: a smell, not a rule (see the message)
+LARGE_MODULE = 600
 
 
-def test_no_adapter_storage_or_monitoring_module_is_a_room_of_its_own() -> None:
-    """The same cap beside the core: adapters/, storage/ and monitoring/
-    (generated protobuf code excepted)."""
+def test_no_module_is_a_room_of_its_own() -> None:
+    """Modules of the core, adapters/, storage/ and monitoring/ (generated
+    protobuf code excepted) past about 600 lines are named with the advice to
+    split by responsibility. Size is a smell detector, never a reason to leave
+    a feature, a check or a fault point out."""
     root = CORE.parent
-    files = [p for d in ("adapters", "storage", "monitoring") for p in (root / d).rglob("*.py")]
+    files = [p for d in ("bytecp", "adapters", "storage", "monitoring") for p in (root / d).rglob("*.py")]
     sizes = {str(p.relative_to(root)): len(p.read_text().splitlines()) for p in files if "generated" not in p.parts}
-    assert sizes and max(sizes.values()) <= 450, sorted(sizes.items(), key=lambda kv: -kv[1])[:3]
+    large = sorted(((n, f) for f, n in sizes.items() if n > LARGE_MODULE), reverse=True)
+    assert sizes and not large, (
+        f"modules over {LARGE_MODULE} lines: {', '.join(f'{f} ({n})' for n, f in large)}; a module that "
+        "large usually holds more than one responsibility: split it along them (docs/architecture.md, "
+        "'Modules: the map'), do not trim features or checks to fit"
+    )
 
 
 def test_core_top_holds_at_most_16_modules_and_hand_off_code_lives_in_interop() -> None:

@@ -399,3 +399,33 @@ def test_one_file_formats_into_a_directory(ck: Path, tmp_path: Path, capsys: Any
     assert cli(["export", str(ck), str(empty), "--format", "safetensors"]) == 2  # exists: --overwrite
     assert cli(["export", str(ck), str(empty), "--format", "torch"]) == 0
     assert sorted(os.listdir(empty)) == ["model.safetensors", "pytorch_model.bin"]
+
+
+@pytest.mark.parametrize("fmt_", ["hf", "dcp"])
+def test_a_failed_export_leaves_nothing_and_names_out(ck: Path, tmp_path: Path, fmt_: str) -> None:
+    """A real file-size limit (RLIMIT_FSIZE: the write fails with EFBIG)
+    stops a directory export midway: exit 3, one line naming OUT (never the
+    hidden staging folder) with what to do, and nothing left beside OUT --
+    the staging folder itself removed, OUT not created; into a model
+    directory, its own files untouched."""
+    import resource
+    import subprocess
+    import sys
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+    model_dir = tmp_path / "model_dir"
+    model_dir.mkdir()
+    (model_dir / "tokenizer.json").write_text("{}")
+    for out in (tmp_path / "out", model_dir):
+        if fmt_ == "dcp" and out == model_dir:
+            continue
+        r = subprocess.run([sys.executable, "-m", "bytecp.cli", "export", str(ck), str(out), "--format", fmt_],
+                           capture_output=True, text=True, timeout=120, preexec_fn=limited)
+        assert r.returncode == 3, r.stderr
+        lines = r.stderr.strip().splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"bytecp export: {out}: the export failed and changed nothing"), lines
+        assert "bytecp-export" not in lines[0] and ("max_file_size" if fmt_ == "dcp" else "--max-shard-size") in lines[0]
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["model_dir"], list(tmp_path.iterdir())
+        assert sorted(p.name for p in model_dir.iterdir()) == ["tokenizer.json"]

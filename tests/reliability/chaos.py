@@ -16,8 +16,10 @@ the memory tier (``chaos_keepers.py``: a keeper per rank's host, memory
 checkpoints every step replicated to the peer's keeper, every second one
 drained to the disk); the disk faults and ``s3`` never do (the ranks do not
 write to storage then). A kill or a keeper kill names only phase/rank pairs
-that are reached: ``commit`` and ``committed`` only on the coordinator
-(rank 0). Invariants checked after every episode:
+that are reached: ``commit`` only on the coordinator (rank 0);
+``committed`` on either rank (the coordinator just after writing
+``metadata.json``, the other once the outcome reached it: the checkpoint is
+committed, its files must stay and the restart must resume from it). Invariants checked after every episode:
 
 - the restored state is bitwise the state training reaches at that step;
 - every committed checkpoint passes ``bytecp verify`` (memory ones too);
@@ -139,9 +141,12 @@ class Chaos:
             self.keepers.close()
             self.keepers = None
 
-    def episode(self, kind: str | None = None, memory: bool | None = None) -> None:
+    def episode(self, kind: str | None = None, memory: bool | None = None, *,
+                phase: str | None = None, rank: int | None = None) -> None:
         """One episode of fault ``kind`` (random when None), with the memory
-        tier when ``memory`` (random for the kinds it fits when None)."""
+        tier when ``memory`` (random for the kinds it fits when None), at
+        ``phase`` on ``rank`` (random when None: a phase of ``PHASES`` and a
+        rank that reaches it)."""
         rng = self.rng
         kind = kind or rng.choice(self.kinds())
         if memory is None:
@@ -151,10 +156,12 @@ class Chaos:
         where = "s3" if kind == "s3" else "memory" if memory else "local"
         start = self.stop_step[where]
         stop_step = self.stop_step[where] = start + self.steps
-        phase = rng.choice(PHASES)
-        # (commit and committed: the coordinator's alone; another rank never reaches them)
+        chosen = rng.choice(PHASES)
+        phase = phase or chosen
+        # (commit: the coordinator's alone; another rank never reaches it)
+        chosen_rank = 0 if phase in faults.COORDINATOR_PHASES else rng.randint(0, 1)
         fault: dict[str, Any] = {"kind": kind, "step": start + rng.randint(2, self.steps - 3),
-                                 "rank": 0 if phase in faults.COORDINATOR_PHASES else rng.randint(0, 1),
+                                 "rank": chosen_rank if rank is None else rank,
                                  "phase": phase, "delay": round(rng.uniform(0.0, 0.03), 4), "disk": str(self.disk)}
         mem_cfg: dict[str, Any] | None = None
         if memory:
