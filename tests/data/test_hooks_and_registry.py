@@ -102,6 +102,7 @@ def test_a_sampler_with_reshard_inside_a_stateful_dataloader() -> None:
     assert sorted(first + rest) == list(range(48))
 
 
+@pytest.mark.spawn  # loader worker processes
 def test_a_dataset_with_reshard_hands_its_state_to_every_new_worker() -> None:
     def make(r: int, w: int, workers: int) -> StatefulDataLoader:
         ds = Tokens(24)

@@ -5,10 +5,10 @@ upper figure while other jobs run), so each world size gets one pool per
 test session and every check reuses it, and the ranks are forked from
 multiprocessing's fork server, which imports torch and bytecp once per
 session (:data:`PRELOAD`): a new pool costs a fraction of a second, not a
-torch import per rank. Each rank starts with the environment and working
-directory the test process has when the pool is made (as a spawned process
-would), plus ``env``. Every call is bounded by a timeout: a hang kills the
-pool and fails the test, never the suite.
+torch import per rank. Each rank starts with the environment, working
+directory and ``sys.path`` the test process has when the pool is made (as a
+spawned process would), plus ``env``. Every call is bounded by a timeout: a
+hang kills the pool and fails the test, never the suite.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import multiprocessing as mp
 import os
 import queue
 import socket
+import sys
 import traceback
 from typing import Any
 
@@ -71,8 +72,10 @@ def context() -> Any:
     return ctx
 
 
-def _worker(rank: int, world: int, port: int, inq: Any, outq: Any, env: dict[str, str], cwd: str) -> None:
+def _worker(rank: int, world: int, port: int, inq: Any, outq: Any, env: dict[str, str], cwd: str,
+            path: list[str]) -> None:
     os.chdir(cwd)
+    sys.path[:] = path  # the fork server's is the one of the pool it started for
     os.environ.clear()
     os.environ.update(env)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -111,7 +114,8 @@ class WorkerPool:
         port = free_port()
         full_env = {**os.environ, **(env or {})}
         self.procs = [
-            ctx.Process(target=_worker, args=(r, world_size, port, self._inq[r], self._outq, full_env, os.getcwd()),
+            ctx.Process(target=_worker, args=(r, world_size, port, self._inq[r], self._outq, full_env, os.getcwd(),
+                                              list(sys.path)),
                         daemon=True)
             for r in range(world_size)
         ]
