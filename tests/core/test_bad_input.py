@@ -153,6 +153,7 @@ class _Evil:
         return (os.system, (f"touch {self.path}",))
 
 
+@pytest.mark.spawn  # its payload runs `touch` once consent is given
 def test_pickle_payload_does_not_run_without_allow_pickle(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     ck = str(tmp_path / "ck")

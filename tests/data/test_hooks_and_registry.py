@@ -176,6 +176,7 @@ def _loader(world: int, rank: int) -> StatefulDataLoader:
     return StatefulDataLoader(ds, batch_size=5, sampler=s)
 
 
+@pytest.mark.spawn  # the inspect CLI
 def test_save_load_and_inspect_in_one_process(tmp_path: Path) -> None:
     dl = _loader(1, 0)
     it = iter(dl)
