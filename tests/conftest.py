@@ -12,12 +12,6 @@ from typing import Any
 import pytest
 import spawning
 from hypothesis import settings
-from spawning import (  # noqa: F401  (the guard's hooks)
-    pytest_collection_modifyitems,
-    pytest_fixture_setup,
-    pytest_runtest_makereport,
-    pytest_runtest_protocol,
-)
 
 settings.register_profile("ci", max_examples=200, deadline=None)
 settings.register_profile("dev", max_examples=60, deadline=None)
@@ -30,6 +24,10 @@ os.environ.setdefault("BYTECP_VERIFY_REPLICAS", "1")
 
 def pytest_configure(config: pytest.Config) -> None:
     spawning.install()
+    # a plugin, not this conftest's hooks: a conftest's pytest_fixture_setup
+    # is not called for session-scoped fixtures (their node is the session,
+    # above this folder)
+    config.pluginmanager.register(spawning, "bytecp-spawning")
 
 
 # ---------------------------------------------------------------------- warm interpreters

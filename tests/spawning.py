@@ -17,7 +17,7 @@ The guard watches every way this process can start another
 ``os.system``, a warm interpreter) while each test sets up and runs, and
 fails an unmarked test that started one, or that uses a fixture which did,
 naming what was started: no test sits silently in the wrong set.
-tests/conftest.py loads these hooks; docs/contributing.md says how to write a
+tests/conftest.py registers this module as a plugin; docs/contributing.md says how to write a
 fast test.
 """
 
@@ -164,10 +164,12 @@ def pytest_fixture_setup(fixturedef: Any, request: pytest.FixtureRequest) -> Ite
 
 def _used_spawning_fixture(item: pytest.Item) -> str | None:
     info = getattr(item, "_fixtureinfo", None)
-    for defs in (info.name2fixturedefs.values() if info is not None else ()):
-        for d in defs:
-            if d in _guard.fixture_started:
-                return f"fixture {d.argname!r} started {_guard.fixture_started[d]}"
+    used = [d for defs in (info.name2fixturedefs.values() if info is not None else ()) for d in defs]
+    # and those it asked for with request.getfixturevalue (pytest keeps them on the request)
+    used += list(getattr(getattr(item, "_request", None), "_fixture_defs", {}).values())
+    for d in used:
+        if d in _guard.fixture_started:
+            return f"fixture {d.argname!r} started {_guard.fixture_started[d]}"
     return None
 
 
