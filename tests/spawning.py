@@ -104,14 +104,20 @@ def install() -> None:
         def call(*args: Any, **kw: Any) -> Any:
             _guard.note(f"os.{name}({_describe(args[:2]) if args else ''})")
             return orig(*args, **kw)
-        # pickled by reference as os.<name>, as the original is (a test's
-        # payload may name os.system in its __reduce__)
-        call.__module__, call.__name__, call.__qualname__ = "os", name, name
+        # pickled by reference as the original is, posix.<name> (a test's
+        # payload may name os.system in its __reduce__; the wrapper stands
+        # in posix too, so pickle finds the very object it is given)
+        call.__module__, call.__name__, call.__qualname__ = orig.__module__, name, name
         return call
+
+    import posix
 
     for name in ("fork", "forkpty", "posix_spawn", "posix_spawnp", "system"):
         if hasattr(os, name):
-            setattr(os, name, wrap(name, getattr(os, name)))
+            wrapped = wrap(name, getattr(os, name))
+            setattr(os, name, wrapped)
+            if getattr(posix, name, None) is not None:
+                setattr(posix, name, wrapped)
 
     # a process forked by a server that runs already (multiprocessing's fork
     # server, a warm interpreter) is started without a fork here

@@ -401,6 +401,7 @@ def test_one_file_formats_into_a_directory(ck: Path, tmp_path: Path, capsys: Any
     assert sorted(os.listdir(empty)) == ["model.safetensors", "pytorch_model.bin"]
 
 
+@pytest.mark.spawn  # the export CLI under a file-size limit
 @pytest.mark.parametrize("fmt_", ["hf", "dcp"])
 def test_a_failed_export_leaves_nothing_and_names_out(ck: Path, tmp_path: Path, fmt_: str) -> None:
     """A real file-size limit (RLIMIT_FSIZE: the write fails with EFBIG)
