@@ -68,7 +68,7 @@ demo: $(VENV)/.demo-installed
 test: install-test test-servers wheel-check
 	$(VPY) -m pytest -q --durations=25 $(PYTEST_ARGS)
 
-# the inner loop, in about 2 minutes: ruff, mypy, and the tests that start no
+# the inner loop (2 minutes is the target: docs/contributing.md): ruff, mypy, and the tests that start no
 # process (-m "not spawn": tests/spawning.py marks and checks the others)
 check: install-test
 	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto
