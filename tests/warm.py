@@ -158,8 +158,11 @@ def _serve(path: str, preload: list[str]) -> None:
     sel = selectors.DefaultSelector()
     sel.register(srv, selectors.EVENT_READ, None)
     children: dict[int, socket.socket] = {}  # pidfd -> connection
+    parent = os.getppid()
     while True:
-        for key, _ in sel.select():
+        if os.getppid() != parent:  # the test session died without closing us
+            return
+        for key, _ in sel.select(5.0):
             if key.data is None:
                 conn, _ = srv.accept()
                 fds: list[int] = []
