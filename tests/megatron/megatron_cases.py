@@ -471,3 +471,46 @@ def lazy_save_then_step(url: str) -> dict[str, Any]:
     moved = not torch.equal(full_model_state()["output_layer.weight"], ref["model"]["output_layer.weight"])
     got = load_optimizer_and_report(url, tp=2)
     return {"ref": ref, "got": got, "moved": moved}
+
+
+def _lm_args(consumed: int, kind: str) -> Any:
+    """Megatron-LM's arguments for a global batch of 12 on this job's
+    data-parallel ranks (no ``data_parallel_size``: read from Megatron's groups)."""
+    import argparse
+
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    return argparse.Namespace(consumed_train_samples=consumed, skipped_train_samples=0, consumed_valid_samples=4,
+                              micro_batch_size=12 // dp, global_batch_size=12, dataloader_type=kind,
+                              data_sharding=True)
+
+
+def save_lm_data(url: str, tp: int, consumed: int, kind: str) -> None:
+    """(all ranks) A Megatron-LM job at TP=``tp`` saves its model and data position."""
+    from bytecp.adapters.megatron import MegatronLMData
+
+    build(tp)
+    state = {"model": _STATE["model"], "data": MegatronLMData(_lm_args(consumed, kind), total_samples=144)}
+    with CpuDeviceMode():
+        bytecp.save(url, state)
+
+
+def load_lm_data(url: str, tp: int, kind: str, mode: str = "exact") -> dict[str, Any]:
+    """(all ranks) A fresh job at TP=``tp`` loads: its counters after the
+    load, or the refusal (then whether the model kept its own weights)."""
+    from bytecp.adapters.megatron import MegatronLMData
+
+    build(tp, seed=99)
+    before = full_model_state()
+    args = _lm_args(0, kind)
+    args.consumed_valid_samples = 0
+    try:
+        with CpuDeviceMode():
+            bytecp.load(url, {"model": _STATE["model"], "data": MegatronLMData(args, total_samples=144)},
+                        data_reshard=mode)
+    except bytecp.BytecpError as e:  # the refusal, as every rank receives it
+        after = full_model_state()
+        return {"error": str(e), "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+                "consumed": args.consumed_train_samples}
+    return {"consumed": args.consumed_train_samples, "valid": args.consumed_valid_samples}
