@@ -106,6 +106,7 @@ _RESHARDERS: dict[str, tuple[Resharder | str, str | None]] = {
     "hf_datasets": ("bytecp.adapters.data.hf_datasets:HFIterableResharder", "datasets"),
     "torchtitan": ("bytecp.adapters.torchtitan.data:TorchtitanResharder", "torchtitan.components.dataloader"),
     "megatron_lm": ("bytecp.adapters.megatron.data:MegatronLMResharder", "bytecp.adapters.megatron.data"),
+    "deepspeed": ("bytecp.adapters.deepspeed.data:DeepSpeedLoaderResharder", "bytecp.adapters.deepspeed.data"),
 }
 _lock = threading.RLock()
 _discovered = False

@@ -781,3 +781,75 @@ def tp_fsdp2_load(url: str) -> list[str]:
             if not torch.equal(st[k], full["optimizer"]["state"][n][k]):
                 bad.append(f"{k}.{n}")
     return bad + sorted(set(full["model"]) - set(msd))
+
+
+# ------------------------------------------------------------------ the training data loader's position
+class Ids(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample ``i`` is five features equal to ``i``: each batch says which samples it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((5,), float(i))
+
+
+def make_data_engine(mbs: int, gas: int, n: int = 144) -> Any:
+    """A ZeRO-1 engine built with ``training_data``: DeepSpeed's own loader
+    (``DistributedSampler`` over the data-parallel ranks, 2 workers)."""
+    import multiprocessing
+
+    setup()
+    import deepspeed
+
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]  # loader workers
+    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+           "zero_optimization": {"stage": 1}, "zero_force_ds_cpu_optimizer": False,
+           "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}}}
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg, training_data=Ids(n))
+    return engine
+
+
+def train_on(engine: Any, it: Any, steps: int | None = None) -> list[list[int]]:
+    """Up to ``steps`` optimizer steps (else to the epoch's end) on batches
+    from ``it``; each step's sample ids on this rank."""
+    out: list[list[int]] = []
+    while steps is None or len(out) < steps:
+        ids: list[int] = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            try:
+                x = next(it)
+            except StopIteration:
+                return out + ([ids] if ids else [])
+            ids += [int(v) for v in x[:, 0]]
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        out.append(ids)
+    return out
+
+
+def ds_data_save(url: str, mbs: int, gas: int, steps: int, epoch: int) -> dict[str, Any]:
+    """Train ``steps`` steps of ``epoch``, save ``{"model": engine}``, train to the epoch's end."""
+    engine = make_data_engine(mbs, gas)
+    engine.training_dataloader.data_sampler.set_epoch(epoch)
+    it = iter(engine.training_dataloader)
+    before = train_on(engine, it, steps)
+    bytecp.save(url, {"model": engine})
+    return {"before": before, "after": train_on(engine, it)}
+
+
+def ds_data_load(url: str, mbs: int, gas: int, mode: str = "exact", early_iter: bool = False) -> dict[str, Any]:
+    """A fresh engine loads (``early_iter``: its loader's iteration already
+    begun) and trains to the epoch's end; or the refusal it got."""
+    engine = make_data_engine(mbs, gas)
+    loader = engine.training_dataloader
+    it = iter(loader) if early_iter else None
+    try:
+        bytecp.load(url, {"model": engine}, data_reshard=mode)
+    except bytecp.BytecpError as e:
+        return {"error": str(e)}
+    after = train_on(engine, it if it is not None else iter(loader))
+    return {"after": after, "epoch": loader.data_sampler.epoch, "steps": engine.global_steps}
