@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -797,9 +798,23 @@ class Ids(torch.utils.data.Dataset):  # type: ignore[type-arg]
         return torch.full((5,), float(i))
 
 
-def make_data_engine(mbs: int, gas: int, n: int = 144) -> Any:
+def curriculum(clusters: str) -> dict[str, Any]:
+    """DeepSpeed's curriculum learning over one cluster (every sample; no
+    data-analysis files needed): its ``DeepSpeedDataSampler`` draws each
+    global batch on rank 0 from the shuffled cluster (written under
+    ``clusters``), reshuffling it when used up; 2 epochs."""
+    metric = {"index_to_sample_path": "", "index_to_metric_path": "", "difficulty_type": "value",
+              "clustering_type": "single_cluster", "min_difficulty": 1, "max_difficulty": 1,
+              "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 1}}
+    return {"enabled": True, "seed": 1234, "data_sampling": {
+        "enabled": True, "num_epochs": 2, "num_workers": 0,
+        "curriculum_learning": {"enabled": True, "data_cluster_path": clusters, "curriculum_metrics": {"m": metric}}}}
+
+
+def make_data_engine(mbs: int, gas: int, n: int = 144, clusters: str | None = None) -> Any:
     """A ZeRO-1 engine built with ``training_data``: DeepSpeed's own loader
-    (``DistributedSampler`` over the data-parallel ranks, 2 workers)."""
+    (``DistributedSampler`` over the data-parallel ranks, 2 workers; with
+    ``clusters``, the curriculum sampler instead)."""
     import multiprocessing
 
     setup()
@@ -809,6 +824,8 @@ def make_data_engine(mbs: int, gas: int, n: int = 144) -> Any:
     cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
            "zero_optimization": {"stage": 1}, "zero_force_ds_cpu_optimizer": False,
            "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}}}
+    if clusters is not None:
+        cfg["data_efficiency"] = curriculum(clusters)
     engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg, training_data=Ids(n))
     return engine
 
@@ -831,25 +848,42 @@ def train_on(engine: Any, it: Any, steps: int | None = None) -> list[list[int]]:
     return out
 
 
-def ds_data_save(url: str, mbs: int, gas: int, steps: int, epoch: int) -> dict[str, Any]:
-    """Train ``steps`` steps of ``epoch``, save ``{"model": engine}``, train to the epoch's end."""
-    engine = make_data_engine(mbs, gas)
-    engine.training_dataloader.data_sampler.set_epoch(epoch)
+def ds_data_save(url: str, mbs: int, gas: int, steps: int, epoch: int, clusters: str | None = None,
+                 after: int | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps of ``epoch``, save ``{"model": engine}``, train
+    to the epoch's end (or ``after`` steps more)."""
+    engine = make_data_engine(mbs, gas, clusters=clusters)
+    if clusters is None:
+        engine.training_dataloader.data_sampler.set_epoch(epoch)
     it = iter(engine.training_dataloader)
     before = train_on(engine, it, steps)
     bytecp.save(url, {"model": engine})
-    return {"before": before, "after": train_on(engine, it)}
+    if clusters is not None and dist.get_rank() == 0:  # the cluster files as they stand at the save (below)
+        shutil.copytree(clusters, f"{clusters}.saved")
+    dist.barrier()
+    return {"before": before, "after": train_on(engine, it, after)}
 
 
-def ds_data_load(url: str, mbs: int, gas: int, mode: str = "exact", early_iter: bool = False) -> dict[str, Any]:
+def clusters_as_saved(clusters: str, to: str) -> None:
+    """(rank 0) The curriculum's cluster files as they were at the save:
+    DeepSpeed keeps them on disk, outside any checkpoint, and rewrites them
+    when it reshuffles a cluster (as the saving run does after the save)."""
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{clusters}.saved", to)
+    dist.barrier()
+
+
+def ds_data_load(url: str, mbs: int, gas: int, mode: str = "exact", early_iter: bool = False,
+                 clusters: str | None = None, after: int | None = None, **kw: Any) -> dict[str, Any]:
     """A fresh engine loads (``early_iter``: its loader's iteration already
-    begun) and trains to the epoch's end; or the refusal it got."""
-    engine = make_data_engine(mbs, gas)
+    begun) and trains to the epoch's end (or ``after`` steps); or the refusal it got."""
+    engine = make_data_engine(mbs, gas, clusters=clusters)
     loader = engine.training_dataloader
     it = iter(loader) if early_iter else None
     try:
-        bytecp.load(url, {"model": engine}, data_reshard=mode)
+        bytecp.load(url, {"model": engine}, data_reshard=mode, **kw)
     except bytecp.BytecpError as e:
         return {"error": str(e)}
-    after = train_on(engine, it if it is not None else iter(loader))
-    return {"after": after, "epoch": loader.data_sampler.epoch, "steps": engine.global_steps}
+    steps = train_on(engine, it if it is not None else iter(loader), after)
+    epoch = getattr(loader.data_sampler, "epoch", None)
+    return {"after": steps, "epoch": epoch, "steps": engine.global_steps}

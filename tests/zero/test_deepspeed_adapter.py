@@ -353,3 +353,25 @@ def test_a_training_dataloader_position_that_does_not_divide_is_refused(pool2: W
     got = pool3.run(dc.ds_data_load, url, 4, 1, "approximate")
     everything = [x for r in saved for s in r["before"] for x in s] + [x for r in got for s in r["after"] for x in s]
     assert len(everything) - len(set(everything)) == 2 and set(everything) == set(range(144))
+
+
+def test_the_curriculum_sampler_continues_across_data_parallel_sizes(pool1: WorkerPool, pool2: WorkerPool,
+                                                                     pool3: WorkerPool, tmp_path: Path) -> None:
+    """DeepSpeed's curriculum sampler (one cluster, 2 epochs): rank 0 draws
+    each global batch of 12 from the shuffled cluster and reshuffles it with
+    its own generator when used up (after step 12). Saved by 2 ranks after 5
+    steps, loaded by 3, 1 and 2 ranks: the next 15 global steps, across the
+    reshuffle, hold the uninterrupted run's samples (its generator restored,
+    which DeepSpeed's own checkpoint does not). Each resumed job starts from
+    the cluster files as they stood at the save: DeepSpeed keeps them on
+    disk, outside any checkpoint, and the saving run rewrote them when it
+    reshuffled."""
+    url, clusters = str(tmp_path / "ck"), str(tmp_path / "clusters")
+    saved = pool2.run(dc.ds_data_save, url, 6, 1, 5, 0, clusters, 15)
+    full = global_steps([r["before"] + r["after"] for r in saved])
+    assert len(full) == 20 and sorted(x for s in full[:12] for x in s) == list(range(144))
+    for pool, mbs, gas in ((pool3, 4, 1), (pool1, 6, 2), (pool2, 6, 1)):
+        mine = str(tmp_path / f"clusters-{mbs}-{gas}")
+        pool.run(dc.clusters_as_saved, clusters, mine)
+        got = pool.run(dc.ds_data_load, url, mbs, gas, clusters=mine, after=15)
+        assert global_steps([r["after"] for r in got]) == full[5:], (mbs, gas)
