@@ -114,10 +114,10 @@ class MegatronLMData:
         """(save, every rank) The position: global, alike on every rank."""
         c, dp = int(self.args.consumed_train_samples), self.dp_size
         pos: dict[str, Any] = {"sampler": self.sampler, "consumed": c, "samples": c // dp, "dp_size": dp,
-                               "micro_batch_size": self.micro_batch_size}
+                               "batch_size": self.micro_batch_size}
         gbs = getattr(self.args, "global_batch_size", None)
         if gbs is not None:
-            pos["batch_size"] = int(gbs)
+            pos["global_batch_size"] = int(gbs)
         if self.sampler == "cyclic":
             pos["data_sharding"] = self.data_sharding
             if self.total_samples is not None:
@@ -178,13 +178,13 @@ class MegatronLMResharder(Resharder):
         return obj.position()
 
     def same_layout(self, obj: Any, position: dict[str, Any]) -> bool:
-        return (position.get("dp_size"), position.get("micro_batch_size"), position.get("sampler")) == (
+        return (position.get("dp_size"), position.get("batch_size"), position.get("sampler")) == (
             obj.dp_size, obj.micro_batch_size, obj.sampler)
 
     def reshard(self, obj: Any, saved: SavedData, rank: int, world_size: int) -> Any:
         try:
             sampler, consumed = saved.value("sampler"), int(saved.value("consumed"))
-            dp, m = int(saved.value("dp_size")), int(saved.value("micro_batch_size"))
+            dp, m = int(saved.value("dp_size")), int(saved.value("batch_size"))
         except ValueError as e:
             raise DataReshardError(f"the saved ranks differ in {e} (Megatron-LM's counters are global): an "
                                    "unknown number of samples would repeat or be skipped") from None

@@ -877,13 +877,28 @@ def ds_data_load(url: str, mbs: int, gas: int, mode: str = "exact", early_iter: 
                  clusters: str | None = None, after: int | None = None, **kw: Any) -> dict[str, Any]:
     """A fresh engine loads (``early_iter``: its loader's iteration already
     begun) and trains to the epoch's end (or ``after`` steps); or the refusal it got."""
+    import logging
+
     engine = make_data_engine(mbs, gas, clusters=clusters)
     loader = engine.training_dataloader
     it = iter(loader) if early_iter else None
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: logs.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("bytecp").addHandler(handler)
     try:
         bytecp.load(url, {"model": engine}, data_reshard=mode, **kw)
     except bytecp.BytecpError as e:
         return {"error": str(e)}
+    finally:
+        logging.getLogger("bytecp").removeHandler(handler)
     steps = train_on(engine, it if it is not None else iter(loader), after)
     epoch = getattr(loader.data_sampler, "epoch", None)
-    return {"after": steps, "epoch": epoch, "steps": engine.global_steps}
+    return {"after": steps, "epoch": epoch, "steps": engine.global_steps, "logs": logs}
+
+
+def ds_engine_save(url: str) -> None:
+    """An engine of the same model built without ``training_data`` saves (no loader position)."""
+    engine = make_engine(1, seed=0)
+    losses(engine, range(2))
+    bytecp.save(url, {"model": engine})

@@ -353,6 +353,14 @@ def test_a_training_dataloader_position_that_does_not_divide_is_refused(pool2: W
     got = pool3.run(dc.ds_data_load, url, 4, 1, "approximate")
     everything = [x for r in saved for s in r["before"] for x in s] + [x for r in got for s in r["after"] for x in s]
     assert len(everything) - len(set(everything)) == 2 and set(everything) == set(range(144))
+    # exclude=["training_dataloader"]: the loader keeps its own (fresh) position
+    kept = pool3.run(dc.ds_data_load, url, 4, 1, exclude=["training_dataloader"])
+    assert sorted(x for r in kept for s in r["after"] for x in s) == list(range(144))
+    # a checkpoint without a position (an engine without training_data): the epoch starts over, with a warning
+    bare = str(tmp_path / "bare")
+    pool2.run(dc.ds_engine_save, bare)
+    for r in pool2.run(dc.ds_data_load, bare, 6, 1):
+        assert len(r["after"]) == 12 and any("holds no position" in m for m in r["logs"]), r["logs"]
 
 
 def test_the_curriculum_sampler_continues_across_data_parallel_sizes(pool1: WorkerPool, pool2: WorkerPool,
