@@ -55,6 +55,7 @@ from bytecp.data.positions import merge_positions
 from bytecp.data.restore import restore_data
 from bytecp.format.metadata import ObjectRecord
 from bytecp.format.objects import serialize
+from bytecp.format.rank_records import RankRecords
 
 __all__ = ["main", "run"]
 
@@ -149,10 +150,20 @@ def _table_cost(fqn: str, value: Any, world: int, repeats: int) -> dict[str, Any
         return {k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()} for k, v in json.loads(text).items()}
 
     table, t_parse, m_parse = _timed(parse, repeats)
-    blob = pickle.dumps(table)
+    blob = pickle.dumps(table)  # the records themselves (bytecp before RankRecords)
     _, t_unpickle, m_unpickle = _timed(lambda: pickle.loads(blob), repeats)
+    records = {k: RankRecords(v) for k, v in table.items()}  # what Metadata.from_bytes holds now
+    packed, t_pack, _ = _timed(lambda: pickle.dumps(records), repeats)
+
+    def receive() -> Any:  # a loading rank: unpickle, then look up its own record
+        got = pickle.loads(packed)
+        return got[fqn][world // 2]
+
+    _, t_receive, m_receive = _timed(receive, repeats)
     return {"json_bytes": len(text), "parse_seconds": t_parse, "parse_peak_bytes": m_parse,
-            "broadcast_bytes": len(blob), "unpickle_seconds": t_unpickle, "unpickle_peak_bytes": m_unpickle}
+            "broadcast_bytes": len(blob), "unpickle_seconds": t_unpickle, "unpickle_peak_bytes": m_unpickle,
+            "rank_records": {"broadcast_bytes": len(packed), "pickle_seconds": t_pack,
+                             "receive_seconds": t_receive, "receive_peak_bytes": m_receive}}
 
 
 def _load(record: dict[str, Any], stored: Any, world: int, new_world: int, n: int, repeats: int, member: int,
@@ -190,7 +201,11 @@ def _show(r: dict[str, Any]) -> None:
             print(f"  per_rank table of {kind}: {c['json_bytes'] / 1e6:.2f} MB JSON, parsed in "
                   f"{c['parse_seconds'] * 1e3:.1f} ms ({c['parse_peak_bytes'] / 1e6:.1f} MB peak); broadcast "
                   f"{c['broadcast_bytes'] / 1e6:.2f} MB, unpickled by every rank in {c['unpickle_seconds'] * 1e3:.1f} ms "
-                  f"({c['unpickle_peak_bytes'] / 1e6:.1f} MB peak)")
+                  f"({c['unpickle_peak_bytes'] / 1e6:.1f} MB peak); as RankRecords: broadcast "
+                  f"{c['rank_records']['broadcast_bytes'] / 1e6:.2f} MB (pickled in "
+                  f"{c['rank_records']['pickle_seconds'] * 1e3:.1f} ms), unpickled and its own record read by a rank "
+                  f"in {c['rank_records']['receive_seconds'] * 1e3:.1f} ms "
+                  f"({c['rank_records']['receive_peak_bytes'] / 1e6:.1f} MB peak)")
     for ld in r["loads"]:
         print(f"  load on {ld['new_world']}: {ld['seconds'] * 1e6:.0f} us, {ld['peak_bytes'] / 1e3:.1f} kB peak, "
               f"{ld['states_read']} saved state(s) read, {ld['bytes_read']} B in all "
