@@ -152,7 +152,7 @@ def _table_cost(fqn: str, value: Any, world: int, repeats: int) -> dict[str, Any
     table, t_parse, m_parse = _timed(parse, repeats)
     blob = pickle.dumps(table)  # the records themselves (bytecp before RankRecords)
     _, t_unpickle, m_unpickle = _timed(lambda: pickle.loads(blob), repeats)
-    records = {k: RankRecords(v) for k, v in table.items()}  # what Metadata.from_bytes holds now
+    records = {k: RankRecords(v, ObjectRecord.from_json) for k, v in table.items()}  # what Metadata.from_bytes holds now
     packed, t_pack, _ = _timed(lambda: pickle.dumps(records), repeats)
 
     def receive() -> Any:  # a loading rank: unpickle, then look up its own record

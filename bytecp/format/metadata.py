@@ -35,6 +35,7 @@ from bytecp.format.json_head import check_header, decode_members
 from bytecp.format.member_text import EncodedMembers, dumps_object
 from bytecp.format.members import MEMBER_DECODERS, Parsed
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
+from bytecp.format.rank_records import RankRecords
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.skeleton import Node
@@ -448,6 +449,4 @@ def write_index(chunks: Sequence[ChunkRecord]) -> bytes:
 
 
 def _rank_records(records: dict[int, ObjectRecord]) -> Mapping[int, ObjectRecord]:
-    from bytecp.format.rank_records import RankRecords
-
-    return RankRecords(records)
+    return RankRecords(records, ObjectRecord.from_json)

@@ -20,37 +20,45 @@ from __future__ import annotations
 import json
 import zlib
 from array import array
-from collections.abc import Iterator, Mapping
-from typing import Any
-
-from bytecp.format.metadata import ObjectRecord
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 __all__ = ["RankRecords"]
 
 
-class RankRecords(Mapping[int, ObjectRecord]):
+class _Record(Protocol):
+    def to_json(self) -> dict[str, Any]: ...
+
+
+R = TypeVar("R", bound=_Record)
+
+
+class RankRecords(Mapping[int, R]):
     """Saved rank -> its record, decoded on first access after a broadcast.
 
     Pickled as the ranks (their count when they are ``0..n-1``), the
     records' compact JSON texts one after the other, zlib-compressed (alike
     records compress well), and their end offsets; a received table
     decompresses the texts once, on its first look-up, and decodes only the
-    records asked for."""
+    records asked for. ``decode`` makes a record from its JSON
+    (``ObjectRecord.from_json``; pickled by reference)."""
 
-    __slots__ = ("_ranks", "_packed", "_texts", "_ends", "_decoded")
+    __slots__ = ("_ranks", "_packed", "_texts", "_ends", "_decoded", "_decode")
 
-    def __init__(self, records: Mapping[int, ObjectRecord]) -> None:
+    def __init__(self, records: Mapping[int, R], decode: Callable[[dict[str, Any]], R]) -> None:
         self._ranks: tuple[int, ...] | range = tuple(records)
         self._packed: bytes | None = None  # compressed texts (a received table, before its first look-up)
         self._texts: bytes | None = None
         self._ends: array[int] | None = None
-        self._decoded: dict[int, ObjectRecord] = dict(records)
+        self._decoded: dict[int, R] = dict(records)
+        self._decode = decode
 
     @classmethod
-    def _received(cls, ranks: int | tuple[int, ...], packed: bytes, ends: bytes) -> RankRecords:
-        out = cls.__new__(cls)
+    def _received(cls, ranks: int | tuple[int, ...], packed: bytes, ends: bytes,
+                  decode: Callable[[dict[str, Any]], R]) -> RankRecords[R]:
+        out: RankRecords[R] = cls.__new__(cls)
         out._ranks = range(ranks) if isinstance(ranks, int) else ranks
-        out._packed, out._texts, out._decoded = packed, None, {}
+        out._packed, out._texts, out._decoded, out._decode = packed, None, {}, decode
         out._ends = array("Q")
         out._ends.frombytes(ends)
         return out
@@ -68,9 +76,9 @@ class RankRecords(Mapping[int, ObjectRecord]):
                 ends.append(n)
             packed = zlib.compress(b"".join(texts), 1)
         count: int | tuple[int, ...] = len(ranks) if list(ranks) == list(range(len(ranks))) else tuple(ranks)
-        return (RankRecords._received, (count, packed, ends.tobytes()))
+        return (RankRecords._received, (count, packed, ends.tobytes(), self._decode))
 
-    def __getitem__(self, rank: int) -> ObjectRecord:
+    def __getitem__(self, rank: int) -> R:
         got = self._decoded.get(rank)
         if got is not None:
             return got
@@ -88,7 +96,7 @@ class RankRecords(Mapping[int, ObjectRecord]):
             self._texts = zlib.decompress(self._packed or b"")
             self._packed = None
         start = self._ends[i - 1] if i else 0
-        got = self._decoded[rank] = ObjectRecord.from_json(json.loads(self._texts[start:self._ends[i]]))
+        got = self._decoded[rank] = self._decode(json.loads(self._texts[start:self._ends[i]]))
         return got
 
     def __iter__(self) -> Iterator[int]:

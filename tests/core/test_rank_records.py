@@ -23,7 +23,7 @@ def records(ranks: list[int]) -> dict[int, ObjectRecord]:
 @pytest.mark.parametrize("ranks", [list(range(6)), [0, 2, 5], [3, 1, 2]])
 def test_the_records_survive_the_broadcast_and_decode_on_demand(ranks: list[int]) -> None:
     want = records(ranks)
-    table = RankRecords(want)
+    table = RankRecords(want, ObjectRecord.from_json)
     assert dict(table) == want and list(table) == ranks and len(table) == len(ranks)
     got = pickle.loads(pickle.dumps(table))
     assert isinstance(got, RankRecords) and list(got) == ranks and got._decoded == {}
@@ -42,6 +42,6 @@ def test_the_broadcast_is_smaller_than_the_records() -> None:
     """Loader states alike but for their seeds: the compressed texts are a fraction of the pickled records."""
     big = {r: ObjectRecord(json={"_snapshot": {"_main_snapshot": {"_sampler_iter_yielded": 5, "_base_seed": r}},
                                  "_steps_since_snapshot": 0}) for r in range(2048)}
-    compact = pickle.dumps(RankRecords(big))
+    compact = pickle.dumps(RankRecords(big, ObjectRecord.from_json))
     assert len(compact) < len(pickle.dumps(big)) / 2
     assert pickle.loads(compact)[2047] == big[2047]
