@@ -32,17 +32,15 @@ save is waited for first). ``remove_checkpoint`` (rank 0, ``save_top_k``)
 deletes only once the save in flight has committed. ``teardown`` waits for
 the save in flight and raises its error.
 
-load: ``trainer.fit(ckpt_path=URL)`` -> after the strategy set up the model
-and optimizers (``restore_checkpoint_after_setup``) ->
+load: ``trainer.fit(ckpt_path=URL)`` (``latest_checkpoint(dirpath)`` or
+``"last"`` with :class:`BytecpModelCheckpoint`: the resume decision,
+:mod:`.resume`) -> after the strategy set up the model and optimizers ->
 :meth:`BytecpStrategyMixin.load_checkpoint` -> :meth:`BytecpCheckpointIO.load_into`
-fills the live tensors in place (``bytecp.load``) and returns the trainer
-state, from which Lightning restores loops, callbacks, schedulers and the
-precision plugin.
+fills the live tensors in place and returns the trainer state, from which
+Lightning restores loops, callbacks, schedulers and the precision plugin.
 
-Works with ``lightning.pytorch`` (``import lightning as L``) and with
-``pytorch_lightning``: :mod:`bytecp.adapters.lightning.compat` picks the
-one the program uses (``BYTECP_LIGHTNING`` chooses explicitly; ``PACKAGE``
-says which). The bytecp core never imports either.
+Works with ``lightning.pytorch`` and ``pytorch_lightning``: :mod:`.compat` picks the one
+the program uses (``BYTECP_LIGHTNING`` chooses; ``PACKAGE`` says which). The core imports neither.
 """
 
 from __future__ import annotations
@@ -61,14 +59,17 @@ from bytecp.adapters.lightning.compat import (
     TrainerFn,
 )
 from bytecp.adapters.lightning.loaders import LOADERS_KEY, defer_load, loader_state, train_loaders
-from bytecp.adapters.lightning.native import is_native, latest_checkpoint, load_native
+from bytecp.adapters.lightning.native import is_native, load_native
+from bytecp.adapters.lightning.resume import BytecpModelCheckpoint, fallbacks_of, latest_checkpoint
 from torch import nn
 
 import bytecp
+from bytecp.catalog import CheckpointInfo
 from bytecp.errors import BytecpError, ConfigError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.saving.handles import SaveHandle
 from bytecp.storage_api import open_storage
+from bytecp.tools.resume import first_that_loads
 from bytecp.tree.state import Whole
 
 __all__ = [
@@ -78,6 +79,7 @@ __all__ = [
     "BytecpDDPStrategy",
     "BytecpModelParallelStrategy",
     "BytecpSingleDeviceStrategy",
+    "BytecpModelCheckpoint",
     "latest_checkpoint",
 ]
 
@@ -272,16 +274,26 @@ class BytecpCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ load
     def load_into(
-        self, path: Any, model: nn.Module, optimizers: list[Any], *, strict: bool = True
+        self, path: Any, model: nn.Module, optimizers: list[Any], *, strict: bool = True,
+        fallbacks: tuple[CheckpointInfo, ...] = (),
     ) -> dict[str, Any]:
         """(all ranks, called by the strategy) Fill ``model`` and ``optimizers``
         in place from the checkpoint at ``path`` (any world size and
         parallelism) and return Lightning's trainer state (loops, callbacks,
         ``lr_schedulers``, ...). ``strict`` applies to the model's keys; an
         optimizer must match exactly, and a checkpoint saved with
-        ``save_weights_only`` cannot restore optimizers."""
-        url = _url(path)
+        ``save_weights_only`` cannot restore optimizers. ``fallbacks``: when
+        ``path`` is a run's newest (``latest_checkpoint``, ``ckpt_path="last"``),
+        its older checkpoints, tried when its own files are bad."""
         self.wait()  # a save in flight may be the checkpoint asked for
+        out: list[dict[str, Any]] = []
+        first_that_loads([CheckpointInfo(_url(path), _url(path), None, ""), *fallbacks], fallback=bool(fallbacks),
+                         load=lambda c: out.append(self._load_one(c.url, model, optimizers, strict)),
+                         run_url=_url(path).rstrip("/").rpartition("/")[0])
+        return out[-1]
+
+    def _load_one(self, url: str, model: nn.Module, optimizers: list[Any], strict: bool) -> dict[str, Any]:
+        self.loaders_from = None  # (the checkpoint that loads sets it)
         storage = open_storage(url, **self.storage_options)
         if is_native(storage):  # Lightning's own ModelParallelStrategy checkpoint (a job moving onto bytecp)
             return load_native(url, storage, model, optimizers, strict=strict, allow_pickle=self.allow_pickle,
@@ -426,14 +438,14 @@ class BytecpStrategyMixin:
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """(all ranks) Fill the live model (and, when fitting, the optimizers) in place."""
-        url = self.broadcast(_url(checkpoint_path))  # type: ignore[attr-defined]
+        url, fallbacks = self.broadcast((_url(checkpoint_path), fallbacks_of(_url(checkpoint_path))))  # type: ignore[attr-defined]
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []  # type: ignore[attr-defined]
         io = self.bytecp_io
         out = io.load_into(url, self.model, optimizers,  # type: ignore[attr-defined]
-                           strict=bool(getattr(module, "strict_loading", True)))
+                           strict=bool(getattr(module, "strict_loading", True)), fallbacks=fallbacks)
         if fitting and io.loaders_from is not None:  # the train loaders exist only once the fit loop built them
             loaders_url = io.loaders_from
             defer_load(trainer, lambda state: io.load_loaders(loaders_url, state))
