@@ -473,17 +473,25 @@ def lazy_save_then_step(url: str) -> dict[str, Any]:
     return {"ref": ref, "got": got, "moved": moved}
 
 
-def _lm_args(consumed: int, kind: str) -> Any:
-    """Megatron-LM's arguments for a global batch of 12 on this job's
-    data-parallel ranks (no ``data_parallel_size``: read from Megatron's groups)."""
-    import argparse
+def _lm_args(url: str, tp: int, consumed: int, kind: str) -> Any:
+    """Megatron-LM's own ``args`` (its ``parse_args`` and ``validate_args``,
+    tests/megatron/megatron_lm) at TP=``tp``, its data settings as the
+    command line would give them: a global batch of 12 on this job's
+    data-parallel ranks, ``--dataloader-type kind`` (data sharding its
+    default); the counters as a resumed job had them."""
+    import sys
+    from pathlib import Path
 
-    from megatron.core import parallel_state
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from interop.torch_dist_cases import megatron_lm_args
 
-    dp = parallel_state.get_data_parallel_world_size()
-    return argparse.Namespace(consumed_train_samples=consumed, skipped_train_samples=0, consumed_valid_samples=4,
-                              micro_batch_size=12 // dp, global_batch_size=12, dataloader_type=kind,
-                              data_sharding=True)
+    args = megatron_lm_args(url, tp)
+    assert args.dataloader_type == "single" and args.data_sharding and args.consumed_train_samples == 0
+    args.micro_batch_size, args.global_batch_size = 12 // args.data_parallel_size, 12
+    args.dataloader_type, args.consumed_train_samples, args.consumed_valid_samples = kind, consumed, 4
+    return args
 
 
 def save_lm_data(url: str, tp: int, consumed: int, kind: str) -> None:
@@ -491,7 +499,7 @@ def save_lm_data(url: str, tp: int, consumed: int, kind: str) -> None:
     from bytecp.adapters.megatron import MegatronLMData
 
     build(tp)
-    state = {"model": _STATE["model"], "data": MegatronLMData(_lm_args(consumed, kind), total_samples=144)}
+    state = {"model": _STATE["model"], "data": MegatronLMData(_lm_args(url, tp, consumed, kind), total_samples=144)}
     with CpuDeviceMode():
         bytecp.save(url, state)
 
@@ -503,7 +511,7 @@ def load_lm_data(url: str, tp: int, kind: str, mode: str = "exact") -> dict[str,
 
     build(tp, seed=99)
     before = full_model_state()
-    args = _lm_args(0, kind)
+    args = _lm_args(url, tp, 0, kind)
     args.consumed_valid_samples = 0
     try:
         with CpuDeviceMode():
