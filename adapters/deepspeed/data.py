@@ -185,11 +185,14 @@ class DeepSpeedLoaderResharder(Resharder):
             raise DataReshardError(f"the data order changed ({'; '.join(changed)}): an unknown number of samples "
                                    "would repeat or be skipped")
         new_dp, per_rank = int(s.num_replicas), int(s.num_samples)
-        col = [int(v) for v in saved.column("samples")]
-        consumed = dp * min(col)
-        repeat = (sum(col) - min(col) * len(col)) * dp // len(col)
-        whys = [f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; resuming "
-                f"at the slowest, {repeat} sample(s) would be seen twice)"] if repeat else []
+        try:  # alike on every saved rank (a synchronous run): O(1) of the record
+            consumed, repeat, whys = dp * int(saved.value("samples")), 0, []
+        except ValueError:  # the saved ranks stopped at different positions: resume at the slowest
+            col = [int(v) for v in saved.column("samples")]
+            consumed = dp * min(col)
+            repeat = (sum(col) - min(col) * len(col)) * dp // len(col)
+            whys = [f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; "
+                    f"resuming at the slowest, {repeat} sample(s) would be seen twice)"]
         _, total = sampler_sizes(int(there["dataset_len"]), new_dp, bool(there["drop_last"]))
         mine = 0 if finished else per_rank if consumed >= total else consumed // new_dp
         if not finished and consumed < total and consumed % new_dp:
