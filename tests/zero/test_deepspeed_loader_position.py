@@ -20,10 +20,10 @@ if importlib.util.find_spec("deepspeed") is None:
     pytest.skip("deepspeed is not installed (make test installs it)", allow_module_level=True)
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
+from bytecp.adapters.deepspeed.data import LoaderPosition  # noqa: E402
 from deepspeed.runtime.dataloader import DeepSpeedDataLoader  # noqa: E402
 from torch.utils.data import DistributedSampler  # noqa: E402
 
-from bytecp.adapters.deepspeed.data import LoaderPosition  # noqa: E402
 from bytecp.data import position_of  # noqa: E402
 from bytecp.data.positions import merge_positions  # noqa: E402
 from bytecp.data.restore import restore_data  # noqa: E402
