@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from bytecp import device_memory, faults
-from bytecp.adapter_api import detect_adapter
+from bytecp.adapter_api import detect_adapter, looking
 from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
@@ -115,17 +116,22 @@ class SavePipeline:
 
         def describe() -> Described:
             wait_for_previous(self.trace)
-            adapter = detect_adapter(self.state, self.opts.framework)
-            with self.trace.span("plan"):
-                flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
-                parallelism = adapter.parallelism(self.state, self.ctx)
+            with looking():  # one look at the live state: adapters check each module once
+                adapter = detect_adapter(self.state, self.opts.framework)
+                with self.trace.span("plan"):
+                    flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
+                    parallelism = adapter.parallelism(self.state, self.ctx)
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
-                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
+                memo: dict[int, Any] = {id(x): x for x in flat.shared}  # kept as they are (never mutated)
+                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects, memo),
                                            per_rank=copy.deepcopy(flat.per_rank))
-            return Described(flat, adapter.name, parallelism,
-                             tokens=live_tokens(flat) if adapter.tracks_versions else None,
-                             ready=device_memory.ready_events(
-                                 sh.tensor for leaf in flat.tensors.values() for sh in leaf.shards))
+            ready = device_memory.ready_events(itertools.chain(
+                (t for p in flat.pieces for t in p.cuda),
+                (sh.tensor for _, leaf in flat.loose_tensors() for sh in leaf.shards)))
+            # a lazy save of host tensors reads their versions on its thread, before it copies them;
+            # a device's count moves when a change is queued, so its tensors' are read now, with the event
+            tokens = live_tokens(flat, read=not self.opts.lazy or bool(ready)) if adapter.tracks_versions else None
+            return Described(flat, adapter.name, parallelism, tokens=tokens, ready=ready)
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -159,6 +165,8 @@ class SavePipeline:
         def snapshot() -> Described:
             arena = self.stager
             assert isinstance(arena, ArenaStager)
+            if described.tokens is not None:
+                described.tokens.read()  # the versions before the bytes: never newer than the copy
             verify = bool(self.opts.verify_replicas)
             live = described.flat
             with self.trace.span("stage") as sp:
