@@ -66,7 +66,7 @@ from bytecp.tree.skeleton import key_ok
 from bytecp.tree.state import Prebuilt, prebuild
 
 __all__ = [
-    "ModuleWatch", "OptimizerWatch", "reuses", "describe", "modules", "parameters", "holds_module", "holds_parameter",
+    "ModuleWatch", "OptimizerWatch", "DescribeStats", "DESCRIBE_STATS", "reuses", "describe", "modules", "parameters", "holds_module", "holds_parameter",
     "forget_all",
 ]
 
@@ -431,6 +431,18 @@ class _Entry:
         return all(w.unchanged() for w in self.watches.values())
 
 
+@dataclasses.dataclass
+class DescribeStats:
+    """How this process's saves described their state (read by tests and
+    benchmarks): from the pieces kept, or afresh (pieces then kept or not)."""
+
+    kept: int = 0
+    described: int = 0
+
+
+#: counted by :func:`describe`
+DESCRIBE_STATS = DescribeStats()
+
 #: descriptions kept, by (adapter class, rank, world size, the ids of the state's modules and optimizers)
 _ENTRIES: dict[tuple[Any, ...], _Entry] = {}
 _MAX_ENTRIES = 8
@@ -465,6 +477,7 @@ def describe(adapter: Any, state: dict[str, Any], ctx: DistContext) -> dict[Any,
     with _lock:
         entry = _ENTRIES.get(key)
         if entry is not None and entry.holds(state):
+            DESCRIBE_STATS.kept += 1
             call = AdapterCall(state, ctx, None, {}, dict(entry.param_names))
             tree: dict[Any, Any] = {}
             for k, v in state.items():
@@ -479,6 +492,7 @@ def describe(adapter: Any, state: dict[str, Any], ctx: DistContext) -> dict[Any,
                     tree[k] = piece
             return tree
         _ENTRIES.pop(key, None)
+        DESCRIBE_STATS.described += 1
     call = adapter.begin(state, ctx, None)
     tree = {k: adapter._save_value(call, v) for k, v in state.items()}
     entry = _build(adapter, call, state, tree, key)

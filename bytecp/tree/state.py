@@ -276,6 +276,8 @@ class Prebuilt:
     #: the first FQN of each tensor object and of each full tensor's memory (as the walk keeps them)
     by_id: dict[int, str]
     by_memory: dict[tuple[Any, ...], str]
+    #: the data pointers among ``by_memory``'s keys (cheap to compare: tuple keys hash anew each time)
+    pointers: frozenset[int]
     #: every shard of its tensors, in order
     shards: tuple[PieceShard, ...]
     #: one tensor on each CUDA device its tensors use
@@ -338,6 +340,8 @@ class _Walk:
         #: ... and each spliced piece's
         self.by_ids: list[dict[int, str]] = [self.by_id]
         self.by_memories: list[dict[tuple[Any, ...], str]] = [self.by_memory]
+        self.pointers: set[int] = set()
+        self.pointer_sets: list[AbstractSet[int]] = [self.pointers]
         #: the object the walk met at each tensor leaf's FQN (ids stay unique while the walk runs)
         self.origin: dict[str, Any] = {}
         self.pieces: list[Prebuilt] = []
@@ -374,6 +378,7 @@ class _Walk:
         self.by_id[id(v)] = fqn
         if mem is not None:
             self.by_memory[mem] = fqn
+            self.pointers.add(mem[2])
         if not isinstance(v, TensorLeaf):  # a state dict's tensors are detached already
             v = TensorLeaf.full(v.detach() if v.requires_grad or type(v) is not torch.Tensor else v)
         self.out.tensors[self.claim(fqn)] = v
@@ -396,11 +401,13 @@ class _Walk:
 
         if not (all(apart(claimed, p.names) for claimed in self.seen)
                 and all(apart(ids.keys(), p.by_id.keys()) for ids in self.by_ids)
-                and all(apart(mems.keys(), p.by_memory.keys()) for mems in self.by_memories)):
+                and (all(apart(ptrs, p.pointers) for ptrs in self.pointer_sets)
+                     or all(apart(mems.keys(), p.by_memory.keys()) for mems in self.by_memories))):
             return False
         self.seen.append(p.names)
         self.by_ids.append(p.by_id)
         self.by_memories.append(p.by_memory)
+        self.pointer_sets.append(p.pointers)
         out = self.out
         out.tensors.update(p.flat.tensors)
         out.objects.update(p.flat.objects)
@@ -479,8 +486,8 @@ def prebuild(tree: Any, fqn: str, *, shared: tuple[Any, ...] = ()) -> Prebuilt:
             if t.device.type == "cuda":
                 cuda.setdefault(t.device, t)
     names = frozenset(w.names)
-    return Prebuilt(fqn, flat, names, w.by_id, w.by_memory, tuple(shards), tuple(cuda.values()), shared,
-                    w.origin)
+    return Prebuilt(fqn, flat, names, w.by_id, w.by_memory, frozenset(w.pointers), tuple(shards),
+                    tuple(cuda.values()), shared, w.origin)
 
 
 def merge_aliases(
