@@ -401,7 +401,7 @@ def _getter(positions: Sequence[int]) -> Callable[[Sequence[Any]], tuple[Any, ..
     if len(positions) == 1:
         (i,) = positions
         return lambda values: (values[i],)
-    return operator.itemgetter(*positions)  # type: ignore[return-value]
+    return operator.itemgetter(*positions)
 
 
 # -- one state's description -------------------------------------------------
@@ -519,11 +519,12 @@ def _build(adapter: Any, call: AdapterCall, state: dict[str, Any], tree: dict[An
         if not key_ok(k) or type(k) is not str:
             return None
         w: ModuleWatch | OptimizerWatch
+        shared: tuple[Any, ...] = ()
         if isinstance(v, nn.Module):
             mw = ModuleWatch(v)
             with _lock:
                 _WATCHES[v] = mw
-            w, shared = mw, ()
+            w = mw
         else:
             params = [p for g in v.param_groups for p in g["params"]]
             fqns: list[str] = []

@@ -134,7 +134,7 @@ def live_tokens(flat: FlatTree, *, read: bool = True) -> Tokens:
     return tokens
 
 
-def _token_of(tokens: Tokens, fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
+def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
     for region, tok, t in tokens.get(fqn, ()):
         if region.contains(box):
             return tok, t

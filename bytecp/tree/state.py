@@ -303,7 +303,7 @@ class Prebuilt:
                 return PerRank(flat.per_rank[name])
             return Whole(flat.objects[name])
 
-        return flat.skeleton.build(leaf)  # type: ignore[arg-type]
+        return flat.skeleton.build(leaf)
 
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:

@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 import torch
+from bytecp.adapters import _watch
+from bytecp.adapters._watch import DESCRIBE_STATS
 from torch import nn
 
 import bytecp
-from bytecp.adapters import _watch
-from bytecp.adapters._watch import DESCRIBE_STATS
 from bytecp.saving.reuse import LAST_SAVES
 
 from .helpers import same_bits
