@@ -141,7 +141,8 @@ class SavePipeline:
         for this state (all this rank can write now), else every box it holds."""
 
         def share() -> Share:
-            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
+            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks,
+                                          self.ctx.group)
             cached = PLAN_CACHE.latest(self._cache_key(), fingerprint)
             if cached is None:
                 return Share(local, fingerprint, local.items)
@@ -213,7 +214,7 @@ class SavePipeline:
             if described.share is not None:  # a snapshot described the live state already
                 local, fingerprint = described.share.local, described.share.fingerprint
             else:
-                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks)
+                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks, ctx.group)
             mine.update(local=local, fingerprint=fingerprint, replaced=None)
             save_id: str | None = None
             objects: tuple[str, ...] = ()

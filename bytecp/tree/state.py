@@ -286,6 +286,9 @@ class Prebuilt:
     shared: tuple[Any, ...] = ()
     #: the object the walk met at each tensor leaf's FQN (kept: ids stay unique while the piece lives)
     origin: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: answers computed from the pieces of a state whose first piece this is
+    #: (shared by its copies :meth:`with_objects` makes; dropped with the piece)
+    memo: dict[Any, Any] = dataclasses.field(default_factory=dict)
 
     def with_objects(self, objects: dict[str, Any], shared: tuple[Any, ...] = ()) -> Prebuilt:
         """This piece with this save's ``objects`` (the same names as its own)."""
