@@ -42,9 +42,10 @@ them.
 
 Called by :class:`~bytecp.adapters.plain.PlainAdapter.save_tree` (every
 rank, the save pipeline's describe phase, inside
-:func:`bytecp.adapter_api.looking`), and by the module adapters' ``detect``
-and ``parallelism`` (:func:`modules`, :func:`parameters`), which then walk
-no module tree whose structure is known.
+:func:`bytecp.adapter_api.looking`: each watch checks once per look), and
+by the module adapters' ``detect`` and ``parallelism`` (:func:`holds_module`,
+:func:`holds_parameter`, :func:`parameters`), which then walk no module
+tree whose structure is known.
 """
 
 from __future__ import annotations
@@ -66,8 +67,8 @@ from bytecp.tree.skeleton import key_ok
 from bytecp.tree.state import Prebuilt, prebuild
 
 __all__ = [
-    "ModuleWatch", "OptimizerWatch", "DescribeStats", "DESCRIBE_STATS", "reuses", "describe", "modules", "parameters", "holds_module", "holds_parameter",
-    "forget_all",
+    "ModuleWatch", "OptimizerWatch", "DescribeStats", "DESCRIBE_STATS", "reuses", "describe", "parameters",
+    "holds_module", "holds_parameter", "forget_all",
 ]
 
 _chain = itertools.chain.from_iterable
@@ -193,11 +194,11 @@ class ModuleWatch:
                 if b is not None and name not in np:
                     tensors.setdefault(id(b), b)
         self._memory = _Memory(tensors.values())
-        #: the unique modules and parameters, as ``modules()`` and ``parameters()`` give them
+        #: the modules below the root and the parameters, each once, as ``modules()`` and ``parameters()`` give them
         self.unique_modules = list(root.modules())[1:]
         self.unique_parameters = list(root.parameters())
-        self._look: object | None = None
-        self._answer = False
+        #: (the look it was last asked in, the answer)
+        self._memo: tuple[object | None, bool] = (None, False)
         #: answers about the tree's structure (which classes its modules are of, ...), kept with it
         self.facts: dict[Any, Any] = {}
 
@@ -208,10 +209,10 @@ class ModuleWatch:
     def unchanged(self) -> bool:
         """Whether the tree is as described (asked once per look at the live state)."""
         look = current_look()
-        if look is not None and look is self._look:
-            return self._answer
-        answer = self._check()
-        self._look, self._answer = look, answer
+        seen, answer = self._memo  # (one attribute: a describe on another thread never mixes two)
+        if look is None or seen is not look:
+            answer = self._check()
+            self._memo = (look, answer)
         return answer
 
     def _check(self) -> bool:
@@ -246,12 +247,6 @@ def _known(root: nn.Module) -> ModuleWatch | None:
     with _lock:
         w = _WATCHES.get(root)
     return w if w is not None and w.unchanged() else None
-
-
-def modules(root: nn.Module) -> list[nn.Module]:
-    """``list(root.modules())``, without walking a tree whose structure is known."""
-    w = _known(root)
-    return [root, *w.unique_modules] if w is not None else list(root.modules())
 
 
 def parameters(root: nn.Module) -> list[torch.Tensor]:
@@ -342,16 +337,16 @@ class OptimizerWatch:
         self._tensor_ids = list(map(id, self._tensors))
         self._memory = _Memory(self._tensors)
         self._groups_fqn = f"{key}.param_groups"
-        self._look: object | None = None
-        self._answer = False
+        #: (the look it was last asked in, the answer)
+        self._memo: tuple[object | None, bool] = (None, False)
 
     def unchanged(self) -> bool:
         """Whether the parameters and the state are as described (once per look)."""
         look = current_look()
-        if look is not None and look is self._look:
-            return self._answer
-        answer = self._check()
-        self._look, self._answer = look, answer
+        seen, answer = self._memo  # (one attribute: a describe on another thread never mixes two)
+        if look is None or seen is not look:
+            answer = self._check()
+            self._memo = (look, answer)
         return answer
 
     def _check(self) -> bool:
