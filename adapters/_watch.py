@@ -74,8 +74,7 @@ __all__ = [
 _chain = itertools.chain.from_iterable
 _DICTS = operator.attrgetter("_modules", "_parameters", "_buffers")
 _NON_PERSISTENT = operator.attrgetter("_non_persistent_buffers_set")
-_PRE_HOOKS = operator.attrgetter("_state_dict_pre_hooks")
-_POST_HOOKS = operator.attrgetter("_state_dict_hooks")
+_HOOKS = operator.attrgetter("_state_dict_pre_hooks", "_state_dict_hooks")
 _DTYPE = operator.attrgetter("dtype")
 _LOCAL = operator.attrgetter("_local_tensor")
 _SPEC = operator.attrgetter("_spec")
@@ -172,18 +171,24 @@ class ModuleWatch:
         self._dicts = dicts
         self._dict_ids = list(map(id, dicts))
         self._lens = list(map(len, dicts))
-        # what the non-empty dicts hold (the others are checked empty by their lengths)
-        self._full = _getter([i for i, n in enumerate(self._lens) if n])
+        # what the non-empty dicts hold (the others are checked empty by their lengths); once their
+        # keys are the same, each value is looked up by its key in its dict (``_owner``: each key's dict)
+        full_at = [i for i, n in enumerate(self._lens) if n]
+        self._full = _getter(full_at)
+        self._owner = _getter([i for i in full_at for _ in range(self._lens[i])])
         self._keys = list(_chain(self._full(dicts)))
         self._values = list(_chain(map(dict.values, self._full(dicts))))
         self._value_ids = list(map(id, self._values))
-        self._non_persistent = [set(s) for s in map(_NON_PERSISTENT, visits)]
-        self._any_non_persistent = any(self._non_persistent)
-        # hooks: how many each module has (a hook added or removed changes a count), and which ones
-        self._pre_counts = list(map(len, map(_PRE_HOOKS, visits)))
-        self._hooked = [i for i, n in enumerate(self._pre_counts) if n]
+        # the non-persistent buffer names and the state-dict hooks: the containers themselves, which torch
+        # changes in place (never replaced once a module is built), and what they held
+        self._np_sets = list(map(_NON_PERSISTENT, visits))
+        self._non_persistent = [set(s) for s in self._np_sets]
+        # hooks: how many each module has, pre and post (a hook added or removed changes a count), and which
+        self._hook_dicts = list(_chain(map(_HOOKS, visits)))
+        self._hook_counts = list(map(len, self._hook_dicts))
+        self._hooked = [i for i in range(len(visits)) if self._hook_counts[2 * i]]
         self._hooks = [h for i in self._hooked for h in visits[i]._state_dict_pre_hooks.values()]
-        if any(map(len, map(_POST_HOOKS, visits))) or not all(map(_idempotent_pre_hook, self._hooks)):
+        if any(self._hook_counts[1::2]) or not all(map(_idempotent_pre_hook, self._hooks)):
             self.describable = False
         tensors: dict[int, torch.Tensor] = {}
         for m, np in zip(visits, self._non_persistent, strict=True):
@@ -225,13 +230,11 @@ class ModuleWatch:
         dicts = list(_chain(map(_DICTS, visits)))
         if list(map(id, dicts)) != self._dict_ids or list(map(len, dicts)) != self._lens:
             return False
-        full = self._full(dicts)
-        if list(_chain(full)) != self._keys or list(map(id, _chain(map(dict.values, full)))) != self._value_ids:
+        if list(_chain(self._full(dicts))) != self._keys:
             return False
-        if (list(map(_NON_PERSISTENT, visits)) != self._non_persistent if self._any_non_persistent
-                else any(map(len, map(_NON_PERSISTENT, visits)))):
+        if list(map(id, map(dict.__getitem__, self._owner(dicts), self._keys))) != self._value_ids:
             return False
-        if any(map(len, map(_POST_HOOKS, visits))) or list(map(len, map(_PRE_HOOKS, visits))) != self._pre_counts:
+        if self._np_sets != self._non_persistent or list(map(len, self._hook_dicts)) != self._hook_counts:
             return False
         hooks = [h for i in self._hooked for h in visits[i]._state_dict_pre_hooks.values()]
         if list(map(id, hooks)) != list(map(id, self._hooks)):
