@@ -4,16 +4,15 @@
 through the subcommand registry below (imported only when used). The
 benchmarks ship with the source tree, not the package: ``make bench``.
 
-Every command follows the same exit codes (docs/guide.md, "Command line"):
+Every command follows the same exit codes (docs/operations.md, "Command line"):
 0 success; 1 the command ran and found problems (``verify``); 2 a usage
 error or a checkpoint that cannot be used (bad arguments, not a checkpoint,
 corrupt or too new, an output that exists); 3 a storage error (unreachable,
 permission denied, missing bucket, no space); 70 an internal error (a bug:
 the traceback is printed); 130 interrupted; 141 stdout was closed by its
 reader (``| head``), nothing printed. Errors are one line on stderr;
-with ``--json`` the command also prints ``{"error": ..., "exit_code": ...}``
-on stdout. Progress bars (``verify``, ``export``, ``gc``) go to stderr, only
-when it is a terminal.
+with ``--json`` the command also prints ``{"error": ..., "exit_code": ...}`` on
+stdout. Progress bars (``verify``, ``export``, ``gc``) go to stderr, if a terminal.
 """
 
 from __future__ import annotations
@@ -125,6 +124,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"format       {info['format']} (read as a source, no conversion; no checksums), save {info['save_id']}")
     print(f"saved by     {info['framework']}, world size {info['world_size']}, parallelism {json.dumps(info['parallelism'])}")
     print(f"step         {info['step']}")
+    for fqn, pos in info["data"].items():  # data loaders' positions (bytecp.data)
+        print(f"data         {fqn}: {pos['text']}")
     if info["user_metadata"]:
         print(f"metadata     {json.dumps(info['user_metadata'])}")
     print()

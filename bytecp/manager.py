@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
@@ -36,11 +35,10 @@ from bytecp import recorder
 from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
 from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
 from bytecp.format import metadata as fmt
-from bytecp.format.references import BASE_FILE
 from bytecp.interop.runs import with_foreign
-from bytecp.storage_api import Storage, open_storage
+from bytecp.storage_api import open_storage
 from bytecp.tools.cadence import Cadence, milestones
-from bytecp.tools.retention import retain
+from bytecp.tools.retention import retain, sweep_uncommitted
 from bytecp.tools.tiers import MemoryTier, restore_order
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -50,7 +48,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
 
 log = logging.getLogger(__name__)
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointManager:
@@ -81,6 +78,10 @@ class CheckpointManager:
     call, on a gloo group of its own), saves that step synchronously and
     exits with ``SystemExit(0)``. Create the manager on the main thread.
 
+    ``data_reshard="approximate"``: ``restore`` accepts a data loader's
+    position that cannot continue exactly under a new world size (see
+    :class:`~bytecp.options.LoadOptions`).
+
     ``memory_url`` (``keeper://<run>``) with ``memory_every_n_steps``:
     checkpoint to the hosts' memory every N steps, replicated to peer hosts,
     and every ``every_n_steps`` drain the memory checkpoint to ``run_url``
@@ -107,6 +108,7 @@ class CheckpointManager:
         memory_every_n_steps: int | None = None,
         memory_keep_last: int | None = 2,
         memory_storage_options: dict[str, Any] | None = None,
+        data_reshard: str = "exact",
         **save_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
@@ -122,6 +124,9 @@ class CheckpointManager:
                               "to write every save whole instead of base=")
         if lazy and not async_save:
             raise ConfigError("lazy=True needs async_save=True (a lazy save is an asynchronous one)")
+        if data_reshard not in ("exact", "approximate"):
+            raise ConfigError(f"data_reshard must be 'exact' or 'approximate', got {data_reshard!r}")
+        self.data_reshard = data_reshard
         self.run_url = run_url.rstrip("/")
         self.every_n_steps = every_n_steps
         self.keep_last, self.keep_every_n_steps = keep_last, keep_every_n_steps
@@ -369,7 +374,7 @@ class CheckpointManager:
                 order.insert(0, (first[0].info, first[0].storage_options, "memory"))
         for info, options, tier in order:
             try:
-                load(info.url, state, storage_options=options, **load_kwargs)
+                load(info.url, state, storage_options=options, **{"data_reshard": self.data_reshard, **load_kwargs})
             except Exception as e:
                 if tier == "memory" and (checkpoint_is_bad(e) or isinstance(e, StorageError)):
                     self.skipped.append((info.url, one_line(e)))
@@ -398,7 +403,7 @@ class CheckpointManager:
         listed, so an in-flight save is never counted, and the newest
         committed one is always kept. Then the files of killed saves in
         step directories below the newest committed step are removed (see
-        :meth:`_sweep_uncommitted`; with ``keep_last=None`` nothing is
+        :func:`~bytecp.tools.retention.sweep_uncommitted`; with ``keep_last=None`` nothing is
         listed, and ``bytecp gc RUN`` removes them). ``root_url``,
         ``keep_last`` and ``options``: another tier's (the memory tier's)."""
         from bytecp.dist import DistContext
@@ -422,29 +427,4 @@ class CheckpointManager:
             retain(root, kept, [n for n in found[:cut] if n not in marked], lambda: [
                 c.name for c in list_checkpoints(root_url, storage_options=options)])
             if storage_tier and infos and infos[-1].step is not None:
-                self._sweep_uncommitted(root, infos[-1].step, set(kept))
-
-    def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
-        """Remove what killed saves left in ``step-<N>`` directories with no
-        ``metadata.json`` and N below the newest committed step (a restarted
-        job may never save that step again), unless a save there may still
-        be running (:mod:`bytecp.saving.leases`), and doom markers left
-        alone by a retention cut short (nothing left to protect). Never raises."""
-        from bytecp.saving.leases import orphans
-
-        try:
-            for name in root.list_children(""):
-                m = _STEP.match(name)
-                if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
-                        f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
-                    continue  # (a retired base holds files kept checkpoints reference)
-                dead, _ = orphans(root.child(name), None)
-                left = root.child(name).list_files("")  # a retention cut short: its marker, reports
-                dead = left if left and all(f.startswith(("doomed/", "reports/")) for f in left) else dead
-                if dead:
-                    root.delete([f"{name}/{f}" for f in dead])
-                    log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
-                             len(dead), self.run_url, name)
-        except Exception as e:  # noqa: BLE001 - only garbage is at stake
-            log.warning("bytecp: could not remove files of killed saves below %s: %s", self.run_url, e)
-
+                sweep_uncommitted(root, infos[-1].step, set(kept), self.run_url)

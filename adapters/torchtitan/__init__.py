@@ -50,7 +50,7 @@ try:
     from torchtitan.tools import filesystem
 except ModuleNotFoundError as e:  # torchtitan itself goes in with --no-deps: it lists torch
     raise missing_extra(e, "torchtitan", __name__, install="pip install --no-deps torchtitan==0.3.0 "
-                        "&& pip install 'bytecp[torchtitan]' (docs/integrations.md)") from None
+                        "&& pip install 'bytecp[torchtitan]' (docs/torchtitan.md)") from None
 
 import bytecp
 from bytecp.adapter_api import register_adapter

@@ -27,6 +27,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bytecp.data.positions import check_data
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
@@ -225,6 +226,8 @@ class Metadata:
     #: version 3: checkpoints of the same run whose data files this one's
     #: rows name (``../<name>/data/...``): name -> the save id committed there
     references: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: data loaders' positions (fqn of a per-rank value -> every rank's position merged: FORMAT.md §6.8)
+    data: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: (the coordinator's commit) the JSON text of ``skeleton`` and ``tensors``, kept between saves
     encoded: EncodedMembers | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -257,6 +260,8 @@ class Metadata:
         }
         if self.aliases:
             d["aliases"] = self.aliases
+        if self.data:
+            d["data"] = self.data
         if self.index is not None:
             d["index"] = self.index.to_json()
         if self.references and self.format_version < 4:
@@ -315,6 +320,7 @@ class Metadata:
                 index=(member("index", lambda x: PartsDirectory.from_json(x, where)) if version >= 4
                        else IndexDirectory.from_json(d["index"], where) if version >= 2 else None),
                 references=check_references(d.get("references"), where) if version >= 3 else {},
+                data=check_data(d.get("data"), where, int(d["world_size"])),
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
@@ -413,18 +419,9 @@ def check_references(d: Any, where: str) -> dict[str, str]:
 
 
 def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
-    cols: dict[str, list[Any]] = {f.name: [] for f in INDEX_SCHEMA}
-    for c in chunks:
-        cols["fqn"].append(c.fqn)
-        cols["dtype"].append(c.dtype)
-        cols["global_shape"].append(list(c.global_shape))
-        cols["offsets"].append(list(c.offsets))
-        cols["lengths"].append(list(c.lengths))
-        cols["file"].append(c.file)
-        cols["byte_offset"].append(c.byte_offset)
-        cols["nbytes"].append(c.nbytes)
-        cols["crc32c"].append(c.crc32c)
-    return pa.table(cols, schema=INDEX_SCHEMA)
+    rows = [(c.fqn, c.dtype, list(c.global_shape), list(c.offsets), list(c.lengths), c.file, c.byte_offset,
+             c.nbytes, c.crc32c) for c in chunks]  # INDEX_SCHEMA's order
+    return pa.table({f.name: [r[i] for r in rows] for i, f in enumerate(INDEX_SCHEMA)}, schema=INDEX_SCHEMA)
 
 
 def column_values(table: pa.Table, name: str) -> list[Any]:

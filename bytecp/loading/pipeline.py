@@ -219,6 +219,8 @@ class LoadPipeline:
             def apply() -> None:
                 with excluding(self.opts.exclude):
                     target.finalize(matched.values)
+                for after in matched.after:  # a resharded loader's sampler epoch
+                    after()
                 if self._adapted is not None and self.state is not None:
                     self.state.update(self._adapted)
 

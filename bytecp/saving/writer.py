@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -82,6 +83,8 @@ class RankOutput:
     batch: ChunkBatch | None = None
     objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
+    #: per-rank fqn -> this rank's data position as JSON text (merged by the coordinator: bytecp.data.positions)
+    data: dict[str, str] = dataclasses.field(default_factory=dict)
     #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
     replica_crcs: dict[tuple[str, Region], int] | None = None
     #: at commit: the entries of the index part this rank wrote and its 0-dim
@@ -95,6 +98,7 @@ class RankOutput:
         self.data_files.update(other.data_files)
         self.objects.update(other.objects)
         self.per_rank.update(other.per_rank)
+        self.data.update(other.data)
 
 
 def source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
@@ -215,11 +219,14 @@ def write_data_files(
     io_threads: int,
     allow_pickle: bool,
     first_file: int = 0,
+    data: dict[str, dict[str, Any]] | None = None,
 ) -> RankOutput:
     """(every rank) Write data files ``first_file``, ``first_file+1``... of this
     rank (one per writer thread) holding ``staged`` and the blobs of
-    ``objects``/``per_rank``; JSON-able values become inline records."""
-    out = RankOutput()
+    ``objects``/``per_rank``; JSON-able values become inline records. The
+    data positions of ``per_rank``'s loaders (``data``) go to the commit as
+    JSON text (alike on most ranks: the coordinator groups them by text)."""
+    out = RankOutput(data={k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in (data or {}).items()})
     blobs: list[_Blob] = []
     pickled: set[tuple[str, str]] = set()
     for table, values in (("obj", objects), ("rank", per_rank)):

@@ -19,6 +19,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from bytecp.data.positions import summary
 from bytecp.errors import BytecpError
 from bytecp.format import limits, parts_stream
 from bytecp.format.checksum import crc32c
@@ -86,6 +87,8 @@ def summarize(storage: Storage) -> dict[str, Any]:
                                "bytes": sum(md.files_of(name).values())} for name, sid in md.references.items()},
         "objects": {k: ("json" if not r.is_blob else f"blob {r.nbytes} B") for k, r in md.objects.items()},
         "per_rank_objects": {k: sorted(v) for k, v in md.per_rank.items()},
+        # data loaders' positions: kind, epoch, samples consumed (bytecp.data)
+        "data": {k: summary(v, md.world_size) for k, v in md.data.items()},
         "totals": {
             "tensors": len(per),
             "tensor_bytes": sum(p["nbytes"] for p in per.values()),

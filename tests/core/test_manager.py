@@ -229,7 +229,7 @@ def flip_a_data_byte(ck: Path) -> None:
 
 
 def test_the_documented_resume_loop_runs_each_step_once(tmp_path: Path) -> None:
-    """README's loop, run as written, killed after step 4 and started again."""
+    """README's loop (README.md, "Quick start"), run as written, killed after step 4 and started again."""
     run = str(tmp_path / "run")
     done: list[int] = []
 
