@@ -380,11 +380,18 @@ class _Walk:
             if first is not None:
                 return first
         if mem is not None:
-            for mems in self.by_memories:
+            for i, mems in enumerate(self.by_memories):
                 first = mems.get(mem)
-                if first is not None:
+                if first is not None and (i == 0 or self._still_at(self.pieces[i - 1], first, mem)):
                     return first
         return None
+
+    @staticmethod
+    def _still_at(p: Prebuilt, name: str, mem: tuple[Any, ...]) -> bool:
+        """Whether piece ``p``'s tensor ``name`` still shows the memory it showed
+        when the piece was made (a storage reallocated in place moves it)."""
+        t = p.origin.get(name)
+        return not isinstance(t, torch.Tensor) or _memory(t) == mem
 
     def tensor(self, v: Any, fqn: str) -> Node:
         """A tensor leaf; an alias when ``v`` shares its memory with an earlier one."""
