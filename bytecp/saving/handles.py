@@ -215,6 +215,7 @@ class _Worker:
             if job is None:
                 return
             contextvars.Context().run(job)  # (never raises: a save's error goes to its handle)
+            del job  # (the save's state is not held while the thread waits for the next)
 
     def stop(self) -> threading.Thread | None:
         """(at exit) Let the thread end once its queued saves are done; -> the thread to join."""

@@ -84,23 +84,30 @@ class Tokens(Mapping[str, list[TokenEntry]]):
 
     def read(self) -> None:
         """Read every shard's version now, unless read already."""
-        with self._lock:
-            if self._versions is None:
-                self._versions = _versions([t for _, _, t, _, _ in self._shards])
+        if self._versions is None:
+            with self._lock:
+                if self._versions is None:
+                    self._versions = _versions([t for _, _, t, _, _ in self._shards])
 
     def _table(self) -> dict[str, list[TokenEntry]]:
+        table = self._by_fqn  # (set once, never changed after)
+        if table is not None:
+            return table
         self.read()
         with self._lock:
             if self._by_fqn is None:
-                table: dict[str, list[TokenEntry]] = {}
+                made: dict[str, list[TokenEntry]] = {}
                 assert self._versions is not None
                 for (fqn, region, t, ptr, device), v in zip(self._shards, self._versions, strict=True):
-                    table.setdefault(fqn, []).append((region, None if v is None else (ptr, v, device), t))
-                self._by_fqn = table
+                    made.setdefault(fqn, []).append((region, None if v is None else (ptr, v, device), t))
+                self._by_fqn = made
             return self._by_fqn
 
     def __getitem__(self, fqn: str) -> list[TokenEntry]:
         return self._table()[fqn]
+
+    def get(self, fqn: str, default: Any = None) -> Any:
+        return self._table().get(fqn, default)
 
     def __iter__(self) -> Iterator[str]:
         return iter(self._table())
