@@ -25,6 +25,7 @@ from bytecp.errors import (
     FormatVersionError,
     IncompleteCheckpointError,
     PickleNotAllowedError,
+    ResumeDecisionError,
     StateMismatchError,
     StorageError,
 )
@@ -100,6 +101,7 @@ __all__ = [
     "FormatVersionError",
     "IncompleteCheckpointError",
     "PickleNotAllowedError",
+    "ResumeDecisionError",
     "StateMismatchError",
     "StorageError",
     "__version__",

@@ -18,6 +18,7 @@ __all__ = [
     "StateMismatchError",
     "DataReshardError",
     "PickleNotAllowedError",
+    "ResumeDecisionError",
     "StorageError",
     "StoragePermissionError",
     "StorageNotFoundError",
@@ -61,6 +62,16 @@ class FormatVersionError(BytecpError):
 
 class StateMismatchError(BytecpError, ValueError):
     """The target state does not fit the checkpoint (keys, shapes, dtypes)."""
+
+
+class ResumeDecisionError(BytecpError):
+    """A run folder holds content that leaves "which checkpoint to resume"
+    undecided: a step folder no format reads (or one whose name says no
+    step) beside or above the newest checkpoint that loads, a pointer file
+    (DeepSpeed's ``latest``, Megatron-LM's ``latest_checkpointed_iteration.txt``)
+    naming a checkpoint that is not there. The message names what and what to
+    do. Never a :class:`FileNotFoundError`: no caller may read it as an empty
+    run folder and start afresh (:mod:`bytecp.tools.resume`)."""
 
 
 class DataReshardError(StateMismatchError):

@@ -32,14 +32,14 @@ from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from bytecp import recorder
-from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
-from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
+from bytecp.catalog import CheckpointInfo, list_checkpoints
+from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
-from bytecp.interop.runs import with_foreign
 from bytecp.storage_api import open_storage
 from bytecp.tools.cadence import Cadence, milestones
+from bytecp.tools.resume import Decision, decide, decide_together, first_that_loads
 from bytecp.tools.retention import retain, sweep_uncommitted
-from bytecp.tools.tiers import MemoryTier, restore_order
+from bytecp.tools.tiers import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from bytecp.saving.handles import SaveHandle
@@ -152,6 +152,8 @@ class CheckpointManager:
         self._preemption: Preemption | None = None
         self._prewarmed = False
         self.restored_from: str | None = None  # "memory" or "storage", after restore
+        #: the last ``restore``'s answer: what the run folder had to resume (:mod:`bytecp.tools.resume`)
+        self.decision: Decision | None = None
         #: the memory tier (``memory_url``, e.g. ``keeper://<run>``), see :mod:`bytecp.tools.tiers`
         self.memory: MemoryTier | None = None
         if memory_url is not None:
@@ -172,8 +174,9 @@ class CheckpointManager:
         return f"{self.run_url}/step-{step}"
 
     def latest(self) -> CheckpointInfo | None:
-        found = list_checkpoints(self.run_url, storage_options=self.storage_options)
-        return found[-1] if found else None
+        """The checkpoint ``restore`` tries first (this process lists: :mod:`bytecp.tools.resume`);
+        None when there is nothing to resume; :class:`~bytecp.errors.ResumeDecisionError` when undecided."""
+        return decide(self.run_url, self.storage_options).newest
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
         """Save if ``step`` is due (or ``force``); every rank calls it after
@@ -340,7 +343,16 @@ class CheckpointManager:
     def restore(self, state: dict[str, Any], *, fallback: bool = True, **load_kwargs: Any) -> int | None:
         """Load the newest committed checkpoint that loads into ``state`` (all
         ranks); return its step (the step that was saved, so training resumes
-        at the step after it), or ``None`` when the run has no checkpoint.
+        at the step after it), or ``None`` when the run has nothing to resume.
+
+        Which checkpoints the run holds is the one resume decision
+        (:mod:`bytecp.tools.resume`), taken on the coordinator and handed to
+        every rank: bytecp's committed checkpoints and, newer than them, those
+        of other formats; a run folder whose newest checkpoint cannot be told
+        (a step folder no format reads above the newest that loads, ...)
+        raises :class:`~bytecp.errors.ResumeDecisionError` naming it, and a
+        storage error while listing is raised: neither is ever a fresh start.
+        :attr:`decision` keeps the answer.
 
         ``fallback=True`` (the default): a checkpoint that fails verification
         or loading because its own files are bad (checksum mismatch, a data
@@ -361,39 +373,24 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        found = with_foreign(self.run_url, self.storage_options,
-                              list_checkpoints(self.run_url, storage_options=self.storage_options))
+        group = {k: load_kwargs.get(k, self.save_kwargs.get(k)) for k in ("process_group", "coordinator_rank")}
+        self.decision = decide_together(self.run_url, self.storage_options, process_group=group["process_group"],
+                                        coordinator_rank=group["coordinator_rank"] or 0)
+        found = self.decision.candidates()  # (raises, on every rank, when undecided)
         self.skipped = []
-        # the tier choice: the newest memory checkpoint first when at least as new as storage's newest
-        order = [(info, self.storage_options, "storage") for info in reversed(found)]
-        if self.memory is not None:
-            first = restore_order(self.memory.latest(), self.memory.storage_options,
-                                  found[-1] if found else None, self.storage_options)
-            self.skipped.extend(self.memory.incomplete)  # never loaded in part
-            if first and first[0].tier == "memory":
-                order.insert(0, (first[0].info, first[0].storage_options, "memory"))
-        for info, options, tier in order:
-            try:
-                load(info.url, state, storage_options=options, **{"data_reshard": self.data_reshard, **load_kwargs})
-            except Exception as e:
-                if tier == "memory" and (checkpoint_is_bad(e) or isinstance(e, StorageError)):
-                    self.skipped.append((info.url, one_line(e)))
-                    log.warning("bytecp: memory checkpoint %s does not load (%s); trying storage",
-                                info.url, one_line(e))
-                    continue
-                if not fallback or not checkpoint_is_bad(e):
-                    raise
-                why = one_line(e)
-                self.skipped.append((info.url, why))
-                log.warning("bytecp: restore skips %s, which does not load (%s); trying the previous "
-                            "checkpoint (it is kept: inspect it with `bytecp verify %s`)", info.url, why, info.url)
-                continue
-            self.restored_from = tier
-            return info.step
-        if self.skipped:
-            tried = "; ".join(f"{url}: {why}" for url, why in self.skipped)
-            raise CorruptCheckpointError(f"no committed checkpoint of {self.run_url} loads: {tried}")
-        return None
+        if self.memory is not None:  # the newest memory checkpoint first when at least as new as storage's newest
+            info = self.memory.restore(found[0] if found else None, self.storage_options, state, self.skipped,
+                                       **{"data_reshard": self.data_reshard, **load_kwargs})
+            if info is not None:
+                self.restored_from = "memory"
+                return info.step
+        loaded = first_that_loads(found, lambda c: load(c.url, state, storage_options=self.storage_options,
+                                                        **{"data_reshard": self.data_reshard, **load_kwargs}),
+                                  run_url=self.run_url, fallback=fallback, skipped=self.skipped)
+        if loaded is None:  # (when every one tried was skipped, first_that_loads raised naming each)
+            return None
+        self.restored_from = "storage"
+        return loaded.step
 
     def _retain(self, root_url: str | None = None, keep_last: int | None = -1,
                 options: dict[str, Any] | None = None) -> None:

@@ -4,7 +4,12 @@ under another data-parallel layout (:mod:`bytecp.data`).
 
 - :mod:`bytecp.adapters.data.torchdata`: torchdata's ``StatefulDataLoader``
   over a map-style dataset with torch's ``DistributedSampler`` or
-  torchdata's ``StatefulDistributedSampler``.
+  torchdata's ``StatefulDistributedSampler``;
+- :mod:`bytecp.adapters.data.hf_datasets`: ``StatefulDataLoader`` over a
+  Hugging Face ``datasets.IterableDataset`` (its streams' cursors:
+  :mod:`bytecp.adapters.data.hf_streams`).
+
+torchtitan's dataloader has its own (:mod:`bytecp.adapters.torchtitan.data`).
 
 The core's registry names each one as a lazy string with the module its
 objects need (``torchdata.stateful_dataloader``), so nothing here is

@@ -29,6 +29,8 @@ where the sampler's epoch is set).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 import os
 from typing import Any
@@ -101,6 +103,19 @@ def _layout(loader: StatefulDataLoader) -> _Layout:
     return _Layout(sampler, name, batching, size, drop)
 
 
+def _digest(state: Any) -> str:
+    """A short digest of a loader state less its per-process seeds: alike on ranks at the same place."""
+    def strip(x: Any) -> Any:
+        if isinstance(x, dict):
+            return {k: strip(v) for k, v in x.items() if k not in ("_base_seed", "_shared_seed")}
+        if isinstance(x, list | tuple):
+            return [strip(v) for v in x]
+        return x
+
+    text = json.dumps(strip(state), sort_keys=True, default=repr)
+    return hashlib.sha1(text.encode(), usedforsecurity=False).hexdigest()[:16]
+
+
 def _main(state: dict[str, Any]) -> tuple[dict[str, Any], int]:
     """The state's sampler part (the main snapshot with workers) and the batches yielded since it."""
     if "_snapshot" in state:
@@ -150,6 +165,8 @@ class TorchdataResharder(Resharder):
             mine = dict(s.data_position())
             pos["sampler_position"] = mine
             pos.update({k: mine[k] for k in ("epoch", "samples", "dp_size") if k in mine})
+        else:  # a sampler of no known order: whether every rank stands at the same place of the same stream
+            pos["replica"] = _digest(state)
         return pos
 
     def same_layout(self, loader: Any, position: dict[str, Any]) -> bool:
@@ -169,11 +186,23 @@ class TorchdataResharder(Resharder):
             if name != lay.name:
                 raise DataReshardError(f"saved with sampler {name}, the loader here has {lay.name}")
             return self._hooked(loader, lay, saved, rank, world_size)
+        if not lay.known and name not in _KNOWN.values() and self._replicated(loader, lay, saved):
+            # every saved rank read the same stream to the same place (no distributed sampler): each new
+            # rank continues it from there, as every saved rank would have
+            return saved.state(saved.template_rank(rank))
         if not lay.known or name not in _KNOWN.values():
             raise DataReshardError(
                 f"its sampler ({name if name not in _KNOWN.values() else lay.name}) is not a DistributedSampler "
                 "(nor a StatefulDistributedSampler) and has no reshard method: no known resharding")
         return self._distributed(loader, lay, saved, rank, world_size)
+
+    @staticmethod
+    def _replicated(loader: Any, lay: _Layout, saved: SavedData) -> bool:
+        try:
+            there = [saved.value(k) for k in ("replica", "sampler", "batching", "batch_size", "num_workers")]
+        except ValueError:
+            return False
+        return there[0] is not None and there[1:] == [lay.name, lay.batching, lay.batch_size, int(loader.num_workers)]
 
     # ------------------------------------------------------------------ the distributed samplers
     def _distributed(self, loader: Any, lay: _Layout, saved: SavedData, rank: int, world_size: int) -> Any:

@@ -21,9 +21,12 @@ a new kind of loader (docs/extending.md "Data loaders"):
   position cannot continue exactly, naming the samples that would repeat or
   be skipped.
 
-The built-in resharder: torchdata's ``StatefulDataLoader`` over a map-style
+The built-in resharders: torchdata's ``StatefulDataLoader`` over a map-style
 dataset with torch's ``DistributedSampler`` or torchdata's
-``StatefulDistributedSampler`` (:mod:`bytecp.adapters.data.torchdata`).
+``StatefulDistributedSampler`` (:mod:`bytecp.adapters.data.torchdata`), over
+a Hugging Face ``datasets.IterableDataset``
+(:mod:`bytecp.adapters.data.hf_datasets`), and torchtitan's dataloader
+(:mod:`bytecp.adapters.torchtitan.data`).
 """
 
 from __future__ import annotations

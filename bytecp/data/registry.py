@@ -103,6 +103,8 @@ class Resharded:
 #: kind -> (resharder, or "module:attr" not yet imported; the module that must be imported for its objects to exist)
 _RESHARDERS: dict[str, tuple[Resharder | str, str | None]] = {
     "torchdata": ("bytecp.adapters.data.torchdata:TorchdataResharder", "torchdata.stateful_dataloader"),
+    "hf_datasets": ("bytecp.adapters.data.hf_datasets:HFIterableResharder", "datasets"),
+    "torchtitan": ("bytecp.adapters.torchtitan.data:TorchtitanResharder", "torchtitan.components.dataloader"),
 }
 _lock = threading.RLock()
 _discovered = False

@@ -1,12 +1,7 @@
-"""The on-storage format (docs/FORMAT.md is the normative spec).
-
-```
-<checkpoint>/
-  data/<save_id>/<rank>-<n>.bin    raw little-endian bytes, chunk after chunk, 4 KiB aligned
-  index/<save_id>/<rank>.parquet   that rank's chunks (one row per chunk)
-  reports/<rank>.json              per-rank monitoring report (informational)
-  metadata.json                    written LAST, atomically: the commit point
-```
+"""The on-storage format (docs/FORMAT.md is the normative spec): data files
+``data/<save_id>/<rank>-<n>.bin`` (raw little-endian bytes, 4 KiB aligned),
+the index ``index/<save_id>/...``, and ``metadata.json``, written last
+(the commit point).
 
 Files of one save carry its ``save_id``, so a save onto an existing
 checkpoint (``overwrite=True``) never touches the files the committed
@@ -67,7 +62,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "bytecp"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
@@ -155,6 +150,8 @@ class ChunkRecord:
     byte_offset: int
     nbytes: int
     crc32c: int
+    #: version 5, chunks over one block: each block's crc32c, packed (:mod:`bytecp.format.checksum`)
+    blocks: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +331,10 @@ class Metadata:
             check_path(f, "index", where)
         if self.index is not None:
             check_path(self.index.file, "index", where)
+            if isinstance(self.index, PartsDirectory) and (self.index.block_bytes is None) != (self.format_version < 5):
+                raise CorruptCheckpointError(f"{where}: metadata.json's index {'lacks' if self.format_version >= 5 else 'has'}"
+                                             f" block_bytes, which format version {self.format_version} "
+                                             f"{'requires' if self.format_version >= 5 else 'does not know'}")
             if self.index_files:
                 raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
         refs = self.references if self.format_version >= 3 else None

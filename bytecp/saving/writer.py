@@ -22,15 +22,17 @@ from typing import Any
 
 import torch
 
+from bytecp import faults
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import Sums, crc32c, sums
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.objects import serialize
 from bytecp.format.parts_build import build_part
 from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.plan.planner import WriteItem
 from bytecp.storage_api import SharedArena, Storage
+from bytecp.tree.buffers import Guard
 from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
 from bytecp.tree.state import TensorLeaf
@@ -60,14 +62,16 @@ class Staged:
 
     item: WriteItem
     data: memoryview
-    #: crc32c of ``data`` when the stager computed it on the way (else the writer does)
-    crc: int | None = None
+    #: crc32c and block checksums of ``data`` when the stager computed them on the way (else the writer does)
+    sums: Sums | None = None
     #: ``data`` followed by zeros up to a multiple of :data:`~bytecp.format.metadata.ALIGNMENT`
     #: (page-aligned in the staging arena): written whole in place of data + padding
     padded: memoryview | None = None
     #: the storage's lent arena holding ``data`` at ``offset`` (laid out as a data file): adopted, not written
     arena: SharedArena | None = None
     offset: int = 0
+    #: the reused arena ``data`` lies in and the token of the stage that filled it (checked once written)
+    use: tuple[Guard, int] | None = None
 
 
 @dataclasses.dataclass
@@ -179,15 +183,15 @@ def _write_one_file(
         else:
             start = append(s.data)
         it = s.item
-        chunks.append(
-            fmt.ChunkRecord(
-                it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
-                path, start, len(s.data), crc32c(s.data) if s.crc is None else s.crc,
-            )
-        )
+        got = sums(s.data) if s.sums is None else s.sums
+        chunks.append(fmt.ChunkRecord(it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
+                                      path, start, len(s.data), got.crc, got.blocks))
     for blob in blobs:
         placed.append((blob, append(blob[2]), crc32c(blob[2])))
     storage.write_file(path, buffers)
+    faults.handoff("write")
+    for use in {s.use for s in staged if s.use is not None}:  # the arena was not released while it was written
+        use[0].check(use[1])
     return chunks, placed, pos
 
 
@@ -199,11 +203,11 @@ def _adopt_one_file(
     zero-padded), checksumming each chunk; -> (chunks, no blobs, size)."""
     arena = staged[0].arena
     assert arena is not None
-    crcs, starts, size = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
+    got, starts, size = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
     chunks = [
         fmt.ChunkRecord(s.item.fqn, s.item.dtype, s.item.global_shape, s.item.region.offsets,
-                        s.item.region.lengths, path, start, len(s.data), crc)
-        for s, crc, start in zip(staged, crcs, starts, strict=True)
+                        s.item.region.lengths, path, start, len(s.data), x.crc, x.blocks)
+        for s, x, start in zip(staged, got, starts, strict=True)
     ]
     return chunks, [], size
 
@@ -260,6 +264,10 @@ def write_data_files(
     else:
         with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
             results = list(ex.map(run, jobs))
+    for guard, token in {s.use for s in staged if s.use is not None}:  # written: nothing reads the arena now
+        if guard.token() == token:
+            faults.handoff("release")
+            guard.release()
     for (path, _), (chunks, placed, size) in zip(jobs, results, strict=True):
         out.chunks.extend(chunks)
         out.data_files[path] = size
@@ -287,5 +295,5 @@ def for_commit(out: RankOutput, storage: Storage, tensors: dict[str, dict[str, A
     part = build_part(batch, tensors, out.data_files, save_id, rank, buckets_for(world_size))
     if part.blobs:
         storage.write_file(part_file(save_id, rank), part.blobs)
-    return dataclasses.replace(out, chunks=[], batch=batch if world_size <= EXACT_CHECK_RANKS else None,
+    return dataclasses.replace(out, chunks=[], batch=batch.without_blocks() if world_size <= EXACT_CHECK_RANKS else None,
                                part=part.entries.encode())
