@@ -14,13 +14,15 @@ reads, checks, then places:
    with ``verify``, also the bytes its check needs beyond its own (the rest
    of its chunk's blocks at each edge: :mod:`bytecp.loading.checks`);
 2. **check**: each block's crc32c (format version 5), or the chunk's, over
-   the bytes just read (a :class:`~bytecp.loading.checks.Verifier` per
-   request, fed the bytes in order: it may run on another thread, beside
-   the next read);
+   the bytes read (a :class:`~bytecp.loading.checks.Verifier` per request,
+   fed the bytes in order). A checked request's ranges are cut into pieces
+   of :data:`CHECK_PIECE_BYTES`, and a storage that
+   :attr:`~bytecp.storage_api.Storage.reads_each` (local disk) sums each
+   piece as soon as it is in, inside the one read call, while its bytes are
+   in the CPU's cache (one call per piece would cross to the
+   request-timeout thread each time); other storages' pieces are summed
+   once the call returns;
 3. **place**: a staged request's box copied (and cast) into its target.
-   (Reading a local disk in smaller calls, to sum the bytes while they are
-   in the CPU's cache, cost more than it saved: each call crosses to the
-   request-timeout worker thread.)
 
 A checksum mismatch, a short or missing file raises
 :class:`~bytecp.errors.CorruptCheckpointError` naming the file, the tensor
@@ -49,7 +51,7 @@ import contextlib
 import dataclasses
 import os
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -71,6 +73,9 @@ __all__ = ["Target", "execute_reads", "target_waves", "READ_BATCH_MIN_BYTES", "P
 
 #: reads smaller than this per file are not split across threads
 READ_BATCH_MIN_BYTES = 8 << 20
+#: a checked read's ranges are cut into pieces of at most this, each summed as soon as it is in
+#: (while its bytes are in the CPU's cache: a second pass over a large batch reads them from memory)
+CHECK_PIECE_BYTES = 1 << 20
 
 
 @dataclasses.dataclass
@@ -190,10 +195,16 @@ class _BatchReader:
                 head, tail = edges[:before], edges[before:]
         return raw, dest, direct, head, tail, None if check is None else check[0]
 
-    def _read(self, batch: Sequence[ReadRequest], ranges: list[tuple[int, memoryview]]) -> None:
-        """One ranged-read call on the batch's file, its errors naming the tensors."""
+    def _read(self, batch: Sequence[ReadRequest], ranges: list[tuple[int, memoryview]],
+              each: Callable[[int], None] | None = None) -> None:
+        """One ranged-read call on the batch's file, its errors naming the
+        tensors; ``each(i)`` once range ``i`` is in, in order (as it arrives
+        where the storage :attr:`~bytecp.storage_api.Storage.reads_each`)."""
         first = self.chunks[batch[0].chunk]
         try:
+            if each is not None and self.storage.reads_each:
+                self.storage.read_ranges(first.file, ranges, each=each)
+                return
             self.storage.read_ranges(first.file, ranges)
         except CorruptCheckpointError as e:
             names = sorted({self.chunks[r.chunk].fqn for r in batch})
@@ -204,6 +215,9 @@ class _BatchReader:
                 f"{self.storage.url}: data file {first.file} holding tensor {first.fqn!r} region "
                 f"{Region(first.offsets, first.lengths)} is missing"
             ) from e
+        if each is not None:
+            for i in range(len(ranges)):
+                each(i)
 
     def __call__(self, batch: list[ReadRequest]) -> int:
         total = sum(r.nbytes for r in batch)
@@ -214,21 +228,38 @@ class _BatchReader:
             if not batch:
                 return total
         plans = [self._plan(r) for r in batch]
-        ranges: list[tuple[int, memoryview]] = []  # each request's bytes and those its check needs
-        for r, (raw, _, _, head, tail, _) in zip(batch, plans, strict=True):
-            if len(head):
-                ranges.append((r.byte_offset - len(head), head))
-            ranges.append((r.byte_offset, host_memoryview(raw)))
-            if len(tail):
-                ranges.append((r.byte_offset + r.nbytes, tail))
-        self._read(batch, ranges)
+        # each request's bytes and those its check needs; checked ones in pieces, each summed as it arrives
+        ranges: list[tuple[int, memoryview]] = []
+        checks: list[Verifier | None] = []
+        for r, (raw, _, _, head, tail, v) in zip(batch, plans, strict=True):
+            for offset, view in ((r.byte_offset - len(head), head), (r.byte_offset, host_memoryview(raw)),
+                                 (r.byte_offset + r.nbytes, tail)):
+                if not len(view):
+                    continue
+                if v is None:
+                    ranges.append((offset, view))
+                    checks.append(None)
+                    continue
+                for at in range(0, len(view), CHECK_PIECE_BYTES):
+                    ranges.append((offset + at, view[at : at + CHECK_PIECE_BYTES]))
+                    checks.append(v)
+        failed: list[CorruptCheckpointError] = []
+
+        def each(i: int) -> None:
+            v = checks[i]
+            if v is not None and not failed:
+                try:
+                    v.feed(ranges[i][1])
+                except CorruptCheckpointError as e:  # raised once the call returns
+                    failed.append(e)
+
+        self._read(batch, ranges, each if self.verify else None)
         faults.handoff("read")
-        for raw, _, _, head, tail, v in plans:  # every byte read checked before any is placed
-            if v is not None:
-                v.feed(head)
-                v.feed(host_memoryview(raw))
-                v.feed(tail)
-                v.done()
+        if failed:
+            raise failed[0]
+        for plan in plans:  # every byte read checked before any is placed
+            if plan[5] is not None:
+                plan[5].done()
         faults.handoff("check")
         for r, (raw, dest, direct, _, _, _) in zip(batch, plans, strict=True):
             self._place(r, raw, dest, direct)
