@@ -19,10 +19,11 @@ so load on a shared machine hits them alike:
 - **DCP**: ``dcp.load`` of the model's and optimizer's state dicts
   (``get_state_dict``/``set_state_dict``, DCP's own way of loading both).
 
-Figures: the median and minimum seconds of each over ``--repeats`` rounds
-(after one warm-up round), and the speed of each against the floor's
-(floor seconds / its seconds, medians: 1.0 is the floor, the issue's goal
-is 0.8). ``tensors`` and ``read_gb`` say what moved.
+Figures: the median and minimum wall seconds of each over ``--repeats``
+rounds (after one warm-up round), the median CPU seconds of the process
+(every thread: steadier than the wall time on a shared machine), and the
+speed of each against the floor's (floor seconds / its seconds, medians:
+1.0 is the floor), wall and CPU. ``tensors`` and ``read_gb`` say what moved.
 """
 
 from __future__ import annotations
@@ -111,12 +112,16 @@ def run(gb: float, root: str, threads: int, repeats: int) -> dict[str, Any]:
         "floor": floor, "bytecp": load(True), "bytecp_unverified": load(False), "dcp": dcp_load,
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
+    cpu: dict[str, list[float]] = {k: [] for k in cases}
     for i in range(repeats + 1):  # round 0 warms the page cache and every code path
         for name, fn in cases.items():
+            c0 = time.process_time()
             dt = fn()
             if i:
                 times[name].append(dt)
+                cpu[name].append(time.process_time() - c0)
     med = {k: statistics.median(v) for k, v in times.items()}
+    mcpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {
         "model": {"layers": cfg.layers, "hidden": cfg.hidden, "vocab": cfg.vocab},
         "state_gb": state_bytes(model, optim) / 1e9,
@@ -124,8 +129,9 @@ def run(gb: float, root: str, threads: int, repeats: int) -> dict[str, Any]:
         "read_gb": sum(b.numel() for b in bufs) / 1e9,
         "threads": threads,
         "repeats": repeats,
-        **{f"{k}_s": {"median": med[k], "min": min(v)} for k, v in times.items()},
+        **{f"{k}_s": {"median": med[k], "min": min(v), "cpu_median": mcpu[k]} for k, v in times.items()},
         **{f"{k}_speed_vs_floor": med["floor"] / med[k] for k in cases if k != "floor"},
+        **{f"{k}_cpu_vs_floor": mcpu[k] / mcpu["floor"] for k in cases if k != "floor"},
     }
 
 

@@ -13,8 +13,8 @@ checkpoints record no block checksums, so a partial read of theirs is not
 checked.
 
 A :class:`Verifier` takes the bytes of its cover in order, in any pieces,
-from whichever thread holds them (the thread that reads them, piece by
-piece as they arrive: :meth:`bytecp.storage_api.Storage.read_ranges`'
+from whichever thread holds them (the thread that reads them, range by
+range as they arrive: :meth:`bytecp.storage_api.Storage.read_ranges`'
 ``each``), and raises :class:`~bytecp.errors.CorruptCheckpointError` at the
 first block (or chunk) whose bytes do not match, naming the file, the
 tensor, the chunk's region, the block's bytes and the region being loaded.
