@@ -17,8 +17,9 @@ save, check only what the description is made of:
   same keys and the same objects), its non-persistent buffer names and its
   state-dict hooks; and per tensor, its memory (``is_set_to`` the view taken
   when it was described: the same storage, offset, sizes and strides, so a
-  ``.data =`` swap or a reshape is seen) and its dtype; a DTensor's local
-  tensor and layout (``_spec``) by identity, its local tensor's memory;
+  ``.data =`` swap or a reshape is seen), its data pointer (a storage
+  reallocated in place) and its dtype; a DTensor's local tensor and layout
+  (``_spec``) by identity, its local tensor's memory;
 - an optimizer (:class:`OptimizerWatch`): its parameter groups' parameters,
   its state's parameters, each state's keys, the very tensor objects in
   them with their memory and dtype, and that its other values are still
@@ -79,6 +80,7 @@ _DTYPE = operator.attrgetter("dtype")
 _LOCAL = operator.attrgetter("_local_tensor")
 _SPEC = operator.attrgetter("_spec")
 _IS_SET_TO = torch.Tensor.is_set_to
+_PTR = torch.Tensor.data_ptr
 #: non-tensor optimizer-state values read afresh at every save (anything else: described afresh)
 _SCALARS = frozenset({int, float, bool, str, type(None)})
 
@@ -107,20 +109,26 @@ class _Memory:
         self.plain, self.dts = plain, dts
         self.refs = [t.detach() for t in plain]
         self.dtypes = list(map(_DTYPE, plain))
+        #: data pointers: a storage reallocated in place (``untyped_storage().resize_``) is still
+        #: ``is_set_to`` its view, but the piece's shards name the old address
+        self.ptrs = list(map(_PTR, plain))
         self.locals = list(map(_LOCAL, dts))
         self.specs = list(map(_SPEC, dts))
         self.local_refs = [t.detach() for t in self.locals]
         self.local_dtypes = list(map(_DTYPE, self.locals))
+        self.local_ptrs = list(map(_PTR, self.locals))
 
     def same(self) -> bool:
-        if not all(map(_IS_SET_TO, self.plain, self.refs)) or list(map(_DTYPE, self.plain)) != self.dtypes:
+        if (not all(map(_IS_SET_TO, self.plain, self.refs)) or list(map(_DTYPE, self.plain)) != self.dtypes
+                or list(map(_PTR, self.plain)) != self.ptrs):
             return False
         if not self.dts:
             return True
         return (list(map(id, map(_LOCAL, self.dts))) == list(map(id, self.locals))
                 and list(map(id, map(_SPEC, self.dts))) == list(map(id, self.specs))
                 and all(map(_IS_SET_TO, self.locals, self.local_refs))
-                and list(map(_DTYPE, self.locals)) == self.local_dtypes)
+                and list(map(_DTYPE, self.locals)) == self.local_dtypes
+                and list(map(_PTR, self.locals)) == self.local_ptrs)
 
 
 # -- modules -----------------------------------------------------------------

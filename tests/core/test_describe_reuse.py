@@ -335,3 +335,28 @@ def test_a_module_whose_state_dict_is_its_own_is_described_at_every_save(tmp_pat
         bytecp.save(str(tmp_path / str(i)), state)
         assert DESCRIBE_STATS.described == described + 1
         assert bytecp.load_state_dict(str(tmp_path / str(i)))["model"]["_extra_state"] == {"calls": i}
+
+
+@pytest.mark.parametrize("mode", ["eager", "lazy"])  # (a blocking save hands numpy the live storage: not resizable)
+def test_a_storage_reallocated_in_place_is_described_afresh(tmp_path: Path, mode: str) -> None:
+    """A parameter whose storage is freed and reallocated in place (as FSDP2
+    does with its unsharded parameters) is still ``is_set_to`` the view kept,
+    but at another address: described afresh, saved and loaded bitwise."""
+    m = Net()
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    state = {"model": m, "optim": o}
+    train(m, o, 0)
+    saved_and_checked(mode, str(tmp_path / "0"), state)
+    w = m.lin1.weight
+    values, storage = w.detach().clone(), w.untyped_storage()
+    old = w.data_ptr()
+    nbytes = storage.nbytes()
+    storage.resize_(0)
+    keep = [torch.empty(values.numel()) for _ in range(64)]  # the old block goes to someone else
+    storage.resize_(nbytes)
+    with torch.no_grad():
+        w.copy_(values * 2)
+    assert w.data_ptr() != old and len(keep) == 64
+    described = DESCRIBE_STATS.described
+    saved_and_checked(mode, str(tmp_path / "1"), state)
+    assert DESCRIBE_STATS.described == described + 1
