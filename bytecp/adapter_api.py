@@ -36,7 +36,7 @@ from bytecp.tree.skeleton import Node
 
 __all__ = [
     "Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter", "excluded",
-    "excluding",
+    "excluding", "looking", "current_look",
 ]
 
 Finalize = Callable[[dict[str, Any]], None]
@@ -70,6 +70,28 @@ def excluding(names: Sequence[str]) -> Iterator[None]:
         yield
     finally:
         _EXCLUDED.reset(token)
+
+
+#: the look at the live state in progress (a save's describe phase), if any
+_LOOK: contextvars.ContextVar[object | None] = contextvars.ContextVar("bytecp_look", default=None)
+
+
+@contextlib.contextmanager
+def looking() -> Iterator[None]:
+    """(the save pipeline's describe phase, every rank) One look at the live
+    state: nothing changes it inside, so an adapter may check what a module
+    or an optimizer is made of once and reuse the answer for ``detect``,
+    ``save_tree`` and ``parallelism`` (:func:`current_look` names the look)."""
+    token = _LOOK.set(object())
+    try:
+        yield
+    finally:
+        _LOOK.reset(token)
+
+
+def current_look() -> object | None:
+    """(adapters) The look in progress (a new object for each), or None outside one."""
+    return _LOOK.get()
 
 
 class LoadTarget:

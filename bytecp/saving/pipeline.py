@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from bytecp import device_memory, faults
-from bytecp.adapter_api import detect_adapter
+from bytecp.adapter_api import detect_adapter, looking
 from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
@@ -115,17 +116,22 @@ class SavePipeline:
 
         def describe() -> Described:
             wait_for_previous(self.trace)
-            adapter = detect_adapter(self.state, self.opts.framework)
-            with self.trace.span("plan"):
-                flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
-                parallelism = adapter.parallelism(self.state, self.ctx)
+            with looking():  # one look at the live state: adapters check each module once
+                adapter = detect_adapter(self.state, self.opts.framework)
+                with self.trace.span("plan"):
+                    flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
+                    parallelism = adapter.parallelism(self.state, self.ctx)
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
-                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
+                memo: dict[int, Any] = {id(x): x for x in flat.shared}  # kept as they are (never mutated)
+                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects, memo),
                                            per_rank=copy.deepcopy(flat.per_rank))
-            return Described(flat, adapter.name, parallelism,
-                             tokens=live_tokens(flat) if adapter.tracks_versions else None,
-                             ready=device_memory.ready_events(
-                                 sh.tensor for leaf in flat.tensors.values() for sh in leaf.shards))
+            ready = device_memory.ready_events(itertools.chain(
+                (t for p in flat.pieces for t in p.cuda),
+                (sh.tensor for _, leaf in flat.loose_tensors() for sh in leaf.shards)))
+            # a lazy save of host tensors reads their versions on its thread, before it copies them;
+            # a device's count moves when a change is queued, so its tensors' are read now, with the event
+            tokens = live_tokens(flat, read=not self.opts.lazy or bool(ready)) if adapter.tracks_versions else None
+            return Described(flat, adapter.name, parallelism, tokens=tokens, ready=ready)
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -135,7 +141,8 @@ class SavePipeline:
         for this state (all this rank can write now), else every box it holds."""
 
         def share() -> Share:
-            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
+            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks,
+                                          self.ctx.group)
             cached = PLAN_CACHE.latest(self._cache_key(), fingerprint)
             if cached is None:
                 return Share(local, fingerprint, local.items)
@@ -159,6 +166,8 @@ class SavePipeline:
         def snapshot() -> Described:
             arena = self.stager
             assert isinstance(arena, ArenaStager)
+            if described.tokens is not None:
+                described.tokens.read()  # the versions before the bytes: never newer than the copy
             verify = bool(self.opts.verify_replicas)
             live = described.flat
             with self.trace.span("stage") as sp:
@@ -205,7 +214,7 @@ class SavePipeline:
             if described.share is not None:  # a snapshot described the live state already
                 local, fingerprint = described.share.local, described.share.fingerprint
             else:
-                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks)
+                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks, ctx.group)
             mine.update(local=local, fingerprint=fingerprint, replaced=None)
             save_id: str | None = None
             objects: tuple[str, ...] = ()
