@@ -44,10 +44,13 @@ __all__ = [
     "SERVING_DIR", "FORMAT", "VERSION", "ALIGN", "Link", "DeltaPart", "WholePart", "Entry", "RankEntries",
     "Manifest", "serving_dtype_name", "bits_dtype", "manifest_path", "entries_path", "delta_path", "whole_path",
     "relocate", "element_weights", "change_sum", "box_checksum", "encode_positions", "decode_positions",
-    "hex64", "parse_hex64", "volume",
+    "hex64", "parse_hex64", "volume", "FOLLOWERS_DIR", "held_marker", "kept_files",
 ]
 
 SERVING_DIR = "serving"
+#: a run's followers' folder (``<run>/.followers``): their leases, and the
+#: markers of the step a serving follower holds (``held/<id>.json``)
+FOLLOWERS_DIR = ".followers"
 FORMAT = "bytecp-serving"
 VERSION = 1
 #: every payload region starts at a multiple of this many bytes of its file
@@ -105,6 +108,19 @@ def delta_path(save_id: str, rank: int) -> str:
 
 def whole_path(save_id: str, rank: int) -> str:
     return f"{SERVING_DIR}/{save_id}/{rank}.whole.bin"
+
+
+def held_marker(follower_id: str) -> str:
+    """A serving follower's marker in ``<run>/.followers``: ``{"name", "save_id", "step"}`` of what it holds."""
+    return f"held/{follower_id}.json"
+
+
+def kept_files(files: Sequence[str], save_id: str) -> list[str]:
+    """Of a checkpoint's files, the serving deltas of its save that a follower
+    behind still needs (retention keeps these beyond the checkpoint): the
+    manifest and every rank's entries and changes, not the whole copies."""
+    head = f"{SERVING_DIR}/{save_id}/"
+    return [p for p in files if p.startswith(head) and not p.endswith(".whole.bin")]
 
 
 # -- positions ----------------------------------------------------------------

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -58,7 +59,7 @@ from bytecp.dist import DistContext
 from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import PIN_DIR, name_of, sibling
-from bytecp.format.serving_wire import serving_dtype_name
+from bytecp.format.serving_wire import held_marker, serving_dtype_name
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.recorder import emit_event
 from bytecp.saving import leases
@@ -165,7 +166,24 @@ class _Follower:
 
     def close(self) -> None:
         if self.lease is not None:
+            if self.dtype is not None:  # no longer holding anything retention should keep deltas after
+                with contextlib.suppress(Exception):
+                    self.lease.storage.delete([held_marker(self.id)])
             self.lease.stop()
+
+    def mark_held(self) -> None:
+        """(coordinator of a follower in a serving dtype, after each update) Tell
+        retention which step it holds: the serving deltas of later checkpoints
+        are kept while its lease lives (:func:`bytecp.tools.retention.followed_from`)."""
+        if self.lease is None or self.dtype is None or self.url is None:
+            return
+        body = {"name": self.url.rstrip("/").rsplit("/", 1)[-1], "save_id": self.save_id, "step": self.step,
+                "written": time.time()}
+        try:
+            self.lease.storage.commit(held_marker(self.id), json.dumps(body).encode())
+        except Exception as e:  # noqa: BLE001 - only the deltas a retention keeps for it are at stake
+            log.warning("bytecp.follow: cannot write its held marker under %s (%s); a retention may remove the "
+                        "deltas it needs next (it then reads those tensors whole)", self.run_url, one_line(e))
 
     def decide(self, pins: contextlib.ExitStack, stop: threading.Event, failed: set[str], idle_s: float | None,
                idle_since: float) -> _Decision:
@@ -378,6 +396,8 @@ def follow(
     try:
         if held is not None:
             ctx.run("follow/held", lambda: f.hold(held))
+            if ctx.is_coordinator:
+                f.mark_held()
         idle_since = time.monotonic()
         while True:
             with contextlib.ExitStack() as pins:  # the coordinator's pins, until every rank staged
@@ -402,6 +422,8 @@ def follow(
                     up = FollowUpdate(step=d.info.step, url=d.info.url, tier=d.tier, skipped=d.skipped,
                                       error=f"{type(e).__name__}: {one_line(e)}", held=f.url)
             idle_since = time.monotonic()
+            if up.ok and ctx.is_coordinator:
+                f.mark_held()
             if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update
                 emit_event("follower_lag_steps", float(up.lag_steps))
                 emit_event("follower_lag_seconds", up.lag_s)

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 import bytecp
+from bytecp.catalog import list_checkpoints
 from bytecp.format import serving_wire as wire
 from bytecp.saving import serving as serving_mod
 from bytecp.tree.regions import Region
@@ -311,3 +312,56 @@ def test_bad_serving_options_are_refused() -> None:
         bytecp.CheckpointManager("/tmp/x", serving_prefixes=["model"])
     with pytest.raises(bytecp.ConfigError, match="serving_dtype"):
         next(bytecp.follow("/tmp/x", {"model": _model()}, dtype=torch.int32))
+
+
+def test_retention_keeps_the_deltas_a_live_follower_needs_and_drops_them_after(tmp_path: Path) -> None:
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5, keep_last=2, full_every=100)
+    served = _model(seed=3, dtype=BF16)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
+    _train(model, opt, 1)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    assert next(gen).ok  # holds step 1 (its marker under its lease)
+    for step in range(2, 6):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    root = Path(run)
+    for gone in ("step-2", "step-3"):  # no longer checkpoints, but their deltas stay for the follower at 1
+        assert not (root / gone / "metadata.json").exists() and (root / gone / "base.json").exists()
+        assert list((root / gone / "serving").rglob("*.bin")) and not list((root / gone / "data").rglob("*"))
+    assert [c.step for c in list_checkpoints(run)] == [4, 5]
+    up = next(gen)
+    assert up.ok and up.step == 5 and up.delta_steps == 4 and up.tensors_by_delta == 4, up  # through 2 and 3
+    assert _same_bf16(served, model)
+    _train(model, opt, 6)
+    mgr.save(6, {"model": model, "optimizer": opt})  # the follower holds 5 now: 2, 3 (and 4) go whole
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == ["step-5", "step-6"]
+    gen.close()
+    assert not list((root / ".followers").rglob("held/*"))
+
+
+def test_without_a_live_follower_deltas_go_with_their_checkpoint(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5, keep_last=1)
+    held = Path(run) / ".followers" / "held"
+    held.mkdir(parents=True)  # a follower killed long ago: its marker stays, its lease does not
+    (held / "20200101T000000-deadbeef.json").write_text(json.dumps({"name": "step-0", "save_id": "x", "step": 0}))
+    for step in (1, 2, 3):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    assert sorted(p.name for p in Path(run).iterdir() if p.name.startswith("step-")) == ["step-3"]
+
+
+def test_gc_removes_the_deltas_of_a_save_that_never_committed(tmp_path: Path) -> None:
+    from bytecp.storage_api import open_storage
+    from bytecp.tools.gc import collect_garbage
+
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5)
+    _train(model, opt, 1)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    dead = Path(run) / "step-1" / "serving" / "20200101T000000-0badf00d"
+    dead.mkdir()
+    (dead / "0.json").write_text("{}")
+    (dead / "0.bin").write_bytes(b"x")
+    got = collect_garbage(open_storage(f"{run}/step-1"))
+    assert sorted(got.removed) == ["serving/20200101T000000-0badf00d/0.bin", "serving/20200101T000000-0badf00d/0.json"]
+    assert list((Path(run) / "step-1" / "serving").rglob("*.json"))  # the committed save's stay
