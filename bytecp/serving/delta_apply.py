@@ -54,6 +54,9 @@ class Target:
     fqn: str  # stored name
     box: Region
     shape: tuple[int, ...]
+    #: the serving dtype
+    dtype: torch.dtype
+    #: the live tensors holding the box (none: ``iter_weights``, which holds nothing and checks no sums)
     dsts: list[torch.Tensor]
     #: counted in the group's checksum sums (no lower rank holds this box)
     owned: bool = True
@@ -193,11 +196,12 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
          spare: dict[tuple[str, Region], torch.Tensor], dtype: str) -> None:
     full = Region((0,) * len(t.shape), t.shape)
     key = (t.fqn, t.box)
-    dst = t.dsts[0]
+    dst = t.dsts[0] if t.dsts else None
+    held: Any
     if mode.kind == "whole":
         st = spare.pop(key, None)
-        if st is None or tuple(st.shape) != t.box.lengths or st.dtype != dst.dtype or st.device.type != "cpu":
-            st = torch.empty(t.box.lengths, dtype=dst.dtype)
+        if st is None or tuple(st.shape) != t.box.lengths or st.dtype != t.dtype or st.device.type != "cpu":
+            st = torch.empty(t.box.lengths, dtype=t.dtype)
         view = _bits(st).numpy().view(dec.bits)
         filled = 0
         start = chain.steps[mode.start]
@@ -214,12 +218,12 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
             raise CorruptCheckpointError(f"{start.url}: the serving copies of {t.fqn} cover {filled} of the "
                                          f"{t.box.numel} elements of box {t.box}")
         flat = view.reshape(-1)
-        held = lambda q: flat[q]  # noqa: E731
+        held = flat.__getitem__
         out.staged[key] = st
     else:
-        if not dst.is_contiguous():
+        if dst is not None and not dst.is_contiguous():
             raise CorruptCheckpointError(f"{t.fqn}: this rank's box {t.box} is not contiguous in memory; read whole")
-        held = _held_bits(dst, dec.bits)
+        held = _held_bits(dst, dec.bits) if dst is not None else None
         flat = None
     net_p, net_b = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=dec.bits)
     for i in _steps(mode, chain):

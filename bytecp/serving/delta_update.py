@@ -202,7 +202,7 @@ def _targets(held: Mapping[str, Held], wanted: Mapping[str, str], names: Sequenc
         for box, t in held[w].boxes:
             tgt = out.get((s, box))
             if tgt is None:
-                tgt = out[(s, box)] = Target(s, box, tuple(int(d) for d in md.tensors[s]["shape"]), [],
+                tgt = out[(s, box)] = Target(s, box, tuple(int(d) for d in md.tensors[s]["shape"]), t.dtype, [],
                                              owned.get((w, box), True))
             tgt.dsts.append(t)
     return list(out.values())

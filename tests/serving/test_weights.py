@@ -91,3 +91,39 @@ def test_a_lora_follower_reads_only_the_adapters(tmp_path: Path) -> None:
             assert up.bytes_read == adapter_bytes, (up.bytes_read, adapter_bytes)
             assert up.tensors_read == 8 and up.unchanged_by_reference == up.tensors_unchanged
     gen.close()
+
+
+def test_iter_weights_scatter_triples_bring_an_engine_forward_bitwise(tmp_path: Path) -> None:
+    """An engine holding bf16 weights (loaded from ``iter_weights(dtype=)``
+    pairs) takes two steps at once from ``scatter=True`` triples: each
+    changed tensor's changed elements, applied in place; bitwise the
+    trainer's weights cast to bf16."""
+    from transformers import LlamaForCausalLM
+
+    run = str(tmp_path / "run")
+    model = cases.base_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=5, serving_dtype=torch.bfloat16)
+    _train(model, opt, 1)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    engine = LlamaForCausalLM(cases.llama_config()).to(torch.bfloat16)
+    engine.load_state_dict(dict(bytecp.iter_weights(f"{run}/step-1", names="hf", dtype="bf16")))
+    for step in (2, 3):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    params = dict(engine.named_parameters())
+    scattered = 0
+    with torch.no_grad():
+        for name, positions, values in bytecp.iter_weights(f"{run}/step-3", changed_since=f"{run}/step-1",
+                                                           dtype=torch.bfloat16, scatter=True):
+            if positions is None:
+                params[name].copy_(values)
+            else:
+                assert values.dtype == torch.bfloat16 and len(positions) == len(values) < params[name].numel()
+                params[name].view(-1)[positions] = values
+                scattered += 1
+    assert scattered == len(params)  # every weight changed, each by its changed elements alone
+    for k, v in model.state_dict().items():
+        assert torch.equal(engine.state_dict()[k].view(torch.int16), v.to(torch.bfloat16).view(torch.int16)), k
+    with pytest.raises(bytecp.ConfigError, match="scatter=True"):
+        next(bytecp.iter_weights(f"{run}/step-3", scatter=True))
