@@ -143,7 +143,7 @@ def relocate(p: np.ndarray, src: Region, dst: Region) -> tuple[np.ndarray | None
     if _is_run(src, dst):
         start = sum((o - b) * s for o, b, s in zip(src.offsets, dst.offsets, row_major_strides(dst.lengths),
                                                    strict=True))
-        return None, p + start
+        return None, (p + start if start else p)
     sstrides, dstrides = row_major_strides(src.lengths), row_major_strides(dst.lengths)
     q = np.zeros(len(p), dtype=np.int64)
     mask: np.ndarray | None = None
@@ -159,14 +159,20 @@ def relocate(p: np.ndarray, src: Region, dst: Region) -> tuple[np.ndarray | None
 
 
 # -- the element checksum -----------------------------------------------------
-def element_weights(i: np.ndarray) -> np.ndarray:
-    """``w(i)``: the ``(i+1)``-th output of SplitMix64 seeded with 0, for linear indices ``i`` (uint64)."""
-    z = (i.astype(np.uint64, copy=False) + np.uint64(1)) * _GAMMA
-    z ^= z >> np.uint64(30)
+def element_weights(i: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``w(i)``: the ``(i+1)``-th output of SplitMix64 seeded with 0, for linear
+    indices ``i`` (into ``out``, a uint64 array as long, when given)."""
+    z = np.add(i, 1, out=out, dtype=np.uint64, casting="unsafe")
+    t = np.empty_like(z)
+    z *= _GAMMA
+    np.right_shift(z, np.uint64(30), out=t)
+    z ^= t
     z *= _MIX1
-    z ^= z >> np.uint64(27)
+    np.right_shift(z, np.uint64(27), out=t)
+    z ^= t
     z *= _MIX2
-    z ^= z >> np.uint64(31)
+    np.right_shift(z, np.uint64(31), out=t)
+    z ^= t
     return z
 
 
@@ -174,10 +180,14 @@ def change_sum(g: np.ndarray, new: np.ndarray, old: np.ndarray) -> int:
     """``sum(w(g) * (new - old)) mod 2**64``: how the element checksum of a box
     moves when the elements at linear indices ``g`` go from bits ``old`` to ``new``."""
     total = 0
+    w = np.empty(min(len(g), _PIECE), dtype=np.uint64)
+    d = np.empty(min(len(g), _PIECE), dtype=np.uint64)
     for a in range(0, len(g), _PIECE):
-        w = element_weights(g[a:a + _PIECE])
-        d = new[a:a + _PIECE].astype(np.uint64) - old[a:a + _PIECE].astype(np.uint64)
-        total += int((w * d).sum(dtype=np.uint64))
+        n = min(_PIECE, len(g) - a)
+        ww, dd = element_weights(g[a:a + n], w[:n]), d[:n]
+        np.subtract(new[a:a + n], old[a:a + n], out=dd, dtype=np.uint64, casting="unsafe")
+        ww *= dd
+        total += int(ww.sum(dtype=np.uint64))
     return total & _M64
 
 
@@ -226,26 +236,44 @@ def decode_positions(buf: Any, count: int, numel: int, where: str) -> np.ndarray
         if len(b):
             raise CorruptCheckpointError(f"{where}: {len(b)} position bytes for no changed element")
         return np.zeros(0, dtype=np.int64)
+    cont = np.flatnonzero(b >= 0x80)  # continuation bytes
+    if len(cont) == 0 and len(b) == count:  # every gap in one byte
+        return _checked(b.astype(np.int64), count, numel, where)
+    if len(b) == count + len(cont) and len(cont) and cont[-1] < len(b) - 1 and not bool((b[cont + 1] >= 0x80).any()):
+        v = b.astype(np.int64)  # every gap in one or two bytes (the usual case): fold each pair into its second
+        v[cont + 1] = (v[cont + 1] << 7) | (v[cont] & 0x7F)
+        keep = np.ones(len(b), dtype=bool)
+        keep[cont] = False
+        return _checked(v[keep], count, numel, where)
     ends = np.flatnonzero(b < 0x80)
     if len(ends) != count or ends[-1] != len(b) - 1:
         raise CorruptCheckpointError(f"{where}: the position bytes hold {len(ends)} values, not {count}")
-    starts = np.empty(count, dtype=np.int64)
-    starts[0] = 0
-    starts[1:] = ends[:-1] + 1
-    lens = ends - starts + 1
-    if int(lens.max()) > 9:
-        raise CorruptCheckpointError(f"{where}: a position gap is longer than 9 bytes")
-    g = np.zeros(count, dtype=np.uint64)
-    for k in range(int(lens.max())):
-        m = lens > k
-        g[m] |= (b[starts[m] + k].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * k)
-    if int(g.max()) >= numel:
-        raise CorruptCheckpointError(f"{where}: a position lies outside its box of {numel} elements")
-    pos = np.cumsum(g, dtype=np.uint64)  # each step < numel <= 2**63: a wrap would show as a decrease
-    if (count > 1 and not bool((pos[1:] > pos[:-1]).all())) or int(pos[-1]) >= numel:
+    g = b[ends].astype(np.uint64)  # each value's last byte: all of it for the one-byte ones
+    lens = np.diff(ends, prepend=-1)
+    multi = np.flatnonzero(lens > 1)  # the few longer ones, rebuilt from their bytes
+    if len(multi):
+        longest = int(lens[multi].max())
+        if longest > 9:
+            raise CorruptCheckpointError(f"{where}: a position gap is longer than 9 bytes")
+        starts = ends[multi] - lens[multi] + 1
+        val = np.zeros(len(multi), dtype=np.uint64)
+        for k in range(longest):
+            m = np.flatnonzero(lens[multi] > k)
+            val[m] |= (b[starts[m] + k].astype(np.uint64) & np.uint64(0x7F)) << np.uint64(7 * k)
+        g[multi] = val
+    return _checked(g, count, numel, where)
+
+
+def _checked(g: np.ndarray, count: int, numel: int, where: str) -> np.ndarray:
+    """Positions from their gaps ``g``, checked: strictly increasing, below ``numel``."""
+    if int(g.max()) >= numel or (count > 1 and int(g[1:].min()) < 1):
         raise CorruptCheckpointError(f"{where}: positions are not strictly increasing inside the box's "
                                      f"{numel} elements")
-    return pos.astype(np.int64)
+    pos = np.cumsum(g, dtype=np.int64) if g.dtype != np.int64 else np.cumsum(g)
+    # gaps >= 1 and < numel: below 2**32 elements the sum cannot wrap, so the last position bounds them all
+    if int(pos[-1]) >= numel or (numel > 1 << 32 and not bool((pos[1:] > pos[:-1]).all())):
+        raise CorruptCheckpointError(f"{where}: a position lies outside its box of {numel} elements")
+    return pos
 
 
 # -- the documents ------------------------------------------------------------

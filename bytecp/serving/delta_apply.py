@@ -23,7 +23,10 @@ after :func:`bytecp.serving.deltas.choose` picked each tensor's way and
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import os
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -40,6 +43,10 @@ from bytecp.tree.regions import Region
 __all__ = ["Target", "Brought", "parts_for", "bring_forward", "verdict", "scatter", "Sums"]
 
 _M64 = (1 << 64) - 1
+#: below this many changed elements in all, boxes are brought forward on the caller's thread alone
+PARALLEL_ELEMENTS = 1 << 18
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: a saved box's checksum change at one step: (save id, fqn, offsets)
 SumKey = tuple[str, str, tuple[int, ...]]
@@ -72,6 +79,25 @@ class Brought:
     sums: Sums = dataclasses.field(default_factory=dict)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     changed_elements: int = 0
+
+
+def _map(fn: Any, items: Sequence[Any], threads: int, elements: int) -> list[Any]:
+    """``fn`` over ``items``: on the process's apply threads (kept between
+    updates) when there are ``threads`` > 1 and enough ``elements`` to pay for them."""
+    if threads <= 1 or len(items) <= 1 or elements < PARALLEL_ELEMENTS:
+        return [fn(x) for x in items]
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bytecp-apply"))
+        pool = _POOL[0]
+    return list(pool.map(fn, items))
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    _POOL.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _steps(mode: Mode, chain: Chain) -> range:
@@ -158,37 +184,62 @@ def _lookup(net_p: np.ndarray, net_b: np.ndarray, q: np.ndarray, held: Any) -> n
     return old
 
 
-def _held_bits(dst: torch.Tensor, bits: Any) -> Any:
-    flat = _bits(dst.reshape(-1))
+def _host_bits(t: torch.Tensor, bits: Any) -> np.ndarray | None:
+    """A host tensor's elements as a flat NumPy array of their bits, sharing
+    its memory (NumPy's gathers and scatters of scattered elements run several
+    times faster than torch's indexing on a busy host); None on a device."""
+    if t.device.type != "cpu":
+        return None
+    arr: np.ndarray = _bits(t.detach().reshape(-1)).numpy().view(bits)
+    return arr
 
-    def get(q: np.ndarray) -> np.ndarray:
-        idx = torch.from_numpy(q)
-        got = flat[idx.to(flat.device)] if flat.device.type != "cpu" else flat[idx]
-        return got.cpu().numpy().view(bits)
-    return get
+
+def _held_bits(dst: torch.Tensor, bits: Any) -> Any:
+    """The bits of ``dst`` at positions ``q``: a function of ``q``."""
+    arr = _host_bits(dst, bits)
+    if arr is not None:
+        return lambda q: np.take(arr, q)
+    flat = _bits(dst.reshape(-1))
+    return lambda q: flat[torch.from_numpy(q).to(flat.device)].cpu().numpy().view(bits)
 
 
 def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Target],
                   payloads: Mapping[Part, memoryview], bad: Mapping[Part, str], dtype: str,
-                  spare: dict[tuple[str, Region], torch.Tensor]) -> Brought:
-    """(every rank, local) Step 1 of the module's docstring, for ``targets``."""
-    out = Brought()
+                  spare: dict[tuple[str, Region], torch.Tensor], threads: int = 4) -> Brought:
+    """(every rank, local) Step 1 of the module's docstring, for ``targets``,
+    on up to ``threads`` threads (NumPy's gathers, scatters and sums release the GIL)."""
     dec = _Decoded(payloads, dtype)
-    for t in targets:
-        mode = modes.get(t.fqn)
-        if mode is None or mode.kind == "rows" or t.fqn in out.failed:
-            continue
+    todo = [(t, modes[t.fqn]) for t in targets if t.fqn in modes and modes[t.fqn].kind != "rows"]
+
+    def one(job: tuple[Target, Mode]) -> tuple[Target, Brought | str]:
+        t, mode = job
+        part = Brought()
         try:
-            _one(chain, mode, t, dec, out, spare, dtype)
+            _one(chain, mode, t, dec, part, spare, dtype)
         except _Missing as m:
-            out.failed[t.fqn] = bad.get(m.part, f"{chain.steps[m.part.step].url}: a serving part was not read")
+            return t, bad.get(m.part, f"{chain.steps[m.part.step].url}: a serving part was not read")
         except CorruptCheckpointError as e:
-            out.failed[t.fqn] = str(e)
-    for fqn in out.failed:  # nothing of a failed tensor goes in
-        for k in [k for k in out.nets if k[0] == fqn]:
-            del out.nets[k]
-        for k in [k for k in out.staged if k[0] == fqn]:
-            del out.staged[k]
+            return t, str(e)
+        return t, part
+
+    elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
+    done = _map(one, todo, threads, elements)
+    out = Brought()
+    for t, got in done:
+        if isinstance(got, str):
+            out.failed.setdefault(t.fqn, got)
+            continue
+        out.nets.update(got.nets)
+        out.staged.update(got.staged)
+        out.changed_elements += got.changed_elements
+        for k, (sm, n, want, numel) in got.sums.items():
+            cur = out.sums.setdefault(k, [0, 0, want, numel])
+            cur[0] = (cur[0] + sm) & _M64
+            cur[1] += n
+    if out.failed:  # nothing of a failed tensor goes in
+        out.nets = {k: v for k, v in out.nets.items() if k[0] not in out.failed}
+        out.staged = {k: v for k, v in out.staged.items() if k[0] not in out.failed}
+        out.sums = {k: v for k, v in out.sums.items() if k[1] not in out.failed}
     return out
 
 
@@ -288,35 +339,45 @@ def verdict(gathered: Sequence[tuple[Sums, Mapping[str, str]]], names: Mapping[s
 
 
 def scatter(targets: Sequence[Target], nets: Mapping[tuple[str, Region], tuple[np.ndarray, np.ndarray]],
-            dtype: torch.dtype) -> None:
+            dtype: torch.dtype, threads: int = 4) -> None:
     """(every rank, once the group agreed) Write each box's merged changes into
     its live tensors, in place; an interruption finishes every write first."""
-    jobs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    jobs: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = []
     for t in targets:
         got = nets.get((t.fqn, t.box))
         if got is None or not len(got[0]):
             continue
-        pos = torch.from_numpy(got[0])
-        vals = torch.from_numpy(np.ascontiguousarray(got[1]).view(_np_int(dtype))).view(dtype)
         seen: set[int] = set()
         for dst in t.dsts:
-            if dst.data_ptr() in seen:
-                continue
-            seen.add(dst.data_ptr())
-            jobs.append((dst, pos.to(dst.device), vals.to(dst.device)))
-    done = 0
+            if dst.data_ptr() not in seen:
+                seen.add(dst.data_ptr())
+                jobs.append((dst, got[0], got[1]))
+    done: set[int] = set()
+
+    def write(i: int) -> None:
+        dst, pos, bits = jobs[i]
+        _write(dst, pos, bits, dtype)
+        done.add(i)
+
     try:
-        with torch.no_grad():
-            for dst, pos, vals in jobs:
-                dst.view(-1)[pos] = vals
-                increment_version(dst)
-                done += 1
+        _map(write, range(len(jobs)), threads, sum(len(j[1]) for j in jobs))
     except BaseException:
-        with torch.no_grad():
-            for dst, pos, vals in jobs[done:]:
-                dst.view(-1)[pos] = vals
-                increment_version(dst)
+        for i in range(len(jobs)):
+            if i not in done:
+                _write(*jobs[i], dtype)
         raise
+
+
+def _write(dst: torch.Tensor, pos: np.ndarray, bits: np.ndarray, dtype: torch.dtype) -> None:
+    """``bits`` (the serving dtype's) at flat positions ``pos`` of ``dst``; its version moves."""
+    arr = _host_bits(dst, bits.dtype)
+    if arr is not None:
+        arr[pos] = bits
+    else:
+        vals = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(dtype))).view(dtype)
+        with torch.no_grad():
+            dst.view(-1)[torch.from_numpy(pos).to(dst.device)] = vals.to(dst.device)
+    increment_version(dst)  # incremental saves of the follower's state must see the change
 
 
 def _np_int(dtype: torch.dtype) -> Any:

@@ -6,13 +6,13 @@ read whole and cast.
 Called by :meth:`bytecp.serving.follow._Follower.update` on every rank of
 the follower, once the coordinator chose the checkpoint. In order:
 
-1. (every rank, local) open the checkpoint, decide from the index rows which
-   tensors changed (:func:`bytecp.serving.changes.changed_tensors`); for the
-   floating ones held in the serving dtype walk the chain of deltas from the
-   held save and choose each tensor's way
+1. (every rank, local) open the checkpoint; for the floating tensors held in
+   the serving dtype walk the chain of deltas from the held save and choose
+   each tensor's way
    (:mod:`bytecp.serving.deltas`); read and bring forward this rank's boxes
-   (:mod:`bytecp.serving.delta_apply`), and read the rest whole, cast
-   (:func:`bytecp.serving.staging.stage`);
+   (:mod:`bytecp.serving.delta_apply`); the deltas say which of those
+   changed, the index rows (read only for the other tensors) which of the
+   rest, read whole and cast (:func:`bytecp.serving.staging.stage`);
 2. (one all-gather) every rank's element-checksum sums and failures: a
    tensor that does not add up, or failed anywhere, is read whole by every
    rank (a second local read and one more agreement), and reported;
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -48,6 +49,9 @@ from bytecp.tree.regions import Region
 __all__ = ["Served", "owned_boxes", "update_served"]
 
 log = logging.getLogger("bytecp")
+
+#: threads that bring boxes forward and scatter them (NumPy releases the GIL for both)
+_THREADS = int(os.environ.get("BYTECP_APPLY_THREADS", min(4, os.cpu_count() or 1)))
 
 
 def owned_boxes(held: Mapping[str, Held], ctx: DistContext) -> tuple[dict[tuple[str, Region], bool], set[str]]:
@@ -114,15 +118,10 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
     def local() -> tuple[Any, Mapping[str, str]]:
         storage = open_storage(url, **options[tier])
         opened = open_checkpoint(storage)
-        if ctx.is_coordinator:
-            opened.check_sizes()
         md = opened.metadata
         wanted = f._wanted(md, url)
-        rows = f._rows(opened, wanted)
         names = list(dict.fromkeys(wanted.values()))
-        changes = (changed_tensors(names, rows, url, {}, url) if f.url is None else
-                   changed_tensors(names, rows, url, f.rows, f.url, checksums=f.checksums))
-        served = [s for s in changes.changed if _serves(f.held, wanted, s, md, sdtype) and
+        served = [s for s in names if _serves(f.held, wanted, s, md, sdtype) and
                   not any(w in partial for w, s2 in wanted.items() if s2 == s)]
         chain = Chain([], False, [])
         modes: dict[str, Mode] = {}
@@ -131,23 +130,33 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
             budget = sum(numel[s] * ITEMSIZES[md.tensors[s]["dtype"]] for s in served)
             chain = walk((url, tier, storage), md.save_id, f.save_id, sdtype, resolver(run_urls, options), budget,
                          [(s, numel[s]) for s in served], threads=f.io_threads)
-            modes = {s: choose(chain, s, numel[s], md.tensors[s]["dtype"]) for s in served}
-        targets = _targets(f.held, wanted, [s for s, m in modes.items() if m.kind != "rows"], md, owned)
+            modes = {s: m for s in served if (m := choose(chain, s, numel[s], md.tensors[s]["dtype"])).kind != "rows"}
+        # the deltas say what changed of the tensors they take; the index rows, of the rest (read only for those)
+        same = [s for s, m in modes.items() if m.kind == "chain" and not _changes(chain, s)]
+        rest = [s for s in names if s not in modes]
+        rows = f._rows(opened, {w: s for w, s in wanted.items() if s in rest}) if rest else {}
+        changes = (changed_tensors(rest, rows, url, {}, url) if f.url is None else
+                   changed_tensors(rest, rows, url, f.rows, f.url, checksums=f.checksums))
+        if changes.changed and ctx.is_coordinator:
+            opened.check_sizes()
+        targets = _targets(f.held, wanted, [s for s in modes if s not in same], md, owned)
         payloads, bad = read_payloads(chain, parts_for(chain, modes, targets), threads=f.io_threads)
-        brought = bring_forward(chain, modes, targets, payloads, bad, sdtype, f.spare)
-        whole = [s for s in changes.changed if modes.get(s, Mode("rows")).kind == "rows"]
-        staged, nbytes = stage(opened, f.held, wanted, whole, rows, f.spare, f.io_threads)
-        kept.update(opened=opened, wanted=wanted, rows=rows, changes=changes, chain=chain, modes=modes,
+        brought = bring_forward(chain, modes, targets, payloads, bad, sdtype, f.spare, threads=_THREADS)
+        staged, nbytes = stage(opened, f.held, wanted, list(changes.changed), rows, f.spare, f.io_threads)
+        kept.update(opened=opened, wanted=wanted, rows=rows, changes=changes, chain=chain, modes=modes, same=same,
                     targets=targets, brought=brought, staged=staged, nbytes=nbytes + chain.bytes_read, md=md)
         return brought.sums, brought.failed
 
     gathered = ctx.all_gather("follow/stage", local)
-    chain, brought, staged = kept["chain"], kept["brought"], kept["staged"]
+    chain, brought, staged, rows = kept["chain"], kept["brought"], kept["staged"], kept["rows"]
     bad = verdict(gathered, {s.save_id: s.url for s in chain.steps})
     nbytes = kept["nbytes"]
     if bad:  # every rank reads those whole, alike
         def again() -> tuple[dict[Any, torch.Tensor], int]:
-            return stage(kept["opened"], f.held, kept["wanted"], sorted(bad), kept["rows"], {}, f.io_threads)
+            if ctx.is_coordinator:
+                kept["opened"].check_sizes()
+            more = f._rows(kept["opened"], {w: s for w, s in kept["wanted"].items() if s in bad})
+            return stage(kept["opened"], f.held, kept["wanted"], sorted(bad), more, {}, f.io_threads)
 
         more, n2 = ctx.run("follow/stage", again)
         for k in [k for k in brought.nets if k[0] in bad]:
@@ -160,19 +169,25 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
     try:
         f.spare = swap_in(f.held, kept["wanted"], staged, f.swap)
     finally:
-        scatter(kept["targets"], brought.nets, dtype_from_name(sdtype))
-    modes, md, changes = kept["modes"], kept["md"], kept["changes"]
-    by_delta = [s for s, m in modes.items() if m.kind != "rows" and s not in bad]
+        scatter(kept["targets"], brought.nets, dtype_from_name(sdtype), threads=_THREADS)
+    modes, md, changes, same = kept["modes"], kept["md"], kept["changes"], kept["same"]
+    by_delta = [s for s in modes if s not in bad and s not in same]
     fallbacks = [f"{s}: {why}" for s, why in sorted(bad.items())] + list(dict.fromkeys(chain.problems))
     if fallbacks:
         log.warning("bytecp.follow: %s: %d tensor(s) read whole instead of by serving deltas: %s", url,
                     len(bad), "; ".join(fallbacks[:3]) + (" ..." if len(fallbacks) > 3 else ""))
-    return Served(bytes_read=nbytes, tensors_read=len(changes.changed), tensors_unchanged=len(changes.unchanged),
-                  unchanged_by_reference=changes.by_reference, tensors_by_delta=len(by_delta),
+    return Served(bytes_read=nbytes, tensors_read=len(changes.changed) + len(modes) - len(same),
+                  tensors_unchanged=len(changes.unchanged) + len(same), unchanged_by_reference=changes.by_reference,
+                  tensors_by_delta=len(by_delta),
                   delta_steps=max((len(chain.steps) - m.start - (m.kind == "whole") for s, m in modes.items()
                                    if s in by_delta), default=0),
                   elements_changed=brought.changed_elements, fallbacks=fallbacks, save_id=md.save_id,
-                  created=md.created, rows=kept["rows"])
+                  created=md.created, rows=rows)
+
+
+def _changes(chain: Chain, fqn: str) -> bool:
+    """Whether any step of ``chain`` changes an element of ``fqn``."""
+    return any(e.delta is None or e.delta.count for st in chain.steps for _, e in st.entries(fqn))
 
 
 def _numel(md: fmt.Metadata, fqn: str) -> int:

@@ -133,6 +133,49 @@ class _Decision(NamedTuple):
     tier: str = "storage"
 
 
+class _Marker:
+    """A follower's held-step marker (``<run>/.followers/held/<id>.json``),
+    written by a thread of its own: the latest of what it is given, the rest dropped."""
+
+    def __init__(self, storage: Storage, path: str, run_url: str) -> None:
+        self.storage, self.path, self.run_url = storage, path, run_url
+        self._cv = threading.Condition()
+        self._want: bytes | None = None
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="bytecp-follow-marker", daemon=True)
+        self._thread.start()
+
+    def put(self, body: bytes) -> None:
+        with self._cv:
+            self._want = body
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._want is None and not self._done:
+                    self._cv.wait()
+                body, self._want = self._want, None
+                if body is None:
+                    return
+            try:
+                self.storage.commit(self.path, body)
+            except Exception as e:  # noqa: BLE001 - only the deltas a retention keeps for it are at stake
+                log.warning("bytecp.follow: cannot write its held marker under %s (%s); a retention may remove "
+                            "the deltas it needs next (it then reads those tensors whole)", self.run_url, one_line(e))
+
+    def close(self) -> None:
+        """Write what is pending, then remove the marker."""
+        with self._cv:
+            self._done = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        try:
+            self.storage.delete([self.path])
+        except Exception:  # noqa: BLE001,S110 - a marker left behind keeps deltas until its lease lapses
+            pass
+
+
 class _Follower:
     """What the process holds: the checkpoint's URL and rows of its boxes; how it reads."""
 
@@ -149,6 +192,7 @@ class _Follower:
         self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
         #: the serving dtype the state holds its floating tensors in (None: the stored dtypes)
         self.dtype = dtype
+        self._marker: _Marker | None = None  # the held step's marker for retention (dtype=)
         if dtype is not None:  # (a group: one all-gather of the ranks' boxes)
             self.owned, self.partial = owned_boxes(self.held, ctx)
         self.url: str | None = None
@@ -165,25 +209,23 @@ class _Follower:
                             self.run_url, one_line(e))
 
     def close(self) -> None:
+        if self._marker is not None:  # no longer holding anything retention should keep deltas after
+            self._marker.close()
         if self.lease is not None:
-            if self.dtype is not None:  # no longer holding anything retention should keep deltas after
-                with contextlib.suppress(Exception):
-                    self.lease.storage.delete([held_marker(self.id)])
             self.lease.stop()
 
     def mark_held(self) -> None:
         """(coordinator of a follower in a serving dtype, after each update) Tell
         retention which step it holds: the serving deltas of later checkpoints
-        are kept while its lease lives (:func:`bytecp.tools.retention.followed_from`)."""
+        are kept while its lease lives (:func:`bytecp.tools.retention.followed_from`).
+        Written by a thread of its own, so the update is yielded at once (a
+        marker a moment behind keeps more deltas, never fewer)."""
         if self.lease is None or self.dtype is None or self.url is None:
             return
-        body = {"name": self.url.rstrip("/").rsplit("/", 1)[-1], "save_id": self.save_id, "step": self.step,
-                "written": time.time()}
-        try:
-            self.lease.storage.commit(held_marker(self.id), json.dumps(body).encode())
-        except Exception as e:  # noqa: BLE001 - only the deltas a retention keeps for it are at stake
-            log.warning("bytecp.follow: cannot write its held marker under %s (%s); a retention may remove the "
-                        "deltas it needs next (it then reads those tensors whole)", self.run_url, one_line(e))
+        if self._marker is None:
+            self._marker = _Marker(self.lease.storage, held_marker(self.id), self.run_url)
+        self._marker.put(json.dumps({"name": self.url.rstrip("/").rsplit("/", 1)[-1], "save_id": self.save_id,
+                                     "step": self.step, "written": time.time()}).encode())
 
     def decide(self, pins: contextlib.ExitStack, stop: threading.Event, failed: set[str], idle_s: float | None,
                idle_since: float) -> _Decision:
