@@ -209,20 +209,34 @@ def encode_positions(p: np.ndarray) -> bytes:
     first: the first position), each an unsigned LEB128 varint."""
     if len(p) == 0:
         return b""
-    g = np.empty(len(p), dtype=np.uint64)
+    g = np.empty(len(p), dtype=np.int64)
     g[0] = p[0]
-    np.subtract(p[1:], p[:-1], out=g[1:], casting="unsafe")
-    nb = np.ones(len(g), dtype=np.int64)
+    np.subtract(p[1:], p[:-1], out=g[1:])
+    top = int(g.max())
+    if top < 1 << 7:  # every gap in one byte
+        return g.astype(np.uint8).tobytes()
+    if top < 1 << 14:  # in one or two bytes (the usual case): the low 7 bits with the high bit, then the rest
+        isbig = g >= 1 << 7
+        big = np.flatnonzero(isbig)
+        shift = np.cumsum(isbig)  # each two-byte gap moves those after it one byte on
+        at = np.arange(len(g), dtype=np.int64) + shift - isbig
+        out = np.empty(len(g) + len(big), dtype=np.uint8)
+        out[at] = (g & 0x7F).astype(np.uint8)
+        out[at[big]] |= 0x80
+        out[at[big] + 1] = (g[big] >> 7).astype(np.uint8)
+        return out.tobytes()
+    gu = g.astype(np.uint64)
+    nb = np.ones(len(gu), dtype=np.int64)
     for k in range(1, 10):
-        big = g >= np.uint64(1 << (7 * k))
-        if not big.any():
+        more = gu >= np.uint64(1 << (7 * k))
+        if not more.any():
             break
-        nb += big
+        nb += more
     starts = np.cumsum(nb) - nb
     out = np.zeros(int(nb.sum()), dtype=np.uint8)
     for k in range(int(nb.max())):
         m = nb > k
-        byte = (g[m] >> np.uint64(7 * k)) & np.uint64(0x7F)
+        byte = (gu[m] >> np.uint64(7 * k)) & np.uint64(0x7F)
         byte |= np.where(nb[m] > k + 1, np.uint64(0x80), np.uint64(0))
         out[starts[m] + k] = byte.astype(np.uint8)
     return out.tobytes()

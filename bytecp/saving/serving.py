@@ -14,7 +14,8 @@ an async save blocks training no longer than without deltas):
    serving-dtype copy of the boxes it wrote (or referenced) in its last
    committed save of the run (:data:`SERVING_BASES`) -- into the changed
    positions and values, and the box's element checksum moved by them; a
-   box without a base (the first save, a new plan) goes whole;
+   box without a base (the first save, a new plan), or whose changes would
+   take more bytes than the box, goes whole;
 2. :meth:`ServingWriter.finish` -- the end of the write: this rank's
    ``serving/<save_id>/<rank>.json`` (entries, also for the boxes it
    references unchanged), ``.bin`` (the changes) and, on a whole save,
@@ -126,9 +127,9 @@ class _Pending:
     entry: wire.Entry
     #: the box's new values whole (a box written whole, or with no base)
     whole: torch.Tensor | None = None
-    #: else the positions that changed and their new values
-    positions: torch.Tensor | None = None
-    values: torch.Tensor | None = None
+    #: else the positions that changed and their new values' bits
+    positions: np.ndarray | None = None
+    values: np.ndarray | None = None
 
 
 class ServingWriter:
@@ -182,36 +183,37 @@ class ServingWriter:
         raw = np.frombuffer(data, dtype=np.uint8)
         src = torch.from_numpy(raw if not data.readonly else raw.copy()).view(stored)
         new = src.to(self.torch_dtype) if stored != self.torch_dtype else src.clone()
+        bits = _np_bits(new)
         old = self.base.boxes.get((fqn, box)) if self.base is not None else None
-        delta = None
-        if old is not None and old.values.numel() == new.numel():
-            changed = torch.nonzero(_bits(new) != _bits(old.values)).view(-1)
-            values = new[changed]
-            pos = changed.numpy()
+        delta = pos = values = None
+        if old is not None and old.values.numel() == new.numel():  # (NumPy: torch's indexing is slower here)
+            was = _np_bits(old.values)
+            pos = np.flatnonzero(bits != was)
+            values = bits[pos]
             g = wire.relocate(pos, box, Region((0,) * len(shape), shape))[1]
-            checksum = (old.checksum + wire.change_sum(g, _np_bits(values), _np_bits(old.values[changed]))) \
-                & ((1 << 64) - 1)
-            delta = self._delta_part(values, pos)
+            checksum = (old.checksum + wire.change_sum(g, values, was[pos])) & ((1 << 64) - 1)
             before = old.checksum
+            pbytes = wire.encode_positions(pos)
+            if len(pbytes) + values.nbytes < bits.nbytes:  # else the whole copy is fewer bytes: written instead
+                delta = self._delta_part(values, pbytes)
         else:
-            checksum, before, changed, values = wire.box_checksum(_np_bits(new), box, shape), None, None, None
-        whole = self._whole_part(new) if self.whole or old is None else None
-        entry = wire.Entry(fqn, box, checksum, before, delta, whole)
-        if whole is not None or delta is None:
+            checksum, before = wire.box_checksum(bits, box, shape), None
+        whole = self._whole_part(new) if self.whole or delta is None else None
+        entry = wire.Entry(fqn, box, checksum, before if delta is not None else None, delta, whole)
+        if whole is not None:
             self.pending[(fqn, box)] = _Pending(entry, whole=new)
         else:
-            self.pending[(fqn, box)] = _Pending(entry, positions=changed, values=values)
+            self.pending[(fqn, box)] = _Pending(entry, positions=pos, values=values)
 
-    def _delta_part(self, values: torch.Tensor, pos: np.ndarray) -> wire.DeltaPart:
-        vbytes = _np_bits(values).tobytes() if len(pos) else b""
-        pbytes = wire.encode_positions(pos)
+    def _delta_part(self, values: np.ndarray, pbytes: bytes) -> wire.DeltaPart:
+        vbytes = values.tobytes()
         at = self.delta_nbytes
-        crc = crc32c(pbytes, crc32c(vbytes)) if len(pos) else 0
+        crc = crc32c(pbytes, crc32c(vbytes)) if len(values) else 0
         n = len(vbytes) + len(pbytes)
         if n:
             self.delta_pieces += [vbytes, pbytes, bytes(-n % wire.ALIGN)]
             self.delta_nbytes += n + (-n % wire.ALIGN)
-        return wire.DeltaPart(at if n else 0, len(pos), len(pbytes), n, crc)
+        return wire.DeltaPart(at if n else 0, len(values), len(pbytes), n, crc)
 
     def _whole_part(self, new: torch.Tensor) -> wire.WholePart:
         view = _np_bits(new).data.cast("B")
@@ -265,8 +267,8 @@ class ServingWriter:
             if p.whole is not None:
                 boxes[key] = _Box(p.whole, p.entry.checksum)
             elif old is not None:
-                if p.positions is not None and p.values is not None and p.positions.numel():
-                    old.values[p.positions] = p.values
+                if p.positions is not None and p.values is not None and len(p.positions):
+                    _np_bits(old.values)[p.positions] = p.values
                 boxes[key] = _Box(old.values, p.entry.checksum)
         SERVING_BASES.put(self.key, _Base(wire.Link(self.name, save_id, step), boxes))
         self.pending = {}

@@ -15,8 +15,9 @@ each update of ``bytecp.follow(..., dtype=)``) and by
 2. :func:`choose` -- per tensor, from the entries alone: apply the chain of
    deltas, or start from a whole serving copy written at a step of the chain
    and apply the deltas after it, or read the checkpoint's own tensors and
-   cast them (``rows``), whichever reads the fewest bytes. Every rank of a
-   follower group reads the same files and so chooses alike.
+   cast them (``rows``), whichever costs the least: the bytes read, each
+   changed element of a delta counted as :data:`ELEMENT_BYTES` more. Every
+   rank of a follower group reads the same files and so chooses alike.
 3. :func:`read_payloads` -- the byte ranges of the chosen parts (a whole file
    when most of it is wanted), each checked against its crc32c.
 """
@@ -36,12 +37,18 @@ from bytecp.format.checksum import crc32c
 from bytecp.storage_api import Storage
 from bytecp.tree.dtype_names import ITEMSIZES
 
-__all__ = ["MAX_STEPS", "Step", "Chain", "Mode", "Part", "read_step", "walk", "choose", "read_payloads"]
+__all__ = ["ELEMENT_BYTES", "MAX_STEPS", "Step", "Chain", "Mode", "Part", "read_step", "walk", "choose", "read_payloads"]
 
 log = logging.getLogger("bytecp")
 
 #: the longest chain of deltas a follower walks back
 MAX_STEPS = 64
+#: what a changed element costs a follower beside its bytes -- decoding its
+#: position, checking it, gathering the value it replaces and scattering the
+#: new one -- in bytes read: measured on the benchmark's host, an element
+#: costs about what reading and checking 16 to 40 bytes whole does, so a
+#: dense delta (a large learning rate) is not taken for its bytes alone
+ELEMENT_BYTES = 16
 
 
 @dataclasses.dataclass
@@ -81,7 +88,9 @@ class Step:
         return re_ is not None and re_.previous == self.manifest.previous
 
     def cost(self, fqn: str, part: str) -> int:
-        return sum(getattr(e, part).nbytes for _, e in self.entries(fqn) if getattr(e, part) is not None)
+        """Bytes of ``fqn``'s ``part`` parts, each changed element of a delta counted :data:`ELEMENT_BYTES` more."""
+        return sum(getattr(e, part).nbytes + (ELEMENT_BYTES * e.delta.count if part == "delta" and e.delta else 0)
+                   for _, e in self.entries(fqn) if getattr(e, part) is not None)
 
 
 def read_step(storage: Storage, url: str, tier: str, save_id: str, threads: int = 8) -> Step | None:
@@ -197,7 +206,8 @@ class Mode:
 
 def choose(chain: Chain, fqn: str, numel: int, stored_dtype: str) -> Mode:
     """(every rank, alike) The cheapest way to ``fqn`` (``numel`` elements,
-    stored as ``stored_dtype``) by bytes read; ties go to deltas."""
+    stored as ``stored_dtype``): by bytes read, each changed element counted
+    :data:`ELEMENT_BYTES` more; ties go to deltas."""
     best = Mode("rows", 0, numel * ITEMSIZES[stored_dtype])
     acc = 0
     steps = chain.steps

@@ -106,8 +106,10 @@ class FollowUpdate:
     error: str | None = None
     #: the checkpoint the state holds after this update (None: nothing yet)
     held: str | None = None
-    #: (``dtype=``) the changed tensors taken by serving deltas, the longest
-    #: chain of steps applied, and the elements that changed on this rank
+    #: (``dtype=``) the changed tensors taken from the run's serving files
+    #: (their deltas, or a whole serving copy and the deltas after it) rather
+    #: than read whole and cast, the most steps of deltas applied to one, and
+    #: the elements the deltas changed on this rank
     tensors_by_delta: int = 0
     delta_steps: int = 0
     elements_changed: int = 0

@@ -130,7 +130,7 @@ def test_a_bf16_group_applies_the_deltas_of_its_own_boxes(pool: WorkerPool, tmp_
 
     run = str(tmp_path / "run")
     trainer = cases.model(seed=0)
-    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-5)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-6)
     mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=10, serving_dtype=torch.bfloat16)
     pool.run(cases.start, run, layout, None, None, torch.bfloat16, timeout=120)
     for step in range(1, 5):

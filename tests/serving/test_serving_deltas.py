@@ -141,7 +141,7 @@ def test_a_bf16_follower_takes_each_step_by_deltas_bitwise(tmp_path: Path) -> No
 
 
 def test_behind_by_several_steps_the_chain_or_whole_tensors(tmp_path: Path) -> None:
-    run, model, opt, mgr = _run(tmp_path, lr=1e-5, full_every=100)
+    run, model, opt, mgr = _run(tmp_path, lr=1e-6, full_every=100)
     served = _model(seed=3, dtype=BF16)
     gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
     _train(model, opt, 1)
@@ -153,14 +153,26 @@ def test_behind_by_several_steps_the_chain_or_whole_tensors(tmp_path: Path) -> N
     up = next(gen)
     assert up.ok and up.step == 5 and up.skipped == 3 and up.delta_steps == 4 and _by_deltas(up), up
     assert _same_bf16(served, model)
-    # a large learning rate changes nearly every element: four steps of deltas cost more than the tensors
+    # a large learning rate changes nearly every element: deltas would take more bytes than the boxes, which
+    # the trainer writes whole instead; the follower reads step 9's whole bf16 copies, not the fp32 tensors
     for g in opt.param_groups:
         g["lr"] = 0.5
     for step in (6, 7, 8, 9):
         _train(model, opt, step)
         mgr.save(step, {"model": model, "optimizer": opt})
     up = next(gen)
-    assert up.ok and up.step == 9 and up.tensors_by_delta < 4 and not up.fallbacks, up
+    assert up.ok and up.step == 9 and up.delta_steps == 0 and up.tensors_by_delta == 4 and not up.fallbacks, up
+    assert up.bytes_read < 0.6 * sum(p.numel() * 4 for p in model.parameters()), up
+    assert _same_bf16(served, model)
+    # a moderate one, several steps behind: a chain costing more than the tensors (each changed element
+    # counted as ELEMENT_BYTES more) is not taken; the tensors are read whole
+    for g in opt.param_groups:
+        g["lr"] = 1e-3
+    for step in (10, 11, 12, 13, 14, 15):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    up = next(gen)
+    assert up.ok and up.step == 15 and up.tensors_by_delta < 4 and not up.fallbacks, up
     assert _same_bf16(served, model)
     gen.close()
 
@@ -211,7 +223,7 @@ def test_a_missing_or_damaged_delta_falls_back_to_the_whole_tensor(tmp_path: Pat
 
 
 def test_a_follower_starting_mid_run_starts_from_the_last_whole_copy(tmp_path: Path) -> None:
-    run, model, opt, mgr = _run(tmp_path, lr=1e-5, full_every=4)
+    run, model, opt, mgr = _run(tmp_path, lr=1e-6, full_every=4)
     for step in range(1, 8):  # whole copies at steps 1 and 5
         _train(model, opt, step)
         mgr.save(step, {"model": model, "optimizer": opt})
@@ -322,7 +334,7 @@ def test_bad_serving_options_are_refused() -> None:
 
 
 def test_retention_keeps_the_deltas_a_live_follower_needs_and_drops_them_after(tmp_path: Path) -> None:
-    run, model, opt, mgr = _run(tmp_path, lr=1e-5, keep_last=2, full_every=100)
+    run, model, opt, mgr = _run(tmp_path, lr=1e-6, keep_last=2, full_every=100)
     served = _model(seed=3, dtype=BF16)
     gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
     _train(model, opt, 1)
