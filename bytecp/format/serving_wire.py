@@ -44,7 +44,7 @@ __all__ = [
     "SERVING_DIR", "FORMAT", "VERSION", "ALIGN", "Link", "DeltaPart", "WholePart", "Entry", "RankEntries",
     "Manifest", "serving_dtype_name", "bits_dtype", "manifest_path", "entries_path", "delta_path", "whole_path",
     "relocate", "element_weights", "change_sum", "box_checksum", "encode_positions", "decode_positions",
-    "hex64", "parse_hex64", "volume", "FOLLOWERS_DIR", "held_marker", "kept_files",
+    "hex64", "parse_hex64", "volume", "FOLLOWERS_DIR", "held_marker", "kept_files", "ELEMENT_BYTES", "delta_cost",
 ]
 
 SERVING_DIR = "serving"
@@ -55,6 +55,13 @@ FORMAT = "bytecp-serving"
 VERSION = 1
 #: every payload region starts at a multiple of this many bytes of its file
 ALIGN = 8
+#: what a changed element costs a reader beside its bytes -- decoding its
+#: position, checking it, gathering the value it replaces and scattering the
+#: new one -- counted in bytes read: on the reference benchmark's host an
+#: element costs about what reading and checking 16 to 40 bytes whole does.
+#: The reference writer writes a box whole instead of its delta when the
+#: delta costs more by this count; the reference follower chooses the same way
+ELEMENT_BYTES = 16
 _M64 = (1 << 64) - 1
 _GAMMA = np.uint64(0x9E3779B97F4A7C15)
 _MIX1 = np.uint64(0xBF58476D1CE4E5B9)
@@ -108,6 +115,11 @@ def delta_path(save_id: str, rank: int) -> str:
 
 def whole_path(save_id: str, rank: int) -> str:
     return f"{SERVING_DIR}/{save_id}/{rank}.whole.bin"
+
+
+def delta_cost(nbytes: int, count: int) -> int:
+    """A delta of ``count`` changed elements in ``nbytes``, counted in bytes read (see :data:`ELEMENT_BYTES`)."""
+    return nbytes + ELEMENT_BYTES * count
 
 
 def held_marker(follower_id: str) -> str:

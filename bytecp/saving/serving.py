@@ -15,7 +15,8 @@ an async save blocks training no longer than without deltas):
    committed save of the run (:data:`SERVING_BASES`) -- into the changed
    positions and values, and the box's element checksum moved by them; a
    box without a base (the first save, a new plan), or whose changes would
-   take more bytes than the box, goes whole;
+   cost a reader more than the box (:func:`bytecp.format.serving_wire.delta_cost`),
+   goes whole;
 2. :meth:`ServingWriter.finish` -- the end of the write: this rank's
    ``serving/<save_id>/<rank>.json`` (entries, also for the boxes it
    references unchanged), ``.bin`` (the changes) and, on a whole save,
@@ -194,8 +195,8 @@ class ServingWriter:
             checksum = (old.checksum + wire.change_sum(g, values, was[pos])) & ((1 << 64) - 1)
             before = old.checksum
             pbytes = wire.encode_positions(pos)
-            if len(pbytes) + values.nbytes < bits.nbytes:  # else the whole copy is fewer bytes: written instead
-                delta = self._delta_part(values, pbytes)
+            if wire.delta_cost(len(pbytes) + values.nbytes, len(pos)) < bits.nbytes:  # else written whole instead:
+                delta = self._delta_part(values, pbytes)  # a reader takes it for less (FORMAT.md §13)
         else:
             checksum, before = wire.box_checksum(bits, box, shape), None
         whole = self._whole_part(new) if self.whole or delta is None else None

@@ -43,12 +43,8 @@ log = logging.getLogger("bytecp")
 
 #: the longest chain of deltas a follower walks back
 MAX_STEPS = 64
-#: what a changed element costs a follower beside its bytes -- decoding its
-#: position, checking it, gathering the value it replaces and scattering the
-#: new one -- in bytes read: measured on the benchmark's host, an element
-#: costs about what reading and checking 16 to 40 bytes whole does, so a
-#: dense delta (a large learning rate) is not taken for its bytes alone
-ELEMENT_BYTES = 16
+#: a changed element of a delta counts as this many bytes read (a dense delta is not taken for its bytes alone)
+ELEMENT_BYTES = wire.ELEMENT_BYTES
 
 
 @dataclasses.dataclass
@@ -89,8 +85,8 @@ class Step:
 
     def cost(self, fqn: str, part: str) -> int:
         """Bytes of ``fqn``'s ``part`` parts, each changed element of a delta counted :data:`ELEMENT_BYTES` more."""
-        return sum(getattr(e, part).nbytes + (ELEMENT_BYTES * e.delta.count if part == "delta" and e.delta else 0)
-                   for _, e in self.entries(fqn) if getattr(e, part) is not None)
+        return sum(wire.delta_cost(e.delta.nbytes, e.delta.count) if part == "delta" and e.delta else
+                   getattr(e, part).nbytes for _, e in self.entries(fqn) if getattr(e, part) is not None)
 
 
 def read_step(storage: Storage, url: str, tier: str, save_id: str, threads: int = 8) -> Step | None:
