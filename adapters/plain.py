@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from bytecp.adapter_api import Adapter, AdapterCall, LoadTarget
+from bytecp.data import claims, position_of
 from bytecp.dist import DistContext
 from bytecp.extras import PerRankState, RNGState
 from bytecp.format.metadata import Metadata
@@ -26,7 +27,8 @@ from bytecp.tree.state import PerRank, Slot
 from ._names import ModuleNames
 from ._optim import ParamState, optimizer_target, optimizer_tree, param_groups_for_load
 
-__all__ = ["PlainAdapter", "Finalize", "is_stateful", "is_per_rank", "param_groups_for_load"]
+__all__ = ["PlainAdapter", "Finalize", "is_stateful", "is_per_rank", "per_rank_leaf", "per_rank_slot",
+           "param_groups_for_load"]
 
 Finalize = Callable[[dict[str, Any]], None]
 
@@ -36,10 +38,24 @@ def is_stateful(v: Any) -> bool:
 
 
 def is_per_rank(v: Any) -> bool:
-    """RNG states, explicit per-rank wrappers and data loaders are per rank."""
+    """RNG states, explicit per-rank wrappers and data loaders (by their class
+    name, a registered resharder or their own ``reshard`` method:
+    :mod:`bytecp.data`) are per rank."""
     if isinstance(v, (RNGState, PerRankState)):
         return True
-    return is_stateful(v) and "dataloader" in type(v).__name__.lower()
+    return is_stateful(v) and claims(v)
+
+
+def per_rank_leaf(v: Any) -> PerRank:
+    """(save) A per-rank value's state, with its data position when it is a data loader."""
+    sd = v.state_dict()
+    return PerRank(sd, data=position_of(v, sd))
+
+
+def per_rank_slot(v: Any) -> Slot:
+    """(load) The slot restoring a per-rank value, the live object kept so
+    that a data loader's position reshards when the layout changed."""
+    return Slot(per_rank=True, live=v)
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
@@ -138,7 +154,7 @@ class PlainAdapter(Adapter):
         if isinstance(v, torch.optim.Optimizer):
             return optimizer_tree(v, lambda i, p: self.param_state(call, i, p))
         if is_per_rank(v):
-            return PerRank(v.state_dict())
+            return per_rank_leaf(v)
         if is_stateful(v):
             return self._save_value(call, v.state_dict())
         if type(v) is dict:
@@ -171,7 +187,7 @@ class PlainAdapter(Adapter):
             return tree
         if is_per_rank(v) or is_stateful(v):
             finalizers.append(lambda values: v.load_state_dict(values[fqn]) if fqn in values else None)
-            return Slot(per_rank=is_per_rank(v))
+            return per_rank_slot(v) if is_per_rank(v) else Slot()
         if type(v) is dict:
             return {k: self._target(call, x, f"{fqn}.{k}", v, k, finalizers) for k, x in v.items()}
         if isinstance(v, torch.Tensor) and type(v) in (torch.Tensor, nn.Parameter):

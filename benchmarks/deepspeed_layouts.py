@@ -11,7 +11,7 @@ Phase 2, the layout change: one rank, the same model at one stage (the
 pipeline) or without TP (AutoTP). DeepSpeed goes through Universal
 Checkpointing: the offline ``ds_to_universal`` conversion plus the universal
 load; bytecp loads the phase-1 checkpoint directly. (DeepSpeed-MoE at
-ep=2 -> 1 is not here: ``ds_to_universal`` fails on it, see docs/integrations.md.)
+ep=2 -> 1 is not here: ``ds_to_universal`` fails on it, see docs/deepspeed.md.)
 
 Times are the slowest rank's between barriers, warm page cache, one run.
 Prints a Markdown table per layout; ``--out`` writes JSON.

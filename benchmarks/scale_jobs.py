@@ -37,6 +37,7 @@ from typing import Any
 import numpy as np
 
 from bytecp.format import metadata as fmt
+from bytecp.format.checksum import block_count, writer_block_bytes
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.parts_schema import box_bands, buckets_for, span_limit
 from bytecp.plan.planner import WriteItem, plan_replicated
@@ -175,7 +176,8 @@ class Job:
         for fqn, box in boxes:
             shape = self.shape(fqn)
             n = 4 * box.numel
-            recs.append(fmt.ChunkRecord(fqn, F32, shape, box.offsets, box.lengths, rank_file, pos, n, 1234))
+            blocks = bytes(4 * block_count(n, writer_block_bytes()))  # (their values do not matter here, their size does)
+            recs.append(fmt.ChunkRecord(fqn, F32, shape, box.offsets, box.lengths, rank_file, pos, n, 1234, blocks))
             pos += -(-n // fmt.ALIGNMENT) * fmt.ALIGNMENT
             specs[fqn] = {"dtype": F32, "shape": list(shape)}
         return ChunkBatch.of(recs), specs, {rank_file: pos}

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bytecp.format.checksum import writer_block_bytes
 from bytecp.format.chunk_batch import ChunkBatch, fqn_hash
 from bytecp.format.metadata import ALIGNMENT
 from bytecp.plan.exchange import PlanVote
@@ -144,11 +145,14 @@ def fsdp_batches(model: dict[str, tuple[int, ...]], world: int, *, adam: bool = 
                 sizes.append(4 * box.numel)
         nb = np.asarray(sizes, np.int64)
         pos = np.concatenate([[0], np.cumsum((nb + ALIGNMENT - 1) // ALIGNMENT * ALIGNMENT)])
+        block = writer_block_bytes()
+        nblocks = np.where(nb > block, -(-nb // block), 0)  # format version 5: one block checksum per block
         out.append(ChunkBatch(
             fqn_hash=hashes[keep], ndim=ndims[keep], offsets=np.asarray(offs, np.int64),
             lengths=np.asarray(lens, np.int64), file=np.zeros(len(keep), np.int32),
             files=[f"data/20261123T000000-00000000/{r}-0.bin"], byte_offset=pos[:-1].astype(np.int64),
             nbytes=nb, crc32c=np.full(len(keep), 1234, np.uint32),
+            nblocks=nblocks, blocks=np.full(int(nblocks.sum()), 4321, np.uint32),
         ))
     return out
 

@@ -48,14 +48,16 @@ _EXCLUDED: contextvars.ContextVar[tuple[str, ...]] = contextvars.ContextVar("byt
 
 def excluded(fqn: str, names: Sequence[str] | None = None) -> bool:
     """Whether ``fqn`` is left out of the load in progress: one of the names
-    given to ``exclude=`` (or ``names``), or under one.
+    given to ``exclude=`` (or ``names``), or under one (``name.`` or, for the
+    ``/``-named entries of other formats -- Megatron's ``rng_state/shard_0.0_1.2``
+    -- ``name/``).
 
     (an adapter's ``load_tree`` and finalizer, every rank) The core leaves
     the state's own entries under those names alone; an adapter that adds
     entries of its own (a DeepSpeed engine's optimizer, its counters) builds
     no target for an excluded one."""
     for n in _EXCLUDED.get() if names is None else names:
-        if fqn == n or fqn.startswith(n + "."):
+        if fqn == n or fqn.startswith((n + ".", n + "/")):
             return True
     return False
 

@@ -204,6 +204,7 @@ def load(
     exclude: Sequence[str] = (),
     load_timeout_s: float | None = DEFAULT_LOAD_TIMEOUT_S,
     format: str | None = None,
+    data_reshard: str = "exact",
 ) -> LoadResult:
     """Load the checkpoint at ``url`` into ``state`` in place; every rank calls it.
 
@@ -215,14 +216,16 @@ def load(
     missing and unexpected keys are reported in the result instead of raising;
     ``exclude=["optimizer", ...]`` leaves those entries out of the load;
     ``format="dcp"`` (or another source's name) reads another tool's checkpoint,
-    which is detected anyway when the URL has no ``metadata.json``.
+    which is detected anyway when the URL has no ``metadata.json``. Data
+    loaders' positions reshard when the world size changed
+    (``data_reshard="approximate"`` accepts a position that cannot continue exactly).
     """
     t0, wall0 = time.perf_counter(), time.time()
     opts = LoadOptions(
         framework=framework, strict=strict, verify=verify, allow_pickle=allow_pickle,
         io_threads=io_threads, zero_redundancy=zero_redundancy, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
-        exclude=_names(exclude), load_timeout_s=load_timeout_s, format=format,
+        exclude=_names(exclude), load_timeout_s=load_timeout_s, format=format, data_reshard=data_reshard,
     )
     _check_state(state)
     from bytecp.saving.reuse import LAST_SAVES

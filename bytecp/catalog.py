@@ -25,7 +25,7 @@ from bytecp.format.header import read_header
 from bytecp.format.references import retired_names
 from bytecp.storage_api import Storage, open_storage
 
-__all__ = ["CheckpointInfo", "list_checkpoints", "list_bases", "checkpoint_is_bad", "one_line"]
+__all__ = ["CheckpointInfo", "Unreadable", "list_checkpoints", "scan", "list_bases", "checkpoint_is_bad", "one_line"]
 
 log = logging.getLogger("bytecp.manager")
 _STEP = re.compile(r"^step-(\d+)$")
@@ -46,42 +46,66 @@ class CheckpointInfo:
     created: str
     #: format version 3: the checkpoints of the run whose files this one reads
     references: tuple[str, ...] = ()
+    #: ``"bytecp"``, or the name of the :data:`bytecp.interop.SOURCES` format that reads it
+    format: str = "bytecp"
+
+
+@dataclasses.dataclass(frozen=True)
+class Unreadable:
+    """A folder of a run whose ``metadata.json`` is bytecp's (or too damaged to
+    tell) but does not read: a committed checkpoint whose own files are bad."""
+
+    name: str
+    url: str
+    why: str
 
 
 def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[CheckpointInfo]:
     """Committed checkpoints directly below ``run_url``, oldest step first
     (each read as far as its header: a W-rank checkpoint's ``metadata.json``
-    is O(W), and retention lists the run twice per save)."""
-    root = open_storage(run_url, **(storage_options or {}))
-    out = []
-    for name in root.list_children(""):
-        if root.exists(f"{name}/{fmt.METADATA_FILE}"):
-            ck = root.child(name)  # read through the checkpoint's own storage: a step folder may be a link
-            try:
-                head = read_header(ck, committed=True)
-            except FormatVersionError:
-                raise  # never resume silently from an older checkpoint than the newest
-            except Exception as e:
-                if _bytecp(ck):  # (not another format's folder, torch_dist: bytecp.interop.runs reads those)
-                    log.warning("bytecp: skipping %s/%s: unreadable metadata.json (%s)", run_url, name, e)
-                continue
-            if head is None:
-                continue  # deleted meanwhile
-            m = _STEP.match(name)
-            step = head.step if head.step is not None else (int(m.group(1)) if m else None)
-            created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(head.created))
-            out.append(CheckpointInfo(name, f"{run_url.rstrip('/')}/{name}", step, created,
-                                      tuple(sorted(head.references))))
+    is O(W), and retention lists the run twice per save). One whose
+    ``metadata.json`` does not read is left out with a warning (the resume
+    decision, :mod:`bytecp.tools.resume`, tries it and falls back); a storage
+    error is raised, never read as "no checkpoint"."""
+    return scan(open_storage(run_url, **(storage_options or {})), run_url)[0]
+
+
+def scan(root: Storage, run_url: str, names: list[str] | None = None) -> tuple[list[CheckpointInfo], list[Unreadable]]:
+    """(the catalog, and the resume decision with the run's listing ``names``)
+    The committed checkpoints below ``root``, oldest step first, and the
+    folders whose bytecp ``metadata.json`` does not read."""
+    out: list[CheckpointInfo] = []
+    bad: list[Unreadable] = []
+    for name in root.list_children("") if names is None else names:
+        if not root.exists(f"{name}/{fmt.METADATA_FILE}"):
+            continue
+        ck = root.child(name)  # read through the checkpoint's own storage: a step folder may be a link
+        url = f"{run_url.rstrip('/')}/{name}"
+        try:
+            head = read_header(ck, committed=True)
+        except CorruptCheckpointError as e:
+            if _bytecp(ck):  # (not another format's folder, torch_dist: bytecp.interop.runs reads those)
+                log.warning("bytecp: %s has an unreadable metadata.json (%s)", url, one_line(e))
+                bad.append(Unreadable(name, url, one_line(e)))
+            continue
+        # (a newer format version, a storage error: raised, never read as "no checkpoint")
+        if head is None:
+            continue  # deleted meanwhile
+        m = _STEP.match(name)
+        step = head.step if head.step is not None else (int(m.group(1)) if m else None)
+        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(head.created))
+        out.append(CheckpointInfo(name, url, step, created, tuple(sorted(head.references))))
     out.sort(key=lambda c: (c.step is None, c.step or 0, c.created))
-    return out
+    return out, bad
 
 
 def _bytecp(ck: Storage) -> bool:
-    """Whether the unreadable ``metadata.json`` at ``ck`` is bytecp's (or too damaged to tell)."""
+    """Whether the unreadable ``metadata.json`` at ``ck`` is bytecp's (or too
+    damaged to tell); False when it is gone. A storage error is raised."""
     try:
         return fmt.names_bytecp(ck.read_bytes(fmt.METADATA_FILE))
-    except Exception:  # noqa: BLE001 - gone or unreadable: warned about as bytecp's
-        return True
+    except FileNotFoundError:
+        return False
 
 
 def list_bases(run_url: str, *, storage_options: dict[str, Any] | None = None) -> list[str]:

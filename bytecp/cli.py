@@ -4,16 +4,15 @@
 through the subcommand registry below (imported only when used). The
 benchmarks ship with the source tree, not the package: ``make bench``.
 
-Every command follows the same exit codes (docs/guide.md, "Command line"):
+Every command follows the same exit codes (docs/operations.md, "Command line"):
 0 success; 1 the command ran and found problems (``verify``); 2 a usage
 error or a checkpoint that cannot be used (bad arguments, not a checkpoint,
 corrupt or too new, an output that exists); 3 a storage error (unreachable,
 permission denied, missing bucket, no space); 70 an internal error (a bug:
 the traceback is printed); 130 interrupted; 141 stdout was closed by its
 reader (``| head``), nothing printed. Errors are one line on stderr;
-with ``--json`` the command also prints ``{"error": ..., "exit_code": ...}``
-on stdout. Progress bars (``verify``, ``export``, ``gc``) go to stderr, only
-when it is a terminal.
+with ``--json`` the command also prints ``{"error": ..., "exit_code": ...}`` on
+stdout. Progress bars (``verify``, ``export``, ``gc``) go to stderr, if a terminal.
 """
 
 from __future__ import annotations
@@ -125,6 +124,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
           f"format       {info['format']} (read as a source, no conversion; no checksums), save {info['save_id']}")
     print(f"saved by     {info['framework']}, world size {info['world_size']}, parallelism {json.dumps(info['parallelism'])}")
     print(f"step         {info['step']}")
+    for fqn, pos in info["data"].items():  # data loaders' positions (bytecp.data)
+        print(f"data         {fqn}: {pos['text']}")
     if info["user_metadata"]:
         print(f"metadata     {json.dumps(info['user_metadata'])}")
     print()
@@ -195,45 +196,32 @@ def cmd_verify(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    from bytecp.catalog import list_bases, list_checkpoints
+    """The run's checkpoints, and which one a resume takes (:mod:`bytecp.tools.resume`)."""
+    from bytecp.catalog import list_bases
+    from bytecp.tools.resume import decide
 
     options = _storage_options(args)
-    found = list_checkpoints(args.url, storage_options=options)
-    if not found:
-        _nothing_to_list(args.url, options)
+    decision = decide(args.url, options)
+    found = list(decision.checkpoints)
+    if not found and decision.blocker is None:
+        from bytecp.loading.diagnose import nothing_to_list
+
+        raise nothing_to_list(open_storage(args.url, **options))
+    pick = found[-1].url if found and decision.blocker is None else None
     if args.json:
-        print(json.dumps([dataclasses.asdict(c) for c in found], indent=2))
-        return EXIT_OK
-    for c in found:
-        refs = f"\treferences={','.join(c.references)}" if c.references else ""
-        print(f"{c.name}\tstep={c.step}\t{c.created}{refs}")
-    for name in list_bases(args.url, storage_options=_storage_options(args)):
-        print(f"{name}\t(retired: kept for the files newer checkpoints reference)")
+        print(json.dumps([{**dataclasses.asdict(c), "resume": c.url == pick} for c in found], indent=2))
+    else:
+        for c in found:
+            refs = f"\treferences={','.join(c.references)}" if c.references else ""
+            kind = f"\tformat={c.format}" if c.format != "bytecp" else ""
+            mark = "\t<- resume" if c.url == pick else ""
+            print(f"{c.name}\tstep={c.step}\t{c.created or '-'}{refs}{kind}{mark}")
+        for name in list_bases(args.url, storage_options=options):
+            print(f"{name}\t(retired: kept for the files newer checkpoints reference)")
+        for url, why in decision.passed_over:
+            print(f"{url.rstrip('/').rsplit('/', 1)[-1]}\t(no checkpoint: {why})")
+    decision.check()  # undecided: the reason, on stderr, and a non-zero exit
     return EXIT_OK
-
-
-def _nothing_to_list(url: str, options: dict[str, Any]) -> None:
-    """Raise the one-line reason ``bytecp ls URL`` lists nothing."""
-    from bytecp.errors import CheckpointNotFoundError
-    from bytecp.format.references import BASE_FILE
-    from bytecp.loading.diagnose import foreign_kind
-
-    storage = open_storage(url, **options)
-    if storage.exists("metadata.json"):
-        raise CheckpointNotFoundError(f"{url} is a checkpoint, not a run directory: `bytecp inspect {url}` describes "
-                                      "it; `bytecp ls` lists the step-<N> checkpoints of a run directory")
-    names = storage.list_children("")
-    if not names:
-        raise CheckpointNotFoundError(f"nothing at {url}: check the path")
-    foreign = foreign_kind(names)
-    if foreign is not None:
-        raise CheckpointNotFoundError(f"{url} is {foreign}")
-    uncommitted = [n for n in names if storage.list_children(n) and not storage.exists(f"{n}/metadata.json")
-                   and {"data", "index"} & set(storage.list_children(n))
-                   and not storage.exists(f"{n}/{BASE_FILE}")]  # a retired base: gc never removes it
-    tail = (f"; {', '.join(uncommitted[:5])} hold(s) files of saves that never committed (`bytecp gc {url}` "
-            "removes them)") if uncommitted else ""
-    raise CheckpointNotFoundError(f"no committed checkpoint below {url}{tail}")
 
 
 def _export_format(args: argparse.Namespace) -> str:

@@ -16,7 +16,9 @@ __all__ = [
     "CorruptCheckpointError",
     "FormatVersionError",
     "StateMismatchError",
+    "DataReshardError",
     "PickleNotAllowedError",
+    "ResumeDecisionError",
     "StorageError",
     "StoragePermissionError",
     "StorageNotFoundError",
@@ -60,6 +62,35 @@ class FormatVersionError(BytecpError):
 
 class StateMismatchError(BytecpError, ValueError):
     """The target state does not fit the checkpoint (keys, shapes, dtypes)."""
+
+
+class ResumeDecisionError(BytecpError):
+    """A run folder holds content that leaves "which checkpoint to resume"
+    undecided: a step folder no format reads (or one whose name says no
+    step) beside or above the newest checkpoint that loads, a pointer file
+    (DeepSpeed's ``latest``, Megatron-LM's ``latest_checkpointed_iteration.txt``)
+    naming a checkpoint that is not there. The message names what and what to
+    do. Never a :class:`FileNotFoundError`: no caller may read it as an empty
+    run folder and start afresh (:mod:`bytecp.tools.resume`)."""
+
+
+class DataReshardError(StateMismatchError):
+    """A data loader's position cannot continue exactly under the loading
+    job's world size (the consumed samples do not divide among the new
+    ranks, a loader of no known kind, different kinds on different ranks).
+
+    Raised by a load before it changes anything, naming the loader and how
+    many samples would repeat (``repeat``) or be skipped (``skip``; None:
+    unknown); ``load(..., data_reshard="approximate")`` proceeds instead,
+    with a warning naming the count. A resharder (:mod:`bytecp.data`)
+    raises it with ``approximate``: the state it would restore then (None:
+    the state saved by rank ``r % saved_world_size``).
+    """
+
+    def __init__(self, message: str, *, repeat: int | None = None, skip: int | None = None,
+                 approximate: object = None) -> None:
+        super().__init__(message)
+        self.repeat, self.skip, self.approximate = repeat, skip, approximate
 
 
 class PickleNotAllowedError(BytecpError):

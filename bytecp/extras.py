@@ -6,7 +6,9 @@
 dataloader, a sampler). ``bytecp.trainable(model)`` is the trainable part of
 a model (a PEFT model's adapters), to save on its own. Adapters recognise both and store them per rank.
 When a checkpoint is loaded by a different number of ranks, rank ``r``
-restores the state saved by rank ``r % saved_world_size`` and a warning says so.
+restores the state saved by rank ``r % saved_world_size`` and a warning says
+so -- except data loaders (a ``PerRankState`` is looked through): their
+position reshards to the new ranks (:mod:`bytecp.data`).
 """
 
 from __future__ import annotations

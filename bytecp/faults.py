@@ -21,16 +21,31 @@ metadata.json is written, before the outcome is broadcast; every other rank:
 just after the outcome reaches it), ``read`` (load: before matching).
 ``commit`` runs on the coordinator only (the commit is its part of the
 save's last collective): named with another rank, it never fires.
+
+Hand-offs between threads (stress tests of reused buffers and of the
+read -> check -> place sequence) are widened by random delays:
+``BYTECP_FAULT_HANDOFF=point,point:seconds`` sleeps a uniformly random time
+of up to ``seconds`` (default 0.002) at each named hand-off (``*``: every
+one) each time a thread passes it (:func:`handoff`). The points: ``read``
+(a load's bytes arrived in memory, not yet checked), ``check`` (checked,
+not yet placed into the target), ``place`` (placed), ``release`` (a reused
+buffer given back: a load's slab, a save's staging arena, the memory tier's
+arena and mapping), ``stage`` (a save's box copied into the arena, not yet
+written), ``write`` (a data file written from the arena).
 """
 
 from __future__ import annotations
 
 import os
+import random
 import signal
 import threading
 import time
 
-__all__ = ["inject", "COORDINATOR_PHASES"]
+__all__ = ["inject", "handoff", "HANDOFF_POINTS", "COORDINATOR_PHASES"]
+
+#: the hand-offs :func:`handoff` may widen
+HANDOFF_POINTS = ("read", "check", "place", "release", "stage", "write")
 
 #: the phases only the coordinator enters
 COORDINATOR_PHASES = ("commit",)
@@ -68,6 +83,34 @@ def inject(phase: str, rank: int) -> None:
         time.sleep(float(parts[2]))
     if _matches("BYTECP_FAULT_ERROR", phase, rank):
         raise RuntimeError(f"injected failure in phase {phase!r} on rank {rank}")
+
+
+def _handoff_spec(spec: str) -> tuple[frozenset[str], float]:
+    points, _, seconds = spec.rpartition(":") if ":" in spec else (spec, "", "")
+    names = frozenset(p.strip() for p in points.split(",") if p.strip())
+    unknown = sorted(names - {"*", *HANDOFF_POINTS})
+    if unknown:
+        raise ValueError(f"BYTECP_FAULT_HANDOFF={spec!r}: unknown hand-off(s) {unknown}; known: "
+                         f"{', '.join(HANDOFF_POINTS)} or *")
+    return names, float(seconds) if seconds else 0.002
+
+
+_SPEC: tuple[str, frozenset[str], float] = ("", frozenset(), 0.0)
+
+
+def handoff(point: str) -> None:
+    """(any thread) At hand-off ``point``: sleep up to the seconds
+    ``BYTECP_FAULT_HANDOFF`` gives it (nothing when it names another point or
+    is unset: one dictionary lookup)."""
+    global _SPEC
+    spec = os.environ.get("BYTECP_FAULT_HANDOFF")
+    if not spec:
+        return
+    if spec != _SPEC[0]:
+        _SPEC = (spec, *_handoff_spec(spec))
+    _, names, seconds = _SPEC
+    if point in names or "*" in names:
+        time.sleep(random.uniform(0.0, seconds))
 
 
 def _kill(pid: int) -> None:

@@ -27,21 +27,19 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import threading
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 from bytecp import recorder
-from bytecp.catalog import CheckpointInfo, checkpoint_is_bad, list_checkpoints, one_line
-from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError
+from bytecp.catalog import CheckpointInfo, list_checkpoints
+from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
-from bytecp.format.references import BASE_FILE
-from bytecp.interop.runs import with_foreign
-from bytecp.storage_api import Storage, open_storage
+from bytecp.storage_api import open_storage
 from bytecp.tools.cadence import Cadence, milestones
-from bytecp.tools.retention import retain
-from bytecp.tools.tiers import MemoryTier, restore_order
+from bytecp.tools.resume import Decision, decide, decide_together, first_that_loads
+from bytecp.tools.retention import retain, sweep_uncommitted
+from bytecp.tools.tiers import MemoryTier
 
 if TYPE_CHECKING:  # pragma: no cover
     from bytecp.saving.handles import SaveHandle
@@ -50,7 +48,6 @@ if TYPE_CHECKING:  # pragma: no cover
 __all__ = ["CheckpointInfo", "list_checkpoints", "CheckpointManager"]
 
 log = logging.getLogger(__name__)
-_STEP = re.compile(r"^step-(\d+)$")
 
 
 class CheckpointManager:
@@ -80,6 +77,10 @@ class CheckpointManager:
     ``maybe_save`` every rank learns it (one all-reduce of one integer per
     call, on a gloo group of its own), saves that step synchronously and
     exits with ``SystemExit(0)``. Create the manager on the main thread.
+
+    ``data_reshard="approximate"``: ``restore`` accepts a data loader's
+    position that cannot continue exactly under a new world size (see
+    :class:`~bytecp.options.LoadOptions`).
 
     ``memory_url`` (``keeper://<run>``) with ``memory_every_n_steps``:
     checkpoint to the hosts' memory every N steps, replicated to peer hosts,
@@ -116,6 +117,7 @@ class CheckpointManager:
         memory_storage_options: dict[str, Any] | None = None,
         serving_dtype: Any = None,
         serving_prefixes: Iterable[str] | None = None,
+        data_reshard: str = "exact",
         **save_kwargs: Any,
     ) -> None:
         if every_n_steps < 1:
@@ -143,6 +145,9 @@ class CheckpointManager:
                     else tuple(serving_prefixes)
         elif serving_prefixes is not None:
             raise ConfigError("serving_prefixes needs serving_dtype (e.g. torch.bfloat16)")
+        if data_reshard not in ("exact", "approximate"):
+            raise ConfigError(f"data_reshard must be 'exact' or 'approximate', got {data_reshard!r}")
+        self.data_reshard = data_reshard
         self.run_url = run_url.rstrip("/")
         self.every_n_steps = every_n_steps
         self.keep_last, self.keep_every_n_steps = keep_last, keep_every_n_steps
@@ -170,6 +175,8 @@ class CheckpointManager:
         self._preemption: Preemption | None = None
         self._prewarmed = False
         self.restored_from: str | None = None  # "memory" or "storage", after restore
+        #: the last ``restore``'s answer: what the run folder had to resume (:mod:`bytecp.tools.resume`)
+        self.decision: Decision | None = None
         #: the memory tier (``memory_url``, e.g. ``keeper://<run>``), see :mod:`bytecp.tools.tiers`
         self.memory: MemoryTier | None = None
         if memory_url is not None:
@@ -190,8 +197,9 @@ class CheckpointManager:
         return f"{self.run_url}/step-{step}"
 
     def latest(self) -> CheckpointInfo | None:
-        found = list_checkpoints(self.run_url, storage_options=self.storage_options)
-        return found[-1] if found else None
+        """The checkpoint ``restore`` tries first (this process lists: :mod:`bytecp.tools.resume`);
+        None when there is nothing to resume; :class:`~bytecp.errors.ResumeDecisionError` when undecided."""
+        return decide(self.run_url, self.storage_options).newest
 
     def maybe_save(self, step: int, state: dict[str, Any], *, force: bool = False) -> bool:
         """Save if ``step`` is due (or ``force``); every rank calls it after
@@ -369,7 +377,16 @@ class CheckpointManager:
     def restore(self, state: dict[str, Any], *, fallback: bool = True, **load_kwargs: Any) -> int | None:
         """Load the newest committed checkpoint that loads into ``state`` (all
         ranks); return its step (the step that was saved, so training resumes
-        at the step after it), or ``None`` when the run has no checkpoint.
+        at the step after it), or ``None`` when the run has nothing to resume.
+
+        Which checkpoints the run holds is the one resume decision
+        (:mod:`bytecp.tools.resume`), taken on the coordinator and handed to
+        every rank: bytecp's committed checkpoints and, newer than them, those
+        of other formats; a run folder whose newest checkpoint cannot be told
+        (a step folder no format reads above the newest that loads, ...)
+        raises :class:`~bytecp.errors.ResumeDecisionError` naming it, and a
+        storage error while listing is raised: neither is ever a fresh start.
+        :attr:`decision` keeps the answer.
 
         ``fallback=True`` (the default): a checkpoint that fails verification
         or loading because its own files are bad (checksum mismatch, a data
@@ -390,39 +407,24 @@ class CheckpointManager:
 
             wait_for_pending_save()
             self._retained.wait()
-        found = with_foreign(self.run_url, self.storage_options,
-                              list_checkpoints(self.run_url, storage_options=self.storage_options))
+        group = {k: load_kwargs.get(k, self.save_kwargs.get(k)) for k in ("process_group", "coordinator_rank")}
+        self.decision = decide_together(self.run_url, self.storage_options, process_group=group["process_group"],
+                                        coordinator_rank=group["coordinator_rank"] or 0)
+        found = self.decision.candidates()  # (raises, on every rank, when undecided)
         self.skipped = []
-        # the tier choice: the newest memory checkpoint first when at least as new as storage's newest
-        order = [(info, self.storage_options, "storage") for info in reversed(found)]
-        if self.memory is not None:
-            first = restore_order(self.memory.latest(), self.memory.storage_options,
-                                  found[-1] if found else None, self.storage_options)
-            self.skipped.extend(self.memory.incomplete)  # never loaded in part
-            if first and first[0].tier == "memory":
-                order.insert(0, (first[0].info, first[0].storage_options, "memory"))
-        for info, options, tier in order:
-            try:
-                load(info.url, state, storage_options=options, **load_kwargs)
-            except Exception as e:
-                if tier == "memory" and (checkpoint_is_bad(e) or isinstance(e, StorageError)):
-                    self.skipped.append((info.url, one_line(e)))
-                    log.warning("bytecp: memory checkpoint %s does not load (%s); trying storage",
-                                info.url, one_line(e))
-                    continue
-                if not fallback or not checkpoint_is_bad(e):
-                    raise
-                why = one_line(e)
-                self.skipped.append((info.url, why))
-                log.warning("bytecp: restore skips %s, which does not load (%s); trying the previous "
-                            "checkpoint (it is kept: inspect it with `bytecp verify %s`)", info.url, why, info.url)
-                continue
-            self.restored_from = tier
-            return info.step
-        if self.skipped:
-            tried = "; ".join(f"{url}: {why}" for url, why in self.skipped)
-            raise CorruptCheckpointError(f"no committed checkpoint of {self.run_url} loads: {tried}")
-        return None
+        if self.memory is not None:  # the newest memory checkpoint first when at least as new as storage's newest
+            info = self.memory.restore(found[0] if found else None, self.storage_options, state, self.skipped,
+                                       **{"data_reshard": self.data_reshard, **load_kwargs})
+            if info is not None:
+                self.restored_from = "memory"
+                return info.step
+        loaded = first_that_loads(found, lambda c: load(c.url, state, storage_options=self.storage_options,
+                                                        **{"data_reshard": self.data_reshard, **load_kwargs}),
+                                  run_url=self.run_url, fallback=fallback, skipped=self.skipped)
+        if loaded is None:  # (when every one tried was skipped, first_that_loads raised naming each)
+            return None
+        self.restored_from = "storage"
+        return loaded.step
 
     def _retain(self, root_url: str | None = None, keep_last: int | None = -1,
                 options: dict[str, Any] | None = None) -> None:
@@ -432,7 +434,7 @@ class CheckpointManager:
         listed, so an in-flight save is never counted, and the newest
         committed one is always kept. Then the files of killed saves in
         step directories below the newest committed step are removed (see
-        :meth:`_sweep_uncommitted`; with ``keep_last=None`` nothing is
+        :func:`~bytecp.tools.retention.sweep_uncommitted`; with ``keep_last=None`` nothing is
         listed, and ``bytecp gc RUN`` removes them). ``root_url``,
         ``keep_last`` and ``options``: another tier's (the memory tier's)."""
         from bytecp.dist import DistContext
@@ -456,29 +458,4 @@ class CheckpointManager:
             retain(root, kept, [n for n in found[:cut] if n not in marked], lambda: [
                 c.name for c in list_checkpoints(root_url, storage_options=options)])
             if storage_tier and infos and infos[-1].step is not None:
-                self._sweep_uncommitted(root, infos[-1].step, set(kept))
-
-    def _sweep_uncommitted(self, root: Storage, newest: int, committed: set[str]) -> None:
-        """Remove what killed saves left in ``step-<N>`` directories with no
-        ``metadata.json`` and N below the newest committed step (a restarted
-        job may never save that step again), unless a save there may still
-        be running (:mod:`bytecp.saving.leases`), and doom markers left
-        alone by a retention cut short (nothing left to protect). Never raises."""
-        from bytecp.saving.leases import orphans
-
-        try:
-            for name in root.list_children(""):
-                m = _STEP.match(name)
-                if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
-                        f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
-                    continue  # (a retired base holds files kept checkpoints reference)
-                dead, _ = orphans(root.child(name), None)
-                left = root.child(name).list_files("")  # a retention cut short: its marker, reports
-                dead = left if left and all(f.startswith(("doomed/", "reports/")) for f in left) else dead
-                if dead:
-                    root.delete([f"{name}/{f}" for f in dead])
-                    log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
-                             len(dead), self.run_url, name)
-        except Exception as e:  # noqa: BLE001 - only garbage is at stake
-            log.warning("bytecp: could not remove files of killed saves below %s: %s", self.run_url, e)
-
+                sweep_uncommitted(root, infos[-1].step, set(kept), self.run_url)

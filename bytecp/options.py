@@ -188,11 +188,23 @@ class LoadOptions(_Common):
     #: directory); ``"bytecp"`` reads ``metadata.json`` only; a source's name
     #: (``"dcp"``, ``"huggingface"``) reads the URL as that source
     format: str | None = None
+    #: a data loader's position when the data-parallel layout changed
+    #: (another world size): ``"exact"`` continues it exactly (every global
+    #: step after the resume holds the uninterrupted run's samples when the
+    #: global batch is unchanged; every sample of the epoch once otherwise)
+    #: and refuses, before anything is loaded, what cannot continue exactly,
+    #: naming the samples that would repeat or be skipped;
+    #: ``"approximate"`` proceeds with the nearest position (or, for a loader
+    #: of no known kind, the state saved by rank ``r % saved_world_size``)
+    #: and a warning naming that count
+    data_reshard: str = "exact"
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("io_threads", self.io_threads)
         _check_timeout("load_timeout_s", self.load_timeout_s)
+        if self.data_reshard not in ("exact", "approximate"):
+            raise ConfigError(f"data_reshard must be 'exact' or 'approximate', got {self.data_reshard!r}")
         if self.format not in (None, "bytecp"):
             from bytecp.interop import SOURCES
 

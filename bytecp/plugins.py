@@ -11,12 +11,15 @@ the training script)::
     myfs = "my_pkg.storage:MyStorage"                   # URL protocol -> factory(url, **options)
     [project.entry-points."bytecp.monitors"]
     statsd = "my_pkg.monitor:StatsdRecorder"            # monitor kind -> factory(address)
+    [project.entry-points."bytecp.resharders"]
+    myloader = "my_pkg.data:MyLoaderResharder"          # loader kind -> Resharder (bytecp.data)
 
 Who calls what, and when: each registry (:mod:`bytecp.adapter_api`,
-:mod:`bytecp.storage_api`, :mod:`bytecp.recorder`) calls
+:mod:`bytecp.storage_api`, :mod:`bytecp.recorder`, :mod:`bytecp.data`) calls
 :func:`entry_point_targets` once per process, the first time one of its
 lookups misses (a framework name, URL protocol or monitor kind it does not
-know, or a state no built-in adapter but the catch-all ``plain`` detects).
+know, a state no built-in adapter but the catch-all ``plain`` detects, or a
+stateful object no registered resharder claims).
 Entries become lazy ``"module:attr"`` strings: nothing is imported until
 that name is used. A name registered in code keeps precedence.
 
@@ -28,7 +31,8 @@ from __future__ import annotations
 
 import logging
 
-__all__ = ["ADAPTERS_GROUP", "STORAGE_GROUP", "MONITORS_GROUP", "entry_point_targets", "missing_extra"]
+__all__ = ["ADAPTERS_GROUP", "STORAGE_GROUP", "MONITORS_GROUP", "RESHARDERS_GROUP", "entry_point_targets",
+           "missing_extra"]
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +42,8 @@ ADAPTERS_GROUP = "bytecp.adapters"
 STORAGE_GROUP = "bytecp.storage"
 #: entry-point group of monitor kinds (``kind://address`` -> recorder factory)
 MONITORS_GROUP = "bytecp.monitors"
+#: entry-point group of data-position resharders (loader kind -> ``bytecp.data.Resharder``)
+RESHARDERS_GROUP = "bytecp.resharders"
 
 
 def entry_point_targets(group: str) -> dict[str, str]:

@@ -44,6 +44,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.format.checksum import Sums
 from bytecp.plugins import STORAGE_GROUP, entry_point_targets
 
 __all__ = ["Storage", "SharedArena", "Buffer", "register_storage", "open_storage", "split_protocol", "join"]
@@ -183,13 +184,14 @@ class Storage(abc.ABC):
         CUDA copies, the state being on a device); nothing by default."""
 
     def adopt(self, path: str, arena: SharedArena,
-              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:
         """Make ``arena``'s first ``arena.used`` bytes the data file ``path``.
 
         (every rank, writer thread; only with an arena of
         :meth:`staging_arena`) ``ranges`` are the ``(offset, nbytes)`` of the
-        chunks in it. Returns their crc32c (the backend computes them, as the
-        writer would), where each starts in the file and the file's size: a
+        chunks in it. Returns their checksums (crc32c and block checksums:
+        the backend computes them with :func:`bytecp.format.checksum.sums`,
+        as the writer would), where each starts in the file and the file's size: a
         backend may copy the ranges out into a smaller file (page-aligned, as
         the writer lays them out) when they are a small part of the arena.
         The arena is the backend's from then on.

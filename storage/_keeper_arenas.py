@@ -25,6 +25,11 @@ The single-copy path of ``keeper://`` saves. Who calls what, and when:
   first (:meth:`Arenas.drop_free`). A rank is lent back, where one fits, a
   file it filled before: it still has it mapped, so its copy takes no page
   faults (a fresh mapping of 256 MiB costs about 60 ms);
+- with ``BYTECP_DEBUG_BUFFERS=1`` (:mod:`bytecp.tree.buffers`) a file that
+  enters the free pool is filled with the poison byte, and checked when it
+  is lent again: a byte written meanwhile (a rank writing through a mapping
+  it kept after its arena became a data file, or after it dropped it)
+  fails the ``alloc`` naming the file;
 - arenas never adopted come back: a rank names those it dropped at its next
   ``alloc`` (``free``); those of a process that died return to the pool;
   those lent longer than ``timeout_s`` ago are unlinked (a late writer then
@@ -42,8 +47,9 @@ import time
 from collections.abc import Sequence
 
 from bytecp.errors import StorageError
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import Sums, sums
 from bytecp.saving.leases import pid_running
+from bytecp.tree import buffers
 
 from ._keeper_wire import reserve
 
@@ -88,6 +94,8 @@ class Arenas:
         self.reclaimed = 0
         self.lent_bytes = 0
         self.adopted_bytes = 0
+        #: free files filled with the poison byte (debug mode), checked when lent again
+        self.poisoned: set[str] = set()
 
     # -- lending -------------------------------------------------------------
     def _new(self, nbytes: int) -> str:
@@ -110,6 +118,9 @@ class Arenas:
             return None
         best = min(fits, key=lambda f: (self.filled_by.get(_inode(f[1])) != pid, f[0] != nbytes, f[0]))
         self.free.remove(best)
+        if best[1] in self.poisoned:
+            self.poisoned.discard(best[1])
+            _check_poison(best[1])
         return best
 
     def fitting(self, nbytes: int) -> bool:
@@ -153,9 +164,9 @@ class Arenas:
 
     # -- adopting ------------------------------------------------------------
     def adopt(self, name: str, dest: str, size: int, ranges: Sequence[tuple[int, int]],
-              ckpt: str = "") -> tuple[list[int], list[int], int]:
-        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the crc32c
-        of each range, where each now starts, and the file's size.
+              ckpt: str = "") -> tuple[list[Sums], list[int], int]:
+        """Make arena ``name`` the file ``dest`` of ``size`` bytes; -> the checksums
+        of each range (crc32c and block checksums), where each now starts, and the file's size.
 
         When the ranges take less than half the arena (a rank whose plan
         writes a few of the boxes it copied: replicas another rank writes),
@@ -229,6 +240,9 @@ class Arenas:
                 self._unlink(self.free.pop(0)[1])
             path = os.path.join(self.dir, f"f-{os.getpid()}-{next(self._seq)}")
             os.rename(full, path)
+            if buffers.debug():
+                _poison(path)
+                self.poisoned.add(path)
             self.free.append((size, path))
         return True
 
@@ -292,6 +306,7 @@ class Arenas:
                     "adopted_bytes": self.adopted_bytes}
 
     def _unlink(self, path: str) -> None:
+        self.poisoned.discard(path)
         try:
             ino = os.stat(path).st_ino
             with self._lock:
@@ -299,6 +314,29 @@ class Arenas:
             os.unlink(path)
         except FileNotFoundError:
             pass
+
+
+def _poison(path: str) -> None:
+    """(debug mode) Fill a free arena's file with the poison byte."""
+    with open(path, "r+b") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size:
+            with mmap.mmap(f.fileno(), size) as m:
+                buffers.poison(m)
+
+
+def _check_poison(path: str) -> None:
+    """(debug mode) A free arena about to be lent again still holds only the poison byte."""
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if not size:
+            return
+        with mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as m:
+            at = buffers.poisoned(m)
+    if at >= 0:
+        raise buffers.UseAfterRelease(
+            f"{path}: byte {at} of this free staging arena was written after it went back to the keeper's pool "
+            "(a rank writing through a mapping it kept after its save, or after it dropped the arena)")
 
 
 def _size(path: str) -> int:
@@ -319,9 +357,9 @@ def _page(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
-def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:
     """Write ``ranges`` of ``src`` into a new file ``dest``, each page-aligned
-    (the gaps read as zeros); -> their crc32c, their starts, the file's size."""
+    (the gaps read as zeros); -> their checksums, their starts, the file's size."""
     starts, pos = [], 0
     for _, n in ranges:
         starts.append(pos)
@@ -334,13 +372,13 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
     tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    crcs = []
+    crcs: list[Sums] = []
     view = memoryview(m) if m is not None else memoryview(b"")
     try:
         os.ftruncate(out, pos)
         for (o, n), at in zip(ranges, starts, strict=True):
             with view[o:o + n] as piece:
-                crcs.append(crc32c(piece))
+                crcs.append(sums(piece))
                 done = 0
                 while done < n:
                     with piece[done:] as rest:
@@ -358,22 +396,22 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     return crcs, starts, pos
 
 
-def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[int]:
-    """crc32c of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
+def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
+    """The checksums of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
     if not ranges:
         return []
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
         if size == 0:
-            return [crc32c(b"") for _ in ranges]
+            return [sums(b"") for _ in ranges]
         m = mmap.mmap(fd, size, prot=mmap.PROT_READ)
     finally:
         os.close(fd)
     try:
         view = memoryview(m)
         try:
-            return [crc32c(view[o:o + n]) for o, n in ranges]
+            return [sums(view[o:o + n]) for o, n in ranges]
         finally:
             view.release()
     finally:

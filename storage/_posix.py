@@ -15,6 +15,8 @@ import ctypes.util
 import errno
 import mmap
 import os
+import stat
+from collections.abc import Sequence
 from typing import Any
 
 from bytecp.errors import (
@@ -35,6 +37,9 @@ __all__ = [
     "fsync_dir",
     "os_error",
     "holds",
+    "is_file",
+    "list_dir",
+    "list_tree",
     "unlink_quietly",
     "rename_flags",
     "rename_noreplace",
@@ -45,6 +50,7 @@ __all__ = [
     "write_direct",
     "read_all",
     "read_direct",
+    "read_direct_ranges",
 ]
 
 _IOV_MAX = 1024
@@ -83,6 +89,41 @@ def os_error(e: OSError, full: str, op: str) -> StorageError:
     if e.errno == errno.EDQUOT:
         return StorageError(f"{full}: disk quota exceeded while trying to {op}")
     return StorageError(f"{full}: {op} failed ({e})")
+
+
+def is_file(full: str) -> bool:
+    """Whether ``full`` is a regular file; a directory that may not be read is an error, never "absent"."""
+    try:
+        return stat.S_ISREG(os.stat(full).st_mode)
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError as e:
+        raise os_error(e, full, "stat") from e
+
+
+def list_dir(full: str) -> list[str]:
+    """The names in directory ``full``, sorted; a missing one lists nothing, a refused one raises."""
+    try:
+        return sorted(os.listdir(full))
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as e:  # permission denied, I/O error: never "empty"
+        raise os_error(e, full, "list") from e
+
+
+def list_tree(root: str, base: str) -> list[str]:
+    """Every file below ``base``, as "/"-paths relative to ``root``, sorted; a
+    missing ``base`` lists nothing, a directory that may not be read raises."""
+    out = []
+
+    def refused(e: OSError) -> None:
+        if not isinstance(e, (FileNotFoundError, NotADirectoryError)):
+            raise os_error(e, e.filename or base, "list") from e
+
+    for dirpath, _, files in os.walk(base, onerror=refused):
+        for f in files:
+            out.append(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/"))
+    return sorted(out)
 
 
 def holds(full: str, data: bytes) -> bool:
@@ -260,24 +301,61 @@ def read_all(fd: int, offset: int, view: memoryview) -> int:
     return got
 
 
-def read_direct(fd: int, offset: int, view: memoryview) -> int:
+def read_direct(fd: int, offset: int, view: memoryview, bounce: memoryview | None = None) -> int:
+    """Read ``len(view)`` bytes at ``offset`` of an O_DIRECT descriptor through a
+    page-aligned bounce buffer (``bounce``: one the caller reuses; else one of
+    its own); -> the bytes read (fewer at the end of the file)."""
+    if bounce is None:
+        with mmap.mmap(-1, _DIRECT_CHUNK) as own:
+            buf = memoryview(own)
+            try:
+                return read_direct(fd, offset, view, buf)
+            finally:
+                buf.release()
     want = len(view)
     got = 0
-    with mmap.mmap(-1, _DIRECT_CHUNK) as bounce:
-        buf = memoryview(bounce)
-        try:
-            while got < want:
-                pos = offset + got
-                start = pos - pos % _ALIGN
-                skip = pos - start
-                n = os.preadv(fd, [buf], start)
-                if n <= skip:
-                    break
-                take = min(n - skip, want - got)
-                view[got : got + take] = buf[skip : skip + take]
-                got += take
-                if n < _DIRECT_CHUNK:  # end of file
-                    break
-        finally:
-            buf.release()
+    while got < want:
+        pos = offset + got
+        start = pos - pos % _ALIGN
+        skip = pos - start
+        n = os.preadv(fd, [bounce], start)
+        if n <= skip:
+            break
+        take = min(n - skip, want - got)
+        view[got : got + take] = bounce[skip : skip + take]
+        got += take
+        if n < len(bounce):  # end of file
+            break
     return got
+
+
+def read_direct_ranges(fd: int, ranges: Sequence[tuple[int, memoryview]]) -> tuple[int, int, int] | None:
+    """Read each ``(offset, view)`` of an O_DIRECT descriptor through one bounce
+    buffer, ranges that follow each other read as one span (a load's checked
+    read asks for a request's bytes and the rest of its blocks as adjacent
+    ranges); -> None, or the first short range as (offset, wanted, got)."""
+    order = sorted(range(len(ranges)), key=lambda k: ranges[k][0])
+    with mmap.mmap(-1, _DIRECT_CHUNK) as own:
+        bounce = memoryview(own)
+        try:
+            k = 0
+            while k < len(order):
+                run = [order[k]]
+                end = ranges[order[k]][0] + len(ranges[order[k]][1])
+                while k + len(run) < len(order) and ranges[order[k + len(run)]][0] == end:
+                    run.append(order[k + len(run)])
+                    end += len(ranges[run[-1]][1])
+                start = ranges[run[0]][0]
+                span = bytearray(end - start) if len(run) > 1 else None
+                target = memoryview(span) if span is not None else ranges[run[0]][1]
+                got = read_direct(fd, start, target, bounce)
+                if span is not None:
+                    for j in run:
+                        o, v = ranges[j]
+                        v[:] = target[o - start : o - start + len(v)]
+                if got < end - start:
+                    return start, end - start, got
+                k += len(run)
+        finally:
+            bounce.release()
+    return None

@@ -45,6 +45,7 @@ from collections.abc import Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import StorageError
+from bytecp.format.checksum import Sums, writer_block_bytes
 from bytecp.storage_api import Buffer, SharedArena, Storage, join, split_protocol
 
 from ._errors import file_url, missing, truncated
@@ -179,7 +180,7 @@ class KeeperStorage(Storage):
                 pin(buf)
 
     def adopt(self, path: str, arena: SharedArena,
-              ranges: Sequence[tuple[int, int]]) -> tuple[list[int], list[int], int]:
+              ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:
         """The keeper takes ``arena`` over as ``path`` (or copies ``ranges`` out of it, when they are
         less than half of it), checksums ``ranges`` and replicates the file."""
         spans = array.array("Q", [v for r in ranges for v in r])
@@ -187,7 +188,14 @@ class KeeperStorage(Storage):
             _LENT.pop(arena.name, None)  # the keeper's now, adopted or refused
         answer, _ = self._ask(self._keeper_or_error(), {"op": "adopt", "arena": arena.name, "path": self._key(path),
                                                         "size": arena.used, "ckpt": self.prefix}, [spans], timeout=600)
-        return [int(c) for c in answer["crcs"]], [int(o) for o in answer["starts"]], int(answer["size"])
+        blocks = answer.get("blocks")
+        if blocks is None:  # a keeper started by an older bytecp: no block checksums
+            if any(n > writer_block_bytes() for _, n in ranges):
+                raise StorageError(f"{self.url}: this host's keeper sends no block checksums (an older bytecp "
+                                   "started it); restart this host's `bytecp keeper` with this version")
+            blocks = [""] * len(answer["crcs"])
+        return ([Sums(int(c), bytes.fromhex(b)) for c, b in zip(answer["crcs"], blocks, strict=True)],
+                [int(o) for o in answer["starts"]], int(answer["size"]))
 
     def _keeper_or_error(self) -> Addr:
         addr = self.keepers[self.host]

@@ -245,15 +245,16 @@ class Keeper(Budget):
 
     def op_adopt(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         """(a rank's writer thread) Arena ``arena`` becomes data file ``path`` (its first ``size``
-        bytes); answers the crc32c of each of ``ranges``, where each starts in the file and its
-        size, once the file has its copies."""
+        bytes); answers the crc32c of each of ``ranges`` (and its block checksums, hex), where each
+        starts in the file and its size, once the file has its copies."""
         path = safe_path(h["path"])
         spans = array.array("Q", bytes(payload)).tolist()  # (offset, nbytes) pairs
         ckpt = str(h.get("ckpt") or os.path.dirname(path))
         crcs, starts, size = self.arenas.adopt(str(h["arena"]), self._full(path), int(h["size"]),
                                                list(zip(spans[::2], spans[1::2], strict=True)), ckpt)
         answer = self._replicated(path, ckpt)
-        return dict(answer, crcs=crcs, starts=starts, size=size), []
+        return dict(answer, crcs=[x.crc for x in crcs], blocks=[x.blocks.hex() for x in crcs], starts=starts,
+                    size=size), []
 
     def _push(self, path: str, full: str, want: int, *, to: list[tuple[str, Addr]] | None = None) -> int:
         """Send the file to ``want`` peers (the ring's next live ones); returns how many took it."""

@@ -50,10 +50,14 @@ from ._posix import (
     RENAME_EXCHANGE,
     fsync_dir,
     holds,
+    is_file,
+    list_dir,
+    list_tree,
     os_error,
     publish_exclusive,
     read_all,
     read_direct,
+    read_direct_ranges,
     remove_tree,
     rename_flags,
     rename_noreplace,
@@ -408,14 +412,37 @@ class LocalStorage(Storage):
 
     def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         if self.direct:
-            return super().read_ranges(path, ranges)
+            return self._read_ranges_direct(path, ranges)
         self._read_ranges(path, ranges)
 
     def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:  # one request
-        if self.direct:
-            return super().read_files(reads)
         for path, ranges in reads:
-            self._read_ranges(path, ranges)
+            if self.direct:
+                self._read_ranges_direct(path, ranges)
+            else:
+                self._read_ranges(path, ranges)
+
+    def _read_ranges_direct(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+        """O_DIRECT: one open and one bounce buffer for the batch, adjacent ranges read as one span."""
+        full = self._full(path)
+        try:
+            fd = self._open_read(path, O_DIRECT)
+        except FileNotFoundError as e:
+            raise missing(full) from e
+        except OSError as e:
+            if e.errno == errno.EINVAL:  # a filesystem without O_DIRECT: buffered from now on
+                self.direct = False
+                return self._read_ranges(path, ranges)
+            raise os_error(e, full, "open for reading") from e
+        try:
+            short = read_direct_ranges(fd, [(o, byte_view(v)) for o, v in ranges])
+        except OSError as e:
+            raise os_error(e, full, "read") from e
+        finally:
+            os.close(fd)
+        if short is not None:
+            offset, want, got = short
+            raise truncated(full, offset, want, offset + got)
 
     def _read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         full = self._full(path)
@@ -449,19 +476,10 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def exists(self, path: str) -> bool:
-        return os.path.isfile(self._full(path))
+        return is_file(self._full(path))
 
     def list_files(self, prefix: str = "") -> list[str]:
-        base = self._full(prefix)
-        out = []
-        for dirpath, _, files in os.walk(base):
-            for f in files:
-                rel = os.path.relpath(os.path.join(dirpath, f), self.root)
-                out.append(rel.replace(os.sep, "/"))
-        return sorted(out)
+        return list_tree(self.root, self._full(prefix))
 
     def list_children(self, prefix: str = "") -> list[str]:
-        try:
-            return sorted(os.listdir(self._full(prefix)))
-        except (FileNotFoundError, NotADirectoryError):
-            return []
+        return list_dir(self._full(prefix))

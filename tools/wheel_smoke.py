@@ -30,7 +30,8 @@ import zipfile
 
 #: modules that need an extra (or pytest) the runtime-only install lacks
 NEEDS_EXTRA = ("bytecp.monitoring.", "bytecp.adapters.lightning", "bytecp.adapters.torchtitan",
-               "bytecp.adapters.testing", "bytecp.storage.testing", "bytecp.contract", "bytecp.demo.evaluate")
+               "bytecp.adapters.testing", "bytecp.storage.testing", "bytecp.contract", "bytecp.demo.evaluate",
+               "bytecp.adapters.data.torchdata")
 
 failures: list[str] = []
 

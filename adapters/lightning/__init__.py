@@ -32,17 +32,15 @@ save is waited for first). ``remove_checkpoint`` (rank 0, ``save_top_k``)
 deletes only once the save in flight has committed. ``teardown`` waits for
 the save in flight and raises its error.
 
-load: ``trainer.fit(ckpt_path=URL)`` -> after the strategy set up the model
-and optimizers (``restore_checkpoint_after_setup``) ->
+load: ``trainer.fit(ckpt_path=URL)`` (``latest_checkpoint(dirpath)`` or
+``"last"`` with :class:`BytecpModelCheckpoint`: the resume decision,
+:mod:`.resume`) -> after the strategy set up the model and optimizers ->
 :meth:`BytecpStrategyMixin.load_checkpoint` -> :meth:`BytecpCheckpointIO.load_into`
-fills the live tensors in place (``bytecp.load``) and returns the trainer
-state, from which Lightning restores loops, callbacks, schedulers and the
-precision plugin.
+fills the live tensors in place and returns the trainer state, from which
+Lightning restores loops, callbacks, schedulers and the precision plugin.
 
-Works with ``lightning.pytorch`` (``import lightning as L``) and with
-``pytorch_lightning``: :mod:`bytecp.adapters.lightning.compat` picks the
-one the program uses (``BYTECP_LIGHTNING`` chooses explicitly; ``PACKAGE``
-says which). The bytecp core never imports either.
+Works with ``lightning.pytorch`` and ``pytorch_lightning``: :mod:`.compat` picks the one
+the program uses (``BYTECP_LIGHTNING`` chooses; ``PACKAGE`` says which). The core imports neither.
 """
 
 from __future__ import annotations
@@ -60,14 +58,18 @@ from bytecp.adapters.lightning.compat import (
     SingleDeviceStrategy,
     TrainerFn,
 )
-from bytecp.adapters.lightning.native import is_native, latest_checkpoint, load_native
+from bytecp.adapters.lightning.loaders import LOADERS_KEY, defer_load, loader_state, train_loaders
+from bytecp.adapters.lightning.native import is_native, load_native
+from bytecp.adapters.lightning.resume import BytecpModelCheckpoint, fallbacks_of, latest_checkpoint
 from torch import nn
 
 import bytecp
+from bytecp.catalog import CheckpointInfo
 from bytecp.errors import BytecpError, ConfigError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.saving.handles import SaveHandle
 from bytecp.storage_api import open_storage
+from bytecp.tools.resume import first_that_loads
 from bytecp.tree.state import Whole
 
 __all__ = [
@@ -77,6 +79,7 @@ __all__ = [
     "BytecpDDPStrategy",
     "BytecpModelParallelStrategy",
     "BytecpSingleDeviceStrategy",
+    "BytecpModelCheckpoint",
     "latest_checkpoint",
 ]
 
@@ -144,6 +147,8 @@ class BytecpCheckpointIO(CheckpointIO):
         self.lazy = lazy
         self.overwrite = overwrite
         self.storage_options = dict(storage_options or {})
+        #: (set by load_into) the checkpoint whose per-rank train loaders load once the fit loop built them
+        self.loaders_from: str | None = None
         self.allow_pickle = allow_pickle
         self.save_options = dict(save_options or {})
         self.load_options = dict(load_options or {})
@@ -160,10 +165,13 @@ class BytecpCheckpointIO(CheckpointIO):
         self._reported: SaveHandle | None = None
 
     # ------------------------------------------------------------------ save
-    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: Any, storage_options: Any | None = None,
+                        loaders: list[Any] | None = None) -> None:
         """(all ranks, called by the strategy) Save Lightning's checkpoint dict
         whose ``state_dict`` is the live module and ``optimizer_states`` the
-        live optimizers; everything else is rank 0's trainer state."""
+        live optimizers; everything else is rank 0's trainer state, less the
+        fit loop's stateful train ``loaders``, saved per rank with their data
+        positions (:mod:`bytecp.adapters.lightning.loaders`)."""
         url = _url(path)
         model = checkpoint.get("state_dict")
         if not isinstance(model, nn.Module):
@@ -177,6 +185,9 @@ class BytecpCheckpointIO(CheckpointIO):
         if "optimizer_states" in checkpoint:  # absent: save_weights_only
             optims = list(checkpoint["optimizer_states"])
             state.update(zip(optimizer_keys(len(optims)), optims, strict=True))
+        rest, per_rank = loader_state(rest, loaders or [])
+        if per_rank:
+            state[LOADERS_KEY] = per_rank
         # rank 0's trainer state as one object (JSON, or a weights_only blob when it holds tensors)
         state[TRAINER_KEY] = Whole(rest)
         so = {**self.storage_options, **(storage_options or {})}
@@ -263,16 +274,26 @@ class BytecpCheckpointIO(CheckpointIO):
 
     # ------------------------------------------------------------------ load
     def load_into(
-        self, path: Any, model: nn.Module, optimizers: list[Any], *, strict: bool = True
+        self, path: Any, model: nn.Module, optimizers: list[Any], *, strict: bool = True,
+        fallbacks: tuple[CheckpointInfo, ...] = (),
     ) -> dict[str, Any]:
         """(all ranks, called by the strategy) Fill ``model`` and ``optimizers``
         in place from the checkpoint at ``path`` (any world size and
         parallelism) and return Lightning's trainer state (loops, callbacks,
         ``lr_schedulers``, ...). ``strict`` applies to the model's keys; an
         optimizer must match exactly, and a checkpoint saved with
-        ``save_weights_only`` cannot restore optimizers."""
-        url = _url(path)
+        ``save_weights_only`` cannot restore optimizers. ``fallbacks``: when
+        ``path`` is a run's newest (``latest_checkpoint``, ``ckpt_path="last"``),
+        its older checkpoints, tried when its own files are bad."""
         self.wait()  # a save in flight may be the checkpoint asked for
+        out: list[dict[str, Any]] = []
+        first_that_loads([CheckpointInfo(_url(path), _url(path), None, ""), *fallbacks], fallback=bool(fallbacks),
+                         load=lambda c: out.append(self._load_one(c.url, model, optimizers, strict)),
+                         run_url=_url(path).rstrip("/").rpartition("/")[0])
+        return out[-1]
+
+    def _load_one(self, url: str, model: nn.Module, optimizers: list[Any], strict: bool) -> dict[str, Any]:
+        self.loaders_from = None  # (the checkpoint that loads sets it)
         storage = open_storage(url, **self.storage_options)
         if is_native(storage):  # Lightning's own ModelParallelStrategy checkpoint (a job moving onto bytecp)
             return load_native(url, storage, model, optimizers, strict=strict, allow_pickle=self.allow_pickle,
@@ -307,10 +328,17 @@ class BytecpCheckpointIO(CheckpointIO):
                 parts.append(f"  in the checkpoint but not in the state ({len(bad_unexpected)}): {bad_unexpected[:8]}")
             parts.append("  (the model's keys are checked when LightningModule.strict_loading is True)")
             raise StateMismatchError("\n".join(parts))
+        self.loaders_from = url if LOADERS_KEY in saved else None
         trainer_state = state[TRAINER_KEY]
         if not isinstance(trainer_state, dict):
             raise ConfigError(f"{url}: the {TRAINER_KEY!r} trainer state is a {type(trainer_state).__name__}, not a dict")
         return trainer_state
+
+    def load_loaders(self, url: str, state: dict[str, Any]) -> None:
+        """(all ranks, once the fit loop built its loaders) Each rank's saved
+        train loaders into ``state``'s live ones, resharded at another layout."""
+        bytecp.load(url, state, strict=False, storage_options=self.storage_options, allow_pickle=self.allow_pickle,
+                    **self.load_options)
 
     def load_checkpoint(self, path: Any, map_location: Any | None = None, weights_only: bool | None = None) -> dict[str, Any]:
         """(one process, no live objects: evaluation and tools) The model's full
@@ -404,17 +432,24 @@ class BytecpStrategyMixin:
         checkpoint["state_dict"] = self.model  # type: ignore[attr-defined]
         if "optimizer_states" in checkpoint:
             checkpoint["optimizer_states"] = list(self.optimizers)  # type: ignore[attr-defined]
-        self.bytecp_io.save_checkpoint(checkpoint, url, storage_options=storage_options)
+        trainer = getattr(self.lightning_module, "_trainer", None)  # type: ignore[attr-defined]
+        self.bytecp_io.save_checkpoint(checkpoint, url, storage_options=storage_options,
+                                       loaders=train_loaders(trainer))
 
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         """(all ranks) Fill the live model (and, when fitting, the optimizers) in place."""
-        url = self.broadcast(_url(checkpoint_path))  # type: ignore[attr-defined]
+        url, fallbacks = self.broadcast((_url(checkpoint_path), fallbacks_of(_url(checkpoint_path))))  # type: ignore[attr-defined]
         module = self.lightning_module  # type: ignore[attr-defined]
         trainer = getattr(module, "_trainer", None)
         fitting = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         optimizers = list(self.optimizers) if fitting else []  # type: ignore[attr-defined]
-        return self.bytecp_io.load_into(url, self.model, optimizers,  # type: ignore[attr-defined]
-                                            strict=bool(getattr(module, "strict_loading", True)))
+        io = self.bytecp_io
+        out = io.load_into(url, self.model, optimizers,  # type: ignore[attr-defined]
+                           strict=bool(getattr(module, "strict_loading", True)), fallbacks=fallbacks)
+        if fitting and io.loaders_from is not None:  # the train loaders exist only once the fit loop built them
+            loaders_url = io.loaders_from
+            defer_load(trainer, lambda state: io.load_loaders(loaders_url, state))
+        return out
 
     def teardown(self) -> None:
         """(all ranks) Wait for the save in flight (raising its error), then tear down."""

@@ -23,7 +23,7 @@ from typing import Any
 from bytecp.plugins import missing_extra
 
 __all__ = ["PACKAGES", "choose", "PACKAGE", "CheckpointIO", "DDPStrategy", "ModelParallelStrategy",
-           "SingleDeviceStrategy", "TrainerFn"]
+           "SingleDeviceStrategy", "TrainerFn", "ModelCheckpoint"]
 
 PACKAGES = ("lightning.pytorch", "pytorch_lightning")
 
@@ -55,12 +55,14 @@ def _load(package: str) -> dict[str, Any]:
         io = importlib.import_module(f"{package}.plugins.io")
         strategies = importlib.import_module(f"{package}.strategies")
         states = importlib.import_module(f"{package}.trainer.states")
+        callbacks = importlib.import_module(f"{package}.callbacks")
     except ModuleNotFoundError as e:  # the lightning extra (make wheel-check runs without it)
         raise missing_extra(e, "lightning", "bytecp.adapters.lightning",
                             needs=f"PyTorch Lightning ({package}: no module {e.name!r})") from None
     return {"CheckpointIO": io.CheckpointIO, "DDPStrategy": strategies.DDPStrategy,
             "ModelParallelStrategy": strategies.ModelParallelStrategy,
-            "SingleDeviceStrategy": strategies.SingleDeviceStrategy, "TrainerFn": states.TrainerFn}
+            "SingleDeviceStrategy": strategies.SingleDeviceStrategy, "TrainerFn": states.TrainerFn,
+            "ModelCheckpoint": callbacks.ModelCheckpoint}
 
 
 PACKAGE = choose()
@@ -70,3 +72,4 @@ DDPStrategy = _classes["DDPStrategy"]
 ModelParallelStrategy = _classes["ModelParallelStrategy"]
 SingleDeviceStrategy = _classes["SingleDeviceStrategy"]
 TrainerFn = _classes["TrainerFn"]
+ModelCheckpoint = _classes["ModelCheckpoint"]

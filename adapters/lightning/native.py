@@ -24,14 +24,12 @@ import torch
 from torch import nn
 
 import bytecp
-from bytecp.catalog import list_checkpoints
-from bytecp.errors import BytecpError, ConfigError, CorruptCheckpointError, StateMismatchError
+from bytecp.errors import ConfigError, CorruptCheckpointError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.interop.dcp import is_dcp_dir
-from bytecp.interop.runs import with_foreign
 from bytecp.storage_api import Storage
 
-__all__ = ["META_FILE", "is_native", "load_native", "latest_checkpoint"]
+__all__ = ["META_FILE", "is_native", "load_native"]
 
 #: Lightning's file of the non-tensor checkpoint beside the DCP files
 META_FILE = "meta.pt"
@@ -69,18 +67,3 @@ def load_native(url: str, storage: Storage, model: nn.Module, optimizers: list[A
     if not isinstance(meta, dict):
         raise CorruptCheckpointError(f"{url}/{META_FILE}: holds a {type(meta).__name__}, not Lightning's checkpoint dict")
     return meta
-
-
-def latest_checkpoint(dirpath: str, *, storage_options: dict[str, Any] | None = None) -> str | None:
-    """The newest *committed* checkpoint below ``dirpath`` (by the saved
-    ``global_step``), or None: for ``trainer.fit(ckpt_path=...)``. A save that
-    was interrupted (no ``metadata.json``) is never returned. Checkpoints
-    Lightning's own ModelParallelStrategy wrote there before the job moved
-    onto bytecp count too (:mod:`bytecp.interop.runs`): the newest wins."""
-    try:
-        found = with_foreign(dirpath, storage_options or {}, list_checkpoints(dirpath, storage_options=storage_options))
-    except BytecpError:
-        raise
-    except FileNotFoundError:
-        return None
-    return found[-1].url if found else None

@@ -20,9 +20,9 @@ from bytecp.adapter_api import Adapter, LoadTarget, excluded
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError, StateMismatchError
 from bytecp.format.metadata import Metadata
-from bytecp.tree.state import PerRank, Slot, TensorLeaf, Whole
+from bytecp.tree.state import Slot, TensorLeaf, Whole
 
-from ..plain import is_per_rank, is_stateful
+from ..plain import is_per_rank, is_stateful, per_rank_leaf, per_rank_slot
 from .mains import plan_refresh
 from .optimizer_layout import (
     _MODEL_SPACE,
@@ -421,7 +421,7 @@ def _plain_save(v: Any) -> Any:
     """Entries beside the Megatron ones (RNG, dataloader, step counters):
     per-rank values per rank, stateful objects by their state dict, the rest as is."""
     if is_per_rank(v):
-        return PerRank(v.state_dict())
+        return per_rank_leaf(v)
     if is_stateful(v):
         return v.state_dict()
     return v
@@ -436,7 +436,7 @@ def _plain_target(
                 v.load_state_dict(values[key])
 
         finalizers.append(apply)
-        return Slot(per_rank=is_per_rank(v))
+        return per_rank_slot(v) if is_per_rank(v) else Slot()
 
     def put(values: dict[str, Any]) -> None:
         if key in values:

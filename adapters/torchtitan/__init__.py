@@ -50,15 +50,16 @@ try:
     from torchtitan.tools import filesystem
 except ModuleNotFoundError as e:  # torchtitan itself goes in with --no-deps: it lists torch
     raise missing_extra(e, "torchtitan", __name__, install="pip install --no-deps torchtitan==0.3.0 "
-                        "&& pip install 'bytecp[torchtitan]' (docs/integrations.md)") from None
+                        "&& pip install 'bytecp[torchtitan]' (docs/torchtitan.md)") from None
 
 import bytecp
 from bytecp.adapter_api import register_adapter
 from bytecp.catalog import list_checkpoints
 from bytecp.errors import StateMismatchError
 from bytecp.format import metadata as fmt
-from bytecp.interop.runs import is_bytecp_folder, with_foreign
+from bytecp.interop.runs import is_bytecp_folder
 from bytecp.storage_api import open_storage
+from bytecp.tools.resume import Decision, decide_together, first_that_loads
 
 from .hf import export_last_step_hf, load_initial_hf
 
@@ -97,6 +98,9 @@ class BytecpCheckpointManager(BaseCheckpointManager):
 
         verify: bool = True
         """Check every chunk's crc32c while loading."""
+
+        storage_options: dict[str, Any] = dataclasses.field(default_factory=dict)
+        """bytecp storage options for an object-store ``folder`` (``endpoint_url``, ``retry``, ...)."""
 
         def __post_init__(self) -> None:
             BaseCheckpointManager.Config.__post_init__(self)
@@ -144,21 +148,19 @@ class BytecpCheckpointManager(BaseCheckpointManager):
     def _url(self, step: int, folder: str = "") -> str:
         return filesystem.join(folder or self.folder, f"step-{step}")
 
-    def _committed_steps(self) -> dict[int, str]:
-        """Step -> URL of the folder's committed checkpoints: bytecp's and,
-        newer than them, those torchtitan's DCP backend wrote before the job
-        moved onto bytecp (:mod:`bytecp.interop.runs`)."""
-        try:
-            found = with_foreign(self.folder, {}, list_checkpoints(self.folder))
-        except FileNotFoundError:
-            return {}
-        return {c.step: c.url for c in found if c.step is not None and _STEP.match(c.name)}
+    def _decision(self) -> Decision:
+        """(every rank) What the folder has to resume: the one decision
+        (:mod:`bytecp.tools.resume`: bytecp's committed checkpoints and, newer
+        than them, those torchtitan's DCP backend wrote before the job moved
+        onto bytecp), taken on rank 0 and broadcast; a storage error raised."""
+        return decide_together(self.folder, self.config.storage_options)
 
     def _flat_states(self) -> dict[str, Any]:
         return dict(self.states)
 
     def _save_kwargs(self, step: int) -> dict[str, Any]:
-        return {"framework": "torchtitan", "step": step, "overwrite": True, "io_threads": self.config.io_threads}
+        return {"framework": "torchtitan", "step": step, "overwrite": True, "io_threads": self.config.io_threads,
+                "storage_options": self.config.storage_options}
 
     # ------------------------------------------------------------ save
     def _should_save(self, curr_step: int, last_step: bool) -> bool:
@@ -212,8 +214,10 @@ class BytecpCheckpointManager(BaseCheckpointManager):
 
     def _purge_now(self) -> None:
         try:
-            found = [c for c in list_checkpoints(self.folder) if c.step is not None and _STEP.match(c.name)]
-            root = open_storage(self.folder)
+            opts = self.config.storage_options
+            found = [c for c in list_checkpoints(self.folder, storage_options=opts)
+                     if c.step is not None and _STEP.match(c.name)]
+            root = open_storage(self.folder, **opts)
             for old in found[: max(0, len(found) - self.config.keep_latest_k)]:
                 root.delete([f"{old.name}/{fmt.METADATA_FILE}"])  # it stops existing first
                 root.delete_prefix(old.name)
@@ -241,31 +245,38 @@ class BytecpCheckpointManager(BaseCheckpointManager):
     # ------------------------------------------------------------ load
     @torch.no_grad()
     def _load(self, step: int = -1) -> bool:
-        """(every rank) Resume from ``step`` (the newest committed one when -1) in
-        ``folder``; with none there, from ``initial_load_path``; else a fresh start."""
+        """(every rank) Resume from ``step`` (-1: the newest committed checkpoint
+        that loads, falling back past one whose own files are bad) in
+        ``folder``; with nothing to resume there, from ``initial_load_path``;
+        else a fresh start. A folder whose newest checkpoint cannot be told
+        raises (:class:`~bytecp.errors.ResumeDecisionError`), as does a storage
+        error: never a fresh start over the run's own checkpoints."""
         cfg = self.config
-        committed = self._committed_steps()
-        if step != -1 and step not in committed:
-            have = ", ".join(map(str, sorted(committed))) or "none"
-            raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed bytecp checkpoint "
-                                    f"{self._url(step)} (committed steps in {self.folder}: {have})")
-        load_step = step if step != -1 else max(committed, default=-1)
-        if load_step >= 0:  # resuming: the initial_* options are ignored, as DCP's manager does
-            url, model_only, initial = committed[load_step], load_step == 0, False
-        elif cfg.initial_load_in_hf:
+        decision = self._decision()
+        if step != -1:  # an explicit step: that one, or its error (no fallback)
+            committed = {c.step: c.url for c in decision.checkpoints if c.step is not None}
+            if step not in committed:
+                have = ", ".join(map(str, sorted(committed))) or "none"
+                raise FileNotFoundError(f"--checkpoint.load_step={step}: no committed checkpoint "
+                                        f"{self._url(step)} (committed steps in {self.folder}: {have})")
+            self._load_url(committed[step], step == 0, False)
+            return True
+        candidates = decision.candidates()  # raises when undecided: the initial_* options never hide a run
+        if candidates:  # resuming: the initial_* options are ignored, as DCP's manager does
+            first_that_loads(candidates, lambda c: self._load_url(c.url, c.step == 0, False), run_url=self.folder)
+            return True
+        if cfg.initial_load_in_hf:
             path = cfg.initial_load_path or getattr(self.sd_adapter, "hf_assets_path", None)
             if not path or not filesystem.isdir(path):
                 raise ValueError(f"checkpoint.initial_load_in_hf: {path!r} is not a directory of Hugging Face "
                                  "safetensors; set checkpoint.initial_load_path (or hf_assets_path)")
             load_initial_hf(self.sd_adapter, self.states[MODEL], path, cfg.initial_load_in_hf_quantized)
             return True
-        elif cfg.initial_load_path:
-            url, model_only, initial = cfg.initial_load_path, cfg.initial_load_model_only, True
-        else:
-            log.info("bytecp: no checkpoint in %s and no initial_load_path: a fresh start", self.folder)
-            return False
-        self._load_url(url, model_only, initial)
-        return True
+        if cfg.initial_load_path:
+            self._load_url(cfg.initial_load_path, cfg.initial_load_model_only, True)
+            return True
+        log.info("bytecp: %s; no initial_load_path: a fresh start", decision.describe())
+        return False
 
     def _load_url(self, url: str, model_only: bool, initial: bool) -> None:
         begin = time.monotonic()
@@ -277,11 +288,12 @@ class BytecpCheckpointManager(BaseCheckpointManager):
                     raise ValueError(f"checkpoint.exclude_from_loading names {key!r}, which is not a checkpointed "
                                      f"state; the states are {', '.join(sorted(self.states))}")
             states = {k: v for k, v in self.states.items() if k not in self.config.exclude_from_loading}
-        foreign = not is_bytecp_folder(open_storage(url))
+        foreign = not is_bytecp_folder(open_storage(url, **self.config.storage_options))
         names: set[str] = set()
         if foreign:  # a DCP checkpoint: named as torchtitan's DCP backend flattens the states
             states, names = _flattened(states)
-        result = bytecp.load(url, states, framework="torchtitan", strict=False, verify=self.config.verify)
+        result = bytecp.load(url, states, framework="torchtitan", strict=False, verify=self.config.verify,
+                             storage_options=self.config.storage_options)
         if foreign:  # as torchtitan's DCP load: the model's own hooks (fused wqkv) see the tensors
             if names:  # (never ask the wrapper's state_dict again first: it refreshes its cache)
                 self.states[MODEL].load_state_dict({k: states[k] for k in names})

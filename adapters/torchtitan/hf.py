@@ -52,8 +52,10 @@ def export_last_step_hf(sd_adapter: Any, model_sd: dict[str, Any], url: str, sav
     error: list[str | None] = [None]
     if rank == 0:
         try:
-            export_hf(staging, url, prefix="model.", config=_config_json(sd_adapter), overwrite=True)
-            root = open_storage(folder)
+            so = save_kwargs.get("storage_options") or {}
+            export_hf(open_storage(staging, **so), url, prefix="model.", config=_config_json(sd_adapter),
+                      overwrite=True, out_options=so)
+            root = open_storage(folder, **so)
             root.delete([f"{name}/{fmt.METADATA_FILE}"])  # it stops existing first
             root.delete_prefix(name)
         except Exception as e:

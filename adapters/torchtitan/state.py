@@ -30,7 +30,7 @@ from bytecp.format.metadata import Metadata
 from bytecp.tree.state import PerRank, Slot
 
 from .._dtensor import dtensor_leaf, is_dtensor, mesh_info
-from ..plain import is_stateful
+from ..plain import is_stateful, per_rank_leaf, per_rank_slot
 
 __all__ = ["TorchtitanStateAdapter", "PER_RANK_KEYS"]
 
@@ -78,8 +78,13 @@ class TorchtitanStateAdapter(Adapter):
 
     def save_tree(self, state: dict[str, Any], ctx: DistContext) -> Any:
         """(every rank) Views of the live state dicts, no copies."""
-        return {k: PerRank(_state_dict(v)) if k in PER_RANK_KEYS else _save_value(_state_dict(v))
+        return {k: self._per_rank(v) if k in PER_RANK_KEYS else _save_value(_state_dict(v))
                 for k, v in state.items()}
+
+    @staticmethod
+    def _per_rank(v: Any) -> PerRank:
+        """The dataloader's state, with its data position (:mod:`bytecp.data`) when it is a stateful object."""
+        return per_rank_leaf(v) if is_stateful(v) else PerRank(v)
 
     def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
         """(every rank) Targets: the tensors of each object's fresh state dict,
@@ -91,7 +96,7 @@ class TorchtitanStateAdapter(Adapter):
             # a DCP checkpoint torchtitan's own backend wrote keeps each rank's dataloader
             # under its own name (dataloader.dp_rank_<r>): an ordinary value there
             if key in PER_RANK_KEYS and (key in md.per_rank or not any(o.startswith(f"{key}.") for o in md.objects)):
-                tree[key] = Slot(per_rank=True)
+                tree[key] = per_rank_slot(obj) if is_stateful(obj) else Slot(per_rank=True)
                 finalizers.append(self._apply_whole(key, obj))
                 continue
             sd = _state_dict(obj)

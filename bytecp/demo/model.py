@@ -1,28 +1,40 @@
-"""The demo's model and data, in plain torch (no bytecp, no torch.distributed).
+"""The demo's model and data, in plain torch and torchdata (no bytecp, no torch.distributed).
 
 Used by the training job (:mod:`bytecp.demo.train`), the uninterrupted
 reference run (:mod:`bytecp.demo.story`) and the evaluation job
 (:mod:`bytecp.demo.evaluate`), so all three compute the same thing.
 
 The data is a fixed set of token sequences and a learnable task (each token
-maps to another), so the loss visibly falls in a few steps. The sampler is
-keyed by the *global* step: step ``s`` always trains on the same
-``GLOBAL_BATCH`` sequences, split evenly over however many processes run it
-(1, 2, 3, 4, 6 or 12), so a job resumed at step ``s`` on another number of
-processes sees exactly the data the interrupted one would have seen.
+maps to another), so the loss visibly falls in a few steps. The training job
+reads it as real jobs do: torchdata's ``StatefulDataLoader`` with torch's
+``DistributedSampler`` (:func:`data_loader`), ``GLOBAL_BATCH // world``
+sequences per process. The sampler deals the epoch's shuffled order out to
+the processes in turn, so global step ``s`` holds positions
+``[(s-1)*GLOBAL_BATCH, s*GLOBAL_BATCH)`` of that order whatever the number
+of processes (:func:`global_batch`, the reference run's batches); bytecp
+saves the loader with the checkpoint and reshards its position when a job
+resumes on another number of processes.
 """
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
+from torch.utils.data import DistributedSampler, TensorDataset
+
+if TYPE_CHECKING:
+    from torchdata.stateful_dataloader import StatefulDataLoader
 
 __all__ = [
     "TinyGPT",
     "GLOBAL_BATCH",
     "DATASET_SIZE",
+    "STEPS_PER_EPOCH",
+    "SEED",
     "global_batch",
-    "local_batch",
+    "data_loader",
     "eval_batch",
     "loss_of",
     "say",
@@ -31,8 +43,11 @@ __all__ = [
 VOCAB, SEQ = 97, 13
 #: sequences per optimizer step, over all processes
 GLOBAL_BATCH = 12
-#: sequences in the training set (an epoch is DATASET_SIZE // GLOBAL_BATCH steps)
+#: sequences in the training set
 DATASET_SIZE = 240
+STEPS_PER_EPOCH = DATASET_SIZE // GLOBAL_BATCH
+#: the sampler's seed: epoch ``e`` is ordered by ``torch.randperm`` seeded ``SEED + e``, as DistributedSampler does
+SEED = 5000
 
 
 class Block(nn.Module):
@@ -77,22 +92,33 @@ _TRAIN = _sequences(1234, DATASET_SIZE)
 
 
 def global_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The ``GLOBAL_BATCH`` training sequences of global step ``step`` (1-based):
-    a seeded shuffle per epoch, so the order depends on the step alone."""
-    per_epoch = DATASET_SIZE // GLOBAL_BATCH
-    epoch, pos = divmod(step - 1, per_epoch)
-    order = torch.randperm(DATASET_SIZE, generator=torch.Generator().manual_seed(5000 + epoch))
+    """The ``GLOBAL_BATCH`` training sequences of global step ``step`` (1-based),
+    as the training job's processes draw them together: positions
+    ``[pos*G, (pos+1)*G)`` of epoch ``e``'s order (``e, pos = divmod(step - 1,
+    STEPS_PER_EPOCH)``), the order ``DistributedSampler(shuffle=True,
+    seed=SEED)`` gives every process."""
+    epoch, pos = divmod(step - 1, STEPS_PER_EPOCH)
+    order = torch.randperm(DATASET_SIZE, generator=torch.Generator().manual_seed(SEED + epoch))
     idx = order[pos * GLOBAL_BATCH : (pos + 1) * GLOBAL_BATCH]
     return _TRAIN[0][idx], _TRAIN[1][idx]
 
 
-def local_batch(step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's equal slice of :func:`global_batch`."""
+def data_loader(rank: int, world: int) -> StatefulDataLoader:
+    """Process ``rank``'s loader: torchdata's ``StatefulDataLoader`` over the
+    training set with torch's ``DistributedSampler`` (its epoch set by the
+    training loop), ``GLOBAL_BATCH // world`` sequences per step."""
     if GLOBAL_BATCH % world:
         raise ValueError(f"the demo's global batch of {GLOBAL_BATCH} does not split over {world} processes")
-    n = GLOBAL_BATCH // world
-    x, y = global_batch(step)
-    return x[rank * n : (rank + 1) * n], y[rank * n : (rank + 1) * n]
+    try:  # (imported here: the evaluation job needs only the model, plain torch)
+        from torchdata.stateful_dataloader import StatefulDataLoader
+    except ModuleNotFoundError as e:
+        from bytecp.plugins import missing_extra
+
+        raise missing_extra(e, "demo", __name__) from None
+    data = TensorDataset(*_TRAIN)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        data, num_replicas=world, rank=rank, shuffle=True, seed=SEED)
+    return StatefulDataLoader(data, batch_size=GLOBAL_BATCH // world, sampler=sampler)
 
 
 def eval_batch() -> tuple[torch.Tensor, torch.Tensor]:

@@ -249,8 +249,9 @@ def run_demo(out: str) -> int:
     torch.set_num_threads(1)
     story = _Story(out)
     tell("A training job's life with bytecp, in six stages. The model: a small GPT-like transformer; the data: "
-         f"240 sequences, 12 per step, in an order fixed by the step number. Checkpoints go to {story.run}/step-N, "
-         f"each process's log to {story.logs}/.", "")
+         "240 sequences, 12 per step over all processes, read by torchdata's StatefulDataLoader with torch's "
+         "DistributedSampler (the loader is checkpointed too, and its position reshards with the model). "
+         f"Checkpoints go to {story.run}/step-N, each process's log to {story.logs}/.", "")
     first = story.crash()
     second = story.restart("2/6  ", "Only 1 process is available now: the job restarts on 1 process (FSDP2) "
                            f"and trains to step {SECOND_STOP}. CheckpointManager.restore loads the latest committed "

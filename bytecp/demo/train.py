@@ -8,7 +8,9 @@ demo's own launcher (:mod:`bytecp.demo.launch`).
 Every start resumes from the latest *committed* checkpoint under ``--checkpoints``
 (``CheckpointManager.restore``), whatever the number of processes and the
 parallelism (FSDP2 or DDP) that saved it, and trains on the data of the
-following global steps (:func:`bytecp.demo.model.local_batch`). A checkpoint
+following global steps: its data loader (torchdata's ``StatefulDataLoader``
+with ``DistributedSampler``, :func:`bytecp.demo.model.data_loader`) is in the
+checkpoint, and bytecp reshards its position to the new number of processes. A checkpoint
 is saved every ``--save-every`` steps, lazily and in the background
 (``CheckpointManager(async_save=True, lazy=True)``): training pauses only to
 describe the state; the copy runs during the next forward/backward and the
@@ -38,7 +40,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bytecp.demo.model import TinyGPT, eval_batch, local_batch, loss_of
+from bytecp.demo.model import STEPS_PER_EPOCH, TinyGPT, data_loader, eval_batch, loss_of
 from bytecp.errors import BytecpError
 from bytecp.manager import CheckpointManager
 
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.set_num_threads(1)
     model, opt = _build(args.parallel)
-    extra: dict[str, Any] = {"step": 0}
+    loader = data_loader(rank, world)
+    extra: dict[str, Any] = {"step": 0, "dataloader": loader}
     state: dict[str, Any] = {"model": model, "optimizer": opt, "extra": extra}
     mgr = CheckpointManager(args.checkpoints, every_n_steps=args.save_every, keep_last=args.keep_last,
                             async_save=True, lazy=True)
@@ -156,11 +159,16 @@ def main(argv: list[str] | None = None) -> int:
 
     handles: dict[int, Any] = {}
     step = extra["step"]
+    loader.sampler.set_epoch(step // STEPS_PER_EPOCH)  # the epoch of the next step
+    batches = iter(loader)  # (restored: where the saved job stopped, on this number of processes)
     try:
         while step < args.until:
             step += 1
             notes = _commit_notes(handles, result)
-            x, y = local_batch(step, rank, world)
+            if (step - 1) % STEPS_PER_EPOCH == 0 and step > 1:  # a new epoch: its own order
+                loader.sampler.set_epoch((step - 1) // STEPS_PER_EPOCH)
+                batches = iter(loader)
+            x, y = next(batches)
             loss = loss_of(model, x, y)
             loss.backward()
             opt.step()  # lazy mode: waits here only if the previous save's copy is not done

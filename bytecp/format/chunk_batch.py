@@ -40,7 +40,9 @@ class ChunkBatch:
     """Chunk records of one rank, one array element per chunk.
 
     ``offsets``/``lengths`` hold each chunk's ``ndim`` values one after the
-    other; ``file`` indexes ``files``.
+    other; ``file`` indexes ``files``; ``blocks`` each chunk's block checksums
+    (``nblocks`` of them) one chunk after the other: they stay on the rank
+    (its index part), the commit's gather sends the batch :meth:`without_blocks`.
     """
 
     fqn_hash: np.ndarray  # uint64
@@ -52,6 +54,8 @@ class ChunkBatch:
     byte_offset: np.ndarray  # int64
     nbytes: np.ndarray  # int64
     crc32c: np.ndarray  # uint32
+    nblocks: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.int64))  # int64
+    blocks: np.ndarray = dataclasses.field(default_factory=lambda: np.zeros(0, np.uint32))  # uint32, concatenated
 
     def __len__(self) -> int:
         return len(self.fqn_hash)
@@ -71,7 +75,19 @@ class ChunkBatch:
             byte_offset=np.fromiter((c.byte_offset for c in chunks), np.int64, len(chunks)),
             nbytes=np.fromiter((c.nbytes for c in chunks), np.int64, len(chunks)),
             crc32c=np.fromiter((c.crc32c for c in chunks), np.uint32, len(chunks)),
+            nblocks=np.fromiter((len(c.blocks) // 4 for c in chunks), np.int64, len(chunks)),
+            blocks=np.frombuffer(b"".join(c.blocks for c in chunks), "<u4").astype(np.uint32),
         )
+
+    def without_blocks(self) -> ChunkBatch:
+        """The batch as the commit's gather sends it (the coordinator checks boxes, not block checksums)."""
+        return dataclasses.replace(self, nblocks=np.zeros(len(self), np.int64), blocks=np.zeros(0, np.uint32))
+
+    def block_starts(self) -> np.ndarray:
+        """Where each chunk's block checksums start in ``blocks`` (and, last, their count)."""
+        out = np.zeros(len(self) + 1, np.int64)
+        np.cumsum(self.nblocks, out=out[1:])
+        return out
 
     @classmethod
     def empty(cls) -> ChunkBatch:

@@ -77,6 +77,7 @@ class _Rows:
         self.byte_offset = cat("byte_offset", np.int64)
         self.nbytes = cat("nbytes", np.int64)
         self.crc = cat("crc32c", np.uint32)
+        self.src = np.arange(n, dtype=np.int64)  # each row's position in the batches (their block checksums)
         self.files: list[str] = []
         ids: dict[str, int] = {}
         per_rank = [np.asarray([ids.setdefault(f, len(ids)) for f in b.files] or [0], np.int32)[b.file] for b in batches]
@@ -120,7 +121,7 @@ class _Rows:
         self.lin = (self.O * strides[self.fid]).sum(axis=1)
 
     def take(self, keep: np.ndarray) -> None:
-        for k in ("rank", "ndim", "byte_offset", "nbytes", "crc", "file", "fid", "O", "L", "mask", "lin"):
+        for k in ("rank", "ndim", "byte_offset", "nbytes", "crc", "file", "fid", "O", "L", "mask", "lin", "src"):
             setattr(self, k, getattr(self, k)[keep])
 
 

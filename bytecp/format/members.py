@@ -46,10 +46,10 @@ def _interned(values: list[int]) -> list[int]:
 
 
 def _v4(before: dict[str, Any]) -> bool:
-    """The document read so far says format version 4 (it names it once: a
+    """The document read so far says format version 4 or 5 (it names it once: a
     document that names a member twice is read whole)."""
     v = before.get("format_version")
-    return type(v) is int and v == 4
+    return type(v) is int and v in (4, 5)
 
 
 def _tensors(text: str, i: int, before: dict[str, Any]) -> tuple[Any, int]:

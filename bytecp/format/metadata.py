@@ -1,12 +1,7 @@
-"""The on-storage format (docs/FORMAT.md is the normative spec).
-
-```
-<checkpoint>/
-  data/<save_id>/<rank>-<n>.bin    raw little-endian bytes, chunk after chunk, 4 KiB aligned
-  index/<save_id>/<rank>.parquet   that rank's chunks (one row per chunk)
-  reports/<rank>.json              per-rank monitoring report (informational)
-  metadata.json                    written LAST, atomically: the commit point
-```
+"""The on-storage format (docs/FORMAT.md is the normative spec): data files
+``data/<save_id>/<rank>-<n>.bin`` (raw little-endian bytes, 4 KiB aligned),
+the index ``index/<save_id>/...``, and ``metadata.json``, written last
+(the commit point).
 
 Files of one save carry its ``save_id``, so a save onto an existing
 checkpoint (``overwrite=True``) never touches the files the committed
@@ -27,6 +22,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from bytecp.data.positions import check_data
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
@@ -66,7 +62,7 @@ __all__ = [
 ]
 
 FORMAT_NAME = "bytecp"
-FORMAT_VERSION = 4
+FORMAT_VERSION = 5
 METADATA_FILE = "metadata.json"
 ALIGNMENT = 4096
 
@@ -154,6 +150,8 @@ class ChunkRecord:
     byte_offset: int
     nbytes: int
     crc32c: int
+    #: version 5, chunks over one block: each block's crc32c, packed (:mod:`bytecp.format.checksum`)
+    blocks: bytes = b""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +223,8 @@ class Metadata:
     #: version 3: checkpoints of the same run whose data files this one's
     #: rows name (``../<name>/data/...``): name -> the save id committed there
     references: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: data loaders' positions (fqn of a per-rank value -> every rank's position merged: FORMAT.md §6.8)
+    data: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     #: (the coordinator's commit) the JSON text of ``skeleton`` and ``tensors``, kept between saves
     encoded: EncodedMembers | None = dataclasses.field(default=None, compare=False, repr=False)
 
@@ -257,6 +257,8 @@ class Metadata:
         }
         if self.aliases:
             d["aliases"] = self.aliases
+        if self.data:
+            d["data"] = self.data
         if self.index is not None:
             d["index"] = self.index.to_json()
         if self.references and self.format_version < 4:
@@ -315,6 +317,7 @@ class Metadata:
                 index=(member("index", lambda x: PartsDirectory.from_json(x, where)) if version >= 4
                        else IndexDirectory.from_json(d["index"], where) if version >= 2 else None),
                 references=check_references(d.get("references"), where) if version >= 3 else {},
+                data=check_data(d.get("data"), where, int(d["world_size"])),
             ).validate(where)
         except (KeyError, TypeError, ValueError, AttributeError, OverflowError) as e:
             raise CorruptCheckpointError(f"{where}: metadata.json is malformed ({e!r:.300})") from e
@@ -328,6 +331,10 @@ class Metadata:
             check_path(f, "index", where)
         if self.index is not None:
             check_path(self.index.file, "index", where)
+            if isinstance(self.index, PartsDirectory) and (self.index.block_bytes is None) != (self.format_version < 5):
+                raise CorruptCheckpointError(f"{where}: metadata.json's index {'lacks' if self.format_version >= 5 else 'has'}"
+                                             f" block_bytes, which format version {self.format_version} "
+                                             f"{'requires' if self.format_version >= 5 else 'does not know'}")
             if self.index_files:
                 raise CorruptCheckpointError(f"{where}: metadata.json lists version-1 index files beside the index")
         refs = self.references if self.format_version >= 3 else None
@@ -413,18 +420,9 @@ def check_references(d: Any, where: str) -> dict[str, str]:
 
 
 def chunks_to_table(chunks: Sequence[ChunkRecord]) -> pa.Table:
-    cols: dict[str, list[Any]] = {f.name: [] for f in INDEX_SCHEMA}
-    for c in chunks:
-        cols["fqn"].append(c.fqn)
-        cols["dtype"].append(c.dtype)
-        cols["global_shape"].append(list(c.global_shape))
-        cols["offsets"].append(list(c.offsets))
-        cols["lengths"].append(list(c.lengths))
-        cols["file"].append(c.file)
-        cols["byte_offset"].append(c.byte_offset)
-        cols["nbytes"].append(c.nbytes)
-        cols["crc32c"].append(c.crc32c)
-    return pa.table(cols, schema=INDEX_SCHEMA)
+    rows = [(c.fqn, c.dtype, list(c.global_shape), list(c.offsets), list(c.lengths), c.file, c.byte_offset,
+             c.nbytes, c.crc32c) for c in chunks]  # INDEX_SCHEMA's order
+    return pa.table({f.name: [r[i] for r in rows] for i, f in enumerate(INDEX_SCHEMA)}, schema=INDEX_SCHEMA)
 
 
 def column_values(table: pa.Table, name: str) -> list[Any]:

@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 
 from bytecp.errors import ConfigError
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import crc32c, writer_block_bytes
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks, encode_segment
 from bytecp.format.metadata import ChunkRecord
@@ -82,18 +82,22 @@ def build_part(
     save_id: str,
     rank: int,
     buckets: int,
+    block_bytes: int | None = None,
 ) -> BuiltPart:
     """(every rank, at commit) Check this rank's chunks (inside their
-    tensors and data files, no two overlapping) and lay out its part: band
-    segments, then wide segments; its 0-dim chunks go to the entries (the
-    directory lists them). ``tensors``: this rank's tensor specs (every
-    tensor it wrote chunks of). Raises :class:`ConfigError` naming the
-    tensor, the rank and the region."""
+    tensors and data files, no two overlapping, each chunk over one block
+    with its block checksums) and lay out its part: band segments, then
+    wide segments, each row with its block checksums; its 0-dim chunks go
+    to the entries (the directory lists them). ``tensors``: this rank's
+    tensor specs (every tensor it wrote chunks of). Raises
+    :class:`ConfigError` naming the tensor, the rank and the region."""
     names = sorted(tensors)
     rows = check_chunks([batch], tensors, data_files, ranks=[rank], whole=False)
     n = len(rows.fid)
     if not n:
         return BuiltPart([], PartEntries(rank))
+    blocks = _block_sums(batch, rows.src, rows.nbytes, block_bytes or writer_block_bytes(),
+                         lambda i: (names[rows.fid[i]], rank))
     strides = np.ones_like(rows.shape)
     for d in range(rows.D - 2, -1, -1):
         strides[:, d] = strides[:, d + 1] * rows.shape[:, d + 1]
@@ -119,13 +123,39 @@ def build_part(
     if not groups:
         return BuiltPart([], entries)
     blobs = [encode_rows(save_id, names, rows.files, rows.fid[g], rows.file[g], rows.ndim[g], rows.byte_offset[g],
-                         rows.nbytes[g], rows.crc[g], rows.O[g], rows.L[g]) for g in groups]
+                         rows.nbytes[g], rows.crc[g], rows.O[g], rows.L[g], blocks(g)) for g in groups]
     offsets = np.concatenate([[0], np.cumsum([len(b) for b in blobs])]).astype(int).tolist()
     entries.nbytes = int(offsets[-1])
     entries.lo, entries.hi = [int(lo[g].min()) for g in band_groups], [int(hi[g].max()) for g in band_groups]
     entries.offset, entries.size = offsets[:-1], [len(b) for b in blobs]
     entries.rows, entries.crc = [len(g) for g in groups], [crc32c(b) for b in blobs]
     return BuiltPart(blobs, entries)
+
+
+def _block_sums(batch: ChunkBatch, src: np.ndarray, nbytes: np.ndarray, block_bytes: int,
+                name: Callable[[int], tuple[str, int]]) -> Callable[[np.ndarray], np.ndarray]:
+    """Checks that each row (``src``: its place in ``batch``) carries one block
+    checksum per block of a chunk of more than ``block_bytes`` bytes, none
+    otherwise; -> the block checksums of rows ``g`` (indices into ``src``), one row's after the other."""
+    want = np.where(nbytes > block_bytes, -(-nbytes // block_bytes), 0)
+    have = batch.nblocks[src] if len(batch.nblocks) == len(batch) else np.zeros(len(src), np.int64)
+    if len(wrong := np.flatnonzero(have != want)):
+        i = int(wrong[0])
+        fqn, rank = name(i)
+        raise ConfigError(f"tensor {fqn!r}: rank {rank} recorded {int(have[i])} block checksums for a chunk of "
+                          f"{int(nbytes[i])} bytes, not {int(want[i])} (one per {block_bytes} bytes beyond one block)")
+    starts = batch.block_starts()
+
+    def of(g: np.ndarray) -> np.ndarray:
+        count = want[g]
+        total = int(count.sum())
+        if not total:
+            return np.zeros(0, np.uint32)
+        first = starts[src[g]]
+        before = np.cumsum(count) - count
+        return batch.blocks[np.repeat(first - before, count) + np.arange(total)]
+
+    return of
 
 
 def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray]:
@@ -160,7 +190,8 @@ def _cut_bands(order: np.ndarray, lo: np.ndarray, limit: int) -> list[np.ndarray
 
 
 def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_id: str, buckets: int,
-                    names: Iterable[str], hashes: np.ndarray | None = None) -> tuple[list[bytes], PartsDirectory]:
+                    names: Iterable[str], hashes: np.ndarray | None = None, block_bytes: int | None = None,
+                    ) -> tuple[list[bytes], PartsDirectory]:
     """(coordinator, at commit) Every rank's part entries (as gathered:
     :meth:`PartEntries.encode`'s bytes, or already decoded by
     :func:`~bytecp.format.parts_wire.decode_all`; objects are encoded first) as the
@@ -211,6 +242,7 @@ def build_directory(entries: Sequence[PartEntries | bytes] | EntryColumns, save_
     return blobs, PartsDirectory(
         save_id=save_id, buckets=buckets, ranks=cols.rank.tolist(), part_nbytes=cols.nbytes.tolist(),
         directory_nbytes=base, band_pages=band_pages, wide_pages=wide_pages, scalar_pages=scalar_pages,
+        block_bytes=block_bytes or writer_block_bytes(),
     )
 
 

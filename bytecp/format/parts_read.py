@@ -371,9 +371,10 @@ def _decode_segments(md: fmt.Metadata, d: PartsDirectory, rank: int, segments: l
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
         if s[3] <= segment_keep.FEW_ROWS:  # (a few rows: one at a time)
             out += segment_keep.keep_records(seg, segment_wire.to_records(segment_wire.decode(
-                seg, buf, s[3], d.save_id), md, seg, fqns), (s[5], s[6], s[7]), d.buckets, limit, spans)
+                seg, buf, s[3], d.save_id, block_bytes=d.block_bytes), md, seg, fqns), (s[5], s[6], s[7]), d.buckets,
+                limit, spans)
             continue
-        rows = segment_wire.decode(seg, buf, s[3], d.save_id, memo)
+        rows = segment_wire.decode(seg, buf, s[3], d.save_id, memo, d.block_bytes)
         kept = segment_wire.kept_rows(rows, md, seg, fqns)
         out += segment_wire.records(rows, kept, segment_keep.keep(rows, kept, (s[5], s[6], s[7]), d.buckets, limit,
                                                                   seg, spans))

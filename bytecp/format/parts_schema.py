@@ -48,6 +48,8 @@ __all__ = [
     "SEGMENT_ROWS",
     "MIN_BUCKETS_V4",
     "DIRECTORY_NAME",
+    "MIN_BLOCK",
+    "MAX_BLOCK",
     "buckets_for",
     "span_limit",
     "part_file",
@@ -66,6 +68,8 @@ SEGMENT_ROWS = 4096
 #: fewest bands of a version-4 index
 MIN_BUCKETS_V4 = 1024
 DIRECTORY_NAME = "directory.bin"
+#: the block sizes a version-5 index may name (``block_bytes``)
+MIN_BLOCK, MAX_BLOCK = 4096, 1 << 30
 FORMAT_V4 = b"4"
 _SAVE_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")
 
@@ -142,6 +146,9 @@ class PartsDirectory:
     band_pages: dict[str, list[int]]
     wide_pages: dict[str, list[Any]]
     scalar_pages: dict[str, list[Any]]
+    #: version 5: the block size of the chunks' block checksums (each row of a part's segments records
+    #: one per block of a chunk of more than one block); None: version 4 (none recorded)
+    block_bytes: int | None = None
 
     @property
     def file(self) -> str:
@@ -168,7 +175,8 @@ class PartsDirectory:
         return self.part_nbytes[i] if i < len(self.ranks) and self.ranks[i] == rank else None
 
     def to_json(self) -> dict[str, Any]:
-        return {"layout": "parts", "buckets": self.buckets,
+        blocks = {} if self.block_bytes is None else {"block_bytes": self.block_bytes}
+        return {"layout": "parts", "buckets": self.buckets, **blocks,
                 "parts": {"rank": self.ranks, "nbytes": self.part_nbytes},
                 "directory": {"file": self.file, "nbytes": self.directory_nbytes},
                 "band_pages": self.band_pages, "wide_pages": self.wide_pages, "scalar_pages": self.scalar_pages}
@@ -186,6 +194,10 @@ class PartsDirectory:
         buckets = d.get("buckets")
         if type(buckets) is not int or not 1 <= buckets <= MAX_BUCKETS_V4:
             raise bad(f"says {buckets!r:.40} buckets (want 1..{MAX_BUCKETS_V4})")
+        block_bytes = d.get("block_bytes")
+        if block_bytes is not None and (type(block_bytes) is not int or not MIN_BLOCK <= block_bytes <= MAX_BLOCK
+                                        or block_bytes & (block_bytes - 1)):
+            raise bad(f"says block_bytes {block_bytes!r:.40} (want a power of two, {MIN_BLOCK}..{MAX_BLOCK})")
         parts = columns(d.get("parts"), ("rank", "nbytes"), bad, ints=("rank", "nbytes"))
         ranks, sizes = parts["rank"], parts["nbytes"]
         if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)) or any(n <= 0 for n in sizes):
@@ -219,7 +231,7 @@ class PartsDirectory:
                     nbytes, lambda why: bad(f"places a page {why}"))
         if any(r <= 0 for r in band["rows"] + wide["rows"] + scalar["rows"]):
             raise bad("lists a page without entries")
-        return cls(save_id, buckets, ranks, sizes, nbytes, band, wide, scalar)
+        return cls(save_id, buckets, ranks, sizes, nbytes, band, wide, scalar, block_bytes)
 
 
 def check_spans(offsets: Sequence[int], sizes: Sequence[int], total: int, bad: Any) -> None:

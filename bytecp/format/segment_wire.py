@@ -15,7 +15,12 @@ in all, ``S`` string bytes): the header ``[MAGIC, n, m, f, D, S]``, then
 the columns ``name_id[n] file_id[n] ndim[n] byte_offset[n] nbytes[n]
 crc32c[n] offsets[D] lengths[D]``, the string lengths ``[1 + m + f]`` (the
 save id, the tensor names ascending, the file names), and the strings'
-UTF-8 bytes zero-padded to a multiple of 8. The decoder checks every count
+UTF-8 bytes zero-padded to a multiple of 8. Format version 5 writes
+segments of encoding 2 (:data:`MAGIC_BLOCKS`): the header has a seventh
+word, ``K``, and the ``K`` block checksums of the rows (32 bits each, a
+row's after the previous rows', two to a word, zero-padded) follow
+``lengths``; a row of ``nbytes`` over the index's ``block_bytes`` has
+``ceil(nbytes / block_bytes)`` of them, any other none. The decoder checks every count
 against the segment's real length before it looks at anything the counts
 locate, so no crafted count makes it allocate or loop beyond the bytes read.
 """
@@ -35,12 +40,14 @@ from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.tensor_table import TensorTable
 
-__all__ = ["MAGIC", "HEADER_WORDS", "SegmentRows", "Kept", "Names", "encode", "encode_rows", "decode", "kept_rows", "records",
+__all__ = ["MAGIC", "MAGIC_BLOCKS", "HEADER_WORDS", "SegmentRows", "Kept", "Names", "encode", "encode_rows", "decode", "kept_rows", "records",
            "to_records"]
 
 #: first word of a segment (the bytes "bcpSG4", then version 1: 0x00 0x01)
 MAGIC = int.from_bytes(b"bcpSG4\x00\x01", "little")
-#: MAGIC, n, m, f, D, S
+#: first word of a segment of encoding 2, with block checksums (format version 5)
+MAGIC_BLOCKS = int.from_bytes(b"bcpSG4\x00\x02", "little")
+#: MAGIC, n, m, f, D, S (encoding 2: and K)
 HEADER_WORDS = 6
 
 
@@ -63,9 +70,18 @@ class SegmentRows:
     #: with a :class:`Names` memo, what :func:`kept_rows` found of these names, shared by every segment
     #: of the same names
     checked: dict[Any, Any] | None = None
+    #: encoding 2: every row's block checksums, row after row, and where each row's start (n + 1 values)
+    blocks: np.ndarray | None = None
+    block_at: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.name_id)
+
+    def blocks_of(self, row: int) -> bytes:
+        """Row ``row``'s block checksums, packed (empty: none recorded)."""
+        if self.blocks is None or self.block_at is None:
+            return b""
+        return self.blocks[int(self.block_at[row]) : int(self.block_at[row + 1])].tobytes()
 
 
 class Names:
@@ -82,18 +98,25 @@ class Names:
 
 def encode(save_id: str, names: Sequence[str], files: Sequence[str], name_id: np.ndarray, file_id: np.ndarray,
            ndim: np.ndarray, byte_offset: np.ndarray, nbytes: np.ndarray, crc: np.ndarray,
-           offsets: np.ndarray, lengths: np.ndarray) -> bytes:
+           offsets: np.ndarray, lengths: np.ndarray, blocks: np.ndarray | None = None) -> bytes:
     """The segment of these columns, as given (``names`` ascending, ids into
-    ``names`` and ``files``, ``offsets``/``lengths`` flat): no check here, so
-    tests can craft damaged segments with it."""
+    ``names`` and ``files``, ``offsets``/``lengths`` flat; ``blocks``: the
+    rows' block checksums, one row's after the other: encoding 2; None:
+    encoding 1): no check here, so tests can craft damaged segments with it."""
     strings = [s.encode() for s in (save_id, *names, *files)]
     tail = b"".join(strings)
     n = len(name_id)
     head = [MAGIC, n, len(names), len(files), len(offsets), len(tail)]
+    packed = np.zeros(0, np.int64)
+    if blocks is not None:
+        head = [MAGIC_BLOCKS, *head[1:], len(blocks)]
+        b = np.asarray(blocks, "<u4")
+        packed = np.concatenate([b, np.zeros(len(b) % 2, "<u4")]).view("<i8")
     words = np.concatenate([
         np.asarray(head, np.int64),
         *(np.asarray(c, np.int64).reshape(-1) for c in (name_id, file_id, ndim, byte_offset, nbytes, crc,
                                                         offsets, lengths)),
+        packed,
         np.asarray([len(s) for s in strings], np.int64),
     ]).astype("<i8", copy=False)
     return words.tobytes() + tail + b"\0" * (-len(tail) % 8)
@@ -101,50 +124,65 @@ def encode(save_id: str, names: Sequence[str], files: Sequence[str], name_id: np
 
 def encode_rows(save_id: str, names: Sequence[str], files: Sequence[str], fid: np.ndarray, file: np.ndarray,
                 ndim: np.ndarray, byte_offset: np.ndarray, nbytes: np.ndarray, crc: np.ndarray,
-                O: np.ndarray, L: np.ndarray) -> bytes:  # noqa: E741, N803
+                O: np.ndarray, L: np.ndarray, blocks: np.ndarray | None = None) -> bytes:  # noqa: E741, N803
     """(every rank, at commit) One segment of a rank's rows, in the order
     given: ``fid``/``file`` index the rank's ``names`` (sorted) and ``files``,
     ``O``/``L`` are padded to the most dimensions (the first ``ndim`` of each
-    row count). Only the names and files these rows use are listed."""
+    row count), ``blocks`` the rows' block checksums (encoding 2). Only the
+    names and files these rows use are listed."""
     used_n, name_id = np.unique(fid, return_inverse=True)
     used_f, file_id = np.unique(file, return_inverse=True)
     mask = np.arange(O.shape[1])[None, :] < ndim[:, None]
     return encode(save_id, [names[i] for i in used_n.tolist()], [files[i] for i in used_f.tolist()],
-                  name_id, file_id, ndim, byte_offset, nbytes, crc, O[mask], L[mask])
+                  name_id, file_id, ndim, byte_offset, nbytes, crc, O[mask], L[mask], blocks)
 
 
 def decode(label: str, buf: bytes | bytearray | memoryview, rows: int, save_id: str, memo: Names | None = None,
-           ) -> SegmentRows:
+           block_bytes: int | None = None) -> SegmentRows:
     """``buf`` (one segment, its crc32c already checked) decoded and checked
     as FORMAT.md §5.6 says a reader MUST: ``rows`` the directory's count,
     ``save_id`` the checkpoint's; tensor names a ``memo`` holds already are its
-    list (checked when it was decoded). Any failure is one line starting with ``label``."""
+    list (checked when it was decoded); ``block_bytes``: the index's (format
+    version 5: the segment is of encoding 2, its rows' block checksums
+    checked against their sizes; None: encoding 1). Any failure is one line
+    starting with ``label``."""
     def bad(why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(f"{label}: {why}; the index is corrupt")
 
     size = len(buf)
+    head = HEADER_WORDS + (block_bytes is not None)
     if size % 8 or size < 8 * HEADER_WORDS:
-        raise bad(f"{size} bytes are not a segment (a header of {HEADER_WORDS} 64-bit words, then whole words)")
+        raise bad(f"{size} bytes are not a segment (a header of {head} 64-bit words, then whole words)")
     words = np.frombuffer(buf, "<i8")
-    magic, n, m, f, dims, nstr = words[:HEADER_WORDS].tolist()
-    if magic != MAGIC:
-        raise bad(f"its first word {magic:#018x} is not the segment magic {MAGIC:#018x}")
-    if min(n, m, f, dims, nstr) < 0:
+    magic = int(words[0])
+    want = MAGIC if block_bytes is None else MAGIC_BLOCKS
+    if magic != want:
+        raise bad(f"its first word {magic:#018x} is not the segment magic {want:#018x}"
+                  f"{' (this checkpoint format version records block checksums)' if magic == MAGIC else ''}")
+    if size < 8 * head:
+        raise bad(f"{size} bytes are not a segment (a header of {head} 64-bit words, then whole words)")
+    n, m, f, dims, nstr, *more = words[1:head].tolist()
+    nblocks = more[0] if more else 0
+    if min(n, m, f, dims, nstr, nblocks) < 0:
         raise bad(f"its header declares a negative count (rows {n}, names {m}, files {f}, dims {dims}, "
-                  f"string bytes {nstr})")
+                  f"string bytes {nstr}, block checksums {nblocks})")
     if n != rows:
         raise CorruptCheckpointError(f"{label} has {n} rows, the directory says {rows}")
-    need = 8 * (HEADER_WORDS + 6 * n + 2 * dims + 1 + m + f) + -(-nstr // 8) * 8  # Python ints: no overflow
+    packed = -(-nblocks // 2)
+    need = 8 * (head + 6 * n + 2 * dims + packed + 1 + m + f) + -(-nstr // 8) * 8  # Python ints: no overflow
     if need != size:
-        raise bad(f"its header (rows {n}, names {m}, files {f}, dims {dims}, string bytes {nstr}) makes it {need} "
+        raise bad(f"its header (rows {n}, names {m}, files {f}, dims {dims}, string bytes {nstr}"
+                  f"{f', block checksums {nblocks}' if block_bytes is not None else ''}) makes it {need} "
                   f"bytes, not {size}{' (trailing bytes)' if need < size else ''}")
-    at = HEADER_WORDS
+    at = head
     table = words[at : at + 6 * n].reshape(6, n)  # one row per column
     name_id, file_id, ndim, byte_offset, nbytes, crc = table
     at += 6 * n
     boxes = words[at : at + 2 * dims]
     offsets, lengths = boxes[:dims], boxes[dims:]
     at += 2 * dims
+    blocks, block_at = _blocks(bad, words[at : at + packed], nblocks, nbytes, block_bytes)
+    at += packed
     strlen = words[at : at + 1 + m + f]
     at += 1 + m + f
     # the common case in a few reductions; any failure is then located below
@@ -174,7 +212,30 @@ def decode(label: str, buf: bytes | bytearray | memoryview, rows: int, save_id: 
     if memo is not None and known is None:
         known = memo.lists[key] = (names, {})
     return SegmentRows(got, names, files, name_id, file_id, ndim, byte_offset, nbytes, crc, offsets, lengths,
-                       None if known is None else known[1])
+                       None if known is None else known[1], blocks, block_at)
+
+
+def _blocks(bad: Callable[[str], CorruptCheckpointError], packed: np.ndarray, count: int, nbytes: np.ndarray,
+            block_bytes: int | None) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """The block checksums (``count`` of them in the words ``packed``) and where
+    each row's start, checked: one per block of each row over one block, none
+    for the others, the padding zero. (``nbytes`` is not checked yet: a
+    negative one counts none here and is refused by the column checks.)"""
+    if block_bytes is None:
+        return None, None
+    per = np.where(nbytes > block_bytes, -(-nbytes // block_bytes), 0)  # each <= 2**63 / block_bytes
+    if len(per) and int(per.max()) > count:
+        raise bad(f"a row of {int(nbytes[int(per.argmax())])} bytes needs {int(per.max())} block checksums, "
+                  f"the segment holds {count}")
+    at = np.zeros(len(per) + 1, np.int64)
+    np.cumsum(per, out=at[1:])  # each <= count, at most size/8 rows: no overflow
+    if int(at[-1]) != count:
+        raise bad(f"its rows' sizes make {int(at[-1])} block checksums (one per {block_bytes} bytes of a chunk "
+                  f"over one block), its header says {count}")
+    values = packed.view("<u4")
+    if len(values) > count and values[count:].any():
+        raise bad("the padding after its block checksums is not zero")
+    return values[:count], at
 
 
 def _strings(bad: Callable[[str], CorruptCheckpointError], raw: memoryview, strlen: np.ndarray, first: int,
@@ -292,13 +353,14 @@ def records(seg: SegmentRows, kept: Kept, rows: np.ndarray) -> list[fmt.ChunkRec
     few = len(rows) * 8 < len(seg)
     offsets, lengths = (seg.offsets, seg.lengths) if few else (seg.offsets.tolist(), seg.lengths.tolist())
     out = []
-    for nid, fid, s, nd, bo, nb, crc in zip(*(c.tolist() for c in (
+    blocks = seg.blocks_of
+    for i, nid, fid, s, nd, bo, nb, crc in zip(rows.tolist(), *(c.tolist() for c in (
             seg.name_id[rows], seg.file_id[rows], start, seg.ndim[rows], seg.byte_offset[rows], seg.nbytes[rows],
             seg.crc32c[rows])), strict=True):
         fqn, dtype, shape = heads[nid]  # (set for every kept row)
         o, n = offsets[s : s + nd], lengths[s : s + nd]
         out.append(fmt.ChunkRecord(fqn, dtype, shape, tuple(o.tolist() if few else o), tuple(n.tolist() if few else n),
-                                   files[fid], bo, nb, crc))
+                                   files[fid], bo, nb, crc, blocks(i)))
     return out
 
 
@@ -326,10 +388,10 @@ def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | 
         heads[k] = (seg.names[k], info["dtype"], tuple(info["shape"]))
     offsets, lengths = seg.offsets.tolist(), seg.lengths.tolist()
     out = []
-    for nid, fid, s, nd, bo, nb, crc in zip(*(c[keep].tolist() for c in (
+    for i, nid, fid, s, nd, bo, nb, crc in zip(keep.tolist(), *(c[keep].tolist() for c in (
             seg.name_id, seg.file_id, start, seg.ndim, seg.byte_offset, seg.nbytes, seg.crc32c)), strict=True):
         fqn, dtype, shape = heads[nid]  # (every kept row's is set above)
         out.append(fmt.ChunkRecord(fqn, dtype, shape, tuple(offsets[s : s + nd]), tuple(lengths[s : s + nd]),
-                                   seg.files[fid], bo, nb, crc))
+                                   seg.files[fid], bo, nb, crc, seg.blocks_of(i)))
     limits.check_chunk_records(label, out)
     return out

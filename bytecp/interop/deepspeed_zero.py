@@ -77,7 +77,12 @@ def folder(storage: Storage) -> str | None:
     tag = storage.read_bytes(LATEST).decode("utf-8", "replace").strip()
     if not _TAG.fullmatch(tag) or tag in (".", ".."):
         return None
-    return f"{tag}/" if any(OPTIM_FILE.fullmatch(n) for n in storage.list_children(tag)) else None
+    if not any(OPTIM_FILE.fullmatch(n) for n in storage.list_children(tag)):
+        return None
+    from bytecp.tools.resume import check_pointer
+
+    check_pointer(storage, tag, LATEST)  # the run folder's newest checkpoint, whatever its format
+    return f"{tag}/"
 
 
 def detect(storage: Storage) -> bool:

@@ -42,11 +42,15 @@ recorded as the saved ``optimizer_layout``, so the adapter reads
 ``fully_reshardable`` state into any layout and ``dp_reshardable`` state
 at the same TP/PP.
 
-``common.pt`` is read once by the coordinator through
-:func:`bytecp.interop.torch_zip.read_torch_file` (no ``torch.load``): plain
-containers, tensors and ``argparse.Namespace`` (Megatron-LM's ``args``, as
-plain data) only; anything else is refused in one line naming the global.
-Its values travel inline in the metadata broadcast.
+``common.pt`` and every value (``rng_state``, module extra state) are read
+once by the coordinator through :func:`bytecp.interop.torch_zip.read_torch_file`
+(no ``torch.load``, so the same in every process, Megatron imported or not):
+plain containers, tensors and the classes Megatron-Core's ``safe_globals``
+admits, as data (:mod:`bytecp.interop.pickled_data`: ``args`` as a dict, its
+enums as ``"ModelType.encoder_or_decoder"``, numpy's RNG state as a numpy
+array). A ``common.pt`` naming any other global is refused in one line naming
+it; a value naming one stays an arbitrary pickle (``allow_pickle=True`` loads
+it). The values travel inline in the metadata broadcast.
 
 Who calls what: :func:`bytecp.interop.find_source` calls :func:`detect`
 (one small read of ``metadata.json``; a run folder's pointer file) when a
@@ -56,16 +60,14 @@ URL's ``metadata.json`` is not bytecp's; the coordinator of a load
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import re
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
-from bytecp.format import limits
 from bytecp.format import metadata as fmt
-from bytecp.interop import dcp, torch_zip
+from bytecp.interop import dcp, pickled_data, torch_zip
 from bytecp.storage_api import Storage
 from bytecp.tree.skeleton import Node
 
@@ -120,7 +122,12 @@ def folder(storage: Storage) -> str | None:
     except (FileNotFoundError, NotADirectoryError):
         return None
     name = "release" if text == "release" else f"iter_{int(text):07d}" if text.isdigit() else None
-    return f"{name}/" if name is not None and is_torch_dist(storage, f"{name}/") else None
+    if name is None or not is_torch_dist(storage, f"{name}/"):
+        return None
+    from bytecp.tools.resume import check_pointer
+
+    check_pointer(storage, name, LATEST)  # the run folder's newest checkpoint, whatever its format
+    return f"{name}/"
 
 
 def detect(storage: Storage) -> bool:
@@ -137,17 +144,9 @@ def state_name(key: str) -> str:
     return f"model.{key}"
 
 
-def _plain(v: Any, storage: Storage, where: str) -> Any:
-    """A ``common.pt`` value as plain data: tensors read, ``args`` as a dict."""
-    if isinstance(v, torch_zip.StoredTensor):
-        return torch_zip.materialize(storage, v)
-    if isinstance(v, argparse.Namespace):
-        v = dict(vars(v))
-    if isinstance(v, dict):
-        return {k: _plain(x, storage, where) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return type(v)(_plain(x, storage, where) for x in v)
-    return v
+def _plain(v: Any, storage: Storage) -> Any:
+    """A value as plain data: tensors read, Megatron's classes as data (:mod:`.pickled_data`)."""
+    return pickled_data.as_data(v, lambda t: torch_zip.materialize(storage, t))
 
 
 def _common(storage: Storage) -> dict[str, Any]:
@@ -160,23 +159,26 @@ def _common(storage: Storage) -> dict[str, Any]:
                                      "iteration, the optimizer's param groups) are there") from None
     if size > MAX_COMMON_BYTES:
         raise CorruptCheckpointError(f"{where} is {size} bytes, over the {MAX_COMMON_BYTES} byte budget")
-    got = torch_zip.read_torch_file(storage, COMMON_FILE, where=where,
-                                    allow={"argparse.Namespace": argparse.Namespace})
+    got = torch_zip.read_torch_file(storage, COMMON_FILE, where=where, allow=pickled_data.ALLOW)
     if not isinstance(got, dict) or not all(isinstance(k, str) for k in got):
         raise CorruptCheckpointError(f"{where} holds a {type(got).__name__}, not Megatron's dict of common values")
-    return {k: _plain(v, storage, where) for k, v in got.items()}
+    return {k: _plain(v, storage) for k, v in got.items()}
 
 
 def _unwrapped(storage: Storage, key: str, rec: fmt.ObjectRecord, prefix: str) -> fmt.ObjectRecord:
     """A ShardedObject's value: torch_dist stores ``[data]`` (one ``torch.save``
-    per object); the data, inline. A value only a full unpickle reads stays a
-    blob (``allow_pickle=True`` loads it, as stored)."""
+    per object); the data, inline, read by the restricted unpickler with
+    Megatron's classes as data (never ``torch.load``, whose allowlist is the
+    process's: ``import megatron.core`` widens it). A value naming any other
+    global stays a blob (``allow_pickle=True`` loads it, as stored)."""
     where = f"{storage.url}/{rec.file} (value {key!r})"
     if rec.is_blob:
         assert rec.file is not None
-        if rec.pickle:
-            return dataclasses.replace(rec, file=prefix + rec.file)
-        value = limits.load_blob(storage.read_bytes(rec.file, rec.byte_offset, rec.nbytes), where, safe=True)
+        try:
+            value = _plain(torch_zip.read_torch_file(storage, rec.file, start=rec.byte_offset, length=rec.nbytes,
+                                                     allow=pickled_data.ALLOW, where=where), storage)
+        except torch_zip.RefusedGlobal:
+            return dataclasses.replace(rec, file=prefix + rec.file, pickle=True)
     else:
         value = rec.json
     if type(value) is not list or len(value) != 1:

@@ -30,12 +30,11 @@ Both the archive and the pickle are hostile input:
   :data:`MAX_OBJECTS` objects and :data:`~bytecp.format.limits.MAX_SKELETON_DEPTH` deep.
 
 Every refusal is a one-line :class:`~bytecp.errors.CorruptCheckpointError`
-naming the file (and the global, entry or tensor).
+naming the file (and the global, entry or tensor; a global: :class:`RefusedGlobal`).
 
-Who calls what: the sources of :data:`bytecp.interop.SOURCES`, on the
-coordinator of a load: :mod:`bytecp.interop.dcp` (:func:`restricted_loads`
-on DCP's ``.metadata``, :func:`read_torch_file` on each tensor item) and
-the DeepSpeed source (its ``.pt`` files).
+Who calls what: the sources of :data:`bytecp.interop.SOURCES`, on the coordinator of a
+load: :mod:`bytecp.interop.dcp` (:func:`restricted_loads` on DCP's ``.metadata``,
+:func:`read_torch_file` on each tensor item), torch_dist (``common.pt``, its values) and DeepSpeed (``.pt`` files).
 """
 
 from __future__ import annotations
@@ -60,7 +59,7 @@ from bytecp.tree.dtypes import SUPPORTED_DTYPES, dtype_name
 
 __all__ = [
     "MAX_PICKLE_BYTES", "MAX_ENTRIES", "MAX_DIRECTORY_BYTES", "MAX_OBJECTS",
-    "StoredTensor", "RestrictedUnpickler", "restricted_loads", "read_torch_file", "materialize",
+    "StoredTensor", "RefusedGlobal", "RestrictedUnpickler", "restricted_loads", "read_torch_file", "materialize",
 ]
 
 #: the largest pickle unpickled (``data.pkl``, DCP's ``.metadata``)
@@ -129,6 +128,10 @@ class _Storage:
     numel: int
     start: int  # absolute offset of its bytes
     nbytes: int
+
+
+class RefusedGlobal(CorruptCheckpointError):
+    """The pickle names a global no allowlist admits: only a full unpickler reads it."""
 
 
 def _bad(where: str, what: str) -> CorruptCheckpointError:
@@ -204,7 +207,7 @@ class RestrictedUnpickler(pickle.Unpickler):
         try:
             return self._allow[(module, name)]
         except KeyError:
-            raise CorruptCheckpointError(
+            raise RefusedGlobal(
                 f"{self.where}: the pickle names the global {module}.{name}, which bytecp never loads "
                 "(unpickling it could run code); load the file with torch.load only if you trust it") from None
 

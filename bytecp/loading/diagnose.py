@@ -35,7 +35,7 @@ from bytecp.errors import CheckpointNotFoundError, IncompleteCheckpointError, St
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import Storage, open_storage, split_protocol
 
-__all__ = ["not_a_checkpoint", "raise_not_a_checkpoint", "foreign_kind"]
+__all__ = ["not_a_checkpoint", "raise_not_a_checkpoint", "foreign_kind", "nothing_to_list"]
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,29 @@ def foreign_kind(names: list[str]) -> str | None:
             "(else load it with transformers' AutoModel...from_pretrained, or save it again with save_pretrained)"
         )
     return None
+
+
+def nothing_to_list(storage: Storage) -> CheckpointNotFoundError:
+    """(``bytecp ls``) The one-line reason the run URL ``storage`` has no
+    checkpoint to list (a resume there starts afresh)."""
+    from bytecp.format.references import BASE_FILE
+
+    url = storage.url
+    if storage.exists(fmt.METADATA_FILE):
+        return CheckpointNotFoundError(f"{url} is a checkpoint, not a run directory: `bytecp inspect {url}` "
+                                       "describes it; `bytecp ls` lists the step-<N> checkpoints of a run directory")
+    names = storage.list_children("")
+    if not names:
+        return CheckpointNotFoundError(f"nothing at {url}: check the path (a resume there starts afresh)")
+    foreign = foreign_kind(names)
+    if foreign is not None:
+        return CheckpointNotFoundError(f"{url} is {foreign}")
+    uncommitted = [n for n in names if storage.list_children(n) and not storage.exists(f"{n}/{fmt.METADATA_FILE}")
+                   and _SAVE_FOLDERS & set(storage.list_children(n))
+                   and not storage.exists(f"{n}/{BASE_FILE}")]  # a retired base: gc never removes it
+    tail = (f"; {', '.join(uncommitted[:5])} hold(s) files of saves that never committed (`bytecp gc {url}` "
+            "removes them)") if uncommitted else ""
+    return CheckpointNotFoundError(f"no committed checkpoint below {url}{tail}")
 
 
 def raise_not_a_checkpoint(storage: Storage, error: BaseException) -> NoReturn:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from bytecp.adapter_api import excluded
+from bytecp.data.restore import restore_data
 from bytecp.errors import CorruptCheckpointError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.format.objects import read_object
@@ -26,7 +27,7 @@ from bytecp.storage_api import Storage
 from bytecp.tree.dtypes import dtype_from_name, dtype_name
 from bytecp.tree.regions import Region
 from bytecp.tree.skeleton import Node, NodeKind
-from bytecp.tree.state import FlatTree
+from bytecp.tree.state import FlatTree, Slot
 
 __all__ = ["Match", "match_target"]
 
@@ -42,6 +43,8 @@ class Match:
     #: slot fqn -> rebuilt value (its tensors are in ``targets`` too, filled by the read)
     values: dict[str, Any]
     targets: list[Target]
+    #: actions after the apply phase (a resharded data loader's sampler epoch: bytecp.data)
+    after: list[Callable[[], None]] = dataclasses.field(default_factory=list)
 
 
 def match_target(
@@ -79,9 +82,9 @@ def match_target(
         raise StateMismatchError("\n".join(parts))
     targets = _tensor_targets(storage, target, md, sources, cast)
     rebuild = _SlotBuilder(storage, md, opts, rank, world_size, targets)
-    values = {fqn: rebuild(nodes.get(fqn), slot.default) for fqn, slot in target.slots.items()}
+    values = {fqn: rebuild(nodes.get(fqn), slot) for fqn, slot in target.slots.items()}
     rebuild.warn_if_resharded_per_rank()
-    return Match(missing, unexpected, values, targets)
+    return Match(missing, unexpected, values, targets, rebuild.after)
 
 
 def _sources(target: FlatTree, md: fmt.Metadata) -> dict[str, str]:
@@ -179,7 +182,9 @@ def _tensor_targets(
 class _SlotBuilder:
     """Rebuilds slot values from the skeleton: tensors are allocated whole and
     added to the targets, objects read (each once), per-rank values taken
-    from this rank's record (or, at another world size, ``rank % saved``)."""
+    from this rank's record (or, at another world size, ``rank % saved``);
+    a data loader's position resharded from the checkpoint's merged
+    positions when its layout changed (:mod:`bytecp.data.restore`)."""
 
     def __init__(
         self, storage: Storage, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int,
@@ -191,9 +196,15 @@ class _SlotBuilder:
         self._objects: dict[str, Any] = {}
         self._tensors: dict[str, torch.Tensor] = {}  # stored FQN -> the tensor rebuilt for it
         self._resharded: set[str] = set()
+        self._live: Any = None  # the live object of the slot being rebuilt (a data loader)
+        self._warnings: list[str] = []
+        self.after: list[Callable[[], None]] = []
 
-    def __call__(self, node: Node | None, default: Any) -> Any:
-        return default if node is None else node.build(self._leaf)
+    def __call__(self, node: Node | None, slot: Slot) -> Any:
+        if node is None:
+            return slot.default
+        self._live = slot.live
+        return node.build(self._leaf)
 
     def _leaf(self, kind: NodeKind, fqn: str) -> Any:
         if kind == "tensor":  # an alias is the very tensor of its stored name: the tie is kept
@@ -209,16 +220,30 @@ class _SlotBuilder:
                 self._objects[fqn] = self._read(fqn, self.md.objects[fqn])
             return self._objects[fqn]
         recs = self.md.per_rank[fqn]
+        if self._live is not None:
+            got = restore_data(fqn, self._live, self.md.data.get(fqn), self.md.world_size, self.rank,
+                               self.world_size, lambda r: self._per_rank(fqn, recs, r), self.opts.data_reshard)
+            if got is not None:
+                self.after += [got.after] if got.after is not None else []
+                self._warnings += [got.warning] if got.warning else []
+                if not got.as_saved:
+                    return got.value
+                return self._per_rank(fqn, recs, self.src)
         if self.md.world_size != self.world_size:
             self._resharded.add(fqn)
-        if self.src not in recs:
-            raise CorruptCheckpointError(f"{self.storage.url}: no per-rank value of {fqn!r} for rank {self.src}")
-        return self._read(f"{fqn}[rank {self.src}]", recs[self.src])
+        return self._per_rank(fqn, recs, self.src)
+
+    def _per_rank(self, fqn: str, recs: dict[int, fmt.ObjectRecord], rank: int) -> Any:
+        if rank not in recs:
+            raise CorruptCheckpointError(f"{self.storage.url}: no per-rank value of {fqn!r} for rank {rank}")
+        return self._read(f"{fqn}[rank {rank}]", recs[rank])
 
     def _read(self, fqn: str, rec: fmt.ObjectRecord) -> Any:
         return read_object(self.storage, fqn, rec, verify=self.opts.verify, allow_pickle=self.opts.allow_pickle)
 
     def warn_if_resharded_per_rank(self) -> None:
+        for w in self._warnings:
+            warnings.warn(w, stacklevel=_stacklevel_outside_bytecp())
         if self._resharded:
             warnings.warn(
                 f"checkpoint {self.storage.url} was saved by {self.md.world_size} ranks and is loaded by "

@@ -26,6 +26,7 @@ from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.interop.hf_names import match_names
+from bytecp.loading.checks import block_bytes_of
 from bytecp.loading.matching import Match, match_target
 from bytecp.loading.opened import OpenedCheckpoint, Shared, open_checkpoint
 from bytecp.loading.reader import Target, execute_reads
@@ -183,13 +184,15 @@ class LoadPipeline:
 
         def read() -> None:
             faults.inject("read", self.ctx.rank)
+            verify = self.opts.verify and not opened.foreign
+            blocks = block_bytes_of(opened.metadata) if verify else None  # partial reads widened to whole blocks
             with self.trace.span("plan"):
                 chunks = self._own_rows(opened)
                 itemsizes = {t.fqn: itemsize(dtype_from_name(opened.metadata.tensors[t.fqn]["dtype"]))
                              for t in self.own}  # the stored dtype: a foreign source's may be cast
-                reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes)
+                reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes, block_bytes=blocks)
             execute_reads(opened.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
-                          verify=self.opts.verify and not opened.foreign, trace=self.trace)
+                          verify=verify, trace=self.trace, block_bytes=blocks)
 
         self.ctx.run("load/read", read)
 
@@ -219,6 +222,8 @@ class LoadPipeline:
             def apply() -> None:
                 with excluding(self.opts.exclude):
                     target.finalize(matched.values)
+                for after in matched.after:  # a resharded loader's sampler epoch
+                    after()
                 if self._adapted is not None and self.state is not None:
                     self.state.update(self._adapted)
 

@@ -5,12 +5,17 @@ process) with its own target boxes and the chunks that may hold them:
 :func:`plan_load` intersects them and turns each intersection into ranged
 reads of only the needed bytes; a sub-box that is not contiguous in its
 chunk is read as one span when the waste is small, else split row by row.
+A load that checks block checksums (``block_bytes``: the reader then reads
+whole blocks, :mod:`bytecp.loading.checks`) splits only where whole blocks
+lie between the pieces: pieces closer than a block would read the same
+blocks again.
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 
@@ -43,10 +48,14 @@ def plan_load(
     itemsizes: dict[str, int],
     max_waste: float = 0.5,
     max_gap_bytes: int = 1 << 20,
+    block_bytes: int | None = None,
 ) -> list[ReadRequest]:
     """Ranged reads that fill every target box from the saved chunks.
 
-    ``targets`` are ``(fqn, box)`` in global coordinates. Raises
+    ``targets`` are ``(fqn, box)`` in global coordinates; ``block_bytes``:
+    the reads will be widened to whole blocks of this size (a checked load
+    of a version-5 checkpoint), so no box is split into pieces less than a
+    block apart. Raises
     :class:`StateMismatchError` for a target box the checkpoint does not fully
     cover and :class:`CorruptCheckpointError` for overlapping chunks.
     """
@@ -64,7 +73,7 @@ def plan_load(
             if inter is None:
                 continue
             got += inter.numel
-            _reads_for(reqs, ti, ci, c, cbox, inter, size, max_waste, max_gap_bytes)
+            _reads_for(reqs, ti, ci, c, cbox, inter, size, max_waste, max_gap_bytes, block_bytes)
         if got != box.numel:
             if got > box.numel:
                 raise CorruptCheckpointError(
@@ -125,6 +134,7 @@ def _reads_for(
     size: int,
     max_waste: float,
     max_gap: int,
+    block_bytes: int | None = None,
 ) -> None:
     local = inter.relative_to(cbox)
     first, end = element_span(local, cbox.lengths)
@@ -132,7 +142,8 @@ def _reads_for(
     need = inter.numel * size
     waste = span_bytes - need
     dim0 = next((d for d, n in enumerate(inter.lengths) if n > 1), None)
-    if waste <= max(max_waste * need, 0) or waste <= max_gap or dim0 is None:
+    if (waste <= max(max_waste * need, 0) or waste <= max_gap or dim0 is None
+            or (block_bytes is not None and _gap(inter, cbox, dim0, size) < block_bytes)):
         reqs.append(
             ReadRequest(
                 ti, ci, inter, c.byte_offset + first * size, span_bytes, first, inter == cbox
@@ -141,4 +152,12 @@ def _reads_for(
         return
     # too much waste: split along the first dimension longer than one
     for piece in inter.split(inter.lengths[dim0]):
-        _reads_for(reqs, ti, ci, c, cbox, piece, size, max_waste, max_gap)
+        _reads_for(reqs, ti, ci, c, cbox, piece, size, max_waste, max_gap, block_bytes)
+
+
+def _gap(inter: Region, cbox: Region, dim: int, size: int) -> int:
+    """Bytes between two pieces of ``inter`` split along ``dim`` (one index of
+    ``dim`` each) in chunk ``cbox``: the chunk's stride along ``dim`` less a piece's span."""
+    piece = Region(inter.offsets, tuple(1 if d == dim else n for d, n in enumerate(inter.lengths)))
+    first, end = element_span(piece.relative_to(cbox), cbox.lengths)
+    return (math.prod(cbox.lengths[dim + 1 :]) - (end - first)) * size

@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from bytecp.data.positions import merge_positions
 from bytecp.errors import (
     CheckpointExistsError,
     CommittedWithErrorsWarning,
@@ -90,6 +91,7 @@ def build_metadata(
                                 specs_key, slot)
     try:
         objects, per_rank, data_files, pages, directory = _gathered(outputs, union, coordinator, save_id, world_size)
+        data = _data_positions(outputs, world_size)
     except Exception:
         union.skeleton  # noqa: B018 - a fault in the skeletons sent is the one to report (their merge ran meanwhile)
         raise
@@ -102,6 +104,7 @@ def build_metadata(
         tensors=union.tensors,
         objects=objects,
         per_rank=per_rank,
+        data=data,
         index_files=[],
         data_files=data_files,
         step=step,
@@ -143,6 +146,15 @@ def _gathered(outputs: Sequence[RankOutput], union: DescribedUnion, coordinator:
                               f"{EXACT_CHECK_RANKS} ranks, and names it)")
     pages, directory = build_directory(entries, save_id, buckets_for(world_size), union.tensors, union.hashes)
     return objects, per_rank, data_files, pages, directory
+
+
+def _data_positions(outputs: Sequence[RankOutput], world_size: int) -> dict[str, dict[str, Any]]:
+    """(:func:`build_metadata`) Every rank's data positions merged, per loader (O(W) text look-ups)."""
+    texts: dict[str, dict[int, str]] = {}
+    for r, out in enumerate(outputs):
+        for fqn, text in out.data.items():
+            texts.setdefault(fqn, {})[r] = text
+    return {fqn: merge_positions(by_rank, world_size) for fqn, by_rank in texts.items()}
 
 
 def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None) -> fmt.Metadata | None:

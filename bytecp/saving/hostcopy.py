@@ -15,7 +15,8 @@ one ``_foreach_copy_`` call (no Python per box); everything else (strided
 views, CUDA tensors, a platform without a C library) through
 ``Tensor.copy_``.
 
-With ``checksums=True`` the crc32c of each box is computed piece by piece
+With ``checksums=True`` the crc32c of each box (and of each of its blocks,
+:mod:`bytecp.format.checksum`) is computed piece by piece
 right after the piece is copied, while it is still in the CPU cache (boxes
 of :data:`WHOLE_BYTES` or more: copied whole, then summed); the writer then
 reuses the sums instead of reading the bytes again. The ``crc32c`` package
@@ -33,7 +34,7 @@ from typing import Any
 
 import torch
 
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import Summer, Sums, sums
 from bytecp.tree.dtypes import host_memoryview
 
 __all__ = ["copy_boxes", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
@@ -91,12 +92,12 @@ def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
 class _Box:
     """One large box being copied: where, how many bytes, its running crc32c."""
 
-    __slots__ = ("dst", "src", "view", "nbytes", "fast", "crc")
+    __slots__ = ("dst", "src", "view", "nbytes", "fast", "sums")
 
     def __init__(self, dst: torch.Tensor, src: torch.Tensor, view: memoryview | None, nbytes: int) -> None:
         self.dst, self.src, self.view, self.nbytes = dst, src, view, nbytes
         self.fast = _plain(dst, src)
-        self.crc: int | None = None
+        self.sums: Sums | None = None
 
     def bytes(self) -> memoryview:
         return self.view if self.view is not None else host_memoryview(self.dst)
@@ -122,7 +123,7 @@ def _run(b: _Box, start: int, length: int, checksums: bool) -> None:
     if not b.fast:  # synchronous: any CUDA copy is the caller's business (its stream)
         b.dst.copy_(b.src)
         if checksums:
-            b.crc = crc32c(b.bytes())
+            b.sums = sums(b.bytes())
         return
     assert _memcpy is not None
     d, s = b.dst.data_ptr() + start, b.src.data_ptr() + start
@@ -132,14 +133,14 @@ def _run(b: _Box, start: int, length: int, checksums: bool) -> None:
     view = b.bytes()
     if length >= WHOLE_BYTES:  # one memcpy (non-temporal stores), then the sum
         _memcpy(d, s, length)
-        b.crc = crc32c(view[start : start + length])
+        b.sums = sums(view[start : start + length])
         return
-    crc = 0
+    summer = Summer()
     for o in range(0, length, CRC_PIECE_BYTES):
         k = min(CRC_PIECE_BYTES, length - o)
         _memcpy(d + o, s + o, k)
-        crc = crc32c(view[start + o : start + o + k], crc)
-    b.crc = crc
+        summer.update(view[start + o : start + o + k])
+    b.sums = summer.result()
 
 
 def _copy_small(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -157,9 +158,10 @@ def copy_boxes(
     threads: int = 1,
     checksums: bool = False,
     views: Sequence[memoryview] | None = None,
-) -> list[int | None]:
+) -> list[Sums | None]:
     """Copy each ``(dst, src)`` pair (same shape) with ``threads`` threads
-    (the calling one included); -> the crc32c of each destination's bytes
+    (the calling one included); -> the checksums of each destination's bytes
+    (its crc32c and block checksums: :class:`~bytecp.format.checksum.Sums`)
     when ``checksums``, else Nones. ``views[i]``, when given, are the bytes
     of ``dst[i]`` (saves making them). Meant for host destinations; a device
     source is copied synchronously (stage CUDA tensors on a side stream
@@ -168,7 +170,7 @@ def copy_boxes(
     Small boxes go to torch in one call, large ones are ``memcpy`` pieces.
     Raises the first error of any thread after every thread has stopped.
     """
-    crcs: list[int | None] = [None] * len(pairs)
+    crcs: list[Sums | None] = [None] * len(pairs)
     small: list[int] = []
     large: list[int] = []
     sizes = []
@@ -180,7 +182,7 @@ def copy_boxes(
         _copy_small([pairs[i][0] for i in small], [pairs[i][1] for i in small])
         if checksums:
             for i in small:
-                crcs[i] = crc32c(views[i] if views is not None else host_memoryview(pairs[i][0]))
+                crcs[i] = sums(views[i] if views is not None else host_memoryview(pairs[i][0]))
     boxes = [_Box(pairs[i][0], pairs[i][1], views[i] if views is not None else None, sizes[i]) for i in large]
     units = _pieces(boxes, checksums, split=threads > 1)
     workers = max(1, min(threads, len(units)))
@@ -218,5 +220,5 @@ def copy_boxes(
         if errors:
             raise errors[0]
     for i, b in zip(large, boxes, strict=True):
-        crcs[i] = b.crc
+        crcs[i] = b.sums
     return crcs

@@ -457,7 +457,7 @@ class SavePipeline:
             out = write_data_files(
                 self.storage, planned.save_id, self.ctx.rank, list(staged), objects,
                 flat.per_rank if first else {}, io_threads=self.opts.io_threads,
-                allow_pickle=self.opts.allow_pickle, first_file=len(before.data_files),
+                allow_pickle=self.opts.allow_pickle, first_file=len(before.data_files), data=flat.data if first else None,
             )
             sp.nbytes, sp.files = sum(out.data_files.values()), len(out.data_files)
         merged = RankOutput(replica_crcs=before.replica_crcs)

@@ -51,12 +51,14 @@ from typing import Any, Protocol
 
 import torch
 
-from bytecp import device_memory
+from bytecp import device_memory, faults
 from bytecp.format import metadata as fmt
+from bytecp.format.checksum import Sums
 from bytecp.plan.planner import WriteItem
 from bytecp.saving.hostcopy import copy_boxes
 from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, as_host_bytes, source_view
 from bytecp.storage_api import SharedArena, Storage
+from bytecp.tree import buffers
 from bytecp.tree.dtypes import dtype_from_name, host_memoryview
 from bytecp.tree.regions import Region, row_major_strides
 from bytecp.tree.state import FlatTree, Shard, TensorLeaf
@@ -136,7 +138,14 @@ class _Layout:
 
 
 class StagingPool:
-    """One growing arena per process (one save is in flight at a time)."""
+    """One growing arena per process (one save is in flight at a time).
+
+    Its :class:`~bytecp.tree.buffers.Guard`: each stage into it acquires it
+    (the boxes staged carry its token), and the writer checks it once their
+    file is written and releases it once every file of the batch is
+    (:func:`bytecp.saving.writer.write_data_files`); with
+    ``BYTECP_DEBUG_BUFFERS=1`` a released arena is poisoned and a later use
+    of the old copies fails loudly."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -144,6 +153,7 @@ class StagingPool:
         #: the arena's pinned memory (None: pageable), unpinned when the arena is replaced
         self._pinned: device_memory.PinnedBuffer | None = None
         self.allocations = 0  # how many times an arena was allocated (tests)
+        self.guard = buffers.Guard("a save's staging arena")
 
     def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
         """The arena (grown if needed) and where ``items`` go in it (``pinned``:
@@ -154,6 +164,7 @@ class StagingPool:
             if a is not None and (not pinned or self._pinned is not None):
                 layout = _Layout(items, a.data_ptr())
                 if layout.end <= a.numel():
+                    self.guard.acquire()
                     return a, layout
             # room for the layout at any base address (<= one page more)
             need = _Layout(items, 0).end + fmt.ALIGNMENT
@@ -162,6 +173,8 @@ class StagingPool:
             a, self._pinned = _host_arena(size, pinned or self._pinned is not None)
             self._arena = a
             self.allocations += 1
+            self.guard = buffers.Guard("a save's staging arena", host_memoryview(a))
+            self.guard.acquire()
             return a, _Layout(items, a.data_ptr())
 
     def _drop(self) -> None:
@@ -240,6 +253,7 @@ class StagingPool:
             pieces.append((b, *lent))
         if not pieces:
             pieces = [(list(range(len(items))), *self.arena(items, pinned=device is not None), None)]
+        use = (self.guard, self.guard.token()) if pieces and pieces[0][3] is None else None
         dsts: list[torch.Tensor] = [torch.empty(0)] * len(items)
         datas: list[memoryview] = [memoryview(b"")] * len(items)
         padded: list[memoryview | None] = [None] * len(items)
@@ -271,15 +285,16 @@ class StagingPool:
         host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
         crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
                           views=[datas[k] for k in host])
-        crc: list[int | None] = [None] * len(items)
+        crc: list[Sums | None] = [None] * len(items)
         for k, c in zip(host, crcs, strict=True):
             crc[k] = c
         events = device_copies.queued()
         if queued is not None:
             queued(events)
         device_copies.wait()
-        return [(Staged(it, datas[k], crc=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1]), dsts[k])
-                for k, it in enumerate(items)]
+        faults.handoff("stage")
+        return [(Staged(it, datas[k], sums=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1], use=use),
+                 dsts[k]) for k, it in enumerate(items)]
 
 
 POOL = StagingPool()
@@ -391,7 +406,7 @@ class SnapshotStager:
 
     def checksums(self) -> dict[tuple[str, Region], int]:
         """crc32c of the copied boxes whose sum was computed during the copy."""
-        return {k: s.crc for k, s in self._staged.items() if s.crc is not None}
+        return {k: s.sums.crc for k, s in self._staged.items() if s.sums is not None}
 
     def batches(self, items: Sequence[WriteItem]) -> list[list[WriteItem]]:
         return [list(items)]

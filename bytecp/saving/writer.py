@@ -16,20 +16,23 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import json
 from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from bytecp import faults
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import Sums, crc32c, sums
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.objects import serialize
 from bytecp.format.parts_build import build_part
 from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.plan.planner import WriteItem
 from bytecp.storage_api import SharedArena, Storage
+from bytecp.tree.buffers import Guard
 from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
 from bytecp.tree.state import TensorLeaf
@@ -59,14 +62,16 @@ class Staged:
 
     item: WriteItem
     data: memoryview
-    #: crc32c of ``data`` when the stager computed it on the way (else the writer does)
-    crc: int | None = None
+    #: crc32c and block checksums of ``data`` when the stager computed them on the way (else the writer does)
+    sums: Sums | None = None
     #: ``data`` followed by zeros up to a multiple of :data:`~bytecp.format.metadata.ALIGNMENT`
     #: (page-aligned in the staging arena): written whole in place of data + padding
     padded: memoryview | None = None
     #: the storage's lent arena holding ``data`` at ``offset`` (laid out as a data file): adopted, not written
     arena: SharedArena | None = None
     offset: int = 0
+    #: the reused arena ``data`` lies in and the token of the stage that filled it (checked once written)
+    use: tuple[Guard, int] | None = None
 
 
 @dataclasses.dataclass
@@ -82,6 +87,8 @@ class RankOutput:
     batch: ChunkBatch | None = None
     objects: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
     per_rank: dict[str, fmt.ObjectRecord] = dataclasses.field(default_factory=dict)
+    #: per-rank fqn -> this rank's data position as JSON text (merged by the coordinator: bytecp.data.positions)
+    data: dict[str, str] = dataclasses.field(default_factory=dict)
     #: with verify_replicas: crc32c of every box this rank holds, by (fqn, region)
     replica_crcs: dict[tuple[str, Region], int] | None = None
     #: at commit: the entries of the index part this rank wrote and its 0-dim
@@ -95,6 +102,7 @@ class RankOutput:
         self.data_files.update(other.data_files)
         self.objects.update(other.objects)
         self.per_rank.update(other.per_rank)
+        self.data.update(other.data)
 
 
 def source_view(leaf: TensorLeaf, region: Region, fqn: str) -> torch.Tensor:
@@ -175,15 +183,15 @@ def _write_one_file(
         else:
             start = append(s.data)
         it = s.item
-        chunks.append(
-            fmt.ChunkRecord(
-                it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
-                path, start, len(s.data), crc32c(s.data) if s.crc is None else s.crc,
-            )
-        )
+        got = sums(s.data) if s.sums is None else s.sums
+        chunks.append(fmt.ChunkRecord(it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
+                                      path, start, len(s.data), got.crc, got.blocks))
     for blob in blobs:
         placed.append((blob, append(blob[2]), crc32c(blob[2])))
     storage.write_file(path, buffers)
+    faults.handoff("write")
+    for use in {s.use for s in staged if s.use is not None}:  # the arena was not released while it was written
+        use[0].check(use[1])
     return chunks, placed, pos
 
 
@@ -195,11 +203,11 @@ def _adopt_one_file(
     zero-padded), checksumming each chunk; -> (chunks, no blobs, size)."""
     arena = staged[0].arena
     assert arena is not None
-    crcs, starts, size = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
+    got, starts, size = storage.adopt(path, arena, [(s.offset, len(s.data)) for s in staged])
     chunks = [
         fmt.ChunkRecord(s.item.fqn, s.item.dtype, s.item.global_shape, s.item.region.offsets,
-                        s.item.region.lengths, path, start, len(s.data), crc)
-        for s, crc, start in zip(staged, crcs, starts, strict=True)
+                        s.item.region.lengths, path, start, len(s.data), x.crc, x.blocks)
+        for s, x, start in zip(staged, got, starts, strict=True)
     ]
     return chunks, [], size
 
@@ -215,11 +223,14 @@ def write_data_files(
     io_threads: int,
     allow_pickle: bool,
     first_file: int = 0,
+    data: dict[str, dict[str, Any]] | None = None,
 ) -> RankOutput:
     """(every rank) Write data files ``first_file``, ``first_file+1``... of this
     rank (one per writer thread) holding ``staged`` and the blobs of
-    ``objects``/``per_rank``; JSON-able values become inline records."""
-    out = RankOutput()
+    ``objects``/``per_rank``; JSON-able values become inline records. The
+    data positions of ``per_rank``'s loaders (``data``) go to the commit as
+    JSON text (alike on most ranks: the coordinator groups them by text)."""
+    out = RankOutput(data={k: json.dumps(v, sort_keys=True, separators=(",", ":")) for k, v in (data or {}).items()})
     blobs: list[_Blob] = []
     pickled: set[tuple[str, str]] = set()
     for table, values in (("obj", objects), ("rank", per_rank)):
@@ -253,6 +264,10 @@ def write_data_files(
     else:
         with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
             results = list(ex.map(run, jobs))
+    for guard, token in {s.use for s in staged if s.use is not None}:  # written: nothing reads the arena now
+        if guard.token() == token:
+            faults.handoff("release")
+            guard.release()
     for (path, _), (chunks, placed, size) in zip(jobs, results, strict=True):
         out.chunks.extend(chunks)
         out.data_files[path] = size
@@ -280,5 +295,5 @@ def for_commit(out: RankOutput, storage: Storage, tensors: dict[str, dict[str, A
     part = build_part(batch, tensors, out.data_files, save_id, rank, buckets_for(world_size))
     if part.blobs:
         storage.write_file(part_file(save_id, rank), part.blobs)
-    return dataclasses.replace(out, chunks=[], batch=batch if world_size <= EXACT_CHECK_RANKS else None,
+    return dataclasses.replace(out, chunks=[], batch=batch.without_blocks() if world_size <= EXACT_CHECK_RANKS else None,
                                part=part.entries.encode())

@@ -6,7 +6,7 @@ Called by user code (one process, or every rank of a process group: see
 :func:`follow`) and by ``bytecp follow`` (:mod:`bytecp.serving.cli`). Each
 turn of the generator:
 
-1. (the coordinator) lists the run (:func:`bytecp.catalog.list_checkpoints`) every ``poll_s``
+1. (the coordinator) lists the run (the resume decision, :func:`bytecp.tools.resume.decide`) every ``poll_s``
    seconds, and its memory tier too when given ``memory_url``
    (:mod:`bytecp.serving.sources`: the newer step of either, memory first
    on a tie, the same save in the other tier never read twice), until a
@@ -15,7 +15,9 @@ turn of the generator:
 2. (the coordinator) *pins* a storage checkpoint and every checkpoint it references (``pins/.followers.<id>`` in
    each, under a lease of this process: :mod:`bytecp.saving.pins`), then
    checks no retention's doom marker names a file it reads, so retention
-   cannot delete what is being read (a memory checkpoint is not pinned: the
+   cannot delete what is being read; one a retention is pruning already
+   (a newer checkpoint committed meanwhile) is let go and the run listed
+   again, never reported as an error (a memory checkpoint is not pinned: the
    keepers have no pins, and one evicted mid-read fails the update, the
    state intact, and the next poll takes the newest that remains -- storage's
    copy when it was drained);
@@ -36,9 +38,14 @@ turn of the generator:
 
 A failed update (a data file gone, a checksum wrong, storage down) changes
 nothing in the state: with ``on_error="report"`` (default) it logs a warning
-and yields a :class:`FollowUpdate` whose ``error`` says why, and waits for a
-newer checkpoint than the one that failed; ``on_error="raise"`` raises
-instead. Either way the state still holds the previous checkpoint whole.
+and yields a :class:`FollowUpdate` whose ``error`` says why (``"<exception
+type>: <message>"``), and waits for a newer checkpoint than the one that
+failed; ``on_error="raise"`` raises instead. Either way the state still
+holds the previous checkpoint whole. A run that cannot be listed (storage
+refusing or failing after its retries), or whose newest checkpoint cannot
+be told (:class:`~bytecp.errors.ResumeDecisionError`), is a failed update
+too (``url`` the run's, reported once until it changes), never "nothing
+newer".
 """
 
 from __future__ import annotations
@@ -56,7 +63,7 @@ import torch
 
 from bytecp.catalog import CheckpointInfo, one_line
 from bytecp.dist import DistContext
-from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import PIN_DIR, name_of, sibling
 from bytecp.format.serving_wire import held_marker, serving_dtype_name
@@ -99,7 +106,8 @@ class FollowUpdate:
     skipped: int = 0
     #: wall-clock seconds of the update (pin, open, decide, read, swap)
     seconds: float = 0.0
-    #: steps and seconds from the run's newest commit to the end of this update
+    #: steps from the newest committed step the poll listed to the step held after this update
+    #: (0: the newest is held); seconds from the held checkpoint's commit to the end of this update
     lag_steps: int = 0
     lag_s: float = 0.0
     #: why the update failed (the state is unchanged); None: it succeeded
@@ -133,6 +141,11 @@ class _Decision(NamedTuple):
     skipped: int = 0
     error: str | None = None
     tier: str = "storage"
+    newest_step: int | None = None
+
+
+class _Replaced(Exception):
+    """(coordinator) The checkpoint chosen is being pruned: a newer one has committed."""
 
 
 class _Marker:
@@ -230,23 +243,47 @@ class _Follower:
                                      "step": self.step, "written": time.time()}).encode())
 
     def decide(self, pins: contextlib.ExitStack, stop: threading.Event, failed: set[str], idle_s: float | None,
-               idle_since: float) -> _Decision:
+               idle_since: float, report: bool) -> _Decision:
         """(coordinator) List the run; the newest checkpoint not held nor failed
-        is pinned (under ``pins``, held until every rank staged) and taken."""
+        is pinned (under ``pins``, held until every rank staged) and taken. One
+        a retention is pruning or has pruned (a newer one committed meanwhile)
+        is let go and the newer one taken, never reported. With ``report``, a
+        failure is a ``fail`` decision (without a checkpoint when the run could
+        not be listed or decided); else its error is raised."""
         if stop.is_set():
             return _Decision("stop")
-        found = self.sources.newest(Held(self.url, self.step, self.save_id), failed)
-        if found is None:
-            idle = idle_s is not None and time.monotonic() - idle_since >= idle_s
-            return _Decision("stop" if idle else "wait")
-        newest, skipped, tier = found.info, found.skipped, found.tier
-        if tier == "storage":
+        for _ in range(8):
             try:
-                storage = open_storage(newest.url, **self.options)
-                pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
-            except Exception as e:  # noqa: BLE001 - every rank reports it, none reads
-                return _Decision("fail", newest, skipped, f"{type(e).__name__}: {one_line(e)}", tier)
-        return _Decision("take", newest, skipped, tier=tier)
+                found = self.sources.newest(Held(self.url, self.step, self.save_id), failed)
+            except Exception as e:
+                if not report:
+                    raise
+                return _Decision("fail", error=_why(e))
+            if found is None:
+                idle = idle_s is not None and time.monotonic() - idle_since >= idle_s
+                return _Decision("stop" if idle else "wait")
+            newest, skipped, tier = found.info, found.skipped, found.tier
+            if tier == "storage":
+                try:
+                    storage = open_storage(newest.url, **self.options)
+                    pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
+                except Exception as e:  # every rank reports it (or raises it), none reads
+                    if isinstance(e, _Replaced) or self._replaced(newest, failed):
+                        continue  # pruned by a retention (a newer checkpoint has committed): that one
+                    if not report:
+                        raise
+                    return _Decision("fail", newest, skipped, _why(e), tier, found.newest_step)
+            return _Decision("take", newest, skipped, tier=tier, newest_step=found.newest_step)
+        return _Decision("wait")  # still being replaced: the next poll sees the newer one
+
+    def _replaced(self, chosen: CheckpointInfo, failed: set[str]) -> bool:
+        """(coordinator, after ``chosen`` failed to open) Whether it is gone because a
+        newer checkpoint replaced it (a retention pruned it meanwhile): the run lists another."""
+        try:
+            again = self.sources.newest(Held(self.url, self.step, self.save_id), failed)
+        except Exception:  # noqa: BLE001 - the open's own error is reported
+            return False
+        return again is not None and again.info.url != chosen.url and (again.info.step or 0) > (chosen.step or 0)
 
     @contextlib.contextmanager
     def pinned(self, storage: Storage, md: fmt.Metadata) -> Iterator[None]:
@@ -266,8 +303,7 @@ class _Follower:
             for name, ck in zip(sorted(held), done, strict=True):
                 doomed = doomed_files(ck)
                 if doomed is None or held[name] & doomed:
-                    raise CorruptCheckpointError(f"{storage.url}: {name} is being pruned by a retention; "
-                                                 "skipped (a newer checkpoint follows)")
+                    raise _Replaced(f"{storage.url}: {name} is being pruned by a retention")
             yield
         finally:
             for ck in done:
@@ -340,9 +376,8 @@ class _Follower:
         return FollowUpdate(
             step=info.step, url=info.url, tier=d.tier, bytes_read=nbytes, tensors_read=len(changes.changed),
             tensors_unchanged=len(changes.unchanged), unchanged_by_reference=changes.by_reference,
-            skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=0,
+            skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=_lag(d.newest_step, info.step),
             lag_s=max(0.0, time.time() - created), held=info.url)
-
 
     def _update_served(self, d: _Decision, t0: float) -> FollowUpdate:
         """(every rank) :meth:`update` of a state held in a serving dtype (:mod:`bytecp.serving.delta_update`)."""
@@ -357,9 +392,37 @@ class _Follower:
         return FollowUpdate(
             step=info.step, url=info.url, tier=d.tier, bytes_read=got.bytes_read, tensors_read=got.tensors_read,
             tensors_unchanged=got.tensors_unchanged, unchanged_by_reference=got.unchanged_by_reference,
-            skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=0,
+            skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=_lag(d.newest_step, info.step),
             lag_s=max(0.0, time.time() - got.created), held=info.url, tensors_by_delta=got.tensors_by_delta,
             delta_steps=got.delta_steps, elements_changed=got.elements_changed, fallbacks=tuple(got.fallbacks))
+
+
+def _why(e: BaseException) -> str:
+    """An update's ``error``: the exception's name once, then its message (one line)."""
+    return f"{type(e).__name__}: {one_line(e, 2000)}"
+
+
+def _lag(newest: int | None, held: int | None) -> int:
+    """Committed steps the follower is behind: the newest listed minus the one held (0 when unknown)."""
+    return max(0, newest - held) if newest is not None and held is not None else 0
+
+
+def _take(f: _Follower, d: _Decision, failed: set[str], on_error: str) -> FollowUpdate:
+    """(every rank) The update of a ``take`` or ``fail`` decision; a failure
+    leaves the state whole and is reported (its checkpoint never retried) or raised."""
+    assert d.info is not None
+    try:
+        if d.error is None:
+            return f.update(d)
+        error = d.error  # (the coordinator's, reported: already "<type>: <message>")
+    except Exception as e:
+        if on_error == "raise":
+            raise
+        error = _why(e)
+    failed.add(d.info.url)
+    log.warning("bytecp.follow: could not take %s, still holding %s: %s", d.info.url, f.url, error)
+    return FollowUpdate(step=d.info.step, url=d.info.url, tier=d.tier, skipped=d.skipped, error=error,
+                        held=f.url, lag_steps=_lag(d.newest_step, f.step))
 
 
 def follow(
@@ -437,6 +500,7 @@ def follow(
                   io_threads=io_threads, swap=swap, memory_url=memory_url, memory_options=memory_storage_options,
                   dtype=serving)
     failed: set[str] = set()
+    reported: str | None = None  # the last run-level failure reported (once until it changes)
     try:
         if held is not None:
             ctx.run("follow/held", lambda: f.hold(held))
@@ -445,33 +509,30 @@ def follow(
         idle_since = time.monotonic()
         while True:
             with contextlib.ExitStack() as pins:  # the coordinator's pins, until every rank staged
-                d = ctx.broadcast("follow/decide",
-                                  lambda: f.decide(pins, stop, failed, idle_timeout_s, idle_since))  # noqa: B023
+                d = ctx.broadcast("follow/decide", lambda: f.decide(  # noqa: B023
+                    pins, stop, failed, idle_timeout_s, idle_since, on_error == "report"))  # noqa: B023
                 if d.kind == "stop":
                     return
-                if d.kind == "wait":
+                if d.kind == "wait" or (d.info is None and d.error == reported):
                     stop.wait(poll_s)
                     continue
-                assert d.info is not None
-                try:
-                    if d.error is not None:
-                        raise CorruptCheckpointError(d.error)
-                    up = f.update(d)
-                except Exception as e:
-                    if on_error == "raise":
-                        raise
-                    failed.add(d.info.url)
-                    log.warning("bytecp.follow: could not take %s, still holding %s: %s",
-                                d.info.url, f.url, one_line(e))
-                    up = FollowUpdate(step=d.info.step, url=d.info.url, tier=d.tier, skipped=d.skipped,
-                                      error=f"{type(e).__name__}: {one_line(e)}", held=f.url)
+                if d.info is None:  # the run could not be listed or decided: nothing taken
+                    reported = d.error
+                    log.warning("bytecp.follow: nothing taken from %s (holding %s): %s", f.run_url, f.url or "nothing",
+                                d.error)
+                    up = FollowUpdate(step=None, url=f.run_url, error=d.error, held=f.url,
+                                      lag_steps=_lag(d.newest_step, f.step))
+                else:
+                    reported = None
+                    up = _take(f, d, failed, on_error)
             idle_since = time.monotonic()
             if up.ok and ctx.is_coordinator:
                 f.mark_held()
             if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update
-                emit_event("follower_lag_steps", float(up.lag_steps))
                 emit_event("follower_lag_seconds", up.lag_s)
                 emit_event("follower_update_bytes", float(up.bytes_read))
+            if up.step is not None:  # behind the newest committed step, whether the update took it or not
+                emit_event("follower_lag_steps", float(up.lag_steps))
             yield up
     finally:
         f.close()

@@ -6,8 +6,10 @@ poll (:meth:`Sources.newest`), before it pins and broadcasts what to take,
 and by every rank for the options of the tier it reads
 (:meth:`Sources.options_for`).
 
-Each poll lists both tiers: storage with
-:func:`bytecp.catalog.list_checkpoints`, the memory tier with the same
+Each poll lists both tiers: storage through the resume decision
+(:func:`bytecp.tools.resume.decide`: a run folder whose newest checkpoint
+cannot be told, or a storage error while listing, is raised, never read
+as "nothing newer"), the memory tier with the same
 listing checked by :meth:`bytecp.tools.tiers.MemoryTier.latest` (only a
 *complete* memory checkpoint, every file held by a live keeper, is a
 candidate; an unreachable keeper is no candidate, never an error). The
@@ -29,6 +31,7 @@ from bytecp.catalog import CheckpointInfo, list_checkpoints
 from bytecp.errors import StorageError
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
+from bytecp.tools.resume import decide
 from bytecp.tools.tiers import MemoryTier, restore_order
 
 __all__ = ["Held", "Newest", "Sources"]
@@ -53,6 +56,8 @@ class Newest:
     tier: str  # "storage" or "memory"
     skipped: int
     save_id: str
+    #: the newest committed step either tier listed (the follower's lag counts from it)
+    newest_step: int | None = None
 
 
 class Sources:
@@ -88,7 +93,7 @@ class Sources:
         """(coordinator, each poll) The checkpoint to take, or None: nothing
         newer than ``held`` (the same save in the other tier, an older step,
         one that ``failed`` already)."""
-        stored = list_checkpoints(self.run_url, storage_options=self.options)
+        stored = list(decide(self.run_url, self.options).candidates()[::-1])  # (raises when undecided)
         mem_list = self._memory_listing() if self.memory is not None else []
         mem = self.memory.latest(mem_list) if self.memory is not None and mem_list else None
         if self.memory is None:  # one tier: its newest, whatever its step (as before the memory tier)
@@ -105,7 +110,8 @@ class Sources:
             sid = self._save_id(info, tier)
             if sid is not None and sid == held.save_id:
                 continue  # the same save, drained to the other tier: already held
-            return Newest(info, tier, _skipped(stored + mem_list, held, info), sid or "")
+            return Newest(info, tier, _skipped(stored + mem_list, held, info), sid or "",
+                          max((c.step for c in stored + mem_list if c.step is not None), default=None))
         return None
 
     def _save_id(self, info: CheckpointInfo, tier: str) -> str | None:

@@ -34,6 +34,7 @@ from torch.autograd.graph import increment_version
 
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
+from bytecp.loading.checks import block_bytes_of
 from bytecp.loading.opened import OpenedCheckpoint
 from bytecp.loading.reader import Target, execute_reads
 from bytecp.plan.load_plan import plan_load
@@ -126,10 +127,11 @@ def stage(opened: OpenedCheckpoint, held: Mapping[str, Held], wanted: Mapping[st
     targets = [Target(s, box, t) for (s, box), t in staged.items()]
     chunks = [r for f in names for r in rows[f]]
     # the stored dtype's sizes: a target held in a serving dtype (``follow(dtype=)``) is read cast
+    blocks = block_bytes_of(opened.metadata)
     reqs = plan_load([(t.fqn, t.box) for t in targets], chunks,
-                     itemsizes={c.fqn: ITEMSIZES[c.dtype] for c in chunks})
+                     itemsizes={c.fqn: ITEMSIZES[c.dtype] for c in chunks}, block_bytes=blocks)
     nbytes = execute_reads(opened.storage, chunks, targets, reqs, io_threads=io_threads, verify=True,
-                           trace=Trace("follow", opened.storage.url))
+                           trace=Trace("follow", opened.storage.url), block_bytes=blocks)
     return staged, nbytes
 
 

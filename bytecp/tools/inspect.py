@@ -19,12 +19,14 @@ from collections import defaultdict
 from collections.abc import Iterable
 from typing import Any
 
+from bytecp.data.positions import summary
 from bytecp.errors import BytecpError
 from bytecp.format import limits, parts_stream
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import block_crc, crc32c, sums
 from bytecp.format.index_check import Tiling
 from bytecp.format.metadata import ChunkRecord
 from bytecp.format.parts_schema import PartsDirectory
+from bytecp.loading.checks import block_bytes_of
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -86,6 +88,8 @@ def summarize(storage: Storage) -> dict[str, Any]:
                                "bytes": sum(md.files_of(name).values())} for name, sid in md.references.items()},
         "objects": {k: ("json" if not r.is_blob else f"blob {r.nbytes} B") for k, r in md.objects.items()},
         "per_rank_objects": {k: sorted(v) for k, v in md.per_rank.items()},
+        # data loaders' positions: kind, epoch, samples consumed (bytecp.data)
+        "data": {k: summary(v, md.world_size) for k, v in md.data.items()},
         "totals": {
             "tensors": len(per),
             "tensor_bytes": sum(p["nbytes"] for p in per.values()),
@@ -158,6 +162,25 @@ def verify(storage: Storage, *, io_threads: int = 8, progress: Progress = NO_PRO
     return verify_any(storage, io_threads=io_threads, progress=progress)[1:]
 
 
+#: what ``verify`` checks of one chunk or blob: file, what, region, offset, size, crc32c, and a chunk's
+#: block checksums (None: a blob, which has none)
+_Item = tuple[str, str, str, int, int, int, "bytes | None"]
+
+
+def _blocks_wrong(data: bytes, off: int, crc: int, blocks: bytes, block_bytes: int) -> str:
+    """What is wrong with a chunk's bytes against its crc32c and block checksums ('' if nothing)."""
+    got = sums(data, block_bytes)
+    if len(got.blocks) != len(blocks):
+        return f"{len(blocks) // 4} block checksums recorded for {len(got.blocks) // 4} blocks"
+    wrong = [k for k in range(len(blocks) // 4) if block_crc(got.blocks, k) != block_crc(blocks, k)]
+    if not wrong and got.crc == crc:
+        return ""
+    where = ", ".join(f"{k} (bytes {off + k * block_bytes}..{off + min(len(data), (k + 1) * block_bytes)})"
+                      for k in wrong[:4]) + (f" and {len(wrong) - 4} more" if len(wrong) > 4 else "")
+    return (f"crc32c mismatch: stored {crc:#010x}, read {got.crc:#010x}"
+            + (f"; block checksum mismatch in block(s) {where}" if wrong else ""))
+
+
 def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress) -> tuple[int, list[VerifyProblem]]:
     storage = opened.storage  # reads follow the references of a version-3 checkpoint
     md = opened.metadata
@@ -171,26 +194,28 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
         if sizes[path] != want:
             problems.append(VerifyProblem(path, "data file", "", f"size {sizes[path]} B, metadata says {want} B"))
 
-    items: list[tuple[str, str, str, int, int, int]] = []  # the objects' blobs (the chunks come in batches)
+    block_bytes = block_bytes_of(md)  # version 5: each chunk's block checksums checked too
+    items: list[_Item] = []  # the objects' blobs (the chunks come in batches)
     blobs: dict[tuple[str, int, int], bool] = {}  # (file, offset, nbytes) -> decode safely
     for name, rec in md.objects.items():
         if rec.is_blob and rec.file:
-            items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
+            items.append((rec.file, f"object {name!r}", "", rec.byte_offset, rec.nbytes, rec.crc32c, None))
             blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
     for name, recs in md.per_rank.items():
         for r, rec in recs.items():
             if rec.is_blob and rec.file:
-                items.append((rec.file, f"object {name!r} of rank {r}", "", rec.byte_offset, rec.nbytes, rec.crc32c))
+                items.append((rec.file, f"object {name!r} of rank {r}", "", rec.byte_offset, rec.nbytes, rec.crc32c,
+                              None))
                 blobs[(rec.file, rec.byte_offset, rec.nbytes)] = not rec.pickle
 
-    def check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
+    def check(item: _Item) -> VerifyProblem | None:
         try:
             return _check(item)
         finally:
             progress.advance(item[4])
 
-    def _check(item: tuple[str, str, str, int, int, int]) -> VerifyProblem | None:
-        file, what, region, off, n, crc = item
+    def _check(item: _Item) -> VerifyProblem | None:
+        file, what, region, off, n, crc, blocks = item
         size = sizes.get(file, -1)
         if size is None:
             return VerifyProblem(file, what, region, "data file missing")
@@ -200,8 +225,11 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
             data = storage.read_bytes(file, off, n)
         except Exception as e:
             return VerifyProblem(file, what, region, f"unreadable: {e}")
-        got = crc32c(data)
-        if got != crc:
+        if block_bytes is not None and blocks is not None:
+            bad = _blocks_wrong(data, off, crc, blocks, block_bytes)
+            if bad:
+                return VerifyProblem(file, what, region, bad)
+        elif (got := crc32c(data)) != crc:
             return VerifyProblem(file, what, region, f"crc32c mismatch: stored {crc:#010x}, read {got:#010x}")
         if blobs.get((file, off, n)):  # an object saved without allow_pickle must load without it
             try:
@@ -224,8 +252,8 @@ def _verify_bytecp(opened: OpenedCheckpoint, io_threads: int, progress: Progress
             else:
                 if tiling is not None:
                     tiling.add(batch)
-                todo = [(c.file, c.fqn, str(Region(c.offsets, c.lengths)), c.byte_offset, c.nbytes, c.crc32c)
-                        for c in batch]
+                todo = [(c.file, c.fqn, str(Region(c.offsets, c.lengths)), c.byte_offset, c.nbytes, c.crc32c,
+                         c.blocks) for c in batch]
             checked += sum(i[4] for i in todo)
             problems += [p for p in ex.map(check, todo) if p is not None]
     if tiling is not None:

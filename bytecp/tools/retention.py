@@ -39,6 +39,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import time
 from collections.abc import Callable, Sequence
 
@@ -50,7 +51,10 @@ from bytecp.saving import leases
 from bytecp.saving.pins import DOOM_DIR, Doom, live_pins
 from bytecp.storage_api import Storage
 
-__all__ = ["RetentionResult", "followed_from", "live_files", "retain"]
+#: a step directory of a run
+_STEP = re.compile(r"^step-(\d+)$")
+
+__all__ = ["RetentionResult", "followed_from", "live_files", "retain", "sweep_uncommitted"]
 
 log = logging.getLogger("bytecp.manager")
 
@@ -165,3 +169,29 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, Files],
         doom.lift(ck)
         out.retired.append(name)
     return out
+
+
+def sweep_uncommitted(root: Storage, newest: int, committed: set[str], run_url: str) -> None:
+    """(the manager's retention, coordinator) Remove what killed saves left
+    in ``step-<N>`` directories of the run ``root`` with no ``metadata.json``
+    and N below the newest committed step (a restarted job may never save
+    that step again), unless a save there may still be running (:mod:`bytecp.saving.leases`), and doom markers left
+    alone by a retention cut short (nothing left to protect). Never raises."""
+    from bytecp.saving.leases import orphans
+
+    try:
+        for name in root.list_children(""):
+            m = _STEP.match(name)
+            if m is None or name in committed or int(m.group(1)) >= newest or root.exists(
+                    f"{name}/{fmt.METADATA_FILE}") or root.exists(f"{name}/{BASE_FILE}"):
+                continue  # (a retired base holds files kept checkpoints reference)
+            dead, _ = orphans(root.child(name), None)
+            left = root.child(name).list_files("")  # a retention cut short: its marker, reports
+            dead = left if left and all(f.startswith(("doomed/", "reports/")) for f in left) else dead
+            if dead:
+                root.delete([f"{name}/{f}" for f in dead])
+                log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
+                         len(dead), run_url, name)
+    except Exception as e:  # noqa: BLE001 - only garbage is at stake
+        log.warning("bytecp: could not remove files of killed saves below %s: %s", run_url, e)
+

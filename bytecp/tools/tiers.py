@@ -111,6 +111,31 @@ class MemoryTier:
             log.warning("bytecp: memory tier %s unavailable (%s); using storage", self.url, e)
         return None
 
+    def restore(self, storage_newest: CheckpointInfo | None, storage_options: dict[str, Any], state: dict[str, Any],
+                skipped: list[tuple[str, str]], **load_kwargs: Any) -> CheckpointInfo | None:
+        """(every rank, in ``restore``) Load the newest complete memory checkpoint
+        into ``state`` when it is at least as new as ``storage_newest``; return
+        it, or None (then storage's candidates are tried). One that does not
+        load because its files are bad or the keepers fail is noted in
+        ``skipped`` (the incomplete ones too) with a warning."""
+        from bytecp.api import load
+        from bytecp.catalog import checkpoint_is_bad, one_line
+
+        first = restore_order(self.latest(), self.storage_options, storage_newest, storage_options)
+        skipped.extend(self.incomplete)  # never loaded in part
+        if not first or first[0].tier != "memory":
+            return None
+        info = first[0].info
+        try:
+            load(info.url, state, storage_options=self.storage_options, **load_kwargs)
+        except Exception as e:
+            if not (checkpoint_is_bad(e) or isinstance(e, StorageError)):
+                raise
+            skipped.append((info.url, one_line(e)))
+            log.warning("bytecp: memory checkpoint %s does not load (%s); trying storage", info.url, one_line(e))
+            return None
+        return info
+
 
 def _missing(root: Storage, held: dict[str, int], name: str) -> str | None:
     """What checkpoint ``name`` below ``root`` lacks in ``held`` (every live

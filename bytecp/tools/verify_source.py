@@ -11,6 +11,8 @@ restricted unpickler (DCP, torch_dist, DeepSpeed), every safetensors
 header, every row's byte range inside its file. :func:`verify_source` then
 lists the files once more and checks every row and value blob against the
 sizes found, the crc32c of each value blob where the reader computed one,
+each value blob decoded as a load decodes it (one that only
+``allow_pickle=True`` reads is a problem: a load refuses it),
 and every zip entry of every ``torch.save`` archive (each DCP item, each
 ``.pt`` file), which a load never reads: its local header where the central
 directory says, under the directory's name, its data inside the archive.
@@ -28,8 +30,10 @@ from __future__ import annotations
 import dataclasses
 
 from bytecp import interop
-from bytecp.errors import CorruptCheckpointError
+from bytecp.catalog import one_line
+from bytecp.errors import BytecpError, CorruptCheckpointError
 from bytecp.format.checksum import crc32c
+from bytecp.format.objects import read_object
 from bytecp.interop import dcp_items, torch_zip
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.storage_api import Storage
@@ -94,6 +98,11 @@ def verify_source(opened: OpenedCheckpoint, progress: Progress = NO_PROGRESS) ->
                              f"outside the file ({'missing' if size is None else f'{size} B'})"))
         elif rec.crc32c and crc32c(storage.read_bytes(rec.file, rec.byte_offset, rec.nbytes)) != rec.crc32c:
             problems.append((rec.file, f"value {name!r}", "", "changed since it was read (crc32c)"))
+        else:  # decoded as a load decodes it: fails where it fails
+            try:
+                read_object(storage, name, rec, verify=True, allow_pickle=False)
+            except BytecpError as e:
+                problems.append((rec.file, f"value {name!r}", "", f"a load refuses it: {one_line(e)}"))
     for file, start, length in _archives(opened):
         msg = _archive_problem(storage, file, start, length)
         if msg is not None:

@@ -7,7 +7,8 @@ leaves are:
 - ``torch.Tensor`` -- a full tensor, replicated on every rank that has it;
 - :class:`TensorLeaf` -- a tensor sharded across ranks: its global shape and
   the boxes this rank holds, each with a local view (no copy);
-- :class:`PerRank` -- a value that differs per rank (RNG, dataloader);
+- :class:`PerRank` -- a value that differs per rank (RNG, dataloader), with
+  the data position of a data loader beside it (:mod:`bytecp.data`);
 - :class:`Whole` -- a value stored as one object however nested;
 - any other value -- JSON when it is JSON-able, else a ``torch.save`` blob.
 
@@ -166,9 +167,18 @@ class TensorLeaf:
 
 @dataclasses.dataclass
 class PerRank:
-    """A value saved separately by every rank and restored by the same rank."""
+    """A value saved separately by every rank and restored by the same rank.
+
+    ``data``: a data loader's position, small and JSON-able (a resharder's
+    :meth:`~bytecp.data.Resharder.position`, ``"kind"`` among its keys),
+    recorded beside the value and merged over the ranks at the commit into
+    the checkpoint's compact data position (FORMAT.md §6.8), from which a
+    load under another world size reshards it; None for other per-rank
+    values (RNG states).
+    """
 
     value: Any
+    data: dict[str, Any] | None = None
 
 
 @dataclasses.dataclass
@@ -184,10 +194,14 @@ class Slot:
 
     ``per_rank`` slots take this rank's value of a :class:`PerRank` entry.
     ``default`` is returned when the key is absent and ``strict=False``.
+    ``live``: the live object a per-rank slot restores (a data loader), so
+    that its position can be resharded when the data-parallel layout changed
+    (:mod:`bytecp.data`).
     """
 
     per_rank: bool = False
     default: Any = None
+    live: Any = None
 
 
 _JSON_SCALARS = (str, int, bool, type(None))
@@ -218,6 +232,8 @@ class FlatTree:
     #: alias FQN -> the FQN in ``tensors`` whose memory it shares (first seen
     #: in tree order); aliases are tensor leaves of the skeleton, not in ``tensors``
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
+    #: per-rank fqn -> this rank's data position (:attr:`PerRank.data`)
+    data: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
 
     def digest(self) -> str:
         """Equal digests mean equal skeletons and equal aliases."""
@@ -298,6 +314,8 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
                 out.slots[claim(fqn)] = Slot(per_rank=True)
             else:
                 out.per_rank[claim(fqn)] = v.value
+                if v.data is not None:
+                    out.data[fqn] = v.data
             return Node.leaf("rank", fqn)
         if isinstance(v, Whole):
             if target:

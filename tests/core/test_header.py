@@ -47,12 +47,12 @@ def run(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def test_a_version_4_header_is_read_from_the_first_bytes(run: Path) -> None:
+def test_a_version_4_and_later_header_is_read_from_the_first_bytes(run: Path) -> None:
     st = Counting(str(run / "step-2"))
     size = st.size(fmt.METADATA_FILE)
     head = header.read_header(st)  # type: ignore[arg-type]
     md = fmt.Metadata.from_bytes((run / "step-2" / fmt.METADATA_FILE).read_bytes(), "x")
-    assert head == header.Header(md.save_id, 4, 2, md.created, {"step-1": md.references["step-1"]})
+    assert head == header.Header(md.save_id, fmt.FORMAT_VERSION, 2, md.created, {"step-1": md.references["step-1"]})
     assert size > json_head.HEADER_BYTES >= st.read, (size, st.read)
     keys = list(json.loads((run / "step-2" / fmt.METADATA_FILE).read_bytes()))
     assert keys[: len(json_head.HEADER_KEYS)] == list(json_head.HEADER_KEYS)  # references among the header's members

@@ -56,7 +56,8 @@ def rows_of(*chunks: fmt.ChunkRecord) -> dict:
     return {"fqn": [c.fqn for c in chunks], "offsets": [list(c.offsets) for c in chunks],
             "lengths": [list(c.lengths) for c in chunks], "file": [c.file for c in chunks],
             "byte_offset": [c.byte_offset for c in chunks], "nbytes": [c.nbytes for c in chunks],
-            "crc32c": pa.array([c.crc32c for c in chunks], pa.uint32())}
+            "crc32c": pa.array([c.crc32c for c in chunks], pa.uint32()),
+            "blocks": [list(np.frombuffer(c.blocks, "<u4").tolist()) for c in chunks]}
 
 
 def readers(ck: Path) -> list:
@@ -84,9 +85,10 @@ def test_a_consistent_terabyte_shape_is_refused_before_allocation(tmp_path: Path
     as_object_form(md)["w"]["shape"] = [n]
     (data_file,) = md["data_files"]
     md["data_files"][data_file] = 4 * n
+    md["index"]["block_bytes"] = 1 << 30  # the largest blocks: 3,726 block checksums, as a writer would record
     write_md(ck, md)
     c = only_chunk(ck)
-    big = fmt.ChunkRecord(c.fqn, c.dtype, (n,), (0,), (n,), c.file, 0, 4 * n, c.crc32c)
+    big = fmt.ChunkRecord(c.fqn, c.dtype, (n,), (0,), (n,), c.file, 0, 4 * n, c.crc32c, bytes(4 * -(-4 * n // (1 << 30))))
     rewrite_index(ck, rows_of(big))
     for name, fn in readers(ck)[:2]:
         with pytest.raises(CorruptCheckpointError, match=rf"{data_file}.*'w'.*truncated.*{4 * n}"):
@@ -201,7 +203,7 @@ def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
     ck = saved(tmp_path, {"w": torch.zeros(4)})
     c = only_chunk(ck)
     n = 3_000_000
-    real = encode_segment(rows_of(c), md_of(ck)["save_id"])
+    real = encode_segment(rows_of(c), md_of(ck)["save_id"], blocks=True)  # format version 5's encoding
     words = np.frombuffer(real, "<i8").copy()
     words[1] = n  # rows: the columns would need 144 MB
     crafted = words.tobytes()
@@ -211,7 +213,7 @@ def test_index_with_millions_of_rows_in_a_few_kilobytes(tmp_path: Path) -> None:
     rewrite_index(ck, crafted, nrows=1)  # the directory lies too
     all_refuse(ck, rf"{index_path(ck).name} segment at bytes 0\.\.{len(crafted)} has {n} rows, the directory says 1")
     with pytest.raises(CorruptCheckpointError, match=rf"\(rows {n}, .* makes it \d+ bytes, not {len(crafted)}"):
-        segment_wire.decode("seg", crafted, n, md_of(ck)["save_id"])
+        segment_wire.decode("seg", crafted, n, md_of(ck)["save_id"], block_bytes=md_of(ck)["index"]["block_bytes"])
 
 
 def test_index_with_a_huge_list_cell(tmp_path: Path) -> None:

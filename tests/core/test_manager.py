@@ -43,7 +43,8 @@ def test_every_n_steps_retention_and_resume(tmp_path: Path, capsys) -> None:
     assert torch.equal(fresh.weight, model.weight - 1.0)
     assert cli(["ls", run]) == 0
     out = capsys.readouterr().out
-    assert "step-6" in out and "step-8" not in out
+    assert "step-6\tstep=6" in out and "<- resume" in out.splitlines()[1] and "step-8\tstep=" not in out
+    assert "step-8\t(no checkpoint: a bytecp save that never committed" in out
 
 
 def test_nothing_to_resume_and_bad_settings(tmp_path: Path) -> None:
@@ -229,7 +230,7 @@ def flip_a_data_byte(ck: Path) -> None:
 
 
 def test_the_documented_resume_loop_runs_each_step_once(tmp_path: Path) -> None:
-    """README's loop, run as written, killed after step 4 and started again."""
+    """README's loop (README.md, "Quick start"), run as written, killed after step 4 and started again."""
     run = str(tmp_path / "run")
     done: list[int] = []
 
@@ -262,15 +263,15 @@ def test_restore_falls_back_past_checkpoints_that_do_not_load(tmp_path: Path, ca
     for step in (1, 2, 3):
         mgr.save(step, {"x": torch.full((4,), float(step)), "extra": {"step": step}})
     flip_a_data_byte(run / "step-3")  # checksum mismatch
-    (run / "step-2" / "metadata.json").write_text("{not json")  # unreadable: never listed
+    (run / "step-2" / "metadata.json").write_text("{not json")  # unreadable: tried, skipped
     state = {"x": torch.zeros(4), "extra": {"step": 0}}
     with caplog.at_level("WARNING", logger="bytecp"):
         assert mgr.restore(state) == 1
     assert torch.equal(state["x"], torch.full((4,), 1.0)) and state["extra"]["step"] == 1
     text = caplog.text
-    assert f"restore skips {run}/step-3" in text and "checksum mismatch" in text
-    assert f"{run}/step-2" in text  # named as skipped (unreadable metadata.json)
-    assert [u for u, _ in mgr.skipped] == [f"{run}/step-3"]
+    assert f"resume skips {run}/step-3" in text and "checksum mismatch" in text
+    assert f"resume skips {run}/step-2" in text and "not valid JSON" in text  # named as skipped
+    assert [u for u, _ in mgr.skipped] == [f"{run}/step-3", f"{run}/step-2"]
     # nothing was deleted
     assert sorted(p.name for p in run.iterdir()) == ["step-1", "step-2", "step-3"]
     assert (run / "step-3" / "metadata.json").exists()
@@ -279,7 +280,7 @@ def test_restore_falls_back_past_checkpoints_that_do_not_load(tmp_path: Path, ca
         mgr.restore({"x": torch.zeros(4), "extra": {"step": 0}}, fallback=False)
     # none loads: one error naming each
     flip_a_data_byte(run / "step-1")
-    with pytest.raises(bytecp.CorruptCheckpointError, match="no committed checkpoint of .* loads: .*step-3.*step-1"):
+    with pytest.raises(bytecp.CorruptCheckpointError, match="no committed checkpoint of .* loads: .*step-3.*step-2.*step-1"):
         mgr.restore({"x": torch.zeros(4), "extra": {"step": 0}})
 
 

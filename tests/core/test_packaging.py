@@ -8,8 +8,9 @@ entry in the inner loop, before any build.
 from __future__ import annotations
 
 import os
-import tomllib
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -535,7 +535,7 @@ def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) ->
     finally:
         pool.close()
     md = _md(tmp_path / "ck")
-    assert md["format_version"] == 4 and md["index"]["parts"]["rank"] == [0, 1, 2]
+    assert md["format_version"] == 5 and md["index"]["parts"]["rank"] == [0, 1, 2]
     assert all((tmp_path / "ck" / part_file(md["save_id"], r)).is_file() for r in range(3))
     got = bytecp.load_state_dict(url)
     for fqn in (*SHAPES, "r"):
@@ -571,12 +571,24 @@ def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) ->
 
 # ----------------------------------------------------------------- crafted segments (FORMAT.md §5.6, segment encoding)
 def _words(blob: bytes) -> tuple[list[int], dict[str, int]]:
-    """A segment's words, and where its parts start (in words): columns, dims, string lengths, strings."""
+    """A segment's words, and where its parts start (in words): columns, dims, block checksums (encoding
+    2, format version 5), string lengths, strings."""
     w = np.frombuffer(blob, "<i8", len(blob) // 8).tolist()
     n, m, f, dims = w[1:5]
-    at = {"name_id": 6, "file_id": 6 + n, "ndim": 6 + 2 * n, "offsets": 6 + 6 * n, "strlen": 6 + 6 * n + 2 * dims}
+    h = 7 if w[0] == segment_wire.MAGIC_BLOCKS else 6
+    packed = -(-w[6] // 2) if h == 7 else 0
+    at = {"name_id": h, "file_id": h + n, "ndim": h + 2 * n, "offsets": h + 6 * n, "blocks": h + 6 * n + 2 * dims}
+    at["strlen"] = at["blocks"] + packed
     at["strings"] = at["strlen"] + 1 + m + f
     return w, at
+
+
+def _extra_blocks(blob: bytes) -> tuple[bytes, int | None]:
+    """Two block checksums more than the rows' sizes make (one word more: the segment's size agrees)."""
+    w, at = _words(blob)
+    w[6] += 2
+    w.insert(at["strlen"], 0)
+    return _pack(w[: at["strings"] + 1], blob[8 * at["strings"] :]), None
 
 
 def _pack(words: list[int], tail: bytes = b"") -> bytes:
@@ -624,11 +636,13 @@ def _reencode(blob: bytes, *, save_id: str | None = None, extra: str | None = No
     lens = np.frombuffer(blob, "<i8", 1 + m + f, 8 * at["strlen"]).tolist()
     sid = strings[: lens[0]].decode()
     rows = seg.to_pylist()
-    out = encode_segment(rows, save_id or sid)
+    blocks = blob[:8] == segment_wire.MAGIC_BLOCKS.to_bytes(8, "little")
+    out = encode_segment(rows, save_id or sid, blocks)
     if extra is not None:  # an unused name listed after the others (allowed): strings of chosen length
         names = sorted({r["fqn"] for r in rows})
         files = sorted({r["file"] for r in rows})
-        out = segment_wire.encode(sid, [*names, extra], files, *_cols(rows, names, files))
+        out = segment_wire.encode(sid, [*names, extra], files, *_cols(rows, names, files),
+                                  np.asarray([x for r in rows for x in r["blocks"]], np.uint32) if blocks else None)
     if not utf8:
         w, at = _words(out)
         tail = bytearray(out[8 * at["strings"] :])
@@ -650,7 +664,7 @@ def _padded(blob: bytes) -> bytes:
     _, at = _words(blob)
     for k in range(8):
         out = _reencode(blob, extra="~" * (k + 1))
-        n_str = int(np.frombuffer(out, "<i8", 1, 40)[0])
+        n_str = int(np.frombuffer(out, "<i8", 1, 40)[0])  # (word 5 in either encoding)
         if n_str % 8:
             return out[:-1] + b"\x01"
     raise AssertionError("no padding")
@@ -677,6 +691,7 @@ SEGMENT_DAMAGE: dict[str, tuple[Callable[[bytes], tuple[bytes, int | None]], str
     "another_save": (lambda b: (_reencode(b, save_id="another-save"), None), "belongs to save 'another-save'"),
     "nonzero_padding": (lambda b: (_padded(b), None), "padding after its strings is not zero"),
     "not_words": (lambda b: (b[:-3], None), "are not a segment"),
+    "block_checksums_not_the_rows'": (_extra_blocks, "block checksums (one per"),
 }
 
 

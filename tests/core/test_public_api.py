@@ -65,6 +65,7 @@ NOT_PYTHON = {
     "bytecp.save_id",  # a Parquet schema metadata key of version 4 (FORMAT.md)
     "bytecp.monitor.v1",  # the protobuf package (monitoring.md)
     "bytecp.monitors",  # an entry-point group (extending.md)
+    "bytecp.resharders",  # an entry-point group (extending.md)
 }
 
 

@@ -16,7 +16,7 @@ from torch import nn
 
 import bytecp
 from bytecp.format import metadata as fmt
-from bytecp.format.checksum import crc32c
+from bytecp.format.checksum import crc32c, sums
 from bytecp.plan.planner import WriteItem
 from bytecp.saving.hostcopy import copy_boxes, fast_copy_available
 from bytecp.saving.staging import PAGE_ALIGN_MIN_BYTES, StagingPool
@@ -54,8 +54,9 @@ def test_copy_boxes_is_bitwise_and_sums_what_it_copied(threads: int, checksums: 
     crcs = copy_boxes(list(zip(dsts, srcs, strict=True)), threads=threads, checksums=checksums)
     for d, s in zip(dsts, srcs, strict=True):
         assert same_bits(d, s.resolve_conj())
-    if checksums:
-        assert crcs == [crc32c(host_memoryview(d.contiguous())) for d in dsts]
+    if checksums:  # each box's crc32c and its block checksums, one pass (format/checksum.py)
+        assert crcs == [sums(host_memoryview(d.contiguous())) for d in dsts]
+        assert [c.crc for c in crcs if c is not None] == [crc32c(host_memoryview(d.contiguous())) for d in dsts]
     else:
         assert crcs == [None] * len(srcs)
 
@@ -108,7 +109,7 @@ def test_large_boxes_are_laid_out_in_the_arena_as_in_a_data_file() -> None:
     for s in pool.stage(flat, items, checksums=True):
         t = a[s.item.fqn]
         assert bytes(s.data) == bytes(host_memoryview(t))
-        assert s.crc == crc32c(s.data)
+        assert s.sums is not None and s.sums.crc == crc32c(s.data) and s.sums == sums(s.data)
         if s.item.nbytes >= PAGE_ALIGN_MIN_BYTES:
             assert s.padded is not None
             assert len(s.padded) % fmt.ALIGNMENT == 0 and len(s.padded) - len(s.data) < fmt.ALIGNMENT

@@ -141,7 +141,9 @@ def test_export_and_evaluation_job(demo: tuple[Path, dict, str]) -> None:
     ev = s["eval"]
     assert ev["equal"] and ev["training_job"] == ev["eval_job"] and isinstance(ev["eval_job"], float)
     assert not ev["eval_job_distributed"]
-    assert set(ev["eval_job_bytecp_modules"]) <= {"bytecp", "bytecp.errors", "bytecp.demo", "bytecp.demo.model"}
+    # (bytecp.plugins: the one-line message naming the demo extra, should safetensors be missing)
+    assert set(ev["eval_job_bytecp_modules"]) <= {"bytecp", "bytecp.errors", "bytecp.demo", "bytecp.demo.model",
+                                                  "bytecp.plugins"}
     # the exported tensors are the final checkpoint's model, bitwise
     exported: dict[str, torch.Tensor] = {}
     for f in s["export"]["files"]:

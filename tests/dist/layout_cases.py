@@ -23,7 +23,7 @@ HIDDEN = 16
 HEADS = 4
 LAYERS = 2
 
-#: layout name -> what it builds (the matrix in docs/guide.md lists the same)
+#: layout name -> what it builds (the matrix in docs/saving-and-loading.md, "DTensor layouts", lists the same)
 LAYOUTS = {
     "fsdp_tp_sp": "FSDP2 x TP, dp=2 x tp=2, SequenceParallel norms, vocabulary-parallel embedding and output",
     "fsdp_tp_norms_out": "FSDP2 x TP, dp=2 x tp=2, norms and embeddings outside the TP plan (FSDP over dp only)",

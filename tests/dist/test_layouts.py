@@ -1,6 +1,6 @@
 """The DTensor layout matrix: each save layout loaded into each load layout,
 model and optimizer state compared bitwise with the full tensors of the
-saving job (docs/guide.md, "Layouts", shows the same table).
+saving job (docs/saving-and-loading.md, "DTensor layouts", shows the same table).
 
 One 4-rank pool runs every case: a case saves one layout and loads it into
 every distributed load layout in the same call; the test process then
@@ -108,7 +108,7 @@ def test_partial_placement_fails_the_save_on_every_rank(pools, tmp_path: Path) -
 
 
 def test_guide_shows_the_matrix() -> None:
-    guide = (Path(__file__).parents[2] / "docs" / "guide.md").read_text()
+    guide = (Path(__file__).parents[2] / "docs" / "saving-and-loading.md").read_text()
     for name in [*MATRIX, *LOADS, *TITAN_LOADS]:
         assert f"`{name}`" in guide, name
 

@@ -238,6 +238,41 @@ def case_incremental(url: str) -> tuple[Any, dict[str, Any]]:
     return _plain_expected(model, opt)
 
 
+def case_blocks(url: str) -> tuple[Any, dict[str, Any]]:
+    """Format version 5's block checksums, written at 4 KiB blocks (``index.block_bytes`` 4096; the
+    reference writer's default is 1 MiB): a whole tensor of three blocks (the last one shorter), one
+    of exactly one block (none recorded), row slabs and flat ranges over a block and under, a 0-dim
+    tensor, and a frozen weight referenced from the run's earlier checkpoint ``step-1`` (its row
+    carries the block checksums that checkpoint recorded)."""
+    from bytecp.format import checksum
+
+    saved_block = checksum.BLOCK_BYTES
+    checksum.BLOCK_BYTES = 4096
+    try:
+        frozen = pattern((40, 100), torch.float32, 51)  # 16,000 bytes: 4 blocks
+        whole = pattern((3000,), torch.float32, 53)  # 12,000 bytes: 3 blocks (4096, 4096, 3808)
+        exact = pattern((2048,), torch.int16, 55)  # 4,096 bytes: one block, none recorded
+        rows = pattern((40, 100), torch.float32, 57)  # slabs [0:25] 10,000 bytes (3 blocks), [25:40] 6,000 (2)
+        flat = pattern((30, 70), torch.float64, 59)  # flat ranges [0, 1000) and [1000, 2100)
+        bytecp.save("step-1", {"frozen": frozen}, step=1)
+        state = {
+            "frozen": frozen,
+            "whole": whole,
+            "exact": exact,
+            "rows": TensorLeaf((40, 100), torch.float32, [Shard(Region((0, 0), (25, 100)), rows[:25]),
+                                                           Shard(Region((25, 0), (15, 100)), rows[25:])]),
+            "flat": _flat_leaf(flat, [1000]),
+            "step": torch.tensor(3, dtype=torch.int64),
+        }
+        md = bytecp.save(url, state, step=2, base="step-1")
+    finally:
+        checksum.BLOCK_BYTES = saved_block
+    assert set(md.references) == {"step-1"} and md.index.block_bytes == 4096, md.references
+    expected = {"frozen": frozen.clone(), "whole": whole.clone(), "exact": exact.clone(), "rows": rows.clone(),
+                "flat": flat.clone(), "step": torch.tensor(3, dtype=torch.int64)}
+    return expected, {"framework": "plain", "world_size": 1, "step": 2, "user_metadata": {}}
+
+
 #: keyword arguments loading each case needs
 LOAD_OPTIONS: dict[str, dict[str, Any]] = {"pickle": {"allow_pickle": True}}
 
@@ -254,6 +289,7 @@ CASES: dict[str, Callable[[str], tuple[Any, dict[str, Any]]]] = {
     "fsdp2": _framework_case("fsdp2"),
     "incremental": case_incremental,
     "parts": case_parts,
+    "blocks": case_blocks,
 }
 
 
@@ -280,7 +316,7 @@ def inspect_fields(ckpt: Path, fields: dict[str, Any]) -> dict[str, Any]:
         parts = {r: (ckpt / "index" / md["save_id"] / f"{r}.bin").read_bytes() for r in d["parts"]["rank"]}
         rows = [row for e in segments.values()  # segments in the encoding of FORMAT.md §5.6
                 for row in spec_segment(parts[e["rank"]], e["offset"], e["nbytes"], e["crc32c"], e["rows"],
-                                        md["save_id"])]
+                                        md["save_id"], d.get("block_bytes"))]
         rows += page_rows(d["scalar_pages"])  # 0-dim chunks: in the directory, in no part
     else:  # every segment; a chunk meeting several bands is listed in each
         raw = (ckpt / md["index"]["file"]).read_bytes()

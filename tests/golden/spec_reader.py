@@ -1,5 +1,5 @@
 """A reader of bytecp checkpoints written from docs/FORMAT.md alone, using only
-json, struct, pyarrow, crc32c, numpy and torch: versions 1 to 4, every check the
+json, struct, pyarrow, crc32c, numpy and torch: versions 1 to 5, every check the
 spec asks of a reader, plus the reference writer's own choices where the
 golden files can show them (no gaps between segments, zero padding).
 ``spec_read`` returns the state and the per-rank values; ``v4_lookup``
@@ -109,11 +109,11 @@ def spec_metadata(raw: bytes) -> dict[str, Any]:
 
 
 def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
-    """Read a format-v1 to v4 checkpoint following docs/FORMAT.md, without bytecp.
+    """Read a format-v1 to v5 checkpoint following docs/FORMAT.md, without bytecp.
     Version 3's references (``../<checkpoint>/data/...``) are read from the
     sibling checkpoint, which must be committed and hold that save."""
     md = spec_metadata((root / "metadata.json").read_bytes())
-    assert md["format"] == "bytecp" and md["format_version"] in (1, 2, 3, 4)
+    assert md["format"] == "bytecp" and md["format_version"] in (1, 2, 3, 4, 5)
     for name, save_id in md.get("references", {}).items():
         assert md["format_version"] >= 3 and "/" not in name and name not in (".", "..")
         base = root.parent / name
@@ -146,6 +146,10 @@ def spec_read(root: Path, *, allow_pickle: bool = False) -> Any:
         assert row["byte_offset"] % ALIGNMENT == 0
         blob = data[row["file"]][row["byte_offset"] : row["byte_offset"] + row["nbytes"]]
         assert len(blob) == row["nbytes"] and crc32c.crc32c(blob) == row["crc32c"]
+        if md["format_version"] >= 5:  # §8: the crc32c of each block of a chunk over one block
+            bb = md["index"]["block_bytes"]
+            assert row["blocks"] == ([crc32c.crc32c(blob[k : k + bb]) for k in range(0, len(blob), bb)]
+                                     if len(blob) > bb else []), row["fqn"]
         used[row["file"]].append((row["byte_offset"], row["nbytes"]))
         box = tuple(slice(o, o + n) for o, n in zip(offs, lens, strict=True))
         whole = np.frombuffer(out[row["fqn"]], dtype=np.uint8).reshape(*info["shape"], size)
@@ -237,31 +241,42 @@ def _parquet(buf: bytes, off: int, n: int, crc: int, rows: int, save_id: str, ty
     return table
 
 
-#: a version-4 part segment's first word: the bytes "bcpSG4" then 0x00 0x01 (FORMAT.md §5.6)
+#: a version-4 part segment's first word: the bytes "bcpSG4" then 0x00 0x01 (FORMAT.md §5.6); version 5's
+#: (encoding 2, with block checksums): 0x00 0x02
 SEGMENT_MAGIC = b"bcpSG4\x00\x01"
+SEGMENT_MAGIC_5 = b"bcpSG4\x00\x02"
 MAX_NDIM = 64
 
 
-def read_segment(buf: bytes, off: int, n: int, crc: int, rows: int, save_id: str) -> list[dict[str, Any]]:
-    """A version-4 part segment at ``off`` (§5.6, "Segment encoding"): inside
-    ``buf``, its CRC-32C, then every check a reader MUST make of its words,
-    each count against the segment's length before it is used. -> its rows
-    as dicts of the §5.3 columns."""
+def read_segment(buf: bytes, off: int, n: int, crc: int, rows: int, save_id: str,
+                 block_bytes: int | None = None) -> list[dict[str, Any]]:
+    """A version-4 or -5 part segment at ``off`` (§5.6, "Segment encoding"):
+    inside ``buf``, its CRC-32C, then every check a reader MUST make of its
+    words, each count against the segment's length before it is used.
+    ``block_bytes``: version 5's (encoding 2). -> its rows as dicts of the
+    §5.3 columns (version 5: and ``blocks``, each row's block checksums)."""
     assert off >= 0 and n > 0 and off + n <= len(buf), (off, n, len(buf))
     blob = buf[off : off + n]
     assert crc32c.crc32c(blob) == crc
-    assert n % 8 == 0 and n >= 48, n
+    h = 6 if block_bytes is None else 7
+    assert n % 8 == 0 and n >= 8 * h, n
     word = lambda k: struct.unpack_from("<q", blob, 8 * k)[0]  # noqa: E731
-    assert blob[:8] == SEGMENT_MAGIC
+    assert blob[:8] == (SEGMENT_MAGIC if block_bytes is None else SEGMENT_MAGIC_5)
     nrows, m, f, dims, nstr = (word(k) for k in range(1, 6))
-    assert min(nrows, m, f, dims, nstr) >= 0 and nrows == rows
-    strings_at = 6 + 6 * nrows + 2 * dims + 1 + m + f
+    nblocks = 0 if block_bytes is None else word(6)
+    assert min(nrows, m, f, dims, nstr, nblocks) >= 0 and nrows == rows
+    blocks_at = h + 6 * nrows + 2 * dims
+    strings_at = blocks_at + (nblocks + 1) // 2 + 1 + m + f
     assert 8 * strings_at + (nstr + 7) // 8 * 8 == n, "no byte past the padded strings"
-    cols = [[word(6 + c * nrows + i) for i in range(nrows)] for c in range(6)]
+    cols = [[word(h + c * nrows + i) for i in range(nrows)] for c in range(6)]
     name_id, file_id, ndim, byte_offset, nbytes, crcs = cols
-    offsets = [word(6 + 6 * nrows + i) for i in range(dims)]
-    lengths = [word(6 + 6 * nrows + dims + i) for i in range(dims)]
-    lens = [word(6 + 6 * nrows + 2 * dims + i) for i in range(1 + m + f)]
+    offsets = [word(h + 6 * nrows + i) for i in range(dims)]
+    lengths = [word(h + 6 * nrows + dims + i) for i in range(dims)]
+    sums = list(struct.unpack_from(f"<{nblocks}I", blob, 8 * blocks_at))
+    assert nblocks % 2 == 0 or struct.unpack_from("<I", blob, 8 * blocks_at + 4 * nblocks)[0] == 0, "zero padding"
+    per = [0 if block_bytes is None or b <= block_bytes else -(-b // block_bytes) for b in nbytes]
+    assert sum(per) == nblocks, "one block checksum per block of each chunk over one block"
+    lens = [word(blocks_at + (nblocks + 1) // 2 + i) for i in range(1 + m + f)]
     assert all(0 <= k <= MAX_NDIM for k in ndim) and sum(ndim) == dims
     assert all(0 <= i < m for i in name_id) and all(0 <= i < f for i in file_id)
     assert all(x >= 0 for x in byte_offset + nbytes + offsets + lengths) and all(0 <= c < 2**32 for c in crcs)
@@ -275,12 +290,15 @@ def read_segment(buf: bytes, off: int, n: int, crc: int, rows: int, save_id: str
     assert strings[0] == save_id
     names, files = strings[1 : 1 + m], strings[1 + m :]
     assert all(a < b for a, b in zip(names, names[1:], strict=False)), "names strictly ascending"
-    out, at = [], 0
+    out, at, bat = [], 0, 0
     for i in range(nrows):
         out.append({"fqn": names[name_id[i]], "offsets": offsets[at : at + ndim[i]],
                     "lengths": lengths[at : at + ndim[i]], "file": files[file_id[i]], "byte_offset": byte_offset[i],
                     "nbytes": nbytes[i], "crc32c": crcs[i]})
+        if block_bytes is not None:
+            out[-1]["blocks"] = sums[bat : bat + per[i]]
         at += ndim[i]
+        bat += per[i]
     return out
 
 
@@ -301,7 +319,11 @@ def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
     entry (``kind`` added) and scalar page, in directory order."""
     d, sid = md["index"], md["save_id"]
     assert d["layout"] == "parts" and md["index_files"] == []
-    assert set(d) == {"layout", "buckets", "parts", "directory", "band_pages", "wide_pages", "scalar_pages"}
+    v5 = md["format_version"] >= 5
+    assert set(d) == {"layout", "buckets", "parts", "directory", "band_pages", "wide_pages", "scalar_pages",
+                      *(("block_bytes",) if v5 else ())}
+    block_bytes = d["block_bytes"] if v5 else None
+    assert block_bytes is None or (4096 <= block_bytes <= 2**30 and block_bytes & (block_bytes - 1) == 0)
     buckets = d["buckets"]
     limit = max(8, buckets // 64)
     assert 1 <= buckets <= 2**18
@@ -335,6 +357,8 @@ def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
                 here = {"kind": "scalar", "page": k, "first": col[a][k], "last": col[b][k]}
                 for row in page.to_pylist():
                     assert md["tensors"][row["fqn"]]["shape"] == [] and row["offsets"] == row["lengths"] == []
+                    if v5:  # a 0-dim chunk is never over one block
+                        row["blocks"] = []
                     assert col[a][k] <= row["fqn"] <= col[b][k] and (prev is None or prev < row["fqn"]), row
                     prev = row["fqn"]
                     add(row, here)
@@ -362,7 +386,7 @@ def v4_rows(root: Path, md: dict[str, Any]) -> tuple[list[dict[str, Any]], list[
         assert len(parts[r]) == size_of[r]
     for (rank, off), es in segments.items():
         e = es[0]
-        for row in read_segment(parts[rank], off, e["nbytes"], e["crc32c"], e["rows"], sid):
+        for row in read_segment(parts[rank], off, e["nbytes"], e["crc32c"], e["rows"], sid, block_bytes):
             shape = md["tensors"][row["fqn"]]["shape"]
             assert len(row["offsets"]) == len(row["lengths"]) == len(shape) > 0 and min(row["lengths"]) > 0
             lo, hi = row_bands(row, shape, buckets)

@@ -1,4 +1,4 @@
-"""The Hugging Face snippets of docs/integrations.md run as written: the
+"""The Hugging Face snippets of docs/huggingface.md run as written: the
 one-process snippet here; the FSDP2 one under ``torchrun`` with 2 ranks
 (slow: one spawned job)."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from dist.pool import free_port
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "integrations.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -51,6 +51,7 @@ class Net(pl.LightningModule):
         torch.manual_seed(0)
         self.net = nn.Sequential(nn.Linear(8, 13), nn.Tanh(), nn.Linear(13, 5), nn.Tanh(), nn.Linear(5, 1))
         self.losses: dict[int, float] = {}
+        self.ids: dict[int, list[int]] = {}
 
     def configure_model(self) -> None:
         if self.shard:
@@ -63,7 +64,11 @@ class Net(pl.LightningModule):
             fully_shard(self.net, mesh=mesh)
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
+        if len(batch) == 3:  # (sample ids, x, y): which samples each step trained on
+            ids, x, y = batch
+            self.ids[self.global_step] = [int(i) for i in ids]
+        else:
+            x, y = batch
         loss = nn.functional.mse_loss(self.net(x), y)
         self.losses[self.global_step] = loss.item()
         return loss
@@ -155,7 +160,7 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Net, Probe]:
     trainer = pl.Trainer(
         accelerator="cpu", devices=world, num_nodes=1, strategy=strategy, max_steps=cfg["max_steps"],
         callbacks=[probe, ckpt], logger=False, enable_progress_bar=False, enable_model_summary=False,
-        use_distributed_sampler=False, num_sanity_val_steps=0,
+        use_distributed_sampler=bool(cfg.get("ids")), num_sanity_val_steps=0,
     )
     return trainer, Net(shard=kind in ("mp", "native_mp")), probe
 
@@ -163,9 +168,15 @@ def build(cfg: dict[str, Any]) -> tuple[pl.Trainer, Net, Probe]:
 def run(cfg: dict[str, Any]) -> dict[str, Any]:
     rank = int(os.environ.get("RANK", "0"))
     g = torch.Generator().manual_seed(1)
-    data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
-    # every rank sees the same batches: the losses do not depend on the world size
-    loader = StatefulDataLoader(data, batch_size=8, shuffle=False)
+    if cfg.get("ids"):  # Lightning gives each rank a DistributedSampler over 48 numbered samples
+        data = TensorDataset(torch.arange(48), torch.randn(48, 8, generator=g), torch.randn(48, 1, generator=g))
+        # torch's RandomSampler: Lightning swaps it for a DistributedSampler(shuffle=True) (torchdata's own,
+        # from shuffle=True, it would wrap in a DistributedSamplerWrapper of no known order)
+        loader = StatefulDataLoader(data, batch_size=cfg["ids"], sampler=torch.utils.data.RandomSampler(data))
+    else:
+        data = TensorDataset(torch.randn(40, 8, generator=g), torch.randn(40, 1, generator=g))
+        # every rank sees the same batches: the losses do not depend on the world size
+        loader = StatefulDataLoader(data, batch_size=8, shuffle=False)
     trainer, model, probe = build(cfg)
     record: dict[str, Any] = {"rank": rank, "tag": cfg["tag"]}
     try:
@@ -174,7 +185,7 @@ def run(cfg: dict[str, Any]) -> dict[str, Any]:
         record["error"] = f"{type(e).__name__}: {e}"
         record["traceback"] = traceback.format_exc()
     os.environ.pop("BYTECP_FAULT_ERROR", None)
-    record.update(losses=model.losses, seen=probe.seen, restored=probe.restored,
+    record.update(losses=model.losses, ids=model.ids, seen=probe.seen, restored=probe.restored,
                   global_step=trainer.global_step, epoch=trainer.current_epoch)
     return record
 

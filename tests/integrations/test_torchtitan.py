@@ -3,7 +3,7 @@ trainer (llama3 debug model) on gloo processes: two jobs (2 processes,
 then 1) run every case below in turn, reusing each job's processes.
 
 The test-process shims the trainer needs on CPU are in ``titan_shims.py``
-(docs/integrations.md, "How it is tested").
+(docs/torchtitan.md, "How it is tested").
 """
 
 from __future__ import annotations
@@ -185,7 +185,7 @@ def test_last_save_in_hf_and_initial_load_in_hf(titan: dict[str, Any]) -> None:
 
 
 def _doc_snippet(marker: str) -> str:
-    text = (Path(__file__).resolve().parents[2] / "docs" / "integrations.md").read_text()
+    text = (Path(__file__).resolve().parents[2] / "docs" / "torchtitan.md").read_text()
     blocks = text.split("```python\n")[1:]
     return next(b.split("```")[0] for b in blocks if marker in b)
 
@@ -195,7 +195,7 @@ def test_docs_config_snippet_and_override_select_bytecp() -> None:
     from torchtitan.components.checkpoint import CheckpointManager
 
     namespace: dict[str, Any] = {}
-    exec(_doc_snippet("def llama3_debug_bytecp"), namespace)  # as docs/integrations.md writes it
+    exec(_doc_snippet("def llama3_debug_bytecp"), namespace)  # as docs/torchtitan.md writes it
     config = namespace["llama3_debug_bytecp"]().checkpoint
     assert type(config) is BytecpCheckpointManager.Config
     assert (config.enable, config.interval, config.keep_latest_k, config.async_mode) == (True, 500, 3, "lazy")

@@ -192,3 +192,24 @@ def _dcp_then_bytecp(tmp_path: Path) -> None:
     for k, v in want_opt.items():
         assert torch.equal(got[k], v), k
     assert again.states["lr_scheduler"].state_dict() == schedulers.state_dict()
+
+
+def test_a_stray_newer_step_folder_is_never_a_fresh_start(tmp_path: Path) -> None:
+    """bytecp's step-10 and step-20, and a step-30 holding one stray file: the
+    manager's ``load()`` refuses naming step-30 (it once read the listing's
+    error as "no checkpoints" and trained from step 0 over the run), also with
+    ``initial_load_path`` set; ``load_step=20`` still loads what was asked."""
+    mgr, model, train = _manager(tmp_path / "run", interval=10, keep_latest_k=0)
+    _train(model, mgr, train, 20)
+    mgr.close()
+    (tmp_path / "run" / "step-30").mkdir()
+    (tmp_path / "run" / "step-30" / "stray.txt").write_text("x")
+    seed = tmp_path / "seed"
+    bytecp.save(str(seed / "step-0"), {"model": model.state_dict()}, framework="torchtitan")
+    for config in ({}, {"initial_load_path": str(seed / "step-0")}):
+        again, _, train2 = _manager(tmp_path / "run", seed=1, **config)
+        with pytest.raises(bytecp.ResumeDecisionError, match=r"step-30.*newer than any checkpoint that loads"):
+            again.load()
+        assert train2.step == 0
+    explicit, _, train3 = _manager(tmp_path / "run", seed=1, load_step=20)
+    assert explicit.load(step=20) and train3.step == 20

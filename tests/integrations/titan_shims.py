@@ -1,6 +1,6 @@
 """What torchtitan 0.3.0's trainer needs to run on CPU with gloo (test processes only).
 
-Each shim answers a failure seen without it (see docs/integrations.md,
+Each shim answers a failure seen without it (see docs/torchtitan.md,
 "How it is tested"); the library never applies them. :func:`install` must
 run before ``torchtitan`` is imported.
 """

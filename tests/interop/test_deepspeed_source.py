@@ -270,3 +270,36 @@ def test_a_universal_checkpoint_resumes_an_engine_at_zero3(pool2: WorkerPool,
         assert not bad, f"universal -> ZeRO-3: differ at {bad}"
         assert r["counters"] == ref["counters"]
     assert got[0]["after"] == ref["after"]
+
+
+def test_a_deepspeed_run_folder_resumes_what_latest_commits(written: dict[str, Any], tmp_path: Path) -> None:
+    """DeepSpeed's ``latest`` is its commit point: a newer ``global_step3``
+    holding part of a save (one optimizer file) is DeepSpeed's unfinished
+    save, passed over; ``latest`` naming a tag that is not there is an error
+    naming it; a run that moved onto bytecp resumes bytecp's newer checkpoint,
+    and loading the run folder through ``latest`` then refuses, naming it."""
+    from bytecp.manager import CheckpointManager
+    from bytecp.tools.resume import decide
+
+    root, ref = written["z2"]
+    run = tmp_path / "run"
+    shutil.copytree(root, run)
+    (run / "global_step3").mkdir()
+    shutil.copy(run / "global_step2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt", run / "global_step3")
+    d = decide(str(run))
+    assert (d.newest.name, d.newest.format) == ("global_step2", "deepspeed")
+    assert [(u.rsplit("/", 1)[1], "never finished" in why) for u, why in d.passed_over] == [("global_step3", True)]
+    model = sc.dc.make_model(seed=4)
+    opt = torch.optim.AdamW(model.parameters(), lr=sc.dc.STEPS_LR)
+    assert CheckpointManager(str(run)).restore({"model": model, "optimizer": opt}, exclude=["engine"]) == 2
+    assert all(_same(v, ref["snap"][k]) for k, v in sc.dc.torch_snapshot(model, opt).items())
+
+    (run / "latest").write_text("global_step5")
+    with pytest.raises(bytecp.ResumeDecisionError, match=r"/latest names global_step5, which holds no DeepSpeed"):
+        CheckpointManager(str(run)).restore({"model": model, "optimizer": opt}, exclude=["engine"])
+    (run / "latest").write_text("global_step2")
+
+    bytecp.save(str(run / "step-4"), {"model": model}, step=4)  # the job moved onto bytecp
+    assert decide(str(run)).newest.name == "step-4"
+    with pytest.raises(bytecp.CheckpointNotFoundError, match=r"names global_step2, but its newest checkpoint is .*step-4"):
+        bytecp.load_state_dict(str(run))

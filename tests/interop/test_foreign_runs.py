@@ -27,8 +27,9 @@ def _trainer_checkpoint(run: Path, step: int, model: nn.Module) -> Path:
 
 def test_step_folder_names_of_each_framework() -> None:
     assert [step_of(n) for n in ("step-12", "global_step7", "iter_0000300", "checkpoint-40",
-                                 "epoch=1-step=99.ckpt", "step_5", "latest", "step-x")] == \
-        [12, 7, 300, 40, 99, 5, None, None]
+                                 "epoch=1-step=99.ckpt", "step_5", "latest", "step-x", "epoch=0-step=6-v1.ckpt",
+                                 "global_step2_universal")] == \
+        [12, 7, 300, 40, 99, 5, None, None, 6, 2]
 
 
 def test_restore_from_another_format_then_save_beside_it(tmp_path: Path) -> None:
@@ -63,7 +64,7 @@ def test_unreadable_newer_step_folder_is_an_error_not_a_fresh_start(tmp_path: Pa
     (run / "global_step30").mkdir(parents=True)
     (run / "global_step30" / "weights.bin").write_bytes(b"\0" * 64)
     mgr = CheckpointManager(str(run))
-    with pytest.raises(bytecp.CheckpointNotFoundError, match=r"no format bytecp reads .*global_step30"):
+    with pytest.raises(bytecp.ResumeDecisionError, match=r"no format bytecp reads .*global_step30"):
         mgr.restore({"model": nn.Linear(2, 2)})
     # an older unreadable folder under a loadable newer checkpoint is left alone
     _trainer_checkpoint(run, 40, nn.Linear(2, 2))

@@ -120,15 +120,19 @@ def test_verify_catches_a_truncated_file_and_a_flipped_zip_header(sources: dict[
         data = bad / "__0_0.distcp"
         if case == "truncated":
             os.truncate(data, data.stat().st_size - 500)
-        else:  # a local header of a value's archive, which no load reads
+        else:  # a local header of a value's archive: the zip entry, and the load of that value, fail
             raw = bytearray(data.read_bytes())
             at = raw.find(b"PK\x03\x04", 1000)
             raw[at + 1] ^= 0xFF
             data.write_bytes(bytes(raw))
         assert cli(["verify", str(bad), "--no-progress"]) == 1, case
         err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 2 and err[0].startswith("FAIL ") and "__0_0.distcp" in err[0], err
-        assert ("truncated" if case == "truncated" else "zip entry") in err[0], err
+        fails = [line for line in err if line.startswith("FAIL ")]
+        assert len(err) == len(fails) + 1 and all("__0_0.distcp" in line for line in fails), err
+        if case == "truncated":
+            assert len(fails) == 1 and "truncated" in fails[0], err
+        else:
+            assert len(fails) == 2 and "zip entry" in fails[1] and "a load refuses it" in fails[0], err
 
 
 def test_dcp_to_hugging_face_loads_with_from_pretrained(sources: dict[str, Any], tmp_path: Path) -> None:
@@ -195,3 +199,24 @@ def test_torch_dist_to_hugging_face_through_a_spec(sources: dict[str, Any], tmp_
     want = convert_state_dict({**{k: v for k, v in model.items() if k not in extra}, **extra}, get_spec("gpt2"),
                               heads=4, groups=4, vocab_size=128)
     assert set(got) == set(want) and all(_same(got[k], v) for k, v in want.items())
+
+
+class Opaque:
+    """A class no allowlist admits: only a full unpickler reads it."""
+
+    def __init__(self) -> None:
+        self.secret = 42
+
+
+def test_verify_fails_where_a_load_fails(tmp_path: Path, capsys: Any) -> None:
+    """A DCP value pickled with a class of its own: ``load_state_dict`` refuses
+    it without ``allow_pickle``, and ``bytecp verify`` reads it the same way and
+    fails naming it (exit 1) instead of saying OK."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.ones(3), "extra": {"thing": Opaque()}}, checkpoint_id=str(tmp_path / "dcp"))
+    with pytest.raises(bytecp.PickleNotAllowedError, match="extra.thing"):
+        bytecp.load_state_dict(str(tmp_path / "dcp"))
+    assert cli(["verify", str(tmp_path / "dcp")]) == 1
+    err = capsys.readouterr().err
+    assert "FAIL" in err and "extra.thing" in err and "a load refuses it" in err and "allow_pickle=True" in err, err

@@ -7,7 +7,7 @@ sharding description, and two more training steps' losses compared.
 
 The layout matrix is a table: one pool per world size, each save layout
 saved once and loaded at every layout of its rows. The docs' matrix
-(docs/guide.md, "Megatron-Core layouts") lists the same rows.
+(docs/megatron.md, "Megatron-Core mixture of experts and layouts") lists the same rows.
 """
 
 from __future__ import annotations

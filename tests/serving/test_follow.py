@@ -315,3 +315,108 @@ def test_a_follower_killed_mid_update_leaves_nothing_that_blocks_the_run(tmp_pat
         time.sleep(0.1)
     assert not (Path(run) / "step-1").exists(), sorted(p.name for p in Path(run).iterdir())
     assert sorted(p.name for p in Path(run).glob("step-*")) == ["step-3"]
+
+
+def _corrupt(ck: Path) -> None:
+    """Every data file zeroed: the checksums fail."""
+    for f in (ck / "data").rglob("*.bin"):
+        f.write_bytes(b"\0" * f.stat().st_size)
+
+
+def test_lag_counts_the_committed_steps_behind_and_an_error_names_one_exception(tmp_path: Path) -> None:
+    """``lag_steps`` (and the ``bytecp_follower_lag_steps`` gauge) is the newest
+    committed step minus the one held: 0 when it holds the newest, the steps
+    behind when the newest failed; the failed update names its exception once."""
+    from bytecp.monitoring.prometheus import PrometheusRecorder
+    from prometheus_client import CollectorRegistry
+
+    from bytecp import recorder
+
+    reg = CollectorRegistry()
+    rec = recorder.add_recorder(PrometheusRecorder(reg, job="eval", rank=0))
+    lab = {"job": "eval", "rank": "0"}
+    try:
+        run = tmp_path / "run"
+        model, opt = _model()
+        mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=10, incremental=False)
+        served, _ = _model(seed=3)
+        gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01)
+        _step(model, opt)
+        mgr.save(1, {"model": model})
+        up = next(gen)
+        assert up.ok and up.lag_steps == 0 and reg.get_sample_value("bytecp_follower_lag_steps", lab) == 0
+        for step in (2, 5):  # two commits, the newest of them damaged
+            _step(model, opt)
+            mgr.save(step, {"model": model})
+        _corrupt(run / "step-5")
+        up = next(gen)
+        assert not up.ok and up.step == 5 and up.held == f"{run}/step-1" and up.lag_steps == 4, up
+        assert up.error is not None and up.error.startswith("CorruptCheckpointError: ")
+        assert "CorruptCheckpointError" not in up.error.split(": ", 1)[1], up.error  # one name
+        assert reg.get_sample_value("bytecp_follower_lag_steps", lab) == 4
+        _step(model, opt)
+        mgr.save(6, {"model": model})
+        up = next(gen)
+        assert up.ok and up.step == 6 and up.lag_steps == 0 and _same(served, model), up
+        assert reg.get_sample_value("bytecp_follower_lag_steps", lab) == 0
+        gen.close()
+    finally:
+        recorder.remove_recorder(rec)
+
+
+def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``keep_last=1``: the checkpoint a follower chose is pruned before it
+    pins it (the trainer committed a newer one meanwhile): the follower takes
+    the newer one, reporting no error; then a trainer saving while the
+    follower polls, every update ok and each the step it names."""
+    from bytecp.serving.sources import Sources
+
+    run = tmp_path / "run"
+    model, opt = _model(frozen=True)
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=1, full_every=1)
+    _step(model, opt)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    real = Sources.newest
+    raced: list[int] = []
+
+    def newest_then_a_commit(self: Sources, *args: Any, **kwargs: Any) -> Any:
+        found = real(self, *args, **kwargs)
+        if found is not None and not raced:  # the trainer commits step 2 and prunes step 1 now
+            raced.append(found.info.step)
+            _step(model, opt)
+            mgr.save(2, {"model": model, "optimizer": opt})
+        return found
+
+    monkeypatch.setattr(Sources, "newest", newest_then_a_commit)
+    served, _ = _model(seed=5)
+    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01, idle_timeout_s=60)
+    up = next(gen)
+    assert raced == [1] and not (run / "step-1" / "metadata.json").exists()
+    assert up.ok and up.step == 2 and _same(served, model), up
+    monkeypatch.setattr(Sources, "newest", real)
+
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def trainer() -> None:
+        try:
+            for step in range(3, 15):
+                _step(model, opt)
+                mgr.save(step, {"model": model, "optimizer": opt})
+        except BaseException as e:  # noqa: BLE001 - reported by the test
+            errors.append(e)
+        finally:
+            stop.set()
+
+    t = threading.Thread(target=trainer)
+    t.start()
+    seen = []
+    for up in gen:  # (ends after 60 s without a newer checkpoint, should the trainer fail)
+        assert up.ok, up
+        seen.append(up.step)
+        if up.step == 14:
+            break
+    t.join()
+    gen.close()
+    assert not errors and seen == sorted(seen) and seen[-1] == 14, (errors, seen)
+    assert _same(served, model)

@@ -6,6 +6,8 @@ the real server, except that a rule may instead:
 
 - ``"503"``: answer ``503 SlowDown`` (S3's throttling reply),
 - ``"500"``: answer ``500 InternalError``,
+- ``"403"`` (never drawn by default): answer ``403 AccessDenied``, what S3
+  answers a request its policy denies (a role without ``s3:ListBucket``),
 - ``"reset"``: reset the connection before forwarding (TCP RST),
 - ``"reset_after"``: forward, then reset instead of answering (the request
   took effect but the client never hears so: retries must be idempotent),
@@ -56,6 +58,7 @@ _ERROR_BODY = (
 _FAULT_REPLIES = {
     "503": (503, "SlowDown", "Please reduce your request rate."),
     "500": (500, "InternalError", "We encountered an internal error. Please try again."),
+    "403": (403, "AccessDenied", "Access Denied"),
 }
 KINDS = ("503", "500", "reset", "reset_after", "truncate")
 HANG = "hang"
@@ -190,6 +193,7 @@ class FaultProxy:
 
         class Server(http.server.ThreadingHTTPServer):
             daemon_threads = True
+            block_on_close = False  # a client's idle keep-alive connection must not hold up the close
 
             def handle_error(self, request: object, client_address: object) -> None:
                 pass  # resets are the point

@@ -74,7 +74,7 @@ def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Kee
     mem, disk = chunks(url, **opts), chunks(str(tmp_path / "disk"))
     assert mem.keys() == disk.keys()
     for key, c in mem.items():
-        assert c.crc32c == disk[key].crc32c, key
+        assert c.crc32c == disk[key].crc32c and c.blocks == disk[key].blocks, key  # block checksums too
         if c.nbytes:
             assert c.byte_offset % fmt.ALIGNMENT == 0, key  # page-aligned, as the writer lays it out
     md = fmt.Metadata.from_bytes(open_storage(url, **opts).read_bytes(fmt.METADATA_FILE), url)
@@ -190,7 +190,7 @@ def test_an_arena_mostly_unwritten_is_copied_out_not_adopted(tmp_path: Path) -> 
     rank writes): the keeper copies those out, page-aligned, crc32c as the writer's."""
     from bytecp.storage._keeper_arenas import Arenas
 
-    from bytecp.format.checksum import crc32c
+    from bytecp.format.checksum import crc32c, sums
 
     arenas = Arenas(str(tmp_path))
     name, path, size = arenas.lend(16 * fmt.ALIGNMENT, os.getpid())
@@ -202,7 +202,7 @@ def test_an_arena_mostly_unwritten_is_copied_out_not_adopted(tmp_path: Path) -> 
     assert starts == [0, fmt.ALIGNMENT] and n == 3 * fmt.ALIGNMENT and not os.path.exists(path)
     out = (tmp_path / "ck" / "d").read_bytes()
     for (o, k), s, c in zip(ranges, starts, crcs, strict=True):
-        assert out[s:s + k] == data[o:o + k] and c == crc32c(data[o:o + k])
+        assert out[s:s + k] == data[o:o + k] and c == sums(data[o:o + k]) and c.crc == crc32c(data[o:o + k])
     assert out[100:fmt.ALIGNMENT] == bytes(fmt.ALIGNMENT - 100)  # the writer's zero padding
 
 

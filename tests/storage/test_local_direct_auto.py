@@ -37,3 +37,26 @@ def test_backends_say_whether_reads_cross_a_network(tmp_path: Path) -> None:
     assert open_storage(str(tmp_path)).remote is False
     assert open_storage("memory://remote-flag").remote is False
     assert S3Storage.remote is True
+
+
+def test_direct_reads_of_many_ranges_match_buffered_ones(tmp_path) -> None:
+    """O_DIRECT reads of a batch: one open, one bounce buffer, ranges that follow each other (a
+    checked load's edges and request) read as one span; unaligned, overlapping and out-of-order
+    ranges come back as buffered reads give them; a range past the end fails naming the file."""
+    import os as _os
+
+    import pytest as _pytest
+    from bytecp.storage.local import LocalStorage
+
+    from bytecp.errors import CorruptCheckpointError
+
+    data = _os.urandom(3 * (1 << 20) + 123)
+    (tmp_path / "f.bin").write_bytes(data)
+    spans = [(5000, 100), (5100, 300_000), (305_100, 77), (0, 10), (4096, 9000), (3 << 20, 123), (1 << 20, 2 << 20)]
+    for direct in (True, False):
+        st = LocalStorage(str(tmp_path), direct=direct)
+        outs = [bytearray(n) for _, n in spans]
+        st.read_ranges("f.bin", [(o, memoryview(b)) for (o, _), b in zip(spans, outs, strict=True)])
+        assert [bytes(b) for b in outs] == [data[o : o + n] for o, n in spans], direct
+        with _pytest.raises(CorruptCheckpointError, match="f.bin"):
+            st.read_ranges("f.bin", [(len(data) - 10, memoryview(bytearray(20)))])

@@ -1,0 +1,110 @@
+"""What a load checks of the bytes it reads: which bytes to read so that every
+byte it places is covered by a checksum, and the check itself.
+
+Called by the reader (:mod:`bytecp.loading.reader`, :mod:`bytecp.loading.device_reads`)
+for each ranged read, with ``verify`` on. A read of part of a chunk of a
+version-5 checkpoint is widened to whole blocks (:func:`cover`: at most one
+block more at each edge; a chunk of one block or less is read whole) and
+each block is checked against its own crc32c (docs/FORMAT.md §8); so is a
+whole chunk that has block checksums (the error then names the block). A
+chunk without them (a version-5 chunk of one block or less, any chunk of an
+older checkpoint) read whole is checked against its crc32c; older
+checkpoints record no block checksums, so a partial read of theirs is not
+checked.
+
+A :class:`Verifier` takes the bytes of its cover in order, in any pieces,
+from whichever thread holds them (the reader's today; a thread summing
+while the next read runs tomorrow), and raises
+:class:`~bytecp.errors.CorruptCheckpointError` at the first block (or chunk)
+whose bytes do not match, naming the file, the tensor, the chunk's region,
+the block's bytes and the region being loaded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format.checksum import block_crc, crc32c
+from bytecp.format.metadata import ChunkRecord, Metadata
+from bytecp.tree.regions import Region
+
+__all__ = ["cover", "Verifier", "block_bytes_of"]
+
+
+def block_bytes_of(md: Metadata) -> int | None:
+    """The block size of ``md``'s block checksums (format version 5), else None."""
+    return getattr(md.index, "block_bytes", None)
+
+
+def cover(c: ChunkRecord, lo: int, hi: int, block_bytes: int | None) -> tuple[int, int] | None:
+    """The chunk-relative bytes ``[start, end)`` to read so that a checksum
+    covers the wanted bytes ``[lo, hi)`` of chunk ``c``: the whole chunk when
+    it is wanted whole or has no block checksums (a version-5 chunk of one
+    block or less), else ``[lo, hi)`` widened to whole blocks of
+    ``block_bytes``. None: nothing can check a part of this chunk (a
+    checkpoint of format version 4 or older: ``block_bytes`` None)."""
+    if lo == 0 and hi == c.nbytes:
+        return 0, c.nbytes
+    if block_bytes is None:
+        return None
+    if not c.blocks:
+        return 0, c.nbytes
+    return lo - lo % block_bytes, min(c.nbytes, -(-hi // block_bytes) * block_bytes)
+
+
+class Verifier:
+    """Checks the bytes ``[start, end)`` of chunk ``c`` (a :func:`cover`), fed
+    in order: each block as soon as its last byte arrives, the whole chunk
+    (when it has no block checksums) at :meth:`done`. ``url`` and ``box``
+    (the region being loaded) name what failed."""
+
+    __slots__ = ("c", "end", "url", "box", "bb", "whole", "pos", "crc", "k")
+
+    def __init__(self, c: ChunkRecord, start: int, end: int, block_bytes: int | None, url: str, box: Region) -> None:
+        self.c, self.end, self.url, self.box = c, end, url, box
+        self.whole = not c.blocks or not block_bytes
+        self.bb = c.nbytes if self.whole else int(block_bytes)  # type: ignore[arg-type]
+        if self.whole and (start, end) != (0, c.nbytes):
+            raise ValueError(f"a check of the whole chunk of {c.nbytes} bytes given bytes {start}..{end}")
+        self.pos, self.crc, self.k = start, 0, start // max(1, self.bb)
+
+    def feed(self, data: Any) -> None:
+        """The next bytes of the cover (a bytes-like object)."""
+        view = data if isinstance(data, memoryview) else memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
+        at, n = 0, len(view)
+        if self.pos + n > self.end:
+            raise ValueError(f"{n} bytes fed past the end of a check at {self.pos}..{self.end}")
+        if self.whole:
+            self.crc = crc32c(view, self.crc)
+            self.pos += n
+            return
+        while at < n:
+            block_end = min(self.c.nbytes, (self.k + 1) * self.bb)
+            take = min(n - at, block_end - self.pos)
+            self.crc = crc32c(view[at : at + take], self.crc)
+            at += take
+            self.pos += take
+            if self.pos == block_end:
+                if self.crc != block_crc(self.c.blocks, self.k):
+                    raise self._mismatch(self.k)
+                self.k, self.crc = self.k + 1, 0
+
+    def done(self) -> None:
+        """Every byte of the cover was fed: the whole chunk's checksum."""
+        if self.pos != self.end:
+            raise ValueError(f"a check of bytes ..{self.end} ended at {self.pos}")
+        if self.whole and self.crc != self.c.crc32c:
+            raise self._mismatch(None)
+
+    def _mismatch(self, k: int | None) -> CorruptCheckpointError:
+        c = self.c
+        where = f"{self.url.rstrip('/')}/{c.file}: checksum mismatch in tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}"
+        if k is None:
+            return CorruptCheckpointError(f"{where} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})")
+        lo, hi = k * self.bb, min(c.nbytes, (k + 1) * self.bb)
+        return CorruptCheckpointError(
+            f"{where}, block {k} of {-(-c.nbytes // self.bb)} (bytes {c.byte_offset + lo}..{c.byte_offset + hi}), "
+            f"read to load its region {self.box}")
