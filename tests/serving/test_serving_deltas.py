@@ -80,10 +80,10 @@ def _run(tmp_path: Path, lr: float = 1e-4, **kw: Any) -> tuple[str, nn.Module, t
 
 
 def test_a_save_writes_exactly_the_changed_bf16_elements(tmp_path: Path) -> None:
-    run, model, opt, mgr = _run(tmp_path, lr=1e-6, full_every=3, frozen=True)
+    run, model, opt, mgr = _run(tmp_path, lr=1e-6, full_every=3, keep_every_n_steps=5, frozen=True)
     before: dict[str, torch.Tensor] = {}
     links: list[wire.Link | None] = []
-    for step in range(1, 6):
+    for step in range(1, 8):
         _train(model, opt, step)
         mgr.save(step, {"model": model, "optimizer": opt})
         ck = Path(run) / f"step-{step}"
@@ -96,7 +96,9 @@ def test_a_save_writes_exactly_the_changed_bf16_elements(tmp_path: Path) -> None
         assert {e.fqn for e in ents.entries} == set(now)  # the optimizer's tensors get none
         payload = (d / "0.bin").read_bytes() if ents.delta_nbytes else b""
         whole = (d / "0.whole.bin").read_bytes() if ents.whole_nbytes else b""
-        assert bool(whole) == (step in (1, 4))  # the first, then every full_every-th (both kinds on a whole save)
+        # the first, every full_every-th and a milestone (keep_every_n_steps; the count starts again there),
+        # both kinds on a whole save
+        assert bool(whole) == (step in (1, 4, 5)), step
         for e in ents.entries:
             bits = _bits(now[e.fqn]).reshape(-1).numpy().view(np.uint16)
             assert e.box == Region((0,) * now[e.fqn].dim(), tuple(now[e.fqn].shape))
@@ -121,7 +123,7 @@ def test_a_save_writes_exactly_the_changed_bf16_elements(tmp_path: Path) -> None
                 assert n < e.box.numel
         assert any(e.delta is not None and e.delta.count for e in ents.entries) or step == 1
         before = now
-    assert links[0] is None and [x.step for x in links[1:] if x is not None] == [1, 2, 3, 4]
+    assert links[0] is None and [x.step for x in links[1:] if x is not None] == [1, 2, 3, 4, 5, 6]
 
 
 def test_a_bf16_follower_takes_each_step_by_deltas_bitwise(tmp_path: Path) -> None:
