@@ -48,8 +48,11 @@ rest read whole: deltas that would cost more),
 and the trainer's side -- the time ``save()`` blocked the training loop
 (the async snapshot) with and without deltas, and the time computing and
 writing the deltas added to the save's background thread (its ``serve``
-spans; the first save, whole, left out). Both followers are checked
-bitwise against the trainer's weights cast to bf16 after every update.
+spans; the first save, whole, left out). Beside them, what the issue's
+comparison moves every step -- the whole bf16 weights rebroadcast (a
+``torch.distributed`` broadcast of the same bytes between two gloo
+processes on this host, as above). Both followers are checked bitwise
+against the trainer's weights cast to bf16 after every update.
 """
 
 from __future__ import annotations
@@ -306,13 +309,16 @@ def serving_case(lr: float, hidden: int, layers: int, steps: int, root: Path) ->
         rec["changed"].append(d.elements_changed / numel)
     for g in gens.values():
         g.close()
+    # the bf16 weights' bytes rebroadcast whole (float32 buffers of half as many elements: the same bytes)
+    bcast = broadcast_s([(p.numel() + 1) // 2 for p in model.parameters()])
     m = {k: statistics.median(v[1:] if k.startswith(("block", "serve")) else v) for k, v in rec.items()}
     return {"lr": lr, "bf16_bytes": 2 * numel, "changed": m["changed"], "by_delta": m["by_delta"],
             "delta_bytes": int(m["d_bytes"]),
             "whole_bytes": int(m["w_bytes"]), "delta_share": m["d_bytes"] / (2 * numel), "delta_s": m["d_s"],
             "whole_s": m["w_s"], "time_ratio": m["d_s"] / m["w_s"], "delta_cpu_s": m["d_cpu"],
             "whole_cpu_s": m["w_cpu"], "cpu_ratio": m["d_cpu"] / m["w_cpu"], "block_deltas_s": m["block_d"],
-            "block_whole_s": m["block_w"], "serve_s": m["serve_s"]}
+            "block_whole_s": m["block_w"], "serve_s": m["serve_s"], "broadcast_bf16_s": bcast,
+            "vs_broadcast": m["d_s"] / bcast}
 
 
 def serving_main(args: argparse.Namespace) -> None:
@@ -321,12 +327,14 @@ def serving_main(args: argparse.Namespace) -> None:
         rows = [serving_case(float(lr), args.hidden, args.layers, args.steps, root) for lr in args.lrs.split(",")]
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    print(f"{'lr':>7}{'changed':>9}{'by delta':>9}{'delta MB':>10}{'of bf16':>9}{'whole MB':>10}{'delta s':>9}{'whole s':>9}"
-          f"{'ratio':>7}{'d cpu s':>9}{'w cpu s':>9}{'ratio':>7}{'block d':>9}{'block w':>9}{'serve s':>9}")
+    print(f"{'lr':>7}{'changed':>9}{'by delta':>9}{'delta MB':>10}{'of bf16':>9}{'whole MB':>10}{'delta s':>9}"
+          f"{'whole s':>9}{'ratio':>7}{'d cpu s':>9}{'w cpu s':>9}{'ratio':>7}{'bcast s':>9}{'/bcast':>8}"
+          f"{'block d':>9}{'block w':>9}{'serve s':>9}")
     for r in rows:
-        print(f"{r['lr']:>7g}{r['changed']:>8.1%} {r['by_delta']:>8.0%} {r['delta_bytes'] / 1e6:>9.2f}{r['delta_share']:>8.1%} "
-              f"{r['whole_bytes'] / 1e6:>9.1f}{r['delta_s']:>9.3f}{r['whole_s']:>9.3f}{r['time_ratio']:>6.2f}x"
-              f"{r['delta_cpu_s']:>9.3f}{r['whole_cpu_s']:>9.3f}{r['cpu_ratio']:>6.2f}x"
+        print(f"{r['lr']:>7g}{r['changed']:>8.1%} {r['by_delta']:>8.0%} {r['delta_bytes'] / 1e6:>9.2f}"
+              f"{r['delta_share']:>8.1%} {r['whole_bytes'] / 1e6:>9.1f}{r['delta_s']:>9.3f}{r['whole_s']:>9.3f}"
+              f"{r['time_ratio']:>6.2f}x{r['delta_cpu_s']:>9.3f}{r['whole_cpu_s']:>9.3f}{r['cpu_ratio']:>6.2f}x"
+              f"{r['broadcast_bf16_s']:>9.3f}{r['vs_broadcast']:>7.2f}x"
               f"{r['block_deltas_s']:>9.3f}{r['block_whole_s']:>9.3f}{r['serve_s']:>9.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=2))
