@@ -189,14 +189,21 @@ class ServingWriter:
         delta = pos = values = None
         if old is not None and old.values.numel() == new.numel():  # (NumPy: torch's indexing is slower here)
             was = _np_bits(old.values)
-            pos = np.flatnonzero(bits != was)
-            values = bits[pos]
-            g = wire.relocate(pos, box, Region((0,) * len(shape), shape))[1]
-            checksum = (old.checksum + wire.change_sum(g, values, was[pos])) & ((1 << 64) - 1)
+            diff = bits != was
+            count = int(np.count_nonzero(diff))
             before = old.checksum
-            pbytes = wire.encode_positions(pos)
-            if wire.delta_cost(len(pbytes) + values.nbytes, len(pos)) < bits.nbytes:  # else written whole instead:
-                delta = self._delta_part(values, pbytes)  # a reader takes it for less (FORMAT.md §13)
+            # a position takes a byte at least: past this many changes no delta costs a reader less than the box,
+            # which is then written whole, its checksum summed afresh (fewer passes than summing dense changes)
+            if wire.delta_cost(count * (bits.itemsize + 1), count) < bits.nbytes:
+                pos = np.flatnonzero(diff)
+                values = bits[pos]
+                g = wire.relocate(pos, box, Region((0,) * len(shape), shape))[1]
+                checksum = (old.checksum + wire.change_sum(g, values, was[pos])) & ((1 << 64) - 1)
+                pbytes = wire.encode_positions(pos)
+                if wire.delta_cost(len(pbytes) + values.nbytes, len(pos)) < bits.nbytes:  # else written whole:
+                    delta = self._delta_part(values, pbytes)  # a reader takes it for less (FORMAT.md §13)
+            else:
+                checksum = wire.box_checksum(bits, box, shape)
         else:
             checksum, before = wire.box_checksum(bits, box, shape), None
         whole = self._whole_part(new) if self.whole or delta is None else None

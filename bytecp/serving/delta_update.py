@@ -46,7 +46,7 @@ from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.dtypes import dtype_from_name, dtype_name
 from bytecp.tree.regions import Region
 
-__all__ = ["Served", "owned_boxes", "update_served"]
+__all__ = ["Served", "owned_boxes", "resolver", "update_served"]
 
 log = logging.getLogger("bytecp")
 

@@ -167,6 +167,10 @@ def test_behind_by_several_steps_the_chain_or_whole_tensors(tmp_path: Path) -> N
     assert up.ok and up.step == 9 and up.delta_steps == 0 and up.tensors_by_delta == 4 and not up.fallbacks, up
     assert up.bytes_read < 0.6 * sum(p.numel() * 4 for p in model.parameters()), up
     assert _same_bf16(served, model)
+    for e in _entries(Path(run) / "step-9").entries:  # dense changes: whole boxes, their checksums summed afresh
+        now = model.state_dict()[e.fqn.removeprefix("model.")].to(BF16)
+        bits = _bits(now).reshape(-1).numpy().view(np.uint16)
+        assert e.delta is None and e.whole is not None and e.checksum == wire.box_checksum(bits, e.box, now.shape)
     # behind by ten steps of a moderate rate: layer 0 changes ~5% of its elements a step, a ten-step chain
     # costing more than the tensor (each changed element counted as ELEMENT_BYTES more): read whole (fp32) and
     # cast; layer 2 changes >10% a step, which the trainer wrote whole: read from step 19's bf16 copy
