@@ -42,9 +42,10 @@ tensors read and cast on the second. Figures are medians over the steps
 after the first: the bytes an update reads (and their share of the bf16
 weights' bytes), its wall time (``FollowUpdate.seconds``) and CPU time (the process's over
 the same span, nothing else running in it: on a busy shared host the
-steadier of the two), the share of bf16 elements
-that changed and of the changed tensors taken from the serving files (the
-rest read whole: deltas that would cost more),
+steadier of the two), the share of bf16 elements that changed since
+the previous step, and of the changed tensors taken from the serving files
+(their deltas, or the whole bf16 copies the trainer wrote where a delta
+would cost more; the rest read whole in fp32 and cast),
 and the trainer's side -- the time ``save()`` blocked the training loop
 (the async snapshot) with and without deltas, and the time computing and
 writing the deltas added to the save's background thread (its ``serve``
@@ -306,7 +307,8 @@ def serving_case(lr: float, hidden: int, layers: int, steps: int, root: Path) ->
         rec["w_cpu"].append(cpu["whole"])
         rec["d_bytes"].append(d.bytes_read)
         rec["w_bytes"].append(w.bytes_read)
-        rec["changed"].append(d.elements_changed / numel)
+        # the bf16 elements whose value changed since the previous step (the trainer's, whatever was read)
+        rec["changed"].append(sum(int((v != want[step - 1][n]).sum()) for n, v in want[step].items()) / numel)
     for g in gens.values():
         g.close()
     # the bf16 weights' bytes rebroadcast whole (float32 buffers of half as many elements: the same bytes)
