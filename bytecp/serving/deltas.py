@@ -27,8 +27,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
 
 from bytecp.catalog import one_line
 from bytecp.errors import CorruptCheckpointError
@@ -233,71 +232,78 @@ class Part:
     crc32c: int
 
 
+#: the largest single read of a payload file: a larger file (a whole serving copy) is read in pieces on threads
+PIECE_BYTES = 8 << 20
+
+
 def read_payloads(chain: Chain, parts: Iterable[Part], *, threads: int = 8) -> tuple[dict[Part, memoryview],
                                                                                     dict[Part, str]]:
     """(every rank) The bytes of ``parts``, each crc32c-checked: a file read
-    whole when at least half of it is wanted, else its ranges one by one.
-    Returns the parts read and, for those that failed, why."""
+    whole when at least half of it is wanted, else its ranges one by one;
+    reads of more than :data:`PIECE_BYTES` cut into pieces, the pieces and
+    the checks spread over ``threads``. Returns the parts read and, for
+    those that failed, why."""
     by_file: dict[tuple[int, int, str], list[Part]] = {}
     for p in dict.fromkeys(parts):
         if p.nbytes:
             by_file.setdefault((p.step, p.rank, p.kind), []).append(p)
-    got: dict[Part, memoryview] = {}
-    bad: dict[Part, str] = {}
-
-    def one(key: tuple[int, int, str]) -> tuple[dict[Part, memoryview], dict[Part, str], int]:
+    views: dict[Part, memoryview] = {}
+    pieces: list[tuple[tuple[int, int, str], str, int, memoryview]] = []  # (file, path, offset, into)
+    where: dict[tuple[int, int, str], str] = {}
+    for key, want in by_file.items():
         i, rank, kind = key
         step = chain.steps[i]
         re_ = step.ranks[rank]
         assert re_ is not None
         path = (wire.delta_path if kind == "delta" else wire.whole_path)(step.save_id, rank)
+        where[key] = f"{step.url}/{path}"
         size = re_.delta_nbytes if kind == "delta" else re_.whole_nbytes
-        want = by_file[key]
-        ok: dict[Part, memoryview] = {}
-        fail: dict[Part, str] = {}
-        nread = 0
-        try:
-            if sum(p.nbytes for p in want) * 2 >= size:
-                whole = memoryview(storage_read(step.storage, path, 0, size))
-                nread += size
-                views = {p: whole[p.offset:p.offset + p.nbytes] for p in want}
-            else:
-                views = {}
-                for p in want:
-                    views[p] = memoryview(storage_read(step.storage, path, p.offset, p.nbytes))
-                    nread += p.nbytes
-        except Exception as e:  # noqa: BLE001 - the parts of this file fall back to the tensors whole
-            return {}, {p: f"{step.url}/{path}: {one_line(e)}" for p in want}, nread
-        for p, v in views.items():
-            if crc32c(v) != p.crc32c:
-                fail[p] = f"{step.url}/{path}: crc32c mismatch in bytes {p.offset}..{p.offset + p.nbytes}"
-            else:
-                ok[p] = v
-        return ok, fail, nread
+        if sum(p.nbytes for p in want) * 2 >= size:
+            whole = memoryview(bytearray(size))
+            views.update({p: whole[p.offset:p.offset + p.nbytes] for p in want})
+            ranges = [(0, whole)]
+        else:
+            ranges = []
+            for p in want:
+                views[p] = memoryview(bytearray(p.nbytes))
+                ranges.append((p.offset, views[p]))
+        for off, into in ranges:
+            pieces += [(key, path, off + a, into[a:a + PIECE_BYTES]) for a in range(0, len(into), PIECE_BYTES)]
+    failed: dict[tuple[int, int, str], str] = {}
 
-    keys = list(by_file)
-    if len(keys) <= 1 or threads <= 1:
-        results = [one(k) for k in keys]
+    def read(piece: tuple[tuple[int, int, str], str, int, memoryview]) -> None:
+        key, path, off, into = piece
+        if key in failed:
+            return
+        try:
+            chain.steps[key[0]].storage.read_into(path, off, into)
+        except Exception as e:  # noqa: BLE001 - the parts of this file fall back to the tensors whole
+            failed.setdefault(key, f"{where[key]}: {one_line(e)}")
+
+    def check(p: Part) -> str | None:
+        key = (p.step, p.rank, p.kind)
+        if key in failed:
+            return failed[key]
+        if crc32c(views[p]) != p.crc32c:
+            return f"{where[key]}: crc32c mismatch in bytes {p.offset}..{p.offset + p.nbytes}"
+        return None
+
+    parts_ = list(views)
+    if threads <= 1 or len(pieces) <= 1:
+        for piece in pieces:
+            read(piece)
+        why = [check(p) for p in parts_]
     else:
-        with concurrent.futures.ThreadPoolExecutor(min(threads, len(keys)), thread_name_prefix="bytecp-serving") as ex:
-            results = list(ex.map(one, keys))
-    for ok, fail, n in results:
-        got.update(ok)
-        bad.update(fail)
-        chain.bytes_read += n
+        with concurrent.futures.ThreadPoolExecutor(min(threads, len(pieces)), thread_name_prefix="bytecp-serving") as ex:
+            list(ex.map(read, pieces))
+            why = list(ex.map(check, parts_))
+    got: dict[Part, memoryview] = {}
+    bad: dict[Part, str] = {}
+    for p, w in zip(parts_, why, strict=True):
+        if w is None:
+            got[p] = views[p]
+        else:
+            bad[p] = w
+    chain.bytes_read += sum(len(into) for key, _, _, into in pieces if key not in failed)
     return got, bad
 
-
-def storage_read(storage: Storage, path: str, offset: int, nbytes: int) -> bytearray:
-    """``nbytes`` of ``path`` from ``offset``: a short file is an error."""
-    buf = bytearray(nbytes)
-    if nbytes:
-        storage.read_into(path, offset, memoryview(buf))
-    return buf
-
-
-def tensor_numel(tensors: Mapping[str, Mapping[str, Any]], fqn: str) -> int:
-    n = 1
-    for d in tensors[fqn]["shape"]:
-        n *= int(d)
-    return n

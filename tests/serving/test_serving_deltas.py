@@ -232,7 +232,13 @@ def test_a_missing_or_damaged_delta_falls_back_to_the_whole_tensor(tmp_path: Pat
     gen.close()
 
 
-def test_a_follower_starting_mid_run_starts_from_the_last_whole_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("pieces", [False, True])
+def test_a_follower_starting_mid_run_starts_from_the_last_whole_copy(tmp_path: Path, pieces: bool,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    if pieces:  # every payload file read in many pieces on threads (as a whole serving copy over 8 MiB is)
+        from bytecp.serving import deltas
+
+        monkeypatch.setattr(deltas, "PIECE_BYTES", 96)
     run, model, opt, mgr = _run(tmp_path, lr=1e-6, full_every=4)
     for step in range(1, 8):  # whole copies at steps 1 and 5
         _train(model, opt, step)
