@@ -37,7 +37,7 @@ small GET's reply then often waits for the client's delayed ACK (~40 ms),
 much as a request would on a real network. ``--tcp-nodelay`` turns it off
 (``RGW_TCP_NODELAY=1`` for the script): then each GET costs about 4 ms of
 CPU, client and server together, and on few cores reading at once gains
-little. Results: docs/benchmarks-history.md, "The MoE middle rank's index read from S3".
+little. Results: docs/benchmarks-history-scale.md, "The MoE middle rank's index read from S3".
 
     python -m benchmarks.scale_s3_load --world 131072            # Ceph, 3 repeats
     python -m benchmarks.scale_s3_load --world 131072 --tcp-nodelay --max-concurrency 16

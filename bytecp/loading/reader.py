@@ -156,6 +156,14 @@ class _BatchReader:
         self.block_bytes = block_bytes
         self.device = DeviceReads(chunks, self._target_of, self._read, self._check, threads)
 
+    def close(self) -> None:
+        """(execute_reads, once its copies finished) Drop the targets: ``device``
+        holds this reader's bound methods, a cycle that would otherwise keep the
+        caller's tensors referenced until a garbage collection (a follower swaps a
+        storage in only where nothing else holds it)."""
+        self.targets = ()
+        del self.device
+
     def _target_of(self, req: ReadRequest) -> torch.Tensor:
         t = self.targets[req.target]
         return t.view if req.box == t.box else t.view[req.box.relative_to(t.box).slices()]
@@ -313,6 +321,7 @@ def execute_reads(
                         total += sum(ex.map(run, batches))
         finally:  # never leave copies running into targets the caller may free
             run.device.finish()
+            run.close()
         sp.nbytes = total
         sp.files = len(files)
     return total
