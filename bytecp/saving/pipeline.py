@@ -72,6 +72,7 @@ from bytecp.saving.results import (
 )
 from bytecp.saving.resync import in_step
 from bytecp.saving.reuse import Incremental, live_tokens
+from bytecp.saving.serving import ServingWriter, default_prefixes
 from bytecp.saving.staging import ArenaStager, Queued, Stager
 from bytecp.saving.union import gather_union, kept_unions
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
@@ -107,6 +108,10 @@ class SavePipeline:
         self._kept: BaseException | None = None
         #: boxes unchanged since the base are referenced, not written (format version 3)
         self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
+        #: serving deltas, when asked for (:mod:`bytecp.saving.serving`): fed each batch as it is written
+        self.serving = None if opts.serving_dtype is None else ServingWriter(
+            storage.url, opts.serving_dtype, opts.serving_prefixes or default_prefixes(state), opts.serving_whole,
+            ctx.world_size, ctx.rank, ctx.is_coordinator)
 
     # -- the phases -----------------------------------------------------------
     def describe(self) -> Described:
@@ -315,7 +320,12 @@ class SavePipeline:
         written by the coordinator at commit. Returns all this rank wrote."""
 
         def write() -> RankOutput:
-            return self._write_batch(described, planned, staged.staged, staged.written)
+            out = self._write_batch(described, planned, staged.staged, staged.written)
+            if self.serving is not None:
+                with self.trace.span("serve") as sp:
+                    self.serving.finish(self.storage, planned.save_id, self.opts.step, planned.referenced.records)
+                    sp.nbytes = self.serving.delta_nbytes + self.serving.whole_nbytes
+            return out
 
         return self._keep_failure("save/write", write, staged.written)
 
@@ -374,6 +384,8 @@ class SavePipeline:
                 commits.remove_files_of(self.storage, save_id)
             raise
         self.incremental.committed(md, described.tokens, mine.chunks, mine.data_files)
+        if self.serving is not None:
+            self.serving.committed(md.save_id, md.step)
         if planned.cache_entry is not None:
             fingerprint, digest, items = planned.cache_entry
             PLAN_CACHE.put(self._cache_key(), fingerprint, digest, list(items))
@@ -446,6 +458,9 @@ class SavePipeline:
             objects = flat.objects
         elif first and planned.skeleton_differs:
             objects = {k: v for k, v in flat.objects.items() if k not in planned.coordinator_objects}
+        if self.serving is not None:  # from the staged copy, before the writer hands it on
+            with self.trace.span("serve"):
+                self.serving.add(staged)
         with self.trace.span("write") as sp:
             faults.inject("write", self.ctx.rank)
             out = write_data_files(
