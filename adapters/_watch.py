@@ -62,7 +62,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from bytecp.adapter_api import Adapter, AdapterCall, current_look
+from bytecp.adapter_api import Adapter, AdapterCall, current_look, keeps_descriptions
 from bytecp.dist import DistContext
 from bytecp.tree.skeleton import key_ok
 from bytecp.tree.state import Prebuilt, prebuild
@@ -479,6 +479,11 @@ def describe(adapter: Any, state: dict[str, Any], ctx: DistContext) -> dict[Any,
     optimizer at the top of ``state`` as its :class:`Prebuilt` piece: the one
     kept from the last save when nothing it is made of changed, else
     described afresh and kept; everything else described afresh."""
+    if not keeps_descriptions():  # a follower's walk: nothing kept, nothing reused
+        with _lock:
+            DESCRIBE_STATS.described += 1
+        call = adapter.begin(state, ctx, None)
+        return {k: adapter._save_value(call, v) for k, v in state.items()}
     key = _key(adapter, state, ctx)
     with _lock:
         entry = _ENTRIES.get(key)

@@ -36,7 +36,7 @@ from bytecp.tree.skeleton import Node
 
 __all__ = [
     "Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter", "excluded",
-    "excluding", "looking", "current_look",
+    "excluding", "looking", "current_look", "describing_once", "keeps_descriptions",
 ]
 
 Finalize = Callable[[dict[str, Any]], None]
@@ -92,6 +92,28 @@ def looking() -> Iterator[None]:
 def current_look() -> object | None:
     """(adapters) The look in progress (a new object for each), or None outside one."""
     return _LOOK.get()
+
+
+#: whether an adapter may keep the description it makes for the next save (False inside describing_once)
+_KEEP: contextvars.ContextVar[bool] = contextvars.ContextVar("bytecp_keep_descriptions", default=True)
+
+
+@contextlib.contextmanager
+def describing_once() -> Iterator[None]:
+    """(a follower's walk of the state it serves, :func:`bytecp.serving.staging.state_boxes`)
+    Adapters describe the state inside afresh and keep nothing of it: a
+    description kept between saves holds views of the state's tensors, and a
+    follower swaps their storages, which it does only where nothing else holds them."""
+    token = _KEEP.set(False)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
+
+
+def keeps_descriptions() -> bool:
+    """(adapters that keep descriptions between saves) False inside :func:`describing_once`."""
+    return _KEEP.get()
 
 
 class LoadTarget:

@@ -63,12 +63,13 @@ def state_boxes(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[
     group), and its aliases (tied FQN -> stored FQN). Full tensors are the
     objects the state holds (a module's parameters, not a state dict's
     detached views), so their storages may be swapped."""
-    from bytecp.adapter_api import detect_adapter
+    from bytecp.adapter_api import describing_once, detect_adapter
     from bytecp.tree.state import flatten_tree
 
     if not isinstance(state, dict):
         raise ConfigError(f"state must be a dict such as {{'model': model}}, got {type(state).__name__}")
-    flat = flatten_tree(detect_adapter(state).save_tree(state, ctx))
+    with describing_once():  # no description kept: it would hold views of the storages a swap replaces
+        flat = flatten_tree(detect_adapter(state).save_tree(state, ctx))
     live = _live_tensors(state)
     out: dict[str, Held] = {}
     for fqn, leaf in flat.tensors.items():
