@@ -12,6 +12,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from bytecp.dist import DistContext
 
+from . import _watch
 from .plain import PlainAdapter
 
 __all__ = ["DDPAdapter"]
@@ -19,12 +20,13 @@ __all__ = ["DDPAdapter"]
 
 class DDPAdapter(PlainAdapter):
     name = "ddp"
+    #: the plain adapter's descriptions (no hook of its own): kept between saves
+    reuses_descriptions = True
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
         """A DDP module anywhere in a module of the state (``torch.compile(DDP(model))`` too)."""
-        return any(isinstance(m, DistributedDataParallel)
-                   for v in state.values() if isinstance(v, nn.Module) for m in v.modules())
+        return any(_watch.holds_module(v, DistributedDataParallel) for v in state.values() if isinstance(v, nn.Module))
 
     def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
         return {"world_size": ctx.world_size, "data_parallel": ctx.world_size}

@@ -29,6 +29,7 @@ from bytecp.errors import ConfigError
 from bytecp.format.metadata import Metadata
 from bytecp.tree.state import EVERY_RANK, ReplicaSet, TensorLeaf
 
+from . import _watch
 from ._names import ModuleNames
 from ._optim import ParamState
 from .plain import Finalize, PlainAdapter
@@ -157,7 +158,7 @@ class FSDP1Adapter(PlainAdapter):
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
-        return any(isinstance(m, FSDP) for _, r in _roots(state) for m in r.modules())
+        return any(_watch.holds_module(r, FSDP) for _, r in _roots(state))
 
     def begin(self, state: dict[str, Any], ctx: DistContext, md: Metadata | None) -> AdapterCall:
         roots = [k for k, r in _roots(state) if any(isinstance(m, FSDP) for m in r.modules())]

@@ -15,6 +15,7 @@ from torch import nn
 from bytecp.adapter_api import AdapterCall
 from bytecp.dist import DistContext
 
+from . import _watch
 from ._dtensor import dtensor_leaf, dtensor_target, is_dtensor, mesh_info
 from ._names import ModuleNames
 from ._optim import ParamState
@@ -35,7 +36,7 @@ def _any_dtensor(v: Any, depth: int = 0) -> bool:
     """A DTensor anywhere in ``v``: a module's parameters, or a value of the
     state's dicts and lists (an adapter's tensors saved outside its module)."""
     if isinstance(v, nn.Module):
-        return any(is_dtensor(p) for p in v.parameters())
+        return _watch.holds_parameter(v, is_dtensor)
     if type(v) is dict and depth < 8:
         return any(_any_dtensor(x, depth + 1) for x in v.values())
     if type(v) in (list, tuple) and depth < 8:
@@ -45,6 +46,9 @@ def _any_dtensor(v: Any, depth: int = 0) -> bool:
 
 class FSDP2Adapter(PlainAdapter):
     name = "fsdp2"
+    #: a DTensor's leaf is a function of its layout and local tensor, which the
+    #: watch checks by identity: descriptions kept between saves
+    reuses_descriptions = True
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
@@ -86,7 +90,7 @@ class FSDP2Adapter(PlainAdapter):
     def parallelism(self, state: dict[str, Any], ctx: DistContext) -> dict[str, Any]:
         out: dict[str, Any] = {"world_size": ctx.world_size}
         for m in _modules(state):
-            for p in m.parameters():
+            for p in _watch.parameters(m):
                 if is_dtensor(p):
                     out.update(mesh_info(p))  # type: ignore[arg-type]
                     return out

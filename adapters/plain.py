@@ -24,6 +24,7 @@ from bytecp.extras import PerRankState, RNGState
 from bytecp.format.metadata import Metadata
 from bytecp.tree.state import PerRank, Slot
 
+from . import _watch
 from ._names import ModuleNames
 from ._optim import ParamState, optimizer_target, optimizer_tree, param_groups_for_load
 
@@ -72,6 +73,11 @@ class PlainAdapter(Adapter):
     """Full tensors on every rank that has them (one process, or replicated)."""
 
     name = "plain"
+    #: this class's description of a module or an optimizer is a function of
+    #: what :mod:`bytecp.adapters._watch` checks, so it is kept between saves
+    #: (read from each class's own body: a subclass overriding the hooks says
+    #: so again, or its saves describe every module afresh)
+    reuses_descriptions = True
 
     @classmethod
     def detect(cls, state: dict[str, Any]) -> bool:
@@ -145,6 +151,11 @@ class PlainAdapter(Adapter):
 
     # ------------------------------------------------------------- save
     def save_tree(self, state: dict[str, Any], ctx: DistContext) -> Any:
+        """The state tree: modules and optimizers at the top of ``state`` as
+        the pieces kept from the last save while they are unchanged
+        (:func:`bytecp.adapters._watch.describe`), when this class says so."""
+        if _watch.reuses(type(self)):
+            return _watch.describe(self, state, ctx)
         call = self.begin(state, ctx, None)
         return {k: self._save_value(call, v) for k, v in state.items()}
 

@@ -106,9 +106,9 @@ class _Counting:
     def __init__(self, inner: Any) -> None:
         self.inner, self.read = inner, 0
 
-    def read_ranges(self, path: str, ranges: Any) -> None:
+    def read_ranges(self, path: str, ranges: Any, **kw: Any) -> None:
         self.read += sum(len(b) for _, b in ranges)
-        self.inner.read_ranges(path, ranges)
+        self.inner.read_ranges(path, ranges, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

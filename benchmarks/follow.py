@@ -28,6 +28,32 @@ memory_every_n_steps=1)`` saving each step to it and the follower given
 keeper's shared memory, no disk); the reload is ``bytecp.load`` of the same
 memory checkpoint. Memory saves are whole (no references): what did not
 change is told by checksums.
+
+``--serving``: serving deltas (``CheckpointManager(serving_dtype=torch.bfloat16)``)
+in a full fine-tune -- the Llama trained for real (AdamW, forward and
+backward on random tokens) at each learning rate of ``--lrs``, every step
+saved asynchronously (model and optimizer) to two runs: one with serving
+deltas, one without (the model: the deltas are the model's). Then a
+follower holding bf16 weights (``bytecp.follow(..., dtype=torch.bfloat16)``)
+follows each run as it is replayed -- each checkpoint renamed into the
+followed run in turn, page cache warm, the two followers' updates timed
+alternately with nothing else running: by deltas on the first, by whole
+tensors read and cast on the second. Figures are medians over the steps
+after the first: the bytes an update reads (and their share of the bf16
+weights' bytes), its wall time (``FollowUpdate.seconds``) and CPU time (the process's over
+the same span, nothing else running in it: on a busy shared host the
+steadier of the two), the share of bf16 elements that changed since
+the previous step, and of the changed tensors taken from the serving files
+(their deltas, or the whole bf16 copies the trainer wrote where a delta
+would cost more; the rest read whole in fp32 and cast),
+and the trainer's side -- the time ``save()`` blocked the training loop
+(the async snapshot) with and without deltas, and the time computing and
+writing the deltas added to the save's background thread (its ``serve``
+spans; the first save, whole, left out). Beside them, what the issue's
+comparison moves every step -- the whole bf16 weights rebroadcast (a
+``torch.distributed`` broadcast of the same bytes between two gloo
+processes on this host, as above). Both followers are checked bitwise
+against the trainer's weights cast to bf16 after every update.
 """
 
 from __future__ import annotations
@@ -189,6 +215,133 @@ def run_case(case: str, hidden: int, layers: int, steps: int, root: Path,
             "vs_broadcast": upd_s / bcast_s}
 
 
+def _serve_seconds(ck: Path) -> float:
+    """A save's ``serve`` spans (computing and writing its serving deltas), from its report."""
+    rep = json.loads((ck / "reports" / "0.json").read_text())
+    return sum(sp["duration"] for sp in rep["spans"] if sp["phase"] == "serve")
+
+
+def _tokens(step: int) -> torch.Tensor:
+    return torch.randint(0, 8192, (2, 32), generator=torch.Generator().manual_seed(step))
+
+
+#: the process's CPU seconds of each follower update (the same span as ``FollowUpdate.seconds``)
+_UPDATE_CPU: list[float] = []
+
+
+def _count_update_cpu() -> None:
+    """Wrap the follower's update so that its CPU time is recorded (a measurement of this benchmark only)."""
+    from bytecp.serving.follow import _Follower
+
+    if getattr(_Follower.update, "_bench", False):
+        return
+    real = _Follower.update
+
+    def update(self: Any, d: Any) -> Any:
+        c0 = time.process_time()
+        try:
+            return real(self, d)
+        finally:
+            _UPDATE_CPU.append(time.process_time() - c0)
+
+    update._bench = True  # type: ignore[attr-defined]
+    _Follower.update = update  # type: ignore[method-assign]
+
+
+def serving_case(lr: float, hidden: int, layers: int, steps: int, root: Path) -> dict[str, Any]:
+    """One learning rate of ``--serving`` (see the module's docstring): the
+    trainer's run first (each save measured), then the followers replay it,
+    each checkpoint published into their runs in turn (a rename), so that
+    the updates are timed alternately, A then B then B then A, with nothing
+    else running."""
+    bf16 = torch.bfloat16
+    model = _llama(hidden, layers)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr)
+    kinds = ("deltas", "whole")
+    saved = {k: root / f"lr{lr:g}-{k}-saved" for k in kinds}
+    mgrs = {"deltas": bytecp.CheckpointManager(str(saved["deltas"]), every_n_steps=1, keep_last=None,
+                                               async_save=True, serving_dtype=bf16),
+            "whole": bytecp.CheckpointManager(str(saved["whole"]), every_n_steps=1, keep_last=None, async_save=True)}
+    numel = sum(p.numel() for p in model.parameters())
+    rec: dict[str, list[float]] = {k: [] for k in ("d_s", "w_s", "d_cpu", "w_cpu", "d_bytes", "w_bytes",
+                                                   "changed", "by_delta", "block_d", "block_w", "serve_s")}
+    want: dict[int, dict[str, torch.Tensor]] = {}
+    for step in range(1, steps + 2):  # the trainer: a real AdamW step, then both saves, alternately first
+        model(input_ids=_tokens(step), labels=_tokens(step)).loss.backward()
+        opt.step()
+        opt.zero_grad()
+        for k in (kinds if step % 2 else kinds[::-1]):
+            t0 = time.perf_counter()
+            mgrs[k].save(step, {"model": model})  # the training loop's block: the async snapshot
+            rec["block_d" if k == "deltas" else "block_w"].append(time.perf_counter() - t0)
+            mgrs[k].wait()
+        rec["serve_s"].append(_serve_seconds(saved["deltas"] / f"step-{step}"))
+        want[step] = {n: v.to(bf16).view(torch.int16) for n, v in model.state_dict().items()}
+    runs = {k: root / f"lr{lr:g}-{k}" for k in kinds}
+    served = {k: _llama(hidden, layers).to(bf16) for k in kinds}
+    _count_update_cpu()
+    gens = {}
+    for k in kinds:
+        runs[k].mkdir()
+        gens[k] = bytecp.follow(str(runs[k]), {"model": served[k]}, poll_s=0.001, dtype=bf16, on_error="raise")
+    for step in range(1, steps + 2):
+        for k in kinds:  # published: each run gets its next checkpoint whole, at once
+            os.rename(saved[k] / f"step-{step}", runs[k] / f"step-{step}")
+            _warm(runs[k] / f"step-{step}")
+        ups, cpu = {}, {}
+        for k in (kinds if step % 2 else kinds[::-1]):
+            _UPDATE_CPU.clear()
+            ups[k] = next(gens[k])
+            cpu[k] = _UPDATE_CPU[-1]
+            assert ups[k].ok and ups[k].step == step and not ups[k].fallbacks, ups[k]
+            got = served[k].state_dict()
+            assert all(torch.equal(got[n].view(torch.int16), v) for n, v in want[step].items()), (k, step)
+        if step == 1:
+            continue
+        d, w = ups["deltas"], ups["whole"]
+        assert w.tensors_by_delta == 0, w
+        rec["by_delta"].append(d.tensors_by_delta / max(1, d.tensors_read))
+        rec["d_s"].append(d.seconds)
+        rec["w_s"].append(w.seconds)
+        rec["d_cpu"].append(cpu["deltas"])
+        rec["w_cpu"].append(cpu["whole"])
+        rec["d_bytes"].append(d.bytes_read)
+        rec["w_bytes"].append(w.bytes_read)
+        # the bf16 elements whose value changed since the previous step (the trainer's, whatever was read)
+        rec["changed"].append(sum(int((v != want[step - 1][n]).sum()) for n, v in want[step].items()) / numel)
+    for g in gens.values():
+        g.close()
+    # the bf16 weights' bytes rebroadcast whole (float32 buffers of half as many elements: the same bytes)
+    bcast = broadcast_s([(p.numel() + 1) // 2 for p in model.parameters()])
+    m = {k: statistics.median(v[1:] if k.startswith(("block", "serve")) else v) for k, v in rec.items()}
+    return {"lr": lr, "bf16_bytes": 2 * numel, "changed": m["changed"], "by_delta": m["by_delta"],
+            "delta_bytes": int(m["d_bytes"]),
+            "whole_bytes": int(m["w_bytes"]), "delta_share": m["d_bytes"] / (2 * numel), "delta_s": m["d_s"],
+            "whole_s": m["w_s"], "time_ratio": m["d_s"] / m["w_s"], "delta_cpu_s": m["d_cpu"],
+            "whole_cpu_s": m["w_cpu"], "cpu_ratio": m["d_cpu"] / m["w_cpu"], "block_deltas_s": m["block_d"],
+            "block_whole_s": m["block_w"], "serve_s": m["serve_s"], "broadcast_bf16_s": bcast,
+            "vs_broadcast": m["d_s"] / bcast}
+
+
+def serving_main(args: argparse.Namespace) -> None:
+    root = Path(tempfile.mkdtemp(prefix="bytecp-follow-serving-"))
+    try:
+        rows = [serving_case(float(lr), args.hidden, args.layers, args.steps, root) for lr in args.lrs.split(",")]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(f"{'lr':>7}{'changed':>9}{'by delta':>9}{'delta MB':>10}{'of bf16':>9}{'whole MB':>10}{'delta s':>9}"
+          f"{'whole s':>9}{'ratio':>7}{'d cpu s':>9}{'w cpu s':>9}{'ratio':>7}{'bcast s':>9}{'/bcast':>8}"
+          f"{'block d':>9}{'block w':>9}{'serve s':>9}")
+    for r in rows:
+        print(f"{r['lr']:>7g}{r['changed']:>8.1%} {r['by_delta']:>8.0%} {r['delta_bytes'] / 1e6:>9.2f}"
+              f"{r['delta_share']:>8.1%} {r['whole_bytes'] / 1e6:>9.1f}{r['delta_s']:>9.3f}{r['whole_s']:>9.3f}"
+              f"{r['time_ratio']:>6.2f}x{r['delta_cpu_s']:>9.3f}{r['whole_cpu_s']:>9.3f}{r['cpu_ratio']:>6.2f}x"
+              f"{r['broadcast_bf16_s']:>9.3f}{r['vs_broadcast']:>7.2f}x"
+              f"{r['block_deltas_s']:>9.3f}{r['block_whole_s']:>9.3f}{r['serve_s']:>9.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=2))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--hidden", type=int, default=768)
@@ -196,7 +349,12 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--memory", action="store_true", help="from the memory tier (a keeper process), not storage")
     p.add_argument("--json", default=None)
+    p.add_argument("--serving", action="store_true", help="serving deltas in a full fine-tune, by learning rate")
+    p.add_argument("--lrs", default="1e-6,1e-5,1e-4", help="(--serving) learning rates, comma-separated")
     args = p.parse_args()
+    if args.serving:
+        serving_main(args)
+        return
     root = Path(tempfile.mkdtemp(prefix="bytecp-follow-"))
     keeper, opts = start_keeper(root) if args.memory else (None, None)
     try:

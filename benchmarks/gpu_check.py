@@ -1,6 +1,6 @@
 """``make gpu-check``: every CUDA test, then the GPU benchmark beside DCP, one JSON and one table.
 
-    python -m benchmarks.gpu_check [--out DIR] [--gb 4.2] [--tests-only]
+    python -m benchmarks.gpu_check [--out DIR] [--gb 4.2] [--tests-only] [--no-every-step]
 
 Runs from the project root on a machine with a CUDA device (about 4-6
 minutes on one H100 or H200):
@@ -12,7 +12,12 @@ minutes on one H100 or H200):
    and into FSDP2 on two CPU ranks, bitwise; the memory tier with a local
    keeper);
 2. :mod:`benchmarks.gpu` on a GPU-resident transformer of ``--gb`` GB of
-   state, beside DCP in the same process.
+   state, beside DCP in the same process;
+3. :mod:`benchmarks.every_step`: a model of at least 1.2B parameters trained
+   with a lazy checkpoint to this host's memory tier (a keeper started for
+   it) after every step and one drained to disk every 50 steps, against the
+   same loop without checkpoints (about 4 minutes; ``--no-every-step``
+   skips it).
 
 Writes ``gpu-check.json`` (which GPU, every test case and its outcome, the
 figures, their ratios and the issue's targets) and ``gpu-check.md`` (the
@@ -47,6 +52,8 @@ TARGETS: tuple[tuple[str, str, str, float], ...] = (
     ("lazy call blocking (ms)", "lazy_call_ms", "<=", 5.0),
     ("training time added per checkpoint, lazy vs DCP pinned async", "added_lazy_vs_dcp_async", "<=", 0.1),
     ("load into the GPU model vs the read floor (speed)", "load_speed_vs_read_floor", ">=", 0.8),
+    ("training time added per step, a checkpoint every step to the memory tier (%)", "every_step_added_pct",
+     "<=", 1.0),
 )
 
 
@@ -104,11 +111,30 @@ def run_bench(out: Path, gb: float, timeout: float) -> tuple[dict[str, Any], str
     return json.loads(path.read_text()), tail
 
 
-def targets(bench: dict[str, Any]) -> list[dict[str, Any]]:
+def run_every_step(out: Path, timeout: float) -> tuple[dict[str, Any], str]:
+    """:mod:`benchmarks.every_step` in its own process (its own keeper)."""
+    path = out / "every-step.json"
+    cmd = [sys.executable, "-m", "benchmarks.every_step", "--steps", "52", "--rounds", "1", "--batch", "32",
+           "--json", str(path)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+        tail = proc.stderr[-6000:]
+    except subprocess.TimeoutExpired as e:
+        got = e.stderr or b""
+        text = got.decode(errors="replace") if isinstance(got, bytes) else str(got)
+        return {"errors": {"every_step": f"timed out after {timeout} s"}}, text[-6000:]
+    if not path.exists():
+        return {"errors": {"every_step": f"exit {proc.returncode}, no results"}}, tail
+    return json.loads(path.read_text()), tail
+
+
+def targets(bench: dict[str, Any], every: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """The issue's targets against the figures (value None: not measured)."""
     ratios = dict(bench.get("ratios", {}))
     if bench.get("bytecp_lazy_call_s") is not None:
         ratios["lazy_call_ms"] = bench["bytecp_lazy_call_s"] * 1e3
+    if every and every.get("added_fraction") is not None:
+        ratios["every_step_added_pct"] = every["added_fraction"] * 100
     rows = []
     for name, key, op, goal in TARGETS:
         value = ratios.get(key)
@@ -156,6 +182,20 @@ def table(report: dict[str, Any]) -> str:
         lines.append(f"| {t['target']} | {t['value']} | {t['goal']} | {t['met']} |")
     if b.get("errors"):
         lines += ["", "Benchmark sections that broke: " + "; ".join(f"{k}: {v}" for k, v in b["errors"].items())]
+    e = report.get("every_step") or {}
+    if e.get("skipped"):
+        lines += ["", f"Checkpoint at every step: skipped ({e['skipped']})"]
+    elif e.get("step_with_s"):
+        lines += ["", f"Checkpoint at every step ({e['params'] / 1e9:.2f}B parameters, {e['state_bytes'] / 1e9:.1f} GB "
+                      f"of state, batch {e['batch']} x {e['seq']}): step {e['step_without_s']['mean']:.3f} s without, "
+                      f"{e['step_with_s']['mean']:.3f} s with a lazy memory-tier checkpoint after every step "
+                      f"(disk every {e['disk_every']}): {e['added_per_step_s'] * 1e3:+.1f} ms a step "
+                      f"({e['added_fraction'] * 100:+.2f}%); the call {e['call_s']['median'] * 1e3:.1f} ms, "
+                      f"the optimizer step {e['optimizer_with_s'] * 1e3:.1f} ms with and "
+                      f"{e['optimizer_without_s'] * 1e3:.1f} ms without; last checkpoint bitwise: "
+                      f"{e.get('last_checkpoint_bitwise')}; failed saves: {e.get('failed_saves')}"]
+    if e.get("errors"):
+        lines += ["", "Checkpoint at every step broke: " + "; ".join(f"{k}: {v}" for k, v in e["errors"].items())]
     return "\n".join(lines) + "\n"
 
 
@@ -164,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT") or ".", help="folder for gpu-check.json and .md")
     ap.add_argument("--gb", type=float, default=4.2, help="the benchmark's state size in GB")
     ap.add_argument("--tests-only", action="store_true", help="the CUDA tests only, no benchmark")
+    ap.add_argument("--no-every-step", action="store_true", help="skip the checkpoint-at-every-step loop")
     ap.add_argument("--test-timeout", type=float, default=200)
     ap.add_argument("--bench-timeout", type=float, default=260)
+    ap.add_argument("--every-step-timeout", type=float, default=420)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -180,12 +222,17 @@ def main(argv: list[str] | None = None) -> int:
     report["tests"], tests_tail = run_tests(out, args.test_timeout)
     report["tests_seconds"] = round(time.perf_counter() - t0, 1)
     bench: dict[str, Any] = {}
-    bench_tail = ""
+    every: dict[str, Any] = {}
+    bench_tail = every_tail = ""
     if not args.tests_only:
         print(f"gpu-check: tests done in {report['tests_seconds']} s; the benchmark ...", flush=True)
         bench, bench_tail = run_bench(out, args.gb, args.bench_timeout)
+        if not args.no_every_step:
+            print("gpu-check: the checkpoint-at-every-step loop ...", flush=True)
+            every, every_tail = run_every_step(out, args.every_step_timeout)
     report["bench"] = bench
-    report["targets"] = targets(bench)
+    report["every_step"] = every
+    report["targets"] = targets(bench, every)
     report["seconds"] = round(time.perf_counter() - t0, 1)
     (out / "gpu-check.json").write_text(json.dumps(report, indent=1))
     text = table(report)
@@ -195,9 +242,11 @@ def main(argv: list[str] | None = None) -> int:
         print(tests_tail)
     if bench.get("errors"):
         print(bench_tail)
+    if every.get("errors"):
+        print(every_tail)
     print(text)
     print(f"gpu-check: {report['seconds']} s in all")
-    return 1 if failed or bench.get("errors") else 0
+    return 1 if failed or bench.get("errors") or every.get("errors") else 0
 
 
 if __name__ == "__main__":

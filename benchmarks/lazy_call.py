@@ -1,10 +1,13 @@
 """What one ``bytecp.async_save(..., lazy=True)`` call costs the training
 thread, against the copy floor.
 
-    python -m benchmarks.lazy_call [--mb 45] [--saves 60] [--json out.json]
+    python -m benchmarks.lazy_call [--mb 45] [--layers L | --moe N] [--saves 40] [--json out.json]
 
 One process, local disk, a small GPT (benchmarks/model.py, plain, Adam state)
-of about ``--mb`` MB of tensors, prewarmed (:func:`bytecp.prewarm`). Each
+of about ``--mb`` MB of tensors (``--layers``: that many blocks, 48 tensors
+each with Adam's, the hidden size still sized by ``--mb``), or with
+``--moe N`` a MoE-like GPT of about N small tensors (benchmarks/moe_model.py:
+64 experts a block; ``--mb`` unused), prewarmed (:func:`bytecp.prewarm`). Each
 round is what a training loop does: the save call (timed: ``lazy call``),
 one forward/backward and ``optimizer.step()`` (which waits in bytecp's
 pre-step hook until the background copy is done: ``hook wait``), then
@@ -22,8 +25,8 @@ one). A lazy call does not copy at all, so the floor is the scale it is
 read against: the call costs what describing the state, hooking the
 optimizers and starting the background thread cost.
 
-Figures: median and 10th/90th percentiles over the rounds after the first
-three of each mode, in milliseconds: the wall time of the call, the CPU time
+Figures: minimum, median and 10th/90th percentiles over the ``--saves``
+rounds of each mode after its ``--warmup`` rounds, in milliseconds: the wall time of the call, the CPU time
 the training thread spent in it (``time.thread_time``; steadier than the
 wall time on a loaded machine, but blind to waiting for the GIL), and the
 number of cyclic garbage collections the training thread ran inside the
@@ -33,19 +36,22 @@ timed calls.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 import bytecp
+from benchmarks import moe_model
+from benchmarks.model import GPTConfig, config_for_gb, forward_backward, state_bytes
 from benchmarks.model import build as build_model
-from benchmarks.model import config_for_gb, forward_backward, state_bytes
 
 __all__ = ["main", "run"]
 
@@ -94,12 +100,27 @@ def floor_ms(src: list[torch.Tensor], threads: int, repeats: int = 30) -> float:
 def _summary(xs: list[float]) -> dict[str, float]:
     xs = sorted(xs)
     q = statistics.quantiles(xs, n=10) if len(xs) >= 10 else [xs[0]] * 9
-    return {"median_ms": statistics.median(xs) * 1e3, "p10_ms": q[0] * 1e3, "p90_ms": q[-1] * 1e3}
+    return {"min_ms": xs[0] * 1e3, "median_ms": statistics.median(xs) * 1e3, "p10_ms": q[0] * 1e3,
+            "p90_ms": q[-1] * 1e3}
 
 
-def run(mb: float, saves: int, root: str) -> dict[str, Any]:
+def _model(mb: float, layers: int | None, moe: int | None) -> tuple[Any, Any, Any, Callable[[int], None]]:
+    """(config, model, optimizer, one forward/backward by seed) of the shape asked for."""
+    if moe is not None:
+        mcfg = moe_model.config_for_tensors(moe)
+        mmodel, moptim = moe_model.build(mcfg)
+        return mcfg, mmodel, moptim, lambda seed: moe_model.forward_backward(mmodel, mcfg, seed=seed)
     cfg = config_for_gb(mb / 1000)
+    if layers is not None:
+        scale = cfg.layers / layers  # the same bytes in more (or fewer) blocks
+        cfg = GPTConfig(layers=layers, hidden=max(64, round(cfg.hidden * scale ** 0.5 / 64) * 64), vocab=cfg.vocab)
     model, optim = build_model(cfg, "plain")
+    return cfg, model, optim, lambda seed: forward_backward(model, cfg, seed=seed)
+
+
+def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | None = None,
+        warmup: int = 3) -> dict[str, Any]:
+    cfg, model, optim, step = _model(mb, layers, moe)
     state = {"model": model, "optim": optim}
     src = _tensors(model, optim)
     prewarm_s = bytecp.prewarm(state)
@@ -112,7 +133,7 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
     hook: list[float] = []
     collections = {m: 0 for m in modes}
     try:
-        for i in range(len(modes) * saves):
+        for i in range(len(modes) * (warmup + saves)):
             mode = modes[i % len(modes)]
             seen = counter.count
             counter.active = True
@@ -123,7 +144,7 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
                 h = bytecp.async_save(f"{root}/{mode}-{i % 4}", state, lazy=mode == "lazy", overwrite=True, step=i)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             counter.active = False
-            forward_backward(model, cfg, seed=i)
+            step(i)
             t1 = time.perf_counter()
             optim.step()  # a lazy save's hook waits here for the copy
             step_s = time.perf_counter() - t1
@@ -132,7 +153,7 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
                 mgr.wait()
             else:
                 h.wait()
-            if i >= 3 * len(modes):  # the first rounds warm caches up
+            if i >= warmup * len(modes):  # the first rounds warm caches up
                 calls[mode].append(dt)
                 cpu[mode].append(dc)
                 collections[mode] += counter.count - seen
@@ -143,6 +164,7 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
     n = len(calls["lazy"])
     named = {m.replace(" ", "_"): m for m in modes}
     return {
+        "model": dataclasses.asdict(cfg),
         "state_mb": state_bytes(model, optim) / 1e6,
         "tensors": len(src),
         "prewarm_s": prewarm_s,
@@ -159,11 +181,14 @@ def run(mb: float, saves: int, root: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mb", type=float, default=45.0, help="state size (parameters + Adam state), MB")
-    ap.add_argument("--saves", type=int, default=40, help="saves of each mode")
+    ap.add_argument("--layers", type=int, default=None, help="GPT blocks (48 tensors each with Adam's)")
+    ap.add_argument("--moe", type=int, default=None, metavar="N", help="a MoE-like GPT of about N tensors instead")
+    ap.add_argument("--saves", type=int, default=40, help="saves of each mode, measured")
+    ap.add_argument("--warmup", type=int, default=3, help="saves of each mode first, not measured")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as root:
-        out = run(args.mb, args.saves, root)
+        out = run(args.mb, args.saves, root, layers=args.layers, moe=args.moe, warmup=args.warmup)
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:

@@ -21,7 +21,14 @@ it and measured.
   reads (one: the seeds) and their bytes, the time; beside what reading
   every saved rank's state would read, and the size of the per-rank table
   of the loader's whole states in ``metadata.json`` (every rank's, as for any
-  per-rank value: what a load at the same world size restores).
+  per-rank value: what a load at the same world size restores);
+- ``every loading rank: per_rank table``: what that table costs each
+  loading rank, whatever it restores: the coordinator parses it out of
+  ``metadata.json`` (its JSON into one ``ObjectRecord`` per rank, as
+  ``Metadata.from_bytes`` does) and broadcasts the parsed metadata, which
+  every rank unpickles; both timed on the table alone, for the torchdata
+  loader's states and for Megatron-LM's counters (``MegatronLMData``: three
+  integers per rank).
 
 Times are the median of ``--repeats``; memory the peak of Python allocations
 (tracemalloc) of one traced run.
@@ -39,13 +46,16 @@ import warnings
 from collections.abc import Callable
 from typing import Any
 
+from bytecp.adapters.megatron.data import MegatronLMData
 from torch.utils.data import DistributedSampler
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from bytecp.data import position_of
 from bytecp.data.positions import merge_positions
 from bytecp.data.restore import restore_data
+from bytecp.format.metadata import ObjectRecord
 from bytecp.format.objects import serialize
+from bytecp.format.rank_records import RankRecords
 
 __all__ = ["main", "run"]
 
@@ -118,10 +128,42 @@ def run(world: int, repeats: int) -> dict[str, Any]:
                                                  "member_bytes": len(json.dumps(rec_uneven, separators=(",", ":")))},
         "loads": [],
     }
+    megatron = MegatronLMData(argparse.Namespace(consumed_train_samples=24 * world, skipped_train_samples=0,
+                                                  consumed_valid_samples=0, micro_batch_size=BATCH,
+                                                  data_parallel_size=world)).state_dict()
+    out["every loading rank: per_rank table"] = {
+        "torchdata": _table_cost("extra.dataloader", whole.json, world, repeats) if whole.blob is None else None,
+        "megatron_lm": _table_cost("data", megatron, world, repeats)}
     stored = json.loads(json.dumps(state))
     for new_world in (world * 3 // 4, world * 2):
         out["loads"].append(_load(record, stored, world, new_world, n, repeats, member, whole_bytes))
     return out
+
+
+def _table_cost(fqn: str, value: Any, world: int, repeats: int) -> dict[str, Any]:
+    """The per_rank table of ``world`` alike inline states: its JSON parsed
+    into records (the coordinator), the parsed table pickled and unpickled
+    (the broadcast every rank receives)."""
+    text = json.dumps({fqn: {str(r): {"json": value} for r in range(world)}}, separators=(",", ":")).encode()
+
+    def parse() -> dict[str, dict[int, ObjectRecord]]:
+        return {k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()} for k, v in json.loads(text).items()}
+
+    table, t_parse, m_parse = _timed(parse, repeats)
+    blob = pickle.dumps(table)  # the records themselves (bytecp before RankRecords)
+    _, t_unpickle, m_unpickle = _timed(lambda: pickle.loads(blob), repeats)
+    records = {k: RankRecords(v, ObjectRecord.from_json) for k, v in table.items()}  # what Metadata.from_bytes holds now
+    packed, t_pack, _ = _timed(lambda: pickle.dumps(records), repeats)
+
+    def receive() -> Any:  # a loading rank: unpickle, then look up its own record
+        got = pickle.loads(packed)
+        return got[fqn][world // 2]
+
+    _, t_receive, m_receive = _timed(receive, repeats)
+    return {"json_bytes": len(text), "parse_seconds": t_parse, "parse_peak_bytes": m_parse,
+            "broadcast_bytes": len(blob), "unpickle_seconds": t_unpickle, "unpickle_peak_bytes": m_unpickle,
+            "rank_records": {"broadcast_bytes": len(packed), "pickle_seconds": t_pack,
+                             "receive_seconds": t_receive, "receive_peak_bytes": m_receive}}
 
 
 def _load(record: dict[str, Any], stored: Any, world: int, new_world: int, n: int, repeats: int, member: int,
@@ -154,6 +196,16 @@ def _show(r: dict[str, Any]) -> None:
           f"{m['peak_bytes'] / 1e6:.2f} MB peak, gathered {m['gathered_bytes'] / 1e6:.2f} MB, record "
           f"{m['member_bytes']} B; every rank apart: {u['seconds'] * 1e3:.1f} ms, record {u['member_bytes'] / 1e3:.1f} kB; "
           f"the states' per_rank table in metadata.json {(p['per_rank_table_bytes'] or 0) / 1e6:.2f} MB")
+    for kind, c in r["every loading rank: per_rank table"].items():
+        if c is not None:
+            print(f"  per_rank table of {kind}: {c['json_bytes'] / 1e6:.2f} MB JSON, parsed in "
+                  f"{c['parse_seconds'] * 1e3:.1f} ms ({c['parse_peak_bytes'] / 1e6:.1f} MB peak); broadcast "
+                  f"{c['broadcast_bytes'] / 1e6:.2f} MB, unpickled by every rank in {c['unpickle_seconds'] * 1e3:.1f} ms "
+                  f"({c['unpickle_peak_bytes'] / 1e6:.1f} MB peak); as RankRecords: broadcast "
+                  f"{c['rank_records']['broadcast_bytes'] / 1e6:.2f} MB (pickled in "
+                  f"{c['rank_records']['pickle_seconds'] * 1e3:.1f} ms), unpickled and its own record read by a rank "
+                  f"in {c['rank_records']['receive_seconds'] * 1e3:.1f} ms "
+                  f"({c['rank_records']['receive_peak_bytes'] / 1e6:.1f} MB peak)")
     for ld in r["loads"]:
         print(f"  load on {ld['new_world']}: {ld['seconds'] * 1e6:.0f} us, {ld['peak_bytes'] / 1e3:.1f} kB peak, "
               f"{ld['states_read']} saved state(s) read, {ld['bytes_read']} B in all "

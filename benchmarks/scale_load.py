@@ -66,9 +66,9 @@ class Recording:
         self.read: set[str] = set()
         self.url = inner.url
 
-    def read_ranges(self, path: str, ranges: Any) -> None:
+    def read_ranges(self, path: str, ranges: Any, **kw: Any) -> None:
         self.read.add(path)
-        self.inner.read_ranges(path, ranges)
+        self.inner.read_ranges(path, ranges, **kw)
 
     def read_files(self, reads: Any) -> None:
         self.read.update(path for path, _ in reads)

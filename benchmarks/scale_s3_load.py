@@ -86,9 +86,9 @@ class Counting(sl.Recording):
         self.calls: list[tuple[str, float]] = []
         self._lock = threading.Lock()
 
-    def read_ranges(self, path: str, ranges: Any) -> None:
+    def read_ranges(self, path: str, ranges: Any, **kw: Any) -> None:
         t0 = time.perf_counter()
-        super().read_ranges(path, ranges)
+        super().read_ranges(path, ranges, **kw)
         took = time.perf_counter() - t0
         n = sum(len(v) for _, v in ranges)
         with self._lock:

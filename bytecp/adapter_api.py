@@ -36,7 +36,7 @@ from bytecp.tree.skeleton import Node
 
 __all__ = [
     "Adapter", "AdapterCall", "LoadTarget", "register_adapter", "get_adapter", "detect_adapter", "excluded",
-    "excluding",
+    "excluding", "looking", "current_look", "describing_once", "keeps_descriptions",
 ]
 
 Finalize = Callable[[dict[str, Any]], None]
@@ -70,6 +70,50 @@ def excluding(names: Sequence[str]) -> Iterator[None]:
         yield
     finally:
         _EXCLUDED.reset(token)
+
+
+#: the look at the live state in progress (a save's describe phase), if any
+_LOOK: contextvars.ContextVar[object | None] = contextvars.ContextVar("bytecp_look", default=None)
+
+
+@contextlib.contextmanager
+def looking() -> Iterator[None]:
+    """(the save pipeline's describe phase, every rank) One look at the live
+    state: nothing changes it inside, so an adapter may check what a module
+    or an optimizer is made of once and reuse the answer for ``detect``,
+    ``save_tree`` and ``parallelism`` (:func:`current_look` names the look)."""
+    token = _LOOK.set(object())
+    try:
+        yield
+    finally:
+        _LOOK.reset(token)
+
+
+def current_look() -> object | None:
+    """(adapters) The look in progress (a new object for each), or None outside one."""
+    return _LOOK.get()
+
+
+#: whether an adapter may keep the description it makes for the next save (False inside describing_once)
+_KEEP: contextvars.ContextVar[bool] = contextvars.ContextVar("bytecp_keep_descriptions", default=True)
+
+
+@contextlib.contextmanager
+def describing_once() -> Iterator[None]:
+    """(a follower's walk of the state it serves, :func:`bytecp.serving.staging.state_boxes`)
+    Adapters describe the state inside afresh and keep nothing of it: a
+    description kept between saves holds views of the state's tensors, and a
+    follower swaps their storages, which it does only where nothing else holds them."""
+    token = _KEEP.set(False)
+    try:
+        yield
+    finally:
+        _KEEP.reset(token)
+
+
+def keeps_descriptions() -> bool:
+    """(adapters that keep descriptions between saves) False inside :func:`describing_once`."""
+    return _KEEP.get()
 
 
 class LoadTarget:

@@ -71,6 +71,9 @@ def save(
     verify_replicas: bool | None = None,
     base: str | None = None,
     save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S,
+    serving_dtype: Any = None,
+    serving_prefixes: Sequence[str] | None = None,
+    serving_whole: bool = False,
 ) -> fmt.Metadata:
     """Save ``state`` to ``url``; every rank of the job calls it.
 
@@ -84,13 +87,17 @@ def save(
     Raises :class:`~bytecp.errors.CheckpointExistsError` if a committed
     checkpoint is at ``url`` and ``overwrite`` is false. With ``base`` (an
     earlier checkpoint of the same run that this process saved), boxes
-    unchanged since then are referenced, not written again.
+    unchanged since then are referenced, not written again. With
+    ``serving_dtype`` (``torch.bfloat16``), serving deltas are written beside
+    the data: what changed in that dtype since this process's previous save
+    of the run (see :class:`~bytecp.options.SaveOptions`).
     """
     return _save(url, state, SaveOptions(
         framework=framework, step=step, metadata=metadata or {}, overwrite=overwrite,
         allow_pickle=allow_pickle, io_threads=io_threads, process_group=process_group,
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
-        verify_replicas=verify_replicas, base=base, save_timeout_s=save_timeout_s,
+        verify_replicas=verify_replicas, base=base, save_timeout_s=save_timeout_s, serving_dtype=serving_dtype,
+        serving_prefixes=None if serving_prefixes is None else _names(serving_prefixes), serving_whole=serving_whole,
     ))
 
 

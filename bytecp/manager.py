@@ -88,6 +88,13 @@ class CheckpointManager:
     (the keeper copies it); ``restore`` tries the newest committed memory
     checkpoint first when it is at least as new as storage's newest (see
     :mod:`bytecp.tools.tiers`).
+
+    ``serving_dtype=torch.bfloat16``: every save also writes serving deltas
+    -- what changed in that dtype since the previous save, for followers
+    holding the model in it (``bytecp.follow(..., dtype=torch.bfloat16)``);
+    every ``full_every``-th save (the first, and milestones) writes the
+    serving copy whole too. ``serving_prefixes``: the names that get them
+    (default: the state's modules).
     """
 
     def __init__(
@@ -108,6 +115,8 @@ class CheckpointManager:
         memory_every_n_steps: int | None = None,
         memory_keep_last: int | None = 2,
         memory_storage_options: dict[str, Any] | None = None,
+        serving_dtype: Any = None,
+        serving_prefixes: Iterable[str] | None = None,
         data_reshard: str = "exact",
         **save_kwargs: Any,
     ) -> None:
@@ -124,6 +133,18 @@ class CheckpointManager:
                               "to write every save whole instead of base=")
         if lazy and not async_save:
             raise ConfigError("lazy=True needs async_save=True (a lazy save is an asynchronous one)")
+        if "serving_whole" in save_kwargs:
+            raise ConfigError("CheckpointManager writes the serving copy whole every full_every-th save itself; "
+                              "pass full_every= instead of serving_whole=")
+        if serving_dtype is not None:
+            from bytecp.format.serving_wire import serving_dtype_name
+
+            save_kwargs["serving_dtype"] = serving_dtype_name(serving_dtype)
+            if serving_prefixes is not None:
+                save_kwargs["serving_prefixes"] = (serving_prefixes,) if isinstance(serving_prefixes, str) \
+                    else tuple(serving_prefixes)
+        elif serving_prefixes is not None:
+            raise ConfigError("serving_prefixes needs serving_dtype (e.g. torch.bfloat16)")
         if data_reshard not in ("exact", "approximate"):
             raise ConfigError(f"data_reshard must be 'exact' or 'approximate', got {data_reshard!r}")
         self.data_reshard = data_reshard
@@ -138,6 +159,8 @@ class CheckpointManager:
         #: the last checkpoint this manager saved, and saves since the last full one
         self._last: str | None = None
         self._chain = 0
+        #: saves since the serving copy was last written whole (None: never yet)
+        self._serving_chain: int | None = None
         #: the in-flight (or last) asynchronous save and the event set once
         #: its retention has run
         self._pending: SaveHandle | None = None
@@ -268,10 +291,13 @@ class CheckpointManager:
         """Save to ``url`` (incrementally against ``base`` when given);
         ``committed`` runs once it has committed (at once when synchronous,
         on the save's background thread when asynchronous)."""
+        kwargs = dict(self.save_kwargs)
+        if "serving_dtype" in kwargs:
+            kwargs["serving_whole"] = self._serving_whole(step)
         if not self.async_save:
             from bytecp.api import save
 
-            save(url, state, step=step, storage_options=options, base=base, **self.save_kwargs)
+            save(url, state, step=step, storage_options=options, base=base, **kwargs)
             committed()
             return None
         from bytecp.api import async_save
@@ -279,8 +305,7 @@ class CheckpointManager:
         if self._pending is not None:  # its failure reported before the next save looks at it
             self._pending.wait_done()
             self._report_failed(self._pending)
-        handle = async_save(url, state, lazy=self.lazy, step=step, base=base, storage_options=options,
-                            **self.save_kwargs)
+        handle = async_save(url, state, lazy=self.lazy, step=step, base=base, storage_options=options, **kwargs)
         self._pending = handle
         self._retained.clear()
         handle.add_done_callback(lambda h: self._after_async_save(h, committed))
@@ -297,6 +322,15 @@ class CheckpointManager:
             return None
         self._chain += 1
         return last
+
+    def _serving_whole(self, step: int) -> bool:
+        """Whether this save writes the serving copy whole: the first, every
+        ``full_every``-th and milestones (both tiers count: a follower may read either)."""
+        chain = self._serving_chain
+        milestone = bool(milestones([self.url_for(step)], [step], self.keep_every_n_steps))
+        whole = chain is None or chain + 1 >= self.full_every or milestone
+        self._serving_chain = 0 if whole else (chain or 0) + 1
+        return whole
 
     def _after_async_save(self, handle: SaveHandle, committed: Callable[[], None]) -> None:
         """(the save's background thread) Prune (and drain) once the save has

@@ -112,10 +112,31 @@ class SaveOptions(_Common):
     #: (the coordinator refuses to write metadata.json late); None: no deadline
     #: (the process group's own timeout bounds each step)
     save_timeout_s: float | None = DEFAULT_SAVE_TIMEOUT_S
+    #: write serving deltas in this dtype (``torch.bfloat16``, ``"bf16"``): per
+    #: floating box, the elements whose value in this dtype changed since the
+    #: previous checkpoint of the run, for followers holding the model in it
+    #: (``bytecp.follow(..., dtype=)``; FORMAT.md §13); None: none
+    serving_dtype: Any = None
+    #: the dotted names whose tensors get serving deltas (``("model",)``); None:
+    #: the state's modules, or when it has none every entry but its optimizers
+    serving_prefixes: tuple[str, ...] | None = None
+    #: also write the serving copy of every box whole (CheckpointManager: every
+    #: ``full_every``-th save and at milestones); boxes without a base always are
+    serving_whole: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _positive("io_threads", self.io_threads)
+        if self.serving_dtype is not None:
+            from bytecp.format.serving_wire import serving_dtype_name
+
+            object.__setattr__(self, "serving_dtype", serving_dtype_name(self.serving_dtype))
+        if self.serving_prefixes is not None:
+            prefixes = (self.serving_prefixes,) if isinstance(self.serving_prefixes, str) else self.serving_prefixes
+            if not all(isinstance(x, str) and x and not x.startswith(".") and not x.endswith(".") for x in prefixes):
+                raise ConfigError(f"serving_prefixes must be dotted names such as ['model'], got "
+                                  f"{self.serving_prefixes!r}")
+            object.__setattr__(self, "serving_prefixes", tuple(prefixes))
         _positive("split_bytes", self.split_bytes)
         _check_timeout("save_timeout_s", self.save_timeout_s)
         _positive("memory_budget_bytes", self.memory_budget_bytes)

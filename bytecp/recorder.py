@@ -60,6 +60,7 @@ PHASES = (
     "plan",
     "stage",
     "write",
+    "serve",
     "commit",
     "read_metadata",
     "read",

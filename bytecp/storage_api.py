@@ -233,7 +233,12 @@ class Storage(abc.ABC):
         the file ends early and :class:`StorageNotFoundError` if it is missing.
         """
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    #: whether :meth:`read_ranges` takes ``each`` (a backend that fills ranges one after the other in
+    #: memory the caller's thread can reach at once: local disk, buffered)
+    reads_each: bool = False
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                    each: Callable[[int], None] | None = None) -> None:
         """Fill each ``out`` of ``ranges`` with ``len(out)`` bytes of ``path`` from its offset.
 
         (all ranks, reader threads) A batch of :meth:`read_into` calls on one
@@ -242,9 +247,17 @@ class Storage(abc.ABC):
         larger requests and stream the bytes straight into the buffers, so
         callers should hand over all the ranges they need from one file at
         once, rather than one read per tensor.
+
+        ``each`` (passed only where :attr:`reads_each`): called with the index
+        of each range as soon as its bytes are in, in order, on the thread
+        that read them -- the loader sums each piece while it is still in the
+        CPU's cache, inside the one call (a call per piece would cross to the
+        request-timeout thread each time). An exception from it ends the call.
         """
-        for offset, out in ranges:
+        for i, (offset, out) in enumerate(ranges):
             self.read_into(path, offset, out)
+            if each is not None:
+                each(i)
 
     def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
         """:meth:`read_ranges` of each ``(path, ranges)`` of ``reads``, in order, with its errors.

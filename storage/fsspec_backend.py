@@ -319,8 +319,15 @@ class FsspecStorage(Storage):
             raise truncated(file_url(self.url, path), offset, n, offset + len(data))
         view[:] = data
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                    each: Callable[[int], None] | None = None) -> None:
         """One ``cat_ranges`` call: async filesystems (gcsfs, adlfs, ...) fetch the ranges concurrently."""
+        self._read_ranges_all(path, ranges)
+        if each is not None:  # (``reads_each`` False: once every range is in)
+            for i in range(len(ranges)):
+                each(i)
+
+    def _read_ranges_all(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         items = [(off, v) for off, v in ((off, byte_view(out)) for off, out in ranges) if len(v)]
         if not items:
             return

@@ -41,7 +41,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import StorageError
@@ -277,8 +277,15 @@ class KeeperStorage(Storage):
             return
         raise missing(file_url(self.url, path), "in no live keeper")
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                    each: Callable[[int], None] | None = None) -> None:
         """Local shared memory: one read per range; a peer: every range in one request."""
+        self._read_ranges_all(path, ranges)
+        if each is not None:  # (``reads_each`` False: once every range is in)
+            for i in range(len(ranges)):
+                each(i)
+
+    def _read_ranges_all(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         key = self._key(path)
         root = self._local_root()
         if (root is not None and os.path.isfile(os.path.join(root, key))) or len(ranges) < 2:

@@ -29,7 +29,7 @@ import os
 import stat
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import (
@@ -410,10 +410,20 @@ class LocalStorage(Storage):
         if got < want:
             raise truncated(full, offset, want, offset + got)
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    @property
+    def reads_each(self) -> bool:  # type: ignore[override]
+        """Buffered reads fill the ranges one after the other (O_DIRECT ones go through a bounce buffer)."""
+        return not self.direct
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                    each: Callable[[int], None] | None = None) -> None:
         if self.direct:
-            return self._read_ranges_direct(path, ranges)
-        self._read_ranges(path, ranges)
+            self._read_ranges_direct(path, ranges)
+            if each is not None:
+                for i in range(len(ranges)):
+                    each(i)
+            return
+        self._read_ranges(path, ranges, each)
 
     def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:  # one request
         for path, ranges in reads:
@@ -444,7 +454,8 @@ class LocalStorage(Storage):
             offset, want, got = short
             raise truncated(full, offset, want, offset + got)
 
-    def _read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    def _read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                     each: Callable[[int], None] | None = None) -> None:
         full = self._full(path)
         try:
             fd = self._open_read(path)  # one open for the whole batch
@@ -453,11 +464,13 @@ class LocalStorage(Storage):
         except OSError as e:
             raise os_error(e, full, "open for reading") from e
         try:
-            for offset, out in ranges:
+            for i, (offset, out) in enumerate(ranges):
                 view = byte_view(out)
                 got = read_all(fd, offset, view)
                 if got < len(view):
                     raise truncated(full, offset, len(view), offset + got)
+                if each is not None:
+                    each(i)
         except OSError as e:
             raise os_error(e, full, "read") from e
         finally:

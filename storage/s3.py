@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import ConfigError, CorruptCheckpointError, StorageError, StorageNotFoundError
@@ -343,8 +343,15 @@ class S3Storage(_S3Writes):
 
         await _retry.acall(attempt, policy=self.retry, where=where, backend=self.backend)
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                    each: Callable[[int], None] | None = None) -> None:
         """Coalesce nearby ranges (gaps up to ``coalesce_gap``) into GETs of up to ``read_part_size``."""
+        self._read_ranges_all(path, ranges)
+        if each is not None:  # (``reads_each`` False: once every range is in)
+            for i in range(len(ranges)):
+                each(i)
+
+    def _read_ranges_all(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         items = [(offset, byte_view(out)) for offset, out in ranges]
         spans, large = coalesce(items, gap=self.coalesce_gap, max_span=self.read_part_size)
         if not spans and not large:

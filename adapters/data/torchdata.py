@@ -31,7 +31,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import math
 import os
 from typing import Any
 
@@ -41,6 +40,9 @@ from torch.utils.data import DistributedSampler, IterableDataset
 from bytecp.data import DataReshardError, Resharded, Resharder, SavedData
 from bytecp.data.registry import has_hook
 from bytecp.plugins import missing_extra
+
+from .distributed import ORDER as _ORDER
+from .distributed import sampler_sizes
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -53,14 +55,6 @@ __all__ = ["TorchdataResharder", "sampler_sizes"]
 #: the samplers whose order is known, by their ``__iter__`` (subclasses that keep it qualify)
 _KNOWN = {DistributedSampler.__iter__: "DistributedSampler",
           td.StatefulDistributedSampler.__iter__: "StatefulDistributedSampler"}
-#: what the position must match in the loading loader for the order to be the same
-_ORDER = ("dataset_len", "shuffle", "seed", "drop_last")
-
-
-def sampler_sizes(n: int, ranks: int, drop_last: bool) -> tuple[int, int]:
-    """``DistributedSampler``'s per-rank count and epoch length for ``n`` samples on ``ranks``."""
-    per = math.ceil((n - ranks) / ranks) if drop_last and n % ranks else math.ceil(n / ranks)
-    return max(0, per), max(0, per) * ranks
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,6 +9,7 @@ its module, optimizer and engine state.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +26,7 @@ from bytecp.tree.state import Slot, TensorLeaf
 from .._names import ModuleNames
 from .._optim import ParamState
 from ..plain import PlainAdapter
+from .data import LoaderPosition, loader_of
 from .engine import EngineState
 from .moe import ExpertNames
 from .optim_state import (
@@ -50,10 +52,14 @@ __all__ = ["DeepSpeedAdapter", "expand_engines"]
 
 Finalize = Callable[[dict[str, Any]], None]
 
+log = logging.getLogger("bytecp")
+
 #: the key an engine's optimizer is saved under when the state names only the engine
 OPTIMIZER_KEY = "optimizer"
 #: the key an engine's own state (counters, scheduler, loss scaler) is saved under
 ENGINE_KEY = "engine"
+#: the key the position of an engine's training data loader is saved under (per rank)
+LOADER_KEY = "training_dataloader"
 
 
 def _is_engine(v: Any) -> bool:
@@ -69,8 +75,10 @@ def expand_engines(state: dict[str, Any]) -> dict[str, Any]:
     """``state`` with each engine replaced by its module, its ZeRO optimizer
     added under ``"optimizer"`` (unless the state already holds it) and its
     own state under ``"engine"``; a ZeRO optimizer's wrapped ``torch.optim``
-    optimizer stands for the ZeRO one. On load, a part ``exclude=`` names is
-    not added (:func:`bytecp.adapter_api.excluded`)."""
+    optimizer stands for the ZeRO one; the position of its training data
+    loader (``deepspeed.initialize(training_data=...)``) goes under
+    ``"training_dataloader"`` (:mod:`.data`). On load, a part ``exclude=``
+    names is not added (:func:`bytecp.adapter_api.excluded`)."""
     inner = {id(v.optimizer.optimizer): v.optimizer for v in state.values()
              if _is_engine(v) and is_zero_optimizer(v.optimizer)}
     ids = {id(v) for v in state.values()}
@@ -88,6 +96,9 @@ def expand_engines(state: dict[str, Any]) -> dict[str, Any]:
                         "state)"
                     )
                 added[ENGINE_KEY] = EngineState(v, k)
+            loader = loader_of(v)
+            if loader is not None and not excluded(LOADER_KEY) and LOADER_KEY not in state:
+                added[LOADER_KEY] = LoaderPosition(loader)
             opt = v.optimizer
             if opt is None or id(opt) in given or excluded(OPTIMIZER_KEY):
                 continue
@@ -150,6 +161,12 @@ class DeepSpeedAdapter(PlainAdapter):
     def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
         self._check(state, ctx, "load")
         expanded = expand_engines(state)
+        if LOADER_KEY not in state and isinstance(expanded.get(LOADER_KEY), LoaderPosition) \
+                and LOADER_KEY not in md.per_rank:
+            # a checkpoint saved before positions were kept, or from a job without training_data
+            del expanded[LOADER_KEY]
+            log.warning("bytecp: the checkpoint holds no position of the DeepSpeed engine's training_dataloader: "
+                        "its epoch starts from the beginning")
         target = super().load_tree(expanded, ctx, md)
         zeros = [v.optimizer for v in state.values() if _is_engine(v) and is_zero_optimizer(v.optimizer)]
         zeros += [v for v in expanded.values() if is_zero_optimizer(v) and all(v is not z for z in zeros)]

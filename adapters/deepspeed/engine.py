@@ -15,7 +15,11 @@ The parts, as DeepSpeed 0.19's ``_common_checkpoint_state`` and its load
 name them: ``global_steps``, ``global_samples``, ``skipped_steps``,
 ``lr_scheduler`` (the engine's scheduler's ``state_dict``), ``data_sampler``
 (the training data loader's sampler, where it has a state: curriculum
-learning), ``random_ltd`` (its scheduler, when enabled) and ``loss_scaler``
+learning), ``data_sampler_rng`` (the state of the generator that sampler
+draws its global batches with, ``np_rng``, which DeepSpeed 0.19's own
+``state_dict`` leaves out: it saves numpy's global generator instead, so
+its resumed draws differ from the uninterrupted run's; JSON),
+``random_ltd`` (its scheduler, when enabled) and ``loss_scaler``
 (the numbers a dynamic loss scaler moves as it trains: ``cur_scale``,
 ``cur_iter``, ``last_overflow_iter``, ``cur_hysteresis``; DeepSpeed pickles
 the whole object into its optimizer file instead). A part the engine has no
@@ -41,6 +45,12 @@ def _sampler(engine: Any) -> Any:
     return sampler if callable(getattr(sampler, "state_dict", None)) else None
 
 
+def _sampler_rng(sampler: Any) -> Any:
+    """The numpy ``Generator`` a curriculum sampler draws with (rank 0 draws every global batch)."""
+    rng = getattr(sampler, "np_rng", None)
+    return rng if rng is not None and hasattr(getattr(rng, "bit_generator", None), "state") else None
+
+
 def _random_ltd(engine: Any) -> Any:
     enabled = getattr(engine, "random_ltd_enabled", None)
     return getattr(engine, "random_ltd_scheduler", None) if callable(enabled) and enabled() else None
@@ -50,6 +60,29 @@ def _scaler(engine: Any) -> Any:
     opt = getattr(engine, "optimizer", None)
     scaler = getattr(opt, "loss_scaler", None)
     return scaler if scaler is not None and all(hasattr(scaler, f) for f in SCALER_FIELDS[:2]) else None
+
+
+def _jsonable(v: Any) -> Any:
+    """A sampler state as JSON values: the curriculum sampler's holds numpy
+    integers (cluster positions) and numpy's generator state (a tuple with an
+    array), which would otherwise need an arbitrary pickle."""
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    tolist = getattr(v, "tolist", None)  # numpy scalars and arrays
+    return tolist() if callable(tolist) and type(v).__module__ == "numpy" else v
+
+
+def _sampler_state(saved: dict[str, Any]) -> dict[str, Any]:
+    """The curriculum sampler's state as its ``load_state_dict`` takes it:
+    numpy's generator state a tuple again (``np.random.set_state``)."""
+    rng = saved.get("np_rng_state")
+    if isinstance(rng, list) and len(rng) == 5:
+        import numpy as np
+
+        saved = {**saved, "np_rng_state": (rng[0], np.asarray(rng[1], dtype=np.uint32), *rng[2:])}
+    return saved
 
 
 def _plain(v: Any) -> Any:
@@ -75,7 +108,9 @@ class EngineState:
             "global_samples": int(getattr(e, "global_samples", 0)),
             "skipped_steps": int(e.skipped_steps),
             "lr_scheduler": e.lr_scheduler.state_dict() if e.lr_scheduler is not None else None,
-            "data_sampler": sampler.state_dict() if sampler is not None else None,
+            "data_sampler": _jsonable(sampler.state_dict()) if sampler is not None else None,
+            "data_sampler_rng": _sampler_rng(sampler).bit_generator.state if _sampler_rng(sampler) is not None
+            else None,
             "random_ltd": ltd.state_dict() if ltd is not None else None,
             "loss_scaler": {f: _plain(getattr(scaler, f)) for f in SCALER_FIELDS if hasattr(scaler, f)}
             if scaler is not None else None,
@@ -96,7 +131,10 @@ class EngineState:
                 log.warning("bytecp: the checkpoint holds the %s state of engine %r, which has no %s now: "
                             "not restored", part, self.name, part)
                 continue
-            obj.load_state_dict(saved)
+            obj.load_state_dict(_sampler_state(saved) if part == "data_sampler" else saved)
+        rng, saved = _sampler_rng(_sampler(e)), sd.get("data_sampler_rng")
+        if rng is not None and saved is not None:
+            rng.bit_generator.state = saved
         saved = sd.get("loss_scaler")
         scaler = _scaler(e)
         if saved is not None and scaler is not None:

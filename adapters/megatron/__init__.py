@@ -40,15 +40,22 @@ checkpoint of either loads the other, under any TP, PP and DP. Pass
 (Megatron's per-bucket flat buffers: DP changes only) to use Megatron's own
 producers. The layout is recorded; a load uses the saved one.
 
+Megatron-LM's data position (``args.consumed_train_samples``, which its
+samplers read) goes in the state as ``MegatronLMData(args)`` (``data``): it
+continues under another data-parallel size, or the load refuses naming the
+samples that would repeat or be skipped.
+
 Modules: ``translate`` (sharded state dict <-> tree), ``optimizer_layout``
 (the distributed optimizer's layouts and model-space ranges), ``adapter``
-(the registry's ``MegatronAdapter``); this package re-exports their public names.
+(the registry's ``MegatronAdapter``), ``data`` (Megatron-LM's data
+position); this package re-exports their public names.
 
 This package imports Megatron only when the state may hold Megatron objects
 (``megatron.core`` already imported), so detection costs nothing elsewhere.
 """
 
 from .adapter import MegatronAdapter, MegatronModel
+from .data import MegatronLMData
 from .optimizer_layout import (
     DEFAULT_OPTIMIZER_LAYOUT,
     LAYOUTS,
@@ -72,6 +79,7 @@ __all__ = [
     "MegatronAdapter",
     "OptimizerLayout",
     "MegatronModel",
+    "MegatronLMData",
     "DEFAULT_OPTIMIZER_LAYOUT",
     "LAYOUTS",
     "COMMON",

@@ -25,8 +25,10 @@ The built-in resharders: torchdata's ``StatefulDataLoader`` over a map-style
 dataset with torch's ``DistributedSampler`` or torchdata's
 ``StatefulDistributedSampler`` (:mod:`bytecp.adapters.data.torchdata`), over
 a Hugging Face ``datasets.IterableDataset``
-(:mod:`bytecp.adapters.data.hf_datasets`), and torchtitan's dataloader
-(:mod:`bytecp.adapters.torchtitan.data`).
+(:mod:`bytecp.adapters.data.hf_datasets`), torchtitan's dataloader
+(:mod:`bytecp.adapters.torchtitan.data`), Megatron-LM's consumed-samples
+counters (:mod:`bytecp.adapters.megatron.data`) and a DeepSpeed engine's
+training loader (:mod:`bytecp.adapters.deepspeed.data`).
 """
 
 from __future__ import annotations

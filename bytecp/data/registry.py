@@ -105,6 +105,8 @@ _RESHARDERS: dict[str, tuple[Resharder | str, str | None]] = {
     "torchdata": ("bytecp.adapters.data.torchdata:TorchdataResharder", "torchdata.stateful_dataloader"),
     "hf_datasets": ("bytecp.adapters.data.hf_datasets:HFIterableResharder", "datasets"),
     "torchtitan": ("bytecp.adapters.torchtitan.data:TorchtitanResharder", "torchtitan.components.dataloader"),
+    "megatron_lm": ("bytecp.adapters.megatron.data:MegatronLMResharder", "bytecp.adapters.megatron.data"),
+    "deepspeed": ("bytecp.adapters.deepspeed.data:DeepSpeedLoaderResharder", "bytecp.adapters.deepspeed.data"),
 }
 _lock = threading.RLock()
 _discovered = False

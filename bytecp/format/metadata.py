@@ -30,6 +30,7 @@ from bytecp.format.json_head import check_header, decode_members
 from bytecp.format.member_text import EncodedMembers, dumps_object
 from bytecp.format.members import MEMBER_DECODERS, Parsed
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
+from bytecp.format.rank_records import RankRecords
 from bytecp.format.tensor_table import TensorTable, table_json
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.skeleton import Node
@@ -205,7 +206,8 @@ class Metadata:
     #: fqn -> {"dtype", "shape"[, "band_dim"]}; read from version 4: a TensorTable (the same mapping, as columns)
     tensors: Mapping[str, dict[str, Any]]
     objects: dict[str, ObjectRecord]
-    per_rank: dict[str, dict[int, ObjectRecord]]
+    #: fqn -> saved rank -> record (read: a RankRecords, decoded on demand after a broadcast)
+    per_rank: Mapping[str, Mapping[int, ObjectRecord]]
     index_files: list[str]  # version 1: one index file per rank (version 2: empty)
     data_files: dict[str, int]  # path -> size in bytes
     step: int | None = None
@@ -302,8 +304,8 @@ class Metadata:
                 skeleton=member("skeleton", lambda s: Node.from_json(s, f"{where}/metadata.json", shared)),
                 tensors=tensors,
                 objects={k: ObjectRecord.from_json(v) for k, v in d["objects"].items()},
-                per_rank={
-                    k: {int(r): ObjectRecord.from_json(rec) for r, rec in v.items()}
+                per_rank={  # compact across the load's broadcast (bytecp.format.rank_records)
+                    k: _rank_records({int(r): ObjectRecord.from_json(rec) for r, rec in v.items()})
                     for k, v in d.get("per_rank", {}).items()
                 },
                 index_files=[str(f) for f in d["index_files"]],
@@ -445,3 +447,7 @@ def write_index(chunks: Sequence[ChunkRecord]) -> bytes:
     sink = io.BytesIO()
     pq.write_table(chunks_to_table(chunks), sink, compression="zstd")
     return sink.getvalue()
+
+
+def _rank_records(records: dict[int, ObjectRecord]) -> Mapping[int, ObjectRecord]:
+    return RankRecords(records, ObjectRecord.from_json)

@@ -29,7 +29,7 @@ import json
 import logging
 import posixpath
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
@@ -174,9 +174,20 @@ class LinkedStorage(Storage):
         s, p = self._route(path)
         s.read_into(p, offset, out)
 
-    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
+    @property
+    def reads_each(self) -> bool:  # type: ignore[override]
+        return self.inner.reads_each  # (a sibling that does not: ``each`` called once it is read)
+
+    def read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                    each: Callable[[int], None] | None = None) -> None:
         s, p = self._route(path)
+        if each is not None and s.reads_each:
+            s.read_ranges(p, ranges, each=each)
+            return
         s.read_ranges(p, ranges)
+        if each is not None:
+            for i in range(len(ranges)):
+                each(i)
 
     def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
         routed = [(*self._route(path), ranges) for path, ranges in reads]

@@ -13,11 +13,15 @@ checkpoints record no block checksums, so a partial read of theirs is not
 checked.
 
 A :class:`Verifier` takes the bytes of its cover in order, in any pieces,
-from whichever thread holds them (the reader's today; a thread summing
-while the next read runs tomorrow), and raises
-:class:`~bytecp.errors.CorruptCheckpointError` at the first block (or chunk)
-whose bytes do not match, naming the file, the tensor, the chunk's region,
-the block's bytes and the region being loaded.
+from whichever thread holds them (the thread that reads them, range by
+range as they arrive: :meth:`bytecp.storage_api.Storage.read_ranges`'
+``each``), and raises :class:`~bytecp.errors.CorruptCheckpointError` at the
+first block (or chunk) whose bytes do not match, naming the file, the
+tensor, the chunk's region, the block's bytes and the region being loaded.
+A whole chunk with block checksums is summed as one run and compared with
+the chunk's crc32c at :meth:`Verifier.done` (one call a piece, not one a
+block); only on a mismatch are its blocks summed again, from the pieces
+fed, to name the first bad one.
 """
 
 from __future__ import annotations
@@ -55,31 +59,42 @@ def cover(c: ChunkRecord, lo: int, hi: int, block_bytes: int | None) -> tuple[in
 
 class Verifier:
     """Checks the bytes ``[start, end)`` of chunk ``c`` (a :func:`cover`), fed
-    in order: each block as soon as its last byte arrives, the whole chunk
-    (when it has no block checksums) at :meth:`done`. ``url`` and ``box``
-    (the region being loaded) name what failed."""
+    in order: a part of a chunk block by block, each as soon as its last byte
+    arrives; the whole chunk at :meth:`done` (its crc32c; with block
+    checksums, the first bad block named). ``url`` and ``box`` (the region
+    being loaded) name what failed."""
 
-    __slots__ = ("c", "end", "url", "box", "bb", "whole", "pos", "crc", "k")
+    __slots__ = ("c", "end", "url", "box", "bb", "whole", "pos", "crc", "k", "fed")
 
     def __init__(self, c: ChunkRecord, start: int, end: int, block_bytes: int | None, url: str, box: Region) -> None:
         self.c, self.end, self.url, self.box = c, end, url, box
-        self.whole = not c.blocks or not block_bytes
-        self.bb = c.nbytes if self.whole else int(block_bytes)  # type: ignore[arg-type]
-        if self.whole and (start, end) != (0, c.nbytes):
+        blocks = bool(c.blocks and block_bytes)
+        self.bb = int(block_bytes) if blocks else c.nbytes  # type: ignore[arg-type]
+        #: summed as one run, checked against the chunk's crc32c at done()
+        self.whole = not blocks or (start, end) == (0, c.nbytes)
+        if not blocks and (start, end) != (0, c.nbytes):
             raise ValueError(f"a check of the whole chunk of {c.nbytes} bytes given bytes {start}..{end}")
         self.pos, self.crc, self.k = start, 0, start // max(1, self.bb)
+        #: (a whole chunk with block checksums) the pieces fed, to name the bad block after a mismatch
+        self.fed: list[memoryview] | None = [] if blocks and self.whole else None
 
-    def feed(self, data: Any) -> None:
-        """The next bytes of the cover (a bytes-like object)."""
+    def feed(self, data: Any, kept: bool = True) -> None:
+        """The next bytes of the cover (a bytes-like object). ``kept=False``:
+        its memory is reused before :meth:`done` (a pinned slab), so a whole
+        chunk is checked block by block from here on."""
         view = data if isinstance(data, memoryview) else memoryview(data)
         if view.format != "B" or view.ndim != 1:
             view = view.cast("B")
+        if not kept and self.fed is not None:
+            self._by_blocks()
         at, n = 0, len(view)
         if self.pos + n > self.end:
             raise ValueError(f"{n} bytes fed past the end of a check at {self.pos}..{self.end}")
         if self.whole:
             self.crc = crc32c(view, self.crc)
             self.pos += n
+            if self.fed is not None:
+                self.fed.append(view)
             return
         while at < n:
             block_end = min(self.c.nbytes, (self.k + 1) * self.bb)
@@ -97,7 +112,17 @@ class Verifier:
         if self.pos != self.end:
             raise ValueError(f"a check of bytes ..{self.end} ended at {self.pos}")
         if self.whole and self.crc != self.c.crc32c:
-            raise self._mismatch(None)
+            if self.fed is not None:
+                self._by_blocks()  # names the first bad block
+            raise self._mismatch(None)  # (or every block sound, the chunk's sum not: its row disagrees)
+
+    def _by_blocks(self) -> None:
+        """Check the pieces fed so far block by block (raising at the first bad
+        block), and every later piece as it arrives."""
+        fed, self.fed = self.fed or [], None
+        self.whole, self.pos, self.crc, self.k = False, 0, 0, 0
+        for view in fed:
+            self.feed(view)
 
     def _mismatch(self, k: int | None) -> CorruptCheckpointError:
         c = self.c

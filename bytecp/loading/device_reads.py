@@ -253,7 +253,7 @@ class DeviceReads:
                 raise
             try:
                 if v is not None:
-                    v.feed(slab.view[:n])
+                    v.feed(slab.view[:n], kept=False)  # (the slab is reused)
                 with torch.cuda.stream(stream):
                     out[at : at + n].copy_(slab.buf.tensor[:n], non_blocking=True)
                     ev = torch.cuda.Event()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -233,7 +233,7 @@ class _SlotBuilder:
             self._resharded.add(fqn)
         return self._per_rank(fqn, recs, self.src)
 
-    def _per_rank(self, fqn: str, recs: dict[int, fmt.ObjectRecord], rank: int) -> Any:
+    def _per_rank(self, fqn: str, recs: Mapping[int, fmt.ObjectRecord], rank: int) -> Any:
         if rank not in recs:
             raise CorruptCheckpointError(f"{self.storage.url}: no per-rank value of {fqn!r} for rank {rank}")
         return self._read(f"{fqn}[rank {rank}]", recs[rank])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
+import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -173,12 +174,26 @@ def local_plan(
 def holdings(
     flat: FlatTree, rank: int, world_size: int = 1,
     to_group: Callable[[tuple[int, ...]], tuple[int, ...] | None] | None = None,
+    group: Any = None,
 ) -> tuple[LocalSavePlan, str]:
     """(every rank, the save's plan phase or an async snapshot before it)
     Every box this rank holds (:func:`local_plan`) and its fingerprint
-    (:func:`plan_key`), the key of this rank's cached plans."""
+    (:func:`plan_key`), the key of this rank's cached plans. A state made
+    only of :class:`~bytecp.tree.state.Prebuilt` pieces whose tensors are
+    those of the last call (a description kept between saves) gets that
+    call's answer again (``group``: the group ``to_group`` maps into)."""
+    memo = flat.pieces[0].memo if flat.pieces and not flat.loose else None
+    dicts = tuple(p.flat.tensors for p in flat.pieces)
+    key = ("holdings", rank, world_size, id(group))
+    if memo is not None:
+        held = memo.get(key)
+        if held is not None and len(held[0]) == len(dicts) and all(map(operator.is_, held[0], dicts)):
+            return held[1]
     plan = local_plan(flat, rank, world_size, to_group)
-    return plan, plan_key(plan)
+    out = plan, plan_key(plan)
+    if memo is not None:
+        memo[key] = (dicts, out)
+    return out
 
 
 def ballot(

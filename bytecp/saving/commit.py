@@ -227,7 +227,7 @@ def committed_after(
 
 def remove_files_of(storage: Storage, save_id: str) -> None:
     """(coordinator) Remove a failed save's files (never a committed checkpoint's)."""
-    for prefix in (f"data/{save_id}/", f"index/{save_id}/"):
+    for prefix in (f"data/{save_id}/", f"index/{save_id}/", f"serving/{save_id}/"):
         try:
             storage.delete_prefix(prefix)
         except Exception as e:
@@ -268,6 +268,8 @@ def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: boo
         mine = files if coordinator else [f for f in files if f.rsplit("/", 1)[-1].startswith(f"{rank}-")]
         index = storage.list_files(f"index/{save_id}/")
         mine = mine + (index if coordinator else [f for f in index if f.rsplit("/", 1)[-1] == f"{rank}.bin"])
+        serving = storage.list_files(f"serving/{save_id}/")  # its serving deltas (bytecp.saving.serving)
+        mine = mine + (serving if coordinator else [f for f in serving if f.rsplit("/", 1)[-1].split(".")[0] == str(rank)])
     except Exception as e:  # cannot even list: say where the files are
         log.warning("bytecp: could not list the files of the failed save %s at %s: %s", save_id, storage.url, e)
         return [data]
@@ -292,6 +294,8 @@ def remove_replaced(storage: Storage, old: fmt.Metadata, md: fmt.Metadata, world
     stale = old.referenced_files() - md.referenced_files()
     stale |= {fmt.report_file(r) for r in range(world_size, old.world_size)}
     try:
+        if old.save_id != md.save_id:
+            storage.delete_prefix(f"serving/{old.save_id}/")  # its serving deltas, if it had any
         storage.delete(sorted(stale))
     except Exception as e:  # the new checkpoint is committed; leftovers are only garbage
         log.warning("bytecp: could not delete files of the replaced checkpoint at %s: %s", storage.url, e)

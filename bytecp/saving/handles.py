@@ -11,9 +11,11 @@ it once, and it is logged.
 from __future__ import annotations
 
 import atexit
+import contextvars
 import ctypes
 import logging
 import os
+import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -142,13 +144,13 @@ class SaveHandle:
         self._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
 
     def start(self, run: Callable[[], fmt.Metadata], nice: int = 0) -> None:
-        """Run ``run`` (the rest of the save) on a background thread, ``nice``
-        steps below the caller's scheduling priority (the threads it starts
-        inherit it); this handle becomes the one in flight."""
+        """Run ``run`` (the rest of the save) on the background thread of
+        ``nice`` (:class:`_Worker`: ``nice`` steps below the caller's
+        scheduling priority, and the threads it starts with it); this handle
+        becomes the one in flight."""
         global _inflight
 
         def background() -> None:
-            _lower_priority(nice)
             try:
                 md = run()
             except BaseException as e:
@@ -159,8 +161,7 @@ class SaveHandle:
 
         with _inflight_lock:
             _inflight = self
-        self.thread = threading.Thread(target=background, name="bytecp-async-save", daemon=True)
-        self.thread.start()
+        self.thread = _worker(nice).submit(background)
 
     def _remove_hooks(self) -> None:
         if self._staged.is_set():
@@ -177,6 +178,76 @@ class SaveHandle:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             self._run_callback(fn)
+
+
+class _Worker:
+    """The thread that runs the background part of async saves, one after
+    the other (one save is in flight at a time), at one nice level.
+
+    Started by the first save and kept for the next: a thread started for
+    each save made every async call wait until the OS first ran it
+    (milliseconds on a loaded host, in a lazy call that otherwise costs as
+    much). Each save runs in a fresh ``contextvars`` context, as on a new
+    thread. Ended at interpreter exit by :func:`_drain`; a forked child
+    starts its own."""
+
+    def __init__(self, nice: int) -> None:
+        self.nice = nice
+        self.thread: threading.Thread | None = None
+        self._jobs: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._lock = threading.Lock()
+
+    def submit(self, job: Callable[[], None]) -> threading.Thread:
+        """Queue ``job`` (the caller does not wait for the thread to run); -> the thread."""
+        with self._lock:
+            if self.thread is None or not self.thread.is_alive():
+                self._jobs = queue.SimpleQueue()
+                self.thread = threading.Thread(target=self._run, args=(self._jobs,), name="bytecp-async-save",
+                                               daemon=True)
+                self.thread.start()
+            self._jobs.put(job)
+            return self.thread
+
+    def _run(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
+        _lower_priority(self.nice)
+        while True:
+            job = jobs.get()
+            if job is None:
+                return
+            contextvars.Context().run(job)  # (never raises: a save's error goes to its handle)
+            del job  # (the save's state is not held while the thread waits for the next)
+
+    def stop(self) -> threading.Thread | None:
+        """(at exit) Let the thread end once its queued saves are done; -> the thread to join."""
+        with self._lock:
+            t = self.thread
+            if t is not None and t.is_alive():
+                self._jobs.put(None)
+                return t
+        return None
+
+
+_workers: dict[int, _Worker] = {}
+_workers_lock = threading.Lock()
+
+
+def _worker(nice: int) -> _Worker:
+    with _workers_lock:
+        w = _workers.get(nice)
+        if w is None:
+            w = _workers[nice] = _Worker(nice)
+        return w
+
+
+def _forget_workers() -> None:
+    """(a forked child) The parent's threads are not here: the child starts its own."""
+    global _workers_lock
+    _workers_lock = threading.Lock()
+    _workers.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_workers)
 
 
 def _lower_priority(nice: int) -> None:
@@ -333,16 +404,18 @@ def _drain() -> None:
     that URL or by ``bytecp gc``.
     """
     h = _inflight
-    t = h.thread if h is not None else None
-    if h is None or t is None or not t.is_alive() or t is threading.current_thread():
-        return
-    if not h.done():
+    if h is not None and not h.done() and h.thread is not None and h.thread.is_alive():
         log.warning("bytecp: waiting for the async save to %s before exit", h.url)
+    with _workers_lock:
+        threads = [t for w in _workers.values() if (t := w.stop()) is not None]
     try:
-        t.join()
+        for t in threads:  # each ends once its save (and the save's done-callbacks) has
+            if t is not threading.current_thread():
+                t.join()
     except KeyboardInterrupt:
+        url = h.url if h is not None else "?"
         log.error("bytecp: the async save to %s was abandoned at exit; it never committed, and the next "
-                  "save to it or `bytecp gc` removes its files", h.url)
+                  "save to it or `bytecp gc` removes its files", url)
         logging.shutdown()
         os._exit(130)
 

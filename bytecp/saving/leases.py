@@ -281,13 +281,13 @@ def may_be_running(storage: Storage, save_id: str, now: float | None = None) -> 
 
 def saves_at(storage: Storage, skip: str | None = None) -> dict[str, SaveFiles]:
     """(coordinator, ``bytecp gc``) Every save id with files at ``storage``:
-    ``data/<id>/...``, ``index/<id>/...`` and its lease. The data and index
+    ``data/<id>/...``, ``index/<id>/...``, ``serving/<id>/...`` and its lease. The data and index
     files of the save ``skip`` (the committed one) are not listed: their
     folders are found by name (one listing request), so the sweep after
     each commit does not list the 2 x W files a W-rank save just wrote."""
     out: dict[str, SaveFiles] = defaultdict(lambda: SaveFiles(""))
-    for top in ("data", "index", LEASE_DIR, DOOM_DIR):
-        if top in ("data", "index"):
+    for top in ("data", "index", "serving", LEASE_DIR, DOOM_DIR):
+        if top in ("data", "index", "serving"):
             paths = [p for sid in storage.list_children(top) if sid != skip
                      for p in storage.list_files(f"{top}/{sid}") if p.startswith(f"{top}/{sid}/")]
         else:

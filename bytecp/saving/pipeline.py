@@ -25,13 +25,14 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from bytecp import device_memory, faults
-from bytecp.adapter_api import detect_adapter
+from bytecp.adapter_api import detect_adapter, looking
 from bytecp.dist import DistContext
 from bytecp.errors import DistributedCheckpointError
 from bytecp.format import metadata as fmt
@@ -71,6 +72,7 @@ from bytecp.saving.results import (
 )
 from bytecp.saving.resync import in_step
 from bytecp.saving.reuse import Incremental, live_tokens
+from bytecp.saving.serving import ServingWriter, default_prefixes
 from bytecp.saving.staging import ArenaStager, Queued, Stager
 from bytecp.saving.union import gather_union, kept_unions
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
@@ -106,6 +108,10 @@ class SavePipeline:
         self._kept: BaseException | None = None
         #: boxes unchanged since the base are referenced, not written (format version 3)
         self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
+        #: serving deltas, when asked for (:mod:`bytecp.saving.serving`): fed each batch as it is written
+        self.serving = None if opts.serving_dtype is None else ServingWriter(
+            storage.url, opts.serving_dtype, opts.serving_prefixes or default_prefixes(state), opts.serving_whole,
+            ctx.world_size, ctx.rank, ctx.is_coordinator)
 
     # -- the phases -----------------------------------------------------------
     def describe(self) -> Described:
@@ -115,17 +121,22 @@ class SavePipeline:
 
         def describe() -> Described:
             wait_for_previous(self.trace)
-            adapter = detect_adapter(self.state, self.opts.framework)
-            with self.trace.span("plan"):
-                flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
-                parallelism = adapter.parallelism(self.state, self.ctx)
+            with looking():  # one look at the live state: adapters check each module once
+                adapter = detect_adapter(self.state, self.opts.framework)
+                with self.trace.span("plan"):
+                    flat = flatten_tree(adapter.save_tree(self.state, self.ctx))
+                    parallelism = adapter.parallelism(self.state, self.ctx)
             if self.stager.copies:  # objects are small: copy them now, tensors are staged later
-                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects),
+                memo: dict[int, Any] = {id(x): x for x in flat.shared}  # kept as they are (never mutated)
+                flat = dataclasses.replace(flat, objects=copy.deepcopy(flat.objects, memo),
                                            per_rank=copy.deepcopy(flat.per_rank))
-            return Described(flat, adapter.name, parallelism,
-                             tokens=live_tokens(flat) if adapter.tracks_versions else None,
-                             ready=device_memory.ready_events(
-                                 sh.tensor for leaf in flat.tensors.values() for sh in leaf.shards))
+            ready = device_memory.ready_events(itertools.chain(
+                (t for p in flat.pieces for t in p.cuda),
+                (sh.tensor for _, leaf in flat.loose_tensors() for sh in leaf.shards)))
+            # a lazy save of host tensors reads their versions on its thread, before it copies them;
+            # a device's count moves when a change is queued, so its tensors' are read now, with the event
+            tokens = live_tokens(flat, read=not self.opts.lazy or bool(ready)) if adapter.tracks_versions else None
+            return Described(flat, adapter.name, parallelism, tokens=tokens, ready=ready)
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -135,7 +146,8 @@ class SavePipeline:
         for this state (all this rank can write now), else every box it holds."""
 
         def share() -> Share:
-            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks)
+            local, fingerprint = holdings(described.flat, self.ctx.rank, self.ctx.world_size, self.ctx.group_ranks,
+                                          self.ctx.group)
             cached = PLAN_CACHE.latest(self._cache_key(), fingerprint)
             if cached is None:
                 return Share(local, fingerprint, local.items)
@@ -159,6 +171,8 @@ class SavePipeline:
         def snapshot() -> Described:
             arena = self.stager
             assert isinstance(arena, ArenaStager)
+            if described.tokens is not None:
+                described.tokens.read()  # the versions before the bytes: never newer than the copy
             verify = bool(self.opts.verify_replicas)
             live = described.flat
             with self.trace.span("stage") as sp:
@@ -205,7 +219,7 @@ class SavePipeline:
             if described.share is not None:  # a snapshot described the live state already
                 local, fingerprint = described.share.local, described.share.fingerprint
             else:
-                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks)
+                local, fingerprint = holdings(flat, rank, ctx.world_size, ctx.group_ranks, ctx.group)
             mine.update(local=local, fingerprint=fingerprint, replaced=None)
             save_id: str | None = None
             objects: tuple[str, ...] = ()
@@ -306,7 +320,12 @@ class SavePipeline:
         written by the coordinator at commit. Returns all this rank wrote."""
 
         def write() -> RankOutput:
-            return self._write_batch(described, planned, staged.staged, staged.written)
+            out = self._write_batch(described, planned, staged.staged, staged.written)
+            if self.serving is not None:
+                with self.trace.span("serve") as sp:
+                    self.serving.finish(self.storage, planned.save_id, self.opts.step, planned.referenced.records)
+                    sp.nbytes = self.serving.delta_nbytes + self.serving.whole_nbytes
+            return out
 
         return self._keep_failure("save/write", write, staged.written)
 
@@ -365,6 +384,8 @@ class SavePipeline:
                 commits.remove_files_of(self.storage, save_id)
             raise
         self.incremental.committed(md, described.tokens, mine.chunks, mine.data_files)
+        if self.serving is not None:
+            self.serving.committed(md.save_id, md.step)
         if planned.cache_entry is not None:
             fingerprint, digest, items = planned.cache_entry
             PLAN_CACHE.put(self._cache_key(), fingerprint, digest, list(items))
@@ -437,6 +458,9 @@ class SavePipeline:
             objects = flat.objects
         elif first and planned.skeleton_differs:
             objects = {k: v for k, v in flat.objects.items() if k not in planned.coordinator_objects}
+        if self.serving is not None:  # from the staged copy, before the writer hands it on
+            with self.trace.span("serve"):
+                self.serving.add(staged)
         with self.trace.span("write") as sp:
             faults.inject("write", self.ctx.rank)
             out = write_data_files(

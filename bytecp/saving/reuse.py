@@ -14,7 +14,8 @@ through ``.data`` (which has a version counter of its own) say so with
 Who calls what (every rank, in the save pipeline's order):
 
 1. :func:`live_tokens` -- describe: each shard's (pointer, version) token,
-   before any copy.
+   before any copy (the versions read at once, one attribute a shard; the
+   mapping by FQN built when first asked for, on whichever thread).
 2. :meth:`Incremental.split` -- plan: the boxes this rank writes, less those
    unchanged since the base (the last committed save of this process, in the
    run's sibling checkpoint ``base``); their rows travel as :class:`Reused`.
@@ -28,8 +29,9 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import operator
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -39,34 +41,107 @@ from bytecp.format import metadata as fmt
 from bytecp.format.references import name_of, run_url
 from bytecp.plan.planner import WriteItem
 from bytecp.tree.regions import Region
-from bytecp.tree.state import FlatTree
+from bytecp.tree.state import FlatTree, PieceShard
 
-__all__ = ["Token", "Tokens", "live_tokens", "LastSave", "LAST_SAVES", "Incremental", "Reused"]
+__all__ = ["Token", "TokenEntry", "Tokens", "live_tokens", "LastSave", "LAST_SAVES", "Incremental", "Reused"]
 
 log = logging.getLogger("bytecp")
 
 #: a shard's identity and in-place-change count: (data pointer, version, device)
 Token = tuple[int, int, str]
-Tokens = dict[str, list[tuple[Region, Token | None, torch.Tensor]]]
+#: one shard's entry: its box, its token (None: no version counter) and the tensor whose counter moves
+TokenEntry = tuple[Region, Token | None, torch.Tensor]
+
+_VERSION = operator.attrgetter("_version")
 
 
-def _token(t: torch.Tensor, versioned: torch.Tensor | None) -> Token | None:
+def _versions(tensors: Sequence[torch.Tensor]) -> list[int | None]:
+    """Each tensor's version counter (None for inference tensors, which have none)."""
     try:
-        return (t.data_ptr(), (t if versioned is None else versioned)._version, str(t.device))
-    except RuntimeError:  # inference tensors have no version counter
-        return None
+        return list(map(_VERSION, tensors))
+    except RuntimeError:
+        out: list[int | None] = []
+        for t in tensors:
+            try:
+                out.append(t._version)
+            except RuntimeError:
+                out.append(None)
+        return out
 
 
-def live_tokens(flat: FlatTree) -> Tokens:
+class Tokens(Mapping[str, list[TokenEntry]]):
+    """Every shard's token, by FQN: the shards listed at describe, their
+    versions read by :meth:`read` -- at describe, or for a lazy save first
+    thing on the background thread, in any case before any of the state's
+    bytes is copied or written (a version read before the bytes are is
+    never newer than they: at worst the next save writes a box again) --
+    and the mapping made on first use."""
+
+    def __init__(self, shards: Sequence[PieceShard], versions: Sequence[int | None] | None = None) -> None:
+        self._shards, self._versions = shards, versions
+        self._by_fqn: dict[str, list[TokenEntry]] | None = None
+        self._lock = threading.Lock()
+
+    def read(self) -> None:
+        """Read every shard's version now, unless read already."""
+        if self._versions is None:
+            with self._lock:
+                if self._versions is None:
+                    self._versions = _versions([t for _, _, t, _, _ in self._shards])
+
+    def _table(self) -> dict[str, list[TokenEntry]]:
+        table = self._by_fqn  # (set once, never changed after)
+        if table is not None:
+            return table
+        self.read()
+        with self._lock:
+            if self._by_fqn is None:
+                made: dict[str, list[TokenEntry]] = {}
+                assert self._versions is not None
+                for (fqn, region, t, ptr, device), v in zip(self._shards, self._versions, strict=True):
+                    made.setdefault(fqn, []).append((region, None if v is None else (ptr, v, device), t))
+                self._by_fqn = made
+            return self._by_fqn
+
+    def __getitem__(self, fqn: str) -> list[TokenEntry]:
+        return self._table()[fqn]
+
+    def get(self, fqn: str, default: Any = None) -> Any:
+        return self._table().get(fqn, default)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+
+def _shards_of(fqn: str, leaf: Any) -> list[PieceShard]:
+    out: list[PieceShard] = []
+    for sh in leaf.shards:
+        t = sh.tensor
+        out.append((fqn, sh.region, t if leaf.versioned is None else leaf.versioned, t.data_ptr(), str(t.device)))
+    return out
+
+
+def live_tokens(flat: FlatTree, *, read: bool = True) -> Tokens:
     """(every rank, describe) The token of every shard this rank holds (the
     version of the leaf's ``versioned`` tensor where the adapter names one:
-    a DTensor's, whose local tensor's counter never moves)."""
-    return {fqn: [(sh.region, _token(sh.tensor, leaf.versioned),
-                   sh.tensor if leaf.versioned is None else leaf.versioned) for sh in leaf.shards]
-            for fqn, leaf in flat.tensors.items()}
+    a DTensor's, whose local tensor's counter never moves). The shards of
+    :class:`~bytecp.tree.state.Prebuilt` pieces are listed by the piece.
+    ``read=False``: the versions are read later (:meth:`Tokens.read`)."""
+    shards: list[PieceShard] = []
+    for p in flat.pieces:
+        shards.extend(p.shards)
+    for fqn, leaf in flat.loose_tensors():
+        shards.extend(_shards_of(fqn, leaf))
+    tokens = Tokens(shards)
+    if read:
+        tokens.read()
+    return tokens
 
 
-def _token_of(tokens: Tokens, fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
+def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
     for region, tok, t in tokens.get(fqn, ()):
         if region.contains(box):
             return tok, t

@@ -232,7 +232,9 @@ class StagingPool:
         tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas) for fqn, leaf in flat.tensors.items()}
         for st, dst in copied:
             tensors[st.item.fqn].shards.append(Shard(st.item.region, dst))
-        return dataclasses.replace(flat, tensors=tensors), SnapshotStager([st for st, _ in copied])
+        # (the pieces describe the live tensors, not these)
+        return (dataclasses.replace(flat, tensors=tensors, pieces=(), loose=None),
+                SnapshotStager([st for st, _ in copied]))
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
               shared: Storage | None = None, files: int = 4, ready: Ready | None = None,

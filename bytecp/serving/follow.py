@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import threading
 import time
@@ -65,11 +66,14 @@ from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
 from bytecp.format.references import PIN_DIR, name_of, sibling
+from bytecp.format.serving_wire import held_marker, serving_dtype_name
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
 from bytecp.recorder import emit_event
 from bytecp.saving import leases
 from bytecp.saving.pins import doomed_files
+from bytecp.saving.serving import floating
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
+from bytecp.serving.delta_update import owned_boxes, update_served
 from bytecp.serving.sources import Held, Sources
 from bytecp.serving.staging import Box, stage, state_boxes, swap_in
 from bytecp.storage_api import Storage, open_storage
@@ -110,6 +114,15 @@ class FollowUpdate:
     error: str | None = None
     #: the checkpoint the state holds after this update (None: nothing yet)
     held: str | None = None
+    #: (``dtype=``) the changed tensors taken from the run's serving files
+    #: (their deltas, or a whole serving copy and the deltas after it) rather
+    #: than read whole and cast, the most steps of deltas applied to one, and
+    #: the elements the deltas changed on this rank
+    tensors_by_delta: int = 0
+    delta_steps: int = 0
+    elements_changed: int = 0
+    #: (``dtype=``) tensors read whole instead of by deltas, and missing or damaged deltas: why
+    fallbacks: tuple[str, ...] = ()
 
     @property
     def ok(self) -> bool:
@@ -135,12 +148,55 @@ class _Replaced(Exception):
     """(coordinator) The checkpoint chosen is being pruned: a newer one has committed."""
 
 
+class _Marker:
+    """A follower's held-step marker (``<run>/.followers/held/<id>.json``),
+    written by a thread of its own: the latest of what it is given, the rest dropped."""
+
+    def __init__(self, storage: Storage, path: str, run_url: str) -> None:
+        self.storage, self.path, self.run_url = storage, path, run_url
+        self._cv = threading.Condition()
+        self._want: bytes | None = None
+        self._done = False
+        self._thread = threading.Thread(target=self._run, name="bytecp-follow-marker", daemon=True)
+        self._thread.start()
+
+    def put(self, body: bytes) -> None:
+        with self._cv:
+            self._want = body
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._want is None and not self._done:
+                    self._cv.wait()
+                body, self._want = self._want, None
+                if body is None:
+                    return
+            try:
+                self.storage.commit(self.path, body)
+            except Exception as e:  # noqa: BLE001 - only the deltas a retention keeps for it are at stake
+                log.warning("bytecp.follow: cannot write its held marker under %s (%s); a retention may remove "
+                            "the deltas it needs next (it then reads those tensors whole)", self.run_url, one_line(e))
+
+    def close(self) -> None:
+        """Write what is pending, then remove the marker."""
+        with self._cv:
+            self._done = True
+            self._cv.notify()
+        self._thread.join(timeout=30)
+        try:
+            self.storage.delete([self.path])
+        except Exception:  # noqa: BLE001,S110 - a marker left behind keeps deltas until its lease lapses
+            pass
+
+
 class _Follower:
     """What the process holds: the checkpoint's URL and rows of its boxes; how it reads."""
 
     def __init__(self, run_url: str, state: dict[str, Any], ctx: DistContext, *, storage_options: Mapping[str, Any],
                  checksums: bool, pin: bool, io_threads: int, swap: str = "auto", memory_url: str | None = None,
-                 memory_options: Mapping[str, Any] | None = None) -> None:
+                 memory_options: Mapping[str, Any] | None = None, dtype: str | None = None) -> None:
         self.run_url, self.options, self.ctx = run_url.rstrip("/"), dict(storage_options), ctx
         self.sources = Sources(self.run_url, self.options, memory_url, memory_options)
         #: the held checkpoint's tier, step and save id
@@ -149,6 +205,11 @@ class _Follower:
         self.save_id: str | None = None
         self.held, _ = state_boxes(state, ctx)
         self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
+        #: the serving dtype the state holds its floating tensors in (None: the stored dtypes)
+        self.dtype = dtype
+        self._marker: _Marker | None = None  # the held step's marker for retention (dtype=)
+        if dtype is not None:  # (a group: one all-gather of the ranks' boxes)
+            self.owned, self.partial = owned_boxes(self.held, ctx)
         self.url: str | None = None
         self.rows: dict[str, list[fmt.ChunkRecord]] = {}
         self.spare: dict[Box, torch.Tensor] = {}  # the last update's staging tensors, reused
@@ -163,8 +224,23 @@ class _Follower:
                             self.run_url, one_line(e))
 
     def close(self) -> None:
+        if self._marker is not None:  # no longer holding anything retention should keep deltas after
+            self._marker.close()
         if self.lease is not None:
             self.lease.stop()
+
+    def mark_held(self) -> None:
+        """(coordinator of a follower in a serving dtype, after each update) Tell
+        retention which step it holds: the serving deltas of later checkpoints
+        are kept while its lease lives (:func:`bytecp.tools.retention.followed_from`).
+        Written by a thread of its own, so the update is yielded at once (a
+        marker a moment behind keeps more deltas, never fewer)."""
+        if self.lease is None or self.dtype is None or self.url is None:
+            return
+        if self._marker is None:
+            self._marker = _Marker(self.lease.storage, held_marker(self.id), self.run_url)
+        self._marker.put(json.dumps({"name": self.url.rstrip("/").rsplit("/", 1)[-1], "save_id": self.save_id,
+                                     "step": self.step, "written": time.time()}).encode())
 
     def decide(self, pins: contextlib.ExitStack, stop: threading.Event, failed: set[str], idle_s: float | None,
                idle_since: float, report: bool) -> _Decision:
@@ -258,7 +334,9 @@ class _Follower:
             info_t = md.tensors.get(stored)
             if info_t is None:
                 raise ConfigError(f"{url} holds no tensor {fqn!r} of the state")
-            if tuple(info_t["shape"]) != h.shape or info_t["dtype"] != str(h.dtype).split(".")[-1]:
+            held_as = str(h.dtype).split(".")[-1]
+            cast = self.dtype is not None and held_as == self.dtype and floating(info_t["dtype"])
+            if tuple(info_t["shape"]) != h.shape or (info_t["dtype"] != held_as and not cast):
                 raise ConfigError(f"{url}: {fqn!r} is {info_t['dtype']} {tuple(info_t['shape'])}, the "
                                   f"state's {h.dtype} {h.shape}")
             wanted[fqn] = stored
@@ -272,6 +350,8 @@ class _Follower:
         info = d.info
         assert info is not None
         t0 = time.perf_counter()
+        if self.dtype is not None:
+            return self._update_served(d, t0)
 
         def stage_mine() -> tuple[Any, ...]:
             opened = open_checkpoint(open_storage(info.url, **self.sources.options_for(d.tier)))
@@ -298,6 +378,23 @@ class _Follower:
             tensors_unchanged=len(changes.unchanged), unchanged_by_reference=changes.by_reference,
             skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=_lag(d.newest_step, info.step),
             lag_s=max(0.0, time.time() - created), held=info.url)
+
+    def _update_served(self, d: _Decision, t0: float) -> FollowUpdate:
+        """(every rank) :meth:`update` of a state held in a serving dtype (:mod:`bytecp.serving.delta_update`)."""
+        info = d.info
+        assert info is not None and self.dtype is not None
+        urls = {"storage": self.run_url}
+        if self.sources.memory is not None:
+            urls["memory"] = self.sources.memory.url
+        got = update_served(self, info.url, d.tier, self.dtype, self.owned, self.partial, urls)
+        self.url, self.rows = info.url, got.rows
+        self.tier, self.step, self.save_id = d.tier, info.step, got.save_id
+        return FollowUpdate(
+            step=info.step, url=info.url, tier=d.tier, bytes_read=got.bytes_read, tensors_read=got.tensors_read,
+            tensors_unchanged=got.tensors_unchanged, unchanged_by_reference=got.unchanged_by_reference,
+            skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=_lag(d.newest_step, info.step),
+            lag_s=max(0.0, time.time() - got.created), held=info.url, tensors_by_delta=got.tensors_by_delta,
+            delta_steps=got.delta_steps, elements_changed=got.elements_changed, fallbacks=tuple(got.fallbacks))
 
 
 def _why(e: BaseException) -> str:
@@ -346,6 +443,7 @@ def follow(
     memory_storage_options: dict[str, Any] | None = None,
     group: Any = None,
     distributed: bool | None = None,
+    dtype: Any = None,
 ) -> Iterator[FollowUpdate]:
     """Keep ``state`` (``{"model": model}``: modules, dicts of tensors,
     tensors; one process or a process group) at the newest committed checkpoint of the run
@@ -379,20 +477,35 @@ def follow(
     reads only its boxes of the changed tensors; one all-gather says every
     rank staged and verified, and only then does any rank swap (a failure
     on one rank is every rank's failed update, none swaps).
+
+    ``dtype`` (``torch.bfloat16``): the state holds its floating tensors in
+    this dtype (a serving engine's weights); each changed one is read cast,
+    or -- when the trainer writes serving deltas in it
+    (``CheckpointManager(..., serving_dtype=torch.bfloat16)``) -- brought
+    forward from the held checkpoint by only the elements that changed,
+    every step's element checksum checked before anything is swapped in, or
+    from the serving copy written whole at a recent step, whichever reads
+    fewer bytes (:mod:`bytecp.serving.delta_update`). A missing or damaged
+    delta is read whole instead and reported (``up.fallbacks``);
+    ``up.tensors_by_delta`` says how many came by deltas.
     """
     if on_error not in ("report", "raise"):
         raise ConfigError(f"on_error must be 'report' or 'raise', got {on_error!r}")
     if swap not in ("auto", "copy"):
         raise ConfigError(f"swap must be 'auto' or 'copy', got {swap!r}")
+    serving = None if dtype is None else serving_dtype_name(dtype)
     stop = stop or threading.Event()
     ctx = DistContext(group, local=not distributed) if distributed is not None else DistContext(group)
     f = _Follower(run_url, state, ctx, storage_options=storage_options or {}, checksums=checksums, pin=pin,
-                  io_threads=io_threads, swap=swap, memory_url=memory_url, memory_options=memory_storage_options)
+                  io_threads=io_threads, swap=swap, memory_url=memory_url, memory_options=memory_storage_options,
+                  dtype=serving)
     failed: set[str] = set()
     reported: str | None = None  # the last run-level failure reported (once until it changes)
     try:
         if held is not None:
             ctx.run("follow/held", lambda: f.hold(held))
+            if ctx.is_coordinator:
+                f.mark_held()
         idle_since = time.monotonic()
         while True:
             with contextlib.ExitStack() as pins:  # the coordinator's pins, until every rank staged
@@ -413,6 +526,8 @@ def follow(
                     reported = None
                     up = _take(f, d, failed, on_error)
             idle_since = time.monotonic()
+            if up.ok and ctx.is_coordinator:
+                f.mark_held()
             if up.ok:  # exporters (bytecp.monitoring's Prometheus gauges) see lag and bytes per update
                 emit_event("follower_lag_seconds", up.lag_s)
                 emit_event("follower_update_bytes", float(up.bytes_read))

@@ -39,7 +39,7 @@ from bytecp.loading.opened import OpenedCheckpoint
 from bytecp.loading.reader import Target, execute_reads
 from bytecp.plan.load_plan import plan_load
 from bytecp.recorder import Trace
-from bytecp.tree.dtypes import itemsize
+from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.regions import Region
 
 __all__ = ["Box", "Held", "stage", "state_boxes", "swap_in"]
@@ -63,12 +63,13 @@ def state_boxes(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[
     group), and its aliases (tied FQN -> stored FQN). Full tensors are the
     objects the state holds (a module's parameters, not a state dict's
     detached views), so their storages may be swapped."""
-    from bytecp.adapter_api import detect_adapter
+    from bytecp.adapter_api import describing_once, detect_adapter
     from bytecp.tree.state import flatten_tree
 
     if not isinstance(state, dict):
         raise ConfigError(f"state must be a dict such as {{'model': model}}, got {type(state).__name__}")
-    flat = flatten_tree(detect_adapter(state).save_tree(state, ctx))
+    with describing_once():  # no description kept: it would hold views of the storages a swap replaces
+        flat = flatten_tree(detect_adapter(state).save_tree(state, ctx))
     live = _live_tensors(state)
     out: dict[str, Held] = {}
     for fqn, leaf in flat.tensors.items():
@@ -108,7 +109,8 @@ def stage(opened: OpenedCheckpoint, held: Mapping[str, Held], wanted: Mapping[st
     """(every rank, local) This process's boxes of the stored tensors
     ``names`` read into staging tensors (``spare``'s, reused where shape and
     dtype match) through the load path's planned ranged reads, every whole
-    chunk's crc32c checked. ``wanted``: state FQN -> stored FQN. Returns
+    chunk's crc32c checked; a target of another floating dtype than the
+    stored one is read cast. ``wanted``: state FQN -> stored FQN. Returns
     the staged boxes and the bytes read."""
     staged: dict[Box, torch.Tensor] = {}
     for f, s in wanted.items():
@@ -125,9 +127,10 @@ def stage(opened: OpenedCheckpoint, held: Mapping[str, Held], wanted: Mapping[st
         return staged, 0
     targets = [Target(s, box, t) for (s, box), t in staged.items()]
     chunks = [r for f in names for r in rows[f]]
+    # the stored dtype's sizes: a target held in a serving dtype (``follow(dtype=)``) is read cast
     blocks = block_bytes_of(opened.metadata)
     reqs = plan_load([(t.fqn, t.box) for t in targets], chunks,
-                     itemsizes={t.fqn: itemsize(t.view.dtype) for t in targets}, block_bytes=blocks)
+                     itemsizes={c.fqn: ITEMSIZES[c.dtype] for c in chunks}, block_bytes=blocks)
     nbytes = execute_reads(opened.storage, chunks, targets, reqs, io_threads=io_threads, verify=True,
                            trace=Trace("follow", opened.storage.url), block_bytes=blocks)
     return staged, nbytes

@@ -20,17 +20,31 @@ evaluation job). In order:
 4. reads them through :class:`bytecp.interop.export.TensorReader` (planned
    ranged reads, every chunk's crc32c checked), casting floating tensors to
    ``dtype``; the consumer holds each tensor only as long as it wants.
+
+With ``scatter=True`` (and ``changed_since``, ``dtype``: the run's serving
+dtype) it yields ``(name, positions, values)`` triples instead: a tensor the
+run's serving deltas take from ``changed_since`` to ``url`` for fewer bytes
+(:mod:`bytecp.serving.deltas`: the chain of steps merged, every part's
+crc32c checked) as the flat positions that changed and their new values,
+for an in-place scatter into the engine's copy (``param.view(-1)[positions]
+= values``); any other changed tensor whole, as ``(name, None, tensor)``.
+The engine's copy is not seen here, so the element checksums are not
+checked: ``bytecp.follow(..., dtype=)`` checks them against the state it holds.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bytecp.errors import ConfigError
+from bytecp.format.references import name_of, run_url
+from bytecp.format.serving_wire import serving_dtype_name
 from bytecp.interop.export import TensorReader, select_tensors
 from bytecp.interop.hf_export import resolve_config
 from bytecp.interop.mapped_export import MappedReader, choose_spec
@@ -39,7 +53,12 @@ from bytecp.serving.changes import changed_tensors, rows_by_tensor
 from bytecp.storage_api import open_storage
 from bytecp.tree.dtypes import dtype_from_name, dtype_name
 
-__all__ = ["iter_weights"]
+__all__ = ["iter_weights", "Change"]
+
+log = logging.getLogger("bytecp")
+
+#: what ``iter_weights(..., scatter=True)`` yields: (name, flat positions or None for a whole tensor, values)
+Change = tuple[str, torch.Tensor | None, torch.Tensor]
 
 
 def _open(url: str, options: dict[str, Any]) -> OpenedCheckpoint:
@@ -60,7 +79,8 @@ def iter_weights(
     config: str | Path | dict[str, Any] | None = None,
     checksums: bool = True,
     storage_options: dict[str, Any] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
+    scatter: bool = False,
+) -> Iterator[Any]:
     """Yield ``(name, tensor)`` for the model tensors of checkpoint ``url``.
 
     ``names``: ``"bytecp"`` (stored names, ``prefix`` stripped) or ``"hf"``
@@ -71,9 +91,14 @@ def iter_weights(
     ``changed_since``: an older checkpoint of the same run; only tensors that
     differ from it are yielded (with a spec: every target of a changed
     source). ``checksums=False``: only references prove a tensor unchanged.
+    ``scatter=True`` (with ``changed_since`` and ``dtype``, the run's serving
+    dtype): ``(name, positions, values)`` triples, see the module's docstring.
     """
     if names not in ("bytecp", "hf"):
         raise ConfigError(f"names must be 'bytecp' or 'hf', got {names!r}")
+    if scatter and (changed_since is None or dtype is None or spec is not None):
+        raise ConfigError("scatter=True yields the changes since an older checkpoint in the run's serving dtype: "
+                          "pass changed_since= and dtype= (and no spec=)")
     if names == "bytecp" and spec is not None:
         raise ConfigError("spec= converts to Hugging Face names: pass names='hf' with it")
     cast = dtype_name(dtype) if isinstance(dtype, torch.dtype) else dtype
@@ -96,8 +121,56 @@ def iter_weights(
         return
     items, _ = select_tensors(md, url, prefix=prefix, dtype=cast, safetensors=False)
     items = [it for it in items if changed is None or it.fqn in changed]
+    if scatter:
+        assert changed_since is not None
+        yield from _scatter(opened, url, changed_since, items, serving_dtype_name(dtype), options)
+        return
     for it, t in TensorReader(opened).read(items):
         yield it.name, t.to(dtype_from_name(it.out_dtype))
+
+
+def _scatter(opened: OpenedCheckpoint, url: str, since: str, items: list[Any], dtype: str,
+             options: dict[str, Any]) -> Iterator[Change]:
+    """``scatter=True``: each changed tensor as its changes from ``since`` (the
+    deltas' chain, merged) or whole."""
+    from bytecp.saving.serving import floating
+    from bytecp.serving.delta_apply import Target, bring_forward, parts_for
+    from bytecp.serving.delta_update import resolver
+    from bytecp.serving.deltas import Chain, Mode, choose, read_payloads, walk
+    from bytecp.tree.regions import Region
+
+    md = opened.metadata
+    held = open_checkpoint(open_storage(since, **options)).metadata.save_id
+    served = [it for it in items if floating(it.dtype)]
+    chain, modes = Chain([], False, []), {}
+    if served and run_url(since) == run_url(url) and name_of(since) != name_of(url):
+        budget = sum(it.numel * dtype_from_name(it.dtype).itemsize for it in served)
+        chain = walk((url, "storage", opened.storage), md.save_id, held, dtype,
+                     resolver({"storage": run_url(url)}, {"storage": options}), budget,
+                     [(it.fqn, it.numel) for it in served])
+        modes = {it.fqn: choose(chain, it.fqn, it.numel, it.dtype) for it in served}
+    tdtype = dtype_from_name(dtype)
+    targets = [Target(it.fqn, Region((0,) * len(it.shape), it.shape), it.shape, tdtype, [], owned=False)
+               for it in served if modes.get(it.fqn, Mode("rows")).kind != "rows"]
+    payloads, bad = read_payloads(chain, parts_for(chain, modes, targets))
+    brought = bring_forward(chain, modes, targets, payloads, bad, dtype, {})
+    why = [f"{k}: {v}" for k, v in sorted(brought.failed.items())] + chain.problems
+    if why:
+        log.warning("bytecp.iter_weights: %s: read whole instead of by serving deltas: %s", url, "; ".join(why[:3]))
+    whole = []
+    for it in items:
+        key = (it.fqn, Region((0,) * len(it.shape), it.shape))
+        if key in brought.nets:
+            p, b = brought.nets[key]
+            vals = torch.from_numpy(np.ascontiguousarray(b).view({1: np.uint8, 2: np.int16, 4: np.int32,
+                                                                  8: np.int64}[tdtype.itemsize])).view(tdtype)
+            yield it.name, torch.from_numpy(p), vals
+        elif key in brought.staged:
+            yield it.name, None, brought.staged[key].reshape(it.shape)
+        else:
+            whole.append(it)
+    for it, t in TensorReader(opened).read(whole):
+        yield it.name, None, t.to(dtype_from_name(it.out_dtype))
 
 
 def _mapped(opened: OpenedCheckpoint, url: str, spec: str, cfg: bytes | None, prefix: str, cast: str | None,

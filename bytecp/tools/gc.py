@@ -42,7 +42,7 @@ class GcResult:
 
 #: files deleted per storage call (one S3 DeleteObjects request holds 1,000)
 DELETE_BATCH = 1000
-_SAVE_FOLDERS = ("data", "index", LEASE_DIR)
+_SAVE_FOLDERS = ("data", "index", "serving", LEASE_DIR)
 
 
 def _committed_id(storage: Storage) -> str | None:

@@ -16,6 +16,14 @@ and only then deletes:
   name stay, every other file of it goes;
 - a retired base that no kept checkpoint references any more goes whole.
 
+Serving deltas (:mod:`bytecp.saving.serving`) go with their checkpoint,
+except while a live serving follower of the run holds an older step
+(``<run>/.followers/held/<id>.json`` under its lease,
+:func:`followed_from`): a checkpoint after that step is retired instead,
+keeping its deltas (not its whole serving copies) for the follower's chain,
+and goes whole at a later retention once no live follower holds a step
+before it.
+
 A save in flight references only checkpoints that are committed when it
 plans (the manager's own: the newest, always kept, and what that one
 references), so retention run by the same job never deletes what it is
@@ -29,20 +37,24 @@ pinning (:mod:`bytecp.saving.pins` has the protocol and why it holds).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import re
+import time
 from collections.abc import Callable, Sequence
 
 from bytecp.format import metadata as fmt
+from bytecp.format import serving_wire
 from bytecp.format.header import Files, read_files, read_header
 from bytecp.format.references import BASE_FILE, PIN_DIR, retired_bytes, retired_names
+from bytecp.saving import leases
 from bytecp.saving.pins import DOOM_DIR, Doom, live_pins
 from bytecp.storage_api import Storage
 
 #: a step directory of a run
 _STEP = re.compile(r"^step-(\d+)$")
 
-__all__ = ["RetentionResult", "live_files", "retain", "sweep_uncommitted"]
+__all__ = ["RetentionResult", "followed_from", "live_files", "retain", "sweep_uncommitted"]
 
 log = logging.getLogger("bytecp.manager")
 
@@ -66,6 +78,27 @@ def live_files(root: Storage, names: Sequence[str]) -> dict[str, set[str]]:
         for ref in files.header.references:
             live.setdefault(ref, set()).update(files.files_of(ref))
     return live
+
+
+def followed_from(root: Storage, now: float | None = None) -> int | None:
+    """The lowest step a live serving follower of the run ``root`` holds
+    (its marker, its lease not lapsed); None: no such follower."""
+    fol = root.child(serving_wire.FOLLOWERS_DIR)
+    try:
+        paths = fol.list_files("held")
+    except Exception:  # noqa: BLE001 - no folder, or unreadable: nothing kept for followers
+        return None
+    now = time.time() if now is None else now
+    steps = []
+    for path in paths:
+        fid = path.rsplit("/", 1)[-1].removesuffix(".json")
+        try:
+            step = json.loads(fol.read_bytes(path))["step"]
+        except Exception:  # noqa: BLE001 - removed meanwhile, or half written: not a follower to keep for
+            continue
+        if type(step) is int and leases.may_be_running(fol, fid, now):
+            steps.append(step)
+    return min(steps) if steps else None
 
 
 def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
@@ -94,15 +127,17 @@ def retain(root: Storage, kept: Sequence[str], doomed: Sequence[str],
         # checkpoints committed meanwhile (a save that unpinned has committed)
         pins = {name: live_pins(root, root.child(name)) for name in metas}
         live = live_files(root, list(committed()) + list(kept))
-        return _prune(root, doom, metas, pins, live)
+        return _prune(root, doom, metas, pins, live, followed_from(root) if metas else None)
     finally:
         doom.lift_all()
 
 
 def _prune(root: Storage, doom: Doom, metas: dict[str, Files],
-           pins: dict[str, tuple[list[str], list[str]]], live: dict[str, set[str]]) -> RetentionResult:
+           pins: dict[str, tuple[list[str], list[str]]], live: dict[str, set[str]],
+           followed: int | None = None) -> RetentionResult:
     """(retention, step 3) Delete or retire each doomed checkpoint; only
-    data files its marker names go; the marker goes after the last."""
+    data files its marker names go; the marker goes after the last. A
+    checkpoint after the step ``followed`` keeps its serving deltas."""
     out = RetentionResult()
     for name, md in metas.items():
         ck = root.child(name)
@@ -117,7 +152,10 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, Files],
         own = set(md.own_data_files) & files
         # a save in flight references it: keep everything it holds, as a base
         gone = set() if in_flight else (own - live.get(name, set())) & doom.files(ck)
-        if own == gone and not in_flight:
+        step = md.header.step
+        serving = set(serving_wire.kept_files(sorted(files), md.header.save_id)) \
+            if followed is not None and step is not None and step > followed else set()
+        if own == gone and not in_flight and not serving:
             ck.delete([BASE_FILE])  # first: from here on it is nothing a save may reference
             ck.delete(sorted(p for p in files if p != BASE_FILE and not p.startswith(DOOM_DIR + "/")))
             doom.lift(ck, root)  # last (another deleter's marker, if any, stays)
@@ -126,8 +164,8 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, Files],
         keep = own - gone
         # what a save pinning from now on may reference: exactly what stays
         ck.commit(BASE_FILE, retired_bytes(md, keep))
-        ck.delete(sorted(p for p in files if p not in keep and p != BASE_FILE and (p in dead_pins or (
-            not in_flight and not p.startswith((PIN_DIR + "/", DOOM_DIR + "/"))))))
+        ck.delete(sorted(p for p in files if p not in keep and p not in serving and p != BASE_FILE and (
+            p in dead_pins or (not in_flight and not p.startswith((PIN_DIR + "/", DOOM_DIR + "/"))))))
         doom.lift(ck)
         out.retired.append(name)
     return out

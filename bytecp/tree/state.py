@@ -21,6 +21,11 @@ of different parts of one buffer (other offsets, shapes or strides) are not
 aliases: each is stored as its own tensor. Adapters give tied tensors of a
 sharded model the same :class:`TensorLeaf` object.
 
+An adapter may hand over a subtree it flattened at an earlier save, as a
+:class:`Prebuilt` piece (a module's or an optimizer's description kept while
+its structure is unchanged: :mod:`bytecp.adapters._watch`);
+:func:`flatten_tree` splices it in where it stands instead of walking it.
+
 For loading, adapters build a target tree of the same shape whose leaves are
 destination tensors / :class:`TensorLeaf` views to fill in place, and
 :class:`Slot` for everything rebuilt from the checkpoint.
@@ -36,7 +41,8 @@ import functools
 import hashlib
 import json
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -55,7 +61,10 @@ __all__ = [
     "Whole",
     "Slot",
     "FlatTree",
+    "Prebuilt",
+    "PieceShard",
     "flatten_tree",
+    "prebuild",
     "is_json_leaf",
     "merge_aliases",
 ]
@@ -234,6 +243,20 @@ class FlatTree:
     aliases: dict[str, str] = dataclasses.field(default_factory=dict)
     #: per-rank fqn -> this rank's data position (:attr:`PerRank.data`)
     data: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    #: (a description of the live state) the :class:`Prebuilt` pieces spliced
+    #: in, and the tensors the walk described itself; ``loose`` is None when
+    #: there are no pieces (every tensor is the walk's)
+    pieces: tuple[Prebuilt, ...] = ()
+    loose: list[str] | None = None
+    #: values inside ``objects`` that no one mutates, shared between saves
+    #: (a deep copy of the objects may keep them as they are)
+    shared: tuple[Any, ...] = ()
+
+    def loose_tensors(self) -> Iterable[tuple[str, TensorLeaf]]:
+        """``(fqn, leaf)`` of the tensors the walk described itself (all, without pieces)."""
+        if self.loose is None:
+            return self.tensors.items()
+        return [(fqn, self.tensors[fqn]) for fqn in self.loose]
 
     def digest(self) -> str:
         """Equal digests mean equal skeletons and equal aliases."""
@@ -241,6 +264,65 @@ class FlatTree:
             return self.skeleton.digest()
         return self.skeleton.digest() + ":" + hashlib.blake2b(
             json.dumps(sorted(self.aliases.items())).encode(), digest_size=16).hexdigest()
+
+
+#: one shard of a piece, as a save's version tokens need it (:mod:`bytecp.saving.reuse`):
+#: (FQN, its box, the tensor whose version counter moves, data pointer, device)
+PieceShard = tuple[str, Region, torch.Tensor, int, str]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Prebuilt:
+    """A subtree of a state tree flattened at an earlier save, spliced by
+    :func:`flatten_tree` at ``fqn`` as if it had been walked there.
+
+    (an adapter's ``save_tree``, every rank, describe) Made by :func:`prebuild`
+    and kept by the adapter while what it describes keeps its structure
+    (names, shapes, dtypes, layouts and the very tensor objects and memory);
+    :meth:`with_objects` gives this save's values of its objects. A piece
+    whose tensors share memory with a tensor described outside it (an alias
+    across pieces), or whose names collide, is walked instead (:meth:`expand`).
+    """
+
+    fqn: str
+    #: the subtree's skeleton node, tensors, objects, per-rank values and aliases
+    flat: FlatTree
+    #: every name it claims
+    names: frozenset[str]
+    #: the first FQN of each tensor object and of each full tensor's memory (as the walk keeps them)
+    by_id: dict[int, str]
+    by_memory: dict[tuple[Any, ...], str]
+    #: the data pointers among ``by_memory``'s keys (cheap to compare: tuple keys hash anew each time)
+    pointers: frozenset[int]
+    #: every shard of its tensors, in order
+    shards: tuple[PieceShard, ...]
+    #: one tensor on each CUDA device its tensors use
+    cuda: tuple[torch.Tensor, ...] = ()
+    #: values inside its objects shared between saves and never mutated
+    shared: tuple[Any, ...] = ()
+    #: the object the walk met at each tensor leaf's FQN (kept: ids stay unique while the piece lives)
+    origin: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: answers computed from the pieces of a state whose first piece this is
+    #: (shared by its copies :meth:`with_objects` makes; dropped with the piece)
+    memo: dict[Any, Any] = dataclasses.field(default_factory=dict)
+
+    def with_objects(self, objects: dict[str, Any], shared: tuple[Any, ...] = ()) -> Prebuilt:
+        """This piece with this save's ``objects`` (the same names as its own)."""
+        return dataclasses.replace(self, flat=dataclasses.replace(self.flat, objects=objects), shared=shared)
+
+    def expand(self) -> Any:
+        """The subtree as the adapter's tree held it (tensor leaves, ``Whole``
+        objects, ``PerRank`` values), to be walked like any other."""
+        flat = self.flat
+
+        def leaf(kind: str, name: str) -> Any:
+            if kind == "tensor":
+                return self.origin[name]
+            if kind == "rank":
+                return PerRank(flat.per_rank[name], flat.data.get(name))
+            return Whole(flat.objects[name])
+
+        return flat.skeleton.build(leaf)
 
 
 def _memory(t: torch.Tensor) -> tuple[Any, ...] | None:
@@ -255,47 +337,122 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
     """Walk a state tree into its :class:`~bytecp.tree.skeleton.Node` skeleton and
     leaves by FQN (dicts with JSON-able keys, lists and tuples are containers;
     everything else is a leaf). With ``target=True`` (a load target)
-    non-tensor leaves become slots.
+    non-tensor leaves become slots. :class:`Prebuilt` pieces are spliced in
+    where they stand.
     """
-    out = FlatTree(Node.container("dict", ()), {}, {}, {}, {})
-    seen: set[str] = set()
-    # the first FQN of each tensor object and of each full tensor's memory
-    by_id: dict[int, str] = {}
-    by_memory: dict[tuple[Any, ...], str] = {}
-    keep: list[Any] = []  # ids stay unique while the walk runs
+    return _Walk(target).run(tree, "")
 
-    def tensor(v: Any, fqn: str) -> Node:
+
+class _Walk:
+    """One walk of :func:`flatten_tree` (or :func:`prebuild`): the tree it
+    builds and what it has met so far."""
+
+    def __init__(self, target: bool) -> None:
+        self.target = target
+        self.out = FlatTree(Node.container("dict", ()), {}, {}, {}, {})
+        self.names: set[str] = set()
+        #: every name claimed: the walk's, then each piece's
+        self.seen: list[AbstractSet[str]] = [self.names]
+        #: the first FQN of each tensor object and of each full tensor's memory
+        self.by_id: dict[int, str] = {}
+        self.by_memory: dict[tuple[Any, ...], str] = {}
+        #: ... and each spliced piece's
+        self.by_ids: list[dict[int, str]] = [self.by_id]
+        self.by_memories: list[dict[tuple[Any, ...], str]] = [self.by_memory]
+        self.pointers: set[int] = set()
+        self.pointer_sets: list[AbstractSet[int]] = [self.pointers]
+        #: the object the walk met at each tensor leaf's FQN (ids stay unique while the walk runs)
+        self.origin: dict[str, Any] = {}
+        self.pieces: list[Prebuilt] = []
+        self.loose: list[str] = []
+
+    def run(self, tree: Any, prefix: str) -> FlatTree:
+        out = self.out
+        out.skeleton = self.walk(tree, prefix, prefix.count(".") + 1 if prefix else 0)
+        if self.pieces:
+            out.pieces, out.loose = tuple(self.pieces), self.loose
+            out.shared = tuple(x for p in self.pieces for x in p.shared)
+        return out
+
+    def first_of(self, v: Any, mem: tuple[Any, ...] | None) -> str | None:
+        for ids in self.by_ids:
+            first = ids.get(id(v))
+            if first is not None:
+                return first
+        if mem is not None:
+            for i, mems in enumerate(self.by_memories):
+                first = mems.get(mem)
+                if first is not None and (i == 0 or self._still_at(self.pieces[i - 1], first, mem)):
+                    return first
+        return None
+
+    @staticmethod
+    def _still_at(p: Prebuilt, name: str, mem: tuple[Any, ...]) -> bool:
+        """Whether piece ``p``'s tensor ``name`` still shows the memory it showed
+        when the piece was made (a storage reallocated in place moves it)."""
+        t = p.origin.get(name)
+        return not isinstance(t, torch.Tensor) or _memory(t) == mem
+
+    def tensor(self, v: Any, fqn: str) -> Node:
         """A tensor leaf; an alias when ``v`` shares its memory with an earlier one."""
         mem = _memory(v) if isinstance(v, torch.Tensor) else None
-        first = by_id.get(id(v))
-        if first is None and mem is not None:
-            first = by_memory.get(mem)
+        first = self.first_of(v, mem)
+        self.origin[fqn] = v
         if first is not None:
-            out.aliases[claim(fqn)] = first
+            self.out.aliases[self.claim(fqn)] = first
             return Node.leaf("tensor", fqn)
-        by_id[id(v)] = fqn
-        keep.append(v)
+        self.by_id[id(v)] = fqn
         if mem is not None:
-            by_memory[mem] = fqn
+            self.by_memory[mem] = fqn
+            self.pointers.add(mem[2])
         if not isinstance(v, TensorLeaf):  # a state dict's tensors are detached already
             v = TensorLeaf.full(v.detach() if v.requires_grad or type(v) is not torch.Tensor else v)
-        out.tensors[claim(fqn)] = v
+        self.out.tensors[self.claim(fqn)] = v
+        self.loose.append(fqn)
         return Node.leaf("tensor", fqn)
 
-    def claim(fqn: str) -> str:
-        if fqn in seen:
+    def claim(self, fqn: str) -> str:
+        if any(fqn in claimed for claimed in self.seen):
             raise ConfigError(
                 f"two entries of the state map to the same key {fqn!r} (a dict key containing "
                 "'.' collides with a nested key); rename one of them"
             )
-        seen.add(fqn)
+        self.names.add(fqn)
         return fqn
 
-    def walk(v: Any, fqn: str, depth: int) -> Node:
+    def splice(self, p: Prebuilt) -> bool:
+        """Take piece ``p`` whole, unless a name or a tensor of it was met before."""
+        def apart(a: AbstractSet[Any], b: AbstractSet[Any]) -> bool:
+            return (a.isdisjoint(b) if len(a) >= len(b) else b.isdisjoint(a))  # (iterates the smaller)
+
+        if not (all(apart(claimed, p.names) for claimed in self.seen)
+                and all(apart(ids.keys(), p.by_id.keys()) for ids in self.by_ids)
+                and (all(apart(ptrs, p.pointers) for ptrs in self.pointer_sets)
+                     or all(apart(mems.keys(), p.by_memory.keys()) for mems in self.by_memories))):
+            return False
+        self.seen.append(p.names)
+        self.by_ids.append(p.by_id)
+        self.by_memories.append(p.by_memory)
+        self.pointer_sets.append(p.pointers)
+        out = self.out
+        out.tensors.update(p.flat.tensors)
+        out.objects.update(p.flat.objects)
+        out.per_rank.update(p.flat.per_rank)
+        out.data.update(p.flat.data)
+        out.aliases.update(p.flat.aliases)
+        self.pieces.append(p)
+        return True
+
+    def walk(self, v: Any, fqn: str, depth: int) -> Node:
         if depth > MAX_DEPTH:
             raise ConfigError(f"{fqn!r}: the state is nested deeper than {MAX_DEPTH} levels")
+        out, target = self.out, self.target
+        if isinstance(v, Prebuilt):
+            if v.fqn == fqn and not target and self.splice(v):
+                return v.flat.skeleton
+            return self.walk(v.expand(), fqn, depth)
         if isinstance(v, TensorLeaf):
-            return tensor(v, fqn)
+            return self.tensor(v, fqn)
         if isinstance(v, torch.Tensor):
             if type(v) not in (torch.Tensor, torch.nn.Parameter):
                 advice = ("leave framework= unset (DTensors anywhere in the state select the DTensor adapter) "
@@ -305,39 +462,61 @@ def flatten_tree(tree: Any, *, target: bool = False) -> FlatTree:
                 raise ConfigError(f"{fqn!r} is a {type(v).__name__}, a tensor subclass the chosen adapter "
                                   f"cannot save as a full tensor; {advice}")
             dtype_name(v.dtype)  # fails early for unsupported dtypes
-            return tensor(v, fqn)
+            return self.tensor(v, fqn)
         if isinstance(v, Slot):
-            out.slots[claim(fqn)] = v
+            out.slots[self.claim(fqn)] = v
             return Node.leaf("rank" if v.per_rank else "obj", fqn)
         if isinstance(v, PerRank):
             if target:
-                out.slots[claim(fqn)] = Slot(per_rank=True)
+                out.slots[self.claim(fqn)] = Slot(per_rank=True)
             else:
-                out.per_rank[claim(fqn)] = v.value
+                out.per_rank[self.claim(fqn)] = v.value
                 if v.data is not None:
                     out.data[fqn] = v.data
             return Node.leaf("rank", fqn)
         if isinstance(v, Whole):
             if target:
-                out.slots[claim(fqn)] = Slot()
+                out.slots[self.claim(fqn)] = Slot()
             else:
-                out.objects[claim(fqn)] = v.value
+                out.objects[self.claim(fqn)] = v.value
             return Node.leaf("obj", fqn)
         if type(v) is dict and all(key_ok(k) for k in v):
             return Node.container(
-                "dict", [(k, walk(x, f"{fqn}.{k}" if fqn else str(k), depth + 1)) for k, x in v.items()]
+                "dict", [(k, self.walk(x, f"{fqn}.{k}" if fqn else str(k), depth + 1)) for k, x in v.items()]
             )
         if type(v) in (list, tuple):
-            items = [(i, walk(x, f"{fqn}.{i}" if fqn else str(i), depth + 1)) for i, x in enumerate(v)]
+            items = [(i, self.walk(x, f"{fqn}.{i}" if fqn else str(i), depth + 1)) for i, x in enumerate(v)]
             return Node.container("list" if type(v) is list else "tuple", items)
         if target:
-            out.slots[claim(fqn)] = Slot()
+            out.slots[self.claim(fqn)] = Slot()
         else:
-            out.objects[claim(fqn)] = v
+            out.objects[self.claim(fqn)] = v
         return Node.leaf("obj", fqn)
 
-    out.skeleton = walk(tree, "", 0)
-    return out
+
+def prebuild(tree: Any, fqn: str, *, shared: tuple[Any, ...] = ()) -> Prebuilt:
+    """(an adapter's ``save_tree``, every rank) ``tree``, the subtree of the
+    state at ``fqn``, flattened into a :class:`Prebuilt` piece: the same
+    leaves, names and aliases a walk of the whole state makes of it there
+    (when nothing outside it shares its tensors or names). ``shared``: values
+    inside its objects that no one mutates."""
+    w = _Walk(False)
+    flat = w.run(tree, fqn)
+    if flat.pieces:
+        raise ValueError("a piece holds no pieces")
+    flat.loose = None
+    shards: list[PieceShard] = []
+    cuda: dict[Any, torch.Tensor] = {}
+    for name, leaf in flat.tensors.items():
+        for sh in leaf.shards:
+            t = sh.tensor
+            shards.append((name, sh.region, t if leaf.versioned is None else leaf.versioned, t.data_ptr(),
+                           str(t.device)))
+            if t.device.type == "cuda":
+                cuda.setdefault(t.device, t)
+    names = frozenset(w.names)
+    return Prebuilt(fqn, flat, names, w.by_id, w.by_memory, frozenset(w.pointers), tuple(shards),
+                    tuple(cuda.values()), shared, w.origin)
 
 
 def merge_aliases(

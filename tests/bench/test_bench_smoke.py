@@ -120,3 +120,19 @@ def test_scale_s3_load_tiny_world_against_moto(tmp_path: Path) -> None:
     assert _numeric(res["metadata"]["fetch_s"]) and _numeric(res["metadata"]["parse_s"])
     assert res["upload"]["files"] == res["parts_written"] + 2  # the parts, the directory, metadata.json
     assert "| s3, one part at a time |" in proc.stdout and "| s3, 16 at once |" in proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_load_floor_tiny_reports_every_case(tmp_path: Path) -> None:
+    """``python -m benchmarks.load_floor`` at a tiny size: the floor, both bytecp loads and DCP timed,
+    wall and CPU, each against the floor (nothing asserted about speed)."""
+    out = tmp_path / "load.json"
+    run_benchmark("load_floor", ["--gb", "0.01", "--repeats", "1", "--root", str(tmp_path), "--json", str(out)],
+                  timeout=280)
+    res = json.loads(out.read_text())
+    assert res["read_gb"] > 0.005 and res["tensors"] > 20
+    for case in ("floor", "bytecp", "bytecp_unverified", "dcp"):
+        assert all(_numeric(v) for v in res[f"{case}_s"].values()), case
+        if case != "floor":
+            assert _numeric(res[f"{case}_speed_vs_floor"]) and _numeric(res[f"{case}_cpu_vs_floor"]), case

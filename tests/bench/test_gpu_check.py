@@ -46,3 +46,23 @@ def test_targets_and_table_of_a_report() -> None:
     assert "CUDA tests: 1 passed of 2" in text and "failed: a::b boom" in text
     assert "| async save: blocking (eager copy / DCP call + staging) | 0.086 s | 2.700 s | 0.03x |" in text
     assert "| one training step | - | - |  |" in text  # not measured: a dash, never a made-up figure
+
+
+def test_the_every_step_loop_in_targets_and_table() -> None:
+    from benchmarks.every_step import summary
+
+    loops = {"without": {"step_s": [1.0, 1.02, 0.98], "call_s": [0.0] * 3, "optimizer_s": [0.01] * 3},
+             "with": {"step_s": [1.005, 1.025, 0.985], "call_s": [0.004, 0.005, 0.006], "optimizer_s": [0.012] * 3}}
+    every = {"params": 1.21e9, "state_bytes": 16.9e9, "batch": 32, "seq": 1024, "disk_every": 50,
+             "last_checkpoint_bitwise": True, "failed_saves": 0, **summary(loops)}
+    got = {t["target"]: t for t in targets({}, every)}
+    row = got["training time added per step, a checkpoint every step to the memory tier (%)"]
+    assert row["value"] == pytest.approx(0.5, abs=1e-3) and row["met"] is True
+    text = table({"gpu": "H200", "date": "2026-12-01", "bench": {}, "every_step": every, "tests": [],
+                  "targets": targets({}, every)})
+    assert "Checkpoint at every step (1.21B parameters, 16.9 GB of state, batch 32 x 1024)" in text
+    assert "+5.0 ms a step (+0.50%)" in text and "last checkpoint bitwise: True" in text
+    skipped = table({"gpu": "H200", "date": "2026-12-01", "bench": {}, "tests": [], "targets": targets({}, None),
+                     "every_step": {"skipped": "/dev/shm has 8.0 GB free"}})
+    assert "Checkpoint at every step: skipped (/dev/shm has 8.0 GB free)" in skipped
+    assert got["lazy call blocking (ms)"]["value"] is None  # not measured: no figure

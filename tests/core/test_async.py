@@ -224,3 +224,36 @@ def test_collector_pauses_of_two_threads_nest() -> None:
     assert gc.isenabled()
     resume_gc()  # (one more end than pauses: harmless)
     assert gc.isenabled()
+
+
+def test_saves_run_on_one_kept_thread_each_in_a_fresh_context(tmp_path: Path) -> None:
+    """The background thread is started once (an async call never waits for a
+    new thread to be scheduled) and kept for the next save of the same nice
+    level; each save sees contextvars as a new thread would."""
+    import threading
+
+    from bytecp.dist_raw import DEADLINE
+    from bytecp.saving.handles import _worker
+
+    m = nn.Linear(4, 4)
+    h1 = bytecp.async_save(str(tmp_path / "a"), {"model": m})
+    h1.wait()
+    h2 = bytecp.async_save(str(tmp_path / "b"), {"model": m}, lazy=True)
+    h2.wait()
+    assert h1.thread is h2.thread and h2.thread is not None and h2.thread.is_alive()
+    h3 = bytecp.async_save(str(tmp_path / "c"), {"model": m}, background_nice=3)
+    h3.wait()
+    assert h3.thread is not h1.thread and h3.thread is not None and h3.thread.is_alive()
+    seen: list[object] = []
+    done = threading.Event()
+
+    def job() -> None:
+        seen.append(DEADLINE.get())
+        DEADLINE.set(1.0)  # left set: the next job must not see it
+        done.set()
+
+    for _ in range(2):
+        done.clear()
+        _worker(0).submit(job)
+        assert done.wait(30)
+    assert seen == [None, None]

@@ -89,6 +89,48 @@ def test_verifier_checks_each_block_as_its_last_byte_arrives() -> None:
                             "of 3 (bytes 16384..18192), read to load its region [9000:9005]")
 
 
+def test_a_whole_chunk_is_summed_as_one_run_and_a_mismatch_still_names_its_block() -> None:
+    """Read whole, a chunk with block checksums is checked against its own
+    crc32c at done() (one sum a piece, not one a block); on a mismatch its
+    blocks are summed again from the pieces fed, naming the first bad one.
+    Pieces whose memory is reused before done() (a pinned slab) switch it to
+    block by block, every earlier piece checked then."""
+    data = bytearray(os.urandom(10_000))
+    c = _chunk(bytes(data), 4096)
+    v = Verifier(c, 0, 10_000, 4096, "file:///ck", Region((0,), (10_000,)))
+    for at in range(0, 10_000, 3000):
+        v.feed(data[at : at + 3000])
+    v.done()
+    data[5000] ^= 1
+    v = Verifier(c, 0, 10_000, 4096, "file:///ck", Region((0,), (10_000,)))
+    for at in range(0, 10_000, 3000):
+        v.feed(data[at : at + 3000])  # nothing raised as the pieces arrive
+    with pytest.raises(CorruptCheckpointError, match=r"region \[0:10000\], block 1 of 3 \(bytes 12288..16384\)"):
+        v.done()
+    v = Verifier(c, 0, 10_000, 4096, "file:///ck", Region((0,), (10_000,)))
+    v.feed(data[:3000])
+    with pytest.raises(CorruptCheckpointError, match=r"block 1 of 3"):
+        v.feed(data[3000:6000], kept=False)  # block 1 ends in a later piece: checked once it arrives
+        v.feed(data[6000:], kept=False)
+
+
+def test_local_reads_call_each_as_each_range_arrives(tmp_path: Path) -> None:
+    """``each(i)`` runs once range ``i`` is in and before range ``i + 1`` is
+    read, in order, inside the one call (a loader sums each piece while it
+    is in the CPU's cache)."""
+    data = os.urandom(5 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    storage = open_storage(str(tmp_path))
+    assert storage.reads_each
+    bufs = [memoryview(bytearray(MiB)) for _ in range(4)]
+    ranges = [(k * MiB + 7, b) for k, b in enumerate(bufs)]
+    seen: list[tuple[int, bool, bool]] = []
+    storage.read_ranges("f.bin", ranges, each=lambda i: seen.append(
+        (i, bytes(bufs[i]) == data[i * MiB + 7 : (i + 1) * MiB + 7], i + 1 < 4 and any(bufs[i + 1]))))
+    assert seen == [(0, True, False), (1, True, False), (2, True, False), (3, True, False)]
+    assert not open_storage(str(tmp_path), direct=True).reads_each  # through a bounce buffer: summed after
+
+
 def test_a_checked_load_splits_a_box_only_where_whole_blocks_lie_between_its_pieces() -> None:
     """Columns of a row-major chunk: without checks, a row at a time (most bytes
     between rows are not wanted); checked, rows less than a block apart are one
@@ -109,9 +151,9 @@ class Counting:
     def __init__(self, inner: Any) -> None:
         self.inner, self.read = inner, 0
 
-    def read_ranges(self, path: str, ranges: Any) -> None:
+    def read_ranges(self, path: str, ranges: Any, **kw: Any) -> None:
         self.read += sum(len(b) for _, b in ranges)
-        self.inner.read_ranges(path, ranges)
+        self.inner.read_ranges(path, ranges, **kw)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

@@ -5,6 +5,7 @@ to exclude."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,10 +48,10 @@ def test_excluded_entries_keep_their_values_and_are_not_read(ck: str, monkeypatc
     data_bytes: list[int] = []
     real = LocalStorage.read_ranges
 
-    def spy(self: LocalStorage, path: str, ranges: list) -> None:  # type: ignore[type-arg]
+    def spy(self: LocalStorage, path: str, ranges: list, **kw: Any) -> None:  # type: ignore[type-arg]
         if path.startswith("data/"):
             data_bytes.extend(len(out) for _, out in ranges)
-        real(self, path, ranges)
+        real(self, path, ranges, **kw)
 
     monkeypatch.setattr(LocalStorage, "read_ranges", spy)
     res = bytecp.load(ck, {"model": m, "optimizer": opt, "extra": extra}, exclude=["optimizer", "extra.note"])

@@ -78,7 +78,8 @@ def test_each_async_order_runs_its_phases_in_sequence(tmp_path: Path, monkeypatc
     assert isinstance(plans[0], SavePlanResult)
     with pytest.raises(dataclasses.FrozenInstanceError):
         plans[0].save_id = "x"
-    assert set(vars(pipelines[0])) == {"storage", "state", "opts", "ctx", "trace", "stager", "version", "incremental", "_kept"}
+    assert set(vars(pipelines[0])) == {"storage", "state", "opts", "ctx", "trace", "stager", "version", "incremental", "_kept",
+                                       "serving"}
     assert pipelines[0]._kept is None
     got = bytecp.load_state_dict(str(tmp_path / "ck"))["model"]
     assert all(same_bits(v, got[k]) for k, v in want.items())

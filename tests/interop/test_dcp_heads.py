@@ -52,9 +52,9 @@ class _Counting:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def read_ranges(self, path: str, ranges: Any) -> None:
+    def read_ranges(self, path: str, ranges: Any, **kw: Any) -> None:
         self.calls += 1
-        self.inner.read_ranges(path, ranges)
+        self.inner.read_ranges(path, ranges, **kw)
 
 
 def test_rows_equal_the_full_read_in_two_requests(tmp_path: Path) -> None:

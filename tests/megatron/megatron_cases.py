@@ -471,3 +471,54 @@ def lazy_save_then_step(url: str) -> dict[str, Any]:
     moved = not torch.equal(full_model_state()["output_layer.weight"], ref["model"]["output_layer.weight"])
     got = load_optimizer_and_report(url, tp=2)
     return {"ref": ref, "got": got, "moved": moved}
+
+
+def _lm_args(url: str, tp: int, consumed: int, kind: str) -> Any:
+    """Megatron-LM's own ``args`` (its ``parse_args`` and ``validate_args``,
+    tests/megatron/megatron_lm) at TP=``tp``, its data settings as the
+    command line would give them: a global batch of 12 on this job's
+    data-parallel ranks, ``--dataloader-type kind`` (data sharding its
+    default); the counters as a resumed job had them."""
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    from interop.torch_dist_cases import megatron_lm_args
+
+    args = megatron_lm_args(url, tp)
+    assert args.dataloader_type == "single" and args.data_sharding and args.consumed_train_samples == 0
+    args.micro_batch_size, args.global_batch_size = 12 // args.data_parallel_size, 12
+    args.dataloader_type, args.consumed_train_samples, args.consumed_valid_samples = kind, consumed, 4
+    return args
+
+
+def save_lm_data(url: str, tp: int, consumed: int, kind: str) -> None:
+    """(all ranks) A Megatron-LM job at TP=``tp`` saves its model and data position."""
+    from bytecp.adapters.megatron import MegatronLMData
+
+    build(tp)
+    state = {"model": _STATE["model"], "data": MegatronLMData(_lm_args(url, tp, consumed, kind), total_samples=144)}
+    with CpuDeviceMode():
+        bytecp.save(url, state)
+
+
+def load_lm_data(url: str, tp: int, kind: str, mode: str = "exact") -> dict[str, Any]:
+    """(all ranks) A fresh job at TP=``tp`` loads: its counters after the
+    load, or the refusal (then whether the model kept its own weights)."""
+    from bytecp.adapters.megatron import MegatronLMData
+
+    build(tp, seed=99)
+    before = full_model_state()
+    args = _lm_args(url, tp, 0, kind)
+    args.consumed_valid_samples = 0
+    try:
+        with CpuDeviceMode():
+            bytecp.load(url, {"model": _STATE["model"], "data": MegatronLMData(args, total_samples=144)},
+                        data_reshard=mode)
+    except bytecp.BytecpError as e:  # the refusal, as every rank receives it
+        after = full_model_state()
+        return {"error": str(e), "unchanged": all(torch.equal(before[k], after[k]) for k in before),
+                "consumed": args.consumed_train_samples}
+    return {"consumed": args.consumed_train_samples, "valid": args.consumed_valid_samples}

@@ -314,3 +314,22 @@ def test_unpadded_vocabulary_saved_and_padding_reapplied(pool: WorkerPool, tmp_p
             assert torch.equal(got["optim"][k][:120], v[:120]), k
         else:
             assert torch.equal(got["optim"][k], v), k
+
+
+def test_megatron_lm_data_position_across_a_dp_change(pool: WorkerPool, tmp_path: Path) -> None:
+    """TP=2 x DP=1 -> TP=1 x DP=2 (the same two ranks): Megatron-LM's
+    single sampler continues from the global count; a data-sharded cyclic
+    sampler mid-epoch is refused on every rank before the model changes."""
+    url = str(tmp_path / "single")
+    pool.run(mc.save_lm_data, url, 2, 36, "single")
+    for r in pool.run(mc.load_lm_data, url, 1, "single"):
+        assert r == {"consumed": 36, "valid": 4}
+    url = str(tmp_path / "cyclic")
+    pool.run(mc.save_lm_data, url, 2, 36, "cyclic")
+    for r in pool.run(mc.load_lm_data, url, 1, "cyclic"):
+        assert r["unchanged"] and r["consumed"] == 0, r
+        line = next(x for x in r["error"].splitlines() if "DataReshardError" in x)  # one line per rank
+        assert "data loader 'data' (MegatronLMData, megatron_lm)" in line and "would be seen twice" in line
+        assert line.endswith("load with data_reshard='approximate' to accept that")
+    for r in pool.run(mc.load_lm_data, url, 1, "cyclic", "approximate"):
+        assert r == {"consumed": 36, "valid": 4}

@@ -12,7 +12,7 @@ from torch import nn
 
 import bytecp
 
-__all__ = ["arm_failure", "model", "start", "take"]
+__all__ = ["arm_failure", "damage", "model", "start", "take"]
 
 _G: dict[str, Any] = {}
 
@@ -43,14 +43,29 @@ def _shard(m: nn.Module, layout: str) -> nn.Module:
     return m
 
 
-def start(run: str, layout: str, memory_url: str | None = None, memory_options: dict[str, Any] | None = None) -> bool:
-    """(every rank) A new follower of ``run`` (and its memory tier, when given) with a freshly sharded model."""
+def start(run: str, layout: str, memory_url: str | None = None, memory_options: dict[str, Any] | None = None,
+          dtype: torch.dtype | None = None) -> bool:
+    """(every rank) A new follower of ``run`` (and its memory tier, when given) with a freshly sharded model
+    (held in ``dtype`` when given: ``bytecp.follow(..., dtype=)``)."""
     if "gen" in _G:
         _G["gen"].close()
-    _G["model"] = _shard(model(seed=dist.get_rank() + 11), layout)
+    m = model(seed=dist.get_rank() + 11)
+    _G["model"] = _shard(m if dtype is None else m.to(dtype), layout)
     _G["gen"] = bytecp.follow(run, {"model": _G["model"]}, poll_s=0.01, idle_timeout_s=60, memory_url=memory_url,
-                              memory_storage_options=memory_options)
+                              memory_storage_options=memory_options, dtype=dtype)
     _G["fail"] = False
+    return True
+
+
+def damage(path: str, at: int, rank: int) -> bool:
+    """(every rank) Rank ``rank`` flips the byte at ``at`` of ``path`` (a delta file every rank reads)."""
+    if dist.get_rank() == rank:
+        with open(path, "r+b") as f:
+            f.seek(at)
+            b = f.read(1)
+            f.seek(at)
+            f.write(bytes([b[0] ^ 0x5A]))
+    dist.barrier()
     return True
 
 

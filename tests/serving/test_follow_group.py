@@ -118,3 +118,46 @@ def test_a_group_follows_the_memory_tier(pool: WorkerPool, tmp_path: Path) -> No
         keeper.kill()
         keeper.wait()
         shutil.rmtree(hello["root"], ignore_errors=True)
+
+
+@pytest.mark.parametrize("layout", ["fsdp2", "tp"])
+def test_a_bf16_group_applies_the_deltas_of_its_own_boxes(pool: WorkerPool, tmp_path: Path, layout: str) -> None:
+    """A one-process trainer writing bf16 serving deltas, followed by FSDP2 x2
+    and TP=2 groups holding bf16 shards: each rank applies the deltas of its
+    own boxes (pieces of the trainer's whole tensors; TP's replicated bias
+    counted once in the checksums), every step bitwise; a damaged delta is
+    read whole by both ranks alike."""
+    import json
+
+    from bytecp.format import serving_wire as wire
+
+    run = str(tmp_path / "run")
+    trainer = cases.model(seed=0)
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-6)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=10, serving_dtype=torch.bfloat16)
+    pool.run(cases.start, run, layout, None, None, torch.bfloat16, timeout=120)
+    for step in range(1, 5):
+        trainer(torch.randn(4, 64)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mgr.save(step, {"model": trainer, "optimizer": opt})
+        want = {k: v.to(torch.bfloat16) for k, v in trainer.state_dict().items()}
+        if step == 3:  # the largest delta damaged: both ranks read that tensor whole instead
+            ck = Path(run) / "step-3"
+            sid = json.loads((ck / "metadata.json").read_text())["save_id"]
+            ents = wire.RankEntries.from_bytes((ck / "serving" / sid / "0.json").read_bytes(), "t")
+            e = max(ents.entries, key=lambda e: e.delta.count if e.delta else 0)
+            assert e.delta is not None
+            pool.run(cases.damage, str(ck / "serving" / sid / "0.bin"), e.delta.offset + 1, 0, timeout=60)
+        got = pool.run(cases.take, timeout=120)
+        ups = [g["up"] for g in got]
+        assert all(u["error"] is None and u["step"] == step for u in ups), ups
+        if step == 1:
+            assert all(u["tensors_by_delta"] == u["tensors_read"] == 4 and u["delta_steps"] == 0 for u in ups), ups
+        elif step == 3:
+            assert all(u["tensors_by_delta"] == u["tensors_read"] - 1 and any(e.fqn in x for x in u["fallbacks"])
+                       for u in ups), ups
+        else:
+            assert all(u["tensors_by_delta"] == u["tensors_read"] and u["tensors_read"] + u["tensors_unchanged"] == 4
+                       and u["delta_steps"] == 1 and not u["fallbacks"] for u in ups), ups
+        _check(got, want)

@@ -91,3 +91,54 @@ def test_a_lora_follower_reads_only_the_adapters(tmp_path: Path) -> None:
             assert up.bytes_read == adapter_bytes, (up.bytes_read, adapter_bytes)
             assert up.tensors_read == 8 and up.unchanged_by_reference == up.tensors_unchanged
     gen.close()
+
+
+def test_iter_weights_scatter_triples_bring_an_engine_forward_bitwise(tmp_path: Path) -> None:
+    """An engine holding bf16 weights (loaded from ``iter_weights(dtype=)``
+    pairs) takes two steps at once from ``scatter=True`` triples: each
+    changed tensor's changed elements, applied in place; then a dense step
+    whose boxes the trainer wrote whole, as whole tensors copied in. After
+    each, bitwise the trainer's weights cast to bf16."""
+    from transformers import LlamaForCausalLM
+
+    run = str(tmp_path / "run")
+    model = cases.base_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=5, serving_dtype=torch.bfloat16)
+    _train(model, opt, 1)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    engine = LlamaForCausalLM(cases.llama_config()).to(torch.bfloat16)
+    engine.load_state_dict(dict(bytecp.iter_weights(f"{run}/step-1", names="hf", dtype="bf16")))
+    for step in (2, 3):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    params = dict(engine.named_parameters())
+
+    def apply(url: str, since: str) -> tuple[int, int]:
+        """The engine takes ``url``'s changes since ``since`` in place: (tensors scattered, tensors copied whole)."""
+        scattered = copied = 0
+        with torch.no_grad():
+            for name, positions, values in bytecp.iter_weights(url, changed_since=since, dtype=torch.bfloat16,
+                                                               scatter=True):
+                if positions is None:
+                    params[name].copy_(values)
+                    copied += 1
+                else:
+                    assert values.dtype == torch.bfloat16 and len(positions) == len(values) < params[name].numel()
+                    params[name].view(-1)[positions] = values
+                    scattered += 1
+        for k, v in model.state_dict().items():
+            assert torch.equal(engine.state_dict()[k].view(torch.int16), v.to(torch.bfloat16).view(torch.int16)), k
+        return scattered, copied
+
+    # two steps at lr 1e-6 (typical of RL): every weight changed, each by its changed elements alone
+    assert apply(f"{run}/step-3", f"{run}/step-1") == (len(params), 0)
+    # a step at lr 1e-2 changes most elements: the trainer wrote those boxes whole, the engine copies them
+    for g in opt.param_groups:
+        g["lr"] = 1e-2
+    _train(model, opt, 4)
+    mgr.save(4, {"model": model, "optimizer": opt})
+    scattered, copied = apply(f"{run}/step-4", f"{run}/step-3")
+    assert copied > 0 and scattered + copied == len(params), (scattered, copied)
+    with pytest.raises(bytecp.ConfigError, match="scatter=True"):
+        next(bytecp.iter_weights(f"{run}/step-3", scatter=True))

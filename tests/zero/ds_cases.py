@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import shutil
 from typing import Any
 
 import torch
@@ -781,3 +782,123 @@ def tp_fsdp2_load(url: str) -> list[str]:
             if not torch.equal(st[k], full["optimizer"]["state"][n][k]):
                 bad.append(f"{k}.{n}")
     return bad + sorted(set(full["model"]) - set(msd))
+
+
+# ------------------------------------------------------------------ the training data loader's position
+class Ids(torch.utils.data.Dataset):  # type: ignore[type-arg]
+    """Sample ``i`` is five features equal to ``i``: each batch says which samples it holds."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.full((5,), float(i))
+
+
+def curriculum(clusters: str) -> dict[str, Any]:
+    """DeepSpeed's curriculum learning over one cluster (every sample; no
+    data-analysis files needed): its ``DeepSpeedDataSampler`` draws each
+    global batch on rank 0 from the shuffled cluster (written under
+    ``clusters``), reshuffling it when used up; 2 epochs."""
+    metric = {"index_to_sample_path": "", "index_to_metric_path": "", "difficulty_type": "value",
+              "clustering_type": "single_cluster", "min_difficulty": 1, "max_difficulty": 1,
+              "schedule_type": "fixed_linear", "schedule_config": {"total_curriculum_step": 2, "difficulty_step": 1}}
+    return {"enabled": True, "seed": 1234, "data_sampling": {
+        "enabled": True, "num_epochs": 2, "num_workers": 0,
+        "curriculum_learning": {"enabled": True, "data_cluster_path": clusters, "curriculum_metrics": {"m": metric}}}}
+
+
+def make_data_engine(mbs: int, gas: int, n: int = 144, clusters: str | None = None) -> Any:
+    """A ZeRO-1 engine built with ``training_data``: DeepSpeed's own loader
+    (``DistributedSampler`` over the data-parallel ranks, 2 workers; with
+    ``clusters``, the curriculum sampler instead)."""
+    import multiprocessing
+
+    setup()
+    import deepspeed
+
+    multiprocessing.current_process()._config["daemon"] = False  # type: ignore[attr-defined]  # loader workers
+    cfg = {"train_micro_batch_size_per_gpu": mbs, "gradient_accumulation_steps": gas,
+           "zero_optimization": {"stage": 1}, "zero_force_ds_cpu_optimizer": False,
+           "optimizer": {"type": "AdamW", "params": {"lr": STEPS_LR, "torch_adam": True}}}
+    if clusters is not None:
+        cfg["data_efficiency"] = curriculum(clusters)
+    engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg, training_data=Ids(n))
+    return engine
+
+
+def train_on(engine: Any, it: Any, steps: int | None = None) -> list[list[int]]:
+    """Up to ``steps`` optimizer steps (else to the epoch's end) on batches
+    from ``it``; each step's sample ids on this rank."""
+    out: list[list[int]] = []
+    while steps is None or len(out) < steps:
+        ids: list[int] = []
+        for _ in range(engine.gradient_accumulation_steps()):
+            try:
+                x = next(it)
+            except StopIteration:
+                return out + ([ids] if ids else [])
+            ids += [int(v) for v in x[:, 0]]
+            engine.backward(engine(x).square().mean())
+            engine.step()
+        out.append(ids)
+    return out
+
+
+def ds_data_save(url: str, mbs: int, gas: int, steps: int, epoch: int, clusters: str | None = None,
+                 after: int | None = None) -> dict[str, Any]:
+    """Train ``steps`` steps of ``epoch``, save ``{"model": engine}``, train
+    to the epoch's end (or ``after`` steps more)."""
+    engine = make_data_engine(mbs, gas, clusters=clusters)
+    if clusters is None:
+        engine.training_dataloader.data_sampler.set_epoch(epoch)
+    it = iter(engine.training_dataloader)
+    before = train_on(engine, it, steps)
+    bytecp.save(url, {"model": engine})
+    if clusters is not None and dist.get_rank() == 0:  # the cluster files as they stand at the save (below)
+        shutil.copytree(clusters, f"{clusters}.saved")
+    dist.barrier()
+    return {"before": before, "after": train_on(engine, it, after)}
+
+
+def clusters_as_saved(clusters: str, to: str) -> None:
+    """(rank 0) The curriculum's cluster files as they were at the save:
+    DeepSpeed keeps them on disk, outside any checkpoint, and rewrites them
+    when it reshuffles a cluster (as the saving run does after the save)."""
+    if dist.get_rank() == 0:
+        shutil.copytree(f"{clusters}.saved", to)
+    dist.barrier()
+
+
+def ds_data_load(url: str, mbs: int, gas: int, mode: str = "exact", early_iter: bool = False,
+                 clusters: str | None = None, after: int | None = None, **kw: Any) -> dict[str, Any]:
+    """A fresh engine loads (``early_iter``: its loader's iteration already
+    begun) and trains to the epoch's end (or ``after`` steps); or the refusal it got."""
+    import logging
+
+    engine = make_data_engine(mbs, gas, clusters=clusters)
+    loader = engine.training_dataloader
+    it = iter(loader) if early_iter else None
+    logs: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda rec: logs.append(rec.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("bytecp").addHandler(handler)
+    try:
+        bytecp.load(url, {"model": engine}, data_reshard=mode, **kw)
+    except bytecp.BytecpError as e:
+        return {"error": str(e)}
+    finally:
+        logging.getLogger("bytecp").removeHandler(handler)
+    steps = train_on(engine, it if it is not None else iter(loader), after)
+    epoch = getattr(loader.data_sampler, "epoch", None)
+    return {"after": steps, "epoch": epoch, "steps": engine.global_steps, "logs": logs}
+
+
+def ds_engine_save(url: str) -> None:
+    """An engine of the same model built without ``training_data`` saves (no loader position)."""
+    engine = make_engine(1, seed=0)
+    losses(engine, range(2))
+    bytecp.save(url, {"model": engine})

@@ -61,6 +61,13 @@ def pool1() -> Iterator[WorkerPool]:
     p.close(kill=True)
 
 
+@pytest.fixture(scope="module")
+def pool3() -> Iterator[WorkerPool]:
+    p = WorkerPool(3, env=ENV)
+    yield p
+    p.close(kill=True)
+
+
 def assert_equal(ref: dict[str, torch.Tensor], got: dict[str, torch.Tensor], what: str,
                  keys: set[str] | None = None) -> None:
     names = keys if keys is not None else set(ref)
@@ -312,3 +319,71 @@ class TestDeepSpeedContract(AdapterFixtures, ReshardTests, ReplicaHintTests, Ref
     @pytest.fixture
     def run_on_ranks(self, pool2: WorkerPool) -> object:
         return lambda fn, *args: pool2.run(fn, *args)
+
+
+def global_steps(per_rank: list[list[list[int]]]) -> list[list[int]]:
+    """Each global step's samples (sorted) from every rank's per-step ids."""
+    n = max(len(steps) for steps in per_rank)
+    return [sorted(x for steps in per_rank if j < len(steps) for x in steps[j]) for j in range(n)]
+
+
+def test_training_dataloader_continues_across_data_parallel_sizes(pool1: WorkerPool, pool2: WorkerPool,
+                                                                  pool3: WorkerPool, tmp_path: Path) -> None:
+    """``deepspeed.initialize(training_data=...)``: DeepSpeed's loader keeps no
+    position (its own checkpoints restart the epoch). Saved by 2 ranks in
+    epoch 1 after 5 steps of 12 samples, loaded by 3 ranks (micro-batch 4),
+    by 1 (micro-batch 6, 2 accumulation steps) and by 2 (its iteration
+    already begun): every later step holds the uninterrupted run's samples."""
+    url = str(tmp_path / "ck")
+    saved = pool2.run(dc.ds_data_save, url, 6, 1, 5, 1)
+    full = global_steps([r["before"] + r["after"] for r in saved])
+    assert len(full) == 12 and sorted(x for s in full for x in s) == list(range(144))
+    for pool, mbs, gas, early in ((pool3, 4, 1, False), (pool1, 6, 2, False), (pool2, 6, 1, True)):
+        got = pool.run(dc.ds_data_load, url, mbs, gas, early_iter=early)
+        assert all(r["epoch"] == 1 and r["steps"] == 12 for r in got), got  # 5 restored + 7
+        assert global_steps([r["after"] for r in got]) == full[5:], (mbs, gas)
+
+
+def test_a_training_dataloader_position_that_does_not_divide_is_refused(pool2: WorkerPool, pool3: WorkerPool,
+                                                                        tmp_path: Path) -> None:
+    """50 samples consumed by 2 ranks do not divide among 3: refused on every
+    rank before the load; approximate: resumed at 48, 2 samples seen twice."""
+    url = str(tmp_path / "ck")
+    saved = pool2.run(dc.ds_data_save, url, 5, 1, 5, 0)
+    for r in pool3.run(dc.ds_data_load, url, 4, 1):
+        line = next(x for x in r["error"].splitlines() if "DataReshardError" in x)
+        assert "'training_dataloader' (LoaderPosition, deepspeed)" in line and "do not divide among 3" in line
+        assert line.endswith("load with data_reshard='approximate' to accept that")
+    got = pool3.run(dc.ds_data_load, url, 4, 1, "approximate")
+    everything = [x for r in saved for s in r["before"] for x in s] + [x for r in got for s in r["after"] for x in s]
+    assert len(everything) - len(set(everything)) == 2 and set(everything) == set(range(144))
+    # exclude=["training_dataloader"]: the loader keeps its own (fresh) position
+    kept = pool3.run(dc.ds_data_load, url, 4, 1, exclude=["training_dataloader"])
+    assert sorted(x for r in kept for s in r["after"] for x in s) == list(range(144))
+    # a checkpoint without a position (an engine without training_data): the epoch starts over, with a warning
+    bare = str(tmp_path / "bare")
+    pool2.run(dc.ds_engine_save, bare)
+    for r in pool2.run(dc.ds_data_load, bare, 6, 1):
+        assert len(r["after"]) == 12 and any("holds no position" in m for m in r["logs"]), r["logs"]
+
+
+def test_the_curriculum_sampler_continues_across_data_parallel_sizes(pool1: WorkerPool, pool2: WorkerPool,
+                                                                     pool3: WorkerPool, tmp_path: Path) -> None:
+    """DeepSpeed's curriculum sampler (one cluster, 2 epochs): rank 0 draws
+    each global batch of 12 from the shuffled cluster and reshuffles it with
+    its own generator when used up (after step 12). Saved by 2 ranks after 5
+    steps, loaded by 3, 1 and 2 ranks: the next 15 global steps, across the
+    reshuffle, hold the uninterrupted run's samples (its generator restored,
+    which DeepSpeed's own checkpoint does not). Each resumed job starts from
+    the cluster files as they stood at the save: DeepSpeed keeps them on
+    disk, outside any checkpoint, and the saving run rewrote them when it
+    reshuffled."""
+    url, clusters = str(tmp_path / "ck"), str(tmp_path / "clusters")
+    saved = pool2.run(dc.ds_data_save, url, 6, 1, 5, 0, clusters, 15)
+    full = global_steps([r["before"] + r["after"] for r in saved])
+    assert len(full) == 20 and sorted(x for s in full[:12] for x in s) == list(range(144))
+    for pool, mbs, gas in ((pool3, 4, 1), (pool1, 6, 2), (pool2, 6, 1)):
+        mine = str(tmp_path / f"clusters-{mbs}-{gas}")
+        pool.run(dc.clusters_as_saved, clusters, mine)
+        got = pool.run(dc.ds_data_load, url, mbs, gas, clusters=mine, after=15)
+        assert global_steps([r["after"] for r in got]) == full[5:], (mbs, gas)

@@ -1,0 +1,384 @@
+"""A follower's boxes brought forward by serving deltas, checked, and put in place.
+
+Called by :mod:`bytecp.serving.delta_update` on every rank of a follower
+(and, without a state to check against, by ``iter_weights(scatter=True)``),
+after :func:`bytecp.serving.deltas.choose` picked each tensor's way and
+:func:`bytecp.serving.deltas.read_payloads` read the parts:
+
+1. :func:`bring_forward` (local) -- each of this rank's boxes of a tensor
+   taken by deltas: for ``chain``, the changes of every step merged into one
+   set of positions and values over what the box holds (the box itself is not
+   touched: the values a step replaces are read from it, or from an earlier
+   step's changes); for ``whole``, a staging tensor filled from the serving
+   copy, then changed in place by the later steps. Each step's change to each
+   saved box's element checksum is summed over the pieces this rank *owns*
+   (a box a lower rank of the group also holds is counted there);
+2. :func:`verdict` (every rank, over every rank's sums: one all-gather) --
+   a saved box whose pieces do not add up to its recorded change, or whose
+   pieces do not cover it, condemns its tensor on every rank alike (read
+   whole instead, reported); so does a part that failed its crc32c anywhere;
+3. :func:`scatter` -- once every rank agreed: the merged changes written into
+   the live tensors in place (an interruption finishes them first).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import os
+import threading
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from torch.autograd.graph import increment_version
+
+from bytecp.errors import CorruptCheckpointError
+from bytecp.format import serving_wire as wire
+from bytecp.serving.deltas import Chain, Mode, Part
+from bytecp.tree.dtype_names import ITEMSIZES
+from bytecp.tree.regions import Region
+
+__all__ = ["Target", "Brought", "parts_for", "bring_forward", "verdict", "scatter", "Sums"]
+
+_M64 = (1 << 64) - 1
+#: below this many changed elements in all, boxes are brought forward on the caller's thread alone
+PARALLEL_ELEMENTS = 1 << 18
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: a saved box's checksum change at one step: (save id, fqn, offsets)
+SumKey = tuple[str, str, tuple[int, ...]]
+#: key -> [sum of the pieces, elements in them, recorded change, the box's elements]
+Sums = dict[SumKey, list[int]]
+
+
+@dataclasses.dataclass
+class Target:
+    """One box of a served tensor on this rank and the live tensors holding it."""
+
+    fqn: str  # stored name
+    box: Region
+    shape: tuple[int, ...]
+    #: the serving dtype
+    dtype: torch.dtype
+    #: the live tensors holding the box (none: ``iter_weights``, which holds nothing and checks no sums)
+    dsts: list[torch.Tensor]
+    #: counted in the group's checksum sums (no lower rank holds this box)
+    owned: bool = True
+
+
+@dataclasses.dataclass
+class Brought:
+    """What :func:`bring_forward` made: merged changes (``chain``) or staging
+    tensors (``whole``) per (fqn, box), the sums, and tensors that failed here."""
+
+    nets: dict[tuple[str, Region], tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    staged: dict[tuple[str, Region], torch.Tensor] = dataclasses.field(default_factory=dict)
+    sums: Sums = dataclasses.field(default_factory=dict)
+    failed: dict[str, str] = dataclasses.field(default_factory=dict)
+    changed_elements: int = 0
+
+
+def _map(fn: Any, items: Sequence[Any], threads: int, elements: int) -> list[Any]:
+    """``fn`` over ``items``: on the process's apply threads (kept between
+    updates) when there are ``threads`` > 1 and enough ``elements`` to pay for them."""
+    if threads <= 1 or len(items) <= 1 or elements < PARALLEL_ELEMENTS:
+        return [fn(x) for x in items]
+    with _POOL_LOCK:
+        if not _POOL:
+            _POOL.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bytecp-apply"))
+        pool = _POOL[0]
+    return list(pool.map(fn, items))
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    _POOL.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _steps(mode: Mode, chain: Chain) -> range:
+    """The steps whose deltas a mode applies."""
+    return range(mode.start + (mode.kind == "whole"), len(chain.steps))
+
+
+def parts_for(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Target]) -> list[Part]:
+    """The payload parts this rank's boxes need."""
+    out: list[Part] = []
+    for t in targets:
+        mode = modes.get(t.fqn)
+        if mode is None or mode.kind == "rows":
+            continue
+        if mode.kind == "whole":
+            out += [Part(mode.start, r, "whole", e.whole.offset, e.whole.nbytes, e.whole.crc32c)
+                    for r, e in chain.steps[mode.start].entries(t.fqn) if e.whole is not None and e.box.intersect(t.box)]
+        for i in _steps(mode, chain):
+            out += [Part(i, r, "delta", e.delta.offset, e.delta.nbytes, e.delta.crc32c)
+                    for r, e in chain.steps[i].entries(t.fqn) if e.delta is not None and e.box.intersect(t.box)]
+    return out
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(_INT[t.element_size()])
+
+
+class _Decoded:
+    """Each delta part decoded once: (positions in its box, the new values' bits)."""
+
+    def __init__(self, payloads: Mapping[Part, memoryview], dtype: str) -> None:
+        self.payloads, self.size = payloads, ITEMSIZES[dtype]
+        self.bits = wire.bits_dtype(self.size)
+        self._done: dict[Part, tuple[np.ndarray, np.ndarray]] = {}
+
+    def delta(self, part: Part, e: wire.Entry, where: str) -> tuple[np.ndarray, np.ndarray]:
+        got = self._done.get(part)
+        if got is None:
+            assert e.delta is not None
+            n = e.delta.count
+            if n == 0:
+                got = (np.zeros(0, dtype=np.int64), np.zeros(0, dtype=self.bits))
+            else:
+                raw = self.payloads.get(part)
+                if raw is None:
+                    raise _Missing(part)
+                values = np.frombuffer(raw[: n * self.size], dtype=self.bits)
+                got = (wire.decode_positions(raw[n * self.size:], n, e.box.numel, where), values)
+            self._done[part] = got
+        return got
+
+    def whole(self, part: Part, e: wire.Entry) -> np.ndarray:
+        raw = self.payloads.get(part)
+        if raw is None:
+            raise _Missing(part)
+        return np.frombuffer(raw, dtype=self.bits).reshape(e.box.lengths)
+
+
+class _Missing(Exception):
+    def __init__(self, part: Part) -> None:
+        self.part = part
+
+
+def _merge(net_p: np.ndarray, net_b: np.ndarray, p: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Changes ``(p, b)`` over the changes ``(net_p, net_b)``: the later value wins; sorted by position."""
+    if len(net_p) == 0 and (len(p) < 2 or bool((p[1:] > p[:-1]).all())):
+        return p, b
+    allp, allb = np.concatenate([net_p, p]), np.concatenate([net_b, b])
+    order = np.argsort(allp, kind="stable")
+    sp, sb = allp[order], allb[order]
+    keep = np.ones(len(sp), dtype=bool)
+    keep[:-1] = sp[1:] != sp[:-1]
+    return sp[keep], sb[keep]
+
+
+def _lookup(net_p: np.ndarray, net_b: np.ndarray, q: np.ndarray, held: Any) -> np.ndarray:
+    """The bits at positions ``q``: from the changes so far, else from ``held()`` (the box)."""
+    old = held(q)
+    if len(net_p) and len(q):
+        idx = np.searchsorted(net_p, q)
+        idx_c = np.minimum(idx, len(net_p) - 1)
+        hit = net_p[idx_c] == q
+        old = np.where(hit, net_b[idx_c], old)
+    return old
+
+
+def _host_bits(t: torch.Tensor, bits: Any) -> np.ndarray | None:
+    """A host tensor's elements as a flat NumPy array of their bits, sharing
+    its memory (NumPy's gathers and scatters of scattered elements run several
+    times faster than torch's indexing on a busy host); None on a device."""
+    if t.device.type != "cpu":
+        return None
+    arr: np.ndarray = _bits(t.detach().reshape(-1)).numpy().view(bits)
+    return arr
+
+
+def _held_bits(dst: torch.Tensor, bits: Any) -> Any:
+    """The bits of ``dst`` at positions ``q``: a function of ``q``."""
+    arr = _host_bits(dst, bits)
+    if arr is not None:
+        return lambda q: np.take(arr, q)
+    flat = _bits(dst.reshape(-1))
+    return lambda q: flat[torch.from_numpy(q).to(flat.device)].cpu().numpy().view(bits)
+
+
+def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Target],
+                  payloads: Mapping[Part, memoryview], bad: Mapping[Part, str], dtype: str,
+                  spare: dict[tuple[str, Region], torch.Tensor], threads: int = 4) -> Brought:
+    """(every rank, local) Step 1 of the module's docstring, for ``targets``,
+    on up to ``threads`` threads (NumPy's gathers, scatters and sums release the GIL)."""
+    dec = _Decoded(payloads, dtype)
+    todo = [(t, modes[t.fqn]) for t in targets if t.fqn in modes and modes[t.fqn].kind != "rows"]
+
+    def one(job: tuple[Target, Mode]) -> tuple[Target, Brought | str]:
+        t, mode = job
+        part = Brought()
+        try:
+            _one(chain, mode, t, dec, part, spare, dtype)
+        except _Missing as m:
+            return t, bad.get(m.part, f"{chain.steps[m.part.step].url}: a serving part was not read")
+        except CorruptCheckpointError as e:
+            return t, str(e)
+        return t, part
+
+    elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
+    done = _map(one, todo, threads, elements)
+    out = Brought()
+    for t, got in done:
+        if isinstance(got, str):
+            out.failed.setdefault(t.fqn, got)
+            continue
+        out.nets.update(got.nets)
+        out.staged.update(got.staged)
+        out.changed_elements += got.changed_elements
+        for k, (sm, n, want, numel) in got.sums.items():
+            cur = out.sums.setdefault(k, [0, 0, want, numel])
+            cur[0] = (cur[0] + sm) & _M64
+            cur[1] += n
+    if out.failed:  # nothing of a failed tensor goes in
+        out.nets = {k: v for k, v in out.nets.items() if k[0] not in out.failed}
+        out.staged = {k: v for k, v in out.staged.items() if k[0] not in out.failed}
+        out.sums = {k: v for k, v in out.sums.items() if k[1] not in out.failed}
+    return out
+
+
+def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
+         spare: dict[tuple[str, Region], torch.Tensor], dtype: str) -> None:
+    full = Region((0,) * len(t.shape), t.shape)
+    key = (t.fqn, t.box)
+    dst = t.dsts[0] if t.dsts else None
+    held: Any
+    if mode.kind == "whole":
+        st = spare.pop(key, None)
+        if st is None or tuple(st.shape) != t.box.lengths or st.dtype != t.dtype or st.device.type != "cpu":
+            st = torch.empty(t.box.lengths, dtype=t.dtype)
+        view = _bits(st).numpy().view(dec.bits)
+        filled = 0
+        start = chain.steps[mode.start]
+        for r, e in start.entries(t.fqn):
+            inter = e.box.intersect(t.box) if e.whole is not None else None
+            if inter is None:
+                continue
+            w = e.whole
+            assert w is not None
+            src = dec.whole(Part(mode.start, r, "whole", w.offset, w.nbytes, w.crc32c), e)
+            view[inter.relative_to(t.box).slices()] = src[inter.relative_to(e.box).slices()]
+            filled += inter.numel
+        if filled != t.box.numel:
+            raise CorruptCheckpointError(f"{start.url}: the serving copies of {t.fqn} cover {filled} of the "
+                                         f"{t.box.numel} elements of box {t.box}")
+        flat = view.reshape(-1)
+        held = flat.__getitem__
+        out.staged[key] = st
+    else:
+        if dst is not None and not dst.is_contiguous():
+            raise CorruptCheckpointError(f"{t.fqn}: this rank's box {t.box} is not contiguous in memory; read whole")
+        held = _held_bits(dst, dec.bits) if dst is not None else None
+        flat = None
+    net_p, net_b = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=dec.bits)
+    for i in _steps(mode, chain):
+        step = chain.steps[i]
+        ps: list[np.ndarray] = []
+        bs: list[np.ndarray] = []
+        for r, e in step.entries(t.fqn):
+            inter = e.box.intersect(t.box) if e.delta is not None else None
+            if inter is None:
+                continue
+            d = e.delta
+            assert d is not None
+            where = f"{step.url}/{wire.delta_path(step.save_id, r)}: {e.fqn} {e.box}"
+            pos, bits = dec.delta(Part(i, r, "delta", d.offset, d.nbytes, d.crc32c), e, where)
+            mask, q = wire.relocate(pos, e.box, t.box)
+            b = bits if mask is None else bits[mask]
+            if t.owned:
+                old = _lookup(net_p, net_b, q, held) if flat is None else flat[q]
+                g = wire.relocate(pos if mask is None else pos[mask], e.box, full)[1]
+                s = out.sums.setdefault((step.save_id, e.fqn, e.box.offsets),
+                                        [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
+                s[0] = (s[0] + wire.change_sum(g, b, old)) & _M64
+                s[1] += inter.numel
+            if flat is not None:
+                flat[q] = b
+            else:
+                ps.append(q)
+                bs.append(b)
+            out.changed_elements += len(q)
+        if flat is None and ps:
+            net_p, net_b = _merge(net_p, net_b, np.concatenate(ps), np.concatenate(bs))
+    if flat is None:
+        out.nets[key] = (net_p, net_b)
+
+
+def verdict(gathered: Sequence[tuple[Sums, Mapping[str, str]]], names: Mapping[str, str] | None = None
+            ) -> dict[str, str]:
+    """(every rank, alike) The tensors to read whole instead: those a rank
+    failed, and those a saved box of which does not add up (see the
+    module's docstring). ``names``: save id -> the checkpoint's URL, for the message."""
+    bad: dict[str, str] = {}
+    total: dict[SumKey, list[int]] = {}
+    for sums, failed in gathered:
+        for fqn, why in failed.items():
+            bad.setdefault(fqn, why)
+        for k, (s, n, want, numel) in sums.items():
+            cur = total.setdefault(k, [0, 0, want, numel])
+            if cur[2] != want or cur[3] != numel:
+                cur[2] = -1
+            cur[0] = (cur[0] + s) & _M64
+            cur[1] += n
+    for (sid, fqn, offsets), (s, n, want, numel) in total.items():
+        if fqn in bad:
+            continue
+        where = (names or {}).get(sid, f"save {sid}")
+        if n != numel:
+            bad[fqn] = f"{where}: the follower's boxes hold {n} of the {numel} elements of {fqn} at {list(offsets)}"
+        elif s != want:
+            bad[fqn] = (f"{where}: {fqn} at {list(offsets)}: the changed elements do not add up to the "
+                        "recorded element checksum (a damaged delta, or a state that is not the checkpoint held)")
+    return bad
+
+
+def scatter(targets: Sequence[Target], nets: Mapping[tuple[str, Region], tuple[np.ndarray, np.ndarray]],
+            dtype: torch.dtype, threads: int = 4) -> None:
+    """(every rank, once the group agreed) Write each box's merged changes into
+    its live tensors, in place; an interruption finishes every write first."""
+    jobs: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = []
+    for t in targets:
+        got = nets.get((t.fqn, t.box))
+        if got is None or not len(got[0]):
+            continue
+        seen: set[int] = set()
+        for dst in t.dsts:
+            if dst.data_ptr() not in seen:
+                seen.add(dst.data_ptr())
+                jobs.append((dst, got[0], got[1]))
+    done: set[int] = set()
+
+    def write(i: int) -> None:
+        dst, pos, bits = jobs[i]
+        _write(dst, pos, bits, dtype)
+        done.add(i)
+
+    try:
+        _map(write, range(len(jobs)), threads, sum(len(j[1]) for j in jobs))
+    except BaseException:
+        for i in range(len(jobs)):
+            if i not in done:
+                _write(*jobs[i], dtype)
+        raise
+
+
+def _write(dst: torch.Tensor, pos: np.ndarray, bits: np.ndarray, dtype: torch.dtype) -> None:
+    """``bits`` (the serving dtype's) at flat positions ``pos`` of ``dst``; its version moves."""
+    arr = _host_bits(dst, bits.dtype)
+    if arr is not None:
+        arr[pos] = bits
+    else:
+        vals = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(dtype))).view(dtype)
+        with torch.no_grad():
+            dst.view(-1)[torch.from_numpy(pos).to(dst.device)] = vals.to(dst.device)
+    increment_version(dst)  # incremental saves of the follower's state must see the change
+
+
+def _np_int(dtype: torch.dtype) -> Any:
+    return {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[dtype.itemsize]
