@@ -14,6 +14,8 @@ import pytest
 
 from .helpers import numeric, run_benchmark
 
+pytestmark = pytest.mark.spawn
+
 
 def _numeric(v: object) -> bool:
     return numeric(v) and v >= 0  # type: ignore[operator]

@@ -15,6 +15,8 @@ import pytest
 from .helpers import numeric as _numeric
 from .helpers import run_benchmark
 
+pytestmark = pytest.mark.spawn
+
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)

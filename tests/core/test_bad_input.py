@@ -153,6 +153,7 @@ class _Evil:
         return (os.system, (f"touch {self.path}",))
 
 
+@pytest.mark.spawn  # its payload runs `touch` once consent is given
 def test_pickle_payload_does_not_run_without_allow_pickle(tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
     ck = str(tmp_path / "ck")
@@ -201,6 +202,7 @@ def test_not_a_dict_and_bad_settings(tmp_path: Path) -> None:
         bytecp.save(str(tmp_path / "x"), {}, io_threads=0)
 
 
+@pytest.mark.spawn
 def test_cli_inspect_json_and_console_script(tmp_path: Path) -> None:
     ck = str(tmp_path / "ck")
     bytecp.save(ck, {"model": nn.Linear(4, 3)}, step=7, metadata={"run": "r1"})

@@ -132,6 +132,7 @@ def test_inspect_summarises_and_lists_tensors_on_request(run: Path, capsys: Any)
     assert all(f"model.{i}.{w}" in out for i in (0, 1) for w in ("weight", "bias"))
 
 
+@pytest.mark.spawn
 def test_a_closed_pipe_ends_quietly_and_light_commands_skip_torch(run: Path, tmp_path: Path) -> None:
     import subprocess
     import sys

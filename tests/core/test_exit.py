@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.spawn
+
 # The script of a user: save through the manager, return from main. The
 # parent imports torch and bytecp once and forks one child per run; each
 # child runs the script and leaves through the interpreter's normal

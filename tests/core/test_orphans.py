@@ -52,6 +52,7 @@ def live_lease(url: Path, seconds: float = 3600) -> str:
     return sid
 
 
+@pytest.mark.spawn
 def test_the_next_save_removes_a_killed_saves_files_but_not_a_live_one(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     ck = run / "step-6"
@@ -72,6 +73,7 @@ def test_the_next_save_removes_a_killed_saves_files_but_not_a_live_one(tmp_path:
     assert cli(["verify", str(ck)]) == 0
 
 
+@pytest.mark.spawn
 def test_the_sweep_after_a_commit_lists_no_file_of_the_committed_save(tmp_path: Path, monkeypatch) -> None:
     """A W-rank save writes 2 x W files; the sweep after its commit finds other
     saves' folders by name and lists only theirs (an S3 listing is 1,000 keys a request)."""
@@ -95,6 +97,7 @@ def test_the_sweep_after_a_commit_lists_no_file_of_the_committed_save(tmp_path: 
     assert cli(["verify", str(ck)]) == 0
 
 
+@pytest.mark.spawn
 def test_gc_on_an_uncommitted_directory_and_on_a_run(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     CheckpointManager(str(run), every_n_steps=1).save(4, {"w": torch.ones(3)})
@@ -121,6 +124,7 @@ def test_a_failed_save_gives_up_its_lease(tmp_path: Path, monkeypatch) -> None:
     assert files(tmp_path / "ck") == []
 
 
+@pytest.mark.spawn
 def test_retention_removes_a_killed_step_the_run_never_saves_again(tmp_path: Path) -> None:
     run = tmp_path / "run"
     mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=3)

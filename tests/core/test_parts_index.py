@@ -525,6 +525,7 @@ def load_rank(url: str) -> bool:
     return True
 
 
+@pytest.mark.spawn
 def test_three_rank_save_loads_anywhere_reading_what_it_needs(tmp_path: Path) -> None:
     from dist.pool import WorkerPool
 

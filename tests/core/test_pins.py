@@ -126,6 +126,7 @@ def _lease(ck: Path, sid: str, pid: int) -> None:
 
 
 @pytest.mark.skipif(leases.this_host() is None, reason="no /proc: a pid cannot be told gone")
+@pytest.mark.spawn
 def test_a_pin_keeps_its_base_until_its_process_is_gone(run: Any) -> None:
     """A live lease whose process still runs keeps the whole base; the same
     lease of a process that is gone (same host) keeps nothing, unexpired."""
@@ -156,6 +157,7 @@ def test_retention_never_removes_another_deleters_marker(run: Any) -> None:
     assert _files(root / "step-1") == {"doomed/20000101T000000-other.json"}  # only the other's marker
 
 
+@pytest.mark.spawn
 def test_retention_lifts_the_markers_of_deleters_no_longer_running(run: Any) -> None:
     """A killed retention's marker would fail every save referencing its
     files for good: the next retention removes markers whose process is gone

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 import bytecp
 
 
@@ -24,12 +26,14 @@ def test_public_names_resolve() -> None:
         assert getattr(adapters, name) is not None, name
 
 
+@pytest.mark.spawn
 def test_import_does_not_pull_torch() -> None:
     code = "import sys, bytecp, bytecp.monitoring; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.spawn
 def test_a_save_and_a_load_do_not_import_pandas(tmp_path) -> None:
     """pyarrow imports pandas the first time ``pa.array`` or ``to_numpy`` runs
     in a process (0.35 s, paid by a job's first commit and every rank's first

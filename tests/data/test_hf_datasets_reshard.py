@@ -31,6 +31,9 @@ from .hf_sim import Setup, make, resume, save_after, uninterrupted, write_shards
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
+#: loaders without and with worker processes (those start processes: ``spawn``)
+WORKERS = [0, pytest.param(2, marks=pytest.mark.spawn)]
+
 
 @pytest.fixture(autouse=True)
 def _quiet() -> None:
@@ -55,7 +58,7 @@ def once(saved, rest, files) -> None:
 
 
 @pytest.mark.parametrize("old_w,new_w", [(2, 4), (1, 4), (2, 3), (3, 6)])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS)
 @pytest.mark.parametrize("epoch", [0, 2])
 def test_growing_the_world_reads_every_example_once(even, old_w: int, new_w: int, workers: int, epoch: int) -> None:
     """Each new rank's shards were one saved stream's: their cursors carry over (epoch 2: the shards permuted)."""
@@ -67,7 +70,7 @@ def test_growing_the_world_reads_every_example_once(even, old_w: int, new_w: int
 
 
 @pytest.mark.parametrize("old_w,new_w", [(2, 3), (3, 2), (4, 1), (1, 4)])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS)
 def test_a_stream_every_rank_reads_continues_step_by_step(uneven, old_w: int, new_w: int, workers: int) -> None:
     """7 shards: every rank reads every shard and keeps one example in W; the
     global batch of 12 unchanged, each global step after the resume is the
@@ -81,6 +84,7 @@ def test_a_stream_every_rank_reads_continues_step_by_step(uneven, old_w: int, ne
     assert rest[:-1] == full[3:len(rest) + 2]
 
 
+@pytest.mark.spawn
 def test_changing_the_workers_reshards_too(even, uneven) -> None:
     saved = save_after(Setup(even, 2, 6, workers=2), 4)
     rest, _ = resume(saved, Setup(even, 4, 3, workers=0))
@@ -91,7 +95,7 @@ def test_changing_the_workers_reshards_too(even, uneven) -> None:
 
 
 @pytest.mark.parametrize("old_w,new_w", [(4, 2), (4, 1), (3, 1)])
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS)
 def test_shrinking_at_shard_ends_is_exact(tmp_path: Path, old_w: int, new_w: int, workers: int) -> None:
     """Every saved stream stands at the end of a shard (its cursor not yet
     moved on): the merged streams' shards are read or unread, which a read of
@@ -103,7 +107,7 @@ def test_shrinking_at_shard_ends_is_exact(tmp_path: Path, old_w: int, new_w: int
     once(saved, rest, files)
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", WORKERS)
 def test_shrinking_mid_shard_is_refused_with_the_count_or_approximated(even, workers: int) -> None:
     old = Setup(even, 4, 3, workers=workers)
     saved = save_after(old, 2 * max(1, workers))

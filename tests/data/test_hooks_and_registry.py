@@ -102,6 +102,7 @@ def test_a_sampler_with_reshard_inside_a_stateful_dataloader() -> None:
     assert sorted(first + rest) == list(range(48))
 
 
+@pytest.mark.spawn  # loader worker processes
 def test_a_dataset_with_reshard_hands_its_state_to_every_new_worker() -> None:
     def make(r: int, w: int, workers: int) -> StatefulDataLoader:
         ds = Tokens(24)
@@ -175,6 +176,7 @@ def _loader(world: int, rank: int) -> StatefulDataLoader:
     return StatefulDataLoader(ds, batch_size=5, sampler=s)
 
 
+@pytest.mark.spawn  # the inspect CLI
 def test_save_load_and_inspect_in_one_process(tmp_path: Path) -> None:
     dl = _loader(1, 0)
     it = iter(dl)

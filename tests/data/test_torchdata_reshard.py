@@ -83,6 +83,7 @@ def test_same_global_batch_continues_step_by_step(old_w: int, new_w: int, sample
         check_cell(old, old.with_(world=new_w, batch=12 // new_w), k=5)
 
 
+@pytest.mark.spawn  # loader worker processes
 @pytest.mark.parametrize("old_w,new_w", TRANSITIONS)
 @pytest.mark.parametrize("sampler", ["DistributedSampler", "StatefulDistributedSampler"])
 def test_workers_with_prefetch_in_flight(old_w: int, new_w: int, sampler: str) -> None:
@@ -118,6 +119,7 @@ def test_the_same_layout_restores_each_rank_as_saved() -> None:
     assert saved.reads == []
 
 
+@pytest.mark.spawn  # loader worker processes
 def test_workers_changed_at_the_same_world_size_reshard() -> None:
     old = Setup(world=2, batch=6, workers=2)
     check_cell(old, old.with_(workers=0), k=3)

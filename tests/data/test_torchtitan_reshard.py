@@ -92,6 +92,7 @@ def test_streaming_shards_and_their_buffers(data, old_dp: int, new_dp: int) -> N
     check_documents(data, saved, runs, finals, old_dp, new_dp)
 
 
+@pytest.mark.spawn  # loader worker processes
 @pytest.mark.usefixtures("buffers_copied")
 @pytest.mark.parametrize("old_dp,new_dp", [(2, 3), (1, 4)])
 def test_streaming_with_workers(data, old_dp: int, new_dp: int) -> None:

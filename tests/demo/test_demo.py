@@ -30,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from spawning import spawns
 
 import bytecp
 from bytecp.manager import list_checkpoints
@@ -44,6 +45,7 @@ def _alive(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     out = tmp_path_factory.mktemp("demo") / "demo-out"
     env = dict(os.environ, PYTHONWARNINGS="ignore")
@@ -156,6 +158,7 @@ def test_export_and_evaluation_job(demo: tuple[Path, dict, str]) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(120)
+@pytest.mark.spawn
 def test_launcher_kills_a_survivor_past_the_grace_period(tmp_path: Path) -> None:
     from bytecp.demo.launch import run_job
 

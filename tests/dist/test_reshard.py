@@ -248,6 +248,7 @@ def test_shape_mismatch_names_tensor_and_both_shapes(saved, pools) -> None:
         assert "model.l1.weight" in msg and "[13, 11]" in msg and "[17, 11]" in msg
 
 
+@pytest.mark.spawn  # a pool of its own (a rank dies)
 def test_rank_killed_mid_save_is_named_and_nothing_commits(tmp_path: Path) -> None:
     from .pool import WorkerError, WorkerPool
 

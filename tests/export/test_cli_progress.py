@@ -21,7 +21,7 @@ def leftover(ck: Path) -> None:
     first = next((ck / "data").iterdir()).name
     shutil.copytree(ck / "data" / first, ck / "data" / "20000101T000000-deadbeef")
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
 
 
 def on_terminal(args: list[str], cwd: Path) -> tuple[int, str]:

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from spawning import spawns
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
@@ -57,6 +58,7 @@ def assert_same(got: dict[str, Any], want: dict[str, Any]) -> None:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def exported(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Path, dict[str, Any]]]:
     """An FSDP2 x2 checkpoint exported with the CLI; the full state rank 0 saw."""
     base = tmp_path_factory.mktemp("dcp")
@@ -197,6 +199,7 @@ print(json.dumps({"maxrss_kib": hwm}))
 
 
 @pytest.mark.slow
+@pytest.mark.spawn
 def test_export_holds_about_one_tensor(tmp_path: Path) -> None:
     def run(mode: str) -> float:
         p = subprocess.run([sys.executable, "-c", MEM_SCRIPT, mode, str(tmp_path / "ck"), str(tmp_path / "out")],

@@ -15,7 +15,7 @@ from safetensors import safe_open
 
 from .mem_worker import tensor
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.spawn, pytest.mark.slow, pytest.mark.timeout(900)]
 
 N, MIB = 32, 32  # 1 GiB of tensors, 32 MiB each
 #: what the export may add to the process's peak: a group of small tensors

@@ -291,6 +291,7 @@ def test_shard_plan_matches_huggingface_hub(model: Any, ck: Path) -> None:
     assert re.fullmatch(r"\d+", str(parse_size("5GB")))
 
 
+@pytest.mark.spawn
 def test_parallel_workers_write_the_same_files(ck: Path, tmp_path: Path, capsys: Any) -> None:
     one, two = tmp_path / "one", tmp_path / "two"
     assert cli(["export", str(ck), str(one), "--max-shard-size", "300KB"]) == 0
@@ -400,6 +401,7 @@ def test_one_file_formats_into_a_directory(ck: Path, tmp_path: Path, capsys: Any
     assert sorted(os.listdir(empty)) == ["model.safetensors", "pytorch_model.bin"]
 
 
+@pytest.mark.spawn  # the export CLI under a file-size limit
 @pytest.mark.parametrize("fmt_", ["hf", "dcp"])
 def test_a_failed_export_leaves_nothing_and_names_out(ck: Path, tmp_path: Path, fmt_: str) -> None:
     """A real file-size limit (RLIMIT_FSIZE: the write fails with EFBIG)

@@ -240,6 +240,7 @@ def _load_worker(rank: int, world: int, init_file: str, case_dirs: list[str]) ->
 
 
 @pytest.mark.slow
+@pytest.mark.spawn
 def test_multi_rank_goldens_load_on_3_ranks(tmp_path: Path) -> None:
     """Every multi-rank golden loads on 3 gloo ranks: into full tensors (per-rank
     values from saved rank r % W) and, for DDP/FSDP1/FSDP2 goldens, resharded

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from spawning import spawns
 from torch import nn
 
 import bytecp
@@ -41,6 +42,7 @@ def nccl() -> Iterator[None]:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def cpu_world_2() -> Iterator[Any]:
     """Two CPU processes on gloo (the resharding side)."""
     from dist.pool import WorkerPool

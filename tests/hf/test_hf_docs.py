@@ -30,6 +30,7 @@ def test_one_process_snippet_runs() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.spawn
 def test_fsdp2_snippet_runs_under_torchrun(tmp_path: Path) -> None:
     first, second = _snippets()[:2]
     exec(compile(first, f"{DOC}:hf-snippet-1", "exec"), {})  # noqa: S102 - it saves /tmp/tiny-llama

@@ -33,6 +33,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not installed (make test installs it)")
 
@@ -90,6 +91,7 @@ def record(out: Path, tag: str, rank: int = 0) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     a = tmp_path_factory.mktemp("train")
     b = tmp_path_factory.mktemp("resume")

@@ -14,7 +14,7 @@ import pytest
 
 from .test_lightning import record, spawn
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.spawn, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
 def test_the_fit_loop_continues_the_epoch_on_another_number_of_ranks(tmp_path: Path) -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.spawn
+
 # looked up, not imported: this process keeps using pytorch_lightning (test_lightning_io.py)
 if importlib.util.find_spec("lightning") is None:
     pytest.skip("lightning is not installed (make test installs it)", allow_module_level=True)

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by `make torchtitan-install`")
 
@@ -33,6 +34,7 @@ def _ck(root: Path, step: int) -> str:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def titan(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tmp = tmp_path_factory.mktemp("titan")
     assets = write_assets(tmp / "assets")

@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.errors import CorruptCheckpointError
@@ -42,6 +43,7 @@ CASES = {"z1": (1, False), "z2": (2, False), "z3": (3, False), "z1bf16": (1, Tru
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool2() -> Iterator[WorkerPool]:
     p = WorkerPool(2, env=ENV)
     yield p

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.cli import main as cli
@@ -44,6 +45,7 @@ def _flat(sd: dict[str, Any], prefix: str = "") -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def sources(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]]:
     """Each source written once: its path, and the DCP model and config."""
     import torch.distributed.checkpoint as dcp

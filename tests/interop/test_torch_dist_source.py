@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.errors import CorruptCheckpointError
@@ -42,6 +43,7 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(2, env={"PYTHONWARNINGS": "ignore"})
     yield p

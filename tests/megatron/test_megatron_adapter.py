@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.loading import opened as engine
@@ -39,6 +40,7 @@ OUT = "output_layer.weight"
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(2, env={"PYTHONWARNINGS": "ignore"})
     yield p

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.errors import ConfigError, StateMismatchError
@@ -167,6 +168,7 @@ from dist.pool import WorkerPool  # noqa: E402
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(2, env={"PYTHONWARNINGS": "ignore"})
     yield p

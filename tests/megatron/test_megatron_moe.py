@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.loading import opened as engine
@@ -82,6 +83,7 @@ def _run_matrix(pool: WorkerPool, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool2() -> Iterator[WorkerPool]:
     p = WorkerPool(2, start_timeout=300, env={"PYTHONWARNINGS": "ignore"})
     yield p
@@ -126,6 +128,7 @@ def test_optimizer_of_another_model_fails_at_save_on_every_rank(pool2: WorkerPoo
     assert not (tmp_path / "other" / "metadata.json").exists()
 
 
+@pytest.mark.spawn
 def test_moe_layout_matrix_four_ranks(tmp_path: Path) -> None:
     """EP2 (expert DP 2) -> EP4; EP4 resumes strictly and moves to EP2.
     (TP x EP is not in the matrix: Megatron trains MoE at TP > 1 only with

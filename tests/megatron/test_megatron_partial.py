@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawning import spawns
 
 if importlib.util.find_spec("megatron") is None or importlib.util.find_spec("megatron.core") is None:
     pytest.skip("megatron-core is not installed (make test installs it)", allow_module_level=True)
@@ -41,6 +42,7 @@ CASES = [
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(2, env={"PYTHONWARNINGS": "ignore"})
     yield p

@@ -60,6 +60,7 @@ def test_dashboard_uses_only_exported_metrics_and_covers_the_issue() -> None:
     assert len({p["id"] for p in board["panels"]}) == len(board["panels"])
 
 
+@pytest.mark.spawn
 def test_prometheus_config_keeps_job_labels_and_scrapes_the_collector_and_keepers() -> None:
     path = DEPLOY / "prometheus" / "prometheus.yml"
     cfg = yaml.safe_load(path.read_text())

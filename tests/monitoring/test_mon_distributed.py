@@ -19,6 +19,8 @@ from bytecp.monitoring.cli import main as monitor_main
 from bytecp.monitoring.server import CollectorServer
 from monsynth import free_port
 
+pytestmark = pytest.mark.spawn
+
 WORKER = Path(__file__).with_name("mon_dist_worker.py")
 WORLD = 2
 

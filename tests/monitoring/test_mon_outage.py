@@ -10,12 +10,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
 import torch
 from bytecp.monitoring.client import CollectorClient
 from bytecp.monitoring.push import PushRecorder
 from monsynth import free_port
 
 import bytecp
+
+pytestmark = pytest.mark.spawn
 
 
 def _start_collector(port: int) -> subprocess.Popen[str]:

@@ -114,6 +114,7 @@ def test_opt_in_http_endpoint_on_loopback() -> None:
         rec.http_server.server_close()
 
 
+@pytest.mark.spawn
 def test_a_save_with_nobody_listening_loads_no_exporter(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """Zero cost when nothing listens: no gRPC, no Prometheus, no extra thread."""
     import subprocess

@@ -28,6 +28,7 @@ import torch
 import yaml
 from bytecp.monitoring.server import CollectorServer
 from monsynth import free_port
+from spawning import spawns
 
 import bytecp
 from bytecp.recorder import resolve_monitor
@@ -64,6 +65,7 @@ class Prom:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[CollectorServer, Prom]]:
     """Collector (in process) and Prometheus (subprocess) on loopback."""
     tmp = tmp_path_factory.mktemp("prom")
@@ -190,6 +192,7 @@ def test_every_dashboard_query_returns_data_after_a_save(
     assert info["metric"]["rank"] == "0"
 
 
+@pytest.mark.spawn
 def test_every_keeper_query_returns_data_from_real_keepers(stack: tuple[CollectorServer, Prom], tmp_path: Path) -> None:
     """Two keeper processes (hosts h0, h1) serve /metrics as ``bytecp keeper --metrics-port`` does;
     a job checkpoints to their memory through the manager (replicated to the peer) and drains to

@@ -123,8 +123,11 @@ class Chaos:
     ``s3`` is given (server, bucket), one S3 run behind a fault proxy."""
 
     def __init__(self, disk: Path, *, seed: int = 0, s3: tuple[Any, str] | None = None, deadline: float = 3.0,
-                 steps: int = 8, episode_timeout: float = 90.0, log: Any = print) -> None:
+                 steps: int = 8, episode_timeout: float = 90.0, log: Any = print,
+                 popen: Any = subprocess.Popen) -> None:
         self.disk, self.rng, self.s3, self.deadline = disk, random.Random(seed), s3, deadline
+        #: starts a rank (``subprocess.Popen``; the suite passes a warm interpreter's ``popen``)
+        self.popen = popen
         self.steps, self.episode_timeout, self.log = steps, episode_timeout, log
         self.fig = Figures()
         self.stop_step = {"local": 0, "s3": 0, "memory": 0}
@@ -198,9 +201,9 @@ class Chaos:
                "BYTECP_LEASE_SECONDS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
         env.pop("BYTECP_FAULT_KILL", None)
         t0 = time.monotonic()
-        procs = [subprocess.Popen([sys.executable, str(HERE / "chaos_worker.py"), json.dumps(cfg)],
-                                  env={**env, "RANK": str(r)}, cwd=str(HERE),
-                                  stdout=subprocess.DEVNULL, stderr=open(out / f"err{r}.txt", "w"))
+        procs = [self.popen([sys.executable, str(HERE / "chaos_worker.py"), json.dumps(cfg)],
+                            env={**env, "RANK": str(r)}, cwd=str(HERE),
+                            stdout=subprocess.DEVNULL, stderr=open(out / f"err{r}.txt", "w"))
                  for r in range(2)]
         resumed = False
         try:

@@ -5,7 +5,9 @@ of the memory tier mid-save) and restarts as a scheduler would; after every rest
 training's, every committed checkpoint verifies, no file is left that kept
 checkpoints do not need, and nothing hangs (see chaos.py).
 
-The short version (one episode of each fault) runs in the suite;
+The ranks are forked from a warm interpreter (tests/warm.py: an episode
+costs its job, not two torch imports); ``benchmarks/chaos.py`` starts real
+interpreters. The short version (one episode of each fault) runs in the suite;
 ``BYTECP_CHAOS_EPISODES=200`` runs that many seeded random episodes
 (``benchmarks/chaos.py`` prints the figures)."""
 
@@ -15,13 +17,14 @@ import os
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from .chaos import STORAGE_TESTS, Chaos
 from .tmpfs import mounted_tmpfs
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(900)]
 
 EPISODES = int(os.environ.get("BYTECP_CHAOS_EPISODES", "0"))
 
@@ -45,13 +48,13 @@ def s3() -> Iterator[tuple[object, str]]:
         server.stop()
 
 
-def test_chaos_short(disk: Path, s3: tuple[object, str]) -> None:
+def test_chaos_short(disk: Path, s3: tuple[object, str], warm: Any) -> None:
     """One episode of each fault, then a clean one; a keeper killed with the
     memory tier, then a clean restart from the memory tier (every invariant
     checked after each). The kill lands on the rank that is not the
     coordinator just after the commit reached it (``committed``): the
     checkpoint is committed, its files stay, the restart resumes from it."""
-    chaos = Chaos(disk, seed=1, s3=s3, steps=6)
+    chaos = Chaos(disk, seed=1, s3=s3, steps=6, popen=warm().popen)
     try:
         chaos.episode("kill", memory=False, phase="committed", rank=1)
         for kind in ("stop", "fill", "readonly", "s3", "none"):
@@ -68,8 +71,8 @@ def test_chaos_short(disk: Path, s3: tuple[object, str]) -> None:
 
 
 @pytest.mark.skipif(not EPISODES, reason="the long chaos run: BYTECP_CHAOS_EPISODES=N")
-def test_chaos_long(disk: Path, s3: tuple[object, str]) -> None:
-    chaos = Chaos(disk, seed=int(os.environ.get("BYTECP_CHAOS_SEED", "0")), s3=s3)
+def test_chaos_long(disk: Path, s3: tuple[object, str], warm: Any) -> None:
+    chaos = Chaos(disk, seed=int(os.environ.get("BYTECP_CHAOS_SEED", "0")), s3=s3, popen=warm().popen)
     try:
         for _ in range(EPISODES):
             chaos.episode()

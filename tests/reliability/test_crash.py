@@ -1,6 +1,7 @@
 """Crash harness: a rank SIGKILLed at seeded random points of sync, eager and
 lazy saves (plan, stage, write, during the coordinator's commit, after the
-commit), 2 gloo processes per case.
+commit), 2 gloo processes per case, forked from a warm interpreter (the
+``warm`` fixture: a case costs its save, not two torch imports).
 
 Every case asserts what a user relies on:
 - the survivor finishes (never hangs) and, if it reports failure, raises
@@ -21,12 +22,15 @@ import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 
 import bytecp
 from bytecp.manager import list_checkpoints
+
+pytestmark = pytest.mark.spawn
 
 WORKER = Path(__file__).with_name("crash_worker.py")
 
@@ -59,13 +63,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _run_case(tmp: Path, mode: str, victim: int, phase: str, delay: float, extra: str) -> dict[int, dict]:
+def _run_case(warm: Any, tmp: Path, mode: str, victim: int, phase: str, delay: float, extra: str
+              ) -> dict[int, dict]:
     port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     kill = f"{phase}:{victim}:{delay}"
     procs = [
-        subprocess.Popen([sys.executable, str(WORKER), str(r), "2", str(port), str(tmp), mode, kill, extra], env=env,
-                         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        warm.popen([sys.executable, str(WORKER), str(r), "2", str(port), str(tmp), mode, kill, extra], env=env,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
         for r in range(2)
     ]
     codes = {}
@@ -90,8 +95,8 @@ def _run_case(tmp: Path, mode: str, victim: int, phase: str, delay: float, extra
 @pytest.mark.slow
 @pytest.mark.parametrize("mode,victim,phase,delay,extra", CASES,
                          ids=[f"{m}-kill{v}-{p}+{d}{'-slowcommit' if e != '-' else ''}" for m, v, p, d, e in CASES])
-def test_killed_rank(tmp_path: Path, mode: str, victim: int, phase: str, delay: float, extra: str) -> None:
-    results = _run_case(tmp_path, mode, victim, phase, delay, extra)
+def test_killed_rank(tmp_path: Path, warm: Any, mode: str, victim: int, phase: str, delay: float, extra: str) -> None:
+    results = _run_case(warm(), tmp_path, mode, victim, phase, delay, extra)
     survivor = 1 - victim
     assert survivor in results, "the survivor never reported"
     got = results[survivor]

@@ -22,6 +22,8 @@ from bytecp.cli import main as cli
 
 from .tmpfs import mounted_tmpfs
 
+pytestmark = pytest.mark.spawn
+
 
 def _used(root: Path) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(root) for f in fs)

@@ -19,7 +19,7 @@ from bytecp.cli import main as cli
 
 from . import race_cases
 
-pytestmark = [pytest.mark.timeout(400), pytest.mark.slow]
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(400), pytest.mark.slow]
 
 
 def test_retention_racing_incremental_saves_never_breaks_a_checkpoint(tmp_path: Path) -> None:

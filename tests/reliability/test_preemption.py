@@ -17,6 +17,8 @@ import torch
 
 import bytecp
 
+pytestmark = pytest.mark.spawn
+
 HERE = Path(__file__).parent
 
 

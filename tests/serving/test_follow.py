@@ -272,6 +272,7 @@ next(bytecp.follow(run, {"model": m}, poll_s=0.01))
 """
 
 
+@pytest.mark.spawn
 def test_a_follower_killed_mid_update_leaves_nothing_that_blocks_the_run(tmp_path: Path) -> None:
     """SIGKILL mid-read: its pin stays, a new follower starts clean and takes
     the newest checkpoint, and once the dead one's lease lapses retention

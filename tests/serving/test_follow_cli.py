@@ -18,7 +18,7 @@ from torch import nn
 
 import bytecp
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
 
 
 def _line(out: IO[str]) -> dict[str, object]:

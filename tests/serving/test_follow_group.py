@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.catalog import list_checkpoints
@@ -28,6 +29,7 @@ pytestmark = [pytest.mark.timeout(600)]
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool() -> Iterator[WorkerPool]:
     p = WorkerPool(2)
     yield p
@@ -79,6 +81,7 @@ def test_a_group_follows_each_step_bitwise_and_fails_together(pool: WorkerPool, 
     assert held
 
 
+@pytest.mark.spawn
 def test_a_group_follows_the_memory_tier(pool: WorkerPool, tmp_path: Path) -> None:
     """FSDP2 x2 given ``memory_url``: each memory step (a keeper process, the
     trainer saving every step to memory, every second drained) bitwise on

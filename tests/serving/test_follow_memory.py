@@ -26,7 +26,7 @@ from bytecp.serving.cli import watch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # keeper processes, as its tests start them
 from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
 
 
 def _model(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:

@@ -116,6 +116,7 @@ bytecp.async_save(sys.argv[1], state, storage_options={"keepers": sys.argv[2], "
 """
 
 
+@pytest.mark.spawn
 def test_a_rank_killed_after_alloc_commits_nothing_and_its_arena_is_reclaimed(pair: list[Keeper]) -> None:
     run = f"keeper://job/{uuid.uuid4().hex}"
     lent = set(pair[0].arenas.lent)

@@ -13,23 +13,27 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from bytecp.storage._keeper_wire import request
 from keepers import TOKEN, free_ports, spawn_keeper
 
+pytestmark = pytest.mark.spawn
+
 WORKER = str(Path(__file__).with_name("memtier_worker.py"))
 
 
-def ranks(mode: str, tmp: Path, ports: dict[str, int], steps: int) -> list[subprocess.Popen[str]]:
+def ranks(warm: Any, mode: str, tmp: Path, ports: dict[str, int], steps: int) -> list[Any]:
+    """The job's two ranks, forked from a warm interpreter (a start costs no torch import)."""
     (master,) = free_ports(1)
     spec = ",".join(f"{n}=127.0.0.1:{p}" for n, p in ports.items())
     procs = []
     for rank, host in enumerate(sorted(ports)):
         env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master),
                    BYTECP_KEEPERS=spec, BYTECP_KEEPER_HOST=host, BYTECP_KEEPER_TOKEN=TOKEN)
-        procs.append(subprocess.Popen(
+        procs.append(warm.popen(
             [sys.executable, WORKER, mode, str(tmp / "run"), str(tmp / f"{mode}-{rank}.pt"), str(steps), "32"],
             env=env, stdout=subprocess.PIPE, stderr=open(tmp / f"{mode}-{rank}.log", "w"), text=True))  # noqa: SIM115
     return procs
@@ -46,12 +50,12 @@ def line(proc: subprocess.Popen[str], tmp: Path, name: str) -> dict[str, object]
 
 
 @pytest.mark.slow
-def test_kill_a_host_restore_from_the_peer_bitwise(tmp_path: Path) -> None:
+def test_kill_a_host_restore_from_the_peer_bitwise(tmp_path: Path, warm: Any) -> None:
     ports = dict(zip(["h0", "h1"], free_ports(2), strict=True))
     keepers = {n: spawn_keeper(n, ports, tmp_path) for n in ports}
-    procs: list[subprocess.Popen[str]] = []
+    procs: list[Any] = []
     try:
-        procs = ranks("train", tmp_path, ports, steps=6)
+        procs = ranks(warm(), "train", tmp_path, ports, steps=6)
         trained = [line(p, tmp_path, f"train-{i}") for i, p in enumerate(procs)]
         assert all(len(t["blocked_s"]) == 3 for t in trained)  # type: ignore[arg-type]
         # host h1 dies: its rank and its keeper; then the job stops (its other rank too)
@@ -62,7 +66,7 @@ def test_kill_a_host_restore_from_the_peer_bitwise(tmp_path: Path) -> None:
         shutil.rmtree(hello["root"])  # the lost host's memory (a killed keeper frees nothing)
         keepers["h1"] = spawn_keeper("h1", ports, tmp_path)  # the replacement host: empty memory
         t0 = time.perf_counter()
-        procs = ranks("restore", tmp_path, ports, steps=0)
+        procs = ranks(warm(), "restore", tmp_path, ports, steps=0)
         restored = [line(p, tmp_path, f"restore-{i}") for i, p in enumerate(procs)]
         for p in procs:
             assert p.wait(timeout=60) == 0

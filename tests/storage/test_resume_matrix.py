@@ -60,7 +60,9 @@ from bytecp.storage_api import open_storage
 pytest.importorskip("torchtitan", reason="torchtitan 0.3.0 is installed by `make torchtitan-install`")
 pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not installed (make test installs it)")
 
-pytestmark = pytest.mark.timeout(600)
+# spawn: every cell reads the session's artifacts, among them a save killed in
+# its commit phase (a process of its own, resume_artifacts.py)
+pytestmark = [pytest.mark.spawn, pytest.mark.timeout(600)]
 
 NEWEST, OLDER = STEPS[-1], STEPS[0]
 #: retried for 4 s at most (the default is 120 s); a listing that hangs given up after 1.5 s

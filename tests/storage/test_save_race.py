@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import race_worker
 import torch
+from spawning import spawns
 
 import bytecp
 from bytecp.format import metadata as fmt
@@ -61,6 +62,7 @@ class Racers:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def racers() -> Iterator[Racers]:
     r = Racers()
     yield r

@@ -12,6 +12,7 @@ import os
 import sys
 
 import pytest
+from spawning import spawns
 
 import bytecp
 
@@ -24,6 +25,7 @@ pytestmark = [pytest.mark.s3, pytest.mark.ceph, pytest.mark.slow, pytest.mark.ti
 
 
 @pytest.fixture(scope="module")
+@spawns
 def s3_pools(ceph_rgw):
     env = {
         "AWS_ACCESS_KEY_ID": ceph_rgw.key,

@@ -35,6 +35,7 @@ def download(url: str, options: dict[str, Any], dest: Path) -> list[str]:
     return names
 
 
+@pytest.mark.spawn
 def test_export_to_s3_loads_back(s3: Any, tmp_path: Path, unique_prefix: str, capsys: Any) -> None:
     from transformers import GPT2LMHeadModel
 

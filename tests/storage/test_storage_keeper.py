@@ -128,6 +128,7 @@ def test_a_run_does_not_list_a_sibling_sharing_its_prefix(pair: list[Keeper]) ->
     assert open_storage(f"keeper://{base}/run", keepers=spec(pair), host="h0", token=TOKEN).list_files() == ["a"]
 
 
+@pytest.mark.spawn
 def test_the_first_save_on_a_host_starts_its_keeper(pair: list[Keeper]) -> None:
     from keepers import free_ports
 

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from spawning import spawns
 
 import bytecp
 
@@ -45,6 +46,7 @@ ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignor
 # the ranks' native shutdown after DeepSpeed's process groups takes 10 s or more
 # here; every check has run by then, so the pools are stopped without waiting
 @pytest.fixture(scope="module")
+@spawns
 def pool2() -> Iterator[WorkerPool]:
     p = WorkerPool(2, env=ENV)
     yield p
@@ -52,6 +54,7 @@ def pool2() -> Iterator[WorkerPool]:
 
 
 @pytest.fixture(scope="module")
+@spawns
 def pool1() -> Iterator[WorkerPool]:
     p = WorkerPool(1, env=ENV)
     yield p
@@ -182,6 +185,7 @@ def test_moe_experts_by_global_index_reload_at_another_ep(pool2: WorkerPool, poo
 
 
 @pytest.fixture(scope="module")
+@spawns
 def tp_pool2() -> Iterator[WorkerPool]:
     """Ranks for AutoTP engines only: DeepSpeed keeps the tensor-parallel groups
     an AutoTP engine makes for the life of the process, and a later engine
