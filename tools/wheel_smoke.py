@@ -31,7 +31,7 @@ import zipfile
 #: modules that need an extra (or pytest) the runtime-only install lacks
 NEEDS_EXTRA = ("bytecp.monitoring.", "bytecp.adapters.lightning", "bytecp.adapters.torchtitan",
                "bytecp.adapters.testing", "bytecp.storage.testing", "bytecp.contract", "bytecp.demo.evaluate",
-               "bytecp.adapters.data.torchdata")
+               "bytecp.adapters.data.torchdata", "bytecp.adapters.data.hf_")
 
 failures: list[str] = []
 

@@ -34,17 +34,16 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from datasets import IterableDataset
-
 from bytecp.data import DataReshardError, Resharded, Resharder, SavedData
 from bytecp.plugins import missing_extra
 
-from . import hf_streams as hs
-
-try:
+try:  # (the registry imports this module only once datasets is imported)
+    from datasets import IterableDataset
     from torchdata.stateful_dataloader import StatefulDataLoader
-except ModuleNotFoundError as e:  # (the registry imports this module only once datasets is imported)
-    raise missing_extra(e, "torchdata", __name__) from None
+except ModuleNotFoundError as e:
+    raise missing_extra(e, "datasets", __name__) from None
+
+from . import hf_streams as hs
 
 __all__ = ["HFIterableResharder", "loader_streams", "stream_position", "Plan", "plan_streams", "SavedStreams",
            "new_loader_state", "dp_rank_entry", "saved_rank_of", "recorded_dp_rank"]

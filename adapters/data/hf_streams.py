@@ -35,13 +35,19 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from datasets import IterableDataset
-from datasets.iterable_dataset import (
-    ArrowExamplesIterable,
-    DataSourcesShufflingDisallowed,
-    ExamplesIterable,
-)
-from datasets.utils.sharding import _shuffle_gen_kwargs
+
+from bytecp.plugins import missing_extra
+
+try:  # (imported by hf_datasets, once datasets is imported)
+    from datasets import IterableDataset
+    from datasets.iterable_dataset import (
+        ArrowExamplesIterable,
+        DataSourcesShufflingDisallowed,
+        ExamplesIterable,
+    )
+    from datasets.utils.sharding import _shuffle_gen_kwargs
+except ModuleNotFoundError as e:
+    raise missing_extra(e, "datasets", __name__) from None
 
 __all__ = ["Layout", "layout", "order", "stream_positions", "decode", "encode", "shard_rows", "Unknown",
            "LEAVES"]
