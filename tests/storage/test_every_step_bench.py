@@ -18,6 +18,7 @@ from benchmarks import every_step
 pytestmark = pytest.mark.timeout(600)
 
 
+@pytest.mark.spawn  # the memory tier's keeper servers
 def test_the_loop_checkpoints_every_step_to_memory_and_drains_to_disk(tmp_path: Path) -> None:
     out = every_step.run(2e5, batch=2, seq=32, steps=4, disk_every=3, rounds=1, root=tmp_path, device="cpu")
     assert out["params"] >= 2e5 and out["state_bytes"] > 12 * out["params"]
