@@ -18,6 +18,7 @@ from collections.abc import Iterator
 
 import pytest
 import s3_servers
+from spawning import spawns
 
 from bytecp import recorder
 
@@ -68,6 +69,7 @@ def moto_bucket(moto_s3: s3_servers.S3Server) -> str:
 
 
 @pytest.fixture(params=["moto", pytest.param("ceph", marks=pytest.mark.ceph)])
+@spawns  # its ceph parameter starts the RADOS Gateway; the guard sees one fixture for both
 def s3(request: pytest.FixtureRequest) -> tuple[s3_servers.S3Server, str]:
     """(server, bucket) for tests that run against both S3 servers."""
     if request.param == "moto":
