@@ -155,6 +155,16 @@ def _idempotent_pre_hook(hook: Any) -> bool:
             and getattr(fn, "__name__", "") == "to_sharded_hook")
 
 
+def _once_per_look(watch: ModuleWatch | OptimizerWatch) -> bool:
+    """``watch._check()``, asked once per look at the live state (outside a look: every time)."""
+    look = current_look()
+    seen, answer = watch._memo  # (one attribute: a describe on another thread never mixes two)
+    if look is None or seen is not look:
+        answer = watch._check()
+        watch._memo = (look, answer)
+    return answer
+
+
 class ModuleWatch:
     """A module tree's structure and tensors as a save described them.
 
@@ -219,14 +229,10 @@ class ModuleWatch:
     def root(self) -> nn.Module | None:
         return self._root()
 
+
     def unchanged(self) -> bool:
         """Whether the tree is as described (asked once per look at the live state)."""
-        look = current_look()
-        seen, answer = self._memo  # (one attribute: a describe on another thread never mixes two)
-        if look is None or seen is not look:
-            answer = self._check()
-            self._memo = (look, answer)
-        return answer
+        return _once_per_look(self)
 
     def _check(self) -> bool:
         root = self._root()
@@ -351,14 +357,10 @@ class OptimizerWatch:
         #: (the look it was last asked in, the answer)
         self._memo: tuple[object | None, bool] = (None, False)
 
+
     def unchanged(self) -> bool:
         """Whether the parameters and the state are as described (once per look)."""
-        look = current_look()
-        seen, answer = self._memo  # (one attribute: a describe on another thread never mixes two)
-        if look is None or seen is not look:
-            answer = self._check()
-            self._memo = (look, answer)
-        return answer
+        return _once_per_look(self)
 
     def _check(self) -> bool:
         opt = self._opt()

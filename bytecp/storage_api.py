@@ -259,6 +259,14 @@ class Storage(abc.ABC):
             if each is not None:
                 each(i)
 
+    @staticmethod
+    def each_after(count: int, each: Callable[[int], None] | None) -> None:
+        """(backends whose :attr:`reads_each` is False, at the end of :meth:`read_ranges`)
+        Call ``each`` for every range, in order, once all ``count`` are in."""
+        if each is not None:
+            for i in range(count):
+                each(i)
+
     def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
         """:meth:`read_ranges` of each ``(path, ranges)`` of ``reads``, in order, with its errors.
 

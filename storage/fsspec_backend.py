@@ -323,9 +323,7 @@ class FsspecStorage(Storage):
                     each: Callable[[int], None] | None = None) -> None:
         """One ``cat_ranges`` call: async filesystems (gcsfs, adlfs, ...) fetch the ranges concurrently."""
         self._read_ranges_all(path, ranges)
-        if each is not None:  # (``reads_each`` False: once every range is in)
-            for i in range(len(ranges)):
-                each(i)
+        self.each_after(len(ranges), each)  # (``reads_each`` False: once every range is in)
 
     def _read_ranges_all(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         items = [(off, v) for off, v in ((off, byte_view(out)) for off, out in ranges) if len(v)]

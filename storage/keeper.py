@@ -281,9 +281,7 @@ class KeeperStorage(Storage):
                     each: Callable[[int], None] | None = None) -> None:
         """Local shared memory: one read per range; a peer: every range in one request."""
         self._read_ranges_all(path, ranges)
-        if each is not None:  # (``reads_each`` False: once every range is in)
-            for i in range(len(ranges)):
-                each(i)
+        self.each_after(len(ranges), each)  # (``reads_each`` False: once every range is in)
 
     def _read_ranges_all(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         key = self._key(path)

@@ -347,9 +347,7 @@ class S3Storage(_S3Writes):
                     each: Callable[[int], None] | None = None) -> None:
         """Coalesce nearby ranges (gaps up to ``coalesce_gap``) into GETs of up to ``read_part_size``."""
         self._read_ranges_all(path, ranges)
-        if each is not None:  # (``reads_each`` False: once every range is in)
-            for i in range(len(ranges)):
-                each(i)
+        self.each_after(len(ranges), each)  # (``reads_each`` False: once every range is in)
 
     def _read_ranges_all(self, path: str, ranges: Sequence[tuple[int, memoryview]]) -> None:
         items = [(offset, byte_view(out)) for offset, out in ranges]
