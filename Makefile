@@ -5,6 +5,9 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
+# two pytest workers (pytest-xdist), a test file's tests on one of them (their
+# module-scoped jobs run once); XDIST= runs the tests in this process
+XDIST ?= -n 2 --dist loadfile
 
 .PHONY: demo test check wheel-check install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
 
@@ -66,14 +69,14 @@ demo: $(VENV)/.demo-installed
 # every test (docs/contributing.md: how to write a fast one); the 25 slowest
 # listed at the end, where a slow newcomer shows
 test: install-test test-servers wheel-check
-	$(VPY) -m pytest -q --durations=25 $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 # the inner loop (2 minutes is the target: docs/contributing.md): ruff, mypy, and the tests that start no
 # process (-m "not spawn": tests/spawning.py marks and checks the others)
 check: install-test
 	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto
 	$(VENV)/bin/mypy
-	$(VPY) -m pytest -q -m "not spawn" --durations=10 $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) -m "not spawn" --durations=10 $(PYTEST_ARGS)
 
 # bytecp as a user installs it: the sdist and the wheel built, the wheel installed
 # (not editable) into a fresh venv with the runtime dependencies only, every module
