@@ -46,7 +46,9 @@ from .helpers import as_object_form, tensor_specs
 
 GOLDEN = Path(__file__).resolve().parents[1] / "golden"
 SOURCES = ["v1/plain", "v1/two_ranks", "v1/irregular", "v2/plain", "v2/two_ranks", "v2/irregular", "v2/tied"]
-CASES = int(os.environ.get("BYTECP_FUZZ_CASES", "1000"))
+#: 400 cases in the suite (each mutator of each golden source many times over); a
+#: long run: BYTECP_FUZZ_CASES=20000 (and BYTECP_FUZZ_SEED for another draw)
+CASES = int(os.environ.get("BYTECP_FUZZ_CASES", "400"))
 #: resident memory a case may add on top of the reader's steady state
 RSS_ALLOWANCE = 64 << 20
 HUGE = [-1, -4096, 0, 1, 4095, 10**6, 2**31, 10**12, 2**62, 2**63 - 1, 10**15]
