@@ -30,6 +30,39 @@ def pytest_configure(config: pytest.Config) -> None:
     config.pluginmanager.register(spawning, "bytecp-spawning")
 
 
+# ---------------------------------------------------------------------- longest files first
+#: the test files that take longest (make test's --durations, summed per file), in that
+#: order. make test runs on two workers, each taking the next whole file as it finishes
+#: one (``--dist loadfile``): started first, the long files end together instead of one
+#: of them running alone at the end. A file that grows long belongs here.
+LONGEST_FIRST = (
+    "tests/storage/test_resume_matrix.py",
+    "tests/zero/test_deepspeed_adapter.py",
+    "tests/bench/test_bench_smoke.py",
+    "tests/storage/test_storage_s3.py",
+    "tests/megatron/test_megatron_moe.py",
+    "tests/integrations/test_torchtitan.py",
+    "tests/integrations/test_lightning.py",
+    "tests/data/test_torchdata_reshard.py",
+    "tests/reliability/test_crash.py",
+    "tests/reliability/test_chaos.py",
+    "tests/data/test_hf_datasets_reshard.py",
+    "tests/core/test_exit.py",
+    "tests/dist/test_layouts.py",
+    "tests/demo/test_demo.py",
+    "tests/interop/test_torch_dist_source.py",
+    "tests/storage/test_save_race.py",
+    "tests/dist/test_deadline.py",
+    "tests/megatron/test_megatron_adapter.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the files of :data:`LONGEST_FIRST` first, in its order; the others keep theirs."""
+    first = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: first.get(item.nodeid.partition("::")[0], len(first)))
+
+
 # ---------------------------------------------------------------------- warm interpreters
 _warm: dict[tuple[str, ...], Any] = {}
 
