@@ -200,7 +200,8 @@ class FaultProxy:
 
         self._server = Server(("127.0.0.1", 0), Handler)
         self.endpoint_url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # a short poll: shutdown() waits up to one interval (0.5 s by default), once per proxy
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.02,), daemon=True)
 
     def _draw(self, method: str, path: str) -> str | None:
         with self._lock:
