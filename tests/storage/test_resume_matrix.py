@@ -173,7 +173,7 @@ class Where:
 
     url: str
     options: dict[str, Any]
-    #: torchtitan's initial_load_path: its bytecp step 10, beside the run
+    #: torchtitan's initial_load_path: its bytecp step 10, outside the run folder
     seed: str
     #: the fault the condition injects while the path runs
     fault: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
@@ -215,7 +215,7 @@ def _refused(folder: Path) -> Iterator[None]:
         folder.chmod(0o755)
 
 
-#: (bucket, kind, condition) -> the S3 prefix holding that run folder (and torchtitan's seed beside it)
+#: (bucket, kind, condition) -> the S3 prefix holding that run folder; (bucket, "seed", "") -> torchtitan's seed
 _UPLOADED: dict[tuple[str, str, str], str] = {}
 
 
@@ -236,8 +236,11 @@ def where_for(store: str, kind: str, condition: str, request: pytest.FixtureRequ
     if prefix is None:  # one upload per folder: the paths only read it (a follower's lease is hidden)
         prefix = f"s3://{bucket}/{kind}-{condition}"
         _upload(local, f"{prefix}/run", server.options())
-        _upload(seed, f"{prefix}/seed", server.options())
         _UPLOADED[(bucket, kind, condition)] = prefix
+    seed_url = f"s3://{bucket}/titan-seed/step-{OLDER}"  # one copy for every cell, outside each run folder
+    if (bucket, "seed", "") not in _UPLOADED:
+        _upload(seed, seed_url, server.options())
+        _UPLOADED[(bucket, "seed", "")] = seed_url
     proxy = stack.enter_context(FaultProxy(server.endpoint_url))
     kinds = {"denied": "403", "throttled": "503", "timeout": HANG}
 
@@ -254,7 +257,7 @@ def where_for(store: str, kind: str, condition: str, request: pytest.FixtureRequ
             proxy.fail_always.clear()
 
     return Where(f"{prefix}/run", {**server.options(), "endpoint_url": proxy.endpoint_url, **FAST,
-                                   **SHORT.get(condition, {})}, f"{prefix}/seed", fault)
+                                   **SHORT.get(condition, {})}, seed_url, fault)
 
 
 # ------------------------------------------------------------------ paths
