@@ -18,9 +18,12 @@ def state_of(worker: int, rep: int) -> dict[str, Any]:
     }
 
 
-def run(worker: int, jobs: Any, results: Any, barrier: Any) -> None:
-    """(worker process) For each ``(url, storage_options, rep)`` from ``jobs``:
-    wait at ``barrier``, save, report ``(rep, worker, outcome, message)``."""
+def run(worker: int, jobs: Any, results: Any, barrier: Any, env: dict[str, str]) -> None:
+    """(worker process, forked from the fork server) With the test's
+    environment ``env``, for each ``(url, storage_options, rep)`` from
+    ``jobs``: wait at ``barrier``, save, report ``(rep, worker, outcome, message)``."""
+    os.environ.clear()
+    os.environ.update(env)
     # every job waits a little between writing and committing, so they all
     # pass the up-front "is a checkpoint there?" check and race at the commit
     os.environ["BYTECP_FAULT_DELAY"] = "commit:0:0.15"

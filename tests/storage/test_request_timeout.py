@@ -87,9 +87,13 @@ def test_s3_request_that_always_hangs_fails_naming_url_and_timeout(s3, proxy, un
     """Every GET of one object hangs: the read fails within the retry
     deadline, naming the object's URL and the per-request timeout."""
     server, bucket = s3
-    st = open_storage(f"s3://{bucket}/{unique_prefix}", **{**server.options(),
-                      "endpoint_url": proxy.endpoint_url, "retry": FAST_RETRY, "request_timeout": 0.5})
-    st.write_file("g.bin", [payload(4096, 1)])
+    url = f"s3://{bucket}/{unique_prefix}"
+    open_storage(url, **{**server.options(), "endpoint_url": proxy.endpoint_url}).write_file("g.bin", [payload(4096, 1)])
+    # the read alone under the short settings: 0.5 s attempts for 1.2 s, so
+    # retried (at least one attempt more), then raised
+    retry = {**FAST_RETRY, "deadline": 1.2}
+    st = open_storage(url, **{**server.options(), "endpoint_url": proxy.endpoint_url, "retry": retry,
+                              "request_timeout": 0.5})
     proxy.fail_always.append((lambda m, p: m == "GET" and "g.bin" in p, HANG))
     t0 = time.monotonic()
     with pytest.raises(TransientStorageError) as e:
@@ -98,7 +102,8 @@ def test_s3_request_that_always_hangs_fails_naming_url_and_timeout(s3, proxy, un
     msg = str(e.value)
     assert f"s3://{bucket}/{unique_prefix}/g.bin" in msg and "request_timeout" in msg, msg
     assert "no answer within 0.5 s" in msg, msg
-    assert took < FAST_RETRY["deadline"] + 2, took
+    assert took < retry["deadline"] + 2, took
+    assert sum(1 for m, p, o in proxy.requests if m == "GET" and "g.bin" in p and o == HANG) >= 2  # retried
     proxy.fail_always.clear()
     st.delete_prefix()
 

@@ -65,9 +65,17 @@ pytest.importorskip("pytorch_lightning", reason="pytorch-lightning is not instal
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(600)]
 
 NEWEST, OLDER = STEPS[-1], STEPS[0]
-#: retried for 4 s at most (the default is 120 s); a listing that hangs given up after 1.5 s
+#: retried for 4 s at most (the default is 120 s)
 FAST = {"retry": {"deadline": 4.0, "initial_backoff": 0.05, "max_backoff": 0.3}}
-HANGS = {"request_timeout": 1.5}
+#: the cells whose listing always fails only need "retried, then raised":
+#: throttled (503 at once) gives up after 1 s, several attempts; timeout (a
+#: listing never answered) after two attempts of 0.75 s each (the deadline
+#: allows a second attempt, not a third). The other requests of those cells
+#: are healthy; one that took longer than 0.75 s on a loaded machine would be
+#: retried, and raise the same TransientStorageError naming request_timeout
+THROTTLED = {"retry": {"deadline": 1.0, "initial_backoff": 0.05, "max_backoff": 0.1}}
+HANGS = {"request_timeout": 0.75, "retry": {"deadline": 1.0, "initial_backoff": 0.05, "max_backoff": 0.1}}
+SHORT = {"throttled": THROTTLED, "timeout": HANGS}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,7 +173,7 @@ class Where:
 
     url: str
     options: dict[str, Any]
-    #: torchtitan's initial_load_path: its bytecp step 10, beside the run
+    #: torchtitan's initial_load_path: its bytecp step 10, outside the run folder
     seed: str
     #: the fault the condition injects while the path runs
     fault: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
@@ -207,7 +215,7 @@ def _refused(folder: Path) -> Iterator[None]:
         folder.chmod(0o755)
 
 
-#: (bucket, kind, condition) -> the S3 prefix holding that run folder (and torchtitan's seed beside it)
+#: (bucket, kind, condition) -> the S3 prefix holding that run folder; (bucket, "seed", "") -> torchtitan's seed
 _UPLOADED: dict[tuple[str, str, str], str] = {}
 
 
@@ -228,8 +236,11 @@ def where_for(store: str, kind: str, condition: str, request: pytest.FixtureRequ
     if prefix is None:  # one upload per folder: the paths only read it (a follower's lease is hidden)
         prefix = f"s3://{bucket}/{kind}-{condition}"
         _upload(local, f"{prefix}/run", server.options())
-        _upload(seed, f"{prefix}/seed", server.options())
         _UPLOADED[(bucket, kind, condition)] = prefix
+    seed_url = f"s3://{bucket}/titan-seed/step-{OLDER}"  # one copy for every cell, outside each run folder
+    if (bucket, "seed", "") not in _UPLOADED:
+        _upload(seed, seed_url, server.options())
+        _UPLOADED[(bucket, "seed", "")] = seed_url
     proxy = stack.enter_context(FaultProxy(server.endpoint_url))
     kinds = {"denied": "403", "throttled": "503", "timeout": HANG}
 
@@ -246,7 +257,7 @@ def where_for(store: str, kind: str, condition: str, request: pytest.FixtureRequ
             proxy.fail_always.clear()
 
     return Where(f"{prefix}/run", {**server.options(), "endpoint_url": proxy.endpoint_url, **FAST,
-                                   **(HANGS if condition == "timeout" else {})}, f"{prefix}/seed", fault)
+                                   **SHORT.get(condition, {})}, seed_url, fault)
 
 
 # ------------------------------------------------------------------ paths

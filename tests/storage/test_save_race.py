@@ -5,7 +5,7 @@ winner's checkpoint loads bitwise and the losers leave no file behind
 
 from __future__ import annotations
 
-import multiprocessing as mp
+import os
 import queue
 import uuid
 from collections.abc import Iterator
@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 import race_worker
 import torch
+from dist.pool import context as pool_context
 from spawning import spawns
 
 import bytecp
@@ -25,15 +26,22 @@ REPETITIONS = 20
 
 
 class Racers:
-    """``WORKERS`` spawned processes (started once), each an independent job."""
+    """``WORKERS`` processes (started once), each an independent job.
+
+    Forked from the suite's fork server (``tests/dist/pool.py``), which
+    imported torch and bytecp once: a spawned process paid that import
+    (10-20 s for three on 2 cores) and its interpreter's finalization at
+    exit (~10 s); a forked one leaves through ``os._exit``."""
 
     def __init__(self) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = pool_context()
         self.barrier = ctx.Barrier(WORKERS)
         self.results = ctx.Queue()
         self.jobs = [ctx.Queue() for _ in range(WORKERS)]
+        env = dict(os.environ)  # what a spawned process would have started with
         self.procs = [
-            ctx.Process(target=race_worker.run, args=(i, self.jobs[i], self.results, self.barrier), daemon=True)
+            ctx.Process(target=race_worker.run, args=(i, self.jobs[i], self.results, self.barrier, env),
+                        daemon=True)
             for i in range(WORKERS)
         ]
         for p in self.procs:

@@ -155,9 +155,7 @@ def test_delete_prefix_aborts_unfinished_uploads(s3, unique_prefix):
 
 def test_listing_pages_past_one_thousand_keys(moto_s3, moto_bucket, unique_prefix):
     st = open_storage(f"s3://{moto_bucket}/{unique_prefix}", **moto_s3.options())
-    client = moto_s3.boto3_client()
-    for i in range(1005):
-        client.put_object(Bucket=moto_bucket, Key=f"{unique_prefix}/d/{i:05d}", Body=b"")
+    moto_s3.put_empty(moto_bucket, [f"{unique_prefix}/d/{i:05d}" for i in range(1005)])
     files = st.list_files()
     assert len(files) == 1005 and files[0] == "d/00000"
     st.delete_prefix()
@@ -313,13 +311,9 @@ def test_conditional_put_false_uses_the_fallback_without_probing(moto_s3, moto_b
 def test_deletes_past_one_thousand_keys_go_several_requests_at_once(moto_s3, moto_bucket, unique_prefix, monkeypatch):
     """A W-rank checkpoint is 2 x W objects: its 1,000-key DeleteObjects
     requests are sent several at a time, and every key goes."""
-    import concurrent.futures
-
     st = open_storage(f"s3://{moto_bucket}/{unique_prefix}", **moto_s3.options())
-    client = moto_s3.boto3_client()
     keys = [f"d/{i:05d}" for i in range(2600)]
-    with concurrent.futures.ThreadPoolExecutor(16) as ex:
-        list(ex.map(lambda k: client.put_object(Bucket=moto_bucket, Key=f"{unique_prefix}/{k}", Body=b""), keys))
+    moto_s3.put_empty(moto_bucket, [f"{unique_prefix}/{k}" for k in keys])
     real, flight, most = st._call, [0], [0]
 
     async def counted(op, *a, **kw):
