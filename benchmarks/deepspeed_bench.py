@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from benchmarks.harness import ratio_table
 from benchmarks.harness import timed_between_barriers as _timed_b
@@ -107,6 +107,19 @@ def rank_setup(rank: int, world: int, port: int, label: str = "") -> tuple[dict[
     return results, case
 
 
+def leave(out: Any) -> NoReturn:
+    """(each rank, its work done and rank 0's result put on ``out``) Past one
+    barrier, the queue flushed, out of the process at once: the native
+    shutdown after DeepSpeed's process groups takes 10 s or more here, and
+    :func:`_spawn` waits for every rank's exit."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    out.close()
+    out.join_thread()
+    os._exit(0)
+
+
 def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str, phase: int, out: Any) -> None:
     results, case = rank_setup(rank, world, port)
     import torch.distributed as dist
@@ -131,6 +144,7 @@ def rank_main(rank: int, world: int, port: int, size: dict[str, int], root: str,
             case("bytecp DP 2 -> 1 load", lambda: bytecp.load(str(r / "bytecp"), {"model": engine}))
         if rank == 0:
             out.put(("ok", nbytes, results))
+        leave(out)
     except BaseException as e:
         out.put(("error", rank, f"{type(e).__name__}: {e}"))
         raise

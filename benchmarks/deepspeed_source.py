@@ -24,7 +24,7 @@ optimizer made outside the timer):
   outside the saving layout;
 - a fresh interpreter that imports its library and writes the masters with
   ``torch.save`` (the ``zero_to_fp32`` script's job), each way, both
-  byte-compiled (a first run untimed).
+  byte-compiled (a first run untimed; not with ``--quick``).
 
 Phase 3, one rank: a ZeRO-3 engine loads the ZeRO-3 checkpoint of two
 (``bytecp.load``) and the universal folder (``engine.load_checkpoint`` with
@@ -55,7 +55,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks.deepspeed_bench import ENV, _spawn, rank_setup, to_universal
+from benchmarks.deepspeed_bench import ENV, _spawn, leave, rank_setup, to_universal
 from benchmarks.harness import ratio_table
 
 __all__ = ["TAG", "QUICK", "FULL", "ROWS", "make_module", "write_rank", "engine_rank", "one_process", "fresh_process",
@@ -125,6 +125,7 @@ def write_rank(rank: int, world: int, port: int, size: dict[str, Any], root: str
             del engine
         if rank == 0:
             out.put(("ok", nbytes, {}))
+        leave(out)
     except BaseException as e:
         out.put(("error", rank, f"{type(e).__name__}: {e}"))
         raise
@@ -157,6 +158,7 @@ def engine_rank(rank: int, world: int, port: int, size: dict[str, Any], root: st
         results["bitwise"] = float(same)
         if rank == 0:
             out.put(("ok", 0, results))
+        leave(out)
     except BaseException as e:
         out.put(("error", rank, f"{type(e).__name__}: {e}"))
         raise
@@ -245,9 +247,11 @@ torch.save(sd, out)
 """
 
 
-def fresh_process(root: Path, size: dict[str, int], repeat: int) -> dict[str, float]:
+def fresh_process(root: Path, size: dict[str, int], repeat: int, compile_first: bool = True) -> dict[str, float]:
     """(phase 2) Seconds of a fresh interpreter writing the ZeRO-3 masters with
-    each library (imports included), the median of ``repeat``; checked equal."""
+    each library (imports included), the median of ``repeat``; checked equal.
+    ``compile_first``: an untimed first run per library byte-compiles it (the
+    smoke test's ``--quick`` skips it: it reports every field, it measures nothing)."""
     import json
     import subprocess
     import sys
@@ -260,7 +264,7 @@ def fresh_process(root: Path, size: dict[str, int], repeat: int) -> dict[str, fl
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     for lib in ("zero_to_fp32", "bytecp"):
         times = []
-        for i in range(-1, repeat):  # run -1 compiles, untimed
+        for i in range(-1 if compile_first else 0, repeat):  # run -1 compiles, untimed
             t0 = time.perf_counter()
             subprocess.run([sys.executable, "-c", FRESH, lib, str(root / "z3"), TAG, json.dumps(size),
                             str(root / f"{lib}-{i}.pt")], check=True, capture_output=True, timeout=600, env=env)
@@ -272,8 +276,9 @@ def fresh_process(root: Path, size: dict[str, int], repeat: int) -> dict[str, fl
 
 
 def run(size: dict[str, int], *, repeat: int = 3, workdir: str | None = None,
-        timeout: float = 1800) -> dict[str, Any]:
-    """Every phase (module docstring); the seconds by case, the state's bytes and the bitwise checks."""
+        timeout: float = 1800, compile_first: bool = True) -> dict[str, Any]:
+    """Every phase (module docstring); the seconds by case, the state's bytes and the bitwise checks
+    (``compile_first``: :func:`fresh_process`'s)."""
     os.environ.update(ENV)
     root = Path(tempfile.mkdtemp(prefix="bytecp-ds-source-", dir=workdir))
     try:
@@ -282,7 +287,7 @@ def run(size: dict[str, int], *, repeat: int = 3, workdir: str | None = None,
         for z in ("z3", "z2"):
             secs[f"ds_to_universal {z}"] = to_universal(root / z / TAG, root / z / f"{TAG}_universal", timeout)
         secs.update(one_process(root, size, repeat))
-        secs.update(fresh_process(root, size, repeat))
+        secs.update(fresh_process(root, size, repeat, compile_first))
         _, three = _spawn(1, size, root, 3, timeout, target=engine_rank)
         _, four = _spawn(2, size, root, 4, timeout, target=engine_rank)
         files = {z: sum(p.stat().st_size for p in (root / z / TAG).iterdir()) for z in ("z3", "z2")}
@@ -341,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the JSON results here")
     args = p.parse_args(argv)
     size = QUICK if args.quick else {"hidden": args.hidden, "layers": args.layers}
-    got = run(size, repeat=1 if args.quick else args.repeat, workdir=args.dir)
+    got = run(size, repeat=1 if args.quick else args.repeat, workdir=args.dir, compile_first=not args.quick)
     report(got)
     if args.out:
         Path(args.out).write_text(json.dumps(got, indent=2))

@@ -9,10 +9,13 @@ compares bitwise.
 
 from __future__ import annotations
 
+import functools
 import importlib
+import multiprocessing
 import os
 import shutil
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -815,8 +818,6 @@ def make_data_engine(mbs: int, gas: int, n: int = 144, clusters: str | None = No
     """A ZeRO-1 engine built with ``training_data``: DeepSpeed's own loader
     (``DistributedSampler`` over the data-parallel ranks, 2 workers; with
     ``clusters``, the curriculum sampler instead)."""
-    import multiprocessing
-
     setup()
     import deepspeed
 
@@ -828,6 +829,29 @@ def make_data_engine(mbs: int, gas: int, n: int = 144, clusters: str | None = No
         cfg["data_efficiency"] = curriculum(clusters)
     engine, *_ = deepspeed.initialize(model=make_model(0), config=cfg, training_data=Ids(n))
     return engine
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def forked_loader_workers(fn: F) -> F:
+    """``fn`` with its loader workers forked from the rank, as under
+    ``torchrun`` (Linux's default). A pool's rank inherits the fork server's
+    start method: without this, each ``iter`` of the loader starts a fork
+    server of its own, and every worker unpickling the dataset imports torch
+    and DeepSpeed anew (5-12 s here, per iteration). The rank's start method
+    is restored after."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        was = multiprocessing.get_start_method(allow_none=True)
+        multiprocessing.set_start_method("fork", force=True)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            multiprocessing.set_start_method(was, force=True)
+
+    return run  # type: ignore[return-value]
 
 
 def train_on(engine: Any, it: Any, steps: int | None = None) -> list[list[int]]:
@@ -848,6 +872,7 @@ def train_on(engine: Any, it: Any, steps: int | None = None) -> list[list[int]]:
     return out
 
 
+@forked_loader_workers
 def ds_data_save(url: str, mbs: int, gas: int, steps: int, epoch: int, clusters: str | None = None,
                  after: int | None = None) -> dict[str, Any]:
     """Train ``steps`` steps of ``epoch``, save ``{"model": engine}``, train
@@ -873,6 +898,7 @@ def clusters_as_saved(clusters: str, to: str) -> None:
     dist.barrier()
 
 
+@forked_loader_workers
 def ds_data_load(url: str, mbs: int, gas: int, mode: str = "exact", early_iter: bool = False,
                  clusters: str | None = None, after: int | None = None, **kw: Any) -> dict[str, Any]:
     """A fresh engine loads (``early_iter``: its loader's iteration already
