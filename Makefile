@@ -9,7 +9,7 @@ PYTEST_ARGS ?=
 # module-scoped jobs run once); XDIST= runs the tests in this process
 XDIST ?= -n 2 --dist loadfile
 
-.PHONY: demo test check wheel-check install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
+.PHONY: demo test bench-check check wheel-check install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
 
 $(VENV)/.created:
 	$(PY) -m venv $(VENV)
@@ -66,17 +66,22 @@ test-servers:
 demo: $(VENV)/.demo-installed
 	$(VPY) -m bytecp.cli demo --out demo-out
 
-# every test (docs/contributing.md: how to write a fast one); the 25 slowest
-# listed at the end, where a slow newcomer shows
+# every test but the benchmarks' smoke runs (docs/contributing.md: how to write a
+# fast one); the 25 slowest listed at the end, where a slow newcomer shows
 test: install-test test-servers wheel-check
-	$(VPY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) -m "not bench" --durations=25 $(PYTEST_ARGS)
+
+# every benchmark script run on its tiny config (-m bench): each still runs and
+# reports every field; nothing about speed is asserted. CI runs it after make test
+bench-check: install-test test-servers
+	$(VPY) -m pytest -q $(XDIST) -m bench --durations=10 $(PYTEST_ARGS)
 
 # the inner loop (2 minutes is the target: docs/contributing.md): ruff, mypy, and the tests that start no
-# process (-m "not spawn": tests/spawning.py marks and checks the others)
+# process (-m "not spawn": tests/spawning.py marks and checks the others), benchmarks' smoke runs left to bench-check
 check: install-test
 	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto
 	$(VENV)/bin/mypy
-	$(VPY) -m pytest -q $(XDIST) -m "not spawn" --durations=10 $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(XDIST) -m "not spawn and not bench" --durations=10 $(PYTEST_ARGS)
 
 # bytecp as a user installs it: the sdist and the wheel built, the wheel installed
 # (not editable) into a fresh venv with the runtime dependencies only, every module

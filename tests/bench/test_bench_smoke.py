@@ -14,7 +14,7 @@ import pytest
 
 from .helpers import numeric, run_benchmark
 
-pytestmark = pytest.mark.spawn
+pytestmark = [pytest.mark.spawn, pytest.mark.bench]
 
 
 def _numeric(v: object) -> bool:

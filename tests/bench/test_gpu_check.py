@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: make gpu-check would run the whole check")
 @pytest.mark.spawn
+@pytest.mark.bench
 def test_make_gpu_check_without_cuda_says_so_and_exits_0(tmp_path: Path) -> None:
     proc = subprocess.run(["bash", "tools/gpu-check.sh", "--out", str(tmp_path)], cwd=ROOT, capture_output=True,
                           text=True, timeout=120, env={**os.environ, "OUT": str(tmp_path)})

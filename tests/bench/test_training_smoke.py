@@ -15,7 +15,7 @@ import pytest
 from .helpers import numeric as _numeric
 from .helpers import run_benchmark
 
-pytestmark = pytest.mark.spawn
+pytestmark = [pytest.mark.spawn, pytest.mark.bench]
 
 
 @pytest.mark.slow

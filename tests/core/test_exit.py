@@ -29,6 +29,7 @@ pytestmark = pytest.mark.spawn
 SCRIPT = textwrap.dedent("""
     import os, sys, time
     import torch
+    import torch._dynamo  # what building the optimizer imports: once, before the forks
     import bytecp
 
     def main(run, lazy, slow_callback):

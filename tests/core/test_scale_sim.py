@@ -254,6 +254,7 @@ def test_zero_redundancy_assignment_alone_equals_the_gathered_one() -> None:
     assert_tiles(got, {f: b.lengths for f, b in mine})
 
 
+@pytest.mark.bench
 def test_the_scale_benchmarks_commit_and_load_steps_run_on_a_small_moe() -> None:
     """The benchmark's coordinator (the union of 4 EP indices' skeletons and
     tables, built then kept) and its load case run, and the union holds

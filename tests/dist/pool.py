@@ -58,11 +58,12 @@ class WorkerError(RuntimeError):
         super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
 
 
-#: what the fork server imports once, before it forks any rank (frameworks
-#: such as DeepSpeed or Megatron-Core are imported by the ranks that use them:
-#: some read the environment a pool sets when they are imported)
-PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "numpy", "pyarrow", "bytecp", "bytecp.dist", "bytecp.dist_raw"]
+#: what the fork server imports once, before it forks any rank: torch._dynamo is
+#: what the first optimizer a process builds imports (1.5-3 s of CPU), dist.preload
+#: Megatron-Core's modules; DeepSpeed is imported by the ranks that use it (it reads
+#: the environment a pool sets when it is imported)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+           "numpy", "pyarrow", "bytecp", "bytecp.dist", "bytecp.dist_raw", "dist.preload"]
 
 
 def context() -> Any:

@@ -10,7 +10,7 @@ import sys
 import pytest
 from s3_servers import REPO
 
-pytestmark = [pytest.mark.spawn, pytest.mark.s3, pytest.mark.ceph, pytest.mark.slow]
+pytestmark = [pytest.mark.spawn, pytest.mark.bench, pytest.mark.s3, pytest.mark.ceph, pytest.mark.slow]
 
 
 def test_s3_bench_quick_run(ceph_rgw, tmp_path):

@@ -1,0 +1,25 @@
+"""What the pool's fork server imports once per session besides torch and
+bytecp (:data:`dist.pool.PRELOAD`): Megatron-Core's modules the Megatron
+cases build from, 2.6-5 s of CPU per rank otherwise, its import-time
+warnings (no Apex, no Transformer Engine) silenced. Megatron-Core reads
+nothing a pool sets when it is imported; DeepSpeed does (it picks its
+accelerator at import, from ``DS_ACCELERATOR``), so DeepSpeed is imported
+by the ranks that use it. Where Megatron-Core is not installed this imports
+nothing.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    try:
+        import megatron.core  # noqa: F401
+        import megatron.core.dist_checkpointing.mapping  # noqa: F401
+        import megatron.core.distributed  # noqa: F401
+        import megatron.core.models.gpt.gpt_layer_specs  # noqa: F401
+        import megatron.core.optimizer  # noqa: F401
+        import megatron.core.transformer.moe.moe_utils  # noqa: F401
+    except ImportError:
+        pass
