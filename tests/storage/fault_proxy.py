@@ -95,6 +95,9 @@ class FaultProxy:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            # a reply is written as headers then body: with Nagle's algorithm on, the body
+            # waits for the client's delayed ACK of the headers, 40 ms a request
+            disable_nagle_algorithm = True
 
             def log_message(self, *args: object) -> None:
                 pass
