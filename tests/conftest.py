@@ -36,24 +36,26 @@ def pytest_configure(config: pytest.Config) -> None:
 #: one (``--dist loadfile``): started first, the long files end together instead of one
 #: of them running alone at the end. A file that grows long belongs here.
 LONGEST_FIRST = (
-    "tests/storage/test_resume_matrix.py",
-    "tests/zero/test_deepspeed_adapter.py",
-    "tests/bench/test_bench_smoke.py",
-    "tests/storage/test_storage_s3.py",
-    "tests/megatron/test_megatron_moe.py",
-    "tests/integrations/test_torchtitan.py",
-    "tests/integrations/test_lightning.py",
-    "tests/data/test_torchdata_reshard.py",
-    "tests/reliability/test_crash.py",
-    "tests/reliability/test_chaos.py",
-    "tests/data/test_hf_datasets_reshard.py",
+    "tests/bench/test_bench_smoke.py",  # make bench-check's longest
     "tests/core/test_exit.py",
-    "tests/dist/test_layouts.py",
-    "tests/demo/test_demo.py",
+    "tests/megatron/test_megatron_moe.py",
+    "tests/storage/test_resume_matrix.py",
+    "tests/integrations/test_torchtitan.py",
+    "tests/zero/test_deepspeed_adapter.py",
     "tests/interop/test_torch_dist_source.py",
-    "tests/storage/test_save_race.py",
-    "tests/dist/test_deadline.py",
+    "tests/reliability/test_crash.py",
     "tests/megatron/test_megatron_adapter.py",
+    "tests/export/test_dcp_export.py",
+    "tests/demo/test_demo.py",
+    "tests/dist/test_deadline.py",
+    "tests/dist/test_layouts.py",
+    "tests/reliability/test_chaos.py",
+    "tests/integrations/test_lightning.py",
+    "tests/storage/test_save_race.py",
+    "tests/storage/test_storage_s3.py",
+    "tests/data/test_hf_datasets_reshard.py",
+    "tests/export/test_export_memory.py",
+    "tests/integrations/test_lightning_data.py",
 )
 
 
