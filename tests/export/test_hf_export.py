@@ -416,8 +416,6 @@ def test_a_failed_export_leaves_nothing_and_names_out(ck: Path, tmp_path: Path, 
     def limited() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
 
-    import os
-
     model_dir = tmp_path / "model_dir"
     model_dir.mkdir()
     (model_dir / "tokenizer.json").write_text("{}")
