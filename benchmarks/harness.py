@@ -352,9 +352,11 @@ def free_port() -> int:
 
 
 #: what the fork server imports before it forks any rank (torch._dynamo: what the
-#: first optimizer a rank builds imports, 1.5-3 s of CPU per rank otherwise)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.checkpoint", "bytecp",
-           "benchmarks.harness"]
+#: first optimizer a rank builds imports, 1.5-3 s of CPU per rank otherwise;
+#: torch._inductor.compile_fx: what the first ``torch.compile`` call imports, 1.5 s,
+#: DeepSpeed's modules call it when imported)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.checkpoint",
+           "bytecp", "benchmarks.harness"]
 
 
 def launch(spec: GroupSpec, *, timeout_s: float) -> list[dict[str, Any]]:

@@ -5,6 +5,7 @@ interpreters (tests/warm.py). docs/contributing.md says how to write a fast test
 
 from __future__ import annotations
 
+import gc
 import os
 from collections.abc import Iterator
 from typing import Any
@@ -63,6 +64,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the files of :data:`LONGEST_FIRST` first, in its order; the others keep theirs."""
     first = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: first.get(item.nodeid.partition("::")[0], len(first)))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Freeze what the imports and the collection made (a million objects with
+    transformers, DeepSpeed and Megatron-Core imported) out of the collector's
+    sight: every full collection the tests cause would walk it again."""
+    gc.freeze()
 
 
 # ---------------------------------------------------------------------- warm interpreters

@@ -40,9 +40,12 @@ from typing import IO, Any
 __all__ = ["Warm", "WarmProcess", "DEFAULT_PRELOAD"]
 
 #: what every warm interpreter imports before it forks. torch._dynamo is what the
-#: first optimizer a process builds imports (1.5-3 s of CPU here, about 900 modules):
-#: imported once, not in every fork that trains a step
-DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "pyarrow", "bytecp", "bytecp.dist")
+#: first optimizer a process builds imports (1.5-3 s of CPU here, about 900 modules),
+#: torch._inductor.compile_fx what the first ``torch.compile`` call imports (1.5 s;
+#: Megatron-Core's and DeepSpeed's modules call it when imported): imported once, not
+#: in every fork that trains a step
+DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "numpy", "pyarrow",
+                   "bytecp", "bytecp.dist")
 
 _HEADER = 8  # length prefix of a request
 
@@ -153,6 +156,9 @@ def _serve(path: str, preload: list[str]) -> None:
 
     for mod in preload:
         importlib.import_module(mod)
+    import gc
+
+    gc.freeze()  # the imports' objects: no child's collection walks them again
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(64)

@@ -84,7 +84,11 @@ def state_boxes(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[
         out[fqn] = Held(tuple(leaf.global_shape), leaf.dtype, boxes)
     aliases = dict(flat.aliases)
     del flat, live
-    gc.collect()  # the state walk's reference cycles hold views of the targets: swaps look for views
+    if any(_whole_storage(t) and not _owns_storage(t) for h in out.values() for _, t in h.boxes):
+        # a reference cycle of the state walk may still hold a view of a target that would
+        # otherwise be swapped: collect it. Only then: a full collection of a large serving
+        # process costs tenths of a second to seconds.
+        gc.collect()
     return out, aliases
 
 
@@ -136,14 +140,18 @@ def stage(opened: OpenedCheckpoint, held: Mapping[str, Held], wanted: Mapping[st
     return staged, nbytes
 
 
+def _whole_storage(t: torch.Tensor) -> bool:
+    """A host leaf tensor laid over the whole of its storage (a swap candidate)."""
+    return (t.device.type == "cpu" and t.is_contiguous() and not t.storage_offset() and t.is_leaf
+            and t.untyped_storage().nbytes() == t.nbytes)
+
+
 def _owns_storage(t: torch.Tensor) -> bool:
     """A host tensor laid over the whole of a storage nothing else holds
     (no view, no other tensor object): its storage may be replaced."""
-    if t.device.type != "cpu" or not t.is_contiguous() or t.storage_offset() or not t.is_leaf:
+    if not _whole_storage(t):
         return False
     storage = t.untyped_storage()
-    if storage.nbytes() != t.nbytes:
-        return False
     try:  # the tensor's own reference and ``storage`` above: 2
         return int(torch._C._storage_Use_Count(storage._cdata)) <= 2
     except AttributeError:  # pragma: no cover - a torch without it: copy

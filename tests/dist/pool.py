@@ -59,11 +59,15 @@ class WorkerError(RuntimeError):
 
 
 #: what the fork server imports once, before it forks any rank: torch._dynamo is
-#: what the first optimizer a process builds imports (1.5-3 s of CPU), dist.preload
-#: Megatron-Core's modules; DeepSpeed is imported by the ranks that use it (it reads
-#: the environment a pool sets when it is imported)
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-           "numpy", "pyarrow", "bytecp", "bytecp.dist", "bytecp.dist_raw", "dist.preload"]
+#: what the first optimizer a process builds imports (1.5-3 s of CPU),
+#: torch._inductor.compile_fx what the first ``torch.compile`` call imports (1.5 s:
+#: DeepSpeed's and Megatron-Core's modules call it when imported), dist.preload
+#: Megatron-Core's modules, then freezes the collector's view of it all; DeepSpeed is
+#: imported by the ranks that use it (it reads the environment a pool sets when it is
+#: imported)
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp",
+           "torch.distributed.checkpoint", "numpy", "pyarrow", "bytecp", "bytecp.dist", "bytecp.dist_raw",
+           "dist.preload"]
 
 
 def context() -> Any:
