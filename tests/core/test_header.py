@@ -4,6 +4,7 @@ listing a run, retention and gc read of each checkpoint."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -37,14 +38,22 @@ class Counting:
         return getattr(self.inner, name)
 
 
-@pytest.fixture
-def run(tmp_path: Path) -> Path:
+@pytest.fixture(scope="module")
+def saved_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """step-1 (full, with user metadata past the first 64 KiB) and step-2 referencing it."""
+    root = tmp_path_factory.mktemp("header-run")
     w = {f"w{i}": torch.full((64,), float(i)) for i in range(3000)}  # a metadata.json of several 100 kB
-    bytecp.save(str(tmp_path / "step-1"), w, step=1)
+    bytecp.save(str(root / "step-1"), w, step=1)
     w["w0"] = w["w0"] + 1
-    bytecp.save(str(tmp_path / "step-2"), w, step=2, base=str(tmp_path / "step-1"))
-    return tmp_path
+    bytecp.save(str(root / "step-2"), w, step=2, base=str(root / "step-1"))
+    return root
+
+
+@pytest.fixture
+def run(saved_run: Path, tmp_path: Path) -> Path:
+    """A copy of :func:`saved_run` the test may damage (two saves of 3000 tensors: once a module)."""
+    shutil.copytree(saved_run, tmp_path / "run")
+    return tmp_path / "run"
 
 
 def test_a_version_4_and_later_header_is_read_from_the_first_bytes(run: Path) -> None:
