@@ -69,8 +69,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 def pytest_collection_finish(session: pytest.Session) -> None:
     """Freeze what the imports and the collection made (a million objects with
     transformers, DeepSpeed and Megatron-Core imported) out of the collector's
-    sight: every full collection the tests cause would walk it again."""
+    sight: every full collection the tests cause would walk it again. Thawed
+    at the session's end (:func:`pytest_unconfigure`)."""
     gc.freeze()
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Thaw what :func:`pytest_collection_finish` froze: objects still frozen when
+    the interpreter ends are never freed, and triton's bindings print a leak
+    report for theirs."""
+    gc.unfreeze()
 
 
 # ---------------------------------------------------------------------- warm interpreters

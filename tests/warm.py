@@ -156,9 +156,11 @@ def _serve(path: str, preload: list[str]) -> None:
 
     for mod in preload:
         importlib.import_module(mod)
+    import atexit
     import gc
 
     gc.freeze()  # the imports' objects: no child's collection walks them again
+    atexit.register(gc.unfreeze)  # frozen at the end: never freed, and triton reports them as leaks
     srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     srv.bind(path)
     srv.listen(64)

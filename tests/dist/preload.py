@@ -10,6 +10,7 @@ nothing.
 
 from __future__ import annotations
 
+import atexit
 import gc
 import warnings
 
@@ -27,5 +28,7 @@ with warnings.catch_warnings():
 
 # the last module the fork server preloads: what it imported is frozen out of the
 # collector's sight, so no rank's collection walks those objects again (tenths of a second
-# each with half a million of them)
+# each with half a million of them); thawed when the server ends normally (objects still
+# frozen then are never freed, and triton's bindings print a leak report for theirs)
 gc.freeze()
+atexit.register(gc.unfreeze)
