@@ -273,15 +273,15 @@ def vote_for(
 
 def planned_locally(
     plan: LocalSavePlan, decision: PlanDecision, *, split_bytes: int,
-    shared: dict[tuple[str, str], dict[int, list[WriteItem]]] | None = None,
+    shared: dict[tuple[tuple[int, ...], tuple[WriteItem, ...]], dict[int, list[WriteItem]]] | None = None,
 ) -> list[WriteItem]:
     """(every rank) The boxes this rank writes of those planned without the
     coordinator: its own boxes, and its share of every sound replica set
     (merged sets: over all their ranks); nothing when the coordinator plans
     (:func:`needs_coordinator` sends it every box, one copy per set).
-    ``shared``: plans of replica sets already made, by (set key, fingerprint
-    of its boxes) -- every member makes the same one, so a simulation of many
-    ranks in one process makes each once."""
+    ``shared``: plans of replica sets already made, by (set's ranks, its
+    boxes) -- every member makes the same one, so a simulation of many ranks
+    in one process makes each once."""
     if decision.coordinated:
         return []
     mine: list[WriteItem] = []
@@ -304,7 +304,7 @@ def planned_locally(
             assert loads is not None  # (made above whenever a real rank has a set)
             mine.extend(share_of(items, ranks, loads, plan.rank, split_bytes=split_bytes))
             continue
-        memo = (repr(ranks), hashlib.blake2b(repr(items).encode(), digest_size=16).hexdigest())
+        memo = (tuple(ranks), tuple(items))  # frozen boxes: hashed by value, no text made
         share = shared.get(memo)
         if share is None:
             share = shared[memo] = plan_replicated(items, ranks, decision.base_load, split_bytes=split_bytes)
