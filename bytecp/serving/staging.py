@@ -63,11 +63,22 @@ def state_boxes(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[
     group), and its aliases (tied FQN -> stored FQN). Full tensors are the
     objects the state holds (a module's parameters, not a state dict's
     detached views), so their storages may be swapped."""
+    if not isinstance(state, dict):
+        raise ConfigError(f"state must be a dict such as {{'model': model}}, got {type(state).__name__}")
+    out, aliases = _walk(state, ctx)  # returned: the walk's views of the targets are gone with its frame
+    if any(_whole_storage(t) and not _owns_storage(t) for h in out.values() for _, t in h.boxes):
+        # a reference cycle of the walk may still hold a view of a target that would otherwise
+        # be swapped: collect it. Only then: a full collection of a large serving process costs
+        # tenths of a second to seconds.
+        gc.collect()
+    return out, aliases
+
+
+def _walk(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[str, str]]:
+    """:func:`state_boxes`' walk of the state through its adapter."""
     from bytecp.adapter_api import describing_once, detect_adapter
     from bytecp.tree.state import flatten_tree
 
-    if not isinstance(state, dict):
-        raise ConfigError(f"state must be a dict such as {{'model': model}}, got {type(state).__name__}")
     with describing_once():  # no description kept: it would hold views of the storages a swap replaces
         flat = flatten_tree(detect_adapter(state).save_tree(state, ctx))
     live = _live_tensors(state)
@@ -82,14 +93,7 @@ def state_boxes(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[
                 t = obj
             boxes.append((sh.region, t))
         out[fqn] = Held(tuple(leaf.global_shape), leaf.dtype, boxes)
-    aliases = dict(flat.aliases)
-    del flat, live
-    if any(_whole_storage(t) and not _owns_storage(t) for h in out.values() for _, t in h.boxes):
-        # a reference cycle of the state walk may still hold a view of a target that would
-        # otherwise be swapped: collect it. Only then: a full collection of a large serving
-        # process costs tenths of a second to seconds.
-        gc.collect()
-    return out, aliases
+    return out, dict(flat.aliases)
 
 
 def _live_tensors(state: Mapping[str, Any], prefix: str = "") -> dict[str, torch.Tensor]:

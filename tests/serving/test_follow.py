@@ -255,6 +255,32 @@ def test_staged_storages_are_swapped_in_where_the_state_owns_them(tmp_path: Path
         assert seen[2]["0.weight"] == seen[0]["0.weight"]
 
 
+def test_a_follower_start_collects_garbage_only_when_a_target_looks_viewed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A full collection costs tenths of a second to seconds in a large
+    serving process: a follower whose targets each own their storage starts
+    without one; one whose target something else views collects once (a
+    cycle of the state walk might hold the view), then copies into that one."""
+    from bytecp.serving import staging
+
+    calls: list[int] = []
+    real = staging.gc.collect
+    monkeypatch.setattr(staging.gc, "collect", lambda *a: calls.append(1) or real(*a))
+    run = str(tmp_path / "run")
+    model, opt = _model()
+    bytecp.CheckpointManager(run, every_n_steps=1).save(1, {"model": model})
+    served, _ = _model(seed=6)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    assert next(gen).ok and _same(served, model)
+    gen.close()
+    assert calls == []
+    view = served[0].weight.detach()[:1]
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
+    assert next(gen).ok and torch.equal(view, model[0].weight[:1])
+    gen.close()
+    assert calls == [1]
+
+
 _KILLED_CHILD = """
 import pathlib, sys, time
 import torch
