@@ -57,6 +57,11 @@ LONGEST_FIRST = (
     "tests/data/test_hf_datasets_reshard.py",
     "tests/export/test_export_memory.py",
     "tests/integrations/test_lightning_data.py",
+    "tests/core/test_scale_sim.py",
+    "tests/serving/test_follow.py",
+    "tests/dist/test_reshard.py",
+    "tests/core/test_scale_retention.py",
+    "tests/storage/test_storage_faults.py",
 )
 
 
