@@ -203,7 +203,7 @@ class _Follower:
         self.tier: str = "storage"
         self.step: int | None = None
         self.save_id: str | None = None
-        self.held, _ = state_boxes(state, ctx)
+        self.held, _ = state_boxes(state, ctx, swap)
         self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
         #: the serving dtype the state holds its floating tensors in (None: the stored dtypes)
         self.dtype = dtype

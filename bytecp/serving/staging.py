@@ -57,16 +57,17 @@ class Held:
     boxes: list[tuple[Region, torch.Tensor]]
 
 
-def state_boxes(state: dict[str, Any], ctx: Any) -> tuple[dict[str, Held], dict[str, str]]:
+def state_boxes(state: dict[str, Any], ctx: Any, swap: str = "auto") -> tuple[dict[str, Held], dict[str, str]]:
     """The state's tensors by FQN as a save names them, with this process's
     boxes (``ctx``: the :class:`~bytecp.dist.DistContext` of the follower's
     group), and its aliases (tied FQN -> stored FQN). Full tensors are the
     objects the state holds (a module's parameters, not a state dict's
-    detached views), so their storages may be swapped."""
+    detached views), so their storages may be swapped (``swap``: the
+    follower's mode, :func:`swap_in`'s)."""
     if not isinstance(state, dict):
         raise ConfigError(f"state must be a dict such as {{'model': model}}, got {type(state).__name__}")
     out, aliases = _walk(state, ctx)  # returned: the walk's views of the targets are gone with its frame
-    if any(_whole_storage(t) and not _owns_storage(t) for h in out.values() for _, t in h.boxes):
+    if swap == "auto" and any(_whole_storage(t) and not _owns_storage(t) for h in out.values() for _, t in h.boxes):
         # a reference cycle of the walk may still hold a view of a target that would otherwise
         # be swapped: collect it. Only then: a full collection of a large serving process costs
         # tenths of a second to seconds.

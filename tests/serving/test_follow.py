@@ -259,13 +259,14 @@ def test_a_follower_start_collects_garbage_only_when_a_target_looks_viewed(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A full collection costs tenths of a second to seconds in a large
     serving process: a follower whose targets each own their storage starts
-    without one; one whose target something else views collects once (a
-    cycle of the state walk might hold the view), then copies into that one."""
+    without one, as does one that copies (``swap="copy"``); one that swaps,
+    whose target something else views, collects once (a cycle of the state
+    walk might hold the view), then copies into that target."""
     from bytecp.serving import staging
 
     calls: list[int] = []
     real = staging.gc.collect
-    monkeypatch.setattr(staging.gc, "collect", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(staging.gc, "collect", lambda *a, **k: calls.append(1) or real(*a, **k))
     run = str(tmp_path / "run")
     model, opt = _model()
     bytecp.CheckpointManager(run, every_n_steps=1).save(1, {"model": model})
@@ -275,10 +276,20 @@ def test_a_follower_start_collects_garbage_only_when_a_target_looks_viewed(
     gen.close()
     assert calls == []
     view = served[0].weight.detach()[:1]
+    with torch.no_grad():
+        served[0].weight.zero_()  # the values the second follower must bring back
+    ptr = served[0].weight.data_ptr()
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, swap="copy")
+    assert next(gen).ok
+    gen.close()
+    assert calls == []  # nothing is swapped: no view matters
+    with torch.no_grad():
+        served[0].weight.zero_()
     gen = bytecp.follow(run, {"model": served}, poll_s=0.01)
-    assert next(gen).ok and torch.equal(view, model[0].weight[:1])
+    assert next(gen).ok and _same(served, model)
     gen.close()
     assert calls == [1]
+    assert served[0].weight.data_ptr() == ptr and torch.equal(view, model[0].weight[:1])  # copied into
 
 
 _KILLED_CHILD = """
