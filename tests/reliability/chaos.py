@@ -45,6 +45,7 @@ import json
 import os
 import posixpath
 import random
+import shutil
 import signal
 import socket
 import subprocess
@@ -200,7 +201,7 @@ class Chaos:
         env = {**os.environ, "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_port()),
                "BYTECP_LEASE_SECONDS": "1", "PYTHONPATH": os.pathsep.join([str(HERE), *sys.path])}
         env.pop("BYTECP_FAULT_KILL", None)
-        t0 = time.monotonic()
+        t0, problems = time.monotonic(), len(self.fig.problems)
         procs = [self.popen([sys.executable, str(HERE / "chaos_worker.py"), json.dumps(cfg)],
                             env={**env, "RANK": str(r)}, cwd=str(HERE),
                             stdout=subprocess.DEVNULL, stderr=open(out / f"err{r}.txt", "w"))
@@ -258,6 +259,10 @@ class Chaos:
         self.fig.episodes += 1
         self.fig.restarts += 1
         self.fig.seconds += time.monotonic() - t0
+        if len(self.fig.problems) == problems:  # the ranks' logs and figures are kept only to explain a problem
+            shutil.rmtree(out, ignore_errors=True)
+        else:
+            self.log(f"episode {self.fig.episodes - 1}: the ranks' logs are in {out}")
 
     def _check(self, kind: str, fault: dict[str, Any], out: Path, procs: list[Any], run_url: str,
                options: dict[str, Any], memory: bool) -> None:
