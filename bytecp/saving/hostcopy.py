@@ -37,7 +37,7 @@ import torch
 from bytecp.format.checksum import Summer, Sums, sums
 from bytecp.tree.dtypes import host_memoryview
 
-__all__ = ["copy_boxes", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
+__all__ = ["copy_boxes", "CopyPlan", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
 
 #: pieces a copy without checksums is split into (spread over the threads)
 PIECE_BYTES = 16 << 20
@@ -170,55 +170,84 @@ def copy_boxes(
     Small boxes go to torch in one call, large ones are ``memcpy`` pieces.
     Raises the first error of any thread after every thread has stopped.
     """
-    crcs: list[Sums | None] = [None] * len(pairs)
-    small: list[int] = []
-    large: list[int] = []
-    sizes = []
-    for i, (d, _) in enumerate(pairs):
-        n = d.numel() * d.element_size()
-        sizes.append(n)
-        (small if n < SMALL_BYTES else large).append(i)
-    if small:
-        _copy_small([pairs[i][0] for i in small], [pairs[i][1] for i in small])
-        if checksums:
-            for i in small:
-                crcs[i] = sums(views[i] if views is not None else host_memoryview(pairs[i][0]))
-    boxes = [_Box(pairs[i][0], pairs[i][1], views[i] if views is not None else None, sizes[i]) for i in large]
-    units = _pieces(boxes, checksums, split=threads > 1)
-    workers = max(1, min(threads, len(units)))
-    if workers == 1:
-        for i, start, length in units:
-            _run(boxes[i], start, length, checksums)
-    else:
-        # largest first, so the threads end together; a shared counter hands them out
-        units.sort(key=lambda u: -u[2])
-        counter = itertools.count()
+    return CopyPlan(pairs, views).run(threads=threads, checksums=checksums)
 
-        def work() -> None:
-            for k in iter(counter.__next__, None):
-                if k >= len(units):
-                    return
-                i, start, length = units[k]
+
+class CopyPlan:
+    """The copies of :func:`copy_boxes`, sorted out once (which boxes go to
+    torch together, which are ``memcpy`` pieces) and run as often as asked:
+    the staging pool keeps one per arena layout, so a save whose boxes and
+    sources did not change since the previous one runs only the copies."""
+
+    def __init__(self, pairs: Sequence[tuple[torch.Tensor, torch.Tensor]],
+                 views: Sequence[memoryview] | None = None) -> None:
+        self.count = len(pairs)
+        small: list[int] = []
+        large: list[int] = []
+        sizes = []
+        for i, (d, _) in enumerate(pairs):
+            n = d.numel() * d.element_size()
+            sizes.append(n)
+            (small if n < SMALL_BYTES else large).append(i)
+        self.small, self.large = small, large
+        self.small_dsts = [pairs[i][0] for i in small]
+        self.small_srcs = [pairs[i][1] for i in small]
+        self.small_views = [views[i] for i in small] if views is not None else None
+        self.boxes = [_Box(pairs[i][0], pairs[i][1], views[i] if views is not None else None, sizes[i])
+                      for i in large]
+
+    def run(self, *, threads: int = 1, checksums: bool = False) -> list[Sums | None]:
+        """Copy every pair (see :func:`copy_boxes`)."""
+        crcs: list[Sums | None] = [None] * self.count
+        if self.small:
+            _copy_small(self.small_dsts, self.small_srcs)
+            if checksums:
+                for j, i in enumerate(self.small):
+                    crcs[i] = sums(self.small_views[j] if self.small_views is not None
+                                   else host_memoryview(self.small_dsts[j]))
+        boxes = self.boxes
+        for b in boxes:
+            b.sums = None
+        units = _pieces(boxes, checksums, split=threads > 1)
+        workers = max(1, min(threads, len(units)))
+        if workers == 1:
+            for i, start, length in units:
                 _run(boxes[i], start, length, checksums)
+        else:
+            _run_on_threads(boxes, units, workers, checksums)
+        for i, b in zip(self.large, boxes, strict=True):
+            crcs[i] = b.sums
+        return crcs
 
-        # threads of this call: they inherit the calling thread's scheduling
-        # priority (a background save's lower one); starting one costs ~0.1 ms
-        errors: list[BaseException] = []
 
-        def guarded() -> None:
-            try:
-                work()
-            except BaseException as e:
-                errors.append(e)
+def _run_on_threads(boxes: list[_Box], units: list[tuple[int, int, int]], workers: int, checksums: bool) -> None:
+    """``units`` over ``workers`` threads (the calling one included), largest first."""
+    # largest first, so the threads end together; a shared counter hands them out
+    units = sorted(units, key=lambda u: -u[2])
+    counter = itertools.count()
 
-        helpers = [threading.Thread(target=guarded, name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
-        for t in helpers:
-            t.start()
-        guarded()
-        for t in helpers:
-            t.join()
-        if errors:
-            raise errors[0]
-    for i, b in zip(large, boxes, strict=True):
-        crcs[i] = b.sums
-    return crcs
+    def work() -> None:
+        for k in iter(counter.__next__, None):
+            if k >= len(units):
+                return
+            i, start, length = units[k]
+            _run(boxes[i], start, length, checksums)
+
+    # threads of this call: they inherit the calling thread's scheduling
+    # priority (a background save's lower one); starting one costs ~0.1 ms
+    errors: list[BaseException] = []
+
+    def guarded() -> None:
+        try:
+            work()
+        except BaseException as e:
+            errors.append(e)
+
+    helpers = [threading.Thread(target=guarded, name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
+    for t in helpers:
+        t.start()
+    guarded()
+    for t in helpers:
+        t.join()
+    if errors:
+        raise errors[0]

@@ -181,7 +181,7 @@ class SavePipeline:
                 events: dict[int, Any] = {}  # (with replica checks the live state is read below: release after)
                 flat, copied = arena.snapshot(live, share.items, checksums=verify, ready=described.ready,
                                               queued=events.update if verify else queued)
-                sp.nbytes = sum(it.nbytes for it in share.items)
+                sp.nbytes = copied.nbytes
             crcs = None
             if verify:  # of every box held, while it is the state being saved
                 summed = copied.checksums()

@@ -45,7 +45,9 @@ from __future__ import annotations
 
 import dataclasses
 import mmap
+import operator
 import threading
+import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -55,7 +57,7 @@ from bytecp import device_memory, faults
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import Sums
 from bytecp.plan.planner import WriteItem
-from bytecp.saving.hostcopy import copy_boxes
+from bytecp.saving.hostcopy import CopyPlan
 from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, as_host_bytes, source_view
 from bytecp.storage_api import SharedArena, Storage
 from bytecp.tree import buffers
@@ -119,6 +121,72 @@ def _host_arena(nbytes: int, pinned: bool) -> tuple[torch.Tensor, device_memory.
     return torch.frombuffer(raw, dtype=torch.uint8), None  # keeps ``raw`` alive
 
 
+@dataclasses.dataclass(eq=False)
+class _Placed:
+    """Where the last stage into the pool's own arena put each box, from
+    which sources, and the copies sorted out (:class:`~bytecp.saving.hostcopy.CopyPlan`).
+
+    Kept with the state's description (in its first
+    :class:`~bytecp.tree.state.Prebuilt` piece's memo, so it goes when the job
+    drops the state) for the next stage: one of the very same boxes (the
+    same :class:`~bytecp.plan.planner.WriteItem` objects, as the plan cache
+    hands them again) of a state whose description was kept between saves
+    (the same pieces: the same tensor objects at the same addresses, which
+    the adapters check) into the same arena, still laid out as this stage
+    left it (the pool's last placement), only copies: no layout, views,
+    padding or bookkeeping per box on the caller's thread (an eager save of
+    tens of thousands of tensors spent most of its call there)."""
+
+    pieces: tuple[dict[str, TensorLeaf], ...]
+    items: tuple[WriteItem, ...]
+    arena: tuple[int, int]  # its address and size
+    srcs: list[torch.Tensor]  # (views of the live tensors)
+    dsts: list[torch.Tensor]
+    datas: list[memoryview]
+    padded: list[memoryview | None]
+    #: the boxes copied on the host and their copies; the boxes (not empty) copied from ``device``
+    host: list[int]
+    copies: CopyPlan
+    device: torch.device | None
+    device_boxes: list[int]
+    nbytes: int
+    #: the snapshot's tensors (copies of the live tree's, in its order), made at the first snapshot
+    tree: dict[str, TensorLeaf] | None = None
+
+    def clear(self) -> None:
+        """(the pool, when another layout or arena replaces this one) Let its views go."""
+        self.pieces, self.items, self.arena = (), (), (0, 0)
+        self.srcs, self.dsts, self.datas, self.padded, self.host, self.device_boxes = [], [], [], [], [], []
+        self.copies, self.tree = CopyPlan([]), None
+
+    def same(self, flat: FlatTree, items: Sequence[WriteItem]) -> bool:
+        """Whether a stage of ``items`` of ``flat`` stages what this one did."""
+        return (bool(self.items) and not flat.loose and len(flat.pieces) == len(self.pieces)
+                and all(map(operator.is_, (p.flat.tensors for p in flat.pieces), self.pieces))
+                and len(items) == len(self.items) and all(map(operator.is_, items, self.items)))
+
+
+@dataclasses.dataclass(eq=False)
+class _Copied:
+    """One stage's copies: per box its bytes, checksums, padded view and
+    place; :meth:`staged` makes the writer's :class:`Staged` records (on the
+    save's background thread when the caller only waits for the copy)."""
+
+    items: Sequence[WriteItem]
+    dsts: list[torch.Tensor]
+    datas: list[memoryview]
+    crc: list[Sums | None]
+    padded: list[memoryview | None]
+    where: list[tuple[SharedArena | None, int]]
+    use: tuple[buffers.Guard, int] | None
+    nbytes: int
+    placed: _Placed | None = None
+
+    def staged(self) -> list[Staged]:
+        return [Staged(it, self.datas[k], sums=self.crc[k], padded=self.padded[k], arena=self.where[k][0],
+                       offset=self.where[k][1], use=self.use) for k, it in enumerate(self.items)]
+
+
 class _Layout:
     """Where each box goes in an arena whose first byte is at address ``base``
     (``whole_pages``: every box page-aligned, as in a data file)."""
@@ -154,6 +222,9 @@ class StagingPool:
         self._pinned: device_memory.PinnedBuffer | None = None
         self.allocations = 0  # how many times an arena was allocated (tests)
         self.guard = buffers.Guard("a save's staging arena")
+        #: where the last stage into the arena put its boxes (kept by the state's description)
+        self._placed: weakref.ref[_Placed] | None = None
+        self.reused = 0  # how many stages reused the last one's placement (tests)
 
     def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
         """The arena (grown if needed) and where ``items`` go in it (``pinned``:
@@ -180,6 +251,14 @@ class StagingPool:
     def _drop(self) -> None:
         """Let the arena go (one save at a time: no copy into it is in flight)."""
         self._arena = None
+        self._forget()
+
+    def _forget(self) -> None:
+        """(under the lock) The arena's layout changes: the last placement lets its views go."""
+        placed = self._placed() if self._placed is not None else None
+        if placed is not None:
+            placed.clear()
+        self._placed = None
         if self._pinned is not None:
             self._pinned.close()
             self._pinned = None
@@ -215,7 +294,7 @@ class StagingPool:
         lends when it does, at most ``files`` of them); views of it come back
         (with their crc32c when ``checksums``). CUDA boxes are copied after
         the ``ready`` events (see :mod:`bytecp.device_memory`)."""
-        return [st for st, _ in self._copy(flat, items, threads, checksums, shared, files, ready)]
+        return self._copy(flat, items, threads, checksums, shared, files, ready).staged()
 
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
                  checksums: bool = False, shared: Storage | None = None,
@@ -228,18 +307,82 @@ class StagingPool:
         told, before the host waits for the device copies, that every copy
         is queued (with the events a stream can wait for instead)."""
         copied = self._copy(flat, items, threads, checksums, shared, files, ready, queued)
-        # in the live tree's order (the specs digest every rank compares depends on it)
-        tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas) for fqn, leaf in flat.tensors.items()}
-        for st, dst in copied:
-            tensors[st.item.fqn].shards.append(Shard(st.item.region, dst))
+        tensors = copied.placed.tree if copied.placed is not None else None
+        if tensors is None:
+            # in the live tree's order (the specs digest every rank compares depends on it)
+            tensors = {fqn: TensorLeaf(leaf.global_shape, leaf.dtype, [], leaf.replicas)
+                       for fqn, leaf in flat.tensors.items()}
+            for it, dst in zip(copied.items, copied.dsts, strict=True):
+                tensors[it.fqn].shards.append(Shard(it.region, dst))
+            if copied.placed is not None:  # the same copies of the same boxes next time: the same tree
+                copied.placed.tree = tensors
         # (the pieces describe the live tensors, not these)
-        return (dataclasses.replace(flat, tensors=tensors, pieces=(), loose=None),
-                SnapshotStager([st for st, _ in copied]))
+        return dataclasses.replace(flat, tensors=tensors, pieces=(), loose=None), SnapshotStager(copied)
+
+    @property
+    def _memo_key(self) -> tuple[str, int]:
+        """This pool's placement in a kept description's memo."""
+        return ("staging", id(self))
+
+    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem]) -> _Placed | None:
+        """The last stage's placement when this one stages the same boxes of
+        the same tensors into the same arena (taken: the guard acquired), else None."""
+        if not flat.pieces or flat.loose:
+            return None
+        placed = flat.pieces[0].memo.get(self._memo_key)
+        if not isinstance(placed, _Placed) or not placed.same(flat, items):
+            return None
+        pinned = placed.device is not None and torch.cuda.is_available()
+        with self._lock:
+            a = self._arena
+            if (self._placed is None or self._placed() is not placed or a is None or (a.data_ptr(), a.numel()) != placed.arena
+                    or pinned and self._pinned is None):
+                return None
+            poisoned = self.guard.poisoned
+            self.guard.acquire()
+        if poisoned:  # debug mode filled the arena at its release: the files' padding is written again
+            for k, pad in enumerate(placed.padded):
+                if pad is not None:
+                    n = len(placed.datas[k])
+                    pad[n:] = PAD_ZEROS[: len(pad) - n]
+        self.reused += 1
+        return placed
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
               shared: Storage | None = None, files: int = 4, ready: Ready | None = None,
-              queued: Queued | None = None) -> list[tuple[Staged, torch.Tensor]]:
+              queued: Queued | None = None) -> _Copied:
         """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
+        placed = self._reuse(flat, items) if shared is None and items else None
+        where: list[tuple[SharedArena | None, int]] | None = None  # (None: every box in the pool's arena)
+        if placed is None:
+            placed, where = self._place(flat, items, shared, files)
+        use = (self.guard, self.guard.token()) if where is None or not any(at for at, _ in where) else None
+        # each device copy is queued (on the copy stream of the tensors' device, after the
+        # caller's stream was ready); the DMA runs while the host copies below run
+        device_copies = device_memory.DeviceToHost(dict(ready or {}))
+        if placed.device is not None:
+            with device_copies.on(placed.device):
+                for k in placed.device_boxes:
+                    device_copies.copy(placed.dsts[k], placed.srcs[k])
+        crcs = placed.copies.run(threads=threads, checksums=checksums)
+        crc: list[Sums | None] = [None] * len(items)
+        for k, c in zip(placed.host, crcs, strict=True):
+            crc[k] = c
+        events = device_copies.queued()
+        if queued is not None:
+            queued(events)
+        device_copies.wait()
+        faults.handoff("stage")
+        if where is not None:  # lent arenas
+            return _Copied(items, placed.dsts, placed.datas, crc, placed.padded, where, use, placed.nbytes)
+        return _Copied(items, placed.dsts, placed.datas, crc, placed.padded, [(None, 0)] * len(items), use,
+                       placed.nbytes, placed)
+
+    def _place(self, flat: FlatTree, items: Sequence[WriteItem], shared: Storage | None,
+               files: int) -> tuple[_Placed, list[tuple[SharedArena | None, int]] | None]:
+        """Lay ``items`` out in lent arenas or the pool's (acquired) and make
+        their views; kept as the pool's placement when in the pool's arena
+        and the state's description is kept between saves."""
         srcs = [source_view(flat.tensors[it.fqn], it.region, it.fqn) for it in items]
         devices = {s.device for s in srcs if s.device.type == "cuda"}
         if len(devices) > 1:
@@ -255,48 +398,41 @@ class StagingPool:
             pieces.append((b, *lent))
         if not pieces:
             pieces = [(list(range(len(items))), *self.arena(items, pinned=device is not None), None)]
-        use = (self.guard, self.guard.token()) if pieces and pieces[0][3] is None else None
         dsts: list[torch.Tensor] = [torch.empty(0)] * len(items)
         datas: list[memoryview] = [memoryview(b"")] * len(items)
         padded: list[memoryview | None] = [None] * len(items)
         where: list[tuple[SharedArena | None, int]] = [(None, 0)] * len(items)
-        # each device copy is queued as soon as its place is known (on the copy stream of
-        # the tensors' device, after the caller's stream was ready): the DMA runs while
-        # the next places are laid out, and while the host copies below run
-        device_copies = device_memory.DeviceToHost(dict(ready or {}))
-        with device_copies.on(device):
-            for ks, arena, layout, at in pieces:
-                raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
-                typed: dict[str, torch.Tensor] = {}
-                for k, pos, n in zip(ks, layout.starts, layout.sizes, strict=True):
-                    it = items[k]
-                    t = typed.get(it.dtype)
-                    if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
-                        t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
-                            dtype_from_name(it.dtype))
-                    shape = it.region.lengths
-                    dsts[k] = t.as_strided(shape, row_major_strides(shape), pos // it.itemsize)
-                    if n and srcs[k].device.type == "cuda":
-                        device_copies.copy(dsts[k], srcs[k])
-                    datas[k] = raw[pos : pos + n]
-                    where[k] = (at, pos)
-                    if n >= PAGE_ALIGN_MIN_BYTES or layout.whole_pages:
-                        end = pos + _slot(n, layout.whole_pages)
-                        raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
-                        padded[k] = raw[pos:end]
+        for ks, arena, layout, at in pieces:
+            raw = host_memoryview(arena)  # sliced per box: a view costs no tensor op
+            typed: dict[str, torch.Tensor] = {}
+            for k, pos, n in zip(ks, layout.starts, layout.sizes, strict=True):
+                it = items[k]
+                t = typed.get(it.dtype)
+                if t is None:  # the arena seen as this dtype (every start is a multiple of its size)
+                    t = typed[it.dtype] = arena[: arena.numel() // it.itemsize * it.itemsize].view(
+                        dtype_from_name(it.dtype))
+                shape = it.region.lengths
+                dsts[k] = t.as_strided(shape, row_major_strides(shape), pos // it.itemsize)
+                datas[k] = raw[pos : pos + n]
+                where[k] = (at, pos)
+                if n >= PAGE_ALIGN_MIN_BYTES or layout.whole_pages:
+                    end = pos + _slot(n, layout.whole_pages)
+                    raw[pos + n : end] = PAD_ZEROS[: end - pos - n]  # the file's padding
+                    padded[k] = raw[pos:end]
         host = [k for k, s in enumerate(srcs) if s.device.type != "cuda"]
-        crcs = copy_boxes([(dsts[k], srcs[k]) for k in host], threads=threads, checksums=checksums,
-                          views=[datas[k] for k in host])
-        crc: list[Sums | None] = [None] * len(items)
-        for k, c in zip(host, crcs, strict=True):
-            crc[k] = c
-        events = device_copies.queued()
-        if queued is not None:
-            queued(events)
-        device_copies.wait()
-        faults.handoff("stage")
-        return [(Staged(it, datas[k], sums=crc[k], padded=padded[k], arena=where[k][0], offset=where[k][1], use=use),
-                 dsts[k]) for k, it in enumerate(items)]
+        placed = _Placed(tuple(p.flat.tensors for p in flat.pieces), tuple(items),
+                         (pieces[0][1].data_ptr(), pieces[0][1].numel()), srcs, dsts, datas, padded, host,
+                         CopyPlan([(dsts[k], srcs[k]) for k in host], [datas[k] for k in host]), device,
+                         [k for k, s in enumerate(srcs) if s.device.type == "cuda" and datas[k]],
+                         sum(it.nbytes for it in items))
+        if pieces[0][3] is not None:  # lent arenas (each becomes a data file): never kept
+            return placed, where
+        with self._lock:  # the pool's arena, laid out anew: kept for the next stage when the description is
+            self._forget()
+            if flat.pieces and not flat.loose and self._arena is pieces[0][1]:
+                self._placed = weakref.ref(placed)
+                flat.pieces[0].memo[self._memo_key] = placed
+        return placed, None
 
 
 POOL = StagingPool()
@@ -403,8 +539,19 @@ class SnapshotStager:
 
     copies = False  # the tree it reads is the copy already
 
-    def __init__(self, staged: Sequence[Staged]) -> None:
-        self._staged = {(s.item.fqn, s.item.region): s for s in staged}
+    def __init__(self, copied: _Copied) -> None:
+        self._copied: _Copied | None = copied
+        self._by_box: dict[tuple[str, Region], Staged] = {}
+        #: the bytes copied
+        self.nbytes = copied.nbytes
+
+    @property
+    def _staged(self) -> dict[tuple[str, Region], Staged]:
+        """The copies by box, made at the first use (on the save's background thread)."""
+        if self._copied is not None:
+            self._by_box = {(s.item.fqn, s.item.region): s for s in self._copied.staged()}
+            self._copied = None
+        return self._by_box
 
     def checksums(self) -> dict[tuple[str, Region], int]:
         """crc32c of the copied boxes whose sum was computed during the copy."""

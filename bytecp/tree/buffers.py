@@ -90,6 +90,14 @@ class Guard:
             self._released = self._poisoned = False
             return self._gen
 
+    @property
+    def poisoned(self) -> bool:
+        """Whether the buffer was filled with :data:`POISON` at its last release
+        (debug mode), not yet taken again: bytes its holder keeps there (a
+        reused layout's padding) must be written again."""
+        with self._lock:
+            return self._poisoned
+
     def token(self) -> int:
         """The current use's token (its holders hand it along with the bytes)."""
         with self._lock:

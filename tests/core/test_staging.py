@@ -211,3 +211,51 @@ def test_a_snapshot_keeps_the_tensors_in_the_live_trees_order() -> None:
     assert list(copy.tensors) == ["a", "b", "c"] and not copy.tensors["b"].shards
     assert specs_digest(copy) == specs_digest(flat)
     assert torch.equal(copy.tensors["c"].shards[0].tensor, flat.tensors["c"].shards[0].tensor)
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_a_save_of_an_unchanged_state_reuses_the_last_placement_and_writes_the_same_files(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug: bool) -> None:
+    """Async saves of a state whose description is kept copy into the arena
+    as the last one laid it out (no layout or views per box on the caller's
+    thread): each one's files are byte for byte a blocking save's of the same
+    state, the padding zeros included (in debug mode the released arena is
+    poisoned between saves, so the padding is written again); a change of
+    structure lays the boxes out afresh."""
+    from bytecp.saving.staging import POOL
+
+    if debug:
+        monkeypatch.setenv("BYTECP_DEBUG_BUFFERS", "1")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(300, 301), nn.ReLU(), nn.Linear(301, 7))  # boxes above and below a page
+    opt = torch.optim.Adam(m.parameters())
+    state = {"model": m, "optimizer": opt}
+
+    def contents(name: str) -> list[bytes]:
+        return sorted(p.read_bytes() for p in (tmp_path / name / "data").rglob("*.bin"))
+
+    def step(i: int) -> None:
+        m(torch.randn(4, 300, generator=torch.Generator().manual_seed(i))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step(0)
+    for name in ("first", "planned"):  # described and laid out, then the plan cached (its boxes the next stages')
+        bytecp.async_save(str(tmp_path / name), state).wait(timeout=60)
+    for i, how in enumerate(["eager", "lazy", "eager", "verify", "changed", "eager"], start=1):
+        step(i)
+        if how == "changed":  # another structure: laid out afresh, then kept in turn
+            m[2] = nn.Linear(301, 9)
+            opt = torch.optim.Adam(m.parameters())
+            state["optimizer"] = opt
+            step(i)
+        reused = POOL.reused
+        bytecp.save(str(tmp_path / f"sync{i}"), state)
+        bytecp.async_save(str(tmp_path / f"async{i}"), state, lazy=how == "lazy",
+                          verify_replicas=how == "verify").wait(timeout=60)
+        assert POOL.reused == reused + (how != "changed"), how
+        assert contents(f"async{i}") == contents(f"sync{i}"), (i, how)
+        checked, problems = verify(open_storage(str(tmp_path / f"async{i}")))
+        assert checked and not problems, (i, how, problems)
+        same = bytecp.load_state_dict(str(tmp_path / f"async{i}"))["model"]
+        assert all(same_bits(same[k], v) for k, v in m.state_dict().items()), (i, how)
