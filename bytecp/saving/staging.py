@@ -152,18 +152,29 @@ class _Placed:
     nbytes: int
     #: the snapshot's tensors (copies of the live tree's, in its order), made at the first snapshot
     tree: dict[str, TensorLeaf] | None = None
+    #: each box's place by the id of its item (made at the first stage of some of them)
+    index: dict[int, int] | None = None
 
     def clear(self) -> None:
         """(the pool, when another layout or arena replaces this one) Let its views go."""
         self.pieces, self.items, self.arena = (), (), (0, 0)
         self.srcs, self.dsts, self.datas, self.padded, self.host, self.device_boxes = [], [], [], [], [], []
-        self.copies, self.tree = CopyPlan([]), None
+        self.copies, self.tree, self.index = CopyPlan([]), None, None
 
-    def same(self, flat: FlatTree, items: Sequence[WriteItem]) -> bool:
-        """Whether a stage of ``items`` of ``flat`` stages what this one did."""
-        return (bool(self.items) and not flat.loose and len(flat.pieces) == len(self.pieces)
-                and all(map(operator.is_, (p.flat.tensors for p in flat.pieces), self.pieces))
-                and len(items) == len(self.items) and all(map(operator.is_, items, self.items)))
+    def fits(self, flat: FlatTree, items: Sequence[WriteItem]) -> tuple[bool, list[int] | None]:
+        """Whether a stage of ``items`` of ``flat`` can copy into these places:
+        ``(True, None)`` when it stages exactly these boxes, ``(True, ks)``
+        when ``items`` are some of them (``ks``: their places; an incremental
+        save copies the boxes that changed), else ``(False, None)``."""
+        if not (self.items and not flat.loose and len(flat.pieces) == len(self.pieces)
+                and all(map(operator.is_, (p.flat.tensors for p in flat.pieces), self.pieces))):
+            return False, None
+        if len(items) == len(self.items) and all(map(operator.is_, items, self.items)):
+            return True, None
+        if self.index is None:
+            self.index = {id(it): k for k, it in enumerate(self.items)}
+        ks = [self.index.get(id(it), -1) for it in items]  # (the items are held: their ids are theirs)
+        return (-1 not in ks), ks
 
 
 @dataclasses.dataclass(eq=False)
@@ -324,13 +335,17 @@ class StagingPool:
         """This pool's placement in a kept description's memo."""
         return ("staging", id(self))
 
-    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem]) -> _Placed | None:
-        """The last stage's placement when this one stages the same boxes of
-        the same tensors into the same arena (taken: the guard acquired), else None."""
+    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem]) -> tuple[_Placed, list[int] | None] | None:
+        """The last stage's placement when this one stages the same boxes (or
+        some of them: their places) of the same tensors into the same arena
+        (taken: the guard acquired), else None."""
         if not flat.pieces or flat.loose:
             return None
         placed = flat.pieces[0].memo.get(self._memo_key)
-        if not isinstance(placed, _Placed) or not placed.same(flat, items):
+        if not isinstance(placed, _Placed):
+            return None
+        fits, ks = placed.fits(flat, items)
+        if not fits:
             return None
         pinned = placed.device is not None and torch.cuda.is_available()
         with self._lock:
@@ -346,37 +361,51 @@ class StagingPool:
                     n = len(placed.datas[k])
                     pad[n:] = PAD_ZEROS[: len(pad) - n]
         self.reused += 1
-        return placed
+        return placed, ks
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
               shared: Storage | None = None, files: int = 4, ready: Ready | None = None,
               queued: Queued | None = None) -> _Copied:
         """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
-        placed = self._reuse(flat, items) if shared is None and items else None
+        got = self._reuse(flat, items) if shared is None and items else None
         where: list[tuple[SharedArena | None, int]] | None = None  # (None: every box in the pool's arena)
-        if placed is None:
+        ks: list[int] | None = None  # (the places of some of the placement's boxes)
+        if got is None:
             placed, where = self._place(flat, items, shared, files)
+        else:
+            placed, ks = got
         use = (self.guard, self.guard.token()) if where is None or not any(at for at, _ in where) else None
+        if ks is None:
+            srcs, dsts, datas, padded = placed.srcs, placed.dsts, placed.datas, placed.padded
+            host, device_boxes, copies = placed.host, placed.device_boxes, placed.copies
+        else:  # some of the boxes, in their places: only their copies are sorted out anew
+            srcs, dsts = [placed.srcs[k] for k in ks], [placed.dsts[k] for k in ks]
+            datas, padded = [placed.datas[k] for k in ks], [placed.padded[k] for k in ks]
+            on_host = set(placed.host)
+            host = [j for j, k in enumerate(ks) if k in on_host]
+            device_boxes = [j for j, k in enumerate(ks) if k not in on_host and datas[j]]
+            copies = CopyPlan([(dsts[j], srcs[j]) for j in host], [datas[j] for j in host])
         # each device copy is queued (on the copy stream of the tensors' device, after the
         # caller's stream was ready); the DMA runs while the host copies below run
         device_copies = device_memory.DeviceToHost(dict(ready or {}))
         if placed.device is not None:
             with device_copies.on(placed.device):
-                for k in placed.device_boxes:
-                    device_copies.copy(placed.dsts[k], placed.srcs[k])
-        crcs = placed.copies.run(threads=threads, checksums=checksums)
+                for k in device_boxes:
+                    device_copies.copy(dsts[k], srcs[k])
+        crcs = copies.run(threads=threads, checksums=checksums)
         crc: list[Sums | None] = [None] * len(items)
-        for k, c in zip(placed.host, crcs, strict=True):
+        for k, c in zip(host, crcs, strict=True):
             crc[k] = c
         events = device_copies.queued()
         if queued is not None:
             queued(events)
         device_copies.wait()
         faults.handoff("stage")
+        nbytes = placed.nbytes if ks is None else sum(it.nbytes for it in items)
         if where is not None:  # lent arenas
-            return _Copied(items, placed.dsts, placed.datas, crc, placed.padded, where, use, placed.nbytes)
-        return _Copied(items, placed.dsts, placed.datas, crc, placed.padded, [(None, 0)] * len(items), use,
-                       placed.nbytes, placed)
+            return _Copied(items, dsts, datas, crc, padded, where, use, nbytes)
+        return _Copied(items, dsts, datas, crc, padded, [(None, 0)] * len(items), use, nbytes,
+                       placed if ks is None else None)
 
     def _place(self, flat: FlatTree, items: Sequence[WriteItem], shared: Storage | None,
                files: int) -> tuple[_Placed, list[tuple[SharedArena | None, int]] | None]:

@@ -259,3 +259,41 @@ def test_a_save_of_an_unchanged_state_reuses_the_last_placement_and_writes_the_s
         assert checked and not problems, (i, how, problems)
         same = bytecp.load_state_dict(str(tmp_path / f"async{i}"))["model"]
         assert all(same_bits(same[k], v) for k, v in m.state_dict().items()), (i, how)
+
+
+@pytest.mark.parametrize("lazy", [False, True])
+def test_an_incremental_save_copies_what_changed_into_the_last_placement(tmp_path: Path, lazy: bool) -> None:
+    """A manager's incremental saves copy only the boxes that changed since
+    the previous save: some of the boxes of the last full stage, copied into
+    their places there. Every checkpoint loads bitwise as the state at its step."""
+    from bytecp.saving.staging import POOL
+
+    torch.manual_seed(1)
+    m = nn.Sequential(nn.Linear(64, 300), nn.ReLU(), nn.Linear(300, 5), nn.Linear(5, 5))
+    for p in m[0].parameters():  # frozen: unchanged between saves (referenced, not copied)
+        p.requires_grad_(False)
+    opt = torch.optim.Adam([p for p in m.parameters() if p.requires_grad])
+    state = {"model": m, "optimizer": opt}
+    mgr = bytecp.CheckpointManager(str(tmp_path / "run"), every_n_steps=1, keep_last=None, async_save=True,
+                                   lazy=lazy)
+    want = {}
+    for step in range(1, 6):
+        m(torch.randn(4, 64, generator=torch.Generator().manual_seed(step))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        if step == 4:  # every box: the full stage's own places again
+            bytecp.async_save(str(tmp_path / "full"), state, lazy=lazy).wait(timeout=60)
+        reused = POOL.reused
+        mgr.maybe_save(step, state)
+        mgr.wait()
+        if step >= 3:  # (the first saves describe, lay out and plan)
+            assert POOL.reused == reused + 1, step
+        want[step] = {k: v.clone() for k, v in m.state_dict().items()}
+
+    for step, sd in want.items():
+        got = bytecp.load_state_dict(str(tmp_path / "run" / f"step-{step}"))["model"]
+        assert all(same_bits(got[k], v) for k, v in sd.items()), step
+        checked, problems = verify(open_storage(str(tmp_path / "run" / f"step-{step}")))
+        assert checked and not problems, (step, problems)
+    md = fmt.Metadata.from_bytes((tmp_path / "run" / "step-5" / "metadata.json").read_bytes(), "step-5")
+    assert md.references, "the frozen layer was copied again, not referenced"
