@@ -43,6 +43,7 @@ without a bounce copy.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import mmap
 import operator
@@ -171,9 +172,10 @@ class _Placed:
             return False, None
         if len(items) == len(self.items) and all(map(operator.is_, items, self.items)):
             return True, None
-        if self.index is None:
-            self.index = {id(it): k for k, it in enumerate(self.items)}
-        ks = [self.index.get(id(it), -1) for it in items]  # (the items are held: their ids are theirs)
+        index = self.index
+        if index is None:
+            index = self.index = {id(it): k for k, it in enumerate(self.items)}
+        ks = [index.get(id(it), -1) for it in items]  # (the items are held: their ids are theirs)
         return (-1 not in ks), ks
 
 
@@ -263,16 +265,17 @@ class StagingPool:
         """Let the arena go (one save at a time: no copy into it is in flight)."""
         self._arena = None
         self._forget()
+        if self._pinned is not None:
+            self._pinned.close()
+            self._pinned = None
 
     def _forget(self) -> None:
-        """(under the lock) The arena's layout changes: the last placement lets its views go."""
+        """(under the lock) The arena's layout changes: the last placement lets
+        its views go (the arena itself, and its pinning, stay)."""
         placed = self._placed() if self._placed is not None else None
         if placed is not None:
             placed.clear()
         self._placed = None
-        if self._pinned is not None:
-            self._pinned.close()
-            self._pinned = None
 
     def lent(self, items: Sequence[WriteItem], storage: Storage | None,
              pinned: bool = False) -> tuple[torch.Tensor, _Layout, SharedArena] | None:
@@ -335,10 +338,12 @@ class StagingPool:
         """This pool's placement in a kept description's memo."""
         return ("staging", id(self))
 
-    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem]) -> tuple[_Placed, list[int] | None] | None:
+    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem]
+               ) -> tuple[_Placed, _Placed, list[int] | None] | None:
         """The last stage's placement when this one stages the same boxes (or
         some of them: their places) of the same tensors into the same arena
-        (taken: the guard acquired), else None."""
+        (taken: the guard acquired), with a copy of it as it was then (a
+        ``prewarm`` or ``release`` on another thread may clear it), else None."""
         if not flat.pieces or flat.loose:
             return None
         placed = flat.pieces[0].memo.get(self._memo_key)
@@ -355,13 +360,14 @@ class StagingPool:
                 return None
             poisoned = self.guard.poisoned
             self.guard.acquire()
+            now = copy.copy(placed)
         if poisoned:  # debug mode filled the arena at its release: the files' padding is written again
-            for k, pad in enumerate(placed.padded):
+            for k, pad in enumerate(now.padded):
                 if pad is not None:
-                    n = len(placed.datas[k])
+                    n = len(now.datas[k])
                     pad[n:] = PAD_ZEROS[: len(pad) - n]
         self.reused += 1
-        return placed, ks
+        return placed, now, ks
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
               shared: Storage | None = None, files: int = 4, ready: Ready | None = None,
@@ -372,8 +378,9 @@ class StagingPool:
         ks: list[int] | None = None  # (the places of some of the placement's boxes)
         if got is None:
             placed, where = self._place(flat, items, shared, files)
+            kept = placed
         else:
-            placed, ks = got
+            kept, placed, ks = got
         use = (self.guard, self.guard.token()) if where is None or not any(at for at, _ in where) else None
         if ks is None:
             srcs, dsts, datas, padded = placed.srcs, placed.dsts, placed.datas, placed.padded
@@ -405,7 +412,7 @@ class StagingPool:
         if where is not None:  # lent arenas
             return _Copied(items, dsts, datas, crc, padded, where, use, nbytes)
         return _Copied(items, dsts, datas, crc, padded, [(None, 0)] * len(items), use, nbytes,
-                       placed if ks is None else None)
+                       kept if ks is None else None)
 
     def _place(self, flat: FlatTree, items: Sequence[WriteItem], shared: Storage | None,
                files: int) -> tuple[_Placed, list[tuple[SharedArena | None, int]] | None]:
@@ -456,6 +463,8 @@ class StagingPool:
                          sum(it.nbytes for it in items))
         if pieces[0][3] is not None:  # lent arenas (each becomes a data file): never kept
             return placed, where
+        if not items:  # nothing laid out: the last placement still holds
+            return placed, None
         with self._lock:  # the pool's arena, laid out anew: kept for the next stage when the description is
             self._forget()
             if flat.pieces and not flat.loose and self._arena is pieces[0][1]:

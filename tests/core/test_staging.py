@@ -297,3 +297,44 @@ def test_an_incremental_save_copies_what_changed_into_the_last_placement(tmp_pat
         assert checked and not problems, (step, problems)
     md = fmt.Metadata.from_bytes((tmp_path / "run" / "step-5" / "metadata.json").read_bytes(), "step-5")
     assert md.references, "the frozen layer was copied again, not referenced"
+
+
+def test_laying_boxes_out_keeps_the_pinned_arena_and_an_empty_stage_keeps_the_placement(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stage that lays boxes out anew lets the last placement's views go,
+    never the arena's pinning (a CUDA state's next stage would find it
+    pageable, allocate a larger arena and never reuse a placement); a stage
+    of no boxes (an incremental save with nothing changed) leaves the
+    placement to the next one. Pinning faked: this host has no CUDA."""
+    from bytecp.plan.exchange import holdings
+    from bytecp.saving import staging
+    from bytecp.tree.state import flatten_tree, prebuild
+
+    closed: list[int] = []
+
+    class Pinned:  # a pinned arena as bytecp.device_memory.PinnedBuffer gives it, close() recorded
+        def __init__(self, n: int) -> None:
+            self.tensor = torch.zeros(n + 4096, dtype=torch.uint8)
+
+        def close(self) -> None:
+            closed.append(self.tensor.data_ptr())
+
+    def host_arena(n: int, pinned: bool) -> tuple[torch.Tensor, Pinned]:
+        assert pinned, "the arena was allocated pageable"
+        b = Pinned(n)
+        return b.tensor, b
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(staging, "_host_arena", host_arena)
+    state = {"w": torch.randn(100_000), "b": torch.randn(7)}
+    flat = flatten_tree({"model": prebuild(state, "model")})  # a kept description's piece
+    items = holdings(flat, 0)[0].items
+    pool = StagingPool()
+    pool.arena(items, pinned=True)  # what prewarm does for a CUDA state
+    for _ in range(3):
+        staged = pool.stage(flat, items)
+        assert all(bytes(s.data) == bytes(host_memoryview(state[s.item.fqn.split(".")[-1]])) for s in staged)
+        pool.stage(flat, [])
+    assert closed == [] and pool.allocations == 1 and pool.reused == 2
+    pool.release()
+    assert len(closed) == 1
