@@ -307,7 +307,7 @@ def test_laying_boxes_out_keeps_the_pinned_arena_and_an_empty_stage_keeps_the_pl
     of no boxes (an incremental save with nothing changed) leaves the
     placement to the next one. Pinning faked: this host has no CUDA."""
     from bytecp.plan.exchange import holdings
-    from bytecp.saving import staging
+    from bytecp.saving import arena
     from bytecp.tree.state import flatten_tree, prebuild
 
     closed: list[int] = []
@@ -325,7 +325,7 @@ def test_laying_boxes_out_keeps_the_pinned_arena_and_an_empty_stage_keeps_the_pl
         return b.tensor, b
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(staging, "_host_arena", host_arena)
+    monkeypatch.setattr(arena, "_host_arena", host_arena)
     state = {"w": torch.randn(100_000), "b": torch.randn(7)}
     flat = flatten_tree({"model": prebuild(state, "model")})  # a kept description's piece
     items = holdings(flat, 0)[0].items
