@@ -338,3 +338,40 @@ def test_laying_boxes_out_keeps_the_pinned_arena_and_an_empty_stage_keeps_the_pl
     assert closed == [] and pool.allocations == 1 and pool.reused == 2
     pool.release()
     assert len(closed) == 1
+
+
+@pytest.mark.parametrize("debug", [False, True])
+def test_saves_under_a_memory_budget_copy_their_batches_into_the_last_placement(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, debug: bool) -> None:
+    """A save under a memory budget stages its boxes batch by batch; each
+    batch is some of the boxes of the last full stage, copied into their
+    places there (the arena holds them all). Budgeted, eager, lazy and
+    blocking saves in turn: every checkpoint is the state at its call,
+    bitwise, and verifies clean."""
+    from bytecp.saving.staging import POOL
+
+    if debug:
+        monkeypatch.setenv("BYTECP_DEBUG_BUFFERS", "1")
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(300, 301), nn.ReLU(), nn.Linear(301, 7), nn.Linear(7, 600))
+    opt = torch.optim.Adam(m.parameters())
+    state = {"model": m, "optimizer": opt}
+    budgeted = 0
+    for i, how in enumerate(["eager", "eager", "budget", "eager", "budget", "lazy", "budget", "sync", "eager"]):
+        m(torch.randn(4, 300, generator=torch.Generator().manual_seed(i))).sum().backward()
+        opt.step()
+        opt.zero_grad()
+        want = {k: v.clone() for k, v in m.state_dict().items()}
+        url, reused = str(tmp_path / f"c{i}"), POOL.reused
+        if how == "sync":
+            bytecp.save(url, state)
+        else:
+            bytecp.async_save(url, state, lazy=how == "lazy",
+                              memory_budget_bytes=(200 << 10) if how == "budget" else None).wait(timeout=60)
+        if how == "budget" and i > 2:
+            budgeted += POOL.reused - reused
+        got = bytecp.load_state_dict(url)["model"]
+        assert all(same_bits(got[k], v) for k, v in want.items()), (i, how)
+        checked, problems = verify(open_storage(url))
+        assert checked and not problems, (i, how, problems)
+    assert budgeted >= 4, "the budgeted saves' batches were laid out anew"
