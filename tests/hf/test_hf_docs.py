@@ -39,8 +39,9 @@ def test_fsdp2_snippet_runs_under_torchrun(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
            "--master-port", str(free_port()), str(script)]
     # its own session: on a timeout the ranks go with torchrun, never left running
+    # (TMPDIR: torchrun's log folder, torchelastic_*, and its ranks' temporary files go with tmp_path)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path,
-                            start_new_session=True)
+                            start_new_session=True, env={**os.environ, "TMPDIR": str(tmp_path)})
     try:
         out, err = proc.communicate(timeout=240)
     finally:
