@@ -124,3 +124,46 @@ def test_follower_takes_each_step_from_the_first_tier_and_survives_the_keeper(
             keeper.kill()
             keeper.wait()
         shutil.rmtree(hello["root"], ignore_errors=True)  # a killed keeper frees nothing
+
+
+def test_a_bf16_follower_applies_serving_deltas_from_the_memory_tier(tmp_path: Path) -> None:
+    """A full fine-tune saving to memory every step with serving deltas
+    (``serving_dtype=torch.bfloat16``), draining every third step: a bf16
+    follower of both tiers takes each step from memory by applying its
+    deltas, and holds, bit for bit, the trainer's weights cast to bf16."""
+    ports = {"h0": free_ports(1)[0]}
+    keeper = spawn_keeper("h0", ports, tmp_path, replicas=1)
+    (hello, _) = request(("127.0.0.1", ports["h0"]), {"op": "hello", "token": TOKEN})
+    try:
+        opts: dict[str, Any] = {"keepers": f"h0=127.0.0.1:{ports['h0']}", "host": "h0", "token": TOKEN}
+        run, mem = str(tmp_path / "run"), f"keeper://job/{tmp_path.name}"
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        state = {"model": model, "optimizer": opt}
+        mgr = bytecp.CheckpointManager(run, every_n_steps=3, keep_last=3, memory_url=mem, memory_every_n_steps=1,
+                                       memory_storage_options=opts, memory_keep_last=3,
+                                       serving_dtype=torch.bfloat16)
+        served = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8)).to(torch.bfloat16)
+        gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=torch.bfloat16, on_error="raise",
+                            memory_url=mem, memory_storage_options=opts)
+        whole = 0
+        for step in range(1, 6):
+            _step(model, opt)
+            mgr.maybe_save(step, state)
+            up = next(gen)
+            assert up.ok and up.step == step and up.tier == "memory" and not up.fallbacks, up
+            want = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
+            assert _bitwise(served, want), step
+            if step == 1:  # the first save's whole bf16 copy
+                whole = up.bytes_read
+            else:  # each later step by its own deltas, a fraction of those bytes
+                assert up.delta_steps == 1 and up.tensors_by_delta == up.tensors_read > 0, up
+                assert up.bytes_read < whole / 2, (up.bytes_read, whole)
+        mgr.wait()
+        gen.close()
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait()
+        shutil.rmtree(hello["root"], ignore_errors=True)  # a killed keeper frees nothing
