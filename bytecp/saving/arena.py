@@ -187,9 +187,11 @@ class Copied:
     where: list[tuple[SharedArena | None, int]]
     use: tuple[buffers.Guard, int] | None
     nbytes: int
+    #: the kept placement these copies filled whole (the snapshot's tree is kept with it), else None
     placed: _Placed | None = None
 
     def staged(self) -> list[Staged]:
+        """The writer's record of each box (made once, when the write asks)."""
         return [Staged(it, self.datas[k], sums=self.crc[k], padded=self.padded[k], arena=self.where[k][0],
                        offset=self.where[k][1], use=self.use) for k, it in enumerate(self.items)]
 
