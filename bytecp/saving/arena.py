@@ -378,7 +378,7 @@ class StagingPool:
             kept = placed
         else:
             kept, placed, ks = got
-        use = (self.guard, self.guard.token()) if where is None or not any(at for at, _ in where) else None
+        use = (self.guard, self.guard.token()) if where is None else None  # (lent arenas are never reused)
         if ks is None:
             srcs, dsts, datas, padded = placed.srcs, placed.dsts, placed.datas, placed.padded
             host, device_boxes, copies = placed.host, placed.device_boxes, placed.copies

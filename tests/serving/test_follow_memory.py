@@ -6,9 +6,11 @@ checkpoint vanishes mid-read, and goes on from storage when the keeper dies."""
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -57,13 +59,25 @@ def _wait_for_storage(run: str, step: int) -> None:
     raise AssertionError(f"step {step} never drained to {run}")
 
 
-def test_follower_takes_each_step_from_the_first_tier_and_survives_the_keeper(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@contextlib.contextmanager
+def _keeper(tmp_path: Path) -> Iterator[tuple[Any, dict[str, Any]]]:
+    """A real keeper process (host h0, one replica) and the storage options
+    that reach it; killed at the end, its root removed (a killed keeper frees nothing)."""
     ports = {"h0": free_ports(1)[0]}
     keeper = spawn_keeper("h0", ports, tmp_path, replicas=1)
     (hello, _) = request(("127.0.0.1", ports["h0"]), {"op": "hello", "token": TOKEN})
     try:
-        opts: dict[str, Any] = {"keepers": f"h0=127.0.0.1:{ports['h0']}", "host": "h0", "token": TOKEN}
+        yield keeper, {"keepers": f"h0=127.0.0.1:{ports['h0']}", "host": "h0", "token": TOKEN}
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait()
+        shutil.rmtree(hello["root"], ignore_errors=True)
+
+
+def test_follower_takes_each_step_from_the_first_tier_and_survives_the_keeper(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    with _keeper(tmp_path) as (keeper, opts):
         run, mem = str(tmp_path / "run"), f"keeper://job/{tmp_path.name}"
         model, opt = _model()
         state = {"model": model, "optimizer": opt}
@@ -119,11 +133,6 @@ def test_follower_takes_each_step_from_the_first_tier_and_survives_the_keeper(
         assert up.ok and up.step == 7 and up.tier == "storage" and up.skipped == 0, up
         assert up.tensors_read == 2 and _bitwise(served, model)
         gen.close()
-    finally:
-        if keeper.poll() is None:
-            keeper.kill()
-            keeper.wait()
-        shutil.rmtree(hello["root"], ignore_errors=True)  # a killed keeper frees nothing
 
 
 def test_a_bf16_follower_applies_serving_deltas_from_the_memory_tier(tmp_path: Path) -> None:
@@ -131,11 +140,7 @@ def test_a_bf16_follower_applies_serving_deltas_from_the_memory_tier(tmp_path: P
     (``serving_dtype=torch.bfloat16``), draining every third step: a bf16
     follower of both tiers takes each step from memory by applying its
     deltas, and holds, bit for bit, the trainer's weights cast to bf16."""
-    ports = {"h0": free_ports(1)[0]}
-    keeper = spawn_keeper("h0", ports, tmp_path, replicas=1)
-    (hello, _) = request(("127.0.0.1", ports["h0"]), {"op": "hello", "token": TOKEN})
-    try:
-        opts: dict[str, Any] = {"keepers": f"h0=127.0.0.1:{ports['h0']}", "host": "h0", "token": TOKEN}
+    with _keeper(tmp_path) as (_, opts):
         run, mem = str(tmp_path / "run"), f"keeper://job/{tmp_path.name}"
         torch.manual_seed(0)
         model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 8))
@@ -162,8 +167,3 @@ def test_a_bf16_follower_applies_serving_deltas_from_the_memory_tier(tmp_path: P
                 assert up.bytes_read < whole / 2, (up.bytes_read, whole)
         mgr.wait()
         gen.close()
-    finally:
-        if keeper.poll() is None:
-            keeper.kill()
-            keeper.wait()
-        shutil.rmtree(hello["root"], ignore_errors=True)  # a killed keeper frees nothing
