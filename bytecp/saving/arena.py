@@ -54,6 +54,8 @@ from bytecp import device_memory, faults
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import Sums
 from bytecp.plan.planner import WriteItem
+from bytecp.saving.ahead import Ahead
+from bytecp.saving.ahead import start as start_ahead
 from bytecp.saving.hostcopy import CopyPlan
 from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, source_view
 from bytecp.storage_api import SharedArena, Storage
@@ -149,12 +151,32 @@ class _Placed:
     tree: dict[str, TensorLeaf] | None = None
     #: each box's place by the id of its item (made at the first stage of some of them)
     index: dict[int, int] | None = None
+    #: eager saves in a row whose stage reused it whole (the next one guesses its copy: :mod:`~bytecp.saving.ahead`)
+    streak: int = 0
+    #: the host sources' storages and the bytes their views read in each (made at the first guess)
+    storages: tuple[list[torch.UntypedStorage], list[int]] | None = None
+
+    def intact(self) -> bool:
+        """Whether every host source's storage still holds the bytes its views read
+        (a framework may have freed or shrunk one in place since the last stage)."""
+        if self.storages is None:
+            need: dict[int, tuple[torch.UntypedStorage, int]] = {}
+            for k in self.host:
+                s = self.srcs[k]
+                st = s.untyped_storage()
+                end = (s.storage_offset() + sum((n - 1) * d for n, d in zip(s.shape, s.stride(), strict=True))
+                       + 1) * s.element_size() if s.numel() else 0
+                got = need.get(st.data_ptr())
+                need[st.data_ptr()] = (st, max(int(end), got[1] if got is not None else 0))
+            self.storages = [st for st, _ in need.values()], [end for _, end in need.values()]
+        sts, ends = self.storages
+        return all(map(operator.ge, map(torch.UntypedStorage.nbytes, sts), ends))  # (no Python per storage)
 
     def clear(self) -> None:
         """(the pool, when another layout or arena replaces this one) Let its views go."""
         self.pieces, self.items, self.arena = (), (), (0, 0)
         self.srcs, self.dsts, self.datas, self.padded, self.host, self.device_boxes = [], [], [], [], [], []
-        self.copies, self.tree, self.index = CopyPlan([]), None, None
+        self.copies, self.tree, self.index, self.storages = CopyPlan([]), None, None, None
 
     def fits(self, flat: FlatTree, items: Sequence[WriteItem]) -> tuple[bool, list[int] | None]:
         """Whether a stage of ``items`` of ``flat`` can copy into these places:
@@ -234,6 +256,7 @@ class StagingPool:
         #: where the last stage into the arena put its boxes (kept by the state's description)
         self._placed: weakref.ref[_Placed] | None = None
         self.reused = 0  # how many stages reused the last one's placement (tests)
+        self.guessed = 0  # how many of them took the copies an eager save guessed (tests)
 
     def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
         """The arena (grown if needed) and where ``items`` go in it (``pinned``:
@@ -309,15 +332,18 @@ class StagingPool:
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, threads: int = 1,
                  checksums: bool = False, shared: Storage | None = None,
                  files: int = 4, ready: Ready | None = None,
-                 queued: Queued | None = None) -> tuple[FlatTree, Copied]:
+                 queued: Queued | None = None, ahead: Ahead | None = None,
+                 eager: bool = False) -> tuple[FlatTree, Copied]:
         """Copy the boxes ``items`` name into the arena; the same tree comes
         back with its tensors replaced by those copies (host tensors), so the
         rest of a save can run on it while training changes the live ones,
         with the copies (what :class:`~bytecp.saving.staging.SnapshotStager`
         hands the writer). ``queued`` is
         told, before the host waits for the device copies, that every copy
-        is queued (with the events a stream can wait for instead)."""
-        copied = self._copy(flat, items, threads, checksums, shared, files, ready, queued)
+        is queued (with the events a stream can wait for instead). ``eager``:
+        an eager save's snapshot (the placement counts it), ``ahead`` the
+        copies it guessed (:meth:`copy_ahead`), taken when they fit."""
+        copied = self._copy(flat, items, threads, checksums, shared, files, ready, queued, ahead, eager)
         tensors = copied.placed.tree if copied.placed is not None else None
         if tensors is None:
             # in the live tree's order (the specs digest every rank compares depends on it)
@@ -335,7 +361,7 @@ class StagingPool:
         """This pool's placement in a kept description's memo."""
         return ("staging", id(self))
 
-    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem]
+    def _reuse(self, flat: FlatTree, items: Sequence[WriteItem], eager: bool = False
                ) -> tuple[_Placed, _Placed, list[int] | None] | None:
         """The last stage's placement when this one stages the same boxes (or
         some of them: their places) of the same tensors into the same arena
@@ -355,22 +381,75 @@ class StagingPool:
             if (self._placed is None or self._placed() is not placed or a is None or (a.data_ptr(), a.numel()) != placed.arena
                     or pinned and self._pinned is None):
                 return None
-            poisoned = self.guard.poisoned
-            self.guard.acquire()
-            now = copy.copy(placed)
-        if poisoned:  # debug mode filled the arena at its release: the files' padding is written again
+            now = self._take(placed)
+        if eager:
+            placed.streak = placed.streak + 1 if ks is None else 0
+        self.reused += 1
+        return placed, now, ks
+
+    def _take(self, placed: _Placed) -> _Placed:
+        """(under the lock) The arena's use acquired for a stage into ``placed``'s
+        places: a copy of it as it is now (a ``prewarm`` or ``release`` on
+        another thread may clear it); debug mode filled the arena at its
+        release, so the files' padding is written again."""
+        poisoned = self.guard.poisoned
+        self.guard.acquire()
+        now = copy.copy(placed)
+        if poisoned:
             for k, pad in enumerate(now.padded):
                 if pad is not None:
                     n = len(now.datas[k])
                     pad[n:] = PAD_ZEROS[: len(pad) - n]
+        return now
+
+    def copy_ahead(self, checksums: bool) -> Ahead | None:
+        """(an eager save, once the previous save is done) Start copying the
+        last placement's boxes again, on the helper thread, when the save
+        before (an eager one) reused it whole (:mod:`bytecp.saving.ahead`); None when there is
+        nothing to guess (device boxes, a pinned arena, sources freed)."""
+        with self._lock:
+            placed = self._placed() if self._placed is not None else None
+            a = self._arena
+            if (placed is None or placed.streak < 1 or placed.device is not None or self._pinned is not None
+                    or a is None or (a.data_ptr(), a.numel()) != placed.arena or not placed.host):
+                return None
+            try:
+                if not placed.intact():
+                    return None
+            except RuntimeError:  # a source without storage of its own to check
+                return None
+            now = self._take(placed)
+        return start_ahead(placed, now, checksums)
+
+    def _guessed(self, ahead: Ahead, flat: FlatTree, items: Sequence[WriteItem], checksums: bool,
+                 shared: Storage | None) -> list[Sums | None] | None:
+        """The checksums of ``ahead``'s copies when they are this stage's: the
+        same placement whole, still the pool's, summed as asked; else None."""
+        crcs = ahead.join()
+        placed: _Placed = ahead.placed
+        if crcs is None or shared is not None or ahead.checksums != checksums or placed.fits(flat, items) != (True, None):
+            return None
+        with self._lock:
+            a = self._arena
+            if self._placed is None or self._placed() is not placed or a is None or (a.data_ptr(), a.numel()) != placed.arena:
+                return None
+        placed.streak += 1
         self.reused += 1
-        return placed, now, ks
+        self.guessed += 1
+        return crcs
 
     def _copy(self, flat: FlatTree, items: Sequence[WriteItem], threads: int, checksums: bool,
               shared: Storage | None = None, files: int = 4, ready: Ready | None = None,
-              queued: Queued | None = None) -> Copied:
-        """Copy each box into the arena: its :class:`Staged` bytes and its typed copy."""
-        got = self._reuse(flat, items) if shared is None and items else None
+              queued: Queued | None = None, ahead: Ahead | None = None, eager: bool = False) -> Copied:
+        """Copy each box into the arena: its :class:`Staged` bytes and its typed copy
+        (``eager``: an eager save's snapshot, with ``ahead`` the copies it
+        guessed, waited for first, taken when they fit)."""
+        done = self._guessed(ahead, flat, items, checksums, shared) if ahead is not None else None
+        got: tuple[_Placed, _Placed, list[int] | None] | None
+        if ahead is not None and done is not None:
+            got = ahead.placed, ahead.now, None
+        else:
+            got = self._reuse(flat, items, eager) if shared is None and items else None
         where: list[tuple[SharedArena | None, int]] | None = None  # (None: every box in the pool's arena)
         ks: list[int] | None = None  # (the places of some of the placement's boxes)
         if got is None:
@@ -396,7 +475,7 @@ class StagingPool:
             with device_copies.on(placed.device):
                 for k in device_boxes:
                     device_copies.copy(dsts[k], srcs[k])
-        crcs = copies.run(threads=threads, checksums=checksums)
+        crcs = done if done is not None else copies.run(threads=threads, checksums=checksums)
         crc: list[Sums | None] = [None] * len(items)
         for k, c in zip(host, crcs, strict=True):
             crc[k] = c

@@ -37,7 +37,7 @@ import torch
 from bytecp.format.checksum import Summer, Sums, sums
 from bytecp.tree.dtypes import host_memoryview
 
-__all__ = ["copy_boxes", "CopyPlan", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
+__all__ = ["copy_boxes", "CopyPlan", "CopyRun", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
 
 #: pieces a copy without checksums is split into (spread over the threads)
 PIECE_BYTES = 16 << 20
@@ -72,6 +72,9 @@ def fast_copy_available() -> bool:
 #: boxes below this many bytes are copied together in one call into torch
 #: (``_foreach_copy_``: a loop in C++, no Python per box)
 SMALL_BYTES = 256 << 10
+#: ... in groups of about this many bytes, or this many boxes (units several threads share)
+SMALL_GROUP_BYTES = 16 << 20
+SMALL_GROUP_BOXES = 8192
 
 
 def _plain(dst: torch.Tensor, src: torch.Tensor) -> bool:
@@ -193,61 +196,97 @@ class CopyPlan:
         self.small_dsts = [pairs[i][0] for i in small]
         self.small_srcs = [pairs[i][1] for i in small]
         self.small_views = [views[i] for i in small] if views is not None else None
+        # the small boxes in groups of about SMALL_GROUP_BYTES (each one torch call), so that
+        # several threads can share them
+        self.groups: list[tuple[int, int]] = []
+        begin, acc = 0, 0
+        for j, i in enumerate(small):
+            acc += sizes[i]
+            if acc >= SMALL_GROUP_BYTES or j + 1 - begin >= SMALL_GROUP_BOXES:
+                self.groups.append((begin, j + 1))
+                begin, acc = j + 1, 0
+        if begin < len(small):
+            self.groups.append((begin, len(small)))
+        self.group_bytes = [sum(sizes[small[j]] for j in range(a, b)) for a, b in self.groups]
         self.boxes = [_Box(pairs[i][0], pairs[i][1], views[i] if views is not None else None, sizes[i])
                       for i in large]
 
     def run(self, *, threads: int = 1, checksums: bool = False) -> list[Sums | None]:
         """Copy every pair (see :func:`copy_boxes`)."""
-        crcs: list[Sums | None] = [None] * self.count
-        if self.small:
-            _copy_small(self.small_dsts, self.small_srcs)
-            if checksums:
-                for j, i in enumerate(self.small):
-                    crcs[i] = sums(self.small_views[j] if self.small_views is not None
-                                   else host_memoryview(self.small_dsts[j]))
-        boxes = self.boxes
-        for b in boxes:
-            b.sums = None
-        units = _pieces(boxes, checksums, split=threads > 1)
-        workers = max(1, min(threads, len(units)))
-        if workers == 1:
-            for i, start, length in units:
-                _run(boxes[i], start, length, checksums)
+        r = self.start(checksums=checksums, split=threads > 1)
+        if threads <= 1:
+            r.work()
         else:
-            _run_on_threads(boxes, units, workers, checksums)
-        for i, b in zip(self.large, boxes, strict=True):
+            _work_on_threads(r, threads)
+        return r.result()
+
+    def start(self, *, checksums: bool = False, split: bool = True) -> CopyRun:
+        """One run of the copies, as units any number of threads take in turn
+        (:meth:`CopyRun.work`), largest first; ``split``: large boxes in pieces
+        (for several threads)."""
+        return CopyRun(self, checksums, split)
+
+
+class CopyRun:
+    """One run of a :class:`CopyPlan`: its units (groups of small boxes, large
+    boxes or their pieces), handed out to whichever thread asks next, so a
+    thread may join a run another started (an eager save's caller helps the
+    copy it guessed once it described its state: :mod:`bytecp.saving.ahead`)."""
+
+    def __init__(self, plan: CopyPlan, checksums: bool, split: bool) -> None:
+        self.plan, self.checksums = plan, checksums
+        for b in plan.boxes:
+            b.sums = None
+        self.small_sums: list[Sums | None] = [None] * len(plan.small)
+        units: list[tuple[int, int, int, int]] = [(n, -1, g, 0) for g, n in enumerate(plan.group_bytes)]
+        units += [(length, i, start, length) for i, start, length in _pieces(plan.boxes, checksums, split)]
+        units.sort(key=lambda u: -u[0])  # largest first, so the threads end together
+        self.units = units
+        self._next = itertools.count()
+        self.errors: list[BaseException] = []
+
+    def work(self) -> None:
+        """(any thread) Take units until none is left; an error is kept for :meth:`result`."""
+        units, plan = self.units, self.plan
+        try:
+            for k in iter(self._next.__next__, None):
+                if k >= len(units) or self.errors:
+                    return
+                _, i, a, length = units[k]
+                if i >= 0:
+                    _run(plan.boxes[i], a, length, self.checksums)
+                    continue
+                lo, hi = plan.groups[a]
+                _copy_small(plan.small_dsts[lo:hi], plan.small_srcs[lo:hi])
+                if self.checksums:
+                    for j in range(lo, hi):
+                        self.small_sums[j] = sums(plan.small_views[j] if plan.small_views is not None
+                                                  else host_memoryview(plan.small_dsts[j]))
+        except BaseException as e:
+            self.errors.append(e)
+
+    def result(self) -> list[Sums | None]:
+        """(once every thread working on it returned) Each pair's checksums
+        (Nones without ``checksums``); raises the first error of any thread."""
+        if self.errors:
+            raise self.errors[0]
+        plan = self.plan
+        crcs: list[Sums | None] = [None] * plan.count
+        for j, i in enumerate(plan.small):
+            crcs[i] = self.small_sums[j]
+        for i, b in zip(plan.large, plan.boxes, strict=True):
             crcs[i] = b.sums
         return crcs
 
 
-def _run_on_threads(boxes: list[_Box], units: list[tuple[int, int, int]], workers: int, checksums: bool) -> None:
-    """``units`` over ``workers`` threads (the calling one included), largest first."""
-    # largest first, so the threads end together; a shared counter hands them out
-    units = sorted(units, key=lambda u: -u[2])
-    counter = itertools.count()
-
-    def work() -> None:
-        for k in iter(counter.__next__, None):
-            if k >= len(units):
-                return
-            i, start, length = units[k]
-            _run(boxes[i], start, length, checksums)
-
+def _work_on_threads(r: CopyRun, workers: int) -> None:
+    """``r`` worked on by ``workers`` threads (the calling one included)."""
+    workers = max(1, min(workers, len(r.units)))
     # threads of this call: they inherit the calling thread's scheduling
     # priority (a background save's lower one); starting one costs ~0.1 ms
-    errors: list[BaseException] = []
-
-    def guarded() -> None:
-        try:
-            work()
-        except BaseException as e:
-            errors.append(e)
-
-    helpers = [threading.Thread(target=guarded, name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
+    helpers = [threading.Thread(target=r.work, name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
     for t in helpers:
         t.start()
-    guarded()
+    r.work()
     for t in helpers:
         t.join()
-    if errors:
-        raise errors[0]

@@ -52,6 +52,7 @@ from bytecp.plan.split_sets import names_of, split_disjoint
 from bytecp.recorder import Trace
 from bytecp.saving import commit as commits
 from bytecp.saving import leases
+from bytecp.saving.ahead import Ahead
 from bytecp.saving.commit import (
     build_metadata,
     check_target,
@@ -106,6 +107,9 @@ class SavePipeline:
         #: the one thing carried between phases: a local phase's failure,
         #: raised by the next collective on every rank
         self._kept: BaseException | None = None
+        #: an eager save (``describe(ahead=True)``) and the copies it guessed
+        self._eager = False
+        self._ahead: Ahead | None = None
         #: boxes unchanged since the base are referenced, not written (format version 3)
         self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
         #: serving deltas, when asked for (:mod:`bytecp.saving.serving`): fed each batch as it is written
@@ -114,13 +118,18 @@ class SavePipeline:
             ctx.world_size, ctx.rank, ctx.is_coordinator)
 
     # -- the phases -----------------------------------------------------------
-    def describe(self) -> Described:
+    def describe(self, ahead: bool = False) -> Described:
         """(every rank, local) Wait for the previous save, pick the framework
         adapter and flatten the state into views of the live tensors (no
-        copy); a stager that copies also snapshots the non-tensor values now."""
+        copy); a stager that copies also snapshots the non-tensor values now.
+        ``ahead`` (an eager save): the snapshot's copies guessed and started
+        first, while the state is described (:mod:`bytecp.saving.ahead`)."""
 
         def describe() -> Described:
             wait_for_previous(self.trace)
+            self._eager = ahead
+            if ahead and isinstance(self.stager, ArenaStager):
+                self._ahead = self.stager.copy_ahead(bool(self.opts.verify_replicas))
             with looking():  # one look at the live state: adapters check each module once
                 adapter = detect_adapter(self.state, self.opts.framework)
                 with self.trace.span("plan"):
@@ -158,6 +167,13 @@ class SavePipeline:
 
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 
+    def settle(self) -> None:
+        """(the eager order, when its caller's part ends, however) The guessed
+        copies are done before the arena is anyone else's (a save that failed
+        before its snapshot never waited for them)."""
+        if self._ahead is not None:
+            self._ahead.join()
+
     def snapshot(self, described: Described, share: Share, queued: Queued | None = None) -> Described:
         """(every rank, local; async saves without a memory budget, whose
         stager is an :class:`~bytecp.saving.staging.ArenaStager`: eager saves on
@@ -180,7 +196,8 @@ class SavePipeline:
                 # with replica checks the copy also sums what it copies
                 events: dict[int, Any] = {}  # (with replica checks the live state is read below: release after)
                 flat, copied = arena.snapshot(live, share.items, checksums=verify, ready=described.ready,
-                                              queued=events.update if verify else queued)
+                                              queued=events.update if verify else queued, ahead=self._ahead,
+                                              eager=self._eager)
                 sp.nbytes = copied.nbytes
             crcs = None
             if verify:  # of every box held, while it is the state being saved

@@ -60,9 +60,13 @@ def save_now(p: SavePipeline) -> fmt.Metadata:
 
 def eager(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
     """The caller waits for the copy; the plan, the write and the commit
-    run on the copy in the background."""
-    described = p.describe()
-    copied = p.snapshot(described, p.share(described))
+    run on the copy in the background. The copy of a state unchanged since
+    the previous save starts while the state is described (:mod:`bytecp.saving.ahead`)."""
+    try:
+        described = p.describe(ahead=True)
+        copied = p.snapshot(described, p.share(described))
+    finally:
+        p.settle()
     handle.mark_staged()
 
     def background() -> fmt.Metadata:

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from typing import Protocol
 
 from bytecp.plan.planner import WriteItem
+from bytecp.saving.ahead import Ahead
 from bytecp.saving.arena import (
     PAGE_ALIGN_MIN_BYTES,
     POOL,
@@ -110,12 +111,22 @@ class ArenaStager:
         return self.pool.stage(flat, items, threads=self.threads, checksums=self.checksums, shared=self.shared,
                                files=self.files, ready=ready)
 
+    def copy_ahead(self, checksums: bool = False) -> Ahead | None:
+        """(an eager save, once the previous one is done) Guess the snapshot's
+        copies and start them (:mod:`bytecp.saving.ahead`): into the pool's own
+        arena only, in one batch."""
+        if self.shared is not None or self.budget is not None:
+            return None
+        return self.pool.copy_ahead(self.checksums or checksums)
+
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, checksums: bool = False,
-                 ready: Ready | None = None, queued: Queued | None = None) -> tuple[FlatTree, SnapshotStager]:
+                 ready: Ready | None = None, queued: Queued | None = None,
+                 ahead: Ahead | None = None, eager: bool = False) -> tuple[FlatTree, SnapshotStager]:
         """All of ``items`` copied at once (see :meth:`StagingPool.snapshot`),
         summed when this stager sums its copies or ``checksums`` asks to."""
         copy, copied = self.pool.snapshot(flat, items, threads=self.threads, checksums=self.checksums or checksums,
-                                          shared=self.shared, files=self.files, ready=ready, queued=queued)
+                                          shared=self.shared, files=self.files, ready=ready, queued=queued,
+                                          ahead=ahead, eager=eager)
         return copy, SnapshotStager(copied)
 
 
