@@ -3,29 +3,36 @@
 An eager ``bytecp.async_save`` blocks its caller for describing the state
 and copying it into the staging arena, one after the other. When the
 pool's kept placement (:class:`~bytecp.saving.arena.StagingPool`) was
-reused whole by the previous save (its boxes, sources and arena unchanged),
-the next save most likely copies exactly the same boxes into exactly the
-same places again. :meth:`StagingPool.copy_ahead
+reused whole by the previous eager save (its boxes, sources and arena
+unchanged), the next save most likely copies exactly the same boxes into
+exactly the same places again. :meth:`StagingPool.copy_ahead
 <bytecp.saving.arena.StagingPool.copy_ahead>` then starts those copies on
-the process's one helper thread (:func:`start`; the copies release the GIL)
-right after the save waited for the previous one, while the caller
-describes the state; the caller then takes its share of the copies left
-(:class:`~bytecp.saving.hostcopy.CopyRun`): the call costs about the
-longer of the two, not their sum.
+the process's one helper thread (with the save's other copy threads; the
+copies release the GIL) right after the save waited for the previous one,
+while the caller describes the state; the caller then takes its share of
+the copies left (:class:`~bytecp.saving.hostcopy.CopyRun`): the call costs
+about the longer of the two, not their sum.
 
-The copy is a guess, checked before anything uses it: the snapshot
-(:meth:`StagingPool._copy <bytecp.saving.arena.StagingPool._copy>`) always
-waits for it first (its bytes land in the arena), and takes it only when
-the description hits that very placement whole (the same tensors, checked by
-the adapters, the same boxes, the same arena) and the checksums asked for
-are those computed; otherwise it copies as it would have (the guess cost
-one copy beside the description, in the arena the stage lays out again).
-The sources the guess reads are views of the tensors of the previous save,
-held by the placement, so their memory is there; before starting it, each
-of their storages is checked to still hold the bytes the views read (a
-framework may free a parameter's storage in place, e.g. ``resize_(0)``).
-In an eager save the training thread is inside the call, so nothing changes
-the tensors between the guess and the description.
+The copy is a guess, checked before anything uses it. The snapshot
+(:meth:`StagingPool._copy <bytecp.saving.arena.StagingPool._copy>`) decides
+first whether the description hits that very placement whole (the same
+tensors, checked by the adapters, the same boxes, the same arena) with
+the checksums the guess computes: then it helps finish the guess and takes
+it; otherwise it stops the guess, waits for the copies in flight (their
+bytes land in the arena) and copies as it would have. The pool tracks the
+guess in flight, so nothing lays the arena out again, takes it for another
+stage or lets it go before the guess ended, however the save that started
+it ended (an error, an interrupt).
+
+The guess reads the sources through views of its own (made at the first
+guess of a placement), so a tensor given other memory since (``set_``,
+``.data =``) is never read through its new, possibly smaller, storage --
+the view still holds the old one; and before each guess every one of those
+storages is checked to still hold the bytes the views read (a framework may
+free a storage in place, ``resize_(0)``). The guess copies before the save
+reads the tensors' version counters (a lazy save reads them first): in an
+eager save the training thread is inside the call, so nothing changes the
+tensors meanwhile.
 
 Called by the eager order (:func:`bytecp.saving.schedule.eager`) through
 :meth:`~bytecp.saving.pipeline.SavePipeline.describe` and
@@ -40,9 +47,9 @@ import threading
 from typing import Any
 
 from bytecp.format.checksum import Sums
-from bytecp.saving.hostcopy import CopyRun
+from bytecp.saving.hostcopy import CopyPlan, work_on_threads
 
-__all__ = ["Ahead", "start"]
+__all__ = ["Ahead"]
 
 _EXECUTOR: list[concurrent.futures.ThreadPoolExecutor] = []
 _LOCK = threading.Lock()
@@ -69,38 +76,48 @@ os.register_at_fork(after_in_child=_forget)
 class Ahead:
     """One guessed copy: the placement it copies for (``placed``), the pool's
     copy of it taken for this stage (``now``, the arena's use acquired), and
-    the run of its copies (``run``) the helper thread works on."""
+    the run of ``plan`` (the placement's copies from the guess's own views of
+    the sources) that the helper thread, ``threads`` copy threads in all with
+    the caller, works on."""
 
-    def __init__(self, placed: Any, now: Any, checksums: bool, run: CopyRun,
-                 future: concurrent.futures.Future[None]) -> None:
-        self.placed, self.now, self.checksums, self.run = placed, now, checksums, run
-        self._future = future
+    def __init__(self, placed: Any, now: Any, plan: CopyPlan, checksums: bool, threads: int) -> None:
+        self.placed, self.now, self.checksums, self.threads = placed, now, checksums, threads
+        self.run = plan.start(checksums=checksums, split=threads > 1)
+        self._future: concurrent.futures.Future[None] | None = None
+        self._taken: list[Sums | None] | None = None
 
-    def join(self) -> list[Sums | None] | None:
-        """(the snapshot, or the order when the save failed before it; any
-        number of times) Help with the copies left, then wait for the helper:
-        the checksums per host box, or None when a copy failed (the stage
-        then copies again and meets any real error itself)."""
-        self.run.work()
-        self._future.result()
+    def start(self) -> None:
+        """Hand the copies to the helper thread; return once it runs them (it
+        needs the GIL to start, which the describing caller would otherwise
+        hold for up to the interpreter's switch interval)."""
+        started = threading.Event()
+
+        def work() -> None:
+            started.set()
+            work_on_threads(self.run, max(1, self.threads - 1))
+
         try:
-            return self.run.result()
-        except Exception:
-            return None
+            self._future = _executor().submit(work)
+        except RuntimeError:  # the interpreter is shutting down: no guess
+            self.run.stop()
+            return
+        started.wait()
 
+    def take(self) -> list[Sums | None] | None:
+        """(the snapshot, on a hit) Help with the copies left, wait for the
+        helper: the checksums per host box, or None when a copy failed (the
+        stage then copies again and meets any real error itself)."""
+        if self._taken is None:
+            self.run.work()
+            self.end()
+            if not self.run.complete:
+                return None
+            self._taken = self.run.result()
+        return self._taken
 
-def start(placed: Any, now: Any, checksums: bool) -> Ahead:
-    """Start ``now``'s copies (checksummed when ``checksums``) on the helper
-    thread; the caller joins them once it described its state (:meth:`Ahead.join`).
-    Returns once the helper runs (it needs the GIL to start, which the
-    describing caller would otherwise hold for up to the interpreter's switch interval)."""
-    run = now.copies.start(checksums=checksums)
-    started = threading.Event()
-
-    def work() -> None:
-        started.set()
-        run.work()
-
-    future = _executor().submit(work)
-    started.wait()
-    return Ahead(placed, now, checksums, run, future)
+    def end(self) -> None:
+        """(a miss, a failed save, the pool before it uses the arena; any number
+        of times) No copy is started any more; wait for those in flight."""
+        self.run.stop()
+        if self._future is not None:
+            self._future.exception()  # (waits; the run keeps its own errors)

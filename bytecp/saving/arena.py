@@ -55,7 +55,6 @@ from bytecp.format import metadata as fmt
 from bytecp.format.checksum import Sums
 from bytecp.plan.planner import WriteItem
 from bytecp.saving.ahead import Ahead
-from bytecp.saving.ahead import start as start_ahead
 from bytecp.saving.hostcopy import CopyPlan
 from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, source_view
 from bytecp.storage_api import SharedArena, Storage
@@ -153,30 +152,35 @@ class _Placed:
     index: dict[int, int] | None = None
     #: eager saves in a row whose stage reused it whole (the next one guesses its copy: :mod:`~bytecp.saving.ahead`)
     streak: int = 0
-    #: the host sources' storages and the bytes their views read in each (made at the first guess)
-    storages: tuple[list[torch.UntypedStorage], list[int]] | None = None
+    #: what a guess copies from (:mod:`~bytecp.saving.ahead`; made at the first one): the host
+    #: boxes' copies from views of the sources of its own, and each of their storages with the
+    #: bytes the views read in it
+    guess: tuple[CopyPlan, list[torch.UntypedStorage], list[int]] | None = None
 
-    def intact(self) -> bool:
-        """Whether every host source's storage still holds the bytes its views read
-        (a framework may have freed or shrunk one in place since the last stage)."""
-        if self.storages is None:
+    def guess_plan(self) -> CopyPlan | None:
+        """The host boxes' copies from the guess's own views of the sources
+        when every storage they read still holds the bytes they read (a
+        framework may have freed or shrunk one in place), else None."""
+        if self.guess is None:
+            own = [self.srcs[k].detach() for k in self.host]  # (a ``set_`` of a live tensor leaves these be)
             need: dict[int, tuple[torch.UntypedStorage, int]] = {}
-            for k in self.host:
-                s = self.srcs[k]
+            for s in own:
                 st = s.untyped_storage()
                 end = (s.storage_offset() + sum((n - 1) * d for n, d in zip(s.shape, s.stride(), strict=True))
                        + 1) * s.element_size() if s.numel() else 0
-                got = need.get(st.data_ptr())
-                need[st.data_ptr()] = (st, max(int(end), got[1] if got is not None else 0))
-            self.storages = [st for st, _ in need.values()], [end for _, end in need.values()]
-        sts, ends = self.storages
-        return all(map(operator.ge, map(torch.UntypedStorage.nbytes, sts), ends))  # (no Python per storage)
+                got = need.get(st._cdata)
+                need[st._cdata] = (st, max(int(end), got[1] if got is not None else 0))
+            plan = CopyPlan([(self.dsts[k], v) for k, v in zip(self.host, own, strict=True)],
+                            [self.datas[k] for k in self.host])
+            self.guess = plan, [st for st, _ in need.values()], [end for _, end in need.values()]
+        plan, sts, ends = self.guess
+        return plan if all(map(operator.ge, map(torch.UntypedStorage.nbytes, sts), ends)) else None
 
     def clear(self) -> None:
         """(the pool, when another layout or arena replaces this one) Let its views go."""
         self.pieces, self.items, self.arena = (), (), (0, 0)
         self.srcs, self.dsts, self.datas, self.padded, self.host, self.device_boxes = [], [], [], [], [], []
-        self.copies, self.tree, self.index, self.storages = CopyPlan([]), None, None, None
+        self.copies, self.tree, self.index, self.guess = CopyPlan([]), None, None, None
 
     def fits(self, flat: FlatTree, items: Sequence[WriteItem]) -> tuple[bool, list[int] | None]:
         """Whether a stage of ``items`` of ``flat`` can copy into these places:
@@ -256,11 +260,14 @@ class StagingPool:
         #: where the last stage into the arena put its boxes (kept by the state's description)
         self._placed: weakref.ref[_Placed] | None = None
         self.reused = 0  # how many stages reused the last one's placement (tests)
+        #: an eager save's guess in flight: ended before anything else uses the arena
+        self._guess: Ahead | None = None
         self.guessed = 0  # how many of them took the copies an eager save guessed (tests)
 
     def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
         """The arena (grown if needed) and where ``items`` go in it (``pinned``:
         for device copies; a pinned arena also serves host copies)."""
+        self._end_guess()
         pinned = pinned and torch.cuda.is_available()
         with self._lock:
             a = self._arena
@@ -317,6 +324,7 @@ class StagingPool:
         return a, layout, shared
 
     def release(self) -> None:
+        self._end_guess()
         with self._lock:
             self._drop()
 
@@ -402,11 +410,20 @@ class StagingPool:
                     pad[n:] = PAD_ZEROS[: len(pad) - n]
         return now
 
-    def copy_ahead(self, checksums: bool) -> Ahead | None:
+    def _end_guess(self, keep: Ahead | None = None) -> None:
+        """A guess in flight other than ``keep`` (its save failed or was
+        interrupted before its snapshot) ends before the arena is used again."""
+        g = self._guess
+        if g is not None and g is not keep:
+            g.end()
+            self._guess = None
+
+    def copy_ahead(self, checksums: bool, threads: int = 1) -> Ahead | None:
         """(an eager save, once the previous save is done) Start copying the
         last placement's boxes again, on the helper thread, when the save
         before (an eager one) reused it whole (:mod:`bytecp.saving.ahead`); None when there is
         nothing to guess (device boxes, a pinned arena, sources freed)."""
+        self._end_guess()
         with self._lock:
             placed = self._placed() if self._placed is not None else None
             a = self._arena
@@ -414,26 +431,35 @@ class StagingPool:
                     or a is None or (a.data_ptr(), a.numel()) != placed.arena or not placed.host):
                 return None
             try:
-                if not placed.intact():
-                    return None
-            except RuntimeError:  # a source without storage of its own to check
+                plan = placed.guess_plan()
+            except RuntimeError:  # a source without a storage of its own to check
+                return None
+            if plan is None:
                 return None
             now = self._take(placed)
-        return start_ahead(placed, now, checksums)
+            self._guess = guess = Ahead(placed, now, plan, checksums, threads)
+        guess.start()
+        return guess
 
-    def _guessed(self, ahead: Ahead, flat: FlatTree, items: Sequence[WriteItem], checksums: bool,
+    def _guessed(self, ahead: Ahead | None, flat: FlatTree, items: Sequence[WriteItem], checksums: bool,
                  shared: Storage | None) -> list[Sums | None] | None:
-        """The checksums of ``ahead``'s copies when they are this stage's: the
-        same placement whole, still the pool's, summed as asked; else None."""
-        crcs = ahead.join()
-        placed: _Placed = ahead.placed
-        if crcs is None or shared is not None or ahead.checksums != checksums or placed.fits(flat, items) != (True, None):
+        """The checksums of ``ahead``'s copies when they are this stage's (the
+        same placement whole, still the pool's, summed as asked; the caller
+        helps finish them), else None (any guess in flight stopped, its
+        copies in flight waited for)."""
+        crcs = None
+        if ahead is not None and shared is None and ahead.checksums == checksums:
+            placed: _Placed = ahead.placed
+            if placed.fits(flat, items) == (True, None):
+                with self._lock:
+                    a = self._arena
+                    hit = (self._placed is not None and self._placed() is placed and a is not None
+                           and (a.data_ptr(), a.numel()) == placed.arena)
+                crcs = ahead.take() if hit else None
+        self._end_guess()
+        if ahead is None or crcs is None:
             return None
-        with self._lock:
-            a = self._arena
-            if self._placed is None or self._placed() is not placed or a is None or (a.data_ptr(), a.numel()) != placed.arena:
-                return None
-        placed.streak += 1
+        ahead.placed.streak += 1
         self.reused += 1
         self.guessed += 1
         return crcs
@@ -444,7 +470,7 @@ class StagingPool:
         """Copy each box into the arena: its :class:`Staged` bytes and its typed copy
         (``eager``: an eager save's snapshot, with ``ahead`` the copies it
         guessed, waited for first, taken when they fit)."""
-        done = self._guessed(ahead, flat, items, checksums, shared) if ahead is not None else None
+        done = self._guessed(ahead, flat, items, checksums, shared)
         got: tuple[_Placed, _Placed, list[int] | None] | None
         if ahead is not None and done is not None:
             got = ahead.placed, ahead.now, None

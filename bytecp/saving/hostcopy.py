@@ -37,7 +37,7 @@ import torch
 from bytecp.format.checksum import Summer, Sums, sums
 from bytecp.tree.dtypes import host_memoryview
 
-__all__ = ["copy_boxes", "CopyPlan", "CopyRun", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
+__all__ = ["copy_boxes", "CopyPlan", "CopyRun", "work_on_threads", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
 
 #: pieces a copy without checksums is split into (spread over the threads)
 PIECE_BYTES = 16 << 20
@@ -217,7 +217,7 @@ class CopyPlan:
         if threads <= 1:
             r.work()
         else:
-            _work_on_threads(r, threads)
+            work_on_threads(r, threads)
         return r.result()
 
     def start(self, *, checksums: bool = False, split: bool = True) -> CopyRun:
@@ -244,32 +244,46 @@ class CopyRun:
         self.units = units
         self._next = itertools.count()
         self.errors: list[BaseException] = []
+        self._stopped = False
+        self._finished = [False] * len(units)
+
+    def stop(self) -> None:
+        """(any thread) No unit is started after this (those started finish)."""
+        self._stopped = True
 
     def work(self) -> None:
         """(any thread) Take units until none is left; an error is kept for :meth:`result`."""
         units, plan = self.units, self.plan
         try:
             for k in iter(self._next.__next__, None):
-                if k >= len(units) or self.errors:
+                if k >= len(units) or self.errors or self._stopped:
                     return
                 _, i, a, length = units[k]
                 if i >= 0:
                     _run(plan.boxes[i], a, length, self.checksums)
-                    continue
-                lo, hi = plan.groups[a]
-                _copy_small(plan.small_dsts[lo:hi], plan.small_srcs[lo:hi])
-                if self.checksums:
-                    for j in range(lo, hi):
-                        self.small_sums[j] = sums(plan.small_views[j] if plan.small_views is not None
-                                                  else host_memoryview(plan.small_dsts[j]))
+                else:
+                    lo, hi = plan.groups[a]
+                    _copy_small(plan.small_dsts[lo:hi], plan.small_srcs[lo:hi])
+                    if self.checksums:
+                        for j in range(lo, hi):
+                            self.small_sums[j] = sums(plan.small_views[j] if plan.small_views is not None
+                                                      else host_memoryview(plan.small_dsts[j]))
+                self._finished[k] = True
         except BaseException as e:
             self.errors.append(e)
+
+    @property
+    def complete(self) -> bool:
+        """(once every thread working on it returned) Whether every unit was copied."""
+        return not self.errors and all(self._finished)
 
     def result(self) -> list[Sums | None]:
         """(once every thread working on it returned) Each pair's checksums
         (Nones without ``checksums``); raises the first error of any thread."""
         if self.errors:
             raise self.errors[0]
+        if not all(self._finished):
+            raise RuntimeError("a copy run was stopped before every copy was made")
         plan = self.plan
         crcs: list[Sums | None] = [None] * plan.count
         for j, i in enumerate(plan.small):
@@ -279,7 +293,7 @@ class CopyRun:
         return crcs
 
 
-def _work_on_threads(r: CopyRun, workers: int) -> None:
+def work_on_threads(r: CopyRun, workers: int) -> None:
     """``r`` worked on by ``workers`` threads (the calling one included)."""
     workers = max(1, min(workers, len(r.units)))
     # threads of this call: they inherit the calling thread's scheduling

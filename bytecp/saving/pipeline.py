@@ -172,7 +172,7 @@ class SavePipeline:
         copies are done before the arena is anyone else's (a save that failed
         before its snapshot never waited for them)."""
         if self._ahead is not None:
-            self._ahead.join()
+            self._ahead.end()
 
     def snapshot(self, described: Described, share: Share, queued: Queued | None = None) -> Described:
         """(every rank, local; async saves without a memory budget, whose

@@ -117,7 +117,7 @@ class ArenaStager:
         arena only, in one batch."""
         if self.shared is not None or self.budget is not None:
             return None
-        return self.pool.copy_ahead(self.checksums or checksums)
+        return self.pool.copy_ahead(self.checksums or checksums, self.threads)
 
     def snapshot(self, flat: FlatTree, items: Sequence[WriteItem], *, checksums: bool = False,
                  ready: Ready | None = None, queued: Queued | None = None,
