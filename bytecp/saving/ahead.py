@@ -42,14 +42,17 @@ Called by the eager order (:func:`bytecp.saving.schedule.eager`) through
 from __future__ import annotations
 
 import concurrent.futures
+import operator
 import os
 import threading
 from typing import Any
 
+import torch
+
 from bytecp.format.checksum import Sums
 from bytecp.saving.hostcopy import CopyPlan, work_on_threads
 
-__all__ = ["Ahead"]
+__all__ = ["Ahead", "guess_plan"]
 
 _EXECUTOR: list[concurrent.futures.ThreadPoolExecutor] = []
 _LOCK = threading.Lock()
@@ -121,3 +124,25 @@ class Ahead:
         self.run.stop()
         if self._future is not None:
             self._future.exception()  # (waits; the run keeps its own errors)
+
+
+def guess_plan(placed: Any) -> CopyPlan | None:
+    """(the pool, under its lock) A placement's host copies from the guess's
+    own views of its sources (made at its first guess, kept in its ``guess``)
+    when every storage they read still holds the bytes they read (a
+    framework may have freed or shrunk one in place), else None."""
+    if placed.guess is None:
+        own = [placed.srcs[k].detach() for k in placed.host]  # (a ``set_`` of a live tensor leaves these be)
+        need: dict[int, tuple[torch.UntypedStorage, int]] = {}
+        for s in own:
+            st = s.untyped_storage()
+            end = (s.storage_offset() + sum((n - 1) * d for n, d in zip(s.shape, s.stride(), strict=True))
+                   + 1) * s.element_size() if s.numel() else 0
+            got = need.get(st._cdata)
+            need[st._cdata] = (st, max(int(end), got[1] if got is not None else 0))
+        plan = CopyPlan([(placed.dsts[k], v) for k, v in zip(placed.host, own, strict=True)],
+                        [placed.datas[k] for k in placed.host])
+        placed.guess = plan, [st for st, _ in need.values()], [end for _, end in need.values()]
+    plan, sts, ends = placed.guess
+    ok = all(map(operator.ge, map(torch.UntypedStorage.nbytes, sts), ends))  # (no Python per storage)
+    return plan if ok else None

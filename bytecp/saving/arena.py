@@ -43,6 +43,7 @@ import copy
 import dataclasses
 import mmap
 import operator
+import os
 import threading
 import weakref
 from collections.abc import Callable, Mapping, Sequence
@@ -54,7 +55,7 @@ from bytecp import device_memory, faults
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import Sums
 from bytecp.plan.planner import WriteItem
-from bytecp.saving.ahead import Ahead
+from bytecp.saving.ahead import Ahead, guess_plan
 from bytecp.saving.hostcopy import CopyPlan
 from bytecp.saving.writer import FILE_TARGET_BYTES, PAD_ZEROS, Staged, source_view
 from bytecp.storage_api import SharedArena, Storage
@@ -156,25 +157,6 @@ class _Placed:
     #: boxes' copies from views of the sources of its own, and each of their storages with the
     #: bytes the views read in it
     guess: tuple[CopyPlan, list[torch.UntypedStorage], list[int]] | None = None
-
-    def guess_plan(self) -> CopyPlan | None:
-        """The host boxes' copies from the guess's own views of the sources
-        when every storage they read still holds the bytes they read (a
-        framework may have freed or shrunk one in place), else None."""
-        if self.guess is None:
-            own = [self.srcs[k].detach() for k in self.host]  # (a ``set_`` of a live tensor leaves these be)
-            need: dict[int, tuple[torch.UntypedStorage, int]] = {}
-            for s in own:
-                st = s.untyped_storage()
-                end = (s.storage_offset() + sum((n - 1) * d for n, d in zip(s.shape, s.stride(), strict=True))
-                       + 1) * s.element_size() if s.numel() else 0
-                got = need.get(st._cdata)
-                need[st._cdata] = (st, max(int(end), got[1] if got is not None else 0))
-            plan = CopyPlan([(self.dsts[k], v) for k, v in zip(self.host, own, strict=True)],
-                            [self.datas[k] for k in self.host])
-            self.guess = plan, [st for st, _ in need.values()], [end for _, end in need.values()]
-        plan, sts, ends = self.guess
-        return plan if all(map(operator.ge, map(torch.UntypedStorage.nbytes, sts), ends)) else None
 
     def clear(self) -> None:
         """(the pool, when another layout or arena replaces this one) Let its views go."""
@@ -431,7 +413,7 @@ class StagingPool:
                     or a is None or (a.data_ptr(), a.numel()) != placed.arena or not placed.host):
                 return None
             try:
-                plan = placed.guess_plan()
+                plan = guess_plan(placed)
             except RuntimeError:  # a source without a storage of its own to check
                 return None
             if plan is None:
@@ -576,6 +558,14 @@ class StagingPool:
 
 
 POOL = StagingPool()
+
+
+def _forget_guess() -> None:
+    """(a forked child) The parent's guess in flight runs on a thread the child does not have."""
+    POOL._guess = None
+
+
+os.register_at_fork(after_in_child=_forget_guess)
 
 
 def batches_within(items: Sequence[WriteItem], budget: int | None) -> list[list[WriteItem]]:

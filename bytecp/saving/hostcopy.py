@@ -251,6 +251,11 @@ class CopyRun:
         """(any thread) No unit is started after this (those started finish)."""
         self._stopped = True
 
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stopped
+
     def work(self) -> None:
         """(any thread) Take units until none is left; an error is kept for :meth:`result`."""
         units, plan = self.units, self.plan

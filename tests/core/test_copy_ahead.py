@@ -132,3 +132,20 @@ def test_incremental_eager_saves_of_a_few_changed_boxes_take_no_guess(tmp_path: 
         got = bytecp.load_state_dict(str(tmp_path / "run" / f"step-{step}"))["model"]
         assert all(same_bits(got[k], v) for k, v in m.state_dict().items()), step
     assert POOL.guessed == guessed
+
+
+def test_a_guess_its_save_lost_is_ended_before_the_arena_is_used_again(tmp_path: Path) -> None:
+    """A guess whose save was interrupted between starting it and taking it
+    (a KeyboardInterrupt there) still writes into the arena: the pool ends it
+    before the next stage, of any kind, uses the arena."""
+    m, opt, state = _job()
+    _step(m, opt, 0)
+    for i in range(3):
+        bytecp.async_save(str(tmp_path / f"warm{i}"), state).wait(timeout=60)
+    for i, lazy in enumerate([True, False, False]):
+        _step(m, opt, 1 + i)
+        lost = POOL.copy_ahead(checksums=False)  # started, never taken
+        assert lost is not None
+        bytecp.async_save(str(tmp_path / f"s{i}"), state, lazy=lazy).wait(timeout=60)
+        assert lost.run.stopped, i
+        _same_as_blocking(tmp_path, state, m, f"s{i}")
