@@ -249,7 +249,7 @@ class StagingPool:
     def arena(self, items: Sequence[WriteItem], pinned: bool) -> tuple[torch.Tensor, _Layout]:
         """The arena (grown if needed) and where ``items`` go in it (``pinned``:
         for device copies; a pinned arena also serves host copies)."""
-        self._end_guess()
+        self.end_guess()
         pinned = pinned and torch.cuda.is_available()
         with self._lock:
             a = self._arena
@@ -306,7 +306,7 @@ class StagingPool:
         return a, layout, shared
 
     def release(self) -> None:
-        self._end_guess()
+        self.end_guess()
         with self._lock:
             self._drop()
 
@@ -392,11 +392,11 @@ class StagingPool:
                     pad[n:] = PAD_ZEROS[: len(pad) - n]
         return now
 
-    def _end_guess(self, keep: Ahead | None = None) -> None:
-        """A guess in flight other than ``keep`` (its save failed or was
-        interrupted before its snapshot) ends before the arena is used again."""
+    def end_guess(self) -> None:
+        """A guess in flight not taken (its save failed or was interrupted
+        before its snapshot took it) ends: before the arena is used again."""
         g = self._guess
-        if g is not None and g is not keep:
+        if g is not None:
             g.end()
             self._guess = None
 
@@ -405,7 +405,7 @@ class StagingPool:
         last placement's boxes again, on the helper thread, when the save
         before (an eager one) reused it whole (:mod:`bytecp.saving.ahead`); None when there is
         nothing to guess (device boxes, a pinned arena, sources freed)."""
-        self._end_guess()
+        self.end_guess()
         with self._lock:
             placed = self._placed() if self._placed is not None else None
             a = self._arena
@@ -438,7 +438,7 @@ class StagingPool:
                     hit = (self._placed is not None and self._placed() is placed and a is not None
                            and (a.data_ptr(), a.numel()) == placed.arena)
                 crcs = ahead.take() if hit else None
-        self._end_guess()
+        self.end_guess()
         if ahead is None or crcs is None:
             return None
         ahead.placed.streak += 1

@@ -52,7 +52,6 @@ from bytecp.plan.split_sets import names_of, split_disjoint
 from bytecp.recorder import Trace
 from bytecp.saving import commit as commits
 from bytecp.saving import leases
-from bytecp.saving.ahead import Ahead
 from bytecp.saving.commit import (
     build_metadata,
     check_target,
@@ -107,9 +106,6 @@ class SavePipeline:
         #: the one thing carried between phases: a local phase's failure,
         #: raised by the next collective on every rank
         self._kept: BaseException | None = None
-        #: an eager save (``describe(ahead=True)``) and the copies it guessed
-        self._eager = False
-        self._ahead: Ahead | None = None
         #: boxes unchanged since the base are referenced, not written (format version 3)
         self.incremental = Incremental(storage.url, opts.base, ctx.world_size, ctx.rank)
         #: serving deltas, when asked for (:mod:`bytecp.saving.serving`): fed each batch as it is written
@@ -127,9 +123,8 @@ class SavePipeline:
 
         def describe() -> Described:
             wait_for_previous(self.trace)
-            self._eager = ahead
-            if ahead and isinstance(self.stager, ArenaStager):
-                self._ahead = self.stager.copy_ahead(bool(self.opts.verify_replicas))
+            guess = (self.stager.copy_ahead(bool(self.opts.verify_replicas))
+                     if ahead and isinstance(self.stager, ArenaStager) else None)
             with looking():  # one look at the live state: adapters check each module once
                 adapter = detect_adapter(self.state, self.opts.framework)
                 with self.trace.span("plan"):
@@ -145,7 +140,7 @@ class SavePipeline:
             # a lazy save of host tensors reads their versions on its thread, before it copies them;
             # a device's count moves when a change is queued, so its tensors' are read now, with the event
             tokens = live_tokens(flat, read=not self.opts.lazy or bool(ready)) if adapter.tracks_versions else None
-            return Described(flat, adapter.name, parallelism, tokens=tokens, ready=ready)
+            return Described(flat, adapter.name, parallelism, tokens=tokens, ready=ready, ahead=guess)
 
         return self._keep_failure("save/describe", describe, NOTHING_DESCRIBED)
 
@@ -168,13 +163,14 @@ class SavePipeline:
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 
     def settle(self) -> None:
-        """(the eager order, when its caller's part ends, however) The guessed
-        copies are done before the arena is anyone else's (a save that failed
-        before its snapshot never waited for them)."""
-        if self._ahead is not None:
-            self._ahead.end()
+        """(the eager order, when its caller's part ends, however) Copies it
+        guessed and did not take are ended before the call returns (a save
+        that failed before its snapshot never took them)."""
+        if isinstance(self.stager, ArenaStager):
+            self.stager.pool.end_guess()
 
-    def snapshot(self, described: Described, share: Share, queued: Queued | None = None) -> Described:
+    def snapshot(self, described: Described, share: Share, queued: Queued | None = None,
+                 eager: bool = False) -> Described:
         """(every rank, local; async saves without a memory budget, whose
         stager is an :class:`~bytecp.saving.staging.ArenaStager`: eager saves on
         the caller's thread, lazy ones first thing on the background thread)
@@ -196,8 +192,8 @@ class SavePipeline:
                 # with replica checks the copy also sums what it copies
                 events: dict[int, Any] = {}  # (with replica checks the live state is read below: release after)
                 flat, copied = arena.snapshot(live, share.items, checksums=verify, ready=described.ready,
-                                              queued=events.update if verify else queued, ahead=self._ahead,
-                                              eager=self._eager)
+                                              queued=events.update if verify else queued, ahead=described.ahead,
+                                              eager=eager)
                 sp.nbytes = copied.nbytes
             crcs = None
             if verify:  # of every box held, while it is the state being saved
@@ -208,7 +204,7 @@ class SavePipeline:
                 if queued is not None:
                     queued(events)
             # the later phases read the copy and write it through ``copied``
-            return dataclasses.replace(described, flat=flat, stager=copied, share=share, replica_crcs=crcs)
+            return dataclasses.replace(described, flat=flat, stager=copied, share=share, replica_crcs=crcs, ahead=None)
 
         return self._keep_failure("save/stage", snapshot, described)
 

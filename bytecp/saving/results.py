@@ -70,6 +70,9 @@ class Described:
     #: caller's thread when the save was asked for: device copies of the live
     #: tensors wait for it, on any thread (:mod:`bytecp.device_memory`)
     ready: Mapping[int, Any] = dataclasses.field(default_factory=dict)
+    #: an eager save's guessed copies, running while it described the state
+    #: (:class:`bytecp.saving.ahead.Ahead`; the snapshot takes or ends them)
+    ahead: Any = None
 
 
 @dataclasses.dataclass(frozen=True)

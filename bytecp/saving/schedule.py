@@ -64,7 +64,7 @@ def eager(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
     the previous save starts while the state is described (:mod:`bytecp.saving.ahead`)."""
     try:
         described = p.describe(ahead=True)
-        copied = p.snapshot(described, p.share(described))
+        copied = p.snapshot(described, p.share(described), eager=True)
     finally:
         p.settle()
     handle.mark_staged()
