@@ -367,15 +367,21 @@ class StagingPool:
             return None
         pinned = placed.device is not None and torch.cuda.is_available()
         with self._lock:
-            a = self._arena
-            if (self._placed is None or self._placed() is not placed or a is None or (a.data_ptr(), a.numel()) != placed.arena
-                    or pinned and self._pinned is None):
+            if not self._holds(placed) or pinned and self._pinned is None:
                 return None
             now = self._take(placed)
         if eager:
             placed.streak = placed.streak + 1 if ks is None else 0
         self.reused += 1
         return placed, now, ks
+
+    def _holds(self, placed: _Placed) -> bool:
+        """(under the lock) Whether ``placed`` is still the pool's placement,
+        in the arena it laid its boxes out in (a ``prewarm`` or ``release`` on
+        another thread may have replaced either)."""
+        a = self._arena
+        return (self._placed is not None and self._placed() is placed and a is not None
+                and (a.data_ptr(), a.numel()) == placed.arena)
 
     def _take(self, placed: _Placed) -> _Placed:
         """(under the lock) The arena's use acquired for a stage into ``placed``'s
@@ -408,9 +414,8 @@ class StagingPool:
         self.end_guess()
         with self._lock:
             placed = self._placed() if self._placed is not None else None
-            a = self._arena
-            if (placed is None or placed.streak < 1 or placed.device is not None or self._pinned is not None
-                    or a is None or (a.data_ptr(), a.numel()) != placed.arena or not placed.host):
+            if (placed is None or not self._holds(placed) or placed.streak < 1 or placed.device is not None
+                    or self._pinned is not None or not placed.host):
                 return None
             try:
                 plan = guess_plan(placed)
@@ -434,9 +439,7 @@ class StagingPool:
             placed: _Placed = ahead.placed
             if placed.fits(flat, items) == (True, None):
                 with self._lock:
-                    a = self._arena
-                    hit = (self._placed is not None and self._placed() is placed and a is not None
-                           and (a.data_ptr(), a.numel()) == placed.arena)
+                    hit = self._holds(placed)
                 crcs = ahead.take() if hit else None
         self.end_guess()
         if ahead is None or crcs is None:

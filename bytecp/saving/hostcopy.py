@@ -287,7 +287,7 @@ class CopyRun:
         (Nones without ``checksums``); raises the first error of any thread."""
         if self.errors:
             raise self.errors[0]
-        if not all(self._finished):
+        if not self.complete:
             raise RuntimeError("a copy run was stopped before every copy was made")
         plan = self.plan
         crcs: list[Sums | None] = [None] * plan.count
