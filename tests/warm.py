@@ -43,9 +43,10 @@ __all__ = ["Warm", "WarmProcess", "DEFAULT_PRELOAD"]
 #: first optimizer a process builds imports (1.5-3 s of CPU here, about 900 modules),
 #: torch._inductor.compile_fx what the first ``torch.compile`` call imports (1.5 s;
 #: Megatron-Core's and DeepSpeed's modules call it when imported): imported once, not
-#: in every fork that trains a step
+#: in every fork that trains a step; bytecp.api is what the first save or load imports (``import bytecp``
+#: alone is lazy)
 DEFAULT_PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "numpy", "pyarrow",
-                   "bytecp", "bytecp.dist")
+                   "bytecp", "bytecp.dist", "bytecp.api")
 
 _HEADER = 8  # length prefix of a request
 

@@ -65,15 +65,35 @@ class WorkerError(RuntimeError):
 #: Megatron-Core's modules, then freezes the collector's view of it all; DeepSpeed is
 #: imported by the ranks that use it (it reads the environment a pool sets when it is
 #: imported)
+#: the folder ``dist.preload`` is imported from (tests/)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp",
            "torch.distributed.checkpoint", "numpy", "pyarrow", "bytecp", "bytecp.dist", "bytecp.dist_raw",
            "dist.preload"]
 
 
 def context() -> Any:
-    """multiprocessing's fork-server context, its server preloading :data:`PRELOAD`."""
+    """multiprocessing's fork-server context, its server preloading :data:`PRELOAD`.
+
+    The server is started here, with ``tests/`` on its ``PYTHONPATH``: Python 3.11's
+    fork server imports its preload before it takes the ``sys.path`` it is handed
+    (and drops a module it cannot import without a word), so ``dist.preload`` --
+    Megatron-Core, transformers and the rest -- would otherwise never be imported
+    there and every rank would import them again."""
+    from multiprocessing import forkserver
+
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
+    before = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (TESTS, before) if p)
+    try:
+        forkserver.ensure_running()  # a server already running is kept (it is this process's)
+    finally:
+        if before is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = before
     return ctx
 
 

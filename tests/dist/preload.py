@@ -1,7 +1,8 @@
 """What the pool's fork server imports once per session besides torch and
 bytecp (:data:`dist.pool.PRELOAD`): Megatron-Core's modules the Megatron
 cases build from, 2.6-5 s of CPU per rank otherwise, its import-time
-warnings (no Apex, no Transformer Engine) silenced. Megatron-Core reads
+warnings (no Apex, no Transformer Engine) silenced; bytecp's save and load,
+transformers, datasets and s3fs. Megatron-Core reads
 nothing a pool sets when it is imported; DeepSpeed does (it picks its
 accelerator at import, from ``DS_ACCELERATOR``), so DeepSpeed is imported
 by the ranks that use it. Where Megatron-Core is not installed this imports
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import atexit
 import gc
+import importlib
 import warnings
 
 with warnings.catch_warnings():
@@ -25,6 +27,15 @@ with warnings.catch_warnings():
         import megatron.core.transformer.moe.moe_utils  # noqa: F401
     except ImportError:
         pass
+    # what the ranks of the other cases import (1-2 s of CPU per rank each): bytecp's
+    # save and load (``import bytecp`` alone is lazy), transformers and the two models
+    # the cases build, datasets, s3fs; none of them imports DeepSpeed
+    for name in ("bytecp.api", "transformers", "transformers.models.llama.modeling_llama",
+                 "transformers.models.gpt2.modeling_gpt2", "datasets", "s3fs", "pyarrow.compute", "numpy.ma"):
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
 # the last module the fork server preloads: what it imported is frozen out of the
 # collector's sight, so no rank's collection walks those objects again (tenths of a second

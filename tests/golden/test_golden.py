@@ -225,31 +225,35 @@ def _load_as_fsdp2(case: Path, world: int) -> None:
     assert extra == want["extra"]
 
 
-def _load_worker(rank: int, world: int, init_file: str, case_dirs: list[str]) -> None:
+def _load_cases(case_dirs: list[str]) -> None:
+    """On every rank of a pool (tests/dist/pool.py): each case into full tensors, and
+    resharded into FSDP2 where it was saved by DDP, FSDP1 or FSDP2."""
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
-    try:
-        for case_dir in case_dirs:
-            case = Path(case_dir)
-            _load_as_plain(case, rank)
-            if expected(case)["inspect"]["framework"] in ("ddp", "fsdp1", "fsdp2"):
-                _load_as_fsdp2(case, world)
-    finally:
-        dist.destroy_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for case_dir in case_dirs:
+        case = Path(case_dir)
+        _load_as_plain(case, rank)
+        if expected(case)["inspect"]["framework"] in ("ddp", "fsdp1", "fsdp2"):
+            _load_as_fsdp2(case, world)
 
 
 @pytest.mark.slow
 @pytest.mark.spawn
-def test_multi_rank_goldens_load_on_3_ranks(tmp_path: Path) -> None:
+def test_multi_rank_goldens_load_on_3_ranks() -> None:
     """Every multi-rank golden loads on 3 gloo ranks: into full tensors (per-rank
     values from saved rank r % W) and, for DDP/FSDP1/FSDP2 goldens, resharded
-    into an FSDP2 model and optimizer."""
-    import torch.multiprocessing as mp
+    into an FSDP2 model and optimizer. The ranks are forked from the pool's fork
+    server (torch and bytecp imported once), not started as fresh interpreters."""
+    from dist.pool import WorkerPool
 
     cases = [str(c) for c in CASES if expected(c)["inspect"]["world_size"] > 1]
     assert cases
-    mp.spawn(_load_worker, args=(3, str(tmp_path / "init"), cases), nprocs=3, join=True)
+    pool = WorkerPool(3)
+    try:
+        pool.run(_load_cases, cases, timeout=300)
+    finally:
+        pool.close()
 
 
 @cases_where(lambda c: c.name == "plain")

@@ -55,10 +55,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: what the worker imports, imported once by the warm interpreter its ranks are forked from
+#: (tests/warm.py): each rank costs its job, not a Lightning import (about 6 s of CPU here)
+PRELOAD = ("pytorch_lightning", "pytorch_lightning.callbacks", "pytorch_lightning.strategies",
+           "torchdata.stateful_dataloader", "bytecp.adapters.lightning", "torch.distributed.fsdp",
+           "torch.distributed.tensor")
+
+
 def spawn(world: int, jobs: list[dict[str, Any]], logs: Path, env: dict[str, str] | None = None,
-          timeout: float = 400) -> None:
-    """Run the worker on ``world`` ranks (as torchrun would set them up); kill
+          timeout: float = 400, *, warm: Any) -> None:
+    """Run the worker on ``world`` ranks (as torchrun would set them up), forked
+    from the ``warm`` fixture's interpreter that imported :data:`PRELOAD`; kill
     every process group it started if it outlives ``timeout``."""
+    popen = warm(*PRELOAD).popen
     port = free_port()
     procs = []
     for r in range(world):
@@ -66,8 +75,8 @@ def spawn(world: int, jobs: list[dict[str, Any]], logs: Path, env: dict[str, str
                     NODE_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONWARNINGS="ignore",
                     **(env or {}))
         out = open(logs / f"{jobs[0]['tag']}-rank{r}.log", "w")
-        procs.append((subprocess.Popen([sys.executable, str(WORKER), json.dumps(jobs)], env=penv, cwd=ROOT,
-                                       stdout=out, stderr=subprocess.STDOUT, start_new_session=True), out))
+        procs.append((popen([sys.executable, str(WORKER), json.dumps(jobs)], env=penv, cwd=ROOT,
+                            stdout=out, stderr=subprocess.STDOUT, start_new_session=True), out))
     deadline = time.monotonic() + timeout
     try:
         for p, _ in procs:
@@ -92,7 +101,7 @@ def record(out: Path, tag: str, rank: int = 0) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 @spawns
-def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def jobs(tmp_path_factory: pytest.TempPathFactory, warm: Any) -> dict[str, Path]:
     a = tmp_path_factory.mktemp("train")
     b = tmp_path_factory.mktemp("resume")
     common = {"every": 3, "top_k": 2}
@@ -100,10 +109,10 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     native.mkdir()
     spawn(2, [{**common, "tag": "train", "strategy": "mp", "ckpt_dir": str(a / "run"), "out": str(a),
                "max_steps": 12, "fail_write": {"rank": 1, "from_step": 10}}],
-          a, env={"BYTECP_FAULT_DELAY": "commit:0:1.0"})
+          a, env={"BYTECP_FAULT_DELAY": "commit:0:1.0"}, warm=warm)
     # the same run checkpointed by Lightning's own ModelParallelStrategy (torch DCP), all kept
     spawn(2, [{**common, "top_k": -1, "tag": "native", "strategy": "native_mp", "ckpt_dir": str(native / "run"),
-               "out": str(native), "max_steps": 6}], native)
+               "out": str(native), "max_steps": 6}], native, warm=warm)
     resume = {**common, "out": str(b), "ref": str(a)}
     spawn(1, [
         {**resume, "tag": "mp", "strategy": "mp", "ckpt_dir": str(b / "run"), "lazy": True,
@@ -115,7 +124,7 @@ def jobs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
         # a job moving onto bytecp resumes from Lightning's own newest checkpoint
         {**resume, "tag": "from_native", "strategy": "mp", "ckpt_dir": str(b / "from_native"), "ref": str(native),
          "resume": latest_checkpoint(str(native / "run")), "resume_step": 6, "max_steps": 9},
-    ], b)
+    ], b, warm=warm)
     return {"train": a, "resume": b}
 
 

@@ -9,6 +9,7 @@ single rank and train on half the epoch again."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -17,14 +18,14 @@ from .test_lightning import record, spawn
 pytestmark = [pytest.mark.spawn, pytest.mark.slow, pytest.mark.timeout(900)]
 
 
-def test_the_fit_loop_continues_the_epoch_on_another_number_of_ranks(tmp_path: Path) -> None:
+def test_the_fit_loop_continues_the_epoch_on_another_number_of_ranks(tmp_path: Path, warm: Any) -> None:
     a, b = tmp_path / "train", tmp_path / "resume"
     a.mkdir()
     b.mkdir()
     common = {"every": 3, "top_k": -1, "strategy": "ddp"}
-    spawn(2, [{**common, "tag": "ids", "ids": 4, "ckpt_dir": str(a / "run"), "out": str(a), "max_steps": 6}], a)
+    spawn(2, [{**common, "tag": "ids", "ids": 4, "ckpt_dir": str(a / "run"), "out": str(a), "max_steps": 6}], a, warm=warm)
     spawn(1, [{**common, "tag": "ids", "ids": 8, "ckpt_dir": str(b / "run"), "out": str(b), "ref": str(a),
-               "resume": str(a / "run" / "step=3.ckpt"), "resume_step": 3, "max_steps": 6}], b)
+               "resume": str(a / "run" / "step=3.ckpt"), "resume_step": 3, "max_steps": 6}], b, warm=warm)
     full = [record(a, "ids", r)["ids"] for r in range(2)]
     want = {k: sorted(full[0][k] + full[1][k]) for k in full[0]}
     got = record(b, "ids")["ids"]

@@ -68,13 +68,13 @@ NEWEST, OLDER = STEPS[-1], STEPS[0]
 #: retried for 4 s at most (the default is 120 s)
 FAST = {"retry": {"deadline": 4.0, "initial_backoff": 0.05, "max_backoff": 0.3}}
 #: the cells whose listing always fails only need "retried, then raised":
-#: throttled (503 at once) gives up after 1 s, several attempts; timeout (a
-#: listing never answered) after two attempts of 0.75 s each (the deadline
+#: throttled (503 at once) gives up after 0.3 s, several attempts; timeout (a
+#: listing never answered) after two attempts of 0.3 s each (the deadline
 #: allows a second attempt, not a third). The other requests of those cells
-#: are healthy; one that took longer than 0.75 s on a loaded machine would be
+#: are healthy; one that took longer than 0.3 s on a loaded machine would be
 #: retried, and raise the same TransientStorageError naming request_timeout
-THROTTLED = {"retry": {"deadline": 1.0, "initial_backoff": 0.05, "max_backoff": 0.1}}
-HANGS = {"request_timeout": 0.75, "retry": {"deadline": 1.0, "initial_backoff": 0.05, "max_backoff": 0.1}}
+THROTTLED = {"retry": {"deadline": 0.3, "initial_backoff": 0.02, "max_backoff": 0.05}}
+HANGS = {"request_timeout": 0.3, "retry": {"deadline": 0.4, "initial_backoff": 0.05, "max_backoff": 0.1}}
 SHORT = {"throttled": THROTTLED, "timeout": HANGS}
 
 
