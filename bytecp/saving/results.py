@@ -19,6 +19,7 @@ from typing import Any
 
 from bytecp.format import metadata as fmt
 from bytecp.plan.planner import LocalSavePlan, WriteItem
+from bytecp.saving.ahead import Ahead
 from bytecp.saving.reuse import Reused, Tokens
 from bytecp.saving.staging import Stager
 from bytecp.saving.writer import RankOutput, Staged
@@ -72,7 +73,7 @@ class Described:
     ready: Mapping[int, Any] = dataclasses.field(default_factory=dict)
     #: an eager save's guessed copies, running while it described the state
     #: (:class:`bytecp.saving.ahead.Ahead`; the snapshot takes or ends them)
-    ahead: Any = None
+    ahead: Ahead | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -58,16 +58,17 @@ class WorkerError(RuntimeError):
         super().__init__("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failures.items())))
 
 
+#: the folder ``dist.preload`` is imported from (tests/): on the fork server's PYTHONPATH (:func:`context`)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 #: what the fork server imports once, before it forks any rank: torch._dynamo is
 #: what the first optimizer a process builds imports (1.5-3 s of CPU),
 #: torch._inductor.compile_fx what the first ``torch.compile`` call imports (1.5 s:
 #: DeepSpeed's and Megatron-Core's modules call it when imported), dist.preload
-#: Megatron-Core's modules, then freezes the collector's view of it all; DeepSpeed is
+#: Megatron-Core's modules and the cases' others, then freezes the collector's view of
+#: it all (tests/dist/test_pool_preload.py checks that the ranks hold them); DeepSpeed is
 #: imported by the ranks that use it (it reads the environment a pool sets when it is
 #: imported)
-#: the folder ``dist.preload`` is imported from (tests/)
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "torch._inductor.compile_fx", "torch.distributed.fsdp",
            "torch.distributed.checkpoint", "numpy", "pyarrow", "bytecp", "bytecp.dist", "bytecp.dist_raw",
            "dist.preload"]

@@ -1,12 +1,12 @@
 """What the pool's fork server imports once per session besides torch and
 bytecp (:data:`dist.pool.PRELOAD`): Megatron-Core's modules the Megatron
 cases build from, 2.6-5 s of CPU per rank otherwise, its import-time
-warnings (no Apex, no Transformer Engine) silenced; bytecp's save and load,
-transformers, datasets and s3fs. Megatron-Core reads
-nothing a pool sets when it is imported; DeepSpeed does (it picks its
-accelerator at import, from ``DS_ACCELERATOR``), so DeepSpeed is imported
-by the ranks that use it. Where Megatron-Core is not installed this imports
-nothing.
+warnings (no Apex, no Transformer Engine) silenced; and what the other
+cases' ranks import (bytecp's save and load, transformers, datasets, s3fs).
+None of them reads anything a pool sets when it is imported; DeepSpeed does
+(it picks its accelerator at import, from ``DS_ACCELERATOR``), so DeepSpeed
+is imported by the ranks that use it. A module that is not installed is
+left out. ``tests/dist/test_pool_preload.py`` checks that the ranks hold them.
 """
 
 from __future__ import annotations
@@ -15,6 +15,10 @@ import atexit
 import gc
 import importlib
 import warnings
+
+#: imported after Megatron-Core's modules (each left out where it is not installed)
+PRELOADED = ("bytecp.api", "transformers", "transformers.models.llama.modeling_llama",
+             "transformers.models.gpt2.modeling_gpt2", "datasets", "s3fs", "pyarrow.compute", "numpy.ma")
 
 with warnings.catch_warnings():
     warnings.simplefilter("ignore")
@@ -29,9 +33,9 @@ with warnings.catch_warnings():
         pass
     # what the ranks of the other cases import (1-2 s of CPU per rank each): bytecp's
     # save and load (``import bytecp`` alone is lazy), transformers and the two models
-    # the cases build, datasets, s3fs; none of them imports DeepSpeed
-    for name in ("bytecp.api", "transformers", "transformers.models.llama.modeling_llama",
-                 "transformers.models.gpt2.modeling_gpt2", "datasets", "s3fs", "pyarrow.compute", "numpy.ma"):
+    # the cases build, datasets, s3fs, and what pyarrow and numpy import on first use
+    # (pyarrow.compute: the parts index; numpy.ma); none of them imports DeepSpeed
+    for name in PRELOADED:
         try:
             importlib.import_module(name)
         except ImportError:

@@ -23,7 +23,8 @@ def test_the_fit_loop_continues_the_epoch_on_another_number_of_ranks(tmp_path: P
     a.mkdir()
     b.mkdir()
     common = {"every": 3, "top_k": -1, "strategy": "ddp"}
-    spawn(2, [{**common, "tag": "ids", "ids": 4, "ckpt_dir": str(a / "run"), "out": str(a), "max_steps": 6}], a, warm=warm)
+    spawn(2, [{**common, "tag": "ids", "ids": 4, "ckpt_dir": str(a / "run"), "out": str(a), "max_steps": 6}], a,
+          warm=warm)
     spawn(1, [{**common, "tag": "ids", "ids": 8, "ckpt_dir": str(b / "run"), "out": str(b), "ref": str(a),
                "resume": str(a / "run" / "step=3.ckpt"), "resume_step": 3, "max_steps": 6}], b, warm=warm)
     full = [record(a, "ids", r)["ids"] for r in range(2)]
