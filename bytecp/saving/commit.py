@@ -24,6 +24,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from bytecp import recorder
 from bytecp.data.positions import merge_positions
 from bytecp.errors import (
     CheckpointExistsError,
@@ -204,7 +205,8 @@ def committed_after(
 ) -> fmt.Metadata | None:
     """(every rank, after the commit step broke) This save's metadata if it
     was committed (here, or by the coordinator as storage shows; a warning
-    names the ranks lost after the commit), else None -- and the coordinator
+    names the ranks lost after the commit and a ``save_committed_with_errors``
+    event goes to the recorders), else None -- and the coordinator
     removes the failed save's files."""
     md = committed_here
     if md is None and save_id:
@@ -221,6 +223,7 @@ def committed_after(
     text = (f"checkpoint {storage.url} is committed (save {save_id}); after the commit "
             f"the {error.operation} step broke: {lost}")
     log.warning("bytecp: %s", text)
+    recorder.emit_event("save_committed_with_errors", 1, operation=error.operation)
     warnings.warn(CommittedWithErrorsWarning(text), stacklevel=2)
     return md
 

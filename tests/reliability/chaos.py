@@ -34,7 +34,8 @@ committed, its files must stay and the restart must resume from it). Invariants 
   ``fill``, ``readonly`` on disk): ranks a stall left a save apart come
   back into step;
 - no episode runs past its timeout; a stalled rank's peer has its error
-  within the deadline plus the roll call plus slack.
+  within the deadline plus the roll call plus slack (a failed save, or, for
+  a stall after a save's commit, its CommittedWithErrorsWarning).
 """
 
 from __future__ import annotations
@@ -297,9 +298,10 @@ class Chaos:
             # each failed save's error, measured from the later of the stall and that save's start
             # (a save that began after the stall has its whole deadline from its own start)
             after = [end - max(since, start) for start, end in peer["failed_saves"] if end >= since]
-            if not after:  # (an error raised before its save's report opened)
+            if not after:  # (an error raised before its save's report opened, or a stall after a commit:
+                # the save stays committed and the peer hears of the stall as a CommittedWithErrorsWarning)
                 times = [t for t, _ in peer["errors"]] + [t for t, _ in peer["failed_async"]]
-                after = [t - since for t in times if t >= since]
+                after = [t - since for t in times + peer["committed_with_errors"] if t >= since]
             if after:
                 fig.stalls.append(min(after))
                 if min(after) > self.deadline + DistContext.ROLL_CALL_SECONDS + 5.0:

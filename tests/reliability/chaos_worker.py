@@ -81,12 +81,15 @@ def expected(step: int) -> str:
 
 class Failures:
     """Times of the ``save_failed`` events (asynchronous saves the manager
-    reported), and the start and end of every failed save's report (sync or
-    async): the driver measures a stalled peer's error from the later of the
-    stall and the failing save's start."""
+    reported) and of the ``save_committed_with_errors`` events (a save that
+    committed, then lost a rank: a stall after the commit), and the start and
+    end of every failed save's report (sync or async): the driver measures a
+    stalled peer's error from the later of the stall and the failing save's
+    start."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
+        self.warned: list[float] = []
         self.saves: list[list[float]] = []
 
     def on_report(self, report: CheckpointReport) -> None:
@@ -99,6 +102,8 @@ class Failures:
     def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
         if name == "save_failed":
             self.times.append(time.time())
+        elif name == "save_committed_with_errors":
+            self.warned.append(time.time())
 
 
 def main(cfg: dict[str, Any]) -> None:
@@ -170,6 +175,7 @@ def main(cfg: dict[str, Any]) -> None:
         out["errors"].append([time.time(), f"{type(e).__name__}: {e}"[:400]])
     out["failed_async"] = [[t, u] for t, (u, _) in zip(failures.times, mgr.failed, strict=False)]
     out["failed_saves"] = failures.saves
+    out["committed_with_errors"] = failures.warned
     out["final"] = digest(state) == expected(cfg["stop_step"])
     recorder.remove_recorder(failures)
     Path(cfg["out"], f"rank{rank}.json").write_text(json.dumps(out))

@@ -24,6 +24,7 @@ def main() -> None:
     import torch.distributed as dist
 
     import bytecp
+    from bytecp import recorder
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))
@@ -60,6 +61,17 @@ def main() -> None:
     if delay_spec != "-":
         os.environ["BYTECP_FAULT_DELAY"] = delay_spec
     result: dict = {"rank": rank}
+    events: list[str] = []
+
+    class Events:  # the recorders' view of the same outcome as the warnings'
+        def on_report(self, report: object) -> None:
+            pass
+
+        def on_event(self, name: str, value: float, labels: dict[str, str]) -> None:
+            if name == "save_committed_with_errors":
+                events.append(labels.get("operation", ""))
+
+    recorder.add_recorder(Events())
     t0 = time.perf_counter()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
@@ -79,6 +91,7 @@ def main() -> None:
             result.update(ok=False, error=f"UNEXPECTED {type(e).__name__}: {e}")
     result["seconds"] = time.perf_counter() - t0
     result["warnings"] = [str(w.message) for w in seen if issubclass(w.category, bytecp.CommittedWithErrorsWarning)]
+    result["committed_with_errors"] = events
     with open(f"{out}/rank{rank}.json", "w") as f:
         json.dump(result, f)
     os._exit(0)  # never wait on a broken group at exit
