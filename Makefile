@@ -5,9 +5,13 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 PIP := $(VPY) -m pip install --disable-pip-version-check -q -c constraints.txt
 PYTEST_ARGS ?=
-# two pytest workers (pytest-xdist), a test file's tests on one of them (their
-# module-scoped jobs run once); XDIST= runs the tests in this process
+# pytest workers (pytest-xdist), a test file's tests on one of them (their
+# module-scoped jobs run once): two for make check and bench-check, whose tests
+# keep the CPU busy; three for make test, whose ranks often wait (deadlines,
+# servers, sleeps: a third worker fills those idle cores, docs/contributing.md).
+# XDIST= runs the tests in this process
 XDIST ?= -n 2 --dist loadfile
+SUITE_XDIST ?= $(if $(strip $(XDIST)),-n 3 --dist loadfile,)
 
 .PHONY: demo test bench-check check wheel-check install install-test megatron-install deepspeed-install torchtitan-install titan-install test-servers lint typecheck bench bench-s3 gpu-check clean
 
@@ -69,7 +73,7 @@ demo: $(VENV)/.demo-installed
 # every test but the benchmarks' smoke runs (docs/contributing.md: how to write a
 # fast one); the 25 slowest listed at the end, where a slow newcomer shows
 test: install-test test-servers wheel-check
-	$(VPY) -m pytest -q $(XDIST) -m "not bench" --durations=25 $(PYTEST_ARGS)
+	$(VPY) -m pytest -q $(SUITE_XDIST) -m "not bench" --durations=25 $(PYTEST_ARGS)
 
 # every benchmark script run on its tiny config (-m bench): each still runs and
 # reports every field; nothing about speed is asserted. CI runs it after make test
