@@ -6,12 +6,16 @@ import math
 import time
 from collections import defaultdict
 
+import pytest
+
+from bytecp.errors import ConfigError
 from bytecp.format.metadata import ChunkRecord
 from bytecp.plan.load_plan import plan_load
 from bytecp.plan.planner import (
     MIN_PIECE_BYTES,
     LocalSavePlan,
     WriteItem,
+    check_replicas,
     find_overlap,
     plan_save,
     plan_shared_reads,
@@ -240,3 +244,13 @@ def test_plan_cache_latest_is_the_last_committed_plan_only() -> None:
     assert cache.latest("k", "fp-a") == ("d1", w) and cache.latest("k", "fp-b") is None
     cache.forget("k")  # a failed save
     assert cache.latest("k", "fp-a") is None and cache.get("k", "fp-a") == ("d1", w)
+
+
+def test_replicas_that_differ_are_named_with_the_ranks_on_each_side() -> None:
+    box = Region((0, 0), (64, 8))
+    same = {("model.embed", box): 11}
+    check_replicas([same, dict(same), None])  # a rank holding nothing is no replica
+    with pytest.raises(ConfigError) as e:
+        check_replicas([same, {("model.embed", box): 12}, dict(same)])
+    assert "'model.embed'" in str(e.value) and "ranks [0, 2] vs [1]" in str(e.value)
+

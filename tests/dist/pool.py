@@ -30,6 +30,18 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+#: how long a closing pool waits for a rank's exit before it kills it
+_EXIT_SECONDS = 10
+
+
+def _measured() -> bool:
+    """Whether coverage.py measures this run: a rank then writes its data file
+    as it exits (seconds on a loaded machine), and a rank killed first would
+    drop the lines it ran from the report."""
+    coverage = sys.modules.get("coverage")
+    return coverage is not None and coverage.Coverage.current() is not None
+
+
 def _descendants(pid: int) -> list[int]:
     """Every process below ``pid`` (Linux: /proc/<pid>/task/<tid>/children), deepest last."""
     out, todo = [], [pid]
@@ -191,7 +203,7 @@ class WorkerPool:
                 except Exception:
                     pass
             for p in self.procs:
-                p.join(timeout=10)
+                p.join(timeout=_EXIT_SECONDS * (6 if _measured() else 1))
         for p in self.procs:
             if p.is_alive():
                 below = _descendants(p.pid) if p.pid else []  # e.g. a framework's own writer processes
