@@ -36,8 +36,10 @@ _EXIT_SECONDS = 10
 
 def _measured() -> bool:
     """Whether coverage.py measures this run: a rank then writes its data file
-    as it exits (seconds on a loaded machine), and a rank killed first would
-    drop the lines it ran from the report."""
+    as it exits (seconds on a loaded machine) or on SIGTERM (``sigterm`` in
+    ``[tool.coverage.run]``); a rank killed first would drop every line it ran
+    from the report (a pool discarded after a deadline test dropped those of
+    the files its ranks had served before)."""
     coverage = sys.modules.get("coverage")
     return coverage is not None and coverage.Coverage.current() is not None
 
@@ -204,13 +206,21 @@ class WorkerPool:
                     pass
             for p in self.procs:
                 p.join(timeout=_EXIT_SECONDS * (6 if _measured() else 1))
+        # e.g. a framework's own writer processes, orphaned by the kill: they would outlive the suite
+        below = {p.pid: _descendants(p.pid) for p in self.procs if p.is_alive() and p.pid}
+        if below and _measured():  # SIGTERM first: coverage.py's handler writes what the rank ran
+            for p in self.procs:
+                if p.pid in below:
+                    p.terminate()
+            for p in self.procs:
+                if p.pid in below:
+                    p.join(timeout=_EXIT_SECONDS)
         for p in self.procs:
             if p.is_alive():
-                below = _descendants(p.pid) if p.pid else []  # e.g. a framework's own writer processes
                 p.kill()
                 p.join(timeout=5)
-                for pid in below:  # orphaned by the kill: they would outlive the suite
-                    try:
-                        os.kill(pid, 9)
-                    except OSError:
-                        pass
+            for pid in below.get(p.pid, []):
+                try:
+                    os.kill(pid, 9)
+                except OSError:
+                    pass
