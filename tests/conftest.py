@@ -36,9 +36,9 @@ def pytest_configure(config: pytest.Config) -> None:
 #: order. make test runs on three workers, each taking the next whole file as it finishes
 #: one (``--dist loadfile``): started first, the long files end together instead of one
 #: of them running alone at the end. A file that grows long belongs here. (Reordered
-#: strictly by a three-worker run's durations -- test_exit, torchtitan, the resume matrix
-#: first, CPU-heavy files started together -- a fresh clone took 553 s, against 515 s and
-#: 516 s with this order: one run against two, where runs differ by 5-15%; kept.)
+#: strictly by a three-worker run's durations, a fresh clone took 553 s; with this order
+#: 515 s and 534 s from fresh clones, 516 s in a working checkout: within the spread of
+#: runs here, and this order has more runs behind it.)
 LONGEST_FIRST = (
     "tests/bench/test_bench_smoke.py",  # make bench-check's longest
     "tests/core/test_exit.py",
