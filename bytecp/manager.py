@@ -360,7 +360,7 @@ class CheckpointManager:
             handle.result()  # marks the error seen: the next async_save does not raise it
         text = f"{type(error).__name__}: {error}"
         self.failed[:] = [*self.failed[-99:], (handle.url, text)]
-        recorder.emit_event("save_failed", 1, reason=type(error).__name__)
+        recorder.emit_event(recorder.SAVE_FAILED, 1, reason=type(error).__name__)
         log.error("bytecp: the asynchronous save to %s failed, nothing of it is committed; training goes "
                   "on and the next save proceeds: %s", handle.url, text)
 

@@ -193,6 +193,12 @@ def recording() -> Iterator[list[CheckpointReport]]:
 
 #: event storage backends emit per retry; also counted into every open Trace
 STORAGE_RETRY = "storage_retry"
+#: event :class:`~bytecp.manager.CheckpointManager` emits when an asynchronous save
+#: failed (label ``reason``: the error's type); training went on
+SAVE_FAILED = "save_failed"
+#: event every rank that saw it emits with a :class:`~bytecp.errors.CommittedWithErrorsWarning`
+#: (label ``operation``: the step that broke after the commit); the checkpoint is complete
+SAVE_COMMITTED_WITH_ERRORS = "save_committed_with_errors"
 _open_traces: weakref.WeakSet[Trace] = weakref.WeakSet()  # a trace never finished is no leak
 
 

@@ -223,7 +223,7 @@ def committed_after(
     text = (f"checkpoint {storage.url} is committed (save {save_id}); after the commit "
             f"the {error.operation} step broke: {lost}")
     log.warning("bytecp: %s", text)
-    recorder.emit_event("save_committed_with_errors", 1, operation=error.operation)
+    recorder.emit_event(recorder.SAVE_COMMITTED_WITH_ERRORS, 1, operation=error.operation)
     warnings.warn(CommittedWithErrorsWarning(text), stacklevel=2)
     return md
 
