@@ -22,12 +22,9 @@ import socket
 import sys
 import traceback
 from typing import Any
+from tests.netport import free_port
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 #: how long a closing pool waits for a rank's exit before it kills it

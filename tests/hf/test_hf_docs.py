@@ -12,7 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from dist.pool import free_port
+
+from tests.netport import free_port
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "huggingface.md"
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -42,6 +41,7 @@ from bytecp.adapters.lightning import BytecpCheckpointIO, latest_checkpoint  # n
 import bytecp  # noqa: E402
 from bytecp.loading.opened import open_checkpoint, read_metadata  # noqa: E402
 from bytecp.storage_api import open_storage  # noqa: E402
+from tests.netport import free_port
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -49,10 +49,6 @@ WORKER = Path(__file__).with_name("lightning_worker.py")
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 #: what the worker imports, imported once by the warm interpreter its ranks are forked from

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
+
+from tests.netport import free_port as _free_port
 
 __all__ = ["launch", "titan_args", "JobFailed"]
 
@@ -22,10 +23,6 @@ class JobFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def titan_args(dump: Path, *extra: str, config: str = "bytecp_debug") -> list[str]:

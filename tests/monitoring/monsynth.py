@@ -8,8 +8,6 @@ through that.
 
 from __future__ import annotations
 
-import socket
-
 from bytecp.recorder import CheckpointReport, Span
 
 SAVE_PHASES = (("plan", 0.04), ("stage", 0.12), ("write", 0.30))
@@ -74,8 +72,3 @@ def make_reports(
     return reports
 
 
-def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

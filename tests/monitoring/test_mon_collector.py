@@ -15,10 +15,11 @@ from bytecp.monitoring.generated import monitor_pb2 as pb
 from bytecp.monitoring.job_metrics import JOB_METRICS, JobMetrics
 from bytecp.monitoring.push import PushRecorder
 from bytecp.monitoring.server import CollectorServer, CollectorServicer
-from monsynth import free_port, make_reports
+from monsynth import make_reports
 from prometheus_client import CollectorRegistry
 
 from bytecp.errors import ConfigError
+from tests.netport import free_port
 
 
 class _Aborted(Exception):

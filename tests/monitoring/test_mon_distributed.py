@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 from bytecp.monitoring.cli import main as monitor_main
 from bytecp.monitoring.server import CollectorServer
-from monsynth import free_port
+
+from tests.netport import free_port
 
 pytestmark = pytest.mark.spawn
 

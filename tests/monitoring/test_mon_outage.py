@@ -14,9 +14,9 @@ import pytest
 import torch
 from bytecp.monitoring.client import CollectorClient
 from bytecp.monitoring.push import PushRecorder
-from monsynth import free_port
 
 import bytecp
+from tests.netport import free_port
 
 pytestmark = pytest.mark.spawn
 

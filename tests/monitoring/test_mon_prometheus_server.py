@@ -27,11 +27,11 @@ import pytest
 import torch
 import yaml
 from bytecp.monitoring.server import CollectorServer
-from monsynth import free_port
 from spawning import spawns
 
 import bytecp
 from bytecp.recorder import resolve_monitor
+from tests.netport import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "storage"))  # keeper processes as the memory-tier tests start them

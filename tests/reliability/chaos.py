@@ -48,7 +48,6 @@ import posixpath
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ from bytecp.dist import DistContext
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import verify
+from tests.netport import free_port as _port
 
 HERE = Path(__file__).resolve().parent
 #: the S3 servers and the fault proxy live beside the storage tests
@@ -93,10 +93,6 @@ class Figures:
                 f"{len(self.problems)} problems, {self.seconds:.0f} s")
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _state_of(pid: int) -> str:

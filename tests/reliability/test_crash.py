@@ -18,7 +18,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +28,7 @@ import torch
 
 import bytecp
 from bytecp.manager import list_checkpoints
+from tests.netport import free_port
 
 pytestmark = pytest.mark.spawn
 
@@ -57,10 +57,6 @@ def _cases() -> list[tuple[str, int, str, float, str]]:
 CASES = _cases()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _run_case(warm: Any, tmp: Path, mode: str, victim: int, phase: str, delay: float, extra: str

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -16,16 +15,13 @@ import pytest
 import torch
 
 import bytecp
+from tests.netport import free_port
 
 pytestmark = pytest.mark.spawn
 
 HERE = Path(__file__).parent
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.mark.slow

@@ -4,7 +4,6 @@ manager), keeper processes (the kill-a-host test) and the job token they share."
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,6 +14,8 @@ from pathlib import Path
 
 import pytest
 from bytecp.storage.keeper_server import Keeper
+
+from tests.netport import free_ports
 
 __all__ = ["TOKEN", "start_keepers", "spec", "free_ports", "spawn_keeper"]
 
@@ -50,15 +51,6 @@ def spec(keepers: list[Keeper]) -> str:
     return ",".join(f"{k.name}=127.0.0.1:{k.port}" for k in keepers)
 
 
-def free_ports(n: int) -> list[int]:
-    """``n`` loopback ports free right now (a keeper must know its peers' ports before they start)."""
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def spawn_keeper(name: str, ports: dict[str, int], tmp: Path, *, replicas: int = 2,

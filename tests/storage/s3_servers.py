@@ -11,16 +11,16 @@ ends only the processes they started.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 import shutil
-import socket
 import subprocess
 import tempfile
 import uuid
 from collections.abc import Callable
 from typing import Any
+
+from tests.netport import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CEPH_START = os.path.join(REPO, "tools", "ceph", "start_rgw.sh")
@@ -28,10 +28,6 @@ CEPH_STOP = os.path.join(REPO, "tools", "ceph", "stop_rgw.sh")
 CEPH_BINARIES = ("ceph-mon", "ceph-osd", "radosgw", "radosgw-admin", "ceph")
 
 
-def free_port() -> int:
-    with contextlib.closing(socket.socket(socket.AF_INET, socket.SOCK_STREAM)) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclasses.dataclass

@@ -29,10 +29,10 @@ from bytecp.storage.hdfs import (
 )
 from bytecp.storage.testing import StorageContract, StorageFixtures
 from fsspec.implementations.local import LocalFileSystem
-from s3_servers import free_port
 
 from bytecp.errors import CheckpointExistsError, ConfigError, StorageError
 from bytecp.storage_api import open_storage
+from tests.netport import free_port
 
 HDFS_URL = os.environ.get("BYTECP_TEST_HDFS_URL")
 
