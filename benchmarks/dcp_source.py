@@ -35,7 +35,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import statistics
 import tempfile
 import time
@@ -46,6 +45,8 @@ from typing import Any
 
 import torch
 
+from tests.netport import free_port as _port
+
 __all__ = ["FULL", "QUICK", "run", "table", "main"]
 
 #: the full run's model: about 280 MB of state
@@ -54,10 +55,6 @@ FULL = {"layers": 24, "hidden": 256, "vocab": 8192}
 QUICK = {"layers": 4, "hidden": 64, "vocab": 512}
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _warm(path: str) -> None:

@@ -35,6 +35,7 @@ from typing import Any, NoReturn
 
 from benchmarks.harness import ratio_table
 from benchmarks.harness import timed_between_barriers as _timed_b
+from tests.netport import free_port
 
 ENV = {"DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1"}
 TAG = "step1"
@@ -158,11 +159,8 @@ def _spawn(world: int, size: dict[str, Any], root: Path, phase: int, timeout: fl
     phase, queue)``) on ``world`` spawned ranks; rank 0's ``(state bytes, results)``."""
     import multiprocessing as mp
     import queue
-    import socket
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=target or rank_main, args=(r, world, port, size, str(root), phase, q))

@@ -38,7 +38,6 @@ import json
 import math
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -51,6 +50,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from tests.netport import free_port
 
 __all__ = ["Job", "config_for_params", "Keeper", "run", "summary", "main"]
 
@@ -125,9 +126,7 @@ class Keeper:
     """This host's keeper (``bytecp keeper``) in a process of its own, one host, one copy."""
 
     def __init__(self, root: Path) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
+        port = free_port()
         token = "t-" + uuid.uuid4().hex
         ready = root / f"keeper-{port}.ready"
         self.log = root / "keeper.log"

@@ -64,7 +64,6 @@ import json
 import multiprocessing as mp
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -78,6 +77,7 @@ import torch
 
 import bytecp
 from benchmarks.incremental import _llama
+from tests.netport import free_port
 
 
 def _model(case: str, hidden: int, layers: int) -> Any:
@@ -129,9 +129,7 @@ def broadcast_s(numels: list[int], reps: int = 3) -> float:
     """The floor a push-based weight update compares with: a ``torch.distributed``
     broadcast (gloo, two spawned processes on this host) of the same tensors."""
     ctx = mp.get_context("spawn")
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     q = ctx.Queue()
     procs = [ctx.Process(target=_broadcast_rank, args=(r, port, numels, reps, q), daemon=True) for r in (0, 1)]
     for pr in procs:
@@ -157,9 +155,7 @@ def _warm(path: Path) -> None:
 
 def start_keeper(root: Path) -> tuple[subprocess.Popen[bytes], dict[str, Any]]:
     """(``--memory``) A keeper process on a free loopback port; its storage options."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = free_port()
     token, ready = uuid.uuid4().hex, root / "keeper.ready"
     proc = subprocess.Popen([sys.executable, "-m", "bytecp.storage.keeper_server", "--name", "h0", "--port",
                              str(port), "--keepers", f"h0=127.0.0.1:{port}", "--replicas", "1",

@@ -57,6 +57,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from tests.netport import free_port as _free_port
+
 __all__ = ["main", "run", "Job"]
 
 BATCH, SEQ = 8, 1024
@@ -521,12 +523,6 @@ def ratios(r: dict[str, Any]) -> dict[str, float]:
     return {k: round(v, 3) for k, v in out.items() if v is not None}
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> int:

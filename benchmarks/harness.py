@@ -16,7 +16,6 @@ import dataclasses
 import gc
 import json
 import os
-import socket
 import threading
 import time
 import traceback
@@ -24,6 +23,8 @@ import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+
+from tests.netport import free_port
 
 __all__ = ["Case", "Ctx", "GroupSpec", "RssSampler", "launch", "worker_main", "drop_caches",
            "can_drop_caches", "timed_between_barriers", "ratio_table", "NOT_AVAILABLE"]
@@ -345,10 +346,6 @@ def worker_main(rank: int, spec_json: str) -> None:
             os._exit(0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 #: what the fork server imports before it forks any rank (torch._dynamo: what the

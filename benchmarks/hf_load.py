@@ -168,7 +168,7 @@ def _measure(rank: int, method: str, path: str, hidden: int, layers: int, port: 
 
 
 def run(method: str, path: str, hidden: int, layers: int) -> list[dict[str, Any]]:
-    from tests.dist.pool import free_port  # noqa: PLC0415 - the test helper picks a free port
+    from tests.netport import free_port  # noqa: PLC0415 - the test helper picks a free port
 
     ctx = mp.get_context("spawn")
     q = ctx.Queue()

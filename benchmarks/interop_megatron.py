@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks import megatron_bench as mb
 from benchmarks.harness import timed_between_barriers as _timed_b
+from tests.netport import free_port
 
 __all__ = ["torch_dist_tp2_to_tp1", "rank_main", "main"]
 
@@ -102,12 +103,9 @@ def torch_dist_tp2_to_tp1(size: dict[str, int], repeat: int = 3, workdir: str | 
                           timeout: float = 1800) -> dict[str, Any]:
     """The figures of one run (see the module docstring)."""
     import multiprocessing as mp
-    import socket
 
     root = Path(tempfile.mkdtemp(prefix="bytecp-torch-dist-bench-", dir=workdir))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, port, size, str(root), repeat, q)) for r in range(2)]

@@ -38,6 +38,7 @@ from typing import Any
 
 from benchmarks.harness import ratio_table
 from benchmarks.harness import timed_between_barriers as _timed_b
+from tests.netport import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -217,13 +218,10 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     import multiprocessing as mp
     import queue
-    import socket
 
     size = {"hidden": args.hidden, "layers": args.layers, "ffn": args.ffn, "heads": args.heads, "vocab": args.vocab}
     root = Path(tempfile.mkdtemp(prefix="bytecp-megatron-bench-", dir=args.dir))
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = int(sock.getsockname()[1])
+    port = free_port()
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
     procs = [ctx.Process(target=rank_main, args=(r, port, size, str(root), q, args.moe)) for r in range(2)]

@@ -39,12 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
 import time
 from typing import Any
+
+from tests.netport import free_port as _free_port
 
 #: every mode the benchmark knows: name -> bytecp.async_save keyword arguments
 #: (None: no checkpoint; "dcp": DCP's best practice)
@@ -62,10 +63,6 @@ KNOWN: dict[str, Any] = {
 MODES = ["none", "dcp", "bytecp eager", "bytecp lazy"]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _loadavg() -> list[float] | None:
