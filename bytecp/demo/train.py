@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import faulthandler
 import json
 import os
 import re
@@ -48,6 +49,11 @@ __all__ = ["main", "full_state", "EXIT_STOPPED", "LR"]
 
 #: exit status of a rank that stopped because another one failed
 EXIT_STOPPED = 3
+#: how long a rank whose training broke waits for its save in flight to end: it
+#: ends in seconds (the save's collective breaks and a roll call names the lost
+#: rank); the margin is for a host so busy that those seconds stretch. Under the
+#: launcher's grace period (60 s), so a save that does not end leaves its stack
+STOP_WAIT_S = 45
 LR = 1e-2
 
 
@@ -227,9 +233,11 @@ def _stop(e: BaseException, step: int, mgr: CheckpointManager, handles: dict[int
     result["stopped"] = {"step": step, "error": _short(e)}
     say(f"step {step:2d}  training stopped: {_short(e)}")
     try:
-        mgr.wait(timeout=30)
+        mgr.wait(timeout=STOP_WAIT_S)
     except (BytecpError, TimeoutError) as se:
         result["stopped"]["save_error"] = _short(se)
+        if isinstance(se, TimeoutError):  # where the save is stuck, in this rank's log
+            faulthandler.dump_traceback(all_threads=True)
     for s in handles:
         outcome = "committed" if handles[s].done() and handles[s].exception() is None else "failed"
         result["saves"][str(s)]["outcome"] = outcome

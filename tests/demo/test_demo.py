@@ -51,7 +51,11 @@ def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict, str]:
     env = dict(os.environ, PYTHONWARNINGS="ignore")
     p = subprocess.run([sys.executable, "-m", "bytecp.cli", "demo", "--out", str(out)], env=env,
                        capture_output=True, text=True, timeout=300)
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    if p.returncode != 0:  # the problems, then each rank's log (a stuck save leaves its stack there)
+        summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+        logs = "".join(f"\n--- {f.name} ---\n{f.read_text(errors='replace')[-4000:]}"
+                       for f in sorted((out / "logs").glob("*.log")) if f.stat().st_size)
+        pytest.fail(f"the demo failed: {summary.get('problems')}\n{p.stdout[-3000:]}{p.stderr[-3000:]}{logs}")
     return out, json.loads((out / "summary.json").read_text()), p.stdout
 
 
