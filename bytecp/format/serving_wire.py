@@ -268,10 +268,10 @@ def decode_positions(buf: Any, count: int, numel: int, where: str) -> np.ndarray
     if len(b) == count + len(cont) and len(cont) and cont[-1] < len(b) - 1 and not bool((b[cont + 1] >= 0x80).any()):
         # every gap in one or two bytes (the usual case): each value's last byte, the k-th two-byte
         # value's low 7 bits folded in (it is value cont[k] - k); gathers only, no boolean mask
-        g = b[np.flatnonzero(b < 0x80)].astype(np.int64)
-        k = cont - np.arange(len(cont))
-        g[k] = (g[k] << 7) | (b[cont] & 0x7F)
-        return _checked(g, count, numel, where)
+        two = b[np.flatnonzero(b < 0x80)].astype(np.int64)
+        at = cont - np.arange(len(cont))
+        two[at] = (two[at] << 7) | (b[cont] & 0x7F)
+        return _checked(two, count, numel, where)
     ends = np.flatnonzero(b < 0x80)
     if len(ends) != count or ends[-1] != len(b) - 1:
         raise CorruptCheckpointError(f"{where}: the position bytes hold {len(ends)} values, not {count}")

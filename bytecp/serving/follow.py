@@ -65,6 +65,7 @@ from bytecp.catalog import CheckpointInfo, one_line
 from bytecp.dist import DistContext
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
+from bytecp.format.header import Files, read_files
 from bytecp.format.references import PIN_DIR, name_of, sibling
 from bytecp.format.serving_wire import held_marker, serving_dtype_name
 from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
@@ -266,7 +267,7 @@ class _Follower:
             if tier == "storage":
                 try:
                     storage = open_storage(newest.url, **self.options)
-                    pins.enter_context(self.pinned(storage, open_checkpoint(storage).metadata))
+                    pins.enter_context(self.pinned(storage, _files(storage)))
                 except Exception as e:  # every rank reports it (or raises it), none reads
                     if isinstance(e, _Replaced) or self._replaced(newest, failed):
                         continue  # pruned by a retention (a newer checkpoint has committed): that one
@@ -286,13 +287,13 @@ class _Follower:
         return again is not None and again.info.url != chosen.url and (again.info.step or 0) > (chosen.step or 0)
 
     @contextlib.contextmanager
-    def pinned(self, storage: Storage, md: fmt.Metadata) -> Iterator[None]:
+    def pinned(self, storage: Storage, files: Files) -> Iterator[None]:
         """(coordinator) Pin the checkpoint and those it references; refuse files a retention doomed."""
         if self.lease is None:
             yield
             return
         me = name_of(storage.url)
-        held = {me: set(md.own_data_files), **{n: set(md.files_of(n)) for n in md.references}}
+        held = {me: set(files.own_data_files), **{n: set(files.files_of(n)) for n in files.header.references}}
         pin = f"{PIN_DIR}/{FOLLOWERS}.{self.id}"
         done: list[Storage] = []
         try:
@@ -395,6 +396,16 @@ class _Follower:
             skipped=d.skipped, seconds=time.perf_counter() - t0, lag_steps=_lag(d.newest_step, info.step),
             lag_s=max(0.0, time.time() - got.created), held=info.url, tensors_by_delta=got.tensors_by_delta,
             delta_steps=got.delta_steps, elements_changed=got.elements_changed, fallbacks=tuple(got.fallbacks))
+
+
+def _files(storage: Storage) -> Files:
+    """(coordinator, each checkpoint it takes) What the pins need of the
+    checkpoint at ``storage``: its header and data files, parsed as far as
+    those (every rank opens the whole checkpoint when it takes it)."""
+    files = read_files(storage)
+    if files is None:
+        raise FileNotFoundError(f"{storage.url}/{fmt.METADATA_FILE}: gone since the run was listed")
+    return files
 
 
 def _why(e: BaseException) -> str:

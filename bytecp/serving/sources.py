@@ -29,7 +29,7 @@ from typing import Any
 
 from bytecp.catalog import CheckpointInfo, list_checkpoints
 from bytecp.errors import StorageError
-from bytecp.format import metadata as fmt
+from bytecp.format.header import read_header
 from bytecp.storage_api import open_storage
 from bytecp.tools.resume import decide
 from bytecp.tools.tiers import MemoryTier, restore_order
@@ -115,9 +115,9 @@ class Sources:
         return None
 
     def _save_id(self, info: CheckpointInfo, tier: str) -> str | None:
-        try:
-            raw = open_storage(info.url, **self.options_for(tier)).read_bytes(fmt.METADATA_FILE)
-            return fmt.Metadata.from_bytes(raw, info.url).save_id
+        try:  # the header alone (the whole document is parsed once, when the checkpoint is taken)
+            head = read_header(open_storage(info.url, **self.options_for(tier)), committed=True)
+            return head.save_id if head is not None else None
         except Exception:  # noqa: BLE001 - gone since listed: taking it fails and is reported
             return None
 
