@@ -3,7 +3,8 @@ for it, plus the kill.
 
 Called by :mod:`bytecp.demo.story`, one :func:`run_job` per stage. It starts
 ``python -m bytecp.demo.train`` once per rank with torchrun's environment
-(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``...), relays rank
+(``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR``/``MASTER_PORT``...) and, as
+torchrun's agent does, hosts the job's rendezvous store itself, relays rank
 0's lines to the terminal with the job's label, and keeps every rank's
 stderr in ``logs/``. With ``kill=True`` it waits for the victim rank to
 announce itself (``victim.json``, written by the training job once its part
@@ -17,10 +18,10 @@ says, rank by rank, how each one ended.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -65,10 +66,16 @@ class JobOutcome:
             return f.read()[-chars:]
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _rendezvous(world: int, timeout: float) -> Any:
+    """The job's rendezvous store, hosted by this process as torchrun's agent
+    hosts it (the ranks connect to it: ``TORCHELASTIC_USE_AGENT_STORE``). Its
+    server binds a port the kernel picks and holds it for the job's life: a
+    port found free and handed to rank 0 to bind later could be taken
+    meanwhile (any ``connect()`` on the host may be given it as its local
+    port), and the job would fail with EADDRINUSE."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, world, True, datetime.timedelta(seconds=timeout), wait_for_workers=False)
 
 
 def _relay(stream: IO[str], label: str) -> None:
@@ -86,8 +93,10 @@ def run_job(label: str, world: int, train_args: list[str], results: str, logs: s
     for stale in ("result.json", "victim.json"):
         if os.path.exists(os.path.join(results, stale)):
             os.remove(os.path.join(results, stale))
-    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world),
-                LOCAL_WORLD_SIZE=str(world), OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
+    store = _rendezvous(world, timeout)
+    base = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), WORLD_SIZE=str(world),
+                LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True", TORCHELASTIC_RESTART_COUNT="0",
+                OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONWARNINGS="ignore")
     cmd = [sys.executable, "-m", "bytecp.demo.train", *train_args, "--results", results]
     procs: list[subprocess.Popen[str]] = []
     files = []
@@ -115,6 +124,7 @@ def run_job(label: str, world: int, train_args: list[str], results: str, logs: s
             relay.join(timeout=10)
         for f in files:
             f.close()
+        del store  # every rank has ended: the server stops with it
     path = os.path.join(results, "result.json")
     result = json.loads(open(path).read()) if os.path.exists(path) else None
     return JobOutcome(label, world, exits, time.monotonic() - t0, result, victim, log_paths)
