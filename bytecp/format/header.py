@@ -153,10 +153,11 @@ def read_header(storage: Storage, *, committed: bool = False) -> Header | None:
     return header_of(_doc(storage, f, data, size) if d is None else d, f"{storage.url}/{f}")
 
 
-def read_files(storage: Storage) -> Files | None:
+def read_files(storage: Storage, *, committed: bool = False) -> Files | None:
     """The header and data files of the checkpoint at ``storage``, parsed as
-    JSON only; a retired checkpoint's data files are those it retained."""
-    got = _read(storage, whole=True)
+    JSON only; a retired checkpoint's data files are those it retained
+    (``committed``: a retired one reads as None, as one with neither file)."""
+    got = _read(storage, committed, whole=True)
     if got is None:
         return None
     f, data, size = got

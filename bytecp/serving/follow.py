@@ -402,8 +402,8 @@ def _files(storage: Storage) -> Files:
     """(coordinator, each checkpoint it takes) What the pins need of the
     checkpoint at ``storage``: its header and data files, parsed as far as
     those (every rank opens the whole checkpoint when it takes it)."""
-    files = read_files(storage)
-    if files is None:
+    files = read_files(storage, committed=True)
+    if files is None:  # deleted, or retired by a retention (its base.json is not a checkpoint to take)
         raise FileNotFoundError(f"{storage.url}/{fmt.METADATA_FILE}: gone since the run was listed")
     return files
 

@@ -402,16 +402,20 @@ def test_lag_counts_the_committed_steps_behind_and_an_error_names_one_exception(
         recorder.remove_recorder(rec)
 
 
-def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("full_every", [1, 100], ids=["deleted", "retired"])
+def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                    full_every: int) -> None:
     """``keep_last=1``: the checkpoint a follower chose is pruned before it
     pins it (the trainer committed a newer one meanwhile): the follower takes
-    the newer one, reporting no error; then a trainer saving while the
-    follower polls, every update ok and each the step it names."""
+    the newer one, reporting no error -- whether the pruned one was deleted
+    or, referenced by the newer one (``full_every=100``), retired to its
+    ``base.json``; then a trainer saving while the follower polls, every
+    update ok and each the step it names."""
     from bytecp.serving.sources import Sources
 
     run = tmp_path / "run"
     model, opt = _model(frozen=True)
-    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=1, full_every=1)
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=1, full_every=full_every)
     _step(model, opt)
     mgr.save(1, {"model": model, "optimizer": opt})
     real = Sources.newest
@@ -430,6 +434,7 @@ def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch:
     gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01, idle_timeout_s=60)
     up = next(gen)
     assert raced == [1] and not (run / "step-1" / "metadata.json").exists()
+    assert (run / "step-1" / "base.json").exists() == (full_every > 1)
     assert up.ok and up.step == 2 and _same(served, model), up
     monkeypatch.setattr(Sources, "newest", real)
 
