@@ -83,7 +83,7 @@ bench-check: install-test test-servers
 # the inner loop (2 minutes is the target: docs/contributing.md): ruff, mypy, and the tests that start no
 # process (-m "not spawn": tests/spawning.py marks and checks the others), benchmarks' smoke runs left to bench-check
 check: install-test
-	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto
+	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests tests/dist benchmarks deploy proto
 	$(VENV)/bin/mypy
 	$(VPY) -m pytest -q $(XDIST) -m "not spawn and not bench" --durations=10 $(PYTEST_ARGS)
 
@@ -94,7 +94,7 @@ wheel-check: $(VENV)/.installed
 	PY=$(VPY) bash tools/wheel-check.sh
 
 lint: install-test
-	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests benchmarks deploy proto
+	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests tests/dist benchmarks deploy proto
 	$(VENV)/bin/mypy
 
 bench: install-test

@@ -139,7 +139,7 @@ def _load_once(url: str) -> dict[str, Any]:
     import torch.distributed as dist
 
     _paths()
-    from tests.netport import free_port
+    from netport import free_port  # tests/ is on the path (_paths)
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1")
     torch.set_num_threads(1)
@@ -179,7 +179,7 @@ def _worker(argv: list[str]) -> int:
         import torch.multiprocessing as tmp
 
         _paths()
-        from tests.netport import free_port
+        from netport import free_port  # tests/ is on the path (_paths)
 
         tmp.spawn(_save_rank, args=(free_port(), argv[1]), nprocs=4)
         return 0

@@ -76,10 +76,9 @@ def dtensor_resharded(root: str, mode: str) -> list[tuple[int, int]]:
     Replicate) with Adam state: saved, saved again, resharded (Shard(0) ->
     Shard(1) -> Replicate), saved after each; -> (kept, described) growth
     of each save after the first."""
+    from bytecp.adapters._watch import DESCRIBE_STATS
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-    from bytecp.adapters._watch import DESCRIBE_STATS
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(0)

@@ -18,14 +18,11 @@ import importlib
 import multiprocessing as mp
 import os
 import queue
-import socket
 import sys
 import traceback
 from typing import Any
+
 from tests.netport import free_port
-
-
-
 
 #: how long a closing pool waits for a rank's exit before it kills it
 _EXIT_SECONDS = 10
