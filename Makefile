@@ -80,10 +80,13 @@ test: install-test test-servers wheel-check
 bench-check: install-test test-servers
 	$(VPY) -m pytest -q $(XDIST) -m bench --durations=10 $(PYTEST_ARGS)
 
+# what ruff checks: tests/dist named as well (ruff's default exclude skips any folder called dist)
+LINT_PATHS = bytecp adapters storage monitoring tests tests/dist benchmarks deploy proto
+
 # the inner loop (2 minutes is the target: docs/contributing.md): ruff, mypy, and the tests that start no
 # process (-m "not spawn": tests/spawning.py marks and checks the others), benchmarks' smoke runs left to bench-check
 check: install-test
-	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests tests/dist benchmarks deploy proto
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 	$(VPY) -m pytest -q $(XDIST) -m "not spawn and not bench" --durations=10 $(PYTEST_ARGS)
 
@@ -94,7 +97,7 @@ wheel-check: $(VENV)/.installed
 	PY=$(VPY) bash tools/wheel-check.sh
 
 lint: install-test
-	$(VENV)/bin/ruff check bytecp adapters storage monitoring tests tests/dist benchmarks deploy proto
+	$(VENV)/bin/ruff check $(LINT_PATHS)
 	$(VENV)/bin/mypy
 
 bench: install-test

@@ -35,7 +35,9 @@ from tests.netport import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "storage"))  # keeper processes as the memory-tier tests start them
-from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
+from keepers import TOKEN, spawn_keeper  # noqa: E402
+
+from tests.netport import free_ports  # noqa: E402
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "bytecp.json"
 JOB = "dash"

@@ -23,7 +23,9 @@ from tests.dist.pool import WorkerPool
 from . import group_cases as cases
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # keeper processes, as its tests start them
-from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
+from keepers import TOKEN, spawn_keeper  # noqa: E402
+
+from tests.netport import free_ports  # noqa: E402
 
 pytestmark = [pytest.mark.timeout(600)]
 

@@ -26,7 +26,9 @@ from bytecp.serving import follow as follow_mod
 from bytecp.serving.cli import watch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "storage"))  # keeper processes, as its tests start them
-from keepers import TOKEN, free_ports, spawn_keeper  # noqa: E402
+from keepers import TOKEN, spawn_keeper  # noqa: E402
+
+from tests.netport import free_ports  # noqa: E402
 
 pytestmark = [pytest.mark.spawn, pytest.mark.timeout(300)]
 

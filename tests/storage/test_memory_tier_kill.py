@@ -18,7 +18,9 @@ from typing import Any
 import pytest
 import torch
 from bytecp.storage._keeper_wire import request
-from keepers import TOKEN, free_ports, spawn_keeper
+from keepers import TOKEN, spawn_keeper
+
+from tests.netport import free_ports
 
 pytestmark = pytest.mark.spawn
 

@@ -130,7 +130,7 @@ def test_a_run_does_not_list_a_sibling_sharing_its_prefix(pair: list[Keeper]) ->
 
 @pytest.mark.spawn
 def test_the_first_save_on_a_host_starts_its_keeper(pair: list[Keeper]) -> None:
-    from keepers import free_ports
+    from tests.netport import free_ports
 
     (port,) = free_ports(1)
     keepers = f"{spec(pair)},h9=127.0.0.1:{port}"
