@@ -59,6 +59,41 @@ class ParamState:
 Places = Callable[[int, torch.Tensor], list[ParamState]]
 
 
+class ParamIds(list[int]):
+    """The parameter ids ``start .. start + n - 1`` of one param group: the
+    list ``Optimizer.load_state_dict`` takes, whose ``in`` costs O(1) while
+    the list is as made. torch asks ``param_id in group["params"]`` once for
+    every state tensor it loads, which a plain list answers by a scan: a load
+    of 10,000 parameters' Adam state spent 0.3 s in those scans alone.
+    Any change to the list (a hook's) makes ``in`` a scan again."""
+
+    def __init__(self, start: int, n: int) -> None:
+        super().__init__(range(start, start + n))
+        self._span: range | None = range(start, start + n)
+
+    def __contains__(self, x: object) -> bool:
+        span = getattr(self, "_span", None)
+        if span is not None and type(x) is int:
+            return x in span
+        return list.__contains__(self, x)
+
+
+def _changes_list(name: str) -> Callable[..., Any]:
+    method = getattr(list, name)
+
+    def changed(self: ParamIds, *args: Any, **kwargs: Any) -> Any:
+        self._span = None
+        return method(self, *args, **kwargs)
+
+    changed.__name__ = name
+    return changed
+
+
+for _name in ("__setitem__", "__delitem__", "__iadd__", "__imul__", "append", "extend", "insert", "pop",
+              "remove", "clear", "sort", "reverse"):
+    setattr(ParamIds, _name, _changes_list(_name))
+
+
 def _params(opt: torch.optim.Optimizer) -> list[torch.Tensor]:
     return [p for g in opt.param_groups for p in g["params"]]
 
@@ -178,7 +213,7 @@ def param_groups_for_load(
     for j, (sg, cg) in enumerate(zip(saved_groups, opt.param_groups, strict=True)):
         check_group(key, j, sg["params"], current, stored)
         g = {k: v for k, v in sg.items() if k != "params"}
-        g["params"] = list(range(pos, pos + len(cg["params"])))
+        g["params"] = ParamIds(pos, len(cg["params"]))
         groups.append(g)
         pos += len(cg["params"])
     return groups

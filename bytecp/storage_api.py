@@ -252,7 +252,10 @@ class Storage(abc.ABC):
         of each range as soon as its bytes are in, in order, on the thread
         that read them -- the loader sums each piece while it is still in the
         CPU's cache, inside the one call (a call per piece would cross to the
-        request-timeout thread each time). An exception from it ends the call.
+        request-timeout thread each time). Small ranges that follow each other
+        in the file may be filled together first (the local backend reads runs
+        of up to 1 MiB with one ``preadv``), each then called in order. An
+        exception from it ends the call.
         """
         for i, (offset, out) in enumerate(ranges):
             self.read_into(path, offset, out)

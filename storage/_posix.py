@@ -49,6 +49,9 @@ __all__ = [
     "write_all",
     "write_direct",
     "read_all",
+    "read_vectored",
+    "adjacent_runs",
+    "VECTOR_BYTES",
     "read_direct",
     "read_direct_ranges",
 ]
@@ -298,6 +301,53 @@ def read_all(fd: int, offset: int, view: memoryview) -> int:
         if n == 0:
             break
         got += n
+    return got
+
+
+#: adjacent ranges read by one ``preadv`` hold at most this many bytes (a larger range is read
+#: alone): small enough that a reader summing each range after the call still finds it in the
+#: CPU's cache
+VECTOR_BYTES = 1 << 20
+
+
+def adjacent_runs(ranges: Sequence[tuple[int, memoryview]]) -> list[tuple[int, int]]:
+    """``[lo, hi)`` index runs of ``ranges`` (offset, byte view) that follow
+    each other in the file with no gap, each at most :data:`VECTOR_BYTES`
+    (or one range) and ``_IOV_MAX`` ranges: what one ``preadv`` can fill."""
+    runs: list[tuple[int, int]] = []
+    lo, end, size = 0, -1, 0
+    for i, (offset, view) in enumerate(ranges):
+        n = len(view)
+        if i == lo or (offset == end and size + n <= VECTOR_BYTES and i - lo < _IOV_MAX):
+            end, size = offset + n, size + n
+            continue
+        runs.append((lo, i))
+        lo, end, size = i, offset + n, n
+    if ranges:
+        runs.append((lo, len(ranges)))
+    return runs
+
+
+def read_vectored(fd: int, offset: int, views: Sequence[memoryview]) -> int:
+    """Fill ``views`` (byte views, in order) from ``offset`` on with as few
+    ``preadv`` calls as the kernel allows; -> the bytes read (fewer only at
+    the end of the file). One call for many small ranges: a load of tens of
+    thousands of small tensors made one system call (and one release of the
+    GIL, which four reader threads then queued for) per tensor."""
+    todo = [v for v in views if len(v)]
+    got = 0
+    while todo:
+        n = os.preadv(fd, todo[:_IOV_MAX], offset + got)
+        if n == 0:
+            break
+        got += n
+        while n and todo:  # drop the views filled, trim one filled in part
+            if n >= len(todo[0]):
+                n -= len(todo[0])
+                todo.pop(0)
+            else:
+                todo[0] = todo[0][n:]
+                n = 0
     return got
 
 

@@ -48,6 +48,7 @@ from ._posix import (
     O_DIRECTORY,
     O_NOFOLLOW,
     RENAME_EXCHANGE,
+    adjacent_runs,
     fsync_dir,
     holds,
     is_file,
@@ -58,6 +59,7 @@ from ._posix import (
     read_all,
     read_direct,
     read_direct_ranges,
+    read_vectored,
     remove_tree,
     rename_flags,
     rename_noreplace,
@@ -464,13 +466,16 @@ class LocalStorage(Storage):
         except OSError as e:
             raise os_error(e, full, "open for reading") from e
         try:
-            for i, (offset, out) in enumerate(ranges):
-                view = byte_view(out)
-                got = read_all(fd, offset, view)
-                if got < len(view):
-                    raise truncated(full, offset, len(view), offset + got)
-                if each is not None:
-                    each(i)
+            views = [(offset, byte_view(out)) for offset, out in ranges]
+            for lo, hi in adjacent_runs(views):  # ranges that follow each other: one preadv
+                offset = views[lo][0]
+                got = read_vectored(fd, offset, [v for _, v in views[lo:hi]])
+                for i in range(lo, hi):
+                    at, view = views[i]
+                    if got < at - offset + len(view):
+                        raise truncated(full, at, len(view), offset + got)
+                    if each is not None:
+                        each(i)
         except OSError as e:
             raise os_error(e, full, "read") from e
         finally:

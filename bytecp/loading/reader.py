@@ -66,7 +66,7 @@ from bytecp.loading.device_reads import SLAB_BYTES, SLABS, DeviceReads, PinnedSl
 from bytecp.plan.load_plan import ReadRequest
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage
-from bytecp.tree.dtypes import byte_view, dtype_from_name, dtype_name, host_memoryview
+from bytecp.tree.dtypes import dtype_from_name, dtype_name, tensor_bytes
 from bytecp.tree.regions import Region, row_major_strides
 
 __all__ = ["Target", "execute_reads", "target_waves", "READ_BATCH_MIN_BYTES", "PinnedSlabs", "SLABS",
@@ -98,10 +98,16 @@ def target_waves(targets: Sequence[Target]) -> list[int]:
     spans = []
     for i, t in enumerate(targets):
         v = t.view
-        if v.numel() == 0:
+        n = v.numel()
+        if n == 0:
             continue
-        last = sum((n - 1) * s for n, s in zip(v.shape, v.stride(), strict=True))
-        spans.append((str(v.device), v.data_ptr(), v.data_ptr() + (last + 1) * v.element_size(), i))
+        ptr = v.data_ptr()
+        if v.is_contiguous():  # (nearly every target: no Python per dimension)
+            end = ptr + n * v.element_size()
+        else:
+            last = sum((k - 1) * s for k, s in zip(v.shape, v.stride(), strict=True))
+            end = ptr + (last + 1) * v.element_size()
+        spans.append(("cpu" if v.is_cpu else str(v.device), ptr, end, i))
     spans.sort()
     waves = [0] * len(targets)
     group: list[tuple[str, int, int, int]] = []
@@ -145,9 +151,9 @@ def _batches(chunks: Sequence[fmt.ChunkRecord], reqs: Sequence[ReadRequest], io_
     return batches
 
 
-#: a request's read: (its bytes' buffer, the target view, whether that buffer is the target,
-#: the bytes its check needs before and after its own, and the check)
-_Plan = tuple[torch.Tensor, torch.Tensor, bool, memoryview, memoryview, "Verifier | None"]
+#: a request's read: (its bytes' buffer and the bytes of it, the target view, whether that buffer is
+#: the target, the bytes its check needs before and after its own, and the check)
+_Plan = tuple[torch.Tensor, memoryview, torch.Tensor, bool, memoryview, memoryview, "Verifier | None"]
 
 
 class _BatchReader:
@@ -186,10 +192,11 @@ class _BatchReader:
         dest = self._target_of(req)
         # straight into the target when the bytes read are exactly its box (a whole chunk, or rows
         # of one: FSDP2's shards) in its dtype; else staged
-        direct = (dest.is_contiguous() and dest.device.type == "cpu"
+        direct = (not dest.is_cuda and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
                   and req.nbytes == req.box.numel * dest.element_size()
                   and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)
-        raw = byte_view(dest) if direct else torch.empty(req.nbytes, dtype=torch.uint8)
+        # (the plan holds ``raw`` while its bytes are read: tensor_bytes does not)
+        raw = dest if direct else torch.empty(req.nbytes, dtype=torch.uint8)
         check = self._check(req)
         head = tail = memoryview(b"")
         if check is not None:
@@ -199,7 +206,7 @@ class _BatchReader:
             if before or after:
                 edges = memoryview(np.empty(before + after, np.uint8).data)
                 head, tail = edges[:before], edges[before:]
-        return raw, dest, direct, head, tail, None if check is None else check[0]
+        return raw, tensor_bytes(raw), dest, direct, head, tail, None if check is None else check[0]
 
     def _read(self, batch: Sequence[ReadRequest], ranges: list[tuple[int, memoryview]],
               each: Callable[[int], None] | None = None) -> None:
@@ -227,18 +234,18 @@ class _BatchReader:
 
     def __call__(self, batch: list[ReadRequest]) -> int:
         total = sum(r.nbytes for r in batch)
-        on_device = [r for r in batch if self.targets[r.target].view.device.type == "cuda"]
+        on_device = [r for r in batch if self.targets[r.target].view.is_cuda]
         if on_device:
             self.device(on_device)
-            batch = [r for r in batch if self.targets[r.target].view.device.type != "cuda"]
+            batch = [r for r in batch if not self.targets[r.target].view.is_cuda]
             if not batch:
                 return total
         plans = [self._plan(r) for r in batch]
         # each request's bytes and those its check needs, each range summed as soon as it is in
         ranges: list[tuple[int, memoryview]] = []
         checks: list[Verifier | None] = []
-        for r, (raw, _, _, head, tail, v) in zip(batch, plans, strict=True):
-            for offset, view in ((r.byte_offset - len(head), head), (r.byte_offset, host_memoryview(raw)),
+        for r, (_, own, _, _, head, tail, v) in zip(batch, plans, strict=True):
+            for offset, view in ((r.byte_offset - len(head), head), (r.byte_offset, own),
                                  (r.byte_offset + r.nbytes, tail)):
                 if len(view):
                     ranges.append((offset, view))
@@ -258,18 +265,19 @@ class _BatchReader:
         if failed:
             raise failed[0]
         for plan in plans:  # every byte read checked before any is placed
-            if plan[5] is not None:
-                plan[5].done()
+            if plan[6] is not None:
+                plan[6].done()
         faults.handoff("check")
-        for r, (raw, dest, direct, _, _, _) in zip(batch, plans, strict=True):
-            self._place(r, raw, dest, direct)
+        # read into their memory, behind their version counters: incremental saves must see it
+        increment_version([dest for _, _, dest, direct, _, _, _ in plans if direct])
+        for r, (raw, _, dest, direct, _, _, _) in zip(batch, plans, strict=True):
+            if not direct:
+                self._place(r, raw, dest)
         faults.handoff("place")
         return total
 
-    def _place(self, req: ReadRequest, raw: torch.Tensor, dest: torch.Tensor, direct: bool) -> None:
-        if direct:  # read into its memory, behind its version counter: incremental saves must see it
-            increment_version(dest)
-            return
+    def _place(self, req: ReadRequest, raw: torch.Tensor, dest: torch.Tensor) -> None:
+        """A staged request's bytes copied (and cast) into its target."""
         if not req.box.numel:
             return
         c = self.chunks[req.chunk]

@@ -7,6 +7,7 @@ Bytes are little-endian, row-major, with no padding between elements.
 
 from __future__ import annotations
 
+import ctypes
 import sys
 from typing import Any
 
@@ -15,7 +16,8 @@ import torch
 from bytecp.errors import CorruptCheckpointError
 from bytecp.tree.dtype_names import ITEMSIZES
 
-__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "SUPPORTED_DTYPES"]
+__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "tensor_bytes",
+           "SUPPORTED_DTYPES"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in practice
     raise ImportError("bytecp stores little-endian bytes and runs on little-endian hosts only")
@@ -66,3 +68,26 @@ def host_memoryview(t: torch.Tensor) -> memoryview:
         return memoryview(bytearray())
     arr: Any = byte_view(t).numpy()
     return memoryview(arr)
+
+
+_FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
+_FROM_MEMORY.restype = ctypes.py_object
+_FROM_MEMORY.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
+_PYBUF_WRITE = 0x200
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor as a writable flat memoryview, made
+    from its address with no torch call but two attribute reads (about 1 us;
+    :func:`host_memoryview` makes three views through torch, each of which
+    lets go of the GIL: a reader thread of a load of tens of thousands of
+    small tensors then waited for it back at each one). The view does not
+    hold ``t``: the caller keeps ``t`` alive while the view is in use (the
+    loader's read plans hold both)."""
+    if t.is_cuda or not t.is_contiguous():
+        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
+    n = t.nbytes
+    if not n:
+        return memoryview(bytearray())
+    view: memoryview = _FROM_MEMORY(t.data_ptr(), n, _PYBUF_WRITE)
+    return view

@@ -154,16 +154,16 @@ def test_local_write_that_blocks_fails_naming_the_file(tmp_path, monkeypatch):
 def test_local_read_batch_that_blocks_fails_naming_its_first_file(tmp_path, monkeypatch):
     """A batch of reads (``read_files``: a rank's index segments) is one bounded request, named by its first file."""
     release = threading.Event()
-    real = _posix.read_all
+    real = _posix.read_vectored
     st = open_storage(str(tmp_path), request_timeout=0.3)
     for name in ("index/a.bin", "index/b.bin"):
         st.write_file(name, [payload(100, 1)])
 
-    def stuck(fd, offset, view):
+    def stuck(fd, offset, views):
         release.wait(30)
-        return real(fd, offset, view)
+        return real(fd, offset, views)
 
-    monkeypatch.setattr("bytecp.storage.local.read_all", stuck)
+    monkeypatch.setattr("bytecp.storage.local.read_vectored", stuck)
     reads = [(name, [(0, memoryview(bytearray(10)))]) for name in ("index/a.bin", "index/b.bin")]
     with pytest.raises(TransientStorageError, match=r"index/a\.bin \(read_files\): no answer within 0\.3 s"):
         st.read_files(reads)

@@ -1,0 +1,184 @@
+"""A load of many small tensors (a mixture-of-experts rank holds tens of
+thousands): what it costs per tensor was made of Python, torch calls that let
+go of the GIL, system calls and a scan in torch's optimizer loading; each is
+cut here and checked for what it must still do.
+
+- ``adapters._optim.ParamIds``: the parameter ids handed to
+  ``Optimizer.load_state_dict``, a list whose ``in`` is O(1) (torch scans a
+  group's ids once per state tensor) and a plain scan again once changed;
+- ``storage._posix.read_vectored``: ranges that follow each other in a file
+  read by one ``preadv``, a file that ends early named at the first range it
+  cuts, ``each`` still called in order;
+- ``bytecp.tree.dtypes.tensor_bytes``: a tensor's bytes by address;
+- a load of a model of many small parameters with AdamW in several groups,
+  bitwise, and an optimizer pre-hook that changes the ids still honoured.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import pickle
+from pathlib import Path
+
+import pytest
+import torch
+from bytecp.adapters._optim import ParamIds
+from bytecp.storage._posix import VECTOR_BYTES, adjacent_runs, read_vectored
+
+import bytecp
+from bytecp.errors import CorruptCheckpointError
+from bytecp.storage_api import open_storage
+from bytecp.tree.dtypes import tensor_bytes
+
+
+def test_param_ids_answer_in_like_the_list_they_are() -> None:
+    ids = ParamIds(5, 4)
+    assert ids == [5, 6, 7, 8] and isinstance(ids, list) and len(ids) == 4
+    assert [x in ids for x in (4, 5, 8, 9, -1)] == [False, True, True, False, False]
+    assert 5.0 in ids and "5" not in ids and None not in ids  # (as a list answers: 5.0 == 5)
+    assert copy.deepcopy(ids) == [5, 6, 7, 8] and pickle.loads(pickle.dumps(ids)) == [5, 6, 7, 8]
+    ids.append(42)
+    assert 42 in ids and 9 not in ids
+    ids[0] = 100
+    assert 5 not in ids and 100 in ids
+    ids.sort(reverse=True)
+    assert ids[0] == 100 and 6 in ids
+    empty = ParamIds(3, 0)
+    assert empty == [] and 3 not in empty
+
+
+def test_adjacent_ranges_run_together_up_to_the_cap() -> None:
+    def r(offset: int, n: int) -> tuple[int, memoryview]:
+        return offset, memoryview(bytearray(n))
+
+    assert adjacent_runs([]) == []
+    assert adjacent_runs([r(0, 10), r(10, 5), r(15, 1), r(20, 4), r(24, 4)]) == [(0, 3), (3, 5)]
+    big = VECTOR_BYTES // 2 + 1
+    assert adjacent_runs([r(0, big), r(big, big), r(2 * big, 1)]) == [(0, 1), (1, 3)]
+    assert adjacent_runs([r(0, 3 * VECTOR_BYTES), r(3 * VECTOR_BYTES, 1)]) == [(0, 1), (1, 2)]
+    many = [r(k, 1) for k in range(2500)]
+    assert adjacent_runs(many) == [(0, 1024), (1024, 2048), (2048, 2500)]
+
+
+def test_a_vectored_read_fills_every_view_and_stops_at_the_end(tmp_path: Path) -> None:
+    data = os.urandom(70_000)
+    path = tmp_path / "f.bin"
+    path.write_bytes(data)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        views = [memoryview(bytearray(n)) for n in (0, 1, 4096, 7, 30_000)]
+        assert read_vectored(fd, 100, views) == 34_104
+        at = 100
+        for v in views:
+            assert bytes(v) == data[at : at + len(v)]
+            at += len(v)
+        tail = [memoryview(bytearray(10)), memoryview(bytearray(10))]
+        assert read_vectored(fd, 69_985, tail) == 15  # the file ends inside the second view
+        assert bytes(tail[0]) == data[69_985:69_995] and bytes(tail[1][:5]) == data[69_995:]
+    finally:
+        os.close(fd)
+
+
+def test_local_read_ranges_reads_small_neighbours_together_and_names_a_short_file(tmp_path: Path) -> None:
+    data = os.urandom(50_000)
+    (tmp_path / "f.bin").write_bytes(data)
+    st = open_storage(str(tmp_path))
+    bufs = [memoryview(bytearray(n)) for n in (100, 200, 300, 50)]
+    ranges = [(0, bufs[0]), (100, bufs[1]), (300, bufs[2]), (1000, bufs[3])]
+    seen: list[int] = []
+    st.read_ranges("f.bin", ranges, each=seen.append)
+    assert seen == [0, 1, 2, 3]
+    assert [bytes(b) for b in bufs] == [data[0:100], data[100:300], data[300:600], data[1000:1050]]
+    short = [(49_000, memoryview(bytearray(500))), (49_500, memoryview(bytearray(1000)))]
+    seen.clear()
+    with pytest.raises(CorruptCheckpointError, match=r"f\.bin: file is truncated: wanted bytes \[49500, 50500\), "
+                                                     r"file ends at 50000"):
+        st.read_ranges("f.bin", short, each=seen.append)
+    assert seen == [0]  # the range read whole was handed on before the error
+
+
+def test_tensor_bytes_are_the_tensors_own() -> None:
+    t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
+    v = tensor_bytes(t)
+    assert v.format == "B" and not v.readonly and bytes(v) == t.view(torch.uint8).numpy().tobytes()
+    v[0:2] = bytes(t[2, 3].reshape(1).view(torch.uint8).numpy())
+    assert t[0, 0] == 11
+    assert len(tensor_bytes(torch.empty(0, 5))) == 0
+    row = torch.zeros(4, 6)[1]
+    assert len(tensor_bytes(row)) == 24
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        tensor_bytes(torch.zeros(4, 6)[:, 1])
+
+
+def _model(seed: int, n: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = torch.nn.ModuleList(torch.nn.Linear(4, 3) for _ in range(n))
+    params = list(model.parameters())
+    third = len(params) // 3
+    opt = torch.optim.AdamW([{"params": params[:third], "lr": 1e-3},
+                             {"params": params[third:2 * third], "lr": 2e-3, "weight_decay": 0.0},
+                             {"params": params[2 * third:], "lr": 3e-3}])
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, 4, generator=g)
+    loss = sum((layer(x) ** 2).sum() for layer in model)
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+@pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["into-live-state", "into-a-fresh-optimizer"])
+def test_many_small_tensors_load_bitwise(tmp_path: Path, fresh_optimizer: bool) -> None:
+    model, opt = _model(0, 600)  # 1,200 parameters, 3,600 Adam state entries, three groups
+    for s in range(2):
+        _step(model, opt, s)
+    bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    want_model = {k: v.clone() for k, v in model.state_dict().items()}
+    want_opt = copy.deepcopy(opt.state_dict())
+
+    other, other_opt = _model(1, 600)
+    if not fresh_optimizer:
+        _step(other, other_opt, 7)  # state exists: filled in place
+    bytecp.load(str(tmp_path / "ck"), {"model": other, "optim": other_opt})
+    for k, v in other.state_dict().items():
+        assert torch.equal(v, want_model[k]), k
+    got = other_opt.state_dict()
+    assert [{k: v for k, v in g.items()} for g in got["param_groups"]] == want_opt["param_groups"]
+    assert got["state"].keys() == want_opt["state"].keys()
+    for i, st in want_opt["state"].items():
+        for k, v in st.items():
+            assert torch.equal(got["state"][i][k], v), (i, k)
+    # training goes on from the loaded state exactly as from the saved one
+    _step(model, opt, 9)
+    _step(other, other_opt, 9)
+    for (k, a), b in zip(model.state_dict().items(), other.state_dict().values(), strict=True):
+        assert torch.equal(a, b), k
+
+
+def test_an_optimizer_pre_hook_that_changes_the_ids_is_honoured(tmp_path: Path) -> None:
+    """A load-state-dict pre-hook may rewrite the groups' ids (here: a copy
+    that drops the last id of group 0, then puts it back by append); torch
+    then asks ``in`` of the changed list, answered by a scan."""
+    model, opt = _model(0, 30)
+    _step(model, opt, 0)
+    bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    other, other_opt = _model(1, 30)
+    seen: list[bool] = []
+
+    def hook(optimizer: torch.optim.Optimizer, sd: dict) -> None:
+        ids = sd["param_groups"][0]["params"]
+        last = ids.pop()
+        seen.append(last in ids)
+        ids.append(last)
+        seen.append(last in ids)
+
+    other_opt.register_load_state_dict_pre_hook(hook)
+    bytecp.load(str(tmp_path / "ck"), {"model": other, "optim": other_opt})
+    assert seen == [False, True]
+    for i, st in opt.state_dict()["state"].items():
+        for k, v in st.items():
+            assert torch.equal(other_opt.state_dict()["state"][i][k], v), (i, k)
