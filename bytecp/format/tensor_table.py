@@ -139,13 +139,26 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         return {"names": self.names, "dtypes": self.dtypes, "dtype": self.dtype.tolist(),
                 "ndim": self.ndim.tolist(), "dims": self.dims.tolist()}
 
+    @functools.cached_property
+    def _specs(self) -> dict[int, tuple[str, tuple[int, ...]]]:
+        """row -> (dtype, shape) of the rows asked for so far: a load asks each
+        of its tensors' several times (its rows, its plan, its targets), and
+        reading a row out of the arrays costs microseconds."""
+        return {}
+
+    def _spec(self, i: int) -> tuple[str, tuple[int, ...]]:
+        got = self._specs.get(i)
+        if got is None:
+            a = int(self.start[i])
+            got = self._specs[i] = (self.dtypes[int(self.dtype[i])], tuple(self.dims[a: a + int(self.ndim[i])].tolist()))
+        return got
+
     def shape(self, i: int) -> list[int]:
-        a = int(self.start[i])
-        return self.dims[a: a + int(self.ndim[i])].tolist()
+        return list(self._spec(i)[1])
 
     def __getitem__(self, fqn: str) -> dict[str, Any]:
-        i = self._rows()[fqn]
-        return {"dtype": self.dtypes[int(self.dtype[i])], "shape": self.shape(i)}
+        dtype, shape = self._spec(self._rows()[fqn])
+        return {"dtype": dtype, "shape": list(shape)}
 
     def __contains__(self, fqn: object) -> bool:
         return fqn in self._row
