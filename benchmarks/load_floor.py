@@ -1,9 +1,11 @@
 """A load from a warm page cache against the read floor, and DCP's, in one run.
 
-    python -m benchmarks.load_floor [--gb 1.07] [--threads 4] [--repeats 7] [--json out.json]
+    python -m benchmarks.load_floor [--gb 1.07 | --moe N] [--threads 4] [--repeats 7] [--json out.json]
 
 One process, local disk, the GPT of benchmarks/model.py (plain, Adam state
-trained one step) of about ``--gb`` GB of tensors, saved once by
+trained one step) of about ``--gb`` GB of tensors (or, with ``--moe N``, the
+MoE-like GPT of benchmarks/moe_model.py of about N small tensors: a
+mixture-of-experts rank's load, where what costs is per tensor), saved once by
 ``bytecp.save`` and once by ``torch.distributed.checkpoint.save``. Then,
 page cache warm (every file read once first), rounds of four, taken in turn
 so load on a shared machine hits them alike:
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import dataclasses
 import json
 import os
 import statistics
@@ -42,6 +45,7 @@ from typing import Any
 import torch
 
 import bytecp
+from benchmarks import moe_model
 from benchmarks.model import build, config_for_gb, state_bytes
 
 __all__ = ["main", "run", "read_floor"]
@@ -75,12 +79,20 @@ def read_floor(files: list[Path], bufs: list[torch.Tensor], threads: int) -> flo
     return time.perf_counter() - t0
 
 
-def run(gb: float, root: str, threads: int, repeats: int) -> dict[str, Any]:
+def run(gb: float, root: str, threads: int, repeats: int, moe: int | None = None) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    cfg = config_for_gb(gb)
-    model, optim = build(cfg, "plain")
+    cfg: Any
+    if moe is not None:
+        cfg = moe_model.config_for_tensors(moe)
+        model, optim = moe_model.build(cfg)
+        moe_model.forward_backward(model, cfg)
+        optim.step()
+        optim.zero_grad(set_to_none=True)
+    else:
+        cfg = config_for_gb(gb)
+        model, optim = build(cfg, "plain")
     state = {"model": model, "optim": optim}
     url = f"{root}/bytecp"
     bytecp.save(url, state)
@@ -123,7 +135,7 @@ def run(gb: float, root: str, threads: int, repeats: int) -> dict[str, Any]:
     med = {k: statistics.median(v) for k, v in times.items()}
     mcpu = {k: statistics.median(v) for k, v in cpu.items()}
     return {
-        "model": {"layers": cfg.layers, "hidden": cfg.hidden, "vocab": cfg.vocab},
+        "model": dataclasses.asdict(cfg),
         "state_gb": state_bytes(model, optim) / 1e9,
         "tensors": len(model.state_dict()) + sum(len(s) for s in optim.state.values()),
         "read_gb": sum(b.numel() for b in bufs) / 1e9,
@@ -138,13 +150,14 @@ def run(gb: float, root: str, threads: int, repeats: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gb", type=float, default=1.07, help="state size (parameters + Adam state), GB")
+    ap.add_argument("--moe", type=int, default=None, metavar="N", help="a MoE-like GPT of about N tensors instead")
     ap.add_argument("--threads", type=int, default=4, help="reader threads of the floor and of bytecp's load")
     ap.add_argument("--repeats", type=int, default=7, help="measured rounds")
     ap.add_argument("--root", default=None, help="where the checkpoints go (a temporary directory by default)")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args(argv)
     with tempfile.TemporaryDirectory(dir=args.root) as root:
-        out = run(args.gb, root, args.threads, args.repeats)
+        out = run(args.gb, root, args.threads, args.repeats, moe=args.moe)
     print(json.dumps(out, indent=2))
     if args.json:
         with open(args.json, "w") as f:
