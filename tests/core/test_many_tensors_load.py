@@ -182,3 +182,32 @@ def test_an_optimizer_pre_hook_that_changes_the_ids_is_honoured(tmp_path: Path) 
     for i, st in opt.state_dict()["state"].items():
         for k, v in st.items():
             assert torch.equal(other_opt.state_dict()["state"][i][k], v), (i, k)
+
+
+def test_the_load_pauses_the_collector_and_turns_it_back_on(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cyclic collection runs inside a load's phases (their objects would
+    start collections of the whole heap); the collector is on again after
+    it, whether the load succeeded or failed, and off if it was off before."""
+    import gc
+
+    from bytecp.loading.pipeline import LoadPipeline
+
+    model, opt = _model(0, 20)
+    bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    seen: list[bool] = []
+    for phase in ("read_metadata", "match", "read", "apply"):
+        real = getattr(LoadPipeline, phase)
+        monkeypatch.setattr(LoadPipeline, phase,
+                            lambda self, real=real: (seen.append(gc.isenabled()), real(self))[1])
+    bytecp.load(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    assert seen == [False] * 4 and gc.isenabled()
+    seen.clear()
+    with pytest.raises(bytecp.StateMismatchError):
+        bytecp.load(str(tmp_path / "ck"), {"model": torch.nn.Linear(2, 2)})
+    assert seen and not any(seen) and gc.isenabled()
+    gc.disable()
+    try:
+        bytecp.load(str(tmp_path / "ck"), {"model": model, "optim": opt})
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
