@@ -11,7 +11,9 @@ cut here and checked for what it must still do.
   cuts, ``each`` still called in order;
 - ``bytecp.tree.dtypes.tensor_bytes``: a tensor's bytes by address;
 - a load of a model of many small parameters with AdamW in several groups,
-  bitwise, and an optimizer pre-hook that changes the ids still honoured.
+  bitwise, and an optimizer pre-hook that changes the ids still honoured;
+- a load and a blocking save run with the cyclic collector paused (their
+  objects would start collections of the whole heap) and turn it back on.
 """
 
 from __future__ import annotations
@@ -211,3 +213,22 @@ def test_the_load_pauses_the_collector_and_turns_it_back_on(tmp_path: Path, monk
         assert not gc.isenabled()
     finally:
         gc.enable()
+
+
+def test_a_blocking_save_pauses_the_collector_and_turns_it_back_on(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """``bytecp.save`` runs with the collector paused, as a load does (a
+    20,120-tensor save: 1.4 s with collections, 0.9 s without)."""
+    import gc
+
+    from bytecp.saving import schedule
+
+    model, opt = _model(0, 20)
+    seen: list[bool] = []
+    real = schedule.save_now
+    monkeypatch.setattr(schedule, "save_now", lambda p: (seen.append(gc.isenabled()), real(p))[1])
+    bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    assert seen == [False] and gc.isenabled()
+    with pytest.raises(bytecp.CheckpointExistsError):
+        bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    assert gc.isenabled()
