@@ -40,7 +40,7 @@ from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in, retire_gro
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager
 from bytecp.storage_api import Storage
-from bytecp.tree.bulk import gc_paused
+from bytecp.tree.bulk import gc_paused, heap_frozen
 
 __all__ = [
     "save_now", "eager", "lazy", "budgeted", "Order", "order_for", "async_stager", "run_now", "start_async",
@@ -219,9 +219,10 @@ def start_async(order: Order, p: SavePipeline, *, blocked_since: float) -> SaveH
 
     def run() -> fmt.Metadata:
         go.wait()
-        paused.end()
-        with p.trace.failing(), _leases_given_up_on_failure(p):
-            md = background()
+        with heap_frozen():  # (its collections pass over the training process's objects: bulk.heap_frozen)
+            paused.end()
+            with p.trace.failing(), _leases_given_up_on_failure(p):
+                md = background()
         p.report()
         return md
 

@@ -20,10 +20,12 @@ import os
 import threading
 from collections.abc import Iterator
 
-__all__ = ["gc_paused", "pause_gc", "resume_gc"]
+__all__ = ["gc_paused", "pause_gc", "resume_gc", "heap_frozen"]
 
 #: (depth of the pauses open in every thread, whether the collector was on before the first)
 _PAUSES = [0, False]
+#: (depth of the freezes open in every thread, whether the first froze the heap itself)
+_FROZEN = [0, False]
 _LOCK = threading.Lock()
 
 
@@ -52,12 +54,15 @@ def resume_gc() -> None:
 
 def _forget_pauses() -> None:
     """(a forked child) The parent's other threads, and their pauses, are
-    gone: none is open, and the collector is on if it was before them."""
+    gone: none is open, and the collector is on if it was before them (a
+    heap the parent froze stays frozen in the child: nothing of it is the
+    child's to collect)."""
     global _LOCK
     _LOCK = threading.Lock()
     if _PAUSES[0] and _PAUSES[1]:
         gc.enable()
     _PAUSES[0] = 0
+    _FROZEN[0] = 0
 
 
 os.register_at_fork(after_in_child=_forget_pauses)
@@ -72,3 +77,37 @@ def gc_paused() -> Iterator[None]:
         yield
     finally:
         resume_gc()
+
+
+@contextlib.contextmanager
+def heap_frozen() -> Iterator[None]:
+    """Inside the block, the collector passes over every object that existed
+    when it began (``gc.freeze()``; ``gc.unfreeze()`` at its end), while
+    objects made since are collected as usual.
+
+    An async save's background thread runs in one: a save of tens of
+    thousands of tensors holds enough objects for its whole run to start a
+    collection of the oldest generation, which traverses every object of the
+    training process (0.26-0.30 s for a 20,120-tensor state beside its
+    model) and holds the GIL throughout: the training thread stopped for it
+    at every checkpoint. Frozen, that collection traverses only what was made
+    since. Nothing is kept from being collected for good: the garbage among
+    the frozen objects (there is little: they were alive a moment before) is
+    collected after the block. A process that froze its heap itself
+    (``gc.get_freeze_count()`` not 0: a server's warm-up) keeps its freeze:
+    then the block does nothing. Blocks of several threads nest: the last to
+    end unfreezes."""
+    with _LOCK:
+        if _FROZEN[0] == 0:
+            _FROZEN[1] = gc.get_freeze_count() == 0
+            if _FROZEN[1]:
+                gc.freeze()
+        _FROZEN[0] += 1
+    try:
+        yield
+    finally:
+        with _LOCK:
+            if _FROZEN[0]:  # (0: a forked child's, its parent's block forgotten)
+                _FROZEN[0] -= 1
+                if _FROZEN[0] == 0 and _FROZEN[1]:
+                    gc.unfreeze()

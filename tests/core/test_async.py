@@ -226,6 +226,60 @@ def test_collector_pauses_of_two_threads_nest() -> None:
     assert gc.isenabled()
 
 
+def test_the_background_of_an_async_save_runs_with_the_heap_frozen(tmp_path: Path, monkeypatch) -> None:
+    """An async save's background part runs with every object that existed
+    when it began frozen (its collections of the oldest generation then
+    traverse only what was made since, not the training process's whole
+    heap); the heap is unfrozen once it ends, after a failure too; a heap the
+    process froze itself stays frozen, and blocks of several threads nest."""
+    import gc
+    import threading
+
+    from bytecp.saving import schedule
+    from bytecp.tree.bulk import heap_frozen
+
+    m = nn.Linear(4, 4)
+    seen: list[int] = []
+    real = schedule.eager
+
+    def eager(p, handle):  # the background part records the freeze it runs in
+        background = real(p, handle)
+        return lambda: (seen.append(gc.get_freeze_count()), background())[1]
+
+    monkeypatch.setattr(schedule, "eager", eager)
+    gc.unfreeze()  # (the session froze what its imports made: tests/conftest.py; frozen again below)
+    try:
+        bytecp.async_save(str(tmp_path / "a"), {"model": m}).wait()
+        assert len(seen) == 1 and seen[0] > 0 and gc.get_freeze_count() == 0
+        with pytest.raises(bytecp.CheckpointExistsError):  # the background part fails
+            bytecp.async_save(str(tmp_path / "a"), {"model": m}).wait()
+        assert len(seen) == 2 and seen[1] > 0 and gc.get_freeze_count() == 0
+
+        began, end = threading.Event(), threading.Event()
+
+        def other() -> None:
+            with heap_frozen():
+                began.set()
+                end.wait(10)
+
+        t = threading.Thread(target=other)
+        t.start()
+        began.wait(10)
+        with heap_frozen():
+            assert gc.get_freeze_count() > 0
+            end.set()
+            t.join(10)
+            assert gc.get_freeze_count() > 0  # the other ended first: still frozen for this one
+        assert gc.get_freeze_count() == 0
+    finally:
+        gc.freeze()  # the process's own freeze (here the session's) ...
+    frozen = gc.get_freeze_count()
+    bytecp.async_save(str(tmp_path / "b"), {"model": m}).wait()
+    with heap_frozen():
+        pass
+    assert frozen > 0 and gc.get_freeze_count() > 0  # ... is kept (unfrozen, it would be 0)
+
+
 def test_saves_run_on_one_kept_thread_each_in_a_fresh_context(tmp_path: Path) -> None:
     """The background thread is started once (an async call never waits for a
     new thread to be scheduled) and kept for the next save of the same nice
