@@ -15,8 +15,14 @@ pre-step hook until the background copy is done: ``hook wait``), then
 same rounds through ``CheckpointManager(async_save=True, lazy=True)``
 (``maybe_save``, incremental against the previous step, retention) give the
 manager's lazy call, and with ``lazy=False`` the eager call (the copy
-included) for reference. Rounds take the three in turn, so load on a shared
-machine hits them alike.
+included) for reference, and rounds with no save at all. Rounds take the
+four in turn, so load on a shared machine hits them alike. Each mode's
+``training_step`` is the forward/backward and ``optimizer.step()`` right
+after the call, while the save's background part runs beside it: against
+the rounds with no save, what the background costs the training thread (a
+cyclic collection the background sets off holds the GIL: with tens of
+thousands of tensors, one over the whole heap stopped training for 0.25-0.3
+s a save until the background ran with the heap frozen).
 
 The floor is the copy itself: the same tensors' bytes copied into a
 prewarmed host buffer with one ``torch._foreach_copy_`` (one thread, as a
@@ -126,9 +132,10 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
     prewarm_s = bytecp.prewarm(state)
     counter = _GcCounter()
     gc.callbacks.append(counter)
-    modes = ("lazy", "manager lazy", "eager")
+    modes = ("lazy", "manager lazy", "eager", "none")
     calls: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
+    steps: dict[str, list[float]] = {m: [] for m in modes}
     mgr = bytecp.CheckpointManager(f"{root}/run", every_n_steps=1, keep_last=2, async_save=True, lazy=True)
     hook: list[float] = []
     collections = {m: 0 for m in modes}
@@ -140,29 +147,32 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
             c0, t0 = time.thread_time(), time.perf_counter()
             if mode == "manager lazy":
                 mgr.maybe_save(i, state)
-            else:
+            elif mode != "none":
                 h = bytecp.async_save(f"{root}/{mode}-{i % 4}", state, lazy=mode == "lazy", overwrite=True, step=i)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
             counter.active = False
+            t_step = time.perf_counter()
             step(i)
             t1 = time.perf_counter()
             optim.step()  # a lazy save's hook waits here for the copy
             step_s = time.perf_counter() - t1
+            train_s = time.perf_counter() - t_step
             optim.zero_grad(set_to_none=True)
             if mode == "manager lazy":
                 mgr.wait()
-            else:
+            elif mode != "none":
                 h.wait()
             if i >= warmup * len(modes):  # the first rounds warm caches up
                 calls[mode].append(dt)
                 cpu[mode].append(dc)
+                steps[mode].append(train_s)
                 collections[mode] += counter.count - seen
                 if mode == "lazy":
                     hook.append(step_s)
     finally:
         gc.callbacks.remove(counter)
     n = len(calls["lazy"])
-    named = {m.replace(" ", "_"): m for m in modes}
+    named = {m.replace(" ", "_"): m for m in modes if m != "none"}
     return {
         "model": dataclasses.asdict(cfg),
         "state_mb": state_bytes(model, optim) / 1e6,
@@ -172,6 +182,9 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
         **{f"{k}_call": _summary(calls[m]) for k, m in named.items()},
         **{f"{k}_call_thread_cpu": _summary(cpu[m]) for k, m in named.items()},
         "lazy_step_with_hook": _summary(hook),
+        # forward/backward + optimizer.step() right after the call, the save's background beside it
+        # (the training thread's time: a collection the background sets off holds the GIL), and with no save
+        **{f"{k}_training_step": _summary(steps[m]) for k, m in {**named, "no_save": "none"}.items()},
         "gc_per_call": {k: collections[m] / max(1, len(calls[m])) for k, m in named.items()},
         "floor_ms_1_thread": floor_ms(src, 1),
         f"floor_ms_{torch.get_num_threads()}_threads": floor_ms(src, torch.get_num_threads()),

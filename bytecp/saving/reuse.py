@@ -143,7 +143,7 @@ def live_tokens(flat: FlatTree, *, read: bool = True) -> Tokens:
 
 def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
     for region, tok, t in tokens.get(fqn, ()):
-        if region.contains(box):
+        if region == box or region.contains(box):  # (the shard is the box: most tensors, no loop over dims)
             return tok, t
     return None, None
 
@@ -245,7 +245,7 @@ class Incremental:
                 write.append(it)
                 continue
             path = "../" + rec.file
-            records.append(dataclasses.replace(rec, file=path))
+            records.append(rec.in_file(path))
             files[path] = box.file_size
         return write, Reused(tuple(records), files)
 
@@ -257,11 +257,12 @@ class Incremental:
         boxes: dict[tuple[str, Region], _Box] = {}
         keep: dict[int, torch.Tensor] = {}
         for c in chunks:
-            tok, t = _token_of(tokens, c.fqn, Region(c.offsets, c.lengths))
+            box = Region(c.offsets, c.lengths)
+            tok, t = _token_of(tokens, c.fqn, box)
             if tok is None or t is None:
                 continue
             keep[id(t)] = t
             own = not c.file.startswith("../")
-            rec = dataclasses.replace(c, file=f"{self.name}/{c.file}" if own else c.file[3:])
-            boxes[(c.fqn, Region(c.offsets, c.lengths))] = _Box(tok, rec, data_files[c.file])
+            rec = c.in_file(f"{self.name}/{c.file}" if own else c.file[3:])
+            boxes[(c.fqn, box)] = _Box(tok, rec, data_files[c.file])
         LAST_SAVES.put(self.key, LastSave(self.name, md.save_id, boxes, tuple(keep.values())))
