@@ -65,11 +65,26 @@ class ParamIds(list[int]):
     the list is as made. torch asks ``param_id in group["params"]`` once for
     every state tensor it loads, which a plain list answers by a scan: a load
     of 10,000 parameters' Adam state spent 0.3 s in those scans alone.
-    Any change to the list (a hook's) makes ``in`` a scan again."""
+    Any change to the list (a hook's) makes ``in`` a scan again; a copy of
+    it, or a pickle unpickled, is a plain list; ``ParamIds(iterable)`` is a
+    list of those ids, scanned."""
 
-    def __init__(self, start: int, n: int) -> None:
+    def __init__(self, start: Any = (), n: int | None = None) -> None:
+        if n is None:  # (as list(iterable): what code that rebuilds a list by its type passes)
+            super().__init__(start)
+            self._span: range | None = None
+            return
         super().__init__(range(start, start + n))
-        self._span: range | None = range(start, start + n)
+        self._span = range(start, start + n)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        return list, (list(self),)
+
+    def __copy__(self) -> list[int]:
+        return list(self)
+
+    def __deepcopy__(self, memo: Any) -> list[int]:
+        return list(self)
 
     def __contains__(self, x: object) -> bool:
         span = getattr(self, "_span", None)

@@ -31,6 +31,8 @@ __all__ = ["TensorTable", "table_json", "MAX_NDIM"]
 
 #: the most dimensions a tensor may have (bytecp.format.limits.MAX_NDIM; torch's own limit is 25 for most ops)
 MAX_NDIM = 64
+#: rows whose dtype and shape a table keeps once asked for (a rank's load of a MoE's tens of thousands)
+SPECS_KEPT = 1 << 15
 
 
 def table_json(specs: Mapping[str, Mapping[str, Any]]) -> dict[str, Any]:
@@ -141,16 +143,21 @@ class TensorTable(Mapping[str, dict[str, Any]]):
 
     @functools.cached_property
     def _specs(self) -> dict[int, tuple[str, tuple[int, ...]]]:
-        """row -> (dtype, shape) of the rows asked for so far: a load asks each
-        of its tensors' several times (its rows, its plan, its targets), and
-        reading a row out of the arrays costs microseconds."""
+        """row -> (dtype, shape) of the first :data:`SPECS_KEPT` rows asked
+        for: a load asks each of its tensors' several times (its rows, its
+        plan, its targets), and reading a row out of the arrays costs
+        microseconds; a reader of every row of a huge table (``verify``, the
+        coordinator's checks) keeps no more than that many (about 8 MB)."""
         return {}
 
     def _spec(self, i: int) -> tuple[str, tuple[int, ...]]:
-        got = self._specs.get(i)
+        specs = self._specs
+        got = specs.get(i)
         if got is None:
             a = int(self.start[i])
-            got = self._specs[i] = (self.dtypes[int(self.dtype[i])], tuple(self.dims[a: a + int(self.ndim[i])].tolist()))
+            got = (self.dtypes[int(self.dtype[i])], tuple(self.dims[a: a + int(self.ndim[i])].tolist()))
+            if len(specs) < SPECS_KEPT:
+                specs[i] = got
         return got
 
     def shape(self, i: int) -> list[int]:

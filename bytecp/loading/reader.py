@@ -192,10 +192,9 @@ class _BatchReader:
         dest = self._target_of(req)
         # straight into the target when the bytes read are exactly its box (a whole chunk, or rows
         # of one: FSDP2's shards) in its dtype; else staged
-        direct = (not dest.is_cuda and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
+        direct = (dest.is_cpu and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
                   and req.nbytes == req.box.numel * dest.element_size()
                   and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)
-        # (the plan holds ``raw`` while its bytes are read: tensor_bytes does not)
         raw = dest if direct else torch.empty(req.nbytes, dtype=torch.uint8)
         check = self._check(req)
         head = tail = memoryview(b"")

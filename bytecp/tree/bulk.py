@@ -19,13 +19,14 @@ import gc
 import os
 import threading
 from collections.abc import Iterator
+from typing import Any
 
 __all__ = ["gc_paused", "pause_gc", "resume_gc", "heap_frozen"]
 
 #: (depth of the pauses open in every thread, whether the collector was on before the first)
 _PAUSES = [0, False]
-#: (depth of the freezes open in every thread, whether the first froze the heap itself)
-_FROZEN = [0, False]
+#: (depth of the freezes open in every thread, whether the first froze the heap itself, the count it froze)
+_FROZEN: list[Any] = [0, False, 0]
 _LOCK = threading.Lock()
 
 
@@ -95,13 +96,16 @@ def heap_frozen() -> Iterator[None]:
     the frozen objects (there is little: they were alive a moment before) is
     collected after the block. A process that froze its heap itself
     (``gc.get_freeze_count()`` not 0: a server's warm-up) keeps its freeze:
-    then the block does nothing. Blocks of several threads nest: the last to
+    then the block does nothing; and a freeze the process makes while the
+    block is open (more objects frozen at its end than it froze) is kept
+    too, the block's with it. Blocks of several threads nest: the last to
     end unfreezes."""
     with _LOCK:
         if _FROZEN[0] == 0:
             _FROZEN[1] = gc.get_freeze_count() == 0
             if _FROZEN[1]:
                 gc.freeze()
+                _FROZEN[2] = gc.get_freeze_count()
         _FROZEN[0] += 1
     try:
         yield
@@ -109,5 +113,5 @@ def heap_frozen() -> Iterator[None]:
         with _LOCK:
             if _FROZEN[0]:  # (0: a forked child's, its parent's block forgotten)
                 _FROZEN[0] -= 1
-                if _FROZEN[0] == 0 and _FROZEN[1]:
+                if _FROZEN[0] == 0 and _FROZEN[1] and gc.get_freeze_count() <= _FROZEN[2]:
                     gc.unfreeze()

@@ -70,24 +70,20 @@ def host_memoryview(t: torch.Tensor) -> memoryview:
     return memoryview(arr)
 
 
-_FROM_MEMORY = ctypes.pythonapi.PyMemoryView_FromMemory
-_FROM_MEMORY.restype = ctypes.py_object
-_FROM_MEMORY.argtypes = [ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int]
-_PYBUF_WRITE = 0x200
-
-
 def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable flat memoryview, made
-    from its address with no torch call but two attribute reads (about 1 us;
-    :func:`host_memoryview` makes three views through torch, each of which
-    lets go of the GIL: a reader thread of a load of tens of thousands of
-    small tensors then waited for it back at each one). The view does not
-    hold ``t``: the caller keeps ``t`` alive while the view is in use (the
-    loader's read plans hold both)."""
-    if t.is_cuda or not t.is_contiguous():
+    """The bytes of a contiguous CPU tensor as a writable flat memoryview,
+    made from its address with no torch call but a few attribute reads
+    (about 1 us; :func:`host_memoryview` makes three views through torch,
+    each of which lets go of the GIL: a reader thread of a load of tens of
+    thousands of small tensors then waited for it back at each one). The
+    view holds ``t`` (through the ctypes array it views), so its memory
+    outlives any reader still filling it, a request abandoned at its
+    timeout included."""
+    if not t.is_cpu or not t.is_contiguous():
         raise ValueError("tensor_bytes needs a contiguous CPU tensor")
     n = t.nbytes
     if not n:
         return memoryview(bytearray())
-    view: memoryview = _FROM_MEMORY(t.data_ptr(), n, _PYBUF_WRITE)
-    return view
+    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
+    arr._bytecp_owner = t  # type: ignore[attr-defined]  # (the view holds arr, arr holds t)
+    return memoryview(arr).cast("B")

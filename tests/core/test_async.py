@@ -271,6 +271,11 @@ def test_the_background_of_an_async_save_runs_with_the_heap_frozen(tmp_path: Pat
             t.join(10)
             assert gc.get_freeze_count() > 0  # the other ended first: still frozen for this one
         assert gc.get_freeze_count() == 0
+        with heap_frozen():
+            made = [[] for _ in range(1000)]  # (objects the collector tracks)
+            gc.freeze()  # a freeze of the process's own while the block is open ...
+        assert gc.get_freeze_count() > 0 and made  # ... is kept
+        gc.unfreeze()
     finally:
         gc.freeze()  # the process's own freeze (here the session's) ...
     frozen = gc.get_freeze_count()

@@ -29,7 +29,7 @@ from bytecp.adapters._optim import ParamIds
 from bytecp.storage._posix import VECTOR_BYTES, adjacent_runs, read_vectored
 
 import bytecp
-from bytecp.errors import CorruptCheckpointError
+from bytecp.errors import CorruptCheckpointError, TransientStorageError
 from bytecp.storage_api import open_storage
 from bytecp.tree.dtypes import tensor_bytes
 
@@ -39,7 +39,9 @@ def test_param_ids_answer_in_like_the_list_they_are() -> None:
     assert ids == [5, 6, 7, 8] and isinstance(ids, list) and len(ids) == 4
     assert [x in ids for x in (4, 5, 8, 9, -1)] == [False, True, True, False, False]
     assert 5.0 in ids and "5" not in ids and None not in ids  # (as a list answers: 5.0 == 5)
-    assert copy.deepcopy(ids) == [5, 6, 7, 8] and pickle.loads(pickle.dumps(ids)) == [5, 6, 7, 8]
+    for other in (copy.copy(ids), copy.deepcopy(ids), pickle.loads(pickle.dumps(ids))):
+        assert type(other) is list and other == [5, 6, 7, 8]  # copies are plain lists
+    assert ParamIds([3, 1]) == [3, 1] and 1 in ParamIds([3, 1]) and 2 not in ParamIds([3, 1])
     ids.append(42)
     assert 42 in ids and 9 not in ids
     ids[0] = 100
@@ -111,6 +113,41 @@ def test_tensor_bytes_are_the_tensors_own() -> None:
     assert len(tensor_bytes(row)) == 24
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
         tensor_bytes(torch.zeros(4, 6)[:, 1])
+    with pytest.raises(ValueError, match="contiguous CPU tensor"):
+        tensor_bytes(torch.empty(3, device="meta"))
+    owned = tensor_bytes(torch.arange(4, dtype=torch.int32))  # the view holds the tensor: nothing else does
+    import gc
+
+    gc.collect()
+    [torch.full((4,), -1, dtype=torch.int32) for _ in range(100)]
+    assert bytes(owned) == torch.arange(4, dtype=torch.int32).numpy().tobytes()
+
+
+def test_a_read_abandoned_at_its_timeout_never_writes_into_freed_memory(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """A local read that outlives its request timeout (a hung mount) goes on
+    in its worker thread after the load failed: the buffers it fills stay
+    alive until it ends (they hold their tensors), never memory the
+    process has given to something else since."""
+    import time
+
+    import bytecp.storage.local as local
+
+    bytecp.save(str(tmp_path / "ck"), {"x": torch.full((64, 64), 7.0)})
+    real = local.read_vectored
+
+    def hung(fd: int, offset: int, views: list) -> int:
+        if sum(len(v) for v in views) == 64 * 64 * 4:  # the data read, not the index's
+            time.sleep(1.0)
+        return real(fd, offset, views)
+
+    monkeypatch.setattr(local, "read_vectored", hung)
+    with pytest.raises(TransientStorageError, match="no answer within 0.2 s"):
+        bytecp.load(str(tmp_path / "ck"), {"x": torch.zeros(64, 64).t()},  # (not contiguous: a staged read)
+                    storage_options={"request_timeout": 0.2}, verify=False, io_threads=1)
+    fresh = [torch.zeros(64 * 64 * 4, dtype=torch.uint8) for _ in range(50)]
+    time.sleep(1.5)  # the hung read ends meanwhile
+    assert not any(bool(b.any()) for b in fresh)
 
 
 def _model(seed: int, n: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -131,6 +168,15 @@ def _step(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> None
     loss.backward()
     opt.step()
     opt.zero_grad()
+
+
+def test_a_meta_target_is_left_as_it_is(tmp_path: Path) -> None:
+    """A target on the meta device has no memory to read into (its address is
+    0): it is filled through a staged copy, which a meta tensor takes as a no-op."""
+    bytecp.save(str(tmp_path / "ck"), {"x": torch.ones(3, 4)})
+    target = {"x": torch.empty(3, 4, device="meta")}
+    bytecp.load(str(tmp_path / "ck"), target, strict=False)
+    assert target["x"].is_meta
 
 
 @pytest.mark.parametrize("fresh_optimizer", [False, True], ids=["into-live-state", "into-a-fresh-optimizer"])
