@@ -233,19 +233,25 @@ def page_aligned(v: memoryview) -> bool:
         return False
 
 
+def _past(views: list[memoryview], n: int) -> list[memoryview]:
+    """``views`` less their first ``n`` bytes: those a vectored call filled
+    (or wrote) whole dropped, one it reached in part trimmed."""
+    k = 0
+    while k < len(views) and n >= len(views[k]):
+        n -= len(views[k])
+        k += 1
+    rest = views[k:]
+    if n and rest:
+        rest[0] = rest[0][n:]
+    return rest
+
+
 def write_all(fd: int, views: list[memoryview]) -> None:
     offset = 0
     while views:
         n = os.pwritev(fd, views[:_IOV_MAX], offset)
         offset += n
-        # drop fully written views, trim a partly written one
-        while n and views:
-            if n >= len(views[0]):
-                n -= len(views[0])
-                views.pop(0)
-            else:
-                views[0] = views[0][n:]
-                n = 0
+        views = _past(views, n)
 
 
 def write_direct(fd: int, views: list[memoryview]) -> None:
@@ -341,13 +347,7 @@ def read_vectored(fd: int, offset: int, views: Sequence[memoryview]) -> int:
         if n == 0:
             break
         got += n
-        while n and todo:  # drop the views filled, trim one filled in part
-            if n >= len(todo[0]):
-                n -= len(todo[0])
-                todo.pop(0)
-            else:
-                todo[0] = todo[0][n:]
-                n = 0
+        todo = _past(todo, n)
     return got
 
 
