@@ -103,13 +103,19 @@ LEASE_SCRIPT = textwrap.dedent("""
     url = sys.argv[1]
     handle = bytecp.async_save(url, {"a": torch.zeros(4)})
 
+    def held(d):  # (the folder goes with the last lease: it may vanish between two looks)
+        try:
+            return bool(os.listdir(d))
+        except FileNotFoundError:
+            return False
+
     def watch():  # not a daemon: joined after threading's exit hooks ran
         gone = False
         d = os.path.join(url, "leases")
-        while not handle.done() and not (os.path.isdir(d) and os.listdir(d)):
+        while not handle.done() and not held(d):
             time.sleep(0.005)  # the lease is taken when the background save plans
         while not handle.done():
-            if not (os.path.isdir(d) and os.listdir(d)) and not os.path.exists(os.path.join(url, "metadata.json")):
+            if not held(d) and not os.path.exists(os.path.join(url, "metadata.json")):
                 gone = True
                 break
             time.sleep(0.01)
