@@ -87,7 +87,7 @@ class ParamIds(list[int]):
         return list(self)
 
     def __contains__(self, x: object) -> bool:
-        span = getattr(self, "_span", None)
+        span = self._span
         if span is not None and type(x) is int:
             return x in span
         return list.__contains__(self, x)

@@ -301,13 +301,8 @@ def write_direct(fd: int, views: list[memoryview]) -> None:
 
 
 def read_all(fd: int, offset: int, view: memoryview) -> int:
-    got = 0
-    while got < len(view):
-        n = os.preadv(fd, [view[got:]], offset + got)
-        if n == 0:
-            break
-        got += n
-    return got
+    """Fill ``view`` from ``offset`` on; -> the bytes read (fewer only at the end of the file)."""
+    return read_vectored(fd, offset, [view])
 
 
 #: adjacent ranges read by one ``preadv`` hold at most this many bytes (a larger range is read

@@ -242,9 +242,7 @@ def uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecord
 
 def _tiled(box: Region, rows: list[fmt.ChunkRecord]) -> bool:
     if len(rows) == 1 and box.numel:  # one row (most tensors of most checkpoints): it tiles the box if it holds it
-        c = rows[0]
-        return all(o <= bo and bo + bn <= o + n
-                   for o, n, bo, bn in zip(c.offsets, c.lengths, box.offsets, box.lengths, strict=True))
+        return Region(rows[0].offsets, rows[0].lengths).contains(box)
     shape = rows[0].global_shape
     if not any(box.offsets) and tuple(box.lengths) == tuple(shape):  # the whole tensor (a replicated one, often)
         strides = row_major_strides(shape)

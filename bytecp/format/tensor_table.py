@@ -59,6 +59,11 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         self.ndim = ndim
         self.dims = dims
         self._numbered = False
+        #: row -> (dtype, shape) of the first :data:`SPECS_KEPT` rows asked for: a load asks each of its
+        #: tensors' several times (its rows, its plan, its targets), and reading a row out of the arrays
+        #: costs microseconds; a reader of every row of a huge table (``verify``, the coordinator's
+        #: checks) keeps no more than that many (about 8 MB)
+        self._specs: dict[int, tuple[str, tuple[int, ...]]] = {}
 
     @functools.cached_property
     def _row(self) -> dict[str, Any]:
@@ -140,15 +145,6 @@ class TensorTable(Mapping[str, dict[str, Any]]):
     def to_json(self) -> dict[str, Any]:
         return {"names": self.names, "dtypes": self.dtypes, "dtype": self.dtype.tolist(),
                 "ndim": self.ndim.tolist(), "dims": self.dims.tolist()}
-
-    @functools.cached_property
-    def _specs(self) -> dict[int, tuple[str, tuple[int, ...]]]:
-        """row -> (dtype, shape) of the first :data:`SPECS_KEPT` rows asked
-        for: a load asks each of its tensors' several times (its rows, its
-        plan, its targets), and reading a row out of the arrays costs
-        microseconds; a reader of every row of a huge table (``verify``, the
-        coordinator's checks) keeps no more than that many (about 8 MB)."""
-        return {}
 
     def _spec(self, i: int) -> tuple[str, tuple[int, ...]]:
         specs = self._specs

@@ -66,7 +66,7 @@ from bytecp.loading.device_reads import SLAB_BYTES, SLABS, DeviceReads, PinnedSl
 from bytecp.plan.load_plan import ReadRequest
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage
-from bytecp.tree.dtypes import dtype_from_name, dtype_name, tensor_bytes
+from bytecp.tree.dtypes import dtype_from_name, dtype_name, host_memoryview
 from bytecp.tree.regions import Region, row_major_strides
 
 __all__ = ["Target", "execute_reads", "target_waves", "READ_BATCH_MIN_BYTES", "PinnedSlabs", "SLABS",
@@ -205,7 +205,7 @@ class _BatchReader:
             if before or after:
                 edges = memoryview(np.empty(before + after, np.uint8).data)
                 head, tail = edges[:before], edges[before:]
-        return raw, tensor_bytes(raw), dest, direct, head, tail, None if check is None else check[0]
+        return raw, host_memoryview(raw), dest, direct, head, tail, None if check is None else check[0]
 
     def _read(self, batch: Sequence[ReadRequest], ranges: list[tuple[int, memoryview]],
               each: Callable[[int], None] | None = None) -> None:

@@ -7,17 +7,16 @@ Bytes are little-endian, row-major, with no padding between elements.
 
 from __future__ import annotations
 
-import ctypes
 import sys
 from typing import Any
 
+import numpy as np
 import torch
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.tree.dtype_names import ITEMSIZES
 
-__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "tensor_bytes",
-           "SUPPORTED_DTYPES"]
+__all__ = ["dtype_name", "dtype_from_name", "itemsize", "byte_view", "host_memoryview", "SUPPORTED_DTYPES"]
 
 if sys.byteorder != "little":  # pragma: no cover - no big-endian hosts in practice
     raise ImportError("bytecp stores little-endian bytes and runs on little-endian hosts only")
@@ -62,28 +61,29 @@ def byte_view(t: torch.Tensor) -> torch.Tensor:
     return flat.view(torch.uint8)
 
 
+class _HostBytes:
+    """A contiguous CPU tensor's bytes as NumPy takes them
+    (``__array_interface__``); the array made of it holds it, and so the tensor."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.__array_interface__ = {"data": (t.data_ptr(), False), "shape": (t.nbytes,), "typestr": "|u1",
+                                    "version": 3}
+
+
 def host_memoryview(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable memoryview (no copy)."""
-    if t.numel() == 0:
+    """The bytes of a contiguous CPU tensor as a writable flat memoryview (no
+    copy), made from its address with no torch operation (about 2 us: the
+    torch views it took before each let go of the GIL, and a load's reader
+    threads then queued for it back at every one of tens of thousands of
+    small tensors). The view holds ``t``, so its memory outlives any reader
+    still filling it (a request abandoned at its timeout included)."""
+    if not t.is_cpu or not t.is_contiguous() or t.is_conj() or t.is_neg():
+        raise ValueError(f"host_memoryview needs a contiguous CPU tensor without conj/neg bits, not {t.device} "
+                         f"{t.dtype} of strides {t.stride()}")
+    if not t.nbytes:
         return memoryview(bytearray())
-    arr: Any = byte_view(t).numpy()
+    arr: Any = np.asarray(_HostBytes(t))
     return memoryview(arr)
-
-
-def tensor_bytes(t: torch.Tensor) -> memoryview:
-    """The bytes of a contiguous CPU tensor as a writable flat memoryview,
-    made from its address with no torch call but a few attribute reads
-    (about 1 us; :func:`host_memoryview` makes three views through torch,
-    each of which lets go of the GIL: a reader thread of a load of tens of
-    thousands of small tensors then waited for it back at each one). The
-    view holds ``t`` (through the ctypes array it views), so its memory
-    outlives any reader still filling it, a request abandoned at its
-    timeout included."""
-    if not t.is_cpu or not t.is_contiguous():
-        raise ValueError("tensor_bytes needs a contiguous CPU tensor")
-    n = t.nbytes
-    if not n:
-        return memoryview(bytearray())
-    arr = (ctypes.c_ubyte * n).from_address(t.data_ptr())
-    arr._bytecp_owner = t  # type: ignore[attr-defined]  # (the view holds arr, arr holds t)
-    return memoryview(arr).cast("B")

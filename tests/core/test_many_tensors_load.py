@@ -9,7 +9,7 @@ cut here and checked for what it must still do.
 - ``storage._posix.read_vectored``: ranges that follow each other in a file
   read by one ``preadv``, a file that ends early named at the first range it
   cuts, ``each`` still called in order;
-- ``bytecp.tree.dtypes.tensor_bytes``: a tensor's bytes by address;
+- ``bytecp.tree.dtypes.host_memoryview``: a tensor's bytes by address, holding it;
 - a load of a model of many small parameters with AdamW in several groups,
   bitwise, and an optimizer pre-hook that changes the ids still honoured;
 - a load and a blocking save run with the cyclic collector paused (their
@@ -31,7 +31,7 @@ from bytecp.storage._posix import VECTOR_BYTES, adjacent_runs, read_vectored
 import bytecp
 from bytecp.errors import CorruptCheckpointError, TransientStorageError
 from bytecp.storage_api import open_storage
-from bytecp.tree.dtypes import tensor_bytes
+from bytecp.tree.dtypes import host_memoryview
 
 
 def test_param_ids_answer_in_like_the_list_they_are() -> None:
@@ -102,20 +102,22 @@ def test_local_read_ranges_reads_small_neighbours_together_and_names_a_short_fil
     assert seen == [0]  # the range read whole was handed on before the error
 
 
-def test_tensor_bytes_are_the_tensors_own() -> None:
+def test_host_memoryview_is_the_tensors_own_bytes() -> None:
     t = torch.arange(12, dtype=torch.bfloat16).reshape(3, 4)
-    v = tensor_bytes(t)
+    v = host_memoryview(t)
     assert v.format == "B" and not v.readonly and bytes(v) == t.view(torch.uint8).numpy().tobytes()
     v[0:2] = bytes(t[2, 3].reshape(1).view(torch.uint8).numpy())
     assert t[0, 0] == 11
-    assert len(tensor_bytes(torch.empty(0, 5))) == 0
+    assert len(host_memoryview(torch.empty(0, 5))) == 0
     row = torch.zeros(4, 6)[1]
-    assert len(tensor_bytes(row)) == 24
+    assert len(host_memoryview(row)) == 24
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        tensor_bytes(torch.zeros(4, 6)[:, 1])
+        host_memoryview(torch.zeros(4, 6)[:, 1])
     with pytest.raises(ValueError, match="contiguous CPU tensor"):
-        tensor_bytes(torch.empty(3, device="meta"))
-    owned = tensor_bytes(torch.arange(4, dtype=torch.int32))  # the view holds the tensor: nothing else does
+        host_memoryview(torch.empty(3, device="meta"))
+    with pytest.raises(ValueError, match="conj/neg"):  # its bytes are not its values
+        host_memoryview(torch.ones(3, dtype=torch.complex64).conj())
+    owned = host_memoryview(torch.arange(4, dtype=torch.int32))  # the view holds the tensor: nothing else does
     import gc
 
     gc.collect()
