@@ -4,8 +4,11 @@ a background failure."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -190,29 +193,45 @@ def test_the_collector_is_resumed_after_the_call_and_left_as_the_user_set_it(tmp
     assert gc.isenabled()
 
 
-def test_collector_pauses_of_two_threads_nest() -> None:
-    """The union's thread and a commit (or an async call) each pause the
-    collector: whichever ends first leaves it off for the other, and the
-    last one turns it on again (bytecp/tree/bulk.py)."""
-    import gc
+@contextlib.contextmanager
+def _open_in_another_thread(block: Callable[[], Any]) -> Iterator[Callable[[], None]]:
+    """``block()`` (a context manager) entered on another thread, open while
+    the caller's block runs; the function given ends it (and joins the thread)."""
     import threading
 
-    from bytecp.tree.bulk import gc_paused, pause_gc, resume_gc
-
-    assert gc.isenabled()
     began, end = threading.Event(), threading.Event()
 
     def other() -> None:
-        with gc_paused():
+        with block():
             began.set()
             end.wait(10)
 
     t = threading.Thread(target=other)
     t.start()
     began.wait(10)
-    pause_gc()  # (this thread's, begun while the other's is open)
-    end.set()
-    t.join(10)
+
+    def finish() -> None:
+        end.set()
+        t.join(10)
+
+    try:
+        yield finish
+    finally:
+        finish()
+
+
+def test_collector_pauses_of_two_threads_nest() -> None:
+    """The union's thread and a commit (or an async call) each pause the
+    collector: whichever ends first leaves it off for the other, and the
+    last one turns it on again (bytecp/tree/bulk.py)."""
+    import gc
+
+    from bytecp.tree.bulk import gc_paused, pause_gc, resume_gc
+
+    assert gc.isenabled()
+    with _open_in_another_thread(gc_paused) as end_other:
+        pause_gc()  # (this thread's, begun while the other's is open)
+        end_other()
     assert not gc.isenabled()  # the other ended first: still paused for this one
     resume_gc()
     assert gc.isenabled()
@@ -233,7 +252,6 @@ def test_the_background_of_an_async_save_runs_with_the_heap_frozen(tmp_path: Pat
     heap); the heap is unfrozen once it ends, after a failure too; a heap the
     process froze itself stays frozen, and blocks of several threads nest."""
     import gc
-    import threading
 
     from bytecp.saving import schedule
     from bytecp.tree.bulk import heap_frozen
@@ -255,20 +273,9 @@ def test_the_background_of_an_async_save_runs_with_the_heap_frozen(tmp_path: Pat
             bytecp.async_save(str(tmp_path / "a"), {"model": m}).wait()
         assert len(seen) == 2 and seen[1] > 0 and gc.get_freeze_count() == 0
 
-        began, end = threading.Event(), threading.Event()
-
-        def other() -> None:
-            with heap_frozen():
-                began.set()
-                end.wait(10)
-
-        t = threading.Thread(target=other)
-        t.start()
-        began.wait(10)
-        with heap_frozen():
+        with _open_in_another_thread(heap_frozen) as end_other, heap_frozen():
             assert gc.get_freeze_count() > 0
-            end.set()
-            t.join(10)
+            end_other()
             assert gc.get_freeze_count() > 0  # the other ended first: still frozen for this one
         assert gc.get_freeze_count() == 0
         with heap_frozen():
