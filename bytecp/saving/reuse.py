@@ -52,6 +52,10 @@ Token = tuple[int, int, str]
 #: one shard's entry: its box, its token (None: no version counter) and the tensor whose counter moves
 TokenEntry = tuple[Region, Token | None, torch.Tensor]
 
+#: a box of a tensor, as incremental saves key it: (fqn, offsets, lengths)
+#: (tuples hash and compare in C; a :class:`Region` key costs two Python calls a look-up)
+BoxKey = tuple[str, tuple[int, ...], tuple[int, ...]]
+
 _VERSION = operator.attrgetter("_version")
 
 
@@ -80,6 +84,7 @@ class Tokens(Mapping[str, list[TokenEntry]]):
     def __init__(self, shards: Sequence[PieceShard], versions: Sequence[int | None] | None = None) -> None:
         self._shards, self._versions = shards, versions
         self._by_fqn: dict[str, list[TokenEntry]] | None = None
+        self._exact: dict[BoxKey, tuple[Token | None, torch.Tensor]] | None = None
         self._lock = threading.Lock()
 
     def read(self) -> None:
@@ -89,7 +94,7 @@ class Tokens(Mapping[str, list[TokenEntry]]):
                 if self._versions is None:
                     self._versions = _versions([t for _, _, t, _, _ in self._shards])
 
-    def _table(self) -> dict[str, list[TokenEntry]]:
+    def by_fqn(self) -> dict[str, list[TokenEntry]]:
         table = self._by_fqn  # (set once, never changed after)
         if table is not None:
             return table
@@ -103,17 +108,31 @@ class Tokens(Mapping[str, list[TokenEntry]]):
                 self._by_fqn = made
             return self._by_fqn
 
+    def exact(self) -> dict[BoxKey, tuple[Token | None, torch.Tensor]]:
+        """Each shard's token and tensor keyed by its own box, (fqn, offsets,
+        lengths): the look-up of a box that is a whole shard (most are) in one
+        dict probe, made on first use (:func:`_token_of` for the rest)."""
+        table = self._exact
+        if table is not None:
+            return table
+        by_fqn = self.by_fqn()
+        with self._lock:
+            if self._exact is None:
+                self._exact = {(fqn, region.offsets, region.lengths): (tok, t)
+                               for fqn, entries in by_fqn.items() for region, tok, t in entries}
+            return self._exact
+
     def __getitem__(self, fqn: str) -> list[TokenEntry]:
-        return self._table()[fqn]
+        return self.by_fqn()[fqn]
 
     def get(self, fqn: str, default: Any = None) -> Any:
-        return self._table().get(fqn, default)
+        return self.by_fqn().get(fqn, default)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
+        return iter(self.by_fqn())
 
     def __len__(self) -> int:
-        return len(self._table())
+        return len(self.by_fqn())
 
 
 def _shards_of(fqn: str, leaf: Any) -> list[PieceShard]:
@@ -141,17 +160,35 @@ def live_tokens(flat: FlatTree, *, read: bool = True) -> Tokens:
     return tokens
 
 
-def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, box: Region) -> tuple[Token | None, torch.Tensor | None]:
-    for region, tok, t in tokens.get(fqn, ()):
-        if region == box or region.contains(box):  # (the shard is the box: most tensors, no loop over dims)
+def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, offsets: tuple[int, ...],
+              lengths: tuple[int, ...]) -> tuple[Token | None, torch.Tensor | None]:
+    """The token of the shard holding the box ``offsets``/``lengths`` of
+    ``fqn``, and its tensor (None, None: no shard holds it)."""
+    entries = tokens.get(fqn)
+    if entries is None:
+        return None, None
+    for region, tok, t in entries:  # (the shard is the box: most tensors, tuples compared in C)
+        if region.offsets == offsets and region.lengths == lengths:
+            return tok, t
+    for region, tok, t in entries:
+        if region.contains(Region(offsets, lengths)):
             return tok, t
     return None, None
+
+
+def _tables(tokens: Mapping[str, list[TokenEntry]] | None) -> tuple[
+        Mapping[BoxKey, tuple[Token | None, torch.Tensor]], Mapping[str, list[TokenEntry]]]:
+    """``tokens`` by exact box (empty for a plain mapping) and by FQN."""
+    if isinstance(tokens, Tokens):
+        return tokens.exact(), tokens.by_fqn()
+    return {}, tokens or {}
 
 
 @dataclasses.dataclass(frozen=True)
 class _Box:
     token: Token
-    record: fmt.ChunkRecord  # its file relative to the run: "<checkpoint>/data/<save_id>/<file>.bin"
+    #: the row as the next save of the run references it: its file "../<checkpoint>/data/<save_id>/<file>.bin"
+    ref: fmt.ChunkRecord
     file_size: int
 
 
@@ -161,7 +198,7 @@ class LastSave:
 
     name: str  # the checkpoint's name in its run
     save_id: str
-    boxes: dict[tuple[str, Region], _Box]
+    boxes: dict[BoxKey, _Box]
     #: the tensors described then, kept alive so that no other tensor can be
     #: given their memory (a pointer equal to one of theirs is theirs)
     keep: tuple[torch.Tensor, ...] = ()
@@ -236,17 +273,24 @@ class Incremental:
         write: list[WriteItem] = []
         records: list[fmt.ChunkRecord] = []
         files: dict[str, int] = {}
-        for it in items:
-            box = last.boxes.get((it.fqn, it.region))
-            tok = _token_of(tokens or {}, it.fqn, it.region)[0]
-            rec = box.record if box is not None else None
-            if (box is None or tok is None or tok != box.token or rec is None or rec.dtype != it.dtype
-                    or rec.global_shape != it.global_shape or rec.file.split("/", 1)[0] == self.name):
+        boxes, own = last.boxes, f"../{self.name}/"
+        exact, table = _tables(tokens)
+        for it in items:  # (tens of thousands of boxes on a MoE rank, on the save's background thread)
+            region = it.region
+            key = (it.fqn, region.offsets, region.lengths)
+            box = boxes.get(key)
+            if box is None:
                 write.append(it)
                 continue
-            path = "../" + rec.file
-            records.append(rec.in_file(path))
-            files[path] = box.file_size
+            hit = exact.get(key)
+            tok = hit[0] if hit is not None else _token_of(table, *key)[0]
+            rec = box.ref
+            if (tok is None or tok != box.token or rec.dtype != it.dtype or rec.global_shape != it.global_shape
+                    or rec.file.startswith(own)):
+                write.append(it)
+                continue
+            records.append(rec)
+            files[rec.file] = box.file_size
         return write, Reused(tuple(records), files)
 
     def committed(self, md: fmt.Metadata, tokens: Tokens | None, chunks: Sequence[fmt.ChunkRecord],
@@ -254,15 +298,19 @@ class Incremental:
         """(every rank, after the commit) This save is the base of the next."""
         if not self.run or tokens is None:
             return
-        boxes: dict[tuple[str, Region], _Box] = {}
+        boxes: dict[BoxKey, _Box] = {}
         keep: dict[int, torch.Tensor] = {}
+        exact, table = _tables(tokens)
+        mine = f"../{self.name}/"
         for c in chunks:
-            box = Region(c.offsets, c.lengths)
-            tok, t = _token_of(tokens, c.fqn, box)
+            key = (c.fqn, c.offsets, c.lengths)
+            hit = exact.get(key)
+            tok, t = hit if hit is not None else _token_of(table, *key)
             if tok is None or t is None:
                 continue
             keep[id(t)] = t
-            own = not c.file.startswith("../")
-            rec = c.in_file(f"{self.name}/{c.file}" if own else c.file[3:])
-            boxes[(c.fqn, box)] = _Box(tok, rec, data_files[c.file])
+            # the next save names this row's file from its own folder: "../<checkpoint>/data/..." (a row
+            # this save referenced is named so already)
+            ref = c if c.file.startswith("../") else c.in_file(mine + c.file)
+            boxes[key] = _Box(tok, ref, data_files[c.file])
         LAST_SAVES.put(self.key, LastSave(self.name, md.save_id, boxes, tuple(keep.values())))
