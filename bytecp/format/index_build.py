@@ -24,7 +24,7 @@ import dataclasses
 import io
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -41,6 +41,7 @@ from bytecp.format.index_schema import (
     WIDE_ROWS,
     IndexDirectory,
 )
+from bytecp.format.tensor_table import TensorTable
 from bytecp.plan.planner import contiguous_boxes, find_overlap
 from bytecp.tree.dtypes import SUPPORTED_DTYPES
 from bytecp.tree.regions import Region
@@ -58,11 +59,71 @@ class BuiltIndex:
     band_dims: dict[str, int]
 
 
+@dataclasses.dataclass(frozen=True, eq=False)
+class _Specs:
+    """The tensors' names and shapes as the checks need them, in name order.
+
+    Made per check from a plain mapping; for a
+    :class:`~bytecp.format.tensor_table.TensorTable` once, in its memo (the
+    tables of a state whose structure has not changed are shared between
+    its saves: the union's at the coordinator, a kept description's on
+    every rank), which saves a save of tens of thousands of tensors as many
+    look-ups and name hashes on every check (:func:`specs_of`)."""
+
+    names: list[str]
+    shapes: list[tuple[int, ...]]
+    #: the names' hashes, sorted, and the order that sorts them
+    sorted_h: np.ndarray
+    order: np.ndarray
+    #: ``D`` (most dimensions of any tensor, at least 1), the shapes padded with 1 to it, the dimensions
+    D: int
+    shape: np.ndarray
+    ndim: np.ndarray
+    itemsize: np.ndarray
+    numel: np.ndarray
+    #: each tensor's row-major strides, padded like ``shape``
+    strides: np.ndarray
+
+    @classmethod
+    def make(cls, tensors: Mapping[str, Mapping[str, Any]]) -> _Specs:
+        names = sorted(tensors)
+        specs = [tensors[n] for n in names]
+        shapes = [tuple(int(x) for x in sp["shape"]) for sp in specs]
+        table = np.fromiter((fqn_hash(f) for f in names), np.uint64, len(names))
+        order = np.argsort(table, kind="stable")
+        sorted_h = table[order]
+        if len(sorted_h) > 1 and bool((sorted_h[1:] == sorted_h[:-1]).any()):
+            i = int(np.flatnonzero(sorted_h[1:] == sorted_h[:-1])[0])
+            raise ConfigError(f"tensor names {names[order[i]]!r} and {names[order[i + 1]]!r} collide in the "
+                              "commit's 64-bit name hash; rename one of them")
+        D = max([1, *(len(s) for s in shapes)])
+        shape = np.ones((len(names), D), np.int64)
+        ndim = np.zeros(len(names), np.int64)
+        for i, sh in enumerate(shapes):
+            shape[i, : len(sh)] = sh
+            ndim[i] = len(sh)
+        itemsize = np.asarray([SUPPORTED_DTYPES[sp["dtype"]].itemsize for sp in specs] or [0], np.int64)
+        numel = np.asarray([math.prod(sh) for sh in shapes] or [0], np.int64)
+        strides = np.ones_like(shape)
+        for d in range(D - 2, -1, -1):
+            strides[:, d] = strides[:, d + 1] * shape[:, d + 1]
+        return cls(names, shapes, sorted_h, order, D, shape, ndim, itemsize, numel, strides)
+
+
+def specs_of(tensors: Mapping[str, Mapping[str, Any]]) -> _Specs:
+    """(the commit's checks) ``tensors`` as :class:`_Specs`; a table's made once."""
+    if not isinstance(tensors, TensorTable):
+        return _Specs.make(tensors)
+    got = tensors.memo.get("index_build")
+    if got is None:
+        got = tensors.memo["index_build"] = _Specs.make(tensors)
+    return cast(_Specs, got)
+
+
 class _Rows:
     """Every rank's chunks as padded columns (``D`` = most dimensions of any tensor)."""
 
-    def __init__(self, batches: Sequence[ChunkBatch], names: list[str], shapes: list[tuple[int, ...]],
-                 ranks: Sequence[int] | None = None) -> None:
+    def __init__(self, batches: Sequence[ChunkBatch], specs: _Specs, ranks: Sequence[int] | None = None) -> None:
         counts = [len(b) for b in batches]
         n = sum(counts)
         who = np.arange(len(batches), dtype=np.int32) if ranks is None else np.asarray(ranks, np.int32)
@@ -84,30 +145,22 @@ class _Rows:
         self.files = list(ids)
         self.file = np.concatenate(per_rank) if per_rank else np.zeros(0, np.int32)
         # tensor ids by hash
-        table = np.fromiter((fqn_hash(f) for f in names), np.uint64, len(names))
-        order = np.argsort(table, kind="stable")
-        sorted_h = table[order]
-        if len(sorted_h) > 1 and bool((sorted_h[1:] == sorted_h[:-1]).any()):
-            i = int(np.flatnonzero(sorted_h[1:] == sorted_h[:-1])[0])
-            raise ConfigError(f"tensor names {names[order[i]]!r} and {names[order[i + 1]]!r} collide in the "
-                              "commit's 64-bit name hash; rename one of them")
+        sorted_h = specs.sorted_h
         pos = np.minimum(np.searchsorted(sorted_h, hashes), max(0, len(sorted_h) - 1))
         known = sorted_h[pos] == hashes if len(sorted_h) else np.zeros(n, bool)
         if not bool(known.all()):
             r = int(self.rank[np.flatnonzero(~known)[0]])
             raise ConfigError(f"rank {r} wrote chunks of a tensor missing from the state every rank described")
-        self.fid = order[pos].astype(np.int64)
-        self.D = max([1, *(len(s) for s in shapes)])
-        self.shape = np.ones((len(names), self.D), np.int64)
-        tnd = np.zeros(len(names), np.int64)
-        for i, s in enumerate(shapes):
-            self.shape[i, : len(s)] = s
-            tnd[i] = len(s)
-        wrong = self.ndim != tnd[self.fid]
+        self.fid = specs.order[pos].astype(np.int64)
+        #: the tensors' names (``fid`` numbers them), ``D``, their padded shapes and strides (shared: never written)
+        self.names = specs.names
+        self.D = specs.D
+        self.shape, self.strides = specs.shape, specs.strides
+        wrong = self.ndim != specs.ndim[self.fid]
         if bool(wrong.any()):
             i = int(np.flatnonzero(wrong)[0])
-            raise ConfigError(f"tensor {names[self.fid[i]]!r}: rank {self.rank[i]} wrote a {self.ndim[i]}-d chunk "
-                              f"of a tensor of shape {list(shapes[self.fid[i]])}")
+            raise ConfigError(f"tensor {specs.names[self.fid[i]]!r}: rank {self.rank[i]} wrote a {self.ndim[i]}-d "
+                              f"chunk of a tensor of shape {list(specs.shapes[self.fid[i]])}")
         mask = np.arange(self.D)[None, :] < self.ndim[:, None]
         self.O = np.zeros((n, self.D), np.int64)
         self.L = np.ones((n, self.D), np.int64)
@@ -115,10 +168,7 @@ class _Rows:
         self.L[mask] = cat("lengths", np.int64)
         self.mask = mask
         # each chunk's first element, as a row-major index into its tensor
-        strides = np.ones_like(self.shape)
-        for d in range(self.D - 2, -1, -1):
-            strides[:, d] = strides[:, d + 1] * self.shape[:, d + 1]
-        self.lin = (self.O * strides[self.fid]).sum(axis=1)
+        self.lin = (self.O * self.strides[self.fid]).sum(axis=1)
 
     def take(self, keep: np.ndarray) -> None:
         for k in ("rank", "ndim", "byte_offset", "nbytes", "crc", "file", "fid", "O", "L", "mask", "lin", "src"):
@@ -136,27 +186,25 @@ def build_index(
     """(coordinator, at commit) Check every rank's chunks and lay out the
     index. Raises :class:`ConfigError` naming the tensor, the rank and the
     region at fault when the ranks' chunks do not make up the tensors."""
-    names = sorted(tensors)
-    shapes = [tuple(int(x) for x in tensors[n]["shape"]) for n in names]
-    rows = _Rows(batches, names, shapes)
-    _check_boxes(rows, names, shapes, tensors, data_files)
+    specs = specs_of(tensors)
+    rows = _Rows(batches, specs)
+    _check_boxes(rows, specs, data_files)
     rows.take(rows.L.prod(axis=1) > 0)  # empty chunks hold nothing anyone reads
-    _check_tiling(rows, names, shapes)
-    band = _band_dims(rows, len(names))
-    return _layout(rows, names, shapes, band, save_id, threads)
+    _check_tiling(rows, specs)
+    band = _band_dims(rows, len(specs.names))
+    return _layout(rows, specs.names, specs.shapes, band, save_id, threads)
 
 
-def _check_boxes(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]],
-                 tensors: Mapping[str, Mapping[str, Any]], data_files: Mapping[str, int]) -> None:
+def _check_boxes(rows: _Rows, specs: _Specs, data_files: Mapping[str, int]) -> None:
+    names, shapes = specs.names, specs.shapes
     S = rows.shape[rows.fid]
     outside = ((rows.O < 0) | (rows.L < 0) | (rows.O + rows.L > S)).any(axis=1)
     if bool(outside.any()):
         i = int(np.flatnonzero(outside)[0])
         raise ConfigError(f"tensor {names[rows.fid[i]]!r}: rank {rows.rank[i]} wrote region "
                           f"{_region(rows, i)} outside its shape {list(shapes[rows.fid[i]])}")
-    size = np.asarray([SUPPORTED_DTYPES[tensors[n]["dtype"]].itemsize for n in names] or [0], np.int64)
     numel = rows.L.prod(axis=1)
-    wrong = rows.nbytes != numel * size[rows.fid]
+    wrong = rows.nbytes != numel * specs.itemsize[rows.fid]
     if bool(wrong.any()):
         i = int(np.flatnonzero(wrong)[0])
         raise ConfigError(f"tensor {names[rows.fid[i]]!r}: rank {rows.rank[i]} recorded {rows.nbytes[i]} bytes "
@@ -187,22 +235,22 @@ def check_chunks(
     must tile every tensor exactly), or on one rank's before it writes its
     index part (``whole=False``: no two of them overlap). ``ranks``: the
     rank of each batch, for the errors. -> the rows, empty chunks dropped."""
-    names = sorted(tensors)
-    shapes = [tuple(int(x) for x in tensors[n]["shape"]) for n in names]
-    rows = _Rows(batches, names, shapes, ranks)
-    _check_boxes(rows, names, shapes, tensors, data_files)
+    specs = specs_of(tensors)
+    rows = _Rows(batches, specs, ranks)
+    _check_boxes(rows, specs, data_files)
     rows.take(rows.L.prod(axis=1) > 0)  # empty chunks hold nothing anyone reads
-    _check_tiling(rows, names, shapes, counts=whole)
+    _check_tiling(rows, specs, counts=whole)
     return rows
 
 
-def _check_tiling(rows: _Rows, names: list[str], shapes: list[tuple[int, ...]], *, counts: bool = True) -> None:
+def _check_tiling(rows: _Rows, specs: _Specs, *, counts: bool = True) -> None:
     """Elements add up per tensor (``counts``), and no two chunks overlap: exact tiling."""
+    names, shapes = specs.names, specs.shapes
     nf = len(names)
     numel = rows.L.prod(axis=1)
     held = np.zeros(nf, np.int64)
     np.add.at(held, rows.fid, numel)
-    for i in np.flatnonzero(held != np.asarray([math.prod(s) for s in shapes] or [0], np.int64)[:nf]) if counts else []:
+    for i in np.flatnonzero(held != specs.numel[:nf]) if counts else []:
         raise ConfigError(f"tensor {names[i]!r} of shape {list(shapes[i])}: the ranks' shards hold "
                           f"{int(held[i])} of its {math.prod(shapes[i])} elements")
     if not len(numel):

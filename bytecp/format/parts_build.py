@@ -91,17 +91,14 @@ def build_part(
     to the entries (the directory lists them). ``tensors``: this rank's
     tensor specs (every tensor it wrote chunks of). Raises
     :class:`ConfigError` naming the tensor, the rank and the region."""
-    names = sorted(tensors)
     rows = check_chunks([batch], tensors, data_files, ranks=[rank], whole=False)
+    names = rows.names
     n = len(rows.fid)
     if not n:
         return BuiltPart([], PartEntries(rank))
     blocks = _block_sums(batch, rows.src, rows.nbytes, block_bytes or writer_block_bytes(),
                          lambda i: (names[rows.fid[i]], rank))
-    strides = np.ones_like(rows.shape)
-    for d in range(rows.D - 2, -1, -1):
-        strides[:, d] = strides[:, d + 1] * rows.shape[:, d + 1]
-    last = ((rows.O + rows.L - 1) * strides[rows.fid]).sum(axis=1)
+    last = ((rows.O + rows.L - 1) * rows.strides[rows.fid]).sum(axis=1)
     lo, hi = linear_bands(rows.lin, last, rows.shape.prod(axis=1)[rows.fid], buckets)
     limit = span_limit(buckets)
     scalar = rows.ndim == 0

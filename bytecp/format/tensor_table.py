@@ -64,6 +64,16 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         #: costs microseconds; a reader of every row of a huge table (``verify``, the coordinator's
         #: checks) keeps no more than that many (about 8 MB)
         self._specs: dict[int, tuple[str, tuple[int, ...]]] = {}
+        #: answers computed from the table by its readers (it never changes): the commit's checks keep
+        #: their columns of its names and shapes here, made once for the saves that share the table
+        self.memo: dict[Any, Any] = {}
+
+    @classmethod
+    def of(cls, specs: Mapping[str, Mapping[str, Any]]) -> TensorTable:
+        """``specs`` (``{fqn: {"dtype", "shape"}}``, checked by their maker) as a table, in their order."""
+        t = table_json(specs)
+        return cls(t["names"], t["dtypes"], np.asarray(t["dtype"], np.uint8 if len(t["dtypes"]) <= 256 else np.int64),
+                   np.asarray(t["ndim"], np.uint8), np.asarray(t["dims"], np.int64))
 
     @functools.cached_property
     def _row(self) -> dict[str, Any]:

@@ -30,7 +30,6 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import operator
 import threading
 from collections.abc import Callable
 from typing import Any
@@ -182,18 +181,11 @@ def holdings(
     only of :class:`~bytecp.tree.state.Prebuilt` pieces whose tensors are
     those of the last call (a description kept between saves) gets that
     call's answer again (``group``: the group ``to_group`` maps into)."""
-    memo = flat.pieces[0].memo if flat.pieces and not flat.loose else None
-    dicts = tuple(p.flat.tensors for p in flat.pieces)
-    key = ("holdings", rank, world_size, id(group))
-    if memo is not None:
-        held = memo.get(key)
-        if held is not None and len(held[0]) == len(dicts) and all(map(operator.is_, held[0], dicts)):
-            return held[1]
-    plan = local_plan(flat, rank, world_size, to_group)
-    out = plan, plan_key(plan)
-    if memo is not None:
-        memo[key] = (dicts, out)
-    return out
+    def make() -> tuple[LocalSavePlan, str]:
+        plan = local_plan(flat, rank, world_size, to_group)
+        return plan, plan_key(plan)
+
+    return flat.memoized(("holdings", rank, world_size, id(group)), make)
 
 
 def ballot(
@@ -233,9 +225,15 @@ def specs_digest(flat: FlatTree) -> str:
     """The state's skeleton and aliases and its tensors' names, dtypes and
     shapes, as one digest."""
     h = hashlib.blake2b(flat.digest().encode(), digest_size=16)
+    h.update(flat.memoized(("specs digest",), lambda: _tensors_digest(flat)))
+    return h.hexdigest()
+
+
+def _tensors_digest(flat: FlatTree) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
     for fqn, leaf in flat.tensors.items():
         h.update(f"{fqn}|{dtype_name(leaf.dtype)}|{tuple(leaf.global_shape)};".encode())
-    return h.hexdigest()
+    return h.digest()
 
 
 def plan_key(plan: LocalSavePlan) -> str:
@@ -250,6 +248,25 @@ def vote_for(
     plan: LocalSavePlan, fingerprint: str, cached_for: str | None, skeleton: str, save_id: str | None
 ) -> PlanVote:
     """(every rank) This rank's vote: fingerprints of its plan and of each replica set's boxes."""
+    own, sets, unknown, own_fp = _plan_digests(plan)
+    return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown, own_fp=own_fp,
+                    fixed=plan.fixed)
+
+
+#: the last plans' digests (:func:`_plan_digests`), by the plan's id (the plan held: ids stay unique)
+_PLAN_DIGESTS: dict[int, tuple[LocalSavePlan, tuple[int, tuple[tuple[str, int, str], ...], bool, str]]] = {}
+_PLAN_DIGESTS_KEPT = 8
+_PLAN_DIGESTS_LOCK = threading.Lock()
+
+
+def _plan_digests(plan: LocalSavePlan) -> tuple[int, tuple[tuple[str, int, str], ...], bool, str]:
+    """The bytes this rank alone holds, each replica set's (key, size, digest of its boxes), whether a box
+    has no replica hint, and the digest of the boxes this rank alone holds; of a plan that
+    :func:`holdings` gave before (a kept description's), the answer of then (plans never change)."""
+    with _PLAN_DIGESTS_LOCK:
+        held = _PLAN_DIGESTS.get(id(plan))
+    if held is not None and held[0] is plan:
+        return held[1]
     own = owned = 0
     own_h = hashlib.blake2b(digest_size=16)
     per_set: dict[str, tuple[ReplicaSet, Any]] = {}
@@ -267,8 +284,12 @@ def vote_for(
             entry[1].update(it.key)
     sets = tuple(sorted((k, rs.size, h.hexdigest()) for k, (rs, h) in per_set.items()))
     own_fp = own_h.hexdigest() if owned else ""
-    return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown, own_fp=own_fp,
-                    fixed=plan.fixed)
+    out = (own, sets, unknown, own_fp)
+    with _PLAN_DIGESTS_LOCK:
+        while len(_PLAN_DIGESTS) >= _PLAN_DIGESTS_KEPT:
+            _PLAN_DIGESTS.pop(next(iter(_PLAN_DIGESTS)))
+        _PLAN_DIGESTS[id(plan)] = (plan, out)
+    return out
 
 
 def planned_locally(

@@ -57,7 +57,6 @@ from bytecp.saving.commit import (
     check_target,
     committed_after,
     remove_failed,
-    tensor_specs,
 )
 from bytecp.saving.handles import wait_for_previous
 from bytecp.saving.outcome import CommittedMetadata, outcome_of
@@ -74,7 +73,7 @@ from bytecp.saving.resync import in_step
 from bytecp.saving.reuse import Incremental, live_tokens
 from bytecp.saving.serving import ServingWriter, default_prefixes
 from bytecp.saving.staging import ArenaStager, Queued, Stager
-from bytecp.saving.union import gather_union, kept_unions
+from bytecp.saving.union import gather_union, kept_unions, tensor_table
 from bytecp.saving.writer import RankOutput, Staged, for_commit, held_checksums, write_data_files
 from bytecp.storage_api import Storage
 from bytecp.tree.state import flatten_tree
@@ -354,7 +353,7 @@ class SavePipeline:
 
         def output() -> RankOutput:
             self._raise_kept()
-            return for_commit(mine, self.storage, tensor_specs(flat), save_id, ctx.rank, ctx.world_size)
+            return for_commit(mine, self.storage, tensor_table(flat), save_id, ctx.rank, ctx.world_size)
 
         def commit(outputs: list[RankOutput]) -> fmt.Metadata:
             with self.trace.span("commit") as sp:

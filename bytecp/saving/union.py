@@ -39,7 +39,8 @@ from bytecp.tree.skeleton import Node
 from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
 from bytecp.tree.state import FlatTree, merge_aliases
 
-__all__ = ["DescribedUnion", "described_by", "described_union", "gather_union", "kept_unions", "tensor_specs"]
+__all__ = ["DescribedUnion", "described_by", "described_union", "gather_union", "kept_unions", "tensor_specs",
+           "tensor_table"]
 
 
 def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
@@ -48,6 +49,14 @@ def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
         fqn: {"dtype": dtype_name(leaf.dtype), "shape": list(leaf.global_shape)}
         for fqn, leaf in flat.tensors.items()
     }
+
+
+def tensor_table(flat: FlatTree) -> TensorTable:
+    """(every rank, at commit) :func:`tensor_specs` as a read-only table, kept
+    with a kept description (:meth:`FlatTree.memoized`): the checks of this
+    rank's chunks keep their columns of it in its memo, made once for the
+    saves of a state whose structure has not changed."""
+    return flat.memoized(("tensor table",), lambda: TensorTable.of(tensor_specs(flat)))
 
 
 def _merge_skeletons(skeleton: Node, sent: Sequence[tuple[int, Any]]) -> tuple[Node, str | None]:

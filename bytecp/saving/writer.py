@@ -17,7 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -285,7 +285,7 @@ def write_data_files(
 EXACT_CHECK_RANKS = 1024
 
 
-def for_commit(out: RankOutput, storage: Storage, tensors: dict[str, dict[str, Any]], save_id: str,
+def for_commit(out: RankOutput, storage: Storage, tensors: Mapping[str, Mapping[str, Any]], save_id: str,
                rank: int, world_size: int) -> RankOutput:
     """(every rank, at commit, before the gather) Check this rank's chunks
     (of the tensors ``tensors`` it describes), write its index part and
