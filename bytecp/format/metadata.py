@@ -155,11 +155,15 @@ class ChunkRecord:
     blocks: bytes = b""
 
     def in_file(self, file: str) -> ChunkRecord:
-        """This row naming ``file`` instead (``dataclasses.replace`` costs 5x
-        more: an incremental save of tens of thousands of boxes renames each
-        row twice, on the save's background thread)."""
-        return ChunkRecord(self.fqn, self.dtype, self.global_shape, self.offsets, self.lengths, file,
-                           self.byte_offset, self.nbytes, self.crc32c, self.blocks)
+        """This row naming ``file`` instead: its fields copied as one dict
+        (``dataclasses.replace`` costs 12x more, the frozen constructor 3x: an
+        incremental save renames each row it wrote, tens of thousands on a
+        MoE rank, on the save's background thread)."""
+        row = object.__new__(ChunkRecord)
+        fields = row.__dict__
+        fields.update(self.__dict__)
+        fields["file"] = file
+        return row
 
 
 @dataclasses.dataclass(frozen=True)

@@ -225,7 +225,7 @@ def specs_digest(flat: FlatTree) -> str:
     """The state's skeleton and aliases and its tensors' names, dtypes and
     shapes, as one digest."""
     h = hashlib.blake2b(flat.digest().encode(), digest_size=16)
-    h.update(flat.memoized(("specs digest",), lambda: _tensors_digest(flat)))
+    h.update(flat.memoized(("specs digest",), lambda: _tensors_digest(flat), specs=True))
     return h.hexdigest()
 
 

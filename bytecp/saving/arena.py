@@ -344,7 +344,7 @@ class StagingPool:
             if copied.placed is not None:  # the same copies of the same boxes next time: the same tree
                 copied.placed.tree = tensors
         # (the pieces describe the live tensors, not these)
-        return dataclasses.replace(flat, tensors=tensors, pieces=(), loose=None), copied
+        return dataclasses.replace(flat, tensors=tensors, pieces=(), loose=None, copy_of=flat.copy_of or flat), copied
 
     @property
     def _memo_key(self) -> tuple[str, int]:

@@ -154,10 +154,11 @@ class SavePipeline:
             cached = PLAN_CACHE.latest(self._cache_key(), fingerprint)
             if cached is None:
                 return Share(local, fingerprint, local.items)
-            mine = tuple(cached[1])
-            # the plan gives this rank exactly ``mine``: what the base holds unchanged is not copied
+            # the plan gives this rank exactly ``mine``: what the base holds unchanged is not copied (the plan
+            # phase splits the same list again: Incremental.split answers it from its memo)
+            mine = cached[1]
             copy = tuple(self.incremental.split(mine, described.tokens)[0])
-            return Share(local, fingerprint, copy, LocalSavePlan(self.ctx.rank, mine, fixed=True))
+            return Share(local, fingerprint, copy, LocalSavePlan(self.ctx.rank, tuple(mine), fixed=True))
 
         return self._keep_failure("save/stage", share, Share(LocalSavePlan(self.ctx.rank, ()), "", ()))
 

@@ -32,7 +32,7 @@ import logging
 import operator
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -111,15 +111,20 @@ class Tokens(Mapping[str, list[TokenEntry]]):
     def exact(self) -> dict[BoxKey, tuple[Token | None, torch.Tensor]]:
         """Each shard's token and tensor keyed by its own box, (fqn, offsets,
         lengths): the look-up of a box that is a whole shard (most are) in one
-        dict probe, made on first use (:func:`_token_of` for the rest)."""
+        dict probe, made on first use straight from the shards (the first
+        shard of a box where two are the same; :func:`_token_of` with
+        :meth:`by_fqn` for boxes inside a shard)."""
         table = self._exact
         if table is not None:
             return table
-        by_fqn = self.by_fqn()
+        self.read()
         with self._lock:
             if self._exact is None:
-                self._exact = {(fqn, region.offsets, region.lengths): (tok, t)
-                               for fqn, entries in by_fqn.items() for region, tok, t in entries}
+                shards, versions = self._shards, self._versions
+                assert versions is not None
+                self._exact = {(fqn, region.offsets, region.lengths): (None if v is None else (ptr, v, device), t)
+                               for (fqn, region, t, ptr, device), v in zip(reversed(shards), reversed(versions),
+                                                                           strict=True)}
             return self._exact
 
     def __getitem__(self, fqn: str) -> list[TokenEntry]:
@@ -178,14 +183,15 @@ def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, offsets: tuple[i
 
 def _tables(tokens: Mapping[str, list[TokenEntry]] | None) -> tuple[
         Mapping[BoxKey, tuple[Token | None, torch.Tensor]], Mapping[str, list[TokenEntry]]]:
-    """``tokens`` by exact box (empty for a plain mapping) and by FQN."""
+    """``tokens`` by exact box (empty for a plain mapping) and by FQN (for
+    :class:`Tokens`, themselves: their mapping by FQN is made only if a box
+    is not a whole shard)."""
     if isinstance(tokens, Tokens):
-        return tokens.exact(), tokens.by_fqn()
+        return tokens.exact(), tokens
     return {}, tokens or {}
 
 
-@dataclasses.dataclass(frozen=True)
-class _Box:
+class _Box(NamedTuple):  # (a tuple: made for every box of every save, on its background thread)
     token: Token
     #: the row as the next save of the run references it: its file "../<checkpoint>/data/<save_id>/<file>.bin"
     ref: fmt.ChunkRecord
@@ -260,6 +266,9 @@ class Incremental:
             )
         self.base = name_of(base) if base is not None else None
         self.key = (self.run, world_size, rank)
+        #: the last split's (items, tokens, base) and answer: an async snapshot's share and the plan phase
+        #: split the same plan (tens of thousands of boxes on a MoE rank, on the save's background thread)
+        self._last_split: tuple[Sequence[WriteItem], Tokens, LastSave, list[WriteItem], Reused] | None = None
 
     def split(self, items: Sequence[WriteItem], tokens: Tokens | None) -> tuple[list[WriteItem], Reused]:
         """(every rank, plan) ``items`` less the boxes unchanged since the
@@ -270,6 +279,9 @@ class Incremental:
             if self.base is not None and tokens is not None:
                 log.info("bytecp: %s: no save of this process at base %s; writing every box", self.url, self.base)
             return list(items), Reused()
+        memo = self._last_split
+        if memo is not None and memo[0] is items and memo[1] is tokens and memo[2] is last:
+            return list(memo[3]), memo[4]
         write: list[WriteItem] = []
         records: list[fmt.ChunkRecord] = []
         files: dict[str, int] = {}
@@ -291,7 +303,10 @@ class Incremental:
                 continue
             records.append(rec)
             files[rec.file] = box.file_size
-        return write, Reused(tuple(records), files)
+        reused = Reused(tuple(records), files)
+        if tokens is not None:
+            self._last_split = (items, tokens, last, write, reused)
+        return list(write), reused
 
     def committed(self, md: fmt.Metadata, tokens: Tokens | None, chunks: Sequence[fmt.ChunkRecord],
                   data_files: Mapping[str, int]) -> None:
@@ -302,15 +317,15 @@ class Incremental:
         keep: dict[int, torch.Tensor] = {}
         exact, table = _tables(tokens)
         mine = f"../{self.name}/"
-        for c in chunks:
+        get = exact.get
+        for c in chunks:  # (tens of thousands on a MoE rank, on the save's background thread)
             key = (c.fqn, c.offsets, c.lengths)
-            hit = exact.get(key)
-            tok, t = hit if hit is not None else _token_of(table, *key)
+            tok, t = get(key) or _token_of(table, *key)
             if tok is None or t is None:
                 continue
             keep[id(t)] = t
             # the next save names this row's file from its own folder: "../<checkpoint>/data/..." (a row
             # this save referenced is named so already)
-            ref = c if c.file.startswith("../") else c.in_file(mine + c.file)
-            boxes[key] = _Box(tok, ref, data_files[c.file])
+            file = c.file
+            boxes[key] = _Box(tok, c if file.startswith("../") else c.in_file(mine + file), data_files[file])
         LAST_SAVES.put(self.key, LastSave(self.name, md.save_id, boxes, tuple(keep.values())))

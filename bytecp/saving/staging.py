@@ -18,7 +18,6 @@ The save pipeline's stage phase asks a :class:`Stager` (chosen by the API):
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Protocol
 
@@ -164,8 +163,9 @@ class SnapshotStager:
         out = []
         for it in items:
             s = self._staged.get((it.fqn, it.region))
-            if s is not None and s.item.dtype == it.dtype:
-                out.append(dataclasses.replace(s, item=it))
+            if s is not None and s.item.dtype == it.dtype:  # (not dataclasses.replace: 5x slower, per box)
+                out.append(Staged(item=it, data=s.data, sums=s.sums, padded=s.padded, arena=s.arena, offset=s.offset,
+                                  use=s.use))
             else:
                 out.append(Staged(it, as_host_bytes(source_view(flat.tensors[it.fqn], it.region, it.fqn))))
         return out

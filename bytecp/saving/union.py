@@ -56,7 +56,7 @@ def tensor_table(flat: FlatTree) -> TensorTable:
     with a kept description (:meth:`FlatTree.memoized`): the checks of this
     rank's chunks keep their columns of it in its memo, made once for the
     saves of a state whose structure has not changed."""
-    return flat.memoized(("tensor table",), lambda: TensorTable.of(tensor_specs(flat)))
+    return flat.memoized(("tensor table",), lambda: TensorTable.of(tensor_specs(flat)), specs=True)
 
 
 def _merge_skeletons(skeleton: Node, sent: Sequence[tuple[int, Any]]) -> tuple[Node, str | None]:

@@ -254,6 +254,9 @@ class FlatTree:
     #: values inside ``objects`` that no one mutates, shared between saves
     #: (a deep copy of the objects may keep them as they are)
     shared: tuple[Any, ...] = ()
+    #: (an async snapshot's tree) the live tree it copies, whose tensors have the
+    #: same names, dtypes and shapes (:meth:`memoized` keeps answers about them there)
+    copy_of: FlatTree | None = None
 
     def loose_tensors(self) -> Iterable[tuple[str, TensorLeaf]]:
         """``(fqn, leaf)`` of the tensors the walk described itself (all, without pieces)."""
@@ -261,14 +264,18 @@ class FlatTree:
             return self.tensors.items()
         return [(fqn, self.tensors[fqn]) for fqn in self.loose]
 
-    def memoized(self, key: Any, make: Callable[[], _T]) -> _T:
+    def memoized(self, key: Any, make: Callable[[], _T], *, specs: bool = False) -> _T:
         """``make()``, an answer that depends only on this state's tensors (their
-        names, dtypes, shapes, shardings and the tensor objects): for a state
-        made only of :class:`Prebuilt` pieces -- a description kept between
-        saves -- kept in its first piece's memo under ``key`` and given again
-        while every piece's tensors are those of the call that made it (the
-        plan phase's holdings and digests, the commit's specs: tens of
-        milliseconds at tens of thousands of tensors, on every save)."""
+        names, dtypes, shapes, shardings and the tensor objects; ``specs``: only
+        their names, dtypes and shapes): for a state made only of
+        :class:`Prebuilt` pieces -- a description kept between saves -- kept in
+        its first piece's memo under ``key`` and given again while every piece's
+        tensors are those of the call that made it (the plan phase's holdings
+        and digests, the commit's specs: tens of milliseconds at tens of
+        thousands of tensors, on every save). An async snapshot's tree asks
+        the live tree it copies for ``specs`` answers."""
+        if specs and self.copy_of is not None:
+            return self.copy_of.memoized(key, make, specs=True)
         if not self.pieces or self.loose:
             return make()
         memo = self.pieces[0].memo
