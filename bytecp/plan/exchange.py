@@ -41,6 +41,7 @@ from bytecp.plan.planner import LocalSavePlan, WriteItem, plan_fingerprint, plan
 from bytecp.plan.share import share_of
 from bytecp.plan.votes import PlanVote, read_vote
 from bytecp.tree.dtypes import dtype_name, itemsize
+from bytecp.tree.kept import memoized, state_digest
 from bytecp.tree.state import EVERY_RANK, FlatTree, ReplicaSet
 
 __all__ = [
@@ -185,7 +186,7 @@ def holdings(
         plan = local_plan(flat, rank, world_size, to_group)
         return plan, plan_key(plan)
 
-    return flat.memoized(("holdings", rank, world_size, id(group)), make)
+    return memoized(flat, ("holdings", rank, world_size, id(group)), make)
 
 
 def ballot(
@@ -224,8 +225,8 @@ def _resolve(
 def specs_digest(flat: FlatTree) -> str:
     """The state's skeleton and aliases and its tensors' names, dtypes and
     shapes, as one digest."""
-    h = hashlib.blake2b(flat.digest().encode(), digest_size=16)
-    h.update(flat.memoized(("specs digest",), lambda: _tensors_digest(flat), specs=True))
+    h = hashlib.blake2b(state_digest(flat).encode(), digest_size=16)
+    h.update(memoized(flat, ("specs digest",), lambda: _tensors_digest(flat), specs=True))
     return h.hexdigest()
 
 

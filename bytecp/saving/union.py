@@ -35,6 +35,7 @@ from bytecp.format.tensor_table import TensorTable
 from bytecp.plan.exchange import PLAN_STATS
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
+from bytecp.tree.kept import memoized
 from bytecp.tree.skeleton import Node
 from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
 from bytecp.tree.state import FlatTree, merge_aliases
@@ -53,10 +54,10 @@ def tensor_specs(flat: FlatTree) -> dict[str, dict[str, Any]]:
 
 def tensor_table(flat: FlatTree) -> TensorTable:
     """(every rank, at commit) :func:`tensor_specs` as a read-only table, kept
-    with a kept description (:meth:`FlatTree.memoized`): the checks of this
+    with a kept description (:func:`bytecp.tree.kept.memoized`): the checks of this
     rank's chunks keep their columns of it in its memo, made once for the
     saves of a state whose structure has not changed."""
-    return flat.memoized(("tensor table",), lambda: TensorTable.of(tensor_specs(flat)), specs=True)
+    return memoized(flat, ("tensor table",), lambda: TensorTable.of(tensor_specs(flat)), specs=True)
 
 
 def _merge_skeletons(skeleton: Node, sent: Sequence[tuple[int, Any]]) -> tuple[Node, str | None]:

@@ -41,10 +41,9 @@ import functools
 import hashlib
 import json
 import math
-import operator
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Collection, Iterable
 from collections.abc import Set as AbstractSet
-from typing import Any, TypeVar, cast
+from typing import Any
 
 import torch
 
@@ -52,8 +51,6 @@ from bytecp.errors import ConfigError
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.regions import Region, flat_range_to_boxes, full_region
 from bytecp.tree.skeleton import MAX_DEPTH, Node, key_ok
-
-_T = TypeVar("_T")
 
 __all__ = [
     "Shard",
@@ -255,7 +252,7 @@ class FlatTree:
     #: (a deep copy of the objects may keep them as they are)
     shared: tuple[Any, ...] = ()
     #: (an async snapshot's tree) the live tree it copies, whose tensors have the
-    #: same names, dtypes and shapes (:meth:`memoized` keeps answers about them there)
+    #: same names, dtypes and shapes (:mod:`bytecp.tree.kept` keeps answers about them there)
     copy_of: FlatTree | None = None
 
     def loose_tensors(self) -> Iterable[tuple[str, TensorLeaf]]:
@@ -264,31 +261,9 @@ class FlatTree:
             return self.tensors.items()
         return [(fqn, self.tensors[fqn]) for fqn in self.loose]
 
-    def memoized(self, key: Any, make: Callable[[], _T], *, specs: bool = False) -> _T:
-        """``make()``, an answer that depends only on this state's tensors (their
-        names, dtypes, shapes, shardings and the tensor objects; ``specs``: only
-        their names, dtypes and shapes): for a state made only of
-        :class:`Prebuilt` pieces -- a description kept between saves -- kept in
-        its first piece's memo under ``key`` and given again while every piece's
-        tensors are those of the call that made it (the plan phase's holdings
-        and digests, the commit's specs: tens of milliseconds at tens of
-        thousands of tensors, on every save). An async snapshot's tree asks
-        the live tree it copies for ``specs`` answers."""
-        if specs and self.copy_of is not None:
-            return self.copy_of.memoized(key, make, specs=True)
-        if not self.pieces or self.loose:
-            return make()
-        memo = self.pieces[0].memo
-        dicts = tuple(p.flat.tensors for p in self.pieces)
-        held = memo.get(key)
-        if held is not None and len(held[0]) == len(dicts) and all(map(operator.is_, held[0], dicts)):
-            return cast(_T, held[1])
-        out = make()
-        memo[key] = (dicts, out)
-        return out
-
     def digest(self) -> str:
-        """Equal digests mean equal skeletons and equal aliases."""
+        """Equal digests mean equal skeletons and equal aliases (kept between
+        saves: :func:`bytecp.tree.kept.state_digest`)."""
         if not self.aliases:
             return self.skeleton.digest()
         return self.skeleton.digest() + ":" + hashlib.blake2b(
