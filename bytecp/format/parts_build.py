@@ -110,9 +110,10 @@ def build_part(
     wi = wi[np.lexsort((rows.lin[wi], rows.fid[wi]))]
     wide_groups = [wi[s : s + SEGMENT_ROWS] for s in range(0, len(wi), SEGMENT_ROWS)]
     groups = band_groups + wide_groups
-    entries = PartEntries(rank=rank, elements=int(rows.L.prod(axis=1).sum()),
-                          scalars=[Scalar(names[rows.fid[i]], rows.files[rows.file[i]], int(rows.byte_offset[i]),
-                                          int(rows.nbytes[i]), int(rows.crc[i])) for i in np.flatnonzero(scalar)])
+    si = np.flatnonzero(scalar)  # (columns to lists first: numpy scalars cost a conversion each)
+    entries = PartEntries(rank=rank, elements=int(rows.L.prod(axis=1).sum()), scalars=list(map(
+        Scalar, [names[f] for f in rows.fid[si].tolist()], [rows.files[f] for f in rows.file[si].tolist()],
+        rows.byte_offset[si].tolist(), rows.nbytes[si].tolist(), rows.crc[si].tolist())))
     for j, g in enumerate(wide_groups):
         fids = np.unique(rows.fid[g])
         entries.names += [names[f] for f in fids]

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import hashlib
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -32,9 +33,9 @@ MAGIC = int.from_bytes(b"bcpPE4\x00\x01", "little")
 _HEAD = 8
 
 
-@dataclasses.dataclass(frozen=True)
-class Scalar:
-    """A 0-dim chunk: listed in the directory's scalar pages, not in a part."""
+class Scalar(NamedTuple):
+    """A 0-dim chunk: listed in the directory's scalar pages, not in a part
+    (a tuple: a rank of Adam's state holds one ``step`` per parameter, made at every save)."""
 
     fqn: str
     file: str
@@ -83,8 +84,8 @@ class PartEntries:
             *(np.asarray(c, np.int64) for c in (self.offset, self.size, self.rows, self.crc)),
             np.fromiter((fqn_hash(n) for n in self.names), np.uint64, len(self.names)).view(np.int64),
             np.asarray(self.name_seg, np.int64),
-            np.fromiter((fqn_hash(s.fqn) for s in self.scalars), np.uint64, len(self.scalars)).view(np.int64),
-            *(np.asarray([getattr(s, k) for s in self.scalars], np.int64) for k in ("byte_offset", "nbytes", "crc")),
+            np.fromiter(map(fqn_hash, (s.fqn for s in self.scalars)), np.uint64, len(self.scalars)).view(np.int64),
+            np.asarray([(s.byte_offset, s.nbytes, s.crc) for s in self.scalars] or np.zeros((0, 3)), np.int64).T.ravel(),
             np.asarray([len(f) for f in files], np.int64),
         ]).astype("<i8", copy=False)
         return words.tobytes() + tail + b"\0" * (-len(tail) % 8)

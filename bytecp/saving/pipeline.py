@@ -406,6 +406,8 @@ class SavePipeline:
             PLAN_CACHE.touch(self._cache_key(), planned.fingerprint)
         if ctx.is_coordinator and planned.replaced is not None:
             commits.remove_replaced(self.storage, planned.replaced, md, ctx.world_size)
+        if ctx.is_coordinator:
+            commits.remember_committed(self.storage, md)
         if ctx.is_coordinator:  # and the files of earlier saves here that never committed
             leases.release(self.storage, md.save_id)
         return md

@@ -15,9 +15,8 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from bytecp.format import metadata as fmt
 from bytecp.plan.planner import LocalSavePlan, WriteItem
 from bytecp.saving.ahead import Ahead
 from bytecp.saving.reuse import Reused, Tokens
@@ -26,6 +25,9 @@ from bytecp.saving.writer import RankOutput, Staged
 from bytecp.tree.regions import Region
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import FlatTree
+
+if TYPE_CHECKING:
+    from bytecp.saving.commit import Replaced
 
 __all__ = ["Share", "Described", "SavePlanResult", "StagedBatch", "NOTHING_DESCRIBED", "nothing_staged"]
 
@@ -102,7 +104,7 @@ class SavePlanResult:
     #: the names of the values the coordinator writes
     coordinator_objects: frozenset[str] = frozenset()
     #: (coordinator) the committed checkpoint an overwrite replaces
-    replaced: fmt.Metadata | None = None
+    replaced: Replaced | None = None
     #: what the plan cache learns once the save commits: (fingerprint, digest
     #: of every rank's, this rank's items) of a new plan, or the fingerprint
     #: of the reused one (``reused``); a plan that failed is never cached

@@ -22,7 +22,8 @@ Who calls what (every rank, in the save pipeline's order):
 3. :meth:`Reused.add_to` -- commit: those rows and the sizes of the files
    they name join this rank's output.
 4. :meth:`Incremental.committed` -- after the commit: this save becomes the
-   base the next one may reference (:data:`LAST_SAVES`).
+   base the next one may reference (:data:`LAST_SAVES`; its boxes made from
+   its rows and tokens when that next save first asks).
 """
 
 from __future__ import annotations
@@ -198,16 +199,47 @@ class _Box(NamedTuple):  # (a tuple: made for every box of every save, on its ba
     file_size: int
 
 
-@dataclasses.dataclass(frozen=True)
 class LastSave:
-    """What this process wrote (or referenced) in its last committed save."""
+    """What this process wrote (or referenced) in its last committed save:
+    its rows and the tokens of its shards, kept as the commit left them; the
+    boxes a next save may reference made from them when one first asks
+    (:attr:`boxes`: tens of thousands of rows on a MoE rank, which a save
+    whose successor names no base never pays for). Holding the tokens holds
+    the tensors described then, so that no other tensor can be given their
+    memory (a pointer equal to one of theirs is theirs)."""
 
-    name: str  # the checkpoint's name in its run
-    save_id: str
-    boxes: dict[BoxKey, _Box]
-    #: the tensors described then, kept alive so that no other tensor can be
-    #: given their memory (a pointer equal to one of theirs is theirs)
-    keep: tuple[torch.Tensor, ...] = ()
+    def __init__(self, name: str, save_id: str, tokens: Mapping[str, list[TokenEntry]],
+                 chunks: Sequence[fmt.ChunkRecord], data_files: Mapping[str, int]) -> None:
+        self.name = name  # the checkpoint's name in its run
+        self.save_id = save_id
+        self._tokens, self._chunks, self._data_files = tokens, chunks, data_files
+        self._boxes: dict[BoxKey, _Box] | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def boxes(self) -> dict[BoxKey, _Box]:
+        """Each box with a token, by (fqn, offsets, lengths): its token, its row as the
+        next save of the run references it, the size of its file (made once, on first use)."""
+        with self._lock:
+            if self._boxes is None:
+                self._boxes = self._made()
+            return self._boxes
+
+    def _made(self) -> dict[BoxKey, _Box]:
+        boxes: dict[BoxKey, _Box] = {}
+        exact, table = _tables(self._tokens)
+        mine, data_files = f"../{self.name}/", self._data_files
+        get = exact.get
+        for c in self._chunks:  # (on the next incremental save's background thread)
+            key = (c.fqn, c.offsets, c.lengths)
+            tok, t = get(key) or _token_of(table, *key)
+            if tok is None or t is None:
+                continue
+            # the next save names this row's file from its own folder: "../<checkpoint>/data/..." (a row
+            # this save referenced is named so already)
+            file = c.file
+            boxes[key] = _Box(tok, c if file.startswith("../") else c.in_file(mine + file), data_files[file])
+        return boxes
 
 
 class _LastSaves:
@@ -313,19 +345,4 @@ class Incremental:
         """(every rank, after the commit) This save is the base of the next."""
         if not self.run or tokens is None:
             return
-        boxes: dict[BoxKey, _Box] = {}
-        keep: dict[int, torch.Tensor] = {}
-        exact, table = _tables(tokens)
-        mine = f"../{self.name}/"
-        get = exact.get
-        for c in chunks:  # (tens of thousands on a MoE rank, on the save's background thread)
-            key = (c.fqn, c.offsets, c.lengths)
-            tok, t = get(key) or _token_of(table, *key)
-            if tok is None or t is None:
-                continue
-            keep[id(t)] = t
-            # the next save names this row's file from its own folder: "../<checkpoint>/data/..." (a row
-            # this save referenced is named so already)
-            file = c.file
-            boxes[key] = _Box(tok, c if file.startswith("../") else c.in_file(mine + file), data_files[file])
-        LAST_SAVES.put(self.key, LastSave(self.name, md.save_id, boxes, tuple(keep.values())))
+        LAST_SAVES.put(self.key, LastSave(self.name, md.save_id, tokens, tuple(chunks), dict(data_files)))
