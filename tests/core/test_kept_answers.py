@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -17,14 +18,15 @@ import torch
 from bytecp.adapters._watch import DESCRIBE_STATS
 from torch import nn
 
+import bytecp
 from bytecp.errors import ConfigError
 from bytecp.format import objects
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks, specs_of
-from bytecp.format.metadata import ChunkRecord
+from bytecp.format.metadata import ChunkRecord, Metadata
 from bytecp.format.tensor_table import TensorTable
 
-from .test_describe_reuse import MODES, Net, saved_and_checked, train
+from .test_describe_reuse import MODES, Net, reference, same, saved_and_checked, train
 
 
 def _top_keys(url: Path) -> list[Any]:
@@ -125,3 +127,46 @@ def test_a_module_under_a_new_key_is_described_afresh(tmp_path: Path) -> None:
     saved_and_checked("sync", str(tmp_path / "a"), {"model": m})
     saved_and_checked("sync", str(tmp_path / "b"), {"other": m})
     assert _top_keys(tmp_path / "b") == ["other"]
+
+
+def _files(url: Path) -> set[str]:
+    return {str(p.relative_to(url)) for p in url.rglob("*") if p.is_file() and "reports" not in p.parts}
+
+
+def _needed(url: Path) -> set[str]:
+    """The files the checkpoint at ``url`` needs (and any lock a save leaves)."""
+    md = Metadata.from_bytes((url / "metadata.json").read_bytes(), str(url))
+    return {"metadata.json", *md.referenced_files()} | {"bytecp-save.lock"} & _files(url)
+
+
+def test_an_overwrite_removes_the_files_of_the_save_it_replaces(tmp_path: Path) -> None:
+    """An overwrite of a checkpoint this process committed takes what it
+    needs of it from its own record (the header names the same save), and
+    of one another save has put there since from its metadata.json: either
+    way exactly the replaced save's files go, and the new one loads bitwise."""
+    url, other = tmp_path / "latest", tmp_path / "other"
+    m = Net()
+    o = torch.optim.Adam(m.parameters(), lr=1e-2)
+    state = {"model": m, "optim": o}
+    for i in range(3):
+        train(m, o, i)
+        if i == 0:
+            saved_and_checked("lazy", str(url), state)
+        else:
+            _overwrite(url, state)
+        assert _files(url) == _needed(url), sorted(_files(url) ^ _needed(url))
+    # another save (of another process, say) replaces the checkpoint behind this process's back
+    train(m, o, 5)
+    saved_and_checked("sync", str(other), state)
+    shutil.rmtree(url)
+    shutil.copytree(other, url)
+    train(m, o, 6)
+    _overwrite(url, state)
+    assert not _files(url) & (_files(other) - {"metadata.json"}), "the replaced save's files stayed"
+    assert _files(url) == _needed(url), sorted(_files(url) ^ _needed(url))
+
+
+def _overwrite(url: Path, state: dict[str, Any]) -> None:
+    want = reference(state)
+    bytecp.async_save(str(url), state, lazy=True, overwrite=True).wait()
+    same(bytecp.load_state_dict(str(url)), want, str(url))
