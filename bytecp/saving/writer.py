@@ -25,7 +25,7 @@ import torch
 from bytecp import faults
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
-from bytecp.format.checksum import Sums, crc32c, sums
+from bytecp.format.checksum import Sums, crc32c, sums, writer_block_bytes
 from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.objects import serialize
 from bytecp.format.parts_build import build_part
@@ -140,18 +140,29 @@ _Blob = tuple[str, str, bytes]  # (table "obj"/"rank", fqn, bytes)
 def _split_files(staged: Sequence[Staged], blobs: list[_Blob], n: int) -> list[tuple[list[Staged], list[_Blob]]]:
     """Spread the boxes over at most ``n`` files of similar size (largest first);
     the blobs go with the smallest."""
-    total = sum(len(s.data) for s in staged)
-    n = max(1, min(n, -(-total // FILE_TARGET_BYTES), len(staged)))
+    sizes = [len(s.data) for s in staged]
+    n = max(1, min(n, -(-sum(sizes) // FILE_TARGET_BYTES), len(staged)))
     bins: list[tuple[list[Staged], list[_Blob]]] = [([], []) for _ in range(n)]
-    loads = [0] * n
-    for s in sorted(staged, key=lambda s: -len(s.data)):
-        i = loads.index(min(loads))
-        bins[i][0].append(s)
-        loads[i] += len(s.data)
-    bins[loads.index(min(loads))][1].extend(blobs)
-    for b in bins:
-        b[0].sort(key=lambda s: (s.item.fqn, s.item.region))
+    if n == 1:
+        bins[0][0].extend(staged)
+        bins[0][1].extend(blobs)
+    else:
+        loads = [0] * n
+        for k in sorted(range(len(staged)), key=sizes.__getitem__, reverse=True):
+            i = loads.index(min(loads))
+            bins[i][0].append(staged[k])
+            loads[i] += sizes[k]
+        bins[loads.index(min(loads))][1].extend(blobs)
+    for b in bins:  # (a rank's boxes of one tensor never share offsets: the tuples order them, compared in C)
+        b[0].sort(key=_layout_order)
     return [b for b in bins if b[0] or b[1]]
+
+
+def _layout_order(s: Staged) -> tuple[str, tuple[int, ...]]:
+    item = s.item
+    return item.fqn, item.region.offsets
+
+
 
 
 def _write_one_file(
@@ -162,6 +173,7 @@ def _write_one_file(
     chunks: list[fmt.ChunkRecord] = []
     placed: list[tuple[_Blob, int, int]] = []
     pos = 0
+    block = writer_block_bytes()
 
     def append(data: Any) -> int:
         nonlocal pos
@@ -182,10 +194,16 @@ def _write_one_file(
             pos += len(s.padded)
         else:
             start = append(s.data)
-        it = s.item
-        got = sums(s.data) if s.sums is None else s.sums
+        it, got, n = s.item, s.sums, len(s.data)
+        if got is not None:
+            crc, blocks = got.crc, got.blocks
+        elif n <= block:  # (most boxes: one call, no block checksums)
+            crc, blocks = crc32c(s.data), b""
+        else:
+            got = sums(s.data, block)
+            crc, blocks = got.crc, got.blocks
         chunks.append(fmt.ChunkRecord(it.fqn, it.dtype, it.global_shape, it.region.offsets, it.region.lengths,
-                                      path, start, len(s.data), got.crc, got.blocks))
+                                      path, start, n, crc, blocks))
     for blob in blobs:
         placed.append((blob, append(blob[2]), crc32c(blob[2])))
     storage.write_file(path, buffers)
