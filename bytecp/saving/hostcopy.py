@@ -10,8 +10,9 @@ Python keeps running beside a background copy, and several copy threads run
 in parallel on pieces of a box. Above a size threshold (about 20 MB on the
 benchmark host) glibc's ``memcpy`` uses non-temporal stores: a 0.3 GB
 tensor copied in 0.031-0.040 s there against 0.054-0.078 s for torch's copy
-kernel (below the threshold the two are on par). Small boxes go to torch in
-one ``_foreach_copy_`` call (no Python per box); everything else (strided
+kernel (below the threshold the two are on par). Small boxes (that torch
+copies on the calling thread, :data:`SMALL_NUMEL`) go to torch in one
+``_foreach_copy_`` call (no Python per box); everything else (strided
 views, CUDA tensors, a platform without a C library) through
 ``Tensor.copy_``.
 
@@ -37,7 +38,7 @@ import torch
 from bytecp.format.checksum import Summer, Sums, sums
 from bytecp.tree.dtypes import host_memoryview
 
-__all__ = ["copy_boxes", "CopyPlan", "CopyRun", "work_on_threads", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES"]
+__all__ = ["copy_boxes", "CopyPlan", "CopyRun", "work_on_threads", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES", "SMALL_NUMEL"]
 
 #: pieces a copy without checksums is split into (spread over the threads)
 PIECE_BYTES = 16 << 20
@@ -70,8 +71,15 @@ def fast_copy_available() -> bool:
 
 
 #: boxes below this many bytes are copied together in one call into torch
-#: (``_foreach_copy_``: a loop in C++, no Python per box)
+#: (``_foreach_copy_``: a loop in C++, no Python per box)...
 SMALL_BYTES = 256 << 10
+#: ... when torch copies them on the calling thread: at most this many
+#: elements (its ``at::internal::GRAIN_SIZE``; a larger copy is split over its
+#: intra-op threads, whose start-up per box made a group of 128-256 KiB boxes
+#: three times slower than one thread on the 2-core benchmark host: 9.9 ms
+#: against 3.0 for a 39 MB state's copy, and slower still on a copy thread
+#: beside the describing caller); larger boxes are ``memcpy`` pieces
+SMALL_NUMEL = 32768
 #: ... in groups of about this many bytes, or this many boxes (units several threads share)
 SMALL_GROUP_BYTES = 16 << 20
 SMALL_GROUP_BOXES = 8192
@@ -191,7 +199,7 @@ class CopyPlan:
         for i, (d, _) in enumerate(pairs):
             n = d.numel() * d.element_size()
             sizes.append(n)
-            (small if n < SMALL_BYTES else large).append(i)
+            (small if n < SMALL_BYTES and d.numel() <= SMALL_NUMEL else large).append(i)
         self.small, self.large = small, large
         self.small_dsts = [pairs[i][0] for i in small]
         self.small_srcs = [pairs[i][1] for i in small]

@@ -18,7 +18,13 @@ import bytecp
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c, sums
 from bytecp.plan.planner import WriteItem
-from bytecp.saving.hostcopy import copy_boxes, fast_copy_available
+from bytecp.saving.hostcopy import (
+    SMALL_BYTES,
+    SMALL_NUMEL,
+    CopyPlan,
+    copy_boxes,
+    fast_copy_available,
+)
 from bytecp.saving.staging import PAGE_ALIGN_MIN_BYTES, StagingPool
 from bytecp.storage_api import open_storage
 from bytecp.tools.inspect import verify
@@ -42,6 +48,9 @@ def _sources() -> list[torch.Tensor]:
         torch.randn(16, dtype=torch.complex64, generator=g).conj(),  # a lazy conjugate view
         torch.empty(0, 5),
         torch.arange(10, dtype=torch.int64)[2:9],  # storage offset
+        torch.randn(SMALL_NUMEL, generator=g),  # the largest box torch copies with the small ones
+        torch.randn(SMALL_NUMEL + 1, generator=g),  # under SMALL_BYTES but a memcpy (torch would split it)
+        torch.randn(SMALL_NUMEL * 2, generator=g).to(torch.bfloat16),  # 128 KiB of bf16: a memcpy
     ]
 
 
@@ -59,6 +68,18 @@ def test_copy_boxes_is_bitwise_and_sums_what_it_copied(threads: int, checksums: 
         assert [c.crc for c in crcs if c is not None] == [crc32c(host_memoryview(d.contiguous())) for d in dsts]
     else:
         assert crcs == [None] * len(srcs)
+
+
+def test_boxes_torch_would_split_over_its_threads_are_memcpy_pieces() -> None:
+    """Small boxes go to torch together only while torch copies each on the
+    calling thread (at most SMALL_NUMEL elements); larger ones are pieces."""
+    srcs = _sources()
+    plan = CopyPlan([(torch.empty_like(s), s) for s in srcs])
+    small = {i for i in plan.small}
+    for i, s in enumerate(srcs):
+        nbytes = s.numel() * s.element_size()
+        assert (i in small) == (nbytes < SMALL_BYTES and s.numel() <= SMALL_NUMEL), (i, s.shape, s.dtype)
+    assert len(srcs) - 3 in small and len(srcs) - 2 not in small and len(srcs) - 1 not in small
 
 
 def test_copy_errors_reach_the_caller_from_any_thread() -> None:
