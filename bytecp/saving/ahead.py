@@ -51,6 +51,7 @@ import torch
 
 from bytecp.format.checksum import Sums
 from bytecp.saving.hostcopy import CopyPlan, work_on_threads
+from bytecp.saving.own_threads import serial_torch
 
 __all__ = ["Ahead", "guess_plan"]
 
@@ -97,6 +98,7 @@ class Ahead:
 
         def work() -> None:
             started.set()
+            serial_torch()
             work_on_threads(self.run, max(1, self.threads - 1))
 
         try:

@@ -28,6 +28,7 @@ import bytecp.dist_raw  # noqa: F401  (its exit hook runs after the drain below)
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
 from bytecp.recorder import Trace
+from bytecp.saving.own_threads import serial_torch
 from bytecp.tree.bulk import pause_gc, resume_gc
 
 __all__ = [
@@ -210,6 +211,7 @@ class _Worker:
 
     def _run(self, jobs: queue.SimpleQueue[Callable[[], None] | None]) -> None:
         _lower_priority(self.nice)
+        serial_torch()
         while True:
             job = jobs.get()
             if job is None:

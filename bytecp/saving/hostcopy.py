@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from bytecp.format.checksum import Summer, Sums, sums
+from bytecp.saving.own_threads import serial_torch
 from bytecp.tree.dtypes import host_memoryview
 
 __all__ = ["copy_boxes", "CopyPlan", "CopyRun", "work_on_threads", "fast_copy_available", "PIECE_BYTES", "CRC_PIECE_BYTES", "WHOLE_BYTES", "SMALL_BYTES", "SMALL_NUMEL"]
@@ -306,12 +307,20 @@ class CopyRun:
         return crcs
 
 
+def _serial(work: Callable[[], None]) -> Callable[[], None]:
+    def run() -> None:
+        serial_torch()
+        work()
+
+    return run
+
+
 def work_on_threads(r: CopyRun, workers: int) -> None:
     """``r`` worked on by ``workers`` threads (the calling one included)."""
     workers = max(1, min(workers, len(r.units)))
     # threads of this call: they inherit the calling thread's scheduling
     # priority (a background save's lower one); starting one costs ~0.1 ms
-    helpers = [threading.Thread(target=r.work, name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
+    helpers = [threading.Thread(target=_serial(r.work), name="bytecp-copy", daemon=True) for _ in range(workers - 1)]
     for t in helpers:
         t.start()
     r.work()

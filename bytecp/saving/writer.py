@@ -31,6 +31,7 @@ from bytecp.format.objects import serialize
 from bytecp.format.parts_build import build_part
 from bytecp.format.parts_schema import buckets_for, part_file
 from bytecp.plan.planner import WriteItem
+from bytecp.saving.own_threads import serial_torch
 from bytecp.storage_api import SharedArena, Storage
 from bytecp.tree.buffers import Guard
 from bytecp.tree.dtypes import host_memoryview
@@ -280,7 +281,7 @@ def write_data_files(
     if len(jobs) <= 1:
         results = [run(job) for job in jobs]
     else:
-        with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write") as ex:
+        with concurrent.futures.ThreadPoolExecutor(len(jobs), "bytecp-write", initializer=serial_torch) as ex:
             results = list(ex.map(run, jobs))
     for guard, token in {s.use for s in staged if s.use is not None}:  # written: nothing reads the arena now
         if guard.token() == token:
