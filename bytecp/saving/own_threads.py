@@ -3,13 +3,12 @@
 A torch operation large enough to split (more than 32,768 elements) runs
 on the calling thread's OpenMP team; a thread other than the training
 thread that runs one gets a team of its own (``torch.get_num_threads()``
-threads), and from then on the process has more OpenMP threads than cores.
-GNU OpenMP then stops letting idle team threads spin and puts them to
-sleep after every parallel region, so each of the training thread's own
-parallel operations waits for its team to be woken: on the 2-core benchmark
-host, once a save's copy thread had split one copy, a 740-tensor GPT's
-training step took 64-66 ms against 20-21 ms, between saves as well as
-beside them (``benchmarks/lazy_call.py``, docs/benchmarks.md).
+threads), whose threads then contend for the cores with the training
+thread's team. Measured on the 2-core benchmark host with a save every
+four steps (``benchmarks/lazy_call.py``, docs/benchmarks.md): once a save's
+copy thread split its copies, a 740-tensor GPT's training step took 64-66
+ms against 20-21 ms, in the steps between saves as well as beside them.
+(One load whose reader threads split a copy left no such trace.)
 
 :func:`serial_torch` is what every thread bytecp starts for a save calls
 first (the async save's thread, the copy-ahead helper, the copy and write
