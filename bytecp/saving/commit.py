@@ -186,10 +186,17 @@ class Replaced:
 _COMMITTED: dict[str, Replaced] = {}
 _COMMITTED_LOCK = threading.Lock()
 COMMITTED_KEPT = 16
+COMMITTED_MAX_FILES = 4096
 
 
 def remember_committed(storage: Storage, md: fmt.Metadata) -> None:
-    """(coordinator, after its commit) What an overwrite of this checkpoint will need of it."""
+    """(coordinator, after its commit) What an overwrite of this checkpoint
+    will need of it; nothing for a job of more than :data:`COMMITTED_MAX_FILES`
+    data files (its file lists would cost more to keep than its parse saves)."""
+    with _COMMITTED_LOCK:
+        _COMMITTED.pop(storage.url, None)
+    if len(md.data_files) > COMMITTED_MAX_FILES:
+        return
     rec = Replaced.of(md)
     with _COMMITTED_LOCK:
         _COMMITTED.pop(storage.url, None)

@@ -25,6 +25,7 @@ from bytecp.format.chunk_batch import ChunkBatch
 from bytecp.format.index_build import check_chunks, specs_of
 from bytecp.format.metadata import ChunkRecord, Metadata
 from bytecp.format.tensor_table import TensorTable
+from bytecp.saving import commit
 
 from .test_describe_reuse import MODES, Net, reference, same, saved_and_checked, train
 
@@ -139,11 +140,16 @@ def _needed(url: Path) -> set[str]:
     return {"metadata.json", *md.referenced_files()} | {"bytecp-save.lock"} & _files(url)
 
 
-def test_an_overwrite_removes_the_files_of_the_save_it_replaces(tmp_path: Path) -> None:
+@pytest.mark.parametrize("remembered", [True, False])
+def test_an_overwrite_removes_the_files_of_the_save_it_replaces(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                remembered: bool) -> None:
     """An overwrite of a checkpoint this process committed takes what it
-    needs of it from its own record (the header names the same save), and
-    of one another save has put there since from its metadata.json: either
-    way exactly the replaced save's files go, and the new one loads bitwise."""
+    needs of it from its own record (the header names the same save; a job
+    of too many data files keeps none), and of one another save has put there
+    since from its metadata.json: either way exactly the replaced save's
+    files go, and the new one loads bitwise."""
+    if not remembered:
+        monkeypatch.setattr(commit, "COMMITTED_MAX_FILES", 0)
     url, other = tmp_path / "latest", tmp_path / "other"
     m = Net()
     o = torch.optim.Adam(m.parameters(), lr=1e-2)
