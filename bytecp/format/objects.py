@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import threading
 from typing import Any
 
 import torch
@@ -21,6 +20,7 @@ from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.storage_api import Storage
+from bytecp.tree.kept import Recent
 from bytecp.tree.state import is_json_leaf
 
 __all__ = ["Serialized", "serialize", "read_object"]
@@ -39,22 +39,9 @@ class Serialized:
 #: the last blob of each value name that loaded with ``weights_only=True``: a
 #: save whose value serializes to the same bytes again (an optimizer's param
 #: groups, every save: 20 ms of unpickling at 20,000 parameters) is not loaded
-#: again to check it; at most :data:`CHECKED_KEPT` names, blobs up to
-#: :data:`CHECKED_MAX_BYTES`
-_CHECKED: dict[str, bytes] = {}
-_CHECKED_LOCK = threading.Lock()
-CHECKED_KEPT = 64
+#: again to check it; 64 names, blobs up to :data:`CHECKED_MAX_BYTES`
+_CHECKED: Recent[str, bytes] = Recent(64)
 CHECKED_MAX_BYTES = 1 << 22
-
-
-def _checked(fqn: str, blob: bytes) -> None:
-    if len(blob) > CHECKED_MAX_BYTES:
-        return
-    with _CHECKED_LOCK:
-        _CHECKED.pop(fqn, None)
-        while len(_CHECKED) >= CHECKED_KEPT:
-            _CHECKED.pop(next(iter(_CHECKED)))
-        _CHECKED[fqn] = blob
 
 
 def serialize(fqn: str, value: Any, allow_pickle: bool) -> Serialized:
@@ -71,7 +58,8 @@ def serialize(fqn: str, value: Any, allow_pickle: bool) -> Serialized:
         return Serialized(blob=blob)
     try:
         torch.load(io.BytesIO(blob), weights_only=True)
-        _checked(fqn, blob)
+        if len(blob) <= CHECKED_MAX_BYTES:
+            _CHECKED.put(fqn, blob)
         return Serialized(blob=blob)
     except Exception as e:
         if not allow_pickle:

@@ -85,7 +85,8 @@ class PartEntries:
             np.fromiter((fqn_hash(n) for n in self.names), np.uint64, len(self.names)).view(np.int64),
             np.asarray(self.name_seg, np.int64),
             np.fromiter(map(fqn_hash, (s.fqn for s in self.scalars)), np.uint64, len(self.scalars)).view(np.int64),
-            np.asarray([(s.byte_offset, s.nbytes, s.crc) for s in self.scalars] or np.zeros((0, 3)), np.int64).T.ravel(),
+            # (byte_offset, nbytes, crc) of each: the column of each field, one after the other
+            np.asarray([s[2:] for s in self.scalars], np.int64).reshape(-1, 3).T.ravel(),
             np.asarray([len(f) for f in files], np.int64),
         ]).astype("<i8", copy=False)
         return words.tobytes() + tail + b"\0" * (-len(tail) % 8)

@@ -249,48 +249,9 @@ def vote_for(
     plan: LocalSavePlan, fingerprint: str, cached_for: str | None, skeleton: str, save_id: str | None
 ) -> PlanVote:
     """(every rank) This rank's vote: fingerprints of its plan and of each replica set's boxes."""
-    own, sets, unknown, own_fp = _plan_digests(plan)
+    own, sets, unknown, own_fp = plan.digests
     return PlanVote(fingerprint, cached_for, skeleton, save_id, own, sets, unknown, own_fp=own_fp,
                     fixed=plan.fixed)
-
-
-#: the last plans' digests (:func:`_plan_digests`), by the plan's id (the plan held: ids stay unique)
-_PLAN_DIGESTS: dict[int, tuple[LocalSavePlan, tuple[int, tuple[tuple[str, int, str], ...], bool, str]]] = {}
-_PLAN_DIGESTS_KEPT = 8
-_PLAN_DIGESTS_LOCK = threading.Lock()
-
-
-def _plan_digests(plan: LocalSavePlan) -> tuple[int, tuple[tuple[str, int, str], ...], bool, str]:
-    """The bytes this rank alone holds, each replica set's (key, size, digest of its boxes), whether a box
-    has no replica hint, and the digest of the boxes this rank alone holds; of a plan that
-    :func:`holdings` gave before (a kept description's), the answer of then (plans never change)."""
-    with _PLAN_DIGESTS_LOCK:
-        held = _PLAN_DIGESTS.get(id(plan))
-    if held is not None and held[0] is plan:
-        return held[1]
-    own = owned = 0
-    own_h = hashlib.blake2b(digest_size=16)
-    per_set: dict[str, tuple[ReplicaSet, Any]] = {}
-    unknown = False
-    for it, rs in zip(plan.items, plan.sets or (None,) * len(plan.items), strict=True):
-        if rs is None:
-            unknown = True
-        elif rs.size == 1:
-            own, owned = own + it.nbytes, owned + 1
-            own_h.update(it.key)
-        else:
-            entry = per_set.get(rs.key)
-            if entry is None:
-                entry = per_set[rs.key] = (rs, hashlib.blake2b(digest_size=16))
-            entry[1].update(it.key)
-    sets = tuple(sorted((k, rs.size, h.hexdigest()) for k, (rs, h) in per_set.items()))
-    own_fp = own_h.hexdigest() if owned else ""
-    out = (own, sets, unknown, own_fp)
-    with _PLAN_DIGESTS_LOCK:
-        while len(_PLAN_DIGESTS) >= _PLAN_DIGESTS_KEPT:
-            _PLAN_DIGESTS.pop(next(iter(_PLAN_DIGESTS)))
-        _PLAN_DIGESTS[id(plan)] = (plan, out)
-    return out
 
 
 def planned_locally(

@@ -22,6 +22,7 @@ Tests run these for thousands of simulated ranks in one process.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import heapq
 import math
@@ -98,6 +99,31 @@ class LocalSavePlan:
     #: (parallel to ``items``, or empty) the ranks holding each box, where
     #: one rank sends the boxes of a whole replica set; ``None``: this rank
     holders: tuple[tuple[int, ...] | None, ...] = ()
+
+    @functools.cached_property
+    def digests(self) -> tuple[int, tuple[tuple[str, int, str], ...], bool, str]:
+        """What a vote tells of the plan (:func:`bytecp.plan.exchange.vote_for`):
+        the bytes this rank alone holds, each replica set's (key, size, digest
+        of its boxes), whether a box has no replica hint, and the digest of the
+        boxes this rank alone holds. Made once: a plan never changes, and a
+        kept description's is voted with at every save."""
+        own = owned = 0
+        own_h = hashlib.blake2b(digest_size=16)
+        per_set: dict[str, tuple[ReplicaSet, Any]] = {}
+        unknown = False
+        for it, rs in zip(self.items, self.sets or (None,) * len(self.items), strict=True):
+            if rs is None:
+                unknown = True
+            elif rs.size == 1:
+                own, owned = own + it.nbytes, owned + 1
+                own_h.update(it.key)
+            else:
+                entry = per_set.get(rs.key)
+                if entry is None:
+                    entry = per_set[rs.key] = (rs, hashlib.blake2b(digest_size=16))
+                entry[1].update(it.key)
+        sets = tuple(sorted((k, rs.size, h.hexdigest()) for k, (rs, h) in per_set.items()))
+        return own, sets, unknown, own_h.hexdigest() if owned else ""
 
 
 def find_overlap(boxes: Sequence[Region], dim: int = 0) -> tuple[Region, Region] | None:

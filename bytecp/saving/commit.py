@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Sequence
@@ -39,8 +38,8 @@ from bytecp.errors import (
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
+from bytecp.format.header import read_header
 from bytecp.format.index_build import check_chunks
-from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, leading_members
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
 from bytecp.format.parts_wire import decode_all
@@ -52,6 +51,7 @@ from bytecp.saving.union import DescribedUnion, described_union, tensor_specs
 from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.bulk import gc_paused
+from bytecp.tree.kept import Recent
 from bytecp.tree.state import FlatTree
 
 __all__ = [
@@ -180,12 +180,10 @@ class Replaced:
 
 
 #: the checkpoints this process committed, by URL (coordinator; the last
-#: :data:`COMMITTED_KEPT`): an overwrite of one of them whose ``metadata.json``
-#: names the same save reads its header, not the whole file (a 20,120-tensor
-#: state's parse costs 0.1 s of the save's background thread)
-_COMMITTED: dict[str, Replaced] = {}
-_COMMITTED_LOCK = threading.Lock()
-COMMITTED_KEPT = 16
+#: 16): an overwrite of one of them whose ``metadata.json`` names the same
+#: save reads its header, not the whole file (a 20,120-tensor state's parse
+#: costs 0.1 s of the save's background thread)
+_COMMITTED: Recent[str, Replaced] = Recent(16)
 COMMITTED_MAX_FILES = 4096
 
 
@@ -193,30 +191,23 @@ def remember_committed(storage: Storage, md: fmt.Metadata) -> None:
     """(coordinator, after its commit) What an overwrite of this checkpoint
     will need of it; nothing for a job of more than :data:`COMMITTED_MAX_FILES`
     data files (its file lists would cost more to keep than its parse saves)."""
-    with _COMMITTED_LOCK:
-        _COMMITTED.pop(storage.url, None)
     if len(md.data_files) > COMMITTED_MAX_FILES:
-        return
-    rec = Replaced.of(md)
-    with _COMMITTED_LOCK:
-        _COMMITTED.pop(storage.url, None)
-        while len(_COMMITTED) >= COMMITTED_KEPT:
-            _COMMITTED.pop(next(iter(_COMMITTED)))
-        _COMMITTED[storage.url] = rec
+        _COMMITTED.pop(storage.url)
+    else:
+        _COMMITTED.put(storage.url, Replaced.of(md))
 
 
 def _replaced(storage: Storage) -> Replaced | None:
     """The committed checkpoint at ``storage``: this process's record of it
-    when its header names the save recorded, else read whole (None: unreadable)."""
+    when the header of its ``metadata.json`` names the save recorded (only
+    the header read), else read whole (None: unreadable)."""
     try:
-        data = storage.read_bytes(fmt.METADATA_FILE)
-        with _COMMITTED_LOCK:
-            known = _COMMITTED.get(storage.url)
+        known = _COMMITTED.get(storage.url)
         if known is not None:
-            head = leading_members(data[:HEADER_BYTES].decode("utf-8", "ignore"), HEADER_KEYS)
-            if head is not None and head.get("save_id") == known.save_id:
+            head = read_header(storage, committed=True)
+            if head is not None and head.save_id == known.save_id:
                 return known
-        return Replaced.of(fmt.Metadata.from_bytes(data, storage.url))
+        return Replaced.of(fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url))
     except Exception:
         return None  # an unreadable old checkpoint is simply replaced
 

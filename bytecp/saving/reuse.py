@@ -95,7 +95,7 @@ class Tokens(Mapping[str, list[TokenEntry]]):
                 if self._versions is None:
                     self._versions = _versions([t for _, _, t, _, _ in self._shards])
 
-    def by_fqn(self) -> dict[str, list[TokenEntry]]:
+    def _table(self) -> dict[str, list[TokenEntry]]:
         table = self._by_fqn  # (set once, never changed after)
         if table is not None:
             return table
@@ -111,10 +111,9 @@ class Tokens(Mapping[str, list[TokenEntry]]):
 
     def exact(self) -> dict[BoxKey, tuple[Token | None, torch.Tensor]]:
         """Each shard's token and tensor keyed by its own box, (fqn, offsets,
-        lengths): the look-up of a box that is a whole shard (most are) in one
-        dict probe, made on first use straight from the shards (the first
-        shard of a box where two are the same; :func:`_token_of` with
-        :meth:`by_fqn` for boxes inside a shard)."""
+        lengths), made on first use straight from the shards (the first shard
+        of a box where two are the same): :meth:`find`'s look-up of a box that
+        is a whole shard (most are) in one dict probe."""
         table = self._exact
         if table is not None:
             return table
@@ -128,17 +127,31 @@ class Tokens(Mapping[str, list[TokenEntry]]):
                                                                            strict=True)}
             return self._exact
 
+    def find(self, key: BoxKey) -> tuple[Token | None, torch.Tensor | None]:
+        """The token of the shard holding the box ``key`` and its tensor
+        (None, None: no shard holds it): the shard that is the box, else the
+        first that contains it."""
+        hit = self.exact().get(key)
+        if hit is not None:
+            return hit
+        fqn, offsets, lengths = key
+        box = Region(offsets, lengths)
+        for region, tok, t in self._table().get(fqn, ()):
+            if region.contains(box):
+                return tok, t
+        return None, None
+
     def __getitem__(self, fqn: str) -> list[TokenEntry]:
-        return self.by_fqn()[fqn]
+        return self._table()[fqn]
 
     def get(self, fqn: str, default: Any = None) -> Any:
-        return self.by_fqn().get(fqn, default)
+        return self._table().get(fqn, default)
 
     def __iter__(self) -> Iterator[str]:
-        return iter(self.by_fqn())
+        return iter(self._table())
 
     def __len__(self) -> int:
-        return len(self.by_fqn())
+        return len(self._table())
 
 
 def _shards_of(fqn: str, leaf: Any) -> list[PieceShard]:
@@ -166,32 +179,6 @@ def live_tokens(flat: FlatTree, *, read: bool = True) -> Tokens:
     return tokens
 
 
-def _token_of(tokens: Mapping[str, list[TokenEntry]], fqn: str, offsets: tuple[int, ...],
-              lengths: tuple[int, ...]) -> tuple[Token | None, torch.Tensor | None]:
-    """The token of the shard holding the box ``offsets``/``lengths`` of
-    ``fqn``, and its tensor (None, None: no shard holds it)."""
-    entries = tokens.get(fqn)
-    if entries is None:
-        return None, None
-    for region, tok, t in entries:  # (the shard is the box: most tensors, tuples compared in C)
-        if region.offsets == offsets and region.lengths == lengths:
-            return tok, t
-    for region, tok, t in entries:
-        if region.contains(Region(offsets, lengths)):
-            return tok, t
-    return None, None
-
-
-def _tables(tokens: Mapping[str, list[TokenEntry]] | None) -> tuple[
-        Mapping[BoxKey, tuple[Token | None, torch.Tensor]], Mapping[str, list[TokenEntry]]]:
-    """``tokens`` by exact box (empty for a plain mapping) and by FQN (for
-    :class:`Tokens`, themselves: their mapping by FQN is made only if a box
-    is not a whole shard)."""
-    if isinstance(tokens, Tokens):
-        return tokens.exact(), tokens
-    return {}, tokens or {}
-
-
 class _Box(NamedTuple):  # (a tuple: made for every box of every save, on its background thread)
     token: Token
     #: the row as the next save of the run references it: its file "../<checkpoint>/data/<save_id>/<file>.bin"
@@ -208,7 +195,7 @@ class LastSave:
     the tensors described then, so that no other tensor can be given their
     memory (a pointer equal to one of theirs is theirs)."""
 
-    def __init__(self, name: str, save_id: str, tokens: Mapping[str, list[TokenEntry]],
+    def __init__(self, name: str, save_id: str, tokens: Tokens,
                  chunks: Sequence[fmt.ChunkRecord], data_files: Mapping[str, int]) -> None:
         self.name = name  # the checkpoint's name in its run
         self.save_id = save_id
@@ -227,12 +214,10 @@ class LastSave:
 
     def _made(self) -> dict[BoxKey, _Box]:
         boxes: dict[BoxKey, _Box] = {}
-        exact, table = _tables(self._tokens)
-        mine, data_files = f"../{self.name}/", self._data_files
-        get = exact.get
+        mine, data_files, find = f"../{self.name}/", self._data_files, self._tokens.find
         for c in self._chunks:  # (on the next incremental save's background thread)
             key = (c.fqn, c.offsets, c.lengths)
-            tok, t = get(key) or _token_of(table, *key)
+            tok, t = find(key)
             if tok is None or t is None:
                 continue
             # the next save names this row's file from its own folder: "../<checkpoint>/data/..." (a row
@@ -306,10 +291,11 @@ class Incremental:
         """(every rank, plan) ``items`` less the boxes unchanged since the
         base, and the rows of those; ``tokens``: describe's (None: the
         framework writes tensors behind their version counter)."""
-        last = LAST_SAVES.get(self.key) if self.base is not None and tokens is not None else None
+        if self.base is None or tokens is None:
+            return list(items), Reused()
+        last = LAST_SAVES.get(self.key)
         if last is None or last.name != self.base:
-            if self.base is not None and tokens is not None:
-                log.info("bytecp: %s: no save of this process at base %s; writing every box", self.url, self.base)
+            log.info("bytecp: %s: no save of this process at base %s; writing every box", self.url, self.base)
             return list(items), Reused()
         memo = self._last_split
         if memo is not None and memo[0] is items and memo[1] is tokens and memo[2] is last:
@@ -317,8 +303,7 @@ class Incremental:
         write: list[WriteItem] = []
         records: list[fmt.ChunkRecord] = []
         files: dict[str, int] = {}
-        boxes, own = last.boxes, f"../{self.name}/"
-        exact, table = _tables(tokens)
+        boxes, own, find = last.boxes, f"../{self.name}/", tokens.find
         for it in items:  # (tens of thousands of boxes on a MoE rank, on the save's background thread)
             region = it.region
             key = (it.fqn, region.offsets, region.lengths)
@@ -326,8 +311,7 @@ class Incremental:
             if box is None:
                 write.append(it)
                 continue
-            hit = exact.get(key)
-            tok = hit[0] if hit is not None else _token_of(table, *key)[0]
+            tok = find(key)[0]
             rec = box.ref
             if (tok is None or tok != box.token or rec.dtype != it.dtype or rec.global_shape != it.global_shape
                     or rec.file.startswith(own)):
@@ -336,8 +320,7 @@ class Incremental:
             records.append(rec)
             files[rec.file] = box.file_size
         reused = Reused(tuple(records), files)
-        if tokens is not None:
-            self._last_split = (items, tokens, last, write, reused)
+        self._last_split = (items, tokens, last, write, reused)
         return list(write), reused
 
     def committed(self, md: fmt.Metadata, tokens: Tokens | None, chunks: Sequence[fmt.ChunkRecord],

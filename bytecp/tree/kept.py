@@ -19,17 +19,32 @@ copies in ``copy_of``: its specs and skeleton are the live tree's).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import operator
-from collections.abc import Callable
-from typing import Any, TypeVar, cast
+import os
+import threading
+from collections.abc import Callable, Hashable
+from typing import Any, Generic, TypeVar, cast
 
-from bytecp.tree.state import FlatTree, TensorLeaf
+from bytecp.tree.state import FlatTree
 
-__all__ = ["memoized", "state_digest"]
+__all__ = ["memoized", "state_digest", "Recent"]
 
 _T = TypeVar("_T")
+_K = TypeVar("_K", bound=Hashable)
+
+
+def _held(memo: dict[Any, Any], key: Any, objects: tuple[Any, ...], make: Callable[[], _T],
+          same: Any = None) -> _T:
+    """``make()``, kept in ``memo`` under ``key`` and given again while the
+    call names the very ``objects`` of the call that made it (and an equal ``same``)."""
+    held = memo.get(key)
+    if (held is not None and held[1] == same and len(held[0]) == len(objects)
+            and all(map(operator.is_, held[0], objects))):
+        return cast(_T, held[2])
+    out = make()
+    memo[key] = (objects, same, out)
+    return out
 
 
 def memoized(flat: FlatTree, key: Any, make: Callable[[], _T], *, specs: bool = False) -> _T:
@@ -44,28 +59,17 @@ def memoized(flat: FlatTree, key: Any, make: Callable[[], _T], *, specs: bool = 
         return memoized(flat.copy_of, key, make, specs=True)
     if not flat.pieces or flat.loose:
         return make()
-    memo = flat.pieces[0].memo
-    dicts: tuple[dict[str, TensorLeaf], ...] = tuple(p.flat.tensors for p in flat.pieces)
-    held = memo.get(key)
-    if held is not None and len(held[0]) == len(dicts) and all(map(operator.is_, held[0], dicts)):
-        return cast(_T, held[1])
-    out = make()
-    memo[key] = (dicts, out)
-    return out
+    return _held(flat.pieces[0].memo, key, tuple(p.flat.tensors for p in flat.pieces), make)
 
 
 def state_digest(flat: FlatTree) -> str:
-    """``flat.digest()`` (equal digests: equal skeletons and aliases), the
-    skeleton's kept (:func:`_skeleton_digest`); a snapshot's tree, whose
+    """:meth:`FlatTree.digest` (equal digests: equal skeletons and aliases),
+    the skeleton's kept (:func:`_skeleton_digest`); a snapshot's tree, whose
     skeleton is the live tree's, asks that."""
     live = flat.copy_of
     if live is not None and live.skeleton is flat.skeleton:
         return state_digest(live)
-    digest = _skeleton_digest(flat)
-    if not flat.aliases:
-        return digest
-    return digest + ":" + hashlib.blake2b(
-        json.dumps(sorted(flat.aliases.items())).encode(), digest_size=16).hexdigest()
+    return flat.digest(_skeleton_digest(flat))
 
 
 def _skeleton_digest(flat: FlatTree) -> str:
@@ -79,11 +83,37 @@ def _skeleton_digest(flat: FlatTree) -> str:
     roots = {id(p.flat.skeleton): i for i, p in enumerate(flat.pieces)}
     rest = json.dumps([sk.kind, [(k, roots.get(id(c), -1), None if id(c) in roots else c.to_json(str(k)))
                                  for k, c in sk.items]])
-    nodes = tuple(p.flat.skeleton for p in flat.pieces)
-    memo = flat.pieces[0].memo
-    held = memo.get("skeleton digest")
-    if held is not None and held[1] == rest and len(held[0]) == len(nodes) and all(map(operator.is_, held[0], nodes)):
-        return cast(str, held[2])
-    digest = sk.digest()
-    memo["skeleton digest"] = (nodes, rest, digest)
-    return digest
+    return _held(flat.pieces[0].memo, "skeleton digest", tuple(p.flat.skeleton for p in flat.pieces), sk.digest,
+                 same=rest)
+
+
+class Recent(Generic[_K, _T]):
+    """The values last put under at most ``limit`` keys (a key put again is
+    the newest; the oldest goes first), shared by threads: the process's
+    memos of answers between saves that are not kept with a state (the
+    object blobs already checked, the checkpoints this process committed)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._items: dict[_K, _T] = {}
+        self._lock = threading.Lock()
+        os.register_at_fork(after_in_child=self._forget)
+
+    def _forget(self) -> None:  # (a forked child: another thread may have held the lock)
+        self._lock = threading.Lock()
+        self._items = {}
+
+    def get(self, key: _K) -> _T | None:
+        with self._lock:
+            return self._items.get(key)
+
+    def put(self, key: _K, value: _T) -> None:
+        with self._lock:
+            self._items.pop(key, None)
+            while len(self._items) >= self.limit:
+                self._items.pop(next(iter(self._items)))
+            self._items[key] = value
+
+    def pop(self, key: _K) -> None:
+        with self._lock:
+            self._items.pop(key, None)

@@ -261,12 +261,14 @@ class FlatTree:
             return self.tensors.items()
         return [(fqn, self.tensors[fqn]) for fqn in self.loose]
 
-    def digest(self) -> str:
-        """Equal digests mean equal skeletons and equal aliases (kept between
-        saves: :func:`bytecp.tree.kept.state_digest`)."""
+    def digest(self, skeleton: str | None = None) -> str:
+        """Equal digests mean equal skeletons and equal aliases; ``skeleton``:
+        the skeleton's digest when the caller has it (kept between saves:
+        :func:`bytecp.tree.kept.state_digest`)."""
+        skeleton = self.skeleton.digest() if skeleton is None else skeleton
         if not self.aliases:
-            return self.skeleton.digest()
-        return self.skeleton.digest() + ":" + hashlib.blake2b(
+            return skeleton
+        return skeleton + ":" + hashlib.blake2b(
             json.dumps(sorted(self.aliases.items())).encode(), digest_size=16).hexdigest()
 
 

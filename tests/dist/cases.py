@@ -360,6 +360,22 @@ def uneven_incremental(run: str) -> Any:
     return (sorted(md.references), bytecp.load_state_dict(f"{run}/step-2")) if r == 0 else None
 
 
+def replicated_incremental(run: str) -> Any:
+    """A replicated tensor large enough that the ranks split it (each writes
+    a box inside the shard it holds), unchanged between two saves, the second
+    referencing the first: each rank's box is referenced, not written again."""
+    r = dist.get_rank()
+    state = {"model": {"big": torch.arange(2 << 20, dtype=torch.float32), "moving": torch.zeros(4)}}
+    first = bytecp.save(f"{run}/step-1", state, step=1)
+    state["model"]["moving"].add_(1.0)
+    md = bytecp.save(f"{run}/step-2", state, step=2, base=f"{run}/step-1")
+    dist.barrier()
+    if r:
+        return None
+    own = {f: n for f, n in md.data_files.items() if not f.startswith("../")}
+    return sorted(first.data_files.values()), sorted(md.references), own, bytecp.load_state_dict(f"{run}/step-2")
+
+
 def state_changes_on_one_rank_between_async_saves(url: str) -> list[Any]:
     """Eager async saves of a replicated tensor (split between the ranks);
     from the second save on, rank 1 also holds a tensor of its own, so its

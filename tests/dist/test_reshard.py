@@ -189,6 +189,15 @@ def test_a_rank_whose_tree_differs_keeps_its_referenced_rows(pools, tmp_path: Pa
     assert torch.equal(extra["moving"], torch.ones(4))  # changed: written again
 
 
+def test_each_ranks_share_of_a_replicated_tensor_is_referenced(pools, tmp_path: Path) -> None:
+    sizes, refs, own, sd = pools(2).run(cases.replicated_incremental, str(tmp_path / "run"))[0]
+    assert len(sizes) == 2 and min(sizes) >= 3 << 20  # (the 8 MiB tensor split between the two ranks)
+    assert refs == ["step-1"]
+    assert sum(own.values()) < 1 << 20, own  # only the tensor that moved was written again
+    assert torch.equal(sd["model"]["big"], torch.arange(2 << 20, dtype=torch.float32))
+    assert torch.equal(sd["model"]["moving"], torch.ones(4))
+
+
 def test_a_state_changing_on_one_rank_keeps_async_saves_committing(pools, tmp_path: Path) -> None:
     # rank 0 snapshots only its cached share while rank 1's plan changed: the
     # new plan keeps rank 0's share as it is and gives rank 1 the rest
