@@ -1,6 +1,6 @@
 """``make gpu-check``: every CUDA test, then the GPU benchmark beside DCP, one JSON and one table.
 
-    python -m benchmarks.gpu_check [--out DIR] [--gb 4.2] [--tests-only] [--no-every-step]
+    python -m benchmarks.gpu_check [--out DIR] [--gb 4.2] [--tests-only] [--no-every-step | --every-step-only]
 
 Runs from the project root on a machine with a CUDA device (about 4-6
 minutes on one H100 or H200):
@@ -205,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--gb", type=float, default=4.2, help="the benchmark's state size in GB")
     ap.add_argument("--tests-only", action="store_true", help="the CUDA tests only, no benchmark")
     ap.add_argument("--no-every-step", action="store_true", help="skip the checkpoint-at-every-step loop")
+    ap.add_argument("--every-step-only", action="store_true",
+                    help="the checkpoint-at-every-step loop alone (a second call after --no-every-step, each "
+                         "inside one command's time limit)")
     ap.add_argument("--test-timeout", type=float, default=200)
     ap.add_argument("--bench-timeout", type=float, default=260)
     ap.add_argument("--every-step-timeout", type=float, default=420)
@@ -218,13 +221,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     t0 = time.perf_counter()
     report: dict[str, Any] = {"gpu": device, "date": datetime.date.today().isoformat()}
-    print(f"gpu-check on {device}: pytest -m gpu ...", flush=True)
-    report["tests"], tests_tail = run_tests(out, args.test_timeout)
-    report["tests_seconds"] = round(time.perf_counter() - t0, 1)
     bench: dict[str, Any] = {}
     every: dict[str, Any] = {}
-    bench_tail = every_tail = ""
-    if not args.tests_only:
+    bench_tail = every_tail = tests_tail = ""
+    report["tests"] = []
+    if not args.every_step_only:
+        print(f"gpu-check on {device}: pytest -m gpu ...", flush=True)
+        report["tests"], tests_tail = run_tests(out, args.test_timeout)
+    report["tests_seconds"] = round(time.perf_counter() - t0, 1)
+    if args.every_step_only:
+        print(f"gpu-check on {device}: the checkpoint-at-every-step loop alone ...", flush=True)
+        every, every_tail = run_every_step(out, args.every_step_timeout)
+    elif not args.tests_only:
         print(f"gpu-check: tests done in {report['tests_seconds']} s; the benchmark ...", flush=True)
         bench, bench_tail = run_bench(out, args.gb, args.bench_timeout)
         if not args.no_every_step:
