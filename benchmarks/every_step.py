@@ -53,7 +53,7 @@ import torch.nn.functional as F
 
 from tests.netport import free_port
 
-__all__ = ["Job", "config_for_params", "Keeper", "run", "summary", "main"]
+__all__ = ["Job", "config_for_params", "Keeper", "run", "phases", "summary", "main"]
 
 #: the goal: training time added per step, as a fraction of the step
 GOAL = 0.01
@@ -197,6 +197,7 @@ def run(params: float, batch: int, seq: int, steps: int, disk_every: int, rounds
     """Every figure, in this process; the keeper in its own."""
     import bytecp
     from bytecp.catalog import list_checkpoints
+    from bytecp.recorder import recording
 
     if device == "cuda" and not torch.cuda.is_available():
         return {"skipped": f"no CUDA device (torch {torch.__version__})"}
@@ -227,13 +228,15 @@ def run(params: float, batch: int, seq: int, steps: int, disk_every: int, rounds
         def save(s: int) -> None:
             mgr.maybe_save(s, state)
 
-        for _ in range(rounds):
-            for name in ("without", "with"):
-                got = _loop(job, steps, save if name == "with" else None, first=step)
-                for k, v in got.items():
-                    loops[name].setdefault(k, []).extend(v)
-                step += steps
-                mgr.wait()  # the last checkpoint committed before the loop without
+        with recording() as reports:
+            for _ in range(rounds):
+                for name in ("without", "with"):
+                    got = _loop(job, steps, save if name == "with" else None, first=step)
+                    for k, v in got.items():
+                        loops[name].setdefault(k, []).extend(v)
+                    step += steps
+                    mgr.wait()  # the last checkpoint committed before the loop without
+        out["save_phases_s"] = phases(reports)
         last = step - 1  # the last step saved (to memory) by the last loop with checkpoints
         out.update(summary(loops))
         out["memory_checkpoints_kept"] = [c.step for c in list_checkpoints("keeper://every-step/run",
@@ -268,6 +271,24 @@ def _bitwise(url: str, options: dict[str, Any], state: dict[str, Any]) -> bool:
                                                                bits(v)):
                 return False
     return True
+
+
+def phases(reports: list[Any]) -> dict[str, Any]:
+    """Where the saves of the loops with checkpoints spent their time: each
+    phase's median seconds a save (its spans summed), the save's whole
+    duration, and how many saves; memory-tier saves and disk saves apart
+    (a disk save's URL is not ``keeper://``)."""
+    out: dict[str, Any] = {}
+    for tier in ("memory", "disk"):
+        done = [r for r in reports if r.operation == "save" and r.ok
+                and r.url.startswith("keeper://") == (tier == "memory")]
+        if not done:
+            continue
+        names = sorted({p for r in done for p in r.phase_seconds()})
+        out[tier] = {"saves": len(done), "duration": statistics.median(r.duration for r in done),
+                     "stall": statistics.median(r.stall_seconds for r in done),
+                     **{n: statistics.median(r.phase_seconds().get(n, 0.0) for r in done) for n in names}}
+    return out
 
 
 def summary(loops: dict[str, dict[str, list[float]]]) -> dict[str, Any]:

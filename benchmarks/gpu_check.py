@@ -194,6 +194,10 @@ def table(report: dict[str, Any]) -> str:
                       f"the optimizer step {e['optimizer_with_s'] * 1e3:.1f} ms with and "
                       f"{e['optimizer_without_s'] * 1e3:.1f} ms without; last checkpoint bitwise: "
                       f"{e.get('last_checkpoint_bitwise')}; failed saves: {e.get('failed_saves')}"]
+    for tier, ph in (e.get("save_phases_s") or {}).items():
+        parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ph.items() if k not in ("saves", "duration", "stall"))
+        lines += ["", f"Its {tier}-tier saves ({ph['saves']}), median: {ph['duration'] * 1e3:.0f} ms from the call to "
+                      f"the commit, stall {ph['stall'] * 1e3:.1f} ms; by phase: {parts}"]
     if e.get("errors"):
         lines += ["", "Checkpoint at every step broke: " + "; ".join(f"{k}: {v}" for k, v in e["errors"].items())]
     return "\n".join(lines) + "\n"

@@ -45,9 +45,11 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 from bytecp.errors import StorageError
-from bytecp.format.checksum import Sums, sums
+from bytecp.format.checksum import Sums, sums, sums_of_ranges
 from bytecp.saving.leases import pid_running
 from bytecp.tree import buffers
 
@@ -372,13 +374,12 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
     tmp = f"{dest}.tmp-{os.getpid()}-{threading.get_ident()}"
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    crcs: list[Sums] = []
     view = memoryview(m) if m is not None else memoryview(b"")
     try:
+        crcs = sums_of_ranges(view, ranges, _summing_map())
         os.ftruncate(out, pos)
         for (o, n), at in zip(ranges, starts, strict=True):
             with view[o:o + n] as piece:
-                crcs.append(sums(piece))
                 done = 0
                 while done < n:
                     with piece[done:] as rest:
@@ -396,6 +397,20 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     return crcs, starts, pos
 
 
+_SUMMING: list[ThreadPoolExecutor] = []
+_SUMMING_LOCK = threading.Lock()
+
+
+def _summing_map() -> Any:
+    """The keeper's pool that sums adopted arenas (one thread a core, at most 16), shared by every
+    rank's request: the sums of one save's files spread over the host's cores."""
+    with _SUMMING_LOCK:
+        if not _SUMMING:
+            _SUMMING.append(ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)),
+                                               thread_name_prefix="keeper-sums"))
+        return _SUMMING[0].map
+
+
 def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
     """The checksums of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
     if not ranges:
@@ -411,7 +426,7 @@ def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
     try:
         view = memoryview(m)
         try:
-            return [sums(view[o:o + n]) for o, n in ranges]
+            return sums_of_ranges(view, ranges, _summing_map())
         finally:
             view.release()
     finally:

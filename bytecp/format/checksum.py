@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import crc32c as _crc32c
 
-__all__ = ["crc32c", "crc32c_combine", "BLOCK_BYTES", "writer_block_bytes", "block_count", "block_crc", "Sums", "Summer", "sums"]
+__all__ = [
+    "crc32c", "crc32c_combine", "BLOCK_BYTES", "writer_block_bytes", "block_count", "block_crc", "Sums", "Summer",
+    "sums", "sums_of_ranges", "PIECE_BYTES",
+]
 
 #: the block size a version-5 writer records block checksums at (``index.block_bytes``); read at each
 #: call (a golden file and some tests write other sizes; readers use the value recorded). 256 KiB:
@@ -84,15 +88,47 @@ def _op(k: int) -> list[int]:
     return _OPS[k]
 
 
+def _advance(crc: int, n: int) -> int:
+    """``crc`` advanced over ``n`` zero bytes (the matrix way: about 32 steps of Python a set bit of ``n``)."""
+    k = 0
+    while n:
+        if n & 1:
+            crc = _times(_op(k), crc)
+        n >>= 1
+        k += 1
+    return crc
+
+
+#: the operator for a length as four tables of 256 (one per byte of the crc), made once per length a
+#: :class:`Summer` or :func:`sums_of_ranges` combines whole blocks of; a combine over one of them is
+#: four lookups (the matrix way costs about 5 us a block: 20% of the checksum of a 256 KiB block)
+_SHIFTS: dict[int, tuple[tuple[int, ...], ...]] = {}
+
+
+def _shift_tables(n: int) -> tuple[tuple[int, ...], ...]:
+    tables = _SHIFTS.get(n)
+    if tables is None:
+        cols = [_advance(1 << i, n) for i in range(32)]
+        made = []
+        for j in range(4):
+            t = [0] * 256
+            for v in range(1, 256):
+                low = (v & -v).bit_length() - 1
+                t[v] = t[v & (v - 1)] ^ cols[8 * j + low]
+            made.append(tuple(t))
+        tables = tuple(made)
+        with _OPS_LOCK:
+            if len(_SHIFTS) < 64:  # block sizes: a handful in any process
+                _SHIFTS[n] = tables
+    return tables
+
+
 def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
     """crc32c of ``A + B`` given ``crc32c(A)``, ``crc32c(B)`` and ``len(B)``."""
-    k = 0
-    while len_b:
-        if len_b & 1:
-            crc_a = _times(_op(k), crc_a)
-        len_b >>= 1
-        k += 1
-    return crc_a ^ crc_b
+    t = _SHIFTS.get(len_b)
+    if t is not None:
+        return t[0][crc_a & 255] ^ t[1][(crc_a >> 8) & 255] ^ t[2][(crc_a >> 16) & 255] ^ t[3][crc_a >> 24] ^ crc_b
+    return _advance(crc_a, len_b) ^ crc_b
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -112,6 +148,7 @@ class Summer:
 
     def __init__(self, block_bytes: int | None = None) -> None:
         self.block_bytes = block_bytes or writer_block_bytes()
+        _shift_tables(self.block_bytes)
         self._crc = 0  # of the completed blocks
         self._block = 0  # of the bytes of the current block so far
         self._filled = 0
@@ -157,3 +194,53 @@ def sums(data: Any, block_bytes: int | None = None) -> Sums:
     s = Summer(block_bytes)
     s.update(view)
     return s.result()
+
+
+#: the bytes one task of :func:`sums_of_ranges` sums (a whole number of blocks)
+PIECE_BYTES = 32 << 20
+
+#: ``map``-like: runs a function over items (on a thread pool, say), results in order
+Mapper = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
+
+
+def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], mapper: Mapper = map,
+                   block_bytes: int | None = None) -> list[Sums]:
+    """The :class:`Sums` of each ``(offset, nbytes)`` of ``view``, the same as
+    :func:`sums` of each, with the summing cut into pieces of whole blocks
+    (:data:`PIECE_BYTES`) that ``mapper`` runs (``ThreadPoolExecutor.map``:
+    on its threads at once; the crc32c package lets go of the GIL). Each
+    range's crc is combined from its blocks' in order.
+
+    Used by the memory tier's keeper on a rank's adopted staging arena,
+    where the sums are the one pass over bytes the GPU copied in: on a
+    host of many cores, one thread per data file left most of them idle
+    while the training job waited for the save."""
+    b = block_bytes or writer_block_bytes()
+    if view.format != "B" or view.ndim != 1:
+        view = view.cast("B")
+    step = max(b, PIECE_BYTES // b * b)
+    pieces: list[tuple[int, int]] = []
+    for o, n in ranges:
+        pieces.extend((o + at, min(step, n - at)) for at in range(0, n, step))
+
+    def piece_blocks(piece: tuple[int, int]) -> list[int]:
+        o, n = piece
+        with view[o:o + n] as mv:
+            return [int(_crc32c.crc32c(mv[at:at + b])) for at in range(0, n, b)]
+
+    got = iter(mapper(piece_blocks, pieces))
+    _shift_tables(b)
+    out: list[Sums] = []
+    for _, n in ranges:
+        blocks: list[int] = []
+        for _ in range(0, n, step):
+            blocks.extend(next(got))
+        if n <= b:
+            out.append(Sums(blocks[0] if blocks else 0))
+            continue
+        crc = 0
+        for c in blocks[:-1]:
+            crc = crc32c_combine(crc, c, b)
+        crc = crc32c_combine(crc, blocks[-1], n - (len(blocks) - 1) * b)
+        out.append(Sums(crc, b"".join(c.to_bytes(4, "little") for c in blocks)))
+    return out

@@ -54,6 +54,22 @@ def test_sums_in_one_pass_are_the_crc32c_of_the_chunk_and_of_each_block(n: int) 
     assert s.result() == got
     head = os.urandom(33)
     assert crc32c_combine(crc32c(head), crc32c(data), n) == crc32c(head + data)
+    assert crc32c_combine(crc32c(head), crc32c(data[:MiB]), min(n, MiB)) == crc32c(head + data[:MiB])  # tabled
+
+
+def test_sums_of_ranges_on_a_pool_are_the_sums_of_each_range(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(the memory tier's keeper sums an adopted arena's ranges so) Pieces of whole blocks summed on
+    threads and combined in order give what one pass over each range gives, at every edge."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(checksum, "PIECE_BYTES", 2 * MiB)
+    data = os.urandom(9 * MiB + 5)
+    ranges = [(0, 0), (3, 1), (0, MiB), (7, MiB + 1), (MiB - 1, 2 * MiB), (11, 2 * MiB + 1), (5, 7 * MiB + 3),
+              (0, len(data))]
+    want = [sums(data[o:o + n], MiB) for o, n in ranges]
+    with ThreadPoolExecutor(3) as pool:
+        assert checksum.sums_of_ranges(memoryview(data), ranges, pool.map, MiB) == want
+    assert checksum.sums_of_ranges(memoryview(data), ranges, block_bytes=MiB) == want
 
 
 def _chunk(data: bytes, block_bytes: int) -> ChunkRecord:

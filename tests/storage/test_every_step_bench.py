@@ -28,6 +28,9 @@ def test_the_loop_checkpoints_every_step_to_memory_and_drains_to_disk(tmp_path: 
     assert out["disk_checkpoints_kept"] and all(s % 3 == 0 for s in out["disk_checkpoints_kept"])
     assert len(out["step_with_s"]) == 3 and math.isfinite(out["added_fraction"])
     assert out["target"]["goal"] == every_step.GOAL and isinstance(out["target"]["met"], bool)
+    memory = out["save_phases_s"]["memory"]  # where each memory-tier save of the loop spent its time
+    assert memory["saves"] == 4, out["save_phases_s"]
+    assert {"stage", "plan", "write", "commit"} <= set(memory) and memory["duration"] >= memory["write"] > 0
 
 
 def test_config_holds_at_least_the_parameters_asked_for() -> None:
