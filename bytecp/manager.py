@@ -352,8 +352,10 @@ class CheckpointManager:
         seen, so the next save proceeds instead of raising it: a training
         job keeps training on its last committed checkpoint."""
         error = handle.exception()
+        if error is None:  # (before the lock: the next save need not wait for this one's retention)
+            return
         with self._retain_lock:
-            if error is None or handle is self._reported:
+            if handle is self._reported:
                 return
             self._reported = handle
         with contextlib.suppress(Exception):

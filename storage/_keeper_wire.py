@@ -51,6 +51,10 @@ class KeeperUnreachable(StorageError):
     """No keeper answers at an address (not running, or the host is gone)."""
 
 
+class KeeperNotListening(KeeperUnreachable):
+    """Nobody accepted the connection: the request never reached a keeper (safe to send again)."""
+
+
 def parse_keepers(spec: str | dict[str, str]) -> dict[str, Addr]:
     """``"h0=127.0.0.1:7001,h1=127.0.0.1:7002"`` (or a dict) -> ``{"h0": ("127.0.0.1", 7001), ...}``."""
     items = spec.items() if isinstance(spec, dict) else (
@@ -224,7 +228,7 @@ def request(addr: Addr, header: dict[str, Any], payload: Sequence[Any] = (), *,
     try:
         sock = socket.create_connection(addr, timeout=connect_timeout)
     except OSError as e:
-        raise KeeperUnreachable(f"no keeper at {addr[0]}:{addr[1]} ({e})") from None
+        raise KeeperNotListening(f"no keeper at {addr[0]}:{addr[1]} ({e})") from None
     with sock:
         sock.settimeout(timeout)
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

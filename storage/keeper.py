@@ -52,6 +52,7 @@ from ._errors import file_url, missing, truncated
 from ._keeper_maps import MAPPINGS, pin
 from ._keeper_wire import (
     Addr,
+    KeeperNotListening,
     KeeperUnreachable,
     parse_keepers,
     read_file_into,
@@ -119,6 +120,18 @@ class KeeperStorage(Storage):
     def _ask(self, addr: Addr, header: dict[str, Any], payload: Sequence[Any] = (), **kw: Any) -> Any:
         return request(addr, dict(header, token=self.token), payload, **kw)
 
+    def _ask_local(self, header: dict[str, Any], payload: Sequence[Any] = (), **kw: Any) -> Any:
+        """A request to this host's keeper. Sent straight away (a ``hello``
+        before each request cost a round trip: a quarter of a memory-tier
+        save's requests); where nobody listens, :meth:`_keeper_or_error`
+        says so clearly, or (autostart) starts one and the request goes again."""
+        addr = self.keepers[self.host]
+        try:
+            return self._ask(addr, header, payload, **kw)
+        except KeeperNotListening:
+            self._keeper_or_error()
+            return self._ask(addr, header, payload, **kw)
+
     def _local_root(self) -> str | None:
         """The local keeper's directory, when this process can write it (same host)."""
         if self._root is None:
@@ -140,13 +153,12 @@ class KeeperStorage(Storage):
     # -- writing -------------------------------------------------------------
     def write_file(self, path: str, buffers: Sequence[Buffer]) -> None:
         key = self._key(path)
-        local = self._keeper_or_error()
         root = self._local_root()
         if root is not None:
             write_atomic(root, key, buffers)
-            self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, timeout=600)
+            self._ask_local({"op": "replicate", "path": key, "ckpt": self.prefix}, timeout=600)
         else:
-            self._ask(local, {"op": "replicate", "path": key, "ckpt": self.prefix}, list(buffers), timeout=600)
+            self._ask_local({"op": "replicate", "path": key, "ckpt": self.prefix}, list(buffers), timeout=600)
 
     @property
     def lends_arenas(self) -> bool:  # type: ignore[override]
@@ -158,8 +170,8 @@ class KeeperStorage(Storage):
         """An arena in this host's keeper's shared memory, mapped here (None: no keeper on this host)."""
         if not self.lends_arenas:
             return None
-        answer, _ = self._ask(self._keeper_or_error(), {"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
-                                                        "free": _dropped()}, timeout=600)
+        answer, _ = self._ask_local({"op": "alloc", "nbytes": int(nbytes), "pid": os.getpid(),
+                                          "free": _dropped()}, timeout=600)
         size = int(answer["size"])
         arena = SharedArena(MAPPINGS.map(str(answer["file"]), size), size, str(answer["arena"]))
         with _LENT_LOCK:
@@ -171,8 +183,8 @@ class KeeperStorage(Storage):
         maps them now (``pinned``: and registers them for CUDA copies)."""
         if not self.lends_arenas:
             return
-        answer, _ = self._ask(self._keeper_or_error(), {"op": "prepare", "nbytes": int(nbytes), "count": count,
-                                                        "pid": os.getpid()}, timeout=600)
+        answer, _ = self._ask_local({"op": "prepare", "nbytes": int(nbytes), "count": count,
+                                          "pid": os.getpid()}, timeout=600)
         MAPPINGS.expect(int(nbytes), count)
         for path in answer["files"]:
             buf = MAPPINGS.map(str(path))
@@ -186,8 +198,8 @@ class KeeperStorage(Storage):
         spans = array.array("Q", [v for r in ranges for v in r])
         with _LENT_LOCK:
             _LENT.pop(arena.name, None)  # the keeper's now, adopted or refused
-        answer, _ = self._ask(self._keeper_or_error(), {"op": "adopt", "arena": arena.name, "path": self._key(path),
-                                                        "size": arena.used, "ckpt": self.prefix}, [spans], timeout=600)
+        answer, _ = self._ask_local({"op": "adopt", "arena": arena.name, "path": self._key(path),
+                                          "size": arena.used, "ckpt": self.prefix}, [spans], timeout=600)
         blocks = answer.get("blocks")
         if blocks is None:  # a keeper started by an older bytecp: no block checksums
             if any(n > writer_block_bytes() for _, n in ranges):
@@ -234,8 +246,7 @@ class KeeperStorage(Storage):
                 time.sleep(0.1)
 
     def commit(self, path: str, data: bytes, *, exclusive: bool = False) -> None:
-        self._ask(self._keeper_or_error(), {"op": "commit", "path": self._key(path), "exclusive": exclusive},
-                  [data], timeout=600)
+        self._ask_local({"op": "commit", "path": self._key(path), "exclusive": exclusive}, [data], timeout=600)
 
     def delete(self, paths: Iterable[str]) -> None:
         keys = [self._key(p) for p in paths]
@@ -338,8 +349,8 @@ class KeeperStorage(Storage):
     def drain_to(self, url: str, storage_options: dict[str, Any] | None = None) -> None:
         """(the manager's coordinator, after a memory commit) Have the local
         keeper copy this committed checkpoint to ``url`` in the background."""
-        self._ask(self._keeper_or_error(), {"op": "drain", "path": safe_path(self.prefix), "url": url,
-                                            "storage_options": storage_options or {}})
+        self._ask_local({"op": "drain", "path": safe_path(self.prefix), "url": url,
+                         "storage_options": storage_options or {}})
 
     def keeper_stats(self) -> list[dict[str, Any]]:
         """Every live keeper's ``stats`` (memory held, replication and drain lag)."""
