@@ -39,7 +39,7 @@ from bytecp.format.checksum import crc32c
 
 __all__ = [
     "Addr", "parse_keepers", "request", "send", "recv", "recv_payload", "recv_file", "discard", "safe_path",
-    "write_atomic", "read_file_into", "crc_of", "token_ok", "KeeperUnreachable", "FileRange", "reserve",
+    "write_atomic", "read_file_into", "crc_of", "token_ok", "KeeperUnreachable", "KeeperNotListening", "FileRange", "reserve",
 ]
 
 Addr = tuple[str, int]
