@@ -244,12 +244,36 @@ def run(params: float, batch: int, seq: int, steps: int, disk_every: int, rounds
         out["disk_checkpoints_kept"] = [c.step for c in list_checkpoints(str(run_dir))]
         out["last_step"] = last
         out["failed_saves"] = len(mgr.failed)
+        out["pinning"] = _pinning()
+        out["keeper_arenas"] = _keeper_arenas(keeper.options)
         if verify:
             out["last_checkpoint_bitwise"] = _bitwise(f"keeper://every-step/run/step-{last}", keeper.options,
                                                       job.state())
     finally:
         keeper.close()
     return out
+
+
+def _pinning() -> dict[str, int]:
+    """This process's host memory pinned for CUDA copies (the keeper's arenas among it: a failed
+    registration leaves device copies at pageable speed) and its mappings of the keeper's arenas
+    (a miss maps, and pins, an arena again)."""
+    from bytecp.storage._keeper_maps import MAPPINGS
+
+    from bytecp import device_memory
+
+    st = device_memory.STATS
+    return {"registered": st.registered, "registered_bytes": st.registered_bytes,
+            "register_failures": st.register_failures, "device_to_host_batches": st.device_to_host,
+            "arena_mapping_hits": MAPPINGS.hits, "arena_mapping_misses": MAPPINGS.misses}
+
+
+def _keeper_arenas(options: dict[str, Any]) -> dict[str, Any]:
+    """The keeper's arena counters (lent, adopted, pooled) and its CPU seconds."""
+    from bytecp.storage_api import open_storage
+
+    stats = open_storage("keeper://every-step/run", **options).keeper_stats()  # type: ignore[attr-defined]
+    return {**(stats[0].get("arenas") or {}), "keeper_cpu_s": stats[0].get("cpu_s")} if stats else {}
 
 
 def _bitwise(url: str, options: dict[str, Any], state: dict[str, Any]) -> bool:

@@ -198,6 +198,12 @@ def table(report: dict[str, Any]) -> str:
         parts = ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in ph.items() if k not in ("saves", "duration", "stall"))
         lines += ["", f"Its {tier}-tier saves ({ph['saves']}), median: {ph['duration'] * 1e3:.0f} ms from the call to "
                       f"the commit, stall {ph['stall'] * 1e3:.1f} ms; by phase: {parts}"]
+    if e.get("pinning"):
+        pin, ar = e["pinning"], e.get("keeper_arenas") or {}
+        lines += ["", f"Pinned: {pin['registered_bytes'] / 1e9:.1f} GB in {pin['registered']} registrations, "
+                      f"{pin['register_failures']} failed; arena mappings {pin['arena_mapping_hits']} reused, "
+                      f"{pin['arena_mapping_misses']} made; keeper: {ar.get('adopted')} arenas adopted, "
+                      f"{ar.get('lent_total')} lent, {ar.get('free')} pooled, {ar.get('keeper_cpu_s')} s of CPU"]
     if e.get("errors"):
         lines += ["", "Checkpoint at every step broke: " + "; ".join(f"{k}: {v}" for k, v in e["errors"].items())]
     return "\n".join(lines) + "\n"

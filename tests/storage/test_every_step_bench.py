@@ -31,6 +31,8 @@ def test_the_loop_checkpoints_every_step_to_memory_and_drains_to_disk(tmp_path: 
     memory = out["save_phases_s"]["memory"]  # where each memory-tier save of the loop spent its time
     assert memory["saves"] == 4, out["save_phases_s"]
     assert {"stage", "plan", "write", "commit"} <= set(memory) and memory["duration"] >= memory["write"] > 0
+    assert out["pinning"]["arena_mapping_hits"] > 0  # saves copy into arenas the keeper lends them back
+    assert out["keeper_arenas"]["adopted"] >= 4 and out["keeper_arenas"]["free"] >= 1
 
 
 def test_config_holds_at_least_the_parameters_asked_for() -> None:
