@@ -167,6 +167,9 @@ class CheckpointManager:
         self._retained = threading.Event()
         self._retained.set()
         self._retain_lock = threading.Lock()
+        #: makes "the newest save's retention is done" (``_retained``) one step with "a newer save is
+        #: pending": a save's retention may end while the next save starts
+        self._pending_lock = threading.Lock()
         #: (url, why) of each checkpoint the last ``restore`` skipped, newest first
         self.skipped: list[tuple[str, str]] = []
         #: (url, error) of the asynchronous saves that failed (the last 100), oldest first
@@ -306,8 +309,9 @@ class CheckpointManager:
             self._pending.wait_done()
             self._report_failed(self._pending)
         handle = async_save(url, state, lazy=self.lazy, step=step, base=base, storage_options=options, **kwargs)
-        self._pending = handle
-        self._retained.clear()
+        with self._pending_lock:
+            self._pending = handle
+            self._retained.clear()
         handle.add_done_callback(lambda h: self._after_async_save(h, committed))
         return handle
 
@@ -343,8 +347,9 @@ class CheckpointManager:
         except Exception as e:  # noqa: BLE001 - retention/drain must not lose the committed save
             log.warning("bytecp: after committing %s: %s", handle.url, e)
         finally:
-            if handle is self._pending:
-                self._retained.set()
+            with self._pending_lock:
+                if handle is self._pending:
+                    self._retained.set()
 
     def _report_failed(self, handle: SaveHandle) -> None:
         """(the failed save's background thread) Log the error, count it

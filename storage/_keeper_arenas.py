@@ -46,7 +46,6 @@ import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
 from bytecp.errors import StorageError
 from bytecp.format.checksum import Sums, sums, sums_of_ranges
@@ -376,7 +375,7 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     view = memoryview(m) if m is not None else memoryview(b"")
     try:
-        crcs = sums_of_ranges(view, ranges, _summing_map())
+        crcs = sums_of_ranges(view, ranges, _summing_pool())
         os.ftruncate(out, pos)
         for (o, n), at in zip(ranges, starts, strict=True):
             with view[o:o + n] as piece:
@@ -401,14 +400,23 @@ _SUMMING: list[ThreadPoolExecutor] = []
 _SUMMING_LOCK = threading.Lock()
 
 
-def _summing_map() -> Any:
+def _summing_pool() -> ThreadPoolExecutor:
     """The keeper's pool that sums adopted arenas (one thread a core, at most 16), shared by every
     rank's request: the sums of one save's files spread over the host's cores."""
     with _SUMMING_LOCK:
         if not _SUMMING:
             _SUMMING.append(ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)),
                                                thread_name_prefix="keeper-sums"))
-        return _SUMMING[0].map
+        return _SUMMING[0]
+
+
+def _forget_summing_pool() -> None:  # a forked child has the pool object but none of its threads
+    global _SUMMING_LOCK
+    _SUMMING.clear()
+    _SUMMING_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_summing_pool)
 
 
 def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
@@ -426,7 +434,7 @@ def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
     try:
         view = memoryview(m)
         try:
-            return sums_of_ranges(view, ranges, _summing_map())
+            return sums_of_ranges(view, ranges, _summing_pool())
         finally:
             view.release()
     finally:

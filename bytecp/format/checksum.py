@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import dataclasses
 import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Sequence
+from concurrent.futures import Executor, wait
 from typing import Any
 
 import crc32c as _crc32c
@@ -199,17 +200,15 @@ def sums(data: Any, block_bytes: int | None = None) -> Sums:
 #: the bytes one task of :func:`sums_of_ranges` sums (a whole number of blocks)
 PIECE_BYTES = 32 << 20
 
-#: ``map``-like: runs a function over items (on a thread pool, say), results in order
-Mapper = Callable[[Callable[[Any], Any], Iterable[Any]], Iterable[Any]]
-
-
-def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], mapper: Mapper = map,
+def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], pool: Executor | None = None,
                    block_bytes: int | None = None) -> list[Sums]:
     """The :class:`Sums` of each ``(offset, nbytes)`` of ``view``, the same as
     :func:`sums` of each, with the summing cut into pieces of whole blocks
-    (:data:`PIECE_BYTES`) that ``mapper`` runs (``ThreadPoolExecutor.map``:
-    on its threads at once; the crc32c package lets go of the GIL). Each
-    range's crc is combined from its blocks' in order.
+    (:data:`PIECE_BYTES`) that ``pool`` runs (a ``ThreadPoolExecutor``: on
+    its threads at once; the crc32c package lets go of the GIL; None: here).
+    Each range's crc is combined from its blocks' in order. Every piece has
+    ended when it returns or raises (the caller may then close the mapping
+    ``view`` is of).
 
     Used by the memory tier's keeper on a rank's adopted staging arena,
     where the sums are the one pass over bytes the GPU copied in: on a
@@ -228,7 +227,16 @@ def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], mapper: 
         with view[o:o + n] as mv:
             return [int(_crc32c.crc32c(mv[at:at + b])) for at in range(0, n, b)]
 
-    got = iter(mapper(piece_blocks, pieces))
+    if pool is None or len(pieces) < 2:
+        got = iter([piece_blocks(p) for p in pieces])
+    else:
+        futures = [pool.submit(piece_blocks, p) for p in pieces]
+        try:
+            got = iter([f.result() for f in futures])
+        finally:  # on an error too: no piece still reads the view
+            for f in futures:
+                f.cancel()
+            wait(futures)
     _shift_tables(b)
     out: list[Sums] = []
     for _, n in ranges:

@@ -68,8 +68,40 @@ def test_sums_of_ranges_on_a_pool_are_the_sums_of_each_range(monkeypatch: pytest
               (0, len(data))]
     want = [sums(data[o:o + n], MiB) for o, n in ranges]
     with ThreadPoolExecutor(3) as pool:
-        assert checksum.sums_of_ranges(memoryview(data), ranges, pool.map, MiB) == want
+        assert checksum.sums_of_ranges(memoryview(data), ranges, pool, MiB) == want
     assert checksum.sums_of_ranges(memoryview(data), ranges, block_bytes=MiB) == want
+
+
+def test_a_piece_that_fails_leaves_no_piece_reading_the_mapping(monkeypatch: pytest.MonkeyPatch) -> None:
+    """(the keeper closes the arena's mapping after summing) The error of one piece is what is raised,
+    and only once every other piece has ended: the mapping then closes."""
+    import mmap
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    monkeypatch.setattr(checksum, "PIECE_BYTES", MiB)
+    real, calls, lock = checksum._crc32c.crc32c, [0], threading.Lock()
+
+    def crc(data: Any, value: int = 0) -> int:
+        with lock:
+            calls[0] += 1
+            first = calls[0] == 1
+        if first:
+            del data  # (as the C function would: the traceback keeps no slice of the mapping)
+            raise RuntimeError("the first piece fails")
+        time.sleep(0.002)  # the others still run when it does
+        return int(real(data, value))
+
+    monkeypatch.setattr(checksum._crc32c, "crc32c", crc)
+    m = mmap.mmap(-1, 8 * MiB)
+    view = memoryview(m)
+    with ThreadPoolExecutor(4) as pool, pytest.raises(RuntimeError, match="the first piece fails"):
+        try:
+            checksum.sums_of_ranges(view, [(0, 8 * MiB)], pool, 256 << 10)
+        finally:
+            view.release()
+            m.close()  # BufferError if a piece still held a slice of it
 
 
 def _chunk(data: bytes, block_bytes: int) -> ChunkRecord:
