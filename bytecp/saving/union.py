@@ -35,7 +35,7 @@ from bytecp.format.tensor_table import TensorTable
 from bytecp.plan.exchange import PLAN_STATS
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
-from bytecp.tree.kept import memoized
+from bytecp.tree.kept import Recent, memoized
 from bytecp.tree.skeleton import Node
 from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
 from bytecp.tree.state import FlatTree, merge_aliases
@@ -152,27 +152,25 @@ class DescribedUnion:
 #: by (the save pipeline's plan-cache key, specs key): the unions its last
 #: commits built, the newest last (its coordinator announces their keys in
 #: its vote; when the decision's is one of them, no rank sends its skeleton)
-_KEPT: dict[tuple[Any, str], DescribedUnion] = {}
-#: a process saving several states in turn (a model and an EMA copy) keeps each one's
-_KEPT_MAX = 4
-#: (``_KEPT`` is added to by the thread that merges a union's skeletons)
-_KEPT_LOCK = threading.Lock()
+#: (added to by the thread that merges a union's skeletons; a process saving several states in turn,
+#: a model and an EMA copy, keeps each one's)
+_KEPT: Recent[tuple[Any, str], DescribedUnion] = Recent(4)
 #: the thread a job's first commit merges the ranks' skeletons on, meanwhile building the index directory
 _MERGING: list[concurrent.futures.ThreadPoolExecutor] = []
+_MERGING_LOCK = threading.Lock()
 
 
 def _merging() -> concurrent.futures.ThreadPoolExecutor:
-    with _KEPT_LOCK:
+    with _MERGING_LOCK:
         if not _MERGING:
             _MERGING.append(concurrent.futures.ThreadPoolExecutor(1, "bytecp-union"))
         return _MERGING[0]
 
 
 def _forget_threads() -> None:
-    global _KEPT_LOCK
-    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks (a kept union's too)
-    _KEPT.clear()
-    _KEPT_LOCK = threading.Lock()
+    global _MERGING_LOCK
+    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks (_KEPT forgets its own)
+    _MERGING_LOCK = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_threads)
@@ -180,8 +178,7 @@ os.register_at_fork(after_in_child=_forget_threads)
 
 def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
     """(coordinator, as it votes) The unions the last commits under ``slot`` built, if it built them."""
-    with _KEPT_LOCK:
-        return [u for (s, _), u in _KEPT.items() if s == slot and u.coordinator == coordinator]
+    return [u for (s, _), u in _KEPT.items() if s == slot and u.coordinator == coordinator]
 
 
 def described_by(flat: FlatTree) -> tuple[Any, dict[str, Any], dict[str, str]]:
@@ -263,11 +260,7 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
             described.set_exception(e)
             return
         if specs_key and slot is not None:
-            with _KEPT_LOCK:
-                _KEPT.pop((slot, specs_key), None)
-                _KEPT[(slot, specs_key)] = union
-                while len(_KEPT) > _KEPT_MAX:
-                    del _KEPT[next(iter(_KEPT))]
+            _KEPT.put((slot, specs_key), union)
         described.set_result((node, encoded, merged))
 
     if sent:

@@ -74,6 +74,12 @@ class Staged:
     #: the reused arena ``data`` lies in and the token of the stage that filled it (checked once written)
     use: tuple[Guard, int] | None = None
 
+    def for_item(self, item: WriteItem) -> Staged:
+        """These bytes as the record of ``item`` (the same box, as a plan names it
+        again): every other field as it is (``dataclasses.replace`` costs 5x
+        more, once per box of a save)."""
+        return Staged(item, self.data, self.sums, self.padded, self.arena, self.offset, self.use)
+
 
 @dataclasses.dataclass
 class RankOutput:
@@ -162,8 +168,6 @@ def _split_files(staged: Sequence[Staged], blobs: list[_Blob], n: int) -> list[t
 def _layout_order(s: Staged) -> tuple[str, tuple[int, ...]]:
     item = s.item
     return item.fqn, item.region.offsets
-
-
 
 
 def _write_one_file(

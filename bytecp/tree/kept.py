@@ -91,7 +91,8 @@ class Recent(Generic[_K, _T]):
     """The values last put under at most ``limit`` keys (a key put again is
     the newest; the oldest goes first), shared by threads: the process's
     memos of answers between saves that are not kept with a state (the
-    object blobs already checked, the checkpoints this process committed)."""
+    object blobs already checked, the checkpoints this process committed,
+    the unions of the ranks' descriptions a coordinator built)."""
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
@@ -113,6 +114,11 @@ class Recent(Generic[_K, _T]):
             while len(self._items) >= self.limit:
                 self._items.pop(next(iter(self._items)))
             self._items[key] = value
+
+    def items(self) -> list[tuple[_K, _T]]:
+        """Every (key, value), the oldest first (a copy: others may put meanwhile)."""
+        with self._lock:
+            return list(self._items.items())
 
     def pop(self, key: _K) -> None:
         with self._lock:

@@ -20,6 +20,7 @@ from bytecp.format.tensor_table import table_json
 from bytecp.saving import union
 from bytecp.saving.commit import tensor_specs
 from bytecp.saving.union import described_union, kept_unions
+from bytecp.tree.kept import Recent
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import flatten_tree
 
@@ -54,7 +55,7 @@ def test_the_text_of_other_objects_is_never_written(tmp_path: Path) -> None:
 
 
 def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(union, "_KEPT", {})
+    monkeypatch.setattr(union, "_KEPT", Recent(union._KEPT.limit))
     tree = flatten_tree({"m": {"w": torch.ones(2, 2)}})
     asked: list[int] = []
 
@@ -80,9 +81,9 @@ def test_a_union_is_reused_for_its_key_only(monkeypatch: pytest.MonkeyPatch) -> 
     assert dict(again.tensors) == {"m.w": {"dtype": "float32", "shape": [2, 2]}}
     assert kept_unions("job", 0) == [first, again]
     assert described_union(own, [], 0, "", slot="job") not in kept_unions("job", 0)  # no key: never kept
-    for k in range(union._KEPT_MAX):
+    for k in range(union._KEPT.limit):
         described_union(own, [], 0, f"more{k}", slot="job")
-    assert first not in kept_unions("job", 0) and len(union._KEPT) == union._KEPT_MAX  # the oldest go first
+    assert first not in kept_unions("job", 0) and len(union._KEPT.items()) == union._KEPT.limit == 4  # oldest first
 
 
 def test_a_new_union_is_merged_as_json_and_encoded_alike(tmp_path: Path) -> None:
