@@ -143,8 +143,11 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
         payloads, bad = read_payloads(chain, parts_for(chain, modes, targets), threads=f.io_threads)
         brought = bring_forward(chain, modes, targets, payloads, bad, sdtype, f.spare, threads=_THREADS)
         staged, nbytes = stage(opened, f.held, wanted, list(changes.changed), rows, f.spare, f.io_threads)
+        # tensors deltas could have served, read whole because the chain has problems (reported with them)
+        unserved = [s for s in served if s not in modes and s in changes.changed] if chain.problems else []
         kept.update(opened=opened, wanted=wanted, rows=rows, changes=changes, chain=chain, modes=modes, same=same,
-                    targets=targets, brought=brought, staged=staged, nbytes=nbytes + chain.bytes_read, md=md)
+                    targets=targets, brought=brought, staged=staged, nbytes=nbytes + chain.bytes_read, md=md,
+                    unserved=unserved)
         return brought.sums, brought.failed
 
     gathered = ctx.all_gather("follow/stage", local)
@@ -175,7 +178,7 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
     fallbacks = [f"{s}: {why}" for s, why in sorted(bad.items())] + list(dict.fromkeys(chain.problems))
     if fallbacks:
         log.warning("bytecp.follow: %s: %d tensor(s) read whole instead of by serving deltas: %s", url,
-                    len(bad), "; ".join(fallbacks[:3]) + (" ..." if len(fallbacks) > 3 else ""))
+                    len(bad) + len(kept["unserved"]), "; ".join(fallbacks[:3]) + (" ..." if len(fallbacks) > 3 else ""))
     return Served(bytes_read=nbytes, tensors_read=len(changes.changed) + len(modes) - len(same),
                   tensors_unchanged=len(changes.unchanged) + len(same), unchanged_by_reference=changes.by_reference,
                   tensors_by_delta=len(by_delta),

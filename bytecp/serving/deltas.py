@@ -140,7 +140,9 @@ def walk(target: tuple[str, str, Storage], save_id: str, held: str | None, dtype
          budget: int, served: Sequence[tuple[str, int]], *, threads: int = 8, max_steps: int = MAX_STEPS) -> Chain:
     """(every rank) The chain from the held save ``held`` (None: nothing held)
     to the save ``save_id`` at ``target`` (url, tier, storage), walked back
-    along ``previous`` links. ``budget``: the bytes of reading the changed
+    along ``previous`` links. Where the walk ends short of the held save is a
+    problem reported with the update; a follower holding nothing only looks
+    for a step with whole copies, and not finding one is none. ``budget``: the bytes of reading the changed
     tensors whole, past which deltas cannot win; ``served``: (fqn, numel) of
     those tensors (nothing held: the walk stops at a step with every one
     whole)."""
@@ -152,7 +154,7 @@ def walk(target: tuple[str, str, Storage], save_id: str, held: str | None, dtype
     while True:
         step = read_step(storage, url, tier, sid, threads)
         if step is None:
-            if steps:
+            if steps and held is not None:
                 problems.append(f"{url}: no serving deltas of save {sid} (the chain ends there)")
             break
         if step.manifest.dtype != dtype:
@@ -177,8 +179,9 @@ def walk(target: tuple[str, str, Storage], save_id: str, held: str | None, dtype
             except Exception as e:  # noqa: BLE001 - a tier down: the next one, else the chain ends
                 log.debug("bytecp.follow: %s unreadable: %s", u, e)
         if found is None:
-            problems.append(f"{url}: its previous checkpoint {prev.name} (save {prev.save_id}) carries no "
-                            "serving deltas any more (removed, or never written)")
+            if held is not None:  # nothing held: no chain could serve it, the tensors read whole is no fallback
+                problems.append(f"{url}: its previous checkpoint {prev.name} (save {prev.save_id}) carries no "
+                                "serving deltas any more (removed, or never written)")
             break
         url, tier, storage = found
         sid = prev.save_id

@@ -251,6 +251,57 @@ def test_a_follower_starting_mid_run_starts_from_the_last_whole_copy(tmp_path: P
     assert _same_bf16(served, model)
 
 
+def test_a_follower_starting_after_retention_removed_every_whole_copy_reads_whole_quietly(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An evaluation job started mid-run, after retention removed the last
+    whole copy: it holds nothing, so no chain of deltas could serve it; it
+    reads the checkpoint's tensors whole and cast, with nothing to report (no
+    delta it needed was missing), then follows by deltas."""
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5, keep_last=2)
+    for step in range(1, 5):  # the whole copies of step 1 go with it
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    assert sorted(c.step for c in list_checkpoints(run)) == [3, 4]
+    served = _model(seed=3, dtype=BF16)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="bytecp"):
+        up = next(gen)
+    assert up.ok and up.step == 4 and up.tensors_by_delta == 0 and not up.fallbacks, up
+    assert "serving deltas" not in caplog.text, caplog.text
+    assert _same_bf16(served, model)
+    _train(model, opt, 5)
+    mgr.save(5, {"model": model, "optimizer": opt})
+    up = next(gen)
+    assert up.ok and up.step == 5 and _by_deltas(up) and not up.fallbacks and _same_bf16(served, model), up
+    gen.close()
+
+
+def test_a_held_follower_whose_chain_is_broken_reads_whole_and_says_how_many(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A follower holding step 1, two steps behind, the serving files of
+    step 2 gone: every changed tensor is read whole (bitwise), the update
+    reports the broken chain and the warning counts those tensors."""
+    import shutil
+
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5)
+    served = _model(seed=3, dtype=BF16)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
+    _train(model, opt, 1)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    assert next(gen).ok
+    for step in (2, 3):
+        _train(model, opt, step)
+        mgr.save(step, {"model": model, "optimizer": opt})
+    shutil.rmtree(_files(Path(run) / "step-2")[1])
+    with caplog.at_level(logging.WARNING, logger="bytecp"):
+        up = next(gen)
+    assert up.ok and up.step == 3 and up.tensors_by_delta == 0 and up.tensors_read == 4, up
+    assert any("no serving deltas" in f for f in up.fallbacks), up.fallbacks
+    assert "4 tensor(s) read whole instead of by serving deltas" in caplog.text, caplog.text
+    assert _same_bf16(served, model)
+    gen.close()
+
+
 def test_a_held_state_that_is_not_the_checkpoint_is_caught(tmp_path: Path) -> None:
     run, model, opt, mgr = _run(tmp_path, lr=1e-5)
     served = _model(seed=3, dtype=BF16)
