@@ -126,10 +126,13 @@ class Verifier:
 
     def _mismatch(self, k: int | None) -> CorruptCheckpointError:
         c = self.c
-        where = f"{self.url.rstrip('/')}/{c.file}: checksum mismatch in tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}"
+        url = self.url.rstrip('/')
+        where = f"{url}/{c.file}: checksum mismatch in tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}"
+        # what to do: the bytes changed after the save wrote them (a disk, a copy, a hand)
+        todo = f"; the file changed since the save: `bytecp verify {url}` lists every damaged chunk, or load an earlier checkpoint"
         if k is None:
-            return CorruptCheckpointError(f"{where} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes})")
+            return CorruptCheckpointError(f"{where} (bytes {c.byte_offset}..{c.byte_offset + c.nbytes}){todo}")
         lo, hi = k * self.bb, min(c.nbytes, (k + 1) * self.bb)
         return CorruptCheckpointError(
             f"{where}, block {k} of {-(-c.nbytes // self.bb)} (bytes {c.byte_offset + lo}..{c.byte_offset + hi}), "
-            f"read to load its region {self.box}")
+            f"read to load its region {self.box}{todo}")

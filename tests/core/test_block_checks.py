@@ -134,7 +134,8 @@ def test_verifier_checks_each_block_as_its_last_byte_arrives() -> None:
     with pytest.raises(CorruptCheckpointError) as e:
         v.feed(data[8192:])
     assert str(e.value) == ("file:///ck/data/x/0-0.bin: checksum mismatch in tensor 'w' region [0:10000], block 2 "
-                            "of 3 (bytes 16384..18192), read to load its region [9000:9005]")
+                            "of 3 (bytes 16384..18192), read to load its region [9000:9005]; the file changed since the "
+                            "save: `bytecp verify file:///ck` lists every damaged chunk, or load an earlier checkpoint")
 
 
 def test_a_whole_chunk_is_summed_as_one_run_and_a_mismatch_still_names_its_block() -> None:
@@ -261,7 +262,8 @@ def test_a_flip_inside_a_block_a_resharded_load_reads_is_refused_naming_tensor_r
         load_box(str(path), "w", Region((100, 0), (200, 1000)), torch.float32)
     assert str(e.value) == (f"{path}/{file}: checksum mismatch in tensor 'w' region [0:1024, 0:1000], block 0 of 4 "
                             f"(bytes {at - 150 * 4000 - 17}..{at - 150 * 4000 - 17 + MiB}), read to load its region "
-                            "[100:300, 0:1000]")
+                            f"[100:300, 0:1000]; the file changed since the save: `bytecp verify {path}` lists every "
+                            "damaged chunk, or load an earlier checkpoint")
     # the same flip outside what a load reads is not that load's: rows 600..800 are blocks 2 and 3
     got, _ = load_box(str(path), "w", Region((600, 0), (200, 1000)), torch.float32)
     assert torch.equal(got, w[600:800])
