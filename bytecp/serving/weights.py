@@ -170,6 +170,8 @@ def _scatter(opened: OpenedCheckpoint, url: str, since: str, items: list[Any], d
         key = (it.fqn, Region((0,) * len(it.shape), it.shape))
         if key in brought.nets:
             p, b = brought.nets[key]
+            if not len(p):  # changed, but none of its values in the serving dtype: the engine holds them
+                continue
             vals = torch.from_numpy(np.ascontiguousarray(b).view({1: np.uint8, 2: np.int16, 4: np.int32,
                                                                   8: np.int64}[tdtype.itemsize])).view(tdtype)
             yield it.name, torch.from_numpy(p), vals
