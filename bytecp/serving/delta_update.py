@@ -176,7 +176,10 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
     modes, md, changes, same = kept["modes"], kept["md"], kept["changes"], kept["same"]
     by_delta = [s for s in modes if s not in bad and s not in same]
     fallbacks = [f"{s}: {why}" for s, why in sorted(bad.items())] + list(dict.fromkeys(chain.problems))
-    if fallbacks:
+    # a trainer writing another serving dtype than the follower's is said once, not at every update
+    told = chain.other_dtype is not None and not bad and len(fallbacks) == 1 and f.told_dtype
+    f.told_dtype = f.told_dtype or chain.other_dtype is not None
+    if fallbacks and not told:
         log.warning("bytecp.follow: %s: %d tensor(s) read whole instead of by serving deltas: %s", url,
                     len(bad) + len(kept["unserved"]), "; ".join(fallbacks[:3]) + (" ..." if len(fallbacks) > 3 else ""))
     return Served(bytes_read=nbytes, tensors_read=len(changes.changed) + len(modes) - len(same),

@@ -130,6 +130,8 @@ class Chain:
     from_held: bool
     problems: list[str]
     bytes_read: int = 0
+    #: the walk met deltas in another serving dtype than the follower's (a setting, not damage: one warning)
+    other_dtype: str | None = None
 
 
 #: (a link, the tier of the step it came from) -> (url, tier, storage) to look in, in order
@@ -151,6 +153,7 @@ def walk(target: tuple[str, str, Storage], save_id: str, held: str | None, dtype
     url, tier, storage = target
     sid = save_id
     spent = 0
+    other: str | None = None
     while True:
         step = read_step(storage, url, tier, sid, threads)
         if step is None:
@@ -158,7 +161,9 @@ def walk(target: tuple[str, str, Storage], save_id: str, held: str | None, dtype
                 problems.append(f"{url}: no serving deltas of save {sid} (the chain ends there)")
             break
         if step.manifest.dtype != dtype:
-            problems.append(f"{url}: serving deltas in {step.manifest.dtype}, not {dtype}")
+            problems.append(f"{url}: serving deltas in {step.manifest.dtype}, not {dtype} (follow with "
+                            f"dtype=torch.{step.manifest.dtype}, or save with serving_dtype=torch.{dtype}, to read only changes)")
+            other = step.manifest.dtype
             break
         steps.append(step)
         problems += step.problems
@@ -188,7 +193,7 @@ def walk(target: tuple[str, str, Storage], save_id: str, held: str | None, dtype
     steps.reverse()
     from_held = bool(steps) and held is not None and steps[0].manifest.previous is not None \
         and steps[0].manifest.previous.save_id == held
-    return Chain(steps, from_held, problems)
+    return Chain(steps, from_held, problems, other_dtype=other)
 
 
 @dataclasses.dataclass(frozen=True)

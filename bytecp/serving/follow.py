@@ -214,6 +214,7 @@ class _Follower:
         self.url: str | None = None
         self.rows: dict[str, list[fmt.ChunkRecord]] = {}
         self.spare: dict[Box, torch.Tensor] = {}  # the last update's staging tensors, reused
+        self.told_dtype = False  # warned that the run's serving deltas are in another dtype
         self.id = fmt.new_save_id()
         self.lease: leases.Lease | None = None
         if pin and ctx.is_coordinator:

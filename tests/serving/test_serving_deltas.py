@@ -302,6 +302,28 @@ def test_a_held_follower_whose_chain_is_broken_reads_whole_and_says_how_many(
     gen.close()
 
 
+def test_a_follower_in_another_dtype_than_the_deltas_reads_whole_and_is_told_once(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The trainer writes bf16 deltas, the follower holds float16: every
+    update reads the tensors whole and cast (bitwise) and reports why; the
+    warning, a setting to change, is logged at the first update only."""
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5)
+    served = _model(seed=3, dtype=torch.float16)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=torch.float16, on_error="raise")
+    with caplog.at_level(logging.WARNING, logger="bytecp"):
+        for step in (1, 2, 3):
+            _train(model, opt, step)
+            mgr.save(step, {"model": model, "optimizer": opt})
+            up = next(gen)
+            assert up.ok and up.step == step and up.tensors_by_delta == 0 and up.tensors_read == 4, up
+            assert any("serving deltas in bfloat16, not float16" in f for f in up.fallbacks), up.fallbacks
+            got, want = served.state_dict(), model.state_dict()
+            assert all(torch.equal(got[k], v.to(torch.float16)) for k, v in want.items())
+    warned = [r.getMessage() for r in caplog.records if "serving deltas in bfloat16" in r.getMessage()]
+    assert len(warned) == 1 and "serving_dtype=torch.float16" in warned[0] and "4 tensor(s)" in warned[0], warned
+    gen.close()
+
+
 def test_a_held_state_that_is_not_the_checkpoint_is_caught(tmp_path: Path) -> None:
     run, model, opt, mgr = _run(tmp_path, lr=1e-5)
     served = _model(seed=3, dtype=BF16)
