@@ -79,6 +79,18 @@ def _run(tmp_path: Path, lr: float = 1e-4, **kw: Any) -> tuple[str, nn.Module, t
     return run, model, opt, mgr
 
 
+def _following(tmp_path: Path) -> tuple[str, nn.Module, torch.optim.Optimizer, bytecp.CheckpointManager,
+                                        nn.Module, Any]:
+    """A run at lr 1e-5 saved at step 1 and a bf16 follower holding that step."""
+    run, model, opt, mgr = _run(tmp_path, lr=1e-5)
+    served = _model(seed=3, dtype=BF16)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
+    _train(model, opt, 1)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    assert next(gen).ok
+    return run, model, opt, mgr, served, gen
+
+
 def test_a_save_writes_exactly_the_changed_bf16_elements(tmp_path: Path) -> None:
     run, model, opt, mgr = _run(tmp_path, lr=1e-6, full_every=3, keep_every_n_steps=5, frozen=True)
     before: dict[str, torch.Tensor] = {}
@@ -283,12 +295,7 @@ def test_a_held_follower_whose_chain_is_broken_reads_whole_and_says_how_many(
     reports the broken chain and the warning counts those tensors."""
     import shutil
 
-    run, model, opt, mgr = _run(tmp_path, lr=1e-5)
-    served = _model(seed=3, dtype=BF16)
-    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
-    _train(model, opt, 1)
-    mgr.save(1, {"model": model, "optimizer": opt})
-    assert next(gen).ok
+    run, model, opt, mgr, served, gen = _following(tmp_path)
     for step in (2, 3):
         _train(model, opt, step)
         mgr.save(step, {"model": model, "optimizer": opt})
@@ -325,12 +332,7 @@ def test_a_follower_in_another_dtype_than_the_deltas_reads_whole_and_is_told_onc
 
 
 def test_a_held_state_that_is_not_the_checkpoint_is_caught(tmp_path: Path) -> None:
-    run, model, opt, mgr = _run(tmp_path, lr=1e-5)
-    served = _model(seed=3, dtype=BF16)
-    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=BF16, on_error="raise")
-    _train(model, opt, 1)
-    mgr.save(1, {"model": model, "optimizer": opt})
-    assert next(gen).ok
+    run, model, opt, mgr, served, gen = _following(tmp_path)
     _train(model, opt, 2)
     mgr.save(2, {"model": model, "optimizer": opt})
     e = next(e for e in _entries(Path(run) / "step-2").entries if e.fqn == "model.0.weight")
