@@ -297,6 +297,10 @@ class CheckpointManager:
         kwargs = dict(self.save_kwargs)
         if "serving_dtype" in kwargs:
             kwargs["serving_whole"] = self._serving_whole(step)
+        if any(u == url for u, _ in self.skipped):  # restore skipped it: training goes on past it, replaced
+            log.warning("bytecp: saving %s over the checkpoint there that restore skipped (it stays until the "
+                        "new one commits)", url)
+            kwargs["overwrite"] = True
         if not self.async_save:
             from bytecp.api import save
 
@@ -399,7 +403,9 @@ class CheckpointManager:
         or loading because its own files are bad (checksum mismatch, a data
         or index file missing or truncated, unreadable ``metadata.json``) is
         skipped with a warning naming it and why, and the previous one is
-        tried; nothing is deleted. Errors that an older checkpoint would not
+        tried; nothing is deleted (when training reaches a skipped
+        checkpoint's step again, that save replaces it: the old one stays
+        until the new one commits). Errors that an older checkpoint would not
         cure stop the restore at once: a newer format, a state that does not
         fit (keys, shapes), pickles not allowed, storage refusing access or
         failing transiently. If no checkpoint loads,

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import bytecp.dist_raw  # noqa: F401  (its exit hook runs after the drain below)
 from bytecp.errors import BytecpError
@@ -58,6 +59,8 @@ class SaveHandle:
         #: from the caller's thread (wait(), the next save), never from inside
         #: optimizer.step(), which is iterating them
         self._hooks: list[Any] = []
+        #: lazy mode: what any optimizer's step does first while this save's copies are not queued
+        self._before_step: Callable[..., None] | None = None
         self._callbacks: list[Callable[[SaveHandle], None]] = []
         self._callbacks_lock = threading.Lock()
 
@@ -129,7 +132,11 @@ class SaveHandle:
     def block_optimizers_until_staged(self, optimizers: list[torch.optim.Optimizer], trace: Trace) -> None:
         """Lazy mode: each optimizer's ``step()`` waits until this rank's
         copies are queued; device copies are then waited for on the GPU (the
-        training stream waits for their events), not by the host."""
+        training stream waits for their events), not by the host. The
+        state's ``optimizers`` get a hook each; any other torch optimizer of
+        the process waits too, through one process-wide hook (an optimizer
+        rebuilt over the same parameters right after the call -- layers
+        unfrozen -- would otherwise change them under the copy)."""
 
         def wait_staged(*_: Any) -> None:
             if not self._queued.is_set():
@@ -143,6 +150,8 @@ class SaveHandle:
                     torch.cuda.current_stream(index).wait_event(ev)
 
         self._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
+        self._before_step = wait_staged
+        _watch_every_optimizer(self)
 
     def start(self, run: Callable[[], fmt.Metadata], nice: int = 0) -> None:
         """Run ``run`` (the rest of the save) on the background thread of
@@ -169,16 +178,63 @@ class SaveHandle:
             for h in self._hooks:
                 h.remove()
             self._hooks.clear()
+            _unwatch(self)
 
     def _finish(self, md: fmt.Metadata | None, error: BaseException | None) -> None:
         self._metadata, self._error = md, error
         self._queued.set()
         self._staged.set()
         self._done.set()
+        _unwatch(self)
         with self._callbacks_lock:
             callbacks, self._callbacks = self._callbacks, []
         for fn in callbacks:
             self._run_callback(fn)
+
+
+#: lazy saves whose copies any optimizer's step of this process waits for (see
+#: :meth:`SaveHandle.block_optimizers_until_staged`); the one process-wide hook reads it
+_WATCHED: list[SaveHandle] = []
+_WATCHED_LOCK = threading.Lock()
+_GLOBAL_HOOK: list[Any] = []
+
+
+def _watch_every_optimizer(handle: SaveHandle) -> None:
+    """(the lazy call) ``handle``'s copies are waited for by every torch optimizer's step from now on."""
+    with _WATCHED_LOCK:
+        _WATCHED.append(handle)
+        if not _GLOBAL_HOOK:  # once per process, never removed: a look at an empty list per step
+            _GLOBAL_HOOK.append(register_optimizer_step_pre_hook(_before_any_step))
+
+
+def _unwatch(handle: SaveHandle) -> None:
+    with _WATCHED_LOCK:
+        if handle in _WATCHED:
+            _WATCHED.remove(handle)
+
+
+def _before_any_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+    """(torch, before every optimizer's step, on the training thread) Wait for
+    the lazy saves in flight; a save done with its copies is forgotten (from
+    this list: torch's hooks are not touched while it iterates them)."""
+    if not _WATCHED:
+        return
+    with _WATCHED_LOCK:
+        pending = list(_WATCHED)
+    for h in pending:
+        if h._before_step is not None:
+            h._before_step()
+        if h._staged.is_set():
+            _unwatch(h)
+
+
+def _forget_watched() -> None:  # a forked child runs none of its parent's saves
+    global _WATCHED_LOCK
+    _WATCHED_LOCK = threading.Lock()
+    _WATCHED.clear()
+
+
+os.register_at_fork(after_in_child=_forget_watched)
 
 
 class _Worker:

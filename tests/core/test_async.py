@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -76,6 +77,29 @@ def test_lazy_checkpoint_is_the_state_at_the_call(tmp_path: Path, monkeypatch) -
     h.wait(timeout=60)
     assert not same_bits(snap["model"]["0.weight"], m.state_dict()["0.weight"])
     assert_loaded_equals(url, snap)
+
+
+def test_a_lazy_save_waits_for_an_optimizer_rebuilt_after_the_call(tmp_path: Path, monkeypatch) -> None:
+    """Layers unfrozen right after a lazy call and the optimizer rebuilt over
+    the same parameters: its first step (not the saved optimizer's) still
+    waits for the copy, so the checkpoint holds the state at the call."""
+    m, opt = model_and_opt()
+    snap = snapshot(m, opt)
+    url = str(tmp_path / "ck")
+    monkeypatch.setenv("BYTECP_FAULT_DELAY", "stage:0:0.5")  # the copy starts late
+    h = bytecp.async_save(url, {"model": m, "optimizer": opt}, lazy=True)
+    assert not h.staged()
+    rebuilt = torch.optim.SGD(m.parameters(), lr=0.5)
+    for p in m.parameters():
+        p.grad = torch.ones_like(p)
+    rebuilt.step()  # waits in the process-wide hook
+    assert h.staged()
+    h.wait(timeout=60)
+    assert not same_bits(snap["model"]["0.weight"], m.state_dict()["0.weight"])
+    assert_loaded_equals(url, snap)
+    t = time.perf_counter()
+    rebuilt.step()  # nothing in flight: the hook only looks at an empty list
+    assert time.perf_counter() - t < 5
 
 
 def test_lazy_hook_coexists_with_hooks_registered_after_it(tmp_path: Path) -> None:

@@ -284,6 +284,32 @@ def test_restore_falls_back_past_checkpoints_that_do_not_load(tmp_path: Path, ca
         mgr.restore({"x": torch.zeros(4), "extra": {"step": 0}})
 
 
+@pytest.mark.parametrize("async_save", [False, True])
+def test_training_on_past_a_skipped_checkpoint_saves_its_step_again(tmp_path: Path, async_save: bool) -> None:
+    """The documented resume loop: restore skips a damaged step-3 and loads
+    step 2; training goes on and saves step 3 again, over the skipped one
+    (which stayed until then), and every later step as usual."""
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None)
+    for step in (1, 2, 3):
+        mgr.save(step, {"x": torch.full((4,), float(step))})
+    flip_a_data_byte(run / "step-3")
+    again = CheckpointManager(str(run), every_n_steps=1, keep_last=None, async_save=async_save)
+    state = {"x": torch.zeros(4)}
+    assert again.restore(state) == 2
+    for step in (3, 4):
+        state["x"] += 1
+        assert again.maybe_save(step, state)
+        again.wait()
+    assert not again.failed
+    for step in (3, 4):
+        assert torch.equal(bytecp.load_state_dict(f"{run}/step-{step}")["x"], torch.full((4,), float(step)))
+    # a checkpoint restore did not skip is still never saved over
+    with pytest.raises(bytecp.CheckpointExistsError, match="overwrite=True"):
+        again.save(4, state)
+        again.wait()
+
+
 def test_restore_does_not_fall_back_when_the_state_does_not_fit(tmp_path: Path) -> None:
     run = tmp_path / "run"
     mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None)
