@@ -24,11 +24,14 @@ from bytecp.format import metadata as fmt
 from bytecp.format.header import read_header
 from bytecp.format.references import retired_names
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tree.recent import Recent
 
 __all__ = ["CheckpointInfo", "Unreadable", "list_checkpoints", "scan", "list_bases", "checkpoint_is_bad", "one_line"]
 
 log = logging.getLogger("bytecp.manager")
 _STEP = re.compile(r"^step-(\d+)$")
+#: the unreadable metadata.json files this process warned of, (url, why)
+_TOLD: Recent[tuple[str, str], bool] = Recent(256)
 #: the errors that mean "this checkpoint's own files are bad", as exception
 #: classes (one process) and as the type names a rank's failure carries
 #: (every rank of a distributed load gets the same failure texts)
@@ -85,8 +88,11 @@ def scan(root: Storage, run_url: str, names: list[str] | None = None) -> tuple[l
             head = read_header(ck, committed=True)
         except CorruptCheckpointError as e:
             if _bytecp(ck):  # (not another format's folder, torch_dist: bytecp.interop.runs reads those)
-                log.warning("bytecp: %s has an unreadable metadata.json (%s)", url, one_line(e))
-                bad.append(Unreadable(name, url, one_line(e)))
+                why = one_line(e)
+                if _TOLD.get((url, why)) is None:  # once per process: a follower lists the run at every poll
+                    _TOLD.put((url, why), True)
+                    log.warning("bytecp: %s has an unreadable metadata.json (%s)", url, why)
+                bad.append(Unreadable(name, url, why))
             continue
         # (a newer format version, a storage error: raised, never read as "no checkpoint")
         if head is None:

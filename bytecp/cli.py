@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from bytecp.errors import BytecpError, ConfigError, StorageError
+from bytecp.errors import BytecpError, ConfigError, CorruptCheckpointError, StorageError
 from bytecp.interop import WRITERS
 from bytecp.storage_api import Storage, open_storage, split_protocol
 
@@ -207,14 +207,18 @@ def cmd_ls(args: argparse.Namespace) -> int:
         from bytecp.loading.diagnose import nothing_to_list
 
         raise nothing_to_list(open_storage(args.url, **options))
-    pick = found[-1].url if found and decision.blocker is None else None
+    pick, unreadable = _resume_pick(found, options) if decision.blocker is None else (None, {})
     if args.json:
-        print(json.dumps([{**dataclasses.asdict(c), "resume": c.url == pick} for c in found], indent=2))
+        print(json.dumps([{**dataclasses.asdict(c), "resume": c.url == pick,
+                           **({"unreadable": unreadable[c.url]} if c.url in unreadable else {})} for c in found],
+                         indent=2))
     else:
         for c in found:
             refs = f"\treferences={','.join(c.references)}" if c.references else ""
             kind = f"\tformat={c.format}" if c.format != "bytecp" else ""
             mark = "\t<- resume" if c.url == pick else ""
+            if c.url in unreadable:
+                mark = f"\t(resume skips it: {unreadable[c.url]})"
             print(f"{c.name}\tstep={c.step}\t{c.created or '-'}{refs}{kind}{mark}")
         for name in list_bases(args.url, storage_options=options):
             print(f"{name}\t(retired: kept for the files newer checkpoints reference)")
@@ -222,6 +226,27 @@ def cmd_ls(args: argparse.Namespace) -> int:
             print(f"{url.rstrip('/').rsplit('/', 1)[-1]}\t(no checkpoint: {why})")
     decision.check()  # undecided: the reason, on stderr, and a non-zero exit
     return EXIT_OK
+
+
+def _resume_pick(found: list[Any], options: dict[str, Any]) -> tuple[str | None, dict[str, str]]:
+    """(``bytecp ls``) The checkpoint a resume loads, as far as metadata
+    tells: the newest whose ``metadata.json`` reads whole (a resume skips
+    the others, :meth:`~bytecp.CheckpointManager.restore`); the skipped ones
+    with why. Data is not read (``bytecp verify`` does)."""
+    from bytecp.catalog import one_line
+    from bytecp.format import metadata as fmt
+
+    skipped: dict[str, str] = {}
+    for c in reversed(found):
+        if c.format != "bytecp":
+            return c.url, skipped
+        try:  # (the format alone: ls imports no torch)
+            fmt.Metadata.from_bytes(open_storage(c.url, **options).read_bytes(fmt.METADATA_FILE), c.url)
+        except CorruptCheckpointError as e:
+            skipped[c.url] = one_line(e)
+            continue
+        return c.url, skipped
+    return None, skipped
 
 
 def _export_format(args: argparse.Namespace) -> str:
@@ -296,6 +321,9 @@ def cmd_gc(args: argparse.Namespace) -> int:
         print(f"kept {len(res.kept_newer)} file(s) of saves that may still be running (a live lease, or "
               "started less than a lease term ago)")
     print(f"{args.url}: {verb} {len(res.removed)} file(s) of saves that never committed")
+    for where, why in res.skipped:
+        print(f"bytecp gc: left {where} untouched: {why}; `bytecp verify` it, then delete it or move it out "
+              "of the run if it is unwanted", file=sys.stderr)
     return EXIT_OK
 
 

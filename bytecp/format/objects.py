@@ -20,7 +20,7 @@ from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
 from bytecp.storage_api import Storage
-from bytecp.tree.kept import Recent
+from bytecp.tree.recent import Recent
 from bytecp.tree.state import is_json_leaf
 
 __all__ = ["Serialized", "serialize", "read_object"]

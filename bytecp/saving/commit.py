@@ -51,7 +51,7 @@ from bytecp.saving.union import DescribedUnion, described_union, tensor_specs
 from bytecp.saving.writer import EXACT_CHECK_RANKS, RankOutput
 from bytecp.storage_api import Storage, open_storage
 from bytecp.tree.bulk import gc_paused
-from bytecp.tree.kept import Recent
+from bytecp.tree.recent import Recent
 from bytecp.tree.state import FlatTree
 
 __all__ = [

@@ -8,7 +8,10 @@ checkpoint newer than the last one printed (the newest at start first; when
 several committed meanwhile, only the newest) it compares index rows with
 the last one printed (:func:`bytecp.serving.changes.changed_tensors`: no
 data read) and prints ``{"step", "url", "tier", "bytes_changed",
-"tensors_changed", "tensors"}``. ``--memory-url keeper://<job>/<run>`` (the
+"tensors_changed", "tensors"}``; a checkpoint whose own files are bad
+(an unreadable ``metadata.json`` or index) is printed once as ``{"step",
+"url", "tier", "error"}`` and passed over, as :func:`bytecp.follow` reports a
+failed update and waits for a newer one. ``--memory-url keeper://<job>/<run>`` (the
 keepers, host and token from ``BYTECP_KEEPERS``, ``BYTECP_KEEPER_HOST``,
 ``BYTECP_KEEPER_TOKEN``) lists the run's memory tier too, as
 :func:`bytecp.follow` does (:mod:`bytecp.serving.sources`: the newer step of
@@ -27,7 +30,7 @@ import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from bytecp.errors import BytecpError
+from bytecp.errors import BytecpError, CheckpointNotFoundError, CorruptCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.loading.opened import open_checkpoint
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
@@ -48,12 +51,19 @@ def watch(run_url: str, *, poll_s: float = 5.0, stop: threading.Event | None = N
     sources = Sources(run_url, {}, memory_url, memory_storage_options)
     held = Held()
     last_rows: dict[str, list[fmt.ChunkRecord]] = {}
+    failed: set[str] = set()  # checkpoints whose own files are bad: reported once, passed over after
     idle = 0.0
     while not stop.is_set():
-        found = sources.newest(held, set())
+        found = sources.newest(held, failed)
         if found is not None:
             new = found.info
-            rows = rows_by_tensor(open_checkpoint(open_storage(new.url, **sources.options_for(found.tier))).all_rows())
+            try:
+                opened = open_checkpoint(open_storage(new.url, **sources.options_for(found.tier)))
+                rows = rows_by_tensor(opened.all_rows())
+            except (CorruptCheckpointError, CheckpointNotFoundError) as e:  # as bytecp.follow: a failed update
+                failed.add(new.url)
+                yield {"step": new.step, "url": new.url, "tier": found.tier, "error": str(e)}
+                continue
             if held.url is None:
                 changed = list(rows)
             else:
@@ -92,6 +102,8 @@ def main(argv: Sequence[str]) -> int:
                          memory_url=args.memory_url):
             if args.json:
                 print(json.dumps(rec, sort_keys=True), flush=True)
+            elif "error" in rec:
+                print(f"step {rec['step']}  {rec['url']}  {rec['tier']}  not taken: {rec['error']}", flush=True)
             else:
                 print(f"step {rec['step']}  {rec['url']}  {rec['tier']}  {rec['bytes_changed']} bytes changed "
                       f"({rec['tensors_changed']}/{rec['tensors']} tensors)", flush=True)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from bytecp.catalog import one_line
+from bytecp.errors import CorruptCheckpointError
 from bytecp.format.header import read_header
 from bytecp.format.references import BASE_FILE
 from bytecp.saving.leases import LEASE_DIR, orphans
@@ -38,6 +40,8 @@ __all__ = ["GcResult", "collect_garbage"]
 class GcResult:
     removed: list[str]
     kept_newer: list[str]  # files of saves that may still be running
+    #: (checkpoint, why) of those left untouched: which save committed there cannot be read
+    skipped: list[tuple[str, str]] = dataclasses.field(default_factory=list)
 
 
 #: files deleted per storage call (one S3 DeleteObjects request holds 1,000)
@@ -75,6 +79,9 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progre
     """Delete the files of saves that never committed and cannot be running.
 
     ``progress`` hears the files as they are deleted (batches of :data:`DELETE_BATCH`).
+    A checkpoint whose ``metadata.json`` does not read is left untouched and
+    named in ``skipped`` (which of its files the committed save holds cannot
+    be told); the others are collected.
     Raises :class:`~bytecp.errors.CheckpointNotFoundError` when the URL holds
     neither a checkpoint, nor a save's files, nor a run's checkpoints."""
     targets = _targets(storage)
@@ -84,9 +91,15 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progre
         raise not_a_checkpoint(storage, FileNotFoundError(storage.url))
     removed: list[str] = []
     newer: list[str] = []
+    skipped: list[tuple[str, str]] = []
     plans = []
     for prefix, st in targets:
-        dead, running = orphans(st, _committed_id(st))
+        try:
+            committed = _committed_id(st)
+        except CorruptCheckpointError as e:  # its files may be the committed save's: none is an orphan
+            skipped.append((prefix or st.url, one_line(e)))
+            continue
+        dead, running = orphans(st, committed)
         plans.append((st, dead))
         removed += [prefix + p for p in dead]
         newer += [prefix + p for p in running]
@@ -97,4 +110,4 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progre
                 batch = dead[i : i + DELETE_BATCH]
                 st.delete(batch)
                 progress.advance(len(batch))
-    return GcResult(removed, newer)
+    return GcResult(removed, newer, skipped)

@@ -63,6 +63,23 @@ def test_json_on_every_command(run: Path, tmp_path: Path, capsys: Any) -> None:
     assert json_out(capsys)["format"] == "safetensors"
 
 
+def test_gc_of_a_run_leaves_a_checkpoint_it_cannot_read_and_collects_the_rest(run: Path, capsys: Any) -> None:
+    """step-1's metadata.json garbage: which save committed there cannot be
+    told, so gc leaves step-1 untouched and names it; step-2's orphan goes."""
+    old = leftover(run / "step-2")
+    first = leftover(run / "step-1")
+    (run / "step-1" / "metadata.json").write_text("garbage")
+    assert cli(["gc", str(run), "--json"]) == 0
+    res = json_out(capsys)
+    assert [p for p in res["removed"] if old in p] and not [p for p in res["removed"] if p.startswith("step-1/")], res
+    assert [w for w, _ in res["skipped"]] == ["step-1/"] and "not valid JSON" in res["skipped"][0][1], res
+    assert (run / "step-1" / "data" / first).exists() and not (run / "step-2" / "data" / old).exists()
+    leftover(run / "step-2")
+    assert cli(["gc", str(run)]) == 0
+    err = capsys.readouterr().err
+    assert "left step-1/ untouched" in err and "not valid JSON" in err and "bytecp verify" in err, err
+
+
 def test_exit_codes_and_one_line_errors(run: Path, tmp_path: Path, capsys: Any) -> None:
     ck = run / "step-2"
     # 1: verify found a problem (and says so in JSON too)

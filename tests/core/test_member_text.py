@@ -20,7 +20,7 @@ from bytecp.format.tensor_table import table_json
 from bytecp.saving import union
 from bytecp.saving.commit import tensor_specs
 from bytecp.saving.union import described_union, kept_unions
-from bytecp.tree.kept import Recent
+from bytecp.tree.recent import Recent
 from bytecp.tree.skeleton import Node
 from bytecp.tree.state import flatten_tree
 

@@ -58,3 +58,29 @@ def test_follow_cli_prints_each_commit_and_exits_0_on_sigterm(tmp_path: Path) ->
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def test_a_checkpoint_with_bad_files_is_reported_once_and_passed_over(tmp_path: Path, caplog) -> None:
+    """The newest checkpoint's metadata.json unreadable: ``bytecp follow``
+    prints it once as an error record (as ``bytecp.follow`` reports a failed
+    update), warns of it once however often it lists the run, and prints the
+    next checkpoint that commits."""
+    import logging
+
+    from bytecp.serving.cli import watch
+
+    run = tmp_path / "run"
+    model = nn.Linear(8, 8)
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=None)
+    for step in (1, 2):
+        mgr.save(step, {"model": model})
+    (run / "step-2" / "metadata.json").write_text("garbage")
+    with caplog.at_level(logging.WARNING, logger="bytecp"):
+        gen = watch(str(run), poll_s=0.01)
+        bad = next(gen)
+        assert bad["step"] == 2 and bad["url"] == f"{run}/step-2" and "not valid JSON" in str(bad["error"]), bad
+        mgr.save(3, {"model": model})  # the next listing sees step-2 again: neither printed nor warned of
+        rec = next(gen)
+        assert rec["step"] == 3 and "error" not in rec and rec["tensors"] == 2, rec
+        gen.close()
+    assert caplog.text.count("unreadable metadata.json") == 1, caplog.text
