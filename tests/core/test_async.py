@@ -65,13 +65,19 @@ def test_async_returns_before_bytes_are_on_storage(tmp_path: Path, monkeypatch) 
     assert_loaded_equals(url, snap)
 
 
-def test_lazy_checkpoint_is_the_state_at_the_call(tmp_path: Path, monkeypatch) -> None:
+def _lazy_started_late(tmp_path: Path, monkeypatch: Any) -> tuple[nn.Module, torch.optim.Optimizer, Any, str, Any]:
+    """A lazy save whose copy starts half a second after the call."""
     m, opt = model_and_opt()
     snap = snapshot(m, opt)
     url = str(tmp_path / "ck")
     monkeypatch.setenv("BYTECP_FAULT_DELAY", "stage:0:0.5")  # the copy starts late
     h = bytecp.async_save(url, {"model": m, "optimizer": opt}, lazy=True)
     assert not h.staged()
+    return m, opt, snap, url, h
+
+
+def test_lazy_checkpoint_is_the_state_at_the_call(tmp_path: Path, monkeypatch) -> None:
+    m, opt, snap, url, h = _lazy_started_late(tmp_path, monkeypatch)
     for _ in range(3):  # the first step waits in the pre-step hook, then training runs on
         step(m, opt)
     h.wait(timeout=60)
@@ -83,12 +89,7 @@ def test_a_lazy_save_waits_for_an_optimizer_rebuilt_after_the_call(tmp_path: Pat
     """Layers unfrozen right after a lazy call and the optimizer rebuilt over
     the same parameters: its first step (not the saved optimizer's) still
     waits for the copy, so the checkpoint holds the state at the call."""
-    m, opt = model_and_opt()
-    snap = snapshot(m, opt)
-    url = str(tmp_path / "ck")
-    monkeypatch.setenv("BYTECP_FAULT_DELAY", "stage:0:0.5")  # the copy starts late
-    h = bytecp.async_save(url, {"model": m, "optimizer": opt}, lazy=True)
-    assert not h.staged()
+    m, _, snap, url, h = _lazy_started_late(tmp_path, monkeypatch)
     rebuilt = torch.optim.SGD(m.parameters(), lr=0.5)
     for p in m.parameters():
         p.grad = torch.ones_like(p)
