@@ -199,11 +199,18 @@ def check_group(key: str, j: int, saved: list[str], current: list[list[str]], st
     everyone = {fqn for names in current for fqn in names}
     other_stage = bool(current[j]) and set(current[j]) <= stored and set(saved) & everyone <= set(current[j])
     if sorted(saved) != sorted(current[j]) and not other_stage:
+        extra, lacking = sorted(set(saved) - set(current[j])), sorted(set(current[j]) - set(saved))
+        differ = "; ".join(
+            ([f"the checkpoint's holds {_few(extra)}, the optimizer's does not"] if extra else [])
+            + ([f"the optimizer's holds {_few(lacking)}, the checkpoint's does not"] if lacking else []))
         raise StateMismatchError(
-            f"optimizer {key!r} param group {j}: the checkpoint holds parameters "
-            f"{sorted(set(saved) - set(current[j]))[:5]} the optimizer lacks and lacks "
-            f"{sorted(set(current[j]) - set(saved))[:5]}"
-        )
+            f"optimizer {key!r} param group {j}: {differ} (a weight tied in one model and not in the other counts "
+            f"once there); build the optimizer over the parameters it was saved with, or load without it "
+            f"(exclude=[{key!r}]) and start its state afresh")
+
+
+def _few(names: list[str], n: int = 5) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
 def param_groups_for_load(

@@ -109,6 +109,30 @@ def test_missing_and_unexpected_keys(tmp_path: Path) -> None:
     assert extra == {"a": 1, "b": 2}
 
 
+def test_an_optimizer_over_other_parameters_is_refused_saying_which_and_what_to_do(tmp_path: Path) -> None:
+    """Saved with a tied output layer (one parameter), loaded into the untied
+    model's optimizer (two): one line naming the parameter on the optimizer's
+    side only, and the two ways out."""
+    class LM(nn.Module):
+        def __init__(self, tied: bool) -> None:
+            super().__init__()
+            self.embed, self.head = nn.Embedding(16, 8), nn.Linear(8, 16, bias=False)
+            if tied:
+                self.head.weight = self.embed.weight
+
+    tied = LM(tied=True)
+    opt = torch.optim.AdamW(tied.parameters())
+    tied.embed.weight.sum().backward()
+    opt.step()
+    bytecp.save(str(tmp_path / "ck"), {"model": tied, "optimizer": opt})
+    untied = LM(tied=False)
+    with pytest.raises(bytecp.StateMismatchError) as e:
+        bytecp.load(str(tmp_path / "ck"), {"model": untied, "optimizer": torch.optim.AdamW(untied.parameters())})
+    msg = str(e.value)
+    assert "\n" not in msg and "the optimizer's holds head.weight, the checkpoint's does not" in msg, msg
+    assert "the checkpoint's holds" not in msg and "exclude=['optimizer']" in msg, msg
+
+
 def test_overwrite_refused_then_allowed_and_failed_overwrite_keeps_old(tmp_path: Path, monkeypatch) -> None:
     ck = tmp_path / "ck"
     first = small_state(1)
