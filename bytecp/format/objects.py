@@ -63,10 +63,14 @@ def serialize(fqn: str, value: Any, allow_pickle: bool) -> Serialized:
         return Serialized(blob=blob)
     except Exception as e:
         if not allow_pickle:
+            # a generator's state is a tensor: what to store instead, and how to put it back into the same object
+            how = (f"store its state instead ({fqn.rsplit('.', 1)[-1]}.get_state(), a tensor) and after the load "
+                   "put it back into your generator with set_state(), so the objects using it (a DataLoader's "
+                   "sampler) see it" if isinstance(value, torch.Generator) else
+                   "convert it to tensors/JSON-able values, or pass allow_pickle=True to save (and to load)")
             raise ConfigError(
                 f"{fqn!r} is a {type(value).__name__}, which can only be stored as an arbitrary "
-                f"pickle ({e.__class__.__name__}); convert it to tensors/JSON-able values, or pass "
-                "allow_pickle=True to save (and to load)"
+                f"pickle ({e.__class__.__name__}); {how}"
             ) from None
         return Serialized(blob=blob, pickle=True)
 

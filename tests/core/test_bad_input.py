@@ -133,6 +133,22 @@ def test_an_optimizer_over_other_parameters_is_refused_saying_which_and_what_to_
     assert "the checkpoint's holds" not in msg and "exclude=['optimizer']" in msg, msg
 
 
+def test_a_generator_in_the_state_is_refused_saying_to_store_its_state(tmp_path: Path) -> None:
+    """A torch.Generator unpickles only with allow_pickle, and loaded so it
+    would be a new object (the DataLoader holding the user's keeps its old
+    state): the error says to store ``get_state()`` and ``set_state()`` it back."""
+    g = torch.Generator().manual_seed(7)
+    with pytest.raises(bytecp.ConfigError, match=r"'extra.gen' is a Generator.*gen.get_state\(\).*set_state\(\)"):
+        bytecp.save(str(tmp_path / "ck"), {"extra": {"gen": g}})
+    state = {"extra": {"gen": g.get_state()}}
+    bytecp.save(str(tmp_path / "ck"), state)
+    torch.randn(3, generator=g)
+    again = {"extra": {"gen": torch.zeros_like(state["extra"]["gen"])}}
+    bytecp.load(str(tmp_path / "ck"), again)
+    g.set_state(again["extra"]["gen"])
+    assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(7)))
+
+
 def test_overwrite_refused_then_allowed_and_failed_overwrite_keeps_old(tmp_path: Path, monkeypatch) -> None:
     ck = tmp_path / "ck"
     first = small_state(1)
