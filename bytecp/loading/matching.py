@@ -59,6 +59,8 @@ def match_target(
     dtype is read through a staging buffer and cast (bf16 <-> fp32)."""
     skeleton = md.skeleton
     if opts.exclude:  # left out of the load: neither targets nor stored entries under those names
+        _warn_unmatched(opts.exclude, [*skeleton.index(), *target.tensors, *target.slots], storage.url)
+
         def drop(fqn: str) -> bool:
             return excluded(fqn, opts.exclude)
 
@@ -85,6 +87,18 @@ def match_target(
     values = {fqn: rebuild(nodes.get(fqn), slot) for fqn, slot in target.slots.items()}
     rebuild.warn_if_resharded_per_rank()
     return Match(missing, unexpected, values, targets, rebuild.after)
+
+
+def _warn_unmatched(exclude: Sequence[str], keys: Sequence[str], url: str) -> None:
+    """Warn of each ``exclude=`` name under which neither the state nor the
+    checkpoint holds anything (a typo leaves what it meant loaded)."""
+    roots = {k.split(".", 1)[0].split("/", 1)[0] for k in keys}
+    for n in exclude:
+        if n in roots or any(excluded(k, (n,)) for k in keys if k.startswith(n)):
+            continue
+        warnings.warn(f"bytecp.load: exclude={n!r} names nothing in the state or the checkpoint at {url} "
+                      f"(its entries: {', '.join(sorted(r for r in roots if r)[:8])}): a misspelt name leaves what "
+                      "it meant loaded", stacklevel=_stacklevel_outside_bytecp())
 
 
 def _sources(target: FlatTree, md: fmt.Metadata) -> dict[str, str]:

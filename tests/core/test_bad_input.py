@@ -149,6 +149,20 @@ def test_a_generator_in_the_state_is_refused_saying_to_store_its_state(tmp_path:
     assert torch.equal(torch.randn(3, generator=g), torch.randn(3, generator=torch.Generator().manual_seed(7)))
 
 
+def test_an_exclude_name_that_matches_nothing_is_warned_of(tmp_path: Path) -> None:
+    m = nn.Linear(4, 4)
+    opt = torch.optim.AdamW(m.parameters())
+    bytecp.save(str(tmp_path / "ck"), {"model": m, "optimizer": opt})
+    with pytest.warns(UserWarning, match=r"exclude='optimzer' names nothing .*entries: model, optimizer"):
+        bytecp.load(str(tmp_path / "ck"), {"model": m, "optimizer": opt}, exclude=["optimzer"])
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # names that match: silent
+        bytecp.load(str(tmp_path / "ck"), {"model": m, "optimizer": opt}, exclude=["optimizer"])
+        bytecp.load(str(tmp_path / "ck"), {"model": m}, exclude=["model.bias"], strict=False)
+
+
 def test_overwrite_refused_then_allowed_and_failed_overwrite_keeps_old(tmp_path: Path, monkeypatch) -> None:
     ck = tmp_path / "ck"
     first = small_state(1)
