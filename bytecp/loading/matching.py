@@ -170,6 +170,7 @@ def _tensor_targets(
     shape or dtype difference is an error naming the tensor and both sides."""
     targets: list[Target] = []
     mismatches: list[str] = []
+    retyped = 0  # the same shape in another dtype
     for fqn, leaf in target.tensors.items():
         src = sources.get(fqn)
         if src is None:
@@ -182,6 +183,7 @@ def _tensor_targets(
                 f"{fqn}{'' if src == fqn else f' (stored as {src})'}: checkpoint has {dt} {list(shape)}, "
                 f"target is {dtype_name(leaf.dtype)} {list(leaf.global_shape)}"
             )
+            retyped += shape == tuple(leaf.global_shape)
             continue
         targets.extend(Target(src, sh.region, sh.tensor) for sh in leaf.shards)
     if mismatches:
@@ -189,6 +191,8 @@ def _tensor_targets(
             f"tensor shape or dtype differs from the checkpoint at {storage.url}:\n  "
             + "\n  ".join(mismatches[:50])
             + ("\n  ..." if len(mismatches) > 50 else "")
+            + ("\n  a bytecp checkpoint loads in its own dtypes: load into a state of the checkpoint's dtypes and convert it after "
+               "(model.to(dtype)), or read bytecp.load_state_dict(url) and cast what you take" if retyped else "")
         )
     return targets
 

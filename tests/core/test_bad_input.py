@@ -89,8 +89,9 @@ def test_shape_and_dtype_mismatch(tmp_path: Path) -> None:
     with pytest.raises(bytecp.StateMismatchError) as ei:
         bytecp.load(ck, {"model": nn.Linear(5, 3)})
     assert "model.weight" in str(ei.value) and "[3, 4]" in str(ei.value) and "[3, 5]" in str(ei.value)
-    with pytest.raises(bytecp.StateMismatchError, match="float64"):
+    with pytest.raises(bytecp.StateMismatchError, match="float64") as ei:
         bytecp.load(ck, {"model": nn.Linear(4, 3).double()})
+    assert "loads in its own dtypes" in str(ei.value) and "model.to(dtype)" in str(ei.value)  # what to do
 
 
 def test_missing_and_unexpected_keys(tmp_path: Path) -> None:
