@@ -183,8 +183,8 @@ def select_tensors(
     if not items:
         raise ConfigError(
             f"{where}: no tensor of the checkpoint starts with {prefix!r}; its top-level keys are "
-            f"{_top_level_keys(md)}. Pass --prefix KEY (prefix= in Python) to export the tensors saved "
-            "under KEY, or --prefix '' for every tensor"
+            f"{_top_level_keys(md)}. Pass prefix=KEY (--prefix KEY on the command line) for the tensors "
+            "saved under KEY, or '' for every tensor"
         )
     bad = next((t for t in items if t.out_dtype not in SAFETENSORS_DTYPES), None)
     if safetensors and bad is not None:

@@ -62,7 +62,8 @@ def not_a_checkpoint(storage: Storage, error: BaseException) -> BaseException:
     if latest is not None:
         return CheckpointNotFoundError(
             f"{url} is a run directory, not a checkpoint: its latest committed checkpoint is "
-            f"{url}/{latest}; load that (or use CheckpointManager({url!r}).restore, which picks it)"
+            f"{url}/{latest}; pass that instead (`bytecp ls {url}` lists the run's checkpoints; in a training "
+            f"job, CheckpointManager({url!r}).restore loads the newest)"
         )
     try:  # one level only: a wrong path may be the root of a huge tree
         names = storage.list_children("")
