@@ -90,6 +90,9 @@ MAX_INDEX_EXPANSION = 256
 #: the blocks chunks are aligned to (FORMAT.md 4.2)
 _ALIGN = 4096
 _KEY_TYPES = (str, int, bool, type(None))
+#: what to do about a checkpoint whose files changed after it committed (the end of those errors)
+DAMAGED = ("; the checkpoint changed after its commit (a partial copy, a full disk, a hand): copy it again from "
+           "where it came, or load an earlier one (`bytecp ls RUN_DIR` lists them)")
 
 
 def _bad(where: str, what: str) -> CorruptCheckpointError:
@@ -195,11 +198,11 @@ def check_sizes(
             pass  # the file's own error is the one to report
         what = f" (holding {', '.join(repr(n) for n in sorted(holds))})" if holds else ""
         if got is None:
-            raise CorruptCheckpointError(f"{storage.url}: data file {path}{what} is missing")
+            raise CorruptCheckpointError(f"{storage.url}: data file {path}{what} is missing{DAMAGED}")
         state = "is truncated" if got < declared else "is larger than recorded"
         raise CorruptCheckpointError(
             f"{storage.url}: data file {path}{what} {state}: {got} bytes on storage, "
-            f"metadata.json says {declared}"
+            f"metadata.json says {declared}{DAMAGED}"
         )
     for name, rec in _object_records(md):
         if not rec.is_blob:
@@ -245,7 +248,7 @@ def check_index_file(storage: Storage, md: Metadata) -> None:
         got = None
     if got != d.nbytes:
         state = "is missing" if got is None else f"has {got} bytes, metadata.json says {d.nbytes}"
-        raise CorruptCheckpointError(f"{storage.url}: index file {d.file} {state}")
+        raise CorruptCheckpointError(f"{storage.url}: index file {d.file} {state}{DAMAGED}")
 
 
 # ----------------------------------------------------------------- index

@@ -70,6 +70,7 @@ def test_truncated_data_file(tmp_path: Path, capsys) -> None:
     with pytest.raises(bytecp.CorruptCheckpointError) as ei:
         bytecp.load(str(ck), {"w": torch.zeros(3000)})
     assert "truncated" in str(ei.value) and f.name in str(ei.value) and "'w'" in str(ei.value)
+    assert "load an earlier one (`bytecp ls RUN_DIR`" in str(ei.value)  # what to do
     assert cli(["verify", str(ck)]) == 1
     assert "truncated" in capsys.readouterr().err
 
