@@ -133,9 +133,11 @@ def optimizer_tree(opt: torch.optim.Optimizer, places: Places) -> dict[str, Any]
 
 def optimizer_target(
     opt: torch.optim.Optimizer, key: str, md: Metadata, nodes: dict[str, Node], places: Places
-) -> tuple[dict[str, Any], Finalize]:
-    """(every rank, load) The target tree for optimizer ``key`` and the
-    finalizer that calls ``opt.load_state_dict``. State tensors shaped like
+) -> tuple[dict[str, Any], Finalize, Finalize]:
+    """(every rank, load) The target tree for optimizer ``key``, the
+    finalizer that calls ``opt.load_state_dict`` and the check of its param
+    groups that runs before any tensor is read (a refused load leaves the
+    state untouched). State tensors shaped like
     their parameter are read straight into the optimizer's existing state
     (in place, no new memory) or into fresh ones; other entries (``step``,
     hyperparameters) are rebuilt from the checkpoint."""
@@ -165,10 +167,12 @@ def optimizer_target(
                     rebuilt.setdefault(i, {}).setdefault(k, f"{key}.state.{place.fqn}.{k}")
             target[place.fqn] = entries
 
-    def finalize(values: dict[str, Any]) -> None:
+    def groups_for(values: dict[str, Any]) -> list[dict[str, Any]] | None:
+        """The saved param groups as ``opt.load_state_dict`` wants them
+        (:class:`StateMismatchError` when they stand for other parameters)."""
         saved_groups = values.get(f"{key}.param_groups")
         if saved_groups is None:
-            return
+            return None
         current, pos = [], 0
         for g in opt.param_groups:
             current.append([place.fqn for j in range(pos, pos + len(g["params"])) for place in per_param[j]])
@@ -177,7 +181,15 @@ def optimizer_target(
         # absent from the saved groups, which list the coordinator's stage)
         stored = {place.fqn for places in per_param for place in places
                   if f"{key}.state.{place.fqn}" in nodes}
-        groups = param_groups_for_load(key, saved_groups, opt, current, stored)
+        return param_groups_for_load(key, saved_groups, opt, current, stored)
+
+    def check(values: dict[str, Any]) -> None:  # (at match, before any tensor is read)
+        groups_for(values)
+
+    def finalize(values: dict[str, Any]) -> None:
+        groups = groups_for(values)
+        if groups is None:
+            return
         osd_state: dict[int, dict[str, Any]] = {}
         for i in set(local) | set(rebuilt):
             st: dict[str, Any] = dict(local.get(i, {}))
@@ -186,7 +198,7 @@ def optimizer_target(
             osd_state[i] = st
         opt.load_state_dict({"state": osd_state, "param_groups": groups})
 
-    return {"state": target, "param_groups": Slot()}, finalize
+    return {"state": target, "param_groups": Slot()}, finalize, check
 
 
 def check_group(key: str, j: int, saved: list[str], current: list[list[str]], stored: set[str] | frozenset[str]
@@ -228,7 +240,8 @@ def param_groups_for_load(
     if len(saved_groups) != len(opt.param_groups):
         raise StateMismatchError(
             f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "
-            f"the optimizer {len(opt.param_groups)}"
+            f"the optimizer {len(opt.param_groups)}; build its param groups as they were when it was saved, "
+            f"or load without it (exclude=[{key!r}]) and start its state afresh"
         )
     groups = []
     pos = 0

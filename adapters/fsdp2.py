@@ -58,9 +58,10 @@ class FSDP2Adapter(PlainAdapter):
         """DTensors outside modules (``{"adapter": {name: dtensor}}``) are saved as their boxes."""
         return dtensor_leaf(v) if is_dtensor(v) else super()._save_value(call, v)
 
-    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Any]) -> Any:
+    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Any],
+                checks: list[Any]) -> Any:
         """A DTensor outside a module is loaded in place, into its local shard."""
-        return dtensor_leaf(v) if is_dtensor(v) else super()._target(call, v, fqn, parent, key, finalizers)
+        return dtensor_leaf(v) if is_dtensor(v) else super()._target(call, v, fqn, parent, key, finalizers, checks)
 
     def tensor_leaf(self, t: torch.Tensor) -> Any:
         """A DTensor's box on this rank (tied parameters share one leaf object:

@@ -178,29 +178,36 @@ class PlainAdapter(Adapter):
     def load_tree(self, state: dict[str, Any], ctx: DistContext, md: Metadata) -> LoadTarget:
         call = self.begin(state, ctx, md)
         finalizers: list[Finalize] = []
-        tree = {k: self._target(call, v, str(k), state, k, finalizers) for k, v in state.items()}
+        checks: list[Finalize] = []
+        tree = {k: self._target(call, v, str(k), state, k, finalizers, checks) for k, v in state.items()}
 
         def finalize(values: dict[str, Any]) -> None:
             for f in finalizers:
                 f(values)
 
-        return LoadTarget(tree, finalize)
+        def check(values: dict[str, Any]) -> None:
+            for c in checks:
+                c(values)
 
-    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Finalize]) -> Any:
+        return LoadTarget(tree, finalize, check=check if checks else None)
+
+    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Finalize],
+                checks: list[Finalize]) -> Any:
         if isinstance(v, nn.Module):
             target, fin = self.module_targets(call, v)
             finalizers.append(lambda values: fin({k: values.get(f"{fqn}.{k}") for k in target}))
             return target
         if isinstance(v, torch.optim.Optimizer):
             assert call.md is not None
-            tree, fin = optimizer_target(v, fqn, call.md, call.nodes, lambda i, p: self.param_state(call, i, p))
+            tree, fin, check = optimizer_target(v, fqn, call.md, call.nodes, lambda i, p: self.param_state(call, i, p))
             finalizers.append(fin)
+            checks.append(check)
             return tree
         if is_per_rank(v) or is_stateful(v):
             finalizers.append(lambda values: v.load_state_dict(values[fqn]) if fqn in values else None)
             return per_rank_slot(v) if is_per_rank(v) else Slot()
         if type(v) is dict:
-            return {k: self._target(call, x, f"{fqn}.{k}", v, k, finalizers) for k, x in v.items()}
+            return {k: self._target(call, x, f"{fqn}.{k}", v, k, finalizers, checks) for k, x in v.items()}
         if isinstance(v, torch.Tensor) and type(v) in (torch.Tensor, nn.Parameter):
             return v.detach()
         if isinstance(parent, dict):

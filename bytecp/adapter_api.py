@@ -125,10 +125,14 @@ class LoadTarget:
     under them as unexpected on this rank; nothing under them is read here.
     """
 
-    def __init__(self, tree: Any, finalize: Finalize, elsewhere: Sequence[str] = ()) -> None:
+    def __init__(self, tree: Any, finalize: Finalize, elsewhere: Sequence[str] = (),
+                 check: Finalize | None = None) -> None:
         self.tree = tree
         self.finalize = finalize
         self.elsewhere = tuple(elsewhere)
+        #: called with the values rebuilt at matching (objects read, tensors not yet), before any tensor
+        #: is read: a :class:`~bytecp.errors.StateMismatchError` there refuses the load, the state untouched
+        self.check = check
 
 
 @dataclasses.dataclass

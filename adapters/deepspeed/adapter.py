@@ -307,13 +307,14 @@ class DeepSpeedAdapter(PlainAdapter):
             return optimizer_tree(v, call.param_names, call.dist.rank)
         return super()._save_value(call, v)
 
-    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Finalize]) -> Any:
+    def _target(self, call: AdapterCall, v: Any, fqn: str, parent: Any, key: Any, finalizers: list[Finalize],
+                checks: list[Finalize]) -> Any:
         if is_zero_optimizer(v):
             assert call.md is not None
             tree, fin = optimizer_target(v, call.param_names, call.md, call.nodes, fqn)
             finalizers.append(fin)
             return tree
-        return super()._target(call, v, fqn, parent, key, finalizers)
+        return super()._target(call, v, fqn, parent, key, finalizers, checks)
 
 def _is_optimizer(v: Any) -> bool:
     return isinstance(v, torch.optim.Optimizer) or is_zero_optimizer(v)

@@ -151,9 +151,13 @@ class LoadPipeline:
                 names = match_names(flat, md.tensors, tied=md.user_metadata.get("tie_word_embeddings") is True,
                                     strict=self.opts.strict, where=self.storage.url)
                 opened = opened.renamed(names.renames, names.aliases)
-            return target, opened, match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
-                                                 self.ctx.world_size, cast=opened.transformers_names,
-                                                 elsewhere=target.elsewhere if target is not None else ())
+            matched = match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
+                                   self.ctx.world_size, cast=opened.transformers_names,
+                                   elsewhere=target.elsewhere if target is not None else ())
+            if target is not None and target.check is not None:  # refused before anything is read into the state
+                with excluding(self.opts.exclude):
+                    target.check(matched.values)
+            return target, opened, matched
 
         with self.trace.span("plan"):
             self.target, opened, self.matched = self.ctx.run("load/match", match)

@@ -114,7 +114,8 @@ def test_missing_and_unexpected_keys(tmp_path: Path) -> None:
 def test_an_optimizer_over_other_parameters_is_refused_saying_which_and_what_to_do(tmp_path: Path) -> None:
     """Saved with a tied output layer (one parameter), loaded into the untied
     model's optimizer (two): one line naming the parameter on the optimizer's
-    side only, and the two ways out."""
+    side only, and the two ways out; refused before anything is read, the
+    model untouched."""
     class LM(nn.Module):
         def __init__(self, tied: bool) -> None:
             super().__init__()
@@ -128,8 +129,10 @@ def test_an_optimizer_over_other_parameters_is_refused_saying_which_and_what_to_
     opt.step()
     bytecp.save(str(tmp_path / "ck"), {"model": tied, "optimizer": opt})
     untied = LM(tied=False)
+    before = {k: v.clone() for k, v in untied.state_dict().items()}
     with pytest.raises(bytecp.StateMismatchError) as e:
         bytecp.load(str(tmp_path / "ck"), {"model": untied, "optimizer": torch.optim.AdamW(untied.parameters())})
+    assert all(torch.equal(v, before[k]) for k, v in untied.state_dict().items())  # nothing was read into it
     msg = str(e.value)
     assert "\n" not in msg and "the optimizer's holds head.weight, the checkpoint's does not" in msg, msg
     assert "the checkpoint's holds" not in msg and "exclude=['optimizer']" in msg, msg
