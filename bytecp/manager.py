@@ -270,8 +270,11 @@ class CheckpointManager:
         from bytecp.api import save
 
         # (the save in flight has ended on every rank: they all read the same answer)
-        if not open_storage(self.url_for(step), **self.storage_options).exists(fmt.METADATA_FILE):
-            save(self.url_for(step), state, step=step, storage_options=self.storage_options, **self.save_kwargs)
+        url = self.url_for(step)
+        skipped = any(u == url for u, _ in self.skipped)  # restore skipped what is there: replaced
+        if skipped or not open_storage(url, **self.storage_options).exists(fmt.METADATA_FILE):
+            save(url, state, step=step, storage_options=self.storage_options,
+                 **{**self.save_kwargs, **({"overwrite": True} if skipped else {})})
             self._retain()
         log.warning("bytecp: saved %s before exiting on a signal", self.url_for(step))
         self._preemption.restore_handlers()

@@ -192,7 +192,7 @@ class DeepSpeedAdapter(PlainAdapter):
             if experts:
                 others = experts.other_experts()
                 elsewhere += [f"{k}.{n}" for n in others] + [f"{o}.state.{n}" for o in optimizers for n in others]
-        return LoadTarget(target.tree, finalize, elsewhere=[*target.elsewhere, *elsewhere])
+        return LoadTarget(target.tree, finalize, elsewhere=[*target.elsewhere, *elsewhere], check=target.check)
 
     def _check(self, state: dict[str, Any], ctx: DistContext, where: str) -> None:
         for v in state.values():

@@ -90,9 +90,15 @@ MAX_INDEX_EXPANSION = 256
 #: the blocks chunks are aligned to (FORMAT.md 4.2)
 _ALIGN = 4096
 _KEY_TYPES = (str, int, bool, type(None))
-#: what to do about a checkpoint whose files changed after it committed (the end of those errors)
-DAMAGED = ("; the checkpoint changed after its commit (a partial copy, a full disk, a hand): copy it again from "
-           "where it came, or load an earlier one (`bytecp ls RUN_DIR` lists them)")
+
+
+def damaged(url: str) -> str:
+    """What to do about a checkpoint at ``url`` whose files are not what its commit recorded (the end of those errors)."""
+    if url.startswith("keeper://"):  # the memory tier: a keeper lost or evicted them
+        return ("; the memory tier no longer holds all of it (a keeper lost or evicted it): load the storage "
+                "tier's copy or an earlier checkpoint (CheckpointManager.restore falls back to them)")
+    return ("; the checkpoint changed after its commit (a partial copy, a full disk, a hand): copy it again from "
+            "where it came, or load an earlier one (`bytecp ls RUN_DIR` lists them)")
 
 
 def _bad(where: str, what: str) -> CorruptCheckpointError:
@@ -198,11 +204,11 @@ def check_sizes(
             pass  # the file's own error is the one to report
         what = f" (holding {', '.join(repr(n) for n in sorted(holds))})" if holds else ""
         if got is None:
-            raise CorruptCheckpointError(f"{storage.url}: data file {path}{what} is missing{DAMAGED}")
+            raise CorruptCheckpointError(f"{storage.url}: data file {path}{what} is missing{damaged(storage.url)}")
         state = "is truncated" if got < declared else "is larger than recorded"
         raise CorruptCheckpointError(
             f"{storage.url}: data file {path}{what} {state}: {got} bytes on storage, "
-            f"metadata.json says {declared}{DAMAGED}"
+            f"metadata.json says {declared}{damaged(storage.url)}"
         )
     for name, rec in _object_records(md):
         if not rec.is_blob:
@@ -248,7 +254,7 @@ def check_index_file(storage: Storage, md: Metadata) -> None:
         got = None
     if got != d.nbytes:
         state = "is missing" if got is None else f"has {got} bytes, metadata.json says {d.nbytes}"
-        raise CorruptCheckpointError(f"{storage.url}: index file {d.file} {state}{DAMAGED}")
+        raise CorruptCheckpointError(f"{storage.url}: index file {d.file} {state}{damaged(storage.url)}")
 
 
 # ----------------------------------------------------------------- index

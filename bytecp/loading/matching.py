@@ -9,6 +9,7 @@ has arrived and the adapter has described the target; one process for
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import sys
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -49,17 +50,20 @@ class Match:
 
 def match_target(
     storage: Storage, target: FlatTree, md: fmt.Metadata, opts: LoadOptions, rank: int, world_size: int,
-    *, cast: bool = False, elsewhere: Sequence[str] = (),
+    *, cast: bool = False, elsewhere: Sequence[str] = (), names: Sequence[str] = (),
 ) -> Match:
     """(every rank) Match ``target`` with the checkpoint; raise
     :class:`~bytecp.errors.StateMismatchError` naming every difference
     (missing/unexpected keys only when ``opts.strict``; keys under the
     adapter's ``elsewhere`` names are another rank's, never unexpected).
     ``cast`` (a foreign source): a floating-point target of another floating
-    dtype is read through a staging buffer and cast (bf16 <-> fp32)."""
+    dtype is read through a staging buffer and cast (bf16 <-> fp32).
+    ``names``: the state's own top-level names (an entry excluded whole never
+    reaches ``target``), for the warning of an ``exclude=`` name that looks
+    misspelt."""
     skeleton = md.skeleton
     if opts.exclude:  # left out of the load: neither targets nor stored entries under those names
-        _warn_unmatched(opts.exclude, [*skeleton.index(), *target.tensors, *target.slots], storage.url)
+        _warn_unmatched(opts.exclude, [*skeleton.index(), *target.tensors, *target.slots, *names], storage.url)
 
         def drop(fqn: str) -> bool:
             return excluded(fqn, opts.exclude)
@@ -91,14 +95,18 @@ def match_target(
 
 def _warn_unmatched(exclude: Sequence[str], keys: Sequence[str], url: str) -> None:
     """Warn of each ``exclude=`` name under which neither the state nor the
-    checkpoint holds anything (a typo leaves what it meant loaded)."""
+    checkpoint holds anything and that is close to a name they do hold (a
+    typo leaves what it meant loaded); a name for what this load has none of
+    (a model-only checkpoint's optimizer) is not one."""
     roots = {k.split(".", 1)[0].split("/", 1)[0] for k in keys}
     for n in exclude:
         if n in roots or any(excluded(k, (n,)) for k in keys if k.startswith(n)):
             continue
-        warnings.warn(f"bytecp.load: exclude={n!r} names nothing in the state or the checkpoint at {url} "
-                      f"(its entries: {', '.join(sorted(r for r in roots if r)[:8])}): a misspelt name leaves what "
-                      "it meant loaded", stacklevel=_stacklevel_outside_bytecp())
+        close = difflib.get_close_matches(n.split(".", 1)[0], sorted(r for r in roots if r), n=1, cutoff=0.8)
+        if close:
+            warnings.warn(f"bytecp.load: exclude={n!r} names nothing in the state or the checkpoint at {url}; did "
+                          f"you mean {close[0]!r}? (a misspelt name leaves what it meant loaded)",
+                          stacklevel=_stacklevel_outside_bytecp())
 
 
 def _sources(target: FlatTree, md: fmt.Metadata) -> dict[str, str]:

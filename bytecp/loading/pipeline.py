@@ -153,7 +153,8 @@ class LoadPipeline:
                 opened = opened.renamed(names.renames, names.aliases)
             matched = match_target(self.storage, flat, opened.metadata, self.opts, self.ctx.rank,
                                    self.ctx.world_size, cast=opened.transformers_names,
-                                   elsewhere=target.elsewhere if target is not None else ())
+                                   elsewhere=target.elsewhere if target is not None else (),
+                                   names=[str(k) for k in self.state] if self.state is not None else ())
             if target is not None and target.check is not None:  # refused before anything is read into the state
                 with excluding(self.opts.exclude):
                     target.check(matched.values)

@@ -93,8 +93,7 @@ def test_a_lazy_save_waits_for_an_optimizer_rebuilt_after_the_call(tmp_path: Pat
     rebuilt = torch.optim.SGD(m.parameters(), lr=0.5)
     for p in m.parameters():
         p.grad = torch.ones_like(p)
-    rebuilt.step()  # waits in the process-wide hook
-    assert h.staged()
+    rebuilt.step()  # waits in the process-wide hook until the copies are done
     h.wait(timeout=60)
     assert not same_bits(snap["model"]["0.weight"], m.state_dict()["0.weight"])
     assert_loaded_equals(url, snap)

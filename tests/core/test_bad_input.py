@@ -71,6 +71,9 @@ def test_truncated_data_file(tmp_path: Path, capsys) -> None:
         bytecp.load(str(ck), {"w": torch.zeros(3000)})
     assert "truncated" in str(ei.value) and f.name in str(ei.value) and "'w'" in str(ei.value)
     assert "load an earlier one (`bytecp ls RUN_DIR`" in str(ei.value)  # what to do
+    from bytecp.format.limits import damaged
+
+    assert "a keeper lost or evicted it" in damaged("keeper://job/run/step-1")  # not "copy it again" there
     assert cli(["verify", str(ck)]) == 1
     assert "truncated" in capsys.readouterr().err
 
@@ -158,14 +161,17 @@ def test_an_exclude_name_that_matches_nothing_is_warned_of(tmp_path: Path) -> No
     m = nn.Linear(4, 4)
     opt = torch.optim.AdamW(m.parameters())
     bytecp.save(str(tmp_path / "ck"), {"model": m, "optimizer": opt})
-    with pytest.warns(UserWarning, match=r"exclude='optimzer' names nothing .*entries: model, optimizer"):
+    with pytest.warns(UserWarning, match=r"exclude='optimzer' names nothing .*did you mean 'optimizer'\?"):
         bytecp.load(str(tmp_path / "ck"), {"model": m, "optimizer": opt}, exclude=["optimzer"])
     import warnings
 
+    bytecp.save(str(tmp_path / "model-only"), {"model": m})
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # names that match: silent
+        warnings.simplefilter("error")  # names that match, or name what this load has none of: silent
         bytecp.load(str(tmp_path / "ck"), {"model": m, "optimizer": opt}, exclude=["optimizer"])
         bytecp.load(str(tmp_path / "ck"), {"model": m}, exclude=["model.bias"], strict=False)
+        bytecp.load(str(tmp_path / "model-only"), {"model": m, "optimizer": opt}, exclude=["optimizer"])
+        bytecp.load(str(tmp_path / "model-only"), {"model": m}, exclude=["rng_state", "optimizer"])
 
 
 def test_overwrite_refused_then_allowed_and_failed_overwrite_keeps_old(tmp_path: Path, monkeypatch) -> None:

@@ -310,6 +310,27 @@ def test_training_on_past_a_skipped_checkpoint_saves_its_step_again(tmp_path: Pa
         again.wait()
 
 
+def test_a_signal_at_a_skipped_checkpoints_step_saves_over_it(tmp_path: Path) -> None:
+    """The pre-emption save lands on the step of a checkpoint restore
+    skipped: it replaces it (it used to see a metadata.json there, save
+    nothing and say it had saved)."""
+    import signal
+
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None)
+    for step in (1, 2):
+        mgr.save(step, {"x": torch.full((4,), float(step))})
+    flip_a_data_byte(run / "step-2")
+    again = CheckpointManager(str(run), every_n_steps=100, keep_last=None, save_on_signal=True)
+    state = {"x": torch.zeros(4)}
+    assert again.restore(state) == 1
+    state["x"] += 1
+    signal.raise_signal(signal.SIGTERM)  # the handler only notes it
+    with pytest.raises(SystemExit):
+        again.maybe_save(2, state)
+    assert torch.equal(bytecp.load_state_dict(f"{run}/step-2")["x"], torch.full((4,), 2.0))
+
+
 def test_restore_does_not_fall_back_when_the_state_does_not_fit(tmp_path: Path) -> None:
     run = tmp_path / "run"
     mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None)
