@@ -229,14 +229,6 @@ class DeviceToHost:
                 dst.copy_(src, non_blocking=True)
         self._sources.append(src)
 
-    def mark(self) -> Any:
-        """(inside :meth:`on`) An event recorded after the copies queued so far
-        on this device's copy stream: the host may wait for those alone."""
-        assert self._current is not None, "DeviceToHost.mark() outside on()"
-        ev = torch.cuda.Event()
-        ev.record(self._streams[self._current])
-        return ev
-
     def queued(self) -> dict[int, Any]:
         """Record each used stream's event after what was queued; -> them."""
         for index, stream in self._streams.items():

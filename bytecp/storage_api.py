@@ -183,13 +183,6 @@ class Storage(abc.ABC):
         for the next :meth:`staging_arena` calls (``pinned``: registered for
         CUDA copies, the state being on a device); nothing by default."""
 
-    def staging_landed(self, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> None:
-        """(the rank's stager, while its copies into ``arena`` go on) The
-        ``(offset, nbytes)`` boxes ``ranges`` hold their final bytes now: a
-        backend that sums at :meth:`adopt` may start on them (``keeper://``:
-        its keeper sums them while the GPU copies the next boxes in). Nothing
-        by default; best effort: :meth:`adopt` sums whatever was not."""
-
     def adopt(self, path: str, arena: SharedArena,
               ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:
         """Make ``arena``'s first ``arena.used`` bytes the data file ``path``.

@@ -13,11 +13,6 @@ The single-copy path of ``keeper://`` saves. Who calls what, and when:
   the file to the data file's size and renames it into the checkpoint: the
   arena *is* the data file (same inode), laid out as the writer lays one
   out. The keeper then replicates it like a written file;
-- (the rank's stager, as its copies land) op ``landed``: :meth:`Arenas.landed`
-  starts summing those boxes at once, on the keeper's pool, while the GPU
-  copies the next ones in (:class:`_Early`); the adopt takes those sums
-  and computes only the rest: a device copy and the sums of what it
-  copied overlap instead of running one after the other;
 - (prewarm, op ``prepare``) :meth:`Arenas.prepare` readies a free one;
 - an arena whose boxes were copied out (:meth:`Arenas.adopt`) waits, out
   of the pool, for its checkpoint's commit (its save may still read the
@@ -53,7 +48,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from bytecp.errors import StorageError
-from bytecp.format.checksum import PendingSums, Sums, start_sums, sums, sums_of_ranges
+from bytecp.format.checksum import Sums, sums, sums_of_ranges
 from bytecp.saving.leases import pid_running
 from bytecp.tree import buffers
 
@@ -102,11 +97,6 @@ class Arenas:
         self.adopted_bytes = 0
         #: free files filled with the poison byte (debug mode), checked when lent again
         self.poisoned: set[str] = set()
-        #: lent arena name -> the sums started as its boxes landed (op ``landed``), taken at the adopt
-        self.early: dict[str, _Early] = {}
-        #: counters: bytes summed as they landed, and at the adopt
-        self.summed_early_bytes = 0
-        self.summed_late_bytes = 0
 
     # -- lending -------------------------------------------------------------
     def _new(self, nbytes: int) -> str:
@@ -186,24 +176,20 @@ class Arenas:
         checkpoint never holds, nor replicates, the boxes it does not list."""
         with self._lock:
             lent = self.lent.pop(name, None)
-            early = self.early.pop(name, None)
         if lent is None:
-            if early is not None:
-                early.close()
             raise StorageError(f"staging arena {name} is not lent to a save here: it was reclaimed (not adopted "
                                f"within {self.timeout_s:.0f} s, or its process was seen gone); save again")
         try:
             if size > lent.nbytes or any(o < 0 or o + n > size for o, n in ranges):
                 raise StorageError(f"staging arena {name}: {size} bytes or a chunk beyond its {lent.nbytes}")
-            known = self._take_early(early, ranges)
             if sum(_page(n) for _, n in ranges) * 2 < size:
-                crcs, starts, size = _copy_out(lent.path, dest, ranges, known)
+                crcs, starts, size = _copy_out(lent.path, dest, ranges)
                 self._give_back(lent, ckpt)
                 with self._lock:
                     self.copied_out += 1
                     self.adopted_bytes += size
                 return crcs, starts, size
-            crcs = _crcs(lent.path, ranges, known)
+            crcs = _crcs(lent.path, ranges)
             if size < lent.nbytes:
                 os.truncate(lent.path, size)
             os.makedirs(os.path.dirname(dest), mode=0o700, exist_ok=True)
@@ -215,49 +201,12 @@ class Arenas:
                         self.filled_by.pop(next(iter(self.filled_by)))
             os.rename(lent.path, dest)
         except BaseException:
-            if early is not None:
-                early.close()
             self._unlink(lent.path)
             raise
         with self._lock:
             self.adopted += 1
             self.adopted_bytes += size
         return crcs, [o for o, _ in ranges], size
-
-    def landed(self, name: str, ranges: Sequence[tuple[int, int]]) -> int:
-        """(op ``landed``: a rank's stager, as its copies into arena ``name``
-        land) Start summing ``ranges`` on the keeper's pool; -> how many
-        ranges were started (those beyond the arena, or named before, are not)."""
-        with self._lock:
-            lent = self.lent.get(name)
-            if lent is None:  # reclaimed meanwhile: the adopt says so
-                return 0
-            early = self.early.get(name)
-            if early is None:
-                early = self.early[name] = _Early(lent.path)
-            return early.add(ranges)
-
-    def _take_early(self, early: _Early | None, ranges: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sums]:
-        """The sums of those of ``ranges`` started as they landed (the mapping
-        they read closed once all have ended)."""
-        known: dict[tuple[int, int], Sums] = {}
-        if early is not None:
-            try:
-                known = early.take(ranges)
-            finally:
-                early.close()
-        done = sum(n for o, n in ranges if (o, n) in known)
-        with self._lock:
-            self.summed_early_bytes += done
-            self.summed_late_bytes += sum(n for _, n in ranges) - done
-        return known
-
-    def _forget_early(self, name: str) -> None:
-        """An arena no save will adopt: its sums in flight stop, its mapping closes."""
-        with self._lock:
-            early = self.early.pop(name, None)
-        if early is not None:
-            early.close()
 
     def _give_back(self, lent: _Lent, ckpt: str) -> None:
         """An arena whose boxes were copied out waits for ``ckpt``'s commit
@@ -303,7 +252,6 @@ class Arenas:
         for name in names:
             with self._lock:
                 lent = self.lent.pop(str(name), None)
-            self._forget_early(str(name))
             if lent is not None:
                 self.reclaimed += 1
                 if not self.recycle(lent.path):
@@ -328,7 +276,6 @@ class Arenas:
         for name in stale:
             with self._lock:
                 lent = self.lent.pop(name, None)
-            self._forget_early(name)
             if lent is not None:
                 self.reclaimed += 1
                 self._unlink(lent.path)
@@ -357,8 +304,7 @@ class Arenas:
                     "returning": sum(len(w) for w in self.returning.values()),
                     "lent_total": self.lent_total, "adopted": self.adopted, "copied_out": self.copied_out,
                     "reclaimed": self.reclaimed, "lent_bytes": self.lent_bytes,
-                    "adopted_bytes": self.adopted_bytes, "summed_early_bytes": self.summed_early_bytes,
-                    "summed_late_bytes": self.summed_late_bytes}
+                    "adopted_bytes": self.adopted_bytes}
 
     def _unlink(self, path: str) -> None:
         self.poisoned.discard(path)
@@ -412,11 +358,9 @@ def _page(n: int) -> int:
     return -(-n // 4096) * 4096
 
 
-def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]],
-              known: dict[tuple[int, int], Sums] | None = None) -> tuple[list[Sums], list[int], int]:
+def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:
     """Write ``ranges`` of ``src`` into a new file ``dest``, each page-aligned
-    (the gaps read as zeros); -> their checksums (those ``known`` taken as
-    they are), their starts, the file's size."""
+    (the gaps read as zeros); -> their checksums, their starts, the file's size."""
     starts, pos = [], 0
     for _, n in ranges:
         starts.append(pos)
@@ -431,7 +375,7 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]],
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     view = memoryview(m) if m is not None else memoryview(b"")
     try:
-        crcs = _with_known(view, ranges, known)
+        crcs = sums_of_ranges(view, ranges, _summing_pool())
         os.ftruncate(out, pos)
         for (o, n), at in zip(ranges, starts, strict=True):
             with view[o:o + n] as piece:
@@ -475,23 +419,10 @@ def _forget_summing_pool() -> None:  # a forked child has the pool object but no
 os.register_at_fork(after_in_child=_forget_summing_pool)
 
 
-def _with_known(view: memoryview, ranges: Sequence[tuple[int, int]],
-                known: dict[tuple[int, int], Sums] | None) -> list[Sums]:
-    """The checksums of each of ``ranges`` of ``view``: those ``known``, the rest summed now."""
-    known = known or {}
-    rest = [r for r in ranges if r not in known]
-    got = dict(zip(rest, sums_of_ranges(view, rest, _summing_pool()), strict=True)) if rest else {}
-    return [known[r] if r in known else got[r] for r in ranges]
-
-
-def _crcs(path: str, ranges: Sequence[tuple[int, int]],
-          known: dict[tuple[int, int], Sums] | None = None) -> list[Sums]:
-    """The checksums of each ``(offset, nbytes)`` of the file, read through a mapping (no copy);
-    those ``known`` (summed as they landed) are not read again."""
+def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
+    """The checksums of each ``(offset, nbytes)`` of the file, read through a mapping (no copy)."""
     if not ranges:
         return []
-    if known and all(r in known for r in ranges):
-        return [known[r] for r in ranges]
     fd = os.open(path, os.O_RDONLY)
     try:
         size = os.fstat(fd).st_size
@@ -503,65 +434,9 @@ def _crcs(path: str, ranges: Sequence[tuple[int, int]],
     try:
         view = memoryview(m)
         try:
-            return _with_known(view, ranges, known)
+            return sums_of_ranges(view, ranges, _summing_pool())
         finally:
             view.release()
     finally:
         m.close()
 
-
-
-class _Early:
-    """The sums of a lent arena's boxes, started as the rank's copies land
-    (:meth:`Arenas.landed`) through a mapping of the arena of its own; the
-    adopt takes them (:meth:`take`) and :meth:`close` unmaps once no piece
-    reads the mapping."""
-
-    def __init__(self, path: str) -> None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            size = os.fstat(fd).st_size
-            self._map = mmap.mmap(fd, size, prot=mmap.PROT_READ) if size else None
-        finally:
-            os.close(fd)
-        self._view = memoryview(self._map) if self._map is not None else memoryview(b"")
-        self._lock = threading.Lock()
-        self._pending: dict[tuple[int, int], PendingSums] = {}
-        self._closed = False
-
-    def add(self, ranges: Sequence[tuple[int, int]]) -> int:
-        """Start summing those of ``ranges`` within the arena not started before; -> how many."""
-        with self._lock:
-            if self._closed:
-                return 0
-            new = [r for r in dict.fromkeys((int(o), int(n)) for o, n in ranges)
-                   if r[1] > 0 and r[0] >= 0 and r[0] + r[1] <= len(self._view) and r not in self._pending]
-            for r in new:
-                self._pending[r] = start_sums(self._view, [r], _summing_pool())
-            return len(new)
-
-    def take(self, ranges: Sequence[tuple[int, int]]) -> dict[tuple[int, int], Sums]:
-        """The sums of those of ``ranges`` started (waits for them)."""
-        with self._lock:
-            mine = [(r, self._pending.pop(r)) for r in dict.fromkeys(ranges) if r in self._pending]
-        out: dict[tuple[int, int], Sums] = {}
-        try:
-            for r, p in mine:
-                out[r] = p.result()[0]
-        finally:  # (an error in one: the others end before the mapping closes)
-            for _, p in mine:
-                p.cancel()
-        return out
-
-    def close(self) -> None:
-        """Stop what has not started, wait for the rest, unmap (idempotent)."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            pending, self._pending = list(self._pending.values()), {}
-        for p in pending:
-            p.cancel()
-        self._view.release()
-        if self._map is not None:
-            self._map.close()

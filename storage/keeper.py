@@ -35,7 +35,6 @@ Every request carries the job's token; another job's keepers refuse it.
 from __future__ import annotations
 
 import array
-import logging
 import os
 import subprocess
 import sys
@@ -63,8 +62,6 @@ from ._keeper_wire import (
 )
 
 __all__ = ["KeeperStorage"]
-
-log = logging.getLogger(__name__)
 
 #: this process's arenas lent and not yet adopted (name -> the arena, weakly):
 #: those dropped unadopted (a failed save) are named at the next ``alloc``
@@ -193,17 +190,6 @@ class KeeperStorage(Storage):
             buf = MAPPINGS.map(str(path))
             if pinned and len(buf):
                 pin(buf)
-
-    def staging_landed(self, arena: SharedArena, ranges: Sequence[tuple[int, int]]) -> None:
-        """The keeper starts summing ``ranges`` of ``arena`` (their copies landed) while the
-        rest are copied in; best effort: a keeper that cannot (an older one) sums them at the adopt."""
-        if not ranges:
-            return
-        spans = array.array("Q", [v for r in ranges for v in r])
-        try:
-            self._ask_local({"op": "landed", "arena": arena.name}, [spans], timeout=60)
-        except (StorageError, OSError) as e:
-            log.debug("bytecp: %s: the keeper did not start sums early (%s); it sums at the adopt", self.url, e)
 
     def adopt(self, path: str, arena: SharedArena,
               ranges: Sequence[tuple[int, int]]) -> tuple[list[Sums], list[int], int]:

@@ -247,13 +247,6 @@ class Keeper(Budget):
             self._room_for(ARENA_DIR + "/x", nbytes * count)
         return {"files": self.arenas.prepare(nbytes, count, h.get("pid"))}, []
 
-    def op_landed(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
-        """(a rank's stager, as its copies into arena ``arena`` land) Start summing those
-        ``(offset, nbytes)`` ranges now (the adopt takes the sums); answers how many started."""
-        spans = array.array("Q", bytes(payload)).tolist()
-        started = self.arenas.landed(str(h["arena"]), list(zip(spans[::2], spans[1::2], strict=True)))
-        return {"started": started}, []
-
     def op_adopt(self, h: dict[str, Any], payload: memoryview) -> tuple[dict[str, Any], list[Any]]:
         """(a rank's writer thread) Arena ``arena`` becomes data file ``path`` (its first ``size``
         bytes); answers the crc32c of each of ``ranges`` (and its block checksums, hex), where each

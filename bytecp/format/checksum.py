@@ -23,7 +23,7 @@ import crc32c as _crc32c
 
 __all__ = [
     "crc32c", "crc32c_combine", "BLOCK_BYTES", "writer_block_bytes", "block_count", "block_crc", "Sums", "Summer",
-    "sums", "sums_of_ranges", "PendingSums", "start_sums", "PIECE_BYTES",
+    "sums", "sums_of_ranges", "PIECE_BYTES",
 ]
 
 #: the block size a version-5 writer records block checksums at (``index.block_bytes``); read at each
@@ -214,59 +214,6 @@ def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], pool: Ex
     where the sums are the one pass over bytes the GPU copied in: on a
     host of many cores, one thread per data file left most of them idle
     while the training job waited for the save."""
-    return start_sums(view, ranges, pool, block_bytes).result()
-
-
-class PendingSums:
-    """The sums of some ranges of a view, their pieces running on a pool
-    (:func:`start_sums`): the keeper starts them as a rank's copies land in
-    its arena and takes them at the adopt. :meth:`result` or :meth:`cancel`
-    returns only once no piece reads the view any more."""
-
-    def __init__(self, ranges: Sequence[tuple[int, int]], parts: list[Any], block_bytes: int, step: int) -> None:
-        self.ranges = list(ranges)
-        self._parts = parts  # per piece: its block crcs, or the future computing them
-        self._b, self._step = block_bytes, step
-
-    def result(self) -> list[Sums]:
-        """The :class:`Sums` of each range (waits for its pieces; an error of one is raised once all ended)."""
-        futures = [p for p in self._parts if not isinstance(p, list)]
-        try:
-            got = iter([p if isinstance(p, list) else p.result() for p in self._parts])
-        finally:  # on an error too: no piece still reads the view
-            for f in futures:
-                f.cancel()
-            wait(futures)
-        b, step = self._b, self._step
-        _shift_tables(b)
-        out: list[Sums] = []
-        for _, n in self.ranges:
-            blocks: list[int] = []
-            for _ in range(0, n, step):
-                blocks.extend(next(got))
-            if n <= b:
-                out.append(Sums(blocks[0] if blocks else 0))
-                continue
-            crc = 0
-            for c in blocks[:-1]:
-                crc = crc32c_combine(crc, c, b)
-            crc = crc32c_combine(crc, blocks[-1], n - (len(blocks) - 1) * b)
-            out.append(Sums(crc, b"".join(c.to_bytes(4, "little") for c in blocks)))
-        return out
-
-    def cancel(self) -> None:
-        """Stop the pieces not started; returns once the running ones have ended."""
-        futures = [p for p in self._parts if not isinstance(p, list)]
-        for f in futures:
-            f.cancel()
-        wait(futures)
-
-
-def start_sums(view: memoryview, ranges: Sequence[tuple[int, int]], pool: Executor | None = None,
-               block_bytes: int | None = None) -> PendingSums:
-    """Start summing each ``(offset, nbytes)`` of ``view`` in pieces of whole
-    blocks on ``pool`` (None, or a single piece: here, now); the sums come
-    from the answer's :meth:`PendingSums.result`."""
     b = block_bytes or writer_block_bytes()
     if view.format != "B" or view.ndim != 1:
         view = view.cast("B")
@@ -281,5 +228,27 @@ def start_sums(view: memoryview, ranges: Sequence[tuple[int, int]], pool: Execut
             return [int(_crc32c.crc32c(mv[at:at + b])) for at in range(0, n, b)]
 
     if pool is None or len(pieces) < 2:
-        return PendingSums(ranges, [piece_blocks(p) for p in pieces], b, step)
-    return PendingSums(ranges, [pool.submit(piece_blocks, p) for p in pieces], b, step)
+        got = iter([piece_blocks(p) for p in pieces])
+    else:
+        futures = [pool.submit(piece_blocks, p) for p in pieces]
+        try:
+            got = iter([f.result() for f in futures])
+        finally:  # on an error too: no piece still reads the view
+            for f in futures:
+                f.cancel()
+            wait(futures)
+    _shift_tables(b)
+    out: list[Sums] = []
+    for _, n in ranges:
+        blocks: list[int] = []
+        for _ in range(0, n, step):
+            blocks.extend(next(got))
+        if n <= b:
+            out.append(Sums(blocks[0] if blocks else 0))
+            continue
+        crc = 0
+        for c in blocks[:-1]:
+            crc = crc32c_combine(crc, c, b)
+        crc = crc32c_combine(crc, blocks[-1], n - (len(blocks) - 1) * b)
+        out.append(Sums(crc, b"".join(c.to_bytes(4, "little") for c in blocks)))
+    return out

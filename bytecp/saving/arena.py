@@ -482,37 +482,17 @@ class StagingPool:
         # each device copy is queued (on the copy stream of the tensors' device, after the
         # caller's stream was ready); the DMA runs while the host copies below run
         device_copies = device_memory.DeviceToHost(dict(ready or {}))
-        landing = _Landing(shared, where, datas) if where is not None and shared is not None else None
-        marks: list[tuple[Any, list[int]]] = []  # (an event, the lent boxes copied before it)
         if placed.device is not None:
             with device_copies.on(placed.device):
-                group: list[int] = []
-                grouped = 0
                 for k in device_boxes:
                     device_copies.copy(dsts[k], srcs[k])
-                    if landing is not None:
-                        group.append(k)
-                        grouped += len(datas[k])
-                        if grouped >= LANDED_BYTES:
-                            marks.append((device_copies.mark(), group))
-                            group, grouped = [], 0
-                if group:
-                    marks.append((None, group))  # (landed once every copy has)
         crcs = done if done is not None else copies.run(threads=threads, checksums=checksums)
         crc: list[Sums | None] = [None] * len(items)
         for k, c in zip(host, crcs, strict=True):
             crc[k] = c
-        if landing is not None:
-            landing.landed(host)
         events = device_copies.queued()
         if queued is not None:
             queued(events)
-        for ev, group in marks:  # the storage sums what landed while the rest is copied in
-            if ev is None:
-                device_copies.wait()
-            else:
-                ev.synchronize()
-            landing.landed(group)  # type: ignore[union-attr]  # (marks only with a landing)
         device_copies.wait()
         faults.handoff("stage")
         nbytes = placed.nbytes if ks is None else sum(it.nbytes for it in items)
@@ -581,32 +561,6 @@ class StagingPool:
 
 
 POOL = StagingPool()
-
-
-#: the device copies into a lent arena between two notices to its storage
-#: that they landed (:meth:`~bytecp.storage_api.Storage.staging_landed`): 5 ms
-#: of a PCIe 5 copy; the keeper sums each group while the next ones land
-LANDED_BYTES = 256 << 20
-
-
-class _Landing:
-    """Tells the storage that lent a stage's arenas which boxes hold their
-    bytes now (grouped by arena, one notice each), so that it sums them
-    while the rest are copied in."""
-
-    def __init__(self, shared: Storage, where: Sequence[tuple[SharedArena | None, int]],
-                 datas: Sequence[memoryview]) -> None:
-        self.shared, self.where, self.datas = shared, where, datas
-
-    def landed(self, ks: Sequence[int]) -> None:
-        by_arena: dict[int, tuple[SharedArena, list[tuple[int, int]]]] = {}
-        for k in ks:
-            at, pos = self.where[k]
-            n = len(self.datas[k])
-            if at is not None and n:
-                by_arena.setdefault(id(at), (at, []))[1].append((pos, n))
-        for at, ranges in by_arena.values():
-            self.shared.staging_landed(at, ranges)
 
 
 def _forget_guess() -> None:

@@ -169,44 +169,6 @@ def test_a_memory_tier_arena_is_registered_for_device_copies(tmp_path: Path) -> 
         keeper.close()
 
 
-@pytest.mark.parametrize("lazy", [False, True])
-def test_the_keeper_sums_device_copies_as_they_land(tmp_path: Path, lazy: bool,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
-    """A memory-tier save from the GPU tells the keeper which boxes have
-    landed every LANDED_BYTES of device copies (1 MiB here: many notices);
-    the keeper sums them meanwhile and the adopt sums none: the checkpoint
-    verifies and loads bitwise."""
-    from bytecp.storage.keeper_server import Keeper
-
-    from bytecp.saving import arena
-    from bytecp.storage_api import open_storage
-    from bytecp.tools.inspect import verify
-
-    monkeypatch.setattr(arena, "LANDED_BYTES", 1 << 20)
-    token = "t-" + uuid.uuid4().hex
-    keeper = Keeper("g0", 0, token, {}, replicas=1)
-    threading.Thread(target=keeper.serve_forever, daemon=True).start()
-    try:
-        opts = {"keepers": f"g0=127.0.0.1:{keeper.port}", "host": "g0", "token": token}
-        m, opt = model_and_opt()
-        url = f"keeper://job/{uuid.uuid4().hex}/step-1"
-        want = host_copy(m, opt)
-        h = bytecp.async_save(url, {"model": m, "optim": opt}, lazy=lazy, storage_options=opts)
-        train_step(m, opt)  # (lazy: the pre-step hook has the step wait for the copies)
-        h.wait(60)
-        st = keeper.arenas.stats()
-        weights = sum(p.numel() * p.element_size() for p in m.parameters())  # and Adam's two moments
-        assert st["summed_early_bytes"] >= 3 * weights and st["summed_late_bytes"] == 0, st
-        checked, problems = verify(open_storage(url, **opts))
-        assert checked and not problems
-        m2, opt2 = model_and_opt(seed=5)
-        bytecp.load(url, {"model": m2, "optim": opt2}, storage_options=opts)
-        for k, v in want["model"].items():
-            assert same(m2.state_dict()[k], v), k
-    finally:
-        keeper.close()
-
-
 @pytest.fixture
 def nccl_world() -> Iterator[None]:
     """This process as a world of 1 on NCCL (the training job's default group)."""

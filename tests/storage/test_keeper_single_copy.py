@@ -61,7 +61,6 @@ def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Kee
     url = f"keeper://job/{uuid.uuid4().hex}/step-1"
     state = state_of(0)
     before = adopted(pair)
-    early = [(k.arenas.summed_early_bytes, k.arenas.summed_late_bytes) for k in pair]
     if mode == "sync":
         bytecp.save(url, state, storage_options=opts)
     else:
@@ -82,10 +81,6 @@ def test_the_keeper_adopts_the_arena_crc_and_layout_as_the_writer(pair: list[Kee
     tensor_files = {c.file for c in mem.values()}
     grew = adopted(pair) - before
     assert grew == sum(md.data_files[f] for f in tensor_files) > 0  # not written: adopted
-    # every box was summed as it landed in the arena (op landed), none left to the adopt
-    summed = [(k.arenas.summed_early_bytes - e, k.arenas.summed_late_bytes - late)
-              for k, (e, late) in zip(pair, early, strict=True)]
-    assert summed[0] == (sum(c.nbytes for c in mem.values()), 0) and summed[1] == (0, 0)
     assert len(tensor_files) == (1 if mode != "budget" else len(tensor_files) > 1 and len(tensor_files))
     for k in pair:  # both copies of the adopted file
         for f in tensor_files:
@@ -210,76 +205,6 @@ def test_an_arena_mostly_unwritten_is_copied_out_not_adopted(tmp_path: Path) -> 
     for (o, k), s, c in zip(ranges, starts, crcs, strict=True):
         assert out[s:s + k] == data[o:o + k] and c == sums(data[o:o + k]) and c.crc == crc32c(data[o:o + k])
     assert out[100:fmt.ALIGNMENT] == bytes(fmt.ALIGNMENT - 100)  # the writer's zero padding
-
-
-@pytest.mark.parametrize("copied_out", [False, True])
-def test_sums_started_as_boxes_land_are_the_sums_the_adopt_answers(tmp_path: Path, copied_out: bool) -> None:
-    """op landed: the keeper sums boxes as the rank's copies land; the adopt
-    takes those, sums the boxes never named (or named with other bounds),
-    and ignores ranges beyond the arena; a box of many blocks over many
-    pieces of the pool sums as :func:`sums` of it."""
-    from bytecp.storage._keeper_arenas import Arenas
-
-    from bytecp.format import checksum
-    from bytecp.format.checksum import sums
-
-    arenas = Arenas(str(tmp_path))
-    size = 64 * fmt.ALIGNMENT
-    name, path, size = arenas.lend(size, os.getpid())
-    data = os.urandom(size)
-    with open(path, "r+b") as f:
-        f.write(data)
-    big = (fmt.ALIGNMENT, 40 * fmt.ALIGNMENT + 7)  # 160 KiB: blocks of 16 KiB below, pieces of 32 KiB
-    ranges = [big, (0, 100), (50 * fmt.ALIGNMENT, 3)]
-    if copied_out:
-        ranges = [(0, 100), (50 * fmt.ALIGNMENT, 3)]
-    saved = checksum.BLOCK_BYTES, checksum.PIECE_BYTES
-    checksum.BLOCK_BYTES, checksum.PIECE_BYTES = 16 << 10, 32 << 10
-    try:
-        assert arenas.landed(name, [big, (0, 100), (size, 10), (0, 100)]) == 2  # beyond and again: not started
-        assert arenas.landed(name, [(50 * fmt.ALIGNMENT, 2)]) == 1  # other bounds than the adopt's
-        crcs, starts, _ = arenas.adopt(name, str(tmp_path / "ck" / "d"), size, ranges)
-        want = [sums(data[o:o + n], 16 << 10) for o, n in ranges]
-    finally:
-        checksum.BLOCK_BYTES, checksum.PIECE_BYTES = saved
-    assert crcs == want and want[0].blocks == (b"" if copied_out else want[0].blocks)
-    st = arenas.stats()
-    named = 100 + (0 if copied_out else big[1])
-    assert (st["summed_early_bytes"], st["summed_late_bytes"]) == (named, 3)
-    assert name not in arenas.early  # its mapping closed with the adopt
-
-
-def test_sums_started_for_an_arena_never_adopted_stop_with_it(tmp_path: Path) -> None:
-    """A save that fails after its boxes landed: the arena, named at the rank's
-    next alloc or reclaimed, takes its sums in flight and its mapping with it."""
-    from bytecp.storage._keeper_arenas import Arenas
-
-    arenas = Arenas(str(tmp_path))
-    name, path, size = arenas.lend(1 << 20, os.getpid())
-    other, _, _ = arenas.lend(1 << 20, os.getpid())
-    assert arenas.landed(name, [(0, size)]) == 1 and arenas.landed(other, [(0, 4096)]) == 1
-    arenas.release([name])
-    assert name not in arenas.early
-    arenas.timeout_s = 0.0
-    arenas.reclaim()  # lent too long: unlinked, its sums stopped
-    assert other not in arenas.early and not arenas.lent
-    assert arenas.landed(name, [(0, 4096)]) == 0  # not lent any more: nothing started
-
-
-def test_a_keeper_that_cannot_sum_early_still_adopts_and_sums(pair: list[Keeper],
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
-    """A keeper started by an older bytecp answers op landed 'unknown op': the
-    save goes on and the adopt sums every box."""
-    monkeypatch.delattr(Keeper, "op_landed")
-    opts = {"keepers": spec(pair), "host": "s0", "token": TOKEN}
-    url = f"keeper://job/{uuid.uuid4().hex}/step-1"
-    state = state_of(0)
-    early, late = pair[0].arenas.summed_early_bytes, pair[0].arenas.summed_late_bytes
-    bytecp.save(url, state, storage_options=opts)
-    assert pair[0].arenas.summed_late_bytes > late and pair[0].arenas.summed_early_bytes == early
-    target = state_of(1)
-    bytecp.load(url, target, storage_options=opts)
-    bitwise(state, target)
 
 
 def test_the_keeper_metrics_count_arenas_and_bytes_adopted_vs_written(pair: list[Keeper]) -> None:
