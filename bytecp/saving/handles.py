@@ -33,7 +33,7 @@ from bytecp.saving.own_threads import serial_torch
 from bytecp.tree.bulk import pause_gc, resume_gc
 
 __all__ = [
-    "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "retire_group", "optimizers_in",
+    "SaveHandle", "wait_for_pending_save", "wait_for_previous", "checkpoint_group", "retire_group",
     "pending_save",
     "GcPause",
 ]
@@ -55,10 +55,6 @@ class SaveHandle:
         self._metadata: fmt.Metadata | None = None
         self._error_seen = False
         self.thread: threading.Thread | None = None
-        #: lazy mode's optimizer pre-step hooks; no-ops once staged, removed
-        #: from the caller's thread (wait(), the next save), never from inside
-        #: optimizer.step(), which is iterating them
-        self._hooks: list[Any] = []
         #: lazy mode: what any optimizer's step does first while this save's copies are not queued
         self._before_step: Callable[..., None] | None = None
         self._callbacks: list[Callable[[SaveHandle], None]] = []
@@ -106,7 +102,7 @@ class SaveHandle:
         """Block until committed; raise the save's error (from any rank)."""
         if not self._done.wait(timeout):
             raise TimeoutError(f"async save to {self.url} not finished after {timeout} s")
-        self._remove_hooks()
+        self._unwatch_if_staged()
         return self.result()
 
     def result(self) -> fmt.Metadata:
@@ -129,14 +125,15 @@ class SaveHandle:
         self._device_events = dict(events)
         self._queued.set()
 
-    def block_optimizers_until_staged(self, optimizers: list[torch.optim.Optimizer], trace: Trace) -> None:
-        """Lazy mode: each optimizer's ``step()`` waits until this rank's
-        copies are queued; device copies are then waited for on the GPU (the
-        training stream waits for their events), not by the host. The
-        state's ``optimizers`` get a hook each; any other torch optimizer of
-        the process waits too, through one process-wide hook (an optimizer
-        rebuilt over the same parameters right after the call -- layers
-        unfrozen -- would otherwise change them under the copy)."""
+    def block_optimizers_until_staged(self, trace: Trace) -> None:
+        """Lazy mode: every torch optimizer's ``step()`` in this process waits
+        until this rank's copies are queued; device copies are then waited
+        for on the GPU (the training stream waits for their events), not by
+        the host. One process-wide pre-step hook does it
+        (``register_optimizer_step_pre_hook``): the state's own optimizers,
+        those inside wrappers (a DeepSpeed engine's, Megatron's chained
+        ones) and one rebuilt over the same parameters right after the call
+        (layers unfrozen) alike."""
 
         def wait_staged(*_: Any) -> None:
             if not self._queued.is_set():
@@ -149,7 +146,6 @@ class SaveHandle:
                 for index, ev in self._device_events.items():
                     torch.cuda.current_stream(index).wait_event(ev)
 
-        self._hooks.extend(opt.register_step_pre_hook(wait_staged) for opt in optimizers)
         self._before_step = wait_staged
         _watch_every_optimizer(self)
 
@@ -173,11 +169,10 @@ class SaveHandle:
             _inflight = self
         self.thread = _worker(nice).submit(background)
 
-    def _remove_hooks(self) -> None:
+    def _unwatch_if_staged(self) -> None:
+        """(the caller's thread: wait(), the next save) Its copies are done: the
+        process-wide hook forgets it."""
         if self._staged.is_set():
-            for h in self._hooks:
-                h.remove()
-            self._hooks.clear()
             _unwatch(self)
 
     def _finish(self, md: fmt.Metadata | None, error: BaseException | None) -> None:
@@ -348,7 +343,7 @@ def wait_for_previous(trace: Trace) -> None:
         return
     with trace.span("wait_previous"):
         prev._done.wait()
-    prev._remove_hooks()
+    prev._unwatch_if_staged()
     with _inflight_lock:
         if _inflight is prev:
             _inflight = None
@@ -408,41 +403,6 @@ def retire_group(process_group: Any) -> None:
     if group is not None:
         # a reference nothing owns: a module-level list would be cleared at finalization
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
-
-
-def optimizers_in(state: Any) -> list[torch.optim.Optimizer]:
-    """The torch optimizers ``state`` holds or drives, each once: also those
-    inside optimizer wrappers (``.optimizer``, ``.chained_optimizers``:
-    Megatron's optimizers, bytecp's Megatron ``OptimizerLayout``) and the
-    optimizer of a module that owns one (a DeepSpeed engine)."""
-    found: dict[int, torch.optim.Optimizer] = {}
-
-    def walk(v: Any, depth: int) -> None:
-        if depth > 8:
-            return
-        if isinstance(v, torch.nn.Module):  # a training engine may own its optimizer (DeepSpeed)
-            inner = getattr(v, "optimizer", None)
-            if inner is not None and not isinstance(inner, torch.nn.Module):
-                walk(inner, depth + 1)
-            return
-        if isinstance(v, torch.optim.Optimizer):
-            found.setdefault(id(v), v)
-        elif isinstance(v, dict):
-            for x in v.values():
-                walk(x, depth + 1)
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x, depth + 1)
-        else:
-            chained = getattr(v, "chained_optimizers", None)
-            if isinstance(chained, (list, tuple)):
-                walk(chained, depth + 1)
-            inner = getattr(v, "optimizer", None)
-            if inner is not None and inner is not v:
-                walk(inner, depth + 1)
-
-    walk(state, 0)
-    return list(found.values())
 
 
 def _drain() -> None:

@@ -36,7 +36,7 @@ import torch
 from bytecp.format import metadata as fmt
 from bytecp.options import SaveOptions
 from bytecp.saving import leases
-from bytecp.saving.handles import GcPause, SaveHandle, optimizers_in, retire_group
+from bytecp.saving.handles import GcPause, SaveHandle, retire_group
 from bytecp.saving.pipeline import SavePipeline
 from bytecp.saving.staging import ArenaStager
 from bytecp.storage_api import Storage
@@ -83,7 +83,7 @@ def lazy(p: SavePipeline, handle: SaveHandle) -> Callable[[], fmt.Metadata]:
     """The caller waits for nothing: the background copies first, and each
     optimizer's ``step()`` waits in a pre-step hook until it has."""
     described = p.describe()
-    handle.block_optimizers_until_staged(optimizers_in(p.state), p.trace)
+    handle.block_optimizers_until_staged(p.trace)
 
     def background() -> fmt.Metadata:
         try:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 import bytecp
+from bytecp.saving import handles
 from bytecp.saving.staging import POOL
 
 from .helpers import same_bits
@@ -113,7 +114,8 @@ def test_lazy_hook_coexists_with_hooks_registered_after_it(tmp_path: Path) -> No
     h.wait(timeout=60)
     later.remove()
     assert calls == [1, 1]
-    assert len(opt._optimizer_step_pre_hooks) == 0  # bytecp's hook is gone after wait()
+    assert len(opt._optimizer_step_pre_hooks) == 0  # bytecp hooks no optimizer of its own
+    assert not handles._WATCHED  # and its process-wide hook forgot the save
     assert_loaded_equals(str(tmp_path / "ck"), snap)
 
 

@@ -247,14 +247,12 @@ def ds_roundtrip(url: str, stage: int, bf16: bool = False, **zero: Any) -> tuple
 
 def ds_lazy(url: str, stage: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     """A lazy async save of ``{"model": engine}``: the next step waits for the
-    copy (the optimizer hook finds the engine's optimizer); the checkpoint
-    holds the state of the save, not of the step after it."""
+    copy (the process-wide pre-step hook catches the engine's inner torch
+    optimizer); the checkpoint holds the state of the save, not of the step
+    after it."""
     engine = make_engine(stage, seed=0)
     train_engine(engine, range(2))
     saved = engine_snapshot(engine)
-    from bytecp.saving.handles import optimizers_in
-
-    assert [o is engine.optimizer.optimizer for o in optimizers_in({"model": engine})] == [True]
     handle = bytecp.async_save(url, {"model": engine}, lazy=True)
     train_engine(engine, range(2, 3))
     handle.wait()
