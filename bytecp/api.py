@@ -74,6 +74,7 @@ def save(
     serving_dtype: Any = None,
     serving_prefixes: Sequence[str] | None = None,
     serving_whole: bool = False,
+    overwrite_readers: Sequence[str] = (),
 ) -> fmt.Metadata:
     """Save ``state`` to ``url``; every rank of the job calls it.
 
@@ -98,6 +99,7 @@ def save(
         coordinator_rank=coordinator_rank, storage_options=storage_options or {}, monitor=monitor,
         verify_replicas=verify_replicas, base=base, save_timeout_s=save_timeout_s, serving_dtype=serving_dtype,
         serving_prefixes=None if serving_prefixes is None else _names(serving_prefixes), serving_whole=serving_whole,
+        overwrite_readers=tuple(overwrite_readers),
     ))
 
 
@@ -170,6 +172,8 @@ def async_save(
     """
     t0, wall0 = time.perf_counter(), time.time()
     try:
+        if "overwrite_readers" in options:
+            options["overwrite_readers"] = tuple(options["overwrite_readers"])
         opts = SaveOptions(lazy=lazy, memory_budget_bytes=memory_budget_bytes, **options)
     except TypeError as e:
         raise ConfigError(f"async_save: {e}") from None

@@ -274,7 +274,7 @@ class CheckpointManager:
         skipped = any(u == url for u, _ in self.skipped)  # restore skipped what is there: replaced
         if skipped or not open_storage(url, **self.storage_options).exists(fmt.METADATA_FILE):
             save(url, state, step=step, storage_options=self.storage_options,
-                 **{**self.save_kwargs, **({"overwrite": True} if skipped else {})})
+                 **{**self.save_kwargs, **(self._over_skipped(url) if skipped else {})})
             self._retain()
         log.warning("bytecp: saved %s before exiting on a signal", self.url_for(step))
         self._preemption.restore_handlers()
@@ -303,7 +303,7 @@ class CheckpointManager:
         if any(u == url for u, _ in self.skipped):  # restore skipped it: training goes on past it, replaced
             log.warning("bytecp: saving %s over the checkpoint there that restore skipped (it stays until the "
                         "new one commits)", url)
-            kwargs["overwrite"] = True
+            kwargs.update(self._over_skipped(url))
         if not self.async_save:
             from bytecp.api import save
 
@@ -321,6 +321,14 @@ class CheckpointManager:
             self._retained.clear()
         handle.add_done_callback(lambda h: self._after_async_save(h, committed))
         return handle
+
+    def _over_skipped(self, url: str) -> dict[str, Any]:
+        """The save options that replace the checkpoint at ``url`` restore
+        skipped: an overwrite, which the other checkpoints restore skipped do
+        not refuse by referencing it (an incremental step-4 over a damaged
+        step-3: neither loads, and training saves both steps again)."""
+        others = tuple(u.rstrip("/").rsplit("/", 1)[-1] for u, _ in self.skipped if u != url)
+        return {"overwrite": True, "overwrite_readers": others}
 
     def _base(self, step: int) -> str | None:
         """The checkpoint this save may reference: the previous one, unless

@@ -80,6 +80,10 @@ class SaveOptions(_Common):
     #: loadable until the new one commits); without it a save to a URL that
     #: holds a committed checkpoint raises CheckpointExistsError
     overwrite: bool = False
+    #: (CheckpointManager) checkpoints of the run that its restore skipped (they
+    #: do not load): with ``overwrite``, their references to the checkpoint
+    #: replaced do not keep it from being replaced
+    overwrite_readers: tuple[str, ...] = ()
     #: writer threads (and data files) per rank
     io_threads: int = 4
     #: replicated boxes at least this large are split across their replicas

@@ -212,14 +212,17 @@ def _replaced(storage: Storage) -> Replaced | None:
         return None  # an unreadable old checkpoint is simply replaced
 
 
-def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None) -> Replaced | None:
+def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None,
+                 skipped: Sequence[str] = ()) -> Replaced | None:
     """(coordinator, plan phase) Refuse a committed checkpoint unless
     overwriting, and always a base retention retired (``base.json``); the
     one replaced. An overwrite deletes the replaced save's data files after
     its commit, so it dooms them first (:class:`~bytecp.saving.pins.Doom`,
     its marker lifted when ``lease``, this save's, ends), then reads the
     pins of saves in flight, then the committed checkpoints of the run: it
-    is refused if any references the checkpoint."""
+    is refused if any references the checkpoint, but for those named in
+    ``skipped`` (checkpoints of the run the manager's restore found they do
+    not load: what they read is lost to them already)."""
     if not storage.exists(fmt.METADATA_FILE):
         if storage.exists(BASE_FILE):  # a save here would replace (and sweep) files kept checkpoints read
             raise CheckpointExistsError(
@@ -240,7 +243,8 @@ def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None) 
         lease.on_stop(lambda: doom.lift(storage))
         with contextlib.suppress(CorruptCheckpointError):  # at a storage's root: no run, nothing pins it
             in_flight = live_pins(open_storage(run_url(storage.url), **storage.options()), storage)[0]
-    readers = referenced_by(storage) + [p.rpartition("/")[2].rpartition(".")[0] for p in in_flight]
+    readers = [r for r in referenced_by(storage) if r not in skipped]
+    readers += [p.rpartition("/")[2].rpartition(".")[0] for p in in_flight]
     if readers:  # the overwrite would remove files they read
         raise CheckpointExistsError(
             f"{storage.url} is referenced by checkpoint(s) {', '.join(sorted(set(readers)))} of the run (committed, "

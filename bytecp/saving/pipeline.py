@@ -240,7 +240,8 @@ class SavePipeline:
                 # named first: an overwrite dooms the replaced files for as long as this lease lives
                 save_id, objects = fmt.new_save_id(), tuple(flat.objects)
                 mine["lease"] = leases.take(self.storage, save_id)  # given up at commit or failure
-                mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"])
+                mine["replaced"] = check_target(self.storage, self.opts.overwrite, mine["lease"],
+                                                 skipped=self.opts.overwrite_readers)
                 mine["unions"] = kept_unions(key, rank)  # announced: ranks send no skeleton it holds already
                 # and what a rank whose tree differs need not write
             mine["vote"], mine["cached"] = ballot(held_of(local), fingerprint, flat, key, save_id, objects,

@@ -13,6 +13,7 @@ from torch import nn
 
 import bytecp
 from bytecp.cli import main as cli
+from bytecp.format import metadata as fmt
 from bytecp.format.metadata import FORMAT_VERSION
 from bytecp.manager import CheckpointManager, list_checkpoints
 
@@ -308,6 +309,39 @@ def test_training_on_past_a_skipped_checkpoint_saves_its_step_again(tmp_path: Pa
     with pytest.raises(bytecp.CheckpointExistsError, match="overwrite=True"):
         again.save(4, state)
         again.wait()
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_skipped_checkpoint_that_a_skipped_incremental_one_references_is_saved_over(
+        tmp_path: Path, async_save: bool) -> None:
+    """Incremental saves: step-4 references step-3's bias, whose data file is
+    damaged, so restore skips both and loads step 2. Training saves step 3
+    again over the skipped step-3 (the skipped step-4's reference does not
+    refuse it: it crashed the loop, 'referenced by checkpoint(s) step-4'),
+    then step 4; a checkpoint that loads still keeps what it references."""
+    run = tmp_path / "run"
+    mgr = CheckpointManager(str(run), every_n_steps=1, keep_last=None, incremental=True)
+    state = {"w": torch.zeros(1024), "b": torch.zeros(1024)}
+    for step in (1, 2, 3, 4):
+        state["b" if step == 3 else "w"] += 1  # step 4 references step-3's b
+        mgr.save(step, state)
+    assert "step-3" in fmt.Metadata.from_bytes((run / "step-4" / fmt.METADATA_FILE).read_bytes(), "4").references
+    flip_a_data_byte(run / "step-3")
+    again = CheckpointManager(str(run), every_n_steps=1, keep_last=None, incremental=True, async_save=async_save)
+    got = {"w": torch.zeros(1024), "b": torch.zeros(1024)}
+    assert again.restore(got) == 2 and [u.rsplit("/", 1)[-1] for u, _ in again.skipped] == ["step-4", "step-3"]
+    want = {k: v.clone() for k, v in got.items()}
+    for step in (3, 4, 5):
+        want["b" if step == 3 else "w"] += 1
+        got["b" if step == 3 else "w"] += 1
+        assert again.maybe_save(step, got)
+        again.wait()
+        assert not again.failed
+        loaded = bytecp.load_state_dict(f"{run}/step-{step}")
+        assert all(torch.equal(loaded[k], want[k]) for k in want), step
+    # the new step-4 and step-5 reference the new step-3's b: replacing it is refused as ever
+    with pytest.raises(bytecp.CheckpointExistsError, match=r"referenced by checkpoint\(s\) step-4, step-5"):
+        bytecp.save(f"{run}/step-3", got, overwrite=True)
 
 
 def test_a_signal_at_a_skipped_checkpoints_step_saves_over_it(tmp_path: Path) -> None:
