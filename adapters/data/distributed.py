@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-__all__ = ["sampler_sizes", "ORDER"]
+__all__ = ["sampler_sizes", "ORDER", "same_order", "epoch_done"]
 
 #: what must match between the saved and the loading sampler for the epoch's order to be the same
 ORDER = ("dataset_len", "shuffle", "seed", "drop_last")
@@ -23,3 +23,21 @@ def sampler_sizes(n: int, ranks: int, drop_last: bool) -> tuple[int, int]:
     """``DistributedSampler``'s per-rank count and epoch length for ``n`` samples on ``ranks``."""
     per = math.ceil((n - ranks) / ranks) if drop_last and n % ranks else math.ceil(n / ranks)
     return max(0, per), max(0, per) * ranks
+
+
+def same_order(sampler: object, position: dict[str, object]) -> bool:
+    """Whether ``sampler`` orders the epoch as the one that recorded
+    ``position`` did (each of :data:`ORDER` it recorded): at the same number
+    of ranks a loader is restored as saved only then (another seed, dataset
+    length, shuffle or drop_last would skip and repeat samples silently)."""
+    here = {"dataset_len": len(sampler.dataset), "shuffle": bool(sampler.shuffle),  # type: ignore[attr-defined]
+            "seed": int(sampler.seed), "drop_last": bool(sampler.drop_last)}  # type: ignore[attr-defined]
+    return all(position[k] == here[k] for k in ORDER if k in position)
+
+
+def epoch_done(consumed: int, dataset_len: int, total: int) -> bool:
+    """Whether ``consumed`` positions of the epoch's order (on the saved
+    ranks) hold every sample the loading ranks' epoch has: all ``total`` of
+    it, or every sample of the dataset (the rest of the loading ranks'
+    epoch would be padding, repeats of its first samples): it is over."""
+    return consumed >= total or consumed >= dataset_len

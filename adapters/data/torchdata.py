@@ -42,7 +42,7 @@ from bytecp.data.registry import has_hook
 from bytecp.plugins import missing_extra
 
 from .distributed import ORDER as _ORDER
-from .distributed import sampler_sizes
+from .distributed import epoch_done, same_order, sampler_sizes
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -168,7 +168,8 @@ class TorchdataResharder(Resharder):
         dp = int(lay.sampler.num_replicas) if lay.known else position.get("dp_size")
         return (position.get("sampler"), position.get("batching"), position.get("batch_size"),
                 position.get("num_workers"), position.get("dp_size")) == (
-            lay.name, lay.batching, lay.batch_size, int(loader.num_workers), dp)
+            lay.name, lay.batching, lay.batch_size, int(loader.num_workers), dp) and (
+            not lay.known or same_order(lay.sampler, position))
 
     def reshard(self, loader: Any, saved: SavedData, rank: int, world_size: int) -> Any:
         lay = _layout(loader)
@@ -224,9 +225,10 @@ class TorchdataResharder(Resharder):
             whys.append(f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; "
                         f"resuming at the slowest, {repeat} sample(s) would be seen twice)")
         tpl = saved.state(saved.template_rank(rank))
+        over = epoch_done(consumed, here["dataset_len"], total)  # (saved after the epoch's last batch)
         if finished:
             mine = 0
-        elif consumed >= total:
+        elif over:
             mine = per_rank
         else:
             mine = consumed // new_dp
@@ -234,7 +236,7 @@ class TorchdataResharder(Resharder):
                 repeat += consumed % new_dp
                 whys.append(f"{consumed} samples of epoch {epoch} consumed by {dp} data-parallel ranks do not "
                             f"divide among {new_dp} ({consumed % new_dp} sample(s) would be seen twice)")
-        if lay.batching == "batches" and mine % lay.batch_size and not finished and consumed < total:
+        if lay.batching == "batches" and mine % lay.batch_size and not finished and not over:
             repeat += (mine % lay.batch_size) * new_dp
             whys.append(f"torch's BatchSampler resumes at whole batches: {mine} samples per rank are not batches of "
                         f"{lay.batch_size} ({(mine % lay.batch_size) * new_dp} sample(s) would be seen twice)")
@@ -246,7 +248,7 @@ class TorchdataResharder(Resharder):
         if repeat:
             raise DataReshardError("; ".join(whys) + (f": {repeat} sample(s) in all" if len(whys) > 1 else ""),
                                    repeat=repeat, approximate=approx)
-        note = None if finished else self._tail(saved, there, lay, new_dp, per_rank, mine)
+        note = None if finished or over else self._tail(saved, there, lay, new_dp, per_rank, mine)
         return dataclasses.replace(approx, note=note)
 
     @staticmethod

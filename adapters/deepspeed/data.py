@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler
 
 from bytecp.data import DataReshardError, Resharded, Resharder, SavedData
 
-from ..data.distributed import ORDER, sampler_sizes
+from ..data.distributed import ORDER, epoch_done, same_order, sampler_sizes
 
 __all__ = ["LoaderPosition", "DeepSpeedLoaderResharder", "loader_of"]
 
@@ -168,7 +168,7 @@ class DeepSpeedLoaderResharder(Resharder):
                 "batch_size": int(loader.batch_size), "loader_drop_last": bool(loader.dataloader_drop_last)}
 
     def same_layout(self, obj: Any, position: dict[str, Any]) -> bool:
-        return position.get("dp_size") == int(obj.sampler.num_replicas)
+        return position.get("dp_size") == int(obj.sampler.num_replicas) and same_order(obj.sampler, position)
 
     def reshard(self, obj: Any, saved: SavedData, rank: int, world_size: int) -> Any:
         s = obj.sampler
@@ -194,8 +194,9 @@ class DeepSpeedLoaderResharder(Resharder):
             whys = [f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; "
                     f"resuming at the slowest, {repeat} sample(s) would be seen twice)"]
         _, total = sampler_sizes(int(there["dataset_len"]), new_dp, bool(there["drop_last"]))
-        mine = 0 if finished else per_rank if consumed >= total else consumed // new_dp
-        if not finished and consumed < total and consumed % new_dp:
+        over = epoch_done(consumed, int(there["dataset_len"]), total)  # (saved after the epoch's last batch)
+        mine = 0 if finished else per_rank if over else consumed // new_dp
+        if not finished and not over and consumed % new_dp:
             repeat += consumed % new_dp
             whys.append(f"{consumed} samples of epoch {epoch} consumed by {dp} data-parallel ranks do not divide "
                         f"among {new_dp} ({consumed % new_dp} sample(s) would be seen twice)")
@@ -204,7 +205,7 @@ class DeepSpeedLoaderResharder(Resharder):
             raise DataReshardError("; ".join(whys), repeat=repeat, approximate=state)
         old_n, _ = sampler_sizes(int(there["dataset_len"]), dp, bool(there["drop_last"]))
         new_n = new_dp * per_rank
-        note = None if finished or new_n == dp * old_n else (
+        note = None if finished or over or new_n == dp * old_n else (
             f"epoch {epoch} ends as {new_dp} data-parallel ranks end it: {new_n} samples, {abs(new_n - dp * old_n)} "
             f"{'more' if new_n > dp * old_n else 'fewer'} than the uninterrupted run on {dp} ranks "
             f"({dp * old_n}): DistributedSampler pads the epoch (drop_last=False: repeating its first samples) or "

@@ -13,6 +13,7 @@ epoch's end (padding, a dropped remainder) is announced with its count.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ from bytecp.adapters.data.torchdata import sampler_sizes
 
 from bytecp.errors import DataReshardError
 
-from .sim import Setup, resume, save_after, seen, uninterrupted
+from .sim import Setup, _drain, resume, save_after, seen, steps_of, uninterrupted
 
 TRANSITIONS = [(2, 3), (3, 2), (4, 1), (1, 4)]
 
@@ -191,6 +192,40 @@ def test_a_changed_dataset_or_seed_is_refused() -> None:
         resume(saved, Setup(world=3, batch=4, n=150))
     with pytest.raises(DataReshardError, match=r"seed 7 saved, 8 here"):
         resume(saved, Setup(world=3, batch=4, seed=8))
+
+
+@pytest.mark.parametrize("change", [{"seed": 8}, {"n": 150}, {"shuffle": False}, {"drop_last": True}])
+def test_a_changed_data_order_at_the_same_world_size_is_refused_too(change: dict[str, object]) -> None:
+    """Same ranks, same batch, another seed (or dataset length, shuffle,
+    drop_last): each rank's saved state restored as it is skipped and
+    repeated samples without a word; now refused as at another world size,
+    and restored as saved (with the warning) only when asked."""
+    old = Setup(world=2, batch=6, shuffle=True)
+    saved = save_after(old, 3)
+    with pytest.raises(DataReshardError, match=r"'dataloader'.*data order changed .* data_reshard='approximate'"):
+        resume(saved, old.with_(**change))
+    _, notes = resume(saved, old.with_(**change), mode="approximate")
+    assert len(notes) == 2 and all("data order changed" in n for n in notes)
+
+
+@pytest.mark.parametrize("n,old_w,new_w", [(200, 4, 3), (48, 2, 3), (50, 2, 4)])
+def test_a_save_after_the_epochs_last_batch_resumes_at_the_next_epoch(n: int, old_w: int, new_w: int) -> None:
+    """The save lands on the epoch's last step (every sample consumed, the
+    loop has not yet seen StopIteration): on ranks that would pad the epoch
+    (4 -> 3 of 200: 201 positions) the rest is padding only, so the epoch is
+    over -- it was refused ('200 samples ... do not divide among 3'). The
+    next epoch then comes whole, no note of the padding."""
+    old = Setup(world=old_w, batch=2, n=n, shuffle=True)
+    per, _ = sampler_sizes(n, old_w, False)
+    saved = save_after(old, per // 2 + per % 2)  # each rank's last batch taken
+    assert saved.record["common"]["finished"] is False
+    assert sorted(set(seen(saved.steps))) == list(range(n))
+    loaders: list[Any] = []
+    rest, notes = resume(saved, old.with_(world=new_w), check=loaders.extend)
+    assert rest == [] and notes == []  # nothing left of epoch 0, nothing seen twice
+    for dl in loaders:  # the training loop's next epoch
+        dl.sampler.set_epoch(1)
+    assert steps_of([_drain(iter(dl)) for dl in loaders]) == uninterrupted(old.with_(world=new_w, epoch=1))
 
 
 def test_padding_note_counts_the_difference() -> None:

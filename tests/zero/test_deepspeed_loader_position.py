@@ -147,3 +147,23 @@ def test_a_finished_epoch_and_another_order() -> None:
     assert all(d["finished"] and d["samples"] == 72 for d in done)
     with pytest.raises(DataReshardError, match="the data order changed"):
         resume(record, states, 2, 3, 4, n=120)
+
+
+def test_the_same_ranks_with_another_order_are_refused_too() -> None:
+    """2 ranks saved, 2 load with another dataset length: restored as saved
+    it skipped and repeated samples silently; refused as at another size."""
+    record, states, _, _ = save(2, 6, 3)
+    with pytest.raises(DataReshardError, match="the data order changed"):
+        resume(record, states, 2, 2, 6, n=150)
+    _, notes = resume(record, states, 2, 2, 6, mode="approximate", n=150)
+    assert len(notes) == 2 and "data order changed" in notes[0]
+
+
+def test_a_save_after_the_epochs_last_batch_resumes_at_the_next_epoch() -> None:
+    """50 samples: 2 ranks consumed all 50 (the loop has not seen StopIteration
+    yet); 4 ranks would pad the epoch to 52: the rest is padding, the epoch is
+    over (it was refused as 50 not dividing among 4), nothing seen again."""
+    record, states, before, _ = save(2, 5, 5, n=50)
+    assert sorted(x for s in before for x in s) == list(range(50))
+    rest, notes = resume(record, states, 2, 4, 5, n=50)
+    assert rest == [] and notes == []
