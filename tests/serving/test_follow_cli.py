@@ -84,3 +84,64 @@ def test_a_checkpoint_with_bad_files_is_reported_once_and_passed_over(tmp_path: 
         assert rec["step"] == 3 and "error" not in rec and rec["tensors"] == 2, rec
         gen.close()
     assert caplog.text.count("unreadable metadata.json") == 1, caplog.text
+
+
+def test_commits_passed_over_between_two_lines_are_counted(tmp_path: Path) -> None:
+    """Steps 2, 3 and 4 commit within one poll: only step 4 is printed, with
+    ``skipped`` 2 (it said nothing of the others); the first record says 0."""
+    from bytecp.serving.cli import watch
+
+    run = tmp_path / "run"
+    model = nn.Linear(8, 8)
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=None)
+    mgr.save(1, {"model": model})
+    gen = watch(str(run), poll_s=0.01)
+    assert next(gen)["skipped"] == 0
+    for step in (2, 3, 4):
+        mgr.save(step, {"model": model})
+    rec = next(gen)
+    assert (rec["step"], rec["skipped"]) == (4, 2), rec
+    gen.close()
+
+
+def test_storage_options_reach_the_run_and_bad_json_is_one_line(tmp_path: Path) -> None:
+    """``--storage-options`` as for the other commands (the s3 endpoint of a
+    non-AWS store): given to the listing; a value that is not JSON is one
+    line naming the flag, exit 2."""
+    from bytecp.serving.cli import main
+
+    run = tmp_path / "run"
+    bytecp.CheckpointManager(str(run), every_n_steps=1).save(1, {"model": nn.Linear(4, 4)})
+    assert main([str(run), "--json", "--idle-timeout-s", "0.01", "--poll-s", "0.01",
+                 "--storage-options", '{"fsync": false}']) == 0
+    assert main([str(run), "--idle-timeout-s", "0.01", "--storage-options", '{"endpoint_url": "x"}']) == 2
+    got = subprocess.run([sys.executable, "-m", "bytecp.cli", "follow", str(run), "--storage-options", "{bad"],
+                         capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2])))
+    assert got.returncode == 2 and "--storage-options: not valid JSON" in got.stderr, got
+
+
+def test_a_sigterm_while_it_starts_exits_0(tmp_path: Path) -> None:
+    """A scheduler stopping it at once: the SIGTERM arriving as soon as the
+    handler is there, before the run is listed or the readers (and torch)
+    are imported, ends it with exit 0 (the default handler's 143 came from a
+    SIGTERM during those imports)."""
+    run = tmp_path / "run"
+    bytecp.CheckpointManager(str(run), every_n_steps=1).save(1, {"model": nn.Linear(4, 4)})
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    code = f"""
+import os, signal, sys
+from bytecp.serving import cli
+install = signal.signal
+def installed_then_signalled(sig, handler):
+    install(sig, handler)
+    if sig == signal.SIGTERM:
+        os.kill(os.getpid(), sig)
+signal.signal = installed_then_signalled
+code = cli.main([{str(run)!r}, "--poll-s", "0.05"])
+print("torch imported" if "torch" in sys.modules else "no torch")
+sys.exit(code)
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert got.returncode == 0, got.stderr
+    assert got.stdout.strip() == "no torch", got.stdout
