@@ -245,11 +245,12 @@ class TorchdataResharder(Resharder):
         approx = Resharded(self._state(loader, lay, saved, (rank, world_size), tpl, mine, bool(finished),
                                        {"yielded": mine}),
                            after=after)
-        if repeat:
+        note = None if finished or over else self._tail(saved, there, lay, new_dp, per_rank, mine)
+        approx = dataclasses.replace(approx, note=note)
+        if repeat:  # (approximated: with the epoch end's note too)
             raise DataReshardError("; ".join(whys) + (f": {repeat} sample(s) in all" if len(whys) > 1 else ""),
                                    repeat=repeat, approximate=approx)
-        note = None if finished or over else self._tail(saved, there, lay, new_dp, per_rank, mine)
-        return dataclasses.replace(approx, note=note)
+        return approx
 
     @staticmethod
     def _epoch_setter(sampler: Any, epoch: Any) -> Any:

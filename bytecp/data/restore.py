@@ -108,4 +108,5 @@ def _refuse(e: DataReshardError, mode: str, rank: int, saved_world: int, label: 
     value = e.approximate
     after = value.after if isinstance(value, Resharded) else None
     state = value.state if isinstance(value, Resharded) else value
-    return Restored(state, after=after, warning=f"data_reshard='approximate': {_count(e)} ({msg})")
+    note = f"; and {value.note}" if isinstance(value, Resharded) and value.note else ""
+    return Restored(state, after=after, warning=f"data_reshard='approximate': {_count(e)} ({msg}){note}")

@@ -64,13 +64,19 @@ def serialize(fqn: str, value: Any, allow_pickle: bool) -> Serialized:
     except Exception as e:
         if not allow_pickle:
             # a generator's state is a tensor: what to store instead, and how to put it back into the same object
+            if isinstance(value, torch.utils.data.DataLoader):  # (a StatefulDataLoader is stored by its state)
+                raise ConfigError(
+                    f"{fqn!r} is a torch DataLoader, which keeps no position to save: use torchdata's "
+                    "StatefulDataLoader (its position is saved, and resharded to another world size: "
+                    "docs/saving-and-loading.md), or leave the loader out of the state (allow_pickle=True "
+                    "would load a new loader that starts the epoch over)") from None
             how = (f"store its state instead ({fqn.rsplit('.', 1)[-1]}.get_state(), a tensor) and after the load "
                    "put it back into your generator with set_state(), so the objects using it (a DataLoader's "
                    "sampler) see it" if isinstance(value, torch.Generator) else
                    "convert it to tensors/JSON-able values, or pass allow_pickle=True to save (and to load)")
             raise ConfigError(
-                f"{fqn!r} is a {type(value).__name__}, which can only be stored as an arbitrary "
-                f"pickle ({e.__class__.__name__}); {how}"
+                f"{fqn!r} is a {type(value).__name__}, which can only be stored as an arbitrary pickle "
+                f"(it does not load with weights_only=True: {e.__class__.__name__}); {how}"
             ) from None
         return Serialized(blob=blob, pickle=True)
 

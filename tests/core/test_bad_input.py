@@ -141,6 +141,18 @@ def test_an_optimizer_over_other_parameters_is_refused_saying_which_and_what_to_
     assert "the checkpoint's holds" not in msg and "exclude=['optimizer']" in msg, msg
 
 
+def test_a_plain_data_loader_in_the_state_points_to_the_stateful_one(tmp_path: Path) -> None:
+    """A torch DataLoader keeps no position: the advice was allow_pickle=True,
+    which loads a new loader that starts the epoch over (samples repeated
+    without a word); it names torchdata's StatefulDataLoader now."""
+    loader = torch.utils.data.DataLoader(list(range(16)), batch_size=4)
+    with pytest.raises(bytecp.ConfigError) as e:
+        bytecp.save(str(tmp_path / "ck"), {"extra": {"dataloader": loader}})
+    msg = str(e.value)
+    assert "\n" not in msg and "'extra.dataloader' is a torch DataLoader" in msg, msg
+    assert "StatefulDataLoader" in msg and "starts the epoch over" in msg, msg
+
+
 def test_a_generator_in_the_state_is_refused_saying_to_store_its_state(tmp_path: Path) -> None:
     """A torch.Generator unpickles only with allow_pickle, and loaded so it
     would be a new object (the DataLoader holding the user's keeps its old

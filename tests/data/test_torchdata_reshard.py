@@ -163,6 +163,16 @@ def test_consumed_samples_that_do_not_divide_are_refused_or_approximated() -> No
     assert len(everything) - len(set(everything)) == 2 and set(everything) == set(range(old.n))
 
 
+def test_an_approximated_resume_also_names_the_padded_epoch_end() -> None:
+    """4 -> 3 ranks, 20 of 200 samples consumed (not dividing among 3) and an
+    epoch 3 ranks pad to 201: the approximate load names both the 2 samples
+    seen twice and the padded end (the note exact loads give was dropped)."""
+    saved = save_after(Setup(world=4, batch=5, n=200), 1)
+    _, notes = resume(saved, Setup(world=3, batch=5, n=200), mode="approximate")
+    assert len(notes) == 3 and "2 sample(s) seen twice" in notes[0], notes
+    assert "the epoch ends as 3 data-parallel ranks end it: 201 samples in all, 1 more" in notes[0], notes
+
+
 def test_torch_batch_sampler_fast_forwards_by_whole_batches() -> None:
     old = Setup(world=2, batch=6, torch_batch_sampler=True)
     check_cell(old, old.with_(world=3, batch=4), k=5)  # 60 samples: 20 per rank, 5 batches of 4
