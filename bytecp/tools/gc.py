@@ -28,7 +28,7 @@ import dataclasses
 from bytecp.catalog import one_line
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format.header import read_header
-from bytecp.format.references import BASE_FILE
+from bytecp.format.references import BASE_FILE, DOOM_DIR
 from bytecp.saving.leases import LEASE_DIR, orphans
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
@@ -47,6 +47,10 @@ class GcResult:
 #: files deleted per storage call (one S3 DeleteObjects request holds 1,000)
 DELETE_BATCH = 1000
 _SAVE_FOLDERS = ("data", "index", "serving", LEASE_DIR)
+#: files that outlive a checkpoint whose metadata.json went first (a retention or a hand cut short): in a
+#: directory with nothing committed and nothing else left, removed with the rest (ls, restore: a step
+#: directory holding only them is no checkpoint of any format, and a resume refuses to decide)
+_LEFT_BEHIND = ("reports/", f"{DOOM_DIR}/")
 
 
 def _committed_id(storage: Storage) -> str | None:
@@ -100,6 +104,11 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progre
             skipped.append((prefix or st.url, one_line(e)))
             continue
         dead, running = orphans(st, committed)
+        if committed is None and not running:  # what is left once they go: a retention cut short, its reports
+            gone = set(dead)
+            left = [f for f in st.list_files("") if f not in gone]
+            if left and all(f.startswith(_LEFT_BEHIND) for f in left):
+                dead = [*dead, *left]
         plans.append((st, dead))
         removed += [prefix + p for p in dead]
         newer += [prefix + p for p in running]

@@ -80,6 +80,25 @@ def test_gc_of_a_run_leaves_a_checkpoint_it_cannot_read_and_collects_the_rest(ru
     assert "left step-1/ untouched" in err and "not valid JSON" in err and "bytecp verify" in err, err
 
 
+def test_gc_of_a_step_left_without_metadata_leaves_no_reports_to_block_a_resume(
+        run: Path, capsys: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpoint whose metadata.json went first (a retention or a copy cut
+    short): gc removed its data and index but left reports/, and a step
+    directory holding only them stopped `bytecp ls` (exit 2) and restore
+    (no format reads it); now gc removes them too, and ls marks step-2."""
+    monkeypatch.setenv("BYTECP_LEASE_SECONDS", "0")
+    shutil.copytree(run / "step-2", run / "step-3")
+    (run / "step-3" / "metadata.json").unlink()
+    assert (run / "step-3" / "reports").is_dir()
+    assert cli(["gc", str(run), "--json"]) == 0
+    removed = json_out(capsys)["removed"]
+    assert "step-3/reports/0.json" in removed and not [p for p in (run / "step-3").rglob("*") if p.is_file()], removed
+    assert cli(["ls", str(run), "--json"]) == 0
+    assert [c["name"] for c in json_out(capsys) if c.get("resume")] == ["step-2"]
+    state = {"model": nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), "extra": {"step": 0}}
+    assert bytecp.CheckpointManager(str(run), every_n_steps=1).restore(state) == 2
+
+
 def test_exit_codes_and_one_line_errors(run: Path, tmp_path: Path, capsys: Any) -> None:
     ck = run / "step-2"
     # 1: verify found a problem (and says so in JSON too)
