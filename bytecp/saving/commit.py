@@ -35,6 +35,7 @@ from bytecp.errors import (
     ConfigError,
     CorruptCheckpointError,
     DistributedCheckpointError,
+    StorageNotFoundError,
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
@@ -328,6 +329,8 @@ def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: boo
         mine = mine + (index if coordinator else [f for f in index if f.rsplit("/", 1)[-1] == f"{rank}.bin"])
         serving = storage.list_files(f"serving/{save_id}/")  # its serving deltas (bytecp.saving.serving)
         mine = mine + (serving if coordinator else [f for f in serving if f.rsplit("/", 1)[-1].split(".")[0] == str(rank)])
+    except StorageNotFoundError:  # no bucket, no directory: the save wrote nothing there
+        return []
     except Exception as e:  # cannot even list: say where the files are
         log.warning("bytecp: could not list the files of the failed save %s at %s: %s", save_id, storage.url, e)
         return [data]

@@ -52,6 +52,19 @@ def test_save_load_bitwise(s3, unique_prefix):
     open_storage(url, **opts).delete_prefix()
 
 
+def test_a_save_to_a_missing_bucket_names_it_and_no_files_left(s3, unique_prefix):
+    """A bucket that does not exist: one error naming it; the note that files
+    of the failed save remain (and to run gc) was wrong: nothing was written."""
+    from bytecp.errors import StorageNotFoundError
+
+    server, _ = s3
+    url = f"s3://no-such-bucket-{unique_prefix.lower()[-12:].strip('-')}/run/step-1"
+    model, _ = trained(0)
+    with pytest.raises(StorageNotFoundError) as e:
+        bytecp.save(url, {"model": model}, storage_options=server.options())
+    assert "no-such-bucket" in str(e.value) and not getattr(e.value, "__notes__", None), e.value.__notes__
+
+
 def test_uncommitted_prefix_is_not_a_checkpoint(s3, unique_prefix):
     server, bucket = s3
     url = f"s3://{bucket}/{unique_prefix}/half"
