@@ -21,6 +21,7 @@ import signal
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 from bytecp.errors import ConfigError
 from bytecp.recorder import CheckpointReport
@@ -45,11 +46,11 @@ def _token(args: argparse.Namespace) -> str | None:
     return args.token or os.environ.get(TOKEN_ENV) or None
 
 
-def load_stored_reports(url: str) -> CheckpointAggregate:
+def load_stored_reports(url: str, storage_options: dict[str, Any] | None = None) -> CheckpointAggregate:
     """The reports every rank stored beside a committed checkpoint."""
     from bytecp.storage_api import open_storage
 
-    storage = open_storage(url)
+    storage = open_storage(url, **(storage_options or {}))
     try:
         names = sorted(p for p in storage.list_files("reports") if p.endswith(".json"))
 
@@ -123,7 +124,9 @@ def _show(args: argparse.Namespace) -> int:
         with CollectorClient(args.collector, token=_token(args)) as client:
             agg = client.get(args.checkpoint, args.job, args.operation)
     else:
-        agg = load_stored_reports(args.checkpoint)
+        from bytecp.cli import _json_options
+
+        agg = load_stored_reports(args.checkpoint, _json_options(args.storage_options, "--storage-options"))
     if args.json:
         print(json.dumps([r.to_json() for r in agg.ranked()], indent=1))
     else:
@@ -188,6 +191,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     sh.add_argument("--png", help="write the timeline picture to this PNG file")
     sh.add_argument("--json", action="store_true", help="print the raw per-rank reports as JSON")
+    sh.add_argument("--storage-options", default=None,
+                    help="the checkpoint's storage options as a JSON object (as for the other commands)")
     auth(sh)
     sh.set_defaults(func=_show)
     return p

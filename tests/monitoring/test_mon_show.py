@@ -95,3 +95,13 @@ def test_show_reads_reports_through_any_storage_backend(capsys: pytest.CaptureFi
     assert main(["show", url]) == 0
     out = capsys.readouterr().out
     assert "save step 9" in out and "1/1 ranks reported" in out
+
+
+def test_show_takes_the_storage_options_of_the_checkpoint(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--storage-options`` as for the other commands (an S3 checkpoint on
+    another endpoint): they reach the storage, which checks them."""
+    url = _store(tmp_path, make_reports(2, job="show"))
+    assert main(["show", url, "--json", "--storage-options", '{"fsync": false}']) == 0
+    assert len(json.loads(capsys.readouterr().out)) == 2
+    assert main(["show", url, "--storage-options", '{"endpoint_url": "x"}']) == 2
+    assert "unknown option(s) ['endpoint_url']" in capsys.readouterr().err
