@@ -304,6 +304,12 @@ class CheckpointManager:
             log.warning("bytecp: saving %s over the checkpoint there that restore skipped (it stays until the "
                         "new one commits)", url)
             kwargs.update(self._over_skipped(url))
+            then = committed
+
+            def committed() -> None:  # replaced: no longer one restore skipped (nor a reader others may ignore)
+                self.skipped[:] = [(u, why) for u, why in self.skipped if u != url]
+                then()
+
         if not self.async_save:
             from bytecp.api import save
 

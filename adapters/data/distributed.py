@@ -29,15 +29,21 @@ def same_order(sampler: object, position: dict[str, object]) -> bool:
     """Whether ``sampler`` orders the epoch as the one that recorded
     ``position`` did (each of :data:`ORDER` it recorded): at the same number
     of ranks a loader is restored as saved only then (another seed, dataset
-    length, shuffle or drop_last would skip and repeat samples silently)."""
+    length, shuffle or drop_last would skip and repeat samples silently).
+    A position saved once the epoch had ended (``finished``: the loop saw
+    ``StopIteration``) continues with a whole next epoch in any order."""
+    if position.get("finished"):
+        return True
     here = {"dataset_len": len(sampler.dataset), "shuffle": bool(sampler.shuffle),  # type: ignore[attr-defined]
             "seed": int(sampler.seed), "drop_last": bool(sampler.drop_last)}  # type: ignore[attr-defined]
     return all(position[k] == here[k] for k in ORDER if k in position)
 
 
-def epoch_done(consumed: int, dataset_len: int, total: int) -> bool:
+def epoch_done(consumed: int, dataset_len: int, total: int, saved_total: int) -> bool:
     """Whether ``consumed`` positions of the epoch's order (on the saved
-    ranks) hold every sample the loading ranks' epoch has: all ``total`` of
-    it, or every sample of the dataset (the rest of the loading ranks'
-    epoch would be padding, repeats of its first samples): it is over."""
-    return consumed >= total or consumed >= dataset_len
+    ranks) end the epoch: all ``total`` of the loading ranks' epoch, every
+    sample of the dataset (the rest of the loading ranks' epoch would be
+    padding, repeats of its first samples), or all ``saved_total`` the saved
+    ranks' loaders would yield in it (what a ``drop_last`` left out, the
+    uninterrupted run never saw either): it is over."""
+    return consumed >= min(total, dataset_len, saved_total)

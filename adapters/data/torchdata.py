@@ -211,7 +211,7 @@ class TorchdataResharder(Resharder):
             raise DataReshardError(f"the saved ranks differ in {e} (an unknown number of samples would repeat or be "
                                    "skipped)") from None
         changed = [f"{k} {there[k]!r} saved, {here[k]!r} here" for k in _ORDER if there[k] != here[k]]
-        if changed:
+        if changed and not finished:  # (finished: the next epoch comes whole, in whichever order)
             raise DataReshardError(f"the data order changed ({'; '.join(changed)}): an unknown number of "
                                    "samples would repeat or be skipped")
         new_dp, per_rank, total = int(s.num_replicas), int(s.num_samples), int(s.total_size)
@@ -225,7 +225,7 @@ class TorchdataResharder(Resharder):
             whys.append(f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; "
                         f"resuming at the slowest, {repeat} sample(s) would be seen twice)")
         tpl = saved.state(saved.template_rank(rank))
-        over = epoch_done(consumed, here["dataset_len"], total)  # (saved after the epoch's last batch)
+        over = epoch_done(consumed, here["dataset_len"], total, self._saved_total(saved, there, dp))
         if finished:
             mine = 0
         elif over:
@@ -243,7 +243,7 @@ class TorchdataResharder(Resharder):
             mine -= mine % lay.batch_size
         after = self._epoch_setter(s, epoch)
         approx = Resharded(self._state(loader, lay, saved, (rank, world_size), tpl, mine, bool(finished),
-                                       {"yielded": mine}),
+                                       {"yielded": mine}, over=over and not finished),
                            after=after)
         note = None if finished or over else self._tail(saved, there, lay, new_dp, per_rank, mine)
         approx = dataclasses.replace(approx, note=note)
@@ -251,6 +251,17 @@ class TorchdataResharder(Resharder):
             raise DataReshardError("; ".join(whys) + (f": {repeat} sample(s) in all" if len(whys) > 1 else ""),
                                    repeat=repeat, approximate=approx)
         return approx
+
+    @staticmethod
+    def _saved_total(saved: SavedData, order: dict[str, Any], dp: int) -> int:
+        """The samples the saved ranks' loaders yield in the epoch: the sampler's, less
+        what a loader with ``drop_last`` leaves out of each rank's last batch."""
+        per, _ = sampler_sizes(int(order["dataset_len"]), dp, bool(order["drop_last"]))
+        try:
+            size, drop = int(saved.value("batch_size") or 1), bool(saved.value("loader_drop_last"))
+        except ValueError:  # (ranks batched differently: the sampler's count)
+            return dp * per
+        return dp * (per // size * size if drop else per)
 
     @staticmethod
     def _epoch_setter(sampler: Any, epoch: Any) -> Any:
@@ -296,12 +307,15 @@ class TorchdataResharder(Resharder):
 
     # ------------------------------------------------------------------ the new loader state
     def _state(self, loader: Any, lay: _Layout, saved: SavedData, where: tuple[int, int], tpl: dict[str, Any],
-               samples: int, finished: bool, sampler_state: Any) -> dict[str, Any]:
+               samples: int, finished: bool, sampler_state: Any, *, over: bool = False) -> dict[str, Any]:
         """A ``StatefulDataLoader`` state for ``loader`` (its batching, its
-        workers) at ``samples`` consumed by this rank; seeds from ``tpl`` (the
+        workers) at ``samples`` consumed by this rank (``over``: the whole
+        epoch, its last partial batch included); seeds from ``tpl`` (the
         saved rank this one starts from), the dataset's state as saved."""
         stateful = lay.hook or lay.name == "StatefulDistributedSampler"
         batches = samples if lay.batching == "none" else samples // max(1, lay.batch_size)
+        if over and lay.batching == "batches":  # torch's BatchSampler skips whole batches: every one of the epoch
+            batches = len(loader.batch_sampler)
         tmain, _ = _main(tpl)
         main: dict[str, Any] = {
             "_index_sampler_state": sampler_state if stateful and lay.batching == "none" else None,

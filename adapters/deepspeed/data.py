@@ -181,7 +181,7 @@ class DeepSpeedLoaderResharder(Resharder):
             raise DataReshardError(f"the saved ranks differ in {e}: an unknown number of samples would repeat or "
                                    "be skipped") from None
         changed = [f"{k} {there[k]!r} saved, {here[k]!r} here" for k in ORDER if there[k] != here[k]]
-        if changed:
+        if changed and not finished:  # (finished: the next epoch comes whole, in whichever order)
             raise DataReshardError(f"the data order changed ({'; '.join(changed)}): an unknown number of samples "
                                    "would repeat or be skipped")
         new_dp, per_rank = int(s.num_replicas), int(s.num_samples)
@@ -194,15 +194,14 @@ class DeepSpeedLoaderResharder(Resharder):
             whys = [f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; "
                     f"resuming at the slowest, {repeat} sample(s) would be seen twice)"]
         _, total = sampler_sizes(int(there["dataset_len"]), new_dp, bool(there["drop_last"]))
-        over = epoch_done(consumed, int(there["dataset_len"]), total)  # (saved after the epoch's last batch)
+        _, saved_total = sampler_sizes(int(there["dataset_len"]), dp, bool(there["drop_last"]))
+        over = epoch_done(consumed, int(here["dataset_len"]), total, saved_total)  # (saved after its last batch)
         mine = 0 if finished else per_rank if over else consumed // new_dp
         if not finished and not over and consumed % new_dp:
             repeat += consumed % new_dp
             whys.append(f"{consumed} samples of epoch {epoch} consumed by {dp} data-parallel ranks do not divide "
                         f"among {new_dp} ({consumed % new_dp} sample(s) would be seen twice)")
         state = {"epoch": epoch, "samples": mine, "finished": bool(finished)}
-        if repeat:
-            raise DataReshardError("; ".join(whys), repeat=repeat, approximate=state)
         old_n, _ = sampler_sizes(int(there["dataset_len"]), dp, bool(there["drop_last"]))
         new_n = new_dp * per_rank
         note = None if finished or over or new_n == dp * old_n else (
@@ -210,4 +209,6 @@ class DeepSpeedLoaderResharder(Resharder):
             f"{'more' if new_n > dp * old_n else 'fewer'} than the uninterrupted run on {dp} ranks "
             f"({dp * old_n}): DistributedSampler pads the epoch (drop_last=False: repeating its first samples) or "
             "cuts it (drop_last=True) to a multiple of the ranks")
+        if repeat:  # (approximated: with the epoch end's note too)
+            raise DataReshardError("; ".join(whys), repeat=repeat, approximate=Resharded(state, note=note))
         return Resharded(state, note=note)

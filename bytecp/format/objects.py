@@ -48,6 +48,12 @@ def serialize(fqn: str, value: Any, allow_pickle: bool) -> Serialized:
     """(every rank, for the values it writes) How ``value`` is stored."""
     if is_json_leaf(value):
         return Serialized(json=value)
+    if not allow_pickle and isinstance(value, torch.utils.data.DataLoader):  # (a StatefulDataLoader: its state)
+        raise ConfigError(  # (before torch.save: it would pickle the whole dataset, or fail on a lambda)
+            f"{fqn!r} is a torch DataLoader, which keeps no position to save: use torchdata's "
+            "StatefulDataLoader (its position is saved, and resharded to another world size: "
+            "docs/saving-and-loading.md), or leave the loader out of the state (allow_pickle=True "
+            "would load a new loader that starts the epoch over)")
     buf = io.BytesIO()
     try:
         torch.save(value, buf)
@@ -64,12 +70,6 @@ def serialize(fqn: str, value: Any, allow_pickle: bool) -> Serialized:
     except Exception as e:
         if not allow_pickle:
             # a generator's state is a tensor: what to store instead, and how to put it back into the same object
-            if isinstance(value, torch.utils.data.DataLoader):  # (a StatefulDataLoader is stored by its state)
-                raise ConfigError(
-                    f"{fqn!r} is a torch DataLoader, which keeps no position to save: use torchdata's "
-                    "StatefulDataLoader (its position is saved, and resharded to another world size: "
-                    "docs/saving-and-loading.md), or leave the loader out of the state (allow_pickle=True "
-                    "would load a new loader that starts the epoch over)") from None
             how = (f"store its state instead ({fqn.rsplit('.', 1)[-1]}.get_state(), a tensor) and after the load "
                    "put it back into your generator with set_state(), so the objects using it (a DataLoader's "
                    "sampler) see it" if isinstance(value, torch.Generator) else

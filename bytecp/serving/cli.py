@@ -120,7 +120,7 @@ def main(argv: Sequence[str]) -> int:
             elif "error" in rec:
                 print(f"step {rec['step']}  {rec['url']}  {rec['tier']}  not taken: {rec['error']}", flush=True)
             else:
-                passed = f", {rec['skipped']} newer checkpoint(s) passed over" if rec["skipped"] else ""
+                passed = f", {rec['skipped']} checkpoint(s) since the last line not printed" if rec["skipped"] else ""
                 print(f"step {rec['step']}  {rec['url']}  {rec['tier']}  {rec['bytes_changed']} bytes changed "
                       f"({rec['tensors_changed']}/{rec['tensors']} tensors{passed})", flush=True)
     except BytecpError as e:

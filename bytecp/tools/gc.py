@@ -67,16 +67,21 @@ def _targets(storage: Storage) -> list[tuple[str, Storage]]:
     names = storage.list_children("")
     if BASE_FILE in names and "metadata.json" not in names:
         return []  # retired by retention: its files are those kept checkpoints reference
-    if storage.exists("metadata.json") or any(n in _SAVE_FOLDERS for n in names):
+    if storage.exists("metadata.json") or any(n in _SAVE_FOLDERS for n in names) or _left_behind(set(names)):
         return [("", storage)]
     out = []
     for name in names:  # a run directory: its checkpoints, committed or not
         kids = set(storage.list_children(name))
         if BASE_FILE in kids and "metadata.json" not in kids:
             continue  # a retired base (format version 3): never a save that did not commit
-        if "metadata.json" in kids or kids & set(_SAVE_FOLDERS):
+        if "metadata.json" in kids or kids & set(_SAVE_FOLDERS) or _left_behind(kids):
             out.append((name + "/", storage.child(name)))
     return out
+
+
+def _left_behind(names: set[str]) -> bool:
+    """A directory holding only what outlives a checkpoint whose other files went (its reports, a doom marker)."""
+    return bool(names) and names <= {n.rstrip("/") for n in _LEFT_BEHIND}
 
 
 def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progress = NO_PROGRESS) -> GcResult:

@@ -145,7 +145,7 @@ def test_a_plain_data_loader_in_the_state_points_to_the_stateful_one(tmp_path: P
     """A torch DataLoader keeps no position: the advice was allow_pickle=True,
     which loads a new loader that starts the epoch over (samples repeated
     without a word); it names torchdata's StatefulDataLoader now."""
-    loader = torch.utils.data.DataLoader(list(range(16)), batch_size=4)
+    loader = torch.utils.data.DataLoader(list(range(16)), batch_size=4, collate_fn=lambda b: b)  # (unpicklable)
     with pytest.raises(bytecp.ConfigError) as e:
         bytecp.save(str(tmp_path / "ck"), {"extra": {"dataloader": loader}})
     msg = str(e.value)

@@ -97,6 +97,18 @@ def test_gc_of_a_step_left_without_metadata_leaves_no_reports_to_block_a_resume(
     assert [c["name"] for c in json_out(capsys) if c.get("resume")] == ["step-2"]
     state = {"model": nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8)), "extra": {"step": 0}}
     assert bytecp.CheckpointManager(str(run), every_n_steps=1).restore(state) == 2
+    # the usual leftover: a retention cut short after its data and index went (reports/ sorts last)
+    (run / "step-4" / "reports").mkdir(parents=True)
+    (run / "step-4" / "reports" / "0.json").write_text("{}")
+    (run / "step-4" / "doomed").mkdir()
+    (run / "step-4" / "doomed" / "x.json").write_text("{}")
+    assert cli(["gc", str(run / "step-4"), "--json"]) == 0
+    assert sorted(json_out(capsys)["removed"]) == ["doomed/x.json", "reports/0.json"]
+    (run / "step-5" / "reports").mkdir(parents=True)
+    (run / "step-5" / "reports" / "1.json").write_text("{}")
+    assert cli(["gc", str(run), "--json"]) == 0  # (found below the run too)
+    assert json_out(capsys)["removed"] == ["step-5/reports/1.json"]
+    assert cli(["ls", str(run)]) == 0
 
 
 def test_exit_codes_and_one_line_errors(run: Path, tmp_path: Path, capsys: Any) -> None:

@@ -342,6 +342,11 @@ def test_a_skipped_checkpoint_that_a_skipped_incremental_one_references_is_saved
     # the new step-4 and step-5 reference the new step-3's b: replacing it is refused as ever
     with pytest.raises(bytecp.CheckpointExistsError, match=r"referenced by checkpoint\(s\) step-4, step-5"):
         bytecp.save(f"{run}/step-3", got, overwrite=True)
+    # replaced, they are no longer checkpoints restore skipped: the manager never saves over them again
+    assert again.skipped == []
+    with pytest.raises(bytecp.CheckpointExistsError, match="overwrite=True"):
+        again.save(3, got)
+        again.wait()
 
 
 def test_a_signal_at_a_skipped_checkpoints_step_saves_over_it(tmp_path: Path) -> None:

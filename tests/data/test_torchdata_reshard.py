@@ -238,6 +238,43 @@ def test_a_save_after_the_epochs_last_batch_resumes_at_the_next_epoch(n: int, ol
     assert steps_of([_drain(iter(dl)) for dl in loaders]) == uninterrupted(old.with_(world=new_w, epoch=1))
 
 
+@pytest.mark.parametrize("kw,new_w", [
+    ({"world": 4, "batch": 5, "n": 200, "torch_batch_sampler": True}, 3),  # torch's BatchSampler: whole batches
+    ({"world": 2, "batch": 5, "n": 48, "torch_batch_sampler": True}, 3),  # its last batch partial
+    ({"world": 2, "batch": 5, "n": 51, "drop_last": True}, 3),  # the sampler cut 1: the new ranks would not
+    ({"world": 4, "batch": 6, "n": 200, "loader_drop_last": True}, 5),  # the loader left 2 of each rank out
+])
+def test_an_epoch_ended_by_its_last_batch_in_other_batchings(kw: dict[str, Any], new_w: int) -> None:
+    """Every batch the saved loaders would yield in the epoch was taken: the
+    epoch is over on the new ranks too -- nothing yielded again (torch's
+    BatchSampler skips whole batches: the last partial one was yielded
+    twice), nothing refused (what a drop_last left out, the uninterrupted
+    run never saw), no note -- and the next epoch comes whole."""
+    old = Setup(**kw)  # type: ignore[arg-type]
+    full = uninterrupted(old)
+    saved = save_after(old, len(full))
+    assert saved.record["common"]["finished"] is False
+    loaders: list[Any] = []
+    rest, notes = resume(saved, old.with_(world=new_w), check=loaders.extend)
+    assert rest == [] and notes == [], (rest, notes)
+    for dl in loaders:
+        dl.batch_sampler.sampler.set_epoch(1)  # (the DistributedSampler, under either batch sampler)
+    assert steps_of([_drain(iter(dl)) for dl in loaders]) == uninterrupted(old.with_(world=new_w, epoch=1))
+
+
+def test_a_finished_epoch_continues_whole_in_a_new_order_at_any_world_size() -> None:
+    """Saved once the loop saw StopIteration, then the dataset grew (or the
+    seed changed): the next epoch comes whole in the new order, at the same
+    world size and another (refusing it said samples would repeat or be
+    skipped, and none would)."""
+    old = Setup(world=2, batch=6, n=144)
+    saved = save_after(old, 100)  # past the epoch's 12 steps: the loaders hit StopIteration
+    assert saved.record["common"]["finished"] is True
+    for new in (old.with_(n=150), old.with_(seed=8), old.with_(world=3, batch=4, n=150)):
+        rest, notes = resume(saved, new)
+        assert rest == uninterrupted(new) and notes == [], new
+
+
 def test_padding_note_counts_the_difference() -> None:
     old = Setup(world=2, batch=6, n=100)  # 2 ranks: 100 samples; 3 ranks pad to 102
     saved = save_after(old, 5)

@@ -167,3 +167,21 @@ def test_a_save_after_the_epochs_last_batch_resumes_at_the_next_epoch() -> None:
     assert sorted(x for s in before for x in s) == list(range(50))
     rest, notes = resume(record, states, 2, 4, 5, n=50)
     assert rest == [] and notes == []
+
+
+def test_an_approximated_resume_names_the_padded_end_and_a_finished_epoch_takes_a_new_order() -> None:
+    """100 samples, 2 ranks took 30 each (60: not dividing among 7, an epoch 7
+    ranks pad to 105): the approximate load names both; an epoch that had
+    ended (StopIteration) continues whole with a grown dataset, at any size."""
+    record, states, _, _ = save(2, 5, 6, n=100)
+    _, notes = resume(record, states, 2, 7, 5, mode="approximate", n=100)
+    assert "sample(s) seen twice" in notes[0] and "ends as 7 data-parallel ranks end it: 105 samples" in notes[0]
+    record, states, _, loaders = save(2, 6, 12)
+    steps(loaders, fresh=False)  # the iterators run out
+    done = [json.loads(json.dumps(LoaderPosition(dl).state_dict())) for dl in loaders]
+    texts = {r: json.dumps(position_of(LoaderPosition(dl), st), sort_keys=True)
+             for r, (dl, st) in enumerate(zip(loaders, done, strict=True))}
+    finished = merge_positions(texts, 2)
+    for world in (2, 3):
+        rest, notes = resume(finished, done, 2, world, 6, n=150)
+        assert sorted(x for s in rest for x in s)[:150] == list(range(150)) and notes == [], world
