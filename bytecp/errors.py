@@ -122,10 +122,30 @@ class DistributedCheckpointError(BytecpError):
     def __init__(self, operation: str, failures: dict[int, str]) -> None:
         self.operation = operation
         self.failures = dict(sorted(failures.items()))
-        lines = [f"{operation} failed on rank(s) {', '.join(map(str, self.failures))}:"]
+        same: dict[str, list[int]] = {}  # message -> the ranks that failed with it
         for rank, msg in self.failures.items():
-            lines.append(f"  rank {rank}: {msg}")
+            same.setdefault(msg, []).append(rank)
+        head = f"{operation} failed on rank(s) {rank_list(list(self.failures))}:"
+        if len(self.failures) > 1 and len(same) == 1:  # every rank the same error (a refusal all decide): one line
+            super().__init__(f"{head} {next(iter(same))}")
+            return
+        lines = [head] + [f"  rank {ranks[0]}: {msg}" if len(ranks) == 1 else f"  ranks {rank_list(ranks)}: {msg}"
+                          for msg, ranks in same.items()]
         super().__init__("\n".join(lines))
+
+
+def rank_list(ranks: list[int]) -> str:
+    """Sorted ranks as text: ``0, 1, 5``, runs of more than 3 as ``8-1023``
+    (one line for thousands of ranks)."""
+    out: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out += [f"{ranks[i]}-{ranks[j]}"] if j - i >= 3 else [str(r) for r in ranks[i:j + 1]]
+        i = j + 1
+    return ", ".join(out)
 
 
 class CommittedWithErrorsWarning(UserWarning):
