@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Mapping
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 from bytecp.catalog import CheckpointInfo, list_checkpoints
@@ -110,7 +111,7 @@ class Sources:
             sid = self._save_id(info, tier)
             if sid is not None and sid == held.save_id:
                 continue  # the same save, drained to the other tier: already held
-            return Newest(info, tier, _skipped(stored + mem_list, held, info), sid or "",
+            return Newest(info, tier, _skipped(stored + mem_list, held, info, failed), sid or "",
                           max((c.step for c in stored + mem_list if c.step is not None), default=None))
         return None
 
@@ -122,12 +123,15 @@ class Sources:
             return None
 
 
-def _skipped(listed: list[CheckpointInfo], held: Held, newest: CheckpointInfo) -> int:
-    """Distinct committed steps of either tier between the held one and ``newest``."""
+def _skipped(listed: list[CheckpointInfo], held: Held, newest: CheckpointInfo, failed: AbstractSet[str] = frozenset()
+             ) -> int:
+    """Distinct committed steps of either tier between the held one and ``newest``,
+    but for those that ``failed`` (reported already, as failed updates)."""
     if newest.step is None:
         return 0
     lo = held.step if held.step is not None else -1  # nothing held: every older step was passed over
-    return len({c.step for c in listed if c.step is not None and lo < c.step < newest.step})
+    bad = {c.step for c in listed if c.url in failed}
+    return len({c.step for c in listed if c.step is not None and lo < c.step < newest.step} - bad)
 
 
 def _older(step: int | None, than: int | None) -> bool:

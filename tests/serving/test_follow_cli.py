@@ -82,6 +82,7 @@ def test_a_checkpoint_with_bad_files_is_reported_once_and_passed_over(tmp_path: 
         mgr.save(3, {"model": model})  # the next listing sees step-2 again: neither printed nor warned of
         rec = next(gen)
         assert rec["step"] == 3 and "error" not in rec and rec["tensors"] == 2, rec
+        assert rec["skipped"] == 0, rec  # (step 2 was printed, as an error record)
         gen.close()
     assert caplog.text.count("unreadable metadata.json") == 1, caplog.text
 
