@@ -79,7 +79,9 @@ class TinyGPT(nn.Module):
         x = self.embed(tokens) + self.pos[:, : tokens.shape[1]]
         for b in self.blocks:
             x = b(x)
-        return self.head(self.ln(x))
+        # (a copy, not the view a linear layer returns for 3-d input: FSDP2 warns of a wrapped module
+        # returning a view, which an in-place op would cut from its pre-backward hook)
+        return self.head(self.ln(x)).clone()
 
 
 def _sequences(seed: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
