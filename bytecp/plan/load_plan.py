@@ -21,6 +21,7 @@ from collections.abc import Sequence
 
 from bytecp.errors import CorruptCheckpointError, StateMismatchError
 from bytecp.format.metadata import ChunkRecord
+from bytecp.plan.planner import find_overlap
 from bytecp.tree.regions import Region, element_span
 
 __all__ = ["ReadRequest", "plan_load"]
@@ -66,10 +67,12 @@ def plan_load(
             continue
         size = itemsizes[fqn]
         got = 0
+        parts: list[Region] = []  # what each chunk gives of the box
         for ci in index.overlapping(fqn, box):
             c = chunks[ci]
             if c.offsets == box.offsets and c.lengths == box.lengths:  # the chunk is the box (most loads)
                 got += box.numel
+                parts.append(box)
                 reqs.append(ReadRequest(ti, ci, box, c.byte_offset, box.numel * size, 0, True))
                 continue
             cbox = Region(c.offsets, c.lengths)
@@ -77,7 +80,14 @@ def plan_load(
             if inter is None:
                 continue
             got += inter.numel
+            parts.append(inter)
             _reads_for(reqs, ti, ci, c, cbox, inter, size, max_waste, max_gap_bytes, block_bytes)
+        if got == box.numel and len(parts) > 1:  # counts that add up hide overlaps beside gaps (a crafted index)
+            pair = find_overlap(parts, dim=_split_dim(parts))
+            if pair is not None:
+                raise CorruptCheckpointError(
+                    f"tensor {fqn!r}: the checkpoint's chunks overlap: {pair[0]} and {pair[1]} of target region "
+                    f"{box} (a damaged or crafted index; `bytecp verify` the checkpoint, or load an earlier one)")
         if got != box.numel:
             if got > box.numel:
                 raise CorruptCheckpointError(
@@ -89,6 +99,13 @@ def plan_load(
                 f"elements of target region {box}"
             )
     return reqs
+
+
+def _split_dim(boxes: Sequence[Region]) -> int:
+    """The dimension ``boxes`` start at the most places along (the overlap sweep's: few active at once)."""
+    if not boxes[0].ndim:
+        return 0
+    return max(range(boxes[0].ndim), key=lambda d: len({b.offsets[d] for b in boxes}))
 
 
 class _ChunkIndex:

@@ -8,7 +8,7 @@ from collections import defaultdict
 
 import pytest
 
-from bytecp.errors import ConfigError
+from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format.metadata import ChunkRecord
 from bytecp.plan.load_plan import plan_load
 from bytecp.plan.planner import (
@@ -127,6 +127,20 @@ def test_reshard_load_plans_read_only_what_each_target_needs() -> None:
             assert sum(b.numel for b in covered) == box.numel and find_overlap(covered) is None
             # row shards are contiguous in their chunks: every byte read is needed
             assert sum(q.nbytes for q in reqs) == box.numel * 4
+
+
+def test_chunks_that_overlap_beside_a_gap_are_refused_though_their_counts_add_up() -> None:
+    """A crafted (or damaged) index: rows [0:4] and [2:6] of an 8-row tensor, 64
+    elements as the tensor's: a load filled rows 2..3 twice and left rows 6..7
+    as they were, without a word; now refused, naming the two regions."""
+    shape = (8, 8)
+    chunks = [ChunkRecord("w", "float32", shape, (0, 0), (4, 8), "data/s/0-0.bin", 0, 128, 0),
+              ChunkRecord("w", "float32", shape, (2, 0), (4, 8), "data/s/0-0.bin", 0, 128, 0)]
+    with pytest.raises(CorruptCheckpointError, match=r"'w': the checkpoint's chunks overlap: \[0:4, 0:8\] and "
+                                                     r"\[2:6, 0:8\] of target region \[0:8, 0:8\]"):
+        plan_load([("w", Region((0, 0), shape))], chunks, itemsizes={"w": 4})
+    # a target that meets only the parts that do not overlap plans as ever
+    assert plan_load([("w", Region((0, 0), (2, 8)))], chunks, itemsizes={"w": 4})
 
 
 def test_column_targets_read_spans_or_rows_not_whole_chunks() -> None:
