@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from bytecp.errors import StateMismatchError
+from bytecp.errors import CorruptCheckpointError, StateMismatchError
 from bytecp.format.metadata import Metadata
 from bytecp.tree.dtypes import dtype_from_name
 from bytecp.tree.skeleton import Node
@@ -237,6 +237,12 @@ def param_groups_for_load(
     parameters all have stored state takes the hyperparameters of the saved
     group at its position (every stage builds its groups alike) when that
     group holds none of the parameters the optimizer's other groups hold."""
+    if not isinstance(saved_groups, list) or not all(
+            isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
+        raise CorruptCheckpointError(
+            f"optimizer {key!r}: the checkpoint's param groups are not a list of groups each naming its "
+            f"'params' ({type(saved_groups).__name__}); the checkpoint is damaged: load an earlier one, or load "
+            f"without the optimizer (exclude=[{key!r}])")
     if len(saved_groups) != len(opt.param_groups):
         raise StateMismatchError(
             f"optimizer {key!r}: the checkpoint has {len(saved_groups)} param groups, "

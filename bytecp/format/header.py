@@ -128,7 +128,7 @@ def header_of(d: dict[str, Any], where: str) -> Header:
     step = d.get("step")
     try:
         created = float(d.get("created", 0.0))  # (as Metadata.from_bytes reads it, and limits checks it)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError, OverflowError):  # (OverflowError: an integer beyond any float)
         created = -1.0
     if (step is not None and type(step) is not int) or not 0 <= created < 2**33 or "save_id" not in d:
         raise CorruptCheckpointError(f"{where}: metadata.json's step, created or save_id is malformed")

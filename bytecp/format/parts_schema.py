@@ -117,6 +117,8 @@ def box_bands(offsets: Sequence[int], lengths: Sequence[int], shape: Sequence[in
     The one scalar form of the rule (readers: each wanted box, each row read);
     :func:`bytecp.format.parts_build.linear_bands` is its vectorized twin."""
     n = math.prod(shape)
+    if n == 0:  # (a tensor of no elements: no band; a row the index lists in it is refused by the row checks)
+        return 0, 0
     first = last = 0
     for o, ln, s in zip(offsets, lengths, shape, strict=True):
         first, last = first * s + o, last * s + o + ln - 1
@@ -202,6 +204,8 @@ class PartsDirectory:
         ranks, sizes = parts["rank"], parts["nbytes"]
         if any(a >= b for a, b in zip(ranks, ranks[1:], strict=False)) or any(n <= 0 for n in sizes):
             raise bad("lists its parts' ranks out of order, twice, or an empty part")
+        if any(not 0 <= v < 2**63 for v in ranks + sizes):  # (numpy's int64 holds them: the readers' arrays)
+            raise bad("lists a part's rank or size beyond 2**63 or below 0")
         dirs = d.get("directory")
         file = dirs.get("file") if isinstance(dirs, dict) else None
         folder = file.split("/") if isinstance(file, str) else []
