@@ -353,9 +353,15 @@ def companion_files(md: fmt.Metadata, where: str) -> list[tuple[str, bytes]]:
     if not isinstance(tok, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in tok.items()):
         raise ConfigError(f"{where}: metadata {TOKENIZER_KEY!r} must map file names to their text")
     for name, text in sorted(tok.items()):
-        if "/" in name or name in ("", ".", "..") or _WEIGHTS_FILE.fullmatch(name) or name == CONFIG_NAME:
-            raise ConfigError(f"{where}: metadata {TOKENIZER_KEY!r} names {name!r}, not a tokenizer file name")
-        out.append((name, text.encode()))
+        if ("/" in name or "\\" in name or name in ("", ".", "..") or _WEIGHTS_FILE.fullmatch(name) or name == CONFIG_NAME
+                or len(name.encode("utf-8", "surrogatepass")) > 255 or not name.isprintable()
+                or any(0xD800 <= ord(ch) <= 0xDFFF for ch in name)):
+            raise ConfigError(f"{where}: metadata {TOKENIZER_KEY!r} names {name!r:.80}, not a tokenizer file name")
+        try:
+            out.append((name, text.encode()))
+        except UnicodeEncodeError as e:  # (a lone surrogate: no UTF-8 text)
+            raise ConfigError(f"{where}: metadata {TOKENIZER_KEY!r}: the text of {name!r} is not UTF-8 ({e.reason})"
+                              ) from None
     return out
 
 

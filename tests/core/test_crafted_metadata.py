@@ -83,3 +83,17 @@ def test_param_groups_of_another_shape_are_refused_naming_the_optimizer(tmp_path
     m2 = torch.nn.Linear(4, 4)
     with pytest.raises(CorruptCheckpointError, match=r"optimizer 'optim': the checkpoint's param groups are not"):
         bytecp.load(str(ck), {"model": m2, "optim": torch.optim.Adam(m2.parameters())})  # (KeyError before)
+
+
+@pytest.mark.parametrize("files", [{"tok\x00en.json": "{}"}, {"a.json": "\ud800"}, {"t" * 300 + ".json": "{}"}])
+def test_tokenizer_files_no_file_system_can_hold_are_refused_by_export(tmp_path: Path, files: dict[str, str],
+                                                                       capsys: Any) -> None:
+    """A NUL in a name, a lone surrogate in the text, a name over 255 bytes:
+    exit 2 naming the metadata key (exit 70 on a ValueError, or 3 as a storage error, before)."""
+    ck = tmp_path / "run" / "step-1"
+    bytecp.save(str(ck), {"model": torch.nn.Linear(4, 4)}, metadata={"hf_tokenizer_files": {"ok.json": "{}"}})
+    edit(ck, lambda d: d["user_metadata"].update(hf_tokenizer_files=files))
+    assert cli(["export", str(ck), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "'hf_tokenizer_files'" in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
