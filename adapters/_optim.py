@@ -183,11 +183,14 @@ def optimizer_target(
                   if f"{key}.state.{place.fqn}" in nodes}
         return param_groups_for_load(key, saved_groups, opt, current, stored)
 
+    checked: list[Any] = []  # (the saved groups checked at match, and what they became: not made twice)
+
     def check(values: dict[str, Any]) -> None:  # (at match, before any tensor is read)
-        groups_for(values)
+        checked[:] = [values.get(f"{key}.param_groups"), groups_for(values)]
 
     def finalize(values: dict[str, Any]) -> None:
-        groups = groups_for(values)
+        saved = values.get(f"{key}.param_groups")
+        groups = checked[1] if checked and checked[0] is saved else groups_for(values)
         if groups is None:
             return
         osd_state: dict[int, dict[str, Any]] = {}

@@ -35,6 +35,7 @@ from bytecp import recorder
 from bytecp.catalog import CheckpointInfo, list_checkpoints
 from bytecp.errors import ConfigError
 from bytecp.format import metadata as fmt
+from bytecp.format.references import name_of
 from bytecp.storage_api import open_storage
 from bytecp.tools.cadence import Cadence, milestones
 from bytecp.tools.resume import Decision, decide, decide_together, first_that_loads
@@ -333,7 +334,7 @@ class CheckpointManager:
         skipped: an overwrite, which the other checkpoints restore skipped do
         not refuse by referencing it (an incremental step-4 over a damaged
         step-3: neither loads, and training saves both steps again)."""
-        others = tuple(u.rstrip("/").rsplit("/", 1)[-1] for u, _ in self.skipped if u != url)
+        others = tuple(name_of(u) for u, _ in self.skipped if u != url)
         return {"overwrite": True, "overwrite_readers": others}
 
     def _base(self, step: int) -> str | None:

@@ -12,8 +12,9 @@ order, whatever ``D`` is.
 from __future__ import annotations
 
 import math
+from typing import Any
 
-__all__ = ["sampler_sizes", "ORDER", "same_order", "epoch_done"]
+__all__ = ["sampler_sizes", "ORDER", "order_of", "same_order", "epoch_done"]
 
 #: what must match between the saved and the loading sampler for the epoch's order to be the same
 ORDER = ("dataset_len", "shuffle", "seed", "drop_last")
@@ -25,7 +26,7 @@ def sampler_sizes(n: int, ranks: int, drop_last: bool) -> tuple[int, int]:
     return max(0, per), max(0, per) * ranks
 
 
-def same_order(sampler: object, position: dict[str, object]) -> bool:
+def same_order(sampler: Any, position: dict[str, Any]) -> bool:
     """Whether ``sampler`` orders the epoch as the one that recorded
     ``position`` did (each of :data:`ORDER` it recorded): at the same number
     of ranks a loader is restored as saved only then (another seed, dataset
@@ -34,9 +35,14 @@ def same_order(sampler: object, position: dict[str, object]) -> bool:
     ``StopIteration``) continues with a whole next epoch in any order."""
     if position.get("finished"):
         return True
-    here = {"dataset_len": len(sampler.dataset), "shuffle": bool(sampler.shuffle),  # type: ignore[attr-defined]
-            "seed": int(sampler.seed), "drop_last": bool(sampler.drop_last)}  # type: ignore[attr-defined]
+    here = order_of(sampler)
     return all(position[k] == here[k] for k in ORDER if k in position)
+
+
+def order_of(sampler: Any) -> dict[str, Any]:
+    """The :data:`ORDER` values of a ``DistributedSampler`` (or one that orders alike)."""
+    return {"dataset_len": len(sampler.dataset), "shuffle": bool(sampler.shuffle), "seed": int(sampler.seed),
+            "drop_last": bool(sampler.drop_last)}
 
 
 def epoch_done(consumed: int, dataset_len: int, total: int, saved_total: int) -> bool:

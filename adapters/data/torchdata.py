@@ -42,7 +42,7 @@ from bytecp.data.registry import has_hook
 from bytecp.plugins import missing_extra
 
 from .distributed import ORDER as _ORDER
-from .distributed import epoch_done, same_order, sampler_sizes
+from .distributed import epoch_done, order_of, same_order, sampler_sizes
 
 try:
     from torchdata.stateful_dataloader import StatefulDataLoader
@@ -202,8 +202,7 @@ class TorchdataResharder(Resharder):
     # ------------------------------------------------------------------ the distributed samplers
     def _distributed(self, loader: Any, lay: _Layout, saved: SavedData, rank: int, world_size: int) -> Any:
         s = lay.sampler
-        here = {"dataset_len": len(s.dataset), "shuffle": bool(s.shuffle), "seed": int(s.seed),
-                "drop_last": bool(s.drop_last)}
+        here = order_of(s)
         try:
             there = {k: saved.value(k) for k in _ORDER}
             dp, epoch, finished = saved.value("dp_size"), saved.value("epoch"), saved.value("finished")

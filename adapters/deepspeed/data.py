@@ -39,7 +39,7 @@ from torch.utils.data import DistributedSampler
 
 from bytecp.data import DataReshardError, Resharded, Resharder, SavedData
 
-from ..data.distributed import ORDER, epoch_done, same_order, sampler_sizes
+from ..data.distributed import ORDER, epoch_done, order_of, same_order, sampler_sizes
 
 __all__ = ["LoaderPosition", "DeepSpeedLoaderResharder", "loader_of"]
 
@@ -172,8 +172,7 @@ class DeepSpeedLoaderResharder(Resharder):
 
     def reshard(self, obj: Any, saved: SavedData, rank: int, world_size: int) -> Any:
         s = obj.sampler
-        here = {"dataset_len": len(s.dataset), "shuffle": bool(s.shuffle), "seed": int(s.seed),
-                "drop_last": bool(s.drop_last)}
+        here = order_of(s)
         try:
             there = {k: saved.value(k) for k in ORDER}
             dp, epoch, finished = int(saved.value("dp_size")), saved.value("epoch"), saved.value("finished")
@@ -194,7 +193,7 @@ class DeepSpeedLoaderResharder(Resharder):
             whys = [f"the saved ranks stopped at different positions ({min(col)} to {max(col)} samples each; "
                     f"resuming at the slowest, {repeat} sample(s) would be seen twice)"]
         _, total = sampler_sizes(int(there["dataset_len"]), new_dp, bool(there["drop_last"]))
-        _, saved_total = sampler_sizes(int(there["dataset_len"]), dp, bool(there["drop_last"]))
+        old_n, saved_total = sampler_sizes(int(there["dataset_len"]), dp, bool(there["drop_last"]))
         over = epoch_done(consumed, int(here["dataset_len"]), total, saved_total)  # (saved after its last batch)
         mine = 0 if finished else per_rank if over else consumed // new_dp
         if not finished and not over and consumed % new_dp:
@@ -202,7 +201,6 @@ class DeepSpeedLoaderResharder(Resharder):
             whys.append(f"{consumed} samples of epoch {epoch} consumed by {dp} data-parallel ranks do not divide "
                         f"among {new_dp} ({consumed % new_dp} sample(s) would be seen twice)")
         state = {"epoch": epoch, "samples": mine, "finished": bool(finished)}
-        old_n, _ = sampler_sizes(int(there["dataset_len"]), dp, bool(there["drop_last"]))
         new_n = new_dp * per_rank
         note = None if finished or over or new_n == dp * old_n else (
             f"epoch {epoch} ends as {new_dp} data-parallel ranks end it: {new_n} samples, {abs(new_n - dp * old_n)} "

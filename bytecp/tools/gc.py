@@ -28,10 +28,11 @@ import dataclasses
 from bytecp.catalog import one_line
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format.header import read_header
-from bytecp.format.references import BASE_FILE, DOOM_DIR
+from bytecp.format.references import BASE_FILE
 from bytecp.saving.leases import LEASE_DIR, orphans
 from bytecp.storage_api import Storage
 from bytecp.tools.progress import NO_PROGRESS, Progress
+from bytecp.tools.retention import LEFT_BEHIND, only_left_behind
 
 __all__ = ["GcResult", "collect_garbage"]
 
@@ -47,10 +48,7 @@ class GcResult:
 #: files deleted per storage call (one S3 DeleteObjects request holds 1,000)
 DELETE_BATCH = 1000
 _SAVE_FOLDERS = ("data", "index", "serving", LEASE_DIR)
-#: files that outlive a checkpoint whose metadata.json went first (a retention or a hand cut short): in a
-#: directory with nothing committed and nothing else left, removed with the rest (ls, restore: a step
-#: directory holding only them is no checkpoint of any format, and a resume refuses to decide)
-_LEFT_BEHIND = ("reports/", f"{DOOM_DIR}/")
+
 
 
 def _committed_id(storage: Storage) -> str | None:
@@ -81,7 +79,7 @@ def _targets(storage: Storage) -> list[tuple[str, Storage]]:
 
 def _left_behind(names: set[str]) -> bool:
     """A directory holding only what outlives a checkpoint whose other files went (its reports, a doom marker)."""
-    return bool(names) and names <= {n.rstrip("/") for n in _LEFT_BEHIND}
+    return bool(names) and names <= {n.rstrip("/") for n in LEFT_BEHIND}
 
 
 def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progress = NO_PROGRESS) -> GcResult:
@@ -112,7 +110,7 @@ def collect_garbage(storage: Storage, *, dry_run: bool = False, progress: Progre
         if committed is None and not running:  # what is left once they go: a retention cut short, its reports
             gone = set(dead)
             left = [f for f in st.list_files("") if f not in gone]
-            if left and all(f.startswith(_LEFT_BEHIND) for f in left):
+            if only_left_behind(left):
                 dead = [*dead, *left]
         plans.append((st, dead))
         removed += [prefix + p for p in dead]

@@ -54,7 +54,8 @@ from bytecp.storage_api import Storage
 #: a step directory of a run
 _STEP = re.compile(r"^step-(\d+)$")
 
-__all__ = ["RetentionResult", "followed_from", "live_files", "retain", "sweep_uncommitted"]
+__all__ = ["RetentionResult", "followed_from", "live_files", "retain", "sweep_uncommitted", "LEFT_BEHIND",
+           "only_left_behind"]
 
 log = logging.getLogger("bytecp.manager")
 
@@ -171,6 +172,17 @@ def _prune(root: Storage, doom: Doom, metas: dict[str, Files],
     return out
 
 
+#: what outlives a checkpoint whose metadata.json and data went first (a retention, a gc or a hand cut
+#: short): its reports and a doom marker; a step directory holding only them is no checkpoint of any
+#: format, and a resume refuses to decide about it
+LEFT_BEHIND = ("reports/", f"{DOOM_DIR}/")
+
+
+def only_left_behind(files: Sequence[str]) -> bool:
+    """Whether ``files`` (paths below a step directory) are some, and only, what :data:`LEFT_BEHIND` names."""
+    return bool(files) and all(f.startswith(LEFT_BEHIND) for f in files)
+
+
 def sweep_uncommitted(root: Storage, newest: int, committed: set[str], run_url: str) -> None:
     """(the manager's retention, coordinator) Remove what killed saves left
     in ``step-<N>`` directories of the run ``root`` with no ``metadata.json``
@@ -187,7 +199,7 @@ def sweep_uncommitted(root: Storage, newest: int, committed: set[str], run_url: 
                 continue  # (a retired base holds files kept checkpoints reference)
             dead, _ = orphans(root.child(name), None)
             left = root.child(name).list_files("")  # a retention cut short: its marker, reports
-            dead = left if left and all(f.startswith(("doomed/", "reports/")) for f in left) else dead
+            dead = left if only_left_behind(left) else dead
             if dead:
                 root.delete([f"{name}/{f}" for f in dead])
                 log.info("bytecp: removed %d file(s) of a save to %s/%s that never committed",
