@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP_BYTES", "finish", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
+__all__ = ["KEEP_BYTES", "finish", "side_group", "drop_side_group", "registered", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
            "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
 
 log = logging.getLogger("bytecp")
@@ -65,6 +65,46 @@ _last = 0.0
 _roll_calls: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 #: at exit, how long roll calls still waiting in the store are given to end
 ROLL_CALL_EXIT_SECONDS = 15.0
+
+
+#: bytecp's own gloo groups: (purpose, id of the group they span) -> group
+_side: dict[tuple[str, int], Any] = {}
+
+
+def registered(group: Any) -> bool:
+    """Whether ``group`` is still one of torch.distributed's groups (not
+    destroyed, alone or with the world by ``destroy_process_group()``)."""
+    try:
+        dist.get_rank(group)  # a group of others answers -1; a destroyed one raises
+    except (ValueError, RuntimeError):
+        return False
+    return True
+
+
+def side_group(purpose: str, process_group: Any) -> Any:
+    """(every rank of ``process_group``, collectively when it makes one) A gloo
+    group of bytecp's own over the ranks of ``process_group`` (None: the
+    world), one per ``purpose`` (``"saves"``: background saves' collectives;
+    ``"votes"``: the managers' save decisions), so that its collectives never
+    interleave with training's nor with the other purpose's.
+
+    Made once and reused by every later call (a process making many managers
+    or saves holds one group each, never one per call: every gloo group keeps
+    a thread that wakes a hundred times a second), and made again when the
+    one kept is no longer registered: ``torch.distributed`` was destroyed and
+    initialized again in this process (an in-process restart)."""
+    key = (purpose, id(process_group))
+    group = _side.get(key)
+    if group is None or not registered(group) or (process_group is not None and not registered(process_group)):
+        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
+        group = _side[key] = dist.new_group(ranks=ranks, backend="gloo")
+    return group
+
+
+def drop_side_group(purpose: str, process_group: Any) -> Any:
+    """Forget the group :func:`side_group` keeps for ``purpose`` over
+    ``process_group`` (the next call makes a new one); returns it, or None."""
+    return _side.pop((purpose, id(process_group)), None)
 
 
 #: the monotonic time by which the collectives of the operation in progress

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import os
+import sys
 from collections.abc import Iterator
 from typing import Any
 
@@ -21,6 +22,13 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # every save in the tests compares replicated boxes across ranks (off by
 # default for users: it costs a checksum pass); spawned ranks inherit it
 os.environ.setdefault("BYTECP_VERIFY_REPLICAS", "1")
+
+# one OpenMP thread a process, ranks and servers included (they inherit it): three workers and
+# their ranks share two cores, where every process's team of two spun beside the others' (the
+# suite took 740-760 s with teams, 660 s without). A test about thread teams sets its own count.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+if "torch" in sys.modules:  # (imported before this file: the variable came too late for it)
+    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
 def pytest_configure(config: pytest.Config) -> None:

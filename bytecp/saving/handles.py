@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import bytecp.dist_raw  # noqa: F401  (its exit hook runs after the drain below)
+from bytecp.dist_raw import drop_side_group, side_group
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
 from bytecp.recorder import Trace
@@ -318,7 +319,6 @@ def _lower_priority(nice: int) -> None:
 
 _inflight: SaveHandle | None = None
 _inflight_lock = threading.Lock()
-_groups: dict[Any, Any] = {}
 
 
 def pending_save() -> SaveHandle | None:
@@ -375,15 +375,13 @@ class GcPause:
 
 def checkpoint_group(process_group: Any) -> Any:
     """(every rank, collectively the first time) A gloo group over the same
-    ranks, created once, for the collectives of background saves: they never
-    interleave with training's collectives. None without torch.distributed."""
+    ranks, created once (again after an in-process restart of
+    torch.distributed: :func:`bytecp.dist_raw.side_group`), for the
+    collectives of background saves: they never interleave with training's
+    collectives. None without torch.distributed."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = id(process_group)
-    if key not in _groups:
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        _groups[key] = dist.new_group(ranks=ranks, backend="gloo")
-    return _groups[key]
+    return side_group("saves", process_group)
 
 
 def retire_group(process_group: Any) -> None:
@@ -399,7 +397,7 @@ def retire_group(process_group: Any) -> None:
     group's own timeout (30 min) -- wherever the last reference went: a
     save's exception collected mid-training, or the interpreter's last
     collection at exit (seen by the chaos run as a hang after a stall)."""
-    group = _groups.pop(id(process_group), None)
+    group = drop_side_group("saves", process_group)
     if group is not None:
         # a reference nothing owns: a module-level list would be cleared at finalization
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))

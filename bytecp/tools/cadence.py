@@ -6,9 +6,10 @@ Used by :class:`~bytecp.manager.CheckpointManager` at every ``maybe_save``
 (every rank). Steps are the same on every rank, so ``every_n_steps`` needs
 no agreement. Wall-clock time and signals differ between ranks, so they are
 decided by one vote: one all-reduce (max) of one small integer on a gloo
-group of the manager's own (never the training's group, nor the
-background saves'), made only when the manager has ``every_n_seconds`` or
-``save_on_signal``. Time is read on the coordinator alone (rank 0 of the
+group of bytecp's own (never the training's group, nor the background
+saves'; made once a process and shared by its managers:
+:func:`bytecp.dist_raw.side_group`), only when the manager has
+``every_n_seconds`` or ``save_on_signal``. Time is read on the coordinator alone (rank 0 of the
 manager's group): every rank saves the same steps, however their clocks
 drift. Without ``torch.distributed`` the vote is local.
 """
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bytecp.dist_raw import finish
+from bytecp.dist_raw import finish, side_group
 from bytecp.errors import ConfigError
 
 __all__ = ["Cadence", "Decision", "milestones"]
@@ -54,8 +55,7 @@ class Cadence:
         self._group: Any = None
         self._coordinator = True
         if (vote or every_n_seconds is not None) and dist.is_available() and dist.is_initialized():
-            ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self._group = dist.new_group(ranks=ranks, backend="gloo")
+            self._group = side_group("votes", process_group)
             self._coordinator = dist.get_rank(self._group) == coordinator_rank
 
     def decide(self, step: int, *, signalled: bool = False, force: bool = False) -> Decision:

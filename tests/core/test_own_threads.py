@@ -48,6 +48,8 @@ def test_every_thread_of_an_async_save_runs_torch_on_itself(tmp_path: Path, monk
     torch on itself; the state saved has boxes torch would split (over
     32,768 elements, strided), in several data files."""
     seen: dict[str, set[int]] = {}
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)  # a team torch would split boxes over (the suite runs with OMP_NUM_THREADS=1)
 
     def recorded(fn: Any) -> Any:
         def run(*args: Any, **kwargs: Any) -> Any:
@@ -63,10 +65,13 @@ def test_every_thread_of_an_async_save_runs_torch_on_itself(tmp_path: Path, monk
     g = torch.Generator().manual_seed(0)
     state = {"w": torch.randn(300, 700, generator=g).t(), "v": torch.randn(5 << 20, generator=g),
              "u": torch.randn(1 << 19, generator=g), "small": torch.randn(7, generator=g)}
-    for i in range(3):
-        bytecp.async_save(str(tmp_path / str(i)), state, lazy=lazy).wait()
-        got = bytecp.load_state_dict(str(tmp_path / str(i)))
-        assert all(same_bits(got[k], v) for k, v in state.items())
+    try:
+        for i in range(3):
+            bytecp.async_save(str(tmp_path / str(i)), state, lazy=lazy).wait()
+            got = bytecp.load_state_dict(str(tmp_path / str(i)))
+            assert all(same_bits(got[k], v) for k, v in state.items())
+    finally:
+        torch.set_num_threads(before)
     mine = {name: counts for name, counts in seen.items() if name != "MainThread"}  # (an eager caller copies too)
     assert "bytecp-write" in mine and len(mine) >= 2, seen
     assert all(counts == {1} for counts in mine.values()), seen

@@ -31,3 +31,17 @@ def seconds_cadence(run: str, skew: float) -> list[int]:
     finally:
         if dist.get_rank() == 1:
             cadence.time.monotonic = real  # type: ignore[attr-defined]
+
+
+def groups_of_many_managers(run: str, managers: int) -> tuple[int, int]:
+    """``managers`` managers that vote (``save_on_signal``), each saving two
+    steps asynchronously, one after another in this process. -> the number of
+    torch.distributed groups before and after."""
+    before = len(dist.distributed_c10d._world.pg_map)
+    model = nn.Linear(2, 2)
+    for i in range(managers):
+        mgr = CheckpointManager(f"{run}/{i}", every_n_steps=1, save_on_signal=True, async_save=True)
+        for step in (1, 2):
+            mgr.maybe_save(step, {"model": model})
+        mgr.wait()
+    return before, len(dist.distributed_c10d._world.pg_map)

@@ -130,10 +130,33 @@ def _tp_plan(model: Model, sequence_parallel: bool) -> dict[str, Any]:
     return plan
 
 
+#: the device meshes and groups the layouts were built on, made once a rank: a pool's
+#: ranks serve the whole session, and every gloo group keeps a thread that wakes a
+#: hundred times a second (each test built five meshes anew before: 140 groups a rank)
+_MESHES: dict[Any, Any] = {}
+
+
+def _mesh(shape: tuple[int, ...], names: tuple[str, ...]) -> Any:
+    """(every rank, collectively the first time) The device mesh of ``shape`` and ``names``."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    key = (shape, names, dist.get_world_size())
+    if key not in _MESHES:
+        _MESHES[key] = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return _MESHES[key]
+
+
+def _parity_groups(world: int) -> list[Any]:
+    """(every rank, collectively the first time) One group of the even ranks, one of the odd."""
+    key = ("parity", world)
+    if key not in _MESHES:
+        _MESHES[key] = [dist.new_group(list(range(i, world, 2))) for i in range(2)]
+    return _MESHES[key]
+
+
 def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """(every rank) The model under ``layout``, an AdamW over it, and this
     rank's pipeline stage (0 without pipelining)."""
-    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor.parallel import parallelize_module
 
     torch.manual_seed(seed)
@@ -142,29 +165,29 @@ def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
     stage = 0
     if layout in ("fsdp_tp_sp", "fsdp_tp_norms_out", "fsdp_tp_1x4"):
         dp = 1 if layout == "fsdp_tp_1x4" else 2
-        mesh = init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "tp"))
+        mesh = _mesh((dp, world // dp), ("dp", "tp"))
         parallelize_module(model, mesh["tp"], _tp_plan(model, layout != "fsdp_tp_norms_out"))
         _shard(model, mesh["dp"])
     elif layout == "tp":
-        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("tp",))
+        mesh = _mesh((world,), ("tp",))
         parallelize_module(model, mesh, _tp_plan(model, True))
     elif layout == "hsdp":
-        _shard(model, init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard")))
+        _shard(model, _mesh((2, world // 2), ("replicate", "shard")))
     elif layout == "hsdp_tp":
-        mesh = init_device_mesh("cpu", (2, 1, world // 2), mesh_dim_names=("replicate", "shard", "tp"))
+        mesh = _mesh((2, 1, world // 2), ("replicate", "shard", "tp"))
         parallelize_module(model, mesh["tp"], _tp_plan(model, False))
         _shard(model, mesh["replicate", "shard"])
     elif layout == "fsdp":
-        _shard(model, init_device_mesh("cpu", (world,), mesh_dim_names=("dp",)))
+        _shard(model, _mesh((world,), ("dp",)))
     elif layout == "fsdp_groups":
         from torch.distributed.device_mesh import DeviceMesh
 
         # one group per parity, each a mesh of its own (no root spans the world):
         # ranks 0 and 1 hold the same boxes and no hint can say so
-        groups = [dist.new_group(list(range(i, world, 2))) for i in range(2)]
+        groups = _parity_groups(world)
         _shard(model, DeviceMesh.from_group(groups[dist.get_rank() % 2], "cpu", mesh_dim_names=("dp",)))
     elif layout in ("pp_fsdp", "pp_fsdp_other"):
-        mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("pp", "dp"))
+        mesh = _mesh((2, world // 2), ("pp", "dp"))
         stage = int(mesh.get_coordinate()[0])  # type: ignore[index]
         first = {"pp_fsdp": 1, "pp_fsdp_other": 2}[layout]  # layers of stage 0
         if stage == 0:

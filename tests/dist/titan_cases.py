@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib.util
 import sys
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -52,6 +53,10 @@ def _cpu() -> None:
         tu._get_available_device_type = original  # type: ignore[assignment]
 
 
+#: torchtitan's parallel dimensions by (dp, tp, world), made once a rank
+_DIMS: dict[tuple[int, int, int], Any] = {}
+
+
 def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer, int]:
     """(every rank, or one process for ``titan_plain``) The model laid out so, and its AdamW."""
     _cpu()
@@ -85,8 +90,11 @@ def build(layout: str, seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer,
     model.init_states(buffer_device=torch.device("cpu"))
     if shape is not None:
         dp, tp, _ = shape
-        pd = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1,
-                          world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
+        key = (dp, tp, dist.get_world_size())
+        if key not in _DIMS:  # its meshes made once a rank (tests/dist/layout_cases.py: _MESHES)
+            _DIMS[key] = ParallelDims(dp_replicate=1, dp_shard=dp, cp=1, tp=tp, pp=1, ep=1,
+                                      world_size=dist.get_world_size(), spmd_backend="partial_dtensor")
+        pd = _DIMS[key]
         if tp > 1:
             model.parallelize(pd)
         if dp > 1:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import bytecp
+from tests.dist import groups
 
 _STATE: dict[str, Any] = {}
 SEQ = 8
@@ -76,10 +77,8 @@ def setup(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None) -> Non
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-        virtual_pipeline_model_parallel_size=vpp,
-    )
+    groups.renew("megatron", lambda: parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp))
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     _STATE.clear()
 

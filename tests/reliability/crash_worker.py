@@ -92,8 +92,10 @@ def main() -> None:
     result["seconds"] = time.perf_counter() - t0
     result["warnings"] = [str(w.message) for w in seen if issubclass(w.category, bytecp.CommittedWithErrorsWarning)]
     result["committed_with_errors"] = events
-    with open(f"{out}/rank{rank}.json", "w") as f:
+    # whole or not at all: the victim's kill may land while it writes (it finished its save first)
+    with open(f"{out}/rank{rank}.json.tmp", "w") as f:
         json.dump(result, f)
+    os.replace(f"{out}/rank{rank}.json.tmp", f"{out}/rank{rank}.json")
     os._exit(0)  # never wait on a broken group at exit
 
 
