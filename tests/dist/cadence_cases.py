@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import datetime
 import time
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+import bytecp
 from bytecp.manager import CheckpointManager
 from bytecp.tools import cadence
 
@@ -45,3 +47,20 @@ def groups_of_many_managers(run: str, managers: int) -> tuple[int, int]:
             mgr.maybe_save(step, {"model": model})
         mgr.wait()
     return before, len(dist.distributed_c10d._world.pg_map)
+
+
+def saves_across_an_in_process_restart(out: str, ports: list[int]) -> None:
+    """Save (async, and by a voting manager), destroy the world and make it
+    again on each port of ``ports`` in turn (an in-process restart), saving
+    again each time; the pool goes on with the last world."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for round_, port in enumerate([None, *ports]):
+        if port is not None:
+            dist.destroy_process_group()
+            dist.init_process_group("gloo", rank=rank, world_size=world, init_method=f"tcp://127.0.0.1:{port}",
+                                    timeout=datetime.timedelta(seconds=60))
+        state = {"w": torch.full((4,), float(10 * round_))}  # a replica: the same on every rank
+        bytecp.async_save(f"{out}/async-{round_}", state).wait()
+        mgr = CheckpointManager(f"{out}/run-{round_}", every_n_steps=1, save_on_signal=True, async_save=True)
+        mgr.maybe_save(1, state)
+        mgr.wait()

@@ -3,9 +3,6 @@ coordinator's clock picks, whatever the other ranks' clocks say."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -13,8 +10,10 @@ import torch
 
 import bytecp
 from bytecp.manager import list_checkpoints
+from tests.netport import free_ports
 
 from . import cadence_cases
+from .conftest import discard_pool
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -35,39 +34,16 @@ def test_managers_share_bytecps_groups_instead_of_making_one_each(pools, tmp_pat
     assert after - before <= 2, got  # at most the votes' group and the saves' group, once
 
 
-RESTART = textwrap.dedent("""
-    import datetime, sys, torch, torch.distributed as dist, torch.multiprocessing as mp
-    import bytecp
-
-    def rank_main(rank, out, ports):
-        for round_, port in enumerate(ports):  # an in-process restart: the world destroyed and made again
-            dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"tcp://127.0.0.1:{port}",
-                                    timeout=datetime.timedelta(seconds=60))
-            state = {"w": torch.full((4,), float(10 * round_))}  # a replica: the same on every rank
-            bytecp.async_save(f"{out}/async-{round_}", state).wait()
-            mgr = bytecp.CheckpointManager(f"{out}/run-{round_}", every_n_steps=1, save_on_signal=True, async_save=True)
-            mgr.maybe_save(1, state)
-            mgr.wait()
-            dist.destroy_process_group()
-
-    if __name__ == "__main__":
-        mp.spawn(rank_main, args=(sys.argv[1], [int(p) for p in sys.argv[2:]]), nprocs=2)
-""")
-
-
-@pytest.mark.spawn
-def test_saves_go_on_after_torch_distributed_is_made_again_in_the_process(tmp_path: Path) -> None:
+def test_saves_go_on_after_torch_distributed_is_made_again_in_the_process(pools, tmp_path: Path) -> None:
     """An in-process restart destroys the process groups and makes new ones:
     bytecp's own groups of the first world were destroyed with it ("Group ...
     is not registered" at the next async save before), new ones are made."""
-    from tests.netport import free_port
-
-    script = tmp_path / "restart.py"
-    script.write_text(RESTART)
-    p = subprocess.run([sys.executable, str(script), str(tmp_path), str(free_port()), str(free_port())],
-                       capture_output=True, text=True, timeout=180)
-    assert p.returncode == 0, p.stderr[-3000:]
-    for round_ in (0, 1):
+    try:
+        pools(2).run(cadence_cases.saves_across_an_in_process_restart, str(tmp_path), free_ports(2), timeout=120)
+    except BaseException:
+        discard_pool(2)  # its world may be out of step
+        raise
+    for round_ in (0, 1, 2):
         for url in (tmp_path / f"async-{round_}", tmp_path / f"run-{round_}" / "step-1"):
             got = bytecp.load_state_dict(str(url))
             assert torch.equal(got["w"], torch.full((4,), float(10 * round_))), (url, got)
