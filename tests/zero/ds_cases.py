@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 import bytecp
+from tests.dist import groups
 
 STEPS_LR = 1e-2
 
@@ -464,6 +465,7 @@ def pipe_snapshot(engine: Any) -> dict[str, torch.Tensor]:
     return out
 
 
+@groups.renewing("deepspeed-pipe")  # a grid of groups at every engine (tests/dist/groups.py)
 def pipe_roundtrip(url: str, stages: int, stage: int, bf16: bool = False) -> dict[str, Any]:
     """Same-layout resume of a pipeline engine: state and the next losses."""
     engine = make_pipe_engine(stages, stage, seed=0, bf16=bf16)
@@ -479,6 +481,7 @@ def pipe_roundtrip(url: str, stages: int, stage: int, bf16: bool = False) -> dic
             "uninterrupted": uninterrupted, "after": pipe_train(other, range(2, 4))}
 
 
+@groups.renewing("deepspeed-pipe")  # a grid of groups at every engine (tests/dist/groups.py)
 def pipe_load(url: str, stages: int, stage: int, bf16: bool = False) -> dict[str, torch.Tensor]:
     """A pipeline engine of ``stages`` stages (any number, 1 too) loads the checkpoint."""
     engine = make_pipe_engine(stages, stage, seed=5, bf16=bf16)
