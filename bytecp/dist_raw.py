@@ -67,8 +67,8 @@ _roll_calls: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 ROLL_CALL_EXIT_SECONDS = 15.0
 
 
-#: bytecp's own gloo groups: (purpose, id of the group they span) -> group
-_side: dict[tuple[str, int], Any] = {}
+#: bytecp's own gloo groups: (purpose, id of the group they span) -> (group, the ranks it spans)
+_side: dict[tuple[str, int], tuple[Any, tuple[int, ...] | None]] = {}
 
 
 def registered(group: Any) -> bool:
@@ -92,19 +92,24 @@ def side_group(purpose: str, process_group: Any) -> Any:
     or saves holds one group each, never one per call: every gloo group keeps
     a thread that wakes a hundred times a second), and made again when the
     one kept is no longer registered: ``torch.distributed`` was destroyed and
-    initialized again in this process (an in-process restart)."""
+    initialized again in this process (an in-process restart), or
+    ``process_group`` is another group than the one it was made for (the
+    ranks differ: a destroyed group's id taken by a new one)."""
     key = (purpose, id(process_group))
-    group = _side.get(key)
-    if group is None or not registered(group) or (process_group is not None and not registered(process_group)):
-        ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-        group = _side[key] = dist.new_group(ranks=ranks, backend="gloo")
+    ranks = None if process_group is None else tuple(dist.get_process_group_ranks(process_group))
+    kept = _side.get(key)
+    if kept is not None and kept[1] == ranks and registered(kept[0]):
+        return kept[0]
+    group = dist.new_group(ranks=None if ranks is None else list(ranks), backend="gloo")
+    _side[key] = (group, ranks)
     return group
 
 
 def drop_side_group(purpose: str, process_group: Any) -> Any:
     """Forget the group :func:`side_group` keeps for ``purpose`` over
     ``process_group`` (the next call makes a new one); returns it, or None."""
-    return _side.pop((purpose, id(process_group)), None)
+    kept = _side.pop((purpose, id(process_group)), None)
+    return None if kept is None else kept[0]
 
 
 #: the monotonic time by which the collectives of the operation in progress
