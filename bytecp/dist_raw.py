@@ -41,7 +41,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP_BYTES", "finish", "side_group", "drop_side_group", "registered", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
+__all__ = ["KEEP_BYTES", "finish", "side_group", "retire_side_group", "registered", "ranks_of", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
            "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
 
 log = logging.getLogger("bytecp")
@@ -67,8 +67,8 @@ _roll_calls: weakref.WeakSet[threading.Thread] = weakref.WeakSet()
 ROLL_CALL_EXIT_SECONDS = 15.0
 
 
-#: bytecp's own gloo groups: (purpose, id of the group they span) -> (group, the ranks it spans)
-_side: dict[tuple[str, int], tuple[Any, tuple[int, ...] | None]] = {}
+#: bytecp's own gloo groups: (purpose, the ranks they span) -> group
+_side: dict[tuple[str, tuple[int, ...]], Any] = {}
 
 
 def registered(group: Any) -> bool:
@@ -81,6 +81,21 @@ def registered(group: Any) -> bool:
     return True
 
 
+def ranks_of(process_group: Any) -> tuple[int, ...]:
+    """The global ranks of ``process_group`` (None: the world's); a
+    :class:`~bytecp.errors.ConfigError` for a group torch.distributed no
+    longer has."""
+    if process_group is None:
+        return tuple(range(dist.get_world_size()))
+    try:
+        return tuple(dist.get_process_group_ranks(process_group))
+    except (KeyError, ValueError, RuntimeError) as e:
+        from bytecp.errors import ConfigError
+
+        raise ConfigError("process_group= is not one of torch.distributed's groups (destroyed, or made before "
+                          "torch.distributed was initialized again): pass a group of the current world") from e
+
+
 def side_group(purpose: str, process_group: Any) -> Any:
     """(every rank of ``process_group``, collectively when it makes one) A gloo
     group of bytecp's own over the ranks of ``process_group`` (None: the
@@ -88,28 +103,43 @@ def side_group(purpose: str, process_group: Any) -> Any:
     ``"votes"``: the managers' save decisions), so that its collectives never
     interleave with training's nor with the other purpose's.
 
-    Made once and reused by every later call (a process making many managers
-    or saves holds one group each, never one per call: every gloo group keeps
-    a thread that wakes a hundred times a second), and made again when the
-    one kept is no longer registered: ``torch.distributed`` was destroyed and
-    initialized again in this process (an in-process restart), or
-    ``process_group`` is another group than the one it was made for (the
-    ranks differ: a destroyed group's id taken by a new one)."""
-    key = (purpose, id(process_group))
-    ranks = None if process_group is None else tuple(dist.get_process_group_ranks(process_group))
-    kept = _side.get(key)
-    if kept is not None and kept[1] == ranks and registered(kept[0]):
-        return kept[0]
-    group = dist.new_group(ranks=None if ranks is None else list(ranks), backend="gloo")
-    _side[key] = (group, ranks)
+    Made once for those ranks and reused by every later call (a process
+    making many managers or saves holds one group, never one per call: every
+    gloo group keeps a thread that wakes a hundred times a second), and made
+    again when the one kept is no longer registered (``torch.distributed``
+    was destroyed and initialized again in this process: an in-process
+    restart). Kept by the ranks, never by the group object, so that every
+    rank decides alike whether to make one (``new_group`` is collective)."""
+    key = (purpose, ranks_of(process_group))
+    group = _side.get(key)
+    if group is None or not registered(group):
+        group = _side[key] = dist.new_group(ranks=list(key[1]), backend="gloo")
     return group
 
 
-def drop_side_group(purpose: str, process_group: Any) -> Any:
-    """Forget the group :func:`side_group` keeps for ``purpose`` over
-    ``process_group`` (the next call makes a new one); returns it, or None."""
-    kept = _side.pop((purpose, id(process_group)), None)
-    return None if kept is None else kept[0]
+def retire_side_group(purpose: str, process_group: Any) -> None:
+    """(every rank, after a collective on the group broke: a rank missed the
+    deadline or died) Never use the group :func:`side_group` keeps for
+    ``purpose`` over ``process_group`` again -- an abandoned collective may
+    still pair up with a late rank's; the next call makes a new one.
+
+    The retired group is kept for the life of the process, and never
+    destroyed at its end either (a reference no finalization drops):
+    destroying a gloo group joins its worker threads, and the one running
+    the abandoned collective waits for the peer that never comes until the
+    group's own timeout (30 min) -- wherever the last reference went: an
+    exception collected mid-training, or the interpreter's last collection
+    at exit (seen by the chaos run as a hang after a stall)."""
+    try:
+        key = (purpose, ranks_of(process_group))
+    except Exception:  # the group is gone: so is what side_group kept for it
+        return
+    group = _side.pop(key, None)
+    if group is not None:
+        import ctypes
+
+        # a reference nothing owns: a module-level list would be cleared at finalization
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 
 
 #: the monotonic time by which the collectives of the operation in progress

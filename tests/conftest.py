@@ -7,12 +7,12 @@ from __future__ import annotations
 
 import gc
 import os
-import sys
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import spawning
+import torch
 from hypothesis import settings
 
 settings.register_profile("ci", max_examples=200, deadline=None)
@@ -23,12 +23,14 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 # default for users: it costs a checksum pass); spawned ranks inherit it
 os.environ.setdefault("BYTECP_VERIFY_REPLICAS", "1")
 
-# one OpenMP thread a process, ranks and servers included (they inherit it): three workers and
-# their ranks share two cores, where every process's team of two spun beside the others' (the
-# suite took 740-760 s with teams, 660 s without). A test about thread teams sets its own count.
+# one OpenMP thread for every process the tests start, ranks and servers included (they
+# inherit it): three workers and their ranks share two cores, where every process's team
+# spun beside the others' (the suite took 740-760 s with teams, 660 s without). The test
+# processes themselves keep torch's count for this machine, so that async saves copy on
+# as many threads as a user's (``min(8, torch.get_num_threads())``).
+_THREADS = torch.get_num_threads()  # (torch imported above, before the variable is set)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
-if "torch" in sys.modules:  # (imported before this file: the variable came too late for it)
-    sys.modules["torch"].set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+torch.set_num_threads(_THREADS)
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import atexit
 import contextvars
-import ctypes
 import logging
 import os
 import queue
@@ -26,7 +25,7 @@ import torch.distributed as dist
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 import bytecp.dist_raw  # noqa: F401  (its exit hook runs after the drain below)
-from bytecp.dist_raw import drop_side_group, side_group
+from bytecp.dist_raw import retire_side_group, side_group
 from bytecp.errors import BytecpError
 from bytecp.format import metadata as fmt
 from bytecp.recorder import Trace
@@ -386,21 +385,10 @@ def checkpoint_group(process_group: Any) -> Any:
 
 def retire_group(process_group: Any) -> None:
     """(every rank, a save whose collective broke: a rank missed the deadline
-    or died) Never use the checkpoint group again: an abandoned collective
-    may still pair up with a late rank's. The next save makes a new one
-    (every rank calls it then, the late rank too once it is back).
-
-    The retired group is kept for the life of the process, and never
-    destroyed at its end either (a reference no finalization drops):
-    destroying a gloo group joins its worker threads, and the one running
-    the abandoned collective waits for the peer that never comes until the
-    group's own timeout (30 min) -- wherever the last reference went: a
-    save's exception collected mid-training, or the interpreter's last
-    collection at exit (seen by the chaos run as a hang after a stall)."""
-    group = drop_side_group("saves", process_group)
-    if group is not None:
-        # a reference nothing owns: a module-level list would be cleared at finalization
-        ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
+    or died) Never use the checkpoint group again
+    (:func:`bytecp.dist_raw.retire_side_group`); the next save makes a new
+    one (every rank calls it then, the late rank too once it is back)."""
+    retire_side_group("saves", process_group)
 
 
 def _drain() -> None:

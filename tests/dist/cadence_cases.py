@@ -36,13 +36,14 @@ def seconds_cadence(run: str, skew: float) -> list[int]:
 
 
 def groups_of_many_managers(run: str, managers: int) -> tuple[int, int]:
-    """``managers`` managers that vote (``save_on_signal``), each saving two
-    steps asynchronously, one after another in this process. -> the number of
-    torch.distributed groups before and after."""
+    """``managers`` managers that vote (``every_n_seconds``: no signal
+    handlers left on the pool's ranks), each saving two steps asynchronously,
+    one after another in this process. -> the number of torch.distributed
+    groups before and after."""
     before = len(dist.distributed_c10d._world.pg_map)
     model = nn.Linear(2, 2)
     for i in range(managers):
-        mgr = CheckpointManager(f"{run}/{i}", every_n_steps=1, save_on_signal=True, async_save=True)
+        mgr = CheckpointManager(f"{run}/{i}", every_n_steps=1, every_n_seconds=3600.0, async_save=True)
         for step in (1, 2):
             mgr.maybe_save(step, {"model": model})
         mgr.wait()
@@ -61,6 +62,6 @@ def saves_across_an_in_process_restart(out: str, ports: list[int]) -> None:
                                     timeout=datetime.timedelta(seconds=60))
         state = {"w": torch.full((4,), float(10 * round_))}  # a replica: the same on every rank
         bytecp.async_save(f"{out}/async-{round_}", state).wait()
-        mgr = CheckpointManager(f"{out}/run-{round_}", every_n_steps=1, save_on_signal=True, async_save=True)
+        mgr = CheckpointManager(f"{out}/run-{round_}", every_n_steps=1, every_n_seconds=3600.0, async_save=True)
         mgr.maybe_save(1, state)
         mgr.wait()

@@ -35,9 +35,10 @@ def renew(kind: str, make: Callable[[], T]) -> T:
         if group in dist.distributed_c10d._world.pg_map:
             dist.destroy_process_group(group)
     before = set(map(id, _groups()))
-    out = make()
-    _made[kind] = [g for g in _groups() if id(g) not in before and g is not dist.GroupMember.WORLD]
-    return out
+    try:
+        return make()
+    finally:  # (what a failed make made too)
+        _made[kind] = [g for g in _groups() if id(g) not in before and g is not dist.GroupMember.WORLD]
 
 
 def renewing(kind: str) -> Callable[[Callable[..., T]], Callable[..., T]]:

@@ -31,7 +31,7 @@ def test_managers_share_bytecps_groups_instead_of_making_one_each(pools, tmp_pat
     process making manager after manager (a sweep, a notebook) must not pile them up."""
     got = pools(2).run(cadence_cases.groups_of_many_managers, str(tmp_path / "run"), 6, timeout=120)
     before, after = got[0]
-    assert after - before <= 2, got  # at most the votes' group and the saves' group, once
+    assert after - before <= 2, got  # at most the votes' group and the saves' group, once (6 before)
 
 
 def test_saves_go_on_after_torch_distributed_is_made_again_in_the_process(pools, tmp_path: Path) -> None:
@@ -40,9 +40,8 @@ def test_saves_go_on_after_torch_distributed_is_made_again_in_the_process(pools,
     is not registered" at the next async save before), new ones are made."""
     try:
         pools(2).run(cadence_cases.saves_across_an_in_process_restart, str(tmp_path), free_ports(2), timeout=120)
-    except BaseException:
-        discard_pool(2)  # its world may be out of step
-        raise
+    finally:
+        discard_pool(2)  # its world is not the one its ranks started with (caches of other cases may hold the old)
     for round_ in (0, 1, 2):
         for url in (tmp_path / f"async-{round_}", tmp_path / f"run-{round_}" / "step-1"):
             got = bytecp.load_state_dict(str(url))

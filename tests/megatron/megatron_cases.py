@@ -22,7 +22,6 @@ import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
 
 import bytecp
-from tests.dist import groups
 
 _STATE: dict[str, Any] = {}
 SEQ = 8
@@ -67,6 +66,18 @@ class CpuDeviceMode(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+def renew_groups(make: Any) -> None:
+    """``make()`` (an ``initialize_model_parallel``), the groups the last one
+    made destroyed first (tests/dist/groups.py: a pool's ranks live the whole
+    session). Imported here, not at the top: ``benchmarks/load_stress_megatron.py``
+    imports this module with ``tests/`` on its path, not the repository."""
+    try:
+        from tests.dist import groups
+    except ImportError:
+        from dist import groups  # type: ignore[no-redef]
+    groups.renew("megatron", make)
+
+
 def setup(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None) -> None:
     """(all ranks) Fresh model-parallel groups of TP x PP on the pool's gloo group."""
     import warnings
@@ -77,7 +88,7 @@ def setup(tp: int, pp: int = 1, seed: int = 1234, vpp: int | None = None) -> Non
 
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    groups.renew("megatron", lambda: parallel_state.initialize_model_parallel(
+    renew_groups(lambda: parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vpp))
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     _STATE.clear()

@@ -10,7 +10,6 @@ from typing import Any
 import torch
 
 import bytecp
-from tests.dist import groups
 
 HIDDEN = 32
 FFN = 64
@@ -55,7 +54,7 @@ def build(family: str, tp: int, ep: int = 1, seed: int = 1234) -> None:
         moe_utils.te_general_gemm = None  # 0.16.1 without TransformerEngine (see the notes)
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    groups.renew("megatron", lambda: parallel_state.initialize_model_parallel(
+    mc.renew_groups(lambda: parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, expert_model_parallel_size=ep))
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     torch.manual_seed(seed)

@@ -18,7 +18,6 @@ import torch
 from megatron_cases import _STATE, CpuDeviceMode
 
 import bytecp
-from tests.dist import groups
 
 HIDDEN = 32
 EXPERTS = 4
@@ -37,7 +36,7 @@ def setup(tp: int = 1, ep: int = 1, cp: int = 1, seed: int = 1234) -> None:
         moe_utils.te_general_gemm = None  # type: ignore[attr-defined]
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
-    groups.renew("megatron", lambda: parallel_state.initialize_model_parallel(
+    mc.renew_groups(lambda: parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=tp, context_parallel_size=cp, expert_model_parallel_size=ep))
     tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
     _STATE.clear()
