@@ -97,7 +97,7 @@ def ranks_of(process_group: Any) -> tuple[int, ...]:
 
 
 def side_group(purpose: str, process_group: Any) -> Any:
-    """(every rank of ``process_group``, collectively when it makes one) A gloo
+    """(every rank of ``process_group`` -- and only those --, collectively when it makes one) A gloo
     group of bytecp's own over the ranks of ``process_group`` (None: the
     world), one per ``purpose`` (``"saves"``: background saves' collectives;
     ``"votes"``: the managers' save decisions), so that its collectives never
@@ -113,7 +113,11 @@ def side_group(purpose: str, process_group: Any) -> Any:
     key = (purpose, ranks_of(process_group))
     group = _side.get(key)
     if group is None or not registered(group):
-        group = _side[key] = dist.new_group(ranks=list(key[1]), backend="gloo")
+        # over a part of the world, only its ranks call this: made by them alone (named by the ranks,
+        # without moving the world's count of groups, which names the training's next groups alike on
+        # every rank: moved on these ranks alone, the job's next new_group hung)
+        part = len(key[1]) != dist.get_world_size()
+        group = _side[key] = dist.new_group(ranks=list(key[1]), backend="gloo", use_local_synchronization=part)
     return group
 
 

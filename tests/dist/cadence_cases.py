@@ -65,3 +65,24 @@ def saves_across_an_in_process_restart(out: str, ports: list[int]) -> None:
         mgr = CheckpointManager(f"{out}/run-{round_}", every_n_steps=1, every_n_seconds=3600.0, async_save=True)
         mgr.maybe_save(1, state)
         mgr.wait()
+
+
+def saves_of_a_part_of_the_world(out: str) -> float:
+    """Rank 0 alone saves (sync, async, and by a voting manager) with
+    ``process_group=`` a group of rank 0 only; then every rank makes a group
+    of the whole world and all-reduces on it (what the job's next
+    ``new_group`` does: it hung when bytecp's own group over the part had
+    moved the world's count of groups on rank 0 alone). -> the sum."""
+    part = dist.new_group([0])  # (torch: every rank makes a group, member or not)
+    if dist.get_rank() == 0:
+        state = {"w": torch.arange(6.0)}
+        bytecp.save(f"{out}/sync", state, process_group=part)
+        bytecp.async_save(f"{out}/async", state, process_group=part).wait()
+        mgr = CheckpointManager(f"{out}/run", every_n_steps=1, every_n_seconds=3600.0, async_save=True,
+                                process_group=part)
+        mgr.maybe_save(1, state)
+        mgr.wait()
+    everyone = dist.new_group([0, 1])
+    total = torch.ones(1)
+    dist.all_reduce(total, group=everyone)
+    return float(total.item())
