@@ -28,6 +28,7 @@ GIL for any other collective gets it while :func:`_settle` sleeps.
 from __future__ import annotations
 
 import contextvars
+import ctypes
 import datetime
 import logging
 import os
@@ -41,8 +42,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["KEEP_BYTES", "finish", "side_group", "retire_side_group", "registered", "ranks_of", "default_store", "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes",
-           "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
+from bytecp.errors import ConfigError
+
+__all__ = ["KEEP_BYTES", "finish", "side_group", "retire_side_group", "registered", "ranks_of", "default_store",
+           "all_gather_bytes", "broadcast_bytes", "to_bytes", "from_bytes", "RETIRE_SECONDS", "SETTLE_SECONDS", "DEADLINE", "StoreSilent", "roll_call", "settle_native_threads"]
 
 log = logging.getLogger("bytecp")
 
@@ -90,16 +93,14 @@ def ranks_of(process_group: Any) -> tuple[int, ...]:
     try:
         return tuple(dist.get_process_group_ranks(process_group))
     except (KeyError, ValueError, RuntimeError) as e:
-        from bytecp.errors import ConfigError
-
         raise ConfigError("process_group= is not one of torch.distributed's groups (destroyed, or made before "
                           "torch.distributed was initialized again): pass a group of the current world") from e
 
 
 def side_group(purpose: str, process_group: Any) -> Any:
-    """(every rank of ``process_group`` -- and only those --, collectively when it makes one) A gloo
-    group of bytecp's own over the ranks of ``process_group`` (None: the
-    world), one per ``purpose`` (``"saves"``: background saves' collectives;
+    """(every rank of ``process_group``, and only those; collectively when it
+    makes one) A gloo group of bytecp's own over the ranks of
+    ``process_group`` (None: the world), one per ``purpose`` (``"saves"``: background saves' collectives;
     ``"votes"``: the managers' save decisions), so that its collectives never
     interleave with training's nor with the other purpose's.
 
@@ -136,12 +137,10 @@ def retire_side_group(purpose: str, process_group: Any) -> None:
     at exit (seen by the chaos run as a hang after a stall)."""
     try:
         key = (purpose, ranks_of(process_group))
-    except Exception:  # the group is gone: so is what side_group kept for it
+    except ConfigError:  # the group is gone: so is what side_group kept for it
         return
     group = _side.pop(key, None)
     if group is not None:
-        import ctypes
-
         # a reference nothing owns: a module-level list would be cleared at finalization
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(group))
 

@@ -11,9 +11,9 @@ saves'; one per set of ranks, shared by the process's managers over those
 ranks: :func:`bytecp.dist_raw.side_group`), only when the manager has
 ``every_n_seconds`` or ``save_on_signal``. Managers sharing it vote in the
 order their ``maybe_save`` calls come, which must be the same on every rank
-(one training thread calling them in the same order: an SPMD loop). Time is read on the coordinator alone (rank 0 of the
-manager's group): every rank saves the same steps, however their clocks
-drift. Without ``torch.distributed`` the vote is local.
+(one training thread calling them in the same order: an SPMD loop). Time
+is read on the coordinator alone (rank 0 of the manager's group): every
+rank saves the same steps, however their clocks drift. Without ``torch.distributed`` the vote is local.
 """
 
 from __future__ import annotations
