@@ -25,11 +25,11 @@ $(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt
 	touch $@
 
 $(VENV)/.demo-installed: $(VENV)/.installed
-	$(PIP) -e ".[demo]"
+	$(PIP) -e ".[demo,fast]"
 	touch $@
 
 $(VENV)/.test-installed: $(VENV)/.installed
-	$(PIP) -e ".[test,s3,monitoring,lightning]"
+	$(PIP) -e ".[test,s3,monitoring,lightning,fast]"
 	$(MAKE) megatron-install
 	$(MAKE) deepspeed-install
 	$(MAKE) torchtitan-install

@@ -81,8 +81,8 @@ def _tensors(model: torch.nn.Module, optim: torch.optim.Optimizer) -> list[torch
     return out
 
 
-def floor_ms(src: list[torch.Tensor], threads: int, repeats: int = 30) -> float:
-    """Median ms to copy ``src`` into a prewarmed buffer of the same bytes with one foreach copy."""
+def _floor_buffer(src: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of one prewarmed host buffer holding ``src``'s bytes, shaped as ``src``."""
     total = sum(t.numel() * t.element_size() for t in src)
     buf = torch.zeros(total, dtype=torch.uint8)
     dst, pos = [], 0
@@ -90,17 +90,27 @@ def floor_ms(src: list[torch.Tensor], threads: int, repeats: int = 30) -> float:
         n = t.numel() * t.element_size()
         dst.append(buf[pos:pos + n].view(t.dtype).view(t.shape))
         pos += n
+    return dst
+
+
+def _floor_copy(dst: list[torch.Tensor], src: list[torch.Tensor], threads: int) -> float:
+    """Seconds of one foreach copy of ``src`` into ``dst`` on ``threads`` of torch's threads."""
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            torch._foreach_copy_(dst, src)
-            times.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        torch._foreach_copy_(dst, src)
+        return time.perf_counter() - t0
     finally:
         torch.set_num_threads(before)
-    return statistics.median(times) * 1e3
+
+
+def floor_ms(src: list[torch.Tensor], threads: int, repeats: int = 30) -> float:
+    """Median ms to copy ``src`` into a prewarmed buffer of the same bytes
+    with one foreach copy, copies back to back (the hot-loop floor: source
+    and buffer stay in the CPU's caches between copies)."""
+    dst = _floor_buffer(src)
+    return statistics.median(_floor_copy(dst, src, threads) for _ in range(repeats)) * 1e3
 
 
 def _summary(xs: list[float]) -> dict[str, float]:
@@ -132,7 +142,12 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
     prewarm_s = bytecp.prewarm(state)
     counter = _GcCounter()
     gc.callbacks.append(counter)
-    modes = ("lazy", "manager lazy", "eager", "none")
+    threads = torch.get_num_threads()
+    # the copy alone, timed where the call is, each after a round whose save wrote in the background as the
+    # eager round's predecessor did (its reads and writes leave the caches as they leave them for the call)
+    floors = tuple(f"floor {t}" for t in sorted({1, threads}))
+    modes = ("lazy", floors[0], "manager lazy", "eager", *floors[1:], "none")
+    floor_dst = _floor_buffer(src)
     calls: dict[str, list[float]] = {m: [] for m in modes}
     cpu: dict[str, list[float]] = {m: [] for m in modes}
     steps: dict[str, list[float]] = {m: [] for m in modes}
@@ -147,9 +162,13 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
             c0, t0 = time.thread_time(), time.perf_counter()
             if mode == "manager lazy":
                 mgr.maybe_save(i, state)
+            elif mode in floors:
+                copied = _floor_copy(floor_dst, src, int(mode.split()[1]))
             elif mode != "none":
                 h = bytecp.async_save(f"{root}/{mode}-{i % 4}", state, lazy=mode == "lazy", overwrite=True, step=i)
             dt, dc = time.perf_counter() - t0, time.thread_time() - c0
+            if mode in floors:
+                dt = copied  # (without setting torch's threads around it)
             counter.active = False
             t_step = time.perf_counter()
             step(i)
@@ -160,7 +179,7 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
             optim.zero_grad(set_to_none=True)
             if mode == "manager lazy":
                 mgr.wait()
-            elif mode != "none":
+            elif mode != "none" and mode not in floors:
                 h.wait()
             if i >= warmup * len(modes):  # the first rounds warm caches up
                 calls[mode].append(dt)
@@ -172,7 +191,9 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
     finally:
         gc.callbacks.remove(counter)
     n = len(calls["lazy"])
-    named = {m.replace(" ", "_"): m for m in modes if m != "none"}
+    named = {m.replace(" ", "_"): m for m in ("lazy", "manager lazy", "eager")}
+    in_loop = {int(f.split()[1]): statistics.median(calls[f]) for f in floors}
+    eager = statistics.median(calls["eager"])
     return {
         "model": dataclasses.asdict(cfg),
         "state_mb": state_bytes(model, optim) / 1e6,
@@ -187,7 +208,10 @@ def run(mb: float, saves: int, root: str, layers: int | None = None, moe: int | 
         **{f"{k}_training_step": _summary(steps[m]) for k, m in {**named, "no_save": "none"}.items()},
         "gc_per_call": {k: collections[m] / max(1, len(calls[m])) for k, m in named.items()},
         "floor_ms_1_thread": floor_ms(src, 1),
-        f"floor_ms_{torch.get_num_threads()}_threads": floor_ms(src, torch.get_num_threads()),
+        f"floor_ms_{threads}_threads": floor_ms(src, threads),
+        # the same copy at the call's place in a round (after the last round's step): the floor of the eager call
+        **{f"floor_in_loop_{t}_thread{'s' if t > 1 else ''}": _summary(calls[f"floor {t}"]) for t in in_loop},
+        **{f"eager_call_vs_floor_in_loop_{t}_thread{'s' if t > 1 else ''}": eager / v for t, v in in_loop.items()},
     }
 
 

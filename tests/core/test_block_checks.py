@@ -81,7 +81,7 @@ def test_a_piece_that_fails_leaves_no_piece_reading_the_mapping(monkeypatch: pyt
     from concurrent.futures import ThreadPoolExecutor
 
     monkeypatch.setattr(checksum, "PIECE_BYTES", MiB)
-    real, calls, lock = checksum._crc32c.crc32c, [0], threading.Lock()
+    real, calls, lock = checksum._crc, [0], threading.Lock()
 
     def crc(data: Any, value: int = 0) -> int:
         with lock:
@@ -93,7 +93,7 @@ def test_a_piece_that_fails_leaves_no_piece_reading_the_mapping(monkeypatch: pyt
         time.sleep(0.002)  # the others still run when it does
         return int(real(data, value))
 
-    monkeypatch.setattr(checksum._crc32c, "crc32c", crc)
+    monkeypatch.setattr(checksum, "_crc", crc)
     m = mmap.mmap(-1, 8 * MiB)
     view = memoryview(m)
     with ThreadPoolExecutor(4) as pool, pytest.raises(RuntimeError, match="the first piece fails"):
