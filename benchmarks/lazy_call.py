@@ -15,8 +15,9 @@ pre-step hook until the background copy is done: ``hook wait``), then
 same rounds through ``CheckpointManager(async_save=True, lazy=True)``
 (``maybe_save``, incremental against the previous step, retention) give the
 manager's lazy call, and with ``lazy=False`` the eager call (the copy
-included) for reference, and rounds with no save at all. Rounds take the
-four in turn, so load on a shared machine hits them alike. Each mode's
+included) for reference, rounds with no save at all, and rounds that make
+the floor's copy (below) in the call's place. Rounds take the kinds in
+turn, so load on a shared machine hits them alike. Each mode's
 ``training_step`` is the forward/backward and ``optimizer.step()`` right
 after the call, while the save's background part runs beside it: against
 the rounds with no save, what the background costs the training thread (a
@@ -27,9 +28,16 @@ s a save until the background ran with the heap frozen).
 The floor is the copy itself: the same tensors' bytes copied into a
 prewarmed host buffer with one ``torch._foreach_copy_`` (one thread, as a
 lazy save's background copy; and with torch's intra-op threads, as an eager
-one). A lazy call does not copy at all, so the floor is the scale it is
-read against: the call costs what describing the state, hooking the
-optimizers and starting the background thread cost.
+one), twice: back to back after the rounds (``floor_ms_*``: source and
+buffer stay in the CPU's caches), and in rounds of its own in the call's
+place (``floor_in_loop_*``: right after a training step, which leaves the
+caches full of other bytes and the training thread's OpenMP workers
+spinning for milliseconds; each after a round whose save wrote in the
+background, as the eager round's is), the one the eager call is read
+against (``eager_call_vs_floor_in_loop_*``). A lazy call does not copy at
+all, so the floor is the scale it is read against: the call costs what
+describing the state, hooking the optimizers and starting the background
+thread cost.
 
 Figures: minimum, median and 10th/90th percentiles over the ``--saves``
 rounds of each mode after its ``--warmup`` rounds, in milliseconds: the wall time of the call, the CPU time
