@@ -109,7 +109,7 @@ def _bytecp(ck: Storage) -> bool:
     """Whether the unreadable ``metadata.json`` at ``ck`` is bytecp's (or too
     damaged to tell); False when it is gone. A storage error is raised."""
     try:
-        return fmt.names_bytecp(ck.read_bytes(fmt.METADATA_FILE))
+        return fmt.names_bytecp(fmt.read_metadata(ck))
     except FileNotFoundError:
         return False
 

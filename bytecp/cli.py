@@ -241,7 +241,7 @@ def _resume_pick(found: list[Any], options: dict[str, Any]) -> tuple[str | None,
         if c.format != "bytecp":
             return c.url, skipped
         try:  # (the format alone: ls imports no torch)
-            fmt.Metadata.from_bytes(open_storage(c.url, **options).read_bytes(fmt.METADATA_FILE), c.url)
+            fmt.Metadata.from_bytes(fmt.read_metadata(open_storage(c.url, **options)), c.url)
         except CorruptCheckpointError as e:
             skipped[c.url] = one_line(e)
             continue

@@ -36,7 +36,7 @@ def collect_checkpoints(run_url: str, rows: dict[str, dict[str, Any]]) -> list[s
         names.append(info.name)
         storage = open_storage(info.url)
         try:
-            md = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), info.url)
+            md = fmt.Metadata.from_bytes(fmt.read_metadata(storage), info.url)
             if md.save_id in rows:
                 continue
             reports = [CheckpointReport.from_json(json.loads(storage.read_bytes(p)))

@@ -33,6 +33,7 @@ import json
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError, StorageError
+from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, scan_header
 from bytecp.storage_api import Storage
@@ -98,6 +99,8 @@ def _read(storage: Storage, committed: bool = False, whole: bool = False) -> tup
                 size = storage.size(f)
             except FileNotFoundError:  # (StorageNotFoundError too; another storage error is raised)
                 continue
+            if whole:
+                limits.check_metadata_size(size, storage.url)
             try:
                 return f, storage.read_bytes(f, 0, size if whole else min(size, HEADER_BYTES)), size
             except (FileNotFoundError, StorageError):

@@ -8,6 +8,9 @@ to recurse until the interpreter gives up. These functions turn every such
 claim into either a checked fact or a :class:`~bytecp.errors.CorruptCheckpointError`
 that names the file and the entry at fault. The budget they enforce:
 
+- ``metadata.json`` itself: at most :func:`max_metadata_bytes` (1 GiB unless
+  ``BYTECP_MAX_METADATA_BYTES`` says otherwise), checked from its size before
+  it is read (:func:`bytecp.format.metadata.read_metadata`);
 - structure: a skeleton at most :data:`MAX_SKELETON_DEPTH` deep, tensors of
   at most :data:`MAX_NDIM` dimensions with non-negative integer sizes and a
   known dtype, object records with non-negative offsets and sizes;
@@ -41,11 +44,12 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import zipfile
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from bytecp.errors import CorruptCheckpointError, PickleNotAllowedError
+from bytecp.errors import ConfigError, CorruptCheckpointError, PickleNotAllowedError
 from bytecp.format.parquet_footer import footer_row_groups
 from bytecp.format.tensor_table import MAX_NDIM as _MAX_NDIM
 from bytecp.format.tensor_table import TensorTable
@@ -64,6 +68,8 @@ __all__ = [
     "FIXED_ROWS",
     "FIXED_BYTES",
     "MAX_INDEX_EXPANSION",
+    "max_metadata_bytes",
+    "check_metadata_size",
     "check_structure",
     "check_sizes",
     "real_data_sizes",
@@ -87,6 +93,9 @@ FIXED_ROWS = 1 << 16
 FIXED_BYTES = 64 << 20
 #: decoded index data per byte of index file (Parquet with zstd on real indexes: < 20)
 MAX_INDEX_EXPANSION = 256
+#: the largest ``metadata.json`` read by default (``BYTECP_MAX_METADATA_BYTES`` sets another): the
+#: scale benchmark's DeepSeek-V3-like MoE at 131,072 ranks, 181,580 tensors, writes 29 MB
+MAX_METADATA_BYTES = 1 << 30
 #: the blocks chunks are aligned to (FORMAT.md 4.2)
 _ALIGN = 4096
 _KEY_TYPES = (str, int, bool, type(None))
@@ -99,6 +108,34 @@ def damaged(url: str) -> str:
                 "tier's copy or an earlier checkpoint (CheckpointManager.restore falls back to them)")
     return ("; the checkpoint changed after its commit (a partial copy, a full disk, a hand): copy it again from "
             "where it came, or load an earlier one (`bytecp ls RUN_DIR` lists them)")
+
+
+def max_metadata_bytes() -> int:
+    """The largest ``metadata.json`` a reader reads (:data:`MAX_METADATA_BYTES`, or
+    ``BYTECP_MAX_METADATA_BYTES`` when set: a whole number of bytes)."""
+    raw = os.environ.get("BYTECP_MAX_METADATA_BYTES", "").strip()
+    if not raw:
+        return MAX_METADATA_BYTES
+    try:
+        n = int(raw)
+    except ValueError:
+        n = 0
+    if n <= 0:
+        raise ConfigError(f"BYTECP_MAX_METADATA_BYTES={raw!r:.40} is not a positive whole number of bytes "
+                          f"(unset it for the default, {MAX_METADATA_BYTES})")
+    return n
+
+
+def check_metadata_size(nbytes: int, where: str) -> None:
+    """(every reader of a ``metadata.json``, before reading it) Refuse one
+    larger than :func:`max_metadata_bytes`: a crafted file (a sparse one of
+    terabytes costs nothing on disk) would otherwise be read into memory whole."""
+    cap = max_metadata_bytes()
+    if nbytes > cap:
+        raise CorruptCheckpointError(
+            f"{where}: metadata.json is {nbytes:,} bytes, more than the {cap:,} bytecp reads "
+            f"(a job of hundreds of thousands of tensors writes tens of MB): not a checkpoint's, or damaged. "
+            "If it is a real one, set BYTECP_MAX_METADATA_BYTES above its size")
 
 
 def _bad(where: str, what: str) -> CorruptCheckpointError:

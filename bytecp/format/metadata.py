@@ -46,6 +46,7 @@ __all__ = [
     "Metadata",
     "new_save_id",
     "names_bytecp",
+    "read_metadata",
     "data_file",
     "index_file",
     "report_file",
@@ -106,6 +107,17 @@ def check_path(path: str, kind: str, where: str, references: Mapping[str, str] |
             "relative to the checkpoint (see FORMAT.md, security)"
         )
     return path
+
+
+def read_metadata(storage: Any, path: str = METADATA_FILE) -> bytes:
+    """The bytes of the ``metadata.json`` at ``path`` of ``storage`` (a
+    :class:`~bytecp.storage_api.Storage`), refused before anything is read
+    when it is larger than a reader reads (:func:`bytecp.format.limits.check_metadata_size`).
+    Every reader of a ``metadata.json`` reads it through here."""
+    n = storage.size(path)
+    folder = path.rpartition("/")[0]
+    limits.check_metadata_size(n, f"{storage.url}/{folder}" if folder else storage.url)
+    return bytes(storage.read_bytes(path, 0, n))
 
 
 def names_bytecp(data: bytes) -> bool:

@@ -405,7 +405,7 @@ def _read_metadata(storage: Storage, *, foreign: bool, source_format: str | None
     if forced is not None:  # format= names a source: read as that, whatever else is there
         return _foreign(storage, forced)
     try:
-        data = storage.read_bytes(fmt.METADATA_FILE)
+        data = fmt.read_metadata(storage)
     except (FileNotFoundError, StorageError) as e:
         detect = foreign and source_format is None and isinstance(e, FileNotFoundError)
         source = interop.find_source(storage) if detect else None

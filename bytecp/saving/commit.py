@@ -208,7 +208,7 @@ def _replaced(storage: Storage) -> Replaced | None:
             head = read_header(storage, committed=True)
             if head is not None and head.save_id == known.save_id:
                 return known
-        return Replaced.of(fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url))
+        return Replaced.of(fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url))
     except Exception:
         return None  # an unreadable old checkpoint is simply replaced
 
@@ -267,7 +267,7 @@ def committed_after(
     md = committed_here
     if md is None and save_id:
         try:
-            found = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
+            found = fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url)
             md = found if found.save_id == save_id else None
         except Exception:
             md = None
@@ -316,7 +316,7 @@ def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: boo
     -> the files that could not be removed (a read-only file system)."""
     try:
         if storage.exists(fmt.METADATA_FILE) and \
-                fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url).save_id == save_id:
+                fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url).save_id == save_id:
             return []
     except Exception:  # unreadable: not this save's commit
         pass

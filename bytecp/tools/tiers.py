@@ -140,7 +140,7 @@ class MemoryTier:
 def _missing(root: Storage, held: dict[str, int], name: str) -> str | None:
     """What checkpoint ``name`` below ``root`` lacks in ``held`` (every live
     keeper's files, path -> size), or None when it lacks nothing."""
-    md = fmt.Metadata.from_bytes(root.read_bytes(f"{name}/{fmt.METADATA_FILE}"), f"{root.url}/{name}")
+    md = fmt.Metadata.from_bytes(fmt.read_metadata(root, f"{name}/{fmt.METADATA_FILE}"), f"{root.url}/{name}")
     want: dict[str, int | None] = {posixpath.normpath(f"{name}/{p}"): n for p, n in md.data_files.items()}
     for f in md.referenced_files() - set(md.data_files):
         want.setdefault(posixpath.normpath(f"{name}/{f}"), None)

@@ -17,7 +17,7 @@ import torch
 
 import bytecp
 from bytecp.cli import main as cli
-from bytecp.errors import CorruptCheckpointError
+from bytecp.errors import ConfigError, CorruptCheckpointError
 from bytecp.format import limits, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.storage_api import open_storage
@@ -243,6 +243,30 @@ def test_malformed_json_names_metadata_json(tmp_path: Path) -> None:
     for raw in [b"{not json", b'{"format": "bytecp", "format_version": 1, "objects": []}', b"\xff\xfe"]:
         (ck / "metadata.json").write_bytes(raw)
         all_refuse(ck, "metadata.json")
+
+
+@pytest.mark.timeout(60)
+def test_a_terabyte_metadata_json_is_refused_from_its_size_before_it_is_read(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A sparse file costs nothing on disk: every reader checks the size first."""
+    ck = saved(tmp_path)
+    with open(ck / "metadata.json", "r+b") as f:
+        f.truncate(1 << 40)
+    all_refuse(ck, r"ck: metadata.json is 1,099,511,627,776 bytes, more than the 1,073,741,824 bytecp reads .*"
+                   r"If it is a real one, set BYTECP_MAX_METADATA_BYTES above its size")
+    assert cli(["verify", str(ck)]) != 0
+    assert "metadata.json is 1,099,511,627,776 bytes" in capsys.readouterr().err
+    # a real checkpoint above a lowered cap: refused; raised again, it loads
+    ck2 = saved(tmp_path / "two")
+    size = (ck2 / "metadata.json").stat().st_size
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", str(size - 1))
+    all_refuse(ck2, f"metadata.json is {size:,} bytes, more than the {size - 1:,} bytecp reads")
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", str(size))
+    assert torch.equal(bytecp.load_state_dict(str(ck2))["w"], torch.arange(6, dtype=torch.float32))
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", "1e9")
+    with pytest.raises(ConfigError, match=r"BYTECP_MAX_METADATA_BYTES='1e9' is not a positive whole number of "
+                                          r"bytes \(unset it for the default, 1073741824\)"):
+        bytecp.load_state_dict(str(ck2))
 
 
 def test_compressed_blob_archive_is_not_inflated(tmp_path: Path) -> None:
