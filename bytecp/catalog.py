@@ -109,7 +109,7 @@ def _bytecp(ck: Storage) -> bool:
     """Whether the unreadable ``metadata.json`` at ``ck`` is bytecp's (or too
     damaged to tell); False when it is gone. A storage error is raised."""
     try:
-        return fmt.names_bytecp(fmt.read_metadata(ck))
+        return fmt.is_bytecp_metadata(ck)
     except FileNotFoundError:
         return False
 

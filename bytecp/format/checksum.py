@@ -19,9 +19,10 @@ the CPU's cache, 15.6 against 9.0 GB/s for 256 MiB from memory), and both
 let go of the GIL. It is used only after it gave the same values as the
 ``crc32c`` package at import (:func:`_agrees`: the RFC 3720 vectors, lengths
 across its implementations' thresholds, unaligned starts, continued runs);
-otherwise, or where it is not installed, the ``crc32c`` package computes
-every checksum. ``BYTECP_CRC32C=crc32c`` (or ``crc32c-rs``) forces one
-(:data:`ENGINE` names the one in use).
+otherwise (with a warning), or where it is not installed, the ``crc32c``
+package computes every checksum. ``BYTECP_CRC32C=crc32c`` (or ``crc32c-rs``:
+then an engine that is missing or disagrees is a :class:`ConfigError`)
+forces one (:data:`ENGINE` names the one in use).
 """
 
 from __future__ import annotations
@@ -82,19 +83,26 @@ def _pick() -> tuple[Callable[..., int], str]:
     if want and want not in _ENGINES:
         raise ConfigError(f"BYTECP_CRC32C={want!r:.40} names no crc32c engine: set it to one of "
                           f"{', '.join(_ENGINES)}, or unset it (crc32c-rs where it is installed, else crc32c)")
-    if want != "crc32c":
-        try:
-            import crc32c_rs
-        except ImportError:
-            if want:
-                raise ConfigError("BYTECP_CRC32C=crc32c-rs but the crc32c-rs package is not installed: "
-                                  "pip install crc32c-rs, or unset BYTECP_CRC32C") from None
-        else:
-            fn = crc32c_rs.crc32c
-            if _agrees(fn):
-                return fn, "crc32c-rs"
-            _LOG.warning("bytecp: crc32c-rs %s computed other checksums than the crc32c package here; "
-                         "using the crc32c package", getattr(crc32c_rs, "__version__", "?"))
+    if want == "crc32c":
+        return _crc32c_pkg.crc32c, "crc32c"
+    why = ""
+    try:
+        import crc32c_rs
+
+        fn = crc32c_rs.crc32c
+        if _agrees(fn):
+            return fn, "crc32c-rs"
+        why = f"crc32c-rs {getattr(crc32c_rs, '__version__', '?')} computed other checksums than the crc32c package here"
+    except ImportError:
+        if want:
+            raise ConfigError("BYTECP_CRC32C=crc32c-rs but the crc32c-rs package is not installed: "
+                              "pip install 'bytecp[fast]', or unset BYTECP_CRC32C") from None
+        return _crc32c_pkg.crc32c, "crc32c"
+    except Exception as e:  # noqa: BLE001 - a broken install: the crc32c package does the work
+        why = f"crc32c-rs failed its check here ({type(e).__name__}: {e})"
+    if want:
+        raise ConfigError(f"BYTECP_CRC32C=crc32c-rs but {why}: unset BYTECP_CRC32C (the crc32c package is used)")
+    _LOG.warning("bytecp: %s; using the crc32c package", why)
     return _crc32c_pkg.crc32c, "crc32c"
 
 
@@ -102,8 +110,8 @@ _crc, ENGINE = _pick()
 
 
 def crc32c(data: Any, value: int = 0) -> int:
-    """crc32c of a bytes-like object, continuing from ``value``."""
-    return int(_crc(data, value))
+    """crc32c of a bytes-like object, continuing from ``value`` (its low 32 bits)."""
+    return int(_crc(data, value & 0xFFFFFFFF))
 
 
 def block_count(nbytes: int, block_bytes: int) -> int:

@@ -100,7 +100,7 @@ def _read(storage: Storage, committed: bool = False, whole: bool = False) -> tup
             except FileNotFoundError:  # (StorageNotFoundError too; another storage error is raised)
                 continue
             if whole:
-                limits.check_metadata_size(size, storage.url)
+                limits.check_metadata_size(size, storage.url, f)
             try:
                 return f, storage.read_bytes(f, 0, size if whole else min(size, HEADER_BYTES)), size
             except (FileNotFoundError, StorageError):

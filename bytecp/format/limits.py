@@ -126,14 +126,15 @@ def max_metadata_bytes() -> int:
     return n
 
 
-def check_metadata_size(nbytes: int, where: str) -> None:
-    """(every reader of a ``metadata.json``, before reading it) Refuse one
-    larger than :func:`max_metadata_bytes`: a crafted file (a sparse one of
-    terabytes costs nothing on disk) would otherwise be read into memory whole."""
+def check_metadata_size(nbytes: int, where: str, name: str = "metadata.json") -> None:
+    """(every reader of a ``metadata.json`` -- or of the ``base.json`` retention
+    leaves in its place -- before reading it) Refuse one larger than
+    :func:`max_metadata_bytes`: a crafted file (a sparse one of terabytes costs
+    nothing on disk) would otherwise be read into memory whole."""
     cap = max_metadata_bytes()
     if nbytes > cap:
         raise CorruptCheckpointError(
-            f"{where}: metadata.json is {nbytes:,} bytes, more than the {cap:,} bytecp reads "
+            f"{where}: {name} is {nbytes:,} bytes, more than the {cap:,} bytecp reads "
             f"(a job of hundreds of thousands of tensors writes tens of MB): not a checkpoint's, or damaged. "
             "If it is a real one, set BYTECP_MAX_METADATA_BYTES above its size")
 

@@ -47,6 +47,7 @@ __all__ = [
     "new_save_id",
     "names_bytecp",
     "read_metadata",
+    "is_bytecp_metadata",
     "data_file",
     "index_file",
     "report_file",
@@ -113,11 +114,24 @@ def read_metadata(storage: Any, path: str = METADATA_FILE) -> bytes:
     """The bytes of the ``metadata.json`` at ``path`` of ``storage`` (a
     :class:`~bytecp.storage_api.Storage`), refused before anything is read
     when it is larger than a reader reads (:func:`bytecp.format.limits.check_metadata_size`).
-    Every reader of a ``metadata.json`` reads it through here."""
+    Every reader that parses a checkpoint's ``metadata.json`` reads it
+    through here, but the saving side's reads of its own run's commits
+    (:mod:`bytecp.saving.commit`: the header names the save first)."""
     n = storage.size(path)
     folder = path.rpartition("/")[0]
     limits.check_metadata_size(n, f"{storage.url}/{folder}" if folder else storage.url)
     return bytes(storage.read_bytes(path, 0, n))
+
+
+def is_bytecp_metadata(storage: Any, path: str = METADATA_FILE) -> bool:
+    """:func:`names_bytecp` of the ``metadata.json`` at ``path`` of ``storage``;
+    one larger than a reader reads counts as bytecp's (no other format writes
+    one that large: listed as unreadable, it fails its load with the size
+    error). Asked by the catalog and the run-folder scan."""
+    n = storage.size(path)
+    if n > limits.max_metadata_bytes():
+        return True
+    return names_bytecp(storage.read_bytes(path, 0, n))
 
 
 def names_bytecp(data: bytes) -> bool:

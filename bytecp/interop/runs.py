@@ -110,7 +110,7 @@ def is_bytecp_folder(sub: Storage) -> bool:
     if sub.exists(BASE_FILE):
         return True
     if sub.exists(fmt.METADATA_FILE):  # Megatron's torch_dist folders have a metadata.json too
-        return fmt.names_bytecp(fmt.read_metadata(sub))
+        return fmt.is_bytecp_metadata(sub)
     return bool(saves_at(sub))
 
 

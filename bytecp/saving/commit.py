@@ -208,7 +208,8 @@ def _replaced(storage: Storage) -> Replaced | None:
             head = read_header(storage, committed=True)
             if head is not None and head.save_id == known.save_id:
                 return known
-        return Replaced.of(fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url))
+        # (read whole without the readers' size cap: a checkpoint of this run, which its own saves wrote)
+        return Replaced.of(fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url))
     except Exception:
         return None  # an unreadable old checkpoint is simply replaced
 
@@ -266,9 +267,10 @@ def committed_after(
     removes the failed save's files."""
     md = committed_here
     if md is None and save_id:
-        try:
-            found = fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url)
-            md = found if found.save_id == save_id else None
+        try:  # whose commit it is from the header alone; this save's own read whole, without the readers' cap
+            head = read_header(storage, committed=True)
+            if head is not None and head.save_id == save_id:
+                md = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
         except Exception:
             md = None
     if md is None:
@@ -314,9 +316,9 @@ def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: boo
     local to each node).
     Nothing when ``metadata.json`` is this save's (it committed after all).
     -> the files that could not be removed (a read-only file system)."""
-    try:
-        if storage.exists(fmt.METADATA_FILE) and \
-                fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url).save_id == save_id:
+    try:  # (the header alone names the save: a metadata.json of any size is never taken for another's)
+        head = read_header(storage, committed=True)
+        if head is not None and head.save_id == save_id:
             return []
     except Exception:  # unreadable: not this save's commit
         pass

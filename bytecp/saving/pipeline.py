@@ -34,7 +34,8 @@ from typing import Any, TypeVar
 from bytecp import device_memory, faults
 from bytecp.adapter_api import detect_adapter, looking
 from bytecp.dist import DistContext
-from bytecp.errors import DistributedCheckpointError
+from bytecp.errors import ConfigError, DistributedCheckpointError
+from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.options import SaveOptions
 from bytecp.plan.exchange import (
@@ -81,6 +82,19 @@ from bytecp.tree.state import flatten_tree
 __all__ = ["SavePipeline"]
 
 log = logging.getLogger("bytecp")
+
+
+def _warn_if_readers_refuse(nbytes: int, url: str) -> None:
+    """(the coordinator, committing) A ``metadata.json`` larger than readers
+    read (:func:`bytecp.format.limits.check_metadata_size`) is still committed,
+    with a warning saying what loading it takes."""
+    try:
+        cap = limits.max_metadata_bytes()
+    except ConfigError:  # (a reader says what is wrong with it)
+        cap = limits.MAX_METADATA_BYTES
+    if nbytes > cap:
+        log.warning("bytecp: %s: metadata.json is %s bytes, more than the %s readers read; loading it "
+                    "takes BYTECP_MAX_METADATA_BYTES=%d or more", url, f"{nbytes:,}", f"{cap:,}", nbytes)
 
 _T = TypeVar("_T")
 
@@ -370,6 +384,7 @@ class SavePipeline:
                 with held(self.storage, md, leases.holding(save_id)) as check_again:
                     self.storage.write_file(md.index.file, pages)  # type: ignore[union-attr]
                     data = md.to_bytes()
+                    _warn_if_readers_refuse(len(data), self.storage.url)
                     check_again()
                     self.storage.commit(fmt.METADATA_FILE, data, exclusive=not self.opts.overwrite)
                     committed.append(md)  # from here on the files belong to a checkpoint

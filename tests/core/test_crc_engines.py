@@ -30,6 +30,8 @@ rs = pytest.importorskip("crc32c_rs", reason="the crc32c-rs engine is not instal
 
 def test_the_engine_in_use_is_crc32c_rs_where_installed_and_agrees_with_the_package() -> None:
     assert checksum.ENGINE == (os.environ.get("BYTECP_CRC32C", "").lower() or "crc32c-rs")
+    assert checksum._crc is (rs.crc32c if checksum.ENGINE == "crc32c-rs" else crc32c_pkg.crc32c)
+    assert checksum.crc32c(b"x", (1 << 32) + 5) == crc32c_pkg.crc32c(b"x", 5)  # (a value's low 32 bits)
     rnd = random.Random(7)
     for n in (0, 1, 3, 31, 255, 1024, 4096, 65_536, 262_144, 1_000_003):
         data = rnd.randbytes(n)
@@ -55,10 +57,27 @@ def test_bytecp_crc32c_forces_an_engine_and_names_the_choices_when_wrong(monkeyp
         checksum._pick()
     monkeypatch.setitem(sys.modules, "crc32c_rs", None)  # (not installed: its import fails)
     monkeypatch.setenv("BYTECP_CRC32C", "crc32c-rs")
-    with pytest.raises(ConfigError, match="the crc32c-rs package is not installed: pip install crc32c-rs"):
+    with pytest.raises(ConfigError, match=r"the crc32c-rs package is not installed: pip install 'bytecp\[fast\]'"):
         checksum._pick()
     monkeypatch.delenv("BYTECP_CRC32C")
     assert checksum._pick() == (crc32c_pkg.crc32c, "crc32c")
+
+
+@pytest.mark.parametrize("broken", ["raises", "no function"])
+def test_a_broken_crc32c_rs_falls_back_with_a_warning_and_forced_is_an_error(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, broken: str) -> None:
+    def boom(data: object, value: int = 0) -> int:
+        raise RuntimeError("illegal instruction")
+
+    fake = types.SimpleNamespace(crc32c=boom) if broken == "raises" else types.SimpleNamespace()
+    monkeypatch.setitem(sys.modules, "crc32c_rs", fake)
+    monkeypatch.delenv("BYTECP_CRC32C", raising=False)
+    with caplog.at_level(logging.WARNING, logger="bytecp.format.checksum"):
+        assert checksum._pick() == (crc32c_pkg.crc32c, "crc32c")
+    assert "crc32c-rs failed its check here (" in caplog.text and "using the crc32c package" in caplog.text
+    monkeypatch.setenv("BYTECP_CRC32C", "crc32c-rs")
+    with pytest.raises(ConfigError, match=r"BYTECP_CRC32C=crc32c-rs but crc32c-rs failed its check here"):
+        checksum._pick()
 
 
 @pytest.mark.parametrize("wrong", ["vectors", "long unaligned", "continued"])
@@ -80,6 +99,9 @@ def test_an_engine_that_disagrees_with_the_package_is_not_used(monkeypatch: pyte
     with caplog.at_level(logging.WARNING, logger="bytecp.format.checksum"):
         assert checksum._pick() == (crc32c_pkg.crc32c, "crc32c")
     assert "crc32c-rs 9.9 computed other checksums than the crc32c package here" in caplog.text
+    monkeypatch.setenv("BYTECP_CRC32C", "crc32c-rs")  # forced: an error, never silently the other one
+    with pytest.raises(ConfigError, match="BYTECP_CRC32C=crc32c-rs but crc32c-rs 9.9 computed other checksums"):
+        checksum._pick()
 
 
 def _state() -> dict[str, dict[str, torch.Tensor]]:
@@ -90,7 +112,15 @@ def _state() -> dict[str, dict[str, torch.Tensor]]:
 @pytest.mark.parametrize("writer", ["crc32c-rs", "crc32c"])
 def test_a_checkpoint_one_engine_wrote_loads_and_verifies_with_the_other(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
-    engines = {"crc32c-rs": rs.crc32c, "crc32c": crc32c_pkg.crc32c}
+    calls = {"crc32c-rs": 0, "crc32c": 0}
+
+    def counted(name: str, fn: object) -> object:
+        def run(data: object, value: int = 0) -> int:
+            calls[name] += 1
+            return fn(data, value)  # type: ignore[operator,no-any-return]
+        return run
+
+    engines = {"crc32c-rs": counted("crc32c-rs", rs.crc32c), "crc32c": counted("crc32c", crc32c_pkg.crc32c)}
     monkeypatch.setattr(checksum, "BLOCK_BYTES", 64 << 10)  # w: 1.2 MB, 19 blocks
     reader = next(e for e in engines if e != writer)
     state = _state()
@@ -98,6 +128,7 @@ def test_a_checkpoint_one_engine_wrote_loads_and_verifies_with_the_other(
     bytecp.save(str(tmp_path / "ck"), state)
     h = bytecp.async_save(str(tmp_path / "lazy"), state, lazy=True)  # summed on the copy's way
     h.wait()
+    assert calls[writer] > 0 and calls[reader] == 0  # (the engine set is the one that summed)
     monkeypatch.setattr(checksum, "_crc", engines[reader])
     for name in ("ck", "lazy"):
         got = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
@@ -113,12 +144,13 @@ def test_a_checkpoint_one_engine_wrote_loads_and_verifies_with_the_other(
     raw = bytearray(data.read_bytes())
     raw[len(raw) // 2] ^= 0x40
     data.write_bytes(bytes(raw))
+    assert calls[reader] > 0
     with pytest.raises(CorruptCheckpointError, match="checksum mismatch"):
         bytecp.load(str(tmp_path / "ck"), {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}})
 
 
 @pytest.mark.spawn
-def test_the_engine_is_chosen_once_at_import(tmp_path: Path) -> None:
+def test_bytecp_crc32c_chooses_the_engine_of_a_new_process(tmp_path: Path) -> None:
     import subprocess
 
     env = {**os.environ, "BYTECP_CRC32C": "crc32c"}

@@ -269,6 +269,43 @@ def test_a_terabyte_metadata_json_is_refused_from_its_size_before_it_is_read(
         bytecp.load_state_dict(str(ck2))
 
 
+@pytest.mark.timeout(60)
+def test_a_run_folder_with_an_oversized_metadata_json_resumes_from_the_step_before(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from bytecp.tools.resume import decide
+
+    run = tmp_path / "run"
+    for step in (1, 2):
+        bytecp.save(str(run / f"step-{step}"), {"w": torch.full((3,), float(step))}, step=step)
+    for holes_only in (False, True):
+        # grown to 2 TiB past its JSON (its header still reads), then all of it holes (no header either):
+        # a candidate that fails its load, with a warning; the resume takes the step before
+        if holes_only:
+            (run / "step-2" / "metadata.json").unlink()
+        with open(run / "step-2" / "metadata.json", "r+b" if not holes_only else "wb") as f:
+            f.truncate(1 << 41)
+        assert [c.name for c in decide(str(run)).checkpoints] == ["step-1", "step-2"]
+        state = {"w": torch.zeros(3)}
+        assert bytecp.CheckpointManager(str(run), every_n_steps=1).restore(state) == 1
+        assert torch.equal(state["w"], torch.full((3,), 1.0))
+        assert cli(["ls", str(run)]) == 0
+        assert "step-1" in capsys.readouterr().out
+
+
+def test_a_failed_saves_cleanup_never_takes_a_committed_oversized_metadata_json_for_another_saves(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """(the header names the save; the readers' size cap is not the writer's business)"""
+    from bytecp.saving.commit import remove_failed
+
+    ck = saved(tmp_path)
+    save_id = md_of(ck)["save_id"]
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", str((ck / "metadata.json").stat().st_size - 1))
+    assert remove_failed(open_storage(str(ck)), save_id, 0, coordinator=True) == []
+    assert any((ck / "data" / save_id).iterdir())
+    monkeypatch.delenv("BYTECP_MAX_METADATA_BYTES")
+    assert torch.equal(bytecp.load_state_dict(str(ck))["w"], torch.arange(6, dtype=torch.float32))
+
+
 def test_compressed_blob_archive_is_not_inflated(tmp_path: Path) -> None:
     """A blob whose zip entries are deflated could inflate to any size: refused."""
     ck = saved(tmp_path, {"w": torch.zeros(4), "o": {"t": (1, float("inf"))}})
