@@ -306,6 +306,18 @@ def test_a_failed_saves_cleanup_never_takes_a_committed_oversized_metadata_json_
     assert torch.equal(bytecp.load_state_dict(str(ck))["w"], torch.arange(6, dtype=torch.float32))
 
 
+def test_a_save_committing_a_metadata_json_above_the_readers_cap_warns_what_loading_it_takes(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", "100")
+    with caplog.at_level("WARNING", logger="bytecp"):
+        ck = saved(tmp_path)
+    size = (ck / "metadata.json").stat().st_size
+    assert f"ck: metadata.json is {size:,} bytes, more than the 100 readers read; loading it takes " \
+           f"BYTECP_MAX_METADATA_BYTES={size} or more" in caplog.text
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", str(size))
+    assert torch.equal(bytecp.load_state_dict(str(ck))["w"], torch.arange(6, dtype=torch.float32))
+
+
 def test_compressed_blob_archive_is_not_inflated(tmp_path: Path) -> None:
     """A blob whose zip entries are deflated could inflate to any size: refused."""
     ck = saved(tmp_path, {"w": torch.zeros(4), "o": {"t": (1, float("inf"))}})
