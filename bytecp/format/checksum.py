@@ -93,11 +93,14 @@ def _pick() -> tuple[Callable[..., int], str]:
         if _agrees(fn):
             return fn, "crc32c-rs"
         why = f"crc32c-rs {getattr(crc32c_rs, '__version__', '?')} computed other checksums than the crc32c package here"
-    except ImportError:
-        if want:
+    except ImportError as e:
+        if e.name != "crc32c_rs":  # installed, but it does not import (a broken build)
+            why = f"crc32c-rs failed its check here (ImportError: {e})"
+        elif want:
             raise ConfigError("BYTECP_CRC32C=crc32c-rs but the crc32c-rs package is not installed: "
                               "pip install 'bytecp[fast]', or unset BYTECP_CRC32C") from None
-        return _crc32c_pkg.crc32c, "crc32c"
+        else:
+            return _crc32c_pkg.crc32c, "crc32c"
     except Exception as e:  # noqa: BLE001 - a broken install: the crc32c package does the work
         why = f"crc32c-rs failed its check here ({type(e).__name__}: {e})"
     if want:

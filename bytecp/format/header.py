@@ -35,10 +35,10 @@ from typing import Any
 from bytecp.errors import CorruptCheckpointError, StorageError
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
-from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, scan_header
+from bytecp.format.json_head import HEADER_BYTES, HEADER_KEYS, leading_members, scan_header
 from bytecp.storage_api import Storage
 
-__all__ = ["Header", "Files", "BASE_FILE", "read_header", "read_files"]
+__all__ = ["Header", "Files", "BASE_FILE", "read_header", "read_files", "committed_save_id"]
 
 #: what retention leaves of a checkpoint that kept checkpoints still
 #: reference: its header and data files, moved out of ``metadata.json`` (so it
@@ -154,6 +154,30 @@ def read_header(storage: Storage, *, committed: bool = False) -> Header | None:
             return None
         f, data, size = got
     return header_of(_doc(storage, f, data, size) if d is None else d, f"{storage.url}/{f}")
+
+
+_ID_KEYS = ("format", "format_version", "bytecp_version", "save_id")
+
+
+def committed_save_id(storage: Storage) -> str | None:
+    """The save the ``metadata.json`` at ``storage`` commits, from its leading
+    members alone (``save_id`` is the fourth member every version writes: at
+    most its first :data:`HEADER_BYTES` are read, whatever its size or its
+    ``user_metadata``); None when there is none. A file whose first bytes
+    name no save is a :class:`CorruptCheckpointError` (not this process's
+    commit); a storage error is raised as it comes. Asked by a failed save's
+    clean-up (:mod:`bytecp.saving.commit`), which must never take its own
+    commit for another's."""
+    try:
+        size = storage.size(fmt.METADATA_FILE)
+    except FileNotFoundError:
+        return None
+    where = f"{storage.url}/{fmt.METADATA_FILE}"
+    data = storage.read_bytes(fmt.METADATA_FILE, 0, min(size, HEADER_BYTES))
+    d = leading_members(_text(data, len(data) == size, where), _ID_KEYS)
+    if d is None or d.get("format") != fmt.FORMAT_NAME or not isinstance(d.get("save_id"), str):
+        raise CorruptCheckpointError(f"{where}: its first bytes name no bytecp save")
+    return str(d["save_id"])
 
 
 def read_files(storage: Storage, *, committed: bool = False) -> Files | None:

@@ -26,7 +26,7 @@ from bytecp.data.positions import check_data
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
-from bytecp.format.json_head import check_header, decode_members
+from bytecp.format.json_head import check_header, decode_members, leading_members
 from bytecp.format.member_text import EncodedMembers, dumps_object
 from bytecp.format.members import MEMBER_DECODERS, Parsed
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
@@ -125,13 +125,14 @@ def read_metadata(storage: Any, path: str = METADATA_FILE) -> bytes:
 
 def is_bytecp_metadata(storage: Any, path: str = METADATA_FILE) -> bool:
     """:func:`names_bytecp` of the ``metadata.json`` at ``path`` of ``storage``;
-    one larger than a reader reads counts as bytecp's (no other format writes
-    one that large: listed as unreadable, it fails its load with the size
-    error). Asked by the catalog and the run-folder scan."""
+    of one larger than a reader reads, only its first bytes are read: bytecp's
+    unless they name another format (listed as unreadable, it fails its load
+    with the size error). Asked by the catalog and the run-folder scan."""
     n = storage.size(path)
-    if n > limits.max_metadata_bytes():
-        return True
-    return names_bytecp(storage.read_bytes(path, 0, n))
+    if n <= limits.max_metadata_bytes():
+        return names_bytecp(storage.read_bytes(path, 0, n))
+    head = leading_members(storage.read_bytes(path, 0, 4096).decode(errors="replace"), ("format",))
+    return head is None or head.get("format", FORMAT_NAME) == FORMAT_NAME
 
 
 def names_bytecp(data: bytes) -> bool:

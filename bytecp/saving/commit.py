@@ -39,7 +39,7 @@ from bytecp.errors import (
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.chunk_batch import ChunkBatch
-from bytecp.format.header import read_header
+from bytecp.format.header import committed_save_id, read_header
 from bytecp.format.index_build import check_chunks
 from bytecp.format.parts_build import build_directory
 from bytecp.format.parts_schema import buckets_for
@@ -208,10 +208,9 @@ def _replaced(storage: Storage) -> Replaced | None:
             head = read_header(storage, committed=True)
             if head is not None and head.save_id == known.save_id:
                 return known
-        # (read whole without the readers' size cap: a checkpoint of this run, which its own saves wrote)
-        return Replaced.of(fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url))
+        return Replaced.of(fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url))
     except Exception:
-        return None  # an unreadable old checkpoint is simply replaced
+        return None  # an unreadable (or oversized) old checkpoint is simply replaced: its files stay
 
 
 def check_target(storage: Storage, overwrite: bool, lease: Lease | None = None,
@@ -267,12 +266,16 @@ def committed_after(
     removes the failed save's files."""
     md = committed_here
     if md is None and save_id:
-        try:  # whose commit it is from the header alone; this save's own read whole, without the readers' cap
-            head = read_header(storage, committed=True)
-            if head is not None and head.save_id == save_id:
+        mine = _commits(storage, save_id)
+        if mine:  # this save's commit: read whole (its own file, without the readers' cap)
+            try:
                 md = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
-        except Exception:
-            md = None
+            except Exception as e:  # noqa: BLE001 - committed all the same: its files stay
+                log.warning("bytecp: %s: metadata.json commits save %s but did not read (%s); its files are "
+                            "kept", storage.url, save_id, e)
+                return None
+        elif mine is None:  # cannot tell: never remove what may be a committed checkpoint's
+            return None
     if md is None:
         if coordinator and save_id:
             remove_files_of(storage, save_id)
@@ -309,6 +312,22 @@ def late_commit_check(deadline: float | None) -> None:
                            "raise save_timeout_s if saves this large need longer")
 
 
+def _commits(storage: Storage, save_id: str) -> bool | None:
+    """Whether the ``metadata.json`` at ``storage`` commits ``save_id``, from
+    its first bytes alone (:func:`~bytecp.format.header.committed_save_id`:
+    whatever its size); False when there is none or it names another save (or
+    none: a damaged or foreign file); None when storage did not answer (a
+    warning: the failed save's files are then kept, never a committed one's removed)."""
+    try:
+        return committed_save_id(storage) == save_id
+    except CorruptCheckpointError:
+        return False
+    except Exception as e:  # noqa: BLE001 - a storage error: cannot tell
+        log.warning("bytecp: %s: could not tell whether save %s committed (%s); its files are kept (`bytecp gc` "
+                    "removes them once it is known)", storage.url, save_id, e)
+        return None
+
+
 def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: bool) -> list[str]:
     """(every rank, a save that failed, on its way out) Remove what it wrote:
     the coordinator every file of the save (``data/<id>/``, ``index/<id>/``),
@@ -316,12 +335,8 @@ def remove_failed(storage: Storage, save_id: str, rank: int, *, coordinator: boo
     local to each node).
     Nothing when ``metadata.json`` is this save's (it committed after all).
     -> the files that could not be removed (a read-only file system)."""
-    try:  # (the header alone names the save: a metadata.json of any size is never taken for another's)
-        head = read_header(storage, committed=True)
-        if head is not None and head.save_id == save_id:
-            return []
-    except Exception:  # unreadable: not this save's commit
-        pass
+    if _commits(storage, save_id) is not False:  # committed after all, or cannot tell: nothing removed
+        return []
     data = f"data/{save_id}/"
     try:
         storage.abort_incomplete_uploads(data)

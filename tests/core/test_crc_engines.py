@@ -6,6 +6,7 @@ with the other, and an engine that disagrees is never used.
 
 from __future__ import annotations
 
+import importlib.abc
 import logging
 import os
 import random
@@ -25,10 +26,14 @@ from bytecp.tools.inspect import verify
 from bytecp.tree.regions import Region
 from tests.core.test_block_checks import load_box
 
-rs = pytest.importorskip("crc32c_rs", reason="the crc32c-rs engine is not installed (pip install bytecp[fast])")
+
+@pytest.fixture()
+def rs() -> types.ModuleType:
+    """The crc32c-rs package (the tests of fakes in its place run without it)."""
+    return pytest.importorskip("crc32c_rs", reason="the crc32c-rs engine is not installed (pip install bytecp[fast])")
 
 
-def test_the_engine_in_use_is_crc32c_rs_where_installed_and_agrees_with_the_package() -> None:
+def test_the_engine_in_use_is_crc32c_rs_where_installed_and_agrees_with_the_package(rs: types.ModuleType) -> None:
     assert checksum.ENGINE == (os.environ.get("BYTECP_CRC32C", "").lower() or "crc32c-rs")
     assert checksum._crc is (rs.crc32c if checksum.ENGINE == "crc32c-rs" else crc32c_pkg.crc32c)
     assert checksum.crc32c(b"x", (1 << 32) + 5) == crc32c_pkg.crc32c(b"x", 5)  # (a value's low 32 bits)
@@ -46,7 +51,8 @@ def test_the_engine_in_use_is_crc32c_rs_where_installed_and_agrees_with_the_pack
                    for k in range(checksum.block_count(n, 4096)))
 
 
-def test_bytecp_crc32c_forces_an_engine_and_names_the_choices_when_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_bytecp_crc32c_forces_an_engine_and_names_the_choices_when_wrong(monkeypatch: pytest.MonkeyPatch,
+                                                                        rs: types.ModuleType) -> None:
     monkeypatch.setenv("BYTECP_CRC32C", "crc32c")
     assert checksum._pick() == (crc32c_pkg.crc32c, "crc32c")
     monkeypatch.setenv("BYTECP_CRC32C", "CRC32C-RS")
@@ -61,6 +67,28 @@ def test_bytecp_crc32c_forces_an_engine_and_names_the_choices_when_wrong(monkeyp
         checksum._pick()
     monkeypatch.delenv("BYTECP_CRC32C")
     assert checksum._pick() == (crc32c_pkg.crc32c, "crc32c")
+
+
+class _BrokenBuild(importlib.abc.MetaPathFinder):
+    """An installed crc32c-rs whose compiled part does not load."""
+
+    def find_spec(self, name: str, path: object = None, target: object = None) -> None:
+        if name == "crc32c_rs":
+            raise ImportError("libc.so.6: version `GLIBC_2.99' not found", name="crc32c_rs._crc32c_rs")
+        return None
+
+
+def test_a_crc32c_rs_that_does_not_import_is_not_taken_for_a_missing_one(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.delitem(sys.modules, "crc32c_rs", raising=False)
+    monkeypatch.setattr(sys, "meta_path", [_BrokenBuild(), *sys.meta_path])
+    monkeypatch.delenv("BYTECP_CRC32C", raising=False)
+    with caplog.at_level(logging.WARNING, logger="bytecp.format.checksum"):
+        assert checksum._pick() == (crc32c_pkg.crc32c, "crc32c")
+    assert "crc32c-rs failed its check here (ImportError: libc.so.6: version `GLIBC_2.99' not found)" in caplog.text
+    monkeypatch.setenv("BYTECP_CRC32C", "crc32c-rs")
+    with pytest.raises(ConfigError, match="BYTECP_CRC32C=crc32c-rs but crc32c-rs failed its check here"):
+        checksum._pick()
 
 
 @pytest.mark.parametrize("broken", ["raises", "no function"])
@@ -111,7 +139,7 @@ def _state() -> dict[str, dict[str, torch.Tensor]]:
 
 @pytest.mark.parametrize("writer", ["crc32c-rs", "crc32c"])
 def test_a_checkpoint_one_engine_wrote_loads_and_verifies_with_the_other(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str) -> None:
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, writer: str, rs: types.ModuleType) -> None:
     calls = {"crc32c-rs": 0, "crc32c": 0}
 
     def counted(name: str, fn: object) -> object:

@@ -292,16 +292,31 @@ def test_a_run_folder_with_an_oversized_metadata_json_resumes_from_the_step_befo
         assert "step-1" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("cap", ["below its size", "malformed"])
 def test_a_failed_saves_cleanup_never_takes_a_committed_oversized_metadata_json_for_another_saves(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """(the header names the save; the readers' size cap is not the writer's business)"""
-    from bytecp.saving.commit import remove_failed
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cap: str) -> None:
+    """(its first bytes name the save, whatever its size and its user metadata: 100 KB here,
+    before the members a header scan needs; the readers' size cap is not the writer's business)"""
+    from bytecp.errors import DistributedCheckpointError
+    from bytecp.saving.commit import committed_after, remove_failed
 
-    ck = saved(tmp_path)
+    ck = tmp_path / "ck"
+    bytecp.save(str(ck), {"w": torch.arange(6, dtype=torch.float32)}, metadata={"notes": "x" * 100_000})
     save_id = md_of(ck)["save_id"]
-    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", str((ck / "metadata.json").stat().st_size - 1))
-    assert remove_failed(open_storage(str(ck)), save_id, 0, coordinator=True) == []
+    size = (ck / "metadata.json").stat().st_size
+    monkeypatch.setenv("BYTECP_MAX_METADATA_BYTES", str(size - 1) if cap == "below its size" else "64MiB")
+    st = open_storage(str(ck))
+    assert remove_failed(st, save_id, 0, coordinator=True) == []
+    broke = DistributedCheckpointError("save/commit", {1: "lost"})
+    with pytest.warns(UserWarning, match=f"is committed \\(save {save_id}\\)"):
+        got = committed_after(st, broke, save_id, None, coordinator=True)
+    assert got is not None and got.save_id == save_id
     assert any((ck / "data" / save_id).iterdir())
+    # another save's files next to it: removed (its metadata.json names this one)
+    (ck / "data" / "other-save").mkdir()
+    (ck / "data" / "other-save" / "0-0.bin").write_bytes(b"x")
+    assert committed_after(st, broke, "other-save", None, coordinator=True) is None
+    assert not (ck / "data" / "other-save").exists()
     monkeypatch.delenv("BYTECP_MAX_METADATA_BYTES")
     assert torch.equal(bytecp.load_state_dict(str(ck))["w"], torch.arange(6, dtype=torch.float32))
 
