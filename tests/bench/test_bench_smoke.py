@@ -136,3 +136,24 @@ def test_load_floor_tiny_reports_every_case(tmp_path: Path) -> None:
         assert all(_numeric(v) for v in res[f"{case}_s"].values()), case
         if case != "floor":
             assert _numeric(res[f"{case}_speed_vs_floor"]) and _numeric(res[f"{case}_cpu_vs_floor"]), case
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_lazy_call_tiny_reports_every_mode_and_both_floors(tmp_path: Path) -> None:
+    """``python -m benchmarks.lazy_call`` at a tiny size: the three calls, the training step beside each
+    and alone, the copy floor back to back and in the loop, and the eager call against the latter
+    (nothing asserted about speed)."""
+    out = tmp_path / "lazy.json"
+    run_benchmark("lazy_call", ["--mb", "2", "--layers", "2", "--saves", "2", "--warmup", "1", "--json", str(out)],
+                  timeout=280)
+    res = json.loads(out.read_text())
+    assert res["tensors"] > 20 and res["saves_each"] == 2
+    for mode in ("lazy", "manager_lazy", "eager"):
+        assert all(_numeric(v) for v in res[f"{mode}_call"].values()), mode
+        assert all(_numeric(v) for v in res[f"{mode}_training_step"].values()), mode
+    floors = [k for k in res if k.startswith("floor_in_loop_")]
+    assert floors and all(all(_numeric(v) for v in res[k].values()) for k in floors)
+    vs = [k for k in res if k.startswith("eager_call_vs_floor_in_loop_")]
+    assert len(vs) == len(floors) and all(_numeric(res[k]) for k in vs)
+    assert _numeric(res["floor_ms_1_thread"])
