@@ -168,12 +168,11 @@ def committed_save_id(storage: Storage) -> str | None:
     commit); a storage error is raised as it comes. Asked by a failed save's
     clean-up (:mod:`bytecp.saving.commit`), which must never take its own
     commit for another's."""
-    try:
-        size = storage.size(fmt.METADATA_FILE)
-    except FileNotFoundError:
+    got = _read(storage, committed=True)
+    if got is None:
         return None
-    where = f"{storage.url}/{fmt.METADATA_FILE}"
-    data = storage.read_bytes(fmt.METADATA_FILE, 0, min(size, HEADER_BYTES))
+    f, data, size = got
+    where = f"{storage.url}/{f}"
     d = leading_members(_text(data, len(data) == size, where), _ID_KEYS)
     if d is None or d.get("format") != fmt.FORMAT_NAME or not isinstance(d.get("save_id"), str):
         raise CorruptCheckpointError(f"{where}: its first bytes name no bytecp save")

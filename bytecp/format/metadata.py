@@ -115,12 +115,14 @@ def read_metadata(storage: Any, path: str = METADATA_FILE) -> bytes:
     :class:`~bytecp.storage_api.Storage`), refused before anything is read
     when it is larger than a reader reads (:func:`bytecp.format.limits.check_metadata_size`).
     Every reader that parses a checkpoint's ``metadata.json`` reads it
-    through here, but the saving side's reads of its own run's commits
-    (:mod:`bytecp.saving.commit`: the header names the save first)."""
+    through here, but a save's reads of its own commit
+    (:mod:`bytecp.saving.commit`, once the header names the save;
+    :mod:`bytecp.saving.outcome`), which its coordinator warned about
+    when it was larger."""
     n = storage.size(path)
     folder = path.rpartition("/")[0]
     limits.check_metadata_size(n, f"{storage.url}/{folder}" if folder else storage.url)
-    return bytes(storage.read_bytes(path, 0, n))
+    return storage.read_bytes(path, 0, n)
 
 
 def is_bytecp_metadata(storage: Any, path: str = METADATA_FILE) -> bool:

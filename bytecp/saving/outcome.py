@@ -75,7 +75,8 @@ class CommittedMetadata(fmt.Metadata):
             raise RuntimeError(f"the metadata of save {self.save_id} came without its large members and no storage "
                                "to read them from (CommittedMetadata.attach)")
         try:
-            md = fmt.Metadata.from_bytes(fmt.read_metadata(storage), storage.url)
+            # (this save's own commit: read whole, without the readers' size cap, which the commit warned about)
+            md = fmt.Metadata.from_bytes(storage.read_bytes(fmt.METADATA_FILE), storage.url)
         except FileNotFoundError:
             raise CorruptCheckpointError(
                 f"{storage.url}: metadata.json of save {self.save_id} is gone (the checkpoint was removed after "
