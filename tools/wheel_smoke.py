@@ -23,6 +23,7 @@ from __future__ import annotations
 import importlib
 import os
 import pkgutil
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -61,6 +62,11 @@ def check_wheel(wheel: str) -> None:
     for path in sorted(want - held):
         fail(f"{wheel}: lacks {path}; list its package in pyproject.toml [tool.setuptools] packages")
     print(f"wheel-check: the wheel holds {len(want & held)} of the tree's {len(want)} modules")
+    # the compiled kernels of serving deltas: built wherever a C compiler is (optional elsewhere)
+    built = [n for n in z.namelist() if n.startswith("bytecp/format/_kernels") and n.endswith((".so", ".pyd"))]
+    if shutil.which("cc") and not built:
+        fail(f"{wheel}: lacks the compiled kernels bytecp/format/_kernels*.so though a C compiler is here; "
+             "see pyproject.toml [tool.setuptools] ext-modules and the build log")
 
 
 def check_installed() -> None:
@@ -69,6 +75,12 @@ def check_installed() -> None:
     here = os.path.dirname(bytecp.__file__)
     if not here.startswith(sys.prefix):
         fail(f"bytecp imported from {here}, not from the virtualenv {sys.prefix}")
+    from bytecp.format import kernels
+
+    if shutil.which("cc") and kernels.engine() != "c":
+        fail(f"the installed wheel's serving deltas run on {kernels.engine()}, not its compiled kernels "
+             "(bytecp.format._kernels missing, stale or failing its self-check)")
+    print(f"wheel-check: serving-delta kernels: {kernels.engine()}")
 
 
 def check_imports() -> None:

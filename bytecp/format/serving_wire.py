@@ -28,6 +28,7 @@ checks an applied delta from the changed elements alone.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -37,13 +38,16 @@ from typing import Any
 import numpy as np
 
 from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.format import kernels
 from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.regions import Region, row_major_strides
 
 __all__ = [
     "SERVING_DIR", "FORMAT", "VERSION", "ALIGN", "Link", "DeltaPart", "WholePart", "Entry", "RankEntries",
     "Manifest", "serving_dtype_name", "bits_dtype", "manifest_path", "entries_path", "delta_path", "whole_path",
-    "relocate", "element_weights", "change_sum", "box_checksum", "encode_positions", "decode_positions",
+    "relocate", "run_start", "element_weights", "change_sum", "change_sum_reference", "swap_bits",
+    "scatter_bits", "box_checksum", "encode_positions", "decode_positions",
+    "decode_positions_reference",
     "hex64", "parse_hex64", "volume", "FOLLOWERS_DIR", "held_marker", "kept_files", "ELEMENT_BYTES", "delta_cost",
 ]
 
@@ -144,6 +148,17 @@ def _is_run(src: Region, dst: Region) -> bool:
     return all(src.lengths[k] == dst.lengths[k] for k in range(d + 1, src.ndim))
 
 
+@functools.lru_cache(maxsize=4096)
+def run_start(src: Region, dst: Region) -> int | None:
+    """Where box ``src`` starts in box ``dst``'s row-major order when it lies
+    there as one contiguous run (a position ``p`` of ``src`` is then ``p +``
+    that in ``dst``); None when it does not. Cached: a follower asks it of
+    the same boxes at every update."""
+    if src.ndim == 0 or not _is_run(src, dst):
+        return None
+    return sum((o - b) * s for o, b, s in zip(src.offsets, dst.offsets, row_major_strides(dst.lengths), strict=True))
+
+
 def relocate(p: np.ndarray, src: Region, dst: Region) -> tuple[np.ndarray | None, np.ndarray]:
     """Row-major positions ``p`` (int64) inside box ``src`` as positions inside
     box ``dst`` (both boxes of one tensor's global index space): ``(mask,
@@ -152,9 +167,8 @@ def relocate(p: np.ndarray, src: Region, dst: Region) -> tuple[np.ndarray | None
     tensor's linear index."""
     if src.ndim == 0:
         return None, np.zeros(len(p), dtype=np.int64)
-    if _is_run(src, dst):
-        start = sum((o - b) * s for o, b, s in zip(src.offsets, dst.offsets, row_major_strides(dst.lengths),
-                                                   strict=True))
+    start = run_start(src, dst)
+    if start is not None:
         return None, (p + start if start else p)
     sstrides, dstrides = row_major_strides(src.lengths), row_major_strides(dst.lengths)
     q = np.zeros(len(p), dtype=np.int64)
@@ -190,7 +204,58 @@ def element_weights(i: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 
 def change_sum(g: np.ndarray, new: np.ndarray, old: np.ndarray) -> int:
     """``sum(w(g) * (new - old)) mod 2**64``: how the element checksum of a box
-    moves when the elements at linear indices ``g`` go from bits ``old`` to ``new``."""
+    moves when the elements at linear indices ``g`` (int64) go from bits
+    ``old`` to ``new`` (one unsigned integer type); the compiled kernel when
+    there is one (:mod:`bytecp.format.kernels`), else :func:`change_sum_reference`."""
+    k = kernels.compiled()
+    if k is not None and len(g):
+        return int(k.change_sum(_c(g, np.int64), _c(new, new.dtype), _c(old, new.dtype), new.dtype.itemsize))
+    return change_sum_reference(g, new, old)
+
+
+def swap_bits(live: np.ndarray, q: np.ndarray, new: np.ndarray, g: np.ndarray | None,
+              g_add: int = 0) -> tuple[int, np.ndarray]:
+    """Write ``new`` at positions ``q`` of ``live`` (flat, the elements' bits)
+    in place: ``(change, old)``, the :func:`change_sum` of the change at
+    linear indices ``g`` (None: ``q + g_add``) and the values replaced
+    (``scatter_bits(live, q, old)`` puts them back). Every position is checked
+    before anything is written. One pass over the elements' memory, by the
+    compiled kernel when there is one."""
+    k = kernels.compiled()
+    new = _c(new, live.dtype)
+    if k is not None and len(q) and live.flags.c_contiguous and live.flags.writeable:
+        old = np.empty(len(q), dtype=live.dtype)
+        change = k.swap_change_sum(live, _c(q, np.int64), new, None if g is None else _c(g, np.int64), g_add,
+                                   live.dtype.itemsize, old)
+        return int(change), old
+    old = np.take(live, q)
+    live[q] = new
+    return change_sum_reference(q + g_add if g is None else g, new, old), old
+
+
+def scatter_bits(dst: np.ndarray, pos: np.ndarray, new: np.ndarray) -> None:
+    """``dst[pos] = new`` (``dst`` flat, the elements' bits; every position
+    checked before anything is written), by the compiled kernel when there is one."""
+    k = kernels.compiled()
+    if k is not None and len(pos) and dst.flags.c_contiguous and dst.flags.writeable:
+        k.scatter(dst, _c(pos, np.int64), _c(new, dst.dtype), dst.dtype.itemsize)
+    else:
+        dst[pos] = new
+
+
+def _c(a: np.ndarray, dtype: Any) -> np.ndarray:
+    """``a`` contiguous in ``dtype``: a view where the bits are the same (an
+    integer type of the same size), else converted."""
+    a, want = np.ascontiguousarray(a), np.dtype(dtype)
+    if a.dtype == want:
+        return a
+    if a.dtype.itemsize == want.itemsize and a.dtype.kind in "iu" and want.kind in "iu":
+        return a.view(want)
+    return a.astype(want)
+
+
+def change_sum_reference(g: np.ndarray, new: np.ndarray, old: np.ndarray) -> int:
+    """:func:`change_sum` in NumPy: the definition the compiled kernel is checked against."""
     total = 0
     w = np.empty(min(len(g), _PIECE), dtype=np.uint64)
     d = np.empty(min(len(g), _PIECE), dtype=np.uint64)
@@ -262,6 +327,23 @@ def decode_positions(buf: Any, count: int, numel: int, where: str) -> np.ndarray
         if len(b):
             raise CorruptCheckpointError(f"{where}: {len(b)} position bytes for no changed element")
         return np.zeros(0, dtype=np.int64)
+    k = kernels.compiled()
+    if k is not None:
+        out = np.empty(count, dtype=np.int64)
+        code = k.decode_positions(b, count, numel, out)
+        if code == 0:
+            return out
+        raise CorruptCheckpointError(f"{where}: " + {
+            1: f"the position bytes do not hold {count} values",
+            2: "a position gap is longer than 9 bytes",
+            3: f"positions are not strictly increasing inside the box's {numel} elements",
+        }.get(code, f"a position lies outside its box of {numel} elements"))
+    return decode_positions_reference(b, count, numel, where)
+
+
+def decode_positions_reference(b: np.ndarray, count: int, numel: int, where: str) -> np.ndarray:
+    """:func:`decode_positions` in NumPy (``b``: the bytes, ``count`` > 0):
+    the definition the compiled kernel is checked against."""
     cont = np.flatnonzero(b >= 0x80)  # continuation bytes
     if len(cont) == 0 and len(b) == count:  # every gap in one byte
         return _checked(b.astype(np.int64), count, numel, where)

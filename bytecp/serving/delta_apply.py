@@ -6,19 +6,27 @@ after :func:`bytecp.serving.deltas.choose` picked each tensor's way and
 :func:`bytecp.serving.deltas.read_payloads` read the parts:
 
 1. :func:`bring_forward` (local) -- each of this rank's boxes of a tensor
-   taken by deltas: for ``chain``, the changes of every step merged into one
-   set of positions and values over what the box holds (the box itself is not
-   touched: the values a step replaces are read from it, or from an earlier
-   step's changes); for ``whole``, a staging tensor filled from the serving
-   copy, then changed in place by the later steps. Each step's change to each
-   saved box's element checksum is summed over the pieces this rank *owns*
-   (a box a lower rank of the group also holds is counted there);
+   taken by deltas: for ``chain``, a box held in one host tensor is changed
+   in place, step after step, each value a step replaces read and kept as it
+   is overwritten (one pass over the changed elements' memory, not two:
+   they are far apart, so each comes from memory); other boxes (a device
+   tensor, several live tensors) get the changes of every step merged into
+   one set of positions and values, the box untouched (the values a step
+   replaces read from it, or from an earlier step's changes); for
+   ``whole``, a staging tensor filled from the serving copy, then changed in
+   place by the later steps. Each step's change to each saved box's element
+   checksum is summed over the pieces this rank *owns* (a box a lower rank
+   of the group also holds is counted there);
 2. :func:`verdict` (every rank, over every rank's sums: one all-gather) --
    a saved box whose pieces do not add up to its recorded change, or whose
    pieces do not cover it, condemns its tensor on every rank alike (read
-   whole instead, reported); so does a part that failed its crc32c anywhere;
+   whole instead, reported); so does a part that failed its crc32c anywhere.
+   :func:`undo` then puts back what step 1 changed in place of those
+   tensors -- and of every tensor, when anything fails before the update is
+   taken: the state is as it was;
 3. :func:`scatter` -- once every rank agreed: the merged changes written into
-   the live tensors in place (an interruption finishes them first).
+   the live tensors in place (an interruption finishes them first), and the
+   version of every tensor changed moved.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ import concurrent.futures
 import dataclasses
 import os
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -38,9 +46,10 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import serving_wire as wire
 from bytecp.serving.deltas import Chain, Mode, Part
 from bytecp.tree.dtype_names import ITEMSIZES
+from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
 
-__all__ = ["Target", "Brought", "parts_for", "bring_forward", "verdict", "scatter", "Sums"]
+__all__ = ["Target", "Brought", "parts_for", "bring_forward", "verdict", "undo", "scatter", "Sums"]
 
 _M64 = (1 << 64) - 1
 #: below this many changed elements in all, boxes are brought forward on the caller's thread alone
@@ -79,6 +88,9 @@ class Brought:
     sums: Sums = dataclasses.field(default_factory=dict)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     changed_elements: int = 0
+    #: the boxes changed in place, in the order changed: (key, the live bits, positions, the values replaced)
+    undo: list[tuple[tuple[str, Region], np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=list)
 
 
 def _map(fn: Any, items: Sequence[Any], threads: int, elements: int) -> list[Any]:
@@ -90,7 +102,17 @@ def _map(fn: Any, items: Sequence[Any], threads: int, elements: int) -> list[Any
         if not _POOL:
             _POOL.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bytecp-apply"))
         pool = _POOL[0]
-    return list(pool.map(fn, items))
+    futures = [pool.submit(fn, x) for x in items]
+    try:
+        return [f.result() for f in futures]
+    except BaseException:  # nothing is still writing when the caller puts things back
+        while True:
+            try:
+                concurrent.futures.wait(futures)
+                break
+            except BaseException:  # a second interruption: keep waiting
+                continue
+        raise
 
 
 def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
@@ -186,12 +208,11 @@ def _lookup(net_p: np.ndarray, net_b: np.ndarray, q: np.ndarray, held: Any) -> n
 
 def _host_bits(t: torch.Tensor, bits: Any) -> np.ndarray | None:
     """A host tensor's elements as a flat NumPy array of their bits, sharing
-    its memory (NumPy's gathers and scatters of scattered elements run several
-    times faster than torch's indexing on a busy host); None on a device."""
-    if t.device.type != "cpu":
+    its memory (made from its address, no torch operation); None on a device
+    or for a tensor that is not contiguous."""
+    if t.device.type != "cpu" or not t.is_contiguous() or t.is_conj() or t.is_neg():
         return None
-    arr: np.ndarray = _bits(t.detach().reshape(-1)).numpy().view(bits)
-    return arr
+    return np.frombuffer(host_memoryview(t), dtype=bits)
 
 
 def _held_bits(dst: torch.Tensor, bits: Any) -> Any:
@@ -210,20 +231,32 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
     on up to ``threads`` threads (NumPy's gathers, scatters and sums release the GIL)."""
     dec = _Decoded(payloads, dtype)
     todo = [(t, modes[t.fqn]) for t in targets if t.fqn in modes and modes[t.fqn].kind != "rows"]
+    journal: list[Brought] = []  # every box's changes in place, as they are made (for an interruption)
 
     def one(job: tuple[Target, Mode]) -> tuple[Target, Brought | str]:
         t, mode = job
         part = Brought()
+        journal.append(part)
         try:
             _one(chain, mode, t, dec, part, spare, dtype)
         except _Missing as m:
+            undo(part)
             return t, bad.get(m.part, f"{chain.steps[m.part.step].url}: a serving part was not read")
         except CorruptCheckpointError as e:
+            undo(part)
             return t, str(e)
+        except BaseException:
+            undo(part)
+            raise
         return t, part
 
     elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
-    done = _map(one, todo, threads, elements)
+    try:
+        done = _map(one, todo, threads, elements)
+    except BaseException:
+        for part in reversed(journal):
+            undo(part)
+        raise
     out = Brought()
     for t, got in done:
         if isinstance(got, str):
@@ -231,16 +264,31 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
             continue
         out.nets.update(got.nets)
         out.staged.update(got.staged)
+        out.undo += got.undo
         out.changed_elements += got.changed_elements
         for k, (sm, n, want, numel) in got.sums.items():
             cur = out.sums.setdefault(k, [0, 0, want, numel])
             cur[0] = (cur[0] + sm) & _M64
             cur[1] += n
     if out.failed:  # nothing of a failed tensor goes in
+        undo(out, out.failed)
         out.nets = {k: v for k, v in out.nets.items() if k[0] not in out.failed}
         out.staged = {k: v for k, v in out.staged.items() if k[0] not in out.failed}
         out.sums = {k: v for k, v in out.sums.items() if k[1] not in out.failed}
     return out
+
+
+def undo(brought: Brought, fqns: Collection[str] | None = None) -> None:
+    """Put back what :func:`bring_forward` changed in place (of the tensors
+    ``fqns``; None: all), the latest change first; what is put back is
+    forgotten, so a second call does nothing."""
+    keep = []
+    for rec in reversed(brought.undo):
+        if fqns is None or rec[0][0] in fqns:
+            wire.scatter_bits(rec[1], rec[2], rec[3])
+        else:
+            keep.append(rec)
+    brought.undo[:] = keep[::-1]
 
 
 def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
@@ -248,7 +296,8 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
     full = Region((0,) * len(t.shape), t.shape)
     key = (t.fqn, t.box)
     dst = t.dsts[0] if t.dsts else None
-    held: Any
+    held: Any = None
+    live: np.ndarray | None = None  # the bits changed in place, step after step
     if mode.kind == "whole":
         st = spare.pop(key, None)
         if st is None or tuple(st.shape) != t.box.lengths or st.dtype != t.dtype or st.device.type != "cpu":
@@ -268,14 +317,18 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
         if filled != t.box.numel:
             raise CorruptCheckpointError(f"{start.url}: the serving copies of {t.fqn} cover {filled} of the "
                                          f"{t.box.numel} elements of box {t.box}")
-        flat = view.reshape(-1)
-        held = flat.__getitem__
+        live = view.reshape(-1)
         out.staged[key] = st
     else:
         if dst is not None and not dst.is_contiguous():
             raise CorruptCheckpointError(f"{t.fqn}: this rank's box {t.box} is not contiguous in memory; read whole")
-        held = _held_bits(dst, dec.bits) if dst is not None else None
-        flat = None
+        arr = _host_bits(dst, dec.bits) if dst is not None else None
+        if arr is not None and len({d.data_ptr() for d in t.dsts}) == 1:
+            live = arr
+        elif dst is not None:
+            held = _held_bits(dst, dec.bits)
+    kept = live is not None and mode.kind != "whole"  # the live tensor: what it held is kept for undo()
+    qs = wire.run_start(t.box, full)
     net_p, net_b = np.zeros(0, dtype=np.int64), np.zeros(0, dtype=dec.bits)
     for i in _steps(mode, chain):
         step = chain.steps[i]
@@ -291,22 +344,28 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
             pos, bits = dec.delta(Part(i, r, "delta", d.offset, d.nbytes, d.crc32c), e, where)
             mask, q = wire.relocate(pos, e.box, t.box)
             b = bits if mask is None else bits[mask]
-            if t.owned:
-                old = _lookup(net_p, net_b, q, held) if flat is None else flat[q]
-                g = wire.relocate(pos if mask is None else pos[mask], e.box, full)[1]
-                s = out.sums.setdefault((step.save_id, e.fqn, e.box.offsets),
-                                        [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
-                s[0] = (s[0] + wire.change_sum(g, b, old)) & _M64
-                s[1] += inter.numel
-            if flat is not None:
-                flat[q] = b
+            # linear indices in the tensor: q moved by where this rank's box starts, when it is a run of it
+            g, g_add = ((None, qs) if qs is not None else
+                        (wire.relocate(pos if mask is None else pos[mask], e.box, full)[1], 0))
+            change = 0
+            if live is not None:
+                change, old = wire.swap_bits(live, q, b, g, g_add)
+                if kept:
+                    out.undo.append((key, live, q, old))
             else:
+                if t.owned:
+                    change = wire.change_sum(q + g_add if g is None else g, b, _lookup(net_p, net_b, q, held))
                 ps.append(q)
                 bs.append(b)
+            if t.owned:
+                s = out.sums.setdefault((step.save_id, e.fqn, e.box.offsets),
+                                        [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
+                s[0] = (s[0] + change) & _M64
+                s[1] += inter.numel
             out.changed_elements += len(q)
-        if flat is None and ps:
+        if ps:
             net_p, net_b = _merge(net_p, net_b, np.concatenate(ps), np.concatenate(bs))
-    if flat is None:
+    if live is None:
         out.nets[key] = (net_p, net_b)
 
 
@@ -339,11 +398,16 @@ def verdict(gathered: Sequence[tuple[Sums, Mapping[str, str]]], names: Mapping[s
 
 
 def scatter(targets: Sequence[Target], nets: Mapping[tuple[str, Region], tuple[np.ndarray, np.ndarray]],
-            dtype: torch.dtype, threads: int = 4) -> None:
+            dtype: torch.dtype, threads: int = 4, changed: Collection[tuple[str, Region]] | None = None) -> None:
     """(every rank, once the group agreed) Write each box's merged changes into
-    its live tensors, in place; an interruption finishes every write first."""
+    its live tensors, in place; an interruption finishes every write first.
+    The boxes ``changed`` in place already only have their tensors' versions moved."""
     jobs: list[tuple[torch.Tensor, np.ndarray, np.ndarray]] = []
     for t in targets:
+        if changed is not None and (t.fqn, t.box) in changed:  # changed in place by bring_forward
+            for dst in {d.data_ptr(): d for d in t.dsts}.values():
+                increment_version(dst)
+            continue
         got = nets.get((t.fqn, t.box))
         if got is None or not len(got[0]):
             continue
@@ -372,7 +436,7 @@ def _write(dst: torch.Tensor, pos: np.ndarray, bits: np.ndarray, dtype: torch.dt
     """``bits`` (the serving dtype's) at flat positions ``pos`` of ``dst``; its version moves."""
     arr = _host_bits(dst, bits.dtype)
     if arr is not None:
-        arr[pos] = bits
+        wire.scatter_bits(arr, pos, bits)
     else:
         vals = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(dtype))).view(dtype)
         with torch.no_grad():

@@ -10,12 +10,15 @@ the follower, once the coordinator chose the checkpoint. In order:
    the serving dtype walk the chain of deltas from the held save and choose
    each tensor's way
    (:mod:`bytecp.serving.deltas`); read and bring forward this rank's boxes
-   (:mod:`bytecp.serving.delta_apply`); the deltas say which of those
+   (:mod:`bytecp.serving.delta_apply`: a box in one host tensor changed in
+   place, what it held kept); the deltas say which of those
    changed, the index rows (read only for the other tensors) which of the
    rest, read whole and cast (:func:`bytecp.serving.staging.stage`);
 2. (one all-gather) every rank's element-checksum sums and failures: a
-   tensor that does not add up, or failed anywhere, is read whole by every
-   rank (a second local read and one more agreement), and reported;
+   tensor that does not add up, or failed anywhere, is put back as it was
+   and read whole by every rank (a second local read and one more
+   agreement), and reported; anything failing up to here (on any rank)
+   puts back every box changed in place before it raises;
 3. (every rank) swap the staged tensors in and scatter the changes into the
    others, in place.
 
@@ -38,7 +41,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format import serving_wire as wire
 from bytecp.loading.opened import open_checkpoint
 from bytecp.serving.changes import changed_tensors
-from bytecp.serving.delta_apply import Target, bring_forward, parts_for, scatter, verdict
+from bytecp.serving.delta_apply import Target, bring_forward, parts_for, scatter, undo, verdict
 from bytecp.serving.deltas import Chain, Mode, choose, read_payloads, walk
 from bytecp.serving.staging import Held, stage, swap_in
 from bytecp.storage_api import Storage, open_storage
@@ -142,6 +145,7 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
         targets = _targets(f.held, wanted, [s for s in modes if s not in same], md, owned)
         payloads, bad = read_payloads(chain, parts_for(chain, modes, targets), threads=f.io_threads)
         brought = bring_forward(chain, modes, targets, payloads, bad, sdtype, f.spare, threads=_THREADS)
+        kept["brought"] = brought  # changed in place: put back below if the update is not taken
         staged, nbytes = stage(opened, f.held, wanted, list(changes.changed), rows, f.spare, f.io_threads)
         # tensors deltas could have served, read whole because the chain has problems (reported with them)
         unserved = [s for s in served if s not in modes and s in changes.changed] if chain.problems else []
@@ -150,29 +154,36 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
                     unserved=unserved)
         return brought.sums, brought.failed
 
-    gathered = ctx.all_gather("follow/stage", local)
-    chain, brought, staged, rows = kept["chain"], kept["brought"], kept["staged"], kept["rows"]
-    bad = verdict(gathered, {s.save_id: s.url for s in chain.steps})
-    nbytes = kept["nbytes"]
-    if bad:  # every rank reads those whole, alike
-        def again() -> tuple[dict[Any, torch.Tensor], int]:
-            if ctx.is_coordinator:
-                kept["opened"].check_sizes()
-            more = f._rows(kept["opened"], {w: s for w, s in kept["wanted"].items() if s in bad})
-            return stage(kept["opened"], f.held, kept["wanted"], sorted(bad), more, {}, f.io_threads)
+    try:
+        gathered = ctx.all_gather("follow/stage", local)
+        chain, brought, staged, rows = kept["chain"], kept["brought"], kept["staged"], kept["rows"]
+        bad = verdict(gathered, {s.save_id: s.url for s in chain.steps})
+        undo(brought, bad)
+        nbytes = kept["nbytes"]
+        if bad:  # every rank reads those whole, alike
+            def again() -> tuple[dict[Any, torch.Tensor], int]:
+                if ctx.is_coordinator:
+                    kept["opened"].check_sizes()
+                more = f._rows(kept["opened"], {w: s for w, s in kept["wanted"].items() if s in bad})
+                return stage(kept["opened"], f.held, kept["wanted"], sorted(bad), more, {}, f.io_threads)
 
-        more, n2 = ctx.run("follow/stage", again)
-        for k in [k for k in brought.nets if k[0] in bad]:
-            del brought.nets[k]
-        for k in [k for k in staged if k[0] in bad]:
-            del staged[k]
-        staged.update(more)
-        nbytes += n2
-    staged.update({k: v for k, v in brought.staged.items() if k[0] not in bad})
+            more, n2 = ctx.run("follow/stage", again)
+            for k in [k for k in brought.nets if k[0] in bad]:
+                del brought.nets[k]
+            for k in [k for k in staged if k[0] in bad]:
+                del staged[k]
+            staged.update(more)
+            nbytes += n2
+        staged.update({k: v for k, v in brought.staged.items() if k[0] not in bad})
+    except BaseException:  # not taken (here or on another rank): what was changed in place goes back
+        if "brought" in kept:
+            undo(kept["brought"])
+        raise
+    in_place = {rec[0] for rec in brought.undo}
     try:
         f.spare = swap_in(f.held, kept["wanted"], staged, f.swap)
     finally:
-        scatter(kept["targets"], brought.nets, dtype_from_name(sdtype), threads=_THREADS)
+        scatter(kept["targets"], brought.nets, dtype_from_name(sdtype), threads=_THREADS, changed=in_place)
     modes, md, changes, same = kept["modes"], kept["md"], kept["changes"], kept["same"]
     by_delta = [s for s in modes if s not in bad and s not in same]
     fallbacks = [f"{s}: {why}" for s, why in sorted(bad.items())] + list(dict.fromkeys(chain.problems))

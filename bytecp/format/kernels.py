@@ -1,0 +1,118 @@
+"""The compiled kernels of serving deltas (``bytecp/format/_kernels.c``), when this install has them.
+
+A follower applying serving deltas pays per changed element: decoding its
+position, reading the value it replaces, the element checksum's weight and
+sum, and writing the new value. In NumPy each of those is a pass of its own
+(about 55 ns an element on the benchmark host, the replaced values read in
+one pass and written in another); ``bytecp.format._kernels`` decodes in one
+loop and reads, sums and writes in a second, each element's memory asked
+for ahead, without the GIL (about 13 ns an element, most of it the memory
+of elements far apart). It is built at install time where a C compiler is
+(pyproject.toml's ``ext-modules``, optional); where it is not, or when it
+fails the check below, :func:`compiled` is None and
+:mod:`bytecp.format.serving_wire` runs the NumPy code, which computes the
+same values (and writes the same bits).
+
+Loaded at the first call of :func:`compiled`. The module is used only when
+its ABI number is this file's and it agrees with the NumPy reference on a
+self-check (positions, sums and writes of every element size, a position
+outside its box refused): a stale or broken build warns once and is not
+used. ``BYTECP_KERNELS=0`` turns it off; ``1`` requires it (a missing or
+failing build is then a :class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from bytecp.errors import ConfigError
+
+__all__ = ["compiled", "engine", "ABI", "load"]
+
+log = logging.getLogger("bytecp.format.kernels")
+
+#: the interface this Python expects of ``bytecp.format._kernels`` (its ``ABI``)
+ABI = 1
+_ENV = "BYTECP_KERNELS"
+
+
+def _self_check(k: Any) -> str | None:
+    """Why ``k`` cannot be used (None: it agrees with the NumPy reference)."""
+    from bytecp.format import serving_wire as wire
+
+    rng = np.random.default_rng(7)
+    pos = np.unique(rng.integers(0, 1 << 40, 300, dtype=np.int64))
+    raw = wire.encode_positions(pos)
+    out = np.empty(len(pos), dtype=np.int64)
+    if k.decode_positions(raw, len(pos), 1 << 40, out) != 0 or not np.array_equal(out, pos):
+        return "decode_positions differs from the NumPy decoder"
+    if k.decode_positions(raw, len(pos), int(pos[-1]), out) != 4:
+        return "decode_positions accepts a position outside its box"
+    for size in (1, 2, 4, 8):
+        bits = wire.bits_dtype(size)
+        held = rng.integers(0, np.iinfo(bits).max, 1000, dtype=bits, endpoint=True)
+        q = np.unique(rng.integers(0, 1000, 200, dtype=np.int64))
+        new = rng.integers(0, np.iinfo(bits).max, len(q), dtype=bits, endpoint=True)
+        g = q * 3 + 11
+        want = wire.change_sum_reference(g, new, held[q])
+        ref = held.copy()
+        ref[q] = new
+        swapped, old = held.copy(), np.empty(len(q), dtype=bits)
+        if k.change_sum(g, new, held[q], size) != want or k.swap_change_sum(swapped, q, new, g, 0, size, old) != want \
+                or k.swap_change_sum(held.copy(), q, new, None, 5, size, old) != \
+                wire.change_sum_reference(q + 5, new, held[q]):
+            return f"the element checksum differs from the NumPy one ({size}-byte elements)"
+        if not np.array_equal(swapped, ref) or not np.array_equal(old, held[q]):
+            return f"the in-place change differs from NumPy's ({size}-byte elements)"
+        k.scatter(swapped, q, old, size)
+        if not np.array_equal(swapped, held):
+            return f"scatter differs from NumPy's ({size}-byte elements)"
+    return None
+
+
+def load() -> ModuleType | None:
+    """``bytecp.format._kernels`` when it is built, current and agrees (see the module's docstring); else None."""
+    want = os.environ.get(_ENV, "").strip()
+    if want not in ("", "0", "1"):
+        raise ConfigError(f"{_ENV}={want!r}: use 0 (NumPy kernels only) or 1 (require the compiled ones)")
+    if want == "0":
+        return None
+    why: str | None
+    try:
+        k = importlib.import_module("bytecp.format._kernels")
+    except ImportError as e:
+        k, why = None, f"not built ({e})"
+    else:
+        got = getattr(k, "ABI", None)
+        why = None if got == ABI else f"a build of another version (ABI {got}, this bytecp's is {ABI}): reinstall"
+        why = why or _self_check(k)
+    if why is None:
+        return k
+    if want == "1":
+        raise ConfigError(f"{_ENV}=1 but bytecp's compiled kernels are {why}; reinstall bytecp where a C compiler "
+                          f"is, or unset {_ENV}")
+    if k is not None:  # built but unusable: say so; not built at all is an install without a compiler, quietly
+        log.warning("bytecp: the compiled kernels (bytecp.format._kernels) are not used: %s; serving deltas "
+                    "run in NumPy", why)
+    return None
+
+
+_LOADED: list[ModuleType | None] = []
+
+
+def compiled() -> ModuleType | None:
+    """The kernels to use (None: NumPy's), loaded and checked at the first call."""
+    if not _LOADED:
+        _LOADED.append(load())
+    return _LOADED[0]
+
+
+def engine() -> str:
+    """Which kernels serving deltas run on: ``"c"`` or ``"numpy"``."""
+    return "numpy" if compiled() is None else "c"

@@ -1,0 +1,215 @@
+"""The compiled kernels of serving deltas (``bytecp.format._kernels``, loaded by
+:mod:`bytecp.format.kernels`) against the NumPy definitions in
+:mod:`bytecp.format.serving_wire`: the same positions, sums and writes on
+random and damaged input, every element size; a damaged position list is
+refused by both, nothing written; a build that is stale or disagrees is
+never used; and a follower's update that fails after it changed boxes in
+place puts every one back, with either engine."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+import bytecp
+from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.format import kernels
+from bytecp.format import serving_wire as wire
+
+pytestmark = pytest.mark.timeout(300)
+
+BUILT = kernels.load() is not None
+
+
+@pytest.fixture(params=["c", "numpy"])
+def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each test once per engine: the compiled kernels (skipped where this install has none) and NumPy's."""
+    if request.param == "c" and not BUILT:
+        pytest.skip("bytecp.format._kernels is not built in this install (no C compiler at install time)")
+    monkeypatch.setattr(kernels, "_LOADED", [kernels.load() if request.param == "c" else None])
+    assert kernels.engine() == request.param
+    return str(request.param)
+
+
+def _decode(raw: bytes, count: int, numel: int) -> np.ndarray | str:
+    try:
+        return wire.decode_positions(raw, count, numel, "here")
+    except CorruptCheckpointError as e:
+        assert str(e).startswith("here: ")
+        return "refused"
+
+
+def _reference(raw: bytes, count: int, numel: int) -> np.ndarray | str:
+    if count == 0:
+        return _decode(raw, count, numel)
+    try:
+        return wire.decode_positions_reference(np.frombuffer(raw, dtype=np.uint8), count, numel, "here")
+    except CorruptCheckpointError:
+        return "refused"
+
+
+def _same(a: np.ndarray | str, b: np.ndarray | str) -> bool:
+    return a == b if isinstance(a, str) or isinstance(b, str) else np.array_equal(a, b)
+
+
+def test_positions_decode_alike_and_damage_is_refused_alike(engine: str) -> None:
+    """Every kind of gap list, then each damaged in every way a byte can be:
+    the compiled decoder returns what the NumPy one does, or refuses what it refuses."""
+    rng = np.random.default_rng(0)
+    cases = 0
+    for numel, count in [(1, 1), (200, 200), (200, 9), (40_000, 2_000), (3_000_000, 4_000), (1 << 42, 60)]:
+        p = np.unique(rng.integers(0, numel, count, dtype=np.int64))
+        raw = wire.encode_positions(p)
+        assert np.array_equal(_decode(raw, len(p), numel), p)
+        damaged = [raw[:-1], raw + b"\x01", raw[:-1] + bytes([raw[-1] | 0x80]), b"\x00" + raw,
+                   raw[:1] + b"\x00" + raw[1:], raw + b"\xff" * 10 + b"\x01"]
+        for _ in range(60):
+            b = bytearray(raw)
+            i = int(rng.integers(0, len(b)))
+            b[i] = int(rng.integers(0, 256))
+            damaged.append(bytes(b))
+        for bad in damaged:
+            for n, lim in ((len(p), numel), (len(p) + 1, numel), (len(p), int(p[-1]))):
+                cases += 1
+                assert _same(_decode(bad, n, lim), _reference(bad, n, lim)), (numel, count, bad[:12], n, lim)
+    assert cases > 1000
+
+
+def test_the_element_checksum_and_the_writes_agree_with_numpy(engine: str) -> None:
+    rng = np.random.default_rng(1)
+    for size in (1, 2, 4, 8):
+        bits = wire.bits_dtype(size)
+        live = rng.integers(0, np.iinfo(bits).max, 50_000, dtype=bits, endpoint=True)
+        before = live.copy()
+        q = np.unique(rng.integers(0, len(live), 3_000, dtype=np.int64))
+        new = rng.integers(0, np.iinfo(bits).max, len(q), dtype=bits, endpoint=True)
+        g = q * 7 + 3
+        want = wire.change_sum_reference(g, new, before[q])
+        assert wire.change_sum(g, new, before[q]) == want
+        change, old = wire.swap_bits(live, q, new, g)
+        assert change == want and np.array_equal(old, before[q])
+        expect = before.copy()
+        expect[q] = new
+        assert np.array_equal(live, expect)
+        wire.scatter_bits(live, q, old)  # undone
+        assert np.array_equal(live, before)
+        change, _ = wire.swap_bits(live, q, new, None, 11)  # linear index = position + 11
+        assert change == wire.change_sum_reference(q + 11, new, before[q])
+
+
+def test_a_position_outside_the_tensor_writes_nothing(engine: str) -> None:
+    live = np.arange(100, dtype=np.uint16)
+    with pytest.raises(IndexError):
+        wire.swap_bits(live, np.array([3, 50, 100], dtype=np.int64), np.array([9, 9, 9], dtype=np.uint16), None)
+    assert np.array_equal(live, np.arange(100, dtype=np.uint16))
+    if engine == "c":  # NumPy's own fancy assignment is not checked here: its writes are its own
+        with pytest.raises(IndexError):
+            wire.scatter_bits(live, np.array([3, -1], dtype=np.int64), np.array([9, 9], dtype=np.uint16))
+        assert np.array_equal(live, np.arange(100, dtype=np.uint16))
+
+
+def test_the_setting_and_a_build_that_cannot_be_used(monkeypatch: pytest.MonkeyPatch,
+                                                     caplog: pytest.LogCaptureFixture) -> None:
+    import sys
+
+    monkeypatch.setenv("BYTECP_KERNELS", "0")
+    assert kernels.load() is None
+    monkeypatch.setenv("BYTECP_KERNELS", "yes")
+    with pytest.raises(ConfigError, match="BYTECP_KERNELS='yes': use 0"):
+        kernels.load()
+    monkeypatch.setenv("BYTECP_KERNELS", "1")
+    stale = types.ModuleType("bytecp.format._kernels")
+    stale.ABI = kernels.ABI + 1  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "bytecp.format._kernels", stale)
+    with pytest.raises(ConfigError, match="another version"):
+        kernels.load()
+    monkeypatch.delenv("BYTECP_KERNELS")
+    with caplog.at_level("WARNING", logger="bytecp.format.kernels"):
+        assert kernels.load() is None
+    assert "another version" in caplog.text
+    if BUILT:  # a build whose sums are wrong is not used either
+        import importlib
+
+        monkeypatch.delitem(sys.modules, "bytecp.format._kernels")
+        good = importlib.import_module("bytecp.format._kernels")
+        wrong = types.ModuleType("bytecp.format._kernels")
+        wrong.__dict__.update({k: getattr(good, k) for k in ("ABI", "decode_positions", "scatter", "swap_change_sum")})
+        wrong.change_sum = lambda *a: good.change_sum(*a) + 1  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, "bytecp.format._kernels", wrong)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="bytecp.format.kernels"):
+            assert kernels.load() is None
+        assert "element checksum differs" in caplog.text
+
+
+def _model(seed: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(96, 128), torch.nn.ReLU(), torch.nn.Linear(128, 16)).to(dtype)
+
+
+def _bits(m: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().view(torch.int16).clone() for k, v in m.state_dict().items()}
+
+
+@pytest.mark.parametrize("where", ["a later box", "the read of the rest"])
+def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path, engine: str, where: str,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A follower changes its boxes in place as it applies deltas; when the
+    update then fails (at a later box, or reading the tensors taken whole),
+    the weights are bitwise what they were, the failure is reported, and the
+    next update chains from the step still held: by deltas, bitwise."""
+    from bytecp.serving import delta_update
+
+    run = str(tmp_path / "run")
+    model = _model(0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=10, serving_dtype=torch.bfloat16)
+    served = _model(3, torch.bfloat16)
+    gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=torch.bfloat16)
+
+    def train(step: int) -> None:
+        g = torch.Generator().manual_seed(step)
+        model(torch.randn(8, 96, generator=g)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+        mgr.save(step, {"model": model, "optimizer": opt})
+
+    train(1)
+    assert next(gen).ok
+    held = _bits(served)
+    train(2)
+    calls: list[int] = []
+    real_swap, real_stage = wire.swap_bits, delta_update.stage
+
+    def swap(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("the third box failed")
+        return real_swap(*a, **k)
+
+    def stage(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        raise OSError("the storage went away")
+
+    if where == "a later box":
+        monkeypatch.setattr(wire, "swap_bits", swap)
+    else:
+        monkeypatch.setattr(delta_update, "stage", stage)
+    up = next(gen)
+    assert not up.ok and up.step == 2 and ("third box" in up.error or "storage went away" in up.error), up
+    assert calls
+    assert all(torch.equal(v, held[k]) for k, v in _bits(served).items())  # every box put back
+    monkeypatch.setattr(wire, "swap_bits", real_swap)
+    monkeypatch.setattr(delta_update, "stage", real_stage)
+    train(3)
+    up = next(gen)
+    assert up.ok and up.step == 3 and not up.fallbacks and up.delta_steps == 2, up
+    assert up.tensors_by_delta == up.tensors_read > 0, up
+    want = {k: v.to(torch.bfloat16).view(torch.int16) for k, v in model.state_dict().items()}
+    assert all(torch.equal(v, want[k]) for k, v in _bits(served).items())
+    gen.close()
