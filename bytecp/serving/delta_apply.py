@@ -93,18 +93,36 @@ class Brought:
         default_factory=list)
 
 
-def _map(fn: Any, items: Sequence[Any], threads: int, elements: int) -> list[Any]:
-    """``fn`` over ``items``: on the process's apply threads (kept between
-    updates) when there are ``threads`` > 1 and enough ``elements`` to pay for them."""
+def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Any = None) -> list[Any]:
+    """``fn`` over ``items`` (results in their order): on the caller's thread
+    and the process's apply threads (kept between updates) when there are
+    ``threads`` > 1 and enough ``elements`` to pay for them, the items dealt
+    into one group a thread, about equal by ``size(item)`` (one hand-off a
+    thread, not one an item)."""
     if threads <= 1 or len(items) <= 1 or elements < PARALLEL_ELEMENTS:
         return [fn(x) for x in items]
     with _POOL_LOCK:
         if not _POOL:
             _POOL.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bytecp-apply"))
         pool = _POOL[0]
-    futures = [pool.submit(fn, x) for x in items]
+    groups: list[list[int]] = [[] for _ in range(min(threads, len(items)))]
+    loads = [0] * len(groups)
+    for i in sorted(range(len(items)), key=lambda i: -(size(items[i]) if size else 1)):  # largest first
+        j = loads.index(min(loads))
+        groups[j].append(i)
+        loads[j] += size(items[i]) if size else 1
+    out: list[Any] = [None] * len(items)
+
+    def run(group: list[int]) -> None:
+        for i in group:
+            out[i] = fn(items[i])
+
+    futures = [pool.submit(run, g) for g in groups[1:]]
     try:
-        return [f.result() for f in futures]
+        run(groups[0])
+        for f in futures:
+            f.result()
+        return out
     except BaseException:  # nothing is still writing when the caller puts things back
         while True:
             try:
@@ -252,7 +270,7 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
 
     elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
     try:
-        done = _map(one, todo, threads, elements)
+        done = _map(one, todo, threads, elements, lambda job: job[0].box.numel)
     except BaseException:
         for part in reversed(journal):
             undo(part)
@@ -424,7 +442,7 @@ def scatter(targets: Sequence[Target], nets: Mapping[tuple[str, Region], tuple[n
         done.add(i)
 
     try:
-        _map(write, range(len(jobs)), threads, sum(len(j[1]) for j in jobs))
+        _map(write, range(len(jobs)), threads, sum(len(j[1]) for j in jobs), lambda i: len(jobs[i][1]))
     except BaseException:
         for i in range(len(jobs)):
             if i not in done:
