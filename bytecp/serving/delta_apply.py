@@ -451,14 +451,15 @@ def scatter(targets: Sequence[Target], nets: Mapping[tuple[str, Region], tuple[n
 
 
 def _write(dst: torch.Tensor, pos: np.ndarray, bits: np.ndarray, dtype: torch.dtype) -> None:
-    """``bits`` (the serving dtype's) at flat positions ``pos`` of ``dst``; its version moves."""
+    """``bits`` (the serving dtype's) at flat (row-major) positions ``pos`` of
+    ``dst``, a device or a strided tensor too; its version moves."""
     arr = _host_bits(dst, bits.dtype)
     if arr is not None:
         wire.scatter_bits(arr, pos, bits)
     else:
         vals = torch.from_numpy(np.ascontiguousarray(bits).view(_np_int(dtype))).view(dtype)
-        with torch.no_grad():
-            dst.view(-1)[torch.from_numpy(pos).to(dst.device)] = vals.to(dst.device)
+        with torch.no_grad():  # put_: row-major positions whatever the strides
+            dst.put_(torch.from_numpy(pos).to(dst.device), vals.to(dst.device))
     increment_version(dst)  # incremental saves of the follower's state must see the change
 
 

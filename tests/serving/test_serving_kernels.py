@@ -213,3 +213,22 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
     want = {k: v.to(torch.bfloat16).view(torch.int16) for k, v in model.state_dict().items()}
     assert all(torch.equal(v, want[k]) for k, v in _bits(served).items())
     gen.close()
+
+
+def test_changes_merged_aside_reach_every_live_tensor_strided_ones_too(engine: str) -> None:
+    """A box held by two live tensors (one of them a transposed view of other
+    memory) is not changed in place: its merged changes are written into
+    each afterwards, at the same row-major positions, and their versions move."""
+    from bytecp.serving.delta_apply import Target, scatter
+    from bytecp.tree.regions import Region
+
+    a = torch.zeros(6, 4, dtype=torch.bfloat16)
+    b = torch.zeros(4, 6, dtype=torch.bfloat16).t()  # 6 x 4, not contiguous
+    t = Target("w", Region((0, 0), (6, 4)), (6, 4), torch.bfloat16, [a, b])
+    pos = np.array([1, 5, 23], dtype=np.int64)
+    bits = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16).view(torch.int16).numpy().view(np.uint16)
+    versions = (a._version, b._version)
+    scatter([t], {("w", t.box): (pos, bits)}, torch.bfloat16)
+    for x in (a, b):
+        assert x.reshape(-1)[pos].tolist() == [1.0, 2.0, 3.0] and int((x != 0).sum()) == 3
+    assert a._version > versions[0] and b._version > versions[1]
