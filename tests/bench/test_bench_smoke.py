@@ -157,3 +157,21 @@ def test_lazy_call_tiny_reports_every_mode_and_both_floors(tmp_path: Path) -> No
     vs = [k for k in res if k.startswith("eager_call_vs_floor_in_loop_")]
     assert len(vs) == len(floors) and all(_numeric(res[k]) for k in vs)
     assert _numeric(res["floor_ms_1_thread"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_follow_serving_tiny_reports_every_rate(tmp_path: Path) -> None:
+    """``python -m benchmarks.follow --serving`` on a tiny Llama: both followers
+    of each learning rate timed (wall and CPU), their bytes, the trainer's
+    blocking and background time (the benchmark itself asserts every update
+    bitwise; nothing asserted about speed)."""
+    out = tmp_path / "follow.json"
+    run_benchmark("follow", ["--serving", "--hidden", "64", "--layers", "1", "--steps", "3", "--lrs", "1e-6,1e-4",
+                             "--json", str(out)], timeout=240)
+    rows = json.loads(out.read_text())
+    assert [r["lr"] for r in rows] == [1e-6, 1e-4]
+    for r in rows:
+        for k in ("delta_s", "whole_s", "time_ratio", "delta_cpu_s", "whole_cpu_s", "block_deltas_s", "serve_s"):
+            assert _numeric(r[k]), (r["lr"], k)
+        assert 0 < r["delta_bytes"] and 0 < r["whole_bytes"] and 0 <= r["changed"] <= 1, r
