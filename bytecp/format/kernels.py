@@ -38,7 +38,7 @@ __all__ = ["compiled", "engine", "ABI", "load"]
 log = logging.getLogger("bytecp.format.kernels")
 
 #: the interface this Python expects of ``bytecp.format._kernels`` (its ``ABI``)
-ABI = 1
+ABI = 2
 _ENV = "BYTECP_KERNELS"
 
 
@@ -52,8 +52,11 @@ def _self_check(k: Any) -> str | None:
     out = np.empty(len(pos), dtype=np.int64)
     if k.decode_positions(raw, len(pos), 1 << 40, out) != 0 or not np.array_equal(out, pos):
         return "decode_positions differs from the NumPy decoder"
-    if k.decode_positions(raw, len(pos), int(pos[-1]), out) != 4:
-        return "decode_positions accepts a position outside its box"
+    damaged = {1: (raw + b"\x01", len(pos), 1 << 40), 2: (b"\x80" * 9 + b"\x01", 1, 1 << 40),
+               3: (b"\x05\x00\x01", 3, 100), 4: (raw, len(pos), int(pos[-1]))}
+    for code, (buf, count, numel) in damaged.items():
+        if k.decode_positions(buf, count, numel, np.empty(count, dtype=np.int64)) != code:
+            return f"decode_positions does not refuse damaged positions as the NumPy decoder does (case {code})"
     for size in (1, 2, 4, 8):
         bits = wire.bits_dtype(size)
         held = rng.integers(0, np.iinfo(bits).max, 1000, dtype=bits, endpoint=True)
@@ -73,6 +76,19 @@ def _self_check(k: Any) -> str | None:
         k.scatter(swapped, q, old, size)
         if not np.array_equal(swapped, held):
             return f"scatter differs from NumPy's ({size}-byte elements)"
+        journal: list[Any] = []
+        k.swap_change_sum(swapped, q, new, None, 0, size, old, journal, "tag")
+        if len(journal) != 1 or journal[0][0] != "tag" or journal[0][1] is not swapped or journal[0][3] is not old:
+            return "swap_change_sum does not record its change in the journal"
+        far = np.append(q, len(held)).astype(np.int64)
+        try:
+            k.swap_change_sum(swapped, far, np.append(new, new[:1]), None, 0, size, np.empty(len(far), bits))
+        except IndexError:
+            pass
+        else:
+            return "swap_change_sum accepts a position outside its tensor"
+        if not np.array_equal(swapped, ref):
+            return "swap_change_sum writes before it refuses a position outside its tensor"
     return None
 
 

@@ -207,28 +207,38 @@ def change_sum(g: np.ndarray, new: np.ndarray, old: np.ndarray) -> int:
     moves when the elements at linear indices ``g`` (int64) go from bits
     ``old`` to ``new`` (one unsigned integer type); the compiled kernel when
     there is one (:mod:`bytecp.format.kernels`), else :func:`change_sum_reference`."""
+    bits = bits_dtype(new.dtype.itemsize)  # as unsigned integers: a signed view sign-extends in NumPy
+    new, old = _c(new, bits), _c(old, bits)
     k = kernels.compiled()
     if k is not None and len(g):
-        return int(k.change_sum(_c(g, np.int64), _c(new, new.dtype), _c(old, new.dtype), new.dtype.itemsize))
+        return int(k.change_sum(_c(g, np.int64), new, old, bits.itemsize))
     return change_sum_reference(g, new, old)
 
 
-def swap_bits(live: np.ndarray, q: np.ndarray, new: np.ndarray, g: np.ndarray | None,
-              g_add: int = 0) -> tuple[int, np.ndarray]:
+def swap_bits(live: np.ndarray, q: np.ndarray, new: np.ndarray, g: np.ndarray | None, g_add: int = 0,
+              journal: list[Any] | None = None, tag: Any = None) -> tuple[int, np.ndarray]:
     """Write ``new`` at positions ``q`` of ``live`` (flat, the elements' bits)
     in place: ``(change, old)``, the :func:`change_sum` of the change at
     linear indices ``g`` (None: ``q + g_add``) and the values replaced
     (``scatter_bits(live, q, old)`` puts them back). Every position is checked
-    before anything is written. One pass over the elements' memory, by the
-    compiled kernel when there is one."""
+    before anything is written. With a ``journal``, ``(tag, live, q, old)``
+    is appended to it no later than the writes are made (in the same
+    compiled call, or before the one NumPy assignment), so an interruption
+    never leaves a write without its record. One pass over the elements'
+    memory, by the compiled kernel when there is one."""
     k = kernels.compiled()
+    if live.dtype.kind != "u":  # the bits as unsigned integers (a signed view sign-extends in NumPy's sums)
+        live = live.view(bits_dtype(live.dtype.itemsize))
+    q = _c(q, np.int64)
     new = _c(new, live.dtype)
     if k is not None and len(q) and live.flags.c_contiguous and live.flags.writeable:
         old = np.empty(len(q), dtype=live.dtype)
-        change = k.swap_change_sum(live, _c(q, np.int64), new, None if g is None else _c(g, np.int64), g_add,
-                                   live.dtype.itemsize, old)
+        change = k.swap_change_sum(live, q, new, None if g is None else _c(g, np.int64), g_add,
+                                   live.dtype.itemsize, old, journal, tag)
         return int(change), old
-    old = np.take(live, q)
+    old = np.take(live, q)  # (raises before anything is written for a position outside)
+    if journal is not None:
+        journal.append((tag, live, q, old))
     live[q] = new
     return change_sum_reference(q + g_add if g is None else g, new, old), old
 

@@ -32,10 +32,12 @@ after :func:`bytecp.serving.deltas.choose` picked each tensor's way and
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import os
+import signal
 import threading
-from collections.abc import Collection, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -49,7 +51,8 @@ from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
 
-__all__ = ["Target", "Brought", "parts_for", "bring_forward", "verdict", "undo", "scatter", "Sums"]
+__all__ = ["Target", "Brought", "Record", "parts_for", "bring_forward", "verdict", "undo", "interrupts_held", "scatter",
+           "Sums"]
 
 _M64 = (1 << 64) - 1
 #: below this many changed elements in all, boxes are brought forward on the caller's thread alone
@@ -61,6 +64,8 @@ _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 SumKey = tuple[str, str, tuple[int, ...]]
 #: key -> [sum of the pieces, elements in them, recorded change, the box's elements]
 Sums = dict[SumKey, list[int]]
+#: a change made in place: ((fqn, box), the live bits, positions, the values they held before)
+Record = tuple[tuple[str, Region], np.ndarray, np.ndarray, np.ndarray]
 
 
 @dataclasses.dataclass
@@ -88,9 +93,9 @@ class Brought:
     sums: Sums = dataclasses.field(default_factory=dict)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     changed_elements: int = 0
-    #: the boxes changed in place, in the order changed: (key, the live bits, positions, the values replaced)
-    undo: list[tuple[tuple[str, Region], np.ndarray, np.ndarray, np.ndarray]] = dataclasses.field(
-        default_factory=list)
+    #: the changes made in place: a list per box (its thread's alone), in the order made, of
+    #: (key, the live bits, positions, the values replaced) -- what :func:`undo` puts back
+    journal: list[list[Record]] = dataclasses.field(default_factory=list)
 
 
 def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Any = None) -> list[Any]:
@@ -117,8 +122,9 @@ def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Any =
         for i in group:
             out[i] = fn(items[i])
 
-    futures = [pool.submit(run, g) for g in groups[1:]]
+    futures: list[concurrent.futures.Future[None]] = []
     try:
+        futures += [pool.submit(run, g) for g in groups[1:]]
         run(groups[0])
         for f in futures:
             f.result()
@@ -131,6 +137,34 @@ def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Any =
             except BaseException:  # a second interruption: keep waiting
                 continue
         raise
+
+
+@contextlib.contextmanager
+def interrupts_held() -> Iterator[None]:
+    """SIGINT held while the block runs, then delivered (KeyboardInterrupt,
+    or the handler that was there): :func:`~bytecp.serving.delta_update.update_served`
+    takes an update inside it (the swap and the writes, CPU only, never a
+    read from storage), so an interruption finds it taken whole or not at
+    all. Python runs signal handlers in the main thread only: elsewhere
+    there is nothing to hold."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got: list[int] = []
+    try:
+        before = signal.signal(signal.SIGINT, lambda signum, frame: got.append(signum))
+    except (ValueError, OSError):  # (not settable here)
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if got:
+            if callable(before):
+                before(signal.SIGINT, None)
+            elif before == signal.SIG_DFL:
+                signal.raise_signal(signal.SIGINT)
 
 
 def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
@@ -244,73 +278,78 @@ def _held_bits(dst: torch.Tensor, bits: Any) -> Any:
 
 def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Target],
                   payloads: Mapping[Part, memoryview], bad: Mapping[Part, str], dtype: str,
-                  spare: dict[tuple[str, Region], torch.Tensor], threads: int = 4) -> Brought:
+                  spare: dict[tuple[str, Region], torch.Tensor], threads: int = 4,
+                  journal: list[list[Record]] | None = None) -> Brought:
     """(every rank, local) Step 1 of the module's docstring, for ``targets``,
-    on up to ``threads`` threads (NumPy's gathers, scatters and sums release the GIL)."""
+    on up to ``threads`` threads (the kernels and NumPy's passes release the
+    GIL). The changes made in place go into ``journal`` (the caller's, so
+    that it can put them back whatever happens after; else a new one) as
+    they are made; a failure here puts every one back before it raises."""
     dec = _Decoded(payloads, dtype)
     todo = [(t, modes[t.fqn]) for t in targets if t.fqn in modes and modes[t.fqn].kind != "rows"]
-    journal: list[Brought] = []  # every box's changes in place, as they are made (for an interruption)
+    journal = [] if journal is None else journal
 
     def one(job: tuple[Target, Mode]) -> tuple[Target, Brought | str]:
         t, mode = job
         part = Brought()
-        journal.append(part)
+        recs: list[Record] = []
+        journal.append(recs)  # before any change: each is recorded as it is made
         try:
-            _one(chain, mode, t, dec, part, spare, dtype)
+            _one(chain, mode, t, dec, part, spare, dtype, recs)
         except _Missing as m:
-            undo(part)
+            undo([recs])
             return t, bad.get(m.part, f"{chain.steps[m.part.step].url}: a serving part was not read")
         except CorruptCheckpointError as e:
-            undo(part)
+            undo([recs])
             return t, str(e)
         except BaseException:
-            undo(part)
+            undo([recs])
             raise
         return t, part
 
     elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
+    out = Brought(journal=journal)
     try:
         done = _map(one, todo, threads, elements, lambda job: job[0].box.numel)
-    except BaseException:
-        for part in reversed(journal):
-            undo(part)
+        for t, got in done:
+            if isinstance(got, str):
+                out.failed.setdefault(t.fqn, got)
+                continue
+            out.nets.update(got.nets)
+            out.staged.update(got.staged)
+            out.changed_elements += got.changed_elements
+            for k, (sm, n, want, numel) in got.sums.items():
+                cur = out.sums.setdefault(k, [0, 0, want, numel])
+                cur[0] = (cur[0] + sm) & _M64
+                cur[1] += n
+        if out.failed:  # nothing of a failed tensor goes in
+            undo(journal, out.failed)
+            out.nets = {k: v for k, v in out.nets.items() if k[0] not in out.failed}
+            out.staged = {k: v for k, v in out.staged.items() if k[0] not in out.failed}
+            out.sums = {k: v for k, v in out.sums.items() if k[1] not in out.failed}
+    except BaseException:  # (_map waited for every thread)
+        undo(journal)
         raise
-    out = Brought()
-    for t, got in done:
-        if isinstance(got, str):
-            out.failed.setdefault(t.fqn, got)
-            continue
-        out.nets.update(got.nets)
-        out.staged.update(got.staged)
-        out.undo += got.undo
-        out.changed_elements += got.changed_elements
-        for k, (sm, n, want, numel) in got.sums.items():
-            cur = out.sums.setdefault(k, [0, 0, want, numel])
-            cur[0] = (cur[0] + sm) & _M64
-            cur[1] += n
-    if out.failed:  # nothing of a failed tensor goes in
-        undo(out, out.failed)
-        out.nets = {k: v for k, v in out.nets.items() if k[0] not in out.failed}
-        out.staged = {k: v for k, v in out.staged.items() if k[0] not in out.failed}
-        out.sums = {k: v for k, v in out.sums.items() if k[1] not in out.failed}
     return out
 
 
-def undo(brought: Brought, fqns: Collection[str] | None = None) -> None:
-    """Put back what :func:`bring_forward` changed in place (of the tensors
-    ``fqns``; None: all), the latest change first; what is put back is
-    forgotten, so a second call does nothing."""
-    keep = []
-    for rec in reversed(brought.undo):
-        if fqns is None or rec[0][0] in fqns:
-            wire.scatter_bits(rec[1], rec[2], rec[3])
-        else:
-            keep.append(rec)
-    brought.undo[:] = keep[::-1]
+def undo(journal: Sequence[list[Record]], fqns: Collection[str] | None = None) -> None:
+    """Put back the changes :func:`bring_forward` made in place (of the
+    tensors ``fqns``; None: all), the latest first; what is put back is
+    forgotten, so a second call does nothing. Called once no thread is
+    changing anything (or, for its own box's list, by the thread changing it)."""
+    for recs in reversed(journal):
+        keep = []
+        for rec in reversed(recs):
+            if fqns is None or rec[0][0] in fqns:
+                wire.scatter_bits(rec[1], rec[2], rec[3])
+            else:
+                keep.append(rec)
+        recs[:] = keep[::-1]
 
 
 def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
-         spare: dict[tuple[str, Region], torch.Tensor], dtype: str) -> None:
+         spare: dict[tuple[str, Region], torch.Tensor], dtype: str, recs: list[Record]) -> None:
     full = Region((0,) * len(t.shape), t.shape)
     key = (t.fqn, t.box)
     dst = t.dsts[0] if t.dsts else None
@@ -366,10 +405,8 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
             g, g_add = ((None, qs) if qs is not None else
                         (wire.relocate(pos if mask is None else pos[mask], e.box, full)[1], 0))
             change = 0
-            if live is not None:
-                change, old = wire.swap_bits(live, q, b, g, g_add)
-                if kept:
-                    out.undo.append((key, live, q, old))
+            if live is not None:  # (the live tensor's change recorded as it is made)
+                change, _ = wire.swap_bits(live, q, b, g, g_add, recs if kept else None, key)
             else:
                 if t.owned:
                     change = wire.change_sum(q + g_add if g is None else g, b, _lookup(net_p, net_b, q, held))

@@ -41,7 +41,16 @@ from bytecp.format import metadata as fmt
 from bytecp.format import serving_wire as wire
 from bytecp.loading.opened import open_checkpoint
 from bytecp.serving.changes import changed_tensors
-from bytecp.serving.delta_apply import Target, bring_forward, parts_for, scatter, undo, verdict
+from bytecp.serving.delta_apply import (
+    Record,
+    Target,
+    bring_forward,
+    interrupts_held,
+    parts_for,
+    scatter,
+    undo,
+    verdict,
+)
 from bytecp.serving.deltas import Chain, Mode, choose, read_payloads, walk
 from bytecp.serving.staging import Held, stage, swap_in
 from bytecp.storage_api import Storage, open_storage
@@ -117,6 +126,7 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
     sdtype = dtype
     options = {t: f.sources.options_for(t) for t in run_urls}
     kept: dict[str, Any] = {}
+    journal: list[list[Record]] = []  # the changes made in place, put back unless the update is taken
 
     def local() -> tuple[Any, Mapping[str, str]]:
         storage = open_storage(url, **options[tier])
@@ -144,8 +154,8 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
             opened.check_sizes()
         targets = _targets(f.held, wanted, [s for s in modes if s not in same], md, owned)
         payloads, bad = read_payloads(chain, parts_for(chain, modes, targets), threads=f.io_threads)
-        brought = bring_forward(chain, modes, targets, payloads, bad, sdtype, f.spare, threads=_THREADS)
-        kept["brought"] = brought  # changed in place: put back below if the update is not taken
+        brought = bring_forward(chain, modes, targets, payloads, bad, sdtype, f.spare, threads=_THREADS,
+                                journal=journal)
         staged, nbytes = stage(opened, f.held, wanted, list(changes.changed), rows, f.spare, f.io_threads)
         # tensors deltas could have served, read whole because the chain has problems (reported with them)
         unserved = [s for s in served if s not in modes and s in changes.changed] if chain.problems else []
@@ -154,11 +164,12 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
                     unserved=unserved)
         return brought.sums, brought.failed
 
+    taken = False
     try:
         gathered = ctx.all_gather("follow/stage", local)
         chain, brought, staged, rows = kept["chain"], kept["brought"], kept["staged"], kept["rows"]
         bad = verdict(gathered, {s.save_id: s.url for s in chain.steps})
-        undo(brought, bad)
+        undo(journal, bad)
         nbytes = kept["nbytes"]
         if bad:  # every rank reads those whole, alike
             def again() -> tuple[dict[Any, torch.Tensor], int]:
@@ -175,15 +186,18 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
             staged.update(more)
             nbytes += n2
         staged.update({k: v for k, v in brought.staged.items() if k[0] not in bad})
+        in_place = {rec[0] for recs in journal for rec in recs}
+        with interrupts_held():  # taken: from here the update is finished, never half put back
+            taken = True
+            try:
+                f.spare = swap_in(f.held, kept["wanted"], staged, f.swap)
+            finally:
+                scatter(kept["targets"], brought.nets, dtype_from_name(sdtype), threads=_THREADS,
+                        changed=in_place)
     except BaseException:  # not taken (here or on another rank): what was changed in place goes back
-        if "brought" in kept:
-            undo(kept["brought"])
+        if not taken:
+            undo(journal)
         raise
-    in_place = {rec[0] for rec in brought.undo}
-    try:
-        f.spare = swap_in(f.held, kept["wanted"], staged, f.swap)
-    finally:
-        scatter(kept["targets"], brought.nets, dtype_from_name(sdtype), threads=_THREADS, changed=in_place)
     modes, md, changes, same = kept["modes"], kept["md"], kept["changes"], kept["same"]
     by_delta = [s for s in modes if s not in bad and s not in same]
     fallbacks = [f"{s}: {why}" for s, why in sorted(bad.items())] + list(dict.fromkeys(chain.problems))

@@ -30,7 +30,7 @@ BUILT = kernels.load() is not None
 def engine(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
     """Each test once per engine: the compiled kernels (skipped where this install has none) and NumPy's."""
     if request.param == "c" and not BUILT:
-        pytest.skip("bytecp.format._kernels is not built in this install (no C compiler at install time)")
+        pytest.skip("the compiled kernels are not in use here (not built at install: no C compiler; or BYTECP_KERNELS=0)")
     monkeypatch.setattr(kernels, "_LOADED", [kernels.load() if request.param == "c" else None])
     assert kernels.engine() == request.param
     return str(request.param)
@@ -156,7 +156,7 @@ def _bits(m: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().view(torch.int16).clone() for k, v in m.state_dict().items()}
 
 
-@pytest.mark.parametrize("where", ["a later box", "the read of the rest"])
+@pytest.mark.parametrize("where", ["a later box", "the read of the rest", "right after a box's writes"])
 def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path, engine: str, where: str,
                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A follower changes its boxes in place as it applies deltas; when the
@@ -188,27 +188,40 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
 
     def swap(*a: Any, **k: Any) -> Any:
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == 3 and where == "a later box":
             raise RuntimeError("the third box failed")
-        return real_swap(*a, **k)
+        got = real_swap(*a, **k)
+        if len(calls) == 2 and where != "a later box":  # an interruption as the call returns
+            raise KeyboardInterrupt
+        return got
 
     def stage(*a: Any, **k: Any) -> Any:
         calls.append(1)
         raise OSError("the storage went away")
 
-    if where == "a later box":
-        monkeypatch.setattr(wire, "swap_bits", swap)
-    else:
+    if where == "the read of the rest":
         monkeypatch.setattr(delta_update, "stage", stage)
-    up = next(gen)
-    assert not up.ok and up.step == 2 and ("third box" in up.error or "storage went away" in up.error), up
-    assert calls
-    assert all(torch.equal(v, held[k]) for k, v in _bits(served).items())  # every box put back
+    else:
+        monkeypatch.setattr(wire, "swap_bits", swap)
+    if where == "right after a box's writes":
+        with pytest.raises(KeyboardInterrupt):
+            next(gen)
+        gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=torch.bfloat16)
+        assert all(torch.equal(v, held[k]) for k, v in _bits(served).items())  # every box put back
+        monkeypatch.setattr(wire, "swap_bits", real_swap)
+        up = next(gen)  # a new follower (the interrupted one's generator is gone): from step 1's whole copy
+        assert up.ok and up.step == 2 and not up.fallbacks, up
+    else:
+        up = next(gen)
+        assert not up.ok and up.step == 2 and ("third box" in up.error or "storage went away" in up.error), up
+        assert calls
+        assert all(torch.equal(v, held[k]) for k, v in _bits(served).items())  # every box put back
     monkeypatch.setattr(wire, "swap_bits", real_swap)
     monkeypatch.setattr(delta_update, "stage", real_stage)
     train(3)
     up = next(gen)
-    assert up.ok and up.step == 3 and not up.fallbacks and up.delta_steps == 2, up
+    steps = 1 if where == "right after a box's writes" else 2  # chained from the step held
+    assert up.ok and up.step == 3 and not up.fallbacks and up.delta_steps == steps, up
     assert up.tensors_by_delta == up.tensors_read > 0, up
     want = {k: v.to(torch.bfloat16).view(torch.int16) for k, v in model.state_dict().items()}
     assert all(torch.equal(v, want[k]) for k, v in _bits(served).items())
@@ -232,3 +245,22 @@ def test_changes_merged_aside_reach_every_live_tensor_strided_ones_too(engine: s
     for x in (a, b):
         assert x.reshape(-1)[pos].tolist() == [1.0, 2.0, 3.0] and int((x != 0).sum()) == 3
     assert a._version > versions[0] and b._version > versions[1]
+
+
+def test_an_interruption_while_an_update_is_taken_comes_after_it() -> None:
+    """``interrupts_held``: SIGINT arriving inside the block is delivered
+    (KeyboardInterrupt) once the block is done, not in the middle of it."""
+    import os
+    import signal
+
+    from bytecp.serving.delta_apply import interrupts_held
+
+    done = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):  # bytecodes run: the handler would have raised by now
+                pass
+            done.append(1)
+    assert done == [1]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
