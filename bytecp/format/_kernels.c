@@ -2,7 +2,7 @@
  *
  * Optional: pyproject.toml's ext-modules builds it where a C compiler is
  * (optional = true), and bytecp.format.kernels loads it only when its ABI
- * matches and it agrees with the NumPy reference (bytecp.format.serving_wire)
+ * matches and it agrees with the NumPy reference (bytecp.format.serving_elements)
  * on a self-check; else every caller runs the NumPy code, which computes the
  * same values. Each function works on buffers (NumPy arrays, bytes), checks
  * their sizes, and releases the GIL for its loop, so that a follower's apply
@@ -16,7 +16,7 @@
  *       that order, as the NumPy decoder classifies them.)
  *   change_sum(g, new, old, itemsize) -> int
  *       sum(w(g[k]) * (new[k] - old[k])) mod 2**64 (w: SplitMix64, as
- *       serving_wire.element_weights), the bits as unsigned integers.
+ *       serving_elements.element_weights), the bits as unsigned integers.
  *   swap_change_sum(held, q, new, g, g_add, itemsize, old[, journal, tag]) -> int
  *       the same with old[k] = held[q[k]] (g None: g[k] = q[k] + g_add),
  *       writing new[k] into held[q[k]] as it goes and the value it replaced
@@ -27,7 +27,7 @@
  *       dst[pos[k]] = new[k].
  *
  * The element checksum's definition and the position encoding are in
- * bytecp/format/serving_wire.py; this file implements them, nothing more.
+ * bytecp/format/serving_elements.py; this file implements them, nothing more.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -10,7 +10,7 @@ for ahead, without the GIL (about 13 ns an element, most of it the memory
 of elements far apart). It is built at install time where a C compiler is
 (pyproject.toml's ``ext-modules``, optional); where it is not, or when it
 fails the check below, :func:`compiled` is None and
-:mod:`bytecp.format.serving_wire` runs the NumPy code, which computes the
+:mod:`bytecp.format.serving_elements` runs the NumPy code, which computes the
 same values (and writes the same bits).
 
 Loaded at the first call of :func:`compiled`. The module is used only when
@@ -44,7 +44,7 @@ _ENV = "BYTECP_KERNELS"
 
 def _self_check(k: Any) -> str | None:
     """Why ``k`` cannot be used (None: it agrees with the NumPy reference)."""
-    from bytecp.format import serving_wire as wire
+    from bytecp.format import serving_elements as wire
 
     rng = np.random.default_rng(7)
     pos = np.unique(rng.integers(0, 1 << 40, 300, dtype=np.int64))
