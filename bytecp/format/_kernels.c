@@ -150,6 +150,18 @@ static int decoder_code(const decoder *d, Py_ssize_t count) {
     return d->outside ? 4 : 0;
 }
 
+/* the first of n positions outside [0, size), or -1 (called without the GIL) */
+static Py_ssize_t first_outside(const int64_t *p, Py_ssize_t n, Py_ssize_t size) {
+    for (Py_ssize_t k = 0; k < n; k++)
+        if (p[k] < 0 || p[k] >= size)
+            return k;
+    return -1;
+}
+
+static void outside_error(const char *fn, int64_t at, Py_ssize_t size) {
+    PyErr_Format(PyExc_IndexError, "%s: position %lld of %zd elements", fn, (long long)at, size);
+}
+
 static PyObject *decode_positions(PyObject *self, PyObject *args) {
     Py_buffer buf, out;
     Py_ssize_t count;
@@ -204,34 +216,21 @@ done:
 }
 
 static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
-    PyObject *held_o, *q_o, *nw_o, *gobj, *old_o, *journal = Py_None, *tag = Py_None;
+    Py_buffer held, q, nw, old, g = {0};
+    PyObject *gobj, *journal = Py_None, *tag = Py_None;
     long long g_add;
     int itemsize;
-    if (!PyArg_ParseTuple(args, "OOOOLiO|OO", &held_o, &q_o, &nw_o, &gobj, &g_add, &itemsize, &old_o, &journal, &tag))
+    if (!PyArg_ParseTuple(args, "w*y*y*OLiw*|OO", &held, &q, &nw, &gobj, &g_add, &itemsize, &old, &journal, &tag))
         return NULL;
-    Py_buffer held = {0}, q = {0}, nw = {0}, old = {0}, g = {0};
-    int have_held = 0, have_q = 0, have_nw = 0, have_old = 0, have_g = 0;
     PyObject *ret = NULL;
+    int have_g = gobj != Py_None;
+    if (have_g && PyObject_GetBuffer(gobj, &g, PyBUF_C_CONTIGUOUS) < 0) {
+        have_g = 0;
+        goto done;
+    }
     if (journal != Py_None && !PyList_Check(journal)) {
         PyErr_SetString(PyExc_TypeError, "swap_change_sum: journal must be a list or None");
         goto done;
-    }
-    if (PyObject_GetBuffer(held_o, &held, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_held = 1;
-    if (PyObject_GetBuffer(q_o, &q, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_q = 1;
-    if (PyObject_GetBuffer(nw_o, &nw, PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_nw = 1;
-    if (PyObject_GetBuffer(old_o, &old, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0)
-        goto done;
-    have_old = 1;
-    if (gobj != Py_None) {
-        if (PyObject_GetBuffer(gobj, &g, PyBUF_C_CONTIGUOUS) < 0)
-            goto done;
-        have_g = 1;
     }
     if (check_itemsize(itemsize) < 0)
         goto done;
@@ -245,16 +244,12 @@ static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
         goto done;
     }
     uint64_t total = 0;
-    Py_ssize_t bad = -1;
+    Py_ssize_t bad;
     char *hb = (char *)held.buf, *ob = (char *)old.buf;
     const int64_t *qp = (const int64_t *)q.buf;
     Py_BEGIN_ALLOW_THREADS
     const int64_t *gp = have_g ? (const int64_t *)g.buf : NULL;
-    for (Py_ssize_t k = 0; k < n; k++)  /* every position checked before anything is written */
-        if (qp[k] < 0 || qp[k] >= size) {
-            bad = k;
-            break;
-        }
+    bad = first_outside(qp, n, size);  /* every position checked before anything is written */
     if (bad < 0) {
         const char *nb = (const char *)nw.buf;
         for (Py_ssize_t k = 0; k < n; k++) {
@@ -269,13 +264,14 @@ static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "swap_change_sum: position %lld of %zd elements", (long long)qp[bad], size);
+        outside_error("swap_change_sum", qp[bad], size);
         goto done;
     }
     /* the change recorded in the journal within this call: no Python code (nor a signal's handler)
-     * runs between the writes and their record; if the record cannot be made, the writes are undone */
+     * runs between the writes and their record; if the record cannot be made, the writes are undone.
+     * (A buffer's obj is the object it came from: the arrays themselves.) */
     if (journal != Py_None) {
-        PyObject *rec = Py_BuildValue("(OOOO)", tag, held_o, q_o, old_o);
+        PyObject *rec = Py_BuildValue("(OOOO)", tag, held.obj, q.obj, old.obj);
         if (rec == NULL || PyList_Append(journal, rec) < 0) {
             Py_XDECREF(rec);
             for (Py_ssize_t k = n - 1; k >= 0; k--)
@@ -286,14 +282,10 @@ static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
     }
     ret = PyLong_FromUnsignedLongLong(total);
 done:
-    if (have_held)
-        PyBuffer_Release(&held);
-    if (have_q)
-        PyBuffer_Release(&q);
-    if (have_nw)
-        PyBuffer_Release(&nw);
-    if (have_old)
-        PyBuffer_Release(&old);
+    PyBuffer_Release(&held);
+    PyBuffer_Release(&q);
+    PyBuffer_Release(&nw);
+    PyBuffer_Release(&old);
     if (have_g)
         PyBuffer_Release(&g);
     return ret;
@@ -321,15 +313,10 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
                      n, nw.len, itemsize);
         goto done;
     }
-    /* every position checked before anything is written: a bad one changes nothing */
-    Py_ssize_t bad = -1;
-    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t bad;
     const int64_t *pp = (const int64_t *)pos.buf;
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (pp[k] < 0 || pp[k] >= size) {
-            bad = k;
-            break;
-        }
+    Py_BEGIN_ALLOW_THREADS
+    bad = first_outside(pp, n, size);  /* every position checked before anything is written */
     if (bad < 0) {
         char *d = (char *)dst.buf;
         const char *s = (const char *)nw.buf;
@@ -342,8 +329,7 @@ static PyObject *scatter(PyObject *self, PyObject *args) {
     }
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
-        PyErr_Format(PyExc_IndexError, "scatter: position %lld of %zd elements",
-                     (long long)((const int64_t *)pos.buf)[bad], size);
+        outside_error("scatter", pp[bad], size);
         goto done;
     }
     ret = Py_NewRef(Py_None);

@@ -26,7 +26,7 @@ from bytecp.data.positions import check_data
 from bytecp.errors import CorruptCheckpointError, FormatVersionError
 from bytecp.format import limits
 from bytecp.format.index_schema import CHUNK_FIELDS, INDEX_FILE_NAME, IndexDirectory
-from bytecp.format.json_head import check_header, decode_members, leading_members
+from bytecp.format.json_head import HEADER_BYTES, check_header, decode_members, leading_members
 from bytecp.format.member_text import EncodedMembers, dumps_object
 from bytecp.format.members import MEMBER_DECODERS, Parsed
 from bytecp.format.parts_schema import DIRECTORY_NAME, PartsDirectory
@@ -133,7 +133,7 @@ def is_bytecp_metadata(storage: Any, path: str = METADATA_FILE) -> bool:
     n = storage.size(path)
     if n <= limits.max_metadata_bytes():
         return names_bytecp(storage.read_bytes(path, 0, n))
-    head = leading_members(storage.read_bytes(path, 0, 4096).decode(errors="replace"), ("format",))
+    head = leading_members(storage.read_bytes(path, 0, HEADER_BYTES).decode(errors="replace"), ("format",))
     return head is None or head.get("format", FORMAT_NAME) == FORMAT_NAME
 
 

@@ -37,7 +37,7 @@ import dataclasses
 import os
 import signal
 import threading
-from collections.abc import Collection, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,12 +93,9 @@ class Brought:
     sums: Sums = dataclasses.field(default_factory=dict)
     failed: dict[str, str] = dataclasses.field(default_factory=dict)
     changed_elements: int = 0
-    #: the changes made in place: a list per box (its thread's alone), in the order made, of
-    #: (key, the live bits, positions, the values replaced) -- what :func:`undo` puts back
-    journal: list[list[Record]] = dataclasses.field(default_factory=list)
 
 
-def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Any = None) -> list[Any]:
+def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Callable[[Any], int]) -> list[Any]:
     """``fn`` over ``items`` (results in their order): on the caller's thread
     and the process's apply threads (kept between updates) when there are
     ``threads`` > 1 and enough ``elements`` to pay for them, the items dealt
@@ -112,10 +109,10 @@ def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Any =
         pool = _POOL[0]
     groups: list[list[int]] = [[] for _ in range(min(threads, len(items)))]
     loads = [0] * len(groups)
-    for i in sorted(range(len(items)), key=lambda i: -(size(items[i]) if size else 1)):  # largest first
+    for i in sorted(range(len(items)), key=lambda i: -size(items[i])):  # largest first
         j = loads.index(min(loads))
         groups[j].append(i)
-        loads[j] += size(items[i]) if size else 1
+        loads[j] += size(items[i])
     out: list[Any] = [None] * len(items)
 
     def run(group: list[int]) -> None:
@@ -308,7 +305,7 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
         return t, part
 
     elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
-    out = Brought(journal=journal)
+    out = Brought()
     try:
         done = _map(one, todo, threads, elements, lambda job: job[0].box.numel)
         for t, got in done:

@@ -57,9 +57,13 @@ def _same(a: np.ndarray | str, b: np.ndarray | str) -> bool:
     return a == b if isinstance(a, str) or isinstance(b, str) else np.array_equal(a, b)
 
 
-def test_positions_decode_alike_and_damage_is_refused_alike(engine: str) -> None:
+@pytest.mark.skipif(not BUILT, reason="the compiled kernels are not in use here (not built at install: no C "
+                    "compiler; or BYTECP_KERNELS=0)")
+def test_positions_decode_alike_and_damage_is_refused_alike(monkeypatch: pytest.MonkeyPatch) -> None:
     """Every kind of gap list, then each damaged in every way a byte can be:
     the compiled decoder returns what the NumPy one does, or refuses what it refuses."""
+    monkeypatch.setattr(kernels, "_LOADED", [kernels.load()])
+    assert kernels.engine() == "c"
     rng = np.random.default_rng(0)
     cases = 0
     for numel, count in [(1, 1), (200, 200), (200, 9), (40_000, 2_000), (3_000_000, 4_000), (1 << 42, 60)]:
