@@ -152,9 +152,19 @@ static int decoder_code(const decoder *d, Py_ssize_t count) {
 
 /* the first of n positions outside [0, size), or -1 (called without the GIL) */
 static Py_ssize_t first_outside(const int64_t *p, Py_ssize_t n, Py_ssize_t size) {
-    for (Py_ssize_t k = 0; k < n; k++)
-        if (p[k] < 0 || p[k] >= size)
-            return k;
+    /* blocks without a branch a position (one unsigned compare catches both sides: the loop vectorizes),
+     * then the first bad one of the block that has one */
+    enum { BLOCK = 256 };
+    for (Py_ssize_t b = 0; b < n; b += BLOCK) {
+        Py_ssize_t e = n - b < BLOCK ? n : b + BLOCK;
+        uint64_t any = 0;
+        for (Py_ssize_t k = b; k < e; k++)
+            any |= (uint64_t)((uint64_t)p[k] >= (uint64_t)size);
+        if (any)
+            for (Py_ssize_t k = b; k < e; k++)
+                if (p[k] < 0 || p[k] >= size)
+                    return k;
+    }
     return -1;
 }
 
@@ -187,6 +197,14 @@ done:
     return ret;
 }
 
+static inline __attribute__((always_inline)) uint64_t sum_loop(const int64_t *gp, const char *nb, const char *ob,
+                                                               Py_ssize_t n, const int itemsize) {
+    uint64_t total = 0;
+    for (Py_ssize_t k = 0; k < n; k++)
+        total += weight(gp[k]) * (load_bits(nb, k, itemsize) - load_bits(ob, k, itemsize));
+    return total;
+}
+
 static PyObject *change_sum(PyObject *self, PyObject *args) {
     Py_buffer g, nw, old;
     int itemsize;
@@ -204,8 +222,12 @@ static PyObject *change_sum(PyObject *self, PyObject *args) {
     uint64_t total = 0;
     Py_BEGIN_ALLOW_THREADS
     const int64_t *gp = (const int64_t *)g.buf;
-    for (Py_ssize_t k = 0; k < n; k++)
-        total += weight(gp[k]) * (load_bits(nw.buf, k, itemsize) - load_bits(old.buf, k, itemsize));
+    switch (itemsize) {  /* as swap_change_sum: a loop per element size */
+    case 1: total = sum_loop(gp, nw.buf, old.buf, n, 1); break;
+    case 2: total = sum_loop(gp, nw.buf, old.buf, n, 2); break;
+    case 4: total = sum_loop(gp, nw.buf, old.buf, n, 4); break;
+    default: total = sum_loop(gp, nw.buf, old.buf, n, 8); break;
+    }
     Py_END_ALLOW_THREADS
     ret = PyLong_FromUnsignedLongLong(total);
 done:
@@ -213,6 +235,24 @@ done:
     PyBuffer_Release(&nw);
     PyBuffer_Release(&old);
     return ret;
+}
+
+/* swap_change_sum's loop for `itemsize`-byte elements; inlined into a switch on constant sizes, so that
+ * every copy is one load or store, not a call of memcpy (which took most of the time per element) */
+static inline __attribute__((always_inline)) uint64_t swap_loop(
+        char *hb, const int64_t *qp, const char *nb, const int64_t *gp, int64_t g_add, char *ob, Py_ssize_t n,
+        const int itemsize) {
+    uint64_t total = 0;
+    for (Py_ssize_t k = 0; k < n; k++) {
+        int64_t at = qp[k];
+        if (k + AHEAD < n)
+            __builtin_prefetch(hb + qp[k + AHEAD] * itemsize, 1, 0);
+        uint64_t was = load_bits(hb, at, itemsize), now = load_bits(nb, k, itemsize);
+        memcpy(ob + (Py_ssize_t)itemsize * k, hb + (Py_ssize_t)itemsize * at, itemsize);
+        memcpy(hb + (Py_ssize_t)itemsize * at, nb + (Py_ssize_t)itemsize * k, itemsize);
+        total += weight(gp ? gp[k] : at + g_add) * (now - was);
+    }
+    return total;
 }
 
 static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
@@ -252,14 +292,11 @@ static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
     bad = first_outside(qp, n, size);  /* every position checked before anything is written */
     if (bad < 0) {
         const char *nb = (const char *)nw.buf;
-        for (Py_ssize_t k = 0; k < n; k++) {
-            int64_t at = qp[k];
-            if (k + AHEAD < n)
-                __builtin_prefetch(hb + qp[k + AHEAD] * itemsize, 1, 0);
-            uint64_t was = load_bits(hb, at, itemsize), now = load_bits(nb, k, itemsize);
-            memcpy(ob + (Py_ssize_t)itemsize * k, hb + (Py_ssize_t)itemsize * at, itemsize);
-            memcpy(hb + (Py_ssize_t)itemsize * at, nb + (Py_ssize_t)itemsize * k, itemsize);
-            total += weight(gp ? gp[k] : at + g_add) * (now - was);
+        switch (itemsize) {  /* one loop per element size: its copies compiled to single moves */
+        case 1: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 1); break;
+        case 2: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 2); break;
+        case 4: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 4); break;
+        default: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 8); break;
         }
     }
     Py_END_ALLOW_THREADS

@@ -46,7 +46,7 @@ from torch.autograd.graph import increment_version
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import serving_wire as wire
-from bytecp.serving.deltas import Chain, Mode, Part
+from bytecp.serving.deltas import Chain, Mode, Part, Step
 from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.dtypes import host_memoryview
 from bytecp.tree.regions import Region
@@ -176,6 +176,25 @@ def _steps(mode: Mode, chain: Chain) -> range:
     return range(mode.start + (mode.kind == "whole"), len(chain.steps))
 
 
+#: a whole serving copy's element costs about this fraction of a changed element's apply (a copy, not a scattered read and write)
+_COPY_SHARE = 8
+
+
+def _work(chain: Chain, t: Target, mode: Mode) -> int:
+    """What applying ``mode`` to box ``t`` costs, for dealing boxes to apply
+    threads: the changed elements expected in the box (each step's count
+    spread evenly over its saved box), a whole copy's elements counted
+    1/:data:`_COPY_SHARE` each. (A box's numel alone would give one thread
+    the large tensors whose rows mostly do not change, an embedding's.)"""
+    work = t.box.numel // _COPY_SHARE if mode.kind == "whole" else 0
+    for i in _steps(mode, chain):
+        for _, e in chain.steps[i].entries(t.fqn):
+            inter = e.box.intersect(t.box) if e.delta is not None and e.box.numel else None
+            if inter is not None and e.delta is not None:
+                work += e.delta.count * inter.numel // e.box.numel
+    return work + 1
+
+
 def parts_for(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Target]) -> list[Part]:
     """The payload parts this rank's boxes need."""
     out: list[Part] = []
@@ -204,7 +223,7 @@ class _Decoded:
         self.bits = wire.bits_dtype(self.size)
         self._done: dict[Part, tuple[np.ndarray, np.ndarray]] = {}
 
-    def delta(self, part: Part, e: wire.Entry, where: str) -> tuple[np.ndarray, np.ndarray]:
+    def delta(self, part: Part, e: wire.Entry, step: Step) -> tuple[np.ndarray, np.ndarray]:
         got = self._done.get(part)
         if got is None:
             assert e.delta is not None
@@ -216,7 +235,11 @@ class _Decoded:
                 if raw is None:
                     raise _Missing(part)
                 values = np.frombuffer(raw[: n * self.size], dtype=self.bits)
-                got = (wire.decode_positions(raw[n * self.size:], n, e.box.numel, where), values)
+                try:
+                    got = (wire.decode_positions(raw[n * self.size:], n, e.box.numel, ""), values)
+                except CorruptCheckpointError as err:  # named here: the message is built only when needed
+                    where = f"{step.url}/{wire.delta_path(step.save_id, part.rank)}: {e.fqn} {e.box}"
+                    raise CorruptCheckpointError(f"{where}{err}") from None
             self._done[part] = got
         return got
 
@@ -307,7 +330,7 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
     elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
     out = Brought()
     try:
-        done = _map(one, todo, threads, elements, lambda job: job[0].box.numel)
+        done = _map(one, todo, threads, elements, lambda job: _work(chain, *job))
         for t, got in done:
             if isinstance(got, str):
                 out.failed.setdefault(t.fqn, got)
@@ -389,13 +412,11 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
         ps: list[np.ndarray] = []
         bs: list[np.ndarray] = []
         for r, e in step.entries(t.fqn):
-            inter = e.box.intersect(t.box) if e.delta is not None else None
-            if inter is None:
-                continue
             d = e.delta
-            assert d is not None
-            where = f"{step.url}/{wire.delta_path(step.save_id, r)}: {e.fqn} {e.box}"
-            pos, bits = dec.delta(Part(i, r, "delta", d.offset, d.nbytes, d.crc32c), e, where)
+            inter = None if d is None else t.box if e.box == t.box else e.box.intersect(t.box)
+            if inter is None or d is None:
+                continue
+            pos, bits = dec.delta(Part(i, r, "delta", d.offset, d.nbytes, d.crc32c), e, step)
             mask, q = wire.relocate(pos, e.box, t.box)
             b = bits if mask is None else bits[mask]
             # linear indices in the tensor: q moved by where this rank's box starts, when it is a run of it

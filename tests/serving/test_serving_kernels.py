@@ -254,15 +254,17 @@ def test_changes_merged_aside_reach_every_live_tensor_strided_ones_too(engine: s
 def test_an_interruption_while_an_update_is_taken_comes_after_it() -> None:
     """``interrupts_held``: SIGINT arriving inside the block is delivered
     (KeyboardInterrupt) once the block is done, not in the middle of it."""
-    import os
     import signal
+    import threading
 
     from bytecp.serving.delta_apply import interrupts_held
 
     done = []
     with pytest.raises(KeyboardInterrupt):
         with interrupts_held():
-            os.kill(os.getpid(), signal.SIGINT)
+            # to this thread: a signal sent to the process may be taken by another thread
+            # (pytest-xdist's), whose handler then runs after this block, not inside it
+            signal.pthread_kill(threading.get_ident(), signal.SIGINT)
             for _ in range(1000):  # bytecodes run: the handler would have raised by now
                 pass
             done.append(1)
