@@ -38,7 +38,7 @@ __all__ = ["compiled", "engine", "ABI", "load"]
 log = logging.getLogger("bytecp.format.kernels")
 
 #: the interface this Python expects of ``bytecp.format._kernels`` (its ``ABI``)
-ABI = 2
+ABI = 3
 _ENV = "BYTECP_KERNELS"
 
 
@@ -89,7 +89,41 @@ def _self_check(k: Any) -> str | None:
             return "swap_change_sum accepts a position outside its tensor"
         if not np.array_equal(swapped, ref):
             return "swap_change_sum writes before it refuses a position outside its tensor"
+        why = _check_batch(k, wire, held, q, new, size)
+        if why is not None:
+            return why
     return None
+
+
+def _check_batch(k: Any, wire: Any, held: np.ndarray, q: np.ndarray, new: np.ndarray, size: int) -> str | None:
+    """``apply_deltas`` against NumPy: two steps of a box at element 100 of a
+    tensor (each decoded, summed, written, recorded), and a box whose first
+    step is damaged (nothing of it written, its second step not taken)."""
+    bits = held.dtype
+    box = 600
+    q2 = q[q < box][::2]
+    steps = [(q[q < box], new[q < box]), (q2, (new[q < box][::2] ^ 1).astype(bits))]
+    live, ref = held.copy(), held.copy()
+    want = []
+    for p, v in steps:
+        want.append(wire.change_sum_reference(p + 100 + 7, v, ref[p + 100]))
+        ref[p + 100] = v
+    recs: list[Any] = []
+    jobs = [(live, v.tobytes() + wire.encode_positions(p), len(p), box, size, 100, 7, np.empty(len(p), np.int64),
+             np.empty(len(p), bits), recs, "t", 0) for p, v in steps]
+    other, other_recs = held.copy(), list[Any]()
+    p, v = steps[0]
+    jobs += [(other, v.tobytes() + b"\x80" * 9 + b"\x01", len(p), box, size, 0, 0, np.empty(len(p), np.int64),
+              np.empty(len(p), bits), other_recs, "u", 1)] + [(other, *jobs[1][1:9], other_recs, "u", 1)]
+    got = k.apply_deltas(jobs)
+    if [c for c, _ in got] != [0, 0, 1, 6] or [t for _, t in got[:2]] != want:
+        return f"apply_deltas differs from the NumPy kernels ({size}-byte elements)"
+    if not np.array_equal(live, ref) or not np.array_equal(other, held) or other_recs or len(recs) != 2 \
+            or recs[0][1] is not live or not np.array_equal(recs[1][3], steps[0][1][::2]):
+        return f"apply_deltas writes or records otherwise than the NumPy kernels ({size}-byte elements)"
+    for _tag, h, pos, old in reversed(recs):
+        k.scatter(h, pos, old, size)
+    return None if np.array_equal(live, held) else f"apply_deltas' records do not undo it ({size}-byte elements)"
 
 
 def load() -> ModuleType | None:

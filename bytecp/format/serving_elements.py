@@ -29,7 +29,7 @@ from bytecp.format import kernels
 from bytecp.tree.regions import Region, row_major_strides
 
 __all__ = [
-    "bits_dtype", "relocate", "run_start", "element_weights", "change_sum", "change_sum_reference", "swap_bits",
+    "bits_dtype", "position_problem", "relocate", "run_start", "element_weights", "change_sum", "change_sum_reference", "swap_bits",
     "scatter_bits", "box_checksum", "encode_positions", "decode_positions", "decode_positions_reference",
 ]
 
@@ -250,12 +250,18 @@ def decode_positions(buf: Any, count: int, numel: int, where: str) -> np.ndarray
         code = k.decode_positions(b, count, numel, out)
         if code == 0:
             return out
-        raise CorruptCheckpointError(f"{where}: " + {
-            1: f"the position bytes do not hold {count} values",
-            2: "a position gap is longer than 9 bytes",
-            3: f"positions are not strictly increasing inside the box's {numel} elements",
-        }.get(code, f"a position lies outside its box of {numel} elements"))
+        raise CorruptCheckpointError(f"{where}: {position_problem(code, count, numel)}")
     return decode_positions_reference(b, count, numel, where)
+
+
+def position_problem(code: int, count: int, numel: int) -> str:
+    """What a compiled decoder's failure ``code`` (1 to 4, ``bytecp/format/_kernels.c``)
+    says of ``count`` positions in a box of ``numel`` elements."""
+    return {
+        1: f"the position bytes do not hold {count} values",
+        2: "a position gap is longer than 9 bytes",
+        3: f"positions are not strictly increasing inside the box's {numel} elements",
+    }.get(code, f"a position lies outside its box of {numel} elements")
 
 
 def decode_positions_reference(b: np.ndarray, count: int, numel: int, where: str) -> np.ndarray:

@@ -45,7 +45,9 @@ import torch
 from torch.autograd.graph import increment_version
 
 from bytecp.errors import CorruptCheckpointError
+from bytecp.format import kernels
 from bytecp.format import serving_wire as wire
+from bytecp.serving import delta_batch
 from bytecp.serving.deltas import Chain, Mode, Part, Step
 from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.dtypes import host_memoryview
@@ -95,14 +97,16 @@ class Brought:
     changed_elements: int = 0
 
 
-def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Callable[[Any], int]) -> list[Any]:
+def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Callable[[Any], int], *,
+         grouped: bool = False) -> list[Any]:
     """``fn`` over ``items`` (results in their order): on the caller's thread
     and the process's apply threads (kept between updates) when there are
     ``threads`` > 1 and enough ``elements`` to pay for them, the items dealt
     into one group a thread, about equal by ``size(item)`` (one hand-off a
-    thread, not one an item)."""
+    thread, not one an item). ``grouped``: ``fn`` takes a thread's group
+    (a list of items) and returns their results, in order."""
     if threads <= 1 or len(items) <= 1 or elements < PARALLEL_ELEMENTS:
-        return [fn(x) for x in items]
+        return list(fn(list(items))) if grouped else [fn(x) for x in items]
     with _POOL_LOCK:
         if not _POOL:
             _POOL.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bytecp-apply"))
@@ -116,6 +120,10 @@ def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Calla
     out: list[Any] = [None] * len(items)
 
     def run(group: list[int]) -> None:
+        if grouped:
+            for i, got in zip(group, fn([items[i] for i in group]), strict=True):
+                out[i] = got
+            return
         for i in group:
             out[i] = fn(items[i])
 
@@ -327,10 +335,39 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
             raise
         return t, part
 
+    kernel = kernels.compiled()
+    plans = [_plan(chain, t, mode, dec, payloads) if kernel is not None else None for t, mode in todo]
+
+    def group(jobs: list[tuple[Target, Mode, delta_batch.Plan | None]]) -> list[tuple[Target, Brought | str]]:
+        """A thread's boxes: those planned in one kernel call, the others one by one."""
+        batch: list[tuple[Target, delta_batch.Plan, list[Record]]] = [(t, pl, []) for t, _, pl in jobs if pl is not None]
+        journal.extend(recs for _, _, recs in batch)  # before any change
+        applied = iter(delta_batch.apply(kernel, [(pl, recs, (t.fqn, t.box)) for t, pl, recs in batch], chain,
+                                         payloads, dec.bits) if batch else [])
+        got: list[tuple[Target, Brought | str]] = []
+        for t, mode, pl in jobs:
+            if pl is None:
+                got.append(one((t, mode)))
+                continue
+            a = next(applied)
+            if a.failed is not None:
+                undo([recs for t2, _, recs in batch if t2 is t])
+                got.append((t, a.failed))
+                continue
+            part = Brought(changed_elements=a.changed)
+            for step, e, change in a.sums if t.owned else ():
+                sm = part.sums.setdefault((step.save_id, e.fqn, e.box.offsets),
+                                          [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
+                sm[0] = (sm[0] + change) & _M64
+                sm[1] += t.box.numel
+            got.append((t, part))
+        return got
+
     elements = sum(p.nbytes for p in payloads) // max(1, dec.size)
     out = Brought()
     try:
-        done = _map(one, todo, threads, elements, lambda job: _work(chain, *job))
+        done = _map(group, [(t, mode, pl) for (t, mode), pl in zip(todo, plans, strict=True)], threads, elements,
+                    lambda job: _work(chain, job[0], job[1]), grouped=True)
         for t, got in done:
             if isinstance(got, str):
                 out.failed.setdefault(t.fqn, got)
@@ -351,6 +388,16 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
         undo(journal)
         raise
     return out
+
+
+def _plan(chain: Chain, t: Target, mode: Mode, dec: _Decoded, payloads: Mapping[Part, memoryview]
+          ) -> delta_batch.Plan | None:
+    """Box ``t`` as :func:`bytecp.serving.delta_batch.apply` takes it (None: :func:`_one` does)."""
+    if mode.kind != "chain" or not t.dsts or len({d.data_ptr() for d in t.dsts}) != 1:
+        return None
+    full = Region((0,) * len(t.shape), t.shape)
+    return delta_batch.plan(chain, t.fqn, t.box, _steps(mode, chain), _host_bits(t.dsts[0], dec.bits),
+                            wire.run_start(t.box, full), payloads)
 
 
 def undo(journal: Sequence[list[Record]], fqns: Collection[str] | None = None) -> None:
