@@ -345,7 +345,7 @@ done:
 /* apply_deltas: one job of the batch (see the file's header) */
 typedef struct {
     Py_buffer held, raw, q, old;
-    int have[4];
+    int have[4], owns;
     Py_ssize_t count, group;
     long long numel, start, g_add;
     int itemsize;
@@ -368,6 +368,10 @@ static void release_jobs(job_t *jobs, Py_ssize_t n) {
         for (int i = 0; i < 4; i++)
             if (jobs[j].have[i])
                 PyBuffer_Release(b[i]);
+        if (jobs[j].owns) {
+            Py_DECREF(jobs[j].recs);
+            Py_DECREF(jobs[j].tag);
+        }
     }
     PyMem_Free(jobs);
 }
@@ -390,6 +394,9 @@ static int parse_job(PyObject *t, job_t *jb) {
             return -1;
         jb->have[i] = 1;
     }
+    Py_INCREF(jb->recs);  /* held until the call returns: the list could lose the tuple meanwhile */
+    Py_INCREF(jb->tag);
+    jb->owns = 1;
     if (!PyList_Check(jb->recs)) {
         PyErr_SetString(PyExc_TypeError, "apply_deltas: a job's records must be a list");
         return -1;
@@ -399,8 +406,10 @@ static int parse_job(PyObject *t, job_t *jb) {
     Py_ssize_t size = elements(&jb->held, jb->itemsize, "apply_deltas: held");
     if (size < 0)
         return -1;
-    if (jb->count < 0 || jb->numel < 0 || jb->start < 0 || jb->raw.len < jb->count * jb->itemsize
-            || jb->q.len != jb->count * 8 || jb->old.len != jb->count * jb->itemsize || jb->start + jb->numel > size) {
+    /* (divisions, not products: a count or start near 2**63 must not wrap into a check that passes) */
+    if (jb->count < 0 || jb->numel < 0 || jb->start < 0 || jb->raw.len / jb->itemsize < jb->count
+            || jb->q.len % 8 || jb->q.len / 8 != jb->count || jb->old.len % jb->itemsize
+            || jb->old.len / jb->itemsize != jb->count || jb->start > size || jb->numel > size - jb->start) {
         PyErr_Format(PyExc_ValueError, "apply_deltas: a job of %zd changes of a %lld-element box at %lld does not "
                      "fit its buffers (%zd held elements, %zd bytes of changes)", jb->count, jb->numel, jb->start,
                      size, jb->raw.len);
@@ -423,14 +432,10 @@ static PyObject *apply_deltas(PyObject *self, PyObject *args) {
             return NULL;
         }
     Py_BEGIN_ALLOW_THREADS
-    Py_ssize_t failed_group = -1;
-    int any_failed = 0;
     for (Py_ssize_t j = 0; j < n; j++) {
         job_t *jb = &jobs[j];
-        if (any_failed && jb->group == failed_group) {  /* a box whose earlier step failed takes no later one */
-            jb->code = 6;
+        if (jb->code == 6)  /* a box whose earlier step failed takes no later one */
             continue;
-        }
         const char *vals = (const char *)jb->raw.buf;
         int64_t *qp = (int64_t *)jb->q.buf;
         decoder d;
@@ -438,8 +443,9 @@ static PyObject *apply_deltas(PyObject *self, PyObject *args) {
         decode_some(&d, qp, jb->count, jb->start);
         jb->code = decoder_code(&d, jb->count);
         if (jb->code) {
-            failed_group = jb->group;
-            any_failed = 1;
+            for (Py_ssize_t k = j + 1; k < n; k++)  /* (rare: a scan of the rest only on a failure) */
+                if (jobs[k].group == jb->group)
+                    jobs[k].code = 6;
             continue;
         }
         char *hb = (char *)jb->held.buf, *ob = (char *)jb->old.buf;

@@ -152,6 +152,40 @@ def test_a_batch_of_boxes_applies_as_numpy_does_step_after_step() -> None:
         assert all(np.array_equal(t, b) for t, b in zip(tensors, before, strict=True))
 
 
+@pytest.mark.skipif(not BUILT, reason="the compiled kernels are not in use here (not built at install: no C "
+                    "compiler; or BYTECP_KERNELS=0)")
+def test_a_batch_refuses_jobs_that_do_not_fit_and_skips_a_failed_box_wherever_its_steps_are() -> None:
+    """``apply_deltas``' checks: a box's steps interleaved with another's (a
+    failed box takes none of its later steps, the other all of its); sizes
+    and offsets whose products or sums would wrap past 2**63 refused (a
+    ValueError, nothing written), as are buffers of the wrong size."""
+    k = kernels.compiled()
+    held = np.zeros(64, dtype=np.uint16)
+    bad = np.uint16(1).tobytes() + b"\x80"  # one value, its gap unfinished
+
+    def job(p: list[int], group: int, recs: list[Any], raw: bytes | None = None, **kw: Any) -> tuple[Any, ...]:
+        v = np.full(len(p), 7 + group, dtype=np.uint16)
+        args = dict(held=held, raw=raw if raw is not None else v.tobytes() + wire.encode_positions(np.array(p)),
+                    count=len(p), numel=32, itemsize=2, start=0 if group == 0 else 32, g_add=0,
+                    q=np.empty(len(p), np.int64), old=np.empty(len(p), np.uint16))
+        args.update(kw)
+        return (*args.values(), recs, group, group)
+
+    a: list[Any] = []
+    b: list[Any] = []
+    got = k.apply_deltas([job([1], 0, a), job([2], 1, b), job([3], 0, a, raw=bad), job([4], 1, b, raw=bad),
+                          job([5], 0, a), job([6], 1, b)])
+    assert [c for c, _ in got] == [0, 0, 1, 1, 6, 6]
+    assert [int(x) for x in np.flatnonzero(held)] == [1, 34] and len(a) == len(b) == 1
+    before = held.copy()
+    one = np.empty(1, np.int64)
+    for kw in (dict(start=(1 << 63) - 8, numel=8), dict(count=1 << 61, itemsize=8, q=one[:0]),
+               dict(count=1 << 62, q=one[:0], old=held[:0]), dict(q=np.empty(2, np.int64)), dict(numel=65)):
+        with pytest.raises(ValueError, match="does not fit"):
+            k.apply_deltas([job([1], 0, [], **kw)])
+    assert np.array_equal(held, before)
+
+
 def test_a_position_outside_the_tensor_writes_nothing(engine: str) -> None:
     live = np.arange(100, dtype=np.uint16)
     with pytest.raises(IndexError):
@@ -236,11 +270,16 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
     calls: list[int] = []
     real_swap, real_stage, real_batch = wire.swap_bits, delta_update.stage, delta_batch.apply
 
+    changed: list[bool] = []  # whether the boxes were changed in place before the failure (else it proves little)
+
     def swap(*a: Any, **k: Any) -> Any:
         calls.append(1)
         if len(calls) == 3 and where == "a later box":
+            changed.append(any(not torch.equal(v, held[k]) for k, v in _bits(served).items()))
             raise RuntimeError("the third box failed")
         got = real_swap(*a, **k)
+        if len(calls) == 2 and where != "a later box":
+            changed.append(any(not torch.equal(v, held[k]) for k, v in _bits(served).items()))
         if len(calls) == 2 and where != "a later box":  # an interruption as the call returns
             raise KeyboardInterrupt
         return got
@@ -248,6 +287,7 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
     def batch(*a: Any, **k: Any) -> Any:  # (the compiled kernels: every box of a thread in one call)
         calls.append(1)
         real_batch(*a, **k)  # the boxes changed in place, then:
+        changed.append(any(not torch.equal(v, held[k]) for k, v in _bits(served).items()))
         if where == "a later box":
             raise RuntimeError("the third box failed")
         raise KeyboardInterrupt  # as the call returns
@@ -265,6 +305,7 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
         with pytest.raises(KeyboardInterrupt):
             next(gen)
         gen = bytecp.follow(run, {"model": served}, poll_s=0.01, dtype=torch.bfloat16)
+        assert changed == [True]
         assert all(torch.equal(v, held[k]) for k, v in _bits(served).items())  # every box put back
         monkeypatch.setattr(wire, "swap_bits", real_swap)
         monkeypatch.setattr(delta_batch, "apply", real_batch)
@@ -273,7 +314,7 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
     else:
         up = next(gen)
         assert not up.ok and up.step == 2 and ("third box" in up.error or "storage went away" in up.error), up
-        assert calls
+        assert calls and changed == ([] if where == "the read of the rest" else [True])
         assert all(torch.equal(v, held[k]) for k, v in _bits(served).items())  # every box put back
     monkeypatch.setattr(wire, "swap_bits", real_swap)
     monkeypatch.setattr(delta_update, "stage", real_stage)
@@ -288,16 +329,22 @@ def test_an_update_failing_after_changes_in_place_puts_them_back(tmp_path: Path,
     gen.close()
 
 
-def test_positions_damaged_behind_a_valid_crc32c_fall_back_after_the_step_before(tmp_path: Path,
-                                                                                engine: str) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_positions_damaged_behind_a_valid_crc32c_fall_back_after_the_step_before(
+        tmp_path: Path, engine: str, threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """A delta whose crc32c holds but whose positions do not decode (a
     writer's bug, not a disk's), met as the second step of a follower's
     chain: that tensor's first step is put back and it is read whole
     instead, named in the fallbacks; every other tensor is taken by its two
-    steps; all bitwise the trainer's weights at the step taken."""
+    steps; all bitwise the trainer's weights at the step taken. On one
+    thread and on two (the boxes dealt to the apply threads, however few)."""
     import json
 
     from bytecp.format.checksum import crc32c
+    from bytecp.serving import delta_apply, delta_update
+
+    monkeypatch.setattr(delta_update, "_THREADS", threads)
+    monkeypatch.setattr(delta_apply, "PARALLEL_ELEMENTS", 0)
 
     run = str(tmp_path / "run")
     model = _model(0)
