@@ -7,9 +7,13 @@ latest committed checkpoint). Imports nothing of the save or load path.
 
 from __future__ import annotations
 
+import concurrent.futures
+import contextvars
 import dataclasses
 import logging
+import os
 import re
+import threading
 import time
 from typing import Any
 
@@ -76,33 +80,65 @@ def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = N
 def scan(root: Storage, run_url: str, names: list[str] | None = None) -> tuple[list[CheckpointInfo], list[Unreadable]]:
     """(the catalog, and the resume decision with the run's listing ``names``)
     The committed checkpoints below ``root``, oldest step first, and the
-    folders whose bytecp ``metadata.json`` does not read."""
-    out: list[CheckpointInfo] = []
-    bad: list[Unreadable] = []
-    for name in root.list_children("") if names is None else names:
-        if not root.exists(f"{name}/{fmt.METADATA_FILE}"):
-            continue
-        ck = root.child(name)  # read through the checkpoint's own storage: a step folder may be a link
-        url = f"{run_url.rstrip('/')}/{name}"
-        try:
-            head = read_header(ck, committed=True)
-        except CorruptCheckpointError as e:
-            if _bytecp(ck):  # (not another format's folder, torch_dist: bytecp.interop.runs reads those)
-                why = one_line(e)
-                if _TOLD.get((url, why)) is None:  # once per process: a follower lists the run at every poll
-                    _TOLD.put((url, why), True)
-                    log.warning("bytecp: %s has an unreadable metadata.json (%s)", url, why)
-                bad.append(Unreadable(name, url, why))
-            continue
-        # (a newer format version, a storage error: raised, never read as "no checkpoint")
-        if head is None:
-            continue  # deleted meanwhile
-        m = _STEP.match(name)
-        step = head.step if head.step is not None else (int(m.group(1)) if m else None)
-        created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(head.created))
-        out.append(CheckpointInfo(name, url, step, created, tuple(sorted(head.references))))
+    folders whose bytecp ``metadata.json`` does not read. The folders are
+    read on up to :data:`SCAN_THREADS` threads: a follower's every poll, a
+    resume and each retention read every checkpoint's header, three requests
+    each, which one after the other took 0.77 s for 40 checkpoints on a
+    local S3 emulator (seconds on a store far away). The first storage error,
+    in the listing's order, is raised as it was one by one."""
+    names = root.list_children("") if names is None else names
+    if len(names) <= 4:
+        got = [_scan_one(root, run_url, n) for n in names]
+    else:
+        with _POOL_LOCK:
+            if not _POOL:
+                _POOL.append(concurrent.futures.ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="bytecp-scan"))
+            pool = _POOL[0]
+        ctx = contextvars.copy_context()  # (the caller's context variables, a deadline's, on every thread)
+        got = list(pool.map(lambda n: ctx.copy().run(_scan_one, root, run_url, n), names))
+    out = [g for g in got if isinstance(g, CheckpointInfo)]
+    bad = [g for g in got if isinstance(g, Unreadable)]
     out.sort(key=lambda c: (c.step is None, c.step or 0, c.created))
     return out, bad
+
+
+#: the threads :func:`scan` reads a run's folders on (kept between calls: a follower scans at every poll)
+SCAN_THREADS = 16
+_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    _POOL.clear()
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def _scan_one(root: Storage, run_url: str, name: str) -> CheckpointInfo | Unreadable | None:
+    """(a :func:`scan` thread) The folder ``name``: a committed checkpoint, one whose
+    bytecp ``metadata.json`` does not read, or None (not a checkpoint, or deleted meanwhile)."""
+    if not root.exists(f"{name}/{fmt.METADATA_FILE}"):
+        return None
+    ck = root.child(name)  # read through the checkpoint's own storage: a step folder may be a link
+    url = f"{run_url.rstrip('/')}/{name}"
+    try:
+        head = read_header(ck, committed=True)
+    except CorruptCheckpointError as e:
+        if _bytecp(ck):  # (not another format's folder, torch_dist: bytecp.interop.runs reads those)
+            why = one_line(e)
+            if _TOLD.get((url, why)) is None:  # once per process: a follower lists the run at every poll
+                _TOLD.put((url, why), True)
+                log.warning("bytecp: %s has an unreadable metadata.json (%s)", url, why)
+            return Unreadable(name, url, why)
+        return None
+    # (a newer format version, a storage error: raised, never read as "no checkpoint")
+    if head is None:
+        return None  # deleted meanwhile
+    m = _STEP.match(name)
+    step = head.step if head.step is not None else (int(m.group(1)) if m else None)
+    created = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(head.created))
+    return CheckpointInfo(name, url, step, created, tuple(sorted(head.references)))
 
 
 def _bytecp(ck: Storage) -> bool:
