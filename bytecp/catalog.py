@@ -80,14 +80,15 @@ def list_checkpoints(run_url: str, *, storage_options: dict[str, Any] | None = N
 def scan(root: Storage, run_url: str, names: list[str] | None = None) -> tuple[list[CheckpointInfo], list[Unreadable]]:
     """(the catalog, and the resume decision with the run's listing ``names``)
     The committed checkpoints below ``root``, oldest step first, and the
-    folders whose bytecp ``metadata.json`` does not read. The folders are
-    read on up to :data:`SCAN_THREADS` threads: a follower's every poll, a
-    resume and each retention read every checkpoint's header, three requests
-    each, which one after the other took 0.77 s for 40 checkpoints on a
-    local S3 emulator (seconds on a store far away). The first storage error,
-    in the listing's order, is raised as it was one by one."""
+    folders whose bytecp ``metadata.json`` does not read. On a remote store
+    the folders are read on up to :data:`SCAN_THREADS` threads: a follower's
+    every poll, a resume and each retention read every checkpoint's header,
+    three requests each, which one after the other took 2.37 s for 40
+    checkpoints on a Ceph RGW here (0.43 s on the threads; seconds more on a
+    store far away); on local disk one by one (15 ms, 19 on threads). The
+    first storage error, in the listing's order, is raised as it was one by one."""
     names = root.list_children("") if names is None else names
-    if len(names) <= 4:
+    if len(names) <= 4 or not root.remote:  # (local disk, the memory tier: threads only add hand-offs)
         got = [_scan_one(root, run_url, n) for n in names]
     else:
         with _POOL_LOCK:

@@ -1,4 +1,4 @@
-"""A run's folders read on threads (:func:`bytecp.catalog.scan`): the same
+"""A run's folders read on threads on a remote store (:func:`bytecp.catalog.scan`): the same
 answer as one by one -- every committed checkpoint in step order, a folder
 whose bytecp metadata.json does not read named once, everything else
 passed over -- and the first storage error in the listing's order raised,
@@ -34,15 +34,23 @@ def _run(tmp_path: Path) -> str:
     return str(run)
 
 
-def test_a_run_scanned_on_threads_lists_what_one_by_one_does(tmp_path: Path,
+@pytest.fixture
+def remote(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Local disk taken for a remote store: scanned on threads (local disk is scanned one by one)."""
+    monkeypatch.setattr(type(open_storage("/tmp")), "remote", True)
+
+
+def test_a_run_scanned_on_threads_lists_what_one_by_one_does(tmp_path: Path, remote: None,
                                                              caplog: pytest.LogCaptureFixture) -> None:
     run = _run(tmp_path)
     root = open_storage(run)
+    assert root.remote
     names = root.list_children("")
     assert len(names) > 4  # (the threads' path)
     with caplog.at_level(logging.WARNING, logger="bytecp.manager"):
         got, bad = catalog.scan(root, run)
         again, bad2 = catalog.scan(root, run)
+    assert catalog._POOL  # (read on the scan's threads)
     one_by_one = [catalog._scan_one(root, run, n) for n in names]
     assert [c.step for c in got] == [s for s in range(1, 12) if s != 5] == [c.step for c in again]
     assert got == sorted((g for g in one_by_one if isinstance(g, catalog.CheckpointInfo)),
@@ -53,7 +61,7 @@ def test_a_run_scanned_on_threads_lists_what_one_by_one_does(tmp_path: Path,
     assert [c.step for c in decision.candidates()][:2] == [11, 10]
 
 
-def test_the_first_storage_error_in_the_listings_order_is_raised(tmp_path: Path,
+def test_the_first_storage_error_in_the_listings_order_is_raised(tmp_path: Path, remote: None,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     run = _run(tmp_path)
     root = open_storage(run)
