@@ -7,13 +7,10 @@ latest committed checkpoint). Imports nothing of the save or load path.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextvars
 import dataclasses
 import logging
-import os
 import re
-import threading
 import time
 from typing import Any
 
@@ -28,6 +25,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format.header import read_header
 from bytecp.format.references import retired_names
 from bytecp.storage_api import Storage, open_storage
+from bytecp.tree.pools import KeptPool
 from bytecp.tree.recent import Recent
 
 __all__ = ["CheckpointInfo", "Unreadable", "list_checkpoints", "scan", "list_bases", "checkpoint_is_bad", "one_line"]
@@ -91,10 +89,7 @@ def scan(root: Storage, run_url: str, names: list[str] | None = None) -> tuple[l
     if len(names) <= 4 or not root.remote:  # (local disk, the memory tier: threads only add hand-offs)
         got = [_scan_one(root, run_url, n) for n in names]
     else:
-        with _POOL_LOCK:
-            if not _POOL:
-                _POOL.append(concurrent.futures.ThreadPoolExecutor(SCAN_THREADS, thread_name_prefix="bytecp-scan"))
-            pool = _POOL[0]
+        pool = _POOL.get()
         ctx = contextvars.copy_context()  # (the caller's context variables, a deadline's, on every thread)
         got = list(pool.map(lambda n: ctx.copy().run(_scan_one, root, run_url, n), names))
     out = [g for g in got if isinstance(g, CheckpointInfo)]
@@ -105,15 +100,7 @@ def scan(root: Storage, run_url: str, names: list[str] | None = None) -> tuple[l
 
 #: the threads :func:`scan` reads a run's folders on (kept between calls: a follower scans at every poll)
 SCAN_THREADS = 16
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
-_POOL_LOCK = threading.Lock()
-
-
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    _POOL.clear()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
+_POOL = KeptPool(SCAN_THREADS, "bytecp-scan")
 
 
 def _scan_one(root: Storage, run_url: str, name: str) -> CheckpointInfo | Unreadable | None:

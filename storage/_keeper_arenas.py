@@ -45,12 +45,12 @@ import os
 import threading
 import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from bytecp.errors import StorageError
 from bytecp.format.checksum import Sums, sums, sums_of_ranges
 from bytecp.saving.leases import pid_running
 from bytecp.tree import buffers
+from bytecp.tree.pools import KeptPool
 
 from ._keeper_wire import reserve
 
@@ -375,7 +375,7 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     view = memoryview(m) if m is not None else memoryview(b"")
     try:
-        crcs = sums_of_ranges(view, ranges, _summing_pool())
+        crcs = sums_of_ranges(view, ranges, _SUMMING.get())
         os.ftruncate(out, pos)
         for (o, n), at in zip(ranges, starts, strict=True):
             with view[o:o + n] as piece:
@@ -396,27 +396,9 @@ def _copy_out(src: str, dest: str, ranges: Sequence[tuple[int, int]]) -> tuple[l
     return crcs, starts, pos
 
 
-_SUMMING: list[ThreadPoolExecutor] = []
-_SUMMING_LOCK = threading.Lock()
-
-
-def _summing_pool() -> ThreadPoolExecutor:
-    """The keeper's pool that sums adopted arenas (one thread a core, at most 16), shared by every
-    rank's request: the sums of one save's files spread over the host's cores."""
-    with _SUMMING_LOCK:
-        if not _SUMMING:
-            _SUMMING.append(ThreadPoolExecutor(max_workers=max(1, min(16, os.cpu_count() or 1)),
-                                               thread_name_prefix="keeper-sums"))
-        return _SUMMING[0]
-
-
-def _forget_summing_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _SUMMING_LOCK
-    _SUMMING.clear()
-    _SUMMING_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_summing_pool)
+#: the keeper's pool that sums adopted arenas (one thread a core, at most 16), shared by every rank's
+#: request: the sums of one save's files spread over the host's cores
+_SUMMING = KeptPool(max(1, min(16, os.cpu_count() or 1)), "keeper-sums")
 
 
 def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
@@ -434,7 +416,7 @@ def _crcs(path: str, ranges: Sequence[tuple[int, int]]) -> list[Sums]:
     try:
         view = memoryview(m)
         try:
-            return sums_of_ranges(view, ranges, _summing_pool())
+            return sums_of_ranges(view, ranges, _SUMMING.get())
         finally:
             view.release()
     finally:

@@ -272,6 +272,23 @@ static inline __attribute__((always_inline)) uint64_t swap_loop(
     return total;
 }
 
+/* swap_loop for an element size known only at run time: one compiled loop per size */
+static uint64_t swap_sized(char *hb, const int64_t *qp, const char *nb, const int64_t *gp, int64_t g_add, char *ob,
+                           Py_ssize_t n, int itemsize) {
+    switch (itemsize) {
+    case 1: return swap_loop(hb, qp, nb, gp, g_add, ob, n, 1);
+    case 2: return swap_loop(hb, qp, nb, gp, g_add, ob, n, 2);
+    case 4: return swap_loop(hb, qp, nb, gp, g_add, ob, n, 4);
+    default: return swap_loop(hb, qp, nb, gp, g_add, ob, n, 8);
+    }
+}
+
+/* held[q[k]] = old[k] for the n elements a swap changed, the latest first: its change undone */
+static void unswap(char *hb, const int64_t *qp, const char *ob, Py_ssize_t n, int itemsize) {
+    for (Py_ssize_t k = n - 1; k >= 0; k--)
+        memcpy(hb + (Py_ssize_t)itemsize * qp[k], ob + (Py_ssize_t)itemsize * k, itemsize);
+}
+
 static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
     Py_buffer held, q, nw, old, g = {0};
     PyObject *gobj, *journal = Py_None, *tag = Py_None;
@@ -307,15 +324,8 @@ static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
     Py_BEGIN_ALLOW_THREADS
     const int64_t *gp = have_g ? (const int64_t *)g.buf : NULL;
     bad = first_outside(qp, n, size);  /* every position checked before anything is written */
-    if (bad < 0) {
-        const char *nb = (const char *)nw.buf;
-        switch (itemsize) {  /* one loop per element size: its copies compiled to single moves */
-        case 1: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 1); break;
-        case 2: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 2); break;
-        case 4: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 4); break;
-        default: total = swap_loop(hb, qp, nb, gp, g_add, ob, n, 8); break;
-        }
-    }
+    if (bad < 0)
+        total = swap_sized(hb, qp, (const char *)nw.buf, gp, g_add, ob, n, itemsize);
     Py_END_ALLOW_THREADS
     if (bad >= 0) {
         outside_error("swap_change_sum", qp[bad], size);
@@ -328,8 +338,7 @@ static PyObject *swap_change_sum(PyObject *self, PyObject *args) {
         PyObject *rec = Py_BuildValue("(OOOO)", tag, held.obj, q.obj, old.obj);
         if (rec == NULL || PyList_Append(journal, rec) < 0) {
             Py_XDECREF(rec);
-            for (Py_ssize_t k = n - 1; k >= 0; k--)
-                memcpy(hb + (Py_ssize_t)itemsize * qp[k], ob + (Py_ssize_t)itemsize * k, itemsize);
+            unswap(hb, qp, ob, n, itemsize);
             goto done;
         }
         Py_DECREF(rec);
@@ -356,14 +365,6 @@ typedef struct {
     int code;
     uint64_t total;
 } job_t;
-
-/* held[q[k]] = old[k], the latest first: a job's change undone */
-static void scatter_back(job_t *jb) {
-    const int64_t *qp = (const int64_t *)jb->q.buf;
-    for (Py_ssize_t k = jb->count - 1; k >= 0; k--)
-        memcpy((char *)jb->held.buf + (Py_ssize_t)jb->itemsize * qp[k], (char *)jb->old.buf + (Py_ssize_t)jb->itemsize * k,
-               jb->itemsize);
-}
 
 static void release_jobs(job_t *jobs, Py_ssize_t n) {
     for (Py_ssize_t j = 0; j < n; j++) {
@@ -451,13 +452,8 @@ static PyObject *apply_deltas(PyObject *self, PyObject *args) {
                     jobs[k].code = 6;
             continue;
         }
-        char *hb = (char *)jb->held.buf, *ob = (char *)jb->old.buf;
-        switch (jb->itemsize) {  /* the positions are inside the box, the box inside held (checked above) */
-        case 1: jb->total = swap_loop(hb, qp, vals, NULL, jb->g_add, ob, jb->count, 1); break;
-        case 2: jb->total = swap_loop(hb, qp, vals, NULL, jb->g_add, ob, jb->count, 2); break;
-        case 4: jb->total = swap_loop(hb, qp, vals, NULL, jb->g_add, ob, jb->count, 4); break;
-        default: jb->total = swap_loop(hb, qp, vals, NULL, jb->g_add, ob, jb->count, 8); break;
-        }
+        /* (the positions are inside the box, the box inside held: checked above) */
+        jb->total = swap_sized(jb->held.buf, qp, vals, NULL, jb->g_add, jb->old.buf, jb->count, jb->itemsize);
     }
     Py_END_ALLOW_THREADS
     /* every change recorded before the call returns; a record that cannot be made undoes the changes
@@ -483,7 +479,7 @@ static PyObject *apply_deltas(PyObject *self, PyObject *args) {
         for (Py_ssize_t k = n - 1; k >= j; k--) {
             job_t *jb = &jobs[k];
             if (jb->code == 0)
-                scatter_back(jb);
+                unswap(jb->held.buf, jb->q.buf, jb->old.buf, jb->count, jb->itemsize);
         }
         Py_CLEAR(ret);
     }

@@ -255,8 +255,9 @@ def decode_positions(buf: Any, count: int, numel: int, where: str) -> np.ndarray
 
 
 def position_problem(code: int, count: int, numel: int) -> str:
-    """What a compiled decoder's failure ``code`` (1 to 4, ``bytecp/format/_kernels.c``)
-    says of ``count`` positions in a box of ``numel`` elements."""
+    """What a decoder's failure ``code`` (1 to 4, as ``bytecp/format/_kernels.c``
+    numbers them; the NumPy decoder words its own the same) says of ``count``
+    positions in a box of ``numel`` elements."""
     return {
         1: f"the position bytes do not hold {count} values",
         2: "a position gap is longer than 9 bytes",
@@ -286,7 +287,7 @@ def decode_positions_reference(b: np.ndarray, count: int, numel: int, where: str
     if len(multi):
         longest = int(lens[multi].max())
         if longest > 9:
-            raise CorruptCheckpointError(f"{where}: a position gap is longer than 9 bytes")
+            raise CorruptCheckpointError(f"{where}: {position_problem(2, count, numel)}")
         starts = ends[multi] - lens[multi] + 1
         val = np.zeros(len(multi), dtype=np.uint64)
         for k in range(longest):
@@ -299,10 +300,9 @@ def decode_positions_reference(b: np.ndarray, count: int, numel: int, where: str
 def _checked(g: np.ndarray, count: int, numel: int, where: str) -> np.ndarray:
     """Positions from their gaps ``g``, checked: strictly increasing, below ``numel``."""
     if int(g.max()) >= numel or (count > 1 and int(g[1:].min()) < 1):
-        raise CorruptCheckpointError(f"{where}: positions are not strictly increasing inside the box's "
-                                     f"{numel} elements")
+        raise CorruptCheckpointError(f"{where}: {position_problem(3, count, numel)}")
     pos = np.cumsum(g, dtype=np.int64) if g.dtype != np.int64 else np.cumsum(g)
     # gaps >= 1 and < numel: below 2**32 elements the sum cannot wrap, so the last position bounds them all
     if int(pos[-1]) >= numel or (numel > 1 << 32 and not bool((pos[1:] > pos[:-1]).all())):
-        raise CorruptCheckpointError(f"{where}: a position lies outside its box of {numel} elements")
+        raise CorruptCheckpointError(f"{where}: {position_problem(4, count, numel)}")
     return pos

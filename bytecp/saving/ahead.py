@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import operator
-import os
 import threading
 from typing import Any
 
@@ -52,29 +51,13 @@ import torch
 from bytecp.format.checksum import Sums
 from bytecp.saving.hostcopy import CopyPlan, work_on_threads
 from bytecp.saving.own_threads import serial_torch
+from bytecp.tree.pools import KeptPool
 
 __all__ = ["Ahead", "guess_plan"]
 
-_EXECUTOR: list[concurrent.futures.ThreadPoolExecutor] = []
-_LOCK = threading.Lock()
-
-
-def _executor() -> concurrent.futures.ThreadPoolExecutor:
-    """The process's helper thread (kept: torch's intra-op threads of a new
-    thread are set up at its first parallel copy, not at every save)."""
-    with _LOCK:
-        if not _EXECUTOR:
-            _EXECUTOR.append(concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="bytecp-copy-ahead"))
-        return _EXECUTOR[0]
-
-
-def _forget() -> None:  # a forked child has the executor object but not its thread
-    global _LOCK
-    _LOCK = threading.Lock()
-    _EXECUTOR.clear()
-
-
-os.register_at_fork(after_in_child=_forget)
+#: the process's helper thread (kept: torch's intra-op threads of a new thread are set up at its first
+#: parallel copy, not at every save)
+_EXECUTOR = KeptPool(1, "bytecp-copy-ahead")
 
 
 class Ahead:
@@ -102,7 +85,7 @@ class Ahead:
             work_on_threads(self.run, max(1, self.threads - 1))
 
         try:
-            self._future = _executor().submit(work)
+            self._future = _EXECUTOR.get().submit(work)
         except RuntimeError:  # the interpreter is shutting down: no guess
             self.run.stop()
             return

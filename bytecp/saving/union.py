@@ -18,8 +18,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import json
-import os
-import threading
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -36,6 +34,7 @@ from bytecp.plan.exchange import PLAN_STATS
 from bytecp.tree.bulk import gc_paused
 from bytecp.tree.dtypes import dtype_name
 from bytecp.tree.kept import Recent, memoized
+from bytecp.tree.pools import KeptPool
 from bytecp.tree.skeleton import Node
 from bytecp.tree.skeleton_union import NotCompact, deferred, union_json
 from bytecp.tree.state import FlatTree, merge_aliases
@@ -156,24 +155,7 @@ class DescribedUnion:
 #: a model and an EMA copy, keeps each one's)
 _KEPT: Recent[tuple[Any, str], DescribedUnion] = Recent(4)
 #: the thread a job's first commit merges the ranks' skeletons on, meanwhile building the index directory
-_MERGING: list[concurrent.futures.ThreadPoolExecutor] = []
-_MERGING_LOCK = threading.Lock()
-
-
-def _merging() -> concurrent.futures.ThreadPoolExecutor:
-    with _MERGING_LOCK:
-        if not _MERGING:
-            _MERGING.append(concurrent.futures.ThreadPoolExecutor(1, "bytecp-union"))
-        return _MERGING[0]
-
-
-def _forget_threads() -> None:
-    global _MERGING_LOCK
-    _MERGING.clear()  # a forked child has none of its parent's threads, nor their locks (_KEPT forgets its own)
-    _MERGING_LOCK = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_threads)
+_MERGING = KeptPool(1, "bytecp-union")
 
 
 def kept_unions(slot: Any, coordinator: int) -> list[DescribedUnion]:
@@ -264,7 +246,7 @@ def described_union(own: Callable[[], tuple[Node, dict[str, dict[str, Any]], dic
         described.set_result((node, encoded, merged))
 
     if sent:
-        _merging().submit(describe)
+        _MERGING.get().submit(describe)
     else:
         describe()
     return union

@@ -34,7 +34,6 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
-import os
 import signal
 import threading
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
@@ -51,6 +50,7 @@ from bytecp.serving import delta_batch
 from bytecp.serving.deltas import Chain, Mode, Part, Step
 from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.dtypes import host_memoryview
+from bytecp.tree.pools import KeptPool
 from bytecp.tree.regions import Region
 
 __all__ = ["Target", "Brought", "Record", "parts_for", "bring_forward", "verdict", "undo", "interrupts_held", "scatter",
@@ -59,8 +59,8 @@ __all__ = ["Target", "Brought", "Record", "parts_for", "bring_forward", "verdict
 _M64 = (1 << 64) - 1
 #: below this many changed elements in all, boxes are brought forward on the caller's thread alone
 PARALLEL_ELEMENTS = 1 << 18
-_POOL: list[concurrent.futures.ThreadPoolExecutor] = []
-_POOL_LOCK = threading.Lock()
+#: the process's apply threads (kept between updates; sized by the first update's ``threads``)
+_POOL = KeptPool(4, "bytecp-apply")
 _INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 #: a saved box's checksum change at one step: (save id, fqn, offsets)
 SumKey = tuple[str, str, tuple[int, ...]]
@@ -107,10 +107,7 @@ def _map(fn: Any, items: Sequence[Any], threads: int, elements: int, size: Calla
     (a list of items) and returns their results, in order."""
     if threads <= 1 or len(items) <= 1 or elements < PARALLEL_ELEMENTS:
         return list(fn(list(items))) if grouped else [fn(x) for x in items]
-    with _POOL_LOCK:
-        if not _POOL:
-            _POOL.append(concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="bytecp-apply"))
-        pool = _POOL[0]
+    pool = _POOL.get(threads)
     groups: list[list[int]] = [[] for _ in range(min(threads, len(items)))]
     loads = [0] * len(groups)
     for i in sorted(range(len(items)), key=lambda i: -size(items[i])):  # largest first
@@ -170,13 +167,6 @@ def interrupts_held() -> Iterator[None]:
                 before(signal.SIGINT, None)
             elif before == signal.SIG_DFL:
                 signal.raise_signal(signal.SIGINT)
-
-
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    _POOL.clear()
-
-
-os.register_at_fork(after_in_child=_forget_pool)
 
 
 def _steps(mode: Mode, chain: Chain) -> range:
@@ -246,8 +236,7 @@ class _Decoded:
                 try:
                     got = (wire.decode_positions(raw[n * self.size:], n, e.box.numel, ""), values)
                 except CorruptCheckpointError as err:  # named here: the message is built only when needed
-                    where = f"{step.url}/{wire.delta_path(step.save_id, part.rank)}: {e.fqn} {e.box}"
-                    raise CorruptCheckpointError(f"{where}{err}") from None
+                    raise CorruptCheckpointError(f"{step.where(part.rank, e)}{err}") from None
             self._done[part] = got
         return got
 
@@ -356,10 +345,7 @@ def bring_forward(chain: Chain, modes: Mapping[str, Mode], targets: Sequence[Tar
                 continue
             part = Brought(changed_elements=a.changed)
             for step, e, change in a.sums if t.owned else ():
-                sm = part.sums.setdefault((step.save_id, e.fqn, e.box.offsets),
-                                          [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
-                sm[0] = (sm[0] + change) & _M64
-                sm[1] += t.box.numel
+                _add_sum(part.sums, step, e, change, t.box.numel)
             got.append((t, part))
         return got
 
@@ -478,15 +464,20 @@ def _one(chain: Chain, mode: Mode, t: Target, dec: _Decoded, out: Brought,
                 ps.append(q)
                 bs.append(b)
             if t.owned:
-                s = out.sums.setdefault((step.save_id, e.fqn, e.box.offsets),
-                                        [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
-                s[0] = (s[0] + change) & _M64
-                s[1] += inter.numel
+                _add_sum(out.sums, step, e, change, inter.numel)
             out.changed_elements += len(q)
         if ps:
             net_p, net_b = _merge(net_p, net_b, np.concatenate(ps), np.concatenate(bs))
     if live is None:
         out.nets[key] = (net_p, net_b)
+
+
+def _add_sum(sums: Sums, step: Step, e: wire.Entry, change: int, elements: int) -> None:
+    """Count into ``sums`` a piece of ``elements`` elements of the saved box of
+    entry ``e`` (step ``step``) whose checksum moved by ``change``."""
+    s = sums.setdefault((step.save_id, e.fqn, e.box.offsets), [0, 0, (e.checksum - (e.before or 0)) & _M64, e.box.numel])
+    s[0] = (s[0] + change) & _M64
+    s[1] += elements
 
 
 def verdict(gathered: Sequence[tuple[Sums, Mapping[str, str]]], names: Mapping[str, str] | None = None

@@ -32,9 +32,7 @@ from bytecp.format import serving_wire as wire
 from bytecp.format.serving_elements import position_problem
 from bytecp.serving.deltas import Chain, Part, Step
 
-__all__ = ["Plan", "plan", "apply"]
-
-_M64 = (1 << 64) - 1
+__all__ = ["Plan", "Applied", "plan", "apply"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,8 +72,8 @@ def plan(chain: Chain, fqn: str, box: Any, steps: range, live: np.ndarray | None
 
 @dataclasses.dataclass
 class Applied:
-    """What :func:`apply` did to one box: its sums' pieces (per saved box of
-    each step: change, elements) and changed elements, or why it failed."""
+    """What :func:`apply` did to one box: each step's delta with the change it
+    made to its saved box's checksum, the changed elements, or why it failed."""
 
     sums: list[tuple[Step, wire.Entry, int]]
     changed: int = 0
@@ -90,34 +88,19 @@ def apply(kernel: Any, boxes: Sequence[tuple[Plan, list[Any], Any]], chain: Chai
     whose delta fails to decode has its earlier steps put back by the
     caller (from its list) and is reported failed; the others are applied."""
     size = np.dtype(bits).itemsize
-    jobs: list[tuple[Any, ...]] = []
-    where: list[tuple[int, int, wire.Entry]] = []  # (box, step, entry) of each job
-    for b, (p, recs, tag) in enumerate(boxes):
-        for i, _r, e, part in p.deltas:
-            d = e.delta
-            assert d is not None
-            if not d.count:
-                continue
-            jobs.append((p.live, payloads[part], d.count, e.box.numel, size, 0, p.g_add,
-                         np.empty(d.count, dtype=np.int64), np.empty(d.count, dtype=bits), recs, tag, b))
-            where.append((b, i, e))
-    results = kernel.apply_deltas(jobs) if jobs else []
-    changes: dict[tuple[int, int, int], int] = {}
-    failed: dict[int, str] = {}
-    for (b, i, e), (code, change) in zip(where, results, strict=True):
-        if code == 0:
-            changes[(b, i, id(e))] = change
-        elif code != 6 and b not in failed:
-            step = chain.steps[i]
-            r = next(r for i2, r, e2, _ in boxes[b][0].deltas if i2 == i and e2 is e)
-            failed[b] = (f"{step.url}/{wire.delta_path(step.save_id, r)}: {e.fqn} {e.box}: "
-                         f"{position_problem(code, e.delta.count if e.delta else 0, e.box.numel)}")
+    jobs = [(p.live, payloads[part], e.delta.count, e.box.numel, size, 0, p.g_add,
+             np.empty(e.delta.count, dtype=np.int64), np.empty(e.delta.count, dtype=bits), recs, tag, b)
+            for b, (p, recs, tag) in enumerate(boxes) for _, _, e, part in p.deltas if e.delta and e.delta.count]
+    results = iter(kernel.apply_deltas(jobs) if jobs else [])
     out = []
-    for b, (p, _recs, _tag) in enumerate(boxes):
-        if b in failed:
-            out.append(Applied([], failed=failed[b]))
-            continue
-        got = Applied([(chain.steps[i], e, changes.get((b, i, id(e)), 0)) for i, _r, e, _ in p.deltas])
-        got.changed = sum(e.delta.count for _, _, e, _ in p.deltas if e.delta is not None)
+    for p, _recs, _tag in boxes:  # the results in the jobs' order; a delta of no change made no job
+        got = Applied([])
+        for i, r, e, _ in p.deltas:
+            count = e.delta.count if e.delta else 0
+            code, change = next(results) if count else (0, 0)
+            if code not in (0, 6) and got.failed is None:  # (6: a later step of a box that failed)
+                got.failed = f"{chain.steps[i].where(r, e)}: {position_problem(code, count, e.box.numel)}"
+            got.sums.append((chain.steps[i], e, change or 0))
+            got.changed += count
         out.append(got)
     return out

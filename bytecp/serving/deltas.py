@@ -78,6 +78,10 @@ class Step:
         ents = [e for r, e in self.entries(fqn) if getattr(e, part) is not None and self._linked(r)]
         return sum(e.box.numel for e in ents) == numel and bool(ents or numel == 0)
 
+    def where(self, rank: int, e: wire.Entry) -> str:
+        """Rank ``rank``'s delta of ``e`` in this step, for a message: its file, tensor and box."""
+        return f"{self.url}/{wire.delta_path(self.save_id, rank)}: {e.fqn} {e.box}"
+
     def _linked(self, rank: int) -> bool:
         re_ = self.ranks[rank]
         return re_ is not None and re_.previous == self.manifest.previous

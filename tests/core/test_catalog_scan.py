@@ -7,6 +7,7 @@ never read as "no checkpoint"."""
 from __future__ import annotations
 
 import logging
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +48,19 @@ def test_a_run_scanned_on_threads_lists_what_one_by_one_does(tmp_path: Path, rem
     assert root.remote
     names = root.list_children("")
     assert len(names) > 4  # (the threads' path)
+    threads: set[str] = set()
+    real = catalog._scan_one
+
+    def scan_one(*a: Any) -> Any:
+        threads.add(threading.current_thread().name)
+        return real(*a)
+
     with caplog.at_level(logging.WARNING, logger="bytecp.manager"):
-        got, bad = catalog.scan(root, run)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(catalog, "_scan_one", scan_one)
+            got, bad = catalog.scan(root, run)
         again, bad2 = catalog.scan(root, run)
-    assert catalog._POOL  # (read on the scan's threads)
+    assert threads and all(n.startswith("bytecp-scan") for n in threads)  # read on the scan's threads
     one_by_one = [catalog._scan_one(root, run, n) for n in names]
     assert [c.step for c in got] == [s for s in range(1, 12) if s != 5] == [c.step for c in again]
     assert got == sorted((g for g in one_by_one if isinstance(g, catalog.CheckpointInfo)),

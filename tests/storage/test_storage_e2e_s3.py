@@ -152,3 +152,34 @@ def test_incremental_saves_pins_and_retention_on_s3(s3, unique_prefix):
     sd = bytecp.load_state_dict(f"{run}/step-2", storage_options=opts)
     assert set(sd["model"]) == set(at2) and all(torch.equal(sd["model"][k], v) for k, v in at2.items())
     root.delete_prefix()
+
+
+def test_a_run_of_many_checkpoints_is_read_on_threads(s3, unique_prefix, monkeypatch):
+    """A follower's poll, a resume, a retention list every checkpoint's header:
+    on S3 the folders are read on the scan's threads, and the answer is the
+    run's every committed step, in order, the newest the resume decision's first."""
+    import threading
+
+    from bytecp import catalog
+    from bytecp.tools.resume import decide
+
+    server, bucket = s3
+    opts = server.options()
+    run = f"s3://{bucket}/{unique_prefix}/run"
+    mgr = bytecp.CheckpointManager(run, every_n_steps=1, keep_last=None, storage_options=opts)
+    model = torch.nn.Linear(4, 4)
+    for step in range(1, 7):
+        mgr.save(step, {"model": model})
+    open_storage(run, **opts).write_file("notes.txt", [b"not a checkpoint"])
+    threads: set[str] = set()
+    real = catalog._scan_one
+
+    def scan_one(*a):
+        threads.add(threading.current_thread().name)
+        return real(*a)
+
+    monkeypatch.setattr(catalog, "_scan_one", scan_one)
+    assert [c.step for c in list_checkpoints(run, storage_options=opts)] == [1, 2, 3, 4, 5, 6]
+    assert [c.step for c in decide(run, opts).candidates()][:2] == [6, 5]
+    assert threads and all(n.startswith("bytecp-scan") for n in threads), threads
+    open_storage(run, **opts).delete_prefix()
