@@ -19,8 +19,8 @@ $(VENV)/.created:
 	$(PY) -m venv $(VENV)
 	touch $@
 
-# bytecp/format/_kernels.c: an editable install builds the compiled kernels in place; rebuilt when it changes
-$(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt bytecp/format/_kernels.c
+# bytecp/format/_kernels.c, _reads.c: an editable install builds the compiled kernels in place; rebuilt when they change
+$(VENV)/.installed: $(VENV)/.created pyproject.toml constraints.txt bytecp/format/_kernels.c bytecp/format/_reads.c
 	$(PIP) torch==2.13.0
 	$(PIP) -e .
 	touch $@

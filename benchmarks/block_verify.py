@@ -110,6 +110,10 @@ class _Counting:
         self.read += sum(len(b) for _, b in ranges)
         self.inner.read_ranges(path, ranges, **kw)
 
+    def read_ranges_summed(self, path: str, ranges: Any, spans: Any) -> Any:
+        self.read += sum(len(b) for _, b in ranges)
+        return self.inner.read_ranges_summed(path, ranges, spans)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

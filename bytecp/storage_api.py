@@ -262,6 +262,22 @@ class Storage(abc.ABC):
             if each is not None:
                 each(i)
 
+    #: whether :meth:`read_ranges_summed` is offered (local disk, buffered, where the compiled checked
+    #: reads are: :mod:`bytecp.format.checked_reads`)
+    sums_reads: bool = False
+
+    def read_ranges_summed(self, path: str, ranges: Sequence[tuple[int, memoryview]], spans: Any) -> Any:
+        """:meth:`read_ranges` of ``ranges`` (in file order), returning the
+        crc32c of each file byte span ``[spans[2k], spans[2k + 1])`` (an int64
+        array of spans in order, each inside the ranges read, crossing from
+        one range into the next only where they are adjacent) as a uint32
+        array, every span summed piece by piece as it is read.
+
+        (all ranks, reader threads, where :attr:`sums_reads`) The loader's
+        checked reads of local files; same errors as :meth:`read_ranges`.
+        """
+        raise NotImplementedError(f"{type(self).__name__} does not sum its reads (sums_reads is False)")
+
     @staticmethod
     def each_after(count: int, each: Callable[[int], None] | None) -> None:
         """(backends whose :attr:`reads_each` is False, at the end of :meth:`read_ranges`)

@@ -166,20 +166,22 @@ def _nbytes(value: Any) -> int:
     return int(getattr(value, "nbytes", 0) or 0)
 
 
-def bounded(sized: Sequence[str], unsized: Sequence[str]) -> Callable[[type[T]], type[T]]:
+def bounded(sized: Sequence[str | tuple[str, int]], unsized: Sequence[str]) -> Callable[[type[T]], type[T]]:
     """Class decorator: the methods named run through :func:`run` with the
     instance's ``request_timeout``. ``sized`` methods move the bytes of their
     last positional argument (``write_file``'s buffers, ``read_into``'s
-    target, ``read_ranges``' ranges, ``commit``'s data); ``unsized`` ones get
-    the base limit. The first argument names the file in the error."""
+    target, ``read_ranges``' ranges, ``commit``'s data), or of the one a
+    ``(name, index)`` entry names (``read_ranges_summed``' ranges, before its
+    spans); ``unsized`` ones get the base limit. The first argument names
+    the file in the error."""
 
-    def wrap(name: str, fn: Callable[..., Any], sized_: bool) -> Callable[..., Any]:
+    def wrap(name: str, fn: Callable[..., Any], sized_: int | None) -> Callable[..., Any]:
         @functools.wraps(fn)
         def method(self: Any, *args: Any, **kwargs: Any) -> Any:
             base = self.request_timeout
             if base is None:
                 return fn(self, *args, **kwargs)
-            nbytes = _nbytes(args[-1]) if sized_ and args else 0
+            nbytes = _nbytes(args[sized_]) if sized_ is not None and len(args) > max(sized_, -1 - sized_) else 0
             first = args[0] if args else ""
             if not isinstance(first, str):  # read_files: a batch, named by its first file
                 first = first[0][0] if isinstance(first, Sequence) and first and isinstance(first[0], tuple) else ""
@@ -190,9 +192,11 @@ def bounded(sized: Sequence[str], unsized: Sequence[str]) -> Callable[[type[T]],
         return method
 
     def decorate(cls: type[T]) -> type[T]:
-        for names, sized_ in ((sized, True), (unsized, False)):
-            for name in names:
-                setattr(cls, name, wrap(name, cls.__dict__[name], sized_))
+        for entry in sized:
+            name, index = entry if isinstance(entry, tuple) else (entry, -1)
+            setattr(cls, name, wrap(name, cls.__dict__[name], index))
+        for name in unsized:
+            setattr(cls, name, wrap(name, cls.__dict__[name], None))
         return cls
 
     return decorate

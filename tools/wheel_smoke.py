@@ -62,11 +62,13 @@ def check_wheel(wheel: str) -> None:
     for path in sorted(want - held):
         fail(f"{wheel}: lacks {path}; list its package in pyproject.toml [tool.setuptools] packages")
     print(f"wheel-check: the wheel holds {len(want & held)} of the tree's {len(want)} modules")
-    # the compiled kernels of serving deltas: built wherever a C compiler is (optional elsewhere)
-    built = [n for n in z.namelist() if n.startswith("bytecp/format/_kernels") and n.endswith((".so", ".pyd"))]
-    if shutil.which("cc") and not built:
-        fail(f"{wheel}: lacks the compiled kernels bytecp/format/_kernels*.so though a C compiler is here; "
-             "see pyproject.toml [tool.setuptools] ext-modules and the build log")
+    # the compiled kernels of serving deltas and the checked reads: built wherever a C compiler is (optional
+    # elsewhere)
+    for module, what in (("_kernels", "kernels"), ("_reads", "checked reads")):
+        built = [n for n in z.namelist() if n.startswith(f"bytecp/format/{module}") and n.endswith((".so", ".pyd"))]
+        if shutil.which("cc") and not built:
+            fail(f"{wheel}: lacks the compiled {what} bytecp/format/{module}*.so though a C compiler is here; "
+                 "see pyproject.toml [tool.setuptools] ext-modules and the build log")
 
 
 def check_installed() -> None:
@@ -81,6 +83,14 @@ def check_installed() -> None:
         fail(f"the installed wheel's serving deltas run on {kernels.engine()}, not its compiled kernels "
              "(bytecp.format._kernels missing, stale or failing its self-check)")
     print(f"wheel-check: serving-delta kernels: {kernels.engine()}")
+    from bytecp.format import checked_reads
+
+    if shutil.which("cc"):
+        from bytecp.format import _reads  # (in the wheel: checked above)
+
+        if _reads.HW and checked_reads.compiled() is None:
+            fail("the installed wheel's checked reads (bytecp.format._reads) are stale or fail their self-check")
+    print(f"wheel-check: checked reads: {'compiled' if checked_reads.compiled() else 'Python'}")
 
 
 def check_imports() -> None:

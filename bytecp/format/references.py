@@ -34,6 +34,7 @@ from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
 from bytecp.format import metadata as fmt
+from bytecp.format.checked_reads import sums_of_spans
 from bytecp.format.header import BASE_FILE, Files, read_files, read_header
 from bytecp.format.json_head import HEADER_KEYS
 from bytecp.storage_api import Buffer, Storage, open_storage
@@ -188,6 +189,17 @@ class LinkedStorage(Storage):
         if each is not None:
             for i in range(len(ranges)):
                 each(i)
+
+    @property
+    def sums_reads(self) -> bool:  # type: ignore[override]
+        return self.inner.sums_reads  # (a sibling that does not: summed here once it is read)
+
+    def read_ranges_summed(self, path: str, ranges: Sequence[tuple[int, memoryview]], spans: Any) -> Any:
+        s, p = self._route(path)
+        if s.sums_reads:
+            return s.read_ranges_summed(p, ranges, spans)
+        s.read_ranges(p, ranges)
+        return sums_of_spans(ranges, spans)
 
     def read_files(self, reads: Sequence[tuple[str, Sequence[tuple[int, memoryview]]]]) -> None:
         routed = [(*self._route(path), ranges) for path, ranges in reads]

@@ -26,6 +26,8 @@ fed, to name the first bad one.
 
 from __future__ import annotations
 
+import struct
+from collections.abc import Sequence
 from typing import Any
 
 from bytecp.errors import CorruptCheckpointError
@@ -106,6 +108,36 @@ class Verifier:
                 if self.crc != block_crc(self.c.blocks, self.k):
                     raise self._mismatch(self.k)
                 self.k, self.crc = self.k + 1, 0
+
+    def spans(self, base: int) -> tuple[list[int], list[int]]:
+        """For a storage that sums as it reads (:meth:`~bytecp.storage_api.Storage.read_ranges_summed`;
+        ``base``: the chunk's file offset): the file byte spans this check sums, ``[lo, hi)`` pairs
+        flat -- its cover as one span when it is checked whole, else each of its blocks -- and the
+        checksum each span must have (-1: none recorded, a row with fewer block checksums than blocks)."""
+        if self.whole:
+            return [base + self.pos, base + self.end], [self.c.crc32c]
+        bb, end = self.bb, base + self.end
+        starts = range(base + self.k * bb, end, bb)
+        spans = [x for lo in starts for x in (lo, min(lo + bb, end))]
+        n = len(starts)
+        if len(self.c.blocks) >= 4 * (self.k + n):
+            return spans, list(struct.unpack_from(f"<{n}I", self.c.blocks, 4 * self.k))
+        return spans, [block_crc(self.c.blocks, k) if 4 * k + 4 <= len(self.c.blocks) else -1
+                       for k in range(self.k, self.k + n)]
+
+    def mismatch(self, j: int, pieces: Sequence[memoryview]) -> CorruptCheckpointError:
+        """The error for span ``j`` of :meth:`spans` not having its checksum
+        (``pieces``: the cover's bytes in order, summed again block by block
+        to name the bad block of a whole chunk)."""
+        if not self.whole:
+            return self._mismatch(self.k + j)
+        if self.fed is not None:
+            self.fed = [p for p in pieces if len(p)]
+            try:
+                self._by_blocks()  # raises at the first bad block
+            except CorruptCheckpointError as e:
+                return e
+        return self._mismatch(None)  # (or every block sound, the chunk's sum not: its row disagrees)
 
     def done(self) -> None:
         """Every byte of the cover was fed: the whole chunk's checksum."""

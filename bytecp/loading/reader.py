@@ -47,6 +47,7 @@ Targets on a CUDA device go through :mod:`bytecp.loading.device_reads`.
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -207,17 +208,12 @@ class _BatchReader:
                 head, tail = edges[:before], edges[before:]
         return raw, host_memoryview(raw), dest, direct, head, tail, None if check is None else check[0]
 
-    def _read(self, batch: Sequence[ReadRequest], ranges: list[tuple[int, memoryview]],
-              each: Callable[[int], None] | None = None) -> None:
-        """One ranged-read call on the batch's file, its errors naming the
-        tensors; ``each(i)`` once range ``i`` is in, in order (as it arrives
-        where the storage :attr:`~bytecp.storage_api.Storage.reads_each`)."""
+    @contextlib.contextmanager
+    def _naming(self, batch: Sequence[ReadRequest]) -> Iterator[str]:
+        """Around a ranged-read call on the batch's file (yielded): its errors name the tensors."""
         first = self.chunks[batch[0].chunk]
         try:
-            if each is not None and self.storage.reads_each:
-                self.storage.read_ranges(first.file, ranges, each=each)
-                return
-            self.storage.read_ranges(first.file, ranges)
+            yield first.file
         except CorruptCheckpointError as e:
             names = sorted({self.chunks[r.chunk].fqn for r in batch})
             more = f" and {len(names) - 1} more from {first.file}; first region" if len(names) > 1 else " region"
@@ -227,6 +223,17 @@ class _BatchReader:
                 f"{self.storage.url}: data file {first.file} holding tensor {first.fqn!r} region "
                 f"{Region(first.offsets, first.lengths)} is missing"
             ) from e
+
+    def _read(self, batch: Sequence[ReadRequest], ranges: list[tuple[int, memoryview]],
+              each: Callable[[int], None] | None = None) -> None:
+        """One ranged-read call on the batch's file; ``each(i)`` once range
+        ``i`` is in, in order (as it arrives where the storage
+        :attr:`~bytecp.storage_api.Storage.reads_each`)."""
+        with self._naming(batch) as file:
+            if each is not None and self.storage.reads_each:
+                self.storage.read_ranges(file, ranges, each=each)
+                return
+            self.storage.read_ranges(file, ranges)
         if each is not None:
             for i in range(len(ranges)):
                 each(i)
@@ -249,6 +256,24 @@ class _BatchReader:
                 if len(view):
                     ranges.append((offset, view))
                     checks.append(v)
+        if self.storage.sums_reads and _in_order(ranges):
+            self._read_summed(batch, plans, ranges)
+        else:
+            self._read_fed(batch, plans, ranges, checks)
+        faults.handoff("check")
+        # read into their memory, behind their version counters: incremental saves must see it
+        increment_version([dest for _, _, dest, direct, _, _, _ in plans if direct])
+        for r, (raw, _, dest, direct, _, _, _) in zip(batch, plans, strict=True):
+            if not direct:
+                self._place(r, raw, dest)
+        faults.handoff("place")
+        return total
+
+    def _read_fed(self, batch: Sequence[ReadRequest], plans: Sequence[_Plan], ranges: list[tuple[int, memoryview]],
+                  checks: list[Verifier | None]) -> None:
+        """Read, each range fed to its check as it arrives (where the storage
+        :attr:`~bytecp.storage_api.Storage.reads_each`, else once the call
+        returned); every check done before any byte is placed."""
         failed: list[CorruptCheckpointError] = []
 
         def each(i: int) -> None:
@@ -266,14 +291,31 @@ class _BatchReader:
         for plan in plans:  # every byte read checked before any is placed
             if plan[6] is not None:
                 plan[6].done()
-        faults.handoff("check")
-        # read into their memory, behind their version counters: incremental saves must see it
-        increment_version([dest for _, _, dest, direct, _, _, _ in plans if direct])
-        for r, (raw, _, dest, direct, _, _, _) in zip(batch, plans, strict=True):
-            if not direct:
-                self._place(r, raw, dest)
-        faults.handoff("place")
-        return total
+
+    def _read_summed(self, batch: Sequence[ReadRequest], plans: Sequence[_Plan],
+                     ranges: list[tuple[int, memoryview]]) -> None:
+        """Read, the storage summing each check's spans piece by piece as it
+        reads them (:meth:`~bytecp.storage_api.Storage.read_ranges_summed`:
+        the local disk's compiled checked reads), then every sum against its
+        checksum at once."""
+        spans: list[int] = []
+        want: list[int] = []
+        owners: list[tuple[int, Verifier, _Plan]] = []  # (its first span, the check, the request's read)
+        for r, plan in zip(batch, plans, strict=True):
+            v = plan[6]
+            if v is not None:
+                s, w = v.spans(self.chunks[r.chunk].byte_offset)
+                owners.append((len(want), v, plan))
+                spans += s
+                want += w
+        with self._naming(batch) as file:
+            crcs = self.storage.read_ranges_summed(file, ranges, np.asarray(spans, np.int64))
+        faults.handoff("read")
+        bad = np.flatnonzero(np.asarray(crcs, np.int64) != np.asarray(want, np.int64))
+        if len(bad):
+            first = int(bad[0])
+            at, v, plan = owners[bisect.bisect_right([o[0] for o in owners], first) - 1]
+            raise v.mismatch(first - at, (plan[4], plan[1], plan[5]))
 
     def _place(self, req: ReadRequest, raw: torch.Tensor, dest: torch.Tensor) -> None:
         """A staged request's bytes copied (and cast) into its target."""
@@ -282,6 +324,17 @@ class _BatchReader:
         c = self.chunks[req.chunk]
         box = torch.as_strided(raw.view(dtype_from_name(c.dtype)), req.box.lengths, row_major_strides(c.lengths), 0)
         dest.copy_(box)  # copy_ casts a foreign source's dtype
+
+
+def _in_order(ranges: Sequence[tuple[int, memoryview]]) -> bool:
+    """Whether ``ranges`` follow each other in the file without overlapping
+    (two targets reading one block at their edges do not: summed as fed)."""
+    end = -1
+    for offset, view in ranges:
+        if offset < end:
+            return False
+        end = offset + len(view)
+    return True
 
 
 #: idle read pools by width, each reused by one later load at a time (starting 8

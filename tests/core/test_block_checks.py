@@ -21,7 +21,7 @@ import torch
 
 import bytecp
 from bytecp.errors import CorruptCheckpointError
-from bytecp.format import checksum
+from bytecp.format import checked_reads, checksum
 from bytecp.format.checksum import Summer, block_count, block_crc, crc32c, crc32c_combine, sums
 from bytecp.format.metadata import ChunkRecord
 from bytecp.loading.checks import Verifier, block_bytes_of, cover
@@ -204,6 +204,10 @@ class Counting:
         self.read += sum(len(b) for _, b in ranges)
         self.inner.read_ranges(path, ranges, **kw)
 
+    def read_ranges_summed(self, path: str, ranges: Any, spans: Any) -> Any:
+        self.read += sum(len(b) for _, b in ranges)
+        return self.inner.read_ranges_summed(path, ranges, spans)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
@@ -232,8 +236,21 @@ def _flip(ck: Path, fqn: str, at: int) -> tuple[str, int]:
     return row.file, row.byte_offset + at
 
 
+@pytest.fixture(params=["summed", "fed"])
+def reads(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each load test on both read paths: the local disk's compiled checked
+    reads (every checked span summed by the storage as it reads it), and
+    ranges fed to the checks as they arrive (every other storage's way)."""
+    if request.param == "fed":
+        monkeypatch.setattr(checked_reads, "_LOADED", [None])
+    elif checked_reads.compiled() is None:
+        pytest.skip("the compiled checked reads are not built here, or this CPU lacks SSE4.2")
+    assert open_storage("/tmp").sums_reads == (request.param == "summed")
+    return str(request.param)
+
+
 @pytest.fixture()
-def ck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, torch.Tensor]:
+def ck(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str) -> tuple[Path, torch.Tensor]:
     """A tensor of 4,096,000 bytes saved at 1 MiB blocks: blocks 0..3, the last one shorter."""
     w = torch.randn(1024, 1000)
     with monkeypatch.context() as m:
@@ -285,7 +302,7 @@ def test_a_whole_chunk_load_names_the_block_too(ck: tuple[Path, torch.Tensor]) -
         bytecp.load_state_dict(str(path))
 
 
-def test_a_version_4_checkpoint_reads_partly_as_before_unchecked() -> None:
+def test_a_version_4_checkpoint_reads_partly_as_before_unchecked(reads: str) -> None:
     """Older checkpoints record no block checksums: a partial read is not checked (as before), and exact."""
     opened = open_checkpoint(str(GOLDEN_V4))
     assert opened.metadata.format_version == 4 and block_bytes_of(opened.metadata) is None
@@ -297,7 +314,7 @@ def test_a_version_4_checkpoint_reads_partly_as_before_unchecked() -> None:
     assert torch.equal(got, whole[1:2]) and read == part.numel * dtype.itemsize  # only its own bytes
 
 
-def test_the_writer_block_size_is_the_one_recorded_and_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_writer_block_size_is_the_one_recorded_and_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reads: str) -> None:
     """A save at 4 KiB blocks records 4096 (a golden file uses it); readers use the value recorded."""
     bytecp.save(str(tmp_path / "default"), {"w": torch.zeros(1)})
     assert block_bytes_of(open_checkpoint(str(tmp_path / "default")).metadata) == 256 << 10  # the writer's default
@@ -311,7 +328,7 @@ def test_the_writer_block_size_is_the_one_recorded_and_read(tmp_path: Path, monk
     assert torch.equal(got, w[21:24]) and read == 4096  # rows 21..23: bytes 8400..9600, one block
 
 
-def test_the_golden_version_5_checkpoint_is_read_and_checked_block_by_block(tmp_path: Path) -> None:
+def test_the_golden_version_5_checkpoint_is_read_and_checked_block_by_block(tmp_path: Path, reads: str) -> None:
     """tests/golden/v5/blocks, written at 4 KiB blocks: rows 10..12 of ``rows`` (bytes 4000..5200
     of its first slab) read block 0 and 1 of that chunk only; a flip in block 1 is refused, in block 2 not."""
     import shutil

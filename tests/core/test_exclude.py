@@ -46,14 +46,20 @@ def test_excluded_entries_keep_their_values_and_are_not_read(ck: str, monkeypatc
     before = {k: v.clone() for k, v in opt.state_dict()["state"][0].items()}
     extra = {"step": 0, "note": "mine"}
     data_bytes: list[int] = []
-    real = LocalStorage.read_ranges
+    real, real_summed = LocalStorage.read_ranges, LocalStorage.read_ranges_summed
 
     def spy(self: LocalStorage, path: str, ranges: list, **kw: Any) -> None:  # type: ignore[type-arg]
         if path.startswith("data/"):
             data_bytes.extend(len(out) for _, out in ranges)
         real(self, path, ranges, **kw)
 
+    def spy_summed(self: LocalStorage, path: str, ranges: list, spans: Any) -> Any:  # type: ignore[type-arg]
+        if path.startswith("data/"):
+            data_bytes.extend(len(out) for _, out in ranges)
+        return real_summed(self, path, ranges, spans)
+
     monkeypatch.setattr(LocalStorage, "read_ranges", spy)
+    monkeypatch.setattr(LocalStorage, "read_ranges_summed", spy_summed)
     res = bytecp.load(ck, {"model": m, "optimizer": opt, "extra": extra}, exclude=["optimizer", "extra.note"])
     assert res.missing_keys == [] and res.unexpected_keys == []
     assert torch.equal(m.weight, saved.weight) and torch.equal(m.bias, saved.bias)

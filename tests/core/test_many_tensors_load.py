@@ -22,6 +22,7 @@ import copy
 import os
 import pickle
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -125,20 +126,38 @@ def test_host_memoryview_is_the_tensors_own_bytes() -> None:
     assert bytes(owned) == torch.arange(4, dtype=torch.int32).numpy().tobytes()
 
 
-def test_a_read_abandoned_at_its_timeout_never_writes_into_freed_memory(tmp_path: Path,
-                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("summed", [True, False], ids=["compiled-reads", "python-reads"])
+def test_a_read_abandoned_at_its_timeout_never_writes_into_freed_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                         summed: bool) -> None:
     """A local read that outlives its request timeout (a hung mount) goes on
     in its worker thread after the load failed: the buffers it fills stay
     alive until it ends (they hold their tensors), never memory the
-    process has given to something else since."""
+    process has given to something else since -- on both read paths (the
+    compiled checked reads hold every range's buffer until they return)."""
     import time
+    import types
 
     import bytecp.storage.local as local
 
+    from bytecp.format import checked_reads
+
     bytecp.save(str(tmp_path / "ck"), {"x": torch.full((64, 64), 7.0)})
+    if summed:
+        k = checked_reads.compiled()
+        if k is None:
+            pytest.skip("the compiled checked reads are not built here, or this CPU lacks SSE4.2")
+
+        def hung_sums(fd: int, ranges: list, *rest: Any) -> Any:  # type: ignore[type-arg]
+            if sum(len(v) for _, v in ranges) == 64 * 64 * 4:
+                time.sleep(1.0)
+            return k.read_sums(fd, ranges, *rest)
+
+        monkeypatch.setattr(checked_reads, "_LOADED", [types.SimpleNamespace(read_sums=hung_sums)])
+    else:
+        monkeypatch.setattr(checked_reads, "_LOADED", [None])
     real = local.read_vectored
 
-    def hung(fd: int, offset: int, views: list) -> int:
+    def hung(fd: int, offset: int, views: list) -> int:  # type: ignore[type-arg]
         if sum(len(v) for v in views) == 64 * 64 * 4:  # the data read, not the index's
             time.sleep(1.0)
         return real(fd, offset, views)

@@ -1,0 +1,139 @@
+"""Checked reads of local files (``bytecp/format/_reads.c``), when this install has them.
+
+A load that checks what it reads sums every byte it places (crc32c: whole
+chunks, or the blocks of a part of one, :mod:`bytecp.loading.checks`). Summed
+once a read call returned, a range of megabytes had left the CPU's cache, so
+the sum read it again from memory, and with more reader threads than cores
+each range's sum queued for the GIL. ``bytecp.format._reads.read_sums`` reads
+a batch's ranges of one file with the GIL released throughout, cut into
+pieces at the checked spans' edges (and at :data:`PIECE_BYTES`), each piece
+summed right after its ``pread`` while it is still in the cache. The local
+backend's buffered reads use it (:meth:`bytecp.storage_api.Storage.read_ranges_summed`);
+every other storage keeps summing ranges as they arrive.
+
+Its crc32c is SSE4.2's crc32 instruction (three streams at once): built at
+install time where a C compiler is (pyproject.toml's ``ext-modules``,
+optional) and used on x86-64 CPUs that have the instruction, after it gave
+the values of :mod:`bytecp.format.checksum`'s engine on a self-check
+(lengths around its stream sizes, unaligned starts, sums continued from a
+value, and a read of a file through spans that cross ranges). Where it is
+not built, fails the check or the CPU lacks the instruction,
+:func:`compiled` is None and loads sum as before. ``BYTECP_CHECKED_READS=0``
+turns it off; ``1`` requires it (its absence is then a :class:`ConfigError`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import random
+import tempfile
+from collections.abc import Sequence
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from bytecp.errors import ConfigError
+from bytecp.format import checksum
+
+__all__ = ["compiled", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
+
+log = logging.getLogger("bytecp.format.checked_reads")
+
+#: the interface this Python expects of ``bytecp.format._reads`` (its ``ABI``)
+ABI = 1
+_ENV = "BYTECP_CHECKED_READS"
+
+#: the largest piece read and summed at once: small enough to be summed from the cache (a core's L2
+#: holds it with room for the rest), large enough that a ``pread`` a piece costs nothing measurable
+PIECE_BYTES = 256 << 10
+
+
+def _self_check(k: Any) -> str | None:
+    """Why ``k`` cannot be used (None: it agrees with :func:`bytecp.format.checksum.crc32c`)."""
+    if not k.HW:
+        return "unusable on this CPU (no SSE4.2 crc32 instruction)"
+    data = memoryview(random.Random(0x5EED).randbytes(70_000))
+    for n in (0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 2000, 24575, 24576, 24577, 24583, 65537):
+        for at in (0, 1, 5):
+            piece = data[at:at + n]
+            for value in (0, 0x1234ABCD):
+                if k.crc32c(piece, value) != checksum.crc32c(piece, value):
+                    return f"its crc32c differs from the {checksum.ENGINE} engine's ({n} bytes at {at})"
+    with tempfile.TemporaryFile() as f:
+        f.write(data)
+        f.flush()
+        a, b = bytearray(10_000), bytearray(30_000)
+        spans = np.asarray([100, 900, 5_000, 25_000, 30_000, 30_001], np.int64)
+        out = np.zeros(3, np.uint32)
+        short = k.read_sums(f.fileno(), [(100, a), (10_100, b)], spans, out, 4096)
+        want = [checksum.crc32c(data[s:e]) for s, e in zip(spans[::2].tolist(), spans[1::2].tolist(), strict=True)]
+        if short is not None or bytes(a) != data[100:10_100] or bytes(b) != data[10_100:40_100] \
+                or out.tolist() != want:
+            return "read_sums read or summed otherwise than Python"
+        if k.read_sums(f.fileno(), [(69_000, bytearray(2_000))], spans[:0], out[:0], 4096) != (0, 1_000):
+            return "read_sums does not report a read past the end of the file"
+    return None
+
+
+def load() -> ModuleType | None:
+    """``bytecp.format._reads`` when it is built, current and agrees (see the module's docstring); else None."""
+    want = os.environ.get(_ENV, "").strip()
+    if want not in ("", "0", "1"):
+        raise ConfigError(f"{_ENV}={want!r}: use 0 (sum reads in Python) or 1 (require the compiled checked reads)")
+    if want == "0":
+        return None
+    why: str | None
+    try:
+        k = importlib.import_module("bytecp.format._reads")
+    except ImportError as e:
+        k, why = None, f"not built ({e})"
+    else:
+        got = getattr(k, "ABI", None)
+        why = None if got == ABI else f"a build of another version (ABI {got}, this bytecp's is {ABI}): reinstall"
+        why = why or _self_check(k)
+    if why is None:
+        return k
+    if want == "1":
+        raise ConfigError(f"{_ENV}=1 but bytecp's compiled checked reads are {why}; reinstall bytecp where a C "
+                          f"compiler is, or unset {_ENV}")
+    if k is not None and k.HW:  # built but wrong: say so; not built, or a CPU without the instruction: quietly
+        log.warning("bytecp: the compiled checked reads (bytecp.format._reads) are not used: %s; loads sum what "
+                    "they read in Python", why)
+    return None
+
+
+def sums_of_spans(ranges: Sequence[tuple[int, Any]], spans: Any) -> np.ndarray:
+    """The crc32c of each file byte span ``[spans[2k], spans[2k + 1])`` of
+    bytes already read into ``ranges`` ((file offset, bytes-like) in file
+    order), as ``read_sums`` returns them: for a storage that reads without
+    summing (a sibling checkpoint on another backend, tests' reference)."""
+    out = np.zeros(len(spans) // 2, np.uint32)
+    views = [(int(o), b if isinstance(b, memoryview) and b.format == "B" else memoryview(b).cast("B"))
+             for o, b in ranges]
+    i = 0
+    for k in range(len(out)):
+        lo, hi, crc = int(spans[2 * k]), int(spans[2 * k + 1]), 0
+        while lo < hi:
+            while i < len(views) and views[i][0] + len(views[i][1]) <= lo:
+                i += 1
+            if i == len(views) or views[i][0] > lo:
+                raise ValueError(f"span {k} ({spans[2 * k]}..{spans[2 * k + 1]}) is not inside the ranges read")
+            at, view = views[i]
+            take = min(hi, at + len(view)) - lo
+            crc = checksum.crc32c(view[lo - at : lo - at + take], crc)
+            lo += take
+        out[k] = crc
+    return out
+
+
+_LOADED: list[ModuleType | None] = []
+
+
+def compiled() -> ModuleType | None:
+    """The checked reads to use (None: none), loaded and checked at the first call."""
+    if not _LOADED:
+        _LOADED.append(load())
+    return _LOADED[0]

@@ -1,0 +1,162 @@
+"""The compiled checked reads (``bytecp/format/_reads.c``, :mod:`bytecp.format.checked_reads`):
+its crc32c against the checksum engine's on both of its paths, ``read_sums``
+against Python (bytes read, sums of spans that cross ranges, the end of a
+file, refusals), the local backend's ``read_ranges_summed`` and a load whose
+targets read the same block at their edges (summed as fed instead)."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import bytecp
+from bytecp.errors import ConfigError, CorruptCheckpointError
+from bytecp.format import checked_reads, checksum
+from bytecp.loading.checks import block_bytes_of
+from bytecp.loading.opened import open_checkpoint
+from bytecp.loading.reader import Target, execute_reads
+from bytecp.plan.load_plan import plan_load
+from bytecp.recorder import Trace
+from bytecp.storage_api import open_storage
+from bytecp.tree.regions import Region
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def k():  # type: ignore[no-untyped-def]
+    k = checked_reads.compiled()
+    if k is None:
+        pytest.skip("the compiled checked reads are not built here, or this CPU lacks SSE4.2")
+    return k
+
+
+@pytest.mark.parametrize("wide", [True, False], ids=["vpclmulqdq", "sse4.2"])
+def test_its_crc32c_is_the_engines_at_every_length_start_and_seed(k, wide: bool) -> None:  # type: ignore[no-untyped-def]
+    if wide and not k.WIDE:
+        pytest.skip("this CPU has no AVX-512 VPCLMULQDQ: the three-stream path is the one used")
+    data = memoryview(random.Random(3).randbytes(3 * MiB))
+    lengths = [*range(0, 600), 767, 768, 769, 1023, 4096, 24575, 24576, 24577, 65537, 256 << 10, MiB + 3, 3 * MiB - 16]
+    for n in lengths:
+        for at in (0, 1, 7, 13) if n < 3 * MiB - 16 else (0, 15):
+            piece = data[at : at + n]
+            for seed in (0, 0xFFFFFFFF, 0x1234ABCD):
+                assert k.crc32c(piece, seed, wide) == checksum.crc32c(piece, seed), (n, at, seed)
+
+
+def test_read_sums_reads_every_range_and_sums_spans_across_adjacent_ranges(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(5)
+    data = rng.randbytes(4 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    for trial in range(40):
+        ranges, spans, at = [], [], rng.randrange(0, 1000)
+        while at < len(data) - 10:
+            n = min(rng.choice([1, 7, 100, 4096, 300_000, MiB]), len(data) - at)
+            ranges.append((at, bytearray(n)))
+            at += n + (0 if rng.random() < 0.6 else rng.randrange(1, 5000))
+        # spans: inside runs of adjacent ranges (crossing their edges), some bytes left unsummed
+        runs: list[list[int]] = [[ranges[0][0], ranges[0][0] + len(ranges[0][1])]]
+        for off, b in ranges[1:]:
+            if off == runs[-1][1]:
+                runs[-1][1] += len(b)
+            else:
+                runs.append([off, off + len(b)])
+        for lo, hi in runs:
+            cuts = sorted({lo, hi, *(rng.randrange(lo, hi + 1) for _ in range(rng.randrange(0, 6)))})
+            for a, b in zip(cuts, cuts[1:], strict=False):
+                if rng.random() < 0.8:
+                    spans += [a, b]
+        spans_a = np.asarray(spans, np.int64)
+        out = np.zeros(len(spans) // 2, np.uint32)
+        with open(tmp_path / "f.bin", "rb") as f:
+            piece = rng.choice([4096, 65536, 256 << 10])
+            assert k.read_sums(f.fileno(), ranges, spans_a, out, piece) is None
+        for off, b in ranges:
+            assert bytes(b) == data[off : off + len(b)], trial
+        assert out.tolist() == checked_reads.sums_of_spans(ranges, spans_a).tolist(), trial
+        assert out.tolist() == [checksum.crc32c(data[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
+
+
+def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    (tmp_path / "f.bin").write_bytes(os.urandom(10_000))
+    none, out0 = np.zeros(0, np.int64), np.zeros(0, np.uint32)
+    with open(tmp_path / "f.bin", "rb") as f:
+        fd = f.fileno()
+        assert k.read_sums(fd, [(0, bytearray(100)), (9_000, bytearray(3_000))], none, out0, 4096) == (1, 1_000)
+        with pytest.raises(ValueError, match="in file order, not overlapping"):
+            k.read_sums(fd, [(100, bytearray(100)), (150, bytearray(10))], none, out0, 4096)
+        with pytest.raises(ValueError, match="spans must be in order"):
+            k.read_sums(fd, [(0, bytearray(100))], np.asarray([50, 60, 40, 45], np.int64), np.zeros(2, np.uint32), 64)
+        with pytest.raises(ValueError, match="one uint32 a pair"):
+            k.read_sums(fd, [(0, bytearray(100))], np.asarray([50, 60], np.int64), np.zeros(2, np.uint32), 64)
+        with pytest.raises((BufferError, TypeError)):
+            k.read_sums(fd, [(0, b"read-only")], none, out0, 64)
+    dfd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        with pytest.raises(OSError) as e:
+            k.read_sums(dfd, [(0, bytearray(10))], none, out0, 64)
+        assert e.value.errno == 21  # EISDIR
+    finally:
+        os.close(dfd)
+
+
+def test_the_local_backend_sums_buffered_reads_and_names_a_short_file(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = os.urandom(2 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    st = open_storage(str(tmp_path))
+    assert st.sums_reads and not open_storage(str(tmp_path), direct=True).sums_reads
+    bufs = [memoryview(bytearray(MiB - 5)), memoryview(bytearray(5))]
+    crcs = st.read_ranges_summed("f.bin", [(10, bufs[0]), (MiB + 5, bufs[1])], np.asarray([10, MiB + 10], np.int64))
+    assert crcs.tolist() == [checksum.crc32c(data[10 : MiB + 10])]
+    with pytest.raises(CorruptCheckpointError, match=r"f\.bin: file is truncated: wanted bytes \[2097000, 2098000\)"):
+        st.read_ranges_summed("f.bin", [(2_097_000, memoryview(bytearray(1000)))], np.zeros(0, np.int64))
+
+
+def test_a_failing_or_unwanted_build_is_not_used(k, monkeypatch: pytest.MonkeyPatch,  # type: ignore[no-untyped-def]
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    monkeypatch.setenv("BYTECP_CHECKED_READS", "0")
+    assert checked_reads.load() is None
+    monkeypatch.setenv("BYTECP_CHECKED_READS", "yes")
+    with pytest.raises(ConfigError, match="BYTECP_CHECKED_READS='yes': use 0"):
+        checked_reads.load()
+    monkeypatch.setattr(checked_reads, "_self_check", lambda k: "its crc32c differs (a test)")
+    monkeypatch.setenv("BYTECP_CHECKED_READS", "1")
+    with pytest.raises(ConfigError, match="BYTECP_CHECKED_READS=1 but .* its crc32c differs"):
+        checked_reads.load()
+    monkeypatch.delenv("BYTECP_CHECKED_READS")
+    assert checked_reads.load() is None and "are not used: its crc32c differs" in caplog.text
+
+
+def test_targets_reading_one_block_at_their_edges_load_bitwise_and_checked(tmp_path: Path,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows 100..200 and 200..300 of a tensor read in one batch share the block
+    holding row 200 (their checks overlap): summed as they are fed instead,
+    bitwise; a flip in that block is refused either way."""
+    w = torch.randn(1024, 1000)
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", MiB)
+    bytecp.save(str(tmp_path / "ck"), {"w": w})
+    boxes = [Region((100, 0), (100, 1000)), Region((200, 0), (100, 1000))]
+
+    def load() -> list[torch.Tensor]:
+        opened = open_checkpoint(str(tmp_path / "ck"))
+        rows = opened.rows_for({"w": boxes}).rows
+        blocks = block_bytes_of(opened.metadata)
+        targets = [Target("w", b, torch.empty(b.lengths)) for b in boxes]
+        reqs = plan_load([("w", b) for b in boxes], rows, block_bytes=blocks, itemsizes={"w": 4})
+        execute_reads(opened.storage, rows, targets, reqs, io_threads=1, verify=True, trace=Trace("load", "t"),
+                      block_bytes=blocks)
+        return [t.view for t in targets]
+
+    got = load()
+    assert all(torch.equal(g, w[b.slices()]) for g, b in zip(got, boxes, strict=True))
+    (row,) = open_checkpoint(str(tmp_path / "ck")).all_rows()
+    raw = bytearray((tmp_path / "ck" / row.file).read_bytes())
+    raw[row.byte_offset + 200 * 4000 + 3] ^= 1  # row 200: block 0 of the chunk, read by both
+    (tmp_path / "ck" / row.file).write_bytes(bytes(raw))
+    with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' region \[0:1024, 0:1000\], block 0 of 4"):
+        load()
