@@ -210,7 +210,7 @@ def _saves(root: Path, stop: threading.Event, out: Report, scale: int) -> None:
         live["whole"].add_(1)
         live["model"]["w"].mul_(-1)
         want = {"whole": live["whole"].clone(), "small": live["small"].clone(), "model.w": live["model"]["w"].clone()}
-        url = str(root / f"save-{k}")
+        url = str(root / f"save-{os.getpid()}-{k}")  # (the jobs of a run share ``root``: each its own saves)
         bytecp.async_save(url, live).wait(120)
         live["whole"].add_(1000)  # the live state moves on: the checkpoint must hold the copy
         got = _flat(bytecp.load_state_dict(url))

@@ -322,6 +322,8 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "read_sums: segs must be int64 pairs, out one uint32 a pair, piece > 0");
         goto done;
     }
+    if (piece > ((long long)1 << 30))
+        piece = (long long)1 << 30;
     seq = PySequence_Fast(ranges_obj, "read_sums: ranges must be a sequence");
     if (seq == NULL)
         goto done;

@@ -29,6 +29,7 @@ import logging
 import os
 import random
 import tempfile
+import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -46,6 +47,9 @@ log = logging.getLogger("bytecp.format.checked_reads")
 ABI = 1
 _ENV = "BYTECP_CHECKED_READS"
 
+#: why a build is not used where that is no fault of it (loads then sum in Python, without a warning)
+QUIET = "its reads could not be checked in this process"
+
 #: the largest piece read and summed at once: small enough to be summed from the cache (a core's L2
 #: holds it with room for the rest), large enough that a ``pread`` a piece costs nothing measurable
 PIECE_BYTES = 256 << 10
@@ -62,19 +66,24 @@ def _self_check(k: Any) -> str | None:
             for value in (0, 0x1234ABCD):
                 if k.crc32c(piece, value) != checksum.crc32c(piece, value):
                     return f"its crc32c differs from the {checksum.ENGINE} engine's ({n} bytes at {at})"
-    with tempfile.TemporaryFile() as f:
-        f.write(data)
-        f.flush()
-        a, b = bytearray(10_000), bytearray(30_000)
-        spans = np.asarray([100, 900, 5_000, 25_000, 30_000, 30_001], np.int64)
-        out = np.zeros(3, np.uint32)
-        short = k.read_sums(f.fileno(), [(100, a), (10_100, b)], spans, out, 4096)
-        want = [checksum.crc32c(data[s:e]) for s, e in zip(spans[::2].tolist(), spans[1::2].tolist(), strict=True)]
-        if short is not None or bytes(a) != data[100:10_100] or bytes(b) != data[10_100:40_100] \
-                or out.tolist() != want:
-            return "read_sums read or summed otherwise than Python"
-        if k.read_sums(f.fileno(), [(69_000, bytearray(2_000))], spans[:0], out[:0], 4096) != (0, 1_000):
-            return "read_sums does not report a read past the end of the file"
+    try:  # a file of 8,000 bytes (a process may be allowed little more: RLIMIT_FSIZE)
+        f = os.fdopen(os.memfd_create("bytecp-self-check"), "w+b") if hasattr(os, "memfd_create") \
+            else tempfile.TemporaryFile()
+        with f:
+            f.write(data[:8_000])
+            f.flush()
+            a, b = bytearray(3_000), bytearray(4_000)
+            spans = np.asarray([100, 900, 2_500, 6_000, 7_000, 7_001], np.int64)
+            out = np.zeros(3, np.uint32)
+            short = k.read_sums(f.fileno(), [(100, a), (3_100, b)], spans, out, 1024)
+            want = [checksum.crc32c(data[s:e]) for s, e in zip(spans[::2].tolist(), spans[1::2].tolist(), strict=True)]
+            if short is not None or bytes(a) != data[100:3_100] or bytes(b) != data[3_100:7_100] \
+                    or out.tolist() != want:
+                return "read_sums read or summed otherwise than Python"
+            if k.read_sums(f.fileno(), [(7_000, bytearray(2_000))], spans[:0], out[:0], 1024) != (0, 1_000):
+                return "read_sums does not report a read past the end of the file"
+    except OSError as e:
+        return f"{QUIET}: {e}"
     return None
 
 
@@ -99,7 +108,8 @@ def load() -> ModuleType | None:
     if want == "1":
         raise ConfigError(f"{_ENV}=1 but bytecp's compiled checked reads are {why}; reinstall bytecp where a C "
                           f"compiler is, or unset {_ENV}")
-    if k is not None and k.HW:  # built but wrong: say so; not built, or a CPU without the instruction: quietly
+    if k is not None and k.HW and not why.startswith(QUIET):  # built but wrong: say so; not built, a CPU
+        # without the instruction, or a process that cannot make the check's file (a file size limit): quietly
         log.warning("bytecp: the compiled checked reads (bytecp.format._reads) are not used: %s; loads sum what "
                     "they read in Python", why)
     return None
@@ -130,10 +140,22 @@ def sums_of_spans(ranges: Sequence[tuple[int, Any]], spans: Any) -> np.ndarray:
 
 
 _LOADED: list[ModuleType | None] = []
+_LOCK = threading.Lock()
+
+
+def _after_fork() -> None:
+    global _LOCK
+    _LOCK = threading.Lock()  # (a fork while another thread checked: the child's copy would stay held)
+
+
+os.register_at_fork(after_in_child=_after_fork)
 
 
 def compiled() -> ModuleType | None:
-    """The checked reads to use (None: none), loaded and checked at the first call."""
+    """The checked reads to use (None: none), loaded and checked at the first call (the reader
+    threads of a first load ask at once: one of them checks)."""
     if not _LOADED:
-        _LOADED.append(load())
+        with _LOCK:
+            if not _LOADED:
+                _LOADED.append(load())
     return _LOADED[0]

@@ -132,6 +132,18 @@ def test_a_failing_or_unwanted_build_is_not_used(k, monkeypatch: pytest.MonkeyPa
     assert checked_reads.load() is None and "are not used: its crc32c differs" in caplog.text
 
 
+def test_a_process_that_cannot_make_the_checks_file_sums_in_python_without_a_warning(
+        k, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:  # type: ignore[no-untyped-def]
+    """(a file size limit, RLIMIT_FSIZE: writing the self-check's file fails with EFBIG)"""
+    import errno
+
+    def refused(*a: object) -> int:
+        raise OSError(errno.EFBIG, "File too large")
+
+    monkeypatch.setattr(os, "memfd_create", refused)
+    assert checked_reads.load() is None and not caplog.text
+
+
 def test_targets_reading_one_block_at_their_edges_load_bitwise_and_checked(tmp_path: Path,
                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
     """Rows 100..200 and 200..300 of a tensor read in one batch share the block
