@@ -439,13 +439,7 @@ class LocalStorage(Storage):
         k = checked_reads.compiled()
         if k is None or self.direct:
             return super().read_ranges_summed(path, ranges, spans)
-        full = self._full(path)
-        try:
-            fd = self._open_read(path)  # one open for the whole batch
-        except FileNotFoundError as e:
-            raise missing(full) from e
-        except OSError as e:
-            raise os_error(e, full, "open for reading") from e
+        fd, full = self._open_batch(path)
         crcs = np.zeros(len(spans) // 2, np.uint32)
         try:
             short = k.read_sums(fd, [(offset, byte_view(out)) for offset, out in ranges],
@@ -489,15 +483,19 @@ class LocalStorage(Storage):
             offset, want, got = short
             raise truncated(full, offset, want, offset + got)
 
-    def _read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
-                     each: Callable[[int], None] | None = None) -> None:
+    def _open_batch(self, path: str) -> tuple[int, str]:
+        """(buffered reads of a batch) One descriptor for the whole batch, and the file's URL for errors."""
         full = self._full(path)
         try:
-            fd = self._open_read(path)  # one open for the whole batch
+            return self._open_read(path), full
         except FileNotFoundError as e:
             raise missing(full) from e
         except OSError as e:
             raise os_error(e, full, "open for reading") from e
+
+    def _read_ranges(self, path: str, ranges: Sequence[tuple[int, memoryview]],
+                     each: Callable[[int], None] | None = None) -> None:
+        fd, full = self._open_batch(path)
         try:
             views = [(offset, byte_view(out)) for offset, out in ranges]
             for lo, hi in adjacent_runs(views):  # ranges that follow each other: one preadv

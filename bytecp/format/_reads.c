@@ -112,40 +112,39 @@ static inline uint64_t load64(const unsigned char *p) {
     return v;
 }
 
+/* the whole runs of 3 * span bytes at *next: three streams of span bytes summed at once, then joined */
+__attribute__((target("sse4.2"))) static inline uint64_t three_streams(uint64_t crc0, const unsigned char **at,
+                                                                       size_t *left, size_t span,
+                                                                       uint32_t zeros[][256]) {
+    const unsigned char *next = *at;
+    size_t len = *left;
+    while (len >= span * 3) {
+        uint64_t crc1 = 0, crc2 = 0;
+        const unsigned char *end = next + span;
+        do {
+            crc0 = _mm_crc32_u64(crc0, load64(next));
+            crc1 = _mm_crc32_u64(crc1, load64(next + span));
+            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * span));
+            next += 8;
+        } while (next < end);
+        crc0 = shift(zeros, (uint32_t)crc0) ^ crc1;
+        crc0 = shift(zeros, (uint32_t)crc0) ^ crc2;
+        next += 2 * span;
+        len -= 3 * span;
+    }
+    *at = next;
+    *left = len;
+    return crc0;
+}
+
 __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const unsigned char *next, size_t len) {
-    uint64_t crc0 = crc ^ 0xffffffffu, crc1, crc2;
+    uint64_t crc0 = crc ^ 0xffffffffu;
     while (len && ((uintptr_t)next & 7) != 0) {
         crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
         len--;
     }
-    while (len >= LONG_BYTES * 3) {
-        crc1 = crc2 = 0;
-        const unsigned char *end = next + LONG_BYTES;
-        do {
-            crc0 = _mm_crc32_u64(crc0, load64(next));
-            crc1 = _mm_crc32_u64(crc1, load64(next + LONG_BYTES));
-            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * LONG_BYTES));
-            next += 8;
-        } while (next < end);
-        crc0 = shift(zeros_long, (uint32_t)crc0) ^ crc1;
-        crc0 = shift(zeros_long, (uint32_t)crc0) ^ crc2;
-        next += 2 * LONG_BYTES;
-        len -= 3 * LONG_BYTES;
-    }
-    while (len >= SHORT_BYTES * 3) {
-        crc1 = crc2 = 0;
-        const unsigned char *end = next + SHORT_BYTES;
-        do {
-            crc0 = _mm_crc32_u64(crc0, load64(next));
-            crc1 = _mm_crc32_u64(crc1, load64(next + SHORT_BYTES));
-            crc2 = _mm_crc32_u64(crc2, load64(next + 2 * SHORT_BYTES));
-            next += 8;
-        } while (next < end);
-        crc0 = shift(zeros_short, (uint32_t)crc0) ^ crc1;
-        crc0 = shift(zeros_short, (uint32_t)crc0) ^ crc2;
-        next += 2 * SHORT_BYTES;
-        len -= 3 * SHORT_BYTES;
-    }
+    crc0 = three_streams(crc0, &next, &len, LONG_BYTES, zeros_long);
+    crc0 = three_streams(crc0, &next, &len, SHORT_BYTES, zeros_short);
     while (len >= 8) {
         crc0 = _mm_crc32_u64(crc0, load64(next));
         next += 8;
@@ -157,6 +156,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
     }
     return (uint32_t)crc0 ^ 0xffffffffu;
 }
+
 /* The same sum 64 bytes a step on four 512-bit registers (AVX-512 VPCLMULQDQ), where the CPU has it:
  * each 128-bit lane of data A, `d` bits before the end of later data B, is folded into B as
  * H(A) * (x^(d+63) mod P) * x + L(A) * (x^(d-1) mod P) * x (H, L: its first and last eight bytes; the

@@ -24,20 +24,18 @@ turns it off; ``1`` requires it (its absence is then a :class:`ConfigError`).
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import random
 import tempfile
-import threading
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from bytecp.errors import ConfigError
 from bytecp.format import checksum
+from bytecp.format.extensions import Extension, first
 
 __all__ = ["compiled", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
 
@@ -45,7 +43,8 @@ log = logging.getLogger("bytecp.format.checked_reads")
 
 #: the interface this Python expects of ``bytecp.format._reads`` (its ``ABI``)
 ABI = 1
-_ENV = "BYTECP_CHECKED_READS"
+_EXTENSION = Extension("bytecp.format._reads", ABI, "BYTECP_CHECKED_READS", "checked reads",
+                       "loads sum what they read in Python", "sum reads in Python", log)
 
 #: why a build is not used where that is no fault of it (loads then sum in Python, without a warning)
 QUIET = "its reads could not be checked in this process"
@@ -89,30 +88,8 @@ def _self_check(k: Any) -> str | None:
 
 def load() -> ModuleType | None:
     """``bytecp.format._reads`` when it is built, current and agrees (see the module's docstring); else None."""
-    want = os.environ.get(_ENV, "").strip()
-    if want not in ("", "0", "1"):
-        raise ConfigError(f"{_ENV}={want!r}: use 0 (sum reads in Python) or 1 (require the compiled checked reads)")
-    if want == "0":
-        return None
-    why: str | None
-    try:
-        k = importlib.import_module("bytecp.format._reads")
-    except ImportError as e:
-        k, why = None, f"not built ({e})"
-    else:
-        got = getattr(k, "ABI", None)
-        why = None if got == ABI else f"a build of another version (ABI {got}, this bytecp's is {ABI}): reinstall"
-        why = why or _self_check(k)
-    if why is None:
-        return k
-    if want == "1":
-        raise ConfigError(f"{_ENV}=1 but bytecp's compiled checked reads are {why}; reinstall bytecp where a C "
-                          f"compiler is, or unset {_ENV}")
-    if k is not None and k.HW and not why.startswith(QUIET):  # built but wrong: say so; not built, a CPU
-        # without the instruction, or a process that cannot make the check's file (a file size limit): quietly
-        log.warning("bytecp: the compiled checked reads (bytecp.format._reads) are not used: %s; loads sum what "
-                    "they read in Python", why)
-    return None
+    return _EXTENSION.load(lambda k: _self_check(k),
+                           quiet=lambda k, why: not getattr(k, "HW", 1) or why.startswith(QUIET))
 
 
 def sums_of_spans(ranges: Sequence[tuple[int, Any]], spans: Any) -> np.ndarray:
@@ -140,22 +117,8 @@ def sums_of_spans(ranges: Sequence[tuple[int, Any]], spans: Any) -> np.ndarray:
 
 
 _LOADED: list[ModuleType | None] = []
-_LOCK = threading.Lock()
-
-
-def _after_fork() -> None:
-    global _LOCK
-    _LOCK = threading.Lock()  # (a fork while another thread checked: the child's copy would stay held)
-
-
-os.register_at_fork(after_in_child=_after_fork)
 
 
 def compiled() -> ModuleType | None:
-    """The checked reads to use (None: none), loaded and checked at the first call (the reader
-    threads of a first load ask at once: one of them checks)."""
-    if not _LOADED:
-        with _LOCK:
-            if not _LOADED:
-                _LOADED.append(load())
-    return _LOADED[0]
+    """The checked reads to use (None: none), loaded and checked at the first call."""
+    return first(_LOADED, load)

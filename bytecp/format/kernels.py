@@ -25,15 +25,13 @@ failing build is then a :class:`ConfigError`).
 
 from __future__ import annotations
 
-import importlib
 import logging
-import os
 from types import ModuleType
 from typing import Any
 
 import numpy as np
 
-from bytecp.errors import ConfigError
+from bytecp.format.extensions import Extension, first
 
 __all__ = ["compiled", "engine", "ABI", "load"]
 
@@ -41,7 +39,8 @@ log = logging.getLogger("bytecp.format.kernels")
 
 #: the interface this Python expects of ``bytecp.format._kernels`` (its ``ABI``)
 ABI = 3
-_ENV = "BYTECP_KERNELS"
+_EXTENSION = Extension("bytecp.format._kernels", ABI, "BYTECP_KERNELS", "kernels", "serving deltas run in NumPy",
+                       "NumPy kernels only", log)
 
 
 def _self_check(k: Any) -> str | None:
@@ -130,29 +129,7 @@ def _check_batch(k: Any, wire: Any, held: np.ndarray, q: np.ndarray, new: np.nda
 
 def load() -> ModuleType | None:
     """``bytecp.format._kernels`` when it is built, current and agrees (see the module's docstring); else None."""
-    want = os.environ.get(_ENV, "").strip()
-    if want not in ("", "0", "1"):
-        raise ConfigError(f"{_ENV}={want!r}: use 0 (NumPy kernels only) or 1 (require the compiled ones)")
-    if want == "0":
-        return None
-    why: str | None
-    try:
-        k = importlib.import_module("bytecp.format._kernels")
-    except ImportError as e:
-        k, why = None, f"not built ({e})"
-    else:
-        got = getattr(k, "ABI", None)
-        why = None if got == ABI else f"a build of another version (ABI {got}, this bytecp's is {ABI}): reinstall"
-        why = why or _self_check(k)
-    if why is None:
-        return k
-    if want == "1":
-        raise ConfigError(f"{_ENV}=1 but bytecp's compiled kernels are {why}; reinstall bytecp where a C compiler "
-                          f"is, or unset {_ENV}")
-    if k is not None:  # built but unusable: say so; not built at all is an install without a compiler, quietly
-        log.warning("bytecp: the compiled kernels (bytecp.format._kernels) are not used: %s; serving deltas "
-                    "run in NumPy", why)
-    return None
+    return _EXTENSION.load(lambda k: _self_check(k))
 
 
 _LOADED: list[ModuleType | None] = []
@@ -160,9 +137,7 @@ _LOADED: list[ModuleType | None] = []
 
 def compiled() -> ModuleType | None:
     """The kernels to use (None: NumPy's), loaded and checked at the first call."""
-    if not _LOADED:
-        _LOADED.append(load())
-    return _LOADED[0]
+    return first(_LOADED, load)
 
 
 def engine() -> str:
