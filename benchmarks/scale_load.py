@@ -74,6 +74,10 @@ class Recording:
         self.read.update(path for path, _ in reads)
         self.inner.read_files(reads)
 
+    def read_ranges_summed(self, path: str, ranges: Any, spans: Any) -> Any:
+        self.read.add(path)
+        return self.inner.read_ranges_summed(path, ranges, spans)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 

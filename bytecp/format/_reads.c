@@ -324,10 +324,15 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
     }
     if (piece > ((long long)1 << 30))
         piece = (long long)1 << 30;
-    seq = PySequence_Fast(ranges_obj, "read_sums: ranges must be a sequence");
+    if (((uintptr_t)segs.buf % 8) || ((uintptr_t)out.buf % 4)) {
+        PyErr_SetString(PyExc_ValueError, "read_sums: segs must be 8-byte aligned, out 4-byte aligned");
+        goto done;
+    }
+    /* a tuple of its own: converting an offset runs Python (__index__) that could change a list */
+    seq = PySequence_Tuple(ranges_obj);
     if (seq == NULL)
         goto done;
-    nr = PySequence_Fast_GET_SIZE(seq);
+    nr = PyTuple_GET_SIZE(seq);
     views = PyMem_Calloc((size_t)(nr ? nr : 1), sizeof(Py_buffer));
     rs = PyMem_Calloc((size_t)(nr ? nr : 1), sizeof(Range));
     if (views == NULL || rs == NULL) {
@@ -336,7 +341,7 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
     }
     long long prev_end = -1;
     for (Py_ssize_t i = 0; i < nr; i++) {
-        PyObject *item = PySequence_Fast_GET_ITEM(seq, i);
+        PyObject *item = PyTuple_GET_ITEM(seq, i);
         PyObject *off_obj, *buf_obj;
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 2) {
             PyErr_SetString(PyExc_TypeError, "read_sums: each range must be (offset, buffer)");
@@ -387,7 +392,7 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
                     summed = 1;
                     if (sp[2 * si + 1] < stop)
                         stop = sp[2 * si + 1];
-                    if (pos + piece < stop)
+                    if (stop - pos > piece) /* (not pos + piece: it may pass LLONG_MAX) */
                         stop = pos + piece;
                 }
             }

@@ -96,6 +96,24 @@ def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(k
             k.read_sums(fd, [(0, bytearray(100))], np.asarray([50, 60], np.int64), np.zeros(2, np.uint32), 64)
         with pytest.raises((BufferError, TypeError)):
             k.read_sums(fd, [(0, b"read-only")], none, out0, 64)
+        with pytest.raises(ValueError, match="8-byte aligned"):
+            k.read_sums(fd, [(0, bytearray(100))], np.zeros(17, np.int8)[1:].view(np.int64), np.zeros(1, np.uint32), 64)
+
+        class Emptying:  # an offset whose conversion runs Python that empties the list being read
+            def __index__(self) -> int:
+                ranges.clear()
+                return 0
+
+        ranges: list = [(Emptying(), bytearray(100)), (200, bytearray(100))]  # type: ignore[type-arg]
+        assert k.read_sums(fd, ranges, none, out0, 64) is None  # (read from its own copy of the list)
+        far = (1 << 63) - 1000  # a span's pieces near the largest offset: no overflow past it
+        try:
+            got = k.read_sums(fd, [(far, bytearray(100))], np.asarray([far, far + 100], np.int64),
+                              np.zeros(1, np.uint32), 1 << 40)
+        except OSError:
+            pass
+        else:
+            assert got == (0, 0)
     dfd = os.open(tmp_path, os.O_RDONLY)
     try:
         with pytest.raises(OSError) as e:
