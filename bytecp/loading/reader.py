@@ -46,6 +46,11 @@ and its checksum, failing a sound checkpoint, and which target's bytes
 stayed was a race.) Targets that share nothing -- nearly all -- are in the
 first wave; the Megatron case takes two.
 
+With several reader threads, each batch is prepared (step 1's Python:
+targets, ranges, checks) on the caller's thread and handed to a reader
+thread, which reads, checks and places it (:func:`_pipelined`): the
+requests' Python then never queues for the GIL behind another thread's.
+
 Targets on a CUDA device go through :mod:`bytecp.loading.device_reads`.
 """
 
@@ -161,6 +166,25 @@ def _batches(chunks: Sequence[fmt.ChunkRecord], reqs: Sequence[ReadRequest], io_
 _Plan = tuple[torch.Tensor, memoryview, torch.Tensor, bool, memoryview, memoryview, "Verifier | None"]
 
 
+#: a batch's checks as a storage that sums its reads takes them: the spans (int64 pairs, flat), the sum
+#: each must have (-1: none recorded), and each check's first span, the check and its request's read
+_Sums = tuple[np.ndarray, np.ndarray, list[tuple[int, "Verifier", _Plan]]]
+
+
+@dataclasses.dataclass
+class _Prepared:
+    """A batch made ready on the caller's thread (:meth:`_BatchReader.prepare`) for a reader thread."""
+
+    total: int
+    device: list[ReadRequest]
+    host: list[ReadRequest]
+    plans: list[_Plan]
+    ranges: list[tuple[int, memoryview]]
+    checks: list[Verifier | None]
+    #: where the storage sums as it reads (and the ranges allow it): what to sum; else None (fed)
+    summed: _Sums | None
+
+
 class _BatchReader:
     """Reads one batch (one ranged-read call: backends coalesce) into its targets."""
 
@@ -243,35 +267,46 @@ class _BatchReader:
                 each(i)
 
     def __call__(self, batch: list[ReadRequest]) -> int:
-        total = sum(r.nbytes for r in batch)
-        on_device = [r for r in batch if self.targets[r.target].view.is_cuda]
-        if on_device:
-            self.device(on_device)
-            batch = [r for r in batch if not self.targets[r.target].view.is_cuda]
-            if not batch:
-                return total
-        plans = [self._plan(r) for r in batch]
-        # each request's bytes and those its check needs, each range summed as soon as it is in
+        return self.finish(self.prepare(batch))
+
+    def prepare(self, batch: list[ReadRequest]) -> _Prepared:
+        """(the caller's thread, batch after batch: :func:`_pipelined`) Everything of a batch that is Python
+        per request: where each request's bytes go, the ranges to read, the checks and what they sum."""
+        host = [r for r in batch if not self.targets[r.target].view.is_cuda]
+        device = [r for r in batch if self.targets[r.target].view.is_cuda] if len(host) < len(batch) else []
+        plans = [self._plan(r) for r in host]
+        # each request's bytes and those its check needs
         ranges: list[tuple[int, memoryview]] = []
         checks: list[Verifier | None] = []
-        for r, (_, own, _, _, head, tail, v) in zip(batch, plans, strict=True):
+        for r, (_, own, _, _, head, tail, v) in zip(host, plans, strict=True):
             for offset, view in ((r.byte_offset - len(head), head), (r.byte_offset, own),
                                  (r.byte_offset + r.nbytes, tail)):
                 if len(view):
                     ranges.append((offset, view))
                     checks.append(v)
-        if self.storage.sums_reads and _in_order(ranges):
-            self._read_summed(batch, plans, ranges)
+        summed = None
+        if host and self.storage.sums_reads and _in_order(ranges):
+            summed = self._sums_wanted(host, plans)
+        return _Prepared(sum(r.nbytes for r in batch), device, host, plans, ranges, checks, summed)
+
+    def finish(self, p: _Prepared) -> int:
+        """(a reader thread) Read a prepared batch, check every byte, then place it; -> the bytes it holds."""
+        if p.device:
+            self.device(p.device)
+        if not p.host:
+            return p.total
+        if p.summed is not None:
+            self._read_summed(p.host, p.plans, p.ranges, p.summed)
         else:
-            self._read_fed(batch, plans, ranges, checks)
+            self._read_fed(p.host, p.plans, p.ranges, p.checks)
         faults.handoff("check")
         # read into their memory, behind their version counters: incremental saves must see it
-        increment_version([dest for _, _, dest, direct, _, _, _ in plans if direct])
-        for r, (raw, _, dest, direct, _, _, _) in zip(batch, plans, strict=True):
+        increment_version([dest for _, _, dest, direct, _, _, _ in p.plans if direct])
+        for r, (raw, _, dest, direct, _, _, _) in zip(p.host, p.plans, strict=True):
             if not direct:
                 self._place(r, raw, dest)
         faults.handoff("place")
-        return total
+        return p.total
 
     def _read_fed(self, batch: Sequence[ReadRequest], plans: Sequence[_Plan], ranges: list[tuple[int, memoryview]],
                   checks: list[Verifier | None]) -> None:
@@ -296,15 +331,11 @@ class _BatchReader:
             if plan[6] is not None:
                 plan[6].done()
 
-    def _read_summed(self, batch: Sequence[ReadRequest], plans: Sequence[_Plan],
-                     ranges: list[tuple[int, memoryview]]) -> None:
-        """Read, the storage summing each check's spans piece by piece as it
-        reads them (:meth:`~bytecp.storage_api.Storage.read_ranges_summed`:
-        the local disk's compiled checked reads), then every sum against its
-        checksum at once."""
+    def _sums_wanted(self, batch: Sequence[ReadRequest], plans: Sequence[_Plan]) -> _Sums:
+        """For a storage that sums as it reads: every check's spans, flat, and what each must sum to."""
         spans: list[int] = []
         want: list[int] = []
-        owners: list[tuple[int, Verifier, _Plan]] = []  # (its first span, the check, the request's read)
+        owners: list[tuple[int, Verifier, _Plan]] = []
         for r, plan in zip(batch, plans, strict=True):
             v = plan[6]
             if v is not None:
@@ -312,10 +343,19 @@ class _BatchReader:
                 owners.append((len(want), v, plan))
                 spans += s
                 want += w
+        return np.asarray(spans, np.int64), np.asarray(want, np.int64), owners
+
+    def _read_summed(self, batch: Sequence[ReadRequest], plans: Sequence[_Plan],
+                     ranges: list[tuple[int, memoryview]], sums: _Sums) -> None:
+        """Read, the storage summing each check's spans piece by piece as it
+        reads them (:meth:`~bytecp.storage_api.Storage.read_ranges_summed`:
+        the local disk's compiled checked reads), then every sum against its
+        checksum at once."""
+        spans, want, owners = sums
         with self._naming(batch) as file:
-            crcs = self.storage.read_ranges_summed(file, ranges, np.asarray(spans, np.int64))
+            crcs = self.storage.read_ranges_summed(file, ranges, spans)
         faults.handoff("read")
-        bad = np.flatnonzero(np.asarray(crcs, np.int64) != np.asarray(want, np.int64))
+        bad = np.flatnonzero(np.asarray(crcs, np.int64) != want)
         if len(bad):
             first = int(bad[0])
             at, v, plan = owners[bisect.bisect_right([o[0] for o in owners], first) - 1]
@@ -371,6 +411,38 @@ def _read_pool(width: int) -> Iterator[concurrent.futures.ThreadPoolExecutor]:
     ex.shutdown(wait=True)
 
 
+def _pipelined(run: _BatchReader, batches: Sequence[list[ReadRequest]], ex: concurrent.futures.Executor,
+               ahead: int) -> int:
+    """Each batch prepared on the caller's thread, then read, checked and
+    placed on ``ex``; -> the bytes of every batch. A batch's Python (its
+    requests' targets, ranges and checks: 20-25 us a request) runs on one
+    thread while the reader threads read with the GIL released: prepared by
+    the reader threads themselves, a load of 20,120 small tensors took 0.47 s
+    to read with 4 threads against 0.30 s with one (each thread's requests
+    queued for the GIL behind the others'). At most ``ahead`` batches wait
+    prepared and unread (their staging buffers); after a failed batch no more
+    are handed out, and the first failure in batch order is raised."""
+    room = threading.Semaphore(ahead)
+    failed = threading.Event()
+
+    def finish(p: _Prepared) -> int:
+        try:
+            return run.finish(p)
+        except BaseException:
+            failed.set()
+            raise
+        finally:
+            room.release()
+
+    futures: list[concurrent.futures.Future[int]] = []
+    for b in batches:
+        room.acquire()
+        if failed.is_set():
+            break
+        futures.append(ex.submit(finish, run.prepare(b)))
+    return sum(f.result() for f in futures)
+
+
 def execute_reads(
     storage: Storage,
     chunks: Sequence[fmt.ChunkRecord],
@@ -405,7 +477,7 @@ def execute_reads(
                     total += sum(run(b) for b in batches)
                 else:
                     with _read_pool(io_threads) as ex:
-                        total += sum(ex.map(run, batches))
+                        total += _pipelined(run, batches, ex, io_threads)
         finally:  # never leave copies running into targets the caller may free
             run.device.finish()
             run.close()

@@ -323,3 +323,47 @@ def test_iter_weights_reads_with_the_collector_paused_and_never_holds_it_across_
     assert got.keys() == model.state_dict().keys()
     for k, v in model.state_dict().items():
         assert torch.equal(got[k], v), k
+
+
+def test_batches_are_prepared_on_the_callers_thread_a_bounded_number_ahead_and_stop_after_a_failure() -> None:
+    """``reader._pipelined``: every batch's Python on the calling thread, at most
+    ``ahead`` batches prepared and not yet read, no batch handed out after one
+    failed, and that failure raised (the earlier batches' bytes all counted)."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    from bytecp.loading import reader
+
+    class Run:
+        def __init__(self, bad: int | None = None) -> None:
+            self.bad = bad
+            self.prepared: list[int] = []
+            self.threads: set[int] = set()
+            self.open = self.most = 0
+            self.lock = threading.Lock()
+
+        def prepare(self, batch: list[int]) -> list[int]:
+            self.threads.add(threading.get_ident())
+            self.prepared.append(batch[0])
+            with self.lock:
+                self.open += 1
+                self.most = max(self.most, self.open)
+            return batch
+
+        def finish(self, batch: list[int]) -> int:
+            time.sleep(0.005)
+            with self.lock:
+                self.open -= 1
+            if batch[0] == self.bad:
+                raise CorruptCheckpointError(f"batch {self.bad} is damaged")
+            return 10
+
+    ok = Run()
+    with ThreadPoolExecutor(3) as ex:
+        assert reader._pipelined(ok, [[i] for i in range(30)], ex, 3) == 300  # type: ignore[arg-type]
+    assert ok.prepared == list(range(30)) and ok.threads == {threading.get_ident()} and ok.most <= 3
+    bad = Run(bad=5)
+    with ThreadPoolExecutor(3) as ex, pytest.raises(CorruptCheckpointError, match="batch 5 is damaged"):
+        reader._pipelined(bad, [[i] for i in range(40)], ex, 3)  # type: ignore[arg-type]
+    assert bad.most <= 3 and len(bad.prepared) <= 5 + 3 + 1
