@@ -20,7 +20,7 @@ reads, checks, then places:
    :mod:`bytecp.format.checked_reads`), the read call itself sums every
    check's spans (its blocks, or its whole cover) in 256 KiB pieces as they
    arrive, the GIL released for the whole batch, and the sums are compared
-   at once afterwards (a resharded checked load of 2 GB: 1.6-1.7x -> 1.1-1.2x
+   at once afterwards (a resharded checked load of 2 GB: 1.6-1.7x -> 1.1-1.3x
    the time of an unchecked one). Elsewhere each range is fed to its
    verifier as soon as it is in where the storage
    :attr:`~bytecp.storage_api.Storage.reads_each`, else once the call
