@@ -221,9 +221,12 @@ class _BatchReader:
         dest = self._target_of(req)
         # straight into the target when the bytes read are exactly its box (a whole chunk, or rows
         # of one: FSDP2's shards) in its dtype; else staged
-        direct = (dest.is_cpu and dest.is_contiguous() and not dest.is_conj() and not dest.is_neg()
-                  and req.nbytes == req.box.numel * dest.element_size()
-                  and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype)
+        # (the cheap comparisons first: torch's is_conj/is_neg cost about a microsecond each; only a
+        # complex tensor has a conjugate bit)
+        direct = (req.nbytes == req.box.numel * dest.element_size()
+                  and dtype_name(dest.dtype) == self.chunks[req.chunk].dtype
+                  and dest.is_cpu and dest.is_contiguous() and not (dest.dtype.is_complex and dest.is_conj())
+                  and not dest.is_neg())
         raw = dest if direct else torch.empty(req.nbytes, dtype=torch.uint8)
         check = self._check(req)
         head = tail = memoryview(b"")
@@ -234,7 +237,8 @@ class _BatchReader:
             if before or after:
                 edges = memoryview(np.empty(before + after, np.uint8).data)
                 head, tail = edges[:before], edges[before:]
-        return raw, host_memoryview(raw), dest, direct, head, tail, None if check is None else check[0]
+        # (raw: the target just checked above, or a fresh byte buffer)
+        return raw, host_memoryview(raw, checked=True), dest, direct, head, tail, None if check is None else check[0]
 
     @contextlib.contextmanager
     def _naming(self, batch: Sequence[ReadRequest]) -> Iterator[str]:

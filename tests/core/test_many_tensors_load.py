@@ -367,3 +367,17 @@ def test_batches_are_prepared_on_the_callers_thread_a_bounded_number_ahead_and_s
     with ThreadPoolExecutor(3) as ex, pytest.raises(CorruptCheckpointError, match="batch 5 is damaged"):
         reader._pipelined(bad, [[i] for i in range(40)], ex, 3)  # type: ignore[arg-type]
     assert bad.most <= 3 and len(bad.prepared) <= 5 + 3 + 1
+
+
+def test_targets_with_a_conjugate_or_negative_bit_get_their_values_not_the_raw_bytes(tmp_path: Path) -> None:
+    """A lazy conjugate (complex) or negative view holds its values negated in
+    memory: it is read staged and its values set through it, never read into
+    directly (the loader's per-request check skips ``is_conj`` for real dtypes only)."""
+    z = torch.randn(6, dtype=torch.complex64)
+    x = torch.randn(5)
+    bytecp.save(str(tmp_path / "ck"), {"z": z, "x": x})
+    zt = torch.zeros(6, dtype=torch.complex64).conj()
+    xt = torch._neg_view(torch.zeros(5))
+    assert zt.is_conj() and xt.is_neg()
+    bytecp.load(str(tmp_path / "ck"), {"z": zt, "x": xt})
+    assert torch.equal(zt.resolve_conj(), z) and torch.equal(xt.resolve_neg(), x)
