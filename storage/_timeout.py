@@ -158,10 +158,14 @@ async def bounded_await(make: Callable[[], Awaitable[T]], seconds: float | None,
 
 
 def _nbytes(value: Any) -> int:
-    """Bytes in a buffer, a sequence of buffers or of ``(offset, buffer)``."""
-    if isinstance(value, bytes | bytearray | memoryview):
-        return memoryview(value).nbytes
-    if isinstance(value, Sequence):
+    """Bytes in a buffer, a sequence of buffers or of ``(offset, buffer)``.
+    (Asked of every sized request: a many-tensor load's batch holds tens of
+    thousands of ranges, so the common types are told apart cheaply first.)"""
+    if type(value) is memoryview:
+        return value.nbytes
+    if isinstance(value, bytes | bytearray):
+        return len(value)
+    if type(value) is list or type(value) is tuple or isinstance(value, Sequence):
         return sum(_nbytes(v[1] if isinstance(v, tuple) else v) for v in value)
     return int(getattr(value, "nbytes", 0) or 0)
 
