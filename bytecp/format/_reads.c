@@ -112,6 +112,20 @@ static inline uint64_t load64(const unsigned char *p) {
     return v;
 }
 
+/* the last bytes, eight at a time then one by one (the running value, not inverted) */
+__attribute__((target("sse4.2"))) static inline uint64_t the_rest(uint64_t crc, const unsigned char *p, size_t len) {
+    while (len >= 8) {
+        crc = _mm_crc32_u64(crc, load64(p));
+        p += 8;
+        len -= 8;
+    }
+    while (len) {
+        crc = _mm_crc32_u8((uint32_t)crc, *p++);
+        len--;
+    }
+    return crc;
+}
+
 /* the whole runs of 3 * span bytes at *next: three streams of span bytes summed at once, then joined */
 __attribute__((target("sse4.2"))) static inline uint64_t three_streams(uint64_t crc0, const unsigned char **at,
                                                                        size_t *left, size_t span,
@@ -145,16 +159,7 @@ __attribute__((target("sse4.2"))) static uint32_t crc32c_hw(uint32_t crc, const 
     }
     crc0 = three_streams(crc0, &next, &len, LONG_BYTES, zeros_long);
     crc0 = three_streams(crc0, &next, &len, SHORT_BYTES, zeros_short);
-    while (len >= 8) {
-        crc0 = _mm_crc32_u64(crc0, load64(next));
-        next += 8;
-        len -= 8;
-    }
-    while (len) {
-        crc0 = _mm_crc32_u8((uint32_t)crc0, *next++);
-        len--;
-    }
-    return (uint32_t)crc0 ^ 0xffffffffu;
+    return (uint32_t)the_rest(crc0, next, len) ^ 0xffffffffu;
 }
 
 /* The same sum 64 bytes a step on four 512-bit registers (AVX-512 VPCLMULQDQ), where the CPU has it:
@@ -231,16 +236,7 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc3
     }
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
-    while (len >= 8) {
-        c = _mm_crc32_u64(c, load64(p));
-        p += 8;
-        len -= 8;
-    }
-    while (len) {
-        c = _mm_crc32_u8((uint32_t)c, *p++);
-        len--;
-    }
-    return (uint32_t)c ^ 0xffffffffu;
+    return (uint32_t)the_rest(c, p, len) ^ 0xffffffffu;
 }
 
 static uint32_t crc32c_any(uint32_t crc, const unsigned char *p, size_t len, int wide) {
