@@ -120,10 +120,8 @@ class Verifier:
         starts = range(base + self.k * bb, end, bb)
         spans = [x for lo in starts for x in (lo, min(lo + bb, end))]
         n = len(starts)
-        if len(self.c.blocks) >= 4 * (self.k + n):
-            return spans, list(struct.unpack_from(f"<{n}I", self.c.blocks, 4 * self.k))
-        return spans, [block_crc(self.c.blocks, k) if 4 * k + 4 <= len(self.c.blocks) else -1
-                       for k in range(self.k, self.k + n)]
+        have = min(n, max(0, len(self.c.blocks) // 4 - self.k))
+        return spans, [*struct.unpack_from(f"<{have}I", self.c.blocks, 4 * self.k), *[-1] * (n - have)]
 
     def mismatch(self, j: int, pieces: Sequence[memoryview]) -> CorruptCheckpointError:
         """The error for span ``j`` of :meth:`spans` not having its checksum

@@ -11,6 +11,7 @@ checkpoints record no block checksums and load as before.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 from pathlib import Path
@@ -119,6 +120,21 @@ def test_cover_reads_at_most_one_block_more_at_each_edge() -> None:
     assert cover(c, 5000, 6000, None) is None  # format version 4: nothing checks a part
     small = _chunk(os.urandom(3000), 4096)
     assert not small.blocks and cover(small, 10, 20, 4096) == (0, 3000)  # one block or less: read whole
+
+
+def test_a_verifiers_spans_are_its_blocks_in_file_bytes_with_their_checksums() -> None:
+    """What a storage that sums as it reads is given: the cover's blocks at the
+    chunk's file offset (the last one shorter) and each block's checksum; a
+    whole chunk one span against its crc32c; a row short of block checksums
+    (built by hand: the index decoder refuses one) wants -1, which no sum is."""
+    data = os.urandom(10_000)
+    c = _chunk(data, 4096)
+    spans, want = Verifier(c, 4096, 10_000, 4096, "u", Region((0,), (1,))).spans(8192)
+    assert spans == [8192 + 4096, 8192 + 8192, 8192 + 8192, 8192 + 10_000]
+    assert want == [crc32c(data[4096:8192]), crc32c(data[8192:])] == [block_crc(c.blocks, 1), block_crc(c.blocks, 2)]
+    assert Verifier(c, 0, 10_000, 4096, "u", Region((0,), (1,))).spans(8192) == ([8192, 18_192], [c.crc32c])
+    short = ChunkRecord(*dataclasses.astuple(c)[:-1], c.blocks[:8])  # two of its three block checksums
+    assert Verifier(short, 4096, 10_000, 4096, "u", Region((0,), (1,))).spans(8192)[1] == [block_crc(c.blocks, 1), -1]
 
 
 def test_verifier_checks_each_block_as_its_last_byte_arrives() -> None:

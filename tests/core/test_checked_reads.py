@@ -162,15 +162,27 @@ def test_a_process_that_cannot_make_the_checks_file_sums_in_python_without_a_war
     assert checked_reads.load() is None and not caplog.text
 
 
-def test_targets_reading_one_block_at_their_edges_load_bitwise_and_checked(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """Rows 100..200 and 200..300 of a tensor read in one batch share the block
-    holding row 200 (their checks overlap): summed as they are fed instead,
-    bitwise; a flip in that block is refused either way."""
+@pytest.mark.parametrize("apart", [False, True], ids=["one-block-shared", "apart"])
+def test_a_resharded_load_is_summed_by_the_storage_unless_its_checks_share_a_block(  # type: ignore[no-untyped-def]
+        k, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, apart: bool) -> None:
+    """Rows 100..200 and 600..700 of a tensor (1 MiB blocks of 262 rows): each
+    check's blocks summed by the compiled read, one span a block; rows 100..200
+    and 200..300 share the block holding row 200 (their checks overlap): fed to
+    the checks as before. Bitwise either way, and a flip in a block read is
+    refused either way."""
+    import types
+
     w = torch.randn(1024, 1000)
     monkeypatch.setattr(checksum, "BLOCK_BYTES", MiB)
     bytecp.save(str(tmp_path / "ck"), {"w": w})
-    boxes = [Region((100, 0), (100, 1000)), Region((200, 0), (100, 1000))]
+    boxes = [Region((100, 0), (100, 1000)), Region((600 if apart else 200, 0), (100, 1000))]
+    spans: list[int] = []
+
+    def counted(fd: int, ranges: list, segs: np.ndarray, *rest: object) -> object:  # type: ignore[type-arg]
+        spans.append(len(segs) // 2)
+        return k.read_sums(fd, ranges, segs, *rest)
+
+    monkeypatch.setattr(checked_reads, "_LOADED", [types.SimpleNamespace(read_sums=counted)])
 
     def load() -> list[torch.Tensor]:
         opened = open_checkpoint(str(tmp_path / "ck"))
@@ -184,9 +196,10 @@ def test_targets_reading_one_block_at_their_edges_load_bitwise_and_checked(tmp_p
 
     got = load()
     assert all(torch.equal(g, w[b.slices()]) for g, b in zip(got, boxes, strict=True))
+    assert spans == ([2] if apart else [])  # rows 100..200: block 0; 600..700: block 2
     (row,) = open_checkpoint(str(tmp_path / "ck")).all_rows()
     raw = bytearray((tmp_path / "ck" / row.file).read_bytes())
-    raw[row.byte_offset + 200 * 4000 + 3] ^= 1  # row 200: block 0 of the chunk, read by both
+    raw[row.byte_offset + 150 * 4000 + 3] ^= 1  # row 150: block 0 of the chunk
     (tmp_path / "ck" / row.file).write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' region \[0:1024, 0:1000\], block 0 of 4"):
         load()
