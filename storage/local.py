@@ -443,7 +443,8 @@ class LocalStorage(Storage):
         crcs = np.zeros(len(spans) // 2, np.uint32)
         try:
             short = k.read_sums(fd, [(offset, byte_view(out)) for offset, out in ranges],
-                                np.ascontiguousarray(spans, np.int64), crcs, checked_reads.PIECE_BYTES)
+                                np.ascontiguousarray(spans, np.int64), crcs, checked_reads.PIECE_BYTES,
+                                checked_reads.mapped())
         except OSError as e:
             raise os_error(e, full, "read") from e
         finally:

@@ -11,14 +11,24 @@
  * ranges with the GIL released throughout, in pieces of at most `piece` bytes cut at the checked
  * segments' edges, each piece summed right after its pread while it is still in the cache.
  *
- * read_sums(fd, ranges, segs, out, piece) -> None, or (i, got) when range i ended early (the end of
- * the file) after `got` of its bytes:
+ * read_sums(fd, ranges, segs, out, piece, mapped=False) -> None, or (i, got) when range i ended early
+ * (the end of the file) after `got` of its bytes:
  *   ranges  a sequence of (file offset, writable buffer) in file order, not overlapping;
  *   segs    int64 [start0, end0, start1, end1, ...]: file byte spans, in order, not overlapping,
  *           each inside the ranges read (a span may cross from one range into the next adjacent one);
  *   out     uint32, one value a span: the crc32c of the span's bytes;
- *   piece   the largest read (and sum) of a checked span at once.
+ *   piece   the largest read (and sum) of a checked span at once;
+ *   mapped  copy from a shared read-only mapping of the file instead of pread (below), where the
+ *           file can be mapped: no system call a piece, streaming stores, the sum folded into the copy.
  * Bytes outside every span are read, not summed. An OSError (errno) ends the call.
+ *
+ * Mapped (the local backend's default): the call maps the file's bytes its ranges cover once and
+ * copies each piece out of the mapping, which is the page cache itself: no system call a piece,
+ * streaming stores into the destination (not read into the cache first, as a pread's copy does),
+ * and on AVX-512 the crc32c folded into the copy's own registers. Measured here on a warm 1 GiB
+ * file, 4 threads: 57-68 ms copied and summed so, 83-99 ms pread alone. What cannot be mapped (not a
+ * regular file, past its end, a failed mmap) is read with pread; a copy that faults (the file cut
+ * short meanwhile, a device error: SIGBUS) is read again with pread, which reports it as an error.
  *
  * crc32c: SSE4.2's crc32 instruction on three independent streams (its latency is three cycles, its
  * throughput one a cycle), their values joined by tables of the operator that appends zeros to a
@@ -29,11 +39,16 @@
 #include <Python.h>
 
 #include <errno.h>
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
 #include <stdint.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
-#define BYTECP_READS_ABI 1
+#define BYTECP_READS_ABI 2
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(BYTECP_NO_HW)
 #define HAVE_HW 1
@@ -244,6 +259,192 @@ static uint32_t crc32c_any(uint32_t crc, const unsigned char *p, size_t len, int
         return crc32c_wide(crc, p, len);
     return crc32c_hw(crc, p, len);
 }
+
+/* Copies from a mapping of the page cache, summed on the way: the stores are streaming (non-temporal)
+ * ones, which write the destination without reading it into the cache first (a third of the memory
+ * traffic of a copy into memory not in the cache, as a pread's is); on AVX-512 the crc32c folds the
+ * very registers the copy loaded, so the sum costs no read of its own (measured here on 1 GiB with 4
+ * threads: 57-68 ms a copy summed this way, 61-70 not summed, 83-99 a pread, 94-114 a pread summed). */
+
+/* len a multiple of 256 (>= 256), d 64-byte aligned: d = p's bytes, the crc32c continued over them */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t copy_sum_wide(uint32_t crc,
+                                                                                            unsigned char *d,
+                                                                                            const unsigned char *p,
+                                                                                            size_t len) {
+    __m512i x0 = _mm512_loadu_si512((const void *)p), x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128)), x3 = _mm512_loadu_si512((const void *)(p + 192));
+    _mm512_stream_si512((void *)d, x0);
+    _mm512_stream_si512((void *)(d + 64), x1);
+    _mm512_stream_si512((void *)(d + 128), x2);
+    _mm512_stream_si512((void *)(d + 192), x3);
+    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)(crc ^ 0xffffffffu))));
+    p += 256;
+    d += 256;
+    len -= 256;
+    __m512i k = _mm512_broadcast_i32x4(k2048);
+    while (len >= 256) {
+        __m512i a = _mm512_loadu_si512((const void *)p), b = _mm512_loadu_si512((const void *)(p + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(p + 128)), e = _mm512_loadu_si512((const void *)(p + 192));
+        _mm512_stream_si512((void *)d, a);
+        _mm512_stream_si512((void *)(d + 64), b);
+        _mm512_stream_si512((void *)(d + 128), c);
+        _mm512_stream_si512((void *)(d + 192), e);
+        x0 = fold512(x0, k, a);
+        x1 = fold512(x1, k, b);
+        x2 = fold512(x2, k, c);
+        x3 = fold512(x3, k, e);
+        p += 256;
+        d += 256;
+        len -= 256;
+    }
+    k = _mm512_broadcast_i32x4(k512);
+    x1 = fold512(x0, k, x1);
+    x2 = fold512(x1, k, x2);
+    x3 = fold512(x2, k, x3);
+    __m128i r = fold128(_mm512_extracti32x4_epi32(x3, 0), k384, _mm512_extracti32x4_epi32(x3, 3));
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(x3, 1), k256, _mm_setzero_si128()));
+    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(x3, 2), k128, _mm_setzero_si128()));
+    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
+    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
+    return (uint32_t)c ^ 0xffffffffu;
+}
+
+/* len a multiple of 64, d 64-byte aligned: a streaming copy (SSE2, every x86-64 CPU) */
+__attribute__((target("sse2"))) static void stream_copy(unsigned char *d, const unsigned char *p, size_t len) {
+    while (len >= 64) {
+        __m128i a = _mm_loadu_si128((const __m128i *)p), b = _mm_loadu_si128((const __m128i *)(p + 16));
+        __m128i c = _mm_loadu_si128((const __m128i *)(p + 32)), e = _mm_loadu_si128((const __m128i *)(p + 48));
+        _mm_stream_si128((__m128i *)d, a);
+        _mm_stream_si128((__m128i *)(d + 16), b);
+        _mm_stream_si128((__m128i *)(d + 32), c);
+        _mm_stream_si128((__m128i *)(d + 48), e);
+        p += 64;
+        d += 64;
+        len -= 64;
+    }
+}
+
+/* len a multiple of 256, d 64-byte aligned: the same copy 256 bytes a step on 512-bit registers (AVX-512) */
+__attribute__((target("avx512f"))) static void stream_copy_wide(unsigned char *d, const unsigned char *p, size_t len) {
+    while (len >= 256) {
+        __m512i a = _mm512_loadu_si512((const void *)p), b = _mm512_loadu_si512((const void *)(p + 64));
+        __m512i c = _mm512_loadu_si512((const void *)(p + 128)), e = _mm512_loadu_si512((const void *)(p + 192));
+        _mm512_stream_si512((void *)d, a);
+        _mm512_stream_si512((void *)(d + 64), b);
+        _mm512_stream_si512((void *)(d + 128), c);
+        _mm512_stream_si512((void *)(d + 192), e);
+        p += 256;
+        d += 256;
+        len -= 256;
+    }
+}
+
+/* copies below this are plain ones (their destination is likely read soon, from the cache) */
+#define STREAM_BYTES (64 << 10)
+/* without AVX-512, a streamed copy is summed from its source this many bytes at a time (in the cache) */
+#define STREAM_PIECE (64 << 10)
+
+/* d = p's len bytes; the crc32c continued over them when sum, else crc unchanged */
+__attribute__((target("sse2,sse4.2"))) static uint32_t copy_sum(uint32_t crc, unsigned char *d,
+                                                               const unsigned char *p, size_t len, int sum) {
+    if (len < STREAM_BYTES) {
+        memcpy(d, p, len);
+        return sum ? crc32c_any(crc, d, len, 1) : crc;
+    }
+    size_t head = (size_t)(-(uintptr_t)d) & 63;
+    memcpy(d, p, head);
+    if (sum)
+        crc = crc32c_hw(crc, p, head);
+    d += head;
+    p += head;
+    len -= head;
+    size_t body = len & ~(size_t)255;
+    if (sum && wide_ok) {
+        crc = copy_sum_wide(crc, d, p, body);
+    } else if (wide_ok) {
+        stream_copy_wide(d, p, body);
+    } else {
+        for (size_t at = 0; at < body; at += STREAM_PIECE) {
+            size_t n = body - at < STREAM_PIECE ? body - at : STREAM_PIECE;
+            stream_copy(d + at, p + at, n);
+            if (sum)
+                crc = crc32c_any(crc, p + at, n, 1);
+        }
+    }
+    _mm_sfence(); /* the streamed stores seen before what follows (another thread reads the tensor) */
+    memcpy(d + body, p + body, len - body);
+    return sum ? crc32c_hw(crc, p + body, len - body) : crc;
+}
+
+/* A mapped file can fault where a pread fails: a file cut short after the mapping was made, or a
+ * device's read error, is a SIGBUS at the copy. A copy from a mapping runs under a guard: this
+ * thread's jump back into mapped_copy, taken by the handler below, after which the piece is read
+ * again with pread (which reports the end of the file or the error as a pread would). The handler
+ * is installed over SIGBUS's (Python's faulthandler's, the default) at a mapped read, puts that one
+ * back for any fault not of a guarded copy (which then takes it as if this one had never been), and
+ * is put back on top at the next mapped read if another was installed since. */
+static __thread sigjmp_buf *bus_guard __attribute__((tls_model("initial-exec")));
+static struct sigaction bus_before;
+static pthread_mutex_t bus_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static unsigned long bus_caught = 0; /* faults of guarded copies, for tests and diagnostics */
+
+static void on_bus(int sig, siginfo_t *info, void *ctx) {
+    sigjmp_buf *guard = bus_guard;
+    if (guard != NULL && info != NULL && info->si_code > 0) { /* a fault (not a signal sent) in a guarded copy */
+        bus_guard = NULL;
+        __atomic_fetch_add(&bus_caught, 1, __ATOMIC_RELAXED);
+        siglongjmp(*guard, 1);
+    }
+    /* not a guarded copy's: as if this handler were never installed. A fault comes again on return,
+     * to the handler before this one (the default: fatal); a SIGBUS sent by a process is sent again */
+    sigaction(SIGBUS, &bus_before, NULL);
+    if (info == NULL || info->si_code <= 0)
+        raise(sig);
+    (void)ctx;
+}
+
+static int is_ours(const struct sigaction *a) {
+    return (a->sa_flags & SA_SIGINFO) && a->sa_sigaction == on_bus;
+}
+
+/* 1 when a guarded copy can run (the handler is SIGBUS's), 0 when it cannot be installed */
+static int bus_handled(void) {
+    struct sigaction now;
+    if (sigaction(SIGBUS, NULL, &now) != 0)
+        return 0;
+    if (is_ours(&now))
+        return 1;
+    int ok = 0;
+    pthread_mutex_lock(&bus_lock);
+    if (sigaction(SIGBUS, NULL, &now) == 0) {
+        if (is_ours(&now)) {
+            ok = 1;
+        } else {
+            struct sigaction ours;
+            memset(&ours, 0, sizeof ours);
+            ours.sa_sigaction = on_bus;
+            ours.sa_flags = SA_SIGINFO | SA_NODEFER; /* not blocked after the jump out of it */
+            sigemptyset(&ours.sa_mask);
+            bus_before = now;
+            ok = sigaction(SIGBUS, &ours, NULL) == 0;
+        }
+    }
+    pthread_mutex_unlock(&bus_lock);
+    return ok;
+}
+
+/* copy_sum from a mapping, under the guard: 0, or -1 when the mapping faulted (nothing of *crc changed) */
+static int mapped_copy(unsigned char *d, const unsigned char *p, size_t len, uint32_t *crc, int sum) {
+    sigjmp_buf jump;
+    if (sigsetjmp(jump, 0))
+        return -1;
+    bus_guard = &jump;
+    uint32_t value = copy_sum(*crc, d, p, len, sum);
+    bus_guard = NULL;
+    *crc = value;
+    return 0;
+}
 #endif
 
 /* crc32c(data, value=0): the module's own sum (for the self-check and tests) */
@@ -266,6 +467,42 @@ static PyObject *py_crc32c(PyObject *self, PyObject *args) {
 #endif
     PyBuffer_Release(&b);
     return PyLong_FromUnsignedLong(crc);
+}
+
+/* mapped_faults(): how many copies from a mapping faulted in this process (and were read again) */
+static PyObject *py_mapped_faults(PyObject *self, PyObject *unused) {
+    unsigned long n = 0;
+#if HAVE_HW
+    n = __atomic_load_n(&bus_caught, __ATOMIC_RELAXED);
+#endif
+    return PyLong_FromUnsignedLong(n);
+}
+
+/* copy_sum(dst, src, value=0, sum=True): dst[:] = src (the mapped reads' copy), the crc32c of src continued
+ * from value when sum (for the self-check and tests) */
+static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
+    Py_buffer d, b;
+    unsigned long long value = 0;
+    int sum = 1;
+    if (!PyArg_ParseTuple(args, "w*y*|Kp", &d, &b, &value, &sum))
+        return NULL;
+    PyObject *result = NULL;
+    if (!hw_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no SSE4.2 crc32 instruction");
+    } else if (d.len != b.len) {
+        PyErr_SetString(PyExc_ValueError, "copy_sum: dst and src differ in length");
+    } else {
+        uint32_t crc = (uint32_t)value;
+#if HAVE_HW
+        Py_BEGIN_ALLOW_THREADS
+        crc = copy_sum(crc, (unsigned char *)d.buf, (const unsigned char *)b.buf, (size_t)b.len, sum);
+        Py_END_ALLOW_THREADS
+#endif
+        result = PyLong_FromUnsignedLong(crc);
+    }
+    PyBuffer_Release(&d);
+    PyBuffer_Release(&b);
+    return result;
 }
 
 typedef struct {
@@ -303,7 +540,8 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
     PyObject *ranges_obj;
     Py_buffer segs, out;
     long long piece;
-    if (!PyArg_ParseTuple(args, "iOy*w*L", &fd, &ranges_obj, &segs, &out, &piece))
+    int mapped = 0;
+    if (!PyArg_ParseTuple(args, "iOy*w*L|p", &fd, &ranges_obj, &segs, &out, &piece, &mapped))
         return NULL;
     PyObject *result = NULL, *seq = NULL;
     Py_buffer *views = NULL;
@@ -373,6 +611,26 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
     Py_ssize_t bad = -1;
     size_t bad_got = 0;
     Py_BEGIN_ALLOW_THREADS
+#if HAVE_HW
+    /* the file's bytes the ranges cover, mapped (to its end at most), where asked and possible */
+    const unsigned char *map = NULL;
+    long long map_lo = 0, map_hi = 0;
+    if (mapped && nr > 0 && bus_handled()) {
+        struct stat st;
+        long page = sysconf(_SC_PAGESIZE);
+        if (fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && page > 0) {
+            map_lo = rs[0].offset - rs[0].offset % page;
+            map_hi = rs[nr - 1].offset + rs[nr - 1].len;
+            if (map_hi > (long long)st.st_size)
+                map_hi = (long long)st.st_size;
+            if (map_hi > map_lo && (unsigned long long)(map_hi - map_lo) <= (size_t)-1) {
+                void *at = mmap(NULL, (size_t)(map_hi - map_lo), PROT_READ, MAP_SHARED, fd, (off_t)map_lo);
+                if (at != MAP_FAILED)
+                    map = (const unsigned char *)at;
+            }
+        }
+    }
+#endif
     Py_ssize_t si = 0;
     for (Py_ssize_t i = 0; i < nr && status == 0; i++) {
         long long pos = rs[i].offset, end = rs[i].offset + rs[i].len;
@@ -393,6 +651,14 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
                 }
             }
             unsigned char *p = rs[i].buf + (pos - rs[i].offset);
+#if HAVE_HW
+            uint32_t unused = 0;
+            if (map != NULL && pos >= map_lo && stop <= map_hi &&
+                mapped_copy(p, map + (pos - map_lo), (size_t)(stop - pos), summed ? &crcs[si] : &unused, summed) == 0) {
+                pos = stop;
+                continue;
+            }
+#endif
             size_t got = 0;
             status = pread_full(fd, p, (size_t)(stop - pos), pos, &got);
             if (status != 0) {
@@ -409,6 +675,10 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
             pos = stop;
         }
     }
+#if HAVE_HW
+    if (map != NULL)
+        munmap((void *)map, (size_t)(map_hi - map_lo));
+#endif
     Py_END_ALLOW_THREADS
     if (status < 0) {
         errno = err;
@@ -432,6 +702,8 @@ done:
 
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0): the crc32c of a bytes-like object, continued."},
+    {"copy_sum", py_copy_sum, METH_VARARGS, "copy_sum(dst, src, value=0, sum=True): the mapped reads' copy, summed."},
+    {"mapped_faults", py_mapped_faults, METH_NOARGS, "mapped_faults(): copies from a mapping that faulted and were read again."},
     {"read_sums", read_sums, METH_VARARGS, "Ranges of a file read, their checked spans summed piece by piece (see the file)."},
     {NULL, NULL, 0, NULL},
 };

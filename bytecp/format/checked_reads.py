@@ -11,6 +11,15 @@ summed right after its ``pread`` while it is still in the cache. The local
 backend's buffered reads use it (:meth:`bytecp.storage_api.Storage.read_ranges_summed`);
 every other storage keeps summing ranges as they arrive.
 
+It copies from a shared mapping of the file by default (``BYTECP_MAPPED_READS``,
+:func:`mapped`): the page cache's bytes copied with streaming stores, which
+do not read the destination into the cache first, and on AVX-512 summed from
+the copy's own registers; a warm 1 GiB read here runs faster so, summed,
+than ``pread`` into the same buffers unsummed (docs/benchmarks.md). Whatever
+cannot be mapped is read with ``pread``, and a copy that faults (the file cut
+short meanwhile, a device error) is read again with ``pread`` to report it.
+``BYTECP_MAPPED_READS=0`` reads everything with ``pread``.
+
 Its crc32c is SSE4.2's crc32 instruction (three streams at once): built at
 install time where a C compiler is (pyproject.toml's ``ext-modules``,
 optional) and used on x86-64 CPUs that have the instruction, after it gave
@@ -34,15 +43,16 @@ from typing import Any
 
 import numpy as np
 
+from bytecp.errors import ConfigError
 from bytecp.format import checksum
 from bytecp.format.extensions import Extension, first
 
-__all__ = ["compiled", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
+__all__ = ["compiled", "mapped", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
 
 log = logging.getLogger("bytecp.format.checked_reads")
 
 #: the interface this Python expects of ``bytecp.format._reads`` (its ``ABI``)
-ABI = 1
+ABI = 2
 _EXTENSION = Extension("bytecp.format._reads", ABI, "BYTECP_CHECKED_READS", "checked reads",
                        "loads sum what they read in Python", "sum reads in Python", log)
 
@@ -54,33 +64,52 @@ QUIET = "its reads could not be checked in this process"
 PIECE_BYTES = 256 << 10
 
 
+def mapped() -> bool:
+    """Whether the local backend's checked reads copy from a mapping of the
+    file (``BYTECP_MAPPED_READS``, default 1) rather than ``pread``."""
+    want = os.environ.get("BYTECP_MAPPED_READS", "").strip()
+    if want not in ("", "0", "1"):
+        raise ConfigError(f"BYTECP_MAPPED_READS={want!r}: use 0 (read with pread) or 1 (copy from a mapping of the "
+                          "file, the default)")
+    return want != "0"
+
+
 def _self_check(k: Any) -> str | None:
     """Why ``k`` cannot be used (None: it agrees with :func:`bytecp.format.checksum.crc32c`)."""
     if not k.HW:
         return "unusable on this CPU (no SSE4.2 crc32 instruction)"
-    data = memoryview(random.Random(0x5EED).randbytes(70_000))
+    data = memoryview(random.Random(0x5EED).randbytes(140_000))
     for n in (0, 1, 7, 8, 9, 255, 256, 767, 768, 769, 2000, 24575, 24576, 24577, 24583, 65537):
         for at in (0, 1, 5):
             piece = data[at:at + n]
             for value in (0, 0x1234ABCD):
                 if k.crc32c(piece, value) != checksum.crc32c(piece, value):
                     return f"its crc32c differs from the {checksum.ENGINE} engine's ({n} bytes at {at})"
+    # the mapped reads' copy: plain below 64 KiB, streamed (and summed in the copy) above, any alignment
+    for n in (1_000, 65_535, 65_536, 65_536 + 255, 65_536 + 256 + 63, 131_073):
+        for at, to in ((0, 0), (3, 61), (64, 5)):
+            src, dst = data[at:at + n], memoryview(bytearray(n + 64))[to:to + n]
+            for value, summed in ((0, True), (0x1234ABCD, True), (7, False)):
+                want = checksum.crc32c(src, value) if summed else value
+                if k.copy_sum(dst, src, value, summed) != want or dst != src:
+                    return f"its mapped reads' copy differs from Python's ({n} bytes at {at} to {to})"
     try:  # a file of 8,000 bytes (a process may be allowed little more: RLIMIT_FSIZE)
         f = os.fdopen(os.memfd_create("bytecp-self-check"), "w+b") if hasattr(os, "memfd_create") \
             else tempfile.TemporaryFile()
         with f:
             f.write(data[:8_000])
             f.flush()
-            a, b = bytearray(3_000), bytearray(4_000)
             spans = np.asarray([100, 900, 2_500, 6_000, 7_000, 7_001], np.int64)
-            out = np.zeros(3, np.uint32)
-            short = k.read_sums(f.fileno(), [(100, a), (3_100, b)], spans, out, 1024)
             want = [checksum.crc32c(data[s:e]) for s, e in zip(spans[::2].tolist(), spans[1::2].tolist(), strict=True)]
-            if short is not None or bytes(a) != data[100:3_100] or bytes(b) != data[3_100:7_100] \
-                    or out.tolist() != want:
-                return "read_sums read or summed otherwise than Python"
-            if k.read_sums(f.fileno(), [(7_000, bytearray(2_000))], spans[:0], out[:0], 1024) != (0, 1_000):
-                return "read_sums does not report a read past the end of the file"
+            for way in (False, True):  # pread, mapped
+                a, b = bytearray(3_000), bytearray(4_000)
+                out = np.zeros(3, np.uint32)
+                short = k.read_sums(f.fileno(), [(100, a), (3_100, b)], spans, out, 1024, way)
+                if short is not None or bytes(a) != data[100:3_100] or bytes(b) != data[3_100:7_100] \
+                        or out.tolist() != want:
+                    return f"read_sums ({'mapped' if way else 'pread'}) read or summed otherwise than Python"
+                if k.read_sums(f.fileno(), [(7_000, bytearray(2_000))], spans[:0], out[:0], 1024, way) != (0, 1_000):
+                    return f"read_sums ({'mapped' if way else 'pread'}) does not report a read past the end of the file"
     except OSError as e:
         return f"{QUIET}: {e}"
     return None

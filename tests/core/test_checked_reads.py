@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -49,7 +51,9 @@ def test_its_crc32c_is_the_engines_at_every_length_start_and_seed(k, wide: bool)
                 assert k.crc32c(piece, seed, wide) == checksum.crc32c(piece, seed), (n, at, seed)
 
 
-def test_read_sums_reads_every_range_and_sums_spans_across_adjacent_ranges(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mapped", [False, True], ids=["pread", "mapped"])
+def test_read_sums_reads_every_range_and_sums_spans_across_adjacent_ranges(  # type: ignore[no-untyped-def]
+        k, tmp_path: Path, mapped: bool) -> None:
     rng = random.Random(5)
     data = rng.randbytes(4 * MiB)
     (tmp_path / "f.bin").write_bytes(data)
@@ -75,19 +79,22 @@ def test_read_sums_reads_every_range_and_sums_spans_across_adjacent_ranges(k, tm
         out = np.zeros(len(spans) // 2, np.uint32)
         with open(tmp_path / "f.bin", "rb") as f:
             piece = rng.choice([4096, 65536, 256 << 10])
-            assert k.read_sums(f.fileno(), ranges, spans_a, out, piece) is None
+            assert k.read_sums(f.fileno(), ranges, spans_a, out, piece, mapped) is None
         for off, b in ranges:
             assert bytes(b) == data[off : off + len(b)], trial
         assert out.tolist() == checked_reads.sums_of_spans(ranges, spans_a).tolist(), trial
         assert out.tolist() == [checksum.crc32c(data[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
 
 
-def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("mapped", [False, True], ids=["pread", "mapped"])
+def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(  # type: ignore[no-untyped-def]
+        k, tmp_path: Path, mapped: bool) -> None:
     (tmp_path / "f.bin").write_bytes(os.urandom(10_000))
     none, out0 = np.zeros(0, np.int64), np.zeros(0, np.uint32)
     with open(tmp_path / "f.bin", "rb") as f:
         fd = f.fileno()
-        assert k.read_sums(fd, [(0, bytearray(100)), (9_000, bytearray(3_000))], none, out0, 4096) == (1, 1_000)
+        assert k.read_sums(fd, [(0, bytearray(100)), (9_000, bytearray(3_000))], none, out0, 4096, mapped) == (1, 1_000)
+        assert k.read_sums(fd, [(0, bytearray(100)), (20_000, bytearray(10))], none, out0, 4096, mapped) == (1, 0)
         with pytest.raises(ValueError, match="in file order, not overlapping"):
             k.read_sums(fd, [(100, bytearray(100)), (150, bytearray(10))], none, out0, 4096)
         with pytest.raises(ValueError, match="spans must be in order"):
@@ -105,11 +112,11 @@ def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(k
                 return 0
 
         ranges: list = [(Emptying(), bytearray(100)), (200, bytearray(100))]  # type: ignore[type-arg]
-        assert k.read_sums(fd, ranges, none, out0, 64) is None  # (read from its own copy of the list)
+        assert k.read_sums(fd, ranges, none, out0, 64, mapped) is None  # (read from its own copy of the list)
         far = (1 << 63) - 1000  # a span's pieces near the largest offset: no overflow past it
         try:
             got = k.read_sums(fd, [(far, bytearray(100))], np.asarray([far, far + 100], np.int64),
-                              np.zeros(1, np.uint32), 1 << 40)
+                              np.zeros(1, np.uint32), 1 << 40, mapped)
         except OSError:
             pass
         else:
@@ -117,10 +124,89 @@ def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(k
     dfd = os.open(tmp_path, os.O_RDONLY)
     try:
         with pytest.raises(OSError) as e:
-            k.read_sums(dfd, [(0, bytearray(10))], none, out0, 64)
-        assert e.value.errno == 21  # EISDIR
+            k.read_sums(dfd, [(0, bytearray(10))], none, out0, 64, mapped)
+        assert e.value.errno == 21  # EISDIR (not a regular file: not mapped, read)
     finally:
         os.close(dfd)
+
+
+def test_the_mapped_reads_copy_is_exact_at_every_size_alignment_and_seed(k) -> None:  # type: ignore[no-untyped-def]
+    """The copy from a mapping: plain below 64 KiB, streamed above (summed in the copy on AVX-512,
+    from the source piece by piece without), its head to a 64-byte boundary and its tail plain."""
+    data = memoryview(random.Random(9).randbytes(3 * MiB))
+    for n in (0, 1, 63, 64, 65_535, 65_536, 65_537, 65_536 + 255, 65_536 + 256, 300_001, MiB, 3 * MiB - 64):
+        for at, to in ((0, 0), (1, 0), (0, 1), (13, 63), (64, 17)):
+            src = data[at : at + n]
+            dst = memoryview(bytearray(len(src) + 128))
+            for seed, summed in ((0, True), (0x1234ABCD, True), (0xFFFFFFFF, True), (99, False)):
+                dst[:] = b"\xa5" * len(dst)
+                got = k.copy_sum(dst[to : to + len(src)], src, seed, summed)
+                assert got == (checksum.crc32c(src, seed) if summed else seed), (n, at, to, seed)
+                assert dst[to : to + len(src)] == src, (n, at, to)
+                assert dst[:to] == b"\xa5" * to and dst[to + len(src):] == b"\xa5" * (len(dst) - to - len(src))
+
+
+_CUT_SHORT = """
+import os, sys, threading, time
+import numpy as np
+from bytecp.format import checked_reads, checksum
+k = checked_reads.compiled()
+path, data = sys.argv[1], os.urandom(8 << 20)
+with open(path, "wb") as f:
+    f.write(data)
+stop = threading.Event()
+def cut() -> None:  # the file cut to 1 MiB and written back, again and again
+    fd = os.open(path, os.O_RDWR)
+    while not stop.is_set():
+        os.ftruncate(fd, 1 << 20)
+        os.pwrite(fd, data[1 << 20:], 1 << 20)
+    os.close(fd)
+t = threading.Thread(target=cut)
+t.start()
+fd, buf, out = os.open(path, os.O_RDONLY), bytearray(len(data)), np.zeros(1, np.uint32)
+whole = short = 0
+end = time.monotonic() + 1.5
+while time.monotonic() < end or k.mapped_faults() == 0 and time.monotonic() < end + 20:
+    got = k.read_sums(fd, [(0, buf)], np.asarray([0, len(data)], np.int64), out, 1 << 18, True)
+    if got is None:  # read whole: every byte and its sum right
+        assert bytes(buf) == data and int(out[0]) == checksum.crc32c(data)
+        whole += 1
+    else:  # cut short: what was read is the file's
+        assert got[0] == 0 and got[1] >= 1 << 20 and bytes(buf[:got[1]]) == data[:got[1]], got
+        short += 1
+stop.set()
+t.join()
+print(whole, short, k.mapped_faults())
+"""
+
+
+@pytest.mark.spawn
+def test_a_mapped_file_cut_short_during_a_copy_is_read_again_not_a_crash(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """A copy from a mapping faults (SIGBUS) where the file was cut short after it was mapped: the
+    guard takes the fault, the piece is read again with pread, and the call reports the end of the
+    file -- the process lives on, with Python's faulthandler on as under pytest."""
+    run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _CUT_SHORT, str(tmp_path / "f.bin")],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    whole, short, faults = map(int, run.stdout.split())
+    assert faults > 0 and short > 0, (whole, short, faults)
+
+
+def test_the_mapped_reads_setting(k, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    data = os.urandom(3 * MiB)
+    (tmp_path / "f.bin").write_bytes(data)
+    st = open_storage(str(tmp_path))
+    got = []
+    for want in ("0", "1", ""):
+        monkeypatch.setenv("BYTECP_MAPPED_READS", want)
+        assert checked_reads.mapped() is (want != "0")
+        buf = memoryview(bytearray(2 * MiB))
+        got.append(st.read_ranges_summed("f.bin", [(7, buf)], np.asarray([7, 2 * MiB + 7], np.int64)).tolist())
+        assert buf == data[7 : 2 * MiB + 7]
+    assert got == [[checksum.crc32c(data[7 : 2 * MiB + 7])]] * 3
+    monkeypatch.setenv("BYTECP_MAPPED_READS", "on")
+    with pytest.raises(ConfigError, match="BYTECP_MAPPED_READS='on': use 0"):
+        checked_reads.mapped()
 
 
 def test_the_local_backend_sums_buffered_reads_and_names_a_short_file(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
