@@ -90,8 +90,8 @@ def _self_check(k: Any) -> str | None:
         for at, to in ((0, 0), (3, 61), (64, 5)):
             src, dst = data[at:at + n], memoryview(bytearray(n + 64))[to:to + n]
             for value, summed in ((0, True), (0x1234ABCD, True), (7, False)):
-                want = checksum.crc32c(src, value) if summed else value
-                if k.copy_sum(dst, src, value, summed) != want or dst != src:
+                expected = checksum.crc32c(src, value) if summed else value
+                if k.copy_sum(dst, src, value, summed) != expected or dst != src:
                     return f"its mapped reads' copy differs from Python's ({n} bytes at {at} to {to})"
     try:  # a file of 8,000 bytes (a process may be allowed little more: RLIMIT_FSIZE)
         f = os.fdopen(os.memfd_create("bytecp-self-check"), "w+b") if hasattr(os, "memfd_create") \
