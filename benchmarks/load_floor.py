@@ -14,6 +14,10 @@ so load on a shared machine hits them alike:
   (and touched) before the round, with ``--threads`` threads (``os.preadv``
   of 32 MiB pieces): what moving those bytes from the page cache costs,
   with nothing checked and nothing placed;
+- **floor, mapped** (where the compiled checked reads are): the same pieces
+  copied out of a mapping of each file by ``bytecp.format._reads.read_sums``
+  (streaming stores, nothing summed): the fastest way to move the bytes from
+  the page cache this machine offers, which bytecp's local reads use;
 - **bytecp**: ``bytecp.load(url, state, io_threads=--threads)`` into the
   live model and optimizer (``verify=True``, the default: every byte's
   checksum checked);
@@ -25,7 +29,8 @@ Figures: the median and minimum wall seconds of each over ``--repeats``
 rounds (after one warm-up round), the median CPU seconds of the process
 (every thread: steadier than the wall time on a shared machine), and the
 speed of each against the floor's (floor seconds / its seconds, medians:
-1.0 is the floor), wall and CPU. ``tensors`` and ``read_gb`` say what moved.
+1.0 is the floor), wall and CPU, and against the mapped floor's.
+``tensors`` and ``read_gb`` say what moved.
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 import bytecp
 from benchmarks import moe_model
 from benchmarks.model import build, config_for_gb, state_bytes
+from bytecp.format import checked_reads
 
 __all__ = ["main", "run", "read_floor"]
 
@@ -70,6 +77,30 @@ def read_floor(files: list[Path], bufs: list[torch.Tensor], threads: int) -> flo
                 if not n:
                     raise OSError(f"{path}: short read at {got}")
                 got += n
+        finally:
+            os.close(fd)
+
+    t0 = time.perf_counter()
+    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
+        list(ex.map(read, pieces))
+    return time.perf_counter() - t0
+
+
+def read_floor_mapped(files: list[Path], bufs: list[torch.Tensor], threads: int) -> float:
+    """:func:`read_floor`, each piece copied out of a mapping of its file (the compiled checked reads,
+    nothing summed) instead of ``preadv``."""
+    k = checked_reads.compiled()
+    assert k is not None
+    none, out = np.zeros(0, np.int64), np.zeros(0, np.uint32)
+    pieces = [(f, memoryview(b.numpy()), off) for f, b in zip(files, bufs, strict=True)
+              for off in range(0, b.numel(), _PIECE)]
+
+    def read(p: tuple[Path, memoryview, int]) -> None:
+        path, view, off = p
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if k.read_sums(fd, [(off, view[off:off + _PIECE])], none, out, checked_reads.PIECE_BYTES, True):
+                raise OSError(f"{path}: short read at {off}")
         finally:
             os.close(fd)
 
@@ -123,6 +154,8 @@ def run(gb: float, root: str, threads: int, repeats: int, moe: int | None = None
     cases: dict[str, Callable[[], float]] = {
         "floor": floor, "bytecp": load(True), "bytecp_unverified": load(False), "dcp": dcp_load,
     }
+    if checked_reads.compiled() is not None:
+        cases["floor_mapped"] = lambda: read_floor_mapped(files, bufs, threads)
     times: dict[str, list[float]] = {k: [] for k in cases}
     cpu: dict[str, list[float]] = {k: [] for k in cases}
     for i in range(repeats + 1):  # round 0 warms the page cache and every code path
@@ -144,6 +177,8 @@ def run(gb: float, root: str, threads: int, repeats: int, moe: int | None = None
         **{f"{k}_s": {"median": med[k], "min": min(v), "cpu_median": mcpu[k]} for k, v in times.items()},
         **{f"{k}_speed_vs_floor": med["floor"] / med[k] for k in cases if k != "floor"},
         **{f"{k}_cpu_vs_floor": mcpu[k] / mcpu["floor"] for k in cases if k != "floor"},
+        **({f"{k}_speed_vs_mapped_floor": med["floor_mapped"] / med[k] for k in ("bytecp", "bytecp_unverified")}
+           if "floor_mapped" in med else {}),
     }
 
 

@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from bytecp.format import checked_reads
+
 from .helpers import numeric, run_benchmark
 
 pytestmark = [pytest.mark.spawn, pytest.mark.bench]
@@ -136,6 +138,9 @@ def test_load_floor_tiny_reports_every_case(tmp_path: Path) -> None:
         assert all(_numeric(v) for v in res[f"{case}_s"].values()), case
         if case != "floor":
             assert _numeric(res[f"{case}_speed_vs_floor"]) and _numeric(res[f"{case}_cpu_vs_floor"]), case
+    if checked_reads.compiled() is not None:  # the floor of a copy out of a mapping, where bytecp reads so
+        assert all(_numeric(v) for v in res["floor_mapped_s"].values())
+        assert _numeric(res["bytecp_speed_vs_mapped_floor"]) and _numeric(res["bytecp_unverified_speed_vs_mapped_floor"])
 
 
 @pytest.mark.slow
