@@ -419,15 +419,24 @@ def _lag(newest: int | None, held: int | None) -> int:
     return max(0, newest - held) if newest is not None and held is not None else 0
 
 
-def _take(f: _Follower, d: _Decision, failed: set[str], on_error: str) -> FollowUpdate:
+def _take(f: _Follower, d: _Decision, failed: set[str], on_error: str) -> FollowUpdate | None:
     """(every rank) The update of a ``take`` or ``fail`` decision; a failure
-    leaves the state whole and is reported (its checkpoint never retried) or raised."""
-    assert d.info is not None
+    leaves the state whole and is reported (its checkpoint never retried) or raised.
+    None: the checkpoint was gone when the update opened it because a newer one
+    replaced it (a retention retired it after it was pinned: its pin keeps its data
+    files, not its ``metadata.json``), which is no error: the next turn takes the newer one."""
+    info = d.info
+    assert info is not None
     try:
         if d.error is None:
             return f.update(d)
         error = d.error  # (the coordinator's, reported: already "<type>: <message>")
     except Exception as e:
+        # (every rank: the update failed on every rank together; the coordinator's own error and listing decide)
+        if f.ctx.broadcast("follow/replaced", lambda: isinstance(e, FileNotFoundError) and f._replaced(info, failed)):
+            log.info("bytecp.follow: %s was retired by a retention once a newer checkpoint committed; taking that one",
+                     info.url)
+            return None
         if on_error == "raise":
             raise
         error = _why(e)
@@ -536,7 +545,10 @@ def follow(
                                       lag_steps=_lag(d.newest_step, f.step))
                 else:
                     reported = None
-                    up = _take(f, d, failed, on_error)
+                    taken = _take(f, d, failed, on_error)
+                    if taken is None:  # replaced by a newer checkpoint meanwhile: that one, now
+                        continue
+                    up = taken
             idle_since = time.monotonic()
             if up.ok and ctx.is_coordinator:
                 f.mark_held()

@@ -463,3 +463,38 @@ def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch:
     gen.close()
     assert not errors and seen == sorted(seen) and seen[-1] == 14, (errors, seen)
     assert _same(served, model)
+
+
+@pytest.mark.parametrize("full_every", [1, 100], ids=["deleted", "retired"])
+def test_a_checkpoint_retired_after_its_pin_is_let_go_for_the_newer_one(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, full_every: int) -> None:
+    """``keep_last=1``: the follower pinned the newest checkpoint, and before its update opens
+    it the trainer commits a newer one, whose retention moves the pinned one's metadata aside
+    (its pin keeps the data files, not ``metadata.json``): the update finds it gone, and the
+    follower takes the newer one -- no error reported, nothing marked failed."""
+    from bytecp.serving import follow as follow_mod
+
+    run = tmp_path / "run"
+    model, opt = _model(frozen=True)
+    mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=1, full_every=full_every)
+    _step(model, opt)
+    mgr.save(1, {"model": model, "optimizer": opt})
+    real = follow_mod._Follower.update
+    raced: list[int] = []
+
+    def a_commit_first(self: Any, d: Any) -> Any:
+        if not raced:  # the trainer commits step 2 (retention retires step 1) between the pin and the open
+            raced.append(d.info.step)
+            _step(model, opt)
+            mgr.save(2, {"model": model, "optimizer": opt})
+        return real(self, d)
+
+    monkeypatch.setattr(follow_mod._Follower, "update", a_commit_first)
+    served, _ = _model(seed=5)
+    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01, idle_timeout_s=60)
+    with caplog.at_level("INFO", logger="bytecp"):
+        up = next(gen)
+    gen.close()
+    assert raced == [1] and not (run / "step-1" / "metadata.json").exists()
+    assert up.ok and up.step == 2 and _same(served, model), up
+    assert "could not take" not in caplog.text and "retired by a retention" in caplog.text
