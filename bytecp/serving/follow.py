@@ -433,16 +433,17 @@ def _take(f: _Follower, d: _Decision, failed: set[str], on_error: str) -> Follow
         error = d.error  # (the coordinator's, reported: already "<type>: <message>")
     except Exception as e:
         # (every rank: the update failed on every rank together; the coordinator's own error and listing decide)
-        if f.ctx.broadcast("follow/replaced", lambda: isinstance(e, FileNotFoundError) and f._replaced(info, failed)):
+        gone = isinstance(e, FileNotFoundError)
+        if f.ctx.broadcast("follow/replaced", lambda: gone and f._replaced(info, failed)):
             log.info("bytecp.follow: %s was retired by a retention once a newer checkpoint committed; taking that one",
                      info.url)
             return None
         if on_error == "raise":
             raise
         error = _why(e)
-    failed.add(d.info.url)
-    log.warning("bytecp.follow: could not take %s, still holding %s: %s", d.info.url, f.url, error)
-    return FollowUpdate(step=d.info.step, url=d.info.url, tier=d.tier, skipped=d.skipped, error=error,
+    failed.add(info.url)
+    log.warning("bytecp.follow: could not take %s, still holding %s: %s", info.url, f.url, error)
+    return FollowUpdate(step=info.step, url=info.url, tier=d.tier, skipped=d.skipped, error=error,
                         held=f.url, lag_steps=_lag(d.newest_step, f.step))
 
 
