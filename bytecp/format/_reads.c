@@ -22,6 +22,9 @@
  *           file can be mapped: no system call a piece, streaming stores, the sum folded into the copy.
  * Bytes outside every span are read, not summed. An OSError (errno) ends the call.
  *
+ * copy_summed(boxes, block, out): the same copy between memory the caller holds (a save's staging
+ * boxes), each block's crc32c taken in it (see the function).
+ *
  * Mapped (the local backend's default): the call maps the file's bytes its ranges cover once and
  * copies each piece out of the mapping, which is the page cache itself: no system call a piece,
  * streaming stores into the destination (not read into the cache first, as a pread's copy does),
@@ -48,7 +51,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define BYTECP_READS_ABI 2
+#define BYTECP_READS_ABI 3
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(BYTECP_NO_HW)
 #define HAVE_HW 1
@@ -505,6 +508,68 @@ static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* copy_summed(boxes, block, out): copies between memory the caller holds, summed block by block (the
+ * staging copies of a save, bytecp.saving.hostcopy): boxes int64 [dst address, src address, n, ...];
+ * out uint32, for each box in order one value a block of `block` bytes (the last one shorter; one
+ * value for an empty box): the crc32c of that block of the copied bytes -- or empty: copied, not
+ * summed. The GIL is released for the whole call; each block is copy_sum's (streaming stores from
+ * 64 KiB, summed in the copy). */
+static PyObject *py_copy_summed(PyObject *self, PyObject *args) {
+    Py_buffer boxes, out;
+    long long block;
+    if (!PyArg_ParseTuple(args, "y*Lw*", &boxes, &block, &out))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t m = boxes.len / 24, want = 0;
+    const long long *bx = (const long long *)boxes.buf;
+    if (!hw_ok) {
+        PyErr_SetString(PyExc_RuntimeError, "this CPU has no SSE4.2 crc32 instruction");
+        goto done;
+    }
+    if (boxes.len % 24 || block <= 0 || ((uintptr_t)boxes.buf % 8) || ((uintptr_t)out.buf % 4)) {
+        PyErr_SetString(PyExc_ValueError, "copy_summed: boxes must be aligned int64 triples, block > 0, out aligned uint32");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < m; i++) {
+        if (bx[3 * i + 2] < 0) {
+            PyErr_SetString(PyExc_ValueError, "copy_summed: a box of negative length");
+            goto done;
+        }
+        want += bx[3 * i + 2] ? (Py_ssize_t)((bx[3 * i + 2] + block - 1) / block) : 1;
+    }
+    int sum = out.len != 0;
+    if (sum && out.len != want * 4) {
+        PyErr_SetString(PyExc_ValueError, "copy_summed: out must hold one uint32 a block of every box, or none");
+        goto done;
+    }
+#if HAVE_HW
+    uint32_t *crcs = (uint32_t *)out.buf;
+    Py_BEGIN_ALLOW_THREADS
+    Py_ssize_t j = 0;
+    for (Py_ssize_t i = 0; i < m; i++) {
+        unsigned char *d = (unsigned char *)(uintptr_t)bx[3 * i];
+        const unsigned char *p = (const unsigned char *)(uintptr_t)bx[3 * i + 1];
+        long long n = bx[3 * i + 2];
+        if (!sum) {
+            copy_sum(0, d, p, (size_t)n, 0);
+            continue;
+        }
+        if (n == 0)
+            crcs[j++] = 0;
+        for (long long at = 0; at < n; at += block) {
+            size_t k = (size_t)(n - at < block ? n - at : block);
+            crcs[j++] = copy_sum(0, d + at, p + at, k, 1);
+        }
+    }
+    Py_END_ALLOW_THREADS
+#endif
+    result = Py_NewRef(Py_None);
+done:
+    PyBuffer_Release(&boxes);
+    PyBuffer_Release(&out);
+    return result;
+}
+
 typedef struct {
     long long offset;
     Py_ssize_t len;
@@ -704,6 +769,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0): the crc32c of a bytes-like object, continued."},
     {"copy_sum", py_copy_sum, METH_VARARGS, "copy_sum(dst, src, value=0, sum=True): the mapped reads' copy, summed."},
     {"mapped_faults", py_mapped_faults, METH_NOARGS, "mapped_faults(): copies from a mapping that faulted and were read again."},
+    {"copy_summed", py_copy_summed, METH_VARARGS, "copy_summed(boxes, block, out): copies summed block by block (see the file)."},
     {"read_sums", read_sums, METH_VARARGS, "Ranges of a file read, their checked spans summed piece by piece (see the file)."},
     {NULL, NULL, 0, NULL},
 };

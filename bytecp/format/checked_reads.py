@@ -11,6 +11,9 @@ summed right after its ``pread`` while it is still in the cache. The local
 backend's buffered reads use it (:meth:`bytecp.storage_api.Storage.read_ranges_summed`);
 every other storage keeps summing ranges as they arrive.
 
+The same module copies a save's large staging boxes block by block, each
+block summed in its copy (``copy_summed``, :mod:`bytecp.saving.hostcopy`).
+
 It copies from a shared mapping of the file by default (``BYTECP_MAPPED_READS``,
 :func:`mapped`): the page cache's bytes copied with streaming stores, which
 do not read the destination into the cache first, and on AVX-512 summed from
@@ -52,7 +55,7 @@ __all__ = ["compiled", "mapped", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
 log = logging.getLogger("bytecp.format.checked_reads")
 
 #: the interface this Python expects of ``bytecp.format._reads`` (its ``ABI``)
-ABI = 2
+ABI = 3
 _EXTENSION = Extension("bytecp.format._reads", ABI, "BYTECP_CHECKED_READS", "checked reads",
                        "loads sum what they read in Python", "sum reads in Python", log)
 
@@ -93,6 +96,14 @@ def _self_check(k: Any) -> str | None:
                 expected = checksum.crc32c(src, value) if summed else value
                 if k.copy_sum(dst, src, value, summed) != expected or dst != src:
                     return f"its mapped reads' copy differs from Python's ({n} bytes at {at} to {to})"
+    # a save's staging copies, summed block by block (bytecp.saving.hostcopy)
+    src_a = np.frombuffer(data, np.uint8)[3:131_076]
+    dst_a = np.zeros(131_073, np.uint8)
+    blocks = np.zeros(2, np.uint32)
+    k.copy_summed(np.asarray([dst_a.ctypes.data, src_a.ctypes.data, 131_073], np.int64), 70_000, blocks)
+    if dst_a.tobytes() != data[3:131_076] or blocks.tolist() != [checksum.crc32c(data[3:70_003]),
+                                                                  checksum.crc32c(data[70_003:131_076])]:
+        return "its staging copies summed by blocks differ from Python's"
     try:  # a file of 8,000 bytes (a process may be allowed little more: RLIMIT_FSIZE)
         f = os.fdopen(os.memfd_create("bytecp-self-check"), "w+b") if hasattr(os, "memfd_create") \
             else tempfile.TemporaryFile()

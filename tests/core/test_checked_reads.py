@@ -146,6 +146,33 @@ def test_the_mapped_reads_copy_is_exact_at_every_size_alignment_and_seed(k) -> N
                 assert dst[:to] == b"\xa5" * to and dst[to + len(src):] == b"\xa5" * (len(dst) - to - len(src))
 
 
+def test_copy_summed_copies_boxes_and_sums_each_block(k) -> None:  # type: ignore[no-untyped-def]
+    """A save's staging copies (``bytecp.saving.hostcopy``): boxes between addresses, each block's
+    crc32c (the last one shorter, one for an empty box), or copied only when ``out`` is empty."""
+    rng = random.Random(11)
+    srcs = [np.frombuffer(rng.randbytes(n), np.uint8) for n in (3 * MiB + 17, 0, 1, 65_536, 200_000)]
+    for block in (65_536, 100_000, 1 << 30):
+        dsts = [np.full(len(a) + 1, 0xA5, np.uint8) for a in srcs]  # a byte past each box: untouched
+        boxes = np.asarray([v for d, a in zip(dsts, srcs, strict=True) for v in (d.ctypes.data, a.ctypes.data, len(a))],
+                           np.int64)
+        want = [checksum.crc32c(a[o : o + block].tobytes()) for a in srcs for o in range(0, max(len(a), 1), block)]
+        out = np.zeros(len(want), np.uint32)
+        assert k.copy_summed(boxes, block, out) is None
+        assert out.tolist() == want
+        for d, a in zip(dsts, srcs, strict=True):
+            assert d[:-1].tobytes() == a.tobytes() and d[-1] == 0xA5
+        for d in dsts:
+            d[:] = 0
+        k.copy_summed(boxes, block, np.zeros(0, np.uint32))  # copied, not summed
+        assert all(d[:-1].tobytes() == a.tobytes() and d[-1] == 0 for d, a in zip(dsts, srcs, strict=True))
+    with pytest.raises(ValueError, match="one uint32 a block of every box"):
+        k.copy_summed(boxes, 65_536, np.zeros(3, np.uint32))
+    with pytest.raises(ValueError, match="negative length"):
+        k.copy_summed(np.asarray([0, 0, -1], np.int64), 65_536, np.zeros(1, np.uint32))
+    with pytest.raises(ValueError, match="int64 triples"):
+        k.copy_summed(np.zeros(4, np.int64), 65_536, np.zeros(1, np.uint32))
+
+
 _CUT_SHORT = """
 import os, sys, threading, time
 import numpy as np

@@ -15,6 +15,7 @@ from bytecp.storage.local import LocalStorage
 from torch import nn
 
 import bytecp
+from bytecp.format import checked_reads, checksum
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c, sums
 from bytecp.plan.planner import WriteItem
@@ -24,6 +25,7 @@ from bytecp.saving.hostcopy import (
     CopyPlan,
     copy_boxes,
     fast_copy_available,
+    work_on_threads,
 )
 from bytecp.saving.staging import PAGE_ALIGN_MIN_BYTES, StagingPool
 from bytecp.storage_api import open_storage
@@ -54,9 +56,15 @@ def _sources() -> list[torch.Tensor]:
     ]
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "python"])
 @pytest.mark.parametrize("threads", [1, 2, 3])
 @pytest.mark.parametrize("checksums", [False, True])
-def test_copy_boxes_is_bitwise_and_sums_what_it_copied(threads: int, checksums: bool) -> None:
+def test_copy_boxes_is_bitwise_and_sums_what_it_copied(threads: int, checksums: bool, compiled: bool,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    if compiled and checked_reads.compiled() is None:
+        pytest.skip("the compiled checked reads are not built here, or this CPU lacks SSE4.2")
+    if not compiled:  # each piece copied by memcpy, then summed in Python
+        monkeypatch.setattr(checked_reads, "_LOADED", [None])
     srcs = _sources()
     dsts = [torch.full(s.shape, 7, dtype=s.dtype) if s.numel() else torch.empty(s.shape, dtype=s.dtype)
             for s in srcs]
@@ -68,6 +76,30 @@ def test_copy_boxes_is_bitwise_and_sums_what_it_copied(threads: int, checksums: 
         assert [c.crc for c in crcs if c is not None] == [crc32c(host_memoryview(d.contiguous())) for d in dsts]
     else:
         assert crcs == [None] * len(srcs)
+
+
+@pytest.mark.parametrize("block", [64 << 10, 100_000, 1 << 30])
+def test_a_large_box_summed_by_the_compiled_copies_is_split_in_whole_blocks(block: int,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled copies sum each block as they copy it, so a large box is shared by the
+    threads in pieces of whole blocks and its crc32c is combined from its blocks' at the end:
+    the same :class:`Sums` as one pass over it, whatever the block size (one not a power of two,
+    one larger than the box)."""
+    if checked_reads.compiled() is None:
+        pytest.skip("the compiled checked reads are not built here, or this CPU lacks SSE4.2")
+    monkeypatch.setattr(checksum, "BLOCK_BYTES", block)
+    g = torch.Generator().manual_seed(1)
+    srcs = [torch.randint(0, 255, ((40 << 20) + 12_345,), dtype=torch.uint8, generator=g),
+            torch.randn(300_001, generator=g)]
+    dsts = [torch.zeros_like(s) for s in srcs]
+    plan = CopyPlan(list(zip(dsts, srcs, strict=True)))
+    run = plan.start(checksums=True, split=True)
+    assert run.block == block and sum(1 for u in run.units if u[1] == 0) == (1 if block > 40 << 20 else 3)
+    work_on_threads(run, 3)
+    got = run.result()
+    for d, s, c in zip(dsts, srcs, got, strict=True):
+        assert same_bits(d, s)
+        assert c == sums(host_memoryview(s), block) and c is not None and c.crc == crc32c(host_memoryview(s))
 
 
 def test_boxes_torch_would_split_over_its_threads_are_memcpy_pieces() -> None:
