@@ -60,30 +60,39 @@ __all__ = ["main", "run", "read_floor"]
 _PIECE = 32 << 20
 
 
-def read_floor(files: list[Path], bufs: list[torch.Tensor], threads: int) -> float:
-    """Seconds to read each of ``files`` whole into its buffer of ``bufs`` (allocated before),
-    32 MiB pieces spread over ``threads`` threads."""
+def _timed(files: list[Path], bufs: list[torch.Tensor], threads: int,
+           read: Callable[[int, Path, memoryview, int], None]) -> float:
+    """Seconds to fill each buffer of ``bufs`` from its file of ``files``, 32 MiB pieces
+    spread over ``threads`` threads, each piece ``read(fd, path, buffer, offset)``."""
     pieces = [(f, memoryview(b.numpy()), off) for f, b in zip(files, bufs, strict=True)
               for off in range(0, b.numel(), _PIECE)]
 
-    def read(p: tuple[Path, memoryview, int]) -> None:
+    def one(p: tuple[Path, memoryview, int]) -> None:
         path, view, off = p
-        end = min(off + _PIECE, len(view))
         fd = os.open(path, os.O_RDONLY)
         try:
-            got = off
-            while got < end:
-                n = os.preadv(fd, [view[got:end]], got)
-                if not n:
-                    raise OSError(f"{path}: short read at {got}")
-                got += n
+            read(fd, path, view, off)
         finally:
             os.close(fd)
 
     t0 = time.perf_counter()
     with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(read, pieces))
+        list(ex.map(one, pieces))
     return time.perf_counter() - t0
+
+
+def read_floor(files: list[Path], bufs: list[torch.Tensor], threads: int) -> float:
+    """Seconds to read each of ``files`` whole into its buffer of ``bufs`` (allocated before),
+    32 MiB pieces spread over ``threads`` threads."""
+    def read(fd: int, path: Path, view: memoryview, off: int) -> None:
+        got, end = off, min(off + _PIECE, len(view))
+        while got < end:
+            n = os.preadv(fd, [view[got:end]], got)
+            if not n:
+                raise OSError(f"{path}: short read at {got}")
+            got += n
+
+    return _timed(files, bufs, threads, read)
 
 
 def read_floor_mapped(files: list[Path], bufs: list[torch.Tensor], threads: int) -> float:
@@ -92,22 +101,12 @@ def read_floor_mapped(files: list[Path], bufs: list[torch.Tensor], threads: int)
     k = checked_reads.compiled()
     assert k is not None
     none, out = np.zeros(0, np.int64), np.zeros(0, np.uint32)
-    pieces = [(f, memoryview(b.numpy()), off) for f, b in zip(files, bufs, strict=True)
-              for off in range(0, b.numel(), _PIECE)]
 
-    def read(p: tuple[Path, memoryview, int]) -> None:
-        path, view, off = p
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if k.read_sums(fd, [(off, view[off:off + _PIECE])], none, out, checked_reads.PIECE_BYTES, True):
-                raise OSError(f"{path}: short read at {off}")
-        finally:
-            os.close(fd)
+    def read(fd: int, path: Path, view: memoryview, off: int) -> None:
+        if k.read_sums(fd, [(off, view[off:off + _PIECE])], none, out, checked_reads.PIECE_BYTES, True):
+            raise OSError(f"{path}: short read at {off}")
 
-    t0 = time.perf_counter()
-    with concurrent.futures.ThreadPoolExecutor(threads) as ex:
-        list(ex.map(read, pieces))
-    return time.perf_counter() - t0
+    return _timed(files, bufs, threads, read)
 
 
 def run(gb: float, root: str, threads: int, repeats: int, moe: int | None = None) -> dict[str, Any]:
