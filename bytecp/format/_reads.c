@@ -217,24 +217,9 @@ __attribute__((target("sse2,pclmul"))) static inline __m128i fold128(__m128i a, 
     return _mm_xor_si128(_mm_xor_si128(_mm_clmulepi64_si128(a, k, 0x00), _mm_clmulepi64_si128(a, k, 0x11)), b);
 }
 
-/* len >= 256 */
-__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc32c_wide(uint32_t crc,
-                                                                                          const unsigned char *p,
-                                                                                          size_t len) {
-    __m512i x0 = _mm512_loadu_si512((const void *)p), x1 = _mm512_loadu_si512((const void *)(p + 64));
-    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128)), x3 = _mm512_loadu_si512((const void *)(p + 192));
-    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)(crc ^ 0xffffffffu))));
-    p += 256;
-    len -= 256;
-    __m512i k = _mm512_broadcast_i32x4(k2048);
-    while (len >= 256) {
-        x0 = fold512(x0, k, _mm512_loadu_si512((const void *)p));
-        x1 = fold512(x1, k, _mm512_loadu_si512((const void *)(p + 64)));
-        x2 = fold512(x2, k, _mm512_loadu_si512((const void *)(p + 128)));
-        x3 = fold512(x3, k, _mm512_loadu_si512((const void *)(p + 192)));
-        p += 256;
-        len -= 256;
-    }
+/* the four lanes' sums folded into one, then the len (< 256) bytes left at p folded in: the crc32c */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static inline uint32_t fold_rest(
+    __m512i x0, __m512i x1, __m512i x2, __m512i x3, const unsigned char *p, size_t len) {
     k = _mm512_broadcast_i32x4(k512);
     x1 = fold512(x0, k, x1);
     x2 = fold512(x1, k, x2);
@@ -255,6 +240,27 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc3
     uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
     c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
     return (uint32_t)the_rest(c, p, len) ^ 0xffffffffu;
+}
+
+/* len >= 256 */
+__attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t crc32c_wide(uint32_t crc,
+                                                                                          const unsigned char *p,
+                                                                                          size_t len) {
+    __m512i x0 = _mm512_loadu_si512((const void *)p), x1 = _mm512_loadu_si512((const void *)(p + 64));
+    __m512i x2 = _mm512_loadu_si512((const void *)(p + 128)), x3 = _mm512_loadu_si512((const void *)(p + 192));
+    x0 = _mm512_xor_si512(x0, _mm512_castsi128_si512(_mm_cvtsi32_si128((int)(crc ^ 0xffffffffu))));
+    p += 256;
+    len -= 256;
+    __m512i k = _mm512_broadcast_i32x4(k2048);
+    while (len >= 256) {
+        x0 = fold512(x0, k, _mm512_loadu_si512((const void *)p));
+        x1 = fold512(x1, k, _mm512_loadu_si512((const void *)(p + 64)));
+        x2 = fold512(x2, k, _mm512_loadu_si512((const void *)(p + 128)));
+        x3 = fold512(x3, k, _mm512_loadu_si512((const void *)(p + 192)));
+        p += 256;
+        len -= 256;
+    }
+    return fold_rest(x0, x1, x2, x3, p, len);
 }
 
 static uint32_t crc32c_any(uint32_t crc, const unsigned char *p, size_t len, int wide) {
@@ -300,16 +306,7 @@ __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static uint32_t copy
         d += 256;
         len -= 256;
     }
-    k = _mm512_broadcast_i32x4(k512);
-    x1 = fold512(x0, k, x1);
-    x2 = fold512(x1, k, x2);
-    x3 = fold512(x2, k, x3);
-    __m128i r = fold128(_mm512_extracti32x4_epi32(x3, 0), k384, _mm512_extracti32x4_epi32(x3, 3));
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(x3, 1), k256, _mm_setzero_si128()));
-    r = _mm_xor_si128(r, fold128(_mm512_extracti32x4_epi32(x3, 2), k128, _mm_setzero_si128()));
-    uint64_t c = _mm_crc32_u64(0, (uint64_t)_mm_cvtsi128_si64(r));
-    c = _mm_crc32_u64(c, (uint64_t)_mm_extract_epi64(r, 1));
-    return (uint32_t)c ^ 0xffffffffu;
+    return fold_rest(x0, x1, x2, x3, p, 0);
 }
 
 /* len a multiple of 64, d 64-byte aligned: a streaming copy (SSE2, every x86-64 CPU) */
