@@ -220,7 +220,7 @@ __attribute__((target("sse2,pclmul"))) static inline __m128i fold128(__m128i a, 
 /* the four lanes' sums folded into one, then the len (< 256) bytes left at p folded in: the crc32c */
 __attribute__((target("avx512f,vpclmulqdq,pclmul,sse4.2"))) static inline uint32_t fold_rest(
     __m512i x0, __m512i x1, __m512i x2, __m512i x3, const unsigned char *p, size_t len) {
-    k = _mm512_broadcast_i32x4(k512);
+    __m512i k = _mm512_broadcast_i32x4(k512);
     x1 = fold512(x0, k, x1);
     x2 = fold512(x1, k, x2);
     x3 = fold512(x2, k, x3);
@@ -337,11 +337,14 @@ __attribute__((target("avx512f"))) static void stream_copy_wide(unsigned char *d
 #define STREAM_PIECE (64 << 10)
 
 /* d = p's len bytes; the crc32c continued over them when sum, else crc unchanged */
-__attribute__((target("sse2,sse4.2"))) static uint32_t copy_sum(uint32_t crc, unsigned char *d,
-                                                               const unsigned char *p, size_t len, int sum) {
+/* wide: the AVX-512 path where the CPU has it (0: the SSE2 stream and SSE4.2 crc32c, for tests) */
+__attribute__((target("sse2,sse4.2"))) static uint32_t copy_sum_any(uint32_t crc, unsigned char *d,
+                                                                   const unsigned char *p, size_t len, int sum,
+                                                                   int wide) {
+    wide = wide && wide_ok;
     if (len < STREAM_BYTES) {
         memcpy(d, p, len);
-        return sum ? crc32c_any(crc, d, len, 1) : crc;
+        return sum ? crc32c_any(crc, d, len, wide) : crc;
     }
     size_t head = (size_t)(-(uintptr_t)d) & 63;
     memcpy(d, p, head);
@@ -351,21 +354,25 @@ __attribute__((target("sse2,sse4.2"))) static uint32_t copy_sum(uint32_t crc, un
     p += head;
     len -= head;
     size_t body = len & ~(size_t)255;
-    if (sum && wide_ok) {
+    if (sum && wide) {
         crc = copy_sum_wide(crc, d, p, body);
-    } else if (wide_ok) {
+    } else if (wide) {
         stream_copy_wide(d, p, body);
     } else {
         for (size_t at = 0; at < body; at += STREAM_PIECE) {
             size_t n = body - at < STREAM_PIECE ? body - at : STREAM_PIECE;
             stream_copy(d + at, p + at, n);
             if (sum)
-                crc = crc32c_any(crc, p + at, n, 1);
+                crc = crc32c_hw(crc, p + at, n);
         }
     }
     _mm_sfence(); /* the streamed stores seen before what follows (another thread reads the tensor) */
     memcpy(d + body, p + body, len - body);
     return sum ? crc32c_hw(crc, p + body, len - body) : crc;
+}
+
+static inline uint32_t copy_sum(uint32_t crc, unsigned char *d, const unsigned char *p, size_t len, int sum) {
+    return copy_sum_any(crc, d, p, len, sum, 1);
 }
 
 /* A mapped file can fault where a pread fails: a file cut short after the mapping was made, or a
@@ -470,13 +477,14 @@ static PyObject *py_mapped_faults(PyObject *self, PyObject *unused) {
     return PyLong_FromUnsignedLong(n);
 }
 
-/* copy_sum(dst, src, value=0, sum=True): dst[:] = src (the mapped reads' copy), the crc32c of src continued
- * from value when sum (for the self-check and tests) */
+/* copy_sum(dst, src, value=0, sum=True, wide=True): dst[:] = src (the mapped reads' copy), the crc32c of
+ * src continued from value when sum; wide=False takes the path of CPUs without AVX-512 (for the
+ * self-check and tests) */
 static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
     Py_buffer d, b;
     unsigned long long value = 0;
-    int sum = 1;
-    if (!PyArg_ParseTuple(args, "w*y*|Kp", &d, &b, &value, &sum))
+    int sum = 1, wide = 1;
+    if (!PyArg_ParseTuple(args, "w*y*|Kpp", &d, &b, &value, &sum, &wide))
         return NULL;
     PyObject *result = NULL;
     if (!hw_ok) {
@@ -487,7 +495,7 @@ static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
         uint32_t crc = (uint32_t)value;
 #if HAVE_HW
         Py_BEGIN_ALLOW_THREADS
-        crc = copy_sum(crc, (unsigned char *)d.buf, (const unsigned char *)b.buf, (size_t)b.len, sum);
+        crc = copy_sum_any(crc, (unsigned char *)d.buf, (const unsigned char *)b.buf, (size_t)b.len, sum, wide);
         Py_END_ALLOW_THREADS
 #endif
         result = PyLong_FromUnsignedLong(crc);
@@ -756,7 +764,7 @@ done:
 
 static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0): the crc32c of a bytes-like object, continued."},
-    {"copy_sum", py_copy_sum, METH_VARARGS, "copy_sum(dst, src, value=0, sum=True): the mapped reads' copy, summed."},
+    {"copy_sum", py_copy_sum, METH_VARARGS, "copy_sum(dst, src, value=0, sum=True, wide=True): the mapped reads' copy, summed."},
     {"mapped_faults", py_mapped_faults, METH_NOARGS, "mapped_faults(): copies from a mapping that faulted and were read again."},
     {"copy_summed", py_copy_summed, METH_VARARGS, "copy_summed(boxes, block, out): copies summed block by block (see the file)."},
     {"read_sums", read_sums, METH_VARARGS, "Ranges of a file read, their checked spans summed piece by piece (see the file)."},

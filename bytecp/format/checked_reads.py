@@ -94,8 +94,9 @@ def _self_check(k: Any) -> str | None:
             src, dst = data[at:at + n], memoryview(bytearray(n + 64))[to:to + n]
             for value, summed in ((0, True), (0x1234ABCD, True), (7, False)):
                 expected = checksum.crc32c(src, value) if summed else value
-                if k.copy_sum(dst, src, value, summed) != expected or dst != src:
-                    return f"its mapped reads' copy differs from Python's ({n} bytes at {at} to {to})"
+                for wide in (True, False) if k.WIDE else (False,):
+                    if k.copy_sum(dst, src, value, summed, wide) != expected or dst != src:
+                        return f"its mapped reads' copy differs from Python's ({n} bytes at {at} to {to})"
     # a save's staging copies, summed block by block (bytecp.saving.hostcopy)
     src_a = np.frombuffer(data, np.uint8)[3:131_076]
     dst_a = np.zeros(131_073, np.uint8)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +37,24 @@ def k():  # type: ignore[no-untyped-def]
     if k is None:
         pytest.skip("the compiled checked reads are not built here, or this CPU lacks SSE4.2")
     return k
+
+
+def test_it_is_built_and_current_wherever_a_c_compiler_and_sse42_are() -> None:
+    """The build is optional (a wheel installs without a compiler), so a C error in
+    ``_reads.c`` would leave a checkout with no module, or an older one, and every test here
+    skipped or run on stale code: where a compiler is and the CPU has the instruction, the
+    module must be there, of this Python's ABI, and pass its self-check."""
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler here: the module is optional")
+    if not os.path.exists("/proc/cpuinfo"):
+        pytest.skip("not Linux: whether the CPU has SSE4.2 is not read here")
+    with open("/proc/cpuinfo") as f:
+        if "sse4_2" not in f.read():
+            pytest.skip("this CPU lacks SSE4.2: the module is not used")
+    from bytecp.format import _reads  # noqa: F401 - built at install
+
+    assert _reads.ABI == checked_reads.ABI, "bytecp/format/_reads.c changed without a rebuild: reinstall"
+    assert checked_reads.compiled() is not None
 
 
 @pytest.mark.parametrize("wide", [True, False], ids=["vpclmulqdq", "sse4.2"])
@@ -130,9 +149,12 @@ def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read( 
         os.close(dfd)
 
 
-def test_the_mapped_reads_copy_is_exact_at_every_size_alignment_and_seed(k) -> None:  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("wide", [True, False], ids=["avx-512", "sse"])
+def test_the_mapped_reads_copy_is_exact_at_every_size_alignment_and_seed(k, wide: bool) -> None:  # type: ignore[no-untyped-def]
     """The copy from a mapping: plain below 64 KiB, streamed above (summed in the copy on AVX-512,
     from the source piece by piece without), its head to a 64-byte boundary and its tail plain."""
+    if wide and not k.WIDE:
+        pytest.skip("this CPU has no AVX-512 VPCLMULQDQ: the SSE path is the one used")
     data = memoryview(random.Random(9).randbytes(3 * MiB))
     for n in (0, 1, 63, 64, 65_535, 65_536, 65_537, 65_536 + 255, 65_536 + 256, 300_001, MiB, 3 * MiB - 64):
         for at, to in ((0, 0), (1, 0), (0, 1), (13, 63), (64, 17)):
@@ -140,7 +162,7 @@ def test_the_mapped_reads_copy_is_exact_at_every_size_alignment_and_seed(k) -> N
             dst = memoryview(bytearray(len(src) + 128))
             for seed, summed in ((0, True), (0x1234ABCD, True), (0xFFFFFFFF, True), (99, False)):
                 dst[:] = b"\xa5" * len(dst)
-                got = k.copy_sum(dst[to : to + len(src)], src, seed, summed)
+                got = k.copy_sum(dst[to : to + len(src)], src, seed, summed, wide)
                 assert got == (checksum.crc32c(src, seed) if summed else seed), (n, at, to, seed)
                 assert dst[to : to + len(src)] == src, (n, at, to)
                 assert dst[:to] == b"\xa5" * to and dst[to + len(src):] == b"\xa5" * (len(dst) - to - len(src))
