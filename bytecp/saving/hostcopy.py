@@ -47,7 +47,7 @@ import numpy as np
 import torch
 
 from bytecp.format import checked_reads
-from bytecp.format.checksum import Summer, Sums, crc32c_combine, sums, writer_block_bytes
+from bytecp.format.checksum import Summer, Sums, sums, sums_of_blocks, writer_block_bytes
 from bytecp.saving.own_threads import serial_torch
 from bytecp.tree.dtypes import host_memoryview
 
@@ -131,18 +131,6 @@ class _Box:
 
 #: ``copy_summed``'s ``out`` for a copy not summed
 _UNSUMMED = np.zeros(0, np.uint32)
-
-
-def _sums_of_blocks(blocks: np.ndarray, block: int, nbytes: int) -> Sums:
-    """A box's :class:`Sums` from the crc32c of each of its blocks (as :class:`Summer` makes them)."""
-    crcs = blocks.tolist()
-    if nbytes <= block:
-        return Sums(crcs[0])
-    crc = crcs[0]
-    for c in crcs[1:-1]:
-        crc = crc32c_combine(crc, c, block)
-    crc = crc32c_combine(crc, crcs[-1], nbytes - (len(crcs) - 1) * block)
-    return Sums(crc, blocks.astype("<u4", copy=False).tobytes())
 
 
 def _pieces(boxes: list[_Box], checksums: bool, split: bool, block: int | None) -> list[tuple[int, int, int]]:
@@ -352,7 +340,7 @@ class CopyRun:
         for i, b in zip(plan.large, plan.boxes, strict=True):
             if b.blocks is not None:
                 assert self.block is not None
-                b.sums = _sums_of_blocks(b.blocks, self.block, b.nbytes)
+                b.sums = sums_of_blocks(b.blocks.tolist(), self.block, b.nbytes)
             crcs[i] = b.sums
         return crcs
 
