@@ -51,7 +51,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define BYTECP_READS_ABI 3
+#define BYTECP_READS_ABI 4
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(BYTECP_NO_HW)
 #define HAVE_HW 1
@@ -108,15 +108,20 @@ static void zeros_op(uint32_t *even, size_t len) {
     memcpy(even, odd, sizeof(odd));
 }
 
-static void zeros_tables(uint32_t zeros[][256], size_t len) {
-    uint32_t op[32];
-    zeros_op(op, len);
+/* an operator's matrix as four tables of 256, one a byte of the crc (applied by shift) */
+static void op_tables(uint32_t zeros[][256], const uint32_t *op) {
     for (uint32_t n = 0; n < 256; n++) {
         zeros[0][n] = gf2_times(op, n);
         zeros[1][n] = gf2_times(op, n << 8);
         zeros[2][n] = gf2_times(op, n << 16);
         zeros[3][n] = gf2_times(op, n << 24);
     }
+}
+
+static void zeros_tables(uint32_t zeros[][256], size_t len) {
+    uint32_t op[32];
+    zeros_op(op, len);
+    op_tables(zeros, op);
 }
 
 static inline uint32_t shift(uint32_t zeros[][256], uint32_t crc) {
@@ -505,6 +510,63 @@ static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
     return result;
 }
 
+/* the operator appending `len` zero bytes to a crc (any len >= 0), as a matrix: zlib's crc32_combine,
+ * the squares of the one-byte operator applied for each bit of len */
+static void zeros_any(uint32_t *op, unsigned long long len) {
+    uint32_t sq[32], tmp[32];
+    zeros_op(sq, 1); /* one zero byte */
+    for (int n = 0; n < 32; n++)
+        op[n] = (uint32_t)1 << n; /* identity */
+    while (len) {
+        if (len & 1) {
+            for (int n = 0; n < 32; n++)
+                tmp[n] = gf2_times(sq, op[n]);
+            memcpy(op, tmp, sizeof(tmp));
+        }
+        len >>= 1;
+        if (len) {
+            gf2_square(tmp, sq);
+            memcpy(sq, tmp, sizeof(tmp));
+        }
+    }
+}
+
+/* crc_of_blocks(blocks, block, nbytes): the crc32c of nbytes bytes from the crc32c of each of their
+ * blocks of `block` bytes in order (uint32, the last one shorter): crc32c_combine block after block,
+ * with the operator for a block's zeros made once (bytecp.format.checksum.sums_of_blocks) */
+static PyObject *py_crc_of_blocks(PyObject *self, PyObject *args) {
+    Py_buffer b;
+    long long block, nbytes;
+    if (!PyArg_ParseTuple(args, "y*LL", &b, &block, &nbytes))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t m = b.len / 4;
+    if (b.len % 4 || ((uintptr_t)b.buf % 4) || block <= 0 || nbytes < 0 || m != (nbytes ? (nbytes + block - 1) / block : 1)) {
+        PyErr_SetString(PyExc_ValueError, "crc_of_blocks: one aligned uint32 a block of nbytes, block > 0");
+    } else {
+        const uint32_t *c = (const uint32_t *)b.buf;
+        uint32_t crc = c[0];
+        if (m > 1) {
+            uint32_t whole[32], last[32];
+            zeros_any(whole, (unsigned long long)block);
+            zeros_any(last, (unsigned long long)(nbytes - (long long)(m - 1) * block));
+            if (m > 256) { /* tables: a few lookups a block instead of a bit-by-bit product */
+                uint32_t tables[4][256];
+                op_tables(tables, whole);
+                for (Py_ssize_t i = 1; i < m - 1; i++)
+                    crc = shift(tables, crc) ^ c[i];
+            } else {
+                for (Py_ssize_t i = 1; i < m - 1; i++)
+                    crc = gf2_times(whole, crc) ^ c[i];
+            }
+            crc = gf2_times(last, crc) ^ c[m - 1];
+        }
+        result = PyLong_FromUnsignedLong(crc);
+    }
+    PyBuffer_Release(&b);
+    return result;
+}
+
 /* copy_summed(boxes, block, out): copies between memory the caller holds, summed block by block (the
  * staging copies of a save, bytecp.saving.hostcopy): boxes int64 [dst address, src address, n, ...];
  * out uint32, for each box in order one value a block of `block` bytes (the last one shorter; one
@@ -766,6 +828,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0): the crc32c of a bytes-like object, continued."},
     {"copy_sum", py_copy_sum, METH_VARARGS, "copy_sum(dst, src, value=0, sum=True, wide=True): the mapped reads' copy, summed."},
     {"mapped_faults", py_mapped_faults, METH_NOARGS, "mapped_faults(): copies from a mapping that faulted and were read again."},
+    {"crc_of_blocks", py_crc_of_blocks, METH_VARARGS, "crc_of_blocks(blocks, block, nbytes): a crc32c from its blocks'."},
     {"copy_summed", py_copy_summed, METH_VARARGS, "copy_summed(boxes, block, out): copies summed block by block (see the file)."},
     {"read_sums", read_sums, METH_VARARGS, "Ranges of a file read, their checked spans summed piece by piece (see the file)."},
     {NULL, NULL, 0, NULL},

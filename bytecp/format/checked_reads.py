@@ -55,7 +55,7 @@ __all__ = ["compiled", "mapped", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
 log = logging.getLogger("bytecp.format.checked_reads")
 
 #: the interface this Python expects of ``bytecp.format._reads`` (its ``ABI``)
-ABI = 3
+ABI = 4
 _EXTENSION = Extension("bytecp.format._reads", ABI, "BYTECP_CHECKED_READS", "checked reads",
                        "loads sum what they read in Python", "sum reads in Python", log)
 
@@ -105,6 +105,8 @@ def _self_check(k: Any) -> str | None:
     if dst_a.tobytes() != data[3:131_076] or blocks.tolist() != [checksum.crc32c(data[3:70_003]),
                                                                   checksum.crc32c(data[70_003:131_076])]:
         return "its staging copies summed by blocks differ from Python's"
+    if k.crc_of_blocks(blocks, 70_000, 131_073) != checksum.crc32c(data[3:131_076]):
+        return "its crc32c combined from blocks differs from Python's"
     try:  # a file of 8,000 bytes (a process may be allowed little more: RLIMIT_FSIZE)
         f = os.fdopen(os.memfd_create("bytecp-self-check"), "w+b") if hasattr(os, "memfd_create") \
             else tempfile.TemporaryFile()

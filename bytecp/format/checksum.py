@@ -41,7 +41,7 @@ from bytecp.errors import ConfigError
 
 __all__ = [
     "crc32c", "crc32c_combine", "ENGINE", "BLOCK_BYTES", "writer_block_bytes", "block_count", "block_crc", "Sums", "Summer",
-    "sums", "sums_of_blocks", "sums_of_ranges", "PIECE_BYTES",
+    "sums", "sums_of_ranges", "PIECE_BYTES",
 ]
 
 #: the block size a version-5 writer records block checksums at (``index.block_bytes``); read at each
@@ -258,20 +258,6 @@ class Summer:
         if self._total <= self.block_bytes:
             return Sums(crc)
         return Sums(crc, b"".join(c.to_bytes(4, "little") for c in blocks))
-
-
-def sums_of_blocks(crcs: Sequence[int], block_bytes: int, nbytes: int) -> Sums:
-    """The :class:`Sums` of ``nbytes`` bytes from the crc32c of each of their blocks of ``block_bytes``
-    in order (the last one shorter), as :class:`Summer` makes them: for copies that sum each block as
-    they make it (:mod:`bytecp.saving.hostcopy`'s compiled copies)."""
-    if nbytes <= block_bytes:
-        return Sums(crcs[0])
-    _shift_tables(block_bytes)  # (each combine then a table lookup)
-    crc = crcs[0]
-    for c in crcs[1:-1]:
-        crc = crc32c_combine(crc, c, block_bytes)
-    crc = crc32c_combine(crc, crcs[-1], nbytes - (len(crcs) - 1) * block_bytes)
-    return Sums(crc, b"".join(c.to_bytes(4, "little") for c in crcs))
 
 
 def sums(data: Any, block_bytes: int | None = None) -> Sums:

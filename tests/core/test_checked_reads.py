@@ -195,6 +195,18 @@ def test_copy_summed_copies_boxes_and_sums_each_block(k) -> None:  # type: ignor
         k.copy_summed(np.zeros(4, np.int64), 65_536, np.zeros(1, np.uint32))
 
 
+@pytest.mark.parametrize("block", [4096, 100_003, 64 << 10])
+def test_crc_of_blocks_is_the_crc32c_of_one_pass(k, block: int) -> None:  # type: ignore[no-untyped-def]
+    """A box's crc32c from its blocks' (the compiled save copies'): below one block, at exactly one,
+    one byte over, and past 256 blocks (where it combines through tables)."""
+    for n in (1, block - 1, block, block + 1, 3 * block + 7, 300 * block + 5):
+        data = random.Random(n).randbytes(n)
+        crcs = np.asarray([checksum.crc32c(data[o : o + block]) for o in range(0, n, block)], np.uint32)
+        assert k.crc_of_blocks(crcs, block, n) == checksum.crc32c(data), (block, n)
+    with pytest.raises(ValueError, match="one aligned uint32 a block"):
+        k.crc_of_blocks(np.zeros(2, np.uint32), block, 3 * block)
+
+
 _CUT_SHORT = """
 import os, sys, threading, time
 import numpy as np

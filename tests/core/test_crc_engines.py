@@ -186,13 +186,3 @@ def test_bytecp_crc32c_chooses_the_engine_of_a_new_process(tmp_path: Path) -> No
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "crc32c"
 
-
-@pytest.mark.parametrize("block", [4096, 100_003, 1 << 20])
-def test_sums_of_blocks_are_the_sums_of_one_pass(block: int) -> None:
-    """:func:`checksum.sums_of_blocks` (the compiled copies' blocks combined) gives what
-    :func:`checksum.sums` gives in one pass: below one block, at exactly one, a few more, and one
-    byte over -- for a block size no earlier call in the process primed."""
-    data = random.Random(block).randbytes(3 * block + 7)
-    for n in (1, block - 1, block, block + 1, 2 * block, 3 * block + 7):
-        crcs = [checksum.crc32c(data[o : min(o + block, n)]) for o in range(0, n, block)]
-        assert checksum.sums_of_blocks(crcs, block, n) == checksum.sums(data[:n], block), n
