@@ -89,6 +89,9 @@ def test_gc_of_a_step_left_without_metadata_leaves_no_reports_to_block_a_resume(
     monkeypatch.setenv("BYTECP_LEASE_SECONDS", "0")
     shutil.copytree(run / "step-2", run / "step-3")
     (run / "step-3" / "metadata.json").unlink()
+    for top in ("data", "index"):  # a save of long ago: dead by its id's start time whatever this host's clock does
+        (sid,) = (run / "step-3" / top).iterdir()
+        sid.rename(sid.with_name("20000101T000000-deadbeef"))
     assert (run / "step-3" / "reports").is_dir()
     assert cli(["gc", str(run), "--json"]) == 0
     removed = json_out(capsys)["removed"]
