@@ -14,8 +14,8 @@ every other storage keeps summing ranges as they arrive.
 The same module copies a save's large staging boxes block by block, each
 block summed in its copy (``copy_summed``, :mod:`bytecp.saving.hostcopy`).
 
-It copies from a shared mapping of the file by default (``BYTECP_MAPPED_READS``,
-:func:`mapped`): the page cache's bytes copied with streaming stores, which
+It copies from a shared mapping of the file by default, 16 MiB of it mapped
+at a time (``BYTECP_MAPPED_READS``, :func:`mapped`): the page cache's bytes copied with streaming stores, which
 do not read the destination into the cache first, and on AVX-512 summed from
 the copy's own registers; a warm 1 GiB read here runs faster so, summed,
 than ``pread`` into the same buffers unsummed (docs/benchmarks.md). Whatever

@@ -105,6 +105,21 @@ def test_read_sums_reads_every_range_and_sums_spans_across_adjacent_ranges(  # t
         assert out.tolist() == [checksum.crc32c(data[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
 
 
+def test_a_mapped_read_larger_than_its_window_is_read_and_summed_across_windows(  # type: ignore[no-untyped-def]
+        k, tmp_path: Path) -> None:
+    """A mapped read maps 16 MiB of the file at a time (the mapped pages count in the process's
+    resident set): a range of 40 MiB, spans and pieces that cross the windows' edges."""
+    data = np.random.default_rng(4).integers(0, 256, 40 * MiB, np.uint8).tobytes()
+    (tmp_path / "f.bin").write_bytes(data)
+    spans = np.asarray([100, 20 * MiB, 20 * MiB, 33 * MiB + 7, 39 * MiB, 40 * MiB - 5], np.int64)
+    with open(tmp_path / "f.bin", "rb") as f:
+        for piece in (256 << 10, 64 * MiB):  # (a piece longer than a window: cut at its edge)
+            buf, out = bytearray(40 * MiB - 5), np.zeros(3, np.uint32)
+            assert k.read_sums(f.fileno(), [(0, buf)], spans, out, piece, True) is None
+            assert buf == data[: 40 * MiB - 5]
+            assert out.tolist() == [checksum.crc32c(data[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
+
+
 @pytest.mark.parametrize("mapped", [False, True], ids=["pread", "mapped"])
 def test_read_sums_reports_the_end_of_the_file_and_refuses_what_it_cannot_read(  # type: ignore[no-untyped-def]
         k, tmp_path: Path, mapped: bool) -> None:
