@@ -87,9 +87,9 @@ static void gf2_square(uint32_t *square, const uint32_t *mat) {
         square[n] = gf2_times(mat, mat[n]);
 }
 
-/* the operator that appends `len` zero bytes to a crc (len a power of two) */
-static void zeros_op(uint32_t *even, size_t len) {
-    uint32_t odd[32];
+/* the operator that appends one zero byte to a crc: the one-bit operator squared three times */
+static void zero_byte_op(uint32_t *op) {
+    uint32_t odd[32], even[32];
     odd[0] = POLY;
     uint32_t row = 1;
     for (int n = 1; n < 32; n++) {
@@ -98,15 +98,28 @@ static void zeros_op(uint32_t *even, size_t len) {
     }
     gf2_square(even, odd); /* two zero bits */
     gf2_square(odd, even); /* four */
-    do {                   /* eight zero bits (a byte) in even first, then doubling */
-        gf2_square(even, odd);
+    gf2_square(op, odd);   /* eight */
+}
+
+/* the operator appending `len` zero bytes to a crc (any len >= 0), as a matrix: zlib's crc32_combine,
+ * the squares of the one-byte operator applied for each bit of len */
+static void zeros_any(uint32_t *op, unsigned long long len) {
+    uint32_t sq[32], tmp[32];
+    zero_byte_op(sq);
+    for (int n = 0; n < 32; n++)
+        op[n] = (uint32_t)1 << n; /* identity */
+    while (len) {
+        if (len & 1) {
+            for (int n = 0; n < 32; n++)
+                tmp[n] = gf2_times(sq, op[n]);
+            memcpy(op, tmp, sizeof(tmp));
+        }
         len >>= 1;
-        if (len == 0)
-            return;
-        gf2_square(odd, even);
-        len >>= 1;
-    } while (len);
-    memcpy(even, odd, sizeof(odd));
+        if (len) {
+            gf2_square(tmp, sq);
+            memcpy(sq, tmp, sizeof(tmp));
+        }
+    }
 }
 
 /* an operator's matrix as four tables of 256, one a byte of the crc (applied by shift) */
@@ -121,7 +134,7 @@ static void op_tables(uint32_t zeros[][256], const uint32_t *op) {
 
 static void zeros_tables(uint32_t zeros[][256], size_t len) {
     uint32_t op[32];
-    zeros_op(op, len);
+    zeros_any(op, len);
     op_tables(zeros, op);
 }
 
@@ -513,30 +526,9 @@ static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
     return result;
 }
 
-/* the operator appending `len` zero bytes to a crc (any len >= 0), as a matrix: zlib's crc32_combine,
- * the squares of the one-byte operator applied for each bit of len */
-static void zeros_any(uint32_t *op, unsigned long long len) {
-    uint32_t sq[32], tmp[32];
-    zeros_op(sq, 1); /* one zero byte */
-    for (int n = 0; n < 32; n++)
-        op[n] = (uint32_t)1 << n; /* identity */
-    while (len) {
-        if (len & 1) {
-            for (int n = 0; n < 32; n++)
-                tmp[n] = gf2_times(sq, op[n]);
-            memcpy(op, tmp, sizeof(tmp));
-        }
-        len >>= 1;
-        if (len) {
-            gf2_square(tmp, sq);
-            memcpy(sq, tmp, sizeof(tmp));
-        }
-    }
-}
-
 /* crc_of_blocks(blocks, block, nbytes): the crc32c of nbytes bytes from the crc32c of each of their
  * blocks of `block` bytes in order (uint32, the last one shorter): crc32c_combine block after block,
- * with the operator for a block's zeros made once (bytecp.format.checksum.sums_of_blocks) */
+ * with the operator for a block's zeros made once (a lazy save's copies, bytecp.saving.hostcopy) */
 static PyObject *py_crc_of_blocks(PyObject *self, PyObject *args) {
     Py_buffer b;
     long long block, nbytes;

@@ -7,31 +7,33 @@ the sum read it again from memory, and with more reader threads than cores
 each range's sum queued for the GIL. ``bytecp.format._reads.read_sums`` reads
 a batch's ranges of one file with the GIL released throughout, cut into
 pieces at the checked spans' edges (and at :data:`PIECE_BYTES`), each piece
-summed right after its ``pread`` while it is still in the cache. The local
-backend's buffered reads use it (:meth:`bytecp.storage_api.Storage.read_ranges_summed`);
-every other storage keeps summing ranges as they arrive.
+summed as it is read. The local backend's buffered reads use it
+(:meth:`bytecp.storage_api.Storage.read_ranges_summed`); every other storage
+keeps summing ranges as they arrive.
 
-The same module copies a save's large staging boxes block by block, each
-block summed in its copy (``copy_summed``, :mod:`bytecp.saving.hostcopy`).
+By default it does not ``pread``: it maps the file 16 MiB at a time and
+copies each piece out of the mapping (``BYTECP_MAPPED_READS``, :func:`mapped`)
+with streaming stores, which do not read the destination into the cache
+first, and on AVX-512 sums it from the copy's own registers: a warm 1 GiB
+read here runs faster so, summed, than ``pread`` into the same buffers
+unsummed (docs/benchmarks.md). Whatever cannot be mapped is read with
+``pread``, and a copy that faults (the file cut short meanwhile, a device
+error) is read again with ``pread`` to report it. ``BYTECP_MAPPED_READS=0``
+reads everything with ``pread``. The same copy makes a save's staging copies
+of large boxes, a lazy save's summed block by block (``copy_summed``,
+``crc_of_blocks``: :mod:`bytecp.saving.hostcopy`).
 
-It copies from a shared mapping of the file by default, 16 MiB of it mapped
-at a time (``BYTECP_MAPPED_READS``, :func:`mapped`): the page cache's bytes copied with streaming stores, which
-do not read the destination into the cache first, and on AVX-512 summed from
-the copy's own registers; a warm 1 GiB read here runs faster so, summed,
-than ``pread`` into the same buffers unsummed (docs/benchmarks.md). Whatever
-cannot be mapped is read with ``pread``, and a copy that faults (the file cut
-short meanwhile, a device error) is read again with ``pread`` to report it.
-``BYTECP_MAPPED_READS=0`` reads everything with ``pread``.
-
-Its crc32c is SSE4.2's crc32 instruction (three streams at once): built at
-install time where a C compiler is (pyproject.toml's ``ext-modules``,
-optional) and used on x86-64 CPUs that have the instruction, after it gave
-the values of :mod:`bytecp.format.checksum`'s engine on a self-check
-(lengths around its stream sizes, unaligned starts, sums continued from a
-value, and a read of a file through spans that cross ranges). Where it is
-not built, fails the check or the CPU lacks the instruction,
-:func:`compiled` is None and loads sum as before. ``BYTECP_CHECKED_READS=0``
-turns it off; ``1`` requires it (its absence is then a :class:`ConfigError`).
+Its crc32c is SSE4.2's crc32 instruction (three streams at once), or
+AVX-512 VPCLMULQDQ folding where the CPU has it: built at install time where
+a C compiler is (pyproject.toml's ``ext-modules``, optional) and used on
+x86-64 CPUs that have the instruction, after it gave the values of
+:mod:`bytecp.format.checksum`'s engine on a self-check (lengths around its
+stream sizes, unaligned starts, sums continued from a value, the copies on
+both paths, and a read of a file through spans that cross ranges, by
+``pread`` and mapped). Where it is not built, fails the check or the CPU
+lacks the instruction, :func:`compiled` is None and loads sum as before.
+``BYTECP_CHECKED_READS=0`` turns it off; ``1`` requires it (its absence is
+then a :class:`ConfigError`).
 """
 
 from __future__ import annotations

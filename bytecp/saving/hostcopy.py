@@ -154,7 +154,8 @@ def _pieces(boxes: list[_Box], checksums: bool, split: bool, block: int | None) 
     return out
 
 
-def _run(b: _Box, start: int, length: int, checksums: bool, block: int | None) -> None:
+def _run(b: _Box, start: int, length: int, checksums: bool, block: int | None, compiled: Any) -> None:
+    """Copy ``length`` bytes of ``b`` from ``start``; ``compiled``: the compiled copies (None: none here)."""
     if not b.fast:  # synchronous: any CUDA copy is the caller's business (its stream)
         b.dst.copy_(b.src)
         if checksums:
@@ -163,14 +164,11 @@ def _run(b: _Box, start: int, length: int, checksums: bool, block: int | None) -
     assert _memcpy is not None
     d, s = b.dst.data_ptr() + start, b.src.data_ptr() + start
     if b.blocks is not None:  # the compiled copies: this piece's blocks, summed as they are copied
-        assert block is not None and start % block == 0
-        compiled = checked_reads.compiled()
-        assert compiled is not None
+        assert block is not None and compiled is not None and start % block == 0
         first = start // block
         compiled.copy_summed(np.asarray([d, s, length], np.int64), block, b.blocks[first : first + -(-length // block)])
         return
     if not checksums:
-        compiled = checked_reads.compiled()
         if compiled is not None:  # streaming stores at any size (glibc's memcpy: only above ~20 MB here)
             compiled.copy_summed(np.asarray([d, s, length], np.int64), 1, _UNSUMMED)
         else:
@@ -281,7 +279,8 @@ class CopyRun:
         # the compiled copies sum the large contiguous boxes block by block, when asked (an eager save's
         # copy is not: summed in the copy, 1 GB on two threads took 81 ms against 61, which the caller
         # waits for; its writer sums it in the background)
-        self.block = writer_block_bytes() if checksums and checked_reads.compiled() is not None else None
+        self.compiled = checked_reads.compiled()
+        self.block = writer_block_bytes() if checksums and self.compiled is not None else None
         for b in plan.boxes:
             b.sums = None
             b.blocks = np.empty(-(-b.nbytes // self.block), np.uint32) \
@@ -314,7 +313,7 @@ class CopyRun:
                     return
                 _, i, a, length = units[k]
                 if i >= 0:
-                    _run(plan.boxes[i], a, length, self.checksums, self.block)
+                    _run(plan.boxes[i], a, length, self.checksums, self.block, self.compiled)
                 else:
                     lo, hi = plan.groups[a]
                     _copy_small(plan.small_dsts[lo:hi], plan.small_srcs[lo:hi])
@@ -339,14 +338,13 @@ class CopyRun:
         if not self.complete:
             raise RuntimeError("a copy run was stopped before every copy was made")
         plan = self.plan
-        compiled = checked_reads.compiled() if self.block is not None else None
         crcs: list[Sums | None] = [None] * plan.count
         for j, i in enumerate(plan.small):
             crcs[i] = self.small_sums[j]
         for i, b in zip(plan.large, plan.boxes, strict=True):
             if b.blocks is not None:  # its crc32c combined from its blocks' (in C: 0.2 ms for 4,096 blocks)
-                assert self.block is not None and compiled is not None
-                b.sums = Sums(compiled.crc_of_blocks(b.blocks, self.block, b.nbytes),
+                assert self.block is not None and self.compiled is not None
+                b.sums = Sums(self.compiled.crc_of_blocks(b.blocks, self.block, b.nbytes),
                               b.blocks.astype("<u4", copy=False).tobytes() if b.nbytes > self.block else b"")
             crcs[i] = b.sums
         return crcs

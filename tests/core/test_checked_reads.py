@@ -272,6 +272,13 @@ def test_the_mapped_reads_setting(k, monkeypatch: pytest.MonkeyPatch, tmp_path: 
     data = os.urandom(3 * MiB)
     (tmp_path / "f.bin").write_bytes(data)
     st = open_storage(str(tmp_path))
+    real, asked = k.read_sums, []
+
+    def spy(*args: object) -> object:  # what the local backend asks of the compiled call
+        asked.append(args[5])
+        return real(*args)
+
+    monkeypatch.setattr(k, "read_sums", spy)
     got = []
     for want in ("0", "1", ""):
         monkeypatch.setenv("BYTECP_MAPPED_READS", want)
@@ -280,6 +287,7 @@ def test_the_mapped_reads_setting(k, monkeypatch: pytest.MonkeyPatch, tmp_path: 
         got.append(st.read_ranges_summed("f.bin", [(7, buf)], np.asarray([7, 2 * MiB + 7], np.int64)).tolist())
         assert buf == data[7 : 2 * MiB + 7]
     assert got == [[checksum.crc32c(data[7 : 2 * MiB + 7])]] * 3
+    assert asked == [False, True, True]  # the setting reaches the read (which maps: the SIGBUS test above)
     monkeypatch.setenv("BYTECP_MAPPED_READS", "on")
     with pytest.raises(ConfigError, match="BYTECP_MAPPED_READS='on': use 0"):
         checked_reads.mapped()
