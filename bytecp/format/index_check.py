@@ -37,6 +37,7 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.index_schema import bucket_range
+from bytecp.format.tensor_table import spec_of
 from bytecp.plan.planner import find_overlap
 from bytecp.tree.dtypes import dtype_from_name, itemsize
 from bytecp.tree.regions import Region, element_span, row_major_strides
@@ -133,17 +134,18 @@ def check_rows(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) 
             f"{where}: index row of tensor {c.fqn!r} region {Region(c.offsets, c.lengths)}: {why}"
         )
 
+    tensors = md.tensors
     for c in chunks:
-        info = md.tensors.get(c.fqn)
-        if info is None:
-            raise bad(c, "tensor not listed in metadata.json")
-        shape = info["shape"]
-        if c.dtype != info["dtype"] or list(c.global_shape) != shape:
-            raise bad(c, f"says {c.dtype} {list(c.global_shape)}, metadata.json {info['dtype']} {shape}")
-        if len(c.offsets) != len(shape) or len(c.lengths) != len(shape) or any(
-            o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, shape, strict=True)
-        ):
-            raise bad(c, f"region outside the tensor's shape {shape}")
+        try:
+            dtype, shape = spec_of(tensors, c.fqn)
+        except KeyError:
+            raise bad(c, "tensor not listed in metadata.json") from None
+        if c.dtype != dtype or tuple(c.global_shape) != shape:
+            raise bad(c, f"says {c.dtype} {list(c.global_shape)}, metadata.json {dtype} {list(shape)}")
+        if not (tuple(c.lengths) == shape and len(c.offsets) == len(shape) and not any(c.offsets)) and (  # (the whole tensor: most rows)
+                len(c.offsets) != len(shape) or len(c.lengths) != len(shape) or any(
+                o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, shape, strict=True))):
+            raise bad(c, f"region outside the tensor's shape {list(shape)}")
         size = sizes.get(c.dtype)
         if size is None:
             size = sizes[c.dtype] = itemsize(dtype_from_name(c.dtype))
@@ -242,7 +244,8 @@ def uncovered(wanted: Mapping[str, Sequence[Region]], rows: list[fmt.ChunkRecord
 
 def _tiled(box: Region, rows: list[fmt.ChunkRecord]) -> bool:
     if len(rows) == 1 and box.numel:  # one row (most tensors of most checkpoints): it tiles the box if it holds it
-        return Region(rows[0].offsets, rows[0].lengths).contains(box)
+        row = rows[0]
+        return (row.lengths == box.lengths and row.offsets == box.offsets) or Region(row.offsets, row.lengths).contains(box)
     shape = rows[0].global_shape
     if not any(box.offsets) and tuple(box.lengths) == tuple(shape):  # the whole tensor (a replicated one, often)
         strides = row_major_strides(shape)

@@ -218,7 +218,7 @@ def rows_to_records(table: pa.Table, md: fmt.Metadata, label: str,
             raise CorruptCheckpointError(f"{label}: a row names tensor {fqn!r:.80}, which metadata.json lacks")
         if fqns is not None and fqn not in fqns:
             continue
-        out.append(fmt.ChunkRecord(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
+        out.append(fmt.chunk_record(fqn, info["dtype"], tuple(info["shape"]), tuple(of), tuple(ln), f,
                                    int(bo), int(nb), int(crc)))
     limits.check_chunk_records(label, out)
     return out

@@ -29,7 +29,7 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import arrow_numpy, limits, parts_fetch, segment_keep, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
-from bytecp.format.index_check import decode_table, uncovered
+from bytecp.format.index_check import check_rows, decode_table, uncovered
 from bytecp.format.index_read import rows_to_records
 from bytecp.format.parts_fetch import Segment, by_part
 from bytecp.format.parts_schema import (
@@ -41,7 +41,7 @@ from bytecp.format.parts_schema import (
     part_file,
     span_limit,
 )
-from bytecp.format.tensor_table import TensorTable
+from bytecp.format.tensor_table import TensorTable, spec_of
 from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 
@@ -50,7 +50,8 @@ __all__ = ["read_parts", "wanted_bands"]
 #: one directory entry: (rank, offset, nbytes, rows, crc32c, band lo, band hi, first name, last name);
 #: a wide entry has lo = hi = -1, a band entry first = last = ""
 Entry = tuple[int, int, int, int, int, int, int, str, str]
-#: per wanted tensor, its boxes' bands as disjoint ascending intervals (None: every row)
+#: per tensor wanted in part, its boxes' bands as disjoint ascending intervals (None: every row; a
+#: tensor left out: its every row)
 Bands = Mapping[str, list[tuple[int, int]]] | None
 
 
@@ -59,8 +60,9 @@ def wanted_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]]) -> li
     (0-dim tensors are in no band: the directory's scalar pages list them)."""
     d = md.index
     assert isinstance(d, PartsDirectory)
-    return segment_keep.merged(box_bands(box.offsets, box.lengths, md.tensors[fqn]["shape"], d.buckets)
-                               for fqn, boxes in wanted.items() if md.tensors[fqn]["shape"] for box in boxes if box.numel)
+    shapes = {fqn: spec_of(md.tensors, fqn)[1] for fqn in wanted}
+    return segment_keep.merged(box_bands(box.offsets, box.lengths, shapes[fqn], d.buckets)
+                               for fqn, boxes in wanted.items() if shapes[fqn] for box in boxes if box.numel)
 
 
 def _meets(intervals: list[tuple[int, int]], lo: int, hi: int) -> bool:
@@ -81,21 +83,21 @@ def read_parts(
     budget: int | None = None,
 ) -> tuple[list[fmt.ChunkRecord], int]:
     """(every rank) The chunk records that may meet ``wanted`` (fqn -> boxes;
-    None: every row), each chunk once, only of tensors in ``wanted``;
+    None: every row), each chunk once, only of tensors in ``wanted``, each
+    checked against ``metadata.json`` (:func:`~bytecp.format.index_check.check_rows`);
     and how many segments and pages of 0-dim chunks were read."""
     d, where, parts = _directory(storage, md)
     names = None if wanted is None else sorted(wanted)
     fqns = None if wanted is None else set(wanted)
     # each tensor's boxes' bands: a row of it that misses them holds none of their elements
-    spans = None if wanted is None else segment_keep.tensor_bands(
-        {fqn: [box_bands(b.offsets, b.lengths, md.tensors[fqn]["shape"], d.buckets) for b in boxes if b.numel]
-         for fqn, boxes in wanted.items() if md.tensors[fqn]["shape"]})
+    spans = None if wanted is None else _box_bands(md, wanted, d.buckets)
     # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
     # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
     # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet
     pages = [(kind, k) for kind, col in (("wide", d.wide_pages), ("scalar", d.scalar_pages))
              for k in range(len(col["first"])) if names is None or _names_in(names, col["first"][k], col["last"][k])]
     scalars, entries = _page_entries(storage, md, d, pages, fqns, names, parts, where)
+    check_rows(storage.url, md, scalars)
     wide = _segments(entries, d, where)
     listed = sum(s[3] for s in wide) + len(scalars)
     _budget(listed, budget, d, where)
@@ -107,12 +109,27 @@ def read_parts(
                for e in _entries(table, "band", k, d, bands, names, where, parts)]
     band = _segments(entries, d, where)
     _budget(listed + sum(s[3] for s in band), budget, d, where)
-    seen = set(out)
-    out += [c for c in _read_all(storage, md, d, band, fqns, spans, where) if c not in seen]
+    if band:
+        seen = set(out)
+        out += [c for c in _read_all(storage, md, d, band, fqns, spans, where) if c not in seen]
     return out + scalars, len(wide) + len(band) + sum(kind == "scalar" for kind, _ in pages)
 
 
 Parts = Callable[[], tuple[np.ndarray, np.ndarray]]
+
+
+def _box_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]], buckets: int) -> dict[str, list[tuple[int, int]]]:
+    """Each wanted tensor's boxes' bands, merged, for the tensors wanted in
+    part only: a tensor a box of which is all of it (most of a load's) is
+    left out, and every row of a tensor left out is kept
+    (:func:`bytecp.format.segment_keep.keep`); 0-dim tensors are in no band."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for fqn, boxes in wanted.items():
+        shape = spec_of(md.tensors, fqn)[1]
+        if not shape or any(b.lengths == shape for b in boxes):  # (a box of the shape's lengths starts at 0)
+            continue
+        out[fqn] = segment_keep.merged(box_bands(b.offsets, b.lengths, shape, buckets) for b in boxes if b.numel)
+    return out
 
 
 def _directory(storage: Storage, md: fmt.Metadata) -> tuple[PartsDirectory, str, Parts]:
@@ -156,7 +173,7 @@ def _read_all(storage: Storage, md: fmt.Metadata, d: PartsDirectory, segments: l
     memo = segment_wire.Names()
 
     def decode(rank: int, mine: list[Segment], bufs: list[bytearray]) -> list[fmt.ChunkRecord]:
-        return _decode_segments(md, d, rank, mine, bufs, fqns, where, spans, memo)
+        return _decode_segments(md, d, rank, mine, bufs, fqns, where, spans, memo, storage.url)
 
     for rows in parts_fetch.each_part(storage, d, by_part(segments), where, decode):
         for c in rows:
@@ -329,7 +346,7 @@ def _scalar_fast(table: pa.Table, md: fmt.Metadata, label: str, first: str, last
     keep = [i for i, name in enumerate(rows) if fqns is None or name in fqns]
     files = file.dictionary.to_pylist()
     fid = arrow_numpy.indices(file.indices)
-    out = [fmt.ChunkRecord(rows[i], dtypes[i], (), (), (), files[int(fid[i])], int(nums[0][i]),
+    out = [fmt.chunk_record(rows[i], dtypes[i], (), (), (), files[int(fid[i])], int(nums[0][i]),
                            int(nums[1][i]), int(nums[2][i])) for i in keep]
     limits.check_chunk_records(label, out)
     return out
@@ -360,8 +377,10 @@ def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | Non
 
 def _decode_segments(md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment], bufs: list[bytearray],
                      fqns: set[str] | None, where: str, spans: Bands = None, memo: segment_wire.Names | None = None,
-                     ) -> list[fmt.ChunkRecord]:
-    """The rows of a part's ``segments`` (their bytes ``bufs``), checked; those of ``fqns`` meeting their ``spans``."""
+                     url: str | None = None) -> list[fmt.ChunkRecord]:
+    """The rows of a part's ``segments`` (their bytes ``bufs``), checked; those of ``fqns`` meeting their
+    ``spans``. With ``url`` (the checkpoint's), checked against ``metadata.json`` too
+    (:func:`~bytecp.format.index_check.check_rows`, mostly as columns); without, the caller checks them."""
     label = f"{where}/{part_file(d.save_id, rank)}"
     out: list[fmt.ChunkRecord] = []
     limit = span_limit(d.buckets)
@@ -370,12 +389,18 @@ def _decode_segments(md: fmt.Metadata, d: PartsDirectory, rank: int, segments: l
         if crc32c(buf) != s[4]:
             raise CorruptCheckpointError(f"{seg}: checksum mismatch; the index is damaged")
         if s[3] <= segment_keep.FEW_ROWS:  # (a few rows: one at a time)
-            out += segment_keep.keep_records(seg, segment_wire.to_records(segment_wire.decode(
+            few = segment_keep.keep_records(seg, segment_wire.to_records(segment_wire.decode(
                 seg, buf, s[3], d.save_id, block_bytes=d.block_bytes), md, seg, fqns), (s[5], s[6], s[7]), d.buckets,
                 limit, spans)
+            if url is not None:
+                check_rows(url, md, few)
+            out += few
             continue
         rows = segment_wire.decode(seg, buf, s[3], d.save_id, memo, d.block_bytes)
         kept = segment_wire.kept_rows(rows, md, seg, fqns)
-        out += segment_wire.records(rows, kept, segment_keep.keep(rows, kept, (s[5], s[6], s[7]), d.buckets, limit,
-                                                                  seg, spans))
+        keep = segment_keep.keep(rows, kept, (s[5], s[6], s[7]), d.buckets, limit, seg, spans)
+        got = segment_wire.records(rows, kept, keep)
+        if url is not None and not segment_wire.agrees(rows, kept, keep, md):  # (one by one: the row at fault named)
+            check_rows(url, md, got)
+        out += got
     return out

@@ -57,7 +57,7 @@ def tensor_bands(spans: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, li
 def keep(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, entry: tuple[int, int, tuple[list[str], list[str]]],
          buckets: int, limit: int, label: str, bands: Mapping[str, list[tuple[int, int]]] | None) -> np.ndarray:
     """Of ``kept.rows``, those whose bands meet their tensor's ``bands``
-    (None: all of them), after every one of ``kept.rows`` is checked to lie
+    (None, or no tensor listed: all of them; a tensor not listed: all of its), after every one of ``kept.rows`` is checked to lie
     where the segment's ``entry`` (band ``lo``, ``hi``; -1 for a wide
     segment, then the names its entries read) says, with ``limit`` the span
     limit. A row that does not is one line naming it and ``label``."""
@@ -85,20 +85,24 @@ def keep(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, entry: tuple[in
         raise CorruptCheckpointError(
             f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} does "
             "not belong in it (FORMAT.md §5.6); the index is corrupt")
-    if bands is None:
+    if not bands:  # (every row of every tensor)
         return rows
-    first = np.full(len(fqn), 1, np.int64)  # each tensor's one interval (none: an empty one)
-    last = np.zeros(len(fqn), np.int64)
+    first = np.zeros(len(fqn), np.int64)  # each tensor's one interval (a tensor not in bands: every band)
+    last = np.full(len(fqn), _INT64, np.int64)
     several = np.zeros(len(fqn), bool)
     for k in np.unique(nid).tolist():
-        got = bands.get(fqn[k], [])
+        got = bands.get(fqn[k])
+        if got is None:
+            continue
         if len(got) == 1:
             first[k], last[k] = got[0]
+        else:
+            first[k], last[k] = 1, 0  # (none: an empty one)
         several[k] = len(got) > 1
     meets = (lo <= last[nid]) & (hi >= first[nid])
     for i in sorted({*np.flatnonzero(several[nid]).tolist(), *slow}):
         a, b = spans[i] if i in slow else (int(lo[i]), int(hi[i]))  # type: ignore[misc]
-        meets[i] = _meets(bands.get(fqn[int(nid[i])], []), a, b)
+        meets[i] = _meets_any(bands, fqn[int(nid[i])], a, b)
     return rows[meets]
 
 
@@ -118,7 +122,7 @@ def keep_records(label: str, chunks: list[fmt.ChunkRecord], entry: tuple[int, in
             raise CorruptCheckpointError(
                 f"{label}: the row of tensor {c.fqn!r:.80} region {list(c.offsets)[:8]}+{list(c.lengths)[:8]} does "
                 "not belong in it (FORMAT.md §5.6); the index is corrupt")
-        if bands is None or _meets(bands.get(c.fqn, []), lo, hi):
+        if bands is None or _meets_any(bands, c.fqn, lo, hi):
             out.append(c)
     return out
 
@@ -163,6 +167,12 @@ def _bands(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, buckets: int
     slow = {i: (seg.offsets[start[i]: start[i] + nd[i]].tolist(), seg.lengths[start[i]: start[i] + nd[i]].tolist(),
                 kept.heads[int(nid[i])][2]) for i in np.flatnonzero(~fast).tolist()}  # type: ignore[index]
     return first * buckets // count, last * buckets // count, slow
+
+
+def _meets_any(bands: Mapping[str, list[tuple[int, int]]], fqn: str, lo: int, hi: int) -> bool:
+    """Whether ``[lo, hi]`` meets one of ``fqn``'s ``bands`` (every band where it has none listed)."""
+    got = bands.get(fqn)
+    return got is None or _meets(got, lo, hi)
 
 
 def _meets(intervals: list[tuple[int, int]], lo: int, hi: int) -> bool:

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import operator
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -39,9 +39,10 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.tensor_table import TensorTable
+from bytecp.tree.dtype_names import ITEMSIZES
 
-__all__ = ["MAGIC", "MAGIC_BLOCKS", "HEADER_WORDS", "SegmentRows", "Kept", "Names", "encode", "encode_rows", "decode", "kept_rows", "records",
-           "to_records"]
+__all__ = ["MAGIC", "MAGIC_BLOCKS", "HEADER_WORDS", "SegmentRows", "Kept", "Names", "encode", "encode_rows", "decode", "kept_rows",
+           "agrees", "records", "to_records"]
 
 #: first word of a segment (the bytes "bcpSG4", then version 1: 0x00 0x01)
 MAGIC = int.from_bytes(b"bcpSG4\x00\x01", "little")
@@ -297,6 +298,8 @@ class Kept:
     rows: np.ndarray
     #: per name id of the segment, (fqn, dtype, shape) where a kept row names it, else None
     heads: list[tuple[str, str, tuple[int, ...]] | None]
+    #: per name id, its row in ``metadata.json``'s tensor table (None: the tensors are a dict)
+    table_rows: np.ndarray | None = None
 
 
 def kept_rows(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | None) -> Kept:
@@ -337,12 +340,53 @@ def kept_rows(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | N
             dtype, shape = info["dtype"], tuple(info["shape"])
         heads[k] = (names[k], dtype, shape)
         rank[k] = len(shape) if min(shape, default=0) >= 0 else -1
-    kept = Kept(keep, heads)
+    kept = Kept(keep, heads, row)
     # decode checked every count, offset, length and byte range >= 0 and every ndim <= MAX_NDIM: what is
     # left of check_chunk_records is each row's ndim against its tensor's (and, from a dict, its shape)
     if len(bad := np.flatnonzero(rank[seg.name_id[keep]] != seg.ndim[keep])):
         limits.check_chunk_records(label, records(seg, kept, keep[bad[:1]]))
     return kept
+
+
+def agrees(seg: SegmentRows, kept: Kept, rows: np.ndarray, md: fmt.Metadata) -> bool:
+    """Whether rows ``rows`` (of ``kept.rows``) pass
+    :func:`bytecp.format.index_check.check_rows` -- each box inside its
+    tensor, its bytes the box's size, inside a data file ``metadata.json``
+    lists -- computed as columns (a load's rows, thousands, were checked one
+    record at a time for 2 us each). False where one may not, or where the
+    tensors are not a table: the caller then checks their records one by one,
+    which names the row at fault. (Their dtypes and shapes are the
+    metadata's, :func:`records` takes them from there, and each row's number
+    of dimensions its tensor's: :func:`kept_rows` checked it.)"""
+    table = md.tensors
+    if kept.table_rows is None or not isinstance(table, TensorTable):
+        return False
+    n = len(rows)
+    if not n:
+        return True
+    t = kept.table_rows[seg.name_id[rows]]
+    nd = seg.ndim[rows].astype(np.int64)
+    first = np.cumsum(nd) - nd  # each row's first dimension among the rows' dimensions
+    pos = np.arange(int(nd.sum())) - np.repeat(first, nd)
+    at = (np.cumsum(seg.ndim) - seg.ndim)[rows]
+    o = seg.offsets[np.repeat(at, nd) + pos]
+    ln = seg.lengths[np.repeat(at, nd) + pos]
+    dims = table.dims[np.repeat(table.start[t], nd) + pos]
+    if bool((ln > dims - o).any()):  # (offsets and lengths >= 0: decode; dims >= 0: the table)
+        return False
+    shaped = nd > 0
+    numel = np.ones(n, np.int64)
+    approx = np.ones(n, np.float64)
+    if len(ln):
+        with np.errstate(over="ignore"):
+            numel[shaped] = np.multiply.reduceat(ln, first[shaped])
+            approx[shaped] = np.multiply.reduceat(ln.astype(np.float64), first[shaped])
+    sizes = np.asarray([ITEMSIZES[d] for d in table.dtypes], np.int64)[table.dtype[t]]
+    if bool((approx * sizes >= 2.0**61).any()):  # (not exact in 64 bits: one by one, in Python integers)
+        return False
+    nbytes, offset = seg.nbytes[rows], seg.byte_offset[rows]
+    files = np.asarray([md.data_files.get(f, -1) for f in seg.files], np.int64)[seg.file_id[rows]]
+    return not bool(((numel * sizes != nbytes) | (files < 0) | (offset > files - nbytes)).any())
 
 
 def records(seg: SegmentRows, kept: Kept, rows: np.ndarray) -> list[fmt.ChunkRecord]:
@@ -353,15 +397,22 @@ def records(seg: SegmentRows, kept: Kept, rows: np.ndarray) -> list[fmt.ChunkRec
     few = len(rows) * 8 < len(seg)
     offsets, lengths = (seg.offsets, seg.lengths) if few else (seg.offsets.tolist(), seg.lengths.tolist())
     out = []
-    blocks = seg.blocks_of
-    for i, nid, fid, s, nd, bo, nb, crc in zip(rows.tolist(), *(c.tolist() for c in (
+    for blocks, nid, fid, s, nd, bo, nb, crc in zip(_blocks_of(seg, rows), *(c.tolist() for c in (
             seg.name_id[rows], seg.file_id[rows], start, seg.ndim[rows], seg.byte_offset[rows], seg.nbytes[rows],
             seg.crc32c[rows])), strict=True):
         fqn, dtype, shape = heads[nid]  # (set for every kept row)
         o, n = offsets[s : s + nd], lengths[s : s + nd]
-        out.append(fmt.ChunkRecord(fqn, dtype, shape, tuple(o.tolist() if few else o), tuple(n.tolist() if few else n),
-                                   files[fid], bo, nb, crc, blocks(i)))
+        out.append(fmt.chunk_record(fqn, dtype, shape, tuple(o.tolist() if few else o), tuple(n.tolist() if few else n),
+                                   files[fid], bo, nb, crc, blocks))
     return out
+
+
+def _blocks_of(seg: SegmentRows, rows: np.ndarray) -> Iterable[bytes]:
+    """:meth:`SegmentRows.blocks_of` of each of ``rows``, sliced out of one copy of the checksums."""
+    if seg.blocks is None or seg.block_at is None:
+        return itertools.repeat(b"", len(rows))
+    data = seg.blocks.astype("<u4", copy=False).tobytes()
+    return [data[4 * a : 4 * b] for a, b in zip(seg.block_at[rows].tolist(), seg.block_at[rows + 1].tolist(), strict=True)]
 
 
 def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
@@ -391,7 +442,7 @@ def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | 
     for i, nid, fid, s, nd, bo, nb, crc in zip(keep.tolist(), *(c[keep].tolist() for c in (
             seg.name_id, seg.file_id, start, seg.ndim, seg.byte_offset, seg.nbytes, seg.crc32c)), strict=True):
         fqn, dtype, shape = heads[nid]  # (every kept row's is set above)
-        out.append(fmt.ChunkRecord(fqn, dtype, shape, tuple(offsets[s : s + nd]), tuple(lengths[s : s + nd]),
+        out.append(fmt.chunk_record(fqn, dtype, shape, tuple(offsets[s : s + nd]), tuple(lengths[s : s + nd]),
                                    seg.files[fid], bo, nb, crc, seg.blocks_of(i)))
     limits.check_chunk_records(label, out)
     return out

@@ -27,7 +27,7 @@ import numpy as np
 from bytecp.errors import CorruptCheckpointError
 from bytecp.tree.dtype_names import ITEMSIZES
 
-__all__ = ["TensorTable", "table_json", "MAX_NDIM"]
+__all__ = ["TensorTable", "table_json", "spec_of", "MAX_NDIM"]
 
 #: the most dimensions a tensor may have (bytecp.format.limits.MAX_NDIM; torch's own limit is 25 for most ops)
 MAX_NDIM = 64
@@ -166,6 +166,11 @@ class TensorTable(Mapping[str, dict[str, Any]]):
                 specs[i] = got
         return got
 
+    def spec(self, fqn: str) -> tuple[str, tuple[int, ...]]:
+        """``fqn``'s dtype and shape (``KeyError`` if the table lacks it), without the
+        dict and list of ``self[fqn]``: a load asks it several times per row it reads."""
+        return self._spec(self._rows()[fqn])
+
     def shape(self, i: int) -> list[int]:
         return list(self._spec(i)[1])
 
@@ -207,6 +212,15 @@ class TensorTable(Mapping[str, dict[str, Any]]):
             if total > budget:
                 return i
         return None
+
+
+def spec_of(tensors: Mapping[str, Mapping[str, Any]], fqn: str) -> tuple[str, tuple[int, ...]]:
+    """``fqn``'s dtype and shape in ``metadata.json``'s tensors (a table or a
+    dict, versions 1-3); ``KeyError`` if it lacks ``fqn``."""
+    if isinstance(tensors, TensorTable):
+        return tensors.spec(fqn)
+    info = tensors[fqn]
+    return info["dtype"], tuple(info["shape"])
 
 
 def _ints(values: list[Any], what: str, bad: Any) -> np.ndarray:

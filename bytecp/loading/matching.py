@@ -22,6 +22,7 @@ from bytecp.data.restore import restore_data
 from bytecp.errors import CorruptCheckpointError, StateMismatchError
 from bytecp.format import metadata as fmt
 from bytecp.format.objects import read_object
+from bytecp.format.tensor_table import spec_of
 from bytecp.loading.reader import Target
 from bytecp.options import LoadOptions
 from bytecp.storage_api import Storage
@@ -183,8 +184,7 @@ def _tensor_targets(
         src = sources.get(fqn)
         if src is None:
             continue
-        info = md.tensors[src]
-        shape, dt = tuple(info["shape"]), info["dtype"]
+        dt, shape = spec_of(md.tensors, src)
         castable = cast and leaf.dtype.is_floating_point and dtype_from_name(dt).is_floating_point
         if shape != tuple(leaf.global_shape) or (dt != dtype_name(leaf.dtype) and not castable):
             mismatches.append(
@@ -237,8 +237,8 @@ class _SlotBuilder:
             src = fqn if fqn in self.md.tensors else self.md.aliases[fqn]
             t = self._tensors.get(src)
             if t is None:
-                info = self.md.tensors[src]
-                t = self._tensors[src] = torch.empty(tuple(info["shape"]), dtype=dtype_from_name(info["dtype"]))
+                dt, shape = spec_of(self.md.tensors, src)
+                t = self._tensors[src] = torch.empty(shape, dtype=dtype_from_name(dt))
                 self.targets.append(Target(src, Region(tuple(0 for _ in t.shape), tuple(t.shape)), t))
             return t
         if kind == "obj":

@@ -66,7 +66,8 @@ __all__ = ["open_checkpoint", "read_metadata", "OpenedCheckpoint", "RowSource", 
 class Rows(NamedTuple):
     """The rows a rank asked for; how many index files or segments were read
     for them (for the trace); whether they were checked against the metadata
-    already (a version-1 index, checked whole when the coordinator read it)."""
+    already (a version-1 index, checked whole when the coordinator read it; a
+    version-4 one's, as their segments were decoded)."""
 
     rows: list[fmt.ChunkRecord]
     files: int
@@ -193,7 +194,7 @@ class _Parts(_Segments):
 
     def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
         budget = self.budget if self.budget is not None else ck.max_rows
-        return Rows(*parts_read.read_parts(ck.storage, ck.metadata, wanted, budget=budget))
+        return Rows(*parts_read.read_parts(ck.storage, ck.metadata, wanted, budget=budget), checked=True)
 
     def for_ranks(self, ck: OpenedCheckpoint) -> RowSource:
         return _Parts(ck.max_rows)

@@ -14,10 +14,10 @@ blocks again.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import math
 from collections import defaultdict
 from collections.abc import Sequence
+from typing import NamedTuple
 
 from bytecp.errors import CorruptCheckpointError, StateMismatchError
 from bytecp.format.metadata import ChunkRecord
@@ -27,11 +27,12 @@ from bytecp.tree.regions import Region, element_span
 __all__ = ["ReadRequest", "plan_load"]
 
 
-@dataclasses.dataclass(frozen=True)
-class ReadRequest:
+class ReadRequest(NamedTuple):
     """Read ``nbytes`` at ``byte_offset`` of ``chunk.file``, holding chunk
     elements ``[span_first, span_first + nbytes/itemsize)``, and copy the
-    sub-box ``box`` (global coordinates) into target ``target``'s view."""
+    sub-box ``box`` (global coordinates) into target ``target``'s view.
+    (A named tuple: a load plans one per chunk it reads, tens of thousands
+    on a MoE rank, and a frozen dataclass's constructor costs four times more.)"""
 
     target: int
     chunk: int
@@ -63,7 +64,8 @@ def plan_load(
     index = _ChunkIndex(chunks)
     reqs: list[ReadRequest] = []
     for ti, (fqn, box) in enumerate(targets):
-        if box.numel == 0:
+        numel = box.numel
+        if numel == 0:
             continue
         size = itemsizes[fqn]
         got = 0
@@ -71,9 +73,9 @@ def plan_load(
         for ci in index.overlapping(fqn, box):
             c = chunks[ci]
             if c.offsets == box.offsets and c.lengths == box.lengths:  # the chunk is the box (most loads)
-                got += box.numel
+                got += numel
                 parts.append(box)
-                reqs.append(ReadRequest(ti, ci, box, c.byte_offset, box.numel * size, 0, True))
+                reqs.append(ReadRequest(ti, ci, box, c.byte_offset, numel * size, 0, True))
                 continue
             cbox = Region(c.offsets, c.lengths)
             inter = cbox.intersect(box)
@@ -82,14 +84,14 @@ def plan_load(
             got += inter.numel
             parts.append(inter)
             _reads_for(reqs, ti, ci, c, cbox, inter, size, max_waste, max_gap_bytes, block_bytes)
-        if got == box.numel and len(parts) > 1:  # counts that add up hide overlaps beside gaps (a crafted index)
+        if got == numel and len(parts) > 1:  # counts that add up hide overlaps beside gaps (a crafted index)
             pair = find_overlap(parts, dim=_split_dim(parts))
             if pair is not None:
                 raise CorruptCheckpointError(
                     f"tensor {fqn!r}: the checkpoint's chunks overlap: {pair[0]} and {pair[1]} of target region "
                     f"{box} (a damaged or crafted index; `bytecp verify` the checkpoint, or load an earlier one)")
-        if got != box.numel:
-            if got > box.numel:
+        if got != numel:
+            if got > numel:
                 raise CorruptCheckpointError(
                     f"tensor {fqn!r}: the checkpoint's chunks overlap: they cover {got} of the {box.numel} "
                     f"elements of target region {box}"

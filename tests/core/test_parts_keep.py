@@ -15,6 +15,7 @@ import torch
 import bytecp
 from bytecp.format import metadata as fmt
 from bytecp.format import parts_read, segment_keep, segment_wire
+from bytecp.format.index_check import check_rows
 from bytecp.format.parts_schema import box_bands
 from bytecp.loading.opened import open_checkpoint
 from bytecp.plan.load_plan import plan_load
@@ -70,6 +71,26 @@ def test_a_reader_keeps_the_rows_meeting_its_boxes_bands_with_the_same_reads(tmp
     assert reads(rows) == reads(named) and len(reads(rows)) == 2
     got = bytecp.load_state_dict(str(ck))
     assert torch.equal(got["w"], W) and torch.equal(got["u"], U)
+
+
+def test_a_tensor_wanted_whole_keeps_every_row_beside_one_wanted_in_part(tmp_path: Path) -> None:
+    """A box of all of ``w`` lists no bands for it (every row of it kept, unlooked-at); ``u``'s
+    box still keeps only the rows meeting its bands."""
+    ck = tmp_path / "ck"
+    _fsdp(ck)
+    opened = open_checkpoint(str(ck))
+    md, storage = opened.metadata, opened.storage
+    every, segments = parts_read.read_parts(storage, md, None)
+    wanted = {"w": [Region((0, 0), (256, 4))], "u": [Region((300, 0), (4, 2))]}
+    assert parts_read._box_bands(md, wanted, md.index.buckets) == {  # type: ignore[union-attr]
+        "u": [box_bands((300, 0), (4, 2), (512, 2), md.index.buckets)]}  # type: ignore[union-attr]
+    rows, n = parts_read.read_parts(storage, md, wanted)
+    assert n == segments  # w is in every band segment
+    assert sorted((c.fqn, c.offsets) for c in rows) == [("u", (300, 0))] + [("w", (i, 0)) for i in range(0, 256, 4)]
+    targets = [(f, x) for f, boxes in wanted.items() for x in boxes]
+    assert {(r.box, r.byte_offset) for r in plan_load(targets, rows, itemsizes={"w": 4, "u": 4})} == {
+        (r.box, r.byte_offset) for r in plan_load(targets, [c for c in every if c.fqn in wanted],
+                                                   itemsizes={"w": 4, "u": 4})}
 
 
 def _segment(names: list[str], used: list[int], sid: str) -> bytes:
@@ -155,3 +176,41 @@ def test_a_segment_of_a_few_rows_is_kept_alike_one_row_at_a_time(tmp_path: Path,
             segment_keep.keep_records("s", segment_wire.to_records(seg, md, "s", {"w"}), entry, b, 64, None)
         assert str(by_columns.value) == str(one_at_a_time.value)
         assert "s: the row of tensor 'w' region [0, 0]+[4, 4] does not belong in it" in str(one_at_a_time.value)
+
+
+@pytest.mark.parametrize("fault", ["none", "outside the shape", "a byte short", "unlisted file", "past the file's end",
+                                   "too large for 64 bits"])
+def test_rows_checked_as_columns_agree_with_the_checks_row_by_row(tmp_path: Path, fault: str) -> None:
+    """A load's segment rows are checked against ``metadata.json`` as columns
+    (``segment_wire.agrees``): True exactly where the row-by-row check
+    (``check_rows``) passes; where it is False, that check names the row."""
+    ck = tmp_path / "ck"
+    _fsdp(ck)
+    md = open_checkpoint(str(ck)).metadata
+    sid, file = md.save_id, sorted(md.data_files)[0]
+    n = 5
+    offsets = np.asarray([[4 * i, 0] for i in range(n)])
+    lengths = np.full((n, 2), 4)
+    nbytes, at, files = np.full(n, 64), 64 * np.arange(n), [file, f"data/{sid}/elsewhere.bin"]
+    file_id = np.zeros(n, np.int64)
+    if fault == "outside the shape":
+        offsets[3] = (254, 0)
+    elif fault == "a byte short":
+        nbytes[2] = 63
+    elif fault == "unlisted file":
+        file_id[4] = 1
+    elif fault == "past the file's end":
+        at[1] = md.data_files[file] - 32
+    elif fault == "too large for 64 bits":  # (a box inside no tensor of this table: Python's integers decide)
+        lengths[0] = (1 << 40, 1 << 40)
+    seg = segment_wire.decode("s", segment_wire.encode(
+        sid, ["u", "w"], files, np.ones(n, np.int64), file_id, np.full(n, 2), at, nbytes, np.zeros(n, np.int64),
+        offsets.ravel(), lengths.ravel()), n, sid)
+    kept = segment_wire.kept_rows(seg, md, "s", {"w"})
+    rows = segment_wire.records(seg, kept, kept.rows)
+    assert segment_wire.agrees(seg, kept, kept.rows, md) is (fault == "none")
+    if fault == "none":
+        check_rows("ck", md, rows)
+        return
+    with pytest.raises(bytecp.CorruptCheckpointError, match="^ck: index row of tensor 'w' region "):
+        check_rows("ck", md, rows)
