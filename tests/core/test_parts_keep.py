@@ -19,6 +19,7 @@ from bytecp.format.index_check import check_rows
 from bytecp.format.parts_schema import box_bands
 from bytecp.loading.opened import open_checkpoint
 from bytecp.plan.load_plan import plan_load
+from bytecp.storage_api import Storage
 from bytecp.tree.regions import Region
 from bytecp.tree.state import Shard, TensorLeaf
 
@@ -39,12 +40,17 @@ def _fsdp(ck: Path) -> None:
     as_parts(ck, lambda c, r: c.offsets[0] // (64 if c.fqn == "w" else 128) == r)
 
 
-def test_a_reader_keeps_the_rows_meeting_its_boxes_bands_with_the_same_reads(tmp_path: Path) -> None:
+def _every_row(tmp_path: Path) -> tuple[fmt.Metadata, Storage, list[fmt.ChunkRecord], int]:
+    """:func:`_fsdp`'s checkpoint opened: its metadata, storage, every row and how many segments hold them."""
     ck = tmp_path / "ck"
     _fsdp(ck)
     opened = open_checkpoint(str(ck))
     md, storage = opened.metadata, opened.storage
-    every, _ = parts_read.read_parts(storage, md, None)
+    return md, storage, *parts_read.read_parts(storage, md, None)
+
+
+def test_a_reader_keeps_the_rows_meeting_its_boxes_bands_with_the_same_reads(tmp_path: Path) -> None:
+    md, storage, every, _ = _every_row(tmp_path)
     wanted = {"w": [Region((72, 0), (4, 4))], "u": [Region((300, 0), (4, 2))]}
     rows, n = parts_read.read_parts(storage, md, wanted)
     # the band segments of ranks 1 and 2 (96 rows, all of w or u); of them only the rows of each tensor
@@ -69,18 +75,14 @@ def test_a_reader_keeps_the_rows_meeting_its_boxes_bands_with_the_same_reads(tmp
                 for r in plan_load(targets, chunks, itemsizes={"w": 4, "u": 4})]
 
     assert reads(rows) == reads(named) and len(reads(rows)) == 2
-    got = bytecp.load_state_dict(str(ck))
+    got = bytecp.load_state_dict(str(tmp_path / "ck"))
     assert torch.equal(got["w"], W) and torch.equal(got["u"], U)
 
 
 def test_a_tensor_wanted_whole_keeps_every_row_beside_one_wanted_in_part(tmp_path: Path) -> None:
     """A box of all of ``w`` lists no bands for it (every row of it kept, unlooked-at); ``u``'s
     box still keeps only the rows meeting its bands."""
-    ck = tmp_path / "ck"
-    _fsdp(ck)
-    opened = open_checkpoint(str(ck))
-    md, storage = opened.metadata, opened.storage
-    every, segments = parts_read.read_parts(storage, md, None)
+    md, storage, every, segments = _every_row(tmp_path)
     wanted = {"w": [Region((0, 0), (256, 4))], "u": [Region((300, 0), (4, 2))]}
     assert parts_read._box_bands(md, wanted, md.index.buckets) == {  # type: ignore[union-attr]
         "u": [box_bands((300, 0), (4, 2), (512, 2), md.index.buckets)]}  # type: ignore[union-attr]
