@@ -184,12 +184,6 @@ class ChunkRecord:
     #: version 5, chunks over one block: each block's crc32c, packed (:mod:`bytecp.format.checksum`)
     blocks: bytes = b""
 
-    def __hash__(self) -> int:
-        """The fields that tell rows apart (equal rows agree on them): a reader
-        dedups the rows it reads, thousands per load, and the generated hash
-        of all ten fields (three tuples) cost as much as building the row."""
-        return hash((self.fqn, self.file, self.byte_offset, self.offsets))
-
     def in_file(self, file: str) -> ChunkRecord:
         """This row naming ``file`` instead: its fields copied as one dict
         (``dataclasses.replace`` costs 12x more, the frozen constructor 3x: an
