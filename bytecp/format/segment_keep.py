@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping
 
 import numpy as np
 
@@ -30,7 +30,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format import segment_wire
 from bytecp.format.parts_schema import box_bands
 
-__all__ = ["keep", "keep_records", "merged", "tensor_bands", "FEW_ROWS"]
+__all__ = ["keep", "keep_records", "merged", "FEW_ROWS"]
 
 _INT64 = np.iinfo(np.int64).max
 #: a segment of at most this many rows is kept a record at a time (:func:`keep_records`): the
@@ -47,11 +47,6 @@ def merged(spans: Iterable[tuple[int, int]]) -> list[tuple[int, int]]:
         else:
             out.append((lo, hi))
     return out
-
-
-def tensor_bands(spans: Mapping[str, Sequence[tuple[int, int]]]) -> dict[str, list[tuple[int, int]]]:
-    """Each tensor's box bands ``[lo, hi]`` merged into disjoint ascending intervals."""
-    return {fqn: merged(got) for fqn, got in spans.items()}
 
 
 def keep(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, entry: tuple[int, int, tuple[list[str], list[str]]],
@@ -148,10 +143,10 @@ def _bands(seg: segment_wire.SegmentRows, kept: segment_wire.Kept, buckets: int
             shapes[j, k - len(shape):] = shape
             numel[j] = size
     # (kept_rows checked each row's ndim against its tensor's)
-    start = (np.cumsum(seg.ndim) - seg.ndim)[rows]
+    start = seg.start[rows]
     at = np.repeat(np.arange(n), nd)
-    pos = np.arange(int(nd.sum())) - np.repeat(np.cumsum(nd) - nd, nd)
-    col, src = np.repeat(k - nd, nd) + pos, np.repeat(start, nd) + pos
+    src, dim = seg.dims_of(rows)
+    col = np.repeat(k - nd, nd) + dim
     off = np.zeros((n, k), np.int64)
     ln = np.ones((n, k), np.int64)
     off[at, col], ln[at, col] = seg.offsets[src], seg.lengths[src]

@@ -28,9 +28,10 @@ locate, so no crafted count makes it allocate or loop beyond the bytes read.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import operator
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -80,11 +81,25 @@ class SegmentRows:
     def __len__(self) -> int:
         return len(self.name_id)
 
-    def blocks_of(self, row: int) -> bytes:
-        """Row ``row``'s block checksums, packed (empty: none recorded)."""
+    @functools.cached_property
+    def start(self) -> np.ndarray:
+        """Where each row's dimensions begin in ``offsets`` and ``lengths``."""
+        return np.cumsum(self.ndim) - self.ndim
+
+    def dims_of(self, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The positions in ``offsets``/``lengths`` of the dimensions of ``rows``, row after row, and
+        each one's dimension within its row."""
+        nd = self.ndim[rows]
+        dim = np.arange(int(nd.sum())) - np.repeat(np.cumsum(nd) - nd, nd)
+        return np.repeat(self.start[rows], nd) + dim, dim
+
+    def blocks_of(self, rows: np.ndarray) -> Sequence[bytes]:
+        """Each of ``rows``' block checksums, packed (empty: none recorded), sliced out of one copy."""
         if self.blocks is None or self.block_at is None:
-            return b""
-        return self.blocks[int(self.block_at[row]) : int(self.block_at[row + 1])].tobytes()
+            return [b""] * len(rows)
+        data = self.blocks.astype("<u4", copy=False).tobytes()
+        return [data[4 * a : 4 * b] for a, b in zip(self.block_at[rows].tolist(), self.block_at[rows + 1].tolist(),
+                                                       strict=True)]
 
 
 class Names:
@@ -369,11 +384,9 @@ def agrees(seg: SegmentRows, kept: Kept, rows: np.ndarray, md: fmt.Metadata) -> 
     t = kept.table_rows[seg.name_id[rows]]
     nd = seg.ndim[rows].astype(np.int64)
     first = np.cumsum(nd) - nd  # each row's first dimension among the rows' dimensions
-    pos = np.arange(int(nd.sum())) - np.repeat(first, nd)
-    at = (np.cumsum(seg.ndim) - seg.ndim)[rows]
-    o = seg.offsets[np.repeat(at, nd) + pos]
-    ln = seg.lengths[np.repeat(at, nd) + pos]
-    dims = table.dims[np.repeat(table.start[t], nd) + pos]
+    src, dim = seg.dims_of(rows)
+    o, ln = seg.offsets[src], seg.lengths[src]
+    dims = table.dims[np.repeat(table.start[t], nd) + dim]
     if bool((ln > dims - o).any()):  # (offsets and lengths >= 0: decode; dims >= 0: the table)
         return False
     shaped = nd > 0
@@ -394,13 +407,13 @@ def agrees(seg: SegmentRows, kept: Kept, rows: np.ndarray, md: fmt.Metadata) -> 
 
 def records(seg: SegmentRows, kept: Kept, rows: np.ndarray) -> list[fmt.ChunkRecord]:
     """Rows ``rows`` (of ``kept.rows``) as chunk records, in the order given."""
-    start = (np.cumsum(seg.ndim) - seg.ndim)[rows]
+    start = seg.start[rows]
     heads, files = kept.heads, seg.files
     # (a few rows of many: their boxes sliced out; most of them: every box as one list)
     few = len(rows) * 8 < len(seg)
     offsets, lengths = (seg.offsets, seg.lengths) if few else (seg.offsets.tolist(), seg.lengths.tolist())
     out = []
-    for blocks, nid, fid, s, nd, bo, nb, crc in zip(_blocks_of(seg, rows), *(c.tolist() for c in (
+    for blocks, nid, fid, s, nd, bo, nb, crc in zip(seg.blocks_of(rows), *(c.tolist() for c in (
             seg.name_id[rows], seg.file_id[rows], start, seg.ndim[rows], seg.byte_offset[rows], seg.nbytes[rows],
             seg.crc32c[rows])), strict=True):
         fqn, dtype, shape = heads[nid]  # (set for every kept row)
@@ -408,14 +421,6 @@ def records(seg: SegmentRows, kept: Kept, rows: np.ndarray) -> list[fmt.ChunkRec
         out.append(fmt.chunk_record(fqn, dtype, shape, tuple(o.tolist() if few else o), tuple(n.tolist() if few else n),
                                    files[fid], bo, nb, crc, blocks))
     return out
-
-
-def _blocks_of(seg: SegmentRows, rows: np.ndarray) -> Iterable[bytes]:
-    """:meth:`SegmentRows.blocks_of` of each of ``rows``, sliced out of one copy of the checksums."""
-    if seg.blocks is None or seg.block_at is None:
-        return itertools.repeat(b"", len(rows))
-    data = seg.blocks.astype("<u4", copy=False).tobytes()
-    return [data[4 * a : 4 * b] for a, b in zip(seg.block_at[rows].tolist(), seg.block_at[rows + 1].tolist(), strict=True)]
 
 
 def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | None) -> list[fmt.ChunkRecord]:
@@ -435,17 +440,17 @@ def to_records(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | 
     keep = np.flatnonzero(wanted[seg.name_id]) if m else np.zeros(0, np.int64)
     if not len(keep):
         return []
-    start = np.cumsum(seg.ndim) - seg.ndim
+    start = seg.start
     heads: list[tuple[str, str, tuple[int, ...]] | None] = [None] * m
     for k in np.unique(seg.name_id[keep]).tolist():  # the dtype and shape of the kept rows' tensors only
         info = tensors[seg.names[k]]
         heads[k] = (seg.names[k], info["dtype"], tuple(info["shape"]))
     offsets, lengths = seg.offsets.tolist(), seg.lengths.tolist()
     out = []
-    for i, nid, fid, s, nd, bo, nb, crc in zip(keep.tolist(), *(c[keep].tolist() for c in (
+    for blocks, nid, fid, s, nd, bo, nb, crc in zip(seg.blocks_of(keep), *(c[keep].tolist() for c in (
             seg.name_id, seg.file_id, start, seg.ndim, seg.byte_offset, seg.nbytes, seg.crc32c)), strict=True):
         fqn, dtype, shape = heads[nid]  # (every kept row's is set above)
         out.append(fmt.chunk_record(fqn, dtype, shape, tuple(offsets[s : s + nd]), tuple(lengths[s : s + nd]),
-                                   seg.files[fid], bo, nb, crc, seg.blocks_of(i)))
+                                   seg.files[fid], bo, nb, crc, blocks))
     limits.check_chunk_records(label, out)
     return out

@@ -95,7 +95,7 @@ def segment_table(blob: bytes, save_id: str | None = None, block_bytes: int | No
         save_id = blob[s0 : s0 + int(np.frombuffer(blob, "<i8", 1, 8 * at)[0])].decode()
     seg = segment_wire.decode("segment", blob, n, save_id,
                               block_bytes=(block_bytes or checksum.BLOCK_BYTES) if blocks else None)
-    start = (np.cumsum(seg.ndim) - seg.ndim).tolist()
+    start = seg.start.tolist()
     nd = seg.ndim.tolist()
     return pa.table({
         "fqn": [seg.names[i] for i in seg.name_id.tolist()],
@@ -104,7 +104,7 @@ def segment_table(blob: bytes, save_id: str | None = None, block_bytes: int | No
         "file": [seg.files[i] for i in seg.file_id.tolist()],
         "byte_offset": seg.byte_offset.tolist(), "nbytes": seg.nbytes.tolist(),
         "crc32c": pa.array(seg.crc32c.tolist(), pa.uint32()),
-        "blocks": [np.frombuffer(seg.blocks_of(i), "<u4").tolist() for i in range(n)],
+        "blocks": [np.frombuffer(b, "<u4").tolist() for b in seg.blocks_of(np.arange(n))],
     }, schema=ROW_SCHEMA)
 
 
