@@ -63,7 +63,7 @@ import torch
 
 from bytecp.catalog import CheckpointInfo, one_line
 from bytecp.dist import DistContext
-from bytecp.errors import ConfigError
+from bytecp.errors import ConfigError, DistributedCheckpointError
 from bytecp.format import metadata as fmt
 from bytecp.format.header import Files, read_files
 from bytecp.format.references import PIN_DIR, name_of, sibling
@@ -287,6 +287,18 @@ class _Follower:
             return False
         return again is not None and again.info.url != chosen.url and (again.info.step or 0) > (chosen.step or 0)
 
+    def _retired(self, chosen: CheckpointInfo, failed: set[str]) -> bool:
+        """(coordinator, after an update of ``chosen`` failed on every rank) Whether its
+        ``metadata.json`` is gone (its pin keeps its data files, not that) and a newer
+        checkpoint replaced it: a retention retired it after it was pinned."""
+        try:
+            gone = read_files(open_storage(chosen.url, **self.options), committed=True) is None
+        except FileNotFoundError:
+            gone = True
+        except Exception:  # noqa: BLE001 - the update's own error is reported
+            return False
+        return gone and self._replaced(chosen, failed)
+
     @contextlib.contextmanager
     def pinned(self, storage: Storage, files: Files) -> Iterator[None]:
         """(coordinator) Pin the checkpoint and those it references; refuse files a retention doomed."""
@@ -432,9 +444,12 @@ def _take(f: _Follower, d: _Decision, failed: set[str], on_error: str) -> Follow
             return f.update(d)
         error = d.error  # (the coordinator's, reported: already "<type>: <message>")
     except Exception as e:
-        # (every rank: the update failed on every rank together; the coordinator's own error and listing decide)
-        gone = isinstance(e, FileNotFoundError)
-        if f.ctx.broadcast("follow/replaced", lambda: gone and f._replaced(info, failed)):
+        # a failure every rank met alike (one process; in a group, the agreed stage's, raised on every rank)
+        # asks the coordinator whether the checkpoint was retired meanwhile for a newer one: by the run's
+        # state, not by the error's type; a rank's own failure does not (the others are past it, on the next
+        # turn's collectives)
+        together = not f.ctx.enabled or isinstance(e, DistributedCheckpointError)
+        if together and d.tier == "storage" and f.ctx.broadcast("follow/replaced", lambda: f._retired(info, failed)):
             log.info("bytecp.follow: %s was retired by a retention once a newer checkpoint committed; taking that one",
                      info.url)
             return None

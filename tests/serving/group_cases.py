@@ -12,7 +12,7 @@ from torch import nn
 
 import bytecp
 
-__all__ = ["arm_failure", "damage", "model", "start", "take"]
+__all__ = ["arm_failure", "arm_race", "damage", "model", "start", "take"]
 
 _G: dict[str, Any] = {}
 
@@ -83,6 +83,29 @@ def arm_failure(rank: int) -> bool:
         raise OSError("injected read failure")
 
     staging.execute_reads = failing
+    return True
+
+
+def arm_race(run: str, state: dict[str, torch.Tensor], step: int) -> bool:
+    """(every rank) Before the next update opens the checkpoint its decision pinned, rank 0
+    commits ``state`` (the model's) as step ``step`` of ``run`` with ``keep_last=1``, through a
+    group of itself, while the others wait: a trainer's commit between the follower's pin and its
+    open, whose retention retires the pinned checkpoint (its ``metadata.json`` moved aside)."""
+    from bytecp.serving import follow as follow_mod
+
+    solo = dist.new_group([0])  # (every rank makes it)
+    real = follow_mod._Follower.update
+
+    def a_commit_first(self: Any, d: Any) -> Any:
+        follow_mod._Follower.update = real
+        if dist.get_rank() == 0:
+            m = model(seed=0)
+            m.load_state_dict(state)
+            bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1, process_group=solo).save(step, {"model": m})
+        dist.barrier()
+        return real(self, d)
+
+    follow_mod._Follower.update = a_commit_first  # type: ignore[method-assign]
     return True
 
 

@@ -47,6 +47,26 @@ def _check(got: list[dict[str, Any]], want: dict[str, torch.Tensor]) -> None:
             assert local.dtype == want[n].dtype and torch.equal(local, want[n][sl]), (g["rank"], n)
 
 
+def test_a_group_lets_a_checkpoint_retired_after_its_pin_go_for_the_newer_one(pool: WorkerPool,
+                                                                              tmp_path: Path) -> None:
+    """The follower pinned step 1; before its update opens it, a commit of step 2 retires it
+    (``keep_last=1``): the open fails on every rank alike, the coordinator finds it retired for a
+    newer one, and every rank takes step 2 -- no error, bitwise."""
+    run = str(tmp_path / "run")
+    trainer = cases.model(seed=0)
+    bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1).save(1, {"model": trainer})
+    pool.run(cases.start, run, "fsdp2", timeout=120)
+    with torch.no_grad():
+        for p in trainer.parameters():
+            p.add_(1.0)
+    want = {k: v.clone() for k, v in trainer.state_dict().items()}
+    pool.run(cases.arm_race, run, want, 2, timeout=60)
+    got = pool.run(cases.take, timeout=120)
+    assert all(g["up"]["error"] is None and g["up"]["step"] == 2 for g in got), [g["up"] for g in got]
+    assert not Path(run, "step-1", "metadata.json").exists()
+    _check(got, want)
+
+
 @pytest.mark.parametrize("layout", ["fsdp2", "tp"])
 def test_a_group_follows_each_step_bitwise_and_fails_together(pool: WorkerPool, tmp_path: Path,
                                                               layout: str) -> None:
