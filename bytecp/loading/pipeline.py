@@ -96,9 +96,15 @@ class LoadPipeline:
                 self._check_deadline(phase)
                 step()
             assert self.md is not None and self.matched is not None
-            self.matched.targets = []  # (whole() needs the values only)
-            self.opened, self.target, self.own, self.shared, self._shared_views = None, None, [], [], {}
+            self._release()
             return LoadResult(self.matched.missing, self.matched.unexpected, self.md, self.matched.values)
+
+    def _release(self) -> None:
+        """(the end of :meth:`run`) Let go of what only the phases needed: the opened index, the
+        targets and their plan (the result and :meth:`whole` need the metadata and the values)."""
+        assert self.matched is not None
+        self.matched.targets = []
+        self.opened, self.target, self.own, self.shared, self._shared_views = None, None, [], [], {}
 
     def _check_deadline(self, phase: str) -> None:
         """(one process) A load past ``load_timeout_s`` stops before its next

@@ -20,6 +20,7 @@ import torch
 
 from bytecp.dist import DistContext
 from bytecp.format import metadata as fmt
+from bytecp.format.tensor_table import spec_of
 from bytecp.loading.reader import Target
 from bytecp.recorder import Trace
 from bytecp.tree.dtypes import byte_view
@@ -35,7 +36,7 @@ _Views = dict[tuple[str, Region], list[torch.Tensor]]
 def shared_candidates(targets: Sequence[Target], md: fmt.Metadata) -> list[tuple[str, Region]]:
     """(every rank) This rank's targets that are whole, non-empty tensors (each once, sorted)."""
     return sorted({(t.fqn, t.box) for t in targets
-                   if t.box.lengths == tuple(md.tensors[t.fqn]["shape"]) and t.box.numel})
+                   if t.box.lengths == spec_of(md.tensors, t.fqn)[1] and t.box.numel})
 
 
 def candidates_digest(candidates: Sequence[tuple[str, Region]]) -> str:

@@ -185,4 +185,3 @@ def test_bytecp_crc32c_chooses_the_engine_of_a_new_process(tmp_path: Path) -> No
     out = subprocess.run([sys.executable, "-c", "from bytecp.format import checksum; print(checksum.ENGINE)"],
                          env=env, capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "crc32c"
-
