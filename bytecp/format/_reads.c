@@ -52,7 +52,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#define BYTECP_READS_ABI 4
+#define BYTECP_READS_ABI 5
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(BYTECP_NO_HW)
 #define HAVE_HW 1
@@ -408,6 +408,7 @@ static struct sigaction bus_before;
 static pthread_mutex_t bus_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static unsigned long bus_caught = 0; /* faults of guarded copies, for tests and diagnostics */
+static unsigned long long mapped_copied = 0; /* bytes copied out of a mapping, for tests and diagnostics */
 
 static void on_bus(int sig, siginfo_t *info, void *ctx) {
     sigjmp_buf *guard = bus_guard;
@@ -496,6 +497,16 @@ static PyObject *py_mapped_faults(PyObject *self, PyObject *unused) {
     n = __atomic_load_n(&bus_caught, __ATOMIC_RELAXED);
 #endif
     return PyLong_FromUnsignedLong(n);
+}
+
+/* mapped_bytes(): how many bytes read_sums copied out of a mapping in this process (a read the
+ * mapping could not serve is a pread, not counted): what proves a mapped read maps */
+static PyObject *py_mapped_bytes(PyObject *self, PyObject *unused) {
+    unsigned long long n = 0;
+#if HAVE_HW
+    n = __atomic_load_n(&mapped_copied, __ATOMIC_RELAXED);
+#endif
+    return PyLong_FromUnsignedLongLong(n);
 }
 
 /* copy_sum(dst, src, value=0, sum=True, wide=True): dst[:] = src (the mapped reads' copy), the crc32c of
@@ -781,6 +792,7 @@ static PyObject *read_sums(PyObject *self, PyObject *args) {
             }
             if (map != NULL && pos >= map_lo && stop <= map_hi &&
                 mapped_copy(p, map + (pos - map_lo), (size_t)(stop - pos), summed ? &crcs[si] : &unused, summed) == 0) {
+                __atomic_fetch_add(&mapped_copied, (unsigned long long)(stop - pos), __ATOMIC_RELAXED);
                 pos = stop;
                 continue;
             }
@@ -830,6 +842,7 @@ static PyMethodDef methods[] = {
     {"crc32c", py_crc32c, METH_VARARGS, "crc32c(data, value=0): the crc32c of a bytes-like object, continued."},
     {"copy_sum", py_copy_sum, METH_VARARGS, "copy_sum(dst, src, value=0, sum=True, wide=True): the mapped reads' copy, summed."},
     {"mapped_faults", py_mapped_faults, METH_NOARGS, "mapped_faults(): copies from a mapping that faulted and were read again."},
+    {"mapped_bytes", py_mapped_bytes, METH_NOARGS, "mapped_bytes(): bytes read_sums copied out of a mapping."},
     {"crc_of_blocks", py_crc_of_blocks, METH_VARARGS, "crc_of_blocks(blocks, block, nbytes): a crc32c from its blocks'."},
     {"copy_summed", py_copy_summed, METH_VARARGS, "copy_summed(boxes, block, out): copies summed block by block (see the file)."},
     {"read_sums", read_sums, METH_VARARGS, "Ranges of a file read, their checked spans summed piece by piece (see the file)."},

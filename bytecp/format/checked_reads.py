@@ -57,7 +57,7 @@ __all__ = ["compiled", "mapped", "ABI", "PIECE_BYTES", "load", "sums_of_spans"]
 log = logging.getLogger("bytecp.format.checked_reads")
 
 #: the interface this Python expects of ``bytecp.format._reads`` (its ``ABI``)
-ABI = 4
+ABI = 5
 _EXTENSION = Extension("bytecp.format._reads", ABI, "BYTECP_CHECKED_READS", "checked reads",
                        "loads sum what they read in Python", "sum reads in Python", log)
 

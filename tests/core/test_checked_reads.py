@@ -98,7 +98,10 @@ def test_read_sums_reads_every_range_and_sums_spans_across_adjacent_ranges(  # t
         out = np.zeros(len(spans) // 2, np.uint32)
         with open(tmp_path / "f.bin", "rb") as f:
             piece = rng.choice([4096, 65536, 256 << 10])
+            before = k.mapped_bytes()
             assert k.read_sums(f.fileno(), ranges, spans_a, out, piece, mapped) is None
+        # every byte copied out of a mapping of the file when mapped, none when not
+        assert k.mapped_bytes() - before == (sum(len(b) for _, b in ranges) if mapped else 0), trial
         for off, b in ranges:
             assert bytes(b) == data[off : off + len(b)], trial
         assert out.tolist() == checked_reads.sums_of_spans(ranges, spans_a).tolist(), trial
@@ -115,7 +118,9 @@ def test_a_mapped_read_larger_than_its_window_is_read_and_summed_across_windows(
     with open(tmp_path / "f.bin", "rb") as f:
         for piece in (256 << 10, 64 * MiB):  # (a piece longer than a window: cut at its edge)
             buf, out = bytearray(40 * MiB - 5), np.zeros(3, np.uint32)
+            before = k.mapped_bytes()
             assert k.read_sums(f.fileno(), [(0, buf)], spans, out, piece, True) is None
+            assert k.mapped_bytes() - before == 40 * MiB - 5  # (all of it from the three windows' mappings)
             assert buf == data[: 40 * MiB - 5]
             assert out.tolist() == [checksum.crc32c(data[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
 
@@ -272,7 +277,7 @@ def test_the_mapped_reads_setting(k, monkeypatch: pytest.MonkeyPatch, tmp_path: 
     data = os.urandom(3 * MiB)
     (tmp_path / "f.bin").write_bytes(data)
     st = open_storage(str(tmp_path))
-    real, asked = k.read_sums, []
+    real, asked, copied = k.read_sums, [], []
 
     def spy(*args: object) -> object:  # what the local backend asks of the compiled call
         asked.append(args[5])
@@ -284,10 +289,12 @@ def test_the_mapped_reads_setting(k, monkeypatch: pytest.MonkeyPatch, tmp_path: 
         monkeypatch.setenv("BYTECP_MAPPED_READS", want)
         assert checked_reads.mapped() is (want != "0")
         buf = memoryview(bytearray(2 * MiB))
+        before = k.mapped_bytes()
         got.append(st.read_ranges_summed("f.bin", [(7, buf)], np.asarray([7, 2 * MiB + 7], np.int64)).tolist())
+        copied.append(k.mapped_bytes() - before)
         assert buf == data[7 : 2 * MiB + 7]
     assert got == [[checksum.crc32c(data[7 : 2 * MiB + 7])]] * 3
-    assert asked == [False, True, True]  # the setting reaches the read (which maps: the SIGBUS test above)
+    assert asked == [False, True, True] and copied == [0, 2 * MiB, 2 * MiB]  # the setting reaches the read, which maps
     monkeypatch.setenv("BYTECP_MAPPED_READS", "on")
     with pytest.raises(ConfigError, match="BYTECP_MAPPED_READS='on': use 0"):
         checked_reads.mapped()
