@@ -36,12 +36,13 @@ from concurrent.futures import Executor, wait
 from typing import Any, NamedTuple
 
 import crc32c as _crc32c_pkg
+import numpy as np
 
 from bytecp.errors import ConfigError
 
 __all__ = [
     "crc32c", "crc32c_combine", "ENGINE", "BLOCK_BYTES", "writer_block_bytes", "block_count", "block_crc", "Sums", "Summer",
-    "sums", "sums_of_ranges", "PIECE_BYTES",
+    "sums", "sums_of_ranges", "sums_from_blocks", "PIECE_BYTES",
 ]
 
 #: the block size a version-5 writer records block checksums at (``index.block_bytes``); read at each
@@ -317,12 +318,20 @@ def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], pool: Ex
         blocks: list[int] = []
         for _ in range(0, n, step):
             blocks.extend(next(got))
-        if n <= b:
-            out.append(Sums(blocks[0] if blocks else 0))
-            continue
+        out.append(sums_from_blocks(blocks, b, n))
+    return out
+
+
+def sums_from_blocks(blocks: Sequence[int] | np.ndarray, block_bytes: int, nbytes: int,
+                     crc: int | None = None) -> Sums:
+    """The :class:`Sums` of ``nbytes`` bytes from their blocks' crc32c (``block_bytes`` each, the
+    last the rest): their crc32c combined (``crc``, where the caller combined it already: the
+    compiled copies' ``crc_of_blocks``), the blocks' kept where there is more than one."""
+    if nbytes <= block_bytes:
+        return Sums(int(blocks[0]) if len(blocks) else 0)
+    if crc is None:
         crc = 0
         for c in blocks[:-1]:
-            crc = crc32c_combine(crc, c, b)
-        crc = crc32c_combine(crc, blocks[-1], n - (len(blocks) - 1) * b)
-        out.append(Sums(crc, b"".join(c.to_bytes(4, "little") for c in blocks)))
-    return out
+            crc = crc32c_combine(crc, int(c), block_bytes)
+        crc = crc32c_combine(crc, int(blocks[-1]), nbytes - (len(blocks) - 1) * block_bytes)
+    return Sums(crc, np.asarray(blocks, "<u4").tobytes())
