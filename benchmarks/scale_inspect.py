@@ -48,7 +48,7 @@ def write(root: Path, model: str, world: int) -> int:
     for r, part in entries.real.items():
         if part.blobs:
             (root / part_file(jobs.SAVE_ID, r)).write_bytes(b"".join(part.blobs))
-    files = {p: 1 << 36 for p in sl.data_files(job)}  # sparse: room for any rank's share (an expert set's: GBs)
+    files = sl.data_files(job)  # written sparse, each DATA_FILE_BYTES long
     for path, size in files.items():
         _sparse(root / path, size)
     described = jobs.union(job)

@@ -45,9 +45,17 @@ def metadata_for(job: Job, directory: Any, data_files: dict[str, int], skeleton:
                         index_files=[], data_files=data_files, index=directory, encoded=encoded)
 
 
+DATA_FILE_BYTES = 1 << 36
+"""The size ``metadata.json`` lists for each rank's data file: room for any
+rank's share (an expert set's holder writes GBs). The data are never read
+here, but a load checks every index row it reads against this size, so a
+size under a rank's real share makes the load refuse the checkpoint."""
+
+
 def data_files(job: Job) -> dict[str, int]:
-    """Every rank's data file (metadata.json lists them: O(W))."""
-    return {f"data/{SAVE_ID}/{r}-0.bin": 1 << 30 for r in range(job.world)}
+    """Every rank's data file (metadata.json lists them: O(W)), each
+    :data:`DATA_FILE_BYTES` long."""
+    return {f"data/{SAVE_ID}/{r}-0.bin": DATA_FILE_BYTES for r in range(job.world)}
 
 
 def wanted_of(targets: list[tuple[str, Region]]) -> dict[str, list[Region]]:
