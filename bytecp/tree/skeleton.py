@@ -159,10 +159,16 @@ class Node:
 
     # -- traversal --------------------------------------------------------
     def walk(self, prefix: str = "") -> Iterator[tuple[str, Node]]:
-        """``(fqn, node)`` for every node, parents first; keys joined with ``.``."""
-        yield prefix, self
-        for key, child in self.items:
-            yield from child.walk(f"{prefix}.{key}" if prefix else str(key))
+        """``(fqn, node)`` for every node, parents first; keys joined with ``.``.
+        (With a stack, not nested generators: each of those passed every node of
+        its subtree up through its parents, a cost per node that grew with the
+        depth: a load indexes its checkpoint's skeleton twice.)"""
+        stack = [(prefix, self)]
+        while stack:
+            fqn, node = stack.pop()
+            yield fqn, node
+            if node.items:
+                stack.extend((f"{fqn}.{key}" if fqn else str(key), child) for key, child in reversed(node.items))
 
     def index(self) -> dict[str, Node]:
         """Every node by FQN."""
