@@ -87,10 +87,14 @@ def read_parts(
     checked against ``metadata.json`` (:func:`~bytecp.format.index_check.check_rows`);
     and how many segments and pages of 0-dim chunks were read."""
     d, where, parts = _directory(storage, md)
-    names = None if wanted is None else sorted(wanted)
-    fqns = None if wanted is None else set(wanted)
     # each tensor's boxes' bands: a row of it that misses them holds none of their elements
     spans = None if wanted is None else _box_bands(md, wanted, d.buckets)
+    if not spans and wanted is not None and len(wanted) == len(md.tensors):
+        # every tensor wanted whole (a load by one process, a replicated model's): every row, read
+        # without filtering by name or band (the keys are the checkpoint's: _box_bands looked each up)
+        wanted = spans = None
+    names = None if wanted is None else sorted(wanted)
+    fqns = None if wanted is None else set(wanted)
     # first the wide and scalar pages its names meet, and those wide segments: a box its wide rows
     # tile needs no band (a banded row there would overlap them), so a rank loading whole replicated
     # tensors (cut into wide pieces) does not read every band segment its boxes' bands meet

@@ -95,6 +95,28 @@ def test_a_tensor_wanted_whole_keeps_every_row_beside_one_wanted_in_part(tmp_pat
                                                    itemsizes={"w": 4, "u": 4})}
 
 
+def test_every_tensor_wanted_whole_reads_every_row_unfiltered(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every tensor of the checkpoint wanted whole (a load by one process): the rows and segments of
+    a read of every row, decoded without keeping rows by name or band; one tensor short, they are kept."""
+    md, storage, every, segments = _every_row(tmp_path)
+    names: list[object] = []
+    decode = parts_read._decode_segments
+
+    def spied(*a: object, **k: object) -> list[fmt.ChunkRecord]:
+        names.append(a[5])  # (fqns: the tensors whose rows are kept; None: every row)
+        return decode(*a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(parts_read, "_decode_segments", spied)
+    whole = {"w": [Region((0, 0), (256, 4))], "u": [Region((0, 0), (512, 2))]}
+    rows, n = parts_read.read_parts(storage, md, whole)
+    assert (sorted(rows, key=repr), n) == (sorted(every, key=repr), segments)
+    assert names and all(x is None for x in names)
+    names.clear()
+    rows, _ = parts_read.read_parts(storage, md, {"w": whole["w"]})
+    assert sorted(rows, key=repr) == sorted((c for c in every if c.fqn == "w"), key=repr)
+    assert names and all(x == {"w"} for x in names)
+
+
 def _segment(names: list[str], used: list[int], sid: str) -> bytes:
     """A segment listing ``names``, with a 4 x 4 row of tensor ``names[k]`` for each ``k`` of ``used``."""
     n = len(used)
