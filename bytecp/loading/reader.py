@@ -195,7 +195,10 @@ def batch_bytes(sizes: Sequence[int], threads: int, slack: float = 1.125) -> int
     r = max(1, total // (threads * hi))
     while True:
         cap = max(lo, min(hi, -(-total // (threads * r))))
-        if cap == lo or _makespan(sizes, cap, threads) <= slack * share:
+        # (the first free thread ends at most one piece after the even share: pieces that small need
+        # no simulation, and r reaches them within a dozen steps)
+        if cap == lo or max(x / _cuts(x, cap) for x in sizes) <= (slack - 1) * share \
+                or _makespan(sizes, cap, threads) <= slack * share:
             return cap
         r += 1
 
