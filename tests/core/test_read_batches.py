@@ -6,6 +6,7 @@ batch read at the tail), every request exactly once, in file order."""
 
 from __future__ import annotations
 
+import random
 import types
 from pathlib import Path
 
@@ -42,14 +43,15 @@ def _tail(batches: list[int], threads: int) -> float:
 
 
 @pytest.mark.parametrize(("files", "threads", "count"), [
-    ({f"{i}.bin": 250 * MiB for i in range(4)}, 4, 4),  # one a file
-    ({"a.bin": 249 * MiB, "b.bin": 251 * MiB, "c.bin": 250 * MiB, "d.bin": 250 * MiB}, 4, 4),  # nearly alike: whole
-    ({"0.bin": 1000 * MiB}, 4, 4),  # one file: a piece a thread
-    ({f"{i}.bin": 250 * MiB for i in range(4)}, 8, 8),  # more threads than files: each file cut alike
+    ({f"{i}.bin": 100 * MiB for i in range(4)}, 4, 4),  # one a file
+    ({"a.bin": 99 * MiB, "b.bin": 101 * MiB, "c.bin": 100 * MiB, "d.bin": 100 * MiB}, 4, 4),  # nearly alike: whole
+    ({f"{i}.bin": 250 * MiB for i in range(4)}, 4, 8),  # a file over the upper bound: two pieces alike
+    ({"0.bin": 400 * MiB}, 4, 4),  # one file: a piece a thread
+    ({f"{i}.bin": 100 * MiB for i in range(4)}, 8, 8),  # more threads than files: each file cut alike
     ({f"{i}.bin": 200 * MiB for i in range(5)}, 4, 15),  # five files, four threads: no lone fifth at the end
     ({f"{i}.bin": 100 * MiB for i in range(3)}, 4, 12),
     ({"0.bin": 3 * MiB}, 8, 1),  # small: one batch
-    ({"0.bin": 2048 * MiB}, 2, 8),  # large: no batch over the upper bound
+    ({"0.bin": 2048 * MiB}, 2, 16),  # large: no batch over the upper bound
 ])
 def test_batches_are_few_and_keep_every_thread_busy_to_the_end(files: dict[str, int], threads: int, count: int) -> None:
     chunks, reqs = _requests(files, MiB)
@@ -76,6 +78,26 @@ def test_a_request_larger_than_a_batch_is_never_split() -> None:
     assert sorted(len(b) for b in batches) == [1, 1] and {r.nbytes for b in batches for r in b} == {600 * MiB}
 
 
+def test_large_requests_beside_a_piece_edge_never_take_a_batch_past_the_bound() -> None:
+    """Requests of random sizes up to a batch's bound (a piece takes each request whose middle byte
+    falls in it): no batch of two or more requests passes the bound, and each request is read once."""
+    rng = random.Random(7)
+    bound = reader.READ_BATCH_MAX_BYTES
+    for _ in range(200):
+        chunks: list[types.SimpleNamespace] = []
+        reqs: list[ReadRequest] = []
+        for f in range(rng.randint(1, 5)):
+            off = 0
+            for _ in range(rng.randint(1, 12)):
+                n = rng.randint(1, bound)
+                reqs.append(ReadRequest(len(reqs), len(chunks), Region((0,), (n,)), off, n, 0, True))
+                chunks.append(types.SimpleNamespace(file=f"{f}.bin"))
+                off += n
+        batches = reader._batches(chunks, reqs, rng.randint(1, 16))  # type: ignore[arg-type]
+        assert sorted(r.target for b in batches for r in b) == list(range(len(reqs)))
+        assert all(len(b) == 1 or sum(r.nbytes for r in b) <= bound for b in batches)
+
+
 def test_the_batch_size_stays_within_its_bounds() -> None:
     lo, hi = reader.READ_BATCH_MIN_BYTES, reader.READ_BATCH_MAX_BYTES
     assert reader.batch_bytes([], 4) == lo and reader.batch_bytes([MiB], 4) == lo
@@ -84,6 +106,8 @@ def test_the_batch_size_stays_within_its_bounds() -> None:
     for sizes in ([7 * MiB] * 13, [300 * MiB, 5 * MiB, 90 * MiB], [64 * MiB] * 9):
         for threads in (2, 3, 4, 8, 16):
             assert lo <= reader.batch_bytes(sizes, threads) <= hi
+    with pytest.raises(ValueError, match="slack"):
+        reader.batch_bytes([MiB], 4, slack=1.0)
 
 
 def test_a_load_of_several_files_reads_one_batch_a_file_bitwise(tmp_path: Path,
