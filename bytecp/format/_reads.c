@@ -101,25 +101,30 @@ static void zero_byte_op(uint32_t *op) {
     gf2_square(op, odd);   /* eight */
 }
 
-/* the operator appending `len` zero bytes to a crc (any len >= 0), as a matrix: zlib's crc32_combine,
- * the squares of the one-byte operator applied for each bit of len */
+/* the operators appending 2^k zero bytes to a crc, k = 0..63 (made once, at the module's init: the
+ * one-byte operator squared k times) */
+static uint32_t pow2_zeros[64][32];
+
+static void pow2_zeros_init(void) {
+    zero_byte_op(pow2_zeros[0]);
+    for (int k = 1; k < 64; k++)
+        gf2_square(pow2_zeros[k], pow2_zeros[k - 1]);
+}
+
+/* crc followed by `len` zero bytes (any len >= 0): zlib's crc32_combine, one made operator applied for
+ * each bit of len (a few hundred operations a bit, nothing squared per call) */
+static uint32_t append_zeros(uint32_t crc, unsigned long long len) {
+    for (int k = 0; len; k++, len >>= 1)
+        if (len & 1)
+            crc = gf2_times(pow2_zeros[k], crc);
+    return crc;
+}
+
+/* the operator appending `len` zero bytes to a crc (any len >= 0), as a matrix: each column the
+ * column of the identity with `len` zero bytes appended */
 static void zeros_any(uint32_t *op, unsigned long long len) {
-    uint32_t sq[32], tmp[32];
-    zero_byte_op(sq);
     for (int n = 0; n < 32; n++)
-        op[n] = (uint32_t)1 << n; /* identity */
-    while (len) {
-        if (len & 1) {
-            for (int n = 0; n < 32; n++)
-                tmp[n] = gf2_times(sq, op[n]);
-            memcpy(op, tmp, sizeof(tmp));
-        }
-        len >>= 1;
-        if (len) {
-            gf2_square(tmp, sq);
-            memcpy(sq, tmp, sizeof(tmp));
-        }
-    }
+        op[n] = append_zeros((uint32_t)1 << n, len);
 }
 
 /* an operator's matrix as four tables of 256, one a byte of the crc (applied by shift) */
@@ -539,7 +544,8 @@ static PyObject *py_copy_sum(PyObject *self, PyObject *args) {
 
 /* crc_of_blocks(blocks, block, nbytes): the crc32c of nbytes bytes from the crc32c of each of their
  * blocks of `block` bytes in order (uint32, the last one shorter): crc32c_combine block after block,
- * with the operator for a block's zeros made once (a lazy save's copies, bytecp.saving.hostcopy) */
+ * from the operators made at init (a few microseconds for tens of blocks; past 256 blocks, tables of
+ * the block's operator), for a lazy save's copies (bytecp.saving.hostcopy) */
 static PyObject *py_crc_of_blocks(PyObject *self, PyObject *args) {
     Py_buffer b;
     long long block, nbytes;
@@ -553,19 +559,17 @@ static PyObject *py_crc_of_blocks(PyObject *self, PyObject *args) {
         const uint32_t *c = (const uint32_t *)b.buf;
         uint32_t crc = c[0];
         if (m > 1) {
-            uint32_t whole[32], last[32];
-            zeros_any(whole, (unsigned long long)block);
-            zeros_any(last, (unsigned long long)(nbytes - (long long)(m - 1) * block));
-            if (m > 256) { /* tables: a few lookups a block instead of a bit-by-bit product */
-                uint32_t tables[4][256];
+            if (m > 256) { /* tables: a few lookups a block instead of a product a bit of the block size */
+                uint32_t whole[32], tables[4][256];
+                zeros_any(whole, (unsigned long long)block);
                 op_tables(tables, whole);
                 for (Py_ssize_t i = 1; i < m - 1; i++)
                     crc = shift(tables, crc) ^ c[i];
             } else {
                 for (Py_ssize_t i = 1; i < m - 1; i++)
-                    crc = gf2_times(whole, crc) ^ c[i];
+                    crc = append_zeros(crc, (unsigned long long)block) ^ c[i];
             }
-            crc = gf2_times(last, crc) ^ c[m - 1];
+            crc = append_zeros(crc, (unsigned long long)(nbytes - (long long)(m - 1) * block)) ^ c[m - 1];
         }
         result = PyLong_FromUnsignedLong(crc);
     }
@@ -868,6 +872,7 @@ PyMODINIT_FUNC PyInit__reads(void) {
         k2048 = fold_constants(2048);
     }
 #endif
+    pow2_zeros_init();
     zeros_tables(zeros_long, LONG_BYTES);
     zeros_tables(zeros_short, SHORT_BYTES);
     PyObject *m = PyModule_Create(&module);

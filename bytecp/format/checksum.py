@@ -312,7 +312,6 @@ def sums_of_ranges(view: memoryview, ranges: Sequence[tuple[int, int]], pool: Ex
             for f in futures:
                 f.cancel()
             wait(futures)
-    _shift_tables(b)
     out: list[Sums] = []
     for _, n in ranges:
         blocks: list[int] = []
@@ -330,6 +329,7 @@ def sums_from_blocks(blocks: Sequence[int] | np.ndarray, block_bytes: int, nbyte
     if nbytes <= block_bytes:
         return Sums(int(blocks[0]) if len(blocks) else 0)
     if crc is None:
+        _shift_tables(block_bytes)  # (the combine's tables for this block size: 0.5 us a block, not 13)
         crc = 0
         for c in blocks[:-1]:
             crc = crc32c_combine(crc, int(c), block_bytes)
