@@ -120,7 +120,7 @@ def test_a_mapped_read_larger_than_its_window_is_read_and_summed_across_windows(
             buf, out = bytearray(40 * MiB - 5), np.zeros(3, np.uint32)
             before = k.mapped_bytes()
             assert k.read_sums(f.fileno(), [(0, buf)], spans, out, piece, True) is None
-            assert k.mapped_bytes() - before == 40 * MiB - 5  # (all of it from the three windows' mappings)
+            assert k.mapped_bytes() - before == 40 * MiB - 5  # (all of it from the windows' mappings)
             assert buf == data[: 40 * MiB - 5]
             assert out.tolist() == [checksum.crc32c(data[a:b]) for a, b in zip(spans[::2], spans[1::2], strict=True)]
 
@@ -380,3 +380,34 @@ def test_a_resharded_load_is_summed_by_the_storage_unless_its_checks_share_a_blo
     (tmp_path / "ck" / row.file).write_bytes(bytes(raw))
     with pytest.raises(CorruptCheckpointError, match=r"tensor 'w' region \[0:1024, 0:1000\], block 0 of 4"):
         load()
+
+
+_WINDOWED = """
+import os, sys
+import numpy as np
+from bytecp.format import checked_reads
+
+def peak_kib() -> int:  # (this process's own: ru_maxrss keeps the forking parent's peak across exec)
+    return int(next(line for line in open("/proc/self/status") if line.startswith("VmHWM:")).split()[1])
+
+k = checked_reads.compiled()
+n = os.path.getsize(sys.argv[1])
+buf = bytearray(b"\\x01") * n  # (every page of the destination touched before the peak is taken)
+before, mapped = peak_kib(), k.mapped_bytes()
+with open(sys.argv[1], "rb") as f:
+    got = k.read_sums(f.fileno(), [(0, buf)], np.asarray([0, n], np.int64), np.zeros(1, np.uint32), 1 << 18, True)
+assert got is None and k.mapped_bytes() - mapped == n, (got, k.mapped_bytes() - mapped)
+print(peak_kib() - before)
+"""
+
+
+@pytest.mark.spawn
+def test_a_mapped_read_holds_one_window_of_the_file_in_the_resident_set(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The file's pages a mapped read has mapped count in the process's resident set while mapped:
+    a 128 MiB read from the page cache raises the peak by about one 16 MiB window, not the file."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(np.random.default_rng(5).integers(0, 256, 128 * MiB, np.uint8).tobytes())
+    run = subprocess.run([sys.executable, "-c", _WINDOWED, str(path)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    grew_kib = int(run.stdout)
+    assert grew_kib < 40 * 1024, f"the peak resident set grew by {grew_kib} KiB reading 128 MiB mapped"
