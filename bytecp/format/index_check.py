@@ -30,6 +30,7 @@ import math
 from collections import defaultdict
 from collections.abc import Callable, Mapping, Sequence
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
@@ -37,12 +38,16 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.index_schema import bucket_range
-from bytecp.format.tensor_table import spec_of
+from bytecp.format.segment_wire import Kept, SegmentRows
+from bytecp.format.tensor_table import TensorTable, spec_of
 from bytecp.plan.planner import find_overlap
-from bytecp.tree.dtypes import dtype_from_name, itemsize
+from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.regions import Region, element_span, row_major_strides
 
-__all__ = ["Place", "decode_table", "check_place", "check_rows", "check_index", "Tiling", "uncovered"]
+__all__ = ["Place", "decode_table", "check_place", "check_rows", "rows_agree", "check_index", "Tiling", "uncovered"]
+
+#: the largest int64 (a data file's size is held to it in :func:`rows_agree`'s columns)
+_INT64 = (1 << 63) - 1
 
 #: where a version-2 segment's rows belong: (its band, None, None) or (None, first name, last name)
 Place = tuple[int | None, str | None, str | None]
@@ -126,8 +131,9 @@ def check_place(label: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord],
 def check_rows(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) -> None:
     """Each index row agrees with metadata.json: a listed tensor, its dtype
     and shape, a box inside it, the bytes the box needs, inside a listed data
-    file (every rank checks the rows it reads). ``where``: the checkpoint's URL."""
-    sizes: dict[str, int] = {}
+    file (every rank checks the rows it reads). ``where``: the checkpoint's URL.
+    (A decoded segment's rows are checked as columns first, :func:`rows_agree`,
+    its twin: a rule added to one belongs in the other.)"""
 
     def bad(c: fmt.ChunkRecord, why: str) -> CorruptCheckpointError:
         return CorruptCheckpointError(
@@ -142,14 +148,11 @@ def check_rows(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) 
             raise bad(c, "tensor not listed in metadata.json") from None
         if c.dtype != dtype or tuple(c.global_shape) != shape:
             raise bad(c, f"says {c.dtype} {list(c.global_shape)}, metadata.json {dtype} {list(shape)}")
-        if not (tuple(c.lengths) == shape and len(c.offsets) == len(shape) and not any(c.offsets)) and (  # (the whole tensor: most rows)
-                len(c.offsets) != len(shape) or len(c.lengths) != len(shape) or any(
+        whole = tuple(c.lengths) == shape and len(c.offsets) == len(shape) and not any(c.offsets)  # (most rows)
+        if not whole and (len(c.offsets) != len(shape) or len(c.lengths) != len(shape) or any(
                 o < 0 or n < 0 or o + n > s for o, n, s in zip(c.offsets, c.lengths, shape, strict=True))):
             raise bad(c, f"region outside the tensor's shape {list(shape)}")
-        size = sizes.get(c.dtype)
-        if size is None:
-            size = sizes[c.dtype] = itemsize(dtype_from_name(c.dtype))
-        if c.nbytes != math.prod(c.lengths) * size:
+        if c.nbytes != math.prod(c.lengths) * ITEMSIZES[c.dtype]:  # (metadata.json's dtypes are known ones)
             raise bad(c, f"{c.nbytes} bytes do not match the region's size")
         file_size = md.data_files.get(c.file)
         if file_size is None:
@@ -157,6 +160,47 @@ def check_rows(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) 
             raise bad(c, f"data file {c.file} is not listed in metadata.json")
         if c.byte_offset < 0 or c.byte_offset + c.nbytes > file_size:
             raise bad(c, f"bytes outside data file {c.file}")
+
+
+def rows_agree(seg: SegmentRows, kept: Kept, rows: np.ndarray, md: fmt.Metadata) -> bool:
+    """Whether rows ``rows`` (of ``kept.rows``, a decoded segment's) pass
+    :func:`check_rows` -- each box inside its tensor, its bytes the box's
+    size, inside a data file ``metadata.json`` lists -- computed as columns (a load's rows, thousands, were checked one
+    record at a time for 2 us each). False where one may not, or where the
+    tensors are not a table: the caller then checks their records one by one,
+    which names the row at fault. (Their dtypes and shapes are the
+    metadata's, :func:`~bytecp.format.segment_wire.records` takes them from there, and each row's number
+    of dimensions its tensor's: :func:`~bytecp.format.segment_wire.kept_rows` checked it.)
+
+    The twin of :func:`check_rows`: a rule added to one belongs in the other."""
+    table = md.tensors
+    if kept.table_rows is None or not isinstance(table, TensorTable):
+        return False
+    n = len(rows)
+    if not n:
+        return True
+    t = kept.table_rows[seg.name_id[rows]]
+    nd = seg.ndim[rows].astype(np.int64)
+    first = np.cumsum(nd) - nd  # each row's first dimension among the rows' dimensions
+    src, dim = seg.dims_of(rows)
+    o, ln = seg.offsets[src], seg.lengths[src]
+    dims = table.dims[np.repeat(table.start[t], nd) + dim]
+    if bool((ln > dims - o).any()):  # (offsets and lengths >= 0: decode; dims >= 0: the table)
+        return False
+    shaped = nd > 0
+    numel = np.ones(n, np.int64)
+    approx = np.ones(n, np.float64)
+    if len(ln):
+        with np.errstate(over="ignore"):
+            numel[shaped] = np.multiply.reduceat(ln, first[shaped])
+            approx[shaped] = np.multiply.reduceat(ln.astype(np.float64), first[shaped])
+    sizes = np.asarray([ITEMSIZES[d] for d in table.dtypes], np.int64)[table.dtype[t]]
+    if bool((approx * sizes >= 2.0**61).any()):  # (not exact in 64 bits: one by one, in Python integers)
+        return False
+    nbytes, offset = seg.nbytes[rows], seg.byte_offset[rows]
+    # (a size past int64, from a crafted metadata.json, held to its largest: exact for every row's end)
+    files = np.asarray([min(md.data_files.get(f, -1), _INT64) for f in seg.files], np.int64)[seg.file_id[rows]]
+    return not bool(((numel * sizes != nbytes) | (files < 0) | (offset > files - nbytes)).any())
 
 
 def check_index(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) -> None:

@@ -29,7 +29,7 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import arrow_numpy, limits, parts_fetch, segment_keep, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
-from bytecp.format.index_check import check_rows, decode_table, uncovered
+from bytecp.format.index_check import check_rows, decode_table, rows_agree, uncovered
 from bytecp.format.index_read import rows_to_records
 from bytecp.format.parts_fetch import Segment, by_part
 from bytecp.format.parts_schema import (
@@ -404,7 +404,7 @@ def _decode_segments(md: fmt.Metadata, d: PartsDirectory, rank: int, segments: l
         kept = segment_wire.kept_rows(rows, md, seg, fqns)
         keep = segment_keep.keep(rows, kept, (s[5], s[6], s[7]), d.buckets, limit, seg, spans)
         got = segment_wire.records(rows, kept, keep)
-        if url is not None and not segment_wire.agrees(rows, kept, keep, md):  # (one by one: the row at fault named)
+        if url is not None and not rows_agree(rows, kept, keep, md):  # (one by one: the row at fault named)
             check_rows(url, md, got)
         out += got
     return out

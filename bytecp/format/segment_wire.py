@@ -40,10 +40,9 @@ from bytecp.errors import CorruptCheckpointError
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.tensor_table import TensorTable
-from bytecp.tree.dtype_names import ITEMSIZES
 
 __all__ = ["MAGIC", "MAGIC_BLOCKS", "HEADER_WORDS", "SegmentRows", "Kept", "Names", "encode", "encode_rows", "decode", "kept_rows",
-           "agrees", "records", "to_records"]
+           "records", "to_records"]
 
 #: first word of a segment (the bytes "bcpSG4", then version 1: 0x00 0x01)
 MAGIC = int.from_bytes(b"bcpSG4\x00\x01", "little")
@@ -51,8 +50,6 @@ MAGIC = int.from_bytes(b"bcpSG4\x00\x01", "little")
 MAGIC_BLOCKS = int.from_bytes(b"bcpSG4\x00\x02", "little")
 #: MAGIC, n, m, f, D, S (encoding 2: and K)
 HEADER_WORDS = 6
-#: the largest int64 (a data file size is held to it in columns)
-_INT64 = (1 << 63) - 1
 
 
 @dataclasses.dataclass
@@ -363,46 +360,6 @@ def kept_rows(seg: SegmentRows, md: fmt.Metadata, label: str, fqns: set[str] | N
     if len(bad := np.flatnonzero(rank[seg.name_id[keep]] != seg.ndim[keep])):
         limits.check_chunk_records(label, records(seg, kept, keep[bad[:1]]))
     return kept
-
-
-def agrees(seg: SegmentRows, kept: Kept, rows: np.ndarray, md: fmt.Metadata) -> bool:
-    """Whether rows ``rows`` (of ``kept.rows``) pass
-    :func:`bytecp.format.index_check.check_rows` -- each box inside its
-    tensor, its bytes the box's size, inside a data file ``metadata.json``
-    lists -- computed as columns (a load's rows, thousands, were checked one
-    record at a time for 2 us each). False where one may not, or where the
-    tensors are not a table: the caller then checks their records one by one,
-    which names the row at fault. (Their dtypes and shapes are the
-    metadata's, :func:`records` takes them from there, and each row's number
-    of dimensions its tensor's: :func:`kept_rows` checked it.)"""
-    table = md.tensors
-    if kept.table_rows is None or not isinstance(table, TensorTable):
-        return False
-    n = len(rows)
-    if not n:
-        return True
-    t = kept.table_rows[seg.name_id[rows]]
-    nd = seg.ndim[rows].astype(np.int64)
-    first = np.cumsum(nd) - nd  # each row's first dimension among the rows' dimensions
-    src, dim = seg.dims_of(rows)
-    o, ln = seg.offsets[src], seg.lengths[src]
-    dims = table.dims[np.repeat(table.start[t], nd) + dim]
-    if bool((ln > dims - o).any()):  # (offsets and lengths >= 0: decode; dims >= 0: the table)
-        return False
-    shaped = nd > 0
-    numel = np.ones(n, np.int64)
-    approx = np.ones(n, np.float64)
-    if len(ln):
-        with np.errstate(over="ignore"):
-            numel[shaped] = np.multiply.reduceat(ln, first[shaped])
-            approx[shaped] = np.multiply.reduceat(ln.astype(np.float64), first[shaped])
-    sizes = np.asarray([ITEMSIZES[d] for d in table.dtypes], np.int64)[table.dtype[t]]
-    if bool((approx * sizes >= 2.0**61).any()):  # (not exact in 64 bits: one by one, in Python integers)
-        return False
-    nbytes, offset = seg.nbytes[rows], seg.byte_offset[rows]
-    # (a size past int64, from a crafted metadata.json, held to its largest: exact for every row's end)
-    files = np.asarray([min(md.data_files.get(f, -1), _INT64) for f in seg.files], np.int64)[seg.file_id[rows]]
-    return not bool(((numel * sizes != nbytes) | (files < 0) | (offset > files - nbytes)).any())
 
 
 def records(seg: SegmentRows, kept: Kept, rows: np.ndarray) -> list[fmt.ChunkRecord]:

@@ -6,6 +6,7 @@ those tensors; each distinct list of tensor names decoded and checked once
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +16,9 @@ import torch
 import bytecp
 from bytecp.format import metadata as fmt
 from bytecp.format import parts_read, segment_keep, segment_wire
-from bytecp.format.index_check import check_rows
+from bytecp.format.index_check import check_rows, rows_agree
 from bytecp.format.parts_schema import box_bands
+from bytecp.format.tensor_table import TensorTable
 from bytecp.loading.opened import open_checkpoint
 from bytecp.plan.load_plan import plan_load
 from bytecp.storage_api import Storage
@@ -117,6 +119,39 @@ def test_every_tensor_wanted_whole_reads_every_row_unfiltered(tmp_path: Path, mo
     assert names and all(x == {"w"} for x in names)
 
 
+@pytest.mark.parametrize("case", ["banded rows, as columns", "every row, as columns", "a few rows", "a 0-dim row"])
+def test_read_parts_refuses_a_row_past_the_end_metadata_json_gives_its_file(tmp_path: Path, case: str) -> None:
+    """What a load reads of the index is checked against ``metadata.json`` in ``read_parts`` itself (the
+    rows it returns are marked checked): a data file listed shorter than its rows reach is refused,
+    naming the row, on each way the rows come (a segment's columns, a few rows one by one, a 0-dim
+    tensor's scalar page)."""
+    if case.endswith("as columns"):
+        _fsdp(tmp_path / "ck")
+        wanted = {"w": [Region((72, 0), (4, 4))]} if case.startswith("banded") else None
+        fqn = "w"
+    else:
+        bytecp.save(str(tmp_path / "ck"), {"a": torch.ones(4, 4), "step": torch.tensor(3.0)})
+        fqn = "a" if case == "a few rows" else "step"
+        wanted = {fqn: [Region((0, 0), (4, 4)) if fqn == "a" else Region((), ())]}
+    opened = open_checkpoint(str(tmp_path / "ck"))
+    md, storage = opened.metadata, opened.storage
+    rows, _ = parts_read.read_parts(storage, md, wanted)
+    row = next(c for c in rows if c.fqn == fqn)
+    md.data_files[row.file] = row.byte_offset + row.nbytes - 1  # (a crafted metadata.json)
+    with pytest.raises(bytecp.CorruptCheckpointError,
+                       match=f"^{storage.url}: index row of tensor '{fqn}' region .*: bytes outside data file {row.file}"):
+        parts_read.read_parts(storage, md, wanted)
+
+
+def test_chunk_record_builds_the_record_the_constructor_builds() -> None:
+    """``metadata.chunk_record`` (the index readers' row, without the frozen constructor) sets every
+    field of :class:`ChunkRecord`: a field added to the class and not to it fails here."""
+    args = ("w", "float32", (4, 4), (0, 0), (4, 4), "data/x/0-0.bin", 4096, 64, 7, b"\x01\x00\x00\x00")
+    a, b = fmt.ChunkRecord(*args), fmt.chunk_record(*args)
+    assert a == b and hash(a) == hash(b) and vars(a) == vars(b)
+    assert set(vars(b)) == {f.name for f in dataclasses.fields(fmt.ChunkRecord)}
+
+
 def _segment(names: list[str], used: list[int], sid: str) -> bytes:
     """A segment listing ``names``, with a 4 x 4 row of tensor ``names[k]`` for each ``k`` of ``used``."""
     n = len(used)
@@ -203,10 +238,10 @@ def test_a_segment_of_a_few_rows_is_kept_alike_one_row_at_a_time(tmp_path: Path,
 
 
 @pytest.mark.parametrize("fault", ["none", "outside the shape", "a byte short", "unlisted file", "past the file's end",
-                                   "too large for 64 bits", "a file size past int64"])
+                                   "too large for 64 bits", "bytes past 64 bits", "a file size past int64"])
 def test_rows_checked_as_columns_agree_with_the_checks_row_by_row(tmp_path: Path, fault: str) -> None:
     """A load's segment rows are checked against ``metadata.json`` as columns
-    (``segment_wire.agrees``): True exactly where the row-by-row check
+    (``index_check.rows_agree``): True exactly where the row-by-row check
     (``check_rows``) passes; where it is False, that check names the row."""
     ck = tmp_path / "ck"
     _fsdp(ck)
@@ -227,6 +262,14 @@ def test_rows_checked_as_columns_agree_with_the_checks_row_by_row(tmp_path: Path
         at[1] = md.data_files[file] - 32
     elif fault == "too large for 64 bits":  # (a box inside no tensor of this table: Python's integers decide)
         lengths[0] = (1 << 40, 1 << 40)
+    elif fault == "bytes past 64 bits":  # (a crafted metadata.json's 2^31 x 2^31 int32 tensor: a box of all of
+        # it holds 2^64 bytes, 0 in 64-bit columns; its row says 0 bytes: Python's integers decide)
+        table = md.tensors
+        assert isinstance(table, TensorTable)
+        w = table.names.index("w")
+        table.dims[table.start[w]: table.start[w] + 2] = 1 << 31
+        table._specs.clear()
+        lengths[0], nbytes[0] = (1 << 31, 1 << 31), 0
     elif fault == "a file size past int64":  # (a crafted metadata.json: the rows lie inside it, both checks agree)
         md.data_files[file] = 1 << 64
     seg = segment_wire.decode("s", segment_wire.encode(
@@ -235,7 +278,7 @@ def test_rows_checked_as_columns_agree_with_the_checks_row_by_row(tmp_path: Path
     kept = segment_wire.kept_rows(seg, md, "s", {"w"})
     rows = segment_wire.records(seg, kept, kept.rows)
     good = fault in ("none", "a file size past int64")
-    assert segment_wire.agrees(seg, kept, kept.rows, md) is good
+    assert rows_agree(seg, kept, kept.rows, md) is good
     if good:
         check_rows("ck", md, rows)
         return
