@@ -44,7 +44,7 @@ from bytecp.plan.planner import assign_shared
 from bytecp.recorder import Trace
 from bytecp.storage_api import Storage
 from bytecp.tree.bulk import gc_paused
-from bytecp.tree.dtypes import dtype_from_name, itemsize
+from bytecp.tree.dtype_names import ITEMSIZES
 from bytecp.tree.regions import Region
 from bytecp.tree.state import Slot, flatten_tree
 
@@ -195,7 +195,7 @@ class LoadPipeline:
             digests = ctx.all_gather("load/plan", lambda: candidates_digest(mine))
             if mine and all(d == digests[0] for d in digests):
                 with self.trace.span("plan"):
-                    itemsizes = {fqn: itemsize(dtype_from_name(spec_of(md.tensors, fqn)[0])) for fqn, _ in mine}
+                    itemsizes = {fqn: ITEMSIZES[spec_of(md.tensors, fqn)[0]] for fqn, _ in mine}
                     self.shared = assign_shared(mine, ctx.world_size, itemsizes)
         self.own, self._shared_views = split_targets(matched.targets, self.shared, ctx.rank)
 
@@ -213,7 +213,7 @@ class LoadPipeline:
             with self.trace.span("plan"):
                 chunks = self._own_rows(opened)
                 tensors = opened.metadata.tensors
-                itemsizes = {t.fqn: itemsize(dtype_from_name(spec_of(tensors, t.fqn)[0])) for t in self.own}  # the stored dtype: a foreign source's may be cast
+                itemsizes = {t.fqn: ITEMSIZES[spec_of(tensors, t.fqn)[0]] for t in self.own}  # the stored dtype: a foreign source's may be cast
                 reqs = plan_load([(t.fqn, t.box) for t in self.own], chunks, itemsizes=itemsizes, block_bytes=blocks)
             execute_reads(opened.storage, chunks, self.own, reqs, io_threads=self.opts.io_threads,
                           verify=verify, trace=self.trace, block_bytes=blocks)

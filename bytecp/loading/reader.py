@@ -88,6 +88,8 @@ READ_BATCH_MIN_BYTES = 8 << 20
 #: no read batch is larger (but one request: it is never split); the batches prepared ahead (``io_threads``
 #: of them) stage at most this each for requests not read straight into their targets
 READ_BATCH_MAX_BYTES = 128 << 20
+#: how far past the even share of the reads the last reader thread may end (:func:`batch_bytes`)
+_SLACK = 1.125
 
 
 @dataclasses.dataclass
@@ -152,8 +154,7 @@ def _batches(chunks: Sequence[fmt.ChunkRecord], reqs: Sequence[ReadRequest], io_
     for file, file_reqs in by_file.items():
         file_reqs.sort(key=lambda r: r.byte_offset)
         sizes[file] = sum(r.nbytes for r in file_reqs)
-    cap = batch_bytes(list(sizes.values()), io_threads)
-    bound = max(READ_BATCH_MIN_BYTES, READ_BATCH_MAX_BYTES)
+    cap, bound = batch_bytes(list(sizes.values()), io_threads), READ_BATCH_MAX_BYTES
     batches: list[list[ReadRequest]] = []
     for file, file_reqs in by_file.items():
         # the file's pieces alike: a request goes to the piece its middle byte falls in (and a batch
@@ -175,13 +176,13 @@ def _batches(chunks: Sequence[fmt.ChunkRecord], reqs: Sequence[ReadRequest], io_
     return batches
 
 
-def batch_bytes(sizes: Sequence[int], threads: int, slack: float = 1.125) -> int:
+def batch_bytes(sizes: Sequence[int], threads: int) -> int:
     """(``_batches``, once per wave) The largest read batch that keeps
     ``threads`` reader threads evenly busy over files of ``sizes`` bytes: the
     total over ``threads * r`` for the least ``r`` whose pieces (each file cut
     into pieces alike, :func:`_cuts`), handed out in file order to the first free thread,
-    end within ``slack`` of the even share; held between
-    :data:`READ_BATCH_MIN_BYTES` and :data:`READ_BATCH_MAX_BYTES`; ``slack`` above 1.
+    end within 12.5% of the even share (:data:`_SLACK`); held between
+    :data:`READ_BATCH_MIN_BYTES` and :data:`READ_BATCH_MAX_BYTES`.
 
     Fewer, larger batches cost less: every batch is a ranged-read call, a
     mapping and its checks' arrays, prepared on the caller's thread (a 1 GB
@@ -195,10 +196,8 @@ def batch_bytes(sizes: Sequence[int], threads: int, slack: float = 1.125) -> int
     batch was a file's bytes over the threads (1 GiB files, 8 threads: 128 MiB
     each; larger files, more); at 128 MiB the 1 GB load above took 108.7 ms,
     109.1 at 256 and 113.2 at 64 (30 alternated rounds)."""
-    if slack <= 1:
-        raise ValueError(f"batch_bytes: slack {slack} must be above 1 (the even share itself is rarely met)")
     total = sum(sizes)
-    lo, hi = READ_BATCH_MIN_BYTES, max(READ_BATCH_MIN_BYTES, READ_BATCH_MAX_BYTES)
+    lo, hi = READ_BATCH_MIN_BYTES, READ_BATCH_MAX_BYTES
     if total <= 0 or threads <= 1:
         return max(lo, min(hi, total))
     share = total / threads
@@ -207,8 +206,8 @@ def batch_bytes(sizes: Sequence[int], threads: int, slack: float = 1.125) -> int
         cap = max(lo, min(hi, -(-total // (threads * r))))
         # (the first free thread ends at most one piece after the even share: pieces that small need
         # no simulation, and r reaches them within a dozen steps)
-        if cap == lo or max(x / _cuts(x, cap) for x in sizes) <= (slack - 1) * share \
-                or _makespan(sizes, cap, threads) <= slack * share:
+        if cap <= lo or max(x / _cuts(x, cap) for x in sizes) <= (_SLACK - 1) * share \
+                or _makespan(sizes, cap, threads) <= _SLACK * share:
             return cap
         r += 1
 
@@ -217,7 +216,7 @@ def _cuts(size: int, cap: int) -> int:
     """Into how many pieces alike a file's ``size`` bytes of reads are cut for
     batches of about ``cap`` bytes (the nearest count: a file a little over
     ``cap`` stays whole), none over :data:`READ_BATCH_MAX_BYTES`."""
-    return max(1, round(size / cap), -(-size // max(READ_BATCH_MIN_BYTES, READ_BATCH_MAX_BYTES)))
+    return max(1, round(size / cap), -(-size // READ_BATCH_MAX_BYTES))
 
 
 def _makespan(sizes: Sequence[int], cap: int, threads: int) -> float:

@@ -106,8 +106,6 @@ def test_the_batch_size_stays_within_its_bounds() -> None:
     for sizes in ([7 * MiB] * 13, [300 * MiB, 5 * MiB, 90 * MiB], [64 * MiB] * 9):
         for threads in (2, 3, 4, 8, 16):
             assert lo <= reader.batch_bytes(sizes, threads) <= hi
-    with pytest.raises(ValueError, match="slack"):
-        reader.batch_bytes([MiB], 4, slack=1.0)
 
 
 def test_a_load_of_several_files_reads_one_batch_a_file_bitwise(tmp_path: Path,
@@ -133,5 +131,9 @@ def test_a_load_of_several_files_reads_one_batch_a_file_bitwise(tmp_path: Path,
         seen.clear()
         target = {k: torch.zeros_like(v) for k, v in state.items()}
         bytecp.load(str(tmp_path / "ck"), target, io_threads=threads)
-        assert seen == [4] if threads == 4 else len(seen) == 1 and seen[0] > 4  # (four files, three threads: cut)
+        assert len(seen) == 1
+        if threads == 4:
+            assert seen == [4]
+        else:  # (four files, three threads: cut)
+            assert seen[0] > 4
         assert all(torch.equal(target[k], v) for k, v in state.items())
