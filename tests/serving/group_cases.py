@@ -96,8 +96,11 @@ def arm_race(run: str, state: dict[str, torch.Tensor], step: int) -> bool:
     solo = dist.new_group([0])  # (every rank makes it)
     real = follow_mod._Follower.update
 
+    def unpatch() -> None:
+        follow_mod._Follower.update = real  # type: ignore[method-assign]
+
     def a_commit_first(self: Any, d: Any) -> Any:
-        follow_mod._Follower.update = real
+        unpatch()
         if dist.get_rank() == 0:
             m = model(seed=0)
             m.load_state_dict(state)
@@ -106,6 +109,7 @@ def arm_race(run: str, state: dict[str, torch.Tensor], step: int) -> bool:
         return real(self, d)
 
     follow_mod._Follower.update = a_commit_first  # type: ignore[method-assign]
+    _G["unpatch"] = unpatch  # (take puts the real update back whatever happens: the pool's later tests use it)
     return True
 
 
@@ -115,7 +119,10 @@ def take() -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    up = next(_G["gen"])
+    try:
+        up = next(_G["gen"])
+    finally:
+        _G.pop("unpatch", lambda: None)()
     shards: dict[str, tuple[tuple[int, ...], torch.Tensor]] = {}
     for n, p in _G["model"].state_dict().items():
         if isinstance(p, DTensor):
