@@ -203,12 +203,13 @@ def rows_agree(seg: SegmentRows, kept: Kept, rows: np.ndarray, md: fmt.Metadata)
     return not bool(((numel * sizes != nbytes) | (files < 0) | (offset > files - nbytes)).any())
 
 
-def check_index(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord]) -> None:
-    """A whole index: every row agrees with metadata.json (:func:`check_rows`),
-    and each tensor's chunks tile it exactly (no gap, no overlap): a tampered
-    or mixed-up index is corrupt, never trusted."""
+def check_index(where: str, md: fmt.Metadata, chunks: Sequence[fmt.ChunkRecord], *, checked: bool = False) -> None:
+    """A whole index: every row agrees with metadata.json (:func:`check_rows`;
+    ``checked``: its reader checked them already), and each tensor's chunks
+    tile it exactly (no gap, no overlap): a tampered or mixed-up index is
+    corrupt, never trusted."""
     tiling = Tiling(where, md, len(chunks))
-    tiling.add(chunks)
+    tiling.add(chunks, checked=checked)
     tiling.finish()
 
 
@@ -233,8 +234,9 @@ class Tiling:
     def exact(self) -> bool:
         return self.boxes is not None
 
-    def add(self, chunks: Sequence[fmt.ChunkRecord]) -> None:
-        check_rows(self.where, self.md, chunks)
+    def add(self, chunks: Sequence[fmt.ChunkRecord], *, checked: bool = False) -> None:
+        if not checked:
+            check_rows(self.where, self.md, chunks)
         self.rows += len(chunks)
         if self.boxes is not None and self.rows > self.keep_rows:  # the boxes so far checked, then dropped
             for fqn, bs in self.boxes.items():

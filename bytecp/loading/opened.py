@@ -67,7 +67,7 @@ class Rows(NamedTuple):
     """The rows a rank asked for; how many index files or segments were read
     for them (for the trace); whether they were checked against the metadata
     already (a version-1 index, checked whole when the coordinator read it; a
-    version-4 one's, as their segments were decoded)."""
+    version-4 one's, as their segments and pages were decoded)."""
 
     rows: list[fmt.ChunkRecord]
     files: int
@@ -190,7 +190,7 @@ class _Parts(_Segments):
 
     def read_all(self, ck: OpenedCheckpoint, budget: Callable[[], int]) -> Rows:
         self.check_files(ck)
-        return Rows(*parts_read.read_parts(ck.storage, ck.metadata, None, budget=budget()))
+        return Rows(*parts_read.read_parts(ck.storage, ck.metadata, None, budget=budget()), checked=True)
 
     def read_for(self, ck: OpenedCheckpoint, wanted: Mapping[str, Sequence[Region]]) -> Rows:
         budget = self.budget if self.budget is not None else ck.max_rows
@@ -353,9 +353,9 @@ class OpenedCheckpoint:
 
     def _rows_by_declared_sizes(self) -> list[fmt.ChunkRecord]:
         """Every row, budgeted by the declared sizes (the real ones are what is wrong)."""
-        rows = self.index.read_all(self, lambda: self.index.max_rows(self.metadata, self.metadata.data_files)).rows
-        check_index(self.storage.url, self.metadata, rows)
-        return rows
+        got = self.index.read_all(self, lambda: self.index.max_rows(self.metadata, self.metadata.data_files))
+        check_index(self.storage.url, self.metadata, got.rows, checked=got.checked)
+        return got.rows
 
     def all_rows(self) -> list[fmt.ChunkRecord]:
         """(one-process tools; a version-1 load's coordinator) Every row,
@@ -364,7 +364,7 @@ class OpenedCheckpoint:
         if f.rows is None:
             with gc_paused():  # (a row object or more per chunk: collections of the whole heap otherwise)
                 got = self.index.read_all(self, lambda: self.max_rows)
-                check_index(self.storage.url, self.metadata, got.rows)
+                check_index(self.storage.url, self.metadata, got.rows, checked=got.checked)
             f.rows, f.files = got.rows, f.files + got.files
         return f.rows
 
