@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -32,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from tmpfs import remount  # (tests/reliability is on the ranks' path)
 from torch import nn
 
 from bytecp import recorder
@@ -154,13 +154,13 @@ def main(cfg: dict[str, Any]) -> None:
                 except OSError:
                     pass
             elif kind == "readonly":
-                subprocess.run(["mount", "-o", "remount,ro", fault["disk"]], check=True)
+                remount(fault["disk"], "ro")  # (tried again while the save in flight holds a file open)
             out["fired"] = True
         if step == fault.get("step", -9) + 3 and mine:
             if fault["kind"] == "fill":
                 Path(fault["disk"], "filler").unlink()
             elif fault["kind"] == "readonly":
-                subprocess.run(["mount", "-o", "remount,rw", fault["disk"]], check=True)
+                remount(fault["disk"], "rw")
         try:
             if not memory:
                 mgr.save(step, state)

@@ -8,7 +8,6 @@ removes them, and that command does once the disk is writable again."""
 from __future__ import annotations
 
 import os
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +19,7 @@ import torch
 import bytecp
 from bytecp.cli import main as cli
 
-from .tmpfs import mounted_tmpfs
+from .tmpfs import mounted_tmpfs, remount
 
 pytestmark = pytest.mark.spawn
 
@@ -58,18 +57,18 @@ def test_files_a_read_only_disk_keeps_are_named_and_gc_removes_them(small_disk: 
     url = str(small_disk / "run" / "step-1")
     monkeypatch.setenv("BYTECP_LEASE_SECONDS", "0.5")  # gc waits out a save's lease term: a short one here
     monkeypatch.setenv("BYTECP_FAULT_DELAY", "commit:0:1.0")  # the data is written; the disk turns read-only
-    remount = threading.Timer(0.4, lambda: subprocess.run(["mount", "-o", "remount,ro", str(small_disk)], check=True))
-    remount.start()
+    turn_ro = threading.Timer(0.4, lambda: remount(small_disk, "ro"))
+    turn_ro.start()
     try:
         with pytest.raises(Exception) as ei:
             bytecp.save(url, {"w": torch.randn(1 << 18)})
     finally:
-        remount.join()
+        turn_ro.join()
     notes = "\n".join(getattr(ei.value, "__notes__", []))
     assert "file(s) of this failed save remain" in notes and f"bytecp gc {url}" in notes, notes
     left = [f for _, _, fs in os.walk(url) for f in fs if f.endswith(".bin")]
     assert left and all(name in notes for name in left)  # the data file is named
-    subprocess.run(["mount", "-o", "remount,rw", str(small_disk)], check=True)
+    remount(small_disk, "rw")
     monkeypatch.delenv("BYTECP_FAULT_DELAY")
     time.sleep(1.2)  # past the failed save's lease term (its lease could not be ended on a read-only disk)
     assert cli(["gc", url]) == 0

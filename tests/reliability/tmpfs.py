@@ -1,24 +1,28 @@
 """A real small filesystem for the tests that fill a disk or remount it
-read-only (``mount -t tmpfs``: works here as root, as in CI)."""
+read-only (``mount -t tmpfs``: works here as root, as in CI).
+
+``remount`` is imported by the chaos job's ranks as well (``tests/reliability``
+is on their path), so this module imports pytest only where it skips."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-
-__all__ = ["mounted_tmpfs"]
+__all__ = ["mounted_tmpfs", "remount"]
 
 
 @contextlib.contextmanager
 def mounted_tmpfs(parent: Path, size_mib: int) -> Iterator[Path]:
     """A ``size_mib`` MiB tmpfs mounted below ``parent``, unmounted on exit;
     the test is skipped (saying why) where no tmpfs can be mounted."""
+    import pytest
+
     root = parent / f"disk-{uuid.uuid4().hex[:6]}"
     root.mkdir()
     if not hasattr(os, "geteuid") or os.geteuid() != 0:
@@ -31,3 +35,21 @@ def mounted_tmpfs(parent: Path, size_mib: int) -> Iterator[Path]:
         yield root
     finally:
         subprocess.run(["umount", "-l", str(root)], capture_output=True)
+
+
+def remount(root: Path | str, mode: str, timeout_s: float = 30.0) -> None:
+    """Remounts the tmpfs at ``root`` ``"ro"`` or ``"rw"``, as an operator
+    would: Linux refuses a read-only remount while a file on it is open for
+    writing (``mount`` exits 32, "mount point is busy"), which a training job
+    saving asynchronously holds now and then, so the remount is tried again
+    every 10 ms until it takes or ``timeout_s`` passes (then ``mount``'s own
+    message is raised)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = subprocess.run(["mount", "-o", f"remount,{mode}", str(root)], capture_output=True, text=True)
+        if got.returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"mount -o remount,{mode} {root} failed for {timeout_s:.0f} s "
+                               f"(exit {got.returncode}): {got.stderr.strip()}")
+        time.sleep(0.01)
