@@ -117,7 +117,9 @@ def _self_check(k: Any) -> str | None:
             f.flush()
             spans = np.asarray([100, 900, 2_500, 6_000, 7_000, 7_001], np.int64)
             want = [checksum.crc32c(data[s:e]) for s, e in zip(spans[::2].tolist(), spans[1::2].tolist(), strict=True)]
-            for way in (False, True):  # pread, mapped
+            # pread, and mapped unless mapped reads are off: the mapped read installs the guard over SIGBUS's
+            # handler, which a process that turned them off (BYTECP_MAPPED_READS=0) keeps as it was
+            for way in (False, True) if os.environ.get("BYTECP_MAPPED_READS", "").strip() != "0" else (False,):
                 a, b = bytearray(3_000), bytearray(4_000)
                 out = np.zeros(3, np.uint32)
                 short = k.read_sums(f.fileno(), [(100, a), (3_100, b)], spans, out, 1024, way)

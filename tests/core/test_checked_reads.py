@@ -273,6 +273,39 @@ def test_a_mapped_file_cut_short_during_a_copy_is_read_again_not_a_crash(k, tmp_
     assert faults > 0 and short > 0, (whole, short, faults)
 
 
+_BUS_HANDLER = """
+import ctypes, os, signal, sys
+import torch
+import bytecp
+libc = ctypes.CDLL(None, use_errno=True)
+def handler() -> int:  # SIGBUS's handler as the kernel has it (struct sigaction begins with it)
+    act = ctypes.create_string_buffer(256)
+    assert libc.sigaction(int(signal.SIGBUS), None, act) == 0
+    return int.from_bytes(act.raw[:8], "little")
+before = handler()
+bytecp.save(sys.argv[1], {"w": torch.arange(1 << 20, dtype=torch.float32)})
+got = {"w": torch.empty(1 << 20)}
+bytecp.load(sys.argv[1], got)
+assert torch.equal(got["w"], torch.arange(1 << 20, dtype=torch.float32))
+print(int(handler() != before))
+"""
+
+
+@pytest.mark.spawn
+def test_a_process_with_mapped_reads_off_keeps_its_sigbus_handler(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """The guard over SIGBUS is installed by a mapped read only: with ``BYTECP_MAPPED_READS=0`` a
+    process (Python's faulthandler on) keeps its own handler through the self-check and a load; with
+    mapped reads on, the load's first mapped read installs the guard."""
+    changed = []
+    for want in ("0", "1"):
+        env = {**os.environ, "BYTECP_MAPPED_READS": want}
+        run = subprocess.run([sys.executable, "-X", "faulthandler", "-c", _BUS_HANDLER, str(tmp_path / want)],
+                             capture_output=True, text=True, timeout=120, env=env)
+        assert run.returncode == 0, run.stderr[-2000:]
+        changed.append(run.stdout.split()[-1])
+    assert changed == ["0", "1"]
+
+
 def test_the_mapped_reads_setting(k, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     data = os.urandom(3 * MiB)
     (tmp_path / "f.bin").write_bytes(data)
