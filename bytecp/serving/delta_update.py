@@ -39,7 +39,7 @@ import torch
 from bytecp.dist import DistContext
 from bytecp.format import metadata as fmt
 from bytecp.format import serving_wire as wire
-from bytecp.loading.opened import open_checkpoint
+from bytecp.loading.opened import OpenedCheckpoint, Shared
 from bytecp.serving.changes import changed_tensors
 from bytecp.serving.delta_apply import (
     Record,
@@ -117,11 +117,12 @@ def resolver(run_urls: Mapping[str, str], options: Mapping[str, Mapping[str, Any
     return resolve
 
 
-def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[str, Region], bool],
-                  partial: set[str], run_urls: Mapping[str, str]) -> Served:
-    """(every rank) Take checkpoint ``url`` of ``tier`` into the follower ``f``
-    (a :class:`~bytecp.serving.follow._Follower`); raises, with the state
-    untouched, when it cannot (see the module's docstring)."""
+def update_served(f: Any, url: str, tier: str, shared: Shared, dtype: str,
+                  owned: Mapping[tuple[str, Region], bool], partial: set[str], run_urls: Mapping[str, str]) -> Served:
+    """(every rank) Take checkpoint ``url`` of ``tier`` (``shared``: opened by
+    the coordinator, :meth:`~bytecp.serving.follow._Follower.opened_for_ranks`)
+    into the follower ``f`` (a :class:`~bytecp.serving.follow._Follower`);
+    raises, with the state untouched, when it cannot (see the module's docstring)."""
     ctx: DistContext = f.ctx
     sdtype = dtype
     options = {t: f.sources.options_for(t) for t in run_urls}
@@ -130,7 +131,7 @@ def update_served(f: Any, url: str, tier: str, dtype: str, owned: Mapping[tuple[
 
     def local() -> tuple[Any, Mapping[str, str]]:
         storage = open_storage(url, **options[tier])
-        opened = open_checkpoint(storage)
+        opened = OpenedCheckpoint.received(storage, shared)
         md = opened.metadata
         wanted = f._wanted(md, url)
         names = list(dict.fromkeys(wanted.values()))

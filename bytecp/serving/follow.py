@@ -21,8 +21,11 @@ turn of the generator:
    keepers have no pins, and one evicted mid-read fails the update, the
    state intact, and the next poll takes the newest that remains -- storage's
    copy when it was drained);
-   In a group it broadcasts its decision (stop, wait, take, fail): one collective;
-3. (every rank) opens it and decides from the index rows of its own boxes
+   it opens the checkpoint under its pin (``metadata.json`` and what the
+   ranks need of the index, read once for the group, as a load's
+   coordinator does) and, in a group, broadcasts its decision (stop, wait,
+   take, fail) with the opened checkpoint: one collective;
+3. (every rank) decides from the index rows of its own boxes
    alone which of the state's tensors changed
    (:func:`bytecp.serving.changes.changed_tensors`);
 4. (every rank) *stages*: reads its boxes of the changed tensors into
@@ -68,7 +71,7 @@ from bytecp.format import metadata as fmt
 from bytecp.format.header import Files, read_files
 from bytecp.format.references import PIN_DIR, name_of, sibling
 from bytecp.format.serving_wire import held_marker, serving_dtype_name
-from bytecp.loading.opened import OpenedCheckpoint, open_checkpoint
+from bytecp.loading.opened import OpenedCheckpoint, Shared, open_checkpoint
 from bytecp.recorder import emit_event
 from bytecp.saving import leases
 from bytecp.saving.pins import doomed_files
@@ -135,7 +138,8 @@ class FollowUpdate:
 
 class _Decision(NamedTuple):
     """The coordinator's decision of one turn, broadcast to every rank:
-    ``stop``, ``wait``, ``take`` a checkpoint, or ``fail`` it (``error``)."""
+    ``stop``, ``wait``, ``take`` a checkpoint (``opened``: the coordinator
+    opened it, under its pin), or ``fail`` it (``error``)."""
 
     kind: str
     info: CheckpointInfo | None = None
@@ -143,6 +147,7 @@ class _Decision(NamedTuple):
     error: str | None = None
     tier: str = "storage"
     newest_step: int | None = None
+    opened: Shared | None = None
 
 
 class _Replaced(Exception):
@@ -247,7 +252,8 @@ class _Follower:
     def decide(self, pins: contextlib.ExitStack, stop: threading.Event, failed: set[str], idle_s: float | None,
                idle_since: float, report: bool) -> _Decision:
         """(coordinator) List the run; the newest checkpoint not held nor failed
-        is pinned (under ``pins``, held until every rank staged) and taken. One
+        is pinned (under ``pins``, held until every rank staged), opened for
+        every rank (:meth:`opened_for_ranks`) and taken. One
         a retention is pruning or has pruned (a newer one committed meanwhile)
         is let go and the newer one taken, never reported. With ``report``, a
         failure is a ``fail`` decision (without a checkpoint when the run could
@@ -265,18 +271,31 @@ class _Follower:
                 idle = idle_s is not None and time.monotonic() - idle_since >= idle_s
                 return _Decision("stop" if idle else "wait")
             newest, skipped, tier = found.info, found.skipped, found.tier
-            if tier == "storage":
-                try:
+            try:
+                if tier == "storage":
                     storage = open_storage(newest.url, **self.options)
                     pins.enter_context(self.pinned(storage, _files(storage)))
-                except Exception as e:  # every rank reports it (or raises it), none reads
-                    if isinstance(e, _Replaced) or self._replaced(newest, failed):
-                        continue  # pruned by a retention (a newer checkpoint has committed): that one
-                    if not report:
-                        raise
-                    return _Decision("fail", newest, skipped, _why(e), tier, found.newest_step)
-            return _Decision("take", newest, skipped, tier=tier, newest_step=found.newest_step)
+                shared = self.opened_for_ranks(newest.url, tier)  # (under the pin)
+            except Exception as e:  # every rank reports it (or raises it), none reads
+                if tier == "storage" and (isinstance(e, _Replaced) or self._replaced(newest, failed)):
+                    continue  # pruned by a retention (a newer checkpoint has committed): that one
+                if not report:
+                    raise
+                return _Decision("fail", newest, skipped, _why(e), tier, found.newest_step)
+            return _Decision("take", newest, skipped, tier=tier, newest_step=found.newest_step, opened=shared)
         return _Decision("wait")  # still being replaced: the next poll sees the newer one
+
+    def opened_for_ranks(self, url: str, tier: str) -> Shared:
+        """(coordinator, each checkpoint taken or held) Checkpoint ``url`` opened
+        once for the group: its validated ``metadata.json`` and what the ranks
+        need to find their rows (:meth:`OpenedCheckpoint.share`), broadcast so
+        that no other rank reads ``metadata.json`` (a load's coordinator does
+        the same)."""
+        return open_checkpoint(open_storage(url, **self.sources.options_for(tier))).share()
+
+    def received(self, url: str, tier: str, shared: Shared) -> OpenedCheckpoint:
+        """(every rank) The coordinator's opened checkpoint ``url``, on this rank's storage."""
+        return OpenedCheckpoint.received(open_storage(url, **self.sources.options_for(tier)), shared)
 
     def _replaced(self, chosen: CheckpointInfo, failed: set[str]) -> bool:
         """(coordinator, after ``chosen`` failed to open) Whether it is gone because a
@@ -333,10 +352,11 @@ class _Follower:
         return {s: [r for r in got.get(s, []) if any(Region(r.offsets, r.lengths).intersect(b) for b in bs)]
                 for s, bs in boxes.items()}
 
-    def hold(self, url: str) -> None:
-        """(every rank) The state holds checkpoint ``url`` already (``held=``)."""
+    def hold(self, url: str, shared: Shared) -> None:
+        """(every rank) The state holds checkpoint ``url`` already (``held=``;
+        ``shared``: the coordinator's :meth:`opened_for_ranks`)."""
         tier = self.sources.tier_of(url)
-        opened = open_checkpoint(open_storage(url, **self.sources.options_for(tier)))
+        opened = self.received(url, tier, shared)
         self.url, self.rows = url.rstrip("/"), self._rows(opened, self._wanted(opened.metadata, url))
         self.tier, self.step, self.save_id = tier, opened.metadata.step, opened.metadata.save_id
 
@@ -361,14 +381,14 @@ class _Follower:
         stage this process's boxes (local), agree every rank staged and
         verified (one all-gather: a failure anywhere raises on every rank,
         none swaps), swap. Raises, with the state untouched, when it cannot."""
-        info = d.info
-        assert info is not None
+        info, shared = d.info, d.opened
+        assert info is not None and shared is not None
         t0 = time.perf_counter()
         if self.dtype is not None:
             return self._update_served(d, t0)
 
         def stage_mine() -> tuple[Any, ...]:
-            opened = open_checkpoint(open_storage(info.url, **self.sources.options_for(d.tier)))
+            opened = self.received(info.url, d.tier, shared)
             if self.ctx.is_coordinator:
                 opened.check_sizes()
             wanted = self._wanted(opened.metadata, info.url)
@@ -396,11 +416,11 @@ class _Follower:
     def _update_served(self, d: _Decision, t0: float) -> FollowUpdate:
         """(every rank) :meth:`update` of a state held in a serving dtype (:mod:`bytecp.serving.delta_update`)."""
         info = d.info
-        assert info is not None and self.dtype is not None
+        assert info is not None and d.opened is not None and self.dtype is not None
         urls = {"storage": self.run_url}
         if self.sources.memory is not None:
             urls["memory"] = self.sources.memory.url
-        got = update_served(self, info.url, d.tier, self.dtype, self.owned, self.partial, urls)
+        got = update_served(self, info.url, d.tier, d.opened, self.dtype, self.owned, self.partial, urls)
         self.url, self.rows = info.url, got.rows
         self.tier, self.step, self.save_id = d.tier, info.step, got.save_id
         return FollowUpdate(
@@ -540,7 +560,8 @@ def follow(
     reported: str | None = None  # the last run-level failure reported (once until it changes)
     try:
         if held is not None:
-            ctx.run("follow/held", lambda: f.hold(held))
+            shared = ctx.broadcast("follow/held", lambda: f.opened_for_ranks(held, f.sources.tier_of(held)))
+            ctx.run("follow/held", lambda: f.hold(held, shared))
             if ctx.is_coordinator:
                 f.mark_held()
         idle_since = time.monotonic()

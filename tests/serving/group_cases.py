@@ -4,6 +4,8 @@ FSDP2 x2 or a TP=2 model, kept between calls in module globals."""
 
 from __future__ import annotations
 
+import shutil
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -86,11 +88,13 @@ def arm_failure(rank: int) -> bool:
     return True
 
 
-def arm_race(run: str, state: dict[str, torch.Tensor], step: int) -> bool:
-    """(every rank) Before the next update opens the checkpoint its decision pinned, rank 0
-    commits ``state`` (the model's) as step ``step`` of ``run`` with ``keep_last=1``, through a
-    group of itself, while the others wait: a trainer's commit between the follower's pin and its
-    open, whose retention retires the pinned checkpoint (its ``metadata.json`` moved aside)."""
+def arm_race(run: str, state: dict[str, torch.Tensor], step: int, pin_seen: bool) -> bool:
+    """(every rank) After the coordinator opened the checkpoint its decision pinned and before
+    the next update reads it, rank 0 commits ``state`` (the model's) as step ``step`` of ``run``
+    with ``keep_last=1``, through a group of itself, while the others wait: a trainer's commit
+    whose retention retires the pinned checkpoint (its ``metadata.json`` moved aside). With
+    ``pin_seen`` the retention sees the follower's pin (the checkpoint's data and index files
+    stay); without, it read the pins before the follower wrote its own (its index files go too)."""
     from bytecp.serving import follow as follow_mod
 
     solo = dist.new_group([0])  # (every rank makes it)
@@ -104,7 +108,14 @@ def arm_race(run: str, state: dict[str, torch.Tensor], step: int) -> bool:
         if dist.get_rank() == 0:
             m = model(seed=0)
             m.load_state_dict(state)
+            pins, aside = Path(d.info.url, "pins"), Path(run, "pins-aside")
+            if not pin_seen:
+                pins.rename(aside)
             bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1, process_group=solo).save(step, {"model": m})
+            if not pin_seen:
+                shutil.rmtree(pins, ignore_errors=True)
+                pins.parent.mkdir(parents=True, exist_ok=True)  # (deleted whole where nothing references it)
+                aside.rename(pins)
         dist.barrier()
         return real(self, d)
 

@@ -5,6 +5,7 @@ fails, skips to the newest when behind, and pins what it reads."""
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -466,12 +467,18 @@ def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch:
 
 
 @pytest.mark.parametrize("full_every", [1, 100], ids=["deleted", "retired"])
-def test_a_checkpoint_retired_after_its_pin_is_let_go_for_the_newer_one(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, full_every: int) -> None:
-    """``keep_last=1``: the follower pinned the newest checkpoint, and before its update opens
-    it the trainer commits a newer one, whose retention moves the pinned one's metadata aside
-    (its pin keeps the data files, not ``metadata.json``): the update finds it gone, and the
-    follower takes the newer one -- no error reported, nothing marked failed."""
+@pytest.mark.parametrize("when", ["before-open", "after-open", "pin-unseen"])
+def test_a_checkpoint_retired_after_its_pin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            caplog: pytest.LogCaptureFixture, full_every: int, when: str) -> None:
+    """``keep_last=1``: the follower pinned the newest checkpoint (step 1), and the trainer
+    commits step 2, whose retention retires step 1 (its ``metadata.json`` moved aside; its pin
+    keeps its data and index files). ``before-open``: between the pin and the coordinator's
+    open, which finds it gone and takes step 2. ``after-open``: after the open, before the
+    update reads: the update takes step 1 whole (every rank has the opened checkpoint from the
+    coordinator, none reads ``metadata.json`` again), and the next one step 2. ``pin-unseen``:
+    the retention read the pins before the follower wrote its own, so step 1's index files go
+    too: the update fails, the coordinator finds step 1 retired for a newer one, and the
+    follower takes step 2. No error reported, nothing marked failed."""
     from bytecp.serving import follow as follow_mod
 
     run = tmp_path / "run"
@@ -479,22 +486,40 @@ def test_a_checkpoint_retired_after_its_pin_is_let_go_for_the_newer_one(
     mgr = bytecp.CheckpointManager(str(run), every_n_steps=1, keep_last=1, full_every=full_every)
     _step(model, opt)
     mgr.save(1, {"model": model, "optimizer": opt})
-    real = follow_mod._Follower.update
+    at_one = _clone(model)
     raced: list[int] = []
 
-    def a_commit_first(self: Any, d: Any) -> Any:
-        if not raced:  # the trainer commits step 2 (retention retires step 1) between the pin and the open
-            raced.append(d.info.step)
-            _step(model, opt)
-            mgr.save(2, {"model": model, "optimizer": opt})
-        return real(self, d)
+    def commit() -> None:
+        raced.append(1)
+        _step(model, opt)
+        pins = run / "step-1" / "pins"
+        if when == "pin-unseen":  # (the follower's pin written after the retention read the pins)
+            pins.rename(run / "pins-aside")
+        mgr.save(2, {"model": model, "optimizer": opt})
+        if when == "pin-unseen":
+            shutil.rmtree(pins, ignore_errors=True)
+            pins.parent.mkdir(parents=True, exist_ok=True)  # (deleted whole where nothing references it)
+            (run / "pins-aside").rename(pins)
 
-    monkeypatch.setattr(follow_mod._Follower, "update", a_commit_first)
+    name = "opened_for_ranks" if when == "before-open" else "update"
+    real = getattr(follow_mod._Follower, name)
+
+    def a_commit_first(self: Any, *args: Any) -> Any:
+        if not raced:
+            commit()
+        return real(self, *args)
+
+    monkeypatch.setattr(follow_mod._Follower, name, a_commit_first)
     served, _ = _model(seed=5)
     gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01, idle_timeout_s=60)
     with caplog.at_level("INFO", logger="bytecp"):
-        up = next(gen)
+        ups = [next(gen)]
+        if when == "after-open":
+            assert ups[0].ok and ups[0].step == 1, ups[0]
+            assert all(torch.equal(v, at_one[k]) for k, v in served.state_dict().items())
+            ups.append(next(gen))
     gen.close()
     assert raced == [1] and not (run / "step-1" / "metadata.json").exists()
-    assert up.ok and up.step == 2 and _same(served, model), up
-    assert "could not take" not in caplog.text and "retired by a retention" in caplog.text
+    assert ups[-1].ok and ups[-1].step == 2 and _same(served, model), ups[-1]
+    assert "could not take" not in caplog.text
+    assert ("retired by a retention" in caplog.text) == (when == "pin-unseen")
