@@ -39,7 +39,7 @@ import torch
 from bytecp.dist import DistContext
 from bytecp.format import metadata as fmt
 from bytecp.format import serving_wire as wire
-from bytecp.loading.opened import OpenedCheckpoint, Shared
+from bytecp.loading.opened import Shared
 from bytecp.serving.changes import changed_tensors
 from bytecp.serving.delta_apply import (
     Record,
@@ -131,7 +131,7 @@ def update_served(f: Any, url: str, tier: str, shared: Shared, dtype: str,
 
     def local() -> tuple[Any, Mapping[str, str]]:
         storage = open_storage(url, **options[tier])
-        opened = OpenedCheckpoint.received(storage, shared)
+        opened = f.received(url, tier, shared)
         md = opened.metadata
         wanted = f._wanted(md, url)
         names = list(dict.fromkeys(wanted.values()))

@@ -221,6 +221,7 @@ class _Follower:
         self.spare: dict[Box, torch.Tensor] = {}  # the last update's staging tensors, reused
         self.told_dtype = False  # warned that the run's serving deltas are in another dtype
         self.id = fmt.new_save_id()
+        self._mine: tuple[Shared, OpenedCheckpoint] | None = None  # the coordinator's last opened_for_ranks
         self.lease: leases.Lease | None = None
         if pin and ctx.is_coordinator:
             try:
@@ -275,10 +276,17 @@ class _Follower:
                 if tier == "storage":
                     storage = open_storage(newest.url, **self.options)
                     pins.enter_context(self.pinned(storage, _files(storage)))
-                shared = self.opened_for_ranks(newest.url, tier)  # (under the pin)
             except Exception as e:  # every rank reports it (or raises it), none reads
-                if tier == "storage" and (isinstance(e, _Replaced) or self._replaced(newest, failed)):
+                if isinstance(e, _Replaced) or self._replaced(newest, failed):
                     continue  # pruned by a retention (a newer checkpoint has committed): that one
+                if not report:
+                    raise
+                return _Decision("fail", newest, skipped, _why(e), tier, found.newest_step)
+            try:
+                shared = self.opened_for_ranks(newest.url, tier)  # (under the pin)
+            except Exception as e:
+                if tier == "storage" and self._retired(newest, failed):
+                    continue  # retired by a retention between the listing and the pin: the newer one
                 if not report:
                     raise
                 return _Decision("fail", newest, skipped, _why(e), tier, found.newest_step)
@@ -287,14 +295,23 @@ class _Follower:
 
     def opened_for_ranks(self, url: str, tier: str) -> Shared:
         """(coordinator, each checkpoint taken or held) Checkpoint ``url`` opened
-        once for the group: its validated ``metadata.json`` and what the ranks
-        need to find their rows (:meth:`OpenedCheckpoint.share`), broadcast so
-        that no other rank reads ``metadata.json`` (a load's coordinator does
-        the same)."""
-        return open_checkpoint(open_storage(url, **self.sources.options_for(tier))).share()
+        for the group: its validated ``metadata.json`` and what the ranks need
+        to find their rows (:meth:`OpenedCheckpoint.share`: a version-1 index
+        whole, else the row budget by which each rank reads its own segments),
+        broadcast so that no other rank reads ``metadata.json`` (a load's
+        coordinator does the same). The coordinator keeps its own opened
+        checkpoint for :meth:`received` (its file listing, its checked rows)."""
+        opened = open_checkpoint(open_storage(url, **self.sources.options_for(tier)))
+        shared = opened.share()
+        self._mine = (shared, opened)
+        return shared
 
     def received(self, url: str, tier: str, shared: Shared) -> OpenedCheckpoint:
-        """(every rank) The coordinator's opened checkpoint ``url``, on this rank's storage."""
+        """(every rank, once per :meth:`opened_for_ranks`) The coordinator's opened
+        checkpoint ``url``, on this rank's storage (the coordinator's own object on it)."""
+        mine, self._mine = self._mine, None
+        if mine is not None and mine[0] is shared:
+            return mine[1]
         return OpenedCheckpoint.received(open_storage(url, **self.sources.options_for(tier)), shared)
 
     def _replaced(self, chosen: CheckpointInfo, failed: set[str]) -> bool:
@@ -562,6 +579,7 @@ def follow(
         if held is not None:
             shared = ctx.broadcast("follow/held", lambda: f.opened_for_ranks(held, f.sources.tier_of(held)))
             ctx.run("follow/held", lambda: f.hold(held, shared))
+            del shared  # (the opened checkpoint is not held past its use)
             if ctx.is_coordinator:
                 f.mark_held()
         idle_since = time.monotonic()
@@ -586,6 +604,7 @@ def follow(
                     if taken is None:  # replaced by a newer checkpoint meanwhile: that one, now
                         continue
                     up = taken
+            del d  # (the opened checkpoint it carries is not held while the caller has the update)
             idle_since = time.monotonic()
             if up.ok and ctx.is_coordinator:
                 f.mark_held()

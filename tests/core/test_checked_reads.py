@@ -295,7 +295,7 @@ print(int(handler() != before))
 def test_a_process_with_mapped_reads_off_keeps_its_sigbus_handler(k, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
     """The guard over SIGBUS is installed by a mapped read only: with ``BYTECP_MAPPED_READS=0`` a
     process (Python's faulthandler on) keeps its own handler through the self-check and a load; with
-    mapped reads on, the load's first mapped read installs the guard."""
+    mapped reads on, the first mapped read (the self-check's, at the load) installs the guard."""
     changed = []
     for want in ("0", "1"):
         env = {**os.environ, "BYTECP_MAPPED_READS": want}

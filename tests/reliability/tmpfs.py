@@ -42,14 +42,14 @@ def remount(root: Path | str, mode: str, timeout_s: float = 30.0) -> None:
     would: Linux refuses a read-only remount while a file on it is open for
     writing (``mount`` exits 32, "mount point is busy"), which a training job
     saving asynchronously holds now and then, so the remount is tried again
-    every 10 ms until it takes or ``timeout_s`` passes (then ``mount``'s own
-    message is raised)."""
+    every 10 ms until it takes or ``timeout_s`` passes; any other failure
+    (or the last) raises ``mount``'s own message at once."""
     deadline = time.monotonic() + timeout_s
     while True:
         got = subprocess.run(["mount", "-o", f"remount,{mode}", str(root)], capture_output=True, text=True)
         if got.returncode == 0:
             return
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"mount -o remount,{mode} {root} failed for {timeout_s:.0f} s "
-                               f"(exit {got.returncode}): {got.stderr.strip()}")
+        if got.returncode != 32 or time.monotonic() > deadline:
+            raise RuntimeError(f"mount -o remount,{mode} {root} failed (exit {got.returncode}): "
+                               f"{got.stderr.strip()}")
         time.sleep(0.01)

@@ -4,8 +4,6 @@ FSDP2 x2 or a TP=2 model, kept between calls in module globals."""
 
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -46,15 +44,15 @@ def _shard(m: nn.Module, layout: str) -> nn.Module:
 
 
 def start(run: str, layout: str, memory_url: str | None = None, memory_options: dict[str, Any] | None = None,
-          dtype: torch.dtype | None = None) -> bool:
+          dtype: torch.dtype | None = None, pin: bool = True) -> bool:
     """(every rank) A new follower of ``run`` (and its memory tier, when given) with a freshly sharded model
-    (held in ``dtype`` when given: ``bytecp.follow(..., dtype=)``)."""
+    (held in ``dtype`` when given: ``bytecp.follow(..., dtype=)``; ``pin=False``: without pins)."""
     if "gen" in _G:
         _G["gen"].close()
     m = model(seed=dist.get_rank() + 11)
     _G["model"] = _shard(m if dtype is None else m.to(dtype), layout)
     _G["gen"] = bytecp.follow(run, {"model": _G["model"]}, poll_s=0.01, idle_timeout_s=60, memory_url=memory_url,
-                              memory_storage_options=memory_options, dtype=dtype)
+                              memory_storage_options=memory_options, dtype=dtype, pin=pin)
     _G["fail"] = False
     return True
 
@@ -88,13 +86,12 @@ def arm_failure(rank: int) -> bool:
     return True
 
 
-def arm_race(run: str, state: dict[str, torch.Tensor], step: int, pin_seen: bool) -> bool:
-    """(every rank) After the coordinator opened the checkpoint its decision pinned and before
-    the next update reads it, rank 0 commits ``state`` (the model's) as step ``step`` of ``run``
-    with ``keep_last=1``, through a group of itself, while the others wait: a trainer's commit
-    whose retention retires the pinned checkpoint (its ``metadata.json`` moved aside). With
-    ``pin_seen`` the retention sees the follower's pin (the checkpoint's data and index files
-    stay); without, it read the pins before the follower wrote its own (its index files go too)."""
+def arm_race(run: str, state: dict[str, torch.Tensor], step: int) -> bool:
+    """(every rank) After the coordinator opened the checkpoint its decision chose (and pinned,
+    unless the follower runs without pins) and before the next update reads it, rank 0 commits
+    ``state`` (the model's) as step ``step`` of ``run`` with ``keep_last=1``, through a group of
+    itself, while the others wait: a trainer's commit whose retention retires that checkpoint
+    (its ``metadata.json`` moved aside; its data and index files stay while a pin holds them)."""
     from bytecp.serving import follow as follow_mod
 
     solo = dist.new_group([0])  # (every rank makes it)
@@ -108,14 +105,7 @@ def arm_race(run: str, state: dict[str, torch.Tensor], step: int, pin_seen: bool
         if dist.get_rank() == 0:
             m = model(seed=0)
             m.load_state_dict(state)
-            pins, aside = Path(d.info.url, "pins"), Path(run, "pins-aside")
-            if not pin_seen:
-                pins.rename(aside)
             bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1, process_group=solo).save(step, {"model": m})
-            if not pin_seen:
-                shutil.rmtree(pins, ignore_errors=True)
-                pins.parent.mkdir(parents=True, exist_ok=True)  # (deleted whole where nothing references it)
-                aside.rename(pins)
         dist.barrier()
         return real(self, d)
 

@@ -5,7 +5,6 @@ fails, skips to the newest when behind, and pins what it reads."""
 from __future__ import annotations
 
 import json
-import shutil
 import threading
 from pathlib import Path
 from typing import Any
@@ -467,7 +466,7 @@ def test_a_retention_never_fails_a_healthy_follower(tmp_path: Path, monkeypatch:
 
 
 @pytest.mark.parametrize("full_every", [1, 100], ids=["deleted", "retired"])
-@pytest.mark.parametrize("when", ["before-open", "after-open", "pin-unseen"])
+@pytest.mark.parametrize("when", ["before-open", "after-open", "unpinned"])
 def test_a_checkpoint_retired_after_its_pin(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                             caplog: pytest.LogCaptureFixture, full_every: int, when: str) -> None:
     """``keep_last=1``: the follower pinned the newest checkpoint (step 1), and the trainer
@@ -475,10 +474,11 @@ def test_a_checkpoint_retired_after_its_pin(tmp_path: Path, monkeypatch: pytest.
     keeps its data and index files). ``before-open``: between the pin and the coordinator's
     open, which finds it gone and takes step 2. ``after-open``: after the open, before the
     update reads: the update takes step 1 whole (every rank has the opened checkpoint from the
-    coordinator, none reads ``metadata.json`` again), and the next one step 2. ``pin-unseen``:
-    the retention read the pins before the follower wrote its own, so step 1's index files go
-    too: the update fails, the coordinator finds step 1 retired for a newer one, and the
-    follower takes step 2. No error reported, nothing marked failed."""
+    coordinator, none reads ``metadata.json`` again), and the next one step 2. ``unpinned``
+    (``pin=False``, as a pin the retention takes for dead, its follower's lease lapsed): after
+    the open, and step 1's index files go with its ``metadata.json``: the update fails, the
+    coordinator finds step 1 retired for a newer one, and the follower takes step 2. No error
+    reported, nothing marked failed."""
     from bytecp.serving import follow as follow_mod
 
     run = tmp_path / "run"
@@ -492,14 +492,7 @@ def test_a_checkpoint_retired_after_its_pin(tmp_path: Path, monkeypatch: pytest.
     def commit() -> None:
         raced.append(1)
         _step(model, opt)
-        pins = run / "step-1" / "pins"
-        if when == "pin-unseen":  # (the follower's pin written after the retention read the pins)
-            pins.rename(run / "pins-aside")
         mgr.save(2, {"model": model, "optimizer": opt})
-        if when == "pin-unseen":
-            shutil.rmtree(pins, ignore_errors=True)
-            pins.parent.mkdir(parents=True, exist_ok=True)  # (deleted whole where nothing references it)
-            (run / "pins-aside").rename(pins)
 
     name = "opened_for_ranks" if when == "before-open" else "update"
     real = getattr(follow_mod._Follower, name)
@@ -511,7 +504,7 @@ def test_a_checkpoint_retired_after_its_pin(tmp_path: Path, monkeypatch: pytest.
 
     monkeypatch.setattr(follow_mod._Follower, name, a_commit_first)
     served, _ = _model(seed=5)
-    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01, idle_timeout_s=60)
+    gen = bytecp.follow(str(run), {"model": served}, poll_s=0.01, idle_timeout_s=60, pin=when != "unpinned")
     with caplog.at_level("INFO", logger="bytecp"):
         ups = [next(gen)]
         if when == "after-open":
@@ -522,4 +515,4 @@ def test_a_checkpoint_retired_after_its_pin(tmp_path: Path, monkeypatch: pytest.
     assert raced == [1] and not (run / "step-1" / "metadata.json").exists()
     assert ups[-1].ok and ups[-1].step == 2 and _same(served, model), ups[-1]
     assert "could not take" not in caplog.text
-    assert ("retired by a retention" in caplog.text) == (when == "pin-unseen")
+    assert ("retired by a retention" in caplog.text) == (when == "unpinned")

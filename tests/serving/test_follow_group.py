@@ -47,26 +47,26 @@ def _check(got: list[dict[str, Any]], want: dict[str, torch.Tensor]) -> None:
             assert local.dtype == want[n].dtype and torch.equal(local, want[n][sl]), (g["rank"], n)
 
 
-@pytest.mark.parametrize("pin_seen", [True, False], ids=["pin-seen", "pin-unseen"])
-def test_a_group_takes_a_checkpoint_retired_after_its_open(pool: WorkerPool, tmp_path: Path, pin_seen: bool) -> None:
-    """The coordinator pinned and opened step 1; before the ranks read it, a commit of step 2
-    retires it (``keep_last=1``, its ``metadata.json`` moved aside). ``pin-seen``: its pin keeps
+@pytest.mark.parametrize("pin", [True, False], ids=["pinned", "unpinned"])
+def test_a_group_takes_a_checkpoint_retired_after_its_open(pool: WorkerPool, tmp_path: Path, pin: bool) -> None:
+    """The coordinator opened step 1; before the ranks read it, a commit of step 2 retires it
+    (``keep_last=1``, its ``metadata.json`` moved aside). ``pinned``: the follower's pin keeps
     its data and index files, and every rank takes step 1 (none reads ``metadata.json``: the
-    coordinator's opened checkpoint came with the decision), then step 2. ``pin-unseen`` (the
-    retention read the pins before the follower wrote its own): its index files go too, the
-    update fails on every rank alike, the coordinator finds step 1 retired for a newer one, and
-    every rank takes step 2 -- no error, bitwise."""
+    coordinator's opened checkpoint came with the decision), then step 2. ``unpinned``
+    (``pin=False``, as a pin the retention takes for dead): its index files go too, the update
+    fails on every rank alike, the coordinator finds step 1 retired for a newer one, and every
+    rank takes step 2 -- no error, bitwise."""
     run = str(tmp_path / "run")
     trainer = cases.model(seed=0)
     bytecp.CheckpointManager(run, every_n_steps=1, keep_last=1).save(1, {"model": trainer})
     at_one = {k: v.clone() for k, v in trainer.state_dict().items()}
-    pool.run(cases.start, run, "fsdp2", timeout=120)
+    pool.run(cases.start, run, "fsdp2", None, None, None, pin, timeout=120)
     with torch.no_grad():
         for p in trainer.parameters():
             p.add_(1.0)
     want = {k: v.clone() for k, v in trainer.state_dict().items()}
-    pool.run(cases.arm_race, run, want, 2, pin_seen, timeout=60)
-    if pin_seen:
+    pool.run(cases.arm_race, run, want, 2, timeout=60)
+    if pin:
         got = pool.run(cases.take, timeout=120)
         assert all(g["up"]["error"] is None and g["up"]["step"] == 1 for g in got), [g["up"] for g in got]
         assert not Path(run, "step-1", "metadata.json").exists()
