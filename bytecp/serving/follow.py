@@ -78,6 +78,7 @@ from bytecp.saving.pins import doomed_files
 from bytecp.saving.serving import floating
 from bytecp.serving.changes import changed_tensors, rows_by_tensor
 from bytecp.serving.delta_update import owned_boxes, update_served
+from bytecp.serving.held_marker import HeldMarker
 from bytecp.serving.sources import Held, Sources
 from bytecp.serving.staging import Box, stage, state_boxes, swap_in
 from bytecp.storage_api import Storage, open_storage
@@ -154,49 +155,6 @@ class _Replaced(Exception):
     """(coordinator) The checkpoint chosen is being pruned: a newer one has committed."""
 
 
-class _Marker:
-    """A follower's held-step marker (``<run>/.followers/held/<id>.json``),
-    written by a thread of its own: the latest of what it is given, the rest dropped."""
-
-    def __init__(self, storage: Storage, path: str, run_url: str) -> None:
-        self.storage, self.path, self.run_url = storage, path, run_url
-        self._cv = threading.Condition()
-        self._want: bytes | None = None
-        self._done = False
-        self._thread = threading.Thread(target=self._run, name="bytecp-follow-marker", daemon=True)
-        self._thread.start()
-
-    def put(self, body: bytes) -> None:
-        with self._cv:
-            self._want = body
-            self._cv.notify()
-
-    def _run(self) -> None:
-        while True:
-            with self._cv:
-                while self._want is None and not self._done:
-                    self._cv.wait()
-                body, self._want = self._want, None
-                if body is None:
-                    return
-            try:
-                self.storage.commit(self.path, body)
-            except Exception as e:  # noqa: BLE001 - only the deltas a retention keeps for it are at stake
-                log.warning("bytecp.follow: cannot write its held marker under %s (%s); a retention may remove "
-                            "the deltas it needs next (it then reads those tensors whole)", self.run_url, one_line(e))
-
-    def close(self) -> None:
-        """Write what is pending, then remove the marker."""
-        with self._cv:
-            self._done = True
-            self._cv.notify()
-        self._thread.join(timeout=30)
-        try:
-            self.storage.delete([self.path])
-        except Exception:  # noqa: BLE001,S110 - a marker left behind keeps deltas until its lease lapses
-            pass
-
-
 class _Follower:
     """What the process holds: the checkpoint's URL and rows of its boxes; how it reads."""
 
@@ -213,7 +171,7 @@ class _Follower:
         self.checksums, self.io_threads, self.swap = checksums, io_threads, swap
         #: the serving dtype the state holds its floating tensors in (None: the stored dtypes)
         self.dtype = dtype
-        self._marker: _Marker | None = None  # the held step's marker for retention (dtype=)
+        self._marker: HeldMarker | None = None  # the held step's marker for retention (dtype=)
         if dtype is not None:  # (a group: one all-gather of the ranks' boxes)
             self.owned, self.partial = owned_boxes(self.held, ctx)
         self.url: str | None = None
@@ -246,7 +204,7 @@ class _Follower:
         if self.lease is None or self.dtype is None or self.url is None:
             return
         if self._marker is None:
-            self._marker = _Marker(self.lease.storage, held_marker(self.id), self.run_url)
+            self._marker = HeldMarker(self.lease.storage, held_marker(self.id), self.run_url)
         self._marker.put(json.dumps({"name": self.url.rstrip("/").rsplit("/", 1)[-1], "save_id": self.save_id,
                                      "step": self.step, "written": time.time()}).encode())
 
