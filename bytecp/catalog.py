@@ -20,6 +20,7 @@ from bytecp.errors import (
     DistributedCheckpointError,
     FormatVersionError,
     StorageNotFoundError,
+    one_line,
 )
 from bytecp.format import metadata as fmt
 from bytecp.format.header import read_header
@@ -163,7 +164,3 @@ def checkpoint_is_bad(error: BaseException) -> bool:
     return False
 
 
-def one_line(error: BaseException, limit: int = 300) -> str:
-    """An error as one short line, for warnings that name several of them."""
-    text = " ".join(str(error).split()) or type(error).__name__
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -26,6 +26,7 @@ __all__ = [
     "DistributedCheckpointError",
     "CommittedWithErrorsWarning",
     "ConfigError",
+    "one_line",
 ]
 
 
@@ -152,3 +153,10 @@ class CommittedWithErrorsWarning(UserWarning):
     """A save committed, but a rank was lost (or a collective broke) after
     ``metadata.json`` was written. The checkpoint is complete and loads; the
     job itself has lost a rank."""
+
+
+def one_line(error: BaseException, limit: int = 300) -> str:
+    """An error as one short line: for warnings that name several errors, and for
+    the messages that quote another library's error (pyarrow's end in a newline)."""
+    text = " ".join(str(error).split()) or type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."

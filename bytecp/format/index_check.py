@@ -34,7 +34,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from bytecp.errors import CorruptCheckpointError
+from bytecp.errors import CorruptCheckpointError, one_line
 from bytecp.format import limits
 from bytecp.format import metadata as fmt
 from bytecp.format.index_schema import bucket_range
@@ -91,7 +91,7 @@ def decode_table(
     except CorruptCheckpointError:
         raise
     except (pa.ArrowException, OSError, ValueError, TypeError, IndexError, KeyError) as e:
-        raise CorruptCheckpointError(f"{prefix} is unreadable ({str(e)[:300]})") from e
+        raise CorruptCheckpointError(f"{prefix} is unreadable ({one_line(e)})") from e
     for f in schema:
         col = table.column(f.name)
         got = col.type.value_type if pa.types.is_dictionary(col.type) and f.name in strings else col.type

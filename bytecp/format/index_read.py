@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 import numpy as np
 import pyarrow as pa
 
-from bytecp.errors import CorruptCheckpointError
+from bytecp.errors import CorruptCheckpointError, one_line
 from bytecp.format import arrow_numpy, limits, parts_fetch
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
@@ -73,7 +73,7 @@ def read_index(
         try:
             chunks = fmt.table_to_chunks(table)
         except (pa.ArrowException, ValueError, TypeError, IndexError) as e:
-            raise CorruptCheckpointError(f"index file {label} is unreadable ({str(e)[:300]})") from e
+            raise CorruptCheckpointError(f"index file {label} is unreadable ({one_line(e)})") from e
         limits.check_chunk_records(label, chunks)
         out.extend(chunks)
     return out
@@ -185,7 +185,7 @@ def _decode(
     except CorruptCheckpointError:
         raise
     except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as e:
-        raise CorruptCheckpointError(f"{label} is unreadable ({str(e)[:300]})") from e
+        raise CorruptCheckpointError(f"{label} is unreadable ({one_line(e)})") from e
 
 
 def _rows(table: pa.Table, keep: np.ndarray) -> pa.Table:

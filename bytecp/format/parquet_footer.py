@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from bytecp.errors import CorruptCheckpointError
+from bytecp.errors import CorruptCheckpointError, one_line
 
 __all__ = ["footer_row_groups"]
 
@@ -135,4 +135,4 @@ def footer_row_groups(name: str, data: bytes | bytearray) -> list[tuple[int, lis
             out.append((int(rg.get(3) or 0), cols))
         return out
     except (ValueError, TypeError, AttributeError) as e:
-        raise CorruptCheckpointError(f"index file {name}: the Parquet footer is unreadable ({e})") from e
+        raise CorruptCheckpointError(f"index file {name}: the Parquet footer is unreadable ({one_line(e)})") from e

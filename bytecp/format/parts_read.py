@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from bytecp.errors import CorruptCheckpointError
+from bytecp.errors import CorruptCheckpointError, one_line
 from bytecp.format import arrow_numpy, limits, parts_fetch, segment_keep, segment_wire
 from bytecp.format import metadata as fmt
 from bytecp.format.checksum import crc32c
@@ -376,7 +376,7 @@ def _records(table: pa.Table, md: fmt.Metadata, label: str, fqns: set[str] | Non
     except CorruptCheckpointError:
         raise
     except (pa.ArrowException, ValueError, TypeError, IndexError, KeyError) as x:
-        raise CorruptCheckpointError(f"{label} is unreadable ({str(x)[:300]})") from x
+        raise CorruptCheckpointError(f"{label} is unreadable ({one_line(x)})") from x
 
 
 def _decode_segments(md: fmt.Metadata, d: PartsDirectory, rank: int, segments: list[Segment], bufs: list[bytearray],

@@ -360,3 +360,19 @@ def test_mutated_checkpoints_fail_with_bytecp_errors_within_budget(tmp_path: Pat
     # the mutations reach the checks (not only parse errors), and many cases still load
     assert outcomes.get("ok", 0) > 0
     assert len([k for k in outcomes if k.startswith("bytecp:")]) >= 3
+
+
+def test_a_damaged_parquet_index_is_named_on_one_line(tmp_path: Path) -> None:
+    """A format-1 index file (Parquet) damaged in its footer: pyarrow's message ends in a newline,
+    and the error quoting it stays one line naming the file (the load's and the CLI's)."""
+    src = Path(__file__).parents[1] / "golden" / "v1" / "irregular" / "checkpoint"
+    url = tmp_path / "ck"
+    shutil.copytree(src, url)
+    index = next(url.glob("index/*/0.parquet"))
+    raw = bytearray(index.read_bytes())
+    raw[1804:1812] = b"\xff" * 7 + b"\x7f"  # (a thrift length in the footer made negative)
+    index.write_bytes(bytes(raw))
+    with pytest.raises(BytecpError) as ei:
+        bytecp.load_state_dict(str(url))
+    message = str(ei.value)
+    assert "\n" not in message and index.name in message and "unreadable" in message, message
