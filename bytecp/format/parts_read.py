@@ -88,10 +88,12 @@ def read_parts(
     and how many segments and pages of 0-dim chunks were read."""
     d, where, parts = _directory(storage, md)
     # each tensor's boxes' bands: a row of it that misses them holds none of their elements
-    spans = None if wanted is None else _box_bands(md, wanted, d.buckets)
-    if not spans and wanted is not None and len(wanted) == len(md.tensors):
-        # every tensor wanted whole (a load by one process, a replicated model's): every row, read
-        # without filtering by name or band (the keys are the checkpoint's: _box_bands looked each up)
+    spans, empty = (None, 0) if wanted is None else _box_bands(md, wanted, d.buckets)
+    if not spans and wanted is not None and len(wanted) - empty == _holding(md):
+        # every tensor that holds an element wanted whole (a load by one process, a replicated
+        # model's): every row, read without filtering by name or band (the keys are the checkpoint's:
+        # _box_bands looked each up), so every row is checked -- an empty tensor's too, which a row
+        # of elements cannot belong to (a damaged shape in metadata.json is refused, not loaded empty)
         wanted = spans = None
     names = None if wanted is None else sorted(wanted)
     fqns = None if wanted is None else set(wanted)
@@ -122,18 +124,35 @@ def read_parts(
 Parts = Callable[[], tuple[np.ndarray, np.ndarray]]
 
 
-def _box_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]], buckets: int) -> dict[str, list[tuple[int, int]]]:
+def _box_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]],
+               buckets: int) -> tuple[dict[str, list[tuple[int, int]]], int]:
     """Each wanted tensor's boxes' bands, merged, for the tensors wanted in
     part only: a tensor a box of which is all of it (most of a load's) is
     left out, and every row of a tensor left out is kept
-    (:func:`bytecp.format.segment_keep.keep`); 0-dim tensors are in no band."""
+    (:func:`bytecp.format.segment_keep.keep`); 0-dim tensors are in no band.
+    And how many of the wanted tensors hold no element (a dimension of 0)."""
     out: dict[str, list[tuple[int, int]]] = {}
+    empty = 0
     for fqn, boxes in wanted.items():
         shape = spec_of(md.tensors, fqn)[1]
+        if 0 in shape:
+            empty += 1
         if not shape or any(b.lengths == shape for b in boxes):  # (a box of the shape's lengths starts at 0)
             continue
         out[fqn] = segment_keep.merged(box_bands(b.offsets, b.lengths, shape, buckets) for b in boxes if b.numel)
-    return out
+    return out, empty
+
+
+def _holding(md: fmt.Metadata) -> int:
+    """How many of the checkpoint's tensors hold an element (no dimension of 0)."""
+    t = md.tensors
+    if not isinstance(t, TensorTable):
+        return sum(0 not in s["shape"] for s in t.values())
+    got = t.memo.get("holding")
+    if got is None:
+        owner = np.repeat(np.arange(len(t.names), dtype=np.int64), t.ndim.astype(np.int64))
+        got = t.memo["holding"] = len(t.names) - len(np.unique(owner[t.dims == 0]))
+    return int(got)
 
 
 def _directory(storage: Storage, md: fmt.Metadata) -> tuple[PartsDirectory, str, Parts]:

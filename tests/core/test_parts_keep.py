@@ -86,8 +86,8 @@ def test_a_tensor_wanted_whole_keeps_every_row_beside_one_wanted_in_part(tmp_pat
     box still keeps only the rows meeting its bands."""
     md, storage, every, segments = _every_row(tmp_path)
     wanted = {"w": [Region((0, 0), (256, 4))], "u": [Region((300, 0), (4, 2))]}
-    assert parts_read._box_bands(md, wanted, md.index.buckets) == {  # type: ignore[union-attr]
-        "u": [box_bands((300, 0), (4, 2), (512, 2), md.index.buckets)]}  # type: ignore[union-attr]
+    assert parts_read._box_bands(md, wanted, md.index.buckets) == ({  # type: ignore[union-attr]
+        "u": [box_bands((300, 0), (4, 2), (512, 2), md.index.buckets)]}, 0)  # type: ignore[union-attr]
     rows, n = parts_read.read_parts(storage, md, wanted)
     assert n == segments  # w is in every band segment
     assert sorted((c.fqn, c.offsets) for c in rows) == [("u", (300, 0))] + [("w", (i, 0)) for i in range(0, 256, 4)]
@@ -284,3 +284,19 @@ def test_rows_checked_as_columns_agree_with_the_checks_row_by_row(tmp_path: Path
         return
     with pytest.raises(bytecp.CorruptCheckpointError, match="^ck: index row of tensor 'w' region "):
         check_rows("ck", md, rows)
+
+
+def test_a_shape_damaged_to_zero_in_metadata_json_is_refused_not_loaded_empty(tmp_path: Path) -> None:
+    """One bit of ``metadata.json`` turns a tensor's dimension 8 into 0: a load by one process wants
+    every other tensor whole, so it reads every row unfiltered (the empty tensor's too) and refuses the
+    row of elements a tensor of no element cannot have -- where it used to return an empty tensor."""
+    url = tmp_path / "ck"
+    bytecp.save(str(url), {"w": torch.arange(8, dtype=torch.float32), "b": torch.ones(3), "e": torch.ones(0, 2)})
+    raw = bytearray((url / "metadata.json").read_bytes())
+    at = raw.index(b'"dims":[8') + len(b'"dims":[')
+    raw[at] ^= 0x08  # '8' -> '0'
+    (url / "metadata.json").write_bytes(bytes(raw))
+    with pytest.raises(bytecp.CorruptCheckpointError, match="tensor 'w' region"):
+        bytecp.load_state_dict(str(url))
+    with pytest.raises(bytecp.CorruptCheckpointError, match="tensor 'w' region"):
+        bytecp.load(str(url), {"w": torch.zeros(0), "b": torch.zeros(3), "e": torch.zeros(0, 2)})
