@@ -19,6 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from bytecp.errors import CorruptCheckpointError, one_line
+
 __all__ = ["RNGState", "PerRankState", "trainable"]
 
 
@@ -56,12 +58,23 @@ class RNGState:
         return out
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        torch.set_rng_state(sd["torch"])
-        n = sd["numpy"]
-        keys = n["keys"].numpy().view(np.uint32)
-        np.random.set_state((n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"]))
-        v, internal, gauss = sd["python"]
-        random.setstate((v, tuple(internal), gauss))
+        """Restore what :meth:`state_dict` gave; a value of another shape (a damaged or
+        crafted checkpoint) is refused whole, naming what it lacks, before any generator changes."""
+        try:
+            n = sd["numpy"]
+            cpu, keys = sd["torch"], n["keys"].numpy().view(np.uint32)
+            np_state = (n["kind"], keys, n["pos"], n["has_gauss"], n["cached_gaussian"])
+            v, internal, gauss = sd["python"]
+            py_state = (v, tuple(internal), gauss)
+            if not isinstance(cpu, torch.Tensor):
+                raise TypeError(f"its 'torch' entry is a {type(cpu).__name__}, not a tensor")
+        except (KeyError, TypeError, ValueError, AttributeError) as e:
+            raise CorruptCheckpointError(
+                f"RNGState: the checkpoint's value is not an RNGState's state ({type(e).__name__}: "
+                f"{one_line(e, 120)}); it is damaged, or was saved from another object under this key") from e
+        torch.set_rng_state(cpu)
+        np.random.set_state(np_state)
+        random.setstate(py_state)
         if "cuda" in sd and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(sd["cuda"])
 

@@ -261,7 +261,7 @@ class Tiling:
         for fqn, info in self.md.tensors.items():
             total, held = math.prod(info["shape"]), self.held.get(fqn, 0)
             if held >= total and self.boxes is not None and len(self.boxes.get(fqn, ())) > 1:
-                self._overlap(fqn, self.boxes[fqn], int(info.get("band_dim", 0)))
+                self._overlap(fqn, self.boxes[fqn], int(info.get("band_dim") or 0))  # (null: no band, as elsewhere)
             if held != total:
                 raise CorruptCheckpointError(f"{self.where}: tensor {fqn!r}: chunks hold {held} of {total} elements")
 

@@ -32,6 +32,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import torch
 
 import bytecp
 from bytecp.errors import BytecpError
@@ -376,3 +377,33 @@ def test_a_damaged_parquet_index_is_named_on_one_line(tmp_path: Path) -> None:
         bytecp.load_state_dict(str(url))
     message = str(ei.value)
     assert "\n" not in message and index.name in message and "unreadable" in message, message
+
+
+def test_a_null_band_dim_is_no_band_and_a_foreign_rng_value_is_refused_by_name(tmp_path: Path) -> None:
+    """Crafted metadata.json values that reached raw exceptions: a format-1 tensor entry's
+    ``"band_dim": null`` is no band dimension, as every other reader of it takes it (the load and
+    ``verify`` pass, bitwise), and an RNGState's per-rank record that is JSON but no RNG state is a
+    one-line ``CorruptCheckpointError`` naming RNGState, the generators left as they were."""
+    src = Path(__file__).parents[1] / "golden" / "v1" / "irregular" / "checkpoint"
+    url = tmp_path / "v1"
+    shutil.copytree(src, url)
+    want = bytecp.load_state_dict(str(url))
+    md = json.loads((url / "metadata.json").read_text())
+    fqn = next(iter(md["tensors"]))
+    md["tensors"][fqn]["band_dim"] = None
+    (url / "metadata.json").write_text(json.dumps(md))
+    got = bytecp.load_state_dict(str(url))
+    assert got.keys() == want.keys() and all(  # bitwise (NaNs included)
+        torch.equal(got[k].flatten().view(torch.uint8), v.flatten().view(torch.uint8)) for k, v in want.items())
+    from bytecp.cli import main as cli
+    assert cli(["verify", str(url)]) == 0
+
+    rng = tmp_path / "rng"
+    bytecp.save(str(rng), {"w": torch.ones(2), "rng": bytecp.RNGState()})
+    md = json.loads((rng / "metadata.json").read_text())
+    md["per_rank"]["rng"]["0"] = {"json": {"a": 1}}
+    (rng / "metadata.json").write_text(json.dumps(md))
+    before = torch.get_rng_state()
+    with pytest.raises(bytecp.CorruptCheckpointError, match="^RNGState: the checkpoint's value is not") as ei:
+        bytecp.load(str(rng), {"w": torch.zeros(2), "rng": bytecp.RNGState()})
+    assert "\n" not in str(ei.value) and torch.equal(torch.get_rng_state(), before)
