@@ -302,9 +302,14 @@ def max_index_rows(md: Metadata, real: Mapping[str, int | None] | None = None) -
     zero-element tensors (one per rank at most)."""
     sizes = real if real is not None else md.data_files
     blocks = sum((s or 0) // _ALIGN + 1 for s in sizes.values())
-    empty = md.tensors.empty_count() if isinstance(md.tensors, TensorTable) else \
-        sum(1 for info in md.tensors.values() if 0 in info["shape"])
-    return FIXED_ROWS + blocks + empty * min(md.world_size, FIXED_ROWS)
+    return FIXED_ROWS + blocks + empty_tensors(md) * min(md.world_size, FIXED_ROWS)
+
+
+def empty_tensors(md: Metadata) -> int:
+    """How many of the checkpoint's tensors hold no element (a dimension of 0)."""
+    if isinstance(md.tensors, TensorTable):
+        return md.tensors.empty_count()
+    return sum(1 for info in md.tensors.values() if 0 in info["shape"])
 
 
 def check_chunk_records(name: str, chunks: list[ChunkRecord]) -> None:

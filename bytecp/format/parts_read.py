@@ -89,7 +89,7 @@ def read_parts(
     d, where, parts = _directory(storage, md)
     # each tensor's boxes' bands: a row of it that misses them holds none of their elements
     spans, empty = (None, 0) if wanted is None else _box_bands(md, wanted, d.buckets)
-    if not spans and wanted is not None and len(wanted) - empty == _holding(md):
+    if not spans and wanted is not None and len(wanted) - empty == len(md.tensors) - limits.empty_tensors(md):
         # every tensor that holds an element wanted whole (a load by one process, a replicated
         # model's): every row, read without filtering by name or band (the keys are the checkpoint's:
         # _box_bands looked each up), so every row is checked -- an empty tensor's too, which a row
@@ -142,17 +142,6 @@ def _box_bands(md: fmt.Metadata, wanted: Mapping[str, Sequence[Region]],
         out[fqn] = segment_keep.merged(box_bands(b.offsets, b.lengths, shape, buckets) for b in boxes if b.numel)
     return out, empty
 
-
-def _holding(md: fmt.Metadata) -> int:
-    """How many of the checkpoint's tensors hold an element (no dimension of 0)."""
-    t = md.tensors
-    if not isinstance(t, TensorTable):
-        return sum(0 not in s["shape"] for s in t.values())
-    got = t.memo.get("holding")
-    if got is None:
-        owner = np.repeat(np.arange(len(t.names), dtype=np.int64), t.ndim.astype(np.int64))
-        got = t.memo["holding"] = len(t.names) - len(np.unique(owner[t.dims == 0]))
-    return int(got)
 
 
 def _directory(storage: Storage, md: fmt.Metadata) -> tuple[PartsDirectory, str, Parts]:

@@ -188,12 +188,14 @@ class TensorTable(Mapping[str, dict[str, Any]]):
         return len(self.names)
 
     def empty_count(self) -> int:
-        """How many tensors have no element (a dimension of 0)."""
-        shaped = np.flatnonzero(self.ndim > 0)
-        if not len(shaped):
-            return 0
-        zeros = np.add.reduceat((self.dims == 0).astype(np.int64), self.start[shaped])
-        return int((zeros > 0).sum())
+        """How many tensors have no element (a dimension of 0); counted once (the index's
+        row budget and a whole-tensor load's index read both ask)."""
+        got = self.memo.get("empty_count")
+        if got is None:
+            shaped = np.flatnonzero(self.ndim > 0)
+            zeros = np.add.reduceat((self.dims == 0).astype(np.int64), self.start[shaped]) if len(shaped) else shaped
+            got = self.memo["empty_count"] = int((zeros > 0).sum())
+        return int(got)
 
     def first_over(self, budget: int) -> int | None:
         """The first tensor (in table order) at which the tensors' bytes so far
